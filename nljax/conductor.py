@@ -1,0 +1,64 @@
+"""The Conductor: which CMS levels fire at which step.
+
+Level l is active at step s iff s % C_l == 0. The Pulse is a pure function of the step, so every
+device and process computes the same one with no communication; the Conductor's only state is
+the step counter, which advances after the step's gradient synchronization and is saved in
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulse:
+    step: int
+    active: tuple[bool, ...]  # one flag per level
+
+    @property
+    def active_levels(self) -> list[int]:
+        return [l for l, a in enumerate(self.active) if a]
+
+    @property
+    def name(self) -> str:
+        return pattern_name(self.active)
+
+
+def pattern_name(active: tuple[bool, ...]) -> str:
+    """Stable label of an active set, e.g. 'L0+1'."""
+    return "L" + "+".join(str(l) for l, a in enumerate(active) if a) if any(active) else "none"
+
+
+def pulse(step: int, periods: tuple[int, ...]) -> Pulse:
+    return Pulse(step, tuple(step % p == 0 for p in periods))
+
+
+@dataclasses.dataclass(frozen=True)
+class Conductor:
+    periods: tuple[int, ...]
+    step: int = 0
+
+    @property
+    def pulse(self) -> Pulse:
+        return pulse(self.step, self.periods)
+
+    def advance(self) -> "Conductor":
+        return dataclasses.replace(self, step=self.step + 1)
+
+    @property
+    def cycle(self) -> int:
+        """Steps after which the pattern of pulses repeats."""
+        return math.lcm(*self.periods)
+
+    def patterns(self) -> dict[tuple[bool, ...], int]:
+        """Every distinct active set over one full cycle, with how often it occurs."""
+        counts: dict[tuple[bool, ...], int] = {}
+        for s in range(self.cycle):
+            a = pulse(s, self.periods).active
+            counts[a] = counts.get(a, 0) + 1
+        return counts
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "periods": list(self.periods)}

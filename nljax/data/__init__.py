@@ -1,0 +1,1 @@
+"""Data sources: the byte-level ContextStream over a corpus that ships with Python."""

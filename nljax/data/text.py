@@ -1,0 +1,110 @@
+"""Byte-level text: a corpus present offline on every Python installation, read as a ContextStream.
+
+The corpus is the standard library's own top-level modules (`*.py` in the stdlib directory),
+sorted by name, one document per file, documents separated by a NUL byte (which never occurs
+in Python source). Every `round(1 / eval_fraction)`-th file is held out for evaluation.
+
+ContextStream: the training text is read as G parallel streams, one per global batch row. Row r
+starts at a fixed offset and at step s receives the next contiguous chunk of T+1 bytes (inputs
+and shifted targets). Which bytes a row gets is a pure function of (seed, step, row), so a
+resumed or re-sharded run reads exactly the same data, and each device builds only its own rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+import jax
+
+from nljax.config import ConfigError
+
+SEPARATOR = 0  # document boundary byte
+
+
+@functools.lru_cache(maxsize=4)
+def stdlib_corpus(eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train bytes, eval bytes) as uint8 arrays."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(root.glob("*.py"))
+    if len(files) < 10:
+        raise ConfigError(f"data.corpus=stdlib: found only {len(files)} modules in {root}")
+    every = max(2, round(1 / eval_fraction)) if eval_fraction > 0 else len(files) + 1
+    train, held = [], []
+    for i, f in enumerate(files):
+        doc = f.read_bytes().replace(b"\0", b"")
+        (held if i % every == every - 1 else train).append(doc)
+    join = lambda docs: np.frombuffer(b"\0".join(docs) + b"\0", dtype=np.uint8)
+    return join(train), join(held)
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextStream:
+    data: np.ndarray  # uint8 [N]
+    rows: int  # G, the global batch
+    seq_len: int  # T
+    seed: int = 0
+
+    def offsets(self) -> np.ndarray:
+        """Start of each row's stream: evenly spaced, shifted by the seed.  [G]"""
+        n = len(self.data)
+        shift = (self.seed * 2654435761) % n
+        return (np.arange(self.rows, dtype=np.int64) * n // self.rows + shift) % n
+
+    def rows_at(self, step: int, rows: slice | np.ndarray) -> dict[str, np.ndarray]:
+        """Chunk of `rows` at `step`: tokens [R, T+1] int32, reset [R] bool.
+
+        `reset` marks rows whose previous chunk contained a document boundary (or step 0): the
+        row's inner-loop memory is dropped before this chunk, so a new document never reads the
+        memory written by the previous one across a step boundary.
+        """
+        n, t = len(self.data), self.seq_len
+        start = self.offsets()[rows] + step * t  # [R]
+        idx = (start[:, None] + np.arange(t + 1)) % n  # [R, T+1]
+        tokens = self.data[idx].astype(np.int32)
+        if step == 0:
+            reset = np.ones(len(start), bool)
+        else:
+            prev = (start[:, None] - t + np.arange(t)) % n  # the previous chunk's input tokens
+            reset = (self.data[prev] == SEPARATOR).any(axis=1)
+        return {"tokens": tokens, "reset": reset}
+
+    def global_batch(self, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+        """The step's global batch as arrays sharded over rows; each device builds only its rows."""
+        out = {}
+        shapes = {"tokens": (self.rows, self.seq_len + 1), "reset": (self.rows,)}
+        cache: dict = {}
+
+        def fetch(key, index):
+            rows = index[0]
+            k = (rows.start, rows.stop)
+            if k not in cache:
+                cache[k] = self.rows_at(step, np.arange(self.rows)[rows])
+            return cache[k][key]
+
+        for key, shape in shapes.items():
+            out[key] = jax.make_array_from_callback(shape, sharding, functools.partial(fetch, key))
+        return out
+
+
+def eval_windows(data: np.ndarray, seq_len: int, limit: int) -> np.ndarray:
+    """Non-overlapping windows of T+1 bytes from the held-out text, at most `limit`.  [E, T+1]"""
+    n = (len(data) - 1) // seq_len
+    n = min(n, limit) if limit > 0 else n
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)
+    return data[idx].astype(np.int32)
+
+
+def eval_batches(windows: np.ndarray, rows: int):
+    """Batches of `rows` examples; the last one is padded with masked rows so that every example
+    is counted exactly once whatever the device count."""
+    for i in range(0, len(windows), rows):
+        chunk = windows[i : i + rows]
+        mask = np.zeros(rows, np.float32)
+        mask[: len(chunk)] = 1
+        if len(chunk) < rows:
+            chunk = np.concatenate([chunk, np.zeros((rows - len(chunk), chunk.shape[1]), np.int32)])
+        yield {"tokens": chunk, "reset": np.ones(rows, bool), "mask": mask}

@@ -1,0 +1,112 @@
+"""Reads collectives out of compiled HLO text: op kind, replica groups, mesh axes, bytes.
+
+The compiled program, not the Python that produced it, is the source of truth for what crosses
+devices: XLA may combine, split or drop collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+DTYPE_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}  # fmt: skip
+
+_OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
+# `%name = <result type> <op>(` where op may carry an async `-start` suffix.
+_INSTR = re.compile(
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\("
+)
+_SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    op: str
+    dtype: str
+    groups: tuple[tuple[int, ...], ...]
+    axes: tuple[str, ...]  # mesh axes spanned by one group
+    bytes: int  # full (unsharded) buffer per device: what is reduced or gathered
+    wire_bytes: float  # bytes each device sends with ring algorithms
+
+    @property
+    def group_size(self) -> int:
+        return len(self.groups[0]) if self.groups else 1
+
+
+def _shape_bytes(type_text: str) -> tuple[str, int]:
+    total, dtype = 0, "f32"
+    for dt, dims in _SHAPE.findall(type_text):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        total += n * DTYPE_BYTES[dt]
+        dtype = dt
+    return dtype, total
+
+
+def _groups(line: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
+    m = _GROUPS_IOTA.search(line)
+    if m:
+        shape = [int(x) for x in m.group(1).split(",")]
+        ids = np.arange(int(np.prod([int(x) for x in m.group(2).split(",")]))).reshape(
+            [int(x) for x in m.group(2).split(",")]
+        )
+        if m.group(3):
+            ids = ids.transpose([int(x) for x in m.group(3).split(",")])
+        return tuple(tuple(int(i) for i in row) for row in ids.reshape(shape))
+    m = _GROUPS_LIST.search(line)
+    if m and m.group(1).strip():
+        return tuple(tuple(int(x) for x in g.split(",") if x.strip()) for g in re.findall(r"\{([\d,\s]*)\}", m.group(1)))
+    m = _PAIRS.search(line)
+    if m:
+        return tuple(tuple(int(x) for x in p.split(",")) for p in re.findall(r"\{(\d+,\d+)\}", m.group(1)))
+    return (tuple(range(n_devices)),)
+
+
+def _axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]:
+    names, sizes = list(mesh_shape), list(mesh_shape.values())
+    coords = np.array([np.unravel_index(i, sizes) for i in group])
+    return tuple(n for k, n in enumerate(names) if len(set(coords[:, k])) > 1)
+
+
+def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Every collective in `hlo_text` that moves data (groups of one device are dropped)."""
+    n_devices = int(np.prod(list(mesh_shape.values())))
+    out = []
+    for line in hlo_text.splitlines():
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        op = m.group("op")
+        groups = _groups(line, n_devices)
+        g = len(groups[0]) if groups else 1
+        if g <= 1:
+            continue
+        type_text = m.group("type")
+        if op.endswith("start") or type_text.startswith("(("):
+            # async start: ((operands), result, ...) - the result is the second element
+            type_text = type_text.split(")", 1)[-1]
+        dtype, result = _shape_bytes(type_text)
+        if op == "reduce-scatter":
+            full, wire = result * g, result * (g - 1)
+        elif op == "all-gather":
+            full, wire = result, result * (g - 1) / g
+        elif op == "all-reduce":
+            full, wire = result, 2 * result * (g - 1) / g
+        elif op == "all-to-all":
+            full, wire = result, result * (g - 1) / g
+        else:  # collective-permute: every device sends its buffer once
+            full, wire = result, result
+        out.append(Collective(op, dtype, groups, _axes(groups[0], mesh_shape), int(full), float(wire)))
+    return out
+
+
+def ring_all_reduce_bytes(nbytes: int, n: int) -> float:
+    """Per-device bytes sent by a ring all-reduce of `nbytes` over `n` devices."""
+    return 2 * nbytes * (n - 1) / n if n > 1 else 0.0

@@ -1,0 +1,40 @@
+"""What the engine needs from a model.
+
+A model is a frozen dataclass (hashable, so it can be a static argument of a jitted step) with:
+
+- `init(key) -> params`
+- `level_of(path) -> int`: the CMS level of a parameter path (non-CMS parameters are level 0)
+- `init_memory(rows) -> pytree`: inner-loop state, leading axis = stream rows ({} if none)
+- `apply(params, memory, batch) -> (loss_sum, count, new_memory)` on the rows a device owns
+
+Losses are returned as a sum and a count so that callers reduce sums and counts, never averages
+of averages.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Protocol
+
+import jax
+
+PyTree = Any
+
+
+class Model(Protocol):
+    def init(self, key: jax.Array) -> PyTree: ...
+
+    def level_of(self, path: str) -> int: ...
+
+    def init_memory(self, rows: int) -> PyTree: ...
+
+    def apply(self, params: PyTree, memory: PyTree, batch: dict) -> tuple[jax.Array, jax.Array, PyTree]: ...
+
+
+_CMS_LEVEL = re.compile(r"(?:^|/)cms(\d+)(?:/|$)")
+
+
+def cms_level_of(path: str) -> int:
+    """Level from a `cms<l>` module name in the path; everything else is level 0."""
+    m = _CMS_LEVEL.search(path)
+    return int(m.group(1)) if m else 0

@@ -1,0 +1,60 @@
+"""The engine's first model: token embedding, a CMS chain per block, output head.
+
+Position-wise only (no mixing across tokens): the smallest model that exercises every part of
+the engine. The attention + neural-memory model is `nl_lm`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from nljax.models.base import cms_level_of
+from nljax.models.layers import CMSChain, token_loss
+
+
+class CMSMLPNet(nn.Module):
+    vocab: int
+    dim: int
+    hidden: int
+    depth: int
+    levels: int
+
+    @nn.compact
+    def __call__(self, tokens):  # [B, T] int32
+        x = nn.Embed(self.vocab, self.dim, name="embed")(tokens)  # [B, T, D]
+        for i in range(self.depth):
+            x = CMSChain(self.dim, self.hidden, self.levels, name=f"block{i}")(x)
+        x = nn.LayerNorm(name="norm")(x)
+        return nn.Dense(self.vocab, name="head")(x)  # [B, T, V]
+
+
+@dataclasses.dataclass(frozen=True)
+class CMSMLP:
+    vocab: int
+    dim: int
+    hidden: int
+    depth: int
+    levels: int
+
+    @property
+    def net(self) -> CMSMLPNet:
+        return CMSMLPNet(self.vocab, self.dim, self.hidden, self.depth, self.levels)
+
+    def init(self, key):
+        return self.net.init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+
+    def level_of(self, path: str) -> int:
+        return cms_level_of(path)
+
+    def init_memory(self, rows: int):
+        return {}
+
+    def apply(self, params, memory, batch):
+        tokens = batch["tokens"]  # [B, T+1]
+        logits = self.net.apply({"params": params}, tokens[:, :-1])
+        loss_sum, count = token_loss(logits, tokens[:, 1:], batch.get("mask"))
+        return loss_sum, count, memory

@@ -1,0 +1,195 @@
+"""The train and eval steps: pure functions run under `shard_map` over the data axes.
+
+One step variant is compiled per distinct Pulse active set (a static argument) and cached. In a
+variant, frozen levels appear in no collective at all: their gradients go to the rank-local
+error buffer (`accumulate`) or are never computed (`skip`), so they move zero bytes.
+
+`shard_map` runs with `check_vma=False`: gradients of replicated parameters must stay
+device-local until `sync.reduce` decides what crosses devices. (With varying-axis checking on,
+JAX would insert its own all-reduce in the transpose of every replicated parameter.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.flatten_util import ravel_pytree
+from jax.sharding import Mesh, PartitionSpec as P
+
+from nljax import levels, optim, sync
+from nljax.config import Config
+from nljax.mesh import INTRA, REPLICATED, ROWS, data_size, replicated, rows_sharding
+from nljax.models.base import Model
+from nljax.state import TrainState, place, specs
+
+PyTree = Any
+Active = tuple[bool, ...]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Engine:
+    """Everything static about a run's step: the model, the mesh and the decided semantics."""
+
+    cfg: Config
+    model: Model
+    mesh: Mesh
+    level_tree: PyTree  # same structure as params, an int level per leaf
+    tx: optax.GradientTransformation
+    lr: Callable[[jax.Array], jax.Array]
+
+    @property
+    def n_levels(self) -> int:
+        return len(self.cfg.cms.periods)
+
+    @property
+    def n_devices(self) -> int:
+        return data_size(self.mesh)
+
+    @classmethod
+    def create(cls, cfg: Config, model: Model, mesh: Mesh) -> "Engine":
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        level_tree = levels.assign(shapes, model.level_of, len(cfg.cms.periods))
+        return cls(cfg, model, mesh, level_tree, optim.direction(cfg.optim), optim.schedule(cfg.optim, cfg.train.steps))
+
+    def buffered(self, level: int) -> bool:
+        """Whether level `level` keeps a rank-local error buffer."""
+        return self.cfg.cms.frozen_grads == "accumulate" and self.cfg.cms.periods[level] > 1
+
+    def init_state(self, key: jax.Array, rows: int) -> TrainState:
+        """Fresh state for `rows` stream rows, placed on the mesh."""
+        params = jax.jit(self.model.init, out_shardings=replicated(self.mesh))(key)
+        parts = levels.split(params, self.level_tree, self.n_levels)
+        opt_state = tuple(self.tx.init(p) for p in parts)
+        sizes = [s for s, _ in levels.level_sizes(params, self.level_tree, self.n_levels)]
+        err_buf = tuple(
+            jnp.zeros((self.n_devices, sizes[l]), jnp.float32) if self.buffered(l) else None
+            for l in range(self.n_levels)
+        )
+        memory = self.model.init_memory(rows)
+        state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, err_buf, memory)
+        return place(state, self.mesh)
+
+
+def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict):
+    """Per-device body. Shapes are shard-local: batch tokens [G/n, T+1], memory [G/n, ...],
+    err_buf[l] [1, N_l]; params and optimizer states are full replicas."""
+    cfg = eng.cfg
+    accumulate = cfg.cms.frozen_grads == "accumulate"
+    parts = levels.split(state.params, eng.level_tree, eng.n_levels)
+    # `skip`: frozen levels are not differentiated at all, so XLA never computes their gradients.
+    wrt = tuple(p if (active[l] or accumulate) else None for l, p in enumerate(parts))
+
+    def loss_fn(diff):
+        full = tuple(d if d is not None else p for d, p in zip(diff, parts))
+        loss_sum, count, memory = eng.model.apply(levels.merge(full, eng.level_tree), state.memory, batch)
+        return loss_sum / count, (loss_sum, count, memory)
+
+    grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
+    # The inner loop's state is carried to the next step but gradients never flow across steps.
+    memory = jax.lax.stop_gradient(memory)
+
+    err_buf, synced, unravel = list(state.err_buf), {}, {}
+    for l in range(eng.n_levels):
+        if grads[l] is None:
+            continue
+        g, unravel[l] = ravel_pytree(grads[l])  # [N_l]
+        if active[l]:
+            if eng.buffered(l):
+                g = g + state.err_buf[l][0]
+                err_buf[l] = jnp.zeros_like(state.err_buf[l])
+            if g.size:
+                g = sync.reduce(g, cfg.sync.reduce, cfg.sync.mean, eng.mesh.shape[INTRA], eng.n_devices)
+            synced[l] = g
+        elif eng.buffered(l):
+            err_buf[l] = state.err_buf[l] + g[None]  # [1, N_l], rank-local, never communicated
+
+    clipped, grad_norm = optim.clip_by_global_norm(list(synced.values()), cfg.optim.clip_norm)
+    lr = eng.lr(state.step)
+    scales = optim.level_scales(cfg.optim, eng.n_levels)
+    new_parts, opt_state = list(parts), list(state.opt_state)
+    for l, g in zip(synced, clipped):
+        new_parts[l], opt_state[l] = optim.apply(
+            eng.tx, unravel[l](g), state.opt_state[l], parts[l], lr * scales[l], cfg.optim.weight_decay
+        )
+    new_state = TrainState(
+        step=state.step + 1,
+        params=levels.merge(tuple(new_parts), eng.level_tree),
+        opt_state=tuple(opt_state),
+        err_buf=tuple(err_buf),
+        memory=memory,
+    )
+    # Loss leaves as per-device sums and counts ([n_devices] globally): the host reduces them,
+    # so the step's HLO holds no collective besides the gradient sync.
+    metrics = {"loss_sum": loss_sum[None], "count": count[None], "grad_norm": grad_norm}
+    return new_state, metrics
+
+
+def local_eval_step(eng: Engine, params: PyTree, batch: dict):
+    """Per-device summed loss and token count of a masked eval batch (fresh memory per row)."""
+    memory = eng.model.init_memory(batch["tokens"].shape[0])
+    loss_sum, count, _ = eng.model.apply(params, memory, batch)
+    return {"loss_sum": loss_sum[None], "count": count[None]}
+
+
+TRAIN_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS, "grad_norm": REPLICATED}
+EVAL_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS}
+
+
+def batch_specs(batch: dict) -> dict:
+    return {k: ROWS for k in batch}
+
+
+class StepCache:
+    """Compiled step variants, one per active set, built on first use."""
+
+    def __init__(self, eng: Engine):
+        self.eng = eng
+        self.traces: dict[Active, int] = {}
+        self._train: dict[Active, Callable] = {}
+        self._eval: Callable | None = None
+
+    def train_fn(self, active: Active, state: TrainState, batch: dict) -> Callable:
+        if active not in self._train:
+            self._train[active] = self._build_train(active, state, batch)
+        return self._train[active]
+
+    def _build_train(self, active: Active, state: TrainState, batch: dict) -> Callable:
+        def body(state, batch):
+            self.traces[active] = self.traces.get(active, 0) + 1  # runs at trace time only
+            return local_train_step(self.eng, active, state, batch)
+
+        st = specs(state)
+        fn = jax.shard_map(
+            body,
+            mesh=self.eng.mesh,
+            in_specs=(st, batch_specs(batch)),
+            out_specs=(st, TRAIN_METRIC_SPECS),
+            check_vma=False,
+        )
+        return jax.jit(fn, donate_argnums=0)
+
+    def train(self, active: Active, state: TrainState, batch: dict):
+        return self.train_fn(active, state, batch)(state, batch)
+
+    def eval(self, params: PyTree, batch: dict):
+        if self._eval is None:
+            fn = jax.shard_map(
+                functools.partial(local_eval_step, self.eng),
+                mesh=self.eng.mesh,
+                in_specs=(jax.tree.map(lambda _: REPLICATED, params), batch_specs(batch)),
+                out_specs=EVAL_METRIC_SPECS,
+                check_vma=False,
+            )
+            self._eval = jax.jit(fn)
+        return self._eval(params, batch)
+
+
+def put_batch(batch: dict, mesh: Mesh) -> dict:
+    """Host arrays [G, ...] -> global arrays split over rows (each device gets only its rows)."""
+    sh = rows_sharding(mesh)
+    return {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx]) for k, v in batch.items()}

@@ -1,0 +1,27 @@
+"""Train a model:  python -m nljax.train [--config FILE] [--cpu-devices N] [--quiet] [key=value ...]"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from nljax import cli
+
+
+def _run(args, cfg) -> int:
+    from nljax.trainer import train
+
+    if args.quiet:
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, quiet=True))
+    train(cfg)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = cli.parser("nljax.train", "Train a nested-learning model on every available device.")
+    p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    return cli.main(_run, p, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""The training loop: builds the run from a config, steps it with the Conductor, evaluates,
+logs and reports throughput. Only process 0 prints and writes files."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import yaml
+
+from nljax import __version__, levels, mesh as meshlib
+from nljax.conductor import Conductor, pattern_name
+from nljax.config import Config, ConfigError, to_dict
+from nljax.data.text import ContextStream, eval_batches, eval_windows, stdlib_corpus
+from nljax.models import build
+from nljax.state import TrainState
+from nljax.step import Engine, StepCache, put_batch
+
+
+def host_sum(x: jax.Array) -> float:
+    """Sum of a per-device metric array on the host (works across processes)."""
+    if not x.is_fully_addressable:
+        from jax.experimental import multihost_utils
+
+        x = multihost_utils.process_allgather(x, tiled=True)
+    return float(np.asarray(x, dtype=np.float64).sum())
+
+
+def is_main() -> bool:
+    return jax.process_index() == 0
+
+
+@dataclasses.dataclass
+class Setup:
+    """Everything a run is made of, built the same way by `train`, `comm` and the tests."""
+
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    engine: Engine
+    cache: StepCache
+    state: TrainState
+    stream: ContextStream
+    eval_data: np.ndarray
+
+    @classmethod
+    def create(cls, cfg: Config, devices=None) -> "Setup":
+        mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices)
+        meshlib.check_batch(cfg.train.batch_size, mesh)
+        model = build(cfg)
+        engine = Engine.create(cfg, model, mesh)
+        state = engine.init_state(jax.random.key(cfg.seed), cfg.train.batch_size)
+        train_bytes, eval_bytes = stdlib_corpus(cfg.data.eval_fraction)
+        stream = ContextStream(train_bytes, cfg.train.batch_size, cfg.train.seq_len, cfg.seed)
+        return cls(cfg, mesh, engine, StepCache(engine), state, stream, eval_bytes)
+
+    def batch(self, step: int) -> dict:
+        return self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
+
+    def evaluate(self, params) -> dict:
+        """Held-out loss over every eval example exactly once (padded rows are masked)."""
+        rows = self.cfg.train.batch_size
+        windows = eval_windows(self.eval_data, self.cfg.train.seq_len, self.cfg.eval.batches * rows)
+        loss = count = 0.0
+        for b in eval_batches(windows, rows):
+            m = self.cache.eval(params, put_batch(b, self.mesh))
+            loss += host_sum(m["loss_sum"])
+            count += host_sum(m["count"])
+        mean = loss / max(count, 1.0)
+        return {"eval_loss": mean, "eval_bpb": mean / math.log(2), "eval_tokens": int(count)}
+
+
+class RunDir:
+    """The files of one run. Refuses to overwrite an earlier run unless told to."""
+
+    def __init__(self, path: str, overwrite: bool, write: bool):
+        self.path = Path(path)
+        self.write = write
+        if (self.path / "metrics.jsonl").exists() and not overwrite:
+            raise ConfigError(
+                f"run.dir {path} already holds a run; choose another run.dir or set run.overwrite=true"
+            )
+        if write:
+            self.path.mkdir(parents=True, exist_ok=True)
+            (self.path / "metrics.jsonl").write_text("")
+
+    def save_config(self, cfg: Config) -> None:
+        if self.write:
+            (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    def log(self, record: dict) -> None:
+        if self.write:
+            with open(self.path / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def save_summary(self, summary: dict) -> None:
+        if self.write:
+            (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def throughput(times: dict[str, list[float]], tokens_per_device_step: int, n_devices: int) -> dict:
+    """Per-device tokens/s: mean over all timed steps and worst case over pulse patterns."""
+    per_pattern = {
+        name: {
+            "steps": len(ts),
+            "mean_step_time_s": float(np.mean(ts)),
+            "tokens_per_s_per_device": tokens_per_device_step / float(np.mean(ts)),
+        }
+        for name, ts in sorted(times.items())
+        if ts
+    }
+    all_times = [t for ts in times.values() for t in ts]
+    if not all_times:
+        return {"per_pattern": per_pattern}
+    mean_tps = tokens_per_device_step * len(all_times) / sum(all_times)
+    worst = max(per_pattern, key=lambda k: per_pattern[k]["mean_step_time_s"])
+    return {
+        "per_pattern": per_pattern,
+        "tokens_per_s_per_device_mean": mean_tps,
+        "tokens_per_s_per_device_worst": per_pattern[worst]["tokens_per_s_per_device"],
+        "worst_pattern": worst,
+        "tokens_per_s_aggregate": mean_tps * n_devices,
+    }
+
+
+def time_missing_patterns(setup: Setup, state: TrainState, times: dict[str, list[float]], reps: int = 2) -> None:
+    """Time the variants that only ran while compiling (e.g. all levels firing once at step 0) on
+    a throwaway copy of the state, so the worst case is measured rather than left out."""
+    conductor = Conductor(setup.cfg.cms.periods)
+    batch = setup.batch(0)
+    for active in conductor.patterns():
+        name = pattern_name(active)
+        if times.get(name):
+            continue
+        probe = jax.tree.map(lambda x: x.copy(), state)
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            probe, m = setup.cache.train(active, probe, batch)
+            jax.block_until_ready(m)
+            if r:  # the first call may compile
+                times.setdefault(name, []).append(time.perf_counter() - t0)
+
+
+def train(cfg: Config) -> dict:
+    setup = Setup.create(cfg)
+    main = is_main()
+    quiet = cfg.run.quiet or not main
+    run = RunDir(cfg.run.dir, cfg.run.overwrite, main)
+    run.save_config(cfg)
+    eng, mesh = setup.engine, setup.mesh
+    n_dev = meshlib.data_size(mesh)
+    rows_per_dev = cfg.train.batch_size // n_dev
+    tokens_per_device_step = rows_per_dev * cfg.train.seq_len
+    n_params = sum(n for n, _ in levels.level_sizes(setup.state.params, eng.level_tree, eng.n_levels))
+    say = (lambda *a: None) if quiet else print
+    say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices, "
+        f"mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, {jax.process_count()} process(es)")
+    say(f"model {cfg.model.name}: {n_params:,} parameters; global batch {cfg.train.batch_size} rows x "
+        f"{cfg.train.seq_len} tokens, {rows_per_dev} rows per device")
+    say(levels.describe(setup.state.params, eng.level_tree, cfg.cms.periods))
+
+    state, conductor = setup.state, Conductor(cfg.cms.periods)
+    times: dict[str, list[float]] = {}
+    seen: set = set()
+    history = []
+    t_start = time.perf_counter()
+    for _ in range(cfg.train.steps):
+        p = conductor.pulse
+        batch = setup.batch(p.step)
+        t0 = time.perf_counter()
+        state, m = setup.cache.train(p.active, state, batch)
+        loss = host_sum(m["loss_sum"]) / host_sum(m["count"])  # blocks: step times are real
+        dt = time.perf_counter() - t0
+        conductor = conductor.advance()  # after the step's synchronization
+        compiled = p.active not in seen
+        seen.add(p.active)
+        if not compiled:
+            times.setdefault(p.name, []).append(dt)
+        rec = {
+            "step": p.step,
+            "loss": loss,
+            "active_levels": p.active_levels,
+            "step_time_s": dt,
+            "tokens_per_s_per_device": tokens_per_device_step / dt,
+            "compiled": compiled,
+        }
+        if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and p.step + 1 < cfg.train.steps:
+            rec.update(setup.evaluate(state.params))
+        run.log(rec)
+        history.append(loss)
+        if p.step % cfg.train.log_every == 0 or p.step == cfg.train.steps - 1 or "eval_loss" in rec:
+            extra = f"  eval_bpb {rec['eval_bpb']:.3f}" if "eval_bpb" in rec else ""
+            say(f"step {p.step:6d}  loss {loss:.4f}  {p.name:<10} {dt * 1e3:8.1f} ms  "
+                f"{rec['tokens_per_s_per_device']:10,.0f} tok/s/device{extra}")
+    wall = time.perf_counter() - t_start
+    final_eval = setup.evaluate(state.params)
+    time_missing_patterns(setup, state, times)
+    tp = throughput(times, tokens_per_device_step, n_dev)
+    summary = {
+        "nljax_version": __version__,
+        "steps": cfg.train.steps,
+        "devices": n_dev,
+        "mesh": dict(mesh.shape),
+        "final_loss": history[-1] if history else None,
+        **final_eval,
+        "throughput": tp,
+        "wall_time_s": wall,
+    }
+    run.save_summary(summary)
+    say(f"eval loss {final_eval['eval_loss']:.4f} ({final_eval['eval_bpb']:.3f} bits per byte)")
+    if "tokens_per_s_per_device_mean" in tp:
+        say(f"throughput per device: mean {tp['tokens_per_s_per_device_mean']:,.0f} tok/s, worst "
+            f"{tp['tokens_per_s_per_device_worst']:,.0f} tok/s ({tp['worst_pattern']}); "
+            f"aggregate {tp['tokens_per_s_aggregate']:,.0f} tok/s over {n_dev} devices")
+    setup.state = state
+    return summary
