@@ -1,0 +1,75 @@
+"""The command lines as a user runs them, in subprocesses (their own device counts)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SMALL = ["model.dim=16", "model.depth=1", "train.batch_size=8", "train.seq_len=16", "cms.periods=[1,2,4]",
+         "eval.batches=1", "optim.warmup_steps=0"]
+
+
+def run(*args, check=True):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    p = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=600)
+    if check and p.returncode:
+        raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def test_train_writes_run_dir_and_loss_falls(tmp_path):
+    d = tmp_path / "run"
+    run("nljax.train", "--cpu-devices", "2", "--quiet", f"run.dir={d}", "train.steps=30", "optim.lr=0.01", *SMALL)
+    recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == list(range(30))
+    for key in ("loss", "active_levels", "step_time_s", "tokens_per_s_per_device"):
+        assert key in recs[0]
+    assert recs[0]["active_levels"] == [0, 1, 2] and recs[1]["active_levels"] == [0]
+    assert sum(r["loss"] for r in recs[-5:]) / 5 < recs[0]["loss"] - 1.0
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["eval_bpb"] < 8 and summary["devices"] == 2
+    assert summary["throughput"]["worst_pattern"] in summary["throughput"]["per_pattern"]
+    assert "L0+1+2" in summary["throughput"]["per_pattern"]  # timed even though it fired only once
+    assert (d / "config.yaml").read_text().startswith("seed: 0")
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.stepz=3"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+        (["mesh.inter=3"], "mesh.inter=3 does not divide the 4 available devices"),
+        (["mesh.inter=2", "mesh.intra=4"], "mesh inter=2 x intra=4 = 8 devices, but 4 are available"),
+        (["train.batch_size=6"], "train.batch_size=6 does not divide over 4 data-parallel devices"),
+        (["--config", "/nonexistent.yaml"], "config file not found: /nonexistent.yaml"),
+    ],
+)
+def test_bad_input_is_one_line(tmp_path, args, message):
+    p = run("nljax.train", "--cpu-devices", "4", f"run.dir={tmp_path}/r", *args, check=False)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"nljax.train: error: {message}")
+    assert not (tmp_path / "r").exists()
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    d = tmp_path / "r"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("precious\n")
+    p = run("nljax.train", "--cpu-devices", "1", f"run.dir={d}", *SMALL, check=False)
+    assert p.returncode == 2 and "already holds a run" in p.stderr
+    assert (d / "metrics.jsonl").read_text() == "precious\n"
+
+
+def test_comm_cli_json():
+    p = run("nljax.comm", "--cpu-devices", "8", "--json", "mesh.inter=2", *SMALL)
+    r = json.loads(p.stdout)
+    assert r["mesh"] == {"inter": 2, "intra": 4}
+    assert {v["active"] for v in r["variants"]} == {"L0", "L0+1", "L0+1+2"}
+    l0 = next(v for v in r["variants"] if v["active"] == "L0")
+    assert [(c["op"], c["axes"]) for c in l0["collectives"]] == [
+        ("reduce-scatter", ["intra"]), ("all-reduce", ["inter"]), ("all-gather", ["intra"])]
+    assert 0 < r["ratio_vs_ddp"] < 1
+    text = run("nljax.comm", "--cpu-devices", "8", "mesh.inter=2", *SMALL).stdout
+    assert "ratio nljax / DDP" in text and "reduce-scatter" in text

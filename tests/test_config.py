@@ -1,0 +1,49 @@
+import pytest
+
+from nljax import config
+from nljax.config import ConfigError
+
+
+def test_defaults_and_overrides():
+    cfg = config.load(None, ["train.steps=7", "cms.periods=[1,3,5]", "optim.lr=1", "sync.reduce=flat"])
+    assert cfg.train.steps == 7
+    assert cfg.cms.periods == (1, 3, 5)
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.sync.reduce == "flat"
+    assert config.load().cms.periods == (1, 8, 64, 512)
+
+
+def test_yaml_file(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  steps: 3\ncms:\n  periods: [2, 4]\n")
+    cfg = config.load(str(p), ["train.steps=5"])
+    assert cfg.train.steps == 5 and cfg.cms.periods == (2, 4)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.stepz=3", "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+        ("trian.steps=3", "unknown config key 'trian' (did you mean 'train'?)"),
+        ("train.steps=abc", "config key 'train.steps' must be int, got str 'abc'"),
+        ("train.steps=1.5", "config key 'train.steps' must be int"),
+        ("sync.reduce=ring", "config key 'sync.reduce' must be one of ['flat', 'hierarchical']"),
+        ("cms.periods=[1,0]", "cms.periods must be a non-empty list of positive integers"),
+        ("cms.frozen_grads=drop", "config key 'cms.frozen_grads' must be one of"),
+        ("sync.mean=3", "config key 'sync.mean' must be bool"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as e:
+        config.load(None, [override])
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_file_and_bad_yaml(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        config.load(str(tmp_path / "nope.yaml"))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config.load(str(bad))

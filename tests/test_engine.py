@@ -1,0 +1,165 @@
+"""The SPMD engine against a single-device reference, and what its compiled steps communicate."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from nljax import hlo, levels
+from nljax.comm import account
+from nljax.config import ConfigError
+from nljax.mesh import make_mesh, check_batch
+from nljax.step import put_batch
+
+from helpers import assert_trees_close, make, replicas, run_steps
+
+PERIODS = "cms.periods=[1,2,3]"
+STEPS = 12  # two full cycles of [1, 2, 3]
+MESHES = [(1, 1), (1, 2), (2, 2), (2, 4), (4, 2)]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(frozen: str):
+    setup = make([PERIODS, f"cms.frozen_grads={frozen}"], 1, 1)
+    losses, state = run_steps(setup, STEPS)
+    return losses, jax.device_get(state.params)
+
+
+# On one device both reductions compile to the same program, so (1, 1) runs once per mode.
+CASES = [
+    (inter, intra, reduce, frozen)
+    for frozen in ["accumulate", "skip"]
+    for reduce in ["flat", "hierarchical"]
+    for inter, intra in MESHES
+    if (inter, intra) != (1, 1) or reduce == "hierarchical"
+]
+
+
+@pytest.mark.parametrize("inter,intra,reduce,frozen", CASES)
+def test_matches_single_device(inter, intra, reduce, frozen):
+    ref_losses, ref_params = reference(frozen)
+    setup = make([PERIODS, f"cms.frozen_grads={frozen}", f"sync.reduce={reduce}"], inter, intra)
+    losses, state = run_steps(setup, STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-6)
+    # one compiled variant per active set of [1, 2, 3], never retraced
+    assert setup.cache.traces == {a: 1 for a in [(1, 1, 1), (1, 0, 0), (1, 1, 0), (1, 0, 1)]}
+
+
+def test_frozen_modes_differ():
+    # guards the test above: the two modes must not be the same computation
+    assert not np.allclose(reference("accumulate")[0], reference("skip")[0])
+
+
+@pytest.mark.parametrize("reduce", ["flat", "hierarchical"])
+def test_params_bitwise_identical_but_buffers_rank_local(reduce):
+    setup = make([PERIODS, f"sync.reduce={reduce}"], 2, 4)
+    _, state = run_steps(setup, 5)  # ends after step 4: level 2 (period 3) holds steps 4's grads
+    for leaf in jax.tree.leaves(state.params):
+        copies = replicas(leaf)
+        assert len(copies) == 8
+        for c in copies[1:]:
+            assert np.array_equal(c, copies[0])
+    buf = np.asarray(state.err_buf[2])  # [8, N_2], one row per device
+    assert buf.shape[0] == 8 and np.abs(buf).sum() > 0
+    assert not np.allclose(buf[0], buf[1]), "each device accumulates its own gradients"
+
+
+def test_accumulate_applies_sum_of_frozen_gradients():
+    """SGD, periods [1, 2]: level 1's update at step 2 is -lr * (g(step 1) + g(step 2))."""
+    setup = make(["cms.periods=[1,2]", "optim.name=sgd", "optim.lr=0.1"], 1, 2)
+    eng = setup.engine
+
+    def grad_level1(params, step):
+        batch = jax.device_get(setup.batch(step))
+        g = jax.grad(lambda p: (lambda s, c, _: s / c)(*eng.model.apply(p, {}, batch)))(params)
+        return levels.split(g, eng.level_tree, 2)[1]
+
+    from nljax.conductor import pulse
+
+    _, s0 = run_steps(setup, 1)  # step 0: everything fires
+    p0 = jax.device_get(s0.params)
+    g1 = grad_level1(p0, 1)  # step 1's gradient, taken at the parameters after step 0
+    s1, _ = setup.cache.train(pulse(1, (1, 2)).active, s0, setup.batch(1))
+    p1 = jax.device_get(s1.params)
+    g2 = grad_level1(p1, 2)
+    assert_trees_close(levels.split(p1, eng.level_tree, 2)[1], levels.split(p0, eng.level_tree, 2)[1], 0, 0)
+    s2, _ = setup.cache.train(pulse(2, (1, 2)).active, s1, setup.batch(2))
+    expected = jax.tree.map(lambda p, a, b: p - 0.1 * (a + b), levels.split(p1, eng.level_tree, 2)[1], g1, g2)
+    got = levels.split(jax.device_get(s2.params), eng.level_tree, 2)[1]
+    assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def _level0_only_collectives(reduce, inter, intra):
+    setup = make([PERIODS, f"sync.reduce={reduce}"], inter, intra)
+    text = (
+        setup.cache.train_fn((True, False, False), setup.state, setup.batch(0))
+        .lower(setup.state, setup.batch(0))
+        .compile()
+        .as_text()
+    )
+    sizes = levels.level_sizes(setup.state.params, setup.engine.level_tree, 3)
+    return hlo.collectives(text, dict(setup.mesh.shape)), sizes
+
+
+def test_hlo_flat_level0_only():
+    colls, sizes = _level0_only_collectives("flat", 2, 4)
+    assert [(c.op, c.axes) for c in colls] == [("all-reduce", ("inter", "intra"))]
+    assert colls[0].bytes == sizes[0][1]  # exactly level 0's gradient, nothing of levels 1, 2
+
+
+@pytest.mark.parametrize("inter,intra", [(2, 4), (4, 2)])
+def test_hlo_hierarchical_level0_only(inter, intra):
+    colls, sizes = _level0_only_collectives("hierarchical", inter, intra)
+    n0 = sizes[0][0]
+    shard = -(-n0 // intra)
+    assert [(c.op, c.axes) for c in colls] == [
+        ("reduce-scatter", ("intra",)),
+        ("all-reduce", ("inter",)),
+        ("all-gather", ("intra",)),
+    ]
+    rs, ar, ag = colls
+    assert rs.bytes == shard * intra * 4 and rs.group_size == intra
+    assert ar.bytes == shard * 4 and ar.group_size == inter  # 1/intra of the data crosses `inter`
+    assert ag.bytes == shard * intra * 4
+    # groups: intra groups are rows of the mesh, inter groups its columns
+    assert sorted(rs.groups) == [tuple(range(i * intra, (i + 1) * intra)) for i in range(inter)]
+    assert sorted(ar.groups) == [tuple(range(j, inter * intra, intra)) for j in range(intra)]
+
+
+def test_comm_report_all_variants():
+    setup = make([PERIODS, "sync.reduce=flat"], 2, 4)
+    r = account(setup.cache, setup.state, setup.batch(0))
+    sizes = r["param_bytes_per_level"]
+    by_name = {v["active"]: v for v in r["variants"]}
+    assert set(by_name) == {"L0", "L0+1", "L0+2", "L0+1+2"}
+    for name, v in by_name.items():
+        want = sorted(sizes[l] for l in v["active_levels"])
+        got = sorted(c["payload_bytes"] for c in v["collectives"])
+        assert got == want or sum(got) == sum(want)  # XLA may combine the per-level all-reduces
+    ring = lambda b: 2 * b * 7 / 8
+    mean = (3 * ring(sizes[0]) + 2 * ring(sizes[0] + sizes[1]) + ring(sizes[0] + sizes[2])) / 6
+    # [1,2,3] over 6 steps: L0 x2, L0+1 x2, L0+2 x1, L0+1+2 x1
+    mean = (2 * ring(sizes[0]) + 2 * ring(sizes[0] + sizes[1]) + ring(sizes[0] + sizes[2]) + ring(sum(sizes))) / 6
+    assert r["mean_wire_bytes_per_step"] == pytest.approx(mean)
+    assert r["ddp_wire_bytes_per_step"] == pytest.approx(ring(sum(sizes)))
+    assert r["ratio_vs_ddp"] < 1
+
+
+def test_mesh_and_batch_errors():
+    with pytest.raises(ConfigError, match=r"mesh inter=3 x intra=2 = 6 devices, but 8 are available"):
+        make_mesh(3, 2)
+    with pytest.raises(ConfigError, match=r"mesh.inter=3 does not divide the 8 available devices"):
+        make_mesh(3, -1)
+    with pytest.raises(ConfigError, match=r"train.batch_size=12 does not divide over 8 data-parallel devices"):
+        check_batch(12, make_mesh(2, 4))
+    assert make_mesh(-1, 4).shape == {"inter": 2, "intra": 4}
+
+
+def test_put_batch_gives_each_device_its_rows():
+    mesh = make_mesh(2, 4)
+    rows = np.arange(16 * 3, dtype=np.int32).reshape(16, 3)
+    b = put_batch({"tokens": rows}, mesh)["tokens"]
+    for shard in b.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), rows[shard.index])
