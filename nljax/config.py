@@ -56,7 +56,7 @@ class SyncConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    name: str = "cms_mlp"
+    name: str = "nl_lm"  # registry key: nl_lm | cms_mlp
     vocab_size: int = 256
     dim: int = 128
     hidden_mult: int = 4
@@ -64,12 +64,13 @@ class ModelConfig:
     # attention + neural memory (models/nl_lm.py)
     heads: int = 4
     window: int = 64
-    memory_layers: tuple[int, ...] = ()  # block indices that carry a neural memory
+    memory_layers: tuple[int, ...] = (1,)  # 0-based block indices that carry a neural memory
     memory_kind: Literal["linear", "mlp"] = "mlp"
     memory_heads: int = 4
     memory_dim: int = 32  # per-head key/value width of the memory
     memory_hidden: int = 64  # hidden width of the 2-layer MLP memory
     memory_chunk: int = 16  # mini-batch b of the chunk-parallel inner loop
+    memory_lr_max: float = 0.01  # cap of the inner loop's data-dependent step size theta
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,6 +237,14 @@ def validate(cfg: Config) -> None:
         )
     if cfg.model.vocab_size < 1 or cfg.model.dim < 1 or cfg.model.depth < 1:
         raise ConfigError("model.vocab_size, model.dim and model.depth must be >= 1")
-    bad = [i for i in cfg.model.memory_layers if not 0 <= i < cfg.model.depth]
-    if bad:
-        raise ConfigError(f"model.memory_layers {bad} out of range for model.depth={cfg.model.depth}")
+    m = cfg.model
+    if m.name == "nl_lm":
+        if m.dim % m.heads or (m.dim // m.heads) % 2:
+            raise ConfigError(f"model.dim={m.dim} must split into model.heads={m.heads} heads of even width")
+        bad = [i for i in m.memory_layers if not 0 <= i < m.depth]
+        if bad:
+            raise ConfigError(f"model.memory_layers {bad} out of range for model.depth={m.depth}")
+        if m.memory_layers and cfg.train.seq_len % m.memory_chunk:
+            raise ConfigError(
+                f"train.seq_len={cfg.train.seq_len} must be a multiple of model.memory_chunk={m.memory_chunk}"
+            )

@@ -11,6 +11,7 @@ from nljax.trainer import Setup, host_sum
 
 # A model small enough that a step variant compiles in seconds on a 2-core CPU.
 TINY = [
+    "model.name=cms_mlp",
     "model.dim=16",
     "model.depth=1",
     "model.hidden_mult=2",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-SMALL = ["model.dim=16", "model.depth=1", "train.batch_size=8", "train.seq_len=16", "cms.periods=[1,2,4]",
+SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_size=8", "train.seq_len=16", "cms.periods=[1,2,4]",
          "eval.batches=1", "optim.warmup_steps=0"]
 
 

@@ -1,0 +1,174 @@
+"""The nested-learning language model.
+
+Token embedding; N pre-norm blocks of [causal sliding-window attention with rotary positions →
+neural memory (the inner loop; only in `model.memory_layers`) → CMS MLP chain of k levels];
+output head.
+
+State lifetimes:
+- outer-loop parameters (everything below, including the memory's initial value `memory0`) are
+  synchronized by the engine; CMS level l is the `cms<l>` MLP of every block, the rest is level 0;
+- the inner-loop state (memory M and momentum S of each memory layer) belongs to one stream
+  row: it arrives as that row's ContextMemory from the previous step, is reset to `memory0` when
+  the row crossed a document boundary, and leaves as the next step's. The engine keeps it in an
+  array split over the data axes and stops gradients at step boundaries.
+
+Attention sees the current chunk only (no cache across steps); what lies further back reaches a
+token through the memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from nljax.models import memory as nm
+from nljax.models.base import cms_level_of
+from nljax.models.layers import CMSChain, token_loss
+
+
+def rotary(x, base: float = 10000.0):
+    """Rotary position embedding over the last axis.  x [B, T, H, hd]."""
+    t, hd = x.shape[1], x.shape[-1]
+    freqs = base ** (-jnp.arange(0, hd // 2, dtype=jnp.float32) / (hd // 2))  # [hd/2]
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] * freqs  # [T, hd/2]
+    cos, sin = jnp.cos(angles)[None, :, None, :], jnp.sin(angles)[None, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
+
+
+class Attention(nn.Module):
+    dim: int
+    heads: int
+    window: int
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, D]
+        b, t, _ = x.shape
+        hd = self.dim // self.heads
+        qkv = nn.Dense(3 * self.dim, use_bias=False, name="qkv")(x).reshape(b, t, 3, self.heads, hd)
+        q, k, v = rotary(qkv[:, :, 0]), rotary(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, H, hd]
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(self.window - 1, 0))
+        return nn.Dense(self.dim, use_bias=False, name="out")(y.reshape(b, t, self.dim))
+
+
+def _l2norm(x):
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+class NeuralMemory(nn.Module):
+    """Per-head associative memory written by gradient descent during the forward pass."""
+
+    dim: int
+    heads: int
+    dk: int
+    hidden: int
+    kind: str
+    chunk: int
+    lr_max: float = 0.01
+
+    def memory0_shapes(self) -> dict:
+        h, d = self.heads, self.dk
+        if self.kind == "linear":
+            return {"W": (h, d, d)}
+        return {"W1": (h, d, self.hidden), "W2": (h, self.hidden, d)}
+
+    @nn.compact
+    def __call__(self, x, state, reset):  # x [B, T, D], state leaves [B, H, ...], reset [B]
+        b, t, _ = x.shape
+        h, d = self.heads, self.dk
+        split = lambda y: y.reshape(b, t, h, d).transpose(0, 2, 1, 3)  # [B, H, T, dk]
+        q = _l2norm(split(nn.Dense(h * d, use_bias=False, name="q")(x)))
+        k = _l2norm(split(nn.Dense(h * d, use_bias=False, name="k")(x)))
+        v = split(nn.Dense(h * d, use_bias=False, name="v")(x))
+        # The step size is capped at lr_max (as titans-pytorch does): a chunk sums b gradients
+        # taken at the same point, and momentum amplifies them by up to 1/(1 - eta), so an
+        # uncapped step lets the outer loop push the inner loop into divergence. Forgetting
+        # starts small and momentum moderate.
+        gate_bias = lambda key, shape, dtype=jnp.float32: jnp.tile(jnp.array([0.0, 0.0, -4.0]), shape[0] // 3)
+        g = nn.Dense(3 * h, name="gates", bias_init=gate_bias)(x).reshape(b, t, h, 3)
+        theta, eta, alpha = (jax.nn.sigmoid(g[..., i]).transpose(0, 2, 1) for i in range(3))  # [B, H, T]
+        theta = theta * self.lr_max
+        init = nn.initializers.normal(0.02 if self.kind == "mlp" else 0.0)
+        memory0 = {n: self.param(f"memory0_{n}", init, shape) for n, shape in self.memory0_shapes().items()}
+        state = nm.reset_rows(state, memory0, reset)
+        y, state = nm.memory_forward(state, q, k, v, theta, eta, alpha, kind=self.kind, chunk=self.chunk)
+        y = y.transpose(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*dk]
+        return nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, name="out")(y), state
+
+
+class NLNet(nn.Module):
+    vocab: int
+    dim: int
+    hidden: int
+    depth: int
+    levels: int
+    heads: int
+    window: int
+    memory_layers: tuple[int, ...]
+    memory: dict  # NeuralMemory fields
+
+    @nn.compact
+    def __call__(self, tokens, memory, reset):  # tokens [B, T], memory {block: state}, reset [B]
+        x = nn.Embed(self.vocab, self.dim, name="embed")(tokens)  # [B, T, D]
+        new_memory = {}
+        for i in range(self.depth):
+            x = x + Attention(self.dim, self.heads, self.window, name=f"attn{i}")(nn.LayerNorm(name=f"norm_a{i}")(x))
+            if i in self.memory_layers:
+                key = f"block{i}"
+                y, new_memory[key] = NeuralMemory(dim=self.dim, **self.memory, name=f"mem{i}")(
+                    nn.LayerNorm(name=f"norm_m{i}")(x), memory[key], reset
+                )
+                x = x + y
+            x = CMSChain(self.dim, self.hidden, self.levels, name=f"block{i}")(x)
+        x = nn.LayerNorm(name="norm")(x)
+        return nn.Dense(self.vocab, name="head")(x), new_memory
+
+
+@dataclasses.dataclass(frozen=True)
+class NLLM:
+    vocab: int
+    dim: int
+    hidden: int
+    depth: int
+    levels: int
+    heads: int
+    window: int
+    memory_layers: tuple[int, ...]
+    memory_heads: int
+    memory_dim: int
+    memory_hidden: int
+    memory_kind: str
+    memory_chunk: int
+    memory_lr_max: float
+
+    @property
+    def net(self) -> NLNet:
+        mem = dict(heads=self.memory_heads, dk=self.memory_dim, hidden=self.memory_hidden,
+                   kind=self.memory_kind, chunk=self.memory_chunk, lr_max=self.memory_lr_max)
+        return NLNet(self.vocab, self.dim, self.hidden, self.depth, self.levels, self.heads, self.window,
+                     tuple(self.memory_layers), mem)
+
+    def init(self, key):
+        t = self.memory_chunk
+        tokens = jnp.zeros((1, t), jnp.int32)
+        return self.net.init(key, tokens, self.init_memory(1), jnp.ones((1,), bool))["params"]
+
+    def level_of(self, path: str) -> int:
+        return cms_level_of(path)
+
+    def init_memory(self, rows: int):
+        """Zeros of the right shapes; step 0 (and every eval batch) resets all rows to memory0."""
+        mem = NeuralMemory(self.dim, self.memory_heads, self.memory_dim, self.memory_hidden, self.memory_kind,
+                           self.memory_chunk)
+        # distinct buffers for every leaf: the train step donates the state
+        zeros = lambda: {k: jnp.zeros((rows, *s), jnp.float32) for k, s in mem.memory0_shapes().items()}
+        return {f"block{i}": {"M": zeros(), "S": zeros()} for i in self.memory_layers}
+
+    def apply(self, params, memory, batch):
+        tokens = batch["tokens"]  # [B, T+1]
+        logits, memory = self.net.apply({"params": params}, tokens[:, :-1], memory, batch["reset"])
+        loss_sum, count = token_loss(logits, tokens[:, 1:], batch.get("mask"))
+        return loss_sum, count, memory

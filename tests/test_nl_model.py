@@ -1,0 +1,108 @@
+"""The nested-learning LM under the engine: rank-local memory, resets, single-device reference."""
+
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from nljax import hlo, levels
+from nljax.data.text import SEPARATOR, ContextStream
+
+from helpers import assert_trees_close, make, replicas, run_steps
+
+NL = [
+    "model.name=nl_lm",
+    "model.dim=16",
+    "model.heads=2",
+    "model.window=4",
+    "model.depth=2",
+    "model.memory_layers=[1]",
+    "model.memory_heads=2",
+    "model.memory_dim=4",
+    "model.memory_hidden=8",
+    "model.memory_chunk=4",
+    "cms.periods=[1,2]",
+]
+STEPS = 4
+
+
+@functools.lru_cache(maxsize=None)
+def reference(kind):
+    setup = make([*NL, f"model.memory_kind={kind}"], 1, 1)
+    losses, state = run_steps(setup, STEPS)
+    return losses, jax.device_get(state.params), jax.device_get(state.memory)
+
+
+@pytest.mark.parametrize(
+    "inter,intra,kind", [(1, 2, "mlp"), (2, 2, "mlp"), (2, 4, "mlp"), (4, 2, "mlp"), (2, 4, "linear")]
+)
+def test_matches_single_device_including_memory(inter, intra, kind):
+    ref_losses, ref_params, ref_memory = reference(kind)
+    setup = make([*NL, f"model.memory_kind={kind}"], inter, intra)
+    losses, state = run_steps(setup, STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    # Adam turns float32 reduction-order noise in near-zero gradients into ~1e-5 differences
+    # (the learning rate is 1e-2); anything structural is orders of magnitude larger.
+    assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-5)
+    # every row's memory, gathered from the devices that own it, equals the reference's row
+    assert_trees_close(state.memory, ref_memory, rtol=1e-4, atol=2e-5)
+
+
+def test_memory_is_rank_local_and_never_communicated():
+    setup = make(NL, 2, 4)
+    _, state = run_steps(setup, 3)
+    for leaf in jax.tree.leaves(state.params):
+        copies = replicas(leaf)
+        assert all(np.array_equal(c, copies[0]) for c in copies[1:])
+    m = state.memory["block1"]["M"]["W1"]  # [G, H, dk, hidden], split by rows
+    shards = m.addressable_shards
+    assert len(shards) == 8 and shards[0].data.shape[0] == m.shape[0] // 8
+    assert not np.allclose(np.asarray(shards[0].data), np.asarray(shards[1].data))
+    # memory changed from its initial value and carries over to the next step
+    w0 = np.asarray(state.params["mem1"]["memory0_W1"])
+    assert not np.allclose(np.asarray(m)[0], w0)
+    # the compiled step moves exactly the active levels' gradient bytes: no memory collective
+    for active in [(True, False), (True, True)]:
+        batch = setup.batch(0)
+        text = setup.cache.train_fn(active, state, batch).lower(state, batch).compile().as_text()
+        sizes = levels.level_sizes(state.params, setup.engine.level_tree, 2)
+        colls = hlo.collectives(text, dict(setup.mesh.shape))
+        rs = [c for c in colls if c.op == "reduce-scatter"]
+        want = sum(-(-sizes[l][0] // 4) * 4 * 4 for l in range(2) if active[l])
+        assert sum(c.bytes for c in rs) == want
+        assert all(c.op in ("reduce-scatter", "all-reduce", "all-gather") for c in colls)
+        assert sum(c.bytes for c in colls if c.op == "all-reduce") == want // 4
+
+
+def test_stream_resets_exactly_rows_with_a_boundary():
+    data = np.full(64, 7, np.uint8)
+    data[[5, 40]] = SEPARATOR  # rows start at 0, 16, 32, 48 with seq_len 4
+    s = ContextStream(data, rows=4, seq_len=4)
+    resets = [s.rows_at(step, np.arange(4))["reset"].tolist() for step in range(5)]
+    assert resets[0] == [True] * 4  # every stream starts fresh
+    # row 0's chunk at step 1 holds inputs [4, 8) (boundary at 5); row 2's at step 2 holds [40, 44)
+    assert resets[1:] == [[False] * 4, [True, False, False, False], [False, False, True, False], [False] * 4]
+    # a subset of rows gives the same flags for those rows (each device builds only its own)
+    assert s.rows_at(3, np.array([2, 3]))["reset"].tolist() == [True, False]
+
+
+def test_reset_rows_start_from_memory0():
+    """A row flagged for reset behaves as a fresh stream; the other rows keep their memory."""
+    setup = make(NL, 1, 1)
+    model, params = setup.engine.model, jax.device_get(setup.state.params)
+    batch = jax.device_get(setup.batch(1))
+    key = jax.random.key(1)
+    memory = jax.tree.map(lambda x: jax.random.normal(key, x.shape), model.init_memory(8))
+    fresh = model.init_memory(8)
+    reset = np.zeros(8, bool)
+    reset[[2, 5]] = True
+    out_mixed = model.apply(params, memory, {**batch, "reset": reset})[2]
+    out_fresh = model.apply(params, fresh, {**batch, "reset": np.ones(8, bool)})[2]
+    out_kept = model.apply(params, memory, {**batch, "reset": np.zeros(8, bool)})[2]
+    for mixed, fr, kept in zip(jax.tree.leaves(out_mixed), jax.tree.leaves(out_fresh), jax.tree.leaves(out_kept)):
+        mixed, fr, kept = map(np.asarray, (mixed, fr, kept))
+        np.testing.assert_allclose(mixed[[2, 5]], fr[[2, 5]], rtol=1e-6)
+        others = [0, 1, 3, 4, 6, 7]
+        np.testing.assert_allclose(mixed[others], kept[others], rtol=1e-6)
+        assert not np.allclose(mixed[[2, 5]], kept[[2, 5]])
