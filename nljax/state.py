@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -54,7 +53,3 @@ def shardings(state: TrainState, mesh) -> TrainState:
 def place(state: TrainState, mesh) -> TrainState:
     """Put host or single-device arrays where `specs` says they live."""
     return jax.device_put(state, shardings(state, mesh))
-
-
-def zeros_rows(rows: int, size: int) -> jax.Array:
-    return jnp.zeros((rows, size), jnp.float32)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
 
 from nljax import levels, optim, sync
 from nljax.config import Config

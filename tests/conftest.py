@@ -12,7 +12,6 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import pytest  # noqa: E402
 
 
 def pytest_configure(config):

@@ -73,3 +73,15 @@ def test_comm_cli_json():
     assert 0 < r["ratio_vs_ddp"] < 1
     text = run("nljax.comm", "--cpu-devices", "8", "mesh.inter=2", *SMALL).stdout
     assert "ratio nljax / DDP" in text and "reduce-scatter" in text
+
+
+def test_default_model_trains_end_to_end(tmp_path):
+    """The nested-learning LM through the CLI on 2 devices: memory, eval in bits per byte."""
+    d = tmp_path / "nl"
+    run("nljax.train", "--cpu-devices", "2", "--quiet", f"run.dir={d}", "train.steps=12", "train.batch_size=4",
+        "train.seq_len=32", "model.dim=32", "model.depth=2", "model.memory_chunk=8", "model.window=8",
+        "cms.periods=[1,4]", "eval.batches=1", "optim.lr=0.01", "optim.warmup_steps=0")
+    recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+    assert recs[-1]["loss"] < recs[0]["loss"]
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["eval_bpb"] < 8

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
