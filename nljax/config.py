@@ -33,6 +33,7 @@ class TrainConfig:
     steps: int = 200
     batch_size: int = 16  # global rows per optimizer step
     seq_len: int = 128
+    accum_steps: int = 1  # micro-batches per optimizer step, accumulated on each device
     log_every: int = 10
 
 
@@ -226,8 +227,10 @@ def validate(cfg: Config) -> None:
     """Semantic checks that types alone cannot express."""
     if not cfg.cms.periods or any(p < 1 for p in cfg.cms.periods):
         raise ConfigError(f"cms.periods must be a non-empty list of positive integers, got {list(cfg.cms.periods)}")
-    if cfg.train.steps < 0 or cfg.train.batch_size < 1 or cfg.train.seq_len < 1:
-        raise ConfigError("train.steps must be >= 0 and train.batch_size, train.seq_len >= 1")
+    if cfg.train.steps < 0 or cfg.train.batch_size < 1 or cfg.train.seq_len < 1 or cfg.train.accum_steps < 1:
+        raise ConfigError("train.steps must be >= 0 and train.batch_size, train.seq_len, train.accum_steps >= 1")
+    if cfg.train.log_every < 1 or cfg.eval.every < 0 or cfg.eval.batches < 0:
+        raise ConfigError("train.log_every must be >= 1, eval.every and eval.batches >= 0")
     if cfg.mesh.inter == 0 or cfg.mesh.inter < -1 or cfg.mesh.intra == 0 or cfg.mesh.intra < -1:
         raise ConfigError(f"mesh.inter and mesh.intra must be positive or -1, got {cfg.mesh.inter}, {cfg.mesh.intra}")
     if cfg.optim.level_lr_scale and len(cfg.optim.level_lr_scale) != len(cfg.cms.periods):

@@ -75,21 +75,50 @@ class Engine:
         return place(state, self.mesh)
 
 
-def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict):
-    """Per-device body. Shapes are shard-local: batch tokens [G/n, T+1], memory [G/n, ...],
-    err_buf[l] [1, N_l]; params and optimizer states are full replicas."""
-    cfg = eng.cfg
-    accumulate = cfg.cms.frozen_grads == "accumulate"
-    parts = levels.split(state.params, eng.level_tree, eng.n_levels)
+def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict):
+    """Gradients (one subtree per level, None where not computed) of the mean loss of `batch`,
+    with the summed loss, the token count and the memory after the batch."""
+    accumulate = eng.cfg.cms.frozen_grads == "accumulate"
     # `skip`: frozen levels are not differentiated at all, so XLA never computes their gradients.
     wrt = tuple(p if (active[l] or accumulate) else None for l, p in enumerate(parts))
 
     def loss_fn(diff):
         full = tuple(d if d is not None else p for d, p in zip(diff, parts))
-        loss_sum, count, memory = eng.model.apply(levels.merge(full, eng.level_tree), state.memory, batch)
-        return loss_sum / count, (loss_sum, count, memory)
+        loss_sum, count, new_memory = eng.model.apply(levels.merge(full, eng.level_tree), memory, batch)
+        return loss_sum / count, (loss_sum, count, new_memory)
 
     grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
+    return grads, loss_sum, count, memory
+
+
+def accumulated_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict):
+    """`local_grads` over `train.accum_steps` micro-batches of this device's rows, accumulated
+    locally (one `lax.scan`, no communication) and averaged: the same gradient as one pass over
+    all rows, with 1/accum_steps of the activation memory. Each row's memory stays with its row."""
+    m = eng.cfg.train.accum_steps
+    if m == 1:
+        return local_grads(eng, active, parts, memory, batch)
+    split = lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:])  # [m, rows/m, ...]
+    join = lambda x: x.reshape((-1,) + x.shape[2:])  # [rows, ...]
+
+    def body(acc, xs):
+        mb, mem = xs
+        g, loss_sum, count, mem = local_grads(eng, active, parts, mem, mb)
+        return jax.tree.map(jnp.add, acc, (g, loss_sum, count)), mem
+
+    shapes = jax.eval_shape(lambda: local_grads(eng, active, parts, jax.tree.map(lambda x: split(x)[0], memory),
+                                                jax.tree.map(lambda x: split(x)[0], batch))[:3])
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    (grads, loss_sum, count), memory = jax.lax.scan(body, zeros, (jax.tree.map(split, batch), jax.tree.map(split, memory)))
+    return jax.tree.map(lambda g: g / m, grads), loss_sum, count, jax.tree.map(join, memory)
+
+
+def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict):
+    """Per-device body. Shapes are shard-local: batch tokens [G/n, T+1], memory [G/n, ...],
+    err_buf[l] [1, N_l]; params and optimizer states are full replicas."""
+    cfg = eng.cfg
+    parts = levels.split(state.params, eng.level_tree, eng.n_levels)
+    grads, loss_sum, count, memory = accumulated_grads(eng, active, parts, state.memory, batch)
     # The inner loop's state is carried to the next step but gradients never flow across steps.
     memory = jax.lax.stop_gradient(memory)
 

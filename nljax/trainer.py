@@ -50,7 +50,12 @@ class Setup:
     @classmethod
     def create(cls, cfg: Config, devices=None) -> "Setup":
         mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices)
-        meshlib.check_batch(cfg.train.batch_size, mesh)
+        rows = meshlib.check_batch(cfg.train.batch_size, mesh)
+        if rows % cfg.train.accum_steps:
+            raise ConfigError(
+                f"train.accum_steps={cfg.train.accum_steps} does not divide the {rows} rows each device holds "
+                f"(train.batch_size={cfg.train.batch_size} over {meshlib.data_size(mesh)} devices)"
+            )
         model = build(cfg)
         engine = Engine.create(cfg, model, mesh)
         state = engine.init_state(jax.random.key(cfg.seed), cfg.train.batch_size)
@@ -160,7 +165,8 @@ def train(cfg: Config) -> dict:
     say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices, "
         f"mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, {jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters; global batch {cfg.train.batch_size} rows x "
-        f"{cfg.train.seq_len} tokens, {rows_per_dev} rows per device")
+        f"{cfg.train.seq_len} tokens, {rows_per_dev} rows per device in {cfg.train.accum_steps} "
+        f"micro-batch(es) of {rows_per_dev // cfg.train.accum_steps}")
     say(levels.describe(setup.state.params, eng.level_tree, cfg.cms.periods))
 
     state, conductor = setup.state, Conductor(cfg.cms.periods)

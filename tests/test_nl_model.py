@@ -106,3 +106,21 @@ def test_reset_rows_start_from_memory0():
         others = [0, 1, 3, 4, 6, 7]
         np.testing.assert_allclose(mixed[others], kept[others], rtol=1e-6)
         assert not np.allclose(mixed[[2, 5]], kept[[2, 5]])
+
+
+@pytest.mark.parametrize("inter,intra,accum", [(1, 1, 4), (1, 2, 2)])
+def test_accumulation_equals_one_step_on_the_whole_batch(inter, intra, accum):
+    """accum micro-batches per device, synchronized once: same losses, params and memory."""
+    ref_losses, ref_params, ref_memory = reference("mlp")
+    setup = make([*NL, "model.memory_kind=mlp", f"train.accum_steps={accum}"], inter, intra)
+    losses, state = run_steps(setup, STEPS)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-5)
+    assert_trees_close(state.memory, ref_memory, rtol=1e-4, atol=2e-5)
+
+
+def test_accumulation_that_does_not_divide_is_an_error():
+    from nljax.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"train.accum_steps=3 does not divide the 4 rows each device holds"):
+        make([*NL, "train.accum_steps=3"], 1, 2)
