@@ -19,7 +19,7 @@ DTYPE_BYTES = {
 _OPS = ("all-reduce", "reduce-scatter", "all-gather", "all-to-all", "collective-permute")
 # `%name = <result type> <op>(` where op may carry an async `-start` suffix.
 _INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?:-start)?\("
+    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<type>.+?)\s+(?P<op>" + "|".join(_OPS) + r")(?P<start>-start)?\("
 )
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
@@ -41,13 +41,24 @@ class Collective:
         return len(self.groups[0]) if self.groups else 1
 
 
-def _shape_bytes(type_text: str) -> tuple[str, int]:
-    total, dtype = 0, "f32"
+def _shapes(type_text: str) -> list[tuple[str, int]]:
+    """(dtype, bytes) of every array shape in an HLO type, tuples flattened."""
+    out = []
     for dt, dims in _SHAPE.findall(type_text):
         n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-        total += n * DTYPE_BYTES[dt]
-        dtype = dt
-    return dtype, total
+        out.append((dt, n * DTYPE_BYTES[dt]))
+    return out
+
+
+def _result(op: str, is_start: bool, type_text: str) -> tuple[str, int]:
+    """dtype and bytes of a collective's result. Async `-start` ops of all-gather and
+    collective-permute return (operands..., results..., [context]): keep the results only."""
+    shapes = _shapes(type_text)
+    if is_start and op == "all-gather" and len(shapes) > 1:
+        shapes = shapes[len(shapes) // 2 :]
+    elif is_start and op == "collective-permute" and len(shapes) > 1:
+        shapes = shapes[1:2]
+    return (shapes[-1][0] if shapes else "f32"), sum(b for _, b in shapes)
 
 
 def _groups(line: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
@@ -88,11 +99,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
         g = len(groups[0]) if groups else 1
         if g <= 1:
             continue
-        type_text = m.group("type")
-        if op.endswith("start") or type_text.startswith("(("):
-            # async start: ((operands), result, ...) - the result is the second element
-            type_text = type_text.split(")", 1)[-1]
-        dtype, result = _shape_bytes(type_text)
+        dtype, result = _result(op, bool(m.group("start")), m.group("type"))
         if op == "reduce-scatter":
             full, wire = result * g, result * (g - 1)
         elif op == "all-gather":
