@@ -26,7 +26,7 @@ from nljax.state import TrainState
 
 
 def variant_collectives(cache: StepCache, active, state: TrainState, batch: dict) -> list[hlo.Collective]:
-    text = cache.train_fn(active, state, batch).lower(state, batch).compile().as_text()
+    text = cache.train_fn(active, state, batch).as_text()
     return hlo.collectives(text, dict(cache.eng.mesh.shape))
 
 
@@ -109,7 +109,7 @@ def format_report(r: dict) -> str:
 
 
 def _run(args, cfg: Config) -> int:
-    from nljax.trainer import Setup  # the same construction path as training
+    from nljax.trainer import Setup  # deferred: trainer imports this module
 
     setup = Setup.create(cfg)
     batch = setup.batch(0)

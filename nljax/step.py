@@ -179,15 +179,16 @@ class StepCache:
     def __init__(self, eng: Engine):
         self.eng = eng
         self.traces: dict[Active, int] = {}
-        self._train: dict[Active, Callable] = {}
+        self._train: dict[Active, jax.stages.Compiled] = {}
         self._eval: Callable | None = None
 
-    def train_fn(self, active: Active, state: TrainState, batch: dict) -> Callable:
+    def train_fn(self, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
+        """The compiled variant for `active` (`state` and `batch` give shapes on first use)."""
         if active not in self._train:
             self._train[active] = self._build_train(active, state, batch)
         return self._train[active]
 
-    def _build_train(self, active: Active, state: TrainState, batch: dict) -> Callable:
+    def _build_train(self, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
         def body(state, batch):
             self.traces[active] = self.traces.get(active, 0) + 1  # runs at trace time only
             return local_train_step(self.eng, active, state, batch)
@@ -200,7 +201,9 @@ class StepCache:
             out_specs=(st, TRAIN_METRIC_SPECS),
             check_vma=False,
         )
-        return jax.jit(fn, donate_argnums=0)
+        # Compiled ahead of time: the executable that trains is the one whose HLO `nljax.comm`
+        # and the run summary read, with no second compilation.
+        return jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
 
     def train(self, active: Active, state: TrainState, batch: dict):
         return self.train_fn(active, state, batch)(state, batch)

@@ -14,6 +14,7 @@ import numpy as np
 import yaml
 
 from nljax import __version__, levels, mesh as meshlib
+from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
 from nljax.data.text import ContextStream, eval_batches, eval_windows, stdlib_corpus
@@ -206,6 +207,7 @@ def train(cfg: Config) -> dict:
     final_eval = setup.evaluate(state.params)
     time_missing_patterns(setup, state, times)
     tp = throughput(times, tokens_per_device_step, n_dev)
+    comm = account(setup.cache, state, setup.batch(0))  # reads the executables that trained
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
@@ -214,6 +216,12 @@ def train(cfg: Config) -> dict:
         "final_loss": history[-1] if history else None,
         **final_eval,
         "throughput": tp,
+        "communication": {
+            "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
+            "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],
+            "ratio_vs_ddp": comm["ratio_vs_ddp"],
+            "wire_bytes_per_pattern": {v["active"]: v["wire_bytes"] for v in comm["variants"]},
+        },
         "wall_time_s": wall,
     }
     run.save_summary(summary)
@@ -222,5 +230,8 @@ def train(cfg: Config) -> dict:
         say(f"throughput per device: mean {tp['tokens_per_s_per_device_mean']:,.0f} tok/s, worst "
             f"{tp['tokens_per_s_per_device_worst']:,.0f} tok/s ({tp['worst_pattern']}); "
             f"aggregate {tp['tokens_per_s_aggregate']:,.0f} tok/s over {n_dev} devices")
+    if comm["ratio_vs_ddp"] is not None:
+        say(f"communication per device per step (HLO): {comm['mean_wire_bytes_per_step']:,.0f} B, "
+            f"{comm['ratio_vs_ddp']:.3f} x a DDP all-reduce of every parameter")
     setup.state = state
     return summary

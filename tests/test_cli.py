@@ -32,6 +32,9 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     assert summary["eval_bpb"] < 8 and summary["devices"] == 2
     assert summary["throughput"]["worst_pattern"] in summary["throughput"]["per_pattern"]
     assert "L0+1+2" in summary["throughput"]["per_pattern"]  # timed even though it fired only once
+    comm = summary["communication"]
+    assert set(comm["wire_bytes_per_pattern"]) == {"L0", "L0+1", "L0+1+2"}
+    assert 0 < comm["mean_wire_bytes_per_step"] < comm["ddp_wire_bytes_per_step"]
     assert (d / "config.yaml").read_text().startswith("seed: 0")
 
 

@@ -93,12 +93,7 @@ def test_accumulate_applies_sum_of_frozen_gradients():
 
 def _level0_only_collectives(reduce, inter, intra):
     setup = make([PERIODS, f"sync.reduce={reduce}"], inter, intra)
-    text = (
-        setup.cache.train_fn((True, False, False), setup.state, setup.batch(0))
-        .lower(setup.state, setup.batch(0))
-        .compile()
-        .as_text()
-    )
+    text = setup.cache.train_fn((True, False, False), setup.state, setup.batch(0)).as_text()
     sizes = levels.level_sizes(setup.state.params, setup.engine.level_tree, 3)
     return hlo.collectives(text, dict(setup.mesh.shape)), sizes
 
