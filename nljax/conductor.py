@@ -53,11 +53,19 @@ class Conductor:
         return math.lcm(*self.periods)
 
     def patterns(self) -> dict[tuple[bool, ...], int]:
-        """Every distinct active set over one full cycle, with how often it occurs."""
-        counts: dict[tuple[bool, ...], int] = {}
-        for s in range(self.cycle):
-            a = pulse(s, self.periods).active
-            counts[a] = counts.get(a, 0) + 1
+        """Every distinct active set over one full cycle, with how often it occurs.
+
+        Counted by inclusion-exclusion over subsets of levels rather than by walking the cycle,
+        which for periods like [1, 997, 991, 983] is ~10^9 steps long: the steps where exactly
+        the set A fires number sum over B >= A of (-1)^|B - A| * cycle / lcm(B)."""
+        k, cycle = len(self.periods), self.cycle
+        masks = range(1 << k)
+        lcms = {b: math.lcm(*[self.periods[l] for l in range(k) if b >> l & 1]) for b in masks}
+        counts = {}
+        for a in masks:
+            n = sum((-1) ** bin(b & ~a).count("1") * (cycle // lcms[b]) for b in masks if b & a == a)
+            if n:
+                counts[tuple(bool(a >> l & 1) for l in range(k))] = n
         return counts
 
     def state_dict(self) -> dict:

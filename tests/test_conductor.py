@@ -22,3 +22,23 @@ def test_advance_and_state():
     c = c.advance()
     assert c.step == 1 and c.pulse.active == (True, False) and c.pulse.name == "L0"
     assert c.state_dict() == {"step": 1, "periods": [1, 8]}
+
+
+def brute_force(periods):
+    counts = {}
+    for s in range(Conductor(periods).cycle):
+        a = pulse(s, periods).active
+        counts[a] = counts.get(a, 0) + 1
+    return counts
+
+
+def test_pattern_counts_match_walking_the_cycle():
+    for periods in [(1,), (1, 2, 3), (1, 8, 64, 512), (2, 3), (1, 4, 6, 10), (3, 3, 5)]:
+        assert Conductor(periods).patterns() == brute_force(periods)
+
+
+def test_pattern_counts_for_a_huge_cycle_are_instant():
+    c = Conductor((1, 997, 991, 983))
+    pats = c.patterns()
+    assert c.cycle == 997 * 991 * 983 and sum(pats.values()) == c.cycle
+    assert pats[(True, True, True, True)] == 1
