@@ -7,7 +7,7 @@ from typing import Callable
 from nljax.config import Config, ConfigError
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
-from nljax.models.nl_lm import NLLM
+from nljax.models.nl_lm import NLLM, NLNet
 
 
 def _cms_mlp(cfg: Config) -> Model:
@@ -17,12 +17,10 @@ def _cms_mlp(cfg: Config) -> Model:
 
 def _nl_lm(cfg: Config) -> Model:
     m = cfg.model
-    return NLLM(
-        vocab=m.vocab_size, dim=m.dim, hidden=m.dim * m.hidden_mult, depth=m.depth, levels=len(cfg.cms.periods),
-        heads=m.heads, window=m.window, memory_layers=tuple(m.memory_layers), memory_heads=m.memory_heads,
-        memory_dim=m.memory_dim, memory_hidden=m.memory_hidden, memory_kind=m.memory_kind,
-        memory_chunk=m.memory_chunk, memory_lr_max=m.memory_lr_max,
-    )
+    memory = dict(heads=m.memory_heads, dk=m.memory_dim, hidden=m.memory_hidden, kind=m.memory_kind,
+                  chunk=m.memory_chunk, lr_max=m.memory_lr_max)
+    return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, m.window,
+                      tuple(m.memory_layers), memory))
 
 
 MODELS: dict[str, Callable[[Config], Model]] = {

@@ -129,31 +129,15 @@ class NLNet(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class NLLM:
-    vocab: int
-    dim: int
-    hidden: int
-    depth: int
-    levels: int
-    heads: int
-    window: int
-    memory_layers: tuple[int, ...]
-    memory_heads: int
-    memory_dim: int
-    memory_hidden: int
-    memory_kind: str
-    memory_chunk: int
-    memory_lr_max: float
+    """The engine's view of `NLNet` (see `nljax.models.base`)."""
 
-    @property
-    def net(self) -> NLNet:
-        mem = dict(heads=self.memory_heads, dk=self.memory_dim, hidden=self.memory_hidden,
-                   kind=self.memory_kind, chunk=self.memory_chunk, lr_max=self.memory_lr_max)
-        return NLNet(self.vocab, self.dim, self.hidden, self.depth, self.levels, self.heads, self.window,
-                     tuple(self.memory_layers), mem)
+    net: NLNet
+
+    def memory_module(self) -> NeuralMemory:
+        return NeuralMemory(dim=self.net.dim, **self.net.memory)
 
     def init(self, key):
-        t = self.memory_chunk
-        tokens = jnp.zeros((1, t), jnp.int32)
+        tokens = jnp.zeros((1, self.net.memory["chunk"]), jnp.int32)
         return self.net.init(key, tokens, self.init_memory(1), jnp.ones((1,), bool))["params"]
 
     def level_of(self, path: str) -> int:
@@ -161,11 +145,10 @@ class NLLM:
 
     def init_memory(self, rows: int):
         """Zeros of the right shapes; step 0 (and every eval batch) resets all rows to memory0."""
-        mem = NeuralMemory(self.dim, self.memory_heads, self.memory_dim, self.memory_hidden, self.memory_kind,
-                           self.memory_chunk)
+        mem = self.memory_module()
         # distinct buffers for every leaf: the train step donates the state
         zeros = lambda: {k: jnp.zeros((rows, *s), jnp.float32) for k, s in mem.memory0_shapes().items()}
-        return {f"block{i}": {"M": zeros(), "S": zeros()} for i in self.memory_layers}
+        return {f"block{i}": {"M": zeros(), "S": zeros()} for i in self.net.memory_layers}
 
     def apply(self, params, memory, batch):
         tokens = batch["tokens"]  # [B, T+1]
