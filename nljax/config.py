@@ -241,6 +241,11 @@ def validate(cfg: Config) -> None:
     if cfg.model.vocab_size < 1 or cfg.model.dim < 1 or cfg.model.depth < 1:
         raise ConfigError("model.vocab_size, model.dim and model.depth must be >= 1")
     m = cfg.model
+    for key in ("hidden_mult", "heads", "window", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk"):
+        if getattr(m, key) < 1:
+            raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+    if not 0 < cfg.data.eval_fraction < 1:
+        raise ConfigError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}")
     if m.name == "nl_lm":
         if m.dim % m.heads or (m.dim // m.heads) % 2:
             raise ConfigError(f"model.dim={m.dim} must split into model.heads={m.heads} heads of even width")

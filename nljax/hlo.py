@@ -54,7 +54,9 @@ def _result(op: str, is_start: bool, type_text: str) -> tuple[str, int]:
     """dtype and bytes of a collective's result. Async `-start` ops of all-gather and
     collective-permute return (operands..., results..., [context]): keep the results only."""
     shapes = _shapes(type_text)
-    if is_start and op == "all-gather" and len(shapes) > 1:
+    if is_start and len(shapes) > 1:  # async context scalars (u32[]/s32[]) are not data
+        shapes = [x for x in shapes if not (x[0] in ("u32", "s32") and x[1] == 4)] or shapes
+    if is_start and op in ("all-gather", "reduce-scatter", "all-to-all") and len(shapes) > 1:
         shapes = shapes[len(shapes) // 2 :]
     elif is_start and op == "collective-permute" and len(shapes) > 1:
         shapes = shapes[1:2]

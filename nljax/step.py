@@ -138,7 +138,9 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
             err_buf[l] = state.err_buf[l] + g[None]  # [1, N_l], rank-local, never communicated
 
     clipped, grad_norm = optim.clip_by_global_norm(list(synced.values()), cfg.optim.clip_norm)
-    lr = eng.lr(state.step)
+    # step + 1: with warm-up the schedule is 0 at step 0, the one step where every level fires,
+    # so a level that fires only then would never train.
+    lr = eng.lr(state.step + 1)
     scales = optim.level_scales(cfg.optim, eng.n_levels)
     new_parts, opt_state = list(parts), list(state.opt_state)
     for l, g in zip(synced, clipped):

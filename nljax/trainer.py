@@ -71,6 +71,8 @@ class Setup:
         """Held-out loss over every eval example exactly once (padded rows are masked)."""
         rows = self.cfg.train.batch_size
         windows = eval_windows(self.eval_data, self.cfg.train.seq_len, self.cfg.eval.batches * rows)
+        if len(windows) == 0:
+            raise ConfigError(f"the held-out text is shorter than train.seq_len={self.cfg.train.seq_len}")
         loss = count = 0.0
         for b in eval_batches(windows, rows):
             m = self.cache.eval(params, put_batch(b, self.mesh))

@@ -31,6 +31,8 @@ def test_yaml_file(tmp_path):
         ("cms.periods=[1,0]", "cms.periods must be a non-empty list of positive integers"),
         ("cms.frozen_grads=drop", "config key 'cms.frozen_grads' must be one of"),
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
+        ("model.memory_chunk=0", "model.memory_chunk must be >= 1, got 0"),
+        ("data.eval_fraction=0", "data.eval_fraction must be between 0 and 1"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -31,6 +31,9 @@ def test_async_start_ops_count_results_once():
     assert ag.bytes == 400
     ar = parse("%ars = f32[100]{0} all-reduce-start(f32[100]{0} %x), replica_groups={{0,1,2,3,4,5,6,7}}")
     assert ar.bytes == 400 and ar.axes == ("inter", "intra")
+    rs = parse("%rss = ((f32[400]{0}), f32[100]{0}) reduce-scatter-start(f32[400]{0} %x), "
+               "replica_groups=[2,4]<=[8], dimensions={0}")
+    assert rs.bytes == 1600 and rs.wire_bytes == pytest.approx(1200)
     # the matching -done ops are not collectives of their own
     assert hlo.collectives("%d = f32[100]{0} all-reduce-done(f32[100]{0} %ars)", MESH) == []
 
