@@ -71,7 +71,3 @@ def rows_sharding(mesh: Mesh) -> NamedSharding:
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, REPLICATED)
 
-
-def device_index(mesh: Mesh):
-    """Global data-parallel index of the current device; call inside shard_map."""
-    return jax.lax.axis_index(INTER) * mesh.shape[INTRA] + jax.lax.axis_index(INTRA)

@@ -21,10 +21,6 @@ def pad_to(vec: jax.Array, multiple: int) -> jax.Array:
     return jnp.pad(vec, (0, extra)) if extra else vec
 
 
-def shard_len(n: int, shards: int) -> int:
-    return -(-n // shards)
-
-
 def reduce_scatter_intra(vec: jax.Array, intra: int) -> jax.Array:
     """Stage 1+2 of the hierarchical reduction: this device's summed 1/intra shard.  # [ceil(N/intra)]"""
     padded = pad_to(vec, intra)  # [intra * ceil(N/intra)]
