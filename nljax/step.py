@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 
 from nljax import levels, optim, sync
 from nljax.config import Config
-from nljax.mesh import INTRA, REPLICATED, ROWS, data_size, replicated, rows_sharding
+from nljax.mesh import DATA_AXES, INTRA, REPLICATED, ROWS, data_size, replicated, rows_sharding
 from nljax.models.base import Model
 from nljax.state import TrainState, place, specs
 
@@ -75,7 +75,14 @@ class Engine:
         return place(state, self.mesh)
 
 
-def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict):
+def device_key(seed: int, step: jax.Array) -> jax.Array:
+    """This device's PRNG key for `step`: a function of (seed, step, global device index), so it
+    differs between devices and reproduces on a rerun with the same seed and mesh."""
+    index = jax.lax.axis_index(DATA_AXES)  # inter-major, the order of ROWS
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), index)
+
+
+def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict, key: jax.Array):
     """Gradients (one subtree per level, None where not computed) of the mean loss of `batch`,
     with the summed loss, the token count and the memory after the batch."""
     accumulate = eng.cfg.cms.frozen_grads == "accumulate"
@@ -84,32 +91,33 @@ def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch
 
     def loss_fn(diff):
         full = tuple(d if d is not None else p for d, p in zip(diff, parts))
-        loss_sum, count, new_memory = eng.model.apply(levels.merge(full, eng.level_tree), memory, batch)
+        loss_sum, count, new_memory = eng.model.apply(levels.merge(full, eng.level_tree), memory, batch, key)
         return loss_sum / count, (loss_sum, count, new_memory)
 
     grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
     return grads, loss_sum, count, memory
 
 
-def accumulated_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict):
+def accumulated_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict, key: jax.Array):
     """`local_grads` over `train.accum_steps` micro-batches of this device's rows, accumulated
     locally (one `lax.scan`, no communication) and averaged: the same gradient as one pass over
     all rows, with 1/accum_steps of the activation memory. Each row's memory stays with its row."""
     m = eng.cfg.train.accum_steps
     if m == 1:
-        return local_grads(eng, active, parts, memory, batch)
+        return local_grads(eng, active, parts, memory, batch, key)
     split = lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:])  # [m, rows/m, ...]
     join = lambda x: x.reshape((-1,) + x.shape[2:])  # [rows, ...]
 
     def body(acc, xs):
-        mb, mem = xs
-        g, loss_sum, count, mem = local_grads(eng, active, parts, mem, mb)
+        mb, mem, i = xs
+        g, loss_sum, count, mem = local_grads(eng, active, parts, mem, mb, jax.random.fold_in(key, i))
         return jax.tree.map(jnp.add, acc, (g, loss_sum, count)), mem
 
-    shapes = jax.eval_shape(lambda: local_grads(eng, active, parts, jax.tree.map(lambda x: split(x)[0], memory),
-                                                jax.tree.map(lambda x: split(x)[0], batch))[:3])
+    first = lambda tree: jax.tree.map(lambda x: split(x)[0], tree)
+    shapes = jax.eval_shape(lambda: local_grads(eng, active, parts, first(memory), first(batch), key)[:3])
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    (grads, loss_sum, count), memory = jax.lax.scan(body, zeros, (jax.tree.map(split, batch), jax.tree.map(split, memory)))
+    xs = (jax.tree.map(split, batch), jax.tree.map(split, memory), jnp.arange(m))
+    (grads, loss_sum, count), memory = jax.lax.scan(body, zeros, xs)
     return jax.tree.map(lambda g: g / m, grads), loss_sum, count, jax.tree.map(join, memory)
 
 
@@ -118,7 +126,8 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     err_buf[l] [1, N_l]; params and optimizer states are full replicas."""
     cfg = eng.cfg
     parts = levels.split(state.params, eng.level_tree, eng.n_levels)
-    grads, loss_sum, count, memory = accumulated_grads(eng, active, parts, state.memory, batch)
+    key = device_key(cfg.seed, state.step)
+    grads, loss_sum, count, memory = accumulated_grads(eng, active, parts, state.memory, batch, key)
     # The inner loop's state is carried to the next step but gradients never flow across steps.
     memory = jax.lax.stop_gradient(memory)
 
@@ -162,8 +171,9 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
 
 def local_eval_step(eng: Engine, params: PyTree, batch: dict):
     """Per-device summed loss and token count of a masked eval batch (fresh memory per row)."""
-    memory = eng.model.init_memory(batch["tokens"].shape[0])
-    loss_sum, count, _ = eng.model.apply(params, memory, batch)
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    memory = eng.model.init_memory(rows)
+    loss_sum, count, _ = eng.model.apply(params, memory, batch, jax.random.key(eng.cfg.seed))
     return {"loss_sum": loss_sum[None], "count": count[None]}
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 
@@ -17,19 +16,11 @@ from nljax import __version__, levels, mesh as meshlib
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
-from nljax.data.text import ContextStream, eval_batches, eval_windows, stdlib_corpus
+from nljax import tasks
 from nljax.models import build
 from nljax.state import TrainState
-from nljax.step import Engine, StepCache, put_batch
-
-
-def host_sum(x: jax.Array) -> float:
-    """Sum of a per-device metric array on the host (works across processes)."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return float(np.asarray(x, dtype=np.float64).sum())
+from nljax.step import Engine, StepCache
+from nljax.tasks import Task, host_sum
 
 
 def is_main() -> bool:
@@ -45,8 +36,7 @@ class Setup:
     engine: Engine
     cache: StepCache
     state: TrainState
-    stream: ContextStream
-    eval_data: np.ndarray
+    task: Task
 
     @classmethod
     def create(cls, cfg: Config, devices=None) -> "Setup":
@@ -60,26 +50,14 @@ class Setup:
         model = build(cfg)
         engine = Engine.create(cfg, model, mesh)
         state = engine.init_state(jax.random.key(cfg.seed), cfg.train.batch_size)
-        train_bytes, eval_bytes = stdlib_corpus(cfg.data.eval_fraction)
-        stream = ContextStream(train_bytes, cfg.train.batch_size, cfg.train.seq_len, cfg.seed)
-        return cls(cfg, mesh, engine, StepCache(engine), state, stream, eval_bytes)
+        task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
+        return cls(cfg, mesh, engine, StepCache(engine), state, task)
 
     def batch(self, step: int) -> dict:
-        return self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
+        return self.task.batch(step)
 
-    def evaluate(self, params) -> dict:
-        """Held-out loss over every eval example exactly once (padded rows are masked)."""
-        rows = self.cfg.train.batch_size
-        windows = eval_windows(self.eval_data, self.cfg.train.seq_len, self.cfg.eval.batches * rows)
-        if len(windows) == 0:
-            raise ConfigError(f"the held-out text is shorter than train.seq_len={self.cfg.train.seq_len}")
-        loss = count = 0.0
-        for b in eval_batches(windows, rows):
-            m = self.cache.eval(params, put_batch(b, self.mesh))
-            loss += host_sum(m["loss_sum"])
-            count += host_sum(m["count"])
-        mean = loss / max(count, 1.0)
-        return {"eval_loss": mean, "eval_bpb": mean / math.log(2), "eval_tokens": int(count)}
+    def evaluate(self, params, step: int = 0) -> dict:
+        return self.task.evaluate(self.cache, params, step)
 
 
 class RunDir:
@@ -162,7 +140,7 @@ def train(cfg: Config) -> dict:
     eng, mesh = setup.engine, setup.mesh
     n_dev = meshlib.data_size(mesh)
     rows_per_dev = cfg.train.batch_size // n_dev
-    tokens_per_device_step = rows_per_dev * cfg.train.seq_len
+    tokens_per_device_step = rows_per_dev * setup.task.units_per_row
     n_params = sum(n for n, _ in levels.level_sizes(setup.state.params, eng.level_tree, eng.n_levels))
     say = (lambda *a: None) if quiet else print
     say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices, "
@@ -198,7 +176,7 @@ def train(cfg: Config) -> dict:
             "compiled": compiled,
         }
         if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and p.step + 1 < cfg.train.steps:
-            rec.update(setup.evaluate(state.params))
+            rec.update(setup.evaluate(state.params, p.step + 1))
         run.log(rec)
         history.append(loss)
         if p.step % cfg.train.log_every == 0 or p.step == cfg.train.steps - 1 or "eval_loss" in rec:
@@ -206,7 +184,7 @@ def train(cfg: Config) -> dict:
             say(f"step {p.step:6d}  loss {loss:.4f}  {p.name:<10} {dt * 1e3:8.1f} ms  "
                 f"{rec['tokens_per_s_per_device']:10,.0f} tok/s/device{extra}")
     wall = time.perf_counter() - t_start
-    final_eval = setup.evaluate(state.params)
+    final_eval = setup.evaluate(state.params, cfg.train.steps)
     time_missing_patterns(setup, state, times)
     tp = throughput(times, tokens_per_device_step, n_dev)
     comm = account(setup.cache, state, setup.batch(0))  # reads the executables that trained

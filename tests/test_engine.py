@@ -73,7 +73,7 @@ def test_accumulate_applies_sum_of_frozen_gradients():
 
     def grad_level1(params, step):
         batch = jax.device_get(setup.batch(step))
-        g = jax.grad(lambda p: (lambda s, c, _: s / c)(*eng.model.apply(p, {}, batch)))(params)
+        g = jax.grad(lambda p: (lambda s, c, _: s / c)(*eng.model.apply(p, {}, batch, None)))(params)
         return levels.split(g, eng.level_tree, 2)[1]
 
     from nljax.conductor import pulse

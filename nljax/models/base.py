@@ -5,7 +5,12 @@ A model is a frozen dataclass (hashable, so it can be a static argument of a jit
 - `init(key) -> params`
 - `level_of(path) -> int`: the CMS level of a parameter path (non-CMS parameters are level 0)
 - `init_memory(rows) -> pytree`: inner-loop state, leading axis = stream rows ({} if none)
-- `apply(params, memory, batch) -> (loss_sum, count, new_memory)` on the rows a device owns
+- `apply(params, memory, batch, key) -> (loss_sum, count, new_memory)` on the rows a device owns;
+  `key` is this device's PRNG key for the step (and micro-batch), derived from (seed, step, global
+  device index): different on every device, the same on a rerun with the same seed and mesh. A
+  model whose randomness must not depend on the mesh (so that N devices match 1) derives
+  per-example keys from global example indices carried in the batch instead.
+- `task`: the `nljax.tasks` registry key of its data and evaluation (default "text")
 
 Losses are returned as a sum and a count so that callers reduce sums and counts, never averages
 of averages.
@@ -28,7 +33,7 @@ class Model(Protocol):
 
     def init_memory(self, rows: int) -> PyTree: ...
 
-    def apply(self, params: PyTree, memory: PyTree, batch: dict) -> tuple[jax.Array, jax.Array, PyTree]: ...
+    def apply(self, params: PyTree, memory: PyTree, batch: dict, key: jax.Array) -> tuple[jax.Array, jax.Array, PyTree]: ...
 
 
 _CMS_LEVEL = re.compile(r"(?:^|/)cms(\d+)(?:/|$)")

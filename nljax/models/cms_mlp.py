@@ -52,7 +52,7 @@ class CMSMLP:
     def init_memory(self, rows: int):
         return {}
 
-    def apply(self, params, memory, batch):
+    def apply(self, params, memory, batch, key=None):  # deterministic: key unused
         tokens = batch["tokens"]  # [B, T+1]
         logits = self.net.apply({"params": params}, tokens[:, :-1])
         loss_sum, count = token_loss(logits, tokens[:, 1:], batch.get("mask"))

@@ -150,7 +150,7 @@ class NLLM:
         zeros = lambda: {k: jnp.zeros((rows, *s), jnp.float32) for k, s in mem.memory0_shapes().items()}
         return {f"block{i}": {"M": zeros(), "S": zeros()} for i in self.net.memory_layers}
 
-    def apply(self, params, memory, batch):
+    def apply(self, params, memory, batch, key=None):  # deterministic: key unused
         tokens = batch["tokens"]  # [B, T+1]
         logits, memory = self.net.apply({"params": params}, tokens[:, :-1], memory, batch["reset"])
         loss_sum, count = token_loss(logits, tokens[:, 1:], batch.get("mask"))
