@@ -2,7 +2,10 @@
 
 One step variant is compiled per distinct Pulse active set (a static argument) and cached. In a
 variant, frozen levels appear in no collective at all: their gradients go to the rank-local
-error buffer (`accumulate`) or are never computed (`skip`), so they move zero bytes.
+error buffer (`accumulate`) or are never computed (`skip`), so they move zero bytes (under
+`fsdp` every level's parameters are still gathered for the forward pass). Where parameters and
+optimizer state live, and how a synchronized gradient updates them, is `eng.strategy`
+(`nljax/strategy.py`); the step itself has no strategy branches.
 
 `shard_map` runs with `check_vma=False`: gradients of replicated parameters must stay
 device-local until `sync.reduce` decides what crosses devices. (With varying-axis checking on,

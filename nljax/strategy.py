@@ -41,11 +41,9 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
-
 from nljax import levels, optim, sync
-from nljax.mesh import DATA_AXES, INTER, INTRA, data_size, replicated
-from nljax.state import TrainState, param_specs, shardings
+from nljax.mesh import DATA_AXES, INTER, INTRA, data_size, replicated, rows_sharding
+from nljax.state import TrainState, shardings
 
 PyTree = Any
 
@@ -178,9 +176,9 @@ class _FlatOptimizer:
         return tuple(out)
 
 
-class Zero1(_FlatOptimizer):
+class Zero1(_FlatOptimizer, Replicated):
     """Distributed optimizer (Megatron's, seed 003): optimizer state and the update split over
-    `intra`; each `inter` instance holds a full copy; parameters replicated."""
+    `intra`; each `inter` instance holds a full copy; parameters stored as `Replicated` does."""
 
     name = "zero1"
     stat_axes = (INTRA,)
@@ -193,10 +191,6 @@ class Zero1(_FlatOptimizer):
 
     def to_canonical(self, eng, params, opt_state):
         return params, self._opt_to_canonical(eng, opt_state)
-
-    compute_params = Replicated.compute_params
-    split = Replicated.split
-    merge = Replicated.merge
 
     def reduce(self, eng, g):
         c = eng.cfg.sync
@@ -307,11 +301,7 @@ def import_state(eng, canonical: TrainState) -> TrainState:
     fn = lambda p, o: eng.strategy.from_canonical(eng, p, o)
     shapes = jax.eval_shape(fn, params, opt_state)
     params, opt_state = jax.jit(fn, out_shardings=_layout_shardings(eng, *shapes))(params, opt_state)
-    rows = NamedSharding(eng.mesh, jax.sharding.PartitionSpec(DATA_AXES))
     step = jax.device_put(canonical.step, rep)
-    err_buf, memory = jax.device_put((canonical.err_buf, canonical.memory), rows)
+    err_buf, memory = jax.device_put((canonical.err_buf, canonical.memory), rows_sharding(eng.mesh))
     return TrainState(step, params, opt_state, err_buf, memory)
 
-
-def eval_param_specs(eng, stored: PyTree) -> PyTree:
-    return param_specs(stored, eng.strategy.name)
