@@ -10,6 +10,13 @@ the periods next to a DDP-style baseline that all-reduces every parameter at eve
 sends with ring algorithms (all-reduce 2(g-1)/g, reduce-scatter and all-gather (g-1)/g of the
 payload). Totals and the DDP comparison use wire bytes, so a hierarchical reduction is not
 charged three times for the same data.
+
+Each collective's time is projected as wire bytes / link bandwidth, with `sync.intra_bandwidth_gbps`
+for collectives inside an `intra` group and `sync.inter_bandwidth_gbps` for any that crosses
+`inter` (GB/s per device and direction), and set against a flat ring all-reduce of the same
+gradient bytes over all devices, which a slow link bottlenecks (every ring step crosses it when
+inter > 1). Latency and overlap with compute are not modelled: the projection compares volumes
+on links, not measured times.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import sys
 from nljax import cli, hlo, levels
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config
-from nljax.mesh import data_size
+from nljax.mesh import INTER, INTRA, data_size
 from nljax.step import StepCache
 from nljax.state import TrainState
 
@@ -30,14 +37,31 @@ def variant_collectives(cache: StepCache, active, state: TrainState, batch: dict
     return hlo.collectives(text, dict(cache.eng.mesh.shape))
 
 
+def link_bandwidth(axes, cfg: Config) -> float:
+    """Bytes per second of the slowest link a collective over `axes` uses."""
+    gbps = cfg.sync.inter_bandwidth_gbps if INTER in axes else cfg.sync.intra_bandwidth_gbps
+    return gbps * 1e9
+
+
+def flat_all_reduce_time(nbytes: int, mesh_shape: dict, cfg: Config) -> float:
+    """Projected seconds of one ring all-reduce of `nbytes` over every device."""
+    n = mesh_shape[INTER] * mesh_shape[INTRA]
+    axes = (INTER,) if mesh_shape[INTER] > 1 else (INTRA,)
+    return hlo.ring_all_reduce_bytes(nbytes, n) / link_bandwidth(axes, cfg)
+
+
 def account(cache: StepCache, state: TrainState, batch: dict) -> dict:
     """The report, as a JSON-ready dict."""
     eng = cache.eng
+    cfg, mesh_shape = eng.cfg, dict(eng.mesh.shape)
+    sizes = [b for _, b in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels)]
     conductor = Conductor(eng.cfg.cms.periods)
     patterns = conductor.patterns()
     variants = []
     for active, count in sorted(patterns.items(), key=lambda kv: -kv[1]):
         colls = variant_collectives(cache, active, state, batch)
+        times = [c.wire_bytes / link_bandwidth(c.axes, cfg) for c in colls]
+        grad_bytes = sum(b for b, a in zip(sizes, active) if a)
         variants.append(
             {
                 "active": pattern_name(active),
@@ -52,40 +76,53 @@ def account(cache: StepCache, state: TrainState, batch: dict) -> dict:
                         "dtype": c.dtype,
                         "payload_bytes": c.bytes,
                         "wire_bytes": c.wire_bytes,
+                        "projected_time_s": t,
                     }
-                    for c in colls
+                    for c, t in zip(colls, times)
                 ],
                 "payload_bytes": sum(c.bytes for c in colls),
                 "wire_bytes": sum(c.wire_bytes for c in colls),
+                "gradient_bytes": grad_bytes,
+                "projected_time_s": sum(times),
+                "flat_all_reduce_time_s": flat_all_reduce_time(grad_bytes, mesh_shape, cfg),
             }
         )
     cycle = conductor.cycle
     mean_wire = sum(v["wire_bytes"] * v["steps_per_cycle"] for v in variants) / cycle
-    param_bytes = sum(b for _, b in levels.level_sizes(state.params, eng.level_tree, eng.n_levels))
+    mean_time = sum(v["projected_time_s"] * v["steps_per_cycle"] for v in variants) / cycle
+    mean_flat = sum(v["flat_all_reduce_time_s"] * v["steps_per_cycle"] for v in variants) / cycle
+    param_bytes = sum(sizes)
     ddp = hlo.ring_all_reduce_bytes(param_bytes, data_size(eng.mesh))
     return {
-        "mesh": dict(eng.mesh.shape),
+        "mesh": mesh_shape,
+        "strategy": eng.strategy.name,
         "reduce": eng.cfg.sync.reduce,
+        "bandwidth_gbps": {"intra": cfg.sync.intra_bandwidth_gbps, "inter": cfg.sync.inter_bandwidth_gbps},
         "frozen_grads": eng.cfg.cms.frozen_grads,
         "periods": list(eng.cfg.cms.periods),
         "cycle_steps": cycle,
-        "param_bytes_per_level": [b for _, b in levels.level_sizes(state.params, eng.level_tree, eng.n_levels)],
+        "param_bytes_per_level": sizes,
         "variants": variants,
         "mean_wire_bytes_per_step": mean_wire,
         "ddp_wire_bytes_per_step": ddp,
         "ratio_vs_ddp": (mean_wire / ddp) if ddp else None,
+        "mean_projected_time_s": mean_time,
+        "mean_flat_all_reduce_time_s": mean_flat,
     }
 
 
 def format_report(r: dict) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
     lines = [
-        f"mesh {mesh}   reduce={r['reduce']}   frozen_grads={r['frozen_grads']}   periods={r['periods']} "
-        f"(cycle {r['cycle_steps']} steps)",
+        f"mesh {mesh}   strategy={r['strategy']}   reduce={r['reduce']}   frozen_grads={r['frozen_grads']}   "
+        f"periods={r['periods']} (cycle {r['cycle_steps']} steps)",
         f"parameter bytes per level: {r['param_bytes_per_level']}",
+        f"links: intra {r['bandwidth_gbps']['intra']:g} GB/s, inter {r['bandwidth_gbps']['inter']:g} GB/s per device",
         "",
-        f"{'variant':<12}{'steps/cycle':>12}  {'op':<16}{'axes':<14}{'groups':>7}{'payload B':>14}{'wire B':>14}",
+        f"{'variant':<12}{'steps/cycle':>12}  {'op':<16}{'axes':<14}{'groups':>7}{'payload B':>14}{'wire B':>14}"
+        f"{'time us':>10}",
     ]
+    us = lambda t: f"{t * 1e6:,.1f}"
     for v in r["variants"]:
         first = True
         for c in v["collectives"] or [None]:
@@ -94,9 +131,17 @@ def format_report(r: dict) -> str:
             if c is None:
                 lines.append(head + "(no collectives)")
                 continue
+            shown = c["replica_groups"][:4]
+            groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in shown)
+            groups += " ..." if len(c["replica_groups"]) > len(shown) else ""
             lines.append(
                 head + f"{c['op']:<16}{'+'.join(c['axes']):<14}{len(c['replica_groups']):>7}"
-                f"{c['payload_bytes']:>14,d}{c['wire_bytes']:>14,.0f}"
+                f"{c['payload_bytes']:>14,d}{c['wire_bytes']:>14,.0f}{us(c['projected_time_s']):>10}  {groups}"
+            )
+        if v["gradient_bytes"]:
+            lines.append(
+                " " * 26 + f"projected {us(v['projected_time_s'])} us vs flat all-reduce of the "
+                f"{v['gradient_bytes']:,d} gradient bytes {us(v['flat_all_reduce_time_s'])} us"
             )
     lines += [
         "",
@@ -105,6 +150,12 @@ def format_report(r: dict) -> str:
     ]
     if r["ratio_vs_ddp"] is not None:
         lines.append(f"ratio nljax / DDP: {r['ratio_vs_ddp']:.3f}")
+    if r["mean_flat_all_reduce_time_s"]:
+        lines.append(
+            f"projected communication time per step: {us(r['mean_projected_time_s'])} us; flat all-reduce of the "
+            f"same gradients: {us(r['mean_flat_all_reduce_time_s'])} us "
+            f"({r['mean_flat_all_reduce_time_s'] / max(r['mean_projected_time_s'], 1e-30):.2f}x)"
+        )
     return "\n".join(lines)
 
 

@@ -53,6 +53,17 @@ class CMSConfig:
 class SyncConfig:
     reduce: Literal["flat", "hierarchical"] = "hierarchical"
     mean: bool = True  # average gradients over devices (True) or sum them (False)
+    # Where parameters and optimizer state live (nljax/strategy.py): replicated | zero1 | fsdp.
+    strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
+    # Skip a step (on every device) whose synchronized gradient is not finite.
+    check_grads: bool = True
+    max_grad_norm: float = 0.0  # also skip a step whose synchronized gradient norm exceeds this (0: off)
+    # Link bandwidths in GB/s (gigabytes) per device and direction, for the time projection of
+    # `nljax.comm`. Defaults: NVLink 4 on H100 SXM, 900 GB/s bidirectional = 450 GB/s per
+    # direction (NVIDIA H100 datasheet); InfiniBand NDR, 400 Gb/s per GPU = 50 GB/s (NVIDIA
+    # ConnectX-7 / DGX H100: one 400 Gb/s NIC per GPU).
+    intra_bandwidth_gbps: float = 450.0
+    inter_bandwidth_gbps: float = 50.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +255,8 @@ def validate(cfg: Config) -> None:
     for key in ("hidden_mult", "heads", "window", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+    if cfg.sync.max_grad_norm < 0 or cfg.sync.intra_bandwidth_gbps <= 0 or cfg.sync.inter_bandwidth_gbps <= 0:
+        raise ConfigError("sync.max_grad_norm must be >= 0 and sync.intra/inter_bandwidth_gbps > 0")
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}")
     if m.name == "nl_lm":

@@ -1,25 +1,29 @@
 """Training state and where each part of it lives on the mesh.
 
-| field     | lifetime                          | sharding                                  |
-|-----------|-----------------------------------|-------------------------------------------|
-| step      | global                            | replicated                                |
-| params    | outer loop, synchronized          | replicated                                |
-| opt_state | per level, touched when it fires  | replicated                                |
-| err_buf   | per level, rank-local             | [n_devices, N_l] split over data axes     |
-| memory    | inner loop, per stream row        | [G, ...] split over data axes by row      |
+| field     | lifetime                          | sharding                                        |
+|-----------|-----------------------------------|-------------------------------------------------|
+| step      | global                            | replicated                                      |
+| params    | outer loop, synchronized          | replicated; fsdp: per-level flat vectors split   |
+|           |                                   | over both data axes                             |
+| opt_state | per level, touched when it fires  | replicated; zero1: flat vectors split over      |
+|           |                                   | `intra`; fsdp: split over both data axes        |
+| err_buf   | per level, rank-local             | [n_devices, N_l] split over data axes           |
+| memory    | inner loop, per stream row        | [G, ...] split over data axes by row            |
 
-`err_buf[l]` is None for levels that never freeze (period 1) and in `skip` mode.
+`err_buf[l]` is None for levels that never freeze (period 1) and in `skip` mode. The layouts of
+`params` and `opt_state` per strategy are described in `nljax/strategy.py`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
+import numpy as np
 from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from nljax.mesh import REPLICATED, ROWS
+from nljax.mesh import INTRA, REPLICATED, ROWS
 
 PyTree = Any
 
@@ -33,23 +37,68 @@ class TrainState:
     memory: PyTree  # inner-loop state, leading axis = stream rows
 
 
-def specs(state: TrainState) -> TrainState:
-    """PartitionSpecs for every leaf of `state` (same structure)."""
-    rep = lambda tree: jax.tree.map(lambda _: REPLICATED, tree)
+def _vectors(spec: P) -> Callable[[Any], P]:
+    """Vector leaves (a level's flat parameters or moments) get `spec`; scalars (step counts)
+    stay replicated."""
+    return lambda x: spec if len(x.shape) == 1 else REPLICATED
+
+
+# strategy -> (spec of a params leaf, spec of an opt_state leaf)
+LAYOUTS: dict[str, tuple[Callable[[Any], P], Callable[[Any], P]]] = {
+    "replicated": (lambda _: REPLICATED, lambda _: REPLICATED),
+    "zero1": (lambda _: REPLICATED, _vectors(P(INTRA))),
+    "fsdp": (lambda _: ROWS, _vectors(ROWS)),
+}
+
+
+def param_specs(params: PyTree, strategy: str = "replicated") -> PyTree:
+    return jax.tree.map(LAYOUTS[strategy][0], params)
+
+
+def specs(state: TrainState, strategy: str = "replicated") -> TrainState:
+    """PartitionSpecs for every leaf of `state` (same structure) under `strategy`."""
     rows = lambda tree: jax.tree.map(lambda _: ROWS, tree)
     return TrainState(
         step=REPLICATED,
-        params=rep(state.params),
-        opt_state=rep(state.opt_state),
+        params=param_specs(state.params, strategy),
+        opt_state=jax.tree.map(LAYOUTS[strategy][1], state.opt_state),
         err_buf=rows(state.err_buf),
         memory=rows(state.memory),
     )
 
 
-def shardings(state: TrainState, mesh) -> TrainState:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs(state), is_leaf=lambda x: isinstance(x, P))
+def shardings(state: TrainState, mesh, strategy: str = "replicated") -> TrainState:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs(state, strategy), is_leaf=lambda x: isinstance(x, P))
 
 
-def place(state: TrainState, mesh) -> TrainState:
+def place(state: TrainState, mesh, strategy: str = "replicated") -> TrainState:
     """Put host or single-device arrays where `specs` says they live."""
-    return jax.device_put(state, shardings(state, mesh))
+    return jax.device_put(state, shardings(state, mesh, strategy))
+
+
+def bytes_per_device(state: TrainState) -> dict[str, int]:
+    """Bytes one device holds of each field, from the arrays' shardings (the largest shard where
+    shards differ, i.e. padding included)."""
+
+    def per_device(tree) -> int:
+        total = 0
+        for x in jax.tree.leaves(tree):
+            shape = x.sharding.shard_shape(x.shape) if hasattr(x, "sharding") else x.shape
+            total += int(np.prod(shape)) * np.dtype(x.dtype).itemsize
+        return total
+
+    return {
+        "params": per_device(state.params),
+        "opt_state": per_device(state.opt_state),
+        "err_buf": per_device(state.err_buf),
+        "memory": per_device(state.memory),
+    }
+
+
+def describe_memory(report: dict[str, int], strategy: str) -> str:
+    """The line printed at start."""
+    mib = lambda b: f"{b / 2**20:,.2f} MiB"
+    return (
+        f"memory per device ({strategy}): params {mib(report['params'])}, optimizer state "
+        f"{mib(report['opt_state'])}, error buffers {mib(report['err_buf'])}, inner-loop memory {mib(report['memory'])}"
+    )

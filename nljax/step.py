@@ -2,7 +2,10 @@
 
 One step variant is compiled per distinct Pulse active set (a static argument) and cached. In a
 variant, frozen levels appear in no collective at all: their gradients go to the rank-local
-error buffer (`accumulate`) or are never computed (`skip`), so they move zero bytes.
+error buffer (`accumulate`) or are never computed (`skip`), so they move zero bytes (under
+`fsdp` every level's parameters are still gathered for the forward pass). Where parameters and
+optimizer state live, and how a synchronized gradient updates them, is `eng.strategy`
+(`nljax/strategy.py`); the step itself has no strategy branches.
 
 `shard_map` runs with `check_vma=False`: gradients of replicated parameters must stay
 device-local until `sync.reduce` decides what crosses devices. (With varying-axis checking on,
@@ -18,14 +21,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
-from nljax import levels, optim, sync
+from nljax import levels, optim
 from nljax.config import Config
-from nljax.mesh import DATA_AXES, INTRA, REPLICATED, ROWS, data_size, replicated, rows_sharding
+from nljax.mesh import DATA_AXES, REPLICATED, ROWS, data_size, rows_sharding
 from nljax.models.base import Model
-from nljax.state import TrainState, place, specs
+from nljax.state import TrainState, param_specs, place, specs
+from nljax.strategy import STRATEGIES, LevelFlat, Strategy, init_layout
 
 PyTree = Any
 Active = tuple[bool, ...]
@@ -41,6 +44,9 @@ class Engine:
     level_tree: PyTree  # same structure as params, an int level per leaf
     tx: optax.GradientTransformation
     lr: Callable[[jax.Array], jax.Array]
+    param_shapes: PyTree  # the model's parameter pytree as ShapeDtypeStructs
+    flats: tuple[LevelFlat, ...]  # per level: its leaves as one flat vector and back
+    strategy: Strategy  # where params and optimizer state live (`sync.strategy`)
 
     @property
     def n_levels(self) -> int:
@@ -53,8 +59,11 @@ class Engine:
     @classmethod
     def create(cls, cfg: Config, model: Model, mesh: Mesh) -> "Engine":
         shapes = jax.eval_shape(model.init, jax.random.key(0))
-        level_tree = levels.assign(shapes, model.level_of, len(cfg.cms.periods))
-        return cls(cfg, model, mesh, level_tree, optim.direction(cfg.optim), optim.schedule(cfg.optim, cfg.train.steps))
+        n_levels = len(cfg.cms.periods)
+        level_tree = levels.assign(shapes, model.level_of, n_levels)
+        flats = tuple(LevelFlat.of(p) for p in levels.split(shapes, level_tree, n_levels))
+        tx, lr = optim.direction(cfg.optim), optim.schedule(cfg.optim, cfg.train.steps)
+        return cls(cfg, model, mesh, level_tree, tx, lr, shapes, flats, STRATEGIES[cfg.sync.strategy])
 
     def buffered(self, level: int) -> bool:
         """Whether level `level` keeps a rank-local error buffer."""
@@ -62,17 +71,14 @@ class Engine:
 
     def init_state(self, key: jax.Array, rows: int) -> TrainState:
         """Fresh state for `rows` stream rows, placed on the mesh."""
-        params = jax.jit(self.model.init, out_shardings=replicated(self.mesh))(key)
-        parts = levels.split(params, self.level_tree, self.n_levels)
-        opt_state = tuple(self.tx.init(p) for p in parts)
-        sizes = [s for s, _ in levels.level_sizes(params, self.level_tree, self.n_levels)]
+        params, opt_state = init_layout(self, key)  # already in the strategy's shardings
         err_buf = tuple(
-            jnp.zeros((self.n_devices, sizes[l]), jnp.float32) if self.buffered(l) else None
+            jnp.zeros((self.n_devices, self.flats[l].size), jnp.float32) if self.buffered(l) else None
             for l in range(self.n_levels)
         )
         memory = self.model.init_memory(rows)
         state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, err_buf, memory)
-        return place(state, self.mesh)
+        return place(state, self.mesh, self.strategy.name)
 
 
 def device_key(seed: int, step: jax.Array) -> jax.Array:
@@ -121,63 +127,108 @@ def accumulated_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree,
     return jax.tree.map(lambda g: g / m, grads), loss_sum, count, jax.tree.map(join, memory)
 
 
+def fold_frozen(eng: Engine, active: Active, grads: tuple, err_buf: tuple):
+    """Per level: the flat local gradient to synchronize (active levels, error buffer added) and
+    the new error buffers (frozen levels add their gradient, rank-local; fired levels reset)."""
+    check = eng.cfg.sync.check_grads
+    to_sync, new_buf = {}, list(err_buf)
+    for l in range(eng.n_levels):
+        if grads[l] is None:
+            continue
+        g = eng.flats[l].ravel(grads[l])  # [N_l]
+        if active[l]:
+            if eng.buffered(l):
+                g = g + err_buf[l][0]
+                new_buf[l] = jnp.zeros_like(err_buf[l])
+            to_sync[l] = g
+        elif eng.buffered(l):
+            acc = err_buf[l] + g[None]  # [1, N_l], rank-local, never communicated
+            # A non-finite local gradient of a frozen level would poison the buffer until the
+            # level fires and then make every later firing skip; it is left out on this device
+            # (a rank-local decision, like the buffer itself).
+            new_buf[l] = jnp.where(jnp.all(jnp.isfinite(g)), acc, err_buf[l]) if check else acc
+    return to_sync, tuple(new_buf)
+
+
+def global_norm(eng: Engine, synced: dict) -> jax.Array:
+    """Norm of the synchronized gradients of the active levels, identical on every device. Under
+    a sharded strategy each device holds a shard, so the squared sums cross `stat_axes` (one
+    scalar all-reduce); `replicated` needs no collective."""
+    sq = sum(jnp.sum(jnp.square(g)) for g in synced.values()) if synced else jnp.zeros(())
+    if synced and eng.strategy.stat_axes:
+        sq = jax.lax.psum(sq, eng.strategy.stat_axes)
+    return jnp.sqrt(sq)
+
+
+def skip_step(eng: Engine, grad_norm: jax.Array):
+    """Whether to skip this step, from the synchronized gradients (the same value on every
+    device, so all take the same branch without another collective): a NaN or Inf anywhere in
+    them makes the norm non-finite; `sync.max_grad_norm` adds a threshold."""
+    c = eng.cfg.sync
+    if not c.check_grads:
+        return None
+    bad = ~jnp.isfinite(grad_norm)
+    if c.max_grad_norm > 0:
+        bad = bad | (grad_norm > c.max_grad_norm)
+    return bad
+
+
 def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict):
     """Per-device body. Shapes are shard-local: batch tokens [G/n, T+1], memory [G/n, ...],
-    err_buf[l] [1, N_l]; params and optimizer states are full replicas."""
-    cfg = eng.cfg
-    parts = levels.split(state.params, eng.level_tree, eng.n_levels)
+    err_buf[l] [1, N_l]; params and optimizer states as `eng.strategy` stores them (full
+    replicas, or flat shards)."""
+    cfg, strat = eng.cfg, eng.strategy
+    stored = strat.split(eng, state.params)
+    parts = levels.split(strat.compute_params(eng, state.params), eng.level_tree, eng.n_levels)
     key = device_key(cfg.seed, state.step)
     grads, loss_sum, count, memory = accumulated_grads(eng, active, parts, state.memory, batch, key)
     # The inner loop's state is carried to the next step but gradients never flow across steps.
     memory = jax.lax.stop_gradient(memory)
 
-    err_buf, synced, unravel = list(state.err_buf), {}, {}
-    for l in range(eng.n_levels):
-        if grads[l] is None:
-            continue
-        g, unravel[l] = ravel_pytree(grads[l])  # [N_l]
-        if active[l]:
-            if eng.buffered(l):
-                g = g + state.err_buf[l][0]
-                err_buf[l] = jnp.zeros_like(state.err_buf[l])
-            if g.size:
-                g = sync.reduce(g, cfg.sync.reduce, cfg.sync.mean, eng.mesh.shape[INTRA], eng.n_devices)
-            synced[l] = g
-        elif eng.buffered(l):
-            err_buf[l] = state.err_buf[l] + g[None]  # [1, N_l], rank-local, never communicated
-
-    clipped, grad_norm = optim.clip_by_global_norm(list(synced.values()), cfg.optim.clip_norm)
+    to_sync, err_buf = fold_frozen(eng, active, grads, state.err_buf)
+    synced = {l: strat.reduce(eng, g) for l, g in to_sync.items() if g.size}
+    grad_norm = global_norm(eng, synced)
+    if cfg.optim.clip_norm > 0:  # clip the active levels jointly by their global norm
+        factor = jnp.minimum(1.0, cfg.optim.clip_norm / (grad_norm + 1e-6))
+        synced = {l: g * factor for l, g in synced.items()}
     # step + 1: with warm-up the schedule is 0 at step 0, the one step where every level fires,
     # so a level that fires only then would never train.
     lr = eng.lr(state.step + 1)
     scales = optim.level_scales(cfg.optim, eng.n_levels)
-    new_parts, opt_state = list(parts), list(state.opt_state)
-    for l, g in zip(synced, clipped):
-        new_parts[l], opt_state[l] = optim.apply(
-            eng.tx, unravel[l](g), state.opt_state[l], parts[l], lr * scales[l], cfg.optim.weight_decay
-        )
+    new_stored, opt_state = list(stored), list(state.opt_state)
+    for l, g in synced.items():
+        new_stored[l], opt_state[l] = strat.update(eng, l, g, stored[l], opt_state[l], lr * scales[l])
     new_state = TrainState(
         step=state.step + 1,
-        params=levels.merge(tuple(new_parts), eng.level_tree),
+        params=strat.merge(eng, new_stored),
         opt_state=tuple(opt_state),
-        err_buf=tuple(err_buf),
+        err_buf=err_buf,
         memory=memory,
     )
+    skip = skip_step(eng, grad_norm)
+    if skip is not None:
+        # A skipped step changes nothing but the step counter: the same state, bit for bit, as
+        # not running it. `where` rather than `cond`: both branches are computed anyway.
+        kept = state.replace(step=new_state.step)
+        new_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new), kept, new_state)
     # Loss leaves as per-device sums and counts ([n_devices] globally): the host reduces them,
     # so the step's HLO holds no collective besides the gradient sync.
-    metrics = {"loss_sum": loss_sum[None], "count": count[None], "grad_norm": grad_norm}
+    skipped = jnp.zeros((), jnp.float32) if skip is None else skip.astype(jnp.float32)
+    metrics = {"loss_sum": loss_sum[None], "count": count[None], "grad_norm": grad_norm, "skipped": skipped}
     return new_state, metrics
 
 
 def local_eval_step(eng: Engine, params: PyTree, batch: dict):
-    """Per-device summed loss and token count of a masked eval batch (fresh memory per row)."""
+    """Per-device summed loss and token count of a masked eval batch (fresh memory per row).
+    `params` are stored as the strategy stores them (gathered here under fsdp)."""
+    params = eng.strategy.compute_params(eng, params)
     rows = jax.tree.leaves(batch)[0].shape[0]
     memory = eng.model.init_memory(rows)
     loss_sum, count, _ = eng.model.apply(params, memory, batch, jax.random.key(eng.cfg.seed))
     return {"loss_sum": loss_sum[None], "count": count[None]}
 
 
-TRAIN_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS, "grad_norm": REPLICATED}
+TRAIN_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS, "grad_norm": REPLICATED, "skipped": REPLICATED}
 EVAL_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS}
 
 
@@ -205,7 +256,7 @@ class StepCache:
             self.traces[active] = self.traces.get(active, 0) + 1  # runs at trace time only
             return local_train_step(self.eng, active, state, batch)
 
-        st = specs(state)
+        st = specs(state, self.eng.strategy.name)
         fn = jax.shard_map(
             body,
             mesh=self.eng.mesh,
@@ -225,7 +276,7 @@ class StepCache:
             fn = jax.shard_map(
                 functools.partial(local_eval_step, self.eng),
                 mesh=self.eng.mesh,
-                in_specs=(jax.tree.map(lambda _: REPLICATED, params), batch_specs(batch)),
+                in_specs=(param_specs(params, self.eng.strategy.name), batch_specs(batch)),
                 out_specs=EVAL_METRIC_SPECS,
                 check_vma=False,
             )

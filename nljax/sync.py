@@ -6,6 +6,9 @@ aligned to the level), so the compiled HLO shows exactly which level moved how m
 - `flat`: one all-reduce over both data axes.
 - `hierarchical` (seed 003): reduce-scatter over `intra` (fast links, full data), all-reduce over
   `inter` on the 1/intra shard each device owns (slow links, small data), all-gather over `intra`.
+
+The sharded strategies (`nljax/strategy.py`) stop before the all-gather: `shard_intra` gives the
+1/intra shard ZeRO-1 updates, `shard_all` the 1/(inter*intra) shard FSDP updates.
 """
 
 from __future__ import annotations
@@ -42,3 +45,44 @@ def reduce(vec: jax.Array, how: str, mean: bool, intra: int, n_devices: int) -> 
     else:
         raise ValueError(f"unknown sync.reduce '{how}'")
     return out / n_devices if mean else out
+
+
+def shard_intra(vec: jax.Array, how: str, mean: bool, intra: int, n_devices: int) -> jax.Array:
+    """ZeRO-1: the summed (or mean) 1/intra shard of `vec` this device's `intra` index owns, the
+    same on every `inter` instance.  # [ceil(N/intra)]
+
+    `hierarchical`: reduce-scatter over `intra`, all-reduce of the shard over `inter`.
+    `flat`: one all-reduce over both axes, then this device's shard is sliced locally (the flat
+    DDP reduction; only the optimizer is sharded)."""
+    if how == "hierarchical":
+        out = reduce_scatter_intra(vec, intra)
+    elif how == "flat":
+        full = pad_to(jax.lax.psum(vec, DATA_AXES), intra)
+        size = full.shape[0] // intra
+        out = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(INTRA) * size, size)
+    else:
+        raise ValueError(f"unknown sync.reduce '{how}'")
+    return out / n_devices if mean else out
+
+
+def shard_all(vec: jax.Array, how: str, mean: bool, inter: int, intra: int) -> jax.Array:
+    """FSDP: the summed (or mean) shard of `vec` owned by this device, shard k = inter_index *
+    intra + intra_index of the vector padded to a multiple of inter*intra (the order of an
+    array split over `DATA_AXES`).  # [ceil(N/(inter*intra))]
+
+    `hierarchical`: reduce-scatter over `intra` (full data, fast links), then over `inter` (1/intra
+    of the data, slow links). `flat`: one reduce-scatter over both axes at once."""
+    n = inter * intra
+    padded = pad_to(vec, n)  # [n * S]
+    if how == "hierarchical":
+        s = padded.shape[0] // n
+        # Reorder so that intra index j's block holds the shards (i * intra + j for every i): the
+        # intra reduce-scatter then hands it exactly the shards of its column, in `inter` order.
+        blocks = padded.reshape(inter, intra, s).transpose(1, 0, 2).reshape(-1)  # [intra * inter * S]
+        col = jax.lax.psum_scatter(blocks, INTRA, scatter_dimension=0, tiled=True)  # [inter * S]
+        out = jax.lax.psum_scatter(col, INTER, scatter_dimension=0, tiled=True)  # [S]
+    elif how == "flat":
+        out = jax.lax.psum_scatter(padded, DATA_AXES, scatter_dimension=0, tiled=True)  # [S]
+    else:
+        raise ValueError(f"unknown sync.reduce '{how}'")
+    return out / n if mean else out

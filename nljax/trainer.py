@@ -18,7 +18,7 @@ from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
 from nljax import tasks
 from nljax.models import build
-from nljax.state import TrainState
+from nljax.state import TrainState, bytes_per_device, describe_memory
 from nljax.step import Engine, StepCache
 from nljax.tasks import Task, host_sum
 
@@ -141,19 +141,21 @@ def train(cfg: Config) -> dict:
     n_dev = meshlib.data_size(mesh)
     rows_per_dev = cfg.train.batch_size // n_dev
     tokens_per_device_step = rows_per_dev * setup.task.units_per_row
-    n_params = sum(n for n, _ in levels.level_sizes(setup.state.params, eng.level_tree, eng.n_levels))
+    n_params = sum(n for n, _ in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels))
     say = (lambda *a: None) if quiet else print
     say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices, "
         f"mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, {jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters; global batch {cfg.train.batch_size} rows x "
         f"{cfg.train.seq_len} tokens, {rows_per_dev} rows per device in {cfg.train.accum_steps} "
         f"micro-batch(es) of {rows_per_dev // cfg.train.accum_steps}")
-    say(levels.describe(setup.state.params, eng.level_tree, cfg.cms.periods))
+    say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
+    memory_report = bytes_per_device(setup.state)
+    say(describe_memory(memory_report, eng.strategy.name))
 
     state, conductor = setup.state, Conductor(cfg.cms.periods)
     times: dict[str, list[float]] = {}
     seen: set = set()
-    history = []
+    history, skipped = [], 0
     t_start = time.perf_counter()
     for _ in range(cfg.train.steps):
         p = conductor.pulse
@@ -162,6 +164,11 @@ def train(cfg: Config) -> dict:
         state, m = setup.cache.train(p.active, state, batch)
         loss = host_sum(m["loss_sum"]) / host_sum(m["count"])  # blocks: step times are real
         dt = time.perf_counter() - t0
+        was_skipped = bool(m["skipped"].addressable_data(0))  # the same on every device
+        if was_skipped:
+            skipped += 1
+            say(f"warning: step {p.step} skipped: gradient norm {float(m['grad_norm'].addressable_data(0))} "
+                f"is not finite or above sync.max_grad_norm")
         conductor = conductor.advance()  # after the step's synchronization
         compiled = p.active not in seen
         seen.add(p.active)
@@ -174,6 +181,7 @@ def train(cfg: Config) -> dict:
             "step_time_s": dt,
             "tokens_per_s_per_device": tokens_per_device_step / dt,
             "compiled": compiled,
+            "skipped": was_skipped,
         }
         if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and p.step + 1 < cfg.train.steps:
             rec.update(setup.evaluate(state.params, p.step + 1))
@@ -203,6 +211,9 @@ def train(cfg: Config) -> dict:
             "wire_bytes_per_pattern": {v["active"]: v["wire_bytes"] for v in comm["variants"]},
         },
         "wall_time_s": wall,
+        "skipped_steps": skipped,
+        "memory_bytes_per_device": memory_report,
+        "strategy": eng.strategy.name,
     }
     run.save_summary(summary)
     say(f"eval loss {final_eval['eval_loss']:.4f} ({final_eval['eval_bpb']:.3f} bits per byte)")
