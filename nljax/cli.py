@@ -44,13 +44,10 @@ def setup_devices(cpu_devices: int | None) -> None:
 
 
 def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
-    """Joins a multi-process run if this process is one (True), then checks that every process
-    resolved the same config before anything is built from it."""
+    """Joins a multi-process run if this process is one of several (True)."""
     launch = distributed.resolve(args.coordinator, args.num_processes, args.process_id,
                                  distributed.parse_device_ids(args.local_device_ids))
-    started = distributed.initialize(launch, cfg.distributed.timeout_s)
-    distributed.check_config(cfg)
-    return started
+    return distributed.initialize(launch, cfg.distributed.timeout_s)
 
 
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
@@ -62,6 +59,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         setup_devices(args.cpu_devices)
         cfg = config.load(args.config, args.overrides)
         multiprocess = setup_processes(args, cfg)
+        distributed.check_config(cfg)  # before anything is built from it
         return run(args, cfg) or 0
     except config.ConfigError as e:
         # In a multi-process run every process raises it together (lockstep checks) or the

@@ -35,12 +35,8 @@ import jax
 import numpy as np
 
 from nljax.config import Config, ConfigError, to_dict
-
-# Environment fallbacks of the CLI flags (set per process by `python -m nljax.launch`).
-ENV_COORDINATOR = "NLJAX_COORDINATOR"
-ENV_NUM_PROCESSES = "NLJAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "NLJAX_PROCESS_ID"
-ENV_LOCAL_DEVICE_IDS = "NLJAX_LOCAL_DEVICE_IDS"
+# Environment fallbacks of the CLI flags, set per process by `python -m nljax.launch`.
+from nljax.launch import ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 # Cluster launchers whose processes JAX's auto-detection can wire up by itself: (name, variable
 # holding the number of tasks of this job step). One task is a single-process run.

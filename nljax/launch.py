@@ -25,9 +25,14 @@ import threading
 import time
 from typing import IO, Sequence
 
-from nljax import distributed
-
 PROG = "nljax.launch"
+
+# What each process is told (read by every nljax CLI through `nljax.distributed`). Defined here,
+# in a module that does not import JAX, so that the launcher starts instantly.
+ENV_COORDINATOR = "NLJAX_COORDINATOR"
+ENV_NUM_PROCESSES = "NLJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "NLJAX_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "NLJAX_LOCAL_DEVICE_IDS"
 
 
 def free_port() -> int:
@@ -39,9 +44,9 @@ def free_port() -> int:
 def child_env(base: dict, index: int, nproc: int, coordinator: str, cpu_devices: int | None,
               devices_per_proc: int | None) -> dict:
     env = dict(base)
-    env[distributed.ENV_COORDINATOR] = coordinator
-    env[distributed.ENV_NUM_PROCESSES] = str(nproc)
-    env[distributed.ENV_PROCESS_ID] = str(index)
+    env[ENV_COORDINATOR] = coordinator
+    env[ENV_NUM_PROCESSES] = str(nproc)
+    env[ENV_PROCESS_ID] = str(index)
     env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
     if cpu_devices is not None:
         # JAX reads every config option from the upper-case environment variable of its name.
@@ -49,7 +54,7 @@ def child_env(base: dict, index: int, nproc: int, coordinator: str, cpu_devices:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
     if devices_per_proc is not None:
         ids = range(index * devices_per_proc, (index + 1) * devices_per_proc)
-        env[distributed.ENV_LOCAL_DEVICE_IDS] = ",".join(map(str, ids))
+        env[ENV_LOCAL_DEVICE_IDS] = ",".join(map(str, ids))
     return env
 
 
@@ -150,6 +155,8 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
             time.sleep(0.05)
         group.finish()
         if failed is not None:
+            codes = ", ".join(str(exit_code(p.returncode)) for p in group.procs)
+            group.say(f"exit codes by process: {codes}")
             return failed[1] or 1
         return 0
     finally:
