@@ -105,31 +105,45 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_killed_worker_stops_the_run_within_the_bound(tmp_path):
-    """SIGKILL one worker mid-training: the survivor exits on its own (its collective fails, or
-    the coordination service's heartbeat timeout ends it) well before the launcher's grace
-    period, the launcher exits non-zero and no process is left."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
+    """SIGKILL one worker mid-training: the survivor exits on its own (its collective fails) well
+    before the launcher's grace period. SIGSTOP one worker (alive, silent, its socket open, as a
+    hung GPU process): the coordination service misses its heartbeats for distributed.timeout_s
+    and terminates the survivor; the launcher then kills the stopped one. Either way the launcher
+    exits non-zero within the bound and no process is left."""
     log = tmp_path / "log.txt"
-    cmd = [*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--grace", "60", "--", sys.executable, "-m", "nljax.train",
-           f"run.dir={tmp_path}/r", "train.steps=100000", "train.log_every=1", "distributed.timeout_s=5", *TINY, "cms.periods=[1]"]
+    grace = 60 if sig == signal.SIGKILL else 2
+    cmd = [*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--grace", str(grace), "--", sys.executable, "-m",
+           "nljax.train", f"run.dir={tmp_path}/r", "train.steps=100000", "train.log_every=1",
+           "distributed.timeout_s=5", *TINY, "cms.periods=[1]"]
     with open(log, "w") as f:
         launcher = subprocess.Popen(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT)
     try:
         pids = [int(x) for x in _wait_for(log, r"pids (\d+) (\d+)$", launcher, 60).groups()]
         _wait_for(log, r"^\[0\] step +2 ", launcher, 300)  # compiled and training
         t0 = time.monotonic()
-        os.kill(pids[1], signal.SIGKILL)
-        rc = launcher.wait(timeout=60)
+        os.kill(pids[1], sig)
+        rc = launcher.wait(timeout=90)
         elapsed = time.monotonic() - t0
     finally:
         if launcher.poll() is None:
             launcher.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
     text = log.read_text()
-    assert rc == 128 + signal.SIGKILL, text
-    assert elapsed < 20, (elapsed, text)  # timeout_s=5 plus exit; the 60 s grace was not needed
-    assert f"process 1 (pid {pids[1]}) exited with code 137" in text
-    assert "killing the processes still running" not in text
     assert not any(_alive(p) for p in pids)
+    if sig == signal.SIGKILL:
+        assert rc == 128 + signal.SIGKILL, text
+        assert elapsed < 20, (elapsed, text)  # the 60 s grace was not needed
+        assert f"process 1 (pid {pids[1]}) exited with code 137" in text
+        assert "killing the processes still running" not in text
+    else:
+        # Process 0 is ended by JAX (abort, 134) after missing heartbeats; process 1 by the launcher.
+        assert rc == 134 and "exit codes by process: 134, 137" in text, text
+        assert "Terminating process because the JAX distributed service detected fatal errors" in text
+        assert 2 <= elapsed < 5 + grace + 15, (elapsed, text)
 
 
 def test_launcher_prefixes_lines_sets_env_and_propagates_failure():
