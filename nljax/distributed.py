@@ -38,9 +38,13 @@ from nljax.config import Config, ConfigError, to_dict
 # Environment fallbacks of the CLI flags, set per process by `python -m nljax.launch`.
 from nljax.launch import ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
-# Cluster launchers whose processes JAX's auto-detection can wire up by itself: (name, variable
-# holding the number of tasks of this job step). One task is a single-process run.
-CLUSTERS = (("SLURM", "SLURM_STEP_NUM_TASKS"), ("Open MPI", "OMPI_COMM_WORLD_SIZE"))
+# Cluster launchers whose processes JAX's auto-detection wires up by itself: (name, variable
+# present only in a launched job step, variable holding its number of tasks), as JAX's own
+# SlurmCluster / OmpiCluster read them. One task is a single-process run.
+CLUSTERS = (
+    ("SLURM", "SLURM_STEP_NODELIST", "SLURM_NTASKS"),
+    ("Open MPI", "OMPI_MCA_orte_hnp_uri", "OMPI_COMM_WORLD_SIZE"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,9 +79,9 @@ def parse_device_ids(text: str | None, what: str = "--local-device-ids") -> tupl
 
 def detected_cluster() -> str | None:
     """The cluster launcher that started this process as one of several tasks, if any."""
-    for name, var in CLUSTERS:
+    for name, marker, tasks in CLUSTERS:
         try:
-            if int(os.environ.get(var, "1")) > 1:
+            if marker in os.environ and int(os.environ.get(tasks, "1")) > 1:
                 return name
         except ValueError:
             pass
@@ -92,12 +96,18 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
     if local_device_ids is None:
         local_device_ids = parse_device_ids(os.environ.get(ENV_LOCAL_DEVICE_IDS), ENV_LOCAL_DEVICE_IDS)
+    if num_processes == 1:
+        return None  # explicitly one process, even inside a multi-task cluster job
     given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
+    ids = tuple(local_device_ids) if local_device_ids is not None else None
     if all(v is None for v in given.values()):
-        if local_device_ids is not None:
-            raise ConfigError("--local-device-ids needs --coordinator, --num-processes and --process-id")
         cluster = detected_cluster()
-        return Launch(cluster=cluster) if cluster else None
+        if cluster is None and ids is not None:
+            raise ConfigError("--local-device-ids needs --coordinator, --num-processes and --process-id "
+                              "(or a multi-task SLURM / Open MPI job)")
+        # JAX fills in what is not given; under SLURM it would give each process only the device
+        # of its local task id, so one process driving several GPUs names them.
+        return Launch(local_device_ids=ids, cluster=cluster) if cluster else None
     missing = [k for k, v in given.items() if v is None]
     if missing:
         raise ConfigError(
@@ -110,9 +120,6 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--coordinator must look like HOST:PORT, got {coordinator!r}")
-    if num_processes == 1:
-        return None
-    ids = tuple(local_device_ids) if local_device_ids is not None else None
     return Launch(coordinator, num_processes, process_id, ids)
 
 
@@ -130,8 +137,8 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
     if launch.cluster is None:
         kwargs = dict(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
                       process_id=launch.process_id)
-        if launch.local_device_ids is not None:
-            kwargs["local_device_ids"] = list(launch.local_device_ids)
+    if launch.local_device_ids is not None:
+        kwargs["local_device_ids"] = list(launch.local_device_ids)
     # The timeout arguments exist in jax 0.10; pass only those the installed version accepts.
     accepted = inspect.signature(jax.distributed.initialize).parameters
     for name in ("heartbeat_timeout_seconds", "shutdown_timeout_seconds"):

@@ -31,7 +31,8 @@ LAUNCH = [sys.executable, "-m", "nljax.launch"]
 def env(**extra) -> dict:
     """The parent's environment without the test suite's 8-device XLA flag (each launch sets its
     own device count), with the compile-time flags that conftest uses."""
-    e = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith("NLJAX_")}
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(("NLJAX_", "SLURM_", "OMPI_"))}
     e["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
     e.update(extra)
     return e
@@ -171,7 +172,7 @@ def test_launcher_bad_input():
 
 def test_resolve_launch(monkeypatch):
     for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
-                distributed.ENV_LOCAL_DEVICE_IDS, "SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE"):
+                distributed.ENV_LOCAL_DEVICE_IDS, "SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri"):
         monkeypatch.delenv(var, raising=False)
     assert distributed.resolve() is None  # a plain single process
     assert distributed.resolve("h:1", 2, 1, (0, 1)) == distributed.Launch("h:1", 2, 1, (0, 1))
@@ -191,10 +192,18 @@ def test_resolve_launch(monkeypatch):
         distributed.resolve("nohost", process_id=0)
     for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_LOCAL_DEVICE_IDS):
         monkeypatch.delenv(var)
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert distributed.resolve() is None  # the batch script itself, not an srun step
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-8]")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
     assert distributed.resolve() is None
-    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    monkeypatch.setenv("SLURM_NTASKS", "8")
     assert distributed.resolve() == distributed.Launch(cluster="SLURM")  # JAX auto-detects the rest
+    assert distributed.resolve(num_processes=1) is None  # forced single process
+    assert distributed.resolve(local_device_ids=(0, 1)) == distributed.Launch(local_device_ids=(0, 1), cluster="SLURM")
+    monkeypatch.delenv("SLURM_STEP_NODELIST")
+    with pytest.raises(ConfigError, match="--local-device-ids needs"):
+        distributed.resolve(local_device_ids=(0, 1))
 
 
 def test_lockstep_explain_and_digest():
