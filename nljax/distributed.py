@@ -130,7 +130,7 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
     waits for the others when it exits (shutdown barrier)."""
     if launch is None:
         return False
-    if not jax.config.jax_cpu_collectives_implementation:
+    if not getattr(jax.config, "jax_cpu_collectives_implementation", "gloo"):
         # CPU processes need a cross-process collective library; gloo ships with jaxlib.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs: dict[str, Any] = {}

@@ -123,14 +123,20 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
         devices_per_proc: int | None = None) -> int:
     coordinator = f"127.0.0.1:{free_port()}"
     envs = [child_env(os.environ, i, nproc, coordinator, cpu_devices, devices_per_proc) for i in range(nproc)]
-    group = Group(command, envs)
-    group.say(f"{nproc} processes, coordinator {coordinator}, pids {' '.join(str(p.pid) for p in group.procs)}")
     stopping: list[int] = []
 
     def on_signal(sig, _frame):
         stopping.append(sig)
 
+    # Installed first: the children live in their own sessions, so nothing else would stop them.
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        group = Group(command, envs)
+    except BaseException:
+        for s, h in old.items():
+            signal.signal(s, h)
+        raise
+    group.say(f"{nproc} processes, coordinator {coordinator}, pids {' '.join(str(p.pid) for p in group.procs)}")
     try:
         failed: tuple[int, int] | None = None  # (process index, exit code)
         failed_at = 0.0

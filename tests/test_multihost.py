@@ -163,6 +163,17 @@ def test_launcher_prefixes_lines_sets_env_and_propagates_failure():
     assert not any(_alive(x) for x in pids)
 
 
+def test_launcher_stops_everything_on_sigint():
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", "sh", "-c", "echo up; exec sleep 60"], env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGINT, err
+    pids = [int(x) for x in re.search(r"pids ([\d ]+)$", err, re.M)[1].split()]
+    assert not any(_alive(x) for x in pids)
+
+
 def test_launcher_bad_input():
     p = subprocess.run([*LAUNCH, "--nproc", "0", "--", "true"], env=env(), capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --nproc must be >= 1, got 0"
