@@ -260,8 +260,7 @@ def versions() -> dict:
     import jaxlib
     from nljax import __version__
 
-    return {"nljax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__,
-            "python": ".".join(map(str, sys.version_info[:3]))}
+    return {"nljax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 
 def data_fingerprint(task: Any) -> str:

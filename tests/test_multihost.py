@@ -117,7 +117,7 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
     grace = 60 if sig == signal.SIGKILL else 2
     cmd = [*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--grace", str(grace), "--", sys.executable, "-m",
            "nljax.train", f"run.dir={tmp_path}/r", "train.steps=100000", "train.log_every=1",
-           "distributed.timeout_s=5", *TINY, "cms.periods=[1]"]
+           "distributed.timeout_s=8", *TINY, "cms.periods=[1]"]
     with open(log, "w") as f:
         launcher = subprocess.Popen(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT)
     try:
@@ -137,14 +137,14 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
     assert not any(_alive(p) for p in pids)
     if sig == signal.SIGKILL:
         assert rc == 128 + signal.SIGKILL, text
-        assert elapsed < 20, (elapsed, text)  # the 60 s grace was not needed
+        assert elapsed < 25, (elapsed, text)  # the 60 s grace was not needed
         assert f"process 1 (pid {pids[1]}) exited with code 137" in text
         assert "killing the processes still running" not in text
     else:
         # Process 0 is ended by JAX (abort, 134) after missing heartbeats; process 1 by the launcher.
         assert rc == 134 and "exit codes by process: 134, 137" in text, text
         assert "Terminating process because the JAX distributed service detected fatal errors" in text
-        assert 2 <= elapsed < 5 + grace + 15, (elapsed, text)
+        assert 2 <= elapsed < 8 + grace + 15, (elapsed, text)
 
 
 def test_launcher_prefixes_lines_sets_env_and_propagates_failure():
