@@ -152,10 +152,6 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
     return True
 
 
-def is_multiprocess() -> bool:
-    return jax.process_count() > 1
-
-
 def abort(message: str, code: int = 1) -> None:
     """Ends this process now, skipping the shutdown barrier: its peers, possibly blocked in a
     collective that waits for it, see it gone instead of waiting for it."""
