@@ -234,3 +234,19 @@ def test_default_mesh_is_one_inter_slot_per_process():
     assert resolve_shape(1, -1, 8, n_processes=2) == (1, 8)  # overridable
     with pytest.raises(ConfigError, match="distributed.timeout_s"):
         config.load(None, ["distributed.timeout_s=0"])
+
+
+def test_step_check_runs_every_check_every_iterations(monkeypatch):
+    from nljax.conductor import pulse
+
+    calls = []
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "agree", lambda what, record: calls.append((what, record)))
+    for i in range(7):
+        distributed.check_step(i, pulse(10 + i, (1, 2)), every=3)
+    assert calls == [("training step at loop iteration 0", {"step": 10, "active": [True, True]}),
+                     ("training step at loop iteration 3", {"step": 13, "active": [True, False]}),
+                     ("training step at loop iteration 6", {"step": 16, "active": [True, True]})]
+    calls.clear()
+    distributed.check_step(0, pulse(0, (1,)), every=0)
+    assert calls == []
