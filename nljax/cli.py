@@ -1,24 +1,36 @@
 """Command-line plumbing shared by `nljax.train`, `nljax.comm` and friends.
 
-`--cpu-devices N` must take effect before JAX creates its backends, so it is applied here,
-before any module touches `jax.devices()`.
+`--cpu-devices N` must take effect before JAX creates its backends, and a multi-process run
+must join JAX's distributed runtime before any computation, so both happen here, before any
+module touches `jax.devices()`.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import traceback
 from typing import Callable, Sequence
 
 import jax
 
-from nljax import config
+from nljax import config, distributed
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--config", help="YAML config file (defaults apply to keys it leaves out)")
-    p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU (per process)")
+    g = p.add_argument_group(
+        "multi-process runs",
+        f"one process of several (see nljax.launch); each flag falls back to ${distributed.ENV_COORDINATOR}, "
+        f"${distributed.ENV_NUM_PROCESSES}, ${distributed.ENV_PROCESS_ID}, ${distributed.ENV_LOCAL_DEVICE_IDS}; "
+        "with none set, a multi-task SLURM step or Open MPI job is detected by JAX",
+    )
+    g.add_argument("--coordinator", metavar="HOST:PORT", help="address of process 0's coordination service")
+    g.add_argument("--num-processes", type=int, metavar="N", help="number of processes")
+    g.add_argument("--process-id", type=int, metavar="I", help="this process, 0 <= I < N")
+    g.add_argument("--local-device-ids", metavar="0,1,...", help="devices this process drives (default: all visible)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.steps=50")
     return p
 
@@ -31,14 +43,36 @@ def setup_devices(cpu_devices: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 
+def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
+    """Joins a multi-process run if this process is one of several (True)."""
+    launch = distributed.resolve(args.coordinator, args.num_processes, args.process_id,
+                                 distributed.parse_device_ids(args.local_device_ids))
+    return distributed.initialize(launch, cfg.distributed.timeout_s)
+
+
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
          argv: Sequence[str] | None = None) -> int:
     """Parse, configure devices, load the config and call `run`; user errors become one line."""
     args = p.parse_args(argv)
+    multiprocess = False
     try:
         setup_devices(args.cpu_devices)
         cfg = config.load(args.config, args.overrides)
+        multiprocess = setup_processes(args, cfg)
+        distributed.check_config(cfg)  # before anything is built from it
         return run(args, cfg) or 0
     except config.ConfigError as e:
-        print(f"{p.prog}: error: {e}", file=sys.stderr)
+        # In a multi-process run every process raises it together (lockstep checks) or the
+        # others are released by the shutdown barrier's timeout (distributed.timeout_s).
+        where = f" (process {jax.process_index()})" if multiprocess else ""
+        print(f"{p.prog}: error{where}: {e}", file=sys.stderr)
         return 2
+    except Exception as e:
+        if not multiprocess:
+            raise
+        # Peers may be blocked in a collective that waits for this process: leave at once.
+        traceback.print_exc()
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        hint = " (another process probably died)" if isinstance(e, jax.errors.JaxRuntimeError) else ""
+        distributed.abort(f"{p.prog}: error (process {jax.process_index()}): {type(e).__name__}{hint}: {first}")
+        return 1  # not reached

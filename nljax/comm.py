@@ -24,6 +24,8 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
+
 from nljax import cli, hlo, levels
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config
@@ -165,7 +167,8 @@ def _run(args, cfg: Config) -> int:
     setup = Setup.create(cfg)
     batch = setup.batch(0)
     report = account(setup.cache, setup.state, batch)
-    print(json.dumps(report, indent=1) if args.json else format_report(report))
+    if jax.process_index() == 0:  # only process 0 prints
+        print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0
 
 

@@ -39,7 +39,9 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    inter: int = 1  # optimizer instances / hosts (slow network); -1 fills in the rest
+    # optimizer instances / hosts (slow network); -1 fills in the rest, and with intra=-1 too
+    # means one instance per process (1 in a single-process run)
+    inter: int = -1
     intra: int = -1  # devices inside one instance (fast interconnect); -1 fills in the rest
 
 
@@ -111,6 +113,14 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (nljax/distributed.py)."""
+
+    timeout_s: int = 60  # a dead process is noticed, and the others stopped, within this long
+    check_every: int = 100  # loop iterations between lockstep checks of the step and Pulse; 0: off
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     run: RunConfig = RunConfig()
@@ -122,6 +132,7 @@ class Config:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
+    distributed: DistributedConfig = DistributedConfig()
 
 
 def _type_name(tp: Any) -> str:
@@ -244,6 +255,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.log_every must be >= 1, eval.every and eval.batches >= 0")
     if cfg.mesh.inter == 0 or cfg.mesh.inter < -1 or cfg.mesh.intra == 0 or cfg.mesh.intra < -1:
         raise ConfigError(f"mesh.inter and mesh.intra must be positive or -1, got {cfg.mesh.inter}, {cfg.mesh.intra}")
+    if cfg.distributed.timeout_s < 1 or cfg.distributed.check_every < 0:
+        raise ConfigError("distributed.timeout_s must be >= 1 and distributed.check_every >= 0")
     if cfg.optim.level_lr_scale and len(cfg.optim.level_lr_scale) != len(cfg.cms.periods):
         raise ConfigError(
             f"optim.level_lr_scale has {len(cfg.optim.level_lr_scale)} entries but cms.periods has "

@@ -19,10 +19,11 @@ ROWS = P(DATA_AXES)
 REPLICATED = P()
 
 
-def resolve_shape(inter: int, intra: int, n_devices: int) -> tuple[int, int]:
-    """Fills in -1 and checks that inter * intra equals the device count."""
+def resolve_shape(inter: int, intra: int, n_devices: int, n_processes: int = 1) -> tuple[int, int]:
+    """Fills in -1 and checks that inter * intra equals the device count. Both -1: one `inter`
+    slot per process, `intra` over each process's devices (1 x n in a single process)."""
     if inter == -1 and intra == -1:
-        inter = 1
+        inter = n_processes
     if inter == -1:
         if n_devices % intra:
             raise ConfigError(f"mesh.intra={intra} does not divide the {n_devices} available devices")
@@ -42,7 +43,7 @@ def make_mesh(inter: int = 1, intra: int = -1, devices=None) -> Mesh:
     """A 2-D mesh over `devices` (default: all). Devices are laid out process-major, so with one
     process per host `intra` stays inside a host and `inter` crosses hosts."""
     devices = list(jax.devices() if devices is None else devices)
-    inter, intra = resolve_shape(inter, intra, len(devices))
+    inter, intra = resolve_shape(inter, intra, len(devices), len({d.process_index for d in devices}))
     devices.sort(key=lambda d: (d.process_index, d.id))
     # Plain Mesh (not jax.make_mesh): axis types stay the classic ones that shard_map expects
     # across jax 0.10-0.12.

@@ -11,6 +11,7 @@ pure function of (seed, step), so resumed and re-sharded runs read the same data
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Callable, Protocol
 
@@ -58,6 +59,10 @@ class TextTask:
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         return self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
+
+    def fingerprint(self) -> str:
+        """Digest of the training and held-out bytes, compared across processes at start-up."""
+        return hashlib.sha256(self.stream.data.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
 
     def evaluate(self, cache, params, step: int) -> dict:
         """Held-out loss over every eval example exactly once (padded rows are masked)."""

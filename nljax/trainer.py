@@ -12,7 +12,7 @@ import jax
 import numpy as np
 import yaml
 
-from nljax import __version__, levels, mesh as meshlib
+from nljax import __version__, distributed, levels, mesh as meshlib
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
@@ -66,7 +66,8 @@ class RunDir:
     def __init__(self, path: str, overwrite: bool, write: bool):
         self.path = Path(path)
         self.write = write
-        if (self.path / "metrics.jsonl").exists() and not overwrite:
+        # Process 0 decides: on a shared file system the others could see its fresh metrics.jsonl.
+        if distributed.main_decides((self.path / "metrics.jsonl").exists()) and not overwrite:
             raise ConfigError(
                 f"run.dir {path} already holds a run; choose another run.dir or set run.overwrite=true"
             )
@@ -135,6 +136,7 @@ def train(cfg: Config) -> dict:
     setup = Setup.create(cfg)
     main = is_main()
     quiet = cfg.run.quiet or not main
+    distributed.check_startup(setup, print if not quiet else (lambda *a: None))
     run = RunDir(cfg.run.dir, cfg.run.overwrite, main)
     run.save_config(cfg)
     eng, mesh = setup.engine, setup.mesh
@@ -157,8 +159,9 @@ def train(cfg: Config) -> dict:
     seen: set = set()
     history, skipped = [], 0
     t_start = time.perf_counter()
-    for _ in range(cfg.train.steps):
+    for i in range(cfg.train.steps):
         p = conductor.pulse
+        distributed.check_step(i, p, cfg.distributed.check_every)
         batch = setup.batch(p.step)
         t0 = time.perf_counter()
         state, m = setup.cache.train(p.active, state, batch)

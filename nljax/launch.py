@@ -1,0 +1,212 @@
+"""Local launcher:  python -m nljax.launch --nproc N [--cpu-devices M] -- <command ...>
+
+Starts N copies of a command as the processes of one multi-process JAX run on this machine,
+like `torchrun --standalone`: process 0 hosts the coordination service on 127.0.0.1 at a free
+port, and each process gets `NLJAX_COORDINATOR`, `NLJAX_NUM_PROCESSES` and `NLJAX_PROCESS_ID`
+(read by every nljax CLI, see `nljax.distributed`). Each output line is prefixed with its
+process index. If a process exits non-zero, the others get `--grace` seconds to exit on their
+own (they usually do: their collectives fail, or they raise the same lockstep error), then are
+killed, and the launcher exits with the first failure's code. Ctrl-C or SIGTERM stops them all.
+
+Each process runs in its own session, so a command started through a shell is stopped with
+everything it started. SIGKILL, not SIGTERM, is what reliably ends a JAX process that has joined
+a distributed run: JAX's preemption service takes SIGTERM as a preemption notice.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Sequence
+
+PROG = "nljax.launch"
+
+# What each process is told (read by every nljax CLI through `nljax.distributed`). Defined here,
+# in a module that does not import JAX, so that the launcher starts instantly.
+ENV_COORDINATOR = "NLJAX_COORDINATOR"
+ENV_NUM_PROCESSES = "NLJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "NLJAX_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "NLJAX_LOCAL_DEVICE_IDS"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(base: dict, index: int, nproc: int, coordinator: str, cpu_devices: int | None,
+              devices_per_proc: int | None) -> dict:
+    env = dict(base)
+    env[ENV_COORDINATOR] = coordinator
+    env[ENV_NUM_PROCESSES] = str(nproc)
+    env[ENV_PROCESS_ID] = str(index)
+    env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
+    if cpu_devices is not None:
+        # JAX reads every config option from the upper-case environment variable of its name.
+        env["JAX_PLATFORMS"] = "cpu"
+        env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
+    if devices_per_proc is not None:
+        ids = range(index * devices_per_proc, (index + 1) * devices_per_proc)
+        env[ENV_LOCAL_DEVICE_IDS] = ",".join(map(str, ids))
+    return env
+
+
+def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    for raw in iter(stream.readline, b""):
+        line = raw.decode(errors="replace").rstrip("\n")
+        with lock:
+            out.write(f"{prefix}{line}\n")
+            out.flush()
+    stream.close()
+
+
+class Group:
+    """The N processes, their output threads, and how they are stopped."""
+
+    def __init__(self, command: Sequence[str], envs: list[dict]):
+        self.lock = threading.Lock()
+        self.procs: list[subprocess.Popen] = []
+        self.threads: list[threading.Thread] = []
+        for i, env in enumerate(envs):
+            try:
+                p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     start_new_session=True)
+            except OSError:
+                self.stop(grace=0.0)
+                raise
+            self.procs.append(p)
+            for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", self.lock), daemon=True)
+                t.start()
+                self.threads.append(t)
+
+    def say(self, text: str) -> None:
+        with self.lock:
+            print(f"{PROG}: {text}", file=sys.stderr, flush=True)
+
+    def signal(self, sig: int) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, sig)  # its session: the command and whatever it started
+                except ProcessLookupError:
+                    pass
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM, then SIGKILL for whatever is left after `grace` seconds."""
+        self.signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+            time.sleep(0.05)
+        self.signal(signal.SIGKILL)
+        for p in self.procs:
+            p.wait()
+
+    def finish(self) -> None:
+        for t in self.threads:
+            t.join(timeout=5)
+
+
+def exit_code(returncode: int) -> int:
+    """Shell convention for a process ended by a signal: 128 + signal number."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grace: float = 10.0,
+        devices_per_proc: int | None = None) -> int:
+    coordinator = f"127.0.0.1:{free_port()}"
+    envs = [child_env(os.environ, i, nproc, coordinator, cpu_devices, devices_per_proc) for i in range(nproc)]
+    stopping: list[int] = []
+
+    def on_signal(sig, _frame):
+        stopping.append(sig)
+
+    # Installed first: the children live in their own sessions, so nothing else would stop them.
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        group = Group(command, envs)
+    except BaseException:
+        for s, h in old.items():
+            signal.signal(s, h)
+        raise
+    group.say(f"{nproc} processes, coordinator {coordinator}, pids {' '.join(str(p.pid) for p in group.procs)}")
+    try:
+        failed: tuple[int, int] | None = None  # (process index, exit code)
+        failed_at = 0.0
+        while True:
+            codes = [p.poll() for p in group.procs]
+            if stopping:
+                group.say(f"received signal {stopping[0]}; stopping all processes")
+                group.stop(grace=min(grace, 5.0))
+                return 128 + stopping[0]
+            if failed is None:
+                bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+                if bad:
+                    failed, failed_at = (bad[0][0], exit_code(bad[0][1])), time.monotonic()
+                    group.say(f"process {failed[0]} (pid {group.procs[failed[0]].pid}) exited with code "
+                              f"{failed[1]}; stopping the others within {grace:g} s")
+            if all(c is not None for c in codes):
+                break
+            if failed is not None and time.monotonic() - failed_at > grace:
+                group.say("killing the processes still running")
+                group.stop(grace=1.0)
+                break
+            time.sleep(0.05)
+        group.finish()
+        if failed is not None:
+            codes = ", ".join(str(exit_code(p.returncode)) for p in group.procs)
+            group.say(f"exit codes by process: {codes}")
+            return failed[1] or 1
+        return 0
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+        if any(p.poll() is None for p in group.procs):
+            group.stop(grace=1.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run N processes of one multi-process JAX run on this machine (coordinator on 127.0.0.1).",
+        usage=f"python -m {PROG} --nproc N [--cpu-devices M] [--grace S] -- command [args ...]",
+    )
+    p.add_argument("--nproc", type=int, required=True, metavar="N", help="number of processes")
+    p.add_argument("--cpu-devices", type=int, metavar="M", help="emulate M CPU devices in each process")
+    p.add_argument("--devices-per-proc", type=int, metavar="K",
+                   help="give process i the accelerators i*K .. i*K+K-1 (default: every process sees all)")
+    p.add_argument("--grace", type=float, default=10.0, metavar="S",
+                   help="after a failure, seconds the others get to exit on their own before being killed")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the command every process runs, after --")
+    args = p.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    problem = None
+    if not command:
+        problem = "no command given (put it after --)"
+    elif args.nproc < 1:
+        problem = f"--nproc must be >= 1, got {args.nproc}"
+    elif args.cpu_devices is not None and args.cpu_devices < 1:
+        problem = f"--cpu-devices must be >= 1, got {args.cpu_devices}"
+    elif args.devices_per_proc is not None and args.devices_per_proc < 1:
+        problem = f"--devices-per-proc must be >= 1, got {args.devices_per_proc}"
+    elif args.grace < 0:
+        problem = f"--grace must be >= 0, got {args.grace}"
+    if problem:
+        print(f"{PROG}: error: {problem}", file=sys.stderr)
+        return 2
+    try:
+        return run(command, args.nproc, args.cpu_devices, args.grace, args.devices_per_proc)
+    except OSError as e:  # e.g. the command does not exist
+        print(f"{PROG}: error: cannot start {command[0]!r}: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

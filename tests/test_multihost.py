@@ -1,0 +1,252 @@
+"""Multi-process runs: 2 processes x 4 CPU devices (gloo collectives) under `nljax.launch`,
+checked against 1 process x 8 devices; lockstep errors; a killed worker; the launcher itself.
+
+The launches are subprocesses (JAX import and compile per process), so there are few of them
+and the model is tiny.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nljax import config, distributed
+from nljax.config import ConfigError
+from nljax.mesh import resolve_shape
+
+TINY = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "model.hidden_mult=2", "train.batch_size=8",
+        "train.seq_len=8", "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant",
+        "cms.periods=[1,2,4]", "eval.batches=1", "sync.reduce=hierarchical"]
+WORKER = str(Path(__file__).parent / "multihost_worker.py")
+LAUNCH = [sys.executable, "-m", "nljax.launch"]
+
+
+def env(**extra) -> dict:
+    """The parent's environment without the test suite's 8-device XLA flag (each launch sets its
+    own device count), with the compile-time flags that conftest uses."""
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(("NLJAX_", "SLURM_", "OMPI_"))}
+    e["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    e.update(extra)
+    return e
+
+
+def losses(run_dir: Path) -> list[dict]:
+    return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
+    """2 x 4 devices over gloo == 1 x 8 devices, step for step, with different PYTHONHASHSEEDs;
+    `inter` spans the processes; each process builds only its own rows."""
+    common = ["train.steps=6", "distributed.check_every=2", *TINY]
+    ref_dir, mp_dir = tmp_path / "one", tmp_path / "two"
+    ref = subprocess.Popen(
+        [sys.executable, "-m", "nljax.train", "--cpu-devices", "8", "--quiet", f"run.dir={ref_dir}", "mesh.inter=2",
+         *common], env=env(PYTHONHASHSEED="7"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Default mesh (inter=-1, intra=-1): one inter slot per process.
+    inner = f"PYTHONHASHSEED=$((NLJAX_PROCESS_ID + 1)) exec {sys.executable} {WORKER} run.dir={mp_dir} {' '.join(common)}"
+    mp = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "4", "--", "sh", "-c", inner],
+                        env=env(), capture_output=True, text=True, timeout=600)
+    out, err = ref.communicate(timeout=600)
+    assert ref.returncode == 0, err
+    assert mp.returncode == 0, mp.stdout + mp.stderr
+
+    one, two = losses(ref_dir), losses(mp_dir)
+    assert [r["step"] for r in two] == list(range(6))
+    assert [r["active_levels"] for r in two] == [r["active_levels"] for r in one]
+    np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (ref_dir, mp_dir))
+    assert s2["mesh"] == {"inter": 2, "intra": 4} and s2["devices"] == 8
+    np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
+    # The same collectives were compiled: hierarchical reduce-scatter / all-reduce / all-gather.
+    assert s2["communication"] == s1["communication"]
+
+    text = mp.stdout
+    assert re.search(r"^\[0\] lockstep: 2 processes agree on config, versions, mesh and data \(sha256 \w+\); "
+                     r"mesh axes: inter across processes, intra within a process$", text, re.M), text
+    assert re.search(r"^\[0\] step +5 ", text, re.M) and not re.search(r"^\[1\] step", text, re.M)
+    rows = {int(m[1]): json.loads(m[2]) for m in re.finditer(r"^\[(\d)\] rows built: (.*)$", text, re.M)}
+    assert rows == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
+
+
+def test_config_mismatch_is_reported_on_every_process(tmp_path):
+    inner = f"exec {sys.executable} -m nljax.train run.dir={tmp_path}/r train.steps=$((3 + NLJAX_PROCESS_ID)) {' '.join(TINY)}"
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", "sh", "-c", inner],
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    for i in (0, 1):
+        assert (f"[{i}] nljax.train: error (process {i}): processes disagree on the resolved config: "
+                f"train.steps: process 0 = 3, process 1 = 4\n") in p.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def _wait_for(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = re.search(pattern, path.read_text(), re.M)
+        if m:
+            return m
+        assert proc.poll() is None, path.read_text()
+        time.sleep(0.2)
+    raise AssertionError(f"no {pattern!r} within {timeout} s:\n{path.read_text()}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
+    """SIGKILL one worker mid-training: the survivor exits on its own (its collective fails) well
+    before the launcher's grace period. SIGSTOP one worker (alive, silent, its socket open, as a
+    hung GPU process): the coordination service misses its heartbeats for distributed.timeout_s
+    and terminates the survivor; the launcher then kills the stopped one. Either way the launcher
+    exits non-zero within the bound and no process is left."""
+    log = tmp_path / "log.txt"
+    grace = 60 if sig == signal.SIGKILL else 2
+    cmd = [*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--grace", str(grace), "--", sys.executable, "-m",
+           "nljax.train", f"run.dir={tmp_path}/r", "train.steps=100000", "train.log_every=1",
+           "distributed.timeout_s=8", *TINY, "cms.periods=[1]"]
+    with open(log, "w") as f:
+        launcher = subprocess.Popen(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT)
+    try:
+        pids = [int(x) for x in _wait_for(log, r"pids (\d+) (\d+)$", launcher, 60).groups()]
+        _wait_for(log, r"^\[0\] step +2 ", launcher, 300)  # compiled and training
+        t0 = time.monotonic()
+        os.kill(pids[1], sig)
+        rc = launcher.wait(timeout=90)
+        elapsed = time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in pids:
+            if _alive(p):
+                os.kill(p, signal.SIGKILL)
+    text = log.read_text()
+    assert not any(_alive(p) for p in pids)
+    if sig == signal.SIGKILL:
+        assert rc == 128 + signal.SIGKILL, text
+        assert elapsed < 25, (elapsed, text)  # the 60 s grace was not needed
+        assert f"process 1 (pid {pids[1]}) exited with code 137" in text
+        assert "killing the processes still running" not in text
+    else:
+        # Process 0 is ended by JAX (abort, 134) after missing heartbeats; process 1 by the launcher.
+        assert rc == 134 and "exit codes by process: 134, 137" in text, text
+        assert "Terminating process because the JAX distributed service detected fatal errors" in text
+        assert 2 <= elapsed < 8 + grace + 15, (elapsed, text)
+
+
+def test_launcher_prefixes_lines_sets_env_and_propagates_failure():
+    script = ('echo "$NLJAX_PROCESS_ID/$NLJAX_NUM_PROCESSES $NLJAX_COORDINATOR $JAX_NUM_CPU_DEVICES"; '
+              'if [ "$NLJAX_PROCESS_ID" = 1 ]; then echo bad >&2; exit 3; fi; exec sleep 60')
+    t0 = time.monotonic()
+    p = subprocess.run([*LAUNCH, "--nproc", "3", "--cpu-devices", "2", "--grace", "1", "--", "sh", "-c", script],
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 3 and time.monotonic() - t0 < 30, p.stderr
+    lines = sorted(l for l in p.stdout.splitlines())
+    coord = re.search(r"coordinator (127\.0\.0\.1:\d+)", p.stderr)[1]
+    assert lines == [f"[{i}] {i}/3 {coord} 2" for i in range(3)]
+    assert "[1] bad" in p.stderr.splitlines()
+    assert "process 1 " in p.stderr and "exited with code 3" in p.stderr
+    pids = [int(x) for x in re.search(r"pids ([\d ]+)$", p.stderr, re.M)[1].split()]
+    assert not any(_alive(x) for x in pids)
+
+
+def test_launcher_stops_everything_on_sigint():
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", "sh", "-c", "echo up; exec sleep 60"], env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGINT, err
+    pids = [int(x) for x in re.search(r"pids ([\d ]+)$", err, re.M)[1].split()]
+    assert not any(_alive(x) for x in pids)
+
+
+def test_launcher_bad_input():
+    p = subprocess.run([*LAUNCH, "--nproc", "0", "--", "true"], env=env(), capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --nproc must be >= 1, got 0"
+    p = subprocess.run([*LAUNCH, "--nproc", "2"], env=env(), capture_output=True, text=True)
+    assert p.returncode == 2 and "no command given" in p.stderr
+
+
+def test_resolve_launch(monkeypatch):
+    for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+                distributed.ENV_LOCAL_DEVICE_IDS, "SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(var, raising=False)
+    assert distributed.resolve() is None  # a plain single process
+    assert distributed.resolve("h:1", 2, 1, (0, 1)) == distributed.Launch("h:1", 2, 1, (0, 1))
+    assert distributed.resolve("h:1", 1, 0) is None  # one process: nothing to join
+    monkeypatch.setenv(distributed.ENV_COORDINATOR, "10.0.0.1:1234")
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "4")
+    monkeypatch.setenv(distributed.ENV_PROCESS_ID, "3")
+    monkeypatch.setenv(distributed.ENV_LOCAL_DEVICE_IDS, "2,3")
+    assert distributed.resolve() == distributed.Launch("10.0.0.1:1234", 4, 3, (2, 3))
+    assert distributed.resolve(process_id=0).process_id == 0  # flags win over the environment
+    monkeypatch.delenv(distributed.ENV_PROCESS_ID)
+    with pytest.raises(ConfigError, match="missing --process-id"):
+        distributed.resolve()
+    with pytest.raises(ConfigError, match=r"--process-id must be in \[0, 4\)"):
+        distributed.resolve(process_id=4)
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        distributed.resolve("nohost", process_id=0)
+    for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_LOCAL_DEVICE_IDS):
+        monkeypatch.delenv(var)
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert distributed.resolve() is None  # the batch script itself, not an srun step
+    monkeypatch.setenv("SLURM_STEP_NODELIST", "node[1-8]")
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert distributed.resolve() is None
+    monkeypatch.setenv("SLURM_NTASKS", "8")
+    assert distributed.resolve() == distributed.Launch(cluster="SLURM")  # JAX auto-detects the rest
+    assert distributed.resolve(num_processes=1) is None  # forced single process
+    assert distributed.resolve(local_device_ids=(0, 1)) == distributed.Launch(local_device_ids=(0, 1), cluster="SLURM")
+    monkeypatch.delenv("SLURM_STEP_NODELIST")
+    with pytest.raises(ConfigError, match="--local-device-ids needs"):
+        distributed.resolve(local_device_ids=(0, 1))
+
+
+def test_lockstep_explain_and_digest():
+    a = {"config": {"train": {"steps": 3, "seq_len": 8}}, "data": "x"}
+    b = {"config": {"train": {"steps": 4, "seq_len": 8}}, "data": "x"}
+    assert distributed.explain([a, a, b]) == "config.train.steps: processes 0,1 = 3, process 2 = 4"
+    # Canonical JSON: key order does not matter, and nothing depends on Python's hash().
+    assert distributed.digest({"b": 1, "a": [1, 2]}) == distributed.digest({"a": [1, 2], "b": 1})
+    assert distributed.digest(a) != distributed.digest(b)
+    assert distributed.agree("test", a) == distributed.digest(a)  # one process: trivially agrees
+
+
+def test_default_mesh_is_one_inter_slot_per_process():
+    assert config.load().mesh.inter == -1
+    assert resolve_shape(-1, -1, 8, n_processes=1) == (1, 8)
+    assert resolve_shape(-1, -1, 8, n_processes=2) == (2, 4)
+    assert resolve_shape(1, -1, 8, n_processes=2) == (1, 8)  # overridable
+    with pytest.raises(ConfigError, match="distributed.timeout_s"):
+        config.load(None, ["distributed.timeout_s=0"])
+
+
+def test_step_check_runs_every_check_every_iterations(monkeypatch):
+    from nljax.conductor import pulse
+
+    calls = []
+    monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
+    monkeypatch.setattr(distributed, "agree", lambda what, record: calls.append((what, record)))
+    for i in range(7):
+        distributed.check_step(i, pulse(10 + i, (1, 2)), every=3)
+    assert calls == [("training step at loop iteration 0", {"step": 10, "active": [True, True]}),
+                     ("training step at loop iteration 3", {"step": 13, "active": [True, False]}),
+                     ("training step at loop iteration 6", {"step": 16, "active": [True, True]})]
+    calls.clear()
+    distributed.check_step(0, pulse(0, (1,)), every=0)
+    assert calls == []
