@@ -22,9 +22,9 @@ def test_eval_loss_independent_of_device_count(inter, intra):
     over = ["eval.batches=3", "data.eval_fraction=0.05"]
     one = make(over, 1, 1)
     many = make(over, inter, intra)
-    windows = eval_windows(one.eval_data, one.cfg.train.seq_len, 19)
+    windows = eval_windows(one.task.eval_data, one.cfg.train.seq_len, 19)
     assert len(windows) == 19
-    one.eval_data = many.eval_data = one.eval_data[: 19 * one.cfg.train.seq_len + 1]
+    one.task.eval_data = many.task.eval_data = one.task.eval_data[: 19 * one.cfg.train.seq_len + 1]
     a, b = one.evaluate(one.state.params), many.evaluate(many.state.params)
     assert a["eval_tokens"] == b["eval_tokens"] == 19 * one.cfg.train.seq_len
     assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
