@@ -87,7 +87,8 @@ def _time_interleaved(runs: dict, reps: int, min_seconds: float = 1.0, max_reps:
     for call in runs.values():
         jax.block_until_ready(call())
     round_s = time.perf_counter() - t0
-    reps = min(max(reps, int(min_seconds / max(round_s, 1e-9))), max(max_reps, reps))
+    if jax.process_count() == 1:  # processes must run the same number of collective steps
+        reps = min(max(reps, int(min_seconds / max(round_s, 1e-9))), max(max_reps, reps))
     times: dict = {k: [] for k in runs}
     for _ in range(reps):
         for k, call in runs.items():

@@ -278,7 +278,7 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output) ->
 
 def train(cfg: Config) -> dict:
     setup = Setup.create(cfg)
-    out = Output.create(cfg, unit=setup.task.unit[:3])
+    out = Output.create(cfg, unit={"tokens": "tok"}.get(setup.task.unit, setup.task.unit))
     try:
         startup_report(setup, out.say)
         state, hist = train_loop(setup, setup.state, Conductor(cfg.cms.periods), out)
