@@ -197,3 +197,31 @@ def test_overwrite_removes_stale_outputs(tmp_path):
     RunDir(str(tmp_path), overwrite=True, write=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl"]
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_loop_trains_a_tail_batch_from_the_task():
+    """The trainer asks the task for batches; a task whose data pass ends at step 1 hands it a
+    4-row tail, which the loop trains (logged with its micro-batches) with no new compile."""
+    import dataclasses
+
+    from nljax import runlog
+    from nljax.trainer import History, Output, RunDir, train_loop
+
+    setup, params, last_loss = tail_run(1, 2, 4)  # its variants are compiled already
+
+    class EpochTask:
+        unit, units_per_row = "tokens", 8
+
+        def batch(self, step):
+            return rows_of(setup, step, 4 if step == 1 else 8)
+
+    loop_setup = dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, train=dataclasses.replace(
+        setup.cfg.train, steps=3)), task=EpochTask())
+    state = setup.engine.init_state(jax.random.key(setup.cfg.seed), 8)
+    out = Output(RunDir("unused", False, write=False), runlog.Progress(3, 0, 1, quiet=True), runlog.Board(None))
+    traces = dict(setup.cache.traces)
+    state, hist = train_loop(loop_setup, state, Conductor((1, 2)), out)
+    assert isinstance(hist, History) and [r.get("micro_batches") for r in hist.records] == [None, 2, None]
+    assert hist.records[1]["tokens_per_s_per_device"] * hist.records[1]["step_time_s"] == pytest.approx(2 * 8)
+    assert_trees_close(jax.device_get(state.params), params, rtol=1e-6, atol=1e-7)
+    assert setup.cache.traces == traces
