@@ -76,10 +76,10 @@ class Board:
             self.writer.close()
 
 
-def plot(path: Path, records: list[dict], timed: dict) -> list[str]:
-    """loss.png (training loss per step and every eval metric named *loss*) and step_time.png
-    (step time per pulse pattern during training, with the medians timed at the end). Returns
-    the files written."""
+def plot(path: Path, records: list[dict], timed: dict, final_eval: dict | None = None) -> list[str]:
+    """loss.png (training loss per step and every eval metric named *loss*, the final evaluation
+    included) and step_time.png (step time per pulse pattern during training, with the medians
+    timed at the end). Returns the files written."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -90,8 +90,10 @@ def plot(path: Path, records: list[dict], timed: dict) -> list[str]:
     if records:
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(steps, [r["loss"] for r in records], lw=1, label="train loss")
-        for key in sorted({k for r in records for k in r if k.startswith("eval") and k.endswith("loss")}):
+        final = final_eval or {}
+        for key in sorted({k for r in [*records, final] for k in r if k.startswith("eval") and k.endswith("loss")}):
             pts = [(r["step"] + 1, r[key]) for r in records if key in r]
+            pts += [(records[-1]["step"] + 1, final[key])] if key in final else []
             ax.plot(*zip(*pts), "o-", label=key)
         ax.set_xlabel("step")
         ax.set_ylabel("loss")

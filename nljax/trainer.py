@@ -267,7 +267,7 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output) ->
     }
     out.run.save_summary(summary)
     if out.run.write and cfg.run.plots:
-        runlog.plot(out.run.path, hist.records, table["per_pattern"])
+        runlog.plot(out.run.path, hist.records, table["per_pattern"], final_eval)
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")
     out.say(throughput.format_table(table))
     if comm["ratio_vs_ddp"] is not None:
