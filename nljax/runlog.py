@@ -7,6 +7,11 @@ import sys
 from pathlib import Path
 
 
+def short_unit(unit: str) -> str:
+    """Column-width name of a task's unit: tokens -> tok, images -> img."""
+    return {"tokens": "tok", "images": "img"}.get(unit, unit)
+
+
 class Progress:
     """A progress bar (loss, throughput, ETA) on an interactive terminal; otherwise one log line
     every `every` steps. Silent when `quiet`."""
@@ -35,7 +40,8 @@ class Progress:
             if eval_text:
                 self.bar.write(f"step {rec['step']:6d}  {eval_text}")
         elif rec["step"] % self.every == 0 or last or eval_text:
-            self.say(f"step {rec['step']:6d}  loss {rec['loss']:.4f}  {pattern:<10} {rec['step_time_s'] * 1e3:8.1f} ms  "
+            ms = rec["step_time_s"] * 1e3
+            self.say(f"step {rec['step']:6d}  loss {rec['loss']:.4f}  {pattern:<10} {ms:8.1f} ms  "
                      f"{rate:10,.0f} {self.unit}/s/device{'  ' + eval_text if eval_text else ''}")
 
     def close(self) -> None:

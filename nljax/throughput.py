@@ -25,6 +25,7 @@ import time
 
 import jax
 
+from nljax import runlog
 from nljax.conductor import Conductor, pattern_name, pulse
 
 # bf16 dense peak per device in TFLOP/s, matched as a substring of `device_kind` (first match).
@@ -220,14 +221,15 @@ def format_table(t: dict) -> str:
     unit = t["unit"]
     key = f"{unit}_per_s_per_device"
     head = (f"{'pattern':<16}{'steps/cycle':>12}{'in run':>8}{'step ms':>10}{'compute ms':>12}{'comm ms':>10}"
-            f"{unit[:3] + '/s/device':>14}{'wire B/step':>14}{'MFU':>8}")
+            f"{runlog.short_unit(unit) + '/s/device':>14}{'wire B/step':>14}{'MFU':>8}")
     fmt = lambda x, f: "-" if x is None else format(x, f)
     lines = [head]
 
     def line(name, r, cycle=""):
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         return (f"{name:<16}{cycle:>12}{fmt(r.get('steps_in_run'), 'd'):>8}{r['step_time_ms']:>10.2f}"
                 f"{fmt(r['compute_ms'], '.2f'):>12}{fmt(r['comm_ms'], '.2f'):>10}{r[key]:>14,.0f}"
-                f"{fmt(r['wire_bytes'], ',.0f'):>14}{fmt(r['mfu'] and 100 * r['mfu'], '.1f') + ('%' if r['mfu'] else ''):>8}")
+                f"{fmt(r['wire_bytes'], ',.0f'):>14}{mfu:>8}")
 
     for name, r in t["per_pattern"].items():
         lines.append(line(name, r, str(r["steps_per_cycle"])))

@@ -18,7 +18,7 @@ import yaml
 
 from nljax import __version__, levels, mesh as meshlib, optim, runlog, tasks, throughput
 from nljax.comm import account
-from nljax.conductor import Conductor
+from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
 from nljax.models import build
 from nljax.state import TrainState
@@ -249,6 +249,8 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output) ->
         units = sum(r[key] * r["step_time_s"] for r in steady)
         table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
     table["device_kind"] = device_kind
+    if jax.devices()[0].platform == "cpu" and eng.n_devices > 1:
+        table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
@@ -270,6 +272,10 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output) ->
         runlog.plot(out.run.path, hist.records, table["per_pattern"], final_eval)
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")
     out.say(throughput.format_table(table))
+    every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case
+    if every in measured.step_s and table["worst_pattern"] != pattern_name(every):
+        out.say(f"note: {table['worst_pattern']} timed slower than {pattern_name(every)}, where all levels fire: "
+                f"their difference is within the timing noise")
     if comm["ratio_vs_ddp"] is not None:
         out.say(f"communication per device per step (HLO): {comm['mean_wire_bytes_per_step']:,.0f} B, "
                 f"{comm['ratio_vs_ddp']:.3f} x a DDP all-reduce of every parameter")
@@ -278,7 +284,7 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output) ->
 
 def train(cfg: Config) -> dict:
     setup = Setup.create(cfg)
-    out = Output.create(cfg, unit={"tokens": "tok"}.get(setup.task.unit, setup.task.unit))
+    out = Output.create(cfg, unit=runlog.short_unit(setup.task.unit))
     try:
         startup_report(setup, out.say)
         state, hist = train_loop(setup, setup.state, Conductor(cfg.cms.periods), out)

@@ -74,8 +74,8 @@ def test_bad_tail_batches_are_refused():
         with pytest.raises(ConfigError, match=f"a batch of {rows} rows"):
             setup.cache.variant(active, {"tokens": np.zeros((rows, 9), np.int32)})
     nl = make(["model.name=nl_lm", "model.dim=16", "model.heads=2", "model.memory_heads=2", "model.memory_dim=8",
-               "model.memory_hidden=8", "model.memory_chunk=8", "model.memory_layers=[0]", "model.window=8", "train.accum_steps=2", "cms.periods=[1]"],
-              1, 2)
+               "model.memory_hidden=8", "model.memory_chunk=8", "model.memory_layers=[0]", "model.window=8",
+               "train.accum_steps=2", "cms.periods=[1]"], 1, 2)
     with pytest.raises(ConfigError, match="inner-loop memory"):
         nl.cache.variant((True,), {"tokens": np.zeros((4, 9), np.int32)})
 
@@ -144,7 +144,8 @@ def test_model_receives_per_device_per_micro_batch_keys():
 
     got = run()
     base = jax.random.fold_in(jax.random.key(7), 1)
-    expected = [jax.random.key_data(jax.random.fold_in(jax.random.fold_in(base, row // 2), row % 2)) for row in range(8)]
+    fold = jax.random.fold_in
+    expected = [jax.random.key_data(fold(fold(base, row // 2), row % 2)) for row in range(8)]
     np.testing.assert_array_equal(got, np.stack(expected))
     np.testing.assert_array_equal(got, run())
 
@@ -165,7 +166,8 @@ def test_throughput_table():
     m = throughput.Measured(step_s={l0: 0.010, l01: 0.012, all3: 0.020},
                             compute_s={l0: 0.008, l01: 0.009, all3: 0.011},
                             flops={l0: 1e9, l01: 1.2e9, all3: 1.5e9})
-    t = throughput.report(m, {l0: 6, l01: 3, all3: 1}, {l0: 2, l01: 1, all3: 1}, {"L0": 100, "L0+1": 150, "L0+1+2": 300},
+    wire = {"L0": 100, "L0+1": 150, "L0+1+2": 300}
+    t = throughput.report(m, {l0: 6, l01: 3, all3: 1}, {l0: 2, l01: 1, all3: 1}, wire,
                           units_per_device_step=1000, n_devices=4, peak=1e12)
     assert t["worst_pattern"] == "L0+1+2" and t["worst"]["step_time_ms"] == pytest.approx(20)
     r = t["per_pattern"]["L0+1"]
