@@ -107,7 +107,9 @@ def test_default_model_trains_end_to_end(tmp_path):
     d = tmp_path / "nl"
     run("nljax.train", "--cpu-devices", "2", "--quiet", f"run.dir={d}", "train.steps=12", "train.batch_size=4",
         "train.seq_len=32", "model.dim=32", "model.depth=2", "model.memory_chunk=8", "model.window=8",
-        "cms.periods=[1,4]", "eval.batches=1", "optim.lr=0.01", "optim.warmup_steps=0")
+        "cms.periods=[1,4]", "eval.batches=1", "optim.lr=0.01", "optim.warmup_steps=0",
+        # the end-of-run report is tested above; here it would only add compilations of the big model
+        "throughput.split=false", "throughput.reps=1", "run.plots=false", "run.tensorboard=false")
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["loss"] < recs[0]["loss"]
     summary = json.loads((d / "summary.json").read_text())
