@@ -26,6 +26,8 @@ class RunConfig:
     dir: str = "runs/default"
     overwrite: bool = False  # replace the files of an earlier run in run.dir
     quiet: bool = False
+    tensorboard: bool = True  # TensorBoard event files in run.dir
+    plots: bool = True  # loss.png and step_time.png in run.dir at the end
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +37,8 @@ class TrainConfig:
     seq_len: int = 128
     accum_steps: int = 1  # micro-batches per optimizer step, accumulated on each device
     log_every: int = 10
+    profile_steps: int = 0  # record a jax.profiler trace of this many steps into run.dir/profile
+    profile_start: int = 10  # first profiled step (after compilation)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +102,8 @@ class OptimConfig:
     b1: float = 0.9
     b2: float = 0.99
     clip_norm: float = 0.0  # 0 disables clipping
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # lr x (B/B0) or x sqrt(B/B0), B = train.batch_size
+    base_batch_size: int = 16  # B0: the global batch that optim.lr was tuned for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,6 +127,13 @@ class DistributedConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ThroughputConfig:
+    reps: int = 5  # timed repetitions of every pulse pattern at the end of a run (medians reported)
+    split: bool = True  # also time each pattern without its collectives: compute vs communication
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the device kind when known
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     run: RunConfig = RunConfig()
@@ -133,6 +146,7 @@ class Config:
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
     distributed: DistributedConfig = DistributedConfig()
+    throughput: ThroughputConfig = ThroughputConfig()
 
 
 def _type_name(tp: Any) -> str:
@@ -253,6 +267,12 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.steps must be >= 0 and train.batch_size, train.seq_len, train.accum_steps >= 1")
     if cfg.train.log_every < 1 or cfg.eval.every < 0 or cfg.eval.batches < 0:
         raise ConfigError("train.log_every must be >= 1, eval.every and eval.batches >= 0")
+    if cfg.train.profile_steps < 0 or cfg.train.profile_start < 0:
+        raise ConfigError("train.profile_steps and train.profile_start must be >= 0")
+    if cfg.optim.base_batch_size < 1:
+        raise ConfigError(f"optim.base_batch_size must be >= 1, got {cfg.optim.base_batch_size}")
+    if cfg.throughput.reps < 1 or cfg.throughput.peak_tflops < 0:
+        raise ConfigError("throughput.reps must be >= 1 and throughput.peak_tflops >= 0")
     if cfg.mesh.inter == 0 or cfg.mesh.inter < -1 or cfg.mesh.intra == 0 or cfg.mesh.intra < -1:
         raise ConfigError(f"mesh.inter and mesh.intra must be positive or -1, got {cfg.mesh.inter}, {cfg.mesh.intra}")
     if cfg.distributed.timeout_s < 1 or cfg.distributed.check_every < 0:

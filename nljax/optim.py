@@ -3,9 +3,13 @@
 Each CMS level has its own optimizer state, touched only when the level fires. The learning-rate
 schedule is indexed by the global step (not by the level's own update count), so a slow level
 does not sit in warm-up for thousands of steps; `optim.level_lr_scale` multiplies it per level.
+`optim.lr_scaling` rescales the peak learning rate from the batch it was tuned for
+(`optim.base_batch_size`) to the global batch of the run.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -14,13 +18,22 @@ import optax
 from nljax.config import OptimConfig
 
 
-def schedule(cfg: OptimConfig, total_steps: int):
+def peak_lr(cfg: OptimConfig, batch_size: int) -> float:
+    """`optim.lr` scaled to the global batch: linear (Goyal et al.) or square root (for Adam-like
+    optimizers) in batch_size / base_batch_size; unchanged with `lr_scaling: none`."""
+    ratio = batch_size / cfg.base_batch_size
+    return cfg.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
+
+
+def schedule(cfg: OptimConfig, total_steps: int, batch_size: int | None = None):
+    """Warm-up (linear from 0) then cosine decay to 10% of the peak, or constant, by global step."""
+    lr = cfg.lr if batch_size is None else peak_lr(cfg, batch_size)
     warm = max(cfg.warmup_steps, 0)
     if cfg.schedule == "constant":
-        return optax.linear_schedule(0.0, cfg.lr, warm) if warm else optax.constant_schedule(cfg.lr)
+        return optax.linear_schedule(0.0, lr, warm) if warm else optax.constant_schedule(lr)
     decay = max(total_steps, warm + 1)
-    return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, warm, decay, end_value=cfg.lr * 0.1) if warm else (
-        optax.cosine_decay_schedule(cfg.lr, decay, alpha=0.1)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, warm, decay, end_value=lr * 0.1) if warm else (
+        optax.cosine_decay_schedule(lr, decay, alpha=0.1)
     )
 
 

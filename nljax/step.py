@@ -24,7 +24,7 @@ import optax
 from jax.sharding import Mesh
 
 from nljax import levels, optim
-from nljax.config import Config
+from nljax.config import Config, ConfigError
 from nljax.mesh import DATA_AXES, REPLICATED, ROWS, data_size, rows_sharding
 from nljax.models.base import Model
 from nljax.state import TrainState, param_specs, place, specs
@@ -62,7 +62,7 @@ class Engine:
         n_levels = len(cfg.cms.periods)
         level_tree = levels.assign(shapes, model.level_of, n_levels)
         flats = tuple(LevelFlat.of(p) for p in levels.split(shapes, level_tree, n_levels))
-        tx, lr = optim.direction(cfg.optim), optim.schedule(cfg.optim, cfg.train.steps)
+        tx, lr = optim.direction(cfg.optim), optim.schedule(cfg.optim, cfg.train.steps, cfg.train.batch_size)
         return cls(cfg, model, mesh, level_tree, tx, lr, shapes, flats, STRATEGIES[cfg.sync.strategy])
 
     def buffered(self, level: int) -> bool:
@@ -104,11 +104,18 @@ def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch
     return grads, loss_sum, count, memory
 
 
+def micro_batches(eng: Engine, local_rows: int) -> int:
+    """Micro-batches in a device's `local_rows` rows: `train.accum_steps` for a full batch, fewer
+    for the partial accumulation that ends a data pass."""
+    return local_rows * eng.n_devices * eng.cfg.train.accum_steps // eng.cfg.train.batch_size
+
+
 def accumulated_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict, key: jax.Array):
-    """`local_grads` over `train.accum_steps` micro-batches of this device's rows, accumulated
-    locally (one `lax.scan`, no communication) and averaged: the same gradient as one pass over
-    all rows, with 1/accum_steps of the activation memory. Each row's memory stays with its row."""
-    m = eng.cfg.train.accum_steps
+    """`local_grads` over the micro-batches of this device's rows (`train.accum_steps`, or fewer in
+    a tail batch), accumulated locally (one `lax.scan`, no communication) and averaged over the
+    micro-batches present: the same gradient as one pass over all rows, with 1/accum_steps of the
+    activation memory. Each row's memory stays with its row."""
+    m = micro_batches(eng, jax.tree.leaves(batch)[0].shape[0])
     if m == 1:
         return local_grads(eng, active, parts, memory, batch, key)
     split = lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:])  # [m, rows/m, ...]
@@ -237,23 +244,46 @@ def batch_specs(batch: dict) -> dict:
 
 
 class StepCache:
-    """Compiled step variants, one per active set, built on first use."""
+    """Compiled step variants, built on first use: one per active set, plus one per (active set,
+    micro-batches) for tail batches that hold fewer than `train.accum_steps` micro-batches.
+
+    Tail batches are for memory-less models only: a row's inner-loop state belongs to a stream
+    row of the full global batch, and a tail batch has no row to carry it."""
 
     def __init__(self, eng: Engine):
         self.eng = eng
-        self.traces: dict[Active, int] = {}
-        self._train: dict[Active, jax.stages.Compiled] = {}
+        self.traces: dict = {}  # variant key -> times traced
+        self._train: dict = {}
         self._eval: Callable | None = None
 
-    def train_fn(self, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
-        """The compiled variant for `active` (`state` and `batch` give shapes on first use)."""
-        if active not in self._train:
-            self._train[active] = self._build_train(active, state, batch)
-        return self._train[active]
+    def variant(self, active: Active, batch: dict):
+        """Cache key of the variant for `batch`: `active` for a full batch, (active, micro-batches)
+        for a tail; a batch of any other size is refused with one line."""
+        cfg, rows = self.eng.cfg.train, jax.tree.leaves(batch)[0].shape[0]
+        if rows == cfg.batch_size:
+            return active
+        micro = cfg.batch_size // cfg.accum_steps
+        if not 0 < rows < cfg.batch_size or rows % micro:
+            raise ConfigError(
+                f"a batch of {rows} rows is neither train.batch_size={cfg.batch_size} nor a multiple of its "
+                f"{micro}-row micro-batches (train.batch_size / train.accum_steps)"
+            )
+        if jax.tree.leaves(self.eng.model.init_memory(1)):
+            raise ConfigError(f"a tail batch of {rows} rows cannot train a model with inner-loop memory "
+                              f"(each memory row belongs to one of the train.batch_size={cfg.batch_size} streams)")
+        return active, rows // micro
 
-    def _build_train(self, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
+    def train_fn(self, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
+        """The compiled variant for `active` and `batch`'s size (`state` and `batch` give shapes on
+        first use)."""
+        key = self.variant(active, batch)
+        if key not in self._train:
+            self._train[key] = self._build_train(key, active, state, batch)
+        return self._train[key]
+
+    def _build_train(self, key, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
         def body(state, batch):
-            self.traces[active] = self.traces.get(active, 0) + 1  # runs at trace time only
+            self.traces[key] = self.traces.get(key, 0) + 1  # runs at trace time only
             return local_train_step(self.eng, active, state, batch)
 
         st = specs(state, self.eng.strategy.name)

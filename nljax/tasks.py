@@ -29,7 +29,10 @@ class Task(Protocol):
     units_per_row: int  # units in one batch row (seq_len for text)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
-        """The global batch of `step`, split over the data axes (each device builds its rows)."""
+        """The global batch of `step`, split over the data axes (each device builds its rows):
+        `train.batch_size` rows, or, at the end of a data pass, fewer: a multiple of the
+        micro-batch `train.batch_size / train.accum_steps` (the tail, trained, not dropped; only
+        for models without inner-loop memory)."""
         ...
 
     def evaluate(self, cache, params, step: int) -> dict:

@@ -1,22 +1,25 @@
 """The training loop: builds the run from a config, steps it with the Conductor, evaluates,
-logs and reports throughput. Only process 0 prints and writes files."""
+logs and reports throughput. Only process 0 prints and writes files.
+
+`train` is three stages, each a plain function so that a hook (checkpoints, lockstep checks,
+memory reports) is one call in one place: `startup_report`, `train_loop`, `final_report`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 
 import jax
-import numpy as np
 import yaml
 
-from nljax import __version__, distributed, levels, mesh as meshlib
+from nljax import __version__, distributed, levels, mesh as meshlib, optim, runlog, tasks, throughput
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
-from nljax import tasks
 from nljax.models import build
 from nljax.state import TrainState, bytes_per_device, describe_memory
 from nljax.step import Engine, StepCache
@@ -61,7 +64,11 @@ class Setup:
 
 
 class RunDir:
-    """The files of one run. Refuses to overwrite an earlier run unless told to."""
+    """The files of one run. Refuses to overwrite an earlier run unless told to; when told to,
+    removes the earlier run's outputs first so that none of them outlives it."""
+
+    OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "events.out.tfevents.*",
+               "profile")
 
     def __init__(self, path: str, overwrite: bool, write: bool):
         self.path = Path(path)
@@ -73,6 +80,9 @@ class RunDir:
             )
         if write:
             self.path.mkdir(parents=True, exist_ok=True)
+            for pattern in self.OUTPUTS:
+                for old in self.path.glob(pattern):
+                    shutil.rmtree(old) if old.is_dir() else old.unlink()
             (self.path / "metrics.jsonl").write_text("")
 
     def save_config(self, cfg: Config) -> None:
@@ -89,143 +99,211 @@ class RunDir:
             (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
-def throughput(times: dict[str, list[float]], tokens_per_device_step: int, n_devices: int) -> dict:
-    """Per-device tokens/s: mean over all timed steps and worst case over pulse patterns."""
-    per_pattern = {
-        name: {
-            "steps": len(ts),
-            "mean_step_time_s": float(np.mean(ts)),
-            "tokens_per_s_per_device": tokens_per_device_step / float(np.mean(ts)),
-        }
-        for name, ts in sorted(times.items())
-        if ts
-    }
-    all_times = [t for ts in times.values() for t in ts]
-    if not all_times:
-        return {"per_pattern": per_pattern}
-    mean_tps = tokens_per_device_step * len(all_times) / sum(all_times)
-    worst = max(per_pattern, key=lambda k: per_pattern[k]["mean_step_time_s"])
-    return {
-        "per_pattern": per_pattern,
-        "tokens_per_s_per_device_mean": mean_tps,
-        "tokens_per_s_per_device_worst": per_pattern[worst]["tokens_per_s_per_device"],
-        "worst_pattern": worst,
-        "tokens_per_s_aggregate": mean_tps * n_devices,
-    }
+@dataclasses.dataclass
+class Output:
+    """Where a run reports: files (process 0 only), terminal, TensorBoard."""
+
+    run: RunDir
+    progress: runlog.Progress
+    board: runlog.Board
+
+    @classmethod
+    def create(cls, cfg: Config, start: int = 0, unit: str = "tok") -> "Output":
+        main = is_main()
+        run = RunDir(cfg.run.dir, cfg.run.overwrite, main)
+        run.save_config(cfg)
+        progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
+        board = runlog.Board(run.path if main and cfg.run.tensorboard else None)
+        return cls(run, progress, board)
+
+    def say(self, text: str) -> None:
+        self.progress.say(text)
+
+    def close(self) -> None:
+        self.progress.close()
+        self.board.close()
 
 
-def time_missing_patterns(setup: Setup, state: TrainState, times: dict[str, list[float]], reps: int = 2) -> None:
-    """Time the variants that only ran while compiling (e.g. all levels firing once at step 0) on
-    a throwaway copy of the state, so the worst case is measured rather than left out."""
-    conductor = Conductor(setup.cfg.cms.periods)
-    batch = setup.batch(0)
-    for active in conductor.patterns():
-        name = pattern_name(active)
-        if times.get(name):
-            continue
-        probe = jax.tree.map(lambda x: x.copy(), state)
-        for r in range(reps + 1):
-            t0 = time.perf_counter()
-            probe, m = setup.cache.train(active, probe, batch)
-            jax.block_until_ready(m)
-            if r:  # the first call may compile
-                times.setdefault(name, []).append(time.perf_counter() - t0)
+class Profiler:
+    """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into
+    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); process 0 only."""
+
+    def __init__(self, cfg: Config, path: Path, enabled: bool):
+        self.first, self.n = cfg.train.profile_start, cfg.train.profile_steps if enabled else 0
+        self.path, self.on = path / "profile", False
+
+    def before(self, step: int) -> None:
+        if self.n and step == self.first:
+            jax.profiler.start_trace(str(self.path))
+            self.on = True
+
+    def after(self, step: int, last: bool) -> None:
+        if self.on and (step == self.first + self.n - 1 or last):
+            jax.profiler.stop_trace()
+            self.on = False
 
 
-def train(cfg: Config) -> dict:
-    setup = Setup.create(cfg)
-    main = is_main()
-    quiet = cfg.run.quiet or not main
-    distributed.check_startup(setup, print if not quiet else (lambda *a: None))
-    run = RunDir(cfg.run.dir, cfg.run.overwrite, main)
-    run.save_config(cfg)
-    eng, mesh = setup.engine, setup.mesh
-    n_dev = meshlib.data_size(mesh)
-    rows_per_dev = cfg.train.batch_size // n_dev
-    tokens_per_device_step = rows_per_dev * setup.task.units_per_row
+def units_per_device(setup: Setup, batch: dict) -> int:
+    """Tokens (or the task's unit) one device processes in a step on `batch`."""
+    rows = jax.tree.leaves(batch)[0].shape[0]
+    return rows // setup.engine.n_devices * setup.task.units_per_row
+
+
+def startup_report(setup: Setup, say) -> None:
+    """Devices and mesh, model size, batch sizes (global, per device, micro, effective), the
+    learning rate after batch scaling, and the parameters of each level."""
+    cfg, eng, mesh = setup.cfg, setup.engine, setup.mesh
+    n_dev, t = eng.n_devices, cfg.train
+    rows_per_dev = t.batch_size // n_dev
     n_params = sum(n for n, _ in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels))
-    say = (lambda *a: None) if quiet else print
-    say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices, "
-        f"mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, {jax.process_count()} process(es)")
-    say(f"model {cfg.model.name}: {n_params:,} parameters; global batch {cfg.train.batch_size} rows x "
-        f"{cfg.train.seq_len} tokens, {rows_per_dev} rows per device in {cfg.train.accum_steps} "
-        f"micro-batch(es) of {rows_per_dev // cfg.train.accum_steps}")
+    unit, per_row = setup.task.unit, setup.task.units_per_row
+    say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices "
+        f"({jax.devices()[0].device_kind}), mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, "
+        f"{jax.process_count()} process(es)")
+    say(f"model {cfg.model.name}: {n_params:,} parameters")
+    say(f"batch: global {t.batch_size} rows ({t.batch_size * per_row:,} {unit}) per optimizer step; per device "
+        f"{rows_per_dev} rows in {t.accum_steps} micro-batch(es) of {rows_per_dev // t.accum_steps}; "
+        f"effective batch {rows_per_dev // t.accum_steps} x {t.accum_steps} x {n_dev} devices = {t.batch_size} rows")
+    lr = optim.peak_lr(cfg.optim, t.batch_size)
+    scaled = "" if cfg.optim.lr_scaling == "none" else (
+        f" (optim.lr {cfg.optim.lr:g} x {cfg.optim.lr_scaling} {t.batch_size}/{cfg.optim.base_batch_size})")
+    say(f"optimizer {cfg.optim.name}: peak lr {lr:.4g}{scaled}, {cfg.optim.schedule} schedule, "
+        f"{cfg.optim.warmup_steps} warm-up steps")
     say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
-    memory_report = bytes_per_device(setup.state)
-    say(describe_memory(memory_report, eng.strategy.name))
+    say(describe_memory(bytes_per_device(setup.state), eng.strategy.name))
 
-    state, conductor = setup.state, Conductor(cfg.cms.periods)
-    times: dict[str, list[float]] = {}
-    seen: set = set()
-    history, skipped = [], 0
-    t_start = time.perf_counter()
-    for i in range(cfg.train.steps):
+
+@dataclasses.dataclass
+class History:
+    records: list = dataclasses.field(default_factory=list)
+    skipped: int = 0  # steps whose gradients failed sync.check_grads
+    final_loss: float | None = None
+    wall_s: float = 0.0  # the loop, compilation and evaluations included
+
+
+def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Output) -> tuple[TrainState, History]:
+    """Steps from `conductor.step` to `train.steps`. The next batch is built while the device runs
+    the current step; the step time runs from dispatch until its loss is on the host."""
+    cfg, steps = setup.cfg, setup.cfg.train.steps
+    key = f"{setup.task.unit}_per_s_per_device"
+    hist, seen, t_start = History(), set(), time.perf_counter()
+    profiler = Profiler(cfg, out.run.path, out.run.write)
+    batch = setup.batch(conductor.step) if conductor.step < steps else None
+    for i in range(max(steps - conductor.step, 0)):
         p = conductor.pulse
         distributed.check_step(i, p, cfg.distributed.check_every)
-        batch = setup.batch(p.step)
+        last = p.step == steps - 1
+        variant = setup.cache.variant(p.active, batch)
+        compiled = variant not in seen  # the first call of a variant includes its compilation
+        seen.add(variant)
+        units = units_per_device(setup, batch)
+        profiler.before(p.step)
         t0 = time.perf_counter()
         state, m = setup.cache.train(p.active, state, batch)
-        loss = host_sum(m["loss_sum"]) / host_sum(m["count"])  # blocks: step times are real
+        batch = None if last else setup.batch(p.step + 1)  # overlaps the step on the device
+        loss = host_sum(m["loss_sum"]) / host_sum(m["count"])  # waits for the step
         dt = time.perf_counter() - t0
+        profiler.after(p.step, last)
         was_skipped = bool(m["skipped"].addressable_data(0))  # the same on every device
         if was_skipped:
-            skipped += 1
-            say(f"warning: step {p.step} skipped: gradient norm {float(m['grad_norm'].addressable_data(0))} "
-                f"is not finite or above sync.max_grad_norm")
+            hist.skipped += 1
+            out.say(f"warning: step {p.step} skipped: gradient norm {float(m['grad_norm'].addressable_data(0))} "
+                    f"is not finite or above sync.max_grad_norm")
         conductor = conductor.advance()  # after the step's synchronization
-        compiled = p.active not in seen
-        seen.add(p.active)
-        if not compiled:
-            times.setdefault(p.name, []).append(dt)
         rec = {
             "step": p.step,
             "loss": loss,
             "active_levels": p.active_levels,
+            "pattern": p.name,
             "step_time_s": dt,
-            "tokens_per_s_per_device": tokens_per_device_step / dt,
+            key: units / dt,
             "compiled": compiled,
             "skipped": was_skipped,
         }
-        if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and p.step + 1 < cfg.train.steps:
-            rec.update(setup.evaluate(state.params, p.step + 1))
-        run.log(rec)
-        history.append(loss)
-        if p.step % cfg.train.log_every == 0 or p.step == cfg.train.steps - 1 or "eval_loss" in rec:
-            extra = f"  eval_bpb {rec['eval_bpb']:.3f}" if "eval_bpb" in rec else ""
-            say(f"step {p.step:6d}  loss {loss:.4f}  {p.name:<10} {dt * 1e3:8.1f} ms  "
-                f"{rec['tokens_per_s_per_device']:10,.0f} tok/s/device{extra}")
-    wall = time.perf_counter() - t_start
+        if variant != p.active:
+            rec["micro_batches"] = variant[1]  # a tail batch that ends a data pass
+        evaluated = {}
+        if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and not last:
+            evaluated = setup.evaluate(state.params, p.step + 1)
+            rec.update(evaluated)
+        out.run.log(rec)
+        out.board.scalars("train", {"loss": loss, "step_time_s": dt, key: units / dt}, p.step)
+        out.board.scalars("eval", evaluated, p.step + 1)
+        out.progress.update(rec, units / dt, last, runlog.format_metrics(evaluated))
+        hist.records.append(rec)
+        hist.final_loss = loss
+    hist.wall_s = time.perf_counter() - t_start
+    out.progress.close()
+    return state, hist
+
+
+def final_report(setup: Setup, state: TrainState, hist: History, out: Output) -> dict:
+    """Final evaluation, the throughput table, communication from the HLO, summary.json and the
+    plots."""
+    cfg, eng = setup.cfg, setup.engine
     final_eval = setup.evaluate(state.params, cfg.train.steps)
-    time_missing_patterns(setup, state, times)
-    tp = throughput(times, tokens_per_device_step, n_dev)
-    comm = account(setup.cache, state, setup.batch(0))  # reads the executables that trained
+    out.board.scalars("eval", final_eval, cfg.train.steps)
+    batch = setup.batch(0)
+    comm = account(setup.cache, state, batch)  # reads the executables that trained
+    wire = {v["active"]: v["wire_bytes"] for v in comm["variants"]}
+    counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
+    measured = throughput.measure(setup, state, list(counts), cfg.throughput.reps, cfg.throughput.split)
+    device_kind = jax.devices()[0].device_kind
+    table = throughput.report(
+        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, units_per_device(setup, batch),
+        eng.n_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), setup.task.unit,
+    )
+    key = f"{setup.task.unit}_per_s_per_device"
+    steady = [r for r in hist.records if not r["compiled"]]
+    if steady:  # what the loop itself achieved, compilation excluded
+        units = sum(r[key] * r["step_time_s"] for r in steady)
+        table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
+    table["device_kind"] = device_kind
+    if jax.devices()[0].platform == "cpu" and eng.n_devices > 1:
+        table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
-        "devices": n_dev,
-        "mesh": dict(mesh.shape),
-        "final_loss": history[-1] if history else None,
+        "devices": eng.n_devices,
+        "mesh": dict(setup.mesh.shape),
+        "final_loss": hist.final_loss,
         **final_eval,
-        "throughput": tp,
+        "throughput": table,
         "communication": {
             "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
             "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],
             "ratio_vs_ddp": comm["ratio_vs_ddp"],
-            "wire_bytes_per_pattern": {v["active"]: v["wire_bytes"] for v in comm["variants"]},
+            "wire_bytes_per_pattern": wire,
         },
-        "wall_time_s": wall,
-        "skipped_steps": skipped,
-        "memory_bytes_per_device": memory_report,
+        "wall_time_s": hist.wall_s,
+        "skipped_steps": hist.skipped,
+        "memory_bytes_per_device": bytes_per_device(state),
         "strategy": eng.strategy.name,
     }
-    run.save_summary(summary)
-    say(f"eval loss {final_eval['eval_loss']:.4f} ({final_eval['eval_bpb']:.3f} bits per byte)")
-    if "tokens_per_s_per_device_mean" in tp:
-        say(f"throughput per device: mean {tp['tokens_per_s_per_device_mean']:,.0f} tok/s, worst "
-            f"{tp['tokens_per_s_per_device_worst']:,.0f} tok/s ({tp['worst_pattern']}); "
-            f"aggregate {tp['tokens_per_s_aggregate']:,.0f} tok/s over {n_dev} devices")
+    out.run.save_summary(summary)
+    if out.run.write and cfg.run.plots:
+        runlog.plot(out.run.path, hist.records, table["per_pattern"], final_eval)
+    out.say(f"final eval: {runlog.format_metrics(final_eval)}")
+    out.say(throughput.format_table(table))
+    every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case
+    if every in measured.step_s and table["worst_pattern"] != pattern_name(every):
+        out.say(f"note: {table['worst_pattern']} timed slower than {pattern_name(every)}, where all levels fire: "
+                f"their difference is within the timing noise")
     if comm["ratio_vs_ddp"] is not None:
-        say(f"communication per device per step (HLO): {comm['mean_wire_bytes_per_step']:,.0f} B, "
-            f"{comm['ratio_vs_ddp']:.3f} x a DDP all-reduce of every parameter")
+        out.say(f"communication per device per step (HLO): {comm['mean_wire_bytes_per_step']:,.0f} B, "
+                f"{comm['ratio_vs_ddp']:.3f} x a DDP all-reduce of every parameter")
+    return summary
+
+
+def train(cfg: Config) -> dict:
+    setup = Setup.create(cfg)
+    distributed.check_startup(setup, print if is_main() and not cfg.run.quiet else (lambda *a: None))
+    out = Output.create(cfg, unit=runlog.short_unit(setup.task.unit))
+    try:
+        startup_report(setup, out.say)
+        state, hist = train_loop(setup, setup.state, Conductor(cfg.cms.periods), out)
+        summary = final_report(setup, state, hist, out)
+    finally:
+        out.close()
     setup.state = state
     return summary

@@ -11,8 +11,9 @@ SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_siz
          "eval.batches=1", "optim.warmup_steps=0"]
 
 
-def run(*args, check=True):
+def run(*args, check=True, env_extra=None):
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env.update(env_extra or {})
     p = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=600)
     if check and p.returncode:
         raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
@@ -20,8 +21,13 @@ def run(*args, check=True):
 
 
 def test_train_writes_run_dir_and_loss_falls(tmp_path):
+    """A run's outputs: metrics, summary with the throughput table, plots, TensorBoard events, a
+    profiler trace. A second, shorter run with the same seed and mesh under another
+    PYTHONHASHSEED logs identical losses (eval included)."""
     d = tmp_path / "run"
-    run("nljax.train", "--cpu-devices", "2", "--quiet", f"run.dir={d}", "train.steps=30", "optim.lr=0.01", *SMALL)
+    common = ["--cpu-devices", "2", "--quiet", "optim.lr=0.01", *SMALL, "optim.schedule=constant", "eval.every=3"]
+    run("nljax.train", *common, f"run.dir={d}", "train.steps=30", "train.profile_steps=2", "train.profile_start=1",
+        env_extra={"PYTHONHASHSEED": "1"})
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(30))
     for key in ("loss", "active_levels", "step_time_s", "tokens_per_s_per_device"):
@@ -30,12 +36,30 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     assert sum(r["loss"] for r in recs[-5:]) / 5 < recs[0]["loss"] - 1.0
     summary = json.loads((d / "summary.json").read_text())
     assert summary["eval_bpb"] < 8 and summary["devices"] == 2
-    assert summary["throughput"]["worst_pattern"] in summary["throughput"]["per_pattern"]
-    assert "L0+1+2" in summary["throughput"]["per_pattern"]  # timed even though it fired only once
+    tp = summary["throughput"]
+    assert set(tp["per_pattern"]) == {"L0", "L0+1", "L0+1+2"}  # L0+1+2 timed although it fired in few steps
+    assert tp["worst_pattern"] in tp["per_pattern"]
+    for row in tp["per_pattern"].values():
+        assert row["step_time_ms"] > 0 and row["compute_ms"] > 0 and row["flops_per_device_step"] > 0
+        assert row["comm_ms"] == pytest.approx(max(row["step_time_ms"] - row["compute_ms"], 0), abs=1e-9)
+    assert [tp["per_pattern"][k]["steps_in_run"] for k in ("L0", "L0+1", "L0+1+2")] == [15, 7, 8]
+    assert tp["tokens_per_s_aggregate"] == pytest.approx(2 * tp["tokens_per_s_per_device_mean"])
+    for f in ("loss.png", "step_time.png"):
+        assert (d / f).read_bytes().startswith(b"\x89PNG")
+    assert list(d.glob("events.out.tfevents.*")), "TensorBoard event file"
     comm = summary["communication"]
     assert set(comm["wire_bytes_per_pattern"]) == {"L0", "L0+1", "L0+1+2"}
     assert 0 < comm["mean_wire_bytes_per_step"] < comm["ddp_wire_bytes_per_step"]
     assert (d / "config.yaml").read_text().startswith("seed: 0")
+    assert list((d / "profile").rglob("*.xplane.pb")), "profiler trace"
+
+    d2 = tmp_path / "rerun"
+    run("nljax.train", *common, f"run.dir={d2}", "train.steps=6", "throughput.reps=1", "throughput.split=false",
+        "run.plots=false", "run.tensorboard=false", env_extra={"PYTHONHASHSEED": "2"})
+    again = [json.loads(l) for l in (d2 / "metrics.jsonl").read_text().splitlines()]
+    assert [r["loss"] for r in again] == [r["loss"] for r in recs[:6]]
+    assert [r.get("eval_loss") for r in again[:5]] == [r.get("eval_loss") for r in recs[:5]]
+    assert "eval_loss" in again[2]
 
 
 @pytest.mark.parametrize(
@@ -83,7 +107,9 @@ def test_default_model_trains_end_to_end(tmp_path):
     d = tmp_path / "nl"
     run("nljax.train", "--cpu-devices", "2", "--quiet", f"run.dir={d}", "train.steps=12", "train.batch_size=4",
         "train.seq_len=32", "model.dim=32", "model.depth=2", "model.memory_chunk=8", "model.window=8",
-        "cms.periods=[1,4]", "eval.batches=1", "optim.lr=0.01", "optim.warmup_steps=0")
+        "cms.periods=[1,4]", "eval.batches=1", "optim.lr=0.01", "optim.warmup_steps=0",
+        # the end-of-run report is tested above; here it would only add compilations of the big model
+        "throughput.split=false", "throughput.reps=1", "run.plots=false", "run.tensorboard=false")
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["loss"] < recs[0]["loss"]
     summary = json.loads((d / "summary.json").read_text())

@@ -1,0 +1,229 @@
+"""The training loop: tail flush of an accumulation, batch-scaled learning rate, per-device
+keys, the throughput table, run-directory hygiene."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nljax import config, optim, throughput
+from nljax.conductor import Conductor, pulse
+from nljax.config import ConfigError
+from nljax.mesh import DATA_AXES, ROWS, make_mesh
+from nljax.step import Engine, StepCache, device_key, put_batch
+
+from helpers import assert_trees_close, make
+
+TAIL = ["optim.name=sgd", "optim.lr=0.1", "cms.periods=[1,2]"]
+
+
+@functools.lru_cache(maxsize=None)
+def host_batch(step):
+    """Step `step`'s 8-row global batch on the host (the same ContextStream whatever the setup)."""
+    return jax.device_get(make(TAIL, 1, 1).batch(step))
+
+
+def rows_of(setup, step, rows):
+    """The first `rows` rows of step `step`'s 8-row global batch, on `setup`'s mesh."""
+    return put_batch({k: v[:rows] for k, v in host_batch(step).items()}, setup.mesh)
+
+
+@functools.lru_cache(maxsize=None)
+def tail_run(inter, intra, accum):
+    """Steps 0 and 2 on full 8-row batches, step 1 on a 4-row tail (2 micro-batches of 2 rows)."""
+    setup = make([*TAIL, f"train.accum_steps={accum}"], inter, intra)
+    state = setup.state
+    for s in range(3):
+        batch = rows_of(setup, s, 4 if s == 1 else 8)
+        state, m = setup.cache.train(pulse(s, (1, 2)).active, state, batch)
+    return setup, jax.device_get(state.params), float(np.sum(m["loss_sum"]))
+
+
+def test_tail_flush_equals_one_step_on_the_concatenated_rows():
+    """accum_steps=4 on 2 devices: the tail batch's 2 micro-batches are averaged (not dropped,
+    not divided by 4), and the frozen level's error buffer takes them as one step."""
+    ref_full = make(TAIL, 1, 1)  # batch 8, accumulation off
+    ref_tail = make([*TAIL, "train.batch_size=4"], 1, 1)  # the tail's 4 rows as one batch
+    state = ref_full.state
+    for s in range(3):
+        setup = ref_tail if s == 1 else ref_full
+        state, m = setup.cache.train(pulse(s, (1, 2)).active, state, rows_of(setup, s, 4 if s == 1 else 8))
+    setup, params, last_loss = tail_run(1, 2, 4)
+    assert_trees_close(params, jax.device_get(state.params), rtol=1e-5, atol=1e-6)
+    assert last_loss == pytest.approx(float(np.sum(m["loss_sum"])), rel=1e-5)
+    # full batches keep their variant key; the tail is its own variant (2 micro-batches)
+    assert setup.cache.traces == {(True, True): 1, ((True, False), 2): 1}
+
+
+def test_tail_is_not_dropped():
+    """Guards the test above: training on the tail changes the parameters."""
+    setup, params, _ = tail_run(1, 2, 4)
+    st = make([*TAIL, "train.accum_steps=4"], 1, 2).state
+    for s in (0, 2):  # the same run with the tail dropped
+        st, _ = setup.cache.train(pulse(s, (1, 2)).active, st, rows_of(setup, s, 8))
+    leaves = zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(st.params)))
+    assert max(float(np.abs(a - b).max()) for a, b in leaves) > 1e-4
+
+
+def test_bad_tail_batches_are_refused():
+    setup, _, _ = tail_run(1, 2, 4)
+    active = (True, True)
+    for rows in (3, 12):  # not a multiple of the 2-row micro-batch; more than a batch
+        with pytest.raises(ConfigError, match=f"a batch of {rows} rows"):
+            setup.cache.variant(active, {"tokens": np.zeros((rows, 9), np.int32)})
+    nl = make(["model.name=nl_lm", "model.dim=16", "model.heads=2", "model.memory_heads=2", "model.memory_dim=8",
+               "model.memory_hidden=8", "model.memory_chunk=8", "model.memory_layers=[0]", "model.window=8",
+               "train.accum_steps=2", "cms.periods=[1]"], 1, 2)
+    with pytest.raises(ConfigError, match="inner-loop memory"):
+        nl.cache.variant((True,), {"tokens": np.zeros((4, 9), np.int32)})
+
+
+@pytest.mark.parametrize("scaling,factor", [("none", 1.0), ("linear", 4.0), ("sqrt", 2.0)])
+def test_lr_scaling(scaling, factor):
+    cfg = config.load(None, [f"optim.lr_scaling={scaling}", "optim.base_batch_size=16", "train.batch_size=64",
+                             "optim.schedule=constant", "optim.warmup_steps=0", "optim.lr=0.01"])
+    assert optim.peak_lr(cfg.optim, 64) == pytest.approx(0.01 * factor)
+    lr = optim.schedule(cfg.optim, cfg.train.steps, cfg.train.batch_size)
+    assert float(lr(5)) == pytest.approx(0.01 * factor)
+    with pytest.raises(ConfigError, match="optim.base_batch_size"):
+        config.load(None, ["optim.base_batch_size=0"])
+
+
+def test_device_keys_differ_and_reproduce():
+    """fold_in(seed, step, global device index) under shard_map on a 2 x 4 mesh."""
+    mesh = make_mesh(2, 4, jax.devices())
+
+    def keys(seed, step):
+        fn = jax.shard_map(lambda s: jax.random.key_data(device_key(seed, s[0]))[None], mesh=mesh,
+                           in_specs=jax.sharding.PartitionSpec(), out_specs=ROWS, check_vma=False)
+        return np.asarray(jax.jit(fn)(jnp.array([step], jnp.int32)))  # [8, key words]
+
+    a = keys(0, 3)
+    assert len({tuple(k) for k in a}) == 8, "every device has its own key"
+    np.testing.assert_array_equal(a, keys(0, 3))  # same seed, step and mesh: same keys
+    assert not np.array_equal(a, keys(0, 4)) and not np.array_equal(a, keys(1, 3))
+    expected = [jax.random.key_data(jax.random.fold_in(jax.random.fold_in(jax.random.key(0), 3), i)) for i in range(8)]
+    np.testing.assert_array_equal(a, np.stack(expected))  # device i = i-th in inter-major order
+    assert DATA_AXES == ("inter", "intra")
+
+
+class KeyProbe:
+    """A test-only model whose memory rows record the key `Model.apply` received."""
+
+    task = "text"
+
+    def init(self, key):
+        return {"w": jnp.ones((2,))}
+
+    def level_of(self, path):
+        return 0
+
+    def init_memory(self, rows):
+        return {"key": jnp.zeros((rows, 2), jnp.uint32)}
+
+    def apply(self, params, memory, batch, key):
+        rows = batch["tokens"].shape[0]
+        data = jnp.broadcast_to(jax.random.key_data(key), (rows, 2))
+        return jnp.sum(params["w"] ** 2) * rows, jnp.float32(rows), {"key": data}
+
+
+def test_model_receives_per_device_per_micro_batch_keys():
+    cfg = config.load(None, ["train.batch_size=8", "train.accum_steps=2", "cms.periods=[1]", "seed=7"])
+    mesh = make_mesh(2, 2, jax.devices()[:4])
+    eng = Engine.create(cfg, KeyProbe(), mesh)
+    cache = StepCache(eng)
+    batch = put_batch({"tokens": np.zeros((8, 3), np.int32)}, mesh)
+
+    def run():
+        state = eng.init_state(jax.random.key(0), 8)
+        state, _ = cache.train((True,), state, batch)
+        state, _ = cache.train((True,), state, batch)  # step 1
+        return np.asarray(state.memory["key"])  # [8 rows, 2]: device d holds rows 2d, 2d+1
+
+    got = run()
+    base = jax.random.fold_in(jax.random.key(7), 1)
+    fold = jax.random.fold_in
+    expected = [jax.random.key_data(fold(fold(base, row // 2), row % 2)) for row in range(8)]
+    np.testing.assert_array_equal(got, np.stack(expected))
+    np.testing.assert_array_equal(got, run())
+
+
+def test_patterns_in_run_match_walking_the_steps():
+    periods = (1, 3, 4)
+    for start, steps in [(0, 0), (0, 5), (0, 12), (2, 31), (0, 100)]:
+        walked = {}
+        for s in range(start, steps):
+            a = pulse(s, periods).active
+            walked[a] = walked.get(a, 0) + 1
+        assert throughput.patterns_in_run(periods, start, steps) == walked
+    assert len(Conductor(periods).patterns()) == 4
+
+
+def test_throughput_table():
+    all3, l0, l01 = (True, True, True), (True, False, False), (True, True, False)
+    m = throughput.Measured(step_s={l0: 0.010, l01: 0.012, all3: 0.020},
+                            compute_s={l0: 0.008, l01: 0.009, all3: 0.011},
+                            flops={l0: 1e9, l01: 1.2e9, all3: 1.5e9})
+    wire = {"L0": 100, "L0+1": 150, "L0+1+2": 300}
+    t = throughput.report(m, {l0: 6, l01: 3, all3: 1}, {l0: 2, l01: 1, all3: 1}, wire,
+                          units_per_device_step=1000, n_devices=4, peak=1e12)
+    assert t["worst_pattern"] == "L0+1+2" and t["worst"]["step_time_ms"] == pytest.approx(20)
+    r = t["per_pattern"]["L0+1"]
+    assert r["comm_ms"] == pytest.approx(3) and r["tokens_per_s_per_device"] == pytest.approx(1000 / 0.012)
+    assert r["mfu"] == pytest.approx(1.2e9 / 0.012 / 1e12) and r["steps_per_cycle"] == 1
+    mean_step = (6 * 0.010 + 3 * 0.012 + 0.020) / 10
+    assert t["mean"]["step_time_ms"] == pytest.approx(mean_step * 1e3)
+    assert t["tokens_per_s_per_device_mean"] == pytest.approx(1000 / mean_step)
+    assert t["tokens_per_s_aggregate"] == pytest.approx(4 * 1000 / mean_step)
+    assert t["mean"]["wire_bytes"] == pytest.approx((600 + 450 + 300) / 10)
+    text = throughput.format_table(t)
+    assert "worst L0+1+2" in text and "mean (run)" in text
+    assert throughput.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and throughput.peak_flops("cpu") is None
+    assert throughput.peak_flops("cpu", 2.0) == 2e12
+
+
+def test_overwrite_removes_stale_outputs(tmp_path):
+    from nljax.trainer import RunDir
+
+    (tmp_path / "metrics.jsonl").write_text("old\n")
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "loss.png").write_text("")
+    (tmp_path / "events.out.tfevents.1.x").write_text("")
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(ConfigError, match="already holds a run"):
+        RunDir(str(tmp_path), overwrite=False, write=True)
+    assert (tmp_path / "summary.json").exists()
+    RunDir(str(tmp_path), overwrite=True, write=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_loop_trains_a_tail_batch_from_the_task():
+    """The trainer asks the task for batches; a task whose data pass ends at step 1 hands it a
+    4-row tail, which the loop trains (logged with its micro-batches) with no new compile."""
+    import dataclasses
+
+    from nljax import runlog
+    from nljax.trainer import History, Output, RunDir, train_loop
+
+    setup, params, last_loss = tail_run(1, 2, 4)  # its variants are compiled already
+
+    class EpochTask:
+        unit, units_per_row = "tokens", 8
+
+        def batch(self, step):
+            return rows_of(setup, step, 4 if step == 1 else 8)
+
+    loop_setup = dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, train=dataclasses.replace(
+        setup.cfg.train, steps=3)), task=EpochTask())
+    state = setup.engine.init_state(jax.random.key(setup.cfg.seed), 8)
+    out = Output(RunDir("unused", False, write=False), runlog.Progress(3, 0, 1, quiet=True), runlog.Board(None))
+    traces = dict(setup.cache.traces)
+    state, hist = train_loop(loop_setup, state, Conductor((1, 2)), out)
+    assert isinstance(hist, History) and [r.get("micro_batches") for r in hist.records] == [None, 2, None]
+    assert hist.records[1]["tokens_per_s_per_device"] * hist.records[1]["step_time_s"] == pytest.approx(2 * 8)
+    assert_trees_close(jax.device_get(state.params), params, rtol=1e-6, atol=1e-7)
+    assert setup.cache.traces == traces
