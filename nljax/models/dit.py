@@ -28,10 +28,14 @@ from nljax.config import MeanFlowConfig
 
 
 def time_features(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> jax.Array:
-    """Sinusoidal features of t in [0, 1] (scaled by 1000, as DiT does for its timesteps).  [B, dim]"""
+    """Sinusoidal features of t in [0, 1], at most 1 radian per unit of t.  [B, dim]
+
+    DiT scales its timesteps to [0, 1000]; here that would put up to 1000 radians per unit of t
+    into u, and the MeanFlow target v - (t - r) du/dt inherits that derivative: on the digits,
+    one-step energy distance after 600 steps was 0.88 with the x1000 scale and 0.15 without."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
-    angles = (1000.0 * t.astype(jnp.float32))[:, None] * freqs[None]
+    angles = t.astype(jnp.float32)[:, None] * freqs[None]
     return jnp.concatenate([jnp.cos(angles), jnp.sin(angles)], axis=-1)
 
 
