@@ -47,7 +47,7 @@ def test_jvp_du_dt_matches_finite_differences():
     def run():
         u, target, dudt = meanflow.meanflow_target(u_fn, z, t, r, v, y)
         # d/dt along the trajectory: z moves with v, t with 1, r stays. Central differences at
-        # d and d/2, Richardson-extrapolated (float32; the time features reach 1000 rad per unit t).
+        # d and d/2, Richardson-extrapolated (float32).
         at = lambda s, dr=0.0: u_fn(z + s * v, t + s, r + dr * s, y)
         central = lambda h, dr=0.0: (at(h, dr) - at(-h, dr)) / (2 * h)
         fd = (4 * central(d / 2) - central(d)) / 3
@@ -57,12 +57,13 @@ def test_jvp_du_dt_matches_finite_differences():
     u, target, dudt, fd, moving_r, u0 = run()
     scale = float(jnp.max(jnp.abs(dudt)))
     assert scale > 1.0, "the check needs a non-trivial du/dt"
-    np.testing.assert_allclose(np.asarray(dudt), np.asarray(fd), atol=2e-3 * scale, rtol=0)
+    tol = 2e-3 * scale
+    np.testing.assert_allclose(np.asarray(dudt), np.asarray(fd), atol=tol, rtol=0)
     np.testing.assert_allclose(np.asarray(u), np.asarray(u0), atol=1e-6)
     want = v - (t - r)[:, None, None, None] * dudt
     np.testing.assert_allclose(np.asarray(target), np.asarray(want), atol=1e-5)
-    # the tangent of r is 0: moving r along with t is a different derivative
-    assert float(jnp.max(jnp.abs(moving_r - dudt))) > 0.05 * scale
+    # the tangent of r is 0: moving r along with t (h fixed) is a derivative the check tells apart
+    assert float(jnp.max(jnp.abs(moving_r - dudt))) > 5 * tol
 
 
 def test_point_mass_exact_average_velocity_has_zero_loss():
