@@ -23,7 +23,8 @@ def write_png(path: Path, pixels: np.ndarray) -> None:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     header = struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0)
-    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
+    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + body)
 
 
 def grid(images: np.ndarray, cols: int, scale: int) -> np.ndarray:

@@ -179,7 +179,8 @@ def train(cfg: Config) -> dict:
             rec.update(setup.evaluate(state.params, p.step + 1))
         run.log(rec)
         history.append(loss)
-        if p.step % cfg.train.log_every == 0 or p.step == cfg.train.steps - 1 or "eval_loss" in rec or "eval_energy_1step" in rec:
+        evaluated = "eval_loss" in rec or "eval_energy_1step" in rec
+        if p.step % cfg.train.log_every == 0 or p.step == cfg.train.steps - 1 or evaluated:
             extra = f"  eval_bpb {rec['eval_bpb']:.3f}" if "eval_bpb" in rec else ""
             extra += f"  energy 1-step {rec['eval_energy_1step']:.4f}" if "eval_energy_1step" in rec else ""
             say(f"step {p.step:6d}  loss {loss:.4f}  {p.name:<10} {dt * 1e3:8.1f} ms  "
@@ -206,7 +207,8 @@ def train(cfg: Config) -> dict:
         "wall_time_s": wall,
     }
     run.save_summary(summary)
-    say("final eval: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in final_eval.items()))
+    say("final eval: " + "  ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                   for k, v in final_eval.items()))
     if "tokens_per_s_per_device_mean" in tp:
         say(f"throughput per device: mean {tp['tokens_per_s_per_device_mean']:,.0f} tok/s, worst "
             f"{tp['tokens_per_s_per_device_worst']:,.0f} tok/s ({tp['worst_pattern']}); "

@@ -89,7 +89,8 @@ def test_energy_distance_is_the_u_statistic():
     from nljax import energy
 
     big = rng.normal(size=(50, 2))
-    assert energy._distance_sum(big, big, True, block=7) == pytest.approx(energy._distance_sum(big, big, True), rel=1e-12)
+    blocked = energy._distance_sum(big, big, True, block=7)
+    assert blocked == pytest.approx(energy._distance_sum(big, big, True), rel=1e-12)
     # unbiased: ~0 on average for two samples of one distribution (the V-statistic is not)
     same = [energy_distance(rng.normal(size=(8, 2)), rng.normal(size=(8, 2))) for _ in range(400)]
     assert abs(np.mean(same)) < 0.03

@@ -94,7 +94,9 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     elif not np.issubdtype(x.dtype, np.floating):
         raise ConfigError(f"images.path {path}: pixels must be uint8 or float, got {x.dtype}")
     if y is not None and (y.shape != (len(x),) or not np.issubdtype(y.dtype, np.integer) or y.min() < 0):
-        raise ConfigError(f"images.path {path}: labels must be non-negative integers [N={len(x)}], got {y.dtype} {y.shape}")
+        raise ConfigError(
+            f"images.path {path}: labels must be non-negative integers [N={len(x)}], got {y.dtype} {y.shape}"
+        )
     return x, y
 
 
@@ -115,7 +117,9 @@ def load(cfg: ImagesConfig) -> ImageSet:
     every = max(2, round(1 / cfg.eval_fraction))
     held = np.arange(len(x)) % every == every - 1
     if held.all() or not held.any():
-        raise ConfigError(f"images: {len(x)} examples leave no training or no held-out part at eval_fraction={cfg.eval_fraction}")
+        raise ConfigError(
+            f"images: {len(x)} examples leave no training or no held-out part at eval_fraction={cfg.eval_fraction}"
+        )
     return ImageSet(x[~held], y[~held], x[held], y[held], num_classes)
 
 
@@ -158,7 +162,7 @@ def rows(data: ImageSet, sampler: EpochSampler, step: int, which: np.ndarray) ->
     }
 
 
-def global_batch(data: ImageSet, sampler: EpochSampler, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
+def global_batch(data: ImageSet, sampler: EpochSampler, step: int, sharding: jax.sharding.Sharding) -> dict:
     """The step's global batch, split over rows; each device (and process) builds only its rows."""
     b = sampler.batch_size
     shapes = {"image": (b, *data.shape), "label": (b,), "index": (b,)}
@@ -171,4 +175,5 @@ def global_batch(data: ImageSet, sampler: EpochSampler, step: int, sharding: jax
             cache[k] = rows(data, sampler, step, np.arange(b)[span])
         return cache[k][key]
 
-    return {key: jax.make_array_from_callback(shape, sharding, functools.partial(fetch, key)) for key, shape in shapes.items()}
+    make = jax.make_array_from_callback
+    return {k: make(shape, sharding, functools.partial(fetch, k)) for k, shape in shapes.items()}

@@ -91,7 +91,8 @@ class DiTBlock(nn.Module):
         mod = nn.Dense(6 * self.dim, kernel_init=nn.initializers.zeros, name="adaln")(nn.silu(c))
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = jnp.split(mod, 6, axis=-1)  # each [B, D]
         norm = lambda name: nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name=name)
-        x = x + gate_a[:, None] * Attention(self.dim, self.heads, name="attn")(modulate(norm("norm1")(x), shift_a, scale_a))
+        attn = Attention(self.dim, self.heads, name="attn")
+        x = x + gate_a[:, None] * attn(modulate(norm("norm1")(x), shift_a, scale_a))
         h = nn.Dense(self.hidden, name="mlp_up")(modulate(norm("norm2")(x), shift_m, scale_m))
         h = nn.Dense(self.dim, name="mlp_down")(nn.gelu(h, approximate=True))
         return x + gate_m[:, None] * h
@@ -119,7 +120,8 @@ class DiTNet(nn.Module):
             c = c + nn.Embed(self.num_classes + 1, self.dim, name="label_embed")(y)
         for i in range(self.depth):
             x = DiTBlock(self.dim, self.heads, self.hidden, name=f"block{i}")(x, c)
-        shift, scale = jnp.split(nn.Dense(2 * self.dim, kernel_init=nn.initializers.zeros, name="final_adaln")(nn.silu(c)), 2, -1)
+        final_mod = nn.Dense(2 * self.dim, kernel_init=nn.initializers.zeros, name="final_adaln")(nn.silu(c))
+        shift, scale = jnp.split(final_mod, 2, axis=-1)
         x = modulate(nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name="final_norm")(x), shift, scale)
         x = nn.Dense(p * p * ch, kernel_init=nn.initializers.zeros, name="final")(x)  # [B, N, p*p*C]
         x = x.reshape(b, gh, gw, p, p, ch).transpose(0, 1, 3, 2, 4, 5)
