@@ -31,8 +31,8 @@ def time_features(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> 
     """Sinusoidal features of t in [0, 1], at most 1 radian per unit of t.  [B, dim]
 
     DiT scales its timesteps to [0, 1000]; here that would put up to 1000 radians per unit of t
-    into u, and the MeanFlow target v - (t - r) du/dt inherits that derivative: on the digits,
-    one-step energy distance after 600 steps was 0.88 with the x1000 scale and 0.15 without."""
+    into u, and the MeanFlow target v - (t - r) du/dt inherits that derivative: on the digits
+    (600 steps, lr 3e-4) one-step energy distance was 0.88 with the x1000 scale, 0.25 without."""
     half = dim // 2
     freqs = jnp.exp(-math.log(max_period) * jnp.arange(half, dtype=jnp.float32) / half)
     angles = t.astype(jnp.float32)[:, None] * freqs[None]
