@@ -74,7 +74,7 @@ class SyncConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    name: str = "nl_lm"  # registry key: nl_lm | cms_mlp
+    name: str = "nl_lm"  # registry key: nl_lm | cms_mlp | dit
     vocab_size: int = 256
     dim: int = 128
     hidden_mult: int = 4
@@ -89,6 +89,7 @@ class ModelConfig:
     memory_hidden: int = 64  # hidden width of the 2-layer MLP memory
     memory_chunk: int = 16  # mini-batch b of the chunk-parallel inner loop
     memory_lr_max: float = 0.01  # cap of the inner loop's data-dependent step size theta
+    patch_size: int = 2  # DiT (models/dit.py): patch side; dim, depth, heads, hidden_mult size it too
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,36 @@ class ThroughputConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class ImagesConfig:
+    """Image data of the `images` task (nljax/data/images.py)."""
+
+    source: Literal["digits", "file", "moons", "gaussians"] = "digits"  # digits: scikit-learn's 8x8 set
+    path: str = ""  # source=file: a .npy (images) or .npz ('x' or 'images', optional 'y' or 'labels')
+    eval_fraction: float = 0.2  # every round(1/eval_fraction)-th example is held out
+    toy_points: int = 8192  # size of the 2-D toy sets
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanFlowConfig:
+    """Loss and sampling of the DiT denoiser (nljax/meanflow.py)."""
+
+    loss: Literal["meanflow", "flow_matching"] = "meanflow"
+    r_fraction: float = 0.25  # fraction of examples with r != t (the rest have r = t)
+    time_mu: float = -0.4  # logit-normal (t, r): sigmoid(mu + sigma * N(0, 1))
+    time_sigma: float = 1.0
+    adaptive_p: float = 1.0  # loss weight 1 / (||delta||^2 + c)^p, detached; p = 0: plain squared error
+    adaptive_c: float = 1e-3
+    class_cond: bool = True  # condition on labels when the data has them
+    label_dropout: float = 0.1  # labels replaced by the null class (classifier-free guidance)
+    cfg_omega: float = 1.0  # guided target w v + kappa u_cond + (1 - w - kappa) u_uncond; 1, 0: off
+    cfg_kappa: float = 0.0
+    cfg_t_min: float = 0.0  # guidance applies for t in [cfg_t_min, cfg_t_max]
+    cfg_t_max: float = 1.0
+    sample_steps: int = 4  # steps of the multi-step evaluation (one-step is always reported)
+    eval_samples: int = 0  # samples per evaluation; 0: as many as held-out images
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     run: RunConfig = RunConfig()
@@ -147,6 +178,8 @@ class Config:
     eval: EvalConfig = EvalConfig()
     distributed: DistributedConfig = DistributedConfig()
     throughput: ThroughputConfig = ThroughputConfig()
+    images: ImagesConfig = ImagesConfig()
+    meanflow: MeanFlowConfig = MeanFlowConfig()
 
 
 def _type_name(tp: Any) -> str:
@@ -302,3 +335,26 @@ def validate(cfg: Config) -> None:
             raise ConfigError(
                 f"train.seq_len={cfg.train.seq_len} must be a multiple of model.memory_chunk={m.memory_chunk}"
             )
+    if m.name == "dit":
+        _validate_dit(cfg)
+
+
+def _validate_dit(cfg: Config) -> None:
+    m, mf, im = cfg.model, cfg.meanflow, cfg.images
+    if len(cfg.cms.periods) != 1:
+        raise ConfigError(
+            f"model.name=dit keeps every parameter at level 0: set cms.periods to one period (e.g. [1]), "
+            f"got {list(cfg.cms.periods)}"
+        )
+    if m.dim % m.heads or m.patch_size < 1:
+        raise ConfigError(f"model.dim={m.dim} must split into model.heads={m.heads} heads; model.patch_size >= 1")
+    if not 0 <= mf.r_fraction <= 1 or not 0 <= mf.label_dropout < 1:
+        raise ConfigError("meanflow.r_fraction must be in [0, 1] and meanflow.label_dropout in [0, 1)")
+    if mf.time_sigma <= 0 or mf.adaptive_p < 0 or mf.adaptive_c <= 0:
+        raise ConfigError("meanflow.time_sigma and meanflow.adaptive_c must be > 0, meanflow.adaptive_p >= 0")
+    if mf.sample_steps < 1 or mf.eval_samples < 0:
+        raise ConfigError("meanflow.sample_steps must be >= 1 and meanflow.eval_samples >= 0")
+    if not 0 < im.eval_fraction < 1 or im.toy_points < 2:
+        raise ConfigError(f"images.eval_fraction must be in (0, 1) and images.toy_points >= 2")
+    if im.source == "file" and not im.path:
+        raise ConfigError("images.source=file needs images.path (a .npy or .npz file)")

@@ -7,6 +7,7 @@ from typing import Callable
 from nljax.config import Config, ConfigError
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
+from nljax.models.dit import DiT, DiTNet
 from nljax.models.nl_lm import NLLM, NLNet
 
 
@@ -23,9 +24,22 @@ def _nl_lm(cfg: Config) -> Model:
                       tuple(m.memory_layers), memory))
 
 
+def _dit(cfg: Config) -> Model:
+    from nljax.data.images import load  # the data decides the image shape and the label count
+
+    m, data = cfg.model, load(cfg.images)
+    h, w, _ = data.shape
+    if h % m.patch_size or w % m.patch_size:
+        raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {h}x{w} images")
+    classes = data.num_classes if cfg.meanflow.class_cond else 0
+    return DiT(DiTNet(data.shape, m.patch_size, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes),
+               cfg.meanflow, cfg.seed)
+
+
 MODELS: dict[str, Callable[[Config], Model]] = {
     "cms_mlp": _cms_mlp,
     "nl_lm": _nl_lm,
+    "dit": _dit,
 }
 
 

@@ -1,0 +1,179 @@
+"""Image data for the `images` task: arrays in memory, epochs of shuffled batches.
+
+Sources (`images.source`):
+- `digits`: scikit-learn's bundled 8x8 digits (1797 images, 10 classes), shipped inside the
+  package, so it works offline; the default.
+- `file`: a user's `.npy` (images [N, H, W] or [N, H, W, C]) or `.npz` (`x`/`images`, optional
+  `y`/`labels`), e.g. CIFAR-10 saved as arrays. uint8 pixels are mapped to [-1, 1]; floats are
+  used as given.
+- `moons`, `gaussians`: 2-D toy distributions made by code, as "images" of shape [1, 1, 2].
+
+Every round(1 / eval_fraction)-th example is held out for evaluation (a fixed split that does
+not depend on the seed, so runs with different seeds are scored on the same images).
+
+Batches: an epoch is a permutation of the training set drawn from (seed, epoch) alone; step s
+reads rows [k B, (k + 1) B) of epoch s // steps_per_epoch's permutation, k = s % steps_per_epoch,
+with steps_per_epoch = floor(N / B): the last partial batch of an epoch is dropped. A batch is
+therefore a pure function of (seed, step), and each device builds only its own rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from nljax.config import ConfigError, ImagesConfig
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ImageSet:
+    train_x: np.ndarray  # float32 [N, H, W, C]
+    train_y: np.ndarray  # int32 [N] (zeros when the data has no labels)
+    eval_x: np.ndarray  # float32 [E, H, W, C]
+    eval_y: np.ndarray  # int32 [E]
+    num_classes: int  # 0: no labels
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.train_x.shape[1:])
+
+
+def _digits() -> tuple[np.ndarray, np.ndarray]:
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    return (d.images / 8.0 - 1.0)[..., None], d.target  # pixels 0..16 -> [-1, 1]
+
+
+def _moons(n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 2, n)
+    a = rng.uniform(0, np.pi, n)
+    pts = np.where(y[:, None] == 0, np.stack([np.cos(a), np.sin(a)], 1), np.stack([1 - np.cos(a), 0.5 - np.sin(a)], 1))
+    pts = pts + 0.05 * rng.normal(size=pts.shape)
+    pts = (pts - [0.5, 0.25]) / [0.87, 0.5]  # roughly zero mean, unit scale
+    return pts[:, None, None, :], y
+
+
+def _gaussians(n: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 8, n)
+    angle = y * (2 * np.pi / 8)
+    pts = np.stack([np.cos(angle), np.sin(angle)], 1) + 0.08 * rng.normal(size=(n, 2))
+    return pts[:, None, None, :], y
+
+
+def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"images.path not found: {path}")
+    try:
+        loaded = np.load(p, allow_pickle=False)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
+        raise ConfigError(f"images.path {path} is not a readable .npy/.npz file: {e}")
+    if isinstance(loaded, np.ndarray):
+        x, y = loaded, None
+    else:
+        keys = set(loaded.files)
+        xk = next((k for k in ("x", "images") if k in keys), None)
+        if xk is None:
+            raise ConfigError(f"images.path {path} holds {sorted(keys)}; expected an array named 'x' or 'images'")
+        x = loaded[xk]
+        yk = next((k for k in ("y", "labels") if k in keys), None)
+        y = loaded[yk] if yk else None
+    if x.ndim == 3:
+        x = x[..., None]
+    if x.ndim != 4 or len(x) < 2:
+        raise ConfigError(f"images.path {path}: expected images [N, H, W] or [N, H, W, C], got shape {x.shape}")
+    if x.dtype == np.uint8:
+        x = x / 127.5 - 1.0
+    elif not np.issubdtype(x.dtype, np.floating):
+        raise ConfigError(f"images.path {path}: pixels must be uint8 or float, got {x.dtype}")
+    if y is not None and (y.shape != (len(x),) or not np.issubdtype(y.dtype, np.integer) or y.min() < 0):
+        raise ConfigError(
+            f"images.path {path}: labels must be non-negative integers [N={len(x)}], got {y.dtype} {y.shape}"
+        )
+    return x, y
+
+
+@functools.lru_cache(maxsize=4)
+def load(cfg: ImagesConfig) -> ImageSet:
+    """The configured data, split into training and held-out parts."""
+    if cfg.source == "digits":
+        x, y = _digits()
+    elif cfg.source == "moons":
+        x, y = _moons(cfg.toy_points)
+    elif cfg.source == "gaussians":
+        x, y = _gaussians(cfg.toy_points)
+    else:
+        x, y = _file(cfg.path)
+    num_classes = 0 if y is None else int(y.max()) + 1
+    y = np.zeros(len(x), np.int32) if y is None else y.astype(np.int32)
+    x = x.astype(np.float32)
+    every = max(2, round(1 / cfg.eval_fraction))
+    held = np.arange(len(x)) % every == every - 1
+    if held.all() or not held.any():
+        raise ConfigError(
+            f"images: {len(x)} examples leave no training or no held-out part at eval_fraction={cfg.eval_fraction}"
+        )
+    return ImageSet(x[~held], y[~held], x[held], y[held], num_classes)
+
+
+@dataclasses.dataclass(frozen=True)
+class EpochSampler:
+    """Which training examples fill each row of each step's global batch."""
+
+    n: int  # training examples
+    batch_size: int  # global rows per step
+    seed: int
+
+    def __post_init__(self):
+        if self.n < self.batch_size:
+            raise ConfigError(f"train.batch_size={self.batch_size} is larger than the {self.n} training images")
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.n // self.batch_size  # the last partial batch is dropped
+
+    def permutation(self, epoch: int) -> np.ndarray:
+        """The order of epoch `epoch`: a function of (seed, epoch) only.  [N]"""
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    def indices(self, step: int) -> np.ndarray:
+        """Training-example index of every row of the step's global batch.  [B]"""
+        epoch, k = divmod(step, self.steps_per_epoch)
+        return self.permutation(epoch)[k * self.batch_size : (k + 1) * self.batch_size]
+
+
+def rows(data: ImageSet, sampler: EpochSampler, step: int, which: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows `which` (positions in the global batch) of step `step`.
+
+    `index` is the row's global position step * B + row (modulo 2^31): the model derives its
+    per-example random draws from it, so they do not depend on the mesh."""
+    ex = sampler.indices(step)[which]
+    return {
+        "image": data.train_x[ex],
+        "label": data.train_y[ex],
+        "index": ((np.int64(step) * sampler.batch_size + which) % 2**31).astype(np.int32),
+    }
+
+
+def global_batch(data: ImageSet, sampler: EpochSampler, step: int, sharding: jax.sharding.Sharding) -> dict:
+    """The step's global batch, split over rows; each device (and process) builds only its rows."""
+    b = sampler.batch_size
+    shapes = {"image": (b, *data.shape), "label": (b,), "index": (b,)}
+    cache: dict = {}
+
+    def fetch(key, index):
+        span = index[0]
+        k = (span.start, span.stop)
+        if k not in cache:
+            cache[k] = rows(data, sampler, step, np.arange(b)[span])
+        return cache[k][key]
+
+    make = jax.make_array_from_callback
+    return {k: make(shape, sharding, functools.partial(fetch, k)) for k, shape in shapes.items()}

@@ -1,0 +1,224 @@
+"""MeanFlow: the jvp target, the time convention of the samplers, and training on any mesh."""
+
+import dataclasses
+import functools
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nljax import meanflow
+from nljax.config import ConfigError, MeanFlowConfig, load
+from nljax.energy import energy_distance
+from nljax.models.dit import DiTNet
+
+from helpers import assert_trees_close, make
+from nljax.strategy import gather_params
+from nljax.tasks import host_sum
+
+# ---------------------------------------------------------------------------------------------
+# the jvp target
+
+
+def tiny_net():
+    """A 4x4x1-image DiT with perturbed weights (the zero-initialized adaLN and output layers
+    would make u and du/dt vanish)."""
+    net = DiTNet((4, 4, 1), 2, 16, 1, 2, 32, 3)
+
+    @jax.jit  # one compile instead of hundreds of eager ops
+    def init():
+        z, t = jnp.zeros((1, 4, 4, 1)), jnp.zeros((1,))
+        params = net.init(jax.random.key(0), z, t, t, jnp.zeros((1,), jnp.int32))["params"]
+        leaves, treedef = jax.tree.flatten(params)
+        keys = jax.random.split(jax.random.key(1), len(leaves))
+        return jax.tree.unflatten(treedef, [p + 0.05 * jax.random.normal(k, p.shape) for p, k in zip(leaves, keys)])
+
+    params = init()
+    return lambda z, t, r, y: net.apply({"params": params}, z, t, t - r, y)
+
+
+def test_jvp_du_dt_matches_finite_differences():
+    u_fn = tiny_net()
+    k = jax.random.split(jax.random.key(2), 2)
+    z, v = jax.random.normal(k[0], (4, 4, 4, 1)), jax.random.normal(k[1], (4, 4, 4, 1))
+    t = jnp.array([0.9, 0.6, 0.5, 0.3])
+    r = jnp.array([0.1, 0.6, 0.2, 0.0])
+    y = jnp.array([0, 1, 2, 3])  # 3 is the null label
+    d = 3e-4
+
+    @jax.jit
+    def run():
+        u, target, dudt = meanflow.meanflow_target(u_fn, z, t, r, v, y)
+        # d/dt along the trajectory: z moves with v, t with 1, r stays. Central differences at
+        # d and d/2, Richardson-extrapolated (float32).
+        at = lambda s, dr=0.0: u_fn(z + s * v, t + s, r + dr * s, y)
+        central = lambda h, dr=0.0: (at(h, dr) - at(-h, dr)) / (2 * h)
+        fd = (4 * central(d / 2) - central(d)) / 3
+        moving_r = (4 * central(d / 2, 1.0) - central(d, 1.0)) / 3
+        return u, target, dudt, fd, moving_r, at(0.0)
+
+    u, target, dudt, fd, moving_r, u0 = run()
+    scale = float(jnp.max(jnp.abs(dudt)))
+    assert scale > 1.0, "the check needs a non-trivial du/dt"
+    tol = 2e-3 * scale
+    np.testing.assert_allclose(np.asarray(dudt), np.asarray(fd), atol=tol, rtol=0)
+    np.testing.assert_allclose(np.asarray(u), np.asarray(u0), atol=1e-6)
+    want = v - (t - r)[:, None, None, None] * dudt
+    np.testing.assert_allclose(np.asarray(target), np.asarray(want), atol=1e-5)
+    # the tangent of r is 0: moving r along with t (h fixed) is a derivative the check tells apart
+    assert float(jnp.max(jnp.abs(moving_r - dudt))) > 5 * tol
+
+
+def test_point_mass_exact_average_velocity_has_zero_loss():
+    """Data = one point c: z_t = (1 - t) c + t eps, the exact average velocity is u = (z - c) / t for
+    every r, and the MeanFlow target v - (t - r) du/dt must equal it (so the loss is 0)."""
+    c = jnp.array([[[0.5, -1.0]]])  # [1, 1, 2]
+    u_star = lambda z, t, r, y: (z - c) / t[:, None, None, None]
+    cfg = MeanFlowConfig(r_fraction=1.0)
+    x = jnp.broadcast_to(c, (64, 1, 1, 2))
+    keys = meanflow.example_keys(0, meanflow.TRAIN_STREAM, jnp.arange(64))
+    cfg = dataclasses.replace(cfg, adaptive_p=0.0)
+    # a field with the wrong time convention (noise at t = 0) is not a fixed point of the target
+    u_flipped = lambda z, t, r, y: (z - c) / (1 - t[:, None, None, None])
+    loss, bad = jax.jit(lambda: [meanflow.meanflow_loss(u, x, None, keys, cfg) for u in (u_star, u_flipped)])()
+    assert float(jnp.max(loss)) < 1e-9
+    assert float(jnp.mean(bad)) > 1e-2
+
+
+# Gaussian data N(mu, sigma^2): the marginal path z_t = (1-t) x + t eps is Gaussian with mean
+# m_t = (1-t) mu and std s_t = sqrt((1-t)^2 sigma^2 + t^2); its flow map is affine.
+MU, SIGMA = 2.0, 0.5
+m_ = lambda t: (1 - t) * MU
+s_ = lambda t: jnp.sqrt((1 - t) ** 2 * SIGMA**2 + t**2)
+
+
+def gaussian_average_velocity(z, t, r, y):
+    t, r = t[:, None], r[:, None]
+    z_r = m_(r) + s_(r) / s_(t) * (z - m_(t))
+    return (z - z_r) / (t - r)
+
+
+def gaussian_velocity(z, t, r, y):  # instantaneous (r ignored): dm/dt + (ds/dt / s) (z - m)
+    t = t[:, None]
+    ds = (-(1 - t) * SIGMA**2 + t) / s_(t)
+    return -MU + ds / s_(t) * (z - m_(t))
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_sampling_time_convention(steps):
+    """One step z_0 = z_1 - u(z_1, t=1, r=0) maps noise exactly onto the data distribution:
+    z_1 ~ N(0, 1) -> mu + sigma z_1."""
+    z1 = jax.random.normal(jax.random.key(0), (256, 1))
+    out = jax.jit(lambda z: meanflow.sample(gaussian_average_velocity, z, None, steps))(z1)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(MU + SIGMA * z1), rtol=1e-5, atol=1e-5)
+
+
+def test_flow_matching_euler_sampler_follows_the_same_convention():
+    z1 = jax.random.normal(jax.random.key(0), (256, 1))
+    out = jax.jit(lambda z: meanflow.sample(gaussian_velocity, z, None, 200, mean_flow=False))(z1)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(MU + SIGMA * z1), atol=2e-2)
+
+
+def test_logit_normal_times_and_r_fraction():
+    cfg = MeanFlowConfig(r_fraction=0.25, label_dropout=0.1)
+    draws = jax.jit(lambda i: jax.vmap(lambda k: meanflow.draw(k, (1,), cfg))(meanflow.example_keys(0, 0, i)))
+    _, t, r, drop = draws(jnp.arange(8192))
+    t, r, drop = map(np.asarray, (t, r, drop))
+    assert (r <= t).all() and (t > 0).all() and (t < 1).all()
+    assert abs((r < t).mean() - 0.25) < 0.02 and abs(drop.mean() - 0.1) < 0.02
+    # median of the logit-normal t = max of two draws: above sigmoid(mu)
+    assert np.median(t) > 1 / (1 + np.exp(0.4))
+
+
+# ---------------------------------------------------------------------------------------------
+# training on any mesh: per-example draws keyed by the global row make N devices equal 1
+
+LR = 0.5
+RUN_DIR = tempfile.mkdtemp(prefix="nljax_meanflow_")  # evaluate() writes sample PNGs here
+DIT = [
+    "model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2", "model.patch_size=1",
+    "images.source=moons", "images.toy_points=80", "cms.periods=[1]", "train.batch_size=16",
+    # the guided target (classifier-free guidance) and label dropout are part of what is checked
+    "meanflow.cfg_omega=1.5", "meanflow.cfg_kappa=0.2", "meanflow.label_dropout=0.2", "meanflow.r_fraction=0.5",
+    "optim.name=sgd", f"optim.lr={LR}", "meanflow.eval_samples=13",
+]
+STEPS = 5  # 64 training points / 16 rows: crosses an epoch boundary at step 4
+
+# fsdp is the case PyTorch's MeanFlow code had to forbid (forward-mode AD through sharded
+# parameters); zero1 keeps parameters replicated and is covered by tests/test_strategies.py.
+STRATEGIES = ["replicated", "fsdp"]
+
+
+def strategy_override(strategy):
+    return [f"sync.strategy={strategy}"]
+
+
+@functools.lru_cache(maxsize=None)
+def trained(inter, intra, extra=()):
+    """(setup, losses, step-0 gradient, final params) of STEPS SGD steps."""
+    setup = make([*DIT, f"run.dir={RUN_DIR}", *extra], inter, intra)
+    state, losses = setup.state, []
+    full = lambda st: jax.device_get(gather_params(setup.engine, st.params))  # the model's tree under any strategy
+    p0 = full(state)
+    for s in range(STEPS):
+        state, m = setup.cache.train((True,), state, setup.batch(s))
+        losses.append(host_sum(m["loss_sum"]) / host_sum(m["count"]))
+        if s == 0:  # SGD: the synchronized gradient of step 0 is (p0 - p1) / lr
+            grads = jax.tree.map(lambda a, b: (a - b) / LR, p0, full(state))
+    setup.state = state
+    return setup, np.array(losses), grads, full(state)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_meanflow_fsdp_matches_replicated(strategy):
+    """MeanFlow loss and parameters of 8-device training under `strategy` equal 1-device replicated
+    training on the same global batches (every strategy that exists; fsdp once merged). Gradients are those of
+    step 0, read off the SGD update."""
+    ref, ref_losses, ref_grads, ref_params = trained(1, 1)
+    setup, losses, grads, params = trained(2, 4, tuple(strategy_override(strategy)))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_trees_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-5)
+    # evaluation samples from the stored layout (gathered under fsdp) and scores the same
+    got, want = setup.evaluate(setup.state.params, 0), ref.evaluate(ref.state.params, 0)
+    assert got["eval_energy_1step"] == pytest.approx(want["eval_energy_1step"], rel=1e-4)
+
+
+def test_meanflow_accumulation_matches():
+    """Micro-batches of the same rows give the same draws (keys follow the global row)."""
+    _, ref_losses, _, ref_params = trained(1, 1)
+    _, losses, _, params = trained(1, 2, ("train.accum_steps=2",))
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-5)
+
+
+def test_training_moves_and_losses_are_finite():
+    # guards the comparisons above: the runs are not trivially equal
+    _, losses, g, _ = trained(1, 1)
+    assert np.isfinite(losses).all() and len(set(losses.tolist())) == STEPS
+    assert max(float(np.max(np.abs(x))) for x in jax.tree.leaves(g)) > 1e-3
+
+
+def test_gathered_energy_distance_equals_single_device():
+    """13 samples over 8 devices (2, 2, 2, 2, 2, 2, 1, 0 real rows each): the gathered samples and
+    their energy distance equal the 1-device figures."""
+    one, _, _, params = trained(1, 1)
+    many, _, _, _ = trained(2, 4, tuple(strategy_override(STRATEGIES[0])))
+    a1, am = one.task.generate(one.engine.model, params, 13)
+    b1, bm = many.task.generate(many.engine.model, params, 13)
+    assert a1.shape == b1.shape == (13, 1, 1, 2)
+    np.testing.assert_allclose(b1, a1, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(bm, am, rtol=1e-5, atol=1e-6)
+    ref = one.task.data.eval_x[:13]
+    assert energy_distance(b1, ref) == pytest.approx(energy_distance(a1, ref), rel=1e-5)
+    # evaluate() returns both figures and the compiled sampler is reused
+    e1 = one.evaluate(params, 0)
+    e2 = one.evaluate(params, 0)
+    assert e1 == e2 and set(e1) >= {"eval_energy_1step", "eval_energy_multistep"} and e1["eval_samples"] == 13
+
+
+def test_dit_needs_one_level():
+    with pytest.raises(ConfigError, match=r"model.name=dit keeps every parameter at level 0"):
+        load(None, ["model.name=dit", "cms.periods=[1,4]"])

@@ -1,0 +1,147 @@
+"""Image data, energy distance, sample figures and the MeanFlow command line."""
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+from nljax.config import ConfigError, ImagesConfig
+from nljax.data import images
+from nljax.energy import energy_distance
+from nljax.figures import sample_figure, write_png
+from nljax.mesh import make_mesh, rows_sharding
+from nljax.tasks import gather_rows
+
+
+def test_epochs_are_pure_in_seed_and_epoch_and_drop_the_last_partial_batch():
+    s = images.EpochSampler(n=10, batch_size=3, seed=7)
+    assert s.steps_per_epoch == 3  # 10 = 3 * 3 + 1: the 1 left over is dropped
+    epoch0 = np.concatenate([s.indices(k) for k in range(3)])
+    assert len(set(epoch0.tolist())) == 9  # no example twice within an epoch
+    np.testing.assert_array_equal(epoch0, s.permutation(0)[:9])
+    np.testing.assert_array_equal(s.indices(4), s.permutation(1)[3:6])  # step 4 = epoch 1, batch 1
+    # a fresh sampler (another process, a resumed run) gives the same order
+    np.testing.assert_array_equal(images.EpochSampler(10, 3, 7).indices(4), s.indices(4))
+    assert not np.array_equal(s.permutation(0), s.permutation(1))  # reshuffled every epoch
+    assert not np.array_equal(s.permutation(0), images.EpochSampler(10, 3, 8).permutation(0))
+    with pytest.raises(ConfigError, match="larger than the 2 training images"):
+        images.EpochSampler(2, 3, 0)
+
+
+def test_global_batch_rows_are_split_over_devices():
+    data = images.load(ImagesConfig(source="moons", toy_points=100))
+    sampler = images.EpochSampler(len(data.train_x), 16, seed=3)
+    mesh = make_mesh(2, 4)
+    for step in (0, 6):  # 80 training points: step 6 is in epoch 1
+        batch = images.global_batch(data, sampler, step, rows_sharding(mesh))
+        full = images.rows(data, sampler, step, np.arange(16))
+        np.testing.assert_array_equal(full["index"], step * 16 + np.arange(16))
+        for key, arr in batch.items():
+            assert arr.shape[0] == 16 and len(arr.addressable_shards) == 8
+            for shard in arr.addressable_shards:
+                assert shard.data.shape[0] == 2  # each device holds only its 2 rows
+                np.testing.assert_array_equal(np.asarray(shard.data), full[key][shard.index])
+
+
+def test_digits_default_and_held_out_split():
+    data = images.load(ImagesConfig())
+    assert data.shape == (8, 8, 1) and data.num_classes == 10
+    assert len(data.train_x) + len(data.eval_x) == 1797 and len(data.eval_x) == 1797 // 5
+    assert data.train_x.min() == -1.0 and data.train_x.max() == 1.0
+
+
+def test_file_source(tmp_path):
+    x = np.random.default_rng(0).integers(0, 256, (20, 4, 4, 3), dtype=np.uint8)
+    np.savez(tmp_path / "set.npz", x=x, y=np.arange(20) % 4)
+    data = images.load(ImagesConfig(source="file", path=str(tmp_path / "set.npz"), eval_fraction=0.25))
+    assert data.shape == (4, 4, 3) and data.num_classes == 4 and len(data.eval_x) == 5
+    np.testing.assert_allclose(data.eval_x[0], x[3] / 127.5 - 1, atol=1e-6)
+    np.save(tmp_path / "gray.npy", x[..., 0])
+    data = images.load(ImagesConfig(source="file", path=str(tmp_path / "gray.npy")))
+    assert data.shape == (4, 4, 1) and data.num_classes == 0
+    np.savez(tmp_path / "bad.npz", pixels=x)
+    with pytest.raises(ConfigError, match=r"expected an array named 'x' or 'images'"):
+        images.load(ImagesConfig(source="file", path=str(tmp_path / "bad.npz")))
+    with pytest.raises(ConfigError, match="images.path not found"):
+        images.load(ImagesConfig(source="file", path=str(tmp_path / "missing.npy")))
+
+
+def brute_force_energy(x, y):
+    d = lambda a, b: np.linalg.norm(a - b)
+    n, m = len(x), len(y)
+    xy = sum(d(a, b) for a in x for b in y) / (n * m)
+    xx = sum(d(x[i], x[j]) for i in range(n) for j in range(n) if i != j) / (n * (n - 1))
+    yy = sum(d(y[i], y[j]) for i in range(m) for j in range(m) if i != j) / (m * (m - 1))
+    return 2 * xy - xx - yy
+
+
+def test_energy_distance_is_the_u_statistic():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(7, 3)), rng.normal(size=(5, 3)) + 0.5
+    assert energy_distance(x, y) == pytest.approx(brute_force_energy(x, y), rel=1e-10)
+    assert energy_distance(x, y) == pytest.approx(energy_distance(y, x), rel=1e-12)
+    # block boundaries do not change the result (diagonal removed in every block)
+    from nljax import energy
+
+    big = rng.normal(size=(50, 2))
+    blocked = energy._distance_sum(big, big, True, block=7)
+    assert blocked == pytest.approx(energy._distance_sum(big, big, True), rel=1e-12)
+    # unbiased: ~0 on average for two samples of one distribution (the V-statistic is not)
+    same = [energy_distance(rng.normal(size=(8, 2)), rng.normal(size=(8, 2))) for _ in range(400)]
+    assert abs(np.mean(same)) < 0.03
+    far = energy_distance(rng.normal(size=(50, 2)), rng.normal(size=(50, 2)) + 3)
+    assert far > 2
+
+
+def test_gather_rows_with_uneven_counts():
+    mesh = make_mesh(2, 4)
+    rows = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    arr = jax.device_put(rows, rows_sharding(mesh))
+    out = gather_rows(arr, 13)  # devices hold 2, 2, 2, 2, 2, 2, 1 and 0 real rows
+    np.testing.assert_array_equal(out, rows[:13])
+
+
+def test_png_figures(tmp_path):
+    rng = np.random.default_rng(0)
+    pic = sample_figure(rng.uniform(-1, 1, (10, 8, 8, 1)), rng.uniform(-1, 1, (10, 8, 8, 1)), None)
+    write_png(tmp_path / "a.png", pic)
+    raw = (tmp_path / "a.png").read_bytes()
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    w, h = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+    assert (h, w) == pic.shape
+    idat = raw[raw.index(b"IDAT") + 4 : raw.index(b"IEND") - 8]
+    decoded = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, w + 1)[:, 1:]
+    np.testing.assert_array_equal(decoded, pic)
+    toy = sample_figure(rng.normal(size=(30, 1, 1, 2)), rng.normal(size=(30, 1, 1, 2)), rng.normal(size=(30, 1, 1, 2)))
+    assert toy.ndim == 2 and (toy == 0).any() and (toy == 180).any()
+
+
+def test_meanflow_toy_cli_end_to_end(tmp_path):
+    """python -m nljax.train --config configs/meanflow_toy.yaml on 2 devices, tiny: summary.json holds
+    both energy distances, a PNG per evaluation, and the loss changes."""
+    d = tmp_path / "toy"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"  # compile time
+    args = [sys.executable, "-m", "nljax.train", "--config", "configs/meanflow_toy.yaml", "--cpu-devices", "2",
+            f"run.dir={d}", "train.steps=12", "eval.every=6", "train.batch_size=32", "model.dim=16",
+            "model.depth=1", "meanflow.eval_samples=50", "images.toy_points=400", "meanflow.sample_steps=2"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    assert p.returncode == 0, p.stderr
+    assert "final eval: eval_energy_1step" in p.stdout
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["eval_energy_1step"] > 0 and summary["eval_energy_multistep"] > 0
+    assert summary["eval_samples"] == 50 and summary["devices"] == 2
+    assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000006.png", "samples_000012.png"]
+    recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+    assert "eval_energy_1step" in recs[5] and len(recs) == 12
+    # bad input: one line, exit 2
+    bad = subprocess.run([*args[:7], f"run.dir={tmp_path}/bad", "images.source=file"], capture_output=True,
+                         text=True, env=env, timeout=600, cwd=root)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "nljax.train: error: images.source=file needs images.path (a .npy or .npz file)"]
