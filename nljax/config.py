@@ -100,6 +100,15 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <run.dir>/checkpoints
+    every: int = 100  # save every N steps and at the end; 0: never save
+    keep: int = 3  # newest checkpoints kept on disk
+    resume: str = ""  # "" (fresh run) | "latest" (newest in checkpoint.dir) | a checkpoint or checkpoints directory
+    async_save: bool = True  # write in the background while training continues
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     run: RunConfig = RunConfig()
@@ -111,6 +120,7 @@ class Config:
     optim: OptimConfig = OptimConfig()
     data: DataConfig = DataConfig()
     eval: EvalConfig = EvalConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 def _type_name(tp: Any) -> str:
@@ -244,6 +254,10 @@ def validate(cfg: Config) -> None:
     for key in ("hidden_mult", "heads", "window", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError(
+            f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {cfg.checkpoint.every}, {cfg.checkpoint.keep}"
+        )
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}")
     if m.name == "nl_lm":

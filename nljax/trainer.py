@@ -13,6 +13,7 @@ import numpy as np
 import yaml
 
 from nljax import __version__, levels, mesh as meshlib
+from nljax.checkpoint import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
@@ -63,16 +64,19 @@ class Setup:
 class RunDir:
     """The files of one run. Refuses to overwrite an earlier run unless told to."""
 
-    def __init__(self, path: str, overwrite: bool, write: bool):
+    def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
         self.path = Path(path)
         self.write = write
-        if (self.path / "metrics.jsonl").exists() and not overwrite:
+        if (self.path / "metrics.jsonl").exists() and not overwrite and resume_step is None:
             raise ConfigError(
                 f"run.dir {path} already holds a run; choose another run.dir or set run.overwrite=true"
             )
         if write:
             self.path.mkdir(parents=True, exist_ok=True)
-            (self.path / "metrics.jsonl").write_text("")
+            keep = "" if resume_step is None else kept_records(self.path / "metrics.jsonl", resume_step)
+            tmp = self.path / "metrics.jsonl.tmp"
+            tmp.write_text(keep)
+            tmp.replace(self.path / "metrics.jsonl")
 
     def save_config(self, cfg: Config) -> None:
         if self.write:
@@ -86,6 +90,22 @@ class RunDir:
     def save_summary(self, summary: dict) -> None:
         if self.write:
             (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
+
+
+def kept_records(path: Path, step: int) -> str:
+    """The lines of an earlier metrics.jsonl for steps before `step`: a resumed run rewrites the
+    steps after its checkpoint, so the file ends up as the uninterrupted run's."""
+    if not path.exists():
+        return ""
+    lines = path.read_text().splitlines(keepends=True)
+    keep = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] < step:
+                keep.append(line if line.endswith("\n") else line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short by a kill
+    return "".join(keep)
 
 
 def throughput(times: dict[str, list[float]], tokens_per_device_step: int, n_devices: int) -> dict:
@@ -135,14 +155,16 @@ def train(cfg: Config) -> dict:
     setup = Setup.create(cfg)
     main = is_main()
     quiet = cfg.run.quiet or not main
-    run = RunDir(cfg.run.dir, cfg.run.overwrite, main)
+    say = (lambda *a: None) if quiet else print
+    ckpt = Checkpoints(setup, say)  # reads (and checks) a checkpoint to resume before writing anything
+    run = RunDir(cfg.run.dir, cfg.run.overwrite, main, ckpt.resume_step)
     run.save_config(cfg)
+    ckpt.open()
     eng, mesh = setup.engine, setup.mesh
     n_dev = meshlib.data_size(mesh)
     rows_per_dev = cfg.train.batch_size // n_dev
     tokens_per_device_step = rows_per_dev * setup.task.units_per_row
     n_params = sum(n for n, _ in levels.level_sizes(setup.state.params, eng.level_tree, eng.n_levels))
-    say = (lambda *a: None) if quiet else print
     say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices, "
         f"mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, {jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters; global batch {cfg.train.batch_size} rows x "
@@ -150,14 +172,14 @@ def train(cfg: Config) -> dict:
         f"micro-batch(es) of {rows_per_dev // cfg.train.accum_steps}")
     say(levels.describe(setup.state.params, eng.level_tree, cfg.cms.periods))
 
-    state, conductor = setup.state, Conductor(cfg.cms.periods)
+    state, conductor = ckpt.state, Conductor(cfg.cms.periods, ckpt.start)
     times: dict[str, list[float]] = {}
     seen: set = set()
     history = []
     t_start = time.perf_counter()
-    for _ in range(cfg.train.steps):
+    for _ in range(ckpt.start, cfg.train.steps):
         p = conductor.pulse
-        batch = setup.batch(p.step)
+        batch = ckpt.first_batch(p.step, setup.batch(p.step))
         t0 = time.perf_counter()
         state, m = setup.cache.train(p.active, state, batch)
         loss = host_sum(m["loss_sum"]) / host_sum(m["count"])  # blocks: step times are real
@@ -178,12 +200,14 @@ def train(cfg: Config) -> dict:
         if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and p.step + 1 < cfg.train.steps:
             rec.update(setup.evaluate(state.params, p.step + 1))
         run.log(rec)
+        ckpt.maybe_save(p.step + 1, state)
         history.append(loss)
         if p.step % cfg.train.log_every == 0 or p.step == cfg.train.steps - 1 or "eval_loss" in rec:
             extra = f"  eval_bpb {rec['eval_bpb']:.3f}" if "eval_bpb" in rec else ""
             say(f"step {p.step:6d}  loss {loss:.4f}  {p.name:<10} {dt * 1e3:8.1f} ms  "
                 f"{rec['tokens_per_s_per_device']:10,.0f} tok/s/device{extra}")
     wall = time.perf_counter() - t_start
+    ckpt.finish(conductor.step, state)  # the final save; waits for every save to be on disk
     final_eval = setup.evaluate(state.params, cfg.train.steps)
     time_missing_patterns(setup, state, times)
     tp = throughput(times, tokens_per_device_step, n_dev)
