@@ -406,6 +406,23 @@ def reset_all_rows(batch: dict) -> dict:
 # Save, and the trainer's view
 
 
+def writer(cfg: Config):
+    """An Orbax CheckpointManager writing to `checkpoint.dir` (asynchronous unless
+    checkpoint.async_save=false, keeping the newest `checkpoint.keep`)."""
+    return _manager(checkpoint_dir(cfg), write=True, cfg=cfg)
+
+
+def save(manager, setup, step: int, state: TrainState) -> None:
+    """Save `state` after `step` optimizer steps. Returns once the arrays are copied off the
+    devices (the next step may donate `state`); the files are written in the background."""
+    import orbax.checkpoint as ocp
+
+    arrays = named_arrays(state)
+    meta = metadata(setup.cfg, setup.mesh, step, arrays)
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(_nest(arrays)), META: ocp.args.JsonSave(meta)})
+    manager.save(step, args=args, force=True)
+
+
 class Checkpoints:
     """A run's checkpoints: resolves and restores a resume (reading only), then, once `open`ed,
     saves every `checkpoint.every` steps and at the end.
@@ -464,7 +481,7 @@ class Checkpoints:
             from jax.experimental import multihost_utils
 
             multihost_utils.sync_global_devices("nljax checkpoint dir ready")
-        self.manager = _manager(self.dir, write=True, cfg=self.cfg)
+        self.manager = writer(self.cfg)
 
     def first_batch(self, step: int, batch: dict) -> dict:
         """The batch of `step`, with every row reset when this is the first step after a resume
@@ -474,13 +491,7 @@ class Checkpoints:
         return batch
 
     def save(self, step: int, state: TrainState) -> None:
-        import orbax.checkpoint as ocp
-
-        arrays = named_arrays(state)
-        meta = metadata(self.cfg, self.setup.mesh, step, arrays)
-        args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(_nest(arrays)), META: ocp.args.JsonSave(meta)})
-        # Returns once the arrays are copied off the devices: the next step may donate `state`.
-        self.manager.save(step, args=args, force=True)
+        save(self.manager, self.setup, step, state)
         self.last_saved = step
 
     def maybe_save(self, step: int, state: TrainState) -> None:
