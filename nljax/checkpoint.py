@@ -22,7 +22,9 @@ stops the run with one line and leaves every file as it was.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
 import shutil
 import sys
 from pathlib import Path
@@ -180,18 +182,31 @@ def _fmt(v: Any) -> str:
 # Finding a checkpoint
 
 
+@contextlib.contextmanager
+def quiet_orbax():
+    """Orbax logs routine warnings through absl (e.g. for every read-only manager); the user
+    should see nljax's one line, not those."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _manager(root: Path, write: bool = False, cfg: Config | None = None):
     import orbax.checkpoint as ocp
 
-    if write:
-        opts = ocp.CheckpointManagerOptions(
-            max_to_keep=cfg.checkpoint.keep,
-            enable_async_checkpointing=cfg.checkpoint.async_save,
-            cleanup_tmp_directories=True,  # partial saves of a killed run; never a complete step
-            create=True,
-        )
-    else:
-        opts = ocp.CheckpointManagerOptions(read_only=True, create=False)
+    if not write:
+        with quiet_orbax():  # a read-only manager warns that it is one
+            return ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    opts = ocp.CheckpointManagerOptions(
+        max_to_keep=cfg.checkpoint.keep,
+        enable_async_checkpointing=cfg.checkpoint.async_save,
+        cleanup_tmp_directories=True,  # partial saves of a killed run; never a complete step
+        create=True,
+    )
     return ocp.CheckpointManager(root, options=opts)
 
 

@@ -215,6 +215,7 @@ def train(cfg: Config) -> dict:
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
+        "resumed_from_step": ckpt.resume_step,
         "devices": n_dev,
         "mesh": dict(mesh.shape),
         "final_loss": history[-1] if history else None,
