@@ -350,6 +350,7 @@ def restore(setup, path: Path) -> Restored:
             raise ValueError(f"arrays {sorted(set(abstract) ^ set(arrays))[:3]} missing or unexpected")
         sums = checksums(arrays)
     except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
+        _ignore_closed_loop_callbacks()
         raise ConfigError(f"checkpoint {path}: array data unreadable ({_first_line(e)})") from None
     for name, info in meta["arrays"].items():
         if sums[name] != info["checksum"]:
@@ -374,6 +375,19 @@ def restore(setup, path: Path) -> Restored:
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
     assert len(leaves) == len(target)
     return Restored(state, meta["step"], path, fresh_rows, warnings)
+
+
+def _ignore_closed_loop_callbacks() -> None:
+    """After a failed read, TensorStore completes the reads still in flight and calls back into
+    Orbax's event loop, which is closed by then; each callback would print a traceback over the
+    one-line error. Those (and only those) are dropped."""
+    hook = sys.unraisablehook
+
+    def filtered(u):
+        if not (isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)):
+            hook(u)
+
+    sys.unraisablehook = filtered
 
 
 def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, sharding: NamedSharding) -> jax.Array:

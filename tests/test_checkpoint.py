@@ -304,3 +304,9 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps_logged == list(range(12)) and losses(run)[:10] == second
     assert sorted(q.name for q in ck.iterdir()) == ["12", "8"]  # checkpoint.keep=2
+    _truncate(ck / "12")  # a damaged array file: one line on the real stderr, nothing changed
+    before = tree_hash(run)
+    p = cli("--resume", *base)
+    assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert tree_hash(run) == before
