@@ -136,7 +136,15 @@ def _per_device(name: str) -> bool:
 # Metadata
 
 
-def metadata(cfg: Config, mesh, step: int, arrays: dict[str, jax.Array]) -> dict:
+def fingerprint(model) -> dict[str, list]:
+    """The model's parameters by path, with shape and dtype, as `model.init` makes them: the same
+    whatever the strategy stores (a checkpoint of another model differs here)."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    return {k: [list(x.shape), str(x.dtype)] for k, x in named_arrays(shapes).items()}
+
+
+def metadata(setup, step: int, arrays: dict[str, jax.Array]) -> dict:
+    cfg, mesh = setup.cfg, setup.mesh
     sums = checksums(arrays)
     return {
         "format": FORMAT,
@@ -150,6 +158,7 @@ def metadata(cfg: Config, mesh, step: int, arrays: dict[str, jax.Array]) -> dict
                  "processes": jax.process_count()},
         "strategy": strategy(cfg),
         "config": to_dict(cfg),
+        "model": fingerprint(setup.engine.model),
         "arrays": {
             k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()
         },
@@ -262,10 +271,26 @@ def _read_meta(path: Path) -> dict:
         meta = _manager(path.parent).restore(int(path.name), args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
         raise ConfigError(f"checkpoint {path}: metadata unreadable ({_first_line(e)})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT or not isinstance(meta.get("arrays"), dict) \
-            or not isinstance(meta.get("config"), dict) or not isinstance(meta.get("step"), int):
+    if not _well_formed(meta):
         raise ConfigError(f"checkpoint {path}: metadata is not an nljax checkpoint of format {FORMAT}")
     return meta
+
+
+def _well_formed(meta: Any) -> bool:
+    """Every field `restore` reads is there, with its type."""
+    try:
+        arrays_ok = all(
+            isinstance(a["shape"], list) and all(isinstance(d, int) for d in a["shape"])
+            and isinstance(a["dtype"], str) and np.dtype(a["dtype"]) is not None and isinstance(a["checksum"], int)
+            for a in meta["arrays"].values()
+        )
+        return (
+            meta["format"] == FORMAT and isinstance(meta["step"], int) and arrays_ok and "step" in meta["arrays"]
+            and isinstance(meta["mesh"]["devices"], int) and isinstance(meta["config"]["train"]["batch_size"], int)
+            and all(isinstance(v, list) and len(v) == 2 for v in meta["model"].values())
+        )
+    except (KeyError, TypeError, AttributeError):
+        return False
 
 
 def _first_line(e: BaseException) -> str:
@@ -273,33 +298,37 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
 
 
-def _check_fits(path: Path, meta: dict, cfg: Config, target: dict[str, jax.Array]) -> None:
+def _check_fits(path: Path, meta: dict, setup) -> None:
     """One-line errors for a checkpoint of another model or an incompatible config."""
-    here = to_dict(cfg)
+    here = to_dict(setup.cfg)
     for key in MUST_MATCH:
         for k, a, b in _differences(_get(meta["config"], key), _get(here, key), key):
-            raise ConfigError(
-                f"checkpoint {path} does not fit this run: {k}={_fmt(a)} there, {_fmt(b)} here"
-            )
-    saved = meta["arrays"]
-    same_layout = meta.get("strategy") == strategy(cfg)
-    for name, x in target.items():
+            raise ConfigError(f"checkpoint {path} does not fit this run: {k}={_fmt(a)} there, {_fmt(b)} here")
+    saved, mine = meta["model"], fingerprint(setup.engine.model)
+    for name in sorted(set(saved) | set(mine)):
         if name not in saved:
-            if same_layout or name.startswith("params/"):
-                raise ConfigError(f"checkpoint {path} is from another model: it has no array '{name}'")
-            continue
-        shape = tuple(saved[name]["shape"])
-        if saved[name]["dtype"] != str(x.dtype):
-            raise ConfigError(f"checkpoint {path}: array '{name}' is {saved[name]['dtype']} there, {x.dtype} here")
-        # error buffers have one row per device, memory one per stream row: those may differ
-        lead = 1 if (_per_device(name) or _rows_of(name)) else 0
-        if shape[lead:] != x.shape[lead:] and (same_layout or name.startswith("params/")):
+            raise ConfigError(f"checkpoint {path} is from another model: it has no parameter '{name}'")
+        if name not in mine:
+            raise ConfigError(f"checkpoint {path} is from another model: parameter '{name}' has no place here")
+        if saved[name] != mine[name]:
+            (s1, d1), (s2, d2) = saved[name], mine[name]
             raise ConfigError(
-                f"checkpoint {path} is from another model: array '{name}' has shape {shape} there, {x.shape} here"
+                f"checkpoint {path} is from another model: parameter '{name}' is {d1}{tuple(s1)} there, "
+                f"{d2}{tuple(s2)} here"
             )
-    extra = [n for n in saved if n not in target and (same_layout or n.startswith("params/"))]
-    if extra:
-        raise ConfigError(f"checkpoint {path} is from another model: array '{extra[0]}' has no place here")
+
+
+def _same_layout(meta: dict, setup, target: dict[str, jax.Array]) -> bool:
+    """Whether every saved array (error buffers and memory aside: one row per device or stream
+    row) has the name, shape and dtype of this run's: then each is read straight into place."""
+    saved = meta["arrays"]
+    if meta.get("strategy", "replicated") != strategy(setup.cfg) or set(saved) != set(target):
+        return False
+    for name, x in target.items():
+        lead = 1 if (_per_device(name) or _rows_of(name)) else 0
+        if tuple(saved[name]["shape"])[lead:] != x.shape[lead:] or saved[name]["dtype"] != str(x.dtype):
+            return False
+    return True
 
 
 def restore(setup, path: Path) -> Restored:
@@ -311,7 +340,8 @@ def restore(setup, path: Path) -> Restored:
     cfg, mesh = setup.cfg, setup.mesh
     meta = _read_meta(path)
     target = named_arrays(setup.state)
-    _check_fits(path, meta, cfg, target)
+    _check_fits(path, meta, setup)
+    same_layout = _same_layout(meta, setup, target)
     saved_cfg = meta["config"]
     warnings = [
         f"resuming with {k}={_fmt(b)} (checkpoint: {_fmt(a)})"
@@ -358,7 +388,8 @@ def restore(setup, path: Path) -> Restored:
     if int(np.asarray(arrays["step"].addressable_data(0))) != meta["step"]:
         raise ConfigError(f"checkpoint {path}: state step disagrees with its metadata")
 
-    arrays = convert_strategy(meta, setup, arrays)
+    if not same_layout:
+        arrays = convert_layout(meta, setup, arrays)
     fresh = {}
     if fresh_rows:
         memory = jax.device_put(setup.engine.model.init_memory(rows_new), rows_sh)
@@ -408,17 +439,22 @@ def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, shard
     return spread(e)
 
 
-def convert_strategy(meta: dict, setup, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """The one hook for a change of optimizer-state layout between save and resume.
+def convert_layout(meta: dict, setup, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The one hook for optimizer-state and parameter layouts that differ between save and
+    resume (another `sync.strategy`, or a sharded layout padded for another mesh).
 
-    `arrays` holds the saved layout (named as `named_arrays` names them) on the new mesh. A
-    strategy change maps it through a strategy-independent form:
-    `import_state(new_engine, export_state(saved_engine, saved_state))`. With one layout
-    (`replicated`) this is the identity."""
+    `arrays` holds the saved layout, named as `named_arrays` names it, on the new mesh (arrays
+    whose shape differs from this run's are read replicated). The conversion goes through the
+    strategy-independent form: unflatten `arrays` into the structure of the saved strategy's
+    state (an engine built from `meta["config"]` on this mesh gives it), then
+    `import_state(new_engine, export_state(saved_engine, saved_state))`, and name the result
+    with `named_arrays`. With one layout (`replicated`) there is nothing to convert, so a
+    difference here is an incompatible checkpoint."""
     saved, here = meta.get("strategy", "replicated"), strategy(setup.cfg)
-    if saved != here:
-        raise ConfigError(f"checkpoint was saved with sync.strategy={saved}; resuming it as {here} is not supported")
-    return arrays
+    raise ConfigError(
+        f"checkpoint does not fit this run: its optimizer state (sync.strategy={saved}) cannot be converted "
+        f"to this run's (sync.strategy={here})"
+    )
 
 
 def reset_all_rows(batch: dict) -> dict:
@@ -447,7 +483,7 @@ def save(manager, setup, step: int, state: TrainState) -> None:
     import orbax.checkpoint as ocp
 
     arrays = named_arrays(state)
-    meta = metadata(setup.cfg, setup.mesh, step, arrays)
+    meta = metadata(setup, step, arrays)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(_nest(arrays)), META: ocp.args.JsonSave(meta)})
     manager.save(step, args=args, force=True)
 

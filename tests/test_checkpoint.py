@@ -180,12 +180,27 @@ def _bad_meta(step_dir: Path):
     (step_dir / "nljax" / "metadata").write_text('{"format": 1, "arrays": ')
 
 
+def _foreign_meta(step_dir: Path):
+    meta = step_dir / "nljax" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "arrays": {"step": {"shape": [], "dtype": "int32"}}}))
+
+
+def _other_model(step_dir: Path):
+    meta = step_dir / "nljax" / "metadata"
+    m = json.loads(meta.read_text())
+    m["model"]["head/kernel"][0] = [16, 512]
+    meta.write_text(json.dumps(m))
+
+
 BAD = {
     "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere"),
     "empty": (None, ["checkpoint.resume={d}/empty"], "no complete checkpoint in {d}/empty"),
     "truncated": (_truncate, [], "checkpoint {d}/ckpt/4: array data unreadable"),
     "flipped": (_flip, [], "checkpoint {d}/ckpt/4:"),
     "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable"),
+    "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1"),
+    "fingerprint": (_other_model, [], "checkpoint {d}/ckpt/4 is from another model: parameter 'head/kernel' is "
+                    "float32(16, 512) there, float32(16, 256) here"),
     "model": (None, ["model.dim=32"], "checkpoint {d}/ckpt/4 does not fit this run: model.dim=16 there, 32 here"),
     "periods": (None, ["cms.periods=[1,8]"], "checkpoint {d}/ckpt/4 does not fit this run: cms.periods="),
     "layers": (None, ["model.memory_layers=[]"], "does not fit this run: model.memory_layers=[0] there, [] here"),
