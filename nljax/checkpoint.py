@@ -371,6 +371,7 @@ def restore(setup, path: Path) -> Restored:
         else:
             sharding = rep
         abstract[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    _ignore_closed_loop_callbacks()
     try:
         loaded = _manager(path.parent).restore(
             int(path.name), args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(_nest(abstract))})
@@ -380,7 +381,6 @@ def restore(setup, path: Path) -> Restored:
             raise ValueError(f"arrays {sorted(set(abstract) ^ set(arrays))[:3]} missing or unexpected")
         sums = checksums(arrays)
     except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
-        _ignore_closed_loop_callbacks()
         raise ConfigError(f"checkpoint {path}: array data unreadable ({_first_line(e)})") from None
     for name, info in meta["arrays"].items():
         if sums[name] != info["checksum"]:
@@ -409,15 +409,19 @@ def restore(setup, path: Path) -> Restored:
 
 
 def _ignore_closed_loop_callbacks() -> None:
-    """After a failed read, TensorStore completes the reads still in flight and calls back into
-    Orbax's event loop, which is closed by then; each callback would print a traceback over the
-    one-line error. Those (and only those) are dropped."""
+    """When a read fails, TensorStore completes the reads still in flight and calls back into
+    Orbax's event loop, which is closed by then, possibly before the error reaches us; each
+    callback would print a traceback over the one-line error. Those (and only those) are
+    dropped, from before the read on."""
     hook = sys.unraisablehook
+    if getattr(hook, "nljax_filter", False):
+        return
 
     def filtered(u):
         if not (isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)):
             hook(u)
 
+    filtered.nljax_filter = True
     sys.unraisablehook = filtered
 
 

@@ -255,7 +255,7 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
 
 
 SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_size=8", "train.seq_len=16",
-         "cms.periods=[1,2,4]", "eval.batches=1", "eval.every=0", "optim.warmup_steps=0", "train.steps=12",
+         "cms.periods=[1,2]", "eval.batches=1", "eval.every=0", "optim.warmup_steps=0", "train.steps=12",
          "checkpoint.every=4", "checkpoint.keep=2"]
 
 # Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
