@@ -18,6 +18,12 @@ Orbax writes a step into a temporary directory and renames it once every item is
 process killed at any moment, during a save too, leaves the earlier checkpoints intact, and a
 resume only ever sees complete ones. A resume reads before anything is written: a bad checkpoint
 stops the run with one line and leaves every file as it was.
+
+A resume may use another mesh or device count: arrays are read with the new mesh's shardings,
+each row's memory moves with its row, and per-device error buffers are redistributed so that the
+next reduction is unchanged (`redistribute_err_buf`). A different global batch gives every row a
+new stream, so every row's memory restarts (with a warning). A different optimizer-state layout
+goes through one hook (`convert_layout`).
 """
 
 from __future__ import annotations
@@ -496,9 +502,9 @@ class Checkpoints:
     """A run's checkpoints: resolves and restores a resume (reading only), then, once `open`ed,
     saves every `checkpoint.every` steps and at the end.
 
-    Usage in the loop: `ckpt = Checkpoints(cfg, setup)` (state and start step in `ckpt.state`,
-    `ckpt.start`), create the run directory, `ckpt.open()`, `ckpt.maybe_save(step, state)` after
-    each step, `ckpt.finish(step, state)` at the end."""
+    In the loop: `ckpt = Checkpoints(setup)` (the state and step to start from are `ckpt.state`,
+    `ckpt.start`), then create the run directory, `ckpt.open()`, `ckpt.first_batch(step, batch)`
+    and `ckpt.maybe_save(step + 1, state)` around each step, `ckpt.finish(steps_done, state)`."""
 
     def __init__(self, setup, say=print):
         self.cfg, self.setup = setup.cfg, setup
@@ -530,7 +536,6 @@ class Checkpoints:
             )
         self.state = self.restored.state if self.restored else setup.state
         self.start = self.restored.step if self.restored else 0
-        self.say = say
         if self.restored:
             say(f"resumed from {path} at step {self.start}")
 
