@@ -387,6 +387,7 @@ def restore(setup, path: Path) -> Restored:
             raise ValueError(f"arrays {sorted(set(abstract) ^ set(arrays))[:3]} missing or unexpected")
         sums = checksums(arrays)
     except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
+        logging.getLogger("asyncio").addFilter(_unretrieved_read_errors)
         raise ConfigError(f"checkpoint {path}: array data unreadable ({_first_line(e)})") from None
     for name, info in meta["arrays"].items():
         if sums[name] != info["checksum"]:
@@ -429,6 +430,13 @@ def _ignore_closed_loop_callbacks() -> None:
 
     filtered.nljax_filter = True
     sys.unraisablehook = filtered
+
+
+def _unretrieved_read_errors(record: logging.LogRecord) -> bool:
+    """Drops asyncio's 'exception was never retrieved' reports of the other reads of a failed
+    restore (logged when they are garbage-collected, often at exit); the error was reported."""
+    exc = record.exc_info[1] if record.exc_info else None
+    return not (exc is not None and "exception was never retrieved" in str(record.msg) and "tensorstore" in str(exc))
 
 
 def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, sharding: NamedSharding) -> jax.Array:
