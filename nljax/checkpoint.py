@@ -142,11 +142,18 @@ def _per_device(name: str) -> bool:
 # Metadata
 
 
+_fingerprints: dict[int, tuple[Any, dict]] = {}  # id(model) -> (model, fingerprint); models need not be hashable
+
+
 def fingerprint(model) -> dict[str, list]:
     """The model's parameters by path, with shape and dtype, as `model.init` makes them: the same
-    whatever the strategy stores (a checkpoint of another model differs here)."""
-    shapes = jax.eval_shape(model.init, jax.random.key(0))
-    return {k: [list(x.shape), str(x.dtype)] for k, x in named_arrays(shapes).items()}
+    whatever the strategy stores (a checkpoint of another model differs here). Traced once per
+    model: tracing `init` costs more than the rest of a save's blocking part."""
+    hit = _fingerprints.get(id(model))
+    if hit is None or hit[0] is not model:
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        hit = _fingerprints[id(model)] = (model, {k: [list(x.shape), str(x.dtype)] for k, x in named_arrays(shapes).items()})
+    return hit[1]
 
 
 def metadata(setup, step: int, arrays: dict[str, jax.Array]) -> dict:
