@@ -6,6 +6,7 @@ trained once per module and saved along the way; the other tests restore its che
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -248,6 +249,13 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
     assert train.main([*TINY_NL_ARGS, f"run.dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"]) == 2
     assert "already holds checkpoints" in capfd.readouterr().err
     assert tree_hash(tmp_path) == before
+    # run.overwrite=true: the earlier run's checkpoints go when the new run starts writing
+    cfg = config.load(None, [*TINY_NL_ARGS, f"checkpoint.dir={tmp_path}/ckpt", "run.overwrite=true"])
+    c = ckpt.Checkpoints(dataclasses.replace(ref["setup"], cfg=cfg))
+    assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["2", "4"]
+    c.open()
+    assert not any((tmp_path / "ckpt").iterdir())
+    c.manager.close()
 
 
 # ---------------------------------------------------------------------------------------------
