@@ -165,6 +165,15 @@ class MeanFlowConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <run.dir>/checkpoints
+    every: int = 100  # save every N steps and at the end; 0: never save
+    keep: int = 3  # newest checkpoints kept on disk
+    resume: str = ""  # "" (fresh run) | "latest" (newest in checkpoint.dir) | a checkpoint or checkpoints directory
+    async_save: bool = True  # write in the background while training continues
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     seed: int = 0
     run: RunConfig = RunConfig()
@@ -180,6 +189,7 @@ class Config:
     throughput: ThroughputConfig = ThroughputConfig()
     images: ImagesConfig = ImagesConfig()
     meanflow: MeanFlowConfig = MeanFlowConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
 
 def _type_name(tp: Any) -> str:
@@ -292,6 +302,13 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Confi
     return cfg
 
 
+def from_dict(tree: dict) -> Config:
+    """A config from a plain nested dict (e.g. one saved in a checkpoint), checked like `load`."""
+    cfg = _build(Config, tree)
+    validate(cfg)
+    return cfg
+
+
 def validate(cfg: Config) -> None:
     """Semantic checks that types alone cannot express."""
     if not cfg.cms.periods or any(p < 1 for p in cfg.cms.periods):
@@ -323,6 +340,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
     if cfg.sync.max_grad_norm < 0 or cfg.sync.intra_bandwidth_gbps <= 0 or cfg.sync.inter_bandwidth_gbps <= 0:
         raise ConfigError("sync.max_grad_norm must be >= 0 and sync.intra/inter_bandwidth_gbps > 0")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError(
+            f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {cfg.checkpoint.every}, {cfg.checkpoint.keep}"
+        )
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}")
     if m.name == "nl_lm":

@@ -256,17 +256,20 @@ def _canonical_opt_state(eng, params):
     return tuple(eng.tx.init(p) for p in levels.split(params, eng.level_tree, eng.n_levels))
 
 
+def _fresh_layout(eng, key: jax.Array) -> tuple[PyTree, tuple]:
+    params = eng.model.init(key)
+    return eng.strategy.from_canonical(eng, params, _canonical_opt_state(eng, params))
+
+
+def layout_shapes(eng) -> tuple[PyTree, tuple]:
+    """The structure and shapes of (params, opt_state) in `eng`'s strategy, as ShapeDtypeStructs."""
+    return jax.eval_shape(lambda key: _fresh_layout(eng, key), jax.random.key(0))
+
+
 def init_layout(eng, key: jax.Array) -> tuple[PyTree, tuple]:
     """Fresh (params, opt_state) in `eng`'s strategy, created directly in their shardings."""
-    strat = eng.strategy
-
-    def fresh(key):
-        params = eng.model.init(key)
-        return strat.from_canonical(eng, params, _canonical_opt_state(eng, params))
-
-    shapes = jax.eval_shape(fresh, key)
-    out = _layout_shardings(eng, *shapes)
-    return jax.jit(fresh, out_shardings=out)(key)
+    out = _layout_shardings(eng, *layout_shapes(eng))
+    return jax.jit(lambda key: _fresh_layout(eng, key), out_shardings=out)(key)
 
 
 def _layout_shardings(eng, params, opt_state):

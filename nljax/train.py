@@ -1,4 +1,4 @@
-"""Train a model:  python -m nljax.train [--config FILE] [--cpu-devices N] [--quiet] [key=value ...]"""
+"""Train a model:  python -m nljax.train [--config FILE] [--cpu-devices N] [--quiet] [--resume] [key=value ...]"""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ def _run(args, cfg) -> int:
 
     if args.quiet:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, quiet=True))
+    if args.resume and not cfg.checkpoint.resume:
+        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest"))
     train(cfg)
     return 0
 
@@ -20,6 +22,7 @@ def _run(args, cfg) -> int:
 def main(argv=None) -> int:
     p = cli.parser("nljax.train", "Train a nested-learning model on every available device.")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (checkpoint.resume=latest)")
     return cli.main(_run, p, argv)
 
 

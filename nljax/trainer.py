@@ -17,6 +17,7 @@ import jax
 import yaml
 
 from nljax import __version__, distributed, levels, mesh as meshlib, optim, runlog, tasks, throughput
+from nljax.checkpoint import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
@@ -64,26 +65,32 @@ class Setup:
 
 
 class RunDir:
-    """The files of one run. Refuses to overwrite an earlier run unless told to; when told to,
-    removes the earlier run's outputs first so that none of them outlives it."""
+    """The files of one run. Refuses to overwrite an earlier run unless told to (or resuming it);
+    when told to, removes the earlier run's outputs first so that none of them outlives it."""
 
     OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "events.out.tfevents.*",
                "profile")
 
-    def __init__(self, path: str, overwrite: bool, write: bool):
+    def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
         self.path = Path(path)
         self.write = write
+        metrics = self.path / "metrics.jsonl"
         # Process 0 decides: on a shared file system the others could see its fresh metrics.jsonl.
-        if distributed.main_decides((self.path / "metrics.jsonl").exists()) and not overwrite:
+        if distributed.main_decides(metrics.exists()) and not overwrite and resume_step is None:
             raise ConfigError(
-                f"run.dir {path} already holds a run; choose another run.dir or set run.overwrite=true"
+                f"run.dir {path} already holds a run; choose another run.dir, resume it with --resume or set "
+                "run.overwrite=true"
             )
         if write:
             self.path.mkdir(parents=True, exist_ok=True)
-            for pattern in self.OUTPUTS:
-                for old in self.path.glob(pattern):
-                    shutil.rmtree(old) if old.is_dir() else old.unlink()
-            (self.path / "metrics.jsonl").write_text("")
+            if resume_step is None:
+                for pattern in self.OUTPUTS:
+                    for old in self.path.glob(pattern):
+                        shutil.rmtree(old) if old.is_dir() else old.unlink()
+            keep = "" if resume_step is None else kept_records(metrics, resume_step)
+            tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
+            tmp.write_text(keep)
+            tmp.replace(metrics)
 
     def save_config(self, cfg: Config) -> None:
         if self.write:
@@ -99,6 +106,21 @@ class RunDir:
             (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
+def kept_records(path: Path, step: int) -> str:
+    """The lines of an earlier metrics.jsonl for steps before `step`: a resumed run rewrites the
+    steps from its checkpoint on, so the file ends up as the uninterrupted run's."""
+    if not path.exists():
+        return ""
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] < step:
+                keep.append(line + "\n")
+        except (ValueError, KeyError, TypeError):
+            pass  # a line cut short by a kill
+    return "".join(keep)
+
+
 @dataclasses.dataclass
 class Output:
     """Where a run reports: files (process 0 only), terminal, TensorBoard."""
@@ -108,9 +130,9 @@ class Output:
     board: runlog.Board
 
     @classmethod
-    def create(cls, cfg: Config, start: int = 0, unit: str = "tok") -> "Output":
+    def create(cls, cfg: Config, start: int = 0, unit: str = "tok", resume_step: int | None = None) -> "Output":
         main = is_main()
-        run = RunDir(cfg.run.dir, cfg.run.overwrite, main)
+        run = RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)
         run.save_config(cfg)
         progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
         board = runlog.Board(run.path if main and cfg.run.tensorboard else None)
@@ -181,14 +203,18 @@ class History:
     wall_s: float = 0.0  # the loop, compilation and evaluations included
 
 
-def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Output) -> tuple[TrainState, History]:
-    """Steps from `conductor.step` to `train.steps`. The next batch is built while the device runs
-    the current step; the step time runs from dispatch until its loss is on the host."""
+def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Output,
+               ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
+    """Steps from `conductor.step` to `train.steps`, saving checkpoints through `ckpt`. The next
+    batch is built while the device runs the current step; the step time runs from dispatch
+    until its loss is on the host."""
     cfg, steps = setup.cfg, setup.cfg.train.steps
     key = f"{setup.task.unit}_per_s_per_device"
     hist, seen, t_start = History(), set(), time.perf_counter()
     profiler = Profiler(cfg, out.run.path, out.run.write)
     batch = setup.batch(conductor.step) if conductor.step < steps else None
+    if ckpt is not None and batch is not None:
+        batch = ckpt.first_batch(conductor.step, batch)  # after a resume that restarted every row
     for i in range(max(steps - conductor.step, 0)):
         p = conductor.pulse
         distributed.check_step(i, p, cfg.distributed.check_every)
@@ -227,6 +253,8 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
             evaluated = setup.evaluate(state.params, p.step + 1)
             rec.update(evaluated)
         out.run.log(rec)
+        if ckpt is not None:
+            ckpt.maybe_save(p.step + 1, state)  # copies off the devices before the next step donates
         out.board.scalars("train", {"loss": loss, "step_time_s": dt, key: units / dt}, p.step)
         out.board.scalars("eval", evaluated, p.step + 1)
         out.progress.update(rec, units / dt, last, runlog.format_metrics(evaluated))
@@ -237,7 +265,8 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
     return state, hist
 
 
-def final_report(setup: Setup, state: TrainState, hist: History, out: Output) -> dict:
+def final_report(setup: Setup, state: TrainState, hist: History, out: Output,
+                 resumed_from: int | None = None) -> dict:
     """Final evaluation, the throughput table, communication from the HLO, summary.json and the
     plots."""
     cfg, eng = setup.cfg, setup.engine
@@ -264,6 +293,7 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output) ->
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
+        "resumed_from_step": resumed_from,
         "devices": eng.n_devices,
         "mesh": dict(setup.mesh.shape),
         "final_loss": hist.final_loss,
@@ -297,12 +327,16 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output) ->
 
 def train(cfg: Config) -> dict:
     setup = Setup.create(cfg)
-    distributed.check_startup(setup, print if is_main() and not cfg.run.quiet else (lambda *a: None))
-    out = Output.create(cfg, unit=runlog.short_unit(setup.task.unit))
+    say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
+    distributed.check_startup(setup, say)
+    ckpt = Checkpoints(setup, say)  # reads and checks a checkpoint to resume before anything is written
+    out = Output.create(cfg, ckpt.start, runlog.short_unit(setup.task.unit), ckpt.resume_step)
+    ckpt.open()
     try:
         startup_report(setup, out.say)
-        state, hist = train_loop(setup, setup.state, Conductor(cfg.cms.periods), out)
-        summary = final_report(setup, state, hist, out)
+        state, hist = train_loop(setup, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
+        ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
+        summary = final_report(setup, state, hist, out, ckpt.resume_step)
     finally:
         out.close()
     setup.state = state

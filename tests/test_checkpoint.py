@@ -1,0 +1,340 @@
+"""Checkpoints: bitwise resume on the same mesh, elastic resume 8 -> 4 -> 2 devices, a changed
+global batch, SIGKILL during training and during a save, and bad checkpoints.
+
+One reference run (the nested-learning LM with memory, 8 devices, error buffers in use) is
+trained once per module and saved along the way; the other tests restore its checkpoints."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import TINY, assert_trees_close, make
+from nljax import checkpoint as ckpt
+from nljax import config
+from nljax.conductor import pulse
+from nljax.state import TrainState
+from nljax.tasks import host_sum
+from nljax.trainer import Setup
+
+# Attention + neural memory (per-row state) + two CMS levels, small enough to compile quickly.
+NL = ["model.name=nl_lm", "model.heads=2", "model.window=8", "model.memory_layers=[0]", "model.memory_heads=2",
+      "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,4]"]
+STEPS = 5
+TINY_NL_ARGS = [*TINY, *NL, "mesh.inter=2", "mesh.intra=4", "train.steps=6", "eval.every=0", "eval.batches=1"]
+
+
+def steps(setup: Setup, state: TrainState, start: int, stop: int):
+    """Train steps [start, stop) from `state` (donated); returns (losses, state)."""
+    losses = []
+    for s in range(start, stop):
+        p = pulse(s, setup.cfg.cms.periods)
+        state, m = setup.cache.train(p.active, state, setup.batch(s))
+        losses.append(host_sum(m["loss_sum"]) / host_sum(m["count"]))
+    return losses, state
+
+
+def save(setup: Setup, state: TrainState, step: int) -> None:
+    m = ckpt.writer(setup.cfg)
+    ckpt.save(m, setup, step, state)
+    m.wait_until_finished()
+    m.close()
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def tree_hash(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """8 devices (2 x 4), steps 0..5 uninterrupted, checkpoints saved after steps 2 and 4."""
+    d = tmp_path_factory.mktemp("ref")
+    setup = make([*NL, f"checkpoint.dir={d}"], 2, 4)
+    state = setup.state
+    l1, state = steps(setup, state, 0, 2)
+    save(setup, state, 2)
+    l2, state = steps(setup, state, 2, 4)
+    save(setup, state, 4)
+    l3, state = steps(setup, state, 4, STEPS)
+    setup.state = state
+    return {"setup": setup, "losses": l1 + l2 + l3, "final": host(state), "dir": d}
+
+
+def test_resume_on_the_same_mesh_is_bitwise(ref):
+    setup = ref["setup"]
+    r = ckpt.restore(setup, ref["dir"] / "2")
+    assert r.step == 2 and not r.fresh_rows and r.warnings == []
+    errs = [e for e in r.state.err_buf if e is not None]
+    assert errs and any(np.abs(np.asarray(e)).sum() > 0 for e in errs)  # a frozen level's buffer is in use
+    losses, state = steps(setup, r.state, 2, STEPS)
+    assert losses == ref["losses"][2:]  # bitwise
+    for a, b in zip(jax.tree.leaves(host(state)), jax.tree.leaves(ref["final"])):
+        np.testing.assert_array_equal(a, b)
+    setup.state = state
+
+
+def test_plain_orbax_reads_a_checkpoint(ref):
+    import orbax.checkpoint as ocp
+
+    m = ocp.CheckpointManager(ref["dir"], options=ocp.CheckpointManagerOptions(read_only=True))
+    assert m.all_steps() == [2, 4]
+    out = m.restore(4)
+    assert out["nljax"]["step"] == 4 and out["nljax"]["mesh"]["devices"] == 8
+    assert out["nljax"]["conductor"] == {"step": 4, "periods": [1, 4]}
+    memory = out["state"]["memory"]["block0"]["M"]["W1"]
+    assert memory.shape[0] == 8 and len(memory.sharding.device_set) == 8  # rows sharded as trained
+
+
+def test_elastic_resume_8_4_2_devices(ref, tmp_path):
+    """Steps 0-1 on 8 devices, 2-3 on 4, 4 on 2, restoring with each mesh's shardings: the
+    losses, parameters and every row's memory match the uninterrupted 8-device run. Level 1
+    (period 4) has gradients in its error buffers at both restores and fires at step 4."""
+    s4 = make([*NL, f"checkpoint.dir={tmp_path}/1x4"], 1, 4)
+    r = ckpt.restore(s4, ref["dir"] / "2")
+    assert r.state.err_buf[1].shape == (4, r.state.err_buf[1].shape[1])
+    l4, state = steps(s4, r.state, 2, 4)
+    save(s4, state, 4)
+    s2 = make(NL, 1, 2)
+    r = ckpt.restore(s2, tmp_path / "1x4" / "4")
+    assert r.state.memory["block0"]["M"]["W1"].sharding == s2.state.memory["block0"]["M"]["W1"].sharding
+    l2, state = steps(s2, r.state, 4, STEPS)
+    np.testing.assert_allclose(l4 + l2, ref["losses"][2:], rtol=2e-5)
+    final = host(state)
+    assert_trees_close(final.params, ref["final"].params, rtol=1e-4, atol=1e-6)
+    assert_trees_close(final.memory, ref["final"].memory, rtol=1e-4, atol=1e-5)
+
+
+def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():
+    from nljax import mesh as meshlib
+
+    e = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
+    for n_new in (4, 2, 1):
+        sh = meshlib.rows_sharding(meshlib.make_mesh(1, n_new, jax.devices()[:n_new]))
+        mean = np.asarray(ckpt.redistribute_err_buf(e, 8, n_new, True, sh))
+        total = np.asarray(ckpt.redistribute_err_buf(e, 8, n_new, False, sh))
+        assert mean.shape == (n_new, 5)
+        np.testing.assert_allclose(mean.sum(0) / n_new, e.sum(0) / 8, rtol=1e-5)  # sync.mean
+        np.testing.assert_allclose(total.sum(0), e.sum(0), rtol=1e-5)  # sums
+        assert (mean == mean[0]).all()
+
+
+def test_changed_global_batch_restarts_every_row(ref):
+    setup = make([*NL, "train.batch_size=16", "optim.lr=0.02"], 2, 4)
+    r = ckpt.restore(setup, ref["dir"] / "4")
+    assert r.fresh_rows and any("train.batch_size changed from 8 to 16" in w for w in r.warnings)
+    assert any("optim.lr=0.02" in w for w in r.warnings)
+    for x in jax.tree.leaves(r.state.memory):
+        assert x.shape[0] == 16 and not np.asarray(x).any()
+    same = ckpt.restore(ref["setup"], ref["dir"] / "4").state
+    for a, b in zip(jax.tree.leaves(r.state.params), jax.tree.leaves(same.params)):
+        np.testing.assert_array_equal(a, b)
+    batch = setup.batch(5)
+    assert not np.asarray(batch["reset"]).all()
+    reset = ckpt.reset_all_rows(batch)
+    assert np.asarray(reset["reset"]).all() and reset["reset"].sharding == batch["reset"].sharding
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad checkpoints: one line, exit 2, nothing on disk changed
+
+
+def _data_files(step_dir: Path) -> list[Path]:
+    # every data file: an OCDBT store may keep data that no array reads any more, whose damage
+    # rightly goes unnoticed
+    files = [f for f in (step_dir / "state").rglob("d/*") if f.is_file()]
+    assert files
+    return files
+
+
+def _truncate(step_dir: Path):
+    for f in _data_files(step_dir):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def _flip(step_dir: Path):
+    for f in _data_files(step_dir):
+        b = bytearray(f.read_bytes())
+        mid = len(b) // 2
+        b[mid : mid + 64] = bytes(x ^ 0xFF for x in b[mid : mid + 64])
+        f.write_bytes(bytes(b))
+
+
+def _bad_meta(step_dir: Path):
+    (step_dir / "nljax" / "metadata").write_text('{"format": 1, "arrays": ')
+
+
+def _foreign_meta(step_dir: Path):
+    meta = step_dir / "nljax" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "arrays": {"step": {"shape": [], "dtype": "int32"}}}))
+
+
+def _other_model(step_dir: Path):
+    meta = step_dir / "nljax" / "metadata"
+    m = json.loads(meta.read_text())
+    m["model"]["head/kernel"][0] = [16, 512]
+    meta.write_text(json.dumps(m))
+
+
+# case: (damage, overrides, message, through the command line (else the library call))
+BAD = {
+    "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere", True),
+    "empty": (None, ["checkpoint.resume={d}/empty"], "no complete checkpoint in {d}/empty", False),
+    "truncated": (_truncate, [], "checkpoint {d}/ckpt/4: array data unreadable", True),
+    "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),
+    "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable", False),
+    "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
+    "fingerprint": (_other_model, [], "checkpoint {d}/ckpt/4 is from another model: parameter 'head/kernel' is "
+                    "float32(16, 512) there, float32(16, 256) here", False),
+    "model": (None, ["model.dim=32"], "checkpoint {d}/ckpt/4 does not fit this run: model.dim=16 there, 32 here", True),
+    "periods": (None, ["cms.periods=[1,8]"], "checkpoint {d}/ckpt/4 does not fit this run: cms.periods=[1, 4] "
+                "there, [1, 8] here", True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_checkpoint_is_one_line_and_changes_nothing(ref, tmp_path, capfd, case):
+    """Through `nljax.train` (one line on stderr, exit 2) or, where the run would be the same,
+    through the library calls it makes (one-line ConfigError); the directory is unchanged."""
+    from nljax import train
+
+    damage, extra, message, through_cli = BAD[case]
+    shutil.copytree(ref["dir"], tmp_path / "ckpt")
+    (tmp_path / "empty").mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 1.0}\n')
+    if damage:
+        damage(tmp_path / "ckpt" / "4")
+    before = tree_hash(tmp_path)
+    args = [*TINY_NL_ARGS, f"run.dir={run}", f"checkpoint.dir={tmp_path}/ckpt", *[a.format(d=tmp_path) for a in extra]]
+    message = message.format(d=tmp_path)
+    if through_cli:
+        capfd.readouterr()
+        assert train.main(["--resume", *args]) == 2
+        err = capfd.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("nljax.train: error: ") and message in err[0], err
+    else:
+        cfg = config.load(None, [*args, "checkpoint.resume=latest"] if "checkpoint.resume" not in str(extra) else args)
+        with pytest.raises(config.ConfigError) as e:
+            ckpt.restore(ref["setup"], ckpt.locate(cfg))
+        assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert tree_hash(tmp_path) == before
+
+
+def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
+    from nljax import train
+
+    shutil.copytree(ref["dir"], tmp_path / "ckpt")
+    before = tree_hash(tmp_path)
+    capfd.readouterr()
+    assert train.main([*TINY_NL_ARGS, f"run.dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"]) == 2
+    assert "already holds checkpoints" in capfd.readouterr().err
+    assert tree_hash(tmp_path) == before
+    # run.overwrite=true: the earlier run's checkpoints go when the new run starts writing
+    cfg = config.load(None, [*TINY_NL_ARGS, f"checkpoint.dir={tmp_path}/ckpt", "run.overwrite=true"])
+    c = ckpt.Checkpoints(dataclasses.replace(ref["setup"], cfg=cfg))
+    assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["2", "4"]
+    c.open()
+    assert not any((tmp_path / "ckpt").iterdir())
+    c.manager.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The command line, killed with SIGKILL
+
+
+SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_size=8", "train.seq_len=16",
+         "cms.periods=[1,2]", "eval.batches=1", "eval.every=0", "optim.warmup_steps=0", "train.steps=12",
+         "checkpoint.every=4", "checkpoint.keep=2"]
+
+# Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
+# written and before Orbax commits it; `step N` when step N starts, once checkpoint N-2 is complete.
+KILLER = r"""
+import os, signal, sys, time
+from pathlib import Path
+mode, at, ckdir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+sys.argv = ["nljax.train", *sys.argv[4:]]
+if mode == "save":
+    from orbax.checkpoint._src.path import atomicity
+    for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
+        def patch(orig):
+            async def finalize(self, *a, **k):
+                if Path(self.get_final()).name == str(at):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return await orig(self, *a, **k)
+            return finalize
+        cls.finalize = patch(cls.finalize)
+else:
+    from nljax import trainer
+    batch = trainer.Setup.batch
+    def killing_batch(self, step):
+        if step == at:
+            t = time.time()
+            while not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return batch(self, step)
+    trainer.Setup.batch = killing_batch
+from nljax.train import main
+sys.exit(main())
+"""
+
+
+def cli(*args, killer=None):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-c", KILLER, *killer] if killer else [sys.executable, "-m", "nljax.train"]
+    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=600)
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
+    """Killed while committing checkpoint 8 (4 is complete), resumed from 4, killed again at step
+    10 (8 complete), resumed from 8. Each resumed run logs the losses the run before it logged
+    for the same steps, bitwise, and the final metrics.jsonl has every step once."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={run}"]
+    p = cli(*base, killer=["save", "8", str(ck)])
+    assert p.returncode == -9, p.stderr
+    assert (ck / "4").is_dir() and not (ck / "8").exists()
+    assert any(q.name.startswith("8.") for q in ck.iterdir())  # the partial save is left behind
+    first = losses(run)  # steps 0..7 at least, uninterrupted
+    p = cli("--resume", *base, killer=["step", "10", str(ck)])
+    assert p.returncode == -9, p.stderr
+    assert sorted(int(q.name) for q in ck.iterdir() if q.name.isdigit()) == [4, 8]
+    second = losses(run)  # 0..3 from the first run, 4..9 resumed from 4
+    assert len(second) == 10 and second[:8] == first[:8]
+    p = cli("--resume", *base[:2], *base[3:])
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from {ck / '8'} at step 8" in p.stdout
+    steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(12)) and losses(run)[:10] == second
+    assert sorted(q.name for q in ck.iterdir()) == ["12", "8"]  # checkpoint.keep=2
+    _truncate(ck / "12")  # a damaged array file: one line on the real stderr, nothing changed
+    before = tree_hash(run)
+    p = cli("--resume", *base)
+    assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert tree_hash(run) == before
