@@ -224,6 +224,12 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         raise ConfigError(f"config key '{key}' has the wrong type: {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if tp is float and isinstance(value, str):
+        # YAML 1.1 reads exponents without a dot ("1e-9") as strings; a number is meant.
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if tp in (int, float, str, bool) and (type(value) is not tp):
         raise ConfigError(
             f"config key '{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}"

@@ -287,7 +287,7 @@ SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_siz
          "checkpoint.every=4", "checkpoint.keep=2"]
 
 # Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
-# written and before Orbax commits it; `step N` when step N starts, once checkpoint N-2 is complete.
+# written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is complete.
 KILLER = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -305,15 +305,15 @@ if mode == "save":
         cls.finalize = patch(cls.finalize)
 else:
     from nljax import trainer
-    batch = trainer.Setup.batch
-    def killing_batch(self, step):
-        if step == at:
+    log = trainer.RunDir.log
+    def killing_log(self, record):
+        log(self, record)
+        if record["step"] == at - 1:  # steps 0 .. at-1 are logged; step `at` never runs
             t = time.time()
             while not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
-        return batch(self, step)
-    trainer.Setup.batch = killing_batch
+    trainer.RunDir.log = killing_log
 from nljax.train import main
 sys.exit(main())
 """

@@ -49,3 +49,10 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         config.load(str(bad))
+
+
+def test_exponent_without_dot_is_a_float():
+    # YAML 1.1 reads "1e-9" as a string; a float field takes it as the number it means
+    assert config.load(None, ["sync.max_grad_norm=1e-9"]).sync.max_grad_norm == 1e-9
+    with pytest.raises(ConfigError, match="optim.lr"):
+        config.load(None, ["optim.lr=fast"])
