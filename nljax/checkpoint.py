@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -51,10 +52,11 @@ FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory
 
 # Config sections that decide the shapes and meaning of the saved arrays: a checkpoint only
-# fits a run that agrees on them. Everything else may change on resume (mesh, device count,
-# strategy, run and checkpoint settings silently; the rest with a warning).
+# fits a run that agrees on them. Everything else may change on resume: settings that do not
+# change the result silently, the rest (strategy included) with a warning.
 MUST_MATCH = ("model", "cms", "optim.name")
-SILENT = ("run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size")
+SILENT = ("run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
+          "train.profile_start", "throughput", "distributed")
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -243,7 +245,13 @@ def _leftovers(root: Path) -> list[Path]:
     """Step directories and partial saves under `root`, as Orbax names them."""
     if not root.is_dir():
         return []
-    return [p for p in root.iterdir() if p.is_dir() and p.name.split(".")[0].isdigit()]
+    # `<step>` and `<step>.orbax-checkpoint-tmp-<n>` (a save cut short); nothing else a user keeps
+    # there is ever refused or removed.
+    def orbax_step(p: Path) -> bool:
+        return p.name.isdigit() and any((p / f).exists() for f in (META, STATE, "_CHECKPOINT_METADATA"))
+
+    return [p for p in root.iterdir()
+            if p.is_dir() and (orbax_step(p) or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
 
 
 def locate(cfg: Config) -> Path | None:
@@ -552,6 +560,14 @@ class Checkpoints:
         self.last_saved: int | None = None
         self.restored: Restored | None = None
         path = locate(self.cfg)
+        # Resuming this run (its own checkpoint.dir) continues its files; a checkpoint from
+        # elsewhere starts a new run from that state, which may not take over existing files.
+        self.own = path is not None and self.dir.resolve() in path.resolve().parents
+        if path is not None and not self.own and _leftovers(self.dir) and not self.cfg.run.overwrite:
+            raise ConfigError(
+                f"checkpoint.dir {self.dir} already holds another run's checkpoints; choose another run.dir or "
+                "checkpoint.dir, or set run.overwrite=true to replace them"
+            )
         if path is not None:
             self.restored = restore(setup, path)
             for w in self.restored.warnings:
@@ -562,7 +578,7 @@ class Checkpoints:
                 raise ConfigError(
                     f"checkpoint {path} is at step {self.restored.step}, past train.steps={self.cfg.train.steps}"
                 )
-            later = [s for s in complete_steps(self.dir) if s > self.restored.step]
+            later = [s for s in complete_steps(self.dir) if s > self.restored.step] if self.own else []
             if later and self.cfg.checkpoint.every:
                 raise ConfigError(
                     f"checkpoint.dir {self.dir} holds later checkpoints (step {later[-1]}) than the one resumed "
@@ -573,6 +589,11 @@ class Checkpoints:
                 f"checkpoint.dir {self.dir} already holds checkpoints; resume with --resume, or set "
                 "run.overwrite=true to replace them"
             )
+        if self.cfg.checkpoint.every:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"checkpoint.dir {self.dir} cannot be created: {e.strerror or e}") from None
         self.state = self.restored.state if self.restored else setup.state
         self.start = self.restored.step if self.restored else 0
         if self.restored:
@@ -580,16 +601,19 @@ class Checkpoints:
 
     @property
     def resume_step(self) -> int | None:
-        return self.restored.step if self.restored else None
+        """The step this run continues its own files from (None: a fresh run, or a new run
+        started from another run's checkpoint)."""
+        return self.restored.step if self.restored and self.own else None
 
     def open(self) -> None:
         """Start writing (after the run directory was accepted). A fresh run with
         run.overwrite=true removes the earlier run's checkpoints here."""
-        if not self.cfg.checkpoint.every:
-            return
-        if self.restored is None and jax.process_index() == 0:
+        fresh = self.restored is None or not self.own
+        if fresh and self.cfg.run.overwrite and jax.process_index() == 0:
             for p in _leftovers(self.dir):
                 shutil.rmtree(p)
+        if not self.cfg.checkpoint.every:
+            return
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 

@@ -53,7 +53,7 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
          argv: Sequence[str] | None = None) -> int:
     """Parse, configure devices, load the config and call `run`; user errors become one line."""
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     multiprocess = False
     try:
         setup_devices(args.cpu_devices)

@@ -63,12 +63,12 @@ def format_metrics(metrics: dict) -> str:
 class Board:
     """TensorBoard scalars (tensorboardX event files in `run.dir`); a no-op when disabled."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, purge_step: int | None = None):
         self.writer = None
         if path is not None:
             from tensorboardX import SummaryWriter
 
-            self.writer = SummaryWriter(logdir=str(path), flush_secs=30)
+            self.writer = SummaryWriter(logdir=str(path), flush_secs=30, purge_step=purge_step)
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
         if self.writer is None:

@@ -69,11 +69,12 @@ class RunDir:
     when told to, removes the earlier run's outputs first so that none of them outlives it."""
 
     OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "events.out.tfevents.*",
-               "profile")
+               "profile", "samples_*.png")
 
     def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
         self.path = Path(path)
         self.write = write
+        self.kept: list[dict] = []
         metrics = self.path / "metrics.jsonl"
         # Process 0 decides: on a shared file system the others could see its fresh metrics.jsonl.
         if distributed.main_decides(metrics.exists()) and not overwrite and resume_step is None:
@@ -82,12 +83,16 @@ class RunDir:
                 "run.overwrite=true"
             )
         if write:
-            self.path.mkdir(parents=True, exist_ok=True)
-            if resume_step is None:
+            try:
+                self.path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"run.dir {path} cannot be created: {e.strerror or e}") from None
+            if resume_step is None and overwrite:  # never delete a file nobody asked to replace
                 for pattern in self.OUTPUTS:
                     for old in self.path.glob(pattern):
                         shutil.rmtree(old) if old.is_dir() else old.unlink()
             keep = "" if resume_step is None else kept_records(metrics, resume_step)
+            self.kept = [json.loads(line) for line in keep.splitlines()]  # steps before the resume
             tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
             tmp.write_text(keep)
             tmp.replace(metrics)
@@ -135,7 +140,8 @@ class Output:
         run = RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)
         run.save_config(cfg)
         progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
-        board = runlog.Board(run.path if main and cfg.run.tensorboard else None)
+        # purge_step: TensorBoard drops the events a resumed run writes again
+        board = runlog.Board(run.path if main and cfg.run.tensorboard else None, purge_step=resume_step)
         return cls(run, progress, board)
 
     def say(self, text: str) -> None:
@@ -210,7 +216,12 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
     until its loss is on the host."""
     cfg, steps = setup.cfg, setup.cfg.train.steps
     key = f"{setup.task.unit}_per_s_per_device"
-    hist, seen, t_start = History(), set(), time.perf_counter()
+    # A resumed run's plots and summary cover the whole run: the earlier steps come from the
+    # metrics.jsonl records it kept.
+    kept = out.run.kept
+    hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept),
+                   final_loss=kept[-1]["loss"] if kept else None)
+    seen, t_start = set(), time.perf_counter()
     profiler = Profiler(cfg, out.run.path, out.run.write)
     batch = setup.batch(conductor.step) if conductor.step < steps else None
     if ckpt is not None and batch is not None:
@@ -336,7 +347,7 @@ def train(cfg: Config) -> dict:
         startup_report(setup, out.say)
         state, hist = train_loop(setup, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
-        summary = final_report(setup, state, hist, out, ckpt.resume_step)
+        summary = final_report(setup, state, hist, out, ckpt.start if ckpt.restored else None)
     finally:
         out.close()
     setup.state = state

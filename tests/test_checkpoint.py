@@ -358,3 +358,44 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert tree_hash(run) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing a user did not ask to replace is taken over or removed
+
+
+def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
+    from nljax.trainer import RunDir
+
+    (tmp_path / "profile").mkdir()
+    (tmp_path / "profile" / "notes.txt").write_text("mine")
+    (tmp_path / "summary.json").write_text("{}")
+    RunDir(str(tmp_path), overwrite=False, write=True)  # no metrics.jsonl: a fresh run, nothing removed
+    assert (tmp_path / "profile" / "notes.txt").exists() and (tmp_path / "summary.json").exists()
+    RunDir(str(tmp_path), overwrite=True, write=True)
+    assert not (tmp_path / "profile").exists() and not (tmp_path / "summary.json").exists()
+
+
+def test_only_orbax_steps_count_as_checkpoints(ref, tmp_path):
+    (tmp_path / "2024").mkdir()  # a user's folder with a numeric name
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "7.orbax-checkpoint-tmp").mkdir()  # a save cut short
+    shutil.copytree(ref["dir"] / "2", tmp_path / "2")
+    assert sorted(p.name for p in ckpt._leftovers(tmp_path)) == ["2", "7.orbax-checkpoint-tmp"]
+
+
+def test_another_runs_checkpoint_does_not_take_over_this_runs_files(ref, tmp_path):
+    d = tmp_path / "ck"
+    shutil.copytree(ref["dir"] / "2", d / "2")  # this run.dir's own earlier checkpoint
+    before = tree_hash(d)
+    setup = make([*NL, f"checkpoint.dir={d}", f"checkpoint.resume={ref['dir'] / '4'}"], 2, 4)
+    with pytest.raises(config.ConfigError, match="already holds another run's checkpoints"):
+        ckpt.Checkpoints(setup, say=lambda *a: None)
+    assert tree_hash(d) == before
+    # with run.overwrite=true it starts a new run from that state: not a continuation of this one
+    setup = make([*NL, f"checkpoint.dir={d}", f"checkpoint.resume={ref['dir'] / '4'}", "run.overwrite=true",
+                  "checkpoint.every=0"], 2, 4)
+    c = ckpt.Checkpoints(setup, say=lambda *a: None)
+    assert c.start == 4 and c.resume_step is None
+    c.open()  # run.overwrite removes the earlier checkpoints even though this run saves none
+    assert ckpt._leftovers(d) == []

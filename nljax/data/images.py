@@ -82,9 +82,12 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
         xk = next((k for k in ("x", "images") if k in keys), None)
         if xk is None:
             raise ConfigError(f"images.path {path} holds {sorted(keys)}; expected an array named 'x' or 'images'")
-        x = loaded[xk]
         yk = next((k for k in ("y", "labels") if k in keys), None)
-        y = loaded[yk] if yk else None
+        try:
+            x = loaded[xk]
+            y = loaded[yk] if yk else None
+        except Exception as e:  # noqa: BLE001 - an object array, a damaged member: one user error
+            raise ConfigError(f"images.path {path}: cannot read its arrays ({str(e).splitlines()[0]})") from None
     if x.ndim == 3:
         x = x[..., None]
     if x.ndim != 4 or len(x) < 2:
