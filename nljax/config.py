@@ -89,6 +89,7 @@ class ModelConfig:
     memory_hidden: int = 64  # hidden width of the 2-layer MLP memory
     memory_chunk: int = 16  # mini-batch b of the chunk-parallel inner loop
     memory_lr_max: float = 0.01  # cap of the inner loop's data-dependent step size theta
+    memory_momentum_max: float = 0.9  # cap of its momentum eta (effective step ~ theta * chunk / (1 - eta))
     patch_size: int = 2  # DiT (models/dit.py): patch side; dim, depth, heads, hidden_mult size it too
 
 

@@ -214,9 +214,12 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     )
     skip = skip_step(eng, grad_norm)
     if skip is not None:
-        # A skipped step changes nothing but the step counter: the same state, bit for bit, as
-        # not running it. `where` rather than `cond`: both branches are computed anyway.
-        kept = state.replace(step=new_state.step)
+        # A skipped step leaves parameters, optimizer state and error buffers bit for bit as
+        # they were. The inner-loop memory still advances: it is the streams' state, not a
+        # learned parameter, and keeping a state that produced a non-finite loss would replay it
+        # at every later step (the model restarts rows whose memory is non-finite).
+        # `where` rather than `cond`: both branches are computed anyway.
+        kept = state.replace(step=new_state.step, memory=new_state.memory)
         new_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new), kept, new_state)
     # Loss leaves as per-device sums and counts ([n_devices] globally): the host reduces them,
     # so the step's HLO holds no collective besides the gradient sync.

@@ -124,3 +124,26 @@ def test_accumulation_that_does_not_divide_is_an_error():
 
     with pytest.raises(ConfigError, match=r"train.accum_steps=3 does not divide the 4 rows each device holds"):
         make([*NL, "train.accum_steps=3"], 1, 2)
+
+
+def test_non_finite_memory_row_restarts_and_others_are_untouched():
+    """A row whose memory is NaN leaves the step with memory0 (so it cannot poison later steps);
+    the other rows are exactly what they would be without it."""
+    setup = make(NL, 1, 1)
+    model, params = setup.engine.model, jax.device_get(setup.state.params)
+    batch = {**jax.device_get(setup.batch(1)), "reset": np.zeros(8, bool)}
+    key = jax.random.key(2)
+    memory = jax.tree.map(lambda x: jax.random.normal(key, x.shape), model.init_memory(8))
+    poisoned = jax.tree.map(lambda x: x.at[3].set(np.nan), memory)
+    clean_out = model.apply(params, memory, batch)[2]
+    out = model.apply(params, poisoned, batch)[2]
+    fresh = model.init_memory(1)
+    for leaf, clean in zip(jax.tree.leaves(out), jax.tree.leaves(clean_out)):
+        leaf, clean = np.asarray(leaf), np.asarray(clean)
+        assert np.isfinite(leaf[3]).all()
+        others = [0, 1, 2, 4, 5, 6, 7]
+        np.testing.assert_array_equal(leaf[others], clean[others])
+    # the restarted row holds memory0 (M) and zero momentum (S)
+    s_leaves = jax.tree.leaves(out[next(iter(out))]["S"])
+    assert all(not np.asarray(s)[3].any() for s in s_leaves)
+    assert len(jax.tree.leaves(fresh)) == len(jax.tree.leaves(out))

@@ -68,6 +68,7 @@ class NeuralMemory(nn.Module):
     kind: str
     chunk: int
     lr_max: float = 0.01
+    momentum_max: float = 0.9
 
     def memory0_shapes(self) -> dict:
         h, d = self.heads, self.dk
@@ -90,11 +91,17 @@ class NeuralMemory(nn.Module):
         gate_bias = lambda key, shape, dtype=jnp.float32: jnp.tile(jnp.array([0.0, 0.0, -4.0]), shape[0] // 3)
         g = nn.Dense(3 * h, name="gates", bias_init=gate_bias)(x).reshape(b, t, h, 3)
         theta, eta, alpha = (jax.nn.sigmoid(g[..., i]).transpose(0, 2, 1) for i in range(3))  # [B, H, T]
-        theta = theta * self.lr_max
+        # Momentum is capped too: a chunk's effective step is ~ theta * b / (1 - eta), which
+        # grows without bound as eta -> 1 (the default run's memory reached 1e5 and NaN).
+        theta, eta = theta * self.lr_max, eta * self.momentum_max
         init = nn.initializers.normal(0.02 if self.kind == "mlp" else 0.0)
         memory0 = {n: self.param(f"memory0_{n}", init, shape) for n, shape in self.memory0_shapes().items()}
         state = nm.reset_rows(state, memory0, reset)
         y, state = nm.memory_forward(state, q, k, v, theta, eta, alpha, kind=self.kind, chunk=self.chunk)
+        # A row whose memory became non-finite restarts from memory0 at the next step instead of
+        # poisoning every later step of its stream (rank-local: rows are split over devices).
+        finite = [jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(state)]
+        state = nm.reset_rows(state, memory0, ~jnp.all(jnp.stack(finite), axis=0))
         y = y.transpose(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*dk]
         return nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, name="out")(y), state
 
