@@ -60,7 +60,8 @@ SILENT = ("run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_s
 
 
 def checkpoint_dir(cfg: Config) -> Path:
-    return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints")
+    # absolute: Orbax's TensorStore writer rejects relative paths (the default run.dir is one)
+    return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints").absolute()
 
 
 def strategy(cfg: Config) -> str:
@@ -259,7 +260,7 @@ def locate(cfg: Config) -> Path | None:
     resume = cfg.checkpoint.resume
     if not resume:
         return None
-    root = checkpoint_dir(cfg) if resume == "latest" else Path(resume)
+    root = checkpoint_dir(cfg) if resume == "latest" else Path(resume).absolute()
     if not root.exists():
         raise ConfigError(f"checkpoint not found: {root}")
     if (root / META).is_dir() or (root / STATE).is_dir():

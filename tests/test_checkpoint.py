@@ -399,3 +399,17 @@ def test_another_runs_checkpoint_does_not_take_over_this_runs_files(ref, tmp_pat
     assert c.start == 4 and c.resume_step is None
     c.open()  # run.overwrite removes the earlier checkpoints even though this run saves none
     assert ckpt._leftovers(d) == []
+
+
+def test_relative_run_dir_saves(ref, tmp_path, monkeypatch):
+    # The default run.dir is relative; Orbax's writer only takes absolute paths.
+    monkeypatch.chdir(tmp_path)
+    setup = ref["setup"]
+    cfg = dataclasses.replace(setup.cfg, run=dataclasses.replace(setup.cfg.run, dir="runs/rel"),
+                              checkpoint=dataclasses.replace(setup.cfg.checkpoint, dir=""))
+    assert ckpt.checkpoint_dir(cfg).is_absolute()
+    m = ckpt.writer(cfg)
+    ckpt.save(m, dataclasses.replace(setup, cfg=cfg), 5, setup.state)
+    m.wait_until_finished()
+    m.close()
+    assert ckpt.complete_steps(tmp_path / "runs" / "rel" / "checkpoints") == [5]
