@@ -64,11 +64,6 @@ def checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints").absolute()
 
 
-def strategy(cfg: Config) -> str:
-    """The optimizer-state layout (`sync.strategy` where the config has it)."""
-    return getattr(cfg.sync, "strategy", "replicated")
-
-
 # ---------------------------------------------------------------------------------------------
 # The state as named arrays
 
@@ -172,7 +167,7 @@ def metadata(setup, step: int, arrays: dict[str, jax.Array]) -> dict:
         "rng": {"seed": cfg.seed, "device_key": "fold_in(fold_in(key(seed), step), global device index)"},
         "mesh": {**{k: int(v) for k, v in mesh.shape.items()}, "devices": meshlib.data_size(mesh),
                  "processes": jax.process_count()},
-        "strategy": strategy(cfg),
+        "strategy": cfg.sync.strategy,
         "config": to_dict(cfg),
         "model": fingerprint(setup.engine.model),
         "arrays": {
@@ -344,7 +339,7 @@ def _same_layout(meta: dict, setup, target: dict[str, jax.Array]) -> bool:
     """Whether every saved array (error buffers and memory aside: one row per device or stream
     row) has the name, shape and dtype of this run's: then each is read straight into place."""
     saved = meta["arrays"]
-    if meta.get("strategy", "replicated") != strategy(setup.cfg) or set(saved) != set(target):
+    if meta.get("strategy", "replicated") != setup.cfg.sync.strategy or set(saved) != set(target):
         return False
     for name, x in target.items():
         lead = 1 if (_per_device(name) or _rows_of(name)) else 0

@@ -43,13 +43,18 @@ class Task(Protocol):
         ...
 
 
-def host_sum(x: jax.Array) -> float:
-    """Sum of a per-device metric array on the host (works across processes)."""
+def to_host(x: jax.Array) -> np.ndarray:
+    """The whole global array on the host of every process (gathered when it spans processes)."""
     if not x.is_fully_addressable:
         from jax.experimental import multihost_utils
 
         x = multihost_utils.process_allgather(x, tiled=True)
-    return float(np.asarray(x, dtype=np.float64).sum())
+    return np.asarray(x)
+
+
+def host_sum(x: jax.Array) -> float:
+    """Sum of a per-device metric array on the host (works across processes)."""
+    return float(to_host(x).astype(np.float64).sum())
 
 
 class TextTask:
@@ -93,11 +98,7 @@ def gather_rows(x: jax.Array, n: int) -> np.ndarray:
     Devices may hold different numbers of real rows (the array is padded to a multiple of the
     device count and the padding is at the end), so gathering the whole array and dropping the
     tail is the variable-size all-gather."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)[:n]
+    return to_host(x)[:n]
 
 
 class ImageTask:

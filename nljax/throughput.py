@@ -106,10 +106,9 @@ class Measured:
     flops: dict  # active set -> FLOPs per device per step (or None)
 
 
-def measure(setup, state, active_sets, reps: int, split: bool) -> Measured:
-    """Time every active set on a copy of `state` and, with `split`, on a 1-device copy of the
-    program without collectives. `setup` is a `trainer.Setup`."""
-    batch = setup.batch(0)
+def measure(setup, state, batch, active_sets, reps: int, split: bool) -> Measured:
+    """Time every active set on a copy of `state` with `batch` and, with `split`, on a 1-device
+    copy of the program without collectives. `setup` is a `trainer.Setup`."""
     chain = _Chain(jax.tree.map(lambda x: x.copy(), state))
     fns = {a: setup.cache.train_fn(a, chain.state, batch) for a in active_sets}
     runs = {("step", a): chain.call(fns[a], batch) for a in active_sets}

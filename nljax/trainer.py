@@ -91,10 +91,9 @@ class RunDir:
                 for pattern in self.OUTPUTS:
                     for old in self.path.glob(pattern):
                         shutil.rmtree(old) if old.is_dir() else old.unlink()
-            keep = "" if resume_step is None else kept_records(metrics, resume_step)
-            self.kept = [json.loads(line) for line in keep.splitlines()]  # steps before the resume
+            self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
             tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
-            tmp.write_text(keep)
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
             tmp.replace(metrics)
 
     def save_config(self, cfg: Config) -> None:
@@ -111,19 +110,20 @@ class RunDir:
             (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
 
 
-def kept_records(path: Path, step: int) -> str:
-    """The lines of an earlier metrics.jsonl for steps before `step`: a resumed run rewrites the
+def kept_records(path: Path, step: int) -> list[dict]:
+    """The records of an earlier metrics.jsonl for steps before `step`: a resumed run rewrites the
     steps from its checkpoint on, so the file ends up as the uninterrupted run's."""
     if not path.exists():
-        return ""
+        return []
     keep = []
     for line in path.read_text().splitlines():
         try:
-            if json.loads(line)["step"] < step:
-                keep.append(line + "\n")
+            record = json.loads(line)
+            if record["step"] < step:
+                keep.append(record)
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by a kill
-    return "".join(keep)
+    return keep
 
 
 @dataclasses.dataclass
@@ -205,7 +205,10 @@ def startup_report(setup: Setup, say) -> None:
 class History:
     records: list = dataclasses.field(default_factory=list)
     skipped: int = 0  # steps whose gradients failed sync.check_grads
-    final_loss: float | None = None
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.records[-1]["loss"] if self.records else None
     wall_s: float = 0.0  # the loop, compilation and evaluations included
 
 
@@ -219,8 +222,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
     # A resumed run's plots and summary cover the whole run: the earlier steps come from the
     # metrics.jsonl records it kept.
     kept = out.run.kept
-    hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept),
-                   final_loss=kept[-1]["loss"] if kept else None)
+    hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
     seen, t_start = set(), time.perf_counter()
     profiler = Profiler(cfg, out.run.path, out.run.write)
     batch = setup.batch(conductor.step) if conductor.step < steps else None
@@ -270,7 +272,6 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
         out.board.scalars("eval", evaluated, p.step + 1)
         out.progress.update(rec, units / dt, last, runlog.format_metrics(evaluated))
         hist.records.append(rec)
-        hist.final_loss = loss
     hist.wall_s = time.perf_counter() - t_start
     out.progress.close()
     return state, hist
@@ -287,7 +288,7 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output,
     comm = account(setup.cache, state, batch)  # reads the executables that trained
     wire = {v["active"]: v["wire_bytes"] for v in comm["variants"]}
     counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
-    measured = throughput.measure(setup, state, list(counts), cfg.throughput.reps, cfg.throughput.split)
+    measured = throughput.measure(setup, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split)
     device_kind = jax.devices()[0].device_kind
     table = throughput.report(
         measured, counts, Conductor(cfg.cms.periods).patterns(), wire, units_per_device(setup, batch),
