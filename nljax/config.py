@@ -88,8 +88,12 @@ class ModelConfig:
     memory_dim: int = 32  # per-head key/value width of the memory
     memory_hidden: int = 64  # hidden width of the 2-layer MLP memory
     memory_chunk: int = 16  # mini-batch b of the chunk-parallel inner loop
-    memory_lr_max: float = 0.01  # cap of the inner loop's data-dependent step size theta
-    memory_momentum_max: float = 0.9  # cap of its momentum eta (effective step ~ theta * chunk / (1 - eta))
+    # largest inner-loop step theta, in units of the inner problem's curvature bound; <= 1
+    # keeps every chunk's step inside it (stability argument: nljax/models/memory.py)
+    memory_lr_max: float = 1.0
+    memory_conv: int = 4  # causal depthwise conv + SiLU on the memory's q, k, v (kernel size); 0: off
+    memory_out_norm: bool = True  # RMS-normalise each memory head's read
+    memory_out_gate: bool = True  # gate the read with sigmoid(W x)
     patch_size: int = 2  # DiT (models/dit.py): patch side; dim, depth, heads, hidden_mult size it too
 
 
@@ -359,6 +363,17 @@ def validate(cfg: Config) -> None:
         bad = [i for i in m.memory_layers if not 0 <= i < m.depth]
         if bad:
             raise ConfigError(f"model.memory_layers {bad} out of range for model.depth={m.depth}")
+        if not 0 < m.memory_lr_max <= 1 or m.memory_conv < 0:
+            raise ConfigError(
+                f"model.memory_lr_max must be in (0, 1] and model.memory_conv >= 0, got {m.memory_lr_max}, {m.memory_conv}"
+            )
+        if m.memory_layers and m.memory_chunk > m.window:
+            # inside a chunk every write is a gradient taken at the chunk start, weighted 1/b:
+            # a weak trace of the chunk's own tokens; attention must cover the chunk in full
+            raise ConfigError(
+                f"model.memory_chunk={m.memory_chunk} must be <= model.window={m.window}: otherwise tokens "
+                "inside a chunk are reachable by neither attention nor the memory"
+            )
         if m.memory_layers and cfg.train.seq_len % m.memory_chunk:
             raise ConfigError(
                 f"train.seq_len={cfg.train.seq_len} must be a multiple of model.memory_chunk={m.memory_chunk}"

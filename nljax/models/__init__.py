@@ -19,7 +19,8 @@ def _cms_mlp(cfg: Config) -> Model:
 def _nl_lm(cfg: Config) -> Model:
     m = cfg.model
     memory = dict(heads=m.memory_heads, dk=m.memory_dim, hidden=m.memory_hidden, kind=m.memory_kind,
-                  chunk=m.memory_chunk, lr_max=m.memory_lr_max, momentum_max=m.memory_momentum_max)
+                  chunk=m.memory_chunk, lr_max=m.memory_lr_max, conv=m.memory_conv, out_norm=m.memory_out_norm,
+                  out_gate=m.memory_out_gate)
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, m.window,
                       tuple(m.memory_layers), memory))
 

@@ -1,24 +1,39 @@
 """Titans-style neural memory: the inner loop, written by gradient descent during the forward pass.
 
-Per stream row and head, an associative memory M (`linear`: k @ W; `mlp`: gelu(k @ W1) @ W2) is
-trained online on l(M; k, v) = ||M(k) - v||^2 with data-dependent step size theta, momentum eta
-and forget gate alpha:
+Per stream row and head, an associative memory M (`linear`: k W; `mlp`: gelu(k W1) W2) is
+trained online on l_t(M) = ½ ||M(k_t) - v_t||² with data-dependent gates: step theta_t in (0, 1],
+momentum eta_t in [0, 1), forgetting alpha_t in [0, 1]. Tokens come in chunks of b; every
+gradient of a chunk is taken at the chunk-start memory Mhat (the Titans paper §3.2, TTT's dual
+form):
 
-    S_t = eta_t S_{t-1} - theta_t grad l(M; k_t, v_t)
+    S_t = eta_t S_{t-1} - a_t grad l_t(Mhat),     a_t = theta_t (1 - eta_t) / (b nu_t)
     M_t = (1 - alpha_t) M_{t-1} + S_t
+    y_t = M_t(q_t)                                 token t reads the memory after tokens <= t
 
-Chunk-parallel form (mini-batches of b tokens): inside a chunk every gradient is taken at the
-chunk-start memory Mhat, and every token reads Mhat (y_t = Mhat(q_t)), which keeps the layer
-strictly causal. Because all gradients in a chunk share Mhat, the chunk's end state is *linear*
-in them:
+Why the update is bounded whatever the chunk size, width, depth or sequence length:
 
-    S_end = (prod eta) S_0 - sum_j wS_j grad l_j(Mhat)
-    M_end = (prod (1-alpha)) M_0 + s S_0 - sum_j wM_j grad l_j(Mhat)
+- q, k (and v) are L2-normalised per head, so ||k_t|| = 1.
+- nu_t bounds the token's curvature: the Jacobian J_t of M(k_t) with respect to the memory's
+  weights has ||J_t||² <= nu_t (linear: nu = ||k||²; mlp: nu = ||h||² + c²||k||²||W2||_F², c =
+  max gelu' ≈ 1.13, by the triangle and Cauchy–Schwarz inequalities). Dividing by nu_t is the
+  normalised-LMS step: the chunk's preconditioned Gauss–Newton curvature
+  (1/b) sum_t J_t^T J_t / nu_t has eigenvalues in [0, 1], and the chunk *mean* (1/b) keeps it
+  there for any b.
+- the momentum is normalised (the (1 - eta) factor): a gradient's total weight over all later
+  steps is theta/(b nu) <= 1/(b nu) whatever eta is, and heavy-ball with step (1 - eta) theta
+  lambda <= 1 - eta < 2 (1 + eta) is stable for every eta in [0, 1) (the classic condition for
+  momentum on a quadratic of curvature lambda).
+- forgetting only shrinks M.
 
-with scalar per-token weights from cumulative sums of log-gates. A weighted sum of per-token
-gradients is the gradient of the weighted sum of per-token losses, i.e. one vector-Jacobian
-product of the chunk's loss vector: no per-token copy of the memory weights is ever made. Chunks
-advance with `lax.scan`. `memory_reference` is the plain token-by-token version used by tests.
+So a chunk never steps past the minimiser of its own quadratic model, and M stays of the order
+of the values (unit norm) instead of growing with b, width or 1/(1 - eta).
+
+Chunk-parallel (dual) form: because every gradient of a chunk is taken at Mhat, each token's
+gradient is an outer product x_j^T d_j per layer (the layer's input and its output gradient), and
+M_t is a linear combination of them with scalar weights A[t, j] built from cumulative log-gates.
+A read q_t M_t therefore needs only masked [b, b] products ((q x^T) ⊙ A) d, never a per-token copy
+of the memory: cost O(b² d + b d²) per chunk (plus O(b³) for the scalar weights). Chunks advance
+with `lax.scan`. `memory_reference` is the plain token-by-token version used by tests.
 """
 
 from __future__ import annotations
@@ -27,6 +42,9 @@ import jax
 import jax.numpy as jnp
 
 PyTree = dict
+
+GELU_SLOPE = 1.129  # max over x of d/dx gelu(x) (tanh approximation), at x ≈ 1.5
+NU_FLOOR = 1e-3  # keeps the normaliser positive when the memory and its features are all zero
 
 
 def init_state(memory0: PyTree, batch: int) -> PyTree:
@@ -53,42 +71,77 @@ def read(M: PyTree, q: jax.Array, kind: str) -> jax.Array:
     return jnp.einsum("bhnf,bhfe->bhne", h, M["W2"])
 
 
-def token_losses(M: PyTree, k: jax.Array, v: jax.Array, kind: str) -> jax.Array:
-    """l(M; k_t, v_t) for every token.  [B, H, n]"""
-    return jnp.sum(jnp.square(read(M, k, kind) - v), axis=-1)
+def layers(kind: str) -> tuple[str, ...]:
+    """The memory's weight matrices, input side first."""
+    return ("W",) if kind == "linear" else ("W1", "W2")
 
 
-def _scale(tree: PyTree, c: jax.Array) -> PyTree:
-    """Multiply leaves [B, H, ...] by per-(row, head) scalars c [B, H]."""
-    return jax.tree.map(lambda x: x * c.reshape(c.shape + (1,) * (x.ndim - 2)), tree)
+def normaliser(M: PyTree, k: jax.Array, kind: str) -> jax.Array:
+    """nu_t >= ||J_t||²: a bound on the curvature of l_t at M (see the module docstring).  [B, H, n]"""
+    kk = jnp.sum(k * k, axis=-1)
+    if kind == "linear":
+        return kk + NU_FLOOR
+    h = jax.nn.gelu(jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"]))
+    w2 = jnp.sum(jnp.square(M["W2"]), axis=(-2, -1))[..., None]  # [B, H, 1]
+    return jnp.sum(h * h, axis=-1) + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
+
+
+def pieces(M: PyTree, k: jax.Array, v: jax.Array, kind: str):
+    """Per layer, each token's gradient of l_t at M as (input x [B,H,b,n_in], output grad d [B,H,b,n_out]):
+    grad_W l_t = x_t^T d_t."""
+    if kind == "linear":
+        return [(k, read(M, k, kind) - v)]
+    z = jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"])  # [B, H, b, hidden]
+    h, gelu_vjp = jax.vjp(jax.nn.gelu, z)
+    e = jnp.einsum("bhnf,bhfe->bhne", h, M["W2"]) - v  # [B, H, b, dv]
+    (d1,) = gelu_vjp(jnp.einsum("bhne,bhfe->bhnf", e, M["W2"]))
+    return [(k, d1), (h, e)]
+
+
+def write_weights(a, eta, alpha):
+    """Scalar weights of the chunk's writes.  a, eta, alpha [B, H, b] ->
+    A [B, H, t, j] (weight of -grad l_j in M_t), s [B, H, t] (of S_0 in M_t), c [B, H, t] (of M_0),
+    w [B, H, j] (of -grad l_j in S_b), and the decay of S_0 to S_b [B, H]."""
+    # log-space cumulative products; tiny floors keep log finite for gates at 0 or 1
+    le = jnp.cumsum(jnp.log(jnp.maximum(eta, 1e-30)), axis=-1)  # [B, H, b]
+    la = jnp.cumsum(jnp.log(jnp.maximum(1.0 - alpha, 1e-30)), axis=-1)  # [B, H, b]
+    b = le.shape[-1]
+    lower = jnp.arange(b)[:, None] >= jnp.arange(b)[None, :]  # [i, j]: i >= j
+
+    def decay(lc):  # [B, H, i, j] = exp(lc_i - lc_j) for i >= j, else 0
+        return jnp.where(lower, jnp.exp(jnp.where(lower, lc[..., :, None] - lc[..., None, :], 0.0)), 0.0)
+
+    mom, keep = decay(le), decay(la)  # momentum carried j -> i; memory kept i -> t
+    A = jnp.einsum("bhti,bhij->bhtj", keep, mom) * a[..., None, :]
+    s = jnp.einsum("bhti,bhi->bht", keep, jnp.exp(le))
+    w = a * mom[..., -1, :]
+    return A, s, jnp.exp(la), w, jnp.exp(le[..., -1])
+
+
+def _bcast(c: jax.Array, x: jax.Array) -> jax.Array:
+    """Per-(row, head[, token]) scalars c broadcast against x."""
+    return c.reshape(c.shape + (1,) * (x.ndim - c.ndim))
 
 
 def chunk_step(state: PyTree, q, k, v, theta, eta, alpha, kind: str):
     """One chunk.  q, k [B, H, b, dk], v [B, H, b, dv], gates [B, H, b]."""
     M, S = state["M"], state["S"]
-    y = read(M, q, kind)  # [B, H, b, dv]: every token reads the chunk-start memory
-    _, pull = jax.vjp(lambda m: token_losses(m, k, v, kind), M)
-
-    # log-space cumulative products; tiny floors keep log finite for gates at 0 or 1
-    le = jnp.cumsum(jnp.log(jnp.maximum(eta, 1e-30)), axis=-1)  # [B, H, b]
-    la = jnp.cumsum(jnp.log(jnp.maximum(1.0 - alpha, 1e-30)), axis=-1)  # [B, H, b]
-    b = le.shape[-1]
-    later = jnp.arange(b)[None, :] >= jnp.arange(b)[:, None]  # [j, t]: t >= j
-    diff = le[..., None, :] - le[..., :, None]  # [B, H, j, t] = le_t - le_j
-    decay_s = jnp.where(later, jnp.exp(jnp.where(later, diff, 0.0)), 0.0)  # prod eta over (j, t]
-    keep_m = jnp.exp(la[..., -1:] - la)  # [B, H, t]: prod (1 - alpha) over (t, b]
-
-    w_s = theta * jnp.exp(le[..., -1:] - le)  # [B, H, j]
-    w_m = theta * jnp.einsum("bhjt,bht->bhj", decay_s, keep_m)
-    (g_s,) = pull(w_s)
-    (g_m,) = pull(w_m)
-    s_carry = jnp.sum(keep_m * jnp.exp(le), axis=-1)  # [B, H]
-
-    new_s = jax.tree.map(jnp.subtract, _scale(S, jnp.exp(le[..., -1])), g_s)
-    new_m = jax.tree.map(
-        lambda m, s, g: m + s - g, _scale(M, jnp.exp(la[..., -1])), _scale(S, s_carry), g_m
-    )
-    return {"M": new_m, "S": new_s}, y
+    b = q.shape[2]
+    a = theta * (1.0 - eta) / (b * normaliser(M, k, kind))  # [B, H, b]
+    A, s, c, w, s_decay = write_weights(a, eta, alpha)
+    new_m, new_s, r = {}, {}, q  # r: the query's input to the current layer  [B, H, b, n_in]
+    for i, (name, (x, d)) in enumerate(zip(layers(kind), pieces(M, k, v, kind))):
+        if i:
+            r = jax.nn.gelu(r)
+        # r W_t = c_t r W + s_t r S - sum_j A[t, j] (r_t . x_j) d_j
+        scores = jnp.einsum("bhti,bhji->bhtj", r, x) * A  # [B, H, t, j]
+        r = (_bcast(c, r) * jnp.einsum("bhti,bhio->bhto", r, M[name])
+             + _bcast(s, r) * jnp.einsum("bhti,bhio->bhto", r, S[name])
+             - jnp.einsum("bhtj,bhjo->bhto", scores, d))
+        new_m[name] = (_bcast(c[..., -1], M[name]) * M[name] + _bcast(s[..., -1], S[name]) * S[name]
+                       - jnp.einsum("bhji,bhjo->bhio", x * A[..., -1, :, None], d))
+        new_s[name] = _bcast(s_decay, S[name]) * S[name] - jnp.einsum("bhji,bhjo->bhio", x * w[..., None], d)
+    return {"M": new_m, "S": new_s}, r
 
 
 def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int):
@@ -114,15 +167,17 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
 
 
 def memory_reference(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int):
-    """Token-by-token definition (tests only): gradients at the chunk-start memory."""
+    """Token-by-token definition (tests only): gradients at the chunk-start memory, y_t = M_t(q_t)."""
     M, S = state["M"], state["S"]
-    loss = lambda m, kt, vt: jnp.sum(token_losses(m, kt[:, :, None], vt[:, :, None], kind))
+    loss = lambda m, kt, vt: 0.5 * jnp.sum(jnp.square(read(m, kt[:, :, None], kind) - vt[:, :, None]))
     ys = []
     for t in range(q.shape[2]):
         if t % chunk == 0:
             m_hat = M
-        ys.append(read(m_hat, q[:, :, t : t + 1], kind))
         g = jax.grad(loss)(m_hat, k[:, :, t], v[:, :, t])  # rows and heads are independent
-        S = jax.tree.map(lambda s, gi: s * eta[:, :, t, None, None] - theta[:, :, t, None, None] * gi, S, g)
+        nu = normaliser(m_hat, k[:, :, t : t + 1], kind)[..., 0]
+        step = (theta[:, :, t] * (1 - eta[:, :, t]) / (chunk * nu))[:, :, None, None]
+        S = jax.tree.map(lambda s, gi: s * eta[:, :, t, None, None] - step * gi, S, g)
         M = jax.tree.map(lambda m, s: m * (1 - alpha[:, :, t, None, None]) + s, M, S)
+        ys.append(read(M, q[:, :, t : t + 1], kind))
     return jnp.concatenate(ys, axis=2), {"M": M, "S": S}

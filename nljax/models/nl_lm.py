@@ -59,7 +59,8 @@ def _l2norm(x):
 
 
 class NeuralMemory(nn.Module):
-    """Per-head associative memory written by gradient descent during the forward pass."""
+    """Per-head associative memory written by gradient descent during the forward pass
+    (the inner loop and why it is stable: `nljax.models.memory`)."""
 
     dim: int
     heads: int
@@ -67,8 +68,10 @@ class NeuralMemory(nn.Module):
     hidden: int
     kind: str
     chunk: int
-    lr_max: float = 0.01
-    momentum_max: float = 0.9
+    lr_max: float = 1.0  # theta in (0, lr_max]; <= 1 keeps each chunk inside its curvature bound
+    conv: int = 4  # causal depthwise convolution + SiLU on q, k, v over this many tokens; 0: off
+    out_norm: bool = True  # RMS-normalise each head's read
+    out_gate: bool = True  # and scale it by a sigmoid gate of the block's input
 
     def memory0_shapes(self) -> dict:
         h, d = self.heads, self.dk
@@ -76,33 +79,48 @@ class NeuralMemory(nn.Module):
             return {"W": (h, d, d)}
         return {"W1": (h, d, self.hidden), "W2": (h, self.hidden, d)}
 
+    def memory0(self) -> dict:
+        # Keys are unit vectors, so W1 ~ N(0, 1) gives O(1) hidden pre-activations; the output
+        # layer (or the linear memory) starts at zero: a fresh memory reads nothing.
+        inits = {"W": nn.initializers.zeros, "W1": nn.initializers.normal(1.0), "W2": nn.initializers.zeros}
+        return {n: self.param(f"memory0_{n}", inits[n], shape) for n, shape in self.memory0_shapes().items()}
+
+    def qkv(self, x):  # x [B, T, D] -> q, k, v [B, H, T, dk], unit norm
+        b, t, _ = x.shape
+        h, d = self.heads, self.dk
+        y = nn.Dense(3 * h * d, use_bias=False, name="qkv")(x)  # [B, T, 3*H*dk]
+        if self.conv:
+            # short causal mixing of neighbouring tokens before they are written (Titans §4.4)
+            y = nn.Conv(3 * h * d, (self.conv,), padding=[(self.conv - 1, 0)], feature_group_count=3 * h * d,
+                        name="conv")(y)
+            y = jax.nn.silu(y)
+        y = y.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, dk]
+        return _l2norm(y[0]), _l2norm(y[1]), _l2norm(y[2])
+
     @nn.compact
     def __call__(self, x, state, reset):  # x [B, T, D], state leaves [B, H, ...], reset [B]
         b, t, _ = x.shape
         h, d = self.heads, self.dk
-        split = lambda y: y.reshape(b, t, h, d).transpose(0, 2, 1, 3)  # [B, H, T, dk]
-        q = _l2norm(split(nn.Dense(h * d, use_bias=False, name="q")(x)))
-        k = _l2norm(split(nn.Dense(h * d, use_bias=False, name="k")(x)))
-        v = split(nn.Dense(h * d, use_bias=False, name="v")(x))
-        # The step size is capped at lr_max (as titans-pytorch does): a chunk sums b gradients
-        # taken at the same point, and momentum amplifies them by up to 1/(1 - eta), so an
-        # uncapped step lets the outer loop push the inner loop into divergence. Forgetting
-        # starts small and momentum moderate.
-        gate_bias = lambda key, shape, dtype=jnp.float32: jnp.tile(jnp.array([0.0, 0.0, -4.0]), shape[0] // 3)
+        q, k, v = self.qkv(x)
+        # Step size in (0, lr_max], momentum and forgetting in (0, 1); forgetting starts slow so
+        # that the memory can hold context well beyond one window.
+        gate_bias = lambda key, shape, dtype=jnp.float32: jnp.tile(jnp.array([0.0, 0.0, -6.0]), shape[0] // 3)
         g = nn.Dense(3 * h, name="gates", bias_init=gate_bias)(x).reshape(b, t, h, 3)
         theta, eta, alpha = (jax.nn.sigmoid(g[..., i]).transpose(0, 2, 1) for i in range(3))  # [B, H, T]
-        # Momentum is capped too: a chunk's effective step is ~ theta * b / (1 - eta), which
-        # grows without bound as eta -> 1 (the default run's memory reached 1e5 and NaN).
-        theta, eta = theta * self.lr_max, eta * self.momentum_max
-        init = nn.initializers.normal(0.02 if self.kind == "mlp" else 0.0)
-        memory0 = {n: self.param(f"memory0_{n}", init, shape) for n, shape in self.memory0_shapes().items()}
+        memory0 = self.memory0()
         state = nm.reset_rows(state, memory0, reset)
-        y, state = nm.memory_forward(state, q, k, v, theta, eta, alpha, kind=self.kind, chunk=self.chunk)
-        # A row whose memory became non-finite restarts from memory0 at the next step instead of
-        # poisoning every later step of its stream (rank-local: rows are split over devices).
+        y, state = nm.memory_forward(state, q, k, v, theta * self.lr_max, eta, alpha, kind=self.kind,
+                                     chunk=self.chunk)
+        # A row whose memory became non-finite (from non-finite inputs: the update itself is
+        # bounded) restarts from memory0 instead of poisoning every later step of its stream.
         finite = [jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(state)]
         state = nm.reset_rows(state, memory0, ~jnp.all(jnp.stack(finite), axis=0))
-        y = y.transpose(0, 2, 1, 3).reshape(b, t, h * d)  # [B, T, H*dk]
+        y = y.transpose(0, 2, 1, 3)  # [B, T, H, dk]
+        if self.out_norm:
+            y = nn.RMSNorm(name="out_norm")(y)
+        if self.out_gate:
+            y = y * jax.nn.sigmoid(nn.Dense(h * d, name="out_gate")(x)).reshape(b, t, h, d)
+        y = y.reshape(b, t, h * d)
         return nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, name="out")(y), state
 
 
