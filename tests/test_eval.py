@@ -19,7 +19,7 @@ def test_eval_batches_pad_and_mask():
 @pytest.mark.parametrize("inter,intra", [(1, 2), (2, 4)])
 def test_eval_loss_independent_of_device_count(inter, intra):
     # 8 rows per batch and 3 batches' worth of windows minus 5: the last batch is partly padding
-    over = ["eval.batches=3", "data.eval_fraction=0.05"]
+    over = ["eval.batches=3", "data.eval_fraction=0.05", "eval.stream_steps=0"]  # fresh-memory eval only
     one = make(over, 1, 1)
     many = make(over, inter, intra)
     windows = eval_windows(one.task.eval_data, one.cfg.train.seq_len, 19)
