@@ -114,14 +114,24 @@ class OptimConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    corpus: Literal["stdlib"] = "stdlib"
-    eval_fraction: float = 0.05
+    # stdlib: the standard library's modules (data/text.py); recall: synthetic associative-recall
+    # documents, the long-context probe (data/recall.py)
+    corpus: Literal["stdlib", "recall"] = "stdlib"
+    eval_fraction: float = 0.05  # every round(1/eval_fraction)-th document is held out
+    recall_docs: int = 4096  # recall: documents generated (training + held out), each train.seq_len bytes
+    recall_pairs: int = 4  # recall: key=value pairs shown, then queried, per document
+    # recall: filler bytes between the last pair and the first query; at least the attention's
+    # reach model.depth * (model.window - 1), so only the memory can carry a value to its query
+    recall_gap: int = 128
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     every: int = 100
-    batches: int = 4
+    batches: int = 4  # fresh-memory evaluation: batches of train.batch_size independent windows
+    # streaming evaluation: train.batch_size rows each read this many consecutive held-out
+    # windows with the memory carried between them (0: off; data.corpus=recall needs it)
+    stream_steps: int = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -326,8 +336,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"cms.periods must be a non-empty list of positive integers, got {list(cfg.cms.periods)}")
     if cfg.train.steps < 0 or cfg.train.batch_size < 1 or cfg.train.seq_len < 1 or cfg.train.accum_steps < 1:
         raise ConfigError("train.steps must be >= 0 and train.batch_size, train.seq_len, train.accum_steps >= 1")
-    if cfg.train.log_every < 1 or cfg.eval.every < 0 or cfg.eval.batches < 0:
-        raise ConfigError("train.log_every must be >= 1, eval.every and eval.batches >= 0")
+    if cfg.train.log_every < 1 or cfg.eval.every < 0 or cfg.eval.batches < 0 or cfg.eval.stream_steps < 0:
+        raise ConfigError("train.log_every must be >= 1, eval.every, eval.batches and eval.stream_steps >= 0")
     if cfg.train.profile_steps < 0 or cfg.train.profile_start < 0:
         raise ConfigError("train.profile_steps and train.profile_start must be >= 0")
     if cfg.optim.base_batch_size < 1:
@@ -357,6 +367,8 @@ def validate(cfg: Config) -> None:
         )
     if not 0 < cfg.data.eval_fraction < 1:
         raise ConfigError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {cfg.data.eval_fraction}")
+    if cfg.data.corpus == "recall":
+        _validate_recall(cfg)
     if m.name == "nl_lm":
         if m.dim % m.heads or (m.dim // m.heads) % 2:
             raise ConfigError(f"model.dim={m.dim} must split into model.heads={m.heads} heads of even width")
@@ -380,6 +392,24 @@ def validate(cfg: Config) -> None:
             )
     if m.name == "dit":
         _validate_dit(cfg)
+
+
+def _validate_recall(cfg: Config) -> None:
+    from nljax.data.recall import PAIR_MAX, attention_reach  # the layout's sizes live there
+
+    d, m = cfg.data, cfg.model
+    if d.recall_docs < 2 or d.recall_pairs < 1:
+        raise ConfigError(f"data.recall_docs must be >= 2 and data.recall_pairs >= 1, got {d.recall_docs}, {d.recall_pairs}")
+    reach = attention_reach(m.depth, m.window)
+    if d.recall_gap < reach:
+        raise ConfigError(f"data.recall_gap={d.recall_gap} must be >= the attention's reach model.depth * "
+                          f"(model.window - 1) = {reach}, or attention alone could answer the queries")
+    need = 2 * d.recall_pairs * PAIR_MAX + d.recall_gap + 1
+    if need > cfg.train.seq_len:
+        raise ConfigError(f"a recall document of data.recall_pairs={d.recall_pairs} pairs and data.recall_gap="
+                          f"{d.recall_gap} needs up to {need} bytes, more than train.seq_len={cfg.train.seq_len}")
+    if cfg.eval.stream_steps < 1:
+        raise ConfigError("data.corpus=recall is evaluated by the streaming evaluation: eval.stream_steps must be >= 1")
 
 
 def _validate_dit(cfg: Config) -> None:

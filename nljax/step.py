@@ -27,6 +27,7 @@ from nljax import levels, optim
 from nljax.config import Config, ConfigError
 from nljax.mesh import DATA_AXES, REPLICATED, ROWS, data_size, rows_sharding
 from nljax.models.base import Model
+from nljax.models.layers import token_hits, token_loss
 from nljax.state import TrainState, param_specs, place, specs
 from nljax.strategy import STRATEGIES, LevelFlat, Strategy, init_layout
 
@@ -238,6 +239,23 @@ def local_eval_step(eng: Engine, params: PyTree, batch: dict):
     return {"loss_sum": loss_sum[None], "count": count[None]}
 
 
+def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: dict):
+    """Per-device sums of one held-out window per row with the memory carried from the row's
+    previous window (reset where `batch["reset"]` says, as in training), and the memory after it.
+    Shard-local: tokens [G/n, T+1], reset [G/n], optional score [G/n, T], memory [G/n, ...].
+    With `score` the sums include greedy hits at the scored positions, from `model.logits`."""
+    params = eng.strategy.compute_params(eng, params)
+    key = jax.random.key(eng.cfg.seed)
+    if "score" not in batch:
+        loss_sum, count, memory = eng.model.apply(params, memory, batch, key)
+        return {"loss_sum": loss_sum[None], "count": count[None]}, memory
+    logits, memory = eng.model.logits(params, memory, batch, key)  # [G/n, T, V]
+    targets = batch["tokens"][:, 1:]  # [G/n, T]
+    loss_sum, count = token_loss(logits, targets, batch.get("mask"))
+    hits, scored = token_hits(logits, targets, batch["score"])
+    return {"loss_sum": loss_sum[None], "count": count[None], "hits": hits[None], "scored": scored[None]}, memory
+
+
 TRAIN_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS, "grad_norm": REPLICATED, "skipped": REPLICATED}
 EVAL_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS}
 
@@ -258,6 +276,7 @@ class StepCache:
         self.traces: dict = {}  # variant key -> times traced
         self._train: dict = {}
         self._eval: Callable | None = None
+        self._eval_stream: dict = {}  # batch keys -> jitted streaming eval step
 
     def variant(self, active: Active, batch: dict):
         """Cache key of the variant for `batch`: `active` for a full batch, (active, micro-batches)
@@ -315,6 +334,31 @@ class StepCache:
             )
             self._eval = jax.jit(fn)
         return self._eval(params, batch)
+
+    def eval_memory(self) -> PyTree:
+        """A fresh memory for `train.batch_size` evaluation streams, split over rows like the
+        training memory but its own arrays: the training state's memory is never touched."""
+        memory = self.eng.model.init_memory(self.eng.cfg.train.batch_size)
+        return jax.device_put(memory, rows_sharding(self.eng.mesh))
+
+    def eval_stream(self, params: PyTree, memory: PyTree, batch: dict):
+        """(metrics, memory after `batch`); `memory` is donated."""
+        key = tuple(sorted(batch))
+        if "score" in batch and not hasattr(self.eng.model, "logits"):
+            raise ConfigError(f"model.name={self.eng.cfg.model.name} has no logits(): the scored evaluation "
+                              "(data.corpus=recall) needs the per-position predictions")
+        if key not in self._eval_stream:
+            rows = jax.tree.map(lambda _: ROWS, memory)
+            outs = [*EVAL_METRIC_SPECS, *(("hits", "scored") if "score" in batch else ())]
+            fn = jax.shard_map(
+                functools.partial(local_eval_stream_step, self.eng),
+                mesh=self.eng.mesh,
+                in_specs=(param_specs(params, self.eng.strategy.name), rows, batch_specs(batch)),
+                out_specs=({k: ROWS for k in outs}, rows),
+                check_vma=False,
+            )
+            self._eval_stream[key] = jax.jit(fn, donate_argnums=1)
+        return self._eval_stream[key](params, memory, batch)
 
 
 def put_batch(batch: dict, mesh: Mesh) -> dict:

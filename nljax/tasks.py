@@ -6,7 +6,8 @@ pure function of (seed, step), so resumed and re-sharded runs read the same data
 
 | task     | data                                   | evaluation                             |
 |----------|----------------------------------------|----------------------------------------|
-| `text`   | ContextStream over the stdlib corpus   | held-out loss, bits per byte           |
+| `text`   | ContextStream over `data.corpus`       | held-out loss, bits per byte, fresh    |
+|          | (stdlib text or the recall probe)      | and streaming memory; recall accuracy  |
 | `images` | epochs of image arrays (data/images)   | energy distance of generated samples   |
 """
 
@@ -24,7 +25,8 @@ from jax.sharding import Mesh
 from nljax import mesh as meshlib
 from nljax.config import Config, ConfigError
 from nljax.data import images
-from nljax.data.text import ContextStream, eval_batches, eval_windows, stdlib_corpus
+from nljax.data.recall import CHANCE, attention_reach, recall_corpus
+from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
 
 
 class Task(Protocol):
@@ -57,15 +59,26 @@ def host_sum(x: jax.Array) -> float:
     return float(to_host(x).astype(np.float64).sum())
 
 
+def text_corpus(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(train bytes, held-out bytes, held-out score mask or None) of `data.corpus`."""
+    d = cfg.data
+    if d.corpus == "recall":
+        reach = attention_reach(cfg.model.depth, cfg.model.window)
+        return recall_corpus(d.recall_docs, cfg.train.seq_len, d.recall_pairs, d.recall_gap, reach,
+                             d.eval_fraction, cfg.seed)
+    return (*stdlib_corpus(d.eval_fraction), None)
+
+
 class TextTask:
-    """Byte-level language modelling on the standard library's source (see `nljax.data.text`)."""
+    """Byte-level language modelling on `data.corpus`: the standard library's source (see
+    `nljax.data.text`) or the associative-recall probe (`nljax.data.recall`)."""
 
     unit = "tokens"
 
     def __init__(self, cfg: Config, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.units_per_row = cfg.train.seq_len
-        train_bytes, self.eval_data = stdlib_corpus(cfg.data.eval_fraction)
+        train_bytes, self.eval_data, self.eval_score = text_corpus(cfg)
         self.stream = ContextStream(train_bytes, cfg.train.batch_size, cfg.train.seq_len, cfg.seed)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
@@ -76,7 +89,37 @@ class TextTask:
         return hashlib.sha256(self.stream.data.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
 
     def evaluate(self, cache, params, step: int) -> dict:
-        """Held-out loss over every eval example exactly once (padded rows are masked)."""
+        """Fresh-memory held-out loss and, with eval.stream_steps, the streaming one."""
+        out = self.evaluate_fresh(cache, params)
+        if self.cfg.eval.stream_steps:
+            out.update(self.evaluate_stream(cache, params, self.held_out().batches(self.cfg.eval.stream_steps)))
+        return out
+
+    def held_out(self) -> HeldOutStream:
+        return HeldOutStream(self.eval_data, self.cfg.train.batch_size, self.cfg.train.seq_len, score=self.eval_score)
+
+    def evaluate_stream(self, cache, params, batches) -> dict:
+        """Loss over consecutive held-out windows per row with the memory carried from window to
+        window (a fresh eval memory, reset at the first window and at document boundaries), and
+        with a score mask (the recall probe) the greedy accuracy at the scored positions."""
+        from nljax.step import put_batch
+
+        memory, sums = cache.eval_memory(), []
+        for b in batches:
+            m, memory = cache.eval_stream(params, memory, put_batch(b, self.mesh))
+            sums.append(m)  # reduced on the host after the last window: no sync per window
+        total = {k: sum(host_sum(m[k]) for m in sums) for k in sums[0]}
+        mean = total["loss_sum"] / max(total["count"], 1.0)
+        out = {"eval_loss_stream": mean, "eval_bpb_stream": mean / math.log(2), "eval_tokens_stream": int(total["count"])}
+        if "hits" in total:
+            out["eval_recall_acc"] = total["hits"] / max(total["scored"], 1.0)
+            out["eval_recall_chance"] = CHANCE
+            out["eval_recall_scored"] = int(total["scored"])
+        return out
+
+    def evaluate_fresh(self, cache, params) -> dict:
+        """Held-out loss over every eval example exactly once (padded rows are masked), every
+        window from a fresh memory."""
         from nljax.step import put_batch
 
         rows = self.cfg.train.batch_size

@@ -18,9 +18,10 @@ _rows_at = ContextStream.rows_at
 
 
 def rows_at(self, step, rows):
-    # Only the run's global stream: the throughput report's compute-only timing builds a
-    # separate 1-device stream of its own.
-    if self.rows == GLOBAL_ROWS:
+    # Only the run's global training stream: the throughput report's compute-only timing builds a
+    # separate 1-device stream of its own, and the streaming evaluation's HeldOutStream (a
+    # subclass) builds its small batches whole on the host, like the fresh evaluation.
+    if self.rows == GLOBAL_ROWS and type(self) is ContextStream:
         built.update(int(r) for r in np.arange(self.rows)[rows])
     return _rows_at(self, step, rows)
 

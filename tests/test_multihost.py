@@ -65,6 +65,7 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (ref_dir, mp_dir))
     assert s2["mesh"] == {"inter": 2, "intra": 4} and s2["devices"] == 8
     np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
+    np.testing.assert_allclose(s2["eval_loss_stream"], s1["eval_loss_stream"], rtol=1e-5)
     # The same collectives were compiled: hierarchical reduce-scatter / all-reduce / all-gather.
     assert s2["communication"] == s1["communication"]
 

@@ -228,6 +228,7 @@ def test_fsdp_eval_gathers_params():
     got, want = f.evaluate(f_state.params), ref.evaluate(jax.device_put(params, jax.devices()[0]))
     assert got["eval_tokens"] == want["eval_tokens"]
     assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-5)
+    assert got["eval_loss_stream"] == pytest.approx(want["eval_loss_stream"], rel=1e-5)  # the streaming step too
 
 
 def test_config_errors():

@@ -108,3 +108,41 @@ def eval_batches(windows: np.ndarray, rows: int):
         if len(chunk) < rows:
             chunk = np.concatenate([chunk, np.zeros((rows - len(chunk), chunk.shape[1]), np.int32)])
         yield {"tokens": chunk, "reset": np.ones(rows, bool), "mask": mask}
+
+
+@dataclasses.dataclass(frozen=True)
+class HeldOutStream(ContextStream):
+    """The held-out text read the way training reads its text, for the streaming evaluation:
+    row r reads consecutive windows from offset r * span (span: the text split evenly over the
+    rows, a multiple of T, so that windows start at multiples of T), and `reset` marks the rows
+    whose previous window held a document boundary, exactly as `ContextStream.rows_at`.
+
+    `score` (float32 [N], optional) marks held-out bytes whose prediction is scored (the recall
+    probe's value bytes); a batch then carries it per target position as `score` [R, T]."""
+
+    score: np.ndarray | None = None
+
+    @property
+    def span(self) -> int:
+        return (len(self.data) - 1) // self.rows // self.seq_len * self.seq_len
+
+    def offsets(self) -> np.ndarray:
+        return np.arange(self.rows, dtype=np.int64) * self.span  # [G]
+
+    def rows_at(self, step: int, rows: slice | np.ndarray) -> dict[str, np.ndarray]:
+        out = super().rows_at(step, rows)
+        if self.score is not None:
+            start = self.offsets()[rows] + step * self.seq_len  # [R]
+            out["score"] = self.score[start[:, None] + 1 + np.arange(self.seq_len)]  # [R, T], targets
+        return out
+
+    def batches(self, steps: int):
+        """The host batches of `steps` consecutive windows of every row; each held-out byte is
+        read at most once."""
+        if steps * self.seq_len > self.span:
+            raise ConfigError(
+                f"eval.stream_steps={steps} windows of train.seq_len={self.seq_len} bytes per row do not fit in "
+                f"the held-out text ({len(self.data)} bytes over train.batch_size={self.rows} rows)"
+            )
+        for step in range(steps):
+            yield self.rows_at(step, np.arange(self.rows))

@@ -10,6 +10,8 @@ A model is a frozen dataclass (hashable, so it can be a static argument of a jit
   device index): different on every device, the same on a rerun with the same seed and mesh. A
   model whose randomness must not depend on the mesh (so that N devices match 1) derives
   per-example keys from global example indices carried in the batch instead.
+- `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)` (language models): the
+  predictions `apply` scores, for metrics beyond the loss (the recall probe's accuracy)
 - `task`: the `nljax.tasks` registry key of its data and evaluation (default "text")
 
 Losses are returned as a sum and a count so that callers reduce sums and counts, never averages

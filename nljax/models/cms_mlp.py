@@ -52,8 +52,11 @@ class CMSMLP:
     def init_memory(self, rows: int):
         return {}
 
+    def logits(self, params, memory, batch, key=None):
+        """Next-token logits [B, T, V] of batch["tokens"] [B, T+1], and the (absent) memory."""
+        return self.net.apply({"params": params}, batch["tokens"][:, :-1]), memory
+
     def apply(self, params, memory, batch, key=None):  # deterministic: key unused
-        tokens = batch["tokens"]  # [B, T+1]
-        logits = self.net.apply({"params": params}, tokens[:, :-1])
-        loss_sum, count = token_loss(logits, tokens[:, 1:], batch.get("mask"))
+        logits, memory = self.logits(params, memory, batch, key)
+        loss_sum, count = token_loss(logits, batch["tokens"][:, 1:], batch.get("mask"))
         return loss_sum, count, memory

@@ -49,3 +49,12 @@ def token_loss(logits, targets, mask=None):
     w = mask.astype(jnp.float32)[:, None]
     return jnp.sum(nll * w), jnp.sum(w) * nll.shape[1]
 
+
+
+def token_hits(logits, targets, score):
+    """Greedy next-token hits at the scored positions, and how many positions were scored.
+    logits [B, T, V], targets [B, T], score [B, T] (1 where the prediction counts, else 0).
+    Teacher forced: position t is judged on argmax(logits[t]) whatever the model predicted before."""
+    w = score.astype(jnp.float32)
+    hit = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)  # [B, T]
+    return jnp.sum(hit * w), jnp.sum(w)

@@ -1,0 +1,92 @@
+"""A synthetic associative-recall corpus: the long-context probe (`data.corpus=recall`).
+
+Every document is exactly `doc_len` bytes (= `train.seq_len`, so that each held-out window of
+the streaming evaluation is one whole document) and reads
+
+    abc=4821;qf=0937;...   K pairs: distinct keys of 2-3 lowercase letters, values of 4 digits
+    QWE RTYU ...           `gap` filler bytes (uppercase letters and spaces)
+    qf?0937;abc?4821;...   every key queried once, in a random order
+    ASD ...                filler up to the end, then the NUL separator
+
+The gap is at least the attention's reach, model.depth x (model.window - 1) tokens (stacked
+sliding windows see that far back), so a query's value can only come from what the inner-loop
+memory wrote while it read the pairs. The filler alphabet shares no byte with keys, values or
+the `=?;` markers, so nothing in it can be mistaken for a pair.
+
+Generated with numpy from the seed alone (no download): the same seed gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import functools
+import string
+
+import numpy as np
+
+from nljax.data.text import SEPARATOR
+
+KEY_LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
+VALUE_DIGITS = np.frombuffer(string.digits.encode(), np.uint8)
+FILLER = np.frombuffer((string.ascii_uppercase + " ").encode(), np.uint8)
+VALUE_LEN = 4
+PAIR_MAX = 3 + 1 + VALUE_LEN + 1  # longest `key=value;` (and `key?value;`)
+CHANCE = 1.0 / len(VALUE_DIGITS)  # accuracy of guessing a value byte uniformly
+
+
+def attention_reach(depth: int, window: int) -> int:
+    """How many tokens back stacked causal sliding-window attention can see."""
+    return depth * (window - 1)
+
+
+def _keys(rng: np.random.Generator, k: int) -> list[bytes]:
+    keys: list[bytes] = []
+    while len(keys) < k:
+        key = KEY_LETTERS[rng.integers(0, 26, size=rng.integers(2, 4))].tobytes()
+        if key not in keys:
+            keys.append(key)
+    return keys
+
+
+def document(rng: np.random.Generator, doc_len: int, pairs: int, gap: int, reach: int) -> tuple[bytes, np.ndarray]:
+    """One document and its score mask: float32 [doc_len], 1 at the value bytes of queries whose
+    pair ends more than `reach` tokens before the position that predicts the byte."""
+    keys = _keys(rng, pairs)
+    values = [VALUE_DIGITS[rng.integers(0, 10, size=VALUE_LEN)].tobytes() for _ in keys]
+    filler = lambda n: FILLER[rng.integers(0, len(FILLER), size=n)].tobytes()
+    doc = bytearray()
+    pair_end = {}  # key -> position of its pair's `;`
+    for key, value in zip(keys, values):
+        doc += key + b"=" + value + b";"
+        pair_end[key] = len(doc) - 1
+    doc += filler(gap)
+    score = np.zeros(doc_len, np.float32)
+    for i in rng.permutation(pairs):
+        doc += keys[i] + b"?"
+        for j in range(VALUE_LEN):
+            # byte at len(doc) is predicted from position len(doc) - 1
+            score[len(doc)] = float(len(doc) - 1 - pair_end[keys[i]] > reach)
+            doc.append(values[i][j])
+        doc += b";"
+    if len(doc) >= doc_len:
+        raise ValueError(f"a recall document needs {len(doc) + 1} bytes, more than {doc_len}")
+    doc += filler(doc_len - 1 - len(doc)) + bytes([SEPARATOR])
+    return bytes(doc), score
+
+
+@functools.lru_cache(maxsize=4)
+def recall_corpus(docs: int, doc_len: int, pairs: int, gap: int, reach: int, eval_fraction: float,
+                  seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(train bytes uint8 [N], held-out bytes uint8 [M], held-out score float32 [M]); every
+    round(1 / eval_fraction)-th document is held out, as for the stdlib corpus."""
+    rng = np.random.default_rng([seed, 0x7265_6361])  # a stream of its own, not the model's
+    every = max(2, round(1 / eval_fraction))
+    train, held, score = [], [], []
+    for i in range(docs):
+        doc, s = document(rng, doc_len, pairs, gap, reach)
+        if i % every == every - 1:
+            held.append(doc)
+            score.append(s)
+        else:
+            train.append(doc)
+    as_bytes = lambda parts: np.frombuffer(b"".join(parts), np.uint8)
+    return as_bytes(train), as_bytes(held), np.concatenate(score)

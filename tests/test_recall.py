@@ -1,0 +1,93 @@
+"""The associative-recall probe: the corpus layout, the accuracy metric, training on it."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nljax import config
+from nljax.config import ConfigError
+from nljax.data.recall import CHANCE, VALUE_LEN, recall_corpus
+from nljax.models.layers import token_hits
+from nljax.step import put_batch
+
+from helpers import make, run_steps
+
+DOC = re.compile(rb"((?:[a-z]{2,3}=\d{4};)+)([A-Z ]+?)((?:[a-z]{2,3}\?\d{4};)+)[A-Z ]*\x00")
+
+
+def test_corpus_is_deterministic_and_has_the_layout():
+    args = dict(docs=40, doc_len=96, pairs=3, gap=30, reach=20, eval_fraction=0.25)
+    train, held, score = recall_corpus(**args, seed=1)
+    again = recall_corpus.__wrapped__(**args, seed=1)  # not the cached arrays
+    for a, b in zip((train, held, score), again):
+        np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(held, recall_corpus(**args, seed=2)[1])
+    assert len(train) == 30 * 96 and len(held) == len(score) == 10 * 96
+    for d in range(10):
+        doc, s = held[d * 96 : (d + 1) * 96].tobytes(), score[d * 96 : (d + 1) * 96]
+        m = DOC.fullmatch(doc)
+        assert m, doc
+        pairs = dict(re.findall(rb"([a-z]+)=(\d+);", m.group(1)))
+        queries = re.findall(rb"([a-z]+)\?(\d+);", m.group(3))
+        assert len(pairs) == 3 and sorted(k for k, _ in queries) == sorted(pairs)  # every key once
+        assert all(pairs[k] == v for k, v in queries)
+        assert len(m.group(2)) == 30  # the gap
+        # scored: exactly the value bytes of the queries, each predicted > reach tokens after its pair
+        start = m.start(3)
+        values = [start + q.start(1) + j for q in re.finditer(rb"[a-z]+\?(\d+);", m.group(3)) for j in range(VALUE_LEN)]
+        assert np.flatnonzero(s).tolist() == values
+        pair_end = {p.group(1): p.end() - 1 for p in re.finditer(rb"([a-z]+)=\d+;", m.group(1))}  # its `;`
+        for q in re.finditer(rb"([a-z]+)\?", m.group(3)):
+            assert start + q.end() - 1 - pair_end[q.group(1)] > 20  # from the `?`, the first predictor
+    # a gap inside the reach leaves queries unscored
+    assert recall_corpus(**{**args, "reach": 45}, seed=1)[2].sum() < score.sum()
+
+
+def test_token_hits_on_hand_made_logits():
+    targets = np.array([[1, 2, 0, 3]])  # [B=1, T=4]
+    logits = np.full((1, 4, 4), -1.0, np.float32)
+    logits[0, 0, 1] = 5  # right
+    logits[0, 1, 3] = 5  # wrong (target 2)
+    logits[0, 2, 0] = 5  # right, but not scored
+    logits[0, 3, 3] = 5  # right
+    score = np.array([[1, 1, 0, 1]], np.float32)
+    hits, scored = token_hits(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(score))
+    assert (float(hits), float(scored)) == (2.0, 3.0)
+
+
+RECALL = ["data.corpus=recall", "model.window=8", "train.seq_len=64", "data.recall_pairs=2", "data.recall_gap=16",
+          "data.recall_docs=800", "eval.batches=1", "eval.stream_steps=4"]
+
+
+def test_recall_task_trains_and_reports_accuracy():
+    setup = make(RECALL, 2, 4)
+    losses, state = run_steps(setup, 2)
+    assert np.all(np.isfinite(losses))
+    out = setup.evaluate(state.params)
+    assert out["eval_recall_chance"] == CHANCE == 0.1
+    assert out["eval_recall_scored"] == 8 * 4 * 2 * VALUE_LEN  # rows x windows x queries x value bytes
+    # the same accuracy recomputed on the host from the model's logits, window by window
+    hits = 0.0
+    params = jax.device_get(state.params)
+    for b in setup.task.held_out().batches(4):
+        assert b["reset"].all()  # one document per window: every window starts a document
+        logits, _ = setup.engine.model.logits(params, {}, b)
+        right = np.argmax(np.asarray(logits), -1) == b["tokens"][:, 1:]
+        hits += float((right * b["score"]).sum())
+    assert out["eval_recall_acc"] == pytest.approx(hits / out["eval_recall_scored"])
+
+
+@pytest.mark.parametrize("override,match", [
+    ("data.recall_gap=13", "reach"),  # depth 2 x (window 8 - 1) = 14
+    ("data.recall_pairs=3", "more than train.seq_len"),
+    ("eval.stream_steps=0", "eval.stream_steps"),
+])
+def test_recall_config_errors(override, match):
+    from helpers import TINY
+
+    over = [*TINY, *RECALL, "model.window=8", "model.depth=2", override]
+    with pytest.raises(ConfigError, match=match):
+        config.load(None, over)
