@@ -175,8 +175,11 @@ class NLLM:
         zeros = lambda: {k: jnp.zeros((rows, *s), jnp.float32) for k, s in mem.memory0_shapes().items()}
         return {f"block{i}": {"M": zeros(), "S": zeros()} for i in self.net.memory_layers}
 
+    def logits(self, params, memory, batch, key=None):
+        """Next-token logits [B, T, V] of batch["tokens"] [B, T+1], and the memory after them."""
+        return self.net.apply({"params": params}, batch["tokens"][:, :-1], memory, batch["reset"])
+
     def apply(self, params, memory, batch, key=None):  # deterministic: key unused
-        tokens = batch["tokens"]  # [B, T+1]
-        logits, memory = self.net.apply({"params": params}, tokens[:, :-1], memory, batch["reset"])
-        loss_sum, count = token_loss(logits, tokens[:, 1:], batch.get("mask"))
+        logits, memory = self.logits(params, memory, batch, key)
+        loss_sum, count = token_loss(logits, batch["tokens"][:, 1:], batch.get("mask"))
         return loss_sum, count, memory
