@@ -350,6 +350,7 @@ def train(cfg: Config) -> dict:
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
         summary = final_report(setup, state, hist, out, ckpt.start if ckpt.restored else None)
     finally:
+        ckpt.close()  # a run stopped by an error keeps the saves it started
         out.close()
     setup.state = state
     return summary
