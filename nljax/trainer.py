@@ -93,7 +93,7 @@ class RunDir:
                         shutil.rmtree(old) if old.is_dir() else old.unlink()
             self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
             tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
+            tmp.write_text("".join(runlog.strict_json(r) + "\n" for r in self.kept))
             tmp.replace(metrics)
 
     def save_config(self, cfg: Config) -> None:
@@ -103,11 +103,11 @@ class RunDir:
     def log(self, record: dict) -> None:
         if self.write:
             with open(self.path / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(runlog.strict_json(record) + "\n")
 
     def save_summary(self, summary: dict) -> None:
         if self.write:
-            (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
+            (self.path / "summary.json").write_text(runlog.strict_json(summary, indent=1))
 
 
 def kept_records(path: Path, step: int) -> list[dict]:
@@ -120,7 +120,8 @@ def kept_records(path: Path, step: int) -> list[dict]:
         try:
             record = json.loads(line)
             if record["step"] < step:
-                keep.append(record)
+                # null stands for a non-finite number (runlog.strict_json): NaN again in memory
+                keep.append({k: float("nan") if v is None else v for k, v in record.items()})
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by a kill
     return keep
@@ -212,6 +213,16 @@ class History:
     wall_s: float = 0.0  # the loop, compilation and evaluations included
 
 
+def check_skipped(in_a_row: int, step: int, limit: int) -> None:
+    """Stop a run that trains nothing: every one of the last `train.max_skipped` steps skipped.
+    The flag is the same on every device, so every process stops at the same step."""
+    if limit and in_a_row >= limit:
+        raise ConfigError(
+            f"stopped after step {step}: the last {in_a_row} steps were all skipped (gradient not finite or above "
+            f"sync.max_grad_norm); lower optim.lr or check the data (train.max_skipped={limit}, 0: never stop)"
+        )
+
+
 def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Output,
                ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
     """Steps from `conductor.step` to `train.steps`, saving checkpoints through `ckpt`. The next
@@ -224,6 +235,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
     kept = out.run.kept
     hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
     seen, t_start = set(), time.perf_counter()
+    in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
     profiler = Profiler(cfg, out.run.path, out.run.write)
     batch = setup.batch(conductor.step) if conductor.step < steps else None
     if ckpt is not None and batch is not None:
@@ -248,6 +260,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
             hist.skipped += 1
             out.say(f"warning: step {p.step} skipped: gradient norm {float(m['grad_norm'].addressable_data(0))} "
                     f"is not finite or above sync.max_grad_norm")
+        in_a_row = in_a_row + 1 if was_skipped else 0
         conductor = conductor.advance()  # after the step's synchronization
         rec = {
             "step": p.step,
@@ -272,6 +285,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
         out.board.scalars("eval", evaluated, p.step + 1)
         out.progress.update(rec, units / dt, last, runlog.format_metrics(evaluated))
         hist.records.append(rec)
+        check_skipped(in_a_row, p.step, cfg.train.max_skipped)
     hist.wall_s = time.perf_counter() - t_start
     out.progress.close()
     return state, hist
