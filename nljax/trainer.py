@@ -22,6 +22,7 @@ from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
 from nljax.models import build
+from nljax.runlock import RunLock
 from nljax.state import TrainState, bytes_per_device, describe_memory
 from nljax.step import Engine, StepCache
 from nljax.tasks import Task, host_sum
@@ -351,12 +352,30 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output,
     return summary
 
 
+def take_lock(cfg: Config) -> RunLock:
+    """Process 0 locks run.dir (nljax/runlock.py); every process raises when it is refused."""
+    lock, error = RunLock(cfg.run.dir), None
+    if is_main():
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            error = e
+    if distributed.main_decides(error is not None):
+        raise error or ConfigError(f"run.dir {cfg.run.dir} is in use by a live run (see process 0)")
+    return lock
+
+
 def train(cfg: Config) -> dict:
     setup = Setup.create(cfg)
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
     distributed.check_startup(setup, say)
     ckpt = Checkpoints(setup, say)  # reads and checks a checkpoint to resume before anything is written
-    out = Output.create(cfg, ckpt.start, runlog.short_unit(setup.task.unit), ckpt.resume_step)
+    lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
+    try:
+        out = Output.create(cfg, ckpt.start, runlog.short_unit(setup.task.unit), ckpt.resume_step)
+    except BaseException:
+        lock.release()
+        raise
     ckpt.open()
     try:
         startup_report(setup, out.say)
@@ -366,5 +385,6 @@ def train(cfg: Config) -> dict:
     finally:
         ckpt.close()  # a run stopped by an error keeps the saves it started
         out.close()
+        lock.release()
     setup.state = state
     return summary

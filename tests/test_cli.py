@@ -139,6 +139,7 @@ def test_a_run_that_skips_every_step_stops(tmp_path):
     assert len(lines) == 1 and lines[0].startswith("nljax.train: error: stopped after step 2: the last 3 steps"), p.stderr
     recs = [_strict(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [0, 1, 2] and all(r["skipped"] for r in recs)
+    assert not (d / "nljax.lock").exists()  # released on the way out
 
 
 def test_metrics_and_summary_are_strict_json(tmp_path):
@@ -154,3 +155,20 @@ def test_metrics_and_summary_are_strict_json(tmp_path):
     kept = kept_records(tmp_path / "metrics.jsonl", 1)  # a resumed run reads null back as NaN
     assert kept[0]["loss"] != kept[0]["loss"]
     assert runlog.strict_json({"a": 1.5}) == '{"a": 1.5}'
+
+
+def test_a_live_run_in_run_dir_refuses_another(tmp_path):
+    """The lock names the live holder (here: this test process); nothing in run.dir changes."""
+    import socket
+
+    d = tmp_path / "r"
+    d.mkdir()
+    lock = d / "nljax.lock"
+    held = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"})
+    lock.write_text(held)
+    p = run("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=2",
+            check=False)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"is in use by a live run (host {socket.gethostname()}, pid {os.getpid()}" in lines[0]
+    assert lock.read_text() == held and not [q for q in d.rglob("*") if q.is_file() and q != lock]
