@@ -16,7 +16,7 @@ from pathlib import Path
 import jax
 import yaml
 
-from nljax import __version__, distributed, levels, mesh as meshlib, optim, runlog, tasks, throughput
+from nljax import __version__, budget, distributed, levels, mesh as meshlib, optim, runlog, tasks, throughput
 from nljax.checkpoint import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
@@ -52,8 +52,13 @@ class Setup:
                 f"train.accum_steps={cfg.train.accum_steps} does not divide the {rows} rows each device holds "
                 f"(train.batch_size={cfg.train.batch_size} over {meshlib.data_size(mesh)} devices)"
             )
+        # Refused before anything is allocated (nljax/budget.py): from the config alone first, so
+        # that an absurd size never reaches Flax or XLA, then from the exact shapes.
+        available = budget.available_bytes()
+        budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
         model = build(cfg)
         engine = Engine.create(cfg, model, mesh)
+        budget.check(budget.engine_terms(cfg, engine), available)
         state = engine.init_state(jax.random.key(cfg.seed), cfg.train.batch_size)
         task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
         return cls(cfg, mesh, engine, StepCache(engine), state, task)

@@ -72,6 +72,8 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
         (["--config", "/nonexistent.yaml"], "config file not found: /nonexistent.yaml"),
         (["--config", "/dev/null"], "config file /dev/null is not a regular file"),
         (["optim.lr=nan"], "config key 'optim.lr' must be a finite number, got nan"),
+        (["model.dim=1000000000"], "the run needs at least"),  # from the config: never built
+        (["train.seq_len=1048576", "train.batch_size=4096"], "the run needs at least"),  # TBs on any host
         (["model.vocab_size=10"], "model.vocab_size=10 is smaller than the 256 byte values of the text data"),
     ],
 )
