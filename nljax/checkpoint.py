@@ -320,6 +320,8 @@ def _well_formed(meta: Any) -> bool:
         return (
             meta["format"] == FORMAT and isinstance(meta["step"], int) and arrays_ok and "step" in meta["arrays"]
             and isinstance(meta["mesh"]["devices"], int) and isinstance(meta["config"]["train"]["batch_size"], int)
+            # the device count divides the error buffers on resume: it must be their first dimension
+            and all(a["shape"][:1] == [meta["mesh"]["devices"]] for k, a in meta["arrays"].items() if _per_device(k))
             and all(isinstance(v, list) and len(v) == 2 for v in meta["model"].values())
         )
     except (KeyError, TypeError, AttributeError):

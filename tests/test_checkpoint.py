@@ -214,6 +214,11 @@ def _other_model(step_dir: Path):
     meta.write_text(json.dumps(m))
 
 
+def _zero_devices(step_dir: Path):
+    meta = step_dir / "nljax" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "mesh": {"inter": 2, "intra": 4, "devices": 0}}))
+
+
 # case: (damage, overrides, message, through the command line (else the library call))
 BAD = {
     "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere", True),
@@ -222,6 +227,7 @@ BAD = {
     "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),
     "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable", False),
     "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
+    "devices": (_zero_devices, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
     "fingerprint": (_other_model, [], "checkpoint {d}/ckpt/4 is from another model: parameter 'head/kernel' is "
                     "float32(16, 512) there, float32(16, 256) here", False),
     "model": (None, ["model.dim=32"], "checkpoint {d}/ckpt/4 does not fit this run: model.dim=16 there, 32 here", True),
