@@ -222,7 +222,9 @@ def _manager(root: Path, write: bool = False, cfg: Config | None = None):
         with quiet_orbax():  # a read-only manager warns that it is one
             return ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
     opts = ocp.CheckpointManagerOptions(
-        max_to_keep=cfg.checkpoint.keep,
+        # Orbax would prune any folder with a number for a name, a user's too: nljax prunes its
+        # own steps itself (`prune`)
+        max_to_keep=None,
         enable_async_checkpointing=cfg.checkpoint.async_save,
         cleanup_tmp_directories=True,  # partial saves of a killed run; never a complete step
         create=True,
@@ -230,24 +232,38 @@ def _manager(root: Path, write: bool = False, cfg: Config | None = None):
     return ocp.CheckpointManager(root, options=opts)
 
 
+def _is_nljax_step(p: Path) -> bool:
+    """A step directory nljax committed: a numeric name, Orbax's step metadata and nljax's item.
+    Only these are resumed from or pruned; a user's folder `checkpoints/7` is neither."""
+    return p.name.isdigit() and (p / META / "metadata").is_file() and (p / "_CHECKPOINT_METADATA").is_file()
+
+
 def complete_steps(root: Path) -> list[int]:
-    """Steps with a complete checkpoint under `root` (Orbax's view: partial saves excluded)."""
+    """Steps with a complete nljax checkpoint under `root` (partial saves and folders nljax did
+    not write excluded)."""
     if not root.is_dir():
         return []
-    return sorted(_manager(root).all_steps())
+    ours = {int(p.name) for p in root.iterdir() if _is_nljax_step(p)}
+    return sorted(ours & set(_manager(root).all_steps())) if ours else []
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete nljax checkpoints under `root` (process 0)."""
+    if jax.process_index() != 0:
+        return
+    for step in complete_steps(root)[:-keep]:
+        shutil.rmtree(root / str(step), ignore_errors=True)
 
 
 def _leftovers(root: Path) -> list[Path]:
-    """Step directories and partial saves under `root`, as Orbax names them."""
+    """nljax's step directories and partial saves under `root`."""
     if not root.is_dir():
         return []
-    # `<step>` and `<step>.orbax-checkpoint-tmp-<n>` (a save cut short); nothing else a user keeps
-    # there is ever refused or removed.
-    def orbax_step(p: Path) -> bool:
-        return p.name.isdigit() and any((p / f).exists() for f in (META, STATE, "_CHECKPOINT_METADATA"))
-
+    # `<step>` holding an nljax item, and `<step>.orbax-checkpoint-tmp-<n>` (a save cut short);
+    # nothing else a user keeps there is ever refused or removed.
     return [p for p in root.iterdir()
-            if p.is_dir() and (orbax_step(p) or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
+            if p.is_dir() and ((p.name.isdigit() and (p / META).is_dir())
+                               or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
 
 
 def locate(cfg: Config) -> Path | None:
@@ -304,6 +320,8 @@ def _well_formed(meta: Any) -> bool:
         return (
             meta["format"] == FORMAT and isinstance(meta["step"], int) and arrays_ok and "step" in meta["arrays"]
             and isinstance(meta["mesh"]["devices"], int) and isinstance(meta["config"]["train"]["batch_size"], int)
+            # the device count divides the error buffers on resume: it must be their first dimension
+            and all(a["shape"][:1] == [meta["mesh"]["devices"]] for k, a in meta["arrays"].items() if _per_device(k))
             and all(isinstance(v, list) and len(v) == 2 for v in meta["model"].values())
         )
     except (KeyError, TypeError, AttributeError):
@@ -624,6 +642,9 @@ class Checkpoints:
         return batch
 
     def save(self, step: int, state: TrainState) -> None:
+        # The saves before this one that are complete count against checkpoint.keep; this one,
+        # still being written, does not: until it is committed one more stays on disk.
+        prune(self.dir, self.cfg.checkpoint.keep)
         save(self.manager, self.setup, step, state)
         self.last_saved = step
 
@@ -638,6 +659,12 @@ class Checkpoints:
             return
         if self.last_saved != step:
             self.save(step, state)
-        self.manager.wait_until_finished()
-        self.manager.close()
-        self.manager = None
+        self.close()
+        prune(self.dir, self.cfg.checkpoint.keep)
+
+    def close(self) -> None:
+        """Wait until the saves in flight are on disk (a run stopped by an error keeps them)."""
+        if self.manager is not None:
+            manager, self.manager = self.manager, None
+            manager.wait_until_finished()
+            manager.close()

@@ -50,6 +50,17 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
     return distributed.initialize(launch, cfg.distributed.timeout_s)
 
 
+def out_of_memory(e: BaseException) -> str | None:
+    """The one line for an allocation that failed although the budget check passed (its
+    activations term is only a floor, see nljax/budget.py), or None for any other error."""
+    text = str(e)
+    if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
+        first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+        return (f"out of memory ({first[:200]}); make the model, train.batch_size or train.seq_len smaller, "
+                "raise train.accum_steps or use more devices")
+    return None
+
+
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
          argv: Sequence[str] | None = None) -> int:
     """Parse, configure devices, load the config and call `run`; user errors become one line."""
@@ -68,6 +79,10 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         print(f"{p.prog}: error{where}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
+        oom = out_of_memory(e)
+        if oom and not multiprocess:
+            print(f"{p.prog}: error: {oom}", file=sys.stderr)
+            return 1
         if not multiprocess:
             raise
         # Peers may be blocked in a collective that waits for this process: leave at once.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -36,6 +37,8 @@ class TrainConfig:
     batch_size: int = 16  # global rows per optimizer step
     seq_len: int = 128
     accum_steps: int = 1  # micro-batches per optimizer step, accumulated on each device
+    # stop (one line, exit 2) when this many steps in a row were skipped: nothing is training; 0: off
+    max_skipped: int = 20
     log_every: int = 10
     profile_steps: int = 0  # record a jax.profiler trace of this many steps into run.dir/profile
     profile_start: int = 10  # first profiled step (after compilation)
@@ -306,10 +309,16 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Confi
     tree: dict = {}
     if path is not None:
         p = Path(path)
-        if not p.is_file():
+        if not p.exists():
             raise ConfigError(f"config file not found: {path}")
+        if not p.is_file():  # a directory, /dev/null, a pipe
+            raise ConfigError(f"config file {path} is not a regular file")
         try:
-            loaded = yaml.safe_load(p.read_text())
+            loaded = yaml.safe_load(p.read_bytes().decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}")
         if loaded is not None and not isinstance(loaded, dict):
@@ -330,8 +339,60 @@ def from_dict(tree: dict) -> Config:
     return cfg
 
 
+def _floats(node: Any, prefix: str = ""):
+    """(dotted key, value) of every float setting, list entries included."""
+    for f in dataclasses.fields(node):
+        value, key = getattr(node, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value):
+            yield from _floats(value, key + ".")
+        elif isinstance(value, float):
+            yield key, value
+        elif isinstance(value, tuple):
+            yield from ((f"{key}[{i}]", v) for i, v in enumerate(value) if isinstance(v, float))
+
+
+# (low, high, low inclusive, high inclusive) of float settings whose range the types cannot say;
+# finiteness is checked for every float.
+RANGES = {
+    "optim.lr": (0, None, False, None), "optim.weight_decay": (0, None, True, None),
+    "optim.b1": (0, 1, True, False), "optim.b2": (0, 1, True, False), "optim.clip_norm": (0, None, True, None),
+    "model.memory_lr_max": (0, 1, False, True),
+    "meanflow.cfg_t_min": (0, 1, True, True), "meanflow.cfg_t_max": (0, 1, True, True),
+}
+
+
+def _check_range(key: str, value: float) -> None:
+    low, high, low_in, high_in = RANGES[key]
+    if (low is not None and (value < low or (value == low and not low_in))) or (
+            high is not None and (value > high or (value == high and not high_in))):
+        lo = "-inf" if low is None else f"{'[' if low_in else '('}{low}"
+        hi = "inf)" if high is None else f"{high}{']' if high_in else ')'}"
+        raise ConfigError(f"config key '{key}' must be in {lo}, {hi}, got {value}")
+
+
+def _validate_numbers(cfg: Config) -> None:
+    for key, value in _floats(cfg):
+        if not math.isfinite(value):
+            raise ConfigError(f"config key '{key}' must be a finite number, got {value}")
+        if key in RANGES:
+            _check_range(key, value)
+    if any(v < 0 for v in cfg.optim.level_lr_scale):
+        raise ConfigError(f"optim.level_lr_scale entries must be >= 0, got {list(cfg.optim.level_lr_scale)}")
+    if not 0 <= cfg.seed < 2**63:  # JAX keys and NumPy generators take it as a non-negative int64
+        raise ConfigError(f"seed must be in [0, 2^63), got {cfg.seed}")
+    if cfg.meanflow.eval_samples < 0 or cfg.meanflow.eval_samples == 1:
+        # the energy distance needs two samples: found here, not after training
+        raise ConfigError(f"meanflow.eval_samples must be 0 (all) or >= 2, got {cfg.meanflow.eval_samples}")
+    if cfg.train.max_skipped < 0:
+        raise ConfigError(f"train.max_skipped must be >= 0, got {cfg.train.max_skipped}")
+    if cfg.model.name != "dit" and cfg.model.vocab_size < 256:
+        # the text task reads bytes: token ids 0..255 index the embedding
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the 256 byte values of the text data")
+
+
 def validate(cfg: Config) -> None:
     """Semantic checks that types alone cannot express."""
+    _validate_numbers(cfg)
     if not cfg.cms.periods or any(p < 1 for p in cfg.cms.periods):
         raise ConfigError(f"cms.periods must be a non-empty list of positive integers, got {list(cfg.cms.periods)}")
     if cfg.train.steps < 0 or cfg.train.batch_size < 1 or cfg.train.seq_len < 1 or cfg.train.accum_steps < 1:
@@ -375,10 +436,8 @@ def validate(cfg: Config) -> None:
         bad = [i for i in m.memory_layers if not 0 <= i < m.depth]
         if bad:
             raise ConfigError(f"model.memory_layers {bad} out of range for model.depth={m.depth}")
-        if not 0 < m.memory_lr_max <= 1 or m.memory_conv < 0:
-            raise ConfigError(
-                f"model.memory_lr_max must be in (0, 1] and model.memory_conv >= 0, got {m.memory_lr_max}, {m.memory_conv}"
-            )
+        if m.memory_conv < 0:
+            raise ConfigError(f"model.memory_conv must be >= 0, got {m.memory_conv}")
         if m.memory_layers and m.memory_chunk > m.window:
             # inside a chunk every write is a gradient taken at the chunk start, weighted 1/b:
             # a weak trace of the chunk's own tokens; attention must cover the chunk in full
@@ -425,8 +484,10 @@ def _validate_dit(cfg: Config) -> None:
         raise ConfigError("meanflow.r_fraction must be in [0, 1] and meanflow.label_dropout in [0, 1)")
     if mf.time_sigma <= 0 or mf.adaptive_p < 0 or mf.adaptive_c <= 0:
         raise ConfigError("meanflow.time_sigma and meanflow.adaptive_c must be > 0, meanflow.adaptive_p >= 0")
-    if mf.sample_steps < 1 or mf.eval_samples < 0:
-        raise ConfigError("meanflow.sample_steps must be >= 1 and meanflow.eval_samples >= 0")
+    if mf.sample_steps < 1:
+        raise ConfigError("meanflow.sample_steps must be >= 1")
+    if mf.cfg_t_min > mf.cfg_t_max:
+        raise ConfigError(f"meanflow.cfg_t_min={mf.cfg_t_min} must be <= meanflow.cfg_t_max={mf.cfg_t_max}")
     if not 0 < im.eval_fraction < 1 or im.toy_points < 2:
         raise ConfigError(f"images.eval_fraction must be in (0, 1) and images.toy_points >= 2")
     if im.source == "file" and not im.path:

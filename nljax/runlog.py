@@ -3,8 +3,26 @@ event files and PNG plots in `run.dir`. Only process 0 creates any of them."""
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 from pathlib import Path
+
+
+def strict_json(obj, indent: int | None = None) -> str:
+    """JSON that every parser reads: a non-finite float (a NaN loss) is written as null, never as
+    the bare `NaN`/`Infinity` that Python's json module writes by default."""
+
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(obj), indent=indent, allow_nan=False)
 
 
 def short_unit(unit: str) -> str:

@@ -79,6 +79,9 @@ class TextTask:
         self.cfg, self.mesh = cfg, mesh
         self.units_per_row = cfg.train.seq_len
         train_bytes, self.eval_data, self.eval_score = text_corpus(cfg)
+        if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
+            raise ConfigError(f"the held-out text ({len(self.eval_data)} bytes at data.eval_fraction="
+                              f"{cfg.data.eval_fraction}) is shorter than train.seq_len+1={cfg.train.seq_len + 1}")
         self.stream = ContextStream(train_bytes, cfg.train.batch_size, cfg.train.seq_len, cfg.seed)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
@@ -154,6 +157,8 @@ class ImageTask:
         self.cfg, self.mesh = cfg, mesh
         self.data = images.load(cfg.images)
         self.sampler = images.EpochSampler(len(self.data.train_x), cfg.train.batch_size, cfg.seed)
+        if len(self.data.eval_x) < 2:  # the evaluation's energy distance: found before step 0
+            raise ConfigError(f"evaluation needs at least 2 held-out images, got {len(self.data.eval_x)}")
         self._generate = None
 
     def batch(self, step: int) -> dict[str, jax.Array]:

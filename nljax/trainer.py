@@ -16,12 +16,13 @@ from pathlib import Path
 import jax
 import yaml
 
-from nljax import __version__, distributed, levels, mesh as meshlib, optim, runlog, tasks, throughput
+from nljax import __version__, budget, distributed, levels, mesh as meshlib, optim, runlog, tasks, throughput
 from nljax.checkpoint import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError, to_dict
 from nljax.models import build
+from nljax.runlock import RunLock
 from nljax.state import TrainState, bytes_per_device, describe_memory
 from nljax.step import Engine, StepCache
 from nljax.tasks import Task, host_sum
@@ -51,8 +52,13 @@ class Setup:
                 f"train.accum_steps={cfg.train.accum_steps} does not divide the {rows} rows each device holds "
                 f"(train.batch_size={cfg.train.batch_size} over {meshlib.data_size(mesh)} devices)"
             )
+        # Refused before anything is allocated (nljax/budget.py): from the config alone first, so
+        # that an absurd size never reaches Flax or XLA, then from the exact shapes.
+        available = budget.available_bytes()
+        budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
         model = build(cfg)
         engine = Engine.create(cfg, model, mesh)
+        budget.check(budget.engine_terms(cfg, engine), available)
         state = engine.init_state(jax.random.key(cfg.seed), cfg.train.batch_size)
         task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
         return cls(cfg, mesh, engine, StepCache(engine), state, task)
@@ -93,7 +99,7 @@ class RunDir:
                         shutil.rmtree(old) if old.is_dir() else old.unlink()
             self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
             tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.kept))
+            tmp.write_text("".join(runlog.strict_json(r) + "\n" for r in self.kept))
             tmp.replace(metrics)
 
     def save_config(self, cfg: Config) -> None:
@@ -103,11 +109,11 @@ class RunDir:
     def log(self, record: dict) -> None:
         if self.write:
             with open(self.path / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(runlog.strict_json(record) + "\n")
 
     def save_summary(self, summary: dict) -> None:
         if self.write:
-            (self.path / "summary.json").write_text(json.dumps(summary, indent=1))
+            (self.path / "summary.json").write_text(runlog.strict_json(summary, indent=1))
 
 
 def kept_records(path: Path, step: int) -> list[dict]:
@@ -120,7 +126,8 @@ def kept_records(path: Path, step: int) -> list[dict]:
         try:
             record = json.loads(line)
             if record["step"] < step:
-                keep.append(record)
+                # null stands for a non-finite number (runlog.strict_json): NaN again in memory
+                keep.append({k: float("nan") if v is None else v for k, v in record.items()})
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by a kill
     return keep
@@ -212,6 +219,16 @@ class History:
     wall_s: float = 0.0  # the loop, compilation and evaluations included
 
 
+def check_skipped(in_a_row: int, step: int, limit: int) -> None:
+    """Stop a run that trains nothing: every one of the last `train.max_skipped` steps skipped.
+    The flag is the same on every device, so every process stops at the same step."""
+    if limit and in_a_row >= limit:
+        raise ConfigError(
+            f"stopped after step {step}: the last {in_a_row} steps were all skipped (gradient not finite or above "
+            f"sync.max_grad_norm); lower optim.lr or check the data (train.max_skipped={limit}, 0: never stop)"
+        )
+
+
 def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Output,
                ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
     """Steps from `conductor.step` to `train.steps`, saving checkpoints through `ckpt`. The next
@@ -224,6 +241,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
     kept = out.run.kept
     hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
     seen, t_start = set(), time.perf_counter()
+    in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
     profiler = Profiler(cfg, out.run.path, out.run.write)
     batch = setup.batch(conductor.step) if conductor.step < steps else None
     if ckpt is not None and batch is not None:
@@ -248,6 +266,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
             hist.skipped += 1
             out.say(f"warning: step {p.step} skipped: gradient norm {float(m['grad_norm'].addressable_data(0))} "
                     f"is not finite or above sync.max_grad_norm")
+        in_a_row = in_a_row + 1 if was_skipped else 0
         conductor = conductor.advance()  # after the step's synchronization
         rec = {
             "step": p.step,
@@ -272,6 +291,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
         out.board.scalars("eval", evaluated, p.step + 1)
         out.progress.update(rec, units / dt, last, runlog.format_metrics(evaluated))
         hist.records.append(rec)
+        check_skipped(in_a_row, p.step, cfg.train.max_skipped)
     hist.wall_s = time.perf_counter() - t_start
     out.progress.close()
     return state, hist
@@ -337,12 +357,30 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output,
     return summary
 
 
+def take_lock(cfg: Config) -> RunLock:
+    """Process 0 locks run.dir (nljax/runlock.py); every process raises when it is refused."""
+    lock, error = RunLock(cfg.run.dir), None
+    if is_main():
+        try:
+            lock.acquire()
+        except ConfigError as e:
+            error = e
+    if distributed.main_decides(error is not None):
+        raise error or ConfigError(f"run.dir {cfg.run.dir} is in use by a live run (see process 0)")
+    return lock
+
+
 def train(cfg: Config) -> dict:
     setup = Setup.create(cfg)
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
     distributed.check_startup(setup, say)
     ckpt = Checkpoints(setup, say)  # reads and checks a checkpoint to resume before anything is written
-    out = Output.create(cfg, ckpt.start, runlog.short_unit(setup.task.unit), ckpt.resume_step)
+    lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
+    try:
+        out = Output.create(cfg, ckpt.start, runlog.short_unit(setup.task.unit), ckpt.resume_step)
+    except BaseException:
+        lock.release()
+        raise
     ckpt.open()
     try:
         startup_report(setup, out.say)
@@ -350,6 +388,8 @@ def train(cfg: Config) -> dict:
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
         summary = final_report(setup, state, hist, out, ckpt.start if ckpt.restored else None)
     finally:
+        ckpt.close()  # a run stopped by an error keeps the saves it started
         out.close()
+        lock.release()
     setup.state = state
     return summary

@@ -214,6 +214,11 @@ def _other_model(step_dir: Path):
     meta.write_text(json.dumps(m))
 
 
+def _zero_devices(step_dir: Path):
+    meta = step_dir / "nljax" / "metadata"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "mesh": {"inter": 2, "intra": 4, "devices": 0}}))
+
+
 # case: (damage, overrides, message, through the command line (else the library call))
 BAD = {
     "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere", True),
@@ -222,6 +227,7 @@ BAD = {
     "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),
     "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable", False),
     "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
+    "devices": (_zero_devices, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
     "fingerprint": (_other_model, [], "checkpoint {d}/ckpt/4 is from another model: parameter 'head/kernel' is "
                     "float32(16, 512) there, float32(16, 256) here", False),
     "model": (None, ["model.dim=32"], "checkpoint {d}/ckpt/4 does not fit this run: model.dim=16 there, 32 here", True),
@@ -413,3 +419,26 @@ def test_relative_run_dir_saves(ref, tmp_path, monkeypatch):
     m.wait_until_finished()
     m.close()
     assert ckpt.complete_steps(tmp_path / "runs" / "rel" / "checkpoints") == [5]
+
+
+QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.tensorboard=false"]
+
+
+def test_pruning_and_resume_skip_folders_nljax_did_not_write(tmp_path):
+    """checkpoint.keep prunes only nljax's own steps, and --resume never picks a user's folder
+    with a number for a name (Orbax's max_to_keep deleted them; '7' became 'latest')."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for name in ("0", "7"):
+        (ck / name).mkdir(parents=True)
+        (ck / name / "notes").write_text("mine")
+    base = ["--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={run}", "checkpoint.every=2",
+            "checkpoint.keep=1", "checkpoint.async_save=false"]
+    p = cli(*base, "train.steps=4")
+    assert p.returncode == 0, p.stderr
+    assert sorted(q.name for q in ck.iterdir()) == ["0", "4", "7"]
+    assert ckpt.complete_steps(ck) == [4]
+    p = cli("--resume", *base[:2], *base[3:], "train.steps=6")
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from {ck / '4'} at step 4" in p.stdout
+    assert sorted(q.name for q in ck.iterdir()) == ["0", "6", "7"]
+    assert (ck / "0" / "notes").read_text() == (ck / "7" / "notes").read_text() == "mine"

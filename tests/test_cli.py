@@ -70,6 +70,12 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
         (["mesh.inter=2", "mesh.intra=4"], "mesh inter=2 x intra=4 = 8 devices, but 4 are available"),
         (["train.batch_size=6"], "train.batch_size=6 does not divide over 4 data-parallel devices"),
         (["--config", "/nonexistent.yaml"], "config file not found: /nonexistent.yaml"),
+        (["--config", "/dev/null"], "config file /dev/null is not a regular file"),
+        (["optim.lr=nan"], "config key 'optim.lr' must be a finite number, got nan"),
+        (["model.dim=1000000000"], "the run needs at least"),  # from the config: never built
+        (["train.seq_len=1048576", "train.batch_size=4096"], "the run needs at least"),  # TBs on any host
+        (["data.eval_fraction=0.0001"], "the held-out text (1 bytes at data.eval_fraction=0.0001) is shorter than train.seq_len+1=129"),
+        (["model.vocab_size=10"], "model.vocab_size=10 is smaller than the 256 byte values of the text data"),
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):
@@ -114,3 +120,58 @@ def test_default_model_trains_end_to_end(tmp_path):
     assert recs[-1]["loss"] < recs[0]["loss"]
     summary = json.loads((d / "summary.json").read_text())
     assert summary["eval_bpb"] < 8
+
+
+QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.tensorboard=false"]
+
+
+def _strict(text: str):
+    def refuse(name):
+        raise ValueError(f"not strict JSON: {name}")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_a_run_that_skips_every_step_stops(tmp_path):
+    """max_skipped steps in a row skipped: one line, exit 2, the steps done are logged."""
+    d = tmp_path / "r"
+    p = run("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=10",
+            "sync.max_grad_norm=1e-9", "train.max_skipped=3", "checkpoint.every=0", "eval.every=0", check=False)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nljax.train: error: stopped after step 2: the last 3 steps"), p.stderr
+    recs = [_strict(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [0, 1, 2] and all(r["skipped"] for r in recs)
+    assert not (d / "nljax.lock").exists()  # released on the way out
+
+
+def test_metrics_and_summary_are_strict_json(tmp_path):
+    from nljax import runlog
+    from nljax.trainer import RunDir, kept_records
+
+    run_dir = RunDir(str(tmp_path), overwrite=False, write=True)
+    run_dir.log({"step": 0, "loss": float("nan"), "x": [float("inf"), 1.0]})
+    run_dir.save_summary({"final_loss": float("-inf"), "nested": {"a": float("nan")}})
+    rec = _strict((tmp_path / "metrics.jsonl").read_text())
+    assert rec == {"step": 0, "loss": None, "x": [None, 1.0]}
+    assert _strict((tmp_path / "summary.json").read_text()) == {"final_loss": None, "nested": {"a": None}}
+    kept = kept_records(tmp_path / "metrics.jsonl", 1)  # a resumed run reads null back as NaN
+    assert kept[0]["loss"] != kept[0]["loss"]
+    assert runlog.strict_json({"a": 1.5}) == '{"a": 1.5}'
+
+
+def test_a_live_run_in_run_dir_refuses_another(tmp_path):
+    """The lock names the live holder (here: this test process); nothing in run.dir changes."""
+    import socket
+
+    d = tmp_path / "r"
+    d.mkdir()
+    lock = d / "nljax.lock"
+    held = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"})
+    lock.write_text(held)
+    p = run("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=2",
+            check=False)
+    assert p.returncode == 2, p.stderr
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"is in use by a live run (host {socket.gethostname()}, pid {os.getpid()}" in lines[0]
+    assert lock.read_text() == held and not [q for q in d.rglob("*") if q.is_file() and q != lock]

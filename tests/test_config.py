@@ -33,6 +33,20 @@ def test_yaml_file(tmp_path):
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
         ("model.memory_chunk=0", "model.memory_chunk must be >= 1, got 0"),
         ("data.eval_fraction=0", "data.eval_fraction must be between 0 and 1"),
+        ("optim.lr=nan", "config key 'optim.lr' must be a finite number, got nan"),
+        ("optim.lr=.inf", "config key 'optim.lr' must be a finite number, got inf"),
+        ("optim.lr=-1", "config key 'optim.lr' must be in (0, inf), got -1.0"),
+        ("optim.b2=5", "config key 'optim.b2' must be in [0, 1), got 5.0"),
+        ("model.memory_lr_max=nan", "config key 'model.memory_lr_max' must be a finite number"),
+        ("model.memory_lr_max=2", "config key 'model.memory_lr_max' must be in (0, 1], got 2.0"),
+        ("model.memory_chunk=128", "model.memory_chunk=128 must be <= model.window=64"),
+        ("optim.level_lr_scale=[1,nan,1,1]", "config key 'optim.level_lr_scale[1]' must be a finite number"),
+        ("meanflow.time_mu=-.inf", "config key 'meanflow.time_mu' must be a finite number"),
+        ("model.vocab_size=10", "model.vocab_size=10 is smaller than the 256 byte values"),
+        ("seed=18446744073709551616", "seed must be in [0, 2^63)"),
+        ("seed=-1", "seed must be in [0, 2^63)"),
+        ("train.max_skipped=-1", "train.max_skipped must be >= 0"),
+        ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -49,6 +63,15 @@ def test_missing_file_and_bad_yaml(tmp_path):
     bad.write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         config.load(str(bad))
+    # a directory or a device is not "not found"; bytes that are not UTF-8 are one line too
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        config.load(str(tmp_path))
+    with pytest.raises(ConfigError, match="is not a regular file"):
+        config.load("/dev/null")
+    latin = tmp_path / "latin.yaml"
+    latin.write_bytes(b"run:\n  dir: caf\xe9\n")
+    with pytest.raises(ConfigError, match="is not UTF-8 text"):
+        config.load(str(latin))
 
 
 def test_exponent_without_dot_is_a_float():

@@ -145,3 +145,18 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
                          text=True, env=env, timeout=600, cwd=root)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "nljax.train: error: images.source=file needs images.path (a .npy or .npz file)"]
+
+
+@pytest.mark.parametrize("poison, message", [
+    (lambda x: x * np.nan, "example 0 has a non-finite pixel"),
+    (lambda x: x.__setitem__((7, 1, 2, 0), np.nan) or x, "example 7 has a non-finite pixel"),
+    (lambda x: x.__setitem__((3, 0, 0, 0), -np.inf) or x, "example 3 has a non-finite pixel"),
+    (lambda x: x.__setitem__(slice(5, None), 1e30) or x, f"example 5 has a pixel of magnitude 1e+30, above {images.MAX_ABS:g}"),
+])
+def test_non_finite_or_huge_images_are_refused_at_load(tmp_path, poison, message):
+    """Such data trained with every step skipped; now one line names the first bad example."""
+    x = poison(np.random.default_rng(0).uniform(-1, 1, (20, 4, 4, 1)).astype(np.float32))
+    np.save(tmp_path / "x.npy", x)
+    with pytest.raises(ConfigError) as e:
+        images.load(ImagesConfig(source="file", path=str(tmp_path / "x.npy")))
+    assert message in str(e.value) and "\n" not in str(e.value)

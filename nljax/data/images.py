@@ -103,6 +103,30 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     return x, y
 
 
+# Pixel magnitude a run accepts. The denoiser mixes data with N(0, 1) noise, so data far beyond
+# unit scale is data nobody normalized (a float image of 0..65535, a corrupted file): 1e4 leaves
+# room for any sane scaling (0..255 floats included) while squares and sums of the loss stay far
+# from float32's overflow at 3e38 (1e30 overflowed, and every step was skipped).
+MAX_ABS = 1e4
+
+
+def check_values(x: np.ndarray, where: str) -> None:
+    """One line naming the first example (index in the source, before the held-out split) with a
+    non-finite pixel or one above MAX_ABS; such data would only ever give skipped steps."""
+    flat = x.reshape(len(x), -1)
+    bad_finite = ~np.isfinite(flat).all(axis=1)
+    if bad_finite.any():
+        i = int(np.argmax(bad_finite))
+        raise ConfigError(f"images {where}: example {i} has a non-finite pixel (NaN or inf)")
+    big = np.abs(flat).max(axis=1) > MAX_ABS
+    if big.any():
+        i = int(np.argmax(big))
+        raise ConfigError(
+            f"images {where}: example {i} has a pixel of magnitude {np.abs(flat[i]).max():.3g}, above {MAX_ABS:g}; "
+            "scale the data (e.g. to [-1, 1])"
+        )
+
+
 @functools.lru_cache(maxsize=4)
 def load(cfg: ImagesConfig) -> ImageSet:
     """The configured data, split into training and held-out parts."""
@@ -117,6 +141,7 @@ def load(cfg: ImagesConfig) -> ImageSet:
     num_classes = 0 if y is None else int(y.max()) + 1
     y = np.zeros(len(x), np.int32) if y is None else y.astype(np.int32)
     x = x.astype(np.float32)
+    check_values(x, cfg.path if cfg.source == "file" else cfg.source)
     every = max(2, round(1 / cfg.eval_fraction))
     held = np.arange(len(x)) % every == every - 1
     if held.all() or not held.any():

@@ -1,0 +1,99 @@
+"""Will the run fit? Bytes per device estimated before anything is allocated, against the memory
+a device has; a run that cannot fit is refused with one line naming its biggest term.
+
+Two checks, both before any array exists:
+
+- `check_config`: from the config alone, before the model is built (so `model.dim=1e9` never
+  reaches Flax or XLA): the CMS MLPs and embeddings, which every model has, and the activations'
+  floor below.
+- `check_engine`: once the Engine knows the exact parameter shapes (`jax.eval_shape`, nothing
+  allocated): parameters, gradients, optimizer state, error buffers and inner-loop memory as the
+  strategy shards them, plus the activations' floor.
+
+Activations are a floor, not an estimate: the micro-batch's residual stream saved at every block
+(input and normalized input, float32) and the logits with their log-softmax. The true need is
+larger (attention, MLP hidden layers, XLA's temporaries), so a refused run certainly does not
+fit, and one that passes may still run out of memory: XLA's RESOURCE_EXHAUSTED is then reported
+as one line by the CLI (`nljax.cli`). Available memory: `bytes_limit` of the device's
+`memory_stats()` on accelerators; on CPU the host's MemAvailable shared by its local devices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+
+from nljax.config import Config, ConfigError
+
+F32 = 4
+
+
+def available_bytes() -> int | None:
+    """Memory one local device may use, or None when it cannot be told."""
+    dev = jax.local_devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return free // jax.local_device_count()  # emulated CPU devices share the host's memory
+
+
+def _activations(cfg: Config, n_devices: int) -> int:
+    m, t = cfg.model, cfg.train
+    rows = max(t.batch_size // n_devices // t.accum_steps, 1)  # one micro-batch at a time
+    tokens = rows * t.seq_len  # DiT: images x patches is not known before the data; counted as seq_len
+    per_token = 2 * m.depth * m.dim + (2 * m.vocab_size if m.name != "dit" else 0)
+    return tokens * per_token * F32
+
+
+def config_floor(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Bytes per device that any model of this config needs at least (Python ints: no overflow)."""
+    m, c = cfg.model, cfg.cms
+    mlp = m.depth * len(c.periods) * 2 * m.hidden_mult * m.dim * m.dim  # one MLP per level per block
+    params = (mlp + m.vocab_size * m.dim) * F32
+    shard = n_devices if cfg.sync.strategy == "fsdp" else 1
+    opt = 2 * params if cfg.optim.name == "adamw" else 0
+    return {"parameters": params // shard, "gradients": params // shard,
+            "optimizer state": opt // (1 if cfg.sync.strategy == "replicated" else n_devices),
+            "activations (floor)": _activations(cfg, n_devices)}
+
+
+def engine_terms(cfg: Config, engine) -> dict[str, int]:
+    """Bytes per device from the exact parameter shapes (`engine.flats`) and memory shapes."""
+    n = engine.n_devices
+    sizes = [engine.flats[l].size for l in range(engine.n_levels)]
+    params = sum(size * F32 for size in sizes)  # flat float32 vectors per level
+    shard_p = n if cfg.sync.strategy == "fsdp" else 1
+    shard_o = 1 if cfg.sync.strategy == "replicated" else n
+    opt = 2 * params if cfg.optim.name == "adamw" else 0
+    err = sum(size * F32 for l, size in enumerate(sizes) if engine.buffered(l))
+    rows = max(cfg.train.batch_size // n, 1)
+    memory = jax.eval_shape(lambda: engine.model.init_memory(rows))
+    mem = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(memory))
+    return {"parameters": params // shard_p, "gradients": params // shard_p, "optimizer state": opt // shard_o,
+            "error buffers": err, "inner-loop memory": 2 * mem,  # this step's and the next step's
+            "activations (floor)": _activations(cfg, n)}
+
+
+def check(terms: dict[str, int], available: int | None) -> None:
+    """One line when the terms exceed the memory available per device."""
+    need = sum(terms.values())
+    if available is None or need <= available:
+        return
+    gib = lambda b: f"{b / 2**30:,.1f} GiB"
+    name, biggest = max(terms.items(), key=lambda kv: kv[1])
+    raise ConfigError(
+        f"the run needs at least {gib(need)} per device, more than the {gib(available)} available "
+        f"(biggest: {name} {gib(biggest)}); make the model, train.batch_size or train.seq_len smaller, "
+        "raise train.accum_steps or use more devices"
+    )

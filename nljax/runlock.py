@@ -1,0 +1,105 @@
+"""One live run per run.dir: a lock file that a second run (resumed or not) is refused by.
+
+`<run.dir>/nljax.lock` is created with O_EXCL (atomic, also on NFS v3+ and other shared file
+systems) by process 0 and holds its host, pid and start time; a thread touches it every
+HEARTBEAT_S seconds. A lock left by a run that died is stale and taken over:
+
+- on the same host, when its pid is no longer alive (a crash or SIGKILL frees it at once);
+- from another host, whose pids we cannot see, when its heartbeat is older than STALE_S.
+
+A run that exits (normally or with an error) removes its lock.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+from nljax.config import ConfigError
+
+NAME = "nljax.lock"
+HEARTBEAT_S = 30.0
+STALE_S = 300.0  # 10 missed heartbeats: a run on another host is taken for dead
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process
+    return True
+
+
+def holder(path: Path, now: float | None = None) -> dict | None:
+    """The live run holding the lock at `path`, or None (no lock, or a stale one)."""
+    try:
+        age = (time.time() if now is None else now) - path.stat().st_mtime
+        info = json.loads(path.read_text())
+        host, pid = str(info["host"]), int(info["pid"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        # being written this instant, or damaged: judge by the heartbeat alone
+        return {"host": "?", "pid": "?", "started": "?"} if time.time() - _mtime(path) < STALE_S else None
+    if host == socket.gethostname():
+        return info if _alive(pid) else None
+    return info if age < STALE_S else None
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+class RunLock:
+    """Held from `acquire` until `release`; refreshes its heartbeat in a daemon thread."""
+
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir).absolute() / NAME
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def acquire(self) -> "RunLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        for _ in range(3):  # a stale lock is removed and creation tried again; a racer may win it
+            try:
+                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                live = holder(self.path)
+                if live is not None:
+                    raise ConfigError(
+                        f"run.dir {self.path.parent} is in use by a live run (host {live['host']}, pid {live['pid']}, "
+                        f"started {live['started']}); wait for it to end or stop it, or use another run.dir"
+                    ) from None
+                self.path.unlink(missing_ok=True)  # stale: its run is dead
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(info))
+            self._thread = threading.Thread(target=self._beat, name="nljax-lock-heartbeat", daemon=True)
+            self._thread.start()
+            return self
+        raise ConfigError(f"run.dir {self.path.parent}: could not take its lock {self.path} (another run races for it)")
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            try:
+                os.utime(self.path)
+            except OSError:
+                pass  # a transient file-system error; the next beat tries again
+
+    def release(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        self.path.unlink(missing_ok=True)

@@ -1,0 +1,42 @@
+"""The memory check: oversized runs are refused before anything is allocated, with one line."""
+
+import pytest
+
+from helpers import TINY
+from nljax import budget, cli, config
+from nljax.config import ConfigError
+
+
+def test_config_floor_catches_absurd_sizes_without_building():
+    cfg = config.load(None, ["model.dim=1000000000"])
+    terms = budget.config_floor(cfg, 1)
+    assert terms["parameters"] > 10**18  # Python ints: no overflow
+    with pytest.raises(ConfigError, match=r"needs at least .* per device, more than the 16.0 GiB available "
+                                          r"\(biggest: optimizer state"):
+        budget.check(terms, 16 * 2**30)
+    long = budget.config_floor(config.load(None, ["train.seq_len=1048576"]), 1)
+    assert max(long, key=long.get) == "activations (floor)"
+
+
+def test_engine_terms_follow_the_strategy_and_name_the_biggest():
+    from helpers import make
+
+    setup = make(TINY, 2, 4)  # 8 devices
+    terms = budget.engine_terms(setup.cfg, setup.engine)
+    assert terms["optimizer state"] == 2 * terms["parameters"]  # adamw, replicated
+    zero1 = budget.engine_terms(config.load(None, [*TINY, "sync.strategy=zero1"]), setup.engine)
+    assert zero1["optimizer state"] == terms["optimizer state"] // 8
+    budget.check(terms, budget.available_bytes())  # a tiny run fits
+    with pytest.raises(ConfigError, match="biggest: "):
+        budget.check(terms, 1000)
+
+
+def test_available_bytes_is_known_on_cpu():
+    assert 0 < budget.available_bytes() < 2**50
+
+
+def test_out_of_memory_is_one_line():
+    e = RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 53687091200 bytes.\nBufferAssignment...")
+    line = cli.out_of_memory(e)
+    assert line.startswith("out of memory (RESOURCE_EXHAUSTED: Out of memory") and "\n" not in line
+    assert cli.out_of_memory(ValueError("shapes")) is None
