@@ -97,6 +97,9 @@ class ModelConfig:
     memory_conv: int = 4  # causal depthwise conv + SiLU on the memory's q, k, v (kernel size); 0: off
     memory_out_norm: bool = True  # RMS-normalise each memory head's read
     memory_out_gate: bool = True  # gate the read with sigmoid(W x)
+    # compute dtype of nl_lm's matmuls and activations; parameters, optimizer state, the
+    # inner-loop memory (state, gates, normalisers), losses and gradient reductions stay float32
+    dtype: Literal["float32", "bfloat16"] = "float32"
     patch_size: int = 2  # DiT (models/dit.py): patch side; dim, depth, heads, hidden_mult size it too
 
 
@@ -121,6 +124,9 @@ class DataConfig:
     # documents, the long-context probe (data/recall.py)
     corpus: Literal["stdlib", "recall"] = "stdlib"
     eval_fraction: float = 0.05  # every round(1/eval_fraction)-th document is held out
+    # probability that a training row starts a step from a fresh memory, drawn from (seed, step,
+    # row): the model also learns to predict without carried context, as at a document start
+    reset_prob: float = 0.0
     recall_docs: int = 4096  # recall: documents generated (training + held out), each train.seq_len bytes
     recall_pairs: int = 4  # recall: key=value pairs shown, then queried, per document
     # recall: filler bytes between the last pair and the first query; at least the attention's
@@ -357,7 +363,7 @@ RANGES = {
     "optim.lr": (0, None, False, None), "optim.weight_decay": (0, None, True, None),
     "optim.b1": (0, 1, True, False), "optim.b2": (0, 1, True, False), "optim.clip_norm": (0, None, True, None),
     "model.memory_lr_max": (0, 1, False, True),
-    "meanflow.cfg_t_min": (0, 1, True, True), "meanflow.cfg_t_max": (0, 1, True, True),
+    "data.reset_prob": (0, 1, True, True), "meanflow.cfg_t_min": (0, 1, True, True), "meanflow.cfg_t_max": (0, 1, True, True),
 }
 
 

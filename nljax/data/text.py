@@ -47,6 +47,7 @@ class ContextStream:
     rows: int  # G, the global batch
     seq_len: int  # T
     seed: int = 0
+    reset_prob: float = 0.0  # chance that a row also starts a step from a fresh memory
 
     def offsets(self) -> np.ndarray:
         """Start of each row's stream: evenly spaced, shifted by the seed.  [G]"""
@@ -70,6 +71,9 @@ class ContextStream:
         else:
             prev = (start[:, None] - t + np.arange(t)) % n  # the previous chunk's input tokens
             reset = (self.data[prev] == SEPARATOR).any(axis=1)
+        if self.reset_prob > 0:  # one draw per (seed, step) for all rows: the same on any mesh
+            draw = np.random.default_rng([self.seed, step, 1]).random(self.rows)
+            reset |= draw[np.arange(self.rows)[rows]] < self.reset_prob
         return {"tokens": tokens, "reset": reset}
 
     def global_batch(self, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:

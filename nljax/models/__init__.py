@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax.numpy as jnp
+
 from nljax.config import Config, ConfigError
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
@@ -22,7 +24,7 @@ def _nl_lm(cfg: Config) -> Model:
                   chunk=m.memory_chunk, lr_max=m.memory_lr_max, conv=m.memory_conv, out_norm=m.memory_out_norm,
                   out_gate=m.memory_out_gate)
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, m.window,
-                      tuple(m.memory_layers), memory))
+                      tuple(m.memory_layers), memory, jnp.dtype(m.dtype)))
 
 
 def _dit(cfg: Config) -> Model:

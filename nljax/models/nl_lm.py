@@ -43,15 +43,16 @@ class Attention(nn.Module):
     dim: int
     heads: int
     window: int
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
         b, t, _ = x.shape
         hd = self.dim // self.heads
-        qkv = nn.Dense(3 * self.dim, use_bias=False, name="qkv")(x).reshape(b, t, 3, self.heads, hd)
+        qkv = nn.Dense(3 * self.dim, use_bias=False, dtype=self.dtype, name="qkv")(x).reshape(b, t, 3, self.heads, hd)
         q, k, v = rotary(qkv[:, :, 0]), rotary(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, H, hd]
         y = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(self.window - 1, 0))
-        return nn.Dense(self.dim, use_bias=False, name="out")(y.reshape(b, t, self.dim))
+        return nn.Dense(self.dim, use_bias=False, dtype=self.dtype, name="out")(y.reshape(b, t, self.dim))
 
 
 def _l2norm(x):
@@ -72,6 +73,7 @@ class NeuralMemory(nn.Module):
     conv: int = 4  # causal depthwise convolution + SiLU on q, k, v over this many tokens; 0: off
     out_norm: bool = True  # RMS-normalise each head's read
     out_gate: bool = True  # and scale it by a sigmoid gate of the block's input
+    dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
 
     def memory0_shapes(self) -> dict:
         h, d = self.heads, self.dk
@@ -88,13 +90,14 @@ class NeuralMemory(nn.Module):
     def qkv(self, x):  # x [B, T, D] -> q, k, v [B, H, T, dk], unit norm
         b, t, _ = x.shape
         h, d = self.heads, self.dk
-        y = nn.Dense(3 * h * d, use_bias=False, name="qkv")(x)  # [B, T, 3*H*dk]
+        y = nn.Dense(3 * h * d, use_bias=False, dtype=self.dtype, name="qkv")(x)  # [B, T, 3*H*dk]
         if self.conv:
             # short causal mixing of neighbouring tokens before they are written (Titans §4.4)
             y = nn.Conv(3 * h * d, (self.conv,), padding=[(self.conv - 1, 0)], feature_group_count=3 * h * d,
-                        name="conv")(y)
+                        dtype=self.dtype, name="conv")(y)
             y = jax.nn.silu(y)
-        y = y.reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, dk]
+        # float32 from here: the inner loop's state, gates and normalisers (see memory.py)
+        y = y.astype(jnp.float32).reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, dk]
         return _l2norm(y[0]), _l2norm(y[1]), _l2norm(y[2])
 
     @nn.compact
@@ -105,7 +108,7 @@ class NeuralMemory(nn.Module):
         # Step size in (0, lr_max], momentum and forgetting in (0, 1); forgetting starts slow so
         # that the memory can hold context well beyond one window.
         gate_bias = lambda key, shape, dtype=jnp.float32: jnp.tile(jnp.array([0.0, 0.0, -6.0]), shape[0] // 3)
-        g = nn.Dense(3 * h, name="gates", bias_init=gate_bias)(x).reshape(b, t, h, 3)
+        g = nn.Dense(3 * h, name="gates", bias_init=gate_bias)(x.astype(jnp.float32)).reshape(b, t, h, 3)
         theta, eta, alpha = (jax.nn.sigmoid(g[..., i]).transpose(0, 2, 1) for i in range(3))  # [B, H, T]
         memory0 = self.memory0()
         state = nm.reset_rows(state, memory0, reset)
@@ -119,9 +122,10 @@ class NeuralMemory(nn.Module):
         if self.out_norm:
             y = nn.RMSNorm(name="out_norm")(y)
         if self.out_gate:
-            y = y * jax.nn.sigmoid(nn.Dense(h * d, name="out_gate")(x)).reshape(b, t, h, d)
-        y = y.reshape(b, t, h * d)
-        return nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, name="out")(y), state
+            y = y * jax.nn.sigmoid(nn.Dense(h * d, dtype=self.dtype, name="out_gate")(x)).reshape(b, t, h, d)
+        y = y.astype(self.dtype).reshape(b, t, h * d)
+        out = nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, dtype=self.dtype, name="out")
+        return out(y), state
 
 
 class NLNet(nn.Module):
@@ -134,22 +138,25 @@ class NLNet(nn.Module):
     window: int
     memory_layers: tuple[int, ...]
     memory: dict  # NeuralMemory fields
+    dtype: jnp.dtype = jnp.float32  # compute dtype; parameters and optimizer state stay float32
 
     @nn.compact
     def __call__(self, tokens, memory, reset):  # tokens [B, T], memory {block: state}, reset [B]
-        x = nn.Embed(self.vocab, self.dim, name="embed")(tokens)  # [B, T, D]
+        dt = self.dtype
+        x = nn.Embed(self.vocab, self.dim, dtype=dt, name="embed")(tokens)  # [B, T, D]
         new_memory = {}
         for i in range(self.depth):
-            x = x + Attention(self.dim, self.heads, self.window, name=f"attn{i}")(nn.LayerNorm(name=f"norm_a{i}")(x))
+            x = x + Attention(self.dim, self.heads, self.window, dt, name=f"attn{i}")(
+                nn.LayerNorm(dtype=dt, name=f"norm_a{i}")(x))
             if i in self.memory_layers:
                 key = f"block{i}"
-                y, new_memory[key] = NeuralMemory(dim=self.dim, **self.memory, name=f"mem{i}")(
-                    nn.LayerNorm(name=f"norm_m{i}")(x), memory[key], reset
+                y, new_memory[key] = NeuralMemory(dim=self.dim, **self.memory, dtype=dt, name=f"mem{i}")(
+                    nn.LayerNorm(dtype=dt, name=f"norm_m{i}")(x), memory[key], reset
                 )
                 x = x + y
-            x = CMSChain(self.dim, self.hidden, self.levels, name=f"block{i}")(x)
-        x = nn.LayerNorm(name="norm")(x)
-        return nn.Dense(self.vocab, name="head")(x), new_memory
+            x = CMSChain(self.dim, self.hidden, self.levels, dt, name=f"block{i}")(x)
+        x = nn.LayerNorm(dtype=dt, name="norm")(x)
+        return nn.Dense(self.vocab, dtype=dt, name="head")(x), new_memory  # the loss upcasts to float32
 
 
 @dataclasses.dataclass(frozen=True)
