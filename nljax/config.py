@@ -56,6 +56,10 @@ class MeshConfig:
 class CMSConfig:
     periods: tuple[int, ...] = (1, 8, 64, 512)
     frozen_grads: Literal["accumulate", "skip"] = "accumulate"
+    # What `accumulate` buffers while a level is frozen (nljax/frozen.py): `gradients`, one sum
+    # applied as one optimizer step at the firing; `updates`, every step's gradient, on which the
+    # optimizer runs step by step at the firing (the paper's sum of per-step optimizer outputs).
+    accumulate: Literal["gradients", "updates"] = "gradients"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +70,8 @@ class SyncConfig:
     strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
     # Skip a step (on every device) whose synchronized gradient is not finite.
     check_grads: bool = True
-    max_grad_norm: float = 0.0  # also skip a step whose synchronized gradient norm exceeds this (0: off)
+    # Per level: also skip a level's update whose synchronized gradient norm exceeds this (0: off).
+    max_grad_norm: float = 0.0
     # Link bandwidths in GB/s (gigabytes) per device and direction, for the time projection of
     # `nljax.comm`. Defaults: NVLink 4 on H100 SXM, 900 GB/s bidirectional = 450 GB/s per
     # direction (NVIDIA H100 datasheet); InfiniBand NDR, 400 Gb/s per GPU = 50 GB/s (NVIDIA
@@ -113,7 +118,7 @@ class OptimConfig:
     weight_decay: float = 0.0
     b1: float = 0.9
     b2: float = 0.99
-    clip_norm: float = 0.0  # 0 disables clipping
+    clip_norm: float = 0.0  # clip each active level's synchronized gradient by its own norm; 0: off
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # lr x (B/B0) or x sqrt(B/B0), B = train.batch_size
     base_batch_size: int = 16  # B0: the global batch that optim.lr was tuned for
 
@@ -407,6 +412,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError("train.log_every must be >= 1, eval.every, eval.batches and eval.stream_steps >= 0")
     if cfg.train.profile_steps < 0 or cfg.train.profile_start < 0:
         raise ConfigError("train.profile_steps and train.profile_start must be >= 0")
+    if cfg.optim.clip_norm < 0:
+        raise ConfigError(f"optim.clip_norm must be >= 0 (0: off), got {cfg.optim.clip_norm}")
     if cfg.optim.base_batch_size < 1:
         raise ConfigError(f"optim.base_batch_size must be >= 1, got {cfg.optim.base_batch_size}")
     if cfg.throughput.reps < 1 or cfg.throughput.peak_tflops < 0:

@@ -38,7 +38,7 @@ def schedule(cfg: OptimConfig, total_steps: int, batch_size: int | None = None):
 
 
 def direction(cfg: OptimConfig) -> optax.GradientTransformation:
-    """The update direction without learning rate (the schedule is applied by `apply`)."""
+    """The update direction without learning rate (the schedule is applied by `apply_steps`)."""
     if cfg.name == "adamw":
         return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2)
     if cfg.name == "sgd":
@@ -50,17 +50,33 @@ def level_scales(cfg: OptimConfig, n_levels: int) -> tuple[float, ...]:
     return cfg.level_lr_scale or (1.0,) * n_levels
 
 
-def clip_by_global_norm(grads, max_norm: float):
-    """Clip a list of gradient vectors jointly; returns (clipped, norm before clipping)."""
-    norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in grads)) if grads else jnp.zeros(())
+def clip(grads: jax.Array, norms: jax.Array, max_norm: float) -> jax.Array:
+    """Each row of `grads` [K, S] (one level's synchronized gradients) scaled down to norm
+    `max_norm` by its own norm `norms` [K] (computed over the full, unsharded vector); 0: off.
+    Per level, so a slow level's large summed gradient cannot shrink a fast level's update."""
     if max_norm <= 0:
-        return grads, norm
-    factor = jnp.minimum(1.0, max_norm / (norm + 1e-6))
-    return [g * factor for g in grads], norm
+        return grads
+    return grads * jnp.minimum(1.0, max_norm / (norms + 1e-6))[:, None]
 
 
-def apply(tx: optax.GradientTransformation, grad, opt_state, params, lr, weight_decay: float):
-    """One update of one level: returns (new params, new optimizer state)."""
-    updates, opt_state = tx.update(grad, opt_state, params)
-    new = jax.tree.map(lambda p, u: p - lr * (u + weight_decay * p), params, updates)
-    return new, opt_state
+def apply_steps(tx: optax.GradientTransformation, grads, oks, opt_state, params, lrs, weight_decay: float):
+    """A level's update from K gradients taken at the same parameters (every leaf of `grads`
+    has a leading K axis; `oks` [K] bool, `lrs` [K]): the optimizer runs on them in order and the
+    parameters move once, by Σ_k lr_k (u_k + wd θ). A gradient whose `ok` is False changes
+    neither the optimizer state nor the parameters. K = 1 is one ordinary step, bit for bit.
+    Returns (new params, new optimizer state)."""
+
+    def one(carry, x):
+        opt_state, total = carry
+        g, ok, lr = x
+        updates, new_state = tx.update(g, opt_state, params)
+        delta = jax.tree.map(lambda p, u: jnp.where(ok, lr * (u + weight_decay * p), 0), params, updates)
+        keep = lambda new, old: jnp.where(ok, new, old)
+        return (jax.tree.map(keep, new_state, opt_state), jax.tree.map(jnp.add, total, delta)), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    if oks.shape[0] == 1:
+        (opt_state, total), _ = one((opt_state, zeros), jax.tree.map(lambda x: x[0], (grads, oks, lrs)))
+    else:
+        (opt_state, total), _ = jax.lax.scan(one, (opt_state, zeros), (grads, oks, lrs))
+    return jax.tree.map(lambda p, d: p - d, params, total), opt_state

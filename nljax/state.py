@@ -8,6 +8,8 @@
 | opt_state | per level, touched when it fires  | replicated; zero1: flat vectors split over      |
 |           |                                   | `intra`; fsdp: split over both data axes        |
 | err_buf   | per level, rank-local             | [n_devices, N_l] split over data axes           |
+|           |                                   | (`cms.accumulate=updates`: [n_devices,          |
+|           |                                   | (C_l - 1) N_l], one slot per frozen step)       |
 | memory    | inner loop, per stream row        | [G, ...] split over data axes by row            |
 
 `err_buf[l]` is None for levels that never freeze (period 1) and in `skip` mode. The layouts of
@@ -33,7 +35,7 @@ class TrainState:
     step: jax.Array  # int32 []
     params: PyTree
     opt_state: tuple  # one optimizer state per level
-    err_buf: tuple  # one float32 [n_devices, N_l] buffer per level, or None
+    err_buf: tuple  # one float32 [n_devices, frozen.width] buffer per level, or None
     memory: PyTree  # inner-loop state, leading axis = stream rows
 
 

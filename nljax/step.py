@@ -20,10 +20,11 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from nljax import levels, optim
+from nljax import frozen, levels, optim
 from nljax.config import Config, ConfigError
 from nljax.mesh import DATA_AXES, REPLICATED, ROWS, data_size, rows_sharding
 from nljax.models.base import Model
@@ -74,7 +75,7 @@ class Engine:
         """Fresh state for `rows` stream rows, placed on the mesh."""
         params, opt_state = init_layout(self, key)  # already in the strategy's shardings
         err_buf = tuple(
-            jnp.zeros((self.n_devices, self.flats[l].size), jnp.float32) if self.buffered(l) else None
+            jnp.zeros((self.n_devices, frozen.width(self, l)), jnp.float32) if self.buffered(l) else None
             for l in range(self.n_levels)
         )
         memory = self.model.init_memory(rows)
@@ -135,56 +136,65 @@ def accumulated_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree,
     return jax.tree.map(lambda g: g / m, grads), loss_sum, count, jax.tree.map(join, memory)
 
 
-def fold_frozen(eng: Engine, active: Active, grads: tuple, err_buf: tuple):
-    """Per level: the flat local gradient to synchronize (active levels, error buffer added) and
-    the new error buffers (frozen levels add their gradient, rank-local; fired levels reset)."""
-    check = eng.cfg.sync.check_grads
-    to_sync, new_buf = {}, list(err_buf)
-    for l in range(eng.n_levels):
-        if grads[l] is None:
-            continue
-        g = eng.flats[l].ravel(grads[l])  # [N_l]
-        if active[l]:
-            if eng.buffered(l):
-                g = g + err_buf[l][0]
-                new_buf[l] = jnp.zeros_like(err_buf[l])
-            to_sync[l] = g
-        elif eng.buffered(l):
-            acc = err_buf[l] + g[None]  # [1, N_l], rank-local, never communicated
-            # A non-finite local gradient of a frozen level would poison the buffer until the
-            # level fires and then make every later firing skip; it is left out on this device
-            # (a rank-local decision, like the buffer itself).
-            new_buf[l] = jnp.where(jnp.all(jnp.isfinite(g)), acc, err_buf[l]) if check else acc
-    return to_sync, tuple(new_buf)
+def sync_level(eng: Engine, g: jax.Array) -> jax.Array:
+    """A level's K local gradients [K, N_l] -> synchronized [K, N_l or shard], as one collective
+    (one reduce-scatter / all-reduce / all-gather chain) whatever K is."""
+    if g.shape[0] == 1:
+        return eng.strategy.reduce(eng, g[0])[None]
+    return jax.vmap(lambda v: eng.strategy.reduce(eng, v))(g)
 
 
-def global_norm(eng: Engine, synced: dict) -> jax.Array:
-    """Norm of the synchronized gradients of the active levels, identical on every device. Under
-    a sharded strategy each device holds a shard, so the squared sums cross `stat_axes` (one
-    scalar all-reduce); `replicated` needs no collective."""
-    sq = sum(jnp.sum(jnp.square(g)) for g in synced.values()) if synced else jnp.zeros(())
-    if synced and eng.strategy.stat_axes:
-        sq = jax.lax.psum(sq, eng.strategy.stat_axes)
-    return jnp.sqrt(sq)
+def level_norms(eng: Engine, synced: dict) -> dict:
+    """Per active level, the norm of each of its synchronized gradients ([K_l]), identical on
+    every device. Under a sharded strategy each device holds a shard, so the squared sums of all
+    levels cross `stat_axes` together as one small vector (one all-reduce); `replicated` needs no
+    collective."""
+    sq = {l: jnp.sum(jnp.square(g), axis=1) for l, g in synced.items()}  # [K_l] each
+    if sq and eng.strategy.stat_axes:
+        total = jax.lax.psum(jnp.concatenate(list(sq.values())), eng.strategy.stat_axes)  # [Σ K_l]
+        offsets = np.cumsum([0] + [v.shape[0] for v in sq.values()])
+        sq = {l: total[offsets[i] : offsets[i + 1]] for i, l in enumerate(sq)}
+    return {l: jnp.sqrt(v) for l, v in sq.items()}
 
 
-def skip_step(eng: Engine, grad_norm: jax.Array):
-    """Whether to skip this step, from the synchronized gradients (the same value on every
-    device, so all take the same branch without another collective): a NaN or Inf anywhere in
-    them makes the norm non-finite; `sync.max_grad_norm` adds a threshold."""
+def keep_grads(eng: Engine, norms: jax.Array, written: jax.Array) -> jax.Array:
+    """Which of a level's synchronized gradients update it ([K] bool), from their norms (the same
+    on every device, so all decide alike without another collective): a NaN or Inf anywhere
+    makes a norm non-finite; `sync.max_grad_norm` adds a threshold; `written` drops slots no step
+    wrote. Per level: one level's bad gradient never stops another level's update."""
     c = eng.cfg.sync
     if not c.check_grads:
-        return None
-    bad = ~jnp.isfinite(grad_norm)
-    if c.max_grad_norm > 0:
-        bad = bad | (grad_norm > c.max_grad_norm)
-    return bad
+        return written
+    ok = written & jnp.isfinite(norms)
+    return ok & (norms <= c.max_grad_norm) if c.max_grad_norm > 0 else ok
+
+
+def update_levels(eng: Engine, state: TrainState, stored: tuple, synced: dict):
+    """Each active level updated from its own synchronized gradients, clipped by their own norms
+    and skipped on their own. Returns (new stored params per level, new optimizer states,
+    per-level metrics: [L] norms of the current step's gradient, [L] skipped-gradient counts)."""
+    cfg = eng.cfg
+    norms = level_norms(eng, synced)
+    scales = optim.level_scales(cfg.optim, eng.n_levels)
+    new_stored, opt_state = list(stored), list(state.opt_state)
+    norm_out, skipped = jnp.zeros((eng.n_levels,)), jnp.zeros((eng.n_levels,))
+    for l, g in synced.items():
+        steps = frozen.steps_of(state.step, g.shape[0])  # [K]
+        ok = keep_grads(eng, norms[l], steps >= 0)
+        g = optim.clip(g, norms[l], cfg.optim.clip_norm)
+        # step + 1: with warm-up the schedule is 0 at step 0, the one step where every level
+        # fires, so a level that fires only then would never train.
+        lrs = jnp.broadcast_to(eng.lr(steps + 1), steps.shape) * scales[l]  # a constant schedule gives a float
+        new_stored[l], opt_state[l] = eng.strategy.update(eng, l, g, stored[l], state.opt_state[l], lrs, ok)
+        norm_out = norm_out.at[l].set(norms[l][-1])
+        skipped = skipped.at[l].set(jnp.sum((steps >= 0) & ~ok))
+    return new_stored, tuple(opt_state), {"level_grad_norm": norm_out, "level_skipped": skipped}
 
 
 def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict):
     """Per-device body. Shapes are shard-local: batch tokens [G/n, T+1], memory [G/n, ...],
-    err_buf[l] [1, N_l]; params and optimizer states as `eng.strategy` stores them (full
-    replicas, or flat shards)."""
+    err_buf[l] [1, N_l] (or [1, (C_l − 1) N_l], `frozen.width`); params and optimizer states as
+    `eng.strategy` stores them (full replicas, or flat shards)."""
     cfg, strat = eng.cfg, eng.strategy
     stored = strat.split(eng, state.params)
     parts = levels.split(strat.compute_params(eng, state.params), eng.level_tree, eng.n_levels)
@@ -193,39 +203,24 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     # The inner loop's state is carried to the next step but gradients never flow across steps.
     memory = jax.lax.stop_gradient(memory)
 
-    to_sync, err_buf = fold_frozen(eng, active, grads, state.err_buf)
-    synced = {l: strat.reduce(eng, g) for l, g in to_sync.items() if g.size}
-    grad_norm = global_norm(eng, synced)
-    if cfg.optim.clip_norm > 0:  # clip the active levels jointly by their global norm
-        factor = jnp.minimum(1.0, cfg.optim.clip_norm / (grad_norm + 1e-6))
-        synced = {l: g * factor for l, g in synced.items()}
-    # step + 1: with warm-up the schedule is 0 at step 0, the one step where every level fires,
-    # so a level that fires only then would never train.
-    lr = eng.lr(state.step + 1)
-    scales = optim.level_scales(cfg.optim, eng.n_levels)
-    new_stored, opt_state = list(stored), list(state.opt_state)
-    for l, g in synced.items():
-        new_stored[l], opt_state[l] = strat.update(eng, l, g, stored[l], opt_state[l], lr * scales[l])
-    new_state = TrainState(
-        step=state.step + 1,
-        params=strat.merge(eng, new_stored),
-        opt_state=tuple(opt_state),
-        err_buf=err_buf,
-        memory=memory,
-    )
-    skip = skip_step(eng, grad_norm)
-    if skip is not None:
-        # A skipped step leaves parameters, optimizer state and error buffers bit for bit as
-        # they were. The inner-loop memory still advances: it is the streams' state, not a
-        # learned parameter, and keeping a state that produced a non-finite loss would replay it
-        # at every later step (the model restarts rows whose memory is non-finite).
-        # `where` rather than `cond`: both branches are computed anyway.
-        kept = state.replace(step=new_state.step, memory=new_state.memory)
-        new_state = jax.tree.map(lambda old, new: jnp.where(skip, old, new), kept, new_state)
+    # A fired level's buffer is reset even when its update is skipped: the reset drops a
+    # gradient sum that failed the check, which would otherwise fail it again at every firing.
+    to_sync, err_buf = frozen.fold(eng, active, grads, state.err_buf, state.step)
+    synced = {l: sync_level(eng, g) for l, g in to_sync.items() if g.size}
+    new_stored, opt_state, level_metrics = update_levels(eng, state, stored, synced)
+    # The inner-loop memory advances even when levels are skipped: it is the streams' state, not
+    # a learned parameter, and keeping a state that produced a non-finite loss would replay it at
+    # every later step (the model restarts rows whose memory is non-finite).
+    new_state = TrainState(state.step + 1, strat.merge(eng, new_stored), opt_state, err_buf, memory)
     # Loss leaves as per-device sums and counts ([n_devices] globally): the host reduces them,
     # so the step's HLO holds no collective besides the gradient sync.
-    skipped = jnp.zeros((), jnp.float32) if skip is None else skip.astype(jnp.float32)
-    metrics = {"loss_sum": loss_sum[None], "count": count[None], "grad_norm": grad_norm, "skipped": skipped}
+    metrics = {
+        "loss_sum": loss_sum[None],
+        "count": count[None],
+        "grad_norm": jnp.sqrt(jnp.sum(jnp.square(level_metrics["level_grad_norm"]))),  # of all active levels
+        "skipped": (jnp.sum(level_metrics["level_skipped"]) > 0).astype(jnp.float32),  # any level skipped
+        **level_metrics,
+    }
     return new_state, metrics
 
 
@@ -256,7 +251,14 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
     return {"loss_sum": loss_sum[None], "count": count[None], "hits": hits[None], "scored": scored[None]}, memory
 
 
-TRAIN_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS, "grad_norm": REPLICATED, "skipped": REPLICATED}
+TRAIN_METRIC_SPECS = {
+    "loss_sum": ROWS,
+    "count": ROWS,
+    "grad_norm": REPLICATED,
+    "skipped": REPLICATED,
+    "level_grad_norm": REPLICATED,  # [L]: each active level's current synchronized gradient norm, 0 if frozen
+    "level_skipped": REPLICATED,  # [L]: how many of each level's synchronized gradients were skipped
+}
 EVAL_METRIC_SPECS = {"loss_sum": ROWS, "count": ROWS}
 
 

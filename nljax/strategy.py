@@ -117,8 +117,9 @@ class Strategy(Protocol):
 
     stat_axes: tuple[str, ...]  # axes over which the shards of a synchronized gradient differ
 
-    def update(self, eng, l: int, g: jax.Array, stored_part, opt_state, lr) -> tuple[Any, Any]:
-        """Level l's new stored parameters and optimizer state from its synchronized gradient."""
+    def update(self, eng, l: int, gs: jax.Array, stored_part, opt_state, lrs, oks) -> tuple[Any, Any]:
+        """Level l's new stored parameters and optimizer state from its K synchronized gradients
+        `gs` [K, full or shard] (`optim.apply_steps`; K = 1 except under `cms.accumulate: updates`)."""
 
 
 class Replicated:
@@ -149,8 +150,9 @@ class Replicated:
         c = eng.cfg.sync
         return sync.reduce(g, c.reduce, c.mean, eng.mesh.shape[INTRA], eng.n_devices)
 
-    def update(self, eng, l, g, stored_part, opt_state, lr):
-        return optim.apply(eng.tx, eng.flats[l].unravel(g), opt_state, stored_part, lr, eng.cfg.optim.weight_decay)
+    def update(self, eng, l, gs, stored_part, opt_state, lrs, oks):
+        grads = jax.vmap(eng.flats[l].unravel)(gs)  # leaves [K, ...]
+        return optim.apply_steps(eng.tx, grads, oks, opt_state, stored_part, lrs, eng.cfg.optim.weight_decay)
 
 
 class _FlatOptimizer:
@@ -196,12 +198,12 @@ class Zero1(_FlatOptimizer, Replicated):
         c = eng.cfg.sync
         return sync.shard_intra(g, c.reduce, c.mean, eng.mesh.shape[INTRA], eng.n_devices)  # [Np/intra]
 
-    def update(self, eng, l, g, stored_part, opt_state, lr):
+    def update(self, eng, l, gs, stored_part, opt_state, lrs, oks):
         flat, intra = eng.flats[l], eng.mesh.shape[INTRA]
-        size = g.shape[0]  # Np / intra
+        size = gs.shape[1]  # Np / intra
         full = sync.pad_to(flat.ravel(stored_part), intra)  # [Np]
         shard = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(INTRA) * size, size)  # [Np/intra]
-        shard, opt_state = optim.apply(eng.tx, g, opt_state, shard, lr, eng.cfg.optim.weight_decay)
+        shard, opt_state = optim.apply_steps(eng.tx, gs, oks, opt_state, shard, lrs, eng.cfg.optim.weight_decay)
         new = jax.lax.all_gather(shard, INTRA, axis=0, tiled=True)[: flat.size]  # [N]
         return flat.unravel(new), opt_state
 
@@ -245,8 +247,8 @@ class FSDP(_FlatOptimizer):
         c, m = eng.cfg.sync, eng.mesh.shape
         return sync.shard_all(g, c.reduce, c.mean, m[INTER], m[INTRA])  # [Np/(inter*intra)]
 
-    def update(self, eng, l, g, stored_part, opt_state, lr):
-        return optim.apply(eng.tx, g, opt_state, stored_part, lr, eng.cfg.optim.weight_decay)
+    def update(self, eng, l, gs, stored_part, opt_state, lrs, oks):
+        return optim.apply_steps(eng.tx, gs, oks, opt_state, stored_part, lrs, eng.cfg.optim.weight_decay)
 
 
 STRATEGIES: dict[str, Strategy] = {"replicated": Replicated(), "zero1": Zero1(), "fsdp": FSDP()}

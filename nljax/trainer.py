@@ -262,11 +262,14 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
         dt = time.perf_counter() - t0
         profiler.after(p.step, last)
         was_skipped = bool(m["skipped"].addressable_data(0))  # the same on every device
+        norms, lskip = (m[k].addressable_data(0).tolist() for k in ("level_grad_norm", "level_skipped"))  # per level
+        skipped_levels = [l for l in p.active_levels if lskip[l]]
         if was_skipped:
             hist.skipped += 1
-            out.say(f"warning: step {p.step} skipped: gradient norm {float(m['grad_norm'].addressable_data(0))} "
-                    f"is not finite or above sync.max_grad_norm")
-        in_a_row = in_a_row + 1 if was_skipped else 0
+            out.say(f"warning: step {p.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
+                    f"sync.max_grad_norm)")
+        stalled = len(skipped_levels) == len(p.active_levels)  # nothing trained this step
+        in_a_row = in_a_row + 1 if stalled else 0
         conductor = conductor.advance()  # after the step's synchronization
         rec = {
             "step": p.step,
@@ -277,6 +280,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
             key: units / dt,
             "compiled": compiled,
             "skipped": was_skipped,
+            **{f"grad_norm_l{l}": float(norms[l]) for l in p.active_levels}, "skipped_levels": skipped_levels,
         }
         if variant != p.active:
             rec["micro_batches"] = variant[1]  # a tail batch that ends a data pass

@@ -19,9 +19,16 @@ STEPS = 12  # two full cycles of [1, 2, 3]
 MESHES = [(1, 1), (1, 2), (2, 2), (2, 4), (4, 2)]
 
 
+def mode(frozen: str) -> list[str]:
+    """accumulate | skip | updates (accumulate, buffering per-step gradients: `cms.accumulate`)."""
+    if frozen == "updates":
+        return ["cms.frozen_grads=accumulate", "cms.accumulate=updates"]
+    return [f"cms.frozen_grads={frozen}"]
+
+
 @functools.lru_cache(maxsize=None)
 def reference(frozen: str):
-    setup = make([PERIODS, f"cms.frozen_grads={frozen}"], 1, 1)
+    setup = make([PERIODS, *mode(frozen)], 1, 1)
     losses, state = run_steps(setup, STEPS)
     return losses, jax.device_get(state.params)
 
@@ -34,12 +41,14 @@ CASES = [
     for inter, intra in MESHES
     if (inter, intra) != (1, 1) or reduce == "hierarchical"
 ]
+# `cms.accumulate=updates` (Adam on each buffered step at the firing) on the issue's meshes.
+CASES += [(i, j, r, "updates") for r in ["flat", "hierarchical"] for i, j in [(1, 2), (2, 4), (4, 2)]]
 
 
 @pytest.mark.parametrize("inter,intra,reduce,frozen", CASES)
 def test_matches_single_device(inter, intra, reduce, frozen):
     ref_losses, ref_params = reference(frozen)
-    setup = make([PERIODS, f"cms.frozen_grads={frozen}", f"sync.reduce={reduce}"], inter, intra)
+    setup = make([PERIODS, *mode(frozen), f"sync.reduce={reduce}"], inter, intra)
     losses, state = run_steps(setup, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-6)
@@ -48,8 +57,9 @@ def test_matches_single_device(inter, intra, reduce, frozen):
 
 
 def test_frozen_modes_differ():
-    # guards the test above: the two modes must not be the same computation
+    # guards the test above: the modes must not be the same computation
     assert not np.allclose(reference("accumulate")[0], reference("skip")[0])
+    assert not np.allclose(reference("accumulate")[0], reference("updates")[0])  # Adam: one step vs one per step
 
 
 @pytest.mark.parametrize("reduce", ["flat", "hierarchical"])
@@ -91,22 +101,35 @@ def test_accumulate_applies_sum_of_frozen_gradients():
     assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)
 
 
-def _level0_only_collectives(reduce, inter, intra):
-    setup = make([PERIODS, f"sync.reduce={reduce}"], inter, intra)
+def _level0_only_collectives(reduce, inter, intra, frozen="accumulate"):
+    setup = make([PERIODS, f"sync.reduce={reduce}", *mode(frozen)], inter, intra)
     text = setup.cache.train_fn((True, False, False), setup.state, setup.batch(0)).as_text()
     sizes = levels.level_sizes(setup.state.params, setup.engine.level_tree, 3)
     return hlo.collectives(text, dict(setup.mesh.shape)), sizes
 
 
-def test_hlo_flat_level0_only():
-    colls, sizes = _level0_only_collectives("flat", 2, 4)
+@pytest.mark.parametrize("frozen", ["accumulate", "updates"])
+def test_hlo_flat_level0_only(frozen):
+    colls, sizes = _level0_only_collectives("flat", 2, 4, frozen)
     assert [(c.op, c.axes) for c in colls] == [("all-reduce", ("inter", "intra"))]
     assert colls[0].bytes == sizes[0][1]  # exactly level 0's gradient, nothing of levels 1, 2
 
 
-@pytest.mark.parametrize("inter,intra", [(2, 4), (4, 2)])
-def test_hlo_hierarchical_level0_only(inter, intra):
-    colls, sizes = _level0_only_collectives("hierarchical", inter, intra)
+def test_hlo_updates_firing_reduces_each_buffered_step_once():
+    """`updates`: when level 1 (period 2) fires, its two per-step gradients cross devices as one
+    [2, N_1] all-reduce; level 2 (frozen) moves nothing."""
+    setup = make([PERIODS, "sync.reduce=flat", *mode("updates")], 2, 4)
+    text = setup.cache.train_fn((True, True, False), setup.state, setup.batch(0)).as_text()
+    sizes = levels.level_sizes(setup.state.params, setup.engine.level_tree, 3)
+    colls = hlo.collectives(text, dict(setup.mesh.shape))
+    assert {c.op for c in colls} == {"all-reduce"}
+    got, want = sorted(c.bytes for c in colls), sorted([sizes[0][1], 2 * sizes[1][1]])
+    assert got == want or sum(got) == sum(want)  # XLA may combine the per-level all-reduces
+
+
+@pytest.mark.parametrize("inter,intra,frozen", [(2, 4, "accumulate"), (4, 2, "accumulate"), (2, 4, "updates")])
+def test_hlo_hierarchical_level0_only(inter, intra, frozen):
+    colls, sizes = _level0_only_collectives("hierarchical", inter, intra, frozen)
     n0 = sizes[0][0]
     shard = -(-n0 // intra)
     assert [(c.op, c.axes) for c in colls] == [

@@ -225,5 +225,9 @@ def test_loop_trains_a_tail_batch_from_the_task():
     state, hist = train_loop(loop_setup, state, Conductor((1, 2)), out)
     assert isinstance(hist, History) and [r.get("micro_batches") for r in hist.records] == [None, 2, None]
     assert hist.records[1]["tokens_per_s_per_device"] * hist.records[1]["step_time_s"] == pytest.approx(2 * 8)
+    # per-level gradient norms of the levels that fired, and which of them were skipped
+    assert [sorted(k for k in r if k.startswith("grad_norm_l")) for r in hist.records] == [
+        ["grad_norm_l0", "grad_norm_l1"], ["grad_norm_l0"], ["grad_norm_l0", "grad_norm_l1"]]
+    assert all(r["grad_norm_l0"] > 0 and r["skipped_levels"] == [] for r in hist.records)
     assert_trees_close(jax.device_get(state.params), params, rtol=1e-6, atol=1e-7)
     assert setup.cache.traces == traces
