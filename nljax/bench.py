@@ -86,12 +86,13 @@ def cpu_model() -> str:
 
 def environment() -> dict:
     import flax
+    import jaxlib
     import optax
 
     dev = jax.devices()[0]
     return {
-        "nljax": __version__, "jax": jax.__version__, "jaxlib": jax.lib.__version__ if hasattr(jax.lib, "__version__")
-        else jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
+        "nljax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+        "optax": optax.__version__,
         "python": platform.python_version(), "platform": dev.platform, "device_kind": dev.device_kind,
         "devices": jax.device_count(), "cpu": cpu_model(),
     }
