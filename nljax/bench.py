@@ -104,20 +104,24 @@ def environment() -> dict:
 def matmul_params(param_shapes) -> tuple[int, int]:
     """(all parameters, those a unit multiplies by): the token embedding is a table lookup and
     `memory0_*` is the inner loop's initial state, not a weight applied to every token."""
-    total = matmul = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes):
-        name = levels.path_str(path)
-        n = int(np.prod(leaf.shape))
-        total += n
-        if not (name == "embed/embedding" or name.split("/")[-1].startswith("memory0_")):
-            matmul += n
-    return total, matmul
+    lookup = lambda name: name == "embed/embedding" or name.split("/")[-1].startswith("memory0_")
+    return count_params(param_shapes), count_params(param_shapes, lambda name: not lookup(name))
+
+
+# DiT parameters applied once per image to its conditioning vector, not to every patch token.
+DIT_PER_IMAGE = ("adaln", "t_embed", "h_embed", "label_embed")
+
+
+def count_params(param_shapes, keep=lambda name: True) -> int:
+    return sum(int(np.prod(leaf.shape)) for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes)
+               if keep(levels.path_str(path)))
 
 
 def analytic_flops(cfg: Config, model, param_shapes) -> dict:
     """Training FLOPs per unit (token; image for the DiT), standard formulas:
 
-    - outer: 6 N (forward 2 N, backward 4 N), N = parameters a token multiplies by;
+    - outer: 6 N (forward 2 N, backward 4 N), N = parameters a token multiplies by (the DiT's
+      conditioning MLPs, adaLN and time/label embeddings, count once per image);
     - attention: 12 L C D per token (QK^T and AV, 2 x 2 C D forward, x3 with backward), C the
       context a token attends to: min(window, seq_len) for nl_lm (an upper bound: the causal
       mask halves it inside the first window), all N_p patches for the DiT;
@@ -138,13 +142,16 @@ def analytic_flops(cfg: Config, model, param_shapes) -> dict:
         hh, ww, _ = model.net.image
         ctx = per_unit = (hh // m.patch_size) * (ww // m.patch_size)
         out["inner_memory_per_token"] = 0.0
+        per_image = count_params(param_shapes, lambda name: any(k in name for k in DIT_PER_IMAGE))
+        out["outer_per_token"] = 6.0 * (n - per_image)
+        out["outer_per_image_conditioning"] = 6.0 * per_image
     else:  # cms_mlp: no attention, no memory
         ctx, per_unit = 0, 1
         out["inner_memory_per_token"] = 0.0
     out["attention_per_token"] = 12.0 * m.depth * ctx * m.dim
     out["tokens_per_unit"] = per_unit
     per_token = out["outer_per_token"] + out["attention_per_token"] + out["inner_memory_per_token"]
-    out["total_per_unit"] = per_token * per_unit
+    out["total_per_unit"] = per_token * per_unit + out.get("outer_per_image_conditioning", 0.0)
     return out
 
 
