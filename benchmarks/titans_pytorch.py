@@ -80,6 +80,12 @@ def torch_side(args):
     dev = "cuda" if args.device in ("cuda", "gpu") else "cpu"
     torch.manual_seed(0)
     model = titans_model().to(dev)
+    for p in model.parameters():
+        # The memory model's initial weights are one tensor expanded over the heads (stride 0);
+        # AdamW's in-place update refuses to write to such a view. A contiguous copy has the
+        # same shape, values and cost (and numel, which is what counts the 19.8M parameters).
+        if 0 in p.stride():
+            p.data = p.data.clone(memory_format=torch.contiguous_format)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-4)
     data = torch.randint(0, 256, (args.batch, args.seq + 1), device=dev)
     n = sum(p.numel() for p in model.parameters())
