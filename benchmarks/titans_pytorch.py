@@ -99,7 +99,7 @@ def torch_side(args):
         opt.zero_grad(set_to_none=True)
         if dev == "cuda":
             torch.cuda.synchronize()
-        return float(loss)
+        return float(loss.detach())
 
     return step, n, n - emb
 
@@ -159,16 +159,18 @@ def interleaved(calls: dict, warmup: int, rounds: int, say) -> dict:
 
 def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
     tokens = args.batch * args.seq
-    names = [k for k in med if k.startswith("nljax")]
-    nl_l0, nl_all = med[names[0]], med[names[-1]]
-    nl_mean = (7 * nl_l0 + nl_all) / 8  # the cycle mean, rarer patterns charged as all-levels
     r = {"batch": args.batch, "seq": args.seq, "device": args.device, "dtype": args.dtype, "nljax_dtype": nl_dtype,
-         "threads": args.threads, "config": args.config, "anchor": ANCHOR,
-         "nljax": {"step_s": {k[6:]: med[k] for k in names}, "step_s_cycle_mean": nl_mean,
-                   "tokens_per_s": tokens / nl_mean, "tokens_per_s_worst": tokens / nl_all, **sizes["nljax"]}}
+         "threads": args.threads, "config": args.config, "anchor": ANCHOR}
+    names = [k for k in med if k.startswith("nljax")]
+    if names:
+        nl_l0, nl_all = med[names[0]], med[names[-1]]
+        nl_mean = (7 * nl_l0 + nl_all) / 8  # the cycle mean, rarer patterns charged as all-levels
+        r["nljax"] = {"step_s": {k[6:]: med[k] for k in names}, "step_s_cycle_mean": nl_mean,
+                      "tokens_per_s": tokens / nl_mean, "tokens_per_s_worst": tokens / nl_all, **sizes["nljax"]}
     if "titans-pytorch" in med:
         t = med["titans-pytorch"]
         r["titans_pytorch"] = {"step_s": t, "tokens_per_s": tokens / t, **sizes["titans_pytorch"]}
+    if names and "titans-pytorch" in med:
         n_nl, n_t = sizes["nljax"]["nonembedding_params"], sizes["titans_pytorch"]["nonembedding_params"]
         r["ratio_tokens_per_s"] = r["nljax"]["tokens_per_s"] / r["titans_pytorch"]["tokens_per_s"]
         r["ratio_tokens_per_s_worst"] = r["nljax"]["tokens_per_s_worst"] / r["titans_pytorch"]["tokens_per_s"]
@@ -180,18 +182,20 @@ def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
 
 
 def format_report(r: dict) -> str:
-    nl = r["nljax"]
     lines = [f"{r['batch']} x {r['seq']} tokens per step, {r['device']}, {r['dtype']} (nljax {r['nljax_dtype']}), "
              f"threads {r['threads']}",
              f"{'':<16}{'params':>14}{'6N/token':>14}{'s/step':>10}{'tokens/s':>12}"]
     row = lambda name, d, s, tps: (f"{name:<16}{d['params']:>14,}{6 * d['nonembedding_params']:>14,}{s:>10.3f}"
                                    f"{tps:>12,.1f}")
-    lines.append(row("nljax (mean)", nl, nl["step_s_cycle_mean"], nl["tokens_per_s"]))
-    for k, s in nl["step_s"].items():
-        lines.append(f"  {k:<14}{'':>28}{s:>10.3f}{r['batch'] * r['seq'] / s:>12,.1f}")
+    if "nljax" in r:
+        nl = r["nljax"]
+        lines.append(row("nljax (mean)", nl, nl["step_s_cycle_mean"], nl["tokens_per_s"]))
+        for k, s in nl["step_s"].items():
+            lines.append(f"  {k:<14}{'':>28}{s:>10.3f}{r['batch'] * r['seq'] / s:>12,.1f}")
     if "titans_pytorch" in r:
         t = r["titans_pytorch"]
         lines.append(row("titans-pytorch", t, t["step_s"], t["tokens_per_s"]))
+    if "ratio_tokens_per_s" in r:
         lines += [f"ratio nljax / titans-pytorch tokens/s: {r['ratio_tokens_per_s']:.1f}x "
                   f"(worst pattern {r['ratio_tokens_per_s_worst']:.1f}x)",
                   f"ratio of outer-loop FLOP/s (tokens/s x 6N): {r['ratio_outer_flops_per_s']:.1f}x; "
@@ -211,6 +215,8 @@ def parse(argv):
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     p.add_argument("--threads", type=int, default=1, help="CPU threads each, 0: library defaults (default 1)")
     p.add_argument("--skip-torch", action="store_true", help="time nljax alone")
+    p.add_argument("--skip-nljax", action="store_true",
+                   help="time titans-pytorch alone (on CPU at 4 x 512 both need more than 23 GB together)")
     p.add_argument("--out", metavar="FILE.json")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="nljax config overrides")
     return p.parse_args(argv)
@@ -226,9 +232,11 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     say = lambda s: print(s, flush=True)
-    steps, n, n_mat, nl_dtype = nljax_side(args)
-    sizes = {"nljax": {"params": n, "nonembedding_params": n_mat}}
-    calls = {f"nljax {k}": v for k, v in steps.items()}
+    calls, sizes, nl_dtype = {}, {}, "-"
+    if not args.skip_nljax:
+        steps, n, n_mat, nl_dtype = nljax_side(args)
+        sizes["nljax"] = {"params": n, "nonembedding_params": n_mat}
+        calls.update({f"nljax {k}": v for k, v in steps.items()})
     if not args.skip_torch:
         try:
             step, tn, tn_mat = torch_side(args)
