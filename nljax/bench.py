@@ -26,7 +26,6 @@ A benchmark is a command, not a test: the suite only checks that its JSON is wel
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import platform
