@@ -1,0 +1,51 @@
+"""The GPU targets of issue 17 (item 6), read from the JSON that benchmarks/gpu_suite.sh wrote.
+
+    python benchmarks/gpu_summary.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def load(out: Path, name: str) -> dict | None:
+    p = out / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a " if ok is None else ("MET " if ok else "MISS")
+
+
+def lines(out: Path) -> list[str]:
+    rows = []
+    b = load(out, "bench_titans_demo")
+    if b:
+        comp = ", ".join(f"{k} {p['compile_s']:.1f} s" for k, p in b["per_pattern"].items())
+        rows.append(f"info  titans_demo: {b['units_per_s_per_device_mean']:,.0f} tokens/s/device mean, "
+                    f"worst {b['units_per_s_per_device_worst']:,.0f}; compile per variant: {comp}")
+    t = load(out, "titans_vs_bf16")
+    ratio = t.get("ratio_tokens_per_s") if t else None
+    rows.append(f"{verdict(None if ratio is None else ratio >= 100)}  titans_demo vs titans-pytorch bf16, batch 4: "
+                + ("skipped" if ratio is None else f"{ratio:.1f}x (target >= 100x; "
+                   f"{t['nljax']['tokens_per_s']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)"))
+    b = load(out, "bench_titans_demo_b128")
+    peak = b["memory"]["peak_bytes"] if b else None
+    rows.append(f"{verdict(None if peak is None else peak < 20e9)}  titans_demo batch 128 x 512 peak memory: "
+                + ("-" if peak is None else f"{peak / 1e9:.1f} GB (target < 20 GB)"))
+    b = load(out, "bench_nl_350m")
+    mfu = b.get("mfu_mean") if b else None
+    rows.append(f"{verdict(None if mfu is None else mfu >= 0.40)}  nl_350m seq 2048 MFU: "
+                + ("-" if mfu is None else f"{100 * mfu:.1f}% XLA count, {100 * b['mfu_analytic_mean']:.1f}% analytic "
+                   f"(target >= 40%; {b['flops']['params'] / 1e6:.0f}M parameters)"))
+    mf, fm = load(out, "bench_dit_b4_meanflow"), load(out, "bench_dit_b4_flow_matching")
+    r = mf["mean_step_ms"] / fm["mean_step_ms"] if mf and fm else None
+    rows.append(f"{verdict(None if r is None else r <= 1.6)}  DiT-B/4 32x32 MeanFlow / flow-matching step: "
+                + ("-" if r is None else f"{r:.2f}x (target <= 1.6x; {mf['mean_step_ms']:.1f} vs {fm['mean_step_ms']:.1f} ms)"))
+    return rows
+
+
+if __name__ == "__main__":
+    print("\n".join(lines(Path(sys.argv[1]))))

@@ -1,0 +1,379 @@
+"""The benchmark command: how fast a config trains, measured the way it trains.
+
+    python -m nljax.bench [--config FILE] [--cpu-devices N] [--steps S] [--warmup W]
+                          [--patterns cycle|worst] [--out FILE.json] [key=value ...]
+
+builds the run exactly as `nljax.train` does (`trainer.Setup`: same mesh, engine, compiled
+step variants, data) but writes no run directory and no checkpoint. Then, for every pulse
+pattern (distinct active set) of one cycle of `cms.periods` (or only the one where every level
+fires, `--patterns worst`):
+
+- compile time of its step variant (lower + compile, ahead of time, as the trainer does);
+- `--warmup` untimed steps, then `--steps` timed rounds interleaved over the patterns (a drift of
+  clock or load hits all of them alike): median, min, max and spread of the step time;
+- units (tokens, images) per second per device: per pattern, the mean weighted by how often each
+  pattern fires in a cycle, and the worst pattern;
+- FLOPs per unit: analytic (`analytic_flops`: 6 N + attention for the outer loop, plus an
+  estimate of the inner-loop memory), and XLA's count for the compiled per-device program;
+- MFU against the device's peak: the known bf16 dense peak of GPUs/TPUs (`throughput.PEAK_TFLOPS`,
+  or `--peak-tflops`); on CPU a float32 matmul peak measured here and printed;
+- peak memory: `memory_stats()['peak_bytes_in_use']` where the backend keeps it (GPU), else the
+  compiled programs' `memory_analysis()` (arguments + outputs + temporaries - aliased);
+- versions and the device kind.
+
+A benchmark is a command, not a test: the suite only checks that its JSON is well formed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nljax import __version__, cli, levels, throughput
+from nljax.conductor import Conductor, pattern_name
+from nljax.config import Config, ConfigError
+
+
+# ---------------------------------------------------------------------------------- the device
+
+
+def cpu_matmul_peak(n: int = 1024, reps: int = 5) -> float:
+    """FLOP/s of a float32 n x n matmul on the first device, best of `reps` (a roofline for
+    MFU on CPU, where no datasheet peak applies: what XLA's own dot reaches on this machine)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    jax.block_until_ready(dot(a, b))  # compile
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(dot(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n**3 / best
+
+
+def device_peak(override_tflops: float) -> tuple[float, str]:
+    """(per-device peak FLOP/s, where it comes from)."""
+    dev = jax.devices()[0]
+    known = throughput.peak_flops(dev.device_kind, override_tflops)
+    if known:
+        return known, "--peak-tflops" if override_tflops > 0 else f"bf16 dense peak of {dev.device_kind}"
+    if dev.platform == "cpu":
+        return cpu_matmul_peak(), "measured: float32 1024x1024 jnp.dot on this CPU"
+    raise ConfigError(f"no known peak for device kind '{dev.device_kind}': give --peak-tflops")
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def environment() -> dict:
+    import flax
+    import jaxlib
+    import optax
+
+    dev = jax.devices()[0]
+    return {
+        "nljax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__, "flax": flax.__version__,
+        "optax": optax.__version__,
+        "python": platform.python_version(), "platform": dev.platform, "device_kind": dev.device_kind,
+        "devices": jax.device_count(), "cpu": cpu_model(),
+    }
+
+
+# ------------------------------------------------------------------------------ FLOPs per unit
+
+
+def matmul_params(param_shapes) -> tuple[int, int]:
+    """(all parameters, those a unit multiplies by): the token embedding is a table lookup and
+    `memory0_*` is the inner loop's initial state, not a weight applied to every token."""
+    lookup = lambda name: name == "embed/embedding" or name.split("/")[-1].startswith("memory0_")
+    return count_params(param_shapes), count_params(param_shapes, lambda name: not lookup(name))
+
+
+# DiT parameters applied once per image to its conditioning vector, not to every patch token.
+DIT_PER_IMAGE = ("adaln", "t_embed", "h_embed", "label_embed")
+
+
+def count_params(param_shapes, keep=lambda name: True) -> int:
+    return sum(int(np.prod(leaf.shape)) for path, leaf in jax.tree_util.tree_leaves_with_path(param_shapes)
+               if keep(levels.path_str(path)))
+
+
+def analytic_flops(cfg: Config, model, param_shapes) -> dict:
+    """Training FLOPs per unit (token; image for the DiT), standard formulas:
+
+    - outer: 6 N (forward 2 N, backward 4 N), N = parameters a token multiplies by (the DiT's
+      conditioning MLPs, adaLN and time/label embeddings, count once per image);
+    - attention: 12 L C D per token (QK^T and AV, 2 x 2 C D forward, x3 with backward), C the
+      context a token attends to: min(window, seq_len) for nl_lm (an upper bound: the causal
+      mask halves it inside the first window), all N_p patches for the DiT;
+    - inner (nl_lm's neural memory, an estimate): per token and memory layer the chunk reads
+      M(q) and evaluates M(k) at the chunk-start memory (2 x 4 H d h for the MLP memory), and
+      one vector-Jacobian product for its gradient (~2x that): 16 H d h forward, x3 with the
+      outer backward: 48 H d h (linear memory: 24 H d^2).
+    MeanFlow's JVP adds about one forward pass on top; XLA's count includes it."""
+    m = cfg.model
+    n_total, n = matmul_params(param_shapes)
+    out = {"params": n_total, "matmul_params": n, "outer_per_token": 6.0 * n}
+    if m.name == "nl_lm":
+        ctx, per_unit = min(m.window, cfg.train.seq_len), 1
+        h, d, hid = m.memory_heads, m.memory_dim, m.memory_hidden
+        per_layer = 48.0 * h * d * hid if m.memory_kind == "mlp" else 24.0 * h * d * d
+        out["inner_memory_per_token"] = per_layer * len(m.memory_layers)
+    elif m.name == "dit":
+        hh, ww, _ = model.net.image
+        ctx = per_unit = (hh // m.patch_size) * (ww // m.patch_size)
+        out["inner_memory_per_token"] = 0.0
+        per_image = count_params(param_shapes, lambda name: any(k in name for k in DIT_PER_IMAGE))
+        out["outer_per_token"] = 6.0 * (n - per_image)
+        out["outer_per_image_conditioning"] = 6.0 * per_image
+    else:  # cms_mlp: no attention, no memory
+        ctx, per_unit = 0, 1
+        out["inner_memory_per_token"] = 0.0
+    out["attention_per_token"] = 12.0 * m.depth * ctx * m.dim
+    out["tokens_per_unit"] = per_unit
+    per_token = out["outer_per_token"] + out["attention_per_token"] + out["inner_memory_per_token"]
+    out["total_per_unit"] = per_token * per_unit + out.get("outer_per_image_conditioning", 0.0)
+    return out
+
+
+# ---------------------------------------------------------------------------------- measuring
+
+
+def bench_patterns(periods: tuple[int, ...], which: str) -> dict[tuple[bool, ...], int]:
+    """active set -> steps per cycle, for the patterns to time."""
+    cycle = Conductor(periods).patterns()
+    if which == "worst":  # all levels fire: the slowest pattern, and the only one at step 0
+        every = tuple(True for _ in periods)
+        return {every: cycle[every]}
+    return cycle
+
+
+def compile_variants(setup, actives, state, batch) -> tuple[dict, dict]:
+    """(active set -> compiled step, active set -> seconds to lower and compile it)."""
+    fns, seconds = {}, {}
+    for a in actives:
+        t0 = time.perf_counter()
+        fns[a] = setup.cache.train_fn(a, state, batch)
+        seconds[a] = time.perf_counter() - t0
+    return fns, seconds
+
+
+def time_steps(fns: dict, state, batch, warmup: int, steps: int) -> dict:
+    """active set -> step times (s) of `steps` rounds interleaved over the patterns, after
+    `warmup` untimed rounds. One state is threaded through every call (each donates it)."""
+    state = jax.tree.map(lambda x: x.copy(), state)
+    times = {a: [] for a in fns}
+    for i in range(warmup + steps):
+        for a, fn in fns.items():
+            t0 = time.perf_counter()
+            state, metrics = fn(state, batch)
+            jax.block_until_ready((state, metrics))
+            if i >= warmup:
+                times[a].append(time.perf_counter() - t0)
+    return times
+
+
+def spread(ts: list[float]) -> dict:
+    med = statistics.median(ts)
+    return {"median_ms": med * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3,
+            "stdev_ms": statistics.stdev(ts) * 1e3 if len(ts) > 1 else 0.0,
+            "spread": (max(ts) - min(ts)) / med, "samples": len(ts)}
+
+
+def peak_memory(fns: dict) -> dict:
+    """Peak bytes per device: the allocator's high-water mark where the backend keeps one (GPU,
+    TPU), and per compiled program arguments + outputs + temporaries - aliased (donated) bytes,
+    the largest over the patterns."""
+    out = {"memory_stats_peak_bytes": None, "compiled_peak_bytes": None}
+    stats = jax.devices()[0].memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        out["memory_stats_peak_bytes"] = int(stats["peak_bytes_in_use"])
+    for a, fn in fns.items():
+        try:
+            ma = fn.memory_analysis()
+        except Exception:  # not every backend implements it
+            continue
+        if ma is None:
+            continue
+        b = {k: int(getattr(ma, f"{k}_size_in_bytes", 0)) for k in ("argument", "output", "temp", "alias")}
+        total = b["argument"] + b["output"] + b["temp"] - b["alias"]
+        if out["compiled_peak_bytes"] is None or total > out["compiled_peak_bytes"]:
+            out["compiled_peak_bytes"], out["compiled_breakdown"] = total, {**b, "pattern": pattern_name(a)}
+    out["peak_bytes"] = out["memory_stats_peak_bytes"] or out["compiled_peak_bytes"]
+    return out
+
+
+# ------------------------------------------------------------------------------------- report
+
+
+def pattern_row(ts: list[float], compile_s: float, per_cycle: int, units: int, xla_flops, analytic: float,
+                peak: float) -> dict:
+    step = statistics.median(ts)
+    return {
+        "steps_per_cycle": per_cycle, "compile_s": compile_s, "step_time": spread(ts),
+        "units_per_s_per_device": units / step,
+        "xla_flops_per_device_step": xla_flops,
+        "xla_flops_per_unit": xla_flops / units if xla_flops else None,
+        "mfu": xla_flops / step / peak if xla_flops else None,
+        "mfu_analytic": analytic * units / step / peak,
+    }
+
+
+def summarize(rows: dict, units: int) -> dict:
+    """Mean weighted by steps per cycle (time per unit averaged, so slow patterns weigh in
+    proportion to the time they take) and the worst (slowest) pattern."""
+    weight = {k: r["steps_per_cycle"] for k, r in rows.items()}
+    total = sum(weight.values())
+    mean_step = sum(weight[k] * r["step_time"]["median_ms"] for k, r in rows.items()) / total / 1e3
+    worst = max(rows, key=lambda k: rows[k]["step_time"]["median_ms"])
+    mfu = [r["mfu"] for r in rows.values()]
+    return {
+        "mean_step_ms": mean_step * 1e3,
+        "units_per_s_per_device_mean": units / mean_step,
+        "units_per_s_per_device_worst": rows[worst]["units_per_s_per_device"],
+        "worst_pattern": worst,
+        "mfu_mean": sum(weight[k] * r["mfu"] * r["step_time"]["median_ms"] for k, r in rows.items())
+        / (mean_step * 1e3 * total) if all(m is not None for m in mfu) else None,
+        "mfu_analytic_mean": sum(weight[k] * r["mfu_analytic"] * r["step_time"]["median_ms"]
+                                 for k, r in rows.items()) / (mean_step * 1e3 * total),
+    }
+
+
+def run_bench(setup, steps: int, warmup: int, which: str, peak: float, peak_source: str) -> dict:
+    """The whole measurement as a JSON-ready dict (see the module docstring)."""
+    from nljax.trainer import units_per_device  # deferred: trainer imports half the package
+
+    cfg, eng = setup.cfg, setup.engine
+    batch = setup.batch(0)
+    units = units_per_device(setup, batch)
+    per_cycle = bench_patterns(cfg.cms.periods, which)
+    fns, compile_s = compile_variants(setup, list(per_cycle), setup.state, batch)
+    times = time_steps(fns, setup.state, batch, warmup, steps)
+    analytic = analytic_flops(cfg, eng.model, eng.param_shapes)
+    rows = {pattern_name(a): pattern_row(times[a], compile_s[a], per_cycle[a], units,
+                                         throughput.flops(fns[a]), analytic["total_per_unit"], peak)
+            for a in sorted(per_cycle, key=lambda a: (sum(a), a))}
+    return {
+        "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,
+                   "seq_len": cfg.train.seq_len if setup.task.unit == "tokens" else None,
+                   "mesh": dict(setup.mesh.shape), "strategy": eng.strategy.name},
+        "environment": environment(),
+        "unit": setup.task.unit, "units_per_device_step": units, "devices": eng.n_devices,
+        "warmup": warmup, "steps": steps, "patterns": which,
+        "peak_flops_per_device": peak, "peak_source": peak_source,
+        "flops": analytic, "per_pattern": rows, **summarize(rows, units),
+        "memory": peak_memory(fns),
+    }
+
+
+def format_report(r: dict) -> str:
+    env, fl, unit = r["environment"], r["flops"], r["unit"]
+    pct = lambda x: "-" if x is None else f"{100 * x:.2f}%"
+    per_unit = "" if fl["tokens_per_unit"] == 1 else f" x {fl['tokens_per_unit']} tokens"
+    lines = [
+        f"nljax {env['nljax']}  jax {env['jax']}  flax {env['flax']}  optax {env['optax']}  python {env['python']}",
+        f"{r['devices']} x {env['platform']} ({env['device_kind']}; {env['cpu']}), mesh {r['config']['mesh']}, "
+        f"{r['units_per_device_step']:,} {unit} per device per step",
+        f"peak {r['peak_flops_per_device'] / 1e9:,.1f} GFLOP/s per device ({r['peak_source']})",
+        f"model {r['config']['model']}: {fl['params']:,} parameters ({fl['matmul_params']:,} multiplied per token); "
+        f"training FLOPs per {unit[:-1]}: analytic {fl['total_per_unit']:,.0f} (outer 6N {fl['outer_per_token']:,.0f}, "
+        f"attention {fl['attention_per_token']:,.0f}, inner memory ~{fl['inner_memory_per_token']:,.0f} per token"
+        f"{per_unit})",
+        "",
+        f"{'pattern':<14}{'/cycle':>7}{'compile s':>11}{'step ms':>10}{'min':>9}{'max':>9}"
+        f"{unit[:3] + '/s/dev':>12}{'XLA FLOP/' + unit[:3]:>15}{'MFU':>8}{'MFU(an.)':>10}",
+    ]
+    for name, p in r["per_pattern"].items():
+        st = p["step_time"]
+        xpu = "-" if p["xla_flops_per_unit"] is None else f"{p['xla_flops_per_unit']:,.0f}"
+        lines.append(f"{name:<14}{p['steps_per_cycle']:>7}{p['compile_s']:>11.2f}{st['median_ms']:>10.2f}"
+                     f"{st['min_ms']:>9.2f}{st['max_ms']:>9.2f}{p['units_per_s_per_device']:>12,.0f}{xpu:>15}"
+                     f"{pct(p['mfu']):>8}{pct(p['mfu_analytic']):>10}")
+    mem = r["memory"]
+    lines += [
+        f"{unit}/s per device: mean {r['units_per_s_per_device_mean']:,.1f} (weighted by steps per cycle), "
+        f"worst {r['units_per_s_per_device_worst']:,.1f} ({r['worst_pattern']}); MFU mean {pct(r['mfu_mean'])} "
+        f"(XLA count), {pct(r['mfu_analytic_mean'])} (analytic)",
+        f"peak memory per device: {_mib(mem['peak_bytes'])} "
+        f"({'memory_stats' if mem['memory_stats_peak_bytes'] else 'compiled memory_analysis'})",
+    ]
+    return "\n".join(lines)
+
+
+def _mib(b) -> str:
+    return "-" if b is None else f"{b / 2**20:,.1f} MiB"
+
+
+# ------------------------------------------------------------------------------------ command
+
+
+def synthetic_images(cfg: Config, shape: str, directory: str) -> Config:
+    """`cfg` reading random uint8 images of `shape` (HxWxC, e.g. 32x32x3) with 10 classes from
+    an .npz written to `directory`: the step's cost depends on shapes only, so a benchmark of a
+    32x32 model needs no data set on disk (the run config keeps `images.source: file`)."""
+    try:
+        h, w, c = (int(x) for x in shape.lower().split("x"))
+    except ValueError:
+        raise ConfigError(f"--synthetic wants HxWxC, e.g. 32x32x3, got '{shape}'") from None
+    n = max(4 * cfg.train.batch_size, 64)  # more than one batch after the held-out split
+    rng = np.random.default_rng(cfg.seed)
+    path = Path(directory) / f"synthetic_{h}x{w}x{c}.npz"
+    np.savez(path, x=rng.integers(0, 256, (n, h, w, c), dtype=np.uint8), y=rng.integers(0, 10, n).astype(np.int32))
+    return dataclasses.replace(cfg, images=dataclasses.replace(cfg.images, source="file", path=str(path)))
+
+
+def _run(args, cfg: Config) -> int:
+    from nljax.trainer import Setup  # deferred: trainer imports throughput, comm, ...
+
+    if args.steps < 1 or args.warmup < 0:
+        raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.synthetic:
+            cfg = synthetic_images(cfg, args.synthetic, tmp)
+        setup = Setup.create(cfg)
+        peak, source = device_peak(args.peak_tflops)
+        result = run_bench(setup, args.steps, args.warmup, args.patterns, peak, source)
+    result["command"] = " ".join(["python -m nljax.bench", *(args.argv or [])])
+    if jax.process_index() == 0:
+        print(format_report(result))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
+            print(f"wrote {args.out}")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = cli.parser("nljax.bench", "Compile time, step time, tokens/s, FLOPs, MFU and memory of a config's train step.")
+    p.add_argument("--steps", type=int, default=5, help="timed rounds over the patterns (default 5)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed rounds after compilation (default 2)")
+    p.add_argument("--patterns", choices=("cycle", "worst"), default="cycle",
+                   help="every active set of one cycle of cms.periods, or only the one where all levels fire")
+    p.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: known or measured)")
+    p.add_argument("--synthetic", metavar="HxWxC", help="images task: random images of this shape, e.g. 32x32x3")
+    p.add_argument("--out", metavar="FILE.json", help="also write the result as JSON")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p.set_defaults(argv=argv)
+    return cli.main(_run, p, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""`python -m nljax.bench` as a user runs it: a smoke test of its JSON, not a benchmark."""
+
+import json
+import math
+
+from test_cli import run
+
+TINY_NL = ["model.name=nl_lm", "model.dim=16", "model.depth=1", "model.heads=2", "model.window=8",
+           "model.memory_layers=[0]", "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4",
+           "train.batch_size=4", "train.seq_len=16", "cms.periods=[1,2]"]
+FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+
+
+def test_bench_json_fields_are_sane(tmp_path):
+    """Two emulated devices, a tiny nl_lm with a memory layer, two patterns, 2 timed rounds."""
+    out = tmp_path / "bench.json"
+    p = run("nljax.bench", "--cpu-devices", "2", "--steps", "2", "--warmup", "1", "--out", str(out), *TINY_NL,
+            env_extra=FAST_COMPILE)
+    assert "tokens/s per device" in p.stdout and not list(tmp_path.glob("runs"))
+    r = json.loads(out.read_text())
+    assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
+    assert set(r["per_pattern"]) == {"L0", "L0+1"}
+    for p in r["per_pattern"].values():
+        assert p["compile_s"] > 0 and p["step_time"]["samples"] == 2
+        assert 0 < p["step_time"]["min_ms"] <= p["step_time"]["median_ms"] <= p["step_time"]["max_ms"]
+        assert p["units_per_s_per_device"] > 0 and p["xla_flops_per_unit"] > 0
+        assert 0 < p["mfu"] < 1 and 0 < p["mfu_analytic"] < 1
+    fl = r["flops"]
+    assert fl["params"] > fl["matmul_params"] > 0 and fl["inner_memory_per_token"] > 0
+    assert fl["total_per_unit"] == fl["outer_per_token"] + fl["attention_per_token"] + fl["inner_memory_per_token"]
+    assert r["units_per_s_per_device_mean"] > 0 and r["units_per_s_per_device_worst"] > 0
+    assert r["units_per_s_per_device_worst"] <= r["units_per_s_per_device_mean"] * (1 + 1e-9)
+    assert r["peak_flops_per_device"] > 1e8 and "measured" in r["peak_source"]
+    assert r["memory"]["peak_bytes"] > 0 and math.isfinite(r["memory"]["peak_bytes"])
+    assert r["environment"]["jax"] and r["environment"]["device_kind"]
