@@ -105,6 +105,10 @@ class ModelConfig:
     # compute dtype of nl_lm's matmuls and activations; parameters, optimizer state, the
     # inner-loop memory (state, gates, normalisers), losses and gradient reductions stay float32
     dtype: Literal["float32", "bfloat16"] = "float32"
+    # jax.checkpoint: none | block (recompute attention, memory and CMS sub-blocks in the backward
+    # pass) | memory (only the inner loop's per-chunk internals); exact, since all are pure functions
+    remat: Literal["none", "block", "memory"] = "none"
+    memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
     patch_size: int = 2  # DiT (models/dit.py): patch side; dim, depth, heads, hidden_mult size it too
 
 
@@ -430,7 +434,8 @@ def validate(cfg: Config) -> None:
     if cfg.model.vocab_size < 1 or cfg.model.dim < 1 or cfg.model.depth < 1:
         raise ConfigError("model.vocab_size, model.dim and model.depth must be >= 1")
     m = cfg.model
-    for key in ("hidden_mult", "heads", "window", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk"):
+    for key in ("hidden_mult", "heads", "window", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk",
+                "memory_unroll"):
         if getattr(m, key) < 1:
             raise ConfigError(f"model.{key} must be >= 1, got {getattr(m, key)}")
     if cfg.sync.max_grad_norm < 0 or cfg.sync.intra_bandwidth_gbps <= 0 or cfg.sync.inter_bandwidth_gbps <= 0:

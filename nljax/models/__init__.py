@@ -22,9 +22,9 @@ def _nl_lm(cfg: Config) -> Model:
     m = cfg.model
     memory = dict(heads=m.memory_heads, dk=m.memory_dim, hidden=m.memory_hidden, kind=m.memory_kind,
                   chunk=m.memory_chunk, lr_max=m.memory_lr_max, conv=m.memory_conv, out_norm=m.memory_out_norm,
-                  out_gate=m.memory_out_gate)
+                  out_gate=m.memory_out_gate, unroll=m.memory_unroll)
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, m.window,
-                      tuple(m.memory_layers), memory, jnp.dtype(m.dtype)))
+                      tuple(m.memory_layers), memory, jnp.dtype(m.dtype), m.remat))
 
 
 def _dit(cfg: Config) -> Model:

@@ -144,8 +144,13 @@ def chunk_step(state: PyTree, q, k, v, theta, eta, alpha, kind: str):
     return {"M": new_m, "S": new_s}, r
 
 
-def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int):
-    """Chunk-parallel inner loop over T tokens: (y [B, H, T, dv], final state)."""
+def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, remat: bool = False,
+                   unroll: int = 1):
+    """Chunk-parallel inner loop over T tokens: (y [B, H, T, dv], final state).
+
+    `remat`: keep only each chunk's carried state for the backward pass and recompute the chunk's
+    [b, b] weights and per-token pieces from it (a pure function: the recomputation is exact).
+    `unroll`: chunks per loop iteration (XLA fuses across them; fewer, larger kernels)."""
     t = q.shape[2]
     if t % chunk:
         raise ValueError(f"sequence length {t} is not a multiple of the memory chunk {chunk}")
@@ -161,7 +166,9 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
     def body(carry, inp):
         return chunk_step(carry, *inp, kind)
 
-    state, ys = jax.lax.scan(body, state, xs)  # ys [n, B, H, b, dv]
+    if remat:
+        body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
+    state, ys = jax.lax.scan(body, state, xs, unroll=min(unroll, n))  # ys [n, B, H, b, dv]
     y = jnp.moveaxis(ys, 0, 2).reshape(q.shape[:3] + ys.shape[-1:])
     return y, state
 

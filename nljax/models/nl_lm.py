@@ -74,6 +74,8 @@ class NeuralMemory(nn.Module):
     out_norm: bool = True  # RMS-normalise each head's read
     out_gate: bool = True  # and scale it by a sigmoid gate of the block's input
     dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
+    remat: bool = False  # recompute each chunk's internals in the backward pass (memory.memory_forward)
+    unroll: int = 1  # chunks per loop iteration of the inner loop
 
     def memory0_shapes(self) -> dict:
         h, d = self.heads, self.dk
@@ -113,7 +115,7 @@ class NeuralMemory(nn.Module):
         memory0 = self.memory0()
         state = nm.reset_rows(state, memory0, reset)
         y, state = nm.memory_forward(state, q, k, v, theta * self.lr_max, eta, alpha, kind=self.kind,
-                                     chunk=self.chunk)
+                                     chunk=self.chunk, remat=self.remat, unroll=self.unroll)
         # A row whose memory became non-finite (from non-finite inputs: the update itself is
         # bounded) restarts from memory0 instead of poisoning every later step of its stream.
         finite = [jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(state)]
@@ -139,22 +141,26 @@ class NLNet(nn.Module):
     memory_layers: tuple[int, ...]
     memory: dict  # NeuralMemory fields
     dtype: jnp.dtype = jnp.float32  # compute dtype; parameters and optimizer state stay float32
+    remat: str = "none"  # none | block (recompute attention, memory and CMS chains) | memory (inner loop only)
 
     @nn.compact
     def __call__(self, tokens, memory, reset):  # tokens [B, T], memory {block: state}, reset [B]
         dt = self.dtype
+        # jax.checkpoint around each sub-block: the backward pass recomputes its activations from
+        # its input. Every sub-block is a pure function, so the recomputation is exact.
+        wrap = nn.remat if self.remat == "block" else (lambda cls: cls)
+        attn, mem, cms = wrap(Attention), wrap(NeuralMemory), wrap(CMSChain)
         x = nn.Embed(self.vocab, self.dim, dtype=dt, name="embed")(tokens)  # [B, T, D]
         new_memory = {}
         for i in range(self.depth):
-            x = x + Attention(self.dim, self.heads, self.window, dt, name=f"attn{i}")(
+            x = x + attn(self.dim, self.heads, self.window, dt, name=f"attn{i}")(
                 nn.LayerNorm(dtype=dt, name=f"norm_a{i}")(x))
             if i in self.memory_layers:
                 key = f"block{i}"
-                y, new_memory[key] = NeuralMemory(dim=self.dim, **self.memory, dtype=dt, name=f"mem{i}")(
-                    nn.LayerNorm(dtype=dt, name=f"norm_m{i}")(x), memory[key], reset
-                )
+                y, new_memory[key] = mem(dim=self.dim, **self.memory, dtype=dt, remat=self.remat == "memory",
+                                         name=f"mem{i}")(nn.LayerNorm(dtype=dt, name=f"norm_m{i}")(x), memory[key], reset)
                 x = x + y
-            x = CMSChain(self.dim, self.hidden, self.levels, dt, name=f"block{i}")(x)
+            x = cms(self.dim, self.hidden, self.levels, dt, name=f"block{i}")(x)
         x = nn.LayerNorm(dtype=dt, name="norm")(x)
         return nn.Dense(self.vocab, dtype=dt, name="head")(x), new_memory  # the loss upcasts to float32
 
