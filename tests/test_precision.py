@@ -1,0 +1,79 @@
+"""Mixed precision (`model.dtype`) and rematerialization (`model.remat`) of the nested-learning LM."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from nljax import config
+from nljax.models import build
+
+from helpers import assert_trees_close, make, run_steps
+
+NL = [
+    "model.name=nl_lm", "model.dim=16", "model.heads=2", "model.window=4", "model.depth=2",
+    "model.memory_layers=[1]", "model.memory_heads=2", "model.memory_dim=4", "model.memory_hidden=8",
+    "model.memory_chunk=4", "cms.periods=[1,2]",
+]
+
+
+def grads(overrides):
+    """Gradients of the default model's loss on two rows, carried memory included."""
+    model = build(config.load(None, overrides))
+    params = model.init(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 129), 0, 256)
+    batch = {"tokens": tokens, "reset": jnp.ones(2, bool)}
+    memory = model.init_memory(2)
+    return jax.jit(jax.grad(lambda p: model.apply(p, memory, batch)[0]))(params)
+
+
+@pytest.mark.parametrize("remat", ["block", "memory"])
+def test_remat_gradients_are_bitwise_equal(remat):
+    """Recomputing a pure function gives the same bits: seed 000's ban on gradient checkpointing
+    (a stateful inner loop re-run diverges) does not apply to a functional inner loop."""
+    ref, got = grads([]), grads([f"model.remat={remat}"])
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_remat_saves_memory():
+    """The compiled step's temporaries shrink with remat (the inner loop's per-chunk weights)."""
+    def temp(remat):
+        model = build(config.load(None, [f"model.remat={remat}", "train.seq_len=256"]))
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        batch = {"tokens": jax.ShapeDtypeStruct((8, 257), jnp.int32), "reset": jax.ShapeDtypeStruct((8,), bool)}
+        memory = jax.eval_shape(lambda: model.init_memory(8))
+        fn = jax.jit(jax.grad(lambda p, m, b: model.apply(p, m, b)[0]))
+        return fn.lower(params, memory, batch).compile().memory_analysis().temp_size_in_bytes
+
+    assert temp("memory") < 0.9 * temp("none")
+
+
+@functools.lru_cache(maxsize=None)
+def losses(dtype, inter=1, intra=1, steps=4, optim="adamw"):
+    setup = make([*NL, f"model.dtype={dtype}", f"optim.name={optim}"], inter, intra)
+    out, state = run_steps(setup, steps)
+    return out, jax.device_get(state.params)
+
+
+def test_bf16_tracks_float32():
+    """bfloat16 compute (float32 parameters, optimizer and inner loop) follows the float32 run:
+    losses within 1% over the first steps (bf16 has an 8-bit mantissa: ~0.4% per rounding)."""
+    f32, _ = losses("float32")
+    bf16, _ = losses("bfloat16")
+    np.testing.assert_allclose(bf16, f32, rtol=1e-2)
+    assert not np.array_equal(bf16, f32)  # the dtype did change the arithmetic
+
+
+@pytest.mark.parametrize("inter,intra", [(2, 4), (4, 2)])
+def test_bf16_matches_single_device(inter, intra):
+    """N devices == 1 device in bfloat16, to a looser tolerance than float32's: the per-device
+    batches round differently (XLA may fuse a bf16 product differently per shape). SGD keeps
+    parameter differences proportional to gradient differences (Adam's normalised step turns a
+    sign flip of a near-zero gradient into 2 lr per step, hiding what this test looks for)."""
+    ref_losses, ref_params = losses("bfloat16", optim="sgd")
+    got_losses, got_params = losses("bfloat16", inter, intra, optim="sgd")
+    np.testing.assert_allclose(got_losses, ref_losses, rtol=2e-3)
+    assert_trees_close(got_params, ref_params, rtol=1e-2, atol=1e-4)
