@@ -120,3 +120,25 @@ def test_memory_learns_an_association():
     _, st = nm.memory_forward(state, k, k, v, g, g * 0.5, g * 0, kind="linear", chunk=n)
     err = jnp.linalg.norm(nm.read(st["M"], keys, "linear") - vals, axis=-1)
     assert float(jnp.max(err)) < 0.4, err  # a fresh (zero) memory is off by 1.0
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_chunk_scale_bounds_the_chunk_curvature(kind):
+    """lambda >= ||sum_j J_j^T J_j / nu_j|| over a chunk (exact Jacobians): the chunk's step stays
+    inside its curvature bound whatever the keys; lambda = b for identical keys."""
+    state, (q, k, *_rest) = inputs(kind, seed=5)
+    m = jax.tree.map(lambda w: w * 2.0, state["M"])
+    nu = nm.normaliser(m, k, kind)
+    lam = nm.chunk_scale(m, k, nu, kind)  # [B, H]: the whole sequence as one chunk
+    for b in range(B):
+        for h in range(H):
+            row = jax.tree.map(lambda w: w[b : b + 1, h : h + 1], m)
+            f = lambda mm: nm.read(mm, k[b : b + 1, h : h + 1], kind).reshape(T, D)
+            jac = jnp.concatenate([j.reshape(T, D, -1) for j in jax.tree.leaves(jax.jacobian(f)(row))], axis=2)
+            jt = jac / jnp.sqrt(nu[b, h])[:, None, None]  # [T, D, P]
+            curv = np.linalg.norm(np.asarray(jt.reshape(T * D, -1)), 2) ** 2
+            assert curv <= lam[b, h] * (1 + 1e-5), (curv, lam[b, h])
+    unit = k[:, :, :1] / jnp.linalg.norm(k[:, :, :1], axis=-1, keepdims=True)
+    same = jnp.broadcast_to(unit, k.shape)  # unit keys, as the model makes them
+    if kind == "linear":
+        np.testing.assert_allclose(nm.chunk_scale(m, same, nm.normaliser(m, same, kind), kind), T, rtol=1e-3)

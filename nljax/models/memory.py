@@ -6,7 +6,7 @@ momentum eta_t in [0, 1), forgetting alpha_t in [0, 1]. Tokens come in chunks of
 gradient of a chunk is taken at the chunk-start memory Mhat (the Titans paper §3.2, TTT's dual
 form):
 
-    S_t = eta_t S_{t-1} - a_t grad l_t(Mhat),     a_t = theta_t (1 - eta_t) / (b nu_t)
+    S_t = eta_t S_{t-1} - a_t grad l_t(Mhat),     a_t = theta_t (1 - eta_t) / (lambda nu_t)
     M_t = (1 - alpha_t) M_{t-1} + S_t
     y_t = M_t(q_t)                                 token t reads the memory after tokens <= t
 
@@ -16,11 +16,14 @@ Why the update is bounded whatever the chunk size, width, depth or sequence leng
 - nu_t bounds the token's curvature: the Jacobian J_t of M(k_t) with respect to the memory's
   weights has ||J_t||² <= nu_t (linear: nu = ||k||²; mlp: nu = ||h||² + c²||k||²||W2||_F², c =
   max gelu' ≈ 1.13, by the triangle and Cauchy–Schwarz inequalities). Dividing by nu_t is the
-  normalised-LMS step: the chunk's preconditioned Gauss–Newton curvature
-  (1/b) sum_t J_t^T J_t / nu_t has eigenvalues in [0, 1], and the chunk *mean* (1/b) keeps it
-  there for any b.
+  normalised-LMS step: one token alone moves at most all the way to its target.
+- lambda >= || sum_t J_t^T J_t / nu_t ||, the chunk's normalised Gauss–Newton curvature, is
+  Gershgorin's bound max_i sum_j ||J_i J_j^T|| / sqrt(nu_i nu_j) (linear: |k_i . k_j|; mlp:
+  |h_i . h_j| + c² |k_i . k_j| ||W2||_F²), at least 1. So the chunk's preconditioned curvature
+  has eigenvalues in [0, 1] for any b: lambda = b when all keys coincide (the chunk mean), 1
+  when they are orthogonal (each token written in full, as with b = 1).
 - the momentum is normalised (the (1 - eta) factor): a gradient's total weight over all later
-  steps is theta/(b nu) <= 1/(b nu) whatever eta is, and heavy-ball with step (1 - eta) theta
+  steps is theta/(lambda nu) <= 1/(lambda nu) whatever eta is, and heavy-ball with step (1 - eta) theta
   lambda <= 1 - eta < 2 (1 + eta) is stable for every eta in [0, 1) (the classic condition for
   momentum on a quadratic of curvature lambda).
 - forgetting only shrinks M.
@@ -86,6 +89,18 @@ def normaliser(M: PyTree, k: jax.Array, kind: str) -> jax.Array:
     return jnp.sum(h * h, axis=-1) + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
 
 
+def chunk_scale(M: PyTree, k: jax.Array, nu: jax.Array, kind: str) -> jax.Array:
+    """lambda >= ||sum_j J_j^T J_j / nu_j||, Gershgorin's bound on the chunk's normalised
+    curvature (module docstring), at least 1.  k [B, H, b, dk], nu [B, H, b] -> [B, H]"""
+    inner = jnp.abs(jnp.einsum("bhid,bhjd->bhij", k, k))  # [B, H, b, b]
+    if kind == "mlp":
+        h = jax.nn.gelu(jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"]))
+        w2 = jnp.sum(jnp.square(M["W2"]), axis=(-2, -1))[..., None, None]  # [B, H, 1, 1]
+        inner = jnp.abs(jnp.einsum("bhif,bhjf->bhij", h, h)) + GELU_SLOPE**2 * inner * w2
+    rs = jax.lax.rsqrt(nu)
+    return jnp.maximum(jnp.max(jnp.sum(inner * rs[..., :, None] * rs[..., None, :], axis=-1), axis=-1), 1.0)
+
+
 def pieces(M: PyTree, k: jax.Array, v: jax.Array, kind: str):
     """Per layer, each token's gradient of l_t at M as (input x [B,H,b,n_in], output grad d [B,H,b,n_out]):
     grad_W l_t = x_t^T d_t."""
@@ -126,8 +141,8 @@ def _bcast(c: jax.Array, x: jax.Array) -> jax.Array:
 def chunk_step(state: PyTree, q, k, v, theta, eta, alpha, kind: str):
     """One chunk.  q, k [B, H, b, dk], v [B, H, b, dv], gates [B, H, b]."""
     M, S = state["M"], state["S"]
-    b = q.shape[2]
-    a = theta * (1.0 - eta) / (b * normaliser(M, k, kind))  # [B, H, b]
+    nu = normaliser(M, k, kind)  # [B, H, b]
+    a = theta * (1.0 - eta) / (chunk_scale(M, k, nu, kind)[..., None] * nu)  # [B, H, b]
     A, s, c, w, s_decay = write_weights(a, eta, alpha)
     new_m, new_s, r = {}, {}, q  # r: the query's input to the current layer  [B, H, b, n_in]
     for i, (name, (x, d)) in enumerate(zip(layers(kind), pieces(M, k, v, kind))):
@@ -181,9 +196,11 @@ def memory_reference(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, ch
     for t in range(q.shape[2]):
         if t % chunk == 0:
             m_hat = M
+            kc = k[:, :, t : t + chunk]
+            lam = chunk_scale(m_hat, kc, normaliser(m_hat, kc, kind), kind)  # [B, H]
         g = jax.grad(loss)(m_hat, k[:, :, t], v[:, :, t])  # rows and heads are independent
         nu = normaliser(m_hat, k[:, :, t : t + 1], kind)[..., 0]
-        step = (theta[:, :, t] * (1 - eta[:, :, t]) / (chunk * nu))[:, :, None, None]
+        step = (theta[:, :, t] * (1 - eta[:, :, t]) / (lam * nu))[:, :, None, None]
         S = jax.tree.map(lambda s, gi: s * eta[:, :, t, None, None] - step * gi, S, g)
         M = jax.tree.map(lambda m, s: m * (1 - alpha[:, :, t, None, None]) + s, M, S)
         ys.append(read(M, q[:, :, t : t + 1], kind))
