@@ -82,8 +82,10 @@ class TextTask:
         if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
             raise ConfigError(f"the held-out text ({len(self.eval_data)} bytes at data.eval_fraction="
                               f"{cfg.data.eval_fraction}) is shorter than train.seq_len+1={cfg.train.seq_len + 1}")
+        # recall documents are exactly seq_len long: aligned rows read one whole document per step
+        align = cfg.train.seq_len if cfg.data.corpus == "recall" else 1
         self.stream = ContextStream(train_bytes, cfg.train.batch_size, cfg.train.seq_len, cfg.seed,
-                                    cfg.data.reset_prob)
+                                    cfg.data.reset_prob, align)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         return self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))

@@ -48,12 +48,14 @@ class ContextStream:
     seq_len: int  # T
     seed: int = 0
     reset_prob: float = 0.0  # chance that a row also starts a step from a fresh memory
+    align: int = 1  # row starts are multiples of this (documents of a fixed length: each window one document)
 
     def offsets(self) -> np.ndarray:
         """Start of each row's stream: evenly spaced, shifted by the seed.  [G]"""
         n = len(self.data)
         shift = (self.seed * 2654435761) % n
-        return (np.arange(self.rows, dtype=np.int64) * n // self.rows + shift) % n
+        starts = (np.arange(self.rows, dtype=np.int64) * n // self.rows + shift) % n
+        return starts // self.align * self.align
 
     def rows_at(self, step: int, rows: slice | np.ndarray) -> dict[str, np.ndarray]:
         """Chunk of `rows` at `step`: tokens [R, T+1] int32, reset [R] bool.
