@@ -29,7 +29,8 @@ from nljax.trainer import Setup
 
 # Attention + neural memory (per-row state) + two CMS levels, small enough to compile quickly.
 NL = ["model.name=nl_lm", "model.heads=2", "model.window=8", "model.memory_layers=[0]", "model.memory_heads=2",
-      "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,4]"]
+      "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,4]",
+      "model.memory_kind=mlp"]
 STEPS = 5
 TINY_NL_ARGS = [*TINY, *NL, "mesh.inter=2", "mesh.intra=4", "train.steps=6", "eval.every=0", "eval.batches=1"]
 

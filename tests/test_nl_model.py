@@ -23,6 +23,7 @@ NL = [
     "model.memory_hidden=8",
     "model.memory_chunk=4",
     "cms.periods=[1,2]",
+    "model.memory_kind=mlp",
 ]
 STEPS = 4
 
