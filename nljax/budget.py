@@ -31,8 +31,9 @@ from nljax.config import Config, ConfigError
 F32 = 4
 
 
-def available_bytes() -> int | None:
-    """Memory one local device may use, or None when it cannot be told."""
+def available_bytes(used: int | None = None) -> int | None:
+    """Memory one local device may use, or None when it cannot be told. On CPU the host's memory
+    is shared by the `used` local devices the run's mesh holds (default: all of them)."""
     dev = jax.local_devices()[0]
     if dev.platform != "cpu":
         stats = dev.memory_stats() or {}
@@ -45,7 +46,7 @@ def available_bytes() -> int | None:
             free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
         except (ValueError, OSError):
             return None
-    return free // jax.local_device_count()  # emulated CPU devices share the host's memory
+    return free // (used or jax.local_device_count())  # emulated CPU devices share the host's memory
 
 
 def _activations(cfg: Config, n_devices: int) -> int:

@@ -54,7 +54,8 @@ class Setup:
             )
         # Refused before anything is allocated (nljax/budget.py): from the config alone first, so
         # that an absurd size never reaches Flax or XLA, then from the exact shapes.
-        available = budget.available_bytes()
+        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        available = budget.available_bytes(local)
         budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
         model = build(cfg)
         engine = Engine.create(cfg, model, mesh)
