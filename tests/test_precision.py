@@ -39,9 +39,10 @@ def test_remat_gradients_are_bitwise_equal(remat):
 
 
 def test_remat_saves_memory():
-    """The compiled step's temporaries shrink with remat (the inner loop's per-chunk weights)."""
+    """The compiled step's temporaries shrink with remat of the inner loop (the MLP memory's
+    per-chunk weights and per-token pieces are no longer kept for the backward pass)."""
     def temp(remat):
-        model = build(config.load(None, [f"model.remat={remat}", "train.seq_len=256"]))
+        model = build(config.load(None, [f"model.remat={remat}", "train.seq_len=256", "model.memory_kind=mlp"]))
         params = jax.eval_shape(model.init, jax.random.key(0))
         batch = {"tokens": jax.ShapeDtypeStruct((8, 257), jnp.int32), "reset": jax.ShapeDtypeStruct((8,), bool)}
         memory = jax.eval_shape(lambda: model.init_memory(8))
