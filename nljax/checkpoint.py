@@ -244,14 +244,17 @@ def complete_steps(root: Path) -> list[int]:
     if not root.is_dir():
         return []
     ours = {int(p.name) for p in root.iterdir() if _is_nljax_step(p)}
-    return sorted(ours & set(_manager(root).all_steps())) if ours else []
+    # the manager is opened on every process whatever this host sees: opening it syncs processes
+    return sorted(ours & set(_manager(root).all_steps()))
 
 
 def prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete nljax checkpoints under `root` (process 0)."""
+    """Remove all but the newest `keep` complete nljax checkpoints under `root` (process 0).
+    Every process calls it: listing the steps opens an Orbax manager, which syncs processes."""
+    steps = complete_steps(root)
     if jax.process_index() != 0:
         return
-    for step in complete_steps(root)[:-keep]:
+    for step in steps[:-keep]:
         shutil.rmtree(root / str(step), ignore_errors=True)
 
 

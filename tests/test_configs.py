@@ -15,7 +15,11 @@ from nljax.conductor import pulse
 from nljax.trainer import Setup, host_sum
 
 CONFIGS = sorted(str(p) for p in Path(__file__).parent.parent.glob("configs/*.yaml"))
-NL_CONFIGS = [p for p in CONFIGS if config.load(p).model.name == "nl_lm"]
+# nl_350m is the GPU benchmark config (bf16, block remat, sequence 2048): one step of it at its
+# real shapes asks XLA:CPU for a 25.7 GB buffer, more than the 24 GB CI machine has. It is not
+# covered here; it ran on an H100 (docs/PERFORMANCE.md).
+GPU_ONLY = {"nl_350m.yaml"}
+NL_CONFIGS = [p for p in CONFIGS if config.load(p).model.name == "nl_lm" and Path(p).name not in GPU_ONLY]
 
 
 def test_every_nl_config_is_covered():
