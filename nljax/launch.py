@@ -33,6 +33,7 @@ ENV_COORDINATOR = "NLJAX_COORDINATOR"
 ENV_NUM_PROCESSES = "NLJAX_NUM_PROCESSES"
 ENV_PROCESS_ID = "NLJAX_PROCESS_ID"
 ENV_LOCAL_DEVICE_IDS = "NLJAX_LOCAL_DEVICE_IDS"
+SETTLE_S = 1.0  # after a first failure, how long to watch for the others before naming the cause
 
 
 def free_port() -> int:
@@ -140,6 +141,7 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
     try:
         failed: tuple[int, int] | None = None  # (process index, exit code)
         failed_at = 0.0
+        first_bad_at: float | None = None
         while True:
             codes = [p.poll() for p in group.procs]
             if stopping:
@@ -148,8 +150,14 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
                 return 128 + stopping[0]
             if failed is None:
                 bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-                if bad:
-                    failed, failed_at = (bad[0][0], exit_code(bad[0][1])), time.monotonic()
+                if bad and first_bad_at is None:
+                    first_bad_at = time.monotonic()
+                if bad and (time.monotonic() - first_bad_at >= SETTLE_S or all(c is not None for c in codes)):
+                    # A worker killed by a signal is the likelier cause: its peers' collectives then fail
+                    # and they exit with 1 within milliseconds, often inside the same poll. So the report
+                    # waits SETTLE_S and names a signal death first.
+                    i, c = min(bad, key=lambda ic: (ic[1] > 0, ic[0]))
+                    failed, failed_at = (i, exit_code(c)), time.monotonic()
                     group.say(f"process {failed[0]} (pid {group.procs[failed[0]].pid}) exited with code "
                               f"{failed[1]}; stopping the others within {grace:g} s")
             if all(c is not None for c in codes):

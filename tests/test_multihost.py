@@ -164,6 +164,19 @@ def test_launcher_prefixes_lines_sets_env_and_propagates_failure():
     assert not any(_alive(x) for x in pids)
 
 
+def test_launcher_names_the_killed_worker_not_the_peer_that_failed_because_of_it():
+    """The CI race: worker 1 is SIGKILLed and worker 0, whose collective then fails, exits 1; the
+    launcher may see worker 0's exit first (a killed process's teardown can lag its closed sockets).
+    Here worker 0 exits 0.1 s before the kill is visible: the cause reported is still the kill."""
+    script = ('if [ "$NLJAX_PROCESS_ID" = 1 ]; then sleep 0.4; kill -9 $$; fi; '
+              'sleep 0.3; exit 1')
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "5", "--", "sh", "-c", script],
+                       env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 128 + signal.SIGKILL, p.stderr
+    assert "process 1 " in p.stderr and "exited with code 137" in p.stderr
+    assert "exit codes by process: 1, 137" in p.stderr
+
+
 def test_launcher_stops_everything_on_sigint():
     p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", "sh", "-c", "echo up; exec sleep 60"], env=env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
