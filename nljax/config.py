@@ -138,6 +138,8 @@ class DataConfig:
     reset_prob: float = 0.25  # measured: README, "Does the memory help?"
     recall_docs: int = 4096  # recall: documents generated (training + held out), each train.seq_len bytes
     recall_pairs: int = 4  # recall: key=value pairs shown, then queried, per document
+    recall_key_len: int = 2  # recall: lowercase letters per key (keys are distinct)
+    recall_value_len: int = 2  # recall: digits per value; every value digit is scored
     # recall: filler bytes between the last pair and the first query; at least the attention's
     # reach model.depth * (model.window - 1), so only the memory can carry a value to its query
     recall_gap: int = 128
@@ -472,16 +474,22 @@ def validate(cfg: Config) -> None:
 
 
 def _validate_recall(cfg: Config) -> None:
-    from nljax.data.recall import PAIR_MAX, attention_reach  # the layout's sizes live there
+    from nljax.data.recall import attention_reach, pair_len  # the layout's sizes live there
 
     d, m = cfg.data, cfg.model
     if d.recall_docs < 2 or d.recall_pairs < 1:
         raise ConfigError(f"data.recall_docs must be >= 2 and data.recall_pairs >= 1, got {d.recall_docs}, {d.recall_pairs}")
+    if not 1 <= d.recall_key_len <= 8 or not 1 <= d.recall_value_len <= 64:
+        raise ConfigError(f"data.recall_key_len must be in [1, 8] and data.recall_value_len in [1, 64], got "
+                          f"{d.recall_key_len}, {d.recall_value_len}")
+    if d.recall_pairs > 26**d.recall_key_len:
+        raise ConfigError(f"data.recall_pairs={d.recall_pairs} distinct keys of data.recall_key_len={d.recall_key_len} "
+                          f"letters: at most {26**d.recall_key_len}")
     reach = attention_reach(m.depth, m.window)
     if d.recall_gap < reach:
         raise ConfigError(f"data.recall_gap={d.recall_gap} must be >= the attention's reach model.depth * "
                           f"(model.window - 1) = {reach}, or attention alone could answer the queries")
-    need = 2 * d.recall_pairs * PAIR_MAX + d.recall_gap + 1
+    need = 2 * d.recall_pairs * pair_len(d.recall_key_len, d.recall_value_len) + d.recall_gap + 1
     if need > cfg.train.seq_len:
         raise ConfigError(f"a recall document of data.recall_pairs={d.recall_pairs} pairs and data.recall_gap="
                           f"{d.recall_gap} needs up to {need} bytes, more than train.seq_len={cfg.train.seq_len}")

@@ -65,7 +65,7 @@ def text_corpus(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]
     if d.corpus == "recall":
         reach = attention_reach(cfg.model.depth, cfg.model.window)
         return recall_corpus(d.recall_docs, cfg.train.seq_len, d.recall_pairs, d.recall_gap, reach,
-                             d.eval_fraction, cfg.seed)
+                             d.eval_fraction, cfg.seed, d.recall_key_len, d.recall_value_len)
     return (*stdlib_corpus(d.eval_fraction), None)
 
 

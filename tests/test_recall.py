@@ -9,17 +9,18 @@ import pytest
 
 from nljax import config
 from nljax.config import ConfigError
-from nljax.data.recall import CHANCE, VALUE_LEN, recall_corpus
+from nljax.data.recall import CHANCE, recall_corpus
 from nljax.models.layers import token_hits
 from nljax.step import put_batch
 
 from helpers import make, run_steps
 
-DOC = re.compile(rb"((?:[a-z]{2,3}=\d{4};)+)([A-Z ]+?)((?:[a-z]{2,3}\?\d{4};)+)[A-Z ]*\x00")
+DOC = re.compile(rb"((?:[a-z]{3}=\d{4};)+)([A-Z ]+?)((?:[a-z]{3}\?\d{4};)+)[A-Z ]*\x00")  # key_len 3, value_len 4
+VALUE_LEN = 4
 
 
 def test_corpus_is_deterministic_and_has_the_layout():
-    args = dict(docs=40, doc_len=96, pairs=3, gap=30, reach=20, eval_fraction=0.25)
+    args = dict(docs=40, doc_len=96, pairs=3, gap=30, reach=20, eval_fraction=0.25, key_len=3, value_len=VALUE_LEN)
     train, held, score = recall_corpus(**args, seed=1)
     again = recall_corpus.__wrapped__(**args, seed=1)  # not the cached arrays
     for a, b in zip((train, held, score), again):
@@ -68,7 +69,7 @@ def test_recall_task_trains_and_reports_accuracy():
     assert np.all(np.isfinite(losses))
     out = setup.evaluate(state.params)
     assert out["eval_recall_chance"] == CHANCE == 0.1
-    assert out["eval_recall_scored"] == 8 * 4 * 2 * VALUE_LEN  # rows x windows x queries x value bytes
+    assert out["eval_recall_scored"] == 8 * 4 * 2 * 2  # rows x windows x queries x value bytes (value_len 2)
     # the same accuracy recomputed on the host from the model's logits, window by window
     hits = 0.0
     params = jax.device_get(state.params)
@@ -82,7 +83,9 @@ def test_recall_task_trains_and_reports_accuracy():
 
 @pytest.mark.parametrize("override,match", [
     ("data.recall_gap=13", "reach"),  # depth 2 x (window 8 - 1) = 14
-    ("data.recall_pairs=3", "more than train.seq_len"),
+    ("data.recall_pairs=4", "more than train.seq_len"),  # 2 x 4 x len("ab=12;") + 16 + 1 = 65
+    ("data.recall_key_len=0", "recall_key_len"),
+    ("data.recall_value_len=0", "recall_value_len"),
     ("eval.stream_steps=0", "eval.stream_steps"),
 ])
 def test_recall_config_errors(override, match):

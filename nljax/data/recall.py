@@ -3,9 +3,10 @@
 Every document is exactly `doc_len` bytes (= `train.seq_len`, so that each held-out window of
 the streaming evaluation is one whole document) and reads
 
-    abc=4821;qf=0937;...   K pairs: distinct keys of 2-3 lowercase letters, values of 4 digits
+    ab=48;qf=09;...        K pairs: distinct keys of `key_len` lowercase letters, values of
+                           `value_len` digits (here 2 and 2)
     QWE RTYU ...           `gap` filler bytes (uppercase letters and spaces)
-    qf?0937;abc?4821;...   every key queried once, in a random order
+    qf?09;ab?48;...        every key queried once, in a random order
     ASD ...                filler up to the end, then the NUL separator
 
 The gap is at least the attention's reach, model.depth x (model.window - 1) tokens (stacked
@@ -28,8 +29,6 @@ from nljax.data.text import SEPARATOR
 KEY_LETTERS = np.frombuffer(string.ascii_lowercase.encode(), np.uint8)
 VALUE_DIGITS = np.frombuffer(string.digits.encode(), np.uint8)
 FILLER = np.frombuffer((string.ascii_uppercase + " ").encode(), np.uint8)
-VALUE_LEN = 4
-PAIR_MAX = 3 + 1 + VALUE_LEN + 1  # longest `key=value;` (and `key?value;`)
 CHANCE = 1.0 / len(VALUE_DIGITS)  # accuracy of guessing a value byte uniformly
 
 
@@ -38,20 +37,26 @@ def attention_reach(depth: int, window: int) -> int:
     return depth * (window - 1)
 
 
-def _keys(rng: np.random.Generator, k: int) -> list[bytes]:
+def pair_len(key_len: int, value_len: int) -> int:
+    """Bytes of one `key=value;` (and of one `key?value;`)."""
+    return key_len + 1 + value_len + 1
+
+
+def _keys(rng: np.random.Generator, k: int, key_len: int) -> list[bytes]:
     keys: list[bytes] = []
     while len(keys) < k:
-        key = KEY_LETTERS[rng.integers(0, 26, size=rng.integers(2, 4))].tobytes()
+        key = KEY_LETTERS[rng.integers(0, 26, size=key_len)].tobytes()
         if key not in keys:
             keys.append(key)
     return keys
 
 
-def document(rng: np.random.Generator, doc_len: int, pairs: int, gap: int, reach: int) -> tuple[bytes, np.ndarray]:
+def document(rng: np.random.Generator, doc_len: int, pairs: int, gap: int, reach: int, key_len: int,
+             value_len: int) -> tuple[bytes, np.ndarray]:
     """One document and its score mask: float32 [doc_len], 1 at the value bytes of queries whose
     pair ends more than `reach` tokens before the position that predicts the byte."""
-    keys = _keys(rng, pairs)
-    values = [VALUE_DIGITS[rng.integers(0, 10, size=VALUE_LEN)].tobytes() for _ in keys]
+    keys = _keys(rng, pairs, key_len)
+    values = [VALUE_DIGITS[rng.integers(0, 10, size=value_len)].tobytes() for _ in keys]
     filler = lambda n: FILLER[rng.integers(0, len(FILLER), size=n)].tobytes()
     doc = bytearray()
     pair_end = {}  # key -> position of its pair's `;`
@@ -62,7 +67,7 @@ def document(rng: np.random.Generator, doc_len: int, pairs: int, gap: int, reach
     score = np.zeros(doc_len, np.float32)
     for i in rng.permutation(pairs):
         doc += keys[i] + b"?"
-        for j in range(VALUE_LEN):
+        for j in range(value_len):
             # byte at len(doc) is predicted from position len(doc) - 1
             score[len(doc)] = float(len(doc) - 1 - pair_end[keys[i]] > reach)
             doc.append(values[i][j])
@@ -75,14 +80,14 @@ def document(rng: np.random.Generator, doc_len: int, pairs: int, gap: int, reach
 
 @functools.lru_cache(maxsize=4)
 def recall_corpus(docs: int, doc_len: int, pairs: int, gap: int, reach: int, eval_fraction: float,
-                  seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  seed: int, key_len: int = 2, value_len: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(train bytes uint8 [N], held-out bytes uint8 [M], held-out score float32 [M]); every
     round(1 / eval_fraction)-th document is held out, as for the stdlib corpus."""
     rng = np.random.default_rng([seed, 0x7265_6361])  # a stream of its own, not the model's
     every = max(2, round(1 / eval_fraction))
     train, held, score = [], [], []
     for i in range(docs):
-        doc, s = document(rng, doc_len, pairs, gap, reach)
+        doc, s = document(rng, doc_len, pairs, gap, reach, key_len, value_len)
         if i % every == every - 1:
             held.append(doc)
             score.append(s)
