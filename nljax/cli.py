@@ -15,6 +15,7 @@ from typing import Callable, Sequence
 import jax
 
 from nljax import config, distributed
+from nljax.errors import first_line
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -55,7 +56,7 @@ def out_of_memory(e: BaseException) -> str | None:
     activations term is only a floor, see nljax/budget.py), or None for any other error."""
     text = str(e)
     if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
-        first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+        first = first_line(e) or type(e).__name__
         return (f"out of memory ({first[:200]}); make the model, train.batch_size or train.seq_len smaller, "
                 "raise train.accum_steps or use more devices")
     return None
@@ -87,7 +88,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
             raise
         # Peers may be blocked in a collective that waits for this process: leave at once.
         traceback.print_exc()
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e) or type(e).__name__
         hint = " (another process probably died)" if isinstance(e, jax.errors.JaxRuntimeError) else ""
         distributed.abort(f"{p.prog}: error (process {jax.process_index()}): {type(e).__name__}{hint}: {first}")
         return 1  # not reached

@@ -16,59 +16,20 @@ from pathlib import Path
 import jax
 import yaml
 
-from nljax import __version__, budget, distributed, levels, mesh as meshlib, optim, runlog, tasks, throughput
+from nljax import __version__, distributed, levels, optim, runlog, throughput
 from nljax.checkpoint import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
-from nljax.config import Config, ConfigError, to_dict
-from nljax.models import build
+from nljax.config import Config, to_dict
+from nljax.errors import ConfigError
+from nljax.hostdev import mean_loss, replica
+from nljax.run import Run
 from nljax.runlock import RunLock
 from nljax.state import TrainState, bytes_per_device, describe_memory
-from nljax.step import Engine, StepCache
-from nljax.tasks import Task, host_sum
 
 
 def is_main() -> bool:
     return jax.process_index() == 0
-
-
-@dataclasses.dataclass
-class Setup:
-    """Everything a run is made of, built the same way by `train`, `comm` and the tests."""
-
-    cfg: Config
-    mesh: jax.sharding.Mesh
-    engine: Engine
-    cache: StepCache
-    state: TrainState
-    task: Task
-
-    @classmethod
-    def create(cls, cfg: Config, devices=None) -> "Setup":
-        mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices)
-        rows = meshlib.check_batch(cfg.train.batch_size, mesh)
-        if rows % cfg.train.accum_steps:
-            raise ConfigError(
-                f"train.accum_steps={cfg.train.accum_steps} does not divide the {rows} rows each device holds "
-                f"(train.batch_size={cfg.train.batch_size} over {meshlib.data_size(mesh)} devices)"
-            )
-        # Refused before anything is allocated (nljax/budget.py): from the config alone first, so
-        # that an absurd size never reaches Flax or XLA, then from the exact shapes.
-        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        available = budget.available_bytes(local)
-        budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
-        model = build(cfg)
-        engine = Engine.create(cfg, model, mesh)
-        budget.check(budget.engine_terms(cfg, engine), available)
-        state = engine.init_state(jax.random.key(cfg.seed), cfg.train.batch_size)
-        task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
-        return cls(cfg, mesh, engine, StepCache(engine), state, task)
-
-    def batch(self, step: int) -> dict:
-        return self.task.batch(step)
-
-    def evaluate(self, params, step: int = 0) -> dict:
-        return self.task.evaluate(self.cache, params, step)
 
 
 class RunDir:
@@ -179,20 +140,14 @@ class Profiler:
             self.on = False
 
 
-def units_per_device(setup: Setup, batch: dict) -> int:
-    """Tokens (or the task's unit) one device processes in a step on `batch`."""
-    rows = jax.tree.leaves(batch)[0].shape[0]
-    return rows // setup.engine.n_devices * setup.task.units_per_row
-
-
-def startup_report(setup: Setup, say) -> None:
+def startup_report(run: Run, state: TrainState, say) -> None:
     """Devices and mesh, model size, batch sizes (global, per device, micro, effective), the
     learning rate after batch scaling, and the parameters of each level."""
-    cfg, eng, mesh = setup.cfg, setup.engine, setup.mesh
+    cfg, eng, mesh = run.cfg, run.engine, run.mesh
     n_dev, t = eng.n_devices, cfg.train
     rows_per_dev = t.batch_size // n_dev
     n_params = sum(n for n, _ in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels))
-    unit, per_row = setup.task.unit, setup.task.units_per_row
+    unit, per_row = run.task.unit, run.task.units_per_row
     say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices "
         f"({jax.devices()[0].device_kind}), mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, "
         f"{jax.process_count()} process(es)")
@@ -206,7 +161,7 @@ def startup_report(setup: Setup, say) -> None:
     say(f"optimizer {cfg.optim.name}: peak lr {lr:.4g}{scaled}, {cfg.optim.schedule} schedule, "
         f"{cfg.optim.warmup_steps} warm-up steps")
     say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
-    say(describe_memory(bytes_per_device(setup.state), eng.strategy.name))
+    say(describe_memory(bytes_per_device(state), eng.strategy.name))
 
 
 @dataclasses.dataclass
@@ -230,13 +185,13 @@ def check_skipped(in_a_row: int, step: int, limit: int) -> None:
         )
 
 
-def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Output,
+def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
                ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
     """Steps from `conductor.step` to `train.steps`, saving checkpoints through `ckpt`. The next
     batch is built while the device runs the current step; the step time runs from dispatch
     until its loss is on the host."""
-    cfg, steps = setup.cfg, setup.cfg.train.steps
-    key = f"{setup.task.unit}_per_s_per_device"
+    cfg, steps = run.cfg, run.cfg.train.steps
+    key = f"{run.task.unit}_per_s_per_device"
     # A resumed run's plots and summary cover the whole run: the earlier steps come from the
     # metrics.jsonl records it kept.
     kept = out.run.kept
@@ -244,26 +199,25 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
     seen, t_start = set(), time.perf_counter()
     in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
     profiler = Profiler(cfg, out.run.path, out.run.write)
-    batch = setup.batch(conductor.step) if conductor.step < steps else None
+    batch = run.batch(conductor.step) if conductor.step < steps else None
     if ckpt is not None and batch is not None:
         batch = ckpt.first_batch(conductor.step, batch)  # after a resume that restarted every row
     for i in range(max(steps - conductor.step, 0)):
         p = conductor.pulse
         distributed.check_step(i, p, cfg.distributed.check_every)
         last = p.step == steps - 1
-        variant = setup.cache.variant(p.active, batch)
-        compiled = variant not in seen  # the first call of a variant includes its compilation
-        seen.add(variant)
-        units = units_per_device(setup, batch)
+        units = run.units_per_device(batch)
         profiler.before(p.step)
         t0 = time.perf_counter()
-        state, m = setup.cache.train(p.active, state, batch)
-        batch = None if last else setup.batch(p.step + 1)  # overlaps the step on the device
-        loss = host_sum(m["loss_sum"]) / host_sum(m["count"])  # waits for the step
+        state, m, variant = run.cache.train(p.active, state, batch)
+        compiled = variant not in seen  # the first call of a variant includes its compilation
+        seen.add(variant)
+        batch = None if last else run.batch(p.step + 1)  # overlaps the step on the device
+        loss = mean_loss(m)  # waits for the step
         dt = time.perf_counter() - t0
         profiler.after(p.step, last)
-        was_skipped = bool(m["skipped"].addressable_data(0))  # the same on every device
-        norms, lskip = (m[k].addressable_data(0).tolist() for k in ("level_grad_norm", "level_skipped"))  # per level
+        was_skipped = bool(replica(m["skipped"]))  # the same on every device
+        norms, lskip = (replica(m[k]).tolist() for k in ("level_grad_norm", "level_skipped"))  # per level
         skipped_levels = [l for l in p.active_levels if lskip[l]]
         if was_skipped:
             hist.skipped += 1
@@ -287,7 +241,7 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
             rec["micro_batches"] = variant[1]  # a tail batch that ends a data pass
         evaluated = {}
         if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and not last:
-            evaluated = setup.evaluate(state.params, p.step + 1)
+            evaluated = run.evaluate(state.params, p.step + 1)
             rec.update(evaluated)
         out.run.log(rec)
         if ckpt is not None:
@@ -302,24 +256,25 @@ def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Outpu
     return state, hist
 
 
-def final_report(setup: Setup, state: TrainState, hist: History, out: Output,
+def final_report(run: Run, state: TrainState, hist: History, out: Output,
                  resumed_from: int | None = None) -> dict:
     """Final evaluation, the throughput table, communication from the HLO, summary.json and the
     plots."""
-    cfg, eng = setup.cfg, setup.engine
-    final_eval = setup.evaluate(state.params, cfg.train.steps)
+    cfg, eng = run.cfg, run.engine
+    final_eval = run.evaluate(state.params, cfg.train.steps)
     out.board.scalars("eval", final_eval, cfg.train.steps)
-    batch = setup.batch(0)
-    comm = account(setup.cache, state, batch)  # reads the executables that trained
+    batch = run.batch(0)
+    comm = account(run.cache, state, batch)  # reads the executables that trained
     wire = {v["active"]: v["wire_bytes"] for v in comm["variants"]}
     counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
-    measured = throughput.measure(setup, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split)
+    measured = throughput.measure(run.cache, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split,
+                                  run.local)
     device_kind = jax.devices()[0].device_kind
     table = throughput.report(
-        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, units_per_device(setup, batch),
-        eng.n_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), setup.task.unit,
+        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, run.units_per_device(batch),
+        eng.n_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
     )
-    key = f"{setup.task.unit}_per_s_per_device"
+    key = f"{run.task.unit}_per_s_per_device"
     steady = [r for r in hist.records if not r["compiled"]]
     if steady:  # what the loop itself achieved, compilation excluded
         units = sum(r[key] * r["step_time_s"] for r in steady)
@@ -332,7 +287,7 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output,
         "steps": cfg.train.steps,
         "resumed_from_step": resumed_from,
         "devices": eng.n_devices,
-        "mesh": dict(setup.mesh.shape),
+        "mesh": dict(run.mesh.shape),
         "final_loss": hist.final_loss,
         **final_eval,
         "throughput": table,
@@ -376,25 +331,24 @@ def take_lock(cfg: Config) -> RunLock:
 
 
 def train(cfg: Config) -> dict:
-    setup = Setup.create(cfg)
+    run = Run.create(cfg)
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
-    distributed.check_startup(setup, say)
-    ckpt = Checkpoints(setup, say)  # reads and checks a checkpoint to resume before anything is written
+    distributed.check_startup(cfg, run.mesh, run.task, say)
+    ckpt = Checkpoints(run.engine, run.init_state(), say)  # reads and checks a checkpoint to resume before anything is written
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     try:
-        out = Output.create(cfg, ckpt.start, runlog.short_unit(setup.task.unit), ckpt.resume_step)
+        out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step)
     except BaseException:
         lock.release()
         raise
     ckpt.open()
     try:
-        startup_report(setup, out.say)
-        state, hist = train_loop(setup, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
+        startup_report(run, ckpt.state, out.say)
+        state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
-        summary = final_report(setup, state, hist, out, ckpt.start if ckpt.restored else None)
+        summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
     finally:
         ckpt.close()  # a run stopped by an error keeps the saves it started
         out.close()
         lock.release()
-    setup.state = state
     return summary
