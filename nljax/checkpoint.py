@@ -310,7 +310,7 @@ def _read_meta(path: Path) -> dict:
     try:
         meta = _manager(path.parent).restore(int(path.name), args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
-        raise ConfigError(f"checkpoint {path}: metadata unreadable ({_first_line(e)})") from None
+        raise ConfigError(f"checkpoint {path}: metadata unreadable ({_error_line(e)})") from None
     if not _well_formed(meta):
         raise ConfigError(f"checkpoint {path}: metadata is not an nljax checkpoint of format {FORMAT}")
     return meta
@@ -335,7 +335,8 @@ def _well_formed(meta: Any) -> bool:
         return False
 
 
-def _first_line(e: BaseException) -> str:
+def _error_line(e: BaseException) -> str:
+    """'<type>: <first line>' of whatever Orbax or TensorStore raised."""
     return f"{type(e).__name__}: {first_line(e)}"[:300]
 
 
@@ -374,8 +375,9 @@ def _same_layout(meta: dict, cfg: Config, target: dict[str, jax.Array]) -> bool:
 
 def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     """Read the checkpoint at `path` onto `engine`'s mesh (which may differ from the one that
-    saved it) with the shardings of `template` (a fresh state of this run, `Run.init_state`), check it, and convert what depends on the device count, the
-    global batch or the strategy. Reads only; raises ConfigError with one line on bad input."""
+    saved it) with the shardings of `template` (a fresh state of this run, `Run.init_state`),
+    check it, and convert what depends on the device count, the global batch or the strategy.
+    Reads only; raises ConfigError with one line on bad input."""
     import orbax.checkpoint as ocp
 
     cfg, mesh = engine.cfg, engine.mesh
@@ -423,7 +425,7 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
         sums = checksums(arrays)
     except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
         logging.getLogger("asyncio").addFilter(_unretrieved_read_errors)
-        raise ConfigError(f"checkpoint {path}: array data unreadable ({_first_line(e)})") from None
+        raise ConfigError(f"checkpoint {path}: array data unreadable ({_error_line(e)})") from None
     for name, info in meta["arrays"].items():
         if sums[name] != info["checksum"]:
             raise ConfigError(f"checkpoint {path}: array '{name}' does not match its checksum (corrupted)")

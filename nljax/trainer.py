@@ -1,8 +1,9 @@
 """The training loop: builds the run from a config, steps it with the Conductor, evaluates,
 logs and reports throughput. Only process 0 prints and writes files.
 
-`train` is three stages, each a plain function so that a hook (checkpoints, lockstep checks,
-memory reports) is one call in one place: `startup_report`, `train_loop`, `final_report`.
+`train` is three stages, each a plain function: `startup_report`, `train_loop` (the steps of
+`nljax.loop.training_steps` with hooks for evaluation, logging, checkpoints and the profiler) and
+`final_report` (the final evaluation, `comm_report` and `throughput_report`, merged).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, to_dict
 from nljax.errors import ConfigError
-from nljax.hostdev import mean_loss, replica
+from nljax.loop import Hooks, Profiler, StepResult, training_steps
 from nljax.run import Run
 from nljax.runlock import RunLock
 from nljax.state import TrainState, bytes_per_device, describe_memory
@@ -121,25 +122,6 @@ class Output:
         self.board.close()
 
 
-class Profiler:
-    """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into
-    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); process 0 only."""
-
-    def __init__(self, cfg: Config, path: Path, enabled: bool):
-        self.first, self.n = cfg.train.profile_start, cfg.train.profile_steps if enabled else 0
-        self.path, self.on = path / "profile", False
-
-    def before(self, step: int) -> None:
-        if self.n and step == self.first:
-            jax.profiler.start_trace(str(self.path))
-            self.on = True
-
-    def after(self, step: int, last: bool) -> None:
-        if self.on and (step == self.first + self.n - 1 or last):
-            jax.profiler.stop_trace()
-            self.on = False
-
-
 def startup_report(run: Run, state: TrainState, say) -> None:
     """Devices and mesh, model size, batch sizes (global, per device, micro, effective), the
     learning rate after batch scaling, and the parameters of each level."""
@@ -187,101 +169,73 @@ def check_skipped(in_a_row: int, step: int, limit: int) -> None:
 
 def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
                ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
-    """Steps from `conductor.step` to `train.steps`, saving checkpoints through `ckpt`. The next
-    batch is built while the device runs the current step; the step time runs from dispatch
-    until its loss is on the host."""
-    cfg, steps = run.cfg, run.cfg.train.steps
-    key = f"{run.task.unit}_per_s_per_device"
+    """Steps from `conductor.step` to `train.steps` (`loop.training_steps`) with the hooks of
+    `loop_hooks`, saving checkpoints through `ckpt`; stops a run whose steps all skip."""
     # A resumed run's plots and summary cover the whole run: the earlier steps come from the
     # metrics.jsonl records it kept.
     kept = out.run.kept
     hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
-    seen, t_start = set(), time.perf_counter()
     in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
-    profiler = Profiler(cfg, out.run.path, out.run.write)
-    batch = run.batch(conductor.step) if conductor.step < steps else None
-    if ckpt is not None and batch is not None:
-        batch = ckpt.first_batch(conductor.step, batch)  # after a resume that restarted every row
-    for i in range(max(steps - conductor.step, 0)):
-        p = conductor.pulse
-        distributed.check_step(i, p, cfg.distributed.check_every)
-        last = p.step == steps - 1
-        units = run.units_per_device(batch)
-        profiler.before(p.step)
-        t0 = time.perf_counter()
-        state, m, variant = run.cache.train(p.active, state, batch)
-        compiled = variant not in seen  # the first call of a variant includes its compilation
-        seen.add(variant)
-        batch = None if last else run.batch(p.step + 1)  # overlaps the step on the device
-        loss = mean_loss(m)  # waits for the step
-        dt = time.perf_counter() - t0
-        profiler.after(p.step, last)
-        was_skipped = bool(replica(m["skipped"]))  # the same on every device
-        norms, lskip = (replica(m[k]).tolist() for k in ("level_grad_norm", "level_skipped"))  # per level
-        skipped_levels = [l for l in p.active_levels if lskip[l]]
-        if was_skipped:
+    t_start = time.perf_counter()
+    hooks, profiler = loop_hooks(run, out, ckpt)
+    if conductor.step < run.cfg.train.steps:
+        profiler.start(conductor.step)
+    first = ckpt.first_batch if ckpt is not None else (lambda step, batch: batch)
+    for r in training_steps(run, state, conductor, first):
+        state, skipped_levels = r.state, r.record["skipped_levels"]
+        if r.record["skipped"]:
             hist.skipped += 1
-            out.say(f"warning: step {p.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
+            out.say(f"warning: step {r.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
                     f"sync.max_grad_norm)")
-        stalled = len(skipped_levels) == len(p.active_levels)  # nothing trained this step
+        stalled = len(skipped_levels) == len(r.pulse.active_levels)  # nothing trained this step
         in_a_row = in_a_row + 1 if stalled else 0
-        conductor = conductor.advance()  # after the step's synchronization
-        rec = {
-            "step": p.step,
-            "loss": loss,
-            "active_levels": p.active_levels,
-            "pattern": p.name,
-            "step_time_s": dt,
-            key: units / dt,
-            "compiled": compiled,
-            "skipped": was_skipped,
-            **{f"grad_norm_l{l}": float(norms[l]) for l in p.active_levels}, "skipped_levels": skipped_levels,
-        }
-        if variant != p.active:
-            rec["micro_batches"] = variant[1]  # a tail batch that ends a data pass
-        evaluated = {}
-        if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and not last:
-            evaluated = run.evaluate(state.params, p.step + 1)
-            rec.update(evaluated)
-        out.run.log(rec)
-        if ckpt is not None:
-            ckpt.maybe_save(p.step + 1, state)  # copies off the devices before the next step donates
-        out.board.scalars("train", {"loss": loss, "step_time_s": dt, key: units / dt}, p.step)
-        out.board.scalars("eval", evaluated, p.step + 1)
-        out.progress.update(rec, units / dt, last, runlog.format_metrics(evaluated))
-        hist.records.append(rec)
-        check_skipped(in_a_row, p.step, cfg.train.max_skipped)
+        hooks.run(r)
+        hist.records.append(r.record)
+        check_skipped(in_a_row, r.step, run.cfg.train.max_skipped)
     hist.wall_s = time.perf_counter() - t_start
     out.progress.close()
     return state, hist
 
 
+def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, Profiler]:
+    """What runs between steps, in this order: the profiler's stop, evaluation every
+    `eval.every` steps (not after the last: `final_report` evaluates), the metrics.jsonl
+    record, the checkpoint, TensorBoard and the progress bar, the profiler's start."""
+    cfg, key = run.cfg, f"{run.task.unit}_per_s_per_device"
+    profiler = Profiler(cfg.train.profile_start, cfg.train.profile_steps if out.run.write else 0, out.run.path)
+    hooks = Hooks()
+    hooks.add(profiler.stop)
+
+    def evaluate(r: StepResult) -> None:
+        if not r.last:
+            r.evaluated = run.evaluate(r.state.params, r.step + 1)
+            r.record.update(r.evaluated)
+
+    def report(r: StepResult) -> None:
+        rec = r.record
+        out.board.scalars("train", {"loss": rec["loss"], "step_time_s": rec["step_time_s"], key: r.units_per_s}, r.step)
+        out.board.scalars("eval", r.evaluated, r.step + 1)
+        out.progress.update(rec, r.units_per_s, r.last, runlog.format_metrics(r.evaluated))
+
+    hooks.add(evaluate, every=cfg.eval.every)
+    hooks.add(lambda r: out.run.log(r.record))
+    if ckpt is not None:  # copies off the devices before the next step donates the state
+        hooks.add(lambda r: ckpt.maybe_save(r.step + 1, r.state))
+    hooks.add(report)
+    hooks.add(profiler.start_next)
+    return hooks, profiler
+
+
 def final_report(run: Run, state: TrainState, hist: History, out: Output,
                  resumed_from: int | None = None) -> dict:
-    """Final evaluation, the throughput table, communication from the HLO, summary.json and the
-    plots."""
+    """summary.json, the plots and the printed report: the final evaluation, the communication
+    read from the HLO and the throughput table, merged."""
     cfg, eng = run.cfg, run.engine
     final_eval = run.evaluate(state.params, cfg.train.steps)
     out.board.scalars("eval", final_eval, cfg.train.steps)
     batch = run.batch(0)
-    comm = account(run.cache, state, batch)  # reads the executables that trained
-    wire = {v["active"]: v["wire_bytes"] for v in comm["variants"]}
-    counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
-    measured = throughput.measure(run.cache, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split,
-                                  run.local)
-    device_kind = jax.devices()[0].device_kind
-    table = throughput.report(
-        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, run.units_per_device(batch),
-        eng.n_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
-    )
-    key = f"{run.task.unit}_per_s_per_device"
-    steady = [r for r in hist.records if not r["compiled"]]
-    if steady:  # what the loop itself achieved, compilation excluded
-        units = sum(r[key] * r["step_time_s"] for r in steady)
-        table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
-    table["device_kind"] = device_kind
-    if jax.devices()[0].platform == "cpu" and eng.n_devices > 1:
-        table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
+    comm = comm_report(run, state, batch)
+    table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"])
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
@@ -291,12 +245,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         "final_loss": hist.final_loss,
         **final_eval,
         "throughput": table,
-        "communication": {
-            "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
-            "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],
-            "ratio_vs_ddp": comm["ratio_vs_ddp"],
-            "wire_bytes_per_pattern": wire,
-        },
+        "communication": comm,
         "wall_time_s": hist.wall_s,
         "skipped_steps": hist.skipped,
         "memory_bytes_per_device": bytes_per_device(state),
@@ -317,6 +266,41 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     return summary
 
 
+def comm_report(run: Run, state: TrainState, batch: dict) -> dict:
+    """Bytes per step from the HLO of the executables that trained, against a DDP all-reduce."""
+    comm = account(run.cache, state, batch)
+    return {
+        "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
+        "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],
+        "ratio_vs_ddp": comm["ratio_vs_ddp"],
+        "wire_bytes_per_pattern": {v["active"]: v["wire_bytes"] for v in comm["variants"]},
+    }
+
+
+def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
+                      wire: dict) -> tuple[dict, throughput.Measured]:
+    """The throughput table (every pattern of the run timed again, `nljax.throughput`) with what
+    the loop itself achieved, and the measurements it was made from."""
+    cfg, eng = run.cfg, run.engine
+    counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
+    measured = throughput.measure(run.cache, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split,
+                                  run.local)
+    device_kind = jax.devices()[0].device_kind
+    table = throughput.report(
+        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, run.units_per_device(batch),
+        eng.n_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
+    )
+    key = f"{run.task.unit}_per_s_per_device"
+    steady = [r for r in hist.records if not r["compiled"]]
+    if steady:  # what the loop itself achieved, compilation excluded
+        units = sum(r[key] * r["step_time_s"] for r in steady)
+        table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
+    table["device_kind"] = device_kind
+    if jax.devices()[0].platform == "cpu" and eng.n_devices > 1:
+        table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
+    return table, measured
+
+
 def take_lock(cfg: Config) -> RunLock:
     """Process 0 locks run.dir (nljax/runlock.py); every process raises when it is refused."""
     lock, error = RunLock(cfg.run.dir), None
@@ -334,7 +318,8 @@ def train(cfg: Config) -> dict:
     run = Run.create(cfg)
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
     distributed.check_startup(cfg, run.mesh, run.task, say)
-    ckpt = Checkpoints(run.engine, run.init_state(), say)  # reads and checks a checkpoint to resume before anything is written
+    # reads and checks a checkpoint to resume before anything is written
+    ckpt = Checkpoints(run.engine, run.init_state(), say)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     try:
         out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step)

@@ -232,3 +232,18 @@ def test_loop_trains_a_tail_batch_from_the_task():
     assert all(r["grad_norm_l0"] > 0 and r["skipped_levels"] == [] for r in hist.records)
     assert_trees_close(jax.device_get(state.params), params, rtol=1e-6, atol=1e-7)
     assert setup.cache.traces == traces
+
+
+def test_hooks_run_in_order_every_n_steps():
+    from types import SimpleNamespace
+
+    from nljax.loop import Hooks
+
+    calls, hooks = [], Hooks()
+    hooks.add(lambda r: calls.append(("every 2", r.step)), every=2)
+    hooks.add(lambda r: calls.append(("every step", r.step)))
+    hooks.add(lambda r: calls.append(("never", r.step)), every=0)
+    for s in range(4):
+        hooks.run(SimpleNamespace(step=s))  # a step result: only its step is read
+    assert calls == [("every step", 0), ("every 2", 1), ("every step", 1), ("every step", 2), ("every 2", 3),
+                     ("every step", 3)]
