@@ -646,6 +646,11 @@ class Checkpoints:
         save(self.manager, self.engine, step, state)
         self.last_saved = step
 
+    def save_now(self, step: int, state: TrainState) -> None:
+        """Save unless `step` was just saved (a preemption at a checkpoint step)."""
+        if self.manager is not None and self.last_saved != step:
+            self.save(step, state)
+
     def maybe_save(self, step: int, state: TrainState) -> None:
         """`step` = optimizer steps done (the state's step)."""
         if self.manager is not None and step % self.cfg.checkpoint.every == 0:

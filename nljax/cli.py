@@ -16,6 +16,7 @@ import jax
 
 from nljax import config, distributed
 from nljax.errors import first_line
+from nljax.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -73,6 +74,9 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         multiprocess = setup_processes(args, cfg)
         distributed.check_config(cfg)  # before anything is built from it
         return run(args, cfg) or 0
+    except Preempted as e:  # every process saved the same step; the scheduler restarts the job
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
     except config.ConfigError as e:
         # In a multi-process run every process raises it together (lockstep checks) or the
         # others are released by the shutdown barrier's timeout (distributed.timeout_s).

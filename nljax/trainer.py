@@ -24,6 +24,7 @@ from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, to_dict
 from nljax.errors import ConfigError
 from nljax.loop import Hooks, Profiler, StepResult, training_steps
+from nljax.preemption import Notice, Preempted
 from nljax.run import Run
 from nljax.runlock import RunLock
 from nljax.state import TrainState, bytes_per_device, describe_memory
@@ -150,6 +151,7 @@ def startup_report(run: Run, state: TrainState, say) -> None:
 class History:
     records: list = dataclasses.field(default_factory=list)
     skipped: int = 0  # steps whose gradients failed sync.check_grads
+    stalled_in_a_row: int = 0  # the latest steps in a row where every active level skipped
 
     @property
     def final_loss(self) -> float | None:
@@ -170,31 +172,45 @@ def check_skipped(in_a_row: int, step: int, limit: int) -> None:
 def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
                ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
     """Steps from `conductor.step` to `train.steps` (`loop.training_steps`) with the hooks of
-    `loop_hooks`, saving checkpoints through `ckpt`; stops a run whose steps all skip."""
+    `loop_hooks`, saving checkpoints through `ckpt`; stops a run whose steps all skip, and
+    after a preemption notice (`nljax.preemption`) saves and raises `Preempted`."""
     # A resumed run's plots and summary cover the whole run: the earlier steps come from the
     # metrics.jsonl records it kept.
     kept = out.run.kept
     hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
-    in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
+    hist.stalled_in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
     t_start = time.perf_counter()
     hooks, profiler = loop_hooks(run, out, ckpt)
     if conductor.step < run.cfg.train.steps:
         profiler.start(conductor.step)
     first = ckpt.first_batch if ckpt is not None else (lambda step, batch: batch)
-    for r in training_steps(run, state, conductor, first):
-        state, skipped_levels = r.state, r.record["skipped_levels"]
-        if r.record["skipped"]:
-            hist.skipped += 1
-            out.say(f"warning: step {r.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
-                    f"sync.max_grad_norm)")
-        stalled = len(skipped_levels) == len(r.pulse.active_levels)  # nothing trained this step
-        in_a_row = in_a_row + 1 if stalled else 0
-        hooks.run(r)
-        hist.records.append(r.record)
-        check_skipped(in_a_row, r.step, run.cfg.train.max_skipped)
+    with Notice() as notice:
+        for r in training_steps(run, state, conductor, first):
+            state = r.state
+            _after_step(r, run, hist, hooks, out)
+            # a notice: save at this step boundary (every process at the same step) and stop
+            if notice.stop_after(r.step) and not r.last:
+                if ckpt is not None:
+                    ckpt.save_now(r.step + 1, r.state)
+                out.progress.close()
+                raise Preempted(r.step)
     hist.wall_s = time.perf_counter() - t_start
     out.progress.close()
     return state, hist
+
+
+def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Output) -> None:
+    """Account one step (skips, stalls), run the hooks, record it; stops a run whose steps all skip."""
+    skipped_levels = r.record["skipped_levels"]
+    if r.record["skipped"]:
+        hist.skipped += 1
+        out.say(f"warning: step {r.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
+                f"sync.max_grad_norm)")
+    stalled = len(skipped_levels) == len(r.pulse.active_levels)  # nothing trained this step
+    hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if stalled else 0
+    hooks.run(r)
+    hist.records.append(r.record)
+    check_skipped(hist.stalled_in_a_row, r.step, run.cfg.train.max_skipped)
 
 
 def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, Profiler]:

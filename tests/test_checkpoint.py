@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -293,7 +294,8 @@ SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_siz
          "checkpoint.every=4", "checkpoint.keep=2"]
 
 # Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
-# written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is complete.
+# written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is
+# complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead.
 KILLER = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -315,10 +317,13 @@ else:
     def killing_log(self, record):
         log(self, record)
         if record["step"] == at - 1:  # steps 0 .. at-1 are logged; step `at` never runs
+            if mode == "term":  # a preemption notice: the run saves checkpoint `at` and exits
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             t = time.time()
-            while not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
+            while mode == "step" and not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
                 time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)  # mode "kill": wherever the saves in flight are
     trainer.RunDir.log = killing_log
 from nljax.train import main
 sys.exit(main())
@@ -364,6 +369,34 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert tree_hash(run) == before
+
+
+def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
+    """Fault injection: SIGTERM (a preemption notice), SIGKILL, SIGTERM at seeded random steps,
+    each followed by --resume. A notice saves at the next step boundary and exits 143 with one
+    line; a kill loses what is not yet committed. The final metrics.jsonl equals an uninterrupted
+    run's: the same steps once each, the same losses bitwise."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ck = run / "checkpoints"
+    assert cli("--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={ref}").returncode == 0
+    base = ["--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={run}"]
+    rng = random.Random(1)
+    t1 = rng.randint(1, 5)
+    t2 = rng.randint(t1 + 2, 9)
+    t3 = rng.randint(t2 + 1, 11)
+    p = cli(*base, killer=["term", str(t1), str(ck)])
+    assert p.returncode == 143, p.stderr
+    assert p.stderr.strip() == f"nljax.train: preempted (SIGTERM): stopped after step {t1 - 1}, checkpoint saved; continue with --resume"
+    assert (ck / str(t1)).is_dir()
+    p = cli("--resume", *base, killer=["kill", str(t2), str(ck)])
+    assert p.returncode == -9, p.stderr
+    p = cli("--resume", *base, killer=["term", str(t3), str(ck)])
+    assert p.returncode == 143 and (ck / str(t3)).is_dir(), p.stderr
+    p = cli("--resume", *base)
+    assert p.returncode == 0, p.stderr
+    steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(12)), (t1, t2, t3)
+    assert losses(run) == losses(ref), (t1, t2, t3)
 
 
 # ---------------------------------------------------------------------------------------------
