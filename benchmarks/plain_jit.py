@@ -9,7 +9,7 @@ On one device, times side by side, interleaved (plain, nljax, plain, nljax, ...;
   step (gradient stopped), one `jax.jit` with donated buffers;
 - nljax: the compiled step variant of the same config where every level fires (the same work:
   every parameter updated) and the one of level 0 alone (the most frequent pattern), built by
-  `trainer.Setup` on a 1-device mesh, as `nljax.train` runs it.
+  `nljax.run.Run` on a 1-device mesh, as `nljax.train` runs it.
 
 Same model, batch, optimizer hyper-parameters and memory; the ratio nljax / plain is the
 engine's overhead (shard_map, per-level flat buffers, gradient checks, learning-rate schedule).
@@ -60,14 +60,15 @@ def interleaved(calls: dict, warmup: int, rounds: int) -> dict:
 
 
 def _run(args, cfg) -> int:
-    from nljax.trainer import Setup
+    from nljax.run import Run
 
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, inter=1, intra=1))
-    setup = Setup.create(cfg, devices=jax.devices()[:1])
+    setup = Run.create(cfg, devices=jax.devices()[:1])
+    state = setup.init_state()
     batch, model = setup.batch(0), setup.engine.model
     tx, step = plain_step(model, cfg)
     params = model.init(jax.random.key(cfg.seed))
-    plain = {"params": params, "opt": tx.init(params), "memory": jax.tree.map(jnp.copy, setup.state.memory)}
+    plain = {"params": params, "opt": tx.init(params), "memory": jax.tree.map(jnp.copy, state.memory)}
 
     def call_plain():
         plain["params"], plain["opt"], plain["memory"], loss = step(plain["params"], plain["opt"], plain["memory"], batch)
@@ -77,7 +78,7 @@ def _run(args, cfg) -> int:
         jax.block_until_ready(call_plain())
     every = tuple(True for _ in cfg.cms.periods)
     level0 = tuple(l == 0 for l in range(len(cfg.cms.periods)))
-    chain = {"state": jax.tree.map(lambda x: x.copy(), setup.state)}
+    chain = {"state": state}
 
     def call_nljax(active):
         fn = setup.cache.train_fn(active, chain["state"], batch)

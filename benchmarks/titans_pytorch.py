@@ -12,7 +12,7 @@ titans-pytorch step, ...) so that a drift of clock or load hits both alike; medi
   `use_flex_attn` and `use_accelerated_scan` off, as the anchor was measured), AdamW; one step is
   forward + backward + optimizer on one batch (train_mac.py accumulates 4 such batches per step;
   a step here is one of them). bf16: `torch.autocast`.
-- nljax: `trainer.Setup` on a 1-device mesh with the config (default configs/titans_demo.yaml),
+- nljax: `nljax.run.Run` on a 1-device mesh with the config (default configs/titans_demo.yaml),
   its compiled step variants for level 0 alone (448 of every 512 steps) and all levels firing,
   the cycle mean estimated as 7/8 level-0 + 1/8 all-levels (conservative: the three rarer
   patterns are charged as all-levels). The script only uses the engine's public pieces, so it
@@ -111,7 +111,7 @@ def nljax_side(args):
 
     from nljax import bench, config
     from nljax.conductor import pattern_name
-    from nljax.trainer import Setup
+    from nljax.run import Run
 
     overrides = [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}", "mesh.inter=1", "mesh.intra=1",
                  *args.overrides]
@@ -124,10 +124,11 @@ def nljax_side(args):
         except config.ConfigError as e:
             print(f"note: nljax runs float32 ({e})")
     cfg = config.load(args.config, overrides)
-    setup = Setup.create(cfg, devices=jax.devices()[:1])
+    setup = Run.create(cfg, devices=jax.devices()[:1])
+    state = setup.init_state()
     batch = setup.batch(0)
     n_levels = len(cfg.cms.periods)
-    chain = {"state": jax.tree.map(lambda x: x.copy(), setup.state)}
+    chain = {"state": state}
 
     def runner(active):
         fn = setup.cache.train_fn(active, chain["state"], batch)  # compiled here, not in the timing

@@ -12,16 +12,17 @@ jax.config.update("jax_platforms", "cpu")
 from nljax import config  # noqa: E402
 from nljax.comm import account, format_report  # noqa: E402
 from nljax.conductor import Conductor  # noqa: E402
-from nljax.trainer import Setup, host_sum  # noqa: E402
+from nljax.hostdev import mean_loss  # noqa: E402
+from nljax.run import Run  # noqa: E402
 
 cfg = config.load("configs/nl_default.yaml", ["mesh.inter=2", "cms.periods=[1,4,16]", "train.seq_len=64",
                                               "model.dim=64"])
-setup = Setup.create(cfg)
-state, conductor = setup.state, Conductor(cfg.cms.periods)
+run = Run.create(cfg)
+state, conductor = run.init_state(), Conductor(cfg.cms.periods)
 for _ in range(20):
     pulse = conductor.pulse
-    state, metrics = setup.cache.train(pulse.active, state, setup.batch(pulse.step))
+    state, metrics, _ = run.cache.train(pulse.active, state, run.batch(pulse.step))
     conductor = conductor.advance()
-    print(f"step {pulse.step:3d} {pulse.name:<8} loss {host_sum(metrics['loss_sum']) / host_sum(metrics['count']):.3f}")
-print(setup.evaluate(state.params))
-print(format_report(account(setup.cache, state, setup.batch(0))))
+    print(f"step {pulse.step:3d} {pulse.name:<8} loss {mean_loss(metrics):.3f}")
+print(run.evaluate(state.params))
+print(format_report(account(run.cache, state, run.batch(0))))

@@ -3,7 +3,7 @@
     python -m nljax.bench [--config FILE] [--cpu-devices N] [--steps S] [--warmup W]
                           [--patterns cycle|worst] [--out FILE.json] [key=value ...]
 
-builds the run exactly as `nljax.train` does (`trainer.Setup`: same mesh, engine, compiled
+builds the run exactly as `nljax.train` does (`nljax.run.Run`: same mesh, engine, compiled
 step variants, data) but writes no run directory and no checkpoint. Then, for every pulse
 pattern (distinct active set) of one cycle of `cms.periods` (or only the one where every level
 fires, `--patterns worst`):
@@ -42,6 +42,8 @@ import numpy as np
 from nljax import __version__, cli, levels, throughput
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError
+from nljax.run import Run
+from nljax.step import StepCache
 
 
 # ---------------------------------------------------------------------------------- the device
@@ -166,12 +168,12 @@ def bench_patterns(periods: tuple[int, ...], which: str) -> dict[tuple[bool, ...
     return cycle
 
 
-def compile_variants(setup, actives, state, batch) -> tuple[dict, dict]:
+def compile_variants(cache: StepCache, actives, state, batch) -> tuple[dict, dict]:
     """(active set -> compiled step, active set -> seconds to lower and compile it)."""
     fns, seconds = {}, {}
     for a in actives:
         t0 = time.perf_counter()
-        fns[a] = setup.cache.train_fn(a, state, batch)
+        fns[a] = cache.train_fn(a, state, batch)
         seconds[a] = time.perf_counter() - t0
     return fns, seconds
 
@@ -257,26 +259,24 @@ def summarize(rows: dict, units: int) -> dict:
     }
 
 
-def run_bench(setup, steps: int, warmup: int, which: str, peak: float, peak_source: str) -> dict:
+def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_source: str) -> dict:
     """The whole measurement as a JSON-ready dict (see the module docstring)."""
-    from nljax.trainer import units_per_device  # deferred: trainer imports half the package
-
-    cfg, eng = setup.cfg, setup.engine
-    batch = setup.batch(0)
-    units = units_per_device(setup, batch)
+    cfg, eng = run.cfg, run.engine
+    batch, state = run.batch(0), run.init_state()
+    units = run.units_per_device(batch)
     per_cycle = bench_patterns(cfg.cms.periods, which)
-    fns, compile_s = compile_variants(setup, list(per_cycle), setup.state, batch)
-    times = time_steps(fns, setup.state, batch, warmup, steps)
+    fns, compile_s = compile_variants(run.cache, list(per_cycle), state, batch)
+    times = time_steps(fns, state, batch, warmup, steps)
     analytic = analytic_flops(cfg, eng.model, eng.param_shapes)
     rows = {pattern_name(a): pattern_row(times[a], compile_s[a], per_cycle[a], units,
                                          throughput.flops(fns[a]), analytic["total_per_unit"], peak)
             for a in sorted(per_cycle, key=lambda a: (sum(a), a))}
     return {
         "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,
-                   "seq_len": cfg.train.seq_len if setup.task.unit == "tokens" else None,
-                   "mesh": dict(setup.mesh.shape), "strategy": eng.strategy.name},
+                   "seq_len": cfg.train.seq_len if run.task.unit == "tokens" else None,
+                   "mesh": dict(run.mesh.shape), "strategy": eng.strategy.name},
         "environment": environment(),
-        "unit": setup.task.unit, "units_per_device_step": units, "devices": eng.n_devices,
+        "unit": run.task.unit, "units_per_device_step": units, "devices": eng.n_devices,
         "warmup": warmup, "steps": steps, "patterns": which,
         "peak_flops_per_device": peak, "peak_source": peak_source,
         "flops": analytic, "per_pattern": rows, **summarize(rows, units),
@@ -341,16 +341,14 @@ def synthetic_images(cfg: Config, shape: str, directory: str) -> Config:
 
 
 def _run(args, cfg: Config) -> int:
-    from nljax.trainer import Setup  # deferred: trainer imports throughput, comm, ...
-
     if args.steps < 1 or args.warmup < 0:
         raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
             cfg = synthetic_images(cfg, args.synthetic, tmp)
-        setup = Setup.create(cfg)
+        run = Run.create(cfg)
         peak, source = device_peak(args.peak_tflops)
-        result = run_bench(setup, args.steps, args.warmup, args.patterns, peak, source)
+        result = run_bench(run, args.steps, args.warmup, args.patterns, peak, source)
     result["command"] = " ".join(["python -m nljax.bench", *(args.argv or [])])
     if jax.process_index() == 0:
         print(format_report(result))

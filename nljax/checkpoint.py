@@ -45,8 +45,12 @@ from jax.sharding import NamedSharding
 from nljax import __version__
 from nljax import mesh as meshlib
 from nljax.conductor import Conductor
-from nljax.config import Config, ConfigError, to_dict
+from nljax.config import Config, from_dict, to_dict
+from nljax.errors import ConfigError, first_line
+from nljax.hostdev import replica, reset_all_rows
 from nljax.state import TrainState
+from nljax.step import Engine
+from nljax.strategy import export_state, import_state, layout_shapes
 
 FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory
@@ -125,7 +129,7 @@ def _checksums(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
 def checksums(arrays: dict[str, jax.Array]) -> dict[str, int]:
     out = _checksums(arrays)
     # replicated scalars: read this process's copy (works when other processes hold the rest)
-    return {k: int(np.asarray(v.addressable_data(0))) for k, v in out.items()}
+    return {k: int(replica(v)) for k, v in out.items()}
 
 
 def _rows_of(name: str) -> bool:
@@ -154,8 +158,8 @@ def fingerprint(model) -> dict[str, list]:
     return hit[1]
 
 
-def metadata(setup, step: int, arrays: dict[str, jax.Array]) -> dict:
-    cfg, mesh = setup.cfg, setup.mesh
+def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array]) -> dict:
+    cfg, mesh = engine.cfg, engine.mesh
     sums = checksums(arrays)
     return {
         "format": FORMAT,
@@ -169,7 +173,7 @@ def metadata(setup, step: int, arrays: dict[str, jax.Array]) -> dict:
                  "processes": jax.process_count()},
         "strategy": cfg.sync.strategy,
         "config": to_dict(cfg),
-        "model": fingerprint(setup.engine.model),
+        "model": fingerprint(engine.model),
         "arrays": {
             k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()
         },
@@ -306,7 +310,7 @@ def _read_meta(path: Path) -> dict:
     try:
         meta = _manager(path.parent).restore(int(path.name), args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
-        raise ConfigError(f"checkpoint {path}: metadata unreadable ({_first_line(e)})") from None
+        raise ConfigError(f"checkpoint {path}: metadata unreadable ({_error_line(e)})") from None
     if not _well_formed(meta):
         raise ConfigError(f"checkpoint {path}: metadata is not an nljax checkpoint of format {FORMAT}")
     return meta
@@ -331,18 +335,18 @@ def _well_formed(meta: Any) -> bool:
         return False
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+def _error_line(e: BaseException) -> str:
+    """'<type>: <first line>' of whatever Orbax or TensorStore raised."""
+    return f"{type(e).__name__}: {first_line(e)}"[:300]
 
 
-def _check_fits(path: Path, meta: dict, setup) -> None:
+def _check_fits(path: Path, meta: dict, engine: Engine) -> None:
     """One-line errors for a checkpoint of another model or an incompatible config."""
-    here = to_dict(setup.cfg)
+    here = to_dict(engine.cfg)
     for key in MUST_MATCH:
         for k, a, b in _differences(_get(meta["config"], key), _get(here, key), key):
             raise ConfigError(f"checkpoint {path} does not fit this run: {k}={_fmt(a)} there, {_fmt(b)} here")
-    saved, mine = meta["model"], fingerprint(setup.engine.model)
+    saved, mine = meta["model"], fingerprint(engine.model)
     for name in sorted(set(saved) | set(mine)):
         if name not in saved:
             raise ConfigError(f"checkpoint {path} is from another model: it has no parameter '{name}'")
@@ -356,11 +360,11 @@ def _check_fits(path: Path, meta: dict, setup) -> None:
             )
 
 
-def _same_layout(meta: dict, setup, target: dict[str, jax.Array]) -> bool:
+def _same_layout(meta: dict, cfg: Config, target: dict[str, jax.Array]) -> bool:
     """Whether every saved array (error buffers and memory aside: one row per device or stream
     row) has the name, shape and dtype of this run's: then each is read straight into place."""
     saved = meta["arrays"]
-    if meta.get("strategy", "replicated") != setup.cfg.sync.strategy or set(saved) != set(target):
+    if meta.get("strategy", "replicated") != cfg.sync.strategy or set(saved) != set(target):
         return False
     for name, x in target.items():
         lead = 1 if (_per_device(name) or _rows_of(name)) else 0
@@ -369,17 +373,18 @@ def _same_layout(meta: dict, setup, target: dict[str, jax.Array]) -> bool:
     return True
 
 
-def restore(setup, path: Path) -> Restored:
-    """Read the checkpoint at `path` onto `setup`'s mesh (which may differ from the one that saved
-    it) with the target shardings, check it, and convert what depends on the device count, the
-    global batch or the strategy. Reads only; raises ConfigError with one line on bad input."""
+def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
+    """Read the checkpoint at `path` onto `engine`'s mesh (which may differ from the one that
+    saved it) with the shardings of `template` (a fresh state of this run, `Run.init_state`),
+    check it, and convert what depends on the device count, the global batch or the strategy.
+    Reads only; raises ConfigError with one line on bad input."""
     import orbax.checkpoint as ocp
 
-    cfg, mesh = setup.cfg, setup.mesh
+    cfg, mesh = engine.cfg, engine.mesh
     meta = _read_meta(path)
-    target = named_arrays(setup.state)
-    _check_fits(path, meta, setup)
-    same_layout = _same_layout(meta, setup, target)
+    target = named_arrays(template)
+    _check_fits(path, meta, engine)
+    same_layout = _same_layout(meta, cfg, target)
     saved_cfg = meta["config"]
     warnings = [
         f"resuming with {k}={_fmt(b)} (checkpoint: {_fmt(a)})"
@@ -420,18 +425,18 @@ def restore(setup, path: Path) -> Restored:
         sums = checksums(arrays)
     except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
         logging.getLogger("asyncio").addFilter(_unretrieved_read_errors)
-        raise ConfigError(f"checkpoint {path}: array data unreadable ({_first_line(e)})") from None
+        raise ConfigError(f"checkpoint {path}: array data unreadable ({_error_line(e)})") from None
     for name, info in meta["arrays"].items():
         if sums[name] != info["checksum"]:
             raise ConfigError(f"checkpoint {path}: array '{name}' does not match its checksum (corrupted)")
-    if int(np.asarray(arrays["step"].addressable_data(0))) != meta["step"]:
+    if int(replica(arrays["step"])) != meta["step"]:
         raise ConfigError(f"checkpoint {path}: state step disagrees with its metadata")
 
     if not same_layout:
-        arrays = convert_layout(meta, setup, arrays)
+        arrays = convert_layout(meta, engine, template, arrays)
     fresh = {}
     if fresh_rows:
-        memory = jax.device_put(setup.engine.model.init_memory(rows_new), rows_sh)
+        memory = jax.device_put(engine.model.init_memory(rows_new), rows_sh)
         fresh = {f"memory/{k}": x for k, x in named_arrays(memory).items()}
     out = {}
     for name, t in target.items():
@@ -441,7 +446,7 @@ def restore(setup, path: Path) -> Restored:
         elif _rows_of(name) and fresh_rows:
             x = fresh[name]  # see the policy above
         out[name] = x
-    leaves, treedef = jax.tree_util.tree_flatten(setup.state)
+    leaves, treedef = jax.tree_util.tree_flatten(template)
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
     assert len(leaves) == len(target)
     return Restored(state, meta["step"], path, fresh_rows, warnings)
@@ -489,7 +494,8 @@ def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, shard
     return spread(e)
 
 
-def convert_layout(meta: dict, setup, arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+def convert_layout(meta: dict, engine: Engine, template: TrainState,
+                   arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Parameters and optimizer state saved in another layout (another `sync.strategy`, or a
     sharded layout padded for another mesh), converted to this run's.
 
@@ -500,45 +506,31 @@ def convert_layout(meta: dict, setup, arrays: dict[str, jax.Array]) -> dict[str,
     strategy-independent layout and from there to this run's:
     `import_state(engine, export_state(saved_engine, saved_state))`. Error buffers, memory and
     the step are returned as saved (the caller redistributes them)."""
-    from nljax.config import from_dict
-    from nljax.step import Engine
-    from nljax.strategy import export_state, import_state, layout_shapes
-
     try:
         saved_cfg = from_dict(meta["config"])
     except ConfigError as e:
         raise ConfigError(f"checkpoint's config cannot be read by this nljax: {e}") from None
-    saved_cfg = dataclasses.replace(saved_cfg, mesh=setup.cfg.mesh)
-    saved_eng = Engine.create(saved_cfg, setup.engine.model, setup.mesh)
+    saved_cfg = dataclasses.replace(saved_cfg, mesh=engine.cfg.mesh)
+    saved_eng = Engine.create(saved_cfg, engine.model, engine.mesh)
     params, opt_state = layout_shapes(saved_eng)
-    here = setup.state
-    template = TrainState(here.step, params, opt_state, here.err_buf, here.memory)
-    names = list(named_arrays(template))
+    here = template
+    saved_template = TrainState(here.step, params, opt_state, here.err_buf, here.memory)
+    names = list(named_arrays(saved_template))
     missing = [n for n in names if n not in arrays]
     if missing or len(names) != len(arrays):
         raise ConfigError(
             f"checkpoint does not fit this run: its arrays do not form a sync.strategy={saved_cfg.sync.strategy} "
             f"state (e.g. '{(missing or sorted(set(arrays) - set(names)))[0]}')"
         )
-    treedef = jax.tree_util.tree_structure(template)
+    treedef = jax.tree_util.tree_structure(saved_template)
     saved = jax.tree_util.tree_unflatten(treedef, [arrays[n] for n in names])
     canonical = export_state(saved_eng, saved)
     # This run's own (fresh) error buffers and memory ride along: import_state places them by
     # rows, which the saved ones may not divide into; the caller takes those from `arrays`.
-    converted = import_state(setup.engine, canonical.replace(err_buf=here.err_buf, memory=here.memory))
+    converted = import_state(engine, canonical.replace(err_buf=here.err_buf, memory=here.memory))
     out = {n: x for n, x in arrays.items() if not n.startswith(("params/", "opt_state/"))}
     out.update({n: x for n, x in named_arrays(converted).items() if n.startswith(("params/", "opt_state/"))})
     return out
-
-
-def reset_all_rows(batch: dict) -> dict:
-    """The batch with every row marked to start from a fresh memory (after a change of the global
-    batch, see `restore`)."""
-    if "reset" not in batch:
-        return batch
-    r = batch["reset"]
-    ones = np.ones(r.shape, np.bool_)
-    return {**batch, "reset": jax.make_array_from_callback(r.shape, r.sharding, lambda idx: ones[idx])}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -551,13 +543,13 @@ def writer(cfg: Config):
     return _manager(checkpoint_dir(cfg), write=True, cfg=cfg)
 
 
-def save(manager, setup, step: int, state: TrainState) -> None:
+def save(manager, engine: Engine, step: int, state: TrainState) -> None:
     """Save `state` after `step` optimizer steps. Returns once the arrays are copied off the
     devices (the next step may donate `state`); the files are written in the background."""
     import orbax.checkpoint as ocp
 
     arrays = named_arrays(state)
-    meta = metadata(setup, step, arrays)
+    meta = metadata(engine, step, arrays)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(_nest(arrays)), META: ocp.args.JsonSave(meta)})
     manager.save(step, args=args, force=True)
 
@@ -566,12 +558,15 @@ class Checkpoints:
     """A run's checkpoints: resolves and restores a resume (reading only), then, once `open`ed,
     saves every `checkpoint.every` steps and at the end.
 
-    In the loop: `ckpt = Checkpoints(setup)` (the state and step to start from are `ckpt.state`,
-    `ckpt.start`), then create the run directory, `ckpt.open()`, `ckpt.first_batch(step, batch)`
-    and `ckpt.maybe_save(step + 1, state)` around each step, `ckpt.finish(steps_done, state)`."""
+    In the loop: `ckpt = Checkpoints(engine, run.init_state())` (the state and step to start from
+    are `ckpt.state`, `ckpt.start`), then create the run directory, `ckpt.open()`,
+    `ckpt.first_batch(step, batch)` and `ckpt.maybe_save(step + 1, state)` around each step,
+    `ckpt.finish(steps_done, state)`."""
 
-    def __init__(self, setup, say=print):
-        self.cfg, self.setup = setup.cfg, setup
+    def __init__(self, engine: Engine, fresh: TrainState, say=print):
+        """`fresh`: this run's state at step 0, where a run starts when it resumes nothing, and
+        the layout a restored state is read into."""
+        self.cfg, self.engine = engine.cfg, engine
         self.dir = checkpoint_dir(self.cfg)
         self.manager = None
         self.last_saved: int | None = None
@@ -586,7 +581,7 @@ class Checkpoints:
                 "checkpoint.dir, or set run.overwrite=true to replace them"
             )
         if path is not None:
-            self.restored = restore(setup, path)
+            self.restored = restore(engine, fresh, path)
             for w in self.restored.warnings:
                 if jax.process_index() == 0:
                     print(f"nljax: warning: {w}", file=sys.stderr)
@@ -611,7 +606,7 @@ class Checkpoints:
                 self.dir.mkdir(parents=True, exist_ok=True)
             except OSError as e:
                 raise ConfigError(f"checkpoint.dir {self.dir} cannot be created: {e.strerror or e}") from None
-        self.state = self.restored.state if self.restored else setup.state
+        self.state = self.restored.state if self.restored else fresh
         self.start = self.restored.step if self.restored else 0
         if self.restored:
             say(f"resumed from {path} at step {self.start}")
@@ -641,15 +636,20 @@ class Checkpoints:
         """The batch of `step`, with every row reset when this is the first step after a resume
         that restarted every row's memory."""
         if self.restored is not None and self.restored.fresh_rows and step == self.start:
-            return reset_all_rows(batch)
+            return reset_all_rows(batch)  # after a change of the global batch, see `restore`
         return batch
 
     def save(self, step: int, state: TrainState) -> None:
         # The saves before this one that are complete count against checkpoint.keep; this one,
         # still being written, does not: until it is committed one more stays on disk.
         prune(self.dir, self.cfg.checkpoint.keep)
-        save(self.manager, self.setup, step, state)
+        save(self.manager, self.engine, step, state)
         self.last_saved = step
+
+    def save_now(self, step: int, state: TrainState) -> None:
+        """Save unless `step` was just saved (a preemption at a checkpoint step)."""
+        if self.manager is not None and self.last_saved != step:
+            self.save(step, state)
 
     def maybe_save(self, step: int, state: TrainState) -> None:
         """`step` = optimizer steps done (the state's step)."""

@@ -15,6 +15,8 @@ from typing import Callable, Sequence
 import jax
 
 from nljax import config, distributed
+from nljax.errors import first_line
+from nljax.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -55,7 +57,7 @@ def out_of_memory(e: BaseException) -> str | None:
     activations term is only a floor, see nljax/budget.py), or None for any other error."""
     text = str(e)
     if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
-        first = next((line.strip() for line in text.splitlines() if line.strip()), type(e).__name__)
+        first = first_line(e) or type(e).__name__
         return (f"out of memory ({first[:200]}); make the model, train.batch_size or train.seq_len smaller, "
                 "raise train.accum_steps or use more devices")
     return None
@@ -72,6 +74,9 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         multiprocess = setup_processes(args, cfg)
         distributed.check_config(cfg)  # before anything is built from it
         return run(args, cfg) or 0
+    except Preempted as e:  # every process saved the same step; the scheduler restarts the job
+        print(f"{p.prog}: {e}", file=sys.stderr)
+        return PREEMPTED_EXIT
     except config.ConfigError as e:
         # In a multi-process run every process raises it together (lockstep checks) or the
         # others are released by the shutdown barrier's timeout (distributed.timeout_s).
@@ -87,7 +92,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
             raise
         # Peers may be blocked in a collective that waits for this process: leave at once.
         traceback.print_exc()
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        first = first_line(e) or type(e).__name__
         hint = " (another process probably died)" if isinstance(e, jax.errors.JaxRuntimeError) else ""
         distributed.abort(f"{p.prog}: error (process {jax.process_index()}): {type(e).__name__}{hint}: {first}")
         return 1  # not reached

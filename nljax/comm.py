@@ -30,6 +30,7 @@ from nljax import cli, hlo, levels
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config
 from nljax.mesh import INTER, INTRA, data_size
+from nljax.run import Run
 from nljax.step import StepCache
 from nljax.state import TrainState
 
@@ -162,11 +163,8 @@ def format_report(r: dict) -> str:
 
 
 def _run(args, cfg: Config) -> int:
-    from nljax.trainer import Setup  # deferred: trainer imports this module
-
-    setup = Setup.create(cfg)
-    batch = setup.batch(0)
-    report = account(setup.cache, setup.state, batch)
+    run = Run.create(cfg)
+    report = account(run.cache, run.init_state(), run.batch(0))
     if jax.process_index() == 0:  # only process 0 prints
         print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0

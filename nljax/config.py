@@ -17,9 +17,7 @@ from typing import Any, Literal
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A configuration problem, reported to the user as one line."""
+from nljax.errors import ConfigError, first_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,7 +335,7 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Confi
         except OSError as e:
             raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}")
+            raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}")
         if loaded is not None and not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must hold a mapping at the top level")
         tree = loaded or {}

@@ -34,9 +34,12 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from nljax.config import Config, ConfigError, to_dict
+from nljax import __version__
+from nljax.config import Config, to_dict
+from nljax.errors import ConfigError, first_line
 # Environment fallbacks of the CLI flags, set per process by `python -m nljax.launch`.
 from nljax.launch import ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from nljax.tasks import Task
 
 # Cluster launchers whose processes JAX's auto-detection wires up by itself: (name, variable
 # present only in a launched job step, variable holding its number of tasks), as JAX's own
@@ -148,7 +151,7 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
         jax.distributed.initialize(**kwargs)
     except (ValueError, RuntimeError) as e:
         where = launch.cluster or f"coordinator {launch.coordinator}"
-        raise ConfigError(f"jax.distributed.initialize failed ({where}): {str(e).strip().splitlines()[0]}")
+        raise ConfigError(f"jax.distributed.initialize failed ({where}): {first_line(e)}")
     return True
 
 
@@ -254,12 +257,11 @@ def mesh_record(mesh: jax.sharding.Mesh) -> dict:
 
 def versions() -> dict:
     import jaxlib
-    from nljax import __version__
 
     return {"nljax": __version__, "jax": jax.__version__, "jaxlib": jaxlib.__version__}
 
 
-def data_fingerprint(task: Any) -> str:
+def data_fingerprint(task: Task) -> str:
     """A task's own fingerprint of its data (`task.fingerprint()`), else its class name."""
     fp = getattr(task, "fingerprint", None)
     return fp() if callable(fp) else type(task).__name__
@@ -272,14 +274,14 @@ def check_config(cfg: Config) -> None:
         agree("resolved config", to_dict(cfg))
 
 
-def check_startup(setup: Any, say: Callable[[str], None]) -> None:
-    """Start-up lockstep check of a built run (`trainer.Setup`): config, versions, mesh, data."""
+def check_startup(cfg: Config, mesh: jax.sharding.Mesh, task: Task, say: Callable[[str], None]) -> None:
+    """Start-up lockstep check of a built run: config, versions, mesh, data."""
     if jax.process_count() == 1:
         return
-    record = {"config": to_dict(setup.cfg), "versions": versions(), "mesh": mesh_record(setup.mesh),
-              "data": data_fingerprint(setup.task)}
+    record = {"config": to_dict(cfg), "versions": versions(), "mesh": mesh_record(mesh),
+              "data": data_fingerprint(task)}
     d = agree("start-up state (config, versions, mesh, data)", record)
-    layout = ", ".join(f"{k} {v}" for k, v in mesh_layout(setup.mesh).items())
+    layout = ", ".join(f"{k} {v}" for k, v in mesh_layout(mesh).items())
     say(f"lockstep: {jax.process_count()} processes agree on config, versions, mesh and data "
         f"(sha256 {d[:12]}); mesh axes: {layout}")
 

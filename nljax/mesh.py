@@ -7,7 +7,7 @@ import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from nljax.config import ConfigError
+from nljax.errors import ConfigError
 
 INTER = "inter"
 INTRA = "intra"

@@ -300,7 +300,9 @@ class StepCache:
     def train_fn(self, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
         """The compiled variant for `active` and `batch`'s size (`state` and `batch` give shapes on
         first use)."""
-        key = self.variant(active, batch)
+        return self._compiled(self.variant(active, batch), active, state, batch)
+
+    def _compiled(self, key, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
         if key not in self._train:
             self._train[key] = self._build_train(key, active, state, batch)
         return self._train[key]
@@ -323,7 +325,11 @@ class StepCache:
         return jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
 
     def train(self, active: Active, state: TrainState, batch: dict):
-        return self.train_fn(active, state, batch)(state, batch)
+        """One step: (new state, metrics, the variant that ran, `variant(active, batch)`).
+        `state` is donated."""
+        key = self.variant(active, batch)
+        state, metrics = self._compiled(key, active, state, batch)(state, batch)
+        return state, metrics, key
 
     def eval(self, params: PyTree, batch: dict):
         if self._eval is None:
@@ -362,8 +368,3 @@ class StepCache:
             self._eval_stream[key] = jax.jit(fn, donate_argnums=1)
         return self._eval_stream[key](params, memory, batch)
 
-
-def put_batch(batch: dict, mesh: Mesh) -> dict:
-    """Host arrays [G, ...] -> global arrays split over rows (each device gets only its rows)."""
-    sh = rows_sharding(mesh)
-    return {k: jax.make_array_from_callback(v.shape, sh, lambda idx, v=v: v[idx]) for k, v in batch.items()}

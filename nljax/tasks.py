@@ -23,10 +23,16 @@ import numpy as np
 from jax.sharding import Mesh
 
 from nljax import mesh as meshlib
-from nljax.config import Config, ConfigError
+from nljax.config import Config
 from nljax.data import images
 from nljax.data.recall import CHANCE, attention_reach, recall_corpus
 from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
+from nljax.energy import energy_distance
+from nljax.errors import ConfigError
+from nljax.figures import sample_figure, write_png
+from nljax.hostdev import gather_rows, host_sum, put_batch
+from nljax.mesh import REPLICATED, ROWS
+from nljax.strategy import gather_params
 
 
 class Task(Protocol):
@@ -43,20 +49,6 @@ class Task(Protocol):
     def evaluate(self, cache, params, step: int) -> dict:
         """Held-out metrics as plain floats, reduced as sums and counts over all devices."""
         ...
-
-
-def to_host(x: jax.Array) -> np.ndarray:
-    """The whole global array on the host of every process (gathered when it spans processes)."""
-    if not x.is_fully_addressable:
-        from jax.experimental import multihost_utils
-
-        x = multihost_utils.process_allgather(x, tiled=True)
-    return np.asarray(x)
-
-
-def host_sum(x: jax.Array) -> float:
-    """Sum of a per-device metric array on the host (works across processes)."""
-    return float(to_host(x).astype(np.float64).sum())
 
 
 def text_corpus(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -108,8 +100,6 @@ class TextTask:
         """Loss over consecutive held-out windows per row with the memory carried from window to
         window (a fresh eval memory, reset at the first window and at document boundaries), and
         with a score mask (the recall probe) the greedy accuracy at the scored positions."""
-        from nljax.step import put_batch
-
         memory, sums = cache.eval_memory(), []
         for b in batches:
             m, memory = cache.eval_stream(params, memory, put_batch(b, self.mesh))
@@ -126,8 +116,6 @@ class TextTask:
     def evaluate_fresh(self, cache, params) -> dict:
         """Held-out loss over every eval example exactly once (padded rows are masked), every
         window from a fresh memory."""
-        from nljax.step import put_batch
-
         rows = self.cfg.train.batch_size
         windows = eval_windows(self.eval_data, self.cfg.train.seq_len, self.cfg.eval.batches * rows)
         if len(windows) == 0:
@@ -139,15 +127,6 @@ class TextTask:
             count += host_sum(m["count"])
         mean = loss / max(count, 1.0)
         return {"eval_loss": mean, "eval_bpb": mean / math.log(2), "eval_tokens": int(count)}
-
-
-def gather_rows(x: jax.Array, n: int) -> np.ndarray:
-    """The first `n` rows of an array split over rows, on the host of every process.
-
-    Devices may hold different numbers of real rows (the array is padded to a multiple of the
-    device count and the padding is at the end), so gathering the whole array and dropping the
-    tail is the variable-size all-gather."""
-    return to_host(x)[:n]
 
 
 class ImageTask:
@@ -177,8 +156,6 @@ class ImageTask:
         """(one-step, multi-step) samples for rows (index, label) split over the data axes; traced
         and compiled once per sample count."""
         if self._generate is None:
-            from nljax.mesh import REPLICATED, ROWS
-
             steps = self.cfg.meanflow.sample_steps
 
             def local(params, index, label):  # index, label [n/devices]
@@ -194,8 +171,6 @@ class ImageTask:
 
     def generate(self, model, params, n: int) -> tuple[np.ndarray, np.ndarray]:
         """n samples conditioned on the first n held-out labels, one-step and multi-step, gathered."""
-        from nljax.step import put_batch
-
         padded = -(-n // meshlib.data_size(self.mesh)) * meshlib.data_size(self.mesh)
         labels = np.resize(self.data.eval_y, padded).astype(np.int32)  # tail rows are padding
         rows = put_batch({"index": np.arange(padded, dtype=np.int32), "label": labels}, self.mesh)
@@ -205,16 +180,11 @@ class ImageTask:
     def evaluate(self, cache, params, step: int) -> dict:
         """Energy distance between n generated samples and the n first held-out images (n: all held-out
         images, or meanflow.eval_samples), for one-step and multi-step sampling; a PNG of samples."""
-        from nljax.energy import energy_distance
-        from nljax.figures import sample_figure, write_png
-
         mf = self.cfg.meanflow
         held = len(self.data.eval_x)
         n = min(mf.eval_samples, held) if mf.eval_samples else held
         if n < 2:
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {n}")
-        from nljax.strategy import gather_params
-
         # Sampling needs the model's whole parameter tree: under fsdp it is gathered here.
         one, multi = self.generate(cache.eng.model, gather_params(cache.eng, params), n)
         ref = self.data.eval_x[:n]

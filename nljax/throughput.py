@@ -22,11 +22,15 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from typing import Callable
 
 import jax
 
 from nljax import runlog
 from nljax.conductor import Conductor, pattern_name, pulse
+from nljax.run import Run
+from nljax.state import TrainState
+from nljax.step import StepCache
 
 # bf16 dense peak per device in TFLOP/s, matched as a substring of `device_kind` (first match).
 PEAK_TFLOPS = (
@@ -106,23 +110,25 @@ class Measured:
     flops: dict  # active set -> FLOPs per device per step (or None)
 
 
-def measure(setup, state, batch, active_sets, reps: int, split: bool) -> Measured:
-    """Time every active set on a copy of `state` with `batch` and, with `split`, on a 1-device
-    copy of the program without collectives. `setup` is a `trainer.Setup`."""
+def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps: int, split: bool,
+            local: Callable[[], Run]) -> Measured:
+    """Time every active set on a copy of `state` with `batch` and, with `split`, the same
+    per-device program on one device without collectives (`local()` builds it, `Run.local`)."""
     chain = _Chain(jax.tree.map(lambda x: x.copy(), state))
-    fns = {a: setup.cache.train_fn(a, chain.state, batch) for a in active_sets}
+    fns = {a: cache.train_fn(a, chain.state, batch) for a in active_sets}
     runs = {("step", a): chain.call(fns[a], batch) for a in active_sets}
-    if split and setup.engine.n_devices > 1:
-        local = _local_setup(setup)
-        lbatch = local.batch(0)
-        lchain = _Chain(local.state)
+    n_devices = cache.eng.n_devices
+    if split and n_devices > 1:
+        one = local()
+        lbatch, lstate = one.batch(0), one.init_state()
+        lchain = _Chain(lstate)
         for a in active_sets:
-            runs[("compute", a)] = lchain.call(local.cache.train_fn(a, local.state, lbatch), lbatch)
+            runs[("compute", a)] = lchain.call(one.cache.train_fn(a, lstate, lbatch), lbatch)
     medians = _time_interleaved(runs, reps)
     step_s = {a: medians[("step", a)] for a in active_sets}
     if not split:
         compute_s = {}
-    elif setup.engine.n_devices == 1:
+    elif n_devices == 1:
         compute_s = dict(step_s)  # the 1-device program has no collectives to remove
     else:
         compute_s = {a: medians[("compute", a)] for a in active_sets}
@@ -141,20 +147,6 @@ class _Chain:
             return self.state, metrics
 
         return run
-
-
-def _local_setup(setup):
-    """The run's program for one device: same model, rows per device and optimizer, no collectives."""
-    from nljax.trainer import Setup  # deferred: trainer imports this module
-
-    cfg = setup.cfg
-    rows = cfg.train.batch_size // setup.engine.n_devices
-    local = dataclasses.replace(
-        cfg,
-        train=dataclasses.replace(cfg.train, batch_size=rows),
-        mesh=dataclasses.replace(cfg.mesh, inter=1, intra=1),
-    )
-    return Setup.create(local, devices=jax.local_devices()[:1])
 
 
 def report(

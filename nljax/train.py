@@ -6,11 +6,10 @@ import dataclasses
 import sys
 
 from nljax import cli
+from nljax.trainer import train
 
 
 def _run(args, cfg) -> int:
-    from nljax.trainer import train
-
     if args.quiet:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, quiet=True))
     if args.resume and not cfg.checkpoint.resume:

@@ -1,8 +1,9 @@
 """The training loop: builds the run from a config, steps it with the Conductor, evaluates,
 logs and reports throughput. Only process 0 prints and writes files.
 
-`train` is three stages, each a plain function so that a hook (checkpoints, lockstep checks,
-memory reports) is one call in one place: `startup_report`, `train_loop`, `final_report`.
+`train` is three stages, each a plain function: `startup_report`, `train_loop` (the steps of
+`nljax.loop.training_steps` with hooks for evaluation, logging, checkpoints and the profiler) and
+`final_report` (the final evaluation, `comm_report` and `throughput_report`, merged).
 """
 
 from __future__ import annotations
@@ -16,59 +17,21 @@ from pathlib import Path
 import jax
 import yaml
 
-from nljax import __version__, budget, distributed, levels, mesh as meshlib, optim, runlog, tasks, throughput
+from nljax import __version__, distributed, levels, optim, runlog, throughput
 from nljax.checkpoint import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
-from nljax.config import Config, ConfigError, to_dict
-from nljax.models import build
+from nljax.config import Config, to_dict
+from nljax.errors import ConfigError
+from nljax.loop import Hooks, Profiler, StepResult, training_steps
+from nljax.preemption import Notice, Preempted
+from nljax.run import Run
 from nljax.runlock import RunLock
 from nljax.state import TrainState, bytes_per_device, describe_memory
-from nljax.step import Engine, StepCache
-from nljax.tasks import Task, host_sum
 
 
 def is_main() -> bool:
     return jax.process_index() == 0
-
-
-@dataclasses.dataclass
-class Setup:
-    """Everything a run is made of, built the same way by `train`, `comm` and the tests."""
-
-    cfg: Config
-    mesh: jax.sharding.Mesh
-    engine: Engine
-    cache: StepCache
-    state: TrainState
-    task: Task
-
-    @classmethod
-    def create(cls, cfg: Config, devices=None) -> "Setup":
-        mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices)
-        rows = meshlib.check_batch(cfg.train.batch_size, mesh)
-        if rows % cfg.train.accum_steps:
-            raise ConfigError(
-                f"train.accum_steps={cfg.train.accum_steps} does not divide the {rows} rows each device holds "
-                f"(train.batch_size={cfg.train.batch_size} over {meshlib.data_size(mesh)} devices)"
-            )
-        # Refused before anything is allocated (nljax/budget.py): from the config alone first, so
-        # that an absurd size never reaches Flax or XLA, then from the exact shapes.
-        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        available = budget.available_bytes(local)
-        budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
-        model = build(cfg)
-        engine = Engine.create(cfg, model, mesh)
-        budget.check(budget.engine_terms(cfg, engine), available)
-        state = engine.init_state(jax.random.key(cfg.seed), cfg.train.batch_size)
-        task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
-        return cls(cfg, mesh, engine, StepCache(engine), state, task)
-
-    def batch(self, step: int) -> dict:
-        return self.task.batch(step)
-
-    def evaluate(self, params, step: int = 0) -> dict:
-        return self.task.evaluate(self.cache, params, step)
 
 
 class RunDir:
@@ -160,39 +123,14 @@ class Output:
         self.board.close()
 
 
-class Profiler:
-    """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into
-    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); process 0 only."""
-
-    def __init__(self, cfg: Config, path: Path, enabled: bool):
-        self.first, self.n = cfg.train.profile_start, cfg.train.profile_steps if enabled else 0
-        self.path, self.on = path / "profile", False
-
-    def before(self, step: int) -> None:
-        if self.n and step == self.first:
-            jax.profiler.start_trace(str(self.path))
-            self.on = True
-
-    def after(self, step: int, last: bool) -> None:
-        if self.on and (step == self.first + self.n - 1 or last):
-            jax.profiler.stop_trace()
-            self.on = False
-
-
-def units_per_device(setup: Setup, batch: dict) -> int:
-    """Tokens (or the task's unit) one device processes in a step on `batch`."""
-    rows = jax.tree.leaves(batch)[0].shape[0]
-    return rows // setup.engine.n_devices * setup.task.units_per_row
-
-
-def startup_report(setup: Setup, say) -> None:
+def startup_report(run: Run, state: TrainState, say) -> None:
     """Devices and mesh, model size, batch sizes (global, per device, micro, effective), the
     learning rate after batch scaling, and the parameters of each level."""
-    cfg, eng, mesh = setup.cfg, setup.engine, setup.mesh
+    cfg, eng, mesh = run.cfg, run.engine, run.mesh
     n_dev, t = eng.n_devices, cfg.train
     rows_per_dev = t.batch_size // n_dev
     n_params = sum(n for n, _ in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels))
-    unit, per_row = setup.task.unit, setup.task.units_per_row
+    unit, per_row = run.task.unit, run.task.units_per_row
     say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices "
         f"({jax.devices()[0].device_kind}), mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, "
         f"{jax.process_count()} process(es)")
@@ -206,13 +144,14 @@ def startup_report(setup: Setup, say) -> None:
     say(f"optimizer {cfg.optim.name}: peak lr {lr:.4g}{scaled}, {cfg.optim.schedule} schedule, "
         f"{cfg.optim.warmup_steps} warm-up steps")
     say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
-    say(describe_memory(bytes_per_device(setup.state), eng.strategy.name))
+    say(describe_memory(bytes_per_device(state), eng.strategy.name))
 
 
 @dataclasses.dataclass
 class History:
     records: list = dataclasses.field(default_factory=list)
     skipped: int = 0  # steps whose gradients failed sync.check_grads
+    stalled_in_a_row: int = 0  # the latest steps in a row where every active level skipped
 
     @property
     def final_loss(self) -> float | None:
@@ -230,118 +169,99 @@ def check_skipped(in_a_row: int, step: int, limit: int) -> None:
         )
 
 
-def train_loop(setup: Setup, state: TrainState, conductor: Conductor, out: Output,
+def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
                ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
-    """Steps from `conductor.step` to `train.steps`, saving checkpoints through `ckpt`. The next
-    batch is built while the device runs the current step; the step time runs from dispatch
-    until its loss is on the host."""
-    cfg, steps = setup.cfg, setup.cfg.train.steps
-    key = f"{setup.task.unit}_per_s_per_device"
+    """Steps from `conductor.step` to `train.steps` (`loop.training_steps`) with the hooks of
+    `loop_hooks`, saving checkpoints through `ckpt`; stops a run whose steps all skip, and
+    after a preemption notice (`nljax.preemption`) saves and raises `Preempted`."""
     # A resumed run's plots and summary cover the whole run: the earlier steps come from the
     # metrics.jsonl records it kept.
     kept = out.run.kept
     hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
-    seen, t_start = set(), time.perf_counter()
-    in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
-    profiler = Profiler(cfg, out.run.path, out.run.write)
-    batch = setup.batch(conductor.step) if conductor.step < steps else None
-    if ckpt is not None and batch is not None:
-        batch = ckpt.first_batch(conductor.step, batch)  # after a resume that restarted every row
-    for i in range(max(steps - conductor.step, 0)):
-        p = conductor.pulse
-        distributed.check_step(i, p, cfg.distributed.check_every)
-        last = p.step == steps - 1
-        variant = setup.cache.variant(p.active, batch)
-        compiled = variant not in seen  # the first call of a variant includes its compilation
-        seen.add(variant)
-        units = units_per_device(setup, batch)
-        profiler.before(p.step)
-        t0 = time.perf_counter()
-        state, m = setup.cache.train(p.active, state, batch)
-        batch = None if last else setup.batch(p.step + 1)  # overlaps the step on the device
-        loss = host_sum(m["loss_sum"]) / host_sum(m["count"])  # waits for the step
-        dt = time.perf_counter() - t0
-        profiler.after(p.step, last)
-        was_skipped = bool(m["skipped"].addressable_data(0))  # the same on every device
-        norms, lskip = (m[k].addressable_data(0).tolist() for k in ("level_grad_norm", "level_skipped"))  # per level
-        skipped_levels = [l for l in p.active_levels if lskip[l]]
-        if was_skipped:
-            hist.skipped += 1
-            out.say(f"warning: step {p.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
-                    f"sync.max_grad_norm)")
-        stalled = len(skipped_levels) == len(p.active_levels)  # nothing trained this step
-        in_a_row = in_a_row + 1 if stalled else 0
-        conductor = conductor.advance()  # after the step's synchronization
-        rec = {
-            "step": p.step,
-            "loss": loss,
-            "active_levels": p.active_levels,
-            "pattern": p.name,
-            "step_time_s": dt,
-            key: units / dt,
-            "compiled": compiled,
-            "skipped": was_skipped,
-            **{f"grad_norm_l{l}": float(norms[l]) for l in p.active_levels}, "skipped_levels": skipped_levels,
-        }
-        if variant != p.active:
-            rec["micro_batches"] = variant[1]  # a tail batch that ends a data pass
-        evaluated = {}
-        if cfg.eval.every and (p.step + 1) % cfg.eval.every == 0 and not last:
-            evaluated = setup.evaluate(state.params, p.step + 1)
-            rec.update(evaluated)
-        out.run.log(rec)
-        if ckpt is not None:
-            ckpt.maybe_save(p.step + 1, state)  # copies off the devices before the next step donates
-        out.board.scalars("train", {"loss": loss, "step_time_s": dt, key: units / dt}, p.step)
-        out.board.scalars("eval", evaluated, p.step + 1)
-        out.progress.update(rec, units / dt, last, runlog.format_metrics(evaluated))
-        hist.records.append(rec)
-        check_skipped(in_a_row, p.step, cfg.train.max_skipped)
+    hist.stalled_in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
+    t_start = time.perf_counter()
+    hooks, profiler = loop_hooks(run, out, ckpt)
+    if conductor.step < run.cfg.train.steps:
+        profiler.start(conductor.step)
+    first = ckpt.first_batch if ckpt is not None else (lambda step, batch: batch)
+    with Notice() as notice:
+        for r in training_steps(run, state, conductor, first):
+            state = r.state
+            _after_step(r, run, hist, hooks, out)
+            # a notice: save at this step boundary (every process at the same step) and stop
+            if notice.stop_after(r.step) and not r.last:
+                if ckpt is not None:
+                    ckpt.save_now(r.step + 1, r.state)
+                out.progress.close()
+                raise Preempted(r.step)
     hist.wall_s = time.perf_counter() - t_start
     out.progress.close()
     return state, hist
 
 
-def final_report(setup: Setup, state: TrainState, hist: History, out: Output,
+def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Output) -> None:
+    """Account one step (skips, stalls), run the hooks, record it; stops a run whose steps all skip."""
+    skipped_levels = r.record["skipped_levels"]
+    if r.record["skipped"]:
+        hist.skipped += 1
+        out.say(f"warning: step {r.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
+                f"sync.max_grad_norm)")
+    stalled = len(skipped_levels) == len(r.pulse.active_levels)  # nothing trained this step
+    hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if stalled else 0
+    hooks.run(r)
+    hist.records.append(r.record)
+    check_skipped(hist.stalled_in_a_row, r.step, run.cfg.train.max_skipped)
+
+
+def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, Profiler]:
+    """What runs between steps, in this order: the profiler's stop, evaluation every
+    `eval.every` steps (not after the last: `final_report` evaluates), the metrics.jsonl
+    record, the checkpoint, TensorBoard and the progress bar, the profiler's start."""
+    cfg, key = run.cfg, f"{run.task.unit}_per_s_per_device"
+    profiler = Profiler(cfg.train.profile_start, cfg.train.profile_steps if out.run.write else 0, out.run.path)
+    hooks = Hooks()
+    hooks.add(profiler.stop)
+
+    def evaluate(r: StepResult) -> None:
+        if not r.last:
+            r.evaluated = run.evaluate(r.state.params, r.step + 1)
+            r.record.update(r.evaluated)
+
+    def report(r: StepResult) -> None:
+        rec = r.record
+        out.board.scalars("train", {"loss": rec["loss"], "step_time_s": rec["step_time_s"], key: r.units_per_s}, r.step)
+        out.board.scalars("eval", r.evaluated, r.step + 1)
+        out.progress.update(rec, r.units_per_s, r.last, runlog.format_metrics(r.evaluated))
+
+    hooks.add(evaluate, every=cfg.eval.every)
+    hooks.add(lambda r: out.run.log(r.record))
+    if ckpt is not None:  # copies off the devices before the next step donates the state
+        hooks.add(lambda r: ckpt.maybe_save(r.step + 1, r.state))
+    hooks.add(report)
+    hooks.add(profiler.start_next)
+    return hooks, profiler
+
+
+def final_report(run: Run, state: TrainState, hist: History, out: Output,
                  resumed_from: int | None = None) -> dict:
-    """Final evaluation, the throughput table, communication from the HLO, summary.json and the
-    plots."""
-    cfg, eng = setup.cfg, setup.engine
-    final_eval = setup.evaluate(state.params, cfg.train.steps)
+    """summary.json, the plots and the printed report: the final evaluation, the communication
+    read from the HLO and the throughput table, merged."""
+    cfg, eng = run.cfg, run.engine
+    final_eval = run.evaluate(state.params, cfg.train.steps)
     out.board.scalars("eval", final_eval, cfg.train.steps)
-    batch = setup.batch(0)
-    comm = account(setup.cache, state, batch)  # reads the executables that trained
-    wire = {v["active"]: v["wire_bytes"] for v in comm["variants"]}
-    counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
-    measured = throughput.measure(setup, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split)
-    device_kind = jax.devices()[0].device_kind
-    table = throughput.report(
-        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, units_per_device(setup, batch),
-        eng.n_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), setup.task.unit,
-    )
-    key = f"{setup.task.unit}_per_s_per_device"
-    steady = [r for r in hist.records if not r["compiled"]]
-    if steady:  # what the loop itself achieved, compilation excluded
-        units = sum(r[key] * r["step_time_s"] for r in steady)
-        table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
-    table["device_kind"] = device_kind
-    if jax.devices()[0].platform == "cpu" and eng.n_devices > 1:
-        table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
+    batch = run.batch(0)
+    comm = comm_report(run, state, batch)
+    table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"])
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
         "resumed_from_step": resumed_from,
         "devices": eng.n_devices,
-        "mesh": dict(setup.mesh.shape),
+        "mesh": dict(run.mesh.shape),
         "final_loss": hist.final_loss,
         **final_eval,
         "throughput": table,
-        "communication": {
-            "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
-            "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],
-            "ratio_vs_ddp": comm["ratio_vs_ddp"],
-            "wire_bytes_per_pattern": wire,
-        },
+        "communication": comm,
         "wall_time_s": hist.wall_s,
         "skipped_steps": hist.skipped,
         "memory_bytes_per_device": bytes_per_device(state),
@@ -362,6 +282,41 @@ def final_report(setup: Setup, state: TrainState, hist: History, out: Output,
     return summary
 
 
+def comm_report(run: Run, state: TrainState, batch: dict) -> dict:
+    """Bytes per step from the HLO of the executables that trained, against a DDP all-reduce."""
+    comm = account(run.cache, state, batch)
+    return {
+        "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
+        "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],
+        "ratio_vs_ddp": comm["ratio_vs_ddp"],
+        "wire_bytes_per_pattern": {v["active"]: v["wire_bytes"] for v in comm["variants"]},
+    }
+
+
+def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
+                      wire: dict) -> tuple[dict, throughput.Measured]:
+    """The throughput table (every pattern of the run timed again, `nljax.throughput`) with what
+    the loop itself achieved, and the measurements it was made from."""
+    cfg, eng = run.cfg, run.engine
+    counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
+    measured = throughput.measure(run.cache, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split,
+                                  run.local)
+    device_kind = jax.devices()[0].device_kind
+    table = throughput.report(
+        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, run.units_per_device(batch),
+        eng.n_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
+    )
+    key = f"{run.task.unit}_per_s_per_device"
+    steady = [r for r in hist.records if not r["compiled"]]
+    if steady:  # what the loop itself achieved, compilation excluded
+        units = sum(r[key] * r["step_time_s"] for r in steady)
+        table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
+    table["device_kind"] = device_kind
+    if jax.devices()[0].platform == "cpu" and eng.n_devices > 1:
+        table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
+    return table, measured
+
+
 def take_lock(cfg: Config) -> RunLock:
     """Process 0 locks run.dir (nljax/runlock.py); every process raises when it is refused."""
     lock, error = RunLock(cfg.run.dir), None
@@ -376,25 +331,25 @@ def take_lock(cfg: Config) -> RunLock:
 
 
 def train(cfg: Config) -> dict:
-    setup = Setup.create(cfg)
+    run = Run.create(cfg)
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
-    distributed.check_startup(setup, say)
-    ckpt = Checkpoints(setup, say)  # reads and checks a checkpoint to resume before anything is written
+    distributed.check_startup(cfg, run.mesh, run.task, say)
+    # reads and checks a checkpoint to resume before anything is written
+    ckpt = Checkpoints(run.engine, run.init_state(), say)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     try:
-        out = Output.create(cfg, ckpt.start, runlog.short_unit(setup.task.unit), ckpt.resume_step)
+        out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step)
     except BaseException:
         lock.release()
         raise
     ckpt.open()
     try:
-        startup_report(setup, out.say)
-        state, hist = train_loop(setup, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
+        startup_report(run, ckpt.state, out.say)
+        state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
-        summary = final_report(setup, state, hist, out, ckpt.start if ckpt.restored else None)
+        summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
     finally:
         ckpt.close()  # a run stopped by an error keeps the saves it started
         out.close()
         lock.release()
-    setup.state = state
     return summary

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
 from nljax import config
 from nljax.conductor import pulse
-from nljax.trainer import Setup, host_sum
+from nljax.hostdev import mean_loss
+from nljax.run import Run
+from nljax.state import TrainState
 
 # A model small enough that a step variant compiles in seconds on a 2-core CPU.
 TINY = [
@@ -23,6 +27,25 @@ TINY = [
 ]
 
 
+@dataclasses.dataclass(eq=False)
+class Setup:
+    """A run and the state the tests step on from it (a `Run` keeps no state, its steps donate
+    it); the run's fields and methods read through."""
+
+    run: Run
+    state: TrainState
+
+    @classmethod
+    def create(cls, cfg: config.Config, devices=None) -> "Setup":
+        run = Run.create(cfg, devices)
+        return cls(run, run.init_state())
+
+    def __getattr__(self, name):
+        if name == "run":  # not yet set (copy, unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.run, name)
+
+
 def make(overrides=(), inter=1, intra=1) -> Setup:
     cfg = config.load(None, [*TINY, *overrides, f"mesh.inter={inter}", f"mesh.intra={intra}"])
     return Setup.create(cfg, devices=jax.devices()[: inter * intra])
@@ -34,8 +57,8 @@ def run_steps(setup: Setup, steps: int, batch_fn=None):
     for s in range(steps):
         p = pulse(s, setup.cfg.cms.periods)
         batch = setup.batch(s) if batch_fn is None else batch_fn(setup, s)
-        state, m = setup.cache.train(p.active, state, batch)
-        losses.append(host_sum(m["loss_sum"]) / host_sum(m["count"]))
+        state, m, _ = setup.cache.train(p.active, state, batch)
+        losses.append(mean_loss(m))
     setup.state = state
     return np.array(losses), state
 

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -19,13 +20,12 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, assert_trees_close, make
+from helpers import TINY, Setup, assert_trees_close, make
 from nljax import checkpoint as ckpt
-from nljax import config
+from nljax import config, hostdev
 from nljax.conductor import pulse
 from nljax.state import TrainState
-from nljax.tasks import host_sum
-from nljax.trainer import Setup
+from nljax.hostdev import mean_loss
 
 # Attention + neural memory (per-row state) + two CMS levels, small enough to compile quickly.
 NL = ["model.name=nl_lm", "model.heads=2", "model.window=8", "model.memory_layers=[0]", "model.memory_heads=2",
@@ -40,14 +40,14 @@ def steps(setup: Setup, state: TrainState, start: int, stop: int):
     losses = []
     for s in range(start, stop):
         p = pulse(s, setup.cfg.cms.periods)
-        state, m = setup.cache.train(p.active, state, setup.batch(s))
-        losses.append(host_sum(m["loss_sum"]) / host_sum(m["count"]))
+        state, m, _ = setup.cache.train(p.active, state, setup.batch(s))
+        losses.append(mean_loss(m))
     return losses, state
 
 
 def save(setup: Setup, state: TrainState, step: int) -> None:
     m = ckpt.writer(setup.cfg)
-    ckpt.save(m, setup, step, state)
+    ckpt.save(m, setup.engine, step, state)
     m.wait_until_finished()
     m.close()
 
@@ -82,7 +82,7 @@ def ref(tmp_path_factory):
 
 def test_resume_on_the_same_mesh_is_bitwise(ref):
     setup = ref["setup"]
-    r = ckpt.restore(setup, ref["dir"] / "2")
+    r = ckpt.restore(setup.engine, setup.state, ref["dir"] / "2")
     assert r.step == 2 and not r.fresh_rows and r.warnings == []
     errs = [e for e in r.state.err_buf if e is not None]
     assert errs and any(np.abs(np.asarray(e)).sum() > 0 for e in errs)  # a frozen level's buffer is in use
@@ -110,12 +110,12 @@ def test_elastic_resume_8_4_2_devices(ref, tmp_path):
     losses, parameters and every row's memory match the uninterrupted 8-device run. Level 1
     (period 4) has gradients in its error buffers at both restores and fires at step 4."""
     s4 = make([*NL, f"checkpoint.dir={tmp_path}/1x4"], 1, 4)
-    r = ckpt.restore(s4, ref["dir"] / "2")
+    r = ckpt.restore(s4.engine, s4.state, ref["dir"] / "2")
     assert r.state.err_buf[1].shape == (4, r.state.err_buf[1].shape[1])
     l4, state = steps(s4, r.state, 2, 4)
     save(s4, state, 4)
     s2 = make(NL, 1, 2)
-    r = ckpt.restore(s2, tmp_path / "1x4" / "4")
+    r = ckpt.restore(s2.engine, s2.state, tmp_path / "1x4" / "4")
     assert r.state.memory["block0"]["M"]["W1"].sharding == s2.state.memory["block0"]["M"]["W1"].sharding
     l2, state = steps(s2, r.state, 4, STEPS)
     np.testing.assert_allclose(l4 + l2, ref["losses"][2:], rtol=2e-5)
@@ -131,13 +131,13 @@ def test_elastic_resume_across_strategies(ref, tmp_path):
     from nljax.strategy import gather_params
 
     z = make([*NL, "sync.strategy=zero1", f"checkpoint.dir={tmp_path}/zero1"], 2, 2)
-    r = ckpt.restore(z, ref["dir"] / "2")
+    r = ckpt.restore(z.engine, z.state, ref["dir"] / "2")
     mu = jax.tree.leaves(r.state.opt_state[0])[1]  # Adam's first moment of level 0: a flat intra shard
     assert mu.ndim == 1 and mu.sharding.shard_shape(mu.shape)[0] == mu.shape[0] // 2
     lz, state = steps(z, r.state, 2, 4)
     save(z, state, 4)
     f = make([*NL, "sync.strategy=fsdp"], 1, 2)
-    r = ckpt.restore(f, tmp_path / "zero1" / "4")
+    r = ckpt.restore(f.engine, f.state, tmp_path / "zero1" / "4")
     lf, state = steps(f, r.state, 4, STEPS)
     np.testing.assert_allclose(lz + lf, ref["losses"][2:], rtol=2e-5)
     assert_trees_close(host(gather_params(f.engine, state.params)), ref["final"].params, rtol=1e-4, atol=1e-6)
@@ -160,17 +160,17 @@ def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():
 
 def test_changed_global_batch_restarts_every_row(ref):
     setup = make([*NL, "train.batch_size=16", "optim.lr=0.02"], 2, 4)
-    r = ckpt.restore(setup, ref["dir"] / "4")
+    r = ckpt.restore(setup.engine, setup.state, ref["dir"] / "4")
     assert r.fresh_rows and any("train.batch_size changed from 8 to 16" in w for w in r.warnings)
     assert any("optim.lr=0.02" in w for w in r.warnings)
     for x in jax.tree.leaves(r.state.memory):
         assert x.shape[0] == 16 and not np.asarray(x).any()
-    same = ckpt.restore(ref["setup"], ref["dir"] / "4").state
+    same = ckpt.restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "4").state
     for a, b in zip(jax.tree.leaves(r.state.params), jax.tree.leaves(same.params)):
         np.testing.assert_array_equal(a, b)
     batch = setup.batch(5)
     assert not np.asarray(batch["reset"]).all()
-    reset = ckpt.reset_all_rows(batch)
+    reset = hostdev.reset_all_rows(batch)
     assert np.asarray(reset["reset"]).all() and reset["reset"].sharding == batch["reset"].sharding
 
 
@@ -262,7 +262,7 @@ def test_bad_checkpoint_is_one_line_and_changes_nothing(ref, tmp_path, capfd, ca
     else:
         cfg = config.load(None, [*args, "checkpoint.resume=latest"] if "checkpoint.resume" not in str(extra) else args)
         with pytest.raises(config.ConfigError) as e:
-            ckpt.restore(ref["setup"], ckpt.locate(cfg))
+            ckpt.restore(ref["setup"].engine, ref["setup"].state, ckpt.locate(cfg))
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert tree_hash(tmp_path) == before
 
@@ -278,7 +278,7 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
     assert tree_hash(tmp_path) == before
     # run.overwrite=true: the earlier run's checkpoints go when the new run starts writing
     cfg = config.load(None, [*TINY_NL_ARGS, f"checkpoint.dir={tmp_path}/ckpt", "run.overwrite=true"])
-    c = ckpt.Checkpoints(dataclasses.replace(ref["setup"], cfg=cfg))
+    c = ckpt.Checkpoints(dataclasses.replace(ref["setup"].engine, cfg=cfg), ref["setup"].state)
     assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["2", "4"]
     c.open()
     assert not any((tmp_path / "ckpt").iterdir())
@@ -294,7 +294,8 @@ SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_siz
          "checkpoint.every=4", "checkpoint.keep=2"]
 
 # Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
-# written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is complete.
+# written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is
+# complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead.
 KILLER = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -316,10 +317,13 @@ else:
     def killing_log(self, record):
         log(self, record)
         if record["step"] == at - 1:  # steps 0 .. at-1 are logged; step `at` never runs
+            if mode == "term":  # a preemption notice: the run saves checkpoint `at` and exits
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             t = time.time()
-            while not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
+            while mode == "step" and not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
                 time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)  # mode "kill": wherever the saves in flight are
     trainer.RunDir.log = killing_log
 from nljax.train import main
 sys.exit(main())
@@ -367,6 +371,34 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     assert tree_hash(run) == before
 
 
+def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
+    """Fault injection: SIGTERM (a preemption notice), SIGKILL, SIGTERM at seeded random steps,
+    each followed by --resume. A notice saves at the next step boundary and exits 143 with one
+    line; a kill loses what is not yet committed. The final metrics.jsonl equals an uninterrupted
+    run's: the same steps once each, the same losses bitwise."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ck = run / "checkpoints"
+    assert cli("--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={ref}").returncode == 0
+    base = ["--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={run}"]
+    rng = random.Random(1)
+    t1 = rng.randint(1, 5)
+    t2 = rng.randint(t1 + 2, 9)
+    t3 = rng.randint(t2 + 1, 11)
+    p = cli(*base, killer=["term", str(t1), str(ck)])
+    assert p.returncode == 143, p.stderr
+    assert p.stderr.strip() == f"nljax.train: preempted (SIGTERM): stopped after step {t1 - 1}, checkpoint saved; continue with --resume"
+    assert (ck / str(t1)).is_dir()
+    p = cli("--resume", *base, killer=["kill", str(t2), str(ck)])
+    assert p.returncode == -9, p.stderr
+    p = cli("--resume", *base, killer=["term", str(t3), str(ck)])
+    assert p.returncode == 143 and (ck / str(t3)).is_dir(), p.stderr
+    p = cli("--resume", *base)
+    assert p.returncode == 0, p.stderr
+    steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(12)), (t1, t2, t3)
+    assert losses(run) == losses(ref), (t1, t2, t3)
+
+
 # ---------------------------------------------------------------------------------------------
 # Nothing a user did not ask to replace is taken over or removed
 
@@ -397,12 +429,12 @@ def test_another_runs_checkpoint_does_not_take_over_this_runs_files(ref, tmp_pat
     before = tree_hash(d)
     setup = make([*NL, f"checkpoint.dir={d}", f"checkpoint.resume={ref['dir'] / '4'}"], 2, 4)
     with pytest.raises(config.ConfigError, match="already holds another run's checkpoints"):
-        ckpt.Checkpoints(setup, say=lambda *a: None)
+        ckpt.Checkpoints(setup.engine, setup.state, say=lambda *a: None)
     assert tree_hash(d) == before
     # with run.overwrite=true it starts a new run from that state: not a continuation of this one
     setup = make([*NL, f"checkpoint.dir={d}", f"checkpoint.resume={ref['dir'] / '4'}", "run.overwrite=true",
                   "checkpoint.every=0"], 2, 4)
-    c = ckpt.Checkpoints(setup, say=lambda *a: None)
+    c = ckpt.Checkpoints(setup.engine, setup.state, say=lambda *a: None)
     assert c.start == 4 and c.resume_step is None
     c.open()  # run.overwrite removes the earlier checkpoints even though this run saves none
     assert ckpt._leftovers(d) == []
@@ -416,7 +448,7 @@ def test_relative_run_dir_saves(ref, tmp_path, monkeypatch):
                               checkpoint=dataclasses.replace(setup.cfg.checkpoint, dir=""))
     assert ckpt.checkpoint_dir(cfg).is_absolute()
     m = ckpt.writer(cfg)
-    ckpt.save(m, dataclasses.replace(setup, cfg=cfg), 5, setup.state)
+    ckpt.save(m, dataclasses.replace(setup.engine, cfg=cfg), 5, setup.state)
     m.wait_until_finished()
     m.close()
     assert ckpt.complete_steps(tmp_path / "runs" / "rel" / "checkpoints") == [5]

@@ -47,8 +47,8 @@ def test_clipping_is_per_level(strategy, inter, intra):
                   f"sync.strategy={strategy}"], inter, intra)
     start = with_buffer(setup, setup.state, 1e6)
     batch = setup.batch(0)
-    fired, m = setup.cache.train(FIRE, copy(start), batch)
-    frozen, _ = setup.cache.train(FROZEN, copy(start), batch)
+    fired, m, _ = setup.cache.train(FIRE, copy(start), batch)
+    frozen, _, _ = setup.cache.train(FROZEN, copy(start), batch)
     before, fired, frozen = (params_host(setup, s) for s in (start, fired, frozen))
     assert_trees_close(level(setup, fired, 0), level(setup, frozen, 0), rtol=1e-6, atol=1e-7)
     norms = np.asarray(m["level_grad_norm"])
@@ -66,11 +66,11 @@ def test_clipping_is_per_level(strategy, inter, intra):
 @pytest.mark.parametrize("poison,extra", [(np.nan, []), (1e6, ["sync.max_grad_norm=1e3"])])
 def test_skip_is_per_level(strategy, inter, intra, poison, extra):
     setup = make(["cms.periods=[1,8]", f"sync.strategy={strategy}", *extra], inter, intra)
-    start, _ = setup.cache.train(FIRE, copy(setup.state), setup.batch(0))  # moments non-zero
+    start, _, _ = setup.cache.train(FIRE, copy(setup.state), setup.batch(0))  # moments non-zero
     start = with_buffer(setup, start, poison, row=3)  # one device's buffer
     batch = setup.batch(1)
-    fired, m = setup.cache.train(FIRE, copy(start), batch)
-    frozen, _ = setup.cache.train(FROZEN, copy(start), batch)
+    fired, m, _ = setup.cache.train(FIRE, copy(start), batch)
+    frozen, _, _ = setup.cache.train(FROZEN, copy(start), batch)
     np.testing.assert_array_equal(np.asarray(m["level_skipped"]), [0, 1])
     assert float(m["skipped"]) == 1
     p_start, p_fired, p_frozen = (params_host(setup, s) for s in (start, fired, frozen))
@@ -80,7 +80,7 @@ def test_skip_is_per_level(strategy, inter, intra, poison, extra):
     assert_trees_close(fired.opt_state[1], start.opt_state[1], rtol=0, atol=0)
     assert not np.asarray(fired.err_buf[1]).any(), "a skipped level's buffer is dropped"
     # the next firing is clean again
-    nxt, m = setup.cache.train(FIRE, fired, setup.batch(2))
+    nxt, m, _ = setup.cache.train(FIRE, fired, setup.batch(2))
     np.testing.assert_array_equal(np.asarray(m["level_skipped"]), [0, 0])
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(nxt.params))
 
@@ -124,7 +124,7 @@ def test_adam_updates_run_adam_on_each_step():
     theta, gs = flat1(state.params), []
     for s in (1, 2, 3):
         gs.append(grad_level1(jax.device_get(state.params), s))
-        state, _ = setup.cache.train(pulse(s, (1, 3)).active, state, setup.batch(s))
+        state, _, _ = setup.cache.train(pulse(s, (1, 3)).active, state, setup.batch(s))
     total = np.zeros_like(theta)
     for g in gs:
         u, mu, nu, count = adam(g, mu, nu, count)

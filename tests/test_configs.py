@@ -12,7 +12,8 @@ import pytest
 
 from nljax import config
 from nljax.conductor import pulse
-from nljax.trainer import Setup, host_sum
+from nljax.hostdev import mean_loss
+from nljax.run import Run
 
 CONFIGS = sorted(str(p) for p in Path(__file__).parent.parent.glob("configs/*.yaml"))
 # nl_350m is the GPU benchmark config (bf16, block remat, sequence 2048): one step of it at its
@@ -33,11 +34,11 @@ def test_first_steps_at_real_shapes(path):
     # checked against float32 in tests/test_precision.py.
     cfg = config.load(path, ["train.batch_size=1", "mesh.inter=1", "mesh.intra=1", "eval.every=0",
                              "model.dtype=float32"])
-    setup = Setup.create(cfg, devices=jax.devices()[:1])
-    state = setup.state
+    setup = Run.create(cfg, devices=jax.devices()[:1])
+    state = setup.init_state()
     for s in range(2):  # the second step reads the memory the first one wrote
-        state, m = setup.cache.train(pulse(s, cfg.cms.periods).active, state, setup.batch(s))
-        loss = host_sum(m["loss_sum"]) / host_sum(m["count"])
+        state, m, _ = setup.cache.train(pulse(s, cfg.cms.periods).active, state, setup.batch(s))
+        loss = mean_loss(m)
         assert np.isfinite(loss) and loss < 8.0, (s, loss)  # 8 nats: far above a uniform byte model
         assert not bool(m["skipped"].addressable_data(0)), f"step {s} skipped, grad norm {m['grad_norm']}"
     for leaf in jax.tree.leaves(state.memory):

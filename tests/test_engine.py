@@ -10,7 +10,7 @@ from nljax import hlo, levels
 from nljax.comm import account
 from nljax.config import ConfigError
 from nljax.mesh import make_mesh, check_batch
-from nljax.step import put_batch
+from nljax.hostdev import put_batch
 
 from helpers import assert_trees_close, make, replicas, run_steps
 
@@ -91,11 +91,11 @@ def test_accumulate_applies_sum_of_frozen_gradients():
     _, s0 = run_steps(setup, 1)  # step 0: everything fires
     p0 = jax.device_get(s0.params)
     g1 = grad_level1(p0, 1)  # step 1's gradient, taken at the parameters after step 0
-    s1, _ = setup.cache.train(pulse(1, (1, 2)).active, s0, setup.batch(1))
+    s1, _, _ = setup.cache.train(pulse(1, (1, 2)).active, s0, setup.batch(1))
     p1 = jax.device_get(s1.params)
     g2 = grad_level1(p1, 2)
     assert_trees_close(levels.split(p1, eng.level_tree, 2)[1], levels.split(p0, eng.level_tree, 2)[1], 0, 0)
-    s2, _ = setup.cache.train(pulse(2, (1, 2)).active, s1, setup.batch(2))
+    s2, _, _ = setup.cache.train(pulse(2, (1, 2)).active, s1, setup.batch(2))
     expected = jax.tree.map(lambda p, a, b: p - 0.1 * (a + b), levels.split(p1, eng.level_tree, 2)[1], g1, g2)
     got = levels.split(jax.device_get(s2.params), eng.level_tree, 2)[1]
     assert_trees_close(got, expected, rtol=1e-5, atol=1e-6)

@@ -9,8 +9,7 @@ import pytest
 
 from nljax.config import ConfigError
 from nljax.data.text import HeldOutStream, eval_batches, eval_windows
-from nljax.step import put_batch
-from nljax.tasks import host_sum
+from nljax.hostdev import host_sum, put_batch
 
 from helpers import assert_trees_close, make
 

@@ -12,7 +12,8 @@ from nljax import config, optim, throughput
 from nljax.conductor import Conductor, pulse
 from nljax.config import ConfigError
 from nljax.mesh import DATA_AXES, ROWS, make_mesh
-from nljax.step import Engine, StepCache, device_key, put_batch
+from nljax.hostdev import put_batch
+from nljax.step import Engine, StepCache, device_key
 
 from helpers import assert_trees_close, make
 
@@ -37,7 +38,7 @@ def tail_run(inter, intra, accum):
     state = setup.state
     for s in range(3):
         batch = rows_of(setup, s, 4 if s == 1 else 8)
-        state, m = setup.cache.train(pulse(s, (1, 2)).active, state, batch)
+        state, m, _ = setup.cache.train(pulse(s, (1, 2)).active, state, batch)
     return setup, jax.device_get(state.params), float(np.sum(m["loss_sum"]))
 
 
@@ -49,7 +50,7 @@ def test_tail_flush_equals_one_step_on_the_concatenated_rows():
     state = ref_full.state
     for s in range(3):
         setup = ref_tail if s == 1 else ref_full
-        state, m = setup.cache.train(pulse(s, (1, 2)).active, state, rows_of(setup, s, 4 if s == 1 else 8))
+        state, m, _ = setup.cache.train(pulse(s, (1, 2)).active, state, rows_of(setup, s, 4 if s == 1 else 8))
     setup, params, last_loss = tail_run(1, 2, 4)
     assert_trees_close(params, jax.device_get(state.params), rtol=1e-5, atol=1e-6)
     assert last_loss == pytest.approx(float(np.sum(m["loss_sum"])), rel=1e-5)
@@ -62,7 +63,7 @@ def test_tail_is_not_dropped():
     setup, params, _ = tail_run(1, 2, 4)
     st = make([*TAIL, "train.accum_steps=4"], 1, 2).state
     for s in (0, 2):  # the same run with the tail dropped
-        st, _ = setup.cache.train(pulse(s, (1, 2)).active, st, rows_of(setup, s, 8))
+        st, _, _ = setup.cache.train(pulse(s, (1, 2)).active, st, rows_of(setup, s, 8))
     leaves = zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(st.params)))
     assert max(float(np.abs(a - b).max()) for a, b in leaves) > 1e-4
 
@@ -138,8 +139,8 @@ def test_model_receives_per_device_per_micro_batch_keys():
 
     def run():
         state = eng.init_state(jax.random.key(0), 8)
-        state, _ = cache.train((True,), state, batch)
-        state, _ = cache.train((True,), state, batch)  # step 1
+        state, _, _ = cache.train((True,), state, batch)
+        state, _, _ = cache.train((True,), state, batch)  # step 1
         return np.asarray(state.memory["key"])  # [8 rows, 2]: device d holds rows 2d, 2d+1
 
     got = run()
@@ -217,7 +218,7 @@ def test_loop_trains_a_tail_batch_from_the_task():
         def batch(self, step):
             return rows_of(setup, step, 4 if step == 1 else 8)
 
-    loop_setup = dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, train=dataclasses.replace(
+    loop_setup = dataclasses.replace(setup.run, cfg=dataclasses.replace(setup.cfg, train=dataclasses.replace(
         setup.cfg.train, steps=3)), task=EpochTask())
     state = setup.engine.init_state(jax.random.key(setup.cfg.seed), 8)
     out = Output(RunDir("unused", False, write=False), runlog.Progress(3, 0, 1, quiet=True), runlog.Board(None))
@@ -231,3 +232,18 @@ def test_loop_trains_a_tail_batch_from_the_task():
     assert all(r["grad_norm_l0"] > 0 and r["skipped_levels"] == [] for r in hist.records)
     assert_trees_close(jax.device_get(state.params), params, rtol=1e-6, atol=1e-7)
     assert setup.cache.traces == traces
+
+
+def test_hooks_run_in_order_every_n_steps():
+    from types import SimpleNamespace
+
+    from nljax.loop import Hooks
+
+    calls, hooks = [], Hooks()
+    hooks.add(lambda r: calls.append(("every 2", r.step)), every=2)
+    hooks.add(lambda r: calls.append(("every step", r.step)))
+    hooks.add(lambda r: calls.append(("never", r.step)), every=0)
+    for s in range(4):
+        hooks.run(SimpleNamespace(step=s))  # a step result: only its step is read
+    assert calls == [("every step", 0), ("every 2", 1), ("every step", 1), ("every step", 2), ("every 2", 3),
+                     ("every step", 3)]

@@ -16,7 +16,7 @@ from nljax.models.dit import DiTNet
 
 from helpers import assert_trees_close, make
 from nljax.strategy import gather_params
-from nljax.tasks import host_sum
+from nljax.hostdev import mean_loss
 
 # ---------------------------------------------------------------------------------------------
 # the jvp target
@@ -163,8 +163,8 @@ def trained(inter, intra, extra=()):
     full = lambda st: jax.device_get(gather_params(setup.engine, st.params))  # the model's tree under any strategy
     p0 = full(state)
     for s in range(STEPS):
-        state, m = setup.cache.train((True,), state, setup.batch(s))
-        losses.append(host_sum(m["loss_sum"]) / host_sum(m["count"]))
+        state, m, _ = setup.cache.train((True,), state, setup.batch(s))
+        losses.append(mean_loss(m))
         if s == 0:  # SGD: the synchronized gradient of step 0 is (p0 - p1) / lr
             grads = jax.tree.map(lambda a, b: (a - b) / LR, p0, full(state))
     setup.state = state

@@ -15,7 +15,7 @@ from nljax.data import images
 from nljax.energy import energy_distance
 from nljax.figures import sample_figure, write_png
 from nljax.mesh import make_mesh, rows_sharding
-from nljax.tasks import gather_rows
+from nljax.hostdev import gather_rows
 
 
 def test_epochs_are_pure_in_seed_and_epoch_and_drop_the_last_partial_batch():

@@ -148,6 +148,36 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
         assert 2 <= elapsed < 8 + grace + 15, (elapsed, text)
 
 
+def test_preemption_notice_saves_the_same_step_on_every_process(tmp_path):
+    """SIGTERM to every worker (as SLURM or Kubernetes send it): JAX's preemption service agrees on
+    a step, every process saves it and exits 143 with one line; --resume then continues from it."""
+    log = tmp_path / "log.txt"
+    args = [f"run.dir={tmp_path}/r", "train.log_every=1", "checkpoint.every=1000", *TINY, "cms.periods=[1]"]
+    cmd = [*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--grace", "60", "--", sys.executable, "-m",
+           "nljax.train", "train.steps=100000", *args]
+    with open(log, "w") as f:
+        launcher = subprocess.Popen(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT)
+    try:
+        pids = [int(x) for x in _wait_for(log, r"pids (\d+) (\d+)$", launcher, 60).groups()]
+        _wait_for(log, r"^\[0\] step +2 ", launcher, 300)
+        for p in pids:
+            os.kill(p, signal.SIGTERM)
+        rc = launcher.wait(timeout=90)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = log.read_text()
+    assert rc == 143 and "exit codes by process: 143, 143" in text, text
+    stopped = re.findall(r"^\[(\d)\] nljax.train: preempted \(SIGTERM\): stopped after step (\d+), checkpoint saved", text, re.M)
+    assert sorted(i for i, _ in stopped) == ["0", "1"] and stopped[0][1] == stopped[1][1], text
+    saved = int(stopped[0][1]) + 1
+    assert (tmp_path / "r" / "checkpoints" / str(saved)).is_dir()
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", sys.executable, "-m", "nljax.train",
+                        "--resume", f"train.steps={saved + 2}", *args], env=env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0 and f"at step {saved}" in p.stdout, p.stderr
+
+
 def test_launcher_prefixes_lines_sets_env_and_propagates_failure():
     script = ('echo "$NLJAX_PROCESS_ID/$NLJAX_NUM_PROCESSES $NLJAX_COORDINATOR $JAX_NUM_CPU_DEVICES"; '
               'if [ "$NLJAX_PROCESS_ID" = 1 ]; then echo bad >&2; exit 3; fi; exec sleep 60')

@@ -13,11 +13,11 @@ from nljax.conductor import pulse
 from nljax.config import ConfigError, load
 from nljax.state import bytes_per_device
 from nljax.mesh import make_mesh
-from nljax.step import Engine, put_batch
+from nljax.hostdev import mean_loss, put_batch
+from nljax.step import Engine
 from nljax.strategy import export_state, import_state, padded
-from nljax.trainer import Setup, host_sum
 
-from helpers import TINY, assert_trees_close, make, run_steps
+from helpers import TINY, Setup, assert_trees_close, make, run_steps
 
 # dim 15 makes every level's size odd, so every shard count needs padding.
 BASE = ["cms.periods=[1,2]", "model.dim=15"]
@@ -168,8 +168,8 @@ def test_nan_step_skips_the_poisoned_level(strategy):
     state, losses, skipped = copy(start), [], []
     for s in range(STEPS):
         before = copy(state)
-        state, m = setup.cache.train(pulse(s, (1, 2)).active, state, _poison(setup, s, nan_at, 3))
-        losses.append(host_sum(m["loss_sum"]) / host_sum(m["count"]))
+        state, m, _ = setup.cache.train(pulse(s, (1, 2)).active, state, _poison(setup, s, nan_at, 3))
+        losses.append(mean_loss(m))
         skipped.append(np.asarray(m["level_skipped"]).tolist())
         if s == nan_at:
             for a, b in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((before.params, before.opt_state))):
@@ -198,7 +198,7 @@ def test_max_grad_norm_skips():
     before = jax.device_get(setup.state.params)
     state, skipped = setup.state, []
     for s in range(2):
-        state, m = setup.cache.train((True,), state, setup.batch(s))
+        state, m, _ = setup.cache.train((True,), state, setup.batch(s))
         skipped.append(float(m["skipped"].addressable_data(0)))
     assert skipped == [1.0, 1.0] and int(state.step) == 2
     assert_trees_close(state.params, before, rtol=0, atol=0)

@@ -26,7 +26,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from nljax.config import ConfigError, ImagesConfig
+from nljax.config import ImagesConfig
+from nljax.errors import ConfigError, first_line
+from nljax.hostdev import rows_batch
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -87,7 +89,7 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
             x = loaded[xk]
             y = loaded[yk] if yk else None
         except Exception as e:  # noqa: BLE001 - an object array, a damaged member: one user error
-            raise ConfigError(f"images.path {path}: cannot read its arrays ({str(e).splitlines()[0]})") from None
+            raise ConfigError(f"images.path {path}: cannot read its arrays ({first_line(e)})") from None
     if x.ndim == 3:
         x = x[..., None]
     if x.ndim != 4 or len(x) < 2:
@@ -194,14 +196,4 @@ def global_batch(data: ImageSet, sampler: EpochSampler, step: int, sharding: jax
     """The step's global batch, split over rows; each device (and process) builds only its rows."""
     b = sampler.batch_size
     shapes = {"image": (b, *data.shape), "label": (b,), "index": (b,)}
-    cache: dict = {}
-
-    def fetch(key, index):
-        span = index[0]
-        k = (span.start, span.stop)
-        if k not in cache:
-            cache[k] = rows(data, sampler, step, np.arange(b)[span])
-        return cache[k][key]
-
-    make = jax.make_array_from_callback
-    return {k: make(shape, sharding, functools.partial(fetch, k)) for k, shape in shapes.items()}
+    return rows_batch(shapes, sharding, lambda which: rows(data, sampler, step, which))

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import jax
 
-from nljax.config import ConfigError
+from nljax.errors import ConfigError
+from nljax.hostdev import rows_batch
 
 SEPARATOR = 0  # document boundary byte
 
@@ -80,20 +81,8 @@ class ContextStream:
 
     def global_batch(self, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
         """The step's global batch as arrays sharded over rows; each device builds only its rows."""
-        out = {}
         shapes = {"tokens": (self.rows, self.seq_len + 1), "reset": (self.rows,)}
-        cache: dict = {}
-
-        def fetch(key, index):
-            rows = index[0]
-            k = (rows.start, rows.stop)
-            if k not in cache:
-                cache[k] = self.rows_at(step, np.arange(self.rows)[rows])
-            return cache[k][key]
-
-        for key, shape in shapes.items():
-            out[key] = jax.make_array_from_callback(shape, sharding, functools.partial(fetch, key))
-        return out
+        return rows_batch(shapes, sharding, lambda which: self.rows_at(step, which))
 
 
 def eval_windows(data: np.ndarray, seq_len: int, limit: int) -> np.ndarray:

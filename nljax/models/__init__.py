@@ -6,7 +6,9 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from nljax.config import Config, ConfigError
+from nljax.config import Config
+from nljax.data.images import load
+from nljax.errors import ConfigError
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
 from nljax.models.dit import DiT, DiTNet
@@ -28,9 +30,7 @@ def _nl_lm(cfg: Config) -> Model:
 
 
 def _dit(cfg: Config) -> Model:
-    from nljax.data.images import load  # the data decides the image shape and the label count
-
-    m, data = cfg.model, load(cfg.images)
+    m, data = cfg.model, load(cfg.images)  # the data decides the image shape and the label count
     h, w, _ = data.shape
     if h % m.patch_size or w % m.patch_size:
         raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {h}x{w} images")

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from nljax.models import memory as nm
+import nljax.models.memory as nm
 from nljax.models.base import cms_level_of
 from nljax.models.layers import CMSChain, token_loss
 

@@ -1,0 +1,17 @@
+"""The errors a user sees: `ConfigError`, reported as one line, and `first_line`, which cuts any
+other exception down to one for such a report.
+
+`ConfigError` lives here rather than in `nljax.config` so that modules the config's validation
+reads (`nljax.data`) can raise it without importing the config back.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported to the user as one line."""
+
+
+def first_line(e: BaseException) -> str:
+    """The first non-blank line of `e`'s message, stripped ('' for an empty message)."""
+    return next((line.strip() for line in str(e).splitlines() if line.strip()), "")

@@ -1,0 +1,123 @@
+"""The step loop as a generator of step results, and hooks called on them every N steps.
+
+`training_steps` only steps: it dispatches each step, times it from dispatch until its loss is
+on the host, builds the next batch while the device runs the current one, and yields a
+`StepResult`. What happens between steps (evaluation, logging, checkpoints, the profiler) is a
+hook (`Hooks.add(fn, every=n)`), run in the order added, outside the timed region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+
+from nljax import distributed
+from nljax.conductor import Conductor, Pulse
+from nljax.hostdev import mean_loss, replica
+from nljax.run import Run
+from nljax.state import TrainState
+
+
+@dataclasses.dataclass
+class StepResult:
+    pulse: Pulse
+    state: TrainState  # after the step; the next step donates it
+    record: dict  # the step's line of metrics.jsonl; hooks may add to it (evaluation)
+    last: bool  # the run's last step
+    units_per_s: float  # tokens (or the task's unit) per second per device
+    evaluated: dict = dataclasses.field(default_factory=dict)  # held-out metrics after this step
+
+    @property
+    def step(self) -> int:
+        return self.pulse.step
+
+
+class Hooks:
+    """Callbacks on step results: `add(fn, every=n)` calls fn after every step s with
+    (s + 1) % n == 0, i.e. once n, 2n, ... optimizer steps are done; n = 0 never."""
+
+    def __init__(self):
+        self._hooks: list[tuple[Callable[[StepResult], None], int]] = []
+
+    def add(self, fn: Callable[[StepResult], None], every: int = 1) -> None:
+        self._hooks.append((fn, every))
+
+    def run(self, result: StepResult) -> None:
+        for fn, every in self._hooks:
+            if every and (result.step + 1) % every == 0:
+                fn(result)
+
+
+def step_record(pulse: Pulse, m: dict, loss: float, dt: float, units: int, key: str, compiled: bool,
+                variant) -> dict:
+    """The step's metrics.jsonl record, from its metrics on the devices."""
+    norms, lskip = (replica(m[k]).tolist() for k in ("level_grad_norm", "level_skipped"))  # per level
+    rec = {
+        "step": pulse.step,
+        "loss": loss,
+        "active_levels": pulse.active_levels,
+        "pattern": pulse.name,
+        "step_time_s": dt,
+        key: units / dt,
+        "compiled": compiled,
+        "skipped": bool(replica(m["skipped"])),  # the same on every device
+        **{f"grad_norm_l{l}": float(norms[l]) for l in pulse.active_levels},
+        "skipped_levels": [l for l in pulse.active_levels if lskip[l]],
+    }
+    if variant != pulse.active:
+        rec["micro_batches"] = variant[1]  # a tail batch that ends a data pass
+    return rec
+
+
+def training_steps(run: Run, state: TrainState, conductor: Conductor,
+                   first_batch: Callable[[int, dict], dict] = lambda step, batch: batch) -> Iterator[StepResult]:
+    """Steps from `conductor.step` to `train.steps`. `first_batch(step, batch)` may replace the
+    first batch (after a resume that restarted every row)."""
+    cfg, steps = run.cfg, run.cfg.train.steps
+    key = f"{run.task.unit}_per_s_per_device"
+    seen: set = set()
+    batch = first_batch(conductor.step, run.batch(conductor.step)) if conductor.step < steps else None
+    for i in range(max(steps - conductor.step, 0)):
+        p = conductor.pulse
+        distributed.check_step(i, p, cfg.distributed.check_every)
+        last = p.step == steps - 1
+        units = run.units_per_device(batch)
+        t0 = time.perf_counter()
+        state, m, variant = run.cache.train(p.active, state, batch)
+        batch = None if last else run.batch(p.step + 1)  # overlaps the step on the device
+        loss = mean_loss(m)  # waits for the step
+        dt = time.perf_counter() - t0
+        compiled = variant not in seen  # the first call of a variant includes its compilation
+        seen.add(variant)
+        conductor = conductor.advance()  # after the step's synchronization
+        rec = step_record(p, m, loss, dt, units, key, compiled, variant)
+        yield StepResult(p, state, rec, last, units / dt)
+
+
+class Profiler:
+    """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into
+    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); process 0 only.
+    `start(step)` before the loop, then two hooks: `stop` first after each step (the trace ends
+    with the last profiled step, not with the other hooks) and `start_next` last (it begins right
+    before the first profiled step)."""
+
+    def __init__(self, first: int, n: int, path: Path):
+        self.first, self.n, self.path, self.on = first, n, path / "profile", False
+
+    def start(self, step: int) -> None:
+        if self.n and step == self.first:
+            jax.profiler.start_trace(str(self.path))
+            self.on = True
+
+    def stop(self, r: StepResult) -> None:
+        if self.on and (r.step == self.first + self.n - 1 or r.last):
+            jax.profiler.stop_trace()
+            self.on = False
+
+    def start_next(self, r: StepResult) -> None:
+        if not r.last:
+            self.start(r.step + 1)

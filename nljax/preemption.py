@@ -1,0 +1,63 @@
+"""Preemption: SIGTERM is a notice, not a crash.
+
+Schedulers (SLURM, Kubernetes, spot VMs) send SIGTERM some seconds before they kill a job. The
+trainer then finishes the step in flight, saves a checkpoint at that step boundary on every
+process, waits until it is on disk and exits with 128 + SIGTERM = 143 (non-zero, so that a job
+controller restarts it; `--resume` then continues exactly, as from any checkpoint).
+
+Every process must save at the same step. One process: a Python handler sets a flag that the
+loop reads after each step. Several processes (`jax.distributed`): JAX's preemption service
+(started by `jax.distributed.initialize`) already catches SIGTERM on whichever processes receive
+it, agrees on a step (the largest step any process has reached, plus one) through the
+coordination service, and `reached_preemption_sync_point(step)` turns True on every process at
+that step. A Python handler would replace JAX's, so none is installed there.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import jax
+
+EXIT_CODE = 128 + signal.SIGTERM
+
+
+class Preempted(Exception):
+    """Raised by the loop once the preemption checkpoint is saved."""
+
+    def __init__(self, step: int):
+        super().__init__(f"preempted (SIGTERM): stopped after step {step}, checkpoint saved; "
+                         "continue with --resume")
+        self.step = step
+
+
+class Notice:
+    """Whether a preemption notice asks the run to stop after the current step. A context
+    manager: the single-process SIGTERM handler lives only while the loop runs."""
+
+    def __init__(self):
+        self.received = False
+        self._old = None
+
+    def __enter__(self) -> "Notice":
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._on_sigterm)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+            self._old = None
+
+    def _on_sigterm(self, _sig, _frame) -> None:
+        self.received = True
+
+    def stop_after(self, step: int) -> bool:
+        """Called after every step on every process with the step just done (the same number
+        everywhere): True on all of them at the same step once a notice arrived."""
+        if jax.process_count() == 1:
+            return self.received
+        from jax.experimental import multihost_utils  # imports jax.experimental only when multi-process
+
+        return multihost_utils.reached_preemption_sync_point(step)
