@@ -88,6 +88,21 @@ def test_config_mismatch_is_reported_on_every_process(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_unequal_device_counts_are_reported_on_every_process(tmp_path):
+    """1 CPU device in process 0, 2 in process 1: one line from each, exit 2, no traceback (the
+    lockstep all-gather used to fail in a reshape and the peer in a C++ check)."""
+    inner = (f"exec {sys.executable} -m nljax.train --cpu-devices $((1 + NLJAX_PROCESS_ID)) run.dir={tmp_path}/r "
+             f"train.steps=2 {' '.join(TINY)}")
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "20", "--", "sh", "-c", inner],
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = [l for l in p.stderr.splitlines() if not l.startswith("nljax.launch: ")]
+    assert sorted(lines) == [f"[{i}] nljax.train: error (process {i}): processes drive unequal numbers of devices "
+                             "(process 0 = 1, process 1 = 2); give every process the same number (--cpu-devices, "
+                             "--local-device-ids or the visible accelerators)" for i in (0, 1)], p.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def _wait_for(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
