@@ -105,6 +105,37 @@ def test_plain_orbax_reads_a_checkpoint(ref):
     assert memory.shape[0] == 8 and len(memory.sharding.device_set) == 8  # rows sharded as trained
 
 
+def test_plain_orbax_restores_onto_another_topology(tmp_path):
+    """The README's recipe: a checkpoint saved on a 4-device mesh, read with plain Orbax onto 2
+    other devices with shardings of the reader's choosing (array metadata, then StandardRestore)."""
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    setup = make([f"checkpoint.dir={tmp_path}"], 1, 4)
+    save(setup, setup.state, 3)
+    saved = {k: np.asarray(x) for k, x in ckpt.named_arrays(setup.state).items()}
+
+    # --- the recipe (README, "Checkpoints and resume") ---
+    mesh = Mesh(np.array(jax.devices()[4:6]), ("x",))  # devices the checkpoint was not saved on
+    meta = ocp.StandardCheckpointer().metadata(tmp_path / "3" / "state").item_metadata
+
+    def target(m):  # split the first axis where it divides, else replicate
+        spec = P("x") if m.shape and m.shape[0] % 2 == 0 else P()
+        return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=NamedSharding(mesh, spec))
+
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(jax.tree.map(target, meta)))
+        state = mngr.restore(3, args=args)["state"]
+    # ---
+
+    restored = ckpt._unnest(state)
+    assert set(restored) == set(saved)
+    for k, x in restored.items():
+        assert x.sharding.device_set == set(jax.devices()[4:6]), k
+        np.testing.assert_array_equal(np.asarray(x), saved[k])
+    assert any(x.sharding.spec == P("x") for x in restored.values())
+
+
 def test_elastic_resume_8_4_2_devices(ref, tmp_path):
     """Steps 0-1 on 8 devices, 2-3 on 4, 4 on 2, restoring with each mesh's shardings: the
     losses, parameters and every row's memory match the uninterrupted 8-device run. Level 1
@@ -373,15 +404,20 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
 
 
 def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
+    from nljax import runlog
     from nljax.trainer import RunDir
 
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "notes.txt").write_text("mine")
     (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "samples_000001.png").write_text("a user's file")  # the pattern of a run's samples
+    (tmp_path / "samples_000002.png").write_text("the run's")
+    runlog.note_written(tmp_path, "samples_000002.png")
     RunDir(str(tmp_path), overwrite=False, write=True)  # no metrics.jsonl: a fresh run, nothing removed
     assert (tmp_path / "profile" / "notes.txt").exists() and (tmp_path / "summary.json").exists()
     RunDir(str(tmp_path), overwrite=True, write=True)
     assert not (tmp_path / "profile").exists() and not (tmp_path / "summary.json").exists()
+    assert not (tmp_path / "samples_000002.png").exists() and (tmp_path / "samples_000001.png").exists()
 
 
 def test_only_orbax_steps_count_as_checkpoints(ref, tmp_path):
@@ -498,18 +534,18 @@ def test_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
 FULL = r"""
 import resource, signal, sys, time
 from pathlib import Path
-ckdir = Path(sys.argv[1])
-sys.argv = ["nljax.train", *sys.argv[2:]]
+ckdir, limit = Path(sys.argv[1]), int(sys.argv[2])
+sys.argv = ["nljax.train", *sys.argv[3:]]
 from nljax import trainer
 log = trainer.RunDir.log
 def limiting_log(self, record):
     log(self, record)
     if record["step"] == 5:
         t = time.time()
-        while not (ckdir / "4").is_dir() and time.time() - t < 60:
+        while str(ckdir) != "-" and not (ckdir / "4").is_dir() and time.time() - t < 60:
             time.sleep(0.05)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (6000, resource.RLIM_INFINITY))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
 trainer.RunDir.log = limiting_log
 from nljax.train import main
 sys.exit(main())
@@ -521,7 +557,8 @@ def test_failed_write_during_a_save_is_one_line_and_keeps_the_earlier_checkpoint
     run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", FULL, str(ck), "--cpu-devices", "1", "--quiet", *SMALL, *QUICK,
+    # 6000 bytes: metrics.jsonl (about 300 bytes a step) fits, a checkpoint's files do not
+    p = subprocess.run([sys.executable, "-c", FULL, str(ck), "6000", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK,
                         f"run.dir={run}", f"checkpoint.async_save={str(async_save).lower()}"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert p.returncode == 2, p.stderr
@@ -532,6 +569,17 @@ def test_failed_write_during_a_save_is_one_line_and_keeps_the_earlier_checkpoint
     p = cli("--resume", "--cpu-devices", "1", *SMALL, *QUICK, f"run.dir={run}")  # once there is room again
     assert p.returncode == 0 and f"resumed from {ck / '4'} at step 4" in p.stdout, p.stderr
     assert ckpt.complete_steps(ck) == [8, 12]
+
+
+def test_failed_write_of_the_run_files_is_one_line(tmp_path):
+    """The same limit hit by metrics.jsonl (no checkpoints): one line naming the file."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", FULL, "-", "1000", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK,
+                        f"run.dir={run}", "checkpoint.every=0"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip() == f"nljax.train: error: cannot write {run / 'metrics.jsonl'}: [Errno 27] File too large"
 
 
 def _can_mount_tmpfs() -> bool:
