@@ -17,7 +17,10 @@ holding two items:
 Orbax writes a step into a temporary directory and renames it once every item is complete, so a
 process killed at any moment, during a save too, leaves the earlier checkpoints intact, and a
 resume only ever sees complete ones. A resume reads before anything is written: a bad checkpoint
-stops the run with one line and leaves every file as it was.
+stops the run with one line and leaves every file as it was, except that `latest` skips damaged
+checkpoints for the newest intact one (with a warning). Checkpoints later than the one resumed
+are moved to `<checkpoint.dir>/set_aside/` before the run saves, never deleted. A save that fails
+(e.g. the disk is full) stops the run with one line; the earlier checkpoints stay intact.
 
 A resume may use another mesh or device count: arrays are read with the new mesh's shardings,
 each row's memory moves with its row, and per-device error buffers are redistributed so that the
