@@ -17,7 +17,10 @@ holding two items:
 Orbax writes a step into a temporary directory and renames it once every item is complete, so a
 process killed at any moment, during a save too, leaves the earlier checkpoints intact, and a
 resume only ever sees complete ones. A resume reads before anything is written: a bad checkpoint
-stops the run with one line and leaves every file as it was.
+stops the run with one line and leaves every file as it was, except that `latest` skips damaged
+checkpoints for the newest intact one (with a warning). Checkpoints later than the one resumed
+are moved to `<checkpoint.dir>/set_aside/` before the run saves, never deleted. A save that fails
+(e.g. the disk is full) stops the run with one line; the earlier checkpoints stay intact.
 
 A resume may use another mesh or device count: arrays are read with the new mesh's shardings,
 each row's memory moves with its row, and per-device error buffers are redistributed so that the
@@ -31,9 +34,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import re
 import shutil
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +59,12 @@ from nljax.strategy import export_state, import_state, layout_shapes
 
 FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory
+SET_ASIDE = "set_aside"  # <checkpoint.dir>/set_aside/<step>: checkpoints moved out of a resumed run's way
+
+
+class Damaged(ConfigError):
+    """A checkpoint whose files cannot be read, or do not match their checksums (as opposed to
+    one that does not fit this run's config): `--resume` skips it for an older one."""
 
 # Config sections that decide the shapes and meaning of the saved arrays: a checkpoint only
 # fits a run that agrees on them. Everything else may change on resume: settings that do not
@@ -273,20 +284,45 @@ def _leftovers(root: Path) -> list[Path]:
                                or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
 
 
-def locate(cfg: Config) -> Path | None:
-    """The step directory `checkpoint.resume` names, or None for a fresh run."""
+def candidates(cfg: Config) -> list[Path]:
+    """The step directories a resume may use, best first: the one `checkpoint.resume` names, or
+    for `latest` (or a checkpoint directory) its complete checkpoints, newest first (an older one
+    is used when the newer ones are damaged). Empty for a fresh run."""
     resume = cfg.checkpoint.resume
     if not resume:
-        return None
+        return []
     root = checkpoint_dir(cfg) if resume == "latest" else Path(resume).absolute()
     if not root.exists():
         raise ConfigError(f"checkpoint not found: {root}")
     if (root / META).is_dir() or (root / STATE).is_dir():
-        return root  # a step directory
+        return [root]  # a step directory
     steps = complete_steps(root)
     if not steps:
         raise ConfigError(f"no complete checkpoint in {root} to resume from")
-    return root / str(steps[-1])
+    return [root / str(s) for s in reversed(steps)]
+
+
+def locate(cfg: Config) -> Path | None:
+    """The step directory a resume tries first, or None for a fresh run."""
+    paths = candidates(cfg)
+    return paths[0] if paths else None
+
+
+def restore_first_valid(engine: Engine, template: TrainState, paths: list[Path]) -> tuple[Restored, list[tuple[Path, str]]]:
+    """`restore` of the first of `paths` that is not damaged, and the damaged ones skipped (path,
+    reason). A checkpoint that does not fit this run stops the search (an older one would not fit
+    either); so does the last one's damage, with its own line."""
+    skipped: list[tuple[Path, str]] = []
+    for i, path in enumerate(paths):
+        try:
+            return restore(engine, template, path), skipped
+        except Damaged as e:
+            if i == len(paths) - 1:
+                if skipped:
+                    raise Damaged(f"every checkpoint in {path.parent} is damaged; the oldest: {e}") from None
+                raise
+            skipped.append((path, str(e)))
+    raise AssertionError("no paths")  # candidates() never returns an empty list to resume from
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,9 +346,9 @@ def _read_meta(path: Path) -> dict:
     try:
         meta = _manager(path.parent).restore(int(path.name), args=ocp.args.Composite(**{META: ocp.args.JsonRestore()}))[META]
     except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
-        raise ConfigError(f"checkpoint {path}: metadata unreadable ({_error_line(e)})") from None
+        raise Damaged(f"checkpoint {path}: metadata unreadable ({_error_line(e)})") from None
     if not _well_formed(meta):
-        raise ConfigError(f"checkpoint {path}: metadata is not an nljax checkpoint of format {FORMAT}")
+        raise Damaged(f"checkpoint {path}: metadata is not an nljax checkpoint of format {FORMAT}")
     return meta
 
 
@@ -425,12 +461,12 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
         sums = checksums(arrays)
     except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
         logging.getLogger("asyncio").addFilter(_unretrieved_read_errors)
-        raise ConfigError(f"checkpoint {path}: array data unreadable ({_error_line(e)})") from None
+        raise Damaged(f"checkpoint {path}: array data unreadable ({_error_line(e)})") from None
     for name, info in meta["arrays"].items():
         if sums[name] != info["checksum"]:
-            raise ConfigError(f"checkpoint {path}: array '{name}' does not match its checksum (corrupted)")
+            raise Damaged(f"checkpoint {path}: array '{name}' does not match its checksum (corrupted)")
     if int(replica(arrays["step"])) != meta["step"]:
-        raise ConfigError(f"checkpoint {path}: state step disagrees with its metadata")
+        raise Damaged(f"checkpoint {path}: state step disagrees with its metadata")
 
     if not same_layout:
         arrays = convert_layout(meta, engine, template, arrays)
@@ -470,10 +506,16 @@ def _ignore_closed_loop_callbacks() -> None:
 
 
 def _unretrieved_read_errors(record: logging.LogRecord) -> bool:
-    """Drops asyncio's 'exception was never retrieved' reports of the other reads of a failed
-    restore (logged when they are garbage-collected, often at exit); the error was reported."""
+    """Drops asyncio's 'exception was never retrieved' reports of the other reads or writes of a
+    failed restore or save (logged when they are garbage-collected, often at exit); the error
+    was reported."""
     exc = record.exc_info[1] if record.exc_info else None
-    return not (exc is not None and "exception was never retrieved" in str(record.msg) and "tensorstore" in str(exc))
+    if exc is None or "exception was never retrieved" not in str(record.msg):
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    text = str(exc)
+    return not (any(w in text for w in ("tensorstore", "OCDBT", "os_error_code"))
+                or any("orbax" in f.filename for f in frames))
 
 
 def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, sharding: NamedSharding) -> jax.Array:
@@ -537,9 +579,42 @@ def convert_layout(meta: dict, engine: Engine, template: TrainState,
 # Save, and the trainer's view
 
 
+def _os_error(e: BaseException) -> str:
+    """'OSError: [Errno 28] No space left on device' for an error that TensorStore or Python
+    reports with an operating-system error code, else the error's first line."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"OSError: [Errno {seen.errno}] {seen.strerror or os.strerror(seen.errno)}"
+        m = re.search(r"os_error_code='?(\d+)", str(seen))
+        if m:
+            code = int(m[1])
+            return f"OSError: [Errno {code}] {os.strerror(code)}"
+        seen = seen.__cause__ or seen.__context__
+    return _error_line(e)
+
+
+def _quiet_failed_saves() -> None:
+    """When a save fails (e.g. the disk is full), Orbax's writer threads log the error with a
+    traceback, and TensorStore's writes still in flight call back into a closed event loop (a
+    traceback each): `Checkpoints` reports the error in one line instead."""
+    _ignore_closed_loop_callbacks()
+    logging.getLogger("asyncio").addFilter(_unretrieved_read_errors)
+    log = logging.getLogger("absl")
+    if not any(f is _orbax_thread_errors for f in log.filters):
+        log.addFilter(_orbax_thread_errors)
+
+
+def _orbax_thread_errors(record: logging.LogRecord) -> bool:
+    """Drops Orbax's error reports that carry a traceback: the exception itself reaches
+    `Checkpoints`, which reports it."""
+    return not (record.exc_info and "orbax" in record.pathname)
+
+
 def writer(cfg: Config):
     """An Orbax CheckpointManager writing to `checkpoint.dir` (asynchronous unless
     checkpoint.async_save=false, keeping the newest `checkpoint.keep`)."""
+    _quiet_failed_saves()
     return _manager(checkpoint_dir(cfg), write=True, cfg=cfg)
 
 
@@ -552,6 +627,15 @@ def save(manager, engine: Engine, step: int, state: TrainState) -> None:
     meta = metadata(engine, step, arrays)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(_nest(arrays)), META: ocp.args.JsonSave(meta)})
     manager.save(step, args=args, force=True)
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path.1`, `path.2`, ... : the first that does not exist."""
+    n, out = 0, path
+    while out.exists():
+        n += 1
+        out = path.with_name(f"{path.name}.{n}")
+    return out
 
 
 class Checkpoints:
@@ -570,8 +654,11 @@ class Checkpoints:
         self.dir = checkpoint_dir(self.cfg)
         self.manager = None
         self.last_saved: int | None = None
+        self.writing: int | None = None  # the step of the save in flight
         self.restored: Restored | None = None
-        path = locate(self.cfg)
+        self.set_aside: list[Path] = []  # step directories moved to <dir>/set_aside/ by `open`
+        paths = candidates(self.cfg)
+        path = paths[0] if paths else None
         # Resuming this run (its own checkpoint.dir) continues its files; a checkpoint from
         # elsewhere starts a new run from that state, which may not take over existing files.
         self.own = path is not None and self.dir.resolve() in path.resolve().parents
@@ -581,21 +668,30 @@ class Checkpoints:
                 "checkpoint.dir, or set run.overwrite=true to replace them"
             )
         if path is not None:
-            self.restored = restore(engine, fresh, path)
-            for w in self.restored.warnings:
-                if jax.process_index() == 0:
-                    print(f"nljax: warning: {w}", file=sys.stderr)
+            self.restored, skipped = restore_first_valid(engine, fresh, paths)
+            path = self.restored.path
+            warnings = [f"checkpoint {p} is damaged, resuming from an older one "
+                        f"({why.removeprefix(f'checkpoint {p}: ')})" for p, why in skipped]
             self.last_saved = self.restored.step
             if self.restored.step > self.cfg.train.steps:
                 raise ConfigError(
                     f"checkpoint {path} is at step {self.restored.step}, past train.steps={self.cfg.train.steps}"
                 )
-            later = [s for s in complete_steps(self.dir) if s > self.restored.step] if self.own else []
-            if later and self.cfg.checkpoint.every:
-                raise ConfigError(
-                    f"checkpoint.dir {self.dir} holds later checkpoints (step {later[-1]}) than the one resumed "
-                    f"({path}); resume from the latest or use another checkpoint.dir"
-                )
+            if self.own and self.cfg.checkpoint.every:
+                # This run saves the steps after the one resumed: the later checkpoints (damaged
+                # ones included) are moved out of its way, never deleted.
+                self.set_aside = sorted((p for p in _leftovers(self.dir)
+                                         if p.name.isdigit() and int(p.name) > self.restored.step),
+                                        key=lambda p: int(p.name))
+                if self.set_aside:
+                    warnings.append(
+                        f"checkpoint.dir {self.dir} holds later checkpoints than the one resumed ({path}): step"
+                        f"{'s' if len(self.set_aside) > 1 else ''} {', '.join(p.name for p in self.set_aside)} "
+                        f"will be moved to {self.dir / SET_ASIDE}"
+                    )
+            for w in [*warnings, *self.restored.warnings]:
+                if jax.process_index() == 0:
+                    print(f"nljax: warning: {w}", file=sys.stderr)
         elif self.cfg.checkpoint.every and _leftovers(self.dir) and not self.cfg.run.overwrite:
             raise ConfigError(
                 f"checkpoint.dir {self.dir} already holds checkpoints; resume with --resume, or set "
@@ -624,6 +720,11 @@ class Checkpoints:
         if fresh and self.cfg.run.overwrite and jax.process_index() == 0:
             for p in _leftovers(self.dir):
                 shutil.rmtree(p)
+        if self.set_aside and jax.process_index() == 0:
+            for p in self.set_aside:
+                dest = _free_name(self.dir / SET_ASIDE / p.name)
+                dest.parent.mkdir(exist_ok=True)
+                p.rename(dest)
         if not self.cfg.checkpoint.every:
             return
         if jax.process_count() > 1:
@@ -640,16 +741,40 @@ class Checkpoints:
         return batch
 
     def save(self, step: int, state: TrainState) -> None:
+        # The previous save is finished first (Orbax would wait for it too) so that a failure is
+        # reported with the step it belongs to.
+        self._wait()
         # The saves before this one that are complete count against checkpoint.keep; this one,
         # still being written, does not: until it is committed one more stays on disk.
         prune(self.dir, self.cfg.checkpoint.keep)
-        save(self.manager, self.engine, step, state)
+        self.writing = step
+        try:
+            save(self.manager, self.engine, step, state)
+        except Exception as e:  # noqa: BLE001 - the blocking part of a save (e.g. the disk is full)
+            raise self._failed(e) from None
         self.last_saved = step
 
     def save_now(self, step: int, state: TrainState) -> None:
         """Save unless `step` was just saved (a preemption at a checkpoint step)."""
         if self.manager is not None and self.last_saved != step:
             self.save(step, state)
+
+    def _wait(self) -> None:
+        if self.manager is not None and self.writing is not None:
+            try:
+                self.manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 - whatever the background writer raised
+                raise self._failed(e) from None
+            self.writing = None
+
+    def _failed(self, e: BaseException) -> ConfigError:
+        """The one line for a save that failed: the step directory, the OSError, and what is left.
+        The checkpoint being written stays a partial save (`<step>.orbax-checkpoint-tmp-*`), which
+        a resume never reads; the complete ones before it are untouched."""
+        step, self.writing = self.writing, None
+        kept = sorted(int(p.name) for p in self.dir.iterdir() if _is_nljax_step(p)) if self.dir.is_dir() else []
+        left = f"the newest complete checkpoint is {self.dir / str(kept[-1])}" if kept else "no complete checkpoint"
+        return ConfigError(f"checkpoint {self.dir / str(step)} could not be saved ({_os_error(e)}); {left}")
 
     def maybe_save(self, step: int, state: TrainState) -> None:
         """`step` = optimizer steps done (the state's step)."""
@@ -668,6 +793,9 @@ class Checkpoints:
     def close(self) -> None:
         """Wait until the saves in flight are on disk (a run stopped by an error keeps them)."""
         if self.manager is not None:
-            manager, self.manager = self.manager, None
-            manager.wait_until_finished()
-            manager.close()
+            try:
+                self._wait()
+            finally:
+                manager, self.manager = self.manager, None
+                with contextlib.suppress(Exception):  # a failed save was reported (`_failed`)
+                    manager.close()

@@ -8,6 +8,8 @@ module touches `jax.devices()`.
 from __future__ import annotations
 
 import argparse
+import errno
+import os
 import sys
 import traceback
 from typing import Callable, Sequence
@@ -63,6 +65,32 @@ def out_of_memory(e: BaseException) -> str | None:
     return None
 
 
+def write_failed(e: BaseException) -> str | None:
+    """The one line for a file that could not be written (a full disk, a quota, a file-size
+    limit, a read-only file system), or None for any other error."""
+    if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS):
+        name = e.filename or _open_file_of(e)
+        where = f"cannot write {name}" if name else "a write failed"
+        return f"{where}: [Errno {e.errno}] {e.strerror or os.strerror(e.errno)}"
+    return None
+
+
+def _open_file_of(e: BaseException) -> str | None:
+    """The name of the file a failed `write` was writing (an OSError from `write` carries no
+    file name): the open file object in the innermost frame that holds one."""
+    import io
+
+    tb, frames = e.__traceback__, []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    for frame in reversed(frames):
+        for v in frame.f_locals.values():
+            if isinstance(v, io.IOBase) and isinstance(getattr(v, "name", None), str):
+                return v.name
+    return None
+
+
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
          argv: Sequence[str] | None = None) -> int:
     """Parse, configure devices, load the config and call `run`; user errors become one line."""
@@ -84,9 +112,9 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         print(f"{p.prog}: error{where}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        oom = out_of_memory(e)
-        if oom and not multiprocess:
-            print(f"{p.prog}: error: {oom}", file=sys.stderr)
+        line = out_of_memory(e) or write_failed(e)
+        if line and not multiprocess:
+            print(f"{p.prog}: error: {line}", file=sys.stderr)
             return 1
         if not multiprocess:
             raise

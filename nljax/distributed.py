@@ -267,10 +267,25 @@ def data_fingerprint(task: Task) -> str:
     return fp() if callable(fp) else type(task).__name__
 
 
+def check_devices() -> None:
+    """Every process must drive the same number of devices: the lockstep checks' all-gather (and
+    every mesh) assumes it. Read from the global device list, which every process holds once the
+    backend is up, so the check needs no collective and every process raises the same error."""
+    counts: dict[int, int] = {}
+    for d in jax.devices():
+        counts[d.process_index] = counts.get(d.process_index, 0) + 1
+    if len(set(counts.values())) > 1:
+        shown = ", ".join(f"process {p} = {n}" for p, n in sorted(counts.items()))
+        raise ConfigError(f"processes drive unequal numbers of devices ({shown}); give every process the same "
+                          "number (--cpu-devices, --local-device-ids or the visible accelerators)")
+
+
 def check_config(cfg: Config) -> None:
-    """Start-up check of the resolved config alone, before anything is built from it: a
-    mismatch here cannot make one process fail while the others wait in a collective."""
+    """Start-up check of the device counts and the resolved config alone, before anything is
+    built from it: a mismatch here cannot make one process fail while the others wait in a
+    collective."""
     if jax.process_count() > 1:
+        check_devices()
         agree("resolved config", to_dict(cfg))
 
 

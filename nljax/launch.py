@@ -11,11 +11,18 @@ killed, and the launcher exits with the first failure's code. Ctrl-C or SIGTERM 
 Each process runs in its own session, so a command started through a shell is stopped with
 everything it started. SIGKILL, not SIGTERM, is what reliably ends a JAX process that has joined
 a distributed run: JAX's preemption service takes SIGTERM as a preemption notice.
+
+The processes do not outlive the launcher, even when it is killed with SIGKILL: on Linux each is
+started with a parent-death signal (SIGKILL, `prctl(PR_SET_PDEATHSIG)`), and a small guard
+process, which the launcher feeds through a pipe, kills every process's session when that pipe
+closes without the launcher saying it is done (this catches what the commands started too). A
+process that cannot be started (or whose output thread cannot) stops the ones already started.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
@@ -59,6 +66,44 @@ def child_env(base: dict, index: int, nproc: int, coordinator: str, cpu_devices:
     return env
 
 
+# The guard: reads the process group ids of the workers, one a line, from its stdin; "done"
+# means the launcher stopped them itself; end of input without it means the launcher died.
+GUARD = r"""
+import os, signal, sys
+for s in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
+    signal.signal(s, signal.SIG_IGN)
+groups = []
+for line in sys.stdin:
+    if line.strip() == "done":
+        sys.exit(0)
+    groups.append(int(line))
+for g in groups:
+    try:
+        os.killpg(g, signal.SIGKILL)
+    except OSError:
+        pass
+"""
+
+
+def _parent_death_signal():
+    """A preexec_fn that makes the child receive SIGKILL when the launcher dies (Linux), or None.
+    The libc function is looked up here, before any fork: the child only calls it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec():
+        prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+        if os.getppid() != parent:  # the launcher died before the signal was armed
+            os._exit(137)
+
+    return preexec
+
+
 def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
     for raw in iter(stream.readline, b""):
         line = raw.decode(errors="replace").rstrip("\n")
@@ -75,18 +120,24 @@ class Group:
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
-        for i, env in enumerate(envs):
-            try:
+        # Its own session: a Ctrl-C to the launcher's terminal does not reach it.
+        self.guard = subprocess.Popen([sys.executable, "-c", GUARD], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                      stderr=subprocess.DEVNULL, start_new_session=True, text=True)
+        preexec = _parent_death_signal()
+        try:
+            for i, env in enumerate(envs):
                 p = subprocess.Popen(list(command), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     start_new_session=True)
-            except OSError:
-                self.stop(grace=0.0)
-                raise
-            self.procs.append(p)
-            for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", self.lock), daemon=True)
-                t.start()
-                self.threads.append(t)
+                                     start_new_session=True, preexec_fn=preexec)
+                self.procs.append(p)
+                self.guard.stdin.write(f"{p.pid}\n")  # its session's process group
+                self.guard.stdin.flush()
+                for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
+                    t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", self.lock), daemon=True)
+                    t.start()
+                    self.threads.append(t)
+        except BaseException:  # e.g. the command not found, or no thread left: none is orphaned
+            self.stop(grace=0.0)
+            raise
 
     def say(self, text: str) -> None:
         with self.lock:
@@ -109,6 +160,17 @@ class Group:
         self.signal(signal.SIGKILL)
         for p in self.procs:
             p.wait()
+        self.release_guard()
+
+    def release_guard(self) -> None:
+        """Every process has ended: the guard exits without killing anything."""
+        if self.guard.poll() is None:
+            try:
+                self.guard.stdin.write("done\n")
+                self.guard.stdin.close()
+            except OSError:
+                pass
+            self.guard.wait()
 
     def finish(self) -> None:
         for t in self.threads:
@@ -168,6 +230,7 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
                 break
             time.sleep(0.05)
         group.finish()
+        group.release_guard()
         if failed is not None:
             codes = ", ".join(str(exit_code(p.returncode)) for p in group.procs)
             group.say(f"exit codes by process: {codes}")
@@ -178,6 +241,7 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
             signal.signal(s, h)
         if any(p.poll() is None for p in group.procs):
             group.stop(grace=1.0)
+        group.release_guard()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -211,8 +275,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return run(command, args.nproc, args.cpu_devices, args.grace, args.devices_per_proc)
-    except OSError as e:  # e.g. the command does not exist
-        print(f"{PROG}: error: cannot start {command[0]!r}: {e.strerror or e}", file=sys.stderr)
+    except (OSError, RuntimeError) as e:  # e.g. the command does not exist, or no thread can be started
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        print(f"{PROG}: error: cannot start {command[0]!r}: {reason}", file=sys.stderr)
         return 2
 
 

@@ -9,6 +9,27 @@ import sys
 from pathlib import Path
 
 
+# Files a run writes under names a user's file could have too (samples_000100.png): each is noted
+# here when written, so that run.overwrite=true removes the earlier run's and nothing else.
+WRITTEN = "nljax_written.txt"
+
+
+def note_written(run_dir: Path, name: str) -> None:
+    with open(Path(run_dir) / WRITTEN, "a") as f:
+        f.write(name + "\n")
+
+
+def remove_written(run_dir: Path) -> None:
+    """Removes the files noted by `note_written` (plain names in `run_dir` only), then the list."""
+    listing = Path(run_dir) / WRITTEN
+    if not listing.is_file():
+        return
+    for name in set(listing.read_text().splitlines()):
+        if name and name == Path(name).name and name not in (".", ".."):
+            (Path(run_dir) / name).unlink(missing_ok=True)
+    listing.unlink()
+
+
 def strict_json(obj, indent: int | None = None) -> str:
     """JSON that every parser reads: a non-finite float (a NaN loss) is written as null, never as
     the bare `NaN`/`Infinity` that Python's json module writes by default."""

@@ -191,7 +191,11 @@ class ImageTask:
         if jax.process_index() == 0:
             run_dir = Path(self.cfg.run.dir)
             run_dir.mkdir(parents=True, exist_ok=True)
-            write_png(run_dir / f"samples_{step:06d}.png", sample_figure(one, multi, ref))
+            from nljax.runlog import note_written
+
+            name = f"samples_{step:06d}.png"
+            write_png(run_dir / name, sample_figure(one, multi, ref))
+            note_written(run_dir, name)
         return {
             "eval_energy_1step": energy_distance(one, ref),
             "eval_energy_multistep": energy_distance(multi, ref),

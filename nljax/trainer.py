@@ -39,7 +39,7 @@ class RunDir:
     when told to, removes the earlier run's outputs first so that none of them outlives it."""
 
     OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "events.out.tfevents.*",
-               "profile", "samples_*.png")
+               "profile")  # and the files the run noted (runlog.note_written: samples_*.png)
 
     def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
         self.path = Path(path)
@@ -61,6 +61,7 @@ class RunDir:
                 for pattern in self.OUTPUTS:
                     for old in self.path.glob(pattern):
                         shutil.rmtree(old) if old.is_dir() else old.unlink()
+                runlog.remove_written(self.path)
             self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
             tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
             tmp.write_text("".join(runlog.strict_json(r) + "\n" for r in self.kept))

@@ -105,6 +105,37 @@ def test_plain_orbax_reads_a_checkpoint(ref):
     assert memory.shape[0] == 8 and len(memory.sharding.device_set) == 8  # rows sharded as trained
 
 
+def test_plain_orbax_restores_onto_another_topology(tmp_path):
+    """The README's recipe: a checkpoint saved on a 4-device mesh, read with plain Orbax onto 2
+    other devices with shardings of the reader's choosing (array metadata, then StandardRestore)."""
+    import orbax.checkpoint as ocp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    setup = make([f"checkpoint.dir={tmp_path}"], 1, 4)
+    save(setup, setup.state, 3)
+    saved = {k: np.asarray(x) for k, x in ckpt.named_arrays(setup.state).items()}
+
+    # --- the recipe (README, "Checkpoints and resume") ---
+    mesh = Mesh(np.array(jax.devices()[4:6]), ("x",))  # devices the checkpoint was not saved on
+    meta = ocp.StandardCheckpointer().metadata(tmp_path / "3" / "state").item_metadata
+
+    def target(m):  # split the first axis where it divides, else replicate
+        spec = P("x") if m.shape and m.shape[0] % 2 == 0 else P()
+        return jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=NamedSharding(mesh, spec))
+
+    with ocp.CheckpointManager(tmp_path) as mngr:
+        args = ocp.args.Composite(state=ocp.args.StandardRestore(jax.tree.map(target, meta)))
+        state = mngr.restore(3, args=args)["state"]
+    # ---
+
+    restored = ckpt._unnest(state)
+    assert set(restored) == set(saved)
+    for k, x in restored.items():
+        assert x.sharding.device_set == set(jax.devices()[4:6]), k
+        np.testing.assert_array_equal(np.asarray(x), saved[k])
+    assert any(x.sharding.spec == P("x") for x in restored.values())
+
+
 def test_elastic_resume_8_4_2_devices(ref, tmp_path):
     """Steps 0-1 on 8 devices, 2-3 on 4, 4 on 2, restoring with each mesh's shardings: the
     losses, parameters and every row's memory match the uninterrupted 8-device run. Level 1
@@ -224,7 +255,8 @@ def _zero_devices(step_dir: Path):
 BAD = {
     "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere", True),
     "empty": (None, ["checkpoint.resume={d}/empty"], "no complete checkpoint in {d}/empty", False),
-    "truncated": (_truncate, [], "checkpoint {d}/ckpt/4: array data unreadable", True),
+    # named explicitly: `--resume` would fall back to step 2 (test_resume_falls_back_...)
+    "truncated": (_truncate, ["checkpoint.resume={d}/ckpt/4"], "checkpoint {d}/ckpt/4: array data unreadable", True),
     "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),
     "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable", False),
     "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
@@ -363,9 +395,9 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps_logged == list(range(12)) and losses(run)[:10] == second
     assert sorted(q.name for q in ck.iterdir()) == ["12", "8"]  # checkpoint.keep=2
-    _truncate(ck / "12")  # a damaged array file: one line on the real stderr, nothing changed
+    _truncate(ck / "12")  # a damaged array file, named: one line on the real stderr, nothing changed
     before = tree_hash(run)
-    p = cli("--resume", *base)
+    p = cli(*base, f"checkpoint.resume={ck / '12'}")
     assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert tree_hash(run) == before
@@ -404,15 +436,20 @@ def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
 
 
 def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
+    from nljax import runlog
     from nljax.trainer import RunDir
 
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "notes.txt").write_text("mine")
     (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "samples_000001.png").write_text("a user's file")  # the pattern of a run's samples
+    (tmp_path / "samples_000002.png").write_text("the run's")
+    runlog.note_written(tmp_path, "samples_000002.png")
     RunDir(str(tmp_path), overwrite=False, write=True)  # no metrics.jsonl: a fresh run, nothing removed
     assert (tmp_path / "profile" / "notes.txt").exists() and (tmp_path / "summary.json").exists()
     RunDir(str(tmp_path), overwrite=True, write=True)
     assert not (tmp_path / "profile").exists() and not (tmp_path / "summary.json").exists()
+    assert not (tmp_path / "samples_000002.png").exists() and (tmp_path / "samples_000001.png").exists()
 
 
 def test_only_orbax_steps_count_as_checkpoints(ref, tmp_path):
@@ -475,3 +512,128 @@ def test_pruning_and_resume_skip_folders_nljax_did_not_write(tmp_path):
     assert f"resumed from {ck / '4'} at step 4" in p.stdout
     assert sorted(q.name for q in ck.iterdir()) == ["0", "6", "7"]
     assert (ck / "0" / "notes").read_text() == (ck / "7" / "notes").read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# A damaged newest checkpoint, an older one named, a full disk
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint_and_sets_later_ones_aside(tmp_path):
+    """`--resume` with the newest checkpoint damaged resumes from the newest intact one, with a
+    warning naming the damaged one, which is moved to checkpoints/set_aside/ (not deleted). An
+    older checkpoint named explicitly is resumed too: the later ones are set aside the same way."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={run}", "checkpoint.keep=3"]
+    p = cli(*base)
+    assert p.returncode == 0, p.stderr
+    assert ckpt.complete_steps(ck) == [4, 8, 12]
+    _truncate(ck / "12")
+    damaged = tree_hash(ck / "12")
+    p = cli("--resume", *base)
+    assert p.returncode == 0, p.stderr
+    assert f"nljax: warning: checkpoint {ck / '12'} is damaged, resuming from an older one (array data unreadable" \
+        in p.stderr, p.stderr
+    assert f"step 12 will be moved to {ck / 'set_aside'}" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert tree_hash(ck / "set_aside" / "12") == damaged  # kept as it was
+    assert ckpt.complete_steps(ck) == [4, 8, 12]  # 12 saved again by the resumed run
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == list(range(12))
+    # An explicit older checkpoint: 8 and 12 are set aside (12 beside the damaged one), not refused.
+    p = cli(*base, f"checkpoint.resume={ck / '4'}")
+    assert p.returncode == 0, p.stderr
+    assert f"steps 8, 12 will be moved to {ck / 'set_aside'}" in p.stderr
+    assert sorted(q.name for q in (ck / "set_aside").iterdir()) == ["12", "12.1", "8"]
+    assert ckpt.complete_steps(ck) == [4, 8, 12]
+    assert tree_hash(ck / "set_aside" / "12") == damaged
+
+
+def test_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={run}", "train.steps=8"]
+    assert cli(*base).returncode == 0
+    for s in (4, 8):
+        _truncate(ck / str(s))
+    before = tree_hash(run)
+    p = cli("--resume", *base)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.stderr.startswith(f"nljax.train: error: every checkpoint in {ck} is damaged; the oldest: checkpoint "
+                               f"{ck / '4'}: array data unreadable"), p.stderr
+    assert tree_hash(run) == before
+
+
+# Runs nljax.train with the file-size limit lowered (as a full disk would stop writes) once
+# checkpoint 4 is complete and step 5 is logged: the save of step 8 fails inside TensorStore.
+FULL = r"""
+import resource, signal, sys, time
+from pathlib import Path
+ckdir, limit = Path(sys.argv[1]), int(sys.argv[2])
+sys.argv = ["nljax.train", *sys.argv[3:]]
+from nljax import trainer
+log = trainer.RunDir.log
+def limiting_log(self, record):
+    log(self, record)
+    if record["step"] == 5:
+        t = time.time()
+        while str(ckdir) != "-" and not (ckdir / "4").is_dir() and time.time() - t < 60:
+            time.sleep(0.05)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+trainer.RunDir.log = limiting_log
+from nljax.train import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_failed_write_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, async_save):
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    # 6000 bytes: metrics.jsonl (about 300 bytes a step) fits, a checkpoint's files do not
+    p = subprocess.run([sys.executable, "-c", FULL, str(ck), "6000", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK,
+                        f"run.dir={run}", f"checkpoint.async_save={str(async_save).lower()}"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (f"nljax.train: error: checkpoint {ck / '8'} could not be saved (OSError: [Errno 27] "
+                                f"File too large); the newest complete checkpoint is {ck / '4'}"), p.stderr
+    assert ckpt.complete_steps(ck) == [4]
+    assert sorted(q.name for q in ck.iterdir() if not q.name.startswith("8.")) == ["4"]
+    p = cli("--resume", "--cpu-devices", "1", *SMALL, *QUICK, f"run.dir={run}")  # once there is room again
+    assert p.returncode == 0 and f"resumed from {ck / '4'} at step 4" in p.stdout, p.stderr
+    assert ckpt.complete_steps(ck) == [8, 12]
+
+
+def test_failed_write_of_the_run_files_is_one_line(tmp_path):
+    """The same limit hit by metrics.jsonl (no checkpoints): one line naming the file."""
+    run = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-c", FULL, "-", "1000", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK,
+                        f"run.dir={run}", "checkpoint.every=0"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip() == f"nljax.train: error: cannot write {run / 'metrics.jsonl'}: [Errno 27] File too large"
+
+
+def _can_mount_tmpfs() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm and tmpfs in a user namespace")
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path):
+    """A real full disk: checkpoint.dir on a 400 KiB tmpfs holds checkpoint 4 (272 KiB), not 8."""
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    ck.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    train = " ".join(f"'{a}'" for a in [sys.executable, "-m", "nljax.train", "--cpu-devices", "1", "--quiet",
+                                       *SMALL, *QUICK, f"run.dir={run}", f"checkpoint.dir={ck}"])
+    script = f"mount -t tmpfs -o size=400k tmpfs '{ck}' && {train}; rc=$?; ls '{ck}' > '{tmp_path}/ls'; exit $rc"
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (f"nljax.train: error: checkpoint {ck / '8'} could not be saved (OSError: [Errno 28] "
+                                f"No space left on device); the newest complete checkpoint is {ck / '4'}"), p.stderr
+    assert (tmp_path / "ls").read_text().split() == ["4", "8.orbax-checkpoint-tmp"]

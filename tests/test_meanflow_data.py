@@ -131,13 +131,21 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
             f"run.dir={d}", "train.steps=12", "eval.every=6", "train.batch_size=32", "model.dim=16",
             "model.depth=1", "meanflow.eval_samples=50", "images.toy_points=400", "meanflow.sample_steps=2"]
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    d.mkdir()
+    (d / "samples_000100.png").write_bytes(b"a user's file")
     p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=root)
     assert p.returncode == 0, p.stderr
     assert "final eval: eval_energy_1step" in p.stdout
     summary = json.loads((d / "summary.json").read_text())
     assert summary["eval_energy_1step"] > 0 and summary["eval_energy_multistep"] > 0
     assert summary["eval_samples"] == 50 and summary["devices"] == 2
-    assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000006.png", "samples_000012.png"]
+    assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000006.png", "samples_000012.png",
+                                                               "samples_000100.png"]
+    # run.overwrite=true removes the PNGs the run wrote, not the user's one with the same pattern
+    from nljax.trainer import RunDir
+
+    RunDir(str(d), overwrite=True, write=True)
+    assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000100.png"]
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert "eval_energy_1step" in recs[5] and len(recs) == 12
     # bad input: one line, exit 2

@@ -88,6 +88,21 @@ def test_config_mismatch_is_reported_on_every_process(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_unequal_device_counts_are_reported_on_every_process(tmp_path):
+    """1 CPU device in process 0, 2 in process 1: one line from each, exit 2, no traceback (the
+    lockstep all-gather used to fail in a reshape and the peer in a C++ check)."""
+    inner = (f"exec {sys.executable} -m nljax.train --cpu-devices $((1 + NLJAX_PROCESS_ID)) run.dir={tmp_path}/r "
+             f"train.steps=2 {' '.join(TINY)}")
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "20", "--", "sh", "-c", inner],
+                       env=env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = [l for l in p.stderr.splitlines() if not l.startswith("nljax.launch: ")]
+    assert sorted(lines) == [f"[{i}] nljax.train: error (process {i}): processes drive unequal numbers of devices "
+                             "(process 0 = 1, process 1 = 2); give every process the same number (--cpu-devices, "
+                             "--local-device-ids or the visible accelerators)" for i in (0, 1)], p.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def _wait_for(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -294,3 +309,68 @@ def test_step_check_runs_every_check_every_iterations(monkeypatch):
     calls.clear()
     distributed.check_step(0, pulse(0, (1,)), every=0)
     assert calls == []
+
+
+@pytest.mark.parametrize("how", ["exec", "shell"])
+def test_workers_do_not_outlive_a_launcher_killed_with_sigkill(how):
+    """The workers sit in their own sessions, so nothing used to stop them when the launcher was
+    SIGKILLed. `exec`: the worker is the command itself (its parent-death signal ends it);
+    `shell`: a shell that started a child of its own (the guard kills the whole session)."""
+    script = "echo up $$; exec sleep 60" if how == "exec" else "sleep 60 & echo up $!; wait"
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", "sh", "-c", script], env=env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p.stdout.readline().split()[-1]) for _ in range(2)]
+        assert all(_alive(x) for x in pids)
+        p.kill()
+        p.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(x) for x in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(x) for x in pids)
+    finally:
+        for x in pids:
+            if _alive(x):
+                os.kill(x, signal.SIGKILL)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX is imported here, not in the launcher
+def test_a_failed_start_stops_the_processes_already_started(monkeypatch, capsys):
+    """Process 1's command cannot be started (or its output thread cannot): process 0, already
+    running, is stopped, and the launcher prints one line."""
+    import threading
+
+    from nljax import launch
+
+    started, fail = [], {"popen": True}
+    popen = subprocess.Popen
+
+    def recording_popen(cmd, *a, **k):
+        worker = cmd[:2] != [sys.executable, "-c"]  # not the guard
+        if worker and started and fail["popen"]:
+            raise FileNotFoundError(2, "No such file or directory")
+        q = popen(cmd, *a, **k)
+        if worker:
+            started.append(q)
+        return q
+
+    monkeypatch.setattr(launch.subprocess, "Popen", recording_popen)
+    assert launch.main(["--nproc", "2", "--", "sleep", "60"]) == 2
+    assert capsys.readouterr().err == "nljax.launch: error: cannot start 'sleep': No such file or directory\n"
+    assert len(started) == 1 and started[0].poll() is not None
+
+    started.clear()
+    fail["popen"] = False
+    calls = []
+    start = threading.Thread.start
+
+    def failing_start(self):
+        calls.append(self)
+        if len(calls) == 3:  # process 1's first output thread
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", failing_start)
+    assert launch.main(["--nproc", "2", "--", "sleep", "60"]) == 2
+    assert capsys.readouterr().err == "nljax.launch: error: cannot start 'sleep': can't start new thread\n"
+    assert len(started) == 2 and all(q.poll() is not None for q in started)
