@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import os
 import signal
 import socket
@@ -135,8 +136,10 @@ class Group:
                     t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", self.lock), daemon=True)
                     t.start()
                     self.threads.append(t)
-        except BaseException:  # e.g. the command not found, or no thread left: none is orphaned
+        except BaseException as e:  # e.g. the command not found, or no thread left: none is orphaned
             self.stop(grace=0.0)
+            if isinstance(e, RuntimeError):  # threading's "can't start new thread"
+                raise OSError(errno.EAGAIN, str(e)) from e
             raise
 
     def say(self, text: str) -> None:
@@ -275,9 +278,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return run(command, args.nproc, args.cpu_devices, args.grace, args.devices_per_proc)
-    except (OSError, RuntimeError) as e:  # e.g. the command does not exist, or no thread can be started
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        print(f"{PROG}: error: cannot start {command[0]!r}: {reason}", file=sys.stderr)
+    except OSError as e:  # e.g. the command does not exist, or no thread can be started
+        print(f"{PROG}: error: cannot start {command[0]!r}: {e.strerror or e}", file=sys.stderr)
         return 2
 
 
