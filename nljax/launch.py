@@ -6,7 +6,9 @@ port, and each process gets `NLJAX_COORDINATOR`, `NLJAX_NUM_PROCESSES` and `NLJA
 (read by every nljax CLI, see `nljax.distributed`). Each output line is prefixed with its
 process index. If a process exits non-zero, the others get `--grace` seconds to exit on their
 own (they usually do: their collectives fail, or they raise the same lockstep error), then are
-killed, and the launcher exits with the first failure's code. Ctrl-C or SIGTERM stops them all.
+killed, and the launcher exits with the first failure's code. Ctrl-C stops them all; SIGTERM (a
+scheduler's preemption notice) is passed on to every process, which saves a checkpoint and exits
+(`nljax.preemption`), and whatever is left after `--grace` seconds is killed.
 
 Each process runs in its own session, so a command started through a shell is stopped with
 everything it started. SIGKILL, not SIGTERM, is what reliably ends a JAX process that has joined
@@ -211,7 +213,8 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
             codes = [p.poll() for p in group.procs]
             if stopping:
                 group.say(f"received signal {stopping[0]}; stopping all processes")
-                group.stop(grace=min(grace, 5.0))
+                # SIGTERM: the processes save a preemption checkpoint first, give them the grace
+                group.stop(grace=grace if stopping[0] == signal.SIGTERM else min(grace, 5.0))
                 return 128 + stopping[0]
             if failed is None:
                 bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
