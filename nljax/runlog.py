@@ -107,7 +107,10 @@ class Board:
         if path is not None:
             from tensorboardX import SummaryWriter
 
+            before = set(path.glob("events.out.tfevents.*"))
             self.writer = SummaryWriter(logdir=str(path), flush_secs=30, purge_step=purge_step)
+            for new in sorted(set(path.glob("events.out.tfevents.*")) - before):  # ours: overwrite removes it
+                note_written(path, new.name)
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
         if self.writer is None:

@@ -38,8 +38,8 @@ class RunDir:
     """The files of one run. Refuses to overwrite an earlier run unless told to (or resuming it);
     when told to, removes the earlier run's outputs first so that none of them outlives it."""
 
-    OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "events.out.tfevents.*",
-               "profile")  # and the files the run noted (runlog.note_written: samples_*.png)
+    # and the files the run noted (runlog.note_written: samples_*.png, TensorBoard event files)
+    OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "profile")
 
     def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
         self.path = Path(path)

@@ -186,19 +186,22 @@ def test_throughput_table():
 
 
 def test_overwrite_removes_stale_outputs(tmp_path):
+    from nljax import runlog
     from nljax.trainer import RunDir
 
     (tmp_path / "metrics.jsonl").write_text("old\n")
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "loss.png").write_text("")
-    (tmp_path / "events.out.tfevents.1.x").write_text("")
     (tmp_path / "profile").mkdir()
     (tmp_path / "checkpoints").mkdir()
+    runlog.Board(tmp_path).close()  # the run's TensorBoard file, noted as written by the run
+    (tmp_path / "events.out.tfevents.1.mine").write_text("")  # a user's: kept
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
     with pytest.raises(ConfigError, match="already holds a run"):
         RunDir(str(tmp_path), overwrite=False, write=True)
     assert (tmp_path / "summary.json").exists()
     RunDir(str(tmp_path), overwrite=True, write=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "events.out.tfevents.1.mine", "metrics.jsonl"]
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
