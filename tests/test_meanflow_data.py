@@ -141,13 +141,13 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
     assert summary["eval_samples"] == 50 and summary["devices"] == 2
     assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000006.png", "samples_000012.png",
                                                                "samples_000100.png"]
+    recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
+    assert "eval_energy_1step" in recs[5] and len(recs) == 12
     # run.overwrite=true removes the PNGs the run wrote, not the user's one with the same pattern
     from nljax.trainer import RunDir
 
     RunDir(str(d), overwrite=True, write=True)
     assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000100.png"]
-    recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
-    assert "eval_energy_1step" in recs[5] and len(recs) == 12
     # bad input: one line, exit 2
     bad = subprocess.run([*args[:7], f"run.dir={tmp_path}/bad", "images.source=file"], capture_output=True,
                          text=True, env=env, timeout=600, cwd=root)
