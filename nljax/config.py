@@ -513,6 +513,6 @@ def _validate_dit(cfg: Config) -> None:
     if mf.cfg_t_min > mf.cfg_t_max:
         raise ConfigError(f"meanflow.cfg_t_min={mf.cfg_t_min} must be <= meanflow.cfg_t_max={mf.cfg_t_max}")
     if not 0 < im.eval_fraction < 1 or im.toy_points < 2:
-        raise ConfigError(f"images.eval_fraction must be in (0, 1) and images.toy_points >= 2")
+        raise ConfigError("images.eval_fraction must be in (0, 1) and images.toy_points >= 2")
     if im.source == "file" and not im.path:
         raise ConfigError("images.source=file needs images.path (a .npy or .npz file)")

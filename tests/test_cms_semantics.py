@@ -2,7 +2,6 @@
 buffers (`gradients` vs `updates`) checked against hand-written references."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

@@ -11,7 +11,6 @@ from nljax import config
 from nljax.config import ConfigError
 from nljax.data.recall import CHANCE, recall_corpus
 from nljax.models.layers import token_hits
-from nljax.hostdev import put_batch
 
 from helpers import make, run_steps
 
