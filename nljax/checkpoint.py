@@ -755,7 +755,7 @@ class Checkpoints:
         self.last_saved = step
 
     def save_now(self, step: int, state: TrainState) -> None:
-        """Save unless `step` was just saved (a preemption at a checkpoint step)."""
+        """Save unless `step` was just saved (the final step, or a preemption, at a checkpoint step)."""
         if self.manager is not None and self.last_saved != step:
             self.save(step, state)
 
@@ -785,8 +785,7 @@ class Checkpoints:
         """Save the final state (unless just saved) and wait until every save is on disk."""
         if self.manager is None:
             return
-        if self.last_saved != step:
-            self.save(step, state)
+        self.save_now(step, state)
         self.close()
         prune(self.dir, self.cfg.checkpoint.keep)
 

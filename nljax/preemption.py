@@ -19,6 +19,7 @@ import signal
 import threading
 
 import jax
+from jax.experimental import multihost_utils
 
 EXIT_CODE = 128 + signal.SIGTERM
 
@@ -58,6 +59,4 @@ class Notice:
         everywhere): True on all of them at the same step once a notice arrived."""
         if jax.process_count() == 1:
             return self.received
-        from jax.experimental import multihost_utils  # imports jax.experimental only when multi-process
-
         return multihost_utils.reached_preemption_sync_point(step)

@@ -80,7 +80,7 @@ def document(rng: np.random.Generator, doc_len: int, pairs: int, gap: int, reach
 
 @functools.lru_cache(maxsize=4)
 def recall_corpus(docs: int, doc_len: int, pairs: int, gap: int, reach: int, eval_fraction: float,
-                  seed: int, key_len: int = 2, value_len: int = 2) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                  seed: int, key_len: int, value_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(train bytes uint8 [N], held-out bytes uint8 [M], held-out score float32 [M]); every
     round(1 / eval_fraction)-th document is held out, as for the stdlib corpus."""
     rng = np.random.default_rng([seed, 0x7265_6361])  # a stream of its own, not the model's
