@@ -66,7 +66,7 @@ def logits_fn(args):
                 lambda p, tok: net.apply(p, tok))
     if args.no_attention:
         nl_lm.Attention = ZeroAttention  # NLNet looks the class up when it is called
-    cfg = config.load(None, ["model.name=nl_lm", "model.dim=64", "model.depth=1", "model.heads=2", "model.window=4",
+    cfg = config.load(None, ["model.name=nl_lm", "model.dim=64", "model.depth=1", "model.heads=2", f"model.window={args.window}",
                              "model.memory_layers=[0]", "model.memory_heads=2", "model.memory_dim=32",
                              f"model.memory_chunk={args.chunk}", "cms.periods=[1]"])
     model = build(cfg)
@@ -82,12 +82,16 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=8)
     p.add_argument("--chunk", type=int, default=4)
     p.add_argument("--no-attention", action="store_true")
+    p.add_argument("--window", type=int, default=4, help="nl_lm's attention window (>= --chunk)")
+    p.add_argument("--gap", type=int, default=8, help="filler bytes between the pairs and the queries (>= window)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--loss", choices=["all", "values"], default="all",
+                   help="train on every next byte, or only on the queried value bytes (as MQAR does)")
     args = p.parse_args()
     rng = np.random.default_rng(args.seed)
 
     def batch():
-        docs, scores = zip(*[document(rng, T, args.pairs, 8, 1, 1, 1) for _ in range(B)])
+        docs, scores = zip(*[document(rng, T, args.pairs, args.gap, 1, 1, 1) for _ in range(B)])
         return np.frombuffer(b"".join(docs), np.uint8).reshape(B, T).astype(np.int32), np.stack(scores)
 
     init, logits = logits_fn(args)
@@ -97,7 +101,8 @@ def main() -> None:
 
     def loss_fn(params, tok, score):
         lg = logits(params, tok[:, :-1])
-        loss = optax.softmax_cross_entropy_with_integer_labels(lg, tok[:, 1:]).mean()
+        nll = optax.softmax_cross_entropy_with_integer_labels(lg, tok[:, 1:])
+        loss = nll.mean() if args.loss == "all" else (nll * score[:, 1:]).sum() / score[:, 1:].sum()
         hits = (lg.argmax(-1) == tok[:, 1:]) * score[:, 1:]
         return loss, hits.sum() / score[:, 1:].sum()
 

@@ -141,6 +141,11 @@ class DataConfig:
     # recall: filler bytes between the last pair and the first query; at least the attention's
     # reach model.depth * (model.window - 1), so only the memory can carry a value to its query
     recall_gap: int = 128
+    # recall: the training loss's targets. values: the queried value bytes only (the protocol of
+    # multi-query associative recall, MQAR: the random keys, values and filler are unpredictable,
+    # and their loss's gradient noise drowns the recall signal, README "The recall probe");
+    # all: every byte, as a language model
+    recall_loss: Literal["values", "all"] = "values"
 
 
 @dataclasses.dataclass(frozen=True)

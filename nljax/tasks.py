@@ -51,14 +51,20 @@ class Task(Protocol):
         ...
 
 
-def text_corpus(cfg: Config) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """(train bytes, held-out bytes, held-out score mask or None) of `data.corpus`."""
+def text_corpus(cfg: Config) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
+    """(train bytes, their training-loss weights or None, held-out bytes, held-out score mask or
+    None) of `data.corpus`."""
     d = cfg.data
     if d.corpus == "recall":
         reach = attention_reach(cfg.model.depth, cfg.model.window)
-        return recall_corpus(d.recall_docs, cfg.train.seq_len, d.recall_pairs, d.recall_gap, reach,
-                             d.eval_fraction, cfg.seed, d.recall_key_len, d.recall_value_len)
-    return (*stdlib_corpus(d.eval_fraction), None)
+        train, train_score, held, held_score = recall_corpus(
+            d.recall_docs, cfg.train.seq_len, d.recall_pairs, d.recall_gap, reach, d.eval_fraction, cfg.seed,
+            d.recall_key_len, d.recall_value_len)
+        # every document has the same number of scored bytes, so every row (and every device's
+        # rows) weighs the same in the mean loss: N devices still compute 1 device's gradient
+        return train, train_score if d.recall_loss == "values" else None, held, held_score
+    train, held = stdlib_corpus(d.eval_fraction)
+    return train, None, held, None
 
 
 class TextTask:
@@ -70,14 +76,14 @@ class TextTask:
     def __init__(self, cfg: Config, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.units_per_row = cfg.train.seq_len
-        train_bytes, self.eval_data, self.eval_score = text_corpus(cfg)
+        train_bytes, train_weight, self.eval_data, self.eval_score = text_corpus(cfg)
         if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
             raise ConfigError(f"the held-out text ({len(self.eval_data)} bytes at data.eval_fraction="
                               f"{cfg.data.eval_fraction}) is shorter than train.seq_len+1={cfg.train.seq_len + 1}")
         # recall documents are exactly seq_len long: aligned rows read one whole document per step
         align = cfg.train.seq_len if cfg.data.corpus == "recall" else 1
         self.stream = ContextStream(train_bytes, cfg.train.batch_size, cfg.train.seq_len, cfg.seed,
-                                    cfg.data.reset_prob, align)
+                                    cfg.data.reset_prob, align, train_weight)
 
     def batch(self, step: int) -> dict[str, jax.Array]:
         return self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))

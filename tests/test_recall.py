@@ -20,14 +20,15 @@ VALUE_LEN = 4
 
 def test_corpus_is_deterministic_and_has_the_layout():
     args = dict(docs=40, doc_len=96, pairs=3, gap=30, reach=20, eval_fraction=0.25, key_len=3, value_len=VALUE_LEN)
-    train, held, score = recall_corpus(**args, seed=1)
+    train, train_score, held, score = corpus = recall_corpus(**args, seed=1)
     again = recall_corpus.__wrapped__(**args, seed=1)  # not the cached arrays
-    for a, b in zip((train, held, score), again):
+    for a, b in zip(corpus, again):
         np.testing.assert_array_equal(a, b)
-    assert not np.array_equal(held, recall_corpus(**args, seed=2)[1])
-    assert len(train) == 30 * 96 and len(held) == len(score) == 10 * 96
-    for d in range(10):
-        doc, s = held[d * 96 : (d + 1) * 96].tobytes(), score[d * 96 : (d + 1) * 96]
+    assert not np.array_equal(held, recall_corpus(**args, seed=2)[2])
+    assert len(train) == len(train_score) == 30 * 96 and len(held) == len(score) == 10 * 96
+    docs = [(text[d * 96 : (d + 1) * 96].tobytes(), s[d * 96 : (d + 1) * 96])
+            for text, s, n in ((train, train_score, 30), (held, score, 10)) for d in range(n)]
+    for doc, s in docs:
         m = DOC.fullmatch(doc)
         assert m, doc
         pairs = dict(re.findall(rb"([a-z]+)=(\d+);", m.group(1)))
@@ -43,7 +44,7 @@ def test_corpus_is_deterministic_and_has_the_layout():
         for q in re.finditer(rb"([a-z]+)\?", m.group(3)):
             assert start + q.end() - 1 - pair_end[q.group(1)] > 20  # from the `?`, the first predictor
     # a gap inside the reach leaves queries unscored
-    assert recall_corpus(**{**args, "reach": 45}, seed=1)[2].sum() < score.sum()
+    assert recall_corpus(**{**args, "reach": 45}, seed=1)[3].sum() < score.sum()
 
 
 def test_token_hits_on_hand_made_logits():
@@ -78,6 +79,25 @@ def test_recall_task_trains_and_reports_accuracy():
         right = np.argmax(np.asarray(logits), -1) == b["tokens"][:, 1:]
         hits += float((right * b["score"]).sum())
     assert out["eval_recall_acc"] == pytest.approx(hits / out["eval_recall_scored"])
+
+
+def test_values_loss_is_the_mean_over_the_queried_values_on_any_mesh():
+    """data.recall_loss=values: a training batch weighs exactly the scored value bytes, the loss is
+    their mean cross-entropy, and 8 devices train as 1 does (every row weighs the same)."""
+    one = make(RECALL, 1, 1)
+    batch = jax.device_get(one.batch(0))
+    assert batch["weight"].sum(axis=1).tolist() == [2 * 2] * 8  # queries x value bytes, every row
+    targets = batch["tokens"][:, 1:]
+    assert set(np.unique(targets[batch["weight"] > 0]).tolist()) <= set(range(ord("0"), ord("9") + 1))
+    logits, _ = one.engine.model.logits(jax.device_get(one.state.params), {}, batch)
+    nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets[..., None], -1)[..., 0]
+    losses, state = run_steps(one, 3)
+    assert losses[0] == pytest.approx(float((nll * batch["weight"]).sum() / batch["weight"].sum()), rel=1e-5)
+    assert "weight" not in make([*RECALL, "data.recall_loss=all"]).batch(0)
+    many_losses, many = run_steps(make(RECALL, 2, 4), 3)
+    np.testing.assert_allclose(many_losses, losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(jax.device_get(many.params)), jax.tree.leaves(jax.device_get(state.params))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("override,match", [

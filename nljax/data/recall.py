@@ -80,18 +80,16 @@ def document(rng: np.random.Generator, doc_len: int, pairs: int, gap: int, reach
 
 @functools.lru_cache(maxsize=4)
 def recall_corpus(docs: int, doc_len: int, pairs: int, gap: int, reach: int, eval_fraction: float,
-                  seed: int, key_len: int, value_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(train bytes uint8 [N], held-out bytes uint8 [M], held-out score float32 [M]); every
-    round(1 / eval_fraction)-th document is held out, as for the stdlib corpus."""
+                  seed: int, key_len: int, value_len: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(train bytes uint8 [N], train score float32 [N], held-out bytes uint8 [M], held-out score
+    float32 [M]); every round(1 / eval_fraction)-th document is held out, as for the stdlib corpus."""
     rng = np.random.default_rng([seed, 0x7265_6361])  # a stream of its own, not the model's
     every = max(2, round(1 / eval_fraction))
-    train, held, score = [], [], []
+    train, train_score, held, held_score = [], [], [], []
     for i in range(docs):
         doc, s = document(rng, doc_len, pairs, gap, reach, key_len, value_len)
-        if i % every == every - 1:
-            held.append(doc)
-            score.append(s)
-        else:
-            train.append(doc)
+        docs_to, scores_to = (held, held_score) if i % every == every - 1 else (train, train_score)
+        docs_to.append(doc)
+        scores_to.append(s)
     as_bytes = lambda parts: np.frombuffer(b"".join(parts), np.uint8)
-    return as_bytes(train), as_bytes(held), np.concatenate(score)
+    return as_bytes(train), np.concatenate(train_score), as_bytes(held), np.concatenate(held_score)

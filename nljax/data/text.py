@@ -50,6 +50,9 @@ class ContextStream:
     seed: int = 0
     reset_prob: float = 0.0  # chance that a row also starts a step from a fresh memory
     align: int = 1  # row starts are multiples of this (documents of a fixed length: each window one document)
+    # float32 [N] or None: each byte's weight as a target of the training loss (the recall probe
+    # trains on its queried values only); batches then carry it per target position, `weight` [R, T]
+    weight: np.ndarray | None = None
 
     def offsets(self) -> np.ndarray:
         """Start of each row's stream: evenly spaced, shifted by the seed.  [G]"""
@@ -59,7 +62,7 @@ class ContextStream:
         return starts // self.align * self.align
 
     def rows_at(self, step: int, rows: slice | np.ndarray) -> dict[str, np.ndarray]:
-        """Chunk of `rows` at `step`: tokens [R, T+1] int32, reset [R] bool.
+        """Chunk of `rows` at `step`: tokens [R, T+1] int32, reset [R] bool (and weight [R, T]).
 
         `reset` marks rows whose previous chunk contained a document boundary (or step 0): the
         row's inner-loop memory is dropped before this chunk, so a new document never reads the
@@ -77,11 +80,16 @@ class ContextStream:
         if self.reset_prob > 0:  # one draw per (seed, step) for all rows: the same on any mesh
             draw = np.random.default_rng([self.seed, step, 1]).random(self.rows)
             reset |= draw[np.arange(self.rows)[rows]] < self.reset_prob
-        return {"tokens": tokens, "reset": reset}
+        out = {"tokens": tokens, "reset": reset}
+        if self.weight is not None:
+            out["weight"] = self.weight[idx[:, 1:]]  # of the targets
+        return out
 
     def global_batch(self, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
         """The step's global batch as arrays sharded over rows; each device builds only its rows."""
         shapes = {"tokens": (self.rows, self.seq_len + 1), "reset": (self.rows,)}
+        if self.weight is not None:
+            shapes["weight"] = (self.rows, self.seq_len)
         return rows_batch(shapes, sharding, lambda which: self.rows_at(step, which))
 
 

@@ -39,15 +39,18 @@ class CMSChain(nn.Module):
         return x
 
 
-def token_loss(logits, targets, mask=None):
-    """Summed next-token cross-entropy and the token count.  logits [B, T, V], targets [B, T],
-    mask [B] (1 for real rows, 0 for padding rows of an evaluation batch)."""
+def token_loss(logits, targets, mask=None, weight=None):
+    """Summed next-token cross-entropy and the token count (the summed weights).  logits [B, T, V],
+    targets [B, T], mask [B] (1 for real rows, 0 for padding rows of an evaluation batch), weight
+    [B, T] (each target's weight; None: 1)."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
-    if mask is None:
+    if mask is None and weight is None:
         return jnp.sum(nll), jnp.asarray(nll.size, jnp.float32)
-    w = mask.astype(jnp.float32)[:, None]
-    return jnp.sum(nll * w), jnp.sum(w) * nll.shape[1]
+    w = jnp.ones_like(nll) if weight is None else weight.astype(jnp.float32)
+    if mask is not None:
+        w = w * mask.astype(jnp.float32)[:, None]
+    return jnp.sum(nll * w), jnp.sum(w)
 
 
 

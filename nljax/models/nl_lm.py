@@ -194,5 +194,5 @@ class NLLM:
 
     def apply(self, params, memory, batch, key=None):  # deterministic: key unused
         logits, memory = self.logits(params, memory, batch, key)
-        loss_sum, count = token_loss(logits, batch["tokens"][:, 1:], batch.get("mask"))
+        loss_sum, count = token_loss(logits, batch["tokens"][:, 1:], batch.get("mask"), batch.get("weight"))
         return loss_sum, count, memory
