@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh
 
 from nljax import frozen, optim
@@ -143,27 +142,6 @@ def accumulated_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree,
     return jax.tree.map(lambda g: g / m, grads), loss_sum, count, jax.tree.map(join, memory)
 
 
-def sync_level(eng: Engine, g: jax.Array) -> jax.Array:
-    """A level's K local gradients [K, N_l] -> synchronized [K, N_l or shard], as one collective
-    (one reduce-scatter / all-reduce / all-gather chain) whatever K is."""
-    if g.shape[0] == 1:
-        return eng.strategy.reduce(g[0])[None]
-    return jax.vmap(eng.strategy.reduce)(g)
-
-
-def level_norms(eng: Engine, synced: dict) -> dict:
-    """Per active level, the norm of each of its synchronized gradients ([K_l]), identical on
-    every device. Under a sharded strategy each device holds a shard, so the squared sums of all
-    levels cross `stat_axes` together as one small vector (one all-reduce); `replicated` needs no
-    collective."""
-    sq = {l: jnp.sum(jnp.square(g), axis=1) for l, g in synced.items()}  # [K_l] each
-    if sq and eng.strategy.stat_axes:
-        total = jax.lax.psum(jnp.concatenate(list(sq.values())), eng.strategy.stat_axes)  # [Σ K_l]
-        offsets = np.cumsum([0] + [v.shape[0] for v in sq.values()])
-        sq = {l: total[offsets[i] : offsets[i + 1]] for i, l in enumerate(sq)}
-    return {l: jnp.sqrt(v) for l, v in sq.items()}
-
-
 def keep_grads(eng: Engine, norms: jax.Array, written: jax.Array) -> jax.Array:
     """Which of a level's synchronized gradients update it ([K] bool), from their norms (the same
     on every device, so all decide alike without another collective): a NaN or Inf anywhere
@@ -181,7 +159,7 @@ def update_levels(eng: Engine, state: TrainState, stored: tuple, synced: dict):
     and skipped on their own. Returns (new stored params per level, new optimizer states,
     per-level metrics: [L] norms of the current step's gradient, [L] skipped-gradient counts)."""
     cfg = eng.cfg
-    norms = level_norms(eng, synced)
+    norms = eng.strategy.level_norms(synced)
     scales = optim.level_scales(cfg.optim, eng.n_levels)
     new_stored, opt_state = list(stored), list(state.opt_state)
     norm_out, skipped = jnp.zeros((eng.n_levels,)), jnp.zeros((eng.n_levels,))
@@ -213,7 +191,7 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     # A fired level's buffer is reset even when its update is skipped: the reset drops a
     # gradient sum that failed the check, which would otherwise fail it again at every firing.
     to_sync, err_buf = frozen.fold(eng, active, grads, state.err_buf, state.step)
-    synced = {l: sync_level(eng, g) for l, g in to_sync.items() if g.size}
+    synced = {l: eng.strategy.sync_level(g) for l, g in to_sync.items() if g.size}
     new_stored, opt_state, level_metrics = update_levels(eng, state, stored, synced)
     # The inner-loop memory advances even when levels are skipped: it is the streams' state, not
     # a learned parameter, and keeping a state that produced a non-finite loss would replay it at

@@ -42,6 +42,7 @@ from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from nljax import sync
@@ -145,6 +146,25 @@ class Strategy:
         """Level l's new stored parameters and optimizer state from its K synchronized gradients
         `gs` [K, full or shard] (`optim.apply_steps`; K = 1 except under `cms.accumulate: updates`)."""
         raise NotImplementedError
+
+    def sync_level(self, g: jax.Array) -> jax.Array:
+        """A level's K local gradients [K, N_l] -> synchronized [K, N_l or shard], as one
+        collective (one reduce-scatter / all-reduce / all-gather chain) whatever K is."""
+        if g.shape[0] == 1:
+            return self.reduce(g[0])[None]
+        return jax.vmap(self.reduce)(g)
+
+    def level_norms(self, synced: dict) -> dict:
+        """Per active level, the norm of each of its synchronized gradients ([K_l]), identical on
+        every device. Where each device holds a shard, the squared sums of all levels cross
+        `stat_axes` together as one small vector (one all-reduce); `replicated` needs no
+        collective."""
+        sq = {l: jnp.sum(jnp.square(g), axis=1) for l, g in synced.items()}  # [K_l] each
+        if sq and self.stat_axes:
+            total = jax.lax.psum(jnp.concatenate(list(sq.values())), self.stat_axes)  # [Σ K_l]
+            offsets = np.cumsum([0] + [v.shape[0] for v in sq.values()])
+            sq = {l: total[offsets[i] : offsets[i + 1]] for i, l in enumerate(sq)}
+        return {l: jnp.sqrt(v) for l, v in sq.items()}
 
     # Specs of one stored leaf; by default replicated.
     def param_spec(self, x) -> P:
