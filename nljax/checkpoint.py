@@ -55,7 +55,6 @@ from nljax.errors import ConfigError, first_line
 from nljax.hostdev import replica, reset_all_rows
 from nljax.state import TrainState
 from nljax.step import Engine
-from nljax.strategy import export_state, import_state, layout_shapes
 
 FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory
@@ -396,19 +395,6 @@ def _check_fits(path: Path, meta: dict, engine: Engine) -> None:
             )
 
 
-def _same_layout(meta: dict, cfg: Config, target: dict[str, jax.Array]) -> bool:
-    """Whether every saved array (error buffers and memory aside: one row per device or stream
-    row) has the name, shape and dtype of this run's: then each is read straight into place."""
-    saved = meta["arrays"]
-    if meta.get("strategy", "replicated") != cfg.sync.strategy or set(saved) != set(target):
-        return False
-    for name, x in target.items():
-        lead = 1 if (_per_device(name) or _rows_of(name)) else 0
-        if tuple(saved[name]["shape"])[lead:] != x.shape[lead:] or saved[name]["dtype"] != str(x.dtype):
-            return False
-    return True
-
-
 def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     """Read the checkpoint at `path` onto `engine`'s mesh (which may differ from the one that
     saved it) with the shardings of `template` (a fresh state of this run, `Run.init_state`),
@@ -420,7 +406,8 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     meta = _read_meta(path)
     target = named_arrays(template)
     _check_fits(path, meta, engine)
-    same_layout = _same_layout(meta, cfg, target)
+    same_layout = engine.strategy.same_layout(meta.get("strategy", "replicated"), meta["arrays"], target,
+                                              lambda name: _per_device(name) or _rows_of(name))
     saved_cfg = meta["config"]
     warnings = [
         f"resuming with {k}={_fmt(b)} (checkpoint: {_fmt(a)})"
@@ -546,15 +533,15 @@ def convert_layout(meta: dict, engine: Engine, template: TrainState,
     structure of the saved strategy's state (an engine built from the saved config on this mesh
     gives it; padding lengths do not matter, the conversion drops padding by size), taken to the
     strategy-independent layout and from there to this run's:
-    `import_state(engine, export_state(saved_engine, saved_state))`. Error buffers, memory and
-    the step are returned as saved (the caller redistributes them)."""
+    `engine.strategy.import_state(saved_engine.strategy.export_state(saved_state))`. Error
+    buffers, memory and the step are returned as saved (the caller redistributes them)."""
     try:
         saved_cfg = from_dict(meta["config"])
     except ConfigError as e:
         raise ConfigError(f"checkpoint's config cannot be read by this nljax: {e}") from None
     saved_cfg = dataclasses.replace(saved_cfg, mesh=engine.cfg.mesh)
     saved_eng = Engine.create(saved_cfg, engine.model, engine.mesh)
-    params, opt_state = layout_shapes(saved_eng)
+    params, opt_state = saved_eng.strategy.layout_shapes()
     here = template
     saved_template = TrainState(here.step, params, opt_state, here.err_buf, here.memory)
     names = list(named_arrays(saved_template))
@@ -566,10 +553,10 @@ def convert_layout(meta: dict, engine: Engine, template: TrainState,
         )
     treedef = jax.tree_util.tree_structure(saved_template)
     saved = jax.tree_util.tree_unflatten(treedef, [arrays[n] for n in names])
-    canonical = export_state(saved_eng, saved)
+    canonical = saved_eng.strategy.export_state(saved)
     # This run's own (fresh) error buffers and memory ride along: import_state places them by
     # rows, which the saved ones may not divide into; the caller takes those from `arrays`.
-    converted = import_state(engine, canonical.replace(err_buf=here.err_buf, memory=here.memory))
+    converted = engine.strategy.import_state(canonical.replace(err_buf=here.err_buf, memory=here.memory))
     out = {n: x for n, x in arrays.items() if not n.startswith(("params/", "opt_state/"))}
     out.update({n: x for n, x in named_arrays(converted).items() if n.startswith(("params/", "opt_state/"))})
     return out

@@ -9,9 +9,12 @@ handled per level. Splitting and merging happen at trace time and cost nothing a
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 PyTree = Any
@@ -45,6 +48,63 @@ def merge(parts: tuple[PyTree, ...], level_tree: PyTree) -> PyTree:
     flat_levels, treedef = jax.tree.flatten(level_tree)
     leaves_per_level = [iter(jax.tree.leaves(p)) for p in parts]
     return jax.tree.unflatten(treedef, [next(leaves_per_level[lv]) for lv in flat_levels])
+
+
+@dataclasses.dataclass(frozen=True)
+class LevelFlat:
+    """One level's leaves as one flat float32 vector and back (pytree order, like ravel_pytree)."""
+
+    treedef: Any  # of the level's subtree (other levels' leaves are None)
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, part: PyTree) -> "LevelFlat":
+        leaves, treedef = jax.tree.flatten(part)
+        return cls(treedef, tuple(tuple(x.shape) for x in leaves), tuple(np.dtype(x.dtype) for x in leaves))
+
+    @property
+    def size(self) -> int:
+        return int(sum(math.prod(s) for s in self.shapes))
+
+    def ravel(self, part: PyTree) -> jax.Array:  # [N]
+        leaves = jax.tree.leaves(part)
+        if not leaves:
+            return jnp.zeros((0,), jnp.float32)
+        return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
+
+    def unravel(self, vec: jax.Array) -> PyTree:
+        out, offset = [], 0
+        for shape, dtype in zip(self.shapes, self.dtypes):
+            n = math.prod(shape)
+            out.append(vec[offset : offset + n].reshape(shape).astype(dtype))
+            offset += n
+        return jax.tree.unflatten(self.treedef, out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class LevelLayout:
+    """How a model's parameter pytree splits into CMS levels, and each level into one flat vector:
+    everything a strategy needs to know about the parameters, fixed for a run."""
+
+    shapes: PyTree  # the model's parameter pytree as ShapeDtypeStructs
+    level_tree: PyTree  # same structure, an int level per leaf
+    flats: tuple[LevelFlat, ...]  # per level: its leaves as one flat vector and back
+
+    @classmethod
+    def of(cls, shapes: PyTree, level_of: Callable[[str], int], n_levels: int) -> "LevelLayout":
+        level_tree = assign(shapes, level_of, n_levels)
+        return cls(shapes, level_tree, tuple(LevelFlat.of(p) for p in split(shapes, level_tree, n_levels)))
+
+    @property
+    def n_levels(self) -> int:
+        return len(self.flats)
+
+    def split(self, tree: PyTree) -> tuple[PyTree, ...]:
+        return split(tree, self.level_tree, self.n_levels)
+
+    def merge(self, parts) -> PyTree:
+        return merge(tuple(parts), self.level_tree)
 
 
 def level_sizes(params: PyTree, level_tree: PyTree, n_levels: int) -> list[tuple[int, int]]:

@@ -9,6 +9,7 @@ does not sit in warm-up for thousands of steps; `optim.level_lr_scale` multiplie
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -80,3 +81,23 @@ def apply_steps(tx: optax.GradientTransformation, grads, oks, opt_state, params,
     else:
         (opt_state, total), _ = jax.lax.scan(one, (opt_state, zeros), (grads, oks, lrs))
     return jax.tree.map(lambda p, d: p - d, params, total), opt_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+    """A level's update rule as the strategies apply it: the direction and the weight decay of
+    `optim` (the learning rate comes per step from the schedule)."""
+
+    tx: optax.GradientTransformation
+    weight_decay: float
+
+    @classmethod
+    def of(cls, cfg: OptimConfig) -> "Optimizer":
+        return cls(direction(cfg), cfg.weight_decay)
+
+    def init(self, params):
+        return self.tx.init(params)
+
+    def apply(self, grads, oks, opt_state, params, lrs):
+        """`apply_steps` with this optimizer: (new params, new optimizer state)."""
+        return apply_steps(self.tx, grads, oks, opt_state, params, lrs, self.weight_decay)

@@ -13,19 +13,17 @@
 | memory    | inner loop, per stream row        | [G, ...] split over data axes by row            |
 
 `err_buf[l]` is None for levels that never freeze (period 1) and in `skip` mode. The layouts of
-`params` and `opt_state` per strategy are described in `nljax/strategy.py`.
+`params` and `opt_state` per strategy, and the PartitionSpecs of every field
+(`Strategy.state_specs`), are in `nljax/strategy.py`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
 from flax import struct
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-from nljax.mesh import INTRA, REPLICATED, ROWS
 
 PyTree = Any
 
@@ -37,45 +35,6 @@ class TrainState:
     opt_state: tuple  # one optimizer state per level
     err_buf: tuple  # one float32 [n_devices, frozen.width] buffer per level, or None
     memory: PyTree  # inner-loop state, leading axis = stream rows
-
-
-def _vectors(spec: P) -> Callable[[Any], P]:
-    """Vector leaves (a level's flat parameters or moments) get `spec`; scalars (step counts)
-    stay replicated."""
-    return lambda x: spec if len(x.shape) == 1 else REPLICATED
-
-
-# strategy -> (spec of a params leaf, spec of an opt_state leaf)
-LAYOUTS: dict[str, tuple[Callable[[Any], P], Callable[[Any], P]]] = {
-    "replicated": (lambda _: REPLICATED, lambda _: REPLICATED),
-    "zero1": (lambda _: REPLICATED, _vectors(P(INTRA))),
-    "fsdp": (lambda _: ROWS, _vectors(ROWS)),
-}
-
-
-def param_specs(params: PyTree, strategy: str = "replicated") -> PyTree:
-    return jax.tree.map(LAYOUTS[strategy][0], params)
-
-
-def specs(state: TrainState, strategy: str = "replicated") -> TrainState:
-    """PartitionSpecs for every leaf of `state` (same structure) under `strategy`."""
-    rows = lambda tree: jax.tree.map(lambda _: ROWS, tree)
-    return TrainState(
-        step=REPLICATED,
-        params=param_specs(state.params, strategy),
-        opt_state=jax.tree.map(LAYOUTS[strategy][1], state.opt_state),
-        err_buf=rows(state.err_buf),
-        memory=rows(state.memory),
-    )
-
-
-def shardings(state: TrainState, mesh, strategy: str = "replicated") -> TrainState:
-    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs(state, strategy), is_leaf=lambda x: isinstance(x, P))
-
-
-def place(state: TrainState, mesh, strategy: str = "replicated") -> TrainState:
-    """Put host or single-device arrays where `specs` says they live."""
-    return jax.device_put(state, shardings(state, mesh, strategy))
 
 
 def bytes_per_device(state: TrainState) -> dict[str, int]:

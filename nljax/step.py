@@ -5,7 +5,7 @@ variant, frozen levels appear in no collective at all: their gradients go to the
 error buffer (`accumulate`) or are never computed (`skip`), so they move zero bytes (under
 `fsdp` every level's parameters are still gathered for the forward pass). Where parameters and
 optimizer state live, and how a synchronized gradient updates them, is `eng.strategy`
-(`nljax/strategy.py`); the step itself has no strategy branches.
+(`nljax/strategy.py`, built once per run); the step itself has no strategy branches.
 
 `shard_map` runs with `check_vma=False`: gradients of replicated parameters must stay
 device-local until `sync.reduce` decides what crosses devices. (With varying-axis checking on,
@@ -20,17 +20,16 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
 from jax.sharding import Mesh
 
-from nljax import frozen, levels, optim
+from nljax import frozen, optim
 from nljax.config import Config, ConfigError
+from nljax.levels import LevelFlat, LevelLayout
 from nljax.mesh import DATA_AXES, REPLICATED, ROWS, data_size, rows_sharding
 from nljax.models.base import Model
 from nljax.models.layers import token_hits, token_loss
-from nljax.state import TrainState, param_specs, place, specs
-from nljax.strategy import STRATEGIES, LevelFlat, Strategy, init_layout
+from nljax.state import TrainState
+from nljax.strategy import Strategy, make_strategy
 
 PyTree = Any
 Active = tuple[bool, ...]
@@ -43,11 +42,8 @@ class Engine:
     cfg: Config
     model: Model
     mesh: Mesh
-    level_tree: PyTree  # same structure as params, an int level per leaf
-    tx: optax.GradientTransformation
+    levels: LevelLayout  # how the parameters split into levels and flat vectors
     lr: Callable[[jax.Array], jax.Array]
-    param_shapes: PyTree  # the model's parameter pytree as ShapeDtypeStructs
-    flats: tuple[LevelFlat, ...]  # per level: its leaves as one flat vector and back
     strategy: Strategy  # where params and optimizer state live (`sync.strategy`)
 
     @property
@@ -58,14 +54,24 @@ class Engine:
     def n_devices(self) -> int:
         return data_size(self.mesh)
 
+    @property
+    def level_tree(self) -> PyTree:  # same structure as params, an int level per leaf
+        return self.levels.level_tree
+
+    @property
+    def flats(self) -> tuple[LevelFlat, ...]:  # per level: its leaves as one flat vector and back
+        return self.levels.flats
+
+    @property
+    def param_shapes(self) -> PyTree:  # the model's parameter pytree as ShapeDtypeStructs
+        return self.levels.shapes
+
     @classmethod
     def create(cls, cfg: Config, model: Model, mesh: Mesh) -> "Engine":
         shapes = jax.eval_shape(model.init, jax.random.key(0))
-        n_levels = len(cfg.cms.periods)
-        level_tree = levels.assign(shapes, model.level_of, n_levels)
-        flats = tuple(LevelFlat.of(p) for p in levels.split(shapes, level_tree, n_levels))
-        tx, lr = optim.direction(cfg.optim), optim.schedule(cfg.optim, cfg.train.steps, cfg.train.batch_size)
-        return cls(cfg, model, mesh, level_tree, tx, lr, shapes, flats, STRATEGIES[cfg.sync.strategy])
+        levels = LevelLayout.of(shapes, model.level_of, len(cfg.cms.periods))
+        lr = optim.schedule(cfg.optim, cfg.train.steps, cfg.train.batch_size)
+        return cls(cfg, model, mesh, levels, lr, make_strategy(cfg, mesh, levels))
 
     def buffered(self, level: int) -> bool:
         """Whether level `level` keeps a rank-local error buffer."""
@@ -73,14 +79,14 @@ class Engine:
 
     def init_state(self, key: jax.Array, rows: int) -> TrainState:
         """Fresh state for `rows` stream rows, placed on the mesh."""
-        params, opt_state = init_layout(self, key)  # already in the strategy's shardings
+        params, opt_state = self.strategy.init_layout(self.model.init, key)  # already in their shardings
         err_buf = tuple(
             jnp.zeros((self.n_devices, frozen.width(self, l)), jnp.float32) if self.buffered(l) else None
             for l in range(self.n_levels)
         )
         memory = self.model.init_memory(rows)
         state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, err_buf, memory)
-        return place(state, self.mesh, self.strategy.name)
+        return self.strategy.place(state)
 
 
 def device_key(seed: int, step: jax.Array) -> jax.Array:
@@ -99,7 +105,7 @@ def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch
 
     def loss_fn(diff):
         full = tuple(d if d is not None else p for d, p in zip(diff, parts))
-        loss_sum, count, new_memory = eng.model.apply(levels.merge(full, eng.level_tree), memory, batch, key)
+        loss_sum, count, new_memory = eng.model.apply(eng.levels.merge(full), memory, batch, key)
         return loss_sum / count, (loss_sum, count, new_memory)
 
     grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
@@ -136,27 +142,6 @@ def accumulated_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree,
     return jax.tree.map(lambda g: g / m, grads), loss_sum, count, jax.tree.map(join, memory)
 
 
-def sync_level(eng: Engine, g: jax.Array) -> jax.Array:
-    """A level's K local gradients [K, N_l] -> synchronized [K, N_l or shard], as one collective
-    (one reduce-scatter / all-reduce / all-gather chain) whatever K is."""
-    if g.shape[0] == 1:
-        return eng.strategy.reduce(eng, g[0])[None]
-    return jax.vmap(lambda v: eng.strategy.reduce(eng, v))(g)
-
-
-def level_norms(eng: Engine, synced: dict) -> dict:
-    """Per active level, the norm of each of its synchronized gradients ([K_l]), identical on
-    every device. Under a sharded strategy each device holds a shard, so the squared sums of all
-    levels cross `stat_axes` together as one small vector (one all-reduce); `replicated` needs no
-    collective."""
-    sq = {l: jnp.sum(jnp.square(g), axis=1) for l, g in synced.items()}  # [K_l] each
-    if sq and eng.strategy.stat_axes:
-        total = jax.lax.psum(jnp.concatenate(list(sq.values())), eng.strategy.stat_axes)  # [Σ K_l]
-        offsets = np.cumsum([0] + [v.shape[0] for v in sq.values()])
-        sq = {l: total[offsets[i] : offsets[i + 1]] for i, l in enumerate(sq)}
-    return {l: jnp.sqrt(v) for l, v in sq.items()}
-
-
 def keep_grads(eng: Engine, norms: jax.Array, written: jax.Array) -> jax.Array:
     """Which of a level's synchronized gradients update it ([K] bool), from their norms (the same
     on every device, so all decide alike without another collective): a NaN or Inf anywhere
@@ -174,7 +159,7 @@ def update_levels(eng: Engine, state: TrainState, stored: tuple, synced: dict):
     and skipped on their own. Returns (new stored params per level, new optimizer states,
     per-level metrics: [L] norms of the current step's gradient, [L] skipped-gradient counts)."""
     cfg = eng.cfg
-    norms = level_norms(eng, synced)
+    norms = eng.strategy.level_norms(synced)
     scales = optim.level_scales(cfg.optim, eng.n_levels)
     new_stored, opt_state = list(stored), list(state.opt_state)
     norm_out, skipped = jnp.zeros((eng.n_levels,)), jnp.zeros((eng.n_levels,))
@@ -185,7 +170,7 @@ def update_levels(eng: Engine, state: TrainState, stored: tuple, synced: dict):
         # step + 1: with warm-up the schedule is 0 at step 0, the one step where every level
         # fires, so a level that fires only then would never train.
         lrs = jnp.broadcast_to(eng.lr(steps + 1), steps.shape) * scales[l]  # a constant schedule gives a float
-        new_stored[l], opt_state[l] = eng.strategy.update(eng, l, g, stored[l], state.opt_state[l], lrs, ok)
+        new_stored[l], opt_state[l] = eng.strategy.update(l, g, stored[l], state.opt_state[l], lrs, ok)
         norm_out = norm_out.at[l].set(norms[l][-1])
         skipped = skipped.at[l].set(jnp.sum((steps >= 0) & ~ok))
     return new_stored, tuple(opt_state), {"level_grad_norm": norm_out, "level_skipped": skipped}
@@ -196,8 +181,8 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     err_buf[l] [1, N_l] (or [1, (C_l − 1) N_l], `frozen.width`); params and optimizer states as
     `eng.strategy` stores them (full replicas, or flat shards)."""
     cfg, strat = eng.cfg, eng.strategy
-    stored = strat.split(eng, state.params)
-    parts = levels.split(strat.compute_params(eng, state.params), eng.level_tree, eng.n_levels)
+    stored = strat.split(state.params)
+    parts = eng.levels.split(strat.compute_params(state.params))
     key = device_key(cfg.seed, state.step)
     grads, loss_sum, count, memory = accumulated_grads(eng, active, parts, state.memory, batch, key)
     # The inner loop's state is carried to the next step but gradients never flow across steps.
@@ -206,12 +191,12 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     # A fired level's buffer is reset even when its update is skipped: the reset drops a
     # gradient sum that failed the check, which would otherwise fail it again at every firing.
     to_sync, err_buf = frozen.fold(eng, active, grads, state.err_buf, state.step)
-    synced = {l: sync_level(eng, g) for l, g in to_sync.items() if g.size}
+    synced = {l: eng.strategy.sync_level(g) for l, g in to_sync.items() if g.size}
     new_stored, opt_state, level_metrics = update_levels(eng, state, stored, synced)
     # The inner-loop memory advances even when levels are skipped: it is the streams' state, not
     # a learned parameter, and keeping a state that produced a non-finite loss would replay it at
     # every later step (the model restarts rows whose memory is non-finite).
-    new_state = TrainState(state.step + 1, strat.merge(eng, new_stored), opt_state, err_buf, memory)
+    new_state = TrainState(state.step + 1, strat.merge(new_stored), opt_state, err_buf, memory)
     # Loss leaves as per-device sums and counts ([n_devices] globally): the host reduces them,
     # so the step's HLO holds no collective besides the gradient sync.
     metrics = {
@@ -227,7 +212,7 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
 def local_eval_step(eng: Engine, params: PyTree, batch: dict):
     """Per-device summed loss and token count of a masked eval batch (fresh memory per row).
     `params` are stored as the strategy stores them (gathered here under fsdp)."""
-    params = eng.strategy.compute_params(eng, params)
+    params = eng.strategy.compute_params(params)
     rows = jax.tree.leaves(batch)[0].shape[0]
     memory = eng.model.init_memory(rows)
     loss_sum, count, _ = eng.model.apply(params, memory, batch, jax.random.key(eng.cfg.seed))
@@ -239,7 +224,7 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
     previous window (reset where `batch["reset"]` says, as in training), and the memory after it.
     Shard-local: tokens [G/n, T+1], reset [G/n], optional score [G/n, T], memory [G/n, ...].
     With `score` the sums include greedy hits at the scored positions, from `model.logits`."""
-    params = eng.strategy.compute_params(eng, params)
+    params = eng.strategy.compute_params(params)
     key = jax.random.key(eng.cfg.seed)
     if "score" not in batch:
         loss_sum, count, memory = eng.model.apply(params, memory, batch, key)
@@ -312,7 +297,7 @@ class StepCache:
             self.traces[key] = self.traces.get(key, 0) + 1  # runs at trace time only
             return local_train_step(self.eng, active, state, batch)
 
-        st = specs(state, self.eng.strategy.name)
+        st = self.eng.strategy.state_specs(state)
         fn = jax.shard_map(
             body,
             mesh=self.eng.mesh,
@@ -336,7 +321,7 @@ class StepCache:
             fn = jax.shard_map(
                 functools.partial(local_eval_step, self.eng),
                 mesh=self.eng.mesh,
-                in_specs=(param_specs(params, self.eng.strategy.name), batch_specs(batch)),
+                in_specs=(self.eng.strategy.param_specs(params), batch_specs(batch)),
                 out_specs=EVAL_METRIC_SPECS,
                 check_vma=False,
             )
@@ -361,7 +346,7 @@ class StepCache:
             fn = jax.shard_map(
                 functools.partial(local_eval_stream_step, self.eng),
                 mesh=self.eng.mesh,
-                in_specs=(param_specs(params, self.eng.strategy.name), rows, batch_specs(batch)),
+                in_specs=(self.eng.strategy.param_specs(params), rows, batch_specs(batch)),
                 out_specs=({k: ROWS for k in outs}, rows),
                 check_vma=False,
             )

@@ -27,57 +27,32 @@ error buffer stays the device's full-size local gradient in every strategy: redu
 at every step would move a frozen level's bytes, so FSDP keeps N_l floats per device per
 buffered level (the memory report counts them).
 
-Each strategy is a small object with the same methods; the step calls them and contains no
-strategy branches. `export_state` / `import_state` convert a state to and from the canonical
-layout (the `replicated` one), which is mesh-independent: checkpoints and elastic resume use it.
+Each strategy is an object built once per run (`make_strategy`) with what it needs: the mesh,
+the run's `LevelLayout`, `sync` and the optimizer. Its methods take only the data they work on;
+the step calls them and contains no strategy branches. A strategy also owns its layout: the
+PartitionSpecs of the stored parameters and optimizer state, `gather_params`, and
+`export_state` / `import_state`, which convert a state to and from the canonical layout (the
+`replicated` one, mesh-independent): checkpoints and elastic resume use it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import Any, Protocol
+from typing import Any, Callable, ClassVar, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from nljax import levels, optim, sync
-from nljax.mesh import DATA_AXES, INTER, INTRA, data_size, replicated, rows_sharding
-from nljax.state import TrainState, shardings
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from nljax import sync
+from nljax.config import Config, SyncConfig
+from nljax.levels import LevelLayout
+from nljax.mesh import DATA_AXES, INTER, INTRA, REPLICATED, ROWS, data_size, replicated, rows_sharding
+from nljax.optim import Optimizer
+from nljax.state import TrainState
 
 PyTree = Any
-
-
-@dataclasses.dataclass(frozen=True)
-class LevelFlat:
-    """One level's leaves as one flat float32 vector and back (pytree order, like ravel_pytree)."""
-
-    treedef: Any  # of the level's subtree (other levels' leaves are None)
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[Any, ...]
-
-    @classmethod
-    def of(cls, part: PyTree) -> "LevelFlat":
-        leaves, treedef = jax.tree.flatten(part)
-        return cls(treedef, tuple(tuple(x.shape) for x in leaves), tuple(np.dtype(x.dtype) for x in leaves))
-
-    @property
-    def size(self) -> int:
-        return int(sum(math.prod(s) for s in self.shapes))
-
-    def ravel(self, part: PyTree) -> jax.Array:  # [N]
-        leaves = jax.tree.leaves(part)
-        if not leaves:
-            return jnp.zeros((0,), jnp.float32)
-        return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-
-    def unravel(self, vec: jax.Array) -> PyTree:
-        out, offset = [], 0
-        for shape, dtype in zip(self.shapes, self.dtypes):
-            n = math.prod(shape)
-            out.append(vec[offset : offset + n].reshape(shape).astype(dtype))
-            offset += n
-        return jax.tree.unflatten(self.treedef, out)
 
 
 def padded(n: int, shards: int) -> int:
@@ -91,222 +66,302 @@ def _vector_slots(fn, flat_state, other):
     return jax.tree.map(lambda f, o: fn(o) if len(f.shape) == 1 else o, flat_state, other)
 
 
-class Strategy(Protocol):
-    name: str
+def _named(mesh: Mesh, specs: PyTree) -> PyTree:
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
 
-    def shards(self, mesh) -> int:
-        """Into how many pieces a level's flat vector is split (1: not split)."""
+
+class FlatOptState:
+    """Optimizer state as optax state over each level's flat vector, padded to a multiple of the
+    devices on `axes` and split over them (zero1: `intra`; fsdp: both data axes). Held by the
+    sharded strategies; converts to and from the per-level pytree state `Replicated` keeps."""
+
+    def __init__(self, mesh: Mesh, levels: LevelLayout, opt: Optimizer, axes: tuple[str, ...]):
+        self.levels, self.opt, self.axes = levels, opt, axes
+        self.shards = math.prod(mesh.shape[a] for a in axes)
+        self.spec = P(axes[0]) if len(axes) == 1 else P(axes)
+
+    def leaf_spec(self, x) -> P:
+        """Vector leaves (a level's flat parameters or moments) are split; scalars (step counts)
+        stay replicated."""
+        return self.spec if len(x.shape) == 1 else REPLICATED
+
+    def template(self, l: int):
+        n = padded(self.levels.flats[l].size, self.shards)
+        return jax.eval_shape(self.opt.init, jax.ShapeDtypeStruct((n,), jnp.float32))
+
+    def from_canonical(self, opt_state: tuple) -> tuple:
+        out = []
+        for l, tree_state in enumerate(opt_state):
+            flat = self.levels.flats[l]
+            pad = lambda sub, flat=flat: sync.pad_to(flat.ravel(sub), self.shards)
+            out.append(_vector_slots(pad, self.template(l), tree_state))
+        return tuple(out)
+
+    def to_canonical(self, opt_state: tuple) -> tuple:
+        out = []
+        for flat, flat_state in zip(self.levels.flats, opt_state):
+            out.append(_vector_slots(lambda v, flat=flat: flat.unravel(v[: flat.size]), flat_state, flat_state))
+        return tuple(out)
+
+
+class Strategy:
+    """Where parameters and optimizer state live (`sync.strategy`), built for one run: the
+    per-device pieces the step calls inside `shard_map`, and the layout of the stored state.
+
+    Subclasses define `reduce`, `update` and the conversions to and from the canonical layout,
+    and override the defaults (parameters stored as the model's pytree, everything replicated)
+    where they store otherwise; the layout methods below are built on those."""
+
+    name: ClassVar[str]
+    stat_axes: ClassVar[tuple[str, ...]] = ()  # axes over which the shards of a synchronized gradient differ
+
+    def __init__(self, mesh: Mesh, levels: LevelLayout, sync_cfg: SyncConfig, opt: Optimizer):
+        self.mesh, self.levels, self.sync_cfg, self.opt = mesh, levels, sync_cfg, opt
 
     # Layout conversions, global view (run under jit, outside shard_map).
-    def from_canonical(self, eng, params: PyTree, opt_state: tuple) -> tuple[PyTree, tuple]: ...
+    def from_canonical(self, params: PyTree, opt_state: tuple) -> tuple[PyTree, tuple]:
+        raise NotImplementedError
 
-    def to_canonical(self, eng, params: PyTree, opt_state: tuple) -> tuple[PyTree, tuple]: ...
+    def to_canonical(self, params: PyTree, opt_state: tuple) -> tuple[PyTree, tuple]:
+        raise NotImplementedError
 
-    # Per-device pieces, inside shard_map.
-    def compute_params(self, eng, stored: PyTree) -> PyTree:
+    # Per-device pieces, inside shard_map. By default parameters are stored as the model's pytree.
+    def compute_params(self, stored: PyTree) -> PyTree:
         """The model's parameter pytree for the forward pass."""
+        return stored
 
-    def split(self, eng, stored: PyTree) -> tuple:
+    def split(self, stored: PyTree) -> tuple:
         """Stored parameters, one entry per level."""
+        return self.levels.split(stored)
 
-    def merge(self, eng, parts: tuple) -> PyTree: ...
+    def merge(self, parts: tuple) -> PyTree:
+        return self.levels.merge(parts)
 
-    def reduce(self, eng, g: jax.Array) -> jax.Array:
+    def reduce(self, g: jax.Array) -> jax.Array:
         """A level's flat local gradient [N_l] -> the synchronized gradient this device updates
         with (full, or its shard)."""
+        raise NotImplementedError
 
-    stat_axes: tuple[str, ...]  # axes over which the shards of a synchronized gradient differ
-
-    def update(self, eng, l: int, gs: jax.Array, stored_part, opt_state, lrs, oks) -> tuple[Any, Any]:
+    def update(self, l: int, gs: jax.Array, stored_part, opt_state, lrs, oks) -> tuple[Any, Any]:
         """Level l's new stored parameters and optimizer state from its K synchronized gradients
         `gs` [K, full or shard] (`optim.apply_steps`; K = 1 except under `cms.accumulate: updates`)."""
+        raise NotImplementedError
+
+    def sync_level(self, g: jax.Array) -> jax.Array:
+        """A level's K local gradients [K, N_l] -> synchronized [K, N_l or shard], as one
+        collective (one reduce-scatter / all-reduce / all-gather chain) whatever K is."""
+        if g.shape[0] == 1:
+            return self.reduce(g[0])[None]
+        return jax.vmap(self.reduce)(g)
+
+    def level_norms(self, synced: dict) -> dict:
+        """Per active level, the norm of each of its synchronized gradients ([K_l]), identical on
+        every device. Where each device holds a shard, the squared sums of all levels cross
+        `stat_axes` together as one small vector (one all-reduce); `replicated` needs no
+        collective."""
+        sq = {l: jnp.sum(jnp.square(g), axis=1) for l, g in synced.items()}  # [K_l] each
+        if sq and self.stat_axes:
+            total = jax.lax.psum(jnp.concatenate(list(sq.values())), self.stat_axes)  # [Σ K_l]
+            offsets = np.cumsum([0] + [v.shape[0] for v in sq.values()])
+            sq = {l: total[offsets[i] : offsets[i + 1]] for i, l in enumerate(sq)}
+        return {l: jnp.sqrt(v) for l, v in sq.items()}
+
+    # Specs of one stored leaf; by default replicated.
+    def param_spec(self, x) -> P:
+        return REPLICATED
+
+    def opt_spec(self, x) -> P:
+        return REPLICATED
+
+    # The stored state's layout, built on the above.
+    def param_specs(self, params: PyTree) -> PyTree:
+        return jax.tree.map(self.param_spec, params)
+
+    def state_specs(self, state: TrainState) -> TrainState:
+        """PartitionSpecs for every leaf of `state` (same structure)."""
+        rows = lambda tree: jax.tree.map(lambda _: ROWS, tree)
+        return TrainState(
+            step=REPLICATED,
+            params=self.param_specs(state.params),
+            opt_state=jax.tree.map(self.opt_spec, state.opt_state),
+            err_buf=rows(state.err_buf),
+            memory=rows(state.memory),
+        )
+
+    def state_shardings(self, state: TrainState) -> TrainState:
+        return _named(self.mesh, self.state_specs(state))
+
+    def place(self, state: TrainState) -> TrainState:
+        """Put host or single-device arrays where `state_specs` says they live."""
+        return jax.device_put(state, self.state_shardings(state))
+
+    def _layout_shardings(self, params: PyTree, opt_state: tuple) -> tuple[PyTree, tuple]:
+        sh = self.state_shardings(TrainState(None, params, opt_state, (), {}))
+        return sh.params, sh.opt_state
+
+    def _fresh(self, params: PyTree) -> tuple[PyTree, tuple]:
+        canonical_opt = tuple(self.opt.init(p) for p in self.levels.split(params))
+        return self.from_canonical(params, canonical_opt)
+
+    def layout_shapes(self) -> tuple[PyTree, tuple]:
+        """The structure and shapes of (params, opt_state) in this layout, as ShapeDtypeStructs."""
+        return jax.eval_shape(self._fresh, self.levels.shapes)
+
+    def init_layout(self, init: Callable[[jax.Array], PyTree], key: jax.Array) -> tuple[PyTree, tuple]:
+        """Fresh (params, opt_state) from the model's `init(key)`, created directly in their
+        shardings."""
+        out = self._layout_shardings(*self.layout_shapes())
+        return jax.jit(lambda key: self._fresh(init(key)), out_shardings=out)(key)
+
+    def gather_params(self, stored: PyTree) -> PyTree:
+        """The model's parameter pytree, replicated, from the stored layout (e.g. for sampling)."""
+        return stored
+
+    def export_state(self, state: TrainState) -> TrainState:
+        """The state in the canonical layout: params as the model's pytree and optimizer state as
+        `replicated` keeps it (one optax state per level over the level's subtree), both
+        replicated; step, error buffers and memory unchanged. Independent of strategy and mesh."""
+        fn = jax.jit(self.to_canonical, out_shardings=replicated(self.mesh))
+        params, opt_state = fn(state.params, state.opt_state)
+        return state.replace(params=params, opt_state=opt_state)
+
+    def import_state(self, canonical: TrainState) -> TrainState:
+        """Inverse of `export_state` for this strategy and mesh: pads, flattens and shards."""
+        rep = replicated(self.mesh)
+        params, opt_state = jax.device_put((canonical.params, canonical.opt_state), rep)
+        shapes = jax.eval_shape(self.from_canonical, params, opt_state)
+        fn = jax.jit(self.from_canonical, out_shardings=self._layout_shardings(*shapes))
+        params, opt_state = fn(params, opt_state)
+        step = jax.device_put(canonical.step, rep)
+        err_buf, memory = jax.device_put((canonical.err_buf, canonical.memory), rows_sharding(self.mesh))
+        return TrainState(step, params, opt_state, err_buf, memory)
+
+    def same_layout(self, saved_strategy: str, saved: Mapping[str, Mapping], here: Mapping[str, jax.Array],
+                    by_rows: Callable[[str], bool]) -> bool:
+        """Whether arrays saved under `saved_strategy` (name -> {"shape", "dtype"}, as checkpoint
+        metadata lists them) are stored as this strategy stores `here` (name -> array): then each
+        is read straight into place. Arrays split by rows (`by_rows`: error buffers, memory) may
+        differ in their leading length, which follows the mesh and the batch, not the layout."""
+        if saved_strategy != self.name or set(saved) != set(here):
+            return False
+        for name, x in here.items():
+            lead = 1 if by_rows(name) else 0
+            if tuple(saved[name]["shape"])[lead:] != x.shape[lead:] or saved[name]["dtype"] != str(x.dtype):
+                return False
+        return True
 
 
-class Replicated:
+class Replicated(Strategy):
     """Every device holds all parameters and all optimizer state (DDP)."""
 
     name = "replicated"
-    stat_axes: tuple[str, ...] = ()
 
-    def shards(self, mesh) -> int:
-        return 1
-
-    def from_canonical(self, eng, params, opt_state):
+    def from_canonical(self, params, opt_state):
         return params, opt_state
 
-    def to_canonical(self, eng, params, opt_state):
+    def to_canonical(self, params, opt_state):
         return params, opt_state
 
-    def compute_params(self, eng, stored):
-        return stored
+    def reduce(self, g):
+        c = self.sync_cfg
+        return sync.reduce(g, c.reduce, c.mean, self.mesh.shape[INTRA], data_size(self.mesh))
 
-    def split(self, eng, stored):
-        return levels.split(stored, eng.level_tree, eng.n_levels)
-
-    def merge(self, eng, parts):
-        return levels.merge(tuple(parts), eng.level_tree)
-
-    def reduce(self, eng, g):
-        c = eng.cfg.sync
-        return sync.reduce(g, c.reduce, c.mean, eng.mesh.shape[INTRA], eng.n_devices)
-
-    def update(self, eng, l, gs, stored_part, opt_state, lrs, oks):
-        grads = jax.vmap(eng.flats[l].unravel)(gs)  # leaves [K, ...]
-        return optim.apply_steps(eng.tx, grads, oks, opt_state, stored_part, lrs, eng.cfg.optim.weight_decay)
+    def update(self, l, gs, stored_part, opt_state, lrs, oks):
+        grads = jax.vmap(self.levels.flats[l].unravel)(gs)  # leaves [K, ...]
+        return self.opt.apply(grads, oks, opt_state, stored_part, lrs)
 
 
-class _FlatOptimizer:
-    """Optimizer state as optax state over each level's padded flat vector (zero1, fsdp)."""
-
-    def _flat_opt_template(self, eng, l: int):
-        n = padded(eng.flats[l].size, self.shards(eng.mesh))
-        return jax.eval_shape(eng.tx.init, jax.ShapeDtypeStruct((n,), jnp.float32))
-
-    def _opt_from_canonical(self, eng, opt_state):
-        out = []
-        for l, tree_state in enumerate(opt_state):
-            k = self.shards(eng.mesh)
-            flat = eng.flats[l]
-            out.append(_vector_slots(lambda sub: sync.pad_to(flat.ravel(sub), k), self._flat_opt_template(eng, l), tree_state))
-        return tuple(out)
-
-    def _opt_to_canonical(self, eng, opt_state):
-        out = []
-        for l, flat_state in enumerate(opt_state):
-            flat = eng.flats[l]
-            out.append(_vector_slots(lambda v: flat.unravel(v[: flat.size]), flat_state, flat_state))
-        return tuple(out)
-
-
-class Zero1(_FlatOptimizer, Replicated):
+class Zero1(Strategy):
     """Distributed optimizer (Megatron's, seed 003): optimizer state and the update split over
     `intra`; each `inter` instance holds a full copy; parameters stored as `Replicated` does."""
 
     name = "zero1"
     stat_axes = (INTRA,)
 
-    def shards(self, mesh) -> int:
-        return mesh.shape[INTRA]
+    def __init__(self, mesh, levels, sync_cfg, opt):
+        super().__init__(mesh, levels, sync_cfg, opt)
+        self.flat_opt = FlatOptState(mesh, levels, opt, (INTRA,))
 
-    def from_canonical(self, eng, params, opt_state):
-        return params, self._opt_from_canonical(eng, opt_state)
+    def from_canonical(self, params, opt_state):
+        return params, self.flat_opt.from_canonical(opt_state)
 
-    def to_canonical(self, eng, params, opt_state):
-        return params, self._opt_to_canonical(eng, opt_state)
+    def to_canonical(self, params, opt_state):
+        return params, self.flat_opt.to_canonical(opt_state)
 
-    def reduce(self, eng, g):
-        c = eng.cfg.sync
-        return sync.shard_intra(g, c.reduce, c.mean, eng.mesh.shape[INTRA], eng.n_devices)  # [Np/intra]
+    def reduce(self, g):
+        c = self.sync_cfg
+        return sync.shard_intra(g, c.reduce, c.mean, self.mesh.shape[INTRA], data_size(self.mesh))  # [Np/intra]
 
-    def update(self, eng, l, gs, stored_part, opt_state, lrs, oks):
-        flat, intra = eng.flats[l], eng.mesh.shape[INTRA]
+    def update(self, l, gs, stored_part, opt_state, lrs, oks):
+        flat, intra = self.levels.flats[l], self.mesh.shape[INTRA]
         size = gs.shape[1]  # Np / intra
         full = sync.pad_to(flat.ravel(stored_part), intra)  # [Np]
         shard = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(INTRA) * size, size)  # [Np/intra]
-        shard, opt_state = optim.apply_steps(eng.tx, gs, oks, opt_state, shard, lrs, eng.cfg.optim.weight_decay)
+        shard, opt_state = self.opt.apply(gs, oks, opt_state, shard, lrs)
         new = jax.lax.all_gather(shard, INTRA, axis=0, tiled=True)[: flat.size]  # [N]
         return flat.unravel(new), opt_state
 
+    def opt_spec(self, x):
+        return self.flat_opt.leaf_spec(x)
 
-class FSDP(_FlatOptimizer):
+
+class FSDP(Strategy):
     """Parameters, gradients and optimizer state split over both data axes; parameters are
     all-gathered for compute, gradients reduce-scattered."""
 
     name = "fsdp"
     stat_axes = DATA_AXES
 
-    def shards(self, mesh) -> int:
-        return data_size(mesh)
+    def __init__(self, mesh, levels, sync_cfg, opt):
+        super().__init__(mesh, levels, sync_cfg, opt)
+        self.flat_opt = FlatOptState(mesh, levels, opt, DATA_AXES)
 
-    def from_canonical(self, eng, params, opt_state):
-        k = self.shards(eng.mesh)
-        parts = levels.split(params, eng.level_tree, eng.n_levels)
-        flat = tuple(sync.pad_to(eng.flats[l].ravel(p), k) for l, p in enumerate(parts))  # [Np_l] each
-        return flat, self._opt_from_canonical(eng, opt_state)
+    def from_canonical(self, params, opt_state):
+        k = self.flat_opt.shards
+        parts = self.levels.split(params)
+        flat = tuple(sync.pad_to(f.ravel(p), k) for f, p in zip(self.levels.flats, parts))  # [Np_l] each
+        return flat, self.flat_opt.from_canonical(opt_state)
 
-    def to_canonical(self, eng, params, opt_state):
-        parts = tuple(f.unravel(v[: f.size]) for f, v in zip(eng.flats, params))
-        return levels.merge(parts, eng.level_tree), self._opt_to_canonical(eng, opt_state)
+    def to_canonical(self, params, opt_state):
+        parts = tuple(f.unravel(v[: f.size]) for f, v in zip(self.levels.flats, params))
+        return self.levels.merge(parts), self.flat_opt.to_canonical(opt_state)
 
-    def compute_params(self, eng, stored):
+    def compute_params(self, stored):
         # One all-gather per level (XLA may combine them). Not differentiated: the step
         # reduce-scatters the flat gradient itself, so only active levels' gradients move.
         parts = tuple(
             f.unravel(jax.lax.all_gather(v, DATA_AXES, axis=0, tiled=True)[: f.size])  # [N_l]
-            for f, v in zip(eng.flats, stored)
+            for f, v in zip(self.levels.flats, stored)
         )
-        return levels.merge(parts, eng.level_tree)
+        return self.levels.merge(parts)
 
-    def split(self, eng, stored):
+    def split(self, stored):
         return tuple(stored)
 
-    def merge(self, eng, parts):
+    def merge(self, parts):
         return tuple(parts)
 
-    def reduce(self, eng, g):
-        c, m = eng.cfg.sync, eng.mesh.shape
+    def reduce(self, g):
+        c, m = self.sync_cfg, self.mesh.shape
         return sync.shard_all(g, c.reduce, c.mean, m[INTER], m[INTRA])  # [Np/(inter*intra)]
 
-    def update(self, eng, l, gs, stored_part, opt_state, lrs, oks):
-        return optim.apply_steps(eng.tx, gs, oks, opt_state, stored_part, lrs, eng.cfg.optim.weight_decay)
+    def update(self, l, gs, stored_part, opt_state, lrs, oks):
+        return self.opt.apply(gs, oks, opt_state, stored_part, lrs)
+
+    def param_spec(self, x):
+        return ROWS
+
+    def opt_spec(self, x):
+        return self.flat_opt.leaf_spec(x)
+
+    def gather_params(self, stored):
+        fn = jax.jit(lambda p: self.to_canonical(p, ())[0], out_shardings=replicated(self.mesh))
+        return fn(stored)
 
 
-STRATEGIES: dict[str, Strategy] = {"replicated": Replicated(), "zero1": Zero1(), "fsdp": FSDP()}
+STRATEGIES: dict[str, type[Strategy]] = {"replicated": Replicated, "zero1": Zero1, "fsdp": FSDP}
 
 
-def _canonical_opt_state(eng, params):
-    return tuple(eng.tx.init(p) for p in levels.split(params, eng.level_tree, eng.n_levels))
-
-
-def _fresh_layout(eng, key: jax.Array) -> tuple[PyTree, tuple]:
-    params = eng.model.init(key)
-    return eng.strategy.from_canonical(eng, params, _canonical_opt_state(eng, params))
-
-
-def layout_shapes(eng) -> tuple[PyTree, tuple]:
-    """The structure and shapes of (params, opt_state) in `eng`'s strategy, as ShapeDtypeStructs."""
-    return jax.eval_shape(lambda key: _fresh_layout(eng, key), jax.random.key(0))
-
-
-def init_layout(eng, key: jax.Array) -> tuple[PyTree, tuple]:
-    """Fresh (params, opt_state) in `eng`'s strategy, created directly in their shardings."""
-    out = _layout_shardings(eng, *layout_shapes(eng))
-    return jax.jit(lambda key: _fresh_layout(eng, key), out_shardings=out)(key)
-
-
-def _layout_shardings(eng, params, opt_state):
-    dummy = TrainState(None, params, opt_state, (), {})
-    sh = shardings(dummy, eng.mesh, eng.strategy.name)
-    return sh.params, sh.opt_state
-
-
-def gather_params(eng, stored: PyTree) -> PyTree:
-    """The model's parameter pytree, replicated, from the stored layout (e.g. for sampling)."""
-    if eng.strategy.name != "fsdp":
-        return stored
-    rep = replicated(eng.mesh)
-    fn = lambda p: eng.strategy.to_canonical(eng, p, ())[0]
-    return jax.jit(fn, out_shardings=rep)(stored)
-
-
-def export_state(eng, state: TrainState) -> TrainState:
-    """The state in the canonical layout: params as the model's pytree and optimizer state as
-    `replicated` keeps it (one optax state per level over the level's subtree), both replicated;
-    step, error buffers and memory unchanged. Independent of strategy and mesh shape."""
-    rep = replicated(eng.mesh)
-    fn = lambda p, o: eng.strategy.to_canonical(eng, p, o)
-    params, opt_state = jax.jit(fn, out_shardings=rep)(state.params, state.opt_state)
-    return state.replace(params=params, opt_state=opt_state)
-
-
-def import_state(eng, canonical: TrainState) -> TrainState:
-    """Inverse of `export_state` for `eng`'s strategy and mesh: pads, flattens and shards."""
-    rep = replicated(eng.mesh)
-    params, opt_state = jax.device_put((canonical.params, canonical.opt_state), rep)
-    fn = lambda p, o: eng.strategy.from_canonical(eng, p, o)
-    shapes = jax.eval_shape(fn, params, opt_state)
-    params, opt_state = jax.jit(fn, out_shardings=_layout_shardings(eng, *shapes))(params, opt_state)
-    step = jax.device_put(canonical.step, rep)
-    err_buf, memory = jax.device_put((canonical.err_buf, canonical.memory), rows_sharding(eng.mesh))
-    return TrainState(step, params, opt_state, err_buf, memory)
-
+def make_strategy(cfg: Config, mesh: Mesh, levels: LevelLayout) -> Strategy:
+    """The `sync.strategy` of `cfg` for a run on `mesh` whose parameters split as `levels`."""
+    return STRATEGIES[cfg.sync.strategy](mesh, levels, cfg.sync, Optimizer.of(cfg.optim))

@@ -32,7 +32,6 @@ from nljax.errors import ConfigError
 from nljax.figures import sample_figure, write_png
 from nljax.hostdev import gather_rows, host_sum, put_batch
 from nljax.mesh import REPLICATED, ROWS
-from nljax.strategy import gather_params
 
 
 class Task(Protocol):
@@ -192,7 +191,7 @@ class ImageTask:
         if n < 2:
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {n}")
         # Sampling needs the model's whole parameter tree: under fsdp it is gathered here.
-        one, multi = self.generate(cache.eng.model, gather_params(cache.eng, params), n)
+        one, multi = self.generate(cache.eng.model, cache.eng.strategy.gather_params(params), n)
         ref = self.data.eval_x[:n]
         if jax.process_index() == 0:
             run_dir = Path(self.cfg.run.dir)

@@ -33,9 +33,7 @@ def with_buffer(setup, state, value, row=None):
 
 def params_host(setup, state):
     """Parameters as the model's pytree on the host, whatever the strategy stores."""
-    from nljax.strategy import gather_params
-
-    return jax.device_get(gather_params(setup.engine, state.params))
+    return jax.device_get(setup.engine.strategy.gather_params(state.params))
 
 
 # A huge gradient on level 1 only: it must be clipped on its own and leave level 0's update as

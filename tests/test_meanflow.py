@@ -15,7 +15,6 @@ from nljax.energy import energy_distance
 from nljax.models.dit import DiTNet
 
 from helpers import assert_trees_close, make
-from nljax.strategy import gather_params
 from nljax.hostdev import mean_loss
 
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +159,8 @@ def trained(inter, intra, extra=()):
     """(setup, losses, step-0 gradient, final params) of STEPS SGD steps."""
     setup = make([*DIT, f"run.dir={RUN_DIR}", *extra], inter, intra)
     state, losses = setup.state, []
-    full = lambda st: jax.device_get(gather_params(setup.engine, st.params))  # the model's tree under any strategy
+    # the model's tree under any strategy
+    full = lambda st: jax.device_get(setup.engine.strategy.gather_params(st.params))
     p0 = full(state)
     for s in range(STEPS):
         state, m, _ = setup.cache.train((True,), state, setup.batch(s))

@@ -15,7 +15,7 @@ from nljax.state import bytes_per_device
 from nljax.mesh import make_mesh
 from nljax.hostdev import mean_loss, put_batch
 from nljax.step import Engine
-from nljax.strategy import export_state, import_state, padded
+from nljax.strategy import padded
 
 from helpers import TINY, Setup, assert_trees_close, make, run_steps
 
@@ -208,16 +208,16 @@ def test_canonical_round_trip():
     """zero1 (2,4) -> fsdp (4,2) -> replicated (1,8) -> zero1 (2,4) through the canonical layout,
     unchanged at every hop; and the rebuilt zero1 state trains exactly like the original."""
     z, _, z_state, _ = trained("zero1", 2, 4, "hierarchical", "accumulate")
-    canonical = jax.device_get(export_state(z.engine, z_state))
+    canonical = jax.device_get(z.engine.strategy.export_state(z_state))
     params, opt = canonical_on_host(z, z_state)  # export agrees with the host conversion
     assert_trees_close((canonical.params, canonical.opt_state), (params, opt), rtol=0, atol=0)
     f = trained("fsdp", 4, 2, "hierarchical", "accumulate")[0].engine
     r = Engine.create(load(None, [*TINY, *opts("replicated"), "mesh.inter=1"]), z.engine.model, make_mesh(1, 8))
     state = canonical
     for eng in [f, r]:
-        state = jax.device_get(export_state(eng, import_state(eng, state)))
+        state = jax.device_get(eng.strategy.export_state(eng.strategy.import_state(state)))
         assert_trees_close(state, canonical, rtol=0, atol=0)
-    rebuilt = import_state(z.engine, state)
+    rebuilt = z.engine.strategy.import_state(state)
     a = z.cache.train((True, True), jax.tree.map(lambda x: x.copy(), z_state), z.batch(STEPS))[0]
     b = z.cache.train((True, True), rebuilt, z.batch(STEPS))[0]
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
