@@ -74,13 +74,13 @@ def step_record(pulse: Pulse, m: dict, loss: float, dt: float, units: int, key: 
 
 
 def training_steps(run: Run, state: TrainState, conductor: Conductor,
-                   first_batch: Callable[[int, dict], dict] = lambda step, batch: batch) -> Iterator[StepResult]:
-    """Steps from `conductor.step` to `train.steps`. `first_batch(step, batch)` may replace the
-    first batch (after a resume that restarted every row)."""
+                   reset_first: bool = False) -> Iterator[StepResult]:
+    """Steps from `conductor.step` to `train.steps`. `reset_first`: the first batch starts every
+    row from a fresh memory (after a resume that restarted every row)."""
     cfg, steps = run.cfg, run.cfg.train.steps
     key = f"{run.task.unit}_per_s_per_device"
     seen: set = set()
-    batch = first_batch(conductor.step, run.batch(conductor.step)) if conductor.step < steps else None
+    batch = run.batch(conductor.step, reset_all=reset_first) if conductor.step < steps else None
     for i in range(max(steps - conductor.step, 0)):
         p = conductor.pulse
         distributed.check_step(i, p, cfg.distributed.check_every)

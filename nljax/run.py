@@ -52,8 +52,8 @@ class Run:
         """The state at step 0, from `seed`, placed on the mesh."""
         return self.engine.init_state(jax.random.key(self.cfg.seed), self.cfg.train.batch_size)
 
-    def batch(self, step: int) -> dict:
-        return self.task.batch(step)
+    def batch(self, step: int, reset_all: bool = False) -> dict:
+        return self.task.batch(step, reset_all=reset_all)
 
     def evaluate(self, params, step: int = 0) -> dict:
         return self.task.evaluate(self.cache, params, step)

@@ -30,7 +30,7 @@ from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_win
 from nljax.energy import energy_distance
 from nljax.errors import ConfigError
 from nljax.figures import sample_figure, write_png
-from nljax.hostdev import gather_rows, host_sum, put_batch
+from nljax.hostdev import gather_rows, host_sum, put_batch, reset_all_rows
 from nljax.mesh import REPLICATED, ROWS
 
 
@@ -38,11 +38,12 @@ class Task(Protocol):
     unit: str  # what throughput counts: "tokens", "images"
     units_per_row: int  # units in one batch row (seq_len for text)
 
-    def batch(self, step: int) -> dict[str, jax.Array]:
+    def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
         """The global batch of `step`, split over the data axes (each device builds its rows):
         `train.batch_size` rows, or, at the end of a data pass, fewer: a multiple of the
         micro-batch `train.batch_size / train.accum_steps` (the tail, trained, not dropped; only
-        for models without inner-loop memory)."""
+        for models without inner-loop memory). `reset_all`: every row starts from a fresh
+        inner-loop memory (the first step after a resume that restarted every row's memory)."""
         ...
 
     def evaluate(self, cache, params, step: int) -> dict:
@@ -84,8 +85,9 @@ class TextTask:
         self.stream = ContextStream(train_bytes, cfg.train.batch_size, cfg.train.seq_len, cfg.seed,
                                     cfg.data.reset_prob, align, train_weight)
 
-    def batch(self, step: int) -> dict[str, jax.Array]:
-        return self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
+    def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
+        batch = self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
+        return reset_all_rows(batch) if reset_all else batch
 
     def fingerprint(self) -> str:
         """Digest of the training and held-out bytes, compared across processes at start-up."""
@@ -148,7 +150,8 @@ class ImageTask:
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {len(self.data.eval_x)}")
         self._generate = None
 
-    def batch(self, step: int) -> dict[str, jax.Array]:
+    def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
+        # no inner-loop memory: there is no row to reset
         return images.global_batch(self.data, self.sampler, step, meshlib.rows_sharding(self.mesh))
 
     def fingerprint(self) -> str:

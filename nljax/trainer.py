@@ -9,93 +9,25 @@ logs and reports throughput. Only process 0 prints and writes files.
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 import time
-from pathlib import Path
 
 import jax
-import yaml
 
 from nljax import __version__, distributed, levels, optim, runlog, throughput
-from nljax.checkpoint import Checkpoints
+from nljax.checkpoint.lifecycle import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
-from nljax.config import Config, to_dict
+from nljax.config import Config
 from nljax.errors import ConfigError
 from nljax.loop import Hooks, Profiler, StepResult, training_steps
 from nljax.preemption import Notice, Preempted
 from nljax.run import Run
-from nljax.runlock import RunLock
+from nljax.rundir import RunDir, take_lock
 from nljax.state import TrainState, bytes_per_device, describe_memory
 
 
 def is_main() -> bool:
     return jax.process_index() == 0
-
-
-class RunDir:
-    """The files of one run. Refuses to overwrite an earlier run unless told to (or resuming it);
-    when told to, removes the earlier run's outputs first so that none of them outlives it."""
-
-    # and the files the run noted (runlog.note_written: samples_*.png, TensorBoard event files)
-    OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "profile")
-
-    def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
-        self.path = Path(path)
-        self.write = write
-        self.kept: list[dict] = []
-        metrics = self.path / "metrics.jsonl"
-        # Process 0 decides: on a shared file system the others could see its fresh metrics.jsonl.
-        if distributed.main_decides(metrics.exists()) and not overwrite and resume_step is None:
-            raise ConfigError(
-                f"run.dir {path} already holds a run; choose another run.dir, resume it with --resume or set "
-                "run.overwrite=true"
-            )
-        if write:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"run.dir {path} cannot be created: {e.strerror or e}") from None
-            if resume_step is None and overwrite:  # never delete a file nobody asked to replace
-                for pattern in self.OUTPUTS:
-                    for old in self.path.glob(pattern):
-                        shutil.rmtree(old) if old.is_dir() else old.unlink()
-                runlog.remove_written(self.path)
-            self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
-            tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
-            tmp.write_text("".join(runlog.strict_json(r) + "\n" for r in self.kept))
-            tmp.replace(metrics)
-
-    def save_config(self, cfg: Config) -> None:
-        if self.write:
-            (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-    def log(self, record: dict) -> None:
-        if self.write:
-            with open(self.path / "metrics.jsonl", "a") as f:
-                f.write(runlog.strict_json(record) + "\n")
-
-    def save_summary(self, summary: dict) -> None:
-        if self.write:
-            (self.path / "summary.json").write_text(runlog.strict_json(summary, indent=1))
-
-
-def kept_records(path: Path, step: int) -> list[dict]:
-    """The records of an earlier metrics.jsonl for steps before `step`: a resumed run rewrites the
-    steps from its checkpoint on, so the file ends up as the uninterrupted run's."""
-    if not path.exists():
-        return []
-    keep = []
-    for line in path.read_text().splitlines():
-        try:
-            record = json.loads(line)
-            if record["step"] < step:
-                # null stands for a non-finite number (runlog.strict_json): NaN again in memory
-                keep.append({k: float("nan") if v is None else v for k, v in record.items()})
-        except (ValueError, KeyError, TypeError):
-            pass  # a line cut short by a kill
-    return keep
 
 
 @dataclasses.dataclass
@@ -184,9 +116,10 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
     hooks, profiler = loop_hooks(run, out, ckpt)
     if conductor.step < run.cfg.train.steps:
         profiler.start(conductor.step)
-    first = ckpt.first_batch if ckpt is not None else (lambda step, batch: batch)
+    # after a resume that restarted every row's memory, the first batch resets every row
+    reset_first = ckpt is not None and ckpt.rows_restarted and conductor.step == ckpt.start
     with Notice() as notice:
-        for r in training_steps(run, state, conductor, first):
+        for r in training_steps(run, state, conductor, reset_first):
             state = r.state
             _after_step(r, run, hist, hooks, out)
             # a notice: save at this step boundary (every process at the same step) and stop
@@ -318,25 +251,12 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
     return table, measured
 
 
-def take_lock(cfg: Config) -> RunLock:
-    """Process 0 locks run.dir (nljax/runlock.py); every process raises when it is refused."""
-    lock, error = RunLock(cfg.run.dir), None
-    if is_main():
-        try:
-            lock.acquire()
-        except ConfigError as e:
-            error = e
-    if distributed.main_decides(error is not None):
-        raise error or ConfigError(f"run.dir {cfg.run.dir} is in use by a live run (see process 0)")
-    return lock
-
-
 def train(cfg: Config) -> dict:
     run = Run.create(cfg)
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
     distributed.check_startup(cfg, run.mesh, run.task, say)
     # reads and checks a checkpoint to resume before anything is written
-    ckpt = Checkpoints(run.engine, run.init_state(), say)
+    ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     try:
         out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step)

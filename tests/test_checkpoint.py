@@ -21,8 +21,11 @@ import numpy as np
 import pytest
 
 from helpers import TINY, Setup, assert_trees_close, make
-from nljax import checkpoint as ckpt
-from nljax import config, hostdev
+from nljax import config
+from nljax.checkpoint import contents, elastic, storage
+from nljax.checkpoint.lifecycle import Checkpoints
+from nljax.checkpoint.restore import restore
+from nljax.rundir import checkpoint_dir
 from nljax.conductor import pulse
 from nljax.state import TrainState
 from nljax.hostdev import mean_loss
@@ -46,8 +49,8 @@ def steps(setup: Setup, state: TrainState, start: int, stop: int):
 
 
 def save(setup: Setup, state: TrainState, step: int) -> None:
-    m = ckpt.writer(setup.cfg)
-    ckpt.save(m, setup.engine, step, state)
+    m = storage.writer(setup.cfg)
+    storage.save(m, setup.engine, step, state)
     m.wait_until_finished()
     m.close()
 
@@ -82,7 +85,7 @@ def ref(tmp_path_factory):
 
 def test_resume_on_the_same_mesh_is_bitwise(ref):
     setup = ref["setup"]
-    r = ckpt.restore(setup.engine, setup.state, ref["dir"] / "2")
+    r = restore(setup.engine, setup.state, ref["dir"] / "2")
     assert r.step == 2 and not r.fresh_rows and r.warnings == []
     errs = [e for e in r.state.err_buf if e is not None]
     assert errs and any(np.abs(np.asarray(e)).sum() > 0 for e in errs)  # a frozen level's buffer is in use
@@ -113,7 +116,7 @@ def test_plain_orbax_restores_onto_another_topology(tmp_path):
 
     setup = make([f"checkpoint.dir={tmp_path}"], 1, 4)
     save(setup, setup.state, 3)
-    saved = {k: np.asarray(x) for k, x in ckpt.named_arrays(setup.state).items()}
+    saved = {k: np.asarray(x) for k, x in contents.named_arrays(setup.state).items()}
 
     # --- the recipe (README, "Checkpoints and resume") ---
     mesh = Mesh(np.array(jax.devices()[4:6]), ("x",))  # devices the checkpoint was not saved on
@@ -128,7 +131,7 @@ def test_plain_orbax_restores_onto_another_topology(tmp_path):
         state = mngr.restore(3, args=args)["state"]
     # ---
 
-    restored = ckpt._unnest(state)
+    restored = contents.unnest(state)
     assert set(restored) == set(saved)
     for k, x in restored.items():
         assert x.sharding.device_set == set(jax.devices()[4:6]), k
@@ -141,12 +144,12 @@ def test_elastic_resume_8_4_2_devices(ref, tmp_path):
     losses, parameters and every row's memory match the uninterrupted 8-device run. Level 1
     (period 4) has gradients in its error buffers at both restores and fires at step 4."""
     s4 = make([*NL, f"checkpoint.dir={tmp_path}/1x4"], 1, 4)
-    r = ckpt.restore(s4.engine, s4.state, ref["dir"] / "2")
+    r = restore(s4.engine, s4.state, ref["dir"] / "2")
     assert r.state.err_buf[1].shape == (4, r.state.err_buf[1].shape[1])
     l4, state = steps(s4, r.state, 2, 4)
     save(s4, state, 4)
     s2 = make(NL, 1, 2)
-    r = ckpt.restore(s2.engine, s2.state, tmp_path / "1x4" / "4")
+    r = restore(s2.engine, s2.state, tmp_path / "1x4" / "4")
     assert r.state.memory["block0"]["M"]["W1"].sharding == s2.state.memory["block0"]["M"]["W1"].sharding
     l2, state = steps(s2, r.state, 4, STEPS)
     np.testing.assert_allclose(l4 + l2, ref["losses"][2:], rtol=2e-5)
@@ -160,13 +163,13 @@ def test_elastic_resume_across_strategies(ref, tmp_path):
     parameters and optimizer state through the canonical layout; the continuation matches the
     uninterrupted replicated run (losses, parameters, every row's memory)."""
     z = make([*NL, "sync.strategy=zero1", f"checkpoint.dir={tmp_path}/zero1"], 2, 2)
-    r = ckpt.restore(z.engine, z.state, ref["dir"] / "2")
+    r = restore(z.engine, z.state, ref["dir"] / "2")
     mu = jax.tree.leaves(r.state.opt_state[0])[1]  # Adam's first moment of level 0: a flat intra shard
     assert mu.ndim == 1 and mu.sharding.shard_shape(mu.shape)[0] == mu.shape[0] // 2
     lz, state = steps(z, r.state, 2, 4)
     save(z, state, 4)
     f = make([*NL, "sync.strategy=fsdp"], 1, 2)
-    r = ckpt.restore(f.engine, f.state, tmp_path / "zero1" / "4")
+    r = restore(f.engine, f.state, tmp_path / "zero1" / "4")
     lf, state = steps(f, r.state, 4, STEPS)
     np.testing.assert_allclose(lz + lf, ref["losses"][2:], rtol=2e-5)
     assert_trees_close(host(f.engine.strategy.gather_params(state.params)), ref["final"].params, rtol=1e-4, atol=1e-6)
@@ -179,8 +182,8 @@ def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():
     e = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
     for n_new in (4, 2, 1):
         sh = meshlib.rows_sharding(meshlib.make_mesh(1, n_new, jax.devices()[:n_new]))
-        mean = np.asarray(ckpt.redistribute_err_buf(e, 8, n_new, True, sh))
-        total = np.asarray(ckpt.redistribute_err_buf(e, 8, n_new, False, sh))
+        mean = np.asarray(elastic.redistribute_err_buf(e, 8, n_new, True, sh))
+        total = np.asarray(elastic.redistribute_err_buf(e, 8, n_new, False, sh))
         assert mean.shape == (n_new, 5)
         np.testing.assert_allclose(mean.sum(0) / n_new, e.sum(0) / 8, rtol=1e-5)  # sync.mean
         np.testing.assert_allclose(total.sum(0), e.sum(0), rtol=1e-5)  # sums
@@ -189,17 +192,17 @@ def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():
 
 def test_changed_global_batch_restarts_every_row(ref):
     setup = make([*NL, "train.batch_size=16", "optim.lr=0.02"], 2, 4)
-    r = ckpt.restore(setup.engine, setup.state, ref["dir"] / "4")
+    r = restore(setup.engine, setup.state, ref["dir"] / "4")
     assert r.fresh_rows and any("train.batch_size changed from 8 to 16" in w for w in r.warnings)
     assert any("optim.lr=0.02" in w for w in r.warnings)
     for x in jax.tree.leaves(r.state.memory):
         assert x.shape[0] == 16 and not np.asarray(x).any()
-    same = ckpt.restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "4").state
+    same = restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "4").state
     for a, b in zip(jax.tree.leaves(r.state.params), jax.tree.leaves(same.params)):
         np.testing.assert_array_equal(a, b)
     batch = setup.batch(5)
     assert not np.asarray(batch["reset"]).all()
-    reset = hostdev.reset_all_rows(batch)
+    reset = setup.batch(5, reset_all=True)  # the first batch after this resume
     assert np.asarray(reset["reset"]).all() and reset["reset"].sharding == batch["reset"].sharding
 
 
@@ -292,7 +295,7 @@ def test_bad_checkpoint_is_one_line_and_changes_nothing(ref, tmp_path, capfd, ca
     else:
         cfg = config.load(None, [*args, "checkpoint.resume=latest"] if "checkpoint.resume" not in str(extra) else args)
         with pytest.raises(config.ConfigError) as e:
-            ckpt.restore(ref["setup"].engine, ref["setup"].state, ckpt.locate(cfg))
+            restore(ref["setup"].engine, ref["setup"].state, storage.candidates(cfg)[0])
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
     assert tree_hash(tmp_path) == before
 
@@ -308,11 +311,11 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
     assert tree_hash(tmp_path) == before
     # run.overwrite=true: the earlier run's checkpoints go when the new run starts writing
     cfg = config.load(None, [*TINY_NL_ARGS, f"checkpoint.dir={tmp_path}/ckpt", "run.overwrite=true"])
-    c = ckpt.Checkpoints(dataclasses.replace(ref["setup"].engine, cfg=cfg), ref["setup"].state)
+    c = Checkpoints.resolve(dataclasses.replace(ref["setup"].engine, cfg=cfg), ref["setup"].state)
     assert sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["2", "4"]
     c.open()
     assert not any((tmp_path / "ckpt").iterdir())
-    c.manager.close()
+    c.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -342,8 +345,8 @@ if mode == "save":
             return finalize
         cls.finalize = patch(cls.finalize)
 else:
-    from nljax import trainer
-    log = trainer.RunDir.log
+    from nljax import rundir
+    log = rundir.RunDir.log
     def killing_log(self, record):
         log(self, record)
         if record["step"] == at - 1:  # steps 0 .. at-1 are logged; step `at` never runs
@@ -354,7 +357,7 @@ else:
             while mode == "step" and not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)  # mode "kill": wherever the saves in flight are
-    trainer.RunDir.log = killing_log
+    rundir.RunDir.log = killing_log
 from nljax.train import main
 sys.exit(main())
 """
@@ -435,7 +438,7 @@ def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
 
 def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
     from nljax import runlog
-    from nljax.trainer import RunDir
+    from nljax.rundir import RunDir
 
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "notes.txt").write_text("mine")
@@ -455,7 +458,7 @@ def test_only_orbax_steps_count_as_checkpoints(ref, tmp_path):
     (tmp_path / "notes").mkdir()
     (tmp_path / "7.orbax-checkpoint-tmp").mkdir()  # a save cut short
     shutil.copytree(ref["dir"] / "2", tmp_path / "2")
-    assert sorted(p.name for p in ckpt._leftovers(tmp_path)) == ["2", "7.orbax-checkpoint-tmp"]
+    assert sorted(p.name for p in storage.leftovers(tmp_path)) == ["2", "7.orbax-checkpoint-tmp"]
 
 
 def test_another_runs_checkpoint_does_not_take_over_this_runs_files(ref, tmp_path):
@@ -464,15 +467,15 @@ def test_another_runs_checkpoint_does_not_take_over_this_runs_files(ref, tmp_pat
     before = tree_hash(d)
     setup = make([*NL, f"checkpoint.dir={d}", f"checkpoint.resume={ref['dir'] / '4'}"], 2, 4)
     with pytest.raises(config.ConfigError, match="already holds another run's checkpoints"):
-        ckpt.Checkpoints(setup.engine, setup.state, say=lambda *a: None)
+        Checkpoints.resolve(setup.engine, setup.state, say=lambda *a: None)
     assert tree_hash(d) == before
     # with run.overwrite=true it starts a new run from that state: not a continuation of this one
     setup = make([*NL, f"checkpoint.dir={d}", f"checkpoint.resume={ref['dir'] / '4'}", "run.overwrite=true",
                   "checkpoint.every=0"], 2, 4)
-    c = ckpt.Checkpoints(setup.engine, setup.state, say=lambda *a: None)
+    c = Checkpoints.resolve(setup.engine, setup.state, say=lambda *a: None)
     assert c.start == 4 and c.resume_step is None
     c.open()  # run.overwrite removes the earlier checkpoints even though this run saves none
-    assert ckpt._leftovers(d) == []
+    assert storage.leftovers(d) == []
 
 
 def test_relative_run_dir_saves(ref, tmp_path, monkeypatch):
@@ -481,12 +484,12 @@ def test_relative_run_dir_saves(ref, tmp_path, monkeypatch):
     setup = ref["setup"]
     cfg = dataclasses.replace(setup.cfg, run=dataclasses.replace(setup.cfg.run, dir="runs/rel"),
                               checkpoint=dataclasses.replace(setup.cfg.checkpoint, dir=""))
-    assert ckpt.checkpoint_dir(cfg).is_absolute()
-    m = ckpt.writer(cfg)
-    ckpt.save(m, dataclasses.replace(setup.engine, cfg=cfg), 5, setup.state)
+    assert checkpoint_dir(cfg).is_absolute()
+    m = storage.writer(cfg)
+    storage.save(m, dataclasses.replace(setup.engine, cfg=cfg), 5, setup.state)
     m.wait_until_finished()
     m.close()
-    assert ckpt.complete_steps(tmp_path / "runs" / "rel" / "checkpoints") == [5]
+    assert storage.complete_steps(tmp_path / "runs" / "rel" / "checkpoints") == [5]
 
 
 QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.tensorboard=false"]
@@ -504,7 +507,7 @@ def test_pruning_and_resume_skip_folders_nljax_did_not_write(tmp_path):
     p = cli(*base, "train.steps=4")
     assert p.returncode == 0, p.stderr
     assert sorted(q.name for q in ck.iterdir()) == ["0", "4", "7"]
-    assert ckpt.complete_steps(ck) == [4]
+    assert storage.complete_steps(ck) == [4]
     p = cli("--resume", *base[:2], *base[3:], "train.steps=6")
     assert p.returncode == 0, p.stderr
     assert f"resumed from {ck / '4'} at step 4" in p.stdout
@@ -524,7 +527,7 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_sets_later_ones_aside(t
     base = ["--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={run}", "checkpoint.keep=3"]
     p = cli(*base)
     assert p.returncode == 0, p.stderr
-    assert ckpt.complete_steps(ck) == [4, 8, 12]
+    assert storage.complete_steps(ck) == [4, 8, 12]
     _truncate(ck / "12")
     damaged = tree_hash(ck / "12")
     p = cli("--resume", *base)
@@ -534,14 +537,14 @@ def test_resume_falls_back_past_a_damaged_checkpoint_and_sets_later_ones_aside(t
     assert f"step 12 will be moved to {ck / 'set_aside'}" in p.stderr
     assert "Traceback" not in p.stderr
     assert tree_hash(ck / "set_aside" / "12") == damaged  # kept as it was
-    assert ckpt.complete_steps(ck) == [4, 8, 12]  # 12 saved again by the resumed run
+    assert storage.complete_steps(ck) == [4, 8, 12]  # 12 saved again by the resumed run
     assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == list(range(12))
     # An explicit older checkpoint: 8 and 12 are set aside (12 beside the damaged one), not refused.
     p = cli(*base, f"checkpoint.resume={ck / '4'}")
     assert p.returncode == 0, p.stderr
     assert f"steps 8, 12 will be moved to {ck / 'set_aside'}" in p.stderr
     assert sorted(q.name for q in (ck / "set_aside").iterdir()) == ["12", "12.1", "8"]
-    assert ckpt.complete_steps(ck) == [4, 8, 12]
+    assert storage.complete_steps(ck) == [4, 8, 12]
     assert tree_hash(ck / "set_aside" / "12") == damaged
 
 
@@ -566,8 +569,8 @@ import resource, signal, sys, time
 from pathlib import Path
 ckdir, limit = Path(sys.argv[1]), int(sys.argv[2])
 sys.argv = ["nljax.train", *sys.argv[3:]]
-from nljax import trainer
-log = trainer.RunDir.log
+from nljax import rundir
+log = rundir.RunDir.log
 def limiting_log(self, record):
     log(self, record)
     if record["step"] == 5:
@@ -576,7 +579,7 @@ def limiting_log(self, record):
             time.sleep(0.05)
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-trainer.RunDir.log = limiting_log
+rundir.RunDir.log = limiting_log
 from nljax.train import main
 sys.exit(main())
 """
@@ -594,11 +597,11 @@ def test_failed_write_during_a_save_is_one_line_and_keeps_the_earlier_checkpoint
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == (f"nljax.train: error: checkpoint {ck / '8'} could not be saved (OSError: [Errno 27] "
                                 f"File too large); the newest complete checkpoint is {ck / '4'}"), p.stderr
-    assert ckpt.complete_steps(ck) == [4]
+    assert storage.complete_steps(ck) == [4]
     assert sorted(q.name for q in ck.iterdir() if not q.name.startswith("8.")) == ["4"]
     p = cli("--resume", "--cpu-devices", "1", *SMALL, *QUICK, f"run.dir={run}")  # once there is room again
     assert p.returncode == 0 and f"resumed from {ck / '4'} at step 4" in p.stdout, p.stderr
-    assert ckpt.complete_steps(ck) == [8, 12]
+    assert storage.complete_steps(ck) == [8, 12]
 
 
 def test_failed_write_of_the_run_files_is_one_line(tmp_path):

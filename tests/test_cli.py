@@ -148,7 +148,7 @@ def test_a_run_that_skips_every_step_stops(tmp_path):
 
 def test_metrics_and_summary_are_strict_json(tmp_path):
     from nljax import runlog
-    from nljax.trainer import RunDir, kept_records
+    from nljax.rundir import RunDir, kept_records
 
     run_dir = RunDir(str(tmp_path), overwrite=False, write=True)
     run_dir.log({"step": 0, "loss": float("nan"), "x": [float("inf"), 1.0]})

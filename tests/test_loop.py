@@ -187,7 +187,7 @@ def test_throughput_table():
 
 def test_overwrite_removes_stale_outputs(tmp_path):
     from nljax import runlog
-    from nljax.trainer import RunDir
+    from nljax.rundir import RunDir
 
     (tmp_path / "metrics.jsonl").write_text("old\n")
     (tmp_path / "summary.json").write_text("{}")
@@ -211,14 +211,15 @@ def test_loop_trains_a_tail_batch_from_the_task():
     import dataclasses
 
     from nljax import runlog
-    from nljax.trainer import History, Output, RunDir, train_loop
+    from nljax.rundir import RunDir
+    from nljax.trainer import History, Output, train_loop
 
     setup, params, last_loss = tail_run(1, 2, 4)  # its variants are compiled already
 
     class EpochTask:
         unit, units_per_row = "tokens", 8
 
-        def batch(self, step):
+        def batch(self, step, reset_all=False):
             return rows_of(setup, step, 4 if step == 1 else 8)
 
     loop_setup = dataclasses.replace(setup.run, cfg=dataclasses.replace(setup.cfg, train=dataclasses.replace(

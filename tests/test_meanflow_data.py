@@ -144,7 +144,7 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert "eval_energy_1step" in recs[5] and len(recs) == 12
     # run.overwrite=true removes the PNGs the run wrote, not the user's one with the same pattern
-    from nljax.trainer import RunDir
+    from nljax.rundir import RunDir
 
     RunDir(str(d), overwrite=True, write=True)
     assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000100.png"]

@@ -1,0 +1,237 @@
+"""What a checkpoint holds: the state as named arrays, their checksums, the JSON metadata beside
+them, and the checks a checkpoint's metadata must pass before any array is read.
+
+Errors are one line: `Damaged` for a checkpoint whose files cannot be read or do not match
+their checksums (a resume skips it for an older one), a plain ConfigError for one that does not
+fit this run (an older one would not fit either).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nljax import __version__
+from nljax import mesh as meshlib
+from nljax.conductor import Conductor
+from nljax.config import to_dict
+from nljax.errors import ConfigError
+from nljax.hostdev import replica
+from nljax.state import TrainState
+from nljax.step import Engine
+
+FORMAT = 1
+STATE, META = "state", "nljax"  # item names inside a step directory
+
+# Config sections that decide the shapes and meaning of the saved arrays: a checkpoint only
+# fits a run that agrees on them. Everything else may change on resume: settings that do not
+# change the result silently, the rest (strategy included) with a warning.
+MUST_MATCH = ("model", "cms", "optim.name")
+SILENT = ("run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
+          "train.profile_start", "throughput", "distributed")
+
+
+class Damaged(ConfigError):
+    """A checkpoint whose files cannot be read, or do not match their checksums (as opposed to
+    one that does not fit this run's config): `--resume` skips it for an older one."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The state as named arrays
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def named_arrays(state: TrainState) -> dict[str, Any]:
+    """Every leaf of `state` by its path, e.g. 'opt_state/1/0/mu/block0/cms1/Dense_0/kernel'."""
+    leaves, _ = jax.tree_util.tree_flatten_with_path(state)
+    return {"/".join(_key_name(k) for k in path): x for path, x in leaves}
+
+
+def nest(flat: dict[str, Any]) -> dict:
+    """{'a/b': x} -> {'a': {'b': x}}: the tree Orbax saves."""
+    tree: dict = {}
+    for name, x in flat.items():
+        *parents, leaf = name.split("/")
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = x
+    return tree
+
+
+def unnest(tree: dict, prefix: str = "") -> dict[str, Any]:
+    """The inverse of `nest`."""
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(unnest(v, f"{prefix}{k}/"))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def rows_of(name: str) -> bool:
+    """An array with one row per stream row of the global batch (the inner-loop memory)."""
+    return name.startswith("memory/")
+
+
+def per_device(name: str) -> bool:
+    """An array with one row per device (the error buffers of frozen levels)."""
+    return name.startswith("err_buf/")
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+    """Position-weighted sum of the bits of `x`, modulo 2^32. Integer addition is associative, so
+    the value is exact whatever the sharding and the reduction order: a checkpoint restored onto
+    another mesh checks against the sum computed when it was saved."""
+    if x.dtype == jnp.bool_ or x.dtype.itemsize not in _UINT:
+        u = x.astype(jnp.uint32)
+    else:
+        u = jax.lax.bitcast_convert_type(x, _UINT[x.dtype.itemsize]).astype(jnp.uint32)
+    weight = jnp.arange(u.size, dtype=jnp.uint32).reshape(u.shape) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.sum(u * weight, dtype=jnp.uint32)
+
+
+@jax.jit
+def _checksums(arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    return {k: _leaf_checksum(x) for k, x in arrays.items()}
+
+
+def checksums(arrays: dict[str, jax.Array]) -> dict[str, int]:
+    out = _checksums(arrays)
+    # replicated scalars: read this process's copy (works when other processes hold the rest)
+    return {k: int(replica(v)) for k, v in out.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Metadata
+
+
+_fingerprints: dict[int, tuple[Any, dict]] = {}  # id(model) -> (model, fingerprint); models need not be hashable
+
+
+def fingerprint(model) -> dict[str, list]:
+    """The model's parameters by path, with shape and dtype, as `model.init` makes them: the same
+    whatever the strategy stores (a checkpoint of another model differs here). Traced once per
+    model: tracing `init` costs more than the rest of a save's blocking part."""
+    hit = _fingerprints.get(id(model))
+    if hit is None or hit[0] is not model:
+        shapes = jax.eval_shape(model.init, jax.random.key(0))
+        hit = _fingerprints[id(model)] = (model, {k: [list(x.shape), str(x.dtype)] for k, x in named_arrays(shapes).items()})
+    return hit[1]
+
+
+def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array]) -> dict:
+    cfg, mesh = engine.cfg, engine.mesh
+    sums = checksums(arrays)
+    return {
+        "format": FORMAT,
+        "nljax_version": __version__,
+        "step": step,
+        "conductor": Conductor(cfg.cms.periods, step).state_dict(),
+        # ContextStream row r at step s: a pure function of (seed, step, row) -> nothing else to save
+        "data": {"step": step, "seed": cfg.seed, "rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len},
+        "rng": {"seed": cfg.seed, "device_key": "fold_in(fold_in(key(seed), step), global device index)"},
+        "mesh": {**{k: int(v) for k, v in mesh.shape.items()}, "devices": meshlib.data_size(mesh),
+                 "processes": jax.process_count()},
+        "strategy": cfg.sync.strategy,
+        "config": to_dict(cfg),
+        "model": fingerprint(engine.model),
+        "arrays": {
+            k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()
+        },
+    }
+
+
+def get(tree: dict, dotted: str):
+    """`tree['a']['b']` for 'a.b', or None where a key is missing."""
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def differences(a: Any, b: Any, prefix: str) -> list[tuple[str, Any, Any]]:
+    """Dotted keys where the plain config trees `a` (saved) and `b` (this run) differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += differences(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else str(k))
+        return out
+    return [] if a == b else [(prefix, a, b)]
+
+
+def fmt(v: Any) -> str:
+    return "(absent)" if v is None else repr(v) if isinstance(v, str) else str(v)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks on a checkpoint's metadata
+
+
+def check_well_formed(path: Path, meta: Any) -> dict:
+    """`meta` if every field a restore reads is there, with its type; else `Damaged`."""
+    if not _well_formed(meta):
+        raise Damaged(f"checkpoint {path}: metadata is not an nljax checkpoint of format {FORMAT}")
+    return meta
+
+
+def _well_formed(meta: Any) -> bool:
+    try:
+        arrays_ok = all(
+            isinstance(a["shape"], list) and all(isinstance(d, int) for d in a["shape"])
+            and isinstance(a["dtype"], str) and np.dtype(a["dtype"]) is not None and isinstance(a["checksum"], int)
+            for a in meta["arrays"].values()
+        )
+        return (
+            meta["format"] == FORMAT and isinstance(meta["step"], int) and arrays_ok and "step" in meta["arrays"]
+            and isinstance(meta["mesh"]["devices"], int) and isinstance(meta["config"]["train"]["batch_size"], int)
+            # the device count divides the error buffers on resume: it must be their first dimension
+            and all(a["shape"][:1] == [meta["mesh"]["devices"]] for k, a in meta["arrays"].items() if per_device(k))
+            and all(isinstance(v, list) and len(v) == 2 for v in meta["model"].values())
+        )
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def check_fits(path: Path, meta: dict, engine: Engine) -> None:
+    """One-line errors for a checkpoint of another model or an incompatible config."""
+    here = to_dict(engine.cfg)
+    for key in MUST_MATCH:
+        for k, a, b in differences(get(meta["config"], key), get(here, key), key):
+            raise ConfigError(f"checkpoint {path} does not fit this run: {k}={fmt(a)} there, {fmt(b)} here")
+    saved, mine = meta["model"], fingerprint(engine.model)
+    for name in sorted(set(saved) | set(mine)):
+        if name not in saved:
+            raise ConfigError(f"checkpoint {path} is from another model: it has no parameter '{name}'")
+        if name not in mine:
+            raise ConfigError(f"checkpoint {path} is from another model: parameter '{name}' has no place here")
+        if saved[name] != mine[name]:
+            (s1, d1), (s2, d2) = saved[name], mine[name]
+            raise ConfigError(
+                f"checkpoint {path} is from another model: parameter '{name}' is {d1}{tuple(s1)} there, "
+                f"{d2}{tuple(s2)} here"
+            )
+
+
+def check_arrays(path: Path, meta: dict, sums: dict[str, int], step: int) -> None:
+    """`Damaged` unless the arrays read match the checksums and the step saved in `meta`."""
+    for name, info in meta["arrays"].items():
+        if sums[name] != info["checksum"]:
+            raise Damaged(f"checkpoint {path}: array '{name}' does not match its checksum (corrupted)")
+    if step != meta["step"]:
+        raise Damaged(f"checkpoint {path}: state step disagrees with its metadata")

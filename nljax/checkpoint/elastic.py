@@ -1,0 +1,123 @@
+"""A checkpoint read onto another mesh, device count, global batch or strategy.
+
+Arrays are read with the new mesh's shardings where the layout is unchanged (`read_shardings`),
+each row's memory moving with its row. Per-device error buffers are redistributed so that the
+next reduction is unchanged (`redistribute_err_buf`). A different global batch gives every row a
+new stream, so every row's memory restarts (`fresh_memory`). A different optimizer-state layout
+goes through one hook (`convert_layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+
+from nljax import mesh as meshlib
+from nljax.checkpoint.contents import named_arrays, per_device, rows_of
+from nljax.config import from_dict
+from nljax.errors import ConfigError
+from nljax.state import TrainState
+from nljax.step import Engine
+
+
+def read_shardings(meta: dict, target: dict[str, jax.Array], mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
+    """How to read each saved array: with the target's sharding where its shape is unchanged,
+    rows split over the new mesh where they divide, replicated otherwise (then converted)."""
+    n_new = meshlib.data_size(mesh)
+    rows_sh, rep = meshlib.rows_sharding(mesh), meshlib.replicated(mesh)
+    abstract = {}
+    for name, info in meta["arrays"].items():
+        shape, dtype = tuple(info["shape"]), jnp.dtype(info["dtype"])
+        t = target.get(name)
+        if t is not None and tuple(t.shape) == shape:
+            sharding = t.sharding
+        elif (per_device(name) or rows_of(name)) and shape and shape[0] % n_new == 0:
+            sharding = rows_sh
+        else:
+            sharding = rep
+        abstract[name] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+    return abstract
+
+
+def fresh_memory(engine: Engine, rows: int) -> dict[str, jax.Array]:
+    """Every row's memory at its initial value, by name, split over rows."""
+    memory = jax.device_put(engine.model.init_memory(rows), meshlib.rows_sharding(engine.mesh))
+    return {f"memory/{k}": x for k, x in named_arrays(memory).items()}
+
+
+def to_this_run(arrays: dict[str, jax.Array], target: dict[str, jax.Array], engine: Engine, n_old: int,
+                fresh_rows: bool) -> dict[str, jax.Array]:
+    """The saved arrays (parameters and optimizer state already in this run's layout) with the
+    error buffers redistributed over this run's devices and, when `fresh_rows`, every row's
+    memory restarted; in the order and with the names of `target`."""
+    cfg, n_new = engine.cfg, meshlib.data_size(engine.mesh)
+    fresh = fresh_memory(engine, cfg.train.batch_size) if fresh_rows else {}
+    out = {}
+    for name, t in target.items():
+        x = arrays[name]
+        if per_device(name) and n_old != n_new:
+            x = redistribute_err_buf(x, n_old, n_new, cfg.sync.mean, t.sharding)
+        elif rows_of(name) and fresh_rows:
+            x = fresh[name]
+        out[name] = x
+    return out
+
+
+def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, sharding: NamedSharding) -> jax.Array:
+    """Error buffers [n_old, N] -> [n_new, N] so that the next reduction is unchanged.
+
+    When the level fires, the engine reduces Σ_d (g_d + e_d) over devices, divided by the device
+    count n under `sync.mean`. With S = Σ_d e_d saved from n_old devices, giving each of the
+    n_new devices e' = S / n_old keeps the mean: (1/n_new) Σ_d' (g'_d' + e') = mean(g) + S / n_old,
+    the uninterrupted run's value. Under sums, e' = S / n_new keeps Σ_d' e' = S.
+    """
+    divisor = n_old if mean else n_new
+
+    @jax.jit
+    def spread(e):
+        total = jnp.sum(e, axis=0, keepdims=True) / divisor  # [1, N]
+        return jax.lax.with_sharding_constraint(jnp.broadcast_to(total, (n_new, e.shape[1])), sharding)
+
+    return spread(e)
+
+
+def convert_layout(meta: dict, engine: Engine, template: TrainState,
+                   arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Parameters and optimizer state saved in another layout (another `sync.strategy`, or a
+    sharded layout padded for another mesh), converted to this run's.
+
+    `arrays` holds the saved layout, named as `named_arrays` names it, on the new mesh (arrays
+    whose shape differs from this run's are read replicated). They are put back into the
+    structure of the saved strategy's state (an engine built from the saved config on this mesh
+    gives it; padding lengths do not matter, the conversion drops padding by size), taken to the
+    strategy-independent layout and from there to this run's:
+    `engine.strategy.import_state(saved_engine.strategy.export_state(saved_state))`. Error buffers, memory and
+    the step are returned as saved (the caller redistributes them)."""
+    try:
+        saved_cfg = from_dict(meta["config"])
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint's config cannot be read by this nljax: {e}") from None
+    saved_cfg = dataclasses.replace(saved_cfg, mesh=engine.cfg.mesh)
+    saved_eng = Engine.create(saved_cfg, engine.model, engine.mesh)
+    params, opt_state = saved_eng.strategy.layout_shapes()
+    here = template
+    saved_template = TrainState(here.step, params, opt_state, here.err_buf, here.memory)
+    names = list(named_arrays(saved_template))
+    missing = [n for n in names if n not in arrays]
+    if missing or len(names) != len(arrays):
+        raise ConfigError(
+            f"checkpoint does not fit this run: its arrays do not form a sync.strategy={saved_cfg.sync.strategy} "
+            f"state (e.g. '{(missing or sorted(set(arrays) - set(names)))[0]}')"
+        )
+    treedef = jax.tree_util.tree_structure(saved_template)
+    saved = jax.tree_util.tree_unflatten(treedef, [arrays[n] for n in names])
+    canonical = saved_eng.strategy.export_state(saved)
+    # This run's own (fresh) error buffers and memory ride along: import_state places them by
+    # rows, which the saved ones may not divide into; the caller takes those from `arrays`.
+    converted = engine.strategy.import_state(canonical.replace(err_buf=here.err_buf, memory=here.memory))
+    out = {n: x for n, x in arrays.items() if not n.startswith(("params/", "opt_state/"))}
+    out.update({n: x for n, x in named_arrays(converted).items() if n.startswith(("params/", "opt_state/"))})
+    return out

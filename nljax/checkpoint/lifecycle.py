@@ -1,0 +1,213 @@
+"""`Checkpoints`: a run's checkpoints from the resume it starts from to its last save."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+from jax.experimental import multihost_utils
+
+from nljax.checkpoint import storage
+from nljax.checkpoint.quiet import errors_hidden
+from nljax.checkpoint.restore import Restored, restore_first_valid
+from nljax.errors import ConfigError
+from nljax.rundir import checkpoint_dir
+from nljax.state import TrainState
+from nljax.step import Engine
+
+
+class Checkpoints:
+    """A run's checkpoints: the resume it starts from (read before anything is written), then,
+    once `open`ed, a save every `checkpoint.every` steps and at the end.
+
+    In the trainer: `ckpt = Checkpoints.resolve(engine, run.init_state())` (the state and step to
+    start from are `ckpt.state`, `ckpt.start`), then create the run directory, `ckpt.open()`,
+    `ckpt.maybe_save(step + 1, state)` after each step, `ckpt.finish(steps_done, state)`, and
+    `ckpt.close()` whatever happened."""
+
+    def __init__(self, engine: Engine, fresh: TrainState, restored: Restored | None = None, own: bool = False,
+                 later: list[Path] | None = None):
+        """`fresh`: this run's state at step 0, where it starts when `restored` is None. `own`:
+        `restored` is from this run's checkpoint.dir (the run continues its files). `later`: step
+        directories after the restored one, which `open` moves to `<dir>/set_aside/`."""
+        self.cfg, self.engine = engine.cfg, engine
+        self.dir = checkpoint_dir(self.cfg)
+        self.restored, self.own = restored, own
+        self.set_aside: list[Path] = list(later or [])
+        self.state = restored.state if restored else fresh
+        self.start = restored.step if restored else 0
+        self.last_saved: int | None = restored.step if restored else None
+        self.manager = None
+        self.writing: int | None = None  # the step of the save in flight
+        # Orbax's reports of a failed save come from its writer threads, at any time between the
+        # save and the wait for it (async saves), so they are hidden from `open` to `close`
+        # rather than around each call.
+        self._quiet = contextlib.ExitStack()
+        self._noise = None  # the filters, while open
+        self._save_failed = False
+
+    @classmethod
+    def resolve(cls, engine: Engine, fresh: TrainState, say=print) -> "Checkpoints":
+        """The run's checkpoints: the resume `checkpoint.resume` asks for, restored (falling back
+        past damaged checkpoints, with a warning), or a fresh start. Reads only, but for creating
+        checkpoint.dir; refuses (ConfigError) a checkpoint.dir holding checkpoints this run may
+        not take over."""
+        cfg = engine.cfg
+        root, paths = checkpoint_dir(cfg), storage.candidates(cfg)
+        # Resuming this run (its own checkpoint.dir) continues its files; a checkpoint from
+        # elsewhere starts a new run from that state, which may not take over existing files.
+        own = bool(paths) and root.resolve() in paths[0].resolve().parents
+        taken = storage.leftovers(root) and not cfg.run.overwrite
+        if paths and not own and taken:
+            raise ConfigError(
+                f"checkpoint.dir {root} already holds another run's checkpoints; choose another run.dir or "
+                "checkpoint.dir, or set run.overwrite=true to replace them"
+            )
+        if not paths and cfg.checkpoint.every and taken:
+            raise ConfigError(
+                f"checkpoint.dir {root} already holds checkpoints; resume with --resume, or set "
+                "run.overwrite=true to replace them"
+            )
+        restored, later = None, []
+        if paths:
+            restored, warnings = _restore(engine, fresh, paths)
+            if own and cfg.checkpoint.every:
+                later = storage.later_steps(root, restored.step)
+                warnings += _set_aside_warning(root, restored.path, later)
+            for w in [*warnings, *restored.warnings]:
+                if jax.process_index() == 0:
+                    print(f"nljax: warning: {w}", file=sys.stderr)
+        if cfg.checkpoint.every:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"checkpoint.dir {root} cannot be created: {e.strerror or e}") from None
+        if restored:
+            say(f"resumed from {restored.path} at step {restored.step}")
+        return cls(engine, fresh, restored, own, later)
+
+    @property
+    def resume_step(self) -> int | None:
+        """The step this run continues its own files from (None: a fresh run, or a new run
+        started from another run's checkpoint)."""
+        return self.restored.step if self.restored and self.own else None
+
+    @property
+    def rows_restarted(self) -> bool:
+        """Whether the resume restarted every row's memory (another global batch): the first step
+        then resets every row."""
+        return self.restored is not None and self.restored.fresh_rows
+
+    def open(self) -> None:
+        """Start writing (after the run directory was accepted). A fresh run with
+        run.overwrite=true removes the earlier run's checkpoints here."""
+        fresh = self.restored is None or not self.own
+        if fresh and self.cfg.run.overwrite and jax.process_index() == 0:
+            for p in storage.leftovers(self.dir):
+                shutil.rmtree(p)
+        if self.set_aside and jax.process_index() == 0:
+            storage.set_aside(self.dir, self.set_aside)
+        if not self.cfg.checkpoint.every:
+            return
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices("nljax checkpoint dir ready")
+        self._noise = self._quiet.enter_context(errors_hidden())
+        self.manager = storage.writer(self.cfg)
+
+    def save(self, step: int, state: TrainState) -> None:
+        # The previous save is finished first (Orbax would wait for it too) so that a failure is
+        # reported with the step it belongs to.
+        self._wait()
+        # The saves before this one that are complete count against checkpoint.keep; this one,
+        # still being written, does not: until it is committed one more stays on disk.
+        storage.prune(self.dir, self.cfg.checkpoint.keep)
+        self.writing = step
+        error = None
+        try:
+            storage.save(self.manager, self.engine, step, state)
+        except Exception as e:  # noqa: BLE001 - the blocking part of a save (e.g. the disk is full)
+            error = self._failed(e)
+        if error is not None:  # raised outside `except`: see `_failed`
+            raise error
+        self.last_saved = step
+
+    def save_now(self, step: int, state: TrainState) -> None:
+        """Save unless `step` was just saved (the final step, or a preemption, at a checkpoint step)."""
+        if self.manager is not None and self.last_saved != step:
+            self.save(step, state)
+
+    def maybe_save(self, step: int, state: TrainState) -> None:
+        """`step` = optimizer steps done (the state's step)."""
+        if self.manager is not None and step % self.cfg.checkpoint.every == 0:
+            self.save(step, state)
+
+    def _wait(self) -> None:
+        if self.manager is not None and self.writing is not None:
+            error = None
+            try:
+                self.manager.wait_until_finished()
+            except Exception as e:  # noqa: BLE001 - whatever the background writer raised
+                error = self._failed(e)
+            if error is not None:
+                raise error
+            self.writing = None
+
+    def _failed(self, e: BaseException) -> ConfigError:
+        """The one line for a save that failed: the step directory, the OSError, and what is left.
+        The checkpoint being written stays a partial save (`<step>.orbax-checkpoint-tmp-*`), which
+        a resume never reads; the complete ones before it are untouched. The caller raises it
+        outside its `except`: as the context of this error, Orbax's exception would keep the
+        failed writes' futures alive past `close`, whose reports would then reach the user."""
+        step, self.writing = self.writing, None
+        self._save_failed = True
+        kept = storage.committed_steps(self.dir)
+        left = f"the newest complete checkpoint is {self.dir / str(kept[-1])}" if kept else "no complete checkpoint"
+        return ConfigError(f"checkpoint {self.dir / str(step)} could not be saved ({storage.os_error(e)}); {left}")
+
+    def finish(self, step: int, state: TrainState) -> None:
+        """Save the final state (unless just saved) and wait until every save is on disk."""
+        if self.manager is None:
+            return
+        self.save_now(step, state)
+        self.close()
+        storage.prune(self.dir, self.cfg.checkpoint.keep)
+
+    def close(self) -> None:
+        """Wait until the saves in flight are on disk (a run stopped by an error keeps them)."""
+        try:
+            if self.manager is not None:
+                try:
+                    self._wait()
+                finally:
+                    with contextlib.suppress(Exception):  # a failed save was reported (`_failed`)
+                        self.manager.close()
+                    # no reference left: `settle` collects the failed writes the manager held
+                    self.manager = None
+        finally:
+            if self._save_failed and self._noise is not None:
+                self._noise.settle()  # the failed save's writes still in flight, see `quiet`
+            self._noise = None
+            self._quiet.close()
+
+
+def _restore(engine: Engine, fresh: TrainState, paths: list[Path]) -> tuple[Restored, list[str]]:
+    """The first of `paths` that is not damaged, restored, and a warning for each one skipped;
+    refuses one past train.steps."""
+    restored, skipped = restore_first_valid(engine, fresh, paths)
+    if restored.step > engine.cfg.train.steps:
+        raise ConfigError(
+            f"checkpoint {restored.path} is at step {restored.step}, past train.steps={engine.cfg.train.steps}"
+        )
+    return restored, [f"checkpoint {p} is damaged, resuming from an older one "
+                      f"({why.removeprefix(f'checkpoint {p}: ')})" for p, why in skipped]
+
+
+def _set_aside_warning(root: Path, resumed: Path, later: list[Path]) -> list[str]:
+    if not later:
+        return []
+    return [f"checkpoint.dir {root} holds later checkpoints than the one resumed ({resumed}): step"
+            f"{'s' if len(later) > 1 else ''} {', '.join(p.name for p in later)} will be moved to "
+            f"{root / storage.SET_ASIDE}"]

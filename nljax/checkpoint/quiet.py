@@ -1,0 +1,103 @@
+"""Orbax's own reports of what nljax reports itself, hidden while nljax works with Orbax.
+
+Orbax logs routine warnings through absl (e.g. for every read-only manager): `warnings_hidden`.
+When a read or a write fails (a damaged checkpoint, a full disk), the one exception that reaches
+nljax, reported in one line, comes with three kinds of noise: `errors_hidden`.
+
+- Orbax's writer threads log the error with a traceback (absl).
+- TensorStore completes the reads or writes still in flight and calls back into Orbax's event
+  loop, which is closed by then, possibly before the error reaches nljax: each callback raises
+  'Event loop is closed' where nobody catches it, and Python prints a traceback
+  (`sys.unraisablehook`).
+- asyncio logs 'exception was never retrieved' for the other reads or writes of the failed
+  operation when they are garbage-collected.
+
+Both are context managers: the filters are installed on entry and removed on exit, so nothing
+outside nljax's own Orbax calls loses a report. Only those reports are dropped, nothing else
+that happens meanwhile. The callbacks of a failed operation arrive from TensorStore's threads
+after the exception has reached nljax, as soon as the main thread lets them run: a caller that
+caught a failure calls `settle()` before leaving the scope, which waits for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import sys
+import time
+import traceback
+
+
+@contextlib.contextmanager
+def warnings_hidden():
+    """absl's warnings (Orbax's routine ones) dropped; its errors still shown."""
+    log = logging.getLogger("absl")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
+class _Filters:
+    """The three filters of one `errors_hidden` scope. Each scope has its own, so that a scope
+    nested in another removes its own filters and leaves the other's."""
+
+    def __init__(self, previous_hook):
+        self.previous_hook = previous_hook
+        self.on = True
+        self.dropped = 0  # callbacks into a closed event loop dropped so far
+
+    def settle(self, quiet_s: float = 0.1, limit_s: float = 5.0) -> None:
+        """After a failed read or write: wait until the callbacks of the operations it left in
+        flight have arrived (none for `quiet_s`, at most `limit_s`), then collect their futures,
+        so that their reports arrive while they are still dropped."""
+        start = last_change = time.monotonic()
+        seen = self.dropped
+        while time.monotonic() - last_change < quiet_s and time.monotonic() - start < limit_s:
+            time.sleep(0.01)  # lets TensorStore's threads take the GIL and call back
+            if self.dropped != seen:
+                seen, last_change = self.dropped, time.monotonic()
+        gc.collect()
+
+    def orbax_thread_errors(self, record: logging.LogRecord) -> bool:
+        """Drops Orbax's error reports that carry a traceback: the exception itself reaches nljax."""
+        return not (self.on and record.exc_info and "orbax" in record.pathname)
+
+    def unretrieved(self, record: logging.LogRecord) -> bool:
+        """Drops asyncio's 'exception was never retrieved' reports of Orbax's reads and writes."""
+        exc = record.exc_info[1] if record.exc_info else None
+        if not self.on or exc is None or "exception was never retrieved" not in str(record.msg):
+            return True
+        frames = traceback.extract_tb(exc.__traceback__)
+        text = str(exc)
+        return not (any(w in text for w in ("tensorstore", "OCDBT", "os_error_code"))
+                    or any("orbax" in f.filename for f in frames))
+
+    def unraisable(self, u) -> None:
+        """Drops the 'Event loop is closed' errors of callbacks into Orbax's closed event loop."""
+        if self.on and isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value):
+            self.dropped += 1
+        else:
+            self.previous_hook(u)
+
+
+@contextlib.contextmanager
+def errors_hidden():
+    """Orbax's and TensorStore's reports of a failed read or write dropped while entered; yields
+    the filters (`settle()` after a failure)."""
+    f = _Filters(sys.unraisablehook)
+    absl, aio = logging.getLogger("absl"), logging.getLogger("asyncio")
+    absl.addFilter(f.orbax_thread_errors)
+    aio.addFilter(f.unretrieved)
+    sys.unraisablehook = f.unraisable
+    try:
+        yield f
+    finally:
+        f.on = False
+        absl.removeFilter(f.orbax_thread_errors)
+        aio.removeFilter(f.unretrieved)
+        if sys.unraisablehook == f.unraisable:  # else another hook was installed over it: it passes through
+            sys.unraisablehook = f.previous_hook

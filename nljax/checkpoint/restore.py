@@ -1,0 +1,92 @@
+"""Restoring a checkpoint onto this run: read and check it, then convert what depends on the
+device count, the global batch or the strategy (`nljax.checkpoint.elastic`). Reads only; bad
+input raises ConfigError (`Damaged` for files that cannot be read) with one line."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from nljax.checkpoint import elastic, storage
+from nljax.checkpoint.contents import (SILENT, Damaged, check_arrays, check_fits, differences, fmt, get, named_arrays,
+                                     per_device, rows_of)
+from nljax.config import Config, to_dict
+from nljax.hostdev import replica
+from nljax.state import TrainState
+from nljax.step import Engine
+
+
+@dataclasses.dataclass
+class Restored:
+    state: TrainState
+    step: int  # optimizer steps done: the run continues at this step
+    path: Path
+    fresh_rows: bool  # every row's memory restarted: the first step resets every row
+    warnings: list[str]
+
+
+def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
+    """Read the checkpoint at `path` onto `engine`'s mesh (which may differ from the one that
+    saved it) with the shardings of `template` (a fresh state of this run, `Run.init_state`),
+    check it, and convert what depends on the device count, the global batch or the strategy.
+    Reads only; raises ConfigError with one line on bad input."""
+    cfg = engine.cfg
+    meta = storage.read_meta(path)
+    target = named_arrays(template)
+    check_fits(path, meta, engine)
+    warnings = _changed_settings(meta, cfg)
+    fresh_rows = _rows_restart(meta, cfg, target, warnings)
+
+    abstract = elastic.read_shardings(meta, target, engine.mesh)
+    arrays, sums = storage.read_arrays(path, abstract)
+    check_arrays(path, meta, sums, int(replica(arrays["step"])))
+
+    by_rows = lambda name: per_device(name) or rows_of(name)  # one row per device or stream row
+    if not engine.strategy.same_layout(meta.get("strategy", "replicated"), meta["arrays"], target, by_rows):
+        arrays = elastic.convert_layout(meta, engine, template, arrays)
+    out = elastic.to_this_run(arrays, target, engine, int(meta["mesh"]["devices"]), fresh_rows)
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    assert len(leaves) == len(target)
+    state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
+    return Restored(state, meta["step"], path, fresh_rows, warnings)
+
+
+def _changed_settings(meta: dict, cfg: Config) -> list[str]:
+    """A warning for each setting that differs from the checkpoint's and may change the result."""
+    return [
+        f"resuming with {k}={fmt(b)} (checkpoint: {fmt(a)})"
+        for k, a, b in differences(meta["config"], to_dict(cfg), "")
+        if not any(k == s or k.startswith(s + ".") for s in SILENT)
+    ]
+
+
+def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str]) -> bool:
+    """Whether every row's memory restarts: the global batch changed, so the ContextStream gives
+    every row a new stream (with a warning added to `warnings`)."""
+    rows_old, rows_new = int(get(meta["config"], "train.batch_size")), cfg.train.batch_size
+    fresh_rows = rows_old != rows_new and any(rows_of(n) for n in target)
+    if fresh_rows:
+        warnings.append(
+            f"train.batch_size changed from {rows_old} to {rows_new}: the ContextStream gives every row a new "
+            f"stream, so every row's memory restarts from its initial value at step {meta['step']}"
+        )
+    return fresh_rows
+
+
+def restore_first_valid(engine: Engine, template: TrainState, paths: list[Path]) -> tuple[Restored, list[tuple[Path, str]]]:
+    """`restore` of the first of `paths` that is not damaged, and the damaged ones skipped (path,
+    reason). A checkpoint that does not fit this run stops the search (an older one would not fit
+    either); so does the last one's damage, with its own line."""
+    skipped: list[tuple[Path, str]] = []
+    for i, path in enumerate(paths):
+        try:
+            return restore(engine, template, path), skipped
+        except Damaged as e:
+            if i == len(paths) - 1:
+                if skipped:
+                    raise Damaged(f"every checkpoint in {path.parent} is damaged; the oldest: {e}") from None
+                raise
+            skipped.append((path, str(e)))
+    raise AssertionError("no paths")  # candidates() never returns an empty list to resume from

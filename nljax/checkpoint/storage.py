@@ -1,0 +1,209 @@
+"""Checkpoints on disk: Orbax managers, saving and reading the two items of a step directory,
+and finding, pruning and moving nljax's step directories under `checkpoint.dir`.
+
+A step directory nljax committed is `<step>` holding Orbax's step metadata and nljax's item;
+Orbax writes it as `<step>.orbax-checkpoint-tmp-<n>` and renames it once complete. Nothing else a
+user keeps in `checkpoint.dir` (a folder `7`, notes) is ever read, refused or removed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+
+import jax
+
+from nljax.checkpoint.contents import META, STATE, Damaged, check_well_formed, checksums, metadata, named_arrays, nest, unnest
+from nljax.checkpoint.quiet import errors_hidden, warnings_hidden
+from nljax.config import Config
+from nljax.errors import ConfigError, first_line
+from nljax.rundir import checkpoint_dir
+from nljax.state import TrainState
+from nljax.step import Engine
+
+SET_ASIDE = "set_aside"  # <checkpoint.dir>/set_aside/<step>: checkpoints moved out of a resumed run's way
+
+
+def manager(root: Path, write: bool = False, cfg: Config | None = None):
+    """An Orbax CheckpointManager on `root`: read-only, or writing as `cfg.checkpoint` says."""
+    import orbax.checkpoint as ocp
+
+    if not write:
+        with warnings_hidden():  # a read-only manager warns that it is one
+            return ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
+    opts = ocp.CheckpointManagerOptions(
+        # Orbax would prune any folder with a number for a name, a user's too: nljax prunes its
+        # own steps itself (`prune`)
+        max_to_keep=None,
+        enable_async_checkpointing=cfg.checkpoint.async_save,
+        cleanup_tmp_directories=True,  # partial saves of a killed run; never a complete step
+        create=True,
+    )
+    return ocp.CheckpointManager(root, options=opts)
+
+
+def writer(cfg: Config):
+    """An Orbax CheckpointManager writing to `checkpoint.dir` (asynchronous unless
+    checkpoint.async_save=false)."""
+    return manager(checkpoint_dir(cfg), write=True, cfg=cfg)
+
+
+def save(mngr, engine: Engine, step: int, state: TrainState) -> None:
+    """Save `state` after `step` optimizer steps. Returns once the arrays are copied off the
+    devices (the next step may donate `state`); the files are written in the background."""
+    import orbax.checkpoint as ocp
+
+    arrays = named_arrays(state)
+    meta = metadata(engine, step, arrays)
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(nest(arrays)), META: ocp.args.JsonSave(meta)})
+    mngr.save(step, args=args, force=True)
+
+
+def error_line(e: BaseException) -> str:
+    """'<type>: <first line>' of whatever Orbax or TensorStore raised."""
+    return f"{type(e).__name__}: {first_line(e)}"[:300]
+
+
+def os_error(e: BaseException) -> str:
+    """'OSError: [Errno 28] No space left on device' for an error that TensorStore or Python
+    reports with an operating-system error code, else the error's first line."""
+    seen = e
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"OSError: [Errno {seen.errno}] {seen.strerror or os.strerror(seen.errno)}"
+        m = re.search(r"os_error_code='?(\d+)", str(seen))
+        if m:
+            code = int(m[1])
+            return f"OSError: [Errno {code}] {os.strerror(code)}"
+        seen = seen.__cause__ or seen.__context__
+    return error_line(e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading one step directory
+
+
+def read_meta(path: Path) -> dict:
+    """The `nljax` item of the step directory `path`, checked to be well formed."""
+    import orbax.checkpoint as ocp
+
+    if not path.is_dir() or not path.name.isdigit():
+        raise ConfigError(f"{path} is not a checkpoint step directory")
+    try:
+        args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
+        meta = manager(path.parent).restore(int(path.name), args=args)[META]
+    except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
+        raise Damaged(f"checkpoint {path}: metadata unreadable ({error_line(e)})") from None
+    return check_well_formed(path, meta)
+
+
+def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct]) -> tuple[dict[str, jax.Array], dict[str, int]]:
+    """The arrays of the step directory `path`, each read as its `abstract` entry says (shape,
+    dtype, sharding), and their checksums; `Damaged` if they cannot be read."""
+    import orbax.checkpoint as ocp
+
+    error = None
+    # The error is raised once the scope has settled: the exception Orbax raised, kept as the
+    # context of one raised inside, would keep the failed reads' futures alive past it.
+    with errors_hidden() as noise:
+        try:
+            args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(nest(abstract))})
+            arrays = unnest(manager(path.parent).restore(int(path.name), args=args)[STATE])
+            if set(arrays) != set(abstract):
+                raise ValueError(f"arrays {sorted(set(abstract) ^ set(arrays))[:3]} missing or unexpected")
+            sums = checksums(arrays)
+        except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
+            error = Damaged(f"checkpoint {path}: array data unreadable ({error_line(e)})")
+        if error is not None:
+            noise.settle()
+    if error is not None:
+        raise error
+    return arrays, sums
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding, pruning and moving step directories
+
+
+def is_nljax_step(p: Path) -> bool:
+    """A step directory nljax committed: a numeric name, Orbax's step metadata and nljax's item.
+    Only these are resumed from or pruned; a user's folder `checkpoints/7` is neither."""
+    return p.name.isdigit() and (p / META / "metadata").is_file() and (p / "_CHECKPOINT_METADATA").is_file()
+
+
+def complete_steps(root: Path) -> list[int]:
+    """Steps with a complete nljax checkpoint under `root` (partial saves and folders nljax did
+    not write excluded)."""
+    if not root.is_dir():
+        return []
+    ours = {int(p.name) for p in root.iterdir() if is_nljax_step(p)}
+    # the manager is opened on every process whatever this host sees: opening it syncs processes
+    return sorted(ours & set(manager(root).all_steps()))
+
+
+def committed_steps(root: Path) -> list[int]:
+    """The complete steps this host sees under `root`, without opening a manager."""
+    return sorted(int(p.name) for p in root.iterdir() if is_nljax_step(p)) if root.is_dir() else []
+
+
+def prune(root: Path, keep: int) -> None:
+    """Remove all but the newest `keep` complete nljax checkpoints under `root` (process 0).
+    Every process calls it: listing the steps opens an Orbax manager, which syncs processes."""
+    steps = complete_steps(root)
+    if jax.process_index() != 0:
+        return
+    for step in steps[:-keep]:
+        shutil.rmtree(root / str(step), ignore_errors=True)
+
+
+def leftovers(root: Path) -> list[Path]:
+    """nljax's step directories and partial saves under `root`."""
+    if not root.is_dir():
+        return []
+    # `<step>` holding an nljax item, and `<step>.orbax-checkpoint-tmp-<n>` (a save cut short);
+    # nothing else a user keeps there is ever refused or removed.
+    return [p for p in root.iterdir()
+            if p.is_dir() and ((p.name.isdigit() and (p / META).is_dir())
+                               or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
+
+
+def later_steps(root: Path, step: int) -> list[Path]:
+    """nljax's step directories under `root` after `step` (damaged ones included), oldest first."""
+    return sorted((p for p in leftovers(root) if p.name.isdigit() and int(p.name) > step), key=lambda p: int(p.name))
+
+
+def set_aside(root: Path, paths: list[Path]) -> None:
+    """Move `paths` to `<root>/set_aside/`, never over an earlier one of the same name."""
+    for p in paths:
+        dest = _free_name(root / SET_ASIDE / p.name)
+        dest.parent.mkdir(exist_ok=True)
+        p.rename(dest)
+
+
+def _free_name(path: Path) -> Path:
+    """`path`, or `path.1`, `path.2`, ... : the first that does not exist."""
+    n, out = 0, path
+    while out.exists():
+        n += 1
+        out = path.with_name(f"{path.name}.{n}")
+    return out
+
+
+def candidates(cfg: Config) -> list[Path]:
+    """The step directories a resume may use, best first: the one `checkpoint.resume` names, or
+    for `latest` (or a checkpoint directory) its complete checkpoints, newest first (an older one
+    is used when the newer ones are damaged). Empty for a fresh run."""
+    resume = cfg.checkpoint.resume
+    if not resume:
+        return []
+    root = checkpoint_dir(cfg) if resume == "latest" else Path(resume).absolute()
+    if not root.exists():
+        raise ConfigError(f"checkpoint not found: {root}")
+    if (root / META).is_dir() or (root / STATE).is_dir():
+        return [root]  # a step directory
+    steps = complete_steps(root)
+    if not steps:
+        raise ConfigError(f"no complete checkpoint in {root} to resume from")
+    return [root / str(s) for s in reversed(steps)]
