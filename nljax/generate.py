@@ -1,0 +1,186 @@
+"""Sample from a trained run.
+
+    python -m nljax.generate run.dir=runs/default prompt="def " max_new_tokens=200 \\
+        temperature=0.8 top_k=40 top_p=0.95 seed=0 [checkpoint=PATH] [--cpu-devices N]
+    python -m nljax.generate run.dir=runs/meanflow_digits [samples=16] [out=FILE.png]
+
+Language models read the stream the way training read it: in windows of `train.seq_len` tokens,
+attention inside a window, the neural memory carried from window to window (written by every
+full window, reset at the start like a new document). The prompt's full windows are written into
+the memory first; then each new token is predicted from the memory of the windows before it and
+the tokens of its own window so far (the model is causal, so what pads the window after them
+changes nothing), and once a window is full it is written into the memory in turn. Tokens are
+bytes; the text streams to the terminal as it is sampled.
+
+Sampling is on the host in float64 from the logits (temperature, then top-k, then top-p), with a
+numpy generator seeded by `seed`: the same checkpoint and seed give the same tokens on any device
+count (the parameters are replicated, so every device computes the same logits).
+
+A MeanFlow run (model.name=dit) writes a PNG grid instead: one-step and multi-step
+(`meanflow.sample_steps`) samples for the first held-out labels, beside those images.
+
+Any other `key=value` is a config override on top of the run's own config.yaml.
+"""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nljax import cli, trained as trained_lib
+from nljax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    prompt: str = ""
+    max_new_tokens: int = 200
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 0  # keep the k most likely tokens; 0: all
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p; 1: all
+    seed: int = 0
+    checkpoint: str = "latest"  # or a step directory, or a checkpoints directory
+    samples: int = 16  # DiT: images in the grid
+    out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png)
+
+    def check(self) -> "Settings":
+        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"need max_new_tokens >= 0, temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
+                              f"{self.max_new_tokens}, {self.temperature}, {self.top_k}, {self.top_p}")
+        if self.samples < 1:
+            raise ConfigError(f"samples must be >= 1, got {self.samples}")
+        return self
+
+
+def parse(pairs: list[str]) -> tuple[Settings, list[str]]:
+    """(generation settings, config overrides) from `key=value` arguments."""
+    fields = {f.name: f.type for f in dataclasses.fields(Settings)}
+    cast = {"str": str, "int": int, "float": float}
+    values, overrides = {}, []
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise ConfigError(f"expected key=value, got {pair!r}")
+        if key not in fields:
+            overrides.append(pair)
+            continue
+        try:
+            values[key] = cast[fields[key]](value)
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not a {fields[key]}") from None
+    return Settings(**values).check(), overrides
+
+
+def sample_token(logits: np.ndarray, rng: np.random.Generator, s: Settings) -> int:
+    """One token from logits [V]: temperature, then top-k, then top-p (nucleus)."""
+    logits = np.asarray(logits, np.float64)
+    if s.temperature == 0:
+        return int(np.argmax(logits))
+    z = logits / s.temperature
+    if s.top_k:
+        z = np.where(z < np.sort(z)[-min(s.top_k, len(z))], -np.inf, z)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if s.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]  # probability of the tokens ranked above each
+        p[order[before >= s.top_p]] = 0.0
+        p /= p.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+class TextSampler:
+    """Windowed decoding of a trained language model (module docstring)."""
+
+    def __init__(self, model, params, mesh, seq_len: int):
+        self.params, self.t = params, seq_len
+        self.rep = NamedSharding(mesh, P())
+        self.memory0 = jax.device_put(model.init_memory(1), self.rep)
+        self._forward = jax.jit(lambda params, memory, tokens, reset: model.logits(
+            params, memory, {"tokens": tokens, "reset": reset}))
+
+    def forward(self, memory, window: list[int], fresh: bool):
+        """Logits [T, V] of `window` (<= T tokens, padded) and the memory after it."""
+        tokens = np.zeros((1, self.t + 1), np.int32)  # the model reads T inputs (the last is a target)
+        tokens[0, : len(window)] = window
+        reset = np.array([fresh])
+        logits, memory = self._forward(self.params, memory, jax.device_put(tokens, self.rep),
+                                       jax.device_put(reset, self.rep))
+        return np.asarray(jax.device_get(logits))[0], memory
+
+    def tokens(self, prompt: list[int], s: Settings) -> Iterator[int]:
+        """The sampled tokens after `prompt`, one at a time."""
+        rng = np.random.default_rng(s.seed)
+        memory, fresh, window = self.memory0, True, list(prompt) or [0]  # empty prompt: a document start
+        for _ in range(s.max_new_tokens):
+            while len(window) > self.t:  # full windows go into the memory, as in training
+                _, memory = self.forward(memory, window[: self.t], fresh)
+                window, fresh = window[self.t :], False
+            logits, _ = self.forward(memory, window, fresh)
+            token = sample_token(logits[len(window) - 1], rng, s)
+            window.append(token)
+            yield token
+
+
+def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], None]) -> list[int]:
+    """Sample from a language model, writing the text as it comes; returns the new tokens."""
+    if not hasattr(t.model, "logits"):
+        raise ConfigError(f"model.name={t.cfg.model.name} has no logits(): it cannot generate text")
+    sampler = TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    out = []
+    write(s.prompt)
+    for token in sampler.tokens(list(s.prompt.encode()), s):
+        out.append(token)
+        write(decoder.decode(bytes([token])))
+    write(decoder.decode(b"", final=True))
+    return out
+
+
+def generate_images(t: trained_lib.Trained, s: Settings) -> Path:
+    """A MeanFlow run's one-step and multi-step samples beside held-out images, as a PNG."""
+    from nljax.figures import sample_figure, write_png
+
+    task = t.run.task
+    n = min(s.samples, len(task.data.eval_x))
+    one, multi = task.generate(t.model, t.params, n)
+    path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
+    write_png(path, sample_figure(one, multi, task.data.eval_x[:n]))
+    return path
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="nljax.generate", description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
+    p.add_argument("settings", nargs="*", metavar="key=value",
+                   help="run.dir=DIR (required), generation settings (module docstring), config overrides")
+    args = p.parse_args(argv)
+    try:
+        cli.setup_devices(args.cpu_devices)
+        s, overrides = parse(args.settings)
+        run_dir = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
+        if not run_dir:
+            raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
+        t = trained_lib.load(run_dir[-1], s.checkpoint, overrides)
+        print(f"nljax.generate: {t.path} (step {t.step})", file=sys.stderr)
+        if t.cfg.model.name == "dit":
+            print(f"nljax.generate: wrote {generate_images(t, s)}", file=sys.stderr)
+        else:
+            generate_text(t, s, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+            print()
+        return 0
+    except ConfigError as e:
+        print(f"nljax.generate: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""A trained run, loaded for use (`nljax.generate`, `nljax.export`): the newest intact checkpoint
+of a run directory (or the one named) restored onto this process's devices, with the model's
+whole parameter tree replicated on them whatever strategy and mesh trained it.
+
+The run's own `config.yaml` (written by `nljax.train`) says what the model is; the restore is the
+elastic one of `--resume` (`nljax.checkpoint.restore`) onto a 1 x n mesh under the `replicated`
+strategy, one row per device. Reads only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+
+from nljax import config
+from nljax.checkpoint import storage
+from nljax.checkpoint.restore import restore_first_valid
+from nljax.errors import ConfigError
+from nljax.run import Run
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trained:
+    cfg: config.Config
+    run: Run  # on a 1 x n mesh, replicated strategy
+    params: Any  # the model's parameter tree, replicated over run.mesh
+    step: int  # optimizer steps the checkpoint had taken
+    path: Path  # the step directory read
+
+    @property
+    def model(self):
+        return self.run.engine.model
+
+
+def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
+    """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
+    directory or a checkpoints directory), on `devices` (default: all of this process's)."""
+    run_dir = Path(run_dir)
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file} not found: run.dir must be a run directory written by nljax.train")
+    devices = list(devices or jax.local_devices())
+    n = len(devices)
+    cfg = config.load(str(cfg_file), [
+        *overrides, f"run.dir={run_dir}", f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
+        f"train.batch_size={n}", "train.accum_steps=1", "sync.strategy=replicated",
+    ])
+    run = Run.create(cfg, devices)
+    restored, _ = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
+    return Trained(cfg, run, restored.state.params, restored.step, restored.path)

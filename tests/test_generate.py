@@ -1,0 +1,108 @@
+"""Generation: the sampling rules, windowed decoding that continues the stream exactly as training
+reads it, the same tokens on 1 and 8 devices from a run trained under fsdp, images from a
+MeanFlow run, and one-line errors."""
+
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from nljax import generate, trained
+from nljax.checkpoint import storage
+from nljax.config import to_dict
+
+from helpers import make, run_steps
+
+# attention + neural memory (written across windows) at train.seq_len 8: a 30-token generation
+# crosses several windows
+NL = ["model.name=nl_lm", "model.heads=2", "model.window=8", "model.memory_layers=[0]", "model.memory_heads=2",
+      "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,2]"]
+
+
+def saved_run(run_dir: Path, overrides, inter, intra, steps=2):
+    """A run directory as nljax.train leaves it (config.yaml, a checkpoint after `steps` steps)."""
+    setup = make([*overrides, f"run.dir={run_dir}"], inter, intra)
+    _, state = run_steps(setup, steps)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(setup.cfg), sort_keys=False))
+    m = storage.writer(setup.cfg)
+    storage.save(m, setup.engine, steps, state)
+    m.wait_until_finished()
+    m.close()
+    return setup, state
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("gen") / "run"
+    setup, state = saved_run(run_dir, [*NL, "sync.strategy=fsdp"], 2, 4)
+    return run_dir, jax.device_get(setup.engine.strategy.gather_params(state.params))
+
+
+def test_sampling_rules():
+    logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
+    rng = np.random.default_rng(0)
+    s = generate.Settings
+    assert generate.sample_token(logits, rng, s(temperature=0)) == 1
+    assert {generate.sample_token(logits, rng, s(temperature=5, top_k=1)) for _ in range(20)} == {1}
+    assert {generate.sample_token(logits, rng, s(temperature=5, top_k=2)) for _ in range(200)} == {1, 3}
+    # top_p: token 1 alone has p ~ 0.53 at temperature 1, so top_p 0.5 keeps it alone
+    assert {generate.sample_token(logits, rng, s(temperature=1, top_p=0.5)) for _ in range(50)} == {1}
+    draws = [generate.sample_token(logits, rng, s(temperature=1)) for _ in range(4000)]
+    p = np.exp(logits) / np.exp(logits).sum()
+    np.testing.assert_allclose(np.bincount(draws, minlength=5) / 4000, p, atol=0.03)
+
+
+def test_greedy_decoding_continues_the_stream_as_training_reads_it(fsdp_run):
+    """Greedy tokens, fed back through the model as training reads a stream (windows of T, the
+    memory carried, the first window reset), are each the argmax at their position: the padded
+    partial windows and the window-by-window memory writes of decoding change nothing."""
+    run_dir, _ = fsdp_run
+    t = trained.load(run_dir, devices=jax.devices()[:1])
+    prompt = "def f(x):\n  return"  # 19 bytes: two full windows of 8 and a partial one
+    out = generate.generate_text(t, generate.Settings(prompt=prompt, max_new_tokens=30, temperature=0), lambda _: None)
+    seq, T = list(prompt.encode()) + out, t.cfg.train.seq_len
+    memory, preds = t.model.init_memory(1), []
+    for w, start in enumerate(range(0, len(seq), T)):
+        window = np.zeros((1, T + 1), np.int32)
+        chunk = seq[start : start + T]
+        window[0, : len(chunk)] = chunk
+        logits, memory = t.model.logits(t.params, memory, {"tokens": window, "reset": np.array([w == 0])})
+        preds += np.argmax(np.asarray(logits)[0, : len(chunk)], -1).tolist()
+    assert preds[len(prompt) - 1 : len(seq) - 1] == out
+
+
+def test_same_tokens_on_one_and_eight_devices(fsdp_run):
+    run_dir, params = fsdp_run
+    s = generate.Settings(prompt="import ", max_new_tokens=20, temperature=1.0, top_k=50, seed=3)
+    runs = [trained.load(run_dir, devices=jax.devices()[:n]) for n in (1, 8)]
+    for t in runs:  # the whole tree, gathered from the fsdp shards
+        for a, b in zip(jax.tree.leaves(jax.device_get(t.params)), jax.tree.leaves(params)):
+            np.testing.assert_array_equal(a, b)
+    one, eight = (generate.generate_text(t, s, lambda _: None) for t in runs)
+    assert one == eight and len(one) == 20
+    assert one != generate.generate_text(runs[0], generate.Settings(**{**vars(s), "seed": 4}), lambda _: None)
+
+
+def test_meanflow_run_writes_a_sample_grid(tmp_path):
+    dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+           "model.patch_size=1", "images.source=moons", "images.toy_points=80", "cms.periods=[1]",
+           "train.batch_size=16", "meanflow.sample_steps=2"]
+    saved_run(tmp_path / "run", dit, 1, 2, steps=1)
+    out = tmp_path / "grid.png"
+    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6"]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args,line", [
+    (["prompt=x"], "run.dir=DIR is required"),
+    (["run.dir=/nonexistent/run"], "config.yaml not found"),
+    (["run.dir=/tmp", "top_p=0"], "0 < top_p <= 1"),
+    (["run.dir=/tmp", "max_new_tokens=many"], "max_new_tokens='many' is not a int"),
+])
+def test_bad_arguments_are_one_line(args, line, capsys):
+    assert generate.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and line in err, err
