@@ -1,3 +1,11 @@
 """nljax: nested-learning models and MeanFlow denoisers as one SPMD program over a JAX mesh."""
 
 __version__ = "0.1.0"
+
+
+def load_model(path):
+    """(model, params) of a directory written by `python -m nljax.export` (nljax/export.py).
+    Imported on call: `import nljax` stays free of JAX and Flax."""
+    from nljax.export import load_model as load
+
+    return load(path)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import numpy as np
+import yaml
 
 from nljax import config
+from nljax.checkpoint import storage
 from nljax.conductor import pulse
 from nljax.hostdev import mean_loss
 from nljax.run import Run
@@ -25,6 +28,11 @@ TINY = [
     "optim.warmup_steps=0",
     "optim.schedule=constant",
 ]
+
+
+# TINY with attention and a neural memory (per-row state written across steps) and two CMS levels.
+TINY_NL = ["model.name=nl_lm", "model.heads=2", "model.window=8", "model.memory_layers=[0]", "model.memory_heads=2",
+           "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,2]"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -73,3 +81,16 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
 def replicas(x: jax.Array) -> list[np.ndarray]:
     """Each device's own copy of a replicated array."""
     return [np.asarray(s.data) for s in x.addressable_shards]
+
+
+def saved_run(run_dir: Path, overrides, inter, intra, steps=2):
+    """A run directory as nljax.train leaves it (config.yaml, a checkpoint after `steps` steps)."""
+    setup = make([*overrides, f"run.dir={run_dir}"], inter, intra)
+    _, state = run_steps(setup, steps)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(setup.cfg), sort_keys=False))
+    m = storage.writer(setup.cfg)
+    storage.save(m, setup.engine, steps, state)
+    m.wait_until_finished()
+    m.close()
+    return setup, state

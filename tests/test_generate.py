@@ -2,38 +2,16 @@
 reads it, the same tokens on 1 and 8 devices from a run trained under fsdp, images from a
 MeanFlow run, and one-line errors."""
 
-from pathlib import Path
-
 import jax
 import numpy as np
 import pytest
-import yaml
 
 from nljax import generate, trained
-from nljax.checkpoint import storage
-from nljax.config import to_dict
 
-from helpers import make, run_steps
+from helpers import TINY_NL, saved_run
 
-# attention + neural memory (written across windows) at train.seq_len 8: a 30-token generation
-# crosses several windows
-NL = ["model.name=nl_lm", "model.heads=2", "model.window=8", "model.memory_layers=[0]", "model.memory_heads=2",
-      "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,2]"]
-
-
-def saved_run(run_dir: Path, overrides, inter, intra, steps=2):
-    """A run directory as nljax.train leaves it (config.yaml, a checkpoint after `steps` steps)."""
-    setup = make([*overrides, f"run.dir={run_dir}"], inter, intra)
-    _, state = run_steps(setup, steps)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(setup.cfg), sort_keys=False))
-    m = storage.writer(setup.cfg)
-    storage.save(m, setup.engine, steps, state)
-    m.wait_until_finished()
-    m.close()
-    return setup, state
-
-
+# TINY_NL at train.seq_len 8: a 30-token generation crosses several windows of the memory
+NL = TINY_NL
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("gen") / "run"

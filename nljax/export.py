@@ -1,0 +1,106 @@
+"""Export a trained run's parameters, and load them back without nljax's training machinery.
+
+    python -m nljax.export run.dir=runs/default [--format safetensors] [dtype=float32|bfloat16]
+                           [out=DIR] [checkpoint=PATH]
+
+writes DIR (default <run.dir>/export) with
+
+- `model.safetensors`: the model's parameter tree in its own layout, gathered from whatever
+  strategy trained it, one tensor per leaf named by its path ("block0/cms1/down/kernel");
+- `config.json`: the run's config (what `nljax.models.build` needs), the step and the dtype.
+
+`nljax.load_model(DIR)` returns (model, params) on one device; `model.logits(params,
+model.init_memory(rows), {"tokens": [B, T+1], "reset": [B]})` is the language model's forward
+(the same call `nljax.generate` makes). A bfloat16 export halves the file and is loaded as
+bfloat16 (the model computes in `model.dtype` whatever the parameters' dtype).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+from nljax import cli, config, trained as trained_lib
+from nljax.errors import ConfigError
+
+FORMATS = ("safetensors",)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+
+
+def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
+    """Write `t`'s parameters and config to `out` (a directory)."""
+    from safetensors.flax import save_file
+
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    flat = traverse_util.flatten_dict(jax.device_get(t.params), sep="/")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(out / WEIGHTS))
+    info = {"config": config.to_dict(t.cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
+    (out / CONFIG).write_text(json.dumps(info, indent=1))
+    return out
+
+
+def load_model(path: str | Path):
+    """(model, params) of an export directory, the parameters on the default device."""
+    from safetensors.flax import load_file
+
+    from nljax.models import build
+
+    path = Path(path)
+    for name in (WEIGHTS, CONFIG):
+        if not (path / name).is_file():
+            raise ConfigError(f"{path / name} not found: not a directory written by nljax.export")
+    cfg = config.from_dict(json.loads((path / CONFIG).read_text())["config"])
+    model = build(cfg)
+    flat = load_file(str(path / WEIGHTS))
+    template = traverse_util.flatten_dict(jax.eval_shape(model.init, jax.random.key(0)), sep="/")
+    if set(flat) != set(template):
+        missing, extra = sorted(set(template) - set(flat))[:3], sorted(set(flat) - set(template))[:3]
+        raise ConfigError(f"{path / WEIGHTS} does not fit its config.json (missing {missing}, unexpected {extra})")
+    for k, v in template.items():
+        if flat[k].shape != v.shape:
+            raise ConfigError(f"{path / WEIGHTS}: '{k}' is {flat[k].shape}, the model needs {v.shape}")
+    return model, traverse_util.unflatten_dict(flat, sep="/")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="nljax.export", description=__doc__.splitlines()[0])
+    p.add_argument("--format", choices=FORMATS, default="safetensors")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
+    p.add_argument("settings", nargs="*", metavar="key=value",
+                   help="run.dir=DIR (required), dtype=, out=, checkpoint=, config overrides")
+    args = p.parse_args(argv)
+    try:
+        cli.setup_devices(args.cpu_devices)
+        mine = {"dtype": "float32", "out": "", "checkpoint": "latest"}
+        overrides = []
+        for pair in args.settings:
+            key, _, value = pair.partition("=")
+            if key in mine:
+                mine[key] = value
+            else:
+                overrides.append(pair)
+        run_dir = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
+        if not run_dir:
+            raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
+        if mine["dtype"] not in DTYPES:  # before the checkpoint is read
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {mine['dtype']!r}")
+        t = trained_lib.load(run_dir[-1], mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
+        out = export(t, Path(mine["out"] or Path(run_dir[-1]) / "export"), mine["dtype"])
+        print(f"nljax.export: {t.path} (step {t.step}) -> {out}/{WEIGHTS}, {out}/{CONFIG}")
+        return 0
+    except ConfigError as e:
+        print(f"nljax.export: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""Export: the parameters gathered from any strategy, written as safetensors with the config, load
+back (`nljax.load_model`) into a model whose logits equal the training state's."""
+
+import jax
+import numpy as np
+import pytest
+
+import nljax
+from nljax import export, trained
+
+from helpers import TINY_NL, saved_run
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
+def test_export_load_gives_the_training_states_logits(strategy, tmp_path):
+    setup, state = saved_run(tmp_path / "run", [*TINY_NL, f"sync.strategy={strategy}"], 2, 4)
+    t = trained.load(tmp_path / "run", devices=jax.devices()[:1])
+    batch = jax.device_get(setup.batch(2))
+    batch = {"tokens": batch["tokens"], "reset": np.ones(len(batch["reset"]), bool)}
+    params = jax.device_get(setup.engine.strategy.gather_params(state.params))
+    memory = setup.engine.model.init_memory(len(batch["reset"]))
+    want, _ = setup.engine.model.logits(params, memory, batch)
+
+    model, loaded = nljax.load_model(export.export(t, tmp_path / "f32"))
+    got, _ = model.logits(loaded, memory, batch)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+    model, half = nljax.load_model(export.export(t, tmp_path / "bf16", "bfloat16"))
+    assert {x.dtype for x in jax.tree.leaves(half)} == {np.dtype("bfloat16")}
+    got, _ = model.logits(half, memory, batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05)  # bf16 weights: ~3 digits
+
+
+def test_export_cli_and_bad_input(tmp_path, capsys):
+    saved_run(tmp_path / "run", TINY_NL, 1, 1, steps=1)
+    assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=bfloat16"]) == 0
+    assert (tmp_path / "run" / "export" / export.WEIGHTS).is_file()
+    assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=int8"]) == 2
+    assert export.main(["run.dir=/nonexistent"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and "dtype must be one of" in err[0] and "config.yaml not found" in err[1]
+    with pytest.raises(nljax.errors.ConfigError, match="not a directory written by nljax.export"):
+        nljax.load_model(tmp_path)
