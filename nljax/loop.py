@@ -95,6 +95,8 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor,
         seen.add(variant)
         conductor = conductor.advance()  # after the step's synchronization
         rec = step_record(p, m, loss, dt, units, key, compiled, variant)
+        if compiled:
+            rec["compile_s"] = run.cache.compile_s.get(variant)
         yield StepResult(p, state, rec, last, units / dt)
 
 

@@ -73,6 +73,8 @@ class Progress:
 
     def update(self, rec: dict, rate: float, last: bool, eval_text: str = "") -> None:
         pattern = rec["pattern"]
+        if rec.get("compile_s") is not None:
+            self.say(f"compiled {pattern} in {rec['compile_s']:.1f} s")
         if self.bar is not None:
             self.bar.set_postfix_str(f"loss {rec['loss']:.4f}  {rate:,.0f} {self.unit}/s/device", refresh=False)
             self.bar.update(1)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from typing import Any, Callable
 
 import jax
@@ -261,6 +262,7 @@ class StepCache:
     def __init__(self, eng: Engine):
         self.eng = eng
         self.traces: dict = {}  # variant key -> times traced
+        self.compile_s: dict = {}  # variant key -> seconds to trace and compile it (or load it from the cache)
         self._train: dict = {}
         self._eval: Callable | None = None
         self._eval_stream: dict = {}  # batch keys -> jitted streaming eval step
@@ -307,7 +309,10 @@ class StepCache:
         )
         # Compiled ahead of time: the executable that trains is the one whose HLO `nljax.comm`
         # and the run summary read, with no second compilation.
-        return jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
+        t0 = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
+        self.compile_s[key] = time.perf_counter() - t0
+        return compiled
 
     def train(self, active: Active, state: TrainState, batch: dict):
         """One step: (new state, metrics, the variant that ran, `variant(active, batch)`).

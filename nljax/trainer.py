@@ -13,7 +13,7 @@ import time
 
 import jax
 
-from nljax import __version__, distributed, levels, optim, runlog, throughput
+from nljax import __version__, compile_cache, distributed, levels, optim, runlog, throughput
 from nljax.checkpoint.lifecycle import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name
@@ -252,6 +252,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
 
 
 def train(cfg: Config) -> dict:
+    compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     run = Run.create(cfg)
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
     distributed.check_startup(cfg, run.mesh, run.task, say)

@@ -1,6 +1,7 @@
 """Eight emulated CPU devices, configured before JAX creates its backends."""
 
 import os
+import tempfile
 
 # The LLVM flags halve XLA:CPU compile time, which dominates this suite; they change code
 # generation effort, not the arithmetic, and the single-device references use them too.
@@ -10,6 +11,9 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# run.compile_cache=auto writes under $XDG_CACHE_HOME: a directory of this session's own, so the
+# suite never reads or fills the user's cache (subprocesses inherit it)
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="nljax_test_cache_")
 
 import jax  # noqa: E402
 

@@ -176,3 +176,19 @@ def test_a_live_run_in_run_dir_refuses_another(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and f"is in use by a live run (host {socket.gethostname()}, pid {os.getpid()}" in lines[0]
     assert lock.read_text() == held and not [q for q in d.rglob("*") if q.is_file() and q != lock]
+
+
+def test_compile_cache_makes_the_second_start_faster(tmp_path):
+    """A resumed run loads its step variants from run.compile_cache instead of compiling them
+    again: nothing new is written there, and the reported compile times drop. (The run's length
+    is part of the programs, through the learning-rate schedule: the resume keeps train.steps.)"""
+    d, cache = tmp_path / "run", tmp_path / "cache"
+    common = ["--cpu-devices", "2", *SMALL, *QUICK, f"run.dir={d}", f"run.compile_cache={cache}", "checkpoint.every=4",
+              "eval.every=0", "train.steps=8"]
+    times = lambda p: [float(l.split(" in ")[1].split()[0]) for l in p.stdout.splitlines() if l.startswith("compiled ")]
+    first = times(run("nljax.train", *common))
+    entries = set(os.listdir(cache))
+    second = times(run("nljax.train", *common, f"checkpoint.resume={d}/checkpoints/4"))
+    assert len(first) == len(second) == 3 and entries  # L0+1+2, L0, L0+1 in either run
+    assert set(os.listdir(cache)) == entries
+    assert sum(second) < 0.7 * sum(first), (first, second)

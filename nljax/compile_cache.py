@@ -1,0 +1,39 @@
+"""JAX's persistent compilation cache for training runs (`run.compile_cache`).
+
+Every pulse pattern of a CMS cycle is its own compiled step; a resumed or repeated run would
+compile each again. With the cache on, XLA's executables are kept on disk, keyed by the program,
+the devices and the JAX version, so the second start loads them instead: same executables, same
+results, less waiting. `nljax.bench` never turns it on (it measures compile times).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import jax
+
+from nljax.errors import ConfigError
+
+
+def directory(setting: str) -> Path | None:
+    """`auto`: the user's cache directory ($XDG_CACHE_HOME or ~/.cache, then nljax/jax), shared
+    by every run of this user; `off`: none; anything else: that directory."""
+    if setting == "off":
+        return None
+    if setting == "auto":
+        return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nljax" / "jax"
+    return Path(setting)
+
+
+def enable(setting: str) -> Path | None:
+    """Turn the cache on as `setting` says (before the first compilation); the directory used."""
+    path = directory(setting)
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run.compile_cache: {path} cannot be created: {e.strerror or e}") from None
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    return path
