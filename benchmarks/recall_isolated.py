@@ -66,9 +66,9 @@ def logits_fn(args):
                 lambda p, tok: net.apply(p, tok))
     if args.no_attention:
         nl_lm.Attention = ZeroAttention  # NLNet looks the class up when it is called
-    cfg = config.load(None, ["model.name=nl_lm", "model.dim=64", "model.depth=1", "model.heads=2", f"model.window={args.window}",
-                             "model.memory_layers=[0]", "model.memory_heads=2", "model.memory_dim=32",
-                             f"model.memory_chunk={args.chunk}", "cms.periods=[1]"])
+    cfg = config.load(None, ["model.name=nl_lm", "model.dim=64", "model.depth=1", "model.heads=2", f"model.nl_lm.window={args.window}",
+                             "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_heads=2", "model.nl_lm.memory_dim=32",
+                             f"model.nl_lm.memory_chunk={args.chunk}", "cms.periods=[1]"])
     model = build(cfg)
     memory = model.init_memory(B)
     batch = lambda tok: {"tokens": jnp.concatenate([tok, tok[:, -1:]], 1), "reset": jnp.ones(B, bool)}

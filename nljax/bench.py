@@ -135,13 +135,14 @@ def analytic_flops(cfg: Config, model, param_shapes) -> dict:
     n_total, n = matmul_params(param_shapes)
     out = {"params": n_total, "matmul_params": n, "outer_per_token": 6.0 * n}
     if m.name == "nl_lm":
-        ctx, per_unit = min(m.window, cfg.train.seq_len), 1
-        h, d, hid = m.memory_heads, m.memory_dim, m.memory_hidden
-        per_layer = 48.0 * h * d * hid if m.memory_kind == "mlp" else 24.0 * h * d * d
-        out["inner_memory_per_token"] = per_layer * len(m.memory_layers)
+        nl = m.nl_lm
+        ctx, per_unit = min(nl.window, cfg.train.seq_len), 1
+        h, d, hid = nl.memory_heads, nl.memory_dim, nl.memory_hidden
+        per_layer = 48.0 * h * d * hid if nl.memory_kind == "mlp" else 24.0 * h * d * d
+        out["inner_memory_per_token"] = per_layer * len(nl.memory_layers)
     elif m.name == "dit":
         hh, ww, _ = model.net.image
-        ctx = per_unit = (hh // m.patch_size) * (ww // m.patch_size)
+        ctx = per_unit = (hh // m.dit.patch_size) * (ww // m.dit.patch_size)
         out["inner_memory_per_token"] = 0.0
         per_image = count_params(param_shapes, lambda name: any(k in name for k in DIT_PER_IMAGE))
         out["outer_per_token"] = 6.0 * (n - per_image)

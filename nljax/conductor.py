@@ -10,6 +10,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Literal
+
+from nljax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class CMSConfig:
+    """Config section `cms`: the levels' periods, and what a frozen level does with its gradients."""
+
+    periods: tuple[int, ...] = (1, 8, 64, 512)
+    frozen_grads: Literal["accumulate", "skip"] = "accumulate"
+    # What `accumulate` buffers while a level is frozen (nljax/frozen.py): `gradients`, one sum
+    # applied as one optimizer step at the firing; `updates`, every step's gradient, on which the
+    # optimizer runs step by step at the firing (the paper's sum of per-step optimizer outputs).
+    accumulate: Literal["gradients", "updates"] = "gradients"
+
+    def check(self) -> None:
+        if not self.periods or any(p < 1 for p in self.periods):
+            raise ConfigError(f"cms.periods must be a non-empty list of positive integers, got {list(self.periods)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,12 +18,53 @@ loss of a global batch does not depend on how its rows are split over devices.
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Callable, ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 
-from nljax.config import MeanFlowConfig
+from nljax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class MeanFlowConfig:
+    """Config section `meanflow`: loss and sampling of the DiT denoiser."""
+
+    loss: Literal["meanflow", "flow_matching"] = "meanflow"
+    r_fraction: float = 0.25  # fraction of examples with r != t (the rest have r = t)
+    time_mu: float = -0.4  # logit-normal (t, r): sigmoid(mu + sigma * N(0, 1))
+    time_sigma: float = 1.0
+    adaptive_p: float = 1.0  # loss weight 1 / (||delta||^2 + c)^p, detached; p = 0: plain squared error
+    adaptive_c: float = 1e-3
+    class_cond: bool = True  # condition on labels when the data has them
+    label_dropout: float = 0.1  # labels replaced by the null class (classifier-free guidance)
+    cfg_omega: float = 1.0  # guided target w v + kappa u_cond + (1 - w - kappa) u_uncond; 1, 0: off
+    cfg_kappa: float = 0.0
+    cfg_t_min: float = 0.0  # guidance applies for t in [cfg_t_min, cfg_t_max]
+    cfg_t_max: float = 1.0
+    sample_steps: int = 4  # steps of the multi-step evaluation (one-step is always reported)
+    eval_samples: int = 0  # samples per evaluation; 0: as many as held-out images
+
+    # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
+    RANGES: ClassVar[dict] = {"cfg_t_min": (0, 1, True, True), "cfg_t_max": (0, 1, True, True)}
+
+    def check(self) -> None:
+        if self.eval_samples < 0 or self.eval_samples == 1:
+            # the energy distance needs two samples: found here, not after training
+            raise ConfigError(f"meanflow.eval_samples must be 0 (all) or >= 2, got {self.eval_samples}")
+
+    def check_used(self) -> None:
+        """Rules that apply when a run trains with this section (model.name=dit)."""
+        if not 0 <= self.r_fraction <= 1 or not 0 <= self.label_dropout < 1:
+            raise ConfigError("meanflow.r_fraction must be in [0, 1] and meanflow.label_dropout in [0, 1)")
+        if self.time_sigma <= 0 or self.adaptive_p < 0 or self.adaptive_c <= 0:
+            raise ConfigError("meanflow.time_sigma and meanflow.adaptive_c must be > 0, meanflow.adaptive_p >= 0")
+        if self.sample_steps < 1:
+            raise ConfigError("meanflow.sample_steps must be >= 1")
+        if self.cfg_t_min > self.cfg_t_max:
+            raise ConfigError(f"meanflow.cfg_t_min={self.cfg_t_min} must be <= meanflow.cfg_t_max={self.cfg_t_max}")
+
 
 # u_fn(z [B, ...], t [B], r [B], y [B] int32 or None) -> u [B, ...]
 VelocityFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array | None], jax.Array]

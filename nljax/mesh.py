@@ -3,6 +3,8 @@ and `intra` (fast interconnect inside one instance). Axis names live here and no
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -17,6 +19,20 @@ DATA_AXES = (INTER, INTRA)  # batch rows are split over both, `inter` major
 # per-row memory state, per-device error buffers).
 ROWS = P(DATA_AXES)
 REPLICATED = P()
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """Config section `mesh`: the shape of the device mesh (`resolve_shape` fills it in)."""
+
+    # optimizer instances / hosts (slow network); -1 fills in the rest, and with intra=-1 too
+    # means one instance per process (1 in a single-process run)
+    inter: int = -1
+    intra: int = -1  # devices inside one instance (fast interconnect); -1 fills in the rest
+
+    def check(self) -> None:
+        if self.inter == 0 or self.inter < -1 or self.intra == 0 or self.intra < -1:
+            raise ConfigError(f"mesh.inter and mesh.intra must be positive or -1, got {self.inter}, {self.intra}")
 
 
 def resolve_shape(inter: int, intra: int, n_devices: int, n_processes: int = 1) -> tuple[int, int]:

@@ -11,12 +11,42 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from nljax.config import OptimConfig
+from nljax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+    """Config section `optim`: the per-level optimizer and its learning-rate schedule."""
+
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = 3e-3
+    level_lr_scale: tuple[float, ...] = ()  # per-level multiplier; empty means 1 for every level
+    warmup_steps: int = 20
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.99
+    clip_norm: float = 0.0  # clip each active level's synchronized gradient by its own norm; 0: off
+    lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # lr x (B/B0) or x sqrt(B/B0), B = train.batch_size
+    base_batch_size: int = 16  # B0: the global batch that optim.lr was tuned for
+
+    # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
+    RANGES: ClassVar[dict] = {"lr": (0, None, False, None), "weight_decay": (0, None, True, None),
+                              "b1": (0, 1, True, False), "b2": (0, 1, True, False), "clip_norm": (0, None, True, None)}
+
+    def check(self) -> None:
+        if any(v < 0 for v in self.level_lr_scale):
+            raise ConfigError(f"optim.level_lr_scale entries must be >= 0, got {list(self.level_lr_scale)}")
+        if self.clip_norm < 0:
+            raise ConfigError(f"optim.clip_norm must be >= 0 (0: off), got {self.clip_norm}")
+        if self.base_batch_size < 1:
+            raise ConfigError(f"optim.base_batch_size must be >= 1, got {self.base_batch_size}")
 
 
 def peak_lr(cfg: OptimConfig, batch_size: int) -> float:

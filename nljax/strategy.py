@@ -46,11 +46,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from nljax import sync
-from nljax.config import Config, SyncConfig
+from nljax.config import Config
 from nljax.levels import LevelLayout
 from nljax.mesh import DATA_AXES, INTER, INTRA, REPLICATED, ROWS, data_size, replicated, rows_sharding
 from nljax.optim import Optimizer
 from nljax.state import TrainState
+from nljax.sync import SyncConfig
 
 PyTree = Any
 

@@ -13,10 +13,38 @@ The sharded strategies (`nljax/strategy.py`) stop before the all-gather: `shard_
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 
+from nljax.errors import ConfigError
 from nljax.mesh import DATA_AXES, INTER, INTRA
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncConfig:
+    """Config section `sync`: how gradients are reduced, and where the state lives."""
+
+    reduce: Literal["flat", "hierarchical"] = "hierarchical"
+    mean: bool = True  # average gradients over devices (True) or sum them (False)
+    # Where parameters and optimizer state live (nljax/strategy.py): replicated | zero1 | fsdp.
+    strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
+    # Skip a step (on every device) whose synchronized gradient is not finite.
+    check_grads: bool = True
+    # Per level: also skip a level's update whose synchronized gradient norm exceeds this (0: off).
+    max_grad_norm: float = 0.0
+    # Link bandwidths in GB/s (gigabytes) per device and direction, for the time projection of
+    # `nljax.comm`. Defaults: NVLink 4 on H100 SXM, 900 GB/s bidirectional = 450 GB/s per
+    # direction (NVIDIA H100 datasheet); InfiniBand NDR, 400 Gb/s per GPU = 50 GB/s (NVIDIA
+    # ConnectX-7 / DGX H100: one 400 Gb/s NIC per GPU).
+    intra_bandwidth_gbps: float = 450.0
+    inter_bandwidth_gbps: float = 50.0
+
+    def check(self) -> None:
+        if self.max_grad_norm < 0 or self.intra_bandwidth_gbps <= 0 or self.inter_bandwidth_gbps <= 0:
+            raise ConfigError("sync.max_grad_norm must be >= 0 and sync.intra/inter_bandwidth_gbps > 0")
 
 
 def pad_to(vec: jax.Array, multiple: int) -> jax.Array:

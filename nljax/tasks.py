@@ -56,7 +56,7 @@ def text_corpus(cfg: Config) -> tuple[np.ndarray, np.ndarray | None, np.ndarray,
     None) of `data.corpus`."""
     d = cfg.data
     if d.corpus == "recall":
-        reach = attention_reach(cfg.model.depth, cfg.model.window)
+        reach = attention_reach(cfg.model.depth, cfg.model.nl_lm.window)
         train, train_score, held, held_score = recall_corpus(
             d.recall_docs, cfg.train.seq_len, d.recall_pairs, d.recall_gap, reach, d.eval_fraction, cfg.seed,
             d.recall_key_len, d.recall_value_len)

@@ -31,8 +31,8 @@ TINY = [
 
 
 # TINY with attention and a neural memory (per-row state written across steps) and two CMS levels.
-TINY_NL = ["model.name=nl_lm", "model.heads=2", "model.window=8", "model.memory_layers=[0]", "model.memory_heads=2",
-           "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,2]"]
+TINY_NL = ["model.name=nl_lm", "model.heads=2", "model.nl_lm.window=8", "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_heads=2",
+           "model.nl_lm.memory_dim=8", "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=4", "cms.periods=[1,2]"]
 
 
 @dataclasses.dataclass(eq=False)

@@ -5,8 +5,8 @@ import math
 
 from test_cli import run
 
-TINY_NL = ["model.name=nl_lm", "model.dim=16", "model.depth=1", "model.heads=2", "model.window=8",
-           "model.memory_layers=[0]", "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4",
+TINY_NL = ["model.name=nl_lm", "model.dim=16", "model.depth=1", "model.heads=2", "model.nl_lm.window=8",
+           "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_dim=8", "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=4",
            "train.batch_size=4", "train.seq_len=16", "cms.periods=[1,2]"]
 FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
 

@@ -31,9 +31,9 @@ from nljax.state import TrainState
 from nljax.hostdev import mean_loss
 
 # Attention + neural memory (per-row state) + two CMS levels, small enough to compile quickly.
-NL = ["model.name=nl_lm", "model.heads=2", "model.window=8", "model.memory_layers=[0]", "model.memory_heads=2",
-      "model.memory_dim=8", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,4]",
-      "model.memory_kind=mlp"]
+NL = ["model.name=nl_lm", "model.heads=2", "model.nl_lm.window=8", "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_heads=2",
+      "model.nl_lm.memory_dim=8", "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=4", "cms.periods=[1,4]",
+      "model.nl_lm.memory_kind=mlp"]
 STEPS = 5
 TINY_NL_ARGS = [*TINY, *NL, "mesh.inter=2", "mesh.intra=4", "train.steps=6", "eval.every=0", "eval.batches=1"]
 
@@ -174,6 +174,28 @@ def test_elastic_resume_across_strategies(ref, tmp_path):
     np.testing.assert_allclose(lz + lf, ref["losses"][2:], rtol=2e-5)
     assert_trees_close(host(f.engine.strategy.gather_params(state.params)), ref["final"].params, rtol=1e-4, atol=1e-6)
     assert_trees_close(host(state.memory), ref["final"].memory, rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_from_before_the_model_split_restores(ref, tmp_path):
+    """A checkpoint written before `model.nl_lm.*` / `model.dit.*` saved flat model keys
+    (`model.window`, ...): it restores as if saved today, with no warning and the same state, and
+    onto another strategy (which builds an engine from the saved config, `config.from_dict`)."""
+    shutil.copytree(ref["dir"], tmp_path / "ckpt")
+    meta = tmp_path / "ckpt" / "2" / "nljax" / "metadata"
+    m = json.loads(meta.read_text())
+    model = m["config"]["model"]
+    model.update(model.pop("nl_lm"), patch_size=model.pop("dit")["patch_size"])
+    meta.write_text(json.dumps(m))
+    assert json.loads(meta.read_text())["config"]["model"]["window"] == 8
+    setup = ref["setup"]
+    r = restore(setup.engine, setup.state, tmp_path / "ckpt" / "2")
+    assert r.step == 2 and r.warnings == []
+    same = restore(setup.engine, setup.state, ref["dir"] / "2").state
+    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
+        np.testing.assert_array_equal(a, b)
+    z = make([*NL, "sync.strategy=zero1"], 2, 2)
+    r = restore(z.engine, z.state, tmp_path / "ckpt" / "2")
+    assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (checkpoint: 'replicated')"]
 
 
 def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():

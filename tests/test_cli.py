@@ -77,6 +77,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
         (["data.eval_fraction=0.0001"], "the held-out text (1 bytes at data.eval_fraction=0.0001) is shorter than train.seq_len+1=129"),
         (["model.vocab_size=10"], "model.vocab_size=10 is smaller than the 256 byte values of the text data"),
         (["seed=18446744073709551616"], "seed must be in [0, 2^63), got 18446744073709551616"),  # no OverflowError
+        (["model.window=8"], "model.window moved to model.nl_lm.window"),  # a key from before the split
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):
@@ -113,7 +114,7 @@ def test_default_model_trains_end_to_end(tmp_path):
     """The nested-learning LM through the CLI on 2 devices: memory, eval in bits per byte."""
     d = tmp_path / "nl"
     run("nljax.train", "--cpu-devices", "2", "--quiet", f"run.dir={d}", "train.steps=12", "train.batch_size=4",
-        "train.seq_len=32", "model.dim=32", "model.depth=2", "model.memory_chunk=8", "model.window=8",
+        "train.seq_len=32", "model.dim=32", "model.depth=2", "model.nl_lm.memory_chunk=8", "model.nl_lm.window=8",
         "cms.periods=[1,4]", "eval.batches=1", "optim.lr=0.01", "optim.warmup_steps=0",
         # the end-of-run report is tested above; here it would only add compilations of the big model
         "throughput.split=false", "throughput.reps=1", "run.plots=false", "run.tensorboard=false")

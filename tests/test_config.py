@@ -31,15 +31,15 @@ def test_yaml_file(tmp_path):
         ("cms.periods=[1,0]", "cms.periods must be a non-empty list of positive integers"),
         ("cms.frozen_grads=drop", "config key 'cms.frozen_grads' must be one of"),
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
-        ("model.memory_chunk=0", "model.memory_chunk must be >= 1, got 0"),
+        ("model.nl_lm.memory_chunk=0", "model.nl_lm.memory_chunk must be >= 1, got 0"),
         ("data.eval_fraction=0", "data.eval_fraction must be between 0 and 1"),
         ("optim.lr=nan", "config key 'optim.lr' must be a finite number, got nan"),
         ("optim.lr=.inf", "config key 'optim.lr' must be a finite number, got inf"),
         ("optim.lr=-1", "config key 'optim.lr' must be in (0, inf), got -1.0"),
         ("optim.b2=5", "config key 'optim.b2' must be in [0, 1), got 5.0"),
-        ("model.memory_lr_max=nan", "config key 'model.memory_lr_max' must be a finite number"),
-        ("model.memory_lr_max=2", "config key 'model.memory_lr_max' must be in (0, 1], got 2.0"),
-        ("model.memory_chunk=128", "model.memory_chunk=128 must be <= model.window=64"),
+        ("model.nl_lm.memory_lr_max=nan", "config key 'model.nl_lm.memory_lr_max' must be a finite number"),
+        ("model.nl_lm.memory_lr_max=2", "config key 'model.nl_lm.memory_lr_max' must be in (0, 1], got 2.0"),
+        ("model.nl_lm.memory_chunk=128", "model.nl_lm.memory_chunk=128 must be <= model.nl_lm.window=64"),
         ("optim.level_lr_scale=[1,nan,1,1]", "config key 'optim.level_lr_scale[1]' must be a finite number"),
         ("meanflow.time_mu=-.inf", "config key 'meanflow.time_mu' must be a finite number"),
         ("model.vocab_size=10", "model.vocab_size=10 is smaller than the 256 byte values"),
@@ -79,3 +79,41 @@ def test_exponent_without_dot_is_a_float():
     assert config.load(None, ["sync.max_grad_norm=1e-9"]).sync.max_grad_norm == 1e-9
     with pytest.raises(ConfigError, match="optim.lr"):
         config.load(None, ["optim.lr=fast"])
+
+
+@pytest.mark.parametrize("old, new", [("model.window", "model.nl_lm.window"),
+                                      ("model.memory_chunk", "model.nl_lm.memory_chunk"),
+                                      ("model.patch_size", "model.dit.patch_size")])
+def test_a_moved_key_names_its_new_place(tmp_path, old, new):
+    with pytest.raises(ConfigError) as e:
+        config.load(None, [f"{old}=8"])
+    assert str(e.value) == f"{old} moved to {new}"
+    p = tmp_path / "old.yaml"
+    p.write_text(f"model:\n  name: nl_lm\n  {old.split('.')[1]}: 8\n")
+    with pytest.raises(ConfigError) as e:
+        config.load(str(p))
+    assert str(e.value) == f"{old} moved to {new}"
+
+
+def test_model_sections_load_from_yaml_and_overrides(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("model:\n  dim: 32\n  nl_lm:\n    window: 8\n    memory_chunk: 8\n  dit:\n    patch_size: 4\n")
+    cfg = config.load(str(p), ["model.nl_lm.memory_layers=[0]"])
+    assert (cfg.model.dim, cfg.model.nl_lm.window, cfg.model.nl_lm.memory_chunk) == (32, 8, 8)
+    assert cfg.model.nl_lm.memory_layers == (0,) and cfg.model.dit.patch_size == 4
+    with pytest.raises(ConfigError, match="unknown config key 'model.nl_lm.windw' \\(did you mean 'model.nl_lm.window'"):
+        config.load(None, ["model.nl_lm.windw=8"])
+
+
+def test_a_saved_config_with_the_old_model_keys_is_read():
+    """A checkpoint written before the model section was split saved flat model keys: `from_dict`
+    (which reads a checkpoint's config) moves them to their new place."""
+    new = config.to_dict(config.load(None, ["model.nl_lm.window=32", "model.nl_lm.memory_kind=mlp",
+                                            "model.dit.patch_size=4", "model.dtype=bfloat16"]))
+    old = {**new, "model": {k: v for k, v in new["model"].items() if k not in ("nl_lm", "dit")}}
+    old["model"].update({**new["model"]["nl_lm"], "patch_size": 4})
+    assert "window" in old["model"] and "nl_lm" not in old["model"]
+    assert config.migrate(old) == new
+    assert config.from_dict(old) == config.from_dict(new)
+    assert config.from_dict(old).model.nl_lm.window == 32 and config.from_dict(old).model.dit.patch_size == 4
+    assert "window" in old["model"]  # migrate copies: the saved tree is left as it was

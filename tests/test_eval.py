@@ -38,8 +38,8 @@ def test_eval_loss_independent_of_device_count(inter, intra):
 
 # --- streaming evaluation: the memory carried from window to window --------------------------
 
-NL = ["model.name=nl_lm", "model.heads=2", "model.window=4", "model.memory_layers=[0]", "model.memory_heads=2",
-      "model.memory_dim=4", "model.memory_hidden=8", "model.memory_chunk=4", "cms.periods=[1,2]",
+NL = ["model.name=nl_lm", "model.heads=2", "model.nl_lm.window=4", "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_heads=2",
+      "model.nl_lm.memory_dim=4", "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=4", "cms.periods=[1,2]",
       "eval.batches=1", "eval.stream_steps=3"]
 
 

@@ -66,7 +66,7 @@ def test_same_tokens_on_one_and_eight_devices(fsdp_run):
 
 def test_meanflow_run_writes_a_sample_grid(tmp_path):
     dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
-           "model.patch_size=1", "images.source=moons", "images.toy_points=80", "cms.periods=[1]",
+           "model.dit.patch_size=1", "images.source=moons", "images.toy_points=80", "cms.periods=[1]",
            "train.batch_size=16", "meanflow.sample_steps=2"]
     saved_run(tmp_path / "run", dit, 1, 2, steps=1)
     out = tmp_path / "grid.png"

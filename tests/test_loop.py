@@ -74,8 +74,8 @@ def test_bad_tail_batches_are_refused():
     for rows in (3, 12):  # not a multiple of the 2-row micro-batch; more than a batch
         with pytest.raises(ConfigError, match=f"a batch of {rows} rows"):
             setup.cache.variant(active, {"tokens": np.zeros((rows, 9), np.int32)})
-    nl = make(["model.name=nl_lm", "model.dim=16", "model.heads=2", "model.memory_heads=2", "model.memory_dim=8",
-               "model.memory_hidden=8", "model.memory_chunk=8", "model.memory_layers=[0]", "model.window=8",
+    nl = make(["model.name=nl_lm", "model.dim=16", "model.heads=2", "model.nl_lm.memory_heads=2", "model.nl_lm.memory_dim=8",
+               "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=8", "model.nl_lm.memory_layers=[0]", "model.nl_lm.window=8",
                "train.accum_steps=2", "cms.periods=[1]"], 1, 2)
     with pytest.raises(ConfigError, match="inner-loop memory"):
         nl.cache.variant((True,), {"tokens": np.zeros((4, 9), np.int32)})

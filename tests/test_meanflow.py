@@ -137,7 +137,7 @@ def test_logit_normal_times_and_r_fraction():
 LR = 0.5
 RUN_DIR = tempfile.mkdtemp(prefix="nljax_meanflow_")  # evaluate() writes sample PNGs here
 DIT = [
-    "model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2", "model.patch_size=1",
+    "model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2", "model.dit.patch_size=1",
     "images.source=moons", "images.toy_points=80", "cms.periods=[1]", "train.batch_size=16",
     # the guided target (classifier-free guidance) and label dropout are part of what is checked
     "meanflow.cfg_omega=1.5", "meanflow.cfg_kappa=0.2", "meanflow.label_dropout=0.2", "meanflow.r_fraction=0.5",

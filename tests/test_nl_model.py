@@ -15,22 +15,22 @@ NL = [
     "model.name=nl_lm",
     "model.dim=16",
     "model.heads=2",
-    "model.window=4",
+    "model.nl_lm.window=4",
     "model.depth=2",
-    "model.memory_layers=[1]",
-    "model.memory_heads=2",
-    "model.memory_dim=4",
-    "model.memory_hidden=8",
-    "model.memory_chunk=4",
+    "model.nl_lm.memory_layers=[1]",
+    "model.nl_lm.memory_heads=2",
+    "model.nl_lm.memory_dim=4",
+    "model.nl_lm.memory_hidden=8",
+    "model.nl_lm.memory_chunk=4",
     "cms.periods=[1,2]",
-    "model.memory_kind=mlp",
+    "model.nl_lm.memory_kind=mlp",
 ]
 STEPS = 4
 
 
 @functools.lru_cache(maxsize=None)
 def reference(kind):
-    setup = make([*NL, f"model.memory_kind={kind}"], 1, 1)
+    setup = make([*NL, f"model.nl_lm.memory_kind={kind}"], 1, 1)
     losses, state = run_steps(setup, STEPS)
     return losses, jax.device_get(state.params), jax.device_get(state.memory)
 
@@ -40,7 +40,7 @@ def reference(kind):
 )
 def test_matches_single_device_including_memory(inter, intra, kind):
     ref_losses, ref_params, ref_memory = reference(kind)
-    setup = make([*NL, f"model.memory_kind={kind}"], inter, intra)
+    setup = make([*NL, f"model.nl_lm.memory_kind={kind}"], inter, intra)
     losses, state = run_steps(setup, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     # Adam turns float32 reduction-order noise in near-zero gradients into ~1e-5 differences
@@ -113,7 +113,7 @@ def test_reset_rows_start_from_memory0():
 def test_accumulation_equals_one_step_on_the_whole_batch(inter, intra, accum):
     """accum micro-batches per device, synchronized once: same losses, params and memory."""
     ref_losses, ref_params, ref_memory = reference("mlp")
-    setup = make([*NL, "model.memory_kind=mlp", f"train.accum_steps={accum}"], inter, intra)
+    setup = make([*NL, "model.nl_lm.memory_kind=mlp", f"train.accum_steps={accum}"], inter, intra)
     losses, state = run_steps(setup, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-5)

@@ -13,9 +13,9 @@ from nljax.models import build
 from helpers import assert_trees_close, make, run_steps
 
 NL = [
-    "model.name=nl_lm", "model.dim=16", "model.heads=2", "model.window=4", "model.depth=2",
-    "model.memory_layers=[1]", "model.memory_heads=2", "model.memory_dim=4", "model.memory_hidden=8",
-    "model.memory_chunk=4", "cms.periods=[1,2]",
+    "model.name=nl_lm", "model.dim=16", "model.heads=2", "model.nl_lm.window=4", "model.depth=2",
+    "model.nl_lm.memory_layers=[1]", "model.nl_lm.memory_heads=2", "model.nl_lm.memory_dim=4", "model.nl_lm.memory_hidden=8",
+    "model.nl_lm.memory_chunk=4", "cms.periods=[1,2]",
 ]
 
 
@@ -42,7 +42,7 @@ def test_remat_saves_memory():
     """The compiled step's temporaries shrink with remat of the inner loop (the MLP memory's
     per-chunk weights and per-token pieces are no longer kept for the backward pass)."""
     def temp(remat):
-        model = build(config.load(None, [f"model.remat={remat}", "train.seq_len=256", "model.memory_kind=mlp"]))
+        model = build(config.load(None, [f"model.remat={remat}", "train.seq_len=256", "model.nl_lm.memory_kind=mlp"]))
         params = jax.eval_shape(model.init, jax.random.key(0))
         batch = {"tokens": jax.ShapeDtypeStruct((8, 257), jnp.int32), "reset": jax.ShapeDtypeStruct((8,), bool)}
         memory = jax.eval_shape(lambda: model.init_memory(8))

@@ -59,7 +59,7 @@ def test_token_hits_on_hand_made_logits():
     assert (float(hits), float(scored)) == (2.0, 3.0)
 
 
-RECALL = ["data.corpus=recall", "model.window=8", "train.seq_len=64", "data.recall_pairs=2", "data.recall_gap=16",
+RECALL = ["data.corpus=recall", "model.nl_lm.window=8", "train.seq_len=64", "data.recall_pairs=2", "data.recall_gap=16",
           "data.recall_docs=800", "eval.batches=1", "eval.stream_steps=4"]
 
 
@@ -110,6 +110,6 @@ def test_values_loss_is_the_mean_over_the_queried_values_on_any_mesh():
 def test_recall_config_errors(override, match):
     from helpers import TINY
 
-    over = [*TINY, *RECALL, "model.window=8", "model.depth=2", override]
+    over = [*TINY, *RECALL, "model.nl_lm.window=8", "model.depth=2", override]
     with pytest.raises(ConfigError, match=match):
         config.load(None, over)

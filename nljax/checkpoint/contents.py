@@ -28,7 +28,8 @@ FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory
 
 # Config sections that decide the shapes and meaning of the saved arrays: a checkpoint only
-# fits a run that agrees on them. Everything else may change on resume: settings that do not
+# fits a run that agrees on them (`model`: every model.* key, model.nl_lm.* and model.dit.* included;
+# a checkpoint saved before those subsections is read with its keys moved, `storage.read_meta`). Everything else may change on resume: settings that do not
 # change the result silently, the rest (strategy included) with a warning.
 MUST_MATCH = ("model", "cms", "optim.name")
 SILENT = ("run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",

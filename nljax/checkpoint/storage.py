@@ -17,7 +17,7 @@ import jax
 
 from nljax.checkpoint.contents import META, STATE, Damaged, check_well_formed, checksums, metadata, named_arrays, nest, unnest
 from nljax.checkpoint.quiet import errors_hidden, warnings_hidden
-from nljax.config import Config
+from nljax.config import Config, migrate
 from nljax.errors import ConfigError, first_line
 from nljax.rundir import checkpoint_dir
 from nljax.state import TrainState
@@ -86,7 +86,8 @@ def os_error(e: BaseException) -> str:
 
 
 def read_meta(path: Path) -> dict:
-    """The `nljax` item of the step directory `path`, checked to be well formed."""
+    """The `nljax` item of the step directory `path`, checked to be well formed, its config's
+    keys where this nljax has them (`config.migrate`: a checkpoint from before a key moved)."""
     import orbax.checkpoint as ocp
 
     if not path.is_dir() or not path.name.isdigit():
@@ -96,7 +97,8 @@ def read_meta(path: Path) -> dict:
         meta = manager(path.parent).restore(int(path.name), args=args)[META]
     except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
         raise Damaged(f"checkpoint {path}: metadata unreadable ({error_line(e)})") from None
-    return check_well_formed(path, meta)
+    meta = check_well_formed(path, meta)
+    return {**meta, "config": migrate(meta["config"])}
 
 
 def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct]) -> tuple[dict[str, jax.Array], dict[str, int]]:

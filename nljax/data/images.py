@@ -22,13 +22,30 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
+from typing import Literal
 
 import jax
 import numpy as np
 
-from nljax.config import ImagesConfig
 from nljax.errors import ConfigError, first_line
 from nljax.hostdev import rows_batch
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagesConfig:
+    """Config section `images`: the image data of the `images` task."""
+
+    source: Literal["digits", "file", "moons", "gaussians"] = "digits"  # digits: scikit-learn's 8x8 set
+    path: str = ""  # source=file: a .npy (images) or .npz ('x' or 'images', optional 'y' or 'labels')
+    eval_fraction: float = 0.2  # every round(1/eval_fraction)-th example is held out
+    toy_points: int = 8192  # size of the 2-D toy sets
+
+    def check_used(self) -> None:
+        """Rules that apply when a run reads this section (model.name=dit)."""
+        if not 0 < self.eval_fraction < 1 or self.toy_points < 2:
+            raise ConfigError("images.eval_fraction must be in (0, 1) and images.toy_points >= 2")
+        if self.source == "file" and not self.path:
+            raise ConfigError("images.source=file needs images.path (a .npy or .npz file)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -9,7 +9,7 @@ the streaming evaluation is one whole document) and reads
     qf?09;ab?48;...        every key queried once, in a random order
     ASD ...                filler up to the end, then the NUL separator
 
-The gap is at least the attention's reach, model.depth x (model.window - 1) tokens (stacked
+The gap is at least the attention's reach, model.depth x (model.nl_lm.window - 1) tokens (stacked
 sliding windows see that far back), so a query's value can only come from what the inner-loop
 memory wrote while it read the pairs. The filler alphabet shares no byte with keys, values or
 the `=?;` markers, so nothing in it can be mistaken for a pair.

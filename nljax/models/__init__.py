@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import jax.numpy as jnp
 
-from nljax.config import Config
 from nljax.data.images import load
 from nljax.errors import ConfigError
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
 from nljax.models.dit import DiT, DiTNet
 from nljax.models.nl_lm import NLLM, NLNet
+
+if TYPE_CHECKING:  # nljax.config imports this package's sections: no import of it at run time
+    from nljax.config import Config
 
 
 def _cms_mlp(cfg: Config) -> Model:
@@ -21,21 +23,22 @@ def _cms_mlp(cfg: Config) -> Model:
 
 
 def _nl_lm(cfg: Config) -> Model:
-    m = cfg.model
-    memory = dict(heads=m.memory_heads, dk=m.memory_dim, hidden=m.memory_hidden, kind=m.memory_kind,
-                  chunk=m.memory_chunk, lr_max=m.memory_lr_max, conv=m.memory_conv, out_norm=m.memory_out_norm,
-                  out_gate=m.memory_out_gate, unroll=m.memory_unroll)
-    return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, m.window,
-                      tuple(m.memory_layers), memory, jnp.dtype(m.dtype), m.remat))
+    m, nl = cfg.model, cfg.model.nl_lm
+    memory = dict(heads=nl.memory_heads, dk=nl.memory_dim, hidden=nl.memory_hidden, kind=nl.memory_kind,
+                  chunk=nl.memory_chunk, lr_max=nl.memory_lr_max, conv=nl.memory_conv, out_norm=nl.memory_out_norm,
+                  out_gate=nl.memory_out_gate, unroll=nl.memory_unroll)
+    return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,
+                      tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat))
 
 
 def _dit(cfg: Config) -> Model:
     m, data = cfg.model, load(cfg.images)  # the data decides the image shape and the label count
     h, w, _ = data.shape
-    if h % m.patch_size or w % m.patch_size:
-        raise ConfigError(f"model.patch_size={m.patch_size} does not divide the {h}x{w} images")
+    patch = m.dit.patch_size
+    if h % patch or w % patch:
+        raise ConfigError(f"model.dit.patch_size={patch} does not divide the {h}x{w} images")
     classes = data.num_classes if cfg.meanflow.class_cond else 0
-    return DiT(DiTNet(data.shape, m.patch_size, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes),
+    return DiT(DiTNet(data.shape, patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes),
                cfg.meanflow, cfg.seed)
 
 

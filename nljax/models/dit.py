@@ -5,8 +5,8 @@ adaLN-zero from the conditioning c = emb(t) + emb(h = t - r) (+ emb(label), with
 label for classifier-free guidance); a final adaLN layer and a linear map back to patches. The
 adaLN projections and the output layer start at zero, so the network starts as u = 0.
 
-Sizes come from `model.dim`, `model.depth`, `model.heads`, `model.hidden_mult`,
-`model.patch_size` (DiT-B: 768, 12, 12, 4; DiT-XL: 1152, 28, 16, 4).
+Sizes come from `model.dim`, `model.depth`, `model.heads`, `model.hidden_mult` and
+`model.dit.patch_size` (DiT-B: 768, 12, 12, 4; DiT-XL: 1152, 28, 16, 4).
 
 CMS levels: every parameter is level 0 (a plain DiT; `cms.periods` has one entry). The blocks'
 MLPs could be split into `cms<l>` levels like the LM's, but MeanFlow has no inner loop to pair
@@ -24,7 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from nljax import meanflow
-from nljax.config import MeanFlowConfig
+from nljax.errors import ConfigError
+from nljax.meanflow import MeanFlowConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class DiTConfig:
+    """Config section `model.dit`: what only the DiT reads; the shared `model.dim`, `depth`,
+    `heads` and `hidden_mult` size it too."""
+
+    patch_size: int = 2  # side of a square patch, in pixels
+
+    def check_with(self, dim: int, heads: int) -> None:
+        """Rules that apply when model.name=dit, with the shared model fields."""
+        if dim % heads or self.patch_size < 1:
+            raise ConfigError(f"model.dim={dim} must split into model.heads={heads} heads; model.dit.patch_size >= 1")
 
 
 def time_features(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> jax.Array:

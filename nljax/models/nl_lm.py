@@ -1,7 +1,7 @@
 """The nested-learning language model.
 
 Token embedding; N pre-norm blocks of [causal sliding-window attention with rotary positions →
-neural memory (the inner loop; only in `model.memory_layers`) → CMS MLP chain of k levels];
+neural memory (the inner loop; only in `model.nl_lm.memory_layers`) → CMS MLP chain of k levels];
 output head.
 
 State lifetimes:
@@ -19,14 +19,62 @@ token through the memory.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar, Literal
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
 import nljax.models.memory as nm
+from nljax.errors import ConfigError
 from nljax.models.base import cms_level_of
 from nljax.models.layers import CMSChain, token_loss
+
+
+@dataclasses.dataclass(frozen=True)
+class NlLmConfig:
+    """Config section `model.nl_lm`: the attention window and the neural memory. The shared
+    `model.vocab_size`, `dim`, `depth`, `heads`, `hidden_mult`, `dtype` and `remat` apply too."""
+
+    window: int = 64  # sliding-window attention: tokens each token sees, itself included
+    memory_layers: tuple[int, ...] = (1,)  # 0-based block indices that carry a neural memory
+    memory_kind: Literal["linear", "mlp"] = "linear"  # linear: as good on held-out text, cheaper (README)
+    memory_heads: int = 4
+    memory_dim: int = 32  # per-head key/value width of the memory
+    memory_hidden: int = 64  # hidden width of the 2-layer MLP memory
+    memory_chunk: int = 16  # mini-batch b of the chunk-parallel inner loop
+    # largest inner-loop step theta, in units of the inner problem's curvature bound; <= 1
+    # keeps every chunk's step inside it (stability argument: nljax/models/memory.py)
+    memory_lr_max: float = 1.0
+    memory_conv: int = 4  # causal depthwise conv + SiLU on the memory's q, k, v (kernel size); 0: off
+    memory_out_norm: bool = True  # RMS-normalise each memory head's read
+    memory_out_gate: bool = True  # gate the read with sigmoid(W x)
+    memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
+
+    # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
+    RANGES: ClassVar[dict] = {"memory_lr_max": (0, 1, False, True)}
+
+    def check(self) -> None:
+        for key in ("window", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk", "memory_unroll"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.nl_lm.{key} must be >= 1, got {getattr(self, key)}")
+
+    def check_with(self, dim: int, heads: int, depth: int) -> None:
+        """Rules that apply when model.name=nl_lm, with the shared model fields."""
+        if dim % heads or (dim // heads) % 2:
+            raise ConfigError(f"model.dim={dim} must split into model.heads={heads} heads of even width")
+        bad = [i for i in self.memory_layers if not 0 <= i < depth]
+        if bad:
+            raise ConfigError(f"model.nl_lm.memory_layers {bad} out of range for model.depth={depth}")
+        if self.memory_conv < 0:
+            raise ConfigError(f"model.nl_lm.memory_conv must be >= 0, got {self.memory_conv}")
+        if self.memory_layers and self.memory_chunk > self.window:
+            # inside a chunk every write is a gradient taken at the chunk start (scaled down when
+            # the chunk's keys overlap): attention must cover the chunk in full
+            raise ConfigError(
+                f"model.nl_lm.memory_chunk={self.memory_chunk} must be <= model.nl_lm.window={self.window}: "
+                "otherwise tokens inside a chunk are reachable by neither attention nor the memory"
+            )
 
 
 def rotary(x, base: float = 10000.0):

@@ -1,0 +1,21 @@
+"""Config section `checkpoint`: where, how often and how many checkpoints are kept, and what
+a run resumes from (nljax/checkpoint/lifecycle.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nljax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = ""  # empty: <run.dir>/checkpoints
+    every: int = 100  # save every N steps and at the end; 0: never save
+    keep: int = 3  # newest checkpoints kept on disk
+    resume: str = ""  # "" (fresh run) | "latest" (newest in checkpoint.dir) | a checkpoint or checkpoints directory
+    async_save: bool = True  # write in the background while training continues
+
+    def check(self) -> None:
+        if self.every < 0 or self.keep < 1:
+            raise ConfigError(f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every}, {self.keep}")

@@ -1,0 +1,42 @@
+"""The config rules that tie two sections together, all in one place.
+
+Each section checks its own fields (its `check()`, beside the code that owns it); what relates
+one section to another, or applies only when `model.name` selects a model or task, is here.
+`nljax.config.validate` calls `check_across_sections` last, after every section's own rules.
+"""
+
+from __future__ import annotations
+
+from nljax.data.recall import attention_reach, pair_len
+from nljax.errors import ConfigError
+
+
+def check_across_sections(cfg) -> None:
+    """Rules between sections of `cfg`, an `nljax.config.Config` (not imported: it imports this)."""
+    m, nl, d, periods = cfg.model, cfg.model.nl_lm, cfg.data, cfg.cms.periods
+    if cfg.optim.level_lr_scale and len(cfg.optim.level_lr_scale) != len(periods):
+        raise ConfigError(f"optim.level_lr_scale has {len(cfg.optim.level_lr_scale)} entries but cms.periods has "
+                          f"{len(periods)} levels")
+    if m.name != "dit" and m.vocab_size < 256:
+        # the text task reads bytes: token ids 0..255 index the embedding
+        raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the 256 byte values of the text data")
+    if m.name == "nl_lm" and nl.memory_layers and cfg.train.seq_len % nl.memory_chunk:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of model.nl_lm.memory_chunk="
+                          f"{nl.memory_chunk}")
+    if d.corpus == "recall":
+        reach = attention_reach(m.depth, nl.window)
+        if d.recall_gap < reach:
+            raise ConfigError(f"data.recall_gap={d.recall_gap} must be >= the attention's reach model.depth * "
+                              f"(model.nl_lm.window - 1) = {reach}, or attention alone could answer the queries")
+        need = 2 * d.recall_pairs * pair_len(d.recall_key_len, d.recall_value_len) + d.recall_gap + 1
+        if need > cfg.train.seq_len:
+            raise ConfigError(f"a recall document of data.recall_pairs={d.recall_pairs} pairs and data.recall_gap="
+                              f"{d.recall_gap} needs up to {need} bytes, more than train.seq_len={cfg.train.seq_len}")
+        if cfg.eval.stream_steps < 1:
+            raise ConfigError("data.corpus=recall is evaluated by the streaming evaluation: eval.stream_steps must be >= 1")
+    if m.name == "dit":  # the images task: its sections apply, and every parameter is at level 0
+        if len(periods) != 1:
+            raise ConfigError(f"model.name=dit keeps every parameter at level 0: set cms.periods to one period "
+                              f"(e.g. [1]), got {list(periods)}")
+        cfg.meanflow.check_used()
+        cfg.images.check_used()
