@@ -1,6 +1,8 @@
 """nljax: nested-learning models and MeanFlow denoisers as one SPMD program over a JAX mesh."""
 
-__version__ = "0.1.0"
+from nljax.version import __version__
+
+__all__ = ["__version__", "load_model"]
 
 
 def load_model(path):

@@ -39,7 +39,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax import __version__, cli, levels, throughput
+from nljax import cli, levels, throughput
+from nljax.version import __version__
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError
 from nljax.run import Run

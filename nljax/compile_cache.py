@@ -18,8 +18,8 @@ from nljax.errors import ConfigError
 
 def directory(setting: str) -> Path | None:
     """`auto`: the user's cache directory ($XDG_CACHE_HOME or ~/.cache, then nljax/jax), shared
-    by every run of this user; `off`: none; anything else: that directory."""
-    if setting == "off":
+    by every run of this user; `none`: no cache; anything else: that directory."""
+    if setting == "none":
         return None
     if setting == "auto":
         return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nljax" / "jax"

@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from nljax import __version__
+from nljax.version import __version__
 from nljax.config import Config, to_dict
 from nljax.errors import ConfigError, first_line
 # Environment fallbacks of the CLI flags, set per process by `python -m nljax.launch`.

@@ -20,7 +20,7 @@ class RunConfig:
     tensorboard: bool = True  # TensorBoard event files in run.dir
     plots: bool = True  # loss.png and step_time.png in run.dir at the end
     # JAX's persistent compilation cache (nljax/compile_cache.py): auto (the user's cache
-    # directory, ~/.cache/nljax/jax) | off | a directory
+    # directory, ~/.cache/nljax/jax) | none | a directory
     compile_cache: str = "auto"
 
 

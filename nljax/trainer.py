@@ -13,7 +13,8 @@ import time
 
 import jax
 
-from nljax import __version__, compile_cache, distributed, levels, optim, runlog, throughput
+from nljax import compile_cache, distributed, levels, optim, runlog, throughput
+from nljax.version import __version__
 from nljax.checkpoint.lifecycle import Checkpoints
 from nljax.comm import account
 from nljax.conductor import Conductor, pattern_name

@@ -117,3 +117,16 @@ def test_a_saved_config_with_the_old_model_keys_is_read():
     assert config.from_dict(old) == config.from_dict(new)
     assert config.from_dict(old).model.nl_lm.window == 32 and config.from_dict(old).model.dit.patch_size == 4
     assert "window" in old["model"]  # migrate copies: the saved tree is left as it was
+
+
+def test_compile_cache_setting(tmp_path, monkeypatch):
+    from nljax import compile_cache
+
+    assert config.load(None, ["run.compile_cache=none"]).run.compile_cache == "none"
+    assert compile_cache.directory("none") is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compile_cache.directory("auto") == tmp_path / "nljax" / "jax"
+    assert compile_cache.directory(str(tmp_path / "c")) == tmp_path / "c"
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="run.compile_cache: .* cannot be created"):
+        compile_cache.enable(str(tmp_path / "file" / "c"))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax import __version__
+from nljax.version import __version__
 from nljax import mesh as meshlib
 from nljax.conductor import Conductor
 from nljax.config import to_dict
