@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from nljax import frozen, optim
 from nljax.config import Config, ConfigError
@@ -308,9 +308,15 @@ class StepCache:
             check_vma=False,
         )
         # Compiled ahead of time: the executable that trains is the one whose HLO `nljax.comm`
-        # and the run summary read, with no second compilation.
+        # and the run summary read, with no second compilation. The shardings are stated, not
+        # taken from the arrays at hand: a restored state and a step's output then give the same
+        # program (and the same key in the persistent compilation cache).
+        named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.eng.mesh, s), specs,
+                                           is_leaf=lambda x: isinstance(x, P))
+        shardings = dict(in_shardings=(named(st), named(batch_specs(batch))),
+                         out_shardings=(named(st), named(TRAIN_METRIC_SPECS)))
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=0).lower(state, batch).compile()
+        compiled = jax.jit(fn, donate_argnums=0, **shardings).lower(state, batch).compile()
         self.compile_s[key] = time.perf_counter() - t0
         return compiled
 
