@@ -191,5 +191,6 @@ def test_compile_cache_makes_the_second_start_faster(tmp_path):
     entries = set(os.listdir(cache))
     second = times(run("nljax.train", *common, f"checkpoint.resume={d}/checkpoints/4"))
     assert len(first) == len(second) == 3 and entries  # L0+1+2, L0, L0+1 in either run
-    assert set(os.listdir(cache)) == entries
+    new = set(os.listdir(cache)) - entries  # the restore's own small programs may be new, no step is
+    assert not [e for e in new if e.startswith("jit_body")], new
     assert sum(second) < 0.7 * sum(first), (first, second)
