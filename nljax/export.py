@@ -34,12 +34,17 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 
 
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
+
+
 def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     """Write `t`'s parameters and config to `out` (a directory)."""
     from safetensors.flax import save_file
 
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    check_dtype(dtype)
     flat = traverse_util.flatten_dict(jax.device_get(t.params), sep="/")
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(out / WEIGHTS))
@@ -80,21 +85,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cli.setup_devices(args.cpu_devices)
-        mine = {"dtype": "float32", "out": "", "checkpoint": "latest"}
-        overrides = []
-        for pair in args.settings:
-            key, _, value = pair.partition("=")
-            if key in mine:
-                mine[key] = value
-            else:
-                overrides.append(pair)
-        run_dir = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
-        if not run_dir:
-            raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
-        if mine["dtype"] not in DTYPES:  # before the checkpoint is read
-            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {mine['dtype']!r}")
-        t = trained_lib.load(run_dir[-1], mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
-        out = export(t, Path(mine["out"] or Path(run_dir[-1]) / "export"), mine["dtype"])
+        # dtype is checked before the checkpoint is read
+        mine, overrides, run_dir = trained_lib.split_args(args.settings, {"dtype": check_dtype, "out": str,
+                                                                          "checkpoint": str})
+        mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
+        t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
+        out = export(t, Path(mine["out"] or Path(run_dir) / "export"), mine["dtype"])
         print(f"nljax.export: {t.path} (step {t.step}) -> {out}/{WEIGHTS}, {out}/{CONFIG}")
         return 0
     except ConfigError as e:

@@ -60,23 +60,12 @@ class Settings:
         return self
 
 
-def parse(pairs: list[str]) -> tuple[Settings, list[str]]:
-    """(generation settings, config overrides) from `key=value` arguments."""
-    fields = {f.name: f.type for f in dataclasses.fields(Settings)}
+def parse(pairs: list[str]) -> tuple[Settings, list[str], str]:
+    """(generation settings, config overrides, run directory) from `key=value` arguments."""
     cast = {"str": str, "int": int, "float": float}
-    values, overrides = {}, []
-    for pair in pairs:
-        key, eq, value = pair.partition("=")
-        if not eq:
-            raise ConfigError(f"expected key=value, got {pair!r}")
-        if key not in fields:
-            overrides.append(pair)
-            continue
-        try:
-            values[key] = cast[fields[key]](value)
-        except ValueError:
-            raise ConfigError(f"{key}={value!r} is not a {fields[key]}") from None
-    return Settings(**values).check(), overrides
+    known = {f.name: cast[f.type] for f in dataclasses.fields(Settings)}
+    values, overrides, run_dir = trained_lib.split_args(pairs, known)
+    return Settings(**values).check(), overrides, run_dir
 
 
 def sample_token(logits: np.ndarray, rng: np.random.Generator, s: Settings) -> int:
@@ -165,11 +154,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cli.setup_devices(args.cpu_devices)
-        s, overrides = parse(args.settings)
-        run_dir = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
-        if not run_dir:
-            raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
-        t = trained_lib.load(run_dir[-1], s.checkpoint, overrides)
+        s, overrides, run_dir = parse(args.settings)
+        t = trained_lib.load(run_dir, s.checkpoint, overrides)
         print(f"nljax.generate: {t.path} (step {t.step})", file=sys.stderr)
         if t.cfg.model.name == "dit":
             print(f"nljax.generate: wrote {generate_images(t, s)}", file=sys.stderr)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -51,3 +51,26 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
     run = Run.create(cfg, devices)
     restored, _ = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
     return Trained(cfg, run, restored.state.params, restored.step, restored.path)
+
+
+def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> tuple[dict, list[str], str]:
+    """A tool's `key=value` arguments as (its own settings, cast by `known`; the config overrides
+    for the run; the run directory `run.dir` names, which is required)."""
+    values, overrides = {}, []
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise ConfigError(f"expected key=value, got {pair!r}")
+        if key not in known:
+            overrides.append(pair)
+            continue
+        try:
+            values[key] = known[key](value)
+        except ConfigError:  # a check of the tool's own, with its line
+            raise
+        except ValueError:
+            raise ConfigError(f"{key}={value!r} is not a {known[key].__name__}") from None
+    run_dirs = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
+    if not run_dirs:
+        raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
+    return values, overrides, run_dirs[-1]

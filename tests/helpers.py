@@ -89,8 +89,13 @@ def saved_run(run_dir: Path, overrides, inter, intra, steps=2):
     _, state = run_steps(setup, steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(setup.cfg), sort_keys=False))
+    save(setup, state, steps)
+    return setup, state
+
+
+def save(setup: Setup, state: TrainState, step: int) -> None:
+    """A checkpoint of `state` after `step` steps in the run's checkpoint.dir, on disk on return."""
     m = storage.writer(setup.cfg)
-    storage.save(m, setup.engine, steps, state)
+    storage.save(m, setup.engine, step, state)
     m.wait_until_finished()
     m.close()
-    return setup, state

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, Setup, assert_trees_close, make
+from helpers import TINY, Setup, assert_trees_close, make, save
 from nljax import config
 from nljax.checkpoint import contents, elastic, storage
 from nljax.checkpoint.lifecycle import Checkpoints
@@ -46,13 +46,6 @@ def steps(setup: Setup, state: TrainState, start: int, stop: int):
         state, m, _ = setup.cache.train(p.active, state, setup.batch(s))
         losses.append(mean_loss(m))
     return losses, state
-
-
-def save(setup: Setup, state: TrainState, step: int) -> None:
-    m = storage.writer(setup.cfg)
-    storage.save(m, setup.engine, step, state)
-    m.wait_until_finished()
-    m.close()
 
 
 def host(tree):
