@@ -653,3 +653,26 @@ def test_disk_full_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(t
     assert p.stderr.strip() == (f"nljax.train: error: checkpoint {ck / '8'} could not be saved (OSError: [Errno 28] "
                                 f"No space left on device); the newest complete checkpoint is {ck / '4'}"), p.stderr
     assert (tmp_path / "ls").read_text().split() == ["4", "8.orbax-checkpoint-tmp"]
+
+
+def test_unawaited_writes_of_a_failed_save_are_hidden_only_inside_the_scope():
+    """A failed save can leave writes it never started; their 'never awaited' warnings arrive when
+    they are collected, which CI once saw as a second line beside the error."""
+    import gc
+    import warnings
+    from nljax.checkpoint.quiet import errors_hidden
+
+    async def write_fragment():
+        pass
+
+    def collect_one():
+        write_fragment()  # a coroutine created and dropped unawaited
+        gc.collect()
+
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        with errors_hidden():
+            collect_one()
+        assert shown == []
+        collect_one()
+        assert [str(w.message) for w in shown] == [f"coroutine '{write_fragment.__qualname__}' was never awaited"]

@@ -10,7 +10,8 @@ nljax, reported in one line, comes with three kinds of noise: `errors_hidden`.
   'Event loop is closed' where nobody catches it, and Python prints a traceback
   (`sys.unraisablehook`).
 - asyncio logs 'exception was never retrieved' for the other reads or writes of the failed
-  operation when they are garbage-collected.
+  operation when they are garbage-collected, and Python warns 'coroutine ... was never awaited'
+  for the writes the failed operation never started (`warnings.showwarning`).
 
 Both are context managers: the filters are installed on entry and removed on exit, so nothing
 outside nljax's own Orbax calls loses a report. Only those reports are dropped, nothing else
@@ -27,6 +28,7 @@ import logging
 import sys
 import time
 import traceback
+import warnings
 
 
 @contextlib.contextmanager
@@ -42,11 +44,12 @@ def warnings_hidden():
 
 
 class _Filters:
-    """The three filters of one `errors_hidden` scope. Each scope has its own, so that a scope
+    """The four filters of one `errors_hidden` scope. Each scope has its own, so that a scope
     nested in another removes its own filters and leaves the other's."""
 
-    def __init__(self, previous_hook):
+    def __init__(self, previous_hook, previous_show):
         self.previous_hook = previous_hook
+        self.previous_show = previous_show
         self.on = True
         self.dropped = 0  # callbacks into a closed event loop dropped so far
 
@@ -83,16 +86,22 @@ class _Filters:
         else:
             self.previous_hook(u)
 
+    def unawaited(self, message, category, *args, **kwargs) -> None:
+        """Drops 'coroutine ... was never awaited' for the writes a failed operation never started."""
+        if not (self.on and issubclass(category, RuntimeWarning) and "was never awaited" in str(message)):
+            self.previous_show(message, category, *args, **kwargs)
+
 
 @contextlib.contextmanager
 def errors_hidden():
     """Orbax's and TensorStore's reports of a failed read or write dropped while entered; yields
     the filters (`settle()` after a failure)."""
-    f = _Filters(sys.unraisablehook)
+    f = _Filters(sys.unraisablehook, warnings.showwarning)
     absl, aio = logging.getLogger("absl"), logging.getLogger("asyncio")
     absl.addFilter(f.orbax_thread_errors)
     aio.addFilter(f.unretrieved)
     sys.unraisablehook = f.unraisable
+    warnings.showwarning = f.unawaited
     try:
         yield f
     finally:
@@ -101,3 +110,5 @@ def errors_hidden():
         aio.removeFilter(f.unretrieved)
         if sys.unraisablehook == f.unraisable:  # else another hook was installed over it: it passes through
             sys.unraisablehook = f.previous_hook
+        if warnings.showwarning == f.unawaited:
+            warnings.showwarning = f.previous_show
