@@ -148,3 +148,18 @@ def test_non_finite_memory_row_restarts_and_others_are_untouched():
     s_leaves = jax.tree.leaves(out[next(iter(out))]["S"])
     assert all(not np.asarray(s)[3].any() for s in s_leaves)
     assert len(jax.tree.leaves(fresh)) == len(jax.tree.leaves(out))
+
+
+@pytest.mark.parametrize("t, window", [(100, 16), (128, 32), (97, 10), (40, 50)])
+def test_blocked_local_attention_equals_the_full_masked_form(t, window):
+    """Blocks of `window` queries over their block and the one before (linear in T) == jax's
+    masked [T, T] form: outputs and gradients, T a multiple of the window or not, and T <= 2 windows."""
+    import jax.numpy as jnp
+    from nljax.models.layers import local_attention
+
+    q, k, v = (jax.random.normal(key, (2, t, 3, 8)) for key in jax.random.split(jax.random.key(t), 3))
+    full = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0))
+    blocked = lambda q, k, v: local_attention(q, k, v, window)
+    np.testing.assert_allclose(blocked(q, k, v), full(q, k, v), atol=2e-6)
+    grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+    assert_trees_close(grads(blocked), grads(full), atol=1e-5)

@@ -39,6 +39,37 @@ class CMSChain(nn.Module):
         return x
 
 
+def local_attention(q, k, v, window: int):
+    """Causal sliding-window attention: token t attends to tokens t - window + 1 .. t.
+    q, k, v [B, T, H, hd] -> [B, T, H, hd].
+
+    `jax.nn.dot_product_attention(..., local_window_size=...)` masks a full [T, T] score matrix
+    (its XLA form on CPU and GPU), so its cost and memory grow with T² whatever the window. Here
+    the queries are cut into blocks of `window` tokens; a block's keys are its own block and the
+    one before, which holds all of its reach: scores [T / window, window, 2 * window], cost and
+    memory linear in T. Same masks, same float32 logits and softmax as jax's form; where T <=
+    2 * window that form costs no more and is used as is."""
+    b, t, h, d = q.shape
+    w = window
+    if t <= 2 * w:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(w - 1, 0))
+    n = -(-t // w)  # blocks; the tail is padded with keys no real query can see (they lie after it)
+    pad = lambda x: jnp.pad(x, ((0, 0), (0, n * w - t), (0, 0), (0, 0))).reshape(b, n, w, h, d)
+    qb, kb, vb = pad(q), pad(k), pad(v)
+    before = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)  # block j-1
+    kk = jnp.concatenate([before(kb), kb], axis=2)  # [B, n, 2w, H, hd]
+    vv = jnp.concatenate([before(vb), vb], axis=2)
+    logits = jnp.einsum("bnqhd,bnkhd->bnhqk", qb, kk, preferred_element_type=jnp.float32) * d**-0.5
+    back = (jnp.arange(w)[:, None] + w) - jnp.arange(2 * w)[None, :]  # query position - key position
+    seen = (back >= 0) & (back < w)  # [w, 2w]
+    first = jnp.arange(2 * w) >= w  # block 0 has no block before it
+    seen = seen[None] & jnp.where(jnp.arange(n)[:, None, None] == 0, first[None, None, :], True)  # [n, w, 2w]
+    logits = jnp.where(seen[None, :, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    y = jnp.einsum("bnhqk,bnkhd->bnqhd", probs, vv)
+    return y.reshape(b, n * w, h, d)[:, :t]
+
+
 def token_loss(logits, targets, mask=None, weight=None):
     """Summed next-token cross-entropy and the token count (the summed weights).  logits [B, T, V],
     targets [B, T], mask [B] (1 for real rows, 0 for padding rows of an evaluation batch), weight

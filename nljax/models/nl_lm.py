@@ -28,7 +28,7 @@ import flax.linen as nn
 import nljax.models.memory as nm
 from nljax.errors import ConfigError
 from nljax.models.base import cms_level_of
-from nljax.models.layers import CMSChain, token_loss
+from nljax.models.layers import CMSChain, local_attention, token_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ class Attention(nn.Module):
         hd = self.dim // self.heads
         qkv = nn.Dense(3 * self.dim, use_bias=False, dtype=self.dtype, name="qkv")(x).reshape(b, t, 3, self.heads, hd)
         q, k, v = rotary(qkv[:, :, 0]), rotary(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, H, hd]
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(self.window - 1, 0))
+        y = local_attention(q, k, v, self.window)
         return nn.Dense(self.dim, use_bias=False, dtype=self.dtype, name="out")(y.reshape(b, t, self.dim))
 
 
