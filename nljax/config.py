@@ -60,7 +60,8 @@ class Config:
 # (a checkpoint's metadata) is read through `migrate`, so checkpoints written before still restore.
 _NL_LM_KEYS = ("window", "memory_layers", "memory_kind", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk",
                "memory_lr_max", "memory_conv", "memory_out_norm", "memory_out_gate", "memory_unroll")
-MOVED = {**{f"model.{k}": f"model.nl_lm.{k}" for k in _NL_LM_KEYS}, "model.patch_size": "model.dit.patch_size"}
+MOVED = {**{f"model.{k}": f"model.nl_lm.{k}" for k in _NL_LM_KEYS}, "model.patch_size": "model.dit.patch_size",
+         "data.corpus": "data.source"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -85,8 +86,9 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         return value
     if origin is tuple:
         (elem, _) = typing.get_args(tp)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = [value]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if number or (elem is str and isinstance(value, str)):
+            value = [value]  # one value is a list of one (data.train=corpus/*.txt)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
         return tuple(_coerce(f"{key}[{i}]", elem, v) for i, v in enumerate(value))

@@ -17,13 +17,14 @@ def check_across_sections(cfg) -> None:
     if cfg.optim.level_lr_scale and len(cfg.optim.level_lr_scale) != len(periods):
         raise ConfigError(f"optim.level_lr_scale has {len(cfg.optim.level_lr_scale)} entries but cms.periods has "
                           f"{len(periods)} levels")
-    if m.name != "dit" and m.vocab_size < 256:
-        # the text task reads bytes: token ids 0..255 index the embedding
+    if m.name != "dit" and d.source != "files" and m.vocab_size < 256:
+        # these corpora are bytes: token ids 0..255 index the embedding (files: checked against
+        # their own vocabulary when they are read: nljax.tasks.resolve)
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the 256 byte values of the text data")
     if m.name == "nl_lm" and nl.memory_layers and cfg.train.seq_len % nl.memory_chunk:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of model.nl_lm.memory_chunk="
                           f"{nl.memory_chunk}")
-    if d.corpus == "recall":
+    if d.source == "recall":
         reach = attention_reach(m.depth, nl.window)
         if d.recall_gap < reach:
             raise ConfigError(f"data.recall_gap={d.recall_gap} must be >= the attention's reach model.depth * "
@@ -33,7 +34,7 @@ def check_across_sections(cfg) -> None:
             raise ConfigError(f"a recall document of data.recall_pairs={d.recall_pairs} pairs and data.recall_gap="
                               f"{d.recall_gap} needs up to {need} bytes, more than train.seq_len={cfg.train.seq_len}")
         if cfg.eval.stream_steps < 1:
-            raise ConfigError("data.corpus=recall is evaluated by the streaming evaluation: eval.stream_steps must be >= 1")
+            raise ConfigError("data.source=recall is evaluated by the streaming evaluation: eval.stream_steps must be >= 1")
     if m.name == "dit":  # the images task: its sections apply, and every parameter is at level 0
         if len(periods) != 1:
             raise ConfigError(f"model.name=dit keeps every parameter at level 0: set cms.periods to one period "

@@ -10,7 +10,8 @@ full window, reset at the start like a new document). The prompt's full windows 
 the memory first; then each new token is predicted from the memory of the windows before it and
 the tokens of its own window so far (the model is causal, so what pads the window after them
 changes nothing), and once a window is full it is written into the memory in turn. Tokens are
-bytes; the text streams to the terminal as it is sampled.
+bytes, or with data.source=files the tokens of the run's tokenizer (nljax/data/tokenization.py);
+the text streams to the terminal as it is sampled.
 
 Sampling is on the host in float64 from the logits (temperature, then top-k, then top-p), with a
 numpy generator seeded by `seed`: the same checkpoint and seed give the same tokens on any device
@@ -25,7 +26,6 @@ Any other `key=value` is a config override on top of the run's own config.yaml.
 from __future__ import annotations
 
 import argparse
-import codecs
 import dataclasses
 import sys
 from pathlib import Path
@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nljax import cli, trained as trained_lib
+from nljax.data import prepared, tokenization
 from nljax.errors import ConfigError
 
 
@@ -124,14 +125,27 @@ def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], No
     if not hasattr(t.model, "logits"):
         raise ConfigError(f"model.name={t.cfg.model.name} has no logits(): it cannot generate text")
     sampler = TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    out = []
+    codec = tokenization_of(t.cfg)
+    out: list[int] = []
+
+    def sampled() -> Iterator[int]:
+        # an empty prompt starts a document: after the token that ends one (bytes: NUL), if any
+        start = codec.encode(s.prompt) or ([codec.end_id] if codec.end_id is not None else [])
+        for token in sampler.tokens(start, s):
+            out.append(token)
+            yield token
+
     write(s.prompt)
-    for token in sampler.tokens(list(s.prompt.encode()), s):
-        out.append(token)
-        write(decoder.decode(bytes([token])))
-    write(decoder.decode(b"", final=True))
+    for text in codec.decode_stream(sampled()):
+        write(text)
     return out
+
+
+def tokenization_of(cfg):
+    """How the run's text became tokens: bytes, or the tokenizer of its files (data.source=files)."""
+    if cfg.data.source == "files":
+        return prepared.tokenization_of(cfg.data)
+    return tokenization.Bytes()
 
 
 def generate_images(t: trained_lib.Trained, s: Settings) -> Path:

@@ -30,6 +30,9 @@ class Run:
 
     @classmethod
     def create(cls, cfg: Config, devices=None) -> "Run":
+        """The run of `cfg`; its own `cfg` adds what the data decide (`tasks.resolve`: the
+        vocabulary of the user's files), read and checked before anything is built."""
+        cfg = tasks.resolve(cfg)
         mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices)
         rows = meshlib.check_batch(cfg.train.batch_size, mesh)
         if rows % cfg.train.accum_steps:

@@ -50,7 +50,7 @@ class EvalConfig:
     every: int = 100
     batches: int = 4  # fresh-memory evaluation: batches of train.batch_size independent windows
     # streaming evaluation: train.batch_size rows each read this many consecutive held-out
-    # windows with the memory carried between them (0: off; data.corpus=recall needs it)
+    # windows with the memory carried between them (0: off; data.source=recall needs it)
     stream_steps: int = 4
 
     def check(self) -> None:

@@ -350,7 +350,7 @@ class StepCache:
         key = tuple(sorted(batch))
         if "score" in batch and not hasattr(self.eng.model, "logits"):
             raise ConfigError(f"model.name={self.eng.cfg.model.name} has no logits(): the scored evaluation "
-                              "(data.corpus=recall) needs the per-position predictions")
+                              "(data.source=recall) needs the per-position predictions")
         if key not in self._eval_stream:
             rows = jax.tree.map(lambda _: ROWS, memory)
             outs = [*EVAL_METRIC_SPECS, *(("hits", "scored") if "score" in batch else ())]

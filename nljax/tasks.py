@@ -6,13 +6,15 @@ pure function of (seed, step), so resumed and re-sharded runs read the same data
 
 | task     | data                                   | evaluation                             |
 |----------|----------------------------------------|----------------------------------------|
-| `text`   | ContextStream over `data.corpus`       | held-out loss, bits per byte, fresh    |
-|          | (stdlib text or the recall probe)      | and streaming memory; recall accuracy  |
+| `text`   | ContextStream over `data.source`       | held-out loss, bits per byte, fresh    |
+|          | (stdlib text, the recall probe or the  | and streaming memory; recall accuracy  |
+|          | user's files, data/prepared.py)        |                                        |
 | `images` | epochs of image arrays (data/images)   | energy distance of generated samples   |
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from pathlib import Path
@@ -24,7 +26,7 @@ from jax.sharding import Mesh
 
 from nljax import mesh as meshlib
 from nljax.config import Config
-from nljax.data import images
+from nljax.data import images, prepared
 from nljax.data.recall import CHANCE, attention_reach, recall_corpus
 from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
 from nljax.energy import energy_distance
@@ -51,47 +53,86 @@ class Task(Protocol):
         ...
 
 
-def text_corpus(cfg: Config) -> tuple[np.ndarray, np.ndarray | None, np.ndarray, np.ndarray | None]:
-    """(train bytes, their training-loss weights or None, held-out bytes, held-out score mask or
-    None) of `data.corpus`."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextData:
+    """A text task's token arrays: training and held-out ids, and what else its source supplies."""
+
+    train: np.ndarray  # [N] token ids
+    held: np.ndarray  # [M]
+    train_weight: np.ndarray | None = None  # float32 [N]: training-loss weight per token (recall)
+    held_score: np.ndarray | None = None  # float32 [M]: the scored held-out tokens (recall)
+    train_ends: np.ndarray | None = None  # int64: each document's last token (files); None: SEPARATOR bytes
+    held_ends: np.ndarray | None = None
+    tokens_per_byte: float = 1.0  # held-out tokens per byte: bits per token x this = bits per byte
+    unit: str = "bytes"  # what a token is, in messages
+    digest: str | None = None  # the content digest of the files' manifest (files)
+
+
+def text_data(cfg: Config) -> TextData:
+    """The token arrays of `data.source`."""
     d = cfg.data
-    if d.corpus == "recall":
+    if d.source == "recall":
         reach = attention_reach(cfg.model.depth, cfg.model.nl_lm.window)
         train, train_score, held, held_score = recall_corpus(
             d.recall_docs, cfg.train.seq_len, d.recall_pairs, d.recall_gap, reach, d.eval_fraction, cfg.seed,
             d.recall_key_len, d.recall_value_len)
         # every document has the same number of scored bytes, so every row (and every device's
         # rows) weighs the same in the mean loss: N devices still compute 1 device's gradient
-        return train, train_score if d.recall_loss == "values" else None, held, held_score
-    train, held = stdlib_corpus(d.eval_fraction)
-    return train, None, held, None
+        return TextData(train, held, train_score if d.recall_loss == "values" else None, held_score)
+    if d.source == "files":
+        c = prepared.corpus(d)
+        return TextData(c.train.tokens, c.eval.tokens, train_ends=c.train.ends, held_ends=c.eval.ends,
+                        tokens_per_byte=c.tokens_per_byte, unit="tokens", digest=c.digest)
+    return TextData(*stdlib_corpus(d.eval_fraction))
+
+
+def resolve(cfg: Config) -> Config:
+    """`cfg` with what its data decide: with data.source=files, model.vocab_size from the files'
+    vocabulary (bytes: 256; a tokenizer: its size) when the config leaves it at its default."""
+    if cfg.data.source != "files" or cfg.model.name == "dit":
+        return cfg
+    default = type(cfg.model)().vocab_size
+    vocab = prepared.model_vocab(prepared.corpus(cfg.data), cfg.model.vocab_size, default)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 class TextTask:
-    """Byte-level language modelling on `data.corpus`: the standard library's source (see
-    `nljax.data.text`) or the associative-recall probe (`nljax.data.recall`)."""
+    """Language modelling on `data.source`: the standard library's source (see
+    `nljax.data.text`), the associative-recall probe (`nljax.data.recall`) or the user's own
+    files (`nljax.data.prepared`)."""
 
     unit = "tokens"
 
     def __init__(self, cfg: Config, mesh: Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.units_per_row = cfg.train.seq_len
-        train_bytes, train_weight, self.eval_data, self.eval_score = text_corpus(cfg)
+        self.data = data = text_data(cfg)
+        self.eval_data, self.eval_score = data.held, data.held_score
         if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
-            raise ConfigError(f"the held-out text ({len(self.eval_data)} bytes at data.eval_fraction="
+            raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} at data.eval_fraction="
                               f"{cfg.data.eval_fraction}) is shorter than train.seq_len+1={cfg.train.seq_len + 1}")
+        self.held_out().check_fits(cfg.eval.stream_steps)  # the streaming evaluation too
         # recall documents are exactly seq_len long: aligned rows read one whole document per step
-        align = cfg.train.seq_len if cfg.data.corpus == "recall" else 1
-        self.stream = ContextStream(train_bytes, cfg.train.batch_size, cfg.train.seq_len, cfg.seed,
-                                    cfg.data.reset_prob, align, train_weight)
+        align = cfg.train.seq_len if cfg.data.source == "recall" else 1
+        self.stream = ContextStream(data.train, cfg.train.batch_size, cfg.train.seq_len, cfg.seed,
+                                    cfg.data.reset_prob, align, data.train_weight, data.train_ends)
 
     def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
         batch = self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
         return reset_all_rows(batch) if reset_all else batch
 
     def fingerprint(self) -> str:
-        """Digest of the training and held-out bytes, compared across processes at start-up."""
+        """Digest of the training and held-out tokens, compared across processes at start-up:
+        the files' content digest (their manifest's), or of the bytes themselves."""
+        if self.data.digest is not None:
+            return self.data.digest
         return hashlib.sha256(self.stream.data.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
+
+    def describe(self) -> dict:
+        """What summary.json records of the data: source, token counts, vocabulary, digest."""
+        return {"source": self.cfg.data.source, "train_tokens": len(self.stream.data),
+                "eval_tokens": len(self.eval_data), "vocab_size": self.cfg.model.vocab_size,
+                "digest": self.fingerprint()}
 
     def evaluate(self, cache, params, step: int) -> dict:
         """Fresh-memory held-out loss and, with eval.stream_steps, the streaming one."""
@@ -101,7 +142,8 @@ class TextTask:
         return out
 
     def held_out(self) -> HeldOutStream:
-        return HeldOutStream(self.eval_data, self.cfg.train.batch_size, self.cfg.train.seq_len, score=self.eval_score)
+        t = self.cfg.train
+        return HeldOutStream(self.eval_data, t.batch_size, t.seq_len, ends=self.data.held_ends, score=self.eval_score)
 
     def evaluate_stream(self, cache, params, batches) -> dict:
         """Loss over consecutive held-out windows per row with the memory carried from window to
@@ -113,7 +155,8 @@ class TextTask:
             sums.append(m)  # reduced on the host after the last window: no sync per window
         total = {k: sum(host_sum(m[k]) for m in sums) for k in sums[0]}
         mean = total["loss_sum"] / max(total["count"], 1.0)
-        out = {"eval_loss_stream": mean, "eval_bpb_stream": mean / math.log(2), "eval_tokens_stream": int(total["count"])}
+        out = {"eval_loss_stream": mean, "eval_bpb_stream": mean * self.data.tokens_per_byte / math.log(2),
+               "eval_tokens_stream": int(total["count"])}
         if "hits" in total:
             out["eval_recall_acc"] = total["hits"] / max(total["scored"], 1.0)
             out["eval_recall_chance"] = CHANCE
@@ -133,7 +176,8 @@ class TextTask:
             loss += host_sum(m["loss_sum"])
             count += host_sum(m["count"])
         mean = loss / max(count, 1.0)
-        return {"eval_loss": mean, "eval_bpb": mean / math.log(2), "eval_tokens": int(count)}
+        bpb = mean * self.data.tokens_per_byte / math.log(2)
+        return {"eval_loss": mean, "eval_bpb": bpb, "eval_tokens": int(count)}
 
 
 class ImageTask:

@@ -69,6 +69,10 @@ def startup_report(run: Run, state: TrainState, say) -> None:
         f"({jax.devices()[0].device_kind}), mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, "
         f"{jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters")
+    if hasattr(run.task, "describe"):
+        d = run.task.describe()
+        say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
+            f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
     say(f"batch: global {t.batch_size} rows ({t.batch_size * per_row:,} {unit}) per optimizer step; per device "
         f"{rows_per_dev} rows in {t.accum_steps} micro-batch(es) of {rows_per_dev // t.accum_steps}; "
         f"effective batch {rows_per_dev // t.accum_steps} x {t.accum_steps} x {n_dev} devices = {t.batch_size} rows")
@@ -202,6 +206,9 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         "memory_bytes_per_device": bytes_per_device(state),
         "strategy": eng.strategy.name,
     }
+    describe = getattr(run.task, "describe", None)  # the text task: source, tokens, digest
+    if describe is not None:
+        summary["data"] = describe()
     out.run.save_summary(summary)
     if out.run.write and cfg.run.plots:
         runlog.plot(out.run.path, hist.records, table["per_pattern"], final_eval)
@@ -255,6 +262,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
 def train(cfg: Config) -> dict:
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     run = Run.create(cfg)
+    cfg = run.cfg  # with what the data decide (model.vocab_size of a tokenizer): config.yaml, checkpoints
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
     distributed.check_startup(cfg, run.mesh, run.task, say)
     # reads and checks a checkpoint to resume before anything is written

@@ -47,6 +47,9 @@ def test_yaml_file(tmp_path):
         ("seed=-1", "seed must be in [0, 2^63)"),
         ("train.max_skipped=-1", "train.max_skipped must be >= 0"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
+        ("data.train=a.txt", "data.train is read only with data.source=files (data.source=stdlib)"),
+        ("data.source=files", "data.source=files needs data.train (paths or globs of .txt/.jsonl files) or "
+                              "data.prepared"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -93,6 +96,22 @@ def test_a_moved_key_names_its_new_place(tmp_path, old, new):
     with pytest.raises(ConfigError) as e:
         config.load(str(p))
     assert str(e.value) == f"{old} moved to {new}"
+
+
+def test_data_corpus_moved_to_data_source():
+    """`data.source` names the data (stdlib | recall | files); the key it replaced is refused with
+    its new place, and a checkpoint's saved config that has it is read with it moved."""
+    with pytest.raises(ConfigError) as e:
+        config.load(None, ["data.corpus=recall"])
+    assert str(e.value) == "data.corpus moved to data.source"
+    saved = config.to_dict(config.load(None, ["data.source=recall", "train.seq_len=256"]))
+    saved["data"]["corpus"] = saved["data"].pop("source")
+    assert config.from_dict(saved).data.source == "recall"
+
+
+def test_one_path_is_a_list_of_one():
+    cfg = config.load(None, ["data.source=files", "data.train=corpus/*.txt", "data.eval=[a.jsonl, b.txt.gz]"])
+    assert cfg.data.train == ("corpus/*.txt",) and cfg.data.eval == ("a.jsonl", "b.txt.gz")
 
 
 def test_model_sections_load_from_yaml_and_overrides(tmp_path):

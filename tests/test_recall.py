@@ -59,7 +59,7 @@ def test_token_hits_on_hand_made_logits():
     assert (float(hits), float(scored)) == (2.0, 3.0)
 
 
-RECALL = ["data.corpus=recall", "model.nl_lm.window=8", "train.seq_len=64", "data.recall_pairs=2", "data.recall_gap=16",
+RECALL = ["data.source=recall", "model.nl_lm.window=8", "train.seq_len=64", "data.recall_pairs=2", "data.recall_gap=16",
           "data.recall_docs=800", "eval.batches=1", "eval.stream_steps=4"]
 
 

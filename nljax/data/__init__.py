@@ -1,1 +1,2 @@
-"""Data sources: the byte-level ContextStream over a corpus that ships with Python."""
+"""Data sources: the byte-level ContextStream over a corpus that ships with Python, the recall
+probe, and the user's own text files (documents, tokenization, prepared token files)."""

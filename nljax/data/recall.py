@@ -1,4 +1,4 @@
-"""A synthetic associative-recall corpus: the long-context probe (`data.corpus=recall`).
+"""A synthetic associative-recall corpus: the long-context probe (`data.source=recall`).
 
 Every document is exactly `doc_len` bytes (= `train.seq_len`, so that each held-out window of
 the streaming evaluation is one whole document) and reads

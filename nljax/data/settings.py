@@ -1,8 +1,10 @@
-"""Config section `data`: the text corpora of the text task (data/text.py, data/recall.py).
+"""Config section `data`: the text corpora of the text task (data/text.py, data/recall.py, and
+the user's own files: data/documents.py, data/prepared.py).
 
 The recall layout's sizes also bound model and train settings (the gap against the attention's
 reach, a document against train.seq_len): those rules sit with the other cross-section rules in
-`nljax.config.check_across_sections`.
+`nljax.config.check_across_sections`. What the files hold (documents, tokens, the vocabulary) is
+checked when they are read, before the model is built (`nljax.data.prepared`).
 """
 
 from __future__ import annotations
@@ -12,13 +14,30 @@ from typing import ClassVar, Literal
 
 from nljax.errors import ConfigError
 
+# the keys that describe the user's own files: read only with data.source=files
+FILE_KEYS = ("train", "eval", "tokenizer", "prepared", "doc_end_token")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # stdlib: the standard library's modules (data/text.py); recall: synthetic associative-recall
-    # documents, the long-context probe (data/recall.py)
-    corpus: Literal["stdlib", "recall"] = "stdlib"
-    eval_fraction: float = 0.05  # every round(1/eval_fraction)-th document is held out
+    # documents, the long-context probe (data/recall.py); files: the user's own text (data.train)
+    source: Literal["stdlib", "recall", "files"] = "stdlib"
+    eval_fraction: float = 0.05  # every round(1/eval_fraction)-th document is held out (files: without data.eval)
+    # files: paths or globs of .txt (one document per file) and .jsonl (one per line, its
+    # data.text_key field) files, each optionally .gz; a single string is a list of one
+    train: tuple[str, ...] = ()
+    eval: tuple[str, ...] = ()  # files: the held-out documents; empty: split from data.train by document
+    text_key: str = "text"  # files: the field of a .jsonl line that holds its document
+    # files: a Hugging Face `tokenizers` tokenizer.json (pip install 'nljax[text]'); empty: bytes.
+    # model.vocab_size left at 256 takes the tokenizer's size
+    tokenizer: str = ""
+    # files with a tokenizer: a token of its vocabulary appended after every document (e.g.
+    # "<|endoftext|>"); empty: none. Bytes always end a document with NUL, as the stdlib corpus
+    doc_end_token: str = ""
+    # files: a directory `python -m nljax.prepare` wrote (memory-mapped tokens + manifest.json);
+    # empty: the files of data.train are read and tokenized into memory at start
+    prepared: str = ""
     # probability that a training row starts a step from a fresh memory, drawn from (seed, step,
     # row): the model also learns to predict without carried context, as at a document start
     reset_prob: float = 0.25  # measured: README, "Does the memory help?"
@@ -41,8 +60,25 @@ class DataConfig:
     def check(self) -> None:
         if not 0 < self.eval_fraction < 1:
             raise ConfigError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {self.eval_fraction}")
-        if self.corpus == "recall":
+        if self.source == "recall":
             self._check_recall()
+        if self.source == "files":
+            self._check_files()
+        else:  # a path given for another source would be ignored without a word
+            given = [k for k in FILE_KEYS if getattr(self, k)]
+            if given:
+                raise ConfigError(f"data.{given[0]} is read only with data.source=files (data.source={self.source})")
+
+    def _check_files(self) -> None:
+        if not self.train and not self.prepared:
+            raise ConfigError("data.source=files needs data.train (paths or globs of .txt/.jsonl files) or "
+                              "data.prepared (a directory nljax.prepare wrote)")
+        if self.eval and not self.train:
+            raise ConfigError("data.eval needs data.train (or give data.prepared alone)")
+        if self.doc_end_token and not self.tokenizer and not self.prepared:
+            raise ConfigError("data.doc_end_token needs data.tokenizer (bytes end every document with NUL)")
+        if not self.text_key:
+            raise ConfigError("data.text_key must not be empty")
 
     def _check_recall(self) -> None:
         if self.recall_docs < 2 or self.recall_pairs < 1:

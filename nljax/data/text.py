@@ -1,4 +1,4 @@
-"""Byte-level text: a corpus present offline on every Python installation, read as a ContextStream.
+"""Text read as a ContextStream, and the byte-level corpus present offline on every Python installation.
 
 The corpus is the standard library's own top-level modules (`*.py` in the stdlib directory),
 sorted by name, one document per file, documents separated by a NUL byte (which never occurs
@@ -8,6 +8,8 @@ ContextStream: the training text is read as G parallel streams, one per global b
 starts at a fixed offset and at step s receives the next contiguous chunk of T+1 bytes (inputs
 and shifted targets). Which bytes a row gets is a pure function of (seed, step, row), so a
 resumed or re-sharded run reads exactly the same data, and each device builds only its own rows.
+The stream reads any array of token ids the same way: the user's files (`data.source=files`,
+data/prepared.py) come as a memory-mapped array of ids, with their document ends beside it.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def stdlib_corpus(eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(root.glob("*.py"))
     if len(files) < 10:
-        raise ConfigError(f"data.corpus=stdlib: found only {len(files)} modules in {root}")
+        raise ConfigError(f"data.source=stdlib: found only {len(files)} modules in {root}")
     every = max(2, round(1 / eval_fraction)) if eval_fraction > 0 else len(files) + 1
     train, held = [], []
     for i, f in enumerate(files):
@@ -44,7 +46,7 @@ def stdlib_corpus(eval_fraction: float) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclasses.dataclass(frozen=True)
 class ContextStream:
-    data: np.ndarray  # uint8 [N]
+    data: np.ndarray  # [N] token ids: uint8 bytes, or any unsigned ids (a memmap of prepared files)
     rows: int  # G, the global batch
     seq_len: int  # T
     seed: int = 0
@@ -53,6 +55,9 @@ class ContextStream:
     # float32 [N] or None: each byte's weight as a target of the training loss (the recall probe
     # trains on its queried values only); batches then carry it per target position, `weight` [R, T]
     weight: np.ndarray | None = None
+    # int64 [D] sorted, or None: the last token of each document (the user's files, whose token
+    # ids may take any value); None: a document ends at each SEPARATOR byte (stdlib, recall)
+    ends: np.ndarray | None = None
 
     def offsets(self) -> np.ndarray:
         """Start of each row's stream: evenly spaced, shifted by the seed.  [G]"""
@@ -74,6 +79,8 @@ class ContextStream:
         tokens = self.data[idx].astype(np.int32)
         if step == 0:
             reset = np.ones(len(start), bool)
+        elif self.ends is not None:
+            reset = self.ends_within(start - t, t)
         else:
             prev = (start[:, None] - t + np.arange(t)) % n  # the previous chunk's input tokens
             reset = (self.data[prev] == SEPARATOR).any(axis=1)
@@ -84,6 +91,16 @@ class ContextStream:
         if self.weight is not None:
             out["weight"] = self.weight[idx[:, 1:]]  # of the targets
         return out
+
+    def ends_within(self, lo: np.ndarray, t: int) -> np.ndarray:
+        """Whether a document ends among the `t` tokens from each `lo` [R] (cyclic): bool [R].
+        Counted from the sorted ends by bisection, so no per-token array is needed."""
+        n = len(self.data)
+        lo = lo % n
+        hi = lo + t  # <= 2n: the part past n wraps to [0, hi - n)
+        count = np.searchsorted(self.ends, np.minimum(hi, n)) - np.searchsorted(self.ends, lo)
+        count += np.searchsorted(self.ends, np.maximum(hi - n, 0))
+        return count > 0
 
     def global_batch(self, step: int, sharding: jax.sharding.Sharding) -> dict[str, jax.Array]:
         """The step's global batch as arrays sharded over rows; each device builds only its rows."""
@@ -139,13 +156,17 @@ class HeldOutStream(ContextStream):
             out["score"] = self.score[start[:, None] + 1 + np.arange(self.seq_len)]  # [R, T], targets
         return out
 
+    def check_fits(self, steps: int) -> None:
+        """`steps` windows per row fit in the held-out text (else one line, before training)."""
+        if steps * self.seq_len > self.span:
+            raise ConfigError(
+                f"eval.stream_steps={steps} windows of train.seq_len={self.seq_len} tokens per row do not fit in "
+                f"the held-out text ({len(self.data)} tokens over train.batch_size={self.rows} rows)"
+            )
+
     def batches(self, steps: int):
         """The host batches of `steps` consecutive windows of every row; each held-out byte is
         read at most once."""
-        if steps * self.seq_len > self.span:
-            raise ConfigError(
-                f"eval.stream_steps={steps} windows of train.seq_len={self.seq_len} bytes per row do not fit in "
-                f"the held-out text ({len(self.data)} bytes over train.batch_size={self.rows} rows)"
-            )
+        self.check_fits(steps)
         for step in range(steps):
             yield self.rows_at(step, np.arange(self.rows))

@@ -1,0 +1,122 @@
+"""How the user's text becomes token ids, and ids text again: bytes (UTF-8, the default) or a
+Hugging Face `tokenizers` tokenizer.json (the optional extra: pip install 'nljax[text]').
+
+The tokenizer is read from its file, never downloaded; its sha256 goes into the manifest and the
+content digest, so data tokenized another way never passes for the same data. Documents are
+encoded without the tokenizer's own special tokens (a BERT-style post-processor would wrap every
+document in [CLS] ... [SEP]); what ends a document is decided here: NUL for bytes, as in the
+stdlib corpus, and `data.doc_end_token` (or nothing) with a tokenizer.
+"""
+
+from __future__ import annotations
+
+import codecs
+import hashlib
+import os
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from nljax.errors import ConfigError, first_line
+
+BYTE_END = 0  # NUL ends every document of the byte tokenization
+
+
+def dtype_for(vocab_size: int) -> np.dtype:
+    """The smallest unsigned little-endian integer that holds every id below `vocab_size`."""
+    for dt in ("<u1", "<u2", "<u4"):
+        if vocab_size - 1 <= np.iinfo(np.dtype(dt)).max:
+            return np.dtype(dt)
+    raise ConfigError(f"a vocabulary of {vocab_size} tokens does not fit in 32-bit token ids")
+
+
+class Bytes:
+    """UTF-8 bytes, one token each, and NUL after every document."""
+
+    vocab_size = 256
+    end_id: int | None = BYTE_END
+
+    def info(self) -> dict:
+        return {"kind": "bytes", "vocab_size": self.vocab_size}
+
+    def encode_docs(self, texts: list[str]) -> list[tuple[np.ndarray, int]]:
+        """(ids of each document with its end token, its UTF-8 bytes + 1 for its boundary)."""
+        out = []
+        for text in texts:
+            raw = text.encode("utf-8")
+            out.append((np.frombuffer(raw + bytes([BYTE_END]), np.uint8), len(raw) + 1))
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """The text of `ids` as they come (a character once all of its bytes are there)."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        for token in ids:
+            yield decoder.decode(bytes([token]))
+        yield decoder.decode(b"", final=True)
+
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer.json; `end_token` (optional) is appended after every document."""
+
+    def __init__(self, path: str | Path, end_token: str = ""):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError("data.tokenizer needs the `tokenizers` package: pip install 'nljax[text]'") from None
+        path = Path(path).expanduser()
+        try:
+            self.raw = path.read_bytes()
+        except OSError as e:
+            raise ConfigError(f"data.tokenizer: cannot read {path}: {e.strerror or e}") from None
+        try:
+            self.tok = Tokenizer.from_str(self.raw.decode("utf-8"))
+        except Exception as e:  # the Rust side raises its own exception types
+            raise ConfigError(f"data.tokenizer: {path} is not a tokenizers tokenizer.json "
+                              f"({first_line(e) or type(e).__name__})") from None
+        self.path, self.end_token = path, end_token
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.end_id = self.tok.token_to_id(end_token) if end_token else None
+        if end_token and self.end_id is None:
+            raise ConfigError(f"data.doc_end_token={end_token!r} is not a token of data.tokenizer {path}")
+
+    def info(self) -> dict:
+        return {"kind": "tokenizers", "vocab_size": self.vocab_size, "sha256": hashlib.sha256(self.raw).hexdigest(),
+                "doc_end_token": self.end_token or None}
+
+    def encode_docs(self, texts: list[str]) -> list[tuple[np.ndarray, int]]:
+        out = []
+        for text, enc in zip(texts, self.tok.encode_batch(texts, add_special_tokens=False)):
+            ids = enc.ids + ([self.end_id] if self.end_id is not None else [])
+            if ids and max(ids) >= self.vocab_size:  # a tokenizer.json whose ids skip numbers
+                raise ConfigError(f"data.tokenizer {self.path} gave token id {max(ids)}, not below its vocabulary "
+                                  f"size {self.vocab_size}")
+            out.append((np.asarray(ids, np.int64), len(text.encode("utf-8")) + 1))
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """The text of `ids` as they come: the whole sequence is decoded again at every token
+        (a token may change how the ones before it read) and what extends the text shown is
+        written; the rest comes at the end (after the longest prefix already shown: what was
+        written cannot be taken back)."""
+        seen: list[int] = []
+        shown = ""
+        for token in ids:
+            seen.append(token)
+            text = self.tok.decode(seen, skip_special_tokens=False)
+            if text.startswith(shown) and not text.endswith("\ufffd"):  # not inside a character
+                yield text[len(shown):]
+                shown = text
+        text = self.tok.decode(seen, skip_special_tokens=False)
+        yield text[len(os.path.commonprefix([shown, text])):]
+
+
+def load(tokenizer: str, end_token: str = "") -> Bytes | HFTokenizer:
+    """The tokenization `data.tokenizer` names: bytes when it is empty."""
+    return HFTokenizer(tokenizer, end_token) if tokenizer else Bytes()

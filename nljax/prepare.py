@@ -1,0 +1,79 @@
+"""Prepare your own text once, for training with data.source=files data.prepared=DIR:
+
+    python -m nljax.prepare [--config FILE] data.train=GLOB [data.eval=GLOB] [data.text_key=text]
+                            [data.tokenizer=tokenizer.json [data.doc_end_token=TOKEN]] out=DIR [overwrite=true]
+
+reads and tokenizes the files (nljax/data/documents.py, nljax/data/tokenization.py) and writes
+DIR: each split's tokens as a file to memory-map, its document starts, a copy of the tokenizer
+and manifest.json (nljax/data/prepared.py). The data.* keys are the config's, so one config file
+can prepare and then train. Bad data (a missing file, no text, bytes that are not UTF-8, a token
+id beyond the vocabulary) is one line and exit 2, and DIR is left as it was: the files are
+written under temporary names and renamed when complete, manifest.json last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from nljax import config
+from nljax.data import prepared
+from nljax.errors import ConfigError
+
+OWN = ("out", "overwrite")  # this tool's keys; every other key=value is a config override
+
+
+def parse(pairs: list[str]) -> tuple[Path, bool, list[str]]:
+    """(out, overwrite, config overrides) from `key=value` arguments."""
+    own, overrides = {}, []
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise ConfigError(f"expected key=value, got {pair!r}")
+        if key in OWN:
+            own[key] = value
+        else:
+            overrides.append(pair)
+    if not own.get("out"):
+        raise ConfigError("out=DIR is required: the directory to write the prepared data to")
+    if own.get("overwrite", "false") not in ("true", "false"):
+        raise ConfigError(f"overwrite must be true or false, got {own['overwrite']!r}")
+    return Path(own["out"]), own.get("overwrite") == "true", overrides
+
+
+def describe(c: prepared.Corpus) -> str:
+    m = c.manifest
+    tok = m["tokenizer"]
+    kind = "bytes" if tok["kind"] == "bytes" else f"tokenizer {tok['sha256'][:12]}"
+    return (f"{m['train']['tokens']:,} training tokens in {m['train']['documents']:,} documents, "
+            f"{m['eval']['tokens']:,} held-out tokens in {m['eval']['documents']:,}, {m['dtype']}, vocabulary "
+            f"{m['vocab_size']} ({kind}), digest {m['digest'][:12]}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="nljax.prepare", description=__doc__.splitlines()[0])
+    p.add_argument("--config", help="YAML config file whose data.* keys name the text")
+    p.add_argument("settings", nargs="*", metavar="key=value", help="out=DIR (required), overwrite=true, data.* keys")
+    args = p.parse_args(argv)
+    try:
+        out, overwrite, overrides = parse(args.settings)
+        cfg = config.load(args.config, ["data.source=files", *overrides])
+        if not cfg.data.train:
+            raise ConfigError("data.train is required: the paths or globs of the text to prepare")
+        if cfg.data.prepared:
+            raise ConfigError("data.prepared names prepared data to train on: prepare into out=DIR instead")
+        c = prepared.build(cfg.data, out, overwrite)
+        print(f"nljax.prepare: wrote {out}: {describe(c)}")
+        print(f"nljax.prepare: train with data.source=files data.prepared={out}")
+        return 0
+    except ConfigError as e:
+        print(f"nljax.prepare: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a full disk, a quota, a read-only file system: the temporary files are gone
+        print(f"nljax.prepare: error: cannot write {e.filename or out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,305 @@
+"""Own text data (data.source=files): .txt, .jsonl and .gz documents written here, bytes or a
+tokenizer built here (no download), prepared to disk or in memory; training through the real
+entry, exact and elastic resume on it; every bad-data case refused with one line."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from nljax import config, distributed, mesh as meshlib, tasks
+from nljax.data import prepared, tokenization
+from nljax.data.text import SEPARATOR, ContextStream
+from nljax.generate import tokenization_of
+from nljax.prepare import main as prepare_main
+from nljax.train import main as train_main
+
+WORDS = "the a memory level stream token window model learns reads writes data file line of and to in été".split()
+# A model small enough to compile in seconds (the stream's `reset` at document ends is checked
+# on its own below; the runs check what the data path decides: the tokens every row reads).
+# model.vocab_size is the test tokenizer's size for the byte runs too (a padded table): every run
+# then compiles the same step programs, which the compile cache holds after the first.
+TINY = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "model.hidden_mult=2", "cms.periods=[1]",
+        "train.batch_size=8", "train.seq_len=8", "train.steps=6", "optim.lr=0.01", "optim.warmup_steps=0",
+        "data.eval_fraction=0.2", "model.vocab_size=320"]
+QUICK = ["--quiet", "eval.every=0", "eval.batches=1", "eval.stream_steps=0", "throughput.reps=1",
+         "throughput.split=false", "run.plots=false", "run.tensorboard=false"]
+
+def _text(rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 40))) + ".\n"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> dict:
+    """6 .txt files, a .jsonl of 24 documents, a .jsonl.gz of 10 (and one blank line), a held-out
+    .txt set; `docs`: the training documents in the order they are read."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(0)
+    docs = []
+    for i in range(6):
+        docs.append(_text(rng))
+        (root / f"doc{i}.txt").write_text(docs[-1])
+    lines = [_text(rng) for _ in range(24)]
+    (root / "lines.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(lines)))
+    packed = [_text(rng) for _ in range(10)]
+    with gzip.open(root / "packed.jsonl.gz", "wt") as f:
+        f.write("\n".join(json.dumps({"text": t}) for t in packed) + "\n\n")
+    (root / "held").mkdir()
+    for i in range(3):
+        (root / "held" / f"h{i}.txt").write_text(_text(rng) * 3)
+    train = [f"{root}/*.txt", f"{root}/*.jsonl", f"{root}/*.jsonl.gz"]
+    return {"root": root, "train": train, "docs": docs + lines + packed, "eval": [f"{root}/held/*.txt"]}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory) -> Path:
+    """A byte-level BPE tokenizer of 320 tokens trained here on the corpus: ids above 255."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus["docs"], trainer)
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    tok.save(str(path))
+    return path
+
+
+def data_config(*overrides: str) -> config.Config:
+    return config.load(None, ["data.source=files", *overrides])
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Preparing: documents whole, the held-out split by document, disk == memory
+
+
+def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path, capsys):
+    out = tmp_path / "prep"
+    train = f"data.train=[{','.join(corpus['train'])}]"
+    assert prepare_main([train, "data.eval_fraction=0.2", f"out={out}"]) == 0
+    assert "nljax.prepare: wrote" in capsys.readouterr().out
+    on_disk = prepared.load(out)
+    m = on_disk.manifest
+    assert m["dtype"] == "uint8" and m["vocab_size"] == 256 and m["tokenizer"]["kind"] == "bytes"
+    assert isinstance(on_disk.train.tokens, np.memmap)
+    docs = corpus["docs"]
+    held = [d for i, d in enumerate(docs) if i % 5 == 4]
+    for split, want in ((on_disk.train, [d for i, d in enumerate(docs) if i % 5 != 4]), (on_disk.eval, held)):
+        got = [bytes(split.tokens[a:e + 1]).decode() for a, e in zip(split.starts, split.ends)]
+        assert got == [d + "\0" for d in want]  # whole, in order, each ended by NUL
+    assert m["train"]["bytes"] == m["train"]["tokens"] and on_disk.tokens_per_byte == 1.0
+    in_memory = prepared.build(data_config(train, "data.eval_fraction=0.2").data)
+    assert in_memory.digest == on_disk.digest
+    np.testing.assert_array_equal(in_memory.train.tokens, on_disk.train.tokens)
+    np.testing.assert_array_equal(in_memory.eval.starts, on_disk.eval.starts)
+    # a held-out set given: every training document is trained on, the held-out files evaluate
+    both = prepared.build(data_config(train, f"data.eval={corpus['eval'][0]}").data)
+    assert both.manifest["train"]["documents"] == len(docs) and both.manifest["eval"]["documents"] == 3
+    assert both.digest != on_disk.digest
+    # DIR is not replaced unless asked; data.prepared with other data.train is refused
+    assert prepare_main([train, f"out={out}"]) == 2 and "already holds prepared data" in one_line(capsys)
+    with pytest.raises(config.ConfigError, match="was prepared with data.eval_fraction=0.2, not 0.05"):
+        prepared.corpus(data_config(train, f"data.prepared={out}").data)
+
+
+def test_tokenizer_ids_above_255_and_boundaries_from_the_manifest(corpus, tokenizer):
+    d = data_config(f"data.train=[{','.join(corpus['train'])}]", f"data.tokenizer={tokenizer}",
+                    "data.doc_end_token=<eos>").data
+    c = prepared.build(d)
+    m = c.manifest
+    assert m["dtype"] == "uint16" and m["vocab_size"] == 320 and m["train"]["max_token"] > 255
+    eos = tokenization.load(str(tokenizer), "<eos>").end_id
+    assert (c.train.tokens[c.train.ends] == eos).all() and (c.train.tokens == eos).sum() == len(c.train.ends)
+    assert c.tokens_per_byte < 0.5  # merges: fewer tokens than bytes
+    # nljax.generate encodes a prompt and decodes the samples with the same tokenizer
+    codec = tokenization_of(data_config(f"data.train=[{','.join(corpus['train'])}]", f"data.tokenizer={tokenizer}"))
+    text = corpus["docs"][0] + " été"  # multi-byte characters split across byte-level tokens
+    assert "".join(codec.decode_stream(codec.encode(text))) == text and max(codec.encode(text)) > 255
+    # `reset` from the manifest's document ends == a token-by-token scan for a boundary
+    stream = ContextStream(c.train.tokens, 8, 8, seed=3, ends=c.train.ends)
+    is_end = np.zeros(len(c.train.tokens), bool)
+    is_end[c.train.ends] = True
+    n = len(c.train.tokens)
+    for step in range(1, 60):
+        start = stream.offsets() + step * 8
+        want = is_end[(start[:, None] - 8 + np.arange(8)) % n].any(axis=1)
+        np.testing.assert_array_equal(stream.rows_at(step, np.arange(8))["reset"], want)
+    # bytes: the ends give the rows the stdlib corpus' NUL scan gives, batch for batch
+    b = prepared.build(data_config(f"data.train=[{','.join(corpus['train'])}]").data).train
+    by_ends, by_nul = ContextStream(b.tokens, 8, 16, 1, ends=b.ends), ContextStream(b.tokens, 8, 16, 1)
+    assert (b.tokens[b.ends] == SEPARATOR).all()
+    for step in range(0, 40):
+        x, y = by_ends.rows_at(step, np.arange(8)), by_nul.rows_at(step, np.arange(8))
+        np.testing.assert_array_equal(x["tokens"], y["tokens"])
+        np.testing.assert_array_equal(x["reset"], y["reset"])
+
+
+def test_vocab_size_is_taken_from_the_tokenizer_and_checked(corpus, tokenizer):
+    files = [f"data.train=[{','.join(corpus['train'])}]", f"data.tokenizer={tokenizer}"]
+    assert tasks.resolve(data_config(*files)).model.vocab_size == 320  # left at 256: the tokenizer's
+    assert tasks.resolve(data_config(*files, "model.vocab_size=384")).model.vocab_size == 384  # padded
+    with pytest.raises(config.ConfigError, match="model.vocab_size=300 is smaller than the 320 tokens"):
+        tasks.resolve(data_config(*files, "model.vocab_size=300"))
+    with pytest.raises(config.ConfigError, match="model.vocab_size=200 is smaller than the 256 tokens of bytes"):
+        tasks.resolve(data_config(files[0], "model.vocab_size=200"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training through the real entry, resumed exactly and elastically
+
+
+@pytest.fixture(autouse=True)
+def _own_compile_cache():
+    """The runs below turn on JAX's persistent compile cache (run.compile_cache=auto, under this
+    session's $XDG_CACHE_HOME); it is turned off again for the tests that follow in this process."""
+    before = jax.config.jax_compilation_cache_dir
+    yield
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_bytes_from_txt_and_jsonl_train_without_preparing(corpus, tmp_path):
+    """data.train alone: tokenized into memory at start; summary.json and the lockstep
+    fingerprint carry the content digest, which another corpus changes."""
+    train = f"data.train=[{','.join(corpus['train'])}]"
+    run = tmp_path / "run"
+    assert train_main([*QUICK, *TINY, "data.source=files", train, f"run.dir={run}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    m = prepared.build(data_config(train, "data.eval_fraction=0.2").data).manifest
+    assert summary["data"] == {"source": "files", "train_tokens": m["train"]["tokens"],
+                               "eval_tokens": m["eval"]["tokens"], "vocab_size": 320, "digest": m["digest"]}
+    assert np.isfinite(summary["eval_bpb"]) and len(records(run)) == 6
+    mesh = meshlib.make_mesh(1, 1, jax.devices()[:1])
+    small = [*TINY, "eval.stream_steps=1"]
+    task = tasks.TextTask(tasks.resolve(data_config(*small, train)), mesh)
+    other = tasks.TextTask(tasks.resolve(data_config(*small, train, f"data.eval={corpus['eval'][0]}")), mesh)
+    assert distributed.data_fingerprint(task) == m["digest"] != distributed.data_fingerprint(other)
+
+
+def test_tokenized_files_train_and_resume_exactly_and_elastically(corpus, tokenizer, tmp_path):
+    """Prepared with the tokenizer; 6 steps on 8 devices with checkpoints after 3 and 6. Resumed
+    from step 3 on the same 8 devices: the same losses bitwise; on 4 devices (elastic): the same
+    up to float reduction order."""
+    prep = tmp_path / "prep"
+    assert prepare_main([f"data.train=[{','.join(corpus['train'])}]", f"data.tokenizer={tokenizer}",
+                         "data.doc_end_token=<eos>", "data.eval_fraction=0.2", f"out={prep}"]) == 0
+    # model.vocab_size at its default: taken from the tokenizer
+    args = [*QUICK, *TINY, "model.vocab_size=256", "checkpoint.every=3", "data.source=files", f"data.prepared={prep}"]
+    ref = tmp_path / "ref"
+    assert train_main([*args, f"run.dir={ref}"]) == 0
+    assert config.load(str(ref / "config.yaml")).model.vocab_size == 320  # from the tokenizer
+    summary = json.loads((ref / "summary.json").read_text())
+    assert summary["data"]["digest"] == json.loads((prep / "manifest.json").read_text())["digest"]
+    assert summary["data"]["vocab_size"] == 320
+    losses = [r["loss"] for r in records(ref)]
+    for name in ("same", "elastic"):  # the run as it was after step 3
+        shutil.copytree(ref, tmp_path / name)
+        shutil.rmtree(tmp_path / name / "checkpoints" / "6")
+    assert train_main([*args, "--resume", f"run.dir={tmp_path / 'same'}"]) == 0
+    assert [r["loss"] for r in records(tmp_path / "same")] == losses
+    assert json.loads((tmp_path / "same" / "summary.json").read_text())["eval_loss"] == summary["eval_loss"]
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
+    env["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")  # same codegen
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
+    p = subprocess.run([sys.executable, "-m", "nljax.train", "--cpu-devices", "4", "--resume", *args,
+                        f"run.dir={tmp_path / 'elastic'}"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr
+    elastic = [r["loss"] for r in records(tmp_path / "elastic")]
+    assert elastic[:3] == losses[:3]
+    np.testing.assert_allclose(elastic[3:], losses[3:], rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad data: one line, exit 2, before training; nothing written
+
+
+def _bad_files(root: Path) -> None:
+    root.mkdir()
+    (root / "ok.txt").write_text("fine text\n")
+    (root / "empty.txt").write_text("\0\0")
+    (root / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (root / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
+    (root / "nokey.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
+    (root / "notgz.txt.gz").write_bytes(b"plain text, not gzip")
+    (root / "notes.md").write_text("# not a supported type\n")
+    (root / "sub").mkdir()
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    gap = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "fine": 5}, unk_token="[UNK]"))  # 2 entries, id 5
+    gap.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    gap.save(str(root / "gap.json"))
+
+
+BAD = [
+    (["data.train=R/missing.txt"], "data.train: no file R/missing.txt"),
+    (["data.train=R/*.text"], "data.train: 'R/*.text' matches no file"),
+    (["data.train=R/sub"], "data.train: R/sub is a directory"),
+    (["data.train=R/notes.md"], "data.train: R/notes.md is not a .txt or .jsonl file"),
+    (["data.train=R/empty.txt"], "data.train: no text in 1 file(s)"),
+    (["data.train=R/latin1.txt"], "R/latin1.txt: not UTF-8 text (byte 3"),
+    (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),
+    (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key)"),
+    (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),
+    (["data.train=R/ok.txt"], "no held-out documents: 1 document(s) at data.eval_fraction=0.05 hold out none"),
+    (["data.train=R/ok.txt", "data.eval=R/ok.txt"], "R/ok.txt is in both data.train and data.eval"),
+    (["data.train=R/ok.txt", "data.tokenizer=R/gap.json"],
+     "data.tokenizer R/gap.json gave token id 5, not below its vocabulary size 2"),
+    (["data.train=R/ok.txt", "data.tokenizer=R/ok.txt"], "data.tokenizer: R/ok.txt is not a tokenizers tokenizer.json"),
+    (["data.train=R/ok.txt", "data.tokenizer=R/gap.json", "data.doc_end_token=</s>"],
+     "data.doc_end_token='</s>' is not a token"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD, ids=[m.split(":")[-1][:30].strip() for _, m in BAD])
+def test_bad_data_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
+    root = tmp_path / "R"
+    _bad_files(root)
+    sub = lambda s: s.replace("R/", f"{root}/")
+    out = tmp_path / "out"
+    assert prepare_main([*map(sub, args), f"out={out}"]) == 2
+    assert one_line(capsys).startswith(f"nljax.prepare: error: {sub(message)}")
+    assert not out.exists()
+    run = tmp_path / "run"  # the same through training without preparing: before anything is built
+    assert train_main(["--quiet", "data.source=files", *map(sub, args), f"run.dir={run}"]) == 2
+    assert one_line(capsys).startswith(f"nljax.train: error: {sub(message)}")
+    assert not run.exists()
+
+
+def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, capsys):
+    prep = tmp_path / "prep"
+    files = f"data.train=[{','.join(corpus['train'])}]"
+    assert prepare_main([files, f"data.tokenizer={tokenizer}", f"out={prep}"]) == 0
+    capsys.readouterr()
+    cases = [
+        ([f"data.prepared={prep}", "model.vocab_size=300"], "model.vocab_size=300 is smaller than the 320 tokens"),
+        ([f"data.prepared={tmp_path}"], f"data.prepared={tmp_path} holds no manifest.json"),
+    ]
+    for args, message in cases:
+        assert train_main(["--quiet", "data.source=files", *args, f"run.dir={tmp_path / 'run'}"]) == 2
+        assert one_line(capsys).startswith(f"nljax.train: error: {message}")
+    with open(prep / "train.bin", "r+b") as f:  # a token file cut short
+        f.truncate(10)
+    assert train_main(["--quiet", "data.source=files", f"data.prepared={prep}", f"run.dir={tmp_path / 'run'}"]) == 2
+    assert "train.bin holds 10 bytes, the manifest says" in one_line(capsys)
+    assert not (tmp_path / "run").exists()
