@@ -61,7 +61,16 @@ class Config:
 _NL_LM_KEYS = ("window", "memory_layers", "memory_kind", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk",
                "memory_lr_max", "memory_conv", "memory_out_norm", "memory_out_gate", "memory_unroll")
 MOVED = {**{f"model.{k}": f"model.nl_lm.{k}" for k in _NL_LM_KEYS}, "model.patch_size": "model.dit.patch_size",
-         "data.corpus": "data.source"}
+         "data.corpus": "data.source", "run.tensorboard": "run.trackers"}
+# Moved keys whose value changed form: old key -> (the new key's value from the old one, how the
+# new key is written, for the error line).
+CONVERTED = {"run.tensorboard": (lambda on: ["tensorboard"] if on else [],
+                                 "a list: run.trackers=[tensorboard], [tensorboard,wandb] or []")}
+
+
+def _moved(old: str) -> str:
+    how = f" ({CONVERTED[old][1]})" if old in CONVERTED else ""
+    return f"{old} moved to {MOVED[old]}{how}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,9 +95,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         return value
     if origin is tuple:
         (elem, _) = typing.get_args(tp)
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if number or (elem is str and isinstance(value, str)):
-            value = [value]  # one value is a list of one (data.train=corpus/*.txt)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            value = [value]  # one entry is a list of one: run.trackers=wandb, data.train=corpus/*.txt
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key '{key}' must be a list, got {value!r}")
         return tuple(_coerce(f"{key}[{i}]", elem, v) for i, v in enumerate(value))
@@ -121,7 +129,7 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
     for key, value in data.items():
         if key not in names:
             if f"{prefix}{key}" in MOVED:
-                raise ConfigError(f"{prefix}{key} moved to {MOVED[prefix + key]}")
+                raise ConfigError(_moved(prefix + key))
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{prefix}{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
@@ -184,9 +192,12 @@ def _read_yaml(path: str) -> dict:
     return loaded or {}
 
 
-def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Config:
-    """Default config, updated by the YAML file at `path`, then by `key=value` overrides."""
+def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: bool = False) -> Config:
+    """Default config, updated by the YAML file at `path`, then by `key=value` overrides.
+    `saved`: the file is one nljax wrote (a run's config.yaml), read with its moved keys in their
+    new place (`migrate`) like a checkpoint's config; a user's file with an old key is refused."""
     tree = {} if path is None else _read_yaml(path)
+    tree = migrate(tree) if saved else tree
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
@@ -196,7 +207,8 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = ()) -> Confi
 
 
 def migrate(tree: dict) -> dict:
-    """A copy of the saved config `tree` with every key of `MOVED` in its new place."""
+    """A copy of the saved config `tree` with every key of `MOVED` in its new place (its value
+    converted where `CONVERTED` says)."""
     tree = copy.deepcopy(tree)
     for old, new in MOVED.items():
         *path, leaf = old.split(".")
@@ -205,6 +217,8 @@ def migrate(tree: dict) -> dict:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and leaf in node:
             value = node.pop(leaf)
+            if old in CONVERTED:
+                value = CONVERTED[old][0](value)
             *path, leaf = new.split(".")
             node = tree
             for part in path:

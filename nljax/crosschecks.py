@@ -36,6 +36,9 @@ def check_across_sections(cfg) -> None:
         if cfg.eval.stream_steps < 1:
             raise ConfigError("data.source=recall is evaluated by the streaming evaluation: eval.stream_steps must be >= 1")
     if m.name == "dit":  # the images task: its sections apply, and every parameter is at level 0
+        if cfg.train.sample_every:
+            raise ConfigError("train.sample_every samples text, and model.name=dit makes images: its samples are "
+                              "the samples_<step>.png each evaluation writes (eval.every)")
         if len(periods) != 1:
             raise ConfigError(f"model.name=dit keeps every parameter at level 0: set cms.periods to one period "
                               f"(e.g. [1]), got {list(periods)}")

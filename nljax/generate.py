@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nljax import cli, trained as trained_lib
 from nljax.data import prepared, tokenization
 from nljax.errors import ConfigError
+from nljax.hostdev import put, replica
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,23 +89,26 @@ def sample_token(logits: np.ndarray, rng: np.random.Generator, s: Settings) -> i
 
 
 class TextSampler:
-    """Windowed decoding of a trained language model (module docstring)."""
+    """Windowed decoding of a trained language model (module docstring). `params`: the model's
+    whole parameter tree, replicated over `mesh`; a sampler that is kept (`nljax.samples`) may
+    be given new ones, and its compiled forward serves them."""
 
     def __init__(self, model, params, mesh, seq_len: int):
         self.params, self.t = params, seq_len
         self.rep = NamedSharding(mesh, P())
-        self.memory0 = jax.device_put(model.init_memory(1), self.rep)
+        # Inputs made from host arrays (`put`) and outputs replicated, each process reading its
+        # own copy (`replica`): the sampler also runs on a mesh that spans processes (training).
+        self.memory0 = jax.tree.map(lambda x: put(np.asarray(x), self.rep), model.init_memory(1))
         self._forward = jax.jit(lambda params, memory, tokens, reset: model.logits(
-            params, memory, {"tokens": tokens, "reset": reset}))
+            params, memory, {"tokens": tokens, "reset": reset}), out_shardings=self.rep)
 
     def forward(self, memory, window: list[int], fresh: bool):
         """Logits [T, V] of `window` (<= T tokens, padded) and the memory after it."""
         tokens = np.zeros((1, self.t + 1), np.int32)  # the model reads T inputs (the last is a target)
         tokens[0, : len(window)] = window
         reset = np.array([fresh])
-        logits, memory = self._forward(self.params, memory, jax.device_put(tokens, self.rep),
-                                       jax.device_put(reset, self.rep))
-        return np.asarray(jax.device_get(logits))[0], memory
+        logits, memory = self._forward(self.params, memory, put(tokens, self.rep), put(reset, self.rep))
+        return replica(logits)[0], memory
 
     def tokens(self, prompt: list[int], s: Settings) -> Iterator[int]:
         """The sampled tokens after `prompt`, one at a time."""

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from nljax import distributed
 from nljax.conductor import Conductor, Pulse
@@ -53,8 +55,9 @@ class Hooks:
 
 
 def step_record(pulse: Pulse, m: dict, loss: float, dt: float, units: int, key: str, compiled: bool,
-                variant) -> dict:
-    """The step's metrics.jsonl record, from its metrics on the devices."""
+                variant, lr: float) -> dict:
+    """The step's metrics.jsonl record, from its metrics on the devices; `lr`: the schedule's
+    value at this step (before `optim.level_lr_scale`)."""
     norms, lskip = (replica(m[k]).tolist() for k in ("level_grad_norm", "level_skipped"))  # per level
     rec = {
         "step": pulse.step,
@@ -65,6 +68,8 @@ def step_record(pulse: Pulse, m: dict, loss: float, dt: float, units: int, key: 
         key: units / dt,
         "compiled": compiled,
         "skipped": bool(replica(m["skipped"])),  # the same on every device
+        "lr": lr,
+        "grad_norm": float(replica(m["grad_norm"])),  # of the fired levels' gradients together
         **{f"grad_norm_l{l}": float(norms[l]) for l in pulse.active_levels},
         "skipped_levels": [l for l in pulse.active_levels if lskip[l]],
     }
@@ -81,7 +86,11 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor,
     key = f"{run.task.unit}_per_s_per_device"
     seen: set = set()
     batch = run.batch(conductor.step, reset_all=reset_first) if conductor.step < steps else None
-    for i in range(max(steps - conductor.step, 0)):
+    n = max(steps - conductor.step, 0)
+    # Each step's learning rate for its record, as the step computes it (step.update_levels: the
+    # schedule at step + 1), in one computation here rather than a device round trip per step.
+    lrs = np.broadcast_to(np.asarray(run.engine.lr(jnp.arange(conductor.step + 1, steps + 1))), (n,))
+    for i in range(n):
         p = conductor.pulse
         distributed.check_step(i, p, cfg.distributed.check_every)
         last = p.step == steps - 1
@@ -94,7 +103,7 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor,
         compiled = variant not in seen  # the first call of a variant includes its compilation
         seen.add(variant)
         conductor = conductor.advance()  # after the step's synchronization
-        rec = step_record(p, m, loss, dt, units, key, compiled, variant)
+        rec = step_record(p, m, loss, dt, units, key, compiled, variant, float(lrs[i]))
         if compiled:
             rec["compile_s"] = run.cache.compile_s.get(variant)
         yield StepResult(p, state, rec, last, units / dt)

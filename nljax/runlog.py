@@ -1,5 +1,6 @@
-"""What a run shows while it trains and leaves behind: progress on the terminal, TensorBoard
-event files and PNG plots in `run.dir`. Only process 0 creates any of them."""
+"""What a run shows while it trains and leaves behind: progress on the terminal and PNG plots in
+`run.dir` (its trackers, TensorBoard and W&B, are in nljax/trackers.py). Only process 0 creates
+any of them."""
 
 from __future__ import annotations
 
@@ -99,31 +100,6 @@ def format_metrics(metrics: dict) -> str:
             continue
         parts.append(f"{k} {v:,d}" if isinstance(v, int) else f"{k} {v:.4g}")
     return "  ".join(parts)
-
-
-class Board:
-    """TensorBoard scalars (tensorboardX event files in `run.dir`); a no-op when disabled."""
-
-    def __init__(self, path: Path | None, purge_step: int | None = None):
-        self.writer = None
-        if path is not None:
-            from tensorboardX import SummaryWriter
-
-            before = set(path.glob("events.out.tfevents.*"))
-            self.writer = SummaryWriter(logdir=str(path), flush_secs=30, purge_step=purge_step)
-            for new in sorted(set(path.glob("events.out.tfevents.*")) - before):  # ours: overwrite removes it
-                note_written(path, new.name)
-
-    def scalars(self, prefix: str, values: dict, step: int) -> None:
-        if self.writer is None:
-            return
-        for k, v in values.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool):
-                self.writer.add_scalar(f"{prefix}/{k}", v, step)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 def plot(path: Path, records: list[dict], timed: dict, final_eval: dict | None = None) -> list[str]:

@@ -8,8 +8,12 @@ sit in this leaf module, which imports no other part of nljax but the error type
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from nljax.errors import ConfigError
+
+# The names `run.trackers` takes; nljax/trackers.py registers one tracker for each.
+TrackerName = Literal["tensorboard", "wandb"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,11 +21,24 @@ class RunConfig:
     dir: str = "runs/default"
     overwrite: bool = False  # replace the files of an earlier run in run.dir
     quiet: bool = False
-    tensorboard: bool = True  # TensorBoard event files in run.dir
+    # where scalars and samples go besides metrics.jsonl (nljax/trackers.py): tensorboard (event
+    # files in run.dir), wandb (Weights & Biases); [] for none
+    trackers: tuple[TrackerName, ...] = ("tensorboard",)
+    # W&B: offline writes under run.dir/wandb with no network (`wandb sync` uploads it later);
+    # WANDB_MODE, when set, wins. The run's name defaults to run.dir's last part.
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "nljax"
+    wandb_name: str = ""
     plots: bool = True  # loss.png and step_time.png in run.dir at the end
     # JAX's persistent compilation cache (nljax/compile_cache.py): auto (the user's cache
     # directory, ~/.cache/nljax/jax) | none | a directory
     compile_cache: str = "auto"
+
+    def check(self) -> None:
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ConfigError(f"run.trackers names a tracker twice: {list(self.trackers)}")
+        if not self.wandb_project:
+            raise ConfigError("run.wandb_project must not be empty")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +52,11 @@ class TrainConfig:
     log_every: int = 10
     profile_steps: int = 0  # record a jax.profiler trace of this many steps into run.dir/profile
     profile_start: int = 10  # first profiled step (after compilation)
+    # every N steps print a short text sample from the training state and send it to the trackers
+    # (nljax/samples.py; text models only); 0: off
+    sample_every: int = 0
+    sample_prompt: str = ""  # bytes the sample continues ("": from a document start)
+    sample_tokens: int = 64  # bytes sampled after the prompt
 
     def check(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.seq_len < 1 or self.accum_steps < 1:
@@ -43,6 +65,9 @@ class TrainConfig:
             raise ConfigError(f"train.max_skipped must be >= 0, got {self.max_skipped}")
         if self.log_every < 1 or self.profile_steps < 0 or self.profile_start < 0:
             raise ConfigError("train.log_every must be >= 1, train.profile_steps and train.profile_start >= 0")
+        if self.sample_every < 0 or self.sample_tokens < 1:
+            raise ConfigError(f"train.sample_every must be >= 0 (0: off) and train.sample_tokens >= 1, got "
+                              f"{self.sample_every} and {self.sample_tokens}")
 
 
 @dataclasses.dataclass(frozen=True)

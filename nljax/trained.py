@@ -48,7 +48,7 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
         *overrides, f"run.dir={run_dir}", f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
         f"train.batch_size={n}", "train.accum_steps=1", "sync.strategy=replicated",
         "eval.stream_steps=0",  # used, not evaluated: the held-out text need not fit an evaluation over n rows
-    ])
+    ], saved=True)  # a config.yaml written before a key moved is read with it in its new place
     run = Run.create(cfg, devices)
     restored, _ = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
     return Trained(cfg, run, restored.state.params, restored.step, restored.path)

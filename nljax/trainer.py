@@ -9,6 +9,7 @@ logs and reports throughput. Only process 0 prints and writes files.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 
 import jax
@@ -24,7 +25,9 @@ from nljax.loop import Hooks, Profiler, StepResult, training_steps
 from nljax.preemption import Notice, Preempted
 from nljax.run import Run
 from nljax.rundir import RunDir, take_lock
+from nljax.samples import TrainingSampler
 from nljax.state import TrainState, bytes_per_device, describe_memory
+from nljax.trackers import Trackers, check_installed, step_scalars
 
 
 def is_main() -> bool:
@@ -33,28 +36,28 @@ def is_main() -> bool:
 
 @dataclasses.dataclass
 class Output:
-    """Where a run reports: files (process 0 only), terminal, TensorBoard."""
+    """Where a run reports: files (process 0 only), terminal, trackers (TensorBoard, W&B)."""
 
     run: RunDir
     progress: runlog.Progress
-    board: runlog.Board
+    trackers: Trackers
 
     @classmethod
-    def create(cls, cfg: Config, start: int = 0, unit: str = "tok", resume_step: int | None = None) -> "Output":
+    def create(cls, cfg: Config, start: int = 0, unit: str = "tok", resume_step: int | None = None,
+               tracker_ids: dict | None = None) -> "Output":
+        """`tracker_ids`: those saved in the checkpoint a resume continues (W&B's run id)."""
         main = is_main()
         run = RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)
         run.save_config(cfg)
         progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
-        # purge_step: TensorBoard drops the events a resumed run writes again
-        board = runlog.Board(run.path if main and cfg.run.tensorboard else None, purge_step=resume_step)
-        return cls(run, progress, board)
+        return cls(run, progress, Trackers.open(cfg, main, resume_step, tracker_ids))
 
     def say(self, text: str) -> None:
         self.progress.say(text)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.progress.close()
-        self.board.close()
+        self.trackers.close(failed)
 
 
 def startup_report(run: Run, state: TrainState, say) -> None:
@@ -155,8 +158,10 @@ def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Outpu
 def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, Profiler]:
     """What runs between steps, in this order: the profiler's stop, evaluation every
     `eval.every` steps (not after the last: `final_report` evaluates), the metrics.jsonl
-    record, the checkpoint, TensorBoard and the progress bar, the profiler's start."""
+    record, the checkpoint, the trackers and the progress bar, a text sample every
+    `train.sample_every` steps, the profiler's start."""
     cfg, key = run.cfg, f"{run.task.unit}_per_s_per_device"
+    n_levels = len(cfg.cms.periods)
     profiler = Profiler(cfg.train.profile_start, cfg.train.profile_steps if out.run.write else 0, out.run.path)
     hooks = Hooks()
     hooks.add(profiler.stop)
@@ -168,15 +173,24 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
 
     def report(r: StepResult) -> None:
         rec = r.record
-        out.board.scalars("train", {"loss": rec["loss"], "step_time_s": rec["step_time_s"], key: r.units_per_s}, r.step)
-        out.board.scalars("eval", r.evaluated, r.step + 1)
+        out.trackers.scalars("train", step_scalars(rec, n_levels, key), r.step)
+        out.trackers.scalars("eval", r.evaluated, r.step + 1)
         out.progress.update(rec, r.units_per_s, r.last, runlog.format_metrics(r.evaluated))
+
+    sampler = TrainingSampler(run) if cfg.train.sample_every else None
+
+    def sample(r: StepResult) -> None:  # every process: the sampler runs on the whole mesh
+        text = sampler.sample(r.state.params)
+        out.say(f"step {r.step:6d}  sample: {json.dumps(text, ensure_ascii=False)}")
+        # after the step's scalars: W&B takes steps in increasing order
+        out.trackers.text("train/sample", text, r.step + 1)
 
     hooks.add(evaluate, every=cfg.eval.every)
     hooks.add(lambda r: out.run.log(r.record))
     if ckpt is not None:  # copies off the devices before the next step donates the state
         hooks.add(lambda r: ckpt.maybe_save(r.step + 1, r.state))
     hooks.add(report)
+    hooks.add(sample, every=cfg.train.sample_every)
     hooks.add(profiler.start_next)
     return hooks, profiler
 
@@ -187,7 +201,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     read from the HLO and the throughput table, merged."""
     cfg, eng = run.cfg, run.engine
     final_eval = run.evaluate(state.params, cfg.train.steps)
-    out.board.scalars("eval", final_eval, cfg.train.steps)
+    out.trackers.scalars("eval", final_eval, cfg.train.steps)
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"])
@@ -261,6 +275,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
 
 def train(cfg: Config) -> dict:
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
+    check_installed(cfg)  # before anything is written
     run = Run.create(cfg)
     cfg = run.cfg  # with what the data decide (model.vocab_size of a tokenizer): config.yaml, checkpoints
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
@@ -269,18 +284,21 @@ def train(cfg: Config) -> dict:
     ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     try:
-        out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step)
+        out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step, ckpt.trackers)
     except BaseException:
         lock.release()
         raise
+    ckpt.trackers = out.trackers.ids  # saved with every checkpoint: a resume continues the same W&B run
     ckpt.open()
+    failed = True  # until the summary is written: a tracker marks a run that stopped early (W&B: failed)
     try:
         startup_report(run, ckpt.state, out.say)
         state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
         summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
+        failed = False
     finally:
         ckpt.close()  # a run stopped by an error keeps the saves it started
-        out.close()
+        out.close(failed)
         lock.release()
     return summary

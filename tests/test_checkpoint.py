@@ -507,7 +507,7 @@ def test_relative_run_dir_saves(ref, tmp_path, monkeypatch):
     assert storage.complete_steps(tmp_path / "runs" / "rel" / "checkpoints") == [5]
 
 
-QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.tensorboard=false"]
+QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.trackers=[]"]
 
 
 def test_pruning_and_resume_skip_folders_nljax_did_not_write(tmp_path):

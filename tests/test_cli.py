@@ -55,7 +55,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
 
     d2 = tmp_path / "rerun"
     run("nljax.train", *common, f"run.dir={d2}", "train.steps=6", "throughput.reps=1", "throughput.split=false",
-        "run.plots=false", "run.tensorboard=false", env_extra={"PYTHONHASHSEED": "2"})
+        "run.plots=false", "run.trackers=[]", env_extra={"PYTHONHASHSEED": "2"})
     again = [json.loads(l) for l in (d2 / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in again] == [r["loss"] for r in recs[:6]]
     assert [r.get("eval_loss") for r in again[:5]] == [r.get("eval_loss") for r in recs[:5]]
@@ -117,14 +117,14 @@ def test_default_model_trains_end_to_end(tmp_path):
         "train.seq_len=32", "model.dim=32", "model.depth=2", "model.nl_lm.memory_chunk=8", "model.nl_lm.window=8",
         "cms.periods=[1,4]", "eval.batches=1", "optim.lr=0.01", "optim.warmup_steps=0",
         # the end-of-run report is tested above; here it would only add compilations of the big model
-        "throughput.split=false", "throughput.reps=1", "run.plots=false", "run.tensorboard=false")
+        "throughput.split=false", "throughput.reps=1", "run.plots=false", "run.trackers=[]")
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["loss"] < recs[0]["loss"]
     summary = json.loads((d / "summary.json").read_text())
     assert summary["eval_bpb"] < 8
 
 
-QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.tensorboard=false"]
+QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.trackers=[]"]
 
 
 def _strict(text: str):

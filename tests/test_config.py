@@ -1,4 +1,5 @@
 import pytest
+import yaml
 
 from nljax import config
 from nljax.config import ConfigError
@@ -136,6 +137,21 @@ def test_a_saved_config_with_the_old_model_keys_is_read():
     assert config.from_dict(old) == config.from_dict(new)
     assert config.from_dict(old).model.nl_lm.window == 32 and config.from_dict(old).model.dit.patch_size == 4
     assert "window" in old["model"]  # migrate copies: the saved tree is left as it was
+
+
+@pytest.mark.parametrize("on, trackers", [(True, ("tensorboard",)), (False, ())])
+def test_a_saved_config_with_run_tensorboard_is_read_as_run_trackers(tmp_path, on, trackers):
+    """`run.tensorboard` (a bool) became `run.trackers` (a list): a checkpoint's config and a run's
+    config.yaml written before are read with the list it meant; a user's file is refused."""
+    old = config.to_dict(config.load(None))
+    del old["run"]["trackers"]
+    old["run"]["tensorboard"] = on
+    assert config.from_dict(old).run.trackers == trackers
+    p = tmp_path / "config.yaml"
+    p.write_text(yaml.safe_dump(old))
+    assert config.load(str(p), ["train.steps=3"], saved=True).run.trackers == trackers
+    with pytest.raises(ConfigError, match="^run.tensorboard moved to run.trackers"):
+        config.load(str(p))
 
 
 def test_compile_cache_setting(tmp_path, monkeypatch):

@@ -186,15 +186,15 @@ def test_throughput_table():
 
 
 def test_overwrite_removes_stale_outputs(tmp_path):
-    from nljax import runlog
     from nljax.rundir import RunDir
+    from nljax.trackers import TensorBoard
 
     (tmp_path / "metrics.jsonl").write_text("old\n")
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "loss.png").write_text("")
     (tmp_path / "profile").mkdir()
     (tmp_path / "checkpoints").mkdir()
-    runlog.Board(tmp_path).close()  # the run's TensorBoard file, noted as written by the run
+    TensorBoard(tmp_path).close()  # the run's TensorBoard file, noted as written by the run
     (tmp_path / "events.out.tfevents.1.mine").write_text("")  # a user's: kept
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
     with pytest.raises(ConfigError, match="already holds a run"):
@@ -212,6 +212,7 @@ def test_loop_trains_a_tail_batch_from_the_task():
 
     from nljax import runlog
     from nljax.rundir import RunDir
+    from nljax.trackers import Trackers
     from nljax.trainer import History, Output, train_loop
 
     setup, params, last_loss = tail_run(1, 2, 4)  # its variants are compiled already
@@ -225,7 +226,7 @@ def test_loop_trains_a_tail_batch_from_the_task():
     loop_setup = dataclasses.replace(setup.run, cfg=dataclasses.replace(setup.cfg, train=dataclasses.replace(
         setup.cfg.train, steps=3)), task=EpochTask())
     state = setup.engine.init_state(jax.random.key(setup.cfg.seed), 8)
-    out = Output(RunDir("unused", False, write=False), runlog.Progress(3, 0, 1, quiet=True), runlog.Board(None))
+    out = Output(RunDir("unused", False, write=False), runlog.Progress(3, 0, 1, quiet=True), Trackers())
     traces = dict(setup.cache.traces)
     state, hist = train_loop(loop_setup, state, Conductor((1, 2)), out)
     assert isinstance(hist, History) and [r.get("micro_batches") for r in hist.records] == [None, 2, None]

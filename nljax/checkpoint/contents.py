@@ -33,7 +33,8 @@ STATE, META = "state", "nljax"  # item names inside a step directory
 # change the result silently, the rest (strategy included) with a warning.
 MUST_MATCH = ("model", "cms", "optim.name")
 SILENT = ("run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
-          "train.profile_start", "throughput", "distributed")
+          "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
+          "distributed")
 
 
 class Damaged(ConfigError):
@@ -135,7 +136,8 @@ def fingerprint(model) -> dict[str, list]:
     return hit[1]
 
 
-def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array]) -> dict:
+def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: dict[str, str] | None = None) -> dict:
+    """`trackers`: tracker name -> the run id a resume continues (`nljax.trackers.Trackers.ids`)."""
     cfg, mesh = engine.cfg, engine.mesh
     sums = checksums(arrays)
     return {
@@ -150,6 +152,8 @@ def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array]) -> dict:
                  "processes": jax.process_count()},
         "strategy": cfg.sync.strategy,
         "config": to_dict(cfg),
+        # beside the state it belongs to: a resume from this step continues the same tracker run
+        "trackers": dict(trackers or {}),
         "model": fingerprint(engine.model),
         "arrays": {
             k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()
@@ -227,6 +231,12 @@ def check_fits(path: Path, meta: dict, engine: Engine) -> None:
                 f"checkpoint {path} is from another model: parameter '{name}' is {d1}{tuple(s1)} there, "
                 f"{d2}{tuple(s2)} here"
             )
+
+
+def tracker_ids(meta: dict) -> dict[str, str]:
+    """The tracker run ids a checkpoint saved; none in one saved before they were (or malformed)."""
+    ids = meta.get("trackers")
+    return {k: v for k, v in ids.items() if isinstance(v, str)} if isinstance(ids, dict) else {}
 
 
 def check_arrays(path: Path, meta: dict, sums: dict[str, int], step: int) -> None:

@@ -40,6 +40,9 @@ class Checkpoints:
         self.state = restored.state if restored else fresh
         self.start = restored.step if restored else 0
         self.last_saved: int | None = restored.step if restored else None
+        # tracker name -> run id (W&B's), saved with every checkpoint: read from the one resumed
+        # when this run continues its own files, then set by the trainer once its trackers are open
+        self.trackers: dict[str, str] = dict(restored.trackers) if restored and own else {}
         self.manager = None
         self.writing: int | None = None  # the step of the save in flight
         # Orbax's reports of a failed save come from its writer threads, at any time between the
@@ -127,7 +130,7 @@ class Checkpoints:
         self.writing = step
         error = None
         try:
-            storage.save(self.manager, self.engine, step, state)
+            storage.save(self.manager, self.engine, step, state, self.trackers)
         except Exception as e:  # noqa: BLE001 - the blocking part of a save (e.g. the disk is full)
             error = self._failed(e)
         if error is not None:  # raised outside `except`: see `_failed`

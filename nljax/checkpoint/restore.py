@@ -11,7 +11,7 @@ import jax
 
 from nljax.checkpoint import elastic, storage
 from nljax.checkpoint.contents import (SILENT, Damaged, check_arrays, check_fits, differences, fmt, get, named_arrays,
-                                     per_device, rows_of)
+                                     per_device, rows_of, tracker_ids)
 from nljax.config import Config, to_dict
 from nljax.hostdev import replica
 from nljax.state import TrainState
@@ -25,6 +25,7 @@ class Restored:
     path: Path
     fresh_rows: bool  # every row's memory restarted: the first step resets every row
     warnings: list[str]
+    trackers: dict[str, str] = dataclasses.field(default_factory=dict)  # the tracker run ids it saved
 
 
 def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
@@ -50,7 +51,7 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     leaves, treedef = jax.tree_util.tree_flatten(template)
     assert len(leaves) == len(target)
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
-    return Restored(state, meta["step"], path, fresh_rows, warnings)
+    return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta))
 
 
 def _changed_settings(meta: dict, cfg: Config) -> list[str]:

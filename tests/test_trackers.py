@@ -1,0 +1,123 @@
+"""Trackers (nljax/trackers.py) and the samples of train.sample_every (nljax/samples.py): what a
+run sends to TensorBoard and W&B (offline: files only, no network), a resume continuing the
+same W&B run, and the one-line errors."""
+
+import json
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from nljax import config, optim, runlog
+from nljax.conductor import Conductor
+from nljax.errors import ConfigError
+from nljax.generate import TextSampler
+from nljax.rundir import RunDir
+from nljax.samples import TrainingSampler
+from nljax.trackers import TensorBoard, Trackers, check_installed
+from nljax.trainer import Output, train, train_loop
+from tests.helpers import TINY, make
+
+QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.compile_cache=none", "eval.batches=1",
+         "eval.stream_steps=0"]
+
+
+def events(path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(path), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def test_tensorboard_gets_grad_norm_lr_skips_firing_and_the_samples(tmp_path, capsys):
+    """Every step's train/grad_norm (the fired levels' norms together), train/lr (the schedule at
+    the step, warm-up included), train/skipped and train/fired_l<l> (the Pulse), read back from
+    the event files; a sample after steps 2 and 4, printed and logged as text, the last one what
+    nljax.generate's sampler gives from the final parameters."""
+    setup = make(["cms.periods=[1,2]", "train.steps=4", "train.sample_every=2", "train.sample_tokens=5",
+                  "train.sample_prompt='def '", "eval.every=0", "optim.schedule=cosine", "optim.warmup_steps=2"], 1, 2)
+    out = Output(RunDir(str(tmp_path), False, write=True), runlog.Progress(4, 0, 1, quiet=False),
+                 Trackers([TensorBoard(tmp_path)]))
+    state, hist = train_loop(setup.run, setup.state, Conductor((1, 2)), out)
+    out.close()
+    acc = events(tmp_path)
+    values = lambda tag: [e.value for e in acc.Scalars(f"train/{tag}")]
+    assert [e.step for e in acc.Scalars("train/grad_norm")] == [0, 1, 2, 3]
+    assert values("fired_l0") == [1, 1, 1, 1] and values("fired_l1") == [1, 0, 1, 0]
+    assert values("skipped") == [0, 0, 0, 0]
+    assert [e.step for e in acc.Scalars("train/grad_norm_l1")] == [0, 2]  # a level's norm when it fired
+    lr = optim.schedule(setup.cfg.optim, 4, setup.cfg.train.batch_size)
+    np.testing.assert_allclose(values("lr"), [float(lr(s + 1)) for s in range(4)], rtol=1e-6)
+    assert values("lr")[0] < values("lr")[1]  # warm-up
+    norms = [math.hypot(r["grad_norm_l0"], r.get("grad_norm_l1", 0.0)) for r in hist.records]
+    np.testing.assert_allclose(values("grad_norm"), norms, rtol=1e-5)
+    assert all(n > 0 for n in norms)
+
+    printed = [l for l in capsys.readouterr().out.splitlines() if "sample:" in l]
+    assert [l.split()[1] for l in printed] == ["1", "3"]  # after 2 and 4 steps
+    texts = [json.loads(l.split("sample: ", 1)[1]) for l in printed]
+    assert [e.step for e in acc.Tensors("train/sample/text_summary")] == [2, 4]
+    logged = acc.Tensors("train/sample/text_summary")[-1].tensor_proto.string_val[0].decode()
+    assert logged == "\n".join("    " + line for line in texts[-1].split("\n"))
+    sampler = TextSampler(setup.engine.model, state.params, setup.mesh, setup.cfg.train.seq_len)
+    settings = TrainingSampler(setup.run).settings  # nljax.generate's defaults, the run's seed
+    assert (settings.prompt, settings.max_new_tokens, settings.seed) == ("def ", 5, setup.cfg.seed)
+    want = b"def " + bytes(sampler.tokens(list(b"def "), settings))
+    assert texts[-1] == want.decode("utf-8", "replace")
+
+
+def test_wandb_offline_run_is_continued_by_a_resume(tmp_path, monkeypatch):
+    """An offline W&B run writes its files under run.dir/wandb with no network; its id is saved
+    in every checkpoint, and a resume continues the run under that id."""
+    for key in ("WANDB_MODE", "WANDB_RUN_ID", "WANDB_RESUME", "WANDB_DIR", "WANDB_API_KEY", "WANDB_PROJECT"):
+        monkeypatch.delenv(key, raising=False)
+    for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing written outside tmp_path
+        monkeypatch.setenv(key, str(tmp_path / key.lower()))
+    d = tmp_path / "run"
+    common = [*TINY, *QUICK, "cms.periods=[1]", "mesh.inter=1", "mesh.intra=8", "checkpoint.every=2",
+              "run.trackers=[wandb]", f"run.dir={d}", "run.quiet=true", "train.sample_every=2", "train.sample_tokens=3"]
+    train(config.load(None, [*common, "train.steps=2"]))
+    from nljax.checkpoint import storage
+
+    run_id = storage.read_meta(d / "checkpoints" / "2")["trackers"]["wandb"]
+    first = list((d / "wandb").glob("offline-run-*"))
+    assert [p.name.rsplit("-", 1)[1] for p in first] == [run_id]
+    # the run's records (protobuf, read by `wandb sync`): the step's scalars and the sample are there
+    logged = (first[0] / f"run-{run_id}.wandb").read_bytes()
+    for key in ("train/loss", "train/grad_norm", "train/lr", "train/skipped", "train/fired_l0", "train/sample",
+                "eval/eval_loss"):
+        assert key.encode() in logged, key
+    assert list(first[0].glob("files/media/html/train/sample_*.html"))
+
+    train(config.load(None, [*common, "train.steps=4", "checkpoint.resume=latest"]))
+    runs = sorted((d / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and {p.name.rsplit("-", 1)[1] for p in runs} == {run_id}
+    assert storage.read_meta(d / "checkpoints" / "4")["trackers"] == {"wandb": run_id}
+
+
+def test_a_bad_tracker_setting_is_one_line(tmp_path, monkeypatch):
+    p = subprocess.run([sys.executable, "-m", "nljax.train", "run.trackers=[tensorbord]"], capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("nljax.train: error: config key 'run.trackers[0]' must be one of "
+                                "['tensorboard', 'wandb'], got 'tensorbord'")
+    with pytest.raises(ConfigError) as e:
+        config.load(None, ["run.tensorboard=false"])
+    assert str(e.value) == "run.tensorboard moved to run.trackers (a list: run.trackers=[tensorboard], " \
+                           "[tensorboard,wandb] or [])"
+    with pytest.raises(ConfigError, match="names a tracker twice"):
+        config.load(None, ["run.trackers=[wandb,wandb]"])
+    with pytest.raises(ConfigError, match="train.sample_every samples text, and model.name=dit makes images"):
+        config.load(None, ["model.name=dit", "cms.periods=[1]", "train.sample_every=10"])
+    assert config.load(None, ["run.trackers=wandb"]).run.trackers == ("wandb",)  # one name, no list
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    cfg = config.load(None, ["run.trackers=[tensorboard,wandb]", f"run.dir={tmp_path}"])
+    missing = r"^run.trackers has wandb, which is not installed: pip install 'nljax\[wandb\]'"
+    with pytest.raises(ConfigError, match=missing):
+        check_installed(cfg)  # the trainer's check, before it writes anything
+    with pytest.raises(ConfigError, match=missing):
+        Trackers.open(cfg, main=True)
+    assert Trackers.open(cfg, main=False).trackers == []  # only process 0 opens trackers
