@@ -33,7 +33,7 @@ TINY = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "model.hidden_mul
         "train.batch_size=8", "train.seq_len=8", "train.steps=6", "optim.lr=0.01", "optim.warmup_steps=0",
         "data.eval_fraction=0.2", "model.vocab_size=320"]
 QUICK = ["--quiet", "eval.every=0", "eval.batches=1", "eval.stream_steps=0", "throughput.reps=1",
-         "throughput.split=false", "run.plots=false", "run.tensorboard=false"]
+         "throughput.split=false", "run.plots=false", "run.trackers=[]"]
 
 def _text(rng: random.Random) -> str:
     return " ".join(rng.choice(WORDS) for _ in range(rng.randint(15, 40))) + ".\n"
