@@ -1,1 +1,3 @@
-"""Data sources: the byte-level ContextStream over a corpus that ships with Python."""
+"""Data sources: byte-level text read as a ContextStream (`text`: the standard library's own
+source; `recall`: the associative-recall probe) and image arrays (`images`), with the config
+sections `data` (settings.py) and `images` (images.py)."""
