@@ -109,7 +109,7 @@ def nljax_side(args):
     the dtype it computes in)."""
     import jax
 
-    from nljax import bench, config
+    from nljax import config, flops
     from nljax.conductor import pattern_name
     from nljax.run import Run
 
@@ -141,7 +141,7 @@ def nljax_side(args):
 
     level0, every = tuple(l == 0 for l in range(n_levels)), (True,) * n_levels
     steps = {pattern_name(a): runner(a) for a in dict.fromkeys((level0, every))}
-    n, n_mat = bench.matmul_params(setup.engine.param_shapes)
+    n, n_mat = flops.matmul_params(setup.engine.param_shapes)
     return steps, n, n_mat, dtype
 
 

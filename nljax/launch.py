@@ -206,48 +206,55 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
         raise
     group.say(f"{nproc} processes, coordinator {coordinator}, pids {' '.join(str(p.pid) for p in group.procs)}")
     try:
-        failed: tuple[int, int] | None = None  # (process index, exit code)
-        failed_at = 0.0
-        first_bad_at: float | None = None
-        while True:
-            codes = [p.poll() for p in group.procs]
-            if stopping:
-                group.say(f"received signal {stopping[0]}; stopping all processes")
-                # SIGTERM: the processes save a preemption checkpoint first, give them the grace
-                group.stop(grace=grace if stopping[0] == signal.SIGTERM else min(grace, 5.0))
-                return 128 + stopping[0]
-            if failed is None:
-                bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
-                if bad and first_bad_at is None:
-                    first_bad_at = time.monotonic()
-                if bad and (time.monotonic() - first_bad_at >= SETTLE_S or all(c is not None for c in codes)):
-                    # A worker killed by a signal is the likelier cause: its peers' collectives then fail
-                    # and they exit with 1 within milliseconds, often inside the same poll. So the report
-                    # waits SETTLE_S and names a signal death first.
-                    i, c = min(bad, key=lambda ic: (ic[1] > 0, ic[0]))
-                    failed, failed_at = (i, exit_code(c)), time.monotonic()
-                    group.say(f"process {failed[0]} (pid {group.procs[failed[0]].pid}) exited with code "
-                              f"{failed[1]}; stopping the others within {grace:g} s")
-            if all(c is not None for c in codes):
-                break
-            if failed is not None and time.monotonic() - failed_at > grace:
-                group.say("killing the processes still running")
-                group.stop(grace=1.0)
-                break
-            time.sleep(0.05)
-        group.finish()
-        group.release_guard()
-        if failed is not None:
-            codes = ", ".join(str(exit_code(p.returncode)) for p in group.procs)
-            group.say(f"exit codes by process: {codes}")
-            return failed[1] or 1
-        return 0
+        return watch(group, stopping, grace)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
         if any(p.poll() is None for p in group.procs):
             group.stop(grace=1.0)
         group.release_guard()
+
+
+def watch(group: Group, stopping: list[int], grace: float) -> int:
+    """Polls the processes until all have exited, or a signal arrived (`stopping`, appended by the
+    handler); returns the launcher's exit code. After the first failure the others get `grace`
+    seconds to exit on their own before they are killed."""
+    failed: tuple[int, int] | None = None  # (process index, exit code)
+    failed_at = 0.0
+    first_bad_at: float | None = None
+    while True:
+        codes = [p.poll() for p in group.procs]
+        if stopping:
+            group.say(f"received signal {stopping[0]}; stopping all processes")
+            # SIGTERM: the processes save a preemption checkpoint first, give them the grace
+            group.stop(grace=grace if stopping[0] == signal.SIGTERM else min(grace, 5.0))
+            return 128 + stopping[0]
+        if failed is None:
+            bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
+            if bad and first_bad_at is None:
+                first_bad_at = time.monotonic()
+            if bad and (time.monotonic() - first_bad_at >= SETTLE_S or all(c is not None for c in codes)):
+                # A worker killed by a signal is the likelier cause: its peers' collectives then fail
+                # and they exit with 1 within milliseconds, often inside the same poll. So the report
+                # waits SETTLE_S and names a signal death first.
+                i, c = min(bad, key=lambda ic: (ic[1] > 0, ic[0]))
+                failed, failed_at = (i, exit_code(c)), time.monotonic()
+                group.say(f"process {failed[0]} (pid {group.procs[failed[0]].pid}) exited with code "
+                          f"{failed[1]}; stopping the others within {grace:g} s")
+        if all(c is not None for c in codes):
+            break
+        if failed is not None and time.monotonic() - failed_at > grace:
+            group.say("killing the processes still running")
+            group.stop(grace=1.0)
+            break
+        time.sleep(0.05)
+    group.finish()
+    group.release_guard()
+    if failed is not None:
+        codes = ", ".join(str(exit_code(p.returncode)) for p in group.procs)
+        group.say(f"exit codes by process: {codes}")
+        return failed[1] or 1
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -13,10 +13,11 @@ import jax
 
 from nljax import budget, mesh as meshlib, tasks
 from nljax.config import Config
+from nljax.engine import Engine
 from nljax.errors import ConfigError
 from nljax.models import build
 from nljax.state import TrainState
-from nljax.step import Engine, StepCache
+from nljax.step import StepCache
 from nljax.tasks import Task
 
 

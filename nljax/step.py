@@ -5,7 +5,8 @@ variant, frozen levels appear in no collective at all: their gradients go to the
 error buffer (`accumulate`) or are never computed (`skip`), so they move zero bytes (under
 `fsdp` every level's parameters are still gathered for the forward pass). Where parameters and
 optimizer state live, and how a synchronized gradient updates them, is `eng.strategy`
-(`nljax/strategy.py`, built once per run); the step itself has no strategy branches.
+(`nljax/strategy.py`, built once per run with the rest of the `Engine`, `nljax/engine.py`); the
+step itself has no strategy branches.
 
 `shard_map` runs with `check_vma=False`: gradients of replicated parameters must stay
 device-local until `sync.reduce` decides what crosses devices. (With varying-axis checking on,
@@ -14,80 +15,23 @@ JAX would insert its own all-reduce in the transpose of every replicated paramet
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nljax import frozen, optim
-from nljax.config import Config, ConfigError
-from nljax.levels import LevelFlat, LevelLayout
-from nljax.mesh import DATA_AXES, REPLICATED, ROWS, data_size, rows_sharding
-from nljax.models.base import Model
+from nljax.config import ConfigError
+from nljax.engine import Engine
+from nljax.mesh import DATA_AXES, REPLICATED, ROWS, rows_sharding
 from nljax.models.layers import token_hits, token_loss
 from nljax.state import TrainState
-from nljax.strategy import Strategy, make_strategy
 
 PyTree = Any
 Active = tuple[bool, ...]
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Engine:
-    """Everything static about a run's step: the model, the mesh and the decided semantics."""
-
-    cfg: Config
-    model: Model
-    mesh: Mesh
-    levels: LevelLayout  # how the parameters split into levels and flat vectors
-    lr: Callable[[jax.Array], jax.Array]
-    strategy: Strategy  # where params and optimizer state live (`sync.strategy`)
-
-    @property
-    def n_levels(self) -> int:
-        return len(self.cfg.cms.periods)
-
-    @property
-    def n_devices(self) -> int:
-        return data_size(self.mesh)
-
-    @property
-    def level_tree(self) -> PyTree:  # same structure as params, an int level per leaf
-        return self.levels.level_tree
-
-    @property
-    def flats(self) -> tuple[LevelFlat, ...]:  # per level: its leaves as one flat vector and back
-        return self.levels.flats
-
-    @property
-    def param_shapes(self) -> PyTree:  # the model's parameter pytree as ShapeDtypeStructs
-        return self.levels.shapes
-
-    @classmethod
-    def create(cls, cfg: Config, model: Model, mesh: Mesh) -> "Engine":
-        shapes = jax.eval_shape(model.init, jax.random.key(0))
-        levels = LevelLayout.of(shapes, model.level_of, len(cfg.cms.periods))
-        lr = optim.schedule(cfg.optim, cfg.train.steps, cfg.train.batch_size)
-        return cls(cfg, model, mesh, levels, lr, make_strategy(cfg, mesh, levels))
-
-    def buffered(self, level: int) -> bool:
-        """Whether level `level` keeps a rank-local error buffer."""
-        return self.cfg.cms.frozen_grads == "accumulate" and self.cfg.cms.periods[level] > 1
-
-    def init_state(self, key: jax.Array, rows: int) -> TrainState:
-        """Fresh state for `rows` stream rows, placed on the mesh."""
-        params, opt_state = self.strategy.init_layout(self.model.init, key)  # already in their shardings
-        err_buf = tuple(
-            jnp.zeros((self.n_devices, frozen.width(self, l)), jnp.float32) if self.buffered(l) else None
-            for l in range(self.n_levels)
-        )
-        memory = self.model.init_memory(rows)
-        state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, err_buf, memory)
-        return self.strategy.place(state)
 
 
 def device_key(seed: int, step: jax.Array) -> jax.Array:

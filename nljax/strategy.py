@@ -15,10 +15,8 @@
 `mesh.inter` is the number of optimizer instances (seed 003's
 `num_distributed_optimizer_instances`), `mesh.intra` the devices in one.
 
-The sharded strategies work on one flat float32 vector per level (the leaves of the level in
-pytree order), padded with zeros to a multiple of the shard count. Padding is inert: its
-gradient is zero, so an elementwise optimizer (Adam, SGD) leaves it at zero. They therefore
-need an elementwise optimizer, which every optimizer in `nljax.optim` is.
+The sharded strategies work on one flat float32 vector per level, padded to a multiple of the
+shard count; their optimizer state is a `FlatOptState` (`nljax/flatopt.py`).
 
 Frozen levels run no collective in `replicated` and `zero1`. In `fsdp` every level's parameters
 must be gathered for the forward pass, frozen or not (that is what sharding parameters costs);
@@ -37,7 +35,6 @@ PartitionSpecs of the stored parameters and optimizer state, `gather_params`, an
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, ClassVar, Mapping
 
 import jax
@@ -47,6 +44,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from nljax import sync
 from nljax.config import Config
+from nljax.flatopt import FlatOptState
 from nljax.levels import LevelLayout
 from nljax.mesh import DATA_AXES, INTER, INTRA, REPLICATED, ROWS, data_size, replicated, rows_sharding
 from nljax.optim import Optimizer
@@ -56,53 +54,8 @@ from nljax.sync import SyncConfig
 PyTree = Any
 
 
-def padded(n: int, shards: int) -> int:
-    return -(-n // shards) * shards
-
-
-def _vector_slots(fn, flat_state, other):
-    """Maps `fn` over the vector slots of a flat optimizer state (one [Np] array per
-    parameter-shaped entry, e.g. Adam's mu and nu) paired with the matching subtree of `other`;
-    scalar slots (step counts) are taken from `other` unchanged."""
-    return jax.tree.map(lambda f, o: fn(o) if len(f.shape) == 1 else o, flat_state, other)
-
-
 def _named(mesh: Mesh, specs: PyTree) -> PyTree:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, P))
-
-
-class FlatOptState:
-    """Optimizer state as optax state over each level's flat vector, padded to a multiple of the
-    devices on `axes` and split over them (zero1: `intra`; fsdp: both data axes). Held by the
-    sharded strategies; converts to and from the per-level pytree state `Replicated` keeps."""
-
-    def __init__(self, mesh: Mesh, levels: LevelLayout, opt: Optimizer, axes: tuple[str, ...]):
-        self.levels, self.opt, self.axes = levels, opt, axes
-        self.shards = math.prod(mesh.shape[a] for a in axes)
-        self.spec = P(axes[0]) if len(axes) == 1 else P(axes)
-
-    def leaf_spec(self, x) -> P:
-        """Vector leaves (a level's flat parameters or moments) are split; scalars (step counts)
-        stay replicated."""
-        return self.spec if len(x.shape) == 1 else REPLICATED
-
-    def template(self, l: int):
-        n = padded(self.levels.flats[l].size, self.shards)
-        return jax.eval_shape(self.opt.init, jax.ShapeDtypeStruct((n,), jnp.float32))
-
-    def from_canonical(self, opt_state: tuple) -> tuple:
-        out = []
-        for l, tree_state in enumerate(opt_state):
-            flat = self.levels.flats[l]
-            pad = lambda sub, flat=flat: sync.pad_to(flat.ravel(sub), self.shards)
-            out.append(_vector_slots(pad, self.template(l), tree_state))
-        return tuple(out)
-
-    def to_canonical(self, opt_state: tuple) -> tuple:
-        out = []
-        for flat, flat_state in zip(self.levels.flats, opt_state):
-            out.append(_vector_slots(lambda v, flat=flat: flat.unravel(v[: flat.size]), flat_state, flat_state))
-        return tuple(out)
 
 
 class Strategy:

@@ -1,8 +1,13 @@
-"""Shared test plumbing: build a run on the first n devices and step it."""
+"""Shared test plumbing: the tiny configs, a run on the first n devices and `train` to step it,
+checkpoints written as a run writes them (and damaged), and command lines run in subprocesses."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -15,6 +20,11 @@ from nljax.conductor import pulse
 from nljax.hostdev import mean_loss
 from nljax.run import Run
 from nljax.state import TrainState
+
+ROOT = Path(__file__).resolve().parent.parent  # the checkout: its nljax is the one under test
+
+# ---------------------------------------------------------------------------------------------
+# Tiny configs (overrides; later ones win, so a test adds its own after these)
 
 # A model small enough that a step variant compiles in seconds on a 2-core CPU.
 TINY = [
@@ -29,10 +39,26 @@ TINY = [
     "optim.schedule=constant",
 ]
 
-
 # TINY with attention and a neural memory (per-row state written across steps) and two CMS levels.
 TINY_NL = ["model.name=nl_lm", "model.heads=2", "model.nl_lm.window=8", "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_heads=2",
            "model.nl_lm.memory_dim=8", "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=4", "cms.periods=[1,2]"]
+
+# TINY_NL two blocks deep with the memory in the second (block1) and a 4-token window.
+TINY_NL_DEEP = [*TINY_NL, "model.depth=2", "model.nl_lm.memory_layers=[1]", "model.nl_lm.window=4",
+                "model.nl_lm.memory_dim=4"]
+
+# A tiny cms_mlp for command-line runs (`cli`): three CMS levels, the default optimizer and
+# learning rate.
+SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_size=8", "train.seq_len=16",
+         "cms.periods=[1,2,4]", "eval.batches=1", "optim.warmup_steps=0"]
+
+# The end-of-run report cut to one timing round, no plots, no TensorBoard: for command-line runs
+# that test something else.
+QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.trackers=[]"]
+
+
+# ---------------------------------------------------------------------------------------------
+# A run and its steps
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,20 +81,37 @@ class Setup:
 
 
 def make(overrides=(), inter=1, intra=1) -> Setup:
+    """TINY with `overrides` on the first inter x intra devices."""
     cfg = config.load(None, [*TINY, *overrides, f"mesh.inter={inter}", f"mesh.intra={intra}"])
     return Setup.create(cfg, devices=jax.devices()[: inter * intra])
 
 
-def run_steps(setup: Setup, steps: int, batch_fn=None):
-    """Train `steps` steps; returns (losses, final state)."""
-    state, losses = setup.state, []
-    for s in range(steps):
-        p = pulse(s, setup.cfg.cms.periods)
-        batch = setup.batch(s) if batch_fn is None else batch_fn(setup, s)
-        state, m, _ = setup.cache.train(p.active, state, batch)
+def train(setup: Setup, steps, *, state: TrainState | None = None, batch=None, active=None,
+          metrics: list | None = None) -> tuple[np.ndarray, TrainState]:
+    """Train `steps` (a count from step 0, or the steps themselves: `range(2, 5)`) from `state`,
+    by default `setup.state`; returns (each step's mean loss, the final state). Each step donates
+    the state it is given, so training from `setup.state` leaves the final state there.
+
+    `batch(step)` gives the batches (default `setup.batch`); `active`, the levels that train at
+    every step (default: the Conductor's pulse of each step); `metrics`, a list, receives each
+    step's metrics as the step returned them."""
+    own = state is None
+    state = setup.state if own else state
+    losses = []
+    for s in range(steps) if isinstance(steps, int) else steps:
+        levels = pulse(s, setup.cfg.cms.periods).active if active is None else active
+        state, m, _ = setup.cache.train(levels, state, setup.batch(s) if batch is None else batch(s))
         losses.append(mean_loss(m))
-    setup.state = state
+        if metrics is not None:
+            metrics.append(m)
+    if own:
+        setup.state = state
     return np.array(losses), state
+
+
+def run_steps(setup: Setup, steps: int, batch_fn=None):
+    """`train(setup, steps)` under its earlier name; `batch_fn(setup, step)` gives the batches."""
+    return train(setup, steps, batch=None if batch_fn is None else lambda s: batch_fn(setup, s))
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
@@ -83,10 +126,14 @@ def replicas(x: jax.Array) -> list[np.ndarray]:
     return [np.asarray(s.data) for s in x.addressable_shards]
 
 
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
 def saved_run(run_dir: Path, overrides, inter, intra, steps=2):
     """A run directory as nljax.train leaves it (config.yaml, a checkpoint after `steps` steps)."""
     setup = make([*overrides, f"run.dir={run_dir}"], inter, intra)
-    _, state = run_steps(setup, steps)
+    _, state = train(setup, steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(setup.cfg), sort_keys=False))
     save(setup, state, steps)
@@ -99,3 +146,78 @@ def save(setup: Setup, state: TrainState, step: int) -> None:
     storage.save(m, setup.engine, step, state)
     m.wait_until_finished()
     m.close()
+
+
+def tree_hash(root: Path) -> str:
+    """A digest of every path and file content under `root`: equal before and after means nothing
+    on disk changed."""
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        h.update(str(p.relative_to(root)).encode())
+        if p.is_file():
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def data_files(step_dir: Path) -> list[Path]:
+    """Every array data file of a checkpoint's step directory (at least one)."""
+    # every data file: an OCDBT store may keep data that no array reads any more, whose damage
+    # rightly goes unnoticed
+    files = [f for f in (step_dir / "state").rglob("d/*") if f.is_file()]
+    assert files
+    return files
+
+
+def truncate(step_dir: Path) -> None:
+    """Damage a checkpoint: every array data file cut to half its length."""
+    for f in data_files(step_dir):
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Command lines in subprocesses
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """The environment of a command run in a subprocess: this one with `extra` on top, less what
+    would make it another run than the one the test asks for. The suite's device count and
+    platform go (the command sets its own, `--cpu-devices`); its other XLA flags stay (conftest:
+    the compile-time flags). A launcher's or a cluster's process variables go (NLJAX_*,
+    SLURM_*, OMPI_*: the command would take itself for one process of several). This checkout
+    comes first on the path, so the command runs the nljax under test."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(("NLJAX_", "SLURM_", "OMPI_"))}
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    env.update(extra)
+    return env
+
+
+def run_python(*argv: str, check: bool = True, env: dict[str, str] | None = None, timeout: float = 600,
+               **kwargs) -> subprocess.CompletedProcess:
+    """`python *argv` in a subprocess with `subprocess_env(**env)`, its output captured as text.
+    `check`: a non-zero exit fails the test, showing both streams. `kwargs` go to
+    `subprocess.run` (`cwd`)."""
+    p = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=subprocess_env(**(env or {})),
+                       timeout=timeout, **kwargs)
+    if check and p.returncode:
+        raise AssertionError(f"{list(argv)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def cli(module: str, *args: str, **kwargs) -> subprocess.CompletedProcess:
+    """`python -m module *args` (e.g. `cli("nljax.train", "--cpu-devices", "2", *SMALL)`); the
+    keyword arguments of `run_python`."""
+    return run_python("-m", module, *args, **kwargs)
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

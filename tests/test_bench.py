@@ -3,19 +3,16 @@
 import json
 import math
 
-from test_cli import run
+from helpers import TINY_NL, cli
 
-TINY_NL = ["model.name=nl_lm", "model.dim=16", "model.depth=1", "model.heads=2", "model.nl_lm.window=8",
-           "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_dim=8", "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=4",
-           "train.batch_size=4", "train.seq_len=16", "cms.periods=[1,2]"]
-FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"}
+# TINY_NL with the defaults elsewhere (the optimizer, the MLP width, 4 memory heads)
+NL = [*TINY_NL, "model.dim=16", "model.depth=1", "model.nl_lm.memory_heads=4", "train.batch_size=4", "train.seq_len=16"]
 
 
 def test_bench_json_fields_are_sane(tmp_path):
     """Two emulated devices, a tiny nl_lm with a memory layer, two patterns, 2 timed rounds."""
     out = tmp_path / "bench.json"
-    p = run("nljax.bench", "--cpu-devices", "2", "--steps", "2", "--warmup", "1", "--out", str(out), *TINY_NL,
-            env_extra=FAST_COMPILE)
+    p = cli("nljax.bench", "--cpu-devices", "2", "--steps", "2", "--warmup", "1", "--out", str(out), *NL)
     assert "tokens/s per device" in p.stdout and not list(tmp_path.glob("runs"))
     r = json.loads(out.read_text())
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16

@@ -1,64 +1,37 @@
-"""Checkpoints: bitwise resume on the same mesh, elastic resume 8 -> 4 -> 2 devices, a changed
-global batch, SIGKILL during training and during a save, and bad checkpoints.
+"""Checkpoints: bitwise resume on the same mesh, elastic resume 8 -> 4 -> 2 devices and across
+strategies, plain Orbax, a changed global batch, bad checkpoints, and files nljax may not take
+over. (Through the command line, killed or short of disk: tests/test_checkpoint_cli.py.)
 
 One reference run (the nested-learning LM with memory, 8 devices, error buffers in use) is
-trained once per module and saved along the way; the other tests restore its checkpoints."""
+trained once per module and saved along the way; most tests here restore its checkpoints, which
+is why they stay in one module of about 370 lines: split, each part would train it again."""
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
-import os
-import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-from helpers import TINY, Setup, assert_trees_close, make, save
+from helpers import TINY, TINY_NL, assert_trees_close, data_files, make, save, train, tree_hash, truncate
 from nljax import config
 from nljax.checkpoint import contents, elastic, storage
 from nljax.checkpoint.lifecycle import Checkpoints
 from nljax.checkpoint.restore import restore
 from nljax.rundir import checkpoint_dir
-from nljax.conductor import pulse
-from nljax.state import TrainState
-from nljax.hostdev import mean_loss
 
-# Attention + neural memory (per-row state) + two CMS levels, small enough to compile quickly.
-NL = ["model.name=nl_lm", "model.heads=2", "model.nl_lm.window=8", "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_heads=2",
-      "model.nl_lm.memory_dim=8", "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=4", "cms.periods=[1,4]",
-      "model.nl_lm.memory_kind=mlp"]
+# Attention + neural memory (per-row state), the MLP memory, and a level of period 4.
+NL = [*TINY_NL, "cms.periods=[1,4]", "model.nl_lm.memory_kind=mlp"]
 STEPS = 5
 TINY_NL_ARGS = [*TINY, *NL, "mesh.inter=2", "mesh.intra=4", "train.steps=6", "eval.every=0", "eval.batches=1"]
 
 
-def steps(setup: Setup, state: TrainState, start: int, stop: int):
-    """Train steps [start, stop) from `state` (donated); returns (losses, state)."""
-    losses = []
-    for s in range(start, stop):
-        p = pulse(s, setup.cfg.cms.periods)
-        state, m, _ = setup.cache.train(p.active, state, setup.batch(s))
-        losses.append(mean_loss(m))
-    return losses, state
-
-
 def host(tree):
     return jax.tree.map(np.asarray, tree)
-
-
-def tree_hash(root: Path) -> str:
-    h = hashlib.sha256()
-    for p in sorted(root.rglob("*")):
-        h.update(str(p.relative_to(root)).encode())
-        if p.is_file():
-            h.update(p.read_bytes())
-    return h.hexdigest()
 
 
 @pytest.fixture(scope="module")
@@ -66,14 +39,12 @@ def ref(tmp_path_factory):
     """8 devices (2 x 4), steps 0..5 uninterrupted, checkpoints saved after steps 2 and 4."""
     d = tmp_path_factory.mktemp("ref")
     setup = make([*NL, f"checkpoint.dir={d}"], 2, 4)
-    state = setup.state
-    l1, state = steps(setup, state, 0, 2)
-    save(setup, state, 2)
-    l2, state = steps(setup, state, 2, 4)
-    save(setup, state, 4)
-    l3, state = steps(setup, state, 4, STEPS)
-    setup.state = state
-    return {"setup": setup, "losses": l1 + l2 + l3, "final": host(state), "dir": d}
+    l1, _ = train(setup, 2)
+    save(setup, setup.state, 2)
+    l2, _ = train(setup, range(2, 4))
+    save(setup, setup.state, 4)
+    l3, _ = train(setup, range(4, STEPS))
+    return {"setup": setup, "losses": np.concatenate([l1, l2, l3]), "final": host(setup.state), "dir": d}
 
 
 def test_resume_on_the_same_mesh_is_bitwise(ref):
@@ -82,8 +53,8 @@ def test_resume_on_the_same_mesh_is_bitwise(ref):
     assert r.step == 2 and not r.fresh_rows and r.warnings == []
     errs = [e for e in r.state.err_buf if e is not None]
     assert errs and any(np.abs(np.asarray(e)).sum() > 0 for e in errs)  # a frozen level's buffer is in use
-    losses, state = steps(setup, r.state, 2, STEPS)
-    assert losses == ref["losses"][2:]  # bitwise
+    losses, state = train(setup, range(2, STEPS), state=r.state)
+    np.testing.assert_array_equal(losses, ref["losses"][2:])  # bitwise
     for a, b in zip(jax.tree.leaves(host(state)), jax.tree.leaves(ref["final"])):
         np.testing.assert_array_equal(a, b)
     setup.state = state
@@ -139,13 +110,13 @@ def test_elastic_resume_8_4_2_devices(ref, tmp_path):
     s4 = make([*NL, f"checkpoint.dir={tmp_path}/1x4"], 1, 4)
     r = restore(s4.engine, s4.state, ref["dir"] / "2")
     assert r.state.err_buf[1].shape == (4, r.state.err_buf[1].shape[1])
-    l4, state = steps(s4, r.state, 2, 4)
+    l4, state = train(s4, range(2, 4), state=r.state)
     save(s4, state, 4)
     s2 = make(NL, 1, 2)
     r = restore(s2.engine, s2.state, tmp_path / "1x4" / "4")
     assert r.state.memory["block0"]["M"]["W1"].sharding == s2.state.memory["block0"]["M"]["W1"].sharding
-    l2, state = steps(s2, r.state, 4, STEPS)
-    np.testing.assert_allclose(l4 + l2, ref["losses"][2:], rtol=2e-5)
+    l2, state = train(s2, range(4, STEPS), state=r.state)
+    np.testing.assert_allclose(np.concatenate([l4, l2]), ref["losses"][2:], rtol=2e-5)
     final = host(state)
     assert_trees_close(final.params, ref["final"].params, rtol=1e-4, atol=1e-6)
     assert_trees_close(final.memory, ref["final"].memory, rtol=1e-4, atol=1e-5)
@@ -159,12 +130,12 @@ def test_elastic_resume_across_strategies(ref, tmp_path):
     r = restore(z.engine, z.state, ref["dir"] / "2")
     mu = jax.tree.leaves(r.state.opt_state[0])[1]  # Adam's first moment of level 0: a flat intra shard
     assert mu.ndim == 1 and mu.sharding.shard_shape(mu.shape)[0] == mu.shape[0] // 2
-    lz, state = steps(z, r.state, 2, 4)
+    lz, state = train(z, range(2, 4), state=r.state)
     save(z, state, 4)
     f = make([*NL, "sync.strategy=fsdp"], 1, 2)
     r = restore(f.engine, f.state, tmp_path / "zero1" / "4")
-    lf, state = steps(f, r.state, 4, STEPS)
-    np.testing.assert_allclose(lz + lf, ref["losses"][2:], rtol=2e-5)
+    lf, state = train(f, range(4, STEPS), state=r.state)
+    np.testing.assert_allclose(np.concatenate([lz, lf]), ref["losses"][2:], rtol=2e-5)
     assert_trees_close(host(f.engine.strategy.gather_params(state.params)), ref["final"].params, rtol=1e-4, atol=1e-6)
     assert_trees_close(host(state.memory), ref["final"].memory, rtol=1e-4, atol=1e-5)
 
@@ -225,21 +196,8 @@ def test_changed_global_batch_restarts_every_row(ref):
 # Bad checkpoints: one line, exit 2, nothing on disk changed
 
 
-def _data_files(step_dir: Path) -> list[Path]:
-    # every data file: an OCDBT store may keep data that no array reads any more, whose damage
-    # rightly goes unnoticed
-    files = [f for f in (step_dir / "state").rglob("d/*") if f.is_file()]
-    assert files
-    return files
-
-
-def _truncate(step_dir: Path):
-    for f in _data_files(step_dir):
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-
-
 def _flip(step_dir: Path):
-    for f in _data_files(step_dir):
+    for f in data_files(step_dir):
         b = bytearray(f.read_bytes())
         mid = len(b) // 2
         b[mid : mid + 64] = bytes(x ^ 0xFF for x in b[mid : mid + 64])
@@ -272,7 +230,7 @@ BAD = {
     "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere", True),
     "empty": (None, ["checkpoint.resume={d}/empty"], "no complete checkpoint in {d}/empty", False),
     # named explicitly: `--resume` would fall back to step 2 (test_resume_falls_back_...)
-    "truncated": (_truncate, ["checkpoint.resume={d}/ckpt/4"], "checkpoint {d}/ckpt/4: array data unreadable", True),
+    "truncated": (truncate, ["checkpoint.resume={d}/ckpt/4"], "checkpoint {d}/ckpt/4: array data unreadable", True),
     "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),
     "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable", False),
     "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
@@ -334,120 +292,6 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
 
 
 # ---------------------------------------------------------------------------------------------
-# The command line, killed with SIGKILL
-
-
-SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_size=8", "train.seq_len=16",
-         "cms.periods=[1,2]", "eval.batches=1", "eval.every=0", "optim.warmup_steps=0", "train.steps=12",
-         "checkpoint.every=4", "checkpoint.keep=2"]
-
-# Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
-# written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is
-# complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead.
-KILLER = r"""
-import os, signal, sys, time
-from pathlib import Path
-mode, at, ckdir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
-sys.argv = ["nljax.train", *sys.argv[4:]]
-if mode == "save":
-    from orbax.checkpoint._src.path import atomicity
-    for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
-        def patch(orig):
-            async def finalize(self, *a, **k):
-                if Path(self.get_final()).name == str(at):
-                    os.kill(os.getpid(), signal.SIGKILL)
-                return await orig(self, *a, **k)
-            return finalize
-        cls.finalize = patch(cls.finalize)
-else:
-    from nljax import rundir
-    log = rundir.RunDir.log
-    def killing_log(self, record):
-        log(self, record)
-        if record["step"] == at - 1:  # steps 0 .. at-1 are logged; step `at` never runs
-            if mode == "term":  # a preemption notice: the run saves checkpoint `at` and exits
-                os.kill(os.getpid(), signal.SIGTERM)
-                return
-            t = time.time()
-            while mode == "step" and not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
-                time.sleep(0.05)
-            os.kill(os.getpid(), signal.SIGKILL)  # mode "kill": wherever the saves in flight are
-    rundir.RunDir.log = killing_log
-from nljax.train import main
-sys.exit(main())
-"""
-
-
-def cli(*args, killer=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-c", KILLER, *killer] if killer else [sys.executable, "-m", "nljax.train"]
-    return subprocess.run([*cmd, *args], capture_output=True, text=True, env=env, timeout=600)
-
-
-def losses(run: Path) -> list[float]:
-    return [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
-    """Killed while committing checkpoint 8 (4 is complete), resumed from 4, killed again at step
-    10 (8 complete), resumed from 8. Each resumed run logs the losses the run before it logged
-    for the same steps, bitwise, and the final metrics.jsonl has every step once."""
-    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    base = ["--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={run}"]
-    p = cli(*base, killer=["save", "8", str(ck)])
-    assert p.returncode == -9, p.stderr
-    assert (ck / "4").is_dir() and not (ck / "8").exists()
-    assert any(q.name.startswith("8.") for q in ck.iterdir())  # the partial save is left behind
-    first = losses(run)  # steps 0..7 at least, uninterrupted
-    p = cli("--resume", *base, killer=["step", "10", str(ck)])
-    assert p.returncode == -9, p.stderr
-    assert sorted(int(q.name) for q in ck.iterdir() if q.name.isdigit()) == [4, 8]
-    second = losses(run)  # 0..3 from the first run, 4..9 resumed from 4
-    assert len(second) == 10 and second[:8] == first[:8]
-    p = cli("--resume", *base[:2], *base[3:])
-    assert p.returncode == 0, p.stderr
-    assert f"resumed from {ck / '8'} at step 8" in p.stdout
-    steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps_logged == list(range(12)) and losses(run)[:10] == second
-    assert sorted(q.name for q in ck.iterdir()) == ["12", "8"]  # checkpoint.keep=2
-    _truncate(ck / "12")  # a damaged array file, named: one line on the real stderr, nothing changed
-    before = tree_hash(run)
-    p = cli(*base, f"checkpoint.resume={ck / '12'}")
-    assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
-    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert tree_hash(run) == before
-
-
-def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
-    """Fault injection: SIGTERM (a preemption notice), SIGKILL, SIGTERM at seeded random steps,
-    each followed by --resume. A notice saves at the next step boundary and exits 143 with one
-    line; a kill loses what is not yet committed. The final metrics.jsonl equals an uninterrupted
-    run's: the same steps once each, the same losses bitwise."""
-    ref, run = tmp_path / "ref", tmp_path / "run"
-    ck = run / "checkpoints"
-    assert cli("--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={ref}").returncode == 0
-    base = ["--cpu-devices", "2", "--quiet", *SMALL, f"run.dir={run}"]
-    rng = random.Random(1)
-    t1 = rng.randint(1, 5)
-    t2 = rng.randint(t1 + 2, 9)
-    t3 = rng.randint(t2 + 1, 11)
-    p = cli(*base, killer=["term", str(t1), str(ck)])
-    assert p.returncode == 143, p.stderr
-    assert p.stderr.strip() == f"nljax.train: preempted (SIGTERM): stopped after step {t1 - 1}, checkpoint saved; continue with --resume"
-    assert (ck / str(t1)).is_dir()
-    p = cli("--resume", *base, killer=["kill", str(t2), str(ck)])
-    assert p.returncode == -9, p.stderr
-    p = cli("--resume", *base, killer=["term", str(t3), str(ck)])
-    assert p.returncode == 143 and (ck / str(t3)).is_dir(), p.stderr
-    p = cli("--resume", *base)
-    assert p.returncode == 0, p.stderr
-    steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
-    assert steps_logged == list(range(12)), (t1, t2, t3)
-    assert losses(run) == losses(ref), (t1, t2, t3)
-
-
-# ---------------------------------------------------------------------------------------------
 # Nothing a user did not ask to replace is taken over or removed
 
 
@@ -505,154 +349,6 @@ def test_relative_run_dir_saves(ref, tmp_path, monkeypatch):
     m.wait_until_finished()
     m.close()
     assert storage.complete_steps(tmp_path / "runs" / "rel" / "checkpoints") == [5]
-
-
-QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.trackers=[]"]
-
-
-def test_pruning_and_resume_skip_folders_nljax_did_not_write(tmp_path):
-    """checkpoint.keep prunes only nljax's own steps, and --resume never picks a user's folder
-    with a number for a name (Orbax's max_to_keep deleted them; '7' became 'latest')."""
-    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    for name in ("0", "7"):
-        (ck / name).mkdir(parents=True)
-        (ck / name / "notes").write_text("mine")
-    base = ["--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={run}", "checkpoint.every=2",
-            "checkpoint.keep=1", "checkpoint.async_save=false"]
-    p = cli(*base, "train.steps=4")
-    assert p.returncode == 0, p.stderr
-    assert sorted(q.name for q in ck.iterdir()) == ["0", "4", "7"]
-    assert storage.complete_steps(ck) == [4]
-    p = cli("--resume", *base[:2], *base[3:], "train.steps=6")
-    assert p.returncode == 0, p.stderr
-    assert f"resumed from {ck / '4'} at step 4" in p.stdout
-    assert sorted(q.name for q in ck.iterdir()) == ["0", "6", "7"]
-    assert (ck / "0" / "notes").read_text() == (ck / "7" / "notes").read_text() == "mine"
-
-
-# ---------------------------------------------------------------------------------------------
-# A damaged newest checkpoint, an older one named, a full disk
-
-
-def test_resume_falls_back_past_a_damaged_checkpoint_and_sets_later_ones_aside(tmp_path):
-    """`--resume` with the newest checkpoint damaged resumes from the newest intact one, with a
-    warning naming the damaged one, which is moved to checkpoints/set_aside/ (not deleted). An
-    older checkpoint named explicitly is resumed too: the later ones are set aside the same way."""
-    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    base = ["--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={run}", "checkpoint.keep=3"]
-    p = cli(*base)
-    assert p.returncode == 0, p.stderr
-    assert storage.complete_steps(ck) == [4, 8, 12]
-    _truncate(ck / "12")
-    damaged = tree_hash(ck / "12")
-    p = cli("--resume", *base)
-    assert p.returncode == 0, p.stderr
-    assert f"nljax: warning: checkpoint {ck / '12'} is damaged, resuming from an older one (array data unreadable" \
-        in p.stderr, p.stderr
-    assert f"step 12 will be moved to {ck / 'set_aside'}" in p.stderr
-    assert "Traceback" not in p.stderr
-    assert tree_hash(ck / "set_aside" / "12") == damaged  # kept as it was
-    assert storage.complete_steps(ck) == [4, 8, 12]  # 12 saved again by the resumed run
-    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == list(range(12))
-    # An explicit older checkpoint: 8 and 12 are set aside (12 beside the damaged one), not refused.
-    p = cli(*base, f"checkpoint.resume={ck / '4'}")
-    assert p.returncode == 0, p.stderr
-    assert f"steps 8, 12 will be moved to {ck / 'set_aside'}" in p.stderr
-    assert sorted(q.name for q in (ck / "set_aside").iterdir()) == ["12", "12.1", "8"]
-    assert storage.complete_steps(ck) == [4, 8, 12]
-    assert tree_hash(ck / "set_aside" / "12") == damaged
-
-
-def test_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
-    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    base = ["--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={run}", "train.steps=8"]
-    assert cli(*base).returncode == 0
-    for s in (4, 8):
-        _truncate(ck / str(s))
-    before = tree_hash(run)
-    p = cli("--resume", *base)
-    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert p.stderr.startswith(f"nljax.train: error: every checkpoint in {ck} is damaged; the oldest: checkpoint "
-                               f"{ck / '4'}: array data unreadable"), p.stderr
-    assert tree_hash(run) == before
-
-
-# Runs nljax.train with the file-size limit lowered (as a full disk would stop writes) once
-# checkpoint 4 is complete and step 5 is logged: the save of step 8 fails inside TensorStore.
-FULL = r"""
-import resource, signal, sys, time
-from pathlib import Path
-ckdir, limit = Path(sys.argv[1]), int(sys.argv[2])
-sys.argv = ["nljax.train", *sys.argv[3:]]
-from nljax import rundir
-log = rundir.RunDir.log
-def limiting_log(self, record):
-    log(self, record)
-    if record["step"] == 5:
-        t = time.time()
-        while str(ckdir) != "-" and not (ckdir / "4").is_dir() and time.time() - t < 60:
-            time.sleep(0.05)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-rundir.RunDir.log = limiting_log
-from nljax.train import main
-sys.exit(main())
-"""
-
-
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
-def test_failed_write_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, async_save):
-    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
-    # 6000 bytes: metrics.jsonl (about 300 bytes a step) fits, a checkpoint's files do not
-    p = subprocess.run([sys.executable, "-c", FULL, str(ck), "6000", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK,
-                        f"run.dir={run}", f"checkpoint.async_save={str(async_save).lower()}"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 2, p.stderr
-    assert p.stderr.strip() == (f"nljax.train: error: checkpoint {ck / '8'} could not be saved (OSError: [Errno 27] "
-                                f"File too large); the newest complete checkpoint is {ck / '4'}"), p.stderr
-    assert storage.complete_steps(ck) == [4]
-    assert sorted(q.name for q in ck.iterdir() if not q.name.startswith("8.")) == ["4"]
-    p = cli("--resume", "--cpu-devices", "1", *SMALL, *QUICK, f"run.dir={run}")  # once there is room again
-    assert p.returncode == 0 and f"resumed from {ck / '4'} at step 4" in p.stdout, p.stderr
-    assert storage.complete_steps(ck) == [8, 12]
-
-
-def test_failed_write_of_the_run_files_is_one_line(tmp_path):
-    """The same limit hit by metrics.jsonl (no checkpoints): one line naming the file."""
-    run = tmp_path / "run"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-c", FULL, "-", "1000", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK,
-                        f"run.dir={run}", "checkpoint.every=0"], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 1, p.stderr
-    assert p.stderr.strip() == f"nljax.train: error: cannot write {run / 'metrics.jsonl'}: [Errno 27] File too large"
-
-
-def _can_mount_tmpfs() -> bool:
-    try:
-        return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
-                              capture_output=True, timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
-
-
-@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm and tmpfs in a user namespace")
-def test_disk_full_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path):
-    """A real full disk: checkpoint.dir on a 400 KiB tmpfs holds checkpoint 4 (272 KiB), not 8."""
-    run, ck = tmp_path / "run", tmp_path / "ck"
-    ck.mkdir()
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
-    train = " ".join(f"'{a}'" for a in [sys.executable, "-m", "nljax.train", "--cpu-devices", "1", "--quiet",
-                                       *SMALL, *QUICK, f"run.dir={run}", f"checkpoint.dir={ck}"])
-    script = f"mount -t tmpfs -o size=400k tmpfs '{ck}' && {train}; rc=$?; ls '{ck}' > '{tmp_path}/ls'; exit $rc"
-    p = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    assert p.returncode == 2, p.stderr
-    assert p.stderr.strip() == (f"nljax.train: error: checkpoint {ck / '8'} could not be saved (OSError: [Errno 28] "
-                                f"No space left on device); the newest complete checkpoint is {ck / '4'}"), p.stderr
-    assert (tmp_path / "ls").read_text().split() == ["4", "8.orbax-checkpoint-tmp"]
 
 
 def test_unawaited_writes_of_a_failed_save_are_hidden_only_inside_the_scope():

@@ -2,22 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-SMALL = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "train.batch_size=8", "train.seq_len=16", "cms.periods=[1,2,4]",
-         "eval.batches=1", "optim.warmup_steps=0"]
-
-
-def run(*args, check=True, env_extra=None):
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env.update(env_extra or {})
-    p = subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, env=env, timeout=600)
-    if check and p.returncode:
-        raise AssertionError(f"{args} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
-    return p
+from helpers import QUICK, SMALL, cli
 
 
 def test_train_writes_run_dir_and_loss_falls(tmp_path):
@@ -26,8 +14,8 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     PYTHONHASHSEED logs identical losses (eval included)."""
     d = tmp_path / "run"
     common = ["--cpu-devices", "2", "--quiet", "optim.lr=0.01", *SMALL, "optim.schedule=constant", "eval.every=3"]
-    run("nljax.train", *common, f"run.dir={d}", "train.steps=30", "train.profile_steps=2", "train.profile_start=1",
-        env_extra={"PYTHONHASHSEED": "1"})
+    cli("nljax.train", *common, f"run.dir={d}", "train.steps=30", "train.profile_steps=2", "train.profile_start=1",
+        env={"PYTHONHASHSEED": "1"})
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(30))
     for key in ("loss", "active_levels", "step_time_s", "tokens_per_s_per_device"):
@@ -54,8 +42,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     assert list((d / "profile").rglob("*.xplane.pb")), "profiler trace"
 
     d2 = tmp_path / "rerun"
-    run("nljax.train", *common, f"run.dir={d2}", "train.steps=6", "throughput.reps=1", "throughput.split=false",
-        "run.plots=false", "run.trackers=[]", env_extra={"PYTHONHASHSEED": "2"})
+    cli("nljax.train", *common, f"run.dir={d2}", "train.steps=6", *QUICK, env={"PYTHONHASHSEED": "2"})
     again = [json.loads(l) for l in (d2 / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in again] == [r["loss"] for r in recs[:6]]
     assert [r.get("eval_loss") for r in again[:5]] == [r.get("eval_loss") for r in recs[:5]]
@@ -81,7 +68,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     ],
 )
 def test_bad_input_is_one_line(tmp_path, args, message):
-    p = run("nljax.train", "--cpu-devices", "4", f"run.dir={tmp_path}/r", *args, check=False)
+    p = cli("nljax.train", "--cpu-devices", "4", f"run.dir={tmp_path}/r", *args, check=False)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"nljax.train: error: {message}")
@@ -92,13 +79,13 @@ def test_existing_run_is_not_overwritten(tmp_path):
     d = tmp_path / "r"
     d.mkdir()
     (d / "metrics.jsonl").write_text("precious\n")
-    p = run("nljax.train", "--cpu-devices", "1", f"run.dir={d}", *SMALL, check=False)
+    p = cli("nljax.train", "--cpu-devices", "1", f"run.dir={d}", *SMALL, check=False)
     assert p.returncode == 2 and "already holds a run" in p.stderr
     assert (d / "metrics.jsonl").read_text() == "precious\n"
 
 
 def test_comm_cli_json():
-    p = run("nljax.comm", "--cpu-devices", "8", "--json", "mesh.inter=2", *SMALL)
+    p = cli("nljax.comm", "--cpu-devices", "8", "--json", "mesh.inter=2", *SMALL)
     r = json.loads(p.stdout)
     assert r["mesh"] == {"inter": 2, "intra": 4}
     assert {v["active"] for v in r["variants"]} == {"L0", "L0+1", "L0+1+2"}
@@ -106,25 +93,21 @@ def test_comm_cli_json():
     assert [(c["op"], c["axes"]) for c in l0["collectives"]] == [
         ("reduce-scatter", ["intra"]), ("all-reduce", ["inter"]), ("all-gather", ["intra"])]
     assert 0 < r["ratio_vs_ddp"] < 1
-    text = run("nljax.comm", "--cpu-devices", "8", "mesh.inter=2", *SMALL).stdout
+    text = cli("nljax.comm", "--cpu-devices", "8", "mesh.inter=2", *SMALL).stdout
     assert "ratio nljax / DDP" in text and "reduce-scatter" in text
 
 
 def test_default_model_trains_end_to_end(tmp_path):
     """The nested-learning LM through the CLI on 2 devices: memory, eval in bits per byte."""
     d = tmp_path / "nl"
-    run("nljax.train", "--cpu-devices", "2", "--quiet", f"run.dir={d}", "train.steps=12", "train.batch_size=4",
+    cli("nljax.train", "--cpu-devices", "2", "--quiet", f"run.dir={d}", "train.steps=12", "train.batch_size=4",
         "train.seq_len=32", "model.dim=32", "model.depth=2", "model.nl_lm.memory_chunk=8", "model.nl_lm.window=8",
         "cms.periods=[1,4]", "eval.batches=1", "optim.lr=0.01", "optim.warmup_steps=0",
-        # the end-of-run report is tested above; here it would only add compilations of the big model
-        "throughput.split=false", "throughput.reps=1", "run.plots=false", "run.trackers=[]")
+        *QUICK)  # the end-of-run report is tested above; here it would only add compilations of the big model
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert recs[-1]["loss"] < recs[0]["loss"]
     summary = json.loads((d / "summary.json").read_text())
     assert summary["eval_bpb"] < 8
-
-
-QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.trackers=[]"]
 
 
 def _strict(text: str):
@@ -137,7 +120,7 @@ def _strict(text: str):
 def test_a_run_that_skips_every_step_stops(tmp_path):
     """max_skipped steps in a row skipped: one line, exit 2, the steps done are logged."""
     d = tmp_path / "r"
-    p = run("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=10",
+    p = cli("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=10",
             "sync.max_grad_norm=1e-9", "train.max_skipped=3", "checkpoint.every=0", "eval.every=0", check=False)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
@@ -171,7 +154,7 @@ def test_a_live_run_in_run_dir_refuses_another(tmp_path):
     lock = d / "nljax.lock"
     held = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"})
     lock.write_text(held)
-    p = run("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=2",
+    p = cli("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=2",
             check=False)
     assert p.returncode == 2, p.stderr
     lines = p.stderr.strip().splitlines()
@@ -187,9 +170,9 @@ def test_compile_cache_makes_the_second_start_faster(tmp_path):
     common = ["--cpu-devices", "2", *SMALL, *QUICK, f"run.dir={d}", f"run.compile_cache={cache}", "checkpoint.every=4",
               "eval.every=0", "train.steps=8"]
     times = lambda p: [float(l.split(" in ")[1].split()[0]) for l in p.stdout.splitlines() if l.startswith("compiled ")]
-    first = times(run("nljax.train", *common))
+    first = times(cli("nljax.train", *common))
     entries = set(os.listdir(cache))
-    second = times(run("nljax.train", *common, f"checkpoint.resume={d}/checkpoints/4"))
+    second = times(cli("nljax.train", *common, f"checkpoint.resume={d}/checkpoints/4"))
     assert len(first) == len(second) == 3 and entries  # L0+1+2, L0, L0+1 in either run
     new = set(os.listdir(cache)) - entries  # the restore's own small programs may be new, no step is
     assert not [e for e in new if e.startswith("jit_body")], new

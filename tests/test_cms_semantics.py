@@ -9,7 +9,7 @@ from nljax import levels
 from nljax.conductor import pulse
 from nljax.config import ConfigError, load
 
-from helpers import assert_trees_close, make, run_steps
+from helpers import assert_trees_close, make, train
 
 FIRE, FROZEN = (True, True), (True, False)
 
@@ -89,8 +89,8 @@ def test_sgd_updates_equal_gradients():
     grads = make([*base, "cms.accumulate=gradients"], 1, 1)
     updates = make([*base, "cms.accumulate=updates"], 1, 1)
     assert updates.state.err_buf[2].shape[1] == 2 * grads.state.err_buf[2].shape[1]  # C_2 - 1 slots
-    la, sa = run_steps(grads, 7)
-    lb, sb = run_steps(updates, 7)
+    la, sa = train(grads, 7)
+    lb, sb = train(updates, 7)
     np.testing.assert_allclose(lb, la, rtol=1e-6)
     assert_trees_close(sb.params, sa.params, rtol=1e-5, atol=1e-7)
 
@@ -114,7 +114,7 @@ def test_adam_updates_run_adam_on_each_step():
         return np.concatenate([np.ravel(x) for x in jax.tree.leaves(levels.split(g, eng.level_tree, 2)[1])])
 
     flat1 = lambda params: np.concatenate([np.ravel(x) for x in jax.tree.leaves(level(setup, params, 1))])
-    _, state = run_steps(setup, 1)  # step 0: both fire
+    _, state = train(setup, 1)  # step 0: both fire
     opt = jax.device_get(state.opt_state[1])
     mu, nu = (np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)]) for t in (opt.mu, opt.nu))
     count = int(opt.count)
@@ -132,7 +132,7 @@ def test_adam_updates_run_adam_on_each_step():
     np.testing.assert_allclose(np.concatenate([np.ravel(x) for x in jax.tree.leaves(got.nu)]), nu, rtol=1e-5, atol=1e-12)
 
     other = make(["cms.periods=[1,3]", "cms.accumulate=gradients"], 1, 1)
-    _, s2 = run_steps(other, 4)
+    _, s2 = train(other, 4)
     assert not np.allclose(flat1(s2.params), flat1(state.params), rtol=1e-4, atol=0)
 
 

@@ -10,10 +10,9 @@ import jax
 import numpy as np
 import pytest
 
+from helpers import Setup, train
 from nljax import config
 from nljax.conductor import pulse
-from nljax.hostdev import mean_loss
-from nljax.run import Run
 
 CONFIGS = sorted(str(p) for p in Path(__file__).parent.parent.glob("configs/*.yaml"))
 # nl_350m is the GPU benchmark config (bf16, block remat, sequence 2048): one float32 step of it at
@@ -36,12 +35,11 @@ def test_first_steps_at_real_shapes(path):
     # checked against float32 in tests/test_precision.py.
     cfg = config.load(path, ["train.batch_size=1", "mesh.inter=1", "mesh.intra=1", "eval.every=0",
                              "model.dtype=float32"])
-    setup = Run.create(cfg, devices=jax.devices()[:1])
-    state = setup.init_state()
+    setup = Setup.create(cfg, devices=jax.devices()[:1])
     every_level = pulse(0, cfg.cms.periods).active  # one step variant, compiled once: every level trains
-    for s in range(2):  # the second step reads the memory the first one wrote
-        state, m, _ = setup.cache.train(every_level, state, setup.batch(s))
-        loss = mean_loss(m)
+    metrics = []
+    losses, state = train(setup, 2, active=every_level, metrics=metrics)  # step 1 reads the memory step 0 wrote
+    for s, (loss, m) in enumerate(zip(losses, metrics)):
         assert np.isfinite(loss) and loss < 8.0, (s, loss)  # 8 nats: far above a uniform byte model
         assert not bool(m["skipped"].addressable_data(0)), f"step {s} skipped, grad norm {m['grad_norm']}"
     for leaf in jax.tree.leaves(state.memory):

@@ -12,7 +12,7 @@ from nljax.config import ConfigError
 from nljax.mesh import make_mesh, check_batch
 from nljax.hostdev import put_batch
 
-from helpers import assert_trees_close, make, replicas, run_steps
+from helpers import assert_trees_close, make, replicas, train
 
 PERIODS = "cms.periods=[1,2,3]"
 STEPS = 12  # two full cycles of [1, 2, 3]
@@ -29,7 +29,7 @@ def mode(frozen: str) -> list[str]:
 @functools.lru_cache(maxsize=None)
 def reference(frozen: str):
     setup = make([PERIODS, *mode(frozen)], 1, 1)
-    losses, state = run_steps(setup, STEPS)
+    losses, state = train(setup, STEPS)
     return losses, jax.device_get(state.params)
 
 
@@ -49,7 +49,7 @@ CASES += [(i, j, r, "updates") for r in ["flat", "hierarchical"] for i, j in [(1
 def test_matches_single_device(inter, intra, reduce, frozen):
     ref_losses, ref_params = reference(frozen)
     setup = make([PERIODS, *mode(frozen), f"sync.reduce={reduce}"], inter, intra)
-    losses, state = run_steps(setup, STEPS)
+    losses, state = train(setup, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-6)
     # one compiled variant per active set of [1, 2, 3], never retraced
@@ -65,7 +65,7 @@ def test_frozen_modes_differ():
 @pytest.mark.parametrize("reduce", ["flat", "hierarchical"])
 def test_params_bitwise_identical_but_buffers_rank_local(reduce):
     setup = make([PERIODS, f"sync.reduce={reduce}"], 2, 4)
-    _, state = run_steps(setup, 5)  # ends after step 4: level 2 (period 3) holds steps 4's grads
+    _, state = train(setup, 5)  # ends after step 4: level 2 (period 3) holds steps 4's grads
     for leaf in jax.tree.leaves(state.params):
         copies = replicas(leaf)
         assert len(copies) == 8
@@ -88,7 +88,7 @@ def test_accumulate_applies_sum_of_frozen_gradients():
 
     from nljax.conductor import pulse
 
-    _, s0 = run_steps(setup, 1)  # step 0: everything fires
+    _, s0 = train(setup, 1)  # step 0: everything fires
     p0 = jax.device_get(s0.params)
     g1 = grad_level1(p0, 1)  # step 1's gradient, taken at the parameters after step 0
     s1, _, _ = setup.cache.train(pulse(1, (1, 2)).active, s0, setup.batch(1))

@@ -11,7 +11,7 @@ from nljax.config import ConfigError
 from nljax.data.text import HeldOutStream, eval_batches, eval_windows
 from nljax.hostdev import host_sum, put_batch
 
-from helpers import assert_trees_close, make
+from helpers import TINY_NL, assert_trees_close, make
 
 
 def test_eval_batches_pad_and_mask():
@@ -38,9 +38,7 @@ def test_eval_loss_independent_of_device_count(inter, intra):
 
 # --- streaming evaluation: the memory carried from window to window --------------------------
 
-NL = ["model.name=nl_lm", "model.heads=2", "model.nl_lm.window=4", "model.nl_lm.memory_layers=[0]", "model.nl_lm.memory_heads=2",
-      "model.nl_lm.memory_dim=4", "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=4", "cms.periods=[1,2]",
-      "eval.batches=1", "eval.stream_steps=3"]
+NL = [*TINY_NL, "model.nl_lm.window=4", "model.nl_lm.memory_dim=4", "eval.batches=1", "eval.stream_steps=3"]
 
 
 def perturbed(setup, scale=0.3):

@@ -13,9 +13,10 @@ from nljax.conductor import Conductor, pulse
 from nljax.config import ConfigError
 from nljax.mesh import DATA_AXES, ROWS, make_mesh
 from nljax.hostdev import put_batch
-from nljax.step import Engine, StepCache, device_key
+from nljax.engine import Engine
+from nljax.step import StepCache, device_key
 
-from helpers import assert_trees_close, make
+from helpers import TINY_NL, assert_trees_close, make, train
 
 TAIL = ["optim.name=sgd", "optim.lr=0.1", "cms.periods=[1,2]"]
 
@@ -35,11 +36,9 @@ def rows_of(setup, step, rows):
 def tail_run(inter, intra, accum):
     """Steps 0 and 2 on full 8-row batches, step 1 on a 4-row tail (2 micro-batches of 2 rows)."""
     setup = make([*TAIL, f"train.accum_steps={accum}"], inter, intra)
-    state = setup.state
-    for s in range(3):
-        batch = rows_of(setup, s, 4 if s == 1 else 8)
-        state, m, _ = setup.cache.train(pulse(s, (1, 2)).active, state, batch)
-    return setup, jax.device_get(state.params), float(np.sum(m["loss_sum"]))
+    metrics = []
+    _, state = train(setup, 3, batch=lambda s: rows_of(setup, s, 4 if s == 1 else 8), metrics=metrics)
+    return setup, jax.device_get(state.params), float(np.sum(metrics[-1]["loss_sum"]))
 
 
 def test_tail_flush_equals_one_step_on_the_concatenated_rows():
@@ -61,9 +60,8 @@ def test_tail_flush_equals_one_step_on_the_concatenated_rows():
 def test_tail_is_not_dropped():
     """Guards the test above: training on the tail changes the parameters."""
     setup, params, _ = tail_run(1, 2, 4)
-    st = make([*TAIL, "train.accum_steps=4"], 1, 2).state
-    for s in (0, 2):  # the same run with the tail dropped
-        st, _, _ = setup.cache.train(pulse(s, (1, 2)).active, st, rows_of(setup, s, 8))
+    dropped = make([*TAIL, "train.accum_steps=4"], 1, 2).state  # the same run with the tail dropped
+    _, st = train(setup, (0, 2), state=dropped, batch=lambda s: rows_of(setup, s, 8))
     leaves = zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(st.params)))
     assert max(float(np.abs(a - b).max()) for a, b in leaves) > 1e-4
 
@@ -74,9 +72,7 @@ def test_bad_tail_batches_are_refused():
     for rows in (3, 12):  # not a multiple of the 2-row micro-batch; more than a batch
         with pytest.raises(ConfigError, match=f"a batch of {rows} rows"):
             setup.cache.variant(active, {"tokens": np.zeros((rows, 9), np.int32)})
-    nl = make(["model.name=nl_lm", "model.dim=16", "model.heads=2", "model.nl_lm.memory_heads=2", "model.nl_lm.memory_dim=8",
-               "model.nl_lm.memory_hidden=8", "model.nl_lm.memory_chunk=8", "model.nl_lm.memory_layers=[0]", "model.nl_lm.window=8",
-               "train.accum_steps=2", "cms.periods=[1]"], 1, 2)
+    nl = make([*TINY_NL, "model.nl_lm.memory_chunk=8", "train.accum_steps=2", "cms.periods=[1]"], 1, 2)
     with pytest.raises(ConfigError, match="inner-loop memory"):
         nl.cache.variant((True,), {"tokens": np.zeros((4, 9), np.int32)})
 

@@ -14,8 +14,7 @@ from nljax.config import ConfigError, MeanFlowConfig, load
 from nljax.energy import energy_distance
 from nljax.models.dit import DiTNet
 
-from helpers import assert_trees_close, make
-from nljax.hostdev import mean_loss
+from helpers import assert_trees_close, make, train
 
 # ---------------------------------------------------------------------------------------------
 # the jvp target
@@ -158,17 +157,14 @@ def strategy_override(strategy):
 def trained(inter, intra, extra=()):
     """(setup, losses, step-0 gradient, final params) of STEPS SGD steps."""
     setup = make([*DIT, f"run.dir={RUN_DIR}", *extra], inter, intra)
-    state, losses = setup.state, []
     # the model's tree under any strategy
     full = lambda st: jax.device_get(setup.engine.strategy.gather_params(st.params))
-    p0 = full(state)
-    for s in range(STEPS):
-        state, m, _ = setup.cache.train((True,), state, setup.batch(s))
-        losses.append(mean_loss(m))
-        if s == 0:  # SGD: the synchronized gradient of step 0 is (p0 - p1) / lr
-            grads = jax.tree.map(lambda a, b: (a - b) / LR, p0, full(state))
-    setup.state = state
-    return setup, np.array(losses), grads, full(state)
+    p0 = full(setup.state)
+    first, _ = train(setup, 1)
+    # SGD: the synchronized gradient of step 0 is (p0 - p1) / lr
+    grads = jax.tree.map(lambda a, b: (a - b) / LR, p0, full(setup.state))
+    rest, state = train(setup, range(1, STEPS))
+    return setup, np.concatenate([first, rest]), grads, full(state)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)

@@ -1,15 +1,13 @@
 """Image data, energy distance, sample figures and the MeanFlow command line."""
 
 import json
-import os
-import subprocess
-import sys
 import zlib
 
 import jax
 import numpy as np
 import pytest
 
+from helpers import ROOT, cli
 from nljax.config import ConfigError, ImagesConfig
 from nljax.data import images
 from nljax.energy import energy_distance
@@ -125,15 +123,12 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
     """python -m nljax.train --config configs/meanflow_toy.yaml on 2 devices, tiny: summary.json holds
     both energy distances, a PNG per evaluation, and the loss changes."""
     d = tmp_path / "toy"
-    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"  # compile time
-    args = [sys.executable, "-m", "nljax.train", "--config", "configs/meanflow_toy.yaml", "--cpu-devices", "2",
-            f"run.dir={d}", "train.steps=12", "eval.every=6", "train.batch_size=32", "model.dim=16",
-            "model.depth=1", "meanflow.eval_samples=50", "images.toy_points=400", "meanflow.sample_steps=2"]
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    base = ["--config", "configs/meanflow_toy.yaml", "--cpu-devices", "2"]  # the config's path is relative to ROOT
     d.mkdir()
     (d / "samples_000100.png").write_bytes(b"a user's file")
-    p = subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=root)
+    p = cli("nljax.train", *base, f"run.dir={d}", "train.steps=12", "eval.every=6", "train.batch_size=32",
+            "model.dim=16", "model.depth=1", "meanflow.eval_samples=50", "images.toy_points=400",
+            "meanflow.sample_steps=2", check=False, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert "final eval: eval_energy_1step" in p.stdout
     summary = json.loads((d / "summary.json").read_text())
@@ -149,8 +144,7 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
     RunDir(str(d), overwrite=True, write=True)
     assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000100.png"]
     # bad input: one line, exit 2
-    bad = subprocess.run([*args[:7], f"run.dir={tmp_path}/bad", "images.source=file"], capture_output=True,
-                         text=True, env=env, timeout=600, cwd=root)
+    bad = cli("nljax.train", *base, f"run.dir={tmp_path}/bad", "images.source=file", check=False, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "nljax.train: error: images.source=file needs images.path (a .npy or .npz file)"]
 

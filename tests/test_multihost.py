@@ -1,5 +1,6 @@
 """Multi-process runs: 2 processes x 4 CPU devices (gloo collectives) under `nljax.launch`,
-checked against 1 process x 8 devices; lockstep errors; a killed worker; the launcher itself.
+checked against 1 process x 8 devices; lockstep errors; a killed or hung worker; a preemption
+notice; how a process learns it is one of several. (The launcher itself: tests/test_launch.py.)
 
 The launches are subprocesses (JAX import and compile per process), so there are few of them
 and the model is tiny.
@@ -17,25 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from helpers import TINY, alive, subprocess_env
 from nljax import config, distributed
 from nljax.config import ConfigError
 from nljax.mesh import resolve_shape
 
-TINY = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "model.hidden_mult=2", "train.batch_size=8",
-        "train.seq_len=8", "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant",
-        "cms.periods=[1,2,4]", "eval.batches=1", "sync.reduce=hierarchical"]
+ARGS = [*TINY, "cms.periods=[1,2,4]", "eval.batches=1", "sync.reduce=hierarchical"]
 WORKER = str(Path(__file__).parent / "multihost_worker.py")
 LAUNCH = [sys.executable, "-m", "nljax.launch"]
-
-
-def env(**extra) -> dict:
-    """The parent's environment without the test suite's 8-device XLA flag (each launch sets its
-    own device count), with the compile-time flags that conftest uses."""
-    e = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(("NLJAX_", "SLURM_", "OMPI_"))}
-    e["XLA_FLAGS"] = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-    e.update(extra)
-    return e
 
 
 def losses(run_dir: Path) -> list[dict]:
@@ -45,15 +35,16 @@ def losses(run_dir: Path) -> list[dict]:
 def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     """2 x 4 devices over gloo == 1 x 8 devices, step for step, with different PYTHONHASHSEEDs;
     `inter` spans the processes; each process builds only its own rows."""
-    common = ["train.steps=6", "distributed.check_every=2", *TINY]
+    common = ["train.steps=6", "distributed.check_every=2", *ARGS]
     ref_dir, mp_dir = tmp_path / "one", tmp_path / "two"
     ref = subprocess.Popen(
         [sys.executable, "-m", "nljax.train", "--cpu-devices", "8", "--quiet", f"run.dir={ref_dir}", "mesh.inter=2",
-         *common], env=env(PYTHONHASHSEED="7"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         *common], env=subprocess_env(PYTHONHASHSEED="7"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
     # Default mesh (inter=-1, intra=-1): one inter slot per process.
     inner = f"PYTHONHASHSEED=$((NLJAX_PROCESS_ID + 1)) exec {sys.executable} {WORKER} run.dir={mp_dir} {' '.join(common)}"
     mp = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "4", "--", "sh", "-c", inner],
-                        env=env(), capture_output=True, text=True, timeout=600)
+                        env=subprocess_env(), capture_output=True, text=True, timeout=600)
     out, err = ref.communicate(timeout=600)
     assert ref.returncode == 0, err
     assert mp.returncode == 0, mp.stdout + mp.stderr
@@ -78,9 +69,9 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
 
 
 def test_config_mismatch_is_reported_on_every_process(tmp_path):
-    inner = f"exec {sys.executable} -m nljax.train run.dir={tmp_path}/r train.steps=$((3 + NLJAX_PROCESS_ID)) {' '.join(TINY)}"
+    inner = f"exec {sys.executable} -m nljax.train run.dir={tmp_path}/r train.steps=$((3 + NLJAX_PROCESS_ID)) {' '.join(ARGS)}"
     p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", "sh", "-c", inner],
-                       env=env(), capture_output=True, text=True, timeout=300)
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
     for i in (0, 1):
         assert (f"[{i}] nljax.train: error (process {i}): processes disagree on the resolved config: "
@@ -92,9 +83,9 @@ def test_unequal_device_counts_are_reported_on_every_process(tmp_path):
     """1 CPU device in process 0, 2 in process 1: one line from each, exit 2, no traceback (the
     lockstep all-gather used to fail in a reshape and the peer in a C++ check)."""
     inner = (f"exec {sys.executable} -m nljax.train --cpu-devices $((1 + NLJAX_PROCESS_ID)) run.dir={tmp_path}/r "
-             f"train.steps=2 {' '.join(TINY)}")
+             f"train.steps=2 {' '.join(ARGS)}")
     p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "20", "--", "sh", "-c", inner],
-                       env=env(), capture_output=True, text=True, timeout=300)
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
     lines = [l for l in p.stderr.splitlines() if not l.startswith("nljax.launch: ")]
     assert sorted(lines) == [f"[{i}] nljax.train: error (process {i}): processes drive unequal numbers of devices "
@@ -114,14 +105,6 @@ def _wait_for(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) 
     raise AssertionError(f"no {pattern!r} within {timeout} s:\n{path.read_text()}")
 
 
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
-
-
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
     """SIGKILL one worker mid-training: the survivor exits on its own (its collective fails) well
@@ -133,9 +116,9 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
     grace = 60 if sig == signal.SIGKILL else 2
     cmd = [*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--grace", str(grace), "--", sys.executable, "-m",
            "nljax.train", f"run.dir={tmp_path}/r", "train.steps=100000", "train.log_every=1",
-           "distributed.timeout_s=8", *TINY, "cms.periods=[1]"]
+           "distributed.timeout_s=8", *ARGS, "cms.periods=[1]"]
     with open(log, "w") as f:
-        launcher = subprocess.Popen(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(cmd, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT)
     try:
         pids = [int(x) for x in _wait_for(log, r"pids (\d+) (\d+)$", launcher, 60).groups()]
         _wait_for(log, r"^\[0\] step +2 ", launcher, 300)  # compiled and training
@@ -147,10 +130,10 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
         if launcher.poll() is None:
             launcher.kill()
         for p in pids:
-            if _alive(p):
+            if alive(p):
                 os.kill(p, signal.SIGKILL)
     text = log.read_text()
-    assert not any(_alive(p) for p in pids)
+    assert not any(alive(p) for p in pids)
     if sig == signal.SIGKILL:
         assert rc == 128 + signal.SIGKILL, text
         assert elapsed < 25, (elapsed, text)  # the 60 s grace was not needed
@@ -169,11 +152,11 @@ def test_preemption_notice_saves_the_same_step_on_every_process(tmp_path, to):
     first process), which passes it on: JAX's preemption service agrees on a step, every process
     saves it and exits 143 with one line; --resume then continues from it."""
     log = tmp_path / "log.txt"
-    args = [f"run.dir={tmp_path}/r", "train.log_every=1", "checkpoint.every=1000", *TINY, "cms.periods=[1]"]
+    args = [f"run.dir={tmp_path}/r", "train.log_every=1", "checkpoint.every=1000", *ARGS, "cms.periods=[1]"]
     cmd = [*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--grace", "60", "--", sys.executable, "-m",
            "nljax.train", "train.steps=100000", *args]
     with open(log, "w") as f:
-        launcher = subprocess.Popen(cmd, env=env(), stdout=f, stderr=subprocess.STDOUT)
+        launcher = subprocess.Popen(cmd, env=subprocess_env(), stdout=f, stderr=subprocess.STDOUT)
     try:
         pids = [int(x) for x in _wait_for(log, r"pids (\d+) (\d+)$", launcher, 60).groups()]
         _wait_for(log, r"^\[0\] step +2 ", launcher, 300)
@@ -191,56 +174,9 @@ def test_preemption_notice_saves_the_same_step_on_every_process(tmp_path, to):
     saved = int(stopped[0][1]) + 1
     assert (tmp_path / "r" / "checkpoints" / str(saved)).is_dir()
     p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", sys.executable, "-m", "nljax.train",
-                        "--resume", f"train.steps={saved + 2}", *args], env=env(), capture_output=True, text=True,
-                       timeout=300)
+                        "--resume", f"train.steps={saved + 2}", *args], env=subprocess_env(), capture_output=True,
+                       text=True, timeout=300)
     assert p.returncode == 0 and f"at step {saved}" in p.stdout, p.stderr
-
-
-def test_launcher_prefixes_lines_sets_env_and_propagates_failure():
-    script = ('echo "$NLJAX_PROCESS_ID/$NLJAX_NUM_PROCESSES $NLJAX_COORDINATOR $JAX_NUM_CPU_DEVICES"; '
-              'if [ "$NLJAX_PROCESS_ID" = 1 ]; then echo bad >&2; exit 3; fi; exec sleep 60')
-    t0 = time.monotonic()
-    p = subprocess.run([*LAUNCH, "--nproc", "3", "--cpu-devices", "2", "--grace", "1", "--", "sh", "-c", script],
-                       env=env(), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 3 and time.monotonic() - t0 < 30, p.stderr
-    lines = sorted(l for l in p.stdout.splitlines())
-    coord = re.search(r"coordinator (127\.0\.0\.1:\d+)", p.stderr)[1]
-    assert lines == [f"[{i}] {i}/3 {coord} 2" for i in range(3)]
-    assert "[1] bad" in p.stderr.splitlines()
-    assert "process 1 " in p.stderr and "exited with code 3" in p.stderr
-    pids = [int(x) for x in re.search(r"pids ([\d ]+)$", p.stderr, re.M)[1].split()]
-    assert not any(_alive(x) for x in pids)
-
-
-def test_launcher_names_the_killed_worker_not_the_peer_that_failed_because_of_it():
-    """The CI race: worker 1 is SIGKILLed and worker 0, whose collective then fails, exits 1; the
-    launcher may see worker 0's exit first (a killed process's teardown can lag its closed sockets).
-    Here worker 0 exits 0.1 s before the kill is visible: the cause reported is still the kill."""
-    script = ('if [ "$NLJAX_PROCESS_ID" = 1 ]; then sleep 0.4; kill -9 $$; fi; '
-              'sleep 0.3; exit 1')
-    p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "5", "--", "sh", "-c", script],
-                       env=env(), capture_output=True, text=True, timeout=60)
-    assert p.returncode == 128 + signal.SIGKILL, p.stderr
-    assert "process 1 " in p.stderr and "exited with code 137" in p.stderr
-    assert "exit codes by process: 1, 137" in p.stderr
-
-
-def test_launcher_stops_everything_on_sigint():
-    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", "sh", "-c", "echo up; exec sleep 60"], env=env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=30)
-    assert p.returncode == 128 + signal.SIGINT, err
-    pids = [int(x) for x in re.search(r"pids ([\d ]+)$", err, re.M)[1].split()]
-    assert not any(_alive(x) for x in pids)
-
-
-def test_launcher_bad_input():
-    p = subprocess.run([*LAUNCH, "--nproc", "0", "--", "true"], env=env(), capture_output=True, text=True)
-    assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --nproc must be >= 1, got 0"
-    p = subprocess.run([*LAUNCH, "--nproc", "2"], env=env(), capture_output=True, text=True)
-    assert p.returncode == 2 and "no command given" in p.stderr
 
 
 def test_resolve_launch(monkeypatch):
@@ -314,66 +250,3 @@ def test_step_check_runs_every_check_every_iterations(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("how", ["exec", "shell"])
-def test_workers_do_not_outlive_a_launcher_killed_with_sigkill(how):
-    """The workers sit in their own sessions, so nothing used to stop them when the launcher was
-    SIGKILLed. `exec`: the worker is the command itself (its parent-death signal ends it);
-    `shell`: a shell that started a child of its own (the guard kills the whole session)."""
-    script = "echo up $$; exec sleep 60" if how == "exec" else "sleep 60 & echo up $!; wait"
-    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", "sh", "-c", script], env=env(),
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        pids = [int(p.stdout.readline().split()[-1]) for _ in range(2)]
-        assert all(_alive(x) for x in pids)
-        p.kill()
-        p.wait(timeout=10)
-        deadline = time.monotonic() + 10
-        while any(_alive(x) for x in pids) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not any(_alive(x) for x in pids)
-    finally:
-        for x in pids:
-            if _alive(x):
-                os.kill(x, signal.SIGKILL)
-
-
-@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX is imported here, not in the launcher
-def test_a_failed_start_stops_the_processes_already_started(monkeypatch, capsys):
-    """Process 1's command cannot be started (or its output thread cannot): process 0, already
-    running, is stopped, and the launcher prints one line."""
-    import threading
-
-    from nljax import launch
-
-    started, fail = [], {"popen": True}
-    popen = subprocess.Popen
-
-    def recording_popen(cmd, *a, **k):
-        worker = cmd[:2] != [sys.executable, "-c"]  # not the guard
-        if worker and started and fail["popen"]:
-            raise FileNotFoundError(2, "No such file or directory")
-        q = popen(cmd, *a, **k)
-        if worker:
-            started.append(q)
-        return q
-
-    monkeypatch.setattr(launch.subprocess, "Popen", recording_popen)
-    assert launch.main(["--nproc", "2", "--", "sleep", "60"]) == 2
-    assert capsys.readouterr().err == "nljax.launch: error: cannot start 'sleep': No such file or directory\n"
-    assert len(started) == 1 and started[0].poll() is not None
-
-    started.clear()
-    fail["popen"] = False
-    calls = []
-    start = threading.Thread.start
-
-    def failing_start(self):
-        calls.append(self)
-        if len(calls) == 3:  # process 1's first output thread
-            raise RuntimeError("can't start new thread")
-        start(self)
-
-    monkeypatch.setattr(threading.Thread, "start", failing_start)
-    assert launch.main(["--nproc", "2", "--", "sleep", "60"]) == 2
-    assert capsys.readouterr().err == "nljax.launch: error: cannot start 'sleep': can't start new thread\n"
-    assert len(started) == 2 and all(q.poll() is not None for q in started)

@@ -9,29 +9,16 @@ import pytest
 from nljax import hlo, levels
 from nljax.data.text import SEPARATOR, ContextStream
 
-from helpers import assert_trees_close, make, replicas, run_steps
+from helpers import TINY_NL_DEEP, assert_trees_close, make, replicas, train
 
-NL = [
-    "model.name=nl_lm",
-    "model.dim=16",
-    "model.heads=2",
-    "model.nl_lm.window=4",
-    "model.depth=2",
-    "model.nl_lm.memory_layers=[1]",
-    "model.nl_lm.memory_heads=2",
-    "model.nl_lm.memory_dim=4",
-    "model.nl_lm.memory_hidden=8",
-    "model.nl_lm.memory_chunk=4",
-    "cms.periods=[1,2]",
-    "model.nl_lm.memory_kind=mlp",
-]
+NL = [*TINY_NL_DEEP, "model.nl_lm.memory_kind=mlp"]
 STEPS = 4
 
 
 @functools.lru_cache(maxsize=None)
 def reference(kind):
     setup = make([*NL, f"model.nl_lm.memory_kind={kind}"], 1, 1)
-    losses, state = run_steps(setup, STEPS)
+    losses, state = train(setup, STEPS)
     return losses, jax.device_get(state.params), jax.device_get(state.memory)
 
 
@@ -41,7 +28,7 @@ def reference(kind):
 def test_matches_single_device_including_memory(inter, intra, kind):
     ref_losses, ref_params, ref_memory = reference(kind)
     setup = make([*NL, f"model.nl_lm.memory_kind={kind}"], inter, intra)
-    losses, state = run_steps(setup, STEPS)
+    losses, state = train(setup, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     # Adam turns float32 reduction-order noise in near-zero gradients into ~1e-5 differences
     # (the learning rate is 1e-2); anything structural is orders of magnitude larger.
@@ -52,7 +39,7 @@ def test_matches_single_device_including_memory(inter, intra, kind):
 
 def test_memory_is_rank_local_and_never_communicated():
     setup = make(NL, 2, 4)
-    _, state = run_steps(setup, 3)
+    _, state = train(setup, 3)
     for leaf in jax.tree.leaves(state.params):
         copies = replicas(leaf)
         assert all(np.array_equal(c, copies[0]) for c in copies[1:])
@@ -114,7 +101,7 @@ def test_accumulation_equals_one_step_on_the_whole_batch(inter, intra, accum):
     """accum micro-batches per device, synchronized once: same losses, params and memory."""
     ref_losses, ref_params, ref_memory = reference("mlp")
     setup = make([*NL, "model.nl_lm.memory_kind=mlp", f"train.accum_steps={accum}"], inter, intra)
-    losses, state = run_steps(setup, STEPS)
+    losses, state = train(setup, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-5)
     assert_trees_close(state.memory, ref_memory, rtol=1e-4, atol=2e-5)

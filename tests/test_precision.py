@@ -10,13 +10,7 @@ import pytest
 from nljax import config
 from nljax.models import build
 
-from helpers import assert_trees_close, make, run_steps
-
-NL = [
-    "model.name=nl_lm", "model.dim=16", "model.heads=2", "model.nl_lm.window=4", "model.depth=2",
-    "model.nl_lm.memory_layers=[1]", "model.nl_lm.memory_heads=2", "model.nl_lm.memory_dim=4", "model.nl_lm.memory_hidden=8",
-    "model.nl_lm.memory_chunk=4", "cms.periods=[1,2]",
-]
+from helpers import TINY_NL_DEEP, assert_trees_close, make, train
 
 
 def grads(overrides):
@@ -54,8 +48,8 @@ def test_remat_saves_memory():
 
 @functools.lru_cache(maxsize=None)
 def losses(dtype, inter=1, intra=1, steps=4, optim="adamw"):
-    setup = make([*NL, f"model.dtype={dtype}", f"optim.name={optim}"], inter, intra)
-    out, state = run_steps(setup, steps)
+    setup = make([*TINY_NL_DEEP, f"model.dtype={dtype}", f"optim.name={optim}"], inter, intra)
+    out, state = train(setup, steps)
     return out, jax.device_get(state.params)
 
 

@@ -12,7 +12,7 @@ from nljax.config import ConfigError
 from nljax.data.recall import CHANCE, recall_corpus
 from nljax.models.layers import token_hits
 
-from helpers import make, run_steps
+from helpers import make, train
 
 DOC = re.compile(rb"((?:[a-z]{3}=\d{4};)+)([A-Z ]+?)((?:[a-z]{3}\?\d{4};)+)[A-Z ]*\x00")  # key_len 3, value_len 4
 VALUE_LEN = 4
@@ -20,14 +20,14 @@ VALUE_LEN = 4
 
 def test_corpus_is_deterministic_and_has_the_layout():
     args = dict(docs=40, doc_len=96, pairs=3, gap=30, reach=20, eval_fraction=0.25, key_len=3, value_len=VALUE_LEN)
-    train, train_score, held, score = corpus = recall_corpus(**args, seed=1)
+    train_bytes, train_score, held, score = corpus = recall_corpus(**args, seed=1)
     again = recall_corpus.__wrapped__(**args, seed=1)  # not the cached arrays
     for a, b in zip(corpus, again):
         np.testing.assert_array_equal(a, b)
     assert not np.array_equal(held, recall_corpus(**args, seed=2)[2])
-    assert len(train) == len(train_score) == 30 * 96 and len(held) == len(score) == 10 * 96
+    assert len(train_bytes) == len(train_score) == 30 * 96 and len(held) == len(score) == 10 * 96
     docs = [(text[d * 96 : (d + 1) * 96].tobytes(), s[d * 96 : (d + 1) * 96])
-            for text, s, n in ((train, train_score, 30), (held, score, 10)) for d in range(n)]
+            for text, s, n in ((train_bytes, train_score, 30), (held, score, 10)) for d in range(n)]
     for doc, s in docs:
         m = DOC.fullmatch(doc)
         assert m, doc
@@ -65,7 +65,7 @@ RECALL = ["data.source=recall", "model.nl_lm.window=8", "train.seq_len=64", "dat
 
 def test_recall_task_trains_and_reports_accuracy():
     setup = make(RECALL, 2, 4)
-    losses, state = run_steps(setup, 2)
+    losses, state = train(setup, 2)
     assert np.all(np.isfinite(losses))
     out = setup.evaluate(state.params)
     assert out["eval_recall_chance"] == CHANCE == 0.1
@@ -91,10 +91,10 @@ def test_values_loss_is_the_mean_over_the_queried_values_on_any_mesh():
     assert set(np.unique(targets[batch["weight"] > 0]).tolist()) <= set(range(ord("0"), ord("9") + 1))
     logits, _ = one.engine.model.logits(jax.device_get(one.state.params), {}, batch)
     nll = -np.take_along_axis(np.asarray(jax.nn.log_softmax(logits)), targets[..., None], -1)[..., 0]
-    losses, state = run_steps(one, 3)
+    losses, state = train(one, 3)
     assert losses[0] == pytest.approx(float((nll * batch["weight"]).sum() / batch["weight"].sum()), rel=1e-5)
     assert "weight" not in make([*RECALL, "data.recall_loss=all"]).batch(0)
-    many_losses, many = run_steps(make(RECALL, 2, 4), 3)
+    many_losses, many = train(make(RECALL, 2, 4), 3)
     np.testing.assert_allclose(many_losses, losses, rtol=1e-5)
     for a, b in zip(jax.tree.leaves(jax.device_get(many.params)), jax.tree.leaves(jax.device_get(state.params))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)

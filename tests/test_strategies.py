@@ -14,10 +14,10 @@ from nljax.config import ConfigError, load
 from nljax.state import bytes_per_device
 from nljax.mesh import make_mesh
 from nljax.hostdev import mean_loss, put_batch
-from nljax.step import Engine
-from nljax.strategy import padded
+from nljax.engine import Engine
+from nljax.flatopt import padded
 
-from helpers import TINY, Setup, assert_trees_close, make, run_steps
+from helpers import TINY, Setup, assert_trees_close, make, train
 
 # dim 15 makes every level's size odd, so every shard count needs padding.
 BASE = ["cms.periods=[1,2]", "model.dim=15"]
@@ -34,7 +34,7 @@ def opts(strategy, reduce="hierarchical", frozen="accumulate", extra=()):
 @functools.lru_cache(maxsize=None)
 def reference(frozen):
     setup = make(opts("replicated", frozen=frozen), 1, 1)
-    losses, state = run_steps(setup, STEPS)
+    losses, state = train(setup, STEPS)
     return setup, losses, jax.device_get(state.params), jax.device_get(state.opt_state)
 
 
@@ -44,7 +44,7 @@ def trained(strategy, inter, intra, reduce, frozen):
     cached for the HLO, comm and gradient-check tests)."""
     setup = make(opts(strategy, reduce, frozen), inter, intra)
     start = jax.tree.map(lambda x: x.copy(), setup.state)
-    losses, state = run_steps(setup, STEPS)
+    losses, state = train(setup, STEPS)
     return setup, losses, state, start
 
 
@@ -196,10 +196,9 @@ def _poison(setup, step, at, row):
 def test_max_grad_norm_skips():
     setup = make(["cms.periods=[1]", "sync.max_grad_norm=1.0e-9"], 1, 1)
     before = jax.device_get(setup.state.params)
-    state, skipped = setup.state, []
-    for s in range(2):
-        state, m, _ = setup.cache.train((True,), state, setup.batch(s))
-        skipped.append(float(m["skipped"].addressable_data(0)))
+    metrics = []
+    _, state = train(setup, 2, metrics=metrics)
+    skipped = [float(m["skipped"].addressable_data(0)) for m in metrics]
     assert skipped == [1.0, 1.0] and int(state.step) == 2
     assert_trees_close(state.params, before, rtol=0, atol=0)
 

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
 import random
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -23,6 +20,8 @@ from nljax.data.text import SEPARATOR, ContextStream
 from nljax.generate import tokenization_of
 from nljax.prepare import main as prepare_main
 from nljax.train import main as train_main
+
+from helpers import cli
 
 WORDS = "the a memory level stream token window model learns reads writes data file line of and to in été".split()
 # A model small enough to compile in seconds (the stream's `reset` at document ends is checked
@@ -219,11 +218,7 @@ def test_tokenized_files_train_and_resume_exactly_and_elastically(corpus, tokeni
     assert train_main([*args, "--resume", f"run.dir={tmp_path / 'same'}"]) == 0
     assert [r["loss"] for r in records(tmp_path / "same")] == losses
     assert json.loads((tmp_path / "same" / "summary.json").read_text())["eval_loss"] == summary["eval_loss"]
-    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}
-    env["XLA_FLAGS"] = os.environ["XLA_FLAGS"].replace("--xla_force_host_platform_device_count=8", "")  # same codegen
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")])
-    p = subprocess.run([sys.executable, "-m", "nljax.train", "--cpu-devices", "4", "--resume", *args,
-                        f"run.dir={tmp_path / 'elastic'}"], capture_output=True, text=True, env=env, timeout=600)
+    p = cli("nljax.train", "--cpu-devices", "4", "--resume", *args, f"run.dir={tmp_path / 'elastic'}", check=False)
     assert p.returncode == 0, p.stderr
     elastic = [r["loss"] for r in records(tmp_path / "elastic")]
     assert elastic[:3] == losses[:3]

@@ -4,7 +4,6 @@ same W&B run, and the one-line errors."""
 
 import json
 import math
-import subprocess
 import sys
 
 import numpy as np
@@ -18,7 +17,7 @@ from nljax.rundir import RunDir
 from nljax.samples import TrainingSampler
 from nljax.trackers import TensorBoard, Trackers, check_installed
 from nljax.trainer import Output, train, train_loop
-from tests.helpers import TINY, make
+from helpers import TINY, cli, make
 
 QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.compile_cache=none", "eval.batches=1",
          "eval.stream_steps=0"]
@@ -99,8 +98,7 @@ def test_wandb_offline_run_is_continued_by_a_resume(tmp_path, monkeypatch):
 
 
 def test_a_bad_tracker_setting_is_one_line(tmp_path, monkeypatch):
-    p = subprocess.run([sys.executable, "-m", "nljax.train", "run.trackers=[tensorbord]"], capture_output=True,
-                       text=True, timeout=120)
+    p = cli("nljax.train", "run.trackers=[tensorbord]", check=False, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip() == ("nljax.train: error: config key 'run.trackers[0]' must be one of "
                                 "['tensorboard', 'wandb'], got 'tensorbord'")

@@ -19,10 +19,10 @@ from nljax.version import __version__
 from nljax import mesh as meshlib
 from nljax.conductor import Conductor
 from nljax.config import to_dict
+from nljax.engine import Engine
 from nljax.errors import ConfigError
 from nljax.hostdev import replica
 from nljax.state import TrainState
-from nljax.step import Engine
 
 FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory

@@ -18,9 +18,9 @@ from jax.sharding import Mesh, NamedSharding
 from nljax import mesh as meshlib
 from nljax.checkpoint.contents import named_arrays, per_device, rows_of
 from nljax.config import from_dict
+from nljax.engine import Engine
 from nljax.errors import ConfigError
 from nljax.state import TrainState
-from nljax.step import Engine
 
 
 def read_shardings(meta: dict, target: dict[str, jax.Array], mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:

@@ -13,10 +13,10 @@ from jax.experimental import multihost_utils
 from nljax.checkpoint import storage
 from nljax.checkpoint.quiet import errors_hidden
 from nljax.checkpoint.restore import Restored, restore_first_valid
+from nljax.engine import Engine
 from nljax.errors import ConfigError
 from nljax.rundir import checkpoint_dir
 from nljax.state import TrainState
-from nljax.step import Engine
 
 
 class Checkpoints:

@@ -13,9 +13,9 @@ from nljax.checkpoint import elastic, storage
 from nljax.checkpoint.contents import (SILENT, Damaged, check_arrays, check_fits, differences, fmt, get, named_arrays,
                                      per_device, rows_of, tracker_ids)
 from nljax.config import Config, to_dict
+from nljax.engine import Engine
 from nljax.hostdev import replica
 from nljax.state import TrainState
-from nljax.step import Engine
 
 
 @dataclasses.dataclass

@@ -18,10 +18,10 @@ import jax
 from nljax.checkpoint.contents import META, STATE, Damaged, check_well_formed, checksums, metadata, named_arrays, nest, unnest
 from nljax.checkpoint.quiet import errors_hidden, warnings_hidden
 from nljax.config import Config, migrate
+from nljax.engine import Engine
 from nljax.errors import ConfigError, first_line
 from nljax.rundir import checkpoint_dir
 from nljax.state import TrainState
-from nljax.step import Engine
 
 SET_ASIDE = "set_aside"  # <checkpoint.dir>/set_aside/<step>: checkpoints moved out of a resumed run's way
 

@@ -1,2 +1,3 @@
-"""Data sources: the byte-level ContextStream over a corpus that ships with Python, the recall
-probe, and the user's own text files (documents, tokenization, prepared token files)."""
+"""Data sources: text read as a ContextStream (`text`: the standard library's own source; `recall`:
+the associative-recall probe; the user's own files: `documents`, `tokenization`, `prepared`) and
+image arrays (`images`), with the config sections `data` (settings.py) and `images` (images.py)."""

@@ -1,0 +1,67 @@
+"""Optimizer state over each level's flat vector, split over devices: what `zero1` and `fsdp`
+keep (`nljax.strategy`).
+
+A level's leaves in pytree order form one float32 vector, padded with zeros to a multiple of the
+shard count. Padding is inert: its gradient is zero, so an elementwise optimizer (Adam, SGD)
+leaves it at zero; every optimizer in `nljax.optim` is elementwise. `FlatOptState` converts the
+per-level optax state that `replicated` keeps (the canonical layout) to and from this one.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from nljax import sync
+from nljax.levels import LevelLayout
+from nljax.mesh import REPLICATED
+from nljax.optim import Optimizer
+
+
+def padded(n: int, shards: int) -> int:
+    """`n` rounded up to a multiple of `shards`."""
+    return -(-n // shards) * shards
+
+
+def _vector_slots(fn, flat_state, other):
+    """Maps `fn` over the vector slots of a flat optimizer state (one [Np] array per
+    parameter-shaped entry, e.g. Adam's mu and nu) paired with the matching subtree of `other`;
+    scalar slots (step counts) are taken from `other` unchanged."""
+    return jax.tree.map(lambda f, o: fn(o) if len(f.shape) == 1 else o, flat_state, other)
+
+
+class FlatOptState:
+    """Optimizer state as optax state over each level's flat vector, padded to a multiple of the
+    devices on `axes` and split over them (zero1: `intra`; fsdp: both data axes). Held by the
+    sharded strategies; converts to and from the per-level pytree state `Replicated` keeps."""
+
+    def __init__(self, mesh: Mesh, levels: LevelLayout, opt: Optimizer, axes: tuple[str, ...]):
+        self.levels, self.opt, self.axes = levels, opt, axes
+        self.shards = math.prod(mesh.shape[a] for a in axes)
+        self.spec = P(axes[0]) if len(axes) == 1 else P(axes)
+
+    def leaf_spec(self, x) -> P:
+        """Vector leaves (a level's flat parameters or moments) are split; scalars (step counts)
+        stay replicated."""
+        return self.spec if len(x.shape) == 1 else REPLICATED
+
+    def template(self, l: int):
+        n = padded(self.levels.flats[l].size, self.shards)
+        return jax.eval_shape(self.opt.init, jax.ShapeDtypeStruct((n,), jnp.float32))
+
+    def from_canonical(self, opt_state: tuple) -> tuple:
+        out = []
+        for l, tree_state in enumerate(opt_state):
+            flat = self.levels.flats[l]
+            pad = lambda sub, flat=flat: sync.pad_to(flat.ravel(sub), self.shards)
+            out.append(_vector_slots(pad, self.template(l), tree_state))
+        return tuple(out)
+
+    def to_canonical(self, opt_state: tuple) -> tuple:
+        out = []
+        for flat, flat_state in zip(self.levels.flats, opt_state):
+            out.append(_vector_slots(lambda v, flat=flat: flat.unravel(v[: flat.size]), flat_state, flat_state))
+        return tuple(out)

@@ -1,0 +1,270 @@
+"""Checkpoints through the command line: `nljax.train` killed (SIGKILL, SIGTERM) at any moment
+and resumed exactly, damaged checkpoints skipped or refused in one line, a full disk, and
+folders in checkpoint.dir that nljax did not write. Each test runs its own subprocesses."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import QUICK, SMALL, cli, run_python, subprocess_env, tree_hash, truncate
+from nljax.checkpoint import storage
+
+# ---------------------------------------------------------------------------------------------
+# The command line, killed with SIGKILL or told to stop with SIGTERM
+
+# 12 steps, a checkpoint every 4, the newest 2 kept
+SAVING = [*SMALL, "cms.periods=[1,2]", "eval.every=0", "train.steps=12", "checkpoint.every=4", "checkpoint.keep=2"]
+
+# Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
+# written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is
+# complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead.
+KILLER = r"""
+import os, signal, sys, time
+from pathlib import Path
+mode, at, ckdir = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+sys.argv = ["nljax.train", *sys.argv[4:]]
+if mode == "save":
+    from orbax.checkpoint._src.path import atomicity
+    for cls in (atomicity.AtomicRenameTemporaryPath, atomicity.CommitFileTemporaryPath):
+        def patch(orig):
+            async def finalize(self, *a, **k):
+                if Path(self.get_final()).name == str(at):
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return await orig(self, *a, **k)
+            return finalize
+        cls.finalize = patch(cls.finalize)
+else:
+    from nljax import rundir
+    log = rundir.RunDir.log
+    def killing_log(self, record):
+        log(self, record)
+        if record["step"] == at - 1:  # steps 0 .. at-1 are logged; step `at` never runs
+            if mode == "term":  # a preemption notice: the run saves checkpoint `at` and exits
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            t = time.time()
+            while mode == "step" and not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)  # mode "kill": wherever the saves in flight are
+    rundir.RunDir.log = killing_log
+from nljax.train import main
+sys.exit(main())
+"""
+
+
+def nljax_train(*args, killer=None):
+    """`python -m nljax.train *args`, or through KILLER: `killer` = [mode, step, checkpoint dir]."""
+    if killer:
+        return run_python("-c", KILLER, *killer, *args, check=False)
+    return cli("nljax.train", *args, check=False)
+
+
+def losses(run: Path) -> list[float]:
+    return [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
+    """Killed while committing checkpoint 8 (4 is complete), resumed from 4, killed again at step
+    10 (8 complete), resumed from 8. Each resumed run logs the losses the run before it logged
+    for the same steps, bitwise, and the final metrics.jsonl has every step once."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "2", "--quiet", *SAVING, f"run.dir={run}"]
+    p = nljax_train(*base, killer=["save", "8", str(ck)])
+    assert p.returncode == -9, p.stderr
+    assert (ck / "4").is_dir() and not (ck / "8").exists()
+    assert any(q.name.startswith("8.") for q in ck.iterdir())  # the partial save is left behind
+    first = losses(run)  # steps 0..7 at least, uninterrupted
+    p = nljax_train("--resume", *base, killer=["step", "10", str(ck)])
+    assert p.returncode == -9, p.stderr
+    assert sorted(int(q.name) for q in ck.iterdir() if q.name.isdigit()) == [4, 8]
+    second = losses(run)  # 0..3 from the first run, 4..9 resumed from 4
+    assert len(second) == 10 and second[:8] == first[:8]
+    p = nljax_train("--resume", *base[:2], *base[3:])
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from {ck / '8'} at step 8" in p.stdout
+    steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(12)) and losses(run)[:10] == second
+    assert sorted(q.name for q in ck.iterdir()) == ["12", "8"]  # checkpoint.keep=2
+    truncate(ck / "12")  # a damaged array file, named: one line on the real stderr, nothing changed
+    before = tree_hash(run)
+    p = nljax_train(*base, f"checkpoint.resume={ck / '12'}")
+    assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert tree_hash(run) == before
+
+
+def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
+    """Fault injection: SIGTERM (a preemption notice), SIGKILL, SIGTERM at seeded random steps,
+    each followed by --resume. A notice saves at the next step boundary and exits 143 with one
+    line; a kill loses what is not yet committed. The final metrics.jsonl equals an uninterrupted
+    run's: the same steps once each, the same losses bitwise."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    ck = run / "checkpoints"
+    assert nljax_train("--cpu-devices", "2", "--quiet", *SAVING, f"run.dir={ref}").returncode == 0
+    base = ["--cpu-devices", "2", "--quiet", *SAVING, f"run.dir={run}"]
+    rng = random.Random(1)
+    t1 = rng.randint(1, 5)
+    t2 = rng.randint(t1 + 2, 9)
+    t3 = rng.randint(t2 + 1, 11)
+    p = nljax_train(*base, killer=["term", str(t1), str(ck)])
+    assert p.returncode == 143, p.stderr
+    assert p.stderr.strip() == f"nljax.train: preempted (SIGTERM): stopped after step {t1 - 1}, checkpoint saved; continue with --resume"
+    assert (ck / str(t1)).is_dir()
+    p = nljax_train("--resume", *base, killer=["kill", str(t2), str(ck)])
+    assert p.returncode == -9, p.stderr
+    p = nljax_train("--resume", *base, killer=["term", str(t3), str(ck)])
+    assert p.returncode == 143 and (ck / str(t3)).is_dir(), p.stderr
+    p = nljax_train("--resume", *base)
+    assert p.returncode == 0, p.stderr
+    steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps_logged == list(range(12)), (t1, t2, t3)
+    assert losses(run) == losses(ref), (t1, t2, t3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Folders nljax did not write
+
+
+def test_pruning_and_resume_skip_folders_nljax_did_not_write(tmp_path):
+    """checkpoint.keep prunes only nljax's own steps, and --resume never picks a user's folder
+    with a number for a name (Orbax's max_to_keep deleted them; '7' became 'latest')."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for name in ("0", "7"):
+        (ck / name).mkdir(parents=True)
+        (ck / name / "notes").write_text("mine")
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}", "checkpoint.every=2",
+            "checkpoint.keep=1", "checkpoint.async_save=false"]
+    p = nljax_train(*base, "train.steps=4")
+    assert p.returncode == 0, p.stderr
+    assert sorted(q.name for q in ck.iterdir()) == ["0", "4", "7"]
+    assert storage.complete_steps(ck) == [4]
+    p = nljax_train("--resume", *base[:2], *base[3:], "train.steps=6")
+    assert p.returncode == 0, p.stderr
+    assert f"resumed from {ck / '4'} at step 4" in p.stdout
+    assert sorted(q.name for q in ck.iterdir()) == ["0", "6", "7"]
+    assert (ck / "0" / "notes").read_text() == (ck / "7" / "notes").read_text() == "mine"
+
+
+# ---------------------------------------------------------------------------------------------
+# A damaged newest checkpoint, an older one named, a full disk
+
+
+def test_resume_falls_back_past_a_damaged_checkpoint_and_sets_later_ones_aside(tmp_path):
+    """`--resume` with the newest checkpoint damaged resumes from the newest intact one, with a
+    warning naming the damaged one, which is moved to checkpoints/set_aside/ (not deleted). An
+    older checkpoint named explicitly is resumed too: the later ones are set aside the same way."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}", "checkpoint.keep=3"]
+    p = nljax_train(*base)
+    assert p.returncode == 0, p.stderr
+    assert storage.complete_steps(ck) == [4, 8, 12]
+    truncate(ck / "12")
+    damaged = tree_hash(ck / "12")
+    p = nljax_train("--resume", *base)
+    assert p.returncode == 0, p.stderr
+    assert f"nljax: warning: checkpoint {ck / '12'} is damaged, resuming from an older one (array data unreadable" \
+        in p.stderr, p.stderr
+    assert f"step 12 will be moved to {ck / 'set_aside'}" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert tree_hash(ck / "set_aside" / "12") == damaged  # kept as it was
+    assert storage.complete_steps(ck) == [4, 8, 12]  # 12 saved again by the resumed run
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == list(range(12))
+    # An explicit older checkpoint: 8 and 12 are set aside (12 beside the damaged one), not refused.
+    p = nljax_train(*base, f"checkpoint.resume={ck / '4'}")
+    assert p.returncode == 0, p.stderr
+    assert f"steps 8, 12 will be moved to {ck / 'set_aside'}" in p.stderr
+    assert sorted(q.name for q in (ck / "set_aside").iterdir()) == ["12", "12.1", "8"]
+    assert storage.complete_steps(ck) == [4, 8, 12]
+    assert tree_hash(ck / "set_aside" / "12") == damaged
+
+
+def test_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}", "train.steps=8"]
+    assert nljax_train(*base).returncode == 0
+    for s in (4, 8):
+        truncate(ck / str(s))
+    before = tree_hash(run)
+    p = nljax_train("--resume", *base)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert p.stderr.startswith(f"nljax.train: error: every checkpoint in {ck} is damaged; the oldest: checkpoint "
+                               f"{ck / '4'}: array data unreadable"), p.stderr
+    assert tree_hash(run) == before
+
+
+# Runs nljax.train with the file-size limit lowered (as a full disk would stop writes) once
+# checkpoint 4 is complete and step 5 is logged: the save of step 8 fails inside TensorStore.
+FULL = r"""
+import resource, signal, sys, time
+from pathlib import Path
+ckdir, limit = Path(sys.argv[1]), int(sys.argv[2])
+sys.argv = ["nljax.train", *sys.argv[3:]]
+from nljax import rundir
+log = rundir.RunDir.log
+def limiting_log(self, record):
+    log(self, record)
+    if record["step"] == 5:
+        t = time.time()
+        while str(ckdir) != "-" and not (ckdir / "4").is_dir() and time.time() - t < 60:
+            time.sleep(0.05)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+rundir.RunDir.log = limiting_log
+from nljax.train import main
+sys.exit(main())
+"""
+
+
+@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+def test_failed_write_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, async_save):
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    # 6000 bytes: metrics.jsonl (about 300 bytes a step) fits, a checkpoint's files do not
+    p = run_python("-c", FULL, str(ck), "6000", "--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}",
+                   f"checkpoint.async_save={str(async_save).lower()}", check=False)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (f"nljax.train: error: checkpoint {ck / '8'} could not be saved (OSError: [Errno 27] "
+                                f"File too large); the newest complete checkpoint is {ck / '4'}"), p.stderr
+    assert storage.complete_steps(ck) == [4]
+    assert sorted(q.name for q in ck.iterdir() if not q.name.startswith("8.")) == ["4"]
+    p = nljax_train("--resume", "--cpu-devices", "1", *SAVING, *QUICK, f"run.dir={run}")  # once there is room again
+    assert p.returncode == 0 and f"resumed from {ck / '4'} at step 4" in p.stdout, p.stderr
+    assert storage.complete_steps(ck) == [8, 12]
+
+
+def test_failed_write_of_the_run_files_is_one_line(tmp_path):
+    """The same limit hit by metrics.jsonl (no checkpoints): one line naming the file."""
+    run = tmp_path / "run"
+    p = run_python("-c", FULL, "-", "1000", "--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}",
+                   "checkpoint.every=0", check=False)
+    assert p.returncode == 1, p.stderr
+    assert p.stderr.strip() == f"nljax.train: error: cannot write {run / 'metrics.jsonl'}: [Errno 27] File too large"
+
+
+def _can_mount_tmpfs() -> bool:
+    try:
+        return subprocess.run(["unshare", "-rm", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /mnt"],
+                              capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@pytest.mark.skipif(not _can_mount_tmpfs(), reason="needs unshare -rm and tmpfs in a user namespace")
+def test_disk_full_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path):
+    """A real full disk: checkpoint.dir on a 400 KiB tmpfs holds checkpoint 4 (272 KiB), not 8."""
+    run, ck = tmp_path / "run", tmp_path / "ck"
+    ck.mkdir()
+    command = " ".join(f"'{a}'" for a in [sys.executable, "-m", "nljax.train", "--cpu-devices", "1", "--quiet",
+                                         *SAVING, *QUICK, f"run.dir={run}", f"checkpoint.dir={ck}"])
+    script = f"mount -t tmpfs -o size=400k tmpfs '{ck}' && {command}; rc=$?; ls '{ck}' > '{tmp_path}/ls'; exit $rc"
+    p = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True, text=True, env=subprocess_env(),
+                       timeout=600)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip() == (f"nljax.train: error: checkpoint {ck / '8'} could not be saved (OSError: [Errno 28] "
+                                f"No space left on device); the newest complete checkpoint is {ck / '4'}"), p.stderr
+    assert (tmp_path / "ls").read_text().split() == ["4", "8.orbax-checkpoint-tmp"]
