@@ -282,6 +282,7 @@ def train(cfg: Config) -> dict:
     distributed.check_startup(cfg, run.mesh, run.task, say)
     # reads and checks a checkpoint to resume before anything is written
     ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
+    ckpt.check_data(distributed.data_fingerprint(run.task))
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     try:
         out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step, ckpt.trackers)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from nljax import config, distributed, mesh as meshlib, tasks
+from nljax.checkpoint import storage
 from nljax.data import prepared, tokenization
 from nljax.data.text import SEPARATOR, ContextStream
 from nljax.generate import tokenization_of
@@ -178,9 +179,9 @@ def records(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_bytes_from_txt_and_jsonl_train_without_preparing(corpus, tmp_path):
-    """data.train alone: tokenized into memory at start; summary.json and the lockstep
-    fingerprint carry the content digest, which another corpus changes."""
+def test_bytes_from_txt_and_jsonl_train_without_preparing(corpus, tmp_path, capsys):
+    """data.train alone: tokenized into memory at start; summary.json, the lockstep fingerprint
+    and the checkpoints carry the content digest, which another corpus changes."""
     train = f"data.train=[{','.join(corpus['train'])}]"
     run = tmp_path / "run"
     assert train_main([*QUICK, *TINY, "data.source=files", train, f"run.dir={run}"]) == 0
@@ -194,6 +195,15 @@ def test_bytes_from_txt_and_jsonl_train_without_preparing(corpus, tmp_path):
     task = tasks.TextTask(tasks.resolve(data_config(*small, train)), mesh)
     other = tasks.TextTask(tasks.resolve(data_config(*small, train, f"data.eval={corpus['eval'][0]}")), mesh)
     assert distributed.data_fingerprint(task) == m["digest"] != distributed.data_fingerprint(other)
+    # the checkpoint keeps the digest: a resume on other data is told so (one warning line)
+    assert storage.read_meta(run / "checkpoints" / "6")["data"]["digest"] == m["digest"]
+    capsys.readouterr()
+    assert train_main([*QUICK, *TINY, "data.source=files", train, f"data.eval={corpus['eval'][0]}", "--resume",
+                       f"run.dir={run}", "train.steps=7"]) == 0
+    warned = [l for l in capsys.readouterr().err.splitlines() if "other data" in l]
+    assert warned == [f"nljax: warning: checkpoint {run / 'checkpoints' / '6'} was trained on other data (digest "
+                      f"{m['digest'][:12]} there, {distributed.data_fingerprint(other)[:12]} here): the resumed run "
+                      "reads other data than the run it continues"], warned
 
 
 def test_tokenized_files_train_and_resume_exactly_and_elastically(corpus, tokenizer, tmp_path):

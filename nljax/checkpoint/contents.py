@@ -136,7 +136,8 @@ def fingerprint(model) -> dict[str, list]:
     return hit[1]
 
 
-def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: dict[str, str] | None = None) -> dict:
+def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: dict[str, str] | None = None,
+             data_digest: str | None = None) -> dict:
     """`trackers`: tracker name -> the run id a resume continues (`nljax.trackers.Trackers.ids`)."""
     cfg, mesh = engine.cfg, engine.mesh
     sums = checksums(arrays)
@@ -146,7 +147,9 @@ def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: 
         "step": step,
         "conductor": Conductor(cfg.cms.periods, step).state_dict(),
         # ContextStream row r at step s: a pure function of (seed, step, row) -> nothing else to save
-        "data": {"step": step, "seed": cfg.seed, "rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len},
+        # the digest of the data's content (`Task.fingerprint`): a resume on other data is told so
+        "data": {"step": step, "seed": cfg.seed, "rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
+                 "digest": data_digest},
         "rng": {"seed": cfg.seed, "device_key": "fold_in(fold_in(key(seed), step), global device index)"},
         "mesh": {**{k: int(v) for k, v in mesh.shape.items()}, "devices": meshlib.data_size(mesh),
                  "processes": jax.process_count()},
@@ -231,6 +234,12 @@ def check_fits(path: Path, meta: dict, engine: Engine) -> None:
                 f"checkpoint {path} is from another model: parameter '{name}' is {d1}{tuple(s1)} there, "
                 f"{d2}{tuple(s2)} here"
             )
+
+
+def data_digest(meta: dict) -> str | None:
+    """The digest of the data a checkpoint was trained on; None in one saved before it was."""
+    digest = get(meta, "data.digest")
+    return digest if isinstance(digest, str) else None
 
 
 def tracker_ids(meta: dict) -> dict[str, str]:

@@ -43,6 +43,7 @@ class Checkpoints:
         # tracker name -> run id (W&B's), saved with every checkpoint: read from the one resumed
         # when this run continues its own files, then set by the trainer once its trackers are open
         self.trackers: dict[str, str] = dict(restored.trackers) if restored and own else {}
+        self.data_digest: str | None = None  # of the run's data, saved with every checkpoint (`check_data`)
         self.manager = None
         self.writing: int | None = None  # the step of the save in flight
         # Orbax's reports of a failed save come from its writer threads, at any time between the
@@ -120,6 +121,17 @@ class Checkpoints:
         self._noise = self._quiet.enter_context(errors_hidden())
         self.manager = storage.writer(self.cfg)
 
+    def check_data(self, digest: str) -> None:
+        """Record the digest of the run's data (saved with every checkpoint) and warn when the
+        checkpoint resumed was trained on other data: the stream is a pure function of (seed,
+        step, row) over the data, so with other files the resumed run is not the one it continues."""
+        self.data_digest = digest
+        saved = self.restored.data_digest if self.restored else None
+        if saved is not None and saved != digest and jax.process_index() == 0:
+            print(f"nljax: warning: checkpoint {self.restored.path} was trained on other data (digest {saved[:12]} "
+                  f"there, {digest[:12]} here): the resumed run reads other data than the run it continues",
+                  file=sys.stderr)
+
     def save(self, step: int, state: TrainState) -> None:
         # The previous save is finished first (Orbax would wait for it too) so that a failure is
         # reported with the step it belongs to.
@@ -130,7 +142,7 @@ class Checkpoints:
         self.writing = step
         error = None
         try:
-            storage.save(self.manager, self.engine, step, state, self.trackers)
+            storage.save(self.manager, self.engine, step, state, self.trackers, self.data_digest)
         except Exception as e:  # noqa: BLE001 - the blocking part of a save (e.g. the disk is full)
             error = self._failed(e)
         if error is not None:  # raised outside `except`: see `_failed`

@@ -11,7 +11,7 @@ import jax
 
 from nljax.checkpoint import elastic, storage
 from nljax.checkpoint.contents import (SILENT, Damaged, check_arrays, check_fits, differences, fmt, get, named_arrays,
-                                     per_device, rows_of, tracker_ids)
+                                     per_device, rows_of, tracker_ids, data_digest)
 from nljax.config import Config, to_dict
 from nljax.engine import Engine
 from nljax.hostdev import replica
@@ -26,6 +26,7 @@ class Restored:
     fresh_rows: bool  # every row's memory restarted: the first step resets every row
     warnings: list[str]
     trackers: dict[str, str] = dataclasses.field(default_factory=dict)  # the tracker run ids it saved
+    data_digest: str | None = None  # of the data it was trained on (None: saved before it was recorded)
 
 
 def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
@@ -51,7 +52,7 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     leaves, treedef = jax.tree_util.tree_flatten(template)
     assert len(leaves) == len(target)
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
-    return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta))
+    return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta), data_digest(meta))
 
 
 def _changed_settings(meta: dict, cfg: Config) -> list[str]:

@@ -50,14 +50,16 @@ def writer(cfg: Config):
     return manager(checkpoint_dir(cfg), write=True, cfg=cfg)
 
 
-def save(mngr, engine: Engine, step: int, state: TrainState, trackers: dict[str, str] | None = None) -> None:
-    """Save `state` after `step` optimizer steps, with the run's `trackers` ids. Returns once the
+def save(mngr, engine: Engine, step: int, state: TrainState, trackers: dict[str, str] | None = None,
+         data_digest: str | None = None) -> None:
+    """Save `state` after `step` optimizer steps, with the run's `trackers` ids and the digest of
+    its data. Returns once the
     arrays are copied off the devices (the next step may donate `state`); the files are written
     in the background."""
     import orbax.checkpoint as ocp
 
     arrays = named_arrays(state)
-    meta = metadata(engine, step, arrays, trackers)
+    meta = metadata(engine, step, arrays, trackers, data_digest)
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(nest(arrays)), META: ocp.args.JsonSave(meta)})
     mngr.save(step, args=args, force=True)
 
