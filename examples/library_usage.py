@@ -10,7 +10,7 @@ jax.config.update("jax_num_cpu_devices", 8)  # before anything asks for devices
 jax.config.update("jax_platforms", "cpu")
 
 from nljax import config  # noqa: E402
-from nljax.comm import account, format_report  # noqa: E402
+from nljax.comm import comm_per_step, format_report  # noqa: E402
 from nljax.conductor import Conductor  # noqa: E402
 from nljax.hostdev import mean_loss  # noqa: E402
 from nljax.run import Run  # noqa: E402
@@ -25,4 +25,4 @@ for _ in range(20):
     conductor = conductor.advance()
     print(f"step {pulse.step:3d} {pulse.name:<8} loss {mean_loss(metrics):.3f}")
 print(run.evaluate(state.params))
-print(format_report(account(run.cache, state, run.batch(0))))
+print(format_report(comm_per_step(run.cache, state, run.batch(0))))

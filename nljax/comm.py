@@ -53,8 +53,9 @@ def flat_all_reduce_time(nbytes: int, mesh_shape: dict, cfg: Config) -> float:
     return hlo.ring_all_reduce_bytes(nbytes, n) / link_bandwidth(axes, cfg)
 
 
-def account(cache: StepCache, state: TrainState, batch: dict) -> dict:
-    """The report, as a JSON-ready dict."""
+def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
+    """The communication of one step of each pulse pattern, read from the compiled HLO, its mean
+    over a cycle and its ratio to DDP: the report of `python -m nljax.comm`, as a JSON-ready dict."""
     eng = cache.eng
     cfg, mesh_shape = eng.cfg, dict(eng.mesh.shape)
     sizes = [b for _, b in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels)]
@@ -164,7 +165,7 @@ def format_report(r: dict) -> str:
 
 def _run(args, cfg: Config) -> int:
     run = Run.create(cfg)
-    report = account(run.cache, run.init_state(), run.batch(0))
+    report = comm_per_step(run.cache, run.init_state(), run.batch(0))
     if jax.process_index() == 0:  # only process 0 prints
         print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0

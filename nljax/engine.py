@@ -77,4 +77,4 @@ class Engine:
         )
         memory = self.model.init_memory(rows)
         state = TrainState(jnp.zeros((), jnp.int32), params, opt_state, err_buf, memory)
-        return self.strategy.place(state)
+        return self.strategy.put_state(state)

@@ -68,7 +68,7 @@ def schedule(cfg: OptimConfig, total_steps: int, batch_size: int | None = None):
     )
 
 
-def direction(cfg: OptimConfig) -> optax.GradientTransformation:
+def update_direction(cfg: OptimConfig) -> optax.GradientTransformation:
     """The update direction without learning rate (the schedule is applied by `apply_steps`)."""
     if cfg.name == "adamw":
         return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2)
@@ -123,7 +123,7 @@ class Optimizer:
 
     @classmethod
     def of(cls, cfg: OptimConfig) -> "Optimizer":
-        return cls(direction(cfg), cfg.weight_decay)
+        return cls(update_direction(cfg), cfg.weight_decay)
 
     def init(self, params):
         return self.tx.init(params)

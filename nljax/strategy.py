@@ -145,7 +145,7 @@ class Strategy:
     def state_shardings(self, state: TrainState) -> TrainState:
         return _named(self.mesh, self.state_specs(state))
 
-    def place(self, state: TrainState) -> TrainState:
+    def put_state(self, state: TrainState) -> TrainState:
         """Put host or single-device arrays where `state_specs` says they live."""
         return jax.device_put(state, self.state_shardings(state))
 

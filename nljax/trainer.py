@@ -17,7 +17,7 @@ import jax
 from nljax import compile_cache, distributed, levels, optim, runlog, throughput
 from nljax.version import __version__
 from nljax.checkpoint.lifecycle import Checkpoints
-from nljax.comm import account
+from nljax.comm import comm_per_step
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config
 from nljax.errors import ConfigError
@@ -240,7 +240,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
 
 def comm_report(run: Run, state: TrainState, batch: dict) -> dict:
     """Bytes per step from the HLO of the executables that trained, against a DDP all-reduce."""
-    comm = account(run.cache, state, batch)
+    comm = comm_per_step(run.cache, state, batch)
     return {
         "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
         "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],

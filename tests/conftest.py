@@ -20,3 +20,13 @@ import jax  # noqa: E402
 
 def pytest_configure(config):
     assert jax.device_count() == 8, f"tests need 8 emulated CPU devices, got {jax.device_count()}"
+
+
+# Tests that take over a minute on the 2-core CI machine. pytest-xdist hands tests to workers
+# in collection order, so these go first: started last, one of them would leave a worker running
+# alone at the end (longest first keeps the workers' finishing times close).
+LONGEST_FIRST = ("test_configs.py::test_first_steps_at_real_shapes",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: not any(name in item.nodeid for name in LONGEST_FIRST))  # stable

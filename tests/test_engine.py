@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nljax import hlo, levels
-from nljax.comm import account
+from nljax.comm import comm_per_step
 from nljax.config import ConfigError
 from nljax.mesh import make_mesh, check_batch
 from nljax.hostdev import put_batch
@@ -148,7 +148,7 @@ def test_hlo_hierarchical_level0_only(inter, intra, frozen):
 
 def test_comm_report_all_variants():
     setup = make([PERIODS, "sync.reduce=flat"], 2, 4)
-    r = account(setup.cache, setup.state, setup.batch(0))
+    r = comm_per_step(setup.cache, setup.state, setup.batch(0))
     sizes = r["param_bytes_per_level"]
     by_name = {v["active"]: v for v in r["variants"]}
     assert set(by_name) == {"L0", "L0+1", "L0+2", "L0+1+2"}

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from nljax import hlo, levels
-from nljax.comm import account
+from nljax.comm import comm_per_step
 from nljax.conductor import pulse
 from nljax.config import ConfigError, load
 from nljax.state import bytes_per_device
@@ -145,7 +145,7 @@ def test_hlo_fsdp_moves_only_shards():
 
 def test_comm_projection():
     setup = trained("zero1", 2, 4, "hierarchical", "accumulate")[0]
-    r = account(setup.cache, setup.state, setup.batch(0))
+    r = comm_per_step(setup.cache, setup.state, setup.batch(0))
     cfg = setup.cfg.sync
     assert r["strategy"] == "zero1"
     for v in r["variants"]:
