@@ -24,6 +24,10 @@ def check_across_sections(cfg) -> None:
     if m.name == "nl_lm" and nl.memory_layers and cfg.train.seq_len % nl.memory_chunk:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of model.nl_lm.memory_chunk="
                           f"{nl.memory_chunk}")
+    if cfg.train.sample_every and not cfg.train.sample_prompt and d.source == "files" and d.tokenizer \
+            and not d.doc_end_token:
+        raise ConfigError("train.sample_every with an empty train.sample_prompt starts at a document start, "
+                          "which a tokenizer has only with data.doc_end_token: set one of them")
     if d.source == "recall":
         reach = attention_reach(m.depth, nl.window)
         if d.recall_gap < reach:

@@ -113,7 +113,7 @@ class TextSampler:
     def tokens(self, prompt: list[int], s: Settings) -> Iterator[int]:
         """The sampled tokens after `prompt`, one at a time."""
         rng = np.random.default_rng(s.seed)
-        memory, fresh, window = self.memory0, True, list(prompt) or [0]  # empty prompt: a document start
+        memory, fresh, window = self.memory0, True, list(prompt)  # at least one token: `prompt_ids`
         for _ in range(s.max_new_tokens):
             while len(window) > self.t:  # full windows go into the memory, as in training
                 _, memory = self.forward(memory, window[: self.t], fresh)
@@ -133,9 +133,7 @@ def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], No
     out: list[int] = []
 
     def sampled() -> Iterator[int]:
-        # an empty prompt starts a document: after the token that ends one (bytes: NUL), if any
-        start = codec.encode(s.prompt) or ([codec.end_id] if codec.end_id is not None else [])
-        for token in sampler.tokens(start, s):
+        for token in sampler.tokens(prompt_ids(codec, s.prompt), s):
             out.append(token)
             yield token
 
@@ -143,6 +141,16 @@ def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], No
     for text in codec.decode_stream(sampled()):
         write(text)
     return out
+
+
+def prompt_ids(codec, prompt: str) -> list[int]:
+    """The prompt's tokens; an empty prompt starts a document: the token that ends one (bytes:
+    NUL). A tokenizer without `data.doc_end_token` has no such token: it needs a prompt."""
+    ids = codec.encode(prompt)
+    if not ids and codec.end_id is None:
+        raise ConfigError("an empty prompt starts a document after data.doc_end_token, which this run's "
+                          "tokenizer has none of: give a prompt")
+    return ids or [codec.end_id]
 
 
 def tokenization_of(cfg):

@@ -14,6 +14,7 @@ written under temporary names and renamed when complete, manifest.json last.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -24,8 +25,8 @@ from nljax.errors import ConfigError
 OWN = ("out", "overwrite")  # this tool's keys; every other key=value is a config override
 
 
-def parse(pairs: list[str]) -> tuple[Path, bool, list[str]]:
-    """(out, overwrite, config overrides) from `key=value` arguments."""
+def parse(pairs: list[str]) -> tuple[Path | None, bool, list[str]]:
+    """(out, overwrite, config overrides) from `key=value` arguments; out None: not given."""
     own, overrides = {}, []
     for pair in pairs:
         key, eq, value = pair.partition("=")
@@ -35,11 +36,9 @@ def parse(pairs: list[str]) -> tuple[Path, bool, list[str]]:
             own[key] = value
         else:
             overrides.append(pair)
-    if not own.get("out"):
-        raise ConfigError("out=DIR is required: the directory to write the prepared data to")
     if own.get("overwrite", "false") not in ("true", "false"):
         raise ConfigError(f"overwrite must be true or false, got {own['overwrite']!r}")
-    return Path(own["out"]), own.get("overwrite") == "true", overrides
+    return (Path(own["out"]) if own.get("out") else None), own.get("overwrite") == "true", overrides
 
 
 def describe(c: prepared.Corpus) -> str:
@@ -61,9 +60,11 @@ def main(argv=None) -> int:
         cfg = config.load(args.config, ["data.source=files", *overrides])
         if not cfg.data.train:
             raise ConfigError("data.train is required: the paths or globs of the text to prepare")
-        if cfg.data.prepared:
-            raise ConfigError("data.prepared names prepared data to train on: prepare into out=DIR instead")
-        c = prepared.build(cfg.data, out, overwrite)
+        # one config file for both steps: its data.prepared is where the data go, unless out= says
+        out = out or (Path(cfg.data.prepared) if cfg.data.prepared else None)
+        if out is None:
+            raise ConfigError("out=DIR is required (or data.prepared in the config): the directory to write to")
+        c = prepared.build(dataclasses.replace(cfg.data, prepared=""), out, overwrite)
         print(f"nljax.prepare: wrote {out}: {describe(c)}")
         print(f"nljax.prepare: train with data.source=files data.prepared={out}")
         return 0

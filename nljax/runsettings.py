@@ -55,8 +55,8 @@ class TrainConfig:
     # every N steps print a short text sample from the training state and send it to the trackers
     # (nljax/samples.py; text models only); 0: off
     sample_every: int = 0
-    sample_prompt: str = ""  # bytes the sample continues ("": from a document start)
-    sample_tokens: int = 64  # bytes sampled after the prompt
+    sample_prompt: str = ""  # text the sample continues ("": from a document start)
+    sample_tokens: int = 64  # tokens (bytes, or the tokenizer's) sampled after the prompt
 
     def check(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.seq_len < 1 or self.accum_steps < 1:

@@ -172,17 +172,24 @@ class Trackers:
 
     @classmethod
     def open(cls, cfg: Config, main: bool, resume_step: int | None = None, ids: dict | None = None) -> "Trackers":
-        """`ids`: the tracker run ids of the checkpoint this run resumes (`Checkpoints.trackers`)."""
-        if not main:
-            return cls()
-        start = Start(cfg, Path(cfg.run.dir), resume_step, dict(ids or {}))
-        opened = cls()
-        try:
-            for name in cfg.run.trackers:
-                opened.trackers.append(TRACKERS[name].open(start))
-        except BaseException:
-            opened.close(failed=True)
-            raise
+        """`ids`: the tracker run ids of the checkpoint this run resumes (`Checkpoints.trackers`).
+        Every process calls it: a tracker that fails to start on process 0 (W&B online without
+        a network) stops every process with its one line, not only process 0 while the others
+        wait at their first collective."""
+        opened, error = cls(), None
+        if main:
+            try:
+                start = Start(cfg, Path(cfg.run.dir), resume_step, dict(ids or {}))
+                for name in cfg.run.trackers:
+                    opened.trackers.append(TRACKERS[name].open(start))
+            except ConfigError as e:
+                opened.close(failed=True)
+                error = e
+            except BaseException:
+                opened.close(failed=True)
+                raise
+        if main_decides(error is not None):
+            raise error or ConfigError("run.trackers: a tracker failed to start on process 0")
         return opened
 
     @property

@@ -246,6 +246,7 @@ def _bad_files(root: Path) -> None:
     (root / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     (root / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
     (root / "nokey.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
+    (root / "surrogate.jsonl").write_text('{"text": "one"}\n{"text": "half \\ud83d an emoji"}\n')
     (root / "notgz.txt.gz").write_bytes(b"plain text, not gzip")
     (root / "notes.md").write_text("# not a supported type\n")
     (root / "sub").mkdir()
@@ -265,9 +266,11 @@ BAD = [
     (["data.train=R/latin1.txt"], "R/latin1.txt: not UTF-8 text (byte 3"),
     (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),
     (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key)"),
+    (["data.train=R/surrogate.jsonl"], "R/surrogate.jsonl:2: field 'text' holds a lone surrogate"),
     (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),
     (["data.train=R/ok.txt"], "no held-out documents: 1 document(s) at data.eval_fraction=0.05 hold out none"),
     (["data.train=R/ok.txt", "data.eval=R/ok.txt"], "R/ok.txt is in both data.train and data.eval"),
+    (["data.train=R/ok.txt", "data.eval=R/sub/../ok.txt"], "R/sub/../ok.txt is in both data.train and data.eval"),
     (["data.train=R/ok.txt", "data.tokenizer=R/gap.json"],
      "data.tokenizer R/gap.json gave token id 5, not below its vocabulary size 2"),
     (["data.train=R/ok.txt", "data.tokenizer=R/ok.txt"], "data.tokenizer: R/ok.txt is not a tokenizers tokenizer.json"),
@@ -295,9 +298,14 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
     prep = tmp_path / "prep"
     files = f"data.train=[{','.join(corpus['train'])}]"
     assert prepare_main([files, f"data.tokenizer={tokenizer}", f"out={prep}"]) == 0
+    again = tmp_path / "again"  # one config for both steps: data.prepared is where prepare writes
+    assert prepare_main([files, f"data.tokenizer={tokenizer}", f"data.prepared={again}"]) == 0
+    assert (again / "manifest.json").read_text() == (prep / "manifest.json").read_text()
     capsys.readouterr()
     cases = [
         ([f"data.prepared={prep}", "model.vocab_size=300"], "model.vocab_size=300 is smaller than the 320 tokens"),
+        ([f"data.prepared={prep}", "data.doc_end_token=<eos>"],
+         f"data.prepared={prep} was prepared with data.doc_end_token=None, not '<eos>'"),
         ([f"data.prepared={tmp_path}"], f"data.prepared={tmp_path} holds no manifest.json"),
     ]
     for args, message in cases:
@@ -308,3 +316,25 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
     assert train_main(["--quiet", "data.source=files", f"data.prepared={prep}", f"run.dir={tmp_path / 'run'}"]) == 2
     assert "train.bin holds 10 bytes, the manifest says" in one_line(capsys)
     assert not (tmp_path / "run").exists()
+
+
+def test_training_samples_are_the_tokenizers_text(corpus, tokenizer):
+    """train.sample_every with a tokenizer: the prompt is the tokenizer's ids and the sample its
+    decoding (ids above 255 are tokens, not bytes), as nljax.generate writes it."""
+    from nljax.generate import Settings, TextSampler
+    from nljax.run import Run
+    from nljax.samples import TrainingSampler
+
+    cfg = data_config(*TINY, "model.vocab_size=256", f"data.train=[{','.join(corpus['train'])}]",
+                      f"data.tokenizer={tokenizer}", "data.doc_end_token=<eos>", "train.sample_every=1",
+                      "train.sample_prompt=the memory", "train.sample_tokens=48", "mesh.intra=1",
+                      "train.batch_size=1")
+    run = Run.create(cfg, jax.devices()[:1])
+    params = run.init_state().params
+    text = TrainingSampler(run).sample(params)
+    codec = tokenization.load(str(tokenizer), "<eos>")
+    sampler = TextSampler(run.engine.model, run.engine.strategy.gather_params(params), run.mesh, cfg.train.seq_len)
+    ids = list(sampler.tokens(codec.encode("the memory"), Settings(prompt="the memory", max_new_tokens=48,
+                                                                    seed=cfg.seed)))
+    assert max(ids) >= 256  # an untrained model samples the whole vocabulary
+    assert text == "the memory" + "".join(codec.decode_stream(ids))

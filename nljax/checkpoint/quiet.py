@@ -52,11 +52,13 @@ class _Filters:
         self.previous_show = previous_show
         self.on = True
         self.dropped = 0  # callbacks into a closed event loop dropped so far
+        self.failed = False  # a failure was caught (`settle`): its unstarted writes may follow
 
     def settle(self, quiet_s: float = 0.1, limit_s: float = 5.0) -> None:
         """After a failed read or write: wait until the callbacks of the operations it left in
         flight have arrived (none for `quiet_s`, at most `limit_s`), then collect their futures,
         so that their reports arrive while they are still dropped."""
+        self.failed = True
         start = last_change = time.monotonic()
         seen = self.dropped
         while time.monotonic() - last_change < quiet_s and time.monotonic() - start < limit_s:
@@ -87,8 +89,10 @@ class _Filters:
             self.previous_hook(u)
 
     def unawaited(self, message, category, *args, **kwargs) -> None:
-        """Drops 'coroutine ... was never awaited' for the writes a failed operation never started."""
-        if not (self.on and issubclass(category, RuntimeWarning) and "was never awaited" in str(message)):
+        """Drops 'coroutine ... was never awaited' for the writes a failed operation never started
+        (after a failure only: until then such a warning is someone else's)."""
+        if not (self.on and self.failed and issubclass(category, RuntimeWarning)
+                and "was never awaited" in str(message)):
             self.previous_show(message, category, *args, **kwargs)
 
 

@@ -30,6 +30,7 @@ BATCH = 1024  # documents handed to the tokenizer at once (a batch encodes in pa
 def expand(patterns: Sequence[str], key: str) -> list[Path]:
     """The files `patterns` (paths or globs, under config key `key`) name, in order, each once."""
     files: list[Path] = []
+    seen: set[Path] = set()  # resolved: one file named twice in two spellings is read once
     for pattern in patterns:
         if any(c in pattern for c in "*?["):  # a glob (** spans directories)
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
@@ -45,7 +46,8 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
         for p in found:
             if not p.name.endswith(SUFFIXES):
                 raise ConfigError(f"{key}: {p} is not a .txt or .jsonl file (optionally .gz)")
-            if p not in files:
+            if p.resolve() not in seen:
+                seen.add(p.resolve())
                 files.append(p)
     return files
 
@@ -86,9 +88,15 @@ def _jsonl(path: Path, text_key: str) -> Iterator[list[str]]:
             record = json.loads(_decode(line, where))
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
+        except (ValueError, RecursionError) as e:  # e.g. an integer past the digit limit, deep nesting
+            raise ConfigError(f"{where}: not valid JSON ({first_line(e) or type(e).__name__})") from None
         text = record.get(text_key) if isinstance(record, dict) else None
         if not isinstance(text, str):
             raise ConfigError(f"{where}: no string field '{text_key}' (data.text_key)")
+        try:  # JSON's \ud83d escapes can spell a lone surrogate, which is no UTF-8 text
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{where}: field '{text_key}' holds a lone surrogate (not UTF-8 text)") from None
         text = _clean(text)
         if text:
             docs.append(text)

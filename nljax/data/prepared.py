@@ -107,7 +107,8 @@ def settings_record(d: DataConfig) -> dict:
 def _sources(d: DataConfig) -> tuple[list[Path], list[Path]]:
     train = documents.expand(d.train, "data.train")
     held = documents.expand(d.eval, "data.eval") if d.eval else []
-    both = [p for p in held if p in train]
+    trained = {p.resolve() for p in train}
+    both = [p for p in held if p.resolve() in trained]
     if both:
         raise ConfigError(f"{both[0]} is in both data.train and data.eval: held-out documents must not be trained on")
     return train, held
@@ -255,6 +256,9 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
             if saved.get(key) != value:
                 raise ConfigError(f"{where} with data.{key}={saved.get(key)!r}, not {value!r}: prepare it again, "
                                   "or give data.prepared alone")
+    if d.doc_end_token and manifest["tokenizer"].get("doc_end_token") != d.doc_end_token:
+        raise ConfigError(f"{where} with data.doc_end_token={manifest['tokenizer'].get('doc_end_token')!r}, not "
+                          f"{d.doc_end_token!r}: prepare it again, or leave data.doc_end_token out")
     if d.tokenizer:
         sha = tokenization.load(d.tokenizer, d.doc_end_token).info()["sha256"]
         if manifest["tokenizer"].get("sha256") != sha:

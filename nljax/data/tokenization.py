@@ -54,8 +54,8 @@ class Bytes:
     def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
         """The text of `ids` as they come (a character once all of its bytes are there)."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for token in ids:
-            yield decoder.decode(bytes([token]))
+        for token in ids:  # a token past the byte values (a padded model.vocab_size) is no text
+            yield decoder.decode(bytes([token])) if token < 256 else "\ufffd"
         yield decoder.decode(b"", final=True)
 
 
