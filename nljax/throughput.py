@@ -1,4 +1,5 @@
-"""Honest throughput (seed 000, CS-43/44): per device, per pulse pattern, compute vs communication.
+"""Honest throughput: per device (an aggregate hides the slowest device), per pulse pattern (steps
+where more levels fire cost more), compute vs communication.
 
 At the end of a run every pulse pattern that occurred within `train.steps` is timed on a throwaway
 copy of the state: `throughput.reps` rounds interleaved over the patterns (so a drift of clock or
