@@ -23,7 +23,7 @@ def reference(kind):
 
 
 @pytest.mark.parametrize(
-    "inter,intra,kind", [(1, 2, "mlp"), (2, 2, "mlp"), (2, 4, "mlp"), (4, 2, "mlp"), (2, 4, "linear")]
+    "inter,intra,kind", [(1, 2, "mlp"), (2, 4, "mlp"), (4, 2, "mlp"), (2, 4, "linear")]  # (2, 2): test_engine
 )
 def test_matches_single_device_including_memory(inter, intra, kind):
     ref_losses, ref_params, ref_memory = reference(kind)
@@ -137,7 +137,7 @@ def test_non_finite_memory_row_restarts_and_others_are_untouched():
     assert len(jax.tree.leaves(fresh)) == len(jax.tree.leaves(out))
 
 
-@pytest.mark.parametrize("t, window", [(100, 16), (128, 32), (97, 10), (40, 50)])
+@pytest.mark.parametrize("t, window", [(100, 16), (40, 50)])
 def test_blocked_local_attention_equals_the_full_masked_form(t, window):
     """Blocks of `window` queries over their block and the one before (linear in T) == jax's
     masked [T, T] form: outputs and gradients, T a multiple of the window or not, and T <= 2 windows."""
