@@ -309,6 +309,21 @@ def check_step(iteration: int, pulse: Any, every: int) -> None:
     agree(f"training step at loop iteration {iteration}", {"step": int(pulse.step), "active": list(pulse.active)})
 
 
+def on_main(fn: Callable[[], Any], elsewhere: str, main: bool | None = None) -> Any:
+    """`fn()` on process 0 (or where `main`), its value returned there (None elsewhere). A
+    ConfigError it raises stops every process: process 0 with its own line, the others with
+    `elsewhere`, instead of their waiting at the next collective for a process that has left."""
+    value, error = None, None
+    if jax.process_index() == 0 if main is None else main:
+        try:
+            value = fn()
+        except ConfigError as e:
+            error = e
+    if main_decides(error is not None):
+        raise error or ConfigError(elsewhere)
+    return value
+
+
 def main_decides(flag: bool) -> bool:
     """Process 0's value of `flag` on every process (e.g. a file check on a shared file system,
     which other processes could see only after process 0 has written it)."""

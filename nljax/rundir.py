@@ -11,7 +11,6 @@ import json
 import shutil
 from pathlib import Path
 
-import jax
 import yaml
 
 from nljax import distributed, runlog
@@ -92,12 +91,6 @@ def kept_records(path: Path, step: int) -> list[dict]:
 
 def take_lock(cfg: Config) -> RunLock:
     """Process 0 locks run.dir (nljax/runlock.py); every process raises when it is refused."""
-    lock, error = RunLock(cfg.run.dir), None
-    if jax.process_index() == 0:
-        try:
-            lock.acquire()
-        except ConfigError as e:
-            error = e
-    if distributed.main_decides(error is not None):
-        raise error or ConfigError(f"run.dir {cfg.run.dir} is in use by a live run (see process 0)")
+    lock = RunLock(cfg.run.dir)
+    distributed.on_main(lock.acquire, f"run.dir {cfg.run.dir} is in use by a live run (see process 0)")
     return lock

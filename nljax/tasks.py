@@ -15,6 +15,7 @@ pure function of (seed, step), so resumed and re-sharded runs read the same data
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 from pathlib import Path
@@ -121,6 +122,7 @@ class TextTask:
         batch = self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
         return reset_all_rows(batch) if reset_all else batch
 
+    @functools.cache  # asked for at start-up, by the checkpoints and in the reports: hashed once
     def fingerprint(self) -> str:
         """Digest of the training and held-out tokens, compared across processes at start-up:
         the files' content digest (their manifest's), or of the bytes themselves."""
@@ -198,6 +200,7 @@ class ImageTask:
         # no inner-loop memory: there is no row to reset
         return images.global_batch(self.data, self.sampler, step, meshlib.rows_sharding(self.mesh))
 
+    @functools.cache  # asked for at start-up and by the checkpoints: hashed once
     def fingerprint(self) -> str:
         """Digest of the training and held-out arrays, compared across processes at start-up."""
         d = self.data

@@ -22,10 +22,9 @@ import typing
 from pathlib import Path
 from typing import Protocol
 
-import jax
 
 from nljax.config import Config, to_dict
-from nljax.distributed import main_decides
+from nljax.distributed import on_main
 from nljax.errors import ConfigError, first_line
 from nljax.runlog import note_written
 from nljax.runsettings import TrackerName
@@ -176,21 +175,18 @@ class Trackers:
         Every process calls it: a tracker that fails to start on process 0 (W&B online without
         a network) stops every process with its one line, not only process 0 while the others
         wait at their first collective."""
-        opened, error = cls(), None
-        if main:
+        def open_all() -> Trackers:
+            opened = cls()
             try:
                 start = Start(cfg, Path(cfg.run.dir), resume_step, dict(ids or {}))
                 for name in cfg.run.trackers:
                     opened.trackers.append(TRACKERS[name].open(start))
-            except ConfigError as e:
-                opened.close(failed=True)
-                error = e
             except BaseException:
                 opened.close(failed=True)
                 raise
-        if main_decides(error is not None):
-            raise error or ConfigError("run.trackers: a tracker failed to start on process 0")
-        return opened
+            return opened
+
+        return on_main(open_all, "run.trackers: a tracker failed to start on process 0", main) or cls()
 
     @property
     def ids(self) -> dict[str, str]:
@@ -215,15 +211,8 @@ def check_installed(cfg: Config) -> None:
     """A one-line ConfigError for a tracker of run.trackers whose package is missing, before the
     run writes anything (a run stopped later would leave a run.dir that refuses the next try).
     Process 0, the one that opens trackers, decides; the others stop with it."""
-    error = None
-    if jax.process_index() == 0:
-        try:
-            for name in cfg.run.trackers:
-                TRACKERS[name].require()
-        except ConfigError as e:
-            error = e
-    if main_decides(error is not None):
-        raise error or ConfigError("run.trackers: a tracker's package is missing on process 0")
+    on_main(lambda: [TRACKERS[name].require() for name in cfg.run.trackers],
+            "run.trackers: a tracker's package is missing on process 0")
 
 
 def step_scalars(rec: dict, n_levels: int, rate_key: str) -> dict:
