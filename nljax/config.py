@@ -208,7 +208,7 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
 
 def migrate(tree: dict) -> dict:
     """A copy of the saved config `tree` with every key of `MOVED` in its new place (its value
-    converted where `CONVERTED` says)."""
+    converted where `CONVERTED` says) and every key it lacks at its default."""
     tree = copy.deepcopy(tree)
     for old, new in MOVED.items():
         *path, leaf = old.split(".")
@@ -225,6 +225,17 @@ def migrate(tree: dict) -> dict:
                 node = node.setdefault(part, {}) if isinstance(node, dict) else None
             if isinstance(node, dict):  # else a malformed tree: `_build` names the key
                 node.setdefault(leaf, value)  # a key saved in both places keeps its new one
+    return _with_defaults(tree, to_dict(Config()))
+
+
+def _with_defaults(tree: dict, defaults: dict) -> dict:
+    """`tree` with the keys it lacks taken from `defaults`: a key added after a checkpoint was
+    saved reads as its default, which keeps what the code did before the key existed."""
+    for k, v in defaults.items():
+        if k not in tree:
+            tree[k] = copy.deepcopy(v)
+        elif isinstance(v, dict) and isinstance(tree[k], dict):
+            _with_defaults(tree[k], v)
     return tree
 
 

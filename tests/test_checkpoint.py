@@ -142,12 +142,14 @@ def test_elastic_resume_across_strategies(ref, tmp_path):
 
 def test_a_checkpoint_from_before_the_model_split_restores(ref, tmp_path):
     """A checkpoint written before `model.nl_lm.*` / `model.dit.*` saved flat model keys
-    (`model.window`, ...): it restores as if saved today, with no warning and the same state, and
-    onto another strategy (which builds an engine from the saved config, `config.from_dict`)."""
+    (`model.window`, ...), and none of the keys added since (`model.nl_lm.scan_layers`): it
+    restores as if saved today, with no warning and the same state, and onto another strategy
+    (which builds an engine from the saved config, `config.from_dict`)."""
     shutil.copytree(ref["dir"], tmp_path / "ckpt")
     meta = tmp_path / "ckpt" / "2" / "nljax" / "metadata"
     m = json.loads(meta.read_text())
     model = m["config"]["model"]
+    del model["nl_lm"]["scan_layers"]
     model.update(model.pop("nl_lm"), patch_size=model.pop("dit")["patch_size"])
     meta.write_text(json.dumps(m))
     assert json.loads(meta.read_text())["config"]["model"]["window"] == 8

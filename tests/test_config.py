@@ -131,12 +131,21 @@ def test_a_saved_config_with_the_old_model_keys_is_read():
     new = config.to_dict(config.load(None, ["model.nl_lm.window=32", "model.nl_lm.memory_kind=mlp",
                                             "model.dit.patch_size=4", "model.dtype=bfloat16"]))
     old = {**new, "model": {k: v for k, v in new["model"].items() if k not in ("nl_lm", "dit")}}
-    old["model"].update({**new["model"]["nl_lm"], "patch_size": 4})
+    # the model.nl_lm keys that were flat then (those added since are absent, read as defaults)
+    old["model"].update({k: v for k, v in new["model"]["nl_lm"].items() if f"model.{k}" in config.MOVED}, patch_size=4)
     assert "window" in old["model"] and "nl_lm" not in old["model"]
     assert config.migrate(old) == new
     assert config.from_dict(old) == config.from_dict(new)
     assert config.from_dict(old).model.nl_lm.window == 32 and config.from_dict(old).model.dit.patch_size == 4
     assert "window" in old["model"]  # migrate copies: the saved tree is left as it was
+
+
+def test_a_saved_config_without_a_key_added_since_reads_it_as_its_default():
+    new = config.to_dict(config.load(None, ["model.nl_lm.window=32"]))
+    old = config.to_dict(config.load(None, ["model.nl_lm.window=32"]))
+    del old["model"]["nl_lm"]["scan_layers"], old["train"]["accum_steps"]
+    assert config.migrate(old) == new
+    assert "scan_layers" not in old["model"]["nl_lm"]  # a copy
 
 
 @pytest.mark.parametrize("on, trackers", [(True, ("tensorboard",)), (False, ())])

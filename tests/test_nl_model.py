@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from nljax import hlo, levels
+from nljax import config, hlo, levels
 from nljax.data.text import SEPARATOR, ContextStream
 
 from helpers import TINY_NL_DEEP, assert_trees_close, make, replicas, train
@@ -150,3 +150,78 @@ def test_blocked_local_attention_equals_the_full_masked_form(t, window):
     np.testing.assert_allclose(blocked(q, k, v), full(q, k, v), atol=2e-6)
     grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
     assert_trees_close(grads(blocked), grads(full), atol=1e-5)
+
+
+# ------------------------------------------------------------------------ scanned layers
+
+DEEP4 = [*NL, "model.depth=4", "model.nl_lm.memory_layers=[1,3]"]  # unit of 2 blocks, 2 units
+
+
+def scanned_params(params, depth, memory_layers):
+    """The unrolled net's parameters in the scanned layout: unit u's block j is block u * p + j."""
+    import re
+
+    from nljax.models.nl_lm import unit_size
+
+    p = unit_size(depth, memory_layers)
+    numbered = lambda k: re.fullmatch(r"(\D+)(\d+)", k)
+    out = {k: v for k, v in params.items() if not numbered(k)}
+    out["units"] = {f"{m[1]}{j}": jax.tree.map(lambda *s: np.stack(s), *(params[f"{m[1]}{u * p + j}"]
+                                                                             for u in range(depth // p)))
+                    for m in map(numbered, params) if m for j in range(p) if int(m[2]) == j}
+    return out
+
+
+def test_unit_size_is_the_shortest_repeating_run_of_blocks():
+    from nljax.models.nl_lm import unit_size
+
+    assert unit_size(20, (4, 9, 14, 19)) == 5
+    assert unit_size(12, (2, 5, 8, 11)) == 3
+    assert unit_size(4, ()) == 1 and unit_size(4, (0, 1, 2, 3)) == 1
+    assert unit_size(8, (1, 3, 5)) == 8  # titans_demo: no repeat (block 7 has none)
+    with pytest.raises(config.ConfigError, match="scan_layers needs blocks that repeat"):
+        config.load(None, [*DEEP4, "model.nl_lm.memory_layers=[1]", "model.nl_lm.scan_layers=true"])
+
+
+def test_scanned_layers_equal_the_unrolled_net():
+    """`model.nl_lm.scan_layers`: the same function of the same parameters (stacked per unit):
+    logits and every memory state over two steps (the second reads what the first wrote), and
+    gradients; with the MLP memory and block remat inside the scanned unit."""
+    import jax.numpy as jnp
+
+    from nljax.models import build
+
+    over = [*DEEP4, "model.remat=block", "train.seq_len=24"]
+    flat, scan = (build(config.load(None, [*over, f"model.nl_lm.scan_layers={s}"])) for s in ("false", "true"))
+    tokens = jax.random.randint(jax.random.key(1), (3, 2, 25), 0, 256)
+
+    def run(model, params):  # two steps' logits and memories, and the second step's gradients
+        memory, out = model.init_memory(3), []
+        for step in range(2):
+            batch = {"tokens": tokens[:, step], "reset": jnp.full((3,), step == 0)}
+            grads = jax.grad(lambda p: model.apply(p, memory, batch)[0])(params)
+            logits, memory = model.logits(params, memory, batch)
+            out.append((logits, memory))
+        return out, grads
+
+    params = flat.init(jax.random.key(0))
+    stacked = scanned_params(params, 4, (1, 3))
+    assert jax.tree.structure(stacked) == jax.tree.structure(scan.init(jax.random.key(0)))
+    (out_flat, g_flat), (out_scan, g_scan) = (jax.jit(functools.partial(run, m))(p) for m, p in
+                                              ((flat, params), (scan, stacked)))
+    for (la, ma), (lb, mb) in zip(out_flat, out_scan):
+        np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+        assert_trees_close(mb, ma, rtol=1e-5, atol=1e-6)
+    assert_trees_close(g_scan, scanned_params(g_flat, 4, (1, 3)), rtol=1e-4, atol=1e-5)
+
+
+def test_scanned_layers_train_the_same_on_a_mesh():
+    """Stacked parameters through the engine: FSDP on 2 x 2 equals one device, memory included."""
+    over = [*DEEP4, "model.nl_lm.scan_layers=true"]
+    ref_losses, ref = train(make(over, 1, 1), 2)
+    setup = make([*over, "sync.strategy=fsdp"], 2, 2)
+    losses, state = train(setup, 2)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    params = setup.engine.strategy.export_state(state).params  # the stacked leaves, gathered
+    assert_trees_close(params, jax.device_get(ref.params), rtol=1e-4, atol=2e-5)
+    assert_trees_close(state.memory, jax.device_get(ref.memory), rtol=1e-4, atol=2e-5)

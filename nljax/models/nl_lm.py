@@ -14,6 +14,10 @@ State lifetimes:
 
 Attention sees the current chunk only (no cache across steps); what lies further back reaches a
 token through the memory.
+
+`model.nl_lm.scan_layers` runs the blocks as a `lax.scan` over their repeating unit (`Unit`,
+parameters stacked per unit): the same function, one compiled unit, and, with block remat, a
+backward pass that holds one unit's activations at a time.
 """
 
 from __future__ import annotations
@@ -50,6 +54,10 @@ class NlLmConfig:
     memory_out_norm: bool = True  # RMS-normalise each memory head's read
     memory_out_gate: bool = True  # gate the read with sigmoid(W x)
     memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
+    # lax.scan over the repeating unit of blocks (the shortest run of blocks whose memory pattern
+    # repeats: memory_layers [4, 9, 14, 19] of 20 blocks -> 4 units of 5): one compiled unit, and
+    # with model.remat=block a backward pass that holds one unit's activations, not all of them
+    scan_layers: bool = False
 
     # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
     RANGES: ClassVar[dict] = {"memory_lr_max": (0, 1, False, True)}
@@ -68,6 +76,11 @@ class NlLmConfig:
             raise ConfigError(f"model.nl_lm.memory_layers {bad} out of range for model.depth={depth}")
         if self.memory_conv < 0:
             raise ConfigError(f"model.nl_lm.memory_conv must be >= 0, got {self.memory_conv}")
+        if self.scan_layers and unit_size(depth, self.memory_layers) == depth and depth > 1:
+            raise ConfigError(
+                f"model.nl_lm.scan_layers needs blocks that repeat: memory_layers={list(self.memory_layers)} "
+                f"of depth {depth} have no repeating unit shorter than the whole net"
+            )
         if self.memory_layers and self.memory_chunk > self.window:
             # inside a chunk every write is a gradient taken at the chunk start (scaled down when
             # the chunk's keys overlap): attention must cover the chunk in full
@@ -178,6 +191,62 @@ class NeuralMemory(nn.Module):
         return out(y), state
 
 
+def unit_size(depth: int, memory_layers) -> int:
+    """Blocks in the shortest unit that, repeated, gives the net: p dividing `depth` with block i
+    carrying a memory iff block i mod p does."""
+    has = [i in memory_layers for i in range(depth)]
+    return next(p for p in range(1, depth + 1) if not depth % p and all(has[i] == has[i % p] for i in range(depth)))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSpec:
+    """What every block of the net shares."""
+
+    dim: int
+    hidden: int
+    levels: int
+    heads: int
+    window: int
+    memory: tuple  # NeuralMemory fields, as (name, value) pairs
+    dtype: jnp.dtype
+    remat: str  # none | block | memory
+
+
+def block(spec: BlockSpec, i: int, x, state, reset):
+    """Block i: attention, the neural memory when `state` is given, the CMS chain. Called inside
+    a module's compact method, whose scope its sub-modules join. Returns (x, the new state)."""
+    dt = spec.dtype
+    # jax.checkpoint around each sub-block: the backward pass recomputes its activations from
+    # its input. Every sub-block is a pure function, so the recomputation is exact.
+    wrap = nn.remat if spec.remat == "block" else (lambda cls: cls)
+    x = x + wrap(Attention)(spec.dim, spec.heads, spec.window, dt, name=f"attn{i}")(
+        nn.LayerNorm(dtype=dt, name=f"norm_a{i}")(x))
+    if state is not None:
+        mem = wrap(NeuralMemory)(dim=spec.dim, **dict(spec.memory), dtype=dt, remat=spec.remat == "memory",
+                                 name=f"mem{i}")
+        y, state = mem(nn.LayerNorm(dtype=dt, name=f"norm_m{i}")(x), state, reset)
+        x = x + y
+    return wrap(CMSChain)(spec.dim, spec.hidden, spec.levels, dt, name=f"block{i}")(x), state
+
+
+class Unit(nn.Module):
+    """`size` consecutive blocks, those in `memory_at` with a memory: the body of the scanned net."""
+
+    spec: BlockSpec
+    size: int
+    memory_at: tuple[int, ...]
+
+    @nn.compact
+    def __call__(self, x, memory, reset):  # memory {f"block{j}": state of the unit's block j}
+        new = {}
+        for j in range(self.size):
+            key = f"block{j}"
+            x, state = block(self.spec, j, x, memory.get(key), reset)
+            if key in memory:
+                new[key] = state
+        return x, new
+
+
 class NLNet(nn.Module):
     vocab: int
     dim: int
@@ -190,27 +259,42 @@ class NLNet(nn.Module):
     memory: dict  # NeuralMemory fields
     dtype: jnp.dtype = jnp.float32  # compute dtype; parameters and optimizer state stay float32
     remat: str = "none"  # none | block (recompute attention, memory and CMS chains) | memory (inner loop only)
+    scan: bool = False  # lax.scan over repeating units of blocks (model.nl_lm.scan_layers)
+
+    @property
+    def spec(self) -> BlockSpec:
+        return BlockSpec(self.dim, self.hidden, self.levels, self.heads, self.window, tuple(self.memory.items()),
+                         self.dtype, self.remat)
 
     @nn.compact
     def __call__(self, tokens, memory, reset):  # tokens [B, T], memory {block: state}, reset [B]
-        dt = self.dtype
-        # jax.checkpoint around each sub-block: the backward pass recomputes its activations from
-        # its input. Every sub-block is a pure function, so the recomputation is exact.
-        wrap = nn.remat if self.remat == "block" else (lambda cls: cls)
-        attn, mem, cms = wrap(Attention), wrap(NeuralMemory), wrap(CMSChain)
-        x = nn.Embed(self.vocab, self.dim, dtype=dt, name="embed")(tokens)  # [B, T, D]
+        x = nn.Embed(self.vocab, self.dim, dtype=self.dtype, name="embed")(tokens)  # [B, T, D]
+        x, new_memory = (self.scanned if self.scan else self.unrolled)(x, memory, reset)
+        x = nn.LayerNorm(dtype=self.dtype, name="norm")(x)
+        return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x), new_memory  # the loss upcasts to float32
+
+    def unrolled(self, x, memory, reset):
         new_memory = {}
         for i in range(self.depth):
-            x = x + attn(self.dim, self.heads, self.window, dt, name=f"attn{i}")(
-                nn.LayerNorm(dtype=dt, name=f"norm_a{i}")(x))
+            key = f"block{i}"
+            x, state = block(self.spec, i, x, memory.get(key) if i in self.memory_layers else None, reset)
             if i in self.memory_layers:
-                key = f"block{i}"
-                y, new_memory[key] = mem(dim=self.dim, **self.memory, dtype=dt, remat=self.remat == "memory",
-                                         name=f"mem{i}")(nn.LayerNorm(dtype=dt, name=f"norm_m{i}")(x), memory[key], reset)
-                x = x + y
-            x = cms(self.dim, self.hidden, self.levels, dt, name=f"block{i}")(x)
-        x = nn.LayerNorm(dtype=dt, name="norm")(x)
-        return nn.Dense(self.vocab, dtype=dt, name="head")(x), new_memory  # the loss upcasts to float32
+                new_memory[key] = state
+        return x, new_memory
+
+    def scanned(self, x, memory, reset):
+        # Parameters of unit u's block j are those of block u * p + j, stacked on a leading axis
+        # of `units` (path "units/attn{j}/..."); the memory states go in stacked the same way
+        # and come out as one state per block, the form the engine carries.
+        p = unit_size(self.depth, self.memory_layers)
+        units, at = self.depth // p, tuple(j for j in range(p) if j in self.memory_layers)
+        stacked = {f"block{j}": jax.tree.map(lambda *s: jnp.stack(s), *(memory[f"block{u * p + j}"] for u in range(units)))
+                   for j in at}
+        scan = nn.scan(Unit, variable_axes={"params": 0}, split_rngs={"params": True},
+                       in_axes=(0, nn.broadcast), length=units)
+        x, out = scan(self.spec, p, at, name="units")(x, stacked, reset)
+        return x, {f"block{u * p + j}": jax.tree.map(lambda s: s[u], out[f"block{j}"])
+                   for j in at for u in range(units)}
 
 
 @dataclasses.dataclass(frozen=True)
