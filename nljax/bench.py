@@ -213,7 +213,7 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     times = time_steps(fns, state, batch, warmup, steps)
     analytic = flops.analytic_flops(cfg, eng.model, eng.param_shapes)
     rows = {pattern_name(a): pattern_row(times[a], compile_s[a], per_cycle[a], units,
-                                         throughput.flops(fns[a]), analytic["total_per_unit"], peak)
+                                         throughput.flops(fns[a], eng.model), analytic["total_per_unit"], peak)
             for a in sorted(per_cycle, key=lambda a: (sum(a), a))}
     return {
         "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,

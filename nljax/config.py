@@ -67,6 +67,11 @@ MOVED = {**{f"model.{k}": f"model.nl_lm.{k}" for k in _NL_LM_KEYS}, "model.patch
 CONVERTED = {"run.tensorboard": (lambda on: ["tensorboard"] if on else [],
                                  "a list: run.trackers=[tensorboard], [tensorboard,wandb] or []")}
 
+# Keys added to sections that a checkpoint must match (`model`, `cms`), with the value that does
+# what the code did before the key existed: a checkpoint saved before reads as having it. Other
+# absent keys stay absent (a resume names them: "(checkpoint: (absent))").
+ADDED = {"model.nl_lm.scan_layers": False}
+
 
 def _moved(old: str) -> str:
     how = f" ({CONVERTED[old][1]})" if old in CONVERTED else ""
@@ -208,7 +213,7 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
 
 def migrate(tree: dict) -> dict:
     """A copy of the saved config `tree` with every key of `MOVED` in its new place (its value
-    converted where `CONVERTED` says) and every key it lacks at its default."""
+    converted where `CONVERTED` says), and the keys of `ADDED` it lacks at their values."""
     tree = copy.deepcopy(tree)
     for old, new in MOVED.items():
         *path, leaf = old.split(".")
@@ -225,17 +230,13 @@ def migrate(tree: dict) -> dict:
                 node = node.setdefault(part, {}) if isinstance(node, dict) else None
             if isinstance(node, dict):  # else a malformed tree: `_build` names the key
                 node.setdefault(leaf, value)  # a key saved in both places keeps its new one
-    return _with_defaults(tree, to_dict(Config()))
-
-
-def _with_defaults(tree: dict, defaults: dict) -> dict:
-    """`tree` with the keys it lacks taken from `defaults`: a key added after a checkpoint was
-    saved reads as its default, which keeps what the code did before the key existed."""
-    for k, v in defaults.items():
-        if k not in tree:
-            tree[k] = copy.deepcopy(v)
-        elif isinstance(v, dict) and isinstance(tree[k], dict):
-            _with_defaults(tree[k], v)
+    for key, value in ADDED.items():
+        *path, leaf = key.split(".")
+        node = tree
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.setdefault(leaf, value)
     return tree
 
 

@@ -72,8 +72,12 @@ def patterns_in_run(periods: tuple[int, ...], start: int, steps: int) -> dict[tu
     return {a: c for a, c in counts.items() if c}
 
 
-def flops(compiled: jax.stages.Compiled) -> float | None:
-    """FLOPs of one call of a compiled (per-device) program, when XLA reports them."""
+def flops(compiled: jax.stages.Compiled, model=None) -> float | None:
+    """FLOPs of one call of a compiled (per-device) program, when XLA reports them. None for a
+    model whose blocks run in a loop (`loops_over_layers`): XLA's cost analysis counts a loop's
+    body once, which would under-count such a step by the number of iterations."""
+    if getattr(model, "loops_over_layers", False):
+        return None
     try:
         ca = compiled.cost_analysis()
     except Exception:  # not every backend implements it
@@ -133,7 +137,7 @@ def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps:
         compute_s = dict(step_s)  # the 1-device program has no collectives to remove
     else:
         compute_s = {a: medians[("compute", a)] for a in active_sets}
-    return Measured(step_s, compute_s, {a: flops(fns[a]) for a in active_sets})
+    return Measured(step_s, compute_s, {a: flops(fns[a], cache.eng.model) for a in active_sets})
 
 
 class _Chain:

@@ -140,12 +140,16 @@ def test_a_saved_config_with_the_old_model_keys_is_read():
     assert "window" in old["model"]  # migrate copies: the saved tree is left as it was
 
 
-def test_a_saved_config_without_a_key_added_since_reads_it_as_its_default():
+def test_a_saved_config_without_a_key_added_since_reads_it_as_it_was():
+    """A key of `config.ADDED` reads as the value that does what the code did before it existed;
+    any other absent key stays absent (a resume warns about it)."""
     new = config.to_dict(config.load(None, ["model.nl_lm.window=32"]))
     old = config.to_dict(config.load(None, ["model.nl_lm.window=32"]))
-    del old["model"]["nl_lm"]["scan_layers"], old["train"]["accum_steps"]
+    del old["model"]["nl_lm"]["scan_layers"]
     assert config.migrate(old) == new
     assert "scan_layers" not in old["model"]["nl_lm"]  # a copy
+    del old["data"]["reset_prob"]  # added at 0, now 0.25 by default: not filled in
+    assert "reset_prob" not in config.migrate(old)["data"]
 
 
 @pytest.mark.parametrize("on, trackers", [(True, ("tensorboard",)), (False, ())])

@@ -13,6 +13,8 @@ A model is a frozen dataclass (hashable, so it can be a static argument of a jit
 - `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)` (language models): the
   predictions `apply` scores, for metrics beyond the loss (the recall probe's accuracy)
 - `task`: the `nljax.tasks` registry key of its data and evaluation (default "text")
+- `loops_over_layers` (default False): its blocks run as a loop, whose body XLA's cost analysis
+  counts once, so the XLA FLOP count (and MFU from it) is not reported; the analytic one is
 
 Losses are returned as a sum and a count so that callers reduce sums and counts, never averages
 of averages.
