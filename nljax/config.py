@@ -216,28 +216,31 @@ def migrate(tree: dict) -> dict:
     converted where `CONVERTED` says), and the keys of `ADDED` it lacks at their values."""
     tree = copy.deepcopy(tree)
     for old, new in MOVED.items():
-        *path, leaf = old.split(".")
-        node = tree
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
+        node, leaf = _parent(tree, old, create=False)
         if isinstance(node, dict) and leaf in node:
             value = node.pop(leaf)
             if old in CONVERTED:
                 value = CONVERTED[old][0](value)
-            *path, leaf = new.split(".")
-            node = tree
-            for part in path:
-                node = node.setdefault(part, {}) if isinstance(node, dict) else None
+            node, leaf = _parent(tree, new, create=True)
             if isinstance(node, dict):  # else a malformed tree: `_build` names the key
                 node.setdefault(leaf, value)  # a key saved in both places keeps its new one
     for key, value in ADDED.items():
-        *path, leaf = key.split(".")
-        node = tree
-        for part in path:
-            node = node.get(part) if isinstance(node, dict) else None
+        node, leaf = _parent(tree, key, create=False)
         if isinstance(node, dict):
             node.setdefault(leaf, value)
     return tree
+
+
+def _parent(tree: dict, key: str, create: bool) -> tuple[Any, str]:
+    """(the node holding dotted `key` in `tree`, its last part); sections missing on the way are
+    made with `create`, else the node is None (as it is where the tree is malformed)."""
+    *path, leaf = key.split(".")
+    node: Any = tree
+    for part in path:
+        if not isinstance(node, dict):
+            return None, leaf
+        node = node.setdefault(part, {}) if create else node.get(part)
+    return node, leaf
 
 
 def from_dict(tree: dict) -> Config:

@@ -229,22 +229,27 @@ def block(spec: BlockSpec, i: int, x, state, reset):
     return wrap(CMSChain)(spec.dim, spec.hidden, spec.levels, dt, name=f"block{i}")(x), state
 
 
+def blocks(spec: BlockSpec, n: int, x, memory: dict, reset):
+    """Blocks 0..n-1, block i with a memory iff `memory` holds f"block{i}" (its state); returns
+    (x, the new states, keyed the same)."""
+    new = {}
+    for i in range(n):
+        key = f"block{i}"
+        x, state = block(spec, i, x, memory.get(key), reset)
+        if key in memory:
+            new[key] = state
+    return x, new
+
+
 class Unit(nn.Module):
-    """`size` consecutive blocks, those in `memory_at` with a memory: the body of the scanned net."""
+    """`size` consecutive blocks: the body of the scanned net."""
 
     spec: BlockSpec
     size: int
-    memory_at: tuple[int, ...]
 
     @nn.compact
     def __call__(self, x, memory, reset):  # memory {f"block{j}": state of the unit's block j}
-        new = {}
-        for j in range(self.size):
-            key = f"block{j}"
-            x, state = block(self.spec, j, x, memory.get(key), reset)
-            if key in memory:
-                new[key] = state
-        return x, new
+        return blocks(self.spec, self.size, x, memory, reset)
 
 
 class NLNet(nn.Module):
@@ -274,13 +279,7 @@ class NLNet(nn.Module):
         return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x), new_memory  # the loss upcasts to float32
 
     def unrolled(self, x, memory, reset):
-        new_memory = {}
-        for i in range(self.depth):
-            key = f"block{i}"
-            x, state = block(self.spec, i, x, memory.get(key) if i in self.memory_layers else None, reset)
-            if i in self.memory_layers:
-                new_memory[key] = state
-        return x, new_memory
+        return blocks(self.spec, self.depth, x, {f"block{i}": memory[f"block{i}"] for i in self.memory_layers}, reset)
 
     def scanned(self, x, memory, reset):
         # Parameters of unit u's block j are those of block u * p + j, stacked on a leading axis
@@ -292,7 +291,7 @@ class NLNet(nn.Module):
                    for j in at}
         scan = nn.scan(Unit, variable_axes={"params": 0}, split_rngs={"params": True},
                        in_axes=(0, nn.broadcast), length=units)
-        x, out = scan(self.spec, p, at, name="units")(x, stacked, reset)
+        x, out = scan(self.spec, p, name="units")(x, stacked, reset)
         return x, {f"block{u * p + j}": jax.tree.map(lambda s: s[u], out[f"block{j}"])
                    for j in at for u in range(units)}
 
