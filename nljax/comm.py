@@ -17,6 +17,11 @@ for collectives inside an `intra` group and `sync.inter_bandwidth_gbps` for any 
 gradient bytes over all devices, which a slow link bottlenecks (every ring step crosses it when
 inter > 1). Latency and overlap with compute are not modelled: the projection compares volumes
 on links, not measured times.
+
+Under tensor parallelism (`mesh.model` > 1) the collectives over `model` alone are the
+activation reductions of the split sub-blocks (one all-reduce per attention, memory and MLP
+forward and one per backward), listed with the rest and totalled apart; the per-level sync and
+the DDP baseline are over the data axes, of one device's shard of each level.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import jax
 from nljax import cli, hlo, levels
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config
-from nljax.mesh import INTER, INTRA, data_size
+from nljax.mesh import INTER, INTRA, MODEL, data_size
 from nljax.run import Run
 from nljax.step import StepCache
 from nljax.state import TrainState
@@ -58,7 +63,8 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
     over a cycle and its ratio to DDP: the report of `python -m nljax.comm`, as a JSON-ready dict."""
     eng = cache.eng
     cfg, mesh_shape = eng.cfg, dict(eng.mesh.shape)
-    sizes = [b for _, b in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels)]
+    # one device's share of each level: its tensor-parallel shard (the whole level when mesh.model=1)
+    sizes = [b for _, b in levels.level_sizes(eng.levels.shapes, eng.level_tree, eng.n_levels)]
     conductor = Conductor(eng.cfg.cms.periods)
     patterns = conductor.patterns()
     variants = []
@@ -66,6 +72,7 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
         colls = variant_collectives(cache, active, state, batch)
         times = [c.wire_bytes / link_bandwidth(c.axes, cfg) for c in colls]
         grad_bytes = sum(b for b, a in zip(sizes, active) if a)
+        tp_wire = sum(c.wire_bytes for c in colls if c.axes == (MODEL,))
         variants.append(
             {
                 "active": pattern_name(active),
@@ -86,6 +93,10 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
                 ],
                 "payload_bytes": sum(c.bytes for c in colls),
                 "wire_bytes": sum(c.wire_bytes for c in colls),
+                # tensor parallelism's activation reductions (over `model` alone), apart from the
+                # per-level sync of the data axes
+                "model_axis_wire_bytes": tp_wire,
+                "data_axes_wire_bytes": sum(c.wire_bytes for c in colls) - tp_wire,
                 "gradient_bytes": grad_bytes,
                 "projected_time_s": sum(times),
                 "flat_all_reduce_time_s": flat_all_reduce_time(grad_bytes, mesh_shape, cfg),
@@ -95,6 +106,7 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
     mean_wire = sum(v["wire_bytes"] * v["steps_per_cycle"] for v in variants) / cycle
     mean_time = sum(v["projected_time_s"] * v["steps_per_cycle"] for v in variants) / cycle
     mean_flat = sum(v["flat_all_reduce_time_s"] * v["steps_per_cycle"] for v in variants) / cycle
+    mean_tp = sum(v["model_axis_wire_bytes"] * v["steps_per_cycle"] for v in variants) / cycle
     param_bytes = sum(sizes)
     ddp = hlo.ring_all_reduce_bytes(param_bytes, data_size(eng.mesh))
     return {
@@ -108,8 +120,10 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
         "param_bytes_per_level": sizes,
         "variants": variants,
         "mean_wire_bytes_per_step": mean_wire,
+        "mean_model_axis_wire_bytes_per_step": mean_tp,
         "ddp_wire_bytes_per_step": ddp,
-        "ratio_vs_ddp": (mean_wire / ddp) if ddp else None,
+        # the sync against DDP's: tensor parallelism's activation traffic is the same for both
+        "ratio_vs_ddp": ((mean_wire - mean_tp) / ddp) if ddp else None,
         "mean_projected_time_s": mean_time,
         "mean_flat_all_reduce_time_s": mean_flat,
     }
@@ -120,7 +134,8 @@ def format_report(r: dict) -> str:
     lines = [
         f"mesh {mesh}   strategy={r['strategy']}   reduce={r['reduce']}   frozen_grads={r['frozen_grads']}   "
         f"periods={r['periods']} (cycle {r['cycle_steps']} steps)",
-        f"parameter bytes per level: {r['param_bytes_per_level']}",
+        f"parameter bytes per level (one device's tensor-parallel shard): {r['param_bytes_per_level']}"
+        if r["mesh"].get(MODEL, 1) > 1 else f"parameter bytes per level: {r['param_bytes_per_level']}",
         f"links: intra {r['bandwidth_gbps']['intra']:g} GB/s, inter {r['bandwidth_gbps']['inter']:g} GB/s per device",
         "",
         f"{'variant':<12}{'steps/cycle':>12}  {'op':<16}{'axes':<14}{'groups':>7}{'payload B':>14}{'wire B':>14}"
@@ -147,9 +162,12 @@ def format_report(r: dict) -> str:
                 " " * 26 + f"projected {us(v['projected_time_s'])} us vs flat all-reduce of the "
                 f"{v['gradient_bytes']:,d} gradient bytes {us(v['flat_all_reduce_time_s'])} us"
             )
+    tp = r["mean_model_axis_wire_bytes_per_step"]
     lines += [
         "",
-        f"mean wire bytes per device per step: {r['mean_wire_bytes_per_step']:,.0f}",
+        f"mean wire bytes per device per step: {r['mean_wire_bytes_per_step']:,.0f}"
+        + (f" ({tp:,.0f} of them tensor-parallel activations over `model`, "
+           f"{r['mean_wire_bytes_per_step'] - tp:,.0f} the per-level sync over the data axes)" if tp else ""),
         f"DDP baseline (all parameters, every step): {r['ddp_wire_bytes_per_step']:,.0f}",
     ]
     if r["ratio_vs_ddp"] is not None:

@@ -15,10 +15,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from nljax import sync
-from nljax.levels import LevelLayout
-from nljax.mesh import REPLICATED
+from nljax.mesh import MODEL, REPLICATED
 from nljax.optim import Optimizer
+from nljax.tp import Shards
 
 
 def padded(n: int, shards: int) -> int:
@@ -36,12 +35,14 @@ def _vector_slots(fn, flat_state, other):
 class FlatOptState:
     """Optimizer state as optax state over each level's flat vector, padded to a multiple of the
     devices on `axes` and split over them (zero1: `intra`; fsdp: both data axes). Held by the
-    sharded strategies; converts to and from the per-level pytree state `Replicated` keeps."""
+    sharded strategies; converts to and from the per-level pytree state `Replicated` keeps.
+    Under tensor parallelism each `model` shard has its own vector (`tp.Shards`): globally they
+    lie end to end, split over (`model`, *axes)."""
 
-    def __init__(self, mesh: Mesh, levels: LevelLayout, opt: Optimizer, axes: tuple[str, ...]):
-        self.levels, self.opt, self.axes = levels, opt, axes
+    def __init__(self, mesh: Mesh, levels: tuple[Shards, ...], opt: Optimizer, axes: tuple[str, ...]):
+        self.mesh, self.levels, self.opt, self.axes = mesh, levels, opt, axes
         self.shards = math.prod(mesh.shape[a] for a in axes)
-        self.spec = P(axes[0]) if len(axes) == 1 else P(axes)
+        self.spec = P((MODEL, *axes))
 
     def leaf_spec(self, x) -> P:
         """Vector leaves (a level's flat parameters or moments) are split; scalars (step counts)
@@ -49,19 +50,16 @@ class FlatOptState:
         return self.spec if len(x.shape) == 1 else REPLICATED
 
     def template(self, l: int):
-        n = padded(self.levels.flats[l].size, self.shards)
+        n = self.levels[l].padded(self.shards)
         return jax.eval_shape(self.opt.init, jax.ShapeDtypeStruct((n,), jnp.float32))
 
     def from_canonical(self, opt_state: tuple) -> tuple:
         out = []
         for l, tree_state in enumerate(opt_state):
-            flat = self.levels.flats[l]
-            pad = lambda sub, flat=flat: sync.pad_to(flat.ravel(sub), self.shards)
-            out.append(_vector_slots(pad, self.template(l), tree_state))
+            ravel = lambda sub, sh=self.levels[l]: sh.ravel(sub, self.shards)
+            out.append(_vector_slots(ravel, self.template(l), tree_state))
         return tuple(out)
 
     def to_canonical(self, opt_state: tuple) -> tuple:
-        out = []
-        for flat, flat_state in zip(self.levels.flats, opt_state):
-            out.append(_vector_slots(lambda v, flat=flat: flat.unravel(v[: flat.size]), flat_state, flat_state))
-        return tuple(out)
+        return tuple(_vector_slots(lambda v, sh=sh: sh.unravel(v, self.mesh), flat_state, flat_state)
+                     for sh, flat_state in zip(self.levels, opt_state))

@@ -34,7 +34,7 @@ class Run:
         """The run of `cfg`; its own `cfg` adds what the data decide (`tasks.resolve`: the
         vocabulary of the user's files), read and checked before anything is built."""
         cfg = tasks.resolve(cfg)
-        mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices)
+        mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices, cfg.mesh.model)
         rows = meshlib.check_batch(cfg.train.batch_size, mesh)
         if rows % cfg.train.accum_steps:
             raise ConfigError(

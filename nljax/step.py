@@ -1,4 +1,5 @@
-"""The train and eval steps: pure functions run under `shard_map` over the data axes.
+"""The train and eval steps: pure functions run under `shard_map` over the mesh (the data axes,
+and `model` where the local model is a tensor-parallel shard, `nljax/tp.py`).
 
 One step variant is compiled per distinct Pulse active set (a static argument) and cached. In a
 variant, frozen levels appear in no collective at all: their gradients go to the rank-local
@@ -26,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from nljax import frozen, optim
 from nljax.config import ConfigError
 from nljax.engine import Engine
-from nljax.mesh import DATA_AXES, REPLICATED, ROWS, rows_sharding
+from nljax.mesh import DATA_AXES, REPLICATED, ROWS
 from nljax.models.layers import token_hits, token_loss
 from nljax.state import TrainState
 
@@ -50,7 +51,7 @@ def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch
 
     def loss_fn(diff):
         full = tuple(d if d is not None else p for d, p in zip(diff, parts))
-        loss_sum, count, new_memory = eng.model.apply(eng.levels.merge(full), memory, batch, key)
+        loss_sum, count, new_memory = eng.local_model.apply(eng.levels.merge(full), memory, batch, key)
         return loss_sum / count, (loss_sum, count, new_memory)
 
     grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
@@ -159,8 +160,8 @@ def local_eval_step(eng: Engine, params: PyTree, batch: dict):
     `params` are stored as the strategy stores them (gathered here under fsdp)."""
     params = eng.strategy.compute_params(params)
     rows = jax.tree.leaves(batch)[0].shape[0]
-    memory = eng.model.init_memory(rows)
-    loss_sum, count, _ = eng.model.apply(params, memory, batch, jax.random.key(eng.cfg.seed))
+    memory = eng.local_model.init_memory(rows)
+    loss_sum, count, _ = eng.local_model.apply(params, memory, batch, jax.random.key(eng.cfg.seed))
     return {"loss_sum": loss_sum[None], "count": count[None]}
 
 
@@ -172,9 +173,9 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
     params = eng.strategy.compute_params(params)
     key = jax.random.key(eng.cfg.seed)
     if "score" not in batch:
-        loss_sum, count, memory = eng.model.apply(params, memory, batch, key)
+        loss_sum, count, memory = eng.local_model.apply(params, memory, batch, key)
         return {"loss_sum": loss_sum[None], "count": count[None]}, memory
-    logits, memory = eng.model.logits(params, memory, batch, key)  # [G/n, T, V]
+    logits, memory = eng.local_model.logits(params, memory, batch, key)  # [G/n, T, V]
     targets = batch["tokens"][:, 1:]  # [G/n, T]
     loss_sum, count = token_loss(logits, targets, batch.get("mask"))
     hits, scored = token_hits(logits, targets, batch["score"])
@@ -287,7 +288,9 @@ class StepCache:
         """A fresh memory for `train.batch_size` evaluation streams, split over rows like the
         training memory but its own arrays: the training state's memory is never touched."""
         memory = self.eng.model.init_memory(self.eng.cfg.train.batch_size)
-        return jax.device_put(memory, rows_sharding(self.eng.mesh))
+        specs = self.eng.strategy.state_specs(TrainState(None, {}, (), (), memory)).memory
+        return jax.device_put(memory, jax.tree.map(lambda s: NamedSharding(self.eng.mesh, s), specs,
+                                                   is_leaf=lambda x: isinstance(x, P)))
 
     def eval_stream(self, params: PyTree, memory: PyTree, batch: dict):
         """(metrics, memory after `batch`); `memory` is donated."""
@@ -296,7 +299,7 @@ class StepCache:
             raise ConfigError(f"model.name={self.eng.cfg.model.name} has no logits(): the scored evaluation "
                               "(data.source=recall) needs the per-position predictions")
         if key not in self._eval_stream:
-            rows = jax.tree.map(lambda _: ROWS, memory)
+            rows = self.eng.strategy.state_specs(TrainState(None, {}, (), (), memory)).memory
             outs = [*EVAL_METRIC_SPECS, *(("hits", "scored") if "score" in batch else ())]
             fn = jax.shard_map(
                 functools.partial(local_eval_stream_step, self.eng),

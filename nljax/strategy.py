@@ -31,6 +31,12 @@ the step calls them and contains no strategy branches. A strategy also owns its 
 PartitionSpecs of the stored parameters and optimizer state, `gather_params`, and
 `export_state` / `import_state`, which convert a state to and from the canonical layout (the
 `replicated` one, mesh-independent): checkpoints and elastic resume use it.
+
+Under tensor parallelism (`mesh.model` = m > 1, `nljax/tp.py`) each device holds a model shard:
+its level vectors are built from its own shards (the `Shards` of a level), so everything above
+applies per shard over the data axes only: a level's gradient is reduced over `inter` x `intra`
+among the devices holding the same shard, and a frozen level still moves zero bytes. Globally a
+sharded strategy's vector is the m shard vectors end to end, split over (`model`, data axes).
 """
 
 from __future__ import annotations
@@ -46,10 +52,14 @@ from nljax import sync
 from nljax.config import Config
 from nljax.flatopt import FlatOptState
 from nljax.levels import LevelLayout
-from nljax.mesh import DATA_AXES, INTER, INTRA, REPLICATED, ROWS, data_size, replicated, rows_sharding
+from nljax.mesh import DATA_AXES, INTER, INTRA, MODEL, REPLICATED, data_size, replicated
 from nljax.optim import Optimizer
 from nljax.state import TrainState
 from nljax.sync import SyncConfig
+from nljax.tp import Split, split_specs
+
+# Per-device error buffers: rows over the data axes, one block per model shard.
+PER_DEVICE = P(DATA_AXES, MODEL)
 
 PyTree = Any
 
@@ -69,8 +79,14 @@ class Strategy:
     name: ClassVar[str]
     stat_axes: ClassVar[tuple[str, ...]] = ()  # axes over which the shards of a synchronized gradient differ
 
-    def __init__(self, mesh: Mesh, levels: LevelLayout, sync_cfg: SyncConfig, opt: Optimizer):
-        self.mesh, self.levels, self.sync_cfg, self.opt = mesh, levels, sync_cfg, opt
+    def __init__(self, mesh: Mesh, levels: LevelLayout, sync_cfg: SyncConfig, opt: Optimizer, split: Split):
+        self.mesh, self.levels, self.sync_cfg, self.opt, self.tp = mesh, levels, sync_cfg, opt, split
+        self.shards = split.shards(levels)  # per level: global pytree <-> m shard vectors
+        # The canonical optimizer state (one optax state per level over its global subtree) is
+        # split like the parameters it mirrors: compare its global and per-shard shapes.
+        init = lambda parts: tuple(jax.eval_shape(opt.init, p) for p in parts)
+        self.canonical_opt_specs = split_specs(init(levels.split(split.shapes)), init(levels.split(levels.shapes)),
+                                               split.m)
 
     # Layout conversions, global view (run under jit, outside shard_map).
     def from_canonical(self, params: PyTree, opt_state: tuple) -> tuple[PyTree, tuple]:
@@ -108,38 +124,44 @@ class Strategy:
             return self.reduce(g[0])[None]
         return jax.vmap(self.reduce)(g)
 
+    def own(self, vec: jax.Array) -> jax.Array:
+        """This device's part of a level's full local vector [N_l]: the part its synchronized
+        gradient covers (all of it, or its shard of the padded vector)."""
+        return vec
+
     def level_norms(self, synced: dict) -> dict:
         """Per active level, the norm of each of its synchronized gradients ([K_l]), identical on
         every device. Where each device holds a shard, the squared sums of all levels cross
         `stat_axes` together as one small vector (one all-reduce); `replicated` needs no
-        collective."""
-        sq = {l: jnp.sum(jnp.square(g), axis=1) for l, g in synced.items()}  # [K_l] each
-        if sq and self.stat_axes:
-            total = jax.lax.psum(jnp.concatenate(list(sq.values())), self.stat_axes)  # [Σ K_l]
+        collective. Under tensor parallelism the sums also cross `model`, each replicated
+        parameter weighted 1/m (every shard holds a copy), so the norm is the global one."""
+        m = self.tp.m
+        weight = lambda l: self.own(jnp.asarray(self.shards[l].weights())) if m > 1 else 1.0
+        sq = {l: jnp.sum(jnp.square(g) * weight(l), axis=1) for l, g in synced.items()}  # [K_l] each
+        axes = self.stat_axes + ((MODEL,) if m > 1 else ())
+        if sq and axes:
+            total = jax.lax.psum(jnp.concatenate(list(sq.values())), axes)  # [Σ K_l]
             offsets = np.cumsum([0] + [v.shape[0] for v in sq.values()])
             sq = {l: total[offsets[i] : offsets[i + 1]] for i, l in enumerate(sq)}
         return {l: jnp.sqrt(v) for l, v in sq.items()}
 
-    # Specs of one stored leaf; by default replicated.
-    def param_spec(self, x) -> P:
-        return REPLICATED
-
-    def opt_spec(self, x) -> P:
-        return REPLICATED
-
-    # The stored state's layout, built on the above.
+    # Specs of the stored parameters and optimizer state; by default the model's pytree (split
+    # over `model` where tensor parallelism splits it, replicated otherwise) and the canonical
+    # optimizer state.
     def param_specs(self, params: PyTree) -> PyTree:
-        return jax.tree.map(self.param_spec, params)
+        return self.tp.params
+
+    def opt_specs(self, opt_state: tuple) -> tuple:
+        return self.canonical_opt_specs
 
     def state_specs(self, state: TrainState) -> TrainState:
         """PartitionSpecs for every leaf of `state` (same structure)."""
-        rows = lambda tree: jax.tree.map(lambda _: ROWS, tree)
         return TrainState(
             step=REPLICATED,
             params=self.param_specs(state.params),
-            opt_state=jax.tree.map(self.opt_spec, state.opt_state),
-            err_buf=rows(state.err_buf),
-            memory=rows(state.memory),
+            opt_state=self.opt_specs(state.opt_state),
+            err_buf=jax.tree.map(lambda _: PER_DEVICE, state.err_buf),
+            memory=self.tp.memory if jax.tree.leaves(state.memory) else state.memory,
         )
 
     def state_shardings(self, state: TrainState) -> TrainState:
@@ -159,7 +181,7 @@ class Strategy:
 
     def layout_shapes(self) -> tuple[PyTree, tuple]:
         """The structure and shapes of (params, opt_state) in this layout, as ShapeDtypeStructs."""
-        return jax.eval_shape(self._fresh, self.levels.shapes)
+        return jax.eval_shape(self._fresh, self.tp.shapes)
 
     def init_layout(self, init: Callable[[jax.Array], PyTree], key: jax.Array) -> tuple[PyTree, tuple]:
         """Fresh (params, opt_state) from the model's `init(key)`, created directly in their
@@ -171,23 +193,30 @@ class Strategy:
         """The model's parameter pytree, replicated, from the stored layout (e.g. for sampling)."""
         return stored
 
+    def canonical_shardings(self) -> tuple[PyTree, tuple]:
+        """Where the canonical (params, opt_state) live: split over `model` as tensor
+        parallelism splits them, replicated over the data axes."""
+        return _named(self.mesh, (self.tp.params, self.canonical_opt_specs))
+
     def export_state(self, state: TrainState) -> TrainState:
         """The state in the canonical layout: params as the model's pytree and optimizer state as
-        `replicated` keeps it (one optax state per level over the level's subtree), both
-        replicated; step, error buffers and memory unchanged. Independent of strategy and mesh."""
-        fn = jax.jit(self.to_canonical, out_shardings=replicated(self.mesh))
+        `replicated` keeps it (one optax state per level over the level's subtree), global arrays
+        (split over `model` only); step, error buffers and memory unchanged. Independent of
+        strategy and of the data axes."""
+        fn = jax.jit(self.to_canonical, out_shardings=self.canonical_shardings())
         params, opt_state = fn(state.params, state.opt_state)
         return state.replace(params=params, opt_state=opt_state)
 
     def import_state(self, canonical: TrainState) -> TrainState:
         """Inverse of `export_state` for this strategy and mesh: pads, flattens and shards."""
-        rep = replicated(self.mesh)
-        params, opt_state = jax.device_put((canonical.params, canonical.opt_state), rep)
+        params, opt_state = jax.device_put((canonical.params, canonical.opt_state), self.canonical_shardings())
         shapes = jax.eval_shape(self.from_canonical, params, opt_state)
         fn = jax.jit(self.from_canonical, out_shardings=self._layout_shardings(*shapes))
         params, opt_state = fn(params, opt_state)
-        step = jax.device_put(canonical.step, rep)
-        err_buf, memory = jax.device_put((canonical.err_buf, canonical.memory), rows_sharding(self.mesh))
+        step = jax.device_put(canonical.step, replicated(self.mesh))
+        specs = self.state_specs(TrainState(None, {}, (), canonical.err_buf, canonical.memory))
+        err_buf, memory = jax.device_put((canonical.err_buf, canonical.memory),
+                                         _named(self.mesh, (specs.err_buf, specs.memory)))
         return TrainState(step, params, opt_state, err_buf, memory)
 
     def same_layout(self, saved_strategy: str, saved: Mapping[str, Mapping], here: Mapping[str, jax.Array],
@@ -232,9 +261,9 @@ class Zero1(Strategy):
     name = "zero1"
     stat_axes = (INTRA,)
 
-    def __init__(self, mesh, levels, sync_cfg, opt):
-        super().__init__(mesh, levels, sync_cfg, opt)
-        self.flat_opt = FlatOptState(mesh, levels, opt, (INTRA,))
+    def __init__(self, mesh, levels, sync_cfg, opt, split):
+        super().__init__(mesh, levels, sync_cfg, opt, split)
+        self.flat_opt = FlatOptState(mesh, self.shards, opt, (INTRA,))
 
     def from_canonical(self, params, opt_state):
         return params, self.flat_opt.from_canonical(opt_state)
@@ -246,17 +275,19 @@ class Zero1(Strategy):
         c = self.sync_cfg
         return sync.shard_intra(g, c.reduce, c.mean, self.mesh.shape[INTRA], data_size(self.mesh))  # [Np/intra]
 
+    def own(self, vec):
+        full = sync.pad_to(vec, self.mesh.shape[INTRA])  # [Np]
+        size = full.shape[0] // self.mesh.shape[INTRA]
+        return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(INTRA) * size, size)  # [Np/intra]
+
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
-        flat, intra = self.levels.flats[l], self.mesh.shape[INTRA]
-        size = gs.shape[1]  # Np / intra
-        full = sync.pad_to(flat.ravel(stored_part), intra)  # [Np]
-        shard = jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(INTRA) * size, size)  # [Np/intra]
-        shard, opt_state = self.opt.apply(gs, oks, opt_state, shard, lrs)
+        flat = self.levels.flats[l]
+        shard, opt_state = self.opt.apply(gs, oks, opt_state, self.own(flat.ravel(stored_part)), lrs)  # [Np/intra]
         new = jax.lax.all_gather(shard, INTRA, axis=0, tiled=True)[: flat.size]  # [N]
         return flat.unravel(new), opt_state
 
-    def opt_spec(self, x):
-        return self.flat_opt.leaf_spec(x)
+    def opt_specs(self, opt_state):
+        return jax.tree.map(self.flat_opt.leaf_spec, opt_state)
 
 
 class FSDP(Strategy):
@@ -266,18 +297,18 @@ class FSDP(Strategy):
     name = "fsdp"
     stat_axes = DATA_AXES
 
-    def __init__(self, mesh, levels, sync_cfg, opt):
-        super().__init__(mesh, levels, sync_cfg, opt)
-        self.flat_opt = FlatOptState(mesh, levels, opt, DATA_AXES)
+    def __init__(self, mesh, levels, sync_cfg, opt, split):
+        super().__init__(mesh, levels, sync_cfg, opt, split)
+        self.flat_opt = FlatOptState(mesh, self.shards, opt, DATA_AXES)
 
     def from_canonical(self, params, opt_state):
         k = self.flat_opt.shards
         parts = self.levels.split(params)
-        flat = tuple(sync.pad_to(f.ravel(p), k) for f, p in zip(self.levels.flats, parts))  # [Np_l] each
+        flat = tuple(sh.ravel(p, k) for sh, p in zip(self.shards, parts))  # [m * Np_l] each
         return flat, self.flat_opt.from_canonical(opt_state)
 
     def to_canonical(self, params, opt_state):
-        parts = tuple(f.unravel(v[: f.size]) for f, v in zip(self.levels.flats, params))
+        parts = tuple(sh.unravel(v, self.mesh) for sh, v in zip(self.shards, params))
         return self.levels.merge(parts), self.flat_opt.to_canonical(opt_state)
 
     def compute_params(self, stored):
@@ -302,11 +333,17 @@ class FSDP(Strategy):
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
         return self.opt.apply(gs, oks, opt_state, stored_part, lrs)
 
-    def param_spec(self, x):
-        return ROWS
+    def own(self, vec):
+        n = data_size(self.mesh)
+        full = sync.pad_to(vec, n)  # [Np]
+        size = full.shape[0] // n
+        return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(DATA_AXES) * size, size)  # [Np/n]
 
-    def opt_spec(self, x):
-        return self.flat_opt.leaf_spec(x)
+    def param_specs(self, params):
+        return tuple(self.flat_opt.spec for _ in params)
+
+    def opt_specs(self, opt_state):
+        return jax.tree.map(self.flat_opt.leaf_spec, opt_state)
 
     def gather_params(self, stored):
         fn = jax.jit(lambda p: self.to_canonical(p, ())[0], out_shardings=replicated(self.mesh))
@@ -316,6 +353,7 @@ class FSDP(Strategy):
 STRATEGIES: dict[str, type[Strategy]] = {"replicated": Replicated, "zero1": Zero1, "fsdp": FSDP}
 
 
-def make_strategy(cfg: Config, mesh: Mesh, levels: LevelLayout) -> Strategy:
-    """The `sync.strategy` of `cfg` for a run on `mesh` whose parameters split as `levels`."""
-    return STRATEGIES[cfg.sync.strategy](mesh, levels, cfg.sync, Optimizer.of(cfg.optim))
+def make_strategy(cfg: Config, mesh: Mesh, levels: LevelLayout, split: Split) -> Strategy:
+    """The `sync.strategy` of `cfg` for a run on `mesh` whose per-device parameters split as
+    `levels`, over the tensor-parallel shards `split`."""
+    return STRATEGIES[cfg.sync.strategy](mesh, levels, cfg.sync, Optimizer.of(cfg.optim), split)

@@ -80,10 +80,10 @@ class Setup:
         return getattr(self.run, name)
 
 
-def make(overrides=(), inter=1, intra=1) -> Setup:
-    """TINY with `overrides` on the first inter x intra devices."""
-    cfg = config.load(None, [*TINY, *overrides, f"mesh.inter={inter}", f"mesh.intra={intra}"])
-    return Setup.create(cfg, devices=jax.devices()[: inter * intra])
+def make(overrides=(), inter=1, intra=1, model=1) -> Setup:
+    """TINY with `overrides` on the first inter x intra x model devices."""
+    cfg = config.load(None, [*TINY, *overrides, f"mesh.inter={inter}", f"mesh.intra={intra}", f"mesh.model={model}"])
+    return Setup.create(cfg, devices=jax.devices()[: inter * intra * model])
 
 
 def train(setup: Setup, steps, *, state: TrainState | None = None, batch=None, active=None,

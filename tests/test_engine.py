@@ -174,7 +174,14 @@ def test_mesh_and_batch_errors():
         make_mesh(3, -1)
     with pytest.raises(ConfigError, match=r"train.batch_size=12 does not divide over 8 data-parallel devices"):
         check_batch(12, make_mesh(2, 4))
-    assert make_mesh(-1, 4).shape == {"inter": 2, "intra": 4}
+    assert make_mesh(-1, 4).shape == {"inter": 2, "intra": 4, "model": 1}
+    assert make_mesh(-1, 2, model=2).shape == {"inter": 2, "intra": 2, "model": 2}
+    with pytest.raises(ConfigError, match=r"mesh inter=2 x intra=2 x model=4 = 16 devices, but 8 are available"):
+        make_mesh(2, 2, model=4)
+    with pytest.raises(ConfigError, match=r"mesh.model=3 does not divide the 8 available devices"):
+        make_mesh(-1, -1, model=3)
+    with pytest.raises(ConfigError, match=r"mesh.inter=3 does not divide the 4 devices each holding 1/2 of a model"):
+        make_mesh(3, -1, model=2)
 
 
 def test_put_batch_gives_each_device_its_rows():

@@ -224,7 +224,9 @@ def test_scanned_layers_equal_the_unrolled_net():
 
 def test_scanned_layers_train_the_same_on_a_mesh():
     """Stacked parameters through the engine: FSDP on 2 x 2 equals one device, memory included."""
-    over = [*DEEP4, "model.nl_lm.scan_layers=true"]
+    # SGD: Adam's normalised step turns float32 noise in a gradient that is ~0 (the memory's qkv
+    # while its zero-init output has barely moved) into differences of up to the learning rate
+    over = [*DEEP4, "model.nl_lm.scan_layers=true", "optim.name=sgd", "optim.lr=0.1"]
     ref_losses, ref = train(make(over, 1, 1), 2)
     setup = make([*over, "sync.strategy=fsdp"], 2, 2)
     losses, state = train(setup, 2)

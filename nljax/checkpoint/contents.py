@@ -8,6 +8,8 @@ fit this run (an older one would not fit either).
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -80,6 +82,13 @@ def unnest(tree: dict, prefix: str = "") -> dict[str, Any]:
         else:
             out[f"{prefix}{k}"] = v
     return out
+
+
+# Parameters whose shape changed in a release while their values (in order) did not: a checkpoint
+# saved before reads them reshaped. The attention and memory qkv kernels [D, 3 * H * hd] took a
+# head axis, [D, 3, H, hd], and the memory's depthwise conv kernel [K, 1, 3 * H * dk] and bias
+# [3 * H * dk] became [K, 3, H, dk] and [3, H, dk], so that tensor parallelism splits them by head.
+RESHAPED = re.compile(r"(^|/)(attn|mem)\d+/(qkv|conv)/(kernel|bias)$")
 
 
 def rows_of(name: str) -> bool:
@@ -228,8 +237,8 @@ def check_fits(path: Path, meta: dict, engine: Engine) -> None:
             raise ConfigError(f"checkpoint {path} is from another model: it has no parameter '{name}'")
         if name not in mine:
             raise ConfigError(f"checkpoint {path} is from another model: parameter '{name}' has no place here")
-        if saved[name] != mine[name]:
-            (s1, d1), (s2, d2) = saved[name], mine[name]
+        (s1, d1), (s2, d2) = saved[name], mine[name]
+        if saved[name] != mine[name] and not (d1 == d2 and math.prod(s1) == math.prod(s2) and RESHAPED.search(name)):
             raise ConfigError(
                 f"checkpoint {path} is from another model: parameter '{name}' is {d1}{tuple(s1)} there, "
                 f"{d2}{tuple(s2)} here"

@@ -4,7 +4,9 @@ Arrays are read with the new mesh's shardings where the layout is unchanged (`re
 each row's memory moving with its row. Per-device error buffers are redistributed so that the
 next reduction is unchanged (`redistribute_err_buf`). A different global batch gives every row a
 new stream, so every row's memory restarts (`fresh_memory`). A different optimizer-state layout
-goes through one hook (`convert_layout`).
+goes through one hook (`convert_layout`). A different `mesh.model` changes what each device's
+level vectors hold: the state is read through an engine laid out for the saved tensor-parallel
+degree (`saved_engine`), and each error buffer is regrouped through the global pytree.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from nljax import mesh as meshlib
+from nljax import frozen, mesh as meshlib, tp
 from nljax.checkpoint.contents import named_arrays, per_device, rows_of
 from nljax.config import from_dict
 from nljax.engine import Engine
@@ -48,26 +50,45 @@ def fresh_memory(engine: Engine, rows: int) -> dict[str, jax.Array]:
     return {f"memory/{k}": x for k, x in named_arrays(memory).items()}
 
 
+def saved_engine(meta: dict, engine: Engine) -> Engine:
+    """An engine for this mesh laid out as the checkpoint's state is: its config (strategy,
+    levels) and its tensor-parallel degree."""
+    try:
+        saved_cfg = from_dict(meta["config"])
+    except ConfigError as e:
+        raise ConfigError(f"checkpoint's config cannot be read by this nljax: {e}") from None
+    saved_cfg = dataclasses.replace(saved_cfg, mesh=engine.cfg.mesh)
+    return Engine.create(saved_cfg, engine.model, engine.mesh, tp_shards=int(meta["mesh"].get(meshlib.MODEL, 1)))
+
+
 def to_this_run(arrays: dict[str, jax.Array], target: dict[str, jax.Array], engine: Engine, n_old: int,
-                fresh_rows: bool) -> dict[str, jax.Array]:
+                fresh_rows: bool, saved: Engine | None = None) -> dict[str, jax.Array]:
     """The saved arrays (parameters and optimizer state already in this run's layout) with the
-    error buffers redistributed over this run's devices and, when `fresh_rows`, every row's
-    memory restarted; in the order and with the names of `target`."""
+    error buffers redistributed over this run's devices (and regrouped from the tensor-parallel
+    shards of `saved`, an engine of the saved layout, when they differ) and, when `fresh_rows`,
+    every row's memory restarted; in the order and with the names of `target`."""
     cfg, n_new = engine.cfg, meshlib.data_size(engine.mesh)
     fresh = fresh_memory(engine, cfg.train.batch_size) if fresh_rows else {}
     out = {}
     for name, t in target.items():
         x = arrays[name]
-        if per_device(name) and n_old != n_new:
-            x = redistribute_err_buf(x, n_old, n_new, cfg.sync.mean, t.sharding)
+        regroup = None
+        if per_device(name) and saved is not None and saved.tp != engine.tp:
+            l = int(name.split("/")[1])
+            old, new, k = saved.strategy.shards[l], engine.strategy.shards[l], max(frozen.slots(engine, l) - 1, 1)
+            regroup = lambda v, old=old, new=new, k=k: tp.regroup(v, old, new, k)
+        if per_device(name) and (n_old != n_new or regroup is not None):
+            x = redistribute_err_buf(x, n_old, n_new, cfg.sync.mean, t.sharding, regroup)
         elif rows_of(name) and fresh_rows:
             x = fresh[name]
         out[name] = x
     return out
 
 
-def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, sharding: NamedSharding) -> jax.Array:
-    """Error buffers [n_old, N] -> [n_new, N] so that the next reduction is unchanged.
+def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, sharding: NamedSharding,
+                         regroup=None) -> jax.Array:
+    """Error buffers [n_old, N] -> [n_new, N'] so that the next reduction is unchanged (`regroup`
+    maps one row laid out for the saved tensor-parallel shards to this run's; N' = N without).
 
     When the level fires, the engine reduces Σ_d (g_d + e_d) over devices, divided by the device
     count n under `sync.mean`. With S = Σ_d e_d saved from n_old devices, giving each of the
@@ -78,14 +99,16 @@ def redistribute_err_buf(e: jax.Array, n_old: int, n_new: int, mean: bool, shard
 
     @jax.jit
     def spread(e):
-        total = jnp.sum(e, axis=0, keepdims=True) / divisor  # [1, N]
-        return jax.lax.with_sharding_constraint(jnp.broadcast_to(total, (n_new, e.shape[1])), sharding)
+        total = jnp.sum(e, axis=0) / divisor  # [N]
+        if regroup is not None:
+            total = regroup(total)  # [N']
+        return jax.lax.with_sharding_constraint(jnp.broadcast_to(total, (n_new, total.shape[0])), sharding)
 
     return spread(e)
 
 
 def convert_layout(meta: dict, engine: Engine, template: TrainState,
-                   arrays: dict[str, jax.Array]) -> dict[str, jax.Array]:
+                   arrays: dict[str, jax.Array], saved_eng: Engine) -> dict[str, jax.Array]:
     """Parameters and optimizer state saved in another layout (another `sync.strategy`, or a
     sharded layout padded for another mesh), converted to this run's.
 
@@ -94,14 +117,10 @@ def convert_layout(meta: dict, engine: Engine, template: TrainState,
     structure of the saved strategy's state (an engine built from the saved config on this mesh
     gives it; padding lengths do not matter, the conversion drops padding by size), taken to the
     strategy-independent layout and from there to this run's:
-    `engine.strategy.import_state(saved_engine.strategy.export_state(saved_state))`. Error buffers, memory and
-    the step are returned as saved (the caller redistributes them)."""
-    try:
-        saved_cfg = from_dict(meta["config"])
-    except ConfigError as e:
-        raise ConfigError(f"checkpoint's config cannot be read by this nljax: {e}") from None
-    saved_cfg = dataclasses.replace(saved_cfg, mesh=engine.cfg.mesh)
-    saved_eng = Engine.create(saved_cfg, engine.model, engine.mesh)
+    `engine.strategy.import_state(saved_engine.strategy.export_state(saved_state))`, `saved_eng`
+    being `saved_engine(meta, engine)`. Error buffers, memory and the step are returned as saved
+    (the caller redistributes them)."""
+    saved_cfg = saved_eng.cfg
     params, opt_state = saved_eng.strategy.layout_shapes()
     here = template
     saved_template = TrainState(here.step, params, opt_state, here.err_buf, here.memory)

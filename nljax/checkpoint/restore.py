@@ -4,17 +4,19 @@ input raises ConfigError (`Damaged` for files that cannot be read) with one line
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from pathlib import Path
 
 import jax
 
 from nljax.checkpoint import elastic, storage
-from nljax.checkpoint.contents import (SILENT, Damaged, check_arrays, check_fits, differences, fmt, get, named_arrays,
-                                     per_device, rows_of, tracker_ids, data_digest)
+from nljax.checkpoint.contents import (RESHAPED, SILENT, Damaged, check_arrays, check_fits, differences, fmt, get,
+                                     named_arrays, per_device, rows_of, tracker_ids, data_digest)
 from nljax.config import Config, to_dict
 from nljax.engine import Engine
 from nljax.hostdev import replica
+from nljax.mesh import MODEL
 from nljax.state import TrainState
 
 
@@ -45,14 +47,31 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     arrays, sums = storage.read_arrays(path, abstract)
     check_arrays(path, meta, sums, int(replica(arrays["step"])))
 
+    arrays, meta = _reshaped(arrays, target, meta)
     by_rows = lambda name: per_device(name) or rows_of(name)  # one row per device or stream row
-    if not engine.strategy.same_layout(meta.get("strategy", "replicated"), meta["arrays"], target, by_rows):
-        arrays = elastic.convert_layout(meta, engine, template, arrays)
-    out = elastic.to_this_run(arrays, target, engine, int(meta["mesh"]["devices"]), fresh_rows)
+    saved = None
+    if int(meta["mesh"].get(MODEL, 1)) != engine.tp or not engine.strategy.same_layout(
+            meta.get("strategy", "replicated"), meta["arrays"], target, by_rows):
+        saved = elastic.saved_engine(meta, engine)
+        arrays = elastic.convert_layout(meta, engine, template, arrays, saved)
+    out = elastic.to_this_run(arrays, target, engine, int(meta["mesh"]["devices"]), fresh_rows, saved)
     leaves, treedef = jax.tree_util.tree_flatten(template)
     assert len(leaves) == len(target)
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
     return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta), data_digest(meta))
+
+
+def _reshaped(arrays: dict[str, jax.Array], target: dict[str, jax.Array], meta: dict):
+    """Arrays of a parameter whose shape changed but not its values (`RESHAPED`: a checkpoint
+    saved before the qkv kernels took their head axis), reshaped to this run's shapes, and the
+    metadata saying so."""
+    out, listed = dict(arrays), copy.deepcopy(meta["arrays"])
+    for name, x in arrays.items():
+        t = target.get(name)
+        if t is not None and x.shape != t.shape and x.size == t.size and RESHAPED.search(name):
+            out[name] = jax.device_put(x.reshape(t.shape), t.sharding)
+            listed[name]["shape"] = list(t.shape)
+    return out, {**meta, "arrays": listed}
 
 
 def _changed_settings(meta: dict, cfg: Config) -> list[str]:

@@ -13,6 +13,10 @@ A model is a frozen dataclass (hashable, so it can be a static argument of a jit
 - `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)` (language models): the
   predictions `apply` scores, for metrics beyond the loss (the recall probe's accuracy)
 - `task`: the `nljax.tasks` registry key of its data and evaluation (default "text")
+- `tensor_parallel(m, axis) -> Model` (optional): the model's shard over `m` devices of the mesh
+  axis `axis` (`nljax.tp`): its `init` gives one shard's parameter shapes, its `apply` runs on one
+  shard and sums over `axis` where a split region ends (axis None: shapes only, no collective);
+  refused with a ConfigError when `m` does not divide the widths it splits
 - `loops_over_layers` (default False): its blocks run as a loop, whose body XLA's cost analysis
   counts once, so the XLA FLOP count (and MFU from it) is not reported; the analytic one is
 
@@ -26,6 +30,8 @@ import re
 from typing import Any, Protocol
 
 import jax
+
+from nljax.errors import ConfigError
 
 PyTree = Any
 
@@ -47,3 +53,10 @@ def cms_level_of(path: str) -> int:
     """Level from a `cms<l>` module name in the path; everything else is level 0."""
     m = _CMS_LEVEL.search(path)
     return int(m.group(1)) if m else 0
+
+
+def tp_divides(m: int, widths) -> None:
+    """One line naming the first of `widths` ((name, value) pairs) that `mesh.model=m` does not divide."""
+    for name, value in widths:
+        if value % m:
+            raise ConfigError(f"mesh.model={m} does not divide {name}={value}: tensor parallelism splits it")

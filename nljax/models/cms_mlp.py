@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import flax.linen as nn
 
-from nljax.models.base import cms_level_of
+from nljax.models.base import cms_level_of, tp_divides
 from nljax.models.layers import CMSChain, token_loss
 
 
@@ -21,12 +21,14 @@ class CMSMLPNet(nn.Module):
     hidden: int
     depth: int
     levels: int
+    tp: int = 1  # tensor-parallel shards of the hidden width (nljax/tp.py)
+    tp_axis: str | None = None
 
     @nn.compact
     def __call__(self, tokens):  # [B, T] int32
         x = nn.Embed(self.vocab, self.dim, name="embed")(tokens)  # [B, T, D]
         for i in range(self.depth):
-            x = CMSChain(self.dim, self.hidden, self.levels, name=f"block{i}")(x)
+            x = CMSChain(self.dim, self.hidden, self.levels, tp=self.tp, axis=self.tp_axis, name=f"block{i}")(x)
         x = nn.LayerNorm(name="norm")(x)
         return nn.Dense(self.vocab, name="head")(x)  # [B, T, V]
 
@@ -38,10 +40,18 @@ class CMSMLP:
     hidden: int
     depth: int
     levels: int
+    tp: int = 1
+    tp_axis: str | None = None
 
     @property
     def net(self) -> CMSMLPNet:
-        return CMSMLPNet(self.vocab, self.dim, self.hidden, self.depth, self.levels)
+        return CMSMLPNet(self.vocab, self.dim, self.hidden, self.depth, self.levels, self.tp, self.tp_axis)
+
+    def tensor_parallel(self, m: int, axis: str | None) -> "CMSMLP":
+        """This model's shard over `m` tensor-parallel devices (`nljax.tp`): the MLPs' hidden
+        width split; embedding and head replicated (they are small next to the chains here)."""
+        tp_divides(m, [("the MLP hidden width (model.dim x model.hidden_mult)", self.hidden)])
+        return dataclasses.replace(self, tp=m, tp_axis=axis)
 
     def init(self, key):
         return self.net.init(key, jnp.zeros((1, 8), jnp.int32))["params"]

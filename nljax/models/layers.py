@@ -6,22 +6,47 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from nljax import tp as tplib
+
+
+class RowDense(nn.Module):
+    """`nn.Dense` (same parameters, same arithmetic) whose input is split over the tensor-parallel
+    axis on its last dimension: the partial products are summed over `axis` before the bias,
+    which every shard holds whole, is added."""
+
+    features: int
+    dtype: jnp.dtype = jnp.float32
+    axis: str | None = None
+    kernel_init: object = nn.initializers.lecun_normal()
+
+    @nn.compact
+    def __call__(self, x):  # [..., n_in / m] -> [..., features]
+        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        return tplib.leave(y, self.axis) + bias
+
 
 class MLP(nn.Module):
-    """Pre-norm feed-forward block (one CMS level when named `cms<l>`)."""
+    """Pre-norm feed-forward block (one CMS level when named `cms<l>`). Under tensor parallelism
+    (`tp` shards over `axis`) each shard holds 1/tp of the hidden width: `up` column-parallel,
+    `down` row-parallel."""
 
     dim: int
     hidden: int
     dtype: jnp.dtype = jnp.float32
+    tp: int = 1
+    axis: str | None = None
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
         h = nn.LayerNorm(dtype=self.dtype, name="norm")(x)
-        h = nn.Dense(self.hidden, dtype=self.dtype, name="up")(h)
+        h = nn.Dense(self.hidden // self.tp, dtype=self.dtype, name="up")(tplib.enter(h, self.axis))
         h = nn.gelu(h)
         # Zero-init the output so every level starts as the identity: a level that has not
         # fired yet does not perturb the residual stream.
-        return nn.Dense(self.dim, dtype=self.dtype, kernel_init=nn.initializers.zeros, name="down")(h)
+        return RowDense(self.dim, self.dtype, self.axis, nn.initializers.zeros, name="down")(h)
 
 
 class CMSChain(nn.Module):
@@ -31,11 +56,13 @@ class CMSChain(nn.Module):
     hidden: int
     levels: int
     dtype: jnp.dtype = jnp.float32
+    tp: int = 1
+    axis: str | None = None
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
         for l in range(self.levels):
-            x = x + MLP(self.dim, self.hidden, self.dtype, name=f"cms{l}")(x)
+            x = x + MLP(self.dim, self.hidden, self.dtype, self.tp, self.axis, name=f"cms{l}")(x)
         return x
 
 

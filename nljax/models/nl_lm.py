@@ -23,6 +23,7 @@ backward pass that holds one unit's activations at a time.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar, Literal
 
 import jax
@@ -31,7 +32,8 @@ import flax.linen as nn
 
 import nljax.models.memory as nm
 from nljax.errors import ConfigError
-from nljax.models.base import cms_level_of
+from nljax import tp as tplib
+from nljax.models.base import cms_level_of, tp_divides
 from nljax.models.layers import CMSChain, local_attention, token_loss
 
 
@@ -101,23 +103,69 @@ def rotary(x, base: float = 10000.0):
 
 
 class Attention(nn.Module):
+    """Multi-head attention; under tensor parallelism each shard holds `heads / tp` of the heads
+    (qkv column-parallel, out row-parallel)."""
+
     dim: int
     heads: int
     window: int
     dtype: jnp.dtype = jnp.float32
+    tp: int = 1
+    axis: str | None = None
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
         b, t, _ = x.shape
-        hd = self.dim // self.heads
-        qkv = nn.Dense(3 * self.dim, use_bias=False, dtype=self.dtype, name="qkv")(x).reshape(b, t, 3, self.heads, hd)
-        q, k, v = rotary(qkv[:, :, 0]), rotary(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, H, hd]
+        h, hd = self.heads // self.tp, self.dim // self.heads
+        # kernel [D, 3, H, hd]: the head axis stands alone, so a shard is a contiguous block of it
+        qkv = nn.DenseGeneral((3, h, hd), use_bias=False, dtype=self.dtype, name="qkv")(tplib.enter(x, self.axis))
+        q, k, v = rotary(qkv[:, :, 0]), rotary(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, h, hd]
         y = local_attention(q, k, v, self.window)
-        return nn.Dense(self.dim, use_bias=False, dtype=self.dtype, name="out")(y.reshape(b, t, self.dim))
+        y = nn.Dense(self.dim, use_bias=False, dtype=self.dtype, name="out")(y.reshape(b, t, h * hd))
+        return tplib.leave(y, self.axis)
 
 
 def _l2norm(x):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+
+
+def _flat_init(init, n_lead: int):
+    """`init` applied to the shape with every axis after the first `n_lead` flattened into one,
+    reshaped back: the values a flat layer of the same size would start from."""
+    def fn(key, shape, dtype=jnp.float32):
+        return init(key, (*shape[:n_lead], math.prod(shape[n_lead:])), dtype).reshape(shape)
+    return fn
+
+
+class CausalConv(nn.Module):
+    """Causal depthwise convolution over tokens: y_t = sum_j w_j x_{t-K+1+j} + b, per channel.
+    Kernel [K, *channels] (channels [3, H, dk]: splits by head); starts as a flat depthwise
+    `nn.Conv` of the same size would."""
+
+    size: int
+
+    @nn.compact
+    def __call__(self, x):  # [B, T, *channels]
+        ch = x.shape[2:]
+        w = self.param("kernel", _flat_init(nn.initializers.lecun_normal(), 1), (self.size, *ch))
+        bias = self.param("bias", nn.initializers.zeros, ch)
+        x, w, bias = nn.dtypes.promote_dtype(x, w, bias, dtype=x.dtype)
+        t, k = x.shape[1], self.size
+        xp = jnp.pad(x, ((0, 0), (k - 1, 0)) + ((0, 0),) * len(ch))
+        return sum(xp[:, j : j + t] * w[j] for j in range(k)) + bias
+
+
+class HeadNorm(nn.Module):
+    """RMS norm of each head's read over its last axis (`nn.RMSNorm`'s arithmetic), one scale
+    shared by all heads: a replicated parameter inside a split region, so its gradient is summed
+    over the tensor-parallel shards (`tp.enter`)."""
+
+    axis: str | None = None
+
+    @nn.compact
+    def __call__(self, y):  # [..., dk] float32
+        scale = tplib.enter(self.param("scale", nn.initializers.ones, (y.shape[-1],)), self.axis)
+        return y * jax.lax.rsqrt(jnp.mean(jnp.square(y), axis=-1, keepdims=True) + 1e-6) * scale
 
 
 class NeuralMemory(nn.Module):
@@ -137,9 +185,15 @@ class NeuralMemory(nn.Module):
     dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
     remat: bool = False  # recompute each chunk's internals in the backward pass (memory.memory_forward)
     unroll: int = 1  # chunks per loop iteration of the inner loop
+    tp: int = 1  # tensor-parallel shards: each holds heads / tp memory heads, their state and weights
+    axis: str | None = None
+
+    @property
+    def local_heads(self) -> int:
+        return self.heads // self.tp
 
     def memory0_shapes(self) -> dict:
-        h, d = self.heads, self.dk
+        h, d = self.local_heads, self.dk
         if self.kind == "linear":
             return {"W": (h, d, d)}
         return {"W1": (h, d, self.hidden), "W2": (h, self.hidden, d)}
@@ -151,22 +205,20 @@ class NeuralMemory(nn.Module):
         return {n: self.param(f"memory0_{n}", inits[n], shape) for n, shape in self.memory0_shapes().items()}
 
     def qkv(self, x):  # x [B, T, D] -> q, k, v [B, H, T, dk], unit norm
-        b, t, _ = x.shape
-        h, d = self.heads, self.dk
-        y = nn.Dense(3 * h * d, use_bias=False, dtype=self.dtype, name="qkv")(x)  # [B, T, 3*H*dk]
+        h, d = self.local_heads, self.dk
+        y = nn.DenseGeneral((3, h, d), use_bias=False, dtype=self.dtype, name="qkv")(x)  # [B, T, 3, H, dk]
         if self.conv:
             # short causal mixing of neighbouring tokens before they are written (Titans §4.4)
-            y = nn.Conv(3 * h * d, (self.conv,), padding=[(self.conv - 1, 0)], feature_group_count=3 * h * d,
-                        dtype=self.dtype, name="conv")(y)
-            y = jax.nn.silu(y)
+            y = jax.nn.silu(CausalConv(self.conv, name="conv")(y))
         # float32 from here: the inner loop's state, gates and normalisers (see memory.py)
-        y = y.astype(jnp.float32).reshape(b, t, 3, h, d).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, dk]
+        y = y.astype(jnp.float32).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, dk]
         return _l2norm(y[0]), _l2norm(y[1]), _l2norm(y[2])
 
     @nn.compact
     def __call__(self, x, state, reset):  # x [B, T, D], state leaves [B, H, ...], reset [B]
         b, t, _ = x.shape
-        h, d = self.heads, self.dk
+        h, d = self.local_heads, self.dk
+        x = tplib.enter(x, self.axis)  # a split region: q, k, v, gates and the state are per head
         q, k, v = self.qkv(x)
         # Step size in (0, lr_max], momentum and forgetting in (0, 1); forgetting starts slow so
         # that the memory can hold context well beyond one window.
@@ -183,12 +235,12 @@ class NeuralMemory(nn.Module):
         state = nm.reset_rows(state, memory0, ~jnp.all(jnp.stack(finite), axis=0))
         y = y.transpose(0, 2, 1, 3)  # [B, T, H, dk]
         if self.out_norm:
-            y = nn.RMSNorm(name="out_norm")(y)
+            y = HeadNorm(self.axis, name="out_norm")(y)
         if self.out_gate:
             y = y * jax.nn.sigmoid(nn.Dense(h * d, dtype=self.dtype, name="out_gate")(x)).reshape(b, t, h, d)
         y = y.astype(self.dtype).reshape(b, t, h * d)
         out = nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, dtype=self.dtype, name="out")
-        return out(y), state
+        return tplib.leave(out(y), self.axis), state
 
 
 def unit_size(depth: int, memory_layers) -> int:
@@ -210,6 +262,8 @@ class BlockSpec:
     memory: tuple  # NeuralMemory fields, as (name, value) pairs
     dtype: jnp.dtype
     remat: str  # none | block | memory
+    tp: int = 1  # tensor-parallel shards (nljax/tp.py)
+    tp_axis: str | None = None
 
 
 def block(spec: BlockSpec, i: int, x, state, reset):
@@ -219,14 +273,14 @@ def block(spec: BlockSpec, i: int, x, state, reset):
     # jax.checkpoint around each sub-block: the backward pass recomputes its activations from
     # its input. Every sub-block is a pure function, so the recomputation is exact.
     wrap = nn.remat if spec.remat == "block" else (lambda cls: cls)
-    x = x + wrap(Attention)(spec.dim, spec.heads, spec.window, dt, name=f"attn{i}")(
+    x = x + wrap(Attention)(spec.dim, spec.heads, spec.window, dt, spec.tp, spec.tp_axis, name=f"attn{i}")(
         nn.LayerNorm(dtype=dt, name=f"norm_a{i}")(x))
     if state is not None:
         mem = wrap(NeuralMemory)(dim=spec.dim, **dict(spec.memory), dtype=dt, remat=spec.remat == "memory",
-                                 name=f"mem{i}")
+                                 tp=spec.tp, axis=spec.tp_axis, name=f"mem{i}")
         y, state = mem(nn.LayerNorm(dtype=dt, name=f"norm_m{i}")(x), state, reset)
         x = x + y
-    return wrap(CMSChain)(spec.dim, spec.hidden, spec.levels, dt, name=f"block{i}")(x), state
+    return wrap(CMSChain)(spec.dim, spec.hidden, spec.levels, dt, spec.tp, spec.tp_axis, name=f"block{i}")(x), state
 
 
 def blocks(spec: BlockSpec, n: int, x, memory: dict, reset):
@@ -265,11 +319,13 @@ class NLNet(nn.Module):
     dtype: jnp.dtype = jnp.float32  # compute dtype; parameters and optimizer state stay float32
     remat: str = "none"  # none | block (recompute attention, memory and CMS chains) | memory (inner loop only)
     scan: bool = False  # lax.scan over repeating units of blocks (model.nl_lm.scan_layers)
+    tp: int = 1  # tensor-parallel shards: heads, memory heads and MLP hidden widths split (nljax/tp.py)
+    tp_axis: str | None = None  # the mesh axis they are split over (None: shapes only, no collective)
 
     @property
     def spec(self) -> BlockSpec:
         return BlockSpec(self.dim, self.hidden, self.levels, self.heads, self.window, tuple(self.memory.items()),
-                         self.dtype, self.remat)
+                         self.dtype, self.remat, self.tp, self.tp_axis)
 
     @nn.compact
     def __call__(self, tokens, memory, reset):  # tokens [B, T], memory {block: state}, reset [B]
@@ -307,7 +363,20 @@ class NLLM:
         return self.net.scan
 
     def memory_module(self) -> NeuralMemory:
-        return NeuralMemory(dim=self.net.dim, **self.net.memory)
+        return NeuralMemory(dim=self.net.dim, **self.net.memory, tp=self.net.tp)
+
+    def tensor_parallel(self, m: int, axis: str | None) -> "NLLM":
+        """This model's shard over `m` tensor-parallel devices (`nljax.tp`): attention heads,
+        memory heads (each head's weights and per-row state M, S on the device that owns it) and
+        every CMS MLP's hidden width split. Embedding, head and norms are replicated: the
+        vocabulary is small next to the blocks (bytes: 256), and a vocabulary-parallel head would
+        add a reduction to the loss for little memory."""
+        n = self.net
+        widths = [("model.heads", n.heads), ("the MLP hidden width (model.dim x model.hidden_mult)", n.hidden)]
+        if n.memory_layers:
+            widths.append(("model.nl_lm.memory_heads", n.memory["heads"]))
+        tp_divides(m, widths)
+        return NLLM(dataclasses.replace(n, tp=m, tp_axis=axis))
 
     def init(self, key):
         tokens = jnp.zeros((1, self.net.memory["chunk"]), jnp.int32)

@@ -1,0 +1,202 @@
+"""Tensor parallelism over the mesh axis `model` (Megatron-style, inside `shard_map`).
+
+A model run with `mesh.model = m` is built twice (`Model.tensor_parallel`): its global form,
+whose `init` gives the parameters every mesh shares (what checkpoints store), and its local form,
+whose `apply` runs on one device's shards: 1/m of the attention heads, of the memory heads and of
+every MLP's hidden width. The local form marks the edges of its split regions with two
+operators (Megatron's f and g):
+
+- `enter(x)` where a replicated activation enters a split region (before a column-parallel
+  layer): identity forward; the backward pass sums the cotangent over `model`, so that
+  everything upstream (norms, the residual stream, the embedding) gets its full gradient,
+  identical on every shard.
+- `leave(y)` where a split region ends (after a row-parallel layer): all-reduce over `model`
+  forward; identity backward.
+
+One `leave` per attention, memory and MLP sub-block forward, one `enter` sum backward: Megatron's
+count. A replicated parameter used inside a split region (a norm scale shared by all memory
+heads) goes through `enter` too, so its gradient is also summed over the shards.
+
+Which axis of a parameter is split is not listed anywhere: `split_specs` compares the global
+shapes with the local ones (the dimension that shrank by m is split over `model`). Parameters
+are split in contiguous blocks, so the global array is the same whatever m is; that is what lets
+an elastic resume change `mesh.model`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from nljax.levels import LevelFlat
+from nljax.mesh import MODEL
+
+PyTree = Any
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _enter(x, axis):
+    return x
+
+
+def _enter_fwd(x, axis):
+    return x, None
+
+
+def _enter_bwd(axis, _, g):
+    return (jax.lax.psum(g, axis),)
+
+
+_enter.defvjp(_enter_fwd, _enter_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _leave(x, axis):
+    return jax.lax.psum(x, axis)
+
+
+def _leave_fwd(x, axis):
+    return jax.lax.psum(x, axis), None
+
+
+def _leave_bwd(axis, _, g):
+    return (g,)
+
+
+_leave.defvjp(_leave_fwd, _leave_bwd)
+
+
+def enter(x: jax.Array, axis: str | None) -> jax.Array:
+    """Megatron's f: identity forward, sum over `axis` backward (no-op without an axis)."""
+    return x if axis is None else _enter(x, axis)
+
+
+def leave(x: jax.Array, axis: str | None) -> jax.Array:
+    """Megatron's g: sum over `axis` forward, identity backward (no-op without an axis)."""
+    return x if axis is None else _leave(x, axis)
+
+
+def split_dim(global_shape, local_shape, m: int) -> int | None:
+    """The one dimension split over `model` (global = m x local there), or None."""
+    diff = [i for i, (g, l) in enumerate(zip(global_shape, local_shape)) if g != l]
+    if not diff:
+        return None
+    if len(diff) > 1 or len(global_shape) != len(local_shape) or global_shape[diff[0]] != m * local_shape[diff[0]]:
+        raise ValueError(f"a tensor-parallel shard {tuple(local_shape)} is not 1/{m} of {tuple(global_shape)} "
+                         "along one dimension")
+    return diff[0]
+
+
+def split_specs(global_tree: PyTree, local_tree: PyTree, m: int, lead: tuple = ()) -> PyTree:
+    """PartitionSpecs (same structure): `model` on the dimension where a local shard is 1/m of
+    the global array, `lead` on the leading dimensions (e.g. the rows of a memory state)."""
+
+    def one(g, l):
+        entries = [None] * len(g.shape)
+        entries[: len(lead)] = lead
+        d = split_dim(g.shape, l.shape, m)
+        if d is not None:
+            entries[d] = MODEL
+        while entries and entries[-1] is None:
+            entries.pop()
+        return P(*entries)
+
+    return jax.tree.map(one, global_tree, local_tree)
+
+
+def is_split(spec: P) -> bool:
+    return MODEL in tuple(spec)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Shards:
+    """One CMS level's leaves as `m` flat vectors, one per `model` shard, laid end to end
+    (shard-major; each padded to a multiple of `multiple`): the global form of the per-device
+    flat vectors the sharded strategies keep, built from and back to the global pytree.
+
+    With m = 1 it is the level's flat vector padded (what `LevelFlat` gives)."""
+
+    flat: LevelFlat  # of one shard's leaves (local shapes)
+    specs: tuple  # each leaf's PartitionSpec, in pytree order
+    m: int
+
+    @classmethod
+    def of(cls, flat: LevelFlat, specs_part: PyTree, m: int) -> "Shards":
+        specs = tuple(jax.tree.leaves(specs_part, is_leaf=lambda x: isinstance(x, P)))
+        return cls(flat, specs, m)
+
+    def _dims(self):
+        return [tuple(s).index(MODEL) if is_split(s) else None for s in self.specs]
+
+    def padded(self, multiple: int) -> int:
+        """Length of one shard's padded vector."""
+        return -(-self.flat.size // multiple) * multiple
+
+    def ravel(self, part: PyTree, multiple: int) -> jax.Array:  # [m * padded(N_local)]
+        leaves = jax.tree.leaves(part)
+        out = []
+        for k in range(self.m):
+            local = [x if d is None else jnp.split(x, self.m, axis=d)[k] for x, d in zip(leaves, self._dims())]
+            vec = self.flat.ravel(local)
+            out.append(jnp.pad(vec, (0, self.padded(multiple) - vec.shape[0])))
+        return jnp.concatenate(out) if out else jnp.zeros((0,), jnp.float32)
+
+    def unravel(self, vec: jax.Array, mesh=None) -> PyTree:
+        """Inverse of `ravel` (any padding): the level's global subtree. Under jit, `mesh` first
+        gathers each shard's vector whole on its `model` devices (without it, XLA's partitioner
+        may replicate the vector everywhere to reshape it, and warns)."""
+        if mesh is not None and vec.shape[0] % mesh.shape[MODEL] == 0:
+            vec = jax.lax.with_sharding_constraint(vec, NamedSharding(mesh, P(MODEL)))
+        per = vec.reshape(self.m, -1)[:, : self.flat.size]  # [m, N_local]
+        shards = [jax.tree.leaves(self.flat.unravel(per[k])) for k in range(self.m)]  # [m][leaf]
+        leaves = []
+        for i, d in enumerate(self._dims()):
+            pieces = [s[i] for s in shards]
+            leaves.append(pieces[0] if d is None else jnp.concatenate(pieces, axis=d))
+        return jax.tree.unflatten(self.flat.treedef, leaves)
+
+    def weights(self) -> np.ndarray:
+        """[N_local]: 1 where an entry belongs to a split leaf, 1/m where to a replicated one
+        (each shard holds a copy): Σ weights·x² over the shards counts every parameter once."""
+        return np.concatenate([np.full(math.prod(s), 1.0 if is_split(p) else 1.0 / self.m, np.float32)
+                               for s, p in zip(self.flat.shapes, self.specs)] or [np.zeros(0, np.float32)])
+
+
+def local_shape(shape, spec: P, m: int) -> tuple[int, ...]:
+    entries = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    return tuple(n // m if e == MODEL else n for n, e in zip(shape, entries))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Split:
+    """How a run's model splits over `m` tensor-parallel shards."""
+
+    m: int
+    shapes: PyTree  # the global parameter pytree, ShapeDtypeStructs
+    params: PyTree  # a PartitionSpec per parameter (`model` on its split dimension, if any)
+    memory: PyTree  # a PartitionSpec per inner-loop state leaf (rows over the data axes, heads over `model`)
+
+    @property
+    def local_shapes(self) -> PyTree:
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(local_shape(x.shape, s, self.m), x.dtype),
+                            self.shapes, self.params)
+
+    def shards(self, levels) -> tuple[Shards, ...]:
+        """Per level: its leaves as m flat shard vectors and back (`Shards`)."""
+        return tuple(Shards.of(f, p, self.m) for f, p in zip(levels.flats, levels.split(self.params)))
+
+
+def regroup(vec: jax.Array, old: Shards, new: Shards, slots: int) -> jax.Array:
+    """A per-device error buffer's content laid out for `old` shards, `slots` vectors per shard
+    ([old.m * slots * N_old], shard-major), laid out for `new` ones ([new.m * slots * N_new]):
+    each slot goes through the global pytree, so its meaning is unchanged."""
+    per = vec.reshape(old.m, slots, -1)  # [m, slots, N]
+    out = [new.ravel(old.unravel(per[:, s].reshape(-1)), 1).reshape(new.m, -1) for s in range(slots)]
+    return jnp.stack(out, axis=1).reshape(-1)
