@@ -60,7 +60,8 @@ def _activations(cfg: Config, n_devices: int) -> int:
 def config_floor(cfg: Config, n_devices: int) -> dict[str, int]:
     """Bytes per device that any model of this config needs at least (Python ints: no overflow)."""
     m, c = cfg.model, cfg.cms
-    mlp = m.depth * len(c.periods) * 2 * m.hidden_mult * m.dim * m.dim  # one MLP per level per block
+    # one MLP per level per block, its hidden width split over the tensor-parallel shards
+    mlp = m.depth * len(c.periods) * 2 * m.hidden_mult * m.dim * m.dim // cfg.mesh.model
     params = (mlp + m.vocab_size * m.dim) * F32
     shard = n_devices if cfg.sync.strategy == "fsdp" else 1
     opt = 2 * params if cfg.optim.name == "adamw" else 0
@@ -70,7 +71,8 @@ def config_floor(cfg: Config, n_devices: int) -> dict[str, int]:
 
 
 def engine_terms(cfg: Config, engine) -> dict[str, int]:
-    """Bytes per device from the exact parameter shapes (`engine.flats`) and memory shapes."""
+    """Bytes per device from the exact parameter shapes (`engine.flats`: one device's
+    tensor-parallel shard) and memory shapes."""
     n = engine.n_devices
     sizes = [engine.flats[l].size for l in range(engine.n_levels)]
     params = sum(size * F32 for size in sizes)  # flat float32 vectors per level
@@ -79,7 +81,7 @@ def engine_terms(cfg: Config, engine) -> dict[str, int]:
     opt = 2 * params if cfg.optim.name == "adamw" else 0
     err = sum(size * F32 for l, size in enumerate(sizes) if engine.buffered(l))
     rows = max(cfg.train.batch_size // n, 1)
-    memory = jax.eval_shape(lambda: engine.model.init_memory(rows))
+    memory = jax.eval_shape(lambda: engine.local_model.init_memory(rows))  # this device's heads
     mem = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(memory))
     return {"parameters": params // shard_p, "gradients": params // shard_p, "optimizer state": opt // shard_o,
             "error buffers": err, "inner-loop memory": 2 * mem,  # this step's and the next step's

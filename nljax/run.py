@@ -30,9 +30,10 @@ class Run:
     task: Task
 
     @classmethod
-    def create(cls, cfg: Config, devices=None) -> "Run":
+    def create(cls, cfg: Config, devices=None, model=None) -> "Run":
         """The run of `cfg`; its own `cfg` adds what the data decide (`tasks.resolve`: the
-        vocabulary of the user's files), read and checked before anything is built."""
+        vocabulary of the user's files), read and checked before anything is built. `model`:
+        this model instead of the one `cfg` names (`local`)."""
         cfg = tasks.resolve(cfg)
         mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices, cfg.mesh.model)
         rows = meshlib.check_batch(cfg.train.batch_size, mesh)
@@ -46,7 +47,7 @@ class Run:
         local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
         available = budget.available_bytes(local)
         budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
-        model = build(cfg)
+        model = build(cfg) if model is None else model
         engine = Engine.create(cfg, model, mesh)
         budget.check(budget.engine_terms(cfg, engine), available)
         task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
@@ -63,17 +64,20 @@ class Run:
         return self.task.evaluate(self.cache, params, step)
 
     def units_per_device(self, batch: dict) -> int:
-        """Tokens (or the task's unit) one device processes in a step on `batch`."""
+        """Tokens (or the task's unit) one device processes in a step on `batch`: its data slot's
+        rows, shared by the slot's `mesh.model` tensor-parallel devices."""
         rows = jax.tree.leaves(batch)[0].shape[0]
-        return rows // self.engine.n_devices * self.task.units_per_row
+        return rows * self.task.units_per_row // (self.engine.n_devices * self.engine.tp)
 
     def local(self) -> "Run":
-        """This run's program for one device: the same model, rows per device and optimizer, on
-        a 1-device mesh, where every collective disappears (`nljax.throughput` times it)."""
-        cfg = self.cfg
+        """This run's program for one device: the same model (its tensor-parallel shard, with
+        no collective, under `mesh.model` > 1), rows per device and optimizer, on a 1-device
+        mesh, where every collective disappears (`nljax.throughput` times it)."""
+        cfg, eng = self.cfg, self.engine
         local = dataclasses.replace(
             cfg,
-            train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // self.engine.n_devices),
-            mesh=dataclasses.replace(cfg.mesh, inter=1, intra=1),
+            train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // eng.n_devices),
+            mesh=dataclasses.replace(cfg.mesh, inter=1, intra=1, model=1),
         )
-        return Run.create(local, devices=jax.local_devices()[:1])
+        shard = eng.model.tensor_parallel(eng.tp, None) if eng.tp > 1 else None
+        return Run.create(local, devices=jax.local_devices()[:1], model=shard)

@@ -45,7 +45,7 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
     devices = list(devices or jax.local_devices())
     n = len(devices)
     cfg = config.load(str(cfg_file), [
-        *overrides, f"run.dir={run_dir}", f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
+        *overrides, f"run.dir={run_dir}", f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}", "mesh.model=1",
         f"train.batch_size={n}", "train.accum_steps=1", "sync.strategy=replicated",
         "eval.stream_steps=0",  # used, not evaluated: the held-out text need not fit an evaluation over n rows
     ], saved=True)  # a config.yaml written before a key moved is read with it in its new place

@@ -69,7 +69,8 @@ def startup_report(run: Run, state: TrainState, say) -> None:
     n_params = sum(n for n, _ in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels))
     unit, per_row = run.task.unit, run.task.units_per_row
     say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices "
-        f"({jax.devices()[0].device_kind}), mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']}, "
+        f"({jax.devices()[0].device_kind}), mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']} "
+        f"x model={eng.tp}, "
         f"{jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters")
     if hasattr(run.task, "describe"):
@@ -209,7 +210,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         "nljax_version": __version__,
         "steps": cfg.train.steps,
         "resumed_from_step": resumed_from,
-        "devices": eng.n_devices,
+        "devices": eng.n_devices * eng.tp,
         "mesh": dict(run.mesh.shape),
         "final_loss": hist.final_loss,
         **final_eval,
@@ -260,7 +261,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
     device_kind = jax.devices()[0].device_kind
     table = throughput.report(
         measured, counts, Conductor(cfg.cms.periods).patterns(), wire, run.units_per_device(batch),
-        eng.n_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
+        eng.n_devices * eng.tp, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
     )
     key = f"{run.task.unit}_per_s_per_device"
     steady = [r for r in hist.records if not r["compiled"]]
@@ -268,7 +269,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
         units = sum(r[key] * r["step_time_s"] for r in steady)
         table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
     table["device_kind"] = device_kind
-    if jax.devices()[0].platform == "cpu" and eng.n_devices > 1:
+    if jax.devices()[0].platform == "cpu" and eng.n_devices * eng.tp > 1:
         table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
     return table, measured
 

@@ -164,6 +164,48 @@ def test_a_checkpoint_from_before_the_model_split_restores(ref, tmp_path):
     assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (checkpoint: 'replicated')"]
 
 
+def test_elastic_resume_changes_mesh_model(ref, tmp_path):
+    """(2, 4, 1) replicated -> (2, 2, 2) zero1 (tensor parallelism: heads, memory heads and MLP
+    widths split in two) -> (1, 2, 1) fsdp: parameters, optimizer state and the error buffers of
+    the period-4 level (in use at both restores, regrouped to the other split) carry over, and
+    the continuation matches the uninterrupted run (losses, parameters, every row's memory)."""
+    t = make([*NL, "sync.strategy=zero1", f"checkpoint.dir={tmp_path}/tp"], 2, 2, 2)
+    r = restore(t.engine, t.state, ref["dir"] / "2")
+    assert r.state.err_buf[1].shape == t.state.err_buf[1].shape and np.abs(np.asarray(r.state.err_buf[1])).sum() > 0
+    lt, state = train(t, range(2, 4), state=r.state)
+    save(t, state, 4)
+    f = make([*NL, "sync.strategy=fsdp"], 1, 2)
+    r = restore(f.engine, f.state, tmp_path / "tp" / "4")
+    lf, state = train(f, range(4, STEPS), state=r.state)
+    np.testing.assert_allclose(np.concatenate([lt, lf]), ref["losses"][2:], rtol=2e-5)
+    assert_trees_close(host(f.engine.strategy.gather_params(state.params)), ref["final"].params, rtol=1e-4, atol=1e-5)
+    assert_trees_close(host(state.memory), ref["final"].memory, rtol=1e-4, atol=1e-5)
+
+
+def test_a_checkpoint_with_flat_qkv_kernels_restores(ref, tmp_path):
+    """Checkpoints saved before the qkv kernels took a head axis ([D, 3 * H * hd], the memory's
+    conv [K, 1, C] and [C]) restore with the same values in the new shapes, optimizer moments
+    included."""
+    import orbax.checkpoint as ocp
+
+    setup = ref["setup"]
+    state = restore(setup.engine, setup.state, ref["dir"] / "2").state
+    flat = lambda name, x: (x.reshape(x.shape[0], 1, -1) if "conv/kernel" in name else
+                            x.reshape(-1) if "conv/bias" in name else x.reshape(x.shape[0], -1))
+    old = {k: (flat(k, x) if contents.RESHAPED.search(k) else x) for k, x in contents.named_arrays(state).items()}
+    assert sum(contents.RESHAPED.search(k) is not None for k in old) >= 3 * 4  # params and two Adam moments
+    meta = contents.metadata(setup.engine, 2, old)
+    meta["model"] = {k: ([list(flat(k, np.zeros(v[0])).shape), v[1]] if contents.RESHAPED.search(k) else v)
+                     for k, v in meta["model"].items()}
+    with ocp.CheckpointManager(tmp_path / "old") as m:
+        m.save(2, args=ocp.args.Composite(**{contents.STATE: ocp.args.StandardSave(contents.nest(old)),
+                                             contents.META: ocp.args.JsonSave(meta)}))
+    r = restore(setup.engine, setup.state, tmp_path / "old" / "2")
+    assert r.step == 2 and r.warnings == []
+    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(state))):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():
     from nljax import mesh as meshlib
 

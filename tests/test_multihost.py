@@ -32,10 +32,12 @@ def losses(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
+@pytest.mark.parametrize("model", [1, 2], ids=["data", "tensor"])
+def test_two_processes_train_like_one_process_with_eight_devices(tmp_path, model):
     """2 x 4 devices over gloo == 1 x 8 devices, step for step, with different PYTHONHASHSEEDs;
-    `inter` spans the processes; each process builds only its own rows."""
-    common = ["train.steps=6", "distributed.check_every=2", *ARGS]
+    `inter` spans the processes; each process builds only its own rows. `tensor`: each process's
+    4 devices hold 2 data slots x 2 tensor-parallel shards (mesh 2 x 2 x 2)."""
+    common = ["train.steps=6", "distributed.check_every=2", *ARGS, f"mesh.model={model}"]
     ref_dir, mp_dir = tmp_path / "one", tmp_path / "two"
     ref = subprocess.Popen(
         [sys.executable, "-m", "nljax.train", "--cpu-devices", "8", "--quiet", f"run.dir={ref_dir}", "mesh.inter=2",
@@ -54,7 +56,7 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
     assert [r["active_levels"] for r in two] == [r["active_levels"] for r in one]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (ref_dir, mp_dir))
-    assert s2["mesh"] == {"inter": 2, "intra": 4} and s2["devices"] == 8
+    assert s2["mesh"] == {"inter": 2, "intra": 4 // model, "model": model} and s2["devices"] == 8
     np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)
     np.testing.assert_allclose(s2["eval_loss_stream"], s1["eval_loss_stream"], rtol=1e-5)
     # The same collectives were compiled: hierarchical reduce-scatter / all-reduce / all-gather.
@@ -62,7 +64,8 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path):
 
     text = mp.stdout
     assert re.search(r"^\[0\] lockstep: 2 processes agree on config, versions, mesh and data \(sha256 \w+\); "
-                     r"mesh axes: inter across processes, intra within a process$", text, re.M), text
+                     r"mesh axes: inter across processes, intra within a process, model within a process$",
+                     text, re.M), text
     assert re.search(r"^\[0\] step +5 ", text, re.M) and not re.search(r"^\[1\] step", text, re.M)
     rows = {int(m[1]): json.loads(m[2]) for m in re.finditer(r"^\[(\d)\] rows built: (.*)$", text, re.M)}
     assert rows == {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
