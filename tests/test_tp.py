@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import TINY_NL, assert_trees_close, make, train
+from helpers import TINY, TINY_NL, assert_trees_close, make, train
 from nljax import config, hlo, tp
 from nljax.errors import ConfigError
 from nljax.mesh import DATA_AXES, INTER, INTRA, MODEL
@@ -23,13 +23,15 @@ TP = [*TINY_NL, "model.heads=4", "model.nl_lm.memory_heads=4", "model.nl_lm.memo
 # (inter, intra, model), strategy, reduction, frozen gradients, more: every mesh of the issue,
 # each option on several of them.
 SGD = ["optim.name=sgd", "optim.lr=0.1"]
+# The (2, 2, 2) fsdp case runs the scanned net (two blocks, stacked parameters) too.
+SCANNED = ["model.depth=2", "model.nl_lm.memory_layers=[0,1]", "model.nl_lm.scan_layers=true"]
+LINEAR = ["model.nl_lm.memory_kind=linear"]
 CASES = [
     ((1, 1, 2), "replicated", "hierarchical", "accumulate", ["optim.clip_norm=0.05"]),
-    ((1, 2, 2), "fsdp", "flat", "skip", [*SGD, "optim.clip_norm=0.05"]),
-    ((2, 2, 2), "replicated", "flat", "skip", SGD),
-    ((2, 2, 2), "fsdp", "hierarchical", "accumulate", ["cms.accumulate=updates"]),
-    ((1, 4, 2), "zero1", "hierarchical", "accumulate", [*SGD, "optim.clip_norm=0.05"]),
-    ((2, 1, 4), "fsdp", "hierarchical", "accumulate", ["model.nl_lm.memory_kind=linear"]),
+    ((1, 2, 2), "fsdp", "flat", "skip", [*SGD, "optim.clip_norm=0.05", *LINEAR]),
+    ((2, 2, 2), "fsdp", "hierarchical", "accumulate", [*SGD, "cms.accumulate=updates", *SCANNED]),
+    ((1, 4, 2), "zero1", "hierarchical", "accumulate", [*SGD, "optim.clip_norm=0.05", *LINEAR]),
+    ((2, 1, 4), "replicated", "flat", "skip", LINEAR),
 ]
 
 
@@ -53,8 +55,8 @@ def test_tensor_parallel_matches_one_device(shape, strategy, reduce, frozen, mor
     # gradient entry that is ~0, into up to a learning rate (0.01) of difference: a looser bound
     # there, still 100x below what a wrong shard or a wrong sum gives.
     adam = "optim.name=sgd" not in more
-    assert_trees_close(host(cn.params), host(c1.params), rtol=1e-4, atol=1e-4 if adam else 1e-6)
-    assert_trees_close(host(cn.opt_state), host(c1.opt_state), rtol=1e-4, atol=1e-5 if adam else 1e-7)
+    assert_trees_close(host(cn.params), host(c1.params), rtol=1e-4, atol=1e-4 if adam else 1e-5)
+    assert_trees_close(host(cn.opt_state), host(c1.opt_state), rtol=1e-4, atol=1e-5 if adam else 1e-6)
     assert_trees_close(host(sn.memory), host(s1.memory), rtol=1e-4, atol=1e-5)
     # each memory head's state lives on the device that owns the head: split over rows and heads
     m = jax.tree.leaves(sn.memory["block0"]["M"])[0]  # [rows, heads, ...]
@@ -83,8 +85,10 @@ def test_the_split_follows_the_shapes():
 def test_shards_round_trip_and_regroup():
     """A level's global subtree -> m shard vectors -> back is exact, and an error buffer
     regrouped from 1 to 2 shards and back is unchanged."""
-    one, two = make(TP).engine, make(TP, 1, 1, 2).engine
-    params = host(one.model.init(jax.random.key(1)))
+    engine = lambda m: Run.create(config.load(None, [*TINY, *TP, f"mesh.model={m}", "mesh.intra=1"]),
+                                  jax.devices()[:m]).engine  # no state: nothing compiled
+    one, two = engine(1), engine(2)
+    params = host(jax.jit(one.model.init)(jax.random.key(1)))
     for l, part in enumerate(two.levels.split(params)):
         sh = two.strategy.shards[l]
         vec = sh.ravel(part, 4)
