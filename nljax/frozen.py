@@ -32,6 +32,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from nljax.mesh import MODEL
+
 
 def slots(eng, l: int) -> int:
     """Synchronized gradients one firing of level l feeds the optimizer: its period under
@@ -51,6 +53,15 @@ def steps_of(step: jax.Array, k: int) -> jax.Array:
     Negative entries (a level firing before it has been frozen C_l − 1 times, i.e. at step 0)
     are slots no step wrote; the update skips them."""
     return step - (k - 1) + jnp.arange(k)
+
+
+def finite(eng, g: jax.Array) -> jax.Array:
+    """Whether a level's local gradient is finite; under tensor parallelism on every shard of
+    it (a 4-byte flag over `model`, so all shards keep or drop their parts alike)."""
+    ok = jnp.all(jnp.isfinite(g))
+    if eng.tp > 1:
+        ok = jax.lax.psum((~ok).astype(jnp.int32), MODEL) == 0
+    return ok
 
 
 def fold(eng, active: tuple[bool, ...], grads: tuple, err_buf: tuple, step: jax.Array):
@@ -80,5 +91,5 @@ def fold(eng, active: tuple[bool, ...], grads: tuple, err_buf: tuple, step: jax.
             else:  # frozen at step s: s % C_l is 1 .. C_l − 1, slot s % C_l − 1
                 slot = (step % eng.cfg.cms.periods[l] - 1) * g.shape[0]
                 acc = jax.lax.dynamic_update_slice(err_buf[l], g[None], (0, slot))  # [1, (C_l − 1) N_l]
-            new_buf[l] = jnp.where(jnp.all(jnp.isfinite(g)), acc, err_buf[l]) if check else acc
+            new_buf[l] = jnp.where(finite(eng, g), acc, err_buf[l]) if check else acc
     return to_sync, tuple(new_buf)

@@ -136,7 +136,7 @@ class Strategy:
         collective. Under tensor parallelism the sums also cross `model`, each replicated
         parameter weighted 1/m (every shard holds a copy), so the norm is the global one."""
         m = self.tp.m
-        weight = lambda l: self.own(jnp.asarray(self.shards[l].weights())) if m > 1 else 1.0
+        weight = lambda l: self.shards[l].weights(self.own(jnp.arange(self.levels.flats[l].size))) if m > 1 else 1.0
         sq = {l: jnp.sum(jnp.square(g) * weight(l), axis=1) for l, g in synced.items()}  # [K_l] each
         axes = self.stat_axes + ((MODEL,) if m > 1 else ())
         if sq and axes:

@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nljax.levels import LevelFlat
@@ -162,11 +161,28 @@ class Shards:
             leaves.append(pieces[0] if d is None else jnp.concatenate(pieces, axis=d))
         return jax.tree.unflatten(self.flat.treedef, leaves)
 
-    def weights(self) -> np.ndarray:
-        """[N_local]: 1 where an entry belongs to a split leaf, 1/m where to a replicated one
-        (each shard holds a copy): Σ weights·x² over the shards counts every parameter once."""
-        return np.concatenate([np.full(math.prod(s), 1.0 if is_split(p) else 1.0 / self.m, np.float32)
-                               for s, p in zip(self.flat.shapes, self.specs)] or [np.zeros(0, np.float32)])
+    def replicated_ranges(self) -> list[tuple[int, int]]:
+        """[start, end) of the flat vector's runs of replicated leaves (adjacent ones merged)."""
+        out, at = [], 0
+        for s, p in zip(self.flat.shapes, self.specs):
+            n = math.prod(s)
+            if not is_split(p):
+                if out and out[-1][1] == at:
+                    out[-1] = (out[-1][0], at + n)
+                else:
+                    out.append((at, at + n))
+            at += n
+        return out
+
+    def weights(self, idx: jax.Array) -> jax.Array:
+        """Per position `idx` of the flat vector: 1 for an entry of a split leaf, 1/m for one of a
+        replicated leaf (every shard holds a copy), so Σ weights·x² over the shards counts every
+        parameter once. Built from the positions (not a stored [N] constant, which would sit in
+        every compiled step)."""
+        rep = jnp.zeros(idx.shape, bool)
+        for lo, hi in self.replicated_ranges():
+            rep = rep | ((idx >= lo) & (idx < hi))
+        return jnp.where(rep, 1.0 / self.m, 1.0)
 
 
 def local_shape(shape, spec: P, m: int) -> tuple[int, ...]:

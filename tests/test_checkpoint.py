@@ -180,6 +180,11 @@ def test_elastic_resume_changes_mesh_model(ref, tmp_path):
     np.testing.assert_allclose(np.concatenate([lt, lf]), ref["losses"][2:], rtol=2e-5)
     assert_trees_close(host(f.engine.strategy.gather_params(state.params)), ref["final"].params, rtol=1e-4, atol=1e-5)
     assert_trees_close(host(state.memory), ref["final"].memory, rtol=1e-4, atol=1e-5)
+    # a changed global batch under tensor parallelism: every row restarts, heads split, and it trains
+    b = make([*NL, "train.batch_size=16"], 1, 2, 2)
+    r = restore(b.engine, b.state, tmp_path / "tp" / "4")
+    assert r.fresh_rows and r.state.memory["block0"]["M"]["W1"].sharding == b.state.memory["block0"]["M"]["W1"].sharding
+    assert np.isfinite(train(b, range(4, 5), state=r.state)[0]).all()
 
 
 def test_a_checkpoint_with_flat_qkv_kernels_restores(ref, tmp_path):
@@ -204,6 +209,10 @@ def test_a_checkpoint_with_flat_qkv_kernels_restores(ref, tmp_path):
     assert r.step == 2 and r.warnings == []
     for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(state))):
         np.testing.assert_array_equal(a, b)
+    # onto another strategy and tensor parallelism: the moments are converted in today's shapes
+    f = make([*NL, "sync.strategy=fsdp"], 1, 2, 2)
+    r = restore(f.engine, f.state, tmp_path / "old" / "2")
+    assert_trees_close(host(f.engine.strategy.export_state(r.state).params), host(state.params), rtol=0, atol=0)
 
 
 def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():

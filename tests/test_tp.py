@@ -95,7 +95,9 @@ def test_shards_round_trip_and_regroup():
         assert vec.shape == (2 * sh.padded(4),)
         assert_trees_close(sh.unravel(vec), part, rtol=0, atol=0)
         flat = one.strategy.shards[l].ravel(part, 1)
-        back = tp.regroup(tp.regroup(flat, one.strategy.shards[l], sh, 1), sh, one.strategy.shards[l], 1)
+        two_of = tp.regroup(flat, one.strategy.shards[l], sh, 1)
+        np.testing.assert_array_equal(np.asarray(two_of), np.asarray(sh.ravel(part, 1)))
+        back = tp.regroup(two_of, sh, one.strategy.shards[l], 1)
         np.testing.assert_array_equal(np.asarray(back), np.asarray(flat))
 
 
@@ -126,7 +128,8 @@ def test_hlo_of_a_level0_step():
     # activations: one all-reduce of [rows, T, D] per split sub-block forward and backward
     rows, t, d = 8 // 4, 8, 16
     blocks = 1 + 1 + 2  # attention, memory, two CMS levels
-    small = 4 * eng.cfg.model.nl_lm.memory_dim + 4 * 1  # the memory's norm-scale gradient, level 0's norm
+    # the memory's norm-scale gradient, level 0's norm, and each row's any-head-non-finite flag
+    small = 4 * eng.cfg.model.nl_lm.memory_dim + 4 * 1 + 4 * rows
     assert sum(c.bytes for c in on_model) == 2 * blocks * rows * t * d * 4 + small
 
 

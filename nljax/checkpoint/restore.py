@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from pathlib import Path
 
 import jax
 
 from nljax.checkpoint import elastic, storage
-from nljax.checkpoint.contents import (RESHAPED, SILENT, Damaged, check_arrays, check_fits, differences, fmt, get,
-                                     named_arrays, per_device, rows_of, tracker_ids, data_digest)
+from nljax.checkpoint.contents import (RESHAPED, SILENT, Damaged, check_arrays, check_fits, differences, fingerprint,
+                                     fmt, get, named_arrays, per_device, rows_of, tracker_ids, data_digest)
 from nljax.config import Config, to_dict
 from nljax.engine import Engine
 from nljax.hostdev import replica
@@ -47,7 +48,7 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     arrays, sums = storage.read_arrays(path, abstract)
     check_arrays(path, meta, sums, int(replica(arrays["step"])))
 
-    arrays, meta = _reshaped(arrays, target, meta)
+    arrays, meta = _reshaped(arrays, target, meta, engine)
     by_rows = lambda name: per_device(name) or rows_of(name)  # one row per device or stream row
     saved = None
     if int(meta["mesh"].get(MODEL, 1)) != engine.tp or not engine.strategy.same_layout(
@@ -61,16 +62,22 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta), data_digest(meta))
 
 
-def _reshaped(arrays: dict[str, jax.Array], target: dict[str, jax.Array], meta: dict):
+def _reshaped(arrays: dict[str, jax.Array], target: dict[str, jax.Array], meta: dict, engine: Engine):
     """Arrays of a parameter whose shape changed but not its values (`RESHAPED`: a checkpoint
-    saved before the qkv kernels took their head axis), reshaped to this run's shapes, and the
-    metadata saying so."""
+    saved before the qkv kernels took their head axis), the parameter itself or an optimizer
+    moment of it, reshaped to the parameter's shape today, and the metadata saying so."""
+    shapes = {k: tuple(v[0]) for k, v in fingerprint(engine.model).items()}
     out, listed = dict(arrays), copy.deepcopy(meta["arrays"])
     for name, x in arrays.items():
+        keys = [k for k in shapes if RESHAPED.search(name) and (name == k or name.endswith("/" + k))]
+        if not keys:
+            continue
+        shape = shapes[max(keys, key=len)]
+        if x.shape == shape or x.size != math.prod(shape):
+            continue
         t = target.get(name)
-        if t is not None and x.shape != t.shape and x.size == t.size and RESHAPED.search(name):
-            out[name] = jax.device_put(x.reshape(t.shape), t.sharding)
-            listed[name]["shape"] = list(t.shape)
+        out[name] = jax.device_put(x.reshape(shape), t.sharding) if t is not None and t.shape == shape else x.reshape(shape)
+        listed[name]["shape"] = list(shape)
     return out, {**meta, "arrays": listed}
 
 

@@ -232,7 +232,10 @@ class NeuralMemory(nn.Module):
         # A row whose memory became non-finite (from non-finite inputs: the update itself is
         # bounded) restarts from memory0 instead of poisoning every later step of its stream.
         finite = [jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(state)]
-        state = nm.reset_rows(state, memory0, ~jnp.all(jnp.stack(finite), axis=0))
+        bad = ~jnp.all(jnp.stack(finite), axis=0)  # [B]
+        if self.axis is not None:  # a row restarts whole: any shard's heads decide for all
+            bad = jax.lax.psum(bad.astype(jnp.int32), self.axis) > 0
+        state = nm.reset_rows(state, memory0, bad)
         y = y.transpose(0, 2, 1, 3)  # [B, T, H, dk]
         if self.out_norm:
             y = HeadNorm(self.axis, name="out_norm")(y)
