@@ -287,10 +287,7 @@ class StepCache:
     def eval_memory(self) -> PyTree:
         """A fresh memory for `train.batch_size` evaluation streams, split over rows like the
         training memory but its own arrays: the training state's memory is never touched."""
-        memory = self.eng.model.init_memory(self.eng.cfg.train.batch_size)
-        specs = self.eng.strategy.state_specs(TrainState(None, {}, (), (), memory)).memory
-        return jax.device_put(memory, jax.tree.map(lambda s: NamedSharding(self.eng.mesh, s), specs,
-                                                   is_leaf=lambda x: isinstance(x, P)))
+        return self.eng.strategy.put_memory(self.eng.model.init_memory(self.eng.cfg.train.batch_size))
 
     def eval_stream(self, params: PyTree, memory: PyTree, batch: dict):
         """(metrics, memory after `batch`); `memory` is donated."""
@@ -299,7 +296,7 @@ class StepCache:
             raise ConfigError(f"model.name={self.eng.cfg.model.name} has no logits(): the scored evaluation "
                               "(data.source=recall) needs the per-position predictions")
         if key not in self._eval_stream:
-            rows = self.eng.strategy.state_specs(TrainState(None, {}, (), (), memory)).memory
+            rows = self.eng.strategy.memory_specs(memory)
             outs = [*EVAL_METRIC_SPECS, *(("hits", "scored") if "score" in batch else ())]
             fn = jax.shard_map(
                 functools.partial(local_eval_stream_step, self.eng),

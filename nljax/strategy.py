@@ -161,8 +161,16 @@ class Strategy:
             params=self.param_specs(state.params),
             opt_state=self.opt_specs(state.opt_state),
             err_buf=jax.tree.map(lambda _: PER_DEVICE, state.err_buf),
-            memory=self.tp.memory if jax.tree.leaves(state.memory) else state.memory,
+            memory=self.memory_specs(state.memory),
         )
+
+    def memory_specs(self, memory: PyTree) -> PyTree:
+        """Specs of an inner-loop memory: rows over the data axes, heads over `model`."""
+        return self.tp.memory if jax.tree.leaves(memory) else memory
+
+    def put_memory(self, memory: PyTree) -> PyTree:
+        """A memory (host or single-device arrays) placed where `memory_specs` says."""
+        return jax.device_put(memory, _named(self.mesh, self.memory_specs(memory)))
 
     def state_shardings(self, state: TrainState) -> TrainState:
         return _named(self.mesh, self.state_specs(state))
@@ -214,9 +222,9 @@ class Strategy:
         fn = jax.jit(self.from_canonical, out_shardings=self._layout_shardings(*shapes))
         params, opt_state = fn(params, opt_state)
         step = jax.device_put(canonical.step, replicated(self.mesh))
-        specs = self.state_specs(TrainState(None, {}, (), canonical.err_buf, canonical.memory))
-        err_buf, memory = jax.device_put((canonical.err_buf, canonical.memory),
-                                         _named(self.mesh, (specs.err_buf, specs.memory)))
+        err_buf = jax.device_put(canonical.err_buf, _named(self.mesh, jax.tree.map(lambda _: PER_DEVICE,
+                                                                                      canonical.err_buf)))
+        memory = self.put_memory(canonical.memory)
         return TrainState(step, params, opt_state, err_buf, memory)
 
     def same_layout(self, saved_strategy: str, saved: Mapping[str, Mapping], here: Mapping[str, jax.Array],

@@ -15,7 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
 
 from nljax import frozen, mesh as meshlib, tp
 from nljax.checkpoint.contents import named_arrays, per_device, rows_of
@@ -46,10 +46,7 @@ def read_shardings(meta: dict, target: dict[str, jax.Array], mesh: Mesh) -> dict
 
 def fresh_memory(engine: Engine, rows: int) -> dict[str, jax.Array]:
     """Every row's memory at its initial value, by name, split over rows."""
-    memory = engine.model.init_memory(rows)
-    specs = engine.strategy.state_specs(TrainState(None, {}, (), (), memory)).memory  # rows, and heads over `model`
-    memory = jax.device_put(memory, jax.tree.map(lambda s: NamedSharding(engine.mesh, s), specs,
-                                                 is_leaf=lambda x: isinstance(x, P)))
+    memory = engine.strategy.put_memory(engine.model.init_memory(rows))  # rows, and heads over `model`
     return {f"memory/{k}": x for k, x in named_arrays(memory).items()}
 
 
