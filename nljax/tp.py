@@ -15,7 +15,17 @@ operators (Megatron's f and g):
 
 One `leave` per attention, memory and MLP sub-block forward, one `enter` sum backward: Megatron's
 count. A replicated parameter used inside a split region (a norm scale shared by all memory
-heads) goes through `enter` too, so its gradient is also summed over the shards.
+heads) goes through `enter` too, so its gradient is also summed over the shards. A third
+operator, `gather(y)`, makes a column-parallel output whole on every shard (the DiT's adaLN
+modulation: all-gather forward, each shard's own block of the cotangent backward).
+
+The operators are linear maps with a stated transpose (`jax.custom_derivatives.linear_call`),
+not `custom_vjp` functions: forward-mode AD pushes tangents through them as through any linear
+map (identity, sum, gather: what the forward pass does), so MeanFlow's `jax.jvp` runs on a split
+DiT, and reverse mode, also of a `jvp`, uses the transposes above. The step's `shard_map` runs
+with `check_vma=False`, where JAX's own transpose of `psum` is another `psum` (every shard's
+cotangent taken as its own); Megatron's f and g instead take the cotangent of a replicated
+value as one value held by every shard, which is what these transposes say.
 
 Which axis of a parameter is split is not listed anywhere: `split_specs` compares the global
 shapes with the local ones (the dimension that shrank by m is split over `model`). Parameters
@@ -26,12 +36,12 @@ an elastic resume change `mesh.model`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import linear_call
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from nljax.levels import LevelFlat
@@ -40,36 +50,20 @@ from nljax.mesh import MODEL
 PyTree = Any
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _enter(x, axis):
-    return x
+    return linear_call(lambda _, t: t, lambda _, ct: jax.lax.psum(ct, axis), (), x)
 
 
-def _enter_fwd(x, axis):
-    return x, None
-
-
-def _enter_bwd(axis, _, g):
-    return (jax.lax.psum(g, axis),)
-
-
-_enter.defvjp(_enter_fwd, _enter_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _leave(x, axis):
-    return jax.lax.psum(x, axis)
+    return linear_call(lambda _, t: jax.lax.psum(t, axis), lambda _, ct: ct, (), x)
 
 
-def _leave_fwd(x, axis):
-    return jax.lax.psum(x, axis), None
+def _gather(x, axis):
+    def own(_, ct):  # this shard's block of the whole
+        n = x.shape[-1]
+        return jax.lax.dynamic_slice_in_dim(ct, jax.lax.axis_index(axis) * n, n, axis=-1)
 
-
-def _leave_bwd(axis, _, g):
-    return (g,)
-
-
-_leave.defvjp(_leave_fwd, _leave_bwd)
+    return linear_call(lambda _, t: jax.lax.all_gather(t, axis, axis=t.ndim - 1, tiled=True), own, (), x)
 
 
 def enter(x: jax.Array, axis: str | None) -> jax.Array:
@@ -80,6 +74,16 @@ def enter(x: jax.Array, axis: str | None) -> jax.Array:
 def leave(x: jax.Array, axis: str | None) -> jax.Array:
     """Megatron's g: sum over `axis` forward, identity backward (no-op without an axis)."""
     return x if axis is None else _leave(x, axis)
+
+
+def gather(x: jax.Array, axis: str | None, m: int) -> jax.Array:
+    """The `m` shards' blocks of a column-parallel output, laid end to end on the last dimension,
+    whole on every shard (all-gather forward; backward each shard keeps its own block of the
+    cotangent, which is the same on every shard). Without an axis (a shard model traced for its
+    shapes), `m` copies of the block: the whole's shape."""
+    if axis is None:
+        return x if m == 1 else jnp.concatenate([x] * m, axis=-1)
+    return _gather(x, axis)
 
 
 def split_dim(global_shape, local_shape, m: int) -> int | None:

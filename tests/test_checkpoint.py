@@ -216,6 +216,19 @@ def test_a_checkpoint_with_flat_qkv_kernels_restores(ref, tmp_path):
     assert_trees_close(host(f.engine.strategy.export_state(r.state).params), host(state.params), rtol=0, atol=0)
 
 
+def test_the_dit_qkv_restores_reshaped_too():
+    """The DiT's qkv kernel and bias took the head axis in the same release: a checkpoint saved
+    before reads them reshaped (the same rule as above), and nothing else of the DiT."""
+    from nljax.models import build
+
+    dit = build(config.load(None, ["model.name=dit", "model.dim=16", "model.depth=2", "model.heads=4",
+                                   "model.dit.patch_size=1", "images.source=moons", "cms.periods=[1]"]))
+    shapes = contents.fingerprint(dit)
+    assert {k for k in shapes if contents.RESHAPED.search(k)} == {
+        f"block{i}/attn/qkv/{w}" for i in range(2) for w in ("kernel", "bias")}
+    assert shapes["block0/attn/qkv/kernel"][0] == [16, 3, 4, 4]
+
+
 def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():
     from nljax import mesh as meshlib
 

@@ -12,6 +12,7 @@ import pytest
 from nljax import meanflow
 from nljax.config import ConfigError, MeanFlowConfig, load
 from nljax.energy import energy_distance
+from nljax.mesh import MODEL
 from nljax.models.dit import DiTNet
 
 from helpers import assert_trees_close, make, train
@@ -136,7 +137,7 @@ def test_logit_normal_times_and_r_fraction():
 LR = 0.5
 RUN_DIR = tempfile.mkdtemp(prefix="nljax_meanflow_")  # evaluate() writes sample PNGs here
 DIT = [
-    "model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2", "model.dit.patch_size=1",
+    "model.name=dit", "model.dim=16", "model.depth=1", "model.heads=4", "model.hidden_mult=2", "model.dit.patch_size=1",
     "images.source=moons", "images.toy_points=80", "cms.periods=[1]", "train.batch_size=16",
     # the guided target (classifier-free guidance) and label dropout are part of what is checked
     "meanflow.cfg_omega=1.5", "meanflow.cfg_kappa=0.2", "meanflow.label_dropout=0.2", "meanflow.r_fraction=0.5",
@@ -154,9 +155,9 @@ def strategy_override(strategy):
 
 
 @functools.lru_cache(maxsize=None)
-def trained(inter, intra, extra=()):
+def trained(inter, intra, extra=(), model=1):
     """(setup, losses, step-0 gradient, final params) of STEPS SGD steps."""
-    setup = make([*DIT, f"run.dir={RUN_DIR}", *extra], inter, intra)
+    setup = make([*DIT, f"run.dir={RUN_DIR}", *extra], inter, intra, model)
     # the model's tree under any strategy
     full = lambda st: jax.device_get(setup.engine.strategy.gather_params(st.params))
     p0 = full(setup.state)
@@ -178,6 +179,23 @@ def test_meanflow_fsdp_matches_replicated(strategy):
     assert_trees_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
     assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-5)
     # evaluation samples from the stored layout (gathered under fsdp) and scores the same
+    got, want = setup.evaluate(setup.state.params, 0), ref.evaluate(ref.state.params, 0)
+    assert got["eval_energy_1step"] == pytest.approx(want["eval_energy_1step"], rel=1e-4)
+
+
+@pytest.mark.parametrize("shape,strategy", [((1, 2, 2), "fsdp"), ((2, 1, 4), "replicated")])
+def test_meanflow_under_tensor_parallelism_matches(shape, strategy):
+    """The DiT split over `model` (heads, MLP width, adaLN outputs; nljax/tp.py) trains like one
+    device with MeanFlow's loss: forward-mode jvp through the split blocks, then the gradient of
+    that, under fsdp (parameters sharded over data and model) and replicated."""
+    ref, ref_losses, ref_grads, ref_params = trained(1, 1)
+    setup, losses, grads, params = trained(*shape[:2], (f"sync.strategy={strategy}",), shape[2])
+    assert setup.engine.tp == shape[2]
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    assert_trees_close(grads, ref_grads, rtol=1e-4, atol=1e-5)
+    assert_trees_close(params, ref_params, rtol=1e-4, atol=1e-5)
+    for name in ("adaln", "mlp_up"):  # column-parallel: the output dimension is split
+        assert tuple(setup.engine.split.params["block0"][name]["kernel"]) == (None, MODEL)
     got, want = setup.evaluate(setup.state.params, 0), ref.evaluate(ref.state.params, 0)
     assert got["eval_energy_1step"] == pytest.approx(want["eval_energy_1step"], rel=1e-4)
 

@@ -139,9 +139,6 @@ def test_refusals_are_one_line():
     with pytest.raises(ConfigError, match=r"^mesh.model=2 does not divide model.nl_lm.memory_heads=3"):
         Run.create(config.load(None, [*TP, "model.nl_lm.memory_heads=3", "mesh.model=2", "mesh.intra=1"]),
                    jax.devices()[:2])
-    with pytest.raises(ConfigError, match=r"^model.name=dit has no tensor-parallel form: use mesh.model=1$"):
-        Run.create(config.load(None, ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2",
-                                      "cms.periods=[1]", "train.batch_size=8", "mesh.model=2"]), jax.devices()[:8])
 
 
 def test_global_model_is_the_same_whatever_the_split():

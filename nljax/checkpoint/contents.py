@@ -87,8 +87,9 @@ def unnest(tree: dict, prefix: str = "") -> dict[str, Any]:
 # Parameters whose shape changed in a release while their values (in order) did not: a checkpoint
 # saved before reads them reshaped. The attention and memory qkv kernels [D, 3 * H * hd] took a
 # head axis, [D, 3, H, hd], and the memory's depthwise conv kernel [K, 1, 3 * H * dk] and bias
-# [3 * H * dk] became [K, 3, H, dk] and [3, H, dk], so that tensor parallelism splits them by head.
-RESHAPED = re.compile(r"(^|/)(attn|mem)\d+/(qkv|conv)/(kernel|bias)$")
+# [3 * H * dk] became [K, 3, H, dk] and [3, H, dk], so that tensor parallelism splits them by head;
+# so did the DiT's qkv kernel and bias (`block<i>/attn/qkv`: [D, 3, H, hd] and [3, H, hd]).
+RESHAPED = re.compile(r"(^|/)(attn\d*|mem\d+)/(qkv|conv)/(kernel|bias)$")
 
 
 def rows_of(name: str) -> bool:

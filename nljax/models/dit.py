@@ -24,8 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from nljax import meanflow
+from nljax import tp as tplib
 from nljax.errors import ConfigError
 from nljax.meanflow import MeanFlowConfig
+from nljax.models.base import tp_divides
+from nljax.models.layers import RowDense
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,34 +84,50 @@ class TimeEmbed(nn.Module):
 
 
 class Attention(nn.Module):
+    """Multi-head self-attention; under tensor parallelism each shard holds `heads / tp` of the
+    heads (qkv column-parallel, out row-parallel)."""
+
     dim: int
     heads: int
+    tp: int = 1
+    axis: str | None = None
 
     @nn.compact
     def __call__(self, x):  # [B, N, D]
         b, n, _ = x.shape
-        hd = self.dim // self.heads
-        q, k, v = jnp.moveaxis(nn.Dense(3 * self.dim, name="qkv")(x).reshape(b, n, 3, self.heads, hd), 2, 0)
+        h, hd = self.heads // self.tp, self.dim // self.heads
+        # kernel [D, 3, H, hd]: the head axis stands alone, so a shard is a contiguous block of it
+        qkv = nn.DenseGeneral((3, h, hd), name="qkv")(tplib.enter(x, self.axis))  # [B, N, 3, h, hd]
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         # Written out (not jax.nn.dot_product_attention) so forward-mode AD works on every backend.
         logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
         y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
-        return nn.Dense(self.dim, name="out")(y.reshape(b, n, self.dim))
+        return RowDense(self.dim, axis=self.axis, name="out")(y.reshape(b, n, h * hd))
 
 
 class DiTBlock(nn.Module):
+    """Attention and MLP, modulated by adaLN-zero. Under tensor parallelism (`tp` shards over
+    `axis`) the heads, the MLP's hidden width and the adaLN projection's outputs are split; the
+    shards' modulations are gathered whole (a [B, 6D] all-gather, small next to the [B, N, D]
+    sums of the two sub-blocks) because they act on the replicated residual stream."""
+
     dim: int
     heads: int
     hidden: int
+    tp: int = 1
+    axis: str | None = None
 
     @nn.compact
     def __call__(self, x, c):  # x [B, N, D], c [B, D]
-        mod = nn.Dense(6 * self.dim, kernel_init=nn.initializers.zeros, name="adaln")(nn.silu(c))
+        enter = lambda a: tplib.enter(a, self.axis)
+        mod = nn.Dense(6 * self.dim // self.tp, kernel_init=nn.initializers.zeros, name="adaln")(enter(nn.silu(c)))
+        mod = tplib.gather(mod, self.axis, self.tp)  # [B, 6D]
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = jnp.split(mod, 6, axis=-1)  # each [B, D]
         norm = lambda name: nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name=name)
-        attn = Attention(self.dim, self.heads, name="attn")
+        attn = Attention(self.dim, self.heads, self.tp, self.axis, name="attn")
         x = x + gate_a[:, None] * attn(modulate(norm("norm1")(x), shift_a, scale_a))
-        h = nn.Dense(self.hidden, name="mlp_up")(modulate(norm("norm2")(x), shift_m, scale_m))
-        h = nn.Dense(self.dim, name="mlp_down")(nn.gelu(h, approximate=True))
+        h = nn.Dense(self.hidden // self.tp, name="mlp_up")(enter(modulate(norm("norm2")(x), shift_m, scale_m)))
+        h = RowDense(self.dim, axis=self.axis, name="mlp_down")(nn.gelu(h, approximate=True))
         return x + gate_m[:, None] * h
 
 
@@ -120,6 +139,8 @@ class DiTNet(nn.Module):
     heads: int
     hidden: int
     num_classes: int  # 0: unconditional; else labels 0..num_classes-1 and num_classes = null
+    tp: int = 1  # tensor-parallel shards (nljax.tp): this net holds 1/tp of each block's split layers
+    tp_axis: str | None = None  # the mesh axis they sum over (None: shapes only, no collective)
 
     @nn.compact
     def __call__(self, z, t, h, y):  # z [B, H, W, C], t [B], h [B], y [B] int32 or None
@@ -133,7 +154,7 @@ class DiTNet(nn.Module):
         if self.num_classes:
             c = c + nn.Embed(self.num_classes + 1, self.dim, name="label_embed")(y)
         for i in range(self.depth):
-            x = DiTBlock(self.dim, self.heads, self.hidden, name=f"block{i}")(x, c)
+            x = DiTBlock(self.dim, self.heads, self.hidden, self.tp, self.tp_axis, name=f"block{i}")(x, c)
         final_mod = nn.Dense(2 * self.dim, kernel_init=nn.initializers.zeros, name="final_adaln")(nn.silu(c))
         shift, scale = jnp.split(final_mod, 2, axis=-1)
         x = modulate(nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name="final_norm")(x), shift, scale)
@@ -158,6 +179,15 @@ class DiT:
     @property
     def conditional(self) -> bool:
         return self.net.num_classes > 0
+
+    def tensor_parallel(self, m: int, axis: str | None) -> "DiT":
+        """This model's shard over `m` tensor-parallel devices (`nljax.tp`): each block's heads,
+        MLP hidden width and adaLN outputs split. Patch embedding, time and label embeddings, the
+        final adaLN and output layer are replicated: small (the output layer maps to p*p*C
+        values per patch) and outside the blocks, where every shard needs them whole."""
+        n = self.net
+        tp_divides(m, [("model.heads", n.heads), ("the MLP hidden width (model.dim x model.hidden_mult)", n.hidden)])
+        return dataclasses.replace(self, net=dataclasses.replace(n, tp=m, tp_axis=axis))
 
     def velocity(self, params) -> meanflow.VelocityFn:
         """u(z, t, r, y) of these parameters (the network sees t and h = t - r)."""
