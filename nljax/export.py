@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import traverse_util
 
 from nljax import cli, config, trained as trained_lib
+from nljax.checkpoint.contents import RESHAPED
 from nljax.errors import ConfigError
 
 FORMATS = ("safetensors",)
@@ -71,6 +72,8 @@ def load_model(path: str | Path):
         missing, extra = sorted(set(template) - set(flat))[:3], sorted(set(flat) - set(template))[:3]
         raise ConfigError(f"{path / WEIGHTS} does not fit its config.json (missing {missing}, unexpected {extra})")
     for k, v in template.items():
+        if flat[k].shape != v.shape and RESHAPED.search(k) and flat[k].size == v.size:
+            flat[k] = flat[k].reshape(v.shape)  # written before the qkv kernels took a head axis
         if flat[k].shape != v.shape:
             raise ConfigError(f"{path / WEIGHTS}: '{k}' is {flat[k].shape}, the model needs {v.shape}")
     return model, traverse_util.unflatten_dict(flat, sep="/")

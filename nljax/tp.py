@@ -3,8 +3,8 @@
 A model run with `mesh.model = m` is built twice (`Model.tensor_parallel`): its global form,
 whose `init` gives the parameters every mesh shares (what checkpoints store), and its local form,
 whose `apply` runs on one device's shards: 1/m of the attention heads, of the memory heads and of
-every MLP's hidden width. The local form marks the edges of its split regions with two
-operators (Megatron's f and g):
+every MLP's hidden width (and of the DiT's adaLN outputs). The local form marks the edges of its
+split regions with Megatron's two operators, f and g, and a third:
 
 - `enter(x)` where a replicated activation enters a split region (before a column-parallel
   layer): identity forward; the backward pass sums the cotangent over `model`, so that
@@ -13,16 +13,20 @@ operators (Megatron's f and g):
 - `leave(y)` where a split region ends (after a row-parallel layer): all-reduce over `model`
   forward; identity backward.
 
+- `gather(y)` where a column-parallel output is needed whole (the DiT's adaLN modulation, which
+  acts on the replicated residual stream): all-gather over `model` forward; backward each shard
+  keeps its own block of the cotangent.
+
 One `leave` per attention, memory and MLP sub-block forward, one `enter` sum backward: Megatron's
-count. A replicated parameter used inside a split region (a norm scale shared by all memory
-heads) goes through `enter` too, so its gradient is also summed over the shards. A third
-operator, `gather(y)`, makes a column-parallel output whole on every shard (the DiT's adaLN
-modulation: all-gather forward, each shard's own block of the cotangent backward).
+count (the DiT adds one small `enter` and `gather` per block for its modulation). A replicated
+parameter used inside a split region (a norm scale shared by all memory heads) goes through
+`enter` too, so its gradient is also summed over the shards.
 
 The operators are linear maps with a stated transpose (`jax.custom_derivatives.linear_call`),
 not `custom_vjp` functions: forward-mode AD pushes tangents through them as through any linear
 map (identity, sum, gather: what the forward pass does), so MeanFlow's `jax.jvp` runs on a split
-DiT, and reverse mode, also of a `jvp`, uses the transposes above. The step's `shard_map` runs
+DiT, and reverse mode, also of a `jvp`, uses the transposes above (remat and scan too; `vmap`
+over them is not supported: `linear_call` has no batching rule). The step's `shard_map` runs
 with `check_vma=False`, where JAX's own transpose of `psum` is another `psum` (every shard's
 cotangent taken as its own); Megatron's f and g instead take the cotangent of a replicated
 value as one value held by every shard, which is what these transposes say.
@@ -80,7 +84,8 @@ def gather(x: jax.Array, axis: str | None, m: int) -> jax.Array:
     """The `m` shards' blocks of a column-parallel output, laid end to end on the last dimension,
     whole on every shard (all-gather forward; backward each shard keeps its own block of the
     cotangent, which is the same on every shard). Without an axis (a shard model traced for its
-    shapes), `m` copies of the block: the whole's shape."""
+    shapes, or run without collectives to time one device's compute), `m` copies of the block:
+    the whole's shape."""
     if axis is None:
         return x if m == 1 else jnp.concatenate([x] * m, axis=-1)
     return _gather(x, axis)

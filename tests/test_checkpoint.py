@@ -216,9 +216,12 @@ def test_a_checkpoint_with_flat_qkv_kernels_restores(ref, tmp_path):
     assert_trees_close(host(f.engine.strategy.export_state(r.state).params), host(state.params), rtol=0, atol=0)
 
 
-def test_the_dit_qkv_restores_reshaped_too():
-    """The DiT's qkv kernel and bias took the head axis in the same release: a checkpoint saved
-    before reads them reshaped (the same rule as above), and nothing else of the DiT."""
+def test_the_dit_qkv_is_read_reshaped_too():
+    """The DiT's qkv kernel and bias took the head axis in the same release: the rule above covers
+    them and nothing else of the DiT, and an old flat kernel and bias, reshaped, give the q, k, v
+    of every head that the old layer (Dense(3D), its output reshaped to [3, H, hd]) gave."""
+    import flax.linen as nn
+
     from nljax.models import build
 
     dit = build(config.load(None, ["model.name=dit", "model.dim=16", "model.depth=2", "model.heads=4",
@@ -227,6 +230,12 @@ def test_the_dit_qkv_restores_reshaped_too():
     assert {k for k in shapes if contents.RESHAPED.search(k)} == {
         f"block{i}/attn/qkv/{w}" for i in range(2) for w in ("kernel", "bias")}
     assert shapes["block0/attn/qkv/kernel"][0] == [16, 3, 4, 4]
+    x = jax.random.normal(jax.random.key(1), (2, 5, 16))
+    old = nn.Dense(48).init(jax.random.key(2), x)["params"]
+    old = {"kernel": old["kernel"], "bias": jax.random.normal(jax.random.key(3), (48,))}
+    want = nn.Dense(48).apply({"params": old}, x).reshape(2, 5, 3, 4, 4)
+    new = {"kernel": old["kernel"].reshape(16, 3, 4, 4), "bias": old["bias"].reshape(3, 4, 4)}
+    np.testing.assert_array_equal(np.asarray(nn.DenseGeneral((3, 4, 4)).apply({"params": new}, x)), np.asarray(want))
 
 
 def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from helpers import TINY, TINY_NL, assert_trees_close, make, train
-from nljax import config, hlo, tp
+from nljax import config, engine, hlo, tp
 from nljax.errors import ConfigError
 from nljax.mesh import DATA_AXES, INTER, INTRA, MODEL
 from nljax.models import build
@@ -139,6 +139,13 @@ def test_refusals_are_one_line():
     with pytest.raises(ConfigError, match=r"^mesh.model=2 does not divide model.nl_lm.memory_heads=3"):
         Run.create(config.load(None, [*TP, "model.nl_lm.memory_heads=3", "mesh.model=2", "mesh.intra=1"]),
                    jax.devices()[:2])
+
+    class Unsplittable:  # a registered model without `tensor_parallel` (every built-in one has it)
+        init = staticmethod(lambda key: {"w": jax.numpy.zeros(2)})
+        init_memory = staticmethod(lambda rows: {})
+
+    with pytest.raises(ConfigError, match=r"^model.name=nl_lm has no tensor-parallel form: use mesh.model=1$"):
+        engine.tensor_parallel(config.load(None, ["mesh.model=2"]), Unsplittable(), 2)
 
 
 def test_global_model_is_the_same_whatever_the_split():

@@ -15,7 +15,8 @@ A model is a frozen dataclass (hashable, so it can be a static argument of a jit
 - `task`: the `nljax.tasks` registry key of its data and evaluation (default "text")
 - `tensor_parallel(m, axis) -> Model` (optional): the model's shard over `m` devices of the mesh
   axis `axis` (`nljax.tp`): its `init` gives one shard's parameter shapes, its `apply` runs on one
-  shard and sums over `axis` where a split region ends (axis None: shapes only, no collective);
+  shard and sums (or gathers) over `axis` where a split region ends (axis None: shapes only, no
+  collective);
   refused with a ConfigError when `m` does not divide the widths it splits
 - `loops_over_layers` (default False): its blocks run as a loop, whose body XLA's cost analysis
   counts once, so the XLA FLOP count (and MFU from it) is not reported; the analytic one is
