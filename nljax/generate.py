@@ -90,8 +90,9 @@ def sample_token(logits: np.ndarray, rng: np.random.Generator, s: Settings) -> i
 
 class TextSampler:
     """Windowed decoding of a trained language model (module docstring). `params`: the model's
-    whole parameter tree, replicated over `mesh`; a sampler that is kept (`nljax.samples`) may
-    be given new ones, and its compiled forward serves them."""
+    parameter tree, whole over the data axes of `mesh` (split over `model` under tensor
+    parallelism: XLA partitions the global model's forward to match); a sampler that is kept
+    (`nljax.samples`) may be given new ones, and its compiled forward serves them."""
 
     def __init__(self, model, params, mesh, seq_len: int):
         self.params, self.t = params, seq_len
@@ -166,7 +167,7 @@ def generate_images(t: trained_lib.Trained, s: Settings) -> Path:
 
     task = t.run.task
     n = min(s.samples, len(task.data.eval_x))
-    one, multi = task.generate(t.model, t.params, n)
+    one, multi = task.generate(t.run.engine, t.params, n)
     path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
     write_png(path, sample_figure(one, multi, task.data.eval_x[:n]))
     return path

@@ -2,8 +2,9 @@
 
 The sample is `nljax.generate`'s windowed decoding (the memory carried from window to window)
 with its default sampling settings and the run's seed, continuing `train.sample_prompt` by
-`train.sample_tokens` tokens. Every process runs it: the parameters are gathered (under fsdp)
-and the forward runs on the whole mesh, so the processes' device programs stay in lockstep;
+`train.sample_tokens` tokens. Every process runs it: the parameters are gathered over the data
+axes (under fsdp; under tensor parallelism they stay split over `model`) and the forward runs on
+the whole mesh, so the processes' device programs stay in lockstep;
 the logits are replicated, so each samples the same tokens from its own copy, and only process
 0 prints them. The forward is compiled once, at the first sample. Text models only: a DiT's
 samples are the `samples_<step>.png` of its evaluations (the config refuses the key for it).

@@ -198,7 +198,8 @@ class Strategy:
         return jax.jit(lambda key: self._fresh(init(key)), out_shardings=out)(key)
 
     def gather_params(self, stored: PyTree) -> PyTree:
-        """The model's parameter pytree, replicated, from the stored layout (e.g. for sampling)."""
+        """The model's parameter pytree from the stored layout (e.g. for sampling): whole over the
+        data axes, split over `model` as tensor parallelism splits it (`canonical_shardings`)."""
         return stored
 
     def canonical_shardings(self) -> tuple[PyTree, tuple]:
@@ -354,7 +355,7 @@ class FSDP(Strategy):
         return jax.tree.map(self.flat_opt.leaf_spec, opt_state)
 
     def gather_params(self, stored):
-        fn = jax.jit(lambda p: self.to_canonical(p, ())[0], out_shardings=replicated(self.mesh))
+        fn = jax.jit(lambda p: self.to_canonical(p, ())[0], out_shardings=self.canonical_shardings()[0])
         return fn(stored)
 
 

@@ -34,7 +34,7 @@ from nljax.energy import energy_distance
 from nljax.errors import ConfigError
 from nljax.figures import sample_figure, write_png
 from nljax.hostdev import gather_rows, host_sum, put_batch, reset_all_rows
-from nljax.mesh import REPLICATED, ROWS
+from nljax.mesh import ROWS
 
 
 class Task(Protocol):
@@ -207,29 +207,31 @@ class ImageTask:
         parts = [np.ascontiguousarray(a).tobytes() for a in (d.train_x, d.train_y, d.eval_x, d.eval_y) if a is not None]
         return hashlib.sha256(b"|".join(parts)).hexdigest()
 
-    def generator(self, model):
-        """(one-step, multi-step) samples for rows (index, label) split over the data axes; traced
-        and compiled once per sample count."""
+    def generator(self, eng):
+        """(one-step, multi-step) samples for rows (index, label) split over the data axes, by the
+        model's tensor-parallel shard where `mesh.model` > 1; traced and compiled once per sample
+        count."""
         if self._generate is None:
-            steps = self.cfg.meanflow.sample_steps
+            steps, model = self.cfg.meanflow.sample_steps, eng.local_model
 
             def local(params, index, label):  # index, label [n/devices]
                 return model.generate(params, index, label, 1), model.generate(params, index, label, steps)
 
             self._generate = jax.jit(
                 lambda params, index, label: jax.shard_map(
-                    local, mesh=self.mesh, in_specs=(jax.tree.map(lambda _: REPLICATED, params), ROWS, ROWS),
+                    local, mesh=self.mesh, in_specs=(eng.split.params, ROWS, ROWS),
                     out_specs=(ROWS, ROWS), check_vma=False,
                 )(params, index, label)
             )
         return self._generate
 
-    def generate(self, model, params, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """n samples conditioned on the first n held-out labels, one-step and multi-step, gathered."""
+    def generate(self, eng, params, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """n samples conditioned on the first n held-out labels, one-step and multi-step, gathered.
+        `eng`: the run's engine; `params`: the model's parameter tree (`Strategy.gather_params`)."""
         padded = -(-n // meshlib.data_size(self.mesh)) * meshlib.data_size(self.mesh)
         labels = np.resize(self.data.eval_y, padded).astype(np.int32)  # tail rows are padding
         rows = put_batch({"index": np.arange(padded, dtype=np.int32), "label": labels}, self.mesh)
-        one, multi = self.generator(model)(params, rows["index"], rows["label"])
+        one, multi = self.generator(eng)(params, rows["index"], rows["label"])
         return gather_rows(one, n), gather_rows(multi, n)
 
     def evaluate(self, cache, params, step: int) -> dict:
@@ -240,8 +242,9 @@ class ImageTask:
         n = min(mf.eval_samples, held) if mf.eval_samples else held
         if n < 2:
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {n}")
-        # Sampling needs the model's whole parameter tree: under fsdp it is gathered here.
-        one, multi = self.generate(cache.eng.model, cache.eng.strategy.gather_params(params), n)
+        # Sampling needs the model's parameter tree (split over `model` only): under fsdp it is
+        # gathered over the data axes here.
+        one, multi = self.generate(cache.eng, cache.eng.strategy.gather_params(params), n)
         ref = self.data.eval_x[:n]
         if jax.process_index() == 0:
             run_dir = Path(self.cfg.run.dir)

@@ -15,12 +15,12 @@ from nljax import config
 from nljax.conductor import pulse
 
 CONFIGS = sorted(str(p) for p in Path(__file__).parent.parent.glob("configs/*.yaml"))
-# nl_350m (the GPU benchmark config: 348M parameters, sequence 2048) takes 13.5 minutes and 14 GB
-# on the 2-core CI machine (two steps of 4.3 TFLOP, its scanned layers run slowly on XLA:CPU), so it
-# is marked `big`: the suite (`pytest -n auto tests`) leaves it out and `.ci/run` runs it after the
-# suite (`pytest -m big tests`). Unscanned, one float32 step needs 22.8 GB on XLA:CPU, whose
+# The GPU configs take minutes on the 2-core CI machine: nl_350m (348M parameters, sequence 2048;
+# two steps of 4.3 TFLOP) 3.8 minutes and 14 GB, nl_gpu (98M, sequence 1024) 2 minutes. They are
+# marked `big`: the suite (`pytest -n auto tests`) leaves them out and `.ci/run` runs them after it
+# (`pytest -m big tests`). Unscanned, one float32 step of nl_350m needs 22.8 GB on XLA:CPU, whose
 # scheduler keeps every block's activations with or without remat (compiled memory_analysis).
-BIG = {"nl_350m.yaml"}
+BIG = {"nl_350m.yaml", "nl_gpu.yaml"}
 NL_CONFIGS = [pytest.param(p, marks=[pytest.mark.big] if Path(p).name in BIG else [])
               for p in CONFIGS if config.load(p).model.name == "nl_lm"]
 

@@ -189,8 +189,8 @@ def test_meanflow_fsdp_matches_replicated(strategy):
 def test_meanflow_under_tensor_parallelism_matches(shape, strategy):
     """The DiT split over `model` (heads, MLP width, adaLN outputs; nljax/tp.py) trains like one
     device with MeanFlow's loss: forward-mode jvp through the split blocks, then the gradient of
-    that, under fsdp (parameters sharded over data and model) and replicated. The evaluation runs
-    the global model on the gathered parameters (sampling is not split)."""
+    that, under fsdp (parameters sharded over data and model) and replicated; the evaluation's
+    samples come from the split model too."""
     ref, ref_losses, ref_grads, ref_params = trained(1, 1)
     setup, losses, grads, params = trained(*shape[:2], (f"sync.strategy={strategy}",), shape[2])
     assert setup.engine.tp == shape[2]
@@ -229,8 +229,8 @@ def test_gathered_energy_distance_equals_single_device():
     their energy distance equal the 1-device figures."""
     one, _, _, params = trained(1, 1)
     many, _, _, _ = trained(2, 4, tuple(strategy_override(STRATEGIES[0])))
-    a1, am = one.task.generate(one.engine.model, params, 13)
-    b1, bm = many.task.generate(many.engine.model, params, 13)
+    a1, am = one.task.generate(one.engine, params, 13)
+    b1, bm = many.task.generate(many.engine, params, 13)
     assert a1.shape == b1.shape == (13, 1, 1, 2)
     np.testing.assert_allclose(b1, a1, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(bm, am, rtol=1e-5, atol=1e-6)

@@ -32,11 +32,13 @@ def losses(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("model", [1, 2], ids=["data", "tensor"])
+@pytest.mark.parametrize("model", [2], ids=["tensor"])
 def test_two_processes_train_like_one_process_with_eight_devices(tmp_path, model):
     """2 x 4 devices over gloo == 1 x 8 devices, step for step, with different PYTHONHASHSEEDs;
-    `inter` spans the processes; each process builds only its own rows. `tensor`: each process's
-    4 devices hold 2 data slots x 2 tensor-parallel shards (mesh 2 x 2 x 2)."""
+    `inter` spans the processes; each process builds only its own rows. Each process's 4 devices
+    hold 2 data slots x 2 tensor-parallel shards (mesh 2 x 2 x 2): the per-level sync crosses the
+    processes, tensor parallelism stays inside each. (`model=1`, pure data parallelism, passes
+    too; it is left out for the suite's time: the other multi-process tests run it.)"""
     common = ["train.steps=6", "distributed.check_every=2", *ARGS, f"mesh.model={model}"]
     ref_dir, mp_dir = tmp_path / "one", tmp_path / "two"
     ref = subprocess.Popen(
