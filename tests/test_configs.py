@@ -16,11 +16,11 @@ from nljax.conductor import pulse
 
 CONFIGS = sorted(str(p) for p in Path(__file__).parent.parent.glob("configs/*.yaml"))
 # The GPU configs take minutes on the 2-core CI machine: nl_350m (348M parameters, sequence 2048;
-# two steps of 4.3 TFLOP) 3.8 minutes and 14 GB, nl_gpu (98M, sequence 1024) 2 minutes. They are
-# marked `big`: the suite (`pytest -n auto tests`) leaves them out and `.ci/run` runs them after it
-# (`pytest -m big tests`). Unscanned, one float32 step of nl_350m needs 22.8 GB on XLA:CPU, whose
+# two steps of 4.3 TFLOP) 3.4 minutes and 14 GB, nl_gpu (98M, sequence 1024) 63 s, titans_demo
+# (the CPU benchmark's 16M, batch 1 x 512) 26 s (run alone; about twice that beside the suite). They are marked `big`: the suite (`pytest -n auto
+# tests`) leaves them out and `.ci/run` runs them after it (`pytest -m big tests`). Unscanned, one float32 step of nl_350m needs 22.8 GB on XLA:CPU, whose
 # scheduler keeps every block's activations with or without remat (compiled memory_analysis).
-BIG = {"nl_350m.yaml", "nl_gpu.yaml"}
+BIG = {"nl_350m.yaml", "nl_gpu.yaml", "titans_demo.yaml"}
 NL_CONFIGS = [pytest.param(p, marks=[pytest.mark.big] if Path(p).name in BIG else [])
               for p in CONFIGS if config.load(p).model.name == "nl_lm"]
 
