@@ -1,4 +1,5 @@
-"""Mixed precision (`model.dtype`) and rematerialization (`model.remat`) of the nested-learning LM."""
+"""Mixed precision (`model.dtype`) and rematerialization (`model.remat`) of the nested-learning LM
+(the DiT's bf16: tests/test_meanflow.py)."""
 
 import functools
 

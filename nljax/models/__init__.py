@@ -38,7 +38,7 @@ def _dit(cfg: Config) -> Model:
     if h % patch or w % patch:
         raise ConfigError(f"model.dit.patch_size={patch} does not divide the {h}x{w} images")
     classes = data.num_classes if cfg.meanflow.class_cond else 0
-    return DiT(DiTNet(data.shape, patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes),
+    return DiT(DiTNet(data.shape, patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes, dtype=jnp.dtype(m.dtype)),
                cfg.meanflow, cfg.seed)
 
 

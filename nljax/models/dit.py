@@ -91,18 +91,20 @@ class Attention(nn.Module):
     heads: int
     tp: int = 1
     axis: str | None = None
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x):  # [B, N, D]
         b, n, _ = x.shape
         h, hd = self.heads // self.tp, self.dim // self.heads
         # kernel [D, 3, H, hd]: the head axis stands alone, so a shard is a contiguous block of it
-        qkv = nn.DenseGeneral((3, h, hd), name="qkv")(tplib.enter(x, self.axis))  # [B, N, 3, h, hd]
+        qkv = nn.DenseGeneral((3, h, hd), dtype=self.dtype, name="qkv")(tplib.enter(x, self.axis))  # [B, N, 3, h, hd]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        # Written out (not jax.nn.dot_product_attention) so forward-mode AD works on every backend.
-        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(hd)
-        y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1), v)
-        return RowDense(self.dim, axis=self.axis, name="out")(y.reshape(b, n, h * hd))
+        # Written out (not jax.nn.dot_product_attention) so forward-mode AD works on every backend;
+        # logits and softmax in float32 whatever the compute dtype.
+        logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) / math.sqrt(hd)
+        y = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1).astype(v.dtype), v)
+        return RowDense(self.dim, self.dtype, self.axis, name="out")(y.reshape(b, n, h * hd))
 
 
 class DiTBlock(nn.Module):
@@ -116,18 +118,20 @@ class DiTBlock(nn.Module):
     hidden: int
     tp: int = 1
     axis: str | None = None
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x, c):  # x [B, N, D], c [B, D]
         enter = lambda a: tplib.enter(a, self.axis)
-        mod = nn.Dense(6 * self.dim // self.tp, kernel_init=nn.initializers.zeros, name="adaln")(enter(nn.silu(c)))
+        dense = lambda n, name, **kw: nn.Dense(n, dtype=self.dtype, name=name, **kw)
+        mod = dense(6 * self.dim // self.tp, "adaln", kernel_init=nn.initializers.zeros)(enter(nn.silu(c)))
         mod = tplib.gather(mod, self.axis, self.tp)  # [B, 6D]
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = jnp.split(mod, 6, axis=-1)  # each [B, D]
         norm = lambda name: nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name=name)
-        attn = Attention(self.dim, self.heads, self.tp, self.axis, name="attn")
+        attn = Attention(self.dim, self.heads, self.tp, self.axis, self.dtype, name="attn")
         x = x + gate_a[:, None] * attn(modulate(norm("norm1")(x), shift_a, scale_a))
-        h = nn.Dense(self.hidden // self.tp, name="mlp_up")(enter(modulate(norm("norm2")(x), shift_m, scale_m)))
-        h = RowDense(self.dim, axis=self.axis, name="mlp_down")(nn.gelu(h, approximate=True))
+        h = dense(self.hidden // self.tp, "mlp_up")(enter(modulate(norm("norm2")(x), shift_m, scale_m)))
+        h = RowDense(self.dim, self.dtype, self.axis, name="mlp_down")(nn.gelu(h, approximate=True))
         return x + gate_m[:, None] * h
 
 
@@ -141,24 +145,29 @@ class DiTNet(nn.Module):
     num_classes: int  # 0: unconditional; else labels 0..num_classes-1 and num_classes = null
     tp: int = 1  # tensor-parallel shards (nljax.tp): this net holds 1/tp of each block's split layers
     tp_axis: str | None = None  # the mesh axis they sum over (None: shapes only, no collective)
+    # `model.dtype`: the matmuls' compute dtype. The residual stream, norms, modulation, time
+    # features and softmax stay float32 (a bf16 matmul's output is promoted where it is added).
+    dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, z, t, h, y):  # z [B, H, W, C], t [B], h [B], y [B] int32 or None
         hh, ww, ch = self.image
         p = self.patch
         b = z.shape[0]
-        x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", name="patch_embed")(z)  # [B, H/p, W/p, D]
+        x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype, name="patch_embed")(z)
+        x = x.astype(jnp.float32)  # [B, H/p, W/p, D]
         gh, gw = hh // p, ww // p
         x = x.reshape(b, gh * gw, self.dim) + pos_embed_2d(self.dim, gh, gw)[None]  # [B, N, D]
         c = TimeEmbed(self.dim, name="t_embed")(t) + TimeEmbed(self.dim, name="h_embed")(h)  # [B, D]
         if self.num_classes:
             c = c + nn.Embed(self.num_classes + 1, self.dim, name="label_embed")(y)
         for i in range(self.depth):
-            x = DiTBlock(self.dim, self.heads, self.hidden, self.tp, self.tp_axis, name=f"block{i}")(x, c)
+            x = DiTBlock(self.dim, self.heads, self.hidden, self.tp, self.tp_axis, self.dtype, name=f"block{i}")(x, c)
         final_mod = nn.Dense(2 * self.dim, kernel_init=nn.initializers.zeros, name="final_adaln")(nn.silu(c))
         shift, scale = jnp.split(final_mod, 2, axis=-1)
         x = modulate(nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name="final_norm")(x), shift, scale)
-        x = nn.Dense(p * p * ch, kernel_init=nn.initializers.zeros, name="final")(x)  # [B, N, p*p*C]
+        x = nn.Dense(p * p * ch, kernel_init=nn.initializers.zeros, dtype=self.dtype, name="final")(x)
+        x = x.astype(jnp.float32)  # [B, N, p*p*C]
         x = x.reshape(b, gh, gw, p, p, ch).transpose(0, 1, 3, 2, 4, 5)
         return x.reshape(b, hh, ww, ch)
 

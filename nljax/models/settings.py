@@ -23,8 +23,9 @@ class ModelConfig:
     hidden_mult: int = 4  # MLP hidden width = dim * hidden_mult
     depth: int = 2  # blocks (nl_lm, cms_mlp: each ending in one CMS chain of len(cms.periods) levels)
     heads: int = 4  # attention heads (nl_lm, dit)
-    # compute dtype of nl_lm's matmuls and activations; parameters, optimizer state, the
-    # inner-loop memory (state, gates, normalisers), losses and gradient reductions stay float32
+    # compute dtype of nl_lm's matmuls and activations, and of the DiT's matmuls; parameters,
+    # optimizer state, the inner-loop memory (state, gates, normalisers), losses and gradient
+    # reductions stay float32
     dtype: Literal["float32", "bfloat16"] = "float32"
     # jax.checkpoint in nl_lm: none | block (recompute attention, memory and CMS sub-blocks in the
     # backward pass) | memory (only the inner loop's per-chunk internals); exact, since all are pure
