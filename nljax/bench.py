@@ -220,7 +220,7 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
                    "seq_len": cfg.train.seq_len if run.task.unit == "tokens" else None,
                    "mesh": dict(run.mesh.shape), "strategy": eng.strategy.name},
         "environment": environment(),
-        "unit": run.task.unit, "units_per_device_step": units, "devices": eng.n_devices * eng.tp,
+        "unit": run.task.unit, "units_per_device_step": units, "devices": eng.mesh_devices,
         "warmup": warmup, "steps": steps, "patterns": which,
         "peak_flops_per_device": peak, "peak_source": peak_source,
         "flops": analytic, "per_pattern": rows, **summarize(rows, units),

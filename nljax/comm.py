@@ -20,7 +20,8 @@ on links, not measured times.
 
 Under tensor parallelism (`mesh.model` > 1) the collectives over `model` alone are the
 activation reductions of the split sub-blocks (one all-reduce per attention, memory and MLP
-forward and one per backward), listed with the rest and totalled apart; the per-level sync and
+forward and one per backward; the DiT adds its modulation's all-gathers), listed with the rest
+and totalled apart; the per-level sync and
 the DDP baseline are over the data axes, of one device's shard of each level.
 """
 
@@ -72,6 +73,7 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
         colls = variant_collectives(cache, active, state, batch)
         times = [c.wire_bytes / link_bandwidth(c.axes, cfg) for c in colls]
         grad_bytes = sum(b for b, a in zip(sizes, active) if a)
+        wire = sum(c.wire_bytes for c in colls)
         tp_wire = sum(c.wire_bytes for c in colls if c.axes == (MODEL,))
         sync_time = sum(t for c, t in zip(colls, times) if c.axes != (MODEL,))
         variants.append(
@@ -93,11 +95,11 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
                     for c, t in zip(colls, times)
                 ],
                 "payload_bytes": sum(c.bytes for c in colls),
-                "wire_bytes": sum(c.wire_bytes for c in colls),
+                "wire_bytes": wire,
                 # tensor parallelism's activation reductions (over `model` alone), apart from the
                 # per-level sync of the data axes
                 "model_axis_wire_bytes": tp_wire,
-                "data_axes_wire_bytes": sum(c.wire_bytes for c in colls) - tp_wire,
+                "data_axes_wire_bytes": wire - tp_wire,
                 "gradient_bytes": grad_bytes,
                 "projected_time_s": sum(times),
                 "sync_projected_time_s": sync_time,  # of the per-level sync alone
@@ -105,11 +107,8 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
             }
         )
     cycle = conductor.cycle
-    mean_wire = sum(v["wire_bytes"] * v["steps_per_cycle"] for v in variants) / cycle
-    mean_time = sum(v["projected_time_s"] * v["steps_per_cycle"] for v in variants) / cycle
-    mean_flat = sum(v["flat_all_reduce_time_s"] * v["steps_per_cycle"] for v in variants) / cycle
-    mean_tp = sum(v["model_axis_wire_bytes"] * v["steps_per_cycle"] for v in variants) / cycle
-    mean_sync_time = sum(v["sync_projected_time_s"] * v["steps_per_cycle"] for v in variants) / cycle
+    mean = lambda key: sum(v[key] * v["steps_per_cycle"] for v in variants) / cycle  # per step, over a cycle
+    mean_wire, mean_tp = mean("wire_bytes"), mean("model_axis_wire_bytes")
     param_bytes = sum(sizes)
     ddp = hlo.ring_all_reduce_bytes(param_bytes, data_size(eng.mesh))
     return {
@@ -127,9 +126,9 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
         "ddp_wire_bytes_per_step": ddp,
         # the sync against DDP's: tensor parallelism's activation traffic is the same for both
         "ratio_vs_ddp": ((mean_wire - mean_tp) / ddp) if ddp else None,
-        "mean_projected_time_s": mean_time,
-        "mean_sync_projected_time_s": mean_sync_time,
-        "mean_flat_all_reduce_time_s": mean_flat,
+        "mean_projected_time_s": mean("projected_time_s"),
+        "mean_sync_projected_time_s": mean("sync_projected_time_s"),
+        "mean_flat_all_reduce_time_s": mean("flat_all_reduce_time_s"),
     }
 
 

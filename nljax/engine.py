@@ -61,8 +61,12 @@ class Engine:
         return len(self.cfg.cms.periods)
 
     @property
-    def n_devices(self) -> int:
+    def n_devices(self) -> int:  # data-parallel devices (`inter` x `intra`)
         return data_size(self.mesh)
+
+    @property
+    def mesh_devices(self) -> int:  # every device of the mesh: data-parallel x tensor-parallel
+        return self.mesh.devices.size
 
     @property
     def level_tree(self) -> PyTree:  # same structure as params, an int level per leaf

@@ -68,7 +68,7 @@ class Run:
         """Tokens (or the task's unit) one device processes in a step on `batch`: its data slot's
         rows, shared by the slot's `mesh.model` tensor-parallel devices."""
         rows = jax.tree.leaves(batch)[0].shape[0]
-        return rows * self.task.units_per_row // (self.engine.n_devices * self.engine.tp)
+        return rows * self.task.units_per_row // self.engine.mesh_devices
 
     def local(self) -> "Run":
         """This run's program for one device: the same model (its tensor-parallel shard, with

@@ -285,9 +285,7 @@ class Zero1(Strategy):
         return sync.shard_intra(g, c.reduce, c.mean, self.mesh.shape[INTRA], data_size(self.mesh))  # [Np/intra]
 
     def own(self, vec):
-        full = sync.pad_to(vec, self.mesh.shape[INTRA])  # [Np]
-        size = full.shape[0] // self.mesh.shape[INTRA]
-        return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(INTRA) * size, size)  # [Np/intra]
+        return _block_of(vec, INTRA, self.mesh.shape[INTRA])  # [Np/intra]
 
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
         flat = self.levels.flats[l]
@@ -343,10 +341,7 @@ class FSDP(Strategy):
         return self.opt.apply(gs, oks, opt_state, stored_part, lrs)
 
     def own(self, vec):
-        n = data_size(self.mesh)
-        full = sync.pad_to(vec, n)  # [Np]
-        size = full.shape[0] // n
-        return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(DATA_AXES) * size, size)  # [Np/n]
+        return _block_of(vec, DATA_AXES, data_size(self.mesh))  # [Np/n]
 
     def param_specs(self, params):
         return tuple(self.flat_opt.spec for _ in params)
@@ -357,6 +352,13 @@ class FSDP(Strategy):
     def gather_params(self, stored):
         fn = jax.jit(lambda p: self.to_canonical(p, ())[0], out_shardings=self.canonical_shardings()[0])
         return fn(stored)
+
+
+def _block_of(vec: jax.Array, axes, n: int) -> jax.Array:
+    """This device's block of `vec` padded to a multiple of `n`, split over `axes` (n devices)."""
+    full = sync.pad_to(vec, n)  # [Np]
+    size = full.shape[0] // n
+    return jax.lax.dynamic_slice_in_dim(full, jax.lax.axis_index(axes) * size, size)
 
 
 STRATEGIES: dict[str, type[Strategy]] = {"replicated": Replicated, "zero1": Zero1, "fsdp": FSDP}

@@ -122,7 +122,7 @@ def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps:
     chain = _Chain(jax.tree.map(lambda x: x.copy(), state))
     fns = {a: cache.train_fn(a, chain.state, batch) for a in active_sets}
     runs = {("step", a): chain.call(fns[a], batch) for a in active_sets}
-    n_devices = cache.eng.n_devices * cache.eng.tp  # devices in the mesh
+    n_devices = cache.eng.mesh_devices
     if split and n_devices > 1:
         one = local()
         lbatch, lstate = one.batch(0), one.init_state()

@@ -12,7 +12,6 @@ split regions with Megatron's two operators, f and g, and a third:
   identical on every shard.
 - `leave(y)` where a split region ends (after a row-parallel layer): all-reduce over `model`
   forward; identity backward.
-
 - `gather(y)` where a column-parallel output is needed whole (the DiT's adaLN modulation, which
   acts on the replicated residual stream): all-gather over `model` forward; backward each shard
   keeps its own block of the cotangent.
@@ -148,11 +147,12 @@ class Shards:
         return -(-self.flat.size // multiple) * multiple
 
     def ravel(self, part: PyTree, multiple: int) -> jax.Array:  # [m * padded(N_local)]
-        leaves = jax.tree.leaves(part)
+        # each leaf as m shard pieces (a replicated leaf: the same array in every shard)
+        pieces = [[x] * self.m if d is None else jnp.split(x, self.m, axis=d)
+                  for x, d in zip(jax.tree.leaves(part), self._dims())]
         out = []
         for k in range(self.m):
-            local = [x if d is None else jnp.split(x, self.m, axis=d)[k] for x, d in zip(leaves, self._dims())]
-            vec = self.flat.ravel(local)
+            vec = self.flat.ravel([p[k] for p in pieces])
             out.append(jnp.pad(vec, (0, self.padded(multiple) - vec.shape[0])))
         return jnp.concatenate(out) if out else jnp.zeros((0,), jnp.float32)
 

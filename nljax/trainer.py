@@ -210,7 +210,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         "nljax_version": __version__,
         "steps": cfg.train.steps,
         "resumed_from_step": resumed_from,
-        "devices": eng.n_devices * eng.tp,
+        "devices": eng.mesh_devices,
         "mesh": dict(run.mesh.shape),
         "final_loss": hist.final_loss,
         **final_eval,
@@ -261,7 +261,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
     device_kind = jax.devices()[0].device_kind
     table = throughput.report(
         measured, counts, Conductor(cfg.cms.periods).patterns(), wire, run.units_per_device(batch),
-        eng.n_devices * eng.tp, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
+        eng.mesh_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
     )
     key = f"{run.task.unit}_per_s_per_device"
     steady = [r for r in hist.records if not r["compiled"]]
@@ -269,7 +269,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
         units = sum(r[key] * r["step_time_s"] for r in steady)
         table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
     table["device_kind"] = device_kind
-    if jax.devices()[0].platform == "cpu" and eng.n_devices * eng.tp > 1:
+    if jax.devices()[0].platform == "cpu" and eng.mesh_devices > 1:
         table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
     return table, measured
 

@@ -16,8 +16,7 @@ A model is a frozen dataclass (hashable, so it can be a static argument of a jit
 - `tensor_parallel(m, axis) -> Model` (optional): the model's shard over `m` devices of the mesh
   axis `axis` (`nljax.tp`): its `init` gives one shard's parameter shapes, its `apply` runs on one
   shard and sums (or gathers) over `axis` where a split region ends (axis None: shapes only, no
-  collective);
-  refused with a ConfigError when `m` does not divide the widths it splits
+  collective); refused with a ConfigError when `m` does not divide the widths it splits
 - `loops_over_layers` (default False): its blocks run as a loop, whose body XLA's cost analysis
   counts once, so the XLA FLOP count (and MFU from it) is not reported; the analytic one is
 
@@ -54,6 +53,9 @@ def cms_level_of(path: str) -> int:
     """Level from a `cms<l>` module name in the path; everything else is level 0."""
     m = _CMS_LEVEL.search(path)
     return int(m.group(1)) if m else 0
+
+
+HIDDEN = "the MLP hidden width (model.dim x model.hidden_mult)"  # as tensor parallelism's refusals name it
 
 
 def tp_divides(m: int, widths) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 import flax.linen as nn
 
-from nljax.models.base import cms_level_of, tp_divides
+from nljax.models.base import HIDDEN, cms_level_of, tp_divides
 from nljax.models.layers import CMSChain, token_loss
 
 
@@ -50,7 +50,7 @@ class CMSMLP:
     def tensor_parallel(self, m: int, axis: str | None) -> "CMSMLP":
         """This model's shard over `m` tensor-parallel devices (`nljax.tp`): the MLPs' hidden
         width split; embedding and head replicated (they are small next to the chains here)."""
-        tp_divides(m, [("the MLP hidden width (model.dim x model.hidden_mult)", self.hidden)])
+        tp_divides(m, [(HIDDEN, self.hidden)])
         return dataclasses.replace(self, tp=m, tp_axis=axis)
 
     def init(self, key):

@@ -27,7 +27,7 @@ from nljax import meanflow
 from nljax import tp as tplib
 from nljax.errors import ConfigError
 from nljax.meanflow import MeanFlowConfig
-from nljax.models.base import tp_divides
+from nljax.models.base import HIDDEN, tp_divides
 from nljax.models.layers import RowDense
 
 
@@ -195,7 +195,7 @@ class DiT:
         final adaLN and output layer are replicated: small (the output layer maps to p*p*C
         values per patch) and outside the blocks, where every shard needs them whole."""
         n = self.net
-        tp_divides(m, [("model.heads", n.heads), ("the MLP hidden width (model.dim x model.hidden_mult)", n.hidden)])
+        tp_divides(m, [("model.heads", n.heads), (HIDDEN, n.hidden)])
         return dataclasses.replace(self, net=dataclasses.replace(n, tp=m, tp_axis=axis))
 
     def velocity(self, params) -> meanflow.VelocityFn:

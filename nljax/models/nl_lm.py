@@ -33,7 +33,7 @@ import flax.linen as nn
 import nljax.models.memory as nm
 from nljax.errors import ConfigError
 from nljax import tp as tplib
-from nljax.models.base import cms_level_of, tp_divides
+from nljax.models.base import HIDDEN, cms_level_of, tp_divides
 from nljax.models.layers import CMSChain, local_attention, token_loss
 
 
@@ -375,7 +375,7 @@ class NLLM:
         vocabulary is small next to the blocks (bytes: 256), and a vocabulary-parallel head would
         add a reduction to the loss for little memory."""
         n = self.net
-        widths = [("model.heads", n.heads), ("the MLP hidden width (model.dim x model.hidden_mult)", n.hidden)]
+        widths = [("model.heads", n.heads), (HIDDEN, n.hidden)]
         if n.memory_layers:
             widths.append(("model.nl_lm.memory_heads", n.memory["heads"]))
         tp_divides(m, widths)
