@@ -45,3 +45,30 @@ def test_first_steps_at_real_shapes(path):
         assert not bool(m["skipped"].addressable_data(0)), f"step {s} skipped, grad norm {m['grad_norm']}"
     for leaf in jax.tree.leaves(state.memory):
         assert bool(np.isfinite(np.asarray(leaf)).all())
+
+
+# The DiT configs train on 32x32x3 arrays the user brings (images.source=file): here random ones of
+# that shape (`nljax.bench.synthetic_images`), which is all a step's shapes depend on. `big`:
+# DiT-B/2 and DiT-B/4 take ~20 s each on the CI machine, DiT-XL/2 (675M parameters) 2 minutes and
+# 20.4 GB resident with the config's AdamW, so it runs with SGD here (67 s, 9.6 GB), its model at
+# its real shapes, to keep a margin on the 24 GB machine.
+DIT_CONFIGS = [pytest.param(p, marks=[pytest.mark.big])
+               for p in CONFIGS if config.load(p).model.name == "dit" and config.load(p).images.source == "file"]
+
+
+def test_every_dit_config_is_covered():
+    assert {"meanflow_dit_b.yaml", "meanflow_dit_b4.yaml", "meanflow_dit_xl.yaml"} <= {
+        Path(p.values[0]).name for p in DIT_CONFIGS}
+
+
+@pytest.mark.parametrize("path", DIT_CONFIGS, ids=lambda p: Path(p).stem)
+def test_dit_first_steps_at_real_shapes(path, tmp_path):
+    from nljax.bench import synthetic_images
+
+    sgd = ["optim.name=sgd"] if Path(path).stem == "meanflow_dit_xl" else []
+    cfg = config.load(path, ["train.batch_size=1", "mesh.inter=1", "mesh.intra=1", "eval.every=0",
+                             "model.dtype=float32", f"run.dir={tmp_path}", *sgd])
+    setup = Setup.create(synthetic_images(cfg, "32x32x3", str(tmp_path)), devices=jax.devices()[:1])
+    losses, state = train(setup, 2)
+    assert np.isfinite(losses).all()
+    assert all(bool(np.isfinite(np.asarray(x)).all()) for x in jax.tree.leaves(state.params))
