@@ -19,6 +19,16 @@ def verdict(ok: bool | None) -> str:
     return "n/a " if ok is None else ("MET " if ok else "MISS")
 
 
+def profiled(b: dict) -> str:
+    """The profile's headline (bench --profile), if the bench ran one."""
+    p = b.get("profile")
+    if not p:
+        return ""
+    cats = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p["by_category_s"].items())
+    return (f"; profile: {p['ops']:,.0f} kernels/step (median {p['median_op_us']:.1f} us), device busy "
+            f"{100 * p['busy_fraction']:.0f}% of the step; {cats}")
+
+
 def lines(out: Path) -> list[str]:
     rows = []
     b = load(out, "bench_titans_demo")
@@ -31,15 +41,22 @@ def lines(out: Path) -> list[str]:
     rows.append(f"{verdict(None if ratio is None else ratio >= 100)}  titans_demo vs titans-pytorch bf16, batch 4: "
                 + ("skipped" if ratio is None else f"{ratio:.1f}x (target >= 100x; "
                    f"{t['nljax']['tokens_per_s']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)"))
-    b = load(out, "bench_titans_demo_b128")
-    peak = b["memory"]["peak_bytes"] if b else None
-    rows.append(f"{verdict(None if peak is None else peak < 20e9)}  titans_demo batch 128 x 512 peak memory: "
-                + ("-" if peak is None else f"{peak / 1e9:.1f} GB (target < 20 GB)"))
+    for name in ("bench_titans_demo_worst", "bench_titans_demo_graphs"):
+        b = load(out, name)
+        if b:
+            rows.append(f"info  {name}: {b['mean_step_ms']:.2f} ms/step, {b['units_per_s_per_device_mean']:,.0f} "
+                        f"tokens/s/device{profiled(b)}")
+    for remat in ("block", "memory"):
+        b = load(out, f"bench_titans_demo_b128_{remat}")
+        peak = b["memory"]["peak_bytes"] if b else None
+        rows.append(f"{verdict(None if peak is None else peak < 20e9)}  titans_demo batch 128 x 512 peak memory, "
+                    f"model.remat={remat}: " + ("-" if peak is None else f"{peak / 1e9:.1f} GB (target < 20 GB; "
+                                                f"{b['units_per_s_per_device_mean']:,.0f} tokens/s/device)"))
     b = load(out, "bench_nl_350m")
     mfu = b.get("mfu_mean") if b else None
     rows.append(f"{verdict(None if mfu is None else mfu >= 0.40)}  nl_350m seq 2048 MFU: "
                 + ("-" if mfu is None else f"{100 * mfu:.1f}% XLA count, {100 * b['mfu_analytic_mean']:.1f}% analytic "
-                   f"(target >= 40%; {b['flops']['params'] / 1e6:.0f}M parameters)"))
+                   f"(target >= 40%; {b['flops']['params'] / 1e6:.0f}M parameters){profiled(b)}"))
     mf, fm = load(out, "bench_dit_b4_meanflow"), load(out, "bench_dit_b4_flow_matching")
     r = mf["mean_step_ms"] / fm["mean_step_ms"] if mf and fm else None
     rows.append(f"{verdict(None if r is None else r <= 1.6)}  DiT-B/4 32x32 MeanFlow / flow-matching step: "

@@ -1,7 +1,8 @@
 """The benchmark command: how fast a config trains, measured the way it trains.
 
     python -m nljax.bench [--config FILE] [--cpu-devices N] [--steps S] [--warmup W]
-                          [--patterns cycle|worst] [--out FILE.json] [key=value ...]
+                          [--patterns cycle|worst] [--profile N [--profile-dir DIR]]
+                          [--out FILE.json] [key=value ...]
 
 builds the run exactly as `nljax.train` does (`nljax.run.Run`: same mesh, engine, compiled
 step variants, data) but writes no run directory and no checkpoint. Then, for every pulse
@@ -19,7 +20,10 @@ fires, `--patterns worst`):
   or `--peak-tflops`); on CPU a float32 matmul peak measured here and printed;
 - peak memory: `memory_stats()['peak_bytes_in_use']` where the backend keeps it (GPU), else the
   compiled programs' `memory_analysis()` (arguments + outputs + temporaries - aliased);
-- versions and the device kind.
+- versions and the device kind;
+- with `--profile N`: N more steps of the slowest pattern under jax.profiler, and where their
+  device time goes (`nljax.traces`: ops per step, device busy time against the step time, time
+  per op category, the top ops); `--profile-dir` keeps the trace for TensorBoard or Perfetto.
 
 A benchmark is a command, not a test: the suite only checks that its JSON is well formed.
 """
@@ -39,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax import cli, flops, throughput
+from nljax import cli, flops, throughput, traces
 from nljax.version import __version__
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError
@@ -203,7 +207,8 @@ def summarize(rows: dict, units: int) -> dict:
     }
 
 
-def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_source: str) -> dict:
+def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_source: str,
+              profile: int = 0, profile_dir: Path | None = None) -> dict:
     """The whole measurement as a JSON-ready dict (see the module docstring)."""
     cfg, eng = run.cfg, run.engine
     batch, state = run.batch(0), run.init_state()
@@ -215,6 +220,12 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     rows = {pattern_name(a): pattern_row(times[a], compile_s[a], per_cycle[a], units,
                                          throughput.flops(fns[a], eng.model), analytic["total_per_unit"], peak)
             for a in sorted(per_cycle, key=lambda a: (sum(a), a))}
+    summary = summarize(rows, units)
+    if profile:
+        slowest = next(a for a in fns if pattern_name(a) == summary["worst_pattern"])
+        state = jax.tree.map(lambda x: x.copy(), state)
+        _, step_s = traces.record(fns[slowest], state, batch, profile, profile_dir)
+        summary["profile"] = {"pattern": summary["worst_pattern"], **traces.summarize(profile_dir, profile, step_s)}
     return {
         "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,
                    "seq_len": cfg.train.seq_len if run.task.unit == "tokens" else None,
@@ -223,7 +234,7 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
         "unit": run.task.unit, "units_per_device_step": units, "devices": eng.mesh_devices,
         "warmup": warmup, "steps": steps, "patterns": which,
         "peak_flops_per_device": peak, "peak_source": peak_source,
-        "flops": analytic, "per_pattern": rows, **summarize(rows, units),
+        "flops": analytic, "per_pattern": rows, **summary,
         "memory": peak_memory(fns),
     }
 
@@ -259,6 +270,8 @@ def format_report(r: dict) -> str:
         f"peak memory per device: {_mib(mem['peak_bytes'])} "
         f"({'memory_stats' if mem['memory_stats_peak_bytes'] else 'compiled memory_analysis'})",
     ]
+    if "profile" in r:
+        lines += [f"{r['profile']['pattern']} " + "\n".join(traces.format_summary(r["profile"]))]
     return "\n".join(lines)
 
 
@@ -285,14 +298,16 @@ def synthetic_images(cfg: Config, shape: str, directory: str) -> Config:
 
 
 def _run(args, cfg: Config) -> int:
-    if args.steps < 1 or args.warmup < 0:
-        raise ConfigError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    if args.steps < 1 or args.warmup < 0 or args.profile < 0:
+        raise ConfigError(f"--steps must be >= 1, --warmup and --profile >= 0, got {args.steps}, {args.warmup}, "
+                          f"{args.profile}")
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic:
             cfg = synthetic_images(cfg, args.synthetic, tmp)
         run = Run.create(cfg)
         peak, source = device_peak(args.peak_tflops)
-        result = run_bench(run, args.steps, args.warmup, args.patterns, peak, source)
+        profile_dir = Path(args.profile_dir or Path(tmp) / "profile")
+        result = run_bench(run, args.steps, args.warmup, args.patterns, peak, source, args.profile, profile_dir)
     result["command"] = " ".join(["python -m nljax.bench", *(args.argv or [])])
     if jax.process_index() == 0:
         print(format_report(result))
@@ -311,6 +326,9 @@ def main(argv=None) -> int:
                    help="every active set of one cycle of cms.periods, or only the one where all levels fire")
     p.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: known or measured)")
     p.add_argument("--synthetic", metavar="HxWxC", help="images task: random images of this shape, e.g. 32x32x3")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="then profile N steps of the slowest pattern: where the device time goes")
+    p.add_argument("--profile-dir", metavar="DIR", help="keep the profiler trace here (default: a temporary one)")
     p.add_argument("--out", metavar="FILE.json", help="also write the result as JSON")
     argv = sys.argv[1:] if argv is None else list(argv)
     p.set_defaults(argv=argv)

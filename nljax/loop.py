@@ -9,6 +9,7 @@ hook (`Hooks.add(fn, every=n)`), run in the order added, outside the timed regio
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Callable, Iterator
@@ -17,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax import distributed
+from nljax import distributed, traces
 from nljax.conductor import Conductor, Pulse
 from nljax.hostdev import mean_loss, replica
 from nljax.run import Run
@@ -111,23 +112,38 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor,
 
 class Profiler:
     """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into
-    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); process 0 only.
-    `start(step)` before the loop, then two hooks: `stop` first after each step (the trace ends
-    with the last profiled step, not with the other hooks) and `start_next` last (it begins right
-    before the first profiled step)."""
+    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); process 0 only. When it
+    ends, where the device time went (`nljax.traces`) is said and written to
+    run.dir/profile/summary.json. `start(step)` before the loop, then two hooks: `stop` first
+    after each step (the trace ends with the last profiled step, not with the other hooks) and
+    `start_next` last (it begins right before the first profiled step)."""
 
-    def __init__(self, first: int, n: int, path: Path):
-        self.first, self.n, self.path, self.on = first, n, path / "profile", False
+    def __init__(self, first: int, n: int, path: Path, say: Callable[[str], None] = print):
+        self.first, self.n, self.path, self.on, self.say = first, n, path / "profile", False, say
+        self.step_s: list[float] = []
 
     def start(self, step: int) -> None:
         if self.n and step == self.first:
-            jax.profiler.start_trace(str(self.path))
+            jax.profiler.start_trace(str(self.path), create_perfetto_trace=True)
             self.on = True
 
     def stop(self, r: StepResult) -> None:
-        if self.on and (r.step == self.first + self.n - 1 or r.last):
+        if not self.on:
+            return
+        self.step_s.append(r.record["step_time_s"])
+        if r.step == self.first + self.n - 1 or r.last:
             jax.profiler.stop_trace()
             self.on = False
+            self.report()
+
+    def report(self) -> None:
+        try:
+            s = traces.summarize(self.path, len(self.step_s), sum(self.step_s) / len(self.step_s))
+        except (OSError, ValueError) as e:  # a trace jax could not write or convert: the run goes on
+            self.say(f"profile: no summary of the trace in {self.path} ({e})")
+            return
+        (self.path / "summary.json").write_text(json.dumps(s, indent=1))
+        self.say("\n".join(traces.format_summary(s)))
 
     def start_next(self, r: StepResult) -> None:
         if not r.last:

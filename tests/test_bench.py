@@ -10,10 +10,12 @@ NL = [*TINY_NL, "model.dim=16", "model.depth=1", "model.nl_lm.memory_heads=4", "
 
 
 def test_bench_json_fields_are_sane(tmp_path):
-    """Two emulated devices, a tiny nl_lm with a memory layer, two patterns, 2 timed rounds."""
-    out = tmp_path / "bench.json"
-    p = cli("nljax.bench", "--cpu-devices", "2", "--steps", "2", "--warmup", "1", "--out", str(out), *NL)
-    assert "tokens/s per device" in p.stdout and not list(tmp_path.glob("runs"))
+    """Two emulated devices, a tiny nl_lm with a memory layer, two patterns, 2 timed rounds,
+    then 2 profiled steps of the slower pattern."""
+    out, trace = tmp_path / "bench.json", tmp_path / "trace"
+    p = cli("nljax.bench", "--cpu-devices", "2", "--steps", "2", "--warmup", "1", "--out", str(out),
+            "--profile", "2", "--profile-dir", str(trace), *NL)
+    assert "tokens/s per device" in p.stdout and "device busy" in p.stdout and not list(tmp_path.glob("runs"))
     r = json.loads(out.read_text())
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
     assert set(r["per_pattern"]) == {"L0", "L0+1"}
@@ -30,3 +32,34 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert r["peak_flops_per_device"] > 1e8 and "measured" in r["peak_source"]
     assert r["memory"]["peak_bytes"] > 0 and math.isfinite(r["memory"]["peak_bytes"])
     assert r["environment"]["jax"] and r["environment"]["device_kind"]
+    prof = r["profile"]
+    assert prof["pattern"] == r["worst_pattern"] and prof["devices"] == 2 and prof["steps"] == 2
+    assert prof["ops"] > 10 and 0 < prof["busy_s"] and 0 < prof["busy_fraction"] <= 1.05
+    assert prof["by_category_s"]["matmul"] > 0 and prof["top"][0]["s"] >= prof["top"][-1]["s"] > 0
+    assert list(trace.rglob("perfetto_trace.json.gz"))  # kept for TensorBoard or Perfetto
+
+
+def test_gpu_suite_reads_bench_json(tmp_path):
+    """benchmarks/gpu_suite.sh parses, refuses an unknown part, and its summary reads the bench's
+    JSON (a CPU bench under the nl_350m row's name: the form, not the figures)."""
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    suite = ROOT / "benchmarks" / "gpu_suite.sh"
+    assert subprocess.run(["bash", "-n", str(suite)]).returncode == 0
+    p = subprocess.run(["bash", str(suite), str(tmp_path / "out"), "nope"], cwd=ROOT, capture_output=True, text=True,
+                       env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
+    assert p.returncode == 2 and "unknown part 'nope'" in p.stdout
+    cli("nljax.bench", "--steps", "1", "--warmup", "0", "--patterns", "worst", "--profile", "1",
+        "--out", str(tmp_path / "bench_nl_350m.json"), *NL)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_summary
+    finally:
+        sys.path.pop(0)
+    rows = gpu_summary.lines(tmp_path)
+    row = next(r for r in rows if "nl_350m" in r)
+    assert row.startswith(("MET", "MISS")) and "% XLA count" in row and "device busy" in row
+    assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)

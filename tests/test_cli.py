@@ -40,6 +40,8 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     assert 0 < comm["mean_wire_bytes_per_step"] < comm["ddp_wire_bytes_per_step"]
     assert (d / "config.yaml").read_text().startswith("seed: 0")
     assert list((d / "profile").rglob("*.xplane.pb")), "profiler trace"
+    prof = json.loads((d / "profile" / "summary.json").read_text())  # where the 2 steps' device time went
+    assert prof["steps"] == 2 and prof["devices"] == 2 and prof["ops"] > 10 and 0 < prof["busy_fraction"] <= 1.05
 
     d2 = tmp_path / "rerun"
     cli("nljax.train", *common, f"run.dir={d2}", "train.steps=6", *QUICK, env={"PYTHONHASHSEED": "2"})

@@ -1,0 +1,158 @@
+"""Where a step's device time goes, read from a jax.profiler trace.
+
+A benchmark that misses its target should say why (issue 17). `record` runs a few steps under
+`jax.profiler` with a Perfetto trace; `summarize` reads that trace and gives, per step and
+device:
+
+- `ops`: XLA op executions (on a GPU: kernels), and their median duration;
+- `busy_s`: the time during which at least one of them runs (the union of their intervals), and
+  `busy_fraction` = busy / the measured step time. A device busy for a small part of its step is
+  waiting on kernel launches, host round trips (a `while` loop's predicate) or the input, not
+  computing: that step is latency-bound, and larger kernels, not faster ones, are the fix;
+- `by_category`: op time in matmuls, collectives, copies, control flow (XLA:CPU's `while`), and
+  the rest (fusions), by op and kernel names (`CATEGORIES`);
+- `top`: the ops that take the most time, and `top_kinds` the same by kind of op (the name
+  without XLA's numeric suffix: all `fusion.N` together).
+
+Op events are those the runtime tags with `args.hlo_op`: XLA:GPU's kernels on the device's
+stream lanes, XLA:CPU's thunks on its worker threads. A GPU device process also has derived
+lanes ("XLA Ops", "XLA Modules") that repeat the same time per HLO op; when a process has lanes
+named "Stream ...", only those count. On a CPU, ops of one program may run on several threads at
+once (intra-op parallelism), and a loop's `while` op there spans part of its body's ops, so op
+time may exceed busy time.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+# Op name fragments, lower case, first match wins (XLA:GPU kernel and HLO names; XLA:CPU thunks).
+CATEGORIES = (
+    ("collective", ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "nccl")),
+    ("matmul", ("dot", "gemm", "cublas", "convolution", "nvjet", "cutlass", "xnn", "ynn")),
+    ("control", ("while", "conditional")),
+    ("copy", ("copy", "memcpy", "memset", "transpose", "dynamic-update-slice", "dynamic-slice", "concatenate")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower().replace("_", "-")  # XLA:CPU writes dynamic_update_slice, XLA:GPU dynamic-update-slice
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def record(step: Callable, state, batch, n: int, directory: Path):
+    """Runs `step` n times under the profiler into `directory`; returns (state, seconds per step)."""
+    jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            state, metrics = step(state, batch)
+            jax.block_until_ready((state, metrics))
+        seconds = (time.perf_counter() - t0) / n
+    finally:
+        jax.profiler.stop_trace()
+    return state, seconds
+
+
+def load_events(directory: Path) -> list[dict]:
+    """The events of the newest Perfetto trace under `directory`."""
+    found = sorted(Path(directory).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}")
+    with gzip.open(found[-1], "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def op_events(events: list[dict]) -> dict[str, list[dict]]:
+    """device -> its op events (complete events tagged with an HLO op), by the rules above."""
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    stream_procs = {pid for (pid, _), name in threads.items() if name.startswith("Stream")}
+    out: dict[str, list[dict]] = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or "hlo_op" not in args:
+            continue
+        pid = e["pid"]
+        if pid in stream_procs and not threads.get((pid, e.get("tid")), "").startswith("Stream"):
+            continue
+        name = procs.get(pid, str(pid))
+        device = name if name.startswith("/device:") else f"{name} device {args.get('device_ordinal', '?')}"
+        out.setdefault(device, []).append(e)
+    return out
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def kind(op: str) -> str:
+    """The op's name without XLA's numeric suffixes: fusion.12.3 -> fusion."""
+    parts = op.split(".")
+    while len(parts) > 1 and parts[-1].isdigit():
+        parts.pop()
+    return ".".join(parts)
+
+
+def device_summary(ops: list[dict], steps: int, step_s: float, top: int) -> dict:
+    us = 1e-6  # trace times are in microseconds
+    busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ops]) * us / steps
+    by_cat: dict[str, float] = {}
+    by_op: dict[str, list] = {}
+    by_kind: dict[str, list] = {}
+    for e in ops:
+        name = e["args"]["hlo_op"]
+        dur = e.get("dur", 0.0) * us
+        cat = category(f"{name} {e['name']}")  # the HLO op, and the kernel's name on a GPU
+        by_cat[cat] = by_cat.get(cat, 0.0) + dur / steps
+        for acc in (by_op.setdefault(name, [0.0, 0, cat]), by_kind.setdefault(kind(name), [0.0, 0, cat])):
+            acc[0] += dur / steps
+            acc[1] += 1
+    ranked = lambda d: [{"op": k, "s": v[0], "calls": v[1] / steps, "category": v[2]}
+                        for k, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
+    return {
+        "ops": len(ops) / steps,
+        "median_op_us": statistics.median(e.get("dur", 0.0) for e in ops) if ops else 0.0,
+        "busy_s": busy,
+        "busy_fraction": busy / step_s if step_s > 0 else None,
+        "by_category_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        "top": ranked(by_op),
+        "top_kinds": ranked(by_kind),
+    }
+
+
+def summarize(directory: Path, steps: int, step_s: float, top: int = 8) -> dict:
+    """Per step of the recorded `steps` (measured at `step_s` seconds each): the summary of the
+    first device, and how many devices the trace holds (SPMD: each runs the same program)."""
+    per_device = op_events(load_events(directory))
+    if not per_device:
+        raise ValueError(f"the trace under {directory} holds no XLA op events")
+    first = sorted(per_device)[0]
+    return {"device": first, "devices": len(per_device), "steps": steps, "step_s": step_s,
+            **device_summary(per_device[first], steps, step_s, top)}
+
+
+def format_summary(s: dict) -> list[str]:
+    ms = lambda x: f"{x * 1e3:,.2f} ms"
+    frac = "-" if s["busy_fraction"] is None else f"{100 * s['busy_fraction']:.0f}%"
+    cats = ", ".join(f"{k} {ms(v)}" for k, v in s["by_category_s"].items())
+    lines = [f"profile ({s['steps']} steps, {s['device']}, 1 of {s['devices']} devices): per step "
+             f"{s['ops']:,.0f} ops (median {s['median_op_us']:,.1f} us), device busy {ms(s['busy_s'])} "
+             f"of {ms(s['step_s'])} ({frac}); op time: {cats}"]
+    row = lambda t: f"  {t['s'] * 1e3:9.3f} ms  {t['calls']:8.1f} x  {t['category']:<10}  {t['op']}"
+    return [*lines, "top ops, per step:", *map(row, s["top"]), "top kinds of op, per step:", *map(row, s["top_kinds"])]

@@ -1,0 +1,90 @@
+"""`nljax.traces`: the device-time summary of a profiler trace, on hand-written traces whose
+answer is known (the bench's smoke test profiles a real step)."""
+
+import gzip
+import json
+
+import pytest
+
+from nljax import traces
+
+
+def meta(pid, name, tid=None):
+    if tid is None:
+        return {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": name}}
+    return {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+
+
+def op(pid, tid, hlo_op, ts, dur, name=None, **args):
+    return {"ph": "X", "pid": pid, "tid": tid, "name": name or hlo_op, "ts": ts, "dur": dur,
+            "args": {"hlo_op": hlo_op, **args}}
+
+
+def write(tmp_path, events):
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return tmp_path
+
+
+def test_gpu_trace_counts_stream_kernels_once(tmp_path):
+    """Two steps on one GPU: kernels on two streams (one overlap), the derived "XLA Ops" lane
+    repeating them (not counted), a host event with no HLO op (not counted)."""
+    events = [
+        meta(1, "/device:GPU:0"), meta(1, "Stream #13(Compute)", 13), meta(1, "Stream #14(NCCL)", 14),
+        meta(1, "XLA Ops", 99), meta(7, "/host:CPU"), meta(7, "python", 3),
+        # step 1: gemm [0, 100), fusions [100, 170), all-reduce [120, 220) on the other stream
+        op(1, 13, "custom-call.3", 0, 100, name="sm90_xmma_gemm_bf16"),
+        op(1, 13, "fusion.12", 100, 50), op(1, 13, "fusion.13", 150, 20),
+        op(1, 14, "all-reduce-start.1", 120, 100, name="ncclDevKernel_AllReduce"),
+        # step 2 after an idle gap: fusion.12 again, a predicate copy
+        op(1, 13, "fusion.12", 1000, 50), op(1, 13, "copy.4", 1050, 10, name="memcpy DtoH"),
+        op(1, 99, "fusion.12", 100, 50), op(1, 99, "custom-call.3", 0, 100),
+        {"ph": "X", "pid": 7, "tid": 3, "name": "PjitFunction(step)", "ts": 0, "dur": 2000},
+    ]
+    s = traces.summarize(write(tmp_path, events), steps=2, step_s=1e-3)
+    assert s["device"] == "/device:GPU:0" and s["devices"] == 1
+    assert s["ops"] == 3  # 6 kernels over 2 steps
+    assert s["busy_s"] == pytest.approx((220 + 60) * 1e-6 / 2)  # [0, 220) and [1000, 1060)
+    assert s["busy_fraction"] == pytest.approx(0.14)
+    assert s["by_category_s"] == pytest.approx(
+        {"matmul": 50e-6, "collective": 50e-6, "other": 60e-6, "copy": 5e-6})
+    top = {t["op"]: t for t in s["top"]}
+    assert top["fusion.12"]["calls"] == 1.0 and top["fusion.12"]["s"] == pytest.approx(50e-6)
+    assert top["custom-call.3"]["category"] == "matmul"  # from the kernel's name
+    kinds = {t["op"]: t for t in s["top_kinds"]}
+    assert s["top_kinds"][0]["op"] == "fusion" and kinds["fusion"]["calls"] == 1.5
+    assert kinds["fusion"]["s"] == pytest.approx(60e-6) and kinds["copy"]["category"] == "copy"
+    text = "\n".join(traces.format_summary(s))
+    assert "busy 0.14 ms of 1.00 ms (14%)" in text and "fusion.12" in text
+
+
+def test_cpu_trace_splits_devices_by_ordinal(tmp_path):
+    """XLA:CPU: one host process, ops tagged with their device ordinal; the first device is
+    summarized, ops on two threads at once count once in busy time."""
+    events = [
+        meta(5, "/host:CPU"), meta(5, "tf_XLAEigen/1", 1), meta(5, "tf_XLAEigen/2", 2),
+        op(5, 1, "ynn_fusion.1", 0, 40, device_ordinal="0"), op(5, 2, "dynamic_update_slice.0", 10, 20, device_ordinal="0"),
+        op(5, 1, "while.6", 40, 10, device_ordinal="0"),
+        op(5, 2, "ynn_fusion.1", 0, 70, device_ordinal="1"),
+        {"ph": "X", "pid": 5, "tid": 1, "name": "ThunkExecutor::Execute (wait for completion)", "ts": 0,
+         "dur": 90, "args": {"device_ordinal": "0"}},
+    ]
+    s = traces.summarize(write(tmp_path, events), steps=1, step_s=100e-6)
+    assert s["devices"] == 2 and s["device"].endswith("device 0")
+    assert s["ops"] == 3 and s["busy_s"] == pytest.approx(50e-6)
+    assert s["by_category_s"] == pytest.approx({"matmul": 40e-6, "copy": 20e-6, "control": 10e-6})
+
+
+def test_busy_time_and_kinds():
+    assert traces.busy_time([(0, 10), (5, 7), (8, 12), (20, 21)]) == 13
+    assert traces.busy_time([]) == 0
+    assert traces.kind("fusion.12.3") == "fusion" and traces.kind("add_tanh_fusion") == "add_tanh_fusion"
+
+
+def test_a_trace_without_ops_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="no XLA op events"):
+        traces.summarize(write(tmp_path, [meta(1, "/host:CPU")]), steps=1, step_s=1.0)
+    with pytest.raises(FileNotFoundError):
+        traces.summarize(tmp_path / "nothing", steps=1, step_s=1.0)
