@@ -170,6 +170,20 @@ def test_a_checkpoint_from_before_the_model_split_restores(ref, tmp_path):
     assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (checkpoint: 'replicated')"]
 
 
+def test_resume_may_change_how_the_step_computes(ref):
+    """model.remat and memory_unroll (same bits) change silently, model.dtype with a warning; the
+    state restored is the checkpoint's, and the run goes on with bitwise the same losses when only
+    the recomputation changed."""
+    setup = make([*NL, "model.remat=block", "model.nl_lm.memory_unroll=2"], 2, 4)
+    r = restore(setup.engine, setup.state, ref["dir"] / "2")
+    assert r.step == 2 and r.warnings == []
+    losses, _ = train(setup, range(2, STEPS), state=r.state)
+    np.testing.assert_array_equal(losses, ref["losses"][2:])
+    bf16 = make([*NL, "model.dtype=bfloat16"], 2, 4)
+    r = restore(bf16.engine, bf16.state, ref["dir"] / "2")
+    assert r.warnings == ["resuming with model.dtype='bfloat16' (checkpoint: 'float32')"]
+
+
 def test_elastic_resume_changes_mesh_model(ref, tmp_path):
     """(2, 4, 1) replicated -> (2, 2, 2) zero1 (tensor parallelism: heads, memory heads and MLP
     widths split in two) -> (1, 2, 1) fsdp: parameters, optimizer state and the error buffers of

@@ -30,11 +30,15 @@ FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory
 
 # Config sections that decide the shapes and meaning of the saved arrays: a checkpoint only
-# fits a run that agrees on them (`model`: every model.* key, model.nl_lm.* and model.dit.* included;
+# fits a run that agrees on them (`model`: every model.* key but HOW_COMPUTED's, model.nl_lm.* and model.dit.* included;
 # a checkpoint saved before those subsections is read with its keys moved, `storage.read_meta`). Everything else may change on resume: settings that do not
 # change the result silently, the rest (strategy included) with a warning.
 MUST_MATCH = ("model", "cms", "optim.name")
-SILENT = ("run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
+# model keys that change how the step computes, not what a checkpoint holds: they may change on
+# resume (a run that ran out of memory resumes with remat). Recomputation and unrolling give the
+# same bits (silent); the compute dtype changes rounding (a warning).
+HOW_COMPUTED = ("model.remat", "model.nl_lm.memory_unroll", "model.dtype")
+SILENT = ("model.remat", "model.nl_lm.memory_unroll", "run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
           "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
           "distributed")
 
@@ -231,6 +235,8 @@ def check_fits(path: Path, meta: dict, engine: Engine) -> None:
     here = to_dict(engine.cfg)
     for key in MUST_MATCH:
         for k, a, b in differences(get(meta["config"], key), get(here, key), key):
+            if k in HOW_COMPUTED:
+                continue
             raise ConfigError(f"checkpoint {path} does not fit this run: {k}={fmt(a)} there, {fmt(b)} here")
     saved, mine = meta["model"], fingerprint(engine.model)
     for name in sorted(set(saved) | set(mine)):
