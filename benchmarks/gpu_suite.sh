@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU measurements of issue 17 (item 6) on one H100, in parts that each fit a 10-minute call:
 #
-#   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: titans memory dit nl350m cycle (default: all, in order)
+#   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: titans graphs memory dit nl350m cycle
+#                                                  (default: all, in order)
 #
-#   titans  titans_demo vs titans-pytorch in bf16 at batch 4 (interleaved, one process); titans_demo
-#           alone, profiled, and again with CUDA graphs around XLA's while loops (the inner loop's scan)
+#   titans  titans_demo vs titans-pytorch in bf16 at batch 4 (interleaved, one process); titans_demo's
+#           step with model.remat memory (the default), none and block, interleaved and profiled
+#   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's scan), profiled
 #   memory  titans_demo at batch 128 x 512 with model.remat=block and =memory: peak memory
 #   dit     MeanFlow DiT-B/4 at 32x32 and its flow-matching twin
 #   nl350m  configs/nl_350m.yaml (seq 2048), profiled
@@ -49,11 +51,16 @@ part_titans() {
   else
     echo "== titans_vs_bf16: skipped, titans_pytorch is not importable (carry its wheels in .whl/)"
   fi
-  # the all-levels step alone, profiled: latency-bound (device idle between kernels) or not
-  run bench_titans_demo_worst $PY -m nljax.bench --config configs/titans_demo.yaml --patterns worst \
-    --steps 5 --warmup 2 --profile 2 "${BF16[@]}" --out "$OUT/bench_titans_demo_worst.json"
-  # the same with XLA's while loops inside CUDA graphs (one launch per loop instead of per kernel);
-  # an XLA that does not know the flag fails this row only
+  # the all-levels step, profiled (latency-bound, i.e. the device idle between kernels, or not),
+  # with the inner loop's chunks recomputed (the default), stored, and whole blocks recomputed
+  run ab_titans_remat $PY benchmarks/ab.py --config configs/titans_demo.yaml --rounds 10 --warmup 2 --profile 2 \
+    "${BF16[*]} model.remat=memory" "${BF16[*]} model.remat=none" "${BF16[*]} model.remat=block" \
+    --out "$OUT/ab_titans_remat.json"
+}
+
+part_graphs() {
+  # titans_demo with XLA's while loops inside CUDA graphs (one launch per loop instead of one per
+  # kernel); an XLA that does not know the flag fails this row only
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
     run bench_titans_demo_graphs $PY -m nljax.bench --config configs/titans_demo.yaml --patterns worst \
     --steps 5 --warmup 2 --profile 2 "${BF16[@]}" --out "$OUT/bench_titans_demo_graphs.json"
@@ -61,7 +68,7 @@ part_titans() {
 
 part_memory() {
   # titans_demo at batch 128 x 512: peak memory (target: under 20 GB)
-  for remat in block memory; do
+  for remat in memory block; do
     run bench_titans_demo_b128_$remat $PY -m nljax.bench --config configs/titans_demo.yaml train.batch_size=128 \
       model.remat=$remat --patterns worst --steps 3 --warmup 1 "${BF16[@]}" --out "$OUT/bench_titans_demo_b128_$remat.json"
   done
@@ -89,11 +96,11 @@ part_cycle() {
 }
 
 PARTS=("${@:2}")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(titans memory dit nl350m cycle)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(titans graphs memory dit nl350m cycle)
 for part in "${PARTS[@]}"; do
   case $part in
-    titans|memory|dit|nl350m|cycle) part_$part ;;
-    *) echo "unknown part '$part' (parts: titans memory dit nl350m cycle)"; exit 2 ;;
+    titans|graphs|memory|dit|nl350m|cycle) part_$part ;;
+    *) echo "unknown part '$part' (parts: titans graphs memory dit nl350m cycle)"; exit 2 ;;
   esac
 done
 

@@ -41,7 +41,12 @@ def lines(out: Path) -> list[str]:
     rows.append(f"{verdict(None if ratio is None else ratio >= 100)}  titans_demo vs titans-pytorch bf16, batch 4: "
                 + ("skipped" if ratio is None else f"{ratio:.1f}x (target >= 100x; "
                    f"{t['nljax']['tokens_per_s']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)"))
-    for name in ("bench_titans_demo_worst", "bench_titans_demo_graphs"):
+    a = load(out, "ab_titans_remat")
+    for r in a["rows"] if a else []:
+        ops = f"; {r['ops_per_step']:,.0f} kernels/step, device busy {100 * r['busy_fraction']:.0f}%" if "ops_per_step" in r else ""
+        rows.append(f"info  titans_demo {r['variant'].strip()}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} of the "
+                    f"first), compile {r['compile_s']:.0f} s{ops}")
+    for name in ("bench_titans_demo_graphs",):
         b = load(out, name)
         if b:
             rows.append(f"info  {name}: {b['mean_step_ms']:.2f} ms/step, {b['units_per_s_per_device_mean']:,.0f} "

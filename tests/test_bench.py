@@ -40,8 +40,9 @@ def test_bench_json_fields_are_sane(tmp_path):
 
 
 def test_gpu_suite_reads_bench_json(tmp_path):
-    """benchmarks/gpu_suite.sh parses, refuses an unknown part, and its summary reads the bench's
-    JSON (a CPU bench under the nl_350m row's name: the form, not the figures)."""
+    """benchmarks/gpu_suite.sh parses, refuses an unknown part, and its summary reads the JSON of
+    the bench and of benchmarks/ab.py (CPU runs of a tiny model under the GPU rows' names: the
+    form, not the figures)."""
     import subprocess
     import sys
 
@@ -54,6 +55,13 @@ def test_gpu_suite_reads_bench_json(tmp_path):
     assert p.returncode == 2 and "unknown part 'nope'" in p.stdout
     cli("nljax.bench", "--steps", "1", "--warmup", "0", "--patterns", "worst", "--profile", "1",
         "--out", str(tmp_path / "bench_nl_350m.json"), *NL)
+    variants = [" ".join(NL), " ".join([*NL, "model.remat=none"])]
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), "--cpu-devices", "1", "--rounds", "2",
+                        "--profile", "1",
+                        *variants, "--out", str(tmp_path / "ab_titans_remat.json")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    ab = json.loads((tmp_path / "ab_titans_remat.json").read_text())["rows"]
+    assert [r["ratio"] for r in ab][0] == 1.0 and all(r["median_ms"] > 0 and r["ops_per_step"] > 10 for r in ab)
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_summary
@@ -63,3 +71,4 @@ def test_gpu_suite_reads_bench_json(tmp_path):
     row = next(r for r in rows if "nl_350m" in r)
     assert row.startswith(("MET", "MISS")) and "% XLA count" in row and "device busy" in row
     assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)
+    assert any(r.startswith("info  titans_demo") and "model.remat=none" in r and "kernels/step" in r for r in rows)

@@ -24,11 +24,13 @@ def grads(overrides):
     return jax.jit(jax.grad(lambda p: model.apply(p, memory, batch)[0]))(params)
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("remat", ["block", "memory"])
-def test_remat_gradients_are_bitwise_equal(remat):
+def test_remat_gradients_are_bitwise_equal(remat, kind):
     """Recomputing a pure function gives the same bits: seed 000's ban on gradient checkpointing
     (a stateful inner loop re-run diverges) does not apply to a functional inner loop."""
-    ref, got = grads([]), grads([f"model.remat={remat}"])
+    mem = f"model.nl_lm.memory_kind={kind}"
+    ref, got = grads(["model.remat=none", mem]), grads([f"model.remat={remat}", mem])
     for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -1,0 +1,96 @@
+"""Variants of one config side by side: their all-levels train steps interleaved in one process.
+
+    python benchmarks/ab.py --config configs/titans_demo.yaml --rounds 6 "model.remat=none" "model.remat=memory"
+
+Each argument after the options is one variant's overrides (space-separated; "" is the config as
+is). Every variant's step is compiled, then the rounds run each variant's step in turn, so a
+change of clock or load hits all of them alike. Printed per variant: median and min step time,
+the ratio of medians to the first variant, compile time, peak memory (the compiled program's
+`memory_analysis` on CPU, as `nljax.bench`), and with `--profile N` the XLA ops per step and the
+device's busy share from N profiled steps (`nljax/traces.py`). `--out FILE.json` keeps it all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from nljax import cli, config, traces  # noqa: E402  (after the path: a checkout need not be installed)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=None)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--cpu-devices", type=int, default=None)
+    p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--out", metavar="FILE.json")
+    p.add_argument("variants", nargs="+", help='overrides of each variant, e.g. "model.remat=none"')
+    args = p.parse_args(argv)
+    try:
+        return run(args)
+    except config.ConfigError as e:
+        print(f"ab.py: error: {e}", file=sys.stderr)
+        return 2
+
+
+def run(args) -> int:
+    cli.setup_devices(args.cpu_devices)
+
+    import jax
+
+    from nljax.bench import compile_variants, peak_memory
+    from nljax.run import Run
+
+    built = []
+    for v in args.variants:
+        run = Run.create(config.load(args.config, v.split()))
+        batch, state = run.batch(0), run.init_state()
+        every = tuple(True for _ in run.cfg.cms.periods)
+        fns, compile_s = compile_variants(run.cache, [every], state, batch)
+        built.append({"variant": v, "fn": fns[every], "state": state, "batch": batch, "compile_s": compile_s[every],
+                      "memory_bytes": peak_memory(fns)["compiled_peak_bytes"]})
+    for b in built:
+        b["times"] = []
+    for i in range(args.warmup + args.rounds):  # a round runs every variant's step once
+        for b in built:
+            t0 = time.perf_counter()
+            b["state"], metrics = b["fn"](b["state"], b["batch"])  # donates the state
+            jax.block_until_ready((b["state"], metrics))
+            if i >= args.warmup:
+                b["times"].append(time.perf_counter() - t0)
+    base = statistics.median(built[0]["times"])
+    rows = []
+    for b in built:
+        row = {"variant": b["variant"] or "(config)", "median_ms": statistics.median(b["times"]) * 1e3,
+               "min_ms": min(b["times"]) * 1e3, "ratio": statistics.median(b["times"]) / base,
+               "compile_s": b["compile_s"], "memory_bytes": b["memory_bytes"]}
+        if args.profile:
+            with tempfile.TemporaryDirectory() as tmp:
+                b["state"], step_s = traces.record(b["fn"], b["state"], b["batch"], args.profile, Path(tmp))
+                s = traces.summarize(Path(tmp), args.profile, step_s)
+            row.update(ops_per_step=s["ops"], busy_fraction=s["busy_fraction"], by_category_s=s["by_category_s"])
+        rows.append(row)
+    print(f"{args.config or '(default config)'}: {args.rounds} interleaved rounds after {args.warmup} warm-up, "
+          f"all-levels step, {jax.device_count()} x {jax.devices()[0].device_kind}")
+    for r in rows:
+        mem = "-" if r["memory_bytes"] is None else f"{r['memory_bytes'] / 2**20:,.0f} MiB"
+        ops = f"  {r['ops_per_step']:,.0f} ops/step, busy {100 * r['busy_fraction']:.0f}%" if "ops_per_step" in r else ""
+        print(f"  {r['variant']:<40} median {r['median_ms']:9.1f} ms  min {r['min_ms']:9.1f} ms  x{r['ratio']:.3f}  "
+              f"compile {r['compile_s']:5.1f} s  memory {mem}{ops}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"config": args.config, "rounds": args.rounds, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
