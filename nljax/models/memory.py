@@ -79,58 +79,81 @@ def layers(kind: str) -> tuple[str, ...]:
     return ("W",) if kind == "linear" else ("W1", "W2")
 
 
+class Features:
+    """What the curvature bounds and the gradients of a chunk read from the memory at the chunk
+    start: the keys' squared norms and Gram matrix (memory-independent: `chunk_constants` computes
+    them for every chunk before the loop) and, for the MLP memory, its hidden features h = gelu(k
+    W1) with gelu's vjp and ||W2||_F², computed once per chunk."""
+
+    def __init__(self, M: PyTree, k: jax.Array, kind: str, kk=None, k_gram=None):
+        self.kind, self.k = kind, k
+        self.kk = jnp.sum(k * k, axis=-1) if kk is None else kk  # [B, H, b]
+        self.k_gram = jnp.abs(jnp.einsum("bhid,bhjd->bhij", k, k)) if k_gram is None else k_gram  # [B, H, b, b]
+        if kind == "mlp":
+            self.h, self.gelu_vjp = jax.vjp(jax.nn.gelu, jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"]))  # [B, H, b, hidden]
+            self.w2 = jnp.sum(jnp.square(M["W2"]), axis=(-2, -1))  # [B, H]
+
+    def normaliser(self) -> jax.Array:
+        if self.kind == "linear":
+            return self.kk + NU_FLOOR
+        return jnp.sum(self.h * self.h, axis=-1) + GELU_SLOPE**2 * self.kk * self.w2[..., None] + NU_FLOOR
+
+    def chunk_scale(self, nu: jax.Array) -> jax.Array:
+        inner = self.k_gram
+        if self.kind == "mlp":
+            inner = (jnp.abs(jnp.einsum("bhif,bhjf->bhij", self.h, self.h))
+                     + GELU_SLOPE**2 * inner * self.w2[..., None, None])
+        rs = jax.lax.rsqrt(nu)
+        return jnp.maximum(jnp.max(jnp.sum(inner * rs[..., :, None] * rs[..., None, :], axis=-1), axis=-1), 1.0)
+
+    def pieces(self, M: PyTree, v: jax.Array):
+        """Per layer, each token's gradient of l_t at M as (input x [B,H,b,n_in], output grad d
+        [B,H,b,n_out]): grad_W l_t = x_t^T d_t."""
+        if self.kind == "linear":
+            return [(self.k, read(M, self.k, self.kind) - v)]
+        e = jnp.einsum("bhnf,bhfe->bhne", self.h, M["W2"]) - v  # [B, H, b, dv]
+        (d1,) = self.gelu_vjp(jnp.einsum("bhne,bhfe->bhnf", e, M["W2"]))
+        return [(self.k, d1), (self.h, e)]
+
+
 def normaliser(M: PyTree, k: jax.Array, kind: str) -> jax.Array:
     """nu_t >= ||J_t||²: a bound on the curvature of l_t at M (see the module docstring).  [B, H, n]"""
-    kk = jnp.sum(k * k, axis=-1)
-    if kind == "linear":
-        return kk + NU_FLOOR
-    h = jax.nn.gelu(jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"]))
-    w2 = jnp.sum(jnp.square(M["W2"]), axis=(-2, -1))[..., None]  # [B, H, 1]
-    return jnp.sum(h * h, axis=-1) + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
+    return Features(M, k, kind).normaliser()
 
 
 def chunk_scale(M: PyTree, k: jax.Array, nu: jax.Array, kind: str) -> jax.Array:
     """lambda >= ||sum_j J_j^T J_j / nu_j||, Gershgorin's bound on the chunk's normalised
     curvature (module docstring), at least 1.  k [B, H, b, dk], nu [B, H, b] -> [B, H]"""
-    inner = jnp.abs(jnp.einsum("bhid,bhjd->bhij", k, k))  # [B, H, b, b]
-    if kind == "mlp":
-        h = jax.nn.gelu(jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"]))
-        w2 = jnp.sum(jnp.square(M["W2"]), axis=(-2, -1))[..., None, None]  # [B, H, 1, 1]
-        inner = jnp.abs(jnp.einsum("bhif,bhjf->bhij", h, h)) + GELU_SLOPE**2 * inner * w2
-    rs = jax.lax.rsqrt(nu)
-    return jnp.maximum(jnp.max(jnp.sum(inner * rs[..., :, None] * rs[..., None, :], axis=-1), axis=-1), 1.0)
+    return Features(M, k, kind).chunk_scale(nu)
 
 
-def pieces(M: PyTree, k: jax.Array, v: jax.Array, kind: str):
-    """Per layer, each token's gradient of l_t at M as (input x [B,H,b,n_in], output grad d [B,H,b,n_out]):
-    grad_W l_t = x_t^T d_t."""
-    if kind == "linear":
-        return [(k, read(M, k, kind) - v)]
-    z = jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"])  # [B, H, b, hidden]
-    h, gelu_vjp = jax.vjp(jax.nn.gelu, z)
-    e = jnp.einsum("bhnf,bhfe->bhne", h, M["W2"]) - v  # [B, H, b, dv]
-    (d1,) = gelu_vjp(jnp.einsum("bhne,bhfe->bhnf", e, M["W2"]))
-    return [(k, d1), (h, e)]
-
-
-def write_weights(a, eta, alpha):
-    """Scalar weights of the chunk's writes.  a, eta, alpha [B, H, b] ->
-    A [B, H, t, j] (weight of -grad l_j in M_t), s [B, H, t] (of S_0 in M_t), c [B, H, t] (of M_0),
-    w [B, H, j] (of -grad l_j in S_b), and the decay of S_0 to S_b [B, H]."""
+def chunk_constants(k, eta, alpha) -> dict:
+    """What a chunk's step needs that does not depend on the memory, for all chunks at once (one
+    batched computation before the loop instead of one per chunk inside it).  k [..., b, dk],
+    eta, alpha [..., b] (leading axes: rows, heads, chunks) ->
+      keep_mom [..., t, j]: the weight of -grad l_j in M_t, divided by a_j (the step, which depends
+                            on the memory); s [..., t]: of S_0 in M_t; c [..., t]: of M_0 in M_t;
+      mom_last [..., j]: of -grad l_j in S_b, divided by a_j; s_decay [...]: of S_0 in S_b;
+      kk [..., b] and k_gram [..., b, b]: the keys' squared norms and |k_i . k_j| (`Features`)."""
     # log-space cumulative products; tiny floors keep log finite for gates at 0 or 1
-    le = jnp.cumsum(jnp.log(jnp.maximum(eta, 1e-30)), axis=-1)  # [B, H, b]
-    la = jnp.cumsum(jnp.log(jnp.maximum(1.0 - alpha, 1e-30)), axis=-1)  # [B, H, b]
+    le = jnp.cumsum(jnp.log(jnp.maximum(eta, 1e-30)), axis=-1)
+    la = jnp.cumsum(jnp.log(jnp.maximum(1.0 - alpha, 1e-30)), axis=-1)
     b = le.shape[-1]
     lower = jnp.arange(b)[:, None] >= jnp.arange(b)[None, :]  # [i, j]: i >= j
 
-    def decay(lc):  # [B, H, i, j] = exp(lc_i - lc_j) for i >= j, else 0
+    def decay(lc):  # [..., i, j] = exp(lc_i - lc_j) for i >= j, else 0
         return jnp.where(lower, jnp.exp(jnp.where(lower, lc[..., :, None] - lc[..., None, :], 0.0)), 0.0)
 
     mom, keep = decay(le), decay(la)  # momentum carried j -> i; memory kept i -> t
-    A = jnp.einsum("bhti,bhij->bhtj", keep, mom) * a[..., None, :]
-    s = jnp.einsum("bhti,bhi->bht", keep, jnp.exp(le))
-    w = a * mom[..., -1, :]
-    return A, s, jnp.exp(la), w, jnp.exp(le[..., -1])
+    return {
+        "keep_mom": jnp.einsum("...ti,...ij->...tj", keep, mom),
+        "s": jnp.einsum("...ti,...i->...t", keep, jnp.exp(le)),
+        "c": jnp.exp(la),
+        "mom_last": mom[..., -1, :],
+        "s_decay": jnp.exp(le[..., -1]),
+        "kk": jnp.sum(k * k, axis=-1),
+        "k_gram": jnp.abs(jnp.einsum("...id,...jd->...ij", k, k)),
+    }
 
 
 def _bcast(c: jax.Array, x: jax.Array) -> jax.Array:
@@ -138,14 +161,17 @@ def _bcast(c: jax.Array, x: jax.Array) -> jax.Array:
     return c.reshape(c.shape + (1,) * (x.ndim - c.ndim))
 
 
-def chunk_step(state: PyTree, q, k, v, theta, eta, alpha, kind: str):
-    """One chunk.  q, k [B, H, b, dk], v [B, H, b, dv], gates [B, H, b]."""
+def chunk_step(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
+    """One chunk.  q, k [B, H, b, dk], v [B, H, b, dv], gates [B, H, b], `const`: this chunk's
+    `chunk_constants`."""
     M, S = state["M"], state["S"]
-    nu = normaliser(M, k, kind)  # [B, H, b]
-    a = theta * (1.0 - eta) / (chunk_scale(M, k, nu, kind)[..., None] * nu)  # [B, H, b]
-    A, s, c, w, s_decay = write_weights(a, eta, alpha)
+    f = Features(M, k, kind, const["kk"], const["k_gram"])
+    nu = f.normaliser()  # [B, H, b]
+    a = theta * (1.0 - eta) / (f.chunk_scale(nu)[..., None] * nu)  # [B, H, b]
+    A = const["keep_mom"] * a[..., None, :]  # [B, H, t, j]
+    s, c, w, s_decay = const["s"], const["c"], a * const["mom_last"], const["s_decay"]
     new_m, new_s, r = {}, {}, q  # r: the query's input to the current layer  [B, H, b, n_in]
-    for i, (name, (x, d)) in enumerate(zip(layers(kind), pieces(M, k, v, kind))):
+    for i, (name, (x, d)) in enumerate(zip(layers(kind), f.pieces(M, v))):
         if i:
             r = jax.nn.gelu(r)
         # r W_t = c_t r W + s_t r S - sum_j A[t, j] (r_t . x_j) d_j
@@ -171,15 +197,15 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
         raise ValueError(f"sequence length {t} is not a multiple of the memory chunk {chunk}")
     n = t // chunk
 
-    def chunks(x):  # [B, H, T, ...] -> [n, B, H, b, ...]
-        x = x.reshape(x.shape[:2] + (n, chunk) + x.shape[3:])
-        return jnp.moveaxis(x, 2, 0)
+    def split(x):  # [B, H, T, ...] -> [B, H, n, b, ...]
+        return x.reshape(x.shape[:2] + (n, chunk) + x.shape[3:])
 
-    xs = tuple(chunks(x) for x in (q, k, v, theta, eta, alpha))
+    const = chunk_constants(split(k), split(eta), split(alpha))  # leaves [B, H, n, ...]
+    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), (tuple(split(x) for x in (q, k, v, theta, eta)), const))
     state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
 
     def body(carry, inp):
-        return chunk_step(carry, *inp, kind)
+        return chunk_step(carry, *inp[0], inp[1], kind)
 
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
