@@ -65,8 +65,13 @@ def save(mngr, engine: Engine, step: int, state: TrainState, trackers: dict[str,
 
 
 def error_line(e: BaseException) -> str:
-    """'<type>: <first line>' of whatever Orbax or TensorStore raised."""
-    return f"{type(e).__name__}: {first_line(e)}"[:300]
+    """'<type>: <first line>' of whatever Orbax or TensorStore raised, without the TensorStore
+    spec Orbax appends (a repr that spans dozens of lines), and the first line of its cause."""
+    line = re.sub(r"\.?\s*See full TensorStore details:.*", "", first_line(e))
+    cause = e.__cause__ or e.__context__
+    if cause is not None and first_line(cause):
+        line += f" ({type(cause).__name__}: {first_line(cause)})"
+    return f"{type(e).__name__}: {line}"[:300]
 
 
 def os_error(e: BaseException) -> str:
