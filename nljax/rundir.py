@@ -8,6 +8,7 @@ reads and writes. A run refuses to overwrite an earlier run unless told to (or r
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,24 @@ def checkpoint_dir(cfg: Config) -> Path:
     """`checkpoint.dir`, by default `<run.dir>/checkpoints`."""
     # absolute: Orbax's TensorStore writer rejects relative paths (the default run.dir is one)
     return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints").absolute()
+
+
+# The user's data, named by paths that may be relative to where the run was started: config.yaml
+# records them absolute, so that a tool reading the run (nljax.generate, nljax.export) finds them
+# from any directory. The run's own config (and its checkpoints') keeps what the user wrote.
+DATA_PATHS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data", "prepared"), ("images", "path"))
+
+
+def recorded(cfg: Config) -> dict:
+    """`cfg` as config.yaml records it: the data paths (globs included) made absolute."""
+    tree = to_dict(cfg)
+    for section, key in DATA_PATHS:
+        value = tree[section][key]
+        if isinstance(value, list):
+            tree[section][key] = [os.path.abspath(p) for p in value]
+        elif value:
+            tree[section][key] = os.path.abspath(value)
+    return tree
 
 
 class RunDir:
@@ -60,7 +79,7 @@ class RunDir:
 
     def save_config(self, cfg: Config) -> None:
         if self.write:
-            (self.path / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+            (self.path / "config.yaml").write_text(yaml.safe_dump(recorded(cfg), sort_keys=False))
 
     def log(self, record: dict) -> None:
         if self.write:

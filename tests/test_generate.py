@@ -84,3 +84,25 @@ def test_bad_arguments_are_one_line(args, line, capsys):
     assert generate.main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and line in err, err
+
+
+def test_a_run_on_own_files_generates_from_any_directory(tmp_path):
+    """config.yaml records the data paths absolute: a run trained on files named relative to where
+    it started generates (and exports) from another directory."""
+    import yaml
+
+    from helpers import cli
+
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    (work / "corpus").mkdir(parents=True)
+    elsewhere.mkdir()
+    for i in range(20):
+        (work / "corpus" / f"d{i}.txt").write_text(f"document {i} says hello. " * 20)
+    cli("nljax.train", "--quiet", "--cpu-devices", "1", *NL, "data.source=files", "data.train=corpus/*.txt",
+        "train.steps=2", "train.seq_len=16", "train.batch_size=4", "eval.stream_steps=0", "run.dir=run", cwd=work)
+    data = yaml.safe_load((work / "run" / "config.yaml").read_text())["data"]
+    assert data["train"] == [str(work / "corpus" / "*.txt")]
+    p = cli("nljax.generate", f"run.dir={work / 'run'}", "max_new_tokens=5", "prompt=doc", cwd=elsewhere)
+    assert p.returncode == 0 and p.stdout.startswith("doc")
+    cli("nljax.export", f"run.dir={work / 'run'}", "out=exported", cwd=elsewhere)
+    assert (elsewhere / "exported" / "config.json").is_file()
