@@ -20,6 +20,7 @@ from nljax.checkpoint import storage
 from nljax.checkpoint.restore import restore_first_valid
 from nljax.errors import ConfigError
 from nljax.run import Run
+from nljax.rundir import DATA_PATHS
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,9 +50,22 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
         f"train.batch_size={n}", "train.accum_steps=1", "sync.strategy=replicated",
         "eval.stream_steps=0",  # used, not evaluated: the held-out text need not fit an evaluation over n rows
     ], saved=True)  # a config.yaml written before a key moved is read with it in its new place
-    run = Run.create(cfg, devices)
+    try:
+        run = Run.create(cfg, devices)
+    except ConfigError as e:
+        relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _relative(getattr(getattr(cfg, sec), key))]
+        if not relative:
+            raise
+        # a config.yaml written before the paths were recorded absolute (nljax.rundir.recorded)
+        raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
+                          "started in: run from there, or give it absolute)") from None
     restored, _ = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
     return Trained(cfg, run, restored.state.params, restored.step, restored.path)
+
+
+def _relative(value) -> bool:
+    paths = value if isinstance(value, (list, tuple)) else [value] if value else []
+    return any(not Path(p).is_absolute() for p in paths)
 
 
 def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> tuple[dict, list[str], str]:

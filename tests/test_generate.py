@@ -106,3 +106,10 @@ def test_a_run_on_own_files_generates_from_any_directory(tmp_path):
     assert p.returncode == 0 and p.stdout.startswith("doc")
     cli("nljax.export", f"run.dir={work / 'run'}", "out=exported", cwd=elsewhere)
     assert (elsewhere / "exported" / "config.json").is_file()
+    # a config.yaml written before (paths as given): one line saying why
+    cfg = yaml.safe_load((work / "run" / "config.yaml").read_text())
+    cfg["data"]["train"] = ["corpus/*.txt"]
+    (work / "run" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    p = cli("nljax.generate", f"run.dir={work / 'run'}", "max_new_tokens=5", cwd=elsewhere, check=False)
+    assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "data.train in " in p.stderr and "is relative to the directory the run was started in" in p.stderr
