@@ -248,7 +248,8 @@ def format_report(r: dict) -> str:
         f"{r['devices']} x {env['platform']} ({env['device_kind']}; {env['cpu']}), mesh {r['config']['mesh']}, "
         f"{r['units_per_device_step']:,} {unit} per device per step",
         f"peak {r['peak_flops_per_device'] / 1e9:,.1f} GFLOP/s per device ({r['peak_source']})",
-        f"model {r['config']['model']}: {fl['params']:,} parameters ({fl['matmul_params']:,} multiplied per token); "
+        f"model {r['config']['model']}: {fl['params']:,} parameters ({fl['matmul_params']:,} multiplied per token"
+        + (f", {fl['per_image_params']:,} once per image" if "per_image_params" in fl else "") + "); "
         f"training FLOPs per {unit[:-1]}: analytic {fl['total_per_unit']:,.0f} (outer 6N {fl['outer_per_token']:,.0f}, "
         f"attention {fl['attention_per_token']:,.0f}, inner memory ~{fl['inner_memory_per_token']:,.0f} per token"
         f"{per_unit})",
@@ -302,6 +303,9 @@ def _run(args, cfg: Config) -> int:
         raise ConfigError(f"--steps must be >= 1, --warmup and --profile >= 0, got {args.steps}, {args.warmup}, "
                           f"{args.profile}")
     with tempfile.TemporaryDirectory() as tmp:
+        if args.synthetic and cfg.model.name != "dit":
+            raise ConfigError(f"--synthetic is for the images task (model.name=dit); this config's model is "
+                              f"{cfg.model.name}")
         if args.synthetic:
             cfg = synthetic_images(cfg, args.synthetic, tmp)
         run = Run.create(cfg)

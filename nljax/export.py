@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -49,6 +50,9 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     flat = traverse_util.flatten_dict(jax.device_get(t.params), sep="/")
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(out / WEIGHTS))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(out / WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; readable like config.json
     info = {"config": config.to_dict(t.cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
     (out / CONFIG).write_text(json.dumps(info, indent=1))
     return out
@@ -92,13 +96,21 @@ def main(argv=None) -> int:
         mine, overrides, run_dir = trained_lib.split_args(args.settings, {"dtype": check_dtype, "out": str,
                                                                           "checkpoint": str})
         mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
+        out = Path(mine["out"] or Path(run_dir) / "export")
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
         t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
-        out = export(t, Path(mine["out"] or Path(run_dir) / "export"), mine["dtype"])
+        for line in t.warnings("nljax.export"):
+            print(line, file=sys.stderr)
+        out = export(t, out, mine["dtype"])
         print(f"nljax.export: {t.path} (step {t.step}) -> {out}/{WEIGHTS}, {out}/{CONFIG}")
         return 0
     except ConfigError as e:
         print(f"nljax.export: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the files cannot be written (permissions, a full disk)
+        print(f"nljax.export: error: {cli.write_failed(e) or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ def analytic_flops(cfg: Config, model, param_shapes) -> dict:
     MeanFlow's JVP adds about one forward pass on top; XLA's count includes it."""
     m = cfg.model
     n_total, n = matmul_params(param_shapes)
-    out = {"params": n_total, "matmul_params": n, "outer_per_token": 6.0 * n}
+    out = {"params": n_total, "matmul_params": n, "outer_per_token": 6.0 * n}  # matmul_params: per token
     if m.name == "nl_lm":
         nl = m.nl_lm
         ctx, per_unit = min(nl.window, cfg.train.seq_len), 1
@@ -53,6 +53,7 @@ def analytic_flops(cfg: Config, model, param_shapes) -> dict:
         ctx = per_unit = (hh // m.dit.patch_size) * (ww // m.dit.patch_size)
         out["inner_memory_per_token"] = 0.0
         per_image = count_params(param_shapes, lambda name: any(k in name for k in DIT_PER_IMAGE))
+        out["matmul_params"], out["per_image_params"] = n - per_image, per_image
         out["outer_per_token"] = 6.0 * (n - per_image)
         out["outer_per_image_conditioning"] = 6.0 * per_image
     else:  # cms_mlp: no attention, no memory

@@ -18,7 +18,8 @@ numpy generator seeded by `seed`: the same checkpoint and seed give the same tok
 count (the parameters are replicated, so every device computes the same logits).
 
 A MeanFlow run (model.name=dit) writes a PNG grid instead: one-step and multi-step
-(`meanflow.sample_steps`) samples for the first held-out labels, beside those images.
+(`meanflow.sample_steps`) samples side by side, for the labels of the first held-out images (2-D
+toy data: scatter plots over the held-out points).
 
 Any other `key=value` is a config override on top of the run's own config.yaml.
 """
@@ -51,7 +52,7 @@ class Settings:
     seed: int = 0
     checkpoint: str = "latest"  # or a step directory, or a checkpoints directory
     samples: int = 16  # DiT: images in the grid
-    out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png)
+    out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); refused for a text run
 
     def check(self) -> "Settings":
         if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
@@ -59,6 +60,10 @@ class Settings:
                               f"{self.max_new_tokens}, {self.temperature}, {self.top_k}, {self.top_p}")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")
+        if self.out and Path(self.out).is_dir():
+            raise ConfigError(f"out={self.out} is a directory: give the PNG file to write")
+        if self.out and not Path(self.out).parent.is_dir():
+            raise ConfigError(f"out={self.out}: directory {Path(self.out).parent} does not exist")
         return self
 
 
@@ -162,7 +167,7 @@ def tokenization_of(cfg):
 
 
 def generate_images(t: trained_lib.Trained, s: Settings) -> Path:
-    """A MeanFlow run's one-step and multi-step samples beside held-out images, as a PNG."""
+    """A MeanFlow run's one-step and multi-step samples side by side, as a PNG."""
     from nljax.figures import sample_figure, write_png
 
     task = t.run.task
@@ -182,8 +187,13 @@ def main(argv=None) -> int:
     try:
         cli.setup_devices(args.cpu_devices)
         s, overrides, run_dir = parse(args.settings)
+        given = {pair.partition("=")[0] for pair in args.settings}
         t = trained_lib.load(run_dir, s.checkpoint, overrides)
-        print(f"nljax.generate: {t.path} (step {t.step})", file=sys.stderr)
+        for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
+            print(line, file=sys.stderr)
+        if t.cfg.model.name != "dit" and (s.out or "samples" in given):
+            raise ConfigError(f"out= and samples= are for a MeanFlow (model.name=dit) run's image grid; "
+                              f"this run's model is {t.cfg.model.name}: its text goes to the terminal")
         if t.cfg.model.name == "dit":
             print(f"nljax.generate: wrote {generate_images(t, s)}", file=sys.stderr)
         else:
@@ -193,6 +203,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"nljax.generate: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # the PNG cannot be written (permissions, a full disk)
+        print(f"nljax.generate: error: {cli.write_failed(e) or e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ strategy, one row per device. Reads only.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -30,6 +31,10 @@ class Trained:
     params: Any  # the model's parameter tree, replicated over run.mesh
     step: int  # optimizer steps the checkpoint had taken
     path: Path  # the step directory read
+    skipped: tuple = ()  # (path, why) of the newer checkpoints that were damaged
+
+    def warnings(self, tool: str) -> list[str]:
+        return [f"{tool}: warning: checkpoint {p} is damaged, using an older one ({why})" for p, why in self.skipped]
 
     @property
     def model(self):
@@ -59,8 +64,8 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
         # a config.yaml written before the paths were recorded absolute (nljax.rundir.recorded)
         raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
                           "started in: run from there, or give it absolute)") from None
-    restored, _ = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
-    return Trained(cfg, run, restored.state.params, restored.step, restored.path)
+    restored, skipped = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
+    return Trained(cfg, run, restored.state.params, restored.step, restored.path, tuple(skipped))
 
 
 def _relative(value) -> bool:
@@ -77,6 +82,11 @@ def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> 
         if not eq:
             raise ConfigError(f"expected key=value, got {pair!r}")
         if key not in known:
+            if "." not in key:  # config keys are dotted (section.key): this is a misspelt setting
+                near = difflib.get_close_matches(key, list(known), n=1)
+                hint = f"did you mean '{near[0]}'? " if near else ""
+                raise ConfigError(f"unknown setting '{key}': {hint}(settings: {', '.join(known)}; config "
+                                  "overrides are dotted, e.g. model.dim=128)")
             overrides.append(pair)
             continue
         try:

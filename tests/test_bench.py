@@ -72,3 +72,9 @@ def test_gpu_suite_reads_bench_json(tmp_path):
     assert row.startswith(("MET", "MISS")) and "% XLA count" in row and "device busy" in row
     assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)
     assert any(r.startswith("info  titans_demo") and "model.remat=none" in r and "kernels/step" in r for r in rows)
+
+
+def test_bench_synthetic_images_need_the_images_task():
+    p = cli("nljax.bench", "--synthetic", "8x8x1", *NL, check=False)
+    assert p.returncode == 2 and p.stderr.strip() == \
+        "nljax.bench: error: --synthetic is for the images task (model.name=dit); this config's model is nl_lm"

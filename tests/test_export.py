@@ -44,10 +44,15 @@ def test_export_load_gives_the_training_states_logits(strategy, tmp_path):
 def test_export_cli_and_bad_input(tmp_path, capsys):
     saved_run(tmp_path / "run", TINY_NL, 1, 1, steps=1)
     assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=bfloat16"]) == 0
-    assert (tmp_path / "run" / "export" / export.WEIGHTS).is_file()
+    weights = tmp_path / "run" / "export" / export.WEIGHTS
+    assert weights.is_file() and weights.stat().st_mode & 0o777 == (tmp_path / "run" / "export" / export.CONFIG).stat().st_mode & 0o777
+    capsys.readouterr()
     assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=int8"]) == 2
     assert export.main(["run.dir=/nonexistent"]) == 2
+    assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'run' / 'config.yaml'}"]) == 2
+    assert export.main([f"run.dir={tmp_path / 'run'}", "dtpye=float32"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and "dtype must be one of" in err[0] and "config.yaml not found" in err[1]
+    assert len(err) == 4 and "dtype must be one of" in err[0] and "config.yaml not found" in err[1], err
+    assert "config.yaml is a file: the export is a directory" in err[2] and "did you mean 'dtype'" in err[3]
     with pytest.raises(nljax.errors.ConfigError, match="not a directory written by nljax.export"):
         nljax.load_model(tmp_path)

@@ -60,6 +60,7 @@ def test_same_tokens_on_one_and_eight_devices(fsdp_run):
         for a, b in zip(jax.tree.leaves(jax.device_get(t.params)), jax.tree.leaves(params)):
             np.testing.assert_array_equal(a, b)
     one, eight = (generate.generate_text(t, s, lambda _: None) for t in runs)
+    assert runs[0].skipped == () and runs[0].warnings("nljax.generate") == []
     assert one == eight and len(one) == 20
     assert one != generate.generate_text(runs[0], generate.Settings(**{**vars(s), "seed": 4}), lambda _: None)
 
@@ -79,6 +80,9 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path):
     (["run.dir=/nonexistent/run"], "config.yaml not found"),
     (["run.dir=/tmp", "top_p=0"], "0 < top_p <= 1"),
     (["run.dir=/tmp", "max_new_tokens=many"], "max_new_tokens='many' is not a int"),
+    (["run.dir=/tmp", "temprature=0.5"], "unknown setting 'temprature': did you mean 'temperature'?"),
+    (["run.dir=/tmp", "out=/nonexistent/dir/g.png"], "out=/nonexistent/dir/g.png: directory /nonexistent/dir does not exist"),
+    (["run.dir=/tmp", "out=/tmp"], "out=/tmp is a directory"),
 ])
 def test_bad_arguments_are_one_line(args, line, capsys):
     assert generate.main(args) == 2
@@ -113,3 +117,20 @@ def test_a_run_on_own_files_generates_from_any_directory(tmp_path):
     p = cli("nljax.generate", f"run.dir={work / 'run'}", "max_new_tokens=5", cwd=elsewhere, check=False)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "data.train in " in p.stderr and "is relative to the directory the run was started in" in p.stderr
+
+
+def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path, capsys):
+    from helpers import save, truncate
+
+    run = tmp_path / "run"
+    setup, state = saved_run(run, NL, 1, 1, steps=1)
+    save(setup, state, 2)
+    truncate(run / "checkpoints" / "2")
+    capsys.readouterr()
+    assert generate.main([f"run.dir={run}", "max_new_tokens=2"]) == 0
+    err = capsys.readouterr().err
+    assert f"nljax.generate: warning: checkpoint {run / 'checkpoints' / '2'} is damaged, using an older one " \
+           "(checkpoint" in err and "(step 1)" in err, err
+    assert generate.main([f"run.dir={run}", f"out={tmp_path / 'x.png'}"]) == 2
+    assert "out= and samples= are for a MeanFlow (model.name=dit) run" in capsys.readouterr().err
+    assert not (tmp_path / "x.png").exists()
