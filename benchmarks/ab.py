@@ -6,7 +6,7 @@ Each argument after the options is one variant's overrides (space-separated; "" 
 is). Every variant's step is compiled, then the rounds run each variant's step in turn, so a
 change of clock or load hits all of them alike. Printed per variant: median and min step time,
 the ratio of medians to the first variant, compile time, peak memory (the compiled program's
-`memory_analysis` on CPU, as `nljax.bench`), and with `--profile N` the XLA ops per step and the
+`memory_analysis`: arguments + outputs + temporaries - donated), and with `--profile N` the XLA ops per step and the
 device's busy share from N profiled steps (`nljax/traces.py`). `--out FILE.json` keeps it all.
 """
 
@@ -44,6 +44,8 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.rounds < 1 or args.warmup < 0 or args.profile < 0:
+        raise config.ConfigError("--rounds must be >= 1, --warmup and --profile >= 0")
     cli.setup_devices(args.cpu_devices)
 
     import jax
@@ -84,7 +86,8 @@ def run(args) -> int:
           f"all-levels step, {jax.device_count()} x {jax.devices()[0].device_kind}")
     for r in rows:
         mem = "-" if r["memory_bytes"] is None else f"{r['memory_bytes'] / 2**20:,.0f} MiB"
-        ops = f"  {r['ops_per_step']:,.0f} ops/step, busy {100 * r['busy_fraction']:.0f}%" if "ops_per_step" in r else ""
+        busy = "-" if r.get("busy_fraction") is None else f"{100 * r['busy_fraction']:.0f}%"
+        ops = f"  {r['ops_per_step']:,.0f} ops/step, busy {busy}" if "ops_per_step" in r else ""
         print(f"  {r['variant']:<40} median {r['median_ms']:9.1f} ms  min {r['min_ms']:9.1f} ms  x{r['ratio']:.3f}  "
               f"compile {r['compile_s']:5.1f} s  memory {mem}{ops}")
     if args.out:

@@ -97,11 +97,14 @@ part_cycle() {
 
 PARTS=("${@:2}")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(titans graphs memory dit nl350m cycle)
-for part in "${PARTS[@]}"; do
+for part in "${PARTS[@]}"; do  # all checked before any runs
   case $part in
-    titans|graphs|memory|dit|nl350m|cycle) part_$part ;;
+    titans|graphs|memory|dit|nl350m|cycle) ;;
     *) echo "unknown part '$part' (parts: titans graphs memory dit nl350m cycle)"; exit 2 ;;
   esac
+done
+for part in "${PARTS[@]}"; do
+  part_$part
 done
 
 $PY benchmarks/gpu_summary.py "$OUT" | tee "$OUT/summary.txt"

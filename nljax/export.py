@@ -50,11 +50,9 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     flat = traverse_util.flatten_dict(jax.device_get(t.params), sep="/")
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(out / WEIGHTS))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(out / WEIGHTS, 0o666 & ~umask)  # safetensors writes 0600; readable like config.json
     info = {"config": config.to_dict(t.cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
     (out / CONFIG).write_text(json.dumps(info, indent=1))
+    os.chmod(out / WEIGHTS, (out / CONFIG).stat().st_mode & 0o777)  # safetensors writes 0600
     return out
 
 

@@ -188,12 +188,13 @@ def main(argv=None) -> int:
         cli.setup_devices(args.cpu_devices)
         s, overrides, run_dir = parse(args.settings)
         given = {pair.partition("=")[0] for pair in args.settings}
+        name = trained_lib.config_of(run_dir, s.checkpoint, overrides).model.name
+        if name != "dit" and (s.out or "samples" in given):  # checked before anything is restored
+            raise ConfigError(f"out= and samples= are for a MeanFlow (model.name=dit) run's image grid; "
+                              f"this run's model is {name}: its text goes to the terminal")
         t = trained_lib.load(run_dir, s.checkpoint, overrides)
         for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
             print(line, file=sys.stderr)
-        if t.cfg.model.name != "dit" and (s.out or "samples" in given):
-            raise ConfigError(f"out= and samples= are for a MeanFlow (model.name=dit) run's image grid; "
-                              f"this run's model is {t.cfg.model.name}: its text goes to the terminal")
         if t.cfg.model.name == "dit":
             print(f"nljax.generate: wrote {generate_images(t, s)}", file=sys.stderr)
         else:

@@ -120,7 +120,8 @@ class Profiler:
 
     def __init__(self, first: int, n: int, path: Path, say: Callable[[str], None] = print):
         self.first, self.n, self.path, self.on, self.say = first, n, path / "profile", False, say
-        self.step_s: list[float] = []
+        self.steps = 0
+        self.step_s: list[float] = []  # of the profiled steps that did not compile
 
     def start(self, step: int) -> None:
         if self.n and step == self.first:
@@ -130,7 +131,9 @@ class Profiler:
     def stop(self, r: StepResult) -> None:
         if not self.on:
             return
-        self.step_s.append(r.record["step_time_s"])
+        self.steps += 1
+        if not r.record["compiled"]:  # a first call's time includes its compilation
+            self.step_s.append(r.record["step_time_s"])
         if r.step == self.first + self.n - 1 or r.last:
             jax.profiler.stop_trace()
             self.on = False
@@ -138,7 +141,7 @@ class Profiler:
 
     def report(self) -> None:
         try:
-            s = traces.summarize(self.path, len(self.step_s), sum(self.step_s) / len(self.step_s))
+            s = traces.summarize(self.path, self.steps, sum(self.step_s) / len(self.step_s) if self.step_s else 0.0)
         except (OSError, ValueError) as e:  # a trace jax could not write or convert: the run goes on
             self.say(f"profile: no summary of the trace in {self.path} ({e})")
             return

@@ -32,15 +32,20 @@ def checkpoint_dir(cfg: Config) -> Path:
 DATA_PATHS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data", "prepared"), ("images", "path"))
 
 
+def absolute(path: str) -> str:
+    """`path` as the data loaders read it (`~` expanded), made absolute."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def recorded(cfg: Config) -> dict:
     """`cfg` as config.yaml records it: the data paths (globs included) made absolute."""
     tree = to_dict(cfg)
     for section, key in DATA_PATHS:
         value = tree[section][key]
         if isinstance(value, list):
-            tree[section][key] = [os.path.abspath(p) for p in value]
+            tree[section][key] = [absolute(p) for p in value]
         elif value:
-            tree[section][key] = os.path.abspath(value)
+            tree[section][key] = absolute(value)
     return tree
 
 

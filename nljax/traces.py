@@ -33,6 +33,10 @@ from typing import Callable
 
 import jax
 
+# The compiled module of the train step (nljax.step names its function train_step): a profile of
+# training steps counts its ops only, not those of evaluation, checkpoints or sampling between them.
+TRAIN_MODULE = "jit_train_step"
+
 # Op name fragments, lower case, first match wins (XLA:GPU kernel and HLO names; XLA:CPU thunks).
 CATEGORIES = (
     ("collective", ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "nccl")),
@@ -136,15 +140,20 @@ def device_summary(ops: list[dict], steps: int, step_s: float, top: int) -> dict
     }
 
 
-def summarize(directory: Path, steps: int, step_s: float, top: int = 8) -> dict:
+def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: str | None = TRAIN_MODULE) -> dict:
     """Per step of the recorded `steps` (measured at `step_s` seconds each): the summary of the
-    first device, and how many devices the trace holds (SPMD: each runs the same program)."""
+    first device, and how many devices the trace holds (SPMD: each runs the same program).
+    `module`: count only that compiled program's ops (all when the trace names none of them so:
+    `module` in the result is then None)."""
     per_device = op_events(load_events(directory))
     if not per_device:
         raise ValueError(f"the trace under {directory} holds no XLA op events")
     first = sorted(per_device)[0]
-    return {"device": first, "devices": len(per_device), "steps": steps, "step_s": step_s,
-            **device_summary(per_device[first], steps, step_s, top)}
+    ops = [e for e in per_device[first] if e["args"].get("hlo_module") == module]
+    if not ops:
+        ops, module = per_device[first], None
+    return {"device": first, "devices": len(per_device), "module": module, "steps": steps, "step_s": step_s,
+            **device_summary(ops, steps, step_s, top)}
 
 
 def format_summary(s: dict) -> list[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -22,6 +23,10 @@ from nljax.checkpoint.restore import restore_first_valid
 from nljax.errors import ConfigError
 from nljax.run import Run
 from nljax.rundir import DATA_PATHS
+
+
+# config keys outside any section (`seed`): a tool passes them on as overrides, like dotted ones
+TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(config.Config) if not dataclasses.is_dataclass(f.default))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -41,24 +46,29 @@ class Trained:
         return self.run.engine.model
 
 
-def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
-    """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
-    directory or a checkpoints directory), on `devices` (default: all of this process's)."""
-    run_dir = Path(run_dir)
-    cfg_file = run_dir / "config.yaml"
+def config_of(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), n: int = 1) -> config.Config:
+    """The run's config as `load` uses it on n devices (read before anything is restored, so a
+    tool can check its settings against the model first)."""
+    cfg_file = Path(run_dir) / "config.yaml"
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file} not found: run.dir must be a run directory written by nljax.train")
-    devices = list(devices or jax.local_devices())
-    n = len(devices)
-    cfg = config.load(str(cfg_file), [
+    return config.load(str(cfg_file), [
         *overrides, f"run.dir={run_dir}", f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}", "mesh.model=1",
         f"train.batch_size={n}", "train.accum_steps=1", "sync.strategy=replicated",
         "eval.stream_steps=0",  # used, not evaluated: the held-out text need not fit an evaluation over n rows
     ], saved=True)  # a config.yaml written before a key moved is read with it in its new place
+
+
+def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
+    """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
+    directory or a checkpoints directory), on `devices` (default: all of this process's)."""
+    devices = list(devices or jax.local_devices())
+    cfg = config_of(run_dir, checkpoint, overrides, len(devices))
+    cfg_file = Path(run_dir) / "config.yaml"
     try:
         run = Run.create(cfg, devices)
     except ConfigError as e:
-        relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _relative(getattr(getattr(cfg, sec), key))]
+        relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(getattr(getattr(cfg, sec), key))]
         if not relative:
             raise
         # a config.yaml written before the paths were recorded absolute (nljax.rundir.recorded)
@@ -68,9 +78,10 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
     return Trained(cfg, run, restored.state.params, restored.step, restored.path, tuple(skipped))
 
 
-def _relative(value) -> bool:
+def _unresolved_relative(value) -> bool:
+    """Whether a data path (or list of them) is relative and names nothing from this directory."""
     paths = value if isinstance(value, (list, tuple)) else [value] if value else []
-    return any(not Path(p).is_absolute() for p in paths)
+    return any(not Path(p).expanduser().is_absolute() and not glob.glob(str(Path(p).expanduser())) for p in paths)
 
 
 def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> tuple[dict, list[str], str]:
@@ -82,7 +93,7 @@ def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> 
         if not eq:
             raise ConfigError(f"expected key=value, got {pair!r}")
         if key not in known:
-            if "." not in key:  # config keys are dotted (section.key): this is a misspelt setting
+            if "." not in key and key not in TOP_LEVEL:  # other config keys are dotted (section.key)
                 near = difflib.get_close_matches(key, list(known), n=1)
                 hint = f"did you mean '{near[0]}'? " if near else ""
                 raise ConfigError(f"unknown setting '{key}': {hint}(settings: {', '.join(known)}; config "

@@ -34,6 +34,7 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert r["environment"]["jax"] and r["environment"]["device_kind"]
     prof = r["profile"]
     assert prof["pattern"] == r["worst_pattern"] and prof["devices"] == 2 and prof["steps"] == 2
+    assert prof["module"] == "jit_train_step"  # the train step's ops, found by its module's name
     assert prof["ops"] > 10 and 0 < prof["busy_s"] and 0 < prof["busy_fraction"] <= 1.05
     assert prof["by_category_s"]["matmul"] > 0 and prof["top"][0]["s"] >= prof["top"][-1]["s"] > 0
     assert list(trace.rglob("perfetto_trace.json.gz"))  # kept for TensorBoard or Perfetto

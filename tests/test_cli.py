@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from nljax.traces import TRAIN_MODULE
+
 from helpers import QUICK, SMALL, cli, subprocess_env
 
 
@@ -42,6 +44,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     assert list((d / "profile").rglob("*.xplane.pb")), "profiler trace"
     prof = json.loads((d / "profile" / "summary.json").read_text())  # where the 2 steps' device time went
     assert prof["steps"] == 2 and prof["devices"] == 2 and prof["ops"] > 10 and 0 < prof["busy_fraction"] <= 1.05
+    assert prof["module"] == TRAIN_MODULE  # evaluation (eval.every=3) between the steps not counted
 
     d2 = tmp_path / "rerun"
     cli("nljax.train", *common, f"run.dir={d2}", "train.steps=6", *QUICK, env={"PYTHONHASHSEED": "2"})
@@ -181,5 +184,5 @@ def test_compile_cache_makes_the_second_start_faster(tmp_path):
     second = times(cli("nljax.train", *common, f"checkpoint.resume={d}/checkpoints/4", env=env))
     assert len(first) == len(second) == 3 and entries  # L0+1+2, L0, L0+1 in either run
     new = set(os.listdir(cache)) - entries  # the restore's own small programs may be new, no step is
-    assert not [e for e in new if e.startswith("jit_body")], new
+    assert not [e for e in new if e.startswith(TRAIN_MODULE)], new
     assert sum(second) < 0.7 * sum(first), (first, second)

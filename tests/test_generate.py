@@ -132,5 +132,19 @@ def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path,
     assert f"nljax.generate: warning: checkpoint {run / 'checkpoints' / '2'} is damaged, using an older one " \
            "(checkpoint" in err and "(step 1)" in err, err
     assert generate.main([f"run.dir={run}", f"out={tmp_path / 'x.png'}"]) == 2
-    assert "out= and samples= are for a MeanFlow (model.name=dit) run" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == ("nljax.generate: error: out= and samples= are for a MeanFlow "
+                                               "(model.name=dit) run's image grid; this run's model is nl_lm: its "
+                                               "text goes to the terminal")
     assert not (tmp_path / "x.png").exists()
+
+
+def test_config_yaml_records_data_paths_as_the_loaders_read_them(monkeypatch, tmp_path):
+    """`~` expanded as the data loaders expand it, then absolute; lists and empty paths kept."""
+    from nljax import config, rundir
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(None, ["data.source=files", "data.train=[~/corpus/*.txt, rel/a.jsonl]", "images.path=x.npz"])
+    tree = rundir.recorded(cfg)
+    assert tree["data"]["train"] == [str(tmp_path / "home" / "corpus" / "*.txt"), str(tmp_path / "rel" / "a.jsonl")]
+    assert tree["images"]["path"] == str(tmp_path / "x.npz") and tree["data"]["prepared"] == "" and tree["data"]["eval"] == []

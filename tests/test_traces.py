@@ -88,3 +88,15 @@ def test_a_trace_without_ops_is_an_error(tmp_path):
         traces.summarize(write(tmp_path, [meta(1, "/host:CPU")]), steps=1, step_s=1.0)
     with pytest.raises(FileNotFoundError):
         traces.summarize(tmp_path / "nothing", steps=1, step_s=1.0)
+
+
+def test_only_the_train_steps_ops_count_when_named(tmp_path):
+    """Evaluation or sampling between profiled training steps runs other programs: only the train
+    step's module counts (all ops when no op names it)."""
+    events = [meta(5, "/host:CPU"), meta(5, "tf_XLAEigen/1", 1),
+              op(5, 1, "fusion.1", 0, 10, hlo_module=traces.TRAIN_MODULE),
+              op(5, 1, "fusion.1", 20, 30, hlo_module="jit_local_eval_step")]
+    s = traces.summarize(write(tmp_path, events), steps=1, step_s=100e-6)
+    assert s["module"] == traces.TRAIN_MODULE and s["ops"] == 1 and s["busy_s"] == pytest.approx(10e-6)
+    s = traces.summarize(tmp_path, steps=1, step_s=100e-6, module="jit_other")
+    assert s["module"] is None and s["ops"] == 2

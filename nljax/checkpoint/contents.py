@@ -38,7 +38,7 @@ MUST_MATCH = ("model", "cms", "optim.name")
 # resume (a run that ran out of memory resumes with remat). Recomputation and unrolling give the
 # same bits (silent); the compute dtype changes rounding (a warning).
 HOW_COMPUTED = ("model.remat", "model.nl_lm.memory_unroll", "model.dtype")
-SILENT = ("model.remat", "model.nl_lm.memory_unroll", "run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
+SILENT = (*(k for k in HOW_COMPUTED if k != "model.dtype"), "run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
           "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
           "distributed")
 

@@ -11,7 +11,10 @@ nljax, reported in one line, comes with three kinds of noise: `errors_hidden`.
   (`sys.unraisablehook`).
 - asyncio logs 'exception was never retrieved' for the other reads or writes of the failed
   operation when they are garbage-collected, and Python warns 'coroutine ... was never awaited'
-  for the writes the failed operation never started (`warnings.showwarning`).
+  for the writes the failed operation never started (`warnings.showwarning`); the read
+  coroutines that died with it report 'Exception ignored in: <coroutine ...>' with a traceback
+  each (`sys.unraisablehook`: one per array, thousands when several damaged checkpoints are
+  skipped). These two are dropped only once a failure was caught (`fail`).
 
 Both are context managers: the filters are installed on entry and removed on exit, so nothing
 outside nljax's own Orbax calls loses a report. Only those reports are dropped, nothing else
@@ -52,7 +55,12 @@ class _Filters:
         self.previous_show = previous_show
         self.on = True
         self.dropped = 0  # callbacks into a closed event loop dropped so far
-        self.failed = False  # a failure was caught (`settle`): its unstarted writes may follow
+        self.failed = False  # a failure was caught (`fail`, `settle`): its unstarted writes may follow
+
+    def fail(self) -> None:
+        """A read or write failed: from now on its coroutines' reports are its noise. Called where
+        the exception is caught, since they may be finalized before `settle` runs."""
+        self.failed = True
 
     def settle(self, quiet_s: float = 0.1, limit_s: float = 5.0) -> None:
         """After a failed read or write: wait until the callbacks of the operations it left in
@@ -88,7 +96,7 @@ class _Filters:
         per array of each damaged checkpoint read: thousands when several are skipped)."""
         closed = isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)
         code = getattr(u.object, "cr_code", None)
-        ours = code is not None and "orbax" in code.co_filename
+        ours = self.failed and code is not None and "orbax" in code.co_filename  # after a failure only
         if self.on and (closed or ours):
             self.dropped += 1
         else:

@@ -67,10 +67,11 @@ def save(mngr, engine: Engine, step: int, state: TrainState, trackers: dict[str,
 def error_line(e: BaseException) -> str:
     """'<type>: <first line>' of whatever Orbax or TensorStore raised, without the TensorStore
     spec Orbax appends (a repr that spans dozens of lines), and the first line of its cause."""
-    line = re.sub(r"\.?\s*See full TensorStore details:.*", "", first_line(e))
-    cause = e.__cause__ or e.__context__
-    if cause is not None and first_line(cause):
-        line += f" ({type(cause).__name__}: {first_line(cause)})"
+    cut = lambda x: re.sub(r"\.?\s*See full TensorStore details:.*", "", first_line(x))
+    line = cut(e)
+    cause = e.__cause__  # the error Orbax wrapped (`raise ... from`), not one merely caught before
+    if cause is not None and cut(cause) and cut(cause) != line:
+        line += f" ({type(cause).__name__}: {cut(cause)})"
     return f"{type(e).__name__}: {line}"[:300]
 
 
@@ -125,6 +126,7 @@ def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct]) -> tuple[
                 raise ValueError(f"arrays {sorted(set(abstract) ^ set(arrays))[:3]} missing or unexpected")
             sums = checksums(arrays)
         except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
+            noise.fail()
             error = Damaged(f"checkpoint {path}: array data unreadable ({error_line(e)})")
         if error is not None:
             noise.settle()

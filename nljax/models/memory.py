@@ -88,7 +88,7 @@ class Features:
     def __init__(self, M: PyTree, k: jax.Array, kind: str, kk=None, k_gram=None):
         self.kind, self.k = kind, k
         self.kk = jnp.sum(k * k, axis=-1) if kk is None else kk  # [B, H, b]
-        self.k_gram = jnp.abs(jnp.einsum("bhid,bhjd->bhij", k, k)) if k_gram is None else k_gram  # [B, H, b, b]
+        self.k_gram = k_gram  # [B, H, b, b], made by `chunk_scale` when not given
         if kind == "mlp":
             self.h, self.gelu_vjp = jax.vjp(jax.nn.gelu, jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"]))  # [B, H, b, hidden]
             self.w2 = jnp.sum(jnp.square(M["W2"]), axis=(-2, -1))  # [B, H]
@@ -99,7 +99,7 @@ class Features:
         return jnp.sum(self.h * self.h, axis=-1) + GELU_SLOPE**2 * self.kk * self.w2[..., None] + NU_FLOOR
 
     def chunk_scale(self, nu: jax.Array) -> jax.Array:
-        inner = self.k_gram
+        inner = self.k_gram if self.k_gram is not None else jnp.abs(jnp.einsum("bhid,bhjd->bhij", self.k, self.k))
         if self.kind == "mlp":
             inner = (jnp.abs(jnp.einsum("bhif,bhjf->bhij", self.h, self.h))
                      + GELU_SLOPE**2 * inner * self.w2[..., None, None])
@@ -189,8 +189,10 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
                    unroll: int = 1):
     """Chunk-parallel inner loop over T tokens: (y [B, H, T, dv], final state).
 
-    `remat`: keep only each chunk's carried state for the backward pass and recompute the chunk's
-    [b, b] weights and per-token pieces from it (a pure function: the recomputation is exact).
+    `remat`: keep only each chunk's carried state for the backward pass and recompute from it what
+    depends on it (the steps, per-token pieces and reads; a pure function: the recomputation is
+    exact). The memory-independent `chunk_constants` ([b, b] weights included) are computed for
+    all chunks before the loop and kept: 2 B H T b floats per layer.
     `unroll`: chunks per loop iteration (XLA fuses across them; fewer, larger kernels)."""
     t = q.shape[2]
     if t % chunk:
