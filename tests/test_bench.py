@@ -38,12 +38,29 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert prof["ops"] > 10 and 0 < prof["busy_s"] and 0 < prof["busy_fraction"] <= 1.05
     assert prof["by_category_s"]["matmul"] > 0 and prof["top"][0]["s"] >= prof["top"][-1]["s"] > 0
     assert list(trace.rglob("perfetto_trace.json.gz"))  # kept for TensorBoard or Perfetto
+    # benchmarks/gpu_summary.py reads it (a CPU bench under the nl_350m row's name: the form)
+    (tmp_path / "bench_nl_350m.json").write_text(out.read_text())
+    row = next(r for r in gpu_summary().lines(tmp_path) if "nl_350m" in r)
+    assert row.startswith(("MET", "MISS")) and "% XLA count" in row and "device busy" in row
 
 
-def test_gpu_suite_reads_bench_json(tmp_path):
-    """benchmarks/gpu_suite.sh parses, refuses an unknown part, and its summary reads the JSON of
-    the bench and of benchmarks/ab.py (CPU runs of a tiny model under the GPU rows' names: the
-    form, not the figures)."""
+def gpu_summary():
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_summary
+    finally:
+        sys.path.pop(0)
+    return gpu_summary
+
+
+def test_gpu_suite_and_ab(tmp_path):
+    """benchmarks/gpu_suite.sh parses and refuses an unknown part; benchmarks/ab.py's JSON is
+    sane and its summary reads it (a CPU run of a tiny model under the GPU row's name: the form,
+    not the figures)."""
     import subprocess
     import sys
 
@@ -54,23 +71,14 @@ def test_gpu_suite_reads_bench_json(tmp_path):
     p = subprocess.run(["bash", str(suite), str(tmp_path / "out"), "nope"], cwd=ROOT, capture_output=True, text=True,
                        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable})
     assert p.returncode == 2 and "unknown part 'nope'" in p.stdout
-    cli("nljax.bench", "--steps", "1", "--warmup", "0", "--patterns", "worst", "--profile", "1",
-        "--out", str(tmp_path / "bench_nl_350m.json"), *NL)
     variants = [" ".join(NL), " ".join([*NL, "model.remat=none"])]
-    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), "--cpu-devices", "1", "--rounds", "2",
-                        "--profile", "1",
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), "--cpu-devices", "1", "--rounds", "1",
+                        "--warmup", "0", "--profile", "1",
                         *variants, "--out", str(tmp_path / "ab_titans_remat.json")], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     ab = json.loads((tmp_path / "ab_titans_remat.json").read_text())["rows"]
     assert [r["ratio"] for r in ab][0] == 1.0 and all(r["median_ms"] > 0 and r["ops_per_step"] > 10 for r in ab)
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import gpu_summary
-    finally:
-        sys.path.pop(0)
-    rows = gpu_summary.lines(tmp_path)
-    row = next(r for r in rows if "nl_350m" in r)
-    assert row.startswith(("MET", "MISS")) and "% XLA count" in row and "device busy" in row
+    rows = gpu_summary().lines(tmp_path)
     assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)
     assert any(r.startswith("info  titans_demo") and "model.remat=none" in r and "kernels/step" in r for r in rows)
 

@@ -171,14 +171,14 @@ def test_a_checkpoint_from_before_the_model_split_restores(ref, tmp_path):
 
 
 def test_resume_may_change_how_the_step_computes(ref):
-    """model.remat and memory_unroll (same bits) change silently, model.dtype with a warning; the
-    state restored is the checkpoint's, and the run goes on with bitwise the same losses when only
-    the recomputation changed."""
+    """model.remat and memory_unroll change silently, model.dtype with a warning, and the state
+    restored is the checkpoint's (that recomputation gives the same bits: tests/test_precision.py)."""
     setup = make([*NL, "model.remat=block", "model.nl_lm.memory_unroll=2"], 2, 4)
     r = restore(setup.engine, setup.state, ref["dir"] / "2")
     assert r.step == 2 and r.warnings == []
-    losses, _ = train(setup, range(2, STEPS), state=r.state)
-    np.testing.assert_array_equal(losses, ref["losses"][2:])
+    same = restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "2").state
+    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
+        np.testing.assert_array_equal(a, b)
     bf16 = make([*NL, "model.dtype=bfloat16"], 2, 4)
     r = restore(bf16.engine, bf16.state, ref["dir"] / "2")
     assert r.warnings == ["resuming with model.dtype='bfloat16' (checkpoint: 'float32')"]
