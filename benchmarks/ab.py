@@ -60,9 +60,7 @@ def run(args) -> int:
         every = tuple(True for _ in run.cfg.cms.periods)
         fns, compile_s = compile_variants(run.cache, [every], state, batch)
         built.append({"variant": v, "fn": fns[every], "state": state, "batch": batch, "compile_s": compile_s[every],
-                      "memory_bytes": peak_memory(fns)["compiled_peak_bytes"]})
-    for b in built:
-        b["times"] = []
+                      "memory_bytes": peak_memory(fns)["compiled_peak_bytes"], "times": []})
     for i in range(args.warmup + args.rounds):  # a round runs every variant's step once
         for b in built:
             t0 = time.perf_counter()

@@ -25,8 +25,11 @@ def profiled(b: dict) -> str:
     if not p:
         return ""
     cats = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p["by_category_s"].items())
-    return (f"; profile: {p['ops']:,.0f} kernels/step (median {p['median_op_us']:.1f} us), device busy "
-            f"{100 * (p['busy_fraction'] or 0):.0f}% of the step; {cats}")
+    return f"; profile: {kernels(p['ops'], p['busy_fraction'])} (median {p['median_op_us']:.1f} us); {cats}"
+
+
+def kernels(per_step: float, busy) -> str:
+    return f"{per_step:,.0f} kernels/step, device busy {100 * (busy or 0):.0f}% of the step"
 
 
 def lines(out: Path) -> list[str]:
@@ -43,8 +46,7 @@ def lines(out: Path) -> list[str]:
                    f"{t['nljax']['tokens_per_s']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)"))
     a = load(out, "ab_titans_remat")
     for r in a["rows"] if a else []:
-        ops = (f"; {r['ops_per_step']:,.0f} kernels/step, device busy {100 * (r['busy_fraction'] or 0):.0f}%"
-               if "ops_per_step" in r else "")
+        ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}" if "ops_per_step" in r else ""
         rows.append(f"info  titans_demo {r['variant'].strip()}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} of the "
                     f"first), compile {r['compile_s']:.0f} s{ops}")
     for name in ("bench_titans_demo_graphs",):
