@@ -221,3 +221,29 @@ def alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+# Runs nljax.train with the file-size limit lowered (as a full disk would stop writes) once
+# checkpoint 4 is complete and step 5 is logged: the save of step 8 fails inside TensorStore.
+# argv: checkpoint dir ("-": do not wait for one), the limit in bytes, then nljax.train's. Under
+# nljax.launch with FULL_ON_PROCESS=<i> set, only process i's disk fills.
+FULL = r"""
+import os, resource, signal, sys, time
+from pathlib import Path
+ckdir, limit = Path(sys.argv[1]), int(sys.argv[2])
+sys.argv = ["nljax.train", *sys.argv[3:]]
+from nljax import rundir
+log = rundir.RunDir.log
+def limiting_log(self, record):
+    log(self, record)
+    here = os.environ.get("FULL_ON_PROCESS") in (None, os.environ.get("NLJAX_PROCESS_ID"))
+    if record["step"] == 5 and here:
+        t = time.time()
+        while str(ckdir) != "-" and not (ckdir / "4").is_dir() and time.time() - t < 60:
+            time.sleep(0.05)
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
+rundir.RunDir.log = limiting_log
+from nljax.train import main
+sys.exit(main())
+"""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import QUICK, SMALL, cli, data_files, run_python, subprocess_env, tree_hash, truncate
+from helpers import FULL, QUICK, SMALL, cli, data_files, run_python, subprocess_env, tree_hash, truncate
 from nljax.checkpoint import storage
 
 # ---------------------------------------------------------------------------------------------
@@ -202,29 +202,6 @@ def test_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
     assert p.stderr.startswith(f"nljax.train: error: every checkpoint in {ck} is damaged; the oldest: checkpoint "
                                f"{ck / '4'}: array data unreadable"), p.stderr
     assert tree_hash(run) == before
-
-
-# Runs nljax.train with the file-size limit lowered (as a full disk would stop writes) once
-# checkpoint 4 is complete and step 5 is logged: the save of step 8 fails inside TensorStore.
-FULL = r"""
-import resource, signal, sys, time
-from pathlib import Path
-ckdir, limit = Path(sys.argv[1]), int(sys.argv[2])
-sys.argv = ["nljax.train", *sys.argv[3:]]
-from nljax import rundir
-log = rundir.RunDir.log
-def limiting_log(self, record):
-    log(self, record)
-    if record["step"] == 5:
-        t = time.time()
-        while str(ckdir) != "-" and not (ckdir / "4").is_dir() and time.time() - t < 60:
-            time.sleep(0.05)
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
-rundir.RunDir.log = limiting_log
-from nljax.train import main
-sys.exit(main())
-"""
 
 
 @pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])

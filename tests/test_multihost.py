@@ -1,6 +1,6 @@
 """Multi-process runs: 2 processes x 4 CPU devices (gloo collectives) under `nljax.launch`,
 checked against 1 process x 8 devices; lockstep errors; a killed or hung worker; a preemption
-notice; how a process learns it is one of several. (The launcher itself: tests/test_launch.py.)
+notice; a save failing on one process; how a process learns it is one of several. (The launcher itself: tests/test_launch.py.)
 
 The launches are subprocesses (JAX import and compile per process), so there are few of them
 and the model is tiny.
@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from helpers import TINY, alive, subprocess_env
+from helpers import FULL, QUICK, TINY, alive, subprocess_env
 from nljax import config, distributed
+from nljax.checkpoint import storage
 from nljax.config import ConfigError
 from nljax.mesh import resolve_shape
 
@@ -182,6 +183,74 @@ def test_preemption_notice_saves_the_same_step_on_every_process(tmp_path, to):
                         "--resume", f"train.steps={saved + 2}", *args], env=subprocess_env(), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0 and f"at step {saved}" in p.stdout, p.stderr
+
+
+@pytest.mark.parametrize("failing, async_save", [(1, "true"), (0, "false")], ids=["process1-async", "process0-sync"])
+def test_save_failing_on_one_process_stops_every_process_with_its_cause(tmp_path, failing, async_save):
+    """One process's disk fills during the save of step 8: every process stops at that save
+    within seconds with the same line, naming the process and its error, and checkpoint 4 stays
+    the newest complete one. Orbax's barriers used to wait for the failed process until their
+    timeouts (20 minutes, then 5), the whole job hung. Process 1 fails on its own shards;
+    process 0 (which commits the step) with checkpoint.async_save=false."""
+    run, ck = tmp_path / "r", tmp_path / "r" / "checkpoints"
+    args = [*ARGS, "cms.periods=[1]", "train.steps=12", "eval.every=0", "checkpoint.every=4", "checkpoint.keep=2",
+            f"checkpoint.async_save={async_save}", *QUICK, f"run.dir={run}", "--quiet"]
+    t0 = time.monotonic()
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", sys.executable, "-c", FULL, str(ck),
+                        "6000", *args], env=subprocess_env(FULL_ON_PROCESS=str(failing)), capture_output=True,
+                       text=True, timeout=300)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 2 and "exit codes by process: 2, 2" in p.stderr, p.stdout + p.stderr
+    errors = [l for l in p.stderr.splitlines() if not l.startswith("nljax.launch: ") and "Gloo" not in l]
+    assert sorted(errors) == [f"[{i}] nljax.train: error (process {i}): checkpoint {ck / '8'} could not be saved "
+                              f"(process {failing}: OSError: [Errno 27] File too large); the newest complete "
+                              f"checkpoint is {ck / '4'}" for i in (0, 1)], p.stderr
+    assert elapsed < 120, elapsed  # start, compile and 8 steps; the hang was over 20 minutes
+    assert storage.committed_steps(ck) == [4]
+
+
+class FakeStore:
+    """The coordination service's key-value calls `Peers` makes, in memory."""
+
+    def __init__(self):
+        self.kv: dict[str, str] = {}
+
+    def key_value_set(self, key, value):
+        if key in self.kv:
+            raise RuntimeError(f"ALREADY_EXISTS: {key}")
+        self.kv[key] = value
+
+    def key_value_try_get(self, key):
+        if key not in self.kv:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.kv[key]
+
+    def key_value_dir_get(self, prefix):
+        return [(k, v) for k, v in self.kv.items() if k.startswith(prefix)]
+
+
+def test_peers_barrier_counts_each_call_and_ends_on_a_posted_failure(monkeypatch):
+    """Process 0's view of two processes: a barrier passes once process 1 has arrived at the same
+    call of that key (Orbax reuses keys), times out otherwise, and raises the first failure posted
+    (process 1's; a later report, or one of the failure seen, changes nothing)."""
+    from nljax.checkpoint import peers
+
+    store = FakeStore()
+    monkeypatch.setattr(peers.Peers, "_client", staticmethod(lambda: store))
+    monkeypatch.setattr(peers.jax, "process_count", lambda: 2)  # this is process 0 (jax.process_index)
+    monkeypatch.setattr(peers, "POLL_MAX_MS", 1)
+    mine = peers.Peers("0", describe=lambda e: f"{type(e).__name__}: {e}")
+    other = f"{mine.root}/barrier/k"
+    store.key_value_set(f"{other}/1/1", "")  # process 1 reached its first call of "k"
+    mine.barrier(key="k", timeout_ms=1000)
+    with pytest.raises(TimeoutError, match="checkpoint barrier k not reached"):
+        mine.barrier(key="k", timeout_ms=50)  # the second call: process 1 is not there yet
+    store.key_value_set(f"{mine.root}/failed", "process 1: OSError: [Errno 28] No space left on device")
+    mine.report(OSError("mine, later"))
+    mine.report(peers.PeerSaveFailed("seen"))
+    with pytest.raises(peers.PeerSaveFailed, match=r"^process 1: OSError: \[Errno 28\] No space left on device$"):
+        mine.barrier(key="other", timeout_ms=10_000)
+    assert storage.os_error(peers.PeerSaveFailed(mine.failure())) == mine.failure()
 
 
 def test_resolve_launch(monkeypatch):

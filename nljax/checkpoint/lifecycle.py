@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import shutil
 import sys
 from pathlib import Path
@@ -11,12 +12,18 @@ import jax
 from jax.experimental import multihost_utils
 
 from nljax.checkpoint import storage
+from nljax.checkpoint.peers import Peers
 from nljax.checkpoint.quiet import errors_hidden
 from nljax.checkpoint.restore import Restored, restore_first_valid
 from nljax.engine import Engine
 from nljax.errors import ConfigError
 from nljax.rundir import checkpoint_dir
 from nljax.state import TrainState
+
+
+# Writers made by this process, numbered: every process makes them in the same order, so the
+# number names the same writer everywhere (its barriers, `Peers`).
+_writers = itertools.count()
 
 
 class Checkpoints:
@@ -52,6 +59,7 @@ class Checkpoints:
         self._quiet = contextlib.ExitStack()
         self._noise = None  # the filters, while open
         self._save_failed = False
+        self._peers: Peers | None = None  # a multi-process run's: a failed save ends every process's
 
     @classmethod
     def resolve(cls, engine: Engine, fresh: TrainState, say=print) -> "Checkpoints":
@@ -118,8 +126,9 @@ class Checkpoints:
             return
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices("nljax checkpoint dir ready")
-        self._noise = self._quiet.enter_context(errors_hidden())
-        self.manager = storage.writer(self.cfg)
+            self._peers = Peers(str(next(_writers)), storage.os_error)
+        self._noise = self._quiet.enter_context(errors_hidden(self._peers.report if self._peers else None))
+        self.manager = storage.writer(self.cfg, self._peers)
 
     def check_data(self, digest: str) -> None:
         """Record the digest of the run's data (saved with every checkpoint) and warn when the
@@ -144,9 +153,13 @@ class Checkpoints:
         try:
             storage.save(self.manager, self.engine, step, state, self.trackers, self.data_digest)
         except Exception as e:  # noqa: BLE001 - the blocking part of a save (e.g. the disk is full)
+            if self._peers is not None:
+                self._peers.report(e)  # the others may be waiting for this save
             error = self._failed(e)
         if error is not None:  # raised outside `except`: see `_failed`
             raise error
+        if not self.cfg.checkpoint.async_save:
+            self._wait()
         self.last_saved = step
 
     def save_now(self, step: int, state: TrainState) -> None:
@@ -178,6 +191,8 @@ class Checkpoints:
         failed writes' futures alive past `close`, whose reports would then reach the user."""
         step, self.writing = self.writing, None
         self._save_failed = True
+        if self._noise is not None:
+            self._noise.fail()  # the failed writes' reports may arrive before `close` settles them
         kept = storage.committed_steps(self.dir)
         left = f"the newest complete checkpoint is {self.dir / str(kept[-1])}" if kept else "no complete checkpoint"
         return ConfigError(f"checkpoint {self.dir / str(step)} could not be saved ({storage.os_error(e)}); {left}")

@@ -14,7 +14,9 @@ nljax, reported in one line, comes with three kinds of noise: `errors_hidden`.
   for the writes the failed operation never started (`warnings.showwarning`); the read
   coroutines that died with it report 'Exception ignored in: <coroutine ...>' with a traceback
   each (`sys.unraisablehook`: one per array, thousands when several damaged checkpoints are
-  skipped). These two are dropped only once a failure was caught (`fail`).
+  skipped); asyncio reports 'Task was destroyed but it is pending!' for Orbax's tasks still
+  waiting when a multi-process save failed on another process. These are dropped only once a
+  failure was caught (`fail`).
 
 Both are context managers: the filters are installed on entry and removed on exit, so nothing
 outside nljax's own Orbax calls loses a report. Only those reports are dropped, nothing else
@@ -50,7 +52,8 @@ class _Filters:
     """The four filters of one `errors_hidden` scope. Each scope has its own, so that a scope
     nested in another removes its own filters and leaves the other's."""
 
-    def __init__(self, previous_hook, previous_show):
+    def __init__(self, previous_hook, previous_show, report=None):
+        self.report = report
         self.previous_hook = previous_hook
         self.previous_show = previous_show
         self.on = True
@@ -76,11 +79,20 @@ class _Filters:
         gc.collect()
 
     def orbax_thread_errors(self, record: logging.LogRecord) -> bool:
-        """Drops Orbax's error reports that carry a traceback: the exception itself reaches nljax."""
-        return not (self.on and record.exc_info and "orbax" in record.pathname)
+        """Drops Orbax's error reports that carry a traceback: the exception itself reaches nljax.
+        Each is first `report`ed: the failure it reports, as it happens."""
+        ours = self.on and record.exc_info and "orbax" in record.pathname
+        if ours and self.report is not None:
+            self.report(record.exc_info[1])
+        return not ours
 
     def unretrieved(self, record: logging.LogRecord) -> bool:
-        """Drops asyncio's 'exception was never retrieved' reports of Orbax's reads and writes."""
+        """Drops asyncio's 'exception was never retrieved' reports of Orbax's reads and writes,
+        and, after a failure, its 'Task was destroyed but it is pending!' for Orbax's tasks that
+        the failed operation left waiting (a multi-process save failing on another process)."""
+        text = str(record.msg)
+        if self.on and self.failed and "Task was destroyed but it is pending" in text and "orbax" in text:
+            return False
         exc = record.exc_info[1] if record.exc_info else None
         if not self.on or exc is None or "exception was never retrieved" not in str(record.msg):
             return True
@@ -111,10 +123,11 @@ class _Filters:
 
 
 @contextlib.contextmanager
-def errors_hidden():
+def errors_hidden(report=None):
     """Orbax's and TensorStore's reports of a failed read or write dropped while entered; yields
-    the filters (`settle()` after a failure)."""
-    f = _Filters(sys.unraisablehook, warnings.showwarning)
+    the filters (`settle()` after a failure). `report(exc)` is called with the exception of each
+    error Orbax logs from its threads (a multi-process save tells its peers, `peers.Peers`)."""
+    f = _Filters(sys.unraisablehook, warnings.showwarning, report)
     absl, aio = logging.getLogger("absl"), logging.getLogger("asyncio")
     absl.addFilter(f.orbax_thread_errors)
     aio.addFilter(f.unretrieved)

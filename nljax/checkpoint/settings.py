@@ -14,7 +14,7 @@ class CheckpointConfig:
     every: int = 100  # save every N steps and at the end; 0: never save
     keep: int = 3  # newest checkpoints kept on disk
     resume: str = ""  # "" (fresh run) | "latest" (newest in checkpoint.dir) | a checkpoint or checkpoints directory
-    async_save: bool = True  # write in the background while training continues
+    async_save: bool = True  # training continues while a save is written (false: each save waits until on disk)
 
     def check(self) -> None:
         if self.every < 0 or self.keep < 1:

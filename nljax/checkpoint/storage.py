@@ -16,6 +16,7 @@ from pathlib import Path
 import jax
 
 from nljax.checkpoint.contents import META, STATE, Damaged, check_well_formed, checksums, metadata, named_arrays, nest, unnest
+from nljax.checkpoint.peers import Peers, PeerSaveFailed
 from nljax.checkpoint.quiet import errors_hidden, warnings_hidden
 from nljax.config import Config, migrate
 from nljax.engine import Engine
@@ -26,8 +27,9 @@ from nljax.state import TrainState
 SET_ASIDE = "set_aside"  # <checkpoint.dir>/set_aside/<step>: checkpoints moved out of a resumed run's way
 
 
-def manager(root: Path, write: bool = False, cfg: Config | None = None):
-    """An Orbax CheckpointManager on `root`: read-only, or writing as `cfg.checkpoint` says."""
+def manager(root: Path, write: bool = False, cfg: Config | None = None, peers: Peers | None = None):
+    """An Orbax CheckpointManager on `root`: read-only, or writing as `cfg.checkpoint` says, its
+    barriers `peers`' (a multi-process run: a failure on one process ends them, see `peers`)."""
     import orbax.checkpoint as ocp
 
     if not write:
@@ -37,17 +39,19 @@ def manager(root: Path, write: bool = False, cfg: Config | None = None):
         # Orbax would prune any folder with a number for a name, a user's too: nljax prunes its
         # own steps itself (`prune`)
         max_to_keep=None,
-        enable_async_checkpointing=cfg.checkpoint.async_save,
+        # Always Orbax's background writer; checkpoint.async_save=false waits for it after each save
+        # (`Checkpoints.save`): its barriers are the ones a failure can end (`peers`).
+        enable_async_checkpointing=True,
         cleanup_tmp_directories=True,  # partial saves of a killed run; never a complete step
         create=True,
+        async_options=ocp.AsyncOptions(barrier_sync_fn=peers.barrier) if peers else None,
     )
     return ocp.CheckpointManager(root, options=opts)
 
 
-def writer(cfg: Config):
-    """An Orbax CheckpointManager writing to `checkpoint.dir` (asynchronous unless
-    checkpoint.async_save=false)."""
-    return manager(checkpoint_dir(cfg), write=True, cfg=cfg)
+def writer(cfg: Config, peers: Peers | None = None):
+    """An Orbax CheckpointManager writing to `checkpoint.dir` in the background."""
+    return manager(checkpoint_dir(cfg), write=True, cfg=cfg, peers=peers)
 
 
 def save(mngr, engine: Engine, step: int, state: TrainState, trackers: dict[str, str] | None = None,
@@ -78,6 +82,8 @@ def error_line(e: BaseException) -> str:
 def os_error(e: BaseException) -> str:
     """'OSError: [Errno 28] No space left on device' for an error that TensorStore or Python
     reports with an operating-system error code, else the error's first line."""
+    if isinstance(e, PeerSaveFailed):
+        return str(e)  # 'process <i>: <its cause>', as that process described it
     seen = e
     while seen is not None:
         if isinstance(seen, OSError) and seen.errno:

@@ -1,0 +1,82 @@
+"""A save that fails on one process fails on every process, at once.
+
+In a multi-process run each process writes its own shards in Orbax's background thread, then
+waits at a barrier for the others before process 0 commits the step. A process whose write failed
+(its disk full) never reaches that barrier, and Orbax's barriers wait for it until their timeouts
+(20 minutes for the writes, then 5 for its bookkeeping): the whole job hung that long. Here the
+failing process posts its error in the coordination service's key-value store, and the barriers
+Orbax waits at (`Peers.barrier`, given to it as `AsyncOptions.barrier_sync_fn`) are built on the
+same store and end as soon as a failure is posted: every process's save then fails with the same
+error, naming the process and its cause, and the run stops at the same step everywhere.
+
+The failing process learns of its failure where Orbax reports it: the error it logs, with its
+traceback, from the background thread (`report`, called by `quiet.errors_hidden`'s filter).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import jax
+
+# A waiting process looks at who has arrived every POLL_MS at first, then less often (up to
+# POLL_MAX_MS: thousands of processes waiting on a slow disk do not flood the coordinator).
+POLL_MS, POLL_MAX_MS = 10, 1000
+
+
+class PeerSaveFailed(RuntimeError):
+    """A save failed on some process (this one or another): 'process <i>: <cause>'."""
+
+
+class Peers:
+    """The barriers and failure reports of one checkpoint writer in a multi-process run. Every
+    process makes its writers in the same order, so `name` (their number) matches across them."""
+
+    def __init__(self, name: str, describe):
+        """`describe(exc) -> str`: the one-line cause of a failure (e.g. 'OSError: [Errno 28] ...')."""
+        self.root = f"nljax/checkpoints/{name}"
+        self.describe = describe
+        self.calls: dict[str, int] = {}  # barrier key -> times this process waited at it
+        self.lock = threading.Lock()  # Orbax's writer and finalizer threads both wait at barriers
+
+    @staticmethod
+    def _client():
+        from jax._src import distributed  # Orbax reaches the coordination service the same way
+
+        return distributed.global_state.client
+
+    def report(self, exc: BaseException) -> None:
+        """This process's save failed with `exc`: tell the others (the first report stands)."""
+        if isinstance(exc, PeerSaveFailed):
+            return  # a failure already posted, seen here
+        try:
+            self._client().key_value_set(f"{self.root}/failed",
+                                         f"process {jax.process_index()}: {self.describe(exc)}")
+        except Exception:  # noqa: BLE001 - another process posted first (the key exists)
+            pass
+
+    def failure(self) -> str | None:
+        try:
+            return self._client().key_value_try_get(f"{self.root}/failed")
+        except Exception:  # noqa: BLE001 - NOT_FOUND: nothing posted
+            return None
+
+    def barrier(self, *, key: str, timeout_ms: int) -> None:
+        """Waits until every process has called this with `key` (Orbax reuses some keys: each
+        call counts), or raises `PeerSaveFailed` as soon as a failure is posted, or TimeoutError."""
+        with self.lock:
+            n = self.calls[key] = self.calls.get(key, 0) + 1
+        client, here = self._client(), f"{self.root}/barrier/{key}/{n}"
+        client.key_value_set(f"{here}/{jax.process_index()}", "")
+        deadline, wait_ms = time.monotonic() + timeout_ms / 1000, POLL_MS
+        while True:
+            failed = self.failure()
+            if failed is not None:
+                raise PeerSaveFailed(failed)
+            if len(client.key_value_dir_get(f"{here}/")) >= jax.process_count():
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"checkpoint barrier {key} not reached by every process in {timeout_ms / 1000:.0f} s")
+            time.sleep(wait_ms / 1000)
+            wait_ms = min(wait_ms * 1.5, POLL_MAX_MS)
