@@ -189,6 +189,20 @@ def _allgather_bytes(payload: bytes) -> list[bytes]:
     return [rows[p, : lengths[p]].tobytes() for p in range(len(lengths))]
 
 
+def first_failure(line: str | None) -> str | None:
+    """Every process calls this at the same point with its own failure (a line), or None: returns
+    the first failing process's line with ' (process <i>)' appended, the same on every process,
+    or None when none failed. What each process read for itself (its shards of a checkpoint) is
+    then judged alike everywhere: no process goes on with what another found damaged."""
+    if jax.process_count() == 1:
+        return line
+    lines = _allgather_bytes(b"-" if line is None else b"+" + line.encode())
+    for i, got in enumerate(lines):
+        if got.startswith(b"+"):
+            return f"{got[1:].decode()} (process {i})"
+    return None
+
+
 def _flatten(record: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(record, dict):
         out = {}

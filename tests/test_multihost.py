@@ -209,6 +209,45 @@ def test_save_failing_on_one_process_stops_every_process_with_its_cause(tmp_path
     assert storage.committed_steps(ck) == [4]
 
 
+# nljax.train, but process 1 finds the arrays of checkpoint 8 damaged after reading them (as a
+# chunk only it reads would be): the other process reads them intact.
+DAMAGED_ON_ONE = r"""
+import os, sys
+sys.argv = ["nljax.train", *sys.argv[1:]]
+from nljax.checkpoint import storage
+from nljax.checkpoint.contents import Damaged
+read = storage.read_arrays
+def read_arrays(path, abstract):
+    out = read(path, abstract)
+    if path.name == "8" and os.environ["NLJAX_PROCESS_ID"] == "1":
+        raise Damaged(f"checkpoint {path}: array data unreadable (a chunk of process 1's)")
+    return out
+storage.read_arrays = read_arrays
+from nljax.train import main
+sys.exit(main())
+"""
+
+
+def test_checkpoint_damaged_for_one_process_is_skipped_by_every_process(tmp_path):
+    """--resume with the newest checkpoint damaged where only process 1 reads: every process
+    skips it (one warning naming the process), resumes from the one before, and the later one is
+    set aside. Before, process 0 restored step 8 and process 1 step 4, and the job hung in
+    mismatched collectives until the coordination service killed it (214 s, no line saying why)."""
+    run, ck = tmp_path / "r", tmp_path / "r" / "checkpoints"
+    args = [*ARGS, "cms.periods=[1]", "eval.every=0", "checkpoint.every=4", *QUICK, f"run.dir={run}"]
+    first = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", sys.executable, "-m", "nljax.train",
+                            "train.steps=8", *args], env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", sys.executable, "-c", DAMAGED_ON_ONE,
+                        "--resume", "train.steps=10", *args], env=subprocess_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (f"[0] nljax: warning: checkpoint {ck / '8'} is damaged, resuming from an older one (array data "
+            "unreadable (a chunk of process 1's) (process 1))") in p.stderr, p.stderr
+    assert f"[0] resumed from {ck / '4'} at step 4" in p.stdout, p.stdout
+    assert (ck / "set_aside" / "8").is_dir() and storage.committed_steps(ck) == [4, 8, 10]
+
+
 class FakeStore:
     """The coordination service's key-value calls `Peers` makes, in memory."""
 
