@@ -178,6 +178,8 @@ class Checkpoints:
             try:
                 self.manager.wait_until_finished()
             except Exception as e:  # noqa: BLE001 - whatever the background writer raised
+                if self._peers is not None:
+                    self._peers.report(e)  # posted already where Orbax logged it; the first stands
                 error = self._failed(e)
             if error is not None:
                 raise error
@@ -195,7 +197,9 @@ class Checkpoints:
             self._noise.fail()  # the failed writes' reports may arrive before `close` settles them
         kept = storage.committed_steps(self.dir)
         left = f"the newest complete checkpoint is {self.dir / str(kept[-1])}" if kept else "no complete checkpoint"
-        return ConfigError(f"checkpoint {self.dir / str(step)} could not be saved ({storage.os_error(e)}); {left}")
+        # In a multi-process run, the failure every process was told of: the same line everywhere
+        cause = (self._peers.failure() if self._peers else None) or storage.os_error(e)
+        return ConfigError(f"checkpoint {self.dir / str(step)} could not be saved ({cause}); {left}")
 
     def finish(self, step: int, state: TrainState) -> None:
         """Save the final state (unless just saved) and wait until every save is on disk."""

@@ -10,7 +10,11 @@ same store and end as soon as a failure is posted: every process's save then fai
 error, naming the process and its cause, and the run stops at the same step everywhere.
 
 The failing process learns of its failure where Orbax reports it: the error it logs, with its
-traceback, from the background thread (`report`, called by `quiet.errors_hidden`'s filter).
+traceback, from the background thread (`report`, called by `quiet.errors_hidden`'s filter), and
+again where the failure reaches nljax (`Checkpoints._wait`). What this does not cover: a failure
+in a save's blocking part (before the background writes start), where the others wait at
+Orbax's own barriers in their main threads, which nothing interrupts; `distributed.timeout_s`
+bounds those.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ class Peers:
             pass
 
     def failure(self) -> str | None:
+        """The failure posted, 'process <i>: <cause>', or None."""
         try:
             return self._client().key_value_try_get(f"{self.root}/failed")
         except Exception:  # noqa: BLE001 - NOT_FOUND: nothing posted
@@ -64,19 +69,29 @@ class Peers:
 
     def barrier(self, *, key: str, timeout_ms: int) -> None:
         """Waits until every process has called this with `key` (Orbax reuses some keys: each
-        call counts), or raises `PeerSaveFailed` as soon as a failure is posted, or TimeoutError."""
+        call counts), or raises `PeerSaveFailed` as soon as a failure is posted, or TimeoutError.
+        Each arrival increments a counter; the last to arrive posts `done`, which the others
+        look for (one key per look, however many processes)."""
         with self.lock:
             n = self.calls[key] = self.calls.get(key, 0) + 1
         client, here = self._client(), f"{self.root}/barrier/{key}/{n}"
-        client.key_value_set(f"{here}/{jax.process_index()}", "")
+        if client.key_value_increment(f"{here}/arrived", 1) == jax.process_count():
+            client.key_value_set(f"{here}/done", "")
         deadline, wait_ms = time.monotonic() + timeout_ms / 1000, POLL_MS
         while True:
             failed = self.failure()
             if failed is not None:
                 raise PeerSaveFailed(failed)
-            if len(client.key_value_dir_get(f"{here}/")) >= jax.process_count():
+            if self._posted(f"{here}/done"):
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint barrier {key} not reached by every process in {timeout_ms / 1000:.0f} s")
             time.sleep(wait_ms / 1000)
             wait_ms = min(wait_ms * 1.5, POLL_MAX_MS)
+
+    def _posted(self, key: str) -> bool:
+        try:
+            self._client().key_value_try_get(key)
+            return True
+        except Exception:  # noqa: BLE001 - NOT_FOUND
+            return False

@@ -82,8 +82,8 @@ class _Filters:
         """Drops Orbax's error reports that carry a traceback: the exception itself reaches nljax.
         Each is first `report`ed: the failure it reports, as it happens."""
         ours = self.on and record.exc_info and "orbax" in record.pathname
-        if ours and self.report is not None:
-            self.report(record.exc_info[1])
+        if ours and self.report is not None and record.levelno >= logging.ERROR:
+            self.report(record.exc_info[1])  # not a warning's traceback: Orbax carried on after it
         return not ours
 
     def unretrieved(self, record: logging.LogRecord) -> bool:

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import jax
 
-from nljax import distributed
 from nljax.checkpoint import elastic, storage
 from nljax.checkpoint.contents import (RESHAPED, SILENT, Damaged, check_arrays, check_fits, differences, fingerprint,
                                      fmt, get, named_arrays, per_device, rows_of, tracker_ids, data_digest)
@@ -39,14 +38,14 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     check it, and convert what depends on the device count, the global batch or the strategy.
     Reads only; raises ConfigError with one line on bad input."""
     cfg = engine.cfg
-    meta = _agreed(lambda: storage.read_meta(path))
+    meta = storage.read_meta(path)
     target = named_arrays(template)
     check_fits(path, meta, engine)
     warnings = _changed_settings(meta, cfg)
     fresh_rows = _rows_restart(meta, cfg, target, warnings)
 
     abstract = elastic.read_shardings(meta, target, engine.mesh)
-    arrays, sums = _agreed(lambda: storage.read_arrays(path, abstract))
+    arrays, sums = storage.read_arrays(path, abstract)
     check_arrays(path, meta, sums, int(replica(arrays["step"])))
 
     arrays, meta = _reshaped(arrays, target, meta, engine)
@@ -61,20 +60,6 @@ def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
     assert len(leaves) == len(target)
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
     return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta), data_digest(meta))
-
-
-def _agreed(read):
-    """`read()`, whose `Damaged` counts on every process (each reads its own shards): one process
-    going on with a checkpoint another found damaged would wait in a collective for it forever."""
-    error, out = None, None
-    try:
-        out = read()
-    except Damaged as e:
-        error = str(e)
-    agreed = distributed.first_failure(error)
-    if agreed is not None:
-        raise Damaged(agreed)
-    return out
 
 
 def _reshaped(arrays: dict[str, jax.Array], target: dict[str, jax.Array], meta: dict, engine: Engine):

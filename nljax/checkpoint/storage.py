@@ -15,6 +15,7 @@ from pathlib import Path
 
 import jax
 
+from nljax import distributed
 from nljax.checkpoint.contents import META, STATE, Damaged, check_well_formed, checksums, metadata, named_arrays, nest, unnest
 from nljax.checkpoint.peers import Peers, PeerSaveFailed
 from nljax.checkpoint.quiet import errors_hidden, warnings_hidden
@@ -102,43 +103,61 @@ def os_error(e: BaseException) -> str:
 
 def read_meta(path: Path) -> dict:
     """The `nljax` item of the step directory `path`, checked to be well formed, its config's
-    keys where this nljax has them (`config.migrate`: a checkpoint from before a key moved)."""
+    keys where this nljax has them (`config.migrate`: a checkpoint from before a key moved).
+
+    Every process reads it for itself; in a multi-process run they then agree (`_agreed`), so
+    that none goes on with a checkpoint another could not read."""
     import orbax.checkpoint as ocp
 
     if not path.is_dir() or not path.name.isdigit():
         raise ConfigError(f"{path} is not a checkpoint step directory")
+    error = meta = None
     try:
-        args = ocp.args.Composite(**{META: ocp.args.JsonRestore()})
-        meta = manager(path.parent).restore(int(path.name), args=args)[META]
+        # The item's handler, not a manager: a manager's restore ends at a barrier of every
+        # process, which one that failed here would never reach.
+        meta = ocp.JsonCheckpointHandler().restore(path / META)
     except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
-        raise Damaged(f"checkpoint {path}: metadata unreadable ({error_line(e)})") from None
+        error = f"checkpoint {path}: metadata unreadable ({error_line(e)})"
+    _agreed(error)
     meta = check_well_formed(path, meta)
     return {**meta, "config": migrate(meta["config"])}
 
 
 def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct]) -> tuple[dict[str, jax.Array], dict[str, int]]:
     """The arrays of the step directory `path`, each read as its `abstract` entry says (shape,
-    dtype, sharding), and their checksums; `Damaged` if they cannot be read."""
+    dtype, sharding), and their checksums; `Damaged` if they cannot be read.
+
+    Each process reads its own shards; in a multi-process run they agree (`_agreed`) before the
+    checksums, a computation over every process's shards."""
     import orbax.checkpoint as ocp
 
-    error = None
+    error = arrays = None
     # The error is raised once the scope has settled: the exception Orbax raised, kept as the
     # context of one raised inside, would keep the failed reads' futures alive past it.
     with errors_hidden() as noise:
         try:
-            args = ocp.args.Composite(**{STATE: ocp.args.StandardRestore(nest(abstract))})
-            arrays = unnest(manager(path.parent).restore(int(path.name), args=args)[STATE])
+            # The item's handler, not a manager: see `read_meta`.
+            handler = ocp.StandardCheckpointHandler()
+            arrays = unnest(handler.restore(path / STATE, args=ocp.args.StandardRestore(nest(abstract))))
+            handler.close()
             if set(arrays) != set(abstract):
                 raise ValueError(f"arrays {sorted(set(abstract) ^ set(arrays))[:3]} missing or unexpected")
-            sums = checksums(arrays)
         except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
             noise.fail()
-            error = Damaged(f"checkpoint {path}: array data unreadable ({error_line(e)})")
+            error = f"checkpoint {path}: array data unreadable ({error_line(e)})"
         if error is not None:
             noise.settle()
-    if error is not None:
-        raise error
-    return arrays, sums
+    _agreed(error)
+    return arrays, checksums(arrays)
+
+
+def _agreed(error: str | None) -> None:
+    """Raises `Damaged` when this process or any other found the checkpoint damaged (`error`,
+    its line): one process going on with a checkpoint another found damaged would wait in a
+    collective for it forever. Every process calls it at the same point."""
+    agreed = distributed.first_failure(error)
+    if agreed is not None:
+        raise Damaged(agreed)
 
 
 # ---------------------------------------------------------------------------------------------
