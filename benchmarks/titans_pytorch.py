@@ -176,7 +176,7 @@ def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
          "threads": args.threads, "config": args.config, "anchor": ANCHOR}
     names = [k for k in med if k.startswith("nljax")]
     if names:
-        nl_l0, nl_all = med[names[0]], med[names[-1]]
+        nl_l0 = med[names[0]]
         worst = max(med[k] for k in names)
         # the cycle mean: 7/8 level-0 steps, the rarer patterns charged as the slower one measured
         nl_mean = (7 * nl_l0 + worst) / 8
