@@ -153,8 +153,6 @@ class Checkpoints:
         try:
             storage.save(self.manager, self.engine, step, state, self.trackers, self.data_digest)
         except Exception as e:  # noqa: BLE001 - the blocking part of a save (e.g. the disk is full)
-            if self._peers is not None:
-                self._peers.report(e)  # the others may be waiting for this save
             error = self._failed(e)
         if error is not None:  # raised outside `except`: see `_failed`
             raise error
@@ -178,8 +176,6 @@ class Checkpoints:
             try:
                 self.manager.wait_until_finished()
             except Exception as e:  # noqa: BLE001 - whatever the background writer raised
-                if self._peers is not None:
-                    self._peers.report(e)  # posted already where Orbax logged it; the first stands
                 error = self._failed(e)
             if error is not None:
                 raise error
@@ -195,6 +191,10 @@ class Checkpoints:
         self._save_failed = True
         if self._noise is not None:
             self._noise.fail()  # the failed writes' reports may arrive before `close` settles them
+        if self._peers is not None:
+            # the others may be waiting for this save (posted already where Orbax logged a
+            # failure of its writer; the first report stands)
+            self._peers.report(e)
         kept = storage.committed_steps(self.dir)
         left = f"the newest complete checkpoint is {self.dir / str(kept[-1])}" if kept else "no complete checkpoint"
         # In a multi-process run, the failure every process was told of: the same line everywhere

@@ -62,8 +62,11 @@ class Peers:
 
     def failure(self) -> str | None:
         """The failure posted, 'process <i>: <cause>', or None."""
+        return self._get(f"{self.root}/failed")
+
+    def _get(self, key: str) -> str | None:
         try:
-            return self._client().key_value_try_get(f"{self.root}/failed")
+            return self._client().key_value_try_get(key)
         except Exception:  # noqa: BLE001 - NOT_FOUND: nothing posted
             return None
 
@@ -82,16 +85,9 @@ class Peers:
             failed = self.failure()
             if failed is not None:
                 raise PeerSaveFailed(failed)
-            if self._posted(f"{here}/done"):
+            if self._get(f"{here}/done") is not None:
                 return
             if time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint barrier {key} not reached by every process in {timeout_ms / 1000:.0f} s")
             time.sleep(wait_ms / 1000)
             wait_ms = min(wait_ms * 1.5, POLL_MAX_MS)
-
-    def _posted(self, key: str) -> bool:
-        try:
-            self._client().key_value_try_get(key)
-            return True
-        except Exception:  # noqa: BLE001 - NOT_FOUND
-            return False

@@ -94,7 +94,7 @@ class _Filters:
         if self.on and self.failed and "Task was destroyed but it is pending" in text and "orbax" in text:
             return False
         exc = record.exc_info[1] if record.exc_info else None
-        if not self.on or exc is None or "exception was never retrieved" not in str(record.msg):
+        if not self.on or exc is None or "exception was never retrieved" not in text:
             return True
         frames = traceback.extract_tb(exc.__traceback__)
         text = str(exc)
