@@ -50,12 +50,12 @@ def run(args) -> int:
 
     import jax
 
-    from nljax.bench import compile_variants, peak_memory
+    from nljax.bench import compile_variants, peak_memory, unevaluated
     from nljax.run import Run
 
     built = []
     for v in args.variants:
-        run = Run.create(config.load(args.config, v.split()))
+        run = Run.create(unevaluated(config.load(args.config, v.split())))
         batch, state = run.batch(0), run.init_state()
         every = tuple(True for _ in run.cfg.cms.periods)
         fns, compile_s = compile_variants(run.cache, [every], state, batch)

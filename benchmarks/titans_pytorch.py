@@ -110,6 +110,7 @@ def nljax_side(args):
     import jax
 
     from nljax import config, flops
+    from nljax.bench import unevaluated
     from nljax.conductor import pattern_name
     from nljax.run import Run
 
@@ -124,7 +125,7 @@ def nljax_side(args):
         except config.ConfigError as e:
             print(f"note: nljax runs float32 ({e})")
     cfg = config.load(args.config, overrides)
-    setup = Run.create(cfg, devices=jax.devices()[:1])
+    setup = Run.create(unevaluated(cfg), devices=jax.devices()[:1])
     state = setup.init_state()
     batch = setup.batch(0)
     n_levels = len(cfg.cms.periods)
