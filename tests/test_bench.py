@@ -42,7 +42,7 @@ def test_bench_json_fields_are_sane(tmp_path):
     # benchmarks/gpu_summary.py reads it (a CPU bench under the nl_350m row's name: the form)
     (tmp_path / "bench_nl_350m.json").write_text(out.read_text())
     row = next(r for r in gpu_summary().lines(tmp_path) if "nl_350m" in r)
-    assert row.startswith(("MET", "MISS")) and "% XLA count" in row and "device busy" in row
+    assert row.startswith(("MET", "MISS")) and "% analytic, " in row and "% XLA count" in row and "device busy" in row
 
 
 def gpu_summary():

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
-from nljax.models.layers import CMSChain, token_loss
+from nljax.models.layers import CMSChain, LayerNorm, token_loss
 
 
 class CMSMLPNet(nn.Module):
@@ -29,7 +29,7 @@ class CMSMLPNet(nn.Module):
         x = nn.Embed(self.vocab, self.dim, name="embed")(tokens)  # [B, T, D]
         for i in range(self.depth):
             x = CMSChain(self.dim, self.hidden, self.levels, tp=self.tp, axis=self.tp_axis, name=f"block{i}")(x)
-        x = nn.LayerNorm(name="norm")(x)
+        x = LayerNorm(name="norm")(x)
         return nn.Dense(self.vocab, name="head")(x)  # [B, T, V]
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -28,22 +30,81 @@ class RowDense(nn.Module):
         return tplib.leave(y, self.axis) + bias
 
 
+def recomputed(fn, on: bool):
+    """`fn` (a function or a Flax module class) whose backward pass recomputes its intermediates
+    from its inputs when `on`: for cheap work (activations, attention's scores) whose
+    intermediates, often float32, would otherwise be kept for the backward pass, several times the
+    size of the bf16 inputs they are computed from. A pure function: recomputed, the same bits."""
+    if not on:
+        return fn
+    return nn.remat(fn) if isinstance(fn, type) else jax.checkpoint(fn)
+
+
+class LayerNorm(nn.Module):
+    """`nn.LayerNorm` (its parameters, and its forward arithmetic to the bit: float32 statistics,
+    fast variance) with a hand-written backward pass that keeps only the input and the [..., 1]
+    statistics and recomputes the normalised input from them, elementwise, instead of keeping
+    two float32 [..., D] intermediates (8 bytes per feature against a bf16 input's 2). The same
+    program with and without `model.remat`, so remat never changes a bit of it."""
+
+    dtype: jnp.dtype = jnp.float32
+    epsilon: float = 1e-6
+
+    @nn.compact
+    def __call__(self, x):  # [..., D]
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (x.shape[-1],), jnp.float32)
+        return layer_norm(x, scale, bias, self.epsilon).astype(self.dtype)
+
+
+def _norm_stats(x, epsilon):
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.maximum(0.0, jnp.mean(jax.lax.square(x32), axis=-1, keepdims=True) - jax.lax.square(mean))
+    return x32, mean, jax.lax.rsqrt(var + epsilon)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def layer_norm(x, scale, bias, epsilon):
+    """(x - mean) / sqrt(var + epsilon) * scale + bias over the last axis, in float32."""
+    return _layer_norm_fwd(x, scale, bias, epsilon)[0]
+
+
+def _layer_norm_fwd(x, scale, bias, epsilon):
+    _, mean, rstd = _norm_stats(x, epsilon)
+    return (x - mean) * (rstd * scale) + bias, (x, mean, rstd, scale)
+
+
+def _layer_norm_bwd(epsilon, res, g):
+    x, mean, rstd, scale = res
+    xhat = (x.astype(mean.dtype) - mean) * rstd
+    lead = tuple(range(g.ndim - 1))
+    gx = g * scale  # the gradient of xhat
+    dx = rstd * (gx - jnp.mean(gx, axis=-1, keepdims=True) - xhat * jnp.mean(gx * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), jnp.sum(g * xhat, axis=lead), jnp.sum(g, axis=lead)
+
+
+layer_norm.defvjp(_layer_norm_fwd, _layer_norm_bwd)
+
+
 class MLP(nn.Module):
     """Pre-norm feed-forward block (one CMS level when named `cms<l>`). Under tensor parallelism
     (`tp` shards over `axis`) each shard holds 1/tp of the hidden width: `up` column-parallel,
-    `down` row-parallel."""
+    `down` row-parallel. `recompute`: the activation is recomputed in the backward pass
+    (`recomputed`; the norm keeps little in any case: `LayerNorm`)."""
 
     dim: int
     hidden: int
     dtype: jnp.dtype = jnp.float32
     tp: int = 1
     axis: str | None = None
+    recompute: bool = False
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
-        h = nn.LayerNorm(dtype=self.dtype, name="norm")(x)
+        h = LayerNorm(self.dtype, name="norm")(x)
         h = nn.Dense(self.hidden // self.tp, dtype=self.dtype, name="up")(tplib.enter(h, self.axis))
-        h = nn.gelu(h)
+        h = recomputed(nn.gelu, self.recompute)(h)
         # Zero-init the output so every level starts as the identity: a level that has not
         # fired yet does not perturb the residual stream.
         return RowDense(self.dim, self.dtype, self.axis, nn.initializers.zeros, name="down")(h)
@@ -58,11 +119,12 @@ class CMSChain(nn.Module):
     dtype: jnp.dtype = jnp.float32
     tp: int = 1
     axis: str | None = None
+    recompute: bool = False  # MLP.recompute
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
         for l in range(self.levels):
-            x = x + MLP(self.dim, self.hidden, self.dtype, self.tp, self.axis, name=f"cms{l}")(x)
+            x = x + MLP(self.dim, self.hidden, self.dtype, self.tp, self.axis, self.recompute, name=f"cms{l}")(x)
         return x
 
 

@@ -23,6 +23,7 @@ backward pass that holds one unit's activations at a time.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import ClassVar, Literal
 
@@ -34,7 +35,7 @@ import nljax.models.memory as nm
 from nljax.errors import ConfigError
 from nljax import tp as tplib
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
-from nljax.models.layers import CMSChain, local_attention, token_loss
+from nljax.models.layers import CMSChain, LayerNorm, local_attention, recomputed, token_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +113,7 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     tp: int = 1
     axis: str | None = None
+    recompute: bool = False  # the scores and softmax recomputed in the backward pass, not kept
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
@@ -120,7 +122,7 @@ class Attention(nn.Module):
         # kernel [D, 3, H, hd]: the head axis stands alone, so a shard is a contiguous block of it
         qkv = nn.DenseGeneral((3, h, hd), use_bias=False, dtype=self.dtype, name="qkv")(tplib.enter(x, self.axis))
         q, k, v = rotary(qkv[:, :, 0]), rotary(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, h, hd]
-        y = local_attention(q, k, v, self.window)
+        y = recomputed(functools.partial(local_attention, window=self.window), self.recompute)(q, k, v)
         y = nn.Dense(self.dim, use_bias=False, dtype=self.dtype, name="out")(y.reshape(b, t, h * hd))
         return tplib.leave(y, self.axis)
 
@@ -183,7 +185,7 @@ class NeuralMemory(nn.Module):
     out_norm: bool = True  # RMS-normalise each head's read
     out_gate: bool = True  # and scale it by a sigmoid gate of the block's input
     dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
-    remat: bool = False  # recompute each chunk's internals in the backward pass (memory.memory_forward)
+    remat: bool = False  # recompute each chunk's internals (memory.memory_forward) and the conv in the backward pass
     unroll: int = 1  # chunks per loop iteration of the inner loop
     tp: int = 1  # tensor-parallel shards: each holds heads / tp memory heads, their state and weights
     axis: str | None = None
@@ -209,7 +211,7 @@ class NeuralMemory(nn.Module):
         y = nn.DenseGeneral((3, h, d), use_bias=False, dtype=self.dtype, name="qkv")(x)  # [B, T, 3, H, dk]
         if self.conv:
             # short causal mixing of neighbouring tokens before they are written (Titans §4.4)
-            y = jax.nn.silu(CausalConv(self.conv, name="conv")(y))
+            y = recomputed(jax.nn.silu, self.remat)(recomputed(CausalConv, self.remat)(self.conv, name="conv")(y))
         # float32 from here: the inner loop's state, gates and normalisers (see memory.py)
         y = y.astype(jnp.float32).transpose(2, 0, 3, 1, 4)  # [3, B, H, T, dk]
         return _l2norm(y[0]), _l2norm(y[1]), _l2norm(y[2])
@@ -276,16 +278,20 @@ def block(spec: BlockSpec, i: int, x, state, reset):
     # jax.checkpoint around each sub-block: the backward pass recomputes its activations from
     # its input. Every sub-block is a pure function, so the recomputation is exact.
     wrap = nn.remat if spec.remat == "block" else (lambda cls: cls)
-    x = x + wrap(Attention)(spec.dim, spec.heads, spec.window, dt, spec.tp, spec.tp_axis, name=f"attn{i}")(
-        nn.LayerNorm(dtype=dt, name=f"norm_a{i}")(x))
+    # Otherwise (model.remat=memory) only the work whose intermediates outweigh the inputs they
+    # come from is recomputed: activations, attention's scores, the memory's conv (`recomputed`).
+    again = spec.remat != "none"
+    x = x + wrap(Attention)(spec.dim, spec.heads, spec.window, dt, spec.tp, spec.tp_axis, again, name=f"attn{i}")(
+        LayerNorm(dt, name=f"norm_a{i}")(x))
     if state is not None:
         # inside a recomputed block too: the recomputation then keeps only each chunk's carried
         # state, not every chunk's intermediates (0.87x the step time at nl_350m's shapes on CPU)
         mem = wrap(NeuralMemory)(dim=spec.dim, **dict(spec.memory), dtype=dt, remat=spec.remat != "none",
                                  tp=spec.tp, axis=spec.tp_axis, name=f"mem{i}")
-        y, state = mem(nn.LayerNorm(dtype=dt, name=f"norm_m{i}")(x), state, reset)
+        y, state = mem(LayerNorm(dt, name=f"norm_m{i}")(x), state, reset)
         x = x + y
-    return wrap(CMSChain)(spec.dim, spec.hidden, spec.levels, dt, spec.tp, spec.tp_axis, name=f"block{i}")(x), state
+    chain = wrap(CMSChain)(spec.dim, spec.hidden, spec.levels, dt, spec.tp, spec.tp_axis, again, name=f"block{i}")
+    return chain(x), state
 
 
 def blocks(spec: BlockSpec, n: int, x, memory: dict, reset):
@@ -336,7 +342,7 @@ class NLNet(nn.Module):
     def __call__(self, tokens, memory, reset):  # tokens [B, T], memory {block: state}, reset [B]
         x = nn.Embed(self.vocab, self.dim, dtype=self.dtype, name="embed")(tokens)  # [B, T, D]
         x, new_memory = (self.scanned if self.scan else self.unrolled)(x, memory, reset)
-        x = nn.LayerNorm(dtype=self.dtype, name="norm")(x)
+        x = LayerNorm(self.dtype, name="norm")(x)
         return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x), new_memory  # the loss upcasts to float32
 
     def unrolled(self, x, memory, reset):
