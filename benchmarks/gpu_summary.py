@@ -28,6 +28,10 @@ def profiled(b: dict) -> str:
     return f"; profile: {kernels(p['ops'], p['busy_fraction'])} (median {p['median_op_us']:.1f} us); {cats}"
 
 
+def gb(n) -> str:
+    return "-" if n is None else f"{n / 1e9:.1f} GB"
+
+
 def kernels(per_step: float, busy) -> str:
     return f"{per_step:,.0f} kernels/step, device busy {100 * (busy or 0):.0f}% of the step"
 
@@ -68,7 +72,7 @@ def lines(out: Path) -> list[str]:
         xla = "" if not b or b.get("mfu_mean") is None else f", {100 * b['mfu_mean']:.1f}% XLA count"
         rows.append(f"{verdict(None if mfu is None else mfu >= 0.40)}  nl_350m seq 2048 MFU, model.remat={remat}: "
                     + ("-" if mfu is None else f"{100 * mfu:.1f}% analytic{xla} (target >= 40%; "
-                       f"{b['flops']['params'] / 1e6:.0f}M parameters; peak {b['memory']['peak_bytes'] / 1e9:.1f} GB)"
+                       f"{b['flops']['params'] / 1e6:.0f}M parameters; peak {gb(b['memory']['peak_bytes'])})"
                        f"{profiled(b)}"))
     mf, fm = load(out, "bench_dit_b4_meanflow"), load(out, "bench_dit_b4_flow_matching")
     r = mf["mean_step_ms"] / fm["mean_step_ms"] if mf and fm else None

@@ -29,7 +29,8 @@ from nljax.models import build  # noqa: E402
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=None)
-    p.add_argument("--list", action="store_true", help="print every residual and where it comes from")
+    p.add_argument("--list", action="store_true", help="print every residual and where it comes from (of the "
+                   "derivative with respect to every input: the memory state's residuals are listed too)")
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
     try:
@@ -38,6 +39,10 @@ def main(argv=None) -> int:
         print(f"residuals.py: error: {e}", file=sys.stderr)
         return 2
     model = build(cfg)
+    if getattr(model, "task", "text") != "text":
+        print(f"residuals.py: error: model.name={cfg.model.name} is not a language model (this script feeds it tokens)",
+              file=sys.stderr)
+        return 2
     rows, seq = cfg.train.batch_size, cfg.train.seq_len
     params = jax.eval_shape(model.init, jax.random.key(0))
     memory = jax.eval_shape(lambda: model.init_memory(rows))

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -101,6 +102,8 @@ def environment() -> dict:
         "optax": optax.__version__,
         "python": platform.python_version(), "platform": dev.platform, "device_kind": dev.device_kind,
         "devices": jax.device_count(), "cpu": cpu_model(),
+        # the host allocator's settings: on CPU they change the step time (docs/PERFORMANCE.md)
+        "malloc": {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF") if k in os.environ},
     }
 
 

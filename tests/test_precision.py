@@ -74,13 +74,16 @@ def test_layer_norm_is_flax_forward_to_the_bit_and_its_backward():
 
     from nljax.models.layers import LayerNorm
 
-    for dtype, rtol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
-        x = (jax.random.normal(jax.random.key(0), (4, 16, 64)) * 3 + 1).astype(dtype)
+    for dtype, rtol, shape in ((jnp.float32, 1e-6, (4, 16, 64)), (jnp.bfloat16, 1e-2, (4, 16, 64)),
+                               (jnp.float32, 1e-6, (8, 96))):
+        x = (jax.random.normal(jax.random.key(0), shape) * 3 + 1).astype(dtype)
         ref, ours = nn.LayerNorm(dtype=dtype), LayerNorm(dtype)
         params = jax.tree.map(lambda v: v + jax.random.normal(jax.random.key(2), v.shape), ref.init(jax.random.key(1), x))
         np.testing.assert_array_equal(ours.apply(params, x), ref.apply(params, x))
-        loss = lambda m: jax.grad(lambda p, x: jnp.sum(jnp.sin(m.apply(p, x).astype(jnp.float32))), argnums=(0, 1))
+        np.testing.assert_array_equal(jax.jit(ours.apply)(params, x), jax.jit(ref.apply)(params, x))
+        loss = lambda m: jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(m.apply(p, x).astype(jnp.float32))), argnums=(0, 1)))
         for a, b in zip(jax.tree.leaves(loss(ours)(params, x)), jax.tree.leaves(loss(ref)(params, x))):
+            assert a.dtype == b.dtype
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             assert np.abs(a - b).max() <= rtol * np.abs(b).max()
 
