@@ -172,11 +172,11 @@ def interleaved(calls: dict, warmup: int, rounds: int, say, settle: bool = True)
 
 
 def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
+    from nljax.bench import malloc_settings
+
     tokens = args.batch * args.seq
     r = {"batch": args.batch, "seq": args.seq, "device": args.device, "dtype": args.dtype, "nljax_dtype": nl_dtype,
-         "threads": args.threads, "config": args.config, "anchor": ANCHOR,
-         # the host allocator's settings, which change CPU step times (docs/PERFORMANCE.md)
-         "malloc": {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF") if k in os.environ}}
+         "threads": args.threads, "config": args.config, "anchor": ANCHOR, "malloc": malloc_settings()}
     names = [k for k in med if k.startswith("nljax")]
     if names:
         nl_l0 = med[names[0]]

@@ -102,9 +102,14 @@ def environment() -> dict:
         "optax": optax.__version__,
         "python": platform.python_version(), "platform": dev.platform, "device_kind": dev.device_kind,
         "devices": jax.device_count(), "cpu": cpu_model(),
-        # the host allocator's settings: on CPU they change the step time (docs/PERFORMANCE.md)
-        "malloc": {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF") if k in os.environ},
+        "malloc": malloc_settings(),
     }
+
+
+def malloc_settings() -> dict:
+    """The host allocator's settings in the environment: on CPU they change the step time
+    (docs/PERFORMANCE.md)."""
+    return {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF") if k in os.environ}
 
 
 # ---------------------------------------------------------------------------------- measuring

@@ -58,13 +58,6 @@ class LayerNorm(nn.Module):
         return layer_norm(x, scale, bias, self.epsilon).astype(self.dtype)
 
 
-def _norm_stats(x, epsilon):
-    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    var = jnp.maximum(0.0, jnp.mean(jax.lax.square(x32), axis=-1, keepdims=True) - jax.lax.square(mean))
-    return mean, jax.lax.rsqrt(var + epsilon)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def layer_norm(x, scale, bias, epsilon):
     """(x - mean) / sqrt(var + epsilon) * scale + bias over the last axis, in float32."""
@@ -72,7 +65,10 @@ def layer_norm(x, scale, bias, epsilon):
 
 
 def _layer_norm_fwd(x, scale, bias, epsilon):
-    mean, rstd = _norm_stats(x, epsilon)
+    x32 = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.maximum(0.0, jnp.mean(jax.lax.square(x32), axis=-1, keepdims=True) - jax.lax.square(mean))
+    rstd = jax.lax.rsqrt(var + epsilon)
     return (x - mean) * (rstd * scale) + bias, (x, mean, rstd, scale)
 
 

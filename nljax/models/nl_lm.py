@@ -288,7 +288,7 @@ def block(spec: BlockSpec, i: int, x, state, reset):
     if state is not None:
         # inside a recomputed block too: the recomputation then keeps only each chunk's carried
         # state, not every chunk's intermediates (0.87x the step time at nl_350m's shapes on CPU)
-        mem = wrap(NeuralMemory)(dim=spec.dim, **dict(spec.memory), dtype=dt, remat=spec.remat != "none",
+        mem = wrap(NeuralMemory)(dim=spec.dim, **dict(spec.memory), dtype=dt, remat=again,
                                  tp=spec.tp, axis=spec.tp_axis, name=f"mem{i}")
         y, state = mem(LayerNorm(dt, name=f"norm_m{i}")(x), state, reset)
         x = x + y
