@@ -35,10 +35,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     try:
         cfg = config.load(args.config, args.overrides)
+        model = build(cfg)
     except config.ConfigError as e:
         print(f"residuals.py: error: {e}", file=sys.stderr)
         return 2
-    model = build(cfg)
     if getattr(model, "task", "text") != "text":
         print(f"residuals.py: error: model.name={cfg.model.name} is not a language model (this script feeds it tokens)",
               file=sys.stderr)

@@ -80,6 +80,10 @@ def test_gpu_suite_and_ab(tmp_path):
     ab = json.loads((tmp_path / "ab_titans_remat.json").read_text())["rows"]
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "residuals.py"), *NL], capture_output=True, text=True)
     assert p.returncode == 0 and "residuals" in p.stdout and " GiB in " in p.stdout, p.stderr
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "residuals.py"), "--config",
+                        str(ROOT / "configs" / "meanflow_digits.yaml")], capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+        "residuals.py: error: model.name=dit is not a language model (this script feeds it tokens)"]
     assert [r["ratio"] for r in ab][0] == 1.0 and all(r["median_ms"] > 0 and r["ops_per_step"] > 10 for r in ab)
     rows = gpu_summary().lines(tmp_path)
     assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)
