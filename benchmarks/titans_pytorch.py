@@ -45,8 +45,9 @@ def pin_threads(args) -> None:
     if args.threads < 1:
         return
     if args.threads == 1:
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1").strip()
+        # (not `intra_op_parallelism_threads=1`, often quoted with it: not an XLA flag, it
+        # ends XLA's parsing of the flags, and any written after it are silently ignored)
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_cpu_multi_thread_eigen=false").strip()
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     if hasattr(os, "sched_setaffinity"):  # what `taskset` does, from inside
         cores = sorted(os.sched_getaffinity(0))
@@ -172,11 +173,11 @@ def interleaved(calls: dict, warmup: int, rounds: int, say, settle: bool = True)
 
 
 def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
-    from nljax.bench import malloc_settings
+    from nljax import hostmem
 
     tokens = args.batch * args.seq
     r = {"batch": args.batch, "seq": args.seq, "device": args.device, "dtype": args.dtype, "nljax_dtype": nl_dtype,
-         "threads": args.threads, "config": args.config, "anchor": ANCHOR, "malloc": malloc_settings()}
+         "threads": args.threads, "config": args.config, "anchor": ANCHOR, "malloc": hostmem.settings()}
     names = [k for k in med if k.startswith("nljax")]
     if names:
         nl_l0 = med[names[0]]
@@ -249,6 +250,11 @@ def main(argv=None) -> int:
     pin_threads(args)  # before torch and jax start
     if args.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from nljax import hostmem
+
+    # as nljax's commands do (NLJAX_HOST_MALLOC=system: not); titans-pytorch, in the same
+    # process, allocates under the same settings
+    hostmem.retain()
     say = lambda s: print(s, flush=True)
     calls, sizes, nl_dtype = {}, {}, "-"
     if not args.skip_nljax:

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import platform
 import statistics
 import sys
@@ -44,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax import cli, flops, throughput, traces
+from nljax import cli, flops, hostmem, throughput, traces
 from nljax.version import __version__
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config, ConfigError
@@ -102,14 +101,8 @@ def environment() -> dict:
         "optax": optax.__version__,
         "python": platform.python_version(), "platform": dev.platform, "device_kind": dev.device_kind,
         "devices": jax.device_count(), "cpu": cpu_model(),
-        "malloc": malloc_settings(),
+        "malloc": hostmem.settings(),
     }
-
-
-def malloc_settings() -> dict:
-    """The host allocator's settings in the environment: on CPU they change the step time
-    (docs/PERFORMANCE.md)."""
-    return {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF") if k in os.environ}
 
 
 # ---------------------------------------------------------------------------------- measuring

@@ -1,8 +1,8 @@
 """Command-line plumbing shared by `nljax.train`, `nljax.comm` and friends.
 
-`--cpu-devices N` must take effect before JAX creates its backends, and a multi-process run
-must join JAX's distributed runtime before any computation, so both happen here, before any
-module touches `jax.devices()`.
+`--cpu-devices N` and the host allocator's settings (nljax/hostmem.py) must take effect before
+JAX creates its backends, and a multi-process run must join JAX's distributed runtime before any
+computation, so all three happen here, before any module touches `jax.devices()`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from nljax import config, distributed
+from nljax import config, distributed, hostmem
 from nljax.errors import first_line
 from nljax.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted
 
@@ -98,6 +98,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
     multiprocess = False
     try:
         setup_devices(args.cpu_devices)
+        hostmem.retain()  # before JAX's backends start (nljax/hostmem.py)
         cfg = config.load(args.config, args.overrides)
         multiprocess = setup_processes(args, cfg)
         distributed.check_config(cfg)  # before anything is built from it

@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import platform
 
 from helpers import TINY_NL, cli
 
@@ -33,6 +35,9 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert r["peak_flops_per_device"] > 1e8 and "measured" in r["peak_source"]
     assert r["memory"]["peak_bytes"] > 0 and math.isfinite(r["memory"]["peak_bytes"])
     assert r["environment"]["jax"] and r["environment"]["device_kind"]
+    chosen = {"LD_PRELOAD", "GLIBC_TUNABLES", "NLJAX_HOST_MALLOC"} & set(os.environ)
+    if platform.libc_ver()[0] == "glibc" and not chosen:  # the command set the allocator (nljax/hostmem.py)
+        assert r["environment"]["malloc"]["nljax"].startswith("retain"), r["environment"]["malloc"]
     prof = r["profile"]
     assert prof["pattern"] == r["worst_pattern"] and prof["devices"] == 2 and prof["steps"] == 2
     assert prof["module"] == "jit_train_step"  # the train step's ops, found by its module's name

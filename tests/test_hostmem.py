@@ -1,0 +1,86 @@
+"""The host allocator's settings (nljax/hostmem.py): applied only where they act, and they make
+freed memory come back without page faults."""
+
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from nljax import hostmem
+from nljax.errors import ConfigError
+
+glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+                           reason="mallopt is glibc's")
+
+# A fresh process: retain() before JAX's backends start, then a 256 MB block allocated, written
+# and freed twice; the page faults of the second round (the first one's memory, reused or not).
+PROBE = """
+import ctypes, resource
+from nljax import hostmem
+print(hostmem.retain())
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+n = 256 << 20
+def round_faults():
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    p = libc.malloc(n)
+    ctypes.memset(p, 1, n)
+    libc.free(p)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+round_faults()
+print(round_faults())
+"""
+
+
+def probe(**env) -> tuple[str, int]:
+    full = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", hostmem.ENV)}
+    full = {**full, "JAX_PLATFORMS": "cpu", **env}
+    out = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    decision, faults = out.stdout.split("\n")[:2]
+    return decision, int(faults)
+
+
+@glibc
+def test_retained_memory_comes_back_without_page_faults():
+    decision, retained = probe()
+    assert decision.startswith("retain"), decision
+    decision, system = probe(NLJAX_HOST_MALLOC="system")
+    assert decision.startswith("system"), decision
+    # 256 MB is 65,536 pages of 4 KB (fewer where the kernel gives huge pages): glibc's default
+    # maps and unmaps the block, so every round faults it in again; retained, it is reused
+    assert system > 1000, system
+    assert retained < system / 20, (retained, system)
+    print(f"page faults of the second round: {retained} retained, {system} system")
+
+
+def test_left_alone_after_jax_started_or_when_the_user_chose(monkeypatch):
+    jax.devices()  # this test process's backends exist: too late, nothing is changed
+    monkeypatch.delenv(hostmem.ENV, raising=False)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    if platform.libc_ver()[0] == "glibc":
+        assert hostmem.retain() == "system (JAX's backends had started)"
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
+    assert hostmem.retain().startswith("system")
+    assert hostmem.settings()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv(hostmem.ENV, "system")
+    assert hostmem.retain() == f"system (${hostmem.ENV}=system)"
+    assert hostmem.settings()["nljax"] == f"system (${hostmem.ENV}=system)"
+
+
+def test_a_bad_setting_is_one_line(monkeypatch):
+    monkeypatch.setenv(hostmem.ENV, "jemalloc")
+    with pytest.raises(ConfigError, match="NLJAX_HOST_MALLOC must be one of retain, system, got 'jemalloc'"):
+        hostmem.retain()
+
+
+@glibc
+def test_an_accelerator_backend_is_left_alone():
+    decision, _ = probe(JAX_PLATFORMS="cuda,cpu")  # read from the config: nothing is started
+    assert decision == "system (an accelerator backend)"
