@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nljax import cli, config, traces  # noqa: E402  (after the path: a checkout need not be installed)
+from nljax import cli, config, hostmem, traces  # noqa: E402  (after the path: a checkout need not be installed)
 
 
 def main(argv=None) -> int:
@@ -47,6 +47,7 @@ def run(args) -> int:
     if args.rounds < 1 or args.warmup < 0 or args.profile < 0:
         raise config.ConfigError("--rounds must be >= 1, --warmup and --profile >= 0")
     cli.setup_devices(args.cpu_devices)
+    hostmem.retain()  # as nljax's commands do, before JAX starts (nljax/hostmem.py)
 
     import jax
 

@@ -251,10 +251,15 @@ def main(argv=None) -> int:
     if args.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from nljax import hostmem
+    from nljax.errors import ConfigError
 
     # as nljax's commands do (NLJAX_HOST_MALLOC=system: not); titans-pytorch, in the same
     # process, allocates under the same settings
-    hostmem.retain()
+    try:
+        hostmem.retain()
+    except ConfigError as e:
+        print(f"titans_pytorch.py: error: {e}", file=sys.stderr)
+        return 2
     say = lambda s: print(s, flush=True)
     calls, sizes, nl_dtype = {}, {}, "-"
     if not args.skip_nljax:

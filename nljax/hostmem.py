@@ -18,10 +18,12 @@ acts only where it helps and is wanted:
 - on Linux with glibc (`mallopt` is glibc's);
 - when JAX will compute on the CPU (`jax_platforms` says cpu, or no accelerator plugin is
   installed): on a GPU the step's temporaries live in device memory;
-- before JAX's backends exist: a thread keeps the arena it first allocated from, so later the
-  settings do nothing measurable (and a library user's process is left alone);
-- unless the user chose: NLJAX_HOST_MALLOC=system, an allocator in LD_PRELOAD, or malloc
-  settings in GLIBC_TUNABLES.
+- before JAX's backends exist: a thread keeps the arena it first allocated from, and measured,
+  the settings applied later do nothing for the step; so a process whose JAX has started (a
+  notebook, the test suite) is left alone. A script that calls a command's `main()` before
+  touching JAX gets them, as the command would;
+- unless the user chose: NLJAX_HOST_MALLOC=system, anything in LD_PRELOAD (an allocator, a
+  profiler), malloc settings in GLIBC_TUNABLES, or glibc's MALLOC_* variables.
 """
 
 from __future__ import annotations
@@ -53,11 +55,15 @@ def retain() -> str:
     mode = os.environ.get(ENV, "retain")
     if mode not in MODES:
         raise ConfigError(f"${ENV} must be one of {', '.join(MODES)}, got {mode!r}")
+    if _decision is not None and _decision.startswith("retain"):
+        return _decision  # applied already in this process: it stays applied
     reason = _not_applicable(mode)
     if reason is None:
         libc = ctypes.CDLL(None)
-        ok = all(libc.mallopt(p, v) == 1 for p, v in ((M_ARENA_MAX, 1), (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, -1)))
-        reason = "retain (mallopt: one arena, no mmap, no trim)" if ok else "system (mallopt refused)"
+        refused = [name for name, p, v in (("M_ARENA_MAX", M_ARENA_MAX, 1), ("M_MMAP_MAX", M_MMAP_MAX, 0),
+                                           ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, -1)) if libc.mallopt(p, v) != 1]
+        reason = ("retain (mallopt: one arena, no mmap, no trim)" if not refused
+                  else f"partly (mallopt refused {', '.join(refused)})")
     _decision = reason
     return reason
 
@@ -67,13 +73,19 @@ def _not_applicable(mode: str) -> str | None:
         return f"system (${ENV}=system)"
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return "system (not Linux with glibc)"
-    if os.environ.get("LD_PRELOAD") or "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
-        return "system (the user's: LD_PRELOAD or GLIBC_TUNABLES)"
+    if os.environ.get("LD_PRELOAD") or "malloc" in os.environ.get("GLIBC_TUNABLES", "") or _glibc_env():
+        return "system (the user's: LD_PRELOAD, GLIBC_TUNABLES or MALLOC_*)"
     if not _computes_on_cpu():
         return "system (an accelerator backend)"
     if _backends_started():
         return "system (JAX's backends had started)"
     return None
+
+
+def _glibc_env() -> list[str]:
+    """glibc's own allocator variables (MALLOC_ARENA_MAX, MALLOC_TRIM_THRESHOLD_, ...) in the
+    environment; MALLOC_CONF is jemalloc's."""
+    return sorted(k for k in os.environ if k.startswith("MALLOC_") and k != "MALLOC_CONF")
 
 
 def _computes_on_cpu() -> bool:
@@ -95,14 +107,15 @@ def _accelerator_plugins() -> bool:
 
 
 def _backends_started() -> bool:
-    from jax._src import xla_bridge  # no public API says this; absent, assume not started
+    from jax._src import xla_bridge  # no public API says this; absent, assume started (do nothing)
 
     started = getattr(xla_bridge, "backends_are_initialized", None)
-    return bool(started and started())
+    return started is None or bool(started())
 
 
 def settings() -> dict:
     """The host allocator's settings, for a benchmark's record: the environment's, and what
     `retain()` did in this process (None: it was not called)."""
-    env = {k: os.environ[k] for k in ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", ENV) if k in os.environ}
+    names = ("GLIBC_TUNABLES", "LD_PRELOAD", "MALLOC_CONF", ENV, *_glibc_env())
+    env = {k: os.environ[k] for k in names if k in os.environ}
     return {**env, "nljax": _decision}

@@ -28,6 +28,8 @@ n = 256 << 20
 def round_faults():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     p = libc.malloc(n)
+    page = p - p % 4096  # 4 KB pages even where transparent huge pages are "always"
+    libc.madvise(ctypes.c_void_p(page), ctypes.c_size_t(n + p - page), 15)  # MADV_NOHUGEPAGE
     ctypes.memset(p, 1, n)
     libc.free(p)
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
@@ -37,7 +39,8 @@ print(round_faults())
 
 
 def probe(**env) -> tuple[str, int]:
-    full = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", hostmem.ENV)}
+    full = {k: v for k, v in os.environ.items()
+            if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", hostmem.ENV) and not k.startswith("MALLOC_")}
     full = {**full, "JAX_PLATFORMS": "cpu", **env}
     out = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -51,8 +54,8 @@ def test_retained_memory_comes_back_without_page_faults():
     assert decision.startswith("retain"), decision
     decision, system = probe(NLJAX_HOST_MALLOC="system")
     assert decision.startswith("system"), decision
-    # 256 MB is 65,536 pages of 4 KB (fewer where the kernel gives huge pages): glibc's default
-    # maps and unmaps the block, so every round faults it in again; retained, it is reused
+    # 256 MB is 65,536 pages of 4 KB: glibc's default maps and unmaps the block, so every round
+    # faults it in again; retained, it is reused
     assert system > 1000, system
     assert retained < system / 20, (retained, system)
     print(f"page faults of the second round: {retained} retained, {system} system")
@@ -63,12 +66,18 @@ def test_left_alone_after_jax_started_or_when_the_user_chose(monkeypatch):
     monkeypatch.delenv(hostmem.ENV, raising=False)
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
+    for k in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(k)
     if platform.libc_ver()[0] == "glibc":
         assert hostmem.retain() == "system (JAX's backends had started)"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
     assert hostmem.retain().startswith("system")
     assert hostmem.settings()["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
     monkeypatch.delenv("GLIBC_TUNABLES")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")  # glibc's own variable: the user's choice too
+    assert hostmem.retain().startswith("system (the user's")
+    assert hostmem.settings()["MALLOC_ARENA_MAX"] == "4"
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
     monkeypatch.setenv(hostmem.ENV, "system")
     assert hostmem.retain() == f"system (${hostmem.ENV}=system)"
     assert hostmem.settings()["nljax"] == f"system (${hostmem.ENV}=system)"
