@@ -46,6 +46,7 @@ MODES = ("retain", "system")
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
 
+RETAINED = "retain (mallopt: one arena, no mmap, no trim)"
 _decision: str | None = None  # what retain() did, for the benchmarks' records
 
 
@@ -55,14 +56,14 @@ def retain() -> str:
     mode = os.environ.get(ENV, "retain")
     if mode not in MODES:
         raise ConfigError(f"${ENV} must be one of {', '.join(MODES)}, got {mode!r}")
-    if _decision is not None and _decision.startswith("retain"):
+    if _decision == RETAINED:
         return _decision  # applied already in this process: it stays applied
     reason = _not_applicable(mode)
     if reason is None:
         libc = ctypes.CDLL(None)
         refused = [name for name, p, v in (("M_ARENA_MAX", M_ARENA_MAX, 1), ("M_MMAP_MAX", M_MMAP_MAX, 0),
                                            ("M_TRIM_THRESHOLD", M_TRIM_THRESHOLD, -1)) if libc.mallopt(p, v) != 1]
-        reason = ("retain (mallopt: one arena, no mmap, no trim)" if not refused
+        reason = (RETAINED if not refused
                   else f"partly (mallopt refused {', '.join(refused)})")
     _decision = reason
     return reason
