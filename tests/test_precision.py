@@ -88,6 +88,54 @@ def test_layer_norm_is_flax_forward_to_the_bit_and_its_backward():
             assert np.abs(a - b).max() <= rtol * np.abs(b).max()
 
 
+def test_dense_dot_gradients_are_autodiffs():
+    """dense_dot (the language models' dense layers) differentiates as jax.lax.dot_general does:
+    the same cotangents, in the primals' dtypes, on the CPU's path and on the other backends'."""
+    import flax.linen as nn
+
+    from nljax.models.layers import dense_dot, kernel_grad, kernel_grad_transposed_first
+
+    for dtype, rtol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
+        x = jax.random.normal(jax.random.key(0), (4, 16, 48)).astype(dtype)
+        for layer in (lambda dg: nn.Dense(40, dtype=dtype, dot_general=dg),
+                      lambda dg: nn.DenseGeneral((3, 2, 8), use_bias=False, dtype=dtype, dot_general=dg)):
+            ref, ours = layer(None), layer(dense_dot)
+            params = ref.init(jax.random.key(1), x)
+            np.testing.assert_array_equal(ours.apply(params, x), ref.apply(params, x))
+            grad = lambda m: jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(m.apply(p, x).astype(jnp.float32))), argnums=(0, 1)))
+            for a, b in zip(jax.tree.leaves(grad(ours)(params, x)), jax.tree.leaves(grad(ref)(params, x))):
+                assert a.dtype == b.dtype and a.shape == b.shape
+                a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+                assert np.abs(a - b).max() <= rtol * np.abs(b).max()
+    x, g = jax.random.normal(jax.random.key(2), (64, 24)), jax.random.normal(jax.random.key(3), (64, 40))
+    for path in (kernel_grad, kernel_grad_transposed_first):
+        np.testing.assert_allclose(jax.jit(path)(x, g), np.asarray(x).T @ np.asarray(g), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="not a dense layer's contraction"):
+        dense_dot(x, g, (((0,), (0,)), ((), ())))
+
+
+def test_dense_dot_kernel_gradient_is_a_row_major_product_on_cpu():
+    """What dense_dot is for: XLA:CPU runs x^T g, the kernel's gradient, as a dot contracting its
+    left operand's leading dim (a slow Eigen path, half the matmul peak) unless x^T is formed
+    first. If the plain layer stops showing that form, XLA handles it and dense_dot can go."""
+    import re
+
+    import flax.linen as nn
+
+    from nljax.models.layers import dense_dot
+
+    def dots(dg):
+        m = nn.Dense(64, dot_general=dg)
+        x = jnp.ones((4, 64, 48))
+        p = m.init(jax.random.key(0), x)
+        f = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.tanh(m.apply(p, x))), argnums=(0, 1)))
+        return re.findall(r"lhs_contracting_dims=\{(\d+)\}", f.lower(p, x).compile().as_text())
+
+    plain, ours = dots(None), dots(dense_dot)
+    assert "0" in plain and len(plain) == 3  # the forward product, x's and the kernel's gradients
+    assert "0" not in ours and len(ours) == 3
+
+
 @functools.lru_cache(maxsize=None)
 def losses(dtype, inter=1, intra=1, steps=4, optim="adamw"):
     setup = make([*TINY_NL_DEEP, f"model.dtype={dtype}", f"optim.name={optim}"], inter, intra)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
-from nljax.models.layers import CMSChain, LayerNorm, token_loss
+from nljax.models.layers import CMSChain, LayerNorm, dense_dot, token_loss
 
 
 class CMSMLPNet(nn.Module):
@@ -30,7 +30,7 @@ class CMSMLPNet(nn.Module):
         for i in range(self.depth):
             x = CMSChain(self.dim, self.hidden, self.levels, tp=self.tp, axis=self.tp_axis, name=f"block{i}")(x)
         x = LayerNorm(name="norm")(x)
-        return nn.Dense(self.vocab, name="head")(x)  # [B, T, V]
+        return nn.Dense(self.vocab, dot_general=dense_dot, name="head")(x)  # [B, T, V]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,7 +35,7 @@ import nljax.models.memory as nm
 from nljax.errors import ConfigError
 from nljax import tp as tplib
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
-from nljax.models.layers import CMSChain, LayerNorm, local_attention, recomputed, token_loss
+from nljax.models.layers import CMSChain, LayerNorm, dense_dot, local_attention, recomputed, token_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,10 +120,10 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, hd = self.heads // self.tp, self.dim // self.heads
         # kernel [D, 3, H, hd]: the head axis stands alone, so a shard is a contiguous block of it
-        qkv = nn.DenseGeneral((3, h, hd), use_bias=False, dtype=self.dtype, name="qkv")(tplib.enter(x, self.axis))
+        qkv = nn.DenseGeneral((3, h, hd), use_bias=False, dtype=self.dtype, dot_general=dense_dot, name="qkv")(tplib.enter(x, self.axis))
         q, k, v = rotary(qkv[:, :, 0]), rotary(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, h, hd]
         y = recomputed(functools.partial(local_attention, window=self.window), self.recompute)(q, k, v)
-        y = nn.Dense(self.dim, use_bias=False, dtype=self.dtype, name="out")(y.reshape(b, t, h * hd))
+        y = nn.Dense(self.dim, use_bias=False, dtype=self.dtype, dot_general=dense_dot, name="out")(y.reshape(b, t, h * hd))
         return tplib.leave(y, self.axis)
 
 
@@ -208,7 +208,7 @@ class NeuralMemory(nn.Module):
 
     def qkv(self, x):  # x [B, T, D] -> q, k, v [B, H, T, dk], unit norm
         h, d = self.local_heads, self.dk
-        y = nn.DenseGeneral((3, h, d), use_bias=False, dtype=self.dtype, name="qkv")(x)  # [B, T, 3, H, dk]
+        y = nn.DenseGeneral((3, h, d), use_bias=False, dtype=self.dtype, dot_general=dense_dot, name="qkv")(x)  # [B, T, 3, H, dk]
         if self.conv:
             # short causal mixing of neighbouring tokens before they are written (Titans §4.4)
             y = recomputed(jax.nn.silu, self.remat)(recomputed(CausalConv, self.remat)(self.conv, name="conv")(y))
@@ -225,7 +225,7 @@ class NeuralMemory(nn.Module):
         # Step size in (0, lr_max], momentum and forgetting in (0, 1); forgetting starts slow so
         # that the memory can hold context well beyond one window.
         gate_bias = lambda key, shape, dtype=jnp.float32: jnp.tile(jnp.array([0.0, 0.0, -6.0]), shape[0] // 3)
-        g = nn.Dense(3 * h, name="gates", bias_init=gate_bias)(x.astype(jnp.float32)).reshape(b, t, h, 3)
+        g = nn.Dense(3 * h, dot_general=dense_dot, name="gates", bias_init=gate_bias)(x.astype(jnp.float32)).reshape(b, t, h, 3)
         theta, eta, alpha = (jax.nn.sigmoid(g[..., i]).transpose(0, 2, 1) for i in range(3))  # [B, H, T]
         memory0 = self.memory0()
         state = nm.reset_rows(state, memory0, reset)
@@ -242,9 +242,9 @@ class NeuralMemory(nn.Module):
         if self.out_norm:
             y = HeadNorm(self.axis, name="out_norm")(y)
         if self.out_gate:
-            y = y * jax.nn.sigmoid(nn.Dense(h * d, dtype=self.dtype, name="out_gate")(x)).reshape(b, t, h, d)
+            y = y * jax.nn.sigmoid(nn.Dense(h * d, dtype=self.dtype, dot_general=dense_dot, name="out_gate")(x)).reshape(b, t, h, d)
         y = y.astype(self.dtype).reshape(b, t, h * d)
-        out = nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, dtype=self.dtype, name="out")
+        out = nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, dtype=self.dtype, dot_general=dense_dot, name="out")
         return tplib.leave(out(y), self.axis), state
 
 
@@ -345,7 +345,7 @@ class NLNet(nn.Module):
         x = nn.Embed(self.vocab, self.dim, dtype=self.dtype, name="embed")(tokens)  # [B, T, D]
         x, new_memory = (self.scanned if self.scan else self.unrolled)(x, memory, reset)
         x = LayerNorm(self.dtype, name="norm")(x)
-        return nn.Dense(self.vocab, dtype=self.dtype, name="head")(x), new_memory  # the loss upcasts to float32
+        return nn.Dense(self.vocab, dtype=self.dtype, dot_general=dense_dot, name="head")(x), new_memory  # the loss upcasts to float32
 
     def unrolled(self, x, memory, reset):
         return blocks(self.spec, self.depth, x, {f"block{i}": memory[f"block{i}"] for i in self.memory_layers}, reset)
