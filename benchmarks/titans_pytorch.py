@@ -147,18 +147,20 @@ def nljax_side(args):
     return steps, n, n_mat, dtype
 
 
-def interleaved(calls: dict, warmup: int, rounds: int, say, settle: bool = True) -> dict:
+def interleaved(calls: dict, warmup: int, rounds: int, say, settle: bool = True, switch=lambda: None) -> dict:
     """Median seconds per call, over `rounds` rounds of every call in turn after `warmup` rounds.
     `settle`: where the library changes (nljax -> titans-pytorch and back), one untimed call of the
     next first. Measured: the first nljax step after a titans-pytorch step took 1.4x its steady
     time (2.7 vs 1.9 s at 2 x 512 on one core; the other library's buffers leave the caches and
-    the allocator cold), which charged the pattern timed first with the switch."""
+    the allocator cold), which charged the pattern timed first with the switch. `switch()` runs
+    where the library changes, before that call."""
     times = {k: [] for k in calls}
     previous = None
     for i in range(warmup + rounds):
         for k, call in calls.items():
             library = k.split()[0]
             if settle and previous is not None and library != previous:
+                switch()
                 t0 = time.perf_counter()
                 call()
                 say(f"settle: {k} {time.perf_counter() - t0:.3f} s (untimed)")
@@ -273,7 +275,11 @@ def main(argv=None) -> int:
             sizes["titans_pytorch"] = {"params": tn, "nonembedding_params": tn_mat}
         except ImportError as e:
             say(f"titans-pytorch part skipped: {e} (pip install -e '.[bench]')")
-    r = report(args, interleaved(calls, args.warmup, args.rounds, say), sizes, nl_dtype)
+    # Where the library changes, the heap's free memory goes back to the system: each library's
+    # peak kept beside the other's (the retained heap never shrinks) took the 4 x 512 process to
+    # 23.0 of this machine's 23 GB, and steps after a switch to 3x their time (memory reclaimed
+    # under them). The settling call after the switch faults back in what the next one needs.
+    r = report(args, interleaved(calls, args.warmup, args.rounds, say, switch=hostmem.release), sizes, nl_dtype)
     say(format_report(r))
     if args.out:
         with open(args.out, "w") as f:

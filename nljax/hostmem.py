@@ -24,6 +24,9 @@ acts only where it helps and is wanted:
   touching JAX gets them, as the command would;
 - unless the user chose: NLJAX_HOST_MALLOC=system, anything in LD_PRELOAD (an allocator, a
   profiler), malloc settings in GLIBC_TUNABLES, or glibc's MALLOC_* variables.
+
+`release()` gives the kept memory back at once, for a process that moves on to work with another
+peak (benchmarks/titans_pytorch.py, between the two libraries).
 """
 
 from __future__ import annotations
@@ -67,6 +70,16 @@ def retain() -> str:
                   else f"partly (mallopt refused {', '.join(refused)})")
     _decision = reason
     return reason
+
+
+def release() -> bool:
+    """Where `retain()` applied: give the heap's free memory back to the system now (glibc's
+    `malloc_trim`), for a process about to leave a phase whose peak the next one will not reach
+    again soon. The next step faults what it needs in once more. Returns whether it ran."""
+    if _decision != RETAINED:
+        return False
+    ctypes.CDLL(None).malloc_trim(0)
+    return True
 
 
 def _not_applicable(mode: str) -> str | None:

@@ -35,25 +35,30 @@ def round_faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 round_faults()
 print(round_faults())
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+kept = rss()
+print(hostmem.release(), kept - rss())  # whether release() ran, the resident bytes it gave back
 """
 
 
-def probe(**env) -> tuple[str, int]:
+def probe(**env) -> tuple[str, int, tuple[bool, int]]:
     full = {k: v for k, v in os.environ.items()
             if k not in ("GLIBC_TUNABLES", "LD_PRELOAD", hostmem.ENV) and not k.startswith("MALLOC_")}
     full = {**full, "JAX_PLATFORMS": "cpu", **env}
     out = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    decision, faults = out.stdout.split("\n")[:2]
-    return decision, int(faults)
+    decision, faults, (released, freed) = *out.stdout.split("\n")[:2], out.stdout.split("\n")[2].split()
+    return decision, int(faults), (released == "True", int(freed))
 
 
 @glibc
-def test_retained_memory_comes_back_without_page_faults():
-    decision, retained = probe()
+def test_retained_memory_comes_back_without_page_faults_until_released():
+    decision, retained, (released, freed) = probe()
     assert decision.startswith("retain"), decision
-    decision, system = probe(NLJAX_HOST_MALLOC="system")
+    assert released and freed > 200 << 20, freed  # release() hands the kept 256 MB back
+    decision, system, (released, _) = probe(NLJAX_HOST_MALLOC="system")
     assert decision.startswith("system"), decision
+    assert not released
     # 256 MB is 65,536 pages of 4 KB: glibc's default maps and unmaps the block, so every round
     # faults it in again; retained, it is reused
     assert system > 1000, system
@@ -91,5 +96,5 @@ def test_a_bad_setting_is_one_line(monkeypatch):
 
 @glibc
 def test_an_accelerator_backend_is_left_alone():
-    decision, _ = probe(JAX_PLATFORMS="cuda,cpu")  # read from the config: nothing is started
+    decision, _, _ = probe(JAX_PLATFORMS="cuda,cpu")  # read from the config: nothing is started
     assert decision == "system (an accelerator backend)"

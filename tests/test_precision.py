@@ -107,9 +107,10 @@ def test_dense_dot_gradients_are_autodiffs():
                 assert a.dtype == b.dtype and a.shape == b.shape
                 a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
                 assert np.abs(a - b).max() <= rtol * np.abs(b).max()
-    x, g = jax.random.normal(jax.random.key(2), (64, 24)), jax.random.normal(jax.random.key(3), (64, 40))
-    for path in (kernel_grad, kernel_grad_transposed_first):
-        np.testing.assert_allclose(jax.jit(path)(x, g), np.asarray(x).T @ np.asarray(g), rtol=1e-5, atol=1e-5)
+    for k, m in ((24, 40), (40, 24)):  # x narrower (x transposed), g narrower (g transposed)
+        x, g = jax.random.normal(jax.random.key(2), (64, k)), jax.random.normal(jax.random.key(3), (64, m))
+        for path in (kernel_grad, kernel_grad_transposed_first):
+            np.testing.assert_allclose(jax.jit(path)(x, g), np.asarray(x).T @ np.asarray(g), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="not a dense layer's contraction"):
         dense_dot(x, g, (((0,), (0,)), ((), ())))
 
@@ -124,16 +125,17 @@ def test_dense_dot_kernel_gradient_is_a_row_major_product_on_cpu():
 
     from nljax.models.layers import dense_dot
 
-    def dots(dg):
-        m = nn.Dense(64, dot_general=dg)
+    def dots(dg, features):
+        m = nn.Dense(features, dot_general=dg)
         x = jnp.ones((4, 64, 48))
         p = m.init(jax.random.key(0), x)
         f = jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.tanh(m.apply(p, x))), argnums=(0, 1)))
         return re.findall(r"lhs_contracting_dims=\{(\d+)\}", f.lower(p, x).compile().as_text())
 
-    plain, ours = dots(None), dots(dense_dot)
-    assert "0" in plain and len(plain) == 3  # the forward product, x's and the kernel's gradients
-    assert "0" not in ours and len(ours) == 3
+    for features in (64, 32):  # x (48 wide) transposed first, then g (32 wide)
+        plain, ours = dots(None, features), dots(dense_dot, features)
+        assert "0" in plain and len(plain) == 3  # the forward product, x's and the kernel's gradients
+        assert "0" not in ours and len(ours) == 3, (features, ours)
 
 
 @functools.lru_cache(maxsize=None)

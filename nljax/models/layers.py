@@ -16,11 +16,13 @@ from nljax import tp as tplib
 def dense_dot(x, kernel, dimension_numbers, precision=None, preferred_element_type=None):
     """`jax.lax.dot_general` for a dense layer (x's trailing dims contracted with the kernel's
     leading ones, no batch dims: a drop-in `dot_general=` for `nn.Dense`) whose backward pass
-    computes the kernel's gradient as x^T g with x^T materialised first on the CPU. XLA:CPU
-    otherwise runs that product, whose left operand contracts its leading dim, as a plain Eigen
-    dot at about half the core's matmul peak (titans_demo: 72 such dots, a fifth of its step);
-    transposed first (a copy) it is a row-major product that its fast matmul path takes. Other
-    backends transpose operands inside the matmul: no copy there. The same products, so the
+    computes the kernel's gradient x^T g on the CPU with an operand transposed first
+    (`kernel_grad_transposed_first`). XLA:CPU otherwise runs that product, whose left operand
+    contracts its leading dim, as a plain Eigen dot at about half the core's matmul peak
+    (titans_demo: 72 such dots, a fifth of its step); transposed first (a copy) it is a
+    row-major product that its fast matmul path takes (docs/PERFORMANCE.md: titans_demo 1.14x
+    the tokens/s, the default job 1.30-1.36x). Other backends transpose operands inside the
+    matmul: no copy there. The same products, so the
     same gradient up to summation order. Reverse mode only (a `custom_vjp`): the DiT, whose
     MeanFlow loss takes a `jax.jvp`, keeps `jax.lax.dot_general`."""
     return _dense_fwd(x, kernel, dimension_numbers, precision, preferred_element_type)[0]
@@ -51,8 +53,14 @@ def kernel_grad(x, g, precision=None):  # x [N, K], g [N, M] -> x^T g [K, M]
 
 
 def kernel_grad_transposed_first(x, g, precision=None):
-    # The barrier keeps XLA from folding the transpose back into the product.
-    return jax.lax.dot_general(jax.lax.optimization_barrier(x.T), g, (((1,), (0,)), ((), ())), precision)
+    """x^T g as a row-major product: the narrower of x and g transposed first (the transpose is
+    the cost: a strided copy, 5.8 ms for the default job's [2048, 512] against 0.07 ms for its
+    [2048, 128]), so where g is narrower, (g^T x)^T. The barriers keep XLA from folding the
+    transposes back into the product."""
+    dims = (((1,), (0,)), ((), ()))
+    if x.shape[1] <= g.shape[1]:
+        return jax.lax.dot_general(jax.lax.optimization_barrier(x.T), g, dims, precision)
+    return jax.lax.optimization_barrier(jax.lax.dot_general(jax.lax.optimization_barrier(g.T), x, dims, precision)).T
 
 
 dense_dot.defvjp(_dense_fwd, _dense_bwd)
