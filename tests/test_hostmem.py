@@ -47,7 +47,8 @@ def probe(**env) -> tuple[str, int, tuple[bool, int]]:
     full = {**full, "JAX_PLATFORMS": "cpu", **env}
     out = subprocess.run([sys.executable, "-c", PROBE], env=full, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    decision, faults, (released, freed) = *out.stdout.split("\n")[:2], out.stdout.split("\n")[2].split()
+    decision, faults, last = out.stdout.splitlines()[:3]
+    released, freed = last.split()
     return decision, int(faults), (released == "True", int(freed))
 
 

@@ -22,9 +22,9 @@ def dense_dot(x, kernel, dimension_numbers, precision=None, preferred_element_ty
     (titans_demo: 72 such dots, a fifth of its step); transposed first (a copy) it is a
     row-major product that its fast matmul path takes (docs/PERFORMANCE.md: titans_demo 1.14x
     the tokens/s, the default job 1.30-1.36x). Other backends transpose operands inside the
-    matmul: no copy there. The same products, so the
-    same gradient up to summation order. Reverse mode only (a `custom_vjp`): the DiT, whose
-    MeanFlow loss takes a `jax.jvp`, keeps `jax.lax.dot_general`."""
+    matmul: no copy there. The same products, so the same gradient up to summation order.
+    Reverse mode only (a `custom_vjp`): the DiT, whose MeanFlow loss takes a `jax.jvp`, keeps
+    `jax.lax.dot_general`."""
     return _dense_fwd(x, kernel, dimension_numbers, precision, preferred_element_type)[0]
 
 
@@ -161,7 +161,7 @@ class MLP(nn.Module):
         h = recomputed(nn.gelu, self.recompute)(h)
         # Zero-init the output so every level starts as the identity: a level that has not
         # fired yet does not perturb the residual stream.
-        return RowDense(self.dim, self.dtype, self.axis, nn.initializers.zeros, dense_dot, name="down")(h)
+        return RowDense(self.dim, self.dtype, self.axis, nn.initializers.zeros, dot_general=dense_dot, name="down")(h)
 
 
 class CMSChain(nn.Module):
