@@ -16,7 +16,8 @@
 # against the targets of every part run so far is printed at the end (OUT_DIR/summary.txt).
 # `--profile 2` adds where the device time of 2 steps went (nljax/traces.py) to the JSON and log. Needs no
 # network: jax/flax/optax/orbax/torch are installed; titans-pytorch is installed from wheels in
-# .whl/ when it is not importable, and its part is skipped with a message when neither works.
+# .whl/ when it is not importable (`benchmarks/fetch_wheels.sh` downloads them here, the device call
+# carries `.whl`), and its part is skipped with a message when neither works.
 # Run from the repository root.
 set -u
 OUT=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR}
