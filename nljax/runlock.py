@@ -4,7 +4,10 @@
 systems) by process 0 and holds its host, pid and start time; a thread touches it every
 HEARTBEAT_S seconds. A lock left by a run that died is stale and taken over:
 
-- on the same host, when its pid is no longer alive (a crash or SIGKILL frees it at once);
+- on the same host, when its pid is no longer alive (a crash or SIGKILL frees it at once), or is
+  this process's own while this process does not hold the lock (a restarted container: the
+  trainer is pid 1 again, and the killed run's lock names pid 1), or when its heartbeat is older
+  than STALE_S (its pid now belongs to another process);
 - from another host, whose pids we cannot see, when its heartbeat is older than STALE_S.
 
 A run that exits (normally or with an error) removes its lock.
@@ -23,7 +26,8 @@ from nljax.config import ConfigError
 
 NAME = "nljax.lock"
 HEARTBEAT_S = 30.0
-STALE_S = 300.0  # 10 missed heartbeats: a run on another host is taken for dead
+STALE_S = 300.0  # 10 missed heartbeats: the run is taken for dead
+_HELD: set[Path] = set()  # the locks this process holds
 
 
 def _alive(pid: int) -> bool:
@@ -47,9 +51,12 @@ def holder(path: Path, now: float | None = None) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         # being written this instant, or damaged: judge by the heartbeat alone
         return {"host": "?", "pid": "?", "started": "?"} if time.time() - _mtime(path) < STALE_S else None
+    if age >= STALE_S:
+        return None
     if host == socket.gethostname():
-        return info if _alive(pid) else None
-    return info if age < STALE_S else None
+        mine = pid == os.getpid()
+        return info if (path.absolute() in _HELD if mine else _alive(pid)) else None
+    return info
 
 
 def _mtime(path: Path) -> float:
@@ -84,6 +91,7 @@ class RunLock:
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(info))
+            _HELD.add(self.path)
             self._thread = threading.Thread(target=self._beat, name="nljax-lock-heartbeat", daemon=True)
             self._thread.start()
             return self
@@ -103,3 +111,4 @@ class RunLock:
         self._thread.join()
         self._thread = None
         self.path.unlink(missing_ok=True)
+        _HELD.discard(self.path)

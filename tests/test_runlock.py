@@ -27,14 +27,21 @@ def _dead_pid() -> int:
 
 def test_live_lock_refuses_and_stale_locks_are_taken_over(tmp_path):
     path = tmp_path / runlock.NAME
-    _write(path, socket.gethostname(), os.getpid())  # this test process: alive
-    with pytest.raises(ConfigError, match=f"is in use by a live run .host {socket.gethostname()}, pid {os.getpid()}"):
+    here, live = socket.gethostname(), os.getppid()  # pytest's parent: alive
+    _write(path, here, live, age_s=10)
+    with pytest.raises(ConfigError, match=f"is in use by a live run .host {here}, pid {live}"):
         runlock.RunLock(tmp_path).acquire()
     _write(path, "other-host", 1, age_s=10)  # another host, recent heartbeat: alive
     with pytest.raises(ConfigError, match="host other-host"):
         runlock.RunLock(tmp_path).acquire()
-    for host, pid, age in ((socket.gethostname(), _dead_pid(), 0), ("other-host", 1, runlock.STALE_S + 1)):
-        _write(path, host, pid, age)  # a killed run on this host; a silent one on another
+    stale = (
+        (here, _dead_pid(), 0),  # a killed run on this host
+        (here, os.getpid(), 0),  # a killed run whose pid this process has now (a restarted container's pid 1)
+        (here, live, runlock.STALE_S + 1),  # a live pid without heartbeats: another process has it now
+        ("other-host", 1, runlock.STALE_S + 1),  # a silent run on another host
+    )
+    for host, pid, age in stale:
+        _write(path, host, pid, age)
         lock = runlock.RunLock(tmp_path).acquire()
         assert json.loads(path.read_text())["pid"] == os.getpid()
         with pytest.raises(ConfigError, match="in use by a live run"):
