@@ -282,9 +282,22 @@ def test_peers_barrier_counts_each_call_and_ends_on_a_posted_failure(monkeypatch
     store.key_value_increment(f"{mine.root}/barrier/k/1/arrived", 1)  # process 1 reached its first call of "k"
     mine.barrier(key="k", timeout_ms=1000)
     assert f"{mine.root}/barrier/k/1/done" in store.kv  # posted by the last to arrive, this process
-    with pytest.raises(TimeoutError, match="checkpoint barrier k not reached"):
+    late = f"{mine.root}/barrier/late/1"
+    looks = store.key_value_try_get
+    def process1_arrives_at_the_deadline(key):  # counted, but it has not posted `done` yet
+        if key == f"{late}/done" and store.kv[f"{late}/arrived"] == "1":
+            store.key_value_increment(f"{late}/arrived", 1)
+        return looks(key)
+    monkeypatch.setattr(store, "key_value_try_get", process1_arrives_at_the_deadline)
+    mine.barrier(key="late", timeout_ms=0)  # taking back its arrival, process 0 finds both there: passed
+    assert store.kv[f"{late}/arrived"] == "1" and "failed" not in " ".join(store.kv)
+    monkeypatch.setattr(store, "key_value_try_get", looks)
+    with pytest.raises(TimeoutError, match="checkpoint barrier k not reached by every process in 0.05 s"):
         mine.barrier(key="k", timeout_ms=50)  # the second call: process 1 is not there yet
-    assert f"{mine.root}/barrier/k/2/done" not in store.kv
+    # its arrival taken back: process 1, late, cannot complete the count and pass alone; it finds
+    # the failure posted
+    assert store.kv[f"{mine.root}/barrier/k/2/arrived"] == "0" and f"{mine.root}/barrier/k/2/done" not in store.kv
+    assert store.kv.pop(f"{mine.root}/failed") == "process 0: TimeoutError: checkpoint barrier k not reached by every process in 0.05 s"
     store.key_value_set(f"{mine.root}/failed", "process 1: OSError: [Errno 28] No space left on device")
     mine.report(OSError("mine, later"))
     mine.report(peers.PeerSaveFailed("seen"))

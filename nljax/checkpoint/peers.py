@@ -74,11 +74,14 @@ class Peers:
         """Waits until every process has called this with `key` (Orbax reuses some keys: each
         call counts), or raises `PeerSaveFailed` as soon as a failure is posted, or TimeoutError.
         Each arrival increments a counter; the last to arrive posts `done`, which the others
-        look for (one key per look, however many processes)."""
+        look for (one key per look, however many processes). A process that times out takes its
+        arrival back (decrements) before it fails, and posts its failure: a late peer then can
+        never complete the count and pass alone, it fails too. When the decrement finds that
+        every process had arrived, the barrier was passed after all."""
         with self.lock:
             n = self.calls[key] = self.calls.get(key, 0) + 1
-        client, here = self._client(), f"{self.root}/barrier/{key}/{n}"
-        if client.key_value_increment(f"{here}/arrived", 1) == jax.process_count():
+        client, here, everyone = self._client(), f"{self.root}/barrier/{key}/{n}", jax.process_count()
+        if client.key_value_increment(f"{here}/arrived", 1) == everyone:
             client.key_value_set(f"{here}/done", "")
         deadline, wait_ms = time.monotonic() + timeout_ms / 1000, POLL_MS
         while True:
@@ -88,6 +91,10 @@ class Peers:
             if self._get(f"{here}/done") is not None:
                 return
             if time.monotonic() > deadline:
-                raise TimeoutError(f"checkpoint barrier {key} not reached by every process in {timeout_ms / 1000:.0f} s")
+                if client.key_value_increment(f"{here}/arrived", -1) == everyone - 1:
+                    return  # the last peer arrived just now (it posts `done`)
+                e = TimeoutError(f"checkpoint barrier {key} not reached by every process in {timeout_ms / 1000:g} s")
+                self.report(e)
+                raise e
             time.sleep(wait_ms / 1000)
             wait_ms = min(wait_ms * 1.5, POLL_MAX_MS)
