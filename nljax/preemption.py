@@ -11,6 +11,13 @@ loop reads after each step. Several processes (`jax.distributed`): JAX's preempt
 it, agrees on a step (the largest step any process has reached, plus one) through the
 coordination service, and `reached_preemption_sync_point(step)` turns True on every process at
 that step. A Python handler would replace JAX's, so none is installed there.
+
+The service's "largest step reached" is the last step each process passed to it, 0 before the
+first call: a notice during a resumed run's start-up (restore, compilation) would set the step
+to 1, which a run resumed at step 500 never reaches, and the notice would be lost (no save; the
+scheduler's SIGKILL ends the run). So the trainer reports the step it resumes from first thing
+(`check_in`); only a notice in the second or so between `jax.distributed.initialize` and that
+report is still lost.
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ class Preempted(Exception):
         super().__init__(f"preempted (SIGTERM): stopped after step {step}, checkpoint saved; "
                          "continue with --resume")
         self.step = step
+
+
+def check_in(step: int) -> None:
+    """Tells JAX's preemption service, before the slow part of start-up, the step this process
+    counts from (a later step is also fine: a notice then stops the run that many steps later)."""
+    if jax.process_count() > 1:
+        multihost_utils.reached_preemption_sync_point(step)
 
 
 class Notice:

@@ -14,8 +14,9 @@ import time
 
 import jax
 
-from nljax import compile_cache, distributed, levels, optim, runlog, throughput
+from nljax import compile_cache, distributed, levels, optim, preemption, runlog, throughput
 from nljax.version import __version__
+from nljax.checkpoint import storage
 from nljax.checkpoint.lifecycle import Checkpoints
 from nljax.comm import comm_per_step
 from nljax.conductor import Conductor, pattern_name
@@ -274,7 +275,18 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
     return table, measured
 
 
+def _resume_step_guess(cfg: Config) -> int:
+    """The step a resume will most likely start from, read from the directory names alone (the
+    restore may fall back to an older one, or refuse: `Checkpoints.resolve` says so later)."""
+    try:
+        paths = storage.candidates(cfg)
+    except ConfigError:
+        return 0
+    return int(paths[0].name) if paths and paths[0].name.isdigit() else 0
+
+
 def train(cfg: Config) -> dict:
+    preemption.check_in(_resume_step_guess(cfg))  # before the slow start-up (nljax.preemption)
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     check_installed(cfg)  # before anything is written
     run = Run.create(cfg)

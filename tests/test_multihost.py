@@ -377,3 +377,35 @@ def test_step_check_runs_every_check_every_iterations(monkeypatch):
     assert calls == []
 
 
+
+
+PREEMPTED_IN_STARTUP = """
+import os, signal, sys, time
+import jax
+i, port, resumed_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=i)
+from nljax import preemption
+preemption.check_in(resumed_at)  # what the trainer does first
+if i == 0:
+    os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, during restore and compilation
+time.sleep(3)
+notice = preemption.Notice()
+print(next((s for s in range(resumed_at, resumed_at + 20) if notice.stop_after(s) or time.sleep(0.05)), None))
+"""
+
+
+def test_preemption_notice_during_a_resumed_runs_startup_is_not_lost():
+    """JAX's sync point is the largest step the processes reported plus one: with nothing reported
+    yet it is step 1, which a run resumed at step 500 never reaches. Reported first
+    (`preemption.check_in`, the trainer's first call), a notice during start-up stops every
+    process at the same step."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", PREEMPTED_IN_STARTUP, str(i), str(port), "500"],
+                              env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [o.strip().splitlines()[-1] if o.strip() else "" for o, _ in outs] == ["501", "501"], outs
