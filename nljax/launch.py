@@ -228,6 +228,13 @@ def watch(group: Group, stopping: list[int], grace: float) -> int:
             group.say(f"received signal {stopping[0]}; stopping all processes")
             # SIGTERM: the processes save a preemption checkpoint first, give them the grace
             group.stop(grace=grace if stopping[0] == signal.SIGTERM else min(grace, 5.0))
+            codes = [exit_code(p.returncode) for p in group.procs]
+            # 143: saved its preemption checkpoint (or a plain command ended by the SIGTERM); any
+            # other code is the run's to report (a save that failed, killed at the grace's end)
+            other = [c for c in codes if c not in (0, 128 + signal.SIGTERM, 128 + stopping[0])]
+            if other:
+                group.say(f"exit codes by process: {', '.join(map(str, codes))}")
+                return other[0]
             return 128 + stopping[0]
         if failed is None:
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]

@@ -56,6 +56,18 @@ def test_launcher_stops_everything_on_sigint():
     assert not any(alive(x) for x in pids)
 
 
+def test_launcher_reports_a_worker_that_did_not_stop_cleanly_after_sigterm():
+    """SIGTERM to the launcher is passed on; a worker that then fails (here: exits 2, as a run
+    whose preemption save failed) is the exit code, not the 143 of a clean preemption."""
+    script = ('trap "exit $((NLJAX_PROCESS_ID == 1 ? 2 : 143))" TERM; echo up; sleep 60 & wait')
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--grace", "10", "--", "sh", "-c", script], env=subprocess_env(),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 2 and "exit codes by process: 143, 2" in err, err
+
+
 def test_launcher_bad_input():
     p = subprocess.run([*LAUNCH, "--nproc", "0", "--", "true"], env=subprocess_env(), capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --nproc must be >= 1, got 0"
