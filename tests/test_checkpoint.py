@@ -464,3 +464,25 @@ def test_unawaited_writes_of_a_failed_save_are_hidden_only_after_a_failure_insid
         collect_one()  # out of the scope: shown
         expected = f"coroutine '{write_fragment.__qualname__}' was never awaited"
         assert [str(w.message) for w in shown] == [expected, expected]
+
+
+def test_prune_says_when_an_old_checkpoint_cannot_be_removed(tmp_path, monkeypatch, capsys):
+    """checkpoint.keep: a step that cannot be deleted (permissions, NFS) is named in a warning, and
+    the other old steps still go."""
+    from nljax.checkpoint import storage
+
+    for s in (1, 2, 3):
+        (tmp_path / str(s)).mkdir()
+    monkeypatch.setattr(storage, "complete_steps", lambda root: [1, 2, 3])
+    rmtree = storage.shutil.rmtree
+
+    def refuse_step_1(path, *a, **k):
+        if path.name == "1":
+            raise PermissionError(13, "Permission denied")
+        rmtree(path, *a, **k)
+
+    monkeypatch.setattr(storage.shutil, "rmtree", refuse_step_1)
+    storage.prune(tmp_path, keep=1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "3"]
+    assert capsys.readouterr().err == (f"nljax: warning: could not remove old checkpoint {tmp_path / '1'} "
+                                       "(checkpoint.keep=1): Permission denied\n")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -192,7 +193,11 @@ def prune(root: Path, keep: int) -> None:
     if jax.process_index() != 0:
         return
     for step in steps[:-keep]:
-        shutil.rmtree(root / str(step), ignore_errors=True)
+        try:
+            shutil.rmtree(root / str(step))
+        except OSError as e:  # permissions, a busy file on NFS: the run goes on, said each time (the disk fills)
+            print(f"nljax: warning: could not remove old checkpoint {root / str(step)} (checkpoint.keep={keep}): "
+                  f"{e.strerror or e}", file=sys.stderr)
 
 
 def leftovers(root: Path) -> list[Path]:
