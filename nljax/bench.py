@@ -305,10 +305,24 @@ def unevaluated(cfg: Config) -> Config:
     return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
 
 
+def check_out(out: Path) -> None:
+    """Before anything is measured: `--out` names a JSON file that can be written (never over a
+    file of another kind)."""
+    if out.suffix.lower() != ".json":
+        raise ConfigError(f"--out {out}: the result is JSON, give a file name ending in .json")
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: give the JSON file to write")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
+
+
 def _run(args, cfg: Config) -> int:
     if args.steps < 1 or args.warmup < 0 or args.profile < 0:
         raise ConfigError(f"--steps must be >= 1, --warmup and --profile >= 0, got {args.steps}, {args.warmup}, "
                           f"{args.profile}")
+    if args.out:
+        check_out(Path(args.out))
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic and cfg.model.name != "dit":
             raise ConfigError(f"--synthetic is for the images task (model.name=dit); this config's model is "

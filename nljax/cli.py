@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import errno
 import os
+import signal
 import sys
 import traceback
 from typing import Callable, Sequence
@@ -18,7 +19,7 @@ import jax
 
 from nljax import config, distributed, hostmem
 from nljax.errors import first_line
-from nljax.preemption import EXIT_CODE as PREEMPTED_EXIT, Preempted
+from nljax.preemption import Preempted
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -105,7 +106,13 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         return run(args, cfg) or 0
     except Preempted as e:  # every process saved the same step; the scheduler restarts the job
         print(f"{p.prog}: {e}", file=sys.stderr)
-        return PREEMPTED_EXIT
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C outside the training loop, or a second one inside it
+        line = f"{p.prog}: interrupted (Ctrl-C)"
+        if multiprocess:
+            distributed.abort(f"{line} (process {jax.process_index()})", 128 + signal.SIGINT)
+        print(line, file=sys.stderr)
+        return 128 + signal.SIGINT
     except config.ConfigError as e:
         # In a multi-process run every process raises it together (lockstep checks) or the
         # others are released by the shutdown barrier's timeout (distributed.timeout_s).

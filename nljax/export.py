@@ -56,6 +56,25 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     return out
 
 
+def check_out(out: Path) -> None:
+    """Refuses an `out` the export would damage: a file, or a directory whose model.safetensors
+    or config.json are not an earlier nljax export's (an earlier export is replaced)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
+    theirs = [n for n in (WEIGHTS, CONFIG) if (out / n).exists()]
+    if theirs and not _is_export(out):
+        raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "
+                          "choose another directory")
+
+
+def _is_export(path: Path) -> bool:
+    try:
+        info = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and {"config", "step", "dtype", "checkpoint"} <= info.keys()
+
+
 def load_model(path: str | Path):
     """(model, params) of an export directory, the parameters on the default device."""
     from safetensors.flax import load_file
@@ -95,8 +114,7 @@ def main(argv=None) -> int:
                                                                           "checkpoint": str})
         mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
         out = Path(mine["out"] or Path(run_dir) / "export")
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
+        check_out(out)
         t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
         for line in t.warnings("nljax.export"):
             print(line, file=sys.stderr)

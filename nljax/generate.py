@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 from pathlib import Path
 from typing import Callable, Iterator
@@ -55,13 +56,17 @@ class Settings:
     out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); refused for a text run
 
     def check(self) -> "Settings":
-        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"need max_new_tokens >= 0, temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
+        if self.max_new_tokens < 0 or not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"need max_new_tokens >= 0, finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
                               f"{self.max_new_tokens}, {self.temperature}, {self.top_k}, {self.top_p}")
+        if not 0 <= self.seed < 2**63:  # as the config's seed
+            raise ConfigError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")
         if self.out and Path(self.out).is_dir():
             raise ConfigError(f"out={self.out} is a directory: give the PNG file to write")
+        if self.out and Path(self.out).suffix.lower() != ".png":  # never over a file of another kind
+            raise ConfigError(f"out={self.out}: the image grid is a PNG, give a file name ending in .png")
         if self.out and not Path(self.out).parent.is_dir():
             raise ConfigError(f"out={self.out}: directory {Path(self.out).parent} does not exist")
         return self
@@ -182,7 +187,9 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="nljax.generate", description=__doc__.splitlines()[0])
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",
-                   help="run.dir=DIR (required), generation settings (module docstring), config overrides")
+                   help="run.dir=DIR (required); prompt=, max_new_tokens=, temperature=, top_k=, top_p=, seed=, "
+                        "checkpoint=; for a MeanFlow run samples= and out=FILE.png; any other key=value: a config "
+                        "override")
     args = p.parse_args(argv)
     try:
         cli.setup_devices(args.cpu_devices)

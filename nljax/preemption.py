@@ -23,21 +23,20 @@ report is still lost.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 import jax
 from jax.experimental import multihost_utils
 
-EXIT_CODE = 128 + signal.SIGTERM
-
 
 class Preempted(Exception):
-    """Raised by the loop once the preemption checkpoint is saved."""
+    """Raised by the loop once the preemption checkpoint is saved; `exit_code` is 128 + the signal."""
 
-    def __init__(self, step: int):
-        super().__init__(f"preempted (SIGTERM): stopped after step {step}, checkpoint saved; "
-                         "continue with --resume")
-        self.step = step
+    def __init__(self, step: int, sig: int = signal.SIGTERM):
+        what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "preempted (SIGTERM)"
+        super().__init__(f"{what}: stopped after step {step}, checkpoint saved; continue with --resume")
+        self.step, self.exit_code = step, 128 + sig
 
 
 def check_in(step: int) -> None:
@@ -49,28 +48,36 @@ def check_in(step: int) -> None:
 
 class Notice:
     """Whether a preemption notice asks the run to stop after the current step. A context
-    manager: the single-process SIGTERM handler lives only while the loop runs."""
+    manager: the single-process handlers live only while the loop runs. One process takes Ctrl-C
+    (SIGINT) as a notice too, the way a user at a terminal means it: the step finishes and is
+    saved; a second Ctrl-C stops at once (KeyboardInterrupt: one line, nothing saved). Under the
+    launcher a Ctrl-C reaches the launcher, which sends every process SIGTERM."""
 
     def __init__(self):
-        self.received = False
-        self._old = None
+        self.received = 0  # the signal of the notice, 0: none
+        self._old: dict = {}
 
     def __enter__(self) -> "Notice":
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._old is not None:
-            signal.signal(signal.SIGTERM, self._old)
-            self._old = None
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
 
-    def _on_sigterm(self, _sig, _frame) -> None:
-        self.received = True
+    def _on_signal(self, sig, _frame) -> None:
+        if sig == signal.SIGINT and self.received:
+            raise KeyboardInterrupt
+        self.received = self.received or sig
+        if sig == signal.SIGINT:
+            print("nljax: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once, unsaved)",
+                  file=sys.stderr, flush=True)
 
     def stop_after(self, step: int) -> bool:
         """Called after every step on every process with the step just done (the same number
         everywhere): True on all of them at the same step once a notice arrived."""
         if jax.process_count() == 1:
-            return self.received
+            return bool(self.received)
         return multihost_utils.reached_preemption_sync_point(step)

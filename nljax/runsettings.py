@@ -35,6 +35,8 @@ class RunConfig:
     compile_cache: str = "auto"
 
     def check(self) -> None:
+        if not self.dir.strip():  # an unset shell variable: the run's files would land in the current directory
+            raise ConfigError("run.dir must not be empty")
         if len(set(self.trackers)) != len(self.trackers):
             raise ConfigError(f"run.trackers names a tracker twice: {list(self.trackers)}")
         if not self.wandb_project:

@@ -105,7 +105,8 @@ def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> 
         except ConfigError:  # a check of the tool's own, with its line
             raise
         except ValueError:
-            raise ConfigError(f"{key}={value!r} is not a {known[key].__name__}") from None
+            kind = {"int": "an integer", "float": "a number"}.get(known[key].__name__, f"a {known[key].__name__}")
+            raise ConfigError(f"{key}={value!r} is not {kind}") from None
     run_dirs = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
     if not run_dirs:
         raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")

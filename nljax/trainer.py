@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import time
 
 import jax
@@ -137,7 +138,7 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
                 if ckpt is not None:
                     ckpt.save_now(r.step + 1, r.state)
                 out.progress.close()
-                raise Preempted(r.step)
+                raise Preempted(r.step, notice.received or signal.SIGTERM)
     hist.wall_s = time.perf_counter() - t_start
     out.progress.close()
     return state, hist
@@ -293,6 +294,9 @@ def train(cfg: Config) -> dict:
     cfg = run.cfg  # with what the data decide (model.vocab_size of a tokenizer): config.yaml, checkpoints
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
     distributed.check_startup(cfg, run.mesh, run.task, say)
+    if cfg.train.profile_steps and cfg.train.profile_start >= cfg.train.steps:
+        say(f"warning: train.profile_start={cfg.train.profile_start} is past the last step (train.steps="
+            f"{cfg.train.steps}): nothing is profiled")
     # reads and checks a checkpoint to resume before anything is written
     ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
     ckpt.check_data(distributed.data_fingerprint(run.task))

@@ -5,6 +5,8 @@ import math
 import os
 import platform
 
+import pytest
+
 from helpers import TINY_NL, cli
 
 # TINY_NL with the defaults elsewhere (the optimizer, the MLP width, 4 memory heads)
@@ -99,3 +101,17 @@ def test_bench_synthetic_images_need_the_images_task():
     p = cli("nljax.bench", "--synthetic", "8x8x1", *NL, check=False)
     assert p.returncode == 2 and p.stderr.strip() == \
         "nljax.bench: error: --synthetic is for the images task (model.name=dit); this config's model is nl_lm"
+
+
+
+@pytest.mark.parametrize("out,line", [
+    ("notes.md", "--out notes.md: the result is JSON, give a file name ending in .json"),
+    ("notes.md/b.json", "--out notes.md/b.json: {dir}/notes.md is a file, not a directory"),
+])
+def test_bench_out_is_checked_before_anything_runs(tmp_path, out, line):
+    """A bad --out is refused at once: never written over another kind of file, never found out
+    after the whole benchmark has run."""
+    (tmp_path / "notes.md").write_text("mine")
+    p = cli("nljax.bench", "--out", out, *NL, check=False, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == f"nljax.bench: error: {line.format(dir=tmp_path)}", p.stderr
+    assert (tmp_path / "notes.md").read_text() == "mine"

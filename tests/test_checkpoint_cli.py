@@ -23,7 +23,8 @@ SAVING = [*SMALL, "cms.periods=[1,2]", "eval.every=0", "train.steps=12", "checkp
 
 # Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
 # written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is
-# complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead.
+# complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead, `int N`
+# SIGINT (Ctrl-C), `int2 N` two of them.
 KILLER = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -45,8 +46,9 @@ else:
     def killing_log(self, record):
         log(self, record)
         if record["step"] == at - 1:  # steps 0 .. at-1 are logged; step `at` never runs
-            if mode == "term":  # a preemption notice: the run saves checkpoint `at` and exits
-                os.kill(os.getpid(), signal.SIGTERM)
+            if mode in ("term", "int", "int2"):  # a preemption notice, Ctrl-C (twice): the run saves
+                for _ in range(2 if mode == "int2" else 1):  # checkpoint `at` and exits (not twice)
+                    os.kill(os.getpid(), signal.SIGINT if mode.startswith("int") else signal.SIGTERM)
                 return
             t = time.time()
             while mode == "step" and not (ckdir / str(at - 2)).is_dir() and time.time() - t < 60:
@@ -125,6 +127,23 @@ def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
     steps_logged = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps_logged == list(range(12)), (t1, t2, t3)
     assert losses(run) == losses(ref), (t1, t2, t3)
+
+
+def test_ctrl_c_saves_the_step_and_a_second_one_stops_at_once(tmp_path):
+    """One Ctrl-C at a terminal: the step finishes, is saved, one line, exit 130; --resume goes on.
+    Two: the run stops at once, unsaved, in one line (no traceback)."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
+    p = nljax_train(*base, killer=["int", "3", str(ck)])
+    assert p.returncode == 130 and p.stderr.strip().splitlines() == [
+        "nljax: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once, unsaved)",
+        "nljax.train: interrupted (Ctrl-C): stopped after step 2, checkpoint saved; continue with --resume"], p.stderr
+    assert (ck / "3").is_dir()
+    p = nljax_train("--resume", *base, killer=["int2", "6", str(ck)])
+    assert p.returncode == 130 and p.stderr.strip().splitlines()[-1] == "nljax.train: interrupted (Ctrl-C)", p.stderr
+    assert "Traceback" not in p.stderr and not (ck / "6").exists()
+    p = nljax_train("--resume", *base)
+    assert p.returncode == 0 and json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 11, p.stderr
 
 
 # ---------------------------------------------------------------------------------------------

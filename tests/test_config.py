@@ -47,6 +47,7 @@ def test_yaml_file(tmp_path):
         ("seed=18446744073709551616", "seed must be in [0, 2^63)"),
         ("seed=-1", "seed must be in [0, 2^63)"),
         ("train.max_skipped=-1", "train.max_skipped must be >= 0"),
+        ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
         ("data.train=a.txt", "data.train is read only with data.source=files (data.source=stdlib)"),
         ("data.source=files", "data.source=files needs data.train (paths or globs of .txt/.jsonl files) or "

@@ -51,8 +51,15 @@ def test_export_cli_and_bad_input(tmp_path, capsys):
     assert export.main(["run.dir=/nonexistent"]) == 2
     assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'run' / 'config.yaml'}"]) == 2
     assert export.main([f"run.dir={tmp_path / 'run'}", "dtpye=float32"]) == 2
+    mine = tmp_path / "project"
+    mine.mkdir()
+    (mine / export.CONFIG).write_text('{"mine": 1}')
+    assert export.main([f"run.dir={tmp_path / 'run'}", f"out={mine}"]) == 2
+    assert (mine / export.CONFIG).read_text() == '{"mine": 1}' and not (mine / export.WEIGHTS).exists()
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 4 and "dtype must be one of" in err[0] and "config.yaml not found" in err[1], err
+    assert len(err) == 5 and "dtype must be one of" in err[0] and "config.yaml not found" in err[1], err
     assert "config.yaml is a file: the export is a directory" in err[2] and "did you mean 'dtype'" in err[3]
+    assert err[4] == f"nljax.export: error: out={mine} holds config.json of something else than an nljax export; choose another directory"
+    assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0  # an earlier export is replaced
     with pytest.raises(nljax.errors.ConfigError, match="not a directory written by nljax.export"):
         nljax.load_model(tmp_path)
