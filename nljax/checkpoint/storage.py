@@ -247,5 +247,5 @@ def candidates(cfg: Config) -> list[Path]:
         return [root]  # a step directory
     steps = complete_steps(root)
     if not steps:
-        raise ConfigError(f"no complete checkpoint in {root} to resume from")
+        raise ConfigError(f"no complete checkpoint in {root}")
     return [root / str(s) for s in reversed(steps)]

@@ -161,7 +161,8 @@ class HeldOutStream(ContextStream):
         if steps * self.seq_len > self.span:
             raise ConfigError(
                 f"eval.stream_steps={steps} windows of train.seq_len={self.seq_len} tokens per row do not fit in "
-                f"the held-out text ({len(self.data)} tokens over train.batch_size={self.rows} rows)"
+                f"the held-out text ({len(self.data)} tokens over train.batch_size={self.rows} rows): hold out more "
+                "text, or lower eval.stream_steps (0: off)"
             )
 
     def batches(self, steps: int):
