@@ -17,7 +17,7 @@ import yaml
 from nljax import distributed, runlog
 from nljax.config import Config, to_dict
 from nljax.errors import ConfigError
-from nljax.runlock import RunLock
+from nljax.runlock import RunLock, refuse_if_live
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -111,6 +111,11 @@ def kept_records(path: Path, step: int) -> list[dict]:
         except (ValueError, KeyError, TypeError):
             pass  # a line cut short by a kill
     return keep
+
+
+def check_free(cfg: Config) -> None:
+    """Refuses (every process) a run.dir a live run holds, before anything is read or written."""
+    distributed.on_main(lambda: refuse_if_live(cfg.run.dir), f"run.dir {cfg.run.dir} is in use by a live run (see process 0)")
 
 
 def take_lock(cfg: Config) -> RunLock:

@@ -59,6 +59,18 @@ def holder(path: Path, now: float | None = None) -> dict | None:
     return info
 
 
+def refuse_if_live(run_dir: str | Path) -> None:
+    """Raises when a live run holds `run_dir`'s lock: before a resume reads anything, so that the
+    line names the live run rather than what it has not written yet."""
+    path = Path(run_dir).absolute() / NAME
+    live = holder(path)
+    if live is not None:
+        raise ConfigError(
+            f"run.dir {path.parent} is in use by a live run (host {live['host']}, pid {live['pid']}, "
+            f"started {live['started']}); wait for it to end or stop it, or use another run.dir"
+        )
+
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
@@ -81,12 +93,7 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
-                live = holder(self.path)
-                if live is not None:
-                    raise ConfigError(
-                        f"run.dir {self.path.parent} is in use by a live run (host {live['host']}, pid {live['pid']}, "
-                        f"started {live['started']}); wait for it to end or stop it, or use another run.dir"
-                    ) from None
+                refuse_if_live(self.path.parent)
                 self.path.unlink(missing_ok=True)  # stale: its run is dead
                 continue
             with os.fdopen(fd, "w") as f:

@@ -26,7 +26,7 @@ from nljax.errors import ConfigError
 from nljax.loop import Hooks, Profiler, StepResult, training_steps
 from nljax.preemption import Notice, Preempted
 from nljax.run import Run
-from nljax.rundir import RunDir, take_lock
+from nljax.rundir import RunDir, check_free, take_lock
 from nljax.samples import TrainingSampler
 from nljax.state import TrainState, bytes_per_device, describe_memory
 from nljax.trackers import Trackers, check_installed, step_scalars
@@ -297,6 +297,7 @@ def train(cfg: Config) -> dict:
     if cfg.train.profile_steps and cfg.train.profile_start >= cfg.train.steps:
         say(f"warning: train.profile_start={cfg.train.profile_start} is past the last step (train.steps="
             f"{cfg.train.steps}): nothing is profiled")
+    check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
     # reads and checks a checkpoint to resume before anything is written
     ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
     ckpt.check_data(distributed.data_fingerprint(run.task))

@@ -151,7 +151,8 @@ def test_metrics_and_summary_are_strict_json(tmp_path):
 
 
 def test_a_live_run_in_run_dir_refuses_another(tmp_path):
-    """The lock names the live holder (here: this test process); nothing in run.dir changes."""
+    """The lock names the live holder (here: this test process), also to a --resume; nothing in
+    run.dir changes."""
     import socket
 
     d = tmp_path / "r"
@@ -159,11 +160,12 @@ def test_a_live_run_in_run_dir_refuses_another(tmp_path):
     lock = d / "nljax.lock"
     held = json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": "now"})
     lock.write_text(held)
-    p = cli("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=2",
-            check=False)
-    assert p.returncode == 2, p.stderr
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and f"is in use by a live run (host {socket.gethostname()}, pid {os.getpid()}" in lines[0]
+    for resume in ([], ["--resume"]):  # --resume too, though the live run has saved no checkpoint yet
+        p = cli("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={d}", "train.steps=2",
+                *resume, check=False)
+        assert p.returncode == 2, p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"is in use by a live run (host {socket.gethostname()}, pid {os.getpid()}" in lines[0]
     assert lock.read_text() == held and not [q for q in d.rglob("*") if q.is_file() and q != lock]
 
 
