@@ -73,28 +73,37 @@ class Peers:
     def barrier(self, *, key: str, timeout_ms: int) -> None:
         """Waits until every process has called this with `key` (Orbax reuses some keys: each
         call counts), or raises `PeerSaveFailed` as soon as a failure is posted, or TimeoutError.
-        Each arrival increments a counter; the last to arrive posts `done`, which the others
-        look for (one key per look, however many processes). A process that times out takes its
-        arrival back (decrements) before it fails, and posts its failure: a late peer then can
-        never complete the count and pass alone, it fails too. When the decrement finds that
-        every process had arrived, the barrier was passed after all."""
+        Each arrival increments a counter. The barrier's outcome is one key, created once: `done`
+        by the last to arrive, or `timeout` by a process whose wait ran out, whichever comes
+        first; every process looks for it (one key per look, however many processes) and
+        abides by it. So all pass or all fail: a late peer cannot complete the count and pass
+        after another gave up, nor one give up after the others passed."""
         with self.lock:
             n = self.calls[key] = self.calls.get(key, 0) + 1
-        client, here, everyone = self._client(), f"{self.root}/barrier/{key}/{n}", jax.process_count()
-        if client.key_value_increment(f"{here}/arrived", 1) == everyone:
-            client.key_value_set(f"{here}/done", "")
+        client, here = self._client(), f"{self.root}/barrier/{key}/{n}"
+        if client.key_value_increment(f"{here}/arrived", 1) == jax.process_count():
+            self._decide(f"{here}/outcome", "done")
         deadline, wait_ms = time.monotonic() + timeout_ms / 1000, POLL_MS
         while True:
             failed = self.failure()
             if failed is not None:
                 raise PeerSaveFailed(failed)
-            if self._get(f"{here}/done") is not None:
+            outcome = self._get(f"{here}/outcome")
+            if outcome is None and time.monotonic() > deadline:
+                outcome = self._decide(f"{here}/outcome", "timeout")
+            if outcome == "done":
                 return
-            if time.monotonic() > deadline:
-                if client.key_value_increment(f"{here}/arrived", -1) == everyone - 1:
-                    return  # the last peer arrived just now (it posts `done`)
+            if outcome is not None:
                 e = TimeoutError(f"checkpoint barrier {key} not reached by every process in {timeout_ms / 1000:g} s")
                 self.report(e)
                 raise e
             time.sleep(wait_ms / 1000)
             wait_ms = min(wait_ms * 1.5, POLL_MAX_MS)
+
+    def _decide(self, key: str, value: str) -> str | None:
+        """Creates `key` with `value` unless it exists; the value that stands."""
+        try:
+            self._client().key_value_set(key, value)
+        except Exception:  # noqa: BLE001 - decided already (the key exists)
+            pass
+        return self._get(key)
