@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import platform
 import statistics
 import sys
@@ -315,6 +316,8 @@ def check_out(out: Path) -> None:
     parent = next((p for p in out.absolute().parents if p.exists()), None)
     if parent is not None and not parent.is_dir():
         raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
+    if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
+        raise ConfigError(f"--out {out}: {out if out.exists() else parent} is not writable")
 
 
 def _run(args, cfg: Config) -> int:

@@ -234,7 +234,7 @@ def watch(group: Group, stopping: list[int], grace: float) -> int:
             other = [c for c in codes if c not in (0, 128 + signal.SIGTERM, 128 + stopping[0])]
             if other:
                 group.say(f"exit codes by process: {', '.join(map(str, codes))}")
-                return other[0]
+                return next((c for c in other if c > 128), other[0])  # a signal death is the likelier cause
             return 128 + stopping[0]
         if failed is None:
             bad = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]

@@ -22,8 +22,8 @@ report is still lost.
 
 from __future__ import annotations
 
+import os
 import signal
-import sys
 import threading
 
 import jax
@@ -33,9 +33,10 @@ from jax.experimental import multihost_utils
 class Preempted(Exception):
     """Raised by the loop once the preemption checkpoint is saved; `exit_code` is 128 + the signal."""
 
-    def __init__(self, step: int, sig: int = signal.SIGTERM):
+    def __init__(self, step: int, sig: int = signal.SIGTERM, saved: bool = True):
         what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "preempted (SIGTERM)"
-        super().__init__(f"{what}: stopped after step {step}, checkpoint saved; continue with --resume")
+        how = "checkpoint saved; continue with --resume" if saved else "nothing saved (checkpoint.every=0)"
+        super().__init__(f"{what}: stopped after step {step}, {how}")
         self.step, self.exit_code = step, 128 + sig
 
 
@@ -71,9 +72,8 @@ class Notice:
         if sig == signal.SIGINT and self.received:
             raise KeyboardInterrupt
         self.received = self.received or sig
-        if sig == signal.SIGINT:
-            print("nljax: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once, unsaved)",
-                  file=sys.stderr, flush=True)
+        if sig == signal.SIGINT:  # os.write: print could re-enter a write the signal interrupted
+            os.write(2, b"\nnljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)\n")
 
     def stop_after(self, step: int) -> bool:
         """Called after every step on every process with the step just done (the same number

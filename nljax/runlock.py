@@ -4,11 +4,13 @@
 systems) by process 0 and holds its host, pid and start time; a thread touches it every
 HEARTBEAT_S seconds. A lock left by a run that died is stale and taken over:
 
-- on the same host, when its pid is no longer alive (a crash or SIGKILL frees it at once), or is
-  this process's own while this process does not hold the lock (a restarted container: the
-  trainer is pid 1 again, and the killed run's lock names pid 1), or when its heartbeat is older
-  than STALE_S (its pid now belongs to another process);
-- from another host, whose pids we cannot see, when its heartbeat is older than STALE_S.
+- where its pid is ours to see (the same host, boot and pid namespace), when that process is
+  gone: its pid is not alive (a crash or SIGKILL frees it at once), belongs to a process started
+  at another time (the pid was reused), or is this process's own while this process does not
+  hold the lock. A live process keeps its lock however old the heartbeat (a run suspended with
+  Ctrl-Z or by the scheduler);
+- elsewhere (another host, or another container with the same hostname: a restarted container
+  has a new pid namespace), whose pids we cannot see, when its heartbeat is older than STALE_S.
 
 A run that exits (normally or with an error) removes its lock.
 """
@@ -40,6 +42,26 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def _identity() -> dict:
+    """This boot and pid namespace (Linux; empty elsewhere): where a lock's pid means a process we see."""
+    out = {}
+    try:
+        out["boot"] = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        out["pidns"] = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pass
+    return out
+
+
+def _started_at(pid: int) -> str | None:
+    """The process's start time in clock ticks after boot (/proc/<pid>/stat field 22), or None."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # fields after the command name start at field 3
+
+
 def holder(path: Path, now: float | None = None) -> dict | None:
     """The live run holding the lock at `path`, or None (no lock, or a stale one)."""
     try:
@@ -51,12 +73,14 @@ def holder(path: Path, now: float | None = None) -> dict | None:
     except (OSError, ValueError, KeyError, TypeError):
         # being written this instant, or damaged: judge by the heartbeat alone
         return {"host": "?", "pid": "?", "started": "?"} if time.time() - _mtime(path) < STALE_S else None
-    if age >= STALE_S:
-        return None
-    if host == socket.gethostname():
-        mine = pid == os.getpid()
-        return info if (path.absolute() in _HELD if mine else _alive(pid)) else None
-    return info
+    here = _identity()
+    if host == socket.gethostname() and all(info.get(k, v) == v for k, v in here.items()):
+        if pid == os.getpid():
+            return info if path.absolute() in _HELD else None
+        if not _alive(pid) or info.get("pid_start") not in (None, _started_at(pid)):
+            return None
+        return info
+    return info if age < STALE_S else None
 
 
 def refuse_if_live(run_dir: str | Path) -> None:
@@ -88,7 +112,8 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S")}
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "pid_start": _started_at(os.getpid()), **_identity()}
         for _ in range(3):  # a stale lock is removed and creation tried again; a racer may win it
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

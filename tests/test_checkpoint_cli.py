@@ -136,7 +136,7 @@ def test_ctrl_c_saves_the_step_and_a_second_one_stops_at_once(tmp_path):
     base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
     p = nljax_train(*base, killer=["int", "3", str(ck)])
     assert p.returncode == 130 and p.stderr.strip().splitlines() == [
-        "nljax: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once, unsaved)",
+        "nljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)",
         "nljax.train: interrupted (Ctrl-C): stopped after step 2, checkpoint saved; continue with --resume"], p.stderr
     assert (ck / "3").is_dir()
     p = nljax_train("--resume", *base, killer=["int2", "6", str(ck)])
@@ -144,6 +144,9 @@ def test_ctrl_c_saves_the_step_and_a_second_one_stops_at_once(tmp_path):
     assert "Traceback" not in p.stderr and not (ck / "6").exists()
     p = nljax_train("--resume", *base)
     assert p.returncode == 0 and json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 11, p.stderr
+    p = nljax_train(*base, f"run.dir={tmp_path / 'unsaved'}", "checkpoint.every=0", killer=["int", "3", str(ck)])
+    assert p.returncode == 130 and p.stderr.strip().splitlines()[-1] == \
+        "nljax.train: interrupted (Ctrl-C): stopped after step 2, nothing saved (checkpoint.every=0)", p.stderr
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,8 +13,8 @@ from nljax import runlock
 from nljax.config import ConfigError
 
 
-def _write(path, host, pid, age_s=0.0):
-    path.write_text(json.dumps({"host": host, "pid": pid, "started": "then"}))
+def _write(path, host, pid, age_s=0.0, **more):
+    path.write_text(json.dumps({"host": host, "pid": pid, "started": "then", **more}))
     t = time.time() - age_s
     os.utime(path, (t, t))
 
@@ -34,14 +34,24 @@ def test_live_lock_refuses_and_stale_locks_are_taken_over(tmp_path):
     _write(path, "other-host", 1, age_s=10)  # another host, recent heartbeat: alive
     with pytest.raises(ConfigError, match="host other-host"):
         runlock.RunLock(tmp_path).acquire()
+    ours = runlock._identity()
+    # a live run suspended (Ctrl-Z, the scheduler) for longer than the heartbeat's limit still holds it
+    _write(path, here, live, runlock.STALE_S + 1, pid_start=runlock._started_at(live), **ours)
+    with pytest.raises(ConfigError, match="in use by a live run"):
+        runlock.RunLock(tmp_path).acquire()
+    other_ns = {**ours, "pidns": "pid:[1]"}  # a container of the same hostname: its pids are not ours to see
+    _write(path, here, live, 10, **other_ns)
+    with pytest.raises(ConfigError, match="in use by a live run"):
+        runlock.RunLock(tmp_path).acquire()
     stale = (
-        (here, _dead_pid(), 0),  # a killed run on this host
-        (here, os.getpid(), 0),  # a killed run whose pid this process has now (a restarted container's pid 1)
-        (here, live, runlock.STALE_S + 1),  # a live pid without heartbeats: another process has it now
-        ("other-host", 1, runlock.STALE_S + 1),  # a silent run on another host
+        (here, _dead_pid(), 0, {}),  # a killed run on this host
+        (here, os.getpid(), 0, {}),  # a killed run whose pid this process has now (pid 1 in a container)
+        (here, live, 0, {"pid_start": "0", **ours}),  # its pid reused by a process started later
+        (here, live, runlock.STALE_S + 1, other_ns),  # a silent run in another container of this hostname
+        ("other-host", 1, runlock.STALE_S + 1, {}),  # a silent run on another host
     )
-    for host, pid, age in stale:
-        _write(path, host, pid, age)
+    for host, pid, age, more in stale:
+        _write(path, host, pid, age, **more)
         lock = runlock.RunLock(tmp_path).acquire()
         assert json.loads(path.read_text())["pid"] == os.getpid()
         with pytest.raises(ConfigError, match="in use by a live run"):
