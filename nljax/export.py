@@ -49,10 +49,19 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     check_dtype(dtype)
     flat = traverse_util.flatten_dict(jax.device_get(t.params), sep="/")
     out.mkdir(parents=True, exist_ok=True)
-    save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(out / WEIGHTS))
-    info = {"config": config.to_dict(t.cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
-    (out / CONFIG).write_text(json.dumps(info, indent=1))
-    os.chmod(out / WEIGHTS, (out / CONFIG).stat().st_mode & 0o777)  # safetensors writes 0600
+    # written under temporary names and renamed into place, config.json last: an export cut short
+    # (Ctrl-C, a full disk) leaves the previous one whole
+    temp = {n: out / f".{n}.tmp-{os.getpid()}" for n in (WEIGHTS, CONFIG)}
+    try:
+        save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(temp[WEIGHTS]))
+        info = {"config": config.to_dict(t.cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
+        temp[CONFIG].write_text(json.dumps(info, indent=1))
+        os.chmod(temp[WEIGHTS], temp[CONFIG].stat().st_mode & 0o777)  # safetensors writes 0600
+        for n in (WEIGHTS, CONFIG):
+            os.replace(temp[n], out / n)
+    finally:
+        for path in temp.values():
+            path.unlink(missing_ok=True)
     return out
 
 
@@ -124,6 +133,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"nljax.export: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
+        print("\nnljax.export: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except OSError as e:  # the files cannot be written (permissions, a full disk)
         print(f"nljax.export: error: {cli.write_failed(e) or e}", file=sys.stderr)
         return 1

@@ -71,6 +71,9 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"nljax.prepare: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
+        print("\nnljax.prepare: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     except OSError as e:  # a full disk, a quota, a read-only file system: the temporary files are gone
         print(f"nljax.prepare: error: cannot write {e.filename or out}: {e.strerror or e}", file=sys.stderr)
         return 1

@@ -41,7 +41,7 @@ def test_export_load_gives_the_training_states_logits(strategy, tmp_path):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05)  # bf16 weights: ~3 digits
 
 
-def test_export_cli_and_bad_input(tmp_path, capsys):
+def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
     saved_run(tmp_path / "run", TINY_NL, 1, 1, steps=1)
     assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=bfloat16"]) == 0
     weights = tmp_path / "run" / "export" / export.WEIGHTS
@@ -61,5 +61,16 @@ def test_export_cli_and_bad_input(tmp_path, capsys):
     assert "config.yaml is a file: the export is a directory" in err[2] and "did you mean 'dtype'" in err[3]
     assert err[4] == f"nljax.export: error: out={mine} holds config.json of something else than an nljax export; choose another directory"
     assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0  # an earlier export is replaced
+    done = tmp_path / "run" / "export"
+    before = {p.name: p.read_bytes() for p in done.iterdir()}
+
+    def cut_short(tree, path, *a, **k):  # Ctrl-C halfway through the weights
+        open(path, "wb").write(b"half")
+        raise KeyboardInterrupt
+
+    import safetensors.flax
+    monkeypatch.setattr(safetensors.flax, "save_file", cut_short)
+    assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=bfloat16"]) == 130
+    assert {p.name: p.read_bytes() for p in done.iterdir()} == before  # the earlier export, whole
     with pytest.raises(nljax.errors.ConfigError, match="not a directory written by nljax.export"):
         nljax.load_model(tmp_path)

@@ -152,3 +152,22 @@ def test_config_yaml_records_data_paths_as_the_loaders_read_them(monkeypatch, tm
     tree = rundir.recorded(cfg)
     assert tree["data"]["train"] == [str(tmp_path / "home" / "corpus" / "*.txt"), str(tmp_path / "rel" / "a.jsonl")]
     assert tree["images"]["path"] == str(tmp_path / "x.npz") and tree["data"]["prepared"] == "" and tree["data"]["eval"] == []
+
+
+@pytest.mark.parametrize("module", ["generate", "export", "prepare"])
+def test_ctrl_c_is_one_line(module, monkeypatch, capsys):
+    """Ctrl-C while text streams (or an export, a preparation runs): one line and exit 130, no traceback."""
+    import importlib
+
+    mod = importlib.import_module(f"nljax.{module}")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    target = mod.prepared if module == "prepare" else mod.trained_lib
+    monkeypatch.setattr(target, "build" if module == "prepare" else "load", interrupted)
+    if module == "generate":  # it reads the run's config first
+        monkeypatch.setattr(target, "config_of", interrupted)
+    args = ["data.train=x.txt", "out=/tmp/never"] if module == "prepare" else ["run.dir=/tmp"]
+    assert mod.main(args) == 130
+    assert capsys.readouterr().err.strip() == f"nljax.{module}: interrupted (Ctrl-C)"
