@@ -13,8 +13,8 @@ The failing process learns of its failure where Orbax reports it: the error it l
 traceback, from the background thread (`report`, called by `quiet.errors_hidden`'s filter), and
 again where the failure reaches nljax (`Checkpoints._wait`). What this does not cover: a failure
 in a save's blocking part (before the background writes start), where the others wait at
-Orbax's own barriers in their main threads, which nothing interrupts; `distributed.timeout_s`
-bounds those.
+Orbax's own barriers in their main threads (or, with async saves, in the next step's
+collectives), which nothing interrupts; `distributed.timeout_s` bounds those.
 """
 
 from __future__ import annotations
