@@ -92,6 +92,13 @@ def _open_file_of(e: BaseException) -> str | None:
     return None
 
 
+def interrupted(prog: str) -> int:
+    """Ctrl-C in a one-process tool (generate, export, prepare): one line, after whatever it was
+    printing, and the shell's 128 + SIGINT."""
+    print(f"\n{prog}: interrupted (Ctrl-C)", file=sys.stderr)
+    return 128 + signal.SIGINT
+
+
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
          argv: Sequence[str] | None = None) -> int:
     """Parse, configure devices, load the config and call `run`; user errors become one line."""

@@ -134,8 +134,7 @@ def main(argv=None) -> int:
         print(f"nljax.export: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
-        print("\nnljax.export: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
+        return cli.interrupted("nljax.export")
     except OSError as e:  # the files cannot be written (permissions, a full disk)
         print(f"nljax.export: error: {cli.write_failed(e) or e}", file=sys.stderr)
         return 1

@@ -212,8 +212,7 @@ def main(argv=None) -> int:
         print(f"nljax.generate: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
-        print("\nnljax.generate: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
+        return cli.interrupted("nljax.generate")
     except OSError as e:  # the PNG cannot be written (permissions, a full disk)
         print(f"nljax.generate: error: {cli.write_failed(e) or e}", file=sys.stderr)
         return 1

@@ -18,7 +18,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from nljax import config
+from nljax import cli, config
 from nljax.data import prepared
 from nljax.errors import ConfigError
 
@@ -72,8 +72,7 @@ def main(argv=None) -> int:
         print(f"nljax.prepare: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
-        print("\nnljax.prepare: interrupted (Ctrl-C)", file=sys.stderr)
-        return 130
+        return cli.interrupted("nljax.prepare")
     except OSError as e:  # a full disk, a quota, a read-only file system: the temporary files are gone
         print(f"nljax.prepare: error: cannot write {e.filename or out}: {e.strerror or e}", file=sys.stderr)
         return 1

@@ -113,13 +113,17 @@ def kept_records(path: Path, step: int) -> list[dict]:
     return keep
 
 
+def _in_use_elsewhere(cfg: Config) -> str:
+    return f"run.dir {cfg.run.dir} is in use by a live run (see process 0)"
+
+
 def check_free(cfg: Config) -> None:
     """Refuses (every process) a run.dir a live run holds, before anything is read or written."""
-    distributed.on_main(lambda: refuse_if_live(cfg.run.dir), f"run.dir {cfg.run.dir} is in use by a live run (see process 0)")
+    distributed.on_main(lambda: refuse_if_live(cfg.run.dir), _in_use_elsewhere(cfg))
 
 
 def take_lock(cfg: Config) -> RunLock:
     """Process 0 locks run.dir (nljax/runlock.py); every process raises when it is refused."""
     lock = RunLock(cfg.run.dir)
-    distributed.on_main(lock.acquire, f"run.dir {cfg.run.dir} is in use by a live run (see process 0)")
+    distributed.on_main(lock.acquire, _in_use_elsewhere(cfg))
     return lock

@@ -135,9 +135,7 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
             _after_step(r, run, hist, hooks, out)
             # a notice: save at this step boundary (every process at the same step) and stop
             if notice.stop_after(r.step) and not r.last:
-                saved = ckpt is not None and ckpt.manager is not None  # none with checkpoint.every=0
-                if saved:
-                    ckpt.save_now(r.step + 1, r.state)
+                saved = ckpt is not None and ckpt.save_now(r.step + 1, r.state)
                 out.progress.close()
                 raise Preempted(r.step, notice.received or signal.SIGTERM, saved)
     hist.wall_s = time.perf_counter() - t_start

@@ -160,10 +160,14 @@ class Checkpoints:
             self._wait()
         self.last_saved = step
 
-    def save_now(self, step: int, state: TrainState) -> None:
-        """Save unless `step` was just saved (the final step, or a preemption, at a checkpoint step)."""
-        if self.manager is not None and self.last_saved != step:
+    def save_now(self, step: int, state: TrainState) -> bool:
+        """Save unless `step` was just saved (the final step, or a preemption, at a checkpoint step);
+        whether `step` is saved (False without a writer: checkpoint.every=0)."""
+        if self.manager is None:
+            return False
+        if self.last_saved != step:
             self.save(step, state)
+        return True
 
     def maybe_save(self, step: int, state: TrainState) -> None:
         """`step` = optimizer steps done (the state's step)."""
