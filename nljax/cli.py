@@ -8,6 +8,7 @@ computation, so all three happen here, before any module touches `jax.devices()`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import signal
@@ -76,6 +77,15 @@ def write_failed(e: BaseException) -> str | None:
     return None
 
 
+def cannot_write(what, e: OSError) -> str:
+    """The one line for an output (`what`: a file, or words naming it) that could not be
+    written: the OS's reason, and the file it failed on when `what` does not name it."""
+    if line := write_failed(e):
+        return line
+    on = f" ({e.filename})" if e.filename and str(e.filename) not in str(what) else ""
+    return f"cannot write {what}: {e.strerror or e}{on}"
+
+
 def _open_file_of(e: BaseException) -> str | None:
     """The name of the file a failed `write` was writing (an OSError from `write` carries no
     file name): the open file object in the innermost frame that holds one."""
@@ -92,6 +102,30 @@ def _open_file_of(e: BaseException) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def stdout_silenced(silence: bool):
+    """`--quiet` for what native libraries write to file descriptor 1 behind Python's back (gloo's
+    "[Gloo] Rank 0 is connected to 1 peer ranks" lines in a multi-process CPU run): fd 1 points
+    at /dev/null while the block runs. Errors go to stderr, which stays."""
+    try:
+        saved = os.dup(1) if silence else None
+    except OSError:  # no fd 1 (closed by the caller): nothing to silence
+        saved = None
+    if saved is None:
+        yield
+        return
+    sys.stdout.flush()
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def interrupted(prog: str) -> int:
     """Ctrl-C in a one-process tool (generate, export, prepare): one line, after whatever it was
     printing, and the shell's 128 + SIGINT."""
@@ -100,17 +134,20 @@ def interrupted(prog: str) -> int:
 
 
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
-         argv: Sequence[str] | None = None) -> int:
-    """Parse, configure devices, load the config and call `run`; user errors become one line."""
+         argv: Sequence[str] | None = None,
+         quiet: Callable[[argparse.Namespace, config.Config], bool] = lambda args, cfg: False) -> int:
+    """Parse, configure devices, load the config and call `run`; user errors become one line.
+    With `quiet(args, cfg)` standard output is silenced from the processes' joining on."""
     args = p.parse_intermixed_args(argv)
     multiprocess = False
     try:
         setup_devices(args.cpu_devices)
         hostmem.retain()  # before JAX's backends start (nljax/hostmem.py)
         cfg = config.load(args.config, args.overrides)
-        multiprocess = setup_processes(args, cfg)
-        distributed.check_config(cfg)  # before anything is built from it
-        return run(args, cfg) or 0
+        with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
+            multiprocess = setup_processes(args, cfg)
+            distributed.check_config(cfg)  # before anything is built from it
+            return run(args, cfg) or 0
     except Preempted as e:  # every process saved the same step; the scheduler restarts the job
         print(f"{p.prog}: {e}", file=sys.stderr)
         return e.exit_code

@@ -34,6 +34,7 @@ from nljax.errors import ConfigError
 FORMATS = ("safetensors",)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+DEFAULT = "export"  # out= by default: <run.dir>/export
 
 
 def check_dtype(dtype: str) -> str:
@@ -74,6 +75,17 @@ def check_out(out: Path) -> None:
     if theirs and not _is_export(out):
         raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "
                           "choose another directory")
+
+
+def remove(out: Path) -> None:
+    """Removes the export in `out` (its two files; the directory too if that leaves it empty):
+    `run.overwrite=true` does so for `<run.dir>/export`, which would otherwise outlive its run.
+    A directory holding anything else than an nljax export is left as it is."""
+    if out.is_dir() and _is_export(out):
+        for n in (WEIGHTS, CONFIG):
+            (out / n).unlink(missing_ok=True)
+        if not any(out.iterdir()):
+            out.rmdir()
 
 
 def _is_export(path: Path) -> bool:
@@ -122,12 +134,16 @@ def main(argv=None) -> int:
         mine, overrides, run_dir = trained_lib.split_args(args.settings, {"dtype": check_dtype, "out": str,
                                                                           "checkpoint": str})
         mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
-        out = Path(mine["out"] or Path(run_dir) / "export")
+        out = Path(mine["out"] or Path(run_dir) / DEFAULT)
         check_out(out)
         t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
         for line in t.warnings("nljax.export"):
             print(line, file=sys.stderr)
-        out = export(t, out, mine["dtype"])
+        try:
+            export(t, out, mine["dtype"])
+        except OSError as e:  # permissions, a full disk, a directory that cannot be made
+            print(f"nljax.export: error: {cli.cannot_write(f'the export to {out}', e)}", file=sys.stderr)
+            return 1
         print(f"nljax.export: {t.path} (step {t.step}) -> {out}/{WEIGHTS}, {out}/{CONFIG}")
         return 0
     except ConfigError as e:
@@ -135,7 +151,7 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
         return cli.interrupted("nljax.export")
-    except OSError as e:  # the files cannot be written (permissions, a full disk)
+    except OSError as e:  # the run cannot be read (permissions)
         print(f"nljax.export: error: {cli.write_failed(e) or e}", file=sys.stderr)
         return 1
 

@@ -171,16 +171,14 @@ def tokenization_of(cfg):
     return tokenization.Bytes()
 
 
-def generate_images(t: trained_lib.Trained, s: Settings) -> Path:
-    """A MeanFlow run's one-step and multi-step samples side by side, as a PNG."""
+def generate_images(t: trained_lib.Trained, s: Settings, path: Path) -> None:
+    """A MeanFlow run's one-step and multi-step samples side by side, as a PNG at `path`."""
     from nljax.figures import sample_figure, write_png
 
     task = t.run.task
     n = min(s.samples, len(task.data.eval_x))
     one, multi = task.generate(t.run.engine, t.params, n)
-    path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
     write_png(path, sample_figure(one, multi, task.data.eval_x[:n]))
-    return path
 
 
 def main(argv=None) -> int:
@@ -203,7 +201,13 @@ def main(argv=None) -> int:
         for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
             print(line, file=sys.stderr)
         if t.cfg.model.name == "dit":
-            print(f"nljax.generate: wrote {generate_images(t, s)}", file=sys.stderr)
+            path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
+            try:
+                generate_images(t, s, path)
+            except OSError as e:  # permissions, a full disk, a directory that does not exist
+                print(f"nljax.generate: error: {cli.cannot_write(path, e)}", file=sys.stderr)
+                return 1
+            print(f"nljax.generate: wrote {path}", file=sys.stderr)
         else:
             generate_text(t, s, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
             print()
@@ -213,7 +217,7 @@ def main(argv=None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
         return cli.interrupted("nljax.generate")
-    except OSError as e:  # the PNG cannot be written (permissions, a full disk)
+    except OSError as e:  # stdout closed, a full disk
         print(f"nljax.generate: error: {cli.write_failed(e) or e}", file=sys.stderr)
         return 1
 

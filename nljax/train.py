@@ -22,7 +22,7 @@ def main(argv=None) -> int:
     p = cli.parser("nljax.train", "Train a nested-learning model on every available device.")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (checkpoint.resume=latest)")
-    return cli.main(_run, p, argv)
+    return cli.main(_run, p, argv, quiet=lambda args, cfg: args.quiet or cfg.run.quiet)
 
 
 if __name__ == "__main__":

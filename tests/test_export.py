@@ -60,6 +60,10 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
     assert len(err) == 5 and "dtype must be one of" in err[0] and "config.yaml not found" in err[1], err
     assert "config.yaml is a file: the export is a directory" in err[2] and "did you mean 'dtype'" in err[3]
     assert err[4] == f"nljax.export: error: out={mine} holds config.json of something else than an nljax export; choose another directory"
+    under_a_file = tmp_path / "run" / "config.yaml" / "export"  # its parent is a file: no directory there
+    assert export.main([f"run.dir={tmp_path / 'run'}", f"out={under_a_file}"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"nljax.export: error: cannot write the export to "
+                                                               f"{under_a_file}: Not a directory")
     assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0  # an earlier export is replaced
     done = tmp_path / "run" / "export"
     before = {p.name: p.read_bytes() for p in done.iterdir()}

@@ -65,7 +65,7 @@ def test_same_tokens_on_one_and_eight_devices(fsdp_run):
     assert one != generate.generate_text(runs[0], generate.Settings(**{**vars(s), "seed": 4}), lambda _: None)
 
 
-def test_meanflow_run_writes_a_sample_grid(tmp_path):
+def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
            "model.dit.patch_size=1", "images.source=moons", "images.toy_points=80", "cms.periods=[1]",
            "train.batch_size=16", "meanflow.sample_steps=2"]
@@ -73,6 +73,10 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path):
     out = tmp_path / "grid.png"
     assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a directory where no file can be made (Linux's /proc): one line naming the file, exit 1
+    assert generate.main([f"run.dir={tmp_path / 'run'}", "out=/proc/nljax_grid.png"]) == 1
+    assert capsys.readouterr().err.strip().splitlines()[-1] == ("nljax.generate: error: cannot write "
+                                                               "/proc/nljax_grid.png: No such file or directory")
 
 
 @pytest.mark.parametrize("args,line", [

@@ -192,6 +192,9 @@ def test_overwrite_removes_stale_outputs(tmp_path):
     (tmp_path / "checkpoints").mkdir()
     TensorBoard(tmp_path).close()  # the run's TensorBoard file, noted as written by the run
     (tmp_path / "events.out.tfevents.1.mine").write_text("")  # a user's: kept
+    (tmp_path / "export").mkdir()  # the earlier run's nljax.export: removed
+    (tmp_path / "export" / "model.safetensors").write_text("")
+    (tmp_path / "export" / "config.json").write_text('{"config": {}, "step": 1, "dtype": "float32", "checkpoint": "x"}')
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
     with pytest.raises(ConfigError, match="already holds a run"):
         RunDir(str(tmp_path), overwrite=False, write=True)
@@ -199,6 +202,10 @@ def test_overwrite_removes_stale_outputs(tmp_path):
     RunDir(str(tmp_path), overwrite=True, write=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "events.out.tfevents.1.mine", "metrics.jsonl"]
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+    (tmp_path / "export").mkdir()  # a user's files under that name: kept
+    (tmp_path / "export" / "config.json").write_text("{}")
+    RunDir(str(tmp_path), overwrite=True, write=True)
+    assert (tmp_path / "export" / "config.json").read_text() == "{}"
 
 
 def test_loop_trains_a_tail_batch_from_the_task():

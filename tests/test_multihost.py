@@ -201,6 +201,7 @@ def test_save_failing_on_one_process_stops_every_process_with_its_cause(tmp_path
                        text=True, timeout=300)
     elapsed = time.monotonic() - t0
     assert p.returncode == 2 and "exit codes by process: 2, 2" in p.stderr, p.stdout + p.stderr
+    assert p.stdout == "", p.stdout  # --quiet: nothing, gloo's "connected to 1 peer ranks" lines included
     errors = [l for l in p.stderr.splitlines() if not l.startswith("nljax.launch: ") and "Gloo" not in l]
     assert sorted(errors) == [f"[{i}] nljax.train: error (process {i}): checkpoint {ck / '8'} could not be saved "
                               f"(process {failing}: OSError: [Errno 27] File too large); the newest complete "
@@ -297,6 +298,29 @@ def test_peers_barrier_counts_each_call_and_ends_on_a_posted_failure(monkeypatch
     with pytest.raises(peers.PeerSaveFailed, match=r"^process 1: OSError: \[Errno 28\] No space left on device$"):
         mine.barrier(key="other", timeout_ms=10_000)
     assert storage.os_error(peers.PeerSaveFailed(mine.failure())) == mine.failure()
+
+
+def test_peers_pass_on_coordination_errors_other_than_the_expected(monkeypatch, capsys):
+    """Only 'the key exists' (another process was first) and 'not found' (nothing posted) are
+    outcomes: another error of the coordination service fails the barrier instead of passing for
+    one, and a failure that cannot be posted is said in a warning (the save's own error stands)."""
+    from nljax.checkpoint import peers
+
+    class Down(FakeStore):
+        def key_value_try_get(self, key, value=None):
+            raise RuntimeError("UNAVAILABLE: failed to connect to all addresses")
+
+        key_value_set = key_value_try_get
+
+    monkeypatch.setattr(peers.Peers, "_client", staticmethod(lambda: Down()))
+    monkeypatch.setattr(peers.jax, "process_count", lambda: 1)
+    mine = peers.Peers("0", describe=repr)
+    with pytest.raises(RuntimeError, match="UNAVAILABLE"):
+        mine.barrier(key="k", timeout_ms=1000)
+    mine.report(OSError("disk full"))
+    assert capsys.readouterr().err == ("nljax: warning: the other processes could not be told of this save's failure "
+                                       "(RuntimeError: UNAVAILABLE: failed to connect to all addresses); they stop at "
+                                       "distributed.timeout_s\n")
 
 
 def test_peers_barrier_all_pass_or_all_fail(monkeypatch):

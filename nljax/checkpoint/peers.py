@@ -19,6 +19,7 @@ collectives), which nothing interrupts; `distributed.timeout_s` bounds those.
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -57,8 +58,11 @@ class Peers:
         try:
             self._client().key_value_set(f"{self.root}/failed",
                                          f"process {jax.process_index()}: {self.describe(exc)}")
-        except Exception:  # noqa: BLE001 - another process posted first (the key exists)
-            pass
+        except Exception as e:  # noqa: BLE001 - in a failure's path: say so, do not replace it
+            if not _status(e, "ALREADY_EXISTS"):  # (that one: another process posted first)
+                print(f"nljax: warning: the other processes could not be told of this save's failure "
+                      f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); they stop at "
+                      "distributed.timeout_s", file=sys.stderr)
 
     def failure(self) -> str | None:
         """The failure posted, 'process <i>: <cause>', or None."""
@@ -67,8 +71,10 @@ class Peers:
     def _get(self, key: str) -> str | None:
         try:
             return self._client().key_value_try_get(key)
-        except Exception:  # noqa: BLE001 - NOT_FOUND: nothing posted
-            return None
+        except Exception as e:  # noqa: BLE001 - the client raises one type for every status
+            if _status(e, "NOT_FOUND"):  # nothing posted
+                return None
+            raise
 
     def barrier(self, *, key: str, timeout_ms: int) -> None:
         """Waits until every process has called this with `key` (Orbax reuses some keys: each
@@ -104,6 +110,12 @@ class Peers:
         """Creates `key` with `value` unless it exists; the value that stands."""
         try:
             self._client().key_value_set(key, value)
-        except Exception:  # noqa: BLE001 - decided already (the key exists)
-            pass
+        except Exception as e:  # noqa: BLE001 - the client raises one type for every status
+            if not _status(e, "ALREADY_EXISTS"):  # (that one: decided already)
+                raise
         return self._get(key)
+
+
+def _status(e: Exception, code: str) -> bool:
+    """Whether the coordination service's error `e` has status `code` ('NOT_FOUND: key ...')."""
+    return str(e).startswith(code)
