@@ -8,7 +8,6 @@ reads and writes. A run refuses to overwrite an earlier run unless told to (or r
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import yaml
 
 from nljax import distributed, runlog
 from nljax.config import Config, to_dict
+from nljax.data.documents import absolute
 from nljax.errors import ConfigError
 from nljax.runlock import RunLock, refuse_if_live
 
@@ -27,19 +27,17 @@ def checkpoint_dir(cfg: Config) -> Path:
 
 
 # The user's data, named by paths that may be relative to where the run was started: config.yaml
-# records them absolute, so that a tool reading the run (nljax.generate, nljax.export) finds them
-# from any directory. The run's own config (and its checkpoints') keeps what the user wrote.
+# records them (and checkpoint.dir) absolute, so that a tool reading the run (nljax.generate,
+# nljax.export) finds them from any directory. The run's own config (and its checkpoints') keeps what the user wrote.
 DATA_PATHS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data", "prepared"), ("images", "path"))
 
 
-def absolute(path: str) -> str:
-    """`path` as the data loaders read it (`~` expanded), made absolute."""
-    return os.path.abspath(os.path.expanduser(path))
-
-
 def recorded(cfg: Config) -> dict:
-    """`cfg` as config.yaml records it: the data paths (globs included) made absolute."""
+    """`cfg` as config.yaml records it: the data paths (globs included) and checkpoint.dir made
+    absolute."""
     tree = to_dict(cfg)
+    if cfg.checkpoint.dir:
+        tree["checkpoint"]["dir"] = absolute(cfg.checkpoint.dir)
     for section, key in DATA_PATHS:
         value = tree[section][key]
         if isinstance(value, list):

@@ -52,11 +52,14 @@ def config_of(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequen
     cfg_file = Path(run_dir) / "config.yaml"
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file} not found: run.dir must be a run directory written by nljax.train")
-    return config.load(str(cfg_file), [
+    cfg = config.load(str(cfg_file), [
         *overrides, f"run.dir={run_dir}", f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}", "mesh.model=1",
         f"train.batch_size={n}", "train.accum_steps=1", "sync.strategy=replicated",
-        "eval.stream_steps=0",  # used, not evaluated: the held-out text need not fit an evaluation over n rows
     ], saved=True)  # a config.yaml written before a key moved is read with it in its new place
+    if cfg.data.source == "recall":  # its evaluation is the streaming one (>= 1): generated, it fits
+        return cfg
+    # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
 
 
 def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:

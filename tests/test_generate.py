@@ -152,8 +152,10 @@ def test_config_yaml_records_data_paths_as_the_loaders_read_them(monkeypatch, tm
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)
-    cfg = config.load(None, ["data.source=files", "data.train=[~/corpus/*.txt, rel/a.jsonl]", "images.path=x.npz"])
+    cfg = config.load(None, ["data.source=files", "data.train=[~/corpus/*.txt, rel/a.jsonl]", "images.path=x.npz",
+                             "checkpoint.dir=ck"])
     tree = rundir.recorded(cfg)
+    assert tree["checkpoint"]["dir"] == str(tmp_path / "ck")
     assert tree["data"]["train"] == [str(tmp_path / "home" / "corpus" / "*.txt"), str(tmp_path / "rel" / "a.jsonl")]
     assert tree["images"]["path"] == str(tmp_path / "x.npz") and tree["data"]["prepared"] == "" and tree["data"]["eval"] == []
 
@@ -175,3 +177,16 @@ def test_ctrl_c_is_one_line(module, monkeypatch, capsys):
     args = ["data.train=x.txt", "out=/tmp/never"] if module == "prepare" else ["run.dir=/tmp"]
     assert mod.main(args) == 130
     assert capsys.readouterr().err.strip() == f"nljax.{module}: interrupted (Ctrl-C)"
+
+
+def test_a_recall_run_generates_and_exports(tmp_path, capsys):
+    """The recall probe's config needs its streaming evaluation (eval.stream_steps >= 1): the tools
+    used to switch that off for every run, and refused each recall run."""
+    from nljax import export
+
+    recall = [*NL, "data.source=recall", "train.seq_len=64", "data.recall_pairs=2", "data.recall_gap=16",
+              "data.recall_docs=400", "eval.batches=1", "eval.stream_steps=2"]
+    saved_run(tmp_path / "run", recall, 1, 1, steps=1)
+    assert generate.main([f"run.dir={tmp_path / 'run'}", "prompt=a=1;", "max_new_tokens=3"]) == 0
+    assert capsys.readouterr().out.startswith("a=1;")
+    assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0

@@ -91,7 +91,7 @@ def one_line(capsys) -> str:
 # Preparing: documents whole, the held-out split by document, disk == memory
 
 
-def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path, capsys):
+def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path, capsys, monkeypatch):
     out = tmp_path / "prep"
     train = f"data.train=[{','.join(corpus['train'])}]"
     assert prepare_main([train, "data.eval_fraction=0.2", f"out={out}"]) == 0
@@ -118,6 +118,22 @@ def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path,
     assert prepare_main([train, f"out={out}"]) == 2 and "already holds prepared data" in one_line(capsys)
     with pytest.raises(config.ConfigError, match="was prepared with data.eval_fraction=0.2, not 0.05"):
         prepared.corpus(data_config(train, f"data.prepared={out}").data)
+    # the same files spelled relative to where this runs (config.yaml records them absolute): accepted
+    monkeypatch.chdir(corpus["root"])
+    relative = "data.train=['*.txt', '*.jsonl', './*.jsonl.gz']"
+    assert prepared.corpus(data_config(relative, "data.eval_fraction=0.2", f"data.prepared={out}").data).digest == m["digest"]
+    with pytest.raises(config.ConfigError, match=r"was prepared with data.train=\[.*\], not \['\*.txt'\]"):
+        prepared.corpus(data_config("data.train=['*.txt']", "data.eval_fraction=0.2", f"data.prepared={out}").data)
+
+
+def test_a_file_named_like_a_glob_is_read_as_itself(tmp_path):
+    """'notes[1].txt' exists: it is that file, not a glob that matches 'notes1.txt' (or nothing)."""
+    from nljax.data import documents
+
+    (tmp_path / "notes[1].txt").write_text("mine")
+    (tmp_path / "notes1.txt").write_text("another")
+    assert documents.expand([str(tmp_path / "notes[1].txt")], "data.train") == [tmp_path / "notes[1].txt"]
+    assert documents.expand([str(tmp_path / "notes[0-9].txt")], "data.train") == [tmp_path / "notes1.txt"]
 
 
 def test_tokenizer_ids_above_255_and_boundaries_from_the_manifest(corpus, tokenizer):

@@ -27,12 +27,19 @@ SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
 BATCH = 1024  # documents handed to the tokenizer at once (a batch encodes in parallel)
 
 
+def absolute(path: str) -> str:
+    """`path` (or glob) as `expand` reads it (`~` expanded), made absolute: the same files from
+    any directory."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def expand(patterns: Sequence[str], key: str) -> list[Path]:
     """The files `patterns` (paths or globs, under config key `key`) name, in order, each once."""
     files: list[Path] = []
     seen: set[Path] = set()  # resolved: one file named twice in two spellings is read once
     for pattern in patterns:
-        if any(c in pattern for c in "*?["):  # a glob (** spans directories)
+        # a glob (** spans directories), unless a file has that very name ("notes[1].txt")
+        if any(c in pattern for c in "*?[") and not os.path.isfile(os.path.expanduser(pattern)):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
             if not found:
                 raise ConfigError(f"{key}: '{pattern}' matches no file")

@@ -253,7 +253,11 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
     if d.train:
         saved = manifest.get("settings", {})
         for key, value in settings_record(d).items():
-            if saved.get(key) != value:
+            if key in SPLITS and isinstance(saved.get(key), list):  # the same files, however spelled
+                same = [documents.absolute(p) for p in saved[key]] == [documents.absolute(p) for p in value]
+            else:
+                same = saved.get(key) == value
+            if not same:
                 raise ConfigError(f"{where} with data.{key}={saved.get(key)!r}, not {value!r}: prepare it again, "
                                   "or give data.prepared alone")
     if d.doc_end_token and manifest["tokenizer"].get("doc_end_token") != d.doc_end_token:
