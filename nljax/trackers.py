@@ -82,8 +82,9 @@ class TensorBoard:
 
     @classmethod
     def open(cls, start: Start) -> "TensorBoard":
-        # purge_step: TensorBoard drops the events a resumed run writes again
-        return cls(start.path, purge_step=start.resume_step)
+        # purge_step: TensorBoard drops the events a resumed run writes again, those logged after
+        # more steps than the checkpoint's (the evaluation at its step stays: it is not redone)
+        return cls(start.path, purge_step=None if start.resume_step is None else start.resume_step + 1)
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
         for k, v in numbers(values).items():

@@ -175,7 +175,8 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
 
     def report(r: StepResult) -> None:
         rec = r.record
-        out.trackers.scalars("train", step_scalars(rec, n_levels, key), r.step)
+        # at the number of steps done, as evaluations, samples and checkpoints count them
+        out.trackers.scalars("train", step_scalars(rec, n_levels, key), r.step + 1)
         out.trackers.scalars("eval", r.evaluated, r.step + 1)
         out.progress.update(rec, r.units_per_s, r.last, runlog.format_metrics(r.evaluated))
 

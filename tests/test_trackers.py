@@ -44,10 +44,10 @@ def test_tensorboard_gets_grad_norm_lr_skips_firing_and_the_samples(tmp_path, ca
     out.close()
     acc = events(tmp_path)
     values = lambda tag: [e.value for e in acc.Scalars(f"train/{tag}")]
-    assert [e.step for e in acc.Scalars("train/grad_norm")] == [0, 1, 2, 3]
+    assert [e.step for e in acc.Scalars("train/grad_norm")] == [1, 2, 3, 4]  # steps done
     assert values("fired_l0") == [1, 1, 1, 1] and values("fired_l1") == [1, 0, 1, 0]
     assert values("skipped") == [0, 0, 0, 0]
-    assert [e.step for e in acc.Scalars("train/grad_norm_l1")] == [0, 2]  # a level's norm when it fired
+    assert [e.step for e in acc.Scalars("train/grad_norm_l1")] == [1, 3]  # a level's norm when it fired
     lr = optim.schedule(setup.cfg.optim, 4, setup.cfg.train.batch_size)
     np.testing.assert_allclose(values("lr"), [float(lr(s + 1)) for s in range(4)], rtol=1e-6)
     assert values("lr")[0] < values("lr")[1]  # warm-up
@@ -66,6 +66,30 @@ def test_tensorboard_gets_grad_norm_lr_skips_firing_and_the_samples(tmp_path, ca
     assert (settings.prompt, settings.max_new_tokens, settings.seed) == ("def ", 5, setup.cfg.seed)
     want = b"def " + bytes(sampler.tokens(list(b"def "), settings))
     assert texts[-1] == want.decode("utf-8", "replace")
+
+
+def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):
+    """Run 6 steps (evaluations and checkpoints after 2, 4, 6), lose checkpoints 4 and 6, resume
+    from 2: the event files hold every step's scalars once and the evaluations after 2, 4 and 6
+    steps, with the values of the uninterrupted run. The evaluation at the checkpoint's step used
+    to be purged with the steps run again (it is not redone)."""
+    import shutil
+
+    d = tmp_path / "run"
+    common = [*TINY, *QUICK, "cms.periods=[1]", "mesh.inter=1", "mesh.intra=8", "checkpoint.every=2", "eval.every=2",
+              f"run.dir={d}", "run.quiet=true", "train.steps=6"]
+    train(config.load(None, common))
+    whole = events(d)
+    scalars = lambda acc, tag: [(e.step, e.value) for e in acc.Scalars(tag)]
+    assert [s for s, _ in scalars(whole, "eval/eval_loss")] == [2, 4, 6]
+    for step in ("4", "6"):
+        shutil.rmtree(d / "checkpoints" / step)
+    train(config.load(None, [*common, "checkpoint.resume=latest"]))
+    resumed = events(d)
+    for tag in ("eval/eval_loss", "train/loss", "train/grad_norm"):
+        assert [s for s, _ in scalars(resumed, tag)] == [s for s, _ in scalars(whole, tag)], tag
+        np.testing.assert_allclose([v for _, v in scalars(resumed, tag)], [v for _, v in scalars(whole, tag)],
+                                   rtol=1e-6, err_msg=tag)
 
 
 def test_wandb_offline_run_is_continued_by_a_resume(tmp_path, monkeypatch):
