@@ -143,13 +143,15 @@ def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], No
     codec = tokenization_of(t.cfg)
     out: list[int] = []
 
+    prompt = prompt_ids(codec, s.prompt)
+
     def sampled() -> Iterator[int]:
-        for token in sampler.tokens(prompt_ids(codec, s.prompt), s):
+        for token in sampler.tokens(prompt, s):
             out.append(token)
             yield token
 
     write(s.prompt)
-    for text in codec.decode_stream(sampled()):
+    for text in codec.decode_stream(sampled(), context=prompt):  # read after the prompt, as sampled
         write(text)
     return out
 

@@ -33,4 +33,4 @@ class TrainingSampler:
             self._sampler = TextSampler(eng.model, params, self.run.mesh, self.run.cfg.train.seq_len)
         self._sampler.params = params  # the same compiled forward, this step's parameters
         tokens = self._sampler.tokens(self.prompt, self.settings)
-        return self.settings.prompt + "".join(self.codec.decode_stream(tokens))
+        return self.settings.prompt + "".join(self.codec.decode_stream(tokens, context=self.prompt))

@@ -353,4 +353,23 @@ def test_training_samples_are_the_tokenizers_text(corpus, tokenizer):
     ids = list(sampler.tokens(codec.encode("the memory"), Settings(prompt="the memory", max_new_tokens=48,
                                                                     seed=cfg.seed)))
     assert max(ids) >= 256  # an untrained model samples the whole vocabulary
-    assert text == "the memory" + "".join(codec.decode_stream(ids))
+    assert text == "the memory" + "".join(codec.decode_stream(ids, context=codec.encode("the memory")))
+
+
+def test_continuations_read_after_the_prompt(tmp_path):
+    """A SentencePiece-style decoder (Metaspace) drops the leading space of the first token it
+    decodes, a WordPiece one writes a continuation's '##': the sampled tokens are decoded after
+    the prompt's, so 'the' + ' quick' is not shown as 'thequick'."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "\u2581the": 1, "\u2581quick": 2, "\u2581fox": 3},
+                                        unk_token="[UNK]"))
+    pieces.pre_tokenizer, pieces.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    words = Tokenizer(models.WordPiece(vocab={"[UNK]": 0, "the": 1, "quick": 2, "##ly": 3}, unk_token="[UNK]"))
+    words.pre_tokenizer, words.decoder = pre_tokenizers.WhitespaceSplit(), decoders.WordPiece()
+    for tok, prompt, new, want in ((pieces, "the", [2, 3], "the quick fox"), (words, "the quick", [3, 2], "the quickly quick")):
+        tok.save(str(tmp_path / "tokenizer.json"))
+        codec = tokenization.load(str(tmp_path / "tokenizer.json"))
+        ids = codec.encode(prompt)
+        assert prompt + "".join(codec.decode_stream(iter(new), context=ids)) == want
+        assert tok.decode(ids + new) == want  # what the whole sequence reads

@@ -14,7 +14,7 @@ import codecs
 import hashlib
 import os
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -51,8 +51,9 @@ class Bytes:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
-        """The text of `ids` as they come (a character once all of its bytes are there)."""
+    def decode_stream(self, ids: Iterable[int], context: Sequence[int] = ()) -> Iterator[str]:
+        """The text of `ids` as they come (a character once all of its bytes are there); a byte
+        reads the same after any `context`."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for token in ids:  # a token past the byte values (a padded model.vocab_size) is no text
             yield decoder.decode(bytes([token])) if token < 256 else "\ufffd"
@@ -100,13 +101,14 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
 
-    def decode_stream(self, ids: Iterable[int]) -> Iterator[str]:
-        """The text of `ids` as they come: the whole sequence is decoded again at every token
-        (a token may change how the ones before it read) and what extends the text shown is
-        written; the rest comes at the end (after the longest prefix already shown: what was
-        written cannot be taken back)."""
-        seen: list[int] = []
-        shown = ""
+    def decode_stream(self, ids: Iterable[int], context: Sequence[int] = ()) -> Iterator[str]:
+        """The text of `ids` as they come, after `context` (the prompt's ids: a decoder may read
+        a token differently at the start, SentencePiece's dropping its leading space): the
+        whole sequence is decoded again at every token (a token may change how the ones before
+        it read) and what extends the text shown is written; the rest comes at the end (after
+        the longest prefix already shown: what was written cannot be taken back)."""
+        seen = list(context)
+        shown = self.tok.decode(seen, skip_special_tokens=False) if seen else ""
         for token in ids:
             seen.append(token)
             text = self.tok.decode(seen, skip_special_tokens=False)
