@@ -178,6 +178,16 @@ def parse_override(text: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _field_type(dotted: str) -> Any:
+    """The annotation of the config key `dotted` (section.key), or None where there is none."""
+    node: Any = Config
+    for part in dotted.strip().split("."):
+        if not dataclasses.is_dataclass(node):
+            return None
+        node = typing.get_type_hints(node).get(part)
+    return node
+
+
 def _read_yaml(path: str) -> dict:
     p = Path(path)
     if not p.exists():
@@ -205,6 +215,8 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
     tree = migrate(tree) if saved else tree
     for text in overrides:
         key, value = parse_override(text)
+        if (value is None or isinstance(value, (bool, int, float))) and _field_type(key) is str:
+            value = text.split("=", 1)[1]  # a string setting given digits (run.dir=007, checkpoint.resume=4)
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
     validate(cfg)

@@ -85,10 +85,11 @@ def sample_token(logits: np.ndarray, rng: np.random.Generator, s: Settings) -> i
     logits = np.asarray(logits, np.float64)
     if s.temperature == 0:
         return int(np.argmax(logits))
-    z = logits / s.temperature
+    with np.errstate(over="ignore"):  # <= 0: a tiny temperature gives -inf (not inf - inf = NaN)
+        z = (logits - logits.max()) / s.temperature
     if s.top_k:
         z = np.where(z < np.sort(z)[-min(s.top_k, len(z))], -np.inf, z)
-    p = np.exp(z - z.max())
+    p = np.exp(z)
     p /= p.sum()
     if s.top_p < 1:
         order = np.argsort(-p, kind="stable")

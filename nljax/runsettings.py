@@ -75,7 +75,7 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     every: int = 100
-    batches: int = 4  # fresh-memory evaluation: batches of train.batch_size independent windows
+    batches: int = 4  # fresh-memory evaluation: batches of train.batch_size independent windows (0: all)
     # streaming evaluation: train.batch_size rows each read this many consecutive held-out
     # windows with the memory carried between them (0: off; data.source=recall needs it)
     stream_steps: int = 4

@@ -33,7 +33,9 @@ def test_yaml_file(tmp_path):
         ("cms.frozen_grads=drop", "config key 'cms.frozen_grads' must be one of"),
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
         ("model.nl_lm.memory_chunk=0", "model.nl_lm.memory_chunk must be >= 1, got 0"),
-        ("data.eval_fraction=0", "data.eval_fraction must be between 0 and 1"),
+        ("data.eval_fraction=0", "data.eval_fraction must be in [1e-9, 1), got 0.0"),
+        ("data.eval_fraction=1e-320", "data.eval_fraction must be in [1e-9, 1)"),  # 1/x: inf, was a traceback
+        ("model.name=dit cms.periods=[1] images.eval_fraction=1e-320", "images.eval_fraction must be in [1e-9, 1)"),
         ("optim.lr=nan", "config key 'optim.lr' must be a finite number, got nan"),
         ("optim.lr=.inf", "config key 'optim.lr' must be a finite number, got inf"),
         ("optim.lr=-1", "config key 'optim.lr' must be in (0, inf), got -1.0"),
@@ -56,7 +58,7 @@ def test_yaml_file(tmp_path):
 )
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ConfigError) as e:
-        config.load(None, [override])
+        config.load(None, override.split())  # several overrides: space-separated
     assert message in str(e.value)
     assert "\n" not in str(e.value)
 
@@ -77,6 +79,15 @@ def test_missing_file_and_bad_yaml(tmp_path):
     latin.write_bytes(b"run:\n  dir: caf\xe9\n")
     with pytest.raises(ConfigError, match="is not UTF-8 text"):
         config.load(str(latin))
+
+
+def test_a_string_setting_given_digits_is_that_text():
+    """YAML reads run.dir=007 as the number 7: a string setting takes the text as written (a
+    checkpoint step directory, checkpoint.resume=4; nljax.generate's checkpoint=4 goes this way)."""
+    cfg = config.load(None, ["run.dir=007", "checkpoint.resume=4", "train.sample_prompt=true", "train.steps=5"])
+    assert (cfg.run.dir, cfg.checkpoint.resume, cfg.train.sample_prompt, cfg.train.steps) == ("007", "4", "true", 5)
+    with pytest.raises(config.ConfigError, match="config key 'train.steps' must be int, got str 'abc'"):
+        config.load(None, ["train.steps=abc"])
 
 
 def test_exponent_without_dot_is_a_float():

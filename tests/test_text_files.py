@@ -323,6 +323,9 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
         ([f"data.prepared={prep}", "data.doc_end_token=<eos>"],
          f"data.prepared={prep} was prepared with data.doc_end_token=None, not '<eos>'"),
         ([f"data.prepared={tmp_path}"], f"data.prepared={tmp_path} holds no manifest.json"),
+        # its tokenizer has no end token, known once DIR is read: still before run.dir is written
+        ([f"data.prepared={prep}", "train.sample_every=1", "train.seq_len=16", "eval.stream_steps=0"], "an empty prompt starts a document after "
+                                                            "data.doc_end_token"),
     ]
     for args, message in cases:
         assert train_main(["--quiet", "data.source=files", *args, f"run.dir={tmp_path / 'run'}"]) == 2

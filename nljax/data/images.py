@@ -42,8 +42,8 @@ class ImagesConfig:
 
     def check_used(self) -> None:
         """Rules that apply when a run reads this section (model.name=dit)."""
-        if not 0 < self.eval_fraction < 1 or self.toy_points < 2:
-            raise ConfigError("images.eval_fraction must be in (0, 1) and images.toy_points >= 2")
+        if not 1e-9 <= self.eval_fraction < 1 or self.toy_points < 2:  # 1e-9: 1/x stays a number
+            raise ConfigError("images.eval_fraction must be in [1e-9, 1) and images.toy_points >= 2")
         if self.source == "file" and not self.path:
             raise ConfigError("images.source=file needs images.path (a .npy or .npz file)")
 

@@ -58,8 +58,8 @@ class DataConfig:
     RANGES: ClassVar[dict] = {"reset_prob": (0, 1, True, True)}
 
     def check(self) -> None:
-        if not 0 < self.eval_fraction < 1:
-            raise ConfigError(f"data.eval_fraction must be between 0 and 1 (exclusive), got {self.eval_fraction}")
+        if not 1e-9 <= self.eval_fraction < 1:  # one document in a billion: 1/x stays a number
+            raise ConfigError(f"data.eval_fraction must be in [1e-9, 1), got {self.eval_fraction}")
         if self.source == "recall":
             self._check_recall()
         if self.source == "files":
