@@ -34,6 +34,14 @@ def test_eval_loss_independent_of_device_count(inter, intra):
     a, b = one.evaluate(one.state.params), many.evaluate(many.state.params)
     assert a["eval_tokens"] == b["eval_tokens"] == 19 * one.cfg.train.seq_len
     assert a["eval_loss"] == pytest.approx(b["eval_loss"], rel=1e-6)
+    # and the value itself: the mean next-token loss of the 19 windows, each from a fresh memory,
+    # computed here from the model's logits (padded rows must not count)
+    model, params = one.engine.model, jax.device_get(one.state.params)
+    logits, _ = model.logits(params, model.init_memory(len(windows)),
+                             {"tokens": windows, "reset": np.ones(len(windows), bool)})
+    logp = jax.nn.log_softmax(np.asarray(logits, np.float64), -1)
+    want = -np.take_along_axis(np.asarray(logp), windows[:, 1:, None], -1).mean()
+    assert a["eval_loss"] == pytest.approx(want, rel=1e-5)
 
 
 # --- streaming evaluation: the memory carried from window to window --------------------------

@@ -61,6 +61,9 @@ def test_greedy_decoding_continues_the_stream_as_training_reads_it(fsdp_run):
 
 
 def test_same_tokens_on_one_and_eight_devices(fsdp_run):
+    """An fsdp run's checkpoint restored onto 1 and onto 8 devices gives the same parameters, bit
+    for bit (the content of this test); the sampler then runs a replicated program on either, so
+    the tokens agreeing follows from that (checked as the end-to-end symptom a user would see)."""
     run_dir, params = fsdp_run
     s = generate.Settings(prompt="import ", max_new_tokens=20, temperature=1.0, top_k=50, seed=3)
     runs = [trained.load(run_dir, devices=jax.devices()[:n]) for n in (1, 8)]

@@ -271,9 +271,15 @@ def test_gathered_energy_distance_equals_single_device():
     np.testing.assert_allclose(bm, am, rtol=1e-5, atol=1e-6)
     ref = one.task.data.eval_x[:13]
     assert energy_distance(b1, ref) == pytest.approx(energy_distance(a1, ref), rel=1e-5)
-    # evaluate() returns both figures and the compiled sampler is reused
+    # evaluate() returns both figures, and a second evaluation compiles nothing (the sampler is reused)
+    compiled = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_k: compiled.append(event) if event.endswith("backend_compile_duration") else None)
     e1 = one.evaluate(params, 0)
+    one.task.generate(one.engine, params, 5)  # another sample count is compiled: the listener sees it
+    first = len(compiled)
     e2 = one.evaluate(params, 0)
+    assert first > 0 and len(compiled) == first, compiled
     assert e1 == e2 and set(e1) >= {"eval_energy_1step", "eval_energy_multistep"} and e1["eval_samples"] == 13
 
 

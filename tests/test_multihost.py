@@ -58,6 +58,11 @@ def test_two_processes_train_like_one_process_with_eight_devices(tmp_path, model
     assert [r["step"] for r in two] == list(range(6))
     assert [r["active_levels"] for r in two] == [r["active_levels"] for r in one]
     np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], rtol=1e-5)
+    # the gradients too: Adam's steps barely move when every gradient is scaled alike (a sum over
+    # devices instead of their mean gives the same losses), their norms do not
+    for key in sorted({k for r in one for k in r if k.startswith("grad_norm")}):
+        np.testing.assert_allclose([r.get(key, 0.0) for r in two], [r.get(key, 0.0) for r in one], rtol=1e-4,
+                                   err_msg=key)
     s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (ref_dir, mp_dir))
     assert s2["mesh"] == {"inter": 2, "intra": 4 // model, "model": model} and s2["devices"] == 8
     np.testing.assert_allclose(s2["eval_loss"], s1["eval_loss"], rtol=1e-5)

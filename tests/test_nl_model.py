@@ -19,16 +19,15 @@ STEPS = 4
 def reference(kind):
     setup = make([*NL, f"model.nl_lm.memory_kind={kind}"], 1, 1)
     losses, state = train(setup, STEPS)
-    return losses, jax.device_get(state.params), jax.device_get(state.memory)
+    return losses, jax.device_get(state.params), jax.device_get(state.memory), jax.device_get(state.opt_state)
 
 
 @pytest.mark.parametrize(
-    # (1, 2) and (2, 2): test_engine; (4, 2): test_strategies; the memory on 2 and 4 intra
-    # devices and the linear memory across devices: tests/test_tp.py
-    "inter,intra,kind", [(2, 4, "mlp")]
+    # every mesh of the rule with the MLP memory; the linear memory across devices: tests/test_tp.py
+    "inter,intra,kind", [(1, 2, "mlp"), (2, 2, "mlp"), (2, 4, "mlp"), (4, 2, "mlp")]
 )
 def test_matches_single_device_including_memory(inter, intra, kind):
-    ref_losses, ref_params, ref_memory = reference(kind)
+    ref_losses, ref_params, ref_memory, ref_opt = reference(kind)
     setup = make([*NL, f"model.nl_lm.memory_kind={kind}"], inter, intra)
     losses, state = train(setup, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
@@ -37,6 +36,8 @@ def test_matches_single_device_including_memory(inter, intra, kind):
     assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-5)
     # every row's memory, gathered from the devices that own it, equals the reference's row
     assert_trees_close(state.memory, ref_memory, rtol=1e-4, atol=2e-5)
+    # Adam's moments (its steps barely see a gradient scaled alike everywhere, its moments do)
+    assert_trees_close(state.opt_state, ref_opt, rtol=1e-4, atol=1e-7)
 
 
 def test_memory_is_rank_local_and_never_communicated():
@@ -101,12 +102,13 @@ def test_reset_rows_start_from_memory0():
 @pytest.mark.parametrize("inter,intra,accum", [(1, 1, 4), (1, 2, 2)])
 def test_accumulation_equals_one_step_on_the_whole_batch(inter, intra, accum):
     """accum micro-batches per device, synchronized once: same losses, params and memory."""
-    ref_losses, ref_params, ref_memory = reference("mlp")
+    ref_losses, ref_params, ref_memory, ref_opt = reference("mlp")
     setup = make([*NL, "model.nl_lm.memory_kind=mlp", f"train.accum_steps={accum}"], inter, intra)
     losses, state = train(setup, STEPS)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
     assert_trees_close(state.params, ref_params, rtol=1e-4, atol=2e-5)
     assert_trees_close(state.memory, ref_memory, rtol=1e-4, atol=2e-5)
+    assert_trees_close(state.opt_state, ref_opt, rtol=1e-4, atol=1e-7)
 
 
 def test_accumulation_that_does_not_divide_is_an_error():
@@ -133,10 +135,11 @@ def test_non_finite_memory_row_restarts_and_others_are_untouched():
         assert np.isfinite(leaf[3]).all()
         others = [0, 1, 2, 4, 5, 6, 7]
         np.testing.assert_array_equal(leaf[others], clean[others])
-    # the restarted row holds memory0 (M) and zero momentum (S)
-    s_leaves = jax.tree.leaves(out[next(iter(out))]["S"])
-    assert all(not np.asarray(s)[3].any() for s in s_leaves)
-    assert len(jax.tree.leaves(fresh)) == len(jax.tree.leaves(out))
+    # the restarted row holds memory0 (M), bit for bit, and zero momentum (S)
+    assert list(out) == ["block1"] and jax.tree.structure(fresh) == jax.tree.structure(out)
+    for name, m in out["block1"]["M"].items():
+        np.testing.assert_array_equal(np.asarray(m)[3], np.asarray(params["mem1"][f"memory0_{name}"]), err_msg=name)
+    assert all(not np.asarray(s)[3].any() for s in jax.tree.leaves(out["block1"]["S"]))
 
 
 @pytest.mark.parametrize("t, window", [(100, 16), (40, 50)])
