@@ -154,7 +154,7 @@ def test_bf16_tracks_float32():
     assert not np.array_equal(bf16, f32)  # the dtype did change the arithmetic
 
 
-@pytest.mark.parametrize("inter,intra", [(2, 4)])
+@pytest.mark.parametrize("inter,intra", [(1, 2), (2, 4), (4, 2)])
 def test_bf16_matches_single_device(inter, intra):
     """N devices == 1 device in bfloat16, to a looser tolerance than float32's: the per-device
     batches round differently (XLA may fuse a bf16 product differently per shape). SGD keeps

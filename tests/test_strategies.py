@@ -75,6 +75,8 @@ def canonical_on_host(setup, state):
 MESHES = [(2, 4, "hierarchical"), (4, 2, "hierarchical"), (1, 8, "flat")]
 CASES = [(s, i, j, r, f) for s in ["zero1", "fsdp"] for (i, j, r) in MESHES for f in ["accumulate", "skip"]]
 CASES += [("zero1", 2, 4, "hierarchical", "updates"), ("fsdp", 4, 2, "hierarchical", "updates"), ("fsdp", 1, 8, "flat", "updates")]
+# the rule's smaller meshes: shards of 2 (padding differs), one data slot per instance
+CASES += [(s, i, j, r, "accumulate") for s in ["zero1", "fsdp"] for (i, j, r) in [(1, 2, "flat"), (2, 2, "hierarchical")]]
 
 
 @pytest.mark.parametrize("strategy,inter,intra,reduce,frozen", CASES)
