@@ -30,11 +30,10 @@ from flax import traverse_util
 from nljax import cli, config, trained as trained_lib
 from nljax.checkpoint.contents import RESHAPED
 from nljax.errors import ConfigError
+from nljax.exportdir import CONFIG, DEFAULT, WEIGHTS, is_export
 
 FORMATS = ("safetensors",)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
-DEFAULT = "export"  # out= by default: <run.dir>/export
 
 
 def check_dtype(dtype: str) -> str:
@@ -72,28 +71,9 @@ def check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
     theirs = [n for n in (WEIGHTS, CONFIG) if (out / n).exists()]
-    if theirs and not _is_export(out):
+    if theirs and not is_export(out):
         raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "
                           "choose another directory")
-
-
-def remove(out: Path) -> None:
-    """Removes the export in `out` (its two files; the directory too if that leaves it empty):
-    `run.overwrite=true` does so for `<run.dir>/export`, which would otherwise outlive its run.
-    A directory holding anything else than an nljax export is left as it is."""
-    if out.is_dir() and _is_export(out):
-        for n in (WEIGHTS, CONFIG):
-            (out / n).unlink(missing_ok=True)
-        if not any(out.iterdir()):
-            out.rmdir()
-
-
-def _is_export(path: Path) -> bool:
-    try:
-        info = json.loads((path / CONFIG).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(info, dict) and {"config", "step", "dtype", "checkpoint"} <= info.keys()
 
 
 def load_model(path: str | Path):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from nljax import distributed, runlog
+from nljax import distributed, exportdir, runlog
 from nljax.config import Config, to_dict
 from nljax.data.documents import absolute
 from nljax.errors import ConfigError
@@ -75,9 +75,7 @@ class RunDir:
                     for old in self.path.glob(pattern):
                         shutil.rmtree(old) if old.is_dir() else old.unlink()
                 runlog.remove_written(self.path)
-                from nljax import export  # here: export imports this module
-
-                export.remove(self.path / export.DEFAULT)
+                exportdir.remove(self.path / exportdir.DEFAULT)  # the earlier run's nljax.export
             self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
             tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
             tmp.write_text("".join(runlog.strict_json(r) + "\n" for r in self.kept))
