@@ -32,7 +32,7 @@ import sys
 
 import jax
 
-from nljax import cli, hlo, levels
+from nljax import cli, frozen, hlo, levels
 from nljax.conductor import Conductor, pattern_name
 from nljax.config import Config
 from nljax.mesh import INTER, INTRA, MODEL, data_size
@@ -71,10 +71,12 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
     variants = []
     for active, count in sorted(patterns.items(), key=lambda kv: -kv[1]):
         colls = variant_collectives(cache, active, state, batch)
-        times = [c.wire_bytes / link_bandwidth(c.axes, cfg) for c in colls]
-        grad_bytes = sum(b for b, a in zip(sizes, active) if a)
-        wire = sum(c.wire_bytes for c in colls)
-        tp_wire = sum(c.wire_bytes for c in colls if c.axes == (MODEL,))
+        # per step: a collective inside a loop (layers scanned, micro-batches) runs `count` times
+        times = [c.count * c.wire_bytes / link_bandwidth(c.axes, cfg) for c in colls]
+        # what the sync reduces: C_l gradients of a level under cms.accumulate=updates (frozen.slots)
+        grad_bytes = sum(b * frozen.slots(eng, l) for l, (b, a) in enumerate(zip(sizes, active)) if a)
+        wire = sum(c.count * c.wire_bytes for c in colls)
+        tp_wire = sum(c.count * c.wire_bytes for c in colls if c.axes == (MODEL,))
         sync_time = sum(t for c, t in zip(colls, times) if c.axes != (MODEL,))
         variants.append(
             {
@@ -88,13 +90,14 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
                         "group_size": c.group_size,
                         "replica_groups": [list(g) for g in c.groups],
                         "dtype": c.dtype,
-                        "payload_bytes": c.bytes,
+                        "payload_bytes": c.bytes,  # of one execution
                         "wire_bytes": c.wire_bytes,
-                        "projected_time_s": t,
+                        "count": c.count,  # executions per step
+                        "projected_time_s": t,  # of all of them
                     }
                     for c, t in zip(colls, times)
                 ],
-                "payload_bytes": sum(c.bytes for c in colls),
+                "payload_bytes": sum(c.count * c.bytes for c in colls),
                 "wire_bytes": wire,
                 # tensor parallelism's activation reductions (over `model` alone), apart from the
                 # per-level sync of the data axes
@@ -141,8 +144,8 @@ def format_report(r: dict) -> str:
         if r["mesh"].get(MODEL, 1) > 1 else f"parameter bytes per level: {r['param_bytes_per_level']}",
         f"links: intra {r['bandwidth_gbps']['intra']:g} GB/s, inter {r['bandwidth_gbps']['inter']:g} GB/s per device",
         "",
-        f"{'variant':<12}{'steps/cycle':>12}  {'op':<16}{'axes':<14}{'groups':>7}{'payload B':>14}{'wire B':>14}"
-        f"{'time us':>10}",
+        f"{'variant':<12}{'steps/cycle':>12}  {'op':<16}{'axes':<14}{'groups':>7}{'runs':>6}{'payload B':>14}"
+        f"{'wire B':>14}{'time us':>10}",
     ]
     us = lambda t: f"{t * 1e6:,.1f}"
     for v in r["variants"]:
@@ -157,7 +160,7 @@ def format_report(r: dict) -> str:
             groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in shown)
             groups += " ..." if len(c["replica_groups"]) > len(shown) else ""
             lines.append(
-                head + f"{c['op']:<16}{'+'.join(c['axes']):<14}{len(c['replica_groups']):>7}"
+                head + f"{c['op']:<16}{'+'.join(c['axes']):<14}{len(c['replica_groups']):>7}{c['count']:>6}"
                 f"{c['payload_bytes']:>14,d}{c['wire_bytes']:>14,.0f}{us(c['projected_time_s']):>10}  {groups}"
             )
         if v["gradient_bytes"]:

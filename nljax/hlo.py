@@ -27,6 +27,13 @@ _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
+# A computation's header: `%name (params) -> type {`, the entry one prefixed with ENTRY.
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_CALLEE = re.compile(r"\b(?P<kind>calls|to_apply|body|condition|true_computation|false_computation)=%?(?P<name>[\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
     op: str
@@ -35,6 +42,7 @@ class Collective:
     axes: tuple[str, ...]  # mesh axes spanned by one group
     bytes: int  # full (unsharded) buffer per device: what is reduced or gathered
     wire_bytes: float  # bytes each device sends with ring algorithms
+    count: int = 1  # times one call of the program runs it: the trip counts of the loops around it
 
     @property
     def group_size(self) -> int:
@@ -88,11 +96,64 @@ def _axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]
     return tuple(n for k, n in enumerate(names) if len(set(coords[:, k])) > 1)
 
 
-def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
-    """Every collective in `hlo_text` that moves data (groups of one device are dropped)."""
-    n_devices = int(np.prod(list(mesh_shape.values())))
-    out = []
+def _computations(hlo_text: str) -> tuple[str | None, dict[str, list[str]]]:
+    """(the entry computation's name, each computation's instruction lines)."""
+    entry, comps, current = None, {}, None
     for line in hlo_text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            current = h["name"]
+            comps[current] = []
+            entry = current if h["entry"] else entry
+        elif current is not None:
+            comps[current].append(line)
+    return entry, comps
+
+
+def executions(hlo_text: str) -> dict[str, int]:
+    """How many times one call of the program runs each computation: a while loop's body runs
+    its known trip count (XLA's `known_trip_count`; 1 where it is not known) times per run of
+    the computation holding the loop; any other callee once per call."""
+    entry, comps = _computations(hlo_text)
+    callers: dict[str, list[tuple[str, int]]] = {c: [] for c in comps}
+    for comp, lines in comps.items():
+        for line in lines:
+            trip = _TRIP.search(line)
+            callees = [(m["name"], int(trip[1]) if trip and m["kind"] == "body" else 1) for m in _CALLEE.finditer(line)]
+            branches = _BRANCHES.search(line)
+            callees += [(n, 1) for n in re.findall(r"%?([\w.\-]+)", branches[1])] if branches else []
+            for callee, times in callees:
+                if callee in callers:
+                    callers[callee].append((comp, times))
+    runs: dict[str, int] = {}
+
+    def count(comp: str) -> int:  # HLO's call graph has no cycles
+        if comp not in runs:
+            runs[comp] = 1 if comp == entry or not callers[comp] else sum(count(c) * t for c, t in callers[comp])
+        return runs[comp]
+
+    for comp in comps:
+        count(comp)
+    return runs
+
+
+def loop_trips(hlo_text: str) -> list[int | None]:
+    """The trip count of every while loop in the program (None where XLA does not know it)."""
+    return [int(t[1]) if (t := _TRIP.search(line)) else None
+            for line in hlo_text.splitlines() if re.search(r"\swhile\(", line)]
+
+
+def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
+    """Every collective in `hlo_text` that moves data (groups of one device are dropped), with
+    the number of times one call runs it (`count`: inside loops, their trip counts)."""
+    n_devices = int(np.prod(list(mesh_shape.values())))
+    runs = executions(hlo_text)
+    out, current = [], None
+    for line in hlo_text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            current = h["name"]
+            continue
         m = _INSTR.match(line)
         if not m:
             continue
@@ -112,7 +173,8 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             full, wire = result, result * (g - 1) / g
         else:  # collective-permute: every device sends its buffer once
             full, wire = result, result
-        out.append(Collective(op, dtype, groups, _axes(groups[0], mesh_shape), int(full), float(wire)))
+        out.append(Collective(op, dtype, groups, _axes(groups[0], mesh_shape), int(full), float(wire),
+                              runs.get(current, 1)))
     return out
 
 

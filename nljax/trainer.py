@@ -15,7 +15,7 @@ import time
 
 import jax
 
-from nljax import compile_cache, distributed, levels, optim, preemption, runlog, throughput
+from nljax import compile_cache, distributed, flops, levels, optim, preemption, runlog, throughput
 from nljax.version import __version__
 from nljax.checkpoint import storage
 from nljax.checkpoint.lifecycle import Checkpoints
@@ -236,8 +236,10 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         out.say(f"note: {table['worst_pattern']} timed slower than {pattern_name(every)}, where all levels fire: "
                 f"their difference is within the timing noise")
     if comm["ratio_vs_ddp"] is not None:
-        out.say(f"communication per device per step (HLO): {comm['mean_wire_bytes_per_step']:,.0f} B, "
-                f"{comm['ratio_vs_ddp']:.3f} x a DDP all-reduce of every parameter")
+        tp = comm["mean_model_axis_wire_bytes_per_step"]
+        out.say(f"per-level sync per device per step (HLO, mean over a cycle): "
+                f"{comm['mean_wire_bytes_per_step'] - tp:,.0f} B, {comm['ratio_vs_ddp']:.3f} x a DDP all-reduce of "
+                "every parameter" + (f"; tensor-parallel activations {tp:,.0f} B" if tp else ""))
     return summary
 
 
@@ -246,6 +248,7 @@ def comm_report(run: Run, state: TrainState, batch: dict) -> dict:
     comm = comm_per_step(run.cache, state, batch)
     return {
         "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
+        "mean_model_axis_wire_bytes_per_step": comm["mean_model_axis_wire_bytes_per_step"],
         "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],
         "ratio_vs_ddp": comm["ratio_vs_ddp"],
         "wire_bytes_per_pattern": {v["active"]: v["wire_bytes"] for v in comm["variants"]},
@@ -261,9 +264,11 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
     measured = throughput.measure(run.cache, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split,
                                   run.local)
     device_kind = jax.devices()[0].device_kind
+    units = run.units_per_device(batch)
+    analytic = flops.analytic_flops(cfg, eng.model, eng.param_shapes)["total_per_unit"] * units
     table = throughput.report(
-        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, run.units_per_device(batch),
-        eng.mesh_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit,
+        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, units,
+        eng.mesh_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit, analytic,
     )
     key = f"{run.task.unit}_per_s_per_device"
     steady = [r for r in hist.records if not r["compiled"]]

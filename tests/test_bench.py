@@ -18,8 +18,10 @@ def test_bench_json_fields_are_sane(tmp_path):
     then 2 profiled steps of the slower pattern. The streaming evaluation asked for does not fit
     the held-out text (as at titans_demo's batch 128): the bench, which evaluates nothing, runs."""
     out, trace = tmp_path / "bench.json", tmp_path / "trace"
+    # the memory's 4 chunks unrolled: no loop in the step, so XLA's FLOP count is exact and shown
     p = cli("nljax.bench", "--cpu-devices", "2", "--steps", "2", "--warmup", "1", "--out", str(out),
-            "--profile", "2", "--profile-dir", str(trace), *NL, "eval.stream_steps=100000")
+            "--profile", "2", "--profile-dir", str(trace), *NL, "model.nl_lm.memory_unroll=4",
+            "eval.stream_steps=100000")
     assert "tokens/s per device" in p.stdout and "device busy" in p.stdout and not list(tmp_path.glob("runs"))
     r = json.loads(out.read_text())
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
@@ -35,6 +37,7 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert r["units_per_s_per_device_mean"] > 0 and r["units_per_s_per_device_worst"] > 0
     assert r["units_per_s_per_device_worst"] <= r["units_per_s_per_device_mean"] * (1 + 1e-9)
     assert r["peak_flops_per_device"] > 1e8 and "measured" in r["peak_source"]
+    assert "shared by 2 emulated devices" in r["peak_source"]  # each device's share of the host's peak
     assert r["memory"]["peak_bytes"] > 0 and math.isfinite(r["memory"]["peak_bytes"])
     assert r["environment"]["jax"] and r["environment"]["device_kind"]
     chosen = [k for k in os.environ if k in ("LD_PRELOAD", "GLIBC_TUNABLES") or k.startswith("MALLOC_")]

@@ -40,3 +40,44 @@ def test_async_start_ops_count_results_once():
 
 def test_single_device_groups_move_nothing():
     assert hlo.collectives("%ar = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups={{0},{1}}", MESH) == []
+
+
+def test_collectives_in_loops_count_their_trips():
+    """A psum inside a scan of 5, and one inside a scan of 3 nested in a scan of 4, on a compiled
+    program: each collective's `count` is the times one call runs it (the loop's body once in the
+    text, where bytes used to be counted once per step)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import AxisType, PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("inter", "intra"), axis_types=(AxisType.Auto,) * 2)
+
+    def loop(c, n, axis):
+        return jax.lax.scan(lambda c, _: (c + jax.lax.psum(c * 2.0, axis).sum(), None), c, None, length=n)[0]
+
+    def f(x):
+        x = loop(x, 5, "intra")
+        return jax.lax.scan(lambda c, _: (loop(c, 3, "inter"), None), x, None, length=4)[0]
+
+    g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(("inter", "intra")), out_specs=P(("inter", "intra"))))
+    text = g.lower(jnp.ones(16)).compile().as_text()
+    got = sorted((c.axes, c.count, c.bytes) for c in hlo.collectives(text, MESH))
+    assert got == [(("inter",), 12, 8), (("intra",), 5, 8)], got
+    assert sorted(hlo.loop_trips(text)) == [3, 4, 5]
+
+
+def test_xla_flops_only_for_programs_without_loops():
+    """XLA's cost analysis counts a loop's body once: a scan of 8 matmuls reports the FLOPs of
+    one. `throughput.flops` gives XLA's count only for a program without such a loop."""
+    import jax
+    import jax.numpy as jnp
+
+    from nljax import throughput
+
+    x = jnp.ones((64, 64))
+    once = jax.jit(lambda a: a @ a).lower(x).compile()
+    looped = jax.jit(lambda a: jax.lax.scan(lambda c, _: (c @ a, None), a, None, length=8)[0]).lower(x).compile()
+    unrolled = jax.jit(lambda a: jax.lax.scan(lambda c, _: (c @ a, None), a, None, length=8, unroll=8)[0]).lower(x).compile()
+    assert throughput.flops(once) == pytest.approx(2 * 64**3, rel=0.05)
+    assert throughput.flops(looped) is None and hlo.loop_trips(looped.as_text()) == [8]
+    assert throughput.flops(unrolled) == pytest.approx(8 * 2 * 64**3, rel=0.05)

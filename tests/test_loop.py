@@ -176,9 +176,19 @@ def test_throughput_table():
     assert t["tokens_per_s_aggregate"] == pytest.approx(4 * 1000 / mean_step)
     assert t["mean"]["wire_bytes"] == pytest.approx((600 + 450 + 300) / 10)
     text = throughput.format_table(t)
-    assert "worst L0+1+2" in text and "mean (run)" in text
+    assert "worst L0+1+2" in text and "mean (run)" in text and "analytic" not in text
+    assert r["flops_source"] == "xla"
+    # a step with a loop has no exact XLA count (None): the analytic count stands in, and says so
+    looped = throughput.Measured(m.step_s, m.compute_s, flops={a: None for a in m.step_s})
+    t = throughput.report(looped, {l0: 6, l01: 3, all3: 1}, {l0: 2, l01: 1, all3: 1}, wire,
+                          units_per_device_step=1000, n_devices=4, peak=1e12, analytic_flops=2e9)
+    r = t["per_pattern"]["L0+1"]
+    assert r["flops_source"] == "analytic" and r["mfu"] == pytest.approx(2e9 / 0.012 / 1e12)
+    assert t["mean"]["mfu"] == pytest.approx(2e9 / (mean_step * 1e12))
+    assert "MFU from the analytic FLOP count" in throughput.format_table(t)
     assert throughput.peak_flops("NVIDIA H100 80GB HBM3") == 989e12 and throughput.peak_flops("cpu") is None
     assert throughput.peak_flops("cpu", 2.0) == 2e12
+    assert throughput.peak_flops("NVIDIA H100 NVL") == 835e12 and throughput.peak_flops("NVIDIA GH200 480GB") == 989e12
 
 
 def test_overwrite_removes_stale_outputs(tmp_path):

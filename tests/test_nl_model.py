@@ -184,13 +184,6 @@ def test_unit_size_is_the_shortest_repeating_run_of_blocks():
     assert unit_size(12, (2, 5, 8, 11)) == 3
     assert unit_size(4, ()) == 1 and unit_size(4, (0, 1, 2, 3)) == 1
     assert unit_size(8, (1, 3, 5)) == 8  # titans_demo: no repeat (block 7 has none)
-    from nljax import throughput
-    from nljax.models import build
-
-    scanned = build(config.load(None, [*DEEP4, "model.nl_lm.scan_layers=true"]))
-    # XLA counts a loop body once: no FLOP count is reported for a scanned net
-    assert scanned.loops_over_layers and throughput.flops(None, scanned) is None
-    assert not build(config.load(None, DEEP4)).loops_over_layers
     with pytest.raises(config.ConfigError, match="scan_layers needs blocks that repeat"):
         config.load(None, [*DEEP4, "model.nl_lm.memory_layers=[1]", "model.nl_lm.scan_layers=true"])
 

@@ -104,12 +104,14 @@ def test_shards_round_trip_and_regroup():
         np.testing.assert_array_equal(np.asarray(back), np.asarray(flat))
 
 
-def test_hlo_of_a_level0_step():
+@pytest.mark.parametrize("accum", [1, 2])
+def test_hlo_of_a_level0_step(accum):
     """On (2, 2, 2), hierarchical, a level-0-only step: every collective runs over `model` alone
     (activations, with the summed norm-scale gradients and level norms) or over the data axes
     alone (the level-0 sync), and the sync carries exactly one device's shard of level 0 -
-    1/model of its split parameters plus the replicated ones."""
-    setup = make([*TP, "cms.frozen_grads=skip"], 2, 2, 2)
+    1/model of its split parameters plus the replicated ones. In 2 micro-batches the activations
+    move the same bytes in all: half the rows, twice (a loop's body, counted by its trips)."""
+    setup = make([*TP, "cms.frozen_grads=skip", f"train.accum_steps={accum}"], 2, 2, 2)
     eng = setup.engine
     colls = hlo.collectives(setup.cache.train_fn((True, False), setup.state, setup.batch(1)).as_text(),
                             dict(eng.mesh.shape))
@@ -132,8 +134,10 @@ def test_hlo_of_a_level0_step():
     rows, t, d = 8 // 4, 8, 16
     blocks = 1 + 1 + 2  # attention, memory, two CMS levels
     # the memory's norm-scale gradient, level 0's norm, and each row's any-head-non-finite flag
-    small = 4 * eng.cfg.model.nl_lm.memory_dim + 4 * 1 + 4 * rows
-    assert sum(c.bytes for c in on_model) == 2 * blocks * rows * t * d * 4 + small
+    # (the norm-scale gradient is reduced in each micro-batch, the level norm once)
+    small = 4 * eng.cfg.model.nl_lm.memory_dim * accum + 4 * 1 + 4 * rows
+    assert sum(c.count * c.bytes for c in on_model) == 2 * blocks * rows * t * d * 4 + small
+    assert {c.count for c in on_model} == ({1} if accum == 1 else {1, accum})  # the level norm: once
 
 
 def test_refusals_are_one_line():

@@ -17,8 +17,6 @@ A model is a frozen dataclass (hashable, so it can be a static argument of a jit
   axis `axis` (`nljax.tp`): its `init` gives one shard's parameter shapes, its `apply` runs on one
   shard and sums (or gathers) over `axis` where a split region ends (axis None: shapes only, no
   collective); refused with a ConfigError when `m` does not divide the widths it splits
-- `loops_over_layers` (default False): its blocks run as a loop, whose body XLA's cost analysis
-  counts once, so the XLA FLOP count (and MFU from it) is not reported; the analytic one is
 
 Losses are returned as a sum and a count so that callers reduce sums and counts, never averages
 of averages.

@@ -371,10 +371,6 @@ class NLLM:
 
     net: NLNet
 
-    @property
-    def loops_over_layers(self) -> bool:
-        return self.net.scan
-
     def memory_module(self) -> NeuralMemory:
         return NeuralMemory(dim=self.net.dim, **self.net.memory, tp=self.net.tp)
 
