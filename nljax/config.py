@@ -167,15 +167,19 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`a.b=1` -> ('a.b', 1); the value is parsed as YAML so lists and numbers keep their types."""
+    """`a.b=1` -> ('a.b', 1); the value is parsed as YAML so lists and numbers keep their types,
+    except that a string setting takes a scalar as written (run.dir=007, checkpoint.resume=4)."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key=value")
     key, raw = text.split("=", 1)
+    key = key.strip()
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip(), value
+    if (value is None or isinstance(value, (bool, int, float))) and _field_type(key) is str:
+        value = raw
+    return key, value
 
 
 def _field_type(dotted: str) -> Any:
@@ -215,8 +219,6 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
     tree = migrate(tree) if saved else tree
     for text in overrides:
         key, value = parse_override(text)
-        if (value is None or isinstance(value, (bool, int, float))) and _field_type(key) is str:
-            value = text.split("=", 1)[1]  # a string setting given digits (run.dir=007, checkpoint.resume=4)
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
     validate(cfg)

@@ -96,26 +96,26 @@ def _axes(group: tuple[int, ...], mesh_shape: dict[str, int]) -> tuple[str, ...]
     return tuple(n for k, n in enumerate(names) if len(set(coords[:, k])) > 1)
 
 
-def _computations(hlo_text: str) -> tuple[str | None, dict[str, list[str]]]:
-    """(the entry computation's name, each computation's instruction lines)."""
-    entry, comps, current = None, {}, None
+def _computations(hlo_text: str) -> tuple[str | None, dict[str | None, list[str]]]:
+    """(the entry computation's name, each computation's instruction lines; under None the lines
+    before any header, e.g. a single instruction given alone)."""
+    entry, comps, current = None, {None: []}, None
     for line in hlo_text.splitlines():
         h = _HEADER.match(line)
         if h:
             current = h["name"]
             comps[current] = []
             entry = current if h["entry"] else entry
-        elif current is not None:
+        else:
             comps[current].append(line)
     return entry, comps
 
 
-def executions(hlo_text: str) -> dict[str, int]:
+def _runs(entry: str | None, comps: dict[str | None, list[str]]) -> dict[str | None, int]:
     """How many times one call of the program runs each computation: a while loop's body runs
     its known trip count (XLA's `known_trip_count`; 1 where it is not known) times per run of
     the computation holding the loop; any other callee once per call."""
-    entry, comps = _computations(hlo_text)
-    callers: dict[str, list[tuple[str, int]]] = {c: [] for c in comps}
+    callers: dict[str | None, list[tuple[str | None, int]]] = {c: [] for c in comps}
     for comp, lines in comps.items():
         for line in lines:
             trip = _TRIP.search(line)
@@ -125,9 +125,9 @@ def executions(hlo_text: str) -> dict[str, int]:
             for callee, times in callees:
                 if callee in callers:
                     callers[callee].append((comp, times))
-    runs: dict[str, int] = {}
+    runs: dict[str | None, int] = {}
 
-    def count(comp: str) -> int:  # HLO's call graph has no cycles
+    def count(comp: str | None) -> int:  # HLO's call graph has no cycles
         if comp not in runs:
             runs[comp] = 1 if comp == entry or not callers[comp] else sum(count(c) * t for c, t in callers[comp])
         return runs[comp]
@@ -147,13 +147,10 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
     """Every collective in `hlo_text` that moves data (groups of one device are dropped), with
     the number of times one call runs it (`count`: inside loops, their trip counts)."""
     n_devices = int(np.prod(list(mesh_shape.values())))
-    runs = executions(hlo_text)
-    out, current = [], None
-    for line in hlo_text.splitlines():
-        h = _HEADER.match(line)
-        if h:
-            current = h["name"]
-            continue
+    entry, comps = _computations(hlo_text)
+    runs = _runs(entry, comps)
+    out = []
+    for comp, line in ((c, l) for c, lines in comps.items() for l in lines):
         m = _INSTR.match(line)
         if not m:
             continue
@@ -173,8 +170,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             full, wire = result, result * (g - 1) / g
         else:  # collective-permute: every device sends its buffer once
             full, wire = result, result
-        out.append(Collective(op, dtype, groups, _axes(groups[0], mesh_shape), int(full), float(wire),
-                              runs.get(current, 1)))
+        out.append(Collective(op, dtype, groups, _axes(groups[0], mesh_shape), int(full), float(wire), runs[comp]))
     return out
 
 

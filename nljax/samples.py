@@ -25,12 +25,6 @@ class TrainingSampler:
         self.codec = tokenization_of(run.cfg)  # bytes, or the tokenizer of the run's files
         self.prompt = prompt_ids(self.codec, t.sample_prompt)
 
-    @staticmethod
-    def check(run: Run) -> None:
-        """ConfigError if the run's tokenization cannot start `train.sample_prompt` (an empty one
-        needs an end token, which data.prepared's tokenizer may lack: known once it is read)."""
-        prompt_ids(tokenization_of(run.cfg), run.cfg.train.sample_prompt)
-
     def sample(self, stored_params) -> str:
         """The prompt and the text sampled after it, from the parameters as the strategy stores them."""
         eng = self.run.engine

@@ -302,8 +302,8 @@ def train(cfg: Config) -> dict:
     if cfg.train.profile_steps and cfg.train.profile_start >= cfg.train.steps:
         say(f"warning: train.profile_start={cfg.train.profile_start} is past the last step (train.steps="
             f"{cfg.train.steps}): nothing is profiled")
-    if cfg.train.sample_every:  # its prompt (a tokenizer's end token?) is checked before anything is written
-        TrainingSampler.check(run)
+    if cfg.train.sample_every:  # made to check its prompt (data.prepared's tokenizer may lack an end token)
+        TrainingSampler(run)  # before anything is written; the loop makes its own (compiled at its first sample)
     check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
     # reads and checks a checkpoint to resume before anything is written
     ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
