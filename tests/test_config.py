@@ -42,7 +42,6 @@ def test_yaml_file(tmp_path):
         ("optim.b2=5", "config key 'optim.b2' must be in [0, 1), got 5.0"),
         ("model.nl_lm.memory_lr_max=nan", "config key 'model.nl_lm.memory_lr_max' must be a finite number"),
         ("model.nl_lm.memory_lr_max=2", "config key 'model.nl_lm.memory_lr_max' must be in (0, 1], got 2.0"),
-        ("model.nl_lm.memory_chunk=128", "model.nl_lm.memory_chunk=128 must be <= model.nl_lm.window=64"),
         ("optim.level_lr_scale=[1,nan,1,1]", "config key 'optim.level_lr_scale[1]' must be a finite number"),
         ("meanflow.time_mu=-.inf", "config key 'meanflow.time_mu' must be a finite number"),
         ("model.vocab_size=10", "model.vocab_size=10 is smaller than the 256 byte values"),

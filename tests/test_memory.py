@@ -124,21 +124,41 @@ def test_memory_learns_an_association():
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_chunk_scale_bounds_the_chunk_curvature(kind):
-    """lambda >= ||sum_j J_j^T J_j / nu_j|| over a chunk (exact Jacobians): the chunk's step stays
-    inside its curvature bound whatever the keys; lambda = b for identical keys."""
+    """lambda_t >= ||sum_{j <= t} J_j^T J_j / nu_j|| over every prefix of a chunk (exact
+    Jacobians): each read's step stays inside its curvature bound whatever the keys; lambda_t =
+    t + 1 for identical keys."""
     state, (q, k, *_rest) = inputs(kind, seed=5)
     m = jax.tree.map(lambda w: w * 2.0, state["M"])
     nu = nm.normaliser(m, k, kind)
-    lam = nm.chunk_scale(m, k, nu, kind)  # [B, H]: the whole sequence as one chunk
+    lam = nm.chunk_scale(m, k, nu, kind)  # [B, H, T]: the whole sequence as one chunk
+    assert lam.shape == (B, H, T)
     for b in range(B):
         for h in range(H):
             row = jax.tree.map(lambda w: w[b : b + 1, h : h + 1], m)
             f = lambda mm: nm.read(mm, k[b : b + 1, h : h + 1], kind).reshape(T, D)
             jac = jnp.concatenate([j.reshape(T, D, -1) for j in jax.tree.leaves(jax.jacobian(f)(row))], axis=2)
             jt = jac / jnp.sqrt(nu[b, h])[:, None, None]  # [T, D, P]
-            curv = np.linalg.norm(np.asarray(jt.reshape(T * D, -1)), 2) ** 2
-            assert curv <= lam[b, h] * (1 + 1e-5), (curv, lam[b, h])
+            for t in range(T):
+                curv = np.linalg.norm(np.asarray(jt[: t + 1].reshape((t + 1) * D, -1)), 2) ** 2
+                assert curv <= lam[b, h, t] * (1 + 1e-5), (t, curv, lam[b, h, t])
     unit = k[:, :, :1] / jnp.linalg.norm(k[:, :, :1], axis=-1, keepdims=True)
     same = jnp.broadcast_to(unit, k.shape)  # unit keys, as the model makes them
     if kind == "linear":
-        np.testing.assert_allclose(nm.chunk_scale(m, same, nm.normaliser(m, same, kind), kind), T, rtol=1e-3)
+        np.testing.assert_allclose(nm.chunk_scale(m, same, nm.normaliser(m, same, kind), kind),
+                                   jnp.broadcast_to(jnp.arange(1, T + 1), (B, H, T)), rtol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_reads_are_causal(kind):
+    """Token t's read depends on nothing after t, inside its chunk too: changing every input of
+    token t + 1 leaves the reads of tokens <= t bit for bit (generation pads after the current
+    token; teacher-forced evaluation scores each token from its past only)."""
+    state, args = inputs(kind, seed=6)
+    fwd = jax.jit(nm.memory_forward, static_argnames=("kind", "chunk"))
+    y = fwd(state, *args, kind=kind, chunk=T)[0]
+    for t in (0, 3, T - 2):
+        changed = [x.at[:, :, t + 1].set(x[:, :, t + 1] * 3.0 + 0.1) for x in args[:3]]
+        changed += [x.at[:, :, t + 1].set(0.9 - 0.8 * x[:, :, t + 1]) for x in args[3:]]  # gates stay in [0, 1]
+        y2 = fwd(state, *changed, kind=kind, chunk=T)[0]
+        np.testing.assert_array_equal(y2[:, :, : t + 1], y[:, :, : t + 1])
+        assert not np.allclose(y2[:, :, t + 1], y[:, :, t + 1])

@@ -142,6 +142,41 @@ def test_non_finite_memory_row_restarts_and_others_are_untouched():
     assert all(not np.asarray(s)[3].any() for s in jax.tree.leaves(out["block1"]["S"]))
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_logits_are_causal(kind):
+    """The whole model reads nothing after token t at t, inside a memory chunk too (the memory's
+    step scale of a read covers the chunk's tokens <= t only): changing token t + 1 leaves logits
+    <= t bit for bit. Memory in both blocks, a chunk of 16 longer than the attention window of 4
+    (the memory reaches what attention does not), two windows in a row (the second reads the
+    first's memory). Random parameters: init's memory0 output layer is zero."""
+    import jax.numpy as jnp
+
+    from nljax.models import build
+
+    model = build(config.load(None, [*NL, f"model.nl_lm.memory_kind={kind}", "model.nl_lm.memory_layers=[0,1]",
+                                     "model.nl_lm.memory_chunk=16", "train.seq_len=32"]))
+    keys = iter(jax.random.split(jax.random.key(2), 100))
+    params = jax.tree.map(lambda w: w + 0.3 * jax.random.normal(next(keys), w.shape), model.init(jax.random.key(0)))
+    tokens = jax.random.randint(jax.random.key(3), (2, 2, 33), 0, 256)
+
+    @jax.jit
+    def logits(tokens):
+        memory, out = model.init_memory(2), []
+        for w in range(2):
+            lg, memory = model.logits(params, memory, {"tokens": tokens[:, w], "reset": jnp.full((2,), w == 0)})
+            out.append(lg)
+        return jnp.concatenate(out, axis=1)  # [B, 64, V]
+
+    change = lambda p: logits(tokens.at[:, p // 32, p % 32].add(7) % 256)  # input token p of the 64
+    base = logits(tokens)
+    for t in (2, 9, 14, 40):  # inside the first chunk, its end, inside the second window
+        changed = change(t + 1)
+        np.testing.assert_array_equal(changed[:, : t + 1], base[:, : t + 1])
+        assert not np.allclose(changed[:, t + 1], base[:, t + 1])
+    # far beyond the 2 x 3 tokens attention reaches: only the memory carries token 3 there
+    assert not np.allclose(change(3)[:, 30], base[:, 30])
+
+
 @pytest.mark.parametrize("t, window", [(100, 16), (40, 50)])
 def test_blocked_local_attention_equals_the_full_masked_form(t, window):
     """Blocks of `window` queries over their block and the one before (linear in T) == jax's

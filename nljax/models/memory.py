@@ -10,6 +10,11 @@ form):
     M_t = (1 - alpha_t) M_{t-1} + S_t
     y_t = M_t(q_t)                                 token t reads the memory after tokens <= t
 
+lambda (below) bounds the curvature of the tokens it scales. The chunk's last memory, carried to
+the next chunk, uses lambda over the whole chunk; the read of token t uses lambda_t over the
+chunk's tokens <= t: it reads what those tokens would write as a chunk of their own, so nothing
+after t reaches it (causal: generation's padding after the current token changes nothing).
+
 Why the update is bounded whatever the chunk size, width, depth or sequence length:
 
 - q, k (and v) are L2-normalised per head, so ||k_t|| = 1.
@@ -17,7 +22,7 @@ Why the update is bounded whatever the chunk size, width, depth or sequence leng
   weights has ||J_t||² <= nu_t (linear: nu = ||k||²; mlp: nu = ||h||² + c²||k||²||W2||_F², c =
   max gelu' ≈ 1.13, by the triangle and Cauchy–Schwarz inequalities). Dividing by nu_t is the
   normalised-LMS step: one token alone moves at most all the way to its target.
-- lambda >= || sum_t J_t^T J_t / nu_t ||, the chunk's normalised Gauss–Newton curvature, is
+- lambda >= || sum_t J_t^T J_t / nu_t ||, the normalised Gauss–Newton curvature of its tokens, is
   Gershgorin's bound max_i sum_j ||J_i J_j^T|| / sqrt(nu_i nu_j) (linear: |k_i . k_j|; mlp:
   |h_i . h_j| + c² |k_i . k_j| ||W2||_F²), at least 1. So the chunk's preconditioned curvature
   has eigenvalues in [0, 1] for any b: lambda = b when all keys coincide (the chunk mean), 1
@@ -104,7 +109,10 @@ class Features:
             inner = (jnp.abs(jnp.einsum("bhif,bhjf->bhij", self.h, self.h))
                      + GELU_SLOPE**2 * inner * self.w2[..., None, None])
         rs = jax.lax.rsqrt(nu)
-        return jnp.maximum(jnp.max(jnp.sum(inner * rs[..., :, None] * rs[..., None, :], axis=-1), axis=-1), 1.0)
+        rows = jnp.cumsum(inner * rs[..., :, None] * rs[..., None, :], axis=-1)  # [B, H, i, t]: row i over j <= t
+        b = rows.shape[-1]
+        mine = jnp.arange(b)[:, None] <= jnp.arange(b)[None, :]  # row i is one of the tokens <= t
+        return jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=-2), 1.0)  # [B, H, t]
 
     def pieces(self, M: PyTree, v: jax.Array):
         """Per layer, each token's gradient of l_t at M as (input x [B,H,b,n_in], output grad d
@@ -122,8 +130,9 @@ def normaliser(M: PyTree, k: jax.Array, kind: str) -> jax.Array:
 
 
 def chunk_scale(M: PyTree, k: jax.Array, nu: jax.Array, kind: str) -> jax.Array:
-    """lambda >= ||sum_j J_j^T J_j / nu_j||, Gershgorin's bound on the chunk's normalised
-    curvature (module docstring), at least 1.  k [B, H, b, dk], nu [B, H, b] -> [B, H]"""
+    """lambda_t >= ||sum_{j <= t} J_j^T J_j / nu_j||, Gershgorin's bound on the normalised
+    curvature of the chunk's tokens up to t (module docstring), at least 1; the last is the whole
+    chunk's.  k [B, H, b, dk], nu [B, H, b] -> [B, H, b]"""
     return Features(M, k, kind).chunk_scale(nu)
 
 
@@ -167,9 +176,10 @@ def chunk_step(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
     M, S = state["M"], state["S"]
     f = Features(M, k, kind, const["kk"], const["k_gram"])
     nu = f.normaliser()  # [B, H, b]
-    a = theta * (1.0 - eta) / (f.chunk_scale(nu)[..., None] * nu)  # [B, H, b]
-    A = const["keep_mom"] * a[..., None, :]  # [B, H, t, j]
-    s, c, w, s_decay = const["s"], const["c"], a * const["mom_last"], const["s_decay"]
+    lam = f.chunk_scale(nu)  # [B, H, t]: over the tokens <= t; the last over the whole chunk
+    a = theta * (1.0 - eta) / nu  # [B, H, j]: the steps before lambda
+    A = const["keep_mom"] * a[..., None, :] / lam[..., :, None]  # [B, H, t, j]: read t's weights
+    s, c, w, s_decay = const["s"], const["c"], a * const["mom_last"] / lam[..., -1:], const["s_decay"]
     new_m, new_s, r = {}, {}, q  # r: the query's input to the current layer  [B, H, b, n_in]
     for i, (name, (x, d)) in enumerate(zip(layers(kind), f.pieces(M, v))):
         if i:
@@ -217,19 +227,23 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
 
 
 def memory_reference(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int):
-    """Token-by-token definition (tests only): gradients at the chunk-start memory, y_t = M_t(q_t)."""
+    """Token-by-token definition (tests only): gradients at the chunk-start memory; token t reads
+    the memory its chunk's tokens <= t write as a chunk of their own (lambda over them); the
+    whole chunk's memory is carried to the next."""
     M, S = state["M"], state["S"]
     loss = lambda m, kt, vt: 0.5 * jnp.sum(jnp.square(read(m, kt[:, :, None], kind) - vt[:, :, None]))
     ys = []
-    for t in range(q.shape[2]):
-        if t % chunk == 0:
-            m_hat = M
-            kc = k[:, :, t : t + chunk]
-            lam = chunk_scale(m_hat, kc, normaliser(m_hat, kc, kind), kind)  # [B, H]
-        g = jax.grad(loss)(m_hat, k[:, :, t], v[:, :, t])  # rows and heads are independent
-        nu = normaliser(m_hat, k[:, :, t : t + 1], kind)[..., 0]
-        step = (theta[:, :, t] * (1 - eta[:, :, t]) / (lam * nu))[:, :, None, None]
-        S = jax.tree.map(lambda s, gi: s * eta[:, :, t, None, None] - step * gi, S, g)
-        M = jax.tree.map(lambda m, s: m * (1 - alpha[:, :, t, None, None]) + s, M, S)
-        ys.append(read(M, q[:, :, t : t + 1], kind))
+    for c0 in range(0, q.shape[2], chunk):
+        m_hat, s_hat = M, S
+        kc = k[:, :, c0 : c0 + chunk]
+        lam = chunk_scale(m_hat, kc, normaliser(m_hat, kc, kind), kind)  # [B, H, b]
+        for i in range(kc.shape[2]):
+            M, S = m_hat, s_hat  # write tokens c0 .. c0 + i again, with their own lambda
+            for t in range(c0, c0 + i + 1):
+                g = jax.grad(loss)(m_hat, k[:, :, t], v[:, :, t])  # rows and heads are independent
+                nu = normaliser(m_hat, k[:, :, t : t + 1], kind)[..., 0]
+                step = (theta[:, :, t] * (1 - eta[:, :, t]) / (lam[..., i] * nu))[:, :, None, None]
+                S = jax.tree.map(lambda s, gi: s * eta[:, :, t, None, None] - step * gi, S, g)
+                M = jax.tree.map(lambda m, s: m * (1 - alpha[:, :, t, None, None]) + s, M, S)
+            ys.append(read(M, q[:, :, c0 + i : c0 + i + 1], kind))
     return jnp.concatenate(ys, axis=2), {"M": M, "S": S}

@@ -84,13 +84,6 @@ class NlLmConfig:
                 f"model.nl_lm.scan_layers needs blocks that repeat: memory_layers={list(self.memory_layers)} "
                 f"of depth {depth} have no repeating unit shorter than the whole net"
             )
-        if self.memory_layers and self.memory_chunk > self.window:
-            # inside a chunk every write is a gradient taken at the chunk start (scaled down when
-            # the chunk's keys overlap): attention must cover the chunk in full
-            raise ConfigError(
-                f"model.nl_lm.memory_chunk={self.memory_chunk} must be <= model.nl_lm.window={self.window}: "
-                "otherwise tokens inside a chunk are reachable by neither attention nor the memory"
-            )
 
 
 def rotary(x, base: float = 10000.0):
