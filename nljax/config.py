@@ -177,7 +177,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    if (value is None or isinstance(value, (bool, int, float))) and _field_type(key) is str:
+    if not isinstance(value, str) and _field_type(key) is str:  # 007, true, 2024-01-01: as typed
         value = raw
     return key, value
 
@@ -292,8 +292,8 @@ def _check_floats(node: Any, prefix: str = "") -> None:
 def validate(cfg: Config) -> None:
     """Semantic checks that types alone cannot express."""
     _check_floats(cfg)
-    if not 0 <= cfg.seed < 2**63:  # JAX keys and NumPy generators take it as a non-negative int64
-        raise ConfigError(f"seed must be in [0, 2^63), got {cfg.seed}")
+    if not 0 <= cfg.seed < 2**32:  # jax.random.key keeps 32 bits (64-bit mode off): 2^32 + 7 would be 7
+        raise ConfigError(f"seed must be in [0, 2^32), got {cfg.seed}")
     for f in dataclasses.fields(cfg):
         check = getattr(getattr(cfg, f.name), "check", None)
         if check is not None:

@@ -59,7 +59,7 @@ class Settings:
         if self.max_new_tokens < 0 or not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"need max_new_tokens >= 0, finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
                               f"{self.max_new_tokens}, {self.temperature}, {self.top_k}, {self.top_p}")
-        if not 0 <= self.seed < 2**63:  # as the config's seed
+        if not 0 <= self.seed < 2**63:  # NumPy's generator alone reads it (no JAX key)
             raise ConfigError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")

@@ -45,6 +45,8 @@ class OptimConfig:
             raise ConfigError(f"optim.level_lr_scale entries must be >= 0, got {list(self.level_lr_scale)}")
         if self.clip_norm < 0:
             raise ConfigError(f"optim.clip_norm must be >= 0 (0: off), got {self.clip_norm}")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.base_batch_size < 1:
             raise ConfigError(f"optim.base_batch_size must be >= 1, got {self.base_batch_size}")
 
@@ -59,7 +61,7 @@ def peak_lr(cfg: OptimConfig, batch_size: int) -> float:
 def schedule(cfg: OptimConfig, total_steps: int, batch_size: int | None = None):
     """Warm-up (linear from 0) then cosine decay to 10% of the peak, or constant, by global step."""
     lr = cfg.lr if batch_size is None else peak_lr(cfg, batch_size)
-    warm = max(cfg.warmup_steps, 0)
+    warm = cfg.warmup_steps
     if cfg.schedule == "constant":
         return optax.linear_schedule(0.0, lr, warm) if warm else optax.constant_schedule(lr)
     decay = max(total_steps, warm + 1)

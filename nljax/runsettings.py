@@ -63,6 +63,8 @@ class TrainConfig:
     def check(self) -> None:
         if self.steps < 0 or self.batch_size < 1 or self.seq_len < 1 or self.accum_steps < 1:
             raise ConfigError("train.steps must be >= 0 and train.batch_size, train.seq_len, train.accum_steps >= 1")
+        if self.steps >= 2**31:  # the step counter is an int32 on the devices
+            raise ConfigError(f"train.steps must be < 2^31, got {self.steps}")
         if self.max_skipped < 0:
             raise ConfigError(f"train.max_skipped must be >= 0, got {self.max_skipped}")
         if self.log_every < 1 or self.profile_steps < 0 or self.profile_start < 0:

@@ -92,11 +92,10 @@ def keep_grads(eng: Engine, norms: jax.Array, written: jax.Array) -> jax.Array:
     """Which of a level's synchronized gradients update it ([K] bool), from their norms (the same
     on every device, so all decide alike without another collective): a NaN or Inf anywhere
     makes a norm non-finite; `sync.max_grad_norm` adds a threshold; `written` drops slots no step
-    wrote. Per level: one level's bad gradient never stops another level's update."""
+    wrote. Per level: one level's bad gradient never stops another level's update. The threshold
+    stands on its own: `check_grads=false` turns off the finiteness check only."""
     c = eng.cfg.sync
-    if not c.check_grads:
-        return written
-    ok = written & jnp.isfinite(norms)
+    ok = written & jnp.isfinite(norms) if c.check_grads else written
     return ok & (norms <= c.max_grad_norm) if c.max_grad_norm > 0 else ok
 
 

@@ -33,7 +33,8 @@ class SyncConfig:
     strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
     # Skip a step (on every device) whose synchronized gradient is not finite.
     check_grads: bool = True
-    # Per level: also skip a level's update whose synchronized gradient norm exceeds this (0: off).
+    # Per level: also skip a level's update whose synchronized gradient norm exceeds this (0: off;
+    # applies whatever check_grads says).
     max_grad_norm: float = 0.0
     # Link bandwidths in GB/s (gigabytes) per device and direction, for the time projection of
     # `nljax.comm`. Defaults: NVLink 4 on H100 SXM, 900 GB/s bidirectional = 450 GB/s per

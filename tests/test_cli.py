@@ -68,7 +68,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
         (["train.seq_len=1048576", "train.batch_size=4096"], "the run needs at least"),  # TBs on any host
         (["data.eval_fraction=0.0001"], "the held-out text (1 bytes at data.eval_fraction=0.0001) is shorter than train.seq_len+1=129"),
         (["model.vocab_size=10"], "model.vocab_size=10 is smaller than the 256 byte values of the text data"),
-        (["seed=18446744073709551616"], "seed must be in [0, 2^63), got 18446744073709551616"),  # no OverflowError
+        (["seed=18446744073709551616"], "seed must be in [0, 2^32), got 18446744073709551616"),  # no OverflowError
         (["model.window=8"], "model.window moved to model.nl_lm.window"),  # a key from before the split
     ],
 )

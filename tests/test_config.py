@@ -45,8 +45,11 @@ def test_yaml_file(tmp_path):
         ("optim.level_lr_scale=[1,nan,1,1]", "config key 'optim.level_lr_scale[1]' must be a finite number"),
         ("meanflow.time_mu=-.inf", "config key 'meanflow.time_mu' must be a finite number"),
         ("model.vocab_size=10", "model.vocab_size=10 is smaller than the 256 byte values"),
-        ("seed=18446744073709551616", "seed must be in [0, 2^63)"),
-        ("seed=-1", "seed must be in [0, 2^63)"),
+        ("seed=18446744073709551616", "seed must be in [0, 2^32)"),
+        ("seed=4294967296", "seed must be in [0, 2^32), got 4294967296"),  # would be seed 0's key
+        ("seed=-1", "seed must be in [0, 2^32)"),
+        ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),
+        ("train.steps=2147483648", "train.steps must be < 2^31, got 2147483648"),
         ("train.max_skipped=-1", "train.max_skipped must be >= 0"),
         ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
@@ -85,6 +88,8 @@ def test_a_string_setting_given_digits_is_that_text():
     checkpoint step directory, checkpoint.resume=4; nljax.generate's checkpoint=4 goes this way)."""
     cfg = config.load(None, ["run.dir=007", "checkpoint.resume=4", "train.sample_prompt=true", "train.steps=5"])
     assert (cfg.run.dir, cfg.checkpoint.resume, cfg.train.sample_prompt, cfg.train.steps) == ("007", "4", "true", 5)
+    cfg = config.load(None, ["run.dir=2024-01-01", "run.wandb_name=2024-06-30"])  # YAML would make dates
+    assert (cfg.run.dir, cfg.run.wandb_name) == ("2024-01-01", "2024-06-30")
     with pytest.raises(config.ConfigError, match="config key 'train.steps' must be int, got str 'abc'"):
         config.load(None, ["train.steps=abc"])
 

@@ -195,8 +195,9 @@ def _poison(setup, step, at, row):
     return put_batch({**host, "tokens": tokens}, setup.mesh)
 
 
-def test_max_grad_norm_skips():
-    setup = make(["cms.periods=[1]", "sync.max_grad_norm=1.0e-9"], 1, 1)
+@pytest.mark.parametrize("check", ["true", "false"])  # the threshold stands without the NaN check
+def test_max_grad_norm_skips(check):
+    setup = make(["cms.periods=[1]", "sync.max_grad_norm=1.0e-9", f"sync.check_grads={check}"], 1, 1)
     before = jax.device_get(setup.state.params)
     metrics = []
     _, state = train(setup, 2, metrics=metrics)
