@@ -29,7 +29,7 @@ def check_across_sections(cfg) -> None:
         raise ConfigError("train.sample_every with an empty train.sample_prompt starts at a document start, "
                           "which a tokenizer has only with data.doc_end_token: set one of them")
     if d.source == "recall":
-        reach = attention_reach(m.depth, nl.window)
+        reach = attention_reach(m.depth, nl.window) if m.name == "nl_lm" else 0  # cms_mlp: no attention
         if d.recall_gap < reach:
             raise ConfigError(f"data.recall_gap={d.recall_gap} must be >= the attention's reach model.depth * "
                               f"(model.nl_lm.window - 1) = {reach}, or attention alone could answer the queries")

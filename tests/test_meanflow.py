@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import tempfile
 
+import flax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -286,3 +287,47 @@ def test_gathered_energy_distance_equals_single_device():
 def test_dit_needs_one_level():
     with pytest.raises(ConfigError, match=r"model.name=dit keeps every parameter at level 0"):
         load(None, ["model.name=dit", "cms.periods=[1,4]"])
+
+
+def test_guidance_needs_labels():
+    """The guided target mixes conditional and unconditional velocities: without labels it would
+    be silently the plain target."""
+    from nljax.models import build
+
+    assert build(load(None, DIT)).conditional  # moons has labels
+    with pytest.raises(ConfigError, match="cfg_omega=1.5, cfg_kappa=0.2 guide by labels, and meanflow.class_cond=false"):
+        build(load(None, [*DIT, "meanflow.class_cond=false"]))
+
+
+def test_dit_remat_is_exact_and_keeps_less():
+    """`model.remat=block` on the DiT: each block recomputed from its input in the backward pass
+    of MeanFlow's loss (a jvp inside): the same gradients to the bit, and the forward pass keeps a
+    fraction of the activations (the residuals of jax.vjp)."""
+    nets = {r: DiTNet((8, 8, 3), 2, 32, 2, 4, 64, 3, remat=r) for r in ("none", "block")}
+    params = tiny_params(nets["none"])
+    x, y = jax.random.normal(jax.random.key(2), (16, 8, 8, 3)), jnp.arange(16) % 3
+    keys = meanflow.example_keys(0, meanflow.TRAIN_STREAM, jnp.arange(16))
+
+    def loss(net, p):
+        f = lambda z, t, r, yy: net.apply({"params": p}, z, t, t - r, yy)
+        return jnp.sum(meanflow.meanflow_loss(f, x, y, keys, MeanFlowConfig(r_fraction=0.5), 3))
+
+    g = {r: jax.jit(jax.grad(functools.partial(loss, n)))(params) for r, n in nets.items()}
+    for a, b in zip(jax.tree.leaves(g["none"]), jax.tree.leaves(g["block"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    kept = {r: sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(
+        jax.eval_shape(lambda p, n=n: jax.vjp(functools.partial(loss, n), p)[1], params))) for r, n in nets.items()}
+    assert kept["block"] < 0.5 * kept["none"], kept
+
+
+def test_bf16_dit_modulates_in_float32():
+    """In bf16 the adaLN modulations (shift, scale, gate) are float32, as the residual stream
+    they act on: only the blocks' big matmuls run in bf16."""
+    net = DiTNet((8, 8, 3), 2, 32, 2, 4, 64, 3, dtype=jnp.bfloat16)
+    params = tiny_params(DiTNet((8, 8, 3), 2, 32, 2, 4, 64, 3))
+    z, t = jnp.zeros((2, 8, 8, 3)), jnp.full((2,), 0.5)
+    _, inter = net.apply({"params": params}, z, t, t, jnp.zeros((2,), jnp.int32), capture_intermediates=True)
+    outs = {"/".join(k): v for k, v in flax.traverse_util.flatten_dict(inter["intermediates"]).items()}
+    mods = {k: v[0].dtype for k, v in outs.items() if "adaln" in k}
+    assert len(mods) == 3 and set(mods.values()) == {jnp.dtype(jnp.float32)}, mods
+    assert outs["block0/attn/qkv/__call__"][0].dtype == jnp.bfloat16

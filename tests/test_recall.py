@@ -110,6 +110,8 @@ def test_values_loss_is_the_mean_over_the_queried_values_on_any_mesh():
 def test_recall_config_errors(override, match):
     from helpers import TINY
 
-    over = [*TINY, *RECALL, "model.nl_lm.window=8", "model.depth=2", override]
+    over = [*TINY, *RECALL, "model.name=nl_lm", "model.nl_lm.window=8", "model.depth=2", override]
     with pytest.raises(ConfigError, match=match):
         config.load(None, over)
+    if override.startswith("data.recall_gap"):  # the attention's reach: nl_lm's; cms_mlp has none
+        config.load(None, [*over, "model.name=cms_mlp"])

@@ -38,8 +38,13 @@ def _dit(cfg: Config) -> Model:
     if h % patch or w % patch:
         raise ConfigError(f"model.dit.patch_size={patch} does not divide the {h}x{w} images")
     classes = data.num_classes if cfg.meanflow.class_cond else 0
-    return DiT(DiTNet(data.shape, patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes, dtype=jnp.dtype(m.dtype)),
-               cfg.meanflow, cfg.seed)
+    mf = cfg.meanflow
+    if not classes and (mf.cfg_omega != 1.0 or mf.cfg_kappa != 0.0):
+        why = "meanflow.class_cond=false" if not mf.class_cond else "the images have no labels"
+        raise ConfigError(f"meanflow.cfg_omega={mf.cfg_omega}, cfg_kappa={mf.cfg_kappa} guide by labels, and {why}: "
+                          "leave them at 1, 0")
+    return DiT(DiTNet(data.shape, patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes,
+                      dtype=jnp.dtype(m.dtype), remat=m.remat), mf, cfg.seed)
 
 
 MODELS: dict[str, Callable[[Config], Model]] = {

@@ -124,7 +124,8 @@ class DiTBlock(nn.Module):
     def __call__(self, x, c):  # x [B, N, D], c [B, D]
         enter = lambda a: tplib.enter(a, self.axis)
         dense = lambda n, name, **kw: nn.Dense(n, dtype=self.dtype, name=name, **kw)
-        mod = dense(6 * self.dim // self.tp, "adaln", kernel_init=nn.initializers.zeros)(enter(nn.silu(c)))
+        # float32 (a [B, D] x [D, 6D] product): the gates and scales multiply the float32 stream
+        mod = nn.Dense(6 * self.dim // self.tp, kernel_init=nn.initializers.zeros, name="adaln")(enter(nn.silu(c)))
         mod = tplib.gather(mod, self.axis, self.tp)  # [B, 6D]
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = jnp.split(mod, 6, axis=-1)  # each [B, D]
         norm = lambda name: nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name=name)
@@ -148,6 +149,9 @@ class DiTNet(nn.Module):
     # `model.dtype`: the matmuls' compute dtype. The residual stream, norms, modulation, time
     # features and softmax stay float32 (a bf16 matmul's output is promoted where it is added).
     dtype: jnp.dtype = jnp.float32
+    # `model.remat=block`: the backward pass recomputes each block from its input (jax.checkpoint
+    # composes with MeanFlow's jvp); none and memory keep every block's activations.
+    remat: str = "none"
 
     @nn.compact
     def __call__(self, z, t, h, y):  # z [B, H, W, C], t [B], h [B], y [B] int32 or None
@@ -161,8 +165,9 @@ class DiTNet(nn.Module):
         c = TimeEmbed(self.dim, name="t_embed")(t) + TimeEmbed(self.dim, name="h_embed")(h)  # [B, D]
         if self.num_classes:
             c = c + nn.Embed(self.num_classes + 1, self.dim, name="label_embed")(y)
+        block = nn.remat(DiTBlock) if self.remat == "block" else DiTBlock
         for i in range(self.depth):
-            x = DiTBlock(self.dim, self.heads, self.hidden, self.tp, self.tp_axis, self.dtype, name=f"block{i}")(x, c)
+            x = block(self.dim, self.heads, self.hidden, self.tp, self.tp_axis, self.dtype, name=f"block{i}")(x, c)
         final_mod = nn.Dense(2 * self.dim, kernel_init=nn.initializers.zeros, name="final_adaln")(nn.silu(c))
         shift, scale = jnp.split(final_mod, 2, axis=-1)
         x = modulate(nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name="final_norm")(x), shift, scale)

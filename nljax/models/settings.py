@@ -30,7 +30,8 @@ class ModelConfig:
     # jax.checkpoint in nl_lm: memory (the inner loop's per-chunk internals: recomputed from each
     # chunk's carried state, not stored; 18% fewer ops and 17% less memory at titans_demo, measured)
     # | block (attention, memory and CMS sub-blocks, and inside the memory its chunks as with
-    # `memory`) | none (store everything); exact, since all are pure
+    # `memory`) | none (store everything); exact, since all are pure. dit: block recomputes each
+    # block, none and memory keep everything; cms_mlp: no block to recompute (block is refused)
     remat: Literal["none", "block", "memory"] = "memory"
     nl_lm: NlLmConfig = NlLmConfig()
     dit: DiTConfig = DiTConfig()
@@ -46,3 +47,5 @@ class ModelConfig:
             self.nl_lm.check_with(self.dim, self.heads, self.depth)
         if self.name == "dit":
             self.dit.check_with(self.dim, self.heads)
+        if self.name == "cms_mlp" and self.remat == "block":
+            raise ConfigError("model.remat=block recomputes nl_lm's and dit's blocks; cms_mlp has none to recompute")
