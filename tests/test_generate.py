@@ -44,15 +44,17 @@ def test_sampling_rules():
 def test_greedy_decoding_continues_the_stream_as_training_reads_it(fsdp_run):
     """Greedy tokens, fed back through the model as training reads a stream (windows of T, the
     memory carried, the first window reset), are each the argmax at their position: the padded
-    partial windows and the window-by-window memory writes of decoding change nothing."""
+    partial windows and the window-by-window memory writes of decoding change nothing (the
+    reference fills the rest of a partial window with other tokens: reads are causal)."""
     run_dir, _ = fsdp_run
     t = trained.load(run_dir, devices=jax.devices()[:1])
     prompt = "def f(x):\n  return"  # 19 bytes: two full windows of 8 and a partial one
     out = generate.generate_text(t, generate.Settings(prompt=prompt, max_new_tokens=30, temperature=0), lambda _: None)
     seq, T = list(prompt.encode()) + out, t.cfg.train.seq_len
     memory, preds = t.model.init_memory(1), []
+    rng = np.random.default_rng(0)
     for w, start in enumerate(range(0, len(seq), T)):
-        window = np.zeros((1, T + 1), np.int32)
+        window = rng.integers(0, 256, (1, T + 1), dtype=np.int32)  # not decoding's padding: causal reads ignore it
         chunk = seq[start : start + T]
         window[0, : len(chunk)] = chunk
         logits, memory = t.model.logits(t.params, memory, {"tokens": window, "reset": np.array([w == 0])})
