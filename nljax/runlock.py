@@ -111,7 +111,10 @@ class RunLock:
         self._thread: threading.Thread | None = None
 
     def acquire(self) -> "RunLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"run.dir {self.path.parent} cannot be created: {e.strerror or e}") from None
         info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "pid_start": _started_at(os.getpid()), **_identity()}
         for _ in range(3):  # a stale lock is removed and creation tried again; a racer may win it

@@ -14,6 +14,8 @@ import signal
 import time
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from nljax import compile_cache, distributed, flops, levels, optim, preemption, runlog, throughput
 from nljax.version import __version__
@@ -113,6 +115,21 @@ def check_skipped(in_a_row: int, step: int, limit: int) -> None:
         )
 
 
+def stalled(record: dict) -> bool:
+    """Nothing trained at this step: every active level's update was skipped."""
+    return len(record.get("skipped_levels", ())) == len(record.get("active_levels", ()))
+
+
+def stalled_in_a_row(kept: list[dict]) -> int:
+    """The stalled steps at the end of a resumed run's kept records, the same on every process
+    (process 0 alone has the records: it tells the others, which would otherwise count from 0 and
+    go on into a step after process 0 stopped)."""
+    n = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not stalled(kept[i])), 0)
+    if jax.process_count() > 1:
+        n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+    return n
+
+
 def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
                ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
     """Steps from `conductor.step` to `train.steps` (`loop.training_steps`) with the hooks of
@@ -120,9 +137,9 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
     after a preemption notice (`nljax.preemption`) saves and raises `Preempted`."""
     # A resumed run's plots and summary cover the whole run: the earlier steps come from the
     # metrics.jsonl records it kept.
-    kept = out.run.kept
+    kept = out.run.kept  # process 0's (the one that reads and writes the run's files)
     hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
-    hist.stalled_in_a_row = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not kept[i].get("skipped")), 0)
+    hist.stalled_in_a_row = stalled_in_a_row(kept)
     t_start = time.perf_counter()
     hooks, profiler = loop_hooks(run, out, ckpt)
     if conductor.step < run.cfg.train.steps:
@@ -150,8 +167,7 @@ def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Outpu
         hist.skipped += 1
         out.say(f"warning: step {r.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
                 f"sync.max_grad_norm)")
-    stalled = len(skipped_levels) == len(r.pulse.active_levels)  # nothing trained this step
-    hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if stalled else 0
+    hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if stalled(r.record) else 0
     hooks.run(r)
     hist.records.append(r.record)
     check_skipped(hist.stalled_in_a_row, r.step, run.cfg.train.max_skipped)
@@ -315,16 +331,20 @@ def train(cfg: Config) -> dict:
         lock.release()
         raise
     ckpt.trackers = out.trackers.ids  # saved with every checkpoint: a resume continues the same W&B run
-    ckpt.open()
     failed = True  # until the summary is written: a tracker marks a run that stopped early (W&B: failed)
     try:
+        ckpt.open()
         startup_report(run, ckpt.state, out.say)
         state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
         summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
         failed = False
-    finally:
-        ckpt.close()  # a run stopped by an error keeps the saves it started
-        out.close(failed)
-        lock.release()
+    finally:  # each step of the cleanup runs whatever the one before raised (a failed save found here)
+        try:
+            ckpt.close()  # a run stopped by an error keeps the saves it started
+        finally:
+            try:
+                out.close(failed)
+            finally:
+                lock.release()
     return summary

@@ -266,6 +266,18 @@ def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():
         assert (mean == mean[0]).all()
 
 
+def test_a_setting_that_moves_the_rows_restarts_every_row(ref):
+    """The window, the seed or the data place each row elsewhere in the text (ContextStream):
+    a carried memory would read text it never wrote. data.reset_prob moves no row."""
+    for over, said in (("seed=5", "seed changed from 0 to 5"), ("train.seq_len=16", "train.seq_len changed from 8 to 16"),
+                       ("data.eval_fraction=0.1", "data.eval_fraction changed from 0.05 to 0.1")):
+        setup = make([*NL, over], 2, 4)
+        r = restore(setup.engine, setup.state, ref["dir"] / "4")
+        assert r.fresh_rows and any(said in w and "every row's memory restarts" in w for w in r.warnings), r.warnings
+    setup = make([*NL, "data.reset_prob=0.5"], 2, 4)
+    assert not restore(setup.engine, setup.state, ref["dir"] / "4").fresh_rows
+
+
 def test_changed_global_batch_restarts_every_row(ref):
     setup = make([*NL, "train.batch_size=16", "optim.lr=0.02"], 2, 4)
     r = restore(setup.engine, setup.state, ref["dir"] / "4")

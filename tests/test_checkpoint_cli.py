@@ -212,6 +212,50 @@ def test_resume_falls_back_past_damaged_checkpoints_and_sets_later_ones_aside(tm
     assert tree_hash(ck / "set_aside" / "12") == damaged
 
 
+# nljax.train whose checkpoint cleanup fails after its own work (as a failed save found there does)
+CLOSE_FAILS = r"""
+import sys
+from nljax.checkpoint.lifecycle import Checkpoints
+close = Checkpoints.close
+def failing(self):
+    close(self)
+    raise OSError(28, "No space left on device")
+Checkpoints.close = failing
+sys.argv = ["nljax.train", *sys.argv[1:]]
+from nljax.train import main
+sys.exit(main())
+"""
+
+
+def test_setting_aside_and_cleanup_failures_are_one_line_and_release_the_lock(tmp_path):
+    """An older checkpoint resumed with checkpoint.every=0 sets the later ones aside too (a later
+    --resume would take the abandoned branch); when they cannot be set aside, one line, the lock
+    released, nothing moved; a run.dir that cannot be made is one line; a failing cleanup still
+    releases the lock."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
+    assert nljax_train(*base).returncode == 0  # checkpoints 8 and 12 (keep 2)
+    p = nljax_train(*base, f"checkpoint.resume={ck / '8'}", "checkpoint.every=0")
+    assert p.returncode == 0, p.stderr
+    assert f"step 12 will be moved to {ck / 'set_aside'}" in p.stderr, p.stderr
+    assert storage.complete_steps(ck) == [8] and (ck / "set_aside" / "12").is_dir()
+    (ck / "set_aside" / "12").rename(ck / "12")
+    (ck / "set_aside").rmdir()
+    (ck / "set_aside").write_text("not a directory")
+    p = nljax_train(*base, f"checkpoint.resume={ck / '8'}")
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (f"nljax.train: error: cannot clear checkpoint.dir {ck} for this run: "
+                                                 f"File exists: {ck / 'set_aside'}"), p.stderr
+    assert storage.complete_steps(ck) == [8, 12] and not (run / "nljax.lock").exists()
+    (tmp_path / "afile").write_text("")
+    p = nljax_train(*base, f"run.dir={tmp_path / 'afile' / 'sub'}", "checkpoint.every=0")
+    assert p.returncode == 2 and p.stderr.strip() == (f"nljax.train: error: run.dir {tmp_path / 'afile' / 'sub'} cannot "
+                                                      "be created: Not a directory"), p.stderr
+    p = run_python("-c", CLOSE_FAILS, *base, f"run.dir={tmp_path / 'r2'}", "train.steps=4", check=False)
+    assert p.returncode != 0 and "No space left on device" in p.stderr, p.stderr
+    assert (tmp_path / "r2" / "metrics.jsonl").exists() and not (tmp_path / "r2" / "nljax.lock").exists()
+
+
 def test_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
     run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}", "train.steps=8"]

@@ -253,6 +253,23 @@ def test_checkpoint_damaged_for_one_process_is_skipped_by_every_process(tmp_path
     assert (ck / "set_aside" / "8").is_dir() and storage.committed_steps(ck) == [4, 8, 10]
 
 
+def test_a_resumed_run_whose_steps_all_skip_stops_on_every_process(tmp_path):
+    """The count of skipped steps in a row continues from the kept records, which process 0
+    alone reads: before, process 1 counted from 0, process 0 stopped alone and process 1 hung in
+    the next step's collective until the coordination service aborted it (exit 134, 69 s)."""
+    run = tmp_path / "r"
+    args = [*ARGS, "eval.every=0", "checkpoint.every=3", "sync.max_grad_norm=1e-12", *QUICK, f"run.dir={run}"]
+    launch = lambda *a: subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "1", "--", sys.executable, "-m",
+                                        "nljax.train", "--quiet", *args, *a], env=subprocess_env(),
+                                       capture_output=True, text=True, timeout=300)
+    first = launch("train.steps=3", "train.max_skipped=0")  # steps 0-2 all skipped, saved at 3
+    assert first.returncode == 0, first.stderr
+    p = launch("--resume", "train.steps=10", "train.max_skipped=4")
+    assert "exit codes by process: 2, 2" in p.stderr, p.stderr
+    for i in (0, 1):  # the 3 kept steps and step 3 make 4
+        assert f"[{i}] nljax.train: error (process {i}): stopped after step 3: the last 4 steps" in p.stderr, p.stderr
+
+
 class FakeStore:
     """The coordination service's key-value calls `Peers` makes, in memory."""
 

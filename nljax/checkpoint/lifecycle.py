@@ -86,7 +86,7 @@ class Checkpoints:
         restored, later = None, []
         if paths:
             restored, warnings = _restore(engine, fresh, paths)
-            if own and cfg.checkpoint.every:
+            if own:  # with checkpoint.every=0 too: a later --resume must not take the abandoned branch
                 later = storage.later_steps(root, restored.step)
                 warnings += _set_aside_warning(root, restored.path, later)
             for w in [*warnings, *restored.warnings]:
@@ -117,11 +117,15 @@ class Checkpoints:
         """Start writing (after the run directory was accepted). A fresh run with
         run.overwrite=true removes the earlier run's checkpoints here."""
         fresh = self.restored is None or not self.own
-        if fresh and self.cfg.run.overwrite and jax.process_index() == 0:
-            for p in storage.leftovers(self.dir):
-                shutil.rmtree(p)
-        if self.set_aside and jax.process_index() == 0:
-            storage.set_aside(self.dir, self.set_aside)
+        try:
+            if fresh and self.cfg.run.overwrite and jax.process_index() == 0:
+                for p in storage.leftovers(self.dir):
+                    shutil.rmtree(p)
+            if self.set_aside and jax.process_index() == 0:
+                storage.set_aside(self.dir, self.set_aside)
+        except OSError as e:  # e.g. a file named set_aside, a read-only checkpoint.dir
+            raise ConfigError(f"cannot clear checkpoint.dir {self.dir} for this run: {e.strerror or e}: "
+                              f"{e.filename}") from None
         if not self.cfg.checkpoint.every:
             return
         if jax.process_count() > 1:

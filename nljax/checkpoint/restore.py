@@ -90,15 +90,23 @@ def _changed_settings(meta: dict, cfg: Config) -> list[str]:
     ]
 
 
+# What places a row in the data: the ContextStream reads row r at step s from (seed, s, r, seq_len)
+# over the data. A change to any of them sends every row elsewhere (data.reset_prob only resets).
+STREAM_KEYS = ("train.batch_size", "train.seq_len", "seed", "data")
+NOT_STREAM_KEYS = ("data.reset_prob",)
+
+
 def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str]) -> bool:
-    """Whether every row's memory restarts: the global batch changed, so the ContextStream gives
-    every row a new stream (with a warning added to `warnings`)."""
-    rows_old, rows_new = int(get(meta["config"], "train.batch_size")), cfg.train.batch_size
-    fresh_rows = rows_old != rows_new and any(rows_of(n) for n in target)
+    """Whether every row's memory restarts: a setting that places the rows in the data changed
+    (the global batch, the window, the seed, the data), so the ContextStream gives every row a new
+    stream and a carried memory would read text it never wrote (with a warning in `warnings`)."""
+    moved = [f"{k} changed from {fmt(a)} to {fmt(b)}" for k, a, b in differences(meta["config"], to_dict(cfg), "")
+             if any(k == s or k.startswith(s + ".") for s in STREAM_KEYS) and k not in NOT_STREAM_KEYS]
+    fresh_rows = bool(moved) and any(rows_of(n) for n in target)
     if fresh_rows:
         warnings.append(
-            f"train.batch_size changed from {rows_old} to {rows_new}: the ContextStream gives every row a new "
-            f"stream, so every row's memory restarts from its initial value at step {meta['step']}"
+            f"{'; '.join(moved)}: the ContextStream gives every row a new stream, so every row's memory restarts "
+            f"from its initial value at step {meta['step']}"
         )
     return fresh_rows
 
