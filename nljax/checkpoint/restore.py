@@ -13,7 +13,7 @@ import jax
 
 from nljax.checkpoint import elastic, storage
 from nljax.checkpoint.contents import (RESHAPED, SILENT, Damaged, check_arrays, check_fits, differences, fingerprint,
-                                     fmt, get, named_arrays, per_device, rows_of, tracker_ids, data_digest)
+                                     fmt, named_arrays, per_device, rows_of, tracker_ids, data_digest)
 from nljax.config import Config, to_dict
 from nljax.engine import Engine
 from nljax.hostdev import replica
