@@ -12,7 +12,9 @@ HEARTBEAT_S seconds. A lock left by a run that died is stale and taken over:
 - elsewhere (another host, or another container with the same hostname: a restarted container
   has a new pid namespace), whose pids we cannot see, when its heartbeat is older than STALE_S.
 
-A run that exits (normally or with an error) removes its lock.
+A stale lock is renamed aside before it is removed, and removed only if it is the one judged
+stale: two runs taking over the same dead run's lock at once cannot both hold run.dir. A run that
+exits (normally or with an error) removes its lock, only while the file is still its own.
 """
 
 from __future__ import annotations
@@ -95,6 +97,13 @@ def refuse_if_live(run_dir: str | Path) -> None:
         )
 
 
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
 def _mtime(path: Path) -> float:
     try:
         return path.stat().st_mtime
@@ -109,6 +118,7 @@ class RunLock:
         self.path = Path(run_dir).absolute() / NAME
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.text: str | None = None  # what this run wrote into the lock file
 
     def acquire(self) -> "RunLock":
         try:
@@ -121,21 +131,47 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
+                judged = _read(self.path)
                 refuse_if_live(self.path.parent)
-                self.path.unlink(missing_ok=True)  # stale: its run is dead
+                self._remove_stale(judged)
                 continue
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(info))
+            self.text = json.dumps(info)
             _HELD.add(self.path)
             self._thread = threading.Thread(target=self._beat, name="nljax-lock-heartbeat", daemon=True)
             self._thread.start()
             return self
         raise ConfigError(f"run.dir {self.path.parent}: could not take its lock {self.path} (another run races for it)")
 
+    def _remove_stale(self, judged: str | None) -> None:
+        """Removes the stale lock whose text was `judged`, and only that one: another run may have
+        taken it over since it was read (renamed aside first, atomically; one that is not the lock
+        judged stale goes back)."""
+        aside = self.path.with_name(f"{NAME}.stale.{os.getpid()}")
+        try:
+            os.rename(self.path, aside)
+        except FileNotFoundError:
+            return  # another run removed it first
+        if _read(aside) == judged:
+            aside.unlink(missing_ok=True)
+            return
+        try:  # a racer's fresh lock: back where it was, unless a third run made one meanwhile
+            os.link(aside, self.path)
+        except FileExistsError:
+            pass
+        aside.unlink(missing_ok=True)
+
+    def _ours(self) -> bool:
+        """Whether the lock file is still this run's (a run suspended past STALE_S on another host
+        may have lost it to a run that took it for dead)."""
+        return _read(self.path) == self.text
+
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):
             try:
-                os.utime(self.path)
+                if self._ours():
+                    os.utime(self.path)
             except OSError:
                 pass  # a transient file-system error; the next beat tries again
 
@@ -145,5 +181,6 @@ class RunLock:
         self._stop.set()
         self._thread.join()
         self._thread = None
-        self.path.unlink(missing_ok=True)
+        if self._ours():  # never another run's
+            self.path.unlink(missing_ok=True)
         _HELD.discard(self.path)

@@ -68,3 +68,28 @@ def test_heartbeat_refreshes_the_lock(tmp_path, monkeypatch):
     time.sleep(0.3)
     assert time.time() - path.stat().st_mtime < 5
     lock.release()
+
+
+def test_a_stale_lock_taken_over_by_a_racer_is_left_to_it(tmp_path, monkeypatch):
+    """Two runs judge the same dead run's lock stale; the other one removes it and takes the lock
+    before this one acts: this one must neither delete the racer's fresh lock nor hold a lock
+    beside it (it is refused, naming the racer). A run that lost its lock never removes the one
+    that replaced it."""
+    path, here, live = tmp_path / runlock.NAME, socket.gethostname(), os.getppid()
+    _write(path, here, _dead_pid())
+    judge = runlock.refuse_if_live
+
+    def racer_wins(run_dir):  # judged stale, then the racer's lock appears
+        judge(run_dir)
+        _write(path, here, live, pid_start=runlock._started_at(live), **runlock._identity())
+
+    monkeypatch.setattr(runlock, "refuse_if_live", racer_wins)
+    with pytest.raises(ConfigError, match=f"in use by a live run .host {here}, pid {live}"):
+        runlock.RunLock(tmp_path).acquire()
+    assert json.loads(path.read_text())["pid"] == live and [p.name for p in tmp_path.iterdir()] == [runlock.NAME]
+    monkeypatch.setattr(runlock, "refuse_if_live", judge)
+    path.unlink()
+    lock = runlock.RunLock(tmp_path).acquire()
+    _write(path, "other-host", 1)  # taken over by a run that judged this one dead (suspended too long)
+    lock.release()
+    assert json.loads(path.read_text())["host"] == "other-host"
