@@ -77,13 +77,11 @@ class RunDir:
                 runlog.remove_written(self.path)
                 exportdir.remove(self.path / exportdir.DEFAULT)  # the earlier run's nljax.export
             self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
-            tmp = self.path / "metrics.jsonl.tmp"  # replaced in one rename: a kill leaves old or new
-            tmp.write_text("".join(runlog.strict_json(r) + "\n" for r in self.kept))
-            tmp.replace(metrics)
+            replace_text(metrics, "".join(runlog.strict_json(r) + "\n" for r in self.kept))
 
     def save_config(self, cfg: Config) -> None:
         if self.write:
-            (self.path / "config.yaml").write_text(yaml.safe_dump(recorded(cfg), sort_keys=False))
+            replace_text(self.path / "config.yaml", yaml.safe_dump(recorded(cfg), sort_keys=False))
 
     def log(self, record: dict) -> None:
         if self.write:
@@ -92,7 +90,14 @@ class RunDir:
 
     def save_summary(self, summary: dict) -> None:
         if self.write:
-            (self.path / "summary.json").write_text(runlog.strict_json(summary, indent=1))
+            replace_text(self.path / "summary.json", runlog.strict_json(summary, indent=1))
+
+
+def replace_text(path: Path, text: str) -> None:
+    """`path` replaced in one rename: a run killed while writing leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
 
 
 def kept_records(path: Path, step: int) -> list[dict]:
