@@ -12,8 +12,8 @@ State lifetimes:
   the row crossed a document boundary, and leaves as the next step's. The engine keeps it in an
   array split over the data axes and stops gradients at step boundaries.
 
-Attention sees the current chunk only (no cache across steps); what lies further back reaches a
-token through the memory.
+Attention sees the current step's window of `train.seq_len` tokens only (no cache across steps),
+`model.nl_lm.window` of them back; what lies further back reaches a token through the memory.
 
 `model.nl_lm.scan_layers` runs the blocks as a `lax.scan` over their repeating unit (`Unit`,
 parameters stacked per unit): the same function, one compiled unit, and, with block remat, a
