@@ -124,8 +124,8 @@ class Checkpoints:
             if self.set_aside and jax.process_index() == 0:
                 storage.set_aside(self.dir, self.set_aside)
         except OSError as e:  # e.g. a file named set_aside, a read-only checkpoint.dir
-            raise ConfigError(f"cannot clear checkpoint.dir {self.dir} for this run: {e.strerror or e}: "
-                              f"{e.filename}") from None
+            where = f": {e.filename}" if e.filename else ""
+            raise ConfigError(f"cannot clear checkpoint.dir {self.dir} for this run: {e.strerror or e}{where}") from None
         if not self.cfg.checkpoint.every:
             return
         if jax.process_count() > 1:
