@@ -51,8 +51,16 @@ class Output:
                tracker_ids: dict | None = None) -> "Output":
         """`tracker_ids`: those saved in the checkpoint a resume continues (W&B's run id)."""
         main = is_main()
-        run = RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)
-        run.save_config(cfg)
+        run, error = None, None
+        try:  # process 0 alone writes: when it cannot, every process stops here, before the trackers'
+            run = RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)  # collectives (the others
+            run.save_config(cfg)  # would wait in them until the timeout)
+        except ConfigError as e:
+            error = e
+        except OSError as e:  # as a ConfigError: every process leaves through the same path (cli.main)
+            error = ConfigError(f"cannot write {e.filename or cfg.run.dir}: [Errno {e.errno}] {e.strerror or e}")
+        if distributed.main_decides(error is not None) or error is not None:
+            raise error or ConfigError("process 0 could not write the run's files (its line says why)")
         progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
         return cls(run, progress, Trackers.open(cfg, main, resume_step, tracker_ids))
 

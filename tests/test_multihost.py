@@ -270,6 +270,24 @@ def test_a_resumed_run_whose_steps_all_skip_stops_on_every_process(tmp_path):
         assert f"[{i}] nljax.train: error (process {i}): stopped after step 3: the last 4 steps" in p.stderr, p.stderr
 
 
+def test_run_files_process_0_cannot_write_stop_every_process(tmp_path):
+    """Process 0 alone writes run.dir's files; when it cannot (here metrics.jsonl's temporary
+    file is a directory), every process stops at once with one line. Before, such an OSError
+    printed a traceback and aborted the job, and a refusal there (a ConfigError) stopped process 0
+    alone while process 1 waited in the trackers' next collective until the timeout."""
+    run = tmp_path / "r"
+    (run / "metrics.jsonl.tmp").mkdir(parents=True)
+    t = time.time()
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "1", "--", sys.executable, "-m", "nljax.train",
+                        "--quiet", *ARGS, *QUICK, "train.steps=2", "distributed.timeout_s=60", f"run.dir={run}"],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert "exit codes by process: 2, 2" in p.stderr, p.stderr
+    assert (f"[0] nljax.train: error (process 0): cannot write {run / 'metrics.jsonl.tmp'}: [Errno 21] Is a "
+            "directory") in p.stderr, p.stderr
+    assert "[1] nljax.train: error (process 1): process 0 could not write the run's files" in p.stderr, p.stderr
+    assert time.time() - t < 45 and not (run / "nljax.lock").exists()
+
+
 class FakeStore:
     """The coordination service's key-value calls `Peers` makes, in memory."""
 
