@@ -17,7 +17,7 @@ from nljax import distributed, exportdir, runlog
 from nljax.config import Config, to_dict
 from nljax.data.documents import absolute
 from nljax.errors import ConfigError
-from nljax.runlock import RunLock, refuse_if_live
+from nljax.runlock import RunLock, make_run_dir, refuse_if_live
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -66,10 +66,7 @@ class RunDir:
                 "run.overwrite=true"
             )
         if write:
-            try:
-                self.path.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"run.dir {path} cannot be created: {e.strerror or e}") from None
+            make_run_dir(self.path)
             if resume_step is None and overwrite:  # never delete a file nobody asked to replace
                 for pattern in self.OUTPUTS:
                     for old in self.path.glob(pattern):

@@ -97,6 +97,14 @@ def refuse_if_live(run_dir: str | Path) -> None:
         )
 
 
+def make_run_dir(path: Path) -> None:
+    """Creates run.dir (and its parents), or says in one line why it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"run.dir {path} cannot be created: {e.strerror or e}") from None
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text()
@@ -121,10 +129,7 @@ class RunLock:
         self.text: str | None = None  # what this run wrote into the lock file
 
     def acquire(self) -> "RunLock":
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"run.dir {self.path.parent} cannot be created: {e.strerror or e}") from None
+        make_run_dir(self.path.parent)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "pid_start": _started_at(os.getpid()), **_identity()}
         for _ in range(3):  # a stale lock is removed and creation tried again; a racer may win it
@@ -135,9 +140,9 @@ class RunLock:
                 refuse_if_live(self.path.parent)
                 self._remove_stale(judged)
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(info))
             self.text = json.dumps(info)
+            with os.fdopen(fd, "w") as f:
+                f.write(self.text)
             _HELD.add(self.path)
             self._thread = threading.Thread(target=self._beat, name="nljax-lock-heartbeat", daemon=True)
             self._thread.start()

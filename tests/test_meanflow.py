@@ -38,6 +38,9 @@ def tiny_params(net):
     return init()
 
 
+SMALL_DIT = ((8, 8, 3), 2, 32, 2, 4, 64, 3)  # 8x8x3 images, patch 2, dim 32, depth 2, 4 heads, hidden 64, 3 classes
+
+
 def tiny_net():
     """A 4x4x1-image DiT with perturbed weights: u(z, t, r, y)."""
     net = DiTNet((4, 4, 1), 2, 16, 1, 2, 32, 3)
@@ -49,7 +52,7 @@ def test_bf16_dit_tracks_float32():
     """`model.dtype=bfloat16` for the DiT: bf16 matmuls, float32 residual stream, norms, softmax
     and output. u, MeanFlow's du/dt (the jvp) and the loss's parameter gradient stay within a
     few bf16 roundings of float32's (8-bit mantissa: ~0.4% each)."""
-    nets = {dt: DiTNet((8, 8, 3), 2, 32, 2, 4, 64, 3, dtype=dt) for dt in (jnp.float32, jnp.bfloat16)}
+    nets = {dt: DiTNet(*SMALL_DIT, dtype=dt) for dt in (jnp.float32, jnp.bfloat16)}
     params = tiny_params(nets[jnp.float32])
     k = jax.random.split(jax.random.key(2), 3)
     x, y = jax.random.normal(k[0], (16, 8, 8, 3)), jnp.arange(16) % 3
@@ -303,7 +306,7 @@ def test_dit_remat_is_exact_and_keeps_less():
     """`model.remat=block` on the DiT: each block recomputed from its input in the backward pass
     of MeanFlow's loss (a jvp inside): the same gradients to the bit, and the forward pass keeps a
     fraction of the activations (the residuals of jax.vjp)."""
-    nets = {r: DiTNet((8, 8, 3), 2, 32, 2, 4, 64, 3, remat=r) for r in ("none", "block")}
+    nets = {r: DiTNet(*SMALL_DIT, remat=r) for r in ("none", "block")}
     params = tiny_params(nets["none"])
     x, y = jax.random.normal(jax.random.key(2), (16, 8, 8, 3)), jnp.arange(16) % 3
     keys = meanflow.example_keys(0, meanflow.TRAIN_STREAM, jnp.arange(16))
@@ -323,8 +326,8 @@ def test_dit_remat_is_exact_and_keeps_less():
 def test_bf16_dit_modulates_in_float32():
     """In bf16 the adaLN modulations (shift, scale, gate) are float32, as the residual stream
     they act on: only the blocks' big matmuls run in bf16."""
-    net = DiTNet((8, 8, 3), 2, 32, 2, 4, 64, 3, dtype=jnp.bfloat16)
-    params = tiny_params(DiTNet((8, 8, 3), 2, 32, 2, 4, 64, 3))
+    net = DiTNet(*SMALL_DIT, dtype=jnp.bfloat16)
+    params = tiny_params(DiTNet(*SMALL_DIT))
     z, t = jnp.zeros((2, 8, 8, 3)), jnp.full((2,), 0.5)
     _, inter = net.apply({"params": params}, z, t, t, jnp.zeros((2,), jnp.int32), capture_intermediates=True)
     outs = {"/".join(k): v for k, v in flax.traverse_util.flatten_dict(inter["intermediates"]).items()}

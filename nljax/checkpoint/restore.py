@@ -86,8 +86,13 @@ def _changed_settings(meta: dict, cfg: Config) -> list[str]:
     return [
         f"resuming with {k}={fmt(b)} (checkpoint: {fmt(a)})"
         for k, a, b in differences(meta["config"], to_dict(cfg), "")
-        if not any(k == s or k.startswith(s + ".") for s in SILENT)
+        if not _under(k, SILENT)
     ]
+
+
+def _under(key: str, sections) -> bool:
+    """Whether the dotted config `key` is one of `sections` or inside one."""
+    return any(key == s or key.startswith(s + ".") for s in sections)
 
 
 # What places a row in the data: the ContextStream reads row r at step s from (seed, s, r, seq_len)
@@ -101,7 +106,7 @@ def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str]) ->
     (the global batch, the window, the seed, the data), so the ContextStream gives every row a new
     stream and a carried memory would read text it never wrote (with a warning in `warnings`)."""
     moved = [f"{k} changed from {fmt(a)} to {fmt(b)}" for k, a, b in differences(meta["config"], to_dict(cfg), "")
-             if any(k == s or k.startswith(s + ".") for s in STREAM_KEYS) and k not in NOT_STREAM_KEYS]
+             if _under(k, STREAM_KEYS) and k not in NOT_STREAM_KEYS]
     fresh_rows = bool(moved) and any(rows_of(n) for n in target)
     if fresh_rows:
         warnings.append(

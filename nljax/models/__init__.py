@@ -37,8 +37,8 @@ def _dit(cfg: Config) -> Model:
     patch = m.dit.patch_size
     if h % patch or w % patch:
         raise ConfigError(f"model.dit.patch_size={patch} does not divide the {h}x{w} images")
-    classes = data.num_classes if cfg.meanflow.class_cond else 0
     mf = cfg.meanflow
+    classes = data.num_classes if mf.class_cond else 0
     if not classes and (mf.cfg_omega != 1.0 or mf.cfg_kappa != 0.0):
         why = "meanflow.class_cond=false" if not mf.class_cond else "the images have no labels"
         raise ConfigError(f"meanflow.cfg_omega={mf.cfg_omega}, cfg_kappa={mf.cfg_kappa} guide by labels, and {why}: "
