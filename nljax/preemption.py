@@ -18,6 +18,12 @@ to 1, which a run resumed at step 500 never reaches, and the notice would be los
 scheduler's SIGKILL ends the run). So the trainer reports the step it resumes from first thing
 (`check_in`); only a notice in the second or so between `jax.distributed.initialize` and that
 report is still lost.
+
+One process defers SIGTERM the same way from the start of `nljax.trainer.train` to its end: a
+notice during start-up (restore, compilation) stops the run after its first step, saved; one
+after the last step lets the final report finish (exit 0: the run is complete). A second SIGTERM
+stops at once (`Terminated`: the checkpoints already on disk are kept, the lock released), for
+whoever means "now".
 """
 
 from __future__ import annotations
@@ -40,6 +46,15 @@ class Preempted(Exception):
         self.step, self.exit_code = step, 128 + sig
 
 
+class Terminated(Preempted):
+    """A second SIGTERM after a notice: stop at once, nothing more saved."""
+
+    def __init__(self):
+        Exception.__init__(self, "terminated (a second SIGTERM): stopped at once; the checkpoints already on "
+                                 "disk are kept")
+        self.step, self.exit_code = None, 128 + signal.SIGTERM
+
+
 def check_in(step: int) -> None:
     """Tells JAX's preemption service, before the slow part of start-up, the step this process
     counts from (a later step is also fine: a notice then stops the run that many steps later)."""
@@ -49,13 +64,15 @@ def check_in(step: int) -> None:
 
 class Notice:
     """Whether a preemption notice asks the run to stop after the current step. A context
-    manager: the single-process handlers live only while the loop runs. One process takes Ctrl-C
-    (SIGINT) as a notice too, the way a user at a terminal means it: the step finishes and is
-    saved; a second Ctrl-C stops at once (KeyboardInterrupt: one line, nothing saved). Under the
-    launcher a Ctrl-C reaches the launcher, which sends every process SIGTERM."""
+    manager: the single-process handlers live while it is open (the whole run: `trainer.train`).
+    One process takes Ctrl-C (SIGINT) inside the step loop (`in_loop`) as a notice too, the way a
+    user at a terminal means it: the step finishes and is saved; a second Ctrl-C, or one outside
+    the loop (a compilation), stops at once (KeyboardInterrupt: one line, nothing saved). Under
+    the launcher a Ctrl-C reaches the launcher, which sends every process SIGTERM."""
 
     def __init__(self):
         self.received = 0  # the signal of the notice, 0: none
+        self.in_loop = False  # set by the training loop while it steps
         self._old: dict = {}
 
     def __enter__(self) -> "Notice":
@@ -69,9 +86,11 @@ class Notice:
         self._old = {}
 
     def _on_signal(self, sig, _frame) -> None:
-        if sig == signal.SIGINT and self.received:
+        if sig == signal.SIGINT and (self.received or not self.in_loop):
             raise KeyboardInterrupt
-        self.received = self.received or sig
+        if sig == signal.SIGTERM and self.received:
+            raise Terminated
+        self.received = sig
         if sig == signal.SIGINT:  # os.write: print could re-enter a write the signal interrupted
             os.write(2, b"\nnljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)\n")
 

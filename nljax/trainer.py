@@ -139,10 +139,14 @@ def stalled_in_a_row(kept: list[dict]) -> int:
 
 
 def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
-               ckpt: Checkpoints | None = None) -> tuple[TrainState, History]:
+               ckpt: Checkpoints | None = None, notice: Notice | None = None) -> tuple[TrainState, History]:
     """Steps from `conductor.step` to `train.steps` (`loop.training_steps`) with the hooks of
     `loop_hooks`, saving checkpoints through `ckpt`; stops a run whose steps all skip, and
-    after a preemption notice (`nljax.preemption`) saves and raises `Preempted`."""
+    after a preemption notice (`nljax.preemption`; `notice`: one opened before, by `train`, else
+    the loop's own) saves and raises `Preempted`."""
+    if notice is None:
+        with Notice() as notice:
+            return train_loop(run, state, conductor, out, ckpt, notice)
     # A resumed run's plots and summary cover the whole run: the earlier steps come from the
     # metrics.jsonl records it kept.
     kept = out.run.kept  # process 0's (the one that reads and writes the run's files)
@@ -154,7 +158,8 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
         profiler.start(conductor.step)
     # after a resume that restarted every row's memory, the first batch resets every row
     reset_first = ckpt is not None and ckpt.rows_restarted and conductor.step == ckpt.start
-    with Notice() as notice:
+    notice.in_loop = True
+    try:
         for r in training_steps(run, state, conductor, reset_first):
             state = r.state
             _after_step(r, run, hist, hooks, out)
@@ -163,6 +168,8 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
                 saved = ckpt is not None and ckpt.save_now(r.step + 1, r.state)
                 out.progress.close()
                 raise Preempted(r.step, notice.received or signal.SIGTERM, saved)
+    finally:
+        notice.in_loop = False
     hist.wall_s = time.perf_counter() - t_start
     out.progress.close()
     return state, hist
@@ -316,6 +323,13 @@ def _resume_step_guess(cfg: Config) -> int:
 
 
 def train(cfg: Config) -> dict:
+    """One run, start to end. A preemption notice anywhere in it is a notice (`nljax.preemption`):
+    one during start-up stops the run after its first step, saved."""
+    with Notice() as notice:
+        return _train(cfg, notice)
+
+
+def _train(cfg: Config, notice: Notice) -> dict:
     preemption.check_in(_resume_step_guess(cfg))  # before the slow start-up (nljax.preemption)
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     check_installed(cfg)  # before anything is written
@@ -343,7 +357,7 @@ def train(cfg: Config) -> dict:
     try:
         ckpt.open()
         startup_report(run, ckpt.state, out.say)
-        state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt)
+        state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt, notice)
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
         summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
         failed = False

@@ -5,6 +5,7 @@ folders in checkpoint.dir that nljax did not write. Each test runs its own subpr
 from __future__ import annotations
 
 import json
+import os
 import random
 import subprocess
 import sys
@@ -24,7 +25,8 @@ SAVING = [*SMALL, "cms.periods=[1,2]", "eval.every=0", "train.steps=12", "checkp
 # Runs nljax.train and SIGKILLs itself: `save N` inside the save of step N, after every array is
 # written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is
 # complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead, `int N`
-# SIGINT (Ctrl-C), `int2 N` two of them.
+# SIGINT (Ctrl-C), `int2 N` two of them. `boot 0` and `report 0` send SIGTERM as the start-up
+# report, and as the final report, begin.
 KILLER = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -40,6 +42,14 @@ if mode == "save":
                 return await orig(self, *a, **k)
             return finalize
         cls.finalize = patch(cls.finalize)
+elif mode in ("boot", "report"):
+    from nljax import trainer
+    name = "startup_report" if mode == "boot" else "final_report"
+    orig = getattr(trainer, name)
+    def noticed(*a, **k):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return orig(*a, **k)
+    setattr(trainer, name, noticed)
 else:
     from nljax import rundir
     log = rundir.RunDir.log
@@ -99,6 +109,48 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert tree_hash(run) == before
+
+
+def test_notice_outside_the_step_loop(tmp_path):
+    """One process takes SIGTERM as a notice over the whole run, not only while it steps: during
+    start-up (before compilation) the run stops after its first step, saved, with one line and
+    143; after the last step the final report finishes (summary.json, exit 0). Before, both
+    killed the process (-15), the lock left behind and no summary written."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
+    p = nljax_train(*base, killer=["boot", "0", str(ck)])
+    assert p.returncode == 143, p.stderr
+    assert p.stderr.strip() == "nljax.train: preempted (SIGTERM): stopped after step 0, checkpoint saved; continue with --resume"
+    assert sorted(q.name for q in ck.iterdir()) == ["1"] and not (run / "nljax.lock").exists()
+    p = nljax_train("--resume", *base, killer=["report", "0", str(ck)])
+    assert p.returncode == 0, p.stderr
+    assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 1
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == list(range(12))
+
+
+def test_a_second_sigterm_stops_at_once():
+    """After a notice, a second SIGTERM raises `Terminated` (143) wherever the run is; Ctrl-C outside
+    the step loop stops at once, inside it is a notice."""
+    import signal
+
+    from nljax.preemption import Notice, Terminated
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with Notice() as notice:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert notice.received == signal.SIGTERM and notice.stop_after(0)
+        with pytest.raises(Terminated) as e:
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert e.value.exit_code == 143
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+    with Notice() as notice:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+        notice.in_loop = True
+        os.kill(os.getpid(), signal.SIGINT)
+        assert notice.received == signal.SIGINT
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
 def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
