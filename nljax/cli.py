@@ -20,7 +20,7 @@ import jax
 
 from nljax import config, distributed, hostmem
 from nljax.errors import first_line
-from nljax.preemption import Preempted
+from nljax.preemption import Stopped
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -148,7 +148,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
             multiprocess = setup_processes(args, cfg)
             distributed.check_config(cfg)  # before anything is built from it
             return run(args, cfg) or 0
-    except Preempted as e:  # every process saved the same step; the scheduler restarts the job
+    except Stopped as e:  # preempted: every process saved the same step; the scheduler restarts the job
         print(f"{p.prog}: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:  # Ctrl-C outside the training loop, or a second one inside it

@@ -36,8 +36,15 @@ import jax
 from jax.experimental import multihost_utils
 
 
-class Preempted(Exception):
-    """Raised by the loop once the preemption checkpoint is saved; `exit_code` is 128 + the signal."""
+class Stopped(Exception):
+    """The run stopped on a signal: the command prints the message and exits with `exit_code`
+    (128 + the signal)."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+class Preempted(Stopped):
+    """Raised by the loop once the preemption checkpoint is saved."""
 
     def __init__(self, step: int, sig: int = signal.SIGTERM, saved: bool = True):
         what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "preempted (SIGTERM)"
@@ -46,13 +53,11 @@ class Preempted(Exception):
         self.step, self.exit_code = step, 128 + sig
 
 
-class Terminated(Preempted):
+class Terminated(Stopped):
     """A second SIGTERM after a notice: stop at once, nothing more saved."""
 
     def __init__(self):
-        Exception.__init__(self, "terminated (a second SIGTERM): stopped at once; the checkpoints already on "
-                                 "disk are kept")
-        self.step, self.exit_code = None, 128 + signal.SIGTERM
+        super().__init__("terminated (a second SIGTERM): stopped at once; the checkpoints already on disk are kept")
 
 
 def check_in(step: int) -> None:

@@ -8,6 +8,7 @@ logs and reports throughput. Only process 0 prints and writes files.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import signal
@@ -347,26 +348,18 @@ def _train(cfg: Config, notice: Notice) -> dict:
     ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
     ckpt.check_data(distributed.data_fingerprint(run.task))
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
-    try:
+    # the cleanup, in reverse order of registration; each step runs whatever the one before raised
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(lock.release)
         out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step, ckpt.trackers)
-    except BaseException:
-        lock.release()
-        raise
-    ckpt.trackers = out.trackers.ids  # saved with every checkpoint: a resume continues the same W&B run
-    failed = True  # until the summary is written: a tracker marks a run that stopped early (W&B: failed)
-    try:
+        ckpt.trackers = out.trackers.ids  # saved with every checkpoint: a resume continues the same W&B run
+        failed = True  # until the summary is written: a tracker marks a run that stopped early (W&B: failed)
+        cleanup.callback(lambda: out.close(failed))
+        cleanup.callback(ckpt.close)  # a run stopped by an error keeps the saves it started (a failed one found here)
         ckpt.open()
         startup_report(run, ckpt.state, out.say)
         state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt, notice)
         ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
         summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
         failed = False
-    finally:  # each step of the cleanup runs whatever the one before raised (a failed save found here)
-        try:
-            ckpt.close()  # a run stopped by an error keeps the saves it started
-        finally:
-            try:
-                out.close(failed)
-            finally:
-                lock.release()
     return summary
