@@ -20,7 +20,7 @@ import jax
 
 from nljax import config, distributed, hostmem
 from nljax.errors import first_line
-from nljax.preemption import Stopped
+from nljax.preemption import Stopped, check_in
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -49,11 +49,17 @@ def setup_devices(cpu_devices: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 
-def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
-    """Joins a multi-process run if this process is one of several (True)."""
+def setup_processes(args: argparse.Namespace, cfg: config.Config,
+                    first_step: Callable[[config.Config], int] = lambda cfg: 0) -> bool:
+    """Joins a multi-process run if this process is one of several (True), and tells JAX's
+    preemption service at once the step it counts from (`first_step(cfg)`, read after joining:
+    it may open checkpoints, which starts JAX; nljax.preemption)."""
     launch = distributed.resolve(args.coordinator, args.num_processes, args.process_id,
                                  distributed.parse_device_ids(args.local_device_ids))
-    return distributed.initialize(launch, cfg.distributed.timeout_s)
+    joined = distributed.initialize(launch, cfg.distributed.timeout_s)
+    if joined:
+        check_in(first_step(cfg))  # a notice from here on stops the run at a step it reaches
+    return joined
 
 
 def out_of_memory(e: BaseException) -> str | None:
@@ -135,17 +141,21 @@ def interrupted(prog: str) -> int:
 
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
          argv: Sequence[str] | None = None,
-         quiet: Callable[[argparse.Namespace, config.Config], bool] = lambda args, cfg: False) -> int:
-    """Parse, configure devices, load the config and call `run`; user errors become one line.
-    With `quiet(args, cfg)` standard output is silenced from the processes' joining on."""
+         quiet: Callable[[argparse.Namespace, config.Config], bool] = lambda args, cfg: False,
+         configure: Callable[[argparse.Namespace, config.Config], config.Config] = lambda args, cfg: cfg,
+         first_step: Callable[[config.Config], int] = lambda cfg: 0) -> int:
+    """Parse, configure devices, load the config (then `configure(args, cfg)`: the tool's own
+    flags) and call `run`; user errors become one line. With `quiet(args, cfg)` standard output
+    is silenced from the processes' joining on. `first_step(cfg)`: the step a run counts from
+    (its resume step), told to JAX's preemption service as the processes join."""
     args = p.parse_intermixed_args(argv)
     multiprocess = False
     try:
         setup_devices(args.cpu_devices)
         hostmem.retain()  # before JAX's backends start (nljax/hostmem.py)
-        cfg = config.load(args.config, args.overrides)
+        cfg = configure(args, config.load(args.config, args.overrides))
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
-            multiprocess = setup_processes(args, cfg)
+            multiprocess = setup_processes(args, cfg, first_step)
             distributed.check_config(cfg)  # before anything is built from it
             return run(args, cfg) or 0
     except Stopped as e:  # preempted: every process saved the same step; the scheduler restarts the job

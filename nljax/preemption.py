@@ -15,9 +15,9 @@ that step. A Python handler would replace JAX's, so none is installed there.
 The service's "largest step reached" is the last step each process passed to it, 0 before the
 first call: a notice during a resumed run's start-up (restore, compilation) would set the step
 to 1, which a run resumed at step 500 never reaches, and the notice would be lost (no save; the
-scheduler's SIGKILL ends the run). So the trainer reports the step it resumes from first thing
-(`check_in`); only a notice in the second or so between `jax.distributed.initialize` and that
-report is still lost.
+scheduler's SIGKILL ends the run). So `nljax.train` reports the step it resumes from the moment
+`jax.distributed.initialize` returns (`check_in`, before the start-up's collectives), and
+`trainer.train` again first thing, for a caller that joined the processes itself.
 
 One process defers SIGTERM the same way from the start of `nljax.trainer.train` to its end: a
 notice during start-up (restore, compilation) stops the run after its first step, saved; one

@@ -6,14 +6,19 @@ import dataclasses
 import sys
 
 from nljax import cli
-from nljax.trainer import train
+from nljax.trainer import resume_step_guess, train
 
 
-def _run(args, cfg) -> int:
+def _configure(args, cfg):
+    """The flags as the settings they stand for."""
     if args.quiet:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, quiet=True))
     if args.resume and not cfg.checkpoint.resume:
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest"))
+    return cfg
+
+
+def _run(args, cfg) -> int:
     train(cfg)
     return 0
 
@@ -22,7 +27,8 @@ def main(argv=None) -> int:
     p = cli.parser("nljax.train", "Train a nested-learning model on every available device.")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (checkpoint.resume=latest)")
-    return cli.main(_run, p, argv, quiet=lambda args, cfg: args.quiet or cfg.run.quiet)
+    return cli.main(_run, p, argv, quiet=lambda args, cfg: cfg.run.quiet, configure=_configure,
+                    first_step=resume_step_guess)
 
 
 if __name__ == "__main__":

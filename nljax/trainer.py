@@ -313,7 +313,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
     return table, measured
 
 
-def _resume_step_guess(cfg: Config) -> int:
+def resume_step_guess(cfg: Config) -> int:
     """The step a resume will most likely start from, read from the directory names alone (the
     restore may fall back to an older one, or refuse: `Checkpoints.resolve` says so later)."""
     try:
@@ -331,7 +331,9 @@ def train(cfg: Config) -> dict:
 
 
 def _train(cfg: Config, notice: Notice) -> dict:
-    preemption.check_in(_resume_step_guess(cfg))  # before the slow start-up (nljax.preemption)
+    # before the slow start-up (nljax.preemption); the command did it as the processes joined, a
+    # caller of train() that joined them itself has not
+    preemption.check_in(resume_step_guess(cfg))
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     check_installed(cfg)  # before anything is written
     run = Run.create(cfg)

@@ -485,6 +485,28 @@ def test_step_check_runs_every_check_every_iterations(monkeypatch):
 
 
 
+def test_the_command_checks_in_as_the_processes_join(tmp_path, monkeypatch):
+    """`nljax.train --resume` tells JAX's preemption service the step it resumes from as soon as
+    `jax.distributed.initialize` returns, before the start-up's first collective (the config
+    check): a notice from then on is not lost (the test below)."""
+    from nljax import cli, train
+
+    d = tmp_path / "run"
+    common = [*TINY, *QUICK, f"run.dir={d}", "--quiet"]
+    assert train.main([*common, "train.steps=2", "checkpoint.every=1"]) == 0
+    calls = []
+    monkeypatch.setattr(distributed, "initialize", lambda launch, timeout_s: True)  # one of "several"
+    monkeypatch.setattr(cli, "check_in", lambda step: calls.append(("check_in", step)))
+
+    def check_config(cfg):
+        calls.append(("check_config",))
+        raise ConfigError("the test stops here")
+
+    monkeypatch.setattr(distributed, "check_config", check_config)
+    assert train.main([*common, "train.steps=4", "--resume"]) == 2
+    assert calls == [("check_in", 2), ("check_config",)]
+
+
 PREEMPTED_IN_STARTUP = """
 import os, signal, sys, time
 import jax
