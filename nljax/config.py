@@ -168,7 +168,9 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 def parse_override(text: str) -> tuple[str, Any]:
     """`a.b=1` -> ('a.b', 1); the value is parsed as YAML so lists and numbers keep their types,
-    except that a string setting takes a scalar as written (run.dir=007, checkpoint.resume=4)."""
+    except that a string setting (or one string of a list setting) takes the text as written,
+    unless quoted: run.dir=007, checkpoint.resume=4, data.train=2024, run.dir=a #b (YAML would
+    read 7, 4, 2024 and a comment)."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key=value")
     key, raw = text.split("=", 1)
@@ -177,7 +179,8 @@ def parse_override(text: str) -> tuple[str, Any]:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    if not isinstance(value, str) and _field_type(key) is str:  # 007, true, 2024-01-01: as typed
+    quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
+    if _field_type(key) in (str, tuple[str, ...]) and not isinstance(value, list) and not quoted:
         value = raw
     return key, value
 

@@ -7,7 +7,8 @@ writes DIR (default <run.dir>/export) with
 
 - `model.safetensors`: the model's parameter tree in its own layout, gathered from whatever
   strategy trained it, one tensor per leaf named by its path ("block0/cms1/down/kernel");
-- `config.json`: the run's config (what `nljax.models.build` needs), the step and the dtype.
+- `config.json`: the run's config (what `nljax.models.build` needs; a DiT's image shape and label
+  count too), the step and the dtype.
 
 `nljax.load_model(DIR)` returns (model, params) on one device; `model.logits(params,
 model.init_memory(rows), {"tokens": [B, T+1], "reset": [B]})` is the language model's forward
@@ -54,7 +55,10 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     temp = {n: out / f".{n}.tmp-{os.getpid()}" for n in (WEIGHTS, CONFIG)}
     try:
         save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(temp[WEIGHTS]))
-        info = {"config": config.to_dict(t.cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
+        info = {"config": config.to_dict(t.trained_cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
+        if t.cfg.model.name == "dit":  # what its data decide: load_model reads no data
+            data = t.run.task.data
+            info["images"] = {"shape": list(data.shape), "num_classes": data.num_classes}
         temp[CONFIG].write_text(json.dumps(info, indent=1))
         os.chmod(temp[WEIGHTS], temp[CONFIG].stat().st_mode & 0o777)  # safetensors writes 0600
         for n in (WEIGHTS, CONFIG):
@@ -80,14 +84,16 @@ def load_model(path: str | Path):
     """(model, params) of an export directory, the parameters on the default device."""
     from safetensors.flax import load_file
 
-    from nljax.models import build
+    from nljax.models import build, dit
 
     path = Path(path)
     for name in (WEIGHTS, CONFIG):
         if not (path / name).is_file():
             raise ConfigError(f"{path / name} not found: not a directory written by nljax.export")
-    cfg = config.from_dict(json.loads((path / CONFIG).read_text())["config"])
-    model = build(cfg)
+    info = json.loads((path / CONFIG).read_text())
+    cfg = config.from_dict(info["config"])
+    images = info.get("images")  # a DiT's image shape and label count (an older export: read from its data)
+    model = dit(cfg, tuple(images["shape"]), images["num_classes"]) if images else build(cfg)
     flat = load_file(str(path / WEIGHTS))
     template = traverse_util.flatten_dict(jax.eval_shape(model.init, jax.random.key(0)), sep="/")
     if set(flat) != set(template):

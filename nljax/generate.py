@@ -6,7 +6,8 @@
 
 Language models read the stream the way training read it: in windows of `train.seq_len` tokens,
 attention inside a window, the neural memory carried from window to window (written by every
-full window, reset at the start like a new document). The prompt's full windows are written into
+full window; reset at the start, and after a window that holds a document's end token, as
+training resets a row's memory). The prompt's full windows are written into
 the memory first; then each new token is predicted from the memory of the windows before it and
 the tokens of its own window so far (the model is causal, so what pads the window after them
 changes nothing), and once a window is full it is written into the memory in turn. Tokens are
@@ -87,8 +88,8 @@ def sample_token(logits: np.ndarray, rng: np.random.Generator, s: Settings) -> i
         return int(np.argmax(logits))
     with np.errstate(over="ignore"):  # <= 0: a tiny temperature gives -inf (not inf - inf = NaN)
         z = (logits - logits.max()) / s.temperature
-    if s.top_k:
-        z = np.where(z < np.sort(z)[-min(s.top_k, len(z))], -np.inf, z)
+    if s.top_k:  # exactly k: ties at the k-th place (common in bfloat16 logits) go to the lower ids
+        z[np.argsort(-z, kind="stable")[s.top_k :]] = -np.inf
     p = np.exp(z)
     p /= p.sum()
     if s.top_p < 1:
@@ -105,8 +106,8 @@ class TextSampler:
     parallelism: XLA partitions the global model's forward to match); a sampler that is kept
     (`nljax.samples`) may be given new ones, and its compiled forward serves them."""
 
-    def __init__(self, model, params, mesh, seq_len: int):
-        self.params, self.t = params, seq_len
+    def __init__(self, model, params, mesh, seq_len: int, end_id: int | None):
+        self.params, self.t, self.end_id = params, seq_len, end_id
         self.rep = NamedSharding(mesh, P())
         # Inputs made from host arrays (`put`) and outputs replicated, each process reading its
         # own copy (`replica`): the sampler also runs on a mesh that spans processes (training).
@@ -128,8 +129,11 @@ class TextSampler:
         memory, fresh, window = self.memory0, True, list(prompt)  # at least one token: `prompt_ids`
         for _ in range(s.max_new_tokens):
             while len(window) > self.t:  # full windows go into the memory, as in training
-                _, memory = self.forward(memory, window[: self.t], fresh)
-                window, fresh = window[self.t :], False
+                full, window = window[: self.t], window[self.t :]
+                _, memory = self.forward(memory, full, fresh)
+                # as in training (ContextStream): a window that holds a document's end resets the
+                # memory before the next one
+                fresh = self.end_id is not None and self.end_id in full
             logits, _ = self.forward(memory, window, fresh)
             token = sample_token(logits[len(window) - 1], rng, s)
             window.append(token)
@@ -140,8 +144,8 @@ def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], No
     """Sample from a language model, writing the text as it comes; returns the new tokens."""
     if not hasattr(t.model, "logits"):
         raise ConfigError(f"model.name={t.cfg.model.name} has no logits(): it cannot generate text")
-    sampler = TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len)
     codec = tokenization_of(t.cfg)
+    sampler = TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id)
     out: list[int] = []
 
     prompt = prompt_ids(codec, s.prompt)

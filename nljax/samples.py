@@ -30,7 +30,7 @@ class TrainingSampler:
         eng = self.run.engine
         params = eng.strategy.gather_params(stored_params)
         if self._sampler is None:
-            self._sampler = TextSampler(eng.model, params, self.run.mesh, self.run.cfg.train.seq_len)
+            self._sampler = TextSampler(eng.model, params, self.run.mesh, self.run.cfg.train.seq_len, self.codec.end_id)
         self._sampler.params = params  # the same compiled forward, this step's parameters
         tokens = self._sampler.tokens(self.prompt, self.settings)
         return self.settings.prompt + "".join(self.codec.decode_stream(tokens, context=self.prompt))

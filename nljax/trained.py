@@ -31,7 +31,8 @@ TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(config.Config) if not d
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trained:
-    cfg: config.Config
+    cfg: config.Config  # the run's config as this tool runs it (1 x n mesh, one row per device)
+    trained_cfg: config.Config  # the run's config as it trained (with the tool's config overrides)
     run: Run  # on a 1 x n mesh, replicated strategy
     params: Any  # the model's parameter tree, replicated over run.mesh
     step: int  # optimizer steps the checkpoint had taken
@@ -49,17 +50,21 @@ class Trained:
 def config_of(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), n: int = 1) -> config.Config:
     """The run's config as `load` uses it on n devices (read before anything is restored, so a
     tool can check its settings against the model first)."""
+    cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
+                                   "mesh.model=1", f"train.batch_size={n}", "train.accum_steps=1",
+                                   "sync.strategy=replicated"])
+    # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows (set
+    # after the load, whose checks a recall run, evaluated by streaming only, would fail)
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
+
+
+def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config.Config:
+    """The run's config.yaml with `overrides` (run.dir where it is now)."""
     cfg_file = Path(run_dir) / "config.yaml"
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file} not found: run.dir must be a run directory written by nljax.train")
-    cfg = config.load(str(cfg_file), [
-        *overrides, f"run.dir={run_dir}", f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}", "mesh.model=1",
-        f"train.batch_size={n}", "train.accum_steps=1", "sync.strategy=replicated",
-    ], saved=True)  # a config.yaml written before a key moved is read with it in its new place
-    if cfg.data.source == "recall":  # its evaluation is the streaming one (>= 1): generated, it fits
-        return cfg
-    # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows
-    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
+    # saved: a config.yaml written before a key moved is read with it in its new place
+    return config.load(str(cfg_file), [*overrides, f"run.dir={run_dir}"], saved=True)
 
 
 def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
@@ -78,7 +83,8 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
         raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
                           "started in: run from there, or give it absolute)") from None
     restored, skipped = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
-    return Trained(cfg, run, restored.state.params, restored.step, restored.path, tuple(skipped))
+    return Trained(cfg, trained_config(run_dir, overrides), run, restored.state.params, restored.step,
+                   restored.path, tuple(skipped))
 
 
 def _unresolved_relative(value) -> bool:

@@ -90,6 +90,10 @@ def test_a_string_setting_given_digits_is_that_text():
     assert (cfg.run.dir, cfg.checkpoint.resume, cfg.train.sample_prompt, cfg.train.steps) == ("007", "4", "true", 5)
     cfg = config.load(None, ["run.dir=2024-01-01", "run.wandb_name=2024-06-30"])  # YAML would make dates
     assert (cfg.run.dir, cfg.run.wandb_name) == ("2024-01-01", "2024-06-30")
+    # a file of a list setting; text after " #" (YAML: a comment, dropped); quoted: YAML's reading
+    cfg = config.load(None, ["data.source=files", "data.train=2024", "run.dir=a #b", "train.sample_prompt=x = 1  # one", "run.wandb_name='q'"])
+    assert (cfg.data.train, cfg.run.dir, cfg.train.sample_prompt, cfg.run.wandb_name) == (("2024",), "a #b", "x = 1  # one", "q")
+    assert config.load(None, ["data.source=files", "data.train=[a.txt, b.txt]"]).data.train == ("a.txt", "b.txt")
     with pytest.raises(config.ConfigError, match="config key 'train.steps' must be int, got str 'abc'"):
         config.load(None, ["train.steps=abc"])
 

@@ -41,6 +41,32 @@ def test_export_load_gives_the_training_states_logits(strategy, tmp_path):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=0.05)  # bf16 weights: ~3 digits
 
 
+def test_the_export_holds_the_runs_config_and_a_dit_loads_without_its_images(tmp_path):
+    """config.json is the run's config as it trained (not the 1-device, 1-row config the export
+    restored it with); a DiT's export records its image shape and label count, so it loads with
+    its training images gone, and its velocity equals the training state's."""
+    import json
+
+    from nljax import config
+
+    npz = tmp_path / "imgs.npz"
+    rng = np.random.default_rng(0)
+    np.savez(npz, x=rng.integers(0, 256, (40, 4, 4, 3), np.uint8), y=rng.integers(0, 3, 40))
+    dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+           "model.dit.patch_size=2", "images.source=file", f"images.path={npz}", "cms.periods=[1]",
+           "train.batch_size=8"]
+    setup, state = saved_run(tmp_path / "run", dit, 2, 4, steps=1)
+    out = export.export(trained.load(tmp_path / "run", devices=jax.devices()[:1]), tmp_path / "export")
+    info = json.loads((out / export.CONFIG).read_text())
+    assert info["config"] == config.to_dict(setup.cfg), "the run's config as trained"
+    assert info["images"] == {"shape": [4, 4, 3], "num_classes": 3}
+    npz.rename(tmp_path / "elsewhere.npz")
+    model, params = nljax.load_model(out)
+    z, t, r, y = rng.normal(size=(2, 4, 4, 3)).astype(np.float32), np.array([0.9, 0.5]), np.array([0.1, 0.5]), np.array([0, 2])
+    want = setup.engine.model.velocity(jax.device_get(setup.engine.strategy.gather_params(state.params)))(z, t, r, y)
+    np.testing.assert_array_equal(np.asarray(model.velocity(params)(z, t, r, y)), np.asarray(want))
+
+
 def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
     saved_run(tmp_path / "run", TINY_NL, 1, 1, steps=1)
     assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=bfloat16"]) == 0

@@ -26,6 +26,10 @@ def test_sampling_rules():
     assert generate.sample_token(logits, rng, s(temperature=0)) == 1
     assert {generate.sample_token(logits, rng, s(temperature=5, top_k=1)) for _ in range(20)} == {1}
     assert {generate.sample_token(logits, rng, s(temperature=5, top_k=2)) for _ in range(200)} == {1, 3}
+    # exactly k tokens when logits tie at the k-th place (bfloat16 logits often do): the lower ids
+    tied = np.array([2.0, -5.0, 2.0, 2.0, 2.0])
+    assert {generate.sample_token(tied, rng, s(temperature=1, top_k=1)) for _ in range(50)} == {0}
+    assert {generate.sample_token(tied, rng, s(temperature=1, top_k=3)) for _ in range(200)} == {0, 2, 3}
     # top_p: token 1 alone has p ~ 0.53 at temperature 1, so top_p 0.5 keeps it alone
     assert {generate.sample_token(logits, rng, s(temperature=1, top_p=0.5)) for _ in range(50)} == {1}
     # the frequencies of n draws within 4.5 standard deviations of softmax(logits / temperature),
@@ -42,23 +46,34 @@ def test_sampling_rules():
 
 
 def test_greedy_decoding_continues_the_stream_as_training_reads_it(fsdp_run):
-    """Greedy tokens, fed back through the model as training reads a stream (windows of T, the
-    memory carried, the first window reset), are each the argmax at their position: the padded
-    partial windows and the window-by-window memory writes of decoding change nothing (the
-    reference fills the rest of a partial window with other tokens: reads are causal)."""
+    """Greedy tokens, fed back through the model as training reads a stream (`ContextStream`:
+    windows of T, the memory carried, reset at the start and after a window holding a document's
+    end), are each the argmax at their position: the padded partial windows and the
+    window-by-window memory writes of decoding change nothing (training's windows are filled past
+    the text with other tokens than decoding's padding: reads are causal). The memory's output
+    projection is made large, so that what the memory holds decides the tokens (a tiny trained
+    memory barely moves them), and the prompt ends a document in its second window."""
+    import dataclasses
+
+    from nljax.data.text import SEPARATOR, ContextStream
+
     run_dir, _ = fsdp_run
     t = trained.load(run_dir, devices=jax.devices()[:1])
-    prompt = "def f(x):\n  return"  # 19 bytes: two full windows of 8 and a partial one
+    params = jax.tree.map(lambda x: x, t.params)
+    out = params["mem0"]["out"]["kernel"]
+    params["mem0"]["out"]["kernel"] = 3 * jax.random.normal(jax.random.key(0), out.shape, out.dtype)
+    t = dataclasses.replace(t, params=params)
+    prompt = "def f(x):\n\0  return"  # 19 bytes: two full windows of 8 (a NUL in the second) and a partial one
     out = generate.generate_text(t, generate.Settings(prompt=prompt, max_new_tokens=30, temperature=0), lambda _: None)
     seq, T = list(prompt.encode()) + out, t.cfg.train.seq_len
-    memory, preds = t.model.init_memory(1), []
-    rng = np.random.default_rng(0)
-    for w, start in enumerate(range(0, len(seq), T)):
-        window = rng.integers(0, 256, (1, T + 1), dtype=np.int32)  # not decoding's padding: causal reads ignore it
-        chunk = seq[start : start + T]
-        window[0, : len(chunk)] = chunk
-        logits, memory = t.model.logits(t.params, memory, {"tokens": window, "reset": np.array([w == 0])})
-        preds += np.argmax(np.asarray(logits)[0, : len(chunk)], -1).tolist()
+    stream = ContextStream(np.array(seq, np.uint8), rows=1, seq_len=T)  # cyclic: the last window wraps
+    memory, preds, resets = t.model.init_memory(1), [], []
+    for w in range(-(-len(seq) // T)):
+        batch = stream.rows_at(w, slice(0, 1))
+        logits, memory = t.model.logits(t.params, memory, batch)
+        preds += np.argmax(np.asarray(logits)[0], -1).tolist()
+        resets.append(bool(batch["reset"][0]))
+    assert SEPARATOR == 0 and resets[:4] == [True, False, True, False]  # the prompt's NUL resets window 2
     assert preds[len(prompt) - 1 : len(seq) - 1] == out
 
 
@@ -194,12 +209,14 @@ def test_ctrl_c_is_one_line(module, monkeypatch, capsys):
 
 def test_a_recall_run_generates_and_exports(tmp_path, capsys):
     """The recall probe's config needs its streaming evaluation (eval.stream_steps >= 1): the tools
-    used to switch that off for every run, and refused each recall run."""
+    used to switch that off for every run, and refused each recall run; then kept it, and refused
+    one whose 5 held-out documents fit the 4 rows it trained but not the tool's 8 devices."""
     from nljax import export
 
     recall = [*NL, "data.source=recall", "train.seq_len=64", "data.recall_pairs=2", "data.recall_gap=16",
-              "data.recall_docs=400", "eval.batches=1", "eval.stream_steps=2"]
+              "data.recall_docs=100", "eval.batches=1", "eval.stream_steps=1", "train.batch_size=4"]
     saved_run(tmp_path / "run", recall, 1, 1, steps=1)
+    assert len(jax.devices()) == 8  # generate restores onto all of them
     assert generate.main([f"run.dir={tmp_path / 'run'}", "prompt=a=1;", "max_new_tokens=3"]) == 0
     assert capsys.readouterr().out.startswith("a=1;")
     assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0

@@ -32,18 +32,25 @@ def _nl_lm(cfg: Config) -> Model:
 
 
 def _dit(cfg: Config) -> Model:
-    m, data = cfg.model, load(cfg.images)  # the data decides the image shape and the label count
-    h, w, _ = data.shape
+    data = load(cfg.images)  # the data decides the image shape and the label count
+    return dit(cfg, data.shape, data.num_classes)
+
+
+def dit(cfg: Config, shape: tuple[int, int, int], num_classes: int) -> Model:
+    """The DiT of `cfg` for images of `shape` (H, W, C) with `num_classes` labels (0: none), as
+    its data decide them (an export records them: `nljax.load_model` reads no data)."""
+    m = cfg.model
+    h, w, _ = shape
     patch = m.dit.patch_size
     if h % patch or w % patch:
         raise ConfigError(f"model.dit.patch_size={patch} does not divide the {h}x{w} images")
     mf = cfg.meanflow
-    classes = data.num_classes if mf.class_cond else 0
+    classes = num_classes if mf.class_cond else 0
     if not classes and (mf.cfg_omega != 1.0 or mf.cfg_kappa != 0.0):
         why = "meanflow.class_cond=false" if not mf.class_cond else "the images have no labels"
         raise ConfigError(f"meanflow.cfg_omega={mf.cfg_omega}, cfg_kappa={mf.cfg_kappa} guide by labels, and {why}: "
                           "leave them at 1, 0")
-    return DiT(DiTNet(data.shape, patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes,
+    return DiT(DiTNet(tuple(shape), patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes,
                       dtype=jnp.dtype(m.dtype), remat=m.remat), mf, cfg.seed)
 
 
