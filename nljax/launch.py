@@ -6,12 +6,13 @@ port, and each process gets `NLJAX_COORDINATOR`, `NLJAX_NUM_PROCESSES` and `NLJA
 (read by every nljax CLI, see `nljax.distributed`). Each output line is prefixed with its
 process index. If a process exits non-zero, the others get `--grace` seconds to exit on their
 own (they usually do: their collectives fail, or they raise the same lockstep error), then are
-killed, and the launcher exits with the first failure's code. Ctrl-C stops them all; SIGTERM (a
-scheduler's preemption notice) is passed on to every process, which saves a checkpoint and exits
-(`nljax.preemption`), and whatever is left after `--grace` seconds is killed.
+killed, and the launcher exits with the first failure's code. Ctrl-C and SIGTERM (a scheduler's
+preemption notice) are passed on to every process as SIGTERM, which saves a checkpoint and exits
+(`nljax.preemption`); whatever is left after `--grace` seconds, or at a second signal, is killed.
+Their output is written out before the launcher exits.
 
 Each process runs in its own session, so a command started through a shell is stopped with
-everything it started. SIGKILL, not SIGTERM, is what reliably ends a JAX process that has joined
+everything it started, and what a command leaves running when it exits is killed. SIGKILL, not SIGTERM, is what reliably ends a JAX process that has joined
 a distributed run: JAX's preemption service takes SIGTERM as a preemption notice.
 
 The processes do not outlive the launcher, even when it is killed with SIGKILL: on Linux each is
@@ -108,12 +109,28 @@ def _parent_death_signal():
 
 
 def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+    writable = True
     for raw in iter(stream.readline, b""):
+        if not writable:  # still read: a worker blocked on a full pipe would never exit
+            continue
         line = raw.decode(errors="replace").rstrip("\n")
         with lock:
-            out.write(f"{prefix}{line}\n")
-            out.flush()
+            try:
+                out.write(f"{prefix}{line}\n")
+                out.flush()
+            except (OSError, ValueError):  # the reader went away (`| head`), the stream closed
+                writable = False
     stream.close()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process took the id: not ours to wait for
+        return False
 
 
 class Group:
@@ -149,22 +166,36 @@ class Group:
             print(f"{PROG}: {text}", file=sys.stderr, flush=True)
 
     def signal(self, sig: int) -> None:
+        """`sig` to every process's session, whether or not the process itself still runs: the
+        command and whatever it started (a shell may exit at once while what it ran saves)."""
         for p in self.procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, sig)  # its session: the command and whatever it started
-                except ProcessLookupError:
-                    pass
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:  # nothing left in it
+                pass
 
-    def stop(self, grace: float) -> None:
-        """SIGTERM, then SIGKILL for whatever is left after `grace` seconds."""
+    def running(self) -> bool:
+        """Whether anything still runs in the processes' sessions."""
+        for p in self.procs:
+            p.poll()  # reaped: a finished process no longer counts as its session's member
+        return any(_group_alive(p.pid) for p in self.procs)
+
+    def stop(self, grace: float, hurry=lambda: False) -> None:
+        """SIGTERM, then SIGKILL for whatever is left after `grace` seconds (or once `hurry()`)."""
         self.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while time.monotonic() < deadline and any(p.poll() is None for p in self.procs):
+        while time.monotonic() < deadline and self.running() and not hurry():
             time.sleep(0.05)
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL to whatever is left; returns when nothing is (the guard then has nothing to do)."""
         self.signal(signal.SIGKILL)
         for p in self.procs:
             p.wait()
+        deadline = time.monotonic() + 5.0
+        while self.running() and time.monotonic() < deadline:
+            time.sleep(0.01)
         self.release_guard()
 
     def release_guard(self) -> None:
@@ -178,8 +209,10 @@ class Group:
             self.guard.wait()
 
     def finish(self) -> None:
+        """Waits, 5 s at most, for the output still in the pipes to be written."""
+        deadline = time.monotonic() + 5.0
         for t in self.threads:
-            t.join(timeout=5)
+            t.join(timeout=max(deadline - time.monotonic(), 0.0))
 
 
 def exit_code(returncode: int) -> int:
@@ -210,7 +243,7 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-        if any(p.poll() is None for p in group.procs):
+        if group.running():
             group.stop(grace=1.0)
         group.release_guard()
 
@@ -225,9 +258,10 @@ def watch(group: Group, stopping: list[int], grace: float) -> int:
     while True:
         codes = [p.poll() for p in group.procs]
         if stopping:
-            group.say(f"received signal {stopping[0]}; stopping all processes")
-            # SIGTERM: the processes save a preemption checkpoint first, give them the grace
-            group.stop(grace=grace if stopping[0] == signal.SIGTERM else min(grace, 5.0))
+            group.say(f"received signal {stopping[0]}; stopping all processes (a second signal: at once)")
+            # the processes save a preemption checkpoint first: they get the grace
+            group.stop(grace, hurry=lambda: len(stopping) > 1)
+            group.finish()  # their last lines ("preempted ... checkpoint saved") included
             codes = [exit_code(p.returncode) for p in group.procs]
             # 143: saved its preemption checkpoint (or a plain command ended by the SIGTERM); any
             # other code is the run's to report (a save that failed, killed at the grace's end)
@@ -249,6 +283,9 @@ def watch(group: Group, stopping: list[int], grace: float) -> int:
                 group.say(f"process {failed[0]} (pid {group.procs[failed[0]].pid}) exited with code "
                           f"{failed[1]}; stopping the others within {grace:g} s")
         if all(c is not None for c in codes):
+            if group.running():  # what the commands started and left behind does not outlive the launcher
+                group.say("killing what the processes left running")
+                group.kill()
             break
         if failed is not None and time.monotonic() - failed_at > grace:
             group.say("killing the processes still running")
@@ -275,7 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--devices-per-proc", type=int, metavar="K",
                    help="give process i the accelerators i*K .. i*K+K-1 (default: every process sees all)")
     p.add_argument("--grace", type=float, default=10.0, metavar="S",
-                   help="after a failure, seconds the others get to exit on their own before being killed")
+                   help="seconds the processes get to exit on their own, after a failure or a signal (a preemption "
+                        "save), before being killed")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every process runs, after --")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -288,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--cpu-devices must be >= 1, got {args.cpu_devices}"
     elif args.devices_per_proc is not None and args.devices_per_proc < 1:
         problem = f"--devices-per-proc must be >= 1, got {args.devices_per_proc}"
-    elif args.grace < 0:
+    elif not args.grace >= 0:  # nan too
         problem = f"--grace must be >= 0, got {args.grace}"
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)

@@ -23,7 +23,8 @@ One process defers SIGTERM the same way from the start of `nljax.trainer.train` 
 notice during start-up (restore, compilation) stops the run after its first step, saved; one
 after the last step lets the final report finish (exit 0: the run is complete). A second SIGTERM
 stops at once (`Terminated`: the checkpoints already on disk are kept, the lock released), for
-whoever means "now".
+whoever means "now" — one at least `Notice.REPEAT_S` after the first: a scheduler's notice often
+reaches a process twice at once (sent to the whole job and forwarded by a launcher).
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
 
 import jax
 from jax.experimental import multihost_utils
 
 
-class Stopped(Exception):
+class Stopped(BaseException):
     """The run stopped on a signal: the command prints the message and exits with `exit_code`
-    (128 + the signal)."""
+    (128 + the signal). A BaseException, as KeyboardInterrupt is: a signal may arrive inside
+    any `except Exception` (a save, a checkpoint read), which must not take it for its own error
+    (a damaged checkpoint, a failed save)."""
 
     exit_code = 128 + signal.SIGTERM
 
@@ -75,8 +79,14 @@ class Notice:
     the loop (a compilation), stops at once (KeyboardInterrupt: one line, nothing saved). Under
     the launcher a Ctrl-C reaches the launcher, which sends every process SIGTERM."""
 
+    # A SIGTERM this soon after the notice is the same notice: a scheduler that signals every
+    # process of a job (SLURM, a systemd unit) and a launcher (nljax.launch, srun) that forwards
+    # its own reach a process twice within milliseconds.
+    REPEAT_S = 2.0
+
     def __init__(self):
         self.received = 0  # the signal of the notice, 0: none
+        self.received_at = 0.0  # time.monotonic() of the notice
         self.in_loop = False  # set by the training loop while it steps
         self._old: dict = {}
 
@@ -94,8 +104,10 @@ class Notice:
         if sig == signal.SIGINT and (self.received or not self.in_loop):
             raise KeyboardInterrupt
         if sig == signal.SIGTERM and self.received:
-            raise Terminated
-        self.received = sig
+            if time.monotonic() - self.received_at >= self.REPEAT_S:
+                raise Terminated
+            return
+        self.received, self.received_at = sig, time.monotonic()
         if sig == signal.SIGINT:  # os.write: print could re-enter a write the signal interrupted
             os.write(2, b"\nnljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)\n")
 

@@ -60,6 +60,24 @@ def test_resume_on_the_same_mesh_is_bitwise(ref):
     setup.state = state
 
 
+def test_a_signal_while_a_checkpoint_is_read_is_not_its_damage(ref, monkeypatch):
+    """A second SIGTERM (`Terminated`) raised while the newest checkpoint is read stops the
+    restore; taken for the checkpoint's damage, it would skip it for an older one (and the run
+    would set it aside)."""
+    import orbax.checkpoint as ocp
+
+    from nljax.checkpoint.restore import restore_first_valid
+    from nljax.preemption import Terminated
+
+    def terminated(*args, **kwargs):
+        raise Terminated
+
+    monkeypatch.setattr(ocp.StandardCheckpointHandler, "restore", terminated)
+    setup = ref["setup"]
+    with pytest.raises(Terminated):
+        restore_first_valid(setup.engine, setup.state, [ref["dir"] / "4", ref["dir"] / "2"])
+
+
 def test_plain_orbax_reads_a_checkpoint(ref):
     import orbax.checkpoint as ocp
 

@@ -129,8 +129,9 @@ def test_notice_outside_the_step_loop(tmp_path):
 
 
 def test_a_second_sigterm_stops_at_once():
-    """After a notice, a second SIGTERM raises `Terminated` (143) wherever the run is; Ctrl-C outside
-    the step loop stops at once, inside it is a notice."""
+    """After a notice, a second SIGTERM raises `Terminated` (143) wherever the run is, unless it
+    comes within `Notice.REPEAT_S` (the same notice, sent to the job and forwarded by a launcher);
+    Ctrl-C outside the step loop stops at once, inside it is a notice."""
     import signal
 
     from nljax.preemption import Notice, Terminated
@@ -139,6 +140,9 @@ def test_a_second_sigterm_stops_at_once():
     with Notice() as notice:
         os.kill(os.getpid(), signal.SIGTERM)
         assert notice.received == signal.SIGTERM and notice.stop_after(0)
+        os.kill(os.getpid(), signal.SIGTERM)  # at once: the same notice
+        assert notice.stop_after(0)
+        notice.received_at -= Notice.REPEAT_S  # as if that much later
         with pytest.raises(Terminated) as e:
             os.kill(os.getpid(), signal.SIGTERM)
         assert e.value.exit_code == 143

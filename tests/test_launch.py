@@ -68,11 +68,66 @@ def test_launcher_reports_a_worker_that_did_not_stop_cleanly_after_sigterm():
     assert p.returncode == 2 and "exit codes by process: 143, 2" in err, err
 
 
+def test_a_signal_reaches_what_a_shell_wrapper_started_and_its_last_lines_are_written():
+    """The command is a shell that ran a child (as `bash -c 'python ...; echo'` does): SIGTERM ends
+    the shell at once, while the child, which takes 1 s to "save", is waited for (it used to be
+    left running, and its last line lost, when the launcher returned with the shell's exit)."""
+    inner = 'trap "sleep 1; echo saved; exit 143" TERM; echo up $$; sleep 60 & wait'
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--grace", "20", "--", "sh", "-c", f"sh -c '{inner}'; echo after"],
+                         env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pids = [int(p.stdout.readline().split()[-1]) for _ in range(2)]
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 143, err
+    assert sorted(out.split("\n")[:-1]) == ["[0] saved", "[1] saved"], out
+    assert not any(alive(x) for x in pids)
+
+
+def test_ctrl_c_gives_the_grace_and_a_second_signal_ends_it_at_once():
+    """Ctrl-C gives the processes the whole `--grace` to save (it used to be 5 s at most); a second
+    signal to the launcher kills them at once."""
+    script = 'trap "sleep 6; echo saved; exit 143" TERM; echo up; sleep 60 & wait'
+    launch = [*LAUNCH, "--nproc", "2", "--grace", "30", "--", "sh", "-c", script]
+    p = subprocess.Popen(launch, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGINT and out.count("saved") == 2, err
+    p = subprocess.Popen(launch, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 128 + signal.SIGKILL and time.monotonic() - t0 < 5 and "saved" not in out, err
+
+
+def test_what_a_process_leaves_running_does_not_outlive_the_launcher():
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--", "sh", "-c", "sleep 60 & echo up $!; exit 0"],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "killing what the processes left running" in p.stderr, p.stderr
+    assert not any(alive(int(l.split()[-1])) for l in p.stdout.splitlines())
+
+
+def test_a_launcher_whose_output_is_closed_still_ends():
+    """`nljax.launch ... | head -2`: the workers' output is drained (the launcher used to hang,
+    its workers blocked on full pipes)."""
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", sys.executable, "-c", "for i in range(200000): print(i)"],
+                         env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p.stdout.readline()
+    p.stdout.close()
+    assert p.wait(timeout=60) == 0
+
+
 def test_launcher_bad_input():
     p = subprocess.run([*LAUNCH, "--nproc", "0", "--", "true"], env=subprocess_env(), capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --nproc must be >= 1, got 0"
     p = subprocess.run([*LAUNCH, "--nproc", "2"], env=subprocess_env(), capture_output=True, text=True)
     assert p.returncode == 2 and "no command given" in p.stderr
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "nan", "--", "true"], env=subprocess_env(),
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --grace must be >= 0, got nan"
 
 
 @pytest.mark.parametrize("how", ["exec", "shell"])
