@@ -181,6 +181,8 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         if not multiprocess:
             raise
         # Peers may be blocked in a collective that waits for this process: leave at once.
+        if line:  # a user's problem (a full disk, out of memory): its one line, no traceback
+            distributed.abort(f"{p.prog}: error (process {jax.process_index()}): {line}")
         traceback.print_exc()
         first = first_line(e) or type(e).__name__
         hint = " (another process probably died)" if isinstance(e, jax.errors.JaxRuntimeError) else ""

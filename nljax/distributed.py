@@ -99,8 +99,11 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
     if local_device_ids is None:
         local_device_ids = parse_device_ids(os.environ.get(ENV_LOCAL_DEVICE_IDS), ENV_LOCAL_DEVICE_IDS)
-    if num_processes == 1:
-        return None  # explicitly one process, even inside a multi-task cluster job
+    if num_processes == 1:  # explicitly one process, even inside a multi-task cluster job
+        if local_device_ids is not None:  # JAX takes them only when joining processes: not silently all
+            raise ConfigError("--local-device-ids (NLJAX_LOCAL_DEVICE_IDS) is for one of several processes; choose "
+                              "one process's devices with CUDA_VISIBLE_DEVICES")
+        return None
     given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
     ids = tuple(local_device_ids) if local_device_ids is not None else None
     if all(v is None for v in given.values()):
@@ -224,7 +227,11 @@ def explain(records: list[Any], limit: int = 4) -> str:
         groups: dict[str, list[int]] = {}
         for p, v in enumerate(values):
             groups.setdefault(v, []).append(p)
-        shown = ", ".join(f"process{'es' if len(ps) > 1 else ''} {','.join(map(str, ps))} = {v[:60]}"
+        # 60 characters of each, from a little before where they start to differ (long paths
+        # that differ at their end must not look the same)
+        start = max(len(os.path.commonprefix(list(groups))) - 20, 0)
+        cut = lambda v: ("…" if start else "") + v[start : start + 60] + ("…" if len(v) > start + 60 else "")
+        shown = ", ".join(f"process{'es' if len(ps) > 1 else ''} {','.join(map(str, ps))} = {cut(v)}"
                           for v, ps in groups.items())
         parts.append(f"{key}: {shown}")
     more = f"; and {len(parts) - limit} more" if len(parts) > limit else ""

@@ -326,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--cpu-devices must be >= 1, got {args.cpu_devices}"
     elif args.devices_per_proc is not None and args.devices_per_proc < 1:
         problem = f"--devices-per-proc must be >= 1, got {args.devices_per_proc}"
+    elif args.devices_per_proc is not None and args.nproc == 1:  # JAX takes device ids only when joining processes
+        problem = "--devices-per-proc is for several processes; choose one process's devices with CUDA_VISIBLE_DEVICES"
     elif not args.grace >= 0:  # nan too
         problem = f"--grace must be >= 0, got {args.grace}"
     if problem:

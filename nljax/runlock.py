@@ -141,8 +141,12 @@ class RunLock:
                 self._remove_stale(judged)
                 continue
             self.text = json.dumps(info)
-            with os.fdopen(fd, "w") as f:
-                f.write(self.text)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    f.write(self.text)
+            except OSError as e:  # a full disk, a quota: an empty lock left behind would refuse the next run
+                self.path.unlink(missing_ok=True)
+                raise OSError(e.errno, e.strerror, str(self.path)) from None
             _HELD.add(self.path)
             self._thread = threading.Thread(target=self._beat, name="nljax-lock-heartbeat", daemon=True)
             self._thread.start()

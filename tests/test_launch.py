@@ -125,6 +125,9 @@ def test_launcher_bad_input():
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --nproc must be >= 1, got 0"
     p = subprocess.run([*LAUNCH, "--nproc", "2"], env=subprocess_env(), capture_output=True, text=True)
     assert p.returncode == 2 and "no command given" in p.stderr
+    p = subprocess.run([*LAUNCH, "--nproc", "1", "--devices-per-proc", "2", "--", "true"], env=subprocess_env(),
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "--devices-per-proc is for several processes" in p.stderr
     p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "nan", "--", "true"], env=subprocess_env(),
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --grace must be >= 0, got nan"

@@ -215,6 +215,20 @@ def test_save_failing_on_one_process_stops_every_process_with_its_cause(tmp_path
     assert storage.committed_steps(ck) == [4]
 
 
+def test_a_run_file_failing_on_one_process_is_its_one_line(tmp_path):
+    """Process 0's disk fills after step 5 (metrics.jsonl can grow no more): it stops with the
+    single-process run's line naming the file (it printed a traceback and a line without it)."""
+    run = tmp_path / "r"
+    args = [*ARGS, "cms.periods=[1]", "train.steps=12", "eval.every=0", "checkpoint.every=0", *QUICK,
+            f"run.dir={run}", "--quiet"]
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", sys.executable, "-c", FULL, "-", "1",
+                        *args], env=subprocess_env(FULL_ON_PROCESS="0"), capture_output=True, text=True, timeout=300)
+    mine = [l for l in p.stderr.splitlines() if l.startswith("[0] ") and "Gloo" not in l]
+    assert mine == [f"[0] nljax.train: error (process 0): cannot write {run / 'metrics.jsonl'}: [Errno 27] File too "
+                    "large"], p.stderr
+    assert p.returncode == 1, p.stderr
+
+
 # nljax.train, but on process 1 Orbax's read of checkpoint 8's arrays fails (as a damaged chunk
 # only it reads would make it), the other process reads them intact.
 DAMAGED_ON_ONE = r"""
@@ -419,6 +433,8 @@ def test_resolve_launch(monkeypatch):
     assert distributed.resolve() is None  # a plain single process
     assert distributed.resolve("h:1", 2, 1, (0, 1)) == distributed.Launch("h:1", 2, 1, (0, 1))
     assert distributed.resolve("h:1", 1, 0) is None  # one process: nothing to join
+    with pytest.raises(ConfigError, match="is for one of several processes"):  # not silently every device
+        distributed.resolve("h:1", 1, 0, (0, 1))
     monkeypatch.setenv(distributed.ENV_COORDINATOR, "10.0.0.1:1234")
     monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "4")
     monkeypatch.setenv(distributed.ENV_PROCESS_ID, "3")
@@ -452,6 +468,10 @@ def test_lockstep_explain_and_digest():
     a = {"config": {"train": {"steps": 3, "seq_len": 8}}, "data": "x"}
     b = {"config": {"train": {"steps": 4, "seq_len": 8}}, "data": "x"}
     assert distributed.explain([a, a, b]) == "config.train.steps: processes 0,1 = 3, process 2 = 4"
+    # long values are shown from a little before where they differ
+    long = ["/shared/" + "d" * 80 + f"/shard-{i}" for i in range(2)]
+    assert distributed.explain([{"train": [long[0]]}, {"train": [long[1]]}]) == (
+        f'train: process 0 = …{"d" * 13}/shard-0"], process 1 = …{"d" * 13}/shard-1"]')
     # Canonical JSON: key order does not matter, and nothing depends on Python's hash().
     assert distributed.digest({"b": 1, "a": [1, 2]}) == distributed.digest({"a": [1, 2], "b": 1})
     assert distributed.digest(a) != distributed.digest(b)

@@ -93,3 +93,20 @@ def test_a_stale_lock_taken_over_by_a_racer_is_left_to_it(tmp_path, monkeypatch)
     _write(path, "other-host", 1)  # taken over by a run that judged this one dead (suspended too long)
     lock.release()
     assert json.loads(path.read_text())["host"] == "other-host"
+
+
+def test_a_lock_that_cannot_be_written_is_one_line_and_left_nowhere(tmp_path):
+    """A full disk (here: a file-size limit of 0) when the lock is written: one line naming the
+    lock file, exit 1, and no empty lock left to refuse the next run (it was, for 5 minutes)."""
+    from helpers import QUICK, TINY, cli, subprocess_env
+
+    args = ["--quiet", f"run.dir={tmp_path / 'run'}", "train.steps=1", "mesh.intra=1", "--cpu-devices", "1", *TINY, *QUICK]
+    limited = ("import resource, signal, sys; signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+               "resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY)); "
+               "from nljax.train import main; sys.exit(main(sys.argv[1:]))")
+    p = subprocess.run([sys.executable, "-c", limited, *args], env=subprocess_env(), capture_output=True, text=True,
+                       timeout=300)
+    lock = tmp_path / "run" / runlock.NAME
+    assert p.returncode == 1 and p.stderr.strip() == f"nljax.train: error: cannot write {lock}: [Errno 27] File too large", p.stderr
+    assert not lock.exists()
+    cli("nljax.train", *args)  # the next run is not refused
