@@ -6,8 +6,8 @@ port, and each process gets `NLJAX_COORDINATOR`, `NLJAX_NUM_PROCESSES` and `NLJA
 (read by every nljax CLI, see `nljax.distributed`). Each output line is prefixed with its
 process index. If a process exits non-zero, the others get `--grace` seconds to exit on their
 own (they usually do: their collectives fail, or they raise the same lockstep error), then are
-killed, and the launcher exits with the first failure's code. Ctrl-C and SIGTERM (a scheduler's
-preemption notice) are passed on to every process as SIGTERM, which saves a checkpoint and exits
+killed, and the launcher exits with the first failure's code. Ctrl-C, SIGTERM (a scheduler's
+preemption notice) and SIGHUP (the terminal closed) are passed on to every process as SIGTERM, which saves a checkpoint and exits
 (`nljax.preemption`); whatever is left after `--grace` seconds, or at a second signal, is killed.
 Their output is written out before the launcher exits.
 
@@ -230,7 +230,8 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
         stopping.append(sig)
 
     # Installed first: the children live in their own sessions, so nothing else would stop them.
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too (the terminal closed): the processes get their notice, not the parent-death kill
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         group = Group(command, envs)
     except BaseException:

@@ -45,13 +45,17 @@ def test_launcher_names_the_killed_worker_not_the_peer_that_failed_because_of_it
     assert "exit codes by process: 1, 137" in p.stderr
 
 
-def test_launcher_stops_everything_on_sigint():
-    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", "sh", "-c", "echo up; exec sleep 60"], env=subprocess_env(),
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGHUP])
+def test_launcher_stops_everything_on_sigint(sig):
+    """Ctrl-C, or the terminal closing (SIGHUP), reaches every process as SIGTERM (the script's
+    trap says so: its notice, not the parent-death kill)."""
+    script = 'trap "echo noticed; exit 143" TERM; echo up; sleep 60 & wait'
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--", "sh", "-c", script], env=subprocess_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
-    p.send_signal(signal.SIGINT)
-    _, err = p.communicate(timeout=30)
-    assert p.returncode == 128 + signal.SIGINT, err
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + sig and out.count("noticed") == 2, err
     pids = [int(x) for x in re.search(r"pids ([\d ]+)$", err, re.M)[1].split()]
     assert not any(alive(x) for x in pids)
 
