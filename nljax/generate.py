@@ -7,10 +7,10 @@
 Language models read the stream the way training read it: in windows of `train.seq_len` tokens,
 attention inside a window, the neural memory carried from window to window (written by every
 full window; reset at the start, and after a window that holds a document's end token, as
-training resets a row's memory). The prompt's full windows are written into
-the memory first; then each new token is predicted from the memory of the windows before it and
-the tokens of its own window so far (the model is causal, so what pads the window after them
-changes nothing), and once a window is full it is written into the memory in turn. Tokens are
+training resets a row's memory). The prompt's full windows are written into the memory first;
+then each new token is predicted from the memory of the windows before it and the tokens of its
+own window so far (the model is causal, so what pads the window after them changes nothing), and
+once a window is full it is written into the memory in turn. Tokens are
 bytes, or with data.source=files the tokens of the run's tokenizer (nljax/data/tokenization.py);
 the text streams to the terminal as it is sampled.
 

@@ -7,13 +7,14 @@ port, and each process gets `NLJAX_COORDINATOR`, `NLJAX_NUM_PROCESSES` and `NLJA
 process index. If a process exits non-zero, the others get `--grace` seconds to exit on their
 own (they usually do: their collectives fail, or they raise the same lockstep error), then are
 killed, and the launcher exits with the first failure's code. Ctrl-C, SIGTERM (a scheduler's
-preemption notice) and SIGHUP (the terminal closed) are passed on to every process as SIGTERM, which saves a checkpoint and exits
-(`nljax.preemption`); whatever is left after `--grace` seconds, or at a second signal, is killed.
-Their output is written out before the launcher exits.
+preemption notice) and SIGHUP (the terminal closed) are passed on to every process as SIGTERM,
+on which it saves a checkpoint and exits (`nljax.preemption`); whatever is left after `--grace`
+seconds, or at a second signal, is killed. Their output is written out before the launcher exits.
 
 Each process runs in its own session, so a command started through a shell is stopped with
-everything it started, and what a command leaves running when it exits is killed. SIGKILL, not SIGTERM, is what reliably ends a JAX process that has joined
-a distributed run: JAX's preemption service takes SIGTERM as a preemption notice.
+everything it started, and what a command leaves running when it exits is killed. SIGKILL, not
+SIGTERM, is what reliably ends a JAX process that has joined a distributed run: JAX's preemption
+service takes SIGTERM as a preemption notice.
 
 The processes do not outlive the launcher, even when it is killed with SIGKILL: on Linux each is
 started with a parent-death signal (SIGKILL, `prctl(PR_SET_PDEATHSIG)`), and a small guard
