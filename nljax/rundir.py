@@ -52,22 +52,27 @@ class RunDir:
     when told to, removes the earlier run's outputs first so that none of them outlives it."""
 
     # and the files the run noted (runlog.note_written: samples_*.png, TensorBoard event files)
-    OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "profile")
+    OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "profile", "wandb")
 
     def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
         self.path = Path(path)
         self.write = write
         self.kept: list[dict] = []
         metrics = self.path / "metrics.jsonl"
-        # Process 0 decides: on a shared file system the others could see its fresh metrics.jsonl.
-        if distributed.main_decides(metrics.exists()) and not overwrite and resume_step is None:
+        # An earlier attempt that logged no step (it stopped in its start-up: a tracker that could
+        # not start, the first compilation) is no run to keep: its files are replaced, as by
+        # run.overwrite (a live one holds the lock, checked before). Process 0 decides: on a
+        # shared file system the others could see its fresh metrics.jsonl.
+        earlier = metrics.exists() and metrics.stat().st_size > 0
+        if distributed.main_decides(earlier) and not overwrite and resume_step is None:
             raise ConfigError(
                 f"run.dir {path} already holds a run; choose another run.dir, resume it with --resume or set "
                 "run.overwrite=true"
             )
         if write:
             make_run_dir(self.path)
-            if resume_step is None and overwrite:  # never delete a file nobody asked to replace
+            # never delete a file nobody asked to replace
+            if resume_step is None and (overwrite or metrics.exists()):
                 for pattern in self.OUTPUTS:
                     for old in self.path.glob(pattern):
                         shutil.rmtree(old) if old.is_dir() else old.unlink()

@@ -117,7 +117,7 @@ def plot(path: Path, records: list[dict], timed: dict, final_eval: dict | None =
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(steps, [r["loss"] for r in records], lw=1, label="train loss")
         final = final_eval or {}
-        for key in sorted({k for r in [*records, final] for k in r if k.startswith("eval") and k.endswith("loss")}):
+        for key in sorted({k for r in [*records, final] for k in r if k.startswith("eval") and "loss" in k}):
             pts = [(r["step"] + 1, r[key]) for r in records if key in r]
             pts += [(records[-1]["step"] + 1, final[key])] if key in final else []
             ax.plot(*zip(*pts), "o-", label=key)

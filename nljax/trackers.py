@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import html
 import os
+import time
 import typing
 from pathlib import Path
 from typing import Protocol
@@ -63,13 +64,39 @@ class TensorBoard:
     """Scalars and text as TensorBoard event files in run.dir (tensorboardX)."""
 
     name, run_id = "tensorboard", None  # a resume continues the files in run.dir
+    FLUSH_S = 30.0  # how often the file is flushed for a TensorBoard watching it
 
-    def __init__(self, path: Path, purge_step: int | None = None):
-        SummaryWriter = self.require().SummaryWriter
+    def __init__(self, path: Path, start_step: int = 0):
+        tbx = self.require()
         before = set(path.glob("events.out.tfevents.*"))
-        self.writer = SummaryWriter(logdir=str(path), flush_secs=30, purge_step=purge_step)
-        for new in sorted(set(path.glob("events.out.tfevents.*")) - before):  # ours: overwrite removes it
-            note_written(path, new.name)
+        self.writer = tbx.SummaryWriter(logdir=str(path))
+        new = sorted(set(path.glob("events.out.tfevents.*")) - before)
+        for name in new:  # ours: overwrite removes it
+            note_written(path, name.name)
+        self.file = new[-1] if new else path
+        # Written here, synchronously: tensorboardX's writer thread dies on a failed write (a full
+        # disk), and the next event then blocked the run forever on its full queue.
+        events = self.writer._get_file_writer().event_writer
+        self._events = events._ev_writer
+        events.add_event = self._write
+        self._flushed = time.monotonic()
+        # A session start at `start_step`, also for a fresh run (0): TensorBoard takes a run's
+        # first start as its start, and each later one (a resume's) as a restart, dropping the
+        # events the earlier files hold from that step on (those the resumed run writes again).
+        Event, SessionLog = tbx.proto.event_pb2.Event, tbx.proto.event_pb2.SessionLog
+        self.writer._get_file_writer().add_event(Event(step=start_step, session_log=SessionLog(status=SessionLog.START)))
+
+    def _write(self, event) -> None:
+        try:
+            self._events.write_event(event)
+            if time.monotonic() - self._flushed > self.FLUSH_S:
+                self._flush()
+        except OSError as e:  # named: the file is the tracker's, not the run's metrics
+            raise OSError(e.errno, e.strerror, str(self.file)) from None
+
+    def _flush(self) -> None:
+        self._events.flush()
+        self._flushed = time.monotonic()
 
     @staticmethod
     def require():
@@ -82,9 +109,9 @@ class TensorBoard:
 
     @classmethod
     def open(cls, start: Start) -> "TensorBoard":
-        # purge_step: TensorBoard drops the events a resumed run writes again, those logged after
-        # more steps than the checkpoint's (the evaluation at its step stays: it is not redone)
-        return cls(start.path, purge_step=None if start.resume_step is None else start.resume_step + 1)
+        # a resume restarts after the checkpoint's step: TensorBoard drops the events logged after
+        # more steps than it had (the evaluation at its step stays: it is not redone)
+        return cls(start.path, 0 if start.resume_step is None else start.resume_step + 1)
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
         for k, v in numbers(values).items():
@@ -95,7 +122,11 @@ class TensorBoard:
         self.writer.add_text(tag, "\n".join("    " + line for line in text.split("\n")), step)
 
     def close(self, failed: bool = False) -> None:
-        self.writer.close()
+        try:
+            self._flush()
+            self.writer.close()
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.file)) from None
 
 
 class WandB:

@@ -430,6 +430,16 @@ def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
     RunDir(str(tmp_path), overwrite=True, write=True)
     assert not (tmp_path / "profile").exists() and not (tmp_path / "summary.json").exists()
     assert not (tmp_path / "samples_000002.png").exists() and (tmp_path / "samples_000001.png").exists()
+    # an attempt that stopped before its first step (its metrics.jsonl empty: a tracker that could
+    # not start) is replaced, its W&B files too; it was "a run", refusing the retry its line suggested
+    (tmp_path / "wandb" / "offline-run-1").mkdir(parents=True)
+    (tmp_path / "summary.json").write_text("{}")
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    RunDir(str(tmp_path), overwrite=False, write=True)
+    assert not (tmp_path / "summary.json").exists() and not (tmp_path / "wandb").exists()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\n')  # one step logged: a run
+    with pytest.raises(config.ConfigError, match="already holds a run"):
+        RunDir(str(tmp_path), overwrite=False, write=True)
 
 
 def test_only_orbax_steps_count_as_checkpoints(ref, tmp_path):

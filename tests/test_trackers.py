@@ -85,11 +85,20 @@ def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):
     for step in ("4", "6"):
         shutil.rmtree(d / "checkpoints" / step)
     train(config.load(None, [*common, "checkpoint.resume=latest"]))
-    resumed = events(d)
-    for tag in ("eval/eval_loss", "train/loss", "train/grad_norm"):
-        assert [s for s, _ in scalars(resumed, tag)] == [s for s, _ in scalars(whole, tag)], tag
-        np.testing.assert_allclose([v for _, v in scalars(resumed, tag)], [v for _, v in scalars(whole, tag)],
-                                   rtol=1e-6, err_msg=tag)
+    # as read by the legacy loader and by TensorBoard's server (the plugin loader, which takes a
+    # run's first session start as its start: a fresh run's file used to have none, so the
+    # resume's start purged nothing there and the steps after 2 showed twice)
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+    from tensorboard.util import tensor_util
+
+    plugin = plugin_event_accumulator.EventAccumulator(str(d), size_guidance={"tensors": 0})
+    plugin.Reload()
+    as_served = lambda tag: [(e.step, tensor_util.make_ndarray(e.tensor_proto).item()) for e in plugin.Tensors(tag)]
+    for read in (lambda tag: scalars(events(d), tag), as_served):
+        for tag in ("eval/eval_loss", "train/loss", "train/grad_norm"):
+            assert [s for s, _ in read(tag)] == [s for s, _ in scalars(whole, tag)], tag
+            np.testing.assert_allclose([v for _, v in read(tag)], [v for _, v in scalars(whole, tag)],
+                                       rtol=1e-6, err_msg=tag)
 
 
 def test_wandb_offline_run_is_continued_by_a_resume(tmp_path, monkeypatch):
@@ -143,3 +152,33 @@ def test_a_bad_tracker_setting_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=missing):
         Trackers.open(cfg, main=True)
     assert Trackers.open(cfg, main=False).trackers == []  # only process 0 opens trackers
+
+
+FILLS_UP = r"""
+import resource, signal, sys
+from pathlib import Path
+from nljax.trackers import TensorBoard
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
+tb = TensorBoard(Path(sys.argv[1]))
+resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.RLIM_INFINITY))
+try:
+    for step in range(5000):
+        tb.scalars("train", {"loss": 1.0, "lr": 0.1, "grad_norm": 2.0}, step)
+    tb.close()
+except OSError as e:
+    print(e.errno, e.filename == str(tb.file), tb.file.name.startswith("events.out.tfevents."))
+"""
+
+
+def test_a_full_disk_under_the_event_file_is_an_error_not_a_hang(tmp_path):
+    """The event file cannot grow (a full disk; here a file-size limit): the write fails in the
+    run's thread, naming the file (cli's one line). tensorboardX's writer thread died on it, and
+    the run then blocked forever on the thread's full queue."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    p = subprocess.run([sys.executable, "-c", FILLS_UP, str(tmp_path)], env=subprocess_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert p.stdout.split() == ["27", "True", "True"], p.stdout + p.stderr
