@@ -236,7 +236,8 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     read from the HLO and the throughput table, merged."""
     cfg, eng = run.cfg, run.engine
     final_eval = run.evaluate(state.params, cfg.train.steps)
-    out.trackers.scalars("eval", final_eval, cfg.train.steps)
+    if resumed_from != cfg.train.steps:  # a resume with nothing left to run: the trackers hold it already
+        out.trackers.scalars("eval", final_eval, cfg.train.steps)
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"])

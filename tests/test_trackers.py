@@ -85,6 +85,7 @@ def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):
     for step in ("4", "6"):
         shutil.rmtree(d / "checkpoints" / step)
     train(config.load(None, [*common, "checkpoint.resume=latest"]))
+    train(config.load(None, [*common, "checkpoint.resume=latest"]))  # from step 6: nothing to run, nothing logged again
     # as read by the legacy loader and by TensorBoard's server (the plugin loader, which takes a
     # run's first session start as its start: a fresh run's file used to have none, so the
     # resume's start purged nothing there and the steps after 2 showed twice)
