@@ -33,12 +33,15 @@ def grid(images: np.ndarray, cols: int, scale: int) -> np.ndarray:
     rows = -(-n // cols)
     pix = np.clip((images + 1.0) * 127.5, 0, 255).astype(np.uint8)
     pix = pix.repeat(scale, 1).repeat(scale, 2)
+    if c == 2:  # two channels (a field, grey + alpha): red and green
+        pix = np.concatenate([pix, np.zeros_like(pix[..., :1])], axis=-1)
+    pix = pix[..., : 1 if c == 1 else 3]  # grey, or RGB: the first three channels
     hs, ws = h * scale, w * scale
-    out = np.full((rows * (hs + 1) + 1, cols * (ws + 1) + 1, c), 255, np.uint8)
+    out = np.full((rows * (hs + 1) + 1, cols * (ws + 1) + 1, pix.shape[-1]), 255, np.uint8)
     for i in range(n):
         r, k = divmod(i, cols)
         out[1 + r * (hs + 1) : 1 + r * (hs + 1) + hs, 1 + k * (ws + 1) : 1 + k * (ws + 1) + ws] = pix[i]
-    return out[..., 0] if c == 1 else out[..., :3]
+    return out[..., 0] if c == 1 else out
 
 
 def scatter(points: np.ndarray, reference: np.ndarray, size: int = 256, extent: float = 3.0) -> np.ndarray:

@@ -62,6 +62,10 @@ class MeanFlowConfig:
             raise ConfigError("meanflow.time_sigma and meanflow.adaptive_c must be > 0, meanflow.adaptive_p >= 0")
         if self.sample_steps < 1:
             raise ConfigError("meanflow.sample_steps must be >= 1")
+        if (self.cfg_omega != 1.0 or self.cfg_kappa != 0.0) and self.label_dropout == 0:
+            # the unconditional field is the null label's, which only dropped labels train
+            raise ConfigError(f"meanflow.cfg_omega={self.cfg_omega}, cfg_kappa={self.cfg_kappa} mix in the "
+                              "unconditional field, which meanflow.label_dropout=0 never trains: set it > 0")
         if self.cfg_t_min > self.cfg_t_max:
             raise ConfigError(f"meanflow.cfg_t_min={self.cfg_t_min} must be <= meanflow.cfg_t_max={self.cfg_t_max}")
 

@@ -300,6 +300,9 @@ def test_guidance_needs_labels():
     assert build(load(None, DIT)).conditional  # moons has labels
     with pytest.raises(ConfigError, match="cfg_omega=1.5, cfg_kappa=0.2 guide by labels, and meanflow.class_cond=false"):
         build(load(None, [*DIT, "meanflow.class_cond=false"]))
+    # nor without dropped labels: the unconditional field is the null label's, never trained then
+    with pytest.raises(ConfigError, match="meanflow.label_dropout=0 never trains: set it > 0"):
+        load(None, [*DIT, "meanflow.label_dropout=0"])
 
 
 def test_dit_remat_is_exact_and_keeps_less():

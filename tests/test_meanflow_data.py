@@ -117,6 +117,17 @@ def test_png_figures(tmp_path):
     np.testing.assert_array_equal(decoded, pic)
     toy = sample_figure(rng.normal(size=(30, 1, 1, 2)), rng.normal(size=(30, 1, 1, 2)), rng.normal(size=(30, 1, 1, 2)))
     assert toy.ndim == 2 and (toy == 0).any() and (toy == 180).any()
+    # RGB, and 2 channels as red and green (their picture was 2 bytes a pixel in a file saying 3)
+    for c in (3, 2):
+        pic = sample_figure(rng.uniform(-1, 1, (4, 4, 4, c)), rng.uniform(-1, 1, (4, 4, 4, c)), None)
+        write_png(tmp_path / "c.png", pic)
+        raw = (tmp_path / "c.png").read_bytes()
+        w, h = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
+        assert pic.shape == (h, w, 3) and raw[25] == 2  # colour type 2: RGB
+        idat = raw[raw.index(b"IDAT") + 4 : raw.index(b"IEND") - 8]
+        decoded = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)[:, 1:].reshape(h, w, 3)
+        np.testing.assert_array_equal(decoded, pic)
+        assert c == 3 or set(np.unique(pic[..., 2])) == {0, 255}  # blue: none in the images, white gaps
 
 
 def test_meanflow_toy_cli_end_to_end(tmp_path):
@@ -147,6 +158,17 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
     bad = cli("nljax.train", *base, f"run.dir={tmp_path}/bad", "images.source=file", check=False, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "nljax.train: error: images.source=file needs images.path (a .npy or .npz file)"]
+
+
+def test_labels_past_int32_and_a_large_eval_fraction_are_refused(tmp_path):
+    """A label of 3e9 wrapped to a negative int32 and the run died inside JAX; eval_fraction 0.7
+    held out half the examples, not what the rule says."""
+    rng = np.random.default_rng(0)
+    np.savez(tmp_path / "d.npz", x=rng.uniform(-1, 1, (20, 4, 4, 1)), y=np.array([0] * 19 + [3_000_000_000]))
+    with pytest.raises(ConfigError, match=r"labels must be < 2\^31 - 1, got 3000000000"):
+        images.load(ImagesConfig(source="file", path=str(tmp_path / "d.npz")))
+    with pytest.raises(ConfigError, match=r"images.eval_fraction must be in \[1e-9, 0.5\]"):
+        ImagesConfig(eval_fraction=0.7).check_used()
 
 
 @pytest.mark.parametrize("poison, message", [

@@ -42,8 +42,9 @@ class ImagesConfig:
 
     def check_used(self) -> None:
         """Rules that apply when a run reads this section (model.name=dit)."""
-        if not 1e-9 <= self.eval_fraction < 1 or self.toy_points < 2:  # 1e-9: 1/x stays a number
-            raise ConfigError("images.eval_fraction must be in [1e-9, 1) and images.toy_points >= 2")
+        # every round(1/f)-th example is held out: at most every 2nd (1e-9: 1/f stays a number)
+        if not 1e-9 <= self.eval_fraction <= 0.5 or self.toy_points < 2:
+            raise ConfigError("images.eval_fraction must be in [1e-9, 0.5] and images.toy_points >= 2")
         if self.source == "file" and not self.path:
             raise ConfigError("images.source=file needs images.path (a .npy or .npz file)")
 
@@ -157,11 +158,13 @@ def load(cfg: ImagesConfig) -> ImageSet:
         x, y = _gaussians(cfg.toy_points)
     else:
         x, y = _file(cfg.path)
+    if y is not None and y.max() >= 2**31 - 1:  # int32 labels, and the null class after the last
+        raise ConfigError(f"images: labels must be < 2^31 - 1, got {int(y.max())}")
     num_classes = 0 if y is None else int(y.max()) + 1
     y = np.zeros(len(x), np.int32) if y is None else y.astype(np.int32)
     x = x.astype(np.float32)
     check_values(x, cfg.path if cfg.source == "file" else cfg.source)
-    every = max(2, round(1 / cfg.eval_fraction))
+    every = round(1 / cfg.eval_fraction)
     held = np.arange(len(x)) % every == every - 1
     if held.all() or not held.any():
         raise ConfigError(
