@@ -35,7 +35,7 @@ def test_yaml_file(tmp_path):
         ("model.nl_lm.memory_chunk=0", "model.nl_lm.memory_chunk must be >= 1, got 0"),
         ("data.eval_fraction=0", "data.eval_fraction must be in [1e-9, 1), got 0.0"),
         ("data.eval_fraction=1e-320", "data.eval_fraction must be in [1e-9, 1)"),  # 1/x: inf, was a traceback
-        ("model.name=dit cms.periods=[1] images.eval_fraction=1e-320", "images.eval_fraction must be in [1e-9, 1)"),
+        ("model.name=dit cms.periods=[1] images.eval_fraction=1e-320", "images.eval_fraction must be in [1e-9, 0.5]"),
         ("optim.lr=nan", "config key 'optim.lr' must be a finite number, got nan"),
         ("optim.lr=.inf", "config key 'optim.lr' must be a finite number, got inf"),
         ("optim.lr=-1", "config key 'optim.lr' must be in (0, inf), got -1.0"),
