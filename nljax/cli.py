@@ -58,7 +58,7 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config,
                                  distributed.parse_device_ids(args.local_device_ids))
     joined = distributed.initialize(launch, cfg.distributed.timeout_s)
     if joined:
-        check_in(first_step(cfg))  # a notice from here on stops the run at a step it reaches
+        check_in(lambda: first_step(cfg))  # a notice from here on stops the run at a step it reaches
     return joined
 
 

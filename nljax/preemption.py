@@ -33,6 +33,7 @@ import os
 import signal
 import threading
 import time
+from typing import Callable
 
 import jax
 from jax.experimental import multihost_utils
@@ -64,11 +65,17 @@ class Terminated(Stopped):
         super().__init__("terminated (a second SIGTERM): stopped at once; the checkpoints already on disk are kept")
 
 
-def check_in(step: int) -> None:
+_checked_in = False  # this process told the service its first step (once: the command, or train())
+
+
+def check_in(first_step: Callable[[], int]) -> None:
     """Tells JAX's preemption service, before the slow part of start-up, the step this process
-    counts from (a later step is also fine: a notice then stops the run that many steps later)."""
-    if jax.process_count() > 1:
-        multihost_utils.reached_preemption_sync_point(step)
+    counts from (a later step is also fine: a notice then stops the run that many steps later).
+    Once per process, and only with several: `first_step()` may open checkpoints."""
+    global _checked_in
+    if jax.process_count() > 1 and not _checked_in:
+        multihost_utils.reached_preemption_sync_point(first_step())
+        _checked_in = True
 
 
 class Notice:

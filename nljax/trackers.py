@@ -15,6 +15,7 @@ checkpoint saved (`Trackers.ids`, kept in the checkpoint's metadata by `nljax.ch
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import html
 import os
@@ -86,13 +87,19 @@ class TensorBoard:
         Event, SessionLog = tbx.proto.event_pb2.Event, tbx.proto.event_pb2.SessionLog
         self.writer._get_file_writer().add_event(Event(step=start_step, session_log=SessionLog(status=SessionLog.START)))
 
-    def _write(self, event) -> None:
+    @contextlib.contextmanager
+    def _naming_the_file(self):
+        """An OSError of the event file names it (cli's one line: not the run's metrics)."""
         try:
+            yield
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, str(self.file)) from None
+
+    def _write(self, event) -> None:
+        with self._naming_the_file():
             self._events.write_event(event)
             if time.monotonic() - self._flushed > self.FLUSH_S:
                 self._flush()
-        except OSError as e:  # named: the file is the tracker's, not the run's metrics
-            raise OSError(e.errno, e.strerror, str(self.file)) from None
 
     def _flush(self) -> None:
         self._events.flush()
@@ -122,11 +129,9 @@ class TensorBoard:
         self.writer.add_text(tag, "\n".join("    " + line for line in text.split("\n")), step)
 
     def close(self, failed: bool = False) -> None:
-        try:
+        with self._naming_the_file():
             self._flush()
             self.writer.close()
-        except OSError as e:
-            raise OSError(e.errno, e.strerror, str(self.file)) from None
 
 
 class WandB:

@@ -332,9 +332,8 @@ def train(cfg: Config) -> dict:
 
 
 def _train(cfg: Config, notice: Notice) -> dict:
-    # before the slow start-up (nljax.preemption); the command did it as the processes joined, a
-    # caller of train() that joined them itself has not
-    preemption.check_in(resume_step_guess(cfg))
+    # before the slow start-up (nljax.preemption), unless the command did as the processes joined
+    preemption.check_in(lambda: resume_step_guess(cfg))
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     check_installed(cfg)  # before anything is written
     run = Run.create(cfg)

@@ -516,7 +516,7 @@ def test_the_command_checks_in_as_the_processes_join(tmp_path, monkeypatch):
     assert train.main([*common, "train.steps=2", "checkpoint.every=1"]) == 0
     calls = []
     monkeypatch.setattr(distributed, "initialize", lambda launch, timeout_s: True)  # one of "several"
-    monkeypatch.setattr(cli, "check_in", lambda step: calls.append(("check_in", step)))
+    monkeypatch.setattr(cli, "check_in", lambda first_step: calls.append(("check_in", first_step())))
 
     def check_config(cfg):
         calls.append(("check_config",))
@@ -533,7 +533,7 @@ import jax
 i, port, resumed_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=i)
 from nljax import preemption
-preemption.check_in(resumed_at)  # what the trainer does first
+preemption.check_in(lambda: resumed_at)  # what the trainer does first
 if i == 0:
     os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, during restore and compilation
 time.sleep(3)
