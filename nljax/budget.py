@@ -26,6 +26,7 @@ import os
 import jax
 import numpy as np
 
+from nljax import frozen
 from nljax.config import Config, ConfigError
 
 F32 = 4
@@ -52,7 +53,9 @@ def available_bytes(used: int | None = None) -> int | None:
 def _activations(cfg: Config, n_devices: int) -> int:
     m, t = cfg.model, cfg.train
     rows = max(t.batch_size // n_devices // t.accum_steps, 1)  # one micro-batch at a time
-    tokens = rows * t.seq_len  # DiT: images x patches is not known before the data; counted as seq_len
+    # DiT: an image's patches are not known before the data (train.seq_len does not apply): one,
+    # so that the floor stays a floor
+    tokens = rows * (t.seq_len if m.name != "dit" else 1)
     per_token = 2 * m.depth * m.dim + (2 * m.vocab_size if m.name != "dit" else 0)
     return tokens * per_token * F32
 
@@ -61,13 +64,17 @@ def config_floor(cfg: Config, n_devices: int) -> dict[str, int]:
     """Bytes per device that any model of this config needs at least (Python ints: no overflow)."""
     m, c = cfg.model, cfg.cms
     # one MLP per level per block, its hidden width split over the tensor-parallel shards
-    mlp = m.depth * len(c.periods) * 2 * m.hidden_mult * m.dim * m.dim // cfg.mesh.model
-    params = (mlp + m.vocab_size * m.dim) * F32
+    level_mlp = m.depth * 2 * m.hidden_mult * m.dim * m.dim // cfg.mesh.model
+    params = (len(c.periods) * level_mlp + m.vocab_size * m.dim) * F32
     shard = n_devices if cfg.sync.strategy == "fsdp" else 1
     opt = 2 * params if cfg.optim.name == "adamw" else 0
+    # a frozen level's rank-local error buffer: its MLPs once, or C_l - 1 times under `updates`
+    # (`frozen.width`); never sharded
+    slots = lambda p: (p - 1 if c.accumulate == "updates" else 1) if p > 1 and c.frozen_grads == "accumulate" else 0
+    err = sum(slots(p) for p in c.periods) * level_mlp * F32
     return {"parameters": params // shard, "gradients": params // shard,
             "optimizer state": opt // (1 if cfg.sync.strategy == "replicated" else n_devices),
-            "activations (floor)": _activations(cfg, n_devices)}
+            "error buffers": err, "activations (floor)": _activations(cfg, n_devices)}
 
 
 def engine_terms(cfg: Config, engine) -> dict[str, int]:
@@ -79,7 +86,7 @@ def engine_terms(cfg: Config, engine) -> dict[str, int]:
     shard_p = n if cfg.sync.strategy == "fsdp" else 1
     shard_o = 1 if cfg.sync.strategy == "replicated" else n
     opt = 2 * params if cfg.optim.name == "adamw" else 0
-    err = sum(size * F32 for l, size in enumerate(sizes) if engine.buffered(l))
+    err = sum(frozen.width(engine, l) * F32 for l in range(engine.n_levels) if engine.buffered(l))
     rows = max(cfg.train.batch_size // n, 1)
     memory = jax.eval_shape(lambda: engine.local_model.init_memory(rows))  # this device's heads
     mem = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(memory))
@@ -93,7 +100,7 @@ def check(terms: dict[str, int], available: int | None) -> None:
     need = sum(terms.values())
     if available is None or need <= available:
         return
-    gib = lambda b: f"{b / 2**30:,.1f} GiB"
+    gib = lambda b: f"{b / 2**30:,.1f} GiB" if b >= 2**30 else f"{b / 2**20:,.0f} MiB"
     name, biggest = max(terms.items(), key=lambda kv: kv[1])
     raise ConfigError(
         f"the run needs at least {gib(need)} per device, more than the {gib(available)} available "

@@ -1,8 +1,8 @@
 """Honest throughput: per device (an aggregate hides the slowest device), per pulse pattern (steps
 where more levels fire cost more), compute vs communication.
 
-At the end of a run every pulse pattern that occurred within `train.steps` is timed on a throwaway
-copy of the state: `throughput.reps` rounds interleaved over the patterns (so a drift of clock or
+At the end of a run every pulse pattern that occurred within `train.steps` is timed on the final
+state (already saved; the timing consumes it, so no second copy has to fit beside it): `throughput.reps` rounds interleaved over the patterns (so a drift of clock or
 load hits all of them alike), medians reported. Tokens per second are per device; the aggregate
 is only shown beside them.
 
@@ -12,7 +12,9 @@ every collective runs over axes of size 1 and disappears. Its time is the comput
 difference to the real step is the time the step spends communicating (or waiting for it).
 Caveats: emulated CPU devices share the host's cores, so there the split measures contention
 more than communication; with a sharded optimizer the 1-device program updates every parameter
-rather than 1/N of them, so compute is slightly overstated.
+rather than 1/N of them, so compute is slightly overstated. That program holds the whole model
+and optimizer on one device: where it does not fit (a sharded run's reason to shard), the split
+is skipped and the table says why (`split_skipped`), instead of failing a run that trained.
 
 MFU: the FLOPs of the compiled per-device program (`cost_analysis()`) per step time, over the
 device's peak (`throughput.peak_tflops`, else the bf16 dense peak of known device kinds).
@@ -28,6 +30,7 @@ from typing import Callable
 import jax
 
 from nljax import hlo, runlog
+from nljax.errors import ConfigError, first_line
 from nljax.conductor import Conductor, pattern_name, pulse
 from nljax.run import Run
 from nljax.state import TrainState
@@ -117,31 +120,47 @@ class Measured:
     step_s: dict  # active set -> median step time
     compute_s: dict  # active set -> median time without collectives (empty when not split)
     flops: dict  # active set -> FLOPs per device per step (or None)
+    split_skipped: str | None = None  # why compute_s is empty although the split was asked for
 
 
 def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps: int, split: bool,
             local: Callable[[], Run]) -> Measured:
-    """Time every active set on a copy of `state` with `batch` and, with `split`, the same
-    per-device program on one device without collectives (`local()` builds it, `Run.local`)."""
-    chain = _Chain(jax.tree.map(lambda x: x.copy(), state))
+    """Time every active set with `batch`, threading `state` through them (consumed: each variant
+    donates its input) and, with `split`, the same per-device program on one device without
+    collectives (`local()` builds it, `Run.local`), unless that does not fit."""
+    chain = _Chain(state)
     fns = {a: cache.train_fn(a, chain.state, batch) for a in active_sets}
     runs = {("step", a): chain.call(fns[a], batch) for a in active_sets}
     n_devices = cache.eng.mesh_devices
+    skipped = None
     if split and n_devices > 1:
-        one = local()
-        lbatch, lstate = one.batch(0), one.init_state()
-        lchain = _Chain(lstate)
-        for a in active_sets:
-            runs[("compute", a)] = lchain.call(one.cache.train_fn(a, lstate, lbatch), lbatch)
+        try:
+            runs.update(_local_runs(local, active_sets))
+        except (ConfigError, jax.errors.JaxRuntimeError) as e:
+            if not isinstance(e, ConfigError) and "RESOURCE_EXHAUSTED" not in str(e):
+                raise
+            skipped = f"the one-device program does not fit ({first_line(e)[:160]})"
     medians = _time_interleaved(runs, reps)
     step_s = {a: medians[("step", a)] for a in active_sets}
-    if not split:
+    if not split or skipped:
         compute_s = {}
     elif n_devices == 1:
         compute_s = dict(step_s)  # the 1-device program has no collectives to remove
     else:
         compute_s = {a: medians[("compute", a)] for a in active_sets}
-    return Measured(step_s, compute_s, {a: flops(fns[a]) for a in active_sets})
+    return Measured(step_s, compute_s, {a: flops(fns[a]) for a in active_sets}, skipped)
+
+
+def _local_runs(local: Callable[[], Run], active_sets) -> dict:
+    """The 1-device program's calls, each run once here, so that one that does not fit fails
+    now (refused by the budget, or out of memory) rather than inside the timing."""
+    one = local()
+    lbatch = one.batch(0)
+    lchain = _Chain(one.init_state())
+    runs = {("compute", a): lchain.call(one.cache.train_fn(a, lchain.state, lbatch), lbatch) for a in active_sets}
+    for call in runs.values():
+        jax.block_until_ready(call())
+    return runs
 
 
 class _Chain:
@@ -197,6 +216,8 @@ def report(
             wire_bytes=wire_bytes.get(name),
         )
     out = {"unit": unit, "devices": n_devices, "peak_flops_per_device": peak, "per_pattern": rows}
+    if m.split_skipped:
+        out["split_skipped"] = m.split_skipped
     if not rows:
         return out
     actives = list(m.step_s)
@@ -243,6 +264,8 @@ def format_table(t: dict) -> str:
         lines.append(line(f"worst {t['worst_pattern']}", t["worst"]))
         lines.append(f"{unit}/s per device: mean {t[key + '_mean']:,.0f}, worst {t[key + '_worst']:,.0f}; "
                      f"aggregate over {t['devices']} devices {t[unit + '_per_s_aggregate']:,.0f}")
+    if t.get("split_skipped"):
+        lines.append(f"compute/comm split skipped: {t['split_skipped']}")
     if any(r.get("flops_source") == "analytic" and r["mfu"] is not None for r in t["per_pattern"].values()):
         lines.append("MFU from the analytic FLOP count (nljax.flops): the step runs a loop, whose body XLA's "
                      "count covers once")

@@ -240,6 +240,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         out.trackers.scalars("eval", final_eval, cfg.train.steps)
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
+    held = bytes_per_device(state)  # before the timing, which consumes the state
     table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"])
     summary = {
         "nljax_version": __version__,
@@ -253,7 +254,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         "communication": comm,
         "wall_time_s": hist.wall_s,
         "skipped_steps": hist.skipped,
-        "memory_bytes_per_device": bytes_per_device(state),
+        "memory_bytes_per_device": held,
         "strategy": eng.strategy.name,
     }
     describe = getattr(run.task, "describe", None)  # the text task: source, tokens, digest
@@ -267,7 +268,8 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case
     if every in measured.step_s and table["worst_pattern"] != pattern_name(every):
         out.say(f"note: {table['worst_pattern']} timed slower than {pattern_name(every)}, where all levels fire: "
-                f"their difference is within the timing noise")
+                "it does less work, so the timing is noisy here (a loaded or shared machine; "
+                "throughput.reps raises the rounds)")
     if comm["ratio_vs_ddp"] is not None:
         tp = comm["mean_model_axis_wire_bytes_per_step"]
         out.say(f"per-level sync per device per step (HLO, mean over a cycle): "

@@ -2,6 +2,7 @@
 keys, the throughput table, run-directory hygiene."""
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -265,3 +266,23 @@ def test_hooks_run_in_order_every_n_steps():
         hooks.run(SimpleNamespace(step=s))  # a step result: only its step is read
     assert calls == [("every step", 0), ("every 2", 1), ("every step", 1), ("every step", 2), ("every 2", 3),
                      ("every step", 3)]
+
+
+def test_a_sharded_run_that_fits_reports_without_the_split_that_does_not(tmp_path, monkeypatch, capsys):
+    """fsdp shards what one device could not hold; the end-of-run compute/comm split builds the
+    whole model on one device. Where that does not fit, the split is skipped and said so: the
+    run that trained writes its summary (it failed at the end, with "make the model smaller")."""
+    from nljax import budget
+    from nljax.train import main
+
+    monkeypatch.setattr(budget, "available_bytes", lambda used=None: 100 * 2**20)  # a GPU's bytes_limit
+    run = tmp_path / "run"
+    rc = main(["--quiet", "model.name=cms_mlp", "model.dim=512", "model.depth=4", "cms.periods=[1,2]",
+               "sync.strategy=fsdp", "train.batch_size=8", "train.seq_len=16", "train.steps=2", "eval.every=0",
+               "eval.batches=1", "eval.stream_steps=0", "throughput.reps=1", "run.plots=false", "run.trackers=[]",
+               "run.compile_cache=none", f"run.dir={run}"])
+    assert rc == 0, capsys.readouterr().err
+    table = json.loads((run / "summary.json").read_text())["throughput"]
+    assert table["split_skipped"].startswith("the one-device program does not fit (the run needs at least")
+    assert all(r["compute_ms"] is None and r["step_time_ms"] > 0 for r in table["per_pattern"].values())
+    assert "compute/comm split skipped" in throughput.format_table(table)

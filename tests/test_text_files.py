@@ -122,7 +122,7 @@ def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path,
     monkeypatch.chdir(corpus["root"])
     relative = "data.train=['*.txt', '*.jsonl', './*.jsonl.gz']"
     assert prepared.corpus(data_config(relative, "data.eval_fraction=0.2", f"data.prepared={out}").data).digest == m["digest"]
-    with pytest.raises(config.ConfigError, match=r"was prepared with data.train=\[.*\], not \['\*.txt'\]"):
+    with pytest.raises(config.ConfigError, match=r"was prepared with data.train=\[.*\], not \['/.*/\*.txt'\]"):
         prepared.corpus(data_config("data.train=['*.txt']", "data.eval_fraction=0.2", f"data.prepared={out}").data)
 
 
@@ -334,6 +334,72 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
         f.truncate(10)
     assert train_main(["--quiet", "data.source=files", f"data.prepared={prep}", f"run.dir={tmp_path / 'run'}"]) == 2
     assert "train.bin holds 10 bytes, the manifest says" in one_line(capsys)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_prepared_dir_matches_its_sources_and_itself(corpus, tokenizer, tmp_path, capsys, monkeypatch):
+    """What a run given data.prepared with data.train checks (each case trained silently on other
+    text, or decoded with another tokenizer, before), and what it checks of DIR itself."""
+    import fcntl
+
+    src = tmp_path / "src"
+    shutil.copytree(corpus["root"], src)
+    files = [f"data.train=[{src}/*.txt]", "data.eval_fraction=0.2"]
+    prep = tmp_path / "prep"
+    assert prepare_main([*files, f"out={prep}"]) == 0
+    use = lambda *a: prepared.corpus(data_config(*files, f"data.prepared={prep}", *a).data)
+    assert use().digest
+    (src / "doc0.txt").write_text((src / "doc0.txt").read_text() + "edited\n")
+    with pytest.raises(config.ConfigError, match=f"from other files than data.train names now .*{src}/doc0.txt"):
+        use()
+    (src / "doc0.txt").unlink()
+    with pytest.raises(config.ConfigError, match=f"{src}/doc0.txt was added, removed or changed"):
+        use()
+    # a relative spelling is the files of the directory it was prepared in, not of another
+    monkeypatch.chdir(src)
+    rel = tmp_path / "rel"
+    assert prepare_main(["data.train=[doc1.txt]", f"data.eval=[{src}/held/h0.txt]", f"out={rel}"]) == 0
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "doc1.txt").write_text("other text altogether\n")
+    monkeypatch.chdir(other)
+    with pytest.raises(config.ConfigError, match=r"was prepared with data.train=\[.*src/doc1.txt'\]"):
+        prepared.corpus(data_config("data.train=[doc1.txt]", f"data.eval=[{src}/held/h0.txt]", f"data.prepared={rel}").data)
+    # a tokenized DIR with data.train and no data.tokenizer (bytes) is refused
+    tok_dir = tmp_path / "tok"
+    tok_files = [f"data.train=[{corpus['root']}/*.txt]", f"data.eval=[{corpus['root']}/held/*.txt]"]
+    assert prepare_main([*tok_files, f"data.tokenizer={tokenizer}", f"out={tok_dir}"]) == 0
+    with pytest.raises(config.ConfigError, match="prepared with a tokenizer, and data.tokenizer is not given"):
+        prepared.corpus(data_config(*tok_files, f"data.prepared={tok_dir}").data)
+    capsys.readouterr()
+    # one prepare at a time into a DIR: the second is refused while the first holds the lock
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    with open(busy / prepared.LOCK, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert prepare_main([*tok_files, f"out={busy}"]) == 2
+    assert "another nljax.prepare is writing into" in one_line(capsys)
+    assert prepare_main([*tok_files, f"out={busy}"]) == 0  # released: it writes
+    # DIR itself: a manifest lacking a key, a tokenizer copy that is not the manifest's, document
+    # starts out of order: one line each
+    def broken(name, change):
+        d = tmp_path / name
+        shutil.copytree(tok_dir, d)
+        change(d)
+        assert train_main(["--quiet", "data.source=files", f"data.prepared={d}", f"run.dir={tmp_path / 'run'}"]) == 2
+        return one_line(capsys)
+    def drop_digest(d):
+        m = json.loads((d / "manifest.json").read_text())
+        del m["digest"]
+        (d / "manifest.json").write_text(json.dumps(m))
+    assert "manifest.json lacks 'digest'" in broken("nodigest", drop_digest)
+    assert "tokenizer.json is not the tokenizer it was prepared with" in broken(
+        "othertok", lambda d: (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text().replace("<eos>", "<eot>")))
+    def unsorted(d):
+        starts = np.load(d / "train.docs.npy")
+        starts[1], starts[2] = starts[2], starts[1]
+        np.save(d / "train.docs.npy", starts)
+    assert "train.docs.npy does not match the manifest" in broken("unsorted", unsorted)
     assert not (tmp_path / "run").exists()
 
 

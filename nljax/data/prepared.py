@@ -23,6 +23,7 @@ prepare that fails leaves an earlier one as it was.
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import hashlib
 import io
 import json
@@ -37,7 +38,7 @@ from nljax.errors import ConfigError
 
 FORMAT = "nljax-text-1"
 SPLITS = ("train", "eval")
-MANIFEST, TOKENIZER = "manifest.json", "tokenizer.json"
+MANIFEST, TOKENIZER, LOCK = "manifest.json", "tokenizer.json", ".prepare.lock"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +100,10 @@ class _Sink:
 
 
 def settings_record(d: DataConfig) -> dict:
-    """The data.* keys a corpus is prepared from (eval_fraction only when it splits data.train)."""
-    return {"train": list(d.train), "eval": list(d.eval), "text_key": d.text_key,
+    """The data.* keys a corpus is prepared from (eval_fraction only when it splits data.train),
+    its files absolute: a run from another directory names the same ones."""
+    return {"train": [documents.absolute(p) for p in d.train], "eval": [documents.absolute(p) for p in d.eval],
+            "text_key": d.text_key,
             "eval_fraction": None if d.eval else d.eval_fraction, "doc_end_token": d.doc_end_token}
 
 
@@ -135,9 +138,12 @@ def _tokenize(d: DataConfig, tok, train_files: list[Path], eval_files: list[Path
     content = {"format": FORMAT, "tokenizer": tok.info(), "vocab_size": tok.vocab_size,
                "dtype": np.dtype(sinks["train"].dtype).name, **{s: sinks[s].record(s) for s in SPLITS}}
     digest = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
-    sources = {k: [{"path": str(p), "bytes": p.stat().st_size} for p in files]
-               for k, files in (("train", train_files), ("eval", eval_files))}
+    sources = {k: _source_record(files) for k, files in (("train", train_files), ("eval", eval_files))}
     return {**content, "settings": settings_record(d), "sources": sources, "digest": digest}
+
+
+def _source_record(files: list[Path]) -> list[dict]:
+    return [{"path": str(p.absolute()), "bytes": p.stat().st_size} for p in files]
 
 
 def build(d: DataConfig, out: Path | None = None, overwrite: bool = False) -> Corpus:
@@ -155,7 +161,8 @@ def build(d: DataConfig, out: Path | None = None, overwrite: bool = False) -> Co
 
 
 def _write(out: Path, overwrite: bool, fill, dtype: np.dtype, tok) -> None:
-    """Tokenize into temporary files in `out`, then rename them into place, the manifest last."""
+    """Tokenize into temporary files in `out`, then rename them into place, the manifest last;
+    one prepare at a time per directory (a lock held while it writes)."""
     if (out / MANIFEST).exists() and not overwrite:
         raise ConfigError(f"{out} already holds prepared data ({MANIFEST}); give another out= or overwrite=true")
     created = not out.exists()
@@ -164,9 +171,18 @@ def _write(out: Path, overwrite: bool, fill, dtype: np.dtype, tok) -> None:
     except OSError as e:
         raise ConfigError(f"cannot create {out}: {e.strerror or e}") from None
     temp = lambda name: out / f".{name}.tmp-{os.getpid()}"
-    names = [f"{s}.bin" for s in SPLITS] + [f"{s}.docs.npy" for s in SPLITS] + [MANIFEST]
+    names = [f"{s}.bin" for s in SPLITS] + [f"{s}.docs.npy" for s in SPLITS]
     names += [TOKENIZER] if hasattr(tok, "raw") else []
+    names += [MANIFEST]  # last: a directory with a manifest is complete
+    lock = open(out / LOCK, "a")
     try:
+        try:  # released by the kernel whatever ends this process: no stale lock
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise ConfigError(f"another nljax.prepare is writing into {out} (it holds {out / LOCK}); "
+                              "wait for it, or give another out=") from None
+        if (out / MANIFEST).exists() and not overwrite:  # the other one finished first
+            raise ConfigError(f"{out} already holds prepared data ({MANIFEST}); give another out= or overwrite=true")
         with open(temp("train.bin"), "wb") as ft, open(temp("eval.bin"), "wb") as fe:
             sinks = {"train": _Sink(ft, dtype), "eval": _Sink(fe, dtype)}
             manifest = fill(sinks)
@@ -183,8 +199,10 @@ def _write(out: Path, overwrite: bool, fill, dtype: np.dtype, tok) -> None:
     finally:
         for name in names:
             temp(name).unlink(missing_ok=True)
-        if created and not any(out.iterdir()):  # bad data: no empty directory left behind
+        if created and {p.name for p in out.iterdir()} == {LOCK}:  # bad data: no empty directory left behind
+            (out / LOCK).unlink()
             out.rmdir()
+        lock.close()
 
 
 def load(path: Path) -> Corpus:
@@ -198,9 +216,28 @@ def load(path: Path) -> Corpus:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ConfigError(f"data.prepared={path}: {MANIFEST} is not a manifest of format {FORMAT}")
     try:
+        for key in ("digest", "vocab_size", "dtype"):
+            manifest[key]
+        tok = manifest["tokenizer"]
+        if tok["kind"] != "bytes":
+            _check_tokenizer_copy(path, tok)
+        for s in SPLITS:
+            manifest[s]["max_token"]
         return Corpus(*(_open_split(path, manifest, s) for s in SPLITS), manifest)
     except (KeyError, TypeError) as e:
         raise ConfigError(f"data.prepared={path}: {MANIFEST} lacks {e}") from None
+
+
+def _check_tokenizer_copy(path: Path, info: dict) -> None:
+    """The directory's tokenizer.json is the one the manifest names (a prepare stopped between
+    the two renames, or a copied-in file, would decode with another vocabulary)."""
+    try:
+        raw = (path / info["file"]).read_bytes()
+    except OSError as e:
+        raise ConfigError(f"data.prepared={path}: {info['file']} cannot be read ({e.strerror or e})") from None
+    if hashlib.sha256(raw).hexdigest() != info["sha256"]:
+        raise ConfigError(f"data.prepared={path}: {info['file']} is not the tokenizer it was prepared with "
+                          "(its sha256 differs from the manifest's): prepare it again")
 
 
 def _open_split(path: Path, manifest: dict, name: str) -> Split:
@@ -214,7 +251,8 @@ def _open_split(path: Path, manifest: dict, name: str) -> Split:
         starts = np.load(path / rec["docs_file"])
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.prepared={path}: {rec['docs_file']} cannot be read ({e})") from None
-    if starts.shape != (rec["documents"],) or (len(starts) and (starts[0] != 0 or starts[-1] >= n)):
+    ordered = starts.ndim == 1 and bool(np.all(np.diff(starts) > 0))
+    if starts.shape != (rec["documents"],) or not ordered or (len(starts) and (starts[0] != 0 or starts[-1] >= n)):
         raise ConfigError(f"data.prepared={path}: {rec['docs_file']} does not match the manifest's {rec['documents']} "
                           "documents: prepare again")
     return Split(np.memmap(file, dtype=dtype, mode="r", shape=(n,)), starts.astype(np.int64))
@@ -230,10 +268,11 @@ _CACHE: dict = {}  # (data section, what its files are now) -> Corpus; a Run and
 def corpus(d: DataConfig) -> Corpus:
     """data.prepared (checked against data.train and data.tokenizer when they are given too), or
     data.train tokenized into memory. Read once per process while the files stay unchanged."""
-    if d.prepared:  # every file of DIR (a token file replaced or cut short is read again, and checked)
-        paths = sorted(Path(d.prepared).iterdir()) if Path(d.prepared).is_dir() else []
-    else:
-        paths = [*documents.expand(d.train, "data.train"), *documents.expand(d.eval, "data.eval")]
+    # the source files (when given) and every file of DIR: a token file replaced or cut short, or
+    # a source edited since, is read again, and checked
+    paths = [*documents.expand(d.train, "data.train"), *documents.expand(d.eval, "data.eval")]
+    if d.prepared:
+        paths += sorted(Path(d.prepared).iterdir()) if Path(d.prepared).is_dir() else []
     paths += [Path(d.tokenizer).expanduser()] if d.tokenizer else []
     key = (d, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.is_file()))
     if key not in _CACHE:
@@ -260,6 +299,10 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
             if not same:
                 raise ConfigError(f"{where} with data.{key}={saved.get(key)!r}, not {value!r}: prepare it again, "
                                   "or give data.prepared alone")
+        _check_sources(manifest, d, where)
+        if not d.tokenizer and manifest["tokenizer"]["kind"] != "bytes":
+            raise ConfigError(f"{where} with a tokenizer, and data.tokenizer is not given (bytes): give it, or "
+                              "give data.prepared alone")
     if d.doc_end_token and manifest["tokenizer"].get("doc_end_token") != d.doc_end_token:
         raise ConfigError(f"{where} with data.doc_end_token={manifest['tokenizer'].get('doc_end_token')!r}, not "
                           f"{d.doc_end_token!r}: prepare it again, or leave data.doc_end_token out")
@@ -267,6 +310,23 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
         sha = tokenization.load(d.tokenizer, d.doc_end_token).info()["sha256"]
         if manifest["tokenizer"].get("sha256") != sha:
             raise ConfigError(f"{where} with another tokenizer than data.tokenizer={d.tokenizer}")
+
+
+def _check_sources(manifest: dict, d: DataConfig, where: str) -> None:
+    """The files data.train / data.eval name now are those read then, with the same sizes: an
+    added, removed or grown file means the directory holds other text than they do."""
+    now = {"train": documents.expand(d.train, "data.train"),
+           "eval": documents.expand(d.eval, "data.eval") if d.eval else []}
+    for split, files in now.items():
+        # absolute since the paths are (a manifest from before recorded them as spelled)
+        then = {documents.absolute(r["path"]): r["bytes"] for r in manifest.get("sources", {}).get(split, [])}
+        if not then:  # an old manifest without sources: nothing to compare with
+            continue
+        current = {r["path"]: r["bytes"] for r in _source_record(files)}
+        if current != then:
+            changed = sorted(set(current) ^ set(then)) or sorted(p for p in current if current[p] != then[p])
+            raise ConfigError(f"{where} from other files than data.{split} names now ({changed[0]} was added, "
+                              "removed or changed since): prepare it again, or give data.prepared alone")
 
 
 def tokenization_of(d: DataConfig):
