@@ -67,8 +67,12 @@ def finite(eng, g: jax.Array) -> jax.Array:
 def fold(eng, active: tuple[bool, ...], grads: tuple, err_buf: tuple, step: jax.Array):
     """Per level: the local gradients to synchronize, [K_l, N_l] (active levels, buffer folded
     in), and the new error buffers (frozen levels add their gradient, rank-local; fired levels
-    reset). A frozen level's non-finite local gradient is left out on this device: it would
-    poison the buffer until the level fires (a rank-local decision, like the buffer itself)."""
+    reset). Under `gradients` a frozen level's non-finite local gradient is left out on this
+    device: it would poison the sum until the level fires (a rank-local decision, like the buffer
+    itself). Under `updates` it is kept in its own slot: that slot's synchronized gradient is then
+    non-finite on every device and `step.keep_grads` skips it, as a synchronized step's (left
+    out, the slot held zeros here and the other devices' share elsewhere, and the optimizer
+    stepped on that)."""
     check = eng.cfg.sync.check_grads
     to_sync, new_buf = {}, list(err_buf)
     for l in range(eng.n_levels):
@@ -91,5 +95,5 @@ def fold(eng, active: tuple[bool, ...], grads: tuple, err_buf: tuple, step: jax.
             else:  # frozen at step s: s % C_l is 1 .. C_l − 1, slot s % C_l − 1
                 slot = (step % eng.cfg.cms.periods[l] - 1) * g.shape[0]
                 acc = jax.lax.dynamic_update_slice(err_buf[l], g[None], (0, slot))  # [1, (C_l − 1) N_l]
-            new_buf[l] = jnp.where(finite(eng, g), acc, err_buf[l]) if check else acc
+            new_buf[l] = jnp.where(finite(eng, g), acc, err_buf[l]) if check and k == 1 else acc
     return to_sync, tuple(new_buf)

@@ -124,16 +124,24 @@ def check_skipped(in_a_row: int, step: int, limit: int) -> None:
         )
 
 
-def stalled(record: dict) -> bool:
-    """Nothing trained at this step: every active level's update was skipped."""
-    return len(record.get("skipped_levels", ())) == len(record.get("active_levels", ()))
+def stalled(record: dict) -> bool | None:
+    """True: every active level's update was skipped at this step; False: one trained; None: no
+    level was active (level 0 with a period above 1), so nothing could be skipped and the count
+    of stalled steps in a row goes on unchanged."""
+    active = record.get("active_levels", ())
+    return len(record.get("skipped_levels", ())) == len(active) if active else None
 
 
 def stalled_in_a_row(kept: list[dict]) -> int:
     """The stalled steps at the end of a resumed run's kept records, the same on every process
     (process 0 alone has the records: it tells the others, which would otherwise count from 0 and
     go on into a step after process 0 stopped)."""
-    n = len(kept) - next((i + 1 for i in reversed(range(len(kept))) if not stalled(kept[i])), 0)
+    n = 0
+    for r in reversed(kept):
+        s = stalled(r)
+        if s is False:
+            break
+        n += bool(s)
     if jax.process_count() > 1:
         n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
     return n
@@ -183,7 +191,8 @@ def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Outpu
         hist.skipped += 1
         out.say(f"warning: step {r.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
                 f"sync.max_grad_norm)")
-    hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if stalled(r.record) else 0
+    s = stalled(r.record)
+    hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if s else hist.stalled_in_a_row if s is None else 0
     hooks.run(r)
     hist.records.append(r.record)
     check_skipped(hist.stalled_in_a_row, r.step, run.cfg.train.max_skipped)

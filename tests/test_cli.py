@@ -135,6 +135,18 @@ def test_a_run_that_skips_every_step_stops(tmp_path):
     assert not (d / "nljax.lock").exists()  # released on the way out
 
 
+def test_a_step_where_no_level_fires_is_not_a_skipped_step():
+    """Level 0 with a period above 1 leaves steps where nothing is active: nothing could be
+    skipped there (a run with cms.periods=[25, 50] stopped at step 20, "all skipped")."""
+    from nljax.trainer import stalled, stalled_in_a_row
+
+    fired = lambda *skipped: {"active_levels": [0, 1], "skipped_levels": list(skipped)}
+    idle = {"active_levels": [], "skipped_levels": []}
+    assert stalled(idle) is None and stalled(fired()) is False and stalled(fired(0, 1)) is True
+    assert stalled_in_a_row([fired(), *[idle] * 30]) == 0
+    assert stalled_in_a_row([fired(), fired(0, 1), idle, fired(0, 1), idle]) == 2
+
+
 def test_metrics_and_summary_are_strict_json(tmp_path):
     from nljax import runlog
     from nljax.rundir import RunDir, kept_records

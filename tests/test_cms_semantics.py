@@ -8,6 +8,7 @@ import pytest
 from nljax import levels
 from nljax.conductor import pulse
 from nljax.config import ConfigError, load
+from nljax.hostdev import put_batch
 
 from helpers import assert_trees_close, make, train
 
@@ -142,3 +143,24 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="optim.clip_norm"):
         load(None, ["optim.clip_norm=-1"])
     assert load(None, ["cms.accumulate=updates"]).cms.accumulate == "updates"
+
+
+@pytest.mark.parametrize("inter,intra", [(1, 1), (2, 4)])
+def test_a_non_finite_frozen_step_under_updates_is_skipped_at_the_firing(inter, intra):
+    """Under `updates` each buffered step is checked as a synchronized step is: a non-finite
+    gradient at a frozen step (here on one device's rows) leaves Adam's state as if that step
+    had not happened, on every device. It was left out of the buffer, whose zero slot (one
+    device) or partial sum (several) Adam then stepped on, unreported."""
+    setup = make(["cms.periods=[1,3]", "cms.accumulate=updates"], inter, intra)
+    state = setup.state
+    for step in range(4):
+        batch = setup.batch(step)
+        if step == 1:
+            host = jax.device_get(batch)
+            tokens = np.array(host["tokens"])
+            tokens[-1, 0] = 10**6  # the last row (the last device's): an id past the table, NaN
+            batch = put_batch({**host, "tokens": tokens}, setup.mesh)
+        state, m, _ = setup.cache.train(pulse(step, (1, 3)).active, state, batch)
+    np.testing.assert_array_equal(np.asarray(m["level_skipped"]), [0, 1])
+    assert int(jax.device_get(state.opt_state[1]).count) == 3  # steps 0, 2 and 3
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
