@@ -177,6 +177,23 @@ def test_logits_are_causal(kind):
     assert not np.allclose(change(3)[:, 30], base[:, 30])
 
 
+def test_every_block_starts_as_the_identity():
+    """At init every block adds nothing to the residual stream (attention's, the memory's and the
+    CMS MLPs' output layers are zero), so a memory in any block first reads the token embeddings,
+    not a random mix of them (README: "Where the memory goes"): the logits at t depend on token t
+    alone, bit for bit, whatever came before it."""
+    import jax.numpy as jnp
+
+    from nljax.models import build
+
+    model = build(config.load(None, ["model.nl_lm.memory_layers=[0,1]", "model.nl_lm.memory_kind=mlp"]))
+    params = model.init(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 129), 0, 256)
+    other = tokens.at[:, :100].set((tokens[:, :100] + 1) % 256)  # every earlier token changed
+    logits = lambda t: model.logits(params, model.init_memory(2), {"tokens": t, "reset": jnp.ones(2, bool)})[0]
+    np.testing.assert_array_equal(logits(other)[:, 100:], logits(tokens)[:, 100:])
+
+
 @pytest.mark.parametrize("t, window", [(100, 16), (40, 50)])
 def test_blocked_local_attention_equals_the_full_masked_form(t, window):
     """Blocks of `window` queries over their block and the one before (linear in T) == jax's
