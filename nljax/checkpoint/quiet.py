@@ -22,7 +22,8 @@ Both are context managers: the filters are installed on entry and removed on exi
 outside nljax's own Orbax calls loses a report. Only those reports are dropped, nothing else
 that happens meanwhile. The callbacks of a failed operation arrive from TensorStore's threads
 after the exception has reached nljax, as soon as the main thread lets them run: a caller that
-caught a failure calls `settle()` before leaving the scope, which waits for them.
+caught a failure calls `settle()` before leaving the scope, which waits for them and for Orbax's
+worker threads of the failed operation (their tracebacks; at most a few seconds).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import contextlib
 import gc
 import logging
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -76,6 +78,12 @@ class _Filters:
             time.sleep(0.01)  # lets TensorStore's threads take the GIL and call back
             if self.dropped != seen:
                 seen, last_change = self.dropped, time.monotonic()
+        # Orbax's own worker threads of the failed operation log their error with a traceback when
+        # they end, which on a loaded machine can be well after the callbacks went quiet (seen:
+        # 'cannot schedule new futures after shutdown' printed after the one-line error)
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and _orbax_worker(thread):
+                thread.join(max(0.0, limit_s - (time.monotonic() - start)))
         gc.collect()
 
     def orbax_thread_errors(self, record: logging.LogRecord) -> bool:
@@ -120,6 +128,12 @@ class _Filters:
         if not (self.on and self.failed and issubclass(category, RuntimeWarning)
                 and "was never awaited" in str(message)):
             self.previous_show(message, category, *args, **kwargs)
+
+
+def _orbax_worker(thread: threading.Thread) -> bool:
+    """A thread Orbax started for a read or write (its `_SignalingThread`s)."""
+    cls = type(thread)
+    return cls.__module__.startswith("orbax.") and cls.__name__ == "_SignalingThread"
 
 
 @contextlib.contextmanager
