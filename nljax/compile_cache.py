@@ -9,6 +9,7 @@ results, less waiting. `nljax.bench` never turns it on (it measures compile time
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import jax
@@ -36,4 +37,8 @@ def enable(setting: str) -> Path | None:
     except OSError as e:
         raise ConfigError(f"run.compile_cache: {path} cannot be created: {e.strerror or e}") from None
     jax.config.update("jax_compilation_cache_dir", str(path))
+    # An entry that cannot be written (a full disk) costs only its compile time at the next start;
+    # JAX warns with several lines for each one, and on a full disk before the run's own first
+    # write, which then stops the run with the one line that names the file (tested)
+    warnings.filterwarnings("ignore", message="Error writing persistent compilation cache entry", category=UserWarning)
     return path
