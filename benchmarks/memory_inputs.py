@@ -34,7 +34,7 @@ import numpy as np  # noqa: E402
 
 from nljax import config, trained  # noqa: E402
 from nljax.errors import ConfigError  # noqa: E402
-from nljax.models import build  # noqa: E402
+from nljax.models import build, nl_lm  # noqa: E402
 from nljax.tasks import text_data  # noqa: E402
 
 CAPTURED = ("Embed", "Attention", "NeuralMemory", "MLP", "LayerNorm", "CausalConv")
@@ -53,8 +53,7 @@ def rms(x) -> float:
 def key_stats(conv_out, chunk: int) -> tuple[float, float, float]:
     """(k shared, mean |k_i.k_j| for i != j inside a chunk, mean lambda) of the memory's keys, made
     from its conv's output [B, T, 3, H, dk] as `NeuralMemory.qkv` makes them."""
-    k = jax.nn.silu(conv_out[:, :, 1])
-    k = k * jax.lax.rsqrt(jnp.sum(k * k, -1, keepdims=True) + 1e-6)  # [B, T, H, dk]
+    k = nl_lm._l2norm(jax.nn.silu(conv_out[:, :, 1]))  # [B, T, H, dk]
     b, t, h, d = k.shape
     kc = k.transpose(0, 2, 1, 3).reshape(b, h, t // chunk, chunk, d)
     g = jnp.abs(jnp.einsum("bhnid,bhnjd->bhnij", kc, kc))
