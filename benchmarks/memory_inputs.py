@@ -103,6 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("overrides", nargs="*", metavar="key=value")
     args = p.parse_args(argv)
     try:
+        if args.rows < 1:
+            raise ConfigError(f"--rows must be >= 1, got {args.rows}")
         if args.init:  # the first override lands in run_dir
             cfg = config.load(args.config, [args.run_dir, *args.overrides] if args.run_dir else args.overrides)
             model = build(cfg)

@@ -48,3 +48,8 @@ def test_report_on_a_fresh_model(capsys):
     with pytest.raises(ConfigError, match="fewer than --rows"):
         memory_inputs.report(cfg, model, model.init(jax.random.key(0)), rows=10**6)
     np.testing.assert_equal(len(rms), 1 + 2 * (1 + 1 + len(cfg.cms.periods)))  # embed; attn, mem, cms per block
+
+
+def test_bad_rows_is_one_line(capsys):
+    assert memory_inputs.main(["--init", "--rows", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "memory_inputs.py: error: --rows must be >= 1, got 0"
