@@ -10,7 +10,8 @@
 Each has the one interface of `Tracker`. Only process 0 opens any: the others get an empty
 `Trackers`, whose calls do nothing. A resumed run continues its trackers: TensorBoard drops the
 events it logged after the checkpoint's step (`purge_step`), and W&B resumes the run whose id the
-checkpoint saved (`Trackers.ids`, kept in the checkpoint's metadata by `nljax.checkpoint`).
+checkpoint saved (`Trackers.ids`, kept in the checkpoint's metadata by `nljax.checkpoint`),
+skipping the steps that run logged already.
 """
 
 from __future__ import annotations
@@ -139,13 +140,18 @@ class WandB:
 
     name = "wandb"
 
-    def __init__(self, run):
+    def __init__(self, run, logged: Path):
         self.run = run
         self.run_id = run.id
-        # Online, a resumed run starts at the last step W&B holds, which may be past the
-        # checkpoint's: W&B refuses (with a warning each) the steps logged again. The run is
-        # deterministic, so they would repeat the values W&B has; they are skipped quietly.
-        self.first_step = run.step or 0
+        # A resumed run starts again after the checkpoint's step, which may be before the last
+        # step logged: online W&B refuses (with a warning each) the steps logged again, and
+        # offline they were written a second time, for `wandb sync` to refuse. The run is
+        # deterministic, so they would repeat the values logged; they are skipped. Online W&B
+        # says where its run is (run.step); offline, `logged`, a file beside the run's files,
+        # holds the last step logged to this run id.
+        self.logged = logged
+        self.last = last_logged(logged)
+        self.first_step = max(run.step or 0, self.last + 1)
 
     @staticmethod
     def require():
@@ -174,21 +180,39 @@ class WandB:
         except Exception as e:  # noqa: BLE001 - e.g. online without an account or a network
             raise ConfigError(f"W&B could not start a run (mode {mode}): {type(e).__name__}: {first_line(e)}; "
                               "run.wandb_mode=offline needs neither account nor network") from None
-        return cls(run)
+        (start.path / "wandb").mkdir(exist_ok=True)
+        return cls(run, start.path / "wandb" / f"nljax-last-step-{run.id}")
+
+    def _log(self, values: dict, step: int) -> None:
+        if step < self.first_step:
+            return
+        self.run.log(values, step=step)
+        if step > self.last:
+            self.last = step
+            tmp = self.logged.with_suffix(".tmp")
+            tmp.write_text(str(step))
+            os.replace(tmp, self.logged)  # whole or not at all: a torn number would skip wrong steps
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
         values = numbers(values)
-        if values and step >= self.first_step:
-            self.run.log({f"{prefix}/{k}": v for k, v in values.items()}, step=step)
+        if values:
+            self._log({f"{prefix}/{k}": v for k, v in values.items()}, step)
 
     def text(self, tag: str, text: str, step: int) -> None:
         import wandb
 
-        if step >= self.first_step:
-            self.run.log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step=step)
+        self._log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step)
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+
+
+def last_logged(path: Path) -> int:
+    """The step in `path` (`WandB.logged`), -1 where there is none (a fresh run, files removed)."""
+    try:
+        return int(path.read_text())
+    except (OSError, ValueError):
+        return -1
 
 
 # name -> the class: `require()` imports its package (a missing one is a one-line ConfigError),

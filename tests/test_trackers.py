@@ -4,6 +4,7 @@ same W&B run, and the one-line errors."""
 
 import json
 import math
+import shutil
 import sys
 
 import numpy as np
@@ -129,6 +130,17 @@ def test_wandb_offline_run_is_continued_by_a_resume(tmp_path, monkeypatch):
     runs = sorted((d / "wandb").glob("offline-run-*"))
     assert len(runs) == 2 and {p.name.rsplit("-", 1)[1] for p in runs} == {run_id}
     assert storage.read_meta(d / "checkpoints" / "4")["trackers"] == {"wandb": run_id}
+
+    # An interruption after step 6 whose last checkpoint is step 4's: the resumed run redoes steps
+    # 5 and 6, which the W&B run holds already, and logs nothing again (it used to, offline).
+    train(config.load(None, [*common, "train.steps=6", "checkpoint.resume=latest"]))
+    shutil.rmtree(d / "checkpoints" / "6")
+    train(config.load(None, [*common, "train.steps=6", "checkpoint.resume=latest"]))
+    runs = sorted((d / "wandb").glob("offline-run-*"), key=lambda p: p.stat().st_mtime)
+    assert len(runs) == 4 and (d / "checkpoints" / "6").is_dir()
+    logged, again = ((p / f"run-{run_id}.wandb").read_bytes() for p in runs[2:])
+    for key in (b"train/loss", b"train/sample", b"eval/eval_loss"):
+        assert key in logged and key not in again, key
 
 
 def test_a_bad_tracker_setting_is_one_line(tmp_path, monkeypatch):
