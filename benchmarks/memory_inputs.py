@@ -9,7 +9,8 @@ memory per window), prints for every block the rms of each sub-block's output (e
 attention, memory, CMS levels) and of its shared part (the mean over the window's positions:
 what every position receives alike), then for each memory:
 
-- `input shared`: ||mean_t x_t||² / mean_t ||x_t||² of the memory's normalised input x (0: every
+- `input shared`: ||mean_t x_t||² / mean_t ||x_t||² of the memory's input x (its block's
+  normalised stream, plus the normalised embeddings with `model.nl_lm.memory_embed`; 0: every
   position different; 1: every position the same);
 - `k shared`, `|k_i.k_j|`: the same for its unit keys, and their mean |cosine| inside a chunk;
 - `lambda`: the chunk's curvature bound for the linear memory (Gershgorin over |k_i.k_j|, in
@@ -89,7 +90,10 @@ def report(cfg, model, params, rows: int) -> None:
             print(f"mem{i}: model.nl_lm.memory_conv=0 (keys not read)")
             continue
         ks, cos, lam = key_stats(out[f"mem{i}"]["conv"]["__call__"][0], cfg.model.nl_lm.memory_chunk)
-        print(f"mem{i}: input shared {shared_fraction(out[f'norm_m{i}']['__call__'][0]):.3f}  k shared {ks:.3f}  "
+        x_in = out[f"norm_m{i}"]["__call__"][0]
+        if f"norm_e{i}" in out:  # model.nl_lm.memory_embed: plus the normalised embeddings
+            x_in = x_in + out[f"norm_e{i}"]["__call__"][0]
+        print(f"mem{i}: input shared {shared_fraction(x_in):.3f}  k shared {ks:.3f}  "
               f"|k_i.k_j| {cos:.3f}  lambda {lam:.2f} (chunk {cfg.model.nl_lm.memory_chunk})")
 
 

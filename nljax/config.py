@@ -70,7 +70,7 @@ CONVERTED = {"run.tensorboard": (lambda on: ["tensorboard"] if on else [],
 # Keys added to sections that a checkpoint must match (`model`, `cms`), with the value that does
 # what the code did before the key existed: a checkpoint saved before reads as having it. Other
 # absent keys stay absent (a resume names them: "(checkpoint: (absent))").
-ADDED = {"model.nl_lm.scan_layers": False}
+ADDED = {"model.nl_lm.scan_layers": False, "model.nl_lm.memory_embed": False}
 
 
 def _moved(old: str) -> str:

@@ -25,7 +25,9 @@ from nljax.checkpoint.restore import restore
 from nljax.rundir import checkpoint_dir
 
 # Attention + neural memory (per-row state), the MLP memory, and a level of period 4.
-NL = [*TINY_NL, "cms.periods=[1,4]", "model.nl_lm.memory_kind=mlp"]
+# The memory reads its block's stream only (model.nl_lm.memory_embed=false), as it did in a
+# checkpoint from before that key: test_a_checkpoint_from_before_the_model_split_restores makes one.
+NL = [*TINY_NL, "cms.periods=[1,4]", "model.nl_lm.memory_kind=mlp", "model.nl_lm.memory_embed=false"]
 STEPS = 5
 TINY_NL_ARGS = [*TINY, *NL, "mesh.inter=2", "mesh.intra=4", "train.steps=6", "eval.every=0", "eval.batches=1"]
 
@@ -166,14 +168,15 @@ def finish_on_fsdp(ref, checkpoint: Path, losses_2_3, atol: float) -> None:
 
 def test_a_checkpoint_from_before_the_model_split_restores(ref, tmp_path):
     """A checkpoint written before `model.nl_lm.*` / `model.dit.*` saved flat model keys
-    (`model.window`, ...), and none of the keys added since (`model.nl_lm.scan_layers`): it
+    (`model.window`, ...), and none of the keys added since (`model.nl_lm.scan_layers`,
+    `memory_embed`): it
     restores as if saved today, with no warning and the same state, and onto another strategy
     (which builds an engine from the saved config, `config.from_dict`)."""
     shutil.copytree(ref["dir"], tmp_path / "ckpt")
     meta = tmp_path / "ckpt" / "2" / "nljax" / "metadata"
     m = json.loads(meta.read_text())
     model = m["config"]["model"]
-    del model["nl_lm"]["scan_layers"]
+    del model["nl_lm"]["scan_layers"], model["nl_lm"]["memory_embed"]
     model.update(model.pop("nl_lm"), patch_size=model.pop("dit")["patch_size"])
     meta.write_text(json.dumps(m))
     assert json.loads(meta.read_text())["config"]["model"]["window"] == 8

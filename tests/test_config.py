@@ -149,7 +149,8 @@ def test_a_saved_config_with_the_old_model_keys_is_read():
     """A checkpoint written before the model section was split saved flat model keys: `from_dict`
     (which reads a checkpoint's config) moves them to their new place."""
     new = config.to_dict(config.load(None, ["model.nl_lm.window=32", "model.nl_lm.memory_kind=mlp",
-                                            "model.dit.patch_size=4", "model.dtype=bfloat16"]))
+                                            "model.dit.patch_size=4", "model.dtype=bfloat16",
+                                            "model.nl_lm.memory_embed=false"]))  # as the code then did
     old = {**new, "model": {k: v for k, v in new["model"].items() if k not in ("nl_lm", "dit")}}
     # the model.nl_lm keys that were flat then (those added since are absent, read as defaults)
     old["model"].update({k: v for k, v in new["model"]["nl_lm"].items() if f"model.{k}" in config.MOVED}, patch_size=4)
@@ -163,9 +164,9 @@ def test_a_saved_config_with_the_old_model_keys_is_read():
 def test_a_saved_config_without_a_key_added_since_reads_it_as_it_was():
     """A key of `config.ADDED` reads as the value that does what the code did before it existed;
     any other absent key stays absent (a resume warns about it)."""
-    new = config.to_dict(config.load(None, ["model.nl_lm.window=32"]))
+    new = config.to_dict(config.load(None, ["model.nl_lm.window=32", "model.nl_lm.memory_embed=false"]))
     old = config.to_dict(config.load(None, ["model.nl_lm.window=32"]))
-    del old["model"]["nl_lm"]["scan_layers"]
+    del old["model"]["nl_lm"]["scan_layers"], old["model"]["nl_lm"]["memory_embed"]
     assert config.migrate(old) == new
     assert "scan_layers" not in old["model"]["nl_lm"]  # a copy
     del old["data"]["reset_prob"]  # added at 0, now 0.25 by default: not filled in

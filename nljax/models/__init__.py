@@ -28,7 +28,8 @@ def _nl_lm(cfg: Config) -> Model:
                   chunk=nl.memory_chunk, lr_max=nl.memory_lr_max, conv=nl.memory_conv, out_norm=nl.memory_out_norm,
                   out_gate=nl.memory_out_gate, unroll=nl.memory_unroll)
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,
-                      tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat, nl.scan_layers))
+                      tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat, memory_embed=nl.memory_embed,
+                      scan=nl.scan_layers))
 
 
 def _dit(cfg: Config) -> Model:
