@@ -148,7 +148,9 @@ class WandB:
         # offline they were written a second time, for `wandb sync` to refuse. The run is
         # deterministic, so they would repeat the values logged; they are skipped. Online W&B
         # says where its run is (run.step); offline, `logged`, a file beside the run's files,
-        # holds the last step logged to this run id.
+        # holds the last step of this run id that W&B has written (at `close`, after W&B's
+        # finish: after a hard kill it stays at the session before, whose steps are then logged
+        # again rather than lost).
         self.logged = logged
         self.last = last_logged(logged)
         self.first_step = max(run.step or 0, self.last + 1)
@@ -184,14 +186,9 @@ class WandB:
         return cls(run, start.path / "wandb" / f"nljax-last-step-{run.id}")
 
     def _log(self, values: dict, step: int) -> None:
-        if step < self.first_step:
-            return
-        self.run.log(values, step=step)
-        if step > self.last:
-            self.last = step
-            tmp = self.logged.with_suffix(".tmp")
-            tmp.write_text(str(step))
-            os.replace(tmp, self.logged)  # whole or not at all: a torn number would skip wrong steps
+        if step >= self.first_step:
+            self.run.log(values, step=step)
+            self.last = max(self.last, step)
 
     def scalars(self, prefix: str, values: dict, step: int) -> None:
         values = numbers(values)
@@ -205,6 +202,10 @@ class WandB:
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
+        if self.last >= 0:
+            tmp = self.logged.with_suffix(".tmp")
+            tmp.write_text(str(self.last))
+            os.replace(tmp, self.logged)  # whole or not at all: a torn number would skip wrong steps
 
 
 def last_logged(path: Path) -> int:

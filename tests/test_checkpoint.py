@@ -25,9 +25,7 @@ from nljax.checkpoint.restore import restore
 from nljax.rundir import checkpoint_dir
 
 # Attention + neural memory (per-row state), the MLP memory, and a level of period 4.
-# The memory reads its block's stream only (model.nl_lm.memory_embed=false), as it did in a
-# checkpoint from before that key: test_a_checkpoint_from_before_the_model_split_restores makes one.
-NL = [*TINY_NL, "cms.periods=[1,4]", "model.nl_lm.memory_kind=mlp", "model.nl_lm.memory_embed=false"]
+NL = [*TINY_NL, "cms.periods=[1,4]", "model.nl_lm.memory_kind=mlp"]
 STEPS = 5
 TINY_NL_ARGS = [*TINY, *NL, "mesh.inter=2", "mesh.intra=4", "train.steps=6", "eval.every=0", "eval.batches=1"]
 
@@ -166,13 +164,17 @@ def finish_on_fsdp(ref, checkpoint: Path, losses_2_3, atol: float) -> None:
     assert_trees_close(host(state.memory), ref["final"].memory, rtol=1e-4, atol=1e-5)
 
 
-def test_a_checkpoint_from_before_the_model_split_restores(ref, tmp_path):
+def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
     """A checkpoint written before `model.nl_lm.*` / `model.dit.*` saved flat model keys
     (`model.window`, ...), and none of the keys added since (`model.nl_lm.scan_layers`,
-    `memory_embed`): it
-    restores as if saved today, with no warning and the same state, and onto another strategy
-    (which builds an engine from the saved config, `config.from_dict`)."""
-    shutil.copytree(ref["dir"], tmp_path / "ckpt")
+    `memory_embed`; its memory read the stream only): it restores as if saved today, with no
+    warning and the same state, and onto another strategy (which builds an engine from the
+    saved config, `config.from_dict`)."""
+    then = [*NL, "model.nl_lm.memory_embed=false"]  # what the code computed then
+    setup = make([*then, f"checkpoint.dir={tmp_path / 'ref'}"], 2, 4)
+    train(setup, 2)
+    save(setup, setup.state, 2)
+    shutil.copytree(tmp_path / "ref", tmp_path / "ckpt")
     meta = tmp_path / "ckpt" / "2" / "nljax" / "metadata"
     m = json.loads(meta.read_text())
     model = m["config"]["model"]
@@ -180,13 +182,12 @@ def test_a_checkpoint_from_before_the_model_split_restores(ref, tmp_path):
     model.update(model.pop("nl_lm"), patch_size=model.pop("dit")["patch_size"])
     meta.write_text(json.dumps(m))
     assert json.loads(meta.read_text())["config"]["model"]["window"] == 8
-    setup = ref["setup"]
     r = restore(setup.engine, setup.state, tmp_path / "ckpt" / "2")
     assert r.step == 2 and r.warnings == []
-    same = restore(setup.engine, setup.state, ref["dir"] / "2").state
+    same = restore(setup.engine, setup.state, tmp_path / "ref" / "2").state
     for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
         np.testing.assert_array_equal(a, b)
-    z = make([*NL, "sync.strategy=zero1"], 2, 2)
+    z = make([*then, "sync.strategy=zero1"], 2, 2)
     r = restore(z.engine, z.state, tmp_path / "ckpt" / "2")
     assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (checkpoint: 'replicated')"]
 

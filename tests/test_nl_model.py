@@ -199,21 +199,29 @@ def test_a_later_memory_reads_the_tokens_under_a_shared_stream(embed):
     """On the recall probe block 0's CMS MLPs learn a large output that is the same at every
     position (README: "Where the memory goes"); here a bias of rms 6 stands in for it. Block 1's
     memory input is then almost all shared from its stream alone; with `memory_embed` it also
-    reads the normalised token embeddings, and at most about half of it is shared."""
+    reads the normalised token embeddings, and at most about half of it is shared. Read from
+    what the memory itself receives (the input of its `__call__`)."""
+    import flax.linen as nn
     import jax.numpy as jnp
 
-    from nljax.models import build
+    from nljax.models import build, nl_lm
 
     model = build(config.load(None, ["model.nl_lm.memory_layers=[1]", f"model.nl_lm.memory_embed={str(embed).lower()}"]))
     params = model.init(jax.random.key(0))
     bias = 6.0 * jax.random.normal(jax.random.key(2), params["block0"]["cms0"]["down"]["bias"].shape)
     params = {**params, "block0": {**params["block0"], "cms0": {**params["block0"]["cms0"], "down": {
         **params["block0"]["cms0"]["down"], "bias": bias}}}}
-    tokens = jax.random.randint(jax.random.key(1), (4, 128), 0, 256)
-    _, state = model.net.apply({"params": params}, tokens, model.init_memory(4), jnp.ones(4, bool),
-                               capture_intermediates=lambda m, name: name == "__call__" and type(m).__name__ == "LayerNorm")
-    out = state["intermediates"]
-    x = out["norm_m1"]["__call__"][0] + (out["norm_e1"]["__call__"][0] if embed else 0)
+    tokens = jax.random.randint(jax.random.key(1), (4, 129), 0, 256)
+    seen = []
+
+    def record(call, args, kwargs, context):
+        if isinstance(context.module, nl_lm.NeuralMemory) and context.method_name == "__call__":
+            seen.append(args[0])
+        return call(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        model.logits(params, model.init_memory(4), {"tokens": tokens, "reset": jnp.ones(4, bool)})
+    (x,) = seen
     shared = float(jnp.mean(jnp.sum(x.mean(1) ** 2, -1) / jnp.mean(jnp.sum(x * x, -1), 1)))
     assert (shared < 0.6) if embed else (shared > 0.95), shared
 

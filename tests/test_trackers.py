@@ -131,8 +131,9 @@ def test_wandb_offline_run_is_continued_by_a_resume(tmp_path, monkeypatch):
     assert len(runs) == 2 and {p.name.rsplit("-", 1)[1] for p in runs} == {run_id}
     assert storage.read_meta(d / "checkpoints" / "4")["trackers"] == {"wandb": run_id}
 
-    # An interruption after step 6 whose last checkpoint is step 4's: the resumed run redoes steps
-    # 5 and 6, which the W&B run holds already, and logs nothing again (it used to, offline).
+    # An interruption after 6 steps whose last checkpoint is step 4's: the resumed run redoes the
+    # steps logged as 5 and 6 (steps done), which the W&B run holds already, and logs nothing
+    # again (it used to, offline).
     train(config.load(None, [*common, "train.steps=6", "checkpoint.resume=latest"]))
     shutil.rmtree(d / "checkpoints" / "6")
     train(config.load(None, [*common, "train.steps=6", "checkpoint.resume=latest"]))

@@ -2,7 +2,8 @@
 
 Token embedding; N pre-norm blocks of [causal sliding-window attention with rotary positions →
 neural memory (the inner loop; only in `model.nl_lm.memory_layers`; it reads the block's
-normalised stream plus the normalised token embeddings) → CMS MLP chain of k levels]; output head.
+normalised stream plus, with `model.nl_lm.memory_embed` (the default), the normalised token
+embeddings) → CMS MLP chain of k levels]; output head.
 
 State lifetimes:
 - outer-loop parameters (everything below, including the memory's initial value `memory0`) are
@@ -48,7 +49,7 @@ class NlLmConfig:
     # held-out loss is lowest, in the second the recall probe's accuracy highest (README, "Where
     # the memory goes")
     memory_layers: tuple[int, ...] = (0,)
-    memory_kind: Literal["linear", "mlp"] = "linear"  # linear: as good on held-out text, cheaper (README)
+    memory_kind: Literal["linear", "mlp"] = "linear"  # linear: better on held-out text, cheaper (README)
     memory_heads: int = 4
     memory_dim: int = 32  # per-head key/value width of the memory
     memory_hidden: int = 64  # hidden width of the 2-layer MLP memory
