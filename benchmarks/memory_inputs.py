@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -70,8 +71,16 @@ def report(cfg, model, params, rows: int) -> None:
     if len(held) < rows * t:
         raise ConfigError(f"the held-out data holds fewer than --rows {rows} windows of {t} tokens")
     tokens = jnp.asarray(np.asarray(held[: rows * t]).reshape(rows, t).astype(np.int32))
-    _, state = model.net.apply({"params": params}, tokens, model.init_memory(rows), jnp.ones(rows, bool),
-                               capture_intermediates=lambda m, name: name == "__call__" and type(m).__name__ in CAPTURED)
+    inputs = {}  # memory name -> what it reads, as the model gives it (stream, embeddings or both)
+
+    def record(call, args, kwargs, context):
+        if isinstance(context.module, nl_lm.NeuralMemory) and context.method_name == "__call__":
+            inputs[context.module.name] = args[0]
+        return call(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        _, state = model.net.apply({"params": params}, tokens, model.init_memory(rows), jnp.ones(rows, bool),
+                                   capture_intermediates=lambda m, name: name == "__call__" and type(m).__name__ in CAPTURED)
     out = state["intermediates"]
     first = lambda x: x[0] if isinstance(x, tuple) else x  # the memory returns (y, state)
     show = lambda name, x: print(f"  {name:14s} output rms {rms(x):7.3f}   shared part rms {rms(x.mean(1)):7.3f}")
@@ -90,10 +99,7 @@ def report(cfg, model, params, rows: int) -> None:
             print(f"mem{i}: model.nl_lm.memory_conv=0 (keys not read)")
             continue
         ks, cos, lam = key_stats(out[f"mem{i}"]["conv"]["__call__"][0], cfg.model.nl_lm.memory_chunk)
-        x_in = out[f"norm_m{i}"]["__call__"][0]
-        if f"norm_e{i}" in out:  # model.nl_lm.memory_embed: plus the normalised embeddings
-            x_in = x_in + out[f"norm_e{i}"]["__call__"][0]
-        print(f"mem{i}: input shared {shared_fraction(x_in):.3f}  k shared {ks:.3f}  "
+        print(f"mem{i}: input shared {shared_fraction(inputs[f'mem{i}']):.3f}  k shared {ks:.3f}  "
               f"|k_i.k_j| {cos:.3f}  lambda {lam:.2f} (chunk {cfg.model.nl_lm.memory_chunk})")
 
 
