@@ -116,6 +116,16 @@ def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path,
     assert both.digest != on_disk.digest
     # DIR is not replaced unless asked; data.prepared with other data.train is refused
     assert prepare_main([train, f"out={out}"]) == 2 and "already holds prepared data" in one_line(capsys)
+    # a user's folder is never written into: not its files (overwrite or not), not one named like ours
+    (mine := tmp_path / "mine").mkdir()
+    (mine / "notes.txt").write_text("keep")
+    for extra in ([], ["overwrite=true"]):
+        assert prepare_main([train, f"out={mine}", *extra]) == 2
+        assert f"{mine} holds files that are not nljax prepared data (notes.txt)" in one_line(capsys)
+    (partial := tmp_path / "partial").mkdir()
+    (partial / "train.bin").write_text("precious")
+    assert prepare_main([train, f"out={partial}"]) == 2 and "already holds prepared data (train.bin)" in one_line(capsys)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"] and (partial / "train.bin").read_text() == "precious"
     with pytest.raises(config.ConfigError, match="was prepared with data.eval_fraction=0.2, not 0.05"):
         prepared.corpus(data_config(train, f"data.prepared={out}").data)
     # the same files spelled relative to where this runs (config.yaml records them absolute): accepted

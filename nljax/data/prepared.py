@@ -163,8 +163,14 @@ def build(d: DataConfig, out: Path | None = None, overwrite: bool = False) -> Co
 def _write(out: Path, overwrite: bool, fill, dtype: np.dtype, tok) -> None:
     """Tokenize into temporary files in `out`, then rename them into place, the manifest last;
     one prepare at a time per directory (a lock held while it writes)."""
-    if (out / MANIFEST).exists() and not overwrite:
-        raise ConfigError(f"{out} already holds prepared data ({MANIFEST}); give another out= or overwrite=true")
+    own = {f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")} | {MANIFEST, TOKENIZER}
+    there = sorted(p.name for p in out.iterdir() if p.name != LOCK and ".tmp-" not in p.name) if out.is_dir() else []
+    foreign = [name for name in there if name not in own]
+    if foreign:  # overwrite=true replaces prepared data, never a user's files (the source text may be there)
+        raise ConfigError(f"{out} holds files that are not nljax prepared data ({', '.join(foreign[:3])}"
+                          f"{', ...' if len(foreign) > 3 else ''}); give a new or empty out=")
+    if there and not overwrite:  # a manifest, or the files of a prepare that stopped part-way
+        raise ConfigError(f"{out} already holds prepared data ({', '.join(there[:3])}); give another out= or overwrite=true")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
