@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import difflib
 import errno
 import os
 import signal
@@ -39,6 +41,19 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     g.add_argument("--local-device-ids", metavar="0,1,...", help="devices this process drives (default: all visible)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted config overrides, e.g. train.steps=50")
     return p
+
+
+TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(config.Config) if not dataclasses.is_dataclass(f.default))
+
+
+def check_setting(key: str, known) -> None:
+    """A tool's `key=value` that is neither one of its `known` settings nor a config key (config
+    keys are dotted, section.key, or top-level like `seed`): one line, with the nearest setting."""
+    if key not in known and "." not in key and key not in TOP_LEVEL:
+        near = difflib.get_close_matches(key, list(known), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise config.ConfigError(f"unknown setting '{key}': {hint}(settings: {', '.join(known)}; config "
+                                 "overrides are dotted, e.g. model.dim=128)")
 
 
 def setup_devices(cpu_devices: int | None) -> None:

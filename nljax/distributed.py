@@ -28,6 +28,7 @@ import hashlib
 import inspect
 import json
 import os
+import socket
 import sys
 from typing import Any, Callable, Sequence
 
@@ -124,8 +125,8 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
         raise ConfigError(f"--process-id must be in [0, {num_processes}) and --num-processes >= 1, got "
                           f"process id {process_id} of {num_processes}")
     host, _, port = coordinator.rpartition(":")
-    if not host or not port.isdigit():
-        raise ConfigError(f"--coordinator must look like HOST:PORT, got {coordinator!r}")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator must look like HOST:PORT with a port in 1-65535, got {coordinator!r}")
     return Launch(coordinator, num_processes, process_id, ids)
 
 
@@ -141,6 +142,7 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs: dict[str, Any] = {}
     if launch.cluster is None:
+        _check_resolves(launch.coordinator)
         kwargs = dict(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
                       process_id=launch.process_id)
     if launch.local_device_ids is not None:
@@ -156,6 +158,17 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
         where = launch.cluster or f"coordinator {launch.coordinator}"
         raise ConfigError(f"jax.distributed.initialize failed ({where}): {first_line(e)}")
     return True
+
+
+def _check_resolves(coordinator: str) -> None:
+    """A host name that does not resolve is one line now; JAX would wait out its join timeout (minutes)
+    and abort with a native stack. A temporary lookup failure is left to JAX's retries."""
+    host, _, port = coordinator.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except socket.gaierror as e:
+        if e.errno == socket.EAI_NONAME:
+            raise ConfigError(f"--coordinator {coordinator}: host {host!r} does not resolve ({e.strerror})") from None
 
 
 def abort(message: str, code: int = 1) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import yaml
@@ -107,15 +108,19 @@ def kept_records(path: Path, step: int) -> list[dict]:
     steps from its checkpoint on, so the file ends up as the uninterrupted run's."""
     if not path.exists():
         return []
-    keep = []
-    for line in path.read_text().splitlines():
+    keep, dropped = [], []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
         try:
             record = json.loads(line)
             if record["step"] < step:
                 # null stands for a non-finite number (runlog.strict_json): NaN again in memory
                 keep.append({k: float("nan") if v is None else v for k, v in record.items()})
         except (ValueError, KeyError, TypeError):
-            pass  # a line cut short by a kill
+            dropped += [n] if line.strip() else []  # a line cut short by a kill, or edited: said, not kept
+    if dropped:
+        print(f"nljax: warning: {path}: line{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped[:5]))}"
+              f"{', ...' if len(dropped) > 5 else ''} not a record (cut short by a kill?): dropped from the "
+              "resumed log", file=sys.stderr)
     return keep
 
 

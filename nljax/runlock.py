@@ -90,6 +90,9 @@ def refuse_if_live(run_dir: str | Path) -> None:
     line names the live run rather than what it has not written yet."""
     path = Path(run_dir).absolute() / NAME
     live = holder(path)
+    if live is not None and live["host"] == "?":
+        raise ConfigError(f"run.dir {path.parent} has a lock file {path} that cannot be read, written less than "
+                          f"{STALE_S / 60:g} minutes ago: a run may be starting there; if none is, remove the file")
     if live is not None:
         raise ConfigError(
             f"run.dir {path.parent} is in use by a live run (host {live['host']}, pid {live['pid']}, "

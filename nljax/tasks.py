@@ -110,8 +110,9 @@ class TextTask:
         self.data = data = text_data(cfg)
         self.eval_data, self.eval_score = data.held, data.held_score
         if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
-            raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} at data.eval_fraction="
-                              f"{cfg.data.eval_fraction}) is shorter than train.seq_len+1={cfg.train.seq_len + 1}")
+            source = f"data.eval={cfg.data.eval}" if cfg.data.eval else f"data.eval_fraction={cfg.data.eval_fraction}"
+            raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} from {source}) is shorter than "
+                              f"train.seq_len+1={cfg.train.seq_len + 1}")
         self.held_out().check_fits(cfg.eval.stream_steps)  # the streaming evaluation too
         # recall documents are exactly seq_len long: aligned rows read one whole document per step
         align = cfg.train.seq_len if cfg.data.source == "recall" else 1

@@ -10,14 +10,13 @@ strategy, one row per device. Reads only.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import glob
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
 
-from nljax import config
+from nljax import cli, config
 from nljax.checkpoint import storage
 from nljax.checkpoint.restore import restore_first_valid
 from nljax.errors import ConfigError
@@ -26,7 +25,6 @@ from nljax.rundir import DATA_PATHS
 
 
 # config keys outside any section (`seed`): a tool passes them on as overrides, like dotted ones
-TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(config.Config) if not dataclasses.is_dataclass(f.default))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,9 +36,11 @@ class Trained:
     step: int  # optimizer steps the checkpoint had taken
     path: Path  # the step directory read
     skipped: tuple = ()  # (path, why) of the newer checkpoints that were damaged
+    incomplete: tuple = ()  # (path, what it lacks) of newer step directories that are not whole checkpoints
 
     def warnings(self, tool: str) -> list[str]:
-        return [f"{tool}: warning: checkpoint {p} is damaged, using an older one ({why})" for p, why in self.skipped]
+        return [f"{tool}: warning: checkpoint {p} is {what}, using an older one ({why})"
+                for what, passed in (("incomplete", self.incomplete), ("damaged", self.skipped)) for p, why in passed]
 
     @property
     def model(self):
@@ -83,8 +83,10 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
         raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
                           "started in: run from there, or give it absolute)") from None
     restored, skipped = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
+    chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
+    incomplete = storage.incomplete(restored.path.parent, restored.step) if chosen else []
     return Trained(cfg, trained_config(run_dir, overrides), run, restored.state.params, restored.step,
-                   restored.path, tuple(skipped))
+                   restored.path, tuple(skipped), tuple(incomplete))
 
 
 def _unresolved_relative(value) -> bool:
@@ -102,11 +104,7 @@ def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> 
         if not eq:
             raise ConfigError(f"expected key=value, got {pair!r}")
         if key not in known:
-            if "." not in key and key not in TOP_LEVEL:  # other config keys are dotted (section.key)
-                near = difflib.get_close_matches(key, list(known), n=1)
-                hint = f"did you mean '{near[0]}'? " if near else ""
-                raise ConfigError(f"unknown setting '{key}': {hint}(settings: {', '.join(known)}; config "
-                                  "overrides are dotted, e.g. model.dim=128)")
+            cli.check_setting(key, known)
             overrides.append(pair)
             continue
         try:

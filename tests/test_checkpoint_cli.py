@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -267,6 +268,30 @@ def test_resume_falls_back_past_damaged_checkpoints_and_sets_later_ones_aside(tm
     assert storage.complete_steps(ck) == [4, 8, 12]
     assert tree_hash(ck / "set_aside" / "12") == damaged
 
+
+
+def test_a_step_directory_missing_an_item_is_passed_over_with_a_warning_and_set_aside(tmp_path):
+    """A newest step directory that lost its nljax item (or Orbax's step metadata) is not a
+    checkpoint, but it is nljax's: a tool reading the run says it used an older one, and a resume
+    sets it aside rather than failing at the end when that step is saved again."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
+    assert nljax_train(*base).returncode == 0  # checkpoints 8 and 12 (keep 2)
+    shutil.rmtree(ck / "12" / "nljax")
+    p = run_python("-m", "nljax.generate", f"run.dir={run}", "max_new_tokens=2")
+    assert f"nljax.generate: warning: checkpoint {ck / '12'} is incomplete, using an older one (it has no nljax)" \
+        in p.stderr, p.stderr
+    p = nljax_train("--resume", *base)
+    assert p.returncode == 0, p.stderr
+    assert f"nljax: warning: checkpoint {ck / '12'} is incomplete (it has no nljax), resuming from an older one" \
+        in p.stderr, p.stderr
+    assert f"step 12 will be moved to {ck / 'set_aside'}" in p.stderr, p.stderr
+    assert storage.complete_steps(ck) == [8, 12] and not (ck / "set_aside" / "12" / "nljax").exists()
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == list(range(12))
+    (ck / "12" / storage.ORBAX_META).unlink()  # the other item a committed step has
+    p = nljax_train("--resume", *base)
+    assert p.returncode == 0 and "is incomplete (it has no _CHECKPOINT_METADATA)" in p.stderr, p.stderr
+    assert sorted(q.name for q in (ck / "set_aside").iterdir()) == ["12", "12.1"]
 
 # nljax.train whose checkpoint cleanup fails after its own work (as a failed save found there does)
 CLOSE_FAILS = r"""

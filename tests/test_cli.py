@@ -66,7 +66,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
         (["optim.lr=nan"], "config key 'optim.lr' must be a finite number, got nan"),
         (["model.dim=1000000000"], "the run needs at least"),  # from the config: never built
         (["train.seq_len=1048576", "train.batch_size=4096"], "the run needs at least"),  # TBs on any host
-        (["data.eval_fraction=0.0001"], "the held-out text (1 bytes at data.eval_fraction=0.0001) is shorter than train.seq_len+1=129"),
+        (["data.eval_fraction=0.0001"], "the held-out text (1 bytes from data.eval_fraction=0.0001) is shorter than train.seq_len+1=129"),
         (["model.vocab_size=10"], "model.vocab_size=10 is smaller than the 256 byte values of the text data"),
         (["seed=18446744073709551616"], "seed must be in [0, 2^32), got 18446744073709551616"),  # no OverflowError
         (["model.window=8"], "model.window moved to model.nl_lm.window"),  # a key from before the split
@@ -147,7 +147,7 @@ def test_a_step_where_no_level_fires_is_not_a_skipped_step():
     assert stalled_in_a_row([fired(), fired(0, 1), idle, fired(0, 1), idle]) == 2
 
 
-def test_metrics_and_summary_are_strict_json(tmp_path):
+def test_metrics_and_summary_are_strict_json(tmp_path, capsys):
     from nljax import runlog
     from nljax.rundir import RunDir, kept_records
 
@@ -160,6 +160,11 @@ def test_metrics_and_summary_are_strict_json(tmp_path):
     kept = kept_records(tmp_path / "metrics.jsonl", 1)  # a resumed run reads null back as NaN
     assert kept[0]["loss"] != kept[0]["loss"]
     assert runlog.strict_json({"a": 1.5}) == '{"a": 1.5}'
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # an edited line, then one cut short by a kill
+        f.write('{"step": 1, "loss": 2.0}\nnot json\n{"step": 2, "loss": 2.0}\n{"step": 3, "lo')
+    assert [r["step"] for r in kept_records(tmp_path / "metrics.jsonl", 9)] == [0, 1, 2]
+    assert capsys.readouterr().err == (f"nljax: warning: {tmp_path / 'metrics.jsonl'}: lines 3, 5 not a record (cut "
+                                       "short by a kill?): dropped from the resumed log\n")
 
 
 def test_a_live_run_in_run_dir_refuses_another(tmp_path):
@@ -179,6 +184,12 @@ def test_a_live_run_in_run_dir_refuses_another(tmp_path):
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and f"is in use by a live run (host {socket.gethostname()}, pid {os.getpid()}" in lines[0]
     assert lock.read_text() == held and not [q for q in d.rglob("*") if q.is_file() and q != lock]
+    from nljax import config, runlock
+
+    lock.write_text("{not json")  # a lock being written, or damaged: named as such, not as a run of host '?'
+    with pytest.raises(config.ConfigError, match=f"has a lock file {lock} that cannot be read, written less than 5 "
+                                                 "minutes ago: a run may be starting there; if none is, remove"):
+        runlock.refuse_if_live(d)
 
 
 def test_compile_cache_makes_the_second_start_faster(tmp_path):

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -446,8 +447,14 @@ def test_resolve_launch(monkeypatch):
         distributed.resolve()
     with pytest.raises(ConfigError, match=r"--process-id must be in \[0, 4\)"):
         distributed.resolve(process_id=4)
-    with pytest.raises(ConfigError, match="HOST:PORT"):
-        distributed.resolve("nohost", process_id=0)
+    for bad in ("nohost", "h:abc", "h:0", "h:99999"):
+        with pytest.raises(ConfigError, match="HOST:PORT with a port in 1-65535"):
+            distributed.resolve(bad, process_id=0)
+    def no_such_name(host, port, *a, **k):  # what the resolver says of a misspelt host (no DNS needed here)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    with monkeypatch.context() as m, pytest.raises(ConfigError, match="host 'nosuchhost' does not resolve"):
+        m.setattr(socket, "getaddrinfo", no_such_name)
+        distributed.initialize(distributed.Launch("nosuchhost:1234", 2, 1), 5)  # not minutes of waiting, then abort
     for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_LOCAL_DEVICE_IDS):
         monkeypatch.delenv(var)
     monkeypatch.setenv("SLURM_NTASKS", "8")

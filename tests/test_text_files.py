@@ -126,6 +126,8 @@ def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path,
     (partial / "train.bin").write_text("precious")
     assert prepare_main([train, f"out={partial}"]) == 2 and "already holds prepared data (train.bin)" in one_line(capsys)
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"] and (partial / "train.bin").read_text() == "precious"
+    assert prepare_main([train, f"outt={mine}"]) == 2  # a misspelt setting, not an unknown config section
+    assert "unknown setting 'outt': did you mean 'out'?" in one_line(capsys)
     with pytest.raises(config.ConfigError, match="was prepared with data.eval_fraction=0.2, not 0.05"):
         prepared.corpus(data_config(train, f"data.prepared={out}").data)
     # the same files spelled relative to where this runs (config.yaml records them absolute): accepted

@@ -26,6 +26,7 @@ from nljax.errors import ConfigError, first_line
 from nljax.rundir import checkpoint_dir
 from nljax.state import TrainState
 
+ORBAX_META = "_CHECKPOINT_METADATA"  # Orbax's step metadata, in every step directory it committed
 SET_ASIDE = "set_aside"  # <checkpoint.dir>/set_aside/<step>: checkpoints moved out of a resumed run's way
 
 
@@ -168,7 +169,7 @@ def _agreed(error: str | None) -> None:
 def is_nljax_step(p: Path) -> bool:
     """A step directory nljax committed: a numeric name, Orbax's step metadata and nljax's item.
     Only these are resumed from or pruned; a user's folder `checkpoints/7` is neither."""
-    return p.name.isdigit() and (p / META / "metadata").is_file() and (p / "_CHECKPOINT_METADATA").is_file()
+    return p.name.isdigit() and (p / META / "metadata").is_file() and (p / ORBAX_META).is_file()
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -204,11 +205,21 @@ def leftovers(root: Path) -> list[Path]:
     """nljax's step directories and partial saves under `root`."""
     if not root.is_dir():
         return []
-    # `<step>` holding an nljax item, and `<step>.orbax-checkpoint-tmp-<n>` (a save cut short);
-    # nothing else a user keeps there is ever refused or removed.
+    # `<step>` holding an nljax item, its state or Orbax's step metadata (one of them lost: still
+    # ours, and in the way of the step's next save), and `<step>.orbax-checkpoint-tmp-<n>` (a save
+    # cut short); nothing else a user keeps there is ever refused or removed.
     return [p for p in root.iterdir()
-            if p.is_dir() and ((p.name.isdigit() and (p / META).is_dir())
+            if p.is_dir() and ((p.name.isdigit() and any((p / n).exists() for n in (META, STATE, ORBAX_META)))
                                or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
+
+
+def incomplete(root: Path, step: int) -> list[tuple[Path, str]]:
+    """nljax's step directories under `root` after `step` that are not complete checkpoints, and
+    what each lacks (a resume or a tool that reads `step` says why it passed them over)."""
+    def lacks(p: Path) -> str:
+        missing = [n for n in (META, STATE, ORBAX_META) if not (p / n).exists()]
+        return f"it has no {' and no '.join(missing)}" if missing else f"its {META} item is incomplete"
+    return [(p, lacks(p)) for p in later_steps(root, step) if not is_nljax_step(p)]
 
 
 def later_steps(root: Path, step: int) -> list[Path]:
