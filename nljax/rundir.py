@@ -129,7 +129,10 @@ def _in_use_elsewhere(cfg: Config) -> str:
 
 
 def check_free(cfg: Config) -> None:
-    """Refuses (every process) a run.dir a live run holds, before anything is read or written."""
+    """Refuses (every process) a run.dir a live run holds, or one that is a file, before anything is
+    read or written."""
+    if Path(cfg.run.dir).exists() and not Path(cfg.run.dir).is_dir():  # not "checkpoint.dir ... cannot be created"
+        raise ConfigError(f"run.dir {cfg.run.dir} is a file, not a directory")
     distributed.on_main(lambda: refuse_if_live(cfg.run.dir), _in_use_elsewhere(cfg))
 
 

@@ -332,6 +332,9 @@ def test_setting_aside_and_cleanup_failures_are_one_line_and_release_the_lock(tm
     p = nljax_train(*base, f"run.dir={tmp_path / 'afile' / 'sub'}", "checkpoint.every=0")
     assert p.returncode == 2 and p.stderr.strip() == (f"nljax.train: error: run.dir {tmp_path / 'afile' / 'sub'} cannot "
                                                       "be created: Not a directory"), p.stderr
+    p = nljax_train(*base, f"run.dir={tmp_path / 'afile'}")
+    assert p.returncode == 2 and p.stderr.strip() == f"nljax.train: error: run.dir {tmp_path / 'afile'} is a file, " \
+                                                     "not a directory", p.stderr
     p = run_python("-c", CLOSE_FAILS, *base, f"run.dir={tmp_path / 'r2'}", "train.steps=4", check=False)
     assert p.returncode != 0 and "No space left on device" in p.stderr, p.stderr
     assert (tmp_path / "r2" / "metrics.jsonl").exists() and not (tmp_path / "r2" / "nljax.lock").exists()
