@@ -84,7 +84,7 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
                           "started in: run from there, or give it absolute)") from None
     restored, skipped = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
-    incomplete = storage.incomplete(restored.path.parent, restored.step) if chosen else []
+    incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
     return Trained(cfg, trained_config(run_dir, overrides), run, restored.state.params, restored.step,
                    restored.path, tuple(skipped), tuple(incomplete))
 

@@ -89,7 +89,7 @@ class Checkpoints:
             if own:  # with checkpoint.every=0 too: a later --resume must not take the abandoned branch
                 later = storage.later_steps(root, restored.step)
                 warnings += [f"checkpoint {p} is incomplete ({why}), resuming from an older one"
-                             for p, why in storage.incomplete(root, restored.step)]
+                             for p, why in storage.incomplete(later)]
                 warnings += _set_aside_warning(root, restored.path, later)
             for w in [*warnings, *restored.warnings]:
                 if jax.process_index() == 0:

@@ -27,6 +27,7 @@ from nljax.rundir import checkpoint_dir
 from nljax.state import TrainState
 
 ORBAX_META = "_CHECKPOINT_METADATA"  # Orbax's step metadata, in every step directory it committed
+ITEMS = (META, STATE, ORBAX_META)  # what a committed step directory holds
 SET_ASIDE = "set_aside"  # <checkpoint.dir>/set_aside/<step>: checkpoints moved out of a resumed run's way
 
 
@@ -209,17 +210,17 @@ def leftovers(root: Path) -> list[Path]:
     # ours, and in the way of the step's next save), and `<step>.orbax-checkpoint-tmp-<n>` (a save
     # cut short); nothing else a user keeps there is ever refused or removed.
     return [p for p in root.iterdir()
-            if p.is_dir() and ((p.name.isdigit() and any((p / n).exists() for n in (META, STATE, ORBAX_META)))
+            if p.is_dir() and ((p.name.isdigit() and any((p / n).exists() for n in ITEMS))
                                or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
 
 
-def incomplete(root: Path, step: int) -> list[tuple[Path, str]]:
-    """nljax's step directories under `root` after `step` that are not complete checkpoints, and
-    what each lacks (a resume or a tool that reads `step` says why it passed them over)."""
+def incomplete(steps: list[Path]) -> list[tuple[Path, str]]:
+    """Those of nljax's step directories `steps` that are not complete checkpoints, and what each
+    lacks (a resume or a tool that passed over them says why)."""
     def lacks(p: Path) -> str:
-        missing = [n for n in (META, STATE, ORBAX_META) if not (p / n).exists()]
+        missing = [n for n in ITEMS if not (p / n).exists()]
         return f"it has no {' and no '.join(missing)}" if missing else f"its {META} item is incomplete"
-    return [(p, lacks(p)) for p in later_steps(root, step) if not is_nljax_step(p)]
+    return [(p, lacks(p)) for p in steps if not is_nljax_step(p)]
 
 
 def later_steps(root: Path, step: int) -> list[Path]:
