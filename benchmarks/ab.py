@@ -78,8 +78,9 @@ def run(args) -> int:
         if args.profile:
             with tempfile.TemporaryDirectory() as tmp:
                 b["state"], step_s = traces.record(b["fn"], b["state"], b["batch"], args.profile, Path(tmp))
-                s = traces.summarize(Path(tmp), args.profile, step_s)
-            row.update(ops_per_step=s["ops"], busy_fraction=s["busy_fraction"], by_category_s=s["by_category_s"])
+                s = traces.summarize(Path(tmp), args.profile, step_s, hlo_text=b["fn"].as_text())
+            row.update(ops_per_step=s["ops"], busy_fraction=s["busy_fraction"], by_category_s=s["by_category_s"],
+                       by_scope_s=s["by_scope_s"])
         rows.append(row)
     print(f"{args.config or '(default config)'}: {args.rounds} interleaved rounds after {args.warmup} warm-up, "
           f"all-levels step, {jax.device_count()} x {jax.devices()[0].device_kind}")

@@ -231,7 +231,8 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     if profile:
         slowest = next(a for a in fns if pattern_name(a) == summary["worst_pattern"])
         _, step_s = traces.record(fns[slowest], state, batch, profile, profile_dir)
-        summary["profile"] = {"pattern": summary["worst_pattern"], **traces.summarize(profile_dir, profile, step_s)}
+        summary["profile"] = {"pattern": summary["worst_pattern"],
+                              **traces.summarize(profile_dir, profile, step_s, hlo_text=fns[slowest].as_text())}
     return {
         "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,
                    "seq_len": cfg.train.seq_len if run.task.unit == "tokens" else None,

@@ -12,7 +12,12 @@ device:
 - `by_category`: op time in matmuls, collectives, copies, control flow (XLA:CPU's `while`), and
   the rest (fusions), by op and kernel names (`CATEGORIES`);
 - `top`: the ops that take the most time, and `top_kinds` the same by kind of op (the name
-  without XLA's numeric suffix: all `fusion.N` together).
+  without XLA's numeric suffix: all `fusion.N` together);
+- `by_scope`, given the compiled program's HLO text: op time by where in the model it was
+  written, read from each instruction's `op_name` metadata (JAX's name stack): the pass
+  (forward: `jvp(...)`, backward: `transpose(...)`, or `step`: the loss's reduction, the
+  optimizer, collectives outside the model) and the model's modules (`mem1` -> `mem`,
+  `block0/cms1` -> `block/cms`). Ops XLA made up (copies, command buffers) carry none: `?`.
 
 Op events are those the runtime tags with `args.hlo_op`: XLA:GPU's kernels on the device's
 stream lanes, XLA:CPU's thunks on its worker threads. A GPU device process also has derived
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -44,6 +50,42 @@ CATEGORIES = (
     ("control", ("while", "conditional")),
     ("copy", ("copy", "memcpy", "memset", "transpose", "dynamic-update-slice", "dynamic-slice", "concatenate")),
 )
+
+
+# JAX's structural names in a name stack, and nljax's container of scanned layers (`units`): not
+# modules of the model
+STRUCTURAL = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "scan",
+              "pjit", "custom_jvp_call", "custom_vjp_call", "branch", "units"}
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+)\s+=\s.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata, from a compiled program's text (`as_text()`)."""
+    return {m.group(1): m.group(2) for m in _INSTRUCTION.finditer(hlo_text)}
+
+
+def scope(op_name: str | None) -> str:
+    """'forward mem', 'backward block/cms', 'step' ...: the pass and the model's (first two)
+    modules an op was written in; '?' for none. The name stack is transforms (`jvp(NLNet)`,
+    `vmap(...)`), the model's own name, its module path, and the primitive last."""
+    if not op_name:
+        return "?"
+    pass_ = "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "step"
+    parts = [p for p in op_name.split("/")[:-1] if p and "(" not in p]
+    if pass_ == "step" or len(parts) < 2:
+        return pass_
+    # plain identifiers only: jnp.einsum names its scope after the equation ("bhti,bhio->bhto")
+    modules = [re.sub(r"_?\d+$", "", p) for p in parts[1:] if p not in STRUCTURAL and re.fullmatch(r"[A-Za-z_]\w*", p)]
+    return " ".join([pass_, "/".join(modules[:2])]).strip()
+
+
+def op_scope(names: dict[str, str], hlo_op: str, kernel: str) -> str:
+    """The scope of a profiled op: by its HLO op, else by the kernel's name (XLA:GPU names a
+    fusion's kernel after it, `_` for `.`; inside a command buffer the HLO op is the buffer's)."""
+    for n in (hlo_op, kernel, re.sub(r"_(\d+)$", r".\1", kernel)):
+        if n in names:
+            return scope(names[n])
+    return "?"
 
 
 def category(name: str) -> str:
@@ -113,17 +155,21 @@ def kind(op: str) -> str:
     return ".".join(parts)
 
 
-def device_summary(ops: list[dict], steps: int, step_s: float, top: int) -> dict:
+def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: dict | None = None) -> dict:
     us = 1e-6  # trace times are in microseconds
     busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ops]) * us / steps
     by_cat: dict[str, float] = {}
     by_op: dict[str, list] = {}
     by_kind: dict[str, list] = {}
+    by_scope: dict[str, float] = {}
     for e in ops:
         name = e["args"]["hlo_op"]
         dur = e.get("dur", 0.0) * us
         cat = category(f"{name} {e['name']}")  # the HLO op, and the kernel's name on a GPU
         by_cat[cat] = by_cat.get(cat, 0.0) + dur / steps
+        if names is not None:
+            where = op_scope(names, name, e["name"])
+            by_scope[where] = by_scope.get(where, 0.0) + dur / steps
         for acc in (by_op.setdefault(name, [0.0, 0, cat]), by_kind.setdefault(kind(name), [0.0, 0, cat])):
             acc[0] += dur / steps
             acc[1] += 1
@@ -137,14 +183,16 @@ def device_summary(ops: list[dict], steps: int, step_s: float, top: int) -> dict
         "by_category_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         "top": ranked(by_op),
         "top_kinds": ranked(by_kind),
+        **({"by_scope_s": dict(sorted(by_scope.items(), key=lambda kv: -kv[1]))} if names is not None else {}),
     }
 
 
-def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: str | None = TRAIN_MODULE) -> dict:
+def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: str | None = TRAIN_MODULE,
+              hlo_text: str | None = None) -> dict:
     """Per step of the recorded `steps` (measured at `step_s` seconds each): the summary of the
     first device, and how many devices the trace holds (SPMD: each runs the same program).
     `module`: count only that compiled program's ops (all when the trace names none of them so:
-    `module` in the result is then None)."""
+    `module` in the result is then None). `hlo_text`: that program's, for `by_scope_s`."""
     per_device = op_events(load_events(directory))
     if not per_device:
         raise ValueError(f"the trace under {directory} holds no XLA op events")
@@ -153,7 +201,7 @@ def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: 
     if not ops:
         ops, module = per_device[first], None
     return {"device": first, "devices": len(per_device), "module": module, "steps": steps, "step_s": step_s,
-            **device_summary(ops, steps, step_s, top)}
+            **device_summary(ops, steps, step_s, top, op_names(hlo_text) if hlo_text else None)}
 
 
 def format_summary(s: dict) -> list[str]:
@@ -164,4 +212,8 @@ def format_summary(s: dict) -> list[str]:
              f"{s['ops']:,.0f} ops (median {s['median_op_us']:,.1f} us), device busy {ms(s['busy_s'])} "
              f"of {ms(s['step_s'])} ({frac}); op time: {cats}"]
     row = lambda t: f"  {t['s'] * 1e3:9.3f} ms  {t['calls']:8.1f} x  {t['category']:<10}  {t['op']}"
-    return [*lines, "top ops, per step:", *map(row, s["top"]), "top kinds of op, per step:", *map(row, s["top_kinds"])]
+    lines += ["top ops, per step:", *map(row, s["top"]), "top kinds of op, per step:", *map(row, s["top_kinds"])]
+    if "by_scope_s" in s:  # where in the model, the first dozen
+        lines += ["op time by where in the model, per step:",
+                  *(f"  {v * 1e3:9.3f} ms  {k}" for k, v in list(s["by_scope_s"].items())[:12])]
+    return lines

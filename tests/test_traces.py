@@ -100,3 +100,34 @@ def test_only_the_train_steps_ops_count_when_named(tmp_path):
     assert s["module"] == traces.TRAIN_MODULE and s["ops"] == 1 and s["busy_s"] == pytest.approx(10e-6)
     s = traces.summarize(tmp_path, steps=1, step_s=100e-6, module="jit_other")
     assert s["module"] is None and s["ops"] == 2
+
+
+HLO = """HloModule jit_train_step
+ENTRY %main {
+  %fusion.12 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%fc.12, metadata={op_name="jit(train_step)/jvp(NLNet)/NLNet.unrolled/mem1/while/body/bhti,bhio->bhto/dot_general" source_file="m.py" source_line=3}
+  ROOT %loop_add_fusion.2 = f32[4]{0} fusion(f32[4]{0} %fusion.12), kind=kLoop, calls=%fc.2, metadata={op_name="jit(train_step)/transpose(jvp(NLNet))/NLNet.scanned/while/body/closed_call/units/units/checkpoint/block3/cms0/up/add"}
+  %copy.4 = f32[4]{0} copy(f32[4]{0} %p)
+  %fusion.7 = f32[] fusion(f32[4]{0} %p), kind=kInput, calls=%fc.7, metadata={op_name="jit(train_step)/add"}
+}
+"""
+
+
+def test_scopes_from_hlo_metadata(tmp_path):
+    """Each op's time goes to the pass and the model's modules its op_name names: by its HLO op,
+    by its GPU kernel's name (`_N` for `.N`) when the HLO op is a command buffer, `?` without."""
+    names = traces.op_names(HLO)
+    assert set(names) == {"fusion.12", "loop_add_fusion.2", "fusion.7"}  # copy.4 has no metadata
+    assert traces.scope(names["fusion.12"]) == "forward mem"  # the einsum's equation is not a module
+    assert traces.scope(names["loop_add_fusion.2"]) == "backward block/cms"  # `units`: the scan container
+    assert traces.scope(names["fusion.7"]) == "step" and traces.scope(None) == "?"
+    assert traces.scope("jit(train_step)/transpose(jvp(NLNet))/NLNet.unrolled/add") == "backward"
+    assert traces.op_scope(names, "command_buffer_3", "loop_add_fusion_2") == "backward block/cms"
+    events = [meta(1, "/device:GPU:0"), meta(1, "Stream #13(Compute)", 13),
+              op(1, 13, "fusion.12", 0, 30), op(1, 13, "command_buffer_3", 30, 20, name="loop_add_fusion_2"),
+              op(1, 13, "copy.4", 50, 5), op(1, 13, "fusion.7", 55, 5), op(1, 13, "fusion.12", 60, 10)]
+    s = traces.summarize(write(tmp_path, events), steps=1, step_s=100e-6, hlo_text=HLO)
+    assert s["by_scope_s"] == pytest.approx({"forward mem": 40e-6, "backward block/cms": 20e-6, "?": 5e-6,
+                                             "step": 5e-6})
+    assert list(s["by_scope_s"])[0] == "forward mem"
+    assert "op time by where in the model" in "\n".join(traces.format_summary(s))
+    assert "by_scope_s" not in traces.summarize(tmp_path, steps=1, step_s=100e-6)  # no HLO, no scopes
