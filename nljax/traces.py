@@ -55,7 +55,7 @@ CATEGORIES = (
 # JAX's structural names in a name stack, and nljax's container of scanned layers (`units`): not
 # modules of the model
 STRUCTURAL = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "scan",
-              "pjit", "custom_jvp_call", "custom_vjp_call", "branch", "units"}
+              "pjit", "custom_jvp_call", "custom_vjp_call", "branch_0_fun", "branch_1_fun", "eval_jaxpr", "units"}
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+)\s+=\s.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
 
 
@@ -71,11 +71,16 @@ def scope(op_name: str | None) -> str:
     if not op_name:
         return "?"
     pass_ = "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "step"
-    parts = [p for p in op_name.split("/")[:-1] if p and "(" not in p]
-    if pass_ == "step" or len(parts) < 2:
+    if pass_ == "step":
         return pass_
-    # plain identifiers only: jnp.einsum names its scope after the equation ("bhti,bhio->bhto")
-    modules = [re.sub(r"_?\d+$", "", p) for p in parts[1:] if p not in STRUCTURAL and re.fullmatch(r"[A-Za-z_]\w*", p)]
+    # modules are plain identifiers: not a method's scope ("NLNet.scanned"), nor the equation
+    # jnp.einsum names its scope after ("bhti,bhio->bhto"); a remat'd module repeats its name
+    modules = []
+    for p in op_name.split("/")[:-1]:
+        if "(" not in p and p not in STRUCTURAL and re.fullmatch(r"[A-Za-z_]\w*", p):
+            m = re.sub(r"_?\d+$", "", p)
+            if not modules or modules[-1] != m:
+                modules.append(m)
     return " ".join([pass_, "/".join(modules[:2])]).strip()
 
 
