@@ -54,8 +54,8 @@ CATEGORIES = (
 
 # JAX's structural names in a name stack, and nljax's container of scanned layers (`units`): not
 # modules of the model
-STRUCTURAL = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "scan",
-              "pjit", "custom_jvp_call", "custom_vjp_call", "branch_0_fun", "branch_1_fun", "eval_jaxpr", "units"}
+STRUCTURAL = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "scan", "pjit",
+              "custom_jvp_call", "custom_vjp_call", "branch_0_fun", "branch_1_fun", "eval_jaxpr", "shard_map", "units"}
 _INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+)\s+=\s.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
 
 

@@ -104,7 +104,7 @@ def test_only_the_train_steps_ops_count_when_named(tmp_path):
 
 HLO = """HloModule jit_train_step
 ENTRY %main {
-  %fusion.12 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%fc.12, metadata={op_name="jit(train_step)/jvp(NLNet)/NLNet.unrolled/mem1/while/body/bhti,bhio->bhto/dot_general" source_file="m.py" source_line=3}
+  %fusion.12 = f32[4]{0} fusion(f32[4]{0} %p), kind=kLoop, calls=%fc.12, metadata={op_name="jit(train_step)/shard_map/jvp(NLNet)/NLNet.unrolled/mem1/while/body/bhti,bhio->bhto/dot_general" source_file="m.py" source_line=3}
   ROOT %loop_add_fusion.2 = f32[4]{0} fusion(f32[4]{0} %fusion.12), kind=kLoop, calls=%fc.2, metadata={op_name="jit(train_step)/transpose(jvp(NLNet))/NLNet.scanned/while/body/closed_call/units/units/checkpoint/eval_jaxpr/block3/cms0/up/add"}
   %copy.4 = f32[4]{0} copy(f32[4]{0} %p)
   %fusion.7 = f32[] fusion(f32[4]{0} %p), kind=kInput, calls=%fc.7, metadata={op_name="jit(train_step)/add"}
