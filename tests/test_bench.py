@@ -71,6 +71,7 @@ def gpu_summary():
     return gpu_summary
 
 
+@pytest.mark.slow
 def test_gpu_suite_and_ab(tmp_path):
     """benchmarks/gpu_suite.sh parses and refuses an unknown part; benchmarks/ab.py's JSON is
     sane and its summary reads it (a CPU run of a tiny model under the GPU row's name: the form,

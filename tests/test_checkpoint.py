@@ -140,6 +140,7 @@ def test_elastic_resume_8_4_2_devices(ref, tmp_path):
     assert_trees_close(final.memory, ref["final"].memory, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_elastic_resume_across_strategies(ref, tmp_path):
     """replicated on 8 devices -> zero1 on 4 (2 x 2) -> fsdp on 2 (1 x 2): each restore converts
     parameters and optimizer state through the canonical layout; the continuation matches the
@@ -164,6 +165,7 @@ def finish_on_fsdp(ref, checkpoint: Path, losses_2_3, atol: float) -> None:
     assert_trees_close(host(state.memory), ref["final"].memory, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
     """A checkpoint written before `model.nl_lm.*` / `model.dit.*` saved flat model keys
     (`model.window`, ...), and none of the keys added since (`model.nl_lm.scan_layers`,
@@ -206,6 +208,7 @@ def test_resume_may_change_how_the_step_computes(ref):
     assert r.warnings == ["resuming with model.dtype='bfloat16' (checkpoint: 'float32')"]
 
 
+@pytest.mark.slow
 def test_elastic_resume_changes_mesh_model(ref, tmp_path):
     """(2, 4, 1) replicated -> (2, 2, 2) zero1 (tensor parallelism: heads, memory heads and MLP
     widths split in two) -> (1, 2, 1) fsdp: parameters, optimizer state and the error buffers of

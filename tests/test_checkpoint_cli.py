@@ -82,6 +82,7 @@ def losses(run: Path) -> list[float]:
     return [json.loads(l)["loss"] for l in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     """Killed while committing checkpoint 8 (4 is complete), resumed from 4, killed again at step
     10 (8 complete), resumed from 8. Each resumed run logs the losses the run before it logged
@@ -112,6 +113,7 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     assert tree_hash(run) == before
 
 
+@pytest.mark.slow
 def test_notice_outside_the_step_loop(tmp_path):
     """One process takes SIGTERM as a notice over the whole run, not only while it steps: during
     start-up (before compilation) the run stops after its first step, saved, with one line and
@@ -158,6 +160,7 @@ def test_a_second_sigterm_stops_at_once():
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
+@pytest.mark.slow
 def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
     """Fault injection: SIGTERM (a preemption notice), SIGKILL, SIGTERM at seeded random steps,
     each followed by --resume. A notice saves at the next step boundary and exits 143 with one
@@ -210,6 +213,7 @@ def test_ctrl_c_saves_the_step_and_a_second_one_stops_at_once(tmp_path):
 # Folders nljax did not write
 
 
+@pytest.mark.slow
 def test_pruning_and_resume_skip_folders_nljax_did_not_write(tmp_path):
     """checkpoint.keep prunes only nljax's own steps, and --resume never picks a user's folder
     with a number for a name (Orbax's max_to_keep deleted them; '7' became 'latest')."""
@@ -270,6 +274,7 @@ def test_resume_falls_back_past_damaged_checkpoints_and_sets_later_ones_aside(tm
 
 
 
+@pytest.mark.slow
 def test_a_step_directory_missing_an_item_is_passed_over_with_a_warning_and_set_aside(tmp_path):
     """A newest step directory that lost its nljax item (or Orbax's step metadata) is not a
     checkpoint, but it is nljax's: a tool reading the run says it used an older one, and a resume
@@ -308,6 +313,7 @@ sys.exit(main())
 """
 
 
+@pytest.mark.slow
 def test_setting_aside_and_cleanup_failures_are_one_line_and_release_the_lock(tmp_path):
     """An older checkpoint resumed with checkpoint.every=0 sets the later ones aside too (a later
     --resume would take the abandoned branch); when they cannot be set aside, one line, the lock

@@ -89,6 +89,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
     assert (d / "metrics.jsonl").read_text() == "precious\n"
 
 
+@pytest.mark.slow
 def test_comm_cli_json():
     p = cli("nljax.comm", "--cpu-devices", "8", "--json", "mesh.inter=2", *SMALL)
     r = json.loads(p.stdout)
@@ -192,6 +193,7 @@ def test_a_live_run_in_run_dir_refuses_another(tmp_path):
         runlock.refuse_if_live(d)
 
 
+@pytest.mark.slow
 def test_compile_cache_makes_the_second_start_faster(tmp_path):
     """A resumed run loads its step variants from run.compile_cache instead of compiling them
     again: nothing new is written there, and the reported compile times drop. (The run's length

@@ -45,6 +45,11 @@ CASES = [
 CASES += [(i, j, r, "skip") for r in ["flat", "hierarchical"] for i, j in [(1, 2), (2, 4)]]
 # `cms.accumulate=updates` (Adam on each buffered step at the firing) on the meshes.
 CASES += [(i, j, r, "updates") for r in ["flat", "hierarchical"] for i, j in [(1, 2), (2, 4), (4, 2)]]
+# The suite runs every mesh with each reduction and each mode on two meshes; the rest of the
+# matrix (`slow`) runs in .ci/run after it.
+SUITE = {(1, 2, "flat", "skip"), (2, 4, "hierarchical", "skip"), (1, 2, "flat", "updates"),
+         (2, 4, "hierarchical", "updates")}
+CASES = [c if c[3] == "accumulate" or c in SUITE else pytest.param(*c, marks=pytest.mark.slow) for c in CASES]
 
 
 @pytest.mark.parametrize("inter,intra,reduce,frozen", CASES)

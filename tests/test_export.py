@@ -11,7 +11,7 @@ from nljax import export, trained
 from helpers import TINY_NL, saved_run
 
 
-@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
+@pytest.mark.parametrize("strategy", [pytest.param("replicated", marks=pytest.mark.slow), "fsdp"])
 def test_export_load_gives_the_training_states_logits(strategy, tmp_path):
     setup, state = saved_run(tmp_path / "run", [*TINY_NL, f"sync.strategy={strategy}"], 2, 4)
     t = trained.load(tmp_path / "run", devices=jax.devices()[:1])

@@ -125,6 +125,7 @@ def test_bad_arguments_are_one_line(args, line, capsys):
     assert err.count("\n") == 0 and line in err, err
 
 
+@pytest.mark.slow
 def test_a_run_on_own_files_generates_from_any_directory(tmp_path, monkeypatch, capsys):
     """config.yaml records the data paths absolute: a run trained on files named relative to where
     it started generates from another directory (export reads the run the same way, trained.load)."""

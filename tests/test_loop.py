@@ -268,6 +268,7 @@ def test_hooks_run_in_order_every_n_steps():
                      ("every step", 3)]
 
 
+@pytest.mark.slow
 def test_a_sharded_run_that_fits_reports_without_the_split_that_does_not(tmp_path, monkeypatch, capsys):
     """fsdp shards what one device could not hold; the end-of-run compute/comm split builds the
     whole model on one device. Where that does not fit, the split is skipped and said so: the

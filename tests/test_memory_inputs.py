@@ -34,6 +34,7 @@ def test_shared_fraction_and_key_stats_on_known_inputs():
     assert cos == pytest.approx(0.0, abs=1e-4) and lam == pytest.approx(1.0, abs=1e-3)
 
 
+@pytest.mark.slow
 def test_report_on_a_fresh_model(capsys):
     """Both memories of a fresh model read the same input (every block starts as the identity),
     and every sub-block but the embedding outputs zero."""

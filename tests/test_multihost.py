@@ -34,6 +34,7 @@ def losses(run_dir: Path) -> list[dict]:
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", [2], ids=["tensor"])
 def test_two_processes_train_like_one_process_with_eight_devices(tmp_path, model):
     """2 x 4 devices over gloo == 1 x 8 devices, step for step, with different PYTHONHASHSEEDs;
@@ -117,7 +118,7 @@ def _wait_for(path: Path, pattern: str, proc: subprocess.Popen, timeout: float) 
     raise AssertionError(f"no {pattern!r} within {timeout} s:\n{path.read_text()}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
+@pytest.mark.parametrize("sig", [signal.SIGKILL, pytest.param(signal.SIGSTOP, marks=pytest.mark.slow)], ids=["killed", "hung"])
 def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
     """SIGKILL one worker mid-training: the survivor exits on its own (its collective fails) well
     before the launcher's grace period. SIGSTOP one worker (alive, silent, its socket open, as a
@@ -158,7 +159,7 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
         assert 2 <= elapsed < 8 + grace + 15, (elapsed, text)
 
 
-@pytest.mark.parametrize("to", ["workers", "launcher"])
+@pytest.mark.parametrize("to", ["workers", pytest.param("launcher", marks=pytest.mark.slow)])
 def test_preemption_notice_saves_the_same_step_on_every_process(tmp_path, to):
     """SIGTERM to every worker (as SLURM sends it) or to the launcher (Kubernetes: the container's
     first process), which passes it on: JAX's preemption service agrees on a step, every process
@@ -247,6 +248,7 @@ sys.exit(main())
 """
 
 
+@pytest.mark.slow
 def test_checkpoint_damaged_for_one_process_is_skipped_by_every_process(tmp_path):
     """--resume with the newest checkpoint damaged where only process 1 reads: every process
     skips it (one warning naming the process), resumes from the one before, and the later one is
@@ -268,6 +270,7 @@ def test_checkpoint_damaged_for_one_process_is_skipped_by_every_process(tmp_path
     assert (ck / "set_aside" / "8").is_dir() and storage.committed_steps(ck) == [4, 8, 10]
 
 
+@pytest.mark.slow
 def test_a_resumed_run_whose_steps_all_skip_stops_on_every_process(tmp_path):
     """The count of skipped steps in a row continues from the kept records, which process 0
     alone reads: before, process 1 counted from 0, process 0 stopped alone and process 1 hung in
@@ -512,6 +515,7 @@ def test_step_check_runs_every_check_every_iterations(monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_the_command_checks_in_as_the_processes_join(tmp_path, monkeypatch):
     """`nljax.train --resume` tells JAX's preemption service the step it resumes from as soon as
     `jax.distributed.initialize` returns, before the start-up's first collective (the config

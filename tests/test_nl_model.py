@@ -24,7 +24,8 @@ def reference(kind):
 
 @pytest.mark.parametrize(
     # every mesh of the rule with the MLP memory; the linear memory across devices: tests/test_tp.py
-    "inter,intra,kind", [(1, 2, "mlp"), (2, 2, "mlp"), (2, 4, "mlp"), (4, 2, "mlp")]
+    "inter,intra,kind", [(1, 2, "mlp"), pytest.param(2, 2, "mlp", marks=pytest.mark.slow), (2, 4, "mlp"),
+                          pytest.param(4, 2, "mlp", marks=pytest.mark.slow)]
 )
 def test_matches_single_device_including_memory(inter, intra, kind):
     ref_losses, ref_params, ref_memory, ref_opt = reference(kind)
@@ -99,7 +100,7 @@ def test_reset_rows_start_from_memory0():
         assert not np.allclose(mixed[[2, 5]], kept[[2, 5]])
 
 
-@pytest.mark.parametrize("inter,intra,accum", [(1, 1, 4), (1, 2, 2)])
+@pytest.mark.parametrize("inter,intra,accum", [pytest.param(1, 1, 4, marks=pytest.mark.slow), (1, 2, 2)])
 def test_accumulation_equals_one_step_on_the_whole_batch(inter, intra, accum):
     """accum micro-batches per device, synchronized once: same losses, params and memory."""
     ref_losses, ref_params, ref_memory, ref_opt = reference("mlp")
@@ -272,6 +273,7 @@ def test_unit_size_is_the_shortest_repeating_run_of_blocks():
         config.load(None, [*DEEP4, "model.nl_lm.memory_layers=[1]", "model.nl_lm.scan_layers=true"])
 
 
+@pytest.mark.slow
 def test_scanned_layers_equal_the_unrolled_net():
     """`model.nl_lm.scan_layers`: the same function of the same parameters (stacked per unit):
     logits and every memory state over two steps (the second reads what the first wrote), and

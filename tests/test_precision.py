@@ -154,7 +154,8 @@ def test_bf16_tracks_float32():
     assert not np.array_equal(bf16, f32)  # the dtype did change the arithmetic
 
 
-@pytest.mark.parametrize("inter,intra", [(1, 2), (2, 4), (4, 2)])
+@pytest.mark.parametrize("inter,intra", [(1, 2), pytest.param(2, 4, marks=pytest.mark.slow),
+                                         pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_bf16_matches_single_device(inter, intra):
     """N devices == 1 device in bfloat16, to a looser tolerance than float32's: the per-device
     batches round differently (XLA may fuse a bf16 product differently per shape). SGD keeps

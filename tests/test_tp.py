@@ -34,7 +34,7 @@ CASES = [
     pytest.param((2, 2, 2), "fsdp", "hierarchical", "accumulate", [*SGD, "cms.accumulate=updates", *SCANNED],
                  marks=pytest.mark.big),
     ((1, 4, 2), "zero1", "hierarchical", "accumulate", [*SGD, "optim.clip_norm=0.05", *LINEAR]),
-    ((2, 1, 4), "replicated", "flat", "skip", LINEAR),
+    pytest.param((2, 1, 4), "replicated", "flat", "skip", LINEAR, marks=pytest.mark.slow),
 ]
 
 

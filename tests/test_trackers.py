@@ -103,6 +103,7 @@ def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):
                                        rtol=1e-6, err_msg=tag)
 
 
+@pytest.mark.slow
 def test_wandb_offline_run_is_continued_by_a_resume(tmp_path, monkeypatch):
     """An offline W&B run writes its files under run.dir/wandb with no network; its id is saved
     in every checkpoint, and a resume continues the run under that id."""
