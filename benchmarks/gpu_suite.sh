@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 17 (item 6) on one H100, in parts that each fit a 10-minute call:
+# The GPU measurements of issue 17 (item 6) on one H100 or H200, in parts that each fit a 10-minute call:
 #
 #   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: titans graphs memory dit nl350m cycle
 #                                                  (default: all, in order)
@@ -9,7 +9,8 @@
 #   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's scan), profiled
 #   memory  titans_demo at batch 128 x 512 with model.remat=block and =memory: peak memory
 #   dit     MeanFlow DiT-B/4 at 32x32 and its flow-matching twin
-#   nl350m  configs/nl_350m.yaml (seq 2048) with its block remat and with model.remat=memory, profiled
+#   nl350m  configs/nl_350m.yaml (seq 2048) with its block remat, with model.remat=memory, and with
+#           model.remat=memory unrolled (scan_layers=false: no per-layer stacking), profiled
 #   cycle   titans_demo's four pulse variants: compile time and tokens/s of each
 #
 # Each bench is short (few warm-up and timed steps) and writes JSON into OUT_DIR; a summary
@@ -92,6 +93,10 @@ part_nl350m() {
     --profile 2 "${BF16[@]}" --out "$OUT/bench_nl_350m.json"
   run bench_nl_350m_memory $PY -m nljax.bench --config configs/nl_350m.yaml --patterns worst --steps 3 --warmup 1 \
     --profile 2 "${BF16[@]}" model.remat=memory --out "$OUT/bench_nl_350m_memory.json"
+  # the H200's profile (docs/PERFORMANCE.md) put 10% of the remat=memory step in the layer scan's
+  # stacking of saved activations: the unrolled net has none (and a longer compile)
+  run bench_nl_350m_unrolled $PY -m nljax.bench --config configs/nl_350m.yaml --patterns worst --steps 3 --warmup 1 \
+    --profile 2 "${BF16[@]}" model.remat=memory model.nl_lm.scan_layers=false --out "$OUT/bench_nl_350m_unrolled.json"
 }
 
 part_cycle() {

@@ -25,7 +25,9 @@ def profiled(b: dict) -> str:
     if not p:
         return ""
     cats = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p["by_category_s"].items())
-    return f"; profile: {kernels(p['ops'], p['busy_fraction'])} (median {p['median_op_us']:.1f} us); {cats}"
+    where = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in list(p.get("by_scope_s", {}).items())[:4])
+    return (f"; profile: {kernels(p['ops'], p['busy_fraction'])} (median {p['median_op_us']:.1f} us); {cats}"
+            + (f"; most time in: {where}" if where else ""))
 
 
 def gb(n) -> str:
@@ -64,7 +66,8 @@ def lines(out: Path) -> list[str]:
         rows.append(f"{verdict(None if peak is None else peak < 20e9)}  titans_demo batch 128 x 512 peak memory, "
                     f"model.remat={remat}: " + ("-" if peak is None else f"{peak / 1e9:.1f} GB (target < 20 GB; "
                                                 f"{b['units_per_s_per_device_mean']:,.0f} tokens/s/device)"))
-    for name, remat in (("bench_nl_350m", "block, the config's"), ("bench_nl_350m_memory", "memory")):
+    for name, remat in (("bench_nl_350m", "block, the config's"), ("bench_nl_350m_memory", "memory"),
+                        ("bench_nl_350m_unrolled", "memory, scan_layers=false")):
         # MFU of the model's FLOPs (analytic: the outer loop, attention, the inner loop's estimate);
         # XLA's count where it has one (not for a scanned net: it counts a loop's body once)
         b = load(out, name)
