@@ -26,7 +26,10 @@ def profiled(b: dict) -> str:
         return ""
     cats = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in p["by_category_s"].items())
     where = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in list(p.get("by_scope_s", {}).items())[:4])
-    return (f"; profile: {kernels(p['ops'], p['busy_fraction'])} (median {p['median_op_us']:.1f} us); {cats}"
+    busy = f", busy {p['busy_s'] * 1e3:.1f} ms per step" + (f" (step {p['timed_step_s'] * 1e3:.1f} ms without the profiler)"
+                                                          if p.get("timed_step_s") else "")
+    return (f"; profile: {kernels(p['ops'], p['busy_fraction'])} under the profiler{busy} "
+            f"(median {p['median_op_us']:.1f} us); {cats}"
             + (f"; most time in: {where}" if where else ""))
 
 

@@ -8,7 +8,10 @@ device:
 - `busy_s`: the time during which at least one of them runs (the union of their intervals), and
   `busy_fraction` = busy / the measured step time. A device busy for a small part of its step is
   waiting on kernel launches, host round trips (a `while` loop's predicate) or the input, not
-  computing: that step is latency-bound, and larger kernels, not faster ones, are the fix;
+  computing: that step is latency-bound, and larger kernels, not faster ones, are the fix. The
+  profiler slows the host's side (on a GPU, each launch), so the step it measures can be much
+  longer than the step without it (titans_demo on an H200: 46.9 against 21.8 ms): given
+  `timed_step_s`, the step without the profiler, the summary shows both;
 - `by_category`: op time in matmuls, collectives, copies, control flow (XLA:CPU's `while`), and
   the rest (fusions), by op and kernel names (`CATEGORIES`);
 - `top`: the ops that take the most time, and `top_kinds` the same by kind of op (the name
@@ -193,11 +196,12 @@ def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: 
 
 
 def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: str | None = TRAIN_MODULE,
-              hlo_text: str | None = None) -> dict:
+              hlo_text: str | None = None, timed_step_s: float | None = None) -> dict:
     """Per step of the recorded `steps` (measured at `step_s` seconds each): the summary of the
     first device, and how many devices the trace holds (SPMD: each runs the same program).
     `module`: count only that compiled program's ops (all when the trace names none of them so:
-    `module` in the result is then None). `hlo_text`: that program's, for `by_scope_s`."""
+    `module` in the result is then None). `hlo_text`: that program's, for `by_scope_s`;
+    `timed_step_s`: the step's time measured without the profiler."""
     per_device = op_events(load_events(directory))
     if not per_device:
         raise ValueError(f"the trace under {directory} holds no XLA op events")
@@ -206,6 +210,7 @@ def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: 
     if not ops:
         ops, module = per_device[first], None
     return {"device": first, "devices": len(per_device), "module": module, "steps": steps, "step_s": step_s,
+            **({"timed_step_s": timed_step_s} if timed_step_s else {}),
             **device_summary(ops, steps, step_s, top, op_names(hlo_text) if hlo_text else None)}
 
 
@@ -215,7 +220,9 @@ def format_summary(s: dict) -> list[str]:
     cats = ", ".join(f"{k} {ms(v)}" for k, v in s["by_category_s"].items())
     lines = [f"profile ({s['steps']} steps, {s['device']}, 1 of {s['devices']} devices): per step "
              f"{s['ops']:,.0f} ops (median {s['median_op_us']:,.1f} us), device busy {ms(s['busy_s'])} "
-             f"of {ms(s['step_s'])} ({frac}); op time: {cats}"]
+             f"of {ms(s['step_s'])} ({frac})"
+             + (f" (the step without the profiler: {ms(s['timed_step_s'])})" if s.get("timed_step_s") else "")
+             + f"; op time: {cats}"]
     row = lambda t: f"  {t['s'] * 1e3:9.3f} ms  {t['calls']:8.1f} x  {t['category']:<10}  {t['op']}"
     lines += ["top ops, per step:", *map(row, s["top"]), "top kinds of op, per step:", *map(row, s["top_kinds"])]
     if "by_scope_s" in s:  # where in the model, the first dozen

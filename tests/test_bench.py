@@ -48,6 +48,7 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert prof["module"] == "jit_train_step"  # the train step's ops, found by its module's name
     assert prof["ops"] > 10 and 0 < prof["busy_s"] and 0 < prof["busy_fraction"] <= 1.05
     assert prof["by_category_s"]["matmul"] > 0 and prof["top"][0]["s"] >= prof["top"][-1]["s"] > 0
+    assert prof["timed_step_s"] * 1e3 == pytest.approx(r["per_pattern"][r["worst_pattern"]]["step_time"]["median_ms"])
     scopes = prof["by_scope_s"]  # where in the model, from the compiled program's op_name metadata
     assert {"forward mem", "backward mem", "forward attn", "step"} <= set(scopes), scopes
     assert scopes["backward mem"] > 0

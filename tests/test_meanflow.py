@@ -209,7 +209,7 @@ def trained(inter, intra, extra=(), model=1):
     return setup, np.concatenate([head, last]), grads, full(state)
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [pytest.param("replicated", marks=pytest.mark.slow), "fsdp"])
 def test_meanflow_fsdp_matches_replicated(strategy):
     """MeanFlow loss and parameters of 8-device training under `strategy` equal 1-device replicated
     training on the same global batches (every strategy that exists; fsdp once merged). Gradients are those of
@@ -224,7 +224,7 @@ def test_meanflow_fsdp_matches_replicated(strategy):
     assert got["eval_energy_1step"] == pytest.approx(want["eval_energy_1step"], rel=1e-4)
 
 
-@pytest.mark.parametrize("shape,strategy", [((1, 2, 2), "fsdp"), ((2, 1, 4), "replicated")])
+@pytest.mark.parametrize("shape,strategy", [((1, 2, 2), "fsdp"), pytest.param((2, 1, 4), "replicated", marks=pytest.mark.slow)])
 def test_meanflow_under_tensor_parallelism_matches(shape, strategy):
     """The DiT split over `model` (heads, MLP width, adaLN outputs; nljax/tp.py) trains like one
     device with MeanFlow's loss: forward-mode jvp through the split blocks, then the gradient of

@@ -24,7 +24,7 @@ def grads(overrides):
     return jax.jit(jax.grad(lambda p: model.apply(p, memory, batch)[0]))(params)
 
 
-@pytest.mark.parametrize("remat,kind", [("block", "linear"), ("memory", "mlp")])
+@pytest.mark.parametrize("remat,kind", [pytest.param("block", "linear", marks=pytest.mark.slow), ("memory", "mlp")])
 def test_remat_gradients_are_bitwise_equal(remat, kind):
     """Recomputing a pure function gives the same bits: seed 000's ban on gradient checkpointing
     (a stateful inner loop re-run diverges) does not apply to a functional inner loop."""

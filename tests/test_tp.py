@@ -33,7 +33,8 @@ CASES = [
     # The dearest case (~42 s: the scanned net on every axis): with the `big` tests, for the suite's time
     pytest.param((2, 2, 2), "fsdp", "hierarchical", "accumulate", [*SGD, "cms.accumulate=updates", *SCANNED],
                  marks=pytest.mark.big),
-    ((1, 4, 2), "zero1", "hierarchical", "accumulate", [*SGD, "optim.clip_norm=0.05", *LINEAR]),
+    pytest.param((1, 4, 2), "zero1", "hierarchical", "accumulate", [*SGD, "optim.clip_norm=0.05", *LINEAR],
+                 marks=pytest.mark.slow),
     pytest.param((2, 1, 4), "replicated", "flat", "skip", LINEAR, marks=pytest.mark.slow),
 ]
 

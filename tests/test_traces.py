@@ -131,3 +131,7 @@ def test_scopes_from_hlo_metadata(tmp_path):
     assert list(s["by_scope_s"])[0] == "forward mem"
     assert "op time by where in the model" in "\n".join(traces.format_summary(s))
     assert "by_scope_s" not in traces.summarize(tmp_path, steps=1, step_s=100e-6)  # no HLO, no scopes
+    # the step without the profiler, beside the profiled one (the profiler slows the host's side)
+    s = traces.summarize(tmp_path, steps=1, step_s=100e-6, timed_step_s=40e-6)
+    assert s["timed_step_s"] == 40e-6 and s["busy_fraction"] == pytest.approx(0.7)  # of the profiled step
+    assert "(the step without the profiler: 0.04 ms)" in "\n".join(traces.format_summary(s))
