@@ -103,6 +103,7 @@ def test_comm_cli_json():
     assert "ratio nljax / DDP" in text and "reduce-scatter" in text
 
 
+@pytest.mark.slow
 def test_default_model_trains_end_to_end(tmp_path):
     """The nested-learning LM through the CLI on 2 devices: memory, eval in bits per byte."""
     d = tmp_path / "nl"

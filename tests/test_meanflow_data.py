@@ -130,6 +130,7 @@ def test_png_figures(tmp_path):
         assert c == 3 or set(np.unique(pic[..., 2])) == {0, 255}  # blue: none in the images, white gaps
 
 
+@pytest.mark.slow
 def test_meanflow_toy_cli_end_to_end(tmp_path):
     """python -m nljax.train --config configs/meanflow_toy.yaml on 2 devices, tiny: summary.json holds
     both energy distances, a PNG per evaluation, and the loss changes."""

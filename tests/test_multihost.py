@@ -159,7 +159,8 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
         assert 2 <= elapsed < 8 + grace + 15, (elapsed, text)
 
 
-@pytest.mark.parametrize("to", ["workers", pytest.param("launcher", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("to", ["workers", "launcher"])
 def test_preemption_notice_saves_the_same_step_on_every_process(tmp_path, to):
     """SIGTERM to every worker (as SLURM sends it) or to the launcher (Kubernetes: the container's
     first process), which passes it on: JAX's preemption service agrees on a step, every process
