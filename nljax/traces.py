@@ -32,6 +32,7 @@ time may exceed busy time.
 
 from __future__ import annotations
 
+import functools
 import gzip
 import json
 import re
@@ -67,6 +68,7 @@ def op_names(hlo_text: str) -> dict[str, str]:
     return {m.group(1): m.group(2) for m in _INSTRUCTION.finditer(hlo_text)}
 
 
+@functools.lru_cache(maxsize=None)  # per distinct op_name, not per profiled op (tens of thousands per step)
 def scope(op_name: str | None) -> str:
     """'forward mem', 'backward block/cms', 'step' ...: the pass and the model's (first two)
     modules an op was written in; '?' for none. The name stack is transforms (`jvp(NLNet)`,
