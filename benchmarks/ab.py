@@ -7,7 +7,7 @@ is). Every variant's step is compiled, then the rounds run each variant's step i
 change of clock or load hits all of them alike. Printed per variant: median and min step time,
 the ratio of medians to the first variant, compile time, peak memory (the compiled program's
 `memory_analysis`: arguments + outputs + temporaries - donated), and with `--profile N` the XLA ops per step and the
-device's busy share from N profiled steps (`nljax/traces.py`). `--out FILE.json` keeps it all.
+device's busy share from N profiled steps (`nljax/measure/traces.py`). `--out FILE.json` keeps it all.
 """
 
 from __future__ import annotations
@@ -47,12 +47,12 @@ def run(args) -> int:
     if args.rounds < 1 or args.warmup < 0 or args.profile < 0:
         raise config.ConfigError("--rounds must be >= 1, --warmup and --profile >= 0")
     cli.setup_devices(args.cpu_devices)
-    hostmem.retain()  # as nljax's commands do, before JAX starts (nljax/hostmem.py)
+    hostmem.retain()  # as nljax's commands do, before JAX starts (nljax/measure/hostmem.py)
 
     import jax
 
     from nljax.bench import compile_variants, peak_memory, unevaluated
-    from nljax.run import Run
+    from nljax.run.core import Run
 
     built = []
     for v in args.variants:

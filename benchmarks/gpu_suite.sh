@@ -15,7 +15,7 @@
 #
 # Each bench is short (few warm-up and timed steps) and writes JSON into OUT_DIR; a summary
 # against the targets of every part run so far is printed at the end (OUT_DIR/summary.txt).
-# `--profile 2` adds where the device time of 2 steps went (nljax/traces.py) to the JSON and log. Needs no
+# `--profile 2` adds where the device time of 2 steps went (nljax/measure/traces.py) to the JSON and log. Needs no
 # network: jax/flax/optax/orbax/torch are installed; titans-pytorch is installed from wheels in
 # .whl/ when it is not importable (`benchmarks/fetch_wheels.sh` downloads them here, the device call
 # carries `.whl`), and its part is skipped with a message when neither works.

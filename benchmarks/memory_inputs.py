@@ -34,10 +34,11 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nljax import config, trained  # noqa: E402
+from nljax import config
 from nljax.errors import ConfigError  # noqa: E402
 from nljax.models import build, nl_lm  # noqa: E402
-from nljax.tasks import text_data  # noqa: E402
+from nljax.run import trained  # noqa: E402
+from nljax.run.tasks import text_data  # noqa: E402
 
 CAPTURED = ("Embed", "Attention", "NeuralMemory", "MLP", "LayerNorm", "CausalConv")
 

@@ -9,7 +9,7 @@ On one device, times side by side, interleaved (plain, nljax, plain, nljax, ...;
   step (gradient stopped), one `jax.jit` with donated buffers;
 - nljax: the compiled step variant of the same config where every level fires (the same work:
   every parameter updated) and the one of level 0 alone (the most frequent pattern), built by
-  `nljax.run.Run` on a 1-device mesh, as `nljax.train` runs it.
+  `nljax.run.core.Run` on a 1-device mesh, as `nljax.train` runs it.
 
 Same model, batch, optimizer hyper-parameters and memory; the ratio nljax / plain is the
 engine's overhead (shard_map, per-level flat buffers, gradient checks, learning-rate schedule).
@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from nljax import cli
-from nljax.conductor import pattern_name
+from nljax.engine.conductor import pattern_name
 
 
 def plain_step(model, cfg):
@@ -60,7 +60,7 @@ def interleaved(calls: dict, warmup: int, rounds: int) -> dict:
 
 
 def _run(args, cfg) -> int:
-    from nljax.run import Run
+    from nljax.run.core import Run
 
     cfg = dataclasses.replace(cfg, mesh=dataclasses.replace(cfg.mesh, inter=1, intra=1))
     setup = Run.create(cfg, devices=jax.devices()[:1])

@@ -12,7 +12,7 @@ titans-pytorch step, ...) so that a drift of clock or load hits both alike; medi
   `use_flex_attn` and `use_accelerated_scan` off, as the anchor was measured), AdamW; one step is
   forward + backward + optimizer on one batch (train_mac.py accumulates 4 such batches per step;
   a step here is one of them). bf16: `torch.autocast`.
-- nljax: `nljax.run.Run` on a 1-device mesh with the config (default configs/titans_demo.yaml),
+- nljax: `nljax.run.core.Run` on a 1-device mesh with the config (default configs/titans_demo.yaml),
   its compiled step variants for level 0 alone (448 of every 512 steps) and all levels firing,
   the cycle mean estimated as 7/8 level-0 + 1/8 the slower of the two (conservative: the three
   rarer patterns are charged as the slower pattern measured). The script only uses the engine's
@@ -110,10 +110,11 @@ def nljax_side(args):
     the dtype it computes in)."""
     import jax
 
-    from nljax import config, flops
+    from nljax import config
     from nljax.bench import unevaluated
-    from nljax.conductor import pattern_name
-    from nljax.run import Run
+    from nljax.engine.conductor import pattern_name
+    from nljax.measure import flops
+    from nljax.run.core import Run
 
     overrides = [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}", "mesh.inter=1", "mesh.intra=1",
                  *args.overrides]
@@ -175,7 +176,7 @@ def interleaved(calls: dict, warmup: int, rounds: int, say, settle: bool = True,
 
 
 def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
-    from nljax import hostmem
+    from nljax.measure import hostmem
 
     tokens = args.batch * args.seq
     r = {"batch": args.batch, "seq": args.seq, "device": args.device, "dtype": args.dtype, "nljax_dtype": nl_dtype,
@@ -252,8 +253,8 @@ def main(argv=None) -> int:
     pin_threads(args)  # before torch and jax start
     if args.device == "cpu":
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from nljax import hostmem
     from nljax.errors import ConfigError
+    from nljax.measure import hostmem
 
     # as nljax's commands do (NLJAX_HOST_MALLOC=system: not); titans-pytorch, in the same
     # process, allocates under the same settings

@@ -12,7 +12,7 @@ cli.setup_devices(1)
 
 import jax  # noqa: E402 - after the device count is set
 
-from nljax.run import Run  # noqa: E402
+from nljax.run.core import Run  # noqa: E402
 
 for unroll in sys.argv[2:]:
     cfg = config.load(sys.argv[1], [f"model.nl_lm.memory_unroll={unroll}", "eval.every=0"])

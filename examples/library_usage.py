@@ -10,10 +10,10 @@ jax.config.update("jax_num_cpu_devices", 8)  # before anything asks for devices
 jax.config.update("jax_platforms", "cpu")
 
 from nljax import config  # noqa: E402
-from nljax.comm import comm_per_step, format_report  # noqa: E402
-from nljax.conductor import Conductor  # noqa: E402
-from nljax.hostdev import mean_loss  # noqa: E402
-from nljax.run import Run  # noqa: E402
+from nljax.engine.conductor import Conductor  # noqa: E402
+from nljax.measure.comm import comm_per_step, format_report  # noqa: E402
+from nljax.parallel.hostdev import mean_loss  # noqa: E402
+from nljax.run.core import Run  # noqa: E402
 
 cfg = config.load("configs/nl_default.yaml", ["mesh.inter=2", "cms.periods=[1,4,16]", "train.seq_len=64",
                                               "model.dim=64"])

@@ -4,7 +4,7 @@
                           [--patterns cycle|worst] [--profile N [--profile-dir DIR]]
                           [--out FILE.json] [key=value ...]
 
-builds the run exactly as `nljax.train` does (`nljax.run.Run`: same mesh, engine, compiled
+builds the run exactly as `nljax.train` does (`nljax.run.core.Run`: same mesh, engine, compiled
 step variants, data) but writes no run directory and no checkpoint. Then, for every pulse
 pattern (distinct active set) of one cycle of `cms.periods` (or only the one where every level
 fires, `--patterns worst`):
@@ -14,7 +14,7 @@ fires, `--patterns worst`):
   clock or load hits all of them alike): median, min, max and spread of the step time;
 - units (tokens, images) per second per device: per pattern, the mean weighted by how often each
   pattern fires in a cycle, and the worst pattern;
-- FLOPs per unit: analytic (`nljax.flops`: 6 N + attention for the outer loop, plus an
+- FLOPs per unit: analytic (`nljax.measure.flops`: 6 N + attention for the outer loop, plus an
   estimate of the inner-loop memory), and XLA's count for the compiled per-device program;
 - MFU against the device's peak: the known bf16 dense peak of GPUs/TPUs (`throughput.PEAK_TFLOPS`,
   or `--peak-tflops`); on CPU a float32 matmul peak measured here and printed;
@@ -22,7 +22,7 @@ fires, `--patterns worst`):
   compiled programs' `memory_analysis()` (arguments + outputs + temporaries - aliased);
 - versions and the device kind;
 - with `--profile N`: N more steps of the slowest pattern under jax.profiler, and where their
-  device time goes (`nljax.traces`: ops per step, device busy time against the step time, time
+  device time goes (`nljax.measure.traces`: ops per step, device busy time against the step time, time
   per op category, the top ops); `--profile-dir` keeps the trace for TensorBoard or Perfetto.
 
 A benchmark is a command, not a test: the suite only checks that its JSON is well formed.
@@ -44,13 +44,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax import cli, flops, hostmem, throughput, traces
-from nljax.version import __version__
-from nljax.conductor import Conductor, pattern_name
+from nljax import cli
 from nljax.config import Config, ConfigError
-from nljax.run import Run
-from nljax.step import StepCache
-
+from nljax.engine.conductor import Conductor, pattern_name
+from nljax.engine.step import StepCache
+from nljax.measure import flops, hostmem, traces
+from nljax.run import throughput
+from nljax.run.core import Run
+from nljax.version import __version__
 
 # ---------------------------------------------------------------------------------- the device
 

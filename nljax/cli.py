@@ -1,6 +1,6 @@
 """Command-line plumbing shared by `nljax.train`, `nljax.comm` and friends.
 
-`--cpu-devices N` and the host allocator's settings (nljax/hostmem.py) must take effect before
+`--cpu-devices N` and the host allocator's settings (nljax/measure/hostmem.py) must take effect before
 JAX creates its backends, and a multi-process run must join JAX's distributed runtime before any
 computation, so all three happen here, before any module touches `jax.devices()`.
 """
@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
-import difflib
 import errno
 import os
 import signal
@@ -20,9 +18,11 @@ from typing import Callable, Sequence
 
 import jax
 
-from nljax import config, distributed, hostmem
+from nljax import config
 from nljax.errors import first_line
-from nljax.preemption import Stopped, check_in
+from nljax.measure import hostmem
+from nljax.runtime import distributed
+from nljax.runtime.preemption import Stopped, check_in
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -43,19 +43,6 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(config.Config) if not dataclasses.is_dataclass(f.default))
-
-
-def check_setting(key: str, known) -> None:
-    """A tool's `key=value` that is neither one of its `known` settings nor a config key (config
-    keys are dotted, section.key, or top-level like `seed`): one line, with the nearest setting."""
-    if key not in known and "." not in key and key not in TOP_LEVEL:
-        near = difflib.get_close_matches(key, list(known), n=1)
-        hint = f"did you mean '{near[0]}'? " if near else ""
-        raise config.ConfigError(f"unknown setting '{key}': {hint}(settings: {', '.join(known)}; config "
-                                 "overrides are dotted, e.g. model.dim=128)")
-
-
 def setup_devices(cpu_devices: int | None) -> None:
     if cpu_devices is not None:
         if cpu_devices < 1:
@@ -68,7 +55,7 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config,
                     first_step: Callable[[config.Config], int] = lambda cfg: 0) -> bool:
     """Joins a multi-process run if this process is one of several (True), and tells JAX's
     preemption service at once the step it counts from (`first_step(cfg)`, read after joining:
-    it may open checkpoints, which starts JAX; nljax.preemption)."""
+    it may open checkpoints, which starts JAX; nljax.runtime.preemption)."""
     launch = distributed.resolve(args.coordinator, args.num_processes, args.process_id,
                                  distributed.parse_device_ids(args.local_device_ids))
     joined = distributed.initialize(launch, cfg.distributed.timeout_s)
@@ -79,7 +66,7 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config,
 
 def out_of_memory(e: BaseException) -> str | None:
     """The one line for an allocation that failed although the budget check passed (its
-    activations term is only a floor, see nljax/budget.py), or None for any other error."""
+    activations term is only a floor, see nljax/measure/budget.py), or None for any other error."""
     text = str(e)
     if isinstance(e, MemoryError) or "RESOURCE_EXHAUSTED" in text or "Out of memory" in text:
         first = first_line(e) or type(e).__name__
@@ -167,7 +154,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
     multiprocess = False
     try:
         setup_devices(args.cpu_devices)
-        hostmem.retain()  # before JAX's backends start (nljax/hostmem.py)
+        hostmem.retain()  # before JAX's backends start (nljax/measure/hostmem.py)
         cfg = configure(args, config.load(args.config, args.overrides))
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
             multiprocess = setup_processes(args, cfg, first_step)

@@ -22,17 +22,17 @@ from typing import Any
 import yaml
 
 from nljax.checkpoint.settings import CheckpointConfig
-from nljax.conductor import CMSConfig
 from nljax.crosschecks import check_across_sections
 from nljax.data.images import ImagesConfig
 from nljax.data.settings import DataConfig
+from nljax.engine.conductor import CMSConfig
+from nljax.engine.optim import OptimConfig
+from nljax.engine.sync import SyncConfig
 from nljax.errors import ConfigError, first_line
-from nljax.meanflow import MeanFlowConfig
-from nljax.mesh import MeshConfig
+from nljax.models.meanflow import MeanFlowConfig
 from nljax.models.settings import ModelConfig
-from nljax.optim import OptimConfig
-from nljax.runsettings import DistributedConfig, EvalConfig, RunConfig, ThroughputConfig, TrainConfig
-from nljax.sync import SyncConfig
+from nljax.parallel.mesh import MeshConfig
+from nljax.runtime.runsettings import DistributedConfig, EvalConfig, RunConfig, ThroughputConfig, TrainConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,19 +40,19 @@ class Config:
     """The registry of sections: config key -> section, each declared where the comment says."""
 
     seed: int = 0
-    run: RunConfig = RunConfig()  # nljax/runsettings.py, like train, eval, distributed, throughput
+    run: RunConfig = RunConfig()  # nljax/runtime/runsettings.py, like train, eval, distributed, throughput
     train: TrainConfig = TrainConfig()
-    mesh: MeshConfig = MeshConfig()  # nljax/mesh.py
-    cms: CMSConfig = CMSConfig()  # nljax/conductor.py
-    sync: SyncConfig = SyncConfig()  # nljax/sync.py
+    mesh: MeshConfig = MeshConfig()  # nljax/parallel/mesh.py
+    cms: CMSConfig = CMSConfig()  # nljax/engine/conductor.py
+    sync: SyncConfig = SyncConfig()  # nljax/engine/sync.py
     model: ModelConfig = ModelConfig()  # nljax/models/settings.py (model.nl_lm, model.dit: beside each model)
-    optim: OptimConfig = OptimConfig()  # nljax/optim.py
+    optim: OptimConfig = OptimConfig()  # nljax/engine/optim.py
     data: DataConfig = DataConfig()  # nljax/data/settings.py
     eval: EvalConfig = EvalConfig()
     distributed: DistributedConfig = DistributedConfig()
     throughput: ThroughputConfig = ThroughputConfig()
     images: ImagesConfig = ImagesConfig()  # nljax/data/images.py
-    meanflow: MeanFlowConfig = MeanFlowConfig()  # nljax/meanflow.py
+    meanflow: MeanFlowConfig = MeanFlowConfig()  # nljax/models/meanflow.py
     checkpoint: CheckpointConfig = CheckpointConfig()  # nljax/checkpoint/settings.py
 
 
@@ -302,3 +302,16 @@ def validate(cfg: Config) -> None:
         if check is not None:
             check()
     check_across_sections(cfg)
+
+
+TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(Config) if not dataclasses.is_dataclass(f.default))
+
+
+def check_setting(key: str, known) -> None:
+    """A tool's `key=value` that is neither one of its `known` settings nor a config key (config
+    keys are dotted, section.key, or top-level like `seed`): one line, with the nearest setting."""
+    if key not in known and "." not in key and key not in TOP_LEVEL:
+        near = difflib.get_close_matches(key, list(known), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise ConfigError(f"unknown setting '{key}': {hint}(settings: {', '.join(known)}; config "
+                                 "overrides are dotted, e.g. model.dim=128)")

@@ -19,7 +19,7 @@ def check_across_sections(cfg) -> None:
                           f"{len(periods)} levels")
     if m.name != "dit" and d.source != "files" and m.vocab_size < 256:
         # these corpora are bytes: token ids 0..255 index the embedding (files: checked against
-        # their own vocabulary when they are read: nljax.tasks.resolve)
+        # their own vocabulary when they are read: nljax.run.tasks.resolve)
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the 256 byte values of the text data")
     if m.name == "nl_lm" and nl.memory_layers and cfg.train.seq_len % nl.memory_chunk:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of model.nl_lm.memory_chunk="

@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from nljax import cli, config, trained as trained_lib
+from nljax import cli, config
 from nljax.checkpoint.contents import RESHAPED
 from nljax.errors import ConfigError
-from nljax.exportdir import CONFIG, DEFAULT, WEIGHTS, is_export
+from nljax.run import trained as trained_lib
+from nljax.runtime.exportdir import CONFIG, DEFAULT, WEIGHTS, is_export
 
 FORMATS = ("safetensors",)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

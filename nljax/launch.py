@@ -3,12 +3,12 @@
 Starts N copies of a command as the processes of one multi-process JAX run on this machine,
 like `torchrun --standalone`: process 0 hosts the coordination service on 127.0.0.1 at a free
 port, and each process gets `NLJAX_COORDINATOR`, `NLJAX_NUM_PROCESSES` and `NLJAX_PROCESS_ID`
-(read by every nljax CLI, see `nljax.distributed`). Each output line is prefixed with its
+(read by every nljax CLI, see `nljax.runtime.distributed`). Each output line is prefixed with its
 process index. If a process exits non-zero, the others get `--grace` seconds to exit on their
 own (they usually do: their collectives fail, or they raise the same lockstep error), then are
 killed, and the launcher exits with the first failure's code. Ctrl-C, SIGTERM (a scheduler's
 preemption notice) and SIGHUP (the terminal closed) are passed on to every process as SIGTERM,
-on which it saves a checkpoint and exits (`nljax.preemption`); whatever is left after `--grace`
+on which it saves a checkpoint and exits (`nljax.runtime.preemption`); whatever is left after `--grace`
 seconds, or at a second signal, is killed. Their output is written out before the launcher exits.
 
 Each process runs in its own session, so a command started through a shell is stopped with
@@ -37,14 +37,10 @@ import threading
 import time
 from typing import IO, Sequence
 
+from nljax.runtime.launchenv import ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+
 PROG = "nljax.launch"
 
-# What each process is told (read by every nljax CLI through `nljax.distributed`). Defined here,
-# in a module that does not import JAX, so that the launcher starts instantly.
-ENV_COORDINATOR = "NLJAX_COORDINATOR"
-ENV_NUM_PROCESSES = "NLJAX_NUM_PROCESSES"
-ENV_PROCESS_ID = "NLJAX_PROCESS_ID"
-ENV_LOCAL_DEVICE_IDS = "NLJAX_LOCAL_DEVICE_IDS"
 SETTLE_S = 1.0  # after a first failure, how long to watch for the others before naming the cause
 
 

@@ -35,7 +35,7 @@ def parse(pairs: list[str]) -> tuple[Path | None, bool, list[str]]:
         if key in OWN:
             own[key] = value
         else:
-            cli.check_setting(key, OWN)
+            config.check_setting(key, OWN)
             overrides.append(pair)
     if own.get("overwrite", "false") not in ("true", "false"):
         raise ConfigError(f"overwrite must be true or false, got {own['overwrite']!r}")

@@ -6,7 +6,7 @@ import dataclasses
 import sys
 
 from nljax import cli
-from nljax.trainer import resume_step_guess, train
+from nljax.run.trainer import resume_step_guess, train
 
 
 def _configure(args, cfg):

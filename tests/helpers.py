@@ -16,10 +16,10 @@ import yaml
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.conductor import pulse
-from nljax.hostdev import mean_loss
-from nljax.run import Run
-from nljax.state import TrainState
+from nljax.engine.conductor import pulse
+from nljax.engine.state import TrainState
+from nljax.parallel.hostdev import mean_loss
+from nljax.run.core import Run
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: its nljax is the one under test
 
@@ -232,7 +232,7 @@ import os, resource, signal, sys, time
 from pathlib import Path
 ckdir, limit = Path(sys.argv[1]), int(sys.argv[2])
 sys.argv = ["nljax.train", *sys.argv[3:]]
-from nljax import rundir
+from nljax.runtime import rundir
 log = rundir.RunDir.log
 def limiting_log(self, record):
     log(self, record)

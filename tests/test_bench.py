@@ -6,7 +6,6 @@ import os
 import platform
 
 import pytest
-
 from helpers import TINY_NL, cli
 
 # TINY_NL with the defaults elsewhere (the optimizer, the MLP width, 4 memory heads)
@@ -41,7 +40,7 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert r["memory"]["peak_bytes"] > 0 and math.isfinite(r["memory"]["peak_bytes"])
     assert r["environment"]["jax"] and r["environment"]["device_kind"]
     chosen = [k for k in os.environ if k in ("LD_PRELOAD", "GLIBC_TUNABLES") or k.startswith("MALLOC_")]
-    if platform.libc_ver()[0] == "glibc" and not chosen:  # the command set the allocator (nljax/hostmem.py)
+    if platform.libc_ver()[0] == "glibc" and not chosen:  # the command set the allocator (nljax/measure/hostmem.py)
         assert r["environment"]["malloc"]["nljax"].startswith("retain"), r["environment"]["malloc"]
     prof = r["profile"]
     assert prof["pattern"] == r["worst_pattern"] and prof["devices"] == 2 and prof["steps"] == 2

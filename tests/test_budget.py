@@ -1,10 +1,11 @@
 """The memory check: oversized runs are refused before anything is allocated, with one line."""
 
 import pytest
-
 from helpers import TINY
-from nljax import budget, cli, config
+
+from nljax import cli, config
 from nljax.config import ConfigError
+from nljax.measure import budget
 
 
 def test_config_floor_catches_absurd_sizes_without_building():

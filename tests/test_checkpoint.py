@@ -16,13 +16,13 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from helpers import TINY, TINY_NL, assert_trees_close, data_files, make, save, train, tree_hash, truncate
+
 from nljax import config
 from nljax.checkpoint import contents, elastic, storage
 from nljax.checkpoint.lifecycle import Checkpoints
 from nljax.checkpoint.restore import restore
-from nljax.rundir import checkpoint_dir
+from nljax.runtime.rundir import checkpoint_dir
 
 # Attention + neural memory (per-row state), the MLP memory, and a level of period 4.
 NL = [*TINY_NL, "cms.periods=[1,4]", "model.nl_lm.memory_kind=mlp"]
@@ -67,7 +67,7 @@ def test_a_signal_while_a_checkpoint_is_read_is_not_its_damage(ref, monkeypatch)
     import orbax.checkpoint as ocp
 
     from nljax.checkpoint.restore import restore_first_valid
-    from nljax.preemption import Terminated
+    from nljax.runtime.preemption import Terminated
 
     def terminated(*args, **kwargs):
         raise Terminated
@@ -94,7 +94,8 @@ def test_plain_orbax_restores_onto_another_topology(tmp_path):
     """The README's recipe: a checkpoint saved on a 4-device mesh, read with plain Orbax onto 2
     other devices with shardings of the reader's choosing (array metadata, then StandardRestore)."""
     import orbax.checkpoint as ocp
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     setup = make([f"checkpoint.dir={tmp_path}"], 1, 4)
     save(setup, setup.state, 3)
@@ -278,7 +279,7 @@ def test_the_dit_qkv_is_read_reshaped_too():
 
 
 def test_error_buffers_are_redistributed_so_the_reduction_is_unchanged():
-    from nljax import mesh as meshlib
+    from nljax.parallel import mesh as meshlib
 
     e = np.random.default_rng(0).normal(size=(8, 5)).astype(np.float32)
     for n_new in (4, 2, 1):
@@ -423,8 +424,8 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
 
 
 def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
-    from nljax import runlog
-    from nljax.rundir import RunDir
+    from nljax.runtime import runlog
+    from nljax.runtime.rundir import RunDir
 
     (tmp_path / "profile").mkdir()
     (tmp_path / "profile" / "notes.txt").write_text("mine")
@@ -493,6 +494,7 @@ def test_unawaited_writes_of_a_failed_save_are_hidden_only_after_a_failure_insid
     they are collected, which CI once saw as a second line beside the error."""
     import gc
     import warnings
+
     from nljax.checkpoint.quiet import errors_hidden
 
     async def write_fragment():

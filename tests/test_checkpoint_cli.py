@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from helpers import FULL, QUICK, SMALL, cli, data_files, run_python, subprocess_env, tree_hash, truncate
+
 from nljax.checkpoint import storage
 
 # ---------------------------------------------------------------------------------------------
@@ -44,7 +44,7 @@ if mode == "save":
             return finalize
         cls.finalize = patch(cls.finalize)
 elif mode in ("boot", "report"):
-    from nljax import trainer
+    from nljax.run import trainer
     name = "startup_report" if mode == "boot" else "final_report"
     orig = getattr(trainer, name)
     def noticed(*a, **k):
@@ -52,7 +52,7 @@ elif mode in ("boot", "report"):
         return orig(*a, **k)
     setattr(trainer, name, noticed)
 else:
-    from nljax import rundir
+    from nljax.runtime import rundir
     log = rundir.RunDir.log
     def killing_log(self, record):
         log(self, record)
@@ -137,7 +137,7 @@ def test_a_second_sigterm_stops_at_once():
     Ctrl-C outside the step loop stops at once, inside it is a notice."""
     import signal
 
-    from nljax.preemption import Notice, Terminated
+    from nljax.runtime.preemption import Notice, Terminated
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with Notice() as notice:

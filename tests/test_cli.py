@@ -4,10 +4,9 @@ import json
 import os
 
 import pytest
-
-from nljax.traces import TRAIN_MODULE
-
 from helpers import QUICK, SMALL, cli, subprocess_env
+
+from nljax.measure.traces import TRAIN_MODULE
 
 
 def test_train_writes_run_dir_and_loss_falls(tmp_path):
@@ -140,7 +139,7 @@ def test_a_run_that_skips_every_step_stops(tmp_path):
 def test_a_step_where_no_level_fires_is_not_a_skipped_step():
     """Level 0 with a period above 1 leaves steps where nothing is active: nothing could be
     skipped there (a run with cms.periods=[25, 50] stopped at step 20, "all skipped")."""
-    from nljax.trainer import stalled, stalled_in_a_row
+    from nljax.run.trainer import stalled, stalled_in_a_row
 
     fired = lambda *skipped: {"active_levels": [0, 1], "skipped_levels": list(skipped)}
     idle = {"active_levels": [], "skipped_levels": []}
@@ -150,8 +149,8 @@ def test_a_step_where_no_level_fires_is_not_a_skipped_step():
 
 
 def test_metrics_and_summary_are_strict_json(tmp_path, capsys):
-    from nljax import runlog
-    from nljax.rundir import RunDir, kept_records
+    from nljax.runtime import runlog
+    from nljax.runtime.rundir import RunDir, kept_records
 
     run_dir = RunDir(str(tmp_path), overwrite=False, write=True)
     run_dir.log({"step": 0, "loss": float("nan"), "x": [float("inf"), 1.0]})
@@ -186,7 +185,8 @@ def test_a_live_run_in_run_dir_refuses_another(tmp_path):
         lines = p.stderr.strip().splitlines()
         assert len(lines) == 1 and f"is in use by a live run (host {socket.gethostname()}, pid {os.getpid()}" in lines[0]
     assert lock.read_text() == held and not [q for q in d.rglob("*") if q.is_file() and q != lock]
-    from nljax import config, runlock
+    from nljax import config
+    from nljax.runtime import runlock
 
     lock.write_text("{not json")  # a lock being written, or damaged: named as such, not as a run of host '?'
     with pytest.raises(config.ConfigError, match=f"has a lock file {lock} that cannot be read, written less than 5 "

@@ -4,13 +4,12 @@ buffers (`gradients` vs `updates`) checked against hand-written references."""
 import jax
 import numpy as np
 import pytest
-
-from nljax import levels
-from nljax.conductor import pulse
-from nljax.config import ConfigError, load
-from nljax.hostdev import put_batch
-
 from helpers import assert_trees_close, make, train
+
+from nljax.config import ConfigError, load
+from nljax.engine.conductor import pulse
+from nljax.parallel import levels
+from nljax.parallel.hostdev import put_batch
 
 FIRE, FROZEN = (True, True), (True, False)
 

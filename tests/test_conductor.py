@@ -1,4 +1,4 @@
-from nljax.conductor import Conductor, pulse
+from nljax.engine.conductor import Conductor, pulse
 
 
 def test_pulse_is_step_mod_period():

@@ -189,7 +189,7 @@ def test_a_saved_config_with_run_tensorboard_is_read_as_run_trackers(tmp_path, o
 
 
 def test_compile_cache_setting(tmp_path, monkeypatch):
-    from nljax import compile_cache
+    from nljax.runtime import compile_cache
 
     assert config.load(None, ["run.compile_cache=none"]).run.compile_cache == "none"
     assert compile_cache.directory("none") is None

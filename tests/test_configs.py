@@ -9,10 +9,10 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from helpers import Setup, train
+
 from nljax import config
-from nljax.conductor import pulse
+from nljax.engine.conductor import pulse
 
 CONFIGS = sorted(str(p) for p in Path(__file__).parent.parent.glob("configs/*.yaml"))
 # The GPU configs take minutes on the 2-core CI machine: nl_350m (348M parameters, sequence 2048;

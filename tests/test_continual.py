@@ -4,6 +4,7 @@ and the chain of its three runs (the runs themselves are the benchmark, not a te
 import sys
 
 from helpers import ROOT
+
 from nljax import config
 
 sys.path.insert(0, str(ROOT / "benchmarks"))

@@ -5,14 +5,14 @@ import functools
 import jax
 import numpy as np
 import pytest
-
-from nljax import hlo, levels
-from nljax.comm import comm_per_step
-from nljax.config import ConfigError
-from nljax.mesh import make_mesh, check_batch
-from nljax.hostdev import put_batch
-
 from helpers import assert_trees_close, make, replicas, train
+
+from nljax.config import ConfigError
+from nljax.measure import hlo
+from nljax.measure.comm import comm_per_step
+from nljax.parallel import levels
+from nljax.parallel.hostdev import put_batch
+from nljax.parallel.mesh import check_batch, make_mesh
 
 PERIODS = "cms.periods=[1,2,3]"
 STEPS = 12  # two full cycles of [1, 2, 3]
@@ -96,7 +96,7 @@ def test_accumulate_applies_sum_of_frozen_gradients():
         g = jax.grad(lambda p: (lambda s, c, _: s / c)(*eng.model.apply(p, {}, batch, None)))(params)
         return levels.split(g, eng.level_tree, 2)[1]
 
-    from nljax.conductor import pulse
+    from nljax.engine.conductor import pulse
 
     _, s0 = train(setup, 1)  # step 0: everything fires
     p0 = jax.device_get(s0.params)

@@ -6,12 +6,11 @@ import functools
 import jax
 import numpy as np
 import pytest
+from helpers import TINY_NL, assert_trees_close, make
 
 from nljax.config import ConfigError
 from nljax.data.text import HeldOutStream, eval_batches, eval_windows
-from nljax.hostdev import host_sum, put_batch
-
-from helpers import TINY_NL, assert_trees_close, make
+from nljax.parallel.hostdev import host_sum, put_batch
 
 
 def test_eval_batches_pad_and_mask():

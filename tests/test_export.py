@@ -4,11 +4,11 @@ back (`nljax.load_model`) into a model whose logits equal the training state's."
 import jax
 import numpy as np
 import pytest
+from helpers import TINY_NL, saved_run
 
 import nljax
-from nljax import export, trained
-
-from helpers import TINY_NL, saved_run
+from nljax import export
+from nljax.run import trained
 
 
 @pytest.mark.parametrize("strategy", [pytest.param("replicated", marks=pytest.mark.slow), "fsdp"])

@@ -5,10 +5,10 @@ MeanFlow run, and one-line errors."""
 import jax
 import numpy as np
 import pytest
-
-from nljax import generate, trained
-
 from helpers import TINY_NL, saved_run
+
+from nljax import generate
+from nljax.run import sampling, trained
 
 # TINY_NL at train.seq_len 8: a 30-token generation crosses several windows of the memory
 NL = TINY_NL
@@ -22,27 +22,27 @@ def fsdp_run(tmp_path_factory):
 def test_sampling_rules():
     logits = np.array([0.0, 3.0, 1.0, 2.5, -1.0])
     rng = np.random.default_rng(0)
-    s = generate.Settings
-    assert generate.sample_token(logits, rng, s(temperature=0)) == 1
-    assert {generate.sample_token(logits, rng, s(temperature=5, top_k=1)) for _ in range(20)} == {1}
-    assert {generate.sample_token(logits, rng, s(temperature=5, top_k=2)) for _ in range(200)} == {1, 3}
+    s = sampling.Settings
+    assert sampling.sample_token(logits, rng, s(temperature=0)) == 1
+    assert {sampling.sample_token(logits, rng, s(temperature=5, top_k=1)) for _ in range(20)} == {1}
+    assert {sampling.sample_token(logits, rng, s(temperature=5, top_k=2)) for _ in range(200)} == {1, 3}
     # exactly k tokens when logits tie at the k-th place (bfloat16 logits often do): the lower ids
     tied = np.array([2.0, -5.0, 2.0, 2.0, 2.0])
-    assert {generate.sample_token(tied, rng, s(temperature=1, top_k=1)) for _ in range(50)} == {0}
-    assert {generate.sample_token(tied, rng, s(temperature=1, top_k=3)) for _ in range(200)} == {0, 2, 3}
+    assert {sampling.sample_token(tied, rng, s(temperature=1, top_k=1)) for _ in range(50)} == {0}
+    assert {sampling.sample_token(tied, rng, s(temperature=1, top_k=3)) for _ in range(200)} == {0, 2, 3}
     # top_p: token 1 alone has p ~ 0.53 at temperature 1, so top_p 0.5 keeps it alone
-    assert {generate.sample_token(logits, rng, s(temperature=1, top_p=0.5)) for _ in range(50)} == {1}
+    assert {sampling.sample_token(logits, rng, s(temperature=1, top_p=0.5)) for _ in range(50)} == {1}
     # the frequencies of n draws within 4.5 standard deviations of softmax(logits / temperature),
     # every token drawn (a sampler off by 15% in temperature, or never drawing the least likely
     # token, fails here)
     n = 20_000
     for temperature in (1.0, 2.0):
-        draws = [generate.sample_token(logits, rng, s(temperature=temperature)) for _ in range(n)]
+        draws = [sampling.sample_token(logits, rng, s(temperature=temperature)) for _ in range(n)]
         p = np.exp(logits / temperature) / np.exp(logits / temperature).sum()
         freq = np.bincount(draws, minlength=5) / n
         assert np.all(np.abs(freq - p) <= 4.5 * np.sqrt(p * (1 - p) / n)), (temperature, freq, p)
     # a temperature so small that logits / temperature overflows: the most likely token, no NaN
-    assert {generate.sample_token(logits, rng, s(temperature=1e-320)) for _ in range(5)} == {1}
+    assert {sampling.sample_token(logits, rng, s(temperature=1e-320)) for _ in range(5)} == {1}
 
 
 def test_greedy_decoding_continues_the_stream_as_training_reads_it(fsdp_run):
@@ -64,7 +64,7 @@ def test_greedy_decoding_continues_the_stream_as_training_reads_it(fsdp_run):
     params["mem0"]["out"]["kernel"] = 3 * jax.random.normal(jax.random.key(0), out.shape, out.dtype)
     t = dataclasses.replace(t, params=params)
     prompt = "def f(x):\n\0  return"  # 19 bytes: two full windows of 8 (a NUL in the second) and a partial one
-    out = generate.generate_text(t, generate.Settings(prompt=prompt, max_new_tokens=30, temperature=0), lambda _: None)
+    out = sampling.generate_text(t, sampling.Settings(prompt=prompt, max_new_tokens=30, temperature=0), lambda _: None)
     seq, T = list(prompt.encode()) + out, t.cfg.train.seq_len
     stream = ContextStream(np.array(seq, np.uint8), rows=1, seq_len=T)  # cyclic: the last window wraps
     memory, preds, resets = t.model.init_memory(1), [], []
@@ -82,15 +82,15 @@ def test_same_tokens_on_one_and_eight_devices(fsdp_run):
     for bit (the content of this test); the sampler then runs a replicated program on either, so
     the tokens agreeing follows from that (checked as the end-to-end symptom a user would see)."""
     run_dir, params = fsdp_run
-    s = generate.Settings(prompt="import ", max_new_tokens=20, temperature=1.0, top_k=50, seed=3)
+    s = sampling.Settings(prompt="import ", max_new_tokens=20, temperature=1.0, top_k=50, seed=3)
     runs = [trained.load(run_dir, devices=jax.devices()[:n]) for n in (1, 8)]
     for t in runs:  # the whole tree, gathered from the fsdp shards
         for a, b in zip(jax.tree.leaves(jax.device_get(t.params)), jax.tree.leaves(params)):
             np.testing.assert_array_equal(a, b)
-    one, eight = (generate.generate_text(t, s, lambda _: None) for t in runs)
+    one, eight = (sampling.generate_text(t, s, lambda _: None) for t in runs)
     assert runs[0].skipped == () and runs[0].warnings("nljax.generate") == []
     assert one == eight and len(one) == 20
-    assert one != generate.generate_text(runs[0], generate.Settings(**{**vars(s), "seed": 4}), lambda _: None)
+    assert one != sampling.generate_text(runs[0], sampling.Settings(**{**vars(s), "seed": 4}), lambda _: None)
 
 
 def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
@@ -130,7 +130,6 @@ def test_a_run_on_own_files_generates_from_any_directory(tmp_path, monkeypatch, 
     """config.yaml records the data paths absolute: a run trained on files named relative to where
     it started generates from another directory (export reads the run the same way, trained.load)."""
     import yaml
-
     from helpers import cli
 
     work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
@@ -177,7 +176,8 @@ def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path,
 
 def test_config_yaml_records_data_paths_as_the_loaders_read_them(monkeypatch, tmp_path):
     """`~` expanded as the data loaders expand it, then absolute; lists and empty paths kept."""
-    from nljax import config, rundir
+    from nljax import config
+    from nljax.runtime import rundir
 
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.chdir(tmp_path)

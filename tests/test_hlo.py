@@ -2,7 +2,7 @@
 
 import pytest
 
-from nljax import hlo
+from nljax.measure import hlo
 
 MESH = {"inter": 2, "intra": 4}
 
@@ -48,7 +48,8 @@ def test_collectives_in_loops_count_their_trips():
     text, where bytes used to be counted once per step)."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import AxisType, PartitionSpec as P
+    from jax.sharding import AxisType
+    from jax.sharding import PartitionSpec as P
 
     mesh = jax.make_mesh((2, 4), ("inter", "intra"), axis_types=(AxisType.Auto,) * 2)
 
@@ -72,7 +73,7 @@ def test_xla_flops_only_for_programs_without_loops():
     import jax
     import jax.numpy as jnp
 
-    from nljax import throughput
+    from nljax.run import throughput
 
     x = jnp.ones((64, 64))
     once = jax.jit(lambda a: a @ a).lower(x).compile()

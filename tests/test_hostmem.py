@@ -1,4 +1,4 @@
-"""The host allocator's settings (nljax/hostmem.py): applied only where they act, and they make
+"""The host allocator's settings (nljax/measure/hostmem.py): applied only where they act, and they make
 freed memory come back without page faults."""
 
 import os
@@ -9,8 +9,8 @@ import sys
 import jax
 import pytest
 
-from nljax import hostmem
 from nljax.errors import ConfigError
+from nljax.measure import hostmem
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
                            reason="mallopt is glibc's")
@@ -19,7 +19,7 @@ glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or platform.libc
 # and freed twice; the page faults of the second round (the first one's memory, reused or not).
 PROBE = """
 import ctypes, resource
-from nljax import hostmem
+from nljax.measure import hostmem
 print(hostmem.retain())
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p

@@ -95,7 +95,7 @@ def test_the_graph_sees_deferred_and_from_imports(tmp_path):
 
 def test_no_import_cycle_among_nljax_modules():
     edges = graph()
-    assert len(edges) > 30 and edges["nljax.trainer"]  # the walk found the package
+    assert len(edges) > 30 and edges["nljax.run.trainer"]  # the walk found the package
     cycle = find_cycle(edges)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -113,3 +113,41 @@ def test_module_imports_alone(name):
         for k in [k for k in sys.modules if k == "nljax" or k.startswith("nljax.")]:
             del sys.modules[k]
         sys.modules.update(saved)
+
+
+# The parts of the package, lowest first: a module may import from its own part and from parts
+# listed before it, never from a later one. The one exception is the typed config's assembly:
+# `nljax.config` (and its cross-section rules, `nljax.crosschecks`) gathers each part's config
+# section, declared beside the code that reads it, and everything else imports the config.
+LAYERS = ["base", "parallel", "data", "models", "engine", "runtime", "checkpoint", "measure", "run", "commands"]
+BASE = {"nljax", "nljax.errors", "nljax.version", "nljax.config", "nljax.crosschecks"}
+CONFIG_ASSEMBLY = {"nljax.config", "nljax.crosschecks"}
+
+
+def part_of(name: str) -> str:
+    """The part a module belongs to: its sub-package, `base`, or `commands` (the other top-level
+    modules: what `python -m nljax.X` runs, and their shared `cli`)."""
+    if name in BASE:
+        return "base"
+    parts = name.split(".")
+    return parts[1] if len(parts) > 2 or name in {f"nljax.{p}" for p in LAYERS} else "commands"
+
+
+def upward_imports(edges: dict[str, set[str]]) -> list[str]:
+    rank = {p: i for i, p in enumerate(LAYERS)}
+    return sorted(f"{a} ({part_of(a)}) imports {b} ({part_of(b)})" for a, targets in edges.items()
+                  if a not in CONFIG_ASSEMBLY and a != "nljax" for b in targets
+                  if rank[part_of(b)] > rank[part_of(a)])
+
+
+def test_every_module_belongs_to_a_known_part():
+    assert {part_of(m) for m in MODULES} == set(LAYERS)
+    assert part_of("nljax.engine.step") == "engine" and part_of("nljax.train") == "commands"
+    assert part_of("nljax.run") == "run" and part_of("nljax.config") == "base"
+
+
+def test_imports_point_down_the_layers():
+    assert upward_imports({"nljax.engine.step": {"nljax.run.core"}}) == [
+        "nljax.engine.step (engine) imports nljax.run.core (run)"]
+    bad = upward_imports(graph())
+    assert not bad, "imports against the layering:\n" + "\n".join(bad)

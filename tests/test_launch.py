@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from helpers import alive, subprocess_env
 
 LAUNCH = [sys.executable, "-m", "nljax.launch"]

@@ -8,16 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from nljax import config, optim, throughput
-from nljax.conductor import Conductor, pulse
-from nljax.config import ConfigError
-from nljax.mesh import DATA_AXES, ROWS, make_mesh
-from nljax.hostdev import put_batch
-from nljax.engine import Engine
-from nljax.step import StepCache, device_key
-
 from helpers import TINY_NL, assert_trees_close, make, train
+
+from nljax import config
+from nljax.config import ConfigError
+from nljax.engine import optim
+from nljax.engine.conductor import Conductor, pulse
+from nljax.engine.core import Engine
+from nljax.engine.step import StepCache, device_key
+from nljax.parallel.hostdev import put_batch
+from nljax.parallel.mesh import DATA_AXES, ROWS, make_mesh
+from nljax.run import throughput
 
 TAIL = ["optim.name=sgd", "optim.lr=0.1", "cms.periods=[1,2]"]
 
@@ -193,8 +194,8 @@ def test_throughput_table():
 
 
 def test_overwrite_removes_stale_outputs(tmp_path):
-    from nljax.rundir import RunDir
-    from nljax.trackers import TensorBoard
+    from nljax.run.trackers import TensorBoard
+    from nljax.runtime.rundir import RunDir
 
     (tmp_path / "metrics.jsonl").write_text("old\n")
     (tmp_path / "summary.json").write_text("{}")
@@ -224,10 +225,10 @@ def test_loop_trains_a_tail_batch_from_the_task():
     4-row tail, which the loop trains (logged with its micro-batches) with no new compile."""
     import dataclasses
 
-    from nljax import runlog
-    from nljax.rundir import RunDir
-    from nljax.trackers import Trackers
-    from nljax.trainer import History, Output, train_loop
+    from nljax.run.trackers import Trackers
+    from nljax.run.trainer import History, Output, train_loop
+    from nljax.runtime import runlog
+    from nljax.runtime.rundir import RunDir
 
     setup, params, last_loss = tail_run(1, 2, 4)  # its variants are compiled already
 
@@ -256,7 +257,7 @@ def test_loop_trains_a_tail_batch_from_the_task():
 def test_hooks_run_in_order_every_n_steps():
     from types import SimpleNamespace
 
-    from nljax.loop import Hooks
+    from nljax.run.loop import Hooks
 
     calls, hooks = [], Hooks()
     hooks.add(lambda r: calls.append(("every 2", r.step)), every=2)
@@ -273,7 +274,7 @@ def test_a_sharded_run_that_fits_reports_without_the_split_that_does_not(tmp_pat
     """fsdp shards what one device could not hold; the end-of-run compute/comm split builds the
     whole model on one device. Where that does not fit, the split is skipped and said so: the
     run that trained writes its summary (it failed at the end, with "make the model smaller")."""
-    from nljax import budget
+    from nljax.measure import budget
     from nljax.train import main
 
     monkeypatch.setattr(budget, "available_bytes", lambda used=None: 100 * 2**20)  # a GPU's bytes_limit

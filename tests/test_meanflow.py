@@ -9,15 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_trees_close, make, train
 from jax.sharding import PartitionSpec as P
 
-from nljax import meanflow
 from nljax.config import ConfigError, MeanFlowConfig, load
-from nljax.energy import energy_distance
-from nljax.mesh import MODEL
+from nljax.measure.energy import energy_distance
+from nljax.models import meanflow
 from nljax.models.dit import DiTNet
-
-from helpers import assert_trees_close, make, train
+from nljax.parallel.mesh import MODEL
 
 # ---------------------------------------------------------------------------------------------
 # the jvp target
@@ -226,7 +225,7 @@ def test_meanflow_fsdp_matches_replicated(strategy):
 
 @pytest.mark.parametrize("shape,strategy", [((1, 2, 2), "fsdp"), pytest.param((2, 1, 4), "replicated", marks=pytest.mark.slow)])
 def test_meanflow_under_tensor_parallelism_matches(shape, strategy):
-    """The DiT split over `model` (heads, MLP width, adaLN outputs; nljax/tp.py) trains like one
+    """The DiT split over `model` (heads, MLP width, adaLN outputs; nljax/parallel/tp.py) trains like one
     device with MeanFlow's loss: forward-mode jvp through the split blocks, then the gradient of
     that, under fsdp (parameters sharded over data and model) and replicated; the evaluation's
     samples come from the split model too."""

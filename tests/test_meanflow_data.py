@@ -6,14 +6,14 @@ import zlib
 import jax
 import numpy as np
 import pytest
-
 from helpers import ROOT, cli
+
 from nljax.config import ConfigError, ImagesConfig
 from nljax.data import images
-from nljax.energy import energy_distance
-from nljax.figures import sample_figure, write_png
-from nljax.mesh import make_mesh, rows_sharding
-from nljax.hostdev import gather_rows
+from nljax.measure.energy import energy_distance
+from nljax.measure.figures import sample_figure, write_png
+from nljax.parallel.hostdev import gather_rows
+from nljax.parallel.mesh import make_mesh, rows_sharding
 
 
 def test_epochs_are_pure_in_seed_and_epoch_and_drop_the_last_partial_batch():
@@ -84,7 +84,7 @@ def test_energy_distance_is_the_u_statistic():
     assert energy_distance(x, y) == pytest.approx(brute_force_energy(x, y), rel=1e-10)
     assert energy_distance(x, y) == pytest.approx(energy_distance(y, x), rel=1e-12)
     # block boundaries do not change the result (diagonal removed in every block)
-    from nljax import energy
+    from nljax.measure import energy
 
     big = rng.normal(size=(50, 2))
     blocked = energy._distance_sum(big, big, True, block=7)
@@ -151,7 +151,7 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert "eval_energy_1step" in recs[5] and len(recs) == 12
     # run.overwrite=true removes the PNGs the run wrote, not the user's one with the same pattern
-    from nljax.rundir import RunDir
+    from nljax.runtime.rundir import RunDir
 
     RunDir(str(d), overwrite=True, write=True)
     assert sorted(f.name for f in d.glob("samples_*.png")) == ["samples_000100.png"]

@@ -7,8 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from helpers import ROOT, TINY_NL
+
 from nljax import config
 from nljax.errors import ConfigError
 from nljax.models import build

@@ -18,12 +18,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from helpers import FULL, QUICK, TINY, alive, subprocess_env
-from nljax import config, distributed
+
+from nljax import config
 from nljax.checkpoint import storage
 from nljax.config import ConfigError
-from nljax.mesh import resolve_shape
+from nljax.parallel.mesh import resolve_shape
+from nljax.runtime import distributed
 
 ARGS = [*TINY, "cms.periods=[1,2,4]", "eval.batches=1", "sync.reduce=hierarchical"]
 WORKER = str(Path(__file__).parent / "multihost_worker.py")
@@ -499,7 +500,7 @@ def test_default_mesh_is_one_inter_slot_per_process():
 
 
 def test_step_check_runs_every_check_every_iterations(monkeypatch):
-    from nljax.conductor import pulse
+    from nljax.engine.conductor import pulse
 
     calls = []
     monkeypatch.setattr(distributed.jax, "process_count", lambda: 2)
@@ -544,7 +545,7 @@ import os, signal, sys, time
 import jax
 i, port, resumed_at = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
 jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=i)
-from nljax import preemption
+from nljax.runtime import preemption
 preemption.check_in(lambda: resumed_at)  # what the trainer does first
 if i == 0:
     os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice, during restore and compilation

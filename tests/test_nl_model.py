@@ -5,11 +5,12 @@ import functools
 import jax
 import numpy as np
 import pytest
-
-from nljax import config, hlo, levels
-from nljax.data.text import SEPARATOR, ContextStream
-
 from helpers import TINY_NL_DEEP, assert_trees_close, make, replicas, train
+
+from nljax import config
+from nljax.data.text import SEPARATOR, ContextStream
+from nljax.measure import hlo
+from nljax.parallel import levels
 
 NL = [*TINY_NL_DEEP, "model.nl_lm.memory_kind=mlp"]
 STEPS = 4
@@ -232,6 +233,7 @@ def test_blocked_local_attention_equals_the_full_masked_form(t, window):
     """Blocks of `window` queries over their block and the one before (linear in T) == jax's
     masked [T, T] form: outputs and gradients, T a multiple of the window or not, and T <= 2 windows."""
     import jax.numpy as jnp
+
     from nljax.models.layers import local_attention
 
     q, k, v = (jax.random.normal(key, (2, t, 3, 8)) for key in jax.random.split(jax.random.key(t), 3))

@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import TINY_NL_DEEP, assert_trees_close, make, train
 
 from nljax import config
 from nljax.models import build
-
-from helpers import TINY_NL_DEEP, assert_trees_close, make, train
 
 
 def grads(overrides):

@@ -6,13 +6,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import make, train
 
 from nljax import config
 from nljax.config import ConfigError
 from nljax.data.recall import CHANCE, recall_corpus
 from nljax.models.layers import token_hits
-
-from helpers import make, train
 
 DOC = re.compile(rb"((?:[a-z]{3}=\d{4};)+)([A-Z ]+?)((?:[a-z]{3}\?\d{4};)+)[A-Z ]*\x00")  # key_len 3, value_len 4
 VALUE_LEN = 4

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from nljax import runlock
 from nljax.config import ConfigError
+from nljax.runtime import runlock
 
 
 def _write(path, host, pid, age_s=0.0, **more):

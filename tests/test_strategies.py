@@ -6,18 +6,18 @@ import functools
 import jax
 import numpy as np
 import pytest
-
-from nljax import hlo, levels
-from nljax.comm import comm_per_step
-from nljax.conductor import pulse
-from nljax.config import ConfigError, load
-from nljax.state import bytes_per_device
-from nljax.mesh import make_mesh
-from nljax.hostdev import mean_loss, put_batch
-from nljax.engine import Engine
-from nljax.flatopt import padded
-
 from helpers import TINY, Setup, assert_trees_close, make, train
+
+from nljax.config import ConfigError, load
+from nljax.engine.conductor import pulse
+from nljax.engine.core import Engine
+from nljax.engine.flatopt import padded
+from nljax.engine.state import bytes_per_device
+from nljax.measure import hlo
+from nljax.measure.comm import comm_per_step
+from nljax.parallel import levels
+from nljax.parallel.hostdev import mean_loss, put_batch
+from nljax.parallel.mesh import make_mesh
 
 # dim 15 makes every level's size odd, so every shard count needs padding.
 BASE = ["cms.periods=[1,2]", "model.dim=15"]

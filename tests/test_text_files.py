@@ -13,16 +13,17 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+from helpers import cli
 
-from nljax import config, distributed, mesh as meshlib, tasks
+from nljax import config
 from nljax.checkpoint import storage
 from nljax.data import prepared, tokenization
 from nljax.data.text import SEPARATOR, ContextStream
-from nljax.generate import tokenization_of
+from nljax.parallel import mesh as meshlib
 from nljax.prepare import main as prepare_main
+from nljax.run import startup, tasks
+from nljax.run.sampling import tokenization_of
 from nljax.train import main as train_main
-
-from helpers import cli
 
 WORDS = "the a memory level stream token window model learns reads writes data file line of and to in été".split()
 # A model small enough to compile in seconds (the stream's `reset` at document ends is checked
@@ -222,7 +223,7 @@ def test_bytes_from_txt_and_jsonl_train_without_preparing(corpus, tmp_path, caps
     small = [*TINY, "eval.stream_steps=1"]
     task = tasks.TextTask(tasks.resolve(data_config(*small, train)), mesh)
     other = tasks.TextTask(tasks.resolve(data_config(*small, train, f"data.eval={corpus['eval'][0]}")), mesh)
-    assert distributed.data_fingerprint(task) == m["digest"] != distributed.data_fingerprint(other)
+    assert startup.data_fingerprint(task) == m["digest"] != startup.data_fingerprint(other)
     # the checkpoint keeps the digest: a resume on other data is told so (one warning line)
     assert storage.read_meta(run / "checkpoints" / "6")["data"]["digest"] == m["digest"]
     capsys.readouterr()
@@ -230,7 +231,7 @@ def test_bytes_from_txt_and_jsonl_train_without_preparing(corpus, tmp_path, caps
                        f"run.dir={run}", "train.steps=7"]) == 0
     warned = [l for l in capsys.readouterr().err.splitlines() if "other data" in l]
     assert warned == [f"nljax: warning: checkpoint {run / 'checkpoints' / '6'} was trained on other data (digest "
-                      f"{m['digest'][:12]} there, {distributed.data_fingerprint(other)[:12]} here): the resumed run "
+                      f"{m['digest'][:12]} there, {startup.data_fingerprint(other)[:12]} here): the resumed run "
                       "reads other data than the run it continues"], warned
 
 
@@ -418,9 +419,9 @@ def test_a_prepared_dir_matches_its_sources_and_itself(corpus, tokenizer, tmp_pa
 def test_training_samples_are_the_tokenizers_text(corpus, tokenizer):
     """train.sample_every with a tokenizer: the prompt is the tokenizer's ids and the sample its
     decoding (ids above 255 are tokens, not bytes), as nljax.generate writes it."""
-    from nljax.generate import Settings, TextSampler
-    from nljax.run import Run
-    from nljax.samples import TrainingSampler
+    from nljax.run.core import Run
+    from nljax.run.samples import TrainingSampler
+    from nljax.run.sampling import Settings, TextSampler
 
     cfg = data_config(*TINY, "model.vocab_size=256", f"data.train=[{','.join(corpus['train'])}]",
                       f"data.tokenizer={tokenizer}", "data.doc_end_token=<eos>", "train.sample_every=1",

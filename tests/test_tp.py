@@ -1,4 +1,4 @@
-"""Tensor parallelism (mesh axis `model`, nljax/tp.py): attention heads, memory heads (and their
+"""Tensor parallelism (mesh axis `model`, nljax/parallel/tp.py): attention heads, memory heads (and their
 per-row state) and every CMS MLP's hidden width split over `model` train exactly like one device,
 under every strategy, reduction and frozen-gradient mode; the compiled step moves activations
 over `model` only and each level's shard over the data axes only."""
@@ -8,13 +8,16 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-
 from helpers import TINY, TINY_NL, assert_trees_close, make, train
-from nljax import config, engine, hlo, tp
+
+from nljax import config
+from nljax.engine import core as engine
 from nljax.errors import ConfigError
-from nljax.mesh import DATA_AXES, INTER, INTRA, MODEL
+from nljax.measure import hlo
 from nljax.models import build
-from nljax.run import Run
+from nljax.parallel import tp
+from nljax.parallel.mesh import DATA_AXES, INTER, INTRA, MODEL
+from nljax.run.core import Run
 
 # Four attention heads and four memory heads (so that up to 4 shards each hold whole heads),
 # the MLP memory, two CMS levels; a clip small enough to act, so the global norm matters.

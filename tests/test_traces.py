@@ -1,4 +1,4 @@
-"""`nljax.traces`: the device-time summary of a profiler trace, on hand-written traces whose
+"""`nljax.measure.traces`: the device-time summary of a profiler trace, on hand-written traces whose
 answer is known (the bench's smoke test profiles a real step)."""
 
 import gzip
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from nljax import traces
+from nljax.measure import traces
 
 
 def meta(pid, name, tid=None):

@@ -1,4 +1,4 @@
-"""Trackers (nljax/trackers.py) and the samples of train.sample_every (nljax/samples.py): what a
+"""Trackers (nljax/run/trackers.py) and the samples of train.sample_every (nljax/run/samples.py): what a
 run sends to TensorBoard and W&B (offline: files only, no network), a resume continuing the
 same W&B run, and the one-line errors."""
 
@@ -9,16 +9,18 @@ import sys
 
 import numpy as np
 import pytest
-
-from nljax import config, optim, runlog
-from nljax.conductor import Conductor
-from nljax.errors import ConfigError
-from nljax.generate import TextSampler
-from nljax.rundir import RunDir
-from nljax.samples import TrainingSampler
-from nljax.trackers import TensorBoard, Trackers, check_installed
-from nljax.trainer import Output, train, train_loop
 from helpers import TINY, cli, make
+
+from nljax import config
+from nljax.engine import optim
+from nljax.engine.conductor import Conductor
+from nljax.errors import ConfigError
+from nljax.run.samples import TrainingSampler
+from nljax.run.sampling import TextSampler
+from nljax.run.trackers import TensorBoard, Trackers, check_installed
+from nljax.run.trainer import Output, train, train_loop
+from nljax.runtime import runlog
+from nljax.runtime.rundir import RunDir
 
 QUICK = ["throughput.reps=1", "throughput.split=false", "run.plots=false", "run.compile_cache=none", "eval.batches=1",
          "eval.stream_steps=0"]
@@ -172,7 +174,7 @@ def test_a_bad_tracker_setting_is_one_line(tmp_path, monkeypatch):
 FILLS_UP = r"""
 import resource, signal, sys
 from pathlib import Path
-from nljax.trackers import TensorBoard
+from nljax.run.trackers import TensorBoard
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG
 tb = TensorBoard(Path(sys.argv[1]))
 resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.RLIM_INFINITY))

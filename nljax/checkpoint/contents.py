@@ -17,14 +17,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax.version import __version__
-from nljax import mesh as meshlib
-from nljax.conductor import Conductor
 from nljax.config import to_dict
-from nljax.engine import Engine
+from nljax.engine.conductor import Conductor
+from nljax.engine.core import Engine
+from nljax.engine.state import TrainState
 from nljax.errors import ConfigError
-from nljax.hostdev import replica
-from nljax.state import TrainState
+from nljax.parallel import mesh as meshlib
+from nljax.parallel.hostdev import replica
+from nljax.version import __version__
 
 FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory
@@ -152,7 +152,7 @@ def fingerprint(model) -> dict[str, list]:
 
 def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: dict[str, str] | None = None,
              data_digest: str | None = None) -> dict:
-    """`trackers`: tracker name -> the run id a resume continues (`nljax.trackers.Trackers.ids`)."""
+    """`trackers`: tracker name -> the run id a resume continues (`nljax.run.trackers.Trackers.ids`)."""
     cfg, mesh = engine.cfg, engine.mesh
     sums = checksums(arrays)
     return {

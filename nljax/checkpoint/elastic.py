@@ -17,12 +17,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from nljax import frozen, mesh as meshlib, tp
 from nljax.checkpoint.contents import named_arrays, per_device, rows_of
 from nljax.config import from_dict
-from nljax.engine import Engine
+from nljax.engine import frozen
+from nljax.engine.core import Engine
+from nljax.engine.state import TrainState
 from nljax.errors import ConfigError
-from nljax.state import TrainState
+from nljax.parallel import mesh as meshlib
+from nljax.parallel import tp
 
 
 def read_shardings(meta: dict, target: dict[str, jax.Array], mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:

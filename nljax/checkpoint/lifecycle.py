@@ -15,11 +15,10 @@ from nljax.checkpoint import storage
 from nljax.checkpoint.peers import Peers
 from nljax.checkpoint.quiet import errors_hidden
 from nljax.checkpoint.restore import Restored, restore_first_valid
-from nljax.engine import Engine
+from nljax.engine.core import Engine
+from nljax.engine.state import TrainState
 from nljax.errors import ConfigError
-from nljax.rundir import checkpoint_dir
-from nljax.state import TrainState
-
+from nljax.runtime.rundir import checkpoint_dir
 
 # Writers made by this process, numbered: every process makes them in the same order, so the
 # number names the same writer everywhere (its barriers, `Peers`).

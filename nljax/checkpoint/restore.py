@@ -12,13 +12,26 @@ from pathlib import Path
 import jax
 
 from nljax.checkpoint import elastic, storage
-from nljax.checkpoint.contents import (RESHAPED, SILENT, Damaged, check_arrays, check_fits, differences, fingerprint,
-                                     fmt, named_arrays, per_device, rows_of, tracker_ids, data_digest)
+from nljax.checkpoint.contents import (
+    RESHAPED,
+    SILENT,
+    Damaged,
+    check_arrays,
+    check_fits,
+    data_digest,
+    differences,
+    fingerprint,
+    fmt,
+    named_arrays,
+    per_device,
+    rows_of,
+    tracker_ids,
+)
 from nljax.config import Config, to_dict
-from nljax.engine import Engine
-from nljax.hostdev import replica
-from nljax.mesh import MODEL
-from nljax.state import TrainState
+from nljax.engine.core import Engine
+from nljax.engine.state import TrainState
+from nljax.parallel.hostdev import replica
+from nljax.parallel.mesh import MODEL
 
 
 @dataclasses.dataclass

@@ -16,15 +16,25 @@ from pathlib import Path
 
 import jax
 
-from nljax import distributed
-from nljax.checkpoint.contents import META, STATE, Damaged, check_well_formed, checksums, metadata, named_arrays, nest, unnest
+from nljax.checkpoint.contents import (
+    META,
+    STATE,
+    Damaged,
+    check_well_formed,
+    checksums,
+    metadata,
+    named_arrays,
+    nest,
+    unnest,
+)
 from nljax.checkpoint.peers import Peers, PeerSaveFailed
 from nljax.checkpoint.quiet import errors_hidden, warnings_hidden
 from nljax.config import Config, migrate
-from nljax.engine import Engine
+from nljax.engine.core import Engine
+from nljax.engine.state import TrainState
 from nljax.errors import ConfigError, first_line
-from nljax.rundir import checkpoint_dir
-from nljax.state import TrainState
+from nljax.runtime import distributed
+from nljax.runtime.rundir import checkpoint_dir
 
 ORBAX_META = "_CHECKPOINT_METADATA"  # Orbax's step metadata, in every step directory it committed
 ITEMS = (META, STATE, ORBAX_META)  # what a committed step directory holds

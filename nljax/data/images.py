@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from nljax.errors import ConfigError, first_line
-from nljax.hostdev import rows_batch
+from nljax.parallel.hostdev import rows_batch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,11 @@ import functools
 import sysconfig
 from pathlib import Path
 
-import numpy as np
 import jax
+import numpy as np
 
 from nljax.errors import ConfigError
-from nljax.hostdev import rows_batch
+from nljax.parallel.hostdev import rows_batch
 
 SEPARATOR = 0  # document boundary byte
 

@@ -12,9 +12,9 @@ A model is a frozen dataclass (hashable, so it can be a static argument of a jit
   per-example keys from global example indices carried in the batch instead.
 - `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)` (language models): the
   predictions `apply` scores, for metrics beyond the loss (the recall probe's accuracy)
-- `task`: the `nljax.tasks` registry key of its data and evaluation (default "text")
+- `task`: the `nljax.run.tasks` registry key of its data and evaluation (default "text")
 - `tensor_parallel(m, axis) -> Model` (optional): the model's shard over `m` devices of the mesh
-  axis `axis` (`nljax.tp`): its `init` gives one shard's parameter shapes, its `apply` runs on one
+  axis `axis` (`nljax.parallel.tp`): its `init` gives one shard's parameter shapes, its `apply` runs on one
   shard and sums (or gathers) over `axis` where a split region ends (axis None: shapes only, no
   collective); refused with a ConfigError when `m` does not divide the widths it splits
 

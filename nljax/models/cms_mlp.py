@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax.numpy as jnp
 import flax.linen as nn
+import jax.numpy as jnp
 
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
 from nljax.models.layers import CMSChain, LayerNorm, dense_dot, token_loss
@@ -21,7 +21,7 @@ class CMSMLPNet(nn.Module):
     hidden: int
     depth: int
     levels: int
-    tp: int = 1  # tensor-parallel shards of the hidden width (nljax/tp.py)
+    tp: int = 1  # tensor-parallel shards of the hidden width (nljax/parallel/tp.py)
     tp_axis: str | None = None
 
     @nn.compact
@@ -48,7 +48,7 @@ class CMSMLP:
         return CMSMLPNet(self.vocab, self.dim, self.hidden, self.depth, self.levels, self.tp, self.tp_axis)
 
     def tensor_parallel(self, m: int, axis: str | None) -> "CMSMLP":
-        """This model's shard over `m` tensor-parallel devices (`nljax.tp`): the MLPs' hidden
+        """This model's shard over `m` tensor-parallel devices (`nljax.parallel.tp`): the MLPs' hidden
         width split; embedding and head replicated (they are small next to the chains here)."""
         tp_divides(m, [(HIDDEN, self.hidden)])
         return dataclasses.replace(self, tp=m, tp_axis=axis)

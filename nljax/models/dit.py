@@ -23,12 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax import meanflow
-from nljax import tp as tplib
 from nljax.errors import ConfigError
-from nljax.meanflow import MeanFlowConfig
+from nljax.models import meanflow
 from nljax.models.base import HIDDEN, tp_divides
 from nljax.models.layers import RowDense
+from nljax.models.meanflow import MeanFlowConfig
+from nljax.parallel import tp as tplib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +144,7 @@ class DiTNet(nn.Module):
     heads: int
     hidden: int
     num_classes: int  # 0: unconditional; else labels 0..num_classes-1 and num_classes = null
-    tp: int = 1  # tensor-parallel shards (nljax.tp): this net holds 1/tp of each block's split layers
+    tp: int = 1  # tensor-parallel shards (nljax.parallel.tp): this net holds 1/tp of each block's split layers
     tp_axis: str | None = None  # the mesh axis they sum over (None: shapes only, no collective)
     # `model.dtype`: the matmuls' compute dtype. The residual stream, norms, modulation, time
     # features and softmax stay float32 (a bf16 matmul's output is promoted where it is added).
@@ -195,7 +195,7 @@ class DiT:
         return self.net.num_classes > 0
 
     def tensor_parallel(self, m: int, axis: str | None) -> "DiT":
-        """This model's shard over `m` tensor-parallel devices (`nljax.tp`): each block's heads,
+        """This model's shard over `m` tensor-parallel devices (`nljax.parallel.tp`): each block's heads,
         MLP hidden width and adaLN outputs split. Patch embedding, time and label embeddings, the
         final adaLN and output layer are replicated: small (the output layer maps to p*p*C
         values per patch) and outside the blocks, where every shard needs them whole."""

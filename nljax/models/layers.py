@@ -5,11 +5,11 @@ from __future__ import annotations
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
-from nljax import tp as tplib
+from nljax.parallel import tp as tplib
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))

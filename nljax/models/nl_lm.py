@@ -28,15 +28,15 @@ import functools
 import math
 from typing import ClassVar, Literal
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import flax.linen as nn
 
 import nljax.models.memory as nm
 from nljax.errors import ConfigError
-from nljax import tp as tplib
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
 from nljax.models.layers import CMSChain, LayerNorm, dense_dot, local_attention, recomputed, token_loss
+from nljax.parallel import tp as tplib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +273,7 @@ class BlockSpec:
     dtype: jnp.dtype
     remat: str  # none | block | memory
     memory_embed: bool  # model.nl_lm.memory_embed
-    tp: int = 1  # tensor-parallel shards (nljax/tp.py)
+    tp: int = 1  # tensor-parallel shards (nljax/parallel/tp.py)
     tp_axis: str | None = None
 
 
@@ -347,7 +347,7 @@ class NLNet(nn.Module):
     remat: str = "memory"  # memory (the inner loop's chunks) | block (attention, memory, CMS chains) | none
     memory_embed: bool = True  # model.nl_lm.memory_embed
     scan: bool = False  # lax.scan over repeating units of blocks (model.nl_lm.scan_layers)
-    tp: int = 1  # tensor-parallel shards: heads, memory heads and MLP hidden widths split (nljax/tp.py)
+    tp: int = 1  # tensor-parallel shards: heads, memory heads and MLP hidden widths split (nljax/parallel/tp.py)
     tp_axis: str | None = None  # the mesh axis they are split over (None: shapes only, no collective)
 
     @property
@@ -391,7 +391,7 @@ class NLLM:
         return NeuralMemory(dim=self.net.dim, **self.net.memory, tp=self.net.tp)
 
     def tensor_parallel(self, m: int, axis: str | None) -> "NLLM":
-        """This model's shard over `m` tensor-parallel devices (`nljax.tp`): attention heads,
+        """This model's shard over `m` tensor-parallel devices (`nljax.parallel.tp`): attention heads,
         memory heads (each head's weights and per-row state M, S on the device that owns it) and
         every CMS MLP's hidden width split. Embedding, head and norms are replicated: the
         vocabulary is small next to the blocks (bytes: 256), and a vocabulary-parallel head would

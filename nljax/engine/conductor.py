@@ -1,0 +1,91 @@
+"""The Conductor: which CMS levels fire at which step.
+
+Level l is active at step s iff s % C_l == 0. The Pulse is a pure function of the step, so every
+device and process computes the same one with no communication; the Conductor's only state is
+the step counter, which advances after the step's gradient synchronization and is saved in
+checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+from nljax.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class CMSConfig:
+    """Config section `cms`: the levels' periods, and what a frozen level does with its gradients."""
+
+    periods: tuple[int, ...] = (1, 8, 64, 512)
+    frozen_grads: Literal["accumulate", "skip"] = "accumulate"
+    # What `accumulate` buffers while a level is frozen (nljax/engine/frozen.py): `gradients`, one sum
+    # applied as one optimizer step at the firing; `updates`, every step's gradient, on which the
+    # optimizer runs step by step at the firing (the paper's sum of per-step optimizer outputs).
+    accumulate: Literal["gradients", "updates"] = "gradients"
+
+    def check(self) -> None:
+        if not self.periods or any(p < 1 for p in self.periods):
+            raise ConfigError(f"cms.periods must be a non-empty list of positive integers, got {list(self.periods)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pulse:
+    step: int
+    active: tuple[bool, ...]  # one flag per level
+
+    @property
+    def active_levels(self) -> list[int]:
+        return [l for l, a in enumerate(self.active) if a]
+
+    @property
+    def name(self) -> str:
+        return pattern_name(self.active)
+
+
+def pattern_name(active: tuple[bool, ...]) -> str:
+    """Stable label of an active set, e.g. 'L0+1'."""
+    return "L" + "+".join(str(l) for l, a in enumerate(active) if a) if any(active) else "none"
+
+
+def pulse(step: int, periods: tuple[int, ...]) -> Pulse:
+    return Pulse(step, tuple(step % p == 0 for p in periods))
+
+
+@dataclasses.dataclass(frozen=True)
+class Conductor:
+    periods: tuple[int, ...]
+    step: int = 0
+
+    @property
+    def pulse(self) -> Pulse:
+        return pulse(self.step, self.periods)
+
+    def advance(self) -> "Conductor":
+        return dataclasses.replace(self, step=self.step + 1)
+
+    @property
+    def cycle(self) -> int:
+        """Steps after which the pattern of pulses repeats."""
+        return math.lcm(*self.periods)
+
+    def patterns(self) -> dict[tuple[bool, ...], int]:
+        """Every distinct active set over one full cycle, with how often it occurs.
+
+        Counted by inclusion-exclusion over subsets of levels rather than by walking the cycle,
+        which for periods like [1, 997, 991, 983] is ~10^9 steps long: the steps where exactly
+        the set A fires number sum over B >= A of (-1)^|B - A| * cycle / lcm(B)."""
+        k, cycle = len(self.periods), self.cycle
+        masks = range(1 << k)
+        lcms = {b: math.lcm(*[self.periods[l] for l in range(k) if b >> l & 1]) for b in masks}
+        counts = {}
+        for a in masks:
+            n = sum((-1) ** bin(b & ~a).count("1") * (cycle // lcms[b]) for b in masks if b & a == a)
+            if n:
+                counts[tuple(bool(a >> l & 1) for l in range(k))] = n
+        return counts
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "periods": list(self.periods)}

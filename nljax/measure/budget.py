@@ -1,0 +1,109 @@
+"""Will the run fit? Bytes per device estimated before anything is allocated, against the memory
+a device has; a run that cannot fit is refused with one line naming its biggest term.
+
+Two checks, both before any array exists:
+
+- `check_config`: from the config alone, before the model is built (so `model.dim=1e9` never
+  reaches Flax or XLA): the CMS MLPs and embeddings, which every model has, and the activations'
+  floor below.
+- `check_engine`: once the Engine knows the exact parameter shapes (`jax.eval_shape`, nothing
+  allocated): parameters, gradients, optimizer state, error buffers and inner-loop memory as the
+  strategy shards them, plus the activations' floor.
+
+Activations are a floor, not an estimate: the micro-batch's residual stream saved at every block
+(input and normalized input, float32) and the logits with their log-softmax. The true need is
+larger (attention, MLP hidden layers, XLA's temporaries), so a refused run certainly does not
+fit, and one that passes may still run out of memory: XLA's RESOURCE_EXHAUSTED is then reported
+as one line by the CLI (`nljax.cli`). Available memory: `bytes_limit` of the device's
+`memory_stats()` on accelerators; on CPU the host's MemAvailable shared by its local devices.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import jax
+import numpy as np
+
+from nljax.config import Config, ConfigError
+from nljax.engine import frozen
+
+F32 = 4
+
+
+def available_bytes(used: int | None = None) -> int | None:
+    """Memory one local device may use, or None when it cannot be told. On CPU the host's memory
+    is shared by the `used` local devices the run's mesh holds (default: all of them)."""
+    dev = jax.local_devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            return None
+    return free // (used or jax.local_device_count())  # emulated CPU devices share the host's memory
+
+
+def _activations(cfg: Config, n_devices: int) -> int:
+    m, t = cfg.model, cfg.train
+    rows = max(t.batch_size // n_devices // t.accum_steps, 1)  # one micro-batch at a time
+    # DiT: an image's patches are not known before the data (train.seq_len does not apply): one,
+    # so that the floor stays a floor
+    tokens = rows * (t.seq_len if m.name != "dit" else 1)
+    per_token = 2 * m.depth * m.dim + (2 * m.vocab_size if m.name != "dit" else 0)
+    return tokens * per_token * F32
+
+
+def config_floor(cfg: Config, n_devices: int) -> dict[str, int]:
+    """Bytes per device that any model of this config needs at least (Python ints: no overflow)."""
+    m, c = cfg.model, cfg.cms
+    # one MLP per level per block, its hidden width split over the tensor-parallel shards
+    level_mlp = m.depth * 2 * m.hidden_mult * m.dim * m.dim // cfg.mesh.model
+    params = (len(c.periods) * level_mlp + m.vocab_size * m.dim) * F32
+    shard = n_devices if cfg.sync.strategy == "fsdp" else 1
+    opt = 2 * params if cfg.optim.name == "adamw" else 0
+    # a frozen level's rank-local error buffer: its MLPs once, or C_l - 1 times under `updates`
+    # (`frozen.width`); never sharded
+    slots = lambda p: (p - 1 if c.accumulate == "updates" else 1) if p > 1 and c.frozen_grads == "accumulate" else 0
+    err = sum(slots(p) for p in c.periods) * level_mlp * F32
+    return {"parameters": params // shard, "gradients": params // shard,
+            "optimizer state": opt // (1 if cfg.sync.strategy == "replicated" else n_devices),
+            "error buffers": err, "activations (floor)": _activations(cfg, n_devices)}
+
+
+def engine_terms(cfg: Config, engine) -> dict[str, int]:
+    """Bytes per device from the exact parameter shapes (`engine.flats`: one device's
+    tensor-parallel shard) and memory shapes."""
+    n = engine.n_devices
+    sizes = [engine.flats[l].size for l in range(engine.n_levels)]
+    params = sum(size * F32 for size in sizes)  # flat float32 vectors per level
+    shard_p = n if cfg.sync.strategy == "fsdp" else 1
+    shard_o = 1 if cfg.sync.strategy == "replicated" else n
+    opt = 2 * params if cfg.optim.name == "adamw" else 0
+    err = sum(frozen.width(engine, l) * F32 for l in range(engine.n_levels) if engine.buffered(l))
+    rows = max(cfg.train.batch_size // n, 1)
+    memory = jax.eval_shape(lambda: engine.local_model.init_memory(rows))  # this device's heads
+    mem = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(memory))
+    return {"parameters": params // shard_p, "gradients": params // shard_p, "optimizer state": opt // shard_o,
+            "error buffers": err, "inner-loop memory": 2 * mem,  # this step's and the next step's
+            "activations (floor)": _activations(cfg, n)}
+
+
+def check(terms: dict[str, int], available: int | None) -> None:
+    """One line when the terms exceed the memory available per device."""
+    need = sum(terms.values())
+    if available is None or need <= available:
+        return
+    gib = lambda b: f"{b / 2**30:,.1f} GiB" if b >= 2**30 else f"{b / 2**20:,.0f} MiB"
+    name, biggest = max(terms.items(), key=lambda kv: kv[1])
+    raise ConfigError(
+        f"the run needs at least {gib(need)} per device, more than the {gib(available)} available "
+        f"(biggest: {name} {gib(biggest)}); make the model, train.batch_size or train.seq_len smaller, "
+        "raise train.accum_steps or use more devices"
+    )

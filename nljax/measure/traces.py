@@ -1,0 +1,233 @@
+"""Where a step's device time goes, read from a jax.profiler trace.
+
+A benchmark that misses its target should say why (issue 17). `record` runs a few steps under
+`jax.profiler` with a Perfetto trace; `summarize` reads that trace and gives, per step and
+device:
+
+- `ops`: XLA op executions (on a GPU: kernels), and their median duration;
+- `busy_s`: the time during which at least one of them runs (the union of their intervals), and
+  `busy_fraction` = busy / the measured step time. A device busy for a small part of its step is
+  waiting on kernel launches, host round trips (a `while` loop's predicate) or the input, not
+  computing: that step is latency-bound, and larger kernels, not faster ones, are the fix. The
+  profiler slows the host's side (on a GPU, each launch), so the step it measures can be much
+  longer than the step without it (titans_demo on an H200: 46.9 against 21.8 ms): given
+  `timed_step_s`, the step without the profiler, the summary shows both;
+- `by_category`: op time in matmuls, collectives, copies, control flow (XLA:CPU's `while`), and
+  the rest (fusions), by op and kernel names (`CATEGORIES`);
+- `top`: the ops that take the most time, and `top_kinds` the same by kind of op (the name
+  without XLA's numeric suffix: all `fusion.N` together);
+- `by_scope`, given the compiled program's HLO text: op time by where in the model it was
+  written, read from each instruction's `op_name` metadata (JAX's name stack): the pass
+  (forward: `jvp(...)`, backward: `transpose(...)`, or `step`: the loss's reduction, the
+  optimizer, collectives outside the model) and the model's modules (`mem1` -> `mem`,
+  `block0/cms1` -> `block/cms`). Ops XLA made up (copies, command buffers) carry none: `?`.
+
+Op events are those the runtime tags with `args.hlo_op`: XLA:GPU's kernels on the device's
+stream lanes, XLA:CPU's thunks on its worker threads. A GPU device process also has derived
+lanes ("XLA Ops", "XLA Modules") that repeat the same time per HLO op; when a process has lanes
+named "Stream ...", only those count. On a CPU, ops of one program may run on several threads at
+once (intra-op parallelism), and a loop's `while` op there spans part of its body's ops, so op
+time may exceed busy time.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import jax
+
+# The compiled module of the train step (nljax.engine.step names its function train_step): a profile of
+# training steps counts its ops only, not those of evaluation, checkpoints or sampling between them.
+TRAIN_MODULE = "jit_train_step"
+
+# Op name fragments, lower case, first match wins (XLA:GPU kernel and HLO names; XLA:CPU thunks).
+CATEGORIES = (
+    ("collective", ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all", "nccl")),
+    ("matmul", ("dot", "gemm", "cublas", "convolution", "nvjet", "cutlass", "xnn", "ynn")),
+    ("control", ("while", "conditional")),
+    ("copy", ("copy", "memcpy", "memset", "transpose", "dynamic-update-slice", "dynamic-slice", "concatenate")),
+)
+
+
+# JAX's structural names in a name stack, and nljax's container of scanned layers (`units`): not
+# modules of the model
+STRUCTURAL = {"while", "body", "cond", "closed_call", "checkpoint", "rematted_computation", "remat", "scan", "pjit",
+              "custom_jvp_call", "custom_vjp_call", "branch_0_fun", "branch_1_fun", "eval_jaxpr", "shard_map", "units"}
+_INSTRUCTION = re.compile(r'^\s*(?:ROOT\s+)?%?([^\s=]+)\s+=\s.*?metadata=\{[^}]*?op_name="([^"]*)"', re.M)
+
+
+def op_names(hlo_text: str) -> dict[str, str]:
+    """HLO instruction name -> its op_name metadata, from a compiled program's text (`as_text()`)."""
+    return {m.group(1): m.group(2) for m in _INSTRUCTION.finditer(hlo_text)}
+
+
+@functools.lru_cache(maxsize=None)  # per distinct op_name, not per profiled op (tens of thousands per step)
+def scope(op_name: str | None) -> str:
+    """'forward mem', 'backward block/cms', 'step' ...: the pass and the model's (first two)
+    modules an op was written in; '?' for none. The name stack is transforms (`jvp(NLNet)`,
+    `vmap(...)`), the model's own name, its module path, and the primitive last."""
+    if not op_name:
+        return "?"
+    pass_ = "backward" if "transpose(" in op_name else "forward" if "jvp(" in op_name else "step"
+    if pass_ == "step":
+        return pass_
+    # modules are plain identifiers: not a method's scope ("NLNet.scanned"), nor the equation
+    # jnp.einsum names its scope after ("bhti,bhio->bhto"); a remat'd module repeats its name
+    modules = []
+    for p in op_name.split("/")[:-1]:
+        if "(" not in p and p not in STRUCTURAL and re.fullmatch(r"[A-Za-z_]\w*", p):
+            m = re.sub(r"_?\d+$", "", p)
+            if not modules or modules[-1] != m:
+                modules.append(m)
+    return " ".join([pass_, "/".join(modules[:2])]).strip()
+
+
+def op_scope(names: dict[str, str], hlo_op: str, kernel: str) -> str:
+    """The scope of a profiled op: by its HLO op, else by the kernel's name (XLA:GPU names a
+    fusion's kernel after it, `_` for `.`; inside a command buffer the HLO op is the buffer's)."""
+    for n in (hlo_op, kernel, re.sub(r"_(\d+)$", r".\1", kernel)):
+        if n in names:
+            return scope(names[n])
+    return "?"
+
+
+def category(name: str) -> str:
+    low = name.lower().replace("_", "-")  # XLA:CPU writes dynamic_update_slice, XLA:GPU dynamic-update-slice
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
+def record(step: Callable, state, batch, n: int, directory: Path):
+    """Runs `step` n times under the profiler into `directory`; returns (state, seconds per step)."""
+    jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
+    try:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            state, metrics = step(state, batch)
+            jax.block_until_ready((state, metrics))
+        seconds = (time.perf_counter() - t0) / n
+    finally:
+        jax.profiler.stop_trace()
+    return state, seconds
+
+
+def load_events(directory: Path) -> list[dict]:
+    """The events of the newest Perfetto trace under `directory`."""
+    found = sorted(Path(directory).rglob("perfetto_trace.json.gz"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise FileNotFoundError(f"no perfetto_trace.json.gz under {directory}")
+    with gzip.open(found[-1], "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def op_events(events: list[dict]) -> dict[str, list[dict]]:
+    """device -> its op events (complete events tagged with an HLO op), by the rules above."""
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    stream_procs = {pid for (pid, _), name in threads.items() if name.startswith("Stream")}
+    out: dict[str, list[dict]] = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("ph") != "X" or "hlo_op" not in args:
+            continue
+        pid = e["pid"]
+        if pid in stream_procs and not threads.get((pid, e.get("tid")), "").startswith("Stream"):
+            continue
+        name = procs.get(pid, str(pid))
+        device = name if name.startswith("/device:") else f"{name} device {args.get('device_ordinal', '?')}"
+        out.setdefault(device, []).append(e)
+    return out
+
+
+def busy_time(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
+def kind(op: str) -> str:
+    """The op's name without XLA's numeric suffixes: fusion.12.3 -> fusion."""
+    parts = op.split(".")
+    while len(parts) > 1 and parts[-1].isdigit():
+        parts.pop()
+    return ".".join(parts)
+
+
+def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: dict | None = None) -> dict:
+    us = 1e-6  # trace times are in microseconds
+    busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ops]) * us / steps
+    by_cat: dict[str, float] = {}
+    by_op: dict[str, list] = {}
+    by_kind: dict[str, list] = {}
+    by_scope: dict[str, float] = {}
+    for e in ops:
+        name = e["args"]["hlo_op"]
+        dur = e.get("dur", 0.0) * us
+        cat = category(f"{name} {e['name']}")  # the HLO op, and the kernel's name on a GPU
+        by_cat[cat] = by_cat.get(cat, 0.0) + dur / steps
+        if names is not None:
+            where = op_scope(names, name, e["name"])
+            by_scope[where] = by_scope.get(where, 0.0) + dur / steps
+        for acc in (by_op.setdefault(name, [0.0, 0, cat]), by_kind.setdefault(kind(name), [0.0, 0, cat])):
+            acc[0] += dur / steps
+            acc[1] += 1
+    ranked = lambda d: [{"op": k, "s": v[0], "calls": v[1] / steps, "category": v[2]}
+                        for k, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
+    return {
+        "ops": len(ops) / steps,
+        "median_op_us": statistics.median(e.get("dur", 0.0) for e in ops) if ops else 0.0,
+        "busy_s": busy,
+        "busy_fraction": busy / step_s if step_s > 0 else None,
+        "by_category_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
+        "top": ranked(by_op),
+        "top_kinds": ranked(by_kind),
+        **({"by_scope_s": dict(sorted(by_scope.items(), key=lambda kv: -kv[1]))} if names is not None else {}),
+    }
+
+
+def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: str | None = TRAIN_MODULE,
+              hlo_text: str | None = None, timed_step_s: float | None = None) -> dict:
+    """Per step of the recorded `steps` (measured at `step_s` seconds each): the summary of the
+    first device, and how many devices the trace holds (SPMD: each runs the same program).
+    `module`: count only that compiled program's ops (all when the trace names none of them so:
+    `module` in the result is then None). `hlo_text`: that program's, for `by_scope_s`;
+    `timed_step_s`: the step's time measured without the profiler."""
+    per_device = op_events(load_events(directory))
+    if not per_device:
+        raise ValueError(f"the trace under {directory} holds no XLA op events")
+    first = sorted(per_device)[0]
+    ops = [e for e in per_device[first] if e["args"].get("hlo_module") == module]
+    if not ops:
+        ops, module = per_device[first], None
+    return {"device": first, "devices": len(per_device), "module": module, "steps": steps, "step_s": step_s,
+            **({"timed_step_s": timed_step_s} if timed_step_s else {}),
+            **device_summary(ops, steps, step_s, top, op_names(hlo_text) if hlo_text else None)}
+
+
+def format_summary(s: dict) -> list[str]:
+    ms = lambda x: f"{x * 1e3:,.2f} ms"
+    frac = "-" if s["busy_fraction"] is None else f"{100 * s['busy_fraction']:.0f}%"
+    cats = ", ".join(f"{k} {ms(v)}" for k, v in s["by_category_s"].items())
+    lines = [f"profile ({s['steps']} steps, {s['device']}, 1 of {s['devices']} devices): per step "
+             f"{s['ops']:,.0f} ops (median {s['median_op_us']:,.1f} us), device busy {ms(s['busy_s'])} "
+             f"of {ms(s['step_s'])} ({frac})"
+             + (f" (the step without the profiler: {ms(s['timed_step_s'])})" if s.get("timed_step_s") else "")
+             + f"; op time: {cats}"]
+    row = lambda t: f"  {t['s'] * 1e3:9.3f} ms  {t['calls']:8.1f} x  {t['category']:<10}  {t['op']}"
+    lines += ["top ops, per step:", *map(row, s["top"]), "top kinds of op, per step:", *map(row, s["top_kinds"])]
+    if "by_scope_s" in s:  # where in the model, the first dozen
+        lines += ["op time by where in the model, per step:",
+                  *(f"  {v * 1e3:9.3f} ms  {k}" for k, v in list(s["by_scope_s"].items())[:12])]
+    return lines

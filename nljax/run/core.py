@@ -1,0 +1,86 @@
+"""A run: what `python -m nljax.train`, `nljax.comm`, `nljax.bench` and the tests build from a
+config — mesh, engine, compiled steps and task — and nothing that changes while it trains.
+
+The training state is not part of it: `init_state()` makes a fresh one, and whoever steps it
+owns it (each step donates its input, so a state kept here would point at deleted buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from nljax.config import Config
+from nljax.engine.core import Engine
+from nljax.engine.state import TrainState
+from nljax.engine.step import StepCache
+from nljax.errors import ConfigError
+from nljax.measure import budget
+from nljax.models import build
+from nljax.parallel import mesh as meshlib
+from nljax.run import tasks
+from nljax.run.tasks import Task
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Run:
+    cfg: Config
+    mesh: jax.sharding.Mesh
+    engine: Engine
+    cache: StepCache  # the compiled step variants
+    task: Task
+
+    @classmethod
+    def create(cls, cfg: Config, devices=None, model=None) -> "Run":
+        """The run of `cfg`; its own `cfg` adds what the data decide (`tasks.resolve`: the
+        vocabulary of the user's files), read and checked before anything is built. `model`:
+        this model instead of the one `cfg` names (`local`)."""
+        cfg = tasks.resolve(cfg)
+        mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices, cfg.mesh.model)
+        rows = meshlib.check_batch(cfg.train.batch_size, mesh)
+        if rows % cfg.train.accum_steps:
+            raise ConfigError(
+                f"train.accum_steps={cfg.train.accum_steps} does not divide the {rows} rows each device holds "
+                f"(train.batch_size={cfg.train.batch_size} over {meshlib.data_size(mesh)} devices)"
+            )
+        # Refused before anything is allocated (nljax/measure/budget.py): from the config alone first, so
+        # that an absurd size never reaches Flax or XLA, then from the exact shapes.
+        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+        available = budget.available_bytes(local)
+        if model is None:  # a given model (a tensor-parallel shard) is smaller than its config says
+            budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
+        model = build(cfg) if model is None else model
+        engine = Engine.create(cfg, model, mesh)
+        budget.check(budget.engine_terms(cfg, engine), available)
+        task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
+        return cls(cfg, mesh, engine, StepCache(engine), task)
+
+    def init_state(self) -> TrainState:
+        """The state at step 0, from `seed`, placed on the mesh."""
+        return self.engine.init_state(jax.random.key(self.cfg.seed), self.cfg.train.batch_size)
+
+    def batch(self, step: int, reset_all: bool = False) -> dict:
+        return self.task.batch(step, reset_all=reset_all)
+
+    def evaluate(self, params, step: int = 0) -> dict:
+        return self.task.evaluate(self.cache, params, step)
+
+    def units_per_device(self, batch: dict) -> int:
+        """Tokens (or the task's unit) one device processes in a step on `batch`: its data slot's
+        rows, shared by the slot's `mesh.model` tensor-parallel devices."""
+        rows = jax.tree.leaves(batch)[0].shape[0]
+        return rows * self.task.units_per_row // self.engine.mesh_devices
+
+    def local(self) -> "Run":
+        """This run's program for one device: the same model (its tensor-parallel shard, with
+        no collective, under `mesh.model` > 1), rows per device and optimizer, on a 1-device
+        mesh, where every collective disappears (`nljax.run.throughput` times it)."""
+        cfg, eng = self.cfg, self.engine
+        local = dataclasses.replace(
+            cfg,
+            train=dataclasses.replace(cfg.train, batch_size=cfg.train.batch_size // eng.n_devices),
+            mesh=dataclasses.replace(cfg.mesh, inter=1, intra=1, model=1),
+        )
+        shard = eng.model.tensor_parallel(eng.tp, None) if eng.tp > 1 else None
+        return Run.create(local, devices=jax.local_devices()[:1], model=shard)

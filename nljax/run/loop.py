@@ -1,0 +1,154 @@
+"""The step loop as a generator of step results, and hooks called on them every N steps.
+
+`training_steps` only steps: it dispatches each step, times it from dispatch until its loss is
+on the host, builds the next batch while the device runs the current one, and yields a
+`StepResult`. What happens between steps (evaluation, logging, checkpoints, the profiler) is a
+hook (`Hooks.add(fn, every=n)`), run in the order added, outside the timed region.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nljax.engine.conductor import Conductor, Pulse
+from nljax.engine.state import TrainState
+from nljax.measure import traces
+from nljax.parallel.hostdev import mean_loss, replica
+from nljax.run.core import Run
+from nljax.runtime import distributed
+
+
+@dataclasses.dataclass
+class StepResult:
+    pulse: Pulse
+    state: TrainState  # after the step; the next step donates it
+    record: dict  # the step's line of metrics.jsonl; hooks may add to it (evaluation)
+    last: bool  # the run's last step
+    units_per_s: float  # tokens (or the task's unit) per second per device
+    evaluated: dict = dataclasses.field(default_factory=dict)  # held-out metrics after this step
+
+    @property
+    def step(self) -> int:
+        return self.pulse.step
+
+
+class Hooks:
+    """Callbacks on step results: `add(fn, every=n)` calls fn after every step s with
+    (s + 1) % n == 0, i.e. once n, 2n, ... optimizer steps are done; n = 0 never."""
+
+    def __init__(self):
+        self._hooks: list[tuple[Callable[[StepResult], None], int]] = []
+
+    def add(self, fn: Callable[[StepResult], None], every: int = 1) -> None:
+        self._hooks.append((fn, every))
+
+    def run(self, result: StepResult) -> None:
+        for fn, every in self._hooks:
+            if every and (result.step + 1) % every == 0:
+                fn(result)
+
+
+def step_record(pulse: Pulse, m: dict, loss: float, dt: float, units: int, key: str, compiled: bool,
+                variant, lr: float) -> dict:
+    """The step's metrics.jsonl record, from its metrics on the devices; `lr`: the schedule's
+    value at this step (before `optim.level_lr_scale`)."""
+    norms, lskip = (replica(m[k]).tolist() for k in ("level_grad_norm", "level_skipped"))  # per level
+    rec = {
+        "step": pulse.step,
+        "loss": loss,
+        "active_levels": pulse.active_levels,
+        "pattern": pulse.name,
+        "step_time_s": dt,
+        key: units / dt,
+        "compiled": compiled,
+        "skipped": bool(replica(m["skipped"])),  # the same on every device
+        "lr": lr,
+        "grad_norm": float(replica(m["grad_norm"])),  # of the fired levels' gradients together
+        **{f"grad_norm_l{l}": float(norms[l]) for l in pulse.active_levels},
+        "skipped_levels": [l for l in pulse.active_levels if lskip[l]],
+    }
+    if variant != pulse.active:
+        rec["micro_batches"] = variant[1]  # a tail batch that ends a data pass
+    return rec
+
+
+def training_steps(run: Run, state: TrainState, conductor: Conductor,
+                   reset_first: bool = False) -> Iterator[StepResult]:
+    """Steps from `conductor.step` to `train.steps`. `reset_first`: the first batch starts every
+    row from a fresh memory (after a resume that restarted every row)."""
+    cfg, steps = run.cfg, run.cfg.train.steps
+    key = f"{run.task.unit}_per_s_per_device"
+    seen: set = set()
+    batch = run.batch(conductor.step, reset_all=reset_first) if conductor.step < steps else None
+    n = max(steps - conductor.step, 0)
+    # Each step's learning rate for its record, as the step computes it (step.update_levels: the
+    # schedule at step + 1), in one computation here rather than a device round trip per step.
+    lrs = np.broadcast_to(np.asarray(run.engine.lr(jnp.arange(conductor.step + 1, steps + 1))), (n,))
+    for i in range(n):
+        p = conductor.pulse
+        distributed.check_step(i, p, cfg.distributed.check_every)
+        last = p.step == steps - 1
+        units = run.units_per_device(batch)
+        t0 = time.perf_counter()
+        state, m, variant = run.cache.train(p.active, state, batch)
+        batch = None if last else run.batch(p.step + 1)  # overlaps the step on the device
+        loss = mean_loss(m)  # waits for the step
+        dt = time.perf_counter() - t0
+        compiled = variant not in seen  # the first call of a variant includes its compilation
+        seen.add(variant)
+        conductor = conductor.advance()  # after the step's synchronization
+        rec = step_record(p, m, loss, dt, units, key, compiled, variant, float(lrs[i]))
+        if compiled:
+            rec["compile_s"] = run.cache.compile_s.get(variant)
+        yield StepResult(p, state, rec, last, units / dt)
+
+
+class Profiler:
+    """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into
+    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); process 0 only. When it
+    ends, where the device time went (`nljax.measure.traces`) is said and written to
+    run.dir/profile/summary.json. `start(step)` before the loop, then two hooks: `stop` first
+    after each step (the trace ends with the last profiled step, not with the other hooks) and
+    `start_next` last (it begins right before the first profiled step)."""
+
+    def __init__(self, first: int, n: int, path: Path, say: Callable[[str], None] = print):
+        self.first, self.n, self.path, self.on, self.say = first, n, path / "profile", False, say
+        self.steps = 0
+        self.step_s: list[float] = []  # of the profiled steps that did not compile
+
+    def start(self, step: int) -> None:
+        if self.n and step == self.first:
+            jax.profiler.start_trace(str(self.path), create_perfetto_trace=True)
+            self.on = True
+
+    def stop(self, r: StepResult) -> None:
+        if not self.on:
+            return
+        self.steps += 1
+        if not r.record["compiled"]:  # a first call's time includes its compilation
+            self.step_s.append(r.record["step_time_s"])
+        if r.step == self.first + self.n - 1 or r.last:
+            jax.profiler.stop_trace()
+            self.on = False
+            self.report()
+
+    def report(self) -> None:
+        try:
+            s = traces.summarize(self.path, self.steps, sum(self.step_s) / len(self.step_s) if self.step_s else 0.0)
+        except (OSError, ValueError) as e:  # a trace jax could not write or convert: the run goes on
+            self.say(f"profile: no summary of the trace in {self.path} ({e})")
+            return
+        (self.path / "summary.json").write_text(json.dumps(s, indent=1))
+        self.say("\n".join(traces.format_summary(s)))
+
+    def start_next(self, r: StepResult) -> None:
+        if not r.last:
+            self.start(r.step + 1)

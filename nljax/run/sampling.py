@@ -1,0 +1,183 @@
+"""Sampling from a trained model: the library behind `python -m nljax.generate` (nljax/generate.py).
+
+Language models read the stream the way training read it: in windows of `train.seq_len` tokens,
+attention inside a window, the neural memory carried from window to window (written by every
+full window; reset at the start, and after a window that holds a document's end token, as
+training resets a row's memory). The prompt's full windows are written into the memory first;
+then each new token is predicted from the memory of the windows before it and the tokens of its
+own window so far (the model is causal, so what pads the window after them changes nothing), and
+once a window is full it is written into the memory in turn. Tokens are
+bytes, or with data.source=files the tokens of the run's tokenizer (nljax/data/tokenization.py);
+the text streams to the terminal as it is sampled.
+
+Sampling is on the host in float64 from the logits (temperature, then top-k, then top-p), with a
+numpy generator seeded by `seed`: the same checkpoint and seed give the same tokens on any device
+count (the parameters are replicated, so every device computes the same logits).
+
+A MeanFlow run (model.name=dit) writes a PNG grid instead: one-step and multi-step
+(`meanflow.sample_steps`) samples side by side, for the labels of the first held-out images (2-D
+toy data: scatter plots over the held-out points).
+
+Any other `key=value` is a config override on top of the run's own config.yaml.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Callable, Iterator
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from nljax.data import prepared, tokenization
+from nljax.errors import ConfigError
+from nljax.parallel.hostdev import put, replica
+from nljax.run import trained as trained_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    prompt: str = ""
+    max_new_tokens: int = 200
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 0  # keep the k most likely tokens; 0: all
+    top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p; 1: all
+    seed: int = 0
+    checkpoint: str = "latest"  # or a step directory, or a checkpoints directory
+    samples: int = 16  # DiT: images in the grid
+    out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); refused for a text run
+
+    def check(self) -> "Settings":
+        if self.max_new_tokens < 0 or not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
+            raise ConfigError(f"need max_new_tokens >= 0, finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
+                              f"{self.max_new_tokens}, {self.temperature}, {self.top_k}, {self.top_p}")
+        if not 0 <= self.seed < 2**63:  # NumPy's generator alone reads it (no JAX key)
+            raise ConfigError(f"seed must be in [0, 2^63), got {self.seed}")
+        if self.samples < 1:
+            raise ConfigError(f"samples must be >= 1, got {self.samples}")
+        if self.out and Path(self.out).is_dir():
+            raise ConfigError(f"out={self.out} is a directory: give the PNG file to write")
+        if self.out and Path(self.out).suffix.lower() != ".png":  # never over a file of another kind
+            raise ConfigError(f"out={self.out}: the image grid is a PNG, give a file name ending in .png")
+        if self.out and not Path(self.out).parent.is_dir():
+            raise ConfigError(f"out={self.out}: directory {Path(self.out).parent} does not exist")
+        return self
+
+
+def parse(pairs: list[str]) -> tuple[Settings, list[str], str]:
+    """(generation settings, config overrides, run directory) from `key=value` arguments."""
+    cast = {"str": str, "int": int, "float": float}
+    known = {f.name: cast[f.type] for f in dataclasses.fields(Settings)}
+    values, overrides, run_dir = trained_lib.split_args(pairs, known)
+    return Settings(**values).check(), overrides, run_dir
+
+
+def sample_token(logits: np.ndarray, rng: np.random.Generator, s: Settings) -> int:
+    """One token from logits [V]: temperature, then top-k, then top-p (nucleus)."""
+    logits = np.asarray(logits, np.float64)
+    if s.temperature == 0:
+        return int(np.argmax(logits))
+    with np.errstate(over="ignore"):  # <= 0: a tiny temperature gives -inf (not inf - inf = NaN)
+        z = (logits - logits.max()) / s.temperature
+    if s.top_k:  # exactly k: ties at the k-th place (common in bfloat16 logits) go to the lower ids
+        z[np.argsort(-z, kind="stable")[s.top_k :]] = -np.inf
+    p = np.exp(z)
+    p /= p.sum()
+    if s.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        before = np.cumsum(p[order]) - p[order]  # probability of the tokens ranked above each
+        p[order[before >= s.top_p]] = 0.0
+        p /= p.sum()
+    return int(rng.choice(len(p), p=p))
+
+
+class TextSampler:
+    """Windowed decoding of a trained language model (module docstring). `params`: the model's
+    parameter tree, whole over the data axes of `mesh` (split over `model` under tensor
+    parallelism: XLA partitions the global model's forward to match); a sampler that is kept
+    (`nljax.run.samples`) may be given new ones, and its compiled forward serves them."""
+
+    def __init__(self, model, params, mesh, seq_len: int, end_id: int | None):
+        self.params, self.t, self.end_id = params, seq_len, end_id
+        self.rep = NamedSharding(mesh, P())
+        # Inputs made from host arrays (`put`) and outputs replicated, each process reading its
+        # own copy (`replica`): the sampler also runs on a mesh that spans processes (training).
+        self.memory0 = jax.tree.map(lambda x: put(np.asarray(x), self.rep), model.init_memory(1))
+        self._forward = jax.jit(lambda params, memory, tokens, reset: model.logits(
+            params, memory, {"tokens": tokens, "reset": reset}), out_shardings=self.rep)
+
+    def forward(self, memory, window: list[int], fresh: bool):
+        """Logits [T, V] of `window` (<= T tokens, padded) and the memory after it."""
+        tokens = np.zeros((1, self.t + 1), np.int32)  # the model reads T inputs (the last is a target)
+        tokens[0, : len(window)] = window
+        reset = np.array([fresh])
+        logits, memory = self._forward(self.params, memory, put(tokens, self.rep), put(reset, self.rep))
+        return replica(logits)[0], memory
+
+    def tokens(self, prompt: list[int], s: Settings) -> Iterator[int]:
+        """The sampled tokens after `prompt`, one at a time."""
+        rng = np.random.default_rng(s.seed)
+        memory, fresh, window = self.memory0, True, list(prompt)  # at least one token: `prompt_ids`
+        for _ in range(s.max_new_tokens):
+            while len(window) > self.t:  # full windows go into the memory, as in training
+                full, window = window[: self.t], window[self.t :]
+                _, memory = self.forward(memory, full, fresh)
+                # as in training (ContextStream): a window that holds a document's end resets the
+                # memory before the next one
+                fresh = self.end_id is not None and self.end_id in full
+            logits, _ = self.forward(memory, window, fresh)
+            token = sample_token(logits[len(window) - 1], rng, s)
+            window.append(token)
+            yield token
+
+
+def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], None]) -> list[int]:
+    """Sample from a language model, writing the text as it comes; returns the new tokens."""
+    if not hasattr(t.model, "logits"):
+        raise ConfigError(f"model.name={t.cfg.model.name} has no logits(): it cannot generate text")
+    codec = tokenization_of(t.cfg)
+    sampler = TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id)
+    out: list[int] = []
+
+    prompt = prompt_ids(codec, s.prompt)
+
+    def sampled() -> Iterator[int]:
+        for token in sampler.tokens(prompt, s):
+            out.append(token)
+            yield token
+
+    write(s.prompt)
+    for text in codec.decode_stream(sampled(), context=prompt):  # read after the prompt, as sampled
+        write(text)
+    return out
+
+
+def prompt_ids(codec, prompt: str) -> list[int]:
+    """The prompt's tokens; an empty prompt starts a document: the token that ends one (bytes:
+    NUL). A tokenizer without `data.doc_end_token` has no such token: it needs a prompt."""
+    ids = codec.encode(prompt)
+    if not ids and codec.end_id is None:
+        raise ConfigError("an empty prompt starts a document after data.doc_end_token, which this run's "
+                          "tokenizer has none of: give a prompt")
+    return ids or [codec.end_id]
+
+
+def tokenization_of(cfg):
+    """How the run's text became tokens: bytes, or the tokenizer of its files (data.source=files)."""
+    if cfg.data.source == "files":
+        return prepared.tokenization_of(cfg.data)
+    return tokenization.Bytes()
+
+
+def generate_images(t: trained_lib.Trained, s: Settings, path: Path) -> None:
+    """A MeanFlow run's one-step and multi-step samples side by side, as a PNG at `path`."""
+    from nljax.measure.figures import sample_figure, write_png
+
+    task = t.run.task
+    n = min(s.samples, len(task.data.eval_x))
+    one, multi = task.generate(t.run.engine, t.params, n)
+    write_png(path, sample_figure(one, multi, task.data.eval_x[:n]))

@@ -1,0 +1,30 @@
+"""The start-up lockstep check of a built run: every process agrees on the config, the software
+versions, the mesh and the data before the first step (nljax/runtime/distributed.py's `agree`)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+
+from nljax.config import Config, to_dict
+from nljax.run.tasks import Task
+from nljax.runtime.distributed import agree, mesh_layout, mesh_record, versions
+
+
+def data_fingerprint(task: Task) -> str:
+    """A task's own fingerprint of its data (`task.fingerprint()`), else its class name."""
+    fp = getattr(task, "fingerprint", None)
+    return fp() if callable(fp) else type(task).__name__
+
+
+def check_startup(cfg: Config, mesh: jax.sharding.Mesh, task: Task, say: Callable[[str], None]) -> None:
+    """Start-up lockstep check of a built run: config, versions, mesh, data."""
+    if jax.process_count() == 1:
+        return
+    record = {"config": to_dict(cfg), "versions": versions(), "mesh": mesh_record(mesh),
+              "data": data_fingerprint(task)}
+    d = agree("start-up state (config, versions, mesh, data)", record)
+    layout = ", ".join(f"{k} {v}" for k, v in mesh_layout(mesh).items())
+    say(f"lockstep: {jax.process_count()} processes agree on config, versions, mesh and data "
+        f"(sha256 {d[:12]}); mesh axes: {layout}")

@@ -1,0 +1,277 @@
+"""Tasks: where a run's batches come from and how it is evaluated.
+
+A model names its task (`Model.task`); the trainer asks the task for the global batch of a step
+and for held-out metrics, and otherwise does not care what it trains. Every task's batch is a
+pure function of (seed, step), so resumed and re-sharded runs read the same data.
+
+| task     | data                                   | evaluation                             |
+|----------|----------------------------------------|----------------------------------------|
+| `text`   | ContextStream over `data.source`       | held-out loss, bits per byte, fresh    |
+|          | (stdlib text, the recall probe or the  | and streaming memory; recall accuracy  |
+|          | user's files, data/prepared.py)        |                                        |
+| `images` | epochs of image arrays (data/images)   | energy distance of generated samples   |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import math
+from pathlib import Path
+from typing import Callable, Protocol
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from nljax.config import Config
+from nljax.data import images, prepared
+from nljax.data.recall import CHANCE, attention_reach, recall_corpus
+from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
+from nljax.errors import ConfigError
+from nljax.measure.energy import energy_distance
+from nljax.measure.figures import sample_figure, write_png
+from nljax.parallel import mesh as meshlib
+from nljax.parallel.hostdev import gather_rows, host_sum, put_batch, reset_all_rows
+from nljax.parallel.mesh import ROWS
+
+
+class Task(Protocol):
+    unit: str  # what throughput counts: "tokens", "images"
+    units_per_row: int  # units in one batch row (seq_len for text)
+
+    def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
+        """The global batch of `step`, split over the data axes (each device builds its rows):
+        `train.batch_size` rows, or, at the end of a data pass, fewer: a multiple of the
+        micro-batch `train.batch_size / train.accum_steps` (the tail, trained, not dropped; only
+        for models without inner-loop memory). `reset_all`: every row starts from a fresh
+        inner-loop memory (the first step after a resume that restarted every row's memory)."""
+        ...
+
+    def evaluate(self, cache, params, step: int) -> dict:
+        """Held-out metrics as plain floats, reduced as sums and counts over all devices."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TextData:
+    """A text task's token arrays: training and held-out ids, and what else its source supplies."""
+
+    train: np.ndarray  # [N] token ids
+    held: np.ndarray  # [M]
+    train_weight: np.ndarray | None = None  # float32 [N]: training-loss weight per token (recall)
+    held_score: np.ndarray | None = None  # float32 [M]: the scored held-out tokens (recall)
+    train_ends: np.ndarray | None = None  # int64: each document's last token (files); None: SEPARATOR bytes
+    held_ends: np.ndarray | None = None
+    tokens_per_byte: float = 1.0  # held-out tokens per byte: bits per token x this = bits per byte
+    unit: str = "bytes"  # what a token is, in messages
+    digest: str | None = None  # the content digest of the files' manifest (files)
+
+
+def text_data(cfg: Config) -> TextData:
+    """The token arrays of `data.source`."""
+    d = cfg.data
+    if d.source == "recall":
+        reach = attention_reach(cfg.model.depth, cfg.model.nl_lm.window)
+        train, train_score, held, held_score = recall_corpus(
+            d.recall_docs, cfg.train.seq_len, d.recall_pairs, d.recall_gap, reach, d.eval_fraction, cfg.seed,
+            d.recall_key_len, d.recall_value_len)
+        # every document has the same number of scored bytes, so every row (and every device's
+        # rows) weighs the same in the mean loss: N devices still compute 1 device's gradient
+        return TextData(train, held, train_score if d.recall_loss == "values" else None, held_score)
+    if d.source == "files":
+        c = prepared.corpus(d)
+        return TextData(c.train.tokens, c.eval.tokens, train_ends=c.train.ends, held_ends=c.eval.ends,
+                        tokens_per_byte=c.tokens_per_byte, unit="tokens", digest=c.digest)
+    return TextData(*stdlib_corpus(d.eval_fraction))
+
+
+def resolve(cfg: Config) -> Config:
+    """`cfg` with what its data decide: with data.source=files, model.vocab_size from the files'
+    vocabulary (bytes: 256; a tokenizer: its size) when the config leaves it at its default."""
+    if cfg.data.source != "files" or cfg.model.name == "dit":
+        return cfg
+    default = type(cfg.model)().vocab_size
+    vocab = prepared.model_vocab(prepared.corpus(cfg.data), cfg.model.vocab_size, default)
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
+
+
+class TextTask:
+    """Language modelling on `data.source`: the standard library's source (see
+    `nljax.data.text`), the associative-recall probe (`nljax.data.recall`) or the user's own
+    files (`nljax.data.prepared`)."""
+
+    unit = "tokens"
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.units_per_row = cfg.train.seq_len
+        self.data = data = text_data(cfg)
+        self.eval_data, self.eval_score = data.held, data.held_score
+        if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
+            source = f"data.eval={cfg.data.eval}" if cfg.data.eval else f"data.eval_fraction={cfg.data.eval_fraction}"
+            raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} from {source}) is shorter than "
+                              f"train.seq_len+1={cfg.train.seq_len + 1}")
+        self.held_out().check_fits(cfg.eval.stream_steps)  # the streaming evaluation too
+        # recall documents are exactly seq_len long: aligned rows read one whole document per step
+        align = cfg.train.seq_len if cfg.data.source == "recall" else 1
+        self.stream = ContextStream(data.train, cfg.train.batch_size, cfg.train.seq_len, cfg.seed,
+                                    cfg.data.reset_prob, align, data.train_weight, data.train_ends)
+
+    def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
+        batch = self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
+        return reset_all_rows(batch) if reset_all else batch
+
+    @functools.cache  # asked for at start-up, by the checkpoints and in the reports: hashed once
+    def fingerprint(self) -> str:
+        """Digest of the training and held-out tokens, compared across processes at start-up:
+        the files' content digest (their manifest's), or of the bytes themselves."""
+        if self.data.digest is not None:
+            return self.data.digest
+        return hashlib.sha256(self.stream.data.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
+
+    def describe(self) -> dict:
+        """What summary.json records of the data: source, token counts, vocabulary, digest."""
+        return {"source": self.cfg.data.source, "train_tokens": len(self.stream.data),
+                "eval_tokens": len(self.eval_data), "vocab_size": self.cfg.model.vocab_size,
+                "digest": self.fingerprint()}
+
+    def evaluate(self, cache, params, step: int) -> dict:
+        """Fresh-memory held-out loss and, with eval.stream_steps, the streaming one."""
+        out = self.evaluate_fresh(cache, params)
+        if self.cfg.eval.stream_steps:
+            out.update(self.evaluate_stream(cache, params, self.held_out().batches(self.cfg.eval.stream_steps)))
+        return out
+
+    def held_out(self) -> HeldOutStream:
+        t = self.cfg.train
+        return HeldOutStream(self.eval_data, t.batch_size, t.seq_len, ends=self.data.held_ends, score=self.eval_score)
+
+    def evaluate_stream(self, cache, params, batches) -> dict:
+        """Loss over consecutive held-out windows per row with the memory carried from window to
+        window (a fresh eval memory, reset at the first window and at document boundaries), and
+        with a score mask (the recall probe) the greedy accuracy at the scored positions."""
+        memory, sums = cache.eval_memory(), []
+        for b in batches:
+            m, memory = cache.eval_stream(params, memory, put_batch(b, self.mesh))
+            sums.append(m)  # reduced on the host after the last window: no sync per window
+        total = {k: sum(host_sum(m[k]) for m in sums) for k in sums[0]}
+        mean = total["loss_sum"] / max(total["count"], 1.0)
+        out = {"eval_loss_stream": mean, "eval_bpb_stream": mean * self.data.tokens_per_byte / math.log(2),
+               "eval_tokens_stream": int(total["count"])}
+        if "hits" in total:
+            out["eval_recall_acc"] = total["hits"] / max(total["scored"], 1.0)
+            out["eval_recall_chance"] = CHANCE
+            out["eval_recall_scored"] = int(total["scored"])
+        return out
+
+    def evaluate_fresh(self, cache, params) -> dict:
+        """Held-out loss over every eval example exactly once (padded rows are masked), every
+        window from a fresh memory."""
+        rows = self.cfg.train.batch_size
+        windows = eval_windows(self.eval_data, self.cfg.train.seq_len, self.cfg.eval.batches * rows)
+        if len(windows) == 0:
+            raise ConfigError(f"the held-out text is shorter than train.seq_len={self.cfg.train.seq_len}")
+        loss = count = 0.0
+        for b in eval_batches(windows, rows):
+            m = cache.eval(params, put_batch(b, self.mesh))
+            loss += host_sum(m["loss_sum"])
+            count += host_sum(m["count"])
+        mean = loss / max(count, 1.0)
+        bpb = mean * self.data.tokens_per_byte / math.log(2)
+        return {"eval_loss": mean, "eval_bpb": bpb, "eval_tokens": int(count)}
+
+
+class ImageTask:
+    """Images generated by the DiT (`nljax.models.dit`), scored by energy distance."""
+
+    unit = "images"
+    units_per_row = 1
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg, self.mesh = cfg, mesh
+        self.data = images.load(cfg.images)
+        self.sampler = images.EpochSampler(len(self.data.train_x), cfg.train.batch_size, cfg.seed)
+        if len(self.data.eval_x) < 2:  # the evaluation's energy distance: found before step 0
+            raise ConfigError(f"evaluation needs at least 2 held-out images, got {len(self.data.eval_x)}")
+        self._generate = None
+
+    def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
+        # no inner-loop memory: there is no row to reset
+        return images.global_batch(self.data, self.sampler, step, meshlib.rows_sharding(self.mesh))
+
+    @functools.cache  # asked for at start-up and by the checkpoints: hashed once
+    def fingerprint(self) -> str:
+        """Digest of the training and held-out arrays, compared across processes at start-up."""
+        d = self.data
+        parts = [np.ascontiguousarray(a).tobytes() for a in (d.train_x, d.train_y, d.eval_x, d.eval_y) if a is not None]
+        return hashlib.sha256(b"|".join(parts)).hexdigest()
+
+    def generator(self, eng):
+        """(one-step, multi-step) samples for rows (index, label) split over the data axes, by the
+        model's tensor-parallel shard where `mesh.model` > 1; traced and compiled once per sample
+        count."""
+        if self._generate is None:
+            steps, model = self.cfg.meanflow.sample_steps, eng.local_model
+
+            def local(params, index, label):  # index, label [n/devices]
+                return model.generate(params, index, label, 1), model.generate(params, index, label, steps)
+
+            self._generate = jax.jit(
+                lambda params, index, label: jax.shard_map(
+                    local, mesh=self.mesh, in_specs=(eng.split.params, ROWS, ROWS),
+                    out_specs=(ROWS, ROWS), check_vma=False,
+                )(params, index, label)
+            )
+        return self._generate
+
+    def generate(self, eng, params, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """n samples conditioned on the first n held-out labels, one-step and multi-step, gathered.
+        `eng`: the run's engine; `params`: the model's parameter tree (`Strategy.gather_params`)."""
+        padded = -(-n // meshlib.data_size(self.mesh)) * meshlib.data_size(self.mesh)
+        labels = np.resize(self.data.eval_y, padded).astype(np.int32)  # tail rows are padding
+        rows = put_batch({"index": np.arange(padded, dtype=np.int32), "label": labels}, self.mesh)
+        one, multi = self.generator(eng)(params, rows["index"], rows["label"])
+        return gather_rows(one, n), gather_rows(multi, n)
+
+    def evaluate(self, cache, params, step: int) -> dict:
+        """Energy distance between n generated samples and the n first held-out images (n: all held-out
+        images, or meanflow.eval_samples), for one-step and multi-step sampling; a PNG of samples."""
+        mf = self.cfg.meanflow
+        held = len(self.data.eval_x)
+        n = min(mf.eval_samples, held) if mf.eval_samples else held
+        if n < 2:
+            raise ConfigError(f"evaluation needs at least 2 held-out images, got {n}")
+        # Sampling needs the model's parameter tree (split over `model` only): under fsdp it is
+        # gathered over the data axes here.
+        one, multi = self.generate(cache.eng, cache.eng.strategy.gather_params(params), n)
+        ref = self.data.eval_x[:n]
+        if jax.process_index() == 0:
+            run_dir = Path(self.cfg.run.dir)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            from nljax.runtime.runlog import note_written
+
+            name = f"samples_{step:06d}.png"
+            write_png(run_dir / name, sample_figure(one, multi, ref))
+            note_written(run_dir, name)
+        return {
+            "eval_energy_1step": energy_distance(one, ref),
+            "eval_energy_multistep": energy_distance(multi, ref),
+            "eval_sample_steps": mf.sample_steps,
+            "eval_samples": n,
+        }
+
+
+TASKS: dict[str, Callable[[Config, Mesh], Task]] = {
+    "text": TextTask,
+    "images": ImageTask,
+}
+
+
+def build(name: str, cfg: Config, mesh: Mesh) -> Task:
+    try:
+        make = TASKS[name]
+    except KeyError:
+        raise ConfigError(f"unknown task '{name}' (available: {', '.join(sorted(TASKS))})")
+    return make(cfg, mesh)

@@ -1,0 +1,119 @@
+"""A trained run, loaded for use (`nljax.generate`, `nljax.export`): the newest intact checkpoint
+of a run directory (or the one named) restored onto this process's devices, with the model's
+whole parameter tree replicated on them whatever strategy and mesh trained it.
+
+The run's own `config.yaml` (written by `nljax.train`) says what the model is; the restore is the
+elastic one of `--resume` (`nljax.checkpoint.restore`) onto a 1 x n mesh under the `replicated`
+strategy, one row per device. Reads only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+
+from nljax import config
+from nljax.checkpoint import storage
+from nljax.checkpoint.restore import restore_first_valid
+from nljax.errors import ConfigError
+from nljax.run.core import Run
+from nljax.runtime.rundir import DATA_PATHS
+
+# config keys outside any section (`seed`): a tool passes them on as overrides, like dotted ones
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Trained:
+    cfg: config.Config  # the run's config as this tool runs it (1 x n mesh, one row per device)
+    trained_cfg: config.Config  # the run's config as it trained (with the tool's config overrides)
+    run: Run  # on a 1 x n mesh, replicated strategy
+    params: Any  # the model's parameter tree, replicated over run.mesh
+    step: int  # optimizer steps the checkpoint had taken
+    path: Path  # the step directory read
+    skipped: tuple = ()  # (path, why) of the newer checkpoints that were damaged
+    incomplete: tuple = ()  # (path, what it lacks) of newer step directories that are not whole checkpoints
+
+    def warnings(self, tool: str) -> list[str]:
+        return [f"{tool}: warning: checkpoint {p} is {what}, using an older one ({why})"
+                for what, passed in (("incomplete", self.incomplete), ("damaged", self.skipped)) for p, why in passed]
+
+    @property
+    def model(self):
+        return self.run.engine.model
+
+
+def config_of(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), n: int = 1) -> config.Config:
+    """The run's config as `load` uses it on n devices (read before anything is restored, so a
+    tool can check its settings against the model first)."""
+    cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
+                                   "mesh.model=1", f"train.batch_size={n}", "train.accum_steps=1",
+                                   "sync.strategy=replicated"])
+    # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows (set
+    # after the load, whose checks a recall run, evaluated by streaming only, would fail)
+    return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
+
+
+def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config.Config:
+    """The run's config.yaml with `overrides` (run.dir where it is now)."""
+    cfg_file = Path(run_dir) / "config.yaml"
+    if not cfg_file.is_file():
+        raise ConfigError(f"{cfg_file} not found: run.dir must be a run directory written by nljax.train")
+    # saved: a config.yaml written before a key moved is read with it in its new place
+    return config.load(str(cfg_file), [*overrides, f"run.dir={run_dir}"], saved=True)
+
+
+def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
+    """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
+    directory or a checkpoints directory), on `devices` (default: all of this process's)."""
+    devices = list(devices or jax.local_devices())
+    cfg = config_of(run_dir, checkpoint, overrides, len(devices))
+    cfg_file = Path(run_dir) / "config.yaml"
+    try:
+        run = Run.create(cfg, devices)
+    except ConfigError as e:
+        relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(getattr(getattr(cfg, sec), key))]
+        if not relative:
+            raise
+        # a config.yaml written before the paths were recorded absolute (nljax.runtime.rundir.recorded)
+        raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
+                          "started in: run from there, or give it absolute)") from None
+    restored, skipped = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
+    chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
+    incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
+    return Trained(cfg, trained_config(run_dir, overrides), run, restored.state.params, restored.step,
+                   restored.path, tuple(skipped), tuple(incomplete))
+
+
+def _unresolved_relative(value) -> bool:
+    """Whether a data path (or list of them) is relative and names nothing from this directory."""
+    paths = value if isinstance(value, (list, tuple)) else [value] if value else []
+    return any(not Path(p).expanduser().is_absolute() and not glob.glob(str(Path(p).expanduser())) for p in paths)
+
+
+def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> tuple[dict, list[str], str]:
+    """A tool's `key=value` arguments as (its own settings, cast by `known`; the config overrides
+    for the run; the run directory `run.dir` names, which is required)."""
+    values, overrides = {}, []
+    for pair in pairs:
+        key, eq, value = pair.partition("=")
+        if not eq:
+            raise ConfigError(f"expected key=value, got {pair!r}")
+        if key not in known:
+            config.check_setting(key, known)
+            overrides.append(pair)
+            continue
+        try:
+            values[key] = known[key](value)
+        except ConfigError:  # a check of the tool's own, with its line
+            raise
+        except ValueError:
+            kind = {"int": "an integer", "float": "a number"}.get(known[key].__name__, f"a {known[key].__name__}")
+            raise ConfigError(f"{key}={value!r} is not {kind}") from None
+    run_dirs = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
+    if not run_dirs:
+        raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
+    return values, overrides, run_dirs[-1]

@@ -1,0 +1,382 @@
+"""The training loop: builds the run from a config, steps it with the Conductor, evaluates,
+logs and reports throughput. Only process 0 prints and writes files.
+
+`train` is three stages, each a plain function: `startup_report`, `train_loop` (the steps of
+`nljax.run.loop.training_steps` with hooks for evaluation, logging, checkpoints and the profiler) and
+`final_report` (the final evaluation, `comm_report` and `throughput_report`, merged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import signal
+import time
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from nljax.checkpoint import storage
+from nljax.checkpoint.lifecycle import Checkpoints
+from nljax.config import Config
+from nljax.engine import optim
+from nljax.engine.conductor import Conductor, pattern_name
+from nljax.engine.state import TrainState, bytes_per_device, describe_memory
+from nljax.errors import ConfigError
+from nljax.measure import flops
+from nljax.measure.comm import comm_per_step
+from nljax.parallel import levels
+from nljax.run import startup, throughput
+from nljax.run.core import Run
+from nljax.run.loop import Hooks, Profiler, StepResult, training_steps
+from nljax.run.samples import TrainingSampler
+from nljax.run.trackers import Trackers, check_installed, step_scalars
+from nljax.runtime import compile_cache, distributed, preemption, runlog
+from nljax.runtime.preemption import Notice, Preempted
+from nljax.runtime.rundir import RunDir, check_free, take_lock
+from nljax.version import __version__
+
+
+def is_main() -> bool:
+    return jax.process_index() == 0
+
+
+@dataclasses.dataclass
+class Output:
+    """Where a run reports: files (process 0 only), terminal, trackers (TensorBoard, W&B)."""
+
+    run: RunDir
+    progress: runlog.Progress
+    trackers: Trackers
+
+    @classmethod
+    def create(cls, cfg: Config, start: int = 0, unit: str = "tok", resume_step: int | None = None,
+               tracker_ids: dict | None = None) -> "Output":
+        """`tracker_ids`: those saved in the checkpoint a resume continues (W&B's run id)."""
+        main = is_main()
+        run, error = None, None
+        try:  # process 0 alone writes: when it cannot, every process stops here, before the trackers'
+            run = RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)  # collectives (the others
+            run.save_config(cfg)  # would wait in them until the timeout)
+        except ConfigError as e:
+            error = e
+        except OSError as e:  # as a ConfigError: every process leaves through the same path (cli.main)
+            error = ConfigError(f"cannot write {e.filename or cfg.run.dir}: [Errno {e.errno}] {e.strerror or e}")
+        if distributed.main_decides(error is not None) or error is not None:
+            raise error or ConfigError("process 0 could not write the run's files (its line says why)")
+        progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
+        return cls(run, progress, Trackers.open(cfg, main, resume_step, tracker_ids))
+
+    def say(self, text: str) -> None:
+        self.progress.say(text)
+
+    def close(self, failed: bool = False) -> None:
+        self.progress.close()
+        self.trackers.close(failed)
+
+
+def startup_report(run: Run, state: TrainState, say) -> None:
+    """Devices and mesh, model size, batch sizes (global, per device, micro, effective), the
+    learning rate after batch scaling, and the parameters of each level."""
+    cfg, eng, mesh = run.cfg, run.engine, run.mesh
+    n_dev, t = eng.n_devices, cfg.train
+    rows_per_dev = t.batch_size // n_dev
+    n_params = sum(n for n, _ in levels.level_sizes(eng.param_shapes, eng.level_tree, eng.n_levels))
+    unit, per_row = run.task.unit, run.task.units_per_row
+    say(f"nljax {__version__}: {jax.device_count()} {jax.devices()[0].platform} devices "
+        f"({jax.devices()[0].device_kind}), mesh inter={mesh.shape['inter']} x intra={mesh.shape['intra']} "
+        f"x model={eng.tp}, "
+        f"{jax.process_count()} process(es)")
+    say(f"model {cfg.model.name}: {n_params:,} parameters")
+    if hasattr(run.task, "describe"):
+        d = run.task.describe()
+        say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
+            f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
+    say(f"batch: global {t.batch_size} rows ({t.batch_size * per_row:,} {unit}) per optimizer step; per device "
+        f"{rows_per_dev} rows in {t.accum_steps} micro-batch(es) of {rows_per_dev // t.accum_steps}; "
+        f"effective batch {rows_per_dev // t.accum_steps} x {t.accum_steps} x {n_dev} devices = {t.batch_size} rows")
+    lr = optim.peak_lr(cfg.optim, t.batch_size)
+    scaled = "" if cfg.optim.lr_scaling == "none" else (
+        f" (optim.lr {cfg.optim.lr:g} x {cfg.optim.lr_scaling} {t.batch_size}/{cfg.optim.base_batch_size})")
+    say(f"optimizer {cfg.optim.name}: peak lr {lr:.4g}{scaled}, {cfg.optim.schedule} schedule, "
+        f"{cfg.optim.warmup_steps} warm-up steps")
+    say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
+    say(describe_memory(bytes_per_device(state), eng.strategy.name))
+
+
+@dataclasses.dataclass
+class History:
+    records: list = dataclasses.field(default_factory=list)
+    skipped: int = 0  # steps whose gradients failed sync.check_grads
+    stalled_in_a_row: int = 0  # the latest steps in a row where every active level skipped
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.records[-1]["loss"] if self.records else None
+    wall_s: float = 0.0  # the loop, compilation and evaluations included
+
+
+def check_skipped(in_a_row: int, step: int, limit: int) -> None:
+    """Stop a run that trains nothing: every one of the last `train.max_skipped` steps skipped.
+    The flag is the same on every device, so every process stops at the same step."""
+    if limit and in_a_row >= limit:
+        raise ConfigError(
+            f"stopped after step {step}: the last {in_a_row} steps were all skipped (gradient not finite or above "
+            f"sync.max_grad_norm); lower optim.lr or check the data (train.max_skipped={limit}, 0: never stop)"
+        )
+
+
+def stalled(record: dict) -> bool | None:
+    """True: every active level's update was skipped at this step; False: one trained; None: no
+    level was active (level 0 with a period above 1), so nothing could be skipped and the count
+    of stalled steps in a row goes on unchanged."""
+    active = record.get("active_levels", ())
+    return len(record.get("skipped_levels", ())) == len(active) if active else None
+
+
+def stalled_in_a_row(kept: list[dict]) -> int:
+    """The stalled steps at the end of a resumed run's kept records, the same on every process
+    (process 0 alone has the records: it tells the others, which would otherwise count from 0 and
+    go on into a step after process 0 stopped)."""
+    n = 0
+    for r in reversed(kept):
+        s = stalled(r)
+        if s is False:
+            break
+        n += bool(s)
+    if jax.process_count() > 1:
+        n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
+    return n
+
+
+def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
+               ckpt: Checkpoints | None = None, notice: Notice | None = None) -> tuple[TrainState, History]:
+    """Steps from `conductor.step` to `train.steps` (`loop.training_steps`) with the hooks of
+    `loop_hooks`, saving checkpoints through `ckpt`; stops a run whose steps all skip, and
+    after a preemption notice (`nljax.runtime.preemption`; `notice`: one opened before, by `train`, else
+    the loop's own) saves and raises `Preempted`."""
+    if notice is None:
+        with Notice() as notice:
+            return train_loop(run, state, conductor, out, ckpt, notice)
+    # A resumed run's plots and summary cover the whole run: the earlier steps come from the
+    # metrics.jsonl records it kept.
+    kept = out.run.kept  # process 0's (the one that reads and writes the run's files)
+    hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
+    hist.stalled_in_a_row = stalled_in_a_row(kept)
+    t_start = time.perf_counter()
+    hooks, profiler = loop_hooks(run, out, ckpt)
+    if conductor.step < run.cfg.train.steps:
+        profiler.start(conductor.step)
+    # after a resume that restarted every row's memory, the first batch resets every row
+    reset_first = ckpt is not None and ckpt.rows_restarted and conductor.step == ckpt.start
+    notice.in_loop = True
+    try:
+        for r in training_steps(run, state, conductor, reset_first):
+            state = r.state
+            _after_step(r, run, hist, hooks, out)
+            # a notice: save at this step boundary (every process at the same step) and stop
+            if notice.stop_after(r.step) and not r.last:
+                saved = ckpt is not None and ckpt.save_now(r.step + 1, r.state)
+                out.progress.close()
+                raise Preempted(r.step, notice.received or signal.SIGTERM, saved)
+    finally:
+        notice.in_loop = False
+    hist.wall_s = time.perf_counter() - t_start
+    out.progress.close()
+    return state, hist
+
+
+def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Output) -> None:
+    """Account one step (skips, stalls), run the hooks, record it; stops a run whose steps all skip."""
+    skipped_levels = r.record["skipped_levels"]
+    if r.record["skipped"]:
+        hist.skipped += 1
+        out.say(f"warning: step {r.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
+                f"sync.max_grad_norm)")
+    s = stalled(r.record)
+    hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if s else hist.stalled_in_a_row if s is None else 0
+    hooks.run(r)
+    hist.records.append(r.record)
+    check_skipped(hist.stalled_in_a_row, r.step, run.cfg.train.max_skipped)
+
+
+def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, Profiler]:
+    """What runs between steps, in this order: the profiler's stop, evaluation every
+    `eval.every` steps (not after the last: `final_report` evaluates), the metrics.jsonl
+    record, the checkpoint, the trackers and the progress bar, a text sample every
+    `train.sample_every` steps, the profiler's start."""
+    cfg, key = run.cfg, f"{run.task.unit}_per_s_per_device"
+    n_levels = len(cfg.cms.periods)
+    profiler = Profiler(cfg.train.profile_start, cfg.train.profile_steps if out.run.write else 0, out.run.path, out.say)
+    hooks = Hooks()
+    hooks.add(profiler.stop)
+
+    def evaluate(r: StepResult) -> None:
+        if not r.last:
+            r.evaluated = run.evaluate(r.state.params, r.step + 1)
+            r.record.update(r.evaluated)
+
+    def report(r: StepResult) -> None:
+        rec = r.record
+        # at the number of steps done, as evaluations, samples and checkpoints count them
+        out.trackers.scalars("train", step_scalars(rec, n_levels, key), r.step + 1)
+        out.trackers.scalars("eval", r.evaluated, r.step + 1)
+        out.progress.update(rec, r.units_per_s, r.last, runlog.format_metrics(r.evaluated))
+
+    sampler = TrainingSampler(run) if cfg.train.sample_every else None
+
+    def sample(r: StepResult) -> None:  # every process: the sampler runs on the whole mesh
+        text = sampler.sample(r.state.params)
+        out.say(f"step {r.step:6d}  sample: {json.dumps(text, ensure_ascii=False)}")
+        # after the step's scalars: W&B takes steps in increasing order
+        out.trackers.text("train/sample", text, r.step + 1)
+
+    hooks.add(evaluate, every=cfg.eval.every)
+    hooks.add(lambda r: out.run.log(r.record))
+    if ckpt is not None:  # copies off the devices before the next step donates the state
+        hooks.add(lambda r: ckpt.maybe_save(r.step + 1, r.state))
+    hooks.add(report)
+    hooks.add(sample, every=cfg.train.sample_every)
+    hooks.add(profiler.start_next)
+    return hooks, profiler
+
+
+def final_report(run: Run, state: TrainState, hist: History, out: Output,
+                 resumed_from: int | None = None) -> dict:
+    """summary.json, the plots and the printed report: the final evaluation, the communication
+    read from the HLO and the throughput table, merged."""
+    cfg, eng = run.cfg, run.engine
+    final_eval = run.evaluate(state.params, cfg.train.steps)
+    if resumed_from != cfg.train.steps:  # a resume with nothing left to run: the trackers hold it already
+        out.trackers.scalars("eval", final_eval, cfg.train.steps)
+    batch = run.batch(0)
+    comm = comm_report(run, state, batch)
+    held = bytes_per_device(state)  # before the timing, which consumes the state
+    table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"])
+    summary = {
+        "nljax_version": __version__,
+        "steps": cfg.train.steps,
+        "resumed_from_step": resumed_from,
+        "devices": eng.mesh_devices,
+        "mesh": dict(run.mesh.shape),
+        "final_loss": hist.final_loss,
+        **final_eval,
+        "throughput": table,
+        "communication": comm,
+        "wall_time_s": hist.wall_s,
+        "skipped_steps": hist.skipped,
+        "memory_bytes_per_device": held,
+        "strategy": eng.strategy.name,
+    }
+    describe = getattr(run.task, "describe", None)  # the text task: source, tokens, digest
+    if describe is not None:
+        summary["data"] = describe()
+    out.run.save_summary(summary)
+    if out.run.write and cfg.run.plots:
+        runlog.plot(out.run.path, hist.records, table["per_pattern"], final_eval)
+    out.say(f"final eval: {runlog.format_metrics(final_eval)}")
+    out.say(throughput.format_table(table))
+    every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case
+    if every in measured.step_s and table["worst_pattern"] != pattern_name(every):
+        out.say(f"note: {table['worst_pattern']} timed slower than {pattern_name(every)}, where all levels fire: "
+                "it does less work, so the timing is noisy here (a loaded or shared machine; "
+                "throughput.reps raises the rounds)")
+    if comm["ratio_vs_ddp"] is not None:
+        tp = comm["mean_model_axis_wire_bytes_per_step"]
+        out.say(f"per-level sync per device per step (HLO, mean over a cycle): "
+                f"{comm['mean_wire_bytes_per_step'] - tp:,.0f} B, {comm['ratio_vs_ddp']:.3f} x a DDP all-reduce of "
+                "every parameter" + (f"; tensor-parallel activations {tp:,.0f} B" if tp else ""))
+    return summary
+
+
+def comm_report(run: Run, state: TrainState, batch: dict) -> dict:
+    """Bytes per step from the HLO of the executables that trained, against a DDP all-reduce."""
+    comm = comm_per_step(run.cache, state, batch)
+    return {
+        "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
+        "mean_model_axis_wire_bytes_per_step": comm["mean_model_axis_wire_bytes_per_step"],
+        "ddp_wire_bytes_per_step": comm["ddp_wire_bytes_per_step"],
+        "ratio_vs_ddp": comm["ratio_vs_ddp"],
+        "wire_bytes_per_pattern": {v["active"]: v["wire_bytes"] for v in comm["variants"]},
+    }
+
+
+def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
+                      wire: dict) -> tuple[dict, throughput.Measured]:
+    """The throughput table (every pattern of the run timed again, `nljax.run.throughput`) with what
+    the loop itself achieved, and the measurements it was made from."""
+    cfg, eng = run.cfg, run.engine
+    counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
+    measured = throughput.measure(run.cache, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split,
+                                  run.local)
+    device_kind = jax.devices()[0].device_kind
+    units = run.units_per_device(batch)
+    analytic = flops.analytic_flops(cfg, eng.model, eng.param_shapes)["total_per_unit"] * units
+    table = throughput.report(
+        measured, counts, Conductor(cfg.cms.periods).patterns(), wire, units,
+        eng.mesh_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit, analytic,
+    )
+    key = f"{run.task.unit}_per_s_per_device"
+    steady = [r for r in hist.records if not r["compiled"]]
+    if steady:  # what the loop itself achieved, compilation excluded
+        units = sum(r[key] * r["step_time_s"] for r in steady)
+        table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
+    table["device_kind"] = device_kind
+    if jax.devices()[0].platform == "cpu" and eng.mesh_devices > 1:
+        table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
+    return table, measured
+
+
+def resume_step_guess(cfg: Config) -> int:
+    """The step a resume will most likely start from, read from the directory names alone (the
+    restore may fall back to an older one, or refuse: `Checkpoints.resolve` says so later)."""
+    try:
+        paths = storage.candidates(cfg)
+    except ConfigError:
+        return 0
+    return int(paths[0].name) if paths and paths[0].name.isdigit() else 0
+
+
+def train(cfg: Config) -> dict:
+    """One run, start to end. A preemption notice anywhere in it is a notice (`nljax.runtime.preemption`):
+    one during start-up stops the run after its first step, saved."""
+    with Notice() as notice:
+        return _train(cfg, notice)
+
+
+def _train(cfg: Config, notice: Notice) -> dict:
+    # before the slow start-up (nljax.runtime.preemption), unless the command did as the processes joined
+    preemption.check_in(lambda: resume_step_guess(cfg))
+    compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
+    check_installed(cfg)  # before anything is written
+    run = Run.create(cfg)
+    cfg = run.cfg  # with what the data decide (model.vocab_size of a tokenizer): config.yaml, checkpoints
+    say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
+    startup.check_startup(cfg, run.mesh, run.task, say)
+    if cfg.train.profile_steps and cfg.train.profile_start >= cfg.train.steps:
+        say(f"warning: train.profile_start={cfg.train.profile_start} is past the last step (train.steps="
+            f"{cfg.train.steps}): nothing is profiled")
+    if cfg.train.sample_every:  # made to check its prompt (data.prepared's tokenizer may lack an end token)
+        TrainingSampler(run)  # before anything is written; the loop makes its own (compiled at its first sample)
+    check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
+    # reads and checks a checkpoint to resume before anything is written
+    ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
+    ckpt.check_data(startup.data_fingerprint(run.task))
+    lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
+    # the cleanup, in reverse order of registration; each step runs whatever the one before raised
+    with contextlib.ExitStack() as cleanup:
+        cleanup.callback(lock.release)
+        out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step, ckpt.trackers)
+        ckpt.trackers = out.trackers.ids  # saved with every checkpoint: a resume continues the same W&B run
+        failed = True  # until the summary is written: a tracker marks a run that stopped early (W&B: failed)
+        cleanup.callback(lambda: out.close(failed))
+        cleanup.callback(ckpt.close)  # a run stopped by an error keeps the saves it started (a failed one found here)
+        ckpt.open()
+        startup_report(run, ckpt.state, out.say)
+        state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt, notice)
+        ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
+        summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
+        failed = False
+    return summary

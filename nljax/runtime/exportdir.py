@@ -1,0 +1,30 @@
+"""What an `nljax.export` directory holds, and how to tell one from a user's files: shared by
+the exporter (nljax/export.py) and `run.overwrite=true` (nljax/runtime/rundir.py), which removes the
+earlier run's `<run.dir>/export`. No JAX here: the run directory reads it before anything else."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WEIGHTS, CONFIG = "model.safetensors", "config.json"
+DEFAULT = "export"  # out= by default: <run.dir>/export
+
+
+def is_export(path: Path) -> bool:
+    """Whether `path`'s config.json is one nljax.export wrote."""
+    try:
+        info = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and {"config", "step", "dtype", "checkpoint"} <= info.keys()
+
+
+def remove(out: Path) -> None:
+    """Removes the export in `out` (its two files; the directory too if that leaves it empty).
+    A directory holding anything else than an nljax export is left as it is."""
+    if out.is_dir() and is_export(out):
+        for n in (WEIGHTS, CONFIG):
+            (out / n).unlink(missing_ok=True)
+        if not any(out.iterdir()):
+            out.rmdir()

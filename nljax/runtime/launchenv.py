@@ -1,0 +1,8 @@
+"""The environment variables `python -m nljax.launch` sets for each process it starts, read back
+by nljax/runtime/distributed.py as the fallbacks of the CLI flags (--coordinator, ...). Kept in a
+module of their own, free of JAX, so the launcher stays light."""
+
+ENV_COORDINATOR = "NLJAX_COORDINATOR"
+ENV_NUM_PROCESSES = "NLJAX_NUM_PROCESSES"
+ENV_PROCESS_ID = "NLJAX_PROCESS_ID"
+ENV_LOCAL_DEVICE_IDS = "NLJAX_LOCAL_DEVICE_IDS"

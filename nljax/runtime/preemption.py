@@ -1,0 +1,126 @@
+"""Preemption: SIGTERM is a notice, not a crash.
+
+Schedulers (SLURM, Kubernetes, spot VMs) send SIGTERM some seconds before they kill a job. The
+trainer then finishes the step in flight, saves a checkpoint at that step boundary on every
+process, waits until it is on disk and exits with 128 + SIGTERM = 143 (non-zero, so that a job
+controller restarts it; `--resume` then continues exactly, as from any checkpoint).
+
+Every process must save at the same step. One process: a Python handler sets a flag that the
+loop reads after each step. Several processes (`jax.distributed`): JAX's preemption service
+(started by `jax.distributed.initialize`) already catches SIGTERM on whichever processes receive
+it, agrees on a step (the largest step any process has reached, plus one) through the
+coordination service, and `reached_preemption_sync_point(step)` turns True on every process at
+that step. A Python handler would replace JAX's, so none is installed there.
+
+The service's "largest step reached" is the last step each process passed to it, 0 before the
+first call: a notice during a resumed run's start-up (restore, compilation) would set the step
+to 1, which a run resumed at step 500 never reaches, and the notice would be lost (no save; the
+scheduler's SIGKILL ends the run). So `nljax.train` reports the step it resumes from the moment
+`jax.distributed.initialize` returns (`check_in`, before the start-up's collectives), and
+`trainer.train` again first thing, for a caller that joined the processes itself.
+
+One process defers SIGTERM the same way from the start of `nljax.run.trainer.train` to its end: a
+notice during start-up (restore, compilation) stops the run after its first step, saved; one
+after the last step lets the final report finish (exit 0: the run is complete). A second SIGTERM
+stops at once (`Terminated`: the checkpoints already on disk are kept, the lock released), for
+whoever means "now" — one at least `Notice.REPEAT_S` after the first: a scheduler's notice often
+reaches a process twice at once (sent to the whole job and forwarded by a launcher).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+import jax
+from jax.experimental import multihost_utils
+
+
+class Stopped(BaseException):
+    """The run stopped on a signal: the command prints the message and exits with `exit_code`
+    (128 + the signal). A BaseException, as KeyboardInterrupt is: a signal may arrive inside
+    any `except Exception` (a save, a checkpoint read), which must not take it for its own error
+    (a damaged checkpoint, a failed save)."""
+
+    exit_code = 128 + signal.SIGTERM
+
+
+class Preempted(Stopped):
+    """Raised by the loop once the preemption checkpoint is saved."""
+
+    def __init__(self, step: int, sig: int = signal.SIGTERM, saved: bool = True):
+        what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "preempted (SIGTERM)"
+        how = "checkpoint saved; continue with --resume" if saved else "nothing saved (checkpoint.every=0)"
+        super().__init__(f"{what}: stopped after step {step}, {how}")
+        self.step, self.exit_code = step, 128 + sig
+
+
+class Terminated(Stopped):
+    """A second SIGTERM after a notice: stop at once, nothing more saved."""
+
+    def __init__(self):
+        super().__init__("terminated (a second SIGTERM): stopped at once; the checkpoints already on disk are kept")
+
+
+_checked_in = False  # this process told the service its first step (once: the command, or train())
+
+
+def check_in(first_step: Callable[[], int]) -> None:
+    """Tells JAX's preemption service, before the slow part of start-up, the step this process
+    counts from (a later step is also fine: a notice then stops the run that many steps later).
+    Once per process, and only with several: `first_step()` may open checkpoints."""
+    global _checked_in
+    if jax.process_count() > 1 and not _checked_in:
+        multihost_utils.reached_preemption_sync_point(first_step())
+        _checked_in = True
+
+
+class Notice:
+    """Whether a preemption notice asks the run to stop after the current step. A context
+    manager: the single-process handlers live while it is open (the whole run: `trainer.train`).
+    One process takes Ctrl-C (SIGINT) inside the step loop (`in_loop`) as a notice too, the way a
+    user at a terminal means it: the step finishes and is saved; a second Ctrl-C, or one outside
+    the loop (a compilation), stops at once (KeyboardInterrupt: one line, nothing saved). Under
+    the launcher a Ctrl-C reaches the launcher, which sends every process SIGTERM."""
+
+    # A SIGTERM this soon after the notice is the same notice: a scheduler that signals every
+    # process of a job (SLURM, a systemd unit) and a launcher (nljax.launch, srun) that forwards
+    # its own reach a process twice within milliseconds.
+    REPEAT_S = 2.0
+
+    def __init__(self):
+        self.received = 0  # the signal of the notice, 0: none
+        self.received_at = 0.0  # time.monotonic() of the notice
+        self.in_loop = False  # set by the training loop while it steps
+        self._old: dict = {}
+
+    def __enter__(self) -> "Notice":
+        if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+        self._old = {}
+
+    def _on_signal(self, sig, _frame) -> None:
+        if sig == signal.SIGINT and (self.received or not self.in_loop):
+            raise KeyboardInterrupt
+        if sig == signal.SIGTERM and self.received:
+            if time.monotonic() - self.received_at >= self.REPEAT_S:
+                raise Terminated
+            return
+        self.received, self.received_at = sig, time.monotonic()
+        if sig == signal.SIGINT:  # os.write: print could re-enter a write the signal interrupted
+            os.write(2, b"\nnljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)\n")
+
+    def stop_after(self, step: int) -> bool:
+        """Called after every step on every process with the step just done (the same number
+        everywhere): True on all of them at the same step once a notice arrived."""
+        if jax.process_count() == 1:
+            return bool(self.received)
+        return multihost_utils.reached_preemption_sync_point(step)

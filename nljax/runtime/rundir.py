@@ -1,0 +1,143 @@
+"""The run directory (`run.dir`) and the checkpoint directory inside it (`checkpoint.dir`).
+
+`RunDir` owns the files a run writes there (config.yaml, metrics.jsonl, summary.json, plots,
+profile, the lock); `checkpoint_dir` says where its checkpoints live, which `nljax.checkpoint`
+reads and writes. A run refuses to overwrite an earlier run unless told to (or resuming it).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import yaml
+
+from nljax.config import Config, to_dict
+from nljax.data.documents import absolute
+from nljax.errors import ConfigError
+from nljax.runtime import distributed, exportdir, runlog
+from nljax.runtime.runlock import RunLock, make_run_dir, refuse_if_live
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    """`checkpoint.dir`, by default `<run.dir>/checkpoints`."""
+    # absolute: Orbax's TensorStore writer rejects relative paths (the default run.dir is one)
+    return Path(cfg.checkpoint.dir or Path(cfg.run.dir) / "checkpoints").absolute()
+
+
+# The user's data, named by paths that may be relative to where the run was started: config.yaml
+# records them (and checkpoint.dir) absolute, so that a tool reading the run (nljax.generate,
+# nljax.export) finds them from any directory. The run's own config (and its checkpoints') keeps what the user wrote.
+DATA_PATHS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data", "prepared"), ("images", "path"))
+
+
+def recorded(cfg: Config) -> dict:
+    """`cfg` as config.yaml records it: the data paths (globs included) and checkpoint.dir made
+    absolute."""
+    tree = to_dict(cfg)
+    if cfg.checkpoint.dir:
+        tree["checkpoint"]["dir"] = absolute(cfg.checkpoint.dir)
+    for section, key in DATA_PATHS:
+        value = tree[section][key]
+        if isinstance(value, list):
+            tree[section][key] = [absolute(p) for p in value]
+        elif value:
+            tree[section][key] = absolute(value)
+    return tree
+
+
+class RunDir:
+    """The files of one run. Refuses to overwrite an earlier run unless told to (or resuming it);
+    when told to, removes the earlier run's outputs first so that none of them outlives it."""
+
+    # and the files the run noted (runlog.note_written: samples_*.png, TensorBoard event files)
+    OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "profile", "wandb")
+
+    def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
+        self.path = Path(path)
+        self.write = write
+        self.kept: list[dict] = []
+        metrics = self.path / "metrics.jsonl"
+        # An earlier attempt that logged no step (it stopped in its start-up: a tracker that could
+        # not start, the first compilation) is no run to keep: its files are replaced, as by
+        # run.overwrite (a live one holds the lock, checked before). Process 0 decides: on a
+        # shared file system the others could see its fresh metrics.jsonl.
+        earlier = metrics.exists() and metrics.stat().st_size > 0
+        if distributed.main_decides(earlier) and not overwrite and resume_step is None:
+            raise ConfigError(
+                f"run.dir {path} already holds a run; choose another run.dir, resume it with --resume or set "
+                "run.overwrite=true"
+            )
+        if write:
+            make_run_dir(self.path)
+            # never delete a file nobody asked to replace
+            if resume_step is None and (overwrite or metrics.exists()):
+                for pattern in self.OUTPUTS:
+                    for old in self.path.glob(pattern):
+                        shutil.rmtree(old) if old.is_dir() else old.unlink()
+                runlog.remove_written(self.path)
+                exportdir.remove(self.path / exportdir.DEFAULT)  # the earlier run's nljax.export
+            self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
+            replace_text(metrics, "".join(runlog.strict_json(r) + "\n" for r in self.kept))
+
+    def save_config(self, cfg: Config) -> None:
+        if self.write:
+            replace_text(self.path / "config.yaml", yaml.safe_dump(recorded(cfg), sort_keys=False))
+
+    def log(self, record: dict) -> None:
+        if self.write:
+            with open(self.path / "metrics.jsonl", "a") as f:
+                f.write(runlog.strict_json(record) + "\n")
+
+    def save_summary(self, summary: dict) -> None:
+        if self.write:
+            replace_text(self.path / "summary.json", runlog.strict_json(summary, indent=1))
+
+
+def replace_text(path: Path, text: str) -> None:
+    """`path` replaced in one rename: a run killed while writing leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def kept_records(path: Path, step: int) -> list[dict]:
+    """The records of an earlier metrics.jsonl for steps before `step`: a resumed run rewrites the
+    steps from its checkpoint on, so the file ends up as the uninterrupted run's."""
+    if not path.exists():
+        return []
+    keep, dropped = [], []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        try:
+            record = json.loads(line)
+            if record["step"] < step:
+                # null stands for a non-finite number (runlog.strict_json): NaN again in memory
+                keep.append({k: float("nan") if v is None else v for k, v in record.items()})
+        except (ValueError, KeyError, TypeError):
+            dropped += [n] if line.strip() else []  # a line cut short by a kill, or edited: said, not kept
+    if dropped:
+        print(f"nljax: warning: {path}: line{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped[:5]))}"
+              f"{', ...' if len(dropped) > 5 else ''} not a record (cut short by a kill?): dropped from the "
+              "resumed log", file=sys.stderr)
+    return keep
+
+
+def _in_use_elsewhere(cfg: Config) -> str:
+    return f"run.dir {cfg.run.dir} is in use by a live run (see process 0)"
+
+
+def check_free(cfg: Config) -> None:
+    """Refuses (every process) a run.dir a live run holds, or one that is a file, before anything is
+    read or written."""
+    if Path(cfg.run.dir).exists() and not Path(cfg.run.dir).is_dir():  # not "checkpoint.dir ... cannot be created"
+        raise ConfigError(f"run.dir {cfg.run.dir} is a file, not a directory")
+    distributed.on_main(lambda: refuse_if_live(cfg.run.dir), _in_use_elsewhere(cfg))
+
+
+def take_lock(cfg: Config) -> RunLock:
+    """Process 0 locks run.dir (nljax/runtime/runlock.py); every process raises when it is refused."""
+    lock = RunLock(cfg.run.dir)
+    distributed.on_main(lock.acquire, _in_use_elsewhere(cfg))
+    return lock

@@ -1,0 +1,110 @@
+"""Config sections of the run as a whole: `run`, `train`, `eval`, `distributed`, `throughput`.
+
+Their readers (the trainer, the step loop, the tasks, the run directory, nljax/runtime/distributed.py,
+the throughput report) all import `nljax.config`, which composes these sections: so the sections
+sit in this leaf module, which imports no other part of nljax but the error type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from nljax.errors import ConfigError
+
+# The names `run.trackers` takes; nljax/run/trackers.py registers one tracker for each.
+TrackerName = Literal["tensorboard", "wandb"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    dir: str = "runs/default"
+    overwrite: bool = False  # replace the files of an earlier run in run.dir
+    quiet: bool = False
+    # where scalars and samples go besides metrics.jsonl (nljax/run/trackers.py): tensorboard (event
+    # files in run.dir), wandb (Weights & Biases); [] for none
+    trackers: tuple[TrackerName, ...] = ("tensorboard",)
+    # W&B: offline writes under run.dir/wandb with no network (`wandb sync` uploads it later);
+    # WANDB_MODE, when set, wins. The run's name defaults to run.dir's last part.
+    wandb_mode: Literal["offline", "online"] = "offline"
+    wandb_project: str = "nljax"
+    wandb_name: str = ""
+    plots: bool = True  # loss.png and step_time.png in run.dir at the end
+    # JAX's persistent compilation cache (nljax/runtime/compile_cache.py): auto (the user's cache
+    # directory, ~/.cache/nljax/jax) | none | a directory
+    compile_cache: str = "auto"
+
+    def check(self) -> None:
+        if not self.dir.strip():  # an unset shell variable: the run's files would land in the current directory
+            raise ConfigError("run.dir must not be empty")
+        if len(set(self.trackers)) != len(self.trackers):
+            raise ConfigError(f"run.trackers names a tracker twice: {list(self.trackers)}")
+        if not self.wandb_project:
+            raise ConfigError("run.wandb_project must not be empty")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 16  # global rows per optimizer step
+    seq_len: int = 128
+    accum_steps: int = 1  # micro-batches per optimizer step, accumulated on each device
+    # stop (one line, exit 2) when this many steps in a row were skipped: nothing is training; 0: off
+    max_skipped: int = 20
+    log_every: int = 10
+    profile_steps: int = 0  # record a jax.profiler trace of this many steps into run.dir/profile
+    profile_start: int = 10  # first profiled step (after compilation)
+    # every N steps print a short text sample from the training state and send it to the trackers
+    # (nljax/run/samples.py; text models only); 0: off
+    sample_every: int = 0
+    sample_prompt: str = ""  # text the sample continues ("": from a document start)
+    sample_tokens: int = 64  # tokens (bytes, or the tokenizer's) sampled after the prompt
+
+    def check(self) -> None:
+        if self.steps < 0 or self.batch_size < 1 or self.seq_len < 1 or self.accum_steps < 1:
+            raise ConfigError("train.steps must be >= 0 and train.batch_size, train.seq_len, train.accum_steps >= 1")
+        if self.steps >= 2**31:  # the step counter is an int32 on the devices
+            raise ConfigError(f"train.steps must be < 2^31, got {self.steps}")
+        if self.max_skipped < 0:
+            raise ConfigError(f"train.max_skipped must be >= 0, got {self.max_skipped}")
+        if self.log_every < 1 or self.profile_steps < 0 or self.profile_start < 0:
+            raise ConfigError("train.log_every must be >= 1, train.profile_steps and train.profile_start >= 0")
+        if self.sample_every < 0 or self.sample_tokens < 1:
+            raise ConfigError(f"train.sample_every must be >= 0 (0: off) and train.sample_tokens >= 1, got "
+                              f"{self.sample_every} and {self.sample_tokens}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    every: int = 100
+    batches: int = 4  # fresh-memory evaluation: batches of train.batch_size independent windows (0: all)
+    # streaming evaluation: train.batch_size rows each read this many consecutive held-out
+    # windows with the memory carried between them (0: off; data.source=recall needs it)
+    stream_steps: int = 4
+
+    def check(self) -> None:
+        if self.every < 0 or self.batches < 0 or self.stream_steps < 0:
+            raise ConfigError("eval.every, eval.batches and eval.stream_steps must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-process runs (nljax/runtime/distributed.py)."""
+
+    timeout_s: int = 60  # a dead process is noticed, and the others stopped, within this long
+    check_every: int = 100  # loop iterations between lockstep checks of the step and Pulse; 0: off
+
+    def check(self) -> None:
+        if self.timeout_s < 1 or self.check_every < 0:
+            raise ConfigError("distributed.timeout_s must be >= 1 and distributed.check_every >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThroughputConfig:
+    reps: int = 5  # timed repetitions of every pulse pattern at the end of a run (medians reported)
+    split: bool = True  # also time each pattern without its collectives: compute vs communication
+    peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the device kind when known
+
+    def check(self) -> None:
+        if self.reps < 1 or self.peak_tflops < 0:
+            raise ConfigError("throughput.reps must be >= 1 and throughput.peak_tflops >= 0")
