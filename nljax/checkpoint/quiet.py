@@ -81,9 +81,11 @@ class _Filters:
         # Orbax's own worker threads of the failed operation log their error with a traceback when
         # they end, which on a loaded machine can be well after the callbacks went quiet (seen:
         # 'cannot schedule new futures after shutdown' printed after the one-line error)
+        # Joined as a plain thread: Orbax's own `join` re-raises the thread's error once it ended,
+        # which turned the one-line error into a traceback whenever the thread ended during the wait
         for thread in threading.enumerate():
             if thread is not threading.current_thread() and _orbax_worker(thread):
-                thread.join(max(0.0, limit_s - (time.monotonic() - start)))
+                threading.Thread.join(thread, max(0.0, limit_s - (time.monotonic() - start)))
         gc.collect()
 
     def orbax_thread_errors(self, record: logging.LogRecord) -> bool:
