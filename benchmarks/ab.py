@@ -1,6 +1,6 @@
 """Variants of one config side by side: their all-levels train steps interleaved in one process.
 
-    python benchmarks/ab.py --config configs/titans_demo.yaml --rounds 6 "model.remat=none" "model.remat=memory"
+    python benchmarks/ab.py --config titans_demo --rounds 6 "model.remat=none" "model.remat=memory"
 
 Each argument after the options is one variant's overrides (space-separated; "" is the config as
 is). Every variant's step is compiled, then the rounds run each variant's step in turn, so a

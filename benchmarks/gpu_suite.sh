@@ -9,7 +9,7 @@
 #   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's scan), profiled
 #   memory  titans_demo at batch 128 x 512 with model.remat=block and =memory: peak memory
 #   dit     MeanFlow DiT-B/4 at 32x32 and its flow-matching twin
-#   nl350m  configs/nl_350m.yaml (seq 2048) with its block remat, with model.remat=memory, and with
+#   nl350m  nl_350m (seq 2048) with its block remat, with model.remat=memory, and with
 #           model.remat=memory unrolled (scan_layers=false: no per-layer stacking), profiled
 #   cycle   titans_demo's four pulse variants: compile time and tokens/s of each
 #
@@ -55,7 +55,7 @@ part_titans() {
   fi
   # the all-levels step, profiled (latency-bound, i.e. the device idle between kernels, or not),
   # with the inner loop's chunks recomputed (the default), stored, and whole blocks recomputed
-  run ab_titans_remat $PY benchmarks/ab.py --config configs/titans_demo.yaml --rounds 10 --warmup 2 --profile 2 \
+  run ab_titans_remat $PY benchmarks/ab.py --config titans_demo --rounds 10 --warmup 2 --profile 2 \
     "${BF16[*]} model.remat=memory" "${BF16[*]} model.remat=none" "${BF16[*]} model.remat=block" \
     --out "$OUT/ab_titans_remat.json"
 }
@@ -64,23 +64,23 @@ part_graphs() {
   # titans_demo with XLA's while loops inside CUDA graphs (one launch per loop instead of one per
   # kernel); an XLA that does not know the flag fails this row only
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
-    run bench_titans_demo_graphs $PY -m nljax.bench --config configs/titans_demo.yaml --patterns worst \
+    run bench_titans_demo_graphs $PY -m nljax.bench --config titans_demo --patterns worst \
     --steps 5 --warmup 2 --profile 2 "${BF16[@]}" --out "$OUT/bench_titans_demo_graphs.json"
 }
 
 part_memory() {
   # titans_demo at batch 128 x 512: peak memory (target: under 20 GB)
   for remat in memory block; do
-    run bench_titans_demo_b128_$remat $PY -m nljax.bench --config configs/titans_demo.yaml train.batch_size=128 \
+    run bench_titans_demo_b128_$remat $PY -m nljax.bench --config titans_demo train.batch_size=128 \
       model.remat=$remat --patterns worst --steps 3 --warmup 1 "${BF16[@]}" --out "$OUT/bench_titans_demo_b128_$remat.json"
   done
 }
 
 part_dit() {
   # MeanFlow DiT-B/4 at 32x32 vs flow matching (target: MeanFlow step <= 1.6x)
-  run bench_dit_b4_meanflow $PY -m nljax.bench --config configs/meanflow_dit_b4.yaml --synthetic 32x32x3 \
+  run bench_dit_b4_meanflow $PY -m nljax.bench --config meanflow_dit_b4 --synthetic 32x32x3 \
     --steps 5 --warmup 2 "${BF16[@]}" --out "$OUT/bench_dit_b4_meanflow.json"
-  run bench_dit_b4_flow_matching $PY -m nljax.bench --config configs/meanflow_dit_b4.yaml --synthetic 32x32x3 \
+  run bench_dit_b4_flow_matching $PY -m nljax.bench --config meanflow_dit_b4 --synthetic 32x32x3 \
     --steps 5 --warmup 2 meanflow.loss=flow_matching "${BF16[@]}" --out "$OUT/bench_dit_b4_flow_matching.json"
 }
 
@@ -89,19 +89,19 @@ part_nl350m() {
   # step only (one compilation, not three): its FLOPs are within 0.1% of level 0's. The config's
   # block remat recomputes every sub-block's matmuls; model.remat=memory keeps them (20 GiB of
   # residuals at batch 8 x 2048 since the norms, GELU and scores are recomputed, 86 before).
-  run bench_nl_350m $PY -m nljax.bench --config configs/nl_350m.yaml --patterns worst --steps 3 --warmup 1 \
+  run bench_nl_350m $PY -m nljax.bench --config nl_350m --patterns worst --steps 3 --warmup 1 \
     --profile 2 "${BF16[@]}" --out "$OUT/bench_nl_350m.json"
-  run bench_nl_350m_memory $PY -m nljax.bench --config configs/nl_350m.yaml --patterns worst --steps 3 --warmup 1 \
+  run bench_nl_350m_memory $PY -m nljax.bench --config nl_350m --patterns worst --steps 3 --warmup 1 \
     --profile 2 "${BF16[@]}" model.remat=memory --out "$OUT/bench_nl_350m_memory.json"
   # the H200's profile (docs/PERFORMANCE.md) put 10% of the remat=memory step in the layer scan's
   # stacking of saved activations: the unrolled net has none (and a longer compile)
-  run bench_nl_350m_unrolled $PY -m nljax.bench --config configs/nl_350m.yaml --patterns worst --steps 3 --warmup 1 \
+  run bench_nl_350m_unrolled $PY -m nljax.bench --config nl_350m --patterns worst --steps 3 --warmup 1 \
     --profile 2 "${BF16[@]}" model.remat=memory model.nl_lm.scan_layers=false --out "$OUT/bench_nl_350m_unrolled.json"
 }
 
 part_cycle() {
   # titans_demo: compile time per variant, tokens/s per pattern (batch 4 x 512)
-  run bench_titans_demo $PY -m nljax.bench --config configs/titans_demo.yaml --steps 5 --warmup 2 \
+  run bench_titans_demo $PY -m nljax.bench --config titans_demo --steps 5 --warmup 2 \
     "${BF16[@]}" --out "$OUT/bench_titans_demo.json"
 }
 

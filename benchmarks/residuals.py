@@ -1,7 +1,7 @@
 """What a config's forward pass keeps for its backward pass: the residuals of `jax.vjp` of the
 model's loss, summed (a property of the program, the same on every backend; no compilation).
 
-    python benchmarks/residuals.py --config configs/titans_demo.yaml train.batch_size=128 model.dtype=bfloat16
+    python benchmarks/residuals.py --config titans_demo train.batch_size=128 model.dtype=bfloat16
 
 One device's rows (`train.batch_size` as given), parameters included (they are residuals too).
 `--list` prints every residual with the line of the model that made it

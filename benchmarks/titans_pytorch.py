@@ -1,4 +1,4 @@
-"""Side by side with titans-pytorch: its demo model against nljax's configs/titans_demo.yaml.
+"""Side by side with titans-pytorch: its demo model against nljax's packaged titans_demo config.
 
     pip install -e '.[bench]'     # torch and titans-pytorch; nothing in nljax imports them
     python benchmarks/titans_pytorch.py [--batch 4] [--seq 512] [--rounds 2] [--warmup 1]
@@ -12,7 +12,7 @@ titans-pytorch step, ...) so that a drift of clock or load hits both alike; medi
   `use_flex_attn` and `use_accelerated_scan` off, as the anchor was measured), AdamW; one step is
   forward + backward + optimizer on one batch (train_mac.py accumulates 4 such batches per step;
   a step here is one of them). bf16: `torch.autocast`.
-- nljax: `nljax.run.core.Run` on a 1-device mesh with the config (default configs/titans_demo.yaml),
+- nljax: `nljax.run.core.Run` on a 1-device mesh with the config (default the packaged titans_demo),
   its compiled step variants for level 0 alone (448 of every 512 steps) and all levels firing,
   the cycle mean estimated as 7/8 level-0 + 1/8 the slower of the two (conservative: the three
   rarer patterns are charged as the slower pattern measured). The script only uses the engine's
@@ -228,7 +228,7 @@ def format_report(r: dict) -> str:
 
 def parse(argv):
     p = argparse.ArgumentParser(prog="benchmarks/titans_pytorch.py", description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="configs/titans_demo.yaml", help="nljax config (default titans_demo)")
+    p.add_argument("--config", default="titans_demo", help="nljax config (default titans_demo)")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--rounds", type=int, default=2, help="timed interleaved rounds (default 2)")

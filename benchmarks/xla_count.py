@@ -1,7 +1,7 @@
 """XLA's FLOP count of a config's worst-pattern training step, with the neural memory's chunk
 loop as it is and unrolled: how much a loop's body, counted once, hides (docs/PERFORMANCE.md).
 
-    python benchmarks/xla_count.py configs/nl_default.yaml 1 8     # memory_unroll 1, then 8
+    python benchmarks/xla_count.py nl_default 1 8     # memory_unroll 1, then 8
 """
 
 import sys

@@ -15,7 +15,7 @@ from nljax.measure.comm import comm_per_step, format_report  # noqa: E402
 from nljax.parallel.hostdev import mean_loss  # noqa: E402
 from nljax.run.core import Run  # noqa: E402
 
-cfg = config.load("configs/nl_default.yaml", ["mesh.inter=2", "cms.periods=[1,4,16]", "train.seq_len=64",
+cfg = config.load("nl_default", ["mesh.inter=2", "cms.periods=[1,4,16]", "train.seq_len=64",
                                               "model.dim=64"])
 run = Run.create(cfg)
 state, conductor = run.init_state(), Conductor(cfg.cms.periods)

@@ -6,7 +6,7 @@
 set -euo pipefail
 out=${OUT:-runs/mf_vs_fm}
 for loss in meanflow flow_matching; do
-  python -m nljax.train --quiet --config configs/meanflow_digits.yaml "run.dir=$out/$loss" run.overwrite=true \
+  python -m nljax.train --quiet --config meanflow_digits "run.dir=$out/$loss" run.overwrite=true \
     "meanflow.loss=$loss" "$@"
 done
 python - "$out" <<'PY'

@@ -15,4 +15,4 @@ coordinator=$1 nodes=$2 rank=$3
 shift 3
 exec python -u -m nljax.train \
   --coordinator "$coordinator" --num-processes "$nodes" --process-id "$rank" \
-  --config configs/nl_gpu.yaml run.dir=runs/multinode "$@"
+  --config nl_gpu run.dir=runs/multinode "$@"

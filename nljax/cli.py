@@ -18,7 +18,7 @@ from typing import Callable, Sequence
 
 import jax
 
-from nljax import config
+from nljax import config, configdoc
 from nljax.errors import first_line
 from nljax.measure import hostmem
 from nljax.runtime import distributed
@@ -27,7 +27,8 @@ from nljax.runtime.preemption import Stopped, check_in
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--config", help="YAML config file (defaults apply to keys it leaves out)")
+    p.add_argument("--config", help="YAML config file, or a packaged config's name (nl_default, nl_gpu, "
+                   "meanflow_digits, ...); defaults apply to keys it leaves out")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU (per process)")
     g = p.add_argument_group(
         "multi-process runs",
@@ -156,6 +157,9 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         setup_devices(args.cpu_devices)
         hostmem.retain()  # before JAX's backends start (nljax/measure/hostmem.py)
         cfg = configure(args, config.load(args.config, args.overrides))
+        if getattr(args, "print_config", False):  # nljax.train --print-config: the config, nothing built
+            print(configdoc.to_yaml(cfg), end="")
+            return 0
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
             multiprocess = setup_processes(args, cfg, first_step)
             distributed.check_config(cfg)  # before anything is built from it

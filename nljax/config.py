@@ -195,10 +195,32 @@ def _field_type(dotted: str) -> Any:
     return node
 
 
+# The configs shipped with the package (`--config NAME` finds one by name: nl_gpu, nl_gpu.yaml)
+PACKAGED = Path(__file__).parent / "configs"
+
+
+def packaged_configs() -> list[str]:
+    """The names of the packaged configs (nljax/configs/NAME.yaml)."""
+    return sorted(p.stem for p in PACKAGED.glob("*.yaml"))
+
+
+def config_path(path: str) -> Path:
+    """The config file `path` names: an existing file (it wins), else a packaged config by name
+    (`nl_gpu`, `nl_gpu.yaml`, or `configs/nl_gpu.yaml`, where the configs were before they moved
+    into the package, so that older commands keep working)."""
+    p = Path(path).expanduser()
+    if p.exists():
+        return p
+    stem = p.name[: -len(p.suffix)] if p.suffix in (".yaml", ".yml") else p.name
+    bare = p.parent == Path(".") or (not p.is_absolute() and p.parent == Path("configs"))
+    if bare and (PACKAGED / f"{stem}.yaml").is_file():
+        return PACKAGED / f"{stem}.yaml"
+    raise ConfigError(f"config file not found: {path} (neither a file nor a packaged config: "
+                      f"{', '.join(packaged_configs())})")
+
+
 def _read_yaml(path: str) -> dict:
-    p = Path(path)
-    if not p.exists():
-        raise ConfigError(f"config file not found: {path}")
+    p = config_path(path)
     if not p.is_file():  # a directory, /dev/null, a pipe
         raise ConfigError(f"config file {path} is not a regular file")
     try:

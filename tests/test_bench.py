@@ -95,7 +95,7 @@ def test_gpu_suite_and_ab(tmp_path):
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "residuals.py"), *NL], capture_output=True, text=True)
     assert p.returncode == 0 and "residuals" in p.stdout and " GiB in " in p.stdout, p.stderr
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "residuals.py"), "--config",
-                        str(ROOT / "configs" / "meanflow_digits.yaml")], capture_output=True, text=True)
+                        "meanflow_digits"], capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "residuals.py: error: model.name=dit is not a language model (this script feeds it tokens)"]
     assert [r["ratio"] for r in ab][0] == 1.0 and all(r["median_ms"] > 0 and r["ops_per_step"] > 10 for r in ab)

@@ -14,7 +14,7 @@ from helpers import Setup, train
 from nljax import config
 from nljax.engine.conductor import pulse
 
-CONFIGS = sorted(str(p) for p in Path(__file__).parent.parent.glob("configs/*.yaml"))
+CONFIGS = sorted(str(p) for p in config.PACKAGED.glob("*.yaml"))
 # The GPU configs take minutes on the 2-core CI machine: nl_350m (348M parameters, sequence 2048;
 # two steps of 4.3 TFLOP) 3.4 minutes and 14 GB, nl_gpu (98M, sequence 1024) 63 s, titans_demo
 # (the CPU benchmark's 16M, batch 1 x 512) 26 s (run alone; about twice that beside the suite). They are marked `big`: the suite (`pytest -n auto

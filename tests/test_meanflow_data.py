@@ -132,10 +132,10 @@ def test_png_figures(tmp_path):
 
 @pytest.mark.slow
 def test_meanflow_toy_cli_end_to_end(tmp_path):
-    """python -m nljax.train --config configs/meanflow_toy.yaml on 2 devices, tiny: summary.json holds
+    """python -m nljax.train --config meanflow_toy on 2 devices, tiny: summary.json holds
     both energy distances, a PNG per evaluation, and the loss changes."""
     d = tmp_path / "toy"
-    base = ["--config", "configs/meanflow_toy.yaml", "--cpu-devices", "2"]  # the config's path is relative to ROOT
+    base = ["--config", "meanflow_toy", "--cpu-devices", "2"]  # a packaged config, by name
     d.mkdir()
     (d / "samples_000100.png").write_bytes(b"a user's file")
     p = cli("nljax.train", *base, f"run.dir={d}", "train.steps=12", "eval.every=6", "train.batch_size=32",
