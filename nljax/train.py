@@ -1,4 +1,4 @@
-"""Train a model:  python -m nljax.train [--config FILE] [--cpu-devices N] [--quiet] [--resume] [key=value ...]"""
+"""Train a model:  python -m nljax.train [--config FILE] [--cpu-devices N] [--quiet] [--resume] [--print-config] [key=value ...]"""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ def main(argv=None) -> int:
     p = cli.parser("nljax.train", "Train a nested-learning model on every available device.")
     p.add_argument("--quiet", action="store_true", help="print nothing but errors")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint (checkpoint.resume=latest)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML, each key with its comment, and exit (nothing is built)")
     return cli.main(_run, p, argv, quiet=lambda args, cfg: cfg.run.quiet, configure=_configure,
                     first_step=resume_step_guess)
 
