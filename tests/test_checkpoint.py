@@ -428,11 +428,12 @@ def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
     from nljax.runtime.rundir import RunDir
 
     (tmp_path / "profile").mkdir()
-    (tmp_path / "profile" / "notes.txt").write_text("mine")
+    (tmp_path / "profile" / "notes.txt").write_text("an earlier run's")
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "samples_000001.png").write_text("a user's file")  # the pattern of a run's samples
     (tmp_path / "samples_000002.png").write_text("the run's")
-    runlog.note_written(tmp_path, "samples_000002.png")
+    for name in ("samples_000002.png", "profile", "summary.json"):
+        runlog.note_written(tmp_path, name)
     RunDir(str(tmp_path), overwrite=False, write=True)  # no metrics.jsonl: a fresh run, nothing removed
     assert (tmp_path / "profile" / "notes.txt").exists() and (tmp_path / "summary.json").exists()
     RunDir(str(tmp_path), overwrite=True, write=True)

@@ -93,6 +93,12 @@ class Checkpoints:
             for w in [*warnings, *restored.warnings]:
                 if jax.process_index() == 0:
                     print(f"nljax: warning: {w}", file=sys.stderr)
+        theirs = storage.foreign_steps(root, restored.step if restored else 0, cfg.train.steps) if cfg.checkpoint.every else []
+        if theirs:
+            raise ConfigError(
+                f"checkpoint.dir {root} holds {', '.join(p.name for p in theirs[:3])}, which nljax did not write: "
+                "a checkpoint of that step would replace it; move it or choose another checkpoint.dir"
+            )
         if cfg.checkpoint.every:
             try:
                 root.mkdir(parents=True, exist_ok=True)

@@ -224,6 +224,16 @@ def leftovers(root: Path) -> list[Path]:
                                or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
 
 
+def foreign_steps(root: Path, after: int, last: int) -> list[Path]:
+    """Files and folders under `root` named as a step in (`after`, `last`] that nljax did not write
+    (a user's folder `checkpoints/4`): a save at that step would replace it or stop there."""
+    if not root.is_dir():
+        return []
+    ours = set(leftovers(root))
+    return sorted((p for p in root.iterdir() if p.name.isdigit() and after < int(p.name) <= last and p not in ours),
+                  key=lambda p: int(p.name))
+
+
 def incomplete(steps: list[Path]) -> list[tuple[Path, str]]:
     """Those of nljax's step directories `steps` that are not complete checkpoints, and what each
     lacks (a resume or a tool that passed over them says why)."""

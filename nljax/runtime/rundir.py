@@ -8,7 +8,6 @@ reads and writes. A run refuses to overwrite an earlier run unless told to (or r
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -72,15 +71,29 @@ class RunDir:
             )
         if write:
             make_run_dir(self.path)
-            # never delete a file nobody asked to replace
+            if resume_step is None:
+                self._refuse_foreign()
+            # never delete a file nobody asked to replace, nor one no run wrote (`runlog.written`)
             if resume_step is None and (overwrite or metrics.exists()):
-                for pattern in self.OUTPUTS:
-                    for old in self.path.glob(pattern):
-                        shutil.rmtree(old) if old.is_dir() else old.unlink()
                 runlog.remove_written(self.path)
                 exportdir.remove(self.path / exportdir.DEFAULT)  # the earlier run's nljax.export
+            if resume_step is None:  # claimed before any is written: an overwrite removes them
+                for name in self.OUTPUTS:
+                    runlog.note_written(self.path, name)
             self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
             replace_text(metrics, "".join(runlog.strict_json(r) + "\n" for r in self.kept))
+
+    def _refuse_foreign(self) -> None:
+        """Refuses a run.dir holding, under a name a run writes, a file or folder no run wrote
+        there (a user's config.yaml, summary.json, wandb/): a fresh run would replace it."""
+        ours = runlog.written(self.path)
+        theirs = sorted(p.name for pattern in self.OUTPUTS for p in self.path.glob(pattern) if p.name not in ours)
+        if theirs:
+            raise ConfigError(
+                f"run.dir {self.path} holds {', '.join(theirs)}, which no nljax run wrote there (not listed in "
+                f"{runlog.WRITTEN}): a run would replace {'them' if len(theirs) > 1 else 'it'}; move "
+                f"{'them' if len(theirs) > 1 else 'it'} or choose another run.dir"
+            )
 
     def save_config(self, cfg: Config) -> None:
         if self.write:
@@ -128,16 +141,60 @@ def _in_use_elsewhere(cfg: Config) -> str:
     return f"run.dir {cfg.run.dir} is in use by a live run (see process 0)"
 
 
+def locked_dirs(cfg: Config) -> list[tuple[str, Path]]:
+    """The directories a run writes, each with the setting naming it: run.dir, and checkpoint.dir
+    when it is outside run.dir (two runs with other run.dirs but one checkpoint.dir would replace
+    each other's checkpoints). One owner each: a lock file in each."""
+    run_dir = Path(cfg.run.dir).absolute()
+    out = [("run.dir", run_dir)]
+    ck = checkpoint_dir(cfg)
+    if (cfg.checkpoint.every or cfg.run.overwrite) and run_dir.resolve() not in (ck.resolve(), *ck.resolve().parents):
+        out.append(("checkpoint.dir", ck))
+    return out
+
+
+def _exists(what: str, path: Path) -> bool:
+    """Whether `path` exists; one line where the name cannot be a path (over 255 bytes, say)."""
+    try:
+        return path.exists()
+    except OSError as e:
+        raise ConfigError(f"{what} {path} cannot be used: {e.strerror or e}") from None
+
+
 def check_free(cfg: Config) -> None:
-    """Refuses (every process) a run.dir a live run holds, or one that is a file, before anything is
-    read or written."""
-    if Path(cfg.run.dir).exists() and not Path(cfg.run.dir).is_dir():  # not "checkpoint.dir ... cannot be created"
-        raise ConfigError(f"run.dir {cfg.run.dir} is a file, not a directory")
-    distributed.on_main(lambda: refuse_if_live(cfg.run.dir), _in_use_elsewhere(cfg))
+    """Refuses (every process) a run.dir or checkpoint.dir a live run holds, or one that is a file,
+    before anything is read or written."""
+    for what, path in locked_dirs(cfg):
+        if _exists(what, path) and not path.is_dir():  # not "checkpoint.dir ... cannot be created"
+            raise ConfigError(f"{what} {path} is a file, not a directory")
+        distributed.on_main(lambda: refuse_if_live(path, what), _in_use_elsewhere(cfg))
 
 
-def take_lock(cfg: Config) -> RunLock:
-    """Process 0 locks run.dir (nljax/runtime/runlock.py); every process raises when it is refused."""
-    lock = RunLock(cfg.run.dir)
+class RunLocks:
+    """The locks of `locked_dirs`, taken in order and released in reverse."""
+
+    def __init__(self, cfg: Config):
+        self.locks = [RunLock(path, what) for what, path in locked_dirs(cfg)]
+
+    def acquire(self) -> "RunLocks":
+        taken = []
+        try:
+            for lock in self.locks:
+                taken.append(lock.acquire())
+        except BaseException:
+            for lock in reversed(taken):
+                lock.release()
+            raise
+        return self
+
+    def release(self) -> None:
+        for lock in reversed(self.locks):
+            lock.release()
+
+
+def take_lock(cfg: Config) -> RunLocks:
+    """Process 0 locks run.dir and checkpoint.dir (nljax/runtime/runlock.py); every process raises
+    when it is refused."""
+    lock = RunLocks(cfg)
     distributed.on_main(lock.acquire, _in_use_elsewhere(cfg))
     return lock

@@ -85,27 +85,30 @@ def holder(path: Path, now: float | None = None) -> dict | None:
     return info if age < STALE_S else None
 
 
-def refuse_if_live(run_dir: str | Path) -> None:
+def refuse_if_live(run_dir: str | Path, what: str = "run.dir") -> None:
     """Raises when a live run holds `run_dir`'s lock: before a resume reads anything, so that the
-    line names the live run rather than what it has not written yet."""
+    line names the live run rather than what it has not written yet. `what`: the setting naming
+    the directory (run.dir, checkpoint.dir), for the line."""
     path = Path(run_dir).absolute() / NAME
     live = holder(path)
     if live is not None and live["host"] == "?":
-        raise ConfigError(f"run.dir {path.parent} has a lock file {path} that cannot be read, written less than "
+        raise ConfigError(f"{what} {path.parent} has a lock file {path} that cannot be read, written less than "
                           f"{STALE_S / 60:g} minutes ago: a run may be starting there; if none is, remove the file")
     if live is not None:
         raise ConfigError(
-            f"run.dir {path.parent} is in use by a live run (host {live['host']}, pid {live['pid']}, "
-            f"started {live['started']}); wait for it to end or stop it, or use another run.dir"
+            f"{what} {path.parent} is in use by a live run (host {live['host']}, pid {live['pid']}, "
+            f"started {live.get('started', '?')}); wait for it to end or stop it, or use another {what}"
         )
 
 
-def make_run_dir(path: Path) -> None:
+def make_run_dir(path: Path, what: str = "run.dir") -> None:
     """Creates run.dir (and its parents), or says in one line why it cannot be."""
+    if path.is_symlink() and not path.exists():  # mkdir would say only "File exists"
+        raise ConfigError(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist")
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"run.dir {path} cannot be created: {e.strerror or e}") from None
+        raise ConfigError(f"{what} {path} cannot be created: {e.strerror or e}") from None
 
 
 def _read(path: Path) -> str | None:
@@ -125,14 +128,15 @@ def _mtime(path: Path) -> float:
 class RunLock:
     """Held from `acquire` until `release`; refreshes its heartbeat in a daemon thread."""
 
-    def __init__(self, run_dir: str | Path):
+    def __init__(self, run_dir: str | Path, what: str = "run.dir"):
         self.path = Path(run_dir).absolute() / NAME
+        self.what = what  # the setting naming the directory, for the lines
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.text: str | None = None  # what this run wrote into the lock file
 
     def acquire(self) -> "RunLock":
-        make_run_dir(self.path.parent)
+        make_run_dir(self.path.parent, self.what)
         info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                 "pid_start": _started_at(os.getpid()), **_identity()}
         for _ in range(3):  # a stale lock is removed and creation tried again; a racer may win it
@@ -140,7 +144,7 @@ class RunLock:
                 fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 judged = _read(self.path)
-                refuse_if_live(self.path.parent)
+                refuse_if_live(self.path.parent, self.what)
                 self._remove_stale(judged)
                 continue
             self.text = json.dumps(info)
@@ -154,7 +158,7 @@ class RunLock:
             self._thread = threading.Thread(target=self._beat, name="nljax-lock-heartbeat", daemon=True)
             self._thread.start()
             return self
-        raise ConfigError(f"run.dir {self.path.parent}: could not take its lock {self.path} (another run races for it)")
+        raise ConfigError(f"{self.what} {self.path.parent}: could not take its lock {self.path} (another run races for it)")
 
     def _remove_stale(self, judged: str | None) -> None:
         """Removes the stale lock whose text was `judged`, and only that one: another run may have

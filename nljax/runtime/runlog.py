@@ -4,14 +4,21 @@ any of them."""
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import math
+import shutil
 import sys
 from pathlib import Path
 
-# Files a run writes under names a user's file could have too (samples_000100.png): each is noted
-# here when written, so that run.overwrite=true removes the earlier run's and nothing else.
+# The names a run writes in run.dir, each noted here before it is written (a fresh run claims
+# config.yaml, metrics.jsonl, ... at its start; samples_000100.png, TensorBoard event files as
+# they are written), so that run.overwrite=true removes the earlier run's files and nothing else,
+# and a fresh run refuses a run.dir holding a user's file under one of these names.
 WRITTEN = "nljax_written.txt"
+# What a run may write: a name in the listing that matches none of these is not removed
+OUTPUT_PATTERNS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "profile", "wandb",
+                   "samples_*.png", "events.out.tfevents.*")
 
 
 def note_written(run_dir: Path, name: str) -> None:
@@ -19,15 +26,30 @@ def note_written(run_dir: Path, name: str) -> None:
         f.write(name + "\n")
 
 
-def remove_written(run_dir: Path) -> None:
-    """Removes the files noted by `note_written` (plain names in `run_dir` only), then the list."""
+def written(run_dir: Path) -> set[str]:
+    """The names noted by `note_written` that a run may write (`OUTPUT_PATTERNS`, plain names in
+    `run_dir`): a name added to the listing by hand is never taken for the run's (warned)."""
     listing = Path(run_dir) / WRITTEN
-    if not listing.is_file():
-        return
-    for name in set(listing.read_text().splitlines()):
-        if name and name == Path(name).name and name not in (".", ".."):
-            (Path(run_dir) / name).unlink(missing_ok=True)
-    listing.unlink()
+    try:
+        names = set(listing.read_text(errors="replace").splitlines()) if listing.is_file() else set()
+    except OSError:
+        return set()
+    ours = {n for n in names if n and n == Path(n).name and any(fnmatch.fnmatchcase(n, p) for p in OUTPUT_PATTERNS)}
+    if names - ours - {""}:
+        print(f"nljax: warning: {listing} lists names a run does not write ({', '.join(sorted(names - ours - {''})[:3])}"
+              "): left in place", file=sys.stderr)
+    return ours
+
+
+def remove_written(run_dir: Path) -> None:
+    """Removes the files and folders noted by `note_written` (`written`), then the list."""
+    for name in written(run_dir):
+        p = Path(run_dir) / name
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p)
+        else:
+            p.unlink(missing_ok=True)
+    (Path(run_dir) / WRITTEN).unlink(missing_ok=True)
 
 
 def strict_json(obj, indent: int | None = None) -> str:
