@@ -236,18 +236,34 @@ def _read_yaml(path: str) -> dict:
     return loaded or {}
 
 
-def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: bool = False) -> Config:
+def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: bool = False,
+         base: str | None = None) -> Config:
     """Default config, updated by the YAML file at `path`, then by `key=value` overrides.
     `saved`: the file is one nljax wrote (a run's config.yaml), read with its moved keys in their
-    new place (`migrate`) like a checkpoint's config; a user's file with an old key is refused."""
+    new place (`migrate`) like a checkpoint's config; a user's file with an old key is refused.
+    `base`: a config.yaml nljax wrote, read first (migrated), which `path` then updates key by key
+    (`--resume` with `--config`: the run's saved config, then the user's file, then overrides)."""
     tree = {} if path is None else _read_yaml(path)
     tree = migrate(tree) if saved else tree
+    if base is not None:
+        tree = _merged(migrate(_read_yaml(base)), tree)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
     validate(cfg)
     return cfg
+
+
+def _merged(tree: dict, update: dict) -> dict:
+    """`tree` with every key of `update` set, section by section (a copy)."""
+    out = copy.deepcopy(tree)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
 
 
 def migrate(tree: dict) -> dict:

@@ -6,16 +6,18 @@ import dataclasses
 import sys
 
 from nljax import cli
+from nljax.run.resuming import resumed_config
 from nljax.run.trainer import resume_step_guess, train
 
 
 def _configure(args, cfg):
-    """The flags as the settings they stand for."""
+    """The flags as the settings they stand for; a resume of this run starts from its saved
+    config.yaml, with `--config` and the overrides on top (nljax/run/resuming.py)."""
     if args.quiet:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, quiet=True))
     if args.resume and not cfg.checkpoint.resume:
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest"))
-    return cfg
+    return resumed_config(cfg, args.config, args.overrides)
 
 
 def _run(args, cfg) -> int:

@@ -28,10 +28,12 @@ from nljax.checkpoint.contents import (
     tracker_ids,
 )
 from nljax.config import Config, to_dict
+from nljax.data.documents import absolute
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.parallel.hostdev import replica
 from nljax.parallel.mesh import MODEL
+from nljax.runtime.rundir import DATA_PATHS
 
 
 @dataclasses.dataclass
@@ -94,13 +96,28 @@ def _reshaped(arrays: dict[str, jax.Array], target: dict[str, jax.Array], meta: 
     return out, {**meta, "arrays": listed}
 
 
+def _changed(meta: dict, cfg: Config) -> list[tuple[str, object, object]]:
+    """(key, checkpoint's value, this run's) for each setting that differs, the data paths
+    compared absolute: a resume from run.dir/config.yaml (which records them absolute) reads the
+    same files as the checkpoint's config, which keeps them as written."""
+    return differences(_absolute_paths(meta["config"]), _absolute_paths(to_dict(cfg)), "")
+
+
+def _absolute_paths(tree: dict) -> dict:
+    tree = copy.deepcopy(tree)
+    for section, key in DATA_PATHS:
+        node = tree.get(section)
+        value = node.get(key) if isinstance(node, dict) else None
+        if isinstance(value, str) and value:
+            node[key] = absolute(value)
+        elif isinstance(value, list):
+            node[key] = [absolute(p) if isinstance(p, str) else p for p in value]
+    return tree
+
+
 def _changed_settings(meta: dict, cfg: Config) -> list[str]:
     """A warning for each setting that differs from the checkpoint's and may change the result."""
-    return [
-        f"resuming with {k}={fmt(b)} (checkpoint: {fmt(a)})"
-        for k, a, b in differences(meta["config"], to_dict(cfg), "")
-        if not _under(k, SILENT)
-    ]
+    return [f"resuming with {k}={fmt(b)} (checkpoint: {fmt(a)})" for k, a, b in _changed(meta, cfg) if not _under(k, SILENT)]
 
 
 def _under(key: str, sections) -> bool:
@@ -118,7 +135,7 @@ def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str]) ->
     """Whether every row's memory restarts: a setting that places the rows in the data changed
     (the global batch, the window, the seed, the data), so the ContextStream gives every row a new
     stream and a carried memory would read text it never wrote (with a warning in `warnings`)."""
-    moved = [f"{k} changed from {fmt(a)} to {fmt(b)}" for k, a, b in differences(meta["config"], to_dict(cfg), "")
+    moved = [f"{k} changed from {fmt(a)} to {fmt(b)}" for k, a, b in _changed(meta, cfg)
              if _under(k, STREAM_KEYS) and k not in NOT_STREAM_KEYS]
     fresh_rows = bool(moved) and any(rows_of(n) for n in target)
     if fresh_rows:

@@ -1,0 +1,75 @@
+"""The config a resumed run trains with: the run's own, not the command line's defaults.
+
+A run directory's config.yaml (written by `nljax.train`, read by `nljax.generate` and
+`nljax.export` too) records every setting the run trained with, the overrides it was started
+with included. `--resume` (or `checkpoint.resume`) that continues this run's own checkpoints
+starts from it; `--config FILE` and `key=value` overrides given with the resume are applied on
+top, key by key. What may change on a resume (train.steps, logging, evaluation, trackers,
+checkpoint cadence, the mesh and strategy, which the elastic restore converts) changes; a change
+to what the checkpoint holds (`MUST_MATCH`: the model, cms, optim.name) is refused here, in one
+line naming the key, before anything is built.
+
+A resume from another run's checkpoint (`checkpoint.resume=DIR` outside this run's
+checkpoint.dir) starts a new run: its config is the command line's, as before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Sequence
+
+from nljax import config
+from nljax.checkpoint.contents import HOW_COMPUTED, MUST_MATCH, differences, fmt, get
+from nljax.config import Config
+from nljax.errors import ConfigError
+from nljax.runtime.rundir import checkpoint_dir
+
+# Settings of this command, not of the run: taken from the command line, never from config.yaml
+# (a run started with --quiet resumes talking unless told again; a saved overwrite is not re-applied).
+THIS_COMMAND = (("run", "quiet"), ("run", "overwrite"), ("checkpoint", "resume"))
+
+
+def continues_own(cfg: Config) -> bool:
+    """Whether `cfg` resumes this run's own checkpoints (`latest`, or a path inside its
+    checkpoint.dir), as opposed to starting a new run from another run's."""
+    resume = cfg.checkpoint.resume
+    if not resume:
+        return False
+    if resume == "latest":
+        return True
+    root, target = checkpoint_dir(cfg).resolve(), Path(resume).absolute().resolve()
+    return target == root or root in target.parents
+
+
+def saved_config_file(cfg: Config) -> Path | None:
+    """run.dir/config.yaml when `cfg` continues this run and the run wrote one, else None."""
+    path = Path(cfg.run.dir) / "config.yaml"
+    return path if continues_own(cfg) and path.is_file() else None
+
+
+def resumed_config(cfg: Config, config_file: str | None, overrides: Sequence[str]) -> Config:
+    """The config to resume with: run.dir/config.yaml, then `config_file`, then `overrides` (the
+    command's, flags included as overrides); `cfg` is the command line's own config (it names
+    run.dir and what to resume). Unchanged when there is nothing of this run to resume."""
+    saved_file = saved_config_file(cfg)
+    if saved_file is None:
+        return cfg
+    overrides = [*overrides, f"run.dir={cfg.run.dir}"]  # where the run is now, as `trained_config`
+    resumed = config.load(config_file, overrides, base=str(saved_file))
+    for section, key in THIS_COMMAND:
+        value = getattr(getattr(cfg, section), key)
+        resumed = dataclasses.replace(resumed, **{section: dataclasses.replace(getattr(resumed, section), **{key: value})})
+    check_unchanged(config.load(str(saved_file), [f"run.dir={cfg.run.dir}"], saved=True), resumed, saved_file)
+    return resumed
+
+
+def check_unchanged(saved: Config, resumed: Config, saved_file: Path) -> None:
+    """One line for the first key of `MUST_MATCH` (what the checkpoint holds) that the resume
+    changes; keys of `HOW_COMPUTED` (remat, unrolling, the compute dtype) may change."""
+    a, b = config.to_dict(saved), config.to_dict(resumed)
+    for section in MUST_MATCH:
+        for k, old, new in differences(get(a, section), get(b, section), section):
+            if k not in HOW_COMPUTED:
+                raise ConfigError(f"{k}={fmt(new)} cannot change on resume ({fmt(old)} in {saved_file}: the "
+                                  "checkpoint holds that model); leave it out, or start a new run in another run.dir")

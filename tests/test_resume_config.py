@@ -1,0 +1,76 @@
+"""`--resume` starts from the run's own config.yaml: a run started with overrides resumes with
+none and continues exactly; what may change on resume changes, a change to the model is refused
+in one line naming the key (nljax/run/resuming.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from helpers import QUICK, SMALL, cli, run_python
+from test_checkpoint_cli import KILLER
+
+# Overrides a resume with the defaults would refuse (cms.periods, model.*) or run differently
+# (train.steps, the checkpoint cadence)
+STARTED = [*SMALL, "cms.periods=[1,2]", "train.steps=8", "checkpoint.every=2", "eval.every=0", *QUICK]
+TIMINGS = ("step_time_s", "tokens_per_s_per_device", "compiled", "compile_s")
+
+
+def deterministic(run: Path) -> list[dict]:
+    """metrics.jsonl without the fields that time the run (as parsed floats: bitwise)."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
+
+
+def test_resume_with_no_overrides_continues_a_run_started_with_overrides(tmp_path):
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    cli("nljax.train", "--cpu-devices", "2", "--quiet", *STARTED, f"run.dir={ref}")
+    # Ctrl-C once step 4 is logged: checkpoint 5 saved, exit 130
+    p = run_python("-c", KILLER, "int", "5", str(run / "checkpoints"), "--cpu-devices", "2", "--quiet", *STARTED,
+                   f"run.dir={run}", check=False)
+    assert p.returncode == 130, p.stderr
+    p = cli("nljax.train", "--cpu-devices", "2", "--resume", f"run.dir={run}")
+    assert f"resumed from {run / 'checkpoints' / '5'} at step 5" in p.stdout, p.stdout
+    assert "warning" not in p.stderr, p.stderr  # nothing differs from the checkpoint's settings
+    assert deterministic(run) == deterministic(ref)
+    assert len(deterministic(run)) == 8
+
+    # what may change on resume changes: more steps (and the cadence), with the model as saved
+    p = cli("nljax.train", "--cpu-devices", "2", "--quiet", "--resume", f"run.dir={run}", "train.steps=10",
+            "checkpoint.every=5")
+    assert [r["step"] for r in deterministic(run)] == list(range(10))
+    assert sorted(q.name for q in (run / "checkpoints").iterdir() if q.name.isdigit()) == ["10", "6", "8"]
+
+    # a change to the model is refused in one line naming the key, before anything is built
+    p = cli("nljax.train", "--cpu-devices", "2", "--resume", f"run.dir={run}", "model.dim=32", check=False)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        f"nljax.train: error: model.dim=32 cannot change on resume (16 in {run / 'config.yaml'}: the checkpoint "
+        "holds that model); leave it out, or start a new run in another run.dir"]
+
+
+def test_config_file_with_resume_is_applied_on_the_saved_config(tmp_path):
+    """`--config FILE --resume`: the run's config.yaml first, the file's keys on top (checked like
+    overrides: a differing model key is refused, naming it; the file's other keys apply)."""
+    from nljax.run.resuming import resumed_config
+
+    from nljax import config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = config.load(None, [*STARTED, f"run.dir={run}"])
+    (run / "config.yaml").write_text(json.dumps(config.to_dict(saved)))  # YAML reads JSON
+    file = tmp_path / "more.yaml"
+    file.write_text("train:\n  steps: 20\neval:\n  every: 5\n")
+    args = ["checkpoint.resume=latest", f"run.dir={run}"]
+    cfg = resumed_config(config.load(str(file), args), str(file), args)
+    assert (cfg.train.steps, cfg.eval.every, cfg.cms.periods, cfg.model.dim) == (20, 5, (1, 2), 16)
+    file.write_text("cms:\n  periods: [1, 4]\n")
+    try:
+        resumed_config(config.load(str(file), args), str(file), args)
+    except config.ConfigError as e:
+        assert str(e).startswith("cms.periods=[1, 4] cannot change on resume ([1, 2] in ")
+    else:
+        raise AssertionError("a changed cms.periods was accepted")
+    # no resume, or another run's checkpoints: the command line's config, as before
+    assert resumed_config(config.load(None, [f"run.dir={run}"]), None, []).train.steps == config.Config().train.steps
