@@ -39,7 +39,7 @@ from nljax.runtime.runsettings import DistributedConfig, EvalConfig, RunConfig, 
 class Config:
     """The registry of sections: config key -> section, each declared where the comment says."""
 
-    seed: int = 0
+    seed: int = 0  # the seed of parameters, data order and every random draw: same seed, same mesh, same losses
     run: RunConfig = RunConfig()  # nljax/runtime/runsettings.py, like train, eval, distributed, throughput
     train: TrainConfig = TrainConfig()
     mesh: MeshConfig = MeshConfig()  # nljax/parallel/mesh.py

@@ -82,7 +82,9 @@ def comments_in_class_body(source: str) -> dict[str, str]:
         elif tok.type == tokenize.DEDENT:
             depth -= 1
         elif tok.type == tokenize.COMMENT and not line:  # a comment on a line of its own
-            pending = pending + [tok.string] if tok.start[1] == body_col else []
+            # at the body's indentation (before the body's first statement, INDENT is not seen yet)
+            at_body = tok.start[1] == body_col if body_col is not None else tok.start[1] > 0
+            pending = pending + [tok.string] if at_body else []
         elif tok.type == tokenize.NL and not line and tok.line.strip() == "":
             pending = []  # a blank line detaches the comment above it
         elif tok.type == tokenize.NEWLINE:

@@ -56,6 +56,8 @@ def test_comments_are_read_from_the_class_body():
 '''
     assert configdoc.comments_in_class_body(source) == {
         "a": "after a", "b": "above b, two lines", "c": "", "d": "first second", "f": "above f, after the method"}
+    assert configdoc.comments_in_class_body("class D:\n    # first, before the body's indent\n    x: int = 0\n") == {
+        "x": "first, before the body's indent"}
 
 
 def test_every_config_key_is_a_heading_of_the_page():

@@ -19,7 +19,9 @@ from nljax.errors import ConfigError
 class CMSConfig:
     """Config section `cms`: the levels' periods, and what a frozen level does with its gradients."""
 
-    periods: tuple[int, ...] = (1, 8, 64, 512)
+    periods: tuple[int, ...] = (1, 8, 64, 512)  # level l updates at the steps s with s % periods[l] == 0
+    # a frozen level's gradients: accumulate (into a rank-local error buffer, applied when the level
+    # fires) | skip (not computed); a frozen level moves zero bytes either way
     frozen_grads: Literal["accumulate", "skip"] = "accumulate"
     # What `accumulate` buffers while a level is frozen (nljax/engine/frozen.py): `gradients`, one sum
     # applied as one optimizer step at the firing; `updates`, every step's gradient, on which the

@@ -24,14 +24,15 @@ from nljax.errors import ConfigError
 class OptimConfig:
     """Config section `optim`: the per-level optimizer and its learning-rate schedule."""
 
-    name: Literal["adamw", "sgd"] = "adamw"
-    lr: float = 3e-3
+    name: Literal["adamw", "sgd"] = "adamw"  # the update rule, one optimizer state per CMS level
+    lr: float = 3e-3  # peak learning rate (before optim.lr_scaling and optim.level_lr_scale)
     level_lr_scale: tuple[float, ...] = ()  # per-level multiplier; empty means 1 for every level
-    warmup_steps: int = 20
+    warmup_steps: int = 20  # linear warm-up from 0 to the peak over these steps
+    # after the warm-up: cosine decay to 10% of the peak at train.steps, or constant
     schedule: Literal["cosine", "constant"] = "cosine"
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.99
+    weight_decay: float = 0.0  # decoupled weight decay (AdamW), times the learning rate
+    b1: float = 0.9  # Adam's first-moment decay
+    b2: float = 0.99  # Adam's second-moment decay
     clip_norm: float = 0.0  # clip each active level's synchronized gradient by its own norm; 0: off
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # lr x (B/B0) or x sqrt(B/B0), B = train.batch_size
     base_batch_size: int = 16  # B0: the global batch that optim.lr was tuned for

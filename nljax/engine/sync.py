@@ -27,6 +27,8 @@ from nljax.parallel.mesh import DATA_AXES, INTER, INTRA
 class SyncConfig:
     """Config section `sync`: how gradients are reduced, and where the state lives."""
 
+    # hierarchical: reduce-scatter over intra, all-reduce over inter on the 1/intra shard, all-gather
+    # over intra; flat: one all-reduce over every device
     reduce: Literal["flat", "hierarchical"] = "hierarchical"
     mean: bool = True  # average gradients over devices (True) or sum them (False)
     # Where parameters and optimizer state live (nljax/engine/strategy.py): replicated | zero1 | fsdp.
@@ -41,7 +43,7 @@ class SyncConfig:
     # direction (NVIDIA H100 datasheet); InfiniBand NDR, 400 Gb/s per GPU = 50 GB/s (NVIDIA
     # ConnectX-7 / DGX H100: one 400 Gb/s NIC per GPU).
     intra_bandwidth_gbps: float = 450.0
-    inter_bandwidth_gbps: float = 50.0
+    inter_bandwidth_gbps: float = 50.0  # across instances (mesh.inter); intra_bandwidth_gbps: inside one
 
     def check(self) -> None:
         if self.max_grad_norm < 0 or self.intra_bandwidth_gbps <= 0 or self.inter_bandwidth_gbps <= 0:

@@ -31,18 +31,18 @@ from nljax.errors import ConfigError
 class MeanFlowConfig:
     """Config section `meanflow`: loss and sampling of the DiT denoiser."""
 
-    loss: Literal["meanflow", "flow_matching"] = "meanflow"
+    loss: Literal["meanflow", "flow_matching"] = "meanflow"  # flow_matching: r = t, target v (for comparison)
     r_fraction: float = 0.25  # fraction of examples with r != t (the rest have r = t)
     time_mu: float = -0.4  # logit-normal (t, r): sigmoid(mu + sigma * N(0, 1))
-    time_sigma: float = 1.0
+    time_sigma: float = 1.0  # the sigma of time_mu's logit-normal
     adaptive_p: float = 1.0  # loss weight 1 / (||delta||^2 + c)^p, detached; p = 0: plain squared error
-    adaptive_c: float = 1e-3
+    adaptive_c: float = 1e-3  # the c of adaptive_p's loss weight
     class_cond: bool = True  # condition on labels when the data has them
     label_dropout: float = 0.1  # labels replaced by the null class (classifier-free guidance)
     cfg_omega: float = 1.0  # guided target w v + kappa u_cond + (1 - w - kappa) u_uncond; 1, 0: off
-    cfg_kappa: float = 0.0
+    cfg_kappa: float = 0.0  # the kappa of cfg_omega's guided target
     cfg_t_min: float = 0.0  # guidance applies for t in [cfg_t_min, cfg_t_max]
-    cfg_t_max: float = 1.0
+    cfg_t_max: float = 1.0  # see cfg_t_min
     sample_steps: int = 4  # steps of the multi-step evaluation (one-step is always reported)
     eval_samples: int = 0  # samples per evaluation; 0: as many as held-out images
 

@@ -50,7 +50,7 @@ class NlLmConfig:
     # the memory goes")
     memory_layers: tuple[int, ...] = (0,)
     memory_kind: Literal["linear", "mlp"] = "linear"  # linear: better on held-out text, cheaper (README)
-    memory_heads: int = 4
+    memory_heads: int = 4  # heads of each neural memory, each with its own state
     memory_dim: int = 32  # per-head key/value width of the memory
     memory_hidden: int = 64  # hidden width of the 2-layer MLP memory
     memory_chunk: int = 16  # mini-batch b of the chunk-parallel inner loop

@@ -19,7 +19,7 @@ from nljax.models.nl_lm import NlLmConfig
 class ModelConfig:
     name: str = "nl_lm"  # registry key: nl_lm | cms_mlp | dit
     vocab_size: int = 256  # nl_lm, cms_mlp: token ids (bytes: 256)
-    dim: int = 128
+    dim: int = 128  # model width (embedding and residual stream)
     hidden_mult: int = 4  # MLP hidden width = dim * hidden_mult
     depth: int = 2  # blocks (nl_lm, cms_mlp: each ending in one CMS chain of len(cms.periods) levels)
     heads: int = 4  # attention heads (nl_lm, dit)

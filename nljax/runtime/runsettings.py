@@ -18,17 +18,17 @@ TrackerName = Literal["tensorboard", "wandb"]
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    dir: str = "runs/default"
+    dir: str = "runs/default"  # the run directory: config.yaml, metrics.jsonl, summary.json, plots, checkpoints
     overwrite: bool = False  # replace the files of an earlier run in run.dir
-    quiet: bool = False
+    quiet: bool = False  # print nothing but errors (on stderr), as --quiet
     # where scalars and samples go besides metrics.jsonl (nljax/run/trackers.py): tensorboard (event
     # files in run.dir), wandb (Weights & Biases); [] for none
     trackers: tuple[TrackerName, ...] = ("tensorboard",)
     # W&B: offline writes under run.dir/wandb with no network (`wandb sync` uploads it later);
     # WANDB_MODE, when set, wins. The run's name defaults to run.dir's last part.
     wandb_mode: Literal["offline", "online"] = "offline"
-    wandb_project: str = "nljax"
-    wandb_name: str = ""
+    wandb_project: str = "nljax"  # the W&B project of the run
+    wandb_name: str = ""  # the W&B run's name ("": run.dir's last part)
     plots: bool = True  # loss.png and step_time.png in run.dir at the end
     # JAX's persistent compilation cache (nljax/runtime/compile_cache.py): auto (the user's cache
     # directory, ~/.cache/nljax/jax) | none | a directory
@@ -45,13 +45,13 @@ class RunConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 200
+    steps: int = 200  # optimizer steps of the run (the learning-rate schedule spans them)
     batch_size: int = 16  # global rows per optimizer step
-    seq_len: int = 128
+    seq_len: int = 128  # tokens per row of a step: the window the model reads, its memory carried between windows
     accum_steps: int = 1  # micro-batches per optimizer step, accumulated on each device
     # stop (one line, exit 2) when this many steps in a row were skipped: nothing is training; 0: off
     max_skipped: int = 20
-    log_every: int = 10
+    log_every: int = 10  # steps between log lines when the output is not a terminal (else a progress bar)
     profile_steps: int = 0  # record a jax.profiler trace of this many steps into run.dir/profile
     profile_start: int = 10  # first profiled step (after compilation)
     # every N steps print a short text sample from the training state and send it to the trackers
@@ -76,7 +76,7 @@ class TrainConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    every: int = 100
+    every: int = 100  # steps between evaluations (and one at the end)
     batches: int = 4  # fresh-memory evaluation: batches of train.batch_size independent windows (0: all)
     # streaming evaluation: train.batch_size rows each read this many consecutive held-out
     # windows with the memory carried between them (0: off; data.source=recall needs it)
