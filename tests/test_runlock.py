@@ -79,8 +79,8 @@ def test_a_stale_lock_taken_over_by_a_racer_is_left_to_it(tmp_path, monkeypatch)
     _write(path, here, _dead_pid())
     judge = runlock.refuse_if_live
 
-    def racer_wins(run_dir):  # judged stale, then the racer's lock appears
-        judge(run_dir)
+    def racer_wins(run_dir, what="run.dir"):  # judged stale, then the racer's lock appears
+        judge(run_dir, what)
         _write(path, here, live, pid_start=runlock._started_at(live), **runlock._identity())
 
     monkeypatch.setattr(runlock, "refuse_if_live", racer_wins)
