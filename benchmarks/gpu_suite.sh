@@ -93,7 +93,7 @@ part_nl350m() {
     --profile 2 "${BF16[@]}" --out "$OUT/bench_nl_350m.json"
   run bench_nl_350m_memory $PY -m nljax.bench --config nl_350m --patterns worst --steps 3 --warmup 1 \
     --profile 2 "${BF16[@]}" model.remat=memory --out "$OUT/bench_nl_350m_memory.json"
-  # the H200's profile (docs/PERFORMANCE.md) put 10% of the remat=memory step in the layer scan's
+  # the H200's profile (docs/benchmarks/2026-11-27-h200.md) put 10% of the remat=memory step in the layer scan's
   # stacking of saved activations: the unrolled net has none (and a longer compile)
   run bench_nl_350m_unrolled $PY -m nljax.bench --config nl_350m --patterns worst --steps 3 --warmup 1 \
     --profile 2 "${BF16[@]}" model.remat=memory model.nl_lm.scan_layers=false --out "$OUT/bench_nl_350m_unrolled.json"

@@ -1,5 +1,5 @@
 """XLA's FLOP count of a config's worst-pattern training step, with the neural memory's chunk
-loop as it is and unrolled: how much a loop's body, counted once, hides (docs/PERFORMANCE.md).
+loop as it is and unrolled: how much a loop's body, counted once, hides (docs/benchmarks/2026-11-24-cpu.md).
 
     python benchmarks/xla_count.py nl_default 1 8     # memory_unroll 1, then 8
 """

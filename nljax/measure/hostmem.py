@@ -4,7 +4,7 @@ XLA:CPU allocates a step's temporaries afresh on every execution (1.5 GB for tit
 4 x 512). glibc serves blocks that large with `mmap` and gives them back with `munmap` when they
 are freed, so every step the kernel faults the same memory in again, 4 KB at a time, and zeroes
 it: measured, 7.4 M page faults in a two-minute bench, ~20% of titans_demo's step and ~30% of the
-default job's (docs/PERFORMANCE.md).
+default job's (docs/benchmarks/2026-11-24-cpu.md).
 
 `retain()` tells glibc, through `mallopt`, to keep what is freed for reuse: one arena for every
 thread (M_ARENA_MAX=1, so XLA's worker threads allocate from the heap that keeps it), no `mmap`

@@ -20,7 +20,7 @@ def dense_dot(x, kernel, dimension_numbers, precision=None, preferred_element_ty
     (`kernel_grad_transposed_first`). XLA:CPU otherwise runs that product, whose left operand
     contracts its leading dim, as a plain Eigen dot at about half the core's matmul peak
     (titans_demo: 72 such dots, a fifth of its step); transposed first (a copy) it is a
-    row-major product that its fast matmul path takes (docs/PERFORMANCE.md: titans_demo 1.14x
+    row-major product that its fast matmul path takes (docs/benchmarks/2026-11-24-cpu.md: titans_demo 1.14x
     the tokens/s, the default job 1.30-1.36x). Other backends transpose operands inside the
     matmul: no copy there. The same products, so the same gradient up to summation order.
     Reverse mode only (a `custom_vjp`): the DiT, whose MeanFlow loss takes a `jax.jvp`, keeps

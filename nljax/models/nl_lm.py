@@ -288,7 +288,7 @@ def block(spec: BlockSpec, i: int, x, state, reset, embedded):
     # With model.remat=memory only the work whose intermediates outweigh the inputs they come
     # from is recomputed: activations, attention's scores, the memory's conv (`recomputed`).
     # Inside a recomputed sub-block too: measured, titans_demo's block-remat step took 0.87x the
-    # time and 6% less memory with it than without (CPU, interleaved, docs/PERFORMANCE.md).
+    # time and 6% less memory with it than without (CPU, interleaved, docs/benchmarks/2026-11-24-cpu.md).
     again = spec.remat != "none"
     x = x + wrap(Attention)(spec.dim, spec.heads, spec.window, dt, spec.tp, spec.tp_axis, again, name=f"attn{i}")(
         LayerNorm(dt, name=f"norm_a{i}")(x))
