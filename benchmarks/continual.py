@@ -13,7 +13,8 @@ and seed runs three `nljax.train` commands, each in its own run directory:
 
 Printed per variant and seed, bits per byte fresh / streaming: A after A, B after B, A after B
 and the forgetting, (A after B) − (A after A). Each nljax.train warns that the data changed
-under its checkpoint: that change is the probe. README, "Do the CMS levels help?", reads these.
+under its checkpoint: that change is the probe.
+docs/experiments/2026-11-27-continual-learning.md reads these.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ what every position receives alike), then for each memory:
   [1, chunk]): every write of the chunk is divided by it, so keys that share a direction write
   their distinct parts `lambda` times more weakly (`nljax/models/memory.py`).
 
-README, "Where the memory goes", reads these figures.
+docs/experiments/2026-11-27-where-the-memory-goes.md reads these figures.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/continual.py, which the README's "Do the CMS levels help?" reads: its two corpora
+"""benchmarks/continual.py, which docs/experiments/2026-11-27-continual-learning.md reads: its two corpora
 and the chain of its three runs (the runs themselves are the benchmark, not a test)."""
 
 import sys

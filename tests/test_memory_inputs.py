@@ -1,5 +1,5 @@
-"""benchmarks/memory_inputs.py, which the README's "Where the memory goes" reads: its statistics
-on inputs whose answer is known, and its report on a fresh model."""
+"""benchmarks/memory_inputs.py, which docs/experiments/2026-11-27-where-the-memory-goes.md reads: its
+statistics on inputs whose answer is known, and its report on a fresh model."""
 
 import sys
 

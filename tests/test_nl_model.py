@@ -182,8 +182,8 @@ def test_logits_are_causal(kind):
 def test_every_block_starts_as_the_identity():
     """At init every block adds nothing to the residual stream (attention's, the memory's and the
     CMS MLPs' output layers are zero), so a memory in any block first reads the token embeddings,
-    not a random mix of them (README: "Where the memory goes"): the logits at t depend on token t
-    alone, bit for bit, whatever came before it."""
+    not a random mix of them (docs/experiments/2026-11-27-where-the-memory-goes.md):
+    the logits at t depend on token t alone, bit for bit, whatever came before it."""
     import jax.numpy as jnp
 
     from nljax.models import build
@@ -199,10 +199,11 @@ def test_every_block_starts_as_the_identity():
 @pytest.mark.parametrize("embed", [True, False])
 def test_a_later_memory_reads_the_tokens_under_a_shared_stream(embed):
     """On the recall probe block 0's CMS MLPs learn a large output that is the same at every
-    position (README: "Where the memory goes"); here a bias of rms 6 stands in for it. Block 1's
-    memory input is then almost all shared from its stream alone; with `memory_embed` it also
-    reads the normalised token embeddings, and at most about half of it is shared. Read from
-    what the memory itself receives (the input of its `__call__`)."""
+    position (docs/experiments/2026-11-27-where-the-memory-goes.md); here a bias of
+    rms 6 stands in for it. Block 1's memory input is then almost all shared from its stream
+    alone; with `memory_embed` it also reads the normalised token embeddings, and at most about
+    half of it is shared. Read from what the memory itself receives (the input of its
+    `__call__`)."""
     import flax.linen as nn
     import jax.numpy as jnp
 

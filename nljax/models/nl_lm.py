@@ -125,7 +125,8 @@ class Attention(nn.Module):
         y = recomputed(functools.partial(local_attention, window=self.window), self.recompute)(q, k, v)
         # Zero-init output, as the memory's and the CMS MLPs': every block starts as the identity
         # (the token embeddings, rms 1/sqrt(dim), are not drowned by a random mix of them: the
-        # default job's held-out loss 0.2 bits per byte lower; README: "Where the memory goes")
+        # default job's held-out loss 0.2 bits per byte lower:
+        # docs/experiments/2026-11-27-where-the-memory-goes.md)
         out = nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, dtype=self.dtype,
                        dot_general=dense_dot, name="out")
         y = out(y.reshape(b, t, h * hd))
@@ -302,7 +303,7 @@ def block(spec: BlockSpec, i: int, x, state, reset, embedded):
             # The tokens themselves beside the stream: after the first block the stream can be
             # mostly what every position shares (the CMS MLPs learn a large constant output),
             # which leaves the keys alike and the writes weak; a memory in block 1 stayed at
-            # chance on the recall probe without this (README, "Where the memory goes").
+            # chance on the recall probe without this (docs/experiments/2026-11-27-where-the-memory-goes.md).
             x_in = x_in + LayerNorm(dt, name=f"norm_e{i}")(embedded)
         y, state = mem(x_in, state, reset)
         x = x + y
