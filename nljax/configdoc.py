@@ -246,6 +246,9 @@ def _section_markdown(cfg: config.Config, sec: Section) -> list[str]:
         facts = [f"`{type_text(k.type)}`", f"default `{_yaml(k.value)}`"]
         if k.bounds:
             facts.append(f"range `{bounds_text(k.bounds)}`")
+        *path, leaf = k.name.split(".")
+        as_yaml = "".join(f"{p}: {{" for p in path) + f"{leaf}: {_yaml(k.value)}" + "}" * len(path)
+        facts.append(f"YAML `{as_yaml}`")  # also puts the key's own name in the search index
         out += [f"### `{k.name}`", "", " · ".join(facts), ""]
         if k.comment:
             out += [_escape(k.comment), ""]
