@@ -24,7 +24,7 @@ from nljax import configdoc
 # The commands a user runs (`python -m nljax.<name>`), in the order the page lists them.
 COMMANDS = ("train", "generate", "export", "prepare", "comm", "bench", "launch")
 COMMANDS_PAGE = Path("docs/reference/commands.md")
-HELP_WIDTH = 100  # columns of the help text, fixed so the page does not depend on the terminal
+HELP_WIDTH = 80  # columns of the help text: fixed, so the page does not depend on the terminal; fits the page
 
 
 class _Parsed(Exception):
@@ -76,11 +76,26 @@ def commands_markdown() -> str:
         module = importlib.import_module(f"nljax.{name}")
         doc = inspect.getdoc(module) or ""
         first, _, rest = doc.partition("\n\n")
-        out += [f"## `python -m nljax.{name}`", "", first.replace("\n", " ").replace("[", "\\["), ""]
+        out += [f"## `python -m nljax.{name}`", "", _prose(first.replace("\n", " ")), ""]
         if rest.strip():
-            out += ["```text", textwrap.dedent(rest.strip("\n")).rstrip(), "```", ""]
+            out += [_prose(textwrap.dedent(rest.strip("\n")).rstrip()), ""]
         out += ["Options (`--help`):", "", "```text", help_text(parser_of(name)).strip(), "```", ""]
     return "\n".join(out).rstrip() + "\n"
+
+
+def _prose(text: str) -> str:
+    """A module docstring as Markdown: its indented lines (command lines) stay code blocks; in the
+    other lines `<`, `*`, `_` and `[` outside `code` spans stand for themselves."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("    "):
+            parts = line.split("`")
+            for i in range(0, len(parts), 2):  # outside code spans
+                parts[i] = (parts[i].replace("<", "&lt;").replace("*", "\\*").replace("_", "\\_")
+                            .replace("[", "\\["))
+            line = "`".join(parts)
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def pages(docs: Path) -> dict[Path, str]:
