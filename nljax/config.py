@@ -28,6 +28,7 @@ from nljax.data.settings import DataConfig
 from nljax.engine.conductor import CMSConfig
 from nljax.engine.optim import OptimConfig
 from nljax.engine.sync import SyncConfig
+from nljax import yamlread
 from nljax.errors import ConfigError, first_line
 from nljax.models.meanflow import MeanFlowConfig
 from nljax.models.settings import ModelConfig
@@ -176,7 +177,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, raw = text.split("=", 1)
     key = key.strip()
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yamlread.load(raw, f"override {key}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
@@ -224,7 +225,7 @@ def _read_yaml(path: str) -> dict:
     if not p.is_file():  # a directory, /dev/null, a pipe
         raise ConfigError(f"config file {path} is not a regular file")
     try:
-        loaded = yaml.safe_load(p.read_bytes().decode("utf-8"))
+        loaded = yamlread.load(p.read_bytes().decode("utf-8"), f"config file {path}")
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     except OSError as e:

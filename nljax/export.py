@@ -32,6 +32,7 @@ from nljax import cli, config
 from nljax.checkpoint.contents import RESHAPED
 from nljax.errors import ConfigError
 from nljax.run import trained as trained_lib
+from nljax.runtime import filedigest
 from nljax.runtime.exportdir import CONFIG, DEFAULT, WEIGHTS, is_export
 
 FORMATS = ("safetensors",)
@@ -60,6 +61,7 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
         if t.cfg.model.name == "dit":  # what its data decide: load_model reads no data
             data = t.run.task.data
             info["images"] = {"shape": list(data.shape), "num_classes": data.num_classes}
+        info["sha256"] = filedigest.record({n: p for n, p in temp.items() if n != CONFIG})  # load_model checks them
         temp[CONFIG].write_text(json.dumps(info, indent=1))
         os.chmod(temp[WEIGHTS], temp[CONFIG].stat().st_mode & 0o777)  # safetensors writes 0600
         for n in (WEIGHTS, CONFIG):
@@ -91,8 +93,12 @@ def load_model(path: str | Path):
     for name in (WEIGHTS, CONFIG):
         if not (path / name).is_file():
             raise ConfigError(f"{path / name} not found: not a directory written by nljax.export")
-    info = json.loads((path / CONFIG).read_text())
-    cfg = config.from_dict(info["config"])
+    try:
+        info = json.loads((path / CONFIG).read_text())
+        cfg = config.from_dict(info["config"])
+    except (ValueError, KeyError, TypeError) as e:  # damaged or edited
+        raise ConfigError(f"{path / CONFIG} is not an nljax export's config ({type(e).__name__}: {e})") from None
+    filedigest.check(path, info.get("sha256"), "the export")
     images = info.get("images")  # a DiT's image shape and label count (an older export: read from its data)
     model = dit(cfg, tuple(images["shape"]), images["num_classes"]) if images else build(cfg)
     flat = load_file(str(path / WEIGHTS))

@@ -120,7 +120,7 @@ def test_module_imports_alone(name):
 # `nljax.config` (and its cross-section rules, `nljax.crosschecks`) gathers each part's config
 # section, declared beside the code that reads it, and everything else imports the config.
 LAYERS = ["base", "parallel", "data", "models", "engine", "runtime", "checkpoint", "measure", "run", "commands"]
-BASE = {"nljax", "nljax.errors", "nljax.version", "nljax.config", "nljax.crosschecks"}
+BASE = {"nljax", "nljax.errors", "nljax.version", "nljax.config", "nljax.crosschecks", "nljax.yamlread"}
 CONFIG_ASSEMBLY = {"nljax.config", "nljax.crosschecks"}
 
 

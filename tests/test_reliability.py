@@ -106,3 +106,114 @@ def test_a_users_file_named_as_a_step_is_refused_before_training(tmp_path, where
         f"nljax.train: error: checkpoint.dir {ck} holds 4, which nljax did not write: a checkpoint of that step "
         "would replace it; move it or choose another checkpoint.dir"), p.stderr
     assert (ck / "4").read_text() == "mine" and not (run / "metrics.jsonl").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Silent wrong results: what was written is checked where it is read
+
+
+def _prepared(tmp_path):
+    from nljax.prepare import main as prepare_main
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(6):
+        (src / f"doc{i}.txt").write_text(f"document {i} " * 20 + "\n")
+    out = tmp_path / "prep"
+    assert prepare_main([f"data.train=[{src}/*.txt]", "data.eval_fraction=0.34", f"out={out}"]) == 0
+    return out
+
+
+def test_prepared_data_changed_since_prepare_is_refused(tmp_path):
+    """A token file edited in place (same size), a manifest dtype edited, a token id outside the
+    vocabulary (manifest made consistent by hand): one line each, never trained on (they trained
+    on other bytes, or gave NaN steps, every one skipped, exit 0)."""
+    import hashlib
+    import json
+    import shutil
+
+    from nljax import config
+    from nljax.data import prepared
+
+    good = _prepared(tmp_path)
+    prepared.load(good)
+
+    def changed(name, change):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        change(d)
+        with pytest.raises(config.ConfigError) as e:
+            prepared.load(d)
+        return str(e.value)
+
+    def flip(d):
+        raw = bytearray((d / "train.bin").read_bytes())
+        raw[5] ^= 1
+        (d / "train.bin").write_bytes(bytes(raw))
+
+    assert "train.bin is not the file prepared" in changed("flipped", flip)
+
+    def dtype(d):
+        m = json.loads((d / "manifest.json").read_text())
+        m["dtype"] = "int8"  # uint8 tokens read as int8: the same size
+        (d / "manifest.json").write_text(json.dumps(m))
+
+    assert "manifest.json was changed since it was written" in changed("dtype", dtype)
+
+    def out_of_vocab(d):  # the file and its manifest edited together: sha256 and digest made to match
+        raw = bytearray((d / "train.bin").read_bytes())
+        raw[0] = 0xFF
+        (d / "train.bin").write_bytes(bytes(raw))
+        m = json.loads((d / "manifest.json").read_text())
+        m["vocab_size"] = 200
+        m["train"]["sha256"] = hashlib.sha256(raw).hexdigest()
+        content = {k: m[k] for k in ("format", "tokenizer", "vocab_size", "dtype", "train", "eval")}
+        m["digest"] = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
+        (d / "manifest.json").write_text(json.dumps(m))
+
+    assert "holds token id 255, outside the vocabulary of 200" in changed("vocab", out_of_vocab)
+
+    def wrong_type(d):
+        m = json.loads((d / "manifest.json").read_text())
+        m["train"] = "train.bin"
+        (d / "manifest.json").write_text(json.dumps(m))
+
+    assert "manifest.json lacks" in changed("type", wrong_type)
+
+
+def test_an_export_changed_since_it_was_written_is_refused(tmp_path):
+    """load_model checks the sha256 that config.json records: a flipped weight byte (logits off
+    by 1e36 before) or a safetensors header whose dtype was edited is one line."""
+    import json
+
+    from helpers import TINY, saved_run
+
+    from nljax import config, export
+    from nljax.run import trained
+
+    import jax
+
+    saved_run(tmp_path / "run", TINY, 1, 1)
+    out = export.export(trained.load(tmp_path / "run", devices=jax.devices()[:1]), tmp_path / "export")
+    assert json.loads((out / export.CONFIG).read_text())["sha256"].keys() == {export.WEIGHTS}
+    export.load_model(out)
+    weights = out / export.WEIGHTS
+    raw = weights.read_bytes()
+    flipped = bytearray(raw)
+    flipped[-1] ^= 0x40
+    weights.write_bytes(bytes(flipped))
+    with pytest.raises(config.ConfigError, match="model.safetensors is not the file that was written"):
+        export.load_model(out)
+    weights.write_bytes(raw.replace(b'"F32"', b'"I32"', 1))
+    with pytest.raises(config.ConfigError, match="model.safetensors is not the file that was written"):
+        export.load_model(out)
+
+
+@pytest.mark.parametrize("text", ["train:\n  steps: 5\n  steps: 7\n", "train:\n  steps: 5\noptim:\n  lr: 0.1\ntrain:\n  seed: 1\n"])
+def test_a_key_or_section_given_twice_is_one_line(tmp_path, text):
+    """YAML keeps the last of a key given twice silently: refused, naming the key and line."""
+    from nljax import config
+
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(config.ConfigError, match="is given twice in one mapping"):
+        config.load(str(tmp_path / "c.yaml"))

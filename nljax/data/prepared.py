@@ -229,9 +229,39 @@ def load(path: Path) -> Corpus:
             _check_tokenizer_copy(path, tok)
         for s in SPLITS:
             manifest[s]["max_token"]
+        _check_manifest_digest(path, manifest)
         return Corpus(*(_open_split(path, manifest, s) for s in SPLITS), manifest)
-    except (KeyError, TypeError) as e:
-        raise ConfigError(f"data.prepared={path}: {MANIFEST} lacks {e}") from None
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a field missing or of another type
+        raise ConfigError(f"data.prepared={path}: {MANIFEST} lacks {e} or holds it as another type: "
+                          "prepare again") from None
+
+
+def _check_manifest_digest(path: Path, manifest: dict) -> None:
+    """The manifest's content (dtype, vocabulary, each file's sha256) is what its digest was made
+    of: a field edited by hand (a dtype, a token count) is refused, not read as other bytes."""
+    content = {k: manifest[k] for k in ("format", "tokenizer", "vocab_size", "dtype", *SPLITS)}
+    content["tokenizer"] = {k: v for k, v in content["tokenizer"].items() if k != "file"}  # added after
+    if hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest() != manifest["digest"]:
+        raise ConfigError(f"data.prepared={path}: {MANIFEST} was changed since it was written (its digest does "
+                          "not match its content): prepare again")
+
+
+def _check_tokens(path: Path, file: Path, rec: dict, dtype: np.dtype, vocab_size: int) -> None:
+    """The token file is the one prepared (its sha256, read in full: a file edited in place keeps
+    its size) and holds no id outside the vocabulary (one there gave NaN steps)."""
+    sha, top = hashlib.sha256(), -1
+    with open(file, "rb") as f:
+        while chunk := f.read((1 << 24) * dtype.itemsize):
+            sha.update(chunk)
+            top = max(top, int(np.frombuffer(chunk, dtype).max()))
+    if sha.hexdigest() != rec["sha256"]:
+        raise ConfigError(f"data.prepared={path}: {rec['file']} is not the file prepared (its sha256 differs from "
+                          f"the manifest's: changed since): prepare again")
+    if top >= vocab_size:
+        raise ConfigError(f"data.prepared={path}: {rec['file']} holds token id {top}, outside the vocabulary of "
+                          f"{vocab_size}: prepare again")
 
 
 def _check_tokenizer_copy(path: Path, info: dict) -> None:
@@ -254,6 +284,10 @@ def _open_split(path: Path, manifest: dict, name: str) -> Split:
         raise ConfigError(f"data.prepared={path}: {rec['file']} holds {size} bytes, the manifest says {n} tokens of "
                           f"{dtype.name} (an incomplete or changed file: prepare again)")
     try:
+        _check_tokens(path, file, rec, dtype, int(manifest["vocab_size"]))
+    except OSError as e:
+        raise ConfigError(f"data.prepared={path}: {rec['file']} cannot be read ({e.strerror or e})") from None
+    try:
         starts = np.load(path / rec["docs_file"])
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.prepared={path}: {rec['docs_file']} cannot be read ({e})") from None
@@ -261,6 +295,9 @@ def _open_split(path: Path, manifest: dict, name: str) -> Split:
     if starts.shape != (rec["documents"],) or not ordered or (len(starts) and (starts[0] != 0 or starts[-1] >= n)):
         raise ConfigError(f"data.prepared={path}: {rec['docs_file']} does not match the manifest's {rec['documents']} "
                           "documents: prepare again")
+    if hashlib.sha256(np.asarray(starts, np.int64).tobytes()).hexdigest() != rec["docs_sha256"]:
+        raise ConfigError(f"data.prepared={path}: {rec['docs_file']} is not the file prepared (its sha256 differs "
+                          "from the manifest's): prepare again")
     return Split(np.memmap(file, dtype=dtype, mode="r", shape=(n,)), starts.astype(np.int64))
 
 
