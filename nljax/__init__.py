@@ -2,7 +2,13 @@
 
 from nljax.version import __version__
 
-__all__ = ["__version__", "load_model"]
+# The model API, imported when first asked for (`nljax.Model`, `nljax.register_model`): the
+# contract a model meets (nljax/models/base.py) and the registry a plugin's model enters by
+# (nljax/models/specs.py, nljax/models/registry.py); the building blocks are `nljax.models.blocks`.
+_LAZY = {"Model": "nljax.models.base", "TextModel": "nljax.models.base", "ModelSpec": "nljax.models.specs",
+         "register_model": "nljax.models.specs"}
+
+__all__ = ["__version__", "Model", "ModelSpec", "TextModel", "load_model", "register_model"]
 
 
 def load_model(path):
@@ -11,3 +17,11 @@ def load_model(path):
     from nljax.export import load_model as load
 
     return load(path)
+
+
+def __getattr__(name):  # the model API, imported when first asked for
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'nljax' has no attribute {name!r}")

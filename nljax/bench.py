@@ -49,6 +49,7 @@ from nljax.config import Config, ConfigError
 from nljax.engine.conductor import Conductor, pattern_name
 from nljax.engine.step import StepCache
 from nljax.measure import flops, hostmem, traces
+from nljax.models import registry
 from nljax.run import throughput
 from nljax.run.core import Run
 from nljax.version import __version__
@@ -335,7 +336,7 @@ def _run(args, cfg: Config) -> int:
     if args.out:
         check_out(Path(args.out))
     with tempfile.TemporaryDirectory() as tmp:
-        if args.synthetic and cfg.model.name != "dit":
+        if args.synthetic and registry.task_of(cfg) != "images":
             raise ConfigError(f"--synthetic is for the images task (model.name=dit); this config's model is "
                               f"{cfg.model.name}")
         if args.synthetic:

@@ -46,7 +46,8 @@ class Config:
     mesh: MeshConfig = MeshConfig()  # nljax/parallel/mesh.py
     cms: CMSConfig = CMSConfig()  # nljax/engine/conductor.py
     sync: SyncConfig = SyncConfig()  # nljax/engine/sync.py
-    model: ModelConfig = ModelConfig()  # nljax/models/settings.py (model.nl_lm, model.dit: beside each model)
+    # nljax/models/settings.py (model.nl_lm, model.dit, a plugin's model.<name>: beside each model)
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.resolved()())
     optim: OptimConfig = OptimConfig()  # nljax/engine/optim.py
     data: DataConfig = DataConfig()  # nljax/data/settings.py
     eval: EvalConfig = EvalConfig()
@@ -90,6 +91,7 @@ def _type_name(tp: Any) -> str:
 def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Checks `value` against annotation `tp`, converting only lossless cases (int -> float, list -> tuple)."""
     origin = typing.get_origin(tp)
+    tp = _resolved(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
@@ -126,6 +128,12 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             f"config key '{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}"
         )
     return value
+
+
+def _resolved(tp: Any) -> Any:
+    """The class a section is built as: its `resolved()` where it has one (`model`: a field per
+    registered model's settings, nljax/models/settings.py), else itself."""
+    return tp.resolved() if isinstance(tp, type) and hasattr(tp, "resolved") else tp
 
 
 def _build(cls: type, data: dict, prefix: str = "") -> Any:
@@ -192,7 +200,7 @@ def _field_type(dotted: str) -> Any:
     for part in dotted.strip().split("."):
         if not dataclasses.is_dataclass(node):
             return None
-        node = typing.get_type_hints(node).get(part)
+        node = _resolved(typing.get_type_hints(node).get(part))
     return node
 
 

@@ -7,29 +7,31 @@ one section to another, or applies only when `model.name` selects a model or tas
 
 from __future__ import annotations
 
-from nljax.data.recall import attention_reach, pair_len
+from nljax.data.recall import pair_len
 from nljax.errors import ConfigError
 
 
 def check_across_sections(cfg) -> None:
     """Rules between sections of `cfg`, an `nljax.config.Config` (not imported: it imports this)."""
-    m, nl, d, periods = cfg.model, cfg.model.nl_lm, cfg.data, cfg.cms.periods
+    from nljax.models import registry  # the registered model's own rules and its task
+
+    m, d, periods = cfg.model, cfg.data, cfg.cms.periods
+    spec = registry.spec(m.name)  # an unknown model.name: one line with the nearest registered one
     if cfg.optim.level_lr_scale and len(cfg.optim.level_lr_scale) != len(periods):
         raise ConfigError(f"optim.level_lr_scale has {len(cfg.optim.level_lr_scale)} entries but cms.periods has "
                           f"{len(periods)} levels")
-    if m.name != "dit" and d.source != "files" and m.vocab_size < 256:
+    if spec.check is not None:
+        spec.check(cfg)
+    if spec.task == "text" and d.source != "files" and m.vocab_size < 256:
         # these corpora are bytes: token ids 0..255 index the embedding (files: checked against
         # their own vocabulary when they are read: nljax.run.tasks.resolve)
         raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the 256 byte values of the text data")
-    if m.name == "nl_lm" and nl.memory_layers and cfg.train.seq_len % nl.memory_chunk:
-        raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of model.nl_lm.memory_chunk="
-                          f"{nl.memory_chunk}")
     if cfg.train.sample_every and not cfg.train.sample_prompt and d.source == "files" and d.tokenizer \
             and not d.doc_end_token:
         raise ConfigError("train.sample_every with an empty train.sample_prompt starts at a document start, "
                           "which a tokenizer has only with data.doc_end_token: set one of them")
     if d.source == "recall":
-        reach = attention_reach(m.depth, nl.window) if m.name == "nl_lm" else 0  # cms_mlp: no attention
+        reach = spec.reach(cfg) if spec.reach is not None else 0  # how far back attention alone sees
         if d.recall_gap < reach:
             raise ConfigError(f"data.recall_gap={d.recall_gap} must be >= the attention's reach model.depth * "
                               f"(model.nl_lm.window - 1) = {reach}, or attention alone could answer the queries")
@@ -39,12 +41,12 @@ def check_across_sections(cfg) -> None:
                               f"{d.recall_gap} needs up to {need} bytes, more than train.seq_len={cfg.train.seq_len}")
         if cfg.eval.stream_steps < 1:
             raise ConfigError("data.source=recall is evaluated by the streaming evaluation: eval.stream_steps must be >= 1")
-    if m.name == "dit":  # the images task: its sections apply, and every parameter is at level 0
+    if spec.task == "images":  # the images task: its sections apply, and every parameter is at level 0
         if cfg.train.sample_every:
-            raise ConfigError("train.sample_every samples text, and model.name=dit makes images: its samples are "
-                              "the samples_<step>.png each evaluation writes (eval.every)")
+            raise ConfigError(f"train.sample_every samples text, and model.name={m.name} makes images: its samples "
+                              "are the samples_<step>.png each evaluation writes (eval.every)")
         if len(periods) != 1:
-            raise ConfigError(f"model.name=dit keeps every parameter at level 0: set cms.periods to one period "
+            raise ConfigError(f"model.name={m.name} keeps every parameter at level 0: set cms.periods to one period "
                               f"(e.g. [1]), got {list(periods)}")
         cfg.meanflow.check_used()
         cfg.images.check_used()

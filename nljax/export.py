@@ -31,6 +31,7 @@ from flax import traverse_util
 from nljax import cli, config
 from nljax.checkpoint.contents import RESHAPED
 from nljax.errors import ConfigError
+from nljax.models import registry
 from nljax.run import trained as trained_lib
 from nljax.runtime import filedigest
 from nljax.runtime.exportdir import CONFIG, DEFAULT, WEIGHTS, is_export
@@ -58,9 +59,8 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     try:
         save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(temp[WEIGHTS]))
         info = {"config": config.to_dict(t.trained_cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
-        if t.cfg.model.name == "dit":  # what its data decide: load_model reads no data
-            data = t.run.task.data
-            info["images"] = {"shape": list(data.shape), "num_classes": data.num_classes}
+        # what the model's data decided (a DiT's image shape and labels): load_model reads no data
+        info.update(registry.record(t.model, t.cfg.model.name))
         info["sha256"] = filedigest.record({n: p for n, p in temp.items() if n != CONFIG})  # load_model checks them
         temp[CONFIG].write_text(json.dumps(info, indent=1))
         os.chmod(temp[WEIGHTS], temp[CONFIG].stat().st_mode & 0o777)  # safetensors writes 0600
@@ -87,7 +87,7 @@ def load_model(path: str | Path):
     """(model, params) of an export directory, the parameters on the default device."""
     from safetensors.flax import load_file
 
-    from nljax.models import build, dit
+    from nljax.models import registry
 
     path = Path(path)
     for name in (WEIGHTS, CONFIG):
@@ -99,8 +99,7 @@ def load_model(path: str | Path):
     except (ValueError, KeyError, TypeError) as e:  # damaged or edited
         raise ConfigError(f"{path / CONFIG} is not an nljax export's config ({type(e).__name__}: {e})") from None
     filedigest.check(path, info.get("sha256"), "the export")
-    images = info.get("images")  # a DiT's image shape and label count (an older export: read from its data)
-    model = dit(cfg, tuple(images["shape"]), images["num_classes"]) if images else build(cfg)
+    model = registry.rebuild(cfg, info)  # with what its data decided (a DiT's images), as recorded
     flat = load_file(str(path / WEIGHTS))
     template = traverse_util.flatten_dict(jax.eval_shape(model.init, jax.random.key(0)), sep="/")
     if set(flat) != set(template):

@@ -33,6 +33,7 @@ from pathlib import Path
 
 from nljax import cli
 from nljax.errors import ConfigError
+from nljax.models import registry
 from nljax.run import trained as trained_lib
 from nljax.run.sampling import generate_images, generate_text, parse
 
@@ -49,14 +50,15 @@ def main(argv=None) -> int:
         cli.setup_devices(args.cpu_devices)
         s, overrides, run_dir = parse(args.settings)
         given = {pair.partition("=")[0] for pair in args.settings}
-        name = trained_lib.config_of(run_dir, s.checkpoint, overrides).model.name
-        if name != "dit" and (s.out or "samples" in given):  # checked before anything is restored
+        cfg = trained_lib.config_of(run_dir, s.checkpoint, overrides)
+        images = registry.task_of(cfg) == "images"  # a denoiser's grid, or a language model's text
+        if not images and (s.out or "samples" in given):  # checked before anything is restored
             raise ConfigError(f"out= and samples= are for a MeanFlow (model.name=dit) run's image grid; "
-                              f"this run's model is {name}: its text goes to the terminal")
+                              f"this run's model is {cfg.model.name}: its text goes to the terminal")
         t = trained_lib.load(run_dir, s.checkpoint, overrides)
         for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
             print(line, file=sys.stderr)
-        if t.cfg.model.name == "dit":
+        if images:
             path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
             try:
                 generate_images(t, s, path)

@@ -28,6 +28,7 @@ import numpy as np
 
 from nljax.config import Config, ConfigError
 from nljax.engine import frozen
+from nljax.models import registry
 
 F32 = 4
 
@@ -55,8 +56,9 @@ def _activations(cfg: Config, n_devices: int) -> int:
     rows = max(t.batch_size // n_devices // t.accum_steps, 1)  # one micro-batch at a time
     # DiT: an image's patches are not known before the data (train.seq_len does not apply): one,
     # so that the floor stays a floor
-    tokens = rows * (t.seq_len if m.name != "dit" else 1)
-    per_token = 2 * m.depth * m.dim + (2 * m.vocab_size if m.name != "dit" else 0)
+    text = registry.task_of(cfg) == "text"
+    tokens = rows * (t.seq_len if text else 1)
+    per_token = 2 * m.depth * m.dim + (2 * m.vocab_size if text else 0)
     return tokens * per_token * F32
 
 

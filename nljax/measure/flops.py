@@ -7,6 +7,7 @@ import jax
 import numpy as np
 
 from nljax.config import Config
+from nljax.models import registry
 from nljax.parallel import levels
 
 
@@ -15,10 +16,6 @@ def matmul_params(param_shapes) -> tuple[int, int]:
     `memory0_*` is the inner loop's initial state, not a weight applied to every token."""
     lookup = lambda name: name == "embed/embedding" or name.split("/")[-1].startswith("memory0_")
     return count_params(param_shapes), count_params(param_shapes, lambda name: not lookup(name))
-
-
-# DiT parameters applied once per image to its conditioning vector, not to every patch token.
-DIT_PER_IMAGE = ("adaln", "t_embed", "h_embed", "label_embed")
 
 
 def count_params(param_shapes, keep=lambda name: True) -> int:
@@ -42,23 +39,17 @@ def analytic_flops(cfg: Config, model, param_shapes) -> dict:
     m = cfg.model
     n_total, n = matmul_params(param_shapes)
     out = {"params": n_total, "matmul_params": n, "outer_per_token": 6.0 * n}  # matmul_params: per token
-    if m.name == "nl_lm":
-        nl = m.nl_lm
-        ctx, per_unit = min(nl.window, cfg.train.seq_len), 1
-        h, d, hid = nl.memory_heads, nl.memory_dim, nl.memory_hidden
-        per_layer = 48.0 * h * d * hid if nl.memory_kind == "mlp" else 24.0 * h * d * d
-        out["inner_memory_per_token"] = per_layer * len(nl.memory_layers)
-    elif m.name == "dit":
-        hh, ww, _ = model.net.image
-        ctx = per_unit = (hh // m.dit.patch_size) * (ww // m.dit.patch_size)
-        out["inner_memory_per_token"] = 0.0
-        per_image = count_params(param_shapes, lambda name: any(k in name for k in DIT_PER_IMAGE))
+    # the model's own terms (`ModelSpec.flops`): the context a token attends to, its inner loop,
+    # and for a denoiser the tokens per image and the parameters applied once per image
+    terms = registry.spec(m.name).flops
+    terms = terms(cfg, model, param_shapes) if terms is not None else {}
+    ctx, per_unit = terms.get("context", 0), terms.get("tokens_per_unit", 1)
+    out["inner_memory_per_token"] = float(terms.get("inner_memory_per_token", 0.0))
+    if "per_unit_param" in terms:
+        per_image = count_params(param_shapes, terms["per_unit_param"])
         out["matmul_params"], out["per_image_params"] = n - per_image, per_image
         out["outer_per_token"] = 6.0 * (n - per_image)
         out["outer_per_image_conditioning"] = 6.0 * per_image
-    else:  # cms_mlp: no attention, no memory
-        ctx, per_unit = 0, 1
-        out["inner_memory_per_token"] = 0.0
     out["attention_per_token"] = 12.0 * m.depth * ctx * m.dim
     out["tokens_per_unit"] = per_unit
     per_token = out["outer_per_token"] + out["attention_per_token"] + out["inner_memory_per_token"]

@@ -1,25 +1,51 @@
-"""What the engine needs from a model.
+"""`nljax.Model`: what the engine and the commands need from a model.
 
-A model is a frozen dataclass (hashable, so it can be a static argument of a jitted step) with:
+A model is a frozen dataclass (hashable: it is a static argument of the jitted step) with these
+methods; the engine calls nothing else. Shapes: B rows of the batch this device owns (the global
+batch's rows are split over the data axes), T tokens per row (`train.seq_len`), V the vocabulary.
 
-- `init(key) -> params`
-- `level_of(path) -> int`: the CMS level of a parameter path (non-CMS parameters are level 0)
-- `init_memory(rows) -> pytree`: inner-loop state, leading axis = stream rows ({} if none)
-- `apply(params, memory, batch, key) -> (loss_sum, count, new_memory)` on the rows a device owns;
-  `key` is this device's PRNG key for the step (and micro-batch), derived from (seed, step, global
-  device index): different on every device, the same on a rerun with the same seed and mesh. A
-  model whose randomness must not depend on the mesh (so that N devices match 1) derives
-  per-example keys from global example indices carried in the batch instead.
-- `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)` (language models): the
-  predictions `apply` scores, for metrics beyond the loss (the recall probe's accuracy)
-- `task`: the `nljax.run.tasks` registry key of its data and evaluation (default "text")
-- `tensor_parallel(m, axis) -> Model` (optional): the model's shard over `m` devices of the mesh
-  axis `axis` (`nljax.parallel.tp`): its `init` gives one shard's parameter shapes, its `apply` runs on one
-  shard and sums (or gathers) over `axis` where a split region ends (axis None: shapes only, no
-  collective); refused with a ConfigError when `m` does not divide the widths it splits
+Required:
 
-Losses are returned as a sum and a count so that callers reduce sums and counts, never averages
-of averages.
+- `init(key) -> params`: the parameter pytree (flax's `{"params": ...}` contents), one device's
+  worth when the model is a tensor-parallel shard. Everything in it is an outer-loop parameter,
+  synchronized by the engine; its initial inner-loop memory belongs here too (nl_lm's
+  `memory0_*`).
+- `level_of(path) -> int`: the CMS level of a parameter, by its path ("block0/cms1/up/kernel"),
+  in 0 .. len(cms.periods) - 1. Level l is synchronized and updated every `cms.periods[l]`
+  steps; what is not a CMS parameter (embeddings, attention, memory projections, norms, head)
+  is level 0. Use `cms_level_of` (a `cms<l>` module name in the path) unless the model has its
+  own rule. A level outside cms.periods is refused when the model is built.
+- `init_memory(rows) -> pytree`: the inner-loop state of `rows` stream rows, every leaf
+  [rows, ...] ({} if the model has none). The state belongs to a row: the engine splits it over
+  the data axes with the rows, never reduces or gathers it, carries it from step to step
+  (gradients stopped at the step boundary) and checkpoints it; an elastic resume moves each
+  row's state with its row. A leaf without the rows axis first is refused when the model is
+  built.
+- `apply(params, memory, batch, key) -> (loss_sum, count, new_memory)` on this device's rows:
+  loss_sum and count are float32 scalars (a sum, never a mean: callers add sums and counts over
+  devices and micro-batches, so N devices compute exactly what 1 does); new_memory has
+  `memory`'s structure and shapes. A text batch holds `tokens` [B, T+1] int32 (inputs and
+  shifted targets), `reset` [B] bool (the row starts a new document or stream: its memory
+  restarts), optionally `mask` [B] (0 for an evaluation batch's padding rows) and `weight`
+  [B, T] (a per-target loss weight; `token_loss` takes both). `key` is this device's PRNG key
+  for the step (and micro-batch), derived from (seed, step, global device index): a model whose
+  randomness must not depend on the mesh derives per-example keys from indices in the batch.
+
+Optional:
+
+- `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)`: the predictions `apply`
+  scores. A text model needs it to be evaluated beyond the loss (the recall probe's accuracy),
+  sampled from (`nljax.generate`) and used after `nljax.load_model`.
+- `task`: "text" (the default: `nljax.run.tasks.TextTask` feeds it token windows; generate
+  writes text) or "images" (a MeanFlow denoiser: `ImageTask`, a PNG grid). The registered task
+  (`nljax.register_model(..., task=)`) decides; the attribute, if present, must agree.
+- `tensor_parallel(m, axis) -> Model`: this model's shard over `m` devices of the mesh axis
+  `axis` (`nljax.parallel.tp`): its `init` gives one shard's parameter shapes, its `apply` runs
+  on one shard and sums (or gathers) over `axis` where a split region ends (axis None: shapes
+  only, no collective; `tp.enter` / `tp.leave` mark the region). The engine derives which
+  dimensions are split from the global and shard shapes, of the parameters and of the memory
+  alike. Refuse with a ConfigError (`tp_divides`) when `m` does not divide a split width. A
+  model without it trains with `mesh.model=1` only.
 """
 
 from __future__ import annotations
@@ -35,20 +61,41 @@ PyTree = Any
 
 
 class Model(Protocol):
-    def init(self, key: jax.Array) -> PyTree: ...
+    """The contract above; `TextModel` adds `logits`. Static typing only: the registry checks a
+    built model's methods, levels and memory shapes itself (`nljax.models.registry.check_model`)."""
 
-    def level_of(self, path: str) -> int: ...
+    def init(self, key: jax.Array) -> PyTree:
+        """Parameters (one tensor-parallel shard's, for a shard)."""
+        ...
 
-    def init_memory(self, rows: int) -> PyTree: ...
+    def level_of(self, path: str) -> int:
+        """CMS level of the parameter at `path`, in 0 .. len(cms.periods) - 1."""
+        ...
 
-    def apply(self, params: PyTree, memory: PyTree, batch: dict, key: jax.Array) -> tuple[jax.Array, jax.Array, PyTree]: ...
+    def init_memory(self, rows: int) -> PyTree:
+        """Inner-loop state of `rows` rows: every leaf [rows, ...]; {} if none."""
+        ...
+
+    def apply(self, params: PyTree, memory: PyTree, batch: dict, key: jax.Array) -> tuple[jax.Array, jax.Array, PyTree]:
+        """(loss_sum, count, new_memory) on this device's rows."""
+        ...
+
+
+class TextModel(Model, Protocol):
+    """A language model: `apply`'s predictions are available for evaluation and generation."""
+
+    def logits(self, params: PyTree, memory: PyTree, batch: dict, key: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
+        """(logits [B, T, V] of batch["tokens"][:, :-1], new_memory)."""
+        ...
 
 
 _CMS_LEVEL = re.compile(r"(?:^|/)cms(\d+)(?:/|$)")
 
 
 def cms_level_of(path: str) -> int:
-    """Level from a `cms<l>` module name in the path; everything else is level 0."""
+    """The level of a parameter path by the naming rule of CMS chains: a module named `cms<l>`
+    anywhere in the path ("block0/cms2/up/kernel" -> 2, `nljax.models.blocks.CMSChain` names its
+    levels so); everything else is level 0."""
     m = _CMS_LEVEL.search(path)
     return int(m.group(1)) if m else 0
 

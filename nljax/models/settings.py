@@ -1,8 +1,13 @@
-"""Config section `model`: the fields every model shares, and one subsection per model.
+"""Config section `model`: the fields every model shares, and one subsection per registered model.
 
-`model.name` picks the model (the registry in `nljax/models/__init__.py`); what only one model
-reads sits in that model's subsection, declared beside it: `model.nl_lm.*` (`NlLmConfig`,
-models/nl_lm.py) and `model.dit.*` (`DiTConfig`, models/dit.py). `cms_mlp` reads only shared fields.
+`model.name` picks the model (`nljax.models.registry`); what only one model reads sits in that
+model's subsection, the `settings` dataclass it was registered with, declared beside it:
+`model.nl_lm.*` (`NlLmConfig`, models/nl_lm.py), `model.dit.*` (`DiTConfig`, models/dit.py), and a
+plugin's `model.<name>.*`. `cms_mlp` reads only shared fields.
+
+The section's class is `ModelConfig` with those subsections added as fields, made from the
+registry (`ModelConfig.resolved()`): the config loader builds that class, so a plugin's keys are
+loaded and checked like nljax's own.
 """
 
 from __future__ import annotations
@@ -11,13 +16,11 @@ import dataclasses
 from typing import Literal
 
 from nljax.errors import ConfigError
-from nljax.models.dit import DiTConfig
-from nljax.models.nl_lm import NlLmConfig
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    name: str = "nl_lm"  # registry key: nl_lm | cms_mlp | dit
+    name: str = "nl_lm"  # registry key: nl_lm | cms_mlp | dit, or a plugin's model (nljax.models.registry)
     vocab_size: int = 256  # nl_lm, cms_mlp: token ids (bytes: 256)
     dim: int = 128  # model width (embedding and residual stream)
     hidden_mult: int = 4  # MLP hidden width = dim * hidden_mult
@@ -33,8 +36,13 @@ class ModelConfig:
     # `memory`) | none (store everything); exact, since all are pure. dit: block recomputes each
     # block, none and memory keep everything; cms_mlp: no block to recompute (block is refused)
     remat: Literal["none", "block", "memory"] = "memory"
-    nl_lm: NlLmConfig = NlLmConfig()
-    dit: DiTConfig = DiTConfig()
+
+    @classmethod
+    def resolved(cls) -> type:
+        """The section's class with one field per registered model's settings (`model.<name>`)."""
+        from nljax.models import registry
+
+        return _with_sections(registry.generation())
 
     def check(self) -> None:
         if self.vocab_size < 1 or self.dim < 1 or self.depth < 1:
@@ -42,10 +50,31 @@ class ModelConfig:
         for key in ("hidden_mult", "heads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
-        self.nl_lm.check()
-        if self.name == "nl_lm":
-            self.nl_lm.check_with(self.dim, self.heads, self.depth)
-        if self.name == "dit":
-            self.dit.check_with(self.dim, self.heads)
-        if self.name == "cms_mlp" and self.remat == "block":
-            raise ConfigError("model.remat=block recomputes nl_lm's and dit's blocks; cms_mlp has none to recompute")
+        for f in dataclasses.fields(self):  # every model's own section, selected or not
+            check = getattr(getattr(self, f.name), "check", None)
+            if dataclasses.is_dataclass(getattr(self, f.name)) and check is not None:
+                check()
+        # the selected model's own rules read the whole config: nljax.crosschecks runs them
+
+
+_CLASSES: dict[int, type] = {}
+
+
+def _with_sections(generation: int) -> type:
+    """`ModelConfig` plus a field per registered model with settings, made once per registry state."""
+    if generation not in _CLASSES:
+        from nljax.models import registry
+
+        shared = {f.name for f in dataclasses.fields(ModelConfig)}
+        fields = []
+        for s in registry.specs():
+            if s.name in shared:
+                raise ConfigError(f"model '{s.name}' ({s.origin}): its name is a shared key of the model section "
+                                  f"(model.{s.name}): register it under another")
+            if s.settings is not None:
+                fields.append((s.name, s.settings, dataclasses.field(default=s.settings())))
+        cls = dataclasses.make_dataclass("ModelConfig", fields, bases=(ModelConfig,), frozen=True)
+        cls.__module__, cls.__qualname__ = __name__, "ModelConfig"
+        cls.__doc__ = ModelConfig.__doc__
+        _CLASSES[generation] = cls
+    return _CLASSES[generation]

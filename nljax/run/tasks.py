@@ -32,6 +32,7 @@ from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_win
 from nljax.errors import ConfigError
 from nljax.measure.energy import energy_distance
 from nljax.measure.figures import sample_figure, write_png
+from nljax.models import registry
 from nljax.parallel import mesh as meshlib
 from nljax.parallel.hostdev import gather_rows, host_sum, put_batch, reset_all_rows
 from nljax.parallel.mesh import ROWS
@@ -90,7 +91,7 @@ def text_data(cfg: Config) -> TextData:
 def resolve(cfg: Config) -> Config:
     """`cfg` with what its data decide: with data.source=files, model.vocab_size from the files'
     vocabulary (bytes: 256; a tokenizer: its size) when the config leaves it at its default."""
-    if cfg.data.source != "files" or cfg.model.name == "dit":
+    if cfg.data.source != "files" or registry.task_of(cfg) != "text":
         return cfg
     default = type(cfg.model)().vocab_size
     vocab = prepared.model_vocab(prepared.corpus(cfg.data), cfg.model.vocab_size, default)

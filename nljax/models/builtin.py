@@ -1,0 +1,119 @@
+"""nljax's own models, registered through the same `register_model` a plugin calls.
+
+| name      | model                                                      | section         | task   |
+|-----------|------------------------------------------------------------|-----------------|--------|
+| `nl_lm`   | attention + neural memory + CMS chains (models/nl_lm.py)    | `model.nl_lm.*` | text   |
+| `cms_mlp` | embedding + CMS chains, position-wise (models/cms_mlp.py)  | shared keys     | text   |
+| `dit`     | DiT denoiser trained by MeanFlow (models/dit.py)           | `model.dit.*`   | images |
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+
+from nljax.data.images import load
+from nljax.data.recall import attention_reach
+from nljax.errors import ConfigError
+from nljax.models.base import Model
+from nljax.models.cms_mlp import CMSMLP
+from nljax.models.dit import DiT, DiTConfig, DiTNet
+from nljax.models.nl_lm import NLLM, NLNet, NlLmConfig
+from nljax.models.specs import register_model
+
+Config = Any  # nljax.config.Config (not imported: nljax.config imports the sections registered here)
+
+
+def cms_mlp(cfg: Config) -> Model:
+    m = cfg.model
+    return CMSMLP(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods))
+
+
+def check_cms_mlp(cfg: Config) -> None:
+    if cfg.model.remat == "block":
+        raise ConfigError("model.remat=block recomputes nl_lm's and dit's blocks; cms_mlp has none to recompute")
+
+
+def nl_lm(cfg: Config) -> Model:
+    m, nl = cfg.model, cfg.model.nl_lm
+    memory = dict(heads=nl.memory_heads, dk=nl.memory_dim, hidden=nl.memory_hidden, kind=nl.memory_kind,
+                  chunk=nl.memory_chunk, lr_max=nl.memory_lr_max, conv=nl.memory_conv, out_norm=nl.memory_out_norm,
+                  out_gate=nl.memory_out_gate, unroll=nl.memory_unroll)
+    return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,
+                      tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat, memory_embed=nl.memory_embed,
+                      scan=nl.scan_layers))
+
+
+def check_nl_lm(cfg: Config) -> None:
+    m, nl = cfg.model, cfg.model.nl_lm
+    nl.check_with(m.dim, m.heads, m.depth)
+    if nl.memory_layers and cfg.train.seq_len % nl.memory_chunk:
+        raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of model.nl_lm.memory_chunk="
+                          f"{nl.memory_chunk}")
+
+
+def nl_lm_flops(cfg: Config, model: Model, param_shapes) -> dict:
+    """Attention over min(window, seq_len) tokens, and the neural memory's inner loop (an estimate:
+    nljax.measure.flops)."""
+    nl = cfg.model.nl_lm
+    h, d, hid = nl.memory_heads, nl.memory_dim, nl.memory_hidden
+    per_layer = 48.0 * h * d * hid if nl.memory_kind == "mlp" else 24.0 * h * d * d
+    return {"context": min(nl.window, cfg.train.seq_len), "inner_memory_per_token": per_layer * len(nl.memory_layers)}
+
+
+def dit(cfg: Config, shape: tuple[int, int, int] | None = None, num_classes: int | None = None) -> Model:
+    """The DiT of `cfg` for images of `shape` (H, W, C) with `num_classes` labels (0: none), as
+    its data decide them (read from the data when not given; an export records them:
+    `nljax.load_model` reads no data)."""
+    if shape is None or num_classes is None:
+        data = load(cfg.images)  # the data decide the image shape and the label count
+        shape, num_classes = data.shape, data.num_classes
+    m = cfg.model
+    h, w, _ = shape
+    patch = m.dit.patch_size
+    if h % patch or w % patch:
+        raise ConfigError(f"model.dit.patch_size={patch} does not divide the {h}x{w} images")
+    mf = cfg.meanflow
+    classes = num_classes if mf.class_cond else 0
+    if not classes and (mf.cfg_omega != 1.0 or mf.cfg_kappa != 0.0):
+        why = "meanflow.class_cond=false" if not mf.class_cond else "the images have no labels"
+        raise ConfigError(f"meanflow.cfg_omega={mf.cfg_omega}, cfg_kappa={mf.cfg_kappa} guide by labels, and {why}: "
+                          "leave them at 1, 0")
+    return DiT(DiTNet(tuple(shape), patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes,
+                      dtype=jnp.dtype(m.dtype), remat=m.remat), mf, cfg.seed)
+
+
+def dit_record(model: Model) -> dict:
+    """What the DiT's data decided, for an export's config.json: the image shape and the label
+    count (0: unconditional), so that `nljax.load_model` reads no data."""
+    return {"images": {"shape": list(model.net.image), "num_classes": model.net.num_classes}}
+
+
+def dit_rebuild(cfg: Config, info: dict) -> Model:
+    images = info.get("images")  # an export written before it was recorded: read from its data
+    return dit(cfg, tuple(images["shape"]), images["num_classes"]) if images else dit(cfg)
+
+
+# DiT parameters applied once per image to its conditioning vector, not to every patch token.
+DIT_PER_IMAGE = ("adaln", "t_embed", "h_embed", "label_embed")
+
+
+def dit_flops(cfg: Config, model: Model, param_shapes) -> dict:
+    """Attention over all of an image's patches; the conditioning parameters count once per image."""
+    hh, ww, _ = model.net.image
+    patches = (hh // cfg.model.dit.patch_size) * (ww // cfg.model.dit.patch_size)
+    return {"context": patches, "tokens_per_unit": patches,
+            "per_unit_param": lambda name: any(k in name for k in DIT_PER_IMAGE)}
+
+
+def check_dit(cfg: Config) -> None:
+    cfg.model.dit.check_with(cfg.model.dim, cfg.model.heads)
+
+
+def register() -> None:
+    register_model("nl_lm", nl_lm, NlLmConfig, check=check_nl_lm, flops=nl_lm_flops,
+                   reach=lambda cfg: attention_reach(cfg.model.depth, cfg.model.nl_lm.window))
+    register_model("cms_mlp", cms_mlp, check=check_cms_mlp)
+    register_model("dit", dit, DiTConfig, task="images", check=check_dit, describe=dit_record,
+                   rebuild=dit_rebuild, flops=dit_flops)

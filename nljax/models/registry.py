@@ -1,0 +1,188 @@
+"""The model registry: `model.name` -> how to build the model, its config section and its task.
+
+Every model, nljax's own included, comes in through `nljax.register_model` (nljax/models/specs.py):
+nljax's three (`nljax.models.builtin`) when the registry is first read, then every entry point
+of the group `nljax.models` of the installed packages (the convention pytest's and JAX's plugins
+use):
+
+    # mypkg's pyproject.toml
+    [project.entry-points."nljax.models"]
+    mymodel = "mypkg.model:register"      # the name is the model's; the object is called once
+
+    # mypkg/model.py
+    def register():
+        nljax.register_model("mymodel", build, settings=MyModelConfig)
+
+After `pip install mypkg`, `python -m nljax.train model.name=mymodel model.mymodel.width=64`
+trains it; so do `nljax.comm`, `nljax.bench`, `nljax.generate`, `nljax.export` and
+`nljax.load_model`. A plugin that fails to import, does not register the name of its entry point
+or registers a name twice is refused with one line naming it, before anything is allocated, and
+so is a model whose parameters fall outside `cms.periods` or whose memory has no rows axis
+(`check_model`).
+"""
+
+from __future__ import annotations
+
+import difflib
+from importlib import metadata
+from typing import Any
+
+from nljax.errors import ConfigError, first_line
+from nljax.models import builtin
+from nljax.models.specs import _ORIGIN, _SPECS, GROUP, ModelSpec, _generation
+
+Config = Model = Any  # nljax.config.Config and nljax.models.base.Model (not imported: no cycle)
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery
+
+
+_DONE: set[str] = set()  # what `_loaded` has registered: "nljax", then "plugins"
+
+
+def _loaded() -> None:
+    """nljax's own models, then every plugin of the entry-point group, registered once (a
+    refusal is raised again on the next read, not forgotten)."""
+    if "nljax" not in _DONE:
+        _DONE.add("nljax")
+        builtin.register()
+    if "plugins" not in _DONE:
+        for ep in sorted(metadata.entry_points(group=GROUP), key=lambda e: e.name):
+            if ep.name in _SPECS and _SPECS[ep.name].origin != describe_entry_point(ep):
+                raise ConfigError(f"model '{ep.name}' is registered twice: by {_SPECS[ep.name].origin} and by "
+                                  f"{describe_entry_point(ep)}")
+            if ep.name not in _SPECS:
+                load_entry_point(ep)
+        _DONE.add("plugins")
+
+
+def describe_entry_point(ep) -> str:
+    dist = getattr(ep, "dist", None)
+    of = f" of {dist.metadata['Name']} {dist.version}" if dist is not None else ""
+    return f"plugin '{ep.name} = {ep.value}'{of} (entry point group {GROUP})"
+
+
+def load_entry_point(ep) -> None:
+    """Import the entry point's object and call it; it must register the model named `ep.name`."""
+    who = describe_entry_point(ep)
+    _ORIGIN.append(who)
+    try:
+        try:
+            register = ep.load()
+        except Exception as e:  # anything the plugin's import raises: one line naming it
+            raise ConfigError(f"{who} failed to import: {type(e).__name__}: {first_line(e)}") from None
+        if not callable(register):
+            raise ConfigError(f"{who} names {register!r}, not a function to call")
+        if ep.name not in _SPECS:
+            try:
+                register()
+            except ConfigError:
+                raise
+            except Exception as e:
+                raise ConfigError(f"{who} failed to register: {type(e).__name__}: {first_line(e)}") from None
+        if ep.name not in _SPECS:
+            raise ConfigError(f"{who} did not register a model named '{ep.name}' (registered: "
+                              f"{', '.join(sorted(_SPECS))})")
+    finally:
+        _ORIGIN.pop()
+
+
+def rediscover() -> None:
+    """Read the entry points again (after a package was put on this process's path): the models
+    registered so far are kept, each new plugin is loaded."""
+    _DONE.discard("plugins")
+    _loaded()
+
+
+def names() -> list[str]:
+    _loaded()
+    return sorted(_SPECS)
+
+
+def specs() -> list[ModelSpec]:
+    """Every registered model, in the order they were registered (nljax's own first)."""
+    _loaded()
+    return list(_SPECS.values())
+
+
+def generation() -> int:
+    _loaded()
+    return _generation[0]
+
+
+def spec(name: str) -> ModelSpec:
+    """The registered model `name`; an unknown name is one line with the nearest registered one."""
+    _loaded()
+    if name not in _SPECS:
+        near = difflib.get_close_matches(name, list(_SPECS), n=1)
+        hint = f" (did you mean '{near[0]}'?)" if near else ""
+        raise ConfigError(f"unknown model.name '{name}'{hint} (registered: {', '.join(sorted(_SPECS))}; a model "
+                          f"from a package is found through its '{GROUP}' entry point)")
+    return _SPECS[name]
+
+
+def task_of(cfg: Any) -> str:
+    """The task of the model `cfg` selects ("text" or "images")."""
+    return spec(cfg.model.name).task
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+
+
+def build(cfg: Config) -> Model:
+    """The model `cfg.model.name` names, checked against the contract (`check_model`)."""
+    s = spec(cfg.model.name)
+    model = s.build(cfg)
+    check_model(s, model, len(cfg.cms.periods))
+    return model
+
+
+def rebuild(cfg: Config, info: dict) -> Model:
+    """The model of an export: its config and its config.json `info` (`ModelSpec.rebuild`)."""
+    s = spec(cfg.model.name)
+    model = s.rebuild(cfg, info) if s.rebuild is not None else s.build(cfg)
+    check_model(s, model, len(cfg.cms.periods))
+    return model
+
+
+def record(model: Model, name: str) -> dict:
+    """The entries the model `name` adds to an export's config.json (`ModelSpec.describe`)."""
+    s = spec(name)
+    return s.describe(model) if s.describe is not None else {}
+
+
+def check_model(s: ModelSpec, model: Model, n_levels: int) -> None:
+    """What the engine relies on, checked from shapes alone (nothing allocated): the methods of the
+    contract, every parameter's level inside `cms.periods`, every memory leaf with a leading
+    rows axis, and the model's `task` (if it says one) the registered one."""
+    who = f"model '{s.name}' ({s.origin})"
+    missing = [m for m in ("init", "level_of", "init_memory", "apply") if not callable(getattr(model, m, None))]
+    if missing:
+        raise ConfigError(f"{who}: build returned {type(model).__name__}, which lacks {', '.join(missing)} "
+                          "(nljax.Model)")
+    if getattr(model, "task", s.task) != s.task:
+        raise ConfigError(f"{who}: the model's task is '{model.task}' but it was registered with task='{s.task}'")
+    _check_shapes(who, model, n_levels)
+
+
+def _check_shapes(who: str, model: Model, n_levels: int) -> None:
+    import jax
+
+    from nljax.parallel.levels import path_str
+
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+        name = path_str(path)
+        level = model.level_of(name)
+        if not isinstance(level, int) or not 0 <= level < n_levels:
+            raise ConfigError(f"{who}: level_of('{name}') = {level!r}, outside cms.periods ({n_levels} level"
+                              f"{'s' if n_levels > 1 else ''}: 0..{n_levels - 1})")
+    for rows in (2, 3):
+        memory = jax.eval_shape(lambda: model.init_memory(rows))
+        for path, leaf in jax.tree_util.tree_flatten_with_path(memory)[0]:
+            if not leaf.shape or leaf.shape[0] != rows:
+                raise ConfigError(f"{who}: init_memory({rows}) leaf '{path_str(path)}' has shape {tuple(leaf.shape)}: "
+                                  f"the inner-loop state needs the rows axis first ([{rows}, ...]), since each "
+                                  "stream row owns its state")

@@ -1,0 +1,102 @@
+"""`register_model` and `ModelSpec`: how a model, nljax's own or a plugin's, enters the registry.
+
+The lookups (`model.name` -> spec) and the discovery of plugins through the `nljax.models`
+entry-point group are in `nljax.models.registry`; this module holds only the table they fill.
+No JAX at import: a plugin's module imports this one at its own import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from nljax.errors import ConfigError
+
+Config = Model = Any  # nljax.config.Config and nljax.models.base.Model (not imported: no cycle)
+
+GROUP = "nljax.models"  # the entry-point group plugins register under
+TASKS = ("text", "images")  # nljax.run.tasks: what each task reads and how it is evaluated
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """A registered model: what the commands need to know of it without building it."""
+
+    name: str  # `model.name`
+    build: Callable[[Config], Model]  # the model of a config (its data are read here where they decide shapes)
+    settings: type | None = None  # frozen dataclass: the config section `model.<name>.*`; None: shared keys only
+    task: str = "text"  # "text": a language model (logits; generate writes text); "images": a MeanFlow denoiser
+    check: Callable[[Config], None] | None = None  # rules of the whole config when this model is selected
+    # entries for an export's config.json: what the model's data decided when it was built (the
+    # DiT: {"images": {"shape", "num_classes"}}), so that `nljax.load_model` reads no data ...
+    describe: Callable[[Model], dict] | None = None
+    # ... and the model rebuilt from the config and the export's config.json (None: `build`)
+    rebuild: Callable[[Config, dict], Model] | None = None
+    # training FLOPs terms beyond 6 x matmul parameters (nljax.measure.flops), flops(cfg, model,
+    # param_shapes) -> {"context": tokens a token attends to, "inner_memory_per_token": FLOPs,
+    # and for a model whose unit is not a token "tokens_per_unit", "per_unit_param": name -> bool}
+    flops: Callable[..., dict] | None = None
+    # tokens back that attention alone reaches (the recall probe's gap must exceed it); None: 0
+    reach: Callable[[Config], int] | None = None
+    origin: str = "nljax"  # who registered it, for messages: the plugin's entry point, or the build's module
+
+
+_SPECS: dict[str, ModelSpec] = {}
+# the registrant being loaded: an entry point while its module runs (else the build function's module)
+_ORIGIN: list[str] = ["nljax"]
+_generation = [0]  # bumped by every registration: the model config class is rebuilt after one
+
+
+def register_model(name: str, build: Callable[[Config], Model], settings: type | None = None, *,
+                   task: str = "text", check: Callable[[Config], None] | None = None,
+                   describe: Callable[[Model], dict] | None = None,
+                   rebuild: Callable[[Config, dict], Model] | None = None,
+                   flops: Callable[..., dict] | None = None,
+                   reach: Callable[[Config], int] | None = None) -> ModelSpec:
+    """Register a model under `model.name=name`.
+
+    `build(cfg) -> Model` makes it from a config (`nljax.models.base.Model`); `settings`, a frozen
+    dataclass with a default for every field, becomes the config section `model.<name>`, loaded
+    and checked like nljax's own (unknown key: one line with the nearest one; wrong type: one
+    line; its `check()`, if any, runs on every load; its `RANGES` bound its floats). `task`:
+    "text" or "images". `check(cfg)`: rules that apply only when this model is selected (raise
+    `nljax.errors.ConfigError`). `describe`, `rebuild`, `flops`, `reach`: see `ModelSpec`. A name
+    registered twice is refused."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ConfigError(f"register_model: the name must be an identifier (it is the config key model.<name>), "
+                          f"got {name!r}")
+    if name in _SPECS:
+        raise ConfigError(f"model '{name}' is registered twice: by {_SPECS[name].origin} and by {_who(build)}")
+    if task not in TASKS:
+        raise ConfigError(f"model '{name}' ({_who(build)}): task must be one of {', '.join(TASKS)}, got {task!r}")
+    if settings is not None:
+        _check_settings(f"model '{name}' ({_who(build)})", settings)
+    spec = ModelSpec(name, build, settings, task, check, describe, rebuild, flops, reach, _who(build))
+    _SPECS[name] = spec
+    _generation[0] += 1
+    return spec
+
+
+def _who(build) -> str:
+    """Who is registering: the plugin being loaded, else the module of the build function."""
+    return _ORIGIN[-1] if len(_ORIGIN) > 1 else getattr(build, "__module__", None) or "nljax"
+
+
+def _check_settings(where: str, settings: type) -> None:
+    """The settings class must be a frozen dataclass whose fields all have defaults (the
+    section's name must not be a shared key of `model`: nljax.models.settings checks it)."""
+    if not dataclasses.is_dataclass(settings) or not isinstance(settings, type):
+        raise ConfigError(f"{where}: settings must be a dataclass class, got {settings!r}")
+    if not settings.__dataclass_params__.frozen:
+        raise ConfigError(f"{where}: settings {settings.__name__} must be a frozen dataclass (configs are hashable)")
+    try:
+        settings()
+    except TypeError as e:
+        raise ConfigError(f"{where}: settings {settings.__name__} needs a default for every field ({e})") from None
+
+
+def unregister(name: str) -> None:
+    """Take the model `name` out of the registry (tests, notebooks that register a model again
+    after editing it); the config class loses its section at the next load."""
+    if _SPECS.pop(name, None) is not None:
+        _generation[0] += 1

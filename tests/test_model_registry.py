@@ -1,0 +1,251 @@
+"""The model registry: registration and its refusals (each one line, non-zero exit), discovery
+of a model from an entry point of a package the test writes (no network: a dist-info folder
+with entry_points.txt on the path), the built-in models through the same door, and no
+`model.name == ...` branch in nljax outside the registry."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+from helpers import QUICK, ROOT, SMALL, TINY, make, run_python, train
+
+import nljax
+from nljax import config
+from nljax.errors import ConfigError
+from nljax.models import registry, specs
+from nljax.models.cms_mlp import CMSMLP
+
+TOY = '''
+{TOP}
+import dataclasses
+import nljax
+from nljax.models.cms_mlp import CMSMLP
+
+
+@dataclasses.dataclass(frozen=True)
+class ToyConfig:
+    width: int = 2  # hidden width multiplier of the toy's MLPs
+    scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Toy(CMSMLP):
+    def level_of(self, path):
+        return {LEVEL}
+
+    def init_memory(self, rows):
+        import jax.numpy as jnp
+        return {MEMORY}
+
+
+def build(cfg):
+    m = cfg.model
+    return Toy(m.vocab_size, m.dim, m.dim * cfg.model.{NAME}.width, m.depth, len(cfg.cms.periods))
+
+
+def register():
+    {BODY}
+'''
+
+
+def plugin(root: Path, name: str, level: str = "super().level_of(path)", memory: str = "{}",
+           body: str | None = None, target: str = "register", top: str = "") -> Path:
+    """A package `<name>_pkg` with an `nljax.models` entry point `name`, installed into `root`
+    as pip would (its module and a dist-info with entry_points.txt); returns `root`."""
+    root.mkdir(parents=True, exist_ok=True)
+    body = body or f"nljax.register_model({name!r}, build, settings=ToyConfig)"
+    source = TOY.replace("{LEVEL}", level).replace("{MEMORY}", memory).replace("{NAME}", name).replace("{BODY}", body)
+    source = source.replace("{TOP}", top)
+    (root / f"{name}_pkg.py").write_text(textwrap.dedent(source))
+    info = root / f"{name}_pkg-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}-pkg\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[nljax.models]\n{name} = {name}_pkg:{target}\n")
+    return root
+
+
+@pytest.fixture
+def on_path(monkeypatch):
+    """Put a plugin folder on sys.path and read the entry points again; the models it registered
+    leave the registry afterwards."""
+    before = set(specs._SPECS)
+
+    def add(root: Path) -> None:
+        monkeypatch.syspath_prepend(str(root))
+        registry.rediscover()
+
+    yield add
+    for name in set(specs._SPECS) - before:
+        specs.unregister(name)
+    registry._DONE.discard("plugins")
+
+
+def cli_train(root: Path, *args: str):
+    """`python -m nljax.train` with the plugin folder `root` on the path, one device."""
+    return run_python("-m", "nljax.train", "--cpu-devices", "1", *QUICK, *SMALL, "train.steps=2", *args,
+                      check=False, env={"PYTHONPATH": f"{ROOT}:{root}"}, timeout=300)
+
+
+def one_line_error(p, *parts: str) -> None:
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and len(lines) == 1, p.stderr
+    for part in parts:
+        assert part in lines[0], lines[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The public names and the built-in models
+
+
+def test_public_names_are_lazy_and_the_builtin_models_register_like_plugins():
+    p = run_python("-c", "import sys, nljax; assert 'jax' not in sys.modules and 'flax' not in sys.modules; "
+                         "print(nljax.register_model.__module__, nljax.Model.__module__)")
+    assert p.stdout.split() == ["nljax.models.specs", "nljax.models.base"]
+    assert nljax.register_model is specs.register_model
+    assert {"nl_lm", "cms_mlp", "dit"} <= set(registry.names())
+    assert registry.spec("nl_lm").origin == registry.spec("dit").origin == "nljax.models.builtin"
+    assert registry.spec("dit").task == "images" and registry.spec("nl_lm").task == "text"
+    # the model section's subsections are the registered models' settings
+    fields = {f.name: f.type for f in dataclasses.fields(type(config.load(None, []).model))}
+    assert fields["nl_lm"] is registry.spec("nl_lm").settings and fields["dit"] is registry.spec("dit").settings
+
+
+def test_no_model_name_branch_outside_the_registry():
+    """No `<...>.model.name == "x"` (or !=, in) anywhere in nljax/: what differs between models is
+    declared by the model (its ModelSpec), not tested by name."""
+    found = []
+    for path in sorted((ROOT / "nljax").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare) and any(_is_model_name(x) for x in [node.left, *node.comparators]) \
+                    and any(isinstance(x, ast.Constant) and isinstance(x.value, str) for x in [node.left, *node.comparators]):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, found
+
+
+def _is_model_name(node) -> bool:
+    return isinstance(node, ast.Attribute) and node.attr == "name" and isinstance(node.value, ast.Attribute) \
+        and node.value.attr == "model"
+
+
+def test_an_unknown_model_name_is_one_line_with_the_nearest():
+    with pytest.raises(ConfigError, match=r"^unknown model.name 'nl_ln' \(did you mean 'nl_lm'\?\)"):
+        config.load(None, ["model.name=nl_ln"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Registration in-process: refusals
+
+
+@dataclasses.dataclass
+class Mutable:
+    width: int = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class NoDefault:
+    width: int
+
+
+def test_refusals_of_register_model(on_path):
+    build = lambda cfg: None  # noqa: E731
+    with pytest.raises(ConfigError, match=r"^model 'nl_lm' is registered twice: by nljax.models.builtin and by "):
+        nljax.register_model("nl_lm", build)
+    with pytest.raises(ConfigError, match="must be a frozen dataclass"):
+        nljax.register_model("mutable", build, settings=Mutable)
+    with pytest.raises(ConfigError, match="needs a default for every field"):
+        nljax.register_model("nodefault", build, settings=NoDefault)
+    with pytest.raises(ConfigError, match="task must be one of text, images"):
+        nljax.register_model("sound", build, task="audio")
+    with pytest.raises(ConfigError, match="must be an identifier"):
+        nljax.register_model("my-model", build)
+    assert not {"mutable", "nodefault", "sound"} & set(registry.names())
+
+
+def _bad_model(level_of=None, memory=None):
+    @dataclasses.dataclass(frozen=True)
+    class Bad(CMSMLP):
+        def level_of(self, path):
+            return level_of(path) if level_of else super().level_of(path)
+
+        def init_memory(self, rows):
+            return memory(rows) if memory else {}
+
+    return lambda cfg: Bad(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1, len(cfg.cms.periods))
+
+
+def test_a_level_outside_the_periods_and_a_memory_without_rows_are_refused_before_allocation(on_path):
+    import jax.numpy as jnp
+
+    nljax.register_model("bad_level", _bad_model(level_of=lambda p: 2 if "cms1" in p else 0))
+    nljax.register_model("bad_memory", _bad_model(memory=lambda rows: {"S": jnp.zeros((4, rows))}))
+    cfg = config.load(None, [*TINY, "model.name=bad_level", "cms.periods=[1,2]"])
+    with pytest.raises(ConfigError, match=r"^model 'bad_level' \((tests\.)?test_model_registry\): level_of\('block0/cms1/"
+                                          r"down/bias'\) = 2, outside cms.periods \(2 levels: 0..1\)$"):
+        registry.build(cfg)
+    cfg = config.load(None, [*TINY, "model.name=bad_memory"])
+    with pytest.raises(ConfigError, match=r"init_memory\(2\) leaf 'S' has shape \(4, 2\): the inner-loop state "
+                                          r"needs the rows axis first"):
+        registry.build(cfg)
+
+
+# ---------------------------------------------------------------------------------------------
+# Discovery from an entry point
+
+
+def test_a_model_from_an_installed_package_is_found_configured_and_trained(tmp_path, on_path):
+    on_path(plugin(tmp_path / "site", "toy"))
+    assert registry.spec("toy").origin.startswith("plugin 'toy = toy_pkg:register' of toy-pkg 0.1")
+    cfg = config.load(None, [*TINY, "model.name=toy", "model.toy.width=3"])
+    assert cfg.model.toy.width == 3 and config.to_dict(cfg)["model"]["toy"] == {"width": 3, "scale": 1.0}
+    with pytest.raises(ConfigError, match=r"^unknown config key 'model.toy.widht' \(did you mean 'model.toy.width'\?\)$"):
+        config.load(None, ["model.name=toy", "model.toy.widht=3"])
+    with pytest.raises(ConfigError, match=r"^config key 'model.toy.width' must be int, got str 'wide'$"):
+        config.load(None, ["model.name=toy", "model.toy.width=wide"])
+    # a saved config with the plugin's section reads back
+    assert config.from_dict(config.to_dict(cfg)) == cfg
+    setup = make(["model.name=toy", "model.toy.width=3"], 1, 2)
+    losses, _ = train(setup, 2)
+    assert setup.engine.model.hidden == 3 * 16 and losses.shape == (2,) and all(losses > 0)
+
+
+def test_the_command_line_trains_a_plugins_model(tmp_path):
+    root = plugin(tmp_path / "site", "toy")
+    p = cli_train(root, "model.name=toy", "model.toy.width=3", f"run.dir={tmp_path / 'run'}")
+    assert p.returncode == 0, p.stderr
+    saved = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    assert saved["name"] == "toy" and saved["toy"] == {"width": 3, "scale": 1.0}
+    assert (tmp_path / "run" / "summary.json").is_file()
+
+
+BAD_PLUGINS = [
+    # (plugin(...) keywords, the error line's parts)
+    (dict(top="import no_such_module_xyz"), ["plugin 'toy = toy_pkg:register' of toy-pkg 0.1",
+                                            "failed to import: ModuleNotFoundError: No module named 'no_such_module_xyz'"]),
+    (dict(body="1 / 0"), ["plugin 'toy = toy_pkg:register'", "failed to register: ZeroDivisionError"]),
+    (dict(target="no_such_name"), ["plugin 'toy = toy_pkg:no_such_name'", "failed to import: AttributeError"]),
+    (dict(body="pass"), ["plugin 'toy = toy_pkg:register'", "did not register a model named 'toy'"]),
+    (dict(body="nljax.register_model('nl_lm', build)"), ["model 'nl_lm' is registered twice: by nljax.models.builtin "
+                                                         "and by plugin 'toy = toy_pkg:register'"]),
+    (dict(level="7"), ["model 'toy' (plugin 'toy = toy_pkg:register'", "level_of('block0/cms0/down/bias') = 7, "
+                                                                        "outside cms.periods (3 levels: 0..2)"]),
+    (dict(memory="{'S': jnp.zeros((5,))}"), ["model 'toy' (plugin", "init_memory(2) leaf 'S' has shape (5,)",
+                                             "needs the rows axis first"]),
+]
+
+
+@pytest.mark.parametrize("kw, parts", BAD_PLUGINS, ids=["import", "raises", "object", "silent", "twice", "level", "rows"])
+def test_a_bad_plugin_is_one_line_and_exit_2(tmp_path, kw, parts):
+    p = cli_train(plugin(tmp_path / "site", "toy", **kw), "model.name=toy", f"run.dir={tmp_path / 'run'}")
+    one_line_error(p, *parts)
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_plugin_named_like_a_builtin_is_refused(tmp_path):
+    p = cli_train(plugin(tmp_path / "site", "cms_mlp"), f"run.dir={tmp_path / 'run'}")
+    one_line_error(p, "model 'cms_mlp' is registered twice: by nljax.models.builtin and by plugin 'cms_mlp = "
+                      "cms_mlp_pkg:register'")
