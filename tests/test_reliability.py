@@ -217,3 +217,37 @@ def test_a_key_or_section_given_twice_is_one_line(tmp_path, text):
     (tmp_path / "c.yaml").write_text(text)
     with pytest.raises(config.ConfigError, match="is given twice in one mapping"):
         config.load(str(tmp_path / "c.yaml"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Inexact resume: the same data under another spelling of its paths
+
+
+def test_the_same_data_spelled_otherwise_or_from_another_directory_resumes_exactly(tmp_path, monkeypatch):
+    """A run on data.train given relative, resumed with the path absolute from another working
+    directory: the content digest is the checkpoint's, so no row restarts (every row's memory
+    restarted: 'data changed')."""
+    from helpers import TINY_NL, make, train
+
+    from nljax.checkpoint import storage
+    from nljax.checkpoint.restore import restore
+    from nljax.run.startup import data_fingerprint
+
+    (tmp_path / "text").mkdir()
+    for i in range(4):
+        (tmp_path / "text" / f"{i}.txt").write_text(f"the same text {i}, read twice over " * 40)
+    files = ["data.source=files", "data.eval_fraction=0.5", f"checkpoint.dir={tmp_path / 'ck'}"]
+    monkeypatch.chdir(tmp_path)
+    setup = make([*TINY_NL, *files, "data.train=[text/*.txt]"], 1, 2)
+    _, state = train(setup, 1)
+    m = storage.writer(setup.cfg)
+    storage.save(m, setup.engine, 1, state, data_digest=data_fingerprint(setup.run.task))
+    m.wait_until_finished()
+    m.close()
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    again = make([*TINY_NL, *files, f"data.train=[{tmp_path / 'text'}/*.txt]"], 1, 2)
+    digest = data_fingerprint(again.run.task)
+    assert restore(again.engine, again.state, tmp_path / "ck" / "1").fresh_rows  # paths alone: "data changed"
+    r = restore(again.engine, again.state, tmp_path / "ck" / "1", digest)
+    assert not r.fresh_rows and r.warnings == [], r.warnings

@@ -61,11 +61,12 @@ class Checkpoints:
         self._peers: Peers | None = None  # a multi-process run's: a failed save ends every process's
 
     @classmethod
-    def resolve(cls, engine: Engine, fresh: TrainState, say=print) -> "Checkpoints":
+    def resolve(cls, engine: Engine, fresh: TrainState, say=print, digest: str | None = None) -> "Checkpoints":
         """The run's checkpoints: the resume `checkpoint.resume` asks for, restored (falling back
         past damaged checkpoints, with a warning), or a fresh start. Reads only, but for creating
         checkpoint.dir; refuses (ConfigError) a checkpoint.dir holding checkpoints this run may
-        not take over."""
+        not take over. `digest`: the run's data digest (the same data under another spelling of
+        its paths is no change)."""
         cfg = engine.cfg
         root, paths = checkpoint_dir(cfg), storage.candidates(cfg)
         # Resuming this run (its own checkpoint.dir) continues its files; a checkpoint from
@@ -84,7 +85,7 @@ class Checkpoints:
             )
         restored, later = None, []
         if paths:
-            restored, warnings = _restore(engine, fresh, paths)
+            restored, warnings = _restore(engine, fresh, paths, digest)
             if own:  # with checkpoint.every=0 too: a later --resume must not take the abandoned branch
                 later = storage.later_steps(root, restored.step)
                 warnings += [f"checkpoint {p} is incomplete ({why}), resuming from an older one"
@@ -242,10 +243,10 @@ class Checkpoints:
             self._quiet.close()
 
 
-def _restore(engine: Engine, fresh: TrainState, paths: list[Path]) -> tuple[Restored, list[str]]:
+def _restore(engine: Engine, fresh: TrainState, paths: list[Path], digest: str | None = None) -> tuple[Restored, list[str]]:
     """The first of `paths` that is not damaged, restored, and a warning for each one skipped;
     refuses one past train.steps."""
-    restored, skipped = restore_first_valid(engine, fresh, paths)
+    restored, skipped = restore_first_valid(engine, fresh, paths, digest)
     if restored.step > engine.cfg.train.steps:
         raise ConfigError(
             f"checkpoint {restored.path} is at step {restored.step}, past train.steps={engine.cfg.train.steps}"

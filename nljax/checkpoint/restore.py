@@ -47,17 +47,20 @@ class Restored:
     data_digest: str | None = None  # of the data it was trained on (None: saved before it was recorded)
 
 
-def restore(engine: Engine, template: TrainState, path: Path) -> Restored:
+def restore(engine: Engine, template: TrainState, path: Path, digest: str | None = None) -> Restored:
     """Read the checkpoint at `path` onto `engine`'s mesh (which may differ from the one that
     saved it) with the shardings of `template` (a fresh state of this run, `Run.init_state`),
     check it, and convert what depends on the device count, the global batch or the strategy.
-    Reads only; raises ConfigError with one line on bad input."""
+    Reads only; raises ConfigError with one line on bad input. `digest`: this run's data digest;
+    where it is the checkpoint's, the data paths spelled otherwise (relative, absolute, from
+    another directory) are the same data."""
     cfg = engine.cfg
     meta = storage.read_meta(path)
     target = named_arrays(template)
     check_fits(path, meta, engine)
-    warnings = _changed_settings(meta, cfg)
-    fresh_rows = _rows_restart(meta, cfg, target, warnings)
+    same_data = digest is not None and data_digest(meta) == digest
+    warnings = _changed_settings(meta, cfg, same_data)
+    fresh_rows = _rows_restart(meta, cfg, target, warnings, same_data)
 
     abstract = elastic.read_shardings(meta, target, engine.mesh)
     arrays, sums = storage.read_arrays(path, abstract)
@@ -96,11 +99,15 @@ def _reshaped(arrays: dict[str, jax.Array], target: dict[str, jax.Array], meta: 
     return out, {**meta, "arrays": listed}
 
 
-def _changed(meta: dict, cfg: Config) -> list[tuple[str, object, object]]:
+def _changed(meta: dict, cfg: Config, same_data: bool = False) -> list[tuple[str, object, object]]:
     """(key, checkpoint's value, this run's) for each setting that differs, the data paths
     compared absolute: a resume from run.dir/config.yaml (which records them absolute) reads the
-    same files as the checkpoint's config, which keeps them as written."""
-    return differences(_absolute_paths(meta["config"]), _absolute_paths(to_dict(cfg)), "")
+    same files as the checkpoint's config, which keeps them as written. `same_data`: the data's
+    content digest is the checkpoint's, so the data paths are not compared (a relative path
+    resolves against the directory a command starts in, which may be another one)."""
+    out = differences(_absolute_paths(meta["config"]), _absolute_paths(to_dict(cfg)), "")
+    paths = {f"{section}.{key}" for section, key in DATA_PATHS}
+    return [d for d in out if not (same_data and d[0] in paths)]
 
 
 def _absolute_paths(tree: dict) -> dict:
@@ -115,9 +122,10 @@ def _absolute_paths(tree: dict) -> dict:
     return tree
 
 
-def _changed_settings(meta: dict, cfg: Config) -> list[str]:
+def _changed_settings(meta: dict, cfg: Config, same_data: bool = False) -> list[str]:
     """A warning for each setting that differs from the checkpoint's and may change the result."""
-    return [f"resuming with {k}={fmt(b)} (checkpoint: {fmt(a)})" for k, a, b in _changed(meta, cfg) if not _under(k, SILENT)]
+    return [f"resuming with {k}={fmt(b)} (checkpoint: {fmt(a)})" for k, a, b in _changed(meta, cfg, same_data)
+            if not _under(k, SILENT)]
 
 
 def _under(key: str, sections) -> bool:
@@ -131,11 +139,11 @@ STREAM_KEYS = ("train.batch_size", "train.seq_len", "seed", "data")
 NOT_STREAM_KEYS = ("data.reset_prob",)
 
 
-def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str]) -> bool:
+def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str], same_data: bool = False) -> bool:
     """Whether every row's memory restarts: a setting that places the rows in the data changed
     (the global batch, the window, the seed, the data), so the ContextStream gives every row a new
     stream and a carried memory would read text it never wrote (with a warning in `warnings`)."""
-    moved = [f"{k} changed from {fmt(a)} to {fmt(b)}" for k, a, b in _changed(meta, cfg)
+    moved = [f"{k} changed from {fmt(a)} to {fmt(b)}" for k, a, b in _changed(meta, cfg, same_data)
              if _under(k, STREAM_KEYS) and k not in NOT_STREAM_KEYS]
     fresh_rows = bool(moved) and any(rows_of(n) for n in target)
     if fresh_rows:
@@ -146,14 +154,15 @@ def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str]) ->
     return fresh_rows
 
 
-def restore_first_valid(engine: Engine, template: TrainState, paths: list[Path]) -> tuple[Restored, list[tuple[Path, str]]]:
+def restore_first_valid(engine: Engine, template: TrainState, paths: list[Path],
+                        digest: str | None = None) -> tuple[Restored, list[tuple[Path, str]]]:
     """`restore` of the first of `paths` that is not damaged, and the damaged ones skipped (path,
     reason). A checkpoint that does not fit this run stops the search (an older one would not fit
     either); so does the last one's damage, with its own line."""
     skipped: list[tuple[Path, str]] = []
     for i, path in enumerate(paths):
         try:
-            return restore(engine, template, path), skipped
+            return restore(engine, template, path, digest), skipped
         except Damaged as e:
             if i == len(paths) - 1:
                 if skipped:

@@ -362,8 +362,9 @@ def _train(cfg: Config, notice: Notice) -> dict:
         TrainingSampler(run)  # before anything is written; the loop makes its own (compiled at its first sample)
     check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
     # reads and checks a checkpoint to resume before anything is written
-    ckpt = Checkpoints.resolve(run.engine, run.init_state(), say)
-    ckpt.check_data(startup.data_fingerprint(run.task))
+    digest = startup.data_fingerprint(run.task)  # the same data under another spelling of its paths: no change
+    ckpt = Checkpoints.resolve(run.engine, run.init_state(), say, digest)
+    ckpt.check_data(digest)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     # the cleanup, in reverse order of registration; each step runs whatever the one before raised
     with contextlib.ExitStack() as cleanup:
