@@ -1,4 +1,8 @@
-"""nljax: nested-learning models and MeanFlow denoisers as one SPMD program over a JAX mesh."""
+"""nljax: nested-learning models and MeanFlow denoisers as one SPMD program over a JAX mesh.
+
+The Python API of a trained model: `nljax.load(path)` (a run directory or an export directory)
+gives a `TrainedModel` with `encode`, `decode`, `generate` and `logits` (nljax/trained_model.py).
+Everything is imported on call: `import nljax` stays free of JAX and Flax."""
 
 from nljax.version import __version__
 
@@ -8,20 +12,32 @@ from nljax.version import __version__
 _LAZY = {"Model": "nljax.models.base", "TextModel": "nljax.models.base", "ModelSpec": "nljax.models.specs",
          "register_model": "nljax.models.specs"}
 
-__all__ = ["__version__", "Model", "ModelSpec", "TextModel", "load_model", "register_model"]
+__all__ = ["__version__", "Model", "ModelSpec", "TextModel", "TrainedModel", "load", "load_model", "register_model"]
+
+
+def load(path, checkpoint="latest", overrides=()):
+    """The trained model in `path` (a run directory that `python -m nljax.train` wrote, at its
+    newest intact checkpoint or `checkpoint`, or an export directory that `python -m
+    nljax.export` wrote), on one device, with its run's tokenizer: `nljax.TrainedModel`."""
+    from nljax.trained_model import load as load_trained
+
+    return load_trained(path, checkpoint, overrides)
 
 
 def load_model(path):
-    """(model, params) of a directory written by `python -m nljax.export` (nljax/export.py).
-    Imported on call: `import nljax` stays free of JAX and Flax."""
+    """(model, params) of a directory written by `python -m nljax.export` (nljax/export.py)."""
     from nljax.export import load_model as load
 
     return load(path)
 
 
-def __getattr__(name):  # the model API, imported when first asked for
+def __getattr__(name):  # nljax.TrainedModel and the model API, imported when first asked for
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name == "TrainedModel":
+        from nljax.trained_model import TrainedModel
+
+        return TrainedModel
     raise AttributeError(f"module 'nljax' has no attribute {name!r}")

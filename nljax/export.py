@@ -8,9 +8,13 @@ writes DIR (default <run.dir>/export) with
 - `model.safetensors`: the model's parameter tree in its own layout, gathered from whatever
   strategy trained it, one tensor per leaf named by its path ("block0/cms1/down/kernel");
 - `config.json`: the run's config (what `nljax.models.build` needs; a DiT's image shape and label
-  count too), the step and the dtype.
+  count too), the step, the dtype, and a text model's tokenization (bytes, or a tokenizer);
+- `tokenizer.json`: a copy of the run's tokenizer, when it trained on one (data.source=files).
 
-`nljax.load_model(DIR)` returns (model, params) on one device; `model.logits(params,
+`nljax.load(DIR)` gives the model with its tokenizer, `generate` and `logits`
+(nljax/trained_model.py);
+
+`nljax.load_model(DIR)` returns the bare (model, params) on one device; `model.logits(params,
 model.init_memory(rows), {"tokens": [B, T+1], "reset": [B]})` is the language model's forward
 (the same call `nljax.generate` makes). A bfloat16 export halves the file and is loaded as
 bfloat16 (the model computes in `model.dtype` whatever the parameters' dtype).
@@ -34,7 +38,7 @@ from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.run import trained as trained_lib
 from nljax.runtime import filedigest
-from nljax.runtime.exportdir import CONFIG, DEFAULT, WEIGHTS, is_export
+from nljax.runtime.exportdir import CONFIG, DEFAULT, TOKENIZER, WEIGHTS, is_export
 
 FORMATS = ("safetensors",)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -55,21 +59,52 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     out.mkdir(parents=True, exist_ok=True)
     # written under temporary names and renamed into place, config.json last: an export cut short
     # (Ctrl-C, a full disk) leaves the previous one whole
-    temp = {n: out / f".{n}.tmp-{os.getpid()}" for n in (WEIGHTS, CONFIG)}
+    tok = _tokenization(t)
+    names = (WEIGHTS, TOKENIZER, CONFIG) if hasattr(tok, "raw") else (WEIGHTS, CONFIG)
+    temp = {n: out / f".{n}.tmp-{os.getpid()}" for n in names}
     try:
         save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(temp[WEIGHTS]))
         info = {"config": config.to_dict(t.trained_cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
+        if tok is not None:  # how text becomes tokens, for nljax.load (a tokenizer's file beside it)
+            info["tokenizer"] = tok.info()
+        if TOKENIZER in temp:
+            temp[TOKENIZER].write_bytes(tok.raw)
         # what the model's data decided (a DiT's image shape and labels): load_model reads no data
         info.update(registry.record(t.model, t.cfg.model.name))
         info["sha256"] = filedigest.record({n: p for n, p in temp.items() if n != CONFIG})  # load_model checks them
         temp[CONFIG].write_text(json.dumps(info, indent=1))
         os.chmod(temp[WEIGHTS], temp[CONFIG].stat().st_mode & 0o777)  # safetensors writes 0600
-        for n in (WEIGHTS, CONFIG):
+        for n in names:
             os.replace(temp[n], out / n)
+        if TOKENIZER not in temp:  # an earlier export's tokenizer is not this one's
+            (out / TOKENIZER).unlink(missing_ok=True)
     finally:
         for path in temp.values():
             path.unlink(missing_ok=True)
     return out
+
+
+def _tokenization(t: trained_lib.Trained):
+    """How the run's text became tokens (bytes, or its tokenizer), or None for a model that
+    makes no text."""
+    from nljax.run.sampling import tokenization_of
+
+    makes_text = getattr(t.model, "task", "text") == "text" and hasattr(t.model, "logits")
+    return tokenization_of(t.cfg) if makes_text else None
+
+
+def tokenization_of_export(path: Path, cfg: config.Config):
+    """The tokenization of a text model's export: bytes, or the tokenizer.json beside it (an
+    export written before they were recorded: the run's, read from where its config names it)."""
+    from nljax.data import tokenization
+    from nljax.run.sampling import tokenization_of
+
+    info = json.loads((Path(path) / CONFIG).read_text()).get("tokenizer")
+    if info is None:
+        return tokenization_of(cfg)
+    if info["kind"] == "bytes":
+        return tokenization.Bytes()
+    return tokenization.HFTokenizer(Path(path) / TOKENIZER, info.get("doc_end_token") or "")
 
 
 def check_out(out: Path) -> None:
@@ -77,7 +112,7 @@ def check_out(out: Path) -> None:
     or config.json are not an earlier nljax export's (an earlier export is replaced)."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
-    theirs = [n for n in (WEIGHTS, CONFIG) if (out / n).exists()]
+    theirs = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if (out / n).exists()]
     if theirs and not is_export(out):
         raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "
                           "choose another directory")
@@ -86,8 +121,6 @@ def check_out(out: Path) -> None:
 def load_model(path: str | Path):
     """(model, params) of an export directory, the parameters on the default device."""
     from safetensors.flax import load_file
-
-    from nljax.models import registry
 
     path = Path(path)
     for name in (WEIGHTS, CONFIG):

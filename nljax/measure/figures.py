@@ -1,7 +1,8 @@
-"""Sample figures written to the run directory as PNG (encoded here: no imaging dependency).
+"""Sample figures written to the run directory as PNG.
 
 Images become a grid (one-step samples left, multi-step right); 2-D points become a scatter
-raster (held-out data grey, samples black)."""
+raster (held-out data grey, samples black). The pixels are made here (and `write_png` encodes them
+with no imaging dependency); `write_samples` draws them titled and labelled with matplotlib."""
 
 from __future__ import annotations
 
@@ -54,14 +55,63 @@ def scatter(points: np.ndarray, reference: np.ndarray, size: int = 256, extent: 
     return out
 
 
-def sample_figure(one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray) -> np.ndarray:
-    """Side-by-side picture of one-step and multi-step samples."""
+GRID_MAX = 64  # images shown per half
+
+
+def halves(one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray):
+    """(one-step picture, multi-step picture, grid columns or 0 for a scatter, cell size in pixels)."""
     if one_step.shape[1:] == (1, 1, 2):  # 2-D toy data
-        a, b = scatter(one_step, reference), scatter(multi_step, reference)
-    else:
-        n = min(64, len(one_step))
-        cols = int(np.ceil(np.sqrt(n)))
-        scale = max(1, 64 // one_step.shape[1])
-        a, b = grid(one_step[:n], cols, scale), grid(multi_step[:n], cols, scale)
+        return scatter(one_step, reference), scatter(multi_step, reference), 0, 0
+    n = min(GRID_MAX, len(one_step))
+    cols = int(np.ceil(np.sqrt(n)))
+    scale = max(1, 64 // one_step.shape[1])
+    return grid(one_step[:n], cols, scale), grid(multi_step[:n], cols, scale), cols, one_step.shape[1] * scale + 1
+
+
+def sample_figure(one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray) -> np.ndarray:
+    """Side-by-side picture of one-step and multi-step samples (unlabelled pixels)."""
+    a, b, _, _ = halves(one_step, multi_step, reference)
     gap = np.full((a.shape[0], 8) + a.shape[2:], 255, np.uint8)
     return np.concatenate([a, gap, b], axis=1)
+
+
+def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray, steps: int,
+                  labels: np.ndarray | None = None, title: str = "") -> None:
+    """The samples PNG a MeanFlow run writes (samples_<step>.png, generate's grid): one-step
+    samples left, multi-step (`steps` steps) right, each half titled, every image of a grid
+    with its class (`labels`, when the model is conditional) in its corner."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    a, b, cols, cell = halves(one_step, multi_step, reference)
+    fig, axes = plt.subplots(1, 2, figsize=(2 * max(3.2, a.shape[1] / 80), max(3.2, a.shape[0] / 80) + 0.6))
+    for ax, pic, pts, name in zip(axes, (a, b), (one_step, multi_step),
+                                  ("one step (1 network evaluation)", f"multi-step ({steps} steps)")):
+        if cols:
+            ax.imshow(pic, cmap="gray" if pic.ndim == 2 else None, vmin=0, vmax=255, interpolation="nearest")
+        else:  # 2-D points: drawn as dots, the canvas of `scatter`
+            ref, pts = reference.reshape(-1, 2), pts.reshape(-1, 2)
+            ax.scatter(ref[:, 0], ref[:, 1], s=4, color="0.7", lw=0)
+            ax.scatter(pts[:, 0], pts[:, 1], s=6, color="black", lw=0)
+            ax.set_xlim(-3, 3)
+            ax.set_ylim(-3, 3)
+            ax.set_aspect("equal")
+        ax.set_title(name, fontsize=10)
+        ax.set_xticks([])
+        ax.set_yticks([])
+        if cols and labels is not None:
+            for i, y in enumerate(np.asarray(labels)[: min(GRID_MAX, len(one_step))]):
+                r, k = divmod(i, cols)
+                ax.text(k * cell + 2, r * cell + 2, str(int(y)), color="yellow", fontsize=7, va="top", ha="left",
+                        bbox={"facecolor": "black", "alpha": 0.6, "pad": 0.5, "lw": 0})
+    if not cols:
+        fig.text(0.5, 0.02, "black: samples; grey: held-out points", ha="center", fontsize=8)
+    elif labels is not None:
+        fig.text(0.5, 0.02, "the number in each corner: the class the sample was drawn for", ha="center", fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -175,9 +175,11 @@ def tokenization_of(cfg):
 
 def generate_images(t: trained_lib.Trained, s: Settings, path: Path) -> None:
     """A MeanFlow run's one-step and multi-step samples side by side, as a PNG at `path`."""
-    from nljax.measure.figures import sample_figure, write_png
+    from nljax.measure.figures import write_samples
 
     task = t.run.task
     n = min(s.samples, len(task.data.eval_x))
     one, multi = task.generate(t.run.engine, t.params, n)
-    write_png(path, sample_figure(one, multi, task.data.eval_x[:n]))
+    labels = task.data.eval_y[:n] if task.data.num_classes else None
+    write_samples(path, one, multi, task.data.eval_x[:n], t.cfg.meanflow.sample_steps, labels,
+                  f"{t.cfg.run.dir}, step {t.step}")

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable, Protocol
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -31,7 +32,7 @@ from nljax.data.recall import CHANCE, attention_reach, recall_corpus
 from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
 from nljax.errors import ConfigError
 from nljax.measure.energy import energy_distance
-from nljax.measure.figures import sample_figure, write_png
+from nljax.measure.figures import write_samples
 from nljax.models import registry
 from nljax.parallel import mesh as meshlib
 from nljax.parallel.hostdev import gather_rows, host_sum, put_batch, reset_all_rows
@@ -110,6 +111,7 @@ class TextTask:
         self.units_per_row = cfg.train.seq_len
         self.data = data = text_data(cfg)
         self.eval_data, self.eval_score = data.held, data.held_score
+        self.bpb_per_nat = data.tokens_per_byte / math.log(2)  # a loss in nats per token -> bits per byte
         if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
             source = f"data.eval={cfg.data.eval}" if cfg.data.eval else f"data.eval_fraction={cfg.data.eval_fraction}"
             raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} from {source}) is shorter than "
@@ -196,7 +198,7 @@ class ImageTask:
         self.sampler = images.EpochSampler(len(self.data.train_x), cfg.train.batch_size, cfg.seed)
         if len(self.data.eval_x) < 2:  # the evaluation's energy distance: found before step 0
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {len(self.data.eval_x)}")
-        self._generate = None
+        self._generate = self._error = None
 
     def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
         # no inner-loop memory: there is no row to reset
@@ -236,9 +238,37 @@ class ImageTask:
         one, multi = self.generator(eng)(params, rows["index"], rows["label"])
         return gather_rows(one, n), gather_rows(multi, n)
 
+    def error_fn(self, eng):
+        """Per-device (sum, count) of the model's unweighted per-example error (`per_example_error`)
+        over rows split over the data axes, masked rows left out; compiled once."""
+        if self._error is None:
+            model = eng.local_model
+
+            def local(params, image, label, index, mask):  # [n/devices, ...]
+                e = model.per_example_error(params, {"image": image, "label": label, "index": index})
+                w = mask.astype(e.dtype)
+                return jnp.sum(e * w)[None], jnp.sum(w)[None]
+
+            self._error = jax.jit(lambda params, *rows: jax.shard_map(
+                local, mesh=self.mesh, in_specs=(eng.split.params, ROWS, ROWS, ROWS, ROWS),
+                out_specs=(ROWS, ROWS), check_vma=False)(params, *rows))
+        return self._error
+
+    def held_out_error(self, eng, params, n: int) -> float:
+        """The mean unweighted error of the loss on the first n held-out images (their draws keyed
+        by their index, as training's are): what the adaptively weighted loss, about 1, hides."""
+        padded = -(-n // meshlib.data_size(self.mesh)) * meshlib.data_size(self.mesh)
+        x = np.zeros((padded, *self.data.eval_x.shape[1:]), np.float32)
+        x[:n] = self.data.eval_x[:n]
+        rows = put_batch({"image": x, "label": np.resize(self.data.eval_y, padded).astype(np.int32),
+                          "index": np.arange(padded, dtype=np.int32), "mask": np.arange(padded) < n}, self.mesh)
+        total, count = self.error_fn(eng)(params, rows["image"], rows["label"], rows["index"], rows["mask"])
+        return host_sum(total) / max(host_sum(count), 1.0)
+
     def evaluate(self, cache, params, step: int) -> dict:
         """Energy distance between n generated samples and the n first held-out images (n: all held-out
-        images, or meanflow.eval_samples), for one-step and multi-step sampling; a PNG of samples."""
+        images, or meanflow.eval_samples), for one-step and multi-step sampling; a PNG of samples;
+        with a model that has `per_example_error`, its unweighted error on those images."""
         mf = self.cfg.meanflow
         held = len(self.data.eval_x)
         n = min(mf.eval_samples, held) if mf.eval_samples else held
@@ -246,7 +276,8 @@ class ImageTask:
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {n}")
         # Sampling needs the model's parameter tree (split over `model` only): under fsdp it is
         # gathered over the data axes here.
-        one, multi = self.generate(cache.eng, cache.eng.strategy.gather_params(params), n)
+        whole = cache.eng.strategy.gather_params(params)
+        one, multi = self.generate(cache.eng, whole, n)
         ref = self.data.eval_x[:n]
         if jax.process_index() == 0:
             run_dir = Path(self.cfg.run.dir)
@@ -254,9 +285,14 @@ class ImageTask:
             from nljax.runtime.runlog import note_written
 
             name = f"samples_{step:06d}.png"
-            write_png(run_dir / name, sample_figure(one, multi, ref))
+            labels = self.data.eval_y[:n] if self.data.num_classes else None
+            write_samples(run_dir / name, one, multi, ref, mf.sample_steps, labels, f"after {step} steps")
             note_written(run_dir, name)
+        error = {}
+        if hasattr(cache.eng.local_model, "per_example_error"):
+            error["eval_mse"] = self.held_out_error(cache.eng, whole, n)
         return {
+            **error,
             "eval_energy_1step": energy_distance(one, ref),
             "eval_energy_multistep": energy_distance(multi, ref),
             "eval_sample_steps": mf.sample_steps,

@@ -275,7 +275,10 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         summary["data"] = describe()
     out.run.save_summary(summary)
     if out.run.write and cfg.run.plots:
-        runlog.plot(out.run.path, hist.records, table["per_pattern"], final_eval)
+        from nljax.measure import plots  # matplotlib: loaded only to draw
+
+        # a text task's bits per byte in a nat per token (the log's eval_bpb): loss.png shows both
+        plots.write(out.run.path, hist.records, table["per_pattern"], final_eval, getattr(run.task, "bpb_per_nat", None))
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")
     out.say(throughput.format_table(table))
     every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
+TOKENIZER = "tokenizer.json"  # a text model's tokenizer.json, when its run had one (nljax.load reads it)
 DEFAULT = "export"  # out= by default: <run.dir>/export
 
 
@@ -21,10 +22,10 @@ def is_export(path: Path) -> bool:
 
 
 def remove(out: Path) -> None:
-    """Removes the export in `out` (its two files; the directory too if that leaves it empty).
+    """Removes the export in `out` (its files; the directory too if that leaves it empty).
     A directory holding anything else than an nljax export is left as it is."""
     if out.is_dir() and is_export(out):
-        for n in (WEIGHTS, CONFIG):
+        for n in (WEIGHTS, TOKENIZER, CONFIG):
             (out / n).unlink(missing_ok=True)
         if not any(out.iterdir()):
             out.rmdir()

@@ -1,6 +1,6 @@
-"""What a run shows while it trains and leaves behind: progress on the terminal and PNG plots in
-`run.dir` (its trackers, TensorBoard and W&B, are in nljax/run/trackers.py). Only process 0 creates
-any of them."""
+"""What a run shows while it trains and leaves behind: progress on the terminal and the files it
+writes in `run.dir` (its plots are drawn by nljax/measure/plots.py; its trackers, TensorBoard and
+W&B, are in nljax/run/trackers.py). Only process 0 creates any of them."""
 
 from __future__ import annotations
 
@@ -79,6 +79,7 @@ class Progress:
 
     def __init__(self, total: int, start: int, every: int, quiet: bool, unit: str = "tok"):
         self.every, self.quiet, self.unit = every, quiet, unit
+        self.last_mse = None  # the latest evaluation's eval_mse (MeanFlow), shown beside the loss
         self.bar = None
         if not quiet and sys.stderr.isatty():
             from tqdm import tqdm
@@ -97,15 +98,23 @@ class Progress:
         pattern = rec["pattern"]
         if rec.get("compile_s") is not None:
             self.say(f"compiled {pattern} in {rec['compile_s']:.1f} s")
+        loss = f"loss {rec['loss']:.4f}{self.error_text(rec)}"
         if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {rec['loss']:.4f}  {rate:,.0f} {self.unit}/s/device", refresh=False)
+            self.bar.set_postfix_str(f"{loss}  {rate:,.0f} {self.unit}/s/device", refresh=False)
             self.bar.update(1)
             if eval_text:
                 self.bar.write(f"step {rec['step']:6d}  {eval_text}")
         elif rec["step"] % self.every == 0 or last or eval_text:
             ms = rec["step_time_s"] * 1e3
-            self.say(f"step {rec['step']:6d}  loss {rec['loss']:.4f}  {pattern:<10} {ms:8.1f} ms  "
+            self.say(f"step {rec['step']:6d}  {loss}  {pattern:<10} {ms:8.1f} ms  "
                      f"{rate:10,.0f} {self.unit}/s/device{'  ' + eval_text if eval_text else ''}")
+
+    def error_text(self, rec: dict) -> str:
+        """Beside an adaptively weighted loss (MeanFlow's, about 1 at every step by design): the
+        latest held-out unweighted error (`eval_mse`, from the evaluations), which shows the fit."""
+        if rec.get("eval_mse") is not None:
+            self.last_mse = rec["eval_mse"]
+        return "" if self.last_mse is None else f"  held-out mse (unweighted) {self.last_mse:.4g}"
 
     def close(self) -> None:
         if self.bar is not None:
@@ -121,52 +130,3 @@ def format_metrics(metrics: dict) -> str:
             continue
         parts.append(f"{k} {v:,d}" if isinstance(v, int) else f"{k} {v:.4g}")
     return "  ".join(parts)
-
-
-def plot(path: Path, records: list[dict], timed: dict, final_eval: dict | None = None) -> list[str]:
-    """loss.png (training loss per step and every eval metric named *loss*, the final evaluation
-    included) and step_time.png (step time per pulse pattern during training, with the medians
-    timed at the end). Returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
-
-    written = []
-    steps = [r["step"] for r in records]
-    if records:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(steps, [r["loss"] for r in records], lw=1, label="train loss")
-        final = final_eval or {}
-        for key in sorted({k for r in [*records, final] for k in r if k.startswith("eval") and "loss" in k}):
-            pts = [(r["step"] + 1, r[key]) for r in records if key in r]
-            pts += [(records[-1]["step"] + 1, final[key])] if key in final else []
-            ax.plot(*zip(*pts), "o-", label=key)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss")
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path / "loss.png", dpi=100)
-        plt.close(fig)
-        written.append("loss.png")
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        names = sorted({r["pattern"] for r in records}, key=lambda n: (n.count("+"), n))
-        for i, name in enumerate(names):
-            pts = [(r["step"], r["step_time_s"] * 1e3) for r in records if r["pattern"] == name and not r["compiled"]]
-            color = f"C{i % 10}"
-            if pts:
-                ax.plot(*zip(*pts), ".", ms=3, color=color, label=f"{name} (training)")
-            if name in timed:
-                ax.axhline(timed[name]["step_time_ms"], color=color, ls="--", lw=1, label=f"{name} (timed, median)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("step time (ms)")
-        ax.set_yscale("log")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(path / "step_time.png", dpi=100)
-        plt.close(fig)
-        written.append("step_time.png")
-    return written

@@ -72,6 +72,12 @@ class TrainConfig:
         if self.sample_every < 0 or self.sample_tokens < 1:
             raise ConfigError(f"train.sample_every must be >= 0 (0: off) and train.sample_tokens >= 1, got "
                               f"{self.sample_every} and {self.sample_tokens}")
+        if self.sample_tokens > MAX_SAMPLE_TOKENS:  # one compiled step per token: bounded before any work
+            raise ConfigError(f"train.sample_tokens must be <= {MAX_SAMPLE_TOKENS:,}, got {self.sample_tokens:,}")
+
+
+MAX_SAMPLE_TOKENS = 65_536  # train.sample_tokens: a sample is printed, not a corpus
+MAX_REPS = 1_000  # throughput.reps: a median of a thousand timings is as good as of more
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,3 +114,5 @@ class ThroughputConfig:
     def check(self) -> None:
         if self.reps < 1 or self.peak_tflops < 0:
             raise ConfigError("throughput.reps must be >= 1 and throughput.peak_tflops >= 0")
+        if self.reps > MAX_REPS:  # nljax.bench times every rep whatever max_fraction says
+            raise ConfigError(f"throughput.reps must be <= {MAX_REPS:,}, got {self.reps:,}")

@@ -1,0 +1,152 @@
+"""The run's plots in `run.dir`: loss.png and step_time.png (written by nljax/run/trainer.py at
+the end of a run, from the metrics.jsonl records).
+
+Made to be read without help: every axis in plain numbers (no offset such as "1e-5+9.999e-1", no
+"1.7x10^3" on a log axis), legends beside the data rather than over it, a text loss in bits per
+byte beside nats (as the log prints `eval_bpb`), and a MeanFlow run's loss plotted with what says
+more than its adaptively weighted loss (about 1 at every step by design): the held-out squared
+error without the weight, and the energy distance of its samples."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
+
+# metrics.jsonl keys -> what the legend says
+LABELS = {
+    "loss": "training loss",
+    "eval_loss": "held-out loss (fresh memory)",
+    "eval_loss_stream": "held-out loss (memory carried)",
+    "eval_mse": "held-out squared error (unweighted)",
+    "eval_energy_1step": "one-step samples",
+    "eval_energy_multistep": "multi-step samples",
+}
+
+
+def plain(axis) -> None:
+    """Plain tick labels on a linear axis: no offset, no scientific notation."""
+    f = ScalarFormatter(useOffset=False)
+    f.set_scientific(False)
+    axis.set_major_formatter(f)
+
+
+def plain_log(axis) -> None:
+    """A log axis labelled in plain numbers (20, 50, 100, not 2x10^1): the decades, and 2 and 5
+    between them."""
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
+def legend_beside(ax) -> None:
+    """The legend right of the axes, outside the data."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8, frameon=False)
+
+
+def series(records: list[dict], final: dict, key: str) -> list[tuple[int, float]]:
+    """(steps done, value) of `key`: an evaluation's record is after step s, i.e. s + 1 steps;
+    the final evaluation after the last step."""
+    pts = [(r["step"] + 1, r[key]) for r in records if r.get(key) is not None]
+    if final.get(key) is not None and records:
+        pts.append((records[-1]["step"] + 1, final[key]))
+    return pts
+
+
+def _save(fig, path: Path) -> None:
+    fig.savefig(path, dpi=100, bbox_inches="tight")  # the legend beside the axes is kept in
+    plt.close(fig)
+
+
+def loss_figure(records: list[dict], final: dict | None = None, bpb_per_nat: float | None = None):
+    """loss.png's figure: a language model's losses in nats with bits per byte on the right
+    (`bpb_per_nat`: bits per byte in one nat per token), or, where the records hold energy
+    distances (a MeanFlow run), three panels: the training loss, the held-out unweighted error,
+    the energy distance."""
+    final = final or {}
+    keys = {k for r in [*records, final] for k in r}
+    if any(k.startswith("eval_energy") for k in keys):
+        return _image_loss_figure(records, final)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1, label=LABELS["loss"])
+    for key in sorted(k for k in keys if k.startswith("eval") and "loss" in k):
+        ax.plot(*zip(*series(records, final, key)), "o-", ms=4, label=LABELS.get(key, key))
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats per token)")
+    plain(ax.yaxis)
+    if bpb_per_nat:
+        right = ax.secondary_yaxis("right", functions=(lambda n: n * bpb_per_nat, lambda b: b / bpb_per_nat))
+        right.set_ylabel("bits per byte")
+        plain(right.yaxis)
+    ax.grid(alpha=0.3)
+    if bpb_per_nat:  # the right side holds the second axis: the legend goes below
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8, frameon=False)
+    else:
+        legend_beside(ax)
+    return fig
+
+
+def _image_loss_figure(records: list[dict], final: dict):
+    fig, (top, mid, low) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    top.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1, label=LABELS["loss"])
+    top.set_ylabel("training loss\n(adaptively weighted)")
+    pts = series(records, final, "eval_mse")
+    if pts:
+        mid.plot(*zip(*pts), "o-", ms=4, color="C1", label=LABELS["eval_mse"])
+    mid.set_ylabel("held-out squared error\n(unweighted, per value)")
+    steps = next((r["eval_sample_steps"] for r in [final, *reversed(records)] if "eval_sample_steps" in r), None)
+    for key, color in (("eval_energy_1step", "C2"), ("eval_energy_multistep", "C3")):
+        pts = series(records, final, key)
+        label = LABELS[key] + (f" ({steps} steps)" if key.endswith("multistep") and steps else "")
+        if pts:
+            low.plot(*zip(*pts), "o-", ms=4, color=color, label=label)
+    low.set_ylabel("energy distance\n(to held-out images)")
+    low.set_xlabel("step")
+    for ax in (top, mid, low):
+        plain(ax.yaxis)
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            legend_beside(ax)
+    return fig
+
+
+def step_time_figure(records: list[dict], timed: dict):
+    """step_time.png's figure: each training step's time by pulse pattern (the steps that
+    compiled left out), with the medians timed at the end as dashed lines."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    names = sorted({r["pattern"] for r in records}, key=lambda n: (n.count("+"), n))
+    values = []
+    for i, name in enumerate(names):
+        pts = [(r["step"], r["step_time_s"] * 1e3) for r in records if r["pattern"] == name and not r["compiled"]]
+        color = f"C{i % 10}"
+        if pts:
+            ax.plot(*zip(*pts), ".", ms=4, color=color, label=f"{name} (training)")
+            values += [v for _, v in pts]
+        if name in timed:
+            ax.axhline(timed[name]["step_time_ms"], color=color, ls="--", lw=1, label=f"{name} (timed, median)")
+            values.append(timed[name]["step_time_ms"])
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    if values and min(values) > 0 and max(values) / min(values) > 20:  # a wide range: log, in plain numbers
+        ax.set_yscale("log")
+        plain_log(ax.yaxis)
+    else:
+        plain(ax.yaxis)
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        legend_beside(ax)
+    return fig
+
+
+def write(path: Path, records: list[dict], timed: dict, final_eval: dict | None = None,
+          bpb_per_nat: float | None = None) -> list[str]:
+    """loss.png and step_time.png in `path`; returns the names written."""
+    if not records:
+        return []
+    _save(loss_figure(records, final_eval, bpb_per_nat), Path(path) / "loss.png")
+    _save(step_time_figure(records, timed), Path(path) / "step_time.png")
+    return ["loss.png", "step_time.png"]

@@ -1,0 +1,205 @@
+"""A trained model for use from Python: `nljax.load(path)`.
+
+    import nljax
+
+    lm = nljax.load("runs/default")                  # a run directory, or an export directory
+    print(lm.generate("def ", max_new_tokens=100, temperature=0.8, top_k=40, seed=0))
+    ids = lm.encode("def f(x):")                     # the run's own tokenizer: bytes or tokenizer.json
+    logits, memory = lm.logits([ids])                # [1, T, V] and the neural memory after them
+
+`path` is either a run directory that `python -m nljax.train` wrote (its newest intact
+checkpoint, or the one `checkpoint=` names, is restored onto one device) or an export directory
+that `python -m nljax.export` wrote (model.safetensors, config.json; no checkpoint machinery).
+
+The model reads a stream in windows of `train.seq_len` tokens with a per-row inner-loop memory
+(the neural memory M and its momentum S) carried from window to window. `reset` is that memory's
+per-row reset flag: `reset[b]` True makes row b start its window from the model's fresh memory
+(as training does at a row's start and after a document's end), False continues from the memory
+passed in. `generate` does all of this itself, exactly as `python -m nljax.generate` does
+(nljax/run/sampling.py: the same windows, memory resets and sampling rules).
+
+Everything here imports JAX on call: `import nljax` stays light.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from nljax import config
+from nljax.errors import ConfigError
+from nljax.runtime.exportdir import is_export
+
+
+@dataclasses.dataclass(eq=False)
+class TrainedModel:
+    """A trained model, its parameters on one device, and its run's tokenizer."""
+
+    model: Any  # the nljax model (nljax/models/base.py: init, init_memory, logits or generate)
+    params: Any  # its parameter tree
+    config: config.Config  # the run's config as it trained
+    step: int  # optimizer steps the parameters had taken
+    source: Path  # the checkpoint's step directory, or the export directory
+    tokenizer: Any = None  # text models: nljax.data.tokenization.Bytes or HFTokenizer; else None
+    _mesh: Any = dataclasses.field(default=None, repr=False)  # one device: where generation runs
+    _sampler: Any = dataclasses.field(default=None, repr=False)
+    _forward: Any = dataclasses.field(default=None, repr=False)
+
+    @property
+    def makes_text(self) -> bool:
+        """Whether the model is a language model (its task is text and it has `logits`)."""
+        return getattr(self.model, "task", "text") == "text" and hasattr(self.model, "logits")
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens per window (`train.seq_len`): the window `logits` reads and `generate` slides."""
+        return self.config.train.seq_len
+
+    def _text_only(self, what: str) -> None:
+        if not self.makes_text:
+            raise ConfigError(f"{what} is for language models; model.name={self.config.model.name} makes images "
+                              "(generate(labels=...) samples them)")
+
+    def encode(self, text: str) -> list[int]:
+        """The token ids of `text` under the run's tokenization (UTF-8 bytes, or its tokenizer.json)."""
+        self._text_only("encode")
+        return self.tokenizer.encode(text)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids (a byte that is not whole UTF-8 reads as U+FFFD)."""
+        self._text_only("decode")
+        return "".join(self.tokenizer.decode_stream([int(i) for i in ids]))
+
+    @property
+    def end_id(self) -> int | None:
+        """The token that ends a document (bytes: 0; a tokenizer: data.doc_end_token's, or None)."""
+        return self.tokenizer.end_id if self.makes_text else None
+
+    def init_memory(self, rows: int = 1):
+        """A fresh inner-loop memory for `rows` stream rows (a pytree of arrays, leading axis rows)."""
+        return self.model.init_memory(rows)
+
+    def logits(self, tokens, memory=None, reset=None):
+        """(next-token logits [B, T, V], the memory after the tokens) of `tokens` [B, T].
+        `memory`: the memory to continue from (default: a fresh one for B rows); `reset` [B]
+        bool: the per-row memory reset flag of the first window (default: True for every row
+        when no memory is given, else False). The tokens are read as training reads a stream:
+        in windows of `seq_len`, the memory written by each window and carried to the next,
+        and reset after a window that holds a document's end (`end_id`). A last window shorter
+        than `seq_len` is padded (the model is causal: the logits of the tokens given do not
+        change), but the memory returned has then read the padding too: to continue a text
+        later, carry the memory after full windows only, as `generate` does."""
+        self._text_only("logits")
+        tokens = np.asarray(tokens, np.int32)
+        if tokens.ndim != 2 or tokens.shape[1] < 1:
+            raise ConfigError(f"tokens must be [rows, T] with T >= 1, got shape {tokens.shape}")
+        rows = tokens.shape[0]
+        reset = np.full((rows,), memory is None) if reset is None else np.asarray(reset, bool).reshape(rows)
+        memory = self.init_memory(rows) if memory is None else memory
+        out = []
+        for start in range(0, tokens.shape[1], self.seq_len):
+            window = tokens[:, start : start + self.seq_len]
+            logits, memory = self._window(window, memory, reset)
+            out.append(np.asarray(logits))
+            # as training reads a stream (ContextStream): a window with a document's end resets the next
+            reset = np.isin(window, [self.end_id]).any(axis=1) if self.end_id is not None else np.zeros(rows, bool)
+        return np.concatenate(out, axis=1), memory
+
+    def _window(self, tokens: np.ndarray, memory, reset: np.ndarray):
+        """Logits [B, T, V] of one window of T <= seq_len tokens (padded), and the memory after it."""
+        rows, t = tokens.shape
+        window = np.zeros((rows, self.seq_len + 1), np.int32)  # T inputs read; the last column is a target
+        window[:, :t] = tokens
+        if self._forward is None:
+            model = self.model
+            self._forward = jax.jit(lambda p, m, x, r: model.logits(p, m, {"tokens": x, "reset": r}))
+        logits, memory = self._forward(self.params, memory, window, reset)
+        return logits[:, :t], memory
+
+    def generate(self, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, stream: Callable[[str], Any] | None = None,
+                 labels: Sequence[int] | None = None, steps: int = 1):
+        """A language model: the text sampled after `prompt` (not including it), with
+        `python -m nljax.generate`'s settings and rules (temperature, then top-k, then top-p;
+        temperature 0 is greedy; the same seed gives the same text); `stream(text)` is called
+        with each piece as it is sampled. An empty prompt starts a new document.
+        An image model (MeanFlow): samples [len(labels), H, W, C] in [-1, 1] for the class
+        `labels`, in `steps` steps (1: MeanFlow's one-step sampling)."""
+        if not self.makes_text:
+            return self._images(labels, steps)
+        from nljax.run.sampling import Settings, prompt_ids
+
+        s = Settings(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                     top_p=top_p, seed=seed).check()
+        prompt_tokens = prompt_ids(self.tokenizer, prompt)
+        pieces = []
+        for piece in self.tokenizer.decode_stream(self.sampler().tokens(prompt_tokens, s), context=prompt_tokens):
+            pieces.append(piece)
+            if stream is not None and piece:
+                stream(piece)
+        return "".join(pieces)
+
+    def sampler(self):
+        """The windowed decoder `generate` uses (nljax.run.sampling.TextSampler), compiled once."""
+        from nljax.run.sampling import TextSampler
+
+        if self._sampler is None:
+            self._sampler = TextSampler(self.model, self.params, self._mesh, self.seq_len, self.end_id)
+        return self._sampler
+
+    def _images(self, labels: Sequence[int] | None, steps: int) -> np.ndarray:
+        if not hasattr(self.model, "generate"):
+            raise ConfigError(f"model.name={self.config.model.name} neither makes text nor has generate()")
+        if labels is None or len(labels) == 0 or steps < 1:
+            raise ConfigError("an image model's generate needs labels=[class, ...] (one sample each) and steps >= 1")
+        label = np.asarray(labels, np.int32)
+        index = np.arange(len(label), dtype=np.int32)  # each sample's noise, keyed by (seed, index)
+        out = jax.jit(self.model.generate, static_argnums=3)(self.params, index, label, int(steps))
+        return np.asarray(out)
+
+
+def load(path: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = ()) -> TrainedModel:
+    """The trained model in `path`: an export directory (`python -m nljax.export`) or a run
+    directory (`python -m nljax.train`'s run.dir; `checkpoint`: "latest", a step directory or a
+    checkpoints directory; `overrides`: config overrides on top of the run's config.yaml)."""
+    path = Path(path).expanduser()
+    if is_export(path):
+        if checkpoint != "latest" or overrides:
+            raise ConfigError(f"{path} is an export (one set of parameters): checkpoint= and overrides are for a "
+                              "run directory")
+        return _from_export(path)
+    if (path / "config.yaml").is_file():
+        return _from_run(path, checkpoint, overrides)
+    raise ConfigError(f"{path} is neither an export directory (python -m nljax.export) nor a run directory "
+                      "(python -m nljax.train's run.dir, with its config.yaml)")
+
+
+def _from_run(run_dir: Path, checkpoint: str, overrides: Sequence[str]) -> TrainedModel:
+    from nljax.run import trained
+    from nljax.run.sampling import tokenization_of
+
+    t = trained.load(run_dir, checkpoint, overrides, devices=jax.local_devices()[:1])
+    for line in t.warnings("nljax.load"):
+        print(line, file=sys.stderr)
+    out = TrainedModel(t.model, t.params, t.trained_cfg, t.step, t.path, _mesh=t.run.mesh)
+    out.tokenizer = tokenization_of(t.cfg) if out.makes_text else None
+    return out
+
+
+def _from_export(path: Path) -> TrainedModel:
+    import json
+
+    from nljax.export import load_model, tokenization_of_export
+    from nljax.runtime.exportdir import CONFIG
+
+    model, params = load_model(path)
+    info = json.loads((path / CONFIG).read_text())
+    mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("rows",))
+    out = TrainedModel(model, params, config.from_dict(info["config"]), int(info["step"]), path, _mesh=mesh)
+    out.tokenizer = tokenization_of_export(path, out.config) if out.makes_text else None
+    return out

@@ -1,0 +1,136 @@
+"""The Python API of a trained model (nljax/trained_model.py): `nljax.load` of a run directory
+and of an export give the same model, tokenizer and samples as `python -m nljax.generate`;
+`logits` reads a stream as training does (windows, the memory carried, `reset` per row); the
+README's and the guide's Python snippets run as written."""
+
+import re
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+from helpers import ROOT, TINY_NL, saved_run
+
+import nljax
+from nljax import export
+from nljax.errors import ConfigError
+from nljax.run import sampling, trained
+
+# seq_len 16: the snippets' 9- and 33-byte texts cross windows
+NL = [*TINY_NL, "train.seq_len=16"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """A directory holding runs/default (a text run with a checkpoint) and runs/default/export,
+    the paths the snippets name."""
+    root = tmp_path_factory.mktemp("api")
+    run_dir = root / "runs" / "default"
+    saved_run(run_dir, NL, 1, 2, steps=3)
+    export.export(trained.load(run_dir, devices=jax.devices()[:1]), run_dir / "export")
+    return root
+
+
+@pytest.fixture(scope="module")
+def lm(runs):
+    return nljax.load(runs / "runs" / "default")  # loaded once: its compiled forwards serve every test
+
+
+def test_a_run_and_its_export_load_alike_and_generate_as_the_command(runs, lm):
+    run_dir = runs / "runs" / "default"
+    ex = nljax.load(run_dir / "export")
+    assert isinstance(lm, nljax.TrainedModel) and lm.makes_text and lm.step == ex.step == 3
+    assert lm.config == ex.config and lm.seq_len == 16 and lm.end_id == 0
+    text = "déf f(x):\n\treturn x ☃"
+    assert lm.encode(text) == list(text.encode()) and lm.decode(lm.encode(text)) == text
+    settings = dict(max_new_tokens=40, temperature=0.9, top_k=20, top_p=0.95, seed=3)
+    pieces = []
+    got = lm.generate("def ", stream=pieces.append, **settings)
+    assert got == "".join(pieces) and got == ex.generate("def ", **settings)
+    # the command's code path (nljax.generate), on 2 devices: the same tokens
+    t = trained.load(run_dir, devices=jax.devices()[:2])
+    tokens = sampling.generate_text(t, sampling.Settings(prompt="def ", **settings), lambda _: None)
+    assert got == lm.decode(tokens)
+    assert lm.generate("def ", seed=4, max_new_tokens=40) != lm.generate("def ", seed=5, max_new_tokens=40)
+
+
+def test_logits_read_windows_with_the_memory_and_reset(lm):
+    """`logits` of 2.5 windows equals feeding them one by one with the memory carried; `reset`
+    True starts a row from the fresh memory, False continues (and the memory changes the logits)."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 256, (2, 40))  # no document end: no reset inside
+    whole, memory = lm.logits(tokens)
+    assert whole.shape == (2, 40, lm.config.model.vocab_size)
+    first, m1 = lm.logits(tokens[:, :16])
+    second, m2 = lm.logits(tokens[:, 16:32], m1, reset=[False, False])
+    np.testing.assert_allclose(whole[:, :32], np.concatenate([first, second], 1), rtol=1e-5, atol=1e-5)
+    fresh, _ = lm.logits(tokens[:, 16:32])
+    reset_one, _ = lm.logits(tokens[:, 16:32], m1, reset=[True, False])
+    np.testing.assert_array_equal(reset_one[0], fresh[0])  # row 0 reset: as from a fresh memory
+    np.testing.assert_array_equal(reset_one[1], second[1])  # row 1 continued
+    assert not np.allclose(second[0], fresh[0], atol=1e-6), "the memory changes nothing: the test proves nothing"
+    # a document's end (byte 0) resets the memory before the next window, as training reads a stream
+    ended = tokens.copy()
+    ended[:, 10] = 0
+    after_end, _ = lm.logits(ended[:, :32])
+    np.testing.assert_array_equal(after_end[:, 16:], lm.logits(ended[:, 16:32])[0])
+
+
+def test_bad_input_is_one_line(runs, lm, tmp_path):
+    cases = [
+        (lambda: nljax.load(tmp_path), "is neither an export directory"),
+        (lambda: nljax.load(runs / "runs" / "default" / "export", checkpoint="3"), "is an export"),
+        (lambda: lm.logits(np.zeros(5, np.int32)), "tokens must be [rows, T]"),
+        (lambda: lm.generate("x", top_p=0), "0 < top_p <= 1"),
+    ]
+    for call, words in cases:
+        with pytest.raises(ConfigError) as e:
+            call()
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_image_model_generates_images(tmp_path):
+    npz = tmp_path / "imgs.npz"
+    rng = np.random.default_rng(0)
+    np.savez(npz, x=rng.integers(0, 256, (40, 4, 4, 3), np.uint8), y=rng.integers(0, 3, 40))
+    dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+           "model.dit.patch_size=2", "images.source=file", f"images.path={npz}", "cms.periods=[1]",
+           "train.batch_size=8"]
+    saved_run(tmp_path / "run", dit, 1, 2, steps=1)
+    export.export(trained.load(tmp_path / "run", devices=jax.devices()[:1]), tmp_path / "export")
+    lm, ex = nljax.load(tmp_path / "run"), nljax.load(tmp_path / "export")
+    assert not lm.makes_text and lm.tokenizer is None
+    one = lm.generate(labels=[0, 2, 1], steps=1)
+    assert one.shape == (3, 4, 4, 3) and np.isfinite(one).all()
+    np.testing.assert_allclose(ex.generate(labels=[0, 2, 1], steps=1), one, atol=1e-6)
+    assert not np.allclose(lm.generate(labels=[0, 2, 1], steps=2), one)
+    with pytest.raises(ConfigError, match="for language models"):
+        lm.encode("x")
+
+
+def test_import_nljax_stays_free_of_jax():
+    code = ("import sys, nljax; assert callable(nljax.load) and callable(nljax.load_model); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')]; assert not bad, bad")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+
+
+def python_block(path, marker: str | None = None) -> str:
+    """The first ```python block of `path` (after the line `marker`, when given)."""
+    text = path.read_text()
+    if marker is not None:
+        assert marker in text.splitlines(), f"{path} has no line {marker}"
+        text = text.split(marker, 1)[1]
+    m = re.search(r"```python\n(.*?)```", text, re.S)
+    assert m, f"no python block in {path}"
+    return m.group(1)
+
+
+@pytest.mark.parametrize("where", ["README.md", "docs/guides/python-api.md"])
+def test_the_python_snippets_run_as_written(where, runs, monkeypatch, capsys):
+    """The snippet, run in a directory holding the runs/ it names (a tiny trained run)."""
+    code = python_block(ROOT / where, "<!-- python-api -->" if where == "README.md" else None)
+    monkeypatch.chdir(runs)
+    exec(compile(code, where, "exec"), {"__name__": "__snippet__"})
+    assert capsys.readouterr().out.strip(), "the snippet prints the generated text"
