@@ -44,10 +44,13 @@ def parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
+MAX_CPU_DEVICES = 1024
+
+
 def setup_devices(cpu_devices: int | None) -> None:
     if cpu_devices is not None:
-        if cpu_devices < 1:
-            raise config.ConfigError(f"--cpu-devices must be >= 1, got {cpu_devices}")
+        if not 1 <= cpu_devices <= MAX_CPU_DEVICES:  # each one a thread pool and a copy of the state
+            raise config.ConfigError(f"--cpu-devices must be in [1, {MAX_CPU_DEVICES}], got {cpu_devices}")
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", cpu_devices)
 

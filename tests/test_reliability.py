@@ -3,6 +3,8 @@ and a non-zero exit, and nothing already on disk is lost."""
 
 from __future__ import annotations
 
+import os
+import re
 import threading
 
 import pytest
@@ -251,3 +253,72 @@ def test_the_same_data_spelled_otherwise_or_from_another_directory_resumes_exact
     assert restore(again.engine, again.state, tmp_path / "ck" / "1").fresh_rows  # paths alone: "data changed"
     r = restore(again.engine, again.state, tmp_path / "ck" / "1", digest)
     assert not r.fresh_rows and r.warnings == [], r.warnings
+
+
+# ---------------------------------------------------------------------------------------------
+# Hangs: inputs bounded before work starts, waits that say what they wait for
+
+
+ALIASES = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{k}: &{k} [{', '.join([f'*{p}'] * 10)}]\n" for p, k in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize("setting, said", [
+    ("throughput.reps=1000000000", "throughput.reps must be <= 1,000"),
+    ("train.sample_tokens=1000000000", "train.sample_tokens must be <= 65,536"),
+    ("cms.periods=[" + ",".join(["1"] * 2000) + "]", "cms.periods has 2,000 levels, more than the 64"),
+    ("meanflow.sample_steps=1000000000", "meanflow.sample_steps must be in [1, 1000]"),
+    ("data.train=" + "[" * 5000 + "]" * 5000, "nested deeper than 32 levels"),
+])
+def test_an_absurd_count_is_one_line_before_any_work(setting, said):
+    """Each took minutes or hours (or never ended) with nothing printed; now refused as the config
+    is read, within a second."""
+    import time
+
+    from nljax import config
+
+    extra = ["model.name=dit", "images.source=digits", "cms.periods=[1]"] if setting.startswith("meanflow") else []
+    t0 = time.monotonic()
+    with pytest.raises(config.ConfigError, match=re.escape(said)):
+        config.load(None, [*extra, setting])
+    assert time.monotonic() - t0 < 30
+
+
+def test_yaml_aliases_expanding_past_the_limit_are_one_short_line(tmp_path):
+    """A few hundred bytes of aliases standing for 10^9 values (in run.dir, or a list key: the
+    'one line' error was 312 MB)."""
+    from nljax import config
+
+    (tmp_path / "c.yaml").write_text(ALIASES + "run:\n  dir: *i\n")
+    with pytest.raises(config.ConfigError) as e:
+        config.load(str(tmp_path / "c.yaml"))
+    assert "expands to more than 100,000 values" in str(e.value) and len(str(e.value)) < 300
+
+
+def test_cpu_devices_and_a_fifo_as_data_are_refused(tmp_path):
+    from nljax import cli, config
+    from nljax.data import documents
+
+    with pytest.raises(config.ConfigError, match=r"--cpu-devices must be in \[1, 1024\]"):
+        cli.setup_devices(10**9)
+    os.mkfifo(tmp_path / "pipe.txt")
+    with pytest.raises(config.ConfigError, match="is not a regular file"):
+        documents.expand([str(tmp_path / "pipe.txt")], "data.train")
+
+
+def test_a_process_waiting_for_the_others_to_join_says_so(monkeypatch, capsys):
+    """A worker whose coordinator nobody serves was silent for its whole join timeout."""
+    import threading
+
+    from nljax.runtime import distributed
+
+    joined = threading.Event()
+    t = threading.Thread(target=distributed._say_while_joining, args=(
+        joined, distributed.Launch("10.0.0.1:1234", 2, 1), "coordinator 10.0.0.1:1234"))
+    monkeypatch.setattr(distributed, "JOIN_SAY_S", 0.2)
+    t.start()
+    t.join(1.0)
+    joined.set()
+    t.join()
+    assert capsys.readouterr().err.startswith("nljax: process 1 has waited 0 s for the run's 2 processes to join at "
+                                              "coordinator 10.0.0.1:1234; still waiting")

@@ -49,6 +49,8 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 raise ConfigError(f"{key}: no file {pattern}")
             if p.is_dir():
                 raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*.txt)")
+            if not p.is_file():  # a FIFO would wait for a writer forever, a device never end
+                raise ConfigError(f"{key}: {pattern} is not a regular file (a pipe or a device)")
             found = [p]
         for p in found:
             if not p.name.endswith(SUFFIXES):

@@ -14,6 +14,8 @@ from typing import Literal
 
 from nljax.errors import ConfigError
 
+MAX_LEVELS = 64  # cms.periods: levels are a handful (the default has 4)
+
 
 @dataclasses.dataclass(frozen=True)
 class CMSConfig:
@@ -30,7 +32,9 @@ class CMSConfig:
 
     def check(self) -> None:
         if not self.periods or any(p < 1 for p in self.periods):
-            raise ConfigError(f"cms.periods must be a non-empty list of positive integers, got {list(self.periods)}")
+            raise ConfigError(f"cms.periods must be a non-empty list of positive integers, got {list(self.periods)[:8]}")
+        if len(self.periods) > MAX_LEVELS:  # the levels' split of the parameters is quadratic in them
+            raise ConfigError(f"cms.periods has {len(self.periods):,} levels, more than the {MAX_LEVELS} nljax takes")
 
 
 @dataclasses.dataclass(frozen=True)

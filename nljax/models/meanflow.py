@@ -60,8 +60,8 @@ class MeanFlowConfig:
             raise ConfigError("meanflow.r_fraction must be in [0, 1] and meanflow.label_dropout in [0, 1)")
         if self.time_sigma <= 0 or self.adaptive_p < 0 or self.adaptive_c <= 0:
             raise ConfigError("meanflow.time_sigma and meanflow.adaptive_c must be > 0, meanflow.adaptive_p >= 0")
-        if self.sample_steps < 1:
-            raise ConfigError("meanflow.sample_steps must be >= 1")
+        if not 1 <= self.sample_steps <= 1_000:  # one model call each, at every evaluation
+            raise ConfigError(f"meanflow.sample_steps must be in [1, 1000], got {self.sample_steps:,}")
         if (self.cfg_omega != 1.0 or self.cfg_kappa != 0.0) and self.label_dropout == 0:
             # the unconditional field is the null label's, which only dropped labels train
             raise ConfigError(f"meanflow.cfg_omega={self.cfg_omega}, cfg_kappa={self.cfg_kappa} mix in the "

@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import sys
+import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -152,12 +153,34 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
     for name in ("heartbeat_timeout_seconds", "shutdown_timeout_seconds"):
         if name in accepted:
             kwargs[name] = int(timeout_s)
+    where = launch.cluster or f"coordinator {launch.coordinator}"
+    joined = threading.Event()
+    waiting = threading.Thread(target=_say_while_joining, args=(joined, launch, where), daemon=True,
+                               name="nljax-joining")
+    waiting.start()
     try:
         jax.distributed.initialize(**kwargs)
     except (ValueError, RuntimeError) as e:
-        where = launch.cluster or f"coordinator {launch.coordinator}"
         raise ConfigError(f"jax.distributed.initialize failed ({where}): {first_line(e)}")
+    finally:
+        joined.set()
     return True
+
+
+JOIN_SAY_S = 10.0  # a join that takes longer says what it waits for, then every 30 s
+
+
+def _say_while_joining(joined: threading.Event, launch: Launch, where: str) -> None:
+    """Says, on standard error, what a process waits for while the processes join (a coordinator
+    nobody serves: JAX is silent until its join timeout, minutes)."""
+    waited, wait = 0.0, JOIN_SAY_S
+    while not joined.wait(wait):
+        waited += wait
+        who = "this process" if launch.process_id is None else f"process {launch.process_id}"
+        count = f" {launch.num_processes}" if launch.num_processes else ""
+        print(f"nljax: {who} has waited {waited:.0f} s for the run's{count} processes to join at {where}; "
+              "still waiting", file=sys.stderr, flush=True)
+        wait = 30.0
 
 
 def _check_resolves(coordinator: str) -> None:
