@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Downloads titans-pytorch 0.5.5 and the packages it needs beyond torch (with its own
-# dependencies) and numpy, as wheels for the GPU machine (Python 3.12, Linux x86_64), into .whl/:
-# the machine has no network, and `run(carry=[".whl"])` takes them there, where
-# benchmarks/gpu_suite.sh installs them (`pip install --no-index --find-links .whl`).
+# dependencies) and numpy, as wheels for a GPU machine (Python 3.12, Linux x86_64), into .whl/,
+# on a machine that has network access. For a GPU machine without it: copy .whl/ there with the
+# checkout (scp, rsync, a shared file system, a container image, whatever your cluster uses);
+# benchmarks/gpu_suite.sh then installs them from that folder alone
+# (`pip install --no-index --find-links .whl titans-pytorch==0.5.5`).
 #
-#   benchmarks/fetch_wheels.sh [PYTHON_VERSION]      (default 3.12)
+#   benchmarks/fetch_wheels.sh [PYTHON_VERSION]      (default 3.12: the GPU machine's Python)
 #
 # The list is titans-pytorch's dependency closure minus torch's, pinned to the versions the
 # side-by-side was measured with (pip freeze of the bench extra's environment).

@@ -17,8 +17,9 @@
 # against the targets of every part run so far is printed at the end (OUT_DIR/summary.txt).
 # `--profile 2` adds where the device time of 2 steps went (nljax/measure/traces.py) to the JSON and log. Needs no
 # network: jax/flax/optax/orbax/torch are installed; titans-pytorch is installed from wheels in
-# .whl/ when it is not importable (`benchmarks/fetch_wheels.sh` downloads them here, the device call
-# carries `.whl`), and its part is skipped with a message when neither works.
+# .whl/ when it is not importable (`benchmarks/fetch_wheels.sh` downloads them on a machine with
+# network; copy .whl/ to the GPU machine with the checkout), and its part is skipped with a message
+# when neither works.
 # Run from the repository root.
 set -u
 OUT=${1:?usage: benchmarks/gpu_suite.sh OUT_DIR}
@@ -51,7 +52,7 @@ part_titans() {
     run titans_vs_bf16 $PY benchmarks/titans_pytorch.py --device cuda --dtype bf16 --threads 0 \
       --rounds 5 --warmup 2 --out "$OUT/titans_vs_bf16.json"
   else
-    echo "== titans_vs_bf16: skipped, titans_pytorch is not importable (carry its wheels in .whl/)"
+    echo "== titans_vs_bf16: skipped, titans_pytorch is not importable (copy its wheels into .whl/, benchmarks/fetch_wheels.sh)"
   fi
   # the all-levels step, profiled (latency-bound, i.e. the device idle between kernels, or not),
   # with the inner loop's chunks recomputed (the default), stored, and whole blocks recomputed

@@ -29,6 +29,7 @@ import argparse
 import ctypes
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -105,12 +106,20 @@ def _parent_death_signal():
     return preexec
 
 
+# What a worker's native libraries print that says nothing to a user: gloo's note, one per
+# process and peer group, that its connections are up ("[Gloo] Rank 0 is connected to 1 peer
+# ranks. Expected number of connected peer ranks is : 1"), written to fd 1 behind Python's back.
+NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
 def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
     writable = True
     for raw in iter(stream.readline, b""):
         if not writable:  # still read: a worker blocked on a full pipe would never exit
             continue
         line = raw.decode(errors="replace").rstrip("\n")
+        if NOISE.match(line):
+            continue
         with lock:
             try:
                 out.write(f"{prefix}{line}\n")
