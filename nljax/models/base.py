@@ -85,7 +85,7 @@ class TextModel(Model, Protocol):
     """A language model: `apply`'s predictions are available for evaluation and generation."""
 
     def logits(self, params: PyTree, memory: PyTree, batch: dict, key: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
-        """(logits [B, T, V] of batch["tokens"][:, :-1], new_memory)."""
+        """(logits `[B, T, V]` of `batch["tokens"][:, :-1]`, new_memory)."""
         ...
 
 
