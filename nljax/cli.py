@@ -68,6 +68,18 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config,
     return joined
 
 
+def backend_failed(e: BaseException) -> str | None:
+    """The one line for JAX failing to start its backend (JAX_PLATFORMS=cuda on a machine without
+    the GPU or its plugin: an AssertionError or RuntimeError deep in JAX), or None."""
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames or not frames[-1].filename.endswith("xla_bridge.py"):
+        return None
+    platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "(JAX's default)"
+    return (f"JAX could not start a backend for JAX_PLATFORMS={platforms} ({type(e).__name__}: "
+            f"{first_line(e) or 'no message'}); check that the device and its JAX plugin are installed "
+            "(pip install 'nljax[cuda]' for GPUs), or unset JAX_PLATFORMS")
+
+
 def out_of_memory(e: BaseException) -> str | None:
     """The one line for an allocation that failed although the budget check passed (its
     activations term is only a floor, see nljax/measure/budget.py), or None for any other error."""
@@ -183,7 +195,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         print(f"{p.prog}: error{where}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        line = out_of_memory(e) or write_failed(e)
+        line = out_of_memory(e) or write_failed(e) or backend_failed(e)
         if line and not multiprocess:
             print(f"{p.prog}: error: {line}", file=sys.stderr)
             return 1

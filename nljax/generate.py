@@ -28,11 +28,14 @@ Any other `key=value` is a config override on top of the run's own config.yaml.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
 from nljax import cli
 from nljax.errors import ConfigError
+from nljax.measure.figures import written_by_nljax
 from nljax.models import registry
 from nljax.run import trained as trained_lib
 from nljax.run.sampling import generate_images, generate_text, parse
@@ -55,11 +58,21 @@ def main(argv=None) -> int:
         if not images and (s.out or "samples" in given):  # checked before anything is restored
             raise ConfigError(f"out= and samples= are for a MeanFlow (model.name=dit) run's image grid; "
                               f"this run's model is {cfg.model.name}: its text goes to the terminal")
+        text_only = sorted(given & {"prompt", "max_new_tokens", "temperature", "top_k", "top_p"})
+        if images and text_only:  # ignored before, with exit 0
+            raise ConfigError(f"{', '.join(k + '=' for k in text_only)} {'is' if len(text_only) == 1 else 'are'} for "
+                              f"a language model; this run's model is {cfg.model.name}: it draws an image grid "
+                              "(samples=, out=, seed=)")
+        if not images and sys.stdout is None:  # started with standard output closed (>&-)
+            raise ConfigError("standard output is closed: the text has nowhere to go")
         t = trained_lib.load(run_dir, s.checkpoint, overrides)
         for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
             print(line, file=sys.stderr)
         if images:
             path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
+            if path.exists() and not written_by_nljax(path):  # a user's picture of the same name
+                raise ConfigError(f"out={path} exists and is not a PNG nljax.generate wrote; give another out= or "
+                                  "move it")
             try:
                 generate_images(t, s, path)
             except OSError as e:  # permissions, a full disk, a directory that does not exist
@@ -77,6 +90,9 @@ def main(argv=None) -> int:
         return cli.interrupted("nljax.generate")
     except OSError as e:  # stdout closed, a full disk
         print(f"nljax.generate: error: {cli.write_failed(e) or e}", file=sys.stderr)
+        if sys.stdout is not None:  # the text still buffered would fail again as Python exits (a traceback)
+            with contextlib.suppress(OSError, ValueError):
+                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
 
 

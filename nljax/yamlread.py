@@ -26,6 +26,10 @@ def load(text: str, what: str):
     """The value of the YAML document `text` (None when empty); `what` names it in the lines."""
     if len(text) > MAX_BYTES:
         raise ConfigError(f"{what} is {len(text):,} characters of YAML, more than the {MAX_BYTES:,} a config may have")
+    try:  # bytes that are not UTF-8 reach Python (argv, a file read with surrogateescape) as lone surrogates
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} is not UTF-8 text (at character {e.start})") from None
     _check_depth(text, what)
     loader = _LOADER(text)
     try:

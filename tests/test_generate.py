@@ -101,6 +101,18 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     out = tmp_path / "grid.png"
     assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6"]) == 0  # its own grid: replaced
+    # a user's PNG of that name is never replaced; text settings on an image run are refused (both
+    # were accepted, exit 0: the user's picture overwritten, prompt= ignored)
+    mine = tmp_path / "mine.png"
+    mine.write_bytes(b"\x89PNG\r\n\x1a\n a user's picture")
+    capsys.readouterr()
+    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={mine}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"nljax.generate: error: out={mine} exists and is not a PNG nljax.generate wrote; give another out= or move it")
+    assert mine.read_bytes().endswith(b"a user's picture")
+    assert generate.main([f"run.dir={tmp_path / 'run'}", "prompt=a cat", f"out={tmp_path / 'g2.png'}"]) == 2
+    assert "prompt= is for a language model; this run's model is dit" in capsys.readouterr().err
     # a directory where no file can be made (Linux's /proc): one line naming the file, exit 1
     assert generate.main([f"run.dir={tmp_path / 'run'}", "out=/proc/nljax_grid.png"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("nljax.generate: error: cannot write "

@@ -322,3 +322,98 @@ def test_a_process_waiting_for_the_others_to_join_says_so(monkeypatch, capsys):
     t.join()
     assert capsys.readouterr().err.startswith("nljax: process 1 has waited 0 s for the run's 2 processes to join at "
                                               "coordinator 10.0.0.1:1234; still waiting")
+
+
+# ---------------------------------------------------------------------------------------------
+# Tracebacks: user-controlled bytes and environment, each one line
+
+
+def test_user_bytes_and_files_in_the_way_are_one_line(tmp_path):
+    """A non-UTF-8 sample prompt or generate prompt (argv bytes arrive as lone surrogates), a
+    run.dir name over 255 bytes, summary.json existing as a directory, a lock file missing a
+    field, zero-size images, a label past the class limit: ConfigError each (tracebacks before)."""
+    import json
+    import socket
+
+    import numpy as np
+
+    from nljax import config
+    from nljax.data import images
+    from nljax.run.sampling import Settings
+    from nljax.runtime import runlock
+    from nljax.runtime.rundir import RunDir, check_free
+
+    with pytest.raises(config.ConfigError, match="train.sample_prompt is not UTF-8 text"):
+        config.load(None, ["train.sample_prompt=caf\udce9"])
+    with pytest.raises(config.ConfigError, match="prompt= is not UTF-8 text"):
+        Settings(prompt="caf\udce9").check()
+    with pytest.raises(config.ConfigError, match="cannot be used: File name too long"):
+        check_free(config.load(None, [f"run.dir={tmp_path / ('x' * 300)}"]))
+    (tmp_path / "summary.json").mkdir()
+    with pytest.raises(config.ConfigError, match="summary.json is a directory"):
+        RunDir(str(tmp_path), overwrite=False, write=True, resume_step=4)
+    lock = tmp_path / "locked" / runlock.NAME
+    lock.parent.mkdir()
+    lock.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid()}))  # no "started"
+    with pytest.raises(config.ConfigError, match="is in use by a live run"):
+        runlock.refuse_if_live(lock.parent)
+    np.save(tmp_path / "empty.npy", np.zeros((10, 0, 4), np.uint8))
+    with pytest.raises(config.ConfigError, match="of at least one pixel"):
+        images._file(str(tmp_path / "empty.npy"))
+    np.savez(tmp_path / "labels.npz", x=np.zeros((10, 4, 4), np.uint8), y=np.full(10, 2**31 - 2))
+    with pytest.raises(config.ConfigError, match="labels must be < 1,048,576"):
+        images.load(config.load(None, ["images.source=file", f"images.path={tmp_path / 'labels.npz'}"]).images)
+
+
+def test_a_metrics_line_that_is_not_utf8_is_a_warning_on_resume(tmp_path, capsys):
+    from nljax.runtime.rundir import kept_records
+
+    (tmp_path / "metrics.jsonl").write_bytes(b'{"step": 0, "loss": 1.0}\n\xff\xfe{"step": 1}\n{"step": 2, "loss": 3.0}\n')
+    assert [r["step"] for r in kept_records(tmp_path / "metrics.jsonl", 5)] == [0, 2]
+    assert "line 2 not a record" in capsys.readouterr().err
+
+
+def test_a_newest_checkpoint_that_cannot_be_looked_into_is_nljaxs_and_damaged(tmp_path, monkeypatch):
+    """Permissions on checkpoints/4 (stat of what it holds raises EACCES): a traceback before;
+    now taken for nljax's, so a resume finds it damaged and falls back to an older one."""
+    from pathlib import Path
+
+    from nljax.checkpoint import storage
+
+    (tmp_path / "4" / "nljax").mkdir(parents=True)
+    real = Path.is_file
+
+    def denied(self):
+        if "4" in self.parts:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    monkeypatch.setattr(Path, "exists", denied)
+    assert storage.is_nljax_step(tmp_path / "4")
+    assert storage.leftovers(tmp_path) == [tmp_path / "4"]
+
+
+def test_a_backend_that_cannot_start_is_one_line():
+    """JAX_PLATFORMS=cuda on a machine without a GPU: an AssertionError deep in JAX before."""
+    from helpers import cli
+
+    p = cli("nljax.train", "train.steps=1", "run.dir=unused", check=False, env={"JAX_PLATFORMS": "cuda"}, timeout=300)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "nljax.train: error: JAX could not start a backend for JAX_PLATFORMS=cuda"), p.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Misleading lines
+
+
+def test_a_dangling_symlink_as_run_dir_is_named_as_such(tmp_path):
+    """mkdir said only 'File exists'."""
+    from nljax import config
+    from nljax.runtime.runlock import make_run_dir
+
+    (tmp_path / "run").symlink_to(tmp_path / "gone")
+    with pytest.raises(config.ConfigError, match=f"run.dir {tmp_path / 'run'} is a symbolic link to "
+                                                 f"{tmp_path / 'gone'}, which does not exist"):
+        make_run_dir(tmp_path / "run")

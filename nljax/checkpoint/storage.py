@@ -179,8 +179,13 @@ def _agreed(error: str | None) -> None:
 
 def is_nljax_step(p: Path) -> bool:
     """A step directory nljax committed: a numeric name, Orbax's step metadata and nljax's item.
-    Only these are resumed from or pruned; a user's folder `checkpoints/7` is neither."""
-    return p.name.isdigit() and (p / META / "metadata").is_file() and (p / ORBAX_META).is_file()
+    Only these are resumed from or pruned; a user's folder `checkpoints/7` is neither. One whose
+    contents cannot be looked at (permissions) counts as one: a resume finds it damaged and falls
+    back to an older one."""
+    try:
+        return p.name.isdigit() and (p / META / "metadata").is_file() and (p / ORBAX_META).is_file()
+    except OSError:
+        return p.name.isdigit() and p.is_dir()
 
 
 def complete_steps(root: Path) -> list[int]:
@@ -220,8 +225,17 @@ def leftovers(root: Path) -> list[Path]:
     # ours, and in the way of the step's next save), and `<step>.orbax-checkpoint-tmp-<n>` (a save
     # cut short); nothing else a user keeps there is ever refused or removed.
     return [p for p in root.iterdir()
-            if p.is_dir() and ((p.name.isdigit() and any((p / n).exists() for n in ITEMS))
+            if p.is_dir() and ((p.name.isdigit() and _holds_an_item(p))
                                or re.fullmatch(r"\d+\.orbax-checkpoint-tmp(-\d+)?", p.name))]
+
+
+def _holds_an_item(p: Path) -> bool:
+    """Whether the step directory `p` holds one of nljax's items (one that cannot be looked into:
+    taken for nljax's, see `is_nljax_step`)."""
+    try:
+        return any((p / n).exists() for n in ITEMS)
+    except OSError:
+        return True
 
 
 def foreign_steps(root: Path, after: int, last: int) -> list[Path]:

@@ -110,8 +110,9 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
             raise ConfigError(f"images.path {path}: cannot read its arrays ({first_line(e)})") from None
     if x.ndim == 3:
         x = x[..., None]
-    if x.ndim != 4 or len(x) < 2:
-        raise ConfigError(f"images.path {path}: expected images [N, H, W] or [N, H, W, C], got shape {x.shape}")
+    if x.ndim != 4 or len(x) < 2 or 0 in x.shape[1:]:  # zero-size images: nothing to learn or to draw
+        raise ConfigError(f"images.path {path}: expected images [N, H, W] or [N, H, W, C] of at least one pixel, "
+                          f"got shape {x.shape}")
     if x.dtype == np.uint8:
         x = x / 127.5 - 1.0
     elif not np.issubdtype(x.dtype, np.floating):
@@ -128,6 +129,7 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
 # room for any sane scaling (0..255 floats included) while squares and sums of the loss stay far
 # from float32's overflow at 3e38 (1e30 overflowed, and every step was skipped).
 MAX_ABS = 1e4
+MAX_CLASSES = 2**20  # labels: a class embedding row each; a label near 2^31 overflowed int32 inside jit
 
 
 def check_values(x: np.ndarray, where: str) -> None:
@@ -158,8 +160,8 @@ def load(cfg: ImagesConfig) -> ImageSet:
         x, y = _gaussians(cfg.toy_points)
     else:
         x, y = _file(cfg.path)
-    if y is not None and y.max() >= 2**31 - 1:  # int32 labels, and the null class after the last
-        raise ConfigError(f"images: labels must be < 2^31 - 1, got {int(y.max())}")
+    if y is not None and y.max() >= MAX_CLASSES:  # the class embedding has a row per class (and the null one)
+        raise ConfigError(f"images: labels must be < {MAX_CLASSES:,} (2^20), got {int(y.max()):,}")
     num_classes = 0 if y is None else int(y.max()) + 1
     y = np.zeros(len(x), np.int32) if y is None else y.astype(np.int32)
     x = x.astype(np.float32)

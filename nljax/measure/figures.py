@@ -13,6 +13,21 @@ from pathlib import Path
 import numpy as np
 
 
+# In every samples PNG nljax writes (a PNG text chunk): `nljax.generate` replaces such a file, never
+# a user's PNG of the same name
+MARK = {"Software": "nljax"}
+
+
+def written_by_nljax(path: Path) -> bool:
+    """Whether the PNG at `path` carries `MARK` (its text chunks come before the pixels)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return False
+    return b"tEXtSoftware\x00nljax" in head
+
+
 def write_png(path: Path, pixels: np.ndarray) -> None:
     """8-bit greyscale [H, W] or RGB [H, W, 3] PNG."""
     pixels = np.ascontiguousarray(pixels, np.uint8)
@@ -113,5 +128,5 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, metadata=MARK)
     plt.close(fig)

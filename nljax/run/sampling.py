@@ -59,6 +59,10 @@ class Settings:
             raise ConfigError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")
+        try:  # bytes that are not UTF-8 reach Python's argv as lone surrogates
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"prompt= is not UTF-8 text (at character {e.start})") from None
         if self.out and Path(self.out).is_dir():
             raise ConfigError(f"out={self.out} is a directory: give the PNG file to write")
         if self.out and Path(self.out).suffix.lower() != ".png":  # never over a file of another kind

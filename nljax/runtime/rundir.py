@@ -52,6 +52,7 @@ class RunDir:
     when told to, removes the earlier run's outputs first so that none of them outlives it."""
 
     # and the files the run noted (runlog.note_written: samples_*.png, TensorBoard event files)
+    FILES = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png")  # files, not folders
     OUTPUTS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "profile", "wandb")
 
     def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
@@ -73,6 +74,10 @@ class RunDir:
             make_run_dir(self.path)
             if resume_step is None:
                 self._refuse_foreign()
+            folders = [n for n in self.FILES if (self.path / n).is_dir()]
+            if folders:  # found at the end of training before, as a traceback
+                raise ConfigError(f"run.dir {self.path}: {folders[0]} is a directory, where the run writes a file of "
+                                  "that name; move it")
             # never delete a file nobody asked to replace, nor one no run wrote (`runlog.written`)
             if resume_step is None and (overwrite or metrics.exists()):
                 runlog.remove_written(self.path)
@@ -122,9 +127,10 @@ def kept_records(path: Path, step: int) -> list[dict]:
     if not path.exists():
         return []
     keep, dropped = [], []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
+    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+        line = raw.decode("utf-8", errors="replace")  # a line not UTF-8 (edited, damaged): dropped, said
         try:
-            record = json.loads(line)
+            record = json.loads(line) if "\ufffd" not in line else None
             if record["step"] < step:
                 # null stands for a non-finite number (runlog.strict_json): NaN again in memory
                 keep.append({k: float("nan") if v is None else v for k, v in record.items()})
