@@ -72,6 +72,10 @@ class TrainConfig:
         if self.sample_every < 0 or self.sample_tokens < 1:
             raise ConfigError(f"train.sample_every must be >= 0 (0: off) and train.sample_tokens >= 1, got "
                               f"{self.sample_every} and {self.sample_tokens}")
+        try:  # bytes that are not UTF-8 reach Python's argv as lone surrogates
+            self.sample_prompt.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ConfigError(f"train.sample_prompt is not UTF-8 text (at character {e.start})") from None
         if self.sample_tokens > MAX_SAMPLE_TOKENS:  # one compiled step per token: bounded before any work
             raise ConfigError(f"train.sample_tokens must be <= {MAX_SAMPLE_TOKENS:,}, got {self.sample_tokens:,}")
 
