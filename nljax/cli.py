@@ -16,7 +16,10 @@ import sys
 import traceback
 from typing import Callable, Sequence
 
-import jax
+try:  # the commands' first import of JAX, which reads its environment as it is imported
+    import jax
+except ValueError as e:  # JAX_NUM_CPU_DEVICES=abc, ...: a traceback before
+    sys.exit(f"nljax: error: JAX's environment variables: {str(e).splitlines()[0]}")
 
 from nljax import config, configdoc
 from nljax.errors import first_line

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -63,7 +64,7 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     names = (WEIGHTS, TOKENIZER, CONFIG) if hasattr(tok, "raw") else (WEIGHTS, CONFIG)
     temp = {n: out / f".{n}.tmp-{os.getpid()}" for n in names}
     try:
-        save_file({k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, str(temp[WEIGHTS]))
+        _save_weights(save_file, {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, temp[WEIGHTS])
         info = {"config": config.to_dict(t.trained_cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
         if tok is not None:  # how text becomes tokens, for nljax.load (a tokenizer's file beside it)
             info["tokenizer"] = tok.info()
@@ -82,6 +83,18 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
         for path in temp.values():
             path.unlink(missing_ok=True)
     return out
+
+
+def _save_weights(save_file, tensors: dict, path: Path) -> None:
+    """safetensors' `save_file`, its I/O errors as the OSError they are (a full disk: 'Error while
+    serializing: I/O error: ... (os error 28)', a traceback before)."""
+    try:
+        save_file(tensors, str(path))
+    except Exception as e:  # noqa: BLE001 - safetensors' Rust error type
+        code = re.search(r"\(os error (\d+)\)", str(e))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(path)) from None
 
 
 def _tokenization(t: trained_lib.Trained):

@@ -417,3 +417,24 @@ def test_a_dangling_symlink_as_run_dir_is_named_as_such(tmp_path):
     with pytest.raises(config.ConfigError, match=f"run.dir {tmp_path / 'run'} is a symbolic link to "
                                                  f"{tmp_path / 'gone'}, which does not exist"):
         make_run_dir(tmp_path / "run")
+
+
+def test_an_export_onto_a_full_disk_is_an_oserror(tmp_path):
+    """safetensors reports a failed write as its own error type ('I/O error: ... (os error 28)'):
+    a traceback before; now the OSError that the export command reports in one line."""
+    from nljax import export
+
+    def full(tensors, path):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    with pytest.raises(OSError) as e:
+        export._save_weights(full, {}, tmp_path / "w")
+    assert e.value.errno == 28 and e.value.filename == str(tmp_path / "w")
+
+
+def test_a_jax_environment_variable_jax_cannot_read_is_one_line():
+    from helpers import cli
+
+    p = cli("nljax.train", "train.steps=1", check=False, env={"JAX_NUM_CPU_DEVICES": "two"}, timeout=300)
+    assert p.returncode == 1 and p.stderr.strip() == (
+        "nljax: error: JAX's environment variables: Invalid value \"two\" for JAX flag jax_num_cpu_devices"), p.stderr
