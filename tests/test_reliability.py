@@ -438,3 +438,17 @@ def test_a_jax_environment_variable_jax_cannot_read_is_one_line():
     p = cli("nljax.train", "train.steps=1", check=False, env={"JAX_NUM_CPU_DEVICES": "two"}, timeout=300)
     assert p.returncode == 1 and p.stderr.strip() == (
         "nljax: error: JAX's environment variables: Invalid value \"two\" for JAX flag jax_num_cpu_devices"), p.stderr
+
+
+def test_a_run_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
+    """--resume on a read-only run.dir: the lock is its first write (EACCES as a user; the suite
+    may run as root, so the refusal is simulated)."""
+    from nljax import config
+    from nljax.runtime import runlock
+
+    def read_only(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(runlock.os, "open", read_only)
+    with pytest.raises(config.ConfigError, match=f"run.dir {tmp_path} cannot be written .its lock .*Permission denied"):
+        runlock.RunLock(tmp_path).acquire()

@@ -147,6 +147,9 @@ class RunLock:
                 refuse_if_live(self.path.parent, self.what)
                 self._remove_stale(judged)
                 continue
+            except OSError as e:  # a read-only run.dir (permissions, a read-only mount): a traceback before
+                raise ConfigError(f"{self.what} {self.path.parent} cannot be written (its lock {self.path}: "
+                                  f"{e.strerror or e})") from None
             self.text = json.dumps(info)
             try:
                 with os.fdopen(fd, "w") as f:
