@@ -452,3 +452,21 @@ def test_a_run_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setattr(runlock.os, "open", read_only)
     with pytest.raises(config.ConfigError, match=f"run.dir {tmp_path} cannot be written .its lock .*Permission denied"):
         runlock.RunLock(tmp_path).acquire()
+
+
+def test_a_checkpoint_dir_inside_a_live_runs_directory_is_refused(tmp_path):
+    """Run b with checkpoint.dir=a/checkpoints while run a (run.dir=a) is live: a's lock covers
+    its own checkpoints folder only through run.dir, so b checks the directories above its own."""
+    from nljax import config
+    from nljax.runtime.rundir import check_free, take_lock
+
+    a = config.load(None, [f"run.dir={tmp_path / 'a'}"])
+    b = config.load(None, [f"run.dir={tmp_path / 'b'}", f"checkpoint.dir={tmp_path / 'a' / 'checkpoints'}"])
+    lock = take_lock(a)
+    try:
+        with pytest.raises(config.ConfigError, match=f"checkpoint.dir {tmp_path / 'a' / 'checkpoints'} is inside "
+                                                     f"{tmp_path / 'a'}: run.dir {tmp_path / 'a'} is in use"):
+            check_free(b)
+    finally:
+        lock.release()
+    check_free(b)

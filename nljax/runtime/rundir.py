@@ -174,6 +174,20 @@ def check_free(cfg: Config) -> None:
         if _exists(what, path) and not path.is_dir():  # not "checkpoint.dir ... cannot be created"
             raise ConfigError(f"{what} {path} is a file, not a directory")
         distributed.on_main(lambda: refuse_if_live(path, what), _in_use_elsewhere(cfg))
+        distributed.on_main(lambda: _refuse_inside_live(cfg, what, path), _in_use_elsewhere(cfg))
+
+
+def _refuse_inside_live(cfg: Config, what: str, path: Path) -> None:
+    """Refuses a directory inside one a live run holds (another run's run.dir: its checkpoints
+    folder is covered by that run's lock only), other than this run's own run.dir."""
+    own = Path(cfg.run.dir).absolute().resolve()
+    for parent in path.resolve().parents:
+        if parent == own:
+            continue
+        try:
+            refuse_if_live(parent)
+        except ConfigError as e:
+            raise ConfigError(f"{what} {path} is inside {parent}: {e}") from None
 
 
 class RunLocks:
