@@ -4,8 +4,8 @@ the end of a run, from the metrics.jsonl records).
 Made to be read without help: every axis in plain numbers (no offset such as "1e-5+9.999e-1", no
 "1.7x10^3" on a log axis), legends beside the data rather than over it, a text loss in bits per
 byte beside nats (as the log prints `eval_bpb`), and a MeanFlow run's loss plotted with what says
-more than its adaptively weighted loss (about 1 at every step by design): the held-out squared
-error without the weight, and the energy distance of its samples."""
+more than its adaptively weighted loss (near 1 at every step with the default weight): the
+held-out squared error without the weight, and the energy distance of its samples."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter, ScalarFormatter  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter  # noqa: E402
 
 # metrics.jsonl keys -> what the legend says
 LABELS = {
@@ -58,6 +58,8 @@ def series(records: list[dict], final: dict, key: str) -> list[tuple[int, float]
 
 
 def _save(fig, path: Path) -> None:
+    for ax in fig.axes:  # steps are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=100, bbox_inches="tight")  # the legend beside the axes is kept in
     plt.close(fig)
 

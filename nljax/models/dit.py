@@ -226,8 +226,8 @@ class DiT:
 
     def per_example_error(self, params, batch) -> jax.Array:
         """Per-example mean squared error of the loss's regression without its adaptive weight
-        (meanflow.adaptive_p = 0), per image value: the weighted loss is about 1 at every step by
-        design, this one shows the fit (evaluated on held-out images, nljax/run/tasks.py).  [B]"""
+        (meanflow.adaptive_p = 0), per image value: the weighted loss is near 1 at every step with
+        the default weight, this one shows the fit (evaluated on held-out images, nljax/run/tasks.py).  [B]"""
         plain = dataclasses.replace(self, loss=dataclasses.replace(self.loss, adaptive_p=0.0))
         return plain.per_example_loss(params, batch) / math.prod(self.net.image)
 

@@ -256,7 +256,8 @@ class ImageTask:
 
     def held_out_error(self, eng, params, n: int) -> float:
         """The mean unweighted error of the loss on the first n held-out images (their draws keyed
-        by their index, as training's are): what the adaptively weighted loss, about 1, hides."""
+        by their index, as training's are): what the adaptively weighted loss (near 1 with the
+        default weight) hides."""
         padded = -(-n // meshlib.data_size(self.mesh)) * meshlib.data_size(self.mesh)
         x = np.zeros((padded, *self.data.eval_x.shape[1:]), np.float32)
         x[:n] = self.data.eval_x[:n]

@@ -110,8 +110,9 @@ class Progress:
                      f"{rate:10,.0f} {self.unit}/s/device{'  ' + eval_text if eval_text else ''}")
 
     def error_text(self, rec: dict) -> str:
-        """Beside an adaptively weighted loss (MeanFlow's, about 1 at every step by design): the
-        latest held-out unweighted error (`eval_mse`, from the evaluations), which shows the fit."""
+        """Beside an adaptively weighted loss (MeanFlow's: near 1 at every step with the default
+        weight, whatever the fit): the latest held-out unweighted error (`eval_mse`, from the
+        evaluations), which shows the fit."""
         if rec.get("eval_mse") is not None:
             self.last_mse = rec["eval_mse"]
         return "" if self.last_mse is None else f"  held-out mse (unweighted) {self.last_mse:.4g}"
