@@ -73,6 +73,7 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
         # what the model's data decided (a DiT's image shape and labels): load_model reads no data
         info.update(registry.record(t.model, t.cfg.model.name))
         info["sha256"] = filedigest.record({n: p for n, p in temp.items() if n != CONFIG})  # load_model checks them
+        info["digest"] = filedigest.seal(info)  # last: of everything above, checked by load_model
         temp[CONFIG].write_text(json.dumps(info, indent=1))
         os.chmod(temp[WEIGHTS], temp[CONFIG].stat().st_mode & 0o777)  # safetensors writes 0600
         for n in names:
@@ -144,6 +145,7 @@ def load_model(path: str | Path):
         cfg = config.from_dict(info["config"])
     except (ValueError, KeyError, TypeError) as e:  # damaged or edited
         raise ConfigError(f"{path / CONFIG} is not an nljax export's config ({type(e).__name__}: {e})") from None
+    filedigest.check_seal(path / CONFIG, info)
     filedigest.check(path, info.get("sha256"), "the export")
     model = registry.rebuild(cfg, info)  # with what its data decided (a DiT's images), as recorded
     flat = load_file(str(path / WEIGHTS))

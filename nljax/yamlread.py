@@ -74,6 +74,8 @@ def _check(node: yaml.Node, what: str, depth: int, sizes: dict[int, int]) -> int
     if depth > MAX_DEPTH:
         raise ConfigError(f"{what} is nested deeper than {MAX_DEPTH} levels (or an alias refers to itself)")
     n = 1
+    if isinstance(node, yaml.ScalarNode) and "\x00" in node.value:  # no path or name can hold one
+        raise ConfigError(f"{what}: a value holds a NUL character (line {node.start_mark.line + 1})")
     if isinstance(node, yaml.MappingNode):
         seen = set()
         for key, value in node.value:

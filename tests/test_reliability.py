@@ -209,6 +209,12 @@ def test_an_export_changed_since_it_was_written_is_refused(tmp_path):
     weights.write_bytes(raw.replace(b'"F32"', b'"I32"', 1))
     with pytest.raises(config.ConfigError, match="model.safetensors is not the file that was written"):
         export.load_model(out)
+    weights.write_bytes(raw)
+    info = json.loads((out / export.CONFIG).read_text())
+    info["config"]["model"]["hidden_mult"] = 3  # a setting edited: the same shapes, other logits
+    (out / export.CONFIG).write_text(json.dumps(info))
+    with pytest.raises(config.ConfigError, match="config.json was changed since it was written"):
+        export.load_model(out)
 
 
 @pytest.mark.parametrize("text", ["train:\n  steps: 5\n  steps: 7\n", "train:\n  steps: 5\noptim:\n  lr: 0.1\ntrain:\n  seed: 1\n"])
@@ -269,6 +275,8 @@ ALIASES = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("cms.periods=[" + ",".join(["1"] * 2000) + "]", "cms.periods has 2,000 levels, more than the 64"),
     ("meanflow.sample_steps=1000000000", "meanflow.sample_steps must be in [1, 1000]"),
     ("data.train=" + "[" * 5000 + "]" * 5000, "nested deeper than 32 levels"),
+    ("images.toy_points=2000000000", "images.toy_points must be <= 10,000,000"),
+    ('run.dir="a\\0b"', "a value holds a NUL character"),
 ])
 def test_an_absurd_count_is_one_line_before_any_work(setting, said):
     """Each took minutes or hours (or never ended) with nothing printed; now refused as the config
@@ -277,7 +285,7 @@ def test_an_absurd_count_is_one_line_before_any_work(setting, said):
 
     from nljax import config
 
-    extra = ["model.name=dit", "images.source=digits", "cms.periods=[1]"] if setting.startswith("meanflow") else []
+    extra = ["model.name=dit", "images.source=moons", "cms.periods=[1]"] if setting.startswith(("meanflow", "images")) else []
     t0 = time.monotonic()
     with pytest.raises(config.ConfigError, match=re.escape(said)):
         config.load(None, [*extra, setting])

@@ -47,6 +47,8 @@ class ImagesConfig:
             raise ConfigError("images.eval_fraction must be in [1e-9, 0.5] and images.toy_points >= 2")
         if self.source == "file" and not self.path:
             raise ConfigError("images.source=file needs images.path (a .npy or .npz file)")
+        if self.toy_points > 10_000_000:  # made in memory at start-up: 2e9 points never finished
+            raise ConfigError(f"images.toy_points must be <= 10,000,000, got {self.toy_points:,}")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

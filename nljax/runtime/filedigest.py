@@ -7,6 +7,7 @@ being loaded."""
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 from nljax.errors import ConfigError
@@ -41,3 +42,17 @@ def check(directory: Path, recorded, what: str) -> None:
         if not ok:
             raise ConfigError(f"{path} is not the file that was written with {what} (its sha256 differs from the "
                               "recorded one: changed since, or the write was cut short): write it again")
+
+
+def seal(record: dict) -> str:
+    """The digest of `record` (a JSON object) less its own "digest" key: kept in it as "digest",
+    so that an edit to the record itself (a setting of an export's config.json) is caught too."""
+    body = {k: v for k, v in record.items() if k != "digest"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def check_seal(path: Path, record: dict) -> None:
+    """`record` (read from `path`) is as sealed, when it was (an older one carries no digest)."""
+    if "digest" in record and record["digest"] != seal(record):
+        raise ConfigError(f"{path} was changed since it was written (its digest does not match its content): "
+                          "write it again")
