@@ -182,6 +182,28 @@ def test_prepared_data_changed_since_prepare_is_refused(tmp_path):
 
     assert "manifest.json lacks" in changed("type", wrong_type)
 
+    # prepare overwrite=true whose second rename fails: a mix of new and old files is never read
+    import unittest.mock
+
+    from nljax.prepare import main as prepare_main
+
+    mixed = tmp_path / "mixed"
+    shutil.copytree(good, mixed)
+    (tmp_path / "src" / "doc0.txt").write_text("other text altogether " * 30 + "\n")
+    real, calls = os.replace, []
+
+    def second_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    with unittest.mock.patch.object(prepared.os, "replace", second_fails):
+        assert prepare_main([f"data.train=[{tmp_path / 'src'}/*.txt]", "data.eval_fraction=0.34", f"out={mixed}",
+                             "overwrite=true"]) != 0
+    with pytest.raises(config.ConfigError):
+        prepared.load(mixed)
+
 
 def test_an_export_changed_since_it_was_written_is_refused(tmp_path):
     """load_model checks the sha256 that config.json records: a flipped weight byte (logits off
@@ -214,6 +236,23 @@ def test_an_export_changed_since_it_was_written_is_refused(tmp_path):
     info["config"]["model"]["hidden_mult"] = 3  # a setting edited: the same shapes, other logits
     (out / export.CONFIG).write_text(json.dumps(info))
     with pytest.raises(config.ConfigError, match="config.json was changed since it was written"):
+        export.load_model(out)
+
+    # a re-export whose last rename fails: the new weights beside the previous config.json
+    export.export(trained.load(tmp_path / "run", devices=jax.devices()[:1]), out)  # whole again
+    export.load_model(out)
+    real = os.replace
+
+    def last_rename_fails(src, dst):
+        if str(dst).endswith(export.CONFIG):
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(export.os, "replace", last_rename_fails), pytest.raises(OSError):
+        export.export(trained.load(tmp_path / "run", devices=jax.devices()[:1]), out, "bfloat16")
+    with pytest.raises(config.ConfigError, match="model.safetensors is not the file that was written"):
         export.load_model(out)
 
 
