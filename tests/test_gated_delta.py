@@ -121,3 +121,20 @@ def test_the_commands_train_resume_generate_and_export_it(site, tmp_path):
     theirs, _ = t.model.logits(jax.device_get(t.params), t.model.init_memory(2), batch)
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(theirs))
     assert jax.tree.map(np.shape, mem) == {"block0": {"S": (2, 2, 4, 4)}, "block1": {"S": (2, 2, 4, 4)}}
+
+
+@pytest.mark.slow
+def test_tensor_parallel_splits_heads_and_their_state(site):
+    """mesh 1 x 2 x 2 (two data slots, two tensor-parallel shards) under zero1: the 1-device
+    run's losses, parameters and memory (SGD: Adam's normalised step can turn the split matmuls'
+    ~1e-7 summation differences into larger ones, tests/test_tp.py); each memory head's state on
+    the device that owns it."""
+    setup = make([*GD, "sync.strategy=zero1", "optim.name=sgd"], 1, 2, 2)
+    one = make([*GD, "optim.name=sgd"], 1, 1)
+    l1, s1 = train(one, STEPS)
+    ln, sn = train(setup, STEPS)
+    np.testing.assert_allclose(ln, l1, rtol=2e-5)
+    assert_trees_close(setup.engine.strategy.export_state(sn).params, s1.params, rtol=1e-4, atol=1e-5)
+    assert_trees_close(sn.memory, s1.memory, rtol=1e-4, atol=1e-5)
+    s = sn.memory["block0"]["S"]  # [rows, heads, dk, dv]: split over rows and heads
+    assert s.sharding.shard_shape(s.shape)[:2] == (s.shape[0] // 2, s.shape[1] // 2)
