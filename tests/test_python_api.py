@@ -27,7 +27,7 @@ def runs(tmp_path_factory):
     the paths the snippets name."""
     root = tmp_path_factory.mktemp("api")
     run_dir = root / "runs" / "default"
-    saved_run(run_dir, NL, 1, 2, steps=3)
+    saved_run(run_dir, NL, 1, 1, steps=1)  # one step: one step variant compiled
     export.export(trained.load(run_dir, devices=jax.devices()[:1]), run_dir / "export")
     return root
 
@@ -40,7 +40,7 @@ def lm(runs):
 def test_a_run_and_its_export_load_alike_and_generate_as_the_command(runs, lm):
     run_dir = runs / "runs" / "default"
     ex = nljax.load(run_dir / "export")
-    assert isinstance(lm, nljax.TrainedModel) and lm.makes_text and lm.step == ex.step == 3
+    assert isinstance(lm, nljax.TrainedModel) and lm.makes_text and lm.step == ex.step == 1
     assert lm.config == ex.config and lm.seq_len == 16 and lm.end_id == 0
     text = "déf f(x):\n\treturn x ☃"
     assert lm.encode(text) == list(text.encode()) and lm.decode(lm.encode(text)) == text
