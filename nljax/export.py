@@ -194,6 +194,12 @@ def main(argv=None) -> int:
     except OSError as e:  # the run cannot be read (permissions)
         print(f"nljax.export: error: {cli.write_failed(e) or e}", file=sys.stderr)
         return 1
+    except Exception as e:  # noqa: BLE001 - JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
+        line = cli.backend_failed(e)
+        if line is None:
+            raise
+        print(f"nljax.export: error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

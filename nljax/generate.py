@@ -94,6 +94,12 @@ def main(argv=None) -> int:
             with contextlib.suppress(OSError, ValueError):
                 os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
+    except Exception as e:  # noqa: BLE001 - JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
+        line = cli.backend_failed(e)
+        if line is None:
+            raise
+        print(f"nljax.generate: error: {line}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
