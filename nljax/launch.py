@@ -308,6 +308,9 @@ def watch(group: Group, stopping: list[int], grace: float) -> int:
     return 0
 
 
+MAX_NPROC = 256  # processes one launcher starts on its host
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog=PROG,
@@ -329,14 +332,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = "no command given (put it after --)"
     elif args.nproc < 1:
         problem = f"--nproc must be >= 1, got {args.nproc}"
+    elif args.nproc > MAX_NPROC:  # processes on this host, each a JAX runtime
+        problem = f"--nproc must be at most {MAX_NPROC}, got {args.nproc}"
     elif args.cpu_devices is not None and args.cpu_devices < 1:
         problem = f"--cpu-devices must be >= 1, got {args.cpu_devices}"
+    elif args.cpu_devices is not None and args.cpu_devices > 1024:  # as nljax.cli.MAX_CPU_DEVICES
+        problem = f"--cpu-devices must be at most 1024, got {args.cpu_devices}"
     elif args.devices_per_proc is not None and args.devices_per_proc < 1:
         problem = f"--devices-per-proc must be >= 1, got {args.devices_per_proc}"
     elif args.devices_per_proc is not None and args.nproc == 1:  # JAX takes device ids only when joining processes
         problem = "--devices-per-proc is for several processes; choose one process's devices with CUDA_VISIBLE_DEVICES"
     elif not args.grace >= 0:  # nan too
         problem = f"--grace must be >= 0, got {args.grace}"
+    elif args.grace > 3600:
+        problem = f"--grace must be at most 3600 s, got {args.grace}"
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2

@@ -517,3 +517,16 @@ def test_a_checkpoint_dir_inside_a_live_runs_directory_is_refused(tmp_path):
     finally:
         lock.release()
     check_free(b)
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--nproc", "100000"], "--nproc must be at most 256, got 100000"),
+    (["--nproc", "2", "--cpu-devices", "1000000"], "--cpu-devices must be at most 1024, got 1000000"),
+    (["--nproc", "1", "--grace", "1e9"], "--grace must be at most 3600 s, got 1000000000.0"),
+])
+def test_the_launcher_bounds_its_counts(args, said, capsys):
+    """--nproc 100000 started that many processes."""
+    from nljax import launch
+
+    assert launch.main([*args, "--", "true"]) == 2
+    assert capsys.readouterr().err.strip() == f"nljax.launch: error: {said}"
