@@ -18,10 +18,15 @@ from nljax import cli
 from nljax.config import Config
 from nljax.measure.comm import comm_per_step, format_report
 from nljax.run.core import Run
+from nljax.run.phases import compile_announcer
 
 
 def _run(args, cfg: Config) -> int:
+    # what it is doing, on stderr (--json stays JSON): building the run, then each variant's compilation
+    say = (lambda text: print(text, file=sys.stderr, flush=True)) if jax.process_index() == 0 else (lambda text: None)
+    say(f"nljax.comm: building the run (model {cfg.model.name}) ...")
     run = Run.create(cfg)
+    run.cache.announce = compile_announcer(cfg.cms.periods, say)
     report = comm_per_step(run.cache, run.init_state(), run.batch(0))
     if jax.process_index() == 0:  # only process 0 prints
         print(json.dumps(report, indent=1) if args.json else format_report(report))

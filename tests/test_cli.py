@@ -16,7 +16,7 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     d = tmp_path / "run"
     common = ["--cpu-devices", "2", "--quiet", "optim.lr=0.01", *SMALL, "optim.schedule=constant", "eval.every=3"]
     cli("nljax.train", *common, f"run.dir={d}", "train.steps=30", "train.profile_steps=2", "train.profile_start=4",
-        env={"PYTHONHASHSEED": "1"})
+        "throughput.split=true", env={"PYTHONHASHSEED": "1"})  # the compute/comm split: off by default
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(30))
     for key in ("loss", "active_levels", "step_time_s", "tokens_per_s_per_device"):
@@ -197,12 +197,13 @@ def test_a_live_run_in_run_dir_refuses_another(tmp_path):
 @pytest.mark.slow
 def test_compile_cache_makes_the_second_start_faster(tmp_path):
     """A resumed run loads its step variants from run.compile_cache instead of compiling them
-    again: nothing new is written there, and the reported compile times drop. (The run's length
-    is part of the programs, through the learning-rate schedule: the resume keeps train.steps.)"""
+    again: nothing new is written there, and the reported compile times drop (another train.steps
+    loads them too: tests/test_first_hour.py)."""
     d, cache = tmp_path / "run", tmp_path / "cache"
     common = ["--cpu-devices", "2", *SMALL, *QUICK, f"run.dir={d}", f"run.compile_cache={cache}", "checkpoint.every=4",
               "eval.every=0", "train.steps=8"]
-    times = lambda p: [float(l.split(" in ")[1].split()[0]) for l in p.stdout.splitlines() if l.startswith("compiled ")]
+    times = lambda p: [float(l.split(" in ")[-1].split()[0]) for l in p.stdout.splitlines()
+                       if l.startswith(("compiled step variant", "loaded step variant"))]
     # Every program is cached, however fast it compiled: with JAX's default 1 s floor, a program
     # compiled just under it in the first run and just over it (on a loaded machine) in the
     # second would be written then, and look like a step variant compiled again.

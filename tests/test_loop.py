@@ -281,8 +281,8 @@ def test_a_sharded_run_that_fits_reports_without_the_split_that_does_not(tmp_pat
     run = tmp_path / "run"
     rc = main(["--quiet", "model.name=cms_mlp", "model.dim=512", "model.depth=4", "cms.periods=[1,2]",
                "sync.strategy=fsdp", "train.batch_size=8", "train.seq_len=16", "train.steps=2", "eval.every=0",
-               "eval.batches=1", "eval.stream_steps=0", "throughput.reps=1", "run.plots=false", "run.trackers=[]",
-               "run.compile_cache=none", f"run.dir={run}"])
+               "eval.batches=1", "eval.stream_steps=0", "throughput.reps=1", "throughput.split=true", "run.plots=false",
+               "run.trackers=[]", "run.compile_cache=none", f"run.dir={run}"])
     assert rc == 0, capsys.readouterr().err
     table = json.loads((run / "summary.json").read_text())["throughput"]
     assert table["split_skipped"].startswith("the one-device program does not fit (the run needs at least")

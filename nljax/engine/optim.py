@@ -59,16 +59,26 @@ def peak_lr(cfg: OptimConfig, batch_size: int) -> float:
     return cfg.lr * {"none": 1.0, "linear": ratio, "sqrt": math.sqrt(ratio)}[cfg.lr_scaling]
 
 
-def schedule(cfg: OptimConfig, total_steps: int, batch_size: int | None = None):
-    """Warm-up (linear from 0) then cosine decay to 10% of the peak, or constant, by global step."""
+def schedule(cfg: OptimConfig, total_steps, batch_size: int | None = None):
+    """Warm-up (linear from 0) then cosine decay to 10% of the peak, or constant, by global step.
+    `total_steps` (train.steps) may be a traced value: the compiled step takes it as an input, so
+    a run with another train.steps runs (and loads from the compile cache) the same executables.
+    The arithmetic is optax's `warmup_cosine_decay_schedule`, whose decay length must be static."""
     lr = cfg.lr if batch_size is None else peak_lr(cfg, batch_size)
     warm = cfg.warmup_steps
     if cfg.schedule == "constant":
         return optax.linear_schedule(0.0, lr, warm) if warm else optax.constant_schedule(lr)
-    decay = max(total_steps, warm + 1)
-    return optax.warmup_cosine_decay_schedule(0.0, lr, warm, decay, end_value=lr * 0.1) if warm else (
-        optax.cosine_decay_schedule(lr, decay, alpha=0.1)
-    )
+    decay = jnp.maximum(total_steps, warm + 1)
+    alpha = lr * 0.1 / lr if warm else 0.1
+
+    def cosine(count, length):  # optax.cosine_decay_schedule(lr, length, alpha)
+        count = jnp.minimum(count, length)
+        return lr * ((1 - alpha) * (0.5 * (1 + jnp.cos(jnp.pi * count / length))) + alpha)
+
+    if not warm:
+        return lambda count: cosine(count, decay)
+    ramp = optax.linear_schedule(0.0, lr, warm)
+    return lambda count: jnp.where(count < warm, ramp(count), cosine(count - warm, decay - warm))
 
 
 def update_direction(cfg: OptimConfig) -> optax.GradientTransformation:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -30,6 +31,7 @@ from nljax.engine import frozen, optim
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.models.layers import token_hits, token_loss
+from nljax.parallel.hostdev import put
 from nljax.parallel.mesh import DATA_AXES, REPLICATED, ROWS
 
 PyTree = Any
@@ -100,13 +102,15 @@ def keep_grads(eng: Engine, norms: jax.Array, written: jax.Array) -> jax.Array:
     return ok & (norms <= c.max_grad_norm) if c.max_grad_norm > 0 else ok
 
 
-def update_levels(eng: Engine, state: TrainState, stored: tuple, synced: dict):
+def update_levels(eng: Engine, state: TrainState, stored: tuple, synced: dict, total_steps: jax.Array):
     """Each active level updated from its own synchronized gradients, clipped by their own norms
-    and skipped on their own. Returns (new stored params per level, new optimizer states,
+    and skipped on their own; `total_steps` (train.steps, an input of the compiled step) is the
+    learning-rate schedule's length. Returns (new stored params per level, new optimizer states,
     per-level metrics: [L] norms of the current step's gradient, [L] skipped-gradient counts)."""
     cfg = eng.cfg
     norms = eng.strategy.level_norms(synced)
     scales = optim.level_scales(cfg.optim, eng.n_levels)
+    lr = optim.schedule(cfg.optim, total_steps, cfg.train.batch_size)
     new_stored, opt_state = list(stored), list(state.opt_state)
     norm_out, skipped = jnp.zeros((eng.n_levels,)), jnp.zeros((eng.n_levels,))
     for l, g in synced.items():
@@ -115,17 +119,17 @@ def update_levels(eng: Engine, state: TrainState, stored: tuple, synced: dict):
         g = optim.clip(g, norms[l], cfg.optim.clip_norm)
         # step + 1: with warm-up the schedule is 0 at step 0, the one step where every level
         # fires, so a level that fires only then would never train.
-        lrs = jnp.broadcast_to(eng.lr(steps + 1), steps.shape) * scales[l]  # a constant schedule gives a float
+        lrs = jnp.broadcast_to(lr(steps + 1), steps.shape) * scales[l]  # a constant schedule gives a float
         new_stored[l], opt_state[l] = eng.strategy.update(l, g, stored[l], state.opt_state[l], lrs, ok)
         norm_out = norm_out.at[l].set(norms[l][-1])
         skipped = skipped.at[l].set(jnp.sum((steps >= 0) & ~ok))
     return new_stored, tuple(opt_state), {"level_grad_norm": norm_out, "level_skipped": skipped}
 
 
-def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict):
+def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict, total_steps: jax.Array):
     """Per-device body. Shapes are shard-local: batch tokens [G/n, T+1], memory [G/n, ...],
     err_buf[l] [1, N_l] (or [1, (C_l − 1) N_l], `frozen.width`); params and optimizer states as
-    `eng.strategy` stores them (full replicas, or flat shards)."""
+    `eng.strategy` stores them (full replicas, or flat shards); `total_steps` [] int32, train.steps."""
     cfg, strat = eng.cfg, eng.strategy
     stored = strat.split(state.params)
     parts = eng.levels.split(strat.compute_params(state.params))
@@ -138,7 +142,7 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     # gradient sum that failed the check, which would otherwise fail it again at every firing.
     to_sync, err_buf = frozen.fold(eng, active, grads, state.err_buf, state.step)
     synced = {l: eng.strategy.sync_level(g) for l, g in to_sync.items() if g.size}
-    new_stored, opt_state, level_metrics = update_levels(eng, state, stored, synced)
+    new_stored, opt_state, level_metrics = update_levels(eng, state, stored, synced, total_steps)
     # The inner-loop memory advances even when levels are skipped: it is the streams' state, not
     # a learned parameter, and keeping a state that produced a non-finite loss would replay it at
     # every later step (the model restarts rows whose memory is non-finite).
@@ -197,6 +201,20 @@ def batch_specs(batch: dict) -> dict:
     return {k: ROWS for k in batch}
 
 
+class WithSteps:
+    """A compiled train step called as `(state, batch)`: train.steps, its third input, is given
+    here. Everything else (`as_text`, `cost_analysis`, ...) is the compiled executable's."""
+
+    def __init__(self, compiled: jax.stages.Compiled, total_steps: jax.Array):
+        self.compiled, self.total_steps = compiled, total_steps
+
+    def __call__(self, state: TrainState, batch: dict):
+        return self.compiled(state, batch, self.total_steps)
+
+    def __getattr__(self, name: str):
+        return getattr(self.compiled, name)
+
+
 class StepCache:
     """Compiled step variants, built on first use: one per active set, plus one per (active set,
     micro-batches) for tail batches that hold fewer than `train.accum_steps` micro-batches.
@@ -211,6 +229,15 @@ class StepCache:
         self._train: dict = {}
         self._eval: Callable | None = None
         self._eval_stream: dict = {}  # batch keys -> jitted streaming eval step
+        # train.steps as the compiled step's input (the schedule's length), replicated
+        self.total_steps = put(np.asarray(eng.cfg.train.steps, np.int32), NamedSharding(eng.mesh, REPLICATED))
+        # called as (variant key, None) before a variant compiles and (key, seconds) after: the
+        # run says so (a compilation can take minutes); None: silent
+        self.announce: Callable[[Any, float | None], None] | None = None
+
+    def compiled(self, active: Active, batch: dict) -> bool:
+        """Whether the variant for `active` and `batch`'s size is compiled already."""
+        return self.variant(active, batch) in self._train
 
     def variant(self, active: Active, batch: dict):
         """Cache key of the variant for `batch`: `active` for a full batch, (active, micro-batches)
@@ -240,15 +267,15 @@ class StepCache:
         return self._train[key]
 
     def _build_train(self, key, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
-        def train_step(state, batch):  # its name names the compiled module: TRAIN_MODULE in profiles
+        def train_step(state, batch, total_steps):  # its name names the compiled module: TRAIN_MODULE in profiles
             self.traces[key] = self.traces.get(key, 0) + 1  # runs at trace time only
-            return local_train_step(self.eng, active, state, batch)
+            return local_train_step(self.eng, active, state, batch, total_steps)
 
         st = self.eng.strategy.state_specs(state)
         fn = jax.shard_map(
             train_step,
             mesh=self.eng.mesh,
-            in_specs=(st, batch_specs(batch)),
+            in_specs=(st, batch_specs(batch), REPLICATED),
             out_specs=(st, TRAIN_METRIC_SPECS),
             check_vma=False,
         )
@@ -258,12 +285,19 @@ class StepCache:
         # program (and the same key in the persistent compilation cache).
         named = lambda specs: jax.tree.map(lambda s: NamedSharding(self.eng.mesh, s), specs,
                                            is_leaf=lambda x: isinstance(x, P))
-        shardings = dict(in_shardings=(named(st), named(batch_specs(batch))),
+        shardings = dict(in_shardings=(named(st), named(batch_specs(batch)), named(REPLICATED)),
                          out_shardings=(named(st), named(TRAIN_METRIC_SPECS)))
+        if self.announce is not None:
+            self.announce(key, None)
         t0 = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=0, **shardings).lower(state, batch).compile()
+        # train.steps is an input, not a constant: another train.steps compiles (or loads from
+        # the persistent cache) the same executable
+        total = jax.ShapeDtypeStruct((), jnp.int32, sharding=named(REPLICATED))
+        compiled = jax.jit(fn, donate_argnums=0, **shardings).lower(state, batch, total).compile()
         self.compile_s[key] = time.perf_counter() - t0
-        return compiled
+        if self.announce is not None:
+            self.announce(key, self.compile_s[key])
+        return WithSteps(compiled, self.total_steps)
 
     def train(self, active: Active, state: TrainState, batch: dict):
         """One step: (new state, metrics, the variant that ran, `variant(active, batch)`).

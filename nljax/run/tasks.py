@@ -116,7 +116,8 @@ class TextTask:
             source = f"data.eval={cfg.data.eval}" if cfg.data.eval else f"data.eval_fraction={cfg.data.eval_fraction}"
             raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} from {source}) is shorter than "
                               f"train.seq_len+1={cfg.train.seq_len + 1}")
-        self.held_out().check_fits(cfg.eval.stream_steps)  # the streaming evaluation too
+        self.notes: list[str] = []  # said once at start-up by the trainer
+        self.stream_steps = self._stream_steps()  # the streaming evaluation's windows per row
         # recall documents are exactly seq_len long: aligned rows read one whole document per step
         align = cfg.train.seq_len if cfg.data.source == "recall" else 1
         self.stream = ContextStream(data.train, cfg.train.batch_size, cfg.train.seq_len, cfg.seed,
@@ -143,9 +144,27 @@ class TextTask:
     def evaluate(self, cache, params, step: int) -> dict:
         """Fresh-memory held-out loss and, with eval.stream_steps, the streaming one."""
         out = self.evaluate_fresh(cache, params)
-        if self.cfg.eval.stream_steps:
-            out.update(self.evaluate_stream(cache, params, self.held_out().batches(self.cfg.eval.stream_steps)))
+        if self.stream_steps:
+            out.update(self.evaluate_stream(cache, params, self.held_out().batches(self.stream_steps)))
         return out
+
+    def _stream_steps(self) -> int:
+        """eval.stream_steps, or as many windows per row as the held-out text holds when it holds
+        fewer (a small corpus of one's own: said once, in `notes`); none fitting turns the
+        streaming evaluation off, except where it is the evaluation (data.source=recall: one line)."""
+        held, asked = self.held_out(), self.cfg.eval.stream_steps
+        fits = held.span // held.seq_len
+        if asked <= fits:
+            return asked
+        if fits == 0 and self.cfg.data.source == "recall":
+            held.check_fits(asked)  # raises
+        t = self.cfg.train
+        self.notes.append(
+            f"note: eval.stream_steps={asked} windows of train.seq_len={t.seq_len} per row do not fit in the held-out "
+            f"text ({len(self.eval_data):,} tokens over train.batch_size={t.batch_size} rows): the streaming "
+            + (f"evaluation reads {fits} per row" if fits else "evaluation is off")
+            + " (hold out more text, data.eval_fraction or data.eval, for more)")
+        return fits
 
     def held_out(self) -> HeldOutStream:
         t = self.cfg.train

@@ -28,6 +28,8 @@ import time
 from typing import Callable
 
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 
 from nljax.engine.conductor import Conductor, pattern_name, pulse
 from nljax.engine.state import TrainState
@@ -96,19 +98,32 @@ def flops(compiled: jax.stages.Compiled) -> float | None:
     return float(value) if value and value > 0 else None
 
 
-def _time_interleaved(runs: dict, reps: int, min_seconds: float = 1.0, max_reps: int = 200) -> dict:
+def _time_interleaved(runs: dict, reps: int, min_seconds: float = 1.0, max_reps: int = 200,
+                      budget_s: float | None = None, say: Callable[[str], None] = lambda text: None) -> dict:
     """runs: key -> a call that dispatches one step and returns what to wait for. One warm-up
     call each, then rounds over all keys: at least `reps`, more (up to `max_reps`) while a round
     is so short that `min_seconds` of timing would not be reached, because with millisecond
-    steps a handful of samples can reorder the patterns. The median seconds per key."""
+    steps a handful of samples can reorder the patterns; fewer (one at least) where `reps`
+    rounds would take more than `budget_s`. The median seconds per key. Says what it times, and
+    each round where rounds are slow."""
+    say(f"timing {len(runs)} step variants again for the throughput table (warm-up round) ...")
     t0 = time.perf_counter()
     for call in runs.values():
         jax.block_until_ready(call())
     round_s = time.perf_counter() - t0
-    if jax.process_count() == 1:  # processes must run the same number of collective steps
-        reps = min(max(reps, int(min_seconds / max(round_s, 1e-9))), max(max_reps, reps))
+    reps = min(max(reps, int(min_seconds / max(round_s, 1e-9))), max(max_reps, reps))
+    if budget_s is not None:
+        reps = max(1, min(reps, int(budget_s / max(round_s, 1e-9))))
+    if jax.process_count() > 1:  # processes must run the same number of collective steps: process 0's
+        reps = int(multihost_utils.broadcast_one_to_all(np.int32(reps)))
+    say(f"timing: {reps} round{'s' if reps > 1 else ''} of about {round_s * 1e3:,.0f} ms (throughput.reps, "
+        "throughput.max_fraction)")
     times: dict = {k: [] for k in runs}
-    for _ in range(reps):
+    said = time.perf_counter()
+    for i in range(reps):
+        if time.perf_counter() - said > 2.0:  # nothing silent for long
+            say(f"timing: round {i + 1} of {reps}")
+            said = time.perf_counter()
         for k, call in runs.items():
             t0 = time.perf_counter()
             jax.block_until_ready(call())
@@ -125,10 +140,12 @@ class Measured:
 
 
 def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps: int, split: bool,
-            local: Callable[[], Run]) -> Measured:
+            local: Callable[[], Run], budget_s: float | None = None,
+            say: Callable[[str], None] = lambda text: None) -> Measured:
     """Time every active set with `batch`, threading `state` through them (consumed: each variant
     donates its input) and, with `split`, the same per-device program on one device without
-    collectives (`local()` builds it, `Run.local`), unless that does not fit."""
+    collectives (`local()` builds it, `Run.local`), unless that does not fit; the timing rounds
+    within `budget_s` (`_time_interleaved`), said with `say`."""
     chain = _Chain(state)
     fns = {a: cache.train_fn(a, chain.state, batch) for a in active_sets}
     runs = {("step", a): chain.call(fns[a], batch) for a in active_sets}
@@ -136,12 +153,12 @@ def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps:
     skipped = None
     if split and n_devices > 1:
         try:
-            runs.update(_local_runs(local, active_sets))
+            runs.update(_local_runs(local, active_sets, cache.announce))
         except (ConfigError, jax.errors.JaxRuntimeError) as e:
             if not isinstance(e, ConfigError) and "RESOURCE_EXHAUSTED" not in str(e):
                 raise
             skipped = f"the one-device program does not fit ({first_line(e)[:160]})"
-    medians = _time_interleaved(runs, reps)
+    medians = _time_interleaved(runs, reps, budget_s=budget_s, say=say)
     step_s = {a: medians[("step", a)] for a in active_sets}
     if not split or skipped:
         compute_s = {}
@@ -152,10 +169,12 @@ def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps:
     return Measured(step_s, compute_s, {a: flops(fns[a]) for a in active_sets}, skipped)
 
 
-def _local_runs(local: Callable[[], Run], active_sets) -> dict:
+def _local_runs(local: Callable[[], Run], active_sets, announce=None) -> dict:
     """The 1-device program's calls, each run once here, so that one that does not fit fails
-    now (refused by the budget, or out of memory) rather than inside the timing."""
+    now (refused by the budget, or out of memory) rather than inside the timing; its
+    compilations said by `announce` (`StepCache.announce`)."""
     one = local()
+    one.cache.announce = announce
     lbatch = one.batch(0)
     lchain = _Chain(one.init_state())
     runs = {("compute", a): lchain.call(one.cache.train_fn(a, lchain.state, lbatch), lbatch) for a in active_sets}

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import signal
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -31,9 +32,10 @@ from nljax.parallel import levels
 from nljax.run import startup, throughput
 from nljax.run.core import Run
 from nljax.run.loop import Hooks, Profiler, StepResult, training_steps
+from nljax.run.phases import Announced, closing_lines, compile_announcer
 from nljax.run.samples import TrainingSampler
 from nljax.run.trackers import Trackers, check_installed, step_scalars
-from nljax.runtime import compile_cache, distributed, preemption, runlog
+from nljax.runtime import compile_cache, distributed, exportdir, preemption, runlog
 from nljax.runtime.preemption import Notice, Preempted
 from nljax.runtime.rundir import RunDir, check_free, take_lock
 from nljax.version import __version__
@@ -213,10 +215,17 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
     hooks = Hooks()
     hooks.add(profiler.stop)
 
+    evaluating, saving = Announced(out.say), Announced(out.say)
+
     def evaluate(r: StepResult) -> None:
         if not r.last:
-            r.evaluated = run.evaluate(r.state.params, r.step + 1)
+            with evaluating(f"step {r.step:6d}  evaluating"):
+                r.evaluated = run.evaluate(r.state.params, r.step + 1)
             r.record.update(r.evaluated)
+
+    def save(r: StepResult) -> None:
+        with saving(f"step {r.step:6d}  saving checkpoint {r.step + 1}"):
+            ckpt.maybe_save(r.step + 1, r.state)
 
     def report(r: StepResult) -> None:
         rec = r.record
@@ -227,8 +236,11 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
 
     sampler = TrainingSampler(run) if cfg.train.sample_every else None
 
+    sampling = Announced(out.say)
+
     def sample(r: StepResult) -> None:  # every process: the sampler runs on the whole mesh
-        text = sampler.sample(r.state.params)
+        with sampling(f"step {r.step:6d}  sampling"):
+            text = sampler.sample(r.state.params)
         out.say(f"step {r.step:6d}  sample: {json.dumps(text, ensure_ascii=False)}")
         # after the step's scalars: W&B takes steps in increasing order
         out.trackers.text("train/sample", text, r.step + 1)
@@ -236,7 +248,7 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
     hooks.add(evaluate, every=cfg.eval.every)
     hooks.add(lambda r: out.run.log(r.record))
     if ckpt is not None:  # copies off the devices before the next step donates the state
-        hooks.add(lambda r: ckpt.maybe_save(r.step + 1, r.state))
+        hooks.add(save, every=cfg.checkpoint.every)
     hooks.add(report)
     hooks.add(sample, every=cfg.train.sample_every)
     hooks.add(profiler.start_next)
@@ -248,13 +260,14 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     """summary.json, the plots and the printed report: the final evaluation, the communication
     read from the HLO and the throughput table, merged."""
     cfg, eng = run.cfg, run.engine
-    final_eval = run.evaluate(state.params, cfg.train.steps)
+    with Announced(out.say)("evaluating the final state"):
+        final_eval = run.evaluate(state.params, cfg.train.steps)
     if resumed_from != cfg.train.steps:  # a resume with nothing left to run: the trackers hold it already
         out.trackers.scalars("eval", final_eval, cfg.train.steps)
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state
-    table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"])
+    table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"], out.say)
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
@@ -307,13 +320,15 @@ def comm_report(run: Run, state: TrainState, batch: dict) -> dict:
 
 
 def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
-                      wire: dict) -> tuple[dict, throughput.Measured]:
-    """The throughput table (every pattern of the run timed again, `nljax.run.throughput`) with what
-    the loop itself achieved, and the measurements it was made from."""
+                      wire: dict, say=lambda text: None) -> tuple[dict, throughput.Measured]:
+    """The throughput table (every pattern of the run timed again, `nljax.run.throughput`, within
+    `throughput.max_fraction` of the loop's time) with what the loop itself achieved, and the
+    measurements it was made from."""
     cfg, eng = run.cfg, run.engine
     counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
+    budget_s = cfg.throughput.max_fraction * hist.wall_s
     measured = throughput.measure(run.cache, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split,
-                                  run.local)
+                                  run.local, budget_s, say)
     device_kind = jax.devices()[0].device_kind
     units = run.units_per_device(batch)
     analytic = flops.analytic_flops(cfg, eng.model, eng.param_shapes)["total_per_unit"] * units
@@ -354,10 +369,14 @@ def _train(cfg: Config, notice: Notice) -> dict:
     preemption.check_in(lambda: resume_step_guess(cfg))
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     check_installed(cfg)  # before anything is written
+    if is_main() and not cfg.run.quiet:  # building reads the data and lays out the model: seconds
+        print(f"nljax {__version__}: building the run (model {cfg.model.name}, data {cfg.data.source}) ...", flush=True)
     run = Run.create(cfg)
     cfg = run.cfg  # with what the data decide (model.vocab_size of a tokenizer): config.yaml, checkpoints
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
     startup.check_startup(cfg, run.mesh, run.task, say)
+    for note in getattr(run.task, "notes", ()):  # what the task adapted to the data (nljax/run/tasks.py)
+        say(note)
     if cfg.train.profile_steps and cfg.train.profile_start >= cfg.train.steps:
         say(f"warning: train.profile_start={cfg.train.profile_start} is past the last step (train.steps="
             f"{cfg.train.steps}): nothing is profiled")
@@ -366,13 +385,17 @@ def _train(cfg: Config, notice: Notice) -> dict:
     check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
     # reads and checks a checkpoint to resume before anything is written
     digest = startup.data_fingerprint(run.task)  # the same data under another spelling of its paths: no change
-    ckpt = Checkpoints.resolve(run.engine, run.init_state(), say, digest)
+    with Announced(say)("initializing the parameters and the optimizer state"):  # compiles the model's init
+        fresh = run.init_state()
+    with Announced(say if cfg.checkpoint.resume else (lambda text: None))("reading the checkpoint to resume"):
+        ckpt = Checkpoints.resolve(run.engine, fresh, say, digest)
     ckpt.check_data(digest)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     # the cleanup, in reverse order of registration; each step runs whatever the one before raised
     with contextlib.ExitStack() as cleanup:
         cleanup.callback(lock.release)
         out = Output.create(cfg, ckpt.start, runlog.short_unit(run.task.unit), ckpt.resume_step, ckpt.trackers)
+        run.cache.announce = compile_announcer(cfg.cms.periods, out.say)  # above the progress bar
         ckpt.trackers = out.trackers.ids  # saved with every checkpoint: a resume continues the same W&B run
         failed = True  # until the summary is written: a tracker marks a run that stopped early (W&B: failed)
         cleanup.callback(lambda: out.close(failed))
@@ -380,7 +403,20 @@ def _train(cfg: Config, notice: Notice) -> dict:
         ckpt.open()
         startup_report(run, ckpt.state, out.say)
         state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt, notice)
-        ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
+        final = Announced(out.say if cfg.checkpoint.every else (lambda text: None))
+        with final(f"saving the final checkpoint ({cfg.train.steps}) to {ckpt.dir}"):
+            ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
         summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
         failed = False
+        for line in closing(cfg, run):
+            out.say(line)
     return summary
+
+
+def closing(cfg: Config, run: Run) -> list[str]:
+    """The run's closing lines: where its outputs are and how to resume, sample and export it."""
+    if not cfg.checkpoint.every:
+        return [f"run directory: {cfg.run.dir} (no checkpoint saved, checkpoint.every=0: nothing to resume, "
+                "sample or export)"]
+    return closing_lines(cfg.run.dir, cfg.train.steps, run.task.unit == "tokens",
+                         str(Path(cfg.run.dir) / exportdir.DEFAULT))

@@ -17,6 +17,23 @@ import jax
 from nljax.errors import ConfigError
 
 
+CACHE_HIT = "/jax/compilation_cache/cache_hits"  # JAX's monitoring event for an executable read from the cache
+_hits = 0
+_listening = False
+
+
+def _count(event: str, **kwargs) -> None:
+    global _hits
+    if event == CACHE_HIT:
+        _hits += 1
+
+
+def hits() -> int:
+    """Executables this process has read from the persistent cache so far (a compilation that
+    hit the cache is said so, nljax/run/phases.py)."""
+    return _hits
+
+
 def directory(setting: str) -> Path | None:
     """`auto`: the user's cache directory ($XDG_CACHE_HOME or ~/.cache, then nljax/jax), shared
     by every run of this user; `none`: no cache; anything else: that directory."""
@@ -37,6 +54,10 @@ def enable(setting: str) -> Path | None:
     except OSError as e:
         raise ConfigError(f"run.compile_cache: {path} cannot be created: {e.strerror or e}") from None
     jax.config.update("jax_compilation_cache_dir", str(path))
+    global _listening
+    if not _listening:  # once per process
+        jax.monitoring.register_event_listener(_count)
+        _listening = True
     # An entry that cannot be written (a full disk) costs only its compile time at the next start;
     # JAX warns with several lines for each one, and on a full disk before the run's own first
     # write, which then stops the run with the one line that names the file (tested)

@@ -95,9 +95,7 @@ class Progress:
             print(text, flush=True)
 
     def update(self, rec: dict, rate: float, last: bool, eval_text: str = "") -> None:
-        pattern = rec["pattern"]
-        if rec.get("compile_s") is not None:
-            self.say(f"compiled {pattern} in {rec['compile_s']:.1f} s")
+        pattern = rec["pattern"]  # its compilation is said as it happens (nljax/run/phases.py)
         loss = f"loss {rec['loss']:.4f}{self.error_text(rec)}"
         if self.bar is not None:
             self.bar.set_postfix_str(f"{loss}  {rate:,.0f} {self.unit}/s/device", refresh=False)

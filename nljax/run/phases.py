@@ -1,0 +1,73 @@
+"""What a run says around its long phases, so that none longer than ~2 s is silent (process 0,
+not under --quiet): each step variant's compilation (which of how many, its pulse pattern, its
+seconds), evaluations, checkpoint saves, the end-of-run timing.
+
+A compilation can take minutes on a CPU and every pulse pattern of a CMS cycle is its own
+executable (nljax/engine/step.py), so each one is said before it starts and timed after; the
+persistent compile cache makes the second start fast (nljax/runtime/compile_cache.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Callable
+
+from nljax.engine.conductor import Conductor, pattern_name
+from nljax.runtime import compile_cache
+
+SLOW_S = 2.0  # a phase that took this long is said again the next time
+
+
+def compile_announcer(periods: tuple[int, ...], say: Callable[[str], None]) -> Callable[[Any, float | None], None]:
+    """`StepCache.announce` for a run with CMS `periods`: "compiling step variant i of n (pattern
+    L0+1) ..." before a variant compiles, its seconds after; n is the cycle's distinct patterns
+    (a tail batch that ends a data pass is one more variant of its pattern)."""
+    total = len(Conductor(periods).patterns())
+    order: dict = {}
+    hits_before = [0]
+
+    def announce(key, seconds: float | None) -> None:
+        active, tail = (key[0], f", tail batch of {key[1]} micro-batches") if isinstance(key[0], tuple) else (key, "")
+        i = order.setdefault(key, len(order) + 1)
+        what = f"step variant {i} of {total} (pattern {pattern_name(active)}{tail})"
+        if seconds is None:
+            hits_before[0] = compile_cache.hits()
+            say(f"compiling {what} ...")
+        elif compile_cache.hits() > hits_before[0]:
+            say(f"loaded {what} from the compile cache in {seconds:.1f} s")
+        else:
+            say(f"compiled {what} in {seconds:.1f} s")
+
+    return announce
+
+
+class Announced:
+    """A phase that may take long (an evaluation, a checkpoint save): said before it runs the
+    first time (it compiles then) and whenever the one before took over `SLOW_S`, with its
+    seconds after when it did."""
+
+    def __init__(self, say: Callable[[str], None]):
+        self.say = say
+        self.last_s: float | None = None
+
+    @contextlib.contextmanager
+    def __call__(self, what: str):
+        loud = self.last_s is None or self.last_s > SLOW_S
+        if loud:
+            self.say(f"{what} ...")
+        t0 = time.perf_counter()
+        yield
+        self.last_s = time.perf_counter() - t0
+        if loud and self.last_s > SLOW_S:
+            self.say(f"{what}: {self.last_s:.1f} s")
+
+
+def closing_lines(run_dir: str, steps: int, text: bool, exported: str) -> list[str]:
+    """Where a finished run's outputs are and the commands that continue, sample and export it."""
+    d = run_dir if " " not in run_dir else f"'{run_dir}'"
+    prompt = " prompt='The '" if text else ""
+    return [f"run directory: {run_dir} (config.yaml, metrics.jsonl, summary.json, plots, checkpoints)",
+            f"  resume:  python -m nljax.train --resume run.dir={d} train.steps={2 * steps or 1}",
+            f"  sample:  python -m nljax.generate run.dir={d}{prompt}",
+            f"  export:  python -m nljax.export run.dir={d}   (to {exported})"]

@@ -1,0 +1,106 @@
+"""A new user's first runs: each step variant's compilation is said as it happens and the second
+start with another train.steps loads every variant from the compile cache (the step takes
+train.steps as an input); a few hundred KB of one's own text trains with the defaults (the
+streaming evaluation reads what the held-out text holds, said once); the closing lines name the
+run directory and the commands that continue it."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import jax
+from helpers import QUICK, SMALL, cli
+
+from nljax import config
+from nljax.parallel import mesh as meshlib
+from nljax.run import tasks
+
+
+def test_another_train_steps_loads_every_step_variant_from_the_compile_cache(tmp_path):
+    cache = tmp_path / "cache"
+    # every executable is written to the cache, however fast it compiled (JAX's default: >= 1 s)
+    env = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
+    common = ["--cpu-devices", "2", *SMALL, *QUICK, "eval.every=0", "checkpoint.every=0", f"run.compile_cache={cache}"]
+    first = cli("nljax.train", *common, "train.steps=4", f"run.dir={tmp_path / 'a'}", env=env).stdout
+    steps = lambda: sorted(p.name for p in cache.iterdir() if p.name.startswith("jit_train_step"))
+    cached = steps()
+    assert len(cached) == 3, cached  # cms.periods=[1,2,4]: L0+1+2, L0, L0+1
+    for i, pattern in enumerate(["L0+1+2", "L0", "L0+1"], 1):
+        assert f"compiling step variant {i} of 3 (pattern {pattern}) ...\ncompiled step variant {i} of 3" in first, first
+    second = cli("nljax.train", *common, "train.steps=7", f"run.dir={tmp_path / 'b'}", env=env).stdout
+    assert steps() == cached  # no new executable: the step does not depend on train.steps
+    for i, pattern in enumerate(["L0+1+2", "L0", "L0+1"], 1):
+        assert f"loaded step variant {i} of 3 (pattern {pattern}) from the compile cache in " in second, second
+    assert "run directory: " in second and "python -m nljax.train --resume" not in second  # no checkpoint
+
+
+def write_corpus(root: Path) -> int:
+    """~400 KB of text in 40 .txt files (one document each); the held-out ones (every 20th with
+    data.eval_fraction=0.05) are small, 2 KB each, as a user's files may well be. Bytes written."""
+    rng = random.Random(0)
+    words = "the a memory level stream token window model learns reads writes data file line of and".split()
+    root.mkdir()
+    total = 0
+    for i in range(40):
+        size = 2_000 if i % 20 == 19 else 10_500
+        text = ""
+        while len(text) < size:
+            text += " ".join(rng.choice(words) for _ in range(12)) + ".\n"
+        (root / f"doc{i:02d}.txt").write_text(text)
+        total += len(text)
+    return total
+
+
+def test_a_small_corpus_trains_with_the_default_evaluation(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert 380_000 < write_corpus(tmp_path / "corpus") < 440_000
+    cfg = tasks.resolve(config.load(None, ["data.source=files", "data.train=corpus/*.txt"]))
+    task = tasks.TextTask(cfg, meshlib.make_mesh(1, 2, jax.devices()[:2]))
+    assert cfg.eval.stream_steps == 4 and task.stream_steps == 1  # 4 windows x 16 rows do not fit ~4 KB
+    assert len(task.notes) == 1 and task.notes[0].startswith("note: eval.stream_steps=4 windows of train.seq_len=128")
+    # the first own-data example, a small model on one device: the note once, the run to its end
+    p = cli("nljax.train", "--cpu-devices", "1", "data.source=files", "data.train=corpus/*.txt", "model.name=cms_mlp",
+            "model.dim=16", "model.depth=1", "cms.periods=[1]", "train.steps=2", *QUICK, "run.dir=runs/mine",
+            cwd=tmp_path)
+    assert p.stdout.count("note: eval.stream_steps=4") == 1, p.stdout
+    assert "eval_loss_stream" in p.stdout
+    assert p.stdout.rstrip().splitlines()[-4:] == [
+        "run directory: runs/mine (config.yaml, metrics.jsonl, summary.json, plots, checkpoints)",
+        "  resume:  python -m nljax.train --resume run.dir=runs/mine train.steps=4",
+        "  sample:  python -m nljax.generate run.dir=runs/mine prompt='The '",
+        "  export:  python -m nljax.export run.dir=runs/mine   (to runs/mine/export)"]
+
+
+def test_launch_keeps_gloo_connection_lines_out_of_the_output():
+    """gloo's "[Gloo] Rank x is connected to 1 peer ranks" (written by workers' native code, 24 of
+    them in a CPU run) are dropped; every other line of the workers passes, prefixed."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    script = ('echo "[Gloo] Rank $NLJAX_PROCESS_ID is connected to 1 peer ranks. Expected number of connected peer '
+              'ranks is : 1"; echo "[Gloo] something else"; echo "step $NLJAX_PROCESS_ID"')
+    p = subprocess.run([sys.executable, "-m", "nljax.launch", "--nproc", "2", "--", "sh", "-c", script],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert sorted(p.stdout.splitlines()) == ["[0] [Gloo] something else", "[0] step 0", "[1] [Gloo] something else",
+                                             "[1] step 1"]
+
+
+def test_the_end_of_run_timing_stays_within_its_budget():
+    """`throughput.max_fraction`: the rounds stop short of `throughput.reps` where they would take
+    longer than the budget (one round at least), and the timing says what it does."""
+    import time
+
+    from nljax.run import throughput
+
+    calls, said = [], []
+    runs = {k: (lambda k=k: calls.append(k) or time.sleep(0.02)) for k in "ab"}  # a round: ~40 ms
+    medians = throughput._time_interleaved(runs, reps=5, budget_s=0.1, say=said.append)
+    assert set(medians) == {"a", "b"} and 1 <= len(calls) // 2 - 1 <= 2, calls  # warm-up, then 1-2 rounds
+    assert said[0].startswith("timing 2 step variants again") and said[1].startswith("timing: ")
+    calls.clear()
+    throughput._time_interleaved(runs, reps=3, budget_s=None)
+    assert len(calls) >= 2 * (1 + 3)  # unbounded: reps at least (more for short rounds)
