@@ -29,7 +29,7 @@ from typing import Any
 
 from nljax.errors import ConfigError, first_line
 from nljax.models import builtin
-from nljax.models.specs import _ORIGIN, _SPECS, GROUP, ModelSpec, _generation
+from nljax.models.specs import _ORIGIN, _SPECS, GROUP, ModelSpec
 
 Config = Model = Any  # nljax.config.Config and nljax.models.base.Model (not imported: no cycle)
 
@@ -104,11 +104,6 @@ def specs() -> list[ModelSpec]:
     """Every registered model, in the order they were registered (nljax's own first)."""
     _loaded()
     return list(_SPECS.values())
-
-
-def generation() -> int:
-    _loaded()
-    return _generation[0]
 
 
 def spec(name: str) -> ModelSpec:

@@ -42,7 +42,7 @@ class ModelConfig:
         """The section's class with one field per registered model's settings (`model.<name>`)."""
         from nljax.models import registry
 
-        return _with_sections(registry.generation())
+        return _with_sections(tuple((s.name, s.settings) for s in registry.specs()))
 
     def check(self) -> None:
         if self.vocab_size < 1 or self.dim < 1 or self.depth < 1:
@@ -57,24 +57,24 @@ class ModelConfig:
         # the selected model's own rules read the whole config: nljax.crosschecks runs them
 
 
-_CLASSES: dict[int, type] = {}
+_CLASSES: dict[tuple, type] = {}
 
 
-def _with_sections(generation: int) -> type:
-    """`ModelConfig` plus a field per registered model with settings, made once per registry state."""
-    if generation not in _CLASSES:
-        from nljax.models import registry
-
+def _with_sections(sections: tuple) -> type:
+    """`ModelConfig` plus a field per registered model with settings, `sections` ((name, settings
+    class or None), ...) in registration order: one class per distinct registry content, so that
+    configs loaded before and after a model came and went again compare equal."""
+    if sections not in _CLASSES:
         shared = {f.name for f in dataclasses.fields(ModelConfig)}
         fields = []
-        for s in registry.specs():
-            if s.name in shared:
-                raise ConfigError(f"model '{s.name}' ({s.origin}): its name is a shared key of the model section "
-                                  f"(model.{s.name}): register it under another")
-            if s.settings is not None:
-                fields.append((s.name, s.settings, dataclasses.field(default=s.settings())))
+        for name, settings in sections:
+            if name in shared:
+                raise ConfigError(f"model '{name}': its name is a shared key of the model section (model.{name}): "
+                                  "register it under another")
+            if settings is not None:
+                fields.append((name, settings, dataclasses.field(default=settings())))
         cls = dataclasses.make_dataclass("ModelConfig", fields, bases=(ModelConfig,), frozen=True)
         cls.__module__, cls.__qualname__ = __name__, "ModelConfig"
         cls.__doc__ = ModelConfig.__doc__
-        _CLASSES[generation] = cls
-    return _CLASSES[generation]
+        _CLASSES[sections] = cls
+    return _CLASSES[sections]

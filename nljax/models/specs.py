@@ -44,7 +44,6 @@ class ModelSpec:
 _SPECS: dict[str, ModelSpec] = {}
 # the registrant being loaded: an entry point while its module runs (else the build function's module)
 _ORIGIN: list[str] = ["nljax"]
-_generation = [0]  # bumped by every registration: the model config class is rebuilt after one
 
 
 def register_model(name: str, build: Callable[[Config], Model], settings: type | None = None, *,
@@ -73,7 +72,6 @@ def register_model(name: str, build: Callable[[Config], Model], settings: type |
         _check_settings(f"model '{name}' ({_who(build)})", settings)
     spec = ModelSpec(name, build, settings, task, check, describe, rebuild, flops, reach, _who(build))
     _SPECS[name] = spec
-    _generation[0] += 1
     return spec
 
 
@@ -98,5 +96,4 @@ def _check_settings(where: str, settings: type) -> None:
 def unregister(name: str) -> None:
     """Take the model `name` out of the registry (tests, notebooks that register a model again
     after editing it); the config class loses its section at the next load."""
-    if _SPECS.pop(name, None) is not None:
-        _generation[0] += 1
+    _SPECS.pop(name, None)
