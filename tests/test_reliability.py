@@ -530,3 +530,19 @@ def test_the_launcher_bounds_its_counts(args, said, capsys):
 
     assert launch.main([*args, "--", "true"]) == 2
     assert capsys.readouterr().err.strip() == f"nljax.launch: error: {said}"
+
+
+def test_a_failed_writes_task_collected_after_the_scope_reports_nothing(caplog):
+    """The async save's race: a task of the failed write garbage-collected after the scope ended
+    (its event loop's last reference went later) logged 'Task exception was never retrieved' with
+    a traceback after the one-line error. After a failure, those reports stay dropped."""
+    import logging
+
+    aio = logging.getLogger("asyncio")
+    error = ValueError("OUT_OF_RANGE: Error writing \"x/0\" in OCDBT database: File too large [os_error_code='27']")
+    with quiet.errors_hidden() as noise:
+        noise.fail()
+    aio.error("Task exception was never retrieved\nfuture: <Task finished>", exc_info=(ValueError, error, None))
+    aio.error("Task exception was never retrieved", exc_info=(KeyError, KeyError("someone else's"), None))
+    said = [str(r.exc_info[1]) for r in caplog.records if r.name == "asyncio"]
+    assert said == ['"someone else\'s"'], said

@@ -61,6 +61,10 @@ class _Filters:
         self.on = True
         self.dropped = 0  # callbacks into a closed event loop dropped so far
         self.failed = False  # a failure was caught (`fail`, `settle`): its unstarted writes may follow
+        # after the scope of a failure: its reads' and writes' tasks may still be collected later
+        # (the event loop of a finished Orbax thread goes with its last reference, at any time, up
+        # to the interpreter's exit), each logging 'exception was never retrieved'
+        self.lingering = False
 
     def fail(self) -> None:
         """A read or write failed: from now on its coroutines' reports are its noise. Called where
@@ -104,7 +108,7 @@ class _Filters:
         if self.on and self.failed and "Task was destroyed but it is pending" in text and "orbax" in text:
             return False
         exc = record.exc_info[1] if record.exc_info else None
-        if not self.on or exc is None or "exception was never retrieved" not in text:
+        if not (self.on or self.lingering) or exc is None or "exception was never retrieved" not in text:
             return True
         frames = traceback.extract_tb(exc.__traceback__)
         text = str(exc)
@@ -154,7 +158,10 @@ def errors_hidden(report=None):
     finally:
         f.on = False
         absl.removeFilter(f.orbax_thread_errors)
-        aio.removeFilter(f.unretrieved)
+        if f.failed:  # the failed operation's tasks may be collected later (`lingering`): still dropped
+            f.lingering = True
+        else:
+            aio.removeFilter(f.unretrieved)
         if sys.unraisablehook == f.unraisable:  # else another hook was installed over it: it passes through
             sys.unraisablehook = f.previous_hook
         if warnings.showwarning == f.unawaited:
