@@ -546,3 +546,19 @@ def test_a_failed_writes_task_collected_after_the_scope_reports_nothing(caplog):
     aio.error("Task exception was never retrieved", exc_info=(KeyError, KeyError("someone else's"), None))
     said = [str(r.exc_info[1]) for r in caplog.records if r.name == "asyncio"]
     assert said == ['"someone else\'s"'], said
+
+
+def test_a_failed_writes_coroutine_collected_at_exit_reports_nothing(monkeypatch):
+    """The same race at the interpreter's exit: 'sys:1: RuntimeWarning: coroutine
+    'async_serialize_from_host.<locals>.write_fragment' was never awaited' after the one line."""
+    import io
+    import sys
+    import warnings
+
+    monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # put back after the test
+    monkeypatch.setattr(sys, "unraisablehook", sys.unraisablehook)
+    with quiet.errors_hidden() as noise:
+        noise.fail()
+    out = io.StringIO()
+    warnings.showwarning("coroutine 'write_fragment' was never awaited", RuntimeWarning, "sys", 1, file=out)
+    assert out.getvalue() == ""

@@ -123,7 +123,7 @@ class _Filters:
         closed = isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)
         code = getattr(u.object, "cr_code", None)
         ours = self.failed and code is not None and "orbax" in code.co_filename  # after a failure only
-        if self.on and (closed or ours):
+        if (self.on or self.lingering) and (closed or ours):
             self.dropped += 1
         else:
             self.previous_hook(u)
@@ -131,7 +131,7 @@ class _Filters:
     def unawaited(self, message, category, *args, **kwargs) -> None:
         """Drops 'coroutine ... was never awaited' for the writes a failed operation never started
         (after a failure only: until then such a warning is someone else's)."""
-        if not (self.on and self.failed and issubclass(category, RuntimeWarning)
+        if not ((self.on or self.lingering) and self.failed and issubclass(category, RuntimeWarning)
                 and "was never awaited" in str(message)):
             self.previous_show(message, category, *args, **kwargs)
 
@@ -158,11 +158,13 @@ def errors_hidden(report=None):
     finally:
         f.on = False
         absl.removeFilter(f.orbax_thread_errors)
-        if f.failed:  # the failed operation's tasks may be collected later (`lingering`): still dropped
-            f.lingering = True
-        else:
+        # After a failure its operation's tasks and coroutines may be collected later, up to the
+        # interpreter's exit ('sys:1: RuntimeWarning: coroutine ... was never awaited' after the
+        # one-line error): those reports stay dropped (`lingering`), the filters installed.
+        f.lingering = f.failed
+        if not f.lingering:
             aio.removeFilter(f.unretrieved)
-        if sys.unraisablehook == f.unraisable:  # else another hook was installed over it: it passes through
+        if sys.unraisablehook == f.unraisable and not f.lingering:  # else another hook was installed over it
             sys.unraisablehook = f.previous_hook
-        if warnings.showwarning == f.unawaited:
+        if warnings.showwarning == f.unawaited and not f.lingering:
             warnings.showwarning = f.previous_show
