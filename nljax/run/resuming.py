@@ -23,6 +23,7 @@ from nljax import config
 from nljax.checkpoint.contents import HOW_COMPUTED, MUST_MATCH, differences, fmt, get
 from nljax.config import Config
 from nljax.errors import ConfigError
+from nljax.run import tasks
 from nljax.runtime.rundir import checkpoint_dir
 
 # Settings of this command, not of the run: taken from the command line, never from config.yaml
@@ -60,7 +61,9 @@ def resumed_config(cfg: Config, config_file: str | None, overrides: Sequence[str
     for section, key in THIS_COMMAND:
         value = getattr(getattr(cfg, section), key)
         resumed = dataclasses.replace(resumed, **{section: dataclasses.replace(getattr(resumed, section), **{key: value})})
-    check_unchanged(config.load(str(saved_file), [f"run.dir={cfg.run.dir}"], saved=True), resumed, saved_file)
+    # with what the data decide (model.vocab_size of a tokenizer, left at its default): as saved
+    check_unchanged(config.load(str(saved_file), [f"run.dir={cfg.run.dir}"], saved=True), tasks.resolve(resumed),
+                    saved_file)
     return resumed
 
 
