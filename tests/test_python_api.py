@@ -166,3 +166,10 @@ def test_an_export_carries_the_runs_tokenizer(tmp_path):
     assert ex.end_id == tok.token_to_id("<eos>")
     sampled = ex.generate("document", max_new_tokens=8, seed=2)
     assert ex.decode(ex.encode(sampled)) == sampled
+    # another tokenizer.json put in its place is refused, in one line
+    other = Tokenizer(models.BPE())
+    other.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    other.add_special_tokens(["<eos>"])
+    other.save(str(out / "tokenizer.json"))
+    with pytest.raises(ConfigError, match="tokenizer.json is not the file that was written with the export"):
+        nljax.load(out)
