@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+import re
 import sys
 import threading
 import time
@@ -123,7 +124,7 @@ class _Filters:
         closed = isinstance(u.exc_value, RuntimeError) and "Event loop is closed" in str(u.exc_value)
         code = getattr(u.object, "cr_code", None)
         ours = self.failed and code is not None and "orbax" in code.co_filename  # after a failure only
-        if (self.on or self.lingering) and (closed or ours):
+        if (self.on and (closed or ours)) or (self.lingering and ours):
             self.dropped += 1
         else:
             self.previous_hook(u)
@@ -131,9 +132,21 @@ class _Filters:
     def unawaited(self, message, category, *args, **kwargs) -> None:
         """Drops 'coroutine ... was never awaited' for the writes a failed operation never started
         (after a failure only: until then such a warning is someone else's)."""
-        if not ((self.on or self.lingering) and self.failed and issubclass(category, RuntimeWarning)
-                and "was never awaited" in str(message)):
+        unawaited = issubclass(category, RuntimeWarning) and "was never awaited" in str(message)
+        if not (unawaited and self.failed and (self.on or (self.lingering and _orbax_coroutine(str(message))))):
             self.previous_show(message, category, *args, **kwargs)
+
+
+def _orbax_coroutine(message: str) -> bool:
+    """Whether "coroutine 'NAME' was never awaited" names a coroutine of Orbax's: the function
+    NAME's outermost part is defined in a loaded `orbax` module (write_fragment is
+    'async_serialize_from_host.<locals>.write_fragment')."""
+    m = re.match(r"coroutine '([^']+)' was never awaited", message)
+    if m is None:
+        return False
+    top = m[1].split(".")[0]
+    return any(name.startswith("orbax.") and getattr(mod, top, None) is not None
+               for name, mod in list(sys.modules.items()))
 
 
 def _orbax_worker(thread: threading.Thread) -> bool:
