@@ -46,10 +46,11 @@ class NlLmConfig:
 
     window: int = 64  # sliding-window attention: tokens each token sees, itself included
     # 0-based block indices that carry a neural memory; in the first block the default job's
-    # held-out loss is lowest, in the second the recall probe's accuracy highest (README, "Where
-    # the memory goes")
+    # held-out loss is lowest, in the second the recall probe's accuracy highest
+    # (docs/experiments/2026-11-27-where-the-memory-goes.md)
     memory_layers: tuple[int, ...] = (0,)
-    memory_kind: Literal["linear", "mlp"] = "linear"  # linear: better on held-out text, cheaper (README)
+    # linear: better on held-out text than mlp, and cheaper (docs/experiments/2026-11-27-does-the-memory-help.md)
+    memory_kind: Literal["linear", "mlp"] = "linear"
     memory_heads: int = 4  # heads of each neural memory, each with its own state
     memory_dim: int = 32  # per-head key/value width of the memory
     memory_hidden: int = 64  # hidden width of the 2-layer MLP memory
@@ -62,7 +63,8 @@ class NlLmConfig:
     memory_out_gate: bool = True  # gate the read with sigmoid(W x)
     memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
     # the memory reads its block's normalised stream plus the normalised token embeddings: a
-    # memory after the first block then learns the recall probe (README, "Where the memory goes")
+    # memory after the first block then learns the recall probe
+    # (docs/experiments/2026-11-27-where-the-memory-goes.md)
     memory_embed: bool = True
     # lax.scan over the repeating unit of blocks (the shortest run of blocks whose memory pattern
     # repeats: memory_layers [4, 9, 14, 19] of 20 blocks -> 4 units of 5): one compiled unit, and
