@@ -40,7 +40,7 @@ class DataConfig:
     prepared: str = ""
     # probability that a training row starts a step from a fresh memory, drawn from (seed, step,
     # row): the model also learns to predict without carried context, as at a document start
-    reset_prob: float = 0.25  # measured: docs/experiments/2026-11-23-memory-block-ablations.md
+    reset_prob: float = 0.25  # (measured: docs/experiments/2026-11-23-memory-block-ablations.md)
     recall_docs: int = 4096  # recall: documents generated (training + held out), each train.seq_len bytes
     recall_pairs: int = 4  # recall: key=value pairs shown, then queried, per document
     recall_key_len: int = 2  # recall: lowercase letters per key (keys are distinct)
