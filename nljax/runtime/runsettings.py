@@ -117,8 +117,8 @@ class ThroughputConfig:
     # so it adds at most ~10% to a run: a report, not the run's work
     max_fraction: float = 0.1
     # also time each pattern without its collectives (compute vs communication): compiles a
-    # one-device program per pattern, minutes on a CPU, so off for nljax.train; nljax.bench
-    # measures the split on its own
+    # one-device program per pattern, minutes on a CPU, so off by default; `nljax.bench --profile N`
+    # shows the collectives' device time instead
     split: bool = False
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the device kind when known
 
