@@ -74,6 +74,8 @@ CONVERTED = {"run.tensorboard": (lambda on: ["tensorboard"] if on else [],
 # absent keys stay absent (a resume names them: "(checkpoint: (absent))").
 ADDED = {"model.nl_lm.scan_layers": False, "model.nl_lm.memory_embed": False}
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
+
 
 def _moved(old: str) -> str:
     how = f" ({CONVERTED[old][1]})" if old in CONVERTED else ""
@@ -328,8 +330,10 @@ def _check_floats(node: Any, prefix: str = "") -> None:
             continue
         entries = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, tuple) else [(key, value)]
         for k, v in entries:
-            if isinstance(v, float) and not math.isfinite(v):
-                raise ConfigError(f"config key '{k}' must be a finite number, got {v}")
+            if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+                # settings reach the device as float32: a larger one is inf there (NaN steps, exit 0)
+                raise ConfigError(f"config key '{k}' must be a finite number within float32's range "
+                                  f"(|x| <= 3.4e38), got {v}")
         if isinstance(value, float) and f.name in ranges:
             low, high, low_in, high_in = ranges[f.name]
             if (low is not None and (value < low or (value == low and not low_in))) or (

@@ -122,14 +122,20 @@ def tokenization_of_export(path: Path, cfg: config.Config):
 
 
 def check_out(out: Path) -> None:
-    """Refuses an `out` the export would damage: a file, or a directory whose model.safetensors
-    or config.json are not an earlier nljax export's (an earlier export is replaced)."""
+    """Refuses an `out` the export would damage or mix with: a file, or a directory holding
+    anything but an earlier nljax export (which is replaced): a user's folder, a run directory."""
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
     theirs = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if (out / n).exists()]
     if theirs and not is_export(out):
         raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "
                           "choose another directory")
+    ours = {WEIGHTS, CONFIG, TOKENIZER}
+    others = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith(".")) \
+        if out.is_dir() else []
+    if others:
+        raise ConfigError(f"out={out} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, which an "
+                          "export does not write: give an empty or new directory (or an earlier export's)")
 
 
 def load_model(path: str | Path):

@@ -565,3 +565,67 @@ def test_a_failed_writes_coroutine_collected_at_exit_reports_nothing(monkeypatch
     for name in ("async_serialize_from_host.<locals>.write_fragment", "mine"):
         warnings.showwarning(f"coroutine '{name}' was never awaited", RuntimeWarning, "sys", 1)
     assert shown == ["coroutine 'mine' was never awaited"]
+
+
+# ---------------------------------------------------------------------------------------------
+# The fresh-eyes round's finds (each failed before its fix)
+
+
+def test_a_float_setting_past_float32_is_one_line():
+    """optim.lr=1e300 is finite in Python and inf on the device: the run trained NaN, exit 0."""
+    from nljax import config
+
+    with pytest.raises(config.ConfigError, match="'optim.lr' must be a finite number within float32's range"):
+        config.load(None, ["optim.lr=1e300"])
+    assert config.load(None, ["optim.lr=1e30"]).optim.lr == 1e30
+
+
+def test_generate_bounds_its_token_count():
+    """max_new_tokens=99999999999 streamed until killed."""
+    from nljax import config
+    from nljax.run.sampling import MAX_NEW_TOKENS, Settings
+
+    with pytest.raises(config.ConfigError, match="max_new_tokens must be <= 65,536"):
+        Settings(max_new_tokens=99999999999).check()
+    assert Settings(max_new_tokens=MAX_NEW_TOKENS).check().max_new_tokens == MAX_NEW_TOKENS
+
+
+def test_export_refuses_a_folder_holding_other_files(tmp_path):
+    """out= a user's folder (or the run directory itself) got model.safetensors beside its files."""
+    from nljax import config
+    from nljax.export import check_out
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.md").write_text("mine")
+    with pytest.raises(config.ConfigError, match="holds notes.md, which an export does not write"):
+        check_out(tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.md").read_text() == "mine"
+    check_out(tmp_path / "new")  # a new or empty directory is fine
+    (tmp_path / "empty").mkdir()
+    check_out(tmp_path / "empty")
+
+
+def test_a_dangling_symlink_on_the_way_to_a_run_dir_is_named_before_anything_is_made(tmp_path):
+    """The command made checkpoint.dir (inside run.dir) first, and said 'File exists'."""
+    from nljax import config
+    from nljax.runtime.rundir import check_free
+
+    (tmp_path / "run").symlink_to(tmp_path / "gone")
+    cfg = config.load(None, [f"run.dir={tmp_path / 'run'}"])
+    with pytest.raises(config.ConfigError, match=f"is a symbolic link to {tmp_path / 'gone'}, which does not exist"):
+        check_free(cfg)
+    assert not (tmp_path / "gone").exists()
+
+
+def test_training_text_shorter_than_a_window_is_one_line(tmp_path):
+    """Three bytes of training text were trained on as 128-token rows, exit 0."""
+    from nljax import config
+    from nljax.parallel.mesh import make_mesh
+    from nljax.run.tasks import TextTask
+
+    (tmp_path / "train.txt").write_text("hi\n")
+    (tmp_path / "eval.txt").write_text("held-out text " * 200)
+    cfg = config.load(None, ["data.source=files", f"data.train={tmp_path / 'train.txt'}",
+                             f"data.eval={tmp_path / 'eval.txt'}"])
+    with pytest.raises(config.ConfigError, match=r"the training text \(\d+ tokens\) is shorter than train.seq_len\+1"):
+        TextTask(cfg, make_mesh(1, 1, devices=__import__("jax").devices()[:1]))

@@ -39,6 +39,9 @@ from nljax.parallel.hostdev import put, replica
 from nljax.run import trained as trained_lib
 
 
+MAX_NEW_TOKENS = 65_536  # as train.sample_tokens
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     prompt: str = ""
@@ -52,6 +55,8 @@ class Settings:
     out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); refused for a text run
 
     def check(self) -> "Settings":
+        if self.max_new_tokens > MAX_NEW_TOKENS:  # token by token on the host: a huge count never ends
+            raise ConfigError(f"max_new_tokens must be <= {MAX_NEW_TOKENS:,}, got {self.max_new_tokens:,}")
         if self.max_new_tokens < 0 or not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
             raise ConfigError(f"need max_new_tokens >= 0, finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
                               f"{self.max_new_tokens}, {self.temperature}, {self.top_k}, {self.top_p}")

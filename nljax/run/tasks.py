@@ -116,6 +116,9 @@ class TextTask:
             source = f"data.eval={cfg.data.eval}" if cfg.data.eval else f"data.eval_fraction={cfg.data.eval_fraction}"
             raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} from {source}) is shorter than "
                               f"train.seq_len+1={cfg.train.seq_len + 1}")
+        if len(data.train) < cfg.train.seq_len + 1:  # a row would repeat a few tokens over and over
+            raise ConfigError(f"the training text ({len(data.train)} {data.unit}) is shorter than "
+                              f"train.seq_len+1={cfg.train.seq_len + 1}: give more text or a shorter train.seq_len")
         self.notes: list[str] = []  # said once at start-up by the trainer
         self.stream_steps = self._stream_steps()  # the streaming evaluation's windows per row
         # recall documents are exactly seq_len long: aligned rows read one whole document per step

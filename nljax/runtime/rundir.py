@@ -8,6 +8,7 @@ reads and writes. A run refuses to overwrite an earlier run unless told to (or r
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -171,6 +172,9 @@ def check_free(cfg: Config) -> None:
     """Refuses (every process) a run.dir or checkpoint.dir a live run holds, or one that is a file,
     before anything is read or written."""
     for what, path in locked_dirs(cfg):
+        for p in (path, *path.parents):  # mkdir would say only "File exists"
+            if p.is_symlink() and not p.exists():
+                raise ConfigError(f"{what} {path}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
         if _exists(what, path) and not path.is_dir():  # not "checkpoint.dir ... cannot be created"
             raise ConfigError(f"{what} {path} is a file, not a directory")
         distributed.on_main(lambda: refuse_if_live(path, what), _in_use_elsewhere(cfg))
