@@ -71,7 +71,8 @@ def reference(site):
 MESHES = [(2, 4, "hierarchical"), pytest.param(1, 8, "flat", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
+@pytest.mark.parametrize("strategy", ["replicated", pytest.param("zero1", marks=pytest.mark.slow),
+                                      pytest.param("fsdp", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("inter, intra, reduce", MESHES)
 def test_matches_single_device_under_every_strategy(reference, strategy, inter, intra, reduce):
     ref_losses, ref_params, ref_memory = reference
@@ -94,6 +95,7 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.mark.slow  # the longest end-to-end run (2-4 minutes); its N == 1 checks stay in the suite
 def test_the_commands_train_resume_generate_and_export_it(site, tmp_path):
     """`python -m nljax.train model.name=gated_delta` on 2 devices with checkpoints after steps 2
     and 4; resumed from step 2: the same losses, bitwise; nljax.generate writes text after the

@@ -195,12 +195,15 @@ def test_throughput_table():
 
 def test_overwrite_removes_stale_outputs(tmp_path):
     from nljax.run.trackers import TensorBoard
+    from nljax.runtime import runlog
     from nljax.runtime.rundir import RunDir
 
     (tmp_path / "metrics.jsonl").write_text("old\n")
     (tmp_path / "summary.json").write_text("{}")
     (tmp_path / "loss.png").write_text("")
     (tmp_path / "profile").mkdir()
+    for name in ("metrics.jsonl", "summary.json", "loss.png", "profile"):  # an earlier run's, as it records them
+        runlog.note_written(tmp_path, name)
     (tmp_path / "checkpoints").mkdir()
     TensorBoard(tmp_path).close()  # the run's TensorBoard file, noted as written by the run
     (tmp_path / "events.out.tfevents.1.mine").write_text("")  # a user's: kept
@@ -212,7 +215,8 @@ def test_overwrite_removes_stale_outputs(tmp_path):
         RunDir(str(tmp_path), overwrite=False, write=True)
     assert (tmp_path / "summary.json").exists()
     RunDir(str(tmp_path), overwrite=True, write=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "events.out.tfevents.1.mine", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoints", "events.out.tfevents.1.mine", "metrics.jsonl",
+                                                         "nljax_written.txt"]
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     (tmp_path / "export").mkdir()  # a user's files under that name: kept
     (tmp_path / "export" / "config.json").write_text("{}")

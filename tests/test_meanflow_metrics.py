@@ -13,6 +13,7 @@ DIT = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "mode
        "train.batch_size=8", "meanflow.eval_samples=10", "meanflow.sample_steps=2", "meanflow.adaptive_p=1.0"]
 
 
+@pytest.mark.slow  # a minute of MeanFlow training on two meshes
 def test_the_evaluation_carries_the_unweighted_error_and_the_energy_distances(tmp_path):
     one = make([*DIT, f"run.dir={tmp_path / 'one'}"], 1, 1)
     four = make([*DIT, f"run.dir={tmp_path / 'four'}"], 1, 4)

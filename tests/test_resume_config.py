@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from helpers import QUICK, SMALL, cli, run_python
 from test_checkpoint_cli import KILLER
 
@@ -22,6 +23,7 @@ def deterministic(run: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if k not in TIMINGS} for r in rows]
 
 
+@pytest.mark.slow  # three CLI runs (a minute); the saved-config rule is also checked by the next test
 def test_resume_with_no_overrides_continues_a_run_started_with_overrides(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     cli("nljax.train", "--cpu-devices", "2", "--quiet", *STARTED, f"run.dir={ref}")
@@ -52,9 +54,8 @@ def test_resume_with_no_overrides_continues_a_run_started_with_overrides(tmp_pat
 def test_config_file_with_resume_is_applied_on_the_saved_config(tmp_path):
     """`--config FILE --resume`: the run's config.yaml first, the file's keys on top (checked like
     overrides: a differing model key is refused, naming it; the file's other keys apply)."""
-    from nljax.run.resuming import resumed_config
-
     from nljax import config
+    from nljax.run.resuming import resumed_config
 
     run = tmp_path / "run"
     run.mkdir()
