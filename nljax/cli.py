@@ -29,7 +29,7 @@ from nljax.runtime.preemption import Stopped, check_in
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=prog, description=description)
+    p = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=description)
     p.add_argument("--config", help="YAML config file, or a packaged config's name (nl_default, nl_gpu, "
                    "meanflow_digits, ...); defaults apply to keys it leaves out")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU (per process)")

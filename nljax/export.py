@@ -168,7 +168,7 @@ def load_model(path: str | Path):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="nljax.export", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.export", description=__doc__.splitlines()[0])
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",

@@ -313,6 +313,7 @@ MAX_NPROC = 256  # processes one launcher starts on its host
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,
         prog=PROG,
         description="Run N processes of one multi-process JAX run on this machine (coordinator on 127.0.0.1).",
         usage=f"python -m {PROG} --nproc N [--cpu-devices M] [--grace S] -- command [args ...]",

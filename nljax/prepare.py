@@ -52,7 +52,7 @@ def describe(c: prepared.Corpus) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="nljax.prepare", description="Prepare your own text once (tokenized, memory-mapped), for training with data.source=files data.prepared=DIR.")
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.prepare", description="Prepare your own text once (tokenized, memory-mapped), for training with data.source=files data.prepared=DIR.")
     p.add_argument("--config", help="YAML config file whose data.* keys name the text")
     p.add_argument("settings", nargs="*", metavar="key=value", help="out=DIR (required), overwrite=true, data.* keys")
     args = p.parse_args(argv)

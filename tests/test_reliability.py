@@ -629,3 +629,23 @@ def test_training_text_shorter_than_a_window_is_one_line(tmp_path):
                              f"data.eval={tmp_path / 'eval.txt'}"])
     with pytest.raises(config.ConfigError, match=r"the training text \(\d+ tokens\) is shorter than train.seq_len\+1"):
         TextTask(cfg, make_mesh(1, 1, devices=__import__("jax").devices()[:1]))
+
+
+def test_an_abbreviated_flag_is_not_taken_for_another(capsys):
+    """argparse's prefix matching took `--resum` for `--resume`."""
+    from nljax import train
+
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resum", "--print-config"])
+    assert e.value.code == 2 and "unrecognized arguments: --resum" in capsys.readouterr().err
+
+
+def test_the_closing_commands_paste_into_a_shell_as_printed():
+    """A run.dir with a space or a newline printed unquoted: the pasted command split there."""
+    import shlex
+
+    from nljax.run.phases import closing_lines
+
+    for run_dir in ("runs/plain", "runs/with space", "runs/new\nline"):
+        resume = closing_lines(run_dir, 10, True, f"{run_dir}/export")[1].split("resume:", 1)[1]
+        assert shlex.split(resume)[3:5] == ["--resume", f"run.dir={run_dir}"]

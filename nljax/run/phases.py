@@ -10,6 +10,7 @@ persistent compile cache makes the second start fast (nljax/runtime/compile_cach
 from __future__ import annotations
 
 import contextlib
+import shlex
 import time
 from typing import Any, Callable
 
@@ -65,9 +66,9 @@ class Announced:
 
 def closing_lines(run_dir: str, steps: int, text: bool, exported: str) -> list[str]:
     """Where a finished run's outputs are and the commands that continue, sample and export it."""
-    d = run_dir if " " not in run_dir else f"'{run_dir}'"
+    d = shlex.quote(f"run.dir={run_dir}")  # pasted into a shell as printed, spaces and all
     prompt = " prompt='The '" if text else ""
     return [f"run directory: {run_dir} (config.yaml, metrics.jsonl, summary.json, plots, checkpoints)",
-            f"  resume:  python -m nljax.train --resume run.dir={d} train.steps={2 * steps or 1}",
-            f"  sample:  python -m nljax.generate run.dir={d}{prompt}",
-            f"  export:  python -m nljax.export run.dir={d}   (to {exported})"]
+            f"  resume:  python -m nljax.train --resume {d} train.steps={2 * steps or 1}",
+            f"  sample:  python -m nljax.generate {d}{prompt}",
+            f"  export:  python -m nljax.export {d}   (to {exported})"]
