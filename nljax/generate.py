@@ -4,23 +4,10 @@
         temperature=0.8 top_k=40 top_p=0.95 seed=0 [checkpoint=PATH] [--cpu-devices N]
     python -m nljax.generate run.dir=runs/meanflow_digits [samples=16] [out=FILE.png]
 
-Language models read the stream the way training read it: in windows of `train.seq_len` tokens,
-attention inside a window, the neural memory carried from window to window (written by every
-full window; reset at the start, and after a window that holds a document's end token, as
-training resets a row's memory). The prompt's full windows are written into the memory first;
-then each new token is predicted from the memory of the windows before it and the tokens of its
-own window so far (the model is causal, so what pads the window after them changes nothing), and
-once a window is full it is written into the memory in turn. Tokens are
-bytes, or with data.source=files the tokens of the run's tokenizer (nljax/data/tokenization.py);
-the text streams to the terminal as it is sampled.
-
-Sampling is on the host in float64 from the logits (temperature, then top-k, then top-p), with a
-numpy generator seeded by `seed`: the same checkpoint and seed give the same tokens on any device
-count (the parameters are replicated, so every device computes the same logits).
-
-A MeanFlow run (model.name=dit) writes a PNG grid instead: one-step and multi-step
-(`meanflow.sample_steps`) samples side by side, for the labels of the first held-out images (2-D
-toy data: scatter plots over the held-out points).
+A language model's text streams to the terminal as it is sampled, read window by window with the
+neural memory carried as training reads the stream; an image model (MeanFlow) writes a PNG grid
+of one-step and multi-step samples. The same checkpoint and seed give the same tokens on any
+device count. How the stream is read and sampled: nljax/run/sampling.py.
 
 Any other `key=value` is a config override on top of the run's own config.yaml.
 """
