@@ -330,7 +330,9 @@ def _check_floats(node: Any, prefix: str = "") -> None:
             continue
         entries = [(f"{key}[{i}]", v) for i, v in enumerate(value)] if isinstance(value, tuple) else [(key, value)]
         for k, v in entries:
-            if isinstance(v, float) and not (math.isfinite(v) and abs(v) <= FLOAT32_MAX):
+            if isinstance(v, float) and not math.isfinite(v):
+                raise ConfigError(f"config key '{k}' must be a finite number, got {v}")
+            if isinstance(v, float) and abs(v) > FLOAT32_MAX:
                 # settings reach the device as float32: a larger one is inf there (NaN steps, exit 0)
                 raise ConfigError(f"config key '{k}' must be a finite number within float32's range "
                                   f"(|x| <= 3.4e38), got {v}")

@@ -172,11 +172,11 @@ def check_free(cfg: Config) -> None:
     """Refuses (every process) a run.dir or checkpoint.dir a live run holds, or one that is a file,
     before anything is read or written."""
     for what, path in locked_dirs(cfg):
+        if _exists(what, path) and not path.is_dir():  # not "checkpoint.dir ... cannot be created"
+            raise ConfigError(f"{what} {path} is a file, not a directory")
         for p in (path, *path.parents):  # mkdir would say only "File exists"
             if p.is_symlink() and not p.exists():
                 raise ConfigError(f"{what} {path}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
-        if _exists(what, path) and not path.is_dir():  # not "checkpoint.dir ... cannot be created"
-            raise ConfigError(f"{what} {path} is a file, not a directory")
         distributed.on_main(lambda: refuse_if_live(path, what), _in_use_elsewhere(cfg))
         distributed.on_main(lambda: _refuse_inside_live(cfg, what, path), _in_use_elsewhere(cfg))
 
