@@ -23,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from nljax import cli, config, hostmem, traces  # noqa: E402  (after the path: a checkout need not be installed)
+from nljax import cli, config  # noqa: E402  (after the path: a checkout need not be installed)
+from nljax.measure import hostmem, traces  # noqa: E402
 
 
 def main(argv=None) -> int:
