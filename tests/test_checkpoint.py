@@ -183,6 +183,7 @@ def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
     model = m["config"]["model"]
     del model["nl_lm"]["scan_layers"], model["nl_lm"]["memory_embed"]
     model.update(model.pop("nl_lm"), patch_size=model.pop("dit")["patch_size"])
+    del m["seal"]  # written before the metadata was sealed, too
     meta.write_text(json.dumps(m))
     assert json.loads(meta.read_text())["config"]["model"]["window"] == 8
     r = restore(setup.engine, setup.state, tmp_path / "ckpt" / "2")
@@ -243,6 +244,7 @@ def test_a_checkpoint_with_flat_qkv_kernels_restores(ref, tmp_path):
     meta = contents.metadata(setup.engine, 2, old)
     meta["model"] = {k: ([list(flat(k, np.zeros(v[0])).shape), v[1]] if contents.RESHAPED.search(k) else v)
                      for k, v in meta["model"].items()}
+    del meta["seal"]  # written before the metadata was sealed, too
     with ocp.CheckpointManager(tmp_path / "old") as m:
         m.save(2, args=ocp.args.Composite(**{contents.STATE: ocp.args.StandardSave(contents.nest(old)),
                                              contents.META: ocp.args.JsonSave(meta)}))
@@ -336,21 +338,34 @@ def _bad_meta(step_dir: Path):
     (step_dir / "nljax" / "metadata").write_text('{"format": 1, "arrays": ')
 
 
-def _foreign_meta(step_dir: Path):
+def _rewrite_meta(step_dir: Path, edit, sealed: bool = True):
+    """The step's metadata as `edit` returns it, sealed anew (as if written so) unless `sealed` is false."""
     meta = step_dir / "nljax" / "metadata"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "arrays": {"step": {"shape": [], "dtype": "int32"}}}))
+    m = edit(json.loads(meta.read_text()))
+    meta.write_text(json.dumps({**m, "seal": contents.seal(m)} if sealed else m))
+
+
+def _foreign_meta(step_dir: Path):
+    _rewrite_meta(step_dir, lambda m: {**m, "arrays": {"step": {"shape": [], "dtype": "int32"}}})
 
 
 def _other_model(step_dir: Path):
-    meta = step_dir / "nljax" / "metadata"
-    m = json.loads(meta.read_text())
-    m["model"]["head/kernel"][0] = [16, 512]
-    meta.write_text(json.dumps(m))
+    def edit(m):
+        m["model"]["head/kernel"][0] = [16, 512]
+        return m
+    _rewrite_meta(step_dir, edit)
 
 
 def _zero_devices(step_dir: Path):
-    meta = step_dir / "nljax" / "metadata"
-    meta.write_text(json.dumps({**json.loads(meta.read_text()), "mesh": {"inter": 2, "intra": 4, "devices": 0}}))
+    _rewrite_meta(step_dir, lambda m: {**m, "mesh": {"inter": 2, "intra": 4, "devices": 0}})
+
+
+def _edited_meta(step_dir: Path):
+    """A hand edit of a value a restore trusts (an array's checksum), the seal left as written."""
+    def edit(m):
+        m["arrays"]["step"]["checksum"] += 1
+        return m
+    _rewrite_meta(step_dir, edit, sealed=False)
 
 
 # case: (damage, overrides, message, through the command line (else the library call))
@@ -362,6 +377,7 @@ BAD = {
     "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),
     "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable", False),
     "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
+    "edited": (_edited_meta, [], "checkpoint {d}/ckpt/4: metadata does not match its seal", False),
     "devices": (_zero_devices, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
     "fingerprint": (_other_model, [], "checkpoint {d}/ckpt/4 is from another model: parameter 'head/kernel' is "
                     "float32(16, 512) there, float32(16, 256) here", False),

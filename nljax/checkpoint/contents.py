@@ -8,6 +8,8 @@ fit this run (an older one would not fit either).
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import re
 from pathlib import Path
@@ -155,7 +157,7 @@ def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: 
     """`trackers`: tracker name -> the run id a resume continues (`nljax.run.trackers.Trackers.ids`)."""
     cfg, mesh = engine.cfg, engine.mesh
     sums = checksums(arrays)
-    return {
+    meta = {
         "format": FORMAT,
         "nljax_version": __version__,
         "step": step,
@@ -176,6 +178,15 @@ def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: 
             k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()
         },
     }
+    return {**meta, "seal": seal(meta)}
+
+
+def seal(meta: dict) -> str:
+    """sha256 of the metadata's canonical JSON, its own seal left out. The arrays' checksums live in
+    the metadata, so they only vouch for the arrays if the metadata itself is what was written: a
+    checkpoint whose metadata was edited or damaged since is refused (`check_well_formed`)."""
+    body = json.loads(json.dumps({k: v for k, v in meta.items() if k != "seal"}))  # as read back: lists, str keys
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def get(tree: dict, dotted: str):
@@ -206,7 +217,10 @@ def fmt(v: Any) -> str:
 
 
 def check_well_formed(path: Path, meta: Any) -> dict:
-    """`meta` if every field a restore reads is there, with its type; else `Damaged`."""
+    """`meta` if it matches its seal and every field a restore reads is there, with its type; else
+    `Damaged`. Metadata without a seal was written before seals (2026-11-28) and is read as before."""
+    if isinstance(meta, dict) and "seal" in meta and meta["seal"] != seal(meta):
+        raise Damaged(f"checkpoint {path}: metadata does not match its seal (edited or damaged after it was written)")
     if not _well_formed(meta):
         raise Damaged(f"checkpoint {path}: metadata is not an nljax checkpoint of format {FORMAT}")
     return meta
