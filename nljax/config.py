@@ -242,9 +242,11 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}")
-    if loaded is not None and not isinstance(loaded, dict):
+    if loaded is None or loaded == {}:  # a file saved before it was written, the wrong file
+        raise ConfigError(f"config file {path} holds no settings: give some, or leave --config out for the defaults")
+    if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    return loaded or {}
+    return loaded
 
 
 def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: bool = False,

@@ -110,9 +110,12 @@ def _parent_death_signal():
 # process and peer group, that its connections are up ("[Gloo] Rank 0 is connected to 1 peer
 # ranks. Expected number of connected peer ranks is : 1"), written to fd 1 behind Python's back.
 NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# An nljax command's one-line refusal (a bad override, say): every process reads the same config
+# and refuses it alike, so the user is shown it once, not once per process.
+REFUSAL = re.compile(r"^nljax\.\w+: error: ")
 
 
-def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) -> None:
+def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock, refusals: set[str]) -> None:
     writable = True
     for raw in iter(stream.readline, b""):
         if not writable:  # still read: a worker blocked on a full pipe would never exit
@@ -121,6 +124,10 @@ def _pump(stream: IO[bytes], out: IO[str], prefix: str, lock: threading.Lock) ->
         if NOISE.match(line):
             continue
         with lock:
+            if REFUSAL.match(line):
+                if line in refusals:
+                    continue
+                refusals.add(line)
             try:
                 out.write(f"{prefix}{line}\n")
                 out.flush()
@@ -146,6 +153,7 @@ class Group:
         self.lock = threading.Lock()
         self.procs: list[subprocess.Popen] = []
         self.threads: list[threading.Thread] = []
+        self.refusals: set[str] = set()  # the one-line errors already shown (`REFUSAL`)
         # Its own session: a Ctrl-C to the launcher's terminal does not reach it.
         self.guard = subprocess.Popen([sys.executable, "-c", GUARD], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.DEVNULL, start_new_session=True, text=True)
@@ -158,7 +166,7 @@ class Group:
                 self.guard.stdin.write(f"{p.pid}\n")  # its session's process group
                 self.guard.stdin.flush()
                 for stream, out in ((p.stdout, sys.stdout), (p.stderr, sys.stderr)):
-                    t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", self.lock), daemon=True)
+                    t = threading.Thread(target=_pump, args=(stream, out, f"[{i}] ", self.lock, self.refusals), daemon=True)
                     t.start()
                     self.threads.append(t)
         except BaseException as e:  # e.g. the command not found, or no thread left: none is orphaned

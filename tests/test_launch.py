@@ -199,3 +199,15 @@ def test_a_failed_start_stops_the_processes_already_started(monkeypatch, capsys)
     assert launch.main(["--nproc", "2", "--", "sleep", "60"]) == 2
     assert capsys.readouterr().err == "nljax.launch: error: cannot start 'sleep': can't start new thread\n"
     assert len(started) == 2 and all(q.poll() is not None for q in started)
+
+
+def test_the_same_refusal_from_every_process_is_shown_once():
+    """Every process reads the same config and refuses a bad override alike: the user sees its one
+    line once; a line that differs between processes is still shown for each."""
+    script = ('echo "nljax.train: error: unknown config key: bogus"; '
+              'echo "nljax.train: error: process $NLJAX_PROCESS_ID only" >&2; exit 2')
+    p = subprocess.run([*LAUNCH, "--nproc", "3", "--", "sh", "-c", script],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert sum("unknown config key: bogus" in l for l in p.stdout.splitlines()) == 1, p.stdout
+    assert sum(" only" in l for l in p.stderr.splitlines()) == 3, p.stderr

@@ -649,3 +649,23 @@ def test_the_closing_commands_paste_into_a_shell_as_printed():
     for run_dir in ("runs/plain", "runs/with space", "runs/new\nline"):
         resume = closing_lines(run_dir, 10, True, f"{run_dir}/export")[1].split("resume:", 1)[1]
         assert shlex.split(resume)[3:5] == ["--resume", f"run.dir={run_dir}"]
+
+
+def test_minor_misreadings_are_named(tmp_path, capsys):
+    """`--config` given twice (the second silently replaced the first), an empty config file (the
+    defaults ran with no word), a folder named config.yaml in a run directory ('not found')."""
+    from nljax import config, train
+    from nljax.run import resuming, trained
+
+    with pytest.raises(SystemExit) as e:
+        train.main(["--config", "nl_default", "--config", "nl_gpu", "--print-config"])
+    assert e.value.code == 2 and "--config is given twice ('nl_default', then 'nl_gpu')" in capsys.readouterr().err
+    (tmp_path / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(config.ConfigError, match="empty.yaml holds no settings"):
+        config.load(str(tmp_path / "empty.yaml"))
+    (tmp_path / "run" / "config.yaml").mkdir(parents=True)
+    with pytest.raises(config.ConfigError, match="config.yaml is not a regular file"):
+        trained.trained_config(tmp_path / "run")
+    cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "checkpoint.resume=latest"])
+    with pytest.raises(config.ConfigError, match="config.yaml is not a regular file"):
+        resuming.saved_config_file(cfg)

@@ -46,7 +46,11 @@ def continues_own(cfg: Config) -> bool:
 def saved_config_file(cfg: Config) -> Path | None:
     """run.dir/config.yaml when `cfg` continues this run and the run wrote one, else None."""
     path = Path(cfg.run.dir) / "config.yaml"
-    return path if continues_own(cfg) and path.is_file() else None
+    if not continues_own(cfg):
+        return None
+    if path.exists() and not path.is_file():  # a folder in its place: not a run's config to go on from
+        raise ConfigError(f"{path} is not a regular file: it cannot be the run's saved config")
+    return path if path.is_file() else None
 
 
 def resumed_config(cfg: Config, config_file: str | None, overrides: Sequence[str]) -> Config:

@@ -60,6 +60,8 @@ def config_of(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequen
 def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config.Config:
     """The run's config.yaml with `overrides` (run.dir where it is now)."""
     cfg_file = Path(run_dir) / "config.yaml"
+    if cfg_file.exists() and not cfg_file.is_file():  # a folder, a FIFO: not what nljax.train wrote
+        raise ConfigError(f"{cfg_file} is not a regular file: run.dir must be a run directory written by nljax.train")
     if not cfg_file.is_file():
         raise ConfigError(f"{cfg_file} not found: run.dir must be a run directory written by nljax.train")
     # saved: a config.yaml written before a key moved is read with it in its new place
