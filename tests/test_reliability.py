@@ -353,22 +353,38 @@ def test_cpu_devices_and_a_fifo_as_data_are_refused(tmp_path):
         documents.expand([str(tmp_path / "pipe.txt")], "data.train")
 
 
-def test_a_process_waiting_for_the_others_to_join_says_so(monkeypatch, capsys):
-    """A worker whose coordinator nobody serves was silent for its whole join timeout."""
-    import threading
+def test_a_process_waiting_for_its_peers_says_what_for(monkeypatch, capsys):
+    """A worker whose coordinator nobody serves was silent for its whole join timeout; a process
+    at a lockstep check or a checkpoint barrier whose peer stalls was silent until the timeout."""
+    import time
 
-    from nljax.runtime import distributed
+    import jax
 
-    joined = threading.Event()
-    t = threading.Thread(target=distributed._say_while_joining, args=(
-        joined, distributed.Launch("10.0.0.1:1234", 2, 1), "coordinator 10.0.0.1:1234"))
-    monkeypatch.setattr(distributed, "JOIN_SAY_S", 0.2)
-    t.start()
-    t.join(1.0)
-    joined.set()
-    t.join()
-    assert capsys.readouterr().err.startswith("nljax: process 1 has waited 0 s for the run's 2 processes to join at "
-                                              "coordinator 10.0.0.1:1234; still waiting")
+    from nljax.checkpoint import peers
+    from nljax.runtime import distributed, waiting
+
+    monkeypatch.setattr(waiting, "FIRST_S", 0.2)
+    monkeypatch.setattr(waiting, "EVERY_S", 0.2)
+    # the join: JAX's initialize blocks (stood in for by a sleep) while the line is said
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: time.sleep(1.5))
+    monkeypatch.setattr(distributed, "_check_resolves", lambda coordinator: None)
+    assert distributed.initialize(distributed.Launch("10.0.0.1:1234", 2, 1), 60)
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) >= 2 and err[0] == ("nljax: process 1 has waited 0 s for the run's 2 processes to join at "
+                                        "coordinator 10.0.0.1:1234; still waiting"), err
+    # a checkpoint barrier: its wait is said with the barrier's name, and the saying stops with it
+    barrier = peers.Peers.__new__(peers.Peers)
+    monkeypatch.setattr(barrier, "_await", lambda key, here, timeout_ms: time.sleep(1.5), raising=False)
+    barrier.lock, barrier.calls, barrier.root = threading.Lock(), {}, "x"
+    monkeypatch.setattr(barrier, "_client", lambda: type("C", (), {"key_value_increment": lambda self, k, n: 1})(),
+                        raising=False)
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(barrier, "_decide", lambda *a: "done", raising=False)
+    barrier.barrier(key="commit", timeout_ms=1000)
+    time.sleep(0.3)
+    err = capsys.readouterr().err.splitlines()
+    said = r"nljax: process 0 has waited \d+ s for the other 1 process\(es\) at checkpoint barrier commit; still waiting"
+    assert err and all(re.fullmatch(said, line) for line in err), err
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from nljax.checkpoint.restore import Restored, restore_first_valid
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.errors import ConfigError
+from nljax.runtime import distributed
 from nljax.runtime.rundir import checkpoint_dir
 
 # Writers made by this process, numbered: every process makes them in the same order, so the
@@ -137,7 +138,8 @@ class Checkpoints:
         if not self.cfg.checkpoint.every:
             return
         if jax.process_count() > 1:
-            multihost_utils.sync_global_devices("nljax checkpoint dir ready")
+            with distributed.waiting_for_peers("the checkpoint directory's set-up"):
+                multihost_utils.sync_global_devices("nljax checkpoint dir ready")
             self._peers = Peers(str(next(_writers)), storage.os_error)
         self._noise = self._quiet.enter_context(errors_hidden(self._peers.report if self._peers else None))
         self.manager = storage.writer(self.cfg, self._peers)

@@ -25,6 +25,8 @@ import time
 
 import jax
 
+from nljax.runtime.distributed import waiting_for_peers
+
 # A waiting process looks at who has arrived every POLL_MS at first, then less often (up to
 # POLL_MAX_MS: thousands of processes waiting on a slow disk do not flood the coordinator).
 POLL_MS, POLL_MAX_MS = 10, 1000
@@ -89,6 +91,10 @@ class Peers:
         client, here = self._client(), f"{self.root}/barrier/{key}/{n}"
         if client.key_value_increment(f"{here}/arrived", 1) == jax.process_count():
             self._decide(f"{here}/outcome", "done")
+        with waiting_for_peers(f"checkpoint barrier {key}"):
+            self._await(key, here, timeout_ms)
+
+    def _await(self, key: str, here: str, timeout_ms: int) -> None:
         deadline, wait_ms = time.monotonic() + timeout_ms / 1000, POLL_MS
         while True:
             failed = self.failure()

@@ -30,7 +30,6 @@ import json
 import os
 import socket
 import sys
-import threading
 from typing import Any, Callable, Sequence
 
 import jax
@@ -38,6 +37,7 @@ import numpy as np
 
 from nljax.config import Config, to_dict
 from nljax.errors import ConfigError, first_line
+from nljax.runtime.waiting import said_while
 
 # Environment fallbacks of the CLI flags, set per process by `python -m nljax.launch`.
 from nljax.runtime.launchenv import ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
@@ -154,33 +154,22 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
         if name in accepted:
             kwargs[name] = int(timeout_s)
     where = launch.cluster or f"coordinator {launch.coordinator}"
-    joined = threading.Event()
-    waiting = threading.Thread(target=_say_while_joining, args=(joined, launch, where), daemon=True,
-                               name="nljax-joining")
-    waiting.start()
+    who = "this process" if launch.process_id is None else f"process {launch.process_id}"
+    count = f" {launch.num_processes}" if launch.num_processes else ""
+    # a coordinator nobody serves: JAX is silent until its join timeout, minutes
     try:
-        jax.distributed.initialize(**kwargs)
+        with said_while(lambda s: f"{who} has waited {s:.0f} s for the run's{count} processes to join at {where}"):
+            jax.distributed.initialize(**kwargs)
     except (ValueError, RuntimeError) as e:
         raise ConfigError(f"jax.distributed.initialize failed ({where}): {first_line(e)}")
-    finally:
-        joined.set()
     return True
 
 
-JOIN_SAY_S = 10.0  # a join that takes longer says what it waits for, then every 30 s
-
-
-def _say_while_joining(joined: threading.Event, launch: Launch, where: str) -> None:
-    """Says, on standard error, what a process waits for while the processes join (a coordinator
-    nobody serves: JAX is silent until its join timeout, minutes)."""
-    waited, wait = 0.0, JOIN_SAY_S
-    while not joined.wait(wait):
-        waited += wait
-        who = "this process" if launch.process_id is None else f"process {launch.process_id}"
-        count = f" {launch.num_processes}" if launch.num_processes else ""
-        print(f"nljax: {who} has waited {waited:.0f} s for the run's{count} processes to join at {where}; "
-              "still waiting", file=sys.stderr, flush=True)
-        wait = 30.0
+def waiting_for_peers(what: str):
+    """A context in which this process waits for the others at `what`, said after 10 s
+    (`waiting.said_while`): a peer still compiling, stopped or stuck shows as a named wait."""
+    return said_while(lambda s: f"process {jax.process_index()} has waited {s:.0f} s for the other "
+                                f"{jax.process_count() - 1} process(es) at {what}")
 
 
 def _check_resolves(coordinator: str) -> None:
@@ -217,7 +206,8 @@ def digest(record: Any) -> str:
 def _allgather(x: np.ndarray) -> np.ndarray:
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(x))  # [P, ...]
+    with waiting_for_peers("a lockstep check"):
+        return np.asarray(multihost_utils.process_allgather(x))  # [P, ...]
 
 
 def _allgather_bytes(payload: bytes) -> list[bytes]:
