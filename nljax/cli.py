@@ -170,6 +170,29 @@ def interrupted(prog: str) -> int:
     return 128 + signal.SIGINT
 
 
+def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] = lambda: None) -> int:
+    """`body()`'s exit code for a one-process tool (generate, export), a user's problem as one
+    line: a ConfigError (2), Ctrl-C (130), an OSError (a full disk, a closed standard output,
+    permissions) or JAX failing to start its backend (1); `after_os_error` then tidies up."""
+    try:
+        return body()
+    except config.ConfigError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, as every other way the tool stops
+        return interrupted(prog)
+    except OSError as e:
+        print(f"{prog}: error: {write_failed(e) or e}", file=sys.stderr)
+        after_os_error()
+        return 1
+    except Exception as e:  # noqa: BLE001 - JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
+        line = backend_failed(e)
+        if line is None:
+            raise
+        print(f"{prog}: error: {line}", file=sys.stderr)
+        return 1
+
+
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,
          argv: Sequence[str] | None = None,
          quiet: Callable[[argparse.Namespace, config.Config], bool] = lambda args, cfg: False,

@@ -174,38 +174,27 @@ def main(argv=None) -> int:
     p.add_argument("settings", nargs="*", metavar="key=value",
                    help="run.dir=DIR (required), dtype=, out=, checkpoint=, config overrides")
     args = p.parse_args(argv)
+    return cli.tool("nljax.export", lambda: _export(args))
+
+
+def _export(args) -> int:
+    cli.setup_devices(args.cpu_devices)
+    # dtype is checked before the checkpoint is read
+    mine, overrides, run_dir = trained_lib.split_args(args.settings, {"dtype": check_dtype, "out": str,
+                                                                      "checkpoint": str})
+    mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
+    out = Path(mine["out"] or Path(run_dir) / DEFAULT)
+    check_out(out)
+    t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
+    for line in t.warnings("nljax.export"):
+        print(line, file=sys.stderr)
     try:
-        cli.setup_devices(args.cpu_devices)
-        # dtype is checked before the checkpoint is read
-        mine, overrides, run_dir = trained_lib.split_args(args.settings, {"dtype": check_dtype, "out": str,
-                                                                          "checkpoint": str})
-        mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
-        out = Path(mine["out"] or Path(run_dir) / DEFAULT)
-        check_out(out)
-        t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
-        for line in t.warnings("nljax.export"):
-            print(line, file=sys.stderr)
-        try:
-            export(t, out, mine["dtype"])
-        except OSError as e:  # permissions, a full disk, a directory that cannot be made
-            print(f"nljax.export: error: {cli.cannot_write(f'the export to {out}', e)}", file=sys.stderr)
-            return 1
-        print(f"nljax.export: {t.path} (step {t.step}) -> {out}/{WEIGHTS}, {out}/{CONFIG}")
-        return 0
-    except ConfigError as e:
-        print(f"nljax.export: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
-        return cli.interrupted("nljax.export")
-    except OSError as e:  # the run cannot be read (permissions)
-        print(f"nljax.export: error: {cli.write_failed(e) or e}", file=sys.stderr)
+        export(t, out, mine["dtype"])
+    except OSError as e:  # permissions, a full disk, a directory that cannot be made
+        print(f"nljax.export: error: {cli.cannot_write(f'the export to {out}', e)}", file=sys.stderr)
         return 1
-    except Exception as e:  # noqa: BLE001 - JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
-        line = cli.backend_failed(e)
-        if line is None:
-            raise
-        print(f"nljax.export: error: {line}", file=sys.stderr)
-        return 1
+    print(f"nljax.export: {t.path} (step {t.step}) -> {out}/{WEIGHTS}, {out}/{CONFIG}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -36,57 +36,51 @@ def main(argv=None) -> int:
                         "checkpoint=; for a MeanFlow run samples= and out=FILE.png; any other key=value: a config "
                         "override")
     args = p.parse_args(argv)
-    try:
-        cli.setup_devices(args.cpu_devices)
-        s, overrides, run_dir = parse(args.settings)
-        given = {pair.partition("=")[0] for pair in args.settings}
-        cfg = trained_lib.config_of(run_dir, s.checkpoint, overrides)
-        images = registry.task_of(cfg) == "images"  # a denoiser's grid, or a language model's text
-        if not images and (s.out or "samples" in given):  # checked before anything is restored
-            raise ConfigError(f"out= and samples= are for a MeanFlow (model.name=dit) run's image grid; "
-                              f"this run's model is {cfg.model.name}: its text goes to the terminal")
-        text_only = sorted(given & {"prompt", "max_new_tokens", "temperature", "top_k", "top_p"})
-        if images and text_only:  # ignored before, with exit 0
-            raise ConfigError(f"{', '.join(k + '=' for k in text_only)} {'is' if len(text_only) == 1 else 'are'} for "
-                              f"a language model; this run's model is {cfg.model.name}: it draws an image grid "
-                              "(samples=, out=, seed=)")
-        if not images and sys.stdout is None:  # started with standard output closed (>&-)
-            raise ConfigError("standard output is closed: the text has nowhere to go")
-        t = trained_lib.load(run_dir, s.checkpoint, overrides)
-        for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
-            print(line, file=sys.stderr)
-        if images:
-            path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
-            if path.exists() and not written_by_nljax(path):  # a user's picture of the same name
-                raise ConfigError(f"out={path} exists and is not a PNG nljax.generate wrote; give another out= or "
-                                  "move it")
-            try:
-                generate_images(t, s, path)
-            except OSError as e:  # permissions, a full disk, a directory that does not exist
-                print(f"nljax.generate: error: {cli.cannot_write(path, e)}", file=sys.stderr)
-                return 1
-            print(f"nljax.generate: wrote {path}", file=sys.stderr)
-        else:
-            generate_text(t, s, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-            print()
-        return 0
-    except ConfigError as e:
-        print(f"nljax.generate: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
-        return cli.interrupted("nljax.generate")
-    except OSError as e:  # stdout closed, a full disk
-        print(f"nljax.generate: error: {cli.write_failed(e) or e}", file=sys.stderr)
-        if sys.stdout is not None:  # the text still buffered would fail again as Python exits (a traceback)
-            with contextlib.suppress(OSError, ValueError):
-                os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except Exception as e:  # noqa: BLE001 - JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
-        line = cli.backend_failed(e)
-        if line is None:
-            raise
-        print(f"nljax.generate: error: {line}", file=sys.stderr)
-        return 1
+    return cli.tool("nljax.generate", lambda: _generate(args), _stdout_to_devnull)
+
+
+def _stdout_to_devnull() -> None:
+    """After a failed write to standard output: the text still buffered would fail again as
+    Python exits (a traceback)."""
+    if sys.stdout is not None:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def _generate(args) -> int:
+    cli.setup_devices(args.cpu_devices)
+    s, overrides, run_dir = parse(args.settings)
+    given = {pair.partition("=")[0] for pair in args.settings}
+    cfg = trained_lib.config_of(run_dir, s.checkpoint, overrides)
+    images = registry.task_of(cfg) == "images"  # a denoiser's grid, or a language model's text
+    if not images and (s.out or "samples" in given):  # checked before anything is restored
+        raise ConfigError(f"out= and samples= are for a MeanFlow (model.name=dit) run's image grid; "
+                          f"this run's model is {cfg.model.name}: its text goes to the terminal")
+    text_only = sorted(given & {"prompt", "max_new_tokens", "temperature", "top_k", "top_p"})
+    if images and text_only:  # ignored before, with exit 0
+        raise ConfigError(f"{', '.join(k + '=' for k in text_only)} {'is' if len(text_only) == 1 else 'are'} for "
+                          f"a language model; this run's model is {cfg.model.name}: it draws an image grid "
+                          "(samples=, out=, seed=)")
+    if not images and sys.stdout is None:  # started with standard output closed (>&-)
+        raise ConfigError("standard output is closed: the text has nowhere to go")
+    t = trained_lib.load(run_dir, s.checkpoint, overrides)
+    for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
+        print(line, file=sys.stderr)
+    if images:
+        path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
+        if path.exists() and not written_by_nljax(path):  # a user's picture of the same name
+            raise ConfigError(f"out={path} exists and is not a PNG nljax.generate wrote; give another out= or "
+                              "move it")
+        try:
+            generate_images(t, s, path)
+        except OSError as e:  # permissions, a full disk, a directory that does not exist
+            print(f"nljax.generate: error: {cli.cannot_write(path, e)}", file=sys.stderr)
+            return 1
+        print(f"nljax.generate: wrote {path}", file=sys.stderr)
+    else:
+        generate_text(t, s, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+        print()
+    return 0
 
 
 if __name__ == "__main__":

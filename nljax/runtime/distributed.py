@@ -37,10 +37,10 @@ import numpy as np
 
 from nljax.config import Config, to_dict
 from nljax.errors import ConfigError, first_line
-from nljax.runtime.waiting import said_while
 
 # Environment fallbacks of the CLI flags, set per process by `python -m nljax.launch`.
 from nljax.runtime.launchenv import ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from nljax.runtime.waiting import said_while
 from nljax.version import __version__
 
 # Cluster launchers whose processes JAX's auto-detection wires up by itself: (name, variable
