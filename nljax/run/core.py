@@ -8,6 +8,7 @@ owns it (each step donates its input, so a state kept here would point at delete
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 
@@ -30,6 +31,8 @@ class Run:
     engine: Engine
     cache: StepCache  # the compiled step variants
     task: Task
+    # eval.harness_tasks' evaluation (nljax/run/harness.py `attach`, by the trainer); None: none
+    harness: Any = None
 
     @classmethod
     def create(cls, cfg: Config, devices=None, model=None) -> "Run":
@@ -64,7 +67,11 @@ class Run:
         return self.task.batch(step, reset_all=reset_all)
 
     def evaluate(self, params, step: int = 0) -> dict:
-        return self.task.evaluate(self.cache, params, step)
+        """The task's held-out metrics, and the harness tasks' (eval.harness_tasks) when attached."""
+        out = self.task.evaluate(self.cache, params, step)
+        if self.harness is not None:
+            out.update(self.harness.evaluate(params))
+        return out
 
     def units_per_device(self, batch: dict) -> int:
         """Tokens (or the task's unit) one device processes in a step on `batch`: its data slot's

@@ -29,7 +29,7 @@ from nljax.errors import ConfigError
 from nljax.measure import flops
 from nljax.measure.comm import comm_per_step
 from nljax.parallel import levels
-from nljax.run import startup, throughput
+from nljax.run import harness, startup, throughput
 from nljax.run.core import Run
 from nljax.run.loop import Hooks, Profiler, StepResult, training_steps
 from nljax.run.phases import Announced, closing_lines, compile_announcer
@@ -382,6 +382,7 @@ def _train(cfg: Config, notice: Notice) -> dict:
             f"{cfg.train.steps}): nothing is profiled")
     if cfg.train.sample_every:  # made to check its prompt (data.prepared's tokenizer may lack an end token)
         TrainingSampler(run)  # before anything is written; the loop makes its own (compiled at its first sample)
+    run = harness.attach(run)  # eval.harness_tasks: lm-eval and the tasks checked before anything is written
     check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
     # reads and checks a checkpoint to resume before anything is written
     digest = startup.data_fingerprint(run.task)  # the same data under another spelling of its paths: no change

@@ -30,7 +30,8 @@ def checkpoint_dir(cfg: Config) -> Path:
 # The user's data, named by paths that may be relative to where the run was started: config.yaml
 # records them (and checkpoint.dir) absolute, so that a tool reading the run (nljax.generate,
 # nljax.export) finds them from any directory. The run's own config (and its checkpoints') keeps what the user wrote.
-DATA_PATHS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data", "prepared"), ("images", "path"))
+DATA_PATHS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data", "prepared"), ("images", "path"),
+              ("eval", "harness_include"))
 
 
 def recorded(cfg: Config) -> dict:

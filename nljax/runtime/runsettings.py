@@ -91,10 +91,19 @@ class EvalConfig:
     # streaming evaluation: train.batch_size rows each read this many consecutive held-out
     # windows with the memory carried between them (0: off; data.source=recall needs it)
     stream_steps: int = 4
+    # lm-evaluation-harness tasks run at every evaluation on the current parameters and logged as
+    # harness_<task>_<metric> (pip install 'nljax[lm-eval]'; docs/guides/evaluation.md)
+    harness_tasks: tuple[str, ...] = ()
+    harness_limit: int = 100  # examples per harness task at each evaluation (0: all; lm-eval's --limit)
+    harness_include: str = ""  # a directory of your own lm-eval task YAML files (lm-eval's --include_path)
 
     def check(self) -> None:
         if self.every < 0 or self.batches < 0 or self.stream_steps < 0:
             raise ConfigError("eval.every, eval.batches and eval.stream_steps must be >= 0")
+        if self.harness_limit < 0:
+            raise ConfigError(f"eval.harness_limit must be >= 0 (0: every example), got {self.harness_limit}")
+        if len(set(self.harness_tasks)) != len(self.harness_tasks):
+            raise ConfigError(f"eval.harness_tasks names a task twice: {list(self.harness_tasks)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,139 @@
+"""Evaluate a trained model with EleutherAI's lm-evaluation-harness (`pip install 'nljax[lm-eval]'`).
+
+    python -m nljax.lm_eval --model nljax --model_args run_dir=runs/default --tasks lambada_openai
+    python -m nljax.lm_eval --model nljax --model_args run_dir=runs/default,checkpoint=2000,batch_size=16 \\
+        --tasks mytask --include_path my_tasks/ [--cpu-devices N] [any other lm_eval option]
+
+lm-eval 0.4 has no plugin door for models (its registry lists the models of its own package), so
+this command enters nljax's model in lm-eval's registry as `nljax` and then runs lm-eval's own
+command line with the other arguments: every `lm_eval` option works as documented there. From
+Python, `nljax.lm_eval.register()` before `lm_eval.simple_evaluate(model="nljax", ...)` does the
+same. `--model_args`: run_dir=DIR (a run directory that nljax.train wrote, or an export
+directory), checkpoint=latest|STEP|PATH (a run's checkpoint: its step number or step directory),
+batch_size=N (requests read at once; lm-eval's --batch_size too). The model reads on every local
+device (`--cpu-devices N` emulates N on a CPU), the requests' rows split over them; the scores are
+the same on any count. How requests are read: nljax/run/harness_model.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lm_eval.api.model import TemplateLM  # noqa: F401 - lm-eval is this command's first need: a missing one fails here
+
+from nljax import cli
+from nljax.errors import ConfigError
+from nljax.run.harness_model import NAME, NLJaxLM, Reading
+from nljax.run.scoring import StreamReader
+
+DEFAULT_ROWS = 8  # requests per batch when neither batch_size= nor --batch_size says (rounded up to the devices)
+
+
+class FromRun(NLJaxLM):
+    """`--model nljax`: the model of a run or export directory, built from --model_args."""
+
+    def __init__(self, run_dir: str = "", checkpoint: str | int = "latest", batch_size: int | str | None = None,
+                 **options):
+        # lm-eval passes its own options to every model: the device and the batch limit are JAX's and ours
+        unknown = sorted(set(options) - {"device", "max_batch_size"})
+        if unknown:
+            raise ConfigError(f"--model_args: unknown key(s) {', '.join(unknown)} for --model {NAME} (it takes "
+                              "run_dir=, checkpoint= and batch_size=)")
+        super().__init__(load(str(run_dir), checkpoint, rows(batch_size)))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "FromRun":
+        """lm-eval's options under --model_args': batch_size= there wins over --batch_size (whose
+        default, 1, lm-eval always passes; its own classes would take both and fail)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "FromRun":
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+
+def rows(batch_size: int | str | None) -> int:
+    """Requests per batch from batch_size= or --batch_size (a number; "auto": the default)."""
+    if batch_size in (None, "") or str(batch_size).startswith("auto"):
+        return DEFAULT_ROWS
+    try:
+        n = int(batch_size)
+    except ValueError:
+        raise ConfigError(f"batch_size={batch_size!r} is not a number of requests per batch") from None
+    if n < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {n}")
+    return n
+
+
+def load(path: str, checkpoint: str | int, n_rows: int) -> Reading:
+    """The reading of a run or export directory (`nljax.load`), its parameters replicated over
+    this process's devices."""
+    import jax
+
+    import nljax
+    from nljax.parallel.mesh import make_mesh, replicated
+
+    if not path:
+        raise ConfigError(f"--model {NAME} needs --model_args run_dir=DIR (a run directory nljax.train wrote, or an "
+                          "export directory)")
+    lm = nljax.load(path, _checkpoint(path, checkpoint))
+    if not lm.makes_text:
+        raise ConfigError(f"{path}: model.name={lm.config.model.name} makes images, not text: lm-eval scores "
+                          "language models")
+    mesh = make_mesh(1, -1, jax.local_devices())
+    params = jax.device_put(lm.params, replicated(mesh))
+    reader = StreamReader(lm.model, params, mesh, lm.seq_len, lm.end_id, n_rows)
+    return Reading(reader, lm.tokenizer, f"{path} (step {lm.step})")
+
+
+def _checkpoint(path: str, checkpoint: str | int) -> str:
+    """nljax.load's checkpoint: "latest", a step directory, or the step number of one of the run's."""
+    checkpoint = str(checkpoint)
+    if not checkpoint.isdigit():
+        return checkpoint
+    from nljax.checkpoint.storage import checkpoint_dir
+    from nljax.run.trained import trained_config
+
+    return str(checkpoint_dir(trained_config(path)) / checkpoint)
+
+
+def register() -> None:
+    """Enter `FromRun` in lm-eval's model registry as "nljax", after lm-eval's own models (which
+    lm-eval enters only while its registry is empty)."""
+    import lm_eval.models  # noqa: F401 - lm-eval's own models, entered first
+    from lm_eval.api.registry import model_registry
+
+    if NAME not in model_registry:
+        model_registry.register(NAME, target=FromRun)
+
+
+def main(argv=None) -> int:
+    """`--cpu-devices N` is this command's; everything else goes to lm-eval's command line."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        devices = None
+        if "--cpu-devices" in argv:
+            i = argv.index("--cpu-devices")
+            if i + 1 >= len(argv) or not argv[i + 1].isdigit():
+                raise ConfigError("--cpu-devices needs a number of devices")
+            devices = int(argv[i + 1])
+            del argv[i : i + 2]
+        cli.setup_devices(devices)
+        register()
+        from lm_eval.__main__ import cli_evaluate
+
+        sys.argv = ["lm_eval", *argv]
+        cli_evaluate()
+        return 0
+    except ConfigError as e:
+        print(f"nljax.lm_eval: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return cli.interrupted("nljax.lm_eval")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,156 @@
+"""Many independent text streams read at once by a trained language model: the log-probability of
+every token, and the continuation of each stream token by token. The library behind the
+lm-evaluation-harness model (nljax/run/harness.py).
+
+Each row of a batch is one stream (one request of the harness), read as training reads a row of
+its ContextStream: in windows of `train.seq_len` tokens from the stream's first token, attention
+inside a window, the neural memory written by each window and carried to the next. A stream
+starts from the model's fresh memory; a window that holds a document's end (`end_id`) resets the
+memory before the next window, as in training, except for the stream's first token: a leading end
+token (the harness's prefix, "a document starts here") is the reset that the fresh start made
+already. A stream longer than one window is read whole, never cut: its earlier windows reach the
+later ones through the memory, as in the streaming evaluation (`eval_bpb_stream`).
+
+Rows are split over the mesh's data axes, the parameters whole over them (split over `model`
+under tensor parallelism: XLA partitions the model's forward to match, as for `TextSampler`).
+Every batch is padded to the same row count and every window to `seq_len` tokens, so one
+compiled program serves every call. What comes back to the host (per-token log-probabilities and
+argmax, the logits at one position per row) is replicated and each process reads its own copy,
+so the reader also runs on a mesh that spans processes (the trainer's `eval.harness_tasks`). A
+row's numbers depend on its own tokens only: not on the other rows, the padding or the device
+count (the model is causal and its memory is per row).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nljax.parallel.hostdev import put, replica
+from nljax.parallel.mesh import data_size, replicated, rows_sharding
+
+# pick(logits [V] float32, stream index) -> the next token; stop(stream index, its new tokens) -> done
+Pick = Callable[[np.ndarray, int], int]
+Stop = Callable[[int, list], bool]
+
+
+class StreamReader:
+    """Reads batches of `rows` streams (rounded up to a multiple of the mesh's data-parallel
+    devices) with `model` and `params` (the parameter tree whole over the data axes of `mesh`)."""
+
+    def __init__(self, model, params, mesh, seq_len: int, end_id: int | None, rows: int):
+        n = data_size(mesh)
+        self.rows = -(-max(rows, 1) // n) * n
+        self.params, self.t, self.end_id = params, seq_len, end_id
+        self.split, rep = rows_sharding(mesh), replicated(mesh)
+
+        def window(params, memory, tokens, reset, pos):  # tokens [R, T+1], reset [R], pos [R]
+            logits, memory = model.logits(params, memory, {"tokens": tokens, "reset": reset})
+            logits = logits.astype(jnp.float32)  # [R, T, V]
+            logp = jax.nn.log_softmax(logits, axis=-1)
+            target = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [R, T]
+            greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, T]
+            at = jnp.take_along_axis(logits, pos[:, None, None], axis=1)[:, 0]  # [R, V]
+            return jax.lax.with_sharding_constraint((target, greedy, at), rep), memory
+
+        self._window = jax.jit(window)
+        self._memory0 = jax.jit(lambda: model.init_memory(self.rows), out_shardings=self.split)
+        # a row's memory moves on only where `commit` says so (generation: rows fill windows at different times)
+        self._keep = jax.jit(lambda commit, new, old: jax.tree.map(
+            lambda a, b: jnp.where(commit.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old))
+
+    def forward(self, memory, tokens: np.ndarray, reset: np.ndarray, pos: np.ndarray | None = None):
+        """One window of every row: ((log-probability of each target [R, T], argmax [R, T],
+        logits at `pos` [R, V]), the memory after the window). `tokens` [R, T+1]: T inputs and the
+        last column a target, as training's windows."""
+        pos = np.zeros(self.rows, np.int32) if pos is None else pos
+        args = (put(np.asarray(tokens, np.int32), self.split), put(np.asarray(reset, bool), self.split),
+                put(np.asarray(pos, np.int32), self.split))
+        return self._window(self.params, memory, *args)
+
+    def _ends(self, inputs: np.ndarray, first: np.ndarray) -> np.ndarray:
+        """Whether each row's window `inputs` [R, <=T] holds a document's end, the stream's first
+        token left out where `first` [R] (the window starts the stream): the next window's reset."""
+        if self.end_id is None:
+            return np.zeros(len(inputs), bool)
+        hit = inputs == self.end_id
+        hit[first, :1] = False
+        return hit.any(axis=1)
+
+    def score(self, streams: Sequence[Sequence[int]]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """For each stream of n tokens: (log-probability of its tokens 1..n-1, each given the
+        tokens before it, float64 [n-1]; whether each is the model's most likely token, bool
+        [n-1]). Streams are batched by length (longest first), each batch read in lockstep."""
+        order = sorted(range(len(streams)), key=lambda i: -len(streams[i]))
+        out: list = [None] * len(streams)
+        for i in range(0, len(order), self.rows):
+            which = order[i : i + self.rows]
+            for j, scored in zip(which, self._score_batch([streams[j] for j in which])):
+                out[j] = scored
+        return out
+
+    def _score_batch(self, streams: list) -> list[tuple[np.ndarray, np.ndarray]]:
+        r, t = self.rows, self.t
+        lengths = [len(s) for s in streams]
+        windows = max(1, math.ceil((max(lengths) - 1) / t))
+        tokens = np.zeros((r, windows * t + 1), np.int32)  # padding rows and tails: never read back
+        for b, s in enumerate(streams):
+            tokens[b, : len(s)] = s
+        memory, reset, first = self._memory0(), np.ones(r, bool), np.ones(r, bool)
+        parts = []
+        for k in range(windows):
+            window = tokens[:, k * t : k * t + t + 1]
+            (target, greedy, _), memory = self.forward(memory, window, reset)
+            parts.append((target, greedy))  # read back after the last window: no wait per window
+            reset, first = self._ends(window[:, :t], first), np.zeros(r, bool)
+        logp = np.concatenate([replica(p) for p, _ in parts], axis=1).astype(np.float64)
+        hits = np.concatenate([replica(g) for _, g in parts], axis=1) == tokens[:, 1:]
+        return [(logp[b, : n - 1], hits[b, : n - 1]) for b, n in enumerate(lengths)]
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, pick: Pick, stop: Stop) -> list[list[int]]:
+        """The tokens after each prompt (at least one token each), chosen by `pick` from the
+        logits of the next position, until `stop` says so or `max_new_tokens` are chosen. As
+        `TextSampler.tokens` does for one prompt: full windows go into the memory, each token is
+        predicted from the memory of the windows before it and its own window so far."""
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        out: list = [None] * len(prompts)
+        for i in range(0, len(order), self.rows):
+            which = order[i : i + self.rows]
+            new = self._generate_batch([list(prompts[j]) for j in which], max_new_tokens,
+                                       lambda logits, b: pick(logits, which[b]), lambda b, toks: stop(which[b], toks))
+            for j, tokens in zip(which, new):
+                out[j] = tokens
+        return out
+
+    def _generate_batch(self, prompts: list, max_new: int, pick: Pick, stop: Stop) -> list[list[int]]:
+        r, t, n = self.rows, self.t, len(prompts)
+        pending = prompts + [[0] for _ in range(r - n)]  # each row's window not yet in its memory
+        new: list[list[int]] = [[] for _ in range(n)]
+        live = np.arange(r) < n if max_new > 0 else np.zeros(r, bool)
+        memory, reset, first = self._memory0(), np.ones(r, bool), np.ones(r, bool)
+        while live.any():
+            tokens = np.zeros((r, t + 1), np.int32)
+            for b, p in enumerate(pending):
+                tokens[b, : min(len(p), t)] = p[:t]
+            pos = np.array([min(len(p), t) - 1 for p in pending], np.int32)
+            predict = live & np.array([len(p) <= t for p in pending])  # else: a full window to write first
+            (_, _, at), after = self.forward(memory, tokens, reset, pos)
+            if predict.any():
+                logits = replica(at)
+                for b in np.flatnonzero(predict):
+                    token = int(pick(logits[b], int(b)))
+                    pending[b].append(token)
+                    new[b].append(token)
+                    live[b] = len(new[b]) < max_new and not stop(int(b), new[b])
+            # a window read whole with tokens after it goes into the memory (this forward read it)
+            commit = np.array([len(p) > t for p in pending])
+            if commit.any():
+                memory = self._keep(put(commit, self.split), after, memory)
+                ends = self._ends(tokens[:, :t], first)
+                reset, first = np.where(commit, ends, reset), first & ~commit
+                pending = [p[t:] if c else p for p, c in zip(pending, commit)]
+        return new
