@@ -1,0 +1,301 @@
+"""nljax's lm-evaluation-harness model (nljax/lm_eval.py, nljax/run/harness_model.py,
+nljax/run/scoring.py) and `eval.harness_tasks` (nljax/run/harness.py), against nljax's own
+scoring of the same strings.
+
+One tiny run is trained by `python -m nljax.train` with two local lm-eval tasks in
+eval.harness_tasks (a multiple choice read from a JSON file and a rolling loglikelihood one; no
+download: the task YAMLs read `json` data files written here, with the Hugging Face libraries
+offline). lm-eval then scores it through its own Python API on 8 devices and through
+`python -m nljax.lm_eval` on 1, and both must give what `nljax.load(...).logits` gives for the
+same strings, read window by window with the memory carried by hand.
+"""
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from helpers import QUICK, ROOT, TINY, TINY_NL, cli, subprocess_env
+
+pytest.importorskip("lm_eval")  # the `lm-eval` extra (in `dev`)
+
+import nljax  # noqa: E402
+from nljax.errors import ConfigError  # noqa: E402
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # nothing here may reach the network
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+
+SEQ = 16  # train.seq_len: the long contexts below cross two and three windows
+NL = [*TINY, *TINY_NL, f"train.seq_len={SEQ}", "cms.periods=[1]"]
+
+# Contexts of 3 to 45 bytes: some within one window, some crossing windows
+MC = [
+    {"question": "def f(x):\n    return", "choices": [" x", " zebra"], "label": 0},
+    {"question": "import os\nimport", "choices": [" sys", " 12345", " re"], "label": 0},
+    {"question": "for", "choices": [" i in range(10):", " )))"], "label": 0},
+    {"question": "class Stream:\n    def __init__(self, data):\n        self.", "choices": ["data = data", "!!"],
+     "label": 0},
+]
+ROLL = [
+    {"text": "def add(a, b):\n    return a + b\n"},
+    {"text": "class Foo:\n    def __init__(self):\n        self.x = 1\n\n    def bar(self):\n        return self.x\n"},
+    {"text": "x = 1"},
+]
+
+
+def write_tasks(root):
+    """Two lm-eval tasks reading local JSON lines: tiny_mc (multiple choice) and tiny_roll
+    (rolling loglikelihood: word and byte perplexity, bits per byte)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for name, rows in (("mc", MC), ("roll", ROLL)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "tiny_mc.yaml").write_text(
+        f"task: tiny_mc\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / 'mc.jsonl'}\n"
+        "output_type: multiple_choice\ntest_split: test\ndoc_to_text: '{{question}}'\ndoc_to_target: label\n"
+        "doc_to_choice: '{{choices}}'\nmetric_list:\n  - metric: acc\n    aggregation: mean\n"
+        "    higher_is_better: true\nmetadata:\n  version: 1.0\n")
+    (root / "tiny_roll.yaml").write_text(
+        f"task: tiny_roll\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {root / 'roll.jsonl'}\n"
+        "output_type: loglikelihood_rolling\ntest_split: test\ndoc_to_text: ''\ndoc_to_target: '{{text}}'\n"
+        "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+        "metadata:\n  version: 1.0\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(run directory, task directory): 2 steps on 2 devices, the harness tasks evaluated after
+    step 1 and at the end."""
+    root = tmp_path_factory.mktemp("lm_eval")
+    tasks = write_tasks(root / "tasks")
+    run_dir = root / "run"
+    cli("nljax.train", "--cpu-devices", "2", *NL, *QUICK, "train.steps=2", "eval.every=1", "eval.batches=1",
+        "eval.stream_steps=0", "eval.harness_tasks=[tiny_mc,tiny_roll]", f"eval.harness_include={tasks}",
+        f"run.dir={run_dir}", env=OFFLINE)
+    return run_dir, tasks
+
+
+@pytest.fixture(scope="module")
+def lm(trained):
+    return nljax.load(trained[0])
+
+
+def own_logprobs(lm, ids: list[int]) -> np.ndarray:
+    """log p(ids[i] | ids[:i]) for i >= 1, read as the harness promises: windows of seq_len
+    inputs from the first token, the memory carried (one fresh start, no reset: no end token
+    inside these texts), by hand with `TrainedModel.logits`."""
+    inputs, targets = ids[:-1], np.asarray(ids[1:])
+    memory, out = None, []
+    for start in range(0, len(inputs), lm.seq_len):
+        logits, memory = lm.logits([inputs[start : start + lm.seq_len]], memory, reset=[start == 0])
+        out.append(logits[0].astype(np.float64))
+    logits = np.concatenate(out)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return logp[np.arange(len(targets)), targets]
+
+
+DELIMITER = " "  # lm-eval's target_delimiter: a multiple-choice continuation is " " + the choice
+
+
+def own_mc(lm, doc) -> list[float]:
+    """Each choice's loglikelihood: context + continuation tokenized whole, the continuation's
+    tokens those after the context's (lm-eval's split for causal models)."""
+    ctx = lm.encode(doc["question"])
+    out = []
+    for choice in doc["choices"]:
+        whole = lm.encode(doc["question"] + DELIMITER + choice)
+        out.append(float(own_logprobs(lm, whole)[len(ctx) - 1 :].sum()))
+    return out
+
+
+def own_rolling(lm, text) -> float:
+    return float(own_logprobs(lm, [lm.end_id, *lm.encode(text)]).sum())
+
+
+def expected(lm) -> dict:
+    """What the harness must report, from nljax's own scores."""
+    mc = [own_mc(lm, d) for d in MC]
+    ll = [own_rolling(lm, d["text"]) for d in ROLL]
+    words = sum(len(re.split(r"\s+", d["text"])) for d in ROLL)  # lm-eval's word count
+    nbytes = sum(len(d["text"].encode()) for d in ROLL)
+    return {"mc": mc, "acc": float(np.mean([np.argmax(s) == d["label"] for s, d in zip(mc, MC)])), "rolling": ll,
+            "word_perplexity": math.exp(-sum(ll) / words), "byte_perplexity": math.exp(-sum(ll) / nbytes),
+            "bits_per_byte": -sum(ll) / nbytes / math.log(2)}
+
+
+def check(results: dict, samples: dict, want: dict) -> None:
+    got_mc = [[float(r[0][0]) for r in s["resps"]] for s in sorted(samples["tiny_mc"], key=lambda s: s["doc_id"])]
+    np.testing.assert_allclose(np.concatenate(got_mc), np.concatenate(want["mc"]), rtol=1e-5, atol=1e-4)
+    got_roll = [float(s["resps"][0][0]) for s in sorted(samples["tiny_roll"], key=lambda s: s["doc_id"])]
+    np.testing.assert_allclose(got_roll, want["rolling"], rtol=1e-5, atol=1e-4)
+    r = results["tiny_mc"], results["tiny_roll"]
+    assert r[0]["acc,none"] == pytest.approx(want["acc"])
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert r[1][f"{metric},none"] == pytest.approx(want[metric], rel=1e-5), metric
+
+
+def harness_run(model, tasks) -> dict:
+    """lm-eval's Python API on the two local tasks, nothing downloaded."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    return simple_evaluate(model=model, tasks=["tiny_mc", "tiny_roll"], bootstrap_iters=0,
+                           task_manager=TaskManager(include_path=str(tasks), include_defaults=False))
+
+
+def test_the_harness_scores_as_nljax_on_8_and_1_devices(trained, lm):
+    """lm-eval's Python API with the model on 8 devices (batches of 3 requests: rows padded to 8)
+    and on 1 gives nljax's own loglikelihoods, accuracy and perplexities."""
+    import jax
+
+    from nljax.lm_eval import FromRun
+    from nljax.parallel.mesh import make_mesh
+    from nljax.run.harness_model import NLJaxLM, Reading
+    from nljax.run.scoring import StreamReader
+
+    run_dir, tasks = trained
+    want = expected(lm)
+    model = FromRun(run_dir=str(run_dir), batch_size=3)
+    assert model.reader.rows == 8 and model.reader.split.mesh.size == 8
+    out = harness_run(model, tasks)
+    asked = [a for s in sorted(out["samples"]["tiny_mc"], key=lambda s: s["doc_id"]) for a in s["arguments"]]
+    assert asked == [(d["question"], DELIMITER + c) for d in MC for c in d["choices"]]  # the strings scored here
+    check(out["results"], out["samples"], want)
+    one = make_mesh(1, 1, jax.devices()[:1])
+    single = NLJaxLM(Reading(StreamReader(lm.model, lm.params, one, lm.seq_len, lm.end_id, 2), lm.tokenizer, "one"))
+    out = harness_run(single, tasks)
+    check(out["results"], out["samples"], want)
+
+
+@pytest.mark.slow  # a fresh process with lm-eval and JAX: about a minute on 2 cores
+def test_the_command_line_scores_as_nljax_on_1_device(trained, lm, tmp_path):
+    """`python -m nljax.lm_eval --cpu-devices 1 --model nljax ...`: lm-eval's own command line
+    writes nljax's own scores (its results and samples under --output_path)."""
+    run_dir, tasks = trained
+    cli("nljax.lm_eval", "--cpu-devices", "1", "--model", "nljax", "--model_args", f"run_dir={run_dir},batch_size=2",
+        "--tasks", "tiny_mc,tiny_roll", "--include_path", str(tasks), "--output_path", str(tmp_path / "out"),
+        "--log_samples", env=OFFLINE)
+    results = json.loads(next((tmp_path / "out").rglob("results_*.json")).read_text())["results"]
+    samples = {t: [json.loads(line) for line in next((tmp_path / "out").rglob(f"samples_{t}_*.jsonl")).open()]
+               for t in ("tiny_mc", "tiny_roll")}
+    check(results, samples, expected(lm))
+
+
+def test_a_long_context_is_read_in_windows_with_the_memory(trained, lm):
+    """A context three windows long scores as reading it window by window with the memory carried
+    by hand, and the memory matters (scored from the last window alone it differs); the answer
+    does not depend on the other requests of the batch."""
+    from lm_eval.api.instance import Instance
+
+    from nljax.lm_eval import FromRun
+
+    model = FromRun(run_dir=str(trained[0]), batch_size=2)
+    ctx = "import os\nimport sys\n\ndef main(argv):\n    for arg in argv:\n        print("
+    assert len(lm.encode(ctx)) > 2 * SEQ
+    reqs = [Instance("loglikelihood", {}, (ctx, "arg)"), 0), Instance("loglikelihood", {}, ("x", " = 1"), 0),
+            Instance("loglikelihood", {}, (ctx[-10:], "arg)"), 0)]
+    (long, _), (short, _), (cut, _) = model.loglikelihood(reqs)
+    whole = lm.encode(ctx + "arg)")
+    assert long == pytest.approx(float(own_logprobs(lm, whole)[-4:].sum()), rel=1e-5)
+    assert short == pytest.approx(float(own_logprobs(lm, lm.encode("x = 1"))[-4:].sum()), rel=1e-5)
+    assert cut == pytest.approx(float(own_logprobs(lm, lm.encode(ctx[-10:] + "arg)"))[-4:].sum()), rel=1e-5)
+    assert abs(long - cut) > 1e-4, "the earlier windows change nothing: the test proves nothing"
+    alone = model.loglikelihood([reqs[0]])[0][0]
+    assert alone == pytest.approx(long, rel=1e-6)
+
+
+def test_generate_until_is_nljax_generate_greedy(trained, lm):
+    """generate_until, batched over prompts of different lengths (one crossing windows), gives
+    `TrainedModel.generate` with temperature 0, cut before the stop string."""
+    from lm_eval.api.instance import Instance
+
+    from nljax.lm_eval import FromRun
+
+    model = FromRun(run_dir=str(trained[0]), batch_size=2)
+    prompts = ["def ", "import os\nimport sys\nclass A:\n    x = ", "for i in "]
+    until = ["\n\n"]
+    reqs = [Instance("generate_until", {}, (p, {"until": until, "max_gen_toks": 24}), 0) for p in prompts]
+    got = model.generate_until(reqs)
+    for prompt, text in zip(prompts, got):
+        full = lm.generate(prompt, max_new_tokens=24, temperature=0)
+        for stop in [*until, "\0"]:  # and the document end, lm-eval's models' default stop
+            full = full.split(stop)[0]
+        assert text == full
+
+
+def test_eval_harness_tasks_logs_beside_eval_bpb(trained, lm):
+    """The training run logged the harness metrics in metrics.jsonl at its evaluation and in
+    summary.json at the end; the final ones are what lm-eval gives on the final checkpoint."""
+    run_dir = trained[0]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
+    evaluated = [r for r in records if "eval_bpb" in r]
+    assert evaluated and all("harness_tiny_mc_acc" in r and "harness_tiny_roll_word_perplexity" in r
+                             for r in evaluated)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    want = expected(lm)  # lm: the final checkpoint (step 2), the parameters of the final evaluation
+    assert lm.step == 2
+    assert summary["harness_tiny_mc_acc"] == pytest.approx(want["acc"])
+    for metric in ("word_perplexity", "byte_perplexity", "bits_per_byte"):
+        assert summary[f"harness_tiny_roll_{metric}"] == pytest.approx(want[metric], rel=1e-5), metric
+    assert summary["harness_time_s"] > 0
+
+
+@pytest.mark.slow  # a fresh process: about 40 s on 2 cores (the unknown task searches lm-eval's own index)
+def test_an_unknown_task_stops_the_trainer_before_it_writes(trained, tmp_path):
+    run_dir = tmp_path / "run"
+    p = cli("nljax.train", *NL, *QUICK, "train.steps=1", "eval.harness_tasks=[tiny_mc,no_such_task]",
+            f"eval.harness_include={trained[1]}", f"run.dir={run_dir}", check=False, env=OFFLINE)
+    assert p.returncode != 0 and not run_dir.exists()
+    assert "unknown lm-eval task(s) no_such_task" in p.stderr.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def local_tasks_only(monkeypatch):
+    """lm-eval's TaskManager without its own thousands of tasks (indexing them takes seconds)."""
+    import lm_eval.tasks
+
+    real = lm_eval.tasks.TaskManager
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", lambda **kw: real(**{**kw, "include_defaults": False}))
+
+
+def test_bad_harness_settings_are_one_line(trained, tmp_path, monkeypatch, local_tasks_only):
+    """A task lm-eval does not know, a missing task directory, lm-eval missing, bad --model_args:
+    each one line."""
+    from helpers import make
+
+    import nljax.run
+    from nljax.lm_eval import FromRun
+    from nljax.run import harness
+
+    tasks = trained[1]
+    with pytest.raises(ConfigError, match=r"^eval.harness_tasks: unknown lm-eval task\(s\) no_such_task \("):
+        harness.task_manager(["tiny_mc", "no_such_task"], str(tasks))
+    with pytest.raises(ConfigError, match="is not a directory"):
+        harness.task_manager(["tiny_mc"], str(tmp_path / "nowhere"))
+    setup = make([*NL, "eval.harness_tasks=[tiny_mc]", f"eval.harness_include={tasks}"])
+    assert harness.attach(setup.run).harness is not None
+    for name in [m for m in sys.modules if m.split(".")[0] == "lm_eval"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import lm_eval...` raises ImportError
+    monkeypatch.delitem(sys.modules, "nljax.run.harness_model")
+    monkeypatch.delattr(nljax.run, "harness_model")
+    with pytest.raises(ConfigError, match=r"needs lm-eval .*pip install 'nljax\[lm-eval\]'"):
+        harness.attach(setup.run)
+    monkeypatch.undo()
+    for kwargs, words in ((dict(run_dir=str(tmp_path)), "is neither an export directory"),
+                          (dict(run_dir=str(trained[0]), batch_size=0), "batch_size must be >= 1"),
+                          (dict(run_dir=str(trained[0]), temperature=2), "unknown key(s) temperature"), ({}, "needs")):
+        with pytest.raises(ConfigError) as e:
+            FromRun(**kwargs)
+        assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_training_without_harness_tasks_never_imports_lm_eval():
+    code = "import sys, nljax.train, nljax.run.trainer; assert 'lm_eval' not in sys.modules, 'lm_eval imported'"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=subprocess_env())
+    assert p.returncode == 0, p.stderr
