@@ -17,13 +17,18 @@ the same on any count. How requests are read: nljax/run/harness_model.py.
 
 from __future__ import annotations
 
+import argparse
 import sys
-
-from lm_eval.api.model import TemplateLM  # noqa: F401 - lm-eval is this command's first need: a missing one fails here
 
 from nljax import cli
 from nljax.errors import ConfigError
-from nljax.run.harness_model import NAME, NLJaxLM, Reading
+
+try:  # the model class is lm-eval's `TemplateLM`: without lm-eval the command is one line, not a traceback
+    from nljax.run.harness_model import NAME, NLJaxLM, Reading
+except ImportError as e:
+    if __name__ != "__main__":
+        raise
+    sys.exit(f"nljax.lm_eval: error: lm-eval is not installed ({e}): pip install 'nljax[lm-eval]'")
 from nljax.run.scoring import StreamReader
 
 DEFAULT_ROWS = 8  # requests per batch when neither batch_size= nor --batch_size says (rounded up to the devices)
@@ -111,21 +116,22 @@ def register() -> None:
 
 
 def main(argv=None) -> int:
-    """`--cpu-devices N` is this command's; everything else goes to lm-eval's command line."""
+    """`--cpu-devices N` is this command's; every other argument goes to lm-eval's command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    own = [a for i, a in enumerate(argv) if a in ("-h", "--help") or a.startswith("--cpu-devices")
+           or (i and argv[i - 1] == "--cpu-devices")]
+    p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.lm_eval", description=__doc__.splitlines()[0],
+                                epilog="Every other argument is lm-eval's (`lm_eval run --help`): --model nljax "
+                                       "--model_args run_dir=DIR[,checkpoint=STEP][,batch_size=N] --tasks ... "
+                                       "[--include_path DIR] [--limit N] [--output_path DIR] ...")
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
+    args = p.parse_args(own)
     try:
-        devices = None
-        if "--cpu-devices" in argv:
-            i = argv.index("--cpu-devices")
-            if i + 1 >= len(argv) or not argv[i + 1].isdigit():
-                raise ConfigError("--cpu-devices needs a number of devices")
-            devices = int(argv[i + 1])
-            del argv[i : i + 2]
-        cli.setup_devices(devices)
+        cli.setup_devices(args.cpu_devices)
         register()
         from lm_eval.__main__ import cli_evaluate
 
-        sys.argv = ["lm_eval", *argv]
+        sys.argv = ["lm_eval", *[a for a in argv if a not in own]]
         cli_evaluate()
         return 0
     except ConfigError as e:

@@ -22,7 +22,7 @@ from pathlib import Path
 from nljax import configdoc
 
 # The commands a user runs (`python -m nljax.<name>`), in the order the page lists them.
-COMMANDS = ("train", "generate", "export", "prepare", "comm", "bench", "launch")
+COMMANDS = ("train", "generate", "export", "prepare", "comm", "bench", "launch", "lm_eval")
 COMMANDS_PAGE = Path("docs/reference/commands.md")
 HELP_WIDTH = 80  # columns of the help text: fixed, so the page does not depend on the terminal; fits the page
 
