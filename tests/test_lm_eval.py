@@ -85,15 +85,18 @@ def lm(trained):
     return nljax.load(trained[0])
 
 
-def own_logprobs(lm, ids: list[int]) -> np.ndarray:
-    """log p(ids[i] | ids[:i]) for i >= 1, read as the harness promises: windows of seq_len
-    inputs from the first token, the memory carried (one fresh start, no reset: no end token
-    inside these texts), by hand with `TrainedModel.logits`."""
+def own_logprobs(lm, ids: list[int], ends_reset: bool = True) -> np.ndarray:
+    """log p(ids[i] | ids[:i]) for i >= 1, read as the harness promises, by hand with
+    `TrainedModel.logits`: windows of seq_len inputs from the first token, the memory fresh at the
+    start and carried, reset after a window that holds the document end (the stream's first
+    token aside; `ends_reset` False: never)."""
     inputs, targets = ids[:-1], np.asarray(ids[1:])
-    memory, out = None, []
+    memory, out, reset = None, [], True
     for start in range(0, len(inputs), lm.seq_len):
-        logits, memory = lm.logits([inputs[start : start + lm.seq_len]], memory, reset=[start == 0])
+        window = inputs[start : start + lm.seq_len]
+        logits, memory = lm.logits([window], memory, reset=[reset])
         out.append(logits[0].astype(np.float64))
+        reset = ends_reset and lm.end_id in window[1 if start == 0 else 0 :]
     logits = np.concatenate(out)
     logp = logits - logits.max(-1, keepdims=True)
     logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
@@ -208,6 +211,12 @@ def test_a_long_context_is_read_in_windows_with_the_memory(trained, lm):
     assert abs(long - cut) > 1e-4, "the earlier windows change nothing: the test proves nothing"
     alone = model.loglikelihood([reqs[0]])[0][0]
     assert alone == pytest.approx(long, rel=1e-6)
+    # a document's end inside a rolling text resets the memory after its window, as in training
+    text = ctx[:20] + "\0" + ctx[20:]
+    (rolled,) = model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    ids = [lm.end_id, *lm.encode(text)]
+    assert rolled == pytest.approx(float(own_logprobs(lm, ids).sum()), rel=1e-5)
+    assert abs(rolled - float(own_logprobs(lm, ids, ends_reset=False).sum())) > 1e-4
 
 
 def test_generate_until_is_nljax_generate_greedy(trained, lm):
