@@ -70,13 +70,13 @@ def write_tasks(root):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """(run directory, task directory): 2 steps on 2 devices, the harness tasks evaluated after
-    step 1 and at the end."""
+    the first step and at the end."""
     root = tmp_path_factory.mktemp("lm_eval")
     tasks = write_tasks(root / "tasks")
     run_dir = root / "run"
-    cli("nljax.train", "--cpu-devices", "2", *NL, *QUICK, "train.steps=2", "eval.every=1", "eval.batches=1",
-        "eval.stream_steps=0", "eval.harness_tasks=[tiny_mc,tiny_roll]", f"eval.harness_include={tasks}",
-        f"run.dir={run_dir}", env=OFFLINE)
+    cli("nljax.train", "--cpu-devices", "2", *NL, *QUICK, "run.trackers=[tensorboard]", "train.steps=2",
+        "eval.every=1", "eval.batches=1", "eval.stream_steps=0", "eval.harness_tasks=[tiny_mc,tiny_roll]",
+        f"eval.harness_include={tasks}", f"run.dir={run_dir}", env=OFFLINE)
     return run_dir, tasks
 
 
@@ -239,13 +239,19 @@ def test_generate_until_is_nljax_generate_greedy(trained, lm):
 
 
 def test_eval_harness_tasks_logs_beside_eval_bpb(trained, lm):
-    """The training run logged the harness metrics in metrics.jsonl at its evaluation and in
-    summary.json at the end; the final ones are what lm-eval gives on the final checkpoint."""
+    """The training run logged the harness metrics in metrics.jsonl and TensorBoard at its
+    evaluations and in summary.json at the end; the final ones are what lm-eval gives on the final
+    checkpoint."""
     run_dir = trained[0]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").open()]
     evaluated = [r for r in records if "eval_bpb" in r]
     assert evaluated and all("harness_tiny_mc_acc" in r and "harness_tiny_roll_word_perplexity" in r
                              for r in evaluated)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("eval/harness_tiny_mc_acc")] == [1, 2]  # after step 0, and at the end
     summary = json.loads((run_dir / "summary.json").read_text())
     want = expected(lm)  # lm: the final checkpoint (step 2), the parameters of the final evaluation
     assert lm.step == 2
