@@ -314,3 +314,15 @@ def test_training_without_harness_tasks_never_imports_lm_eval():
     code = "import sys, nljax.train, nljax.run.trainer; assert 'lm_eval' not in sys.modules, 'lm_eval imported'"
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=subprocess_env())
     assert p.returncode == 0, p.stderr
+
+
+def test_register_enters_the_model_in_lm_evals_registry():
+    """`register()` (what `python -m nljax.lm_eval` calls first) makes `--model nljax` lm-eval's
+    own name for the model, beside lm-eval's models, so `simple_evaluate(model="nljax")` finds it."""
+    from lm_eval.api.registry import get_model
+
+    from nljax.lm_eval import FromRun, register
+
+    register()
+    register()  # twice: no error (a second registration under the name would raise)
+    assert get_model("nljax") is FromRun and get_model("dummy").__name__ == "DummyLM"
