@@ -164,8 +164,10 @@ def test_the_harness_scores_as_nljax_on_8_and_1_devices(trained, lm):
 
     run_dir, tasks = trained
     want = expected(lm)
-    model = FromRun(run_dir=str(run_dir), batch_size=3)
-    assert model.reader.rows == 8 and model.reader.split.mesh.size == 8
+    # as lm-eval's command line makes it: batch_size= of --model_args wins over --batch_size
+    model = FromRun.create_from_arg_string(f"run_dir={run_dir},checkpoint=2,batch_size=3",
+                                           {"batch_size": 1, "max_batch_size": None, "device": "cpu"})
+    assert model.reader.rows == 8 and model.reader.split.mesh.size == 8 and "(step 2)" in model.reading.name
     out = harness_run(model, tasks)
     asked = [a for s in sorted(out["samples"]["tiny_mc"], key=lambda s: s["doc_id"]) for a in s["arguments"]]
     assert asked == [(d["question"], DELIMITER + c) for d in MC for c in d["choices"]]  # the strings scored here
@@ -304,6 +306,7 @@ def test_bad_harness_settings_are_one_line(trained, tmp_path, monkeypatch, local
     monkeypatch.undo()
     for kwargs, words in ((dict(run_dir=str(tmp_path)), "is neither an export directory"),
                           (dict(run_dir=str(trained[0]), batch_size=0), "batch_size must be >= 1"),
+                          (dict(run_dir=str(trained[0]), checkpoint=7), "checkpoint not found"),
                           (dict(run_dir=str(trained[0]), temperature=2), "unknown key(s) temperature"), ({}, "needs")):
         with pytest.raises(ConfigError) as e:
             FromRun(**kwargs)
@@ -326,3 +329,11 @@ def test_register_enters_the_model_in_lm_evals_registry():
     register()
     register()  # twice: no error (a second registration under the name would raise)
     assert get_model("nljax") is FromRun and get_model("dummy").__name__ == "DummyLM"
+
+
+def test_the_command_without_lm_eval_is_one_line():
+    code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = ['nljax.lm_eval', '--tasks', 'x']; "
+            "runpy.run_module('nljax.lm_eval', run_name='__main__')")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=subprocess_env())
+    assert p.returncode == 1 and p.stderr.strip().splitlines() == [p.stderr.strip()]
+    assert "lm-eval is not installed" in p.stderr and "pip install 'nljax[lm-eval]'" in p.stderr
