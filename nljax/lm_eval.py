@@ -118,27 +118,26 @@ def register() -> None:
 def main(argv=None) -> int:
     """`--cpu-devices N` is this command's; every other argument goes to lm-eval's command line."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    own = [a for i, a in enumerate(argv) if a in ("-h", "--help") or a.startswith("--cpu-devices")
-           or (i and argv[i - 1] == "--cpu-devices")]
+    mine = {i for i, a in enumerate(argv) if a in ("-h", "--help") or a.startswith("--cpu-devices")
+            or (i and argv[i - 1] == "--cpu-devices")}
+    own, rest = [argv[i] for i in sorted(mine)], [a for i, a in enumerate(argv) if i not in mine]
     p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.lm_eval", description=__doc__.splitlines()[0],
                                 epilog="Every other argument is lm-eval's (`lm_eval run --help`): --model nljax "
                                        "--model_args run_dir=DIR[,checkpoint=STEP][,batch_size=N] --tasks ... "
                                        "[--include_path DIR] [--limit N] [--output_path DIR] ...")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     args = p.parse_args(own)
-    try:
-        cli.setup_devices(args.cpu_devices)
-        register()
-        from lm_eval.__main__ import cli_evaluate
+    return cli.tool("nljax.lm_eval", lambda: _evaluate(args.cpu_devices, rest))
 
-        sys.argv = ["lm_eval", *[a for a in argv if a not in own]]
-        cli_evaluate()
-        return 0
-    except ConfigError as e:
-        print(f"nljax.lm_eval: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return cli.interrupted("nljax.lm_eval")
+
+def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
+    cli.setup_devices(cpu_devices)
+    register()
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm_eval", *lm_eval_argv]
+    cli_evaluate()
+    return 0
 
 
 if __name__ == "__main__":
