@@ -19,7 +19,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import QUICK, ROOT, TINY, TINY_NL, cli, subprocess_env
+from helpers import QUICK, ROOT, TINY, TINY_NL, cli, saved_run, subprocess_env
 
 pytest.importorskip("lm_eval")  # the `lm-eval` extra (in `dev`)
 
@@ -337,3 +337,45 @@ def test_the_command_without_lm_eval_is_one_line():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=subprocess_env())
     assert p.returncode == 1 and p.stderr.strip().splitlines() == [p.stderr.strip()]
     assert "lm-eval is not installed" in p.stderr and "pip install 'nljax[lm-eval]'" in p.stderr
+
+
+def test_a_tokenizer_run_is_scored_with_its_tokens(tmp_path):
+    """A run on its own files with a tokenizer.json, evaluated from its export: the requests are
+    the tokenizer's tokens (the context's, then those of context + continuation after as many
+    tokens as the context has: lm-eval's split for causal models), a rolling request starts with
+    the document-end token, and the scores are nljax's own."""
+    import jax
+    from lm_eval.api.instance import Instance
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from nljax import export
+    from nljax.lm_eval import FromRun
+    from nljax.run import trained as trained_lib
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    docs = [f"document {i} says hello to the tokenizer, number {i * i}. " * 12 for i in range(24)]
+    for i, d in enumerate(docs):
+        (corpus / f"d{i}.txt").write_text(d)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tok.json"))
+    files = ["data.source=files", f"data.train={corpus}/*.txt", f"data.tokenizer={tmp_path / 'tok.json'}",
+             "data.doc_end_token=<eos>", "eval.stream_steps=0", "model.vocab_size=300"]
+    saved_run(tmp_path / "run", [*NL, *files], 1, 1, steps=0)  # the initial parameters: no step compiled
+    out = export.export(trained_lib.load(tmp_path / "run", devices=jax.devices()[:1]), tmp_path / "export")
+    lm = nljax.load(out)
+    model = FromRun(run_dir=str(out), batch_size=2)
+    context, continuation = "document 3 says hel", "lo to the tokenizer"  # "hello" is one token: split by lm-eval
+    ctx, whole = lm.encode(context), lm.encode(context + continuation)
+    assert whole[: len(ctx)] != ctx or len(whole) < len(ctx) + len(lm.encode(continuation))  # the boundary merges
+    text = "document 5 says hello to the tokenizer, number 25. " * 3
+    (got, _), = model.loglikelihood([Instance("loglikelihood", {}, (context, continuation), 0)])
+    (rolled,) = model.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    cont = whole[len(ctx) :]  # lm-eval's split: the tokens of the whole after the context's count
+    assert got == pytest.approx(float(own_logprobs(lm, ctx + cont)[-len(cont) :].sum()), rel=1e-5)
+    assert lm.end_id == tok.token_to_id("<eos>") and max(lm.encode(text)) > 255
+    assert rolled == pytest.approx(float(own_logprobs(lm, [lm.end_id, *lm.encode(text)]).sum()), rel=1e-5)
