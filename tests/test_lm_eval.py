@@ -10,6 +10,7 @@ offline). lm-eval then scores it through its own Python API on 8 devices and thr
 same strings, read window by window with the memory carried by hand.
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -282,8 +283,8 @@ def local_tasks_only(monkeypatch):
 
 
 def test_bad_harness_settings_are_one_line(trained, tmp_path, monkeypatch, local_tasks_only):
-    """A task lm-eval does not know, a missing task directory, lm-eval missing, bad --model_args:
-    each one line."""
+    """A task lm-eval does not know, a missing task directory, a task whose data cannot be read,
+    lm-eval missing, bad --model_args: each one line."""
     from helpers import make
 
     import nljax.run
@@ -297,6 +298,15 @@ def test_bad_harness_settings_are_one_line(trained, tmp_path, monkeypatch, local
         harness.task_manager(["tiny_mc"], str(tmp_path / "nowhere"))
     setup = make([*NL, "eval.harness_tasks=[tiny_mc]", f"eval.harness_include={tasks}"])
     assert harness.attach(setup.run).harness is not None
+    broken = tmp_path / "broken"  # a task whose data file is gone
+    broken.mkdir()
+    (broken / "tiny_mc.yaml").write_text((tasks / "tiny_mc.yaml").read_text().replace("mc.jsonl", "gone.jsonl"))
+    cfg = setup.run.cfg
+    elsewhere = dataclasses.replace(setup.run, cfg=dataclasses.replace(
+        cfg, eval=dataclasses.replace(cfg.eval, harness_include=str(broken))))
+    with pytest.raises(ConfigError, match=r"^eval.harness_tasks: cannot load tiny_mc: ") as e:
+        harness.attach(elsewhere)
+    assert "\n" not in str(e.value)
     for name in [m for m in sys.modules if m.split(".")[0] == "lm_eval"]:
         monkeypatch.setitem(sys.modules, name, None)  # `import lm_eval...` raises ImportError
     monkeypatch.delitem(sys.modules, "nljax.run.harness_model")
