@@ -1,0 +1,297 @@
+"""The neural memory's inner loop as fused Pallas kernels: `memory_forward`'s arithmetic, with
+each (stream row, head) one program that walks all its chunks in one launch and keeps the
+memory state M, S (float32) in the kernel's registers between them.
+
+Why: `memory_forward` is a `lax.scan` over chunks whose body is a few dozen small XLA kernels
+per chunk (titans_demo: thousands of launches per step, each a few microseconds of work). Here a
+whole layer's inner loop is one launch forward and one backward.
+
+- `chunk_math` is one chunk of one (row, head) on 2-D arrays: `memory.chunk_constants` and
+  `memory.chunk_step` restated without batch axes and without ops that Triton cannot lower
+  (cumulative sums are masked sums or products with a triangular matrix; a row or element is
+  picked with a mask). It is the only statement of the arithmetic here: the forward kernel runs
+  it, and the backward kernel runs its `jax.vjp`, so the two cannot drift apart.
+- Forward kernel (grid: rows x heads): for each chunk, store the chunk-start state (what
+  `model.remat=memory` keeps), run `chunk_math`, store the chunk's reads; at the end the final
+  state.
+- Backward kernel (same grid, chunks in reverse): recompute the chunk from its saved start
+  state, pull the carried cotangent of the state and the reads' cotangent back through it
+  (`jax.vjp` of `chunk_math`, traced inside the kernel) and store the inputs' cotangents.
+- `memory_kernel` ties them with `jax.custom_vjp`; `memory_forward` (the scan) and
+  `memory_reference` (token by token) are the references it is tested against.
+
+Constraints (the Triton lowering): every block dimension is a power of two, and those that a
+matrix product contracts or yields (the chunk b, key and value widths, MLP hidden width) are at
+least 16 (`gpu_unsupported` says which fails). On CPU the kernels run in interpret mode (any
+shape, slow: for tests and for checking a whole run). Inputs may be bfloat16; everything inside
+is float32, as in `memory_forward`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers
+
+_SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi), of gelu's tanh approximation (jax.nn.gelu's default)
+
+
+def _gelu(x):
+    """jax.nn.gelu(x) (tanh approximation) written out: jax.nn.gelu is a jitted function, and
+    its derivative is needed explicitly below."""
+    return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x)))
+
+
+def _gelu_slope(x):
+    """d/dx gelu(x)."""
+    t = jnp.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _dot(a, b):  # [m, k] @ [k, n]
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):  # [m, k] @ [n, k]^T
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _t_dot(a, b):  # [k, m]^T @ [k, n]
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _last(x, axis: int = 0):
+    """x's last entry along `axis` (a masked sum: Triton has no dynamic single-element pick)."""
+    n = x.shape[axis]
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.sum(jnp.where(idx == n - 1, x, 0.0), axis=axis)
+
+
+def chunk_math(M: dict, S: dict, q, k, v, theta, eta, alpha, kind: str):
+    """One chunk of one (row, head): `memory.chunk_constants` then `memory.chunk_step`.
+    M, S leaves 2-D float32 (W [dk, dv]; W1 [dk, hidden], W2 [hidden, dv]); q, k [b, dk],
+    v [b, dv], gates [b] -> (new M, new S, reads y [b, dv])."""
+    b = k.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
+    lower = row >= col  # [i, j]: i >= j
+    mine = row <= col  # [j, t]: j <= t
+
+    log_eta = jnp.log(jnp.maximum(eta, 1e-30))
+    log_keep = jnp.log(jnp.maximum(1.0 - alpha, 1e-30))
+    le = jnp.sum(jnp.where(lower, log_eta[None, :], 0.0), axis=1)  # cumulative sums  [b]
+    la = jnp.sum(jnp.where(lower, log_keep[None, :], 0.0), axis=1)
+
+    def decay(lc):  # [i, j] = exp(lc_i - lc_j) for i >= j, else 0
+        return jnp.where(lower, jnp.exp(jnp.where(lower, lc[:, None] - lc[None, :], 0.0)), 0.0)
+
+    mom, keep = decay(le), decay(la)
+    keep_mom = _dot(keep, mom)  # [t, j]
+    le_end = jnp.sum(log_eta)
+    s = jnp.sum(keep * jnp.exp(le)[None, :], axis=1)  # [t]
+    c = jnp.exp(la)
+    mom_last = jnp.exp(le_end - le)  # [j]: mom's last row
+    s_decay = jnp.exp(le_end)
+    kk = jnp.sum(k * k, axis=1)
+    inner = jnp.abs(_dot_t(k, k))  # |k_i . k_j|
+
+    if kind == "linear":
+        nu = kk + NU_FLOOR
+    else:
+        pre = _dot(k, M["W1"])  # [b, hidden]
+        h = _gelu(pre)
+        w2 = jnp.sum(M["W2"] * M["W2"])
+        nu = jnp.sum(h * h, axis=1) + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
+        inner = jnp.abs(_dot_t(h, h)) + GELU_SLOPE**2 * inner * w2
+    rs = jax.lax.rsqrt(nu)
+    rows = _dot(inner * rs[:, None] * rs[None, :], mine.astype(jnp.float32))  # [i, t]: row i summed over j <= t
+    lam = jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=0), 1.0)  # [t], over rows i <= t
+
+    a = theta * (1.0 - eta) / nu  # [j]
+    A = keep_mom * a[None, :] / lam[:, None]  # [t, j]
+    a_end, w = _last(A, 0), a * mom_last / _last(lam)  # [j]
+    c_end, s_end = _last(c), _last(s)
+    if kind == "linear":
+        pieces = [(k, _dot(k, M["W"]) - v)]
+    else:
+        e = _dot(h, M["W2"]) - v  # [b, dv]
+        pieces = [(k, _gelu_slope(pre) * _dot_t(e, M["W2"])), (h, e)]
+    new_m, new_s, r = {}, {}, q
+    for i, (name, (x, d)) in enumerate(zip(layers(kind), pieces)):
+        if i:
+            r = _gelu(r)
+        scores = _dot_t(r, x) * A  # [t, j]
+        r = c[:, None] * _dot(r, M[name]) + s[:, None] * _dot(r, S[name]) - _dot(scores, d)
+        new_m[name] = c_end * M[name] + s_end * S[name] - _t_dot(x * a_end[:, None], d)
+        new_s[name] = s_decay * S[name] - _t_dot(x * w[:, None], d)
+    return new_m, new_s, r
+
+
+def gpu_unsupported(kind: str, chunk: int, dk: int, dv: int, hidden: int) -> str | None:
+    """Why the compiled (Triton) kernel cannot take these shapes, or None when it can."""
+    dims = {"memory_chunk": chunk, "memory_dim": dk if dk == dv else min(dk, dv)}
+    if kind == "mlp":
+        dims["memory_hidden"] = hidden
+    for name, n in dims.items():
+        if n < 16 or n & (n - 1):
+            return f"model.nl_lm.{name}={n}: the Pallas memory kernel needs powers of two >= 16 on a GPU"
+    return None
+
+
+def _chunk_rows(i, chunk: int):
+    """The rows of chunk i in a [T, ...] block (start marked a multiple of the chunk for Triton)."""
+    return pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+
+
+def _load_chunk(refs, t):
+    """This chunk's q, k, v [b, d] and gates [b] from their [T, d] and [T] blocks, as float32."""
+    return [(r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32) for r in refs]
+
+
+def _forward_kernel(*refs, kind: str, chunk: int, n: int):
+    """One (row, head): every chunk in order, the state carried in the loop (registers)."""
+    names = layers(kind)
+    nl = len(names)
+    inputs, refs = refs[:6], refs[6:]
+    m_in, s_in, refs = refs[:nl], refs[nl:2 * nl], refs[2 * nl:]
+    y_ref, refs = refs[0], refs[1:]
+    m_out, s_out, m_start, s_start = (refs[j * nl:(j + 1) * nl] for j in range(4))
+
+    def body(i, carry):
+        M, S = carry
+        for saved, ref in zip((M, S), (m_start, s_start)):  # the chunk-start state, for the backward pass
+            for name, r in zip(names, ref):
+                rows = saved[name].shape[0]
+                r[pl.ds(pl.multiple_of(i * rows, rows), rows), :] = saved[name]
+        t = _chunk_rows(i, chunk)
+        M, S, y = chunk_math(M, S, *_load_chunk(inputs, t), kind)
+        y_ref[t, :] = y
+        return M, S
+
+    start = tuple({nm_: r[...].astype(jnp.float32) for nm_, r in zip(names, src)} for src in (m_in, s_in))
+    M, S = jax.lax.fori_loop(0, n, body, start)
+    for final, ref in zip((M, S), (m_out, s_out)):
+        for name, r in zip(names, ref):
+            r[...] = final[name]
+
+
+def _backward_kernel(*refs, kind: str, chunk: int, n: int):
+    """One (row, head): chunks in reverse; each recomputed from its saved start state and pulled
+    back with `jax.vjp(chunk_math)`, the state's cotangent carried in the loop."""
+    names = layers(kind)
+    nl = len(names)
+    inputs, refs = refs[:6], refs[6:]
+    m_start, s_start, refs = refs[:nl], refs[nl:2 * nl], refs[2 * nl:]
+    dy_ref, refs = refs[0], refs[1:]
+    dm_in, ds_in, refs = refs[:nl], refs[nl:2 * nl], refs[2 * nl:]
+    d_inputs, refs = refs[:6], refs[6:]
+    dm_out, ds_out = refs[:nl], refs[nl:2 * nl]
+
+    def body(j, carry):
+        i = n - 1 - j
+        state = []
+        for ref in (m_start, s_start):
+            leaves = {}
+            for name, r in zip(names, ref):
+                rows = r.shape[0] // n
+                leaves[name] = r[pl.ds(pl.multiple_of(i * rows, rows), rows), :]
+            state.append(leaves)
+        t = _chunk_rows(i, chunk)
+        _, pull = jax.vjp(functools.partial(chunk_math, kind=kind), *state, *_load_chunk(inputs, t))
+        dM, dS, *grads = pull((*carry, dy_ref[t, :].astype(jnp.float32)))
+        for g, r in zip(grads, d_inputs):
+            if len(r.shape) == 2:
+                r[t, :] = g
+            else:
+                r[t] = g
+        return dM, dS
+
+    start = tuple({nm_: r[...].astype(jnp.float32) for nm_, r in zip(names, src)} for src in (dm_in, ds_in))
+    dM, dS = jax.lax.fori_loop(0, n, body, start)
+    for final, ref in zip((dM, dS), (dm_out, ds_out)):
+        for name, r in zip(names, ref):
+            r[...] = final[name]
+
+
+def _spec(shape, lead: int = 2):
+    """One (row, head)'s block of an array [B, H, ...]: the leading axes squeezed."""
+    return pl.BlockSpec((None,) * lead + tuple(shape[lead:]), lambda b, h: (b, h) + (0,) * (len(shape) - lead))
+
+
+def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool):
+    """pallas_call of `kernel` over the (row, head) grid; `outs` are ShapeDtypeStructs."""
+    batch, heads = args[0].shape[:2]
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return pl.pallas_call(
+        functools.partial(kernel, kind=kind, chunk=chunk, n=n),
+        out_shape=outs, grid=(batch, heads),
+        in_specs=[_spec(a.shape) for a in args], out_specs=[_spec(o.shape) for o in outs],
+        interpret=interpret, name=f"memory_{kernel.__name__.strip('_')}", **params,
+    )(*args)
+
+
+def _leaves(state: dict, kind: str) -> list:
+    return [state["M"][n] for n in layers(kind)] + [state["S"][n] for n in layers(kind)]
+
+
+def _unleaves(leaves: list, kind: str) -> dict:
+    names = layers(kind)
+    return {"M": dict(zip(names, leaves[:len(names)])), "S": dict(zip(names, leaves[len(names):]))}
+
+
+def _forward(state, xs, kind: str, chunk: int, interpret: bool):
+    """(y, final state, chunk-start states: leaves [B, H, n * rows, cols])."""
+    q, v = xs[0], xs[2]
+    n = q.shape[2] // chunk
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    leaves = _leaves(state, kind)
+    outs = [f32(v.shape)] + [f32(x.shape) for x in leaves] + [f32((*x.shape[:2], n * x.shape[2], x.shape[3])) for x in leaves]
+    res = _call(_forward_kernel, [*xs, *leaves], outs, kind, chunk, n, interpret)
+    nl = len(leaves)
+    return res[0], _unleaves(res[1:1 + nl], kind), res[1 + nl:]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _fused(state, xs, kind, chunk, interpret):
+    y, final, _ = _forward(state, xs, kind, chunk, interpret)
+    return y, final
+
+
+def _fused_fwd(state, xs, kind, chunk, interpret):
+    y, final, starts = _forward(state, xs, kind, chunk, interpret)
+    return (y, final), (xs, starts)
+
+
+def _fused_bwd(kind, chunk, interpret, res, cotangents):
+    xs, starts = res
+    dy, dfinal = cotangents
+    n = xs[0].shape[2] // chunk
+    f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    d_leaves = _leaves(dfinal, kind)
+    outs = [f32(x) for x in xs] + [f32(x) for x in d_leaves]
+    args = [*xs, *starts, dy.astype(jnp.float32), *(x.astype(jnp.float32) for x in d_leaves)]
+    res = _call(_backward_kernel, args, outs, kind, chunk, n, interpret)
+    dxs = tuple(g.astype(x.dtype) for g, x in zip(res[:6], xs))
+    return _unleaves(list(res[6:]), kind), dxs
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def memory_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, interpret: bool | None = None):
+    """`memory.memory_forward` as fused kernels: (y [B, H, T, dv] float32, final state).
+    `interpret`: run the kernels as plain JAX (any backend, slow); None: on all but GPUs."""
+    t = q.shape[2]
+    if t % chunk:
+        raise ValueError(f"sequence length {t} is not a multiple of the memory chunk {chunk}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
+    return _fused(state, (q, k, v, theta, eta, alpha), kind, chunk, interpret)
