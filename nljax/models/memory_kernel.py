@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from nljax.errors import ConfigError
 from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers
 
 _SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi), of gelu's tanh approximation (jax.nn.gelu's default)
@@ -131,15 +132,29 @@ def chunk_math(M: dict, S: dict, q, k, v, theta, eta, alpha, kind: str):
     return new_m, new_s, r
 
 
-def gpu_unsupported(kind: str, chunk: int, dk: int, dv: int, hidden: int) -> str | None:
-    """Why the compiled (Triton) kernel cannot take these shapes, or None when it can."""
-    dims = {"memory_chunk": chunk, "memory_dim": dk if dk == dv else min(dk, dv)}
+def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
+    """Why the compiled (Triton) kernel cannot take these shapes, or None when it can: Triton's
+    matrix products need each dimension a power of two and at least 16."""
+    dims = {"memory_chunk": chunk, "memory_dim": dim}  # dim: the key and value width
     if kind == "mlp":
         dims["memory_hidden"] = hidden
     for name, n in dims.items():
         if n < 16 or n & (n - 1):
             return f"model.nl_lm.{name}={n}: the Pallas memory kernel needs powers of two >= 16 on a GPU"
     return None
+
+
+def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
+    """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
+    'pallas' or 'scan'. auto takes the kernel on GPUs where its shapes allow it, the scan
+    elsewhere (on a CPU the kernel only runs interpreted, far slower than the scan)."""
+    backend = backend or jax.default_backend()
+    why = gpu_unsupported(kind, chunk, dim, hidden) if backend == "gpu" else None
+    if impl == "auto":
+        return "pallas" if backend == "gpu" and why is None else "scan"
+    if impl == "pallas" and why:
+        raise ConfigError(f"model.nl_lm.memory_impl=pallas: {why}")
+    return impl
 
 
 def _chunk_rows(i, chunk: int):
