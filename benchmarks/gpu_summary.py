@@ -80,10 +80,27 @@ def lines(out: Path) -> list[str]:
                     + ("-" if mfu is None else f"{100 * mfu:.1f}% analytic{xla} (target >= 40%; "
                        f"{b['flops']['params'] / 1e6:.0f}M parameters; peak {gb(b['memory']['peak_bytes'])})"
                        f"{profiled(b)}"))
+    rows += memory_kernel_lines(load(out, "memory_kernel"))
     mf, fm = load(out, "bench_dit_b4_meanflow"), load(out, "bench_dit_b4_flow_matching")
     r = mf["mean_step_ms"] / fm["mean_step_ms"] if mf and fm else None
     rows.append(f"{verdict(None if r is None else r <= 1.6)}  DiT-B/4 32x32 MeanFlow / flow-matching step: "
                 + ("-" if r is None else f"{r:.2f}x (target <= 1.6x; {mf['mean_step_ms']:.1f} vs {fm['mean_step_ms']:.1f} ms)"))
+    return rows
+
+
+def memory_kernel_lines(m: dict | None) -> list[str]:
+    """The fused memory kernel against the scan (benchmarks/memory_kernel.py): issue 44's >= 3x."""
+    if not m:
+        return [f"{verdict(None)}  memory kernel fwd+bwd vs scan: -"]
+    rows = []
+    for name, r in m["shapes"].items():
+        ms, err = r["median_ms"], r["check"]["max_rel_err"]
+        check = "check ok" if r["check"]["ok"] else "CHECK FAILED"
+        rows.append(f"{verdict(r['check']['ok'] and r['target_met'])}  memory kernel fwd+bwd vs scan, {name}'s shapes: "
+                    f"{r['speedup']['forward+backward']:.2f}x (target >= {m['target_speedup']:g}x; "
+                    f"{ms['kernel forward+backward']:.2f} vs {ms['scan forward+backward']:.2f} ms; forward "
+                    f"{r['speedup']['forward']:.2f}x); {check} (largest difference {err['outputs']:.1e} outputs, "
+                    f"{err['grads']:.1e} gradients, of each leaf's largest entry)")
     return rows
 
 

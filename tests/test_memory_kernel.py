@@ -160,3 +160,26 @@ def test_training_through_the_kernel_equals_the_scan(kind):
     np.testing.assert_allclose(losses, losses_ref, rtol=2e-5)
     assert_trees_close(state.params, state_ref.params, rtol=1e-4, atol=2e-5)
     assert_trees_close(state.memory, state_ref.memory, rtol=1e-4, atol=2e-5)
+
+
+def test_benchmark_runs_interpreted(tmp_path):
+    """benchmarks/memory_kernel.py (the GPU suite's `kernel` part) at tiny shapes, interpreted: its
+    check passes, its JSON has the form benchmarks/gpu_summary.py reads (not the figures: CPU)."""
+    import json
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_summary
+        import memory_kernel
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "memory_kernel.json"
+    assert memory_kernel.main(["--shapes", "tiny", "--interpret", "--rounds", "1", "--warmup", "0", "--out", str(out)]) == 0
+    r = json.loads(out.read_text())["shapes"]["tiny"]
+    assert r["check"]["ok"] and r["check"]["max_rel_err"]["grads"] < 1e-5
+    assert set(r["median_ms"]) == {f"{k} {m}" for k in ("scan", "kernel") for m in ("forward", "forward+backward")}
+    [row] = gpu_summary.memory_kernel_lines(json.loads(out.read_text()))
+    assert row.startswith(("MET", "MISS")) and "tiny's shapes" in row and "check ok" in row
