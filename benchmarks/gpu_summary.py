@@ -92,7 +92,7 @@ def memory_kernel_lines(m: dict | None) -> list[str]:
     """The fused memory kernel against the scan (benchmarks/memory_kernel.py): issue 44's >= 3x."""
     if not m:
         return [f"{verdict(None)}  memory kernel fwd+bwd vs scan: -"]
-    rows = []
+    rows = [f"MISS  memory kernel at {name}'s shapes: {err}" for name, err in m.get("errors", {}).items()]
     for name, r in m["shapes"].items():
         ms, err = r["median_ms"], r["check"]["max_rel_err"]
         check = "check ok" if r["check"]["ok"] else "CHECK FAILED"

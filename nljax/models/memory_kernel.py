@@ -30,6 +30,7 @@ is float32, as in `memory_forward`.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -237,13 +238,17 @@ def _spec(shape, lead: int = 2):
     return pl.BlockSpec((None,) * lead + tuple(shape[lead:]), lambda b, h: (b, h) + (0,) * (len(shape) - lead))
 
 
-def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool):
-    """pallas_call of `kernel` over the (row, head) grid; `outs` are ShapeDtypeStructs."""
+def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool, state_size: int):
+    """pallas_call of `kernel` over the (row, head) grid; `outs` are ShapeDtypeStructs;
+    `state_size`: floats in one (row, head)'s M and S."""
     batch, heads = args[0].shape[:2]
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=4, num_stages=1)
+        # more warps, more registers for one program's state (the MLP memory's four [64, 128]
+        # matrices and, backward, their cotangents); untuned: no GPU timing yet
+        big = state_size > 4 * 64 * 64
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=8 if big else 4, num_stages=1)
     return pl.pallas_call(
         functools.partial(kernel, kind=kind, chunk=chunk, n=n),
         out_shape=outs, grid=(batch, heads),
@@ -268,7 +273,8 @@ def _forward(state, xs, kind: str, chunk: int, interpret: bool):
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     leaves = _leaves(state, kind)
     outs = [f32(v.shape)] + [f32(x.shape) for x in leaves] + [f32((*x.shape[:2], n * x.shape[2], x.shape[3])) for x in leaves]
-    res = _call(_forward_kernel, [*xs, *leaves], outs, kind, chunk, n, interpret)
+    size = sum(math.prod(x.shape[2:]) for x in leaves)
+    res = _call(_forward_kernel, [*xs, *leaves], outs, kind, chunk, n, interpret, size)
     nl = len(leaves)
     return res[0], _unleaves(res[1:1 + nl], kind), res[1 + nl:]
 
@@ -292,7 +298,8 @@ def _fused_bwd(kind, chunk, interpret, res, cotangents):
     d_leaves = _leaves(dfinal, kind)
     outs = [f32(x) for x in xs] + [f32(x) for x in d_leaves]
     args = [*xs, *starts, dy.astype(jnp.float32), *(x.astype(jnp.float32) for x in d_leaves)]
-    res = _call(_backward_kernel, args, outs, kind, chunk, n, interpret)
+    size = sum(math.prod(x.shape[2:]) for x in d_leaves)
+    res = _call(_backward_kernel, args, outs, kind, chunk, n, interpret, size)
     dxs = tuple(g.astype(x.dtype) for g, x in zip(res[:6], xs))
     return _unleaves(list(res[6:]), kind), dxs
 
