@@ -147,16 +147,23 @@ def test_unknown_memory_impl_is_one_line_error():
 # the MLP case is the slow tier's (about 60 s on the shared 2-core machine); the fast tier has the
 # linear one and the MLP kernel's equality with the scan above
 @pytest.mark.parametrize("kind", ["linear", pytest.param("mlp", marks=pytest.mark.slow)])
-def test_training_through_the_kernel_equals_the_scan(kind):
+def test_training_through_the_kernel_equals_the_scan(kind, monkeypatch):
     """A few steps of a tiny nl_lm with memory_impl=pallas (interpreted) on two devices equal
     memory_impl=scan on one: losses, parameters (memory0's gradient reaches it through the rows'
-    resets) and every row's carried memory."""
+    resets) and every row's carried memory. The kernel is traced only for pallas."""
+    calls = []
+    kernel_fn = mk.memory_kernel
+    monkeypatch.setattr(mk, "memory_kernel", lambda *a, **kw: calls.append(kw) or kernel_fn(*a, **kw))
     base = [*TINY_NL, f"model.nl_lm.memory_kind={kind}", "model.nl_lm.memory_dim=4", "data.reset_prob=0.3",
             "cms.periods=[1]"]  # one compiled step variant
     ref = make([*base, "model.nl_lm.memory_impl=scan"])
     losses_ref, state_ref = train(ref, 3)
+    assert not calls
+    resets = [np.asarray(ref.batch(s)["reset"]) for s in (1, 2)]  # (step 0 resets every row)
+    assert any(r.any() for r in resets) and not all(r.all() for r in resets)  # some rows restart, others carry
     setup = make([*base, "model.nl_lm.memory_impl=pallas"], 1, 2)
     losses, state = train(setup, 3)
+    assert calls and all(c["kind"] == kind for c in calls)
     np.testing.assert_allclose(losses, losses_ref, rtol=2e-5)
     assert_trees_close(state.params, state_ref.params, rtol=1e-4, atol=2e-5)
     assert_trees_close(state.memory, state_ref.memory, rtol=1e-4, atol=2e-5)
