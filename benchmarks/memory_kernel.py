@@ -9,10 +9,11 @@ smoke test with --interpret), at its memory shapes (train.batch_size rows x memo
 tokens, memory_kind/dim/hidden/chunk; one memory layer):
 
 - check: the kernel's reads, final state and gradients (w.r.t. q, k, v, the gates and the
-  initial state) against `memory_forward`'s, both with float32 matrix products (the scan under
-  `jax.default_matmul_precision("highest")`: XLA would otherwise take TF32 on a GPU), as the
-  largest difference over each leaf's largest entry;
-- timing: forward and forward + backward of each, compiled, interleaved rounds, medians; the scan
+  initial state) against `memory_forward`'s, both with full float32 matrix products (under
+  `jax.default_matmul_precision("highest")`: Triton and XLA would otherwise both take TF32 on a
+  GPU, each rounding its own way), as the largest difference over each leaf's largest entry;
+- timing: forward and forward + backward of each, compiled at the default precision (as the model
+  runs them), interleaved rounds, medians; the scan
   as the model runs it with model.remat=memory (chunk internals recomputed in the backward pass).
 
 Writes one JSON object (per shape: the shapes, the check, the times, the ratios) to --out.
