@@ -70,12 +70,15 @@ def assert_grads_close(a, b, tol):
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_kernel_equals_the_token_by_token_definition(kind):
-    """Reads, final state and gradients at chunk 4 over two chunks."""
+    """Reads, final state and gradients at chunk 4 over two chunks; the reads and state both
+    from the forward pass that keeps the chunk-start states for the backward and from the one
+    that does not (no gradient taken)."""
     chunk = 4
     state, args = inputs(kind, t=8, seed=3)
     out, grads = outputs_and_grads(kernel, kind, chunk, state, args)
     ref, ref_grads = outputs_and_grads(nm.memory_reference, kind, chunk, state, args)
     assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_close(jax.jit(lambda s, a: kernel(s, *a, kind=kind, chunk=chunk))(state, args), ref, rtol=1e-5, atol=1e-5)
     assert_grads_close(grads, ref_grads, 1e-4)
 
 

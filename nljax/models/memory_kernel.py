@@ -179,7 +179,7 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int):
 
     def body(i, carry):
         M, S = carry
-        for saved, ref in zip((M, S), (m_start, s_start)):  # the chunk-start state, for the backward pass
+        for saved, ref in zip((M, S), (m_start, s_start)):  # the chunk-start state, for the backward pass (if asked)
             for name, r in zip(names, ref):
                 rows = saved[name].shape[0]
                 r[pl.ds(pl.multiple_of(i * rows, rows), rows), :] = saved[name]
@@ -266,13 +266,15 @@ def _unleaves(leaves: list, kind: str) -> dict:
     return {"M": dict(zip(names, leaves[:len(names)])), "S": dict(zip(names, leaves[len(names):]))}
 
 
-def _forward(state, xs, kind: str, chunk: int, interpret: bool):
-    """(y, final state, chunk-start states: leaves [B, H, n * rows, cols])."""
+def _forward(state, xs, kind: str, chunk: int, interpret: bool, save: bool = True):
+    """(y, final state, chunk-start states: leaves [B, H, n * rows, cols], none unless `save`)."""
     q, v = xs[0], xs[2]
     n = q.shape[2] // chunk
     f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
     leaves = _leaves(state, kind)
-    outs = [f32(v.shape)] + [f32(x.shape) for x in leaves] + [f32((*x.shape[:2], n * x.shape[2], x.shape[3])) for x in leaves]
+    outs = [f32(v.shape)] + [f32(x.shape) for x in leaves]
+    if save:  # the kernel writes what `outs` has room for
+        outs += [f32((*x.shape[:2], n * x.shape[2], x.shape[3])) for x in leaves]
     size = sum(math.prod(x.shape[2:]) for x in leaves)
     res = _call(_forward_kernel, [*xs, *leaves], outs, kind, chunk, n, interpret, size)
     nl = len(leaves)
@@ -281,7 +283,8 @@ def _forward(state, xs, kind: str, chunk: int, interpret: bool):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
 def _fused(state, xs, kind, chunk, interpret):
-    y, final, _ = _forward(state, xs, kind, chunk, interpret)
+    # no gradient will be taken (evaluation, generation): no chunk-start states to write
+    y, final, _ = _forward(state, xs, kind, chunk, interpret, save=False)
     return y, final
 
 
