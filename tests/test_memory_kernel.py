@@ -95,6 +95,17 @@ def test_kernel_equals_the_scan_outputs_and_gradients(kind, chunk):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_scan_backward_equals_the_backward_kernel(kind):
+    """backward="scan" (the fallback: XLA's reverse scan of the chunk's vjp after the forward
+    kernel) gives the backward kernel's gradients."""
+    state, args = inputs(kind, t=32, seed=11)
+    scan_bwd = lambda s, *a, **kw: mk.memory_kernel(s, *a, interpret=True, backward="scan", **kw)
+    (out, grads), (ref, ref_grads) = (outputs_and_grads(f, kind, 16, state, args) for f in (scan_bwd, kernel))
+    assert_close(out, ref, rtol=0, atol=0)  # the same forward kernel
+    assert_grads_close(grads, ref_grads, 1e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_bf16_inputs(kind):
     """bfloat16 q, k, v and gates: the kernel computes in float32 from them, as the scan does on
     the same values upcast (1e-5); its gradients come back in bfloat16 (their rounding: 1e-2)."""
@@ -189,7 +200,9 @@ def test_benchmark_runs_interpreted(tmp_path):
     out = tmp_path / "memory_kernel.json"
     assert memory_kernel.main(["--shapes", "tiny", "--interpret", "--rounds", "1", "--warmup", "0", "--out", str(out)]) == 0
     r = json.loads(out.read_text())["shapes"]["tiny"]
-    assert r["check"]["ok"] and r["check"]["max_rel_err"]["grads"] < 1e-5
-    assert set(r["median_ms"]) == {f"{k} {m}" for k in ("scan", "kernel") for m in ("forward", "forward+backward")}
-    [row] = gpu_summary.memory_kernel_lines(json.loads(out.read_text()))
-    assert row.startswith(("MET", "MISS")) and "tiny's shapes" in row and "check ok" in row
+    assert not r["errors"] and all(c["ok"] and c["max_rel_err"]["grads"] < 1e-5 for c in r["check"].values())
+    assert set(r["check"]) == set(memory_kernel.KERNELS)
+    assert set(r["median_ms"]) == {"scan forward", "scan forward+backward", "kernel forward", "kernel forward+backward",
+                                   "kernel, scan backward forward+backward"}
+    rows = gpu_summary.memory_kernel_lines(json.loads(out.read_text()))
+    assert len(rows) == 2 and all(r.startswith(("MET", "MISS")) and "tiny's shapes" in r and "check ok" in r for r in rows)

@@ -17,7 +17,9 @@ whole layer's inner loop is one launch forward and one backward.
 - Backward kernel (same grid, chunks in reverse): recompute the chunk from its saved start
   state, pull the carried cotangent of the state and the reads' cotangent back through it
   (`jax.vjp` of `chunk_math`, traced inside the kernel) and store the inputs' cotangents.
-- `memory_kernel` ties them with `jax.custom_vjp`; `memory_forward` (the scan) and
+- `memory_kernel` ties them with `jax.custom_vjp` (`backward="scan"`: the forward kernel with a
+  reverse `lax.scan` of the same vjp instead of the backward kernel, a fallback for a GPU where
+  the backward kernel does not compile or pay); `memory_forward` (the scan) and
   `memory_reference` (token by token) are the references it is tested against.
 
 Constraints (the Triton lowering): every block dimension is a power of two, and those that a
@@ -281,42 +283,72 @@ def _forward(state, xs, kind: str, chunk: int, interpret: bool, save: bool = Tru
     return res[0], _unleaves(res[1:1 + nl], kind), res[1 + nl:]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _fused(state, xs, kind, chunk, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fused(state, xs, kind, chunk, interpret, backward):
     # no gradient will be taken (evaluation, generation): no chunk-start states to write
     y, final, _ = _forward(state, xs, kind, chunk, interpret, save=False)
     return y, final
 
 
-def _fused_fwd(state, xs, kind, chunk, interpret):
+def _fused_fwd(state, xs, kind, chunk, interpret, backward):
     y, final, starts = _forward(state, xs, kind, chunk, interpret)
     return (y, final), (xs, starts)
 
 
-def _fused_bwd(kind, chunk, interpret, res, cotangents):
+def _fused_bwd(kind, chunk, interpret, backward, res, cotangents):
     xs, starts = res
     dy, dfinal = cotangents
+    pull = _backward_pallas if backward == "pallas" else _backward_scan
+    d_leaves, grads = pull(xs, starts, dy.astype(jnp.float32), [x.astype(jnp.float32) for x in _leaves(dfinal, kind)],
+                           kind, chunk, interpret)
+    return _unleaves(list(d_leaves), kind), tuple(g.astype(x.dtype) for g, x in zip(grads, xs))
+
+
+def _backward_pallas(xs, starts, dy, d_leaves, kind, chunk, interpret):
+    """The backward kernel: (cotangents of the initial state's leaves, of xs), float32."""
     n = xs[0].shape[2] // chunk
     f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
-    d_leaves = _leaves(dfinal, kind)
     outs = [f32(x) for x in xs] + [f32(x) for x in d_leaves]
-    args = [*xs, *starts, dy.astype(jnp.float32), *(x.astype(jnp.float32) for x in d_leaves)]
     size = sum(math.prod(x.shape[2:]) for x in d_leaves)
-    res = _call(_backward_kernel, args, outs, kind, chunk, n, interpret, size)
-    dxs = tuple(g.astype(x.dtype) for g, x in zip(res[:6], xs))
-    return _unleaves(list(res[6:]), kind), dxs
+    res = _call(_backward_kernel, [*xs, *starts, dy, *d_leaves], outs, kind, chunk, n, interpret, size)
+    return res[len(xs):], res[:len(xs)]
+
+
+def _backward_scan(xs, starts, dy, d_leaves, kind, chunk, interpret):
+    """The same cotangents from a reverse `lax.scan` of `chunk_math`'s vjp (vmapped over rows and
+    heads) from the saved chunk-start states: XLA kernels per chunk, as `memory_forward`'s remat
+    backward. The fallback if the backward kernel does not compile or pay on some GPU."""
+    n = xs[0].shape[2] // chunk
+    split = lambda x, rows: jnp.moveaxis(x.reshape(*x.shape[:2], n, rows, *x.shape[3:]), 2, 0)  # [n, B, H, rows, ...]
+    starts = [split(x, x.shape[2] // n) for x in starts]
+    step = jax.vmap(jax.vmap(functools.partial(chunk_math, kind=kind)))
+
+    def body(carry, inp):
+        leaves, x, d_y = inp
+        state = _unleaves(list(leaves), kind)
+        _, pull = jax.vjp(step, state["M"], state["S"], *x)
+        dM, dS, *grads = pull((*_unleaves(list(carry), kind).values(), d_y))
+        return _leaves({"M": dM, "S": dS}, kind), grads
+
+    inputs = [split(x.astype(jnp.float32), chunk) for x in xs]
+    d_state, grads = jax.lax.scan(body, list(d_leaves), (starts, inputs, split(dy, chunk)), reverse=True)
+    return d_state, [jnp.moveaxis(g, 0, 2).reshape(x.shape) for g, x in zip(grads, xs)]
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-def memory_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, interpret: bool | None = None):
+def memory_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, interpret: bool | None = None,
+                  backward: str = "pallas"):
     """`memory.memory_forward` as fused kernels: (y [B, H, T, dv] float32, final state).
-    `interpret`: run the kernels as plain JAX (any backend, slow); None: on all but GPUs."""
+    `interpret`: run the kernels as plain JAX (any backend, slow); None: on all but GPUs.
+    `backward`: pallas (the backward kernel) or scan (`_backward_scan`, after the same forward)."""
     t = q.shape[2]
     if t % chunk:
         raise ValueError(f"sequence length {t} is not a multiple of the memory chunk {chunk}")
+    if backward not in ("pallas", "scan"):
+        raise ValueError(f"backward must be pallas or scan, got {backward!r}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
-    return _fused(state, (q, k, v, theta, eta, alpha), kind, chunk, interpret)
+    return _fused(state, (q, k, v, theta, eta, alpha), kind, chunk, interpret, backward)
