@@ -1,6 +1,7 @@
 """The neural memory's inner loop as fused Pallas kernels: `memory_forward`'s arithmetic, with
 each (stream row, head) one program that walks all its chunks in one launch and keeps the
-memory state M, S (float32) in the kernel's registers between them.
+memory state M, S (float32) on chip between them, as the carry of the kernel's loop over chunks
+(registers; what does not fit, Triton spills to local memory).
 
 Why: `memory_forward` is a `lax.scan` over chunks whose body is a few dozen small XLA kernels
 per chunk (titans_demo: thousands of launches per step, each a few microseconds of work). Here a
@@ -22,11 +23,12 @@ whole layer's inner loop is one launch forward and one backward.
   the backward kernel does not compile or pay); `memory_forward` (the scan) and
   `memory_reference` (token by token) are the references it is tested against.
 
-Constraints (the Triton lowering): every block dimension is a power of two, and those that a
-matrix product contracts or yields (the chunk b, key and value widths, MLP hidden width) are at
-least 16 (`gpu_unsupported` says which fails). On CPU the kernels run in interpret mode (any
-shape, slow: for tests and for checking a whole run). Inputs may be bfloat16; everything inside
-is float32, as in `memory_forward`.
+Constraints on a GPU (Triton): the tiles the kernel computes on, the chunk b, the key and value
+widths and the MLP hidden width, must be powers of two (Triton's tensors) and at least 16 (its
+matrix products); `gpu_unsupported` says which fails. The sequence itself is one block of any
+multiple of b. On CPU the kernels run in interpret mode (any shape, slow: for tests and for
+checking a whole run). Inputs may be bfloat16; everything inside is float32, as in
+`memory_forward`.
 """
 
 from __future__ import annotations
@@ -160,9 +162,10 @@ def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str
     return impl
 
 
-def _chunk_rows(i, chunk: int):
-    """The rows of chunk i in a [T, ...] block (start marked a multiple of the chunk for Triton)."""
-    return pl.ds(pl.multiple_of(i * chunk, chunk), chunk)
+def _rows(i, size: int):
+    """Rows i * size .. (i + 1) * size - 1 of a block: chunk i's tokens in a [T, ...] block, or
+    its saved state in a [n * rows, cols] one (the start marked a multiple of `size` for Triton)."""
+    return pl.ds(pl.multiple_of(i * size, size), size)
 
 
 def _load_chunk(refs, t):
@@ -171,7 +174,7 @@ def _load_chunk(refs, t):
 
 
 def _forward_kernel(*refs, kind: str, chunk: int, n: int):
-    """One (row, head): every chunk in order, the state carried in the loop (registers)."""
+    """One (row, head): every chunk in order, the state carried in the loop (on chip)."""
     names = layers(kind)
     nl = len(names)
     inputs, refs = refs[:6], refs[6:]
@@ -183,9 +186,8 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int):
         M, S = carry
         for saved, ref in zip((M, S), (m_start, s_start)):  # the chunk-start state, for the backward pass (if asked)
             for name, r in zip(names, ref):
-                rows = saved[name].shape[0]
-                r[pl.ds(pl.multiple_of(i * rows, rows), rows), :] = saved[name]
-        t = _chunk_rows(i, chunk)
+                r[_rows(i, saved[name].shape[0]), :] = saved[name]
+        t = _rows(i, chunk)
         M, S, y = chunk_math(M, S, *_load_chunk(inputs, t), kind)
         y_ref[t, :] = y
         return M, S
@@ -215,10 +217,9 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int):
         for ref in (m_start, s_start):
             leaves = {}
             for name, r in zip(names, ref):
-                rows = r.shape[0] // n
-                leaves[name] = r[pl.ds(pl.multiple_of(i * rows, rows), rows), :]
+                leaves[name] = r[_rows(i, r.shape[0] // n), :]
             state.append(leaves)
-        t = _chunk_rows(i, chunk)
+        t = _rows(i, chunk)
         _, pull = jax.vjp(functools.partial(chunk_math, kind=kind), *state, *_load_chunk(inputs, t))
         dM, dS, *grads = pull((*carry, dy_ref[t, :].astype(jnp.float32)))
         for g, r in zip(grads, d_inputs):
