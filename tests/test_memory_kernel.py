@@ -16,6 +16,9 @@ from nljax.models import memory as nm
 from nljax.models import memory_kernel as mk
 
 B, H, D, HID = 2, 3, 8, 16  # rows and heads > 1
+slow = pytest.mark.slow
+# Each interpreted case compiles the kernel, its backward and the reference: 10-25 s on the 2-core
+# machine. The fast tier covers every chunk size and both memory kinds; the slow tier the rest.
 
 
 def inputs(kind, t, seed=0, dtype=jnp.float32, d=D, hid=HID):
@@ -68,11 +71,12 @@ def assert_grads_close(a, b, tol):
         assert np.abs(x - y).max() <= tol * scale, (np.abs(x - y).max(), scale)
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("kind", ["linear", pytest.param("mlp", marks=slow)])
 def test_kernel_equals_the_token_by_token_definition(kind):
     """Reads, final state and gradients at chunk 4 over two chunks; the reads and state both
     from the forward pass that keeps the chunk-start states for the backward and from the one
-    that does not (no gradient taken)."""
+    that does not (no gradient taken). (The MLP kernel's gradients against the scan's in the fast
+    tier, the scan's against this reference in tests/test_memory.py.)"""
     chunk = 4
     state, args = inputs(kind, t=8, seed=3)
     out, grads = outputs_and_grads(kernel, kind, chunk, state, args)
@@ -82,8 +86,9 @@ def test_kernel_equals_the_token_by_token_definition(kind):
     assert_grads_close(grads, ref_grads, 1e-4)
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
-@pytest.mark.parametrize("chunk", [1, 4, 16, 64])
+@pytest.mark.parametrize("kind,chunk", [("linear", 1), ("mlp", 4), ("linear", 16), ("mlp", 64),
+                                        *(pytest.param(k, c, marks=slow) for k, c in
+                                          (("mlp", 1), ("linear", 4), ("mlp", 16), ("linear", 64)))])
 def test_kernel_equals_the_scan_outputs_and_gradients(kind, chunk):
     """Reads, final state, and the gradients of both w.r.t. every input: q, k, v, the gates and
     the initial state (M and S), over several chunks (the state carried between them)."""
@@ -94,7 +99,7 @@ def test_kernel_equals_the_scan_outputs_and_gradients(kind, chunk):
     assert_grads_close(grads, ref_grads, 5e-4)
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("kind", ["linear", pytest.param("mlp", marks=slow)])
 def test_scan_backward_equals_the_backward_kernel(kind):
     """backward="scan" (the fallback: XLA's reverse scan of the chunk's vjp after the forward
     kernel) gives the backward kernel's gradients."""
@@ -105,7 +110,7 @@ def test_scan_backward_equals_the_backward_kernel(kind):
     assert_grads_close(grads, ref_grads, 1e-5)
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("kind", [pytest.param("linear", marks=slow), "mlp"])
 def test_bf16_inputs(kind):
     """bfloat16 q, k, v and gates: the kernel computes in float32 from them, as the scan does on
     the same values upcast (1e-5); its gradients come back in bfloat16 (their rounding: 1e-2)."""
@@ -160,7 +165,7 @@ def test_unknown_memory_impl_is_one_line_error():
 
 # the MLP case is the slow tier's (about 60 s on the shared 2-core machine); the fast tier has the
 # linear one and the MLP kernel's equality with the scan above
-@pytest.mark.parametrize("kind", ["linear", pytest.param("mlp", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("kind", ["linear", pytest.param("mlp", marks=slow)])
 def test_training_through_the_kernel_equals_the_scan(kind, monkeypatch):
     """A few steps of a tiny nl_lm with memory_impl=pallas (interpreted) on two devices equal
     memory_impl=scan on one: losses, parameters (memory0's gradient reaches it through the rows'
