@@ -158,7 +158,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="write the results here as JSON")
     args = p.parse_args(argv)
     if not args.interpret and jax.default_backend() != "gpu":
-        p.error(f"the compiled kernel needs a GPU (JAX's backend here: {jax.default_backend()}); --interpret runs it here")
+        p.error(f"the compiled kernel needs a GPU (JAX's backend here: {jax.default_backend()}); "
+                "--interpret runs it here")
     res = {"device": jax.devices()[0].device_kind, "target_speedup": TARGET, "shapes": {}, "errors": {}}
     for name in args.shapes.split(","):
         try:  # a shape the GPU's compiler refuses (registers, shared memory) leaves the others measured

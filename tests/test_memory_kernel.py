@@ -159,7 +159,8 @@ def test_select():
 
 
 def test_unknown_memory_impl_is_one_line_error():
-    with pytest.raises(ConfigError, match=r"model.nl_lm.memory_impl' must be one of \['auto', 'scan', 'pallas'\], got 'fast'"):
+    line = r"model.nl_lm.memory_impl' must be one of \['auto', 'scan', 'pallas'\], got 'fast'"
+    with pytest.raises(ConfigError, match=line):
         config.load(None, ["model.nl_lm.memory_impl=fast"])
 
 
@@ -203,11 +204,13 @@ def test_benchmark_runs_interpreted(tmp_path):
     finally:
         sys.path.pop(0)
     out = tmp_path / "memory_kernel.json"
-    assert memory_kernel.main(["--shapes", "tiny", "--interpret", "--rounds", "1", "--warmup", "0", "--out", str(out)]) == 0
+    argv = ["--shapes", "tiny", "--interpret", "--rounds", "1", "--warmup", "0", "--out", str(out)]
+    assert memory_kernel.main(argv) == 0
     r = json.loads(out.read_text())["shapes"]["tiny"]
     assert not r["errors"] and all(c["ok"] and c["max_rel_err"]["grads"] < 1e-5 for c in r["check"].values())
     assert set(r["check"]) == set(memory_kernel.KERNELS)
     assert set(r["median_ms"]) == {"scan forward", "scan forward+backward", "kernel forward", "kernel forward+backward",
                                    "kernel, scan backward forward+backward"}
     rows = gpu_summary.memory_kernel_lines(json.loads(out.read_text()))
-    assert len(rows) == 2 and all(r.startswith(("MET", "MISS")) and "tiny's shapes" in r and "check ok" in r for r in rows)
+    assert len(rows) == 2
+    assert all(r.startswith(("MET", "MISS")) and "tiny's shapes" in r and "check ok" in r for r in rows)
