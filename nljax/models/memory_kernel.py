@@ -41,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from nljax.errors import ConfigError
-from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers
+from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers, memory_forward
 
 _SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi), of gelu's tanh approximation (jax.nn.gelu's default)
 
@@ -147,6 +147,15 @@ def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
         if n < 16 or n & (n - 1):
             return f"model.nl_lm.{name}={n}: the Pallas memory kernel needs powers of two >= 16 on a GPU"
     return None
+
+
+def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat: bool, unroll: int):
+    """`model.nl_lm.memory_impl`'s inner loop: (state, q, k, v, theta, eta, alpha) -> (y, state).
+    The kernel always keeps only the chunk-start states for its backward pass (as `remat` does);
+    `unroll` is the scan's."""
+    if select(impl, kind, chunk, dim, hidden) == "pallas":
+        return functools.partial(memory_kernel, kind=kind, chunk=chunk)
+    return functools.partial(memory_forward, kind=kind, chunk=chunk, remat=remat, unroll=unroll)
 
 
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:

@@ -200,7 +200,7 @@ class NeuralMemory(nn.Module):
     dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
     remat: bool = False  # recompute each chunk's internals (memory.memory_forward) and the conv in the backward pass
     unroll: int = 1  # chunks per loop iteration of the inner loop
-    impl: str = "auto"  # auto | scan | pallas: the inner loop's implementation (memory_kernel.select)
+    impl: str = "auto"  # auto | scan | pallas: the inner loop's implementation (memory_kernel.inner_loop)
     tp: int = 1  # tensor-parallel shards: each holds heads / tp memory heads, their state and weights
     axis: str | None = None
 
@@ -243,13 +243,8 @@ class NeuralMemory(nn.Module):
         theta, eta, alpha = (jax.nn.sigmoid(g[..., i]).transpose(0, 2, 1) for i in range(3))  # [B, H, T]
         memory0 = self.memory0()
         state = nm.reset_rows(state, memory0, reset)
-        if mk.select(self.impl, self.kind, self.chunk, d, self.hidden) == "pallas":
-            # one kernel for all chunks; its backward keeps only the chunk-start states, as remat does
-            y, state = mk.memory_kernel(state, q, k, v, theta * self.lr_max, eta, alpha, kind=self.kind,
-                                        chunk=self.chunk)
-        else:
-            y, state = nm.memory_forward(state, q, k, v, theta * self.lr_max, eta, alpha, kind=self.kind,
-                                         chunk=self.chunk, remat=self.remat, unroll=self.unroll)
+        inner = mk.inner_loop(self.impl, self.kind, self.chunk, d, self.hidden, remat=self.remat, unroll=self.unroll)
+        y, state = inner(state, q, k, v, theta * self.lr_max, eta, alpha)
         # A row whose memory became non-finite (from non-finite inputs: the update itself is
         # bounded) restarts from memory0 instead of poisoning every later step of its stream.
         finite = [jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(state)]
