@@ -6,7 +6,9 @@
 #
 #   kernel  the fused Pallas memory kernel (issue 44) compiled for this GPU: checked against the scan
 #           (reads, final states, gradients) and timed against it, forward and forward + backward,
-#           at titans_demo's and nl_350m's memory shapes (target: fwd+bwd >= 3x the scan's); ~1-2 min
+#           at titans_demo's and nl_350m's memory shapes (target: fwd+bwd >= 3x the scan's); 16
+#           compilations (the kernel, its scan-backward fallback and the scan; checks and timings),
+#           not yet run on a GPU: a few minutes
 #   titans  titans_demo vs titans-pytorch in bf16 at batch 4 (interleaved, one process); titans_demo's
 #           step with model.remat memory (the default), none and block, interleaved and profiled
 #   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's scan), profiled
