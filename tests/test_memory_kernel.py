@@ -214,3 +214,18 @@ def test_benchmark_runs_interpreted(tmp_path):
     rows = gpu_summary.memory_kernel_lines(json.loads(out.read_text()))
     assert len(rows) == 2
     assert all(r.startswith(("MET", "MISS")) and "tiny's shapes" in r and "check ok" in r for r in rows)
+
+
+def test_resume_may_change_memory_impl_with_a_warning(tmp_path):
+    """memory_impl changes how the step computes, not what a checkpoint holds: a resume may change
+    it (a warning: the rounding differs), unlike the memory's shapes."""
+    from nljax.checkpoint.restore import _changed_settings
+    from nljax.run.resuming import check_unchanged
+
+    saved = config.load(None, [*TINY_NL, "model.nl_lm.memory_impl=scan"])
+    resumed = config.load(None, [*TINY_NL, "model.nl_lm.memory_impl=pallas"])
+    check_unchanged(saved, resumed, tmp_path / "config.yaml")
+    with pytest.raises(ConfigError, match="model.nl_lm.memory_dim=4 cannot change on resume"):
+        check_unchanged(saved, config.load(None, [*TINY_NL, "model.nl_lm.memory_dim=4"]), tmp_path / "config.yaml")
+    assert _changed_settings({"config": config.to_dict(saved)}, resumed) == [
+        "resuming with model.nl_lm.memory_impl='pallas' (checkpoint: 'scan')"]
