@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # The GPU measurements of issue 17 (item 6) on one H100 or H200, in parts that each fit a 10-minute call:
 #
-#   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: titans graphs memory dit nl350m cycle
+#   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: kernel titans graphs memory dit nl350m cycle
 #                                                  (default: all, in order)
 #
+#   kernel  the fused Pallas memory kernel (issue 44) compiled for this GPU: checked against the scan
+#           (reads, final states, gradients) and timed against it, forward and forward + backward,
+#           at titans_demo's and nl_350m's memory shapes (target: fwd+bwd >= 3x the scan's); 16
+#           compilations (the kernel, its scan-backward fallback and the scan; checks and timings),
+#           not yet run on a GPU: a few minutes
 #   titans  titans_demo vs titans-pytorch in bf16 at batch 4 (interleaved, one process); titans_demo's
 #           step with model.remat memory (the default), none and block, interleaved and profiled
 #   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's scan), profiled
@@ -40,6 +45,12 @@ run() {  # name, then the command; a failed bench is reported and the suite goes
   local t0=$SECONDS
   "$@" > "$OUT/$name.log" 2>&1 && tail -n 30 "$OUT/$name.log" || { echo "FAILED ($name), see $OUT/$name.log"; tail -n 5 "$OUT/$name.log"; }
   echo "   ($((SECONDS - t0)) s)"
+}
+
+part_kernel() {
+  # the memory kernel alone at the two configs' memory shapes; exits non-zero when the check fails
+  run memory_kernel $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 \
+    --out "$OUT/memory_kernel.json"
 }
 
 part_titans() {
@@ -107,11 +118,11 @@ part_cycle() {
 }
 
 PARTS=("${@:2}")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(titans graphs memory dit nl350m cycle)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(kernel titans graphs memory dit nl350m cycle)
 for part in "${PARTS[@]}"; do  # all checked before any runs
   case $part in
-    titans|graphs|memory|dit|nl350m|cycle) ;;
-    *) echo "unknown part '$part' (parts: titans graphs memory dit nl350m cycle)"; exit 2 ;;
+    kernel|titans|graphs|memory|dit|nl350m|cycle) ;;
+    *) echo "unknown part '$part' (parts: kernel titans graphs memory dit nl350m cycle)"; exit 2 ;;
   esac
 done
 for part in "${PARTS[@]}"; do

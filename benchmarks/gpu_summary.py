@@ -80,10 +80,32 @@ def lines(out: Path) -> list[str]:
                     + ("-" if mfu is None else f"{100 * mfu:.1f}% analytic{xla} (target >= 40%; "
                        f"{b['flops']['params'] / 1e6:.0f}M parameters; peak {gb(b['memory']['peak_bytes'])})"
                        f"{profiled(b)}"))
+    rows += memory_kernel_lines(load(out, "memory_kernel"))
     mf, fm = load(out, "bench_dit_b4_meanflow"), load(out, "bench_dit_b4_flow_matching")
     r = mf["mean_step_ms"] / fm["mean_step_ms"] if mf and fm else None
     rows.append(f"{verdict(None if r is None else r <= 1.6)}  DiT-B/4 32x32 MeanFlow / flow-matching step: "
                 + ("-" if r is None else f"{r:.2f}x (target <= 1.6x; {mf['mean_step_ms']:.1f} vs {fm['mean_step_ms']:.1f} ms)"))
+    return rows
+
+
+def memory_kernel_lines(m: dict | None) -> list[str]:
+    """The fused memory kernel against the scan (benchmarks/memory_kernel.py): issue 44's >= 3x,
+    for the kernel and for its forward with the scan's backward (the fallback)."""
+    if not m:
+        return [f"{verdict(None)}  memory kernel fwd+bwd vs scan: -"]
+    rows = [f"MISS  memory kernel at {name}'s shapes: {err}" for name, err in m.get("errors", {}).items()]
+    for name, r in m["shapes"].items():
+        ms = r["median_ms"]
+        for k, c in r["check"].items():
+            sp = r["speedup"][k].get("forward+backward")
+            check = (f"check ok (largest difference {c['max_rel_err']['outputs']:.1e} outputs, "
+                     f"{c['max_rel_err']['grads']:.1e} gradients, of each leaf's largest entry)" if c["ok"] else
+                     f"CHECK FAILED: {c.get('error') or c['max_rel_err']}")
+            timing = ("not timed: " + r["errors"].get(f"{k} forward+backward", "?") if sp is None else
+                      f"{sp:.2f}x (target >= {m['target_speedup']:g}x; {ms[f'{k} forward+backward']:.2f} vs "
+                      f"{ms['scan forward+backward']:.2f} ms)")
+            rows.append(f"{verdict(c['ok'] and sp is not None and sp >= m['target_speedup'])}  memory {k} fwd+bwd vs "
+                        f"scan, {name}'s shapes: {timing}; {check}")
     return rows
 
 

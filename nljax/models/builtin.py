@@ -39,7 +39,7 @@ def nl_lm(cfg: Config) -> Model:
     m, nl = cfg.model, cfg.model.nl_lm
     memory = dict(heads=nl.memory_heads, dk=nl.memory_dim, hidden=nl.memory_hidden, kind=nl.memory_kind,
                   chunk=nl.memory_chunk, lr_max=nl.memory_lr_max, conv=nl.memory_conv, out_norm=nl.memory_out_norm,
-                  out_gate=nl.memory_out_gate, unroll=nl.memory_unroll)
+                  out_gate=nl.memory_out_gate, unroll=nl.memory_unroll, impl=nl.memory_impl)
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,
                       tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat, memory_embed=nl.memory_embed,
                       scan=nl.scan_layers))

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import nljax.models.memory as nm
+import nljax.models.memory_kernel as mk
 from nljax.errors import ConfigError
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
 from nljax.models.layers import CMSChain, LayerNorm, dense_dot, local_attention, recomputed, token_loss
@@ -62,6 +63,10 @@ class NlLmConfig:
     memory_out_norm: bool = True  # RMS-normalise each memory head's read
     memory_out_gate: bool = True  # gate the read with sigmoid(W x)
     memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
+    # the inner loop as a lax.scan over chunks (scan) or as fused Pallas kernels, one launch per
+    # layer for all chunks (pallas; on a CPU in interpret mode: slow, for checking); auto: pallas
+    # on GPUs where its shapes allow (docs/concepts/memory-kernel.md), the scan elsewhere
+    memory_impl: Literal["auto", "scan", "pallas"] = "auto"
     # the memory reads its block's normalised stream plus the normalised token embeddings: a
     # memory after the first block then learns the recall probe
     # (docs/experiments/2026-11-27-where-the-memory-goes.md)
@@ -195,6 +200,7 @@ class NeuralMemory(nn.Module):
     dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
     remat: bool = False  # recompute each chunk's internals (memory.memory_forward) and the conv in the backward pass
     unroll: int = 1  # chunks per loop iteration of the inner loop
+    impl: str = "auto"  # auto | scan | pallas: the inner loop's implementation (memory_kernel.inner_loop)
     tp: int = 1  # tensor-parallel shards: each holds heads / tp memory heads, their state and weights
     axis: str | None = None
 
@@ -237,8 +243,8 @@ class NeuralMemory(nn.Module):
         theta, eta, alpha = (jax.nn.sigmoid(g[..., i]).transpose(0, 2, 1) for i in range(3))  # [B, H, T]
         memory0 = self.memory0()
         state = nm.reset_rows(state, memory0, reset)
-        y, state = nm.memory_forward(state, q, k, v, theta * self.lr_max, eta, alpha, kind=self.kind,
-                                     chunk=self.chunk, remat=self.remat, unroll=self.unroll)
+        inner = mk.inner_loop(self.impl, self.kind, self.chunk, d, self.hidden, remat=self.remat, unroll=self.unroll)
+        y, state = inner(state, q, k, v, theta * self.lr_max, eta, alpha)
         # A row whose memory became non-finite (from non-finite inputs: the update itself is
         # bounded) restarts from memory0 instead of poisoning every later step of its stream.
         finite = [jnp.all(jnp.isfinite(x), axis=tuple(range(1, x.ndim))) for x in jax.tree.leaves(state)]

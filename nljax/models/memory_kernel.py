@@ -1,0 +1,364 @@
+"""The neural memory's inner loop as fused Pallas kernels: `memory_forward`'s arithmetic, with
+each (stream row, head) one program that walks all its chunks in one launch and keeps the
+memory state M, S (float32) on chip between them, as the carry of the kernel's loop over chunks
+(registers; what does not fit, Triton spills to local memory).
+
+Why: `memory_forward` is a `lax.scan` over chunks whose body is a few dozen small XLA kernels
+per chunk (titans_demo: thousands of launches per step, each a few microseconds of work). Here a
+whole layer's inner loop is one launch forward and one backward.
+
+- `chunk_math` is one chunk of one (row, head) on 2-D arrays: `memory.chunk_constants` and
+  `memory.chunk_step` restated without batch axes and without ops that Triton cannot lower
+  (cumulative sums are masked sums or products with a triangular matrix; a row or element is
+  picked with a mask). It is the only statement of the arithmetic here: the forward kernel runs
+  it, and the backward kernel runs its `jax.vjp`, so the two cannot drift apart.
+- Forward kernel (grid: rows x heads): for each chunk, store the chunk-start state (what
+  `model.remat=memory` keeps), run `chunk_math`, store the chunk's reads; at the end the final
+  state.
+- Backward kernel (same grid, chunks in reverse): recompute the chunk from its saved start
+  state, pull the carried cotangent of the state and the reads' cotangent back through it
+  (`jax.vjp` of `chunk_math`, traced inside the kernel) and store the inputs' cotangents.
+- `memory_kernel` ties them with `jax.custom_vjp` (`backward="scan"`: the forward kernel with a
+  reverse `lax.scan` of the same vjp instead of the backward kernel, a fallback for a GPU where
+  the backward kernel does not compile or pay); `memory_forward` (the scan) and
+  `memory_reference` (token by token) are the references it is tested against.
+
+Constraints on a GPU (Triton): the tiles the kernel computes on, the chunk b, the key and value
+widths and the MLP hidden width, must be powers of two (Triton's tensors) and at least 16 (its
+matrix products); `gpu_unsupported` says which fails. The sequence itself is one block of any
+multiple of b. On CPU the kernels run in interpret mode (any shape, slow: for tests and for
+checking a whole run). Inputs may be bfloat16; everything inside is float32, as in
+`memory_forward`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from nljax.errors import ConfigError
+from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers, memory_forward
+
+_SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi), of gelu's tanh approximation (jax.nn.gelu's default)
+
+
+def _gelu(x):
+    """jax.nn.gelu(x) (tanh approximation) written out: jax.nn.gelu is a jitted function, and
+    its derivative is needed explicitly below."""
+    return 0.5 * x * (1.0 + jnp.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x)))
+
+
+def _gelu_slope(x):
+    """d/dx gelu(x)."""
+    t = jnp.tanh(_SQRT_2_PI * (x + 0.044715 * x * x * x))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
+
+
+def _dot(a, b):  # [m, k] @ [k, n]
+    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):  # [m, k] @ [n, k]^T
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _t_dot(a, b):  # [k, m]^T @ [k, n]
+    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _last(x, axis: int = 0):
+    """x's last entry along `axis` (a masked sum: Triton has no dynamic single-element pick)."""
+    n = x.shape[axis]
+    idx = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.sum(jnp.where(idx == n - 1, x, 0.0), axis=axis)
+
+
+def chunk_math(M: dict, S: dict, q, k, v, theta, eta, alpha, kind: str):
+    """One chunk of one (row, head): `memory.chunk_constants` then `memory.chunk_step`.
+    M, S leaves 2-D float32 (W [dk, dv]; W1 [dk, hidden], W2 [hidden, dv]); q, k [b, dk],
+    v [b, dv], gates [b] -> (new M, new S, reads y [b, dv])."""
+    b = k.shape[0]
+    row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
+    lower = row >= col  # [i, j]: i >= j
+    mine = row <= col  # [j, t]: j <= t
+
+    log_eta = jnp.log(jnp.maximum(eta, 1e-30))
+    log_keep = jnp.log(jnp.maximum(1.0 - alpha, 1e-30))
+    le = jnp.sum(jnp.where(lower, log_eta[None, :], 0.0), axis=1)  # cumulative sums  [b]
+    la = jnp.sum(jnp.where(lower, log_keep[None, :], 0.0), axis=1)
+
+    def decay(lc):  # [i, j] = exp(lc_i - lc_j) for i >= j, else 0
+        return jnp.where(lower, jnp.exp(jnp.where(lower, lc[:, None] - lc[None, :], 0.0)), 0.0)
+
+    mom, keep = decay(le), decay(la)
+    keep_mom = _dot(keep, mom)  # [t, j]
+    le_end = jnp.sum(log_eta)
+    s = jnp.sum(keep * jnp.exp(le)[None, :], axis=1)  # [t]
+    c = jnp.exp(la)
+    mom_last = jnp.exp(le_end - le)  # [j]: mom's last row
+    s_decay = jnp.exp(le_end)
+    kk = jnp.sum(k * k, axis=1)
+    inner = jnp.abs(_dot_t(k, k))  # |k_i . k_j|
+
+    if kind == "linear":
+        nu = kk + NU_FLOOR
+    else:
+        pre = _dot(k, M["W1"])  # [b, hidden]
+        h = _gelu(pre)
+        w2 = jnp.sum(M["W2"] * M["W2"])
+        nu = jnp.sum(h * h, axis=1) + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
+        inner = jnp.abs(_dot_t(h, h)) + GELU_SLOPE**2 * inner * w2
+    rs = jax.lax.rsqrt(nu)
+    rows = _dot(inner * rs[:, None] * rs[None, :], mine.astype(jnp.float32))  # [i, t]: row i summed over j <= t
+    lam = jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=0), 1.0)  # [t], over rows i <= t
+
+    a = theta * (1.0 - eta) / nu  # [j]
+    A = keep_mom * a[None, :] / lam[:, None]  # [t, j]
+    a_end, w = _last(A, 0), a * mom_last / _last(lam)  # [j]
+    c_end, s_end = _last(c), _last(s)
+    if kind == "linear":
+        pieces = [(k, _dot(k, M["W"]) - v)]
+    else:
+        e = _dot(h, M["W2"]) - v  # [b, dv]
+        pieces = [(k, _gelu_slope(pre) * _dot_t(e, M["W2"])), (h, e)]
+    new_m, new_s, r = {}, {}, q
+    for i, (name, (x, d)) in enumerate(zip(layers(kind), pieces)):
+        if i:
+            r = _gelu(r)
+        scores = _dot_t(r, x) * A  # [t, j]
+        r = c[:, None] * _dot(r, M[name]) + s[:, None] * _dot(r, S[name]) - _dot(scores, d)
+        new_m[name] = c_end * M[name] + s_end * S[name] - _t_dot(x * a_end[:, None], d)
+        new_s[name] = s_decay * S[name] - _t_dot(x * w[:, None], d)
+    return new_m, new_s, r
+
+
+def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
+    """Why the compiled (Triton) kernel cannot take these shapes, or None when it can: Triton's
+    matrix products need each dimension a power of two and at least 16."""
+    dims = {"memory_chunk": chunk, "memory_dim": dim}  # dim: the key and value width
+    if kind == "mlp":
+        dims["memory_hidden"] = hidden
+    for name, n in dims.items():
+        if n < 16 or n & (n - 1):
+            return f"model.nl_lm.{name}={n}: the Pallas memory kernel needs powers of two >= 16 on a GPU"
+    return None
+
+
+def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat: bool, unroll: int):
+    """`model.nl_lm.memory_impl`'s inner loop: (state, q, k, v, theta, eta, alpha) -> (y, state).
+    The kernel always keeps only the chunk-start states for its backward pass (as `remat` does);
+    `unroll` is the scan's."""
+    if select(impl, kind, chunk, dim, hidden) == "pallas":
+        return functools.partial(memory_kernel, kind=kind, chunk=chunk)
+    return functools.partial(memory_forward, kind=kind, chunk=chunk, remat=remat, unroll=unroll)
+
+
+def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
+    """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
+    'pallas' or 'scan'. auto takes the kernel on GPUs where its shapes allow it, the scan
+    elsewhere (on a CPU the kernel only runs interpreted, far slower than the scan)."""
+    backend = backend or jax.default_backend()
+    why = gpu_unsupported(kind, chunk, dim, hidden) if backend == "gpu" else None
+    if impl == "auto":
+        return "pallas" if backend == "gpu" and why is None else "scan"
+    if impl == "pallas" and why:
+        raise ConfigError(f"model.nl_lm.memory_impl=pallas: {why}")
+    return impl
+
+
+def _rows(i, size: int):
+    """Rows i * size .. (i + 1) * size - 1 of a block: chunk i's tokens in a [T, ...] block, or
+    its saved state in a [n * rows, cols] one (the start marked a multiple of `size` for Triton)."""
+    return pl.ds(pl.multiple_of(i * size, size), size)
+
+
+def _load_chunk(refs, t):
+    """This chunk's q, k, v [b, d] and gates [b] from their [T, d] and [T] blocks, as float32."""
+    return [(r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32) for r in refs]
+
+
+def _forward_kernel(*refs, kind: str, chunk: int, n: int):
+    """One (row, head): every chunk in order, the state carried in the loop (on chip)."""
+    names = layers(kind)
+    nl = len(names)
+    inputs, refs = refs[:6], refs[6:]
+    m_in, s_in, refs = refs[:nl], refs[nl:2 * nl], refs[2 * nl:]
+    y_ref, refs = refs[0], refs[1:]
+    m_out, s_out, m_start, s_start = (refs[j * nl:(j + 1) * nl] for j in range(4))
+
+    def body(i, carry):
+        M, S = carry
+        for saved, ref in zip((M, S), (m_start, s_start)):  # the chunk-start state, for the backward pass (if asked)
+            for name, r in zip(names, ref):
+                r[_rows(i, saved[name].shape[0]), :] = saved[name]
+        t = _rows(i, chunk)
+        M, S, y = chunk_math(M, S, *_load_chunk(inputs, t), kind)
+        y_ref[t, :] = y
+        return M, S
+
+    start = tuple({nm_: r[...].astype(jnp.float32) for nm_, r in zip(names, src)} for src in (m_in, s_in))
+    M, S = jax.lax.fori_loop(0, n, body, start)
+    for final, ref in zip((M, S), (m_out, s_out)):
+        for name, r in zip(names, ref):
+            r[...] = final[name]
+
+
+def _backward_kernel(*refs, kind: str, chunk: int, n: int):
+    """One (row, head): chunks in reverse; each recomputed from its saved start state and pulled
+    back with `jax.vjp(chunk_math)`, the state's cotangent carried in the loop."""
+    names = layers(kind)
+    nl = len(names)
+    inputs, refs = refs[:6], refs[6:]
+    m_start, s_start, refs = refs[:nl], refs[nl:2 * nl], refs[2 * nl:]
+    dy_ref, refs = refs[0], refs[1:]
+    dm_in, ds_in, refs = refs[:nl], refs[nl:2 * nl], refs[2 * nl:]
+    d_inputs, refs = refs[:6], refs[6:]
+    dm_out, ds_out = refs[:nl], refs[nl:2 * nl]
+
+    def body(j, carry):
+        i = n - 1 - j
+        state = []
+        for ref in (m_start, s_start):
+            leaves = {}
+            for name, r in zip(names, ref):
+                leaves[name] = r[_rows(i, r.shape[0] // n), :]
+            state.append(leaves)
+        t = _rows(i, chunk)
+        _, pull = jax.vjp(functools.partial(chunk_math, kind=kind), *state, *_load_chunk(inputs, t))
+        dM, dS, *grads = pull((*carry, dy_ref[t, :].astype(jnp.float32)))
+        for g, r in zip(grads, d_inputs):
+            if len(r.shape) == 2:
+                r[t, :] = g
+            else:
+                r[t] = g
+        return dM, dS
+
+    start = tuple({nm_: r[...].astype(jnp.float32) for nm_, r in zip(names, src)} for src in (dm_in, ds_in))
+    dM, dS = jax.lax.fori_loop(0, n, body, start)
+    for final, ref in zip((dM, dS), (dm_out, ds_out)):
+        for name, r in zip(names, ref):
+            r[...] = final[name]
+
+
+def _spec(shape, lead: int = 2):
+    """One (row, head)'s block of an array [B, H, ...]: the leading axes squeezed."""
+    return pl.BlockSpec((None,) * lead + tuple(shape[lead:]), lambda b, h: (b, h) + (0,) * (len(shape) - lead))
+
+
+def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool, state_size: int):
+    """pallas_call of `kernel` over the (row, head) grid; `outs` are ShapeDtypeStructs;
+    `state_size`: floats in one (row, head)'s M and S."""
+    batch, heads = args[0].shape[:2]
+    params = {}
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        # more warps, more registers for one program's state (the MLP memory's four [64, 128]
+        # matrices and, backward, their cotangents); untuned: no GPU timing yet
+        big = state_size > 4 * 64 * 64
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=8 if big else 4, num_stages=1)
+    return pl.pallas_call(
+        functools.partial(kernel, kind=kind, chunk=chunk, n=n),
+        out_shape=outs, grid=(batch, heads),
+        in_specs=[_spec(a.shape) for a in args], out_specs=[_spec(o.shape) for o in outs],
+        interpret=interpret, name=f"memory_{kernel.__name__.strip('_')}", **params,
+    )(*args)
+
+
+def _leaves(state: dict, kind: str) -> list:
+    return [state["M"][n] for n in layers(kind)] + [state["S"][n] for n in layers(kind)]
+
+
+def _unleaves(leaves: list, kind: str) -> dict:
+    names = layers(kind)
+    return {"M": dict(zip(names, leaves[:len(names)])), "S": dict(zip(names, leaves[len(names):]))}
+
+
+def _forward(state, xs, kind: str, chunk: int, interpret: bool, save: bool = True):
+    """(y, final state, chunk-start states: leaves [B, H, n * rows, cols], none unless `save`)."""
+    q, v = xs[0], xs[2]
+    n = q.shape[2] // chunk
+    f32 = lambda shape: jax.ShapeDtypeStruct(shape, jnp.float32)
+    leaves = _leaves(state, kind)
+    outs = [f32(v.shape)] + [f32(x.shape) for x in leaves]
+    if save:  # the kernel writes what `outs` has room for
+        outs += [f32((*x.shape[:2], n * x.shape[2], x.shape[3])) for x in leaves]
+    size = sum(math.prod(x.shape[2:]) for x in leaves)
+    res = _call(_forward_kernel, [*xs, *leaves], outs, kind, chunk, n, interpret, size)
+    nl = len(leaves)
+    return res[0], _unleaves(res[1:1 + nl], kind), res[1 + nl:]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _fused(state, xs, kind, chunk, interpret, backward):
+    # no gradient will be taken (evaluation, generation): no chunk-start states to write
+    y, final, _ = _forward(state, xs, kind, chunk, interpret, save=False)
+    return y, final
+
+
+def _fused_fwd(state, xs, kind, chunk, interpret, backward):
+    y, final, starts = _forward(state, xs, kind, chunk, interpret)
+    return (y, final), (xs, starts)
+
+
+def _fused_bwd(kind, chunk, interpret, backward, res, cotangents):
+    xs, starts = res
+    dy, dfinal = cotangents
+    pull = _backward_pallas if backward == "pallas" else _backward_scan
+    d_leaves, grads = pull(xs, starts, dy.astype(jnp.float32), [x.astype(jnp.float32) for x in _leaves(dfinal, kind)],
+                           kind, chunk, interpret)
+    return _unleaves(list(d_leaves), kind), tuple(g.astype(x.dtype) for g, x in zip(grads, xs))
+
+
+def _backward_pallas(xs, starts, dy, d_leaves, kind, chunk, interpret):
+    """The backward kernel: (cotangents of the initial state's leaves, of xs), float32."""
+    n = xs[0].shape[2] // chunk
+    f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    outs = [f32(x) for x in xs] + [f32(x) for x in d_leaves]
+    size = sum(math.prod(x.shape[2:]) for x in d_leaves)
+    res = _call(_backward_kernel, [*xs, *starts, dy, *d_leaves], outs, kind, chunk, n, interpret, size)
+    return res[len(xs):], res[:len(xs)]
+
+
+def _backward_scan(xs, starts, dy, d_leaves, kind, chunk, interpret):
+    """The same cotangents from a reverse `lax.scan` of `chunk_math`'s vjp (vmapped over rows and
+    heads) from the saved chunk-start states: XLA kernels per chunk, as `memory_forward`'s remat
+    backward. The fallback if the backward kernel does not compile or pay on some GPU."""
+    n = xs[0].shape[2] // chunk
+    split = lambda x, rows: jnp.moveaxis(x.reshape(*x.shape[:2], n, rows, *x.shape[3:]), 2, 0)  # [n, B, H, rows, ...]
+    starts = [split(x, x.shape[2] // n) for x in starts]
+    step = jax.vmap(jax.vmap(functools.partial(chunk_math, kind=kind)))
+
+    def body(carry, inp):
+        leaves, x, d_y = inp
+        state = _unleaves(list(leaves), kind)
+        _, pull = jax.vjp(step, state["M"], state["S"], *x)
+        dM, dS, *grads = pull((*_unleaves(list(carry), kind).values(), d_y))
+        return _leaves({"M": dM, "S": dS}, kind), grads
+
+    inputs = [split(x.astype(jnp.float32), chunk) for x in xs]
+    d_state, grads = jax.lax.scan(body, list(d_leaves), (starts, inputs, split(dy, chunk)), reverse=True)
+    return d_state, [jnp.moveaxis(g, 0, 2).reshape(x.shape) for g, x in zip(grads, xs)]
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def memory_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, interpret: bool | None = None,
+                  backward: str = "pallas"):
+    """`memory.memory_forward` as fused kernels: (y [B, H, T, dv] float32, final state).
+    `interpret`: run the kernels as plain JAX (any backend, slow); None: on all but GPUs.
+    `backward`: pallas (the backward kernel) or scan (`_backward_scan`, after the same forward)."""
+    t = q.shape[2]
+    if t % chunk:
+        raise ValueError(f"sequence length {t} is not a multiple of the memory chunk {chunk}")
+    if backward not in ("pallas", "scan"):
+        raise ValueError(f"backward must be pallas or scan, got {backward!r}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
+    return _fused(state, (q, k, v, theta, eta, alpha), kind, chunk, interpret, backward)
