@@ -196,9 +196,11 @@ def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
 
 
 def test_resume_may_change_how_the_step_computes(ref):
-    """model.remat and memory_unroll change silently, model.dtype with a warning, and the state
-    restored is the checkpoint's (that recomputation gives the same bits: tests/test_precision.py)."""
-    setup = make([*NL, "model.remat=block", "model.nl_lm.memory_unroll=2"], 2, 4)
+    """model.remat, memory_unroll, the attention's form, the embedding's gradient and the chunked
+    loss change silently, model.dtype with a warning, and the state restored is the checkpoint's
+    (that recomputation gives the same bits: tests/test_precision.py)."""
+    setup = make([*NL, "model.remat=block", "model.nl_lm.memory_unroll=2", "model.nl_lm.attention=blocked",
+                  "model.nl_lm.embed_grad=onehot", "model.nl_lm.loss_chunk=16"], 2, 4)
     r = restore(setup.engine, setup.state, ref["dir"] / "2")
     assert r.step == 2 and r.warnings == []
     same = restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "2").state

@@ -36,8 +36,11 @@ STATE, META = "state", "nljax"  # item names inside a step directory
 MUST_MATCH = ("model", "cms", "optim.name")
 # model keys that change how the step computes, not what a checkpoint holds: they may change on
 # resume (a run that ran out of memory resumes with remat). Recomputation and unrolling give the
-# same bits (silent); the compute dtype changes rounding (a warning).
-HOW_COMPUTED = ("model.remat", "model.nl_lm.memory_unroll", "model.dtype")
+# same bits (silent); the compute dtype changes rounding (a warning). The attention's form, the
+# embedding's gradient and the chunked loss compute the same sums in another order (silent:
+# float rounding, as another device count gives).
+HOW_COMPUTED = ("model.remat", "model.nl_lm.memory_unroll", "model.dtype", "model.nl_lm.attention",
+                "model.nl_lm.embed_grad", "model.nl_lm.loss_chunk")
 SILENT = (*(k for k in HOW_COMPUTED if k != "model.dtype"), "run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
           "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
           "distributed")
