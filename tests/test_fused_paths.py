@@ -6,6 +6,7 @@ them, which on a CPU is the old program."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -204,25 +205,37 @@ def test_chunked_loss_holds_less_memory():
 GPU_PATHS = ["model.nl_lm.embed_grad=onehot", "model.nl_lm.loss_chunk=24"]
 
 
+def loss_and_grads(overrides):
+    """The tiny nl_lm's loss and parameter gradients on a fixed batch (masked row included), from
+    the default paths' initial parameters."""
+    base = config.load(None, TINY_NL)
+    params = build(base).init(jax.random.key(0))
+    model = build(config.load(None, [*TINY_NL, *overrides]))
+    tokens = jax.random.randint(jax.random.key(1), (4, base.train.seq_len + 1), 0, base.model.vocab_size)
+    batch = {"tokens": tokens, "reset": jnp.ones((4,), bool), "mask": jnp.array([1, 1, 0, 1])}
+    return jax.jit(jax.value_and_grad(lambda p: model.apply(p, model.init_memory(4), batch)[0]))(params)
+
+
+@functools.lru_cache(maxsize=None)
+def default_loss_and_grads():
+    return loss_and_grads(())
+
+
 @pytest.mark.parametrize("more", [["model.nl_lm.embed_grad=segment", "model.nl_lm.loss_chunk=1000"], GPU_PATHS])
 def test_nl_lm_loss_and_gradients_equal_the_default_paths(more):
     """The model's loss and every parameter's gradient, with the one-hot or segment embedding
     gradient and the chunked loss (a chunk that divides B * T or not), equal the default paths'."""
-    base = config.load(None, TINY_NL)
-    ref, ours = build(base), build(config.load(None, [*TINY_NL, *more]))
-    params = ref.init(jax.random.key(0))
-    tokens = jax.random.randint(jax.random.key(1), (4, base.train.seq_len + 1), 0, base.model.vocab_size)
-    batch = {"tokens": tokens, "reset": jnp.ones((4,), bool), "mask": jnp.array([1, 1, 0, 1])}
-    grad = lambda m: jax.jit(jax.value_and_grad(lambda p: m.apply(p, m.init_memory(4), batch)[0]))(params)
-    (l1, g1), (l2, g2) = grad(ref), grad(ours)
+    (l1, g1), (l2, g2) = default_loss_and_grads(), loss_and_grads(tuple(more))
     np.testing.assert_allclose(l2, l1, rtol=1e-6)
     assert_trees_close(g2, g1, rtol=1e-4, atol=1e-5)  # sums in another order: float32 rounding
 
 
+@pytest.mark.slow
 def test_tensor_parallel_with_the_gpu_paths_matches_one_device():
-    """Mesh (1, 2, 2) with tensor parallelism (the embedding and head replicated, the head's input
-    summed over the shards' blocks): losses and parameters over 2 steps equal one device's with
-    the default paths."""
+    """Mesh (1, 2, 2) with tensor parallelism: losses and parameters over 2 steps equal one
+    device's with the default paths. The embedding and the head are replicated under tensor
+    parallelism (their gradients those of one device), so the one-device test above covers the
+    paths; this one (slow tier) runs them inside the sharded step."""
     tp = [*TINY_NL, "model.heads=4", "model.nl_lm.memory_heads=4", "optim.name=sgd", "optim.lr=0.1"]
     one, many = make(tp), make([*tp, *GPU_PATHS], 1, 2, 2)
     assert many.engine.tp == 2

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import subprocess
 import sys
 
 import pytest
-from helpers import ROOT
+from helpers import ROOT, subprocess_env
 
 SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
 
@@ -28,7 +27,7 @@ def bench_module(name):
 
 def suite(out, *parts, **env):
     return subprocess.run(["bash", str(SUITE), str(out), *parts], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "PYTHON": sys.executable, **env}, timeout=1800)
+                          env=subprocess_env(PYTHON=sys.executable, **env), timeout=1800)
 
 
 def test_the_path_checks_pass_in_a_dry_run_and_the_summary_reads_them(tmp_path):
@@ -69,9 +68,10 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
     """Every part of the default preset, tiny shapes, one step each (minutes on 2 cores): each
     writes its JSON and the summary says it was a dry run."""
     r = suite(tmp_path, GPU_SUITE_DRY_RUN="1", SUITE_BUDGET_S="1500")
+    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("paths", "bench_nl_350m_fused", "bench_nl_350m_fused_unrolled", "titans_vs_bf16",
                  "bench_titans_demo_b128_memory"):
-        assert (tmp_path / f"{name}.json").exists(), (name, r.stdout)
+        assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("DRY RUN") and "GPU paths, scanned" in summary and "FAILED" not in r.stdout, r.stdout

@@ -7,8 +7,9 @@
   implementation="cudnn")`, its sliding window given as `local_window_size=(window - 1, 0)` with
   `is_causal=True`. The causal flag stays on: with it off, a `(L, 0)` window is passed to cuDNN as
   a left window only and the tokens after the query are seen too (jax PR #39576). No scores are
-  kept (the backward pass recomputes them from the softmax's [B, H, T] statistics), so it is never
-  wrapped in `jax.checkpoint`: that would run the fused forward twice for nothing.
+  kept (the backward pass recomputes them from the softmax's [B, H, T] statistics), so
+  `model.remat=memory` does not wrap it in `jax.checkpoint`: that would run the fused forward
+  twice for nothing (`model.remat=block` recomputes the whole sub-block, this call included).
 - `auto`: `cudnn` on a CUDA GPU when cuDNN takes the shape and dtype (`cudnn_refusal`), `blocked`
   otherwise: always on a CPU, whose default job is then the program it always was.
 
