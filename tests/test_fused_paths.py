@@ -32,11 +32,11 @@ def test_cudnn_arguments_through_xla_equal_the_blocked_form(t, window, dtype):
     (window - 1, 0), jax's default scale) run by XLA == the blocked form: outputs and gradients,
     T a multiple of the window or not, T <= 2 windows, bfloat16 inputs."""
     q, k, v = (jax.random.normal(key, (2, t, 3, 8)).astype(dtype) for key in jax.random.split(jax.random.key(t), 3))
-    fused = lambda q, k, v: attention.fused_local_attention(q, k, v, window, implementation="xla")
-    blocked = lambda q, k, v: local_attention(q, k, v, window)
+    fused = jax.jit(lambda q, k, v: attention.fused_local_attention(q, k, v, window, implementation="xla"))
+    blocked = jax.jit(lambda q, k, v: local_attention(q, k, v, window))
     tol = 2e-6 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(np.float32(fused(q, k, v)), np.float32(blocked(q, k, v)), atol=tol)
-    grads = lambda f: jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(q, k, v)
+    grads = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2), argnums=(0, 1, 2)))(q, k, v)
     assert_trees_close(jax.tree.map(np.float32, grads(fused)), jax.tree.map(np.float32, grads(blocked)),
                        rtol=1e-5 if dtype == jnp.float32 else 5e-2, atol=1e-5 if dtype == jnp.float32 else 5e-2)
 
@@ -171,12 +171,12 @@ def test_chunked_loss_equals_the_full_one(dtype, masked, chunk):
     weight = jax.random.uniform(keys[4], (b, t)) if masked == "mask+weight" else None
     full = lambda *a: full_loss(*a, targets, mask, weight)
     chunked = lambda *a: chunked_token_loss(*a, targets, mask, weight, chunk)
-    (l1, n1), (l2, n2) = full(x, kernel, bias), chunked(x, kernel, bias)
+    (l1, n1), (l2, n2) = jax.jit(full)(x, kernel, bias), jax.jit(chunked)(x, kernel, bias)
     tol = 1e-6 if dtype == jnp.float32 else 2e-3
     np.testing.assert_allclose(l2, l1, rtol=tol)
     assert float(n1) == float(n2)
-    g1 = jax.grad(lambda *a: full(*a)[0], argnums=(0, 1, 2))(x, kernel, bias)
-    g2 = jax.grad(lambda *a: chunked(*a)[0], argnums=(0, 1, 2))(x, kernel, bias)
+    g1 = jax.jit(jax.grad(lambda *a: full(*a)[0], argnums=(0, 1, 2)))(x, kernel, bias)
+    g2 = jax.jit(jax.grad(lambda *a: chunked(*a)[0], argnums=(0, 1, 2)))(x, kernel, bias)
     assert [g.dtype for g in g2] == [g.dtype for g in g1]
     scale = max(float(jnp.max(jnp.abs(g.astype(jnp.float32)))) for g in g1)
     assert_trees_close(jax.tree.map(np.float32, g2), jax.tree.map(np.float32, g1), rtol=tol * 10,
