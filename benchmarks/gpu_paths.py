@@ -75,7 +75,8 @@ def check_attention(s: dict, cuda: bool, reps: int) -> dict:
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, ct = (jax.random.normal(key, shape, jnp.float32) for key in keys)
     impl = "cudnn" if cuda else "xla"  # off CUDA: the same arguments through XLA (the dry run)
-    ref = fwd_bwd(lambda q, k, v: local_attention(q, k, v, w))(q, k, v, ct)
+    with jax.default_matmul_precision("highest"):  # a GPU's float32 matmuls are TF32 otherwise
+        ref = fwd_bwd(lambda q, k, v: local_attention(q, k, v, w))(q, k, v, ct)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     blocked_fn = fwd_bwd(lambda q, k, v: local_attention(q, k, v, w))
     fused_fn = fwd_bwd(lambda q, k, v: attention.fused_local_attention(q, k, v, w, implementation=impl))
@@ -125,7 +126,8 @@ def check_loss(s: dict, vocab: int, reps: int) -> dict:
 
     chunked = lambda x, kernel, bias: chunked_token_loss(x, kernel, bias, targets, chunk=c)[0]
     fns = {n: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2))) for n, f in (("full", full), ("chunked", chunked))}
-    (l0, g0) = fns["full"](x.astype(jnp.float32), kernel, bias)  # the reference: float32 throughout
+    with jax.default_matmul_precision("highest"):  # the reference: float32 throughout (no TF32 on a GPU)
+        (l0, g0) = jax.jit(jax.value_and_grad(full, argnums=(0, 1, 2)))(x.astype(jnp.float32), kernel, bias)
     (l1, g1), (l2, g2) = fns["full"](x, kernel, bias), fns["chunked"](x, kernel, bias)
     # each gradient's error relative to its largest entry, against the float32 reference
     rel = lambda g: max(max_err(a, b) / float(jnp.max(jnp.abs(b))) for a, b in zip(g, g0))
