@@ -1,9 +1,9 @@
 """The token embedding with a chosen backward pass (`model.nl_lm.embed_grad`).
 
 The forward pass of an embedding is a gather; its gradient, left to autodiff, is a scatter-add of
-the [B·T, D] cotangent into the [V, D] table. On a GPU that scatter serialises on the rows that
-many tokens share (a byte vocabulary: 256 rows for 16k tokens): 8% of nl_350m's step on an H200
-(docs/performance/index.md). Two other forms of the same sum:
+the [B·T, D] cotangent into the [V, D] table. On a GPU its atomic adds collide on the rows that
+many tokens share (a byte vocabulary: 16,384 rows into 256): 8% of nl_350m's step on an H200
+(docs/benchmarks/2026-11-27-h200.md). Two other forms of the same sum:
 
 - `onehot`: one_hot(ids)^T @ g, a [V, N] x [N, D] matmul on the tensor cores, accumulated in
   float32; it costs 2·N·V·D FLOPs and a [N, V] one-hot, so it is for small vocabularies
