@@ -1,14 +1,32 @@
 #!/usr/bin/env bash
-# The GPU measurements of issue 17 (item 6) on one H100 or H200, in parts that each fit a 10-minute call:
+# The GPU measurements on one H100 or H200, in parts:
 #
-#   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: kernel titans graphs memory dit nl350m cycle
-#                                                  (default: all, in order)
+#   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: a part or a preset below (default: issue44)
 #
-#   kernel  the fused Pallas memory kernel (issue 44) compiled for this GPU: checked against the scan
-#           (reads, final states, gradients) and timed against it, forward and forward + backward,
-#           at titans_demo's and nl_350m's memory shapes (target: fwd+bwd >= 3x the scan's); 16
-#           compilations (the kernel, its scan-backward fallback and the scan; checks and timings),
-#           not yet run on a GPU: a few minutes
+# Presets:
+#   issue44  (the default) one device call of under 8 minutes (issue 44): paths kernel fused350m
+#            vs_pytorch b128 fused350m_unrolled. A wall-clock budget (SUITE_BUDGET_S, default 450 s
+#            for this preset) caps every bench at what is left of it, so the call ends in time
+#            whatever a compile costs; what did not fit is named in the log, and the summary says "-".
+#            From the H200's compile times of 2026-11-27 (45-50 s per nl_350m or titans_demo step)
+#            the parts are expected to need about 40, ?, 100, 90, 70 and 150 s: an estimate, not a
+#            measurement; the unrolled net (the longest compile) runs last, and what does not fit
+#            runs in a second call (`benchmarks/gpu_suite.sh OUT fused350m_unrolled`).
+#   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
+#            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
+#
+# Parts of issue 44 (nl_lm's GPU paths: model.nl_lm.attention, embed_grad, loss_chunk):
+#   paths              benchmarks/gpu_paths.py: cuDNN attention vs the blocked form, the one-hot and
+#                      segment-sum embedding gradients vs the scatter-add, the chunked cross-entropy vs
+#                      the full one (outputs and gradients on this GPU; each pair's time), at nl_350m's shapes
+#   kernel             the fused inner-loop memory kernel (issue 44, item 2): its own part, below
+#   fused350m          nl_350m with model.remat=memory and the GPU paths (attention auto = cuDNN, the
+#                      one-hot embedding gradient, the chunked loss), scanned layers, profiled
+#   fused350m_unrolled the same unrolled (model.nl_lm.scan_layers=false), profiled
+#   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
+#   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
+#
+# Parts of issue 17:
 #   titans  titans_demo vs titans-pytorch in bf16 at batch 4 (interleaved, one process); titans_demo's
 #           step with model.remat memory (the default), none and block, interleaved and profiled
 #   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's scan), profiled
@@ -17,6 +35,9 @@
 #   nl350m  nl_350m (seq 2048) with its block remat, with model.remat=memory, and with
 #           model.remat=memory unrolled (scan_layers=false: no per-layer stacking), profiled
 #   cycle   titans_demo's four pulse variants: compile time and tokens/s of each
+#
+# Dry run: GPU_SUITE_DRY_RUN=1 runs the issue-44 parts on whatever device there is (a CPU) with tiny
+# shapes, one step each: the script's own check (tests/test_gpu_suite.py), not a measurement.
 #
 # Each bench is short (few warm-up and timed steps) and writes JSON into OUT_DIR; a summary
 # against the targets of every part run so far is printed at the end (OUT_DIR/summary.txt).
@@ -32,6 +53,29 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
+# ------------------------------------------------------------------ which parts
+
+ISSUE44=(paths kernel fused350m vs_pytorch b128 fused350m_unrolled)
+ISSUE17=(titans graphs memory dit nl350m cycle)
+PARTS=()
+for part in "${@:2}"; do
+  case $part in
+    issue44) PARTS+=("${ISSUE44[@]}"); : "${SUITE_BUDGET_S:=450}" ;;
+    issue17) PARTS+=("${ISSUE17[@]}") ;;
+    *) PARTS+=("$part") ;;
+  esac
+done
+if [ ${#PARTS[@]} -eq 0 ]; then PARTS=("${ISSUE44[@]}"); : "${SUITE_BUDGET_S:=450}"; fi
+for part in "${PARTS[@]}"; do  # all checked before any runs
+  case " ${ISSUE44[*]} ${ISSUE17[*]} " in
+    *" $part "*) ;;
+    *) echo "unknown part '$part' (parts: ${ISSUE44[*]} ${ISSUE17[*]}; presets: issue44 issue17)"; exit 2 ;;
+  esac
+done
+if [ -n "${GPU_SUITE_DRY_RUN:-}" ]; then  # the summary says so too
+  echo "dry run (GPU_SUITE_DRY_RUN): tiny shapes, one step each; nothing here is a measurement" | tee "$OUT/DRY_RUN"
+fi
+
 # bf16 compute for nljax once mixed precision (model.dtype, item 2) exists; float32 before.
 if $PY -c "import sys, nljax.config as c; sys.exit('dtype' not in c.ModelConfig.__dataclass_fields__)"; then
   BF16=(model.dtype=bfloat16)
@@ -41,16 +85,16 @@ fi
 
 run() {  # name, then the command; a failed bench is reported and the suite goes on
   local name=$1; shift
+  local cap=()
+  if [ "${SUITE_BUDGET_S:-0}" -gt 0 ]; then  # what is left of the call's budget caps this bench
+    local left=$((SUITE_BUDGET_S - SECONDS))
+    if [ $left -lt 30 ]; then echo "== $name: skipped, ${left} s left of SUITE_BUDGET_S=$SUITE_BUDGET_S"; return; fi
+    cap=(timeout --kill-after=10 $left)
+  fi
   echo "== $name: $*"
   local t0=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1 && tail -n 30 "$OUT/$name.log" || { echo "FAILED ($name), see $OUT/$name.log"; tail -n 5 "$OUT/$name.log"; }
+  "${cap[@]}" "$@" > "$OUT/$name.log" 2>&1 && tail -n 30 "$OUT/$name.log" || { echo "FAILED ($name), see $OUT/$name.log"; tail -n 5 "$OUT/$name.log"; }
   echo "   ($((SECONDS - t0)) s)"
-}
-
-part_kernel() {
-  # the memory kernel alone at the two configs' memory shapes; exits non-zero when the check fails
-  run memory_kernel $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 \
-    --out "$OUT/memory_kernel.json"
 }
 
 part_titans() {
@@ -117,14 +161,85 @@ part_cycle() {
     "${BF16[@]}" --out "$OUT/bench_titans_demo.json"
 }
 
-PARTS=("${@:2}")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(kernel titans graphs memory dit nl350m cycle)
-for part in "${PARTS[@]}"; do  # all checked before any runs
-  case $part in
-    kernel|titans|graphs|memory|dit|nl350m|cycle) ;;
-    *) echo "unknown part '$part' (parts: kernel titans graphs memory dit nl350m cycle)"; exit 2 ;;
-  esac
-done
+# ------------------------------------------------------------------ issue 44: nl_lm's GPU paths
+
+DRY=${GPU_SUITE_DRY_RUN:-}
+if [ -n "$DRY" ]; then  # tiny shapes on any device, one step each: the script checked, nothing measured
+  STEPS=(--steps 1 --warmup 0 --profile 1)
+  PLAIN=(--steps 1 --warmup 0)
+  # nl_350m's and titans_demo's structure (MLP memories, scanned units for nl_350m) at a toy size
+  NL350=(model.dim=32 model.heads=2 model.depth=2 model.nl_lm.memory_layers=[0,1] model.nl_lm.window=16
+         model.nl_lm.memory_heads=2 model.nl_lm.memory_dim=16 model.nl_lm.memory_hidden=16 model.nl_lm.memory_chunk=16
+         train.batch_size=2 train.seq_len=64)
+  TITANS=(model.dim=32 model.heads=2 model.depth=2 model.nl_lm.memory_layers=[1] model.nl_lm.memory_heads=2
+          model.nl_lm.memory_dim=16 model.nl_lm.memory_hidden=16 train.seq_len=64)
+  B128=(train.batch_size=2)
+  TORCH=(--device cpu --threads 0 --batch 2 --seq 64 --rounds 1 --warmup 0 --skip-torch)
+  LOSS_CHUNK=64
+else
+  STEPS=(--steps 3 --warmup 1 --profile 2)
+  PLAIN=(--steps 2 --warmup 1)  # a peak-memory row: no profile (its parse costs time the budget lacks)
+  NL350=()
+  TITANS=()
+  B128=(train.batch_size=128)
+  TORCH=(--device cuda --threads 0 --rounds 3 --warmup 1)
+  LOSS_CHUNK=4096  # nl_350m: 8 x 2048 tokens in 4 chunks
+fi
+# the GPU paths: attention auto (cuDNN on a CUDA GPU in bf16, the blocked form elsewhere), the
+# one-hot embedding gradient, the chunked loss
+FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot model.nl_lm.loss_chunk=$LOSS_CHUNK)
+
+part_paths() {
+  run paths $PY benchmarks/gpu_paths.py ${DRY:+--dry-run --reps 2} --out "$OUT/paths.json"
+}
+
+part_kernel() {
+  # the fused inner-loop memory kernel alone (model.nl_lm.memory_impl, benchmarks/memory_kernel.py), at
+  # titans_demo's and nl_350m's memory shapes, checked against the scan then timed (target: fwd+bwd
+  # >= 3x the scan's); a dry run interprets it at tiny shapes. Exits non-zero when the check fails.
+  if [ -n "$DRY" ]; then
+    run memory_kernel $PY benchmarks/memory_kernel.py --shapes tiny --interpret --rounds 1 --warmup 0 \
+      --out "$OUT/memory_kernel.json"
+  else
+    run memory_kernel $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 \
+      --out "$OUT/memory_kernel.json"
+  fi
+}
+
+part_fused350m() {
+  run bench_nl_350m_fused $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
+    "${FUSED[@]}" "${NL350[@]}" --out "$OUT/bench_nl_350m_fused.json"
+}
+
+part_fused350m_unrolled() {
+  # the layer scan's stacking of saved activations was 10% of the H200's remat=memory step: none unrolled
+  run bench_nl_350m_fused_unrolled $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
+    "${FUSED[@]}" model.nl_lm.scan_layers=false "${NL350[@]}" --out "$OUT/bench_nl_350m_fused_unrolled.json"
+}
+
+part_vs_pytorch() {
+  # titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (target: >= 100x its tokens/s); in a dry
+  # run nljax's side alone (--skip-torch)
+  if [ -z "$DRY" ] && ! $PY -c "import titans_pytorch" 2>/dev/null; then
+    if ls .whl/*.whl > /dev/null 2>&1; then
+      $PY -m pip install --no-index --find-links .whl titans-pytorch > "$OUT/pip_titans.log" 2>&1 \
+        || echo "titans-pytorch: install from .whl/ failed, see $OUT/pip_titans.log"
+    fi
+    if ! $PY -c "import titans_pytorch" 2>/dev/null; then
+      echo "== titans_vs_bf16: skipped, titans_pytorch is not importable (copy its wheels into .whl/, benchmarks/fetch_wheels.sh)"
+      return
+    fi
+  fi
+  run titans_vs_bf16 $PY benchmarks/titans_pytorch.py --dtype bf16 "${TORCH[@]}" --out "$OUT/titans_vs_bf16.json" \
+    "${TITANS[@]}"
+}
+
+part_b128() {
+  # titans_demo at batch 128 x 512 with model.remat=memory (target: under 20 GB)
+  run bench_titans_demo_b128_memory $PY -m nljax.bench --config titans_demo --patterns worst "${PLAIN[@]}" \
+    "${BF16[@]}" model.remat=memory "${B128[@]}" "${TITANS[@]}" --out "$OUT/bench_titans_demo_b128_memory.json"
+}
+
 for part in "${PARTS[@]}"; do
   part_$part
 done

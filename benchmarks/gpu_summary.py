@@ -1,4 +1,4 @@
-"""The GPU targets of issue 17 (item 6), read from the JSON that benchmarks/gpu_suite.sh wrote.
+"""The GPU targets of issues 17 (item 6) and 44, read from the JSON that benchmarks/gpu_suite.sh wrote.
 
     python benchmarks/gpu_summary.py OUT_DIR
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # gpu_paths.py beside it, imported or run as a script
 
 
 def load(out: Path, name: str) -> dict | None:
@@ -81,6 +83,7 @@ def lines(out: Path) -> list[str]:
                        f"{b['flops']['params'] / 1e6:.0f}M parameters; peak {gb(b['memory']['peak_bytes'])})"
                        f"{profiled(b)}"))
     rows += memory_kernel_lines(load(out, "memory_kernel"))
+    rows += issue44_lines(out)
     mf, fm = load(out, "bench_dit_b4_meanflow"), load(out, "bench_dit_b4_flow_matching")
     r = mf["mean_step_ms"] / fm["mean_step_ms"] if mf and fm else None
     rows.append(f"{verdict(None if r is None else r <= 1.6)}  DiT-B/4 32x32 MeanFlow / flow-matching step: "
@@ -109,5 +112,26 @@ def memory_kernel_lines(m: dict | None) -> list[str]:
     return rows
 
 
+def issue44_lines(out: Path) -> list[str]:
+    """nl_lm's GPU paths (benchmarks/gpu_paths.py) checked and timed, and nl_350m with them."""
+    rows = []
+    p = load(out, "paths")
+    if p:
+        from gpu_paths import lines as path_lines  # benchmarks/gpu_paths.py: its own wording of each check
+
+        rows += path_lines(p)  # "ok  " or "FAIL" first
+    for name, how in (("bench_nl_350m_fused", "scanned"), ("bench_nl_350m_fused_unrolled", "unrolled")):
+        b = load(out, name)
+        mfu = b["mfu_analytic_mean"] if b else None
+        rows.append(f"{verdict(None if mfu is None else mfu >= 0.40)}  nl_350m seq 2048 MFU, model.remat=memory + GPU "
+                    f"paths, {how}: " + ("-" if mfu is None else f"{100 * mfu:.1f}% analytic (target >= 40%; "
+                                         f"{b['mean_step_ms']:.1f} ms/step; peak {gb(b['memory']['peak_bytes'])} "
+                                         f"(target <= 36.3 GB)){profiled(b)}"))
+    return rows
+
+
 if __name__ == "__main__":
-    print("\n".join(lines(Path(sys.argv[1]))))
+    out = Path(sys.argv[1])
+    dry = ["DRY RUN (GPU_SUITE_DRY_RUN): tiny shapes, one step: not measurements; MET/MISS mean nothing"] \
+        if (out / "DRY_RUN").exists() else []
+    print("\n".join(dry + lines(out)))

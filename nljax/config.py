@@ -72,7 +72,8 @@ CONVERTED = {"run.tensorboard": (lambda on: ["tensorboard"] if on else [],
 # Keys added to sections that a checkpoint must match (`model`, `cms`), with the value that does
 # what the code did before the key existed: a checkpoint saved before reads as having it. Other
 # absent keys stay absent (a resume names them: "(checkpoint: (absent))").
-ADDED = {"model.nl_lm.scan_layers": False, "model.nl_lm.memory_embed": False, "model.nl_lm.memory_impl": "scan"}
+ADDED = {"model.nl_lm.scan_layers": False, "model.nl_lm.memory_embed": False, "model.nl_lm.memory_impl": "scan",
+         "model.nl_lm.attention": "blocked", "model.nl_lm.embed_grad": "scatter", "model.nl_lm.loss_chunk": 0}
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 

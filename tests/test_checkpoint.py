@@ -197,17 +197,24 @@ def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
 
 
 def test_resume_may_change_how_the_step_computes(ref):
-    """model.remat and memory_unroll change silently, model.dtype with a warning, and the state
-    restored is the checkpoint's (that recomputation gives the same bits: tests/test_precision.py)."""
+    """model.remat and memory_unroll change silently (the same bits: tests/test_precision.py);
+    model.dtype, the attention's form, the embedding's gradient and the chunked loss with a
+    warning each (float rounding differs); the state restored is the checkpoint's."""
     setup = make([*NL, "model.remat=block", "model.nl_lm.memory_unroll=2"], 2, 4)
     r = restore(setup.engine, setup.state, ref["dir"] / "2")
     assert r.step == 2 and r.warnings == []
     same = restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "2").state
     for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
         np.testing.assert_array_equal(a, b)
-    bf16 = make([*NL, "model.dtype=bfloat16"], 2, 4)
-    r = restore(bf16.engine, bf16.state, ref["dir"] / "2")
-    assert r.warnings == ["resuming with model.dtype='bfloat16' (checkpoint: 'float32')"]
+    other = make([*NL, "model.dtype=bfloat16", "model.nl_lm.attention=blocked", "model.nl_lm.embed_grad=onehot",
+                  "model.nl_lm.loss_chunk=16"], 2, 4)
+    r = restore(other.engine, other.state, ref["dir"] / "2")
+    assert sorted(r.warnings) == ["resuming with model.dtype='bfloat16' (checkpoint: 'float32')",
+                                  "resuming with model.nl_lm.attention='blocked' (checkpoint: 'auto')",
+                                  "resuming with model.nl_lm.embed_grad='onehot' (checkpoint: 'auto')",
+                                  "resuming with model.nl_lm.loss_chunk=16 (checkpoint: 0)"], r.warnings
+    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
+        np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.slow

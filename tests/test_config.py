@@ -151,7 +151,8 @@ def test_a_saved_config_with_the_old_model_keys_is_read():
     new = config.to_dict(config.load(None, ["model.nl_lm.window=32", "model.nl_lm.memory_kind=mlp",
                                             "model.dit.patch_size=4", "model.dtype=bfloat16",
                                             "model.nl_lm.memory_embed=false",
-                                            "model.nl_lm.memory_impl=scan"]))  # as the code then did
+                                            "model.nl_lm.memory_impl=scan", "model.nl_lm.attention=blocked",
+                                            "model.nl_lm.embed_grad=scatter"]))  # as the code then did
     old = {**new, "model": {k: v for k, v in new["model"].items() if k not in ("nl_lm", "dit")}}
     # the model.nl_lm keys that were flat then (those added since are absent, read as defaults)
     old["model"].update({k: v for k, v in new["model"]["nl_lm"].items() if f"model.{k}" in config.MOVED}, patch_size=4)

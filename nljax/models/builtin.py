@@ -11,11 +11,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from nljax.data.images import load
 from nljax.data.recall import attention_reach
 from nljax.errors import ConfigError
+from nljax.models import attention as attention_form
+from nljax.models import embedding
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
 from nljax.models.dit import DiT, DiTConfig, DiTNet
@@ -40,9 +43,12 @@ def nl_lm(cfg: Config) -> Model:
     memory = dict(heads=nl.memory_heads, dk=nl.memory_dim, hidden=nl.memory_hidden, kind=nl.memory_kind,
                   chunk=nl.memory_chunk, lr_max=nl.memory_lr_max, conv=nl.memory_conv, out_norm=nl.memory_out_norm,
                   out_gate=nl.memory_out_gate, unroll=nl.memory_unroll, impl=nl.memory_impl)
+    # the backend-dependent choices are made here, after the devices are set up, once per build
+    attention = attention_form.resolve(nl.attention, m.dtype, m.dim // m.heads, attention_form.on_cuda())
+    embed_grad = embedding.resolve(nl.embed_grad, m.vocab_size, jax.default_backend())
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,
                       tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat, memory_embed=nl.memory_embed,
-                      scan=nl.scan_layers))
+                      scan=nl.scan_layers, attention=attention, embed_grad=embed_grad, loss_chunk=nl.loss_chunk))
 
 
 def check_nl_lm(cfg: Config) -> None:

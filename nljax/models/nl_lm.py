@@ -24,7 +24,6 @@ backward pass that holds one unit's activations at a time.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import ClassVar, Literal
 
@@ -36,7 +35,10 @@ import nljax.models.memory as nm
 import nljax.models.memory_kernel as mk
 from nljax.errors import ConfigError
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
-from nljax.models.layers import CMSChain, LayerNorm, dense_dot, local_attention, recomputed, token_loss
+from nljax.models.attention import sliding_window_attention
+from nljax.models.chunked_loss import chunked_token_loss
+from nljax.models.embedding import Embed
+from nljax.models.layers import CMSChain, LayerNorm, dense_dot, recomputed, token_loss
 from nljax.parallel import tp as tplib
 
 
@@ -75,6 +77,19 @@ class NlLmConfig:
     # repeats: memory_layers [4, 9, 14, 19] of 20 blocks -> 4 units of 5): one compiled unit, and
     # with model.remat=block a backward pass that holds one unit's activations, not all of them
     scan_layers: bool = False
+    # sliding-window attention's form: blocked (queries in blocks of `window`, scores kept in
+    # float32; any backend) | cudnn (cuDNN's fused flash attention: CUDA GPUs, bfloat16/float16,
+    # head width a multiple of 8 and <= 128) | auto (cudnn where it runs, else blocked; always
+    # blocked on a CPU). Same outputs and gradients (nljax/models/attention.py)
+    attention: Literal["auto", "blocked", "cudnn"] = "auto"
+    # the token embedding's backward pass: scatter (autodiff's scatter-add) | onehot (a one-hot
+    # matmul, float32 sums; small vocabularies) | segment (sorted segment sum) | auto (scatter on
+    # a CPU, onehot elsewhere for vocabularies <= 4096). Same gradient (nljax/models/embedding.py)
+    embed_grad: Literal["auto", "scatter", "onehot", "segment"] = "auto"
+    # training loss over chunks of this many tokens (head matmul + float32 log-softmax per chunk,
+    # recomputed in the backward pass) so that no full [B, T, vocab] float32 logits are held;
+    # 0: the whole batch at once (nljax/models/chunked_loss.py)
+    loss_chunk: int = 0
 
     # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
     RANGES: ClassVar[dict] = {"memory_lr_max": (0, 1, False, True)}
@@ -83,6 +98,8 @@ class NlLmConfig:
         for key in ("window", "memory_heads", "memory_dim", "memory_hidden", "memory_chunk", "memory_unroll"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.nl_lm.{key} must be >= 1, got {getattr(self, key)}")
+        if self.loss_chunk < 0:
+            raise ConfigError(f"model.nl_lm.loss_chunk must be >= 0 (0: off), got {self.loss_chunk}")
 
     def check_with(self, dim: int, heads: int, depth: int) -> None:
         """Rules that apply when model.name=nl_lm, with the shared model fields."""
@@ -120,7 +137,8 @@ class Attention(nn.Module):
     dtype: jnp.dtype = jnp.float32
     tp: int = 1
     axis: str | None = None
-    recompute: bool = False  # the scores and softmax recomputed in the backward pass, not kept
+    recompute: bool = False  # the scores and softmax recomputed in the backward pass, not kept (blocked form)
+    impl: str = "blocked"  # blocked | cudnn (nljax/models/attention.py; model.nl_lm.attention resolved)
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
@@ -129,7 +147,7 @@ class Attention(nn.Module):
         # kernel [D, 3, H, hd]: the head axis stands alone, so a shard is a contiguous block of it
         qkv = nn.DenseGeneral((3, h, hd), use_bias=False, dtype=self.dtype, dot_general=dense_dot, name="qkv")(tplib.enter(x, self.axis))
         q, k, v = rotary(qkv[:, :, 0]), rotary(qkv[:, :, 1]), qkv[:, :, 2]  # [B, T, h, hd]
-        y = recomputed(functools.partial(local_attention, window=self.window), self.recompute)(q, k, v)
+        y = sliding_window_attention(q, k, v, self.window, self.impl, self.recompute)
         # Zero-init output, as the memory's and the CMS MLPs': every block starts as the identity
         # (the token embeddings, rms 1/sqrt(dim), are not drowned by a random mix of them: the
         # default job's held-out loss 0.2 bits per byte lower:
@@ -284,6 +302,7 @@ class BlockSpec:
     memory_embed: bool  # model.nl_lm.memory_embed
     tp: int = 1  # tensor-parallel shards (nljax/parallel/tp.py)
     tp_axis: str | None = None
+    attention: str = "blocked"  # blocked | cudnn (Attention.impl)
 
 
 def block(spec: BlockSpec, i: int, x, state, reset, embedded):
@@ -299,8 +318,8 @@ def block(spec: BlockSpec, i: int, x, state, reset, embedded):
     # Inside a recomputed sub-block too: measured, titans_demo's block-remat step took 0.87x the
     # time and 6% less memory with it than without (CPU, interleaved, docs/benchmarks/2026-11-24-cpu.md).
     again = spec.remat != "none"
-    x = x + wrap(Attention)(spec.dim, spec.heads, spec.window, dt, spec.tp, spec.tp_axis, again, name=f"attn{i}")(
-        LayerNorm(dt, name=f"norm_a{i}")(x))
+    x = x + wrap(Attention)(spec.dim, spec.heads, spec.window, dt, spec.tp, spec.tp_axis, again, spec.attention,
+                            name=f"attn{i}")(LayerNorm(dt, name=f"norm_a{i}")(x))
     if state is not None:
         # inside a recomputed block too: the recomputation then keeps only each chunk's carried
         # state, not every chunk's intermediates (0.87x the step time at nl_350m's shapes on CPU)
@@ -358,17 +377,24 @@ class NLNet(nn.Module):
     scan: bool = False  # lax.scan over repeating units of blocks (model.nl_lm.scan_layers)
     tp: int = 1  # tensor-parallel shards: heads, memory heads and MLP hidden widths split (nljax/parallel/tp.py)
     tp_axis: str | None = None  # the mesh axis they are split over (None: shapes only, no collective)
+    attention: str = "blocked"  # blocked | cudnn: model.nl_lm.attention resolved for the backend
+    embed_grad: str = "scatter"  # scatter | onehot | segment: model.nl_lm.embed_grad resolved
+    loss_chunk: int = 0  # model.nl_lm.loss_chunk (read by NLLM.apply)
 
     @property
     def spec(self) -> BlockSpec:
         return BlockSpec(self.dim, self.hidden, self.levels, self.heads, self.window, tuple(self.memory.items()),
-                         self.dtype, self.remat, self.memory_embed, self.tp, self.tp_axis)
+                         self.dtype, self.remat, self.memory_embed, self.tp, self.tp_axis, self.attention)
 
     @nn.compact
-    def __call__(self, tokens, memory, reset):  # tokens [B, T], memory {block: state}, reset [B]
-        x = nn.Embed(self.vocab, self.dim, dtype=self.dtype, name="embed")(tokens)  # [B, T, D]
+    def __call__(self, tokens, memory, reset, head: bool = True):  # tokens [B, T], memory {block: state}, reset [B]
+        """(logits [B, T, V], the new memory); with `head=False` the head's input [B, T, D] in
+        place of the logits (for `chunked_token_loss`, which applies the head itself)."""
+        x = Embed(self.vocab, self.dim, dtype=self.dtype, grad=self.embed_grad, name="embed")(tokens)  # [B, T, D]
         x, new_memory = (self.scanned if self.scan else self.unrolled)(x, memory, reset, x)
         x = LayerNorm(self.dtype, name="norm")(x)
+        if not head:
+            return x, new_memory
         return nn.Dense(self.vocab, dtype=self.dtype, dot_general=dense_dot, name="head")(x), new_memory  # the loss upcasts to float32
 
     def unrolled(self, x, memory, reset, embedded):
@@ -431,6 +457,12 @@ class NLLM:
         return self.net.apply({"params": params}, batch["tokens"][:, :-1], memory, batch["reset"])
 
     def apply(self, params, memory, batch, key=None):  # deterministic: key unused
+        targets, mask, weight = batch["tokens"][:, 1:], batch.get("mask"), batch.get("weight")
+        if self.net.loss_chunk:  # the head inside the chunked loss: no [B, T, V] logits held
+            x, memory = self.net.apply({"params": params}, batch["tokens"][:, :-1], memory, batch["reset"], head=False)
+            head = params["head"]
+            loss_sum, count = chunked_token_loss(x, head["kernel"], head["bias"], targets, mask, weight, self.net.loss_chunk)
+            return loss_sum, count, memory
         logits, memory = self.logits(params, memory, batch, key)
-        loss_sum, count = token_loss(logits, batch["tokens"][:, 1:], batch.get("mask"), batch.get("weight"))
+        loss_sum, count = token_loss(logits, targets, mask, weight)
         return loss_sum, count, memory

@@ -1,0 +1,83 @@
+"""Sliding-window attention's two forms and the choice between them (`model.nl_lm.attention`).
+
+- `blocked`: `layers.local_attention`, queries in blocks of `window` over their block and the one
+  before (scores [T / window, window, 2 * window] materialised in float32: linear in T, any
+  backend, any dtype). With `model.remat` its scores are recomputed in the backward pass.
+- `cudnn`: cuDNN's fused flash attention through `jax.nn.dot_product_attention(...,
+  implementation="cudnn")`, its sliding window given as `local_window_size=(window - 1, 0)` with
+  `is_causal=True`. The causal flag stays on: with it off, a `(L, 0)` window is passed to cuDNN as
+  a left window only and the tokens after the query are seen too (jax PR #39576). No scores are
+  kept (the backward pass recomputes them from the softmax's [B, H, T] statistics), so
+  `model.remat=memory` does not wrap it in `jax.checkpoint`: that would run the fused forward
+  twice for nothing (`model.remat=block` recomputes the whole sub-block, this call included).
+- `auto`: `cudnn` on a CUDA GPU when cuDNN takes the shape and dtype (`cudnn_refusal`), `blocked`
+  otherwise: always on a CPU, whose default job is then the program it always was.
+
+Scaling, masks and layout are the blocked form's: q, k, v [B, T, H, hd] (jax's [B, T, N, H]),
+logits scaled by hd ** -0.5 (jax's default), token t sees t - window + 1 .. t.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.extend import backend as jax_backend
+
+from nljax.errors import ConfigError
+from nljax.models.layers import local_attention, recomputed
+
+CHOICES = ("auto", "blocked", "cudnn")
+CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 everywhere (jax's check_is_flash_attention)
+
+
+def cudnn_refusal(dtype, head_dim: int) -> str | None:
+    """Why cuDNN's flash attention does not take q, k, v of `dtype` with heads of `head_dim`
+    (jax's own checks, fp8 aside), or None when it does."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return f"cuDNN's flash attention takes bfloat16 or float16 inputs, not {jnp.dtype(dtype).name} (model.dtype)"
+    if head_dim % 8 or head_dim > CUDNN_MAX_HEAD_DIM:
+        return (f"cuDNN's flash attention takes a head width that is a multiple of 8 and <= {CUDNN_MAX_HEAD_DIM}, "
+                f"not {head_dim} (model.dim / model.heads)")
+    return None
+
+
+def on_cuda() -> bool:
+    """Whether JAX's default backend is a CUDA GPU (ROCm has no cuDNN)."""
+    if jax.default_backend() != "gpu":
+        return False
+    return "cuda" in jax_backend.get_backend().platform_version.lower()
+
+
+def resolve(choice: str, dtype, head_dim: int, cuda: bool) -> str:
+    """`blocked` or `cudnn` for the config's `choice` on this backend (`cuda`: a CUDA GPU). An
+    explicit `cudnn` that cannot run here is one line, at start-up, not a trace-time traceback."""
+    if choice not in CHOICES:
+        raise ConfigError(f"model.nl_lm.attention must be one of {', '.join(CHOICES)}, got '{choice}'")
+    why = cudnn_refusal(dtype, head_dim) if cuda else "cuDNN runs on CUDA GPUs only, and this backend is " \
+        f"{jax.default_backend()}"
+    if choice == "cudnn" and why:
+        raise ConfigError(f"model.nl_lm.attention=cudnn: {why}; use model.nl_lm.attention=auto "
+                          "(cuDNN where it runs, the blocked form elsewhere) or blocked")
+    if choice == "auto":
+        return "blocked" if why else "cudnn"
+    return choice
+
+
+def fused_local_attention(q, k, v, window: int, implementation: str = "cudnn"):
+    """Causal sliding-window attention as one `jax.nn.dot_product_attention` call: what the
+    `cudnn` form runs. `implementation="xla"` runs the same arguments through XLA's masked
+    [T, T] form, which is how the mapping of the window is tested on a CPU."""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(window - 1, 0),
+                                        implementation=implementation)
+
+
+def sliding_window_attention(q, k, v, window: int, impl: str = "blocked", recompute: bool = False):
+    """q, k, v [B, T, H, hd] -> [B, T, H, hd] by the resolved form `impl` (blocked | cudnn);
+    `recompute`: the blocked form's scores recomputed in the backward pass (`recomputed`)."""
+    if impl == "cudnn":
+        return fused_local_attention(q, k, v, window)
+    if impl != "blocked":
+        raise ValueError(f"sliding_window_attention: impl must be blocked or cudnn, got '{impl}'")
+    return recomputed(functools.partial(local_attention, window=window), recompute)(q, k, v)

@@ -1,0 +1,77 @@
+"""benchmarks/gpu_suite.sh and its Python parts run on a CPU (a dry run: tiny shapes), so that the
+script a GPU session gets cannot rot between sessions."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+from helpers import ROOT, subprocess_env
+
+SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
+
+
+def bench_module(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # gpu_summary imports gpu_paths as the script does
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def suite(out, *parts, **env):
+    return subprocess.run(["bash", str(SUITE), str(out), *parts], cwd=ROOT, capture_output=True, text=True,
+                          env=subprocess_env(PYTHON=sys.executable, **env), timeout=1800)
+
+
+def test_the_path_checks_pass_in_a_dry_run_and_the_summary_reads_them(tmp_path):
+    """benchmarks/gpu_paths.py at tiny shapes (XLA standing in for cuDNN): every check passes,
+    its JSON is what gpu_summary.py reads."""
+    paths = bench_module("gpu_paths")
+    assert paths.main(["--dry-run", "--reps", "1", "--out", str(tmp_path / "paths.json")]) == 0
+    r = json.loads((tmp_path / "paths.json").read_text())
+    assert r["ok"] and r["dry_run"] and r["attention"]["implementation"] == "xla"
+    (tmp_path / "DRY_RUN").write_text("")
+    rows = bench_module("gpu_summary").lines(tmp_path)
+    assert sum(row.startswith("ok  ") for row in rows) == 4, rows
+
+
+def test_a_wrong_window_fails_the_attention_check(monkeypatch):
+    """The check can fail: the window passed without the causal flag (jax PR #39576's trap)
+    sees future tokens, and the check says so."""
+    import jax
+
+    paths = bench_module("gpu_paths")
+    monkeypatch.setattr(paths.attention, "fused_local_attention", lambda q, k, v, w, implementation: (
+        jax.nn.dot_product_attention(q, k, v, local_window_size=(w - 1, w - 1), implementation=implementation)))
+    assert not paths.check_attention(paths.DRY, cuda=False, reps=1)["ok"]
+
+
+def test_an_unknown_part_stops_the_suite_before_anything_runs(tmp_path):
+    r = suite(tmp_path, "paths", "bogus")
+    assert r.returncode == 2 and "unknown part 'bogus'" in r.stdout, r.stdout + r.stderr
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_suite_reads_as_bash():
+    assert subprocess.run(["bash", "-n", str(SUITE)], capture_output=True).returncode == 0
+
+
+@pytest.mark.slow
+def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
+    """Every part of the default preset, tiny shapes, one step each (minutes on 2 cores): each
+    writes its JSON and the summary says it was a dry run."""
+    r = suite(tmp_path, GPU_SUITE_DRY_RUN="1", SUITE_BUDGET_S="1500")
+    logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
+    assert r.returncode == 0, r.stdout + r.stderr
+    for name in ("paths", "bench_nl_350m_fused", "bench_nl_350m_fused_unrolled", "titans_vs_bf16",
+                 "bench_titans_demo_b128_memory"):
+        assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
+    summary = (tmp_path / "summary.txt").read_text()
+    assert summary.startswith("DRY RUN") and "GPU paths, scanned" in summary and "FAILED" not in r.stdout, r.stdout
