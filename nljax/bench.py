@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
 import statistics
@@ -355,13 +356,21 @@ def _run(args, cfg: Config) -> int:
     return 0
 
 
+def peak_tflops(text: str) -> float:
+    """--peak-tflops: a finite number >= 0 (nan or a negative was taken as "not given")."""
+    v = float(text)
+    if not math.isfinite(v) or v < 0:
+        raise ValueError(text)
+    return v
+
+
 def main(argv=None) -> int:
     p = cli.parser("nljax.bench", "Compile time, step time, tokens/s, FLOPs, MFU and memory of a config's train step.")
     p.add_argument("--steps", type=int, default=5, help="timed rounds over the patterns (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after compilation (default 2)")
     p.add_argument("--patterns", choices=("cycle", "worst"), default="cycle",
                    help="every active set of one cycle of cms.periods, or only the one where all levels fire")
-    p.add_argument("--peak-tflops", type=float, default=0.0, help="per-device peak for MFU (default: known or measured)")
+    p.add_argument("--peak-tflops", type=peak_tflops, default=0.0, help="per-device peak for MFU (default: known or measured)")
     p.add_argument("--synthetic", metavar="HxWxC", help="images task: random images of this shape, e.g. 32x32x3")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="then profile N steps of the slowest pattern: where the device time goes")

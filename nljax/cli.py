@@ -28,6 +28,14 @@ from nljax.runtime import distributed
 from nljax.runtime.preemption import Stopped, check_in
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser whose refusals are one line (`prog: error: ...`), not its usage block
+    first: a mistyped flag reads like every other refusal of nljax's."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 class Once(argparse.Action):
     """An option that may be given once: a second `--config` would silently replace the first."""
 
@@ -39,7 +47,7 @@ class Once(argparse.Action):
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog=prog, description=description)
+    p = Parser(allow_abbrev=False, prog=prog, description=description)
     p.add_argument("--config", action=Once, help="YAML config file, or a packaged config's name (nl_default, nl_gpu, "
                    "meanflow_digits, ...); defaults apply to keys it leaves out")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU (per process)")

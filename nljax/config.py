@@ -147,6 +147,10 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
         if key not in names:
             if f"{prefix}{key}" in MOVED:
                 raise ConfigError(_moved(prefix + key))
+            section, dot, leaf = str(key).partition(".")
+            if dot and section in names:  # `train.steps: 3` in a file: the override's spelling
+                raise ConfigError(f"config key '{prefix}{key}': a config file nests its keys ({section}: then "
+                                  f"'{leaf}: ...' indented under it); the dotted form is for command-line overrides")
             near = difflib.get_close_matches(str(key), names, n=1)
             hint = f" (did you mean '{prefix}{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
@@ -231,6 +235,11 @@ def config_path(path: str) -> Path:
                       f"{', '.join(packaged_configs())})")
 
 
+def _settings_in(tree: Any) -> bool:
+    """Whether a loaded YAML tree sets anything (`train: {}` or `train:` alone sets nothing)."""
+    return any(_settings_in(v) for v in tree.values()) if isinstance(tree, dict) else tree is not None
+
+
 def _read_yaml(path: str) -> dict:
     p = config_path(path)
     if not p.is_file():  # a directory, /dev/null, a pipe
@@ -243,10 +252,13 @@ def _read_yaml(path: str) -> dict:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}")
-    if loaded is None or loaded == {}:  # a file saved before it was written, the wrong file
+    if loaded is None or not _settings_in(loaded):  # a file saved before it was written, the wrong file
         raise ConfigError(f"config file {path} holds no settings: give some, or leave --config out for the defaults")
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    empty = [k for k, v in loaded.items() if v is None and k in SECTIONS]
+    if empty:  # `train:` with nothing under it: an override of train.x would be blamed for it
+        raise ConfigError(f"config file {path}: section '{empty[0]}' is empty (nothing indented under '{empty[0]}:')")
     return loaded
 
 
@@ -360,6 +372,7 @@ def validate(cfg: Config) -> None:
     check_across_sections(cfg)
 
 
+SECTIONS = frozenset(k for k, t in typing.get_type_hints(Config).items() if dataclasses.is_dataclass(t))
 TOP_LEVEL = frozenset(f.name for f in dataclasses.fields(Config) if not dataclasses.is_dataclass(f.default))
 
 

@@ -22,7 +22,6 @@ bfloat16 (the model computes in `model.dtype` whatever the parameters' dtype).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -124,6 +123,8 @@ def tokenization_of_export(path: Path, cfg: config.Config):
 def check_out(out: Path) -> None:
     """Refuses an `out` the export would damage or mix with: a file, or a directory holding
     anything but an earlier nljax export (which is replaced): a user's folder, a run directory."""
+    if out.is_symlink() and not out.exists():  # mkdir would say only "File exists"
+        raise ConfigError(f"out={out} is a symbolic link to {os.readlink(out)}, which does not exist")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
     theirs = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if (out / n).exists()]
@@ -168,7 +169,7 @@ def load_model(path: str | Path):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.export", description=__doc__.splitlines()[0])
+    p = cli.Parser(allow_abbrev=False, prog="nljax.export", description=__doc__.splitlines()[0])
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",

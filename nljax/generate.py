@@ -14,7 +14,6 @@ Any other `key=value` is a config override on top of the run's own config.yaml.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import sys
@@ -29,7 +28,7 @@ from nljax.run.sampling import generate_images, generate_text, parse
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.generate", description=__doc__.splitlines()[0])
+    p = cli.Parser(allow_abbrev=False, prog="nljax.generate", description=__doc__.splitlines()[0])
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",
                    help="run.dir=DIR (required); prompt=, max_new_tokens=, temperature=, top_k=, top_p=, seed=, "

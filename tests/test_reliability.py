@@ -685,3 +685,42 @@ def test_minor_misreadings_are_named(tmp_path, capsys):
     cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "checkpoint.resume=latest"])
     with pytest.raises(config.ConfigError, match="config.yaml is not a regular file"):
         resuming.saved_config_file(cfg)
+
+
+def test_second_round_misreadings_are_one_line(tmp_path, capsys):
+    """From the second adversarial round: an absurd model.depth (minutes building, no line), an
+    .npz naming its images twice, --peak-tflops nan (the measured peak used silently), export to a
+    dangling link ('File exists'), a dotted key or an empty section in a config file (blamed on
+    something else), argparse's usage block before its error, --resume without the run's
+    config.yaml (the defaults taken for the run's settings)."""
+    import numpy as np
+
+    from nljax import bench, config, export, train
+    from nljax.data import images
+    from nljax.run import resuming
+
+    with pytest.raises(config.ConfigError, match="model.depth=100000 is past the limit of 512 blocks"):
+        config.load(None, ["model.depth=100000"])
+    np.savez(tmp_path / "both.npz", x=np.zeros((4, 4, 4), np.uint8), images=np.ones((4, 4, 4), np.uint8))
+    with pytest.raises(config.ConfigError, match="holds both 'x' and 'images': keep one of them"):
+        images.load(config.load(None, ["images.source=file", f"images.path={tmp_path / 'both.npz'}"]).images)
+    with pytest.raises(SystemExit):
+        bench.main(["--peak-tflops", "nan"])
+    assert "invalid peak_tflops value: 'nan'" in capsys.readouterr().err
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(config.ConfigError, match="is a symbolic link to .*nowhere, which does not exist"):
+        export.check_out(tmp_path / "link")
+    for text, said in (("train.steps: 3\n", "a config file nests its keys"),
+                       ("train:\nmodel:\n  dim: 8\n", "section 'train' is empty"),
+                       ("train: {}\n", "holds no settings")):
+        (tmp_path / "c.yaml").write_text(text)
+        with pytest.raises(config.ConfigError, match=said):
+            config.load(str(tmp_path / "c.yaml"), ["train.batch_size=4"])
+    with pytest.raises(SystemExit) as e:
+        train.main(["--bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == ["nljax.train: error: unrecognized arguments: --bogus (--help lists the options)"]
+    (tmp_path / "run" / "checkpoints" / "2").mkdir(parents=True)
+    cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "checkpoint.resume=latest"])
+    with pytest.raises(config.ConfigError, match="config.yaml is missing, so the run's settings are unknown"):
+        resuming.resumed_config(cfg, None, [])

@@ -101,6 +101,9 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
         x, y = loaded, None
     else:
         keys = set(loaded.files)
+        for pair in (("x", "images"), ("y", "labels")):
+            if all(k in keys for k in pair):  # which one is meant is not for nljax to guess
+                raise ConfigError(f"images.path {path} holds both '{pair[0]}' and '{pair[1]}': keep one of them")
         xk = next((k for k in ("x", "images") if k in keys), None)
         if xk is None:
             raise ConfigError(f"images.path {path} holds {sorted(keys)}; expected an array named 'x' or 'images'")

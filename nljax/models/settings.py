@@ -17,6 +17,8 @@ from typing import Literal
 
 from nljax.errors import ConfigError
 
+MAX_DEPTH = 512  # blocks: deeper than any model here by 10x (nl_350m: 24), bounded before anything is built
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -47,6 +49,8 @@ class ModelConfig:
     def check(self) -> None:
         if self.vocab_size < 1 or self.dim < 1 or self.depth < 1:
             raise ConfigError("model.vocab_size, model.dim and model.depth must be >= 1")
+        if self.depth > MAX_DEPTH:  # building and compiling 100,000 blocks ran for minutes, then for ever
+            raise ConfigError(f"model.depth={self.depth} is past the limit of {MAX_DEPTH} blocks")
         for key in ("hidden_mult", "heads"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")

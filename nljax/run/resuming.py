@@ -53,12 +53,21 @@ def saved_config_file(cfg: Config) -> Path | None:
     return path if path.is_file() else None
 
 
+def _has_steps(root: Path) -> bool:
+    """Whether `root` holds a step directory of a run (a numeric name)."""
+    return root.is_dir() and any(p.name.isdigit() and p.is_dir() for p in root.iterdir())
+
+
 def resumed_config(cfg: Config, config_file: str | None, overrides: Sequence[str]) -> Config:
     """The config to resume with: run.dir/config.yaml, then `config_file`, then `overrides` (the
     command's, flags included as overrides); `cfg` is the command line's own config (it names
     run.dir and what to resume). Unchanged when there is nothing of this run to resume."""
     saved_file = saved_config_file(cfg)
     if saved_file is None:
+        if continues_own(cfg) and config_file is None and _has_steps(checkpoint_dir(cfg)):
+            # the defaults and the overrides alone would be taken for the run's settings
+            raise ConfigError(f"{Path(cfg.run.dir) / 'config.yaml'} is missing, so the run's settings are unknown: "
+                              "give them with --config (and overrides) to resume from its checkpoints")
         return cfg
     overrides = [*overrides, f"run.dir={cfg.run.dir}"]  # where the run is now, as `trained_config`
     resumed = config.load(config_file, overrides, base=str(saved_file))
