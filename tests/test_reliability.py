@@ -724,3 +724,22 @@ def test_second_round_misreadings_are_one_line(tmp_path, capsys):
     cfg = config.load(None, [f"run.dir={tmp_path / 'run'}", "checkpoint.resume=latest"])
     with pytest.raises(config.ConfigError, match="config.yaml is missing, so the run's settings are unknown"):
         resuming.resumed_config(cfg, None, [])
+
+
+def test_an_export_record_without_its_seal_and_a_fifo_config_are_refused(tmp_path):
+    """An export's config.json with its sha256 record but the digest removed (then anything in it
+    could be edited) loaded unchecked; a FIFO as its config.json blocked nljax.load for ever."""
+    import json
+
+    from nljax import config
+    from nljax.runtime import exportdir, filedigest
+
+    info = {"config": {}, "sha256": {"model.safetensors": "0" * 64}}
+    with pytest.raises(config.ConfigError, match="has its files' sha256 record but not the digest sealing it"):
+        filedigest.check_seal(tmp_path / "config.json", info)
+    (tmp_path / "e").mkdir()
+    os.mkfifo(tmp_path / "e" / "config.json")
+    assert not exportdir.is_export(tmp_path / "e")  # returns at once, without opening the FIFO
+    (tmp_path / "f").mkdir()
+    (tmp_path / "f" / "config.json").write_text(json.dumps({"config": {}, "step": 1, "dtype": "float32", "checkpoint": "x"}))
+    assert exportdir.is_export(tmp_path / "f")

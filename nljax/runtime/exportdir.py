@@ -14,6 +14,8 @@ DEFAULT = "export"  # out= by default: <run.dir>/export
 
 def is_export(path: Path) -> bool:
     """Whether `path`'s config.json is one nljax.export wrote."""
+    if not (path / CONFIG).is_file():  # a FIFO would block the read for ever
+        return False
     try:
         info = json.loads((path / CONFIG).read_text())
     except (OSError, ValueError):

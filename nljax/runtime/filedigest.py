@@ -52,7 +52,11 @@ def seal(record: dict) -> str:
 
 
 def check_seal(path: Path, record: dict) -> None:
-    """`record` (read from `path`) is as sealed, when it was (an older one carries no digest)."""
+    """`record` (read from `path`) is as sealed, when it was (an older one carries no digest, and
+    no sha256 record either: the two came together, so one without the other was edited)."""
+    if "digest" not in record and "sha256" in record:
+        raise ConfigError(f"{path} has its files' sha256 record but not the digest sealing it (edited?): "
+                          "write it again")
     if "digest" in record and record["digest"] != seal(record):
         raise ConfigError(f"{path} was changed since it was written (its digest does not match its content): "
                           "write it again")
