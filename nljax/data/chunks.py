@@ -1,0 +1,110 @@
+"""The documents of a corpus cut into chunks and tokenized, by worker processes or in this one,
+the results handed back in the order the chunks were read.
+
+A chunk is the consecutive documents of one split's files (data.train's or data.eval's, never
+both) up to about `chunk_bytes` characters, with the position after it (data/documents.py: file,
+record), which is where a resumed prepare starts reading again. Whatever the worker count and the
+order in which workers finish, chunk k's tokens come out k-th, so the files written are the same.
+
+Memory is bounded: at most 2 x workers chunks are in flight (their text on its way to a worker,
+their tokens on their way back), plus the one being read.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import multiprocessing
+import os
+import signal
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from nljax.data import documents, tokenization
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    texts: list[str]
+    split: int  # 0: data.train's files, 1: data.eval's
+    end: tuple[int, int, int]  # (split, file index, records of that file read): where the next chunk starts
+    chars: int  # the characters of its texts (the progress bar's bytes, up to multi-byte characters)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A chunk's tokens: ids back to back [N], each document's token count [D] (0: the tokenizer
+    gave none) and UTF-8 bytes + 1 [D]."""
+
+    split: int
+    end: tuple[int, int, int]
+    ids: np.ndarray
+    lengths: np.ndarray
+    nbytes: np.ndarray
+
+
+def read(sources: Sequence[Sequence[Path]], text_key: str, chunk_bytes: int,
+         start: tuple[int, int, int] = (0, 0, 0)) -> Iterator[Chunk]:
+    """The chunks of `sources` (train files, eval files) from position `start`."""
+    for split in range(start[0], len(sources)):
+        at = start[1:] if split == start[0] else (0, 0)
+        texts: list[str] = []
+        chars, end = 0, (split, *at)
+        for docs, index, done in documents.read(sources[split], text_key, at):
+            texts += docs
+            chars += sum(map(len, docs))
+            end = (split, index, done)
+            if chars >= chunk_bytes:
+                yield Chunk(texts, split, end, chars)
+                texts, chars = [], 0
+        if texts or end != (split, *at):  # the records read since the last chunk, text or none
+            yield Chunk(texts, split, end, chars)
+
+
+_TOKENIZER = None  # a worker's tokenization, built once by `_start`
+
+
+def _start(spec: tuple) -> None:
+    """A worker: one thread (workers are the parallelism), Ctrl-C left to the parent process."""
+    global _TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the `tokenizers` batch encoder's own threads
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool; no traceback per worker
+    _TOKENIZER = tokenization.from_spec(spec)
+
+
+def _encode(texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _TOKENIZER.encode_flat(texts, dtype)
+
+
+def encoded(chunks: Iterator[Chunk], tok, dtype: np.dtype, workers: int) -> Iterator[tuple[Chunk, Encoded]]:
+    """Each chunk (its texts dropped) with its tokens, in order. workers=0: in this process."""
+    if workers == 0:
+        for c in chunks:
+            yield _light(c), Encoded(c.split, c.end, *tok.encode_flat(c.texts, dtype))
+        return
+    ctx = multiprocessing.get_context("spawn")  # not fork: the parent may hold JAX's threads
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start, initargs=(tok.spec(),))
+    pending: collections.deque = collections.deque()
+    try:
+        for c in chunks:
+            pending.append((_light(c), pool.submit(_encode, c.texts, dtype)))
+            while len(pending) >= 2 * workers:  # the bound on chunks in flight
+                light, future = pending.popleft()
+                yield light, Encoded(light.split, light.end, *future.result())
+        while pending:
+            light, future = pending.popleft()
+            yield light, Encoded(light.split, light.end, *future.result())
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _light(c: Chunk) -> Chunk:
+    return dataclasses.replace(c, texts=[])
+
+
+def default_workers() -> int:
+    """All the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
