@@ -139,7 +139,7 @@ def _manifest(d: DataConfig, tok, sources: tuple, sinks: dict, seen: int) -> dic
 
 
 def _source_record(files: list[Path]) -> list[dict]:
-    return [{"path": str(p.absolute()), "bytes": p.stat().st_size} for p in files]
+    return [{"path": documents.absolute(str(p)), "bytes": p.stat().st_size} for p in files]
 
 
 def build(d: DataConfig, out: Path | None = None, overwrite: bool = False, workers: int = 0,
