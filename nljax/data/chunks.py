@@ -17,6 +17,8 @@ import dataclasses
 import multiprocessing
 import os
 import signal
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Iterator, Sequence
@@ -53,7 +55,10 @@ def read(sources: Sequence[Sequence[Path]], text_key: str, chunk_bytes: int,
         at = start[1:] if split == start[0] else (0, 0)
         texts: list[str] = []
         chars, end = 0, (split, *at)
-        for docs, index, done in documents.read(sources[split], text_key, at):
+        # documents per list read: one per KiB of chunk (1 to BATCH), so that a chunk ends near
+        # chunk_bytes when documents are a KiB or longer
+        batch = min(documents.BATCH, max(1, chunk_bytes >> 10))
+        for docs, index, done in documents.read(sources[split], text_key, at, batch):
             texts += docs
             chars += sum(map(len, docs))
             end = (split, index, done)
@@ -67,12 +72,23 @@ def read(sources: Sequence[Sequence[Path]], text_key: str, chunk_bytes: int,
 _TOKENIZER = None  # a worker's tokenization, built once by `_start`
 
 
-def _start(spec: tuple) -> None:
-    """A worker: one thread (workers are the parallelism), Ctrl-C left to the parent process."""
+def _start(spec: tuple, parent: int) -> None:
+    """A worker: one thread (workers are the parallelism), Ctrl-C left to the parent process,
+    gone when the parent is (a killed prepare leaves no process behind)."""
     global _TOKENIZER
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the `tokenizers` batch encoder's own threads
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool; no traceback per worker
+    # the parent's pid as it gave it: one killed while this worker started is noticed too
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
     _TOKENIZER = tokenization.from_spec(spec)
+
+
+def _exit_with(parent: int) -> None:
+    """Exit once `parent` is gone. A killed parent closes no pipe a worker reads (every worker
+    holds a copy of the task queue's write end), so the worker would wait for work forever."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
 
 
 def _encode(texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -86,7 +102,8 @@ def encoded(chunks: Iterator[Chunk], tok, dtype: np.dtype, workers: int) -> Iter
             yield _light(c), Encoded(c.split, c.end, *tok.encode_flat(c.texts, dtype))
         return
     ctx = multiprocessing.get_context("spawn")  # not fork: the parent may hold JAX's threads
-    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start, initargs=(tok.spec(),))
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start,
+                               initargs=(tok.spec(), os.getpid()))
     pending: collections.deque = collections.deque()
     try:
         for c in chunks:

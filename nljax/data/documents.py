@@ -35,7 +35,7 @@ from nljax.errors import ConfigError, first_line
 
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", *columnar.SUFFIXES)
 SAVED = ("state.json", "dataset_info.json")  # what marks a folder datasets.Dataset.save_to_disk wrote
-BATCH = 1024  # documents handed to the tokenizer at once (a batch encodes in parallel)
+BATCH = 1024  # documents per list read, at most (a list is tokenized at once, in parallel)
 
 
 def absolute(path: str) -> str:
@@ -98,18 +98,19 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     return [folder / n for n in names]
 
 
-def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0)) -> Iterator[tuple[list[str], int, int]]:
-    """The documents of `files` in lists of up to BATCH, from record `start[1]` of file
+def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
+         batch: int = BATCH) -> Iterator[tuple[list[str], int, int]]:
+    """The documents of `files` in lists of up to `batch`, from record `start[1]` of file
     `start[0]`; each list with the index of its file and the records of that file read after it
     (a .txt is one record, a .jsonl line one, a Parquet or Arrow row one). A list may be empty
     (a record with no text): the position still moves."""
     for index in range(start[0], len(files)):
         path, skip = files[index], start[1] if index == start[0] else 0
         if path.name.endswith(columnar.SUFFIXES):
-            for texts, done in columnar.rows(path, text_key, skip, BATCH):
+            for texts, done in columnar.rows(path, text_key, skip, batch):
                 yield [t for t in map(_clean, texts) if t], index, done
         elif path.name.endswith((".jsonl", ".jsonl.gz")):
-            for docs, done in _jsonl(path, text_key, skip):
+            for docs, done in _jsonl(path, text_key, skip, batch):
                 yield docs, index, done
         elif skip == 0:
             text = _clean(_decode(_read(path), str(path)))
@@ -136,13 +137,13 @@ def _read(path: Path) -> bytes:
     return raw
 
 
-def _jsonl(path: Path, text_key: str, skip: int) -> Iterator[tuple[list[str], int]]:
+def _jsonl(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
     """One document per non-blank line, from line `skip` + 1; the file is streamed (a .gz
     decompressed as it is read), one line in memory at a time."""
     gz = path.name.endswith(".gz")
     try:
         with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
-            yield from _lines(path, f, text_key, skip)
+            yield from _lines(path, f, text_key, skip, batch)
     except OSError as e:
         if gz and not isinstance(e, FileNotFoundError | PermissionError):
             raise ConfigError(f"{path}: not a valid gzip file ({first_line(e) or type(e).__name__})") from None
@@ -151,7 +152,7 @@ def _jsonl(path: Path, text_key: str, skip: int) -> Iterator[tuple[list[str], in
         raise ConfigError(f"{path}: not a valid gzip file ({first_line(e) or type(e).__name__})") from None
 
 
-def _lines(path: Path, f, text_key: str, skip: int) -> Iterator[tuple[list[str], int]]:
+def _lines(path: Path, f, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
     docs: list[str] = []
     number = 0
     for number, line in enumerate(f, 1):
@@ -174,7 +175,7 @@ def _lines(path: Path, f, text_key: str, skip: int) -> Iterator[tuple[list[str],
         text = _clean(text)
         if text:
             docs.append(text)
-        if len(docs) == BATCH:
+        if len(docs) == batch:
             yield docs, number
             docs = []
     yield docs, number
