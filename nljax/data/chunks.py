@@ -13,10 +13,12 @@ their tokens on their way back), plus the one being read.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -106,6 +108,9 @@ def encoded(chunks: Iterator[Chunk], tok, dtype: np.dtype, workers: int) -> Iter
                                initargs=(tok.spec(), os.getpid()))
     pending: collections.deque = collections.deque()
     try:
+        with _plain_main():  # every worker started now, without the command's own imports
+            for f in [pool.submit(os.getpid) for _ in range(workers)]:
+                f.result()
         for c in chunks:
             pending.append((_light(c), pool.submit(_encode, c.texts, dtype)))
             while len(pending) >= 2 * workers:  # the bound on chunks in flight
@@ -116,6 +121,21 @@ def encoded(chunks: Iterator[Chunk], tok, dtype: np.dtype, workers: int) -> Iter
             yield light, Encoded(light.split, light.end, *future.result())
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _plain_main():
+    """Spawned workers import the parent's __main__ (`python -m nljax.prepare` imports the config
+    and JAX: 300 MB and seconds per worker); hidden while they start, they import only this
+    module and the tokenization."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__.pop(k) for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        del main.__spec__
+        main.__dict__.update(saved)
 
 
 def _light(c: Chunk) -> Chunk:
