@@ -14,10 +14,12 @@ of its documents + 1 per document boundary), `max_token`, its two files and thei
 check compares and summary.json reports (the same content from other paths has the same digest).
 
 `build` prepares into memory (a run given data.train) or into DIR (`python -m nljax.prepare`):
-the same arrays and the same digest either way. Document boundaries are the manifest's document
-starts, never a token value, so any tokenizer's ids may appear anywhere. Files in DIR are written
-under temporary names and renamed, manifest.json last: a DIR with a manifest is complete, and a
-prepare that fails leaves an earlier one as it was.
+the same arrays and the same digest either way, one chunk of documents at a time (data/chunks.py),
+in worker processes for DIR. Document boundaries are the manifest's document starts, never a
+token value, so any tokenizer's ids may appear anywhere. Files for DIR are streamed into its work
+directory (data/workdir.py: an interrupted prepare resumes from there) and renamed into DIR when
+complete, manifest.json last: a DIR with a manifest is complete, and a prepare that fails leaves
+an earlier one as it was.
 """
 
 from __future__ import annotations
