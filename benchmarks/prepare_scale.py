@@ -9,9 +9,11 @@ most this step can do per core: everything else prepare does is reading, hashing
 2. trains a byte-level BPE of --vocab tokens on the first 20 MB (the `tokenizers` trainer) and
    saves DIR/tokenizer.json;
 3. runs `python -m nljax.prepare` on the shards as bytes and with the tokenizer.json
-   (prepare.workers=--workers), each timed, with the peak RSS of the whole process tree (sampled
-   every 0.2 s from /proc: the prepare and its workers, summed) and of the prepare process alone;
-4. times `Tokenizer.encode_batch` alone, on one thread, over the same documents read the same
+   (prepare.workers=--workers), each timed (wall, and the CPU seconds of the prepare and its
+   workers: on a shared machine, tokens per CPU-second is the per-core rate), with the peak RSS
+   of the whole process tree (sampled every 0.2 s from /proc: the prepare and its workers,
+   summed) and of the prepare process alone;
+4. times `Tokenizer.encode_batch` alone (wall and thread CPU time), on one thread, over the same documents read the same
    way (batches of 1,024; the first --encoder-chars of them, 2e8 by default, to keep the run
    short: a rate per core), the reading excluded: tokens/s per core;
 5. prints one JSON line per measurement and a Markdown table; deletes DIR unless --keep.
@@ -25,6 +27,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import shutil
 import subprocess
 import sys
@@ -110,7 +113,7 @@ def tree_rss(pid: int, children: bool = True) -> int:
 
 def run_prepare(args: list[str]) -> dict:
     """`python -m nljax.prepare *args`: wall time, peak RSS of the tree and of one process."""
-    start = time.perf_counter()
+    start, before = time.perf_counter(), resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.Popen([sys.executable, "-m", "nljax.prepare", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     peak = main_peak = 0
@@ -130,7 +133,9 @@ def run_prepare(args: list[str]) -> dict:
     sampler.join()
     if proc.returncode:
         raise SystemExit(f"nljax.prepare {' '.join(args)} failed ({proc.returncode})")
-    return {"wall_s": wall, "peak_rss_tree_bytes": peak, "peak_rss_main_bytes": main_peak,
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the prepare and its workers, waited for
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"wall_s": wall, "cpu_s": cpu, "peak_rss_tree_bytes": peak, "peak_rss_main_bytes": main_peak,
             "output": out.strip().splitlines()[0]}
 
 
@@ -142,14 +147,14 @@ from pathlib import Path
 from tokenizers import Tokenizer
 tok = Tokenizer.from_file(sys.argv[2])
 tokens = chars = 0
-spent = 0.0
+spent = cpu = 0.0
 for batch in texts(Path(sys.argv[1]), int(float(sys.argv[4])) or None):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.thread_time()  # one thread: RAYON_NUM_THREADS=1, no parallelism
     enc = tok.encode_batch(batch, add_special_tokens=False)
-    spent += time.perf_counter() - t
+    spent, cpu = spent + time.perf_counter() - t, cpu + time.thread_time() - c
     tokens += sum(len(e.ids) for e in enc)
     chars += sum(map(len, batch))
-print(json.dumps({"tokens": tokens, "chars": chars, "encode_s": spent}))
+print(json.dumps({"tokens": tokens, "chars": chars, "encode_s": spent, "cpu_s": cpu}))
 """
 
 
@@ -178,7 +183,8 @@ def main() -> int:
         alone = json.loads(out.stdout)
         results.append({"what": "tokenizers encode_batch alone, 1 thread", "processes": 1, "tokens": alone["tokens"],
                         "tokens_per_s": alone["tokens"] / alone["encode_s"],
-                        "tokens_per_s_per_core": alone["tokens"] / alone["encode_s"], "encode_s": alone["encode_s"]})
+                        "tokens_per_s_per_core": alone["tokens"] / alone["encode_s"], "encode_s": alone["encode_s"],
+                        "cpu_s": alone["cpu_s"], "tokens_per_cpu_s": alone["tokens"] / alone["cpu_s"]})
         print(json.dumps(results[-1]), flush=True)
         train = f"data.train={corpus}/*.parquet"
         for name, extra, workers in (("bytes", [], 1),
@@ -189,16 +195,17 @@ def main() -> int:
             tokens = m["train"]["tokens"] + m["eval"]["tokens"]
             results.append({"what": f"nljax.prepare, {name}", "processes": workers, "tokens": tokens,
                             "tokens_per_s": tokens / r["wall_s"], "tokens_per_s_per_core": tokens / r["wall_s"] / workers,
-                            "text_bytes_per_s": chars / r["wall_s"], **r})
+                            "text_bytes_per_s": chars / r["wall_s"], "tokens_per_cpu_s": tokens / r["cpu_s"], **r})
             print(json.dumps(results[-1]), flush=True)
             shutil.rmtree(root / ("out-" + name))
-        print("\n| what | processes | tokens | wall s | tokens/s | tokens/s per core | peak RSS (all processes) | peak RSS (prepare process) |")
-        print("|---|---|---|---|---|---|---|---|")
+        print("\n| what | processes | tokens | wall s | tokens/s | tokens/s per core | tokens per CPU-second | "
+              "peak RSS (all processes) | peak RSS (prepare process) |")
+        print("|---|---|---|---|---|---|---|---|---|")
         for r in results[1:]:
             rss = lambda k: f"{r[k] / 2**20:,.0f} MiB" if k in r else "-"
             wall = r.get("wall_s", r.get("encode_s"))
             print(f"| {r['what']} | {r['processes']} | {r['tokens']:,} | {wall:,.1f} | {r['tokens_per_s']:,.0f} | "
-                  f"{r['tokens_per_s_per_core']:,.0f} | {rss('peak_rss_tree_bytes')} | {rss('peak_rss_main_bytes')} |")
+                  f"{r['tokens_per_s_per_core']:,.0f} | {r['tokens_per_cpu_s']:,.0f} | {rss('peak_rss_tree_bytes')} | {rss('peak_rss_main_bytes')} |")
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

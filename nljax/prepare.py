@@ -81,7 +81,10 @@ def main(argv=None) -> int:
         code = cli.interrupted("nljax.prepare")
         print("nljax.prepare: the same command resumes where it stopped", file=sys.stderr)
         return code
-    except OSError as e:  # a full disk, a quota, a read-only file system: the temporary files are gone
+    except chunks.WorkerDied as e:  # the chunks done are kept
+        print(f"nljax.prepare: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a quota, a read-only file system: the work done is kept, to resume
         print(f"nljax.prepare: error: cannot write {e.filename or out}: {e.strerror or e}", file=sys.stderr)
         return 1
 

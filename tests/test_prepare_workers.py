@@ -115,6 +115,18 @@ def test_a_killed_prepare_resumes_to_the_same_files(corpus, reference, tmp_path,
     assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, prepared.LOCK])
 
 
+def test_ctrl_c_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_path):
+    out = tmp_path / "prep"
+    p = cli("nljax.prepare", *corpus["args"], "prepare.workers=2", f"out={out}", check=False,
+            env={prepared.TEST_KILL_AFTER: "4:SIGINT"})
+    assert p.returncode == 130, p.stderr
+    assert p.stderr.strip().splitlines()[-2:] == ["nljax.prepare: interrupted (Ctrl-C)",
+                                                  "nljax.prepare: the same command resumes where it stopped"]
+    assert json.loads((out / prepared.WORK / "progress.json").read_text())["chunks"] >= 4
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
+    assert files(out) == reference
+
+
 def test_a_record_that_does_not_match_or_other_sources_start_over(corpus, reference, tmp_path, capsys):
     out = tmp_path / "prep"
     _killed(corpus, out, after=4, workers=1)

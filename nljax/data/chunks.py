@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -97,6 +98,11 @@ def _encode(texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, 
     return _TOKENIZER.encode_flat(texts, dtype)
 
 
+class WorkerDied(RuntimeError):
+    """A worker process ended without its chunk (killed, out of memory): not bad data, so the
+    work done is kept and a run again resumes."""
+
+
 def encoded(chunks: Iterator[Chunk], tok, dtype: np.dtype, workers: int) -> Iterator[tuple[Chunk, Encoded]]:
     """Each chunk (its texts dropped) with its tokens, in order. workers=0: in this process."""
     if workers == 0:
@@ -119,6 +125,10 @@ def encoded(chunks: Iterator[Chunk], tok, dtype: np.dtype, workers: int) -> Iter
         while pending:
             light, future = pending.popleft()
             yield light, Encoded(light.split, light.end, *future.result())
+    except BrokenProcessPool:
+        raise WorkerDied(f"a worker process ended before its chunk was tokenized (killed, or out of memory): run "
+                         f"again to resume, with fewer prepare.workers (now {workers}) or a smaller "
+                         "prepare.chunk_bytes") from None
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 

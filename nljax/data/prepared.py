@@ -45,7 +45,7 @@ SPLITS = ("train", "eval")
 MANIFEST, TOKENIZER, LOCK = "manifest.json", "tokenizer.json", ".prepare.lock"
 WORK = ".prepare-work"  # an unfinished prepare's files and progress (data/workdir.py)
 CHUNK_BYTES = 8 << 20  # characters of text per chunk (prepare.chunk_bytes)
-# tests only: nljax.prepare kills itself (SIGKILL) once this many chunks are recorded
+# tests only: nljax.prepare kills itself (SIGKILL, or "N:SIGINT") once N chunks are recorded
 TEST_KILL_AFTER = "NLJAX_PREPARE_TEST_KILL_AFTER"
 
 
@@ -221,7 +221,8 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
     if note:
         print(f"nljax.prepare: {note}", flush=True)
     workers = 0 if isinstance(tok, tokenization.Bytes) else workers  # bytes: a copy, no worth a process
-    kill_after = int(os.environ.get(TEST_KILL_AFTER, "0"))
+    kill_after, _, how = os.environ.get(TEST_KILL_AFTER, "0").partition(":")  # "N" or "N:SIGINT"
+    kill_after, how = int(kill_after), getattr(signal, how or "SIGKILL")
     tokens = lambda: sum(s.tokens for s in sinks.values())
     first = tokens()
     with tqdm.tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="nljax.prepare", disable=None,
@@ -231,8 +232,8 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
             bar.update(chunk.chars)
             elapsed = bar.format_dict["elapsed"] or 1e-9
             bar.set_postfix_str(f"{(tokens() - first) / elapsed:,.0f} tokens/s", refresh=False)
-            if done == kill_after:  # the tests' stand-in for a kill at an arbitrary point
-                os.kill(os.getpid(), signal.SIGKILL)
+            if done == kill_after:  # the tests' stand-in for a kill (or Ctrl-C) at an arbitrary point
+                os.kill(os.getpid(), how)
         seen = _fill(d, tok, sources, sinks, dtype, workers, chunk_bytes, start, on_chunk)
     return _manifest(d, tok, sources, sinks, seen)
 
