@@ -78,9 +78,7 @@ def main(argv=None) -> int:
         print(f"nljax.prepare: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the chunks done are kept; the same command resumes
-        code = cli.interrupted("nljax.prepare")
-        print("nljax.prepare: the same command resumes where it stopped", file=sys.stderr)
-        return code
+        return cli.interrupted("nljax.prepare", ": the same command resumes where it stopped")
     except chunks.WorkerDied as e:  # the chunks done are kept
         print(f"nljax.prepare: error: {e}", file=sys.stderr)
         return 1
