@@ -163,3 +163,26 @@ def test_bad_data_found_mid_way_leaves_no_work_behind(corpus, tmp_path, capsys):
     assert prepare_main(args) == 2
     assert capsys.readouterr().err.strip() == f"nljax.prepare: error: {src}/part9.jsonl:2: no string field 'text' (data.text_key)"
     assert not out.exists()
+
+
+def test_a_worker_killed_mid_way_is_one_error_and_the_work_is_kept(corpus):
+    """SIGKILL to a worker (as the kernel's OOM killer would): `WorkerDied`, which nljax.prepare
+    prints as one line and exit 1, keeping its work directory to resume from."""
+    import signal
+
+    from nljax.data import chunks, documents, tokenization
+
+    tok = tokenization.load(str(corpus["root"] / "tokenizer.json"), "<eos>")
+    files = documents.expand([f"{corpus['root']}/*.jsonl"], "data.train")
+    stream = chunks.encoded(chunks.read([files, []], "text", 3000), tok, np.dtype("<u2"), 2)
+    next(stream)
+    workers = [int(p) for p in _children() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(workers) == 2
+    os.kill(workers[0], signal.SIGKILL)
+    with pytest.raises(chunks.WorkerDied, match="a worker process ended before its chunk was tokenized"):
+        for _ in stream:
+            pass
+
+
+def _children() -> list[str]:
+    return [c for task in Path("/proc/self/task").iterdir() for c in (task / "children").read_text().split()]
