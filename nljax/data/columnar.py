@@ -100,5 +100,6 @@ def _check_column(path: Path, schema, text_key: str) -> None:
         names = ", ".join(schema.names[:8]) + (", ..." if len(schema.names) > 8 else "")
         raise ConfigError(f"{path}: no column '{text_key}' (data.text_key; its columns: {names or 'none'})")
     kind = schema.field(text_key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
+    string_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view(kind)):
         raise ConfigError(f"{path}: column '{text_key}' holds {kind}, not text (data.text_key)")

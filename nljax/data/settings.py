@@ -1,5 +1,6 @@
 """Config sections `data`: the text corpora of the text task (data/text.py, data/recall.py, and
-the user's own files: data/documents.py, data/prepared.py).
+the user's own files: data/documents.py, data/prepared.py); and `prepare`: how nljax.prepare
+tokenizes them (data/chunks.py).
 
 The recall layout's sizes also bound model and train settings (the gap against the attention's
 reach, a document against train.seq_len): those rules sit with the other cross-section rules in
