@@ -171,10 +171,10 @@ def stdout_silenced(silence: bool):
         os.close(null)
 
 
-def interrupted(prog: str) -> int:
+def interrupted(prog: str, then: str = "") -> int:
     """Ctrl-C in a one-process tool (generate, export, prepare): one line, after whatever it was
-    printing, and the shell's 128 + SIGINT."""
-    print(f"\n{prog}: interrupted (Ctrl-C)", file=sys.stderr)
+    printing (`then`: what to do next), and the shell's 128 + SIGINT."""
+    print(f"\n{prog}: interrupted (Ctrl-C){then}", file=sys.stderr)
     return 128 + signal.SIGINT
 
 

@@ -24,7 +24,7 @@ import yaml
 from nljax.checkpoint.settings import CheckpointConfig
 from nljax.crosschecks import check_across_sections
 from nljax.data.images import ImagesConfig
-from nljax.data.settings import DataConfig
+from nljax.data.settings import DataConfig, PrepareConfig
 from nljax.engine.conductor import CMSConfig
 from nljax.engine.optim import OptimConfig
 from nljax.engine.sync import SyncConfig
@@ -49,7 +49,8 @@ class Config:
     # nljax/models/settings.py (model.nl_lm, model.dit, a plugin's model.<name>: beside each model)
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig.resolved()())
     optim: OptimConfig = OptimConfig()  # nljax/engine/optim.py
-    data: DataConfig = DataConfig()  # nljax/data/settings.py
+    data: DataConfig = DataConfig()  # nljax/data/settings.py, like prepare
+    prepare: PrepareConfig = PrepareConfig()
     eval: EvalConfig = EvalConfig()
     distributed: DistributedConfig = DistributedConfig()
     throughput: ThroughputConfig = ThroughputConfig()

@@ -1,14 +1,18 @@
 """Prepare your own text once, for training with data.source=files data.prepared=DIR:
 
     python -m nljax.prepare [--config FILE] data.train=GLOB [data.eval=GLOB] [data.text_key=text]
-                            [data.tokenizer=tokenizer.json [data.doc_end_token=TOKEN]] out=DIR [overwrite=true]
+                            [data.tokenizer=tokenizer.json [data.doc_end_token=TOKEN]]
+                            [prepare.workers=N] out=DIR [overwrite=true]
 
-reads and tokenizes the files (nljax/data/documents.py, nljax/data/tokenization.py) and writes
-DIR: each split's tokens as a file to memory-map, its document starts, a copy of the tokenizer
-and manifest.json (nljax/data/prepared.py). The data.* keys are the config's, so one config file
-can prepare and then train. Bad data (a missing file, no text, bytes that are not UTF-8, a token
-id beyond the vocabulary) is one line and exit 2, and DIR is left as it was: the files are
-written under temporary names and renamed when complete, manifest.json last.
+reads and tokenizes the files (.txt, .jsonl, .gz, Parquet, Arrow, save_to_disk folders:
+nljax/data/documents.py) in chunks, with `prepare.workers` processes (nljax/data/chunks.py), and
+writes DIR: each split's tokens as a file to memory-map, its document starts, a copy of the
+tokenizer and manifest.json (nljax/data/prepared.py). Input and output are streamed, so memory
+stays bounded whatever the corpus size. The data.* keys are the config's, so one config file can
+prepare and then train. Bad data (a missing file, no text, bytes that are not UTF-8, a token id
+beyond the vocabulary) is one line and exit 2, and DIR is left as it was. Interrupted (Ctrl-C, a
+kill), the same command resumes from the chunks done (nljax/data/workdir.py) and writes the same
+files; they are renamed into DIR when complete, manifest.json last.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import sys
 from pathlib import Path
 
 from nljax import cli, config
-from nljax.data import prepared
+from nljax.data import chunks, prepared
 from nljax.errors import ConfigError
 
 OWN = ("out", "overwrite")  # this tool's keys; every other key=value is a config override
@@ -65,16 +69,20 @@ def main(argv=None) -> int:
         out = out or (Path(cfg.data.prepared) if cfg.data.prepared else None)
         if out is None:
             raise ConfigError("out=DIR is required (or data.prepared in the config): the directory to write to")
-        c = prepared.build(dataclasses.replace(cfg.data, prepared=""), out, overwrite)
+        workers = cfg.prepare.workers or chunks.default_workers()
+        c = prepared.build(dataclasses.replace(cfg.data, prepared=""), out, overwrite, workers, cfg.prepare.chunk_bytes)
         print(f"nljax.prepare: wrote {out}: {describe(c)}")
         print(f"nljax.prepare: train with data.source=files data.prepared={out}")
         return 0
     except ConfigError as e:
         print(f"nljax.prepare: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: one line, as every other way this command stops
-        return cli.interrupted("nljax.prepare")
-    except OSError as e:  # a full disk, a quota, a read-only file system: the temporary files are gone
+    except KeyboardInterrupt:  # Ctrl-C: the chunks done are kept; the same command resumes
+        return cli.interrupted("nljax.prepare", ": the same command resumes where it stopped")
+    except chunks.WorkerDied as e:  # the chunks done are kept
+        print(f"nljax.prepare: error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # a full disk, a quota, a read-only file system: the work done is kept, to resume
         print(f"nljax.prepare: error: cannot write {e.filename or out}: {e.strerror or e}", file=sys.stderr)
         return 1
 

@@ -1,14 +1,23 @@
-"""The user's own text as documents: paths and globs of .txt and .jsonl files, optionally .gz.
+"""The user's own text as documents: paths and globs of .txt and .jsonl files (optionally .gz),
+Parquet and Arrow files, and folders written by `datasets.Dataset.save_to_disk`.
 
-A .txt file is one document; a .jsonl line is one, its `text_key` field. Files are read in the
-order of the list (each glob's matches sorted, a file named twice read once), so the same files
-give the same documents in the same order on every process and in every run. Documents are kept
-whole, never cut or merged; NUL characters are removed (NUL ends a document of the byte
-tokenization, as in the stdlib corpus) and documents left empty are skipped.
+A .txt file is one document; a .jsonl line is one, its `text_key` field; a Parquet or Arrow row
+is one, its `text_key` column (data/columnar.py). A save_to_disk folder is its .arrow shards, in
+the order its state.json lists them. Files are read in the order of the list (each glob's
+matches sorted, a file named twice read once), so the same files give the same documents in the
+same order on every process and in every run. Documents are kept whole, never cut or merged; NUL
+characters are removed (NUL ends a document of the byte tokenization, as in the stdlib corpus)
+and documents left empty are skipped.
+
+Files are streamed: a .jsonl line, a .txt file, a Parquet row group or an Arrow record batch at a
+time, so memory stays bounded whatever a file's size. `read` says where it is (file, record) after
+every list of documents, and starts from such a position: an interrupted nljax.prepare resumes
+without reading again what it has done.
 
 Every problem is one line (`ConfigError`) naming the file, and the line of a .jsonl: a path or
 glob that names no file, another file type, bytes that are not UTF-8, a .gz that is not gzip, a
-line that is not a JSON object with a string `text_key`.
+line that is not a JSON object with a string `text_key`, a Parquet or Arrow file without that
+column (data/columnar.py).
 """
 
 from __future__ import annotations
@@ -21,10 +30,12 @@ import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from nljax.data import columnar
 from nljax.errors import ConfigError, first_line
 
-SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz")
-BATCH = 1024  # documents handed to the tokenizer at once (a batch encodes in parallel)
+SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", *columnar.SUFFIXES)
+SAVED = ("state.json", "dataset_info.json")  # what marks a folder datasets.Dataset.save_to_disk wrote
+BATCH = 1024  # documents per list read, at most (a list is tokenized at once, in parallel)
 
 
 def absolute(path: str) -> str:
@@ -48,28 +59,69 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             if not p.exists():
                 raise ConfigError(f"{key}: no file {pattern}")
             if p.is_dir():
-                raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*.txt)")
-            if not p.is_file():  # a FIFO would wait for a writer forever, a device never end
+                found = saved_shards(p, pattern, key)
+            elif not p.is_file():  # a FIFO would wait for a writer forever, a device never end
                 raise ConfigError(f"{key}: {pattern} is not a regular file (a pipe or a device)")
-            found = [p]
+            else:
+                found = [p]
         for p in found:
             if not p.name.endswith(SUFFIXES):
-                raise ConfigError(f"{key}: {p} is not a .txt or .jsonl file (optionally .gz)")
+                raise ConfigError(f"{key}: {p} is not a .txt, .jsonl, .parquet or .arrow file (.txt and .jsonl "
+                                  "optionally .gz)")
+            if p.name.endswith(columnar.SUFFIXES):
+                columnar.require_pyarrow(p)
             if p.resolve() not in seen:
                 seen.add(p.resolve())
                 files.append(p)
     return files
 
 
-def batches(files: Sequence[Path], text_key: str) -> Iterator[list[str]]:
-    """The documents of `files`, in order, in lists of up to BATCH (one list per .txt file)."""
-    for path in files:
-        if path.name.endswith((".jsonl", ".jsonl.gz")):
-            yield from _jsonl(path, text_key)
-        else:
+def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
+    """The .arrow shards of a folder `datasets.Dataset.save_to_disk` wrote, in its state.json's
+    order (read as Arrow stream files: `datasets` itself is not needed)."""
+    if (folder / "dataset_dict.json").is_file():  # a DatasetDict: one folder per split
+        splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
+        raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
+                          f"one, such as {pattern}/{splits[0] if splits else 'train'}")
+    if not all((folder / name).is_file() for name in SAVED):
+        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*.txt, or a folder "
+                          "datasets' save_to_disk wrote)")
+    try:
+        names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
+        assert names and all(isinstance(n, str) and "/" not in n for n in names)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        raise ConfigError(f"{key}: {folder / 'state.json'} does not list the folder's .arrow files "
+                          "(_data_files): not a save_to_disk folder") from None
+    missing = [n for n in names if not (folder / n).is_file()]
+    if missing:
+        raise ConfigError(f"{key}: {folder / missing[0]} is missing (listed in {folder / 'state.json'})")
+    return [folder / n for n in names]
+
+
+def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
+         batch: int = BATCH) -> Iterator[tuple[list[str], int, int]]:
+    """The documents of `files` in lists of up to `batch`, from record `start[1]` of file
+    `start[0]`; each list with the index of its file and the records of that file read after it
+    (a .txt is one record, a .jsonl line one, a Parquet or Arrow row one). A list may be empty
+    (a record with no text): the position still moves."""
+    for index in range(start[0], len(files)):
+        path, skip = files[index], start[1] if index == start[0] else 0
+        if path.name.endswith(columnar.SUFFIXES):
+            for texts, done in columnar.rows(path, text_key, skip, batch):
+                yield [t for t in map(_clean, texts) if t], index, done
+        elif path.name.endswith((".jsonl", ".jsonl.gz")):
+            for docs, done in _jsonl(path, text_key, skip, batch):
+                yield docs, index, done
+        elif skip == 0:
             text = _clean(_decode(_read(path), str(path)))
-            if text:
-                yield [text]
+            yield ([text] if text else []), index, 1
+
+
+def batches(files: Sequence[Path], text_key: str) -> Iterator[list[str]]:
+    """The documents of `files`, in order, in lists of up to BATCH."""
+    for docs, _, _ in read(files, text_key):
+        if docs:
+            yield docs
 
 
 def _read(path: Path) -> bytes:
@@ -85,12 +137,26 @@ def _read(path: Path) -> bytes:
     return raw
 
 
-def _jsonl(path: Path, text_key: str) -> Iterator[list[str]]:
-    """One document per non-blank line; the whole file is read (a .gz decompressed) first, so
-    that a damaged file is refused before any of it is used."""
+def _jsonl(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
+    """One document per non-blank line, from line `skip` + 1; the file is streamed (a .gz
+    decompressed as it is read), one line in memory at a time."""
+    gz = path.name.endswith(".gz")
+    try:
+        with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
+            yield from _lines(path, f, text_key, skip, batch)
+    except OSError as e:
+        if gz and not isinstance(e, FileNotFoundError | PermissionError):
+            raise ConfigError(f"{path}: not a valid gzip file ({first_line(e) or type(e).__name__})") from None
+        raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
+    except (EOFError, zlib.error) as e:
+        raise ConfigError(f"{path}: not a valid gzip file ({first_line(e) or type(e).__name__})") from None
+
+
+def _lines(path: Path, f, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
     docs: list[str] = []
-    for number, line in enumerate(_read(path).split(b"\n"), 1):
-        if not line.strip():
+    number = 0
+    for number, line in enumerate(f, 1):
+        if number <= skip or not line.strip():
             continue
         where = f"{path}:{number}"
         try:
@@ -109,11 +175,10 @@ def _jsonl(path: Path, text_key: str) -> Iterator[list[str]]:
         text = _clean(text)
         if text:
             docs.append(text)
-        if len(docs) == BATCH:
-            yield docs
+        if len(docs) == batch:
+            yield docs, number
             docs = []
-    if docs:
-        yield docs
+    yield docs, number
 
 
 def _decode(raw: bytes, where: str) -> str:

@@ -14,10 +14,12 @@ of its documents + 1 per document boundary), `max_token`, its two files and thei
 check compares and summary.json reports (the same content from other paths has the same digest).
 
 `build` prepares into memory (a run given data.train) or into DIR (`python -m nljax.prepare`):
-the same arrays and the same digest either way. Document boundaries are the manifest's document
-starts, never a token value, so any tokenizer's ids may appear anywhere. Files in DIR are written
-under temporary names and renamed, manifest.json last: a DIR with a manifest is complete, and a
-prepare that fails leaves an earlier one as it was.
+the same arrays and the same digest either way, one chunk of documents at a time (data/chunks.py),
+in worker processes for DIR. Document boundaries are the manifest's document starts, never a
+token value, so any tokenizer's ids may appear anywhere. Files for DIR are streamed into its work
+directory (data/workdir.py: an interrupted prepare resumes from there) and renamed into DIR when
+complete, manifest.json last: a DIR with a manifest is complete, and a prepare that fails leaves
+an earlier one as it was.
 """
 
 from __future__ import annotations
@@ -28,17 +30,23 @@ import hashlib
 import io
 import json
 import os
+import signal
 from pathlib import Path
 
 import numpy as np
+import tqdm
 
-from nljax.data import documents, tokenization
+from nljax.data import chunks, documents, tokenization, workdir
 from nljax.data.settings import DataConfig
 from nljax.errors import ConfigError
 
 FORMAT = "nljax-text-1"
 SPLITS = ("train", "eval")
 MANIFEST, TOKENIZER, LOCK = "manifest.json", "tokenizer.json", ".prepare.lock"
+WORK = ".prepare-work"  # an unfinished prepare's files and progress (data/workdir.py)
+CHUNK_BYTES = 8 << 20  # characters of text per chunk (prepare.chunk_bytes)
+# tests only: nljax.prepare kills itself (SIGKILL, or "N:SIGINT") once N chunks are recorded
+TEST_KILL_AFTER = "NLJAX_PREPARE_TEST_KILL_AFTER"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,33 +80,6 @@ class Corpus:
         return self.manifest["eval"]["tokens"] / self.manifest["eval"]["bytes"]
 
 
-class _Sink:
-    """One split's tokens, written as they come (to a file or to memory), and its record."""
-
-    def __init__(self, f, dtype: np.dtype):
-        self.f, self.dtype, self.sha = f, dtype, hashlib.sha256()
-        self.starts: list[int] = []
-        self.tokens = self.bytes = 0
-        self.max = -1
-
-    def add(self, ids: np.ndarray, nbytes: int) -> None:
-        if not len(ids):  # a tokenizer may give nothing for blank text: no document
-            return
-        raw = ids.astype(self.dtype).tobytes()
-        self.f.write(raw)
-        self.sha.update(raw)
-        self.starts.append(self.tokens)
-        self.tokens += len(ids)
-        self.bytes += nbytes
-        self.max = max(self.max, int(ids.max()))
-
-    def record(self, name: str) -> dict:
-        starts = np.asarray(self.starts, np.int64)
-        return {"file": f"{name}.bin", "docs_file": f"{name}.docs.npy", "tokens": self.tokens,
-                "documents": len(starts), "bytes": self.bytes, "max_token": self.max,
-                "sha256": self.sha.hexdigest(), "docs_sha256": hashlib.sha256(starts.tobytes()).hexdigest()}
-
-
 def settings_record(d: DataConfig) -> dict:
     """The data.* keys a corpus is prepared from (eval_fraction only when it splits data.train),
     its files absolute: a run from another directory names the same ones."""
@@ -117,23 +98,40 @@ def _sources(d: DataConfig) -> tuple[list[Path], list[Path]]:
     return train, held
 
 
-def _tokenize(d: DataConfig, tok, train_files: list[Path], eval_files: list[Path], sinks: dict) -> dict:
-    """Fill the sinks (every round(1/eval_fraction)-th document held out unless data.eval is
-    given) and return the manifest."""
-    every, i = max(2, round(1 / d.eval_fraction)), 0
-    for texts in documents.batches(train_files, d.text_key):
-        for ids, nbytes in tok.encode_docs(texts):
-            held = not eval_files and i % every == every - 1
-            sinks["eval" if held else "train"].add(ids, nbytes)
-            i += 1
-    for texts in documents.batches(eval_files, d.text_key):
-        for ids, nbytes in tok.encode_docs(texts):
-            sinks["eval"].add(ids, nbytes)
+def _fill(d: DataConfig, tok, sources: tuple, sinks: dict, dtype: np.dtype, workers: int, chunk_bytes: int,
+          start: dict | None = None, on_chunk=None) -> int:
+    """Tokenize the sources (train files, eval files) into the sinks, from `start` (a resumed
+    prepare's progress); every round(1/eval_fraction)-th training document is held out unless
+    data.eval is given. `on_chunk(chunk, chunks done, training documents seen)` after each chunk.
+    Returns the training documents seen."""
+    every, split_train = max(2, round(1 / d.eval_fraction)), not sources[1]
+    seen, done = (start["seen"], start["chunks"]) if start else (0, 0)
+    position = tuple(start["position"]) if start else (0, 0, 0)
+    for light, e in chunks.encoded(chunks.read(sources, d.text_key, chunk_bytes, position), tok, dtype, workers):
+        n = len(e.lengths)
+        if e.split == 1:
+            held = np.ones(n, bool)
+        else:
+            held = split_train & ((seen + np.arange(n)) % every == every - 1)
+            seen += n
+        for name, mask in (("train", ~held), ("eval", held)):
+            keep = mask & (e.lengths > 0)  # a tokenizer may give nothing for blank text: no document
+            if keep.any():
+                sinks[name].add(e.ids[np.repeat(keep, e.lengths)], e.lengths[keep], e.nbytes[keep])
+        done += 1
+        if on_chunk:
+            on_chunk(light, done, seen)
+    return seen
+
+
+def _manifest(d: DataConfig, tok, sources: tuple, sinks: dict, seen: int) -> dict:
+    """The manifest of the filled sinks, or the line saying why there is none."""
+    train_files, eval_files = sources
     if not sinks["train"].tokens:
         raise ConfigError(f"data.train: no text in {len(train_files)} file(s) (every document empty)")
     if not sinks["eval"].tokens:
         why = "data.eval holds no text" if eval_files else (
-            f"{i} document(s) at data.eval_fraction={d.eval_fraction} hold out none; give data.eval or more documents")
+            f"{seen} document(s) at data.eval_fraction={d.eval_fraction} hold out none; give data.eval or more documents")
         raise ConfigError(f"no held-out documents: {why}")
     content = {"format": FORMAT, "tokenizer": tok.info(), "vocab_size": tok.vocab_size,
                "dtype": np.dtype(sinks["train"].dtype).name, **{s: sinks[s].record(s) for s in SPLITS}}
@@ -143,28 +141,43 @@ def _tokenize(d: DataConfig, tok, train_files: list[Path], eval_files: list[Path
 
 
 def _source_record(files: list[Path]) -> list[dict]:
-    return [{"path": str(p.absolute()), "bytes": p.stat().st_size} for p in files]
+    return [{"path": documents.absolute(str(p)), "bytes": p.stat().st_size} for p in files]
 
 
-def build(d: DataConfig, out: Path | None = None, overwrite: bool = False) -> Corpus:
-    """The corpus of data.train / data.eval, tokenized into memory, or into `out` and read back."""
+def build(d: DataConfig, out: Path | None = None, overwrite: bool = False, workers: int = 0,
+          chunk_bytes: int = CHUNK_BYTES) -> Corpus:
+    """The corpus of data.train / data.eval, tokenized into memory, or into `out` and read back.
+    Into `out`: by `workers` processes (0: this one), resumed where an interrupted prepare into
+    `out` stopped (data/workdir.py); the files are the same whatever the workers and interruptions."""
     tok = tokenization.load(d.tokenizer, d.doc_end_token)
-    train_files, eval_files = _sources(d)
+    sources = _sources(d)
     dtype = tokenization.dtype_for(tok.vocab_size)
     if out is not None:
-        _write(Path(out), overwrite, lambda sinks: _tokenize(d, tok, train_files, eval_files, sinks), dtype, tok)
+        _write(Path(out), overwrite, d, tok, sources, dtype, workers, chunk_bytes)
         return load(Path(out))
-    sinks = {s: _Sink(io.BytesIO(), dtype) for s in SPLITS}
-    manifest = _tokenize(d, tok, train_files, eval_files, sinks)
-    split = lambda s: Split(np.frombuffer(sinks[s].f.getvalue(), dtype), np.asarray(sinks[s].starts, np.int64))
+    sinks = {s: workdir.Sink(io.BytesIO(), io.BytesIO(), dtype) for s in SPLITS}
+    manifest = _manifest(d, tok, sources, sinks, _fill(d, tok, sources, sinks, dtype, 0, chunk_bytes))
+    split = lambda s: Split(np.frombuffer(sinks[s].f.getvalue(), dtype),
+                            np.frombuffer(sinks[s].starts_f.getvalue(), "<i8").astype(np.int64))
     return Corpus(split("train"), split("eval"), manifest)
 
 
-def _write(out: Path, overwrite: bool, fill, dtype: np.dtype, tok) -> None:
-    """Tokenize into temporary files in `out`, then rename them into place, the manifest last;
-    one prepare at a time per directory (a lock held while it writes)."""
+def _job(d: DataConfig, tok, sources: tuple, dtype: np.dtype) -> dict:
+    """What an interrupted prepare must match to be resumed: the settings, the tokenizer, the
+    dtype and the source files as they are now (paths, sizes, modification times)."""
+    files = [[str(p.absolute()), p.stat().st_size, p.stat().st_mtime_ns] for group in sources for p in group]
+    return {"format": FORMAT, "settings": settings_record(d), "tokenizer": tok.info(), "dtype": dtype.str,
+            "files": files, "split": [len(sources[0]), len(sources[1])]}
+
+
+def _write(out: Path, overwrite: bool, d: DataConfig, tok, sources: tuple, dtype: np.dtype, workers: int,
+           chunk_bytes: int) -> None:
+    """Tokenize into the work directory of `out` (resumed when an interrupted prepare of the
+    same job left one), then rename the files into place, the manifest last; one prepare at a
+    time per directory (a lock held while it writes)."""
     own = {f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")} | {MANIFEST, TOKENIZER}
-    there = sorted(p.name for p in out.iterdir() if p.name != LOCK and ".tmp-" not in p.name) if out.is_dir() else []
+    there = sorted(p.name for p in out.iterdir() if p.name not in (LOCK, WORK) and ".tmp-" not in p.name) \
+        if out.is_dir() else []
     foreign = [name for name in there if name not in own]
     if foreign:  # overwrite=true replaces prepared data, never a user's files (the source text may be there)
         raise ConfigError(f"{out} holds files that are not nljax prepared data ({', '.join(foreign[:3])}"
@@ -176,10 +189,7 @@ def _write(out: Path, overwrite: bool, fill, dtype: np.dtype, tok) -> None:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"cannot create {out}: {e.strerror or e}") from None
-    temp = lambda name: out / f".{name}.tmp-{os.getpid()}"
-    names = [f"{s}.bin" for s in SPLITS] + [f"{s}.docs.npy" for s in SPLITS]
-    names += [TOKENIZER] if hasattr(tok, "raw") else []
-    names += [MANIFEST]  # last: a directory with a manifest is complete
+    work = workdir.WorkDir(out / WORK, _job(d, tok, sources, dtype), dtype, SPLITS)
     lock = open(out / LOCK, "a")
     try:
         try:  # released by the kernel whatever ends this process: no stale lock
@@ -189,26 +199,64 @@ def _write(out: Path, overwrite: bool, fill, dtype: np.dtype, tok) -> None:
                               "wait for it, or give another out=") from None
         if (out / MANIFEST).exists() and not overwrite:  # the other one finished first
             raise ConfigError(f"{out} already holds prepared data ({MANIFEST}); give another out= or overwrite=true")
-        with open(temp("train.bin"), "wb") as ft, open(temp("eval.bin"), "wb") as fe:
-            sinks = {"train": _Sink(ft, dtype), "eval": _Sink(fe, dtype)}
-            manifest = fill(sinks)
-        for s in SPLITS:
-            with open(temp(f"{s}.docs.npy"), "wb") as f:
-                np.save(f, np.asarray(sinks[s].starts, np.int64))
-        if hasattr(tok, "raw"):
-            temp(TOKENIZER).write_bytes(tok.raw)
-            manifest["tokenizer"]["file"] = TOKENIZER
-        temp(MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-        (out / MANIFEST).unlink(missing_ok=True)  # from here until the last rename, DIR is incomplete
-        for name in names:
-            os.replace(temp(name), out / name)
+        try:
+            manifest = _tokenize_into(work, d, tok, sources, dtype, workers, chunk_bytes)
+        except ConfigError:  # bad data: nothing to resume, nothing left behind
+            work.discard()
+            raise
+        _commit(out, work, manifest, tok)
     finally:
-        for name in names:
-            temp(name).unlink(missing_ok=True)
+        work.close()
         if created and {p.name for p in out.iterdir()} == {LOCK}:  # bad data: no empty directory left behind
             (out / LOCK).unlink()
             out.rmdir()
         lock.close()
+
+
+def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dtype: np.dtype, workers: int,
+                   chunk_bytes: int) -> dict:
+    """Fill the work directory's part files, recording each chunk, with a progress bar (bytes/s,
+    tokens/s) on a terminal; the manifest."""
+    sinks, start, note = work.open()
+    if note:
+        print(f"nljax.prepare: {note}", flush=True)
+    workers = 0 if isinstance(tok, tokenization.Bytes) else workers  # bytes: a copy, no worth a process
+    kill_after, _, how = os.environ.get(TEST_KILL_AFTER, "0").partition(":")  # "N" or "N:SIGINT"
+    kill_after, how = int(kill_after), getattr(signal, how or "SIGKILL")
+    tokens = lambda: sum(s.tokens for s in sinks.values())
+    first = tokens()
+    with tqdm.tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="nljax.prepare", disable=None,
+                   dynamic_ncols=True) as bar:
+        def on_chunk(chunk, done, seen):
+            work.record(sinks, done, chunk.end, seen)
+            bar.update(chunk.chars)
+            elapsed = bar.format_dict["elapsed"] or 1e-9
+            bar.set_postfix_str(f"{(tokens() - first) / elapsed:,.0f} tokens/s", refresh=False)
+            if done == kill_after:  # the tests' stand-in for a kill (or Ctrl-C) at an arbitrary point
+                os.kill(os.getpid(), how)
+        seen = _fill(d, tok, sources, sinks, dtype, workers, chunk_bytes, start, on_chunk)
+    return _manifest(d, tok, sources, sinks, seen)
+
+
+def _commit(out: Path, work: workdir.WorkDir, manifest: dict, tok) -> None:
+    """Move the finished files from the work directory into `out`, manifest.json last: a
+    directory with a manifest is complete (and the previous one stays whole until its manifest
+    goes)."""
+    work.close()
+    for s in SPLITS:
+        work.starts_to_npy(s, work.path / f"{s}.docs.npy")
+    moves = [(work.path / f"part.{s}.bin", f"{s}.bin") for s in SPLITS]
+    moves += [(work.path / f"{s}.docs.npy", f"{s}.docs.npy") for s in SPLITS]
+    if hasattr(tok, "raw"):
+        (work.path / TOKENIZER).write_bytes(tok.raw)
+        manifest["tokenizer"]["file"] = TOKENIZER
+        moves.append((work.path / TOKENIZER, TOKENIZER))
+    (work.path / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    moves.append((work.path / MANIFEST, MANIFEST))  # last
+    (out / MANIFEST).unlink(missing_ok=True)  # from here until the last rename, DIR is incomplete
+    for src, name in moves:
+        os.replace(src, out / name)
+    work.discard()
 
 
 def load(path: Path) -> Corpus:

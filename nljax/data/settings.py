@@ -1,5 +1,6 @@
-"""Config section `data`: the text corpora of the text task (data/text.py, data/recall.py, and
-the user's own files: data/documents.py, data/prepared.py).
+"""Config sections `data`: the text corpora of the text task (data/text.py, data/recall.py, and
+the user's own files: data/documents.py, data/prepared.py); and `prepare`: how nljax.prepare
+tokenizes them (data/chunks.py).
 
 The recall layout's sizes also bound model and train settings (the gap against the attention's
 reach, a document against train.seq_len): those rules sit with the other cross-section rules in
@@ -25,10 +26,11 @@ class DataConfig:
     source: Literal["stdlib", "recall", "files"] = "stdlib"
     eval_fraction: float = 0.05  # every round(1/eval_fraction)-th document is held out (files: without data.eval)
     # files: paths or globs of .txt (one document per file) and .jsonl (one per line, its
-    # data.text_key field) files, each optionally .gz; a single string is a list of one
+    # data.text_key field) files, each optionally .gz; .parquet and .arrow files (one document per
+    # row: pip install 'nljax[parquet]'); folders datasets' save_to_disk wrote. A string: a list of one
     train: tuple[str, ...] = ()
     eval: tuple[str, ...] = ()  # files: the held-out documents; empty: split from data.train by document
-    text_key: str = "text"  # files: the field of a .jsonl line that holds its document
+    text_key: str = "text"  # files: the field of a .jsonl line, the column of a Parquet or Arrow file, that holds the text
     # files: a Hugging Face `tokenizers` tokenizer.json (pip install 'nljax[text]'); empty: bytes.
     # model.vocab_size left at 256 takes the tokenizer's size
     tokenizer: str = ""
@@ -90,3 +92,21 @@ class DataConfig:
         if self.recall_pairs > 26**self.recall_key_len:
             raise ConfigError(f"data.recall_pairs={self.recall_pairs} distinct keys of data.recall_key_len="
                               f"{self.recall_key_len} letters: at most {26**self.recall_key_len}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrepareConfig:
+    """Config section `prepare`: how `python -m nljax.prepare` works (data/prepared.py,
+    data/chunks.py); what it prepares is the `data` section. No setting here changes the files
+    it writes."""
+
+    workers: int = 0  # processes that tokenize with a tokenizer.json (bytes: one); 0: all cores
+    # characters of text per chunk, the unit of work and of resume; memory holds about
+    # 2 x workers + 1 chunks of text and tokens (docs/guides/own-text-data.md)
+    chunk_bytes: int = 8 << 20
+
+    def check(self) -> None:
+        if self.workers < 0:
+            raise ConfigError(f"prepare.workers must be >= 0 (0: all cores), got {self.workers}")
+        if self.chunk_bytes < 1:
+            raise ConfigError(f"prepare.chunk_bytes must be >= 1, got {self.chunk_bytes}")

@@ -40,13 +40,17 @@ class Bytes:
     def info(self) -> dict:
         return {"kind": "bytes", "vocab_size": self.vocab_size}
 
-    def encode_docs(self, texts: list[str]) -> list[tuple[np.ndarray, int]]:
-        """(ids of each document with its end token, its UTF-8 bytes + 1 for its boundary)."""
-        out = []
-        for text in texts:
-            raw = text.encode("utf-8")
-            out.append((np.frombuffer(raw + bytes([BYTE_END]), np.uint8), len(raw) + 1))
-        return out
+    def encode_flat(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(the ids of all `texts` back to back [N] `dtype`, each one's token count [D], its UTF-8
+        bytes + 1 [D]): a chunk of documents as the prepare pipeline writes it."""
+        raw = [t.encode("utf-8") for t in texts]
+        lengths = np.fromiter((len(r) + 1 for r in raw), np.int64, len(raw))
+        ids = np.frombuffer(b"\0".join(raw) + b"\0", np.uint8) if raw else np.zeros(0, np.uint8)
+        return ids.astype(dtype, copy=False), lengths, lengths.copy()
+
+    def spec(self) -> tuple:
+        """What a worker process needs to build the same tokenization (`from_spec`)."""
+        return ("bytes",)
 
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
@@ -63,14 +67,14 @@ class Bytes:
 class HFTokenizer:
     """A `tokenizers` tokenizer.json; `end_token` (optional) is appended after every document."""
 
-    def __init__(self, path: str | Path, end_token: str = ""):
+    def __init__(self, path: str | Path, end_token: str = "", raw: bytes | None = None):
         try:
             from tokenizers import Tokenizer
         except ImportError:
             raise ConfigError("data.tokenizer needs the `tokenizers` package: pip install 'nljax[text]'") from None
         path = Path(path).expanduser()
-        try:
-            self.raw = path.read_bytes()
+        try:  # `raw` given: the bytes read once by the parent process, so every worker has the same
+            self.raw = path.read_bytes() if raw is None else raw
         except OSError as e:
             raise ConfigError(f"data.tokenizer: cannot read {path}: {e.strerror or e}") from None
         try:
@@ -88,15 +92,26 @@ class HFTokenizer:
         return {"kind": "tokenizers", "vocab_size": self.vocab_size, "sha256": hashlib.sha256(self.raw).hexdigest(),
                 "doc_end_token": self.end_token or None}
 
-    def encode_docs(self, texts: list[str]) -> list[tuple[np.ndarray, int]]:
-        out = []
-        for text, enc in zip(texts, self.tok.encode_batch(texts, add_special_tokens=False)):
-            ids = enc.ids + ([self.end_id] if self.end_id is not None else [])
-            if ids and max(ids) >= self.vocab_size:  # a tokenizer.json whose ids skip numbers
-                raise ConfigError(f"data.tokenizer {self.path} gave token id {max(ids)}, not below its vocabulary "
-                                  f"size {self.vocab_size}")
-            out.append((np.asarray(ids, np.int64), len(text.encode("utf-8")) + 1))
-        return out
+    def encode_flat(self, texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As `Bytes.encode_flat`: the ids back to back, each document's token count, its bytes + 1."""
+        encodings = self.tok.encode_batch(texts, add_special_tokens=False)
+        extra = 1 if self.end_id is not None else 0
+        lengths = np.fromiter((len(e.ids) + extra for e in encodings), np.int64, len(encodings))
+        ids = np.empty(int(lengths.sum()), np.int64)
+        at = 0
+        for e, n in zip(encodings, lengths.tolist()):
+            ids[at:at + n - extra] = e.ids
+            if extra:
+                ids[at + n - 1] = self.end_id
+            at += n
+        if len(ids) and int(ids.max()) >= self.vocab_size:  # a tokenizer.json whose ids skip numbers
+            raise ConfigError(f"data.tokenizer {self.path} gave token id {int(ids.max())}, not below its vocabulary "
+                              f"size {self.vocab_size}")
+        nbytes = np.fromiter((len(t.encode("utf-8")) + 1 for t in texts), np.int64, len(texts))
+        return ids.astype(dtype), lengths, nbytes
+
+    def spec(self) -> tuple:
+        return ("tokenizers", str(self.path), self.end_token, self.raw)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -117,6 +132,11 @@ class HFTokenizer:
                 shown = text
         text = self.tok.decode(seen, skip_special_tokens=False)
         yield text[len(os.path.commonprefix([shown, text])):]
+
+
+def from_spec(spec: tuple) -> Bytes | HFTokenizer:
+    """The tokenization `spec()` described, built again (in a worker process)."""
+    return Bytes() if spec[0] == "bytes" else HFTokenizer(spec[1], spec[2], raw=spec[3])
 
 
 def load(tokenizer: str, end_token: str = "") -> Bytes | HFTokenizer:

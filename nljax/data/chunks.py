@@ -1,0 +1,157 @@
+"""The documents of a corpus cut into chunks and tokenized, by worker processes or in this one,
+the results handed back in the order the chunks were read.
+
+A chunk is the consecutive documents of one split's files (data.train's or data.eval's, never
+both) up to about `chunk_bytes` characters, with the position after it (data/documents.py: file,
+record), which is where a resumed prepare starts reading again. Whatever the worker count and the
+order in which workers finish, chunk k's tokens come out k-th, so the files written are the same.
+
+Memory is bounded: at most 2 x workers chunks are in flight (their text on its way to a worker,
+their tokens on their way back), plus the one being read.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from nljax.data import documents, tokenization
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    texts: list[str]
+    split: int  # 0: data.train's files, 1: data.eval's
+    end: tuple[int, int, int]  # (split, file index, records of that file read): where the next chunk starts
+    chars: int  # the characters of its texts (the progress bar's bytes, up to multi-byte characters)
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    """A chunk's tokens: ids back to back [N], each document's token count [D] (0: the tokenizer
+    gave none) and UTF-8 bytes + 1 [D]."""
+
+    split: int
+    end: tuple[int, int, int]
+    ids: np.ndarray
+    lengths: np.ndarray
+    nbytes: np.ndarray
+
+
+def read(sources: Sequence[Sequence[Path]], text_key: str, chunk_bytes: int,
+         start: tuple[int, int, int] = (0, 0, 0)) -> Iterator[Chunk]:
+    """The chunks of `sources` (train files, eval files) from position `start`."""
+    for split in range(start[0], len(sources)):
+        at = start[1:] if split == start[0] else (0, 0)
+        texts: list[str] = []
+        chars, end = 0, (split, *at)
+        # documents per list read: one per KiB of chunk (1 to BATCH), so that a chunk ends near
+        # chunk_bytes when documents are a KiB or longer
+        batch = min(documents.BATCH, max(1, chunk_bytes >> 10))
+        for docs, index, done in documents.read(sources[split], text_key, at, batch):
+            texts += docs
+            chars += sum(map(len, docs))
+            end = (split, index, done)
+            if chars >= chunk_bytes:
+                yield Chunk(texts, split, end, chars)
+                texts, chars = [], 0
+        if texts or end != (split, *at):  # the records read since the last chunk, text or none
+            yield Chunk(texts, split, end, chars)
+
+
+_TOKENIZER = None  # a worker's tokenization, built once by `_start`
+
+
+def _start(spec: tuple, parent: int) -> None:
+    """A worker: one thread (workers are the parallelism), Ctrl-C left to the parent process,
+    gone when the parent is (a killed prepare leaves no process behind)."""
+    global _TOKENIZER
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the `tokenizers` batch encoder's own threads
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the pool; no traceback per worker
+    # the parent's pid as it gave it: one killed while this worker started is noticed too
+    threading.Thread(target=_exit_with, args=(parent,), daemon=True).start()
+    _TOKENIZER = tokenization.from_spec(spec)
+
+
+def _exit_with(parent: int) -> None:
+    """Exit once `parent` is gone. A killed parent closes no pipe a worker reads (every worker
+    holds a copy of the task queue's write end), so the worker would wait for work forever."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _encode(texts: list[str], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _TOKENIZER.encode_flat(texts, dtype)
+
+
+class WorkerDied(RuntimeError):
+    """A worker process ended without its chunk (killed, out of memory): not bad data, so the
+    work done is kept and a run again resumes."""
+
+
+def encoded(chunks: Iterator[Chunk], tok, dtype: np.dtype, workers: int) -> Iterator[tuple[Chunk, Encoded]]:
+    """Each chunk (its texts dropped) with its tokens, in order. workers=0: in this process."""
+    if workers == 0:
+        for c in chunks:
+            yield _light(c), Encoded(c.split, c.end, *tok.encode_flat(c.texts, dtype))
+        return
+    ctx = multiprocessing.get_context("spawn")  # not fork: the parent may hold JAX's threads
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start,
+                               initargs=(tok.spec(), os.getpid()))
+    pending: collections.deque = collections.deque()
+    try:
+        with _plain_main():  # every worker started now, without the command's own imports
+            for f in [pool.submit(os.getpid) for _ in range(workers)]:
+                f.result()
+        for c in chunks:
+            pending.append((_light(c), pool.submit(_encode, c.texts, dtype)))
+            while len(pending) >= 2 * workers:  # the bound on chunks in flight
+                light, future = pending.popleft()
+                yield light, Encoded(light.split, light.end, *future.result())
+        while pending:
+            light, future = pending.popleft()
+            yield light, Encoded(light.split, light.end, *future.result())
+    except BrokenProcessPool:
+        raise WorkerDied(f"a worker process ended before its chunk was tokenized (killed, or out of memory): run "
+                         f"again to resume, with fewer prepare.workers (now {workers}) or a smaller "
+                         "prepare.chunk_bytes") from None
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextlib.contextmanager
+def _plain_main():
+    """Spawned workers import the parent's __main__ (`python -m nljax.prepare` imports the config
+    and JAX: 300 MB and seconds per worker); hidden while they start, they import only this
+    module and the tokenization."""
+    main = sys.modules["__main__"]
+    saved = {k: main.__dict__.pop(k) for k in ("__spec__", "__file__") if k in main.__dict__}
+    main.__spec__ = None
+    try:
+        yield
+    finally:
+        del main.__spec__
+        main.__dict__.update(saved)
+
+
+def _light(c: Chunk) -> Chunk:
+    return dataclasses.replace(c, texts=[])
+
+
+def default_workers() -> int:
+    """All the cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -1,0 +1,105 @@
+"""Parquet and Arrow IPC files as documents, one row each: the column `data.text_key`, read with
+pyarrow (the optional extra: pip install 'nljax[parquet]') one row group or record batch at a
+time, so a file of any size is read in the memory of its largest row group (or record batch).
+
+An Arrow file is the IPC file format or the stream format (what `datasets.Dataset.save_to_disk`
+writes as its `.arrow` shards). pyarrow is imported only when such a file is named: `import
+nljax` never loads it. Every problem is one line naming the file: no pyarrow, not a Parquet or
+Arrow file (empty, cut short, damaged), no such column, a column that is not text, a null row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from nljax.errors import ConfigError, first_line
+
+PARQUET, ARROW = ".parquet", ".arrow"
+SUFFIXES = (PARQUET, ARROW)
+INSTALL = "pip install 'nljax[parquet]'"
+
+
+def require_pyarrow(path: Path) -> None:
+    """One line with the pip command when pyarrow is missing, before anything is read."""
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        raise ConfigError(f"{path}: reading Parquet and Arrow files needs pyarrow: {INSTALL}") from None
+
+
+def rows(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
+    """The texts of `path`'s column `text_key` from row `skip`, in lists of up to `batch` rows,
+    each with the number of rows read so far (the position a resumed read starts from)."""
+    require_pyarrow(path)
+    import pyarrow as pa
+
+    kind = "Parquet" if path.name.endswith(PARQUET) else "Arrow"
+    try:
+        yield from (_parquet if kind == "Parquet" else _arrow)(path, text_key, skip, batch)
+    except (pa.ArrowException, OSError) as e:  # empty, cut short, damaged, unreadable
+        raise ConfigError(f"{path}: not a readable {kind} file ({first_line(e) or type(e).__name__})") from None
+
+
+def _parquet(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(path)  # the footer only
+    _check_column(path, f.schema_arrow, text_key)
+    done = 0
+    for group in range(f.metadata.num_row_groups):
+        n = f.metadata.row_group(group).num_rows
+        if done + n <= skip:  # before the resumed position: not read at all
+            done += n
+            continue
+        # one row group at a time, the text column only: the memory bound
+        for part in f.iter_batches(batch_size=batch, row_groups=[group], columns=[text_key], use_threads=False):
+            done = yield from _texts(path, part.column(0), text_key, done, skip)
+
+
+def _arrow(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
+    import pyarrow as pa
+
+    with pa.OSFile(str(path)) as source:  # read, not mapped: one record batch in memory at a time
+        try:
+            reader = pa.ipc.open_file(source)
+            parts = (reader.get_batch(i) for i in range(reader.num_record_batches))
+        except pa.ArrowInvalid:  # not the file format: the stream format (save_to_disk's shards)
+            source.seek(0)
+            reader = pa.ipc.open_stream(source)
+            parts = iter(reader)
+        _check_column(path, reader.schema, text_key)
+        done = 0
+        for record_batch in parts:
+            column = record_batch.column(text_key)
+            for start in range(0, len(column), batch):
+                done = yield from _texts(path, column.slice(start, batch), text_key, done, skip)
+
+
+def _texts(path: Path, column, text_key: str, done: int, skip: int):
+    """Yield the texts of `column` (rows done .. done + len) at and past row `skip`; return the
+    rows done after it."""
+    end = done + len(column)
+    if end > skip:
+        column = column.slice(max(0, skip - done))
+        if column.null_count:
+            first = done + max(0, skip - done) + column.is_null().to_pylist().index(True)
+            raise ConfigError(f"{path}: row {first}: column '{text_key}' is null (data.text_key)")
+        try:
+            texts = column.to_pylist()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: column '{text_key}' holds bytes that are not UTF-8 ({e.reason})") from None
+        yield texts, end
+    return end
+
+
+def _check_column(path: Path, schema, text_key: str) -> None:
+    import pyarrow as pa
+
+    if text_key not in schema.names:
+        names = ", ".join(schema.names[:8]) + (", ..." if len(schema.names) > 8 else "")
+        raise ConfigError(f"{path}: no column '{text_key}' (data.text_key; its columns: {names or 'none'})")
+    kind = schema.field(text_key).type
+    string_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view(kind)):
+        raise ConfigError(f"{path}: column '{text_key}' holds {kind}, not text (data.text_key)")

@@ -1,0 +1,152 @@
+"""The work directory of `python -m nljax.prepare` (DIR/.prepare-work): the token and
+document-start files as they are written, and the record of the chunks done, so that a prepare
+interrupted (Ctrl-C, a kill, a full disk) resumes where it stopped, with the same files at the end
+as a prepare never interrupted.
+
+    part.train.bin, part.eval.bin         token ids, appended chunk by chunk
+    part.train.starts, part.eval.starts   int64: each document's first token, appended alike
+    progress.json                         the job it belongs to, the chunks done, the position
+                                          in the input after them, and per split the counts and
+                                          the sha256 of each file up to there
+
+progress.json is replaced (written aside, renamed) after each chunk, once the part files are on
+disk (fsync). On resume the job must be the same (the data.* settings, the source files' paths,
+sizes and modification times, the tokenizer, the dtype), the part files are cut back to the
+recorded lengths (a chunk written after the last record is written again) and hashed: a prefix
+whose sha256 differs from the record is not trusted, and the prepare starts over.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+PROGRESS = "progress.json"
+STATE_KEYS = ("tokens", "documents", "bytes", "max_token", "sha256", "docs_sha256")
+
+
+class Sink:
+    """One split's tokens and document starts, appended to two binary files (or memory) as they
+    come, each hashed as written: the manifest's record of the split without reading it back."""
+
+    def __init__(self, f, starts_f, dtype: np.dtype):
+        self.f, self.starts_f, self.dtype = f, starts_f, dtype
+        self.sha, self.starts_sha = hashlib.sha256(), hashlib.sha256()
+        self.tokens = self.documents = self.bytes = 0
+        self.max = -1
+
+    def add(self, ids: np.ndarray, lengths: np.ndarray, nbytes: np.ndarray) -> None:
+        """Documents back to back: ids [N], token counts [D] (each > 0), UTF-8 bytes + 1 [D]."""
+        if not len(lengths):
+            return
+        starts = self.tokens + np.concatenate([[0], np.cumsum(lengths[:-1])]).astype("<i8")
+        raw, starts_raw = ids.astype(self.dtype, copy=False).tobytes(), starts.tobytes()
+        self.f.write(raw)
+        self.sha.update(raw)
+        self.starts_f.write(starts_raw)
+        self.starts_sha.update(starts_raw)
+        self.tokens += len(ids)
+        self.documents += len(lengths)
+        self.bytes += int(nbytes.sum())
+        self.max = max(self.max, int(ids.max()))
+
+    def state(self) -> dict:
+        return {"tokens": self.tokens, "documents": self.documents, "bytes": self.bytes, "max_token": self.max,
+                "sha256": self.sha.hexdigest(), "docs_sha256": self.starts_sha.hexdigest()}
+
+    def record(self, name: str) -> dict:
+        """The split's entry of manifest.json."""
+        return {"file": f"{name}.bin", "docs_file": f"{name}.docs.npy", **self.state()}
+
+    def resume(self, state: dict) -> bool:
+        """Cut the files back to `state`'s lengths and hash them: whether they are what it
+        recorded (then this sink goes on from there)."""
+        for f, size in ((self.f, state["tokens"] * self.dtype.itemsize), (self.starts_f, state["documents"] * 8)):
+            if os.fstat(f.fileno()).st_size < size:
+                return False
+            f.truncate(size)
+            f.seek(size)
+        self.sha, self.starts_sha = _hash(self.f), _hash(self.starts_f)
+        self.tokens, self.documents, self.bytes, self.max = (state[k] for k in STATE_KEYS[:4])
+        return self.state() == {k: state[k] for k in STATE_KEYS}
+
+
+def _hash(f) -> "hashlib._Hash":
+    sha = hashlib.sha256()
+    with open(f.name, "rb") as again:
+        while block := again.read(1 << 24):
+            sha.update(block)
+    return sha
+
+
+class WorkDir:
+    """The part files and progress record of one prepare job in `path`."""
+
+    def __init__(self, path: Path, job: dict, dtype: np.dtype, splits: tuple[str, ...]):
+        self.path, self.dtype, self.splits = path, dtype, splits
+        self.job = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
+        self.files: list = []
+
+    def open(self) -> tuple[dict, dict | None, str]:
+        """(the sinks, the progress to go on from or None, a line saying what was found)."""
+        saved, note = self._saved(), ""
+        if self.path.exists() and saved is None:
+            note = f"{self.path}: an interrupted prepare of other data or settings, started over"
+            shutil.rmtree(self.path)
+        self.path.mkdir(exist_ok=True)
+        mode = "r+b" if saved else "wb"
+        sinks = {}
+        for s in self.splits:
+            for name in (f"part.{s}.bin", f"part.{s}.starts"):
+                (self.path / name).touch()
+                self.files.append(open(self.path / name, mode))
+            sinks[s] = Sink(self.files[-2], self.files[-1], self.dtype)
+        if saved and not all(sinks[s].resume(saved["splits"][s]) for s in self.splits):
+            self.close()
+            shutil.rmtree(self.path)
+            sinks, _, _ = self.open()
+            return sinks, None, f"{self.path}: an interrupted prepare whose files differ from its record, started over"
+        if saved:
+            note = (f"resuming an interrupted prepare: {saved['chunks']:,} chunks done, "
+                    f"{sum(saved['splits'][s]['tokens'] for s in self.splits):,} tokens (verified)")
+        return sinks, saved, note
+
+    def _saved(self) -> dict | None:
+        try:
+            saved = json.loads((self.path / PROGRESS).read_text())
+            return saved if saved.get("job") == self.job else None
+        except (OSError, ValueError, AttributeError):
+            return None
+
+    def record(self, sinks: dict, chunks: int, position: tuple, seen: int) -> None:
+        """The chunks done so far, once their bytes are on disk."""
+        for f in self.files:
+            f.flush()
+            os.fsync(f.fileno())
+        progress = {"job": self.job, "chunks": chunks, "position": list(position), "seen": seen,
+                    "splits": {s: sinks[s].state() for s in self.splits}}
+        temp = self.path / f".{PROGRESS}.tmp"
+        temp.write_text(json.dumps(progress))
+        os.replace(temp, self.path / PROGRESS)
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
+        self.files = []
+
+    def starts_to_npy(self, split: str, dest: Path) -> None:
+        """The document starts as the .npy file a run loads, copied through the page cache."""
+        part = self.path / f"part.{split}.starts"
+        n = part.stat().st_size // 8
+        starts = np.memmap(part, dtype="<i8", mode="r", shape=(n,)) if n else np.zeros(0, "<i8")
+        with open(dest, "wb") as f:
+            np.save(f, starts)
+
+    def discard(self) -> None:
+        self.close()
+        shutil.rmtree(self.path, ignore_errors=True)

@@ -1,0 +1,227 @@
+"""Parquet, Arrow IPC (file and stream format) and `datasets` save_to_disk folders as data.train /
+data.eval: the same documents as a .jsonl give the same tokens, document starts, held-out split
+and content digest (the reference); a corpus of many row groups is read in the memory of one;
+every bad file is one line, exit 2, nothing written. The files are written here with pyarrow, and
+the save_to_disk folder with `datasets` itself."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from nljax import config  # noqa: E402
+from nljax.data import documents, prepared  # noqa: E402
+from nljax.prepare import main as prepare_main  # noqa: E402
+from nljax.train import main as train_main  # noqa: E402
+
+WORDS = "the a memory level stream token window été 記憶 🙂 data row group shard".split()
+
+
+def _docs(n: int, seed: int = 0) -> list[str]:
+    """n documents; some empty (skipped), one with a NUL (removed), multi-byte characters."""
+    rng = random.Random(seed)
+    docs = [" ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 40))) + "\n" for _ in range(n)]
+    docs[3], docs[10], docs[11] = "", "with a \0 NUL inside\n", "\0"
+    return docs
+
+
+def data(*overrides: str):
+    return config.load(None, ["data.source=files", "data.eval_fraction=0.2", *overrides]).data
+
+
+def one_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory) -> dict:
+    """The same 60 documents as a .jsonl (the reference), 3 Parquet shards (row groups of 7, a
+    column 'id' beside), an Arrow file (batches of 9), an Arrow stream (large_string), and a
+    save_to_disk folder of 3 shards."""
+    root = tmp_path_factory.mktemp("columnar")
+    docs = _docs(60)
+    (root / "ref.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (root / "shards").mkdir()
+    for i in range(3):
+        part = docs[i * 20:(i + 1) * 20]
+        pq.write_table(pa.table({"id": list(range(len(part))), "text": part}), root / "shards" / f"part-{i:05d}.parquet",
+                       row_group_size=7)
+    table = pa.table({"text": docs})
+    with pa.OSFile(str(root / "all.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table, max_chunksize=9)
+    large = pa.table({"text": pa.array(docs, pa.large_string())})
+    with pa.OSFile(str(root / "stream.arrow"), "wb") as f, pa.ipc.new_stream(f, large.schema) as w:
+        w.write_table(large, max_chunksize=11)
+    datasets = pytest.importorskip("datasets")
+    datasets.disable_progress_bars()
+    datasets.Dataset.from_dict({"text": docs, "n": list(range(60))}).save_to_disk(str(root / "saved"), num_shards=3)
+    return {"root": root, "docs": docs}
+
+
+@pytest.mark.parametrize("spelling", ["shards/*.parquet", "[shards/part-00000.parquet,'shards/part-0000[12].parquet']",
+                                      "all.arrow", "stream.arrow", "saved"])
+def test_columnar_input_is_the_jsonl_reference(shards, spelling, monkeypatch):
+    """Documents whole, in order, empty ones skipped, NUL removed, every 5th held out: the
+    tokens, starts and digest of the .jsonl with the same documents."""
+    monkeypatch.chdir(shards["root"])
+    ref = prepared.build(data("data.train=ref.jsonl"))
+    got = prepared.build(data(f"data.train={spelling}"))
+    assert got.digest == ref.digest
+    for a, b in ((got.train, ref.train), (got.eval, ref.eval)):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.starts, b.starts)
+    kept = [d.replace("\0", "") for d in shards["docs"] if d.replace("\0", "")]
+    assert got.manifest["train"]["documents"] + got.manifest["eval"]["documents"] == len(kept) == 58
+    texts = [bytes(got.eval.tokens[a:e + 1]).decode() for a, e in zip(got.eval.starts, got.eval.ends)]
+    assert texts == [d + "\0" for i, d in enumerate(kept) if i % 5 == 4]
+
+
+def test_text_key_names_the_column_and_eval_files(shards, tmp_path):
+    pq.write_table(pa.table({"content": shards["docs"][:30]}), tmp_path / "c.parquet")
+    pq.write_table(pa.table({"content": shards["docs"][30:]}), tmp_path / "held.parquet")
+    got = prepared.build(data(f"data.train={tmp_path}/c.parquet", f"data.eval={tmp_path}/held.parquet",
+                              "data.text_key=content"))
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in shards["docs"][:30]))
+    (tmp_path / "b.jsonl").write_text("".join(json.dumps({"content": d}) + "\n" for d in shards["docs"][30:]))
+    ref = prepared.build(data(f"data.train={tmp_path}/a.jsonl", f"data.eval={tmp_path}/b.jsonl", "data.text_key=content"))
+    assert got.digest == ref.digest and got.manifest["eval"]["documents"] == 30
+
+
+def test_prepared_parquet_digest_is_the_same_however_the_paths_are_spelled(shards, tmp_path, monkeypatch, capsys):
+    """prepare from a relative glob; a run naming the files absolute (or relative, from the same
+    directory) with data.prepared reads them as the same data: the digest a resume compares."""
+    monkeypatch.chdir(shards["root"])
+    out = tmp_path / "prep"
+    assert prepare_main(["data.train=shards/*.parquet", "data.eval_fraction=0.2", f"out={out}"]) == 0
+    digest = json.loads((out / "manifest.json").read_text())["digest"]
+    assert digest == prepared.build(data("data.train=ref.jsonl")).digest
+    for spelling in (f"{shards['root']}/shards/*.parquet", "./shards/../shards/*.parquet"):
+        assert prepared.corpus(data(f"data.train={spelling}", f"data.prepared={out}")).digest == digest
+    again = tmp_path / "again"
+    assert prepare_main([f"data.train={shards['root']}/shards/*.parquet", "data.eval_fraction=0.2", f"out={again}"]) == 0
+    assert (again / "train.bin").read_bytes() == (out / "train.bin").read_bytes()
+    assert json.loads((again / "manifest.json").read_text())["digest"] == digest
+
+
+def _bad(root: Path) -> None:
+    root.mkdir()
+    pq.write_table(pa.table({"body": ["a", "b"]}), root / "nocol.parquet")
+    pq.write_table(pa.table({"text": [1, 2]}), root / "ints.parquet")
+    pq.write_table(pa.table({"text": ["a", None]}), root / "null.parquet")
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), root / "norows.parquet")
+    (root / "empty.parquet").write_bytes(b"")
+    good = root / "good.parquet"
+    pq.write_table(pa.table({"text": ["some text"] * 100}), good)
+    (root / "cut.parquet").write_bytes(good.read_bytes()[:-20])
+    (root / "garbage.arrow").write_bytes(b"not arrow at all" * 10)
+    (root / "dict").mkdir()
+    (root / "dict" / "dataset_dict.json").write_text('{"splits": ["train"]}')
+    (root / "dict" / "train").mkdir()
+    (root / "dict" / "train" / "state.json").write_text("{}")
+    (root / "folder").mkdir()
+    (root / "folder" / "a.parquet").write_bytes(good.read_bytes())
+
+
+BAD = [
+    ("R/nocol.parquet", "R/nocol.parquet: no column 'text' (data.text_key; its columns: body)"),
+    ("R/ints.parquet", "R/ints.parquet: column 'text' holds int64, not text (data.text_key)"),
+    ("R/null.parquet", "R/null.parquet: row 1: column 'text' is null (data.text_key)"),
+    ("R/norows.parquet", "data.train: no text in 1 file(s) (every document empty)"),
+    ("R/empty.parquet", "R/empty.parquet: not a readable Parquet file"),
+    ("R/cut.parquet", "R/cut.parquet: not a readable Parquet file"),
+    ("R/garbage.arrow", "R/garbage.arrow: not a readable Arrow file"),
+    ("R/dict", "data.train: R/dict holds the splits of a DatasetDict (train): give one, such as R/dict/train"),
+    ("R/folder", "data.train: R/folder is a directory (give a glob such as R/folder/*.txt"),
+]
+
+
+@pytest.mark.parametrize("path, message", BAD, ids=[p.split("/")[-1] for p, _ in BAD])
+def test_bad_columnar_files_are_one_line_and_write_nothing(tmp_path, capsys, path, message):
+    root = tmp_path / "R"
+    _bad(root)
+    sub = lambda s: s.replace("R/", f"{root}/")
+    out = tmp_path / "out"
+    assert prepare_main([f"data.train={sub(path)}", f"out={out}"]) == 2
+    assert one_line(capsys).startswith(f"nljax.prepare: error: {sub(message)}")
+    assert not out.exists()
+    run = tmp_path / "run"
+    assert train_main(["--quiet", "data.source=files", f"data.train={sub(path)}", f"run.dir={run}"]) == 2
+    assert one_line(capsys).startswith(f"nljax.train: error: {sub(message)}")
+    assert not run.exists()
+
+
+def test_without_pyarrow_a_parquet_is_one_line_with_the_pip_command(tmp_path, capsys, monkeypatch):
+    pq.write_table(pa.table({"text": ["a"] * 30}), tmp_path / "a.parquet")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # `import pyarrow` raises ImportError
+    assert prepare_main([f"data.train={tmp_path}/a.parquet", f"out={tmp_path / 'out'}"]) == 2
+    assert one_line(capsys) == (f"nljax.prepare: error: {tmp_path}/a.parquet: reading Parquet and Arrow files needs "
+                                "pyarrow: pip install 'nljax[parquet]'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_importing_nljax_does_not_import_pyarrow():
+    code = ("import sys, nljax, nljax.prepare, nljax.train, nljax.data.prepared, nljax.data.documents; "
+            "print('pyarrow' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"
+
+
+READ_IN_BOUNDED_MEMORY = """
+import sys, tracemalloc
+from pathlib import Path
+import pyarrow as pa
+from nljax import config
+from nljax.data import documents, prepared
+small, big, out = map(Path, sys.argv[1:])
+for path in (small, big):  # what Arrow holds as each list of documents is handed on, at its most
+    most = held = 0
+    for docs, _, _ in documents.read([path], "text"):
+        most, held = max(most, len(docs)), max(held, pa.default_memory_pool().bytes_allocated())
+    print(most, held)
+prepared.load = lambda path: None  # the prepare alone: its read-back check hashes 16 MB blocks
+tracemalloc.start()
+d = config.load(None, ["data.source=files", f"data.train={big}"]).data
+prepared.build(d, out, workers=0, chunk_bytes=64 << 10)
+print(tracemalloc.get_traced_memory()[1])
+"""
+
+
+def test_many_row_groups_are_read_in_the_memory_of_one(tmp_path):
+    """Row groups of 50 documents of 2 KB (100 KB): a file of 200 (20 MB of text) is read holding
+    what a file of 20 holds, one row group's rows at a time (its compressed pages and decoded text:
+    a few row groups' worth, under a twentieth of the text); nljax.prepare on it (chunks of 64 KB, output streamed to disk)
+    allocates under 1 MB of Python and numpy memory at its peak, a tenth of the text. (Opening a
+    file reads its footer, which grows with the number of row groups, not with the text.)"""
+    letters = np.random.default_rng(1).integers(97, 106, size=(10_000, 2000), dtype=np.uint8)
+    docs = [row.tobytes().decode().replace("i", " ") for row in letters]
+    pq.write_table(pa.table({"text": docs[:1000]}), tmp_path / "small.parquet", row_group_size=50)
+    pq.write_table(pa.table({"text": docs}), tmp_path / "big.parquet", row_group_size=50)
+    text = sum(map(len, docs))
+    group = text // 200
+    p = subprocess.run([sys.executable, "-c", READ_IN_BOUNDED_MEMORY, str(tmp_path / "small.parquet"),
+                        str(tmp_path / "big.parquet"), str(tmp_path / "out")], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    small_rows, small_held, big_rows, big_held, python_peak = map(int, p.stdout.split())
+    assert small_rows == big_rows == 50  # one row group's documents at a time (BATCH is 1024)
+    assert big_held < 1.2 * small_held + group and big_held < text // 20, (small_held, big_held, group)
+    assert python_peak < 1 << 20 < text // 10, python_peak
+    c = prepared.load(tmp_path / "out")
+    assert c.manifest["train"]["documents"] + c.manifest["eval"]["documents"] == 10_000
+    assert c.manifest["train"]["bytes"] + c.manifest["eval"]["bytes"] == text + 10_000
+
+
+def test_a_save_to_disk_folder_lists_its_shards_in_order(shards):
+    saved = shards["root"] / "saved"
+    files = documents.expand([str(saved)], "data.train")
+    state = json.loads((saved / "state.json").read_text())
+    assert [p.name for p in files] == [f["filename"] for f in state["_data_files"]] and len(files) == 3
