@@ -743,3 +743,31 @@ def test_an_export_record_without_its_seal_and_a_fifo_config_are_refused(tmp_pat
     (tmp_path / "f").mkdir()
     (tmp_path / "f" / "config.json").write_text(json.dumps({"config": {}, "step": 1, "dtype": "float32", "checkpoint": "x"}))
     assert exportdir.is_export(tmp_path / "f")
+
+
+def test_files_of_a_run_or_a_preparation_that_are_not_regular_files_are_one_line(tmp_path):
+    """A FIFO in place of a prepared directory's manifest or of a run's metrics.jsonl blocked the
+    read for ever (SIGTERM did not end it); an empty documents file was an EOFError traceback."""
+    import shutil
+
+    from nljax import config
+    from nljax.data import prepared
+    from nljax.runtime.rundir import kept_records
+
+    os.mkfifo(tmp_path / "metrics.jsonl")
+    with pytest.raises(config.ConfigError, match="metrics.jsonl is not a regular file"):
+        kept_records(tmp_path / "metrics.jsonl", 4)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(30):
+        (corpus / f"d{i:02d}.txt").write_text(f"document {i} " * 200)
+    cfg = config.load(None, ["data.source=files", f"data.train={corpus}/*.txt"])
+    prepared.build(cfg.data, tmp_path / "p", workers=1)
+    for name, damage, said in (("manifest.json", os.mkfifo, "manifest.json is not a regular file"),
+                               ("train.docs.npy", lambda p: p.write_bytes(b""), "train.docs.npy cannot be read")):
+        q = tmp_path / f"q_{name}"
+        shutil.copytree(tmp_path / "p", q)
+        (q / name).unlink()
+        damage(q / name)
+        with pytest.raises(config.ConfigError, match=said):
+            prepared.load(q)

@@ -259,8 +259,18 @@ def _commit(out: Path, work: workdir.WorkDir, manifest: dict, tok) -> None:
     work.discard()
 
 
+def _regular(path: Path, name: str) -> Path:
+    """`path / name`, refused in one line when something else than a regular file has that name
+    (a FIFO would block the read for ever, a folder reads as an odd size)."""
+    file = path / name
+    if file.exists() and not file.is_file():
+        raise ConfigError(f"data.prepared={path}: {name} is not a regular file: prepare again")
+    return file
+
+
 def load(path: Path) -> Corpus:
     """A prepared directory, its tokens memory-mapped; sizes checked against the manifest."""
+    _regular(path, MANIFEST)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
@@ -316,7 +326,7 @@ def _check_tokenizer_copy(path: Path, info: dict) -> None:
     """The directory's tokenizer.json is the one the manifest names (a prepare stopped between
     the two renames, or a copied-in file, would decode with another vocabulary)."""
     try:
-        raw = (path / info["file"]).read_bytes()
+        raw = _regular(path, info["file"]).read_bytes()
     except OSError as e:
         raise ConfigError(f"data.prepared={path}: {info['file']} cannot be read ({e.strerror or e})") from None
     if hashlib.sha256(raw).hexdigest() != info["sha256"]:
@@ -326,7 +336,7 @@ def _check_tokenizer_copy(path: Path, info: dict) -> None:
 
 def _open_split(path: Path, manifest: dict, name: str) -> Split:
     rec, dtype = manifest[name], np.dtype(manifest["dtype"]).newbyteorder("<")
-    file, n = path / rec["file"], rec["tokens"]
+    file, n = _regular(path, rec["file"]), rec["tokens"]
     size = file.stat().st_size if file.is_file() else None
     if size != n * dtype.itemsize:
         raise ConfigError(f"data.prepared={path}: {rec['file']} holds {size} bytes, the manifest says {n} tokens of "
@@ -336,8 +346,8 @@ def _open_split(path: Path, manifest: dict, name: str) -> Split:
     except OSError as e:
         raise ConfigError(f"data.prepared={path}: {rec['file']} cannot be read ({e.strerror or e})") from None
     try:
-        starts = np.load(path / rec["docs_file"])
-    except (OSError, ValueError) as e:
+        starts = np.load(_regular(path, rec["docs_file"]))
+    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
         raise ConfigError(f"data.prepared={path}: {rec['docs_file']} cannot be read ({e})") from None
     ordered = starts.ndim == 1 and bool(np.all(np.diff(starts) > 0))
     if starts.shape != (rec["documents"],) or not ordered or (len(starts) and (starts[0] != 0 or starts[-1] >= n)):
@@ -363,12 +373,12 @@ def corpus(d: DataConfig) -> Corpus:
     # a source edited since, is read again, and checked
     paths = [*documents.expand(d.train, "data.train"), *documents.expand(d.eval, "data.eval")]
     if d.prepared:
-        paths += sorted(Path(d.prepared).iterdir()) if Path(d.prepared).is_dir() else []
+        paths += sorted(Path(d.prepared).expanduser().iterdir()) if Path(d.prepared).expanduser().is_dir() else []
     paths += [Path(d.tokenizer).expanduser()] if d.tokenizer else []
     key = (d, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.is_file()))
     if key not in _CACHE:
         if d.prepared:
-            c = load(Path(d.prepared))
+            c = load(Path(d.prepared).expanduser())
             _check_settings(c.manifest, d)
         else:
             c = build(d)
@@ -426,7 +436,7 @@ def tokenization_of(d: DataConfig):
         info = corpus(d).manifest["tokenizer"]
         if info["kind"] == "bytes":
             return tokenization.Bytes()
-        return tokenization.HFTokenizer(Path(d.prepared) / info["file"], info.get("doc_end_token") or "")
+        return tokenization.HFTokenizer(Path(d.prepared).expanduser() / info["file"], info.get("doc_end_token") or "")
     return tokenization.load(d.tokenizer, d.doc_end_token)
 
 

@@ -128,6 +128,8 @@ def kept_records(path: Path, step: int) -> list[dict]:
     steps from its checkpoint on, so the file ends up as the uninterrupted run's."""
     if not path.exists():
         return []
+    if not path.is_file():  # a FIFO would block the read for ever
+        raise ConfigError(f"{path} is not a regular file: it cannot be the run's log to resume")
     keep, dropped = [], []
     for n, raw in enumerate(path.read_bytes().splitlines(), 1):
         line = raw.decode("utf-8", errors="replace")  # a line not UTF-8 (edited, damaged): dropped, said
