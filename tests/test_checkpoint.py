@@ -466,6 +466,8 @@ def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
     # not start) is replaced, its W&B files too; it was "a run", refusing the retry its line suggested
     (tmp_path / "wandb" / "offline-run-1").mkdir(parents=True)
     (tmp_path / "summary.json").write_text("{}")
+    for name in ("wandb", "summary.json"):  # each noted by the attempt as it made it
+        runlog.note_written(tmp_path, name)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     RunDir(str(tmp_path), overwrite=False, write=True)
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "wandb").exists()
