@@ -193,7 +193,7 @@ def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
         np.testing.assert_array_equal(a, b)
     z = make([*then, "sync.strategy=zero1"], 2, 2)
     r = restore(z.engine, z.state, tmp_path / "ckpt" / "2")
-    assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (checkpoint: 'replicated')"]
+    assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (checkpoint at step 2: 'replicated')"]
 
 
 def test_resume_may_change_how_the_step_computes(ref):
@@ -209,10 +209,10 @@ def test_resume_may_change_how_the_step_computes(ref):
     other = make([*NL, "model.dtype=bfloat16", "model.nl_lm.attention=blocked", "model.nl_lm.embed_grad=onehot",
                   "model.nl_lm.loss_chunk=16"], 2, 4)
     r = restore(other.engine, other.state, ref["dir"] / "2")
-    assert sorted(r.warnings) == ["resuming with model.dtype='bfloat16' (checkpoint: 'float32')",
-                                  "resuming with model.nl_lm.attention='blocked' (checkpoint: 'auto')",
-                                  "resuming with model.nl_lm.embed_grad='onehot' (checkpoint: 'auto')",
-                                  "resuming with model.nl_lm.loss_chunk=16 (checkpoint: 0)"], r.warnings
+    assert sorted(r.warnings) == ["resuming with model.dtype='bfloat16' (checkpoint at step 2: 'float32')",
+                                  "resuming with model.nl_lm.attention='blocked' (checkpoint at step 2: 'auto')",
+                                  "resuming with model.nl_lm.embed_grad='onehot' (checkpoint at step 2: 'auto')",
+                                  "resuming with model.nl_lm.loss_chunk=16 (checkpoint at step 2: 0)"], r.warnings
     for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
         np.testing.assert_array_equal(a, b)
 
@@ -466,6 +466,8 @@ def test_run_dir_removes_outputs_only_when_overwriting(tmp_path):
     # not start) is replaced, its W&B files too; it was "a run", refusing the retry its line suggested
     (tmp_path / "wandb" / "offline-run-1").mkdir(parents=True)
     (tmp_path / "summary.json").write_text("{}")
+    for name in ("wandb", "summary.json"):  # each noted by the attempt as it made it
+        runlog.note_written(tmp_path, name)
     assert (tmp_path / "metrics.jsonl").read_text() == ""
     RunDir(str(tmp_path), overwrite=False, write=True)
     assert not (tmp_path / "summary.json").exists() and not (tmp_path / "wandb").exists()

@@ -110,6 +110,131 @@ def test_a_users_file_named_as_a_step_is_refused_before_training(tmp_path, where
     assert (ck / "4").read_text() == "mine" and not (run / "metrics.jsonl").exists()
 
 
+def test_a_run_dir_holding_a_live_runs_checkpoint_dir_is_refused(tmp_path):
+    """A live run's checkpoint.dir that is another run.dir's default checkpoints folder: a run in
+    that run.dir is refused, naming the live holder, before and after it takes its own lock (it
+    ran, writing into the live run's checkpoints, and the live run died)."""
+    from nljax import config
+    from nljax.runtime.rundir import check_free, take_lock
+
+    ck = tmp_path / "cc2" / "checkpoints"
+    live = config.load(None, [f"run.dir={tmp_path / 'cc3'}", f"checkpoint.dir={ck}", "checkpoint.every=2"])
+    second = config.load(None, [f"run.dir={tmp_path / 'cc2'}", "checkpoint.every=2"])
+    lock = take_lock(live)
+    try:
+        said = f"checkpoint.dir {ck} is in use by a live run \\(host .*, pid {os.getpid()}"
+        with pytest.raises(config.ConfigError, match=said):
+            check_free(second)
+        with pytest.raises(config.ConfigError, match=said):  # the live run took its lock after the check
+            take_lock(second)
+        assert not (tmp_path / "cc2" / "nljax.lock").exists()  # the lock taken went back
+    finally:
+        lock.release()
+    take_lock(second).release()  # free again
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl"])
+def test_a_dangling_symlink_under_a_run_files_name_is_refused(tmp_path, name):
+    """A dangling symbolic link in a fresh run.dir under a name a run writes: refused like any name
+    no run listed (it was replaced by a file: `exists()` is false for it)."""
+    from nljax import config
+    from nljax.runtime.rundir import RunDir
+
+    (tmp_path / name).symlink_to(tmp_path / "nonexistent")
+    with pytest.raises(config.ConfigError, match=f"holds {name}, which no nljax run wrote there"):
+        RunDir(str(tmp_path), overwrite=False, write=True)
+    assert (tmp_path / name).is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == [name]
+
+
+def test_a_refused_fresh_run_creates_nothing(tmp_path):
+    """A fresh run refused for a name in its way (config.yaml as a folder): run.dir is left as it
+    was found (the refusal came after checkpoints/ was made)."""
+    from helpers import QUICK, SMALL, cli
+
+    run = tmp_path / "run"
+    (run / "config.yaml").mkdir(parents=True)
+    p = cli("nljax.train", "--cpu-devices", "1", "--quiet", *SMALL, *QUICK, f"run.dir={run}", "train.steps=4",
+            "checkpoint.every=2", check=False, timeout=300)
+    assert p.returncode != 0 and "Traceback" not in p.stderr and p.stderr.strip().splitlines()[-1] == (
+        f"nljax.train: error: run.dir {run}: config.yaml is a directory, where the run writes a file of that name; "
+        "move it"), p.stderr
+    assert sorted(q.name for q in run.iterdir()) == ["config.yaml"]
+
+
+def test_a_run_lists_only_names_it_created_and_overwrite_removes_only_those(tmp_path):
+    """A run without W&B or a profile listed wandb and profile as its own, and run.overwrite then
+    removed a user's wandb/ made since: a name is listed as it is created."""
+    from nljax import config
+    from nljax.runtime import runlog
+    from nljax.runtime.rundir import RunDir
+
+    cfg = config.load(None, [f"run.dir={tmp_path}", "run.trackers=[]"])
+    run = RunDir(str(tmp_path), overwrite=False, write=True)
+    run.save_config(cfg)
+    run.log({"step": 0, "loss": 1.0})
+    run.save_summary({"loss": 1.0})
+    assert runlog.written(tmp_path) == {"metrics.jsonl", "config.yaml", "summary.json"}
+    assert (tmp_path / runlog.WRITTEN).read_text().splitlines() == ["metrics.jsonl", "config.yaml", "summary.json"]
+    (tmp_path / "wandb").mkdir()
+    (tmp_path / "wandb" / "mine.txt").write_text("u")
+    with pytest.raises(config.ConfigError, match="holds wandb, which no nljax run wrote there"):
+        RunDir(str(tmp_path), overwrite=True, write=True)
+    assert (tmp_path / "wandb" / "mine.txt").read_text() == "u"
+    (tmp_path / "wandb" / "mine.txt").rename(tmp_path / "mine.txt")
+    (tmp_path / "wandb").rmdir()
+    RunDir(str(tmp_path), overwrite=True, write=True)  # the run's own files go, the user's stays
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "mine.txt", runlog.WRITTEN]
+
+
+def test_a_name_of_a_run_file_that_is_not_a_regular_file_is_said_so(tmp_path):
+    """metrics.jsonl as a folder was "already holds a run"; summary.json as a FIFO: each named as
+    what it is, before anything is created."""
+    from nljax import config
+    from nljax.runtime.rundir import RunDir
+
+    (tmp_path / "a" / "metrics.jsonl").mkdir(parents=True)
+    with pytest.raises(config.ConfigError, match="metrics.jsonl is a directory, where the run writes a file"):
+        RunDir(str(tmp_path / "a"), overwrite=False, write=True)
+    (tmp_path / "b").mkdir()
+    os.mkfifo(tmp_path / "b" / "summary.json")
+    with pytest.raises(config.ConfigError, match="summary.json is not a regular file, where the run writes a file"):
+        RunDir(str(tmp_path / "b"), overwrite=False, write=True)
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["metrics.jsonl"]
+    assert sorted(p.name for p in (tmp_path / "b").iterdir()) == ["summary.json"]
+
+
+def test_an_old_lock_that_is_not_utf8_is_stale_and_a_young_one_one_line(tmp_path):
+    """A lock file that is not UTF-8 was a UnicodeDecodeError traceback once older than the
+    stale limit; it is a damaged lock like any other: refused in one line while young, taken
+    over when old."""
+    import time
+
+    from nljax import config
+    from nljax.runtime.runlock import STALE_S, RunLock
+
+    lock = tmp_path / "nljax.lock"
+    lock.write_bytes(b"\xff")
+    with pytest.raises(config.ConfigError, match="has a lock file .* that cannot be read"):
+        RunLock(tmp_path).acquire()
+    old = time.time() - STALE_S - 60
+    os.utime(lock, (old, old))
+    taken = RunLock(tmp_path).acquire()
+    assert lock.read_text().startswith("{")
+    taken.release()
+    assert not lock.exists()
+
+
+def test_a_changed_setting_names_the_step_of_the_checkpoint_restored():
+    """"resuming with train.steps=6 (checkpoint: 4)" after a resume fell back to step 2 read as
+    the step of the damaged checkpoint: the line names the step of the one restored."""
+    from nljax import config
+    from nljax.checkpoint.restore import _changed_settings
+
+    saved = config.load(None, ["train.steps=4"])
+    assert _changed_settings({"config": config.to_dict(saved), "step": 2}, config.load(None, ["train.steps=6"])) == [
+        "resuming with train.steps=6 (checkpoint at step 2: 4)"]
+
+
 # ---------------------------------------------------------------------------------------------
 # Silent wrong results: what was written is checked where it is read
 

@@ -64,10 +64,10 @@ class Checkpoints:
     @classmethod
     def resolve(cls, engine: Engine, fresh: TrainState, say=print, digest: str | None = None) -> "Checkpoints":
         """The run's checkpoints: the resume `checkpoint.resume` asks for, restored (falling back
-        past damaged checkpoints, with a warning), or a fresh start. Reads only, but for creating
-        checkpoint.dir; refuses (ConfigError) a checkpoint.dir holding checkpoints this run may
-        not take over. `digest`: the run's data digest (the same data under another spelling of
-        its paths is no change)."""
+        past damaged checkpoints, with a warning), or a fresh start. Reads only (checkpoint.dir is
+        made by `open`, once the run directory was accepted: a refused run leaves none); refuses
+        (ConfigError) a checkpoint.dir holding checkpoints this run may not take over. `digest`:
+        the run's data digest (the same data under another spelling of its paths is no change)."""
         cfg = engine.cfg
         root, paths = checkpoint_dir(cfg), storage.candidates(cfg)
         # Resuming this run (its own checkpoint.dir) continues its files; a checkpoint from
@@ -101,11 +101,6 @@ class Checkpoints:
                 f"checkpoint.dir {root} holds {', '.join(p.name for p in theirs[:3])}, which nljax did not write: "
                 "a checkpoint of that step would replace it; move it or choose another checkpoint.dir"
             )
-        if cfg.checkpoint.every:
-            try:
-                root.mkdir(parents=True, exist_ok=True)
-            except OSError as e:
-                raise ConfigError(f"checkpoint.dir {root} cannot be created: {e.strerror or e}") from None
         if restored:
             say(f"resumed from {restored.path} at step {restored.step}")
         return cls(engine, fresh, restored, own, later)
@@ -137,6 +132,10 @@ class Checkpoints:
             raise ConfigError(f"cannot clear checkpoint.dir {self.dir} for this run: {e.strerror or e}{where}") from None
         if not self.cfg.checkpoint.every:
             return
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"checkpoint.dir {self.dir} cannot be created: {e.strerror or e}") from None
         if jax.process_count() > 1:
             with distributed.waiting_for_peers("the checkpoint directory's set-up"):
                 multihost_utils.sync_global_devices("nljax checkpoint dir ready")

@@ -123,8 +123,11 @@ def _absolute_paths(tree: dict) -> dict:
 
 
 def _changed_settings(meta: dict, cfg: Config, same_data: bool = False) -> list[str]:
-    """A warning for each setting that differs from the checkpoint's and may change the result."""
-    return [f"resuming with {k}={fmt(b)} (checkpoint: {fmt(a)})" for k, a, b in _changed(meta, cfg, same_data)
+    """A warning for each setting that differs from the checkpoint's and may change the result,
+    naming the checkpoint's step: the one restored, which may be older than the newest (a damaged
+    one skipped), and whose value may read as a step (train.steps=6 against 4)."""
+    which = f"checkpoint at step {meta['step']}" if "step" in meta else "checkpoint"
+    return [f"resuming with {k}={fmt(b)} ({which}: {fmt(a)})" for k, a, b in _changed(meta, cfg, same_data)
             if not _under(k, SILENT)]
 
 

@@ -144,6 +144,9 @@ def step_time_figure(records: list[dict], timed: dict):
     return fig
 
 
+NAMES = ("loss.png", "step_time.png")  # what `write` makes in run.dir
+
+
 def write(path: Path, records: list[dict], timed: dict, final_eval: dict | None = None,
           bpb_per_nat: float | None = None) -> list[str]:
     """loss.png and step_time.png in `path`; returns the names written."""

@@ -24,6 +24,7 @@ from nljax.measure import traces
 from nljax.parallel.hostdev import mean_loss, replica
 from nljax.run.core import Run
 from nljax.runtime import distributed
+from nljax.runtime.runlog import note_written
 
 
 @dataclasses.dataclass
@@ -126,6 +127,7 @@ class Profiler:
 
     def start(self, step: int) -> None:
         if self.n and step == self.first:
+            note_written(self.path.parent, "profile")  # before it is made: an overwrite removes it
             jax.profiler.start_trace(str(self.path), create_perfetto_trace=True)
             self.on = True
 

@@ -173,6 +173,7 @@ class WandB:
         # would wrap stdout and stderr, under the progress bar and a launcher's pipes.
         settings = wandb.Settings(console="off", quiet=True, silent=r.quiet)
         try:
+            note_written(start.path, "wandb")  # before wandb.init makes it: an overwrite removes it
             run = wandb.init(
                 project=r.wandb_project, name=r.wandb_name or Path(r.dir).resolve().name, dir=str(start.path),
                 id=resumed, resume="allow",  # id None: a new run, its id chosen by W&B

@@ -290,6 +290,8 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     if out.run.write and cfg.run.plots:
         from nljax.measure import plots  # matplotlib: loaded only to draw
 
+        for name in plots.NAMES if hist.records else ():  # before they are made: an overwrite removes them
+            runlog.note_written(out.run.path, name)
         # a text task's bits per byte in a nat per token (the log's eval_bpb): loss.png shows both
         plots.write(out.run.path, hist.records, table["per_pattern"], final_eval, getattr(run.task, "bpb_per_nat", None))
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")

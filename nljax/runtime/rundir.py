@@ -7,6 +7,7 @@ reads and writes. A run refuses to overwrite an earlier run unless told to (or r
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import sys
@@ -62,39 +63,51 @@ class RunDir:
         self.write = write
         self.kept: list[dict] = []
         metrics = self.path / "metrics.jsonl"
+        # Every refusal before anything is created (check first, then create): a refused run
+        # leaves run.dir as it found it.
+        if write:
+            self._refuse_not_files()
         # An earlier attempt that logged no step (it stopped in its start-up: a tracker that could
         # not start, the first compilation) is no run to keep: its files are replaced, as by
         # run.overwrite (a live one holds the lock, checked before). Process 0 decides: on a
         # shared file system the others could see its fresh metrics.jsonl.
-        earlier = metrics.exists() and metrics.stat().st_size > 0
+        earlier = metrics.is_file() and metrics.stat().st_size > 0
         if distributed.main_decides(earlier) and not overwrite and resume_step is None:
             raise ConfigError(
                 f"run.dir {path} already holds a run; choose another run.dir, resume it with --resume or set "
                 "run.overwrite=true"
             )
         if write:
-            make_run_dir(self.path)
-            if resume_step is None:
+            if resume_step is None and self.path.is_dir():
                 self._refuse_foreign()
-            folders = [n for n in self.FILES if (self.path / n).is_dir()]
-            if folders:  # found at the end of training before, as a traceback
-                raise ConfigError(f"run.dir {self.path}: {folders[0]} is a directory, where the run writes a file of "
-                                  "that name; move it")
+            make_run_dir(self.path)
             # never delete a file nobody asked to replace, nor one no run wrote (`runlog.written`)
             if resume_step is None and (overwrite or metrics.exists()):
                 runlog.remove_written(self.path)
                 exportdir.remove(self.path / exportdir.DEFAULT)  # the earlier run's nljax.export
-            if resume_step is None:  # claimed before any is written: an overwrite removes them
-                for name in self.OUTPUTS:
-                    runlog.note_written(self.path, name)
+            # each name noted as it is first written (`runlog.note_written`): an overwrite removes
+            # only what a run made, never a folder (wandb/, profile/) this run did not create
+            runlog.note_written(self.path, "metrics.jsonl")
             self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
             replace_text(metrics, "".join(runlog.strict_json(r) + "\n" for r in self.kept))
 
+    def _refuse_not_files(self) -> None:
+        """Refuses a run.dir holding, under the name of a file the run writes, something that is
+        not a regular file (a folder, a FIFO): found at the end of training before, as a traceback."""
+        for name in self.FILES:
+            p = self.path / name
+            if p.exists() and not p.is_file():
+                kind = "a directory" if p.is_dir() else "not a regular file"
+                raise ConfigError(f"run.dir {self.path}: {name} is {kind}, where the run writes a file of that "
+                                  "name; move it")
+
     def _refuse_foreign(self) -> None:
-        """Refuses a run.dir holding, under a name a run writes, a file or folder no run wrote
-        there (a user's config.yaml, summary.json, wandb/): a fresh run would replace it."""
+        """Refuses a run.dir holding, under a name a run writes, a file, folder or symbolic link
+        (dangling ones too) no run wrote there (a user's config.yaml, summary.json, wandb/): a
+        fresh run would replace it."""
         ours = runlog.written(self.path)
-        theirs = sorted(p.name for pattern in self.OUTPUTS for p in self.path.glob(pattern) if p.name not in ours)
+        theirs = sorted(p.name for p in self.path.iterdir()  # not glob: it skips a dangling link
+                        if any(fnmatch.fnmatchcase(p.name, n) for n in self.OUTPUTS) and p.name not in ours)
         if theirs:
             raise ConfigError(
                 f"run.dir {self.path} holds {', '.join(theirs)}, which no nljax run wrote there (not listed in "
@@ -104,6 +117,7 @@ class RunDir:
 
     def save_config(self, cfg: Config) -> None:
         if self.write:
+            runlog.note_written(self.path, "config.yaml")
             replace_text(self.path / "config.yaml", yaml.safe_dump(recorded(cfg), sort_keys=False))
 
     def log(self, record: dict) -> None:
@@ -113,6 +127,7 @@ class RunDir:
 
     def save_summary(self, summary: dict) -> None:
         if self.write:
+            runlog.note_written(self.path, "summary.json")
             replace_text(self.path / "summary.json", runlog.strict_json(summary, indent=1))
 
 
@@ -163,6 +178,18 @@ def locked_dirs(cfg: Config) -> list[tuple[str, Path]]:
     return out
 
 
+def written_dirs(cfg: Config) -> list[tuple[str, Path]]:
+    """Every directory a run writes, with the setting naming it: `locked_dirs`, and checkpoint.dir
+    inside run.dir too (this run's run.dir lock covers it, but it may be another live run's
+    checkpoint.dir, whose lock is in it). Each is checked against live locks before anything is
+    written."""
+    out = locked_dirs(cfg)
+    ck = checkpoint_dir(cfg)
+    if (cfg.checkpoint.every or cfg.run.overwrite) and all(p != ck for _, p in out):
+        out.append(("checkpoint.dir", ck))
+    return out
+
+
 def _exists(what: str, path: Path) -> bool:
     """Whether `path` exists; one line where the name cannot be a path (over 255 bytes, say)."""
     try:
@@ -174,27 +201,30 @@ def _exists(what: str, path: Path) -> bool:
 def check_free(cfg: Config) -> None:
     """Refuses (every process) a run.dir or checkpoint.dir a live run holds, or one that is a file,
     before anything is read or written."""
-    for what, path in locked_dirs(cfg):
+    for what, path in written_dirs(cfg):
         if _exists(what, path) and not path.is_dir():  # not "checkpoint.dir ... cannot be created"
             raise ConfigError(f"{what} {path} is a file, not a directory")
         for p in (path, *path.parents):  # mkdir would say only "File exists"
             if p.is_symlink() and not p.exists():
                 raise ConfigError(f"{what} {path}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
-        distributed.on_main(lambda: refuse_if_live(path, what), _in_use_elsewhere(cfg))
-        distributed.on_main(lambda: _refuse_inside_live(cfg, what, path), _in_use_elsewhere(cfg))
+    distributed.on_main(lambda: _refuse_live(cfg), _in_use_elsewhere(cfg))
 
 
-def _refuse_inside_live(cfg: Config, what: str, path: Path) -> None:
-    """Refuses a directory inside one a live run holds (another run's run.dir: its checkpoints
-    folder is covered by that run's lock only), other than this run's own run.dir."""
-    own = Path(cfg.run.dir).absolute().resolve()
-    for parent in path.resolve().parents:
-        if parent == own:
-            continue
-        try:
-            refuse_if_live(parent)
-        except ConfigError as e:
-            raise ConfigError(f"{what} {path} is inside {parent}: {e}") from None
+def _refuse_live(cfg: Config, held: tuple[Path, ...] = ()) -> None:
+    """Refuses each directory of `written_dirs` that a live run holds, or that is inside one a
+    live run holds (another run's run.dir: its checkpoints folder is covered by that run's lock
+    only), but for this run's own (`locked_dirs`). `held`: the locks this run took already."""
+    own = {p.resolve() for _, p in locked_dirs(cfg)}
+    for what, path in written_dirs(cfg):
+        if path not in held:
+            refuse_if_live(path, what)
+        for parent in path.resolve().parents:
+            if parent in own:
+                continue
+            try:
+                refuse_if_live(parent)
+            except ConfigError as e:
+                raise ConfigError(f"{what} {path} is inside {parent}: {e}") from None
 
 
 class RunLocks:
@@ -220,8 +250,18 @@ class RunLocks:
 
 
 def take_lock(cfg: Config) -> RunLocks:
-    """Process 0 locks run.dir and checkpoint.dir (nljax/runtime/runlock.py); every process raises
-    when it is refused."""
+    """Process 0 locks run.dir and checkpoint.dir (nljax/runtime/runlock.py), then checks again
+    what `check_free` checked (a run may have taken its lock since, in a directory this run writes
+    but does not lock); every process raises when it is refused."""
     lock = RunLocks(cfg)
-    distributed.on_main(lock.acquire, _in_use_elsewhere(cfg))
+
+    def acquire() -> None:
+        lock.acquire()
+        try:
+            _refuse_live(cfg, tuple(p for _, p in locked_dirs(cfg)))
+        except BaseException:
+            lock.release()
+            raise
+
+    distributed.on_main(acquire, _in_use_elsewhere(cfg))
     return lock

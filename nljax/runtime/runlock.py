@@ -11,6 +11,8 @@ HEARTBEAT_S seconds. A lock left by a run that died is stale and taken over:
   Ctrl-Z or by the scheduler);
 - elsewhere (another host, or another container with the same hostname: a restarted container
   has a new pid namespace), whose pids we cannot see, when its heartbeat is older than STALE_S.
+  So is a lock file that cannot be read or is no lock (damaged, not JSON, not UTF-8): it is judged
+  by its heartbeat alone, refused (in one line) while younger than STALE_S.
 
 A stale lock is renamed aside before it is removed, and removed only if it is the one judged
 stale: two runs taking over the same dead run's lock at once cannot both hold run.dir. A run that
@@ -111,9 +113,11 @@ def make_run_dir(path: Path, what: str = "run.dir") -> None:
         raise ConfigError(f"{what} {path} cannot be created: {e.strerror or e}") from None
 
 
-def _read(path: Path) -> str | None:
+def _read(path: Path) -> bytes | None:
+    """The lock file's bytes (not text: a damaged one, not UTF-8, is judged and removed as any
+    stale lock), or None."""
     try:
-        return path.read_text()
+        return path.read_bytes()
     except OSError:
         return None
 
@@ -163,7 +167,7 @@ class RunLock:
             return self
         raise ConfigError(f"{self.what} {self.path.parent}: could not take its lock {self.path} (another run races for it)")
 
-    def _remove_stale(self, judged: str | None) -> None:
+    def _remove_stale(self, judged: bytes | None) -> None:
         """Removes the stale lock whose text was `judged`, and only that one: another run may have
         taken it over since it was read (renamed aside first, atomically; one that is not the lock
         judged stale goes back)."""
@@ -184,7 +188,7 @@ class RunLock:
     def _ours(self) -> bool:
         """Whether the lock file is still this run's (a run suspended past STALE_S on another host
         may have lost it to a run that took it for dead)."""
-        return _read(self.path) == self.text
+        return self.text is not None and _read(self.path) == self.text.encode()
 
     def _beat(self) -> None:
         while not self._stop.wait(HEARTBEAT_S):

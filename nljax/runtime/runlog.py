@@ -11,10 +11,11 @@ import shutil
 import sys
 from pathlib import Path
 
-# The names a run writes in run.dir, each noted here before it is written (a fresh run claims
-# config.yaml, metrics.jsonl, ... at its start; samples_000100.png, TensorBoard event files as
-# they are written), so that run.overwrite=true removes the earlier run's files and nothing else,
-# and a fresh run refuses a run.dir holding a user's file under one of these names.
+# The names a run writes in run.dir, each noted here right before it is first created
+# (metrics.jsonl, config.yaml, summary.json, the plots, profile/ and wandb/ when made,
+# samples_000100.png, TensorBoard event files), so that run.overwrite=true removes the earlier
+# run's files and nothing else (never a wandb/ a run without W&B did not make), and a fresh run
+# refuses a run.dir holding a user's file under one of these names.
 WRITTEN = "nljax_written.txt"
 # What a run may write: a name in the listing that matches none of these is not removed
 OUTPUT_PATTERNS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "step_time.png", "profile", "wandb",
@@ -22,7 +23,15 @@ OUTPUT_PATTERNS = ("metrics.jsonl", "summary.json", "config.yaml", "loss.png", "
 
 
 def note_written(run_dir: Path, name: str) -> None:
-    with open(Path(run_dir) / WRITTEN, "a") as f:
+    """Adds `name` to run_dir's listing (once): call it right before creating `name`, so that a
+    run killed in between leaves a name listed, never a file no listing names."""
+    listing = Path(run_dir) / WRITTEN
+    try:
+        if name in listing.read_text(errors="replace").splitlines():
+            return
+    except OSError:
+        pass  # none yet (or unreadable: the append says so)
+    with open(listing, "a") as f:
         f.write(name + "\n")
 
 
