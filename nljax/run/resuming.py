@@ -16,6 +16,7 @@ checkpoint.dir) starts a new run: its config is the command line's, as before.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -64,10 +65,13 @@ def resumed_config(cfg: Config, config_file: str | None, overrides: Sequence[str
     run.dir and what to resume). Unchanged when there is nothing of this run to resume."""
     saved_file = saved_config_file(cfg)
     if saved_file is None:
-        if continues_own(cfg) and config_file is None and _has_steps(checkpoint_dir(cfg)):
-            # the defaults and the overrides alone would be taken for the run's settings
-            raise ConfigError(f"{Path(cfg.run.dir) / 'config.yaml'} is missing, so the run's settings are unknown: "
-                              "give them with --config (and overrides) to resume from its checkpoints")
+        ckpts = checkpoint_dir(cfg)
+        inside = Path(cfg.run.dir).resolve() in ckpts.resolve().parents  # the run's own layout: config.yaml beside
+        if continues_own(cfg) and config_file is None and inside and _has_steps(ckpts):
+            # the defaults and the overrides alone are taken for the run's settings: said, and what the
+            # checkpoint holds is still checked against them (one line if they differ)
+            print(f"nljax: warning: {Path(cfg.run.dir) / 'config.yaml'} is missing: resuming with the defaults and "
+                  "the command line's settings (give the run's with --config)", file=sys.stderr)
         return cfg
     overrides = [*overrides, f"run.dir={cfg.run.dir}"]  # where the run is now, as `trained_config`
     resumed = config.load(config_file, overrides, base=str(saved_file))
