@@ -116,14 +116,16 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
 @pytest.mark.slow
 def test_notice_outside_the_step_loop(tmp_path):
     """One process takes SIGTERM as a notice over the whole run, not only while it steps: during
-    start-up (before compilation) the run stops after its first step, saved, with one line and
-    143; after the last step the final report finishes (summary.json, exit 0). Before, both
+    start-up (before compilation) the run says so at once, then stops after its first step, saved,
+    with one line more and 143; after the last step the final report finishes (summary.json, exit 0). Before, both
     killed the process (-15), the lock left behind and no summary written."""
     run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
     p = nljax_train(*base, killer=["boot", "0", str(ck)])
     assert p.returncode == 143, p.stderr
-    assert p.stderr.strip() == "nljax.train: preempted (SIGTERM): stopped after step 0, checkpoint saved; continue with --resume"
+    assert p.stderr.strip().splitlines() == [
+        "nljax: SIGTERM during start-up: the run stops after its first step, saved (SIGTERM again: at once)",
+        "nljax.train: preempted (SIGTERM): stopped after step 0, checkpoint saved; continue with --resume"]
     assert sorted(q.name for q in ck.iterdir()) == ["1"] and not (run / "nljax.lock").exists()
     p = nljax_train("--resume", *base, killer=["report", "0", str(ck)])
     assert p.returncode == 0, p.stderr

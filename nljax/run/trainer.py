@@ -173,7 +173,7 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
         profiler.start(conductor.step)
     # after a resume that restarted every row's memory, the first batch resets every row
     reset_first = ckpt is not None and ckpt.rows_restarted and conductor.step == ckpt.start
-    notice.in_loop = True
+    notice.in_loop = notice.looped = True
     try:
         for r in training_steps(run, state, conductor, reset_first):
             state = r.state

@@ -95,6 +95,7 @@ class Notice:
         self.received = 0  # the signal of the notice, 0: none
         self.received_at = 0.0  # time.monotonic() of the notice
         self.in_loop = False  # set by the training loop while it steps
+        self.looped = False  # set by the training loop as it starts: the start-up is over
         self._old: dict = {}
 
     def __enter__(self) -> "Notice":
@@ -117,6 +118,9 @@ class Notice:
         self.received, self.received_at = sig, time.monotonic()
         if sig == signal.SIGINT:  # os.write: print could re-enter a write the signal interrupted
             os.write(2, b"\nnljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)\n")
+        elif not self.looped:  # the start-up (restore, compilation) can take minutes: said now, not at the end
+            os.write(2, b"nljax: SIGTERM during start-up: the run stops after its first step, saved "
+                        b"(SIGTERM again: at once)\n")
 
     def stop_after(self, step: int) -> bool:
         """Called after every step on every process with the step just done (the same number
