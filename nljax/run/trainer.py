@@ -28,6 +28,7 @@ from nljax.engine.state import TrainState, bytes_per_device, describe_memory
 from nljax.errors import ConfigError
 from nljax.measure import flops
 from nljax.measure.comm import comm_per_step
+from nljax.models import registry
 from nljax.parallel import levels
 from nljax.run import harness, startup, throughput
 from nljax.run.core import Run
@@ -372,7 +373,9 @@ def _train(cfg: Config, notice: Notice) -> dict:
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     check_installed(cfg)  # before anything is written
     if is_main() and not cfg.run.quiet:  # building reads the data and lays out the model: seconds
-        print(f"nljax {__version__}: building the run (model {cfg.model.name}, data {cfg.data.source}) ...", flush=True)
+        # an image model reads images.*, a text model data.*
+        data = f"images {cfg.images.source}" if registry.task_of(cfg) == "images" else f"data {cfg.data.source}"
+        print(f"nljax {__version__}: building the run (model {cfg.model.name}, {data}) ...", flush=True)
     run = Run.create(cfg)
     cfg = run.cfg  # with what the data decide (model.vocab_size of a tokenizer): config.yaml, checkpoints
     say = print if is_main() and not cfg.run.quiet else (lambda *a: None)
