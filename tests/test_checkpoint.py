@@ -384,6 +384,8 @@ BAD = {
     "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),
     "metadata": (_bad_meta, [], "checkpoint {d}/ckpt/4: metadata unreadable", False),
     "foreign": (_foreign_meta, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
+    "orbax": (lambda d: (d / storage.ORBAX_META).write_text("garbage{"), [],
+              "checkpoint {d}/ckpt/4: Orbax's _CHECKPOINT_METADATA is unreadable", False),
     "edited": (_edited_meta, [], "checkpoint {d}/ckpt/4: metadata does not match its seal", False),
     "devices": (_zero_devices, [], "checkpoint {d}/ckpt/4: metadata is not an nljax checkpoint of format 1", False),
     "fingerprint": (_other_model, [], "checkpoint {d}/ckpt/4 is from another model: parameter 'head/kernel' is "

@@ -45,7 +45,7 @@ HOW_COMPUTED = ("model.remat", "model.nl_lm.memory_unroll", "model.dtype", "mode
                 "model.nl_lm.attention", "model.nl_lm.embed_grad", "model.nl_lm.loss_chunk")
 SILENT = (*(k for k in HOW_COMPUTED if k in ("model.remat", "model.nl_lm.memory_unroll")), "run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
           "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
-          "distributed")
+          "distributed", "prepare")
 
 
 class Damaged(ConfigError):

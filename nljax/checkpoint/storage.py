@@ -131,9 +131,24 @@ def read_meta(path: Path) -> dict:
         meta = ocp.JsonCheckpointHandler().restore(path / META)
     except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
         error = f"checkpoint {path}: metadata unreadable ({error_line(e)})"
+    if error is None:
+        error = _orbax_meta_error(path)
     _agreed(error)
     meta = check_well_formed(path, meta)
     return {**meta, "config": migrate(meta["config"])}
+
+
+def _orbax_meta_error(path: Path) -> str | None:
+    """A line when Orbax's own step metadata is not JSON: Orbax logs an error for it at every later
+    save and listing, so the step is damaged like one whose arrays are (a resume falls back past
+    it and sets it aside)."""
+    import json
+
+    try:
+        json.loads((path / ORBAX_META).read_text())
+    except (OSError, ValueError) as e:
+        return f"checkpoint {path}: Orbax's {ORBAX_META} is unreadable ({type(e).__name__})"
+    return None
 
 
 def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct]) -> tuple[dict[str, jax.Array], dict[str, int]]:
