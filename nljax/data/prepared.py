@@ -233,6 +233,8 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
             elapsed = bar.format_dict["elapsed"] or 1e-9
             bar.set_postfix_str(f"{(tokens() - first) / elapsed:,.0f} tokens/s", refresh=False)
             if done == kill_after:  # the tests' stand-in for a kill (or Ctrl-C) at an arbitrary point
+                if how == signal.SIGINT:  # Python's handler, even where the test's shell ignores SIGINT (a
+                    signal.signal(signal.SIGINT, signal.default_int_handler)  # background job): as at a terminal
                 os.kill(os.getpid(), how)
         seen = _fill(d, tok, sources, sinks, dtype, workers, chunk_bytes, start, on_chunk)
     return _manifest(d, tok, sources, sinks, seen)
