@@ -247,3 +247,24 @@ rundir.RunDir.log = limiting_log
 from nljax.train import main
 sys.exit(main())
 """
+
+
+def bpe_corpus(root: Path, line: str) -> list[str]:
+    """24 small documents under root/corpus (`line`, with {i} and {sq}, said 12 times each) and a
+    300-token byte-level BPE trained on them (root/tok.json, `<eos>` its document end): the
+    overrides that train on them."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    corpus = root / "corpus"
+    corpus.mkdir()
+    docs = [line.format(i=i, sq=i * i) * 12 for i in range(24)]
+    for i, d in enumerate(docs):
+        (corpus / f"d{i}.txt").write_text(d)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
+                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(root / "tok.json"))
+    return ["data.source=files", f"data.train={corpus}/*.txt", f"data.tokenizer={root / 'tok.json'}",
+            "data.doc_end_token=<eos>", "eval.stream_steps=0", "model.vocab_size=300"]

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 import pytest
-from helpers import QUICK, ROOT, TINY, TINY_NL, cli, saved_run, subprocess_env
+from helpers import QUICK, ROOT, TINY, TINY_NL, bpe_corpus, cli, saved_run, subprocess_env
 
 pytest.importorskip("lm_eval")  # the `lm-eval` extra (in `dev`)
 
@@ -356,25 +356,15 @@ def test_a_tokenizer_run_is_scored_with_its_tokens(tmp_path):
     the document-end token, and the scores are nljax's own."""
     import jax
     from lm_eval.api.instance import Instance
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from nljax import export
     from nljax.lm_eval import FromRun
     from nljax.run import trained as trained_lib
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    docs = [f"document {i} says hello to the tokenizer, number {i * i}. " * 12 for i in range(24)]
-    for i, d in enumerate(docs):
-        (corpus / f"d{i}.txt").write_text(d)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tok.json"))
-    files = ["data.source=files", f"data.train={corpus}/*.txt", f"data.tokenizer={tmp_path / 'tok.json'}",
-             "data.doc_end_token=<eos>", "eval.stream_steps=0", "model.vocab_size=300"]
+    from tokenizers import Tokenizer
+
+    files = bpe_corpus(tmp_path, "document {i} says hello to the tokenizer, number {sq}. ")
+    tok = Tokenizer.from_file(str(tmp_path / "tok.json"))
     saved_run(tmp_path / "run", [*NL, *files], 1, 1, steps=0)  # the initial parameters: no step compiled
     out = export.export(trained_lib.load(tmp_path / "run", devices=jax.devices()[:1]), tmp_path / "export")
     lm = nljax.load(out)

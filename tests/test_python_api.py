@@ -10,7 +10,7 @@ import sys
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, TINY_NL, saved_run
+from helpers import ROOT, TINY_NL, bpe_corpus, saved_run
 
 import nljax
 from nljax import export
@@ -139,21 +139,11 @@ def test_the_python_snippets_run_as_written(where, runs, monkeypatch, capsys):
 def test_an_export_carries_the_runs_tokenizer(tmp_path):
     """A run on its own files with a tokenizer.json: the export holds a copy, so `nljax.load` of
     the export encodes and decodes as the run did with the tokenizer and the corpus gone."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    docs = [f"document {i} says hello to the tokenizer, ünïcode {i * i}. " * 12 for i in range(24)]
-    for i, d in enumerate(docs):
-        (corpus / f"d{i}.txt").write_text(d)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"],
-                                                     initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tok.json"))
-    files = ["data.source=files", f"data.train={corpus}/*.txt", f"data.tokenizer={tmp_path / 'tok.json'}",
-             "data.doc_end_token=<eos>", "eval.stream_steps=0", "model.vocab_size=300"]
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    files = bpe_corpus(tmp_path, "document {i} says hello to the tokenizer, ünïcode {sq}. ")
+    tok, corpus = Tokenizer.from_file(str(tmp_path / "tok.json")), tmp_path / "corpus"
     saved_run(tmp_path / "run", [*NL, *files], 1, 1, steps=0)  # the initial parameters: no step compiled
     out = export.export(trained.load(tmp_path / "run", devices=jax.devices()[:1]), tmp_path / "export")
     assert (out / "tokenizer.json").read_bytes() == (tmp_path / "tok.json").read_bytes()
