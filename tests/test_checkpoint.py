@@ -173,7 +173,8 @@ def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
     `memory_embed`; its memory read the stream only): it restores as if saved today, with no
     warning and the same state, and onto another strategy (which builds an engine from the
     saved config, `config.from_dict`)."""
-    then = [*NL, "model.nl_lm.memory_embed=false"]  # what the code computed then
+    then = [*NL, "model.nl_lm.memory_embed=false", "model.nl_lm.memory_impl=scan", "model.nl_lm.attention=blocked",
+            "model.nl_lm.embed_grad=scatter"]  # what the code computed then
     setup = make([*then, f"checkpoint.dir={tmp_path / 'ref'}"], 2, 4)
     train(setup, 2)
     save(setup, setup.state, 2)
@@ -181,7 +182,8 @@ def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
     meta = tmp_path / "ckpt" / "2" / "nljax" / "metadata"
     m = json.loads(meta.read_text())
     model = m["config"]["model"]
-    del model["nl_lm"]["scan_layers"], model["nl_lm"]["memory_embed"]
+    for key in ("scan_layers", "memory_embed", "memory_impl", "attention", "embed_grad", "loss_chunk"):  # added since
+        del model["nl_lm"][key]
     model.update(model.pop("nl_lm"), patch_size=model.pop("dit")["patch_size"])
     del m["seal"]  # written before the metadata was sealed, too
     meta.write_text(json.dumps(m))
