@@ -112,14 +112,9 @@ def check(impls: dict, state, args) -> dict:
 
 def timed(calls: dict, warmup: int, rounds: int) -> dict:
     """name -> median seconds over interleaved rounds, after `warmup` untimed ones."""
-    times = {k: [] for k in calls}
-    for i in range(warmup + rounds):
-        for k, call in calls.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(call())
-            if i >= warmup:
-                times[k].append(time.perf_counter() - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
+    from plain_jit import interleaved  # benchmarks/plain_jit.py: the rounds themselves
+
+    return {k: statistics.median(v) for k, v in interleaved(calls, warmup, rounds).items()}
 
 
 def bench(name: str, args) -> dict:

@@ -201,11 +201,8 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int):
         y_ref[t, :] = y
         return M, S
 
-    start = tuple({nm_: r[...].astype(jnp.float32) for nm_, r in zip(names, src)} for src in (m_in, s_in))
-    M, S = jax.lax.fori_loop(0, n, body, start)
-    for final, ref in zip((M, S), (m_out, s_out)):
-        for name, r in zip(names, ref):
-            r[...] = final[name]
+    M, S = jax.lax.fori_loop(0, n, body, _read_state(names, m_in, s_in))
+    _write_state(names, (M, S), m_out, s_out)
 
 
 def _backward_kernel(*refs, kind: str, chunk: int, n: int):
@@ -238,11 +235,20 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int):
                 r[t] = g
         return dM, dS
 
-    start = tuple({nm_: r[...].astype(jnp.float32) for nm_, r in zip(names, src)} for src in (dm_in, ds_in))
-    dM, dS = jax.lax.fori_loop(0, n, body, start)
-    for final, ref in zip((dM, dS), (dm_out, ds_out)):
-        for name, r in zip(names, ref):
-            r[...] = final[name]
+    dM, dS = jax.lax.fori_loop(0, n, body, _read_state(names, dm_in, ds_in))
+    _write_state(names, (dM, dS), dm_out, ds_out)
+
+
+def _read_state(names, m_refs, s_refs) -> tuple[dict, dict]:
+    """(M, S) as float32 leaves by name, read whole from their refs (a state or its cotangent)."""
+    return tuple({name: r[...].astype(jnp.float32) for name, r in zip(names, refs)} for refs in (m_refs, s_refs))
+
+
+def _write_state(names, state: tuple, m_refs, s_refs) -> None:
+    """Writes (M, S) leaves by name into their refs."""
+    for leaves, refs in zip(state, (m_refs, s_refs)):
+        for name, r in zip(names, refs):
+            r[...] = leaves[name]
 
 
 def _spec(shape, lead: int = 2):
