@@ -135,3 +135,57 @@ def test_scopes_from_hlo_metadata(tmp_path):
     s = traces.summarize(tmp_path, steps=1, step_s=100e-6, timed_step_s=40e-6)
     assert s["timed_step_s"] == 40e-6 and s["busy_fraction"] == pytest.approx(0.7)  # of the profiled step
     assert "(the step without the profiler: 0.04 ms)" in "\n".join(traces.format_summary(s))
+
+
+BUFFERS_HLO = """HloModule jit_train_step, entry_computation_layout={(f32[4]{0})->f32[4]{0}}
+
+%fc.2 (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %add.1 = f32[4]{0} add(f32[4]{0} %param_0, f32[4]{0} %param_0), metadata={op_name="jit(train_step)/jvp(NLNet)/NLNet.unrolled/head/add"}
+}
+
+%body.3 (arg: (s32[], f32[4,4])) -> (s32[], f32[4,4]) {
+  %arg = (s32[], f32[4,4]{1,0}) parameter(0)
+  %gemm.9 = (f32[4,4]{1,0}, s8[0]{0}) custom-call(f32[4,4]{1,0} %x, f32[4,4]{1,0} %x), custom_call_target="__cublas$gemm", metadata={op_name="jit(train_step)/transpose(jvp(NLNet))/NLNet.unrolled/attn0/bqd,bkd->bqk/dot_general"}
+  ROOT %tuple.1 = (s32[], f32[4,4]{1,0}) tuple(s32[] %i, f32[4,4]{1,0} %g)
+}
+
+%command_buffer.5 (p0: f32[4], p1: f32[4,4]) -> (f32[4], f32[4,4]) {
+  %p0 = f32[4]{0} parameter(0)
+  %cublas-gemm.1 = (f32[4,4]{1,0}, s8[0]{0}) custom-call(f32[4,4]{1,0} %p1, f32[4,4]{1,0} %p1), custom_call_target="__cublas$gemm", metadata={op_name="jit(train_step)/transpose(jvp(NLNet))/NLNet.unrolled/block0/cms1/dot_general"}
+  %loop_dynamic_update_slice_fusion.4 = f32[4]{0} fusion(f32[4]{0} %p0), kind=kLoop, calls=%fc.4, metadata={op_name="jit(train_step)/jvp(NLNet)/NLNet.scanned/while/body/mem1/dynamic_update_slice"}
+  %fusion.6 = f32[4]{0} fusion(f32[4]{0} %p0), kind=kLoop, calls=%fc.2, metadata={op_name="jit(train_step)/jvp(NLNet)/NLNet.unrolled/norm0/mul"}
+  %copy.8 = f32[4]{0} copy(f32[4]{0} %p0)
+  %while.2 = (s32[], f32[4,4]{1,0}) while((s32[], f32[4,4]{1,0}) %t), condition=%cond.3, body=%body.3
+  ROOT %tuple.2 = (f32[4]{0}, f32[4,4]{1,0}) tuple(f32[4]{0} %copy.8, f32[4,4]{1,0} %g)
+}
+
+ENTRY %main.9 (p: f32[4], q: f32[4,4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  %call.7 = (f32[4]{0}, f32[4,4]{1,0}) call(f32[4]{0} %p, f32[4,4]{1,0} %q), to_apply=%command_buffer.5
+  ROOT %get-tuple-element.3 = f32[4]{0} get-tuple-element((f32[4]{0}, f32[4,4]{1,0}) %call.7), index=0
+}
+"""
+
+
+def test_kernels_in_command_buffers_found_through_the_buffers_instructions(tmp_path):
+    """A library kernel inside a CUDA command buffer (the profiler names the buffer, the kernel is
+    cuBLAS's or a memcpy) goes to the scopes of the buffer's instructions of its category, loops
+    inside the buffer included, fused computations not (a fusion has its own metadata)."""
+    names, buffers = traces.op_names(BUFFERS_HLO), traces.command_buffers(BUFFERS_HLO)
+    assert {"command_buffer.5", "command_buffer_5", "call.7", "call_7"} <= set(buffers)
+    scope = lambda op, kernel: traces.op_scope(names, op, kernel, buffers)
+    # cuBLAS: the buffer's two matmuls (one in a while loop's body), in two places of the model
+    assert scope("command_buffer_5", "nvjet_sm90_tst_128x128_64x6_2x1_v_bz_NNT") == "backward attn | backward block/cms"
+    assert scope("call.7", "memcpy128") == "forward mem"  # the copy-category instructions: the update slice
+    assert scope("command_buffer_5", "loop_dynamic_update_slice_fusion_4") == "forward mem"  # by the kernel's name
+    assert scope("command_buffer_5", "some_other_kernel") == "forward norm"  # a fusion: the buffer's fusions
+    assert scope("command_buffer_5", "ncclDevKernel_AllReduce") == (  # no instruction of its kind: all of them
+        "backward attn | backward block/cms | forward mem | forward norm")
+    assert scope("command_buffer_9", "memcpy128") == "?" and traces.op_scope(names, "command_buffer_5", "x") == "?"
+    events = [meta(1, "/device:GPU:0"), meta(1, "Stream #13(Compute)", 13),
+              op(1, 13, "command_buffer_5", 0, 30, name="nvjet_sm90_tst_128x128"),
+              op(1, 13, "command_buffer_5", 30, 10, name="memcpy32_post"), op(1, 13, "copy.11", 40, 5)]
+    s = traces.summarize(write(tmp_path, events), steps=1, step_s=100e-6, hlo_text=BUFFERS_HLO)
+    assert s["by_scope_s"] == pytest.approx({"backward attn | backward block/cms": 30e-6, "forward mem": 10e-6,
+                                             "?": 5e-6})

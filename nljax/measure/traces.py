@@ -20,7 +20,9 @@ device:
   written, read from each instruction's `op_name` metadata (JAX's name stack): the pass
   (forward: `jvp(...)`, backward: `transpose(...)`, or `step`: the loss's reduction, the
   optimizer, collectives outside the model) and the model's modules (`mem1` -> `mem`,
-  `block0/cms1` -> `block/cms`). Ops XLA made up (copies, command buffers) carry none: `?`.
+  `block0/cms1` -> `block/cms`). A kernel inside a CUDA command buffer is found through the
+  buffer's instructions (`command_buffers`); ops XLA made up (copies of loop state) carry none:
+  `?`.
 
 Op events are those the runtime tags with `args.hlo_op`: XLA:GPU's kernels on the device's
 stream lanes, XLA:CPU's thunks on its worker threads. A GPU device process also has derived
@@ -89,13 +91,75 @@ def scope(op_name: str | None) -> str:
     return " ".join([pass_, "/".join(modules[:2])]).strip()
 
 
-def op_scope(names: dict[str, str], hlo_op: str, kernel: str) -> str:
+_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([^\s(%=]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
+_LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s+=\s+(.*)$")
+_CALLED = re.compile(r"(?:to_apply|body|condition)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def command_buffers(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
+    """Command buffer -> (category, op_name) of each instruction with metadata that it runs.
+
+    XLA:GPU outlines runs of kernels into a computation `command_buffer...` called once as a CUDA
+    graph; the profiler tags every kernel inside with the buffer's name, so neither the HLO op
+    nor, for library kernels (cuBLAS's `nvjet_*`, `memcpy*`), the kernel's name finds the
+    instruction. The buffer is known by its computation's name and by its call instruction's,
+    each also with `_N` for `.N` (the profiler's spelling); loops and conditionals inside it
+    count with it (the called computations, not the fused ones: a fusion carries its own
+    metadata)."""
+    comps: dict[str, list[str]] = {}
+    lines_of: list[str] | None = None
+    for line in hlo_text.splitlines():
+        if (h := _HEADER.match(line)) and "=" not in line.split("{")[0]:
+            lines_of = comps.setdefault(h.group(1), [])
+        elif lines_of is not None and _LINE.match(line):
+            lines_of.append(line)
+
+    def contents(comp: str, seen: set) -> list[tuple[str, str]]:
+        if comp in seen or comp not in comps:
+            return []
+        seen.add(comp)
+        out = []
+        for line in comps[comp]:
+            name, rest = _LINE.match(line).groups()
+            if m := _OP_NAME.search(rest):  # its category by its name, opcode and library call
+                opcode = re.search(r"(?:^|\s)([a-z][\w\-]*)\(", rest)
+                target = re.search(r'custom_call_target="([^"]*)"', rest)
+                what = f"{name} {opcode.group(1) if opcode else ''} {target.group(1) if target else ''}"
+                out.append((category(what), m.group(1)))
+            for c in _CALLED.finditer(rest):
+                for callee in ([c.group(1)] if c.group(1) else re.findall(r"%?([\w.\-]+)", c.group(2))):
+                    out += contents(callee, seen)
+        return out
+
+    found: dict[str, list[tuple[str, str]]] = {}
+    for comp, lines in comps.items():
+        buffers = [comp] if comp.startswith("command_buffer") else []
+        for line in lines:  # the call instructions of command buffers, by their own names
+            name, rest = _LINE.match(line).groups()
+            if (c := re.search(r"\bcall\(.*to_apply=%?(command_buffer[\w.\-]*)", rest)) and c.group(1) in comps:
+                found[name] = found[name.replace(".", "_")] = contents(c.group(1), set())
+        for b in buffers:
+            found[b] = found[re.sub(r"\.(\d+)$", r"_\1", b)] = contents(b, set())
+    return found
+
+
+def op_scope(names: dict[str, str], hlo_op: str, kernel: str,
+             buffers: dict[str, list[tuple[str, str]]] | None = None) -> str:
     """The scope of a profiled op: by its HLO op, else by the kernel's name (XLA:GPU names a
-    fusion's kernel after it, `_` for `.`; inside a command buffer the HLO op is the buffer's)."""
+    fusion's kernel after it, `_` for `.`), else, for a kernel inside a command buffer
+    (`command_buffers`), by the buffer's instructions of the kernel's category (a cuBLAS kernel:
+    its matmuls; a memcpy: its copies): their one scope, or theirs joined by ` | ` when the
+    buffer runs ops of several (the kernel is one of them, the profile cannot say which)."""
     for n in (hlo_op, kernel, re.sub(r"_(\d+)$", r".\1", kernel)):
         if n in names:
             return scope(names[n])
-    return "?"
+    inside = (buffers or {}).get(hlo_op)
+    if not inside:
+        return "?"
+    cat = category(kernel)
+    same = [op for c, op in inside if c == cat] or [op for _, op in inside]
+    return " | ".join(sorted({scope(op) for op in same}))
 
 
 def category(name: str) -> str:
@@ -165,7 +229,8 @@ def kind(op: str) -> str:
     return ".".join(parts)
 
 
-def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: dict | None = None) -> dict:
+def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: dict | None = None,
+                   buffers: dict | None = None) -> dict:
     us = 1e-6  # trace times are in microseconds
     busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ops]) * us / steps
     by_cat: dict[str, float] = {}
@@ -178,7 +243,7 @@ def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: 
         cat = category(f"{name} {e['name']}")  # the HLO op, and the kernel's name on a GPU
         by_cat[cat] = by_cat.get(cat, 0.0) + dur / steps
         if names is not None:
-            where = op_scope(names, name, e["name"])
+            where = op_scope(names, name, e["name"], buffers)
             by_scope[where] = by_scope.get(where, 0.0) + dur / steps
         for acc in (by_op.setdefault(name, [0.0, 0, cat]), by_kind.setdefault(kind(name), [0.0, 0, cat])):
             acc[0] += dur / steps
@@ -213,7 +278,8 @@ def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: 
         ops, module = per_device[first], None
     return {"device": first, "devices": len(per_device), "module": module, "steps": steps, "step_s": step_s,
             **({"timed_step_s": timed_step_s} if timed_step_s else {}),
-            **device_summary(ops, steps, step_s, top, op_names(hlo_text) if hlo_text else None)}
+            **device_summary(ops, steps, step_s, top, op_names(hlo_text) if hlo_text else None,
+                             command_buffers(hlo_text) if hlo_text else None)}
 
 
 def format_summary(s: dict) -> list[str]:
