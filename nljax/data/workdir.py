@@ -1,13 +1,15 @@
-"""The work directory of `python -m nljax.prepare` (DIR/.prepare-work): the token and
-document-start files as they are written, and the record of the chunks done, so that a prepare
-interrupted (Ctrl-C, a kill, a full disk) resumes where it stopped, with the same files at the end
-as a prepare never interrupted.
+"""The work directory of `python -m nljax.prepare` (.DIR.prepare-work beside DIR: data/outdir.py):
+the token and document-start files as they are written, and the record of the chunks done, so
+that a prepare interrupted (Ctrl-C, a kill, a full disk) resumes where it stopped, with the same
+files at the end as a prepare never interrupted.
 
     part.train.bin, part.eval.bin         token ids, appended chunk by chunk
     part.train.starts, part.eval.starts   int64: each document's first token, appended alike
     progress.json                         the job it belongs to, the chunks done, the position
                                           in the input after them, and per split the counts and
                                           the sha256 of each file up to there
+    prepared/                             once every chunk is done: the new prepared directory
+                                          (the token files moved into it), until it replaces DIR
 
 progress.json is replaced (written aside, renamed) after each chunk, once the part files are on
 disk (fsync). On resume the job must be the same (the data.* settings, the source files' paths,
@@ -91,6 +93,11 @@ class WorkDir:
         self.path, self.dtype, self.splits = path, dtype, splits
         self.job = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
         self.files: list = []
+        self.done = path / "prepared"  # the finished directory, made from the part files (data/prepared.py)
+
+    def resumable(self) -> bool:
+        """Whether the progress recorded here is of this job."""
+        return self._saved() is not None
 
     def open(self) -> tuple[dict, dict | None, str]:
         """(the sinks, the progress to go on from or None, a line saying what was found)."""
