@@ -271,6 +271,7 @@ def test_an_overwrite_killed_during_the_swap_leaves_whole_data_and_the_next_run_
         whole(aside, old, digest)
     assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 0
     said = capsys.readouterr()
+    assert "started over" not in said.out  # what was left is recognised, not taken for a broken record
     if point == "replaced":
         assert warnings(said.err) == [f"nljax.prepare: warning: removed {aside}, the data {out} held before an "
                                       "overwrite that stopped once the new data were in place"]
@@ -299,13 +300,18 @@ def test_a_failed_rename_puts_the_previous_data_back_and_the_work_is_kept(corpus
     assert capsys.readouterr().err.strip() == f"nljax.prepare: error: cannot write {out}: No space left on device"
     monkeypatch.setattr(os, "rename", real)
     whole(out, old, digest)
-    assert not outdir.at(out).old.exists() and (work(out) / "prepared" / "manifest.json").is_file()
+    finished = work(out) / "prepared"
+    assert not outdir.at(out).old.exists() and files(finished) == reference
+    # the finished directory is read back before it is put in place: one changed since is not
+    with open(finished / "train.bin", "r+b") as f:
+        f.seek(7)
+        f.write(bytes([f.read(1)[0] ^ 1]))
     assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 0
-    assert "its files are complete (verified)" in capsys.readouterr().out
+    assert "an interrupted prepare whose files differ from their manifest, started over" in capsys.readouterr().out
     assert files(out) == reference
 
 
-def test_overwrite_of_a_users_directory_is_refused_and_nothing_is_removed(corpus, tmp_path, capsys):
+def test_overwrite_of_a_users_directory_is_refused_and_nothing_is_removed(corpus, tmp_path, capsys, monkeypatch):
     """overwrite=true replaces prepared data only: a directory with a file of the user's (even
     beside prepared files) is refused in one line, as is previous data set aside that a user
     has put a file into; nothing is removed, nothing is left beside."""
@@ -329,3 +335,11 @@ def test_overwrite_of_a_users_directory_is_refused_and_nothing_is_removed(corpus
                                                "prepared data (thesis.tex): move them away, then run again")
     assert sorted(p.name for p in aside.iterdir()) == ["manifest.json", "thesis.tex"] and not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["mine", aside.name])
+    # DIR is replaced by a rename: not the working directory, nor one above it
+    monkeypatch.chdir(mine)
+    for spelling in (".", str(tmp_path)):
+        assert prepare_main([*corpus["args"], f"out={spelling}", "overwrite=true"]) == 2
+        assert capsys.readouterr().err.strip() == (f"nljax.prepare: error: out={spelling} is the working directory "
+                                                   "or holds it: nljax.prepare replaces DIR by renaming it, give a "
+                                                   "directory beside or below")
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "train.bin"]

@@ -187,8 +187,10 @@ def _write(out: Path, overwrite: bool, d: DataConfig, tok, sources: tuple, dtype
     with outdir.locked(o):
         if note := outdir.recover(o, _ours):
             print(f"nljax.prepare: warning: {note}", file=sys.stderr, flush=True)
-        _check_out(o, overwrite)
         work = workdir.WorkDir(o.work, _job(d, tok, sources, dtype), dtype, SPLITS)
+        if work.finished(this_job=False) and not work.done.exists():  # stopped once it had replaced DIR
+            work.discard()
+        _check_out(o, overwrite)
         try:
             c = _finished(work)
             if c is None:
@@ -227,7 +229,7 @@ def _check_out(o: outdir.Out, overwrite: bool) -> None:
 def _finished(work: workdir.WorkDir) -> Corpus | None:
     """The new directory of an interrupted prepare of this job that was complete (stopped before
     it replaced DIR), read back; None when there is none (or it does not read back: started over)."""
-    if not (work.resumable() and (work.done / MANIFEST).is_file()):
+    if not work.finished():
         return None
     try:
         c = load(work.done)
@@ -292,6 +294,7 @@ def _commit(work: workdir.WorkDir, manifest: dict, tok) -> Corpus:
         os.replace(work.path / f"part.{s}.bin", new / f"{s}.bin")
     (new / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
     outdir.sync(sorted(new.iterdir()))
+    work.finish()  # before the read-back (seconds on a large corpus): a kill in it resumes here
     try:
         return load(new)
     except ConfigError as e:
