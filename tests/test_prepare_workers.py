@@ -284,10 +284,22 @@ def test_an_overwrite_killed_during_the_swap_leaves_whole_data_and_the_next_run_
 
 def test_a_failed_rename_puts_the_previous_data_back_and_the_work_is_kept(corpus, reference, tmp_path, capsys,
                                                                           monkeypatch):
-    """The rename of the new directory onto DIR fails (a full disk, say): one line, exit 1, DIR
-    is the previous data, and the next run puts the finished new directory in place."""
+    """The rename of the new directory onto DIR fails (a full disk, say), or Ctrl-C comes between
+    the two renames: one line, DIR is the previous data (renamed back at once), and the next run
+    puts the finished new directory in place (read back again first)."""
     out = tmp_path / "prep"
     old, digest = previous(corpus, out)
+
+    def ctrl_c(point):
+        if point == "aside":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepared, "_test_kill", ctrl_c)
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C): the same command resumes where it stopped")
+    whole(out, old, digest)
+    assert not outdir.at(out).old.exists() and files(work(out) / "prepared") == reference
+    monkeypatch.undo()
     real = os.rename
 
     def new_fails(src, dst):
@@ -335,6 +347,17 @@ def test_overwrite_of_a_users_directory_is_refused_and_nothing_is_removed(corpus
                                                "prepared data (thesis.tex): move them away, then run again")
     assert sorted(p.name for p in aside.iterdir()) == ["manifest.json", "thesis.tex"] and not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["mine", aside.name])
+    # previous data set aside, and at DIR something that is not the prepared data that replaced
+    # them (a user's folder made since): neither is removed
+    (aside / "thesis.tex").unlink()
+    out.mkdir()
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.prepare: error: {aside} holds the data {out} held before "
+                                               f"an overwrite that stopped part-way, and {out} is not the prepared "
+                                               "data that replaced them: move one of them away, then run again")
+    assert [p.name for p in aside.iterdir()] == ["manifest.json"] and out.is_dir()
+    # a mount point cannot be replaced by a rename (the check; a prepare into one is refused)
+    assert outdir.on_another_file_system(outdir.at(Path("/proc"))) and not outdir.on_another_file_system(outdir.at(mine))
     # DIR is replaced by a rename: not the working directory, nor one above it
     monkeypatch.chdir(mine)
     for spelling in (".", str(tmp_path)):

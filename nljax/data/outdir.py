@@ -114,9 +114,10 @@ def locked(o: Out) -> Iterator[None]:
         f.close()
 
 
-def recover(o: Out, ours: Callable[[str], bool]) -> str:
+def recover(o: Out, ours: Callable[[str], bool], manifest: str) -> str:
     """Undo or finish a replacement of DIR that stopped between its renames (see the module's
-    docstring); the line that says which, or '' when there was none."""
+    docstring); the line that says which, or '' when there was none. `ours`: whether a name in
+    a prepared directory is one a prepare writes; `manifest`: the name that makes it complete."""
     if not os.path.lexists(o.old):
         return ""
     if o.old.is_symlink() or not o.old.is_dir():
@@ -125,6 +126,10 @@ def recover(o: Out, ours: Callable[[str], bool]) -> str:
         raise ConfigError(f"{o.old} holds files that are not nljax prepared data ({', '.join(foreign[:3])}): "
                           "move them away, then run again")
     if os.path.lexists(o.path):  # stopped after the new data went in place: the previous are not needed
+        if not (o.path / manifest).is_file() or strangers(o.path, ours):  # not what a prepare put there
+            raise ConfigError(f"{o.old} holds the data {o.given} held before an overwrite that stopped part-way, "
+                              f"and {o.given} is not the prepared data that replaced them: move one of them away, "
+                              "then run again")
         shutil.rmtree(o.old)
         return (f"removed {o.old}, the data {o.given} held before an overwrite that stopped once the new data "
                 "were in place")
