@@ -11,11 +11,13 @@ renames, then a removal:
     .DIR.prepare-old            removed
 
 At every instant DIR is the complete previous data or the complete new data, except between the
-two renames, when it is absent and the previous data are whole at .DIR.prepare-old. A prepare
-stopped there (a kill, a power cut) is finished or undone by the next prepare into DIR, before
-anything else, with one warning line: DIR absent, the previous data are renamed back (the command
-then goes on as asked: with overwrite=true, it puts the new data in place again, without
-tokenizing again); DIR present (stopped after the second rename), the previous data are removed.
+two renames, when it is absent and the previous data are whole at .DIR.prepare-old. A failed
+second rename or a Ctrl-C there renames them back at once. A prepare stopped there for good (a
+kill, a power cut) is finished or undone by the next prepare into DIR, before anything else, with
+one warning line: DIR absent, the previous data are renamed back (the command then goes on as
+asked: with overwrite=true, it puts the new data in place again, without tokenizing again); DIR
+present and the prepared data that replaced them (stopped after the second rename), the previous
+data are removed.
 
 The names beside DIR (for out=data/mine):
 
@@ -25,7 +27,7 @@ The names beside DIR (for out=data/mine):
     data/.mine.prepare-old/    the previous DIR, between the two renames only
 
 Nothing else is removed: .DIR.prepare-old only while it holds nothing but the names a prepared
-directory holds (a file of the user's moved into it is refused in one line, and kept).
+directory holds and DIR is prepared data (otherwise one line, and both are kept).
 """
 
 from __future__ import annotations
