@@ -357,7 +357,8 @@ def test_overwrite_of_a_users_directory_is_refused_and_nothing_is_removed(corpus
                                                "data that replaced them: move one of them away, then run again")
     assert [p.name for p in aside.iterdir()] == ["manifest.json"] and out.is_dir()
     # a mount point cannot be replaced by a rename (the check; a prepare into one is refused)
-    assert outdir.on_another_file_system(outdir.at(Path("/proc"))) and not outdir.on_another_file_system(outdir.at(mine))
+    assert outdir.on_another_file_system(outdir.at(Path("/proc")))
+    assert not outdir.on_another_file_system(outdir.at(mine))
     # DIR is replaced by a rename: not the working directory, nor one above it
     monkeypatch.chdir(mine)
     for spelling in (".", str(tmp_path)):
