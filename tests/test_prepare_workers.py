@@ -1,7 +1,10 @@
 """nljax.prepare at corpus scale: the same files with 1 and N worker processes (and the same
 tokens as the in-memory build, the reference); a prepare killed after some chunks resumes from
 its verified record to the same files as one never interrupted, whatever the worker count; a
-record that does not match its files, or sources changed since, start over. Memory bounds are in
+record that does not match its files, or sources changed since, start over. overwrite=true
+replaces DIR whole: killed before, between or after the renames that put the new directory in
+place, DIR is the complete previous data or the complete new (or, between the renames, absent,
+the previous data whole beside it), and the next prepare recovers with one warning line. Memory bounds are in
 tests/test_columnar_data.py (row groups) and docs/benchmarks/2026-11-28-prepare-cpu.md (RSS)."""
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import time
 import uuid
 from pathlib import Path
@@ -18,7 +22,7 @@ import pytest
 from helpers import cli
 
 from nljax import config
-from nljax.data import prepared
+from nljax.data import outdir, prepared
 from nljax.prepare import main as prepare_main
 
 WORDS = "the a memory level stream token window model learns reads writes été 記憶 data file".split()
@@ -49,6 +53,11 @@ def files(out: Path) -> dict[str, bytes]:
     return {name: (out / name).read_bytes() for name in FILES}
 
 
+def work(out: Path) -> Path:
+    """The work directory of a prepare into `out` (beside it)."""
+    return outdir.at(out).work
+
+
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> dict[str, bytes]:
     """The files of an uninterrupted prepare in this process (workers=0: no pool)."""
@@ -63,7 +72,7 @@ def test_one_and_two_workers_write_the_same_files_as_the_in_memory_build(corpus,
         out = tmp_path / f"w{workers}"
         assert prepare_main([*corpus["args"], f"prepare.workers={workers}", f"out={out}"]) == 0
         assert files(out) == reference, workers
-        assert not (out / prepared.WORK).exists()
+        assert not work(out).exists()
     in_memory = prepared.build(config.load(None, ["data.source=files", *corpus["args"]]).data)
     on_disk = prepared.load(tmp_path / "w2")
     assert in_memory.digest == on_disk.digest and on_disk.manifest["train"]["max_token"] > 255
@@ -82,7 +91,7 @@ def _killed(corpus, out: Path, after: int, workers: int) -> None:
     p = cli("nljax.prepare", *corpus["args"], f"prepare.workers={workers}", f"out={out}", check=False,
             env={prepared.TEST_KILL_AFTER: str(after), "NLJAX_TEST_MARK": mark})
     assert p.returncode == -9, (p.returncode, p.stderr)
-    progress = json.loads((out / prepared.WORK / "progress.json").read_text())
+    progress = json.loads((work(out) / "progress.json").read_text())
     assert progress["chunks"] == after and not (out / "manifest.json").exists()
     deadline = time.time() + 10
     while _marked(mark) and time.time() < deadline:  # the workers see their parent's pipe close
@@ -105,14 +114,15 @@ def _marked(mark: str) -> list[int]:
 def test_a_killed_prepare_resumes_to_the_same_files(corpus, reference, tmp_path, capsys):
     out = tmp_path / "prep"
     _killed(corpus, out, after=3, workers=2)
-    with open(out / prepared.WORK / "part.train.bin", "ab") as f:  # a chunk written after the last record
+    with open(work(out) / "part.train.bin", "ab") as f:  # a chunk written after the last record
         f.write(b"\x07" * 1000)
     _killed(corpus, out, after=6, workers=1)  # resumed at 3, killed again at 6, with another worker count
     assert prepare_main([*corpus["args"], "prepare.workers=2", f"out={out}"]) == 0
     said = capsys.readouterr().out
     assert "resuming an interrupted prepare: 6 chunks done" in said and "(verified)" in said
     assert files(out) == reference
-    assert sorted(p.name for p in out.iterdir()) == sorted([*FILES, prepared.LOCK])
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES)
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # no lock, work or previous data left beside
 
 
 def test_ctrl_c_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_path):
@@ -121,7 +131,7 @@ def test_ctrl_c_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_pat
             env={prepared.TEST_KILL_AFTER: "4:SIGINT"})
     assert p.returncode == 130, p.stderr
     assert p.stderr.strip() == "nljax.prepare: interrupted (Ctrl-C): the same command resumes where it stopped"
-    assert json.loads((out / prepared.WORK / "progress.json").read_text())["chunks"] >= 4
+    assert json.loads((work(out) / "progress.json").read_text())["chunks"] >= 4
     assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
     assert files(out) == reference
 
@@ -129,7 +139,7 @@ def test_ctrl_c_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_pat
 def test_a_record_that_does_not_match_or_other_sources_start_over(corpus, reference, tmp_path, capsys):
     out = tmp_path / "prep"
     _killed(corpus, out, after=4, workers=1)
-    with open(out / prepared.WORK / "part.train.bin", "r+b") as f:  # a byte inside the recorded prefix
+    with open(work(out) / "part.train.bin", "r+b") as f:  # a byte inside the recorded prefix
         f.seek(10)
         f.write(b"\xff")
     assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
@@ -162,7 +172,7 @@ def test_bad_data_found_mid_way_leaves_no_work_behind(corpus, tmp_path, capsys):
     args = [f"data.train={src}/*.jsonl", "prepare.chunk_bytes=3000", f"out={out}"]
     assert prepare_main(args) == 2
     assert capsys.readouterr().err.strip() == f"nljax.prepare: error: {src}/part9.jsonl:2: no string field 'text' (data.text_key)"
-    assert not out.exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no DIR, no work, no lock
 
 
 def test_a_worker_killed_mid_way_is_one_error_and_the_work_is_kept(corpus):
@@ -186,3 +196,174 @@ def test_a_worker_killed_mid_way_is_one_error_and_the_work_is_kept(corpus):
 
 def _children() -> list[str]:
     return [c for task in Path("/proc/self/task").iterdir() for c in (task / "children").read_text().split()]
+
+
+# ---------------------------------------------------------------------------------------------
+# overwrite=true: DIR replaced whole
+
+
+def previous(corpus, out: Path, *extra: str) -> tuple[dict[str, bytes], str]:
+    """`out` prepared from the same text held out otherwise: other files and digest; (files, digest)."""
+    assert prepare_main([*corpus["args"], "data.eval_fraction=0.2", "prepare.workers=1", f"out={out}", *extra]) == 0
+    return files(out), prepared.load(out).digest
+
+
+def whole(out: Path, want: dict[str, bytes], digest: str) -> None:
+    """`out` holds exactly `want`, and the prepared reader reads it (every sha256) as `digest`."""
+    assert sorted(p.name for p in out.iterdir()) == sorted(FILES) and files(out) == want
+    assert prepared.load(out).digest == digest
+
+
+def warnings(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("nljax.prepare: warning:")]
+
+
+def test_overwrite_gives_the_files_of_a_fresh_prepare_and_leaves_nothing_beside(corpus, reference, tmp_path):
+    out = tmp_path / "prep"
+    old, _ = previous(corpus, out)
+    assert old != reference
+    assert prepare_main([*corpus["args"], "prepare.workers=2", f"out={out}", "overwrite=true"]) == 0
+    whole(out, reference, prepared.load(out).digest)
+    assert [p.name for p in tmp_path.iterdir()] == ["prep"]
+    # a directory a user made empty for it is replaced alike; a symlink to DIR: its target is
+    (empty := tmp_path / "empty").mkdir()
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={empty}"]) == 0
+    assert files(empty) == reference
+    (link := tmp_path / "link").symlink_to(out)
+    previous(corpus, link, "overwrite=true")
+    assert link.is_symlink() and files(out) == files(link) != reference
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "link", "prep"]
+
+
+@pytest.mark.parametrize("point", ["built", "aside", "replaced"])
+def test_an_overwrite_killed_during_the_swap_leaves_whole_data_and_the_next_run_recovers(
+        corpus, reference, tmp_path, capsys, point):
+    """SIGKILL once the new directory is complete and read back ("built"), between the two
+    renames ("aside"), after them ("replaced"): DIR is the previous data whole, or absent with the
+    previous data whole beside it, or the new data whole; the next prepare recovers with at most
+    one warning line and writes the files of a fresh prepare, with nothing left beside DIR."""
+    out = tmp_path / "prep"
+    old, digest = previous(corpus, out)
+    capsys.readouterr()
+    p = cli("nljax.prepare", *corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true", check=False,
+            env={prepared.TEST_KILL_AFTER: point})
+    assert p.returncode == -9, (p.returncode, p.stderr)
+    aside = outdir.at(out).old
+    if point == "built":  # the new directory complete in the work directory, DIR untouched
+        whole(out, old, digest)
+        assert files(work(out) / "prepared") == reference and not aside.exists()
+    elif point == "aside":  # DIR absent for an instant; the previous data whole under our name
+        assert not out.exists()
+        whole(aside, old, digest)
+        with pytest.raises(config.ConfigError, match=re.escape(
+                f"data.prepared={out} is absent: an overwrite of it by nljax.prepare stopped part-way (the previous "
+                f"data are in {aside}); run nljax.prepare into it again")):
+            prepared.load(out)
+        # the next prepare, even one not asked to overwrite, puts them back first
+        assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert warnings(err) == [f"nljax.prepare: warning: an overwrite of {out} stopped part-way: the previous "
+                                 f"data are back in place (from {aside})"]
+        assert "already holds prepared data" in err.splitlines()[-1]
+        whole(out, old, digest)
+    else:  # the new data in place, the previous not yet removed
+        whole(out, reference, prepared.load(out).digest)
+        whole(aside, old, digest)
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 0
+    said = capsys.readouterr()
+    assert "started over" not in said.out  # what was left is recognised, not taken for a broken record
+    if point == "replaced":
+        assert warnings(said.err) == [f"nljax.prepare: warning: removed {aside}, the data {out} held before an "
+                                      "overwrite that stopped once the new data were in place"]
+    else:
+        assert warnings(said.err) == []
+        assert "resuming an interrupted prepare: its files are complete (verified)" in said.out  # not tokenized again
+    whole(out, reference, prepared.load(out).digest)
+    assert [p.name for p in tmp_path.iterdir()] == ["prep"]
+
+
+def test_a_failed_rename_puts_the_previous_data_back_and_the_work_is_kept(corpus, reference, tmp_path, capsys,
+                                                                          monkeypatch):
+    """The rename of the new directory onto DIR fails (a full disk, say), or Ctrl-C comes between
+    the two renames: one line, DIR is the previous data (renamed back at once), and the next run
+    puts the finished new directory in place (read back again first)."""
+    out = tmp_path / "prep"
+    old, digest = previous(corpus, out)
+
+    def ctrl_c(point):
+        if point == "aside":
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepared, "_test_kill", ctrl_c)
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 130
+    assert capsys.readouterr().err.strip().endswith("interrupted (Ctrl-C): the same command resumes where it stopped")
+    whole(out, old, digest)
+    assert not outdir.at(out).old.exists() and files(work(out) / "prepared") == reference
+    monkeypatch.undo()
+    real = os.rename
+
+    def new_fails(src, dst):
+        if Path(src) == work(out) / "prepared":
+            raise OSError(28, "No space left on device", str(dst))
+        real(src, dst)
+
+    monkeypatch.setattr(os, "rename", new_fails)
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 1
+    assert capsys.readouterr().err.strip() == f"nljax.prepare: error: cannot write {out}: No space left on device"
+    monkeypatch.setattr(os, "rename", real)
+    whole(out, old, digest)
+    finished = work(out) / "prepared"
+    assert not outdir.at(out).old.exists() and files(finished) == reference
+    # the finished directory is read back before it is put in place: one changed since is not
+    with open(finished / "train.bin", "r+b") as f:
+        f.seek(7)
+        f.write(bytes([f.read(1)[0] ^ 1]))
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 0
+    assert "an interrupted prepare whose files differ from their manifest, started over" in capsys.readouterr().out
+    assert files(out) == reference
+
+
+def test_overwrite_of_a_users_directory_is_refused_and_nothing_is_removed(corpus, tmp_path, capsys, monkeypatch):
+    """overwrite=true replaces prepared data only: a directory with a file of the user's (even
+    beside prepared files) is refused in one line, as is previous data set aside that a user
+    has put a file into; nothing is removed, nothing is left beside."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "train.bin").write_text("precious")
+    (mine / "notes.txt").write_text("keep")
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={mine}", "overwrite=true"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.prepare: error: {mine} holds files that are not nljax "
+                                               "prepared data (notes.txt); give a new or empty out=")
+    assert {p.name: p.read_text() for p in mine.iterdir()} == {"train.bin": "precious", "notes.txt": "keep"}
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]
+    # a set-aside directory (our name) with a user's file in it: neither removed nor renamed
+    out = tmp_path / "prep"
+    aside = outdir.at(out).old
+    aside.mkdir()
+    (aside / "manifest.json").write_text("{}")
+    (aside / "thesis.tex").write_text("keep")
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.prepare: error: {aside} holds files that are not nljax "
+                                               "prepared data (thesis.tex): move them away, then run again")
+    assert sorted(p.name for p in aside.iterdir()) == ["manifest.json", "thesis.tex"] and not out.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["mine", aside.name])
+    # previous data set aside, and at DIR something that is not the prepared data that replaced
+    # them (a user's folder made since): neither is removed
+    (aside / "thesis.tex").unlink()
+    out.mkdir()
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.prepare: error: {aside} holds the data {out} held before "
+                                               f"an overwrite that stopped part-way, and {out} is not the prepared "
+                                               "data that replaced them: move one of them away, then run again")
+    assert [p.name for p in aside.iterdir()] == ["manifest.json"] and out.is_dir()
+    # a mount point cannot be replaced by a rename (the check; a prepare into one is refused)
+    assert outdir.on_another_file_system(outdir.at(Path("/proc")))
+    assert not outdir.on_another_file_system(outdir.at(mine))
+    # DIR is replaced by a rename: not the working directory, nor one above it
+    monkeypatch.chdir(mine)
+    for spelling in (".", str(tmp_path)):
+        assert prepare_main([*corpus["args"], f"out={spelling}", "overwrite=true"]) == 2
+        assert capsys.readouterr().err.strip() == (f"nljax.prepare: error: out={spelling} is the working directory "
+                                                   "or holds it: nljax.prepare replaces DIR by renaming it, give a "
+                                                   "directory beside or below")
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "train.bin"]

@@ -17,7 +17,7 @@ from helpers import cli
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.data import prepared, tokenization
+from nljax.data import outdir, prepared, tokenization
 from nljax.data.text import SEPARATOR, ContextStream
 from nljax.parallel import mesh as meshlib
 from nljax.prepare import main as prepare_main
@@ -387,8 +387,7 @@ def test_a_prepared_dir_matches_its_sources_and_itself(corpus, tokenizer, tmp_pa
     capsys.readouterr()
     # one prepare at a time into a DIR: the second is refused while the first holds the lock
     busy = tmp_path / "busy"
-    busy.mkdir()
-    with open(busy / prepared.LOCK, "a") as held:
+    with open(outdir.at(busy).lock, "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         assert prepare_main([*tok_files, f"out={busy}"]) == 2
     assert "another nljax.prepare is writing into" in one_line(capsys)

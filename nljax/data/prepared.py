@@ -17,35 +17,38 @@ check compares and summary.json reports (the same content from other paths has t
 the same arrays and the same digest either way, one chunk of documents at a time (data/chunks.py),
 in worker processes for DIR. Document boundaries are the manifest's document starts, never a
 token value, so any tokenizer's ids may appear anywhere. Files for DIR are streamed into its work
-directory (data/workdir.py: an interrupted prepare resumes from there) and renamed into DIR when
-complete, manifest.json last: a DIR with a manifest is complete, and a prepare that fails leaves
-an earlier one as it was.
+directory beside it (data/workdir.py: an interrupted prepare resumes from there), made into a
+complete directory there, read back, and put in place of DIR whole (data/outdir.py): DIR is the
+previous prepared data or the new, never a mix, and a prepare that fails leaves it as it was.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fcntl
 import hashlib
 import io
 import json
 import os
+import shutil
 import signal
+import sys
 from pathlib import Path
 
 import numpy as np
 import tqdm
 
-from nljax.data import chunks, documents, tokenization, workdir
+from nljax.data import chunks, documents, outdir, tokenization, workdir
 from nljax.data.settings import DataConfig
 from nljax.errors import ConfigError
 
 FORMAT = "nljax-text-1"
 SPLITS = ("train", "eval")
-MANIFEST, TOKENIZER, LOCK = "manifest.json", "tokenizer.json", ".prepare.lock"
-WORK = ".prepare-work"  # an unfinished prepare's files and progress (data/workdir.py)
+MANIFEST, TOKENIZER = "manifest.json", "tokenizer.json"
+OWN = frozenset({f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")} | {MANIFEST, TOKENIZER})
+LEGACY = (".prepare.lock", ".prepare-work")  # what an earlier nljax.prepare kept inside DIR: ours too
 CHUNK_BYTES = 8 << 20  # characters of text per chunk (prepare.chunk_bytes)
-# tests only: nljax.prepare kills itself (SIGKILL, or "N:SIGINT") once N chunks are recorded
+# tests only: nljax.prepare kills itself (SIGKILL, or "N:SIGINT") once N chunks are recorded, or
+# (SIGKILL) at a point of replacing DIR: "built", "aside" (between the two renames), "replaced"
 TEST_KILL_AFTER = "NLJAX_PREPARE_TEST_KILL_AFTER"
 
 
@@ -152,9 +155,8 @@ def build(d: DataConfig, out: Path | None = None, overwrite: bool = False, worke
     tok = tokenization.load(d.tokenizer, d.doc_end_token)
     sources = _sources(d)
     dtype = tokenization.dtype_for(tok.vocab_size)
-    if out is not None:
-        _write(Path(out), overwrite, d, tok, sources, dtype, workers, chunk_bytes)
-        return load(Path(out))
+    if out is not None:  # read back before it replaced DIR: the same files (renames), not hashed twice
+        return _write(Path(out), overwrite, d, tok, sources, dtype, workers, chunk_bytes)
     sinks = {s: workdir.Sink(io.BytesIO(), io.BytesIO(), dtype) for s in SPLITS}
     manifest = _manifest(d, tok, sources, sinks, _fill(d, tok, sources, sinks, dtype, 0, chunk_bytes))
     split = lambda s: Split(np.frombuffer(sinks[s].f.getvalue(), dtype),
@@ -170,47 +172,81 @@ def _job(d: DataConfig, tok, sources: tuple, dtype: np.dtype) -> dict:
             "files": files, "split": [len(sources[0]), len(sources[1])]}
 
 
+def _ours(name: str) -> bool:
+    """Whether `name` in DIR is one a prepare writes there (overwrite=true replaces only such)."""
+    return name in OWN or name in LEGACY or ".tmp-" in name
+
+
 def _write(out: Path, overwrite: bool, d: DataConfig, tok, sources: tuple, dtype: np.dtype, workers: int,
-           chunk_bytes: int) -> None:
-    """Tokenize into the work directory of `out` (resumed when an interrupted prepare of the
-    same job left one), then rename the files into place, the manifest last; one prepare at a
-    time per directory (a lock held while it writes)."""
-    own = {f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")} | {MANIFEST, TOKENIZER}
-    there = sorted(p.name for p in out.iterdir() if p.name not in (LOCK, WORK) and ".tmp-" not in p.name) \
-        if out.is_dir() else []
-    foreign = [name for name in there if name not in own]
-    if foreign:  # overwrite=true replaces prepared data, never a user's files (the source text may be there)
-        raise ConfigError(f"{out} holds files that are not nljax prepared data ({', '.join(foreign[:3])}"
+           chunk_bytes: int) -> Corpus:
+    """Tokenize into the work directory beside `out` (resumed when an interrupted prepare of the
+    same job left one), finish and read back the new directory there, then put it in place of
+    `out` whole (data/outdir.py); one prepare at a time per directory (a lock held while it
+    writes). The corpus read back."""
+    o = outdir.at(out)
+    with outdir.locked(o):
+        if note := outdir.recover(o, _ours, MANIFEST):
+            print(f"nljax.prepare: warning: {note}", file=sys.stderr, flush=True)
+        work = workdir.WorkDir(o.work, _job(d, tok, sources, dtype), dtype, SPLITS)
+        if work.finished(this_job=False) and not work.done.exists():  # stopped once it had replaced DIR
+            work.discard()
+        _check_out(o, overwrite)
+        try:
+            c = _finished(work)
+            if c is None:
+                try:
+                    manifest = _tokenize_into(work, d, tok, sources, dtype, workers, chunk_bytes)
+                except ConfigError:  # bad data: nothing to resume, nothing left behind
+                    work.discard()
+                    raise
+                c = _commit(work, manifest, tok)
+            outdir.replace(o, work.done, _test_kill)
+            work.discard()
+        finally:
+            work.close()
+    return c
+
+
+def _check_out(o: outdir.Out, overwrite: bool) -> None:
+    """Refused in one line: a DIR holding a user's files (overwrite=true replaces prepared data,
+    never those: the source text may be there), prepared data without overwrite=true, a file, a
+    mount point (DIR is replaced by renames)."""
+    if os.path.lexists(o.path) and not o.path.is_dir():
+        raise ConfigError(f"{o.given} is a file, not a directory; give another out=")
+    there = outdir.strangers(o.path, lambda name: name in LEGACY or ".tmp-" in name) if o.path.is_dir() else []
+    foreign = [name for name in there if not _ours(name)]
+    if foreign:
+        raise ConfigError(f"{o.given} holds files that are not nljax prepared data ({', '.join(foreign[:3])}"
                           f"{', ...' if len(foreign) > 3 else ''}); give a new or empty out=")
     if there and not overwrite:  # a manifest, or the files of a prepare that stopped part-way
-        raise ConfigError(f"{out} already holds prepared data ({', '.join(there[:3])}); give another out= or overwrite=true")
-    created = not out.exists()
+        raise ConfigError(f"{o.given} already holds prepared data ({', '.join(there[:3])}); give another out= or "
+                          "overwrite=true")
+    if outdir.on_another_file_system(o):
+        raise ConfigError(f"{o.given} is a mount point (another file system than its parent): nljax.prepare "
+                          "replaces DIR by renaming a directory beside it; give out= a directory inside it")
+
+
+def _finished(work: workdir.WorkDir) -> Corpus | None:
+    """The new directory of an interrupted prepare of this job that was complete (stopped before
+    it replaced DIR), read back; None when there is none (or it does not read back: started over)."""
+    if not work.finished():
+        return None
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"cannot create {out}: {e.strerror or e}") from None
-    work = workdir.WorkDir(out / WORK, _job(d, tok, sources, dtype), dtype, SPLITS)
-    lock = open(out / LOCK, "a")
-    try:
-        try:  # released by the kernel whatever ends this process: no stale lock
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            raise ConfigError(f"another nljax.prepare is writing into {out} (it holds {out / LOCK}); "
-                              "wait for it, or give another out=") from None
-        if (out / MANIFEST).exists() and not overwrite:  # the other one finished first
-            raise ConfigError(f"{out} already holds prepared data ({MANIFEST}); give another out= or overwrite=true")
-        try:
-            manifest = _tokenize_into(work, d, tok, sources, dtype, workers, chunk_bytes)
-        except ConfigError:  # bad data: nothing to resume, nothing left behind
-            work.discard()
-            raise
-        _commit(out, work, manifest, tok)
-    finally:
-        work.close()
-        if created and {p.name for p in out.iterdir()} == {LOCK}:  # bad data: no empty directory left behind
-            (out / LOCK).unlink()
-            out.rmdir()
-        lock.close()
+        c = load(work.done)
+    except ConfigError:
+        work.discard()
+        print(f"nljax.prepare: {work.path}: an interrupted prepare whose files differ from their manifest, "
+              "started over", flush=True)
+        return None
+    print("nljax.prepare: resuming an interrupted prepare: its files are complete (verified), putting them in place",
+          flush=True)
+    return c
+
+
+def _test_kill(point: str) -> None:
+    """Tests only: SIGKILL this process at `point` of the replacement (TEST_KILL_AFTER=point)."""
+    if os.environ.get(TEST_KILL_AFTER) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dtype: np.dtype, workers: int,
@@ -222,7 +258,7 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
         print(f"nljax.prepare: {note}", flush=True)
     workers = 0 if isinstance(tok, tokenization.Bytes) else workers  # bytes: a copy, no worth a process
     kill_after, _, how = os.environ.get(TEST_KILL_AFTER, "0").partition(":")  # "N" or "N:SIGINT"
-    kill_after, how = int(kill_after), getattr(signal, how or "SIGKILL")
+    kill_after, how = int(kill_after) if kill_after.isdigit() else 0, getattr(signal, how or "SIGKILL")
     tokens = lambda: sum(s.tokens for s in sinks.values())
     first = tokens()
     with tqdm.tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="nljax.prepare", disable=None,
@@ -240,25 +276,31 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
     return _manifest(d, tok, sources, sinks, seen)
 
 
-def _commit(out: Path, work: workdir.WorkDir, manifest: dict, tok) -> None:
-    """Move the finished files from the work directory into `out`, manifest.json last: a
-    directory with a manifest is complete (and the previous one stays whole until its manifest
-    goes)."""
+def _commit(work: workdir.WorkDir, manifest: dict, tok) -> Corpus:
+    """The finished directory (work.done): the token files moved there from the work directory,
+    manifest.json last, everything on disk (fsync); read back (every sha256) before it replaces
+    DIR."""
     work.close()
+    new = work.done
+    if new.exists():  # a commit cut short: made again
+        shutil.rmtree(new)
+    new.mkdir()
     for s in SPLITS:
-        work.starts_to_npy(s, work.path / f"{s}.docs.npy")
-    moves = [(work.path / f"part.{s}.bin", f"{s}.bin") for s in SPLITS]
-    moves += [(work.path / f"{s}.docs.npy", f"{s}.docs.npy") for s in SPLITS]
+        work.starts_to_npy(s, new / f"{s}.docs.npy")
     if hasattr(tok, "raw"):
-        (work.path / TOKENIZER).write_bytes(tok.raw)
+        (new / TOKENIZER).write_bytes(tok.raw)
         manifest["tokenizer"]["file"] = TOKENIZER
-        moves.append((work.path / TOKENIZER, TOKENIZER))
-    (work.path / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    moves.append((work.path / MANIFEST, MANIFEST))  # last
-    (out / MANIFEST).unlink(missing_ok=True)  # from here until the last rename, DIR is incomplete
-    for src, name in moves:
-        os.replace(src, out / name)
-    work.discard()
+    for s in SPLITS:  # from here until the manifest is written, an interruption starts over
+        os.replace(work.path / f"part.{s}.bin", new / f"{s}.bin")
+    (new / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
+    outdir.sync(sorted(new.iterdir()))
+    work.finish()  # before the read-back (seconds on a large corpus): a kill in it resumes here
+    try:
+        return load(new)
+    except ConfigError as e:
+        work.discard()
+        raise ConfigError(f"the prepared files read back differ from what was written ({e}); "
+                          "DIR is as it was: run again") from None
 
 
 def _regular(path: Path, name: str) -> Path:
@@ -276,6 +318,9 @@ def load(path: Path) -> Corpus:
     try:
         manifest = json.loads((path / MANIFEST).read_text())
     except FileNotFoundError:
+        if old := outdir.aside(path):
+            raise ConfigError(f"data.prepared={path} is absent: an overwrite of it by nljax.prepare stopped part-way "
+                              f"(the previous data are in {old}); run nljax.prepare into it again") from None
         raise ConfigError(f"data.prepared={path} holds no {MANIFEST}: write it with python -m nljax.prepare") from None
     except (OSError, ValueError) as e:
         raise ConfigError(f"data.prepared={path}: {MANIFEST} cannot be read ({e})") from None

@@ -1,13 +1,16 @@
-"""The work directory of `python -m nljax.prepare` (DIR/.prepare-work): the token and
-document-start files as they are written, and the record of the chunks done, so that a prepare
-interrupted (Ctrl-C, a kill, a full disk) resumes where it stopped, with the same files at the end
-as a prepare never interrupted.
+"""The work directory of `python -m nljax.prepare` (.DIR.prepare-work beside DIR: data/outdir.py):
+the token and document-start files as they are written, and the record of the chunks done, so
+that a prepare interrupted (Ctrl-C, a kill, a full disk) resumes where it stopped, with the same
+files at the end as a prepare never interrupted.
 
     part.train.bin, part.eval.bin         token ids, appended chunk by chunk
     part.train.starts, part.eval.starts   int64: each document's first token, appended alike
     progress.json                         the job it belongs to, the chunks done, the position
                                           in the input after them, and per split the counts and
                                           the sha256 of each file up to there
+    prepared/                             once every chunk is done: the new prepared directory
+                                          (the token files moved into it), until it replaces DIR;
+                                          progress.json then says only that it is finished
 
 progress.json is replaced (written aside, renamed) after each chunk, once the part files are on
 disk (fsync). On resume the job must be the same (the data.* settings, the source files' paths,
@@ -91,6 +94,13 @@ class WorkDir:
         self.path, self.dtype, self.splits = path, dtype, splits
         self.job = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
         self.files: list = []
+        self.done = path / "prepared"  # the finished directory, made from the part files (data/prepared.py)
+
+    def finished(self, this_job: bool = True) -> bool:
+        """Whether the work recorded here (of this job, or of any) ended in its finished
+        directory, `done` (`finish`); that directory may have replaced DIR since."""
+        saved = self._saved() if this_job else self._recorded()
+        return bool(saved and saved.get("finished"))
 
     def open(self) -> tuple[dict, dict | None, str]:
         """(the sinks, the progress to go on from or None, a line saying what was found)."""
@@ -117,11 +127,15 @@ class WorkDir:
         return sinks, saved, note
 
     def _saved(self) -> dict | None:
+        saved = self._recorded()
+        return saved if saved and saved.get("job") == self.job else None
+
+    def _recorded(self) -> dict | None:
         try:
             saved = json.loads((self.path / PROGRESS).read_text())
-            return saved if saved.get("job") == self.job else None
-        except (OSError, ValueError, AttributeError):
+        except (OSError, ValueError):
             return None
+        return saved if isinstance(saved, dict) else None
 
     def record(self, sinks: dict, chunks: int, position: tuple, seen: int) -> None:
         """The chunks done so far, once their bytes are on disk."""
@@ -130,6 +144,13 @@ class WorkDir:
             os.fsync(f.fileno())
         progress = {"job": self.job, "chunks": chunks, "position": list(position), "seen": seen,
                     "splits": {s: sinks[s].state() for s in self.splits}}
+        self._write(progress)
+
+    def finish(self) -> None:
+        """Record that `done` is complete (on disk): the part files are in it, no chunk is left."""
+        self._write({"job": self.job, "finished": True})
+
+    def _write(self, progress: dict) -> None:
         temp = self.path / f".{PROGRESS}.tmp"
         temp.write_text(json.dumps(progress))
         os.replace(temp, self.path / PROGRESS)
