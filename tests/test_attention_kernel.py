@@ -199,7 +199,7 @@ def test_training_through_the_kernel_equals_the_blocked_form(monkeypatch):
     calls = []
     flash = attention.flash_attention
     monkeypatch.setattr(attention, "flash_attention", lambda *a, **kw: calls.append(a[3]) or flash(*a, **kw))
-    base = [*TINY_NL, "train.seq_len=32", "model.nl_lm.window=4", "cms.periods=[1]"]
+    base = [*TINY_NL, "train.seq_len=32", "model.nl_lm.window=4", "cms.periods=[1]", "model.nl_lm.memory_layers=[]"]
     losses_ref, state_ref = train(make([*base, "model.nl_lm.attention=blocked"]), 3)
     assert not calls
     losses, state = train(make([*base, "model.nl_lm.attention=pallas"], 1, 2), 3)
