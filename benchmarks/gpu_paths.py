@@ -181,7 +181,8 @@ def run(dry: bool, reps: int) -> dict:
               "attention": check_attention(s, cuda, reps), "attention_pallas": check_pallas_attention(s, reps),
               "embedding": check_embedding(s, reps),
               "loss": check_loss(s, s["vocab"], reps), "loss_big_vocab": check_loss(s, s["big_vocab"], reps)}
-    result["ok"] = all(result[k]["ok"] for k in ("attention", "attention_pallas", "embedding", "loss", "loss_big_vocab"))
+    checks = ("attention", "attention_pallas", "embedding", "loss", "loss_big_vocab")
+    result["ok"] = all(result[k]["ok"] for k in checks)
     return result
 
 

@@ -73,7 +73,7 @@ def test_float32_outputs_and_gradients_equal_the_blocked_form(t, window, bq, bk)
     assert max_rel_err(got, ref) < 2e-6
 
 
-@pytest.mark.parametrize("t, window, bq, bk", [(96, 20, 32, 16), (64, 64, 16, 16), (40, 12, 8, 8)])
+@pytest.mark.parametrize("t, window, bq, bk", [(96, 20, 32, 16), (40, 12, 8, 8)])
 def test_bfloat16_inputs(t, window, bq, bk):
     """bfloat16 q, k, v: against the float32 blocked form on the same (rounded) values, the
     kernel's error is the bfloat16 blocked form's at most (both round the probabilities to
@@ -81,25 +81,25 @@ def test_bfloat16_inputs(t, window, bq, bk):
     back in bfloat16."""
     q, k, v, ct = qkv(t, jnp.bfloat16, seed=1)
     exact = out_and_grads(blocked(window), *(x.astype(jnp.float32) for x in (q, k, v)), ct.astype(jnp.float32))
-    got, ref = out_and_grads(kernel(window, bq, bk), q, k, v, ct), out_and_grads(blocked(window), q, k, v, ct)
+    got = vjp_fn(kernel(window, bq, bk))(q, k, v, ct)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(got))
+    got, ref = jax.tree.map(lambda x: np.asarray(x, np.float32), got), out_and_grads(blocked(window), q, k, v, ct)
     assert max_rel_err(got, exact) <= 1.5 * max_rel_err(ref, exact)
     assert max_rel_err(got, exact) < 2e-2
-    grads = jax.grad(lambda q, k, v: jnp.sum(kernel(window, bq, bk)(q, k, v)), argnums=(0, 1, 2))(q, k, v)
-    assert all(g.dtype == jnp.bfloat16 for g in grads)
 
 
-@pytest.mark.parametrize("t, window", [(64, 16), (50, 7), (24, 40)])
+@pytest.mark.parametrize("t, window", [(50, 7), (24, 40)])
 def test_log_sum_exp_is_each_querys_over_its_window(t, window):
     """The saved log-sum-exp [B, H, T] is that of the scaled logits q.k / sqrt(hd) over keys
     t - window + 1 .. t (dense masked reference), and the forward alone gives the output."""
     q, k, v, _ = qkv(t, seed=2)
-    y, lse = ak.flash_forward(q, k, v, window, block_q=16, block_k=16, interpret=True)
+    y, lse = jax.jit(lambda q, k, v: ak.flash_forward(q, k, v, window, block_q=16, block_k=16, interpret=True))(q, k, v)
     logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
     back = jnp.arange(t)[:, None] - jnp.arange(t)[None, :]
     ref = jax.nn.logsumexp(jnp.where((back >= 0) & (back < window), logits, -jnp.inf), axis=-1)
     assert lse.shape == (2, 3, t) and lse.dtype == jnp.float32
     np.testing.assert_allclose(lse, ref, rtol=1e-6, atol=1e-5)
-    np.testing.assert_allclose(y, local_attention(q, k, v, window), atol=2e-6)
+    np.testing.assert_allclose(y, jax.jit(blocked(window))(q, k, v), atol=2e-6)
 
 
 def test_the_loops_read_only_the_tiles_the_window_touches():
@@ -193,9 +193,10 @@ def test_pallas_on_a_cpu_builds_the_kernel_path():
 
 
 def test_training_through_the_kernel_equals_the_blocked_form(monkeypatch):
-    """Three steps of a tiny nl_lm with attention=pallas (interpreted) on two devices equal
-    attention=blocked on one: losses and parameters. T = 32 over a window of 4: two query tiles,
-    the blocked form's blocks proper (T > 2 windows). The kernel is traced only for pallas."""
+    """Three steps of a tiny nl_lm (no memory: the attention alone) with attention=pallas
+    (interpreted) on two devices equal attention=blocked on one: losses and parameters. T = 32
+    over a window of 4: two query tiles, the blocked form's blocks proper (T > 2 windows). The
+    kernel is traced only for pallas."""
     calls = []
     flash = attention.flash_attention
     monkeypatch.setattr(attention, "flash_attention", lambda *a, **kw: calls.append(a[3]) or flash(*a, **kw))

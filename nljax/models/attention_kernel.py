@@ -30,6 +30,8 @@ requested `block_q` and `block_k` (default 64) are clamped to T and, for keys, t
 (a window of 8 reads 16-key tiles, not 64), never below 16. Inputs may be float32, bfloat16
 or float16; scores, softmax statistics and accumulators are float32, and the probabilities
 meet v (and the score gradients meet q and k) in the inputs' dtype, as in the blocked form.
+On a GPU, float32 inputs meet in TF32 matrix products (Triton's default, as XLA's default
+precision is there; `jax.default_matmul_precision` does not reach inside the kernel).
 `gpu_unsupported` says which shapes the compiled kernel cannot take; on a CPU the kernels run in
 interpret mode (any head width, slow: for tests and for checking a run).
 """

@@ -80,7 +80,7 @@ class NlLmConfig:
     # sliding-window attention's form: blocked (queries in blocks of `window`, scores kept in
     # float32; any backend) | cudnn (cuDNN's fused flash attention: CUDA GPUs, bfloat16/float16,
     # head width a multiple of 8 and <= 128) | pallas (a Pallas flash attention: GPUs, head width
-    # a power of two >= 16, any float dtype; on a CPU in interpret mode: slow, for checking) |
+    # a power of two >= 16, float32/bfloat16/float16; on a CPU in interpret mode: slow, for checking) |
     # auto (on a CUDA GPU cudnn where it runs, else pallas where it runs, else blocked; always
     # blocked on a CPU). Same outputs and gradients (nljax/models/attention.py)
     attention: Literal["auto", "blocked", "cudnn", "pallas"] = "auto"
