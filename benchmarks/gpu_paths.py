@@ -7,6 +7,11 @@ pair's time (issue 44): the first part of benchmarks/gpu_suite.sh.
   blocked form, outputs and gradients of q, k, v, both in bfloat16 and each compared with the
   blocked form in float32 (the reference): cuDNN passes when its error is at most twice the
   bfloat16 blocked form's, plus a small floor;
+- pallas attention: the Pallas flash attention (`model.nl_lm.attention=pallas`) against the same
+  float32 reference, in bfloat16 (passes as cuDNN does) and in float32 (which cuDNN refuses: at
+  most twice the error of the blocked form in float32 at the default matmul precision, plus the
+  same floor); timed beside cuDNN and the blocked form. Compiled through Triton on a GPU,
+  interpreted elsewhere (the dry run); an error (a Triton compile failure) is recorded, not raised;
 - embedding: the table's gradient by one-hot matmul and by sorted segment sum against
   autodiff's scatter-add, all from the same bfloat16 cotangent, compared with the exact float64 sum;
 - cross-entropy: the chunked loss (`model.nl_lm.loss_chunk`) against the full one, loss and
@@ -35,7 +40,7 @@ import jax  # noqa: E402  (after the path: a checkout need not be installed)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nljax.models import attention, embedding  # noqa: E402
+from nljax.models import attention, attention_kernel, embedding  # noqa: E402
 from nljax.models.chunked_loss import chunked_token_loss  # noqa: E402
 from nljax.models.layers import dense_dot, local_attention, token_loss  # noqa: E402
 
@@ -69,14 +74,22 @@ def fwd_bwd(attend):
     return jax.jit(f)
 
 
-def check_attention(s: dict, cuda: bool, reps: int) -> dict:
-    w = s["window"]
+def attention_case(s: dict):
+    """q, k, v and an output cotangent (float32) at the shapes `s`, and the reference: the blocked
+    form's outputs and gradients in float32 at full precision."""
     shape = (s["batch"], s["seq"], s["heads"], s["head_dim"])
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, ct = (jax.random.normal(key, shape, jnp.float32) for key in keys)
-    impl = "cudnn" if cuda else "xla"  # off CUDA: the same arguments through XLA (the dry run)
     with jax.default_matmul_precision("highest"):  # a GPU's float32 matmuls are TF32 otherwise
-        ref = fwd_bwd(lambda q, k, v: local_attention(q, k, v, w))(q, k, v, ct)
+        ref = fwd_bwd(lambda q, k, v: local_attention(q, k, v, s["window"]))(q, k, v, ct)
+    return (q, k, v, ct), ref
+
+
+def check_attention(s: dict, cuda: bool, reps: int) -> dict:
+    w = s["window"]
+    shape = (s["batch"], s["seq"], s["heads"], s["head_dim"])
+    (q, k, v, ct), ref = attention_case(s)
+    impl = "cudnn" if cuda else "xla"  # off CUDA: the same arguments through XLA (the dry run)
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
     blocked_fn = fwd_bwd(lambda q, k, v: local_attention(q, k, v, w))
     fused_fn = fwd_bwd(lambda q, k, v: attention.fused_local_attention(q, k, v, w, implementation=impl))
@@ -87,6 +100,27 @@ def check_attention(s: dict, cuda: bool, reps: int) -> dict:
             "max_err_vs_float32": {"fused": e_fused, "blocked_bf16": e_blocked},
             "fwd_bwd_ms": {"fused": 1e3 * timed(fused_fn, *bf, ct, reps=reps),
                            "blocked": 1e3 * timed(blocked_fn, *bf, ct, reps=reps)}}
+
+
+def check_pallas_attention(s: dict, reps: int) -> dict:
+    w = s["window"]
+    (q, k, v, ct), ref = attention_case(s)
+    interpret = jax.default_backend() != "gpu"  # the dry run on a CPU
+    out = {"interpret": interpret, "window": w, "ok": False}
+    try:
+        pallas_fn = fwd_bwd(lambda q, k, v: attention_kernel.flash_attention(q, k, v, w, interpret=interpret))
+        blocked_fn = fwd_bwd(lambda q, k, v: local_attention(q, k, v, w))
+        errs, ms = {}, {}
+        for name, dtype in (("bfloat16", jnp.bfloat16), ("float32", jnp.float32)):
+            x = [a.astype(dtype) for a in (q, k, v)]
+            errs[name] = {"pallas": max_err(pallas_fn(*x, ct), ref), "blocked": max_err(blocked_fn(*x, ct), ref)}
+            ms[f"pallas_{name}"] = 1e3 * timed(pallas_fn, *x, ct, reps=reps)
+        ms["blocked_float32"] = 1e3 * timed(blocked_fn, q, k, v, ct, reps=reps)  # bfloat16's: check_attention's
+    except Exception as e:  # noqa: BLE001  (a Triton compile failure: recorded, the other checks still run)
+        out["error"] = f"{type(e).__name__}: {str(e)[:500]}"
+        return out
+    out["ok"] = all(e["pallas"] <= 2 * e["blocked"] + 1e-2 for e in errs.values())
+    return {**out, "max_err_vs_float32": errs, "fwd_bwd_ms": ms}
 
 
 def check_embedding(s: dict, reps: int) -> dict:
@@ -144,9 +178,11 @@ def run(dry: bool, reps: int) -> dict:
     cuda = attention.on_cuda()
     dev = jax.devices()[0]
     result = {"device": f"{dev.platform} {dev.device_kind}", "dry_run": dry, "jax": jax.__version__,
-              "attention": check_attention(s, cuda, reps), "embedding": check_embedding(s, reps),
+              "attention": check_attention(s, cuda, reps), "attention_pallas": check_pallas_attention(s, reps),
+              "embedding": check_embedding(s, reps),
               "loss": check_loss(s, s["vocab"], reps), "loss_big_vocab": check_loss(s, s["big_vocab"], reps)}
-    result["ok"] = all(result[k]["ok"] for k in ("attention", "embedding", "loss", "loss_big_vocab"))
+    checks = ("attention", "attention_pallas", "embedding", "loss", "loss_big_vocab")
+    result["ok"] = all(result[k]["ok"] for k in checks)
     return result
 
 
@@ -157,6 +193,7 @@ def lines(r: dict) -> list[str]:
             f"max error vs float32 {a['max_err_vs_float32']['fused']:.3g} (blocked bf16 "
             f"{a['max_err_vs_float32']['blocked_bf16']:.3g}); fwd+bwd {a['fwd_bwd_ms']['fused']:.2f} ms vs "
             f"{a['fwd_bwd_ms']['blocked']:.2f} ms",
+            pallas_line(r),
             f"{verdict(e['ok'])} embedding grad, {e['tokens']} tokens x vocab {e['vocab']} x dim {e['dim']}: "
             + ", ".join(f"{h} {e[h]['bwd_ms']:.3f} ms (error {e[h]['max_err_vs_exact']:.3g})"
                         for h in ("scatter", "onehot", "segment"))]
@@ -168,6 +205,19 @@ def lines(r: dict) -> list[str]:
                     f"{c['fwd_bwd_ms']['full']:.2f} ms; temp {c['temp_bytes']['chunked'] / 2**20:,.0f} MiB vs "
                     f"{c['temp_bytes']['full'] / 2**20:,.0f} MiB")
     return rows
+
+
+def pallas_line(r: dict) -> str:
+    p, a = r["attention_pallas"], r["attention"]
+    head = f"attention pallas{' (interpreted)' if p['interpret'] else ''} vs blocked window {p['window']}"
+    if "error" in p:
+        return f"FAIL {head}: {p['error']}"
+    e, ms = p["max_err_vs_float32"], p["fwd_bwd_ms"]
+    return (f"{'ok  ' if p['ok'] else 'FAIL'} {head}: max error vs float32 bf16 {e['bfloat16']['pallas']:.3g} "
+            f"(blocked {e['bfloat16']['blocked']:.3g}), float32 {e['float32']['pallas']:.3g} (blocked "
+            f"{e['float32']['blocked']:.3g}); fwd+bwd bf16 {ms['pallas_bfloat16']:.2f} ms vs {a['implementation']} "
+            f"{a['fwd_bwd_ms']['fused']:.2f} ms vs blocked {a['fwd_bwd_ms']['blocked']:.2f} ms; float32 "
+            f"{ms['pallas_float32']:.2f} ms vs blocked {ms['blocked_float32']:.2f} ms")
 
 
 def main(argv=None) -> int:

@@ -16,8 +16,8 @@
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
 # Parts of issue 44 (nl_lm's GPU paths: model.nl_lm.attention, embed_grad, loss_chunk):
-#   paths              benchmarks/gpu_paths.py: cuDNN attention vs the blocked form, the one-hot and
-#                      segment-sum embedding gradients vs the scatter-add, the chunked cross-entropy vs
+#   paths              benchmarks/gpu_paths.py: cuDNN and Pallas attention vs the blocked form, the one-hot
+#                      and segment-sum embedding gradients vs the scatter-add, the chunked cross-entropy vs
 #                      the full one (outputs and gradients on this GPU; each pair's time), at nl_350m's shapes
 #   kernel             the fused inner-loop memory kernel (issue 44, item 2): its own part, below
 #   fused350m          nl_350m with model.remat=memory and the GPU paths (attention auto = cuDNN, the

@@ -78,8 +78,9 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
 @pytest.mark.parametrize("choice, dtype, head_dim, cuda, form", [
     ("auto", "float32", 64, False, "blocked"), ("auto", "bfloat16", 64, False, "blocked"),  # a CPU: always blocked
     ("auto", "bfloat16", 64, True, "cudnn"), ("auto", "float16", 128, True, "cudnn"),
-    ("auto", "float32", 64, True, "blocked"), ("auto", "bfloat16", 12, True, "blocked"),  # cuDNN refuses: blocked
-    ("auto", "bfloat16", 256, True, "blocked"), ("blocked", "bfloat16", 64, True, "blocked"),
+    ("auto", "float32", 64, True, "pallas"), ("auto", "bfloat16", 256, True, "pallas"),  # cuDNN refuses: the kernel
+    ("auto", "bfloat16", 12, True, "blocked"), ("auto", "float32", 48, True, "blocked"),  # both refuse: blocked
+    ("blocked", "bfloat16", 64, True, "blocked"),
     ("cudnn", "bfloat16", 64, True, "cudnn"),
 ])
 def test_attention_choice(choice, dtype, head_dim, cuda, form):

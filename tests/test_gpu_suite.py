@@ -39,7 +39,9 @@ def test_the_path_checks_pass_in_a_dry_run_and_the_summary_reads_them(tmp_path):
     assert r["ok"] and r["dry_run"] and r["attention"]["implementation"] == "xla"
     (tmp_path / "DRY_RUN").write_text("")
     rows = bench_module("gpu_summary").lines(tmp_path)
-    assert sum(row.startswith("ok  ") for row in rows) == 4, rows
+    assert sum(row.startswith("ok  ") for row in rows) == 5, rows
+    pallas = r["attention_pallas"]
+    assert pallas["interpret"] and set(pallas["max_err_vs_float32"]) == {"bfloat16", "float32"}
 
 
 def test_a_wrong_window_fails_the_attention_check(monkeypatch):
@@ -51,6 +53,25 @@ def test_a_wrong_window_fails_the_attention_check(monkeypatch):
     monkeypatch.setattr(paths.attention, "fused_local_attention", lambda q, k, v, w, implementation: (
         jax.nn.dot_product_attention(q, k, v, local_window_size=(w - 1, w - 1), implementation=implementation)))
     assert not paths.check_attention(paths.DRY, cuda=False, reps=1)["ok"]
+
+
+def test_the_pallas_check_can_fail_and_a_kernel_error_is_one_failed_line(monkeypatch):
+    """A kernel with half the window fails the pallas attention check; one that raises (a Triton
+    compile failure on a GPU) is a FAIL line naming the error, and the other checks still run."""
+    paths = bench_module("gpu_paths")
+    flash = paths.attention_kernel.flash_attention
+    half = lambda q, k, v, w, **kw: flash(q, k, v, w // 2, **kw)
+    monkeypatch.setattr(paths.attention_kernel, "flash_attention", half)
+    assert not paths.check_pallas_attention(paths.DRY, reps=1)["ok"]
+
+    def broken(*a, **kw):
+        raise RuntimeError("triton: out of shared memory")
+
+    monkeypatch.setattr(paths.attention_kernel, "flash_attention", broken)
+    r = {"attention": paths.check_attention(paths.DRY, cuda=False, reps=1),
+         "attention_pallas": paths.check_pallas_attention(paths.DRY, reps=1)}
+    line = paths.pallas_line(r)
+    assert line.startswith("FAIL attention pallas (interpreted)") and "out of shared memory" in line
 
 
 def test_an_unknown_part_stops_the_suite_before_anything_runs(tmp_path):

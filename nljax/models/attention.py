@@ -1,4 +1,4 @@
-"""Sliding-window attention's two forms and the choice between them (`model.nl_lm.attention`).
+"""Sliding-window attention's three forms and the choice between them (`model.nl_lm.attention`).
 
 - `blocked`: `layers.local_attention`, queries in blocks of `window` over their block and the one
   before (scores [T / window, window, 2 * window] materialised in float32: linear in T, any
@@ -10,8 +10,14 @@
   kept (the backward pass recomputes them from the softmax's [B, H, T] statistics), so
   `model.remat=memory` does not wrap it in `jax.checkpoint`: that would run the fused forward
   twice for nothing (`model.remat=block` recomputes the whole sub-block, this call included).
-- `auto`: `cudnn` on a CUDA GPU when cuDNN takes the shape and dtype (`cudnn_refusal`), `blocked`
-  otherwise: always on a CPU, whose default job is then the program it always was.
+- `pallas`: a Pallas flash attention (`attention_kernel.flash_attention`: an online softmax over
+  only the key tiles each query tile's window touches, hand-written backward kernels; output and
+  log-sum-exp kept, no scores, so `model.remat=memory` leaves it unwrapped as it does cudnn).
+  Compiled through Triton on a GPU, for float32 too and head widths that are powers of two >= 16
+  (`attention_kernel.gpu_unsupported`); on a CPU interpreted (slow: for checking a run).
+- `auto`: on a CUDA GPU `cudnn` when cuDNN takes the shape and dtype (`cudnn_refusal`), else
+  `pallas` when the kernel does, else `blocked`; always `blocked` on a CPU, whose default job is
+  then the program it always was.
 
 Scaling, masks and layout are the blocked form's: q, k, v [B, T, H, hd] (jax's [B, T, N, H]),
 logits scaled by hd ** -0.5 (jax's default), token t sees t - window + 1 .. t.
@@ -26,9 +32,10 @@ import jax.numpy as jnp
 from jax.extend import backend as jax_backend
 
 from nljax.errors import ConfigError
+from nljax.models.attention_kernel import flash_attention, gpu_unsupported
 from nljax.models.layers import local_attention, recomputed
 
-CHOICES = ("auto", "blocked", "cudnn")
+CHOICES = ("auto", "blocked", "cudnn", "pallas")
 CUDNN_MAX_HEAD_DIM = 128  # 256 on Hopper and later; 128 everywhere (jax's check_is_flash_attention)
 
 
@@ -51,17 +58,24 @@ def on_cuda() -> bool:
 
 
 def resolve(choice: str, dtype, head_dim: int, cuda: bool) -> str:
-    """`blocked` or `cudnn` for the config's `choice` on this backend (`cuda`: a CUDA GPU). An
-    explicit `cudnn` that cannot run here is one line, at start-up, not a trace-time traceback."""
+    """`blocked`, `cudnn` or `pallas` for the config's `choice` on this backend (`cuda`: a CUDA
+    GPU). An explicit form that cannot run here is one line, at start-up, not a trace-time
+    traceback; an explicit `pallas` off CUDA runs interpreted."""
     if choice not in CHOICES:
         raise ConfigError(f"model.nl_lm.attention must be one of {', '.join(CHOICES)}, got '{choice}'")
     why = cudnn_refusal(dtype, head_dim) if cuda else "cuDNN runs on CUDA GPUs only, and this backend is " \
         f"{jax.default_backend()}"
+    no_kernel = gpu_unsupported(dtype, head_dim) if cuda else None
     if choice == "cudnn" and why:
         raise ConfigError(f"model.nl_lm.attention=cudnn: {why}; use model.nl_lm.attention=auto "
                           "(cuDNN where it runs, the blocked form elsewhere) or blocked")
+    if choice == "pallas" and no_kernel:
+        raise ConfigError(f"model.nl_lm.attention=pallas: {no_kernel}; use model.nl_lm.attention=auto "
+                          "(the fastest form that takes the shape) or blocked")
     if choice == "auto":
-        return "blocked" if why else "cudnn"
+        if not cuda:
+            return "blocked"
+        return "cudnn" if not why else "pallas" if not no_kernel else "blocked"
     return choice
 
 
@@ -74,10 +88,13 @@ def fused_local_attention(q, k, v, window: int, implementation: str = "cudnn"):
 
 
 def sliding_window_attention(q, k, v, window: int, impl: str = "blocked", recompute: bool = False):
-    """q, k, v [B, T, H, hd] -> [B, T, H, hd] by the resolved form `impl` (blocked | cudnn);
-    `recompute`: the blocked form's scores recomputed in the backward pass (`recomputed`)."""
+    """q, k, v [B, T, H, hd] -> [B, T, H, hd] by the resolved form `impl` (blocked | cudnn |
+    pallas); `recompute`: the blocked form's scores recomputed in the backward pass
+    (`recomputed`; the fused forms keep no scores)."""
     if impl == "cudnn":
         return fused_local_attention(q, k, v, window)
+    if impl == "pallas":
+        return flash_attention(q, k, v, window)
     if impl != "blocked":
-        raise ValueError(f"sliding_window_attention: impl must be blocked or cudnn, got '{impl}'")
+        raise ValueError(f"sliding_window_attention: impl must be blocked, cudnn or pallas, got '{impl}'")
     return recomputed(functools.partial(local_attention, window=window), recompute)(q, k, v)

@@ -36,8 +36,9 @@ Attention
     `local_attention(q, k, v, window)`: causal sliding-window attention, q, k, v [B, T, H, hd] ->
     [B, T, H, hd], cost linear in T. `Attention(dim, heads, window)`: the module around it
     (rotary positions, qkv and zero-initialised output projections, head-split under tensor
-    parallelism); its `impl="cudnn"` runs cuDNN's fused attention instead (CUDA GPUs, bf16/fp16:
-    `nljax.models.attention`). `rotary(x)`: rotary position embedding, x [B, T, H, hd].
+    parallelism); its `impl="cudnn"` runs cuDNN's fused attention instead (CUDA GPUs, bf16/fp16),
+    `impl="pallas"` a Pallas flash attention (`nljax.models.attention`). `rotary(x)`: rotary
+    position embedding, x [B, T, H, hd].
 
 Losses
     `token_loss(logits [B, T, V], targets [B, T], mask [B] | None, weight [B, T] | None) ->

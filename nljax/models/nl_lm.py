@@ -79,9 +79,11 @@ class NlLmConfig:
     scan_layers: bool = False
     # sliding-window attention's form: blocked (queries in blocks of `window`, scores kept in
     # float32; any backend) | cudnn (cuDNN's fused flash attention: CUDA GPUs, bfloat16/float16,
-    # head width a multiple of 8 and <= 128) | auto (cudnn where it runs, else blocked; always
+    # head width a multiple of 8 and <= 128) | pallas (a Pallas flash attention: GPUs, head width
+    # a power of two >= 16, float32/bfloat16/float16; on a CPU in interpret mode: slow, for checking) |
+    # auto (on a CUDA GPU cudnn where it runs, else pallas where it runs, else blocked; always
     # blocked on a CPU). Same outputs and gradients (nljax/models/attention.py)
-    attention: Literal["auto", "blocked", "cudnn"] = "auto"
+    attention: Literal["auto", "blocked", "cudnn", "pallas"] = "auto"
     # the token embedding's backward pass: scatter (autodiff's scatter-add) | onehot (a one-hot
     # matmul, float32 sums; small vocabularies) | segment (sorted segment sum) | auto (scatter on
     # a CPU, onehot elsewhere for vocabularies <= 4096). Same gradient (nljax/models/embedding.py)
@@ -138,7 +140,7 @@ class Attention(nn.Module):
     tp: int = 1
     axis: str | None = None
     recompute: bool = False  # the scores and softmax recomputed in the backward pass, not kept (blocked form)
-    impl: str = "blocked"  # blocked | cudnn (nljax/models/attention.py; model.nl_lm.attention resolved)
+    impl: str = "blocked"  # blocked | cudnn | pallas (nljax/models/attention.py; model.nl_lm.attention resolved)
 
     @nn.compact
     def __call__(self, x):  # [B, T, D]
@@ -302,7 +304,7 @@ class BlockSpec:
     memory_embed: bool  # model.nl_lm.memory_embed
     tp: int = 1  # tensor-parallel shards (nljax/parallel/tp.py)
     tp_axis: str | None = None
-    attention: str = "blocked"  # blocked | cudnn (Attention.impl)
+    attention: str = "blocked"  # blocked | cudnn | pallas (Attention.impl)
 
 
 def block(spec: BlockSpec, i: int, x, state, reset, embedded):
@@ -377,7 +379,7 @@ class NLNet(nn.Module):
     scan: bool = False  # lax.scan over repeating units of blocks (model.nl_lm.scan_layers)
     tp: int = 1  # tensor-parallel shards: heads, memory heads and MLP hidden widths split (nljax/parallel/tp.py)
     tp_axis: str | None = None  # the mesh axis they are split over (None: shapes only, no collective)
-    attention: str = "blocked"  # blocked | cudnn: model.nl_lm.attention resolved for the backend
+    attention: str = "blocked"  # blocked | cudnn | pallas: model.nl_lm.attention resolved for the backend
     embed_grad: str = "scatter"  # scatter | onehot | segment: model.nl_lm.embed_grad resolved
     loss_chunk: int = 0  # model.nl_lm.loss_chunk (read by NLLM.apply)
 
