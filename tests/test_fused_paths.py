@@ -17,7 +17,7 @@ from helpers import TINY_NL, assert_trees_close, cli, make, train
 
 from nljax import config
 from nljax.errors import ConfigError
-from nljax.models import attention, build, embedding
+from nljax.models import attention, build, compiles, embedding
 from nljax.models.chunked_loss import chunked_token_loss
 from nljax.models.layers import dense_dot, local_attention, token_loss
 from nljax.models.nl_lm import NLLM
@@ -83,7 +83,9 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     ("blocked", "bfloat16", 64, True, "blocked"),
     ("cudnn", "bfloat16", 64, True, "cudnn"),
 ])
-def test_attention_choice(choice, dtype, head_dim, cuda, form):
+def test_attention_choice(choice, dtype, head_dim, cuda, form, monkeypatch):
+    # the rules by shape; whether a form compiles on the GPU is tests/test_compile_probes.py's
+    monkeypatch.setattr(compiles, "refusal", lambda *a: None)
     assert attention.resolve(choice, dtype, head_dim, cuda) == form
 
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.extend import backend as jax_backend
 
 from nljax.errors import ConfigError
+from nljax.models import compiles
 from nljax.models.attention_kernel import flash_attention, gpu_unsupported
 from nljax.models.layers import local_attention, recomputed
 
@@ -57,10 +58,12 @@ def on_cuda() -> bool:
     return "cuda" in jax_backend.get_backend().platform_version.lower()
 
 
-def resolve(choice: str, dtype, head_dim: int, cuda: bool) -> str:
+def resolve(choice: str, dtype, head_dim: int, cuda: bool, window: int = 64) -> str:
     """`blocked`, `cudnn` or `pallas` for the config's `choice` on this backend (`cuda`: a CUDA
     GPU). An explicit form that cannot run here is one line, at start-up, not a trace-time
-    traceback; an explicit `pallas` off CUDA runs interpreted."""
+    traceback; an explicit `pallas` off CUDA runs interpreted. `auto` on CUDA takes the first of
+    cuDNN and the Pallas kernel that takes the shape and compiles here (`compiles.refusal`, at
+    one row, one head and the `window`), else the blocked form."""
     if choice not in CHOICES:
         raise ConfigError(f"model.nl_lm.attention must be one of {', '.join(CHOICES)}, got '{choice}'")
     why = cudnn_refusal(dtype, head_dim) if cuda else "cuDNN runs on CUDA GPUs only, and this backend is " \
@@ -75,8 +78,26 @@ def resolve(choice: str, dtype, head_dim: int, cuda: bool) -> str:
     if choice == "auto":
         if not cuda:
             return "blocked"
-        return "cudnn" if not why else "pallas" if not no_kernel else "blocked"
+        fused = [f for f, refused in (("cudnn", why), ("pallas", no_kernel)) if not refused] + ["blocked"]
+        for form, fallback in zip(fused, fused[1:]):
+            failed = _compile_refusal(form, dtype, head_dim, window)
+            if failed is None:
+                return form
+            compiles.warn_fallback("model.nl_lm.attention", FUSED_NAMES[form], failed, fallback)
+        return "blocked"
     return choice
+
+
+FUSED_NAMES = {"cudnn": "cuDNN's flash attention", "pallas": "the Pallas attention kernel"}
+
+
+def _compile_refusal(form: str, dtype, head_dim: int, window: int) -> str | None:
+    """Why `form`'s forward and backward do not compile here (at one row and one head), or None."""
+    t = max(256, -(-2 * window // 64) * 64)  # two windows, in whole 64-token tiles
+    x = jax.ShapeDtypeStruct((1, t, 1, head_dim), dtype)
+    fn = functools.partial(sliding_window_attention, window=window, impl=form)
+    return compiles.refusal(("attention", jnp.dtype(dtype).name, head_dim, window, form), compiles.grad_of_sum(fn),
+                            (x, x, x))
 
 
 def fused_local_attention(q, k, v, window: int, implementation: str = "cudnn"):

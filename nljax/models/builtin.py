@@ -18,7 +18,7 @@ from nljax.data.images import load
 from nljax.data.recall import attention_reach
 from nljax.errors import ConfigError
 from nljax.models import attention as attention_form
-from nljax.models import embedding
+from nljax.models import embedding, memory_kernel
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
 from nljax.models.dit import DiT, DiTConfig, DiTNet
@@ -44,7 +44,11 @@ def nl_lm(cfg: Config) -> Model:
                   chunk=nl.memory_chunk, lr_max=nl.memory_lr_max, conv=nl.memory_conv, out_norm=nl.memory_out_norm,
                   out_gate=nl.memory_out_gate, unroll=nl.memory_unroll, impl=nl.memory_impl)
     # the backend-dependent choices are made here, after the devices are set up, once per build
-    attention = attention_form.resolve(nl.attention, m.dtype, m.dim // m.heads, attention_form.on_cuda())
+    # (on a GPU, `auto` compiles a fused form alone before it takes it: nljax/models/compiles.py)
+    if nl.memory_layers:
+        memory["impl"] = memory_kernel.resolve(nl.memory_impl, nl.memory_kind, nl.memory_chunk, nl.memory_dim,
+                                               nl.memory_hidden, m.dtype)
+    attention = attention_form.resolve(nl.attention, m.dtype, m.dim // m.heads, attention_form.on_cuda(), nl.window)
     embed_grad = embedding.resolve(nl.embed_grad, m.vocab_size, jax.default_backend())
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,
                       tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat, memory_embed=nl.memory_embed,

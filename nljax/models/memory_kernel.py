@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from nljax.errors import ConfigError
+from nljax.models import compiles
 from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers, memory_forward
 
 _SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi), of gelu's tanh approximation (jax.nn.gelu's default)
@@ -152,10 +153,47 @@ def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
 def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat: bool, unroll: int):
     """`model.nl_lm.memory_impl`'s inner loop: (state, q, k, v, theta, eta, alpha) -> (y, state).
     The kernel always keeps only the chunk-start states for its backward pass (as `remat` does);
-    `unroll` is the scan's."""
+    `unroll` is the scan's. `impl` may also be `resolve`'s `pallas_forward`: the forward kernel
+    with the scan's backward."""
+    if impl == FORWARD_ONLY:
+        return functools.partial(memory_kernel, kind=kind, chunk=chunk, backward="scan")
     if select(impl, kind, chunk, dim, hidden) == "pallas":
         return functools.partial(memory_kernel, kind=kind, chunk=chunk)
     return functools.partial(memory_forward, kind=kind, chunk=chunk, remat=remat, unroll=unroll)
+
+
+FORWARD_ONLY = "pallas_forward"  # resolve's fallback: the forward kernel, the scan's backward
+
+
+def resolve(impl: str, kind: str, chunk: int, dim: int, hidden: int, dtype) -> str:
+    """`model.nl_lm.memory_impl` for this backend, once per build: `select`'s choice, and for
+    `auto` on a GPU the kernel only where it compiles (`compiles.refusal`): the whole kernel,
+    else the forward kernel with the scan's backward (`FORWARD_ONLY`), else the scan, each
+    fallback said in one line. `dtype`: the inputs' (model.dtype)."""
+    choice = select(impl, kind, chunk, dim, hidden)
+    if impl != "auto" or choice != "pallas":
+        return choice
+    shapes = {"W": (dim, dim)} if kind == "linear" else {"W1": (dim, hidden), "W2": (hidden, dim)}
+    state = {part: {n: jax.ShapeDtypeStruct((1, 1, *s), jnp.float32) for n, s in shapes.items()} for part in "MS"}
+    t = 2 * chunk  # a program's resources do not depend on T, the batch or the heads
+    xs = [jax.ShapeDtypeStruct((1, 1, t, dim), dtype)] * 3 + [jax.ShapeDtypeStruct((1, 1, t), dtype)] * 3
+
+    def refusal(backward: str) -> str | None:
+        fn = functools.partial(memory_kernel, kind=kind, chunk=chunk, interpret=False, backward=backward)
+        key = ("memory", kind, chunk, dim, hidden, jnp.dtype(dtype).name, backward)
+        return compiles.refusal(key, compiles.grad_of_sum(fn), (state, *xs))
+
+    setting = "model.nl_lm.memory_impl"
+    whole = refusal("pallas")
+    if whole is None:
+        return "pallas"
+    forward = refusal("scan")
+    if forward is None:
+        compiles.warn_fallback(setting, "the Pallas memory kernel's backward", whole,
+                               "its forward kernel with the scan's backward")
+        return FORWARD_ONLY
+    compiles.warn_fallback(setting, "the Pallas memory kernel", forward, "the scan")
+    return "scan"
 
 
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:

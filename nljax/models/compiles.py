@@ -1,0 +1,50 @@
+"""Whether a fused kernel compiles on this device: what `auto` asks before it picks one.
+
+`auto` picks the fused forms on GPUs from their shapes (`memory_kernel.gpu_unsupported`,
+`attention.cudnn_refusal`, `attention_kernel.gpu_unsupported`), but a shape those rules take can
+still fail in the device's compiler: a Triton kernel needing more than the 227 KiB of shared
+memory an H100 or H200 gives one block (the memory kernel's backward at titans_demo's shapes did,
+compiled offline: docs/concepts/memory-kernel.md), a cuDNN without sliding windows. A failure
+there would stop every run with a compiler traceback at its first step. So before `auto` takes a
+fused form it compiles that form alone, forward and backward, at one stream row and one head
+(the kernels' resources do not depend on the batch or the number of heads: each program is one
+(row, head)), and takes the next form when it does not compile, saying so in one line.
+
+Explicit choices are not probed: a user who names a form gets it, or the compiler's error.
+Every process of a multi-host run probes on its own device; the devices of one run are alike.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import jax
+
+from nljax.errors import first_line
+
+_SEEN: dict[tuple, str | None] = {}  # once per process and shape: a probe is a compilation
+
+
+def refusal(key: tuple, fn: Callable, *args) -> str | None:
+    """None when `jax.jit(fn)` compiles for `args` (arrays or ShapeDtypeStructs) on JAX's
+    default backend; else the compiler's error, one line. Cached under `key`."""
+    if key not in _SEEN:
+        try:
+            jax.jit(fn).lower(*args).compile()
+            _SEEN[key] = None
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises is the reason given
+            _SEEN[key] = f"{type(e).__name__}: {first_line(e)}"[:300]
+    return _SEEN[key]
+
+
+def warn_fallback(setting: str, tried: str, why: str, using: str) -> None:
+    """The one line `auto` prints when a fused form does not compile here."""
+    print(f"nljax: warning: {setting}=auto: {tried} does not compile on this device ({why}); using {using}",
+          file=sys.stderr, flush=True)
+
+
+def grad_of_sum(fn: Callable) -> Callable:
+    """args (a tuple of `fn`'s arguments) -> their gradient of the sum of `fn`'s outputs (in
+    float32): what a probe compiles, so that the backward kernels are compiled too."""
+    return jax.grad(lambda args: sum(x.astype("float32").sum() for x in jax.tree.leaves(fn(*args))))

@@ -1,0 +1,93 @@
+"""`auto` takes a fused form on a GPU only where it compiles (nljax/models/compiles.py).
+
+This machine has no GPU, so the GPU's choice is reached by standing in for `select`'s backend
+test or for the probe's answer; the probes that do run here compile for real (a Pallas kernel
+outside interpret mode and cuDNN's attention do not compile on a CPU, the interpreted Pallas
+attention does)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from nljax import config
+from nljax.models import attention, builtin, compiles
+from nljax.models import memory_kernel as mk
+
+
+@pytest.fixture(autouse=True)
+def fresh_cache(monkeypatch):
+    monkeypatch.setattr(compiles, "_SEEN", {})
+
+
+def test_refusal_is_none_when_it_compiles_and_the_first_line_when_not():
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    assert compiles.refusal(("double",), lambda a: 2 * a, x) is None
+    state = {p: {"W": jax.ShapeDtypeStruct((1, 1, 16, 16), jnp.float32)} for p in "MS"}
+    xs = [jax.ShapeDtypeStruct((1, 1, 32, 16), jnp.float32)] * 3 + [jax.ShapeDtypeStruct((1, 1, 32), jnp.float32)] * 3
+    kernel = lambda s, *a: mk.memory_kernel(s, *a, kind="linear", chunk=16, interpret=False)
+    why = compiles.refusal(("kernel",), compiles.grad_of_sum(kernel), (state, *xs))
+    assert why == "ValueError: Only interpret mode is supported on CPU backend."
+    # once per key: a second probe under the same key compiles nothing
+    assert compiles.refusal(("kernel",), lambda a: 1 / 0, x) == why
+
+
+def probe_answers(monkeypatch, refused: dict):
+    """The probe answers from `refused` (a key's last entry -> the error), compiling nothing."""
+    asked = []
+    monkeypatch.setattr(compiles, "refusal", lambda key, fn, *args: asked.append(key) or refused.get(key[-1]))
+    return asked
+
+
+def test_memory_auto_falls_back_to_what_compiles(monkeypatch, capsys):
+    monkeypatch.setattr(mk, "select", lambda *a, **k: "pallas")  # the GPU's choice by shapes
+    shapes = ("auto", "mlp", 32, 64, 128, jnp.bfloat16)
+    asked = probe_answers(monkeypatch, {})
+    assert mk.resolve(*shapes) == "pallas" and [k[-1] for k in asked] == ["pallas"]
+    assert capsys.readouterr().err == ""
+    probe_answers(monkeypatch, {"pallas": "XlaRuntimeError: Shared memory size limit exceeded"})
+    assert mk.resolve(*shapes) == mk.FORWARD_ONLY
+    assert capsys.readouterr().err == (
+        "nljax: warning: model.nl_lm.memory_impl=auto: the Pallas memory kernel's backward does not compile on "
+        "this device (XlaRuntimeError: Shared memory size limit exceeded); using its forward kernel with the "
+        "scan's backward\n")
+    probe_answers(monkeypatch, {"pallas": "E1", "scan": "E2"})
+    assert mk.resolve(*shapes) == "scan"
+    assert "the Pallas memory kernel does not compile on this device (E2); using the scan" in capsys.readouterr().err
+    asked = probe_answers(monkeypatch, {"pallas": "E1", "scan": "E2"})
+    assert mk.resolve("pallas", *shapes[1:]) == "pallas" and asked == []  # an explicit choice is not probed
+    loop = mk.inner_loop(mk.FORWARD_ONLY, "mlp", 32, 64, 128, remat=True, unroll=1)
+    assert loop.func is mk.memory_kernel and loop.keywords["backward"] == "scan"
+
+
+def test_memory_auto_probes_for_real(monkeypatch, capsys):
+    """The probe's compilation itself: the compiled kernel does not compile on a CPU."""
+    monkeypatch.setattr(mk, "select", lambda *a, **k: "pallas")
+    assert mk.resolve("auto", "linear", 16, 16, 16, jnp.float32) == "scan"
+    assert capsys.readouterr().err.endswith("(ValueError: Only interpret mode is supported on CPU backend.); "
+                                            "using the scan\n")
+
+
+def test_attention_auto_takes_the_first_form_that_compiles(monkeypatch, capsys):
+    # for real: cuDNN does not compile on a CPU, the Pallas kernel (interpreted here) does
+    assert attention.resolve("auto", jnp.bfloat16, 64, True, 64) == "pallas"
+    assert capsys.readouterr().err == (
+        "nljax: warning: model.nl_lm.attention=auto: cuDNN's flash attention does not compile on this device "
+        "(RuntimeError: cuDNN is not detected.); using pallas\n")
+    asked = probe_answers(monkeypatch, {})
+    assert attention.resolve("auto", jnp.bfloat16, 64, True, 512) == "cudnn" and len(asked) == 1
+    probe_answers(monkeypatch, {"cudnn": "E1", "pallas": "E2"})
+    assert attention.resolve("auto", jnp.bfloat16, 64, True, 512) == "blocked"
+    err = capsys.readouterr().err.splitlines()
+    assert [line.split("(")[-1] for line in err] == ["E1); using pallas", "E2); using blocked"]
+    asked = probe_answers(monkeypatch, {})
+    assert attention.resolve("auto", jnp.float32, 64, True, 512) == "pallas"  # cuDNN refuses float32 by shape
+    assert [k[-1] for k in asked] == ["pallas"]
+    assert attention.resolve("cudnn", jnp.bfloat16, 64, True, 512) == "cudnn" and len(asked) == 1  # not probed
+
+
+def test_a_cpu_build_probes_nothing(monkeypatch):
+    """On a CPU `auto` is the scan and the blocked form by rule, without a compilation."""
+    monkeypatch.setattr(compiles, "refusal", lambda *a: pytest.fail("probed on a CPU"))
+    cfg = config.load(None, ["model.nl_lm.memory_layers=[0]", "model.depth=1", "model.dim=32", "model.heads=2"])
+    net = builtin.nl_lm(cfg).net
+    assert net.attention == "blocked" and net.memory["impl"] == "scan"
