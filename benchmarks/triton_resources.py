@@ -1,0 +1,151 @@
+"""What nljax's Pallas kernels ask of a Hopper GPU, found on a machine without one.
+
+    pip install triton      # once, beside nljax (the GPU machine has it with torch)
+    python benchmarks/triton_resources.py --config nl_350m [--config titans_demo] [--warps 4,8] [--out F.json]
+    python benchmarks/triton_resources.py --config nl_350m --capture-only DIR   # the Triton modules only
+
+For each kernel of a packaged config (the memory kernel's forward and backward at the config's
+memory shapes, the Pallas attention's forward, dK/dV and dQ at its attention shapes, in
+model.dtype) this captures the Triton module Pallas lowers (what XLA would compile on the GPU),
+compiles it with the `triton` package for sm_90 (H100, H200) at each number of warps, and
+assembles it with `ptxas -v`: shared memory per block (an H100 or H200 gives one block at most
+227 KiB: a kernel over it does not launch, and XLA refuses it), registers per thread (255 at
+most) and bytes spilled to local memory per thread (each spill is a round trip to L1/L2 in the
+kernel's inner loop).
+
+An estimate, not the GPU's own compilation: jaxlib's XLA compiles the same module with the Triton
+it was built with, which may place tensors differently from the `triton` installed here. It is
+what can be known before a GPU session; `auto` still compiles a kernel on the GPU before it
+takes it (nljax/models/compiles.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+HOPPER_SHARED_BYTES = 227 * 1024  # the opt-in shared memory of one block on an H100 or H200
+
+
+def captured_modules(fn, args) -> list[str]:
+    """The Triton modules (MLIR text) that Pallas lowers while `fn(*args)` is lowered for CUDA."""
+    from jax._src.pallas.triton import lowering  # private: where Pallas builds the Triton module
+
+    texts, original = [], lowering.lower_jaxpr_to_triton_module
+
+    def grab(*a, **k):
+        result = original(*a, **k)
+        texts.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    lowering.lower_jaxpr_to_triton_module = grab
+    try:
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+    finally:
+        lowering.lower_jaxpr_to_triton_module = original
+    return texts
+
+
+def kernels(config: str) -> dict[str, str]:
+    """name -> Triton module text of every Pallas kernel `config` trains with on a GPU."""
+    from nljax import config as configuration
+    from nljax.models import attention_kernel as ak
+    from nljax.models import memory_kernel as mk
+
+    cfg = configuration.load(config, [])
+    m, nl = cfg.model, cfg.model.nl_lm
+    dtype = jnp.dtype(m.dtype)
+    out = {}
+    if nl.memory_layers:
+        d, hid, b, kind = nl.memory_dim, nl.memory_hidden, nl.memory_chunk, nl.memory_kind
+        shapes = {"W": (d, d)} if kind == "linear" else {"W1": (d, hid), "W2": (hid, d)}
+        state = {p: {n: jnp.zeros((1, 1, *s), jnp.float32) for n, s in shapes.items()} for p in "MS"}
+        xs = [jnp.zeros((1, 1, 2 * b, d), dtype)] * 3 + [jnp.full((1, 1, 2 * b), 0.5, dtype)] * 3
+        fn = functools.partial(mk.memory_kernel, kind=kind, chunk=b, interpret=False)
+        grad = jax.grad(lambda a: sum(x.astype(jnp.float32).sum() for x in jax.tree.leaves(fn(*a))))
+        fwd, bwd = captured_modules(grad, ((state, *xs),))
+        out |= {f"memory forward ({kind}, chunk {b}, dim {d}, hidden {hid})": fwd,
+                f"memory backward ({kind}, chunk {b}, dim {d}, hidden {hid})": bwd}
+    hd = m.dim // m.heads
+    t = max(256, 2 * nl.window)
+    x = jnp.zeros((1, t, 1, hd), dtype)
+    attn = functools.partial(ak.flash_attention, window=nl.window, interpret=False)
+    grad = jax.grad(lambda a: attn(*a).astype(jnp.float32).sum())
+    names = ["attention forward", "attention dK/dV", "attention dQ"]
+    out |= {f"{n} (head {hd}, window {nl.window})": text for n, text in zip(names, captured_modules(grad, ((x, x, x),)))}
+    return out
+
+
+def compiled(text: str, warps: int, work: Path) -> dict:
+    """Shared memory, registers and spills of one Triton module compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    src = work / "kernel.ttir"
+    src.write_text(text)
+    k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    ptx = work / "kernel.ptx"
+    ptx.write_text(k.asm["ptx"])
+    bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    report = ""
+    for ptxas in sorted(bin_dir.glob("ptxas*")):  # the first that reads this PTX version
+        r = subprocess.run([str(ptxas), "-arch=sm_90a", "-v", str(ptx), "-o", str(work / "kernel.cubin")],
+                           capture_output=True, text=True)
+        if r.returncode == 0:
+            report = r.stderr
+            break
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    return {"warps": warps, "shared_bytes": k.metadata.shared, "fits": k.metadata.shared <= HOPPER_SHARED_BYTES,
+            "registers": int(regs.group(1)) if regs else None, "spill_store_bytes": int(spills.group(1)) if spills else None}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", action="append", required=True, help="a packaged config or YAML file (repeatable)")
+    p.add_argument("--warps", default="4,8", help="numbers of warps to compile each kernel with")
+    p.add_argument("--capture-only", metavar="DIR", help="write the Triton modules into DIR; compile nothing")
+    p.add_argument("--out", help="write the results as JSON")
+    args = p.parse_args(argv)
+    found = {c: kernels(c) for c in args.config}
+    if args.capture_only:
+        d = Path(args.capture_only)
+        d.mkdir(parents=True, exist_ok=True)
+        for c, ks in found.items():
+            for i, (name, text) in enumerate(ks.items()):
+                (d / f"{Path(c).stem}_{i}.ttir").write_text(f"// {name}\n{text}")
+                print(f"{c}: {name} -> {d / f'{Path(c).stem}_{i}.ttir'}")
+        return 0
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("triton_resources: the `triton` package is not installed (pip install triton)", file=sys.stderr)
+        return 2
+    import tempfile
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for c, ks in found.items():
+            for name, text in ks.items():
+                for w in map(int, args.warps.split(",")):
+                    r = {"config": c, "kernel": name, **compiled(text, w, Path(tmp))}
+                    rows.append(r)
+                    print(f"{c:12s} {name:58s} warps {w}: shared {r['shared_bytes'] / 1024:5.0f} KiB"
+                          f"{'' if r['fits'] else ' (over 227)'}, {r['registers']} registers, "
+                          f"{r['spill_store_bytes']} B spilled per thread", flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"triton": __import__("triton").__version__, "target": "sm_90a",
+                                              "jax": jax.__version__, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
