@@ -17,7 +17,6 @@ files; they are renamed into DIR when complete, manifest.json last.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -58,8 +57,9 @@ def describe(c: prepared.Corpus) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.prepare", description="Prepare your own text once (tokenized, memory-mapped), for training with data.source=files data.prepared=DIR.")
-    p.add_argument("--config", help="YAML config file whose data.* keys name the text")
+    p = cli.Parser(allow_abbrev=False, prog="nljax.prepare", description="Prepare your own text once (tokenized, "
+                   "memory-mapped), for training with data.source=files data.prepared=DIR.")
+    p.add_argument("--config", action=cli.Once, help="YAML config file whose data.* keys name the text")
     p.add_argument("settings", nargs="*", metavar="key=value", help="out=DIR (required), overwrite=true, data.* keys")
     args = p.parse_args(argv)
     try:

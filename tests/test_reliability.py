@@ -897,3 +897,23 @@ def test_files_of_a_run_or_a_preparation_that_are_not_regular_files_are_one_line
         damage(q / name)
         with pytest.raises(config.ConfigError, match=said):
             prepared.load(q)
+
+
+@pytest.mark.parametrize("command", ["prepare", "lm_eval"])
+def test_every_commands_argparse_refusal_is_one_line(command, capsys):
+    """nljax.prepare and nljax.lm_eval kept argparse's usage block before the error (the other
+    commands' refusals are one line since cli.Parser); nljax.prepare's --config given twice took
+    the second silently."""
+    import importlib
+
+    main = importlib.import_module(f"nljax.{command}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--cpu-devices", "x"] if command == "lm_eval" else ["--bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    said = "argument --cpu-devices: invalid int value: 'x'" if command == "lm_eval" else \
+        "unrecognized arguments: --bogus"
+    assert e.value.code == 2 and err == [f"nljax.{command}: error: {said} (--help lists the options)"]
+    if command == "prepare":
+        with pytest.raises(SystemExit) as e:
+            main(["--config", "nl_default", "--config", "nl_gpu", "out=x"])
+        assert e.value.code == 2 and "--config is given twice" in capsys.readouterr().err
