@@ -73,7 +73,7 @@ class TrainedModel:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (a byte that is not whole UTF-8 reads as U+FFFD)."""
         self._text_only("decode")
-        return "".join(self.tokenizer.decode_stream([int(i) for i in ids]))
+        return self.tokenizer.decode([int(i) for i in ids])
 
     @property
     def end_id(self) -> int | None:
