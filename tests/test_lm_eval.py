@@ -403,3 +403,22 @@ def test_generate_untils_stop_check_decodes_once_per_token(tmp_path):
     codec.tok = Counting()
     assert lm.tok_decode(answer, prompt) == want and len(answer) > 30 and len(calls) <= 2
 
+
+def test_a_rolling_task_without_a_document_end_token_is_refused_at_start_up(tmp_path, local_tasks_only):
+    """A rolling task reads each text after the run's document-end token: with a tokenizer that
+    has none, the run stopped at its first evaluation (after its last checkpoint); now `attach`
+    refuses it in one line before anything is written. A multiple choice task still runs there."""
+    from helpers import make
+
+    from nljax.run import harness
+
+    tasks = write_tasks(tmp_path / "tasks")
+    files = [o for o in bpe_corpus(tmp_path, "document {i} says hello, number {sq}. ") if "doc_end_token" not in o]
+    setup = make([*NL, *files, "eval.harness_tasks=[tiny_mc,tiny_roll]", f"eval.harness_include={tasks}"])
+    with pytest.raises(ConfigError, match=r"^eval.harness_tasks: tiny_roll \(loglikelihood_rolling\) reads each "
+                                          r"text after the run's document-end token, .* set data.doc_end_token$"):
+        harness.attach(setup.run)
+    cfg = setup.run.cfg
+    mc_only = dataclasses.replace(setup.run, cfg=dataclasses.replace(
+        cfg, eval=dataclasses.replace(cfg.eval, harness_tasks=("tiny_mc",))))
+    assert harness.attach(mc_only).harness is not None

@@ -40,15 +40,28 @@ def attach(run: Run) -> Run:
     try:
         from nljax.run import harness_model
     except ImportError as err:
-        raise ConfigError(f"eval.harness_tasks needs lm-eval ({first_line(err)}): pip install 'nljax[lm-eval]'") from None
+        raise ConfigError(f"eval.harness_tasks needs lm-eval ({first_line(err)}): "
+                          "pip install 'nljax[lm-eval]'") from None
     manager = task_manager(list(e.harness_tasks), e.harness_include)
     with quiet():
         try:
-            manager.load(list(e.harness_tasks))  # reads each task's data now: a failure stops the run before step 0
+            # reads each task's data now: a failure stops the run before step 0
+            loaded = manager.load(list(e.harness_tasks))
         except Exception as err:  # noqa: BLE001 - lm-eval and `datasets` raise their own types
             raise ConfigError(f"eval.harness_tasks: cannot load {', '.join(e.harness_tasks)}: "
                               f"{first_line(err) or type(err).__name__}") from None
+    check_start_token(loaded["tasks"], tokenization_of(run.cfg).end_id)
     return dataclasses.replace(run, harness=HarnessEval(run, manager, harness_model))
+
+
+def check_start_token(tasks: dict, end_id: int | None) -> None:
+    """A rolling-loglikelihood task's texts start from the run's document-end token
+    (`NLJaxLM.prefix_token_id`): without one, refused now, not at the first evaluation (which
+    would stop the run there, after its last checkpoint)."""
+    rolling = sorted(name for name, task in tasks.items() if task.get_config("output_type") == "loglikelihood_rolling")
+    if rolling and end_id is None:
+        raise ConfigError(f"eval.harness_tasks: {', '.join(rolling)} (loglikelihood_rolling) reads each text after "
+                          "the run's document-end token, and this run's tokenizer has none: set data.doc_end_token")
 
 
 def task_manager(tasks: list[str], include: str):
