@@ -3,7 +3,8 @@ the parameters it is training, their metrics logged beside `eval_bpb` (metrics.j
 trackers, the progress line) as `harness_<task>_<metric>`.
 
 The tasks are checked at start-up, before anything is written: lm-eval missing, a task lm-eval
-does not know, or one whose data cannot be read stops the run with one line. Each evaluation
+does not know, one whose data cannot be read, or a rolling task without a document-end token to
+start from stops the run with one line. Each evaluation
 reads the first `eval.harness_limit` examples of each task with nljax's lm-eval model
 (nljax/run/harness_model.py) on the whole mesh: `train.batch_size` requests at a time, the
 parameters gathered over the data axes as for the text samples, every process running the same
