@@ -18,6 +18,7 @@ files; they are renamed into DIR when complete, manifest.json last.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -42,8 +43,9 @@ def parse(pairs: list[str]) -> tuple[Path | None, bool, list[str]]:
             overrides.append(pair)
     if own.get("overwrite", "false") not in ("true", "false"):
         raise ConfigError(f"overwrite must be true or false, got {own['overwrite']!r}")
-    # `~` is the home directory whether the shell expanded it or not (nljax.load reads it so too)
-    out = Path(own["out"]).expanduser() if own.get("out") else None
+    # `~` is the home directory whether the shell expanded it or not (nljax.load reads it so too);
+    # os.path's expanduser: `~name` of no user stays as typed, as a shell leaves it (pathlib's raises)
+    out = Path(os.path.expanduser(own["out"])) if own.get("out") else None
     return out, own.get("overwrite") == "true", overrides
 
 
@@ -68,7 +70,7 @@ def main(argv=None) -> int:
         if not cfg.data.train:
             raise ConfigError("data.train is required: the paths or globs of the text to prepare")
         # one config file for both steps: its data.prepared is where the data go, unless out= says
-        out = out or (Path(cfg.data.prepared).expanduser() if cfg.data.prepared else None)
+        out = out or (Path(os.path.expanduser(cfg.data.prepared)) if cfg.data.prepared else None)
         if out is None:
             raise ConfigError("out=DIR is required (or data.prepared in the config): the directory to write to")
         workers = cfg.prepare.workers or chunks.default_workers()

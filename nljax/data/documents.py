@@ -55,7 +55,7 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             if not found:
                 raise ConfigError(f"{key}: '{pattern}' matches no file")
         else:
-            p = Path(pattern).expanduser()
+            p = Path(os.path.expanduser(pattern))
             if not p.exists():
                 raise ConfigError(f"{key}: no file {pattern}")
             if p.is_dir():

@@ -76,7 +76,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise ConfigError("data.tokenizer needs the `tokenizers` package: pip install 'nljax[text]'") from None
-        path = Path(path).expanduser()
+        path = Path(os.path.expanduser(path))
         try:  # `raw` given: the bytes read once by the parent process, so every worker has the same
             self.raw = path.read_bytes() if raw is None else raw
         except OSError as e:

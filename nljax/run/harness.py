@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -71,9 +72,9 @@ def task_manager(tasks: list[str], include: str):
     tasks it does not know."""
     from lm_eval.tasks import TaskManager
 
-    if include and not Path(include).expanduser().is_dir():
+    if include and not Path(os.path.expanduser(include)).is_dir():
         raise ConfigError(f"eval.harness_include={include} is not a directory (of lm-eval task YAML files)")
-    include = str(Path(include).expanduser()) if include else None
+    include = str(Path(os.path.expanduser(include))) if include else None
     with quiet():
         manager = TaskManager(include_path=include, include_defaults=False) if include else None
         if manager is None or set(manager.match_tasks(tasks)) != set(tasks):
