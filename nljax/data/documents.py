@@ -117,13 +117,6 @@ def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
             yield ([text] if text else []), index, 1
 
 
-def batches(files: Sequence[Path], text_key: str) -> Iterator[list[str]]:
-    """The documents of `files`, in order, in lists of up to BATCH."""
-    for docs, _, _ in read(files, text_key):
-        if docs:
-            yield docs
-
-
 def _read(path: Path) -> bytes:
     try:
         raw = path.read_bytes()
