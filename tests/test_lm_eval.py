@@ -416,3 +416,19 @@ def test_a_rolling_task_without_a_document_end_token_is_refused_at_start_up(tmp_
     mc_only = dataclasses.replace(setup.run, cfg=dataclasses.replace(
         cfg, eval=dataclasses.replace(cfg.eval, harness_tasks=("tiny_mc",))))
     assert harness.attach(mc_only).harness is not None
+
+
+def test_the_stream_reader_scores_a_stream_of_fewer_than_two_tokens_as_nothing(lm):
+    """A stream of n tokens scores n - 1: an empty one gave the padding's window-long scores
+    (n - 1 = -1 sliced all but the last); a generation from no token read position -1 (the
+    window's padding). The harness never sends either; the reader itself now answers or refuses."""
+    import jax
+
+    from nljax.parallel.mesh import make_mesh
+    from nljax.run.scoring import StreamReader
+
+    reader = StreamReader(lm.model, lm.params, make_mesh(1, 1, jax.devices()[:1]), lm.seq_len, lm.end_id, 2)
+    out = reader.score([[], [5], [5, 6, 7]])
+    assert [(len(logp), len(hits)) for logp, hits in out] == [(0, 0), (0, 0), (2, 2)]
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        reader.generate([[5], []], 3, lambda logits, i: 0, lambda i, tokens: False)

@@ -114,13 +114,17 @@ class StreamReader:
             reset, first = self._ends(window[:, :t], first), np.zeros(r, bool)
         logp = np.concatenate([replica(p) for p, _ in parts], axis=1).astype(np.float64)
         hits = np.concatenate([replica(g) for _, g in parts], axis=1) == tokens[:, 1:]
-        return [(logp[b, : n - 1], hits[b, : n - 1]) for b, n in enumerate(lengths)]
+        return [(logp[b, : max(n - 1, 0)], hits[b, : max(n - 1, 0)]) for b, n in enumerate(lengths)]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, pick: Pick, stop: Stop) -> list[list[int]]:
         """The tokens after each prompt (at least one token each), chosen by `pick` from the
         logits of the next position, until `stop` says so or `max_new_tokens` are chosen. As
         `TextSampler.tokens` does for one prompt: full windows go into the memory, each token is
-        predicted from the memory of the windows before it and its own window so far."""
+        predicted from the memory of the windows before it and its own window so far. A prompt
+        needs a token to predict from (the harness's empty context is the document-end token)."""
+        empty = [i for i, p in enumerate(prompts) if not len(p)]
+        if empty:
+            raise ValueError(f"StreamReader.generate: prompt {empty[0]} is empty: give it a first token")
         return self._longest_first(prompts, lambda which: self._generate_batch(
             [list(prompts[j]) for j in which], max_new_tokens, lambda logits, b: pick(logits, which[b]),
             lambda b, toks: stop(which[b], toks)))
