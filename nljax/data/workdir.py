@@ -131,7 +131,10 @@ class WorkDir:
         progress = {"job": self.job, "chunks": chunks, "position": list(position), "seen": seen,
                     "splits": {s: sinks[s].state() for s in self.splits}}
         temp = self.path / f".{PROGRESS}.tmp"
-        temp.write_text(json.dumps(progress))
+        with open(temp, "w") as f:  # on disk before the rename: a power cut leaves the old record or this one
+            f.write(json.dumps(progress))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temp, self.path / PROGRESS)
 
     def close(self) -> None:
