@@ -52,8 +52,9 @@ def attach(run: Run) -> Run:
         except Exception as err:  # noqa: BLE001 - lm-eval and `datasets` raise their own types
             raise ConfigError(f"eval.harness_tasks: cannot load {', '.join(e.harness_tasks)}: "
                               f"{first_line(err) or type(err).__name__}") from None
-    check_start_token(loaded["tasks"], tokenization_of(run.cfg).end_id)
-    return dataclasses.replace(run, harness=HarnessEval(run, manager, harness_model))
+    codec = tokenization_of(run.cfg)
+    check_start_token(loaded["tasks"], codec.end_id)
+    return dataclasses.replace(run, harness=HarnessEval(run, manager, harness_model, codec))
 
 
 def check_start_token(tasks: dict, end_id: int | None) -> None:
@@ -106,9 +107,9 @@ def quiet():
 class HarnessEval:
     """The harness tasks of a run, evaluated on the parameters as the strategy stores them."""
 
-    def __init__(self, run: Run, manager, harness_model: Any):
+    def __init__(self, run: Run, manager, harness_model: Any, codec):
         self.run, self.manager, self.lib = run, manager, harness_model
-        self.codec = tokenization_of(run.cfg)
+        self.codec = codec  # the run's tokenization (nljax.run.sampling.tokenization_of)
         self.reader = None  # made at the first evaluation (its forward compiles then)
 
     def evaluate(self, stored_params) -> dict:
