@@ -178,17 +178,19 @@ def interrupted(prog: str, then: str = "") -> int:
     return 128 + signal.SIGINT
 
 
-def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] = lambda: None) -> int:
-    """`body()`'s exit code for a one-process tool (generate, export), a user's problem as one
-    line: a ConfigError (2), Ctrl-C (130), an OSError (a full disk, a closed standard output,
-    permissions) or JAX failing to start its backend (1); `after_os_error` then tidies up."""
+def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] = lambda: None,
+         after_ctrl_c: str = "") -> int:
+    """`body()`'s exit code for a one-process tool (generate, export, lm_eval, prepare), a user's
+    problem as one line: a ConfigError (2), Ctrl-C (130; `after_ctrl_c`: what to do next), an
+    OSError (a full disk, a closed standard output, permissions) or JAX failing to start its
+    backend (1); `after_os_error` then tidies up."""
     try:
         return body()
     except config.ConfigError as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way the tool stops
-        return interrupted(prog)
+        return interrupted(prog, after_ctrl_c)
     except OSError as e:
         print(f"{prog}: error: {write_failed(e) or e}", file=sys.stderr)
         after_os_error()

@@ -14,6 +14,7 @@ import copy
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -225,7 +226,7 @@ def config_path(path: str) -> Path:
     """The config file `path` names: an existing file (it wins), else a packaged config by name
     (`nl_gpu`, `nl_gpu.yaml`, or `configs/nl_gpu.yaml`, where the configs were before they moved
     into the package, so that older commands keep working)."""
-    p = Path(path).expanduser()
+    p = Path(os.path.expanduser(path))
     if p.exists():
         return p
     stem = p.name[: -len(p.suffix)] if p.suffix in (".yaml", ".yml") else p.name

@@ -17,7 +17,6 @@ the same on any count. How requests are read: nljax/run/harness_model.py.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from nljax import cli
@@ -121,10 +120,10 @@ def main(argv=None) -> int:
     mine = {i for i, a in enumerate(argv) if a in ("-h", "--help") or a.startswith("--cpu-devices")
             or (i and argv[i - 1] == "--cpu-devices")}
     own, rest = [argv[i] for i in sorted(mine)], [a for i, a in enumerate(argv) if i not in mine]
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.lm_eval", description=__doc__.splitlines()[0],
-                                epilog="Every other argument is lm-eval's (`lm_eval run --help`): --model nljax "
-                                       "--model_args run_dir=DIR[,checkpoint=STEP][,batch_size=N] --tasks ... "
-                                       "[--include_path DIR] [--limit N] [--output_path DIR] ...")
+    p = cli.Parser(allow_abbrev=False, prog="nljax.lm_eval", description=__doc__.splitlines()[0],
+                   epilog="Every other argument is lm-eval's (`lm_eval run --help`): --model nljax "
+                          "--model_args run_dir=DIR[,checkpoint=STEP][,batch_size=N] --tasks ... "
+                          "[--include_path DIR] [--limit N] [--output_path DIR] ...")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     args = p.parse_args(own)
     return cli.tool("nljax.lm_eval", lambda: _evaluate(args.cpu_devices, rest))

@@ -22,8 +22,8 @@ stopped after the new data were in place.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -48,8 +48,9 @@ def parse(pairs: list[str]) -> tuple[Path | None, bool, list[str]]:
             overrides.append(pair)
     if own.get("overwrite", "false") not in ("true", "false"):
         raise ConfigError(f"overwrite must be true or false, got {own['overwrite']!r}")
-    # `~` is the home directory whether the shell expanded it or not (nljax.load reads it so too)
-    out = Path(own["out"]).expanduser() if own.get("out") else None
+    # `~` is the home directory whether the shell expanded it or not (nljax.load reads it so too);
+    # os.path's expanduser: `~name` of no user stays as typed, as a shell leaves it (pathlib's raises)
+    out = Path(os.path.expanduser(own["out"])) if own.get("out") else None
     return out, own.get("overwrite") == "true", overrides
 
 
@@ -63,35 +64,34 @@ def describe(c: prepared.Corpus) -> str:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(allow_abbrev=False, prog="nljax.prepare", description="Prepare your own text once (tokenized, memory-mapped), for training with data.source=files data.prepared=DIR.")
-    p.add_argument("--config", help="YAML config file whose data.* keys name the text")
+    p = cli.Parser(allow_abbrev=False, prog="nljax.prepare", description="Prepare your own text once (tokenized, "
+                   "memory-mapped), for training with data.source=files data.prepared=DIR.")
+    p.add_argument("--config", action=cli.Once, help="YAML config file whose data.* keys name the text")
     p.add_argument("settings", nargs="*", metavar="key=value", help="out=DIR (required), overwrite=true, data.* keys")
     args = p.parse_args(argv)
+    # Ctrl-C, a full disk, a quota, a read-only file system: the chunks done are kept, to resume
+    return cli.tool("nljax.prepare", lambda: _prepare(args.config, args.settings),
+                    after_ctrl_c=": the same command resumes where it stopped")
+
+
+def _prepare(config_file: str | None, settings: list[str]) -> int:
+    out, overwrite, overrides = parse(settings)
+    cfg = config.load(config_file, ["data.source=files", *overrides])
+    if not cfg.data.train:
+        raise ConfigError("data.train is required: the paths or globs of the text to prepare")
+    # one config file for both steps: its data.prepared is where the data go, unless out= says
+    out = out or (Path(os.path.expanduser(cfg.data.prepared)) if cfg.data.prepared else None)
+    if out is None:
+        raise ConfigError("out=DIR is required (or data.prepared in the config): the directory to write to")
+    workers = cfg.prepare.workers or chunks.default_workers()
     try:
-        out, overwrite, overrides = parse(args.settings)
-        cfg = config.load(args.config, ["data.source=files", *overrides])
-        if not cfg.data.train:
-            raise ConfigError("data.train is required: the paths or globs of the text to prepare")
-        # one config file for both steps: its data.prepared is where the data go, unless out= says
-        out = out or (Path(cfg.data.prepared).expanduser() if cfg.data.prepared else None)
-        if out is None:
-            raise ConfigError("out=DIR is required (or data.prepared in the config): the directory to write to")
-        workers = cfg.prepare.workers or chunks.default_workers()
         c = prepared.build(dataclasses.replace(cfg.data, prepared=""), out, overwrite, workers, cfg.prepare.chunk_bytes)
-        print(f"nljax.prepare: wrote {out}: {describe(c)}")
-        print(f"nljax.prepare: train with data.source=files data.prepared={out}")
-        return 0
-    except ConfigError as e:
-        print(f"nljax.prepare: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # Ctrl-C: the chunks done are kept; the same command resumes
-        return cli.interrupted("nljax.prepare", ": the same command resumes where it stopped")
     except chunks.WorkerDied as e:  # the chunks done are kept
         print(f"nljax.prepare: error: {e}", file=sys.stderr)
         return 1
-    except OSError as e:  # a full disk, a quota, a read-only file system: the work done is kept, to resume
-        print(f"nljax.prepare: error: cannot write {e.filename or out}: {e.strerror or e}", file=sys.stderr)
-        return 1
+    print(f"nljax.prepare: wrote {out}: {describe(c)}")
+    print(f"nljax.prepare: train with data.source=files data.prepared={out}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ Everything here imports JAX on call: `import nljax` stays light.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -73,7 +74,7 @@ class TrainedModel:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (a byte that is not whole UTF-8 reads as U+FFFD)."""
         self._text_only("decode")
-        return "".join(self.tokenizer.decode_stream([int(i) for i in ids]))
+        return self.tokenizer.decode([int(i) for i in ids])
 
     @property
     def end_id(self) -> int | None:
@@ -167,7 +168,7 @@ def load(path: str | Path, checkpoint: str = "latest", overrides: Sequence[str] 
     """The trained model in `path`: an export directory (`python -m nljax.export`) or a run
     directory (`python -m nljax.train`'s run.dir; `checkpoint`: "latest", a step directory or a
     checkpoints directory; `overrides`: config overrides on top of the run's config.yaml)."""
-    path = Path(path).expanduser()
+    path = Path(os.path.expanduser(path))
     if is_export(path):
         if checkpoint != "latest" or overrides:
             raise ConfigError(f"{path} is an export (one set of parameters): checkpoint= and overrides are for a "

@@ -17,6 +17,7 @@ import os
 import re
 import subprocess
 import sys
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -379,3 +380,55 @@ def test_a_tokenizer_run_is_scored_with_its_tokens(tmp_path):
     assert got == pytest.approx(float(own_logprobs(lm, ctx + cont)[-len(cont) :].sum()), rel=1e-5)
     assert lm.end_id == tok.token_to_id("<eos>") and max(lm.encode(text)) > 255
     assert rolled == pytest.approx(float(own_logprobs(lm, [lm.end_id, *lm.encode(text)]).sum()), rel=1e-5)
+
+
+def test_generate_untils_stop_check_decodes_once_per_token(tmp_path):
+    """The stop check decodes the answer so far after every generated token; with a tokenizer.json
+    that decoding decoded the whole sequence again per token (`decode_stream` joined): 12 s of host
+    time per 256-token answer after a 2,000-token prompt. Now two decodings per check, the same text."""
+    from nljax.data import tokenization
+    from nljax.run.harness_model import NLJaxLM, Reading
+
+    bpe_corpus(tmp_path, "document {i} says hello to the tokenizer, number {sq}. ")
+    codec = tokenization.load(str(tmp_path / "tok.json"), "<eos>")
+    prompt, answer = codec.encode("document 7 says"), codec.encode(" hello to the tokenizer, number 49. " * 6)
+    lm = NLJaxLM(Reading(None, codec, "test"), progress=False)
+    want = "".join(codec.decode_stream(answer, context=prompt))
+    codec.tok = mock.Mock(wraps=codec.tok)  # counts the tokenizer's decodings
+    assert lm.tok_decode(answer, prompt) == want and len(answer) > 30 and codec.tok.decode.call_count <= 2
+
+
+def test_a_rolling_task_without_a_document_end_token_is_refused_at_start_up(tmp_path, local_tasks_only):
+    """A rolling task reads each text after the run's document-end token: with a tokenizer that
+    has none, the run stopped at its first evaluation (after its last checkpoint); now `attach`
+    refuses it in one line before anything is written. A multiple choice task still runs there."""
+    from helpers import make
+
+    from nljax.run import harness
+
+    tasks = write_tasks(tmp_path / "tasks")
+    files = [o for o in bpe_corpus(tmp_path, "document {i} says hello, number {sq}. ") if "doc_end_token" not in o]
+    setup = make([*NL, *files, "eval.harness_tasks=[tiny_mc,tiny_roll]", f"eval.harness_include={tasks}"])
+    with pytest.raises(ConfigError, match=r"^eval.harness_tasks: tiny_roll \(loglikelihood_rolling\) reads each "
+                                          r"text after the run's document-end token, .* set data.doc_end_token$"):
+        harness.attach(setup.run)
+    cfg = setup.run.cfg
+    mc_only = dataclasses.replace(setup.run, cfg=dataclasses.replace(
+        cfg, eval=dataclasses.replace(cfg.eval, harness_tasks=("tiny_mc",))))
+    assert harness.attach(mc_only).harness is not None
+
+
+def test_the_stream_reader_scores_a_stream_of_fewer_than_two_tokens_as_nothing(lm):
+    """A stream of n tokens scores n - 1: an empty one gave the padding's window-long scores
+    (n - 1 = -1 sliced all but the last); a generation from no token read position -1 (the
+    window's padding). The harness never sends either; the reader itself now answers or refuses."""
+    import jax
+
+    from nljax.parallel.mesh import make_mesh
+    from nljax.run.scoring import StreamReader
+
+    reader = StreamReader(lm.model, lm.params, make_mesh(1, 1, jax.devices()[:1]), lm.seq_len, lm.end_id, 2)
+    out = reader.score([[], [5], [5, 6, 7]])
+    assert [(len(logp), len(hits)) for logp, hits in out] == [(0, 0), (0, 0), (2, 2)]
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        reader.generate([[5], []], 3, lambda logits, i: 0, lambda i, tokens: False)

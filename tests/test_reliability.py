@@ -897,3 +897,45 @@ def test_files_of_a_run_or_a_preparation_that_are_not_regular_files_are_one_line
         damage(q / name)
         with pytest.raises(config.ConfigError, match=said):
             prepared.load(q)
+
+
+@pytest.mark.parametrize("command", ["prepare", "lm_eval"])
+def test_every_commands_argparse_refusal_is_one_line(command, capsys):
+    """nljax.prepare and nljax.lm_eval kept argparse's usage block before the error (the other
+    commands' refusals are one line since cli.Parser); nljax.prepare's --config given twice took
+    the second silently."""
+    import importlib
+
+    main = importlib.import_module(f"nljax.{command}").main
+    with pytest.raises(SystemExit) as e:
+        main(["--cpu-devices", "x"] if command == "lm_eval" else ["--bogus"])
+    err = capsys.readouterr().err.strip().splitlines()
+    said = "argument --cpu-devices: invalid int value: 'x'" if command == "lm_eval" else \
+        "unrecognized arguments: --bogus"
+    assert e.value.code == 2 and err == [f"nljax.{command}: error: {said} (--help lists the options)"]
+    if command == "prepare":
+        with pytest.raises(SystemExit) as e:
+            main(["--config", "nl_default", "--config", "nl_gpu", "out=x"])
+        assert e.value.code == 2 and "--config is given twice" in capsys.readouterr().err
+
+
+def test_a_tilde_name_of_no_user_is_a_path_as_typed_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """pathlib's expanduser raises RuntimeError for `~name` when no user has that name:
+    nljax.prepare out=~typo/dir (and nljax.load, a --config, data.prepared) ended in a traceback.
+    Read as a shell reads it: a name of no user stays as typed."""
+    import nljax
+    from nljax import config
+    from nljax.prepare import main as prepare_main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "a.txt").write_text("some text to prepare " * 20)
+    (tmp_path / "b.txt").write_text("more text, held out " * 20)
+    typo = "~nljax_no_such_user_26"
+    assert prepare_main([f"data.train={tmp_path / 'a.txt'}", f"data.eval={tmp_path / 'b.txt'}",
+                         f"out={typo}/prepared"]) == 0
+    assert (tmp_path / typo / "prepared" / "manifest.json").is_file()
+    capsys.readouterr()
+    with pytest.raises(config.ConfigError, match=f"config file not found: {typo}/c.yaml"):
+        config.load(f"{typo}/c.yaml")
+    with pytest.raises(config.ConfigError):
+        nljax.load(f"{typo}/run")

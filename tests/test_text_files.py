@@ -9,6 +9,7 @@ import json
 import random
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import jax
 import numpy as np
@@ -455,3 +456,28 @@ def test_continuations_read_after_the_prompt(tmp_path):
         ids = codec.encode(prompt)
         assert prompt + "".join(codec.decode_stream(iter(new), context=ids)) == want
         assert tok.decode(ids + new) == want  # what the whole sequence reads
+
+
+def test_decode_is_the_streams_pieces_joined_in_two_decodings(corpus, tokenizer, tmp_path):
+    """`decode` (the harness's stop check at every generated token, `nljax.load(...).decode`) was
+    `decode_stream`'s pieces joined: a tokenizer.json decoded the whole sequence again per token,
+    12 s of host time per 256-token answer after a 2,000-token prompt. Now two decodings, and the
+    same text (after a prompt with a Metaspace decoder too)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    pieces = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "\u2581the": 1, "\u2581quick": 2, "\u2581fox": 3},
+                                        unk_token="[UNK]"))
+    pieces.pre_tokenizer, pieces.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    pieces.save(str(tmp_path / "pieces.json"))
+    rng = random.Random(3)
+    text = "".join(_text(rng) for _ in range(8))
+    for codec, prompt in ((tokenization.Bytes(), "déjà "), (tokenization.load(str(tokenizer)), "the memory"),
+                          (tokenization.load(str(tmp_path / "pieces.json")), "the")):
+        ids, ctx = codec.encode(text)[:300] if prompt != "the" else [2, 3, 2], codec.encode(prompt)
+        assert codec.decode(ids, context=ctx) == "".join(codec.decode_stream(ids, context=ctx))
+        assert codec.decode(ids) == "".join(codec.decode_stream(ids))
+    codec = tokenization.load(str(tokenizer))
+    ids, ctx = codec.encode(text), codec.encode("the memory")
+    codec.tok = mock.Mock(wraps=codec.tok)  # counts the tokenizer's decodings
+    codec.decode(ids, context=ctx)
+    assert len(ids) > 100 and codec.tok.decode.call_count == 2

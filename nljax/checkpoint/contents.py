@@ -32,18 +32,20 @@ FORMAT = 1
 STATE, META = "state", "nljax"  # item names inside a step directory
 
 # Config sections that decide the shapes and meaning of the saved arrays: a checkpoint only
-# fits a run that agrees on them (`model`: every model.* key but HOW_COMPUTED's, model.nl_lm.* and model.dit.* included;
-# a checkpoint saved before those subsections is read with its keys moved, `storage.read_meta`). Everything else may change on resume: settings that do not
-# change the result silently, the rest (strategy included) with a warning.
+# fits a run that agrees on them (`model`: every model.* key but HOW_COMPUTED's, model.nl_lm.*
+# and model.dit.* included; a checkpoint saved before those subsections is read with its keys
+# moved, `storage.read_meta`). Everything else may change on resume: settings that do not change
+# the result silently, the rest (strategy included) with a warning.
 MUST_MATCH = ("model", "cms", "optim.name")
 # model keys that change how the step computes, not what a checkpoint holds: they may change on
 # resume (a run that ran out of memory resumes with remat). Recomputation and unrolling give the
-# same bits (silent); the compute dtype, the attention's form, the embedding's gradient, the chunked
-# loss and the inner loop's implementation compute the same sums in another order (a warning: float
-# rounding differs, as with another device count).
-HOW_COMPUTED = ("model.remat", "model.nl_lm.memory_unroll", "model.dtype", "model.nl_lm.memory_impl",
-                "model.nl_lm.attention", "model.nl_lm.embed_grad", "model.nl_lm.loss_chunk")
-SILENT = (*(k for k in HOW_COMPUTED if k in ("model.remat", "model.nl_lm.memory_unroll")), "run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
+# same bits (SAME_BITS: silent); the compute dtype, the attention's form, the embedding's
+# gradient, the chunked loss and the inner loop's implementation compute the same sums in another
+# order (a warning: float rounding differs, as with another device count).
+SAME_BITS = ("model.remat", "model.nl_lm.memory_unroll")
+HOW_COMPUTED = (*SAME_BITS, "model.dtype", "model.nl_lm.memory_impl", "model.nl_lm.attention", "model.nl_lm.embed_grad",
+                "model.nl_lm.loss_chunk")
+SILENT = (*SAME_BITS, "run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
           "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
           "distributed", "prepare")
 

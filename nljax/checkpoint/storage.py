@@ -8,6 +8,7 @@ user keeps in `checkpoint.dir` (a folder `7`, notes) is ever read, refused or re
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -142,8 +143,6 @@ def _orbax_meta_error(path: Path) -> str | None:
     """A line when Orbax's own step metadata is not JSON: Orbax logs an error for it at every later
     save and listing, so the step is damaged like one whose arrays are (a resume falls back past
     it and sets it aside)."""
-    import json
-
     try:
         json.loads((path / ORBAX_META).read_text())
     except (OSError, ValueError) as e:

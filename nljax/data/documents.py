@@ -55,7 +55,7 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             if not found:
                 raise ConfigError(f"{key}: '{pattern}' matches no file")
         else:
-            p = Path(pattern).expanduser()
+            p = Path(os.path.expanduser(pattern))
             if not p.exists():
                 raise ConfigError(f"{key}: no file {pattern}")
             if p.is_dir():
@@ -115,13 +115,6 @@ def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
         elif skip == 0:
             text = _clean(_decode(_read(path), str(path)))
             yield ([text] if text else []), index, 1
-
-
-def batches(files: Sequence[Path], text_key: str) -> Iterator[list[str]]:
-    """The documents of `files`, in order, in lists of up to BATCH."""
-    for docs, _, _ in read(files, text_key):
-        if docs:
-            yield docs
 
 
 def _read(path: Path) -> bytes:

@@ -413,19 +413,26 @@ def _open_split(path: Path, manifest: dict, name: str) -> Split:
 _CACHE: dict = {}  # (data section, what its files are now) -> Corpus; a Run and its local copy share one
 
 
+def _home(path: str) -> Path:
+    """`path` with `~` read as the home directory (os.path's: `~name` of no user stays as typed, as
+    a shell leaves it, where pathlib's raises RuntimeError, a traceback)."""
+    return Path(os.path.expanduser(path))
+
+
 def corpus(d: DataConfig) -> Corpus:
     """data.prepared (checked against data.train and data.tokenizer when they are given too), or
     data.train tokenized into memory. Read once per process while the files stay unchanged."""
     # the source files (when given) and every file of DIR: a token file replaced or cut short, or
     # a source edited since, is read again, and checked
     paths = [*documents.expand(d.train, "data.train"), *documents.expand(d.eval, "data.eval")]
+    prepared_dir = _home(d.prepared)
     if d.prepared:
-        paths += sorted(Path(d.prepared).expanduser().iterdir()) if Path(d.prepared).expanduser().is_dir() else []
-    paths += [Path(d.tokenizer).expanduser()] if d.tokenizer else []
+        paths += sorted(prepared_dir.iterdir()) if prepared_dir.is_dir() else []
+    paths += [_home(d.tokenizer)] if d.tokenizer else []
     key = (d, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.is_file()))
     if key not in _CACHE:
         if d.prepared:
-            c = load(Path(d.prepared).expanduser())
+            c = load(prepared_dir)
             _check_settings(c.manifest, d)
         else:
             c = build(d)
@@ -483,7 +490,7 @@ def tokenization_of(d: DataConfig):
         info = corpus(d).manifest["tokenizer"]
         if info["kind"] == "bytes":
             return tokenization.Bytes()
-        return tokenization.HFTokenizer(Path(d.prepared).expanduser() / info["file"], info.get("doc_end_token") or "")
+        return tokenization.HFTokenizer(_home(d.prepared) / info["file"], info.get("doc_end_token") or "")
     return tokenization.load(d.tokenizer, d.doc_end_token)
 
 

@@ -63,6 +63,10 @@ class Bytes:
             yield decoder.decode(bytes([token])) if token < 256 else "\ufffd"
         yield decoder.decode(b"", final=True)
 
+    def decode(self, ids: Iterable[int], context: Sequence[int] = ()) -> str:
+        """The text of `ids` after `context`, whole: `decode_stream`'s pieces joined."""
+        return "".join(self.decode_stream(ids, context))
+
 
 class HFTokenizer:
     """A `tokenizers` tokenizer.json; `end_token` (optional) is appended after every document."""
@@ -72,7 +76,7 @@ class HFTokenizer:
             from tokenizers import Tokenizer
         except ImportError:
             raise ConfigError("data.tokenizer needs the `tokenizers` package: pip install 'nljax[text]'") from None
-        path = Path(path).expanduser()
+        path = Path(os.path.expanduser(path))
         try:  # `raw` given: the bytes read once by the parent process, so every worker has the same
             self.raw = path.read_bytes() if raw is None else raw
         except OSError as e:
@@ -132,6 +136,17 @@ class HFTokenizer:
                 shown = text
         text = self.tok.decode(seen, skip_special_tokens=False)
         yield text[len(os.path.commonprefix([shown, text])):]
+
+    def decode(self, ids: Iterable[int], context: Sequence[int] = ()) -> str:
+        """The text of `ids` after `context`, whole, in two decodings (`decode_stream` decodes the
+        sequence again at every token: joined, its pieces cost time quadratic in the tokens): what
+        context + ids read, after what the context reads alone. The same text as the stream's
+        pieces joined, but where a token changed how text already shown reads: then as it reads
+        at the end."""
+        ctx = list(context)
+        shown = self.tok.decode(ctx, skip_special_tokens=False) if ctx else ""
+        text = self.tok.decode(ctx + [int(i) for i in ids], skip_special_tokens=False)
+        return text[len(os.path.commonprefix([shown, text])):]
 
 
 def from_spec(spec: tuple) -> Bytes | HFTokenizer:

@@ -152,7 +152,10 @@ class WorkDir:
 
     def _write(self, progress: dict) -> None:
         temp = self.path / f".{PROGRESS}.tmp"
-        temp.write_text(json.dumps(progress))
+        with open(temp, "w") as f:  # on disk before the rename: a power cut leaves the old record or this one
+            f.write(json.dumps(progress))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(temp, self.path / PROGRESS)
 
     def close(self) -> None:

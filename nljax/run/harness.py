@@ -3,7 +3,8 @@ the parameters it is training, their metrics logged beside `eval_bpb` (metrics.j
 trackers, the progress line) as `harness_<task>_<metric>`.
 
 The tasks are checked at start-up, before anything is written: lm-eval missing, a task lm-eval
-does not know, or one whose data cannot be read stops the run with one line. Each evaluation
+does not know, one whose data cannot be read, or a rolling task without a document-end token to
+start from stops the run with one line. Each evaluation
 reads the first `eval.harness_limit` examples of each task with nljax's lm-eval model
 (nljax/run/harness_model.py) on the whole mesh: `train.batch_size` requests at a time, the
 parameters gathered over the data axes as for the text samples, every process running the same
@@ -18,6 +19,7 @@ import contextlib
 import dataclasses
 import io
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -40,15 +42,29 @@ def attach(run: Run) -> Run:
     try:
         from nljax.run import harness_model
     except ImportError as err:
-        raise ConfigError(f"eval.harness_tasks needs lm-eval ({first_line(err)}): pip install 'nljax[lm-eval]'") from None
+        raise ConfigError(f"eval.harness_tasks needs lm-eval ({first_line(err)}): "
+                          "pip install 'nljax[lm-eval]'") from None
     manager = task_manager(list(e.harness_tasks), e.harness_include)
     with quiet():
         try:
-            manager.load(list(e.harness_tasks))  # reads each task's data now: a failure stops the run before step 0
+            # reads each task's data now: a failure stops the run before step 0
+            loaded = manager.load(list(e.harness_tasks))
         except Exception as err:  # noqa: BLE001 - lm-eval and `datasets` raise their own types
             raise ConfigError(f"eval.harness_tasks: cannot load {', '.join(e.harness_tasks)}: "
                               f"{first_line(err) or type(err).__name__}") from None
-    return dataclasses.replace(run, harness=HarnessEval(run, manager, harness_model))
+    codec = tokenization_of(run.cfg)
+    check_start_token(loaded["tasks"], codec.end_id)
+    return dataclasses.replace(run, harness=HarnessEval(run, manager, harness_model, codec))
+
+
+def check_start_token(tasks: dict, end_id: int | None) -> None:
+    """A rolling-loglikelihood task's texts start from the run's document-end token
+    (`NLJaxLM.prefix_token_id`): without one, refused now, not at the first evaluation (which
+    would stop the run there, after its last checkpoint)."""
+    rolling = sorted(name for name, task in tasks.items() if task.get_config("output_type") == "loglikelihood_rolling")
+    if rolling and end_id is None:
+        raise ConfigError(f"eval.harness_tasks: {', '.join(rolling)} (loglikelihood_rolling) reads each text after "
+                          "the run's document-end token, and this run's tokenizer has none: set data.doc_end_token")
 
 
 def task_manager(tasks: list[str], include: str):
@@ -57,9 +73,9 @@ def task_manager(tasks: list[str], include: str):
     tasks it does not know."""
     from lm_eval.tasks import TaskManager
 
-    if include and not Path(include).expanduser().is_dir():
+    if include and not Path(os.path.expanduser(include)).is_dir():
         raise ConfigError(f"eval.harness_include={include} is not a directory (of lm-eval task YAML files)")
-    include = str(Path(include).expanduser()) if include else None
+    include = str(Path(os.path.expanduser(include))) if include else None
     with quiet():
         manager = TaskManager(include_path=include, include_defaults=False) if include else None
         if manager is None or set(manager.match_tasks(tasks)) != set(tasks):
@@ -91,9 +107,9 @@ def quiet():
 class HarnessEval:
     """The harness tasks of a run, evaluated on the parameters as the strategy stores them."""
 
-    def __init__(self, run: Run, manager, harness_model: Any):
+    def __init__(self, run: Run, manager, harness_model: Any, codec):
         self.run, self.manager, self.lib = run, manager, harness_model
-        self.codec = tokenization_of(run.cfg)
+        self.codec = codec  # the run's tokenization (nljax.run.sampling.tokenization_of)
         self.reader = None  # made at the first evaluation (its forward compiles then)
 
     def evaluate(self, stored_params) -> dict:

@@ -82,7 +82,8 @@ class NLJaxLM(TemplateLM):
         return self.reading.tokenizer.encode(string)
 
     def tok_decode(self, ids, context=()) -> str:
-        return "".join(self.reading.tokenizer.decode_stream([int(i) for i in ids], context=list(context)))
+        # once per generated token (the stop check): one decoding, not one per token as the stream's
+        return self.reading.tokenizer.decode([int(i) for i in ids], context=[int(i) for i in context])
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(log-probability of the continuation's tokens given the context's, whether each is

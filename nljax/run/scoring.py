@@ -85,12 +85,17 @@ class StreamReader:
         """For each stream of n tokens: (log-probability of its tokens 1..n-1, each given the
         tokens before it, float64 [n-1]; whether each is the model's most likely token, bool
         [n-1]). Streams are batched by length (longest first), each batch read in lockstep."""
-        order = sorted(range(len(streams)), key=lambda i: -len(streams[i]))
-        out: list = [None] * len(streams)
+        return self._longest_first(streams, lambda which: self._score_batch([streams[j] for j in which]))
+
+    def _longest_first(self, items: Sequence[Sequence[int]], run: Callable[[list[int]], list]) -> list:
+        """`run(indices)` on batches of up to `rows` of `items`' indices, longest items first (a
+        batch's windows are its longest item's); the results in `items`' order."""
+        order = sorted(range(len(items)), key=lambda i: -len(items[i]))
+        out: list = [None] * len(items)
         for i in range(0, len(order), self.rows):
             which = order[i : i + self.rows]
-            for j, scored in zip(which, self._score_batch([streams[j] for j in which])):
-                out[j] = scored
+            for j, result in zip(which, run(which)):
+                out[j] = result
         return out
 
     def _score_batch(self, streams: list) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -109,22 +114,20 @@ class StreamReader:
             reset, first = self._ends(window[:, :t], first), np.zeros(r, bool)
         logp = np.concatenate([replica(p) for p, _ in parts], axis=1).astype(np.float64)
         hits = np.concatenate([replica(g) for _, g in parts], axis=1) == tokens[:, 1:]
-        return [(logp[b, : n - 1], hits[b, : n - 1]) for b, n in enumerate(lengths)]
+        return [(logp[b, : max(n - 1, 0)], hits[b, : max(n - 1, 0)]) for b, n in enumerate(lengths)]
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, pick: Pick, stop: Stop) -> list[list[int]]:
         """The tokens after each prompt (at least one token each), chosen by `pick` from the
         logits of the next position, until `stop` says so or `max_new_tokens` are chosen. As
         `TextSampler.tokens` does for one prompt: full windows go into the memory, each token is
-        predicted from the memory of the windows before it and its own window so far."""
-        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
-        out: list = [None] * len(prompts)
-        for i in range(0, len(order), self.rows):
-            which = order[i : i + self.rows]
-            new = self._generate_batch([list(prompts[j]) for j in which], max_new_tokens,
-                                       lambda logits, b: pick(logits, which[b]), lambda b, toks: stop(which[b], toks))
-            for j, tokens in zip(which, new):
-                out[j] = tokens
-        return out
+        predicted from the memory of the windows before it and its own window so far. A prompt
+        needs a token to predict from (the harness's empty context is the document-end token)."""
+        empty = [i for i, p in enumerate(prompts) if not len(p)]
+        if empty:
+            raise ValueError(f"StreamReader.generate: prompt {empty[0]} is empty: give it a first token")
+        return self._longest_first(prompts, lambda which: self._generate_batch(
+            [list(prompts[j]) for j in which], max_new_tokens, lambda logits, b: pick(logits, which[b]),
+            lambda b, toks: stop(which[b], toks)))
 
     def _generate_batch(self, prompts: list, max_new: int, pick: Pick, stop: Stop) -> list[list[int]]:
         r, t, n = self.rows, self.t, len(prompts)

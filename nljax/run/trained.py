@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import jax
+import os
 
 from nljax import config
 from nljax.checkpoint import storage
@@ -93,7 +94,8 @@ def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[st
 def _unresolved_relative(value) -> bool:
     """Whether a data path (or list of them) is relative and names nothing from this directory."""
     paths = value if isinstance(value, (list, tuple)) else [value] if value else []
-    return any(not Path(p).expanduser().is_absolute() and not glob.glob(str(Path(p).expanduser())) for p in paths)
+    expanded = [Path(os.path.expanduser(p)) for p in paths]
+    return any(not q.is_absolute() and not glob.glob(str(q)) for q in expanded)
 
 
 def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> tuple[dict, list[str], str]:
