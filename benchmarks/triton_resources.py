@@ -35,8 +35,9 @@ import jax.numpy as jnp
 HOPPER_SHARED_BYTES = 227 * 1024  # the opt-in shared memory of one block on an H100 or H200
 
 
-def captured_modules(fn, args) -> list[str]:
-    """The Triton modules (MLIR text) that Pallas lowers while `fn(*args)` is lowered for CUDA."""
+def captured_modules(fn, args) -> list[tuple[str, int, int]]:
+    """(Triton module text, num_warps, num_stages) of each kernel Pallas lowers while `fn(*args)`
+    is lowered for CUDA; the settings are those the kernel's pallas_call asks XLA for."""
     from jax._src.pallas.triton import lowering  # private: where Pallas builds the Triton module
 
     texts, original = [], lowering.lower_jaxpr_to_triton_module
@@ -48,14 +49,16 @@ def captured_modules(fn, args) -> list[str]:
 
     lowering.lower_jaxpr_to_triton_module = grab
     try:
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         lowering.lower_jaxpr_to_triton_module = original
-    return texts
+    settings = {m.group(1): (int(m.group(3)), int(m.group(2))) for m in
+                re.finditer(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', hlo)}
+    return [(t, *settings[re.match(r"module @(\S+)", t).group(1)]) for t in texts]
 
 
-def kernels(config: str) -> dict[str, str]:
-    """name -> Triton module text of every Pallas kernel `config` trains with on a GPU."""
+def kernels(config: str) -> dict[str, tuple[str, int, int]]:
+    """name -> (Triton module, warps, stages) of every Pallas kernel `config` trains with on a GPU."""
     from nljax import config as configuration
     from nljax.models import attention_kernel as ak
     from nljax.models import memory_kernel as mk
@@ -71,10 +74,13 @@ def kernels(config: str) -> dict[str, str]:
         xs = [jnp.zeros((1, 1, 2 * b, d), dtype)] * 3 + [jnp.full((1, 1, 2 * b), 0.5, dtype)] * 3
         fn = functools.partial(mk.memory_kernel, kind=kind, chunk=b, interpret=False)
         grad = jax.grad(lambda a: sum(x.astype(jnp.float32).sum() for x in jax.tree.leaves(fn(*a))))
-        fwd, bwd = captured_modules(grad, ((state, *xs),))
+        fwd, bwd = captured_modules(grad, ((state, *xs),))  # the backward pass runs the forward kernel too
         out |= {f"memory forward ({kind}, chunk {b}, dim {d}, hidden {hid})": fwd,
                 f"memory backward ({kind}, chunk {b}, dim {d}, hidden {hid})": bwd}
     hd = m.dim // m.heads
+    if why := ak.gpu_unsupported(dtype, hd):  # then auto takes cuDNN's attention or the blocked form
+        print(f"{config}: no Pallas attention ({why})")
+        return out
     t = max(256, 2 * nl.window)
     x = jnp.zeros((1, t, 1, hd), dtype)
     attn = functools.partial(ak.flash_attention, window=nl.window, interpret=False)
@@ -84,14 +90,14 @@ def kernels(config: str) -> dict[str, str]:
     return out
 
 
-def compiled(text: str, warps: int, work: Path) -> dict:
+def compiled(text: str, warps: int, stages: int, work: Path) -> dict:
     """Shared memory, registers and spills of one Triton module compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     src = work / "kernel.ttir"
     src.write_text(text)
-    k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
     ptx = work / "kernel.ptx"
     ptx.write_text(k.asm["ptx"])
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -104,14 +110,15 @@ def compiled(text: str, warps: int, work: Path) -> dict:
             break
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
-    return {"warps": warps, "shared_bytes": k.metadata.shared, "fits": k.metadata.shared <= HOPPER_SHARED_BYTES,
+    return {"warps": warps, "stages": stages, "shared_bytes": k.metadata.shared, "fits": k.metadata.shared <= HOPPER_SHARED_BYTES,
             "registers": int(regs.group(1)) if regs else None, "spill_store_bytes": int(spills.group(1)) if spills else None}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", action="append", required=True, help="a packaged config or YAML file (repeatable)")
-    p.add_argument("--warps", default="4,8", help="numbers of warps to compile each kernel with")
+    p.add_argument("--warps", help="numbers of warps to compile each kernel with, e.g. 4,8 (default: the "
+                   "kernel's own)")
     p.add_argument("--capture-only", metavar="DIR", help="write the Triton modules into DIR; compile nothing")
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
@@ -120,8 +127,8 @@ def main(argv=None) -> int:
         d = Path(args.capture_only)
         d.mkdir(parents=True, exist_ok=True)
         for c, ks in found.items():
-            for i, (name, text) in enumerate(ks.items()):
-                (d / f"{Path(c).stem}_{i}.ttir").write_text(f"// {name}\n{text}")
+            for i, (name, (text, _, _)) in enumerate(ks.items()):
+                (d / f"{Path(c).stem}_{i}.ttir").write_text(text)
                 print(f"{c}: {name} -> {d / f'{Path(c).stem}_{i}.ttir'}")
         return 0
     try:
@@ -134,11 +141,11 @@ def main(argv=None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for c, ks in found.items():
-            for name, text in ks.items():
-                for w in map(int, args.warps.split(",")):
-                    r = {"config": c, "kernel": name, **compiled(text, w, Path(tmp))}
+            for name, (text, own_warps, stages) in ks.items():
+                for w in map(int, args.warps.split(",")) if args.warps else [own_warps]:
+                    r = {"config": c, "kernel": name, **compiled(text, w, stages, Path(tmp))}
                     rows.append(r)
-                    print(f"{c:12s} {name:58s} warps {w}: shared {r['shared_bytes'] / 1024:5.0f} KiB"
+                    print(f"{c:12s} {name:58s} warps {w}, stages {stages}: shared {r['shared_bytes'] / 1024:5.0f} KiB"
                           f"{'' if r['fits'] else ' (over 227)'}, {r['registers']} registers, "
                           f"{r['spill_store_bytes']} B spilled per thread", flush=True)
     if args.out:

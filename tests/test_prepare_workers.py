@@ -309,7 +309,7 @@ def test_a_failed_rename_puts_the_previous_data_back_and_the_work_is_kept(corpus
 
     monkeypatch.setattr(os, "rename", new_fails)
     assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}", "overwrite=true"]) == 1
-    assert capsys.readouterr().err.strip() == f"nljax.prepare: error: cannot write {out}: No space left on device"
+    assert capsys.readouterr().err.strip() == f"nljax.prepare: error: cannot write {out}: [Errno 28] No space left on device"
     monkeypatch.setattr(os, "rename", real)
     whole(out, old, digest)
     finished = work(out) / "prepared"

@@ -67,7 +67,7 @@ class Out:
 def at(out: Path) -> Out:
     """The names of out=`out`; refused in one line when DIR cannot be renamed as a whole (the
     root, the working directory or one above it)."""
-    path = Path(out).expanduser().resolve()
+    path = Path(os.path.expanduser(out)).resolve()
     if path.parent == path or Path.cwd().resolve().is_relative_to(path):
         raise ConfigError(f"out={out} is the working directory or holds it: nljax.prepare replaces DIR by renaming "
                           "it, give a directory beside or below")

@@ -1,0 +1,31 @@
+"""benchmarks/triton_resources.py's capture: the Triton modules XLA would compile on a GPU, with
+the warps and stages each pallas_call asks for, found on this CPU-only machine. (Compiling them
+needs the `triton` package, not a test dependency: the figures are in
+docs/concepts/memory-kernel.md.)"""
+
+import re
+import sys
+
+from helpers import ROOT
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+try:
+    import triton_resources as resources
+finally:
+    sys.path.pop(0)
+
+
+def test_a_configs_kernels_are_captured_with_their_own_settings(tmp_path):
+    found = resources.kernels("nl_350m")
+    names = [re.match(r"module @(\S+)", text).group(1) for text, _, _ in found.values()]
+    assert names == ["memory_forward_kernel", "memory_backward_kernel", "attention_forward", "attention_dkv",
+                     "attention_dq"]
+    assert [(w, s) for _, w, s in found.values()] == [(8, 1), (8, 1), (4, 2), (4, 2), (4, 2)]
+    assert "(mlp, chunk 64, dim 64, hidden 128)" in list(found)[0] and "tt.func public" in found[list(found)[0]][0]
+    assert resources.main(["--config", "nl_350m", "--capture-only", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"nl_350m_{i}.ttir" for i in range(5)]
+
+
+def test_a_head_width_triton_cannot_take_has_no_pallas_attention(capsys):
+    found = resources.kernels("titans_demo")  # head width 48
+    assert len(found) == 2 and "no Pallas attention" in capsys.readouterr().out
