@@ -3,6 +3,7 @@ and a non-zero exit, and nothing already on disk is lost."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -939,3 +940,24 @@ def test_a_tilde_name_of_no_user_is_a_path_as_typed_not_a_traceback(tmp_path, mo
         config.load(f"{typo}/c.yaml")
     with pytest.raises(config.ConfigError):
         nljax.load(f"{typo}/run")
+
+
+def test_a_failing_evaluation_keeps_the_steps_since_the_last_checkpoint(tmp_path, monkeypatch, capsys):
+    """An evaluation that raises ends the run, but its steps are saved first (with their record):
+    --resume goes on from the step it failed at, not from the last scheduled checkpoint."""
+    from nljax.run import core
+    from nljax.train import main as train_main
+
+    def broken(self, params, step=0):
+        raise RuntimeError("the evaluation broke")
+
+    run_dir = tmp_path / "run"
+    args = ["model.dim=32", "model.heads=2", "model.depth=1", "model.nl_lm.memory_layers=[]", "train.batch_size=8",
+            "train.seq_len=32", "eval.every=3", "checkpoint.every=100", "train.steps=8", f"run.dir={run_dir}"]
+    monkeypatch.setattr(core.Run, "evaluate", broken)
+    with pytest.raises(RuntimeError, match="the evaluation broke"):
+        train_main(args)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["3"]
+    assert "the evaluation failed; checkpoint 3 saved (resume with --resume)" in capsys.readouterr().out
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 2  # the failed step's record (steps count from 0), written before the save

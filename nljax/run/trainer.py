@@ -221,8 +221,23 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
     def evaluate(r: StepResult) -> None:
         if not r.last:
             with evaluating(f"step {r.step:6d}  evaluating"):
-                r.evaluated = run.evaluate(r.state.params, r.step + 1)
+                try:
+                    r.evaluated = run.evaluate(r.state.params, r.step + 1)
+                except Exception:
+                    keep_steps_of_a_failed_evaluation(r)
+                    raise
             r.record.update(r.evaluated)
+
+    def keep_steps_of_a_failed_evaluation(r: StepResult) -> None:
+        """An evaluation that raises (lm-eval on a task it cannot run, a broken eval file) ends the
+        run; the steps since the last checkpoint are saved first, with their record, so that
+        `--resume` goes on from here. One process only: a save is collective, and a failure on
+        one process of several would leave the others out of it."""
+        if ckpt is None or jax.process_count() > 1:
+            return
+        out.run.log(r.record)
+        if ckpt.save_now(r.step + 1, r.state):
+            out.say(f"step {r.step:6d}  the evaluation failed; checkpoint {r.step + 1} saved (resume with --resume)")
 
     def save(r: StepResult) -> None:
         with saving(f"step {r.step:6d}  saving checkpoint {r.step + 1}"):
