@@ -44,17 +44,17 @@ def rows(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[lis
 def _parquet(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
     import pyarrow.parquet as pq
 
-    f = pq.ParquetFile(path)  # the footer only
-    _check_column(path, f.schema_arrow, text_key)
-    done = 0
-    for group in range(f.metadata.num_row_groups):
-        n = f.metadata.row_group(group).num_rows
-        if done + n <= skip:  # before the resumed position: not read at all
-            done += n
-            continue
-        # one row group at a time, the text column only: the memory bound
-        for part in f.iter_batches(batch_size=batch, row_groups=[group], columns=[text_key], use_threads=False):
-            done = yield from _texts(path, part.column(0), text_key, done, skip)
+    with pq.ParquetFile(path) as f:  # the footer only; closed when the reader stops, not when collected
+        _check_column(path, f.schema_arrow, text_key)
+        done = 0
+        for group in range(f.metadata.num_row_groups):
+            n = f.metadata.row_group(group).num_rows
+            if done + n <= skip:  # before the resumed position: not read at all
+                done += n
+                continue
+            # one row group at a time, the text column only: the memory bound
+            for part in f.iter_batches(batch_size=batch, row_groups=[group], columns=[text_key], use_threads=False):
+                done = yield from _texts(path, part.column(0), text_key, done, skip)
 
 
 def _arrow(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
