@@ -36,6 +36,7 @@ from nljax import cli, config
 from nljax.checkpoint.contents import RESHAPED
 from nljax.errors import ConfigError
 from nljax.models import registry
+from nljax.models.builtin import for_this_backend
 from nljax.run import trained as trained_lib
 from nljax.runtime import filedigest
 from nljax.runtime.exportdir import CONFIG, DEFAULT, TOKENIZER, WEIGHTS, is_export
@@ -154,7 +155,8 @@ def load_model(path: str | Path):
         raise ConfigError(f"{path / CONFIG} is not an nljax export's config ({type(e).__name__}: {e})") from None
     filedigest.check_seal(path / CONFIG, info)
     filedigest.check(path, info.get("sha256"), "the export")
-    model = registry.rebuild(cfg, info)  # with what its data decided (a DiT's images), as recorded
+    # with what its data decided (a DiT's images), as recorded; GPU-only forms off a GPU: auto's
+    model = registry.rebuild(for_this_backend(cfg), info)
     flat = load_file(str(path / WEIGHTS))
     template = traverse_util.flatten_dict(jax.eval_shape(model.init, jax.random.key(0)), sep="/")
     if set(flat) != set(template):

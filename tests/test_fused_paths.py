@@ -247,3 +247,28 @@ def test_tensor_parallel_with_the_gpu_paths_matches_one_device():
     np.testing.assert_allclose(ln, l1, rtol=2e-5)
     p1, pn = one.engine.strategy.export_state(s1).params, many.engine.strategy.export_state(sn).params
     assert_trees_close(jax.tree.map(np.asarray, pn), jax.tree.map(np.asarray, p1), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_trained_with_gpu_forms_is_read_with_the_forms_that_run_here(tmp_path):
+    """generate, lm_eval, nljax.load and exports read a run trained with cuDNN attention and the
+    Pallas memory kernel on a CPU by the forms `auto` picks here (the same outputs), unless the
+    user's overrides name a form."""
+    import yaml
+
+    from nljax.models.builtin import for_this_backend
+    from nljax.run import trained
+
+    gpu = config.load(None, ["model.nl_lm.attention=cudnn", "model.nl_lm.memory_impl=pallas"])
+    here = for_this_backend(gpu)
+    assert (here.model.nl_lm.attention, here.model.nl_lm.memory_impl) == ("auto", "auto")
+    kept = for_this_backend(gpu, keep={"model.nl_lm.memory_impl"})
+    assert (kept.model.nl_lm.attention, kept.model.nl_lm.memory_impl) == ("auto", "pallas")
+    assert for_this_backend(config.load(None, ["model.nl_lm.attention=blocked"])).model.nl_lm.attention == "blocked"
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(gpu), sort_keys=False))
+    cfg = trained.config_of(run_dir)
+    assert (cfg.model.nl_lm.attention, cfg.model.nl_lm.memory_impl) == ("auto", "auto")
+    build(cfg)  # builds on this CPU (cudnn would stop it with one line)
+    cfg = trained.config_of(run_dir, overrides=["model.nl_lm.attention=pallas"])
+    assert cfg.model.nl_lm.attention == "pallas"

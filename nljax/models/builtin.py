@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -53,6 +54,25 @@ def nl_lm(cfg: Config) -> Model:
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,
                       tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat, memory_embed=nl.memory_embed,
                       scan=nl.scan_layers, attention=attention, embed_grad=embed_grad, loss_chunk=nl.loss_chunk))
+
+
+GPU_ONLY_FORMS = {"attention": ("cudnn", "pallas"), "memory_impl": ("pallas",)}  # model.nl_lm.*
+
+
+def for_this_backend(cfg: Config, keep=()) -> Config:
+    """`cfg` with the GPU forms it names (model.nl_lm.attention cudnn or pallas, memory_impl
+    pallas) as `auto` when JAX's backend is not a GPU: a model trained on a GPU and read for
+    inference elsewhere (generate, lm_eval, nljax.load, an export) computes the same outputs by
+    the forms that run here (cuDNN does not run on a CPU; the Pallas kernels only interpreted,
+    slowly). `keep`: the dotted keys a user set, left as they are."""
+    nl = getattr(cfg.model, "nl_lm", None)
+    if jax.default_backend() == "gpu" or nl is None:
+        return cfg
+    portable = {k: "auto" for k, forms in GPU_ONLY_FORMS.items()
+                if getattr(nl, k) in forms and f"model.nl_lm.{k}" not in keep}
+    if not portable:
+        return cfg
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, nl_lm=dataclasses.replace(nl, **portable)))
 
 
 def check_nl_lm(cfg: Config) -> None:

@@ -21,6 +21,7 @@ from nljax import config
 from nljax.checkpoint import storage
 from nljax.checkpoint.restore import restore_first_valid
 from nljax.errors import ConfigError
+from nljax.models.builtin import for_this_backend
 from nljax.run.core import Run
 from nljax.runtime.rundir import DATA_PATHS
 
@@ -53,6 +54,9 @@ def config_of(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequen
     cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
                                    "mesh.model=1", f"train.batch_size={n}", "train.accum_steps=1",
                                    "sync.strategy=replicated"])
+    # a run trained with GPU-only forms (cuDNN attention, the Pallas kernels) read on a CPU: the
+    # forms that run here, unless the tool's overrides name them
+    cfg = for_this_backend(cfg, keep={o.partition("=")[0] for o in overrides})
     # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows (set
     # after the load, whose checks a recall run, evaluated by streaming only, would fail)
     return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
