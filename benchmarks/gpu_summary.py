@@ -126,8 +126,14 @@ def issue44_lines(out: Path) -> list[str]:
         rows.append(f"{verdict(None if mfu is None else mfu >= 0.40)}  nl_350m seq 2048 MFU, model.remat=memory + GPU "
                     f"paths, {how}: " + ("-" if mfu is None else f"{100 * mfu:.1f}% analytic (target >= 40%; "
                                          f"{b['mean_step_ms']:.1f} ms/step; peak {gb(b['memory']['peak_bytes'])} "
-                                         f"(target <= 36.3 GB)){profiled(b)}"))
+                                         f"(target <= 36.3 GB)){profiled(b)}{forms(b)}"))
     return rows
+
+
+def forms(b: dict) -> str:
+    """'; computed by: attention cudnn, memory_impl pallas_forward, ...' (what `auto` took on this GPU)."""
+    f = (b.get("config") or {}).get("forms")
+    return "; computed by: " + ", ".join(f"{k} {v}" for k, v in f.items() if v is not None) if f else ""
 
 
 if __name__ == "__main__":

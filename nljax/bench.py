@@ -241,7 +241,9 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     return {
         "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,
                    "seq_len": cfg.train.seq_len if run.task.unit == "tokens" else None,
-                   "mesh": dict(run.mesh.shape), "strategy": eng.strategy.name},
+                   "mesh": dict(run.mesh.shape), "strategy": eng.strategy.name,
+                   # the forms the model's `auto` settings resolved to here (nl_lm: attention, memory kernel)
+                   "forms": eng.model.forms() if hasattr(eng.model, "forms") else None},
         "environment": environment(),
         "unit": run.task.unit, "units_per_device_step": units, "devices": eng.mesh_devices,
         "warmup": warmup, "steps": steps, "patterns": which,
@@ -260,6 +262,8 @@ def format_report(r: dict) -> str:
         f"{r['devices']} x {env['platform']} ({env['device_kind']}; {env['cpu']}), mesh {r['config']['mesh']}, "
         f"{r['units_per_device_step']:,} {unit} per device per step",
         f"peak {r['peak_flops_per_device'] / 1e9:,.1f} GFLOP/s per device ({r['peak_source']})",
+        *(["computed by: " + ", ".join(f"{k} {v}" for k, v in r["config"]["forms"].items() if v is not None)]
+          if r["config"].get("forms") else []),
         f"model {r['config']['model']}: {fl['params']:,} parameters ({fl['matmul_params']:,} multiplied per token"
         + (f", {fl['per_image_params']:,} once per image" if "per_image_params" in fl else "") + "); "
         f"training FLOPs per {unit[:-1]}: analytic {fl['total_per_unit']:,.0f} (outer 6N {fl['outer_per_token']:,.0f}, "

@@ -25,6 +25,10 @@ def test_bench_json_fields_are_sane(tmp_path):
     r = json.loads(out.read_text())
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
     assert set(r["per_pattern"]) == {"L0", "L0+1"}
+    # what `auto` resolved to on this CPU, recorded and said
+    assert r["config"]["forms"] == {"attention": "blocked", "memory_impl": "scan", "embed_grad": "scatter",
+                                    "loss_chunk": 0}
+    assert "computed by: attention blocked, memory_impl scan, embed_grad scatter, loss_chunk 0" in p.stdout
     for p in r["per_pattern"].values():
         assert p["compile_s"] > 0 and p["step_time"]["samples"] == 2
         assert 0 < p["step_time"]["min_ms"] <= p["step_time"]["median_ms"] <= p["step_time"]["max_ms"]

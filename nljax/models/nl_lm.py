@@ -427,6 +427,13 @@ class NLLM:
     def memory_module(self) -> NeuralMemory:
         return NeuralMemory(dim=self.net.dim, **self.net.memory, tp=self.net.tp)
 
+    def forms(self) -> dict:
+        """How this build computes (model.nl_lm's `auto` choices resolved for the backend), for a
+        benchmark's record: attention, the inner loop, the embedding's gradient, the loss chunk."""
+        n = self.net
+        return {"attention": n.attention, "memory_impl": n.memory["impl"] if n.memory_layers else None,
+                "embed_grad": n.embed_grad, "loss_chunk": n.loss_chunk}
+
     def tensor_parallel(self, m: int, axis: str | None) -> "NLLM":
         """This model's shard over `m` tensor-parallel devices (`nljax.parallel.tp`): attention heads,
         memory heads (each head's weights and per-row state M, S on the device that owns it) and
