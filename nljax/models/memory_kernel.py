@@ -382,6 +382,7 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         dst[...] = src[...]
     _sync(interpret)
     stages = _stages(kind)
+    hidden = {o: stage for stage in stages if stage[0] is _hidden for o in stage[2]}  # the MLP's [b, hidden] pre, h
 
     def body(j, carry):
         i = n - 1 - j
@@ -395,6 +396,9 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
             if name in saved:
                 r = saved[name]
                 return r[_rows(i, r.shape[0] // n), :]
+            if name in hidden:  # recomputed where used: held from stage to stage, it took shared memory
+                fn, ins, outs = hidden[name]
+                return fn(*[get(x) for x in ins])[outs.index(name)]
             return env[name]
 
         for fn, ins, outs in stages:  # the intermediates the later stages take
