@@ -382,7 +382,9 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         dst[...] = src[...]
     _sync(interpret)
     stages = _stages(kind)
-    hidden = {o: stage for stage in stages if stage[0] is _hidden for o in stage[2]}  # the MLP's [b, hidden] pre, h
+    # recomputed where used, not held from stage to stage (they took shared memory and registers):
+    # the MLP's hidden layer [b, hidden] and the three terms of each layer's reads [b, d_out]
+    again = {o: stage for stage in stages for o in stage[2] if o in ("pre", "h") or o[:2] in ("rw", "rs", "sc")}
 
     def body(j, carry):
         i = n - 1 - j
@@ -396,8 +398,8 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
             if name in saved:
                 r = saved[name]
                 return r[_rows(i, r.shape[0] // n), :]
-            if name in hidden:  # recomputed where used: held from stage to stage, it took shared memory
-                fn, ins, outs = hidden[name]
+            if name in again:
+                fn, ins, outs = again[name]
                 return fn(*[get(x) for x in ins])[outs.index(name)]
             return env[name]
 
