@@ -1,7 +1,5 @@
 """The neural memory's inner loop as fused Pallas kernels: `memory_forward`'s arithmetic, with
-each (stream row, head) one program that walks all its chunks in one launch and keeps the
-memory state M, S (float32) on chip between them, as the carry of the kernel's loop over chunks
-(registers; what does not fit, Triton spills to local memory).
+each (stream row, head) one program that walks all its chunks in one launch.
 
 Why: `memory_forward` is a `lax.scan` over chunks whose body is a few dozen small XLA kernels
 per chunk (titans_demo: thousands of launches per step, each a few microseconds of work). Here a
@@ -10,17 +8,26 @@ whole layer's inner loop is one launch forward and one backward.
 - `chunk_math` is one chunk of one (row, head) on 2-D arrays: `memory.chunk_constants` and
   `memory.chunk_step` restated without batch axes and without ops that Triton cannot lower
   (cumulative sums are masked sums or products with a triangular matrix; a row or element is
-  picked with a mask). It is the only statement of the arithmetic here: the forward kernel runs
-  it, and the backward kernel runs its `jax.vjp`, so the two cannot drift apart.
+  picked with a mask), as a list of small stages (`_stages`). It is the only statement of the
+  arithmetic here: the forward kernel runs the stages, and the backward kernel pulls them back
+  with `jax.vjp`, so the two cannot drift apart.
+- The state M, S (float32; the MLP memory's four [dim, hidden] matrices) is not the loop's carry:
+  carried, all of it was live (registers, and a shared-memory copy of each matrix a product
+  reads) for the whole chunk, which took more shared memory than an H100/H200 block has. It
+  lives in the kernel's own outputs (global memory, L2-resident) between chunks, each matrix
+  loaded where a stage uses it and stored at the chunk's end between two block barriers
+  (`_store`: the program's threads hold different parts of it). docs/concepts/memory-kernel.md
+  has the measured shared memory and spills.
 - Forward kernel (grid: rows x heads): for each chunk, store the chunk-start state (what
-  `model.remat=memory` keeps), run `chunk_math`, store the chunk's reads; at the end the final
-  state.
-- Backward kernel (same grid, chunks in reverse): recompute the chunk from its saved start
-  state, pull the carried cotangent of the state and the reads' cotangent back through it
-  (`jax.vjp` of `chunk_math`, traced inside the kernel) and store the inputs' cotangents.
+  `model.remat=memory` keeps), run the stages, store the chunk's reads and its end state.
+- Backward kernel (same grid, chunks in reverse): recompute the chunk's intermediates from its
+  saved start state, then pull back one stage at a time, latest first (`jax.vjp` of that stage
+  alone, the large intermediates recomputed where used), so only one stage's values are live;
+  the state's cotangent lives in the kernel's outputs as the state does, and the inputs'
+  cotangents are stored per chunk.
 - `memory_kernel` ties them with `jax.custom_vjp` (`backward="scan"`: the forward kernel with a
-  reverse `lax.scan` of the same vjp instead of the backward kernel, a fallback for a GPU where
-  the backward kernel does not compile or pay); `memory_forward` (the scan) and
+  reverse `lax.scan` of `chunk_math`'s vjp instead of the backward kernel, a fallback for a GPU
+  where the backward kernel does not compile or pay); `memory_forward` (the scan) and
   `memory_reference` (token by token) are the references it is tested against.
 
 Constraints on a GPU (Triton): the tiles the kernel computes on, the chunk b, the key and value
@@ -438,8 +445,9 @@ def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool, st
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
-        # more warps, more registers for one program's state (the MLP memory's four [64, 128]
-        # matrices and, backward, their cotangents); untuned: no GPU timing yet
+        # 8 warps at the MLP memory's sizes: 256 threads x 255 registers is the whole register
+        # file of an SM for the stages' [b, hidden] tensors (4 warps, half of it); untuned: no
+        # GPU timing yet
         big = state_size > 4 * 64 * 64
         params["compiler_params"] = pltriton.CompilerParams(num_warps=8 if big else 4, num_stages=1)
     return pl.pallas_call(
