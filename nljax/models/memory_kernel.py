@@ -319,6 +319,19 @@ def _sync(interpret: bool) -> None:
         pltriton.debug_barrier()
 
 
+def _load(ref, interpret: bool, rows=None):
+    """A state matrix (or its cotangent; `rows`: the chunk's in a saved [n * rows, cols] block)
+    read where a stage uses it. Volatile on a GPU: two plain loads of the same address with no
+    store between are one value to Triton's common-subexpression pass, which kept the first
+    load's shared-memory copy alive until the second's last use."""
+    if rows is not None:
+        ref = ref.at[rows, :]
+    if interpret:
+        return ref[...]
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.load(ref, volatile=True)
+
+
 def _store(ref, value, interpret: bool) -> None:
     """Stores a state matrix (or its cotangent) that other threads of the program read: after
     every thread's last load of the old value, and before anyone's next load."""
@@ -353,7 +366,7 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         def get(name):
             if name in load:
                 return load[name]()
-            return state[name][...] if name in state else env[name]
+            return _load(state[name], interpret) if name in state else env[name]
 
         for fn, ins, outs in _stages(kind):
             values = fn(*[get(x) for x in ins])
@@ -404,7 +417,7 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
                 return load[name]()
             if name in saved:
                 r = saved[name]
-                return r[_rows(i, r.shape[0] // n), :]
+                return _load(r, interpret, _rows(i, r.shape[0] // n))
             if name in again:
                 fn, ins, outs = again[name]
                 return fn(*[get(x) for x in ins])[outs.index(name)]
@@ -416,11 +429,11 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         ct = {"y": dy_ref[t, :].astype(jnp.float32)}
         for fn, ins, outs in reversed(stages):
             end = outs[0].startswith("M'")  # the chunk's end state: its cotangent is in d_state
-            out_ct = tuple(d_state[o.replace("'", "")][...] if end else ct.pop(o) for o in outs)
+            out_ct = tuple(_load(d_state[o.replace("'", "")], interpret) if end else ct.pop(o) for o in outs)
             _, pull = jax.vjp(fn, *[get(x) for x in ins])
             for name, g in zip(ins, pull(out_ct)):
                 if name in d_state:  # the chunk-start state's: the end state's first, then added
-                    _store(d_state[name], g if end else d_state[name][...] + g, interpret)
+                    _store(d_state[name], g if end else _load(d_state[name], interpret) + g, interpret)
                 else:
                     ct[name] = ct[name] + g if name in ct else g
         for name, r in zip(_INPUTS, d_inputs):
