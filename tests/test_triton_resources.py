@@ -29,3 +29,17 @@ def test_a_configs_kernels_are_captured_with_their_own_settings(tmp_path):
 def test_a_head_width_triton_cannot_take_has_no_pallas_attention(capsys):
     found = resources.kernels("titans_demo")  # head width 48
     assert len(found) == 2 and "no Pallas attention" in capsys.readouterr().out
+
+
+def test_the_memory_kernels_fence_every_store_of_the_state():
+    """The memory kernels keep the state (and its cotangent) in global memory, which the threads of
+    a program read and write in different layouts: each store of it sits between two barriers
+    (and one after the initial copy). Interpret mode runs a program sequentially and cannot miss
+    a barrier; the lowered module can."""
+    from nljax.models import memory_kernel as mk
+
+    texts = [text for name, (text, _, _) in resources.kernels("nl_350m").items() if name.startswith("memory")]
+    stages = mk._stages("mlp")
+    ends = sum(len(outs) for _, _, outs in stages if "'" in outs[0])  # the forward stores each end-state matrix
+    pulled = sum(x[:2] in ("M/", "S/") for _, ins, _ in stages for x in ins)  # the backward, each cotangent
+    assert [t.count("gpu.barrier") for t in texts] == [1 + 2 * ends, 1 + 2 * pulled] == [9, 23]

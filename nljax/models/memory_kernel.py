@@ -1,7 +1,5 @@
 """The neural memory's inner loop as fused Pallas kernels: `memory_forward`'s arithmetic, with
-each (stream row, head) one program that walks all its chunks in one launch and keeps the
-memory state M, S (float32) on chip between them, as the carry of the kernel's loop over chunks
-(registers; what does not fit, Triton spills to local memory).
+each (stream row, head) one program that walks all its chunks in one launch.
 
 Why: `memory_forward` is a `lax.scan` over chunks whose body is a few dozen small XLA kernels
 per chunk (titans_demo: thousands of launches per step, each a few microseconds of work). Here a
@@ -10,17 +8,26 @@ whole layer's inner loop is one launch forward and one backward.
 - `chunk_math` is one chunk of one (row, head) on 2-D arrays: `memory.chunk_constants` and
   `memory.chunk_step` restated without batch axes and without ops that Triton cannot lower
   (cumulative sums are masked sums or products with a triangular matrix; a row or element is
-  picked with a mask). It is the only statement of the arithmetic here: the forward kernel runs
-  it, and the backward kernel runs its `jax.vjp`, so the two cannot drift apart.
+  picked with a mask), as a list of small stages (`_stages`). It is the only statement of the
+  arithmetic here: the forward kernel runs the stages, and the backward kernel pulls them back
+  with `jax.vjp`, so the two cannot drift apart.
+- The state M, S (float32; the MLP memory's four [dim, hidden] matrices) is not the loop's carry:
+  carried, all of it was live (registers, and a shared-memory copy of each matrix a product
+  reads) for the whole chunk, which took more shared memory than an H100/H200 block has. It
+  lives in the kernel's own outputs (global memory, L2-resident) between chunks, each matrix
+  loaded where a stage uses it and stored at the chunk's end between two block barriers
+  (`_store`: the program's threads hold different parts of it). docs/concepts/memory-kernel.md
+  has the measured shared memory and spills.
 - Forward kernel (grid: rows x heads): for each chunk, store the chunk-start state (what
-  `model.remat=memory` keeps), run `chunk_math`, store the chunk's reads; at the end the final
-  state.
-- Backward kernel (same grid, chunks in reverse): recompute the chunk from its saved start
-  state, pull the carried cotangent of the state and the reads' cotangent back through it
-  (`jax.vjp` of `chunk_math`, traced inside the kernel) and store the inputs' cotangents.
+  `model.remat=memory` keeps), run the stages, store the chunk's reads and its end state.
+- Backward kernel (same grid, chunks in reverse): recompute the chunk's intermediates from its
+  saved start state, then pull back one stage at a time, latest first (`jax.vjp` of that stage
+  alone, the large intermediates recomputed where used), so only one stage's values are live;
+  the state's cotangent lives in the kernel's outputs as the state does, and the inputs'
+  cotangents are stored per chunk.
 - `memory_kernel` ties them with `jax.custom_vjp` (`backward="scan"`: the forward kernel with a
-  reverse `lax.scan` of the same vjp instead of the backward kernel, a fallback for a GPU where
-  the backward kernel does not compile or pay); `memory_forward` (the scan) and
+  reverse `lax.scan` of `chunk_math`'s vjp instead of the backward kernel, a fallback for a GPU
+  where the backward kernel does not compile or pay); `memory_forward` (the scan) and
   `memory_reference` (token by token) are the references it is tested against.
 
 Constraints on a GPU (Triton): the tiles the kernel computes on, the chunk b, the key and value
@@ -78,10 +85,16 @@ def _last(x, axis: int = 0):
     return jnp.sum(jnp.where(idx == n - 1, x, 0.0), axis=axis)
 
 
-def chunk_math(M: dict, S: dict, q, k, v, theta, eta, alpha, kind: str):
-    """One chunk of one (row, head): `memory.chunk_constants` then `memory.chunk_step`.
-    M, S leaves 2-D float32 (W [dk, dv]; W1 [dk, hidden], W2 [hidden, dv]); q, k [b, dk],
-    v [b, dv], gates [b] -> (new M, new S, reads y [b, dv])."""
+def _hidden(k, W1):
+    """The MLP memory's hidden layer at the chunk's keys: (pre-activation, gelu) [b, hidden]."""
+    pre = _dot(k, W1)
+    return pre, _gelu(pre)
+
+
+def _coefficients(k, theta, eta, alpha, h=None, W2=None):
+    """The chunk's gate and step-size terms (`memory.chunk_constants`): A [t, j] (the reads'
+    scores' weights), c, s [t], a_end, w [j], c_end, s_end, s_decay (scalars). The MLP memory's
+    normaliser uses its hidden layer h and |W2|^2; the linear memory's only the keys."""
     b = k.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
@@ -105,13 +118,10 @@ def chunk_math(M: dict, S: dict, q, k, v, theta, eta, alpha, kind: str):
     s_decay = jnp.exp(le_end)
     kk = jnp.sum(k * k, axis=1)
     inner = jnp.abs(_dot_t(k, k))  # |k_i . k_j|
-
-    if kind == "linear":
+    if h is None:
         nu = kk + NU_FLOOR
     else:
-        pre = _dot(k, M["W1"])  # [b, hidden]
-        h = _gelu(pre)
-        w2 = jnp.sum(M["W2"] * M["W2"])
+        w2 = jnp.sum(W2 * W2)
         nu = jnp.sum(h * h, axis=1) + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
         inner = jnp.abs(_dot_t(h, h)) + GELU_SLOPE**2 * inner * w2
     rs = jax.lax.rsqrt(nu)
@@ -120,22 +130,98 @@ def chunk_math(M: dict, S: dict, q, k, v, theta, eta, alpha, kind: str):
 
     a = theta * (1.0 - eta) / nu  # [j]
     A = keep_mom * a[None, :] / lam[:, None]  # [t, j]
-    a_end, w = _last(A, 0), a * mom_last / _last(lam)  # [j]
-    c_end, s_end = _last(c), _last(s)
+    return A, c, s, _last(A, 0), a * mom_last / _last(lam), _last(c), _last(s), s_decay
+
+
+def _errors_linear(k, v, W):
+    """The linear memory's surprise at the chunk-start state: k W - v [b, dv]."""
+    return (_dot(k, W) - v,)
+
+
+def _errors_mlp(pre, h, v, W2):
+    """The MLP memory's surprise, pulled back to each layer's input: (gelu'(pre) * e W2^T, e)
+    with e = h W2 - v."""
+    e = _dot(h, W2) - v
+    return _gelu_slope(pre) * _dot_t(e, W2), e
+
+
+def _through(r, W, first: bool):
+    """A layer's input r [t, d_in] (gelu'd unless the first layer's) times a matrix W [d_in, d_out]."""
+    return (_dot(r if first else _gelu(r), W),)
+
+
+def _scores(r, x, d, A, first: bool):
+    """The chunk's own updates' part of a layer's reads: ((r x^T) * A) d [t, d_out]."""
+    r = r if first else _gelu(r)
+    return (_dot(_dot_t(r, x) * A, d),)
+
+
+def _read(rw, rs, sc, c, s):
+    """One layer's reads from its parts: the chunk-start weight's and momentum's and the chunk's
+    own updates'."""
+    return (c[:, None] * rw + s[:, None] * rs - sc,)
+
+
+def _update(W, S, x, d, a_end, w, c_end, s_end, s_decay):
+    """One layer's state at the chunk's end: (W, S) from its chunk-start (W, S), inputs x and
+    pulled-back errors d."""
+    return c_end * W + s_end * S - _t_dot(x * a_end[:, None], d), s_decay * S - _t_dot(x * w[:, None], d)
+
+
+_INPUTS = ("q", "k", "v", "theta", "eta", "alpha")
+_COEFS = ("A", "c", "s", "a_end", "w", "c_end", "s_end", "s_decay")
+
+
+def _stages(kind: str) -> list:
+    """`chunk_math` as stages (fn, input names, output names) in order: names are the chunk's
+    inputs (`_INPUTS`), the chunk-start state ('M/W1', 'S/W1'), intermediates, the reads 'y' and
+    the end state ("M'/W1", "S'/W1"). The kernels run them with each state matrix read from
+    memory where a stage uses it, and the backward kernel pulls back one stage at a time, so
+    only one stage's intermediates and state matrices are live at once (shared memory)."""
+    update = ["a_end", "w", "c_end", "s_end", "s_decay"]
+
+    def read(layer: int, r: str, x: str, out: str) -> list:  # a layer's reads, each term a stage
+        name, first = layers(kind)[layer], layer == 0
+        terms = [f"rw{layer}", f"rs{layer}", f"sc{layer}"]
+        return [
+            (functools.partial(_through, first=first), [r, f"M/{name}"], terms[:1]),
+            (functools.partial(_through, first=first), [r, f"S/{name}"], terms[1:2]),
+            (functools.partial(_scores, first=first), [r, x, f"d{layer}", "A"], terms[2:]),
+            (_read, [*terms, "c", "s"], [out]),
+        ]
+
+    def end(layer: int, x: str) -> tuple:
+        name = layers(kind)[layer]
+        return (_update, [f"M/{name}", f"S/{name}", x, f"d{layer}", *update], [f"M'/{name}", f"S'/{name}"])
+
     if kind == "linear":
-        pieces = [(k, _dot(k, M["W"]) - v)]
-    else:
-        e = _dot(h, M["W2"]) - v  # [b, dv]
-        pieces = [(k, _gelu_slope(pre) * _dot_t(e, M["W2"])), (h, e)]
-    new_m, new_s, r = {}, {}, q
-    for i, (name, (x, d)) in enumerate(zip(layers(kind), pieces)):
-        if i:
-            r = _gelu(r)
-        scores = _dot_t(r, x) * A  # [t, j]
-        r = c[:, None] * _dot(r, M[name]) + s[:, None] * _dot(r, S[name]) - _dot(scores, d)
-        new_m[name] = c_end * M[name] + s_end * S[name] - _t_dot(x * a_end[:, None], d)
-        new_s[name] = s_decay * S[name] - _t_dot(x * w[:, None], d)
-    return new_m, new_s, r
+        return [
+            (_coefficients, ["k", "theta", "eta", "alpha"], list(_COEFS)),
+            (_errors_linear, ["k", "v", "M/W"], ["d0"]),
+            *read(0, "q", "k", "y"),
+            end(0, "k"),
+        ]
+    return [
+        (_hidden, ["k", "M/W1"], ["pre", "h"]),
+        (_coefficients, ["k", "theta", "eta", "alpha", "h", "M/W2"], list(_COEFS)),
+        (_errors_mlp, ["pre", "h", "v", "M/W2"], ["d0", "d1"]),
+        *read(0, "q", "k", "r1"),
+        *read(1, "r1", "h", "y"),
+        end(0, "k"),
+        end(1, "h"),
+    ]
+
+
+def chunk_math(M: dict, S: dict, q, k, v, theta, eta, alpha, kind: str):
+    """One chunk of one (row, head): `memory.chunk_constants` then `memory.chunk_step`, as
+    `_stages` in order. M, S leaves 2-D float32 (W [dk, dv]; W1 [dk, hidden], W2 [hidden, dv]);
+    q, k [b, dk], v [b, dv], gates [b] -> (new M, new S, reads y [b, dv])."""
+    env = dict(zip(_INPUTS, (q, k, v, theta, eta, alpha)))
+    env |= {f"M/{n}": x for n, x in M.items()} | {f"S/{n}": x for n, x in S.items()}
+    for fn, ins, outs in _stages(kind):
+        env |= dict(zip(outs, fn(*[env[n] for n in ins])))
+    names = layers(kind)
+    return {n: env[f"M'/{n}"] for n in names}, {n: env[f"S'/{n}"] for n in names}, env["y"]
 
 
 def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
@@ -215,37 +301,92 @@ def _rows(i, size: int):
     return pl.ds(pl.multiple_of(i * size, size), size)
 
 
-def _load_chunk(refs, t):
-    """This chunk's q, k, v [b, d] and gates [b] from their [T, d] and [T] blocks, as float32."""
-    return [(r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32) for r in refs]
+def _chunk_input(refs, t):
+    """name -> a reader of this chunk's q, k, v [b, d] or gate [b] from its [T, d] or [T] block,
+    as float32: read where a stage uses it, not kept from stage to stage."""
+    def reader(r):
+        return lambda: (r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32)
+    return {name: reader(r) for name, r in zip(_INPUTS, refs)}
 
 
-def _forward_kernel(*refs, kind: str, chunk: int, n: int):
-    """One (row, head): every chunk in order, the state carried in the loop (on chip)."""
+def _sync(interpret: bool) -> None:
+    """A block-wide barrier (__syncthreads) between one thread's stores of a state matrix in
+    global memory and other threads' loads of it (or their loads and its stores): the threads
+    of a program hold different parts of each tensor, in layouts Triton picks. Interpreted, a
+    program is one sequential computation: nothing to order."""
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+        pltriton.debug_barrier()
+
+
+def _load(ref, interpret: bool, rows=None):
+    """A state matrix (or its cotangent; `rows`: the chunk's in a saved [n * rows, cols] block)
+    read where a stage uses it. Volatile on a GPU: two plain loads of the same address with no
+    store between are one value to Triton's common-subexpression pass, which kept the first
+    load's shared-memory copy alive until the second's last use."""
+    if rows is not None:
+        ref = ref.at[rows, :]
+    if interpret:
+        return ref[...]
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.load(ref, volatile=True)
+
+
+def _store(ref, value, interpret: bool) -> None:
+    """Stores a state matrix (or its cotangent) that other threads of the program read: after
+    every thread's last load of the old value, and before anyone's next load."""
+    _sync(interpret)
+    ref[...] = value
+    _sync(interpret)
+
+
+def _forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
+    """One (row, head): every chunk in order. The state lives in the final-state outputs (global
+    memory, L2-resident) between chunks, each matrix loaded where a stage uses it: not in the
+    loop's carry, where its four MLP matrices took registers and shared memory for the whole
+    chunk."""
     names = layers(kind)
     nl = len(names)
     inputs, refs = refs[:6], refs[6:]
     m_in, s_in, refs = refs[:nl], refs[nl:2 * nl], refs[2 * nl:]
     y_ref, refs = refs[0], refs[1:]
     m_out, s_out, m_start, s_start = (refs[j * nl:(j + 1) * nl] for j in range(4))
+    state = dict(zip((f"{p}/{name}" for p in "MS" for name in names), (*m_out, *s_out)))
+    for src, dst in zip((*m_in, *s_in), (*m_out, *s_out)):
+        dst[...] = src[...].astype(jnp.float32)
+    _sync(interpret)
 
     def body(i, carry):
-        M, S = carry
-        for saved, ref in zip((M, S), (m_start, s_start)):  # the chunk-start state, for the backward pass (if asked)
-            for name, r in zip(names, ref):
-                r[_rows(i, saved[name].shape[0]), :] = saved[name]
+        for src, dst in zip((*m_out, *s_out), (*m_start, *s_start)):  # the chunk-start state, if asked
+            dst[_rows(i, src.shape[0]), :] = src[...]
         t = _rows(i, chunk)
-        M, S, y = chunk_math(M, S, *_load_chunk(inputs, t), kind)
-        y_ref[t, :] = y
-        return M, S
+        load = _chunk_input(inputs, t)
+        env = {}
 
-    M, S = jax.lax.fori_loop(0, n, body, _read_state(names, m_in, s_in))
-    _write_state(names, (M, S), m_out, s_out)
+        def get(name):
+            if name in load:
+                return load[name]()
+            return _load(state[name], interpret) if name in state else env[name]
+
+        for fn, ins, outs in _stages(kind):
+            values = fn(*[get(x) for x in ins])
+            if outs == ["y"]:
+                y_ref[t, :] = values[0]
+            elif outs[0].startswith("M'"):
+                for name, value in zip(outs, values):
+                    _store(state[name.replace("'", "")], value, interpret)
+            else:
+                env |= dict(zip(outs, values))
+        return carry
+
+    jax.lax.fori_loop(0, n, body, 0)
 
 
-def _backward_kernel(*refs, kind: str, chunk: int, n: int):
+def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     """One (row, head): chunks in reverse; each recomputed from its saved start state and pulled
-    back with `jax.vjp(chunk_math)`, the state's cotangent carried in the loop."""
+    back stage by stage (`jax.vjp` of each of `_stages`, latest first, the stage recomputed from
+    its inputs), each state matrix loaded where a stage uses it. The state's cotangent lives in
+    the initial-state cotangent outputs (global memory) between chunks and stages."""
     names = layers(kind)
     nl = len(names)
     inputs, refs = refs[:6], refs[6:]
@@ -254,39 +395,55 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int):
     dm_in, ds_in, refs = refs[:nl], refs[nl:2 * nl], refs[2 * nl:]
     d_inputs, refs = refs[:6], refs[6:]
     dm_out, ds_out = refs[:nl], refs[nl:2 * nl]
+    keys = [f"{p}/{name}" for p in "MS" for name in names]
+    saved = dict(zip(keys, (*m_start, *s_start)))
+    d_state = dict(zip(keys, (*dm_out, *ds_out)))
+    for src, dst in zip((*dm_in, *ds_in), (*dm_out, *ds_out)):
+        dst[...] = src[...]
+    _sync(interpret)
+    stages = _stages(kind)
+    # recomputed where used, not held from stage to stage (they took shared memory and registers):
+    # the MLP's hidden layer [b, hidden] and the three terms of each layer's reads [b, d_out]
+    again = {o: stage for stage in stages for o in stage[2] if o in ("pre", "h") or o[:2] in ("rw", "rs", "sc")}
 
     def body(j, carry):
         i = n - 1 - j
-        state = []
-        for ref in (m_start, s_start):
-            leaves = {}
-            for name, r in zip(names, ref):
-                leaves[name] = r[_rows(i, r.shape[0] // n), :]
-            state.append(leaves)
         t = _rows(i, chunk)
-        _, pull = jax.vjp(functools.partial(chunk_math, kind=kind), *state, *_load_chunk(inputs, t))
-        dM, dS, *grads = pull((*carry, dy_ref[t, :].astype(jnp.float32)))
-        for g, r in zip(grads, d_inputs):
+        load = _chunk_input(inputs, t)
+        env = {}
+
+        def get(name):
+            if name in load:
+                return load[name]()
+            if name in saved:
+                r = saved[name]
+                return _load(r, interpret, _rows(i, r.shape[0] // n))
+            if name in again:
+                fn, ins, outs = again[name]
+                return fn(*[get(x) for x in ins])[outs.index(name)]
+            return env[name]
+
+        for fn, ins, outs in stages:  # the intermediates the later stages take
+            if outs != ["y"] and not outs[0].startswith("M'"):
+                env |= dict(zip(outs, fn(*[get(x) for x in ins])))
+        ct = {"y": dy_ref[t, :].astype(jnp.float32)}
+        for fn, ins, outs in reversed(stages):
+            end = outs[0].startswith("M'")  # the chunk's end state: its cotangent is in d_state
+            out_ct = tuple(_load(d_state[o.replace("'", "")], interpret) if end else ct.pop(o) for o in outs)
+            _, pull = jax.vjp(fn, *[get(x) for x in ins])
+            for name, g in zip(ins, pull(out_ct)):
+                if name in d_state:  # the chunk-start state's: the end state's first, then added
+                    _store(d_state[name], g if end else _load(d_state[name], interpret) + g, interpret)
+                else:
+                    ct[name] = ct[name] + g if name in ct else g
+        for name, r in zip(_INPUTS, d_inputs):
             if len(r.shape) == 2:
-                r[t, :] = g
+                r[t, :] = ct[name]
             else:
-                r[t] = g
-        return dM, dS
+                r[t] = ct[name]
+        return carry
 
-    dM, dS = jax.lax.fori_loop(0, n, body, _read_state(names, dm_in, ds_in))
-    _write_state(names, (dM, dS), dm_out, ds_out)
-
-
-def _read_state(names, m_refs, s_refs) -> tuple[dict, dict]:
-    """(M, S) as float32 leaves by name, read whole from their refs (a state or its cotangent)."""
-    return tuple({name: r[...].astype(jnp.float32) for name, r in zip(names, refs)} for refs in (m_refs, s_refs))
-
-
-def _write_state(names, state: tuple, m_refs, s_refs) -> None:
-    """Writes (M, S) leaves by name into their refs."""
-    for leaves, refs in zip(state, (m_refs, s_refs)):
-        for name, r in zip(names, refs):
-            r[...] = leaves[name]
+    jax.lax.fori_loop(0, n, body, 0)
 
 
 def _spec(shape, lead: int = 2):
@@ -301,12 +458,13 @@ def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool, st
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
-        # more warps, more registers for one program's state (the MLP memory's four [64, 128]
-        # matrices and, backward, their cotangents); untuned: no GPU timing yet
+        # 8 warps at the MLP memory's sizes: 256 threads x 255 registers is the whole register
+        # file of an SM for the stages' [b, hidden] tensors (4 warps, half of it); untuned: no
+        # GPU timing yet
         big = state_size > 4 * 64 * 64
         params["compiler_params"] = pltriton.CompilerParams(num_warps=8 if big else 4, num_stages=1)
     return pl.pallas_call(
-        functools.partial(kernel, kind=kind, chunk=chunk, n=n),
+        functools.partial(kernel, kind=kind, chunk=chunk, n=n, interpret=interpret),
         out_shape=outs, grid=(batch, heads),
         in_specs=[_spec(a.shape) for a in args], out_specs=[_spec(o.shape) for o in outs],
         interpret=interpret, name=f"memory_{kernel.__name__.strip('_')}", **params,
