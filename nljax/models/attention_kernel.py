@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from nljax.models.tiles import dot, dot_t, t_dot, tile
+
 MIN_TILE = 16  # Triton's smallest matrix-product dimension
 # A finite mask: a query tile's first key tile may hold no key that some of its rows see; with
 # -inf their running max would be -inf and exp(s - max) NaN. Corrected away (factor exp(NEG -
@@ -78,21 +80,8 @@ def tiles(t: int, window: int, block_q: int, block_k: int) -> tuple[int, int, in
     return bq, bk, -(-t // step) * step
 
 
-def _dot(a, b):  # [m, k] @ [k, n]
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _dot_t(a, b):  # [m, k] @ [n, k]^T
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _t_dot(a, b):  # [k, m]^T @ [k, n]
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _rows(i, size: int):
-    """Tile i of `size` rows (its start marked a multiple of `size` for Triton)."""
-    return pl.ds(pl.multiple_of(i * size, size), size)
 
 
 def _scores(q, k, q0, k0, window: int):
@@ -100,7 +89,7 @@ def _scores(q, k, q0, k0, window: int):
     [bq, bk], NEG where the key lies outside the query's window."""
     back = (q0 + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], k.shape[0]), 0)) - (
         k0 + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], k.shape[0]), 1))  # query - key position
-    s = _dot_t(q, k) * q.shape[1] ** -0.5
+    s = dot_t(q, k) * q.shape[1] ** -0.5
     return jnp.where((back >= 0) & (back < window), s, NEG)
 
 
@@ -119,12 +108,12 @@ def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, window: int, bk: int
 
     def body(j, carry):
         acc, m, l = carry  # [bq, hd], running max [bq], running sum [bq]
-        s = _scores(q, k_ref[_rows(j, bk), :], q0, j * bk, window)
+        s = _scores(q, k_ref[tile(j, bk), :], q0, j * bk, window)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         fix = jnp.exp(m - m_new)  # rescales what was summed under the old max
-        v = v_ref[_rows(j, bk), :]
-        return fix[:, None] * acc + _dot(p.astype(v.dtype), v), m_new, fix * l + jnp.sum(p, axis=1)
+        v = v_ref[tile(j, bk), :]
+        return fix[:, None] * acc + dot(p.astype(v.dtype), v), m_new, fix * l + jnp.sum(p, axis=1)
 
     lo, hi = _key_tiles(q0, bq, bk, window)
     init = (jnp.zeros((bq, hd), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
@@ -142,11 +131,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
 
     def body(i, carry):
         dk, dv = carry
-        rows = _rows(i, bq)
+        rows = tile(i, bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
         p = jnp.exp(_scores(q, k, i * bq, k0, window) - lse_ref[rows][:, None])  # [bq, bk]
-        ds = p * (_dot_t(do, v) - delta_ref[rows][:, None]) * hd**-0.5  # d(scaled logits)
-        return dk + _t_dot(ds.astype(q.dtype), q), dv + _t_dot(p.astype(do.dtype), do)
+        ds = p * (dot_t(do, v) - delta_ref[rows][:, None]) * hd**-0.5  # d(scaled logits)
+        return dk + t_dot(ds.astype(q.dtype), q), dv + t_dot(p.astype(do.dtype), do)
 
     lo = jax.lax.div(k0, bq)
     hi = jnp.minimum(jax.lax.div(k0 + bk - 1 + window - 1 + bq, bq), q_ref.shape[0] // bq)
@@ -164,10 +153,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, windo
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
     def body(j, dq):
-        k, v = k_ref[_rows(j, bk), :], v_ref[_rows(j, bk), :]
+        k, v = k_ref[tile(j, bk), :], v_ref[tile(j, bk), :]
         p = jnp.exp(_scores(q, k, q0, j * bk, window) - lse[:, None])
-        ds = p * (_dot_t(do, v) - delta[:, None]) * hd**-0.5
-        return dq + _dot(ds.astype(k.dtype), k)
+        ds = p * (dot_t(do, v) - delta[:, None]) * hd**-0.5
+        return dq + dot(ds.astype(k.dtype), k)
 
     lo, hi = _key_tiles(q0, bq, bk, window)
     dq_ref[...] = jax.lax.fori_loop(lo, hi, body, jnp.zeros((bq, hd), jnp.float32)).astype(dq_ref.dtype)

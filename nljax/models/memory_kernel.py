@@ -50,6 +50,7 @@ from jax.experimental import pallas as pl
 from nljax.errors import ConfigError
 from nljax.models import compiles
 from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers, memory_forward
+from nljax.models.tiles import dot, dot_t, t_dot, tile
 
 _SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi), of gelu's tanh approximation (jax.nn.gelu's default)
 
@@ -66,16 +67,7 @@ def _gelu_slope(x):
     return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _SQRT_2_PI * (1.0 + 3 * 0.044715 * x * x)
 
 
-def _dot(a, b):  # [m, k] @ [k, n]
-    return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-
-def _dot_t(a, b):  # [m, k] @ [n, k]^T
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _t_dot(a, b):  # [k, m]^T @ [k, n]
-    return jax.lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def _last(x, axis: int = 0):
@@ -87,7 +79,7 @@ def _last(x, axis: int = 0):
 
 def _hidden(k, W1):
     """The MLP memory's hidden layer at the chunk's keys: (pre-activation, gelu) [b, hidden]."""
-    pre = _dot(k, W1)
+    pre = dot(k, W1)
     return pre, _gelu(pre)
 
 
@@ -110,22 +102,22 @@ def _coefficients(k, theta, eta, alpha, h=None, W2=None):
         return jnp.where(lower, jnp.exp(jnp.where(lower, lc[:, None] - lc[None, :], 0.0)), 0.0)
 
     mom, keep = decay(le), decay(la)
-    keep_mom = _dot(keep, mom)  # [t, j]
+    keep_mom = dot(keep, mom)  # [t, j]
     le_end = jnp.sum(log_eta)
     s = jnp.sum(keep * jnp.exp(le)[None, :], axis=1)  # [t]
     c = jnp.exp(la)
     mom_last = jnp.exp(le_end - le)  # [j]: mom's last row
     s_decay = jnp.exp(le_end)
     kk = jnp.sum(k * k, axis=1)
-    inner = jnp.abs(_dot_t(k, k))  # |k_i . k_j|
+    inner = jnp.abs(dot_t(k, k))  # |k_i . k_j|
     if h is None:
         nu = kk + NU_FLOOR
     else:
         w2 = jnp.sum(W2 * W2)
         nu = jnp.sum(h * h, axis=1) + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
-        inner = jnp.abs(_dot_t(h, h)) + GELU_SLOPE**2 * inner * w2
+        inner = jnp.abs(dot_t(h, h)) + GELU_SLOPE**2 * inner * w2
     rs = jax.lax.rsqrt(nu)
-    rows = _dot(inner * rs[:, None] * rs[None, :], mine.astype(jnp.float32))  # [i, t]: row i summed over j <= t
+    rows = dot(inner * rs[:, None] * rs[None, :], mine.astype(jnp.float32))  # [i, t]: row i summed over j <= t
     lam = jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=0), 1.0)  # [t], over rows i <= t
 
     a = theta * (1.0 - eta) / nu  # [j]
@@ -135,25 +127,25 @@ def _coefficients(k, theta, eta, alpha, h=None, W2=None):
 
 def _errors_linear(k, v, W):
     """The linear memory's surprise at the chunk-start state: k W - v [b, dv]."""
-    return (_dot(k, W) - v,)
+    return (dot(k, W) - v,)
 
 
 def _errors_mlp(pre, h, v, W2):
     """The MLP memory's surprise, pulled back to each layer's input: (gelu'(pre) * e W2^T, e)
     with e = h W2 - v."""
-    e = _dot(h, W2) - v
-    return _gelu_slope(pre) * _dot_t(e, W2), e
+    e = dot(h, W2) - v
+    return _gelu_slope(pre) * dot_t(e, W2), e
 
 
 def _through(r, W, first: bool):
     """A layer's input r [t, d_in] (gelu'd unless the first layer's) times a matrix W [d_in, d_out]."""
-    return (_dot(r if first else _gelu(r), W),)
+    return (dot(r if first else _gelu(r), W),)
 
 
 def _scores(r, x, d, A, first: bool):
     """The chunk's own updates' part of a layer's reads: ((r x^T) * A) d [t, d_out]."""
     r = r if first else _gelu(r)
-    return (_dot(_dot_t(r, x) * A, d),)
+    return (dot(dot_t(r, x) * A, d),)
 
 
 def _read(rw, rs, sc, c, s):
@@ -165,7 +157,7 @@ def _read(rw, rs, sc, c, s):
 def _update(W, S, x, d, a_end, w, c_end, s_end, s_decay):
     """One layer's state at the chunk's end: (W, S) from its chunk-start (W, S), inputs x and
     pulled-back errors d."""
-    return c_end * W + s_end * S - _t_dot(x * a_end[:, None], d), s_decay * S - _t_dot(x * w[:, None], d)
+    return c_end * W + s_end * S - t_dot(x * a_end[:, None], d), s_decay * S - t_dot(x * w[:, None], d)
 
 
 _INPUTS = ("q", "k", "v", "theta", "eta", "alpha")
@@ -295,11 +287,6 @@ def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str
     return impl
 
 
-def _rows(i, size: int):
-    """Rows i * size .. (i + 1) * size - 1 of a block: chunk i's tokens in a [T, ...] block, or
-    its saved state in a [n * rows, cols] one (the start marked a multiple of `size` for Triton)."""
-    return pl.ds(pl.multiple_of(i * size, size), size)
-
 
 def _chunk_input(refs, t):
     """name -> a reader of this chunk's q, k, v [b, d] or gate [b] from its [T, d] or [T] block,
@@ -358,8 +345,8 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
 
     def body(i, carry):
         for src, dst in zip((*m_out, *s_out), (*m_start, *s_start)):  # the chunk-start state, if asked
-            dst[_rows(i, src.shape[0]), :] = src[...]
-        t = _rows(i, chunk)
+            dst[tile(i, src.shape[0]), :] = src[...]
+        t = tile(i, chunk)
         load = _chunk_input(inputs, t)
         env = {}
 
@@ -408,7 +395,7 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
 
     def body(j, carry):
         i = n - 1 - j
-        t = _rows(i, chunk)
+        t = tile(i, chunk)
         load = _chunk_input(inputs, t)
         env = {}
 
@@ -417,7 +404,7 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
                 return load[name]()
             if name in saved:
                 r = saved[name]
-                return _load(r, interpret, _rows(i, r.shape[0] // n))
+                return _load(r, interpret, tile(i, r.shape[0] // n))
             if name in again:
                 fn, ins, outs = again[name]
                 return fn(*[get(x) for x in ins])[outs.index(name)]
