@@ -107,21 +107,20 @@ def command_buffers(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
     each also with `_N` for `.N` (the profiler's spelling); loops and conditionals inside it
     count with it (the called computations, not the fused ones: a fusion carries its own
     metadata)."""
-    comps: dict[str, list[str]] = {}
-    lines_of: list[str] | None = None
+    comps: dict[str, list[tuple[str, str]]] = {}  # computation -> its instructions (name, the rest)
+    lines_of: list[tuple[str, str]] | None = None
     for line in hlo_text.splitlines():
         if (h := _HEADER.match(line)) and "=" not in line.split("{")[0]:
             lines_of = comps.setdefault(h.group(1), [])
-        elif lines_of is not None and _LINE.match(line):
-            lines_of.append(line)
+        elif lines_of is not None and (m := _LINE.match(line)):
+            lines_of.append(m.groups())
 
     def contents(comp: str, seen: set) -> list[tuple[str, str]]:
         if comp in seen or comp not in comps:
             return []
         seen.add(comp)
         out = []
-        for line in comps[comp]:
-            name, rest = _LINE.match(line).groups()
+        for name, rest in comps[comp]:
             if m := _OP_NAME.search(rest):  # its category by its name, opcode and library call
                 opcode = re.search(r"(?:^|\s)([a-z][\w\-]*)\(", rest)
                 target = re.search(r'custom_call_target="([^"]*)"', rest)
@@ -132,15 +131,14 @@ def command_buffers(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
                     out += contents(callee, seen)
         return out
 
+    inside = {c: contents(c, set()) for c in comps if c.startswith("command_buffer")}
     found: dict[str, list[tuple[str, str]]] = {}
-    for comp, lines in comps.items():
-        buffers = [comp] if comp.startswith("command_buffer") else []
-        for line in lines:  # the call instructions of command buffers, by their own names
-            name, rest = _LINE.match(line).groups()
-            if (c := re.search(r"\bcall\(.*to_apply=%?(command_buffer[\w.\-]*)", rest)) and c.group(1) in comps:
-                found[name] = found[name.replace(".", "_")] = contents(c.group(1), set())
-        for b in buffers:
-            found[b] = found[re.sub(r"\.(\d+)$", r"_\1", b)] = contents(b, set())
+    for comp, ops in inside.items():  # by the computation's name, in both spellings
+        found[comp] = found[re.sub(r"\.(\d+)$", r"_\1", comp)] = ops
+    for lines in comps.values():  # and by the names of the instructions that call it
+        for name, rest in lines:
+            if (c := re.search(r"\bcall\(.*to_apply=%?(command_buffer[\w.\-]*)", rest)) and c.group(1) in inside:
+                found[name] = found[name.replace(".", "_")] = inside[c.group(1)]
     return found
 
 
