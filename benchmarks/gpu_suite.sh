@@ -4,24 +4,25 @@
 #   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: a part or a preset below (default: issue44)
 #
 # Presets:
-#   issue44  (the default) one device call of under 8 minutes (issue 44): paths kernel fused350m
-#            vs_pytorch b128 fused350m_unrolled. A wall-clock budget (SUITE_BUDGET_S, default 450 s
+#   issue44  (the default) one device call of under 8 minutes (issue 44): paths fused350m vs_pytorch
+#            b128 fused350m_unrolled kernel. A wall-clock budget (SUITE_BUDGET_S, default 450 s
 #            for this preset) caps every bench at what is left of it, so the call ends in time
 #            whatever a compile costs; what did not fit is named in the log, and the summary says "-".
-#            From the H200's compile times of 2026-11-27 (45-50 s per nl_350m or titans_demo step)
-#            the parts are expected to need about 40, ?, 100, 90, 70 and 150 s: an estimate, not a
-#            measurement; the unrolled net (the longest compile) runs last, and what does not fit
-#            runs in a second call (`benchmarks/gpu_suite.sh OUT fused350m_unrolled`).
+#            On the H200 (2026-11-28) paths took 92 s and nl_350m's fused step and titans_demo's
+#            batch-128 step about 65 s each; the fused memory kernel's compile alone took 6 min 23 s,
+#            so it runs last and gets what is left (`benchmarks/gpu_suite.sh OUT kernel` in a call
+#            of its own measures it).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
-# Parts of issue 44 (nl_lm's GPU paths: model.nl_lm.attention, embed_grad, loss_chunk):
+# Parts of issue 44 (nl_lm's GPU paths: model.nl_lm.attention, embed_grad, loss_chunk, memory_impl):
 #   paths              benchmarks/gpu_paths.py: cuDNN and Pallas attention vs the blocked form, the one-hot
 #                      and segment-sum embedding gradients vs the scatter-add, the chunked cross-entropy vs
 #                      the full one (outputs and gradients on this GPU; each pair's time), at nl_350m's shapes
 #   kernel             the fused inner-loop memory kernel (issue 44, item 2): its own part, below
-#   fused350m          nl_350m with model.remat=memory and the GPU paths (attention auto = cuDNN, the
-#                      one-hot embedding gradient, the chunked loss), scanned layers, profiled
+#   fused350m          nl_350m with model.remat=memory and the GPU paths (attention auto = the Pallas
+#                      kernel, the one-hot embedding gradient), scanned layers, profiled; the loss is
+#                      not chunked (at a byte vocabulary the chunked loss was the slower, 2026-11-28)
 #   fused350m_unrolled the same unrolled (model.nl_lm.scan_layers=false), profiled
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
@@ -55,7 +56,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(paths kernel fused350m vs_pytorch b128 fused350m_unrolled)
+ISSUE44=(paths fused350m vs_pytorch b128 fused350m_unrolled kernel)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -175,7 +176,6 @@ if [ -n "$DRY" ]; then  # tiny shapes on any device, one step each: the script c
           model.nl_lm.memory_dim=16 model.nl_lm.memory_hidden=16 train.seq_len=64)
   B128=(train.batch_size=2)
   TORCH=(--device cpu --threads 0 --batch 2 --seq 64 --rounds 1 --warmup 0 --skip-torch)
-  LOSS_CHUNK=64
 else
   STEPS=(--steps 3 --warmup 1 --profile 2)
   PLAIN=(--steps 2 --warmup 1)  # a peak-memory row: no profile (its parse costs time the budget lacks)
@@ -183,11 +183,10 @@ else
   TITANS=()
   B128=(train.batch_size=128)
   TORCH=(--device cuda --threads 0 --rounds 3 --warmup 1)
-  LOSS_CHUNK=4096  # nl_350m: 8 x 2048 tokens in 4 chunks
 fi
-# the GPU paths: attention auto (cuDNN on a CUDA GPU in bf16, the blocked form elsewhere), the
-# one-hot embedding gradient, the chunked loss
-FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot model.nl_lm.loss_chunk=$LOSS_CHUNK)
+# the GPU paths: attention auto (the Pallas kernel on a CUDA GPU, the blocked form elsewhere), the
+# one-hot embedding gradient; the inner loop's scan (memory_impl auto)
+FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot)
 
 part_paths() {
   run paths $PY benchmarks/gpu_paths.py ${DRY:+--dry-run --reps 2} --out "$OUT/paths.json"

@@ -131,7 +131,7 @@ def issue44_lines(out: Path) -> list[str]:
 
 
 def forms(b: dict) -> str:
-    """'; computed by: attention cudnn, memory_impl pallas_forward, ...' (what `auto` took on this GPU)."""
+    """'; computed by: attention pallas, memory_impl scan, ...' (what `auto` took on this GPU)."""
     f = (b.get("config") or {}).get("forms")
     return "; computed by: " + ", ".join(f"{k} {v}" for k, v in f.items() if v is not None) if f else ""
 

@@ -38,51 +38,44 @@ def probe_answers(monkeypatch, refused: dict):
     return asked
 
 
-def test_memory_auto_falls_back_to_what_compiles(monkeypatch, capsys):
-    monkeypatch.setattr(mk, "select", lambda *a, **k: "pallas")  # the GPU's choice by shapes
-    shapes = ("auto", "mlp", 32, 64, 128, jnp.bfloat16)
-    asked = probe_answers(monkeypatch, {})
-    assert mk.resolve(*shapes) == "pallas" and [k[-1] for k in asked] == ["pallas"]
-    assert capsys.readouterr().err == ""
-    probe_answers(monkeypatch, {"pallas": "XlaRuntimeError: Shared memory size limit exceeded"})
-    assert mk.resolve(*shapes) == mk.FORWARD_ONLY
-    assert capsys.readouterr().err == (
-        "nljax: warning: model.nl_lm.memory_impl=auto: the Pallas memory kernel's backward does not compile on "
-        "this device (XlaRuntimeError: Shared memory size limit exceeded); using its forward kernel with the "
-        "scan's backward\n")
-    probe_answers(monkeypatch, {"pallas": "E1", "scan": "E2"})
-    assert mk.resolve(*shapes) == "scan"
-    assert "the Pallas memory kernel does not compile on this device (E2); using the scan" in capsys.readouterr().err
-    asked = probe_answers(monkeypatch, {"pallas": "E1", "scan": "E2"})
-    assert mk.resolve("pallas", *shapes[1:]) == "pallas" and asked == []  # an explicit choice is not probed
-    loop = mk.inner_loop(mk.FORWARD_ONLY, "mlp", 32, 64, 128, remat=True, unroll=1)
-    assert loop.func is mk.memory_kernel and loop.keywords["backward"] == "scan"
+def probe_for_real_except(monkeypatch, refused: dict):
+    """The probes compile for real, except those of the forms in `refused` (form -> the error)."""
+    real = compiles.refusal
+    monkeypatch.setattr(compiles, "refusal", lambda key, fn, *args: refused.get(key[-1]) or real(key, fn, *args))
 
 
-def test_memory_auto_probes_for_real(monkeypatch, capsys):
-    """The probe's compilation itself: the compiled kernel does not compile on a CPU."""
-    monkeypatch.setattr(mk, "select", lambda *a, **k: "pallas")
-    assert mk.resolve("auto", "linear", 16, 16, 16, jnp.float32) == "scan"
-    assert capsys.readouterr().err.endswith("(ValueError: Only interpret mode is supported on CPU backend.); "
-                                            "using the scan\n")
+def test_memory_auto_is_the_scan_on_a_gpu_too(monkeypatch):
+    """The kernel's compile took 6 minutes on an H200: auto neither takes nor probes it."""
+    monkeypatch.setattr(compiles, "refusal", lambda *a: pytest.fail("probed"))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert mk.select("auto", "mlp", 32, 64, 128) == "scan"
+    assert mk.select("pallas", "mlp", 32, 64, 128) == "pallas"
 
 
 def test_attention_auto_takes_the_first_form_that_compiles(monkeypatch, capsys):
-    # for real: cuDNN does not compile on a CPU, the Pallas kernel (interpreted here) does
+    # for real: the Pallas kernel (interpreted here) compiles, no warning
     assert attention.resolve("auto", jnp.bfloat16, 64, True, 64) == "pallas"
-    assert capsys.readouterr().err == (
+    assert capsys.readouterr().err == ""
+    # for real: cuDNN does not compile on a CPU
+    probe_for_real_except(monkeypatch, {"pallas": "E0"})
+    assert attention.resolve("auto", jnp.bfloat16, 64, True, 128) == "blocked"
+    assert capsys.readouterr().err.splitlines() == [
+        "nljax: warning: model.nl_lm.attention=auto: the Pallas attention kernel does not compile on this device "
+        "(E0); using cudnn",
         "nljax: warning: model.nl_lm.attention=auto: cuDNN's flash attention does not compile on this device "
-        "(RuntimeError: cuDNN is not detected.); using pallas\n")
+        "(RuntimeError: cuDNN is not detected.); using blocked"]
     asked = probe_answers(monkeypatch, {})
-    assert attention.resolve("auto", jnp.bfloat16, 64, True, 512) == "cudnn" and len(asked) == 1
+    assert attention.resolve("auto", jnp.bfloat16, 64, True, 512) == "pallas" and len(asked) == 1
+    probe_answers(monkeypatch, {"pallas": "E1"})
+    assert attention.resolve("auto", jnp.bfloat16, 64, True, 512) == "cudnn"
     probe_answers(monkeypatch, {"cudnn": "E1", "pallas": "E2"})
     assert attention.resolve("auto", jnp.bfloat16, 64, True, 512) == "blocked"
     err = capsys.readouterr().err.splitlines()
-    assert [line.split("(")[-1] for line in err] == ["E1); using pallas", "E2); using blocked"]
+    assert [line.split("(")[-1] for line in err] == ["E1); using cudnn", "E2); using cudnn", "E1); using blocked"]
     asked = probe_answers(monkeypatch, {})
-    assert attention.resolve("auto", jnp.float32, 64, True, 512) == "pallas"  # cuDNN refuses float32 by shape
-    assert [k[-1] for k in asked] == ["pallas"]
-    assert attention.resolve("cudnn", jnp.bfloat16, 64, True, 512) == "cudnn" and len(asked) == 1  # not probed
+    assert attention.resolve("auto", jnp.bfloat16, 48, True, 512) == "cudnn"  # the kernel refuses 48 by shape
+    assert [k[-1] for k in asked] == ["cudnn"]
+    assert attention.resolve("pallas", jnp.bfloat16, 64, True, 512) == "pallas" and len(asked) == 1  # not probed
 
 
 def test_a_cpu_build_probes_nothing(monkeypatch):

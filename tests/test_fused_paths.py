@@ -77,8 +77,9 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
 
 @pytest.mark.parametrize("choice, dtype, head_dim, cuda, form", [
     ("auto", "float32", 64, False, "blocked"), ("auto", "bfloat16", 64, False, "blocked"),  # a CPU: always blocked
-    ("auto", "bfloat16", 64, True, "cudnn"), ("auto", "float16", 128, True, "cudnn"),
+    ("auto", "bfloat16", 64, True, "pallas"), ("auto", "float16", 128, True, "pallas"),
     ("auto", "float32", 64, True, "pallas"), ("auto", "bfloat16", 256, True, "pallas"),  # cuDNN refuses: the kernel
+    ("auto", "bfloat16", 48, True, "cudnn"), ("auto", "float16", 24, True, "cudnn"),  # the kernel refuses: cuDNN
     ("auto", "bfloat16", 12, True, "blocked"), ("auto", "float32", 48, True, "blocked"),  # both refuse: blocked
     ("blocked", "bfloat16", 64, True, "blocked"),
     ("cudnn", "bfloat16", 64, True, "cudnn"),
@@ -184,6 +185,26 @@ def test_chunked_loss_equals_the_full_one(dtype, masked, chunk):
     scale = max(float(jnp.max(jnp.abs(g.astype(jnp.float32)))) for g in g1)
     assert_trees_close(jax.tree.map(np.float32, g2), jax.tree.map(np.float32, g1), rtol=tol * 10,
                        atol=tol * 10 * scale)
+
+
+def test_chunked_loss_gradients_in_bfloat16_are_as_close_to_float32_as_the_matmul_allows():
+    """bf16 compute, 8192 tokens in chunks of 2048, a byte vocabulary: each gradient of the chunked
+    loss against the same loss in float32. The bias's gradient sums 8192 cotangents; summed in
+    bf16 per chunk it was 0.048 of its largest entry off on an H200 (1e-2 here); in float32 it is
+    as close as the float32 matmul's rounding."""
+    b, t, d, v = 4, 2048, 64, 256
+    keys = jax.random.split(jax.random.key(4), 3)
+    x = (jax.random.normal(keys[0], (b, t, d)) / 4).astype(jnp.bfloat16)
+    kernel, bias = jax.random.normal(keys[1], (d, v)) * d**-0.5, jnp.zeros((v,))
+    targets = jax.random.randint(keys[2], (b, t), 0, v)
+    grad = lambda x: jax.jit(jax.grad(lambda *a: chunked_token_loss(*a, targets, chunk=2048)[0], argnums=(0, 1, 2)))(
+        x, kernel, bias)
+    with jax.default_matmul_precision("highest"):
+        ref = grad(x.astype(jnp.float32))
+    got = grad(x)
+    rel = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / float(jnp.max(jnp.abs(r)))) for g, r in zip(got, ref)]
+    assert rel[2] < 1e-3, rel  # the bias
+    assert max(rel) < 2e-2, rel  # x and the kernel: bf16 products
 
 
 def test_chunked_loss_holds_less_memory():

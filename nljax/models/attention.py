@@ -15,9 +15,11 @@
   log-sum-exp kept, no scores, so `model.remat=memory` leaves it unwrapped as it does cudnn).
   Compiled through Triton on a GPU, for float32 too and head widths that are powers of two >= 16
   (`attention_kernel.gpu_unsupported`); on a CPU interpreted (slow: for checking a run).
-- `auto`: on a CUDA GPU `cudnn` when cuDNN takes the shape and dtype (`cudnn_refusal`), else
-  `pallas` when the kernel does, else `blocked`; always `blocked` on a CPU, whose default job is
-  then the program it always was.
+- `auto`: on a CUDA GPU `pallas` when the kernel takes the shape and dtype, else `cudnn` when
+  cuDNN does (`cudnn_refusal`), else `blocked`, each fused form only where it compiles
+  (nljax/models/compiles.py); always `blocked` on a CPU, whose default job is then the program
+  it always was. Pallas first because it was the faster on an H200 (2026-11-28, nl_350m's
+  shapes, bf16: forward and backward 0.90 ms, cuDNN 1.06, blocked 4.07).
 
 Scaling, masks and layout are the blocked form's: q, k, v [B, T, H, hd] (jax's [B, T, N, H]),
 logits scaled by hd ** -0.5 (jax's default), token t sees t - window + 1 .. t.
@@ -62,7 +64,7 @@ def resolve(choice: str, dtype, head_dim: int, cuda: bool, window: int = 64) -> 
     """`blocked`, `cudnn` or `pallas` for the config's `choice` on this backend (`cuda`: a CUDA
     GPU). An explicit form that cannot run here is one line, at start-up, not a trace-time
     traceback; an explicit `pallas` off CUDA runs interpreted. `auto` on CUDA takes the first of
-    cuDNN and the Pallas kernel that takes the shape and compiles here (`compiles.refusal`, at
+    the Pallas kernel and cuDNN that takes the shape and compiles here (`compiles.refusal`, at
     one row, one head and the `window`), else the blocked form."""
     if choice not in CHOICES:
         raise ConfigError(f"model.nl_lm.attention must be one of {', '.join(CHOICES)}, got '{choice}'")
@@ -71,14 +73,16 @@ def resolve(choice: str, dtype, head_dim: int, cuda: bool, window: int = 64) -> 
     no_kernel = gpu_unsupported(dtype, head_dim) if cuda else None
     if choice == "cudnn" and why:
         raise ConfigError(f"model.nl_lm.attention=cudnn: {why}; use model.nl_lm.attention=auto "
-                          "(cuDNN where it runs, the blocked form elsewhere) or blocked")
+                          "(a fused form where one runs, the blocked form elsewhere) or blocked")
     if choice == "pallas" and no_kernel:
         raise ConfigError(f"model.nl_lm.attention=pallas: {no_kernel}; use model.nl_lm.attention=auto "
                           "(the fastest form that takes the shape) or blocked")
     if choice == "auto":
         if not cuda:
             return "blocked"
-        fused = [f for f, refused in (("cudnn", why), ("pallas", no_kernel)) if not refused] + ["blocked"]
+        # the Pallas kernel first: its forward and backward took 0.90 ms against cuDNN's 1.06 ms at
+        # nl_350m's shapes on an H200 (docs/benchmarks/2026-11-28-h200.md)
+        fused = [f for f, refused in (("pallas", no_kernel), ("cudnn", why)) if not refused] + ["blocked"]
         for form, fallback in zip(fused, fused[1:]):
             failed = _compile_refusal(form, dtype, head_dim, window)
             if failed is None:

@@ -45,10 +45,10 @@ def nl_lm(cfg: Config) -> Model:
                   chunk=nl.memory_chunk, lr_max=nl.memory_lr_max, conv=nl.memory_conv, out_norm=nl.memory_out_norm,
                   out_gate=nl.memory_out_gate, unroll=nl.memory_unroll, impl=nl.memory_impl)
     # the backend-dependent choices are made here, after the devices are set up, once per build
-    # (on a GPU, `auto` compiles a fused form alone before it takes it: nljax/models/compiles.py)
+    # (on a GPU, attention `auto` compiles a fused form alone before it takes it: nljax/models/compiles.py)
     if nl.memory_layers:
-        memory["impl"] = memory_kernel.resolve(nl.memory_impl, nl.memory_kind, nl.memory_chunk, nl.memory_dim,
-                                               nl.memory_hidden, m.dtype)
+        memory["impl"] = memory_kernel.select(nl.memory_impl, nl.memory_kind, nl.memory_chunk, nl.memory_dim,
+                                              nl.memory_hidden)
     attention = attention_form.resolve(nl.attention, m.dtype, m.dim // m.heads, attention_form.on_cuda(), nl.window)
     embed_grad = embedding.resolve(nl.embed_grad, m.vocab_size, jax.default_backend())
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,

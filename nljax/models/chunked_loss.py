@@ -8,8 +8,9 @@ that is small (nl_350m, 8 x 2048 tokens: 16 MiB); with a tokenizer's vocabulary 
 the float32 log-softmax and the summed loss one chunk of tokens at a time in a `lax.scan`
 whose body is `jax.checkpoint`ed: the forward pass keeps only each chunk's input rows (slices of
 the head's input, which is held anyway), and the backward pass recomputes one chunk's logits at
-a time. Same arithmetic per token as the head (`nn.Dense` with `dense_dot`) followed by
-`token_loss`; sums in another order, so equal up to float rounding.
+a time. Same matmul per token as the head (`nn.Dense` with `dense_dot`) followed by
+`token_loss`, the bias added in float32 rather than the compute dtype; sums in another order,
+so equal up to float rounding.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ def token_weights(shape, mask=None, weight=None):
 
 def _chunk_nll(kernel, bias, x, y, w):
     """Summed weighted cross-entropy of one chunk: x [c, D] (compute dtype), y [c] ids, w [c]."""
-    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=x.dtype)  # as nn.Dense(dtype=x.dtype)
-    logits = dense_dot(x, kernel, (((1,), (0,)), ((), ()))) + bias  # [c, V]
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=x.dtype)  # the matmul as nn.Dense(dtype=x.dtype)
+    # the bias added in float32: its gradient is then a float32 sum of the chunk's cotangents (in
+    # bf16 the per-chunk sums of 4096 rounded cotangents gave the bias 0.048 of its largest entry
+    # in error against float32 on an H200, 6.5x the full head's; docs/benchmarks/2026-11-28-h200.md)
+    logits = dense_dot(x, kernel, (((1,), (0,)), ((), ()))).astype(jnp.float32) + bias.astype(jnp.float32)  # [c, V]
+    logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, y[:, None], axis=-1)[:, 0]
     return jnp.sum(nll * w)
 

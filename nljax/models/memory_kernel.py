@@ -26,8 +26,8 @@ whole layer's inner loop is one launch forward and one backward.
   the state's cotangent lives in the kernel's outputs as the state does, and the inputs'
   cotangents are stored per chunk.
 - `memory_kernel` ties them with `jax.custom_vjp` (`backward="scan"`: the forward kernel with a
-  reverse `lax.scan` of `chunk_math`'s vjp instead of the backward kernel, a fallback for a GPU
-  where the backward kernel does not compile or pay); `memory_forward` (the scan) and
+  reverse `lax.scan` of `chunk_math`'s vjp instead of the backward kernel: a variant to time
+  against the whole kernel); `memory_forward` (the scan) and
   `memory_reference` (token by token) are the references it is tested against.
 
 Constraints on a GPU (Triton): the tiles the kernel computes on, the chunk b, the key and value
@@ -48,7 +48,6 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from nljax.errors import ConfigError
-from nljax.models import compiles
 from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers, memory_forward
 from nljax.models.tiles import dot, dot_t, t_dot, tile
 
@@ -231,61 +230,22 @@ def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
 def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat: bool, unroll: int):
     """`model.nl_lm.memory_impl`'s inner loop: (state, q, k, v, theta, eta, alpha) -> (y, state).
     The kernel always keeps only the chunk-start states for its backward pass (as `remat` does);
-    `unroll` is the scan's. `impl` may also be `resolve`'s `pallas_forward`: the forward kernel
-    with the scan's backward."""
-    if impl == FORWARD_ONLY:
-        return functools.partial(memory_kernel, kind=kind, chunk=chunk, backward="scan")
+    `unroll` is the scan's."""
     if select(impl, kind, chunk, dim, hidden) == "pallas":
         return functools.partial(memory_kernel, kind=kind, chunk=chunk)
     return functools.partial(memory_forward, kind=kind, chunk=chunk, remat=remat, unroll=unroll)
 
 
-FORWARD_ONLY = "pallas_forward"  # resolve's fallback: the forward kernel, the scan's backward
-
-
-def resolve(impl: str, kind: str, chunk: int, dim: int, hidden: int, dtype) -> str:
-    """`model.nl_lm.memory_impl` for this backend, once per build: `select`'s choice, and for
-    `auto` on a GPU the kernel only where it compiles (`compiles.refusal`): the whole kernel,
-    else the forward kernel with the scan's backward (`FORWARD_ONLY`), else the scan, each
-    fallback said in one line. `dtype`: the inputs' (model.dtype)."""
-    choice = select(impl, kind, chunk, dim, hidden)
-    if impl != "auto" or choice != "pallas":
-        return choice
-    shapes = {"W": (dim, dim)} if kind == "linear" else {"W1": (dim, hidden), "W2": (hidden, dim)}
-    state = {part: {n: jax.ShapeDtypeStruct((1, 1, *s), jnp.float32) for n, s in shapes.items()} for part in "MS"}
-    t = 2 * chunk  # a program's resources do not depend on T, the batch or the heads
-    xs = [jax.ShapeDtypeStruct((1, 1, t, dim), dtype)] * 3 + [jax.ShapeDtypeStruct((1, 1, t), dtype)] * 3
-
-    def refusal(backward: str) -> str | None:
-        fn = functools.partial(memory_kernel, kind=kind, chunk=chunk, interpret=False, backward=backward)
-        key = ("memory", kind, chunk, dim, hidden, jnp.dtype(dtype).name, backward)
-        return compiles.refusal(key, compiles.grad_of_sum(fn), (state, *xs))
-
-    setting = "model.nl_lm.memory_impl"
-    whole = refusal("pallas")
-    if whole is None:
-        return "pallas"
-    forward = refusal("scan")
-    if forward is None:
-        compiles.warn_fallback(setting, "the Pallas memory kernel's backward", whole,
-                               "its forward kernel with the scan's backward")
-        return FORWARD_ONLY
-    compiles.warn_fallback(setting, "the Pallas memory kernel", forward, "the scan")
-    return "scan"
-
-
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
     """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
-    'pallas' or 'scan'. auto takes the kernel on GPUs where its shapes allow it, the scan
-    elsewhere (on a CPU the kernel only runs interpreted, far slower than the scan)."""
+    'pallas' or 'scan'. auto is the scan on every backend: on a CPU the kernel only runs
+    interpreted, far slower; on an H200 (2026-11-28, jaxlib 0.11.2) XLA took 6 min 23 s to
+    compile the kernel's forward and backward at titans_demo's shapes, and its speed there is
+    not yet measured (docs/benchmarks/2026-11-28-h200.md). `pallas` is the kernel as asked."""
     backend = backend or jax.default_backend()
-    why = gpu_unsupported(kind, chunk, dim, hidden) if backend == "gpu" else None
-    if impl == "auto":
-        return "pallas" if backend == "gpu" and why is None else "scan"
-    if impl == "pallas" and why:
+    if impl == "pallas" and backend == "gpu" and (why := gpu_unsupported(kind, chunk, dim, hidden)):
         raise ConfigError(f"model.nl_lm.memory_impl=pallas: {why}")
-    return impl
-
+    return "scan" if impl == "auto" else impl
 
 
 def _chunk_input(refs, t):

@@ -66,8 +66,8 @@ class NlLmConfig:
     memory_out_gate: bool = True  # gate the read with sigmoid(W x)
     memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
     # the inner loop as a lax.scan over chunks (scan) or as fused Pallas kernels, one launch per
-    # layer for all chunks (pallas; on a CPU in interpret mode: slow, for checking); auto: pallas
-    # on GPUs where its shapes allow (docs/concepts/memory-kernel.md), the scan elsewhere
+    # layer for all chunks (pallas: experimental, its compile took 6 minutes on an H200; on a CPU
+    # in interpret mode: slow, for checking); auto: the scan (docs/concepts/memory-kernel.md)
     memory_impl: Literal["auto", "scan", "pallas"] = "auto"
     # the memory reads its block's normalised stream plus the normalised token embeddings: a
     # memory after the first block then learns the recall probe
@@ -81,7 +81,7 @@ class NlLmConfig:
     # float32; any backend) | cudnn (cuDNN's fused flash attention: CUDA GPUs, bfloat16/float16,
     # head width a multiple of 8 and <= 128) | pallas (a Pallas flash attention: GPUs, head width
     # a power of two >= 16, float32/bfloat16/float16; on a CPU in interpret mode: slow, for checking) |
-    # auto (on a CUDA GPU cudnn where it runs, else pallas where it runs, else blocked; always
+    # auto (on a CUDA GPU pallas where it runs, else cudnn where it runs, else blocked; always
     # blocked on a CPU). Same outputs and gradients (nljax/models/attention.py)
     attention: Literal["auto", "blocked", "cudnn", "pallas"] = "auto"
     # the token embedding's backward pass: scatter (autodiff's scatter-add) | onehot (a one-hot
