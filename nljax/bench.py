@@ -235,9 +235,12 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
         slowest = next(a for a in fns if pattern_name(a) == summary["worst_pattern"])
         _, step_s = traces.record(fns[slowest], state, batch, profile, profile_dir)
         timed = rows[summary["worst_pattern"]]["step_time"]["median_ms"] / 1e3
+        hlo = fns[slowest].as_text()
+        # kept beside the trace: how the profile places kernels (command buffers, scopes) can then
+        # be checked and mended later on a machine without the GPU that recorded it
+        (profile_dir / "program.hlo.txt").write_text(hlo)
         summary["profile"] = {"pattern": summary["worst_pattern"],
-                              **traces.summarize(profile_dir, profile, step_s, hlo_text=fns[slowest].as_text(),
-                                                 timed_step_s=timed)}
+                              **traces.summarize(profile_dir, profile, step_s, hlo_text=hlo, timed_step_s=timed)}
     return {
         "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,
                    "seq_len": cfg.train.seq_len if run.task.unit == "tokens" else None,

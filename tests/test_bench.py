@@ -56,6 +56,8 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert {"forward mem", "backward mem", "forward attn", "step"} <= set(scopes), scopes
     assert scopes["backward mem"] > 0
     assert list(trace.rglob("perfetto_trace.json.gz"))  # kept for TensorBoard or Perfetto
+    hlo = (trace / "program.hlo.txt").read_text()  # and the profiled program beside it
+    assert hlo.startswith("HloModule jit_train_step") and "op_name=" in hlo
     # benchmarks/gpu_summary.py reads it (a CPU bench under the nl_350m row's name: the form)
     (tmp_path / "bench_nl_350m.json").write_text(out.read_text())
     row = next(r for r in gpu_summary().lines(tmp_path) if "nl_350m" in r)
