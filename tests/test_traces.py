@@ -189,3 +189,7 @@ def test_kernels_in_command_buffers_found_through_the_buffers_instructions(tmp_p
     s = traces.summarize(write(tmp_path, events), steps=1, step_s=100e-6, hlo_text=BUFFERS_HLO)
     assert s["by_scope_s"] == pytest.approx({"backward attn | backward block/cms": 30e-6, "forward mem": 10e-6,
                                              "?": 5e-6})
+    # the buffer's category in the top list: the kind of most of its time (its matmul), not its first kernel's
+    events[2:4] = events[3:1:-1]
+    s = traces.summarize(write(tmp_path / "again", events), steps=1, step_s=100e-6, hlo_text=BUFFERS_HLO)
+    assert {t["op"]: t["category"] for t in s["top"]}["command_buffer_5"] == "matmul"

@@ -243,10 +243,12 @@ def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: 
         if names is not None:
             where = op_scope(names, name, e["name"], buffers)
             by_scope[where] = by_scope.get(where, 0.0) + dur / steps
-        for acc in (by_op.setdefault(name, [0.0, 0, cat]), by_kind.setdefault(kind(name), [0.0, 0, cat])):
+        for acc in (by_op.setdefault(name, [0.0, 0, {}]), by_kind.setdefault(kind(name), [0.0, 0, {}])):
             acc[0] += dur / steps
             acc[1] += 1
-    ranked = lambda d: [{"op": k, "s": v[0], "calls": v[1] / steps, "category": v[2]}
+            acc[2][cat] = acc[2].get(cat, 0.0) + dur  # a command buffer runs kernels of several kinds
+    # each op's category: the one holding most of its time
+    ranked = lambda d: [{"op": k, "s": v[0], "calls": v[1] / steps, "category": max(v[2], key=v[2].get)}
                         for k, v in sorted(d.items(), key=lambda kv: -kv[1][0])[:top]]
     return {
         "ops": len(ops) / steps,
