@@ -276,6 +276,17 @@ def test_resume_falls_back_past_damaged_checkpoints_and_sets_later_ones_aside(tm
 
 
 
+def test_orbax_does_not_also_log_a_step_metadata_that_nljax_reports(tmp_path, caplog):
+    """A step whose _CHECKPOINT_METADATA does not parse is nljax's to report, in one line (the
+    resume's warning, tests/test_checkpoint.py's error); Orbax's managers read it when they start
+    and logged two absl ERROR lines with the file's content before that line."""
+    (tmp_path / "4").mkdir()
+    (tmp_path / "4" / storage.ORBAX_META).write_text("garbage{")
+    for write in (False, True):
+        storage.manager(tmp_path, write=write).close()
+    assert not [r for r in caplog.records if "Metadata file" in r.getMessage()], caplog.text
+
+
 @pytest.mark.slow
 def test_a_step_directory_missing_an_item_is_passed_over_with_a_warning_and_set_aside(tmp_path):
     """A newest step directory that lost its nljax item (or Orbax's step metadata) is not a

@@ -91,7 +91,8 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
     r = suite(tmp_path, GPU_SUITE_DRY_RUN="1", SUITE_BUDGET_S="1500")
     logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
     assert r.returncode == 0, r.stdout + r.stderr
-    for name in ("paths", "bench_nl_350m_fused", "bench_nl_350m_fused_unrolled", "titans_vs_bf16",
+    for name in ("paths", "bench_nl_350m_fused", "bench_nl_350m_fused_unrolled", "bench_nl_350m_fused_memunroll",
+                 "titans_vs_bf16",
                  "bench_titans_demo_b128_memory"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     assert (tmp_path / "trace_nl_350m_fused" / "program.hlo.txt").exists()  # kept for the profile's placement

@@ -51,6 +51,24 @@ def warnings_hidden():
         log.setLevel(level)
 
 
+def _not_orbax_metadata_parse(record: logging.LogRecord) -> bool:
+    """False for Orbax's log of a step's unreadable _CHECKPOINT_METADATA (two lines with the
+    file's content), which nljax reports itself in one line (`storage.damage`)."""
+    return not str(record.msg).startswith("Failed to json parse Metadata file:")
+
+
+@contextlib.contextmanager
+def metadata_errors_hidden():
+    """Orbax's absl error for a step whose _CHECKPOINT_METADATA does not parse dropped (a manager
+    reads every step's when it starts); its other errors still shown."""
+    log = logging.getLogger("absl")
+    log.addFilter(_not_orbax_metadata_parse)
+    try:
+        yield
+    finally:
+        log.removeFilter(_not_orbax_metadata_parse)
+
+
 class _Filters:
     """The four filters of one `errors_hidden` scope. Each scope has its own, so that a scope
     nested in another removes its own filters and leaves the other's."""

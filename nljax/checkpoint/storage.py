@@ -29,7 +29,7 @@ from nljax.checkpoint.contents import (
     unnest,
 )
 from nljax.checkpoint.peers import Peers, PeerSaveFailed
-from nljax.checkpoint.quiet import errors_hidden, warnings_hidden
+from nljax.checkpoint.quiet import errors_hidden, metadata_errors_hidden, warnings_hidden
 from nljax.config import Config, migrate
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
@@ -48,7 +48,7 @@ def manager(root: Path, write: bool = False, cfg: Config | None = None, peers: P
     import orbax.checkpoint as ocp
 
     if not write:
-        with warnings_hidden():  # a read-only manager warns that it is one
+        with warnings_hidden(), metadata_errors_hidden():  # a read-only manager warns that it is one
             return ocp.CheckpointManager(root, options=ocp.CheckpointManagerOptions(read_only=True, create=False))
     opts = ocp.CheckpointManagerOptions(
         # Orbax would prune any folder with a number for a name, a user's too: nljax prunes its
@@ -61,7 +61,8 @@ def manager(root: Path, write: bool = False, cfg: Config | None = None, peers: P
         create=True,
         async_options=ocp.AsyncOptions(barrier_sync_fn=peers.barrier) if peers else None,
     )
-    return ocp.CheckpointManager(root, options=opts)
+    with metadata_errors_hidden():  # a damaged step is nljax's to report (`damage`)
+        return ocp.CheckpointManager(root, options=opts)
 
 
 def writer(cfg: Config, peers: Peers | None = None):
