@@ -136,30 +136,84 @@ def test_notice_outside_the_step_loop(tmp_path):
 def test_a_second_sigterm_stops_at_once():
     """After a notice, a second SIGTERM raises `Terminated` (143) wherever the run is, unless it
     comes within `Notice.REPEAT_S` (the same notice, sent to the job and forwarded by a launcher);
-    Ctrl-C outside the step loop stops at once, inside it is a notice."""
+    Ctrl-C outside the step loop stops at once, inside it is a notice. The signals are read by a
+    thread: each takes effect within moments, not within the `os.kill` call."""
     import signal
+    import time
 
     from nljax.runtime.preemption import Notice, Terminated
+
+    def soon(cond):
+        deadline = time.monotonic() + 5
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return cond()
 
     before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     with Notice() as notice:
         os.kill(os.getpid(), signal.SIGTERM)
-        assert notice.received == signal.SIGTERM and notice.stop_after(0)
+        assert soon(lambda: notice.received == signal.SIGTERM) and notice.stop_after(0)
         os.kill(os.getpid(), signal.SIGTERM)  # at once: the same notice
+        time.sleep(0.3)
         assert notice.stop_after(0)
         notice.received_at -= Notice.REPEAT_S  # as if that much later
         with pytest.raises(Terminated) as e:
             os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises inside it
         assert e.value.exit_code == 143
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
     with Notice() as notice:
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
         notice.in_loop = True
         os.kill(os.getpid(), signal.SIGINT)
-        assert notice.received == signal.SIGINT
+        assert soon(lambda: notice.received == signal.SIGINT)
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+IN_A_LONG_C_CALL = r"""
+import hashlib, sys
+from nljax.runtime.preemption import Notice
+with Notice():
+    print("ready", flush=True)
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 200_000_000)  # minutes in C, as an XLA compilation is
+print("returned", flush=True)
+"""
+
+
+@pytest.mark.parametrize("signals, code, line", [
+    (["SIGINT"], 130, "nljax: interrupted (Ctrl-C) (inside a compilation, which was not waited for)"),
+    (["SIGTERM", "SIGTERM"], 143, "nljax: terminated (a second SIGTERM): stopped at once; the checkpoints already "
+     "on disk are kept (inside a compilation, which was not waited for)"),
+])
+def test_stopping_at_once_does_not_wait_for_a_compilation(signals, code, line):
+    """Ctrl-C outside the step loop, or a second SIGTERM, while the main thread is inside a long C
+    call (Python runs its handlers only between bytecodes): the process ends within seconds, with
+    the line and the exit code it would have given, and the first SIGTERM's notice is said at once."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", IN_A_LONG_C_CALL], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=subprocess_env())
+    try:
+        assert p.stdout.readline() == "ready\n"
+        time.sleep(0.5)  # inside the call
+        t0 = time.monotonic()
+        for i, name in enumerate(signals):
+            if i:
+                time.sleep(2.5)  # past Notice.REPEAT_S: not the same notice again
+            p.send_signal(getattr(signal, name))
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == code, err
+    assert time.monotonic() - t0 < 2.5 * (len(signals) - 1) + 10  # not the call's minutes
+    assert err.strip().splitlines()[-1] == line and "returned" not in out
+    if len(signals) == 2:
+        assert err.strip().splitlines()[0].startswith("nljax: SIGTERM during start-up")
 
 
 @pytest.mark.slow

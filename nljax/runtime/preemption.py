@@ -25,12 +25,23 @@ after the last step lets the final report finish (exit 0: the run is complete). 
 stops at once (`Terminated`: the checkpoints already on disk are kept, the lock released), for
 whoever means "now" — one at least `Notice.REPEAT_S` after the first: a scheduler's notice often
 reaches a process twice at once (sent to the whole job and forwarded by a launcher).
+
+"At once" holds inside a compilation too. Python runs a signal handler in the main thread
+between two bytecodes, so one that arrives while the main thread is inside a long C call (XLA
+compiling a step: a minute, several on a GPU) would wait for it. So the signals are read by a
+thread too (`signal.set_wakeup_fd`: one byte per signal, taken by the main thread's handler
+when it runs within `Notice.GRACE_S`, else by the reader), which applies the rules above and
+hands a decision to stop to the main thread (the signal sent to it again); when
+the main thread has not taken it within `Notice.STUCK_S`, it is inside such a call, and the
+thread ends the process itself: the same line, the same exit code, `os._exit` (the checkpoints already on disk are
+kept; the run's lock is left to be taken over, its process being gone).
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Callable
@@ -90,6 +101,9 @@ class Notice:
     # process of a job (SLURM, a systemd unit) and a launcher (nljax.launch, srun) that forwards
     # its own reach a process twice within milliseconds.
     REPEAT_S = 2.0
+    # The main thread runs a pending handler within microseconds unless it is inside a C call.
+    GRACE_S = 0.05  # what the reader leaves it to take a signal first
+    STUCK_S = 1.0  # how long the reader waits for it to raise a decision to stop
 
     def __init__(self):
         self.received = 0  # the signal of the notice, 0: none
@@ -97,30 +111,102 @@ class Notice:
         self.in_loop = False  # set by the training loop while it steps
         self.looped = False  # set by the training loop as it starts: the start-up is over
         self._old: dict = {}
+        self._stop: BaseException | None = None  # decided by the reader, raised in the main thread
+        self._ours = {signal.SIGTERM: 0, signal.SIGINT: 0}  # the reader's own re-sent signals, to pass over
+        self._lock = threading.RLock()
+        self._wake: tuple | None = None  # (read end, write end, the wakeup fd before ours)
 
     def __enter__(self) -> "Notice":
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            r, w = socket.socketpair()
+            w.setblocking(False)
+            self._wake = (r, w, signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False))
+            threading.Thread(target=self._read, args=(r,), name="nljax-signals", daemon=True).start()
         return self
 
     def __exit__(self, *exc) -> None:
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
+        if self._wake:
+            r, w, before = self._wake
+            signal.set_wakeup_fd(before)
+            w.close()  # the reader's recv returns b"": it ends and closes its end
+            self._wake = None
 
     def _on_signal(self, sig, _frame) -> None:
+        """The main thread's handler: the signals the reader has not read yet are taken here, at
+        once, as before there was a reader (each arrival is one byte of the wakeup fd, read by
+        one of the two); then it raises what either decided."""
+        r = self._wake[0] if self._wake else None
+        while r is not None:
+            try:
+                data = r.recv(64, socket.MSG_DONTWAIT)
+            except OSError:  # nothing left to read (BlockingIOError), or the reader has closed it
+                break
+            for s in data:
+                self._stop = self._take(s) or self._stop
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            raise stop
+
+    def _read(self, r: socket.socket) -> None:
+        """The reader thread: a signal the main thread's handler has not taken within GRACE_S is
+        taken here (the main thread first: there a notice counts at once, as a step ends)."""
+        with r:
+            while r.recv(1, socket.MSG_PEEK):  # b"": the write end closed (`__exit__`)
+                time.sleep(self.GRACE_S)
+                try:
+                    data = r.recv(64, socket.MSG_DONTWAIT)
+                except BlockingIOError:  # the main thread took it
+                    continue
+                for sig in data:
+                    if stop := self._take(sig):
+                        self._hand_over(sig, stop)
+
+    def _take(self, sig: int) -> BaseException | None:
+        """One arrival of `sig`, by whichever thread read it: the rules (`_decide`), unless it is
+        the reader's own resending."""
+        with self._lock:  # re-entrant: a handler may run inside the main thread's own call
+            if self._ours.get(sig):
+                self._ours[sig] -= 1
+                return None
+            return self._decide(sig) if sig in self._ours else None
+
+    def _hand_over(self, sig: int, stop: BaseException) -> None:
+        """The reader's decision to stop, to the main thread; the process ended here when the main
+        thread does not take it within STUCK_S (it is inside a C call: a compilation)."""
+        self._stop = stop
+        # The signal again, to the main thread, until its handler has raised `stop`: it interrupts
+        # a system call there (a sleep, a read), which _thread.interrupt_main would not. Again,
+        # because one that lands just before the main thread enters such a call is seen only
+        # when the call returns.
+        deadline = time.monotonic() + self.STUCK_S
+        while self._stop is stop and time.monotonic() < deadline:
+            with self._lock:
+                self._ours[sig] += 1  # read back from the wakeup fd: not a new arrival
+            signal.pthread_kill(threading.main_thread().ident, sig)
+            time.sleep(0.1)
+        if self._stop is stop and self._wake:  # the main thread is inside a C call (a compilation): end here
+            line = f"nljax: {str(stop) or 'interrupted (Ctrl-C)'} (inside a compilation, which was not waited for)\n"
+            os.write(2, line.encode())
+            os._exit(stop.exit_code if isinstance(stop, Stopped) else 128 + signal.SIGINT)
+
+    def _decide(self, sig: int) -> BaseException | None:
+        """What a signal means now: an exception to stop with at once, or None (a notice, or the
+        same notice again)."""
         if sig == signal.SIGINT and (self.received or not self.in_loop):
-            raise KeyboardInterrupt
+            return KeyboardInterrupt()
         if sig == signal.SIGTERM and self.received:
-            if time.monotonic() - self.received_at >= self.REPEAT_S:
-                raise Terminated
-            return
+            return Terminated() if time.monotonic() - self.received_at >= self.REPEAT_S else None
         self.received, self.received_at = sig, time.monotonic()
-        if sig == signal.SIGINT:  # os.write: print could re-enter a write the signal interrupted
+        if sig == signal.SIGINT:  # os.write: one unbuffered write, whatever the main thread prints
             os.write(2, b"\nnljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)\n")
         elif not self.looped:  # the start-up (restore, compilation) can take minutes: said now, not at the end
             os.write(2, b"nljax: SIGTERM during start-up: the run stops after its first step, saved "
                         b"(SIGTERM again: at once)\n")
+        return None
 
     def stop_after(self, step: int) -> bool:
         """Called after every step on every process with the step just done (the same number
