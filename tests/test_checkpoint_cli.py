@@ -216,6 +216,35 @@ def test_stopping_at_once_does_not_wait_for_a_compilation(signals, code, line):
         assert err.strip().splitlines()[0].startswith("nljax: SIGTERM during start-up")
 
 
+DECIDED_AFTER_THE_NOTICE_CLOSED = r"""
+import hashlib, os, signal, threading, time
+from nljax.runtime.preemption import Notice
+gate = threading.Event()
+take = Notice._take
+def late_take(self, sig):  # the reader thread's decision comes after the Notice has closed
+    if threading.current_thread() is not threading.main_thread():
+        gate.wait()
+    return take(self, sig)
+Notice._take = late_take
+with Notice() as notice:
+    notice.received, notice.received_at = signal.SIGTERM, time.monotonic() - 10  # a notice long ago
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 1_500_000)  # in a C call past GRACE_S: the reader takes it
+gate.set()
+time.sleep(1.5)  # Notice.STUCK_S and more
+print("alive", flush=True)
+"""
+
+
+def test_the_reader_sends_nothing_once_the_notice_has_closed():
+    """A signal the reader thread took as the run ended is decided after `__exit__` restored the
+    handlers: it must not re-send it to the main thread (SIGTERM's default handler would kill the
+    process) nor end the process itself."""
+    p = subprocess.run([sys.executable, "-c", DECIDED_AFTER_THE_NOTICE_CLOSED], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=60)
+    assert p.returncode == 0 and p.stdout == "alive\n", (p.returncode, p.stderr)
+
+
 @pytest.mark.slow
 def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
     """Fault injection: SIGTERM (a preemption notice), SIGKILL, SIGTERM at seeded random steps,

@@ -126,14 +126,15 @@ class Notice:
         return self
 
     def __exit__(self, *exc) -> None:
+        with self._lock:  # first: from here on the reader decides and re-sends nothing (`_take`,
+            wake, self._wake = self._wake, None  # `_hand_over`), the handlers it re-sends to being gone
         for s, h in self._old.items():
             signal.signal(s, h)
         self._old = {}
-        if self._wake:
-            r, w, before = self._wake
+        if wake:
+            r, w, before = wake
             signal.set_wakeup_fd(before)
             w.close()  # the reader's recv returns b"": it ends and closes its end
-            self._wake = None
 
     def _on_signal(self, sig, _frame) -> None:
         """The main thread's handler: the signals the reader has not read yet are taken here, at
@@ -169,6 +170,8 @@ class Notice:
         """One arrival of `sig`, by whichever thread read it: the rules (`_decide`), unless it is
         the reader's own resending."""
         with self._lock:  # re-entrant: a handler may run inside the main thread's own call
+            if not self._wake:  # read after `__exit__`: the run it would stop has ended
+                return None
             if self._ours.get(sig):
                 self._ours[sig] -= 1
                 return None
@@ -184,9 +187,11 @@ class Notice:
         # when the call returns.
         deadline = time.monotonic() + self.STUCK_S
         while self._stop is stop and time.monotonic() < deadline:
-            with self._lock:
+            with self._lock:  # not once `__exit__` has begun: the handler it restores would take it
+                if not self._wake:
+                    return
                 self._ours[sig] += 1  # read back from the wakeup fd: not a new arrival
-            signal.pthread_kill(threading.main_thread().ident, sig)
+                signal.pthread_kill(threading.main_thread().ident, sig)
             time.sleep(0.1)
         if self._stop is stop and self._wake:  # the main thread is inside a C call (a compilation): end here
             line = f"nljax: {str(stop) or 'interrupted (Ctrl-C)'} (inside a compilation, which was not waited for)\n"
