@@ -245,6 +245,31 @@ def test_the_reader_sends_nothing_once_the_notice_has_closed():
     assert p.returncode == 0 and p.stdout == "alive\n", (p.returncode, p.stderr)
 
 
+STANDARD_ERROR_GONE = r"""
+import hashlib, os, signal, threading
+from nljax.runtime.preemption import Notice
+os.dup2(os.open(os.devnull, os.O_RDONLY), 2)  # a standard error that cannot be written (EBADF)
+with Notice() as notice:
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 1_500_000)  # in a C call: the reader takes it, says the notice
+    print("noticed" if notice.received else "missed", flush=True)
+    notice.received_at -= Notice.REPEAT_S  # as if that much later
+    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    hashlib.pbkdf2_hmac("sha256", b"x", b"y", 30_000_000)  # seconds in a C call: the reader ends the process
+print("returned", flush=True)
+"""
+
+
+def test_signals_still_count_when_standard_error_is_gone():
+    """The notice's line cannot be written (a closed terminal, a `| tee` that the same Ctrl-C
+    ended): the notice still counts and the reader thread lives on, so a second SIGTERM inside a
+    C call still ends the process at once (143). The failed write had ended the reader, closing
+    its socket: every later signal was lost and the run could not be stopped but by SIGKILL."""
+    p = subprocess.run([sys.executable, "-c", STANDARD_ERROR_GONE], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=60)
+    assert (p.returncode, p.stdout) == (143, "noticed\n")
+
+
 @pytest.mark.slow
 def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
     """Fault injection: SIGTERM (a preemption notice), SIGKILL, SIGTERM at seeded random steps,

@@ -89,6 +89,16 @@ def check_in(first_step: Callable[[], int]) -> None:
         _checked_in = True
 
 
+def _say(line: bytes) -> None:
+    """One line on standard error, unbuffered (one write, whatever the main thread prints), and
+    best effort: a standard error that is gone (a closed terminal, a `| tee` that Ctrl-C ended)
+    must not turn a notice into a crash in the main thread nor end the reader thread."""
+    try:
+        os.write(2, line)
+    except OSError:
+        pass
+
+
 class Notice:
     """Whether a preemption notice asks the run to stop after the current step. A context
     manager: the single-process handlers live while it is open (the whole run: `trainer.train`).
@@ -195,7 +205,7 @@ class Notice:
             time.sleep(0.1)
         if self._stop is stop and self._wake:  # the main thread is inside a C call (a compilation): end here
             line = f"nljax: {str(stop) or 'interrupted (Ctrl-C)'} (inside a compilation, which was not waited for)\n"
-            os.write(2, line.encode())
+            _say(line.encode())
             os._exit(stop.exit_code if isinstance(stop, Stopped) else 128 + signal.SIGINT)
 
     def _decide(self, sig: int) -> BaseException | None:
@@ -206,10 +216,10 @@ class Notice:
         if sig == signal.SIGTERM and self.received:
             return Terminated() if time.monotonic() - self.received_at >= self.REPEAT_S else None
         self.received, self.received_at = sig, time.monotonic()
-        if sig == signal.SIGINT:  # os.write: one unbuffered write, whatever the main thread prints
-            os.write(2, b"\nnljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)\n")
+        if sig == signal.SIGINT:
+            _say(b"\nnljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)\n")
         elif not self.looped:  # the start-up (restore, compilation) can take minutes: said now, not at the end
-            os.write(2, b"nljax: SIGTERM during start-up: the run stops after its first step, saved "
+            _say(b"nljax: SIGTERM during start-up: the run stops after its first step, saved "
                         b"(SIGTERM again: at once)\n")
         return None
 
