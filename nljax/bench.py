@@ -337,12 +337,22 @@ def check_out(out: Path) -> None:
         raise ConfigError(f"--out {out}: {out if out.exists() else parent} is not writable")
 
 
+def check_profile_dir(d: Path) -> None:
+    """Before anything is measured: `--profile-dir` is a directory or can become one (the profiler
+    and the program's HLO are written there after the timing, which a file would throw away)."""
+    bad = next((p for p in (d.absolute(), *d.absolute().parents) if p.exists() and not p.is_dir()), None)
+    if bad is not None:
+        raise ConfigError(f"--profile-dir {d}: {bad} is a file, not a directory")
+
+
 def _run(args, cfg: Config) -> int:
     if args.steps < 1 or args.warmup < 0 or args.profile < 0:
         raise ConfigError(f"--steps must be >= 1, --warmup and --profile >= 0, got {args.steps}, {args.warmup}, "
                           f"{args.profile}")
     if args.out:
         check_out(Path(args.out))
+    if args.profile_dir:
+        check_profile_dir(Path(args.profile_dir))
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic and registry.task_of(cfg) != "images":
             raise ConfigError(f"--synthetic is for the images task (model.name=dit); this config's model is "

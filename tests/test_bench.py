@@ -128,3 +128,14 @@ def test_bench_out_is_checked_before_anything_runs(tmp_path, out, line):
     p = cli("nljax.bench", "--out", out, *NL, check=False, cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.strip() == f"nljax.bench: error: {line.format(dir=tmp_path)}", p.stderr
     assert (tmp_path / "notes.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["notes.md", "notes.md/trace"])
+def test_bench_profile_dir_is_checked_before_anything_runs(tmp_path, where):
+    """A --profile-dir that is (or lies under) a file is one line at once: the profiler's
+    traceback came only after the whole benchmark had run, and its result was not written."""
+    (tmp_path / "notes.md").write_text("mine")
+    p = cli("nljax.bench", "--profile", "1", "--profile-dir", where, "--out", "b.json", *NL, check=False, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == \
+        f"nljax.bench: error: --profile-dir {where}: {tmp_path}/notes.md is a file, not a directory", p.stderr
+    assert (tmp_path / "notes.md").read_text() == "mine"
