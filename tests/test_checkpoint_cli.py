@@ -270,6 +270,29 @@ def test_signals_still_count_when_standard_error_is_gone():
     assert (p.returncode, p.stdout) == (143, "noticed\n")
 
 
+def test_stopping_at_once_inside_a_c_call_says_the_commands_own_line():
+    """`python -m nljax.train` says `nljax.train: terminated ...` when it stops (nljax.cli); the
+    reader's line, when the main thread is inside a C call, is that line too, not `nljax: ...`."""
+    import signal
+    import time
+
+    as_train = IN_A_LONG_C_CALL.replace(
+        "import hashlib, sys", "import hashlib, importlib.util, sys\n"
+        "sys.modules['__main__'].__spec__ = importlib.util.find_spec('nljax.train')  # as python -m nljax.train")
+    p = subprocess.Popen([sys.executable, "-c", as_train], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=subprocess_env())
+    try:
+        assert p.stdout.readline() == "ready\n"
+        time.sleep(0.5)  # inside the call
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=30)
+    finally:
+        p.kill()
+    assert p.returncode == 130, err
+    assert err.strip().splitlines()[-1] == \
+        "nljax.train: interrupted (Ctrl-C) (inside a compilation, which was not waited for)"
+
+
 @pytest.mark.slow
 def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
     """Fault injection: SIGTERM (a preemption notice), SIGKILL, SIGTERM at seeded random steps,

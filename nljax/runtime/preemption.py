@@ -42,6 +42,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from typing import Callable
@@ -87,6 +88,13 @@ def check_in(first_step: Callable[[], int]) -> None:
     if jax.process_count() > 1 and not _checked_in:
         multihost_utils.reached_preemption_sync_point(first_step())
         _checked_in = True
+
+
+def _prog() -> str:
+    """The command's name as its own last line gives it (`python -m nljax.train`: nljax.train,
+    `nljax.cli.main`'s prog), else nljax."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    return spec.name if spec is not None and spec.name.startswith("nljax.") else "nljax"
 
 
 def _say(line: bytes) -> None:
@@ -204,7 +212,7 @@ class Notice:
                 signal.pthread_kill(threading.main_thread().ident, sig)
             time.sleep(0.1)
         if self._stop is stop and self._wake:  # the main thread is inside a C call (a compilation): end here
-            line = f"nljax: {str(stop) or 'interrupted (Ctrl-C)'} (inside a compilation, which was not waited for)\n"
+            line = f"{_prog()}: {str(stop) or 'interrupted (Ctrl-C)'} (inside a compilation, which was not waited for)\n"
             _say(line.encode())
             os._exit(stop.exit_code if isinstance(stop, Stopped) else 128 + signal.SIGINT)
 
