@@ -40,6 +40,7 @@ checking a whole run). Inputs may be bfloat16; everything inside is float32, as 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -296,6 +297,20 @@ def _chunk_input(refs, t):
     return {name: reader(r) for name, r in zip(_INPUTS, refs)}
 
 
+_FULL_FLOAT32 = ("highest", "float32", "F32_F32_F32")  # jax_default_matmul_precision's exact-float32 settings
+
+
+def _products(interpret: bool):
+    """The precision the kernel's matrix products are traced at: the ambient one, except that on
+    a GPU full float32 (`jax.default_matmul_precision("highest")`) becomes three TF32 products per
+    product (`TF32_TF32_F32_X3`, float32 to about 1e-6 relative). Triton lowers an exact float32
+    product (`inputPrecision = ieee`) without tensor cores, as multiply-adds unrolled per element:
+    the backward kernel alone took minutes to compile (docs/concepts/memory-kernel.md)."""
+    if interpret or jax.config.jax_default_matmul_precision not in _FULL_FLOAT32:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision("TF32_TF32_F32_X3")
+
+
 def _sync(interpret: bool) -> None:
     """A block-wide barrier (__syncthreads) between one thread's stores of a state matrix in
     global memory and other threads' loads of it (or their loads and its stores): the threads
@@ -450,12 +465,13 @@ def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool, st
         # GPU timing yet
         big = state_size > 4 * 64 * 64
         params["compiler_params"] = pltriton.CompilerParams(num_warps=8 if big else 4, num_stages=1)
-    return pl.pallas_call(
-        functools.partial(kernel, kind=kind, chunk=chunk, n=n, interpret=interpret),
-        out_shape=outs, grid=(batch, heads),
-        in_specs=[_spec(a.shape) for a in args], out_specs=[_spec(o.shape) for o in outs],
-        interpret=interpret, name=f"memory_{kernel.__name__.strip('_')}", **params,
-    )(*args)
+    with _products(interpret):  # the kernel is traced here
+        return pl.pallas_call(
+            functools.partial(kernel, kind=kind, chunk=chunk, n=n, interpret=interpret),
+            out_shape=outs, grid=(batch, heads),
+            in_specs=[_spec(a.shape) for a in args], out_specs=[_spec(o.shape) for o in outs],
+            interpret=interpret, name=f"memory_{kernel.__name__.strip('_')}", **params,
+        )(*args)
 
 
 def _leaves(state: dict, kind: str) -> list:
