@@ -421,7 +421,7 @@ def _forward_mlp(load, state, interpret: bool):
     return _mlp_chunk(*[load[x]() for x in _INPUTS], sums, step)
 
 
-def _backward_mlp(load, saved, d_state, dy, i, interpret: bool):
+def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
     """One chunk of the MLP memory pulled back: recomputed from its saved start state (both tile
     loops, `_mlp_chunk`'s arithmetic), then `jax.vjp` of each of its pieces, latest first, the
     tile functions inside loops over the tiles (`_tile_step`'s in any order: the tiles are
@@ -440,18 +440,19 @@ def _backward_mlp(load, saved, d_state, dy, i, interpret: bool):
         (a, b), (c, d) = _tiles(M1, M2, j, th, at), _tiles(S1, S2, j, th, at)
         return tuple(_load(r, interpret) for r in (a, c, b, d))
 
-    hh, hsq, w2, eh = _tile_loop(nt, lambda j: _tile_sums(k, *start(j)[::2]), None)
+    fresh = lambda: (fresh_load("q"), fresh_load("k"))  # q, k read again inside each loop: not live across it
+    hh, hsq, w2, eh = _tile_loop(nt, lambda j: _tile_sums(fresh()[1], *start(j)[::2]), None)
     coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2)
     A, c, s, *rest = coefs
     e = _surprise(eh, v)
     qka = _scores_weights(q, k, A)
-    mid = (q, k, e, qka, c, s, *rest)
-    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*mid, *start(j))[:3], None)
+    mid = (e, qka, c, s, *rest)
+    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*fresh(), *mid, *start(j))[:3], None)
 
     d_rw, d_rs, d_rh, dA, de, dc, ds = jax.vjp(_tail, rw, rs, rh, A, e, c, s)[1](dy)
 
     def step_back(j):  # tile j's part of the cotangents of `mid`; its state's stored
-        _, pull = jax.vjp(_tile_step, *mid, *start(j))
+        _, pull = jax.vjp(_tile_step, *fresh(), *mid, *start(j))
         refs = (*_tiles(dM1, dM2, j, th), *_tiles(dS1, dS2, j, th))
         ends = tuple(_load(r, interpret) for r in (refs[0], refs[2], refs[1], refs[3]))  # W1', S1', W2', S2'
         *d_mid, dW1, dS1_, dW2, dS2_ = pull((d_rw, d_rs, d_rh, *ends))
@@ -469,7 +470,7 @@ def _backward_mlp(load, saved, d_state, dy, i, interpret: bool):
 
     def sums_back(j):  # tile j's part of k's cotangent; its state's added
         W1, _, W2, _ = start(j)
-        dk_j, dW1, dW2 = jax.vjp(_tile_sums, k, W1, W2)[1]((dhh, dhsq, dw2, deh))
+        dk_j, dW1, dW2 = jax.vjp(_tile_sums, fresh()[1], W1, W2)[1]((dhh, dhsq, dw2, deh))
         for r, g in zip(_tiles(dM1, dM2, j, th), (dW1, dW2)):
             _store(r, _load(r, interpret) + g, interpret)
         return (dk_j,)
@@ -552,7 +553,8 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         t = tile(i, chunk)
         load = _chunk_input(inputs, t)
         if kind == "mlp":
-            grads = _backward_mlp(load, saved, d_state, dy_ref[t, :].astype(jnp.float32), i, interpret)
+            fresh = lambda x: _load(inputs[_INPUTS.index(x)], interpret, t).astype(jnp.float32)
+            grads = _backward_mlp(load, fresh, saved, d_state, dy_ref[t, :].astype(jnp.float32), i, interpret)
             for g, r in zip(grads, d_inputs):
                 if len(r.shape) == 2:
                     r[t, :] = g
