@@ -160,8 +160,9 @@ def compiled(text: str, warps: int, stages: int, work: Path) -> dict:
             break
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
-    return {"warps": warps, "stages": stages, "shared_bytes": k.metadata.shared, "fits": k.metadata.shared <= HOPPER_SHARED_BYTES,
-            "registers": int(regs.group(1)) if regs else None, "spill_store_bytes": int(spills.group(1)) if spills else None,
+    return {"warps": warps, "stages": stages, "shared_bytes": k.metadata.shared,
+            "fits": k.metadata.shared <= HOPPER_SHARED_BYTES, "registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spills.group(1)) if spills else None,
             "compile_s": {p: round(seconds[p], 2) for p in PHASES if p in seconds},
             "compile_total_s": round(sum(seconds.values()), 2)}
 
@@ -206,8 +207,9 @@ def main(argv=None) -> int:
                           f"{r['spill_store_bytes']} B spilled per thread; compiled in {r['compile_total_s']:.1f} s "
                           f"({', '.join(f'{p} {t:.1f}' for p, t in r['compile_s'].items())})", flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"triton": __import__("triton").__version__, "target": "sm_90a", "precision": args.precision,
-                                              "jax": jax.__version__, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"triton": __import__("triton").__version__, "target": "sm_90a",
+                                              "precision": args.precision, "jax": jax.__version__, "rows": rows},
+                                             indent=1))
     return 0
 
 

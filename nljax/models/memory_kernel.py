@@ -8,23 +8,32 @@ whole layer's inner loop is one launch forward and one backward.
 - `chunk_math` is one chunk of one (row, head) on 2-D arrays: `memory.chunk_constants` and
   `memory.chunk_step` restated without batch axes and without ops that Triton cannot lower
   (cumulative sums are masked sums or products with a triangular matrix; a row or element is
-  picked with a mask), as a list of small stages (`_stages`). It is the only statement of the
-  arithmetic here: the forward kernel runs the stages, and the backward kernel pulls them back
-  with `jax.vjp`, so the two cannot drift apart.
+  picked with a mask). The MLP memory's chunk is `_mlp_chunk`: its hidden width walked in tiles
+  (`HIDDEN_TILE` units; `_tile_sums`, then the gate terms, then `_tile_step`, each tile's part
+  of the sums over the width added up), the linear memory's a list of small stages (`_stages`).
+  It is the only statement of the arithmetic here: the forward kernel runs these functions, and
+  the backward kernel pulls them back with `jax.vjp`, so the two cannot drift apart.
+- Why tiles, in loops: written out as straight-line code over the whole hidden width, the MLP
+  kernels took minutes for XLA to compile on an H200 (LLVM and ptxas on a large body at 255
+  registers with kilobytes of spills per thread). A tile's functions inside a `lax.fori_loop`
+  (an scf.for in Triton) are compiled once, on [b, 16] tensors instead of [b, hidden].
 - The state M, S (float32; the MLP memory's four [dim, hidden] matrices) is not the loop's carry:
   carried, all of it was live (registers, and a shared-memory copy of each matrix a product
   reads) for the whole chunk, which took more shared memory than an H100/H200 block has. It
   lives in the kernel's own outputs (global memory, L2-resident) between chunks, each matrix
-  loaded where a stage uses it and stored at the chunk's end between two block barriers
-  (`_store`: the program's threads hold different parts of it). docs/concepts/memory-kernel.md
-  has the measured shared memory and spills.
+  (MLP: each tile of it) loaded where it is used and stored at the chunk's end between two block
+  barriers (`_store`: the program's threads hold different parts of it).
+  docs/concepts/memory-kernel.md has the measured compile times, shared memory and spills.
 - Forward kernel (grid: rows x heads): for each chunk, store the chunk-start state (what
-  `model.remat=memory` keeps), run the stages, store the chunk's reads and its end state.
-- Backward kernel (same grid, chunks in reverse): recompute the chunk's intermediates from its
-  saved start state, then pull back one stage at a time, latest first (`jax.vjp` of that stage
-  alone, the large intermediates recomputed where used), so only one stage's values are live;
-  the state's cotangent lives in the kernel's outputs as the state does, and the inputs'
-  cotangents are stored per chunk.
+  `model.remat=memory` keeps), run the chunk, store its reads and its end state (MLP: a tile at
+  a time, in the second tile loop).
+- Backward kernel (same grid, chunks in reverse): recompute the chunk from its saved start state,
+  then pull it back piece by piece, latest first (`jax.vjp` of each piece alone; the MLP's tile
+  functions inside loops over the tiles, the linear memory's stages with the large
+  intermediates recomputed where used); the state's cotangent lives in the kernel's outputs as
+  the state does, and the inputs' cotangents are stored per chunk.
+- Exact float32 products (`jax.default_matmul_precision("highest")`) become three TF32 products
+  on a GPU (`_products`): Triton has no tensor-core path for them and unrolls them per element.
 - `memory_kernel` ties them with `jax.custom_vjp` (`backward="scan"`: the forward kernel with a
   reverse `lax.scan` of `chunk_math`'s vjp instead of the backward kernel, a fallback for a GPU
   where the backward kernel does not compile or pay); `memory_forward` (the scan) and
@@ -373,8 +382,8 @@ def _store(ref, value, interpret: bool) -> None:
 
 
 def _hidden_tile(hidden: int) -> int:
-    """The hidden units one tile of the MLP memory's loop takes: HIDDEN_TILE where it divides the
-    width (a GPU's powers of two of at least 32), else the whole width (one tile)."""
+    """The hidden units one tile of the MLP memory's loops takes: HIDDEN_TILE where it divides the
+    width (on a GPU always: a power of two of at least 16), else the whole width (one tile)."""
     return HIDDEN_TILE if hidden % HIDDEN_TILE == 0 else hidden
 
 
@@ -388,10 +397,9 @@ def _tiles(W1, W2, j: int | jax.Array, th: int, first_rows=None):
     return W1.at[tile(i, dk), tile(j, th)], W2.at[tile(i * (hidden // th) + j, th), :]
 
 
-def _tile_loop(n: int, fn, shapes_of, init=None):
+def _tile_loop(n: int, fn, init=None):
     """The sum over tiles j < n of `fn(j)` (a tuple of arrays), as one loop (an scf.for in Triton:
-    the tile's arithmetic is compiled once, not once per tile); `shapes_of`: fn(0)'s shapes, or
-    `init` the starting sums."""
+    the tile's arithmetic is compiled once, not once per tile), from `init` (default zeros)."""
     if init is None:
         init = tuple(jnp.zeros(x.shape, x.dtype) for x in jax.eval_shape(lambda: fn(0)))
     return jax.lax.fori_loop(0, n, lambda j, total: tuple(a + b for a, b in zip(total, fn(j))), tuple(init))
@@ -406,7 +414,7 @@ def _forward_mlp(load, state, interpret: bool):
     nt = hidden // th
 
     def sums(fn):
-        return _tile_loop(nt, lambda j: fn(*[_load(r, interpret) for r in _tiles(M1, M2, j, th)]), None)
+        return _tile_loop(nt, lambda j: fn(*[_load(r, interpret) for r in _tiles(M1, M2, j, th)]))
 
     def step(fn):
         def one(j):
@@ -416,7 +424,7 @@ def _forward_mlp(load, state, interpret: bool):
             for r, value in zip((refs[0], refs[2], refs[1], refs[3]), end):  # W1', S1', W2', S2'
                 _store(r, value, interpret)
             return rw, rs, rh
-        return _tile_loop(nt, one, None)
+        return _tile_loop(nt, one)
 
     return _mlp_chunk(*[load[x]() for x in _INPUTS], sums, step)
 
@@ -426,8 +434,9 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
     loops, `_mlp_chunk`'s arithmetic), then `jax.vjp` of each of its pieces, latest first, the
     tile functions inside loops over the tiles (`_tile_step`'s in any order: the tiles are
     independent given the sums' cotangents). The state's cotangent (`d_state`: the chunk's end
-    state's in, its start state's out) is read and written a tile at a time. Returns the
-    cotangents of q, k, v, theta, eta, alpha."""
+    state's in, its start state's out) is read and written a tile at a time. `fresh_load(name)`:
+    q or k read again (volatile) inside each loop, so that neither is live across the loops.
+    Returns the cotangents of q, k, v, theta, eta, alpha."""
     q, k, v, theta, eta, alpha = (load[x]() for x in _INPUTS)
     M1, S1, M2, S2 = (saved[x] for x in ("M/W1", "S/W1", "M/W2", "S/W2"))
     dM1, dS1, dM2, dS2 = (d_state[x] for x in ("M/W1", "S/W1", "M/W2", "S/W2"))
@@ -440,14 +449,14 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
         (a, b), (c, d) = _tiles(M1, M2, j, th, at), _tiles(S1, S2, j, th, at)
         return tuple(_load(r, interpret) for r in (a, c, b, d))
 
-    fresh = lambda: (fresh_load("q"), fresh_load("k"))  # q, k read again inside each loop: not live across it
-    hh, hsq, w2, eh = _tile_loop(nt, lambda j: _tile_sums(fresh()[1], *start(j)[::2]), None)
+    fresh = lambda: (fresh_load("q"), fresh_load("k"))
+    hh, hsq, w2, eh = _tile_loop(nt, lambda j: _tile_sums(fresh()[1], *start(j)[::2]))
     coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2)
     A, c, s, *rest = coefs
     e = _surprise(eh, v)
     qka = _scores_weights(q, k, A)
     mid = (e, qka, c, s, *rest)
-    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*fresh(), *mid, *start(j))[:3], None)
+    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*fresh(), *mid, *start(j))[:3])
 
     d_rw, d_rs, d_rh, dA, de, dc, ds = jax.vjp(_tail, rw, rs, rh, A, e, c, s)[1](dy)
 
@@ -462,7 +471,7 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
 
     zero = lambda x: jnp.zeros(x.shape, x.dtype)
     init = (zero(q), zero(k), de, zero(qka), dc, ds, *map(zero, rest))
-    dq, dk, de, dqka, dc, ds, *drest = _tile_loop(nt, step_back, None, init)
+    dq, dk, de, dqka, dc, ds, *drest = _tile_loop(nt, step_back, init)
     dq2, dk2, dA2 = jax.vjp(_scores_weights, q, k, A)[1](dqka)
     dk3, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(_coefficients, k, theta, eta, alpha, hh, hsq, w2)[1](
         (dA + dA2, dc, ds, *drest))
@@ -475,7 +484,7 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
             _store(r, _load(r, interpret) + g, interpret)
         return (dk_j,)
 
-    (dk,) = _tile_loop(nt, sums_back, None, (dk + dk2 + dk3,))
+    (dk,) = _tile_loop(nt, sums_back, (dk + dk2 + dk3,))
     return dq + dq2, dk, dv, dtheta, deta, dalpha
 
 
