@@ -9,7 +9,8 @@
 #            for this preset) caps every bench at what is left of it, so the call ends in time
 #            whatever a compile costs; what did not fit is named in the log, and the summary says "-".
 #            On the H200 (2026-11-28) paths took 92 s, and nl_350m's fused step and titans_demo's
-#            batch-128 step compiled in 39 s and 41 s; the fused memory kernel's compile alone took 6 min 23 s,
+#            batch-128 step compiled in 39 s and 41 s; the fused memory kernel's check then took 6 min 23 s to compile (its float32
+#            products at `highest` precision, since made tensor-core products: minutes less),
 #            so it runs near the end and gets what is left (`benchmarks/gpu_suite.sh OUT kernel` in
 #            a call of its own measures it); paths, checked and timed that day, runs last.
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit

@@ -9,9 +9,11 @@ smoke test with --interpret), at its memory shapes (train.batch_size rows x memo
 tokens, memory_kind/dim/hidden/chunk; one memory layer):
 
 - check: the kernel's reads, final state and gradients (w.r.t. q, k, v, the gates and the
-  initial state) against `memory_forward`'s, both with full float32 matrix products (under
-  `jax.default_matmul_precision("highest")`: Triton and XLA would otherwise both take TF32 on a
-  GPU, each rounding its own way), as the largest difference over each leaf's largest entry;
+  initial state) against `memory_forward`'s, under `jax.default_matmul_precision("highest")`
+  (Triton and XLA would otherwise both take TF32 on a GPU, each rounding its own way): the
+  scan's products full float32, the kernel's three TF32 products each (`memory_kernel._products`:
+  Triton's exact float32 products are unrolled per element, and took the backward kernel minutes
+  to compile), as the largest difference over each leaf's largest entry;
 - timing: forward and forward + backward of each, compiled at the default precision (as the model
   runs them), interleaved rounds, medians; the scan
   as the model runs it with model.remat=memory (chunk internals recomputed in the backward pass).

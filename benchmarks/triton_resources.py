@@ -2,6 +2,7 @@
 
     pip install triton      # once, beside nljax (the GPU machine has it with torch)
     python benchmarks/triton_resources.py --config nl_350m [--config titans_demo] [--warps 4,8] [--out F.json]
+                                          [--precision highest]
     python benchmarks/triton_resources.py --config nl_350m --capture-only DIR   # the Triton modules only
 
 For each kernel of a packaged config (the memory kernel's forward and backward at the config's
@@ -11,7 +12,11 @@ compiles it with the `triton` package for sm_90 (H100, H200) at each number of w
 assembles it with `ptxas -v`: shared memory per block (an H100 or H200 gives one block at most
 227 KiB: a kernel over it does not launch, and XLA refuses it), registers per thread (255 at
 most) and bytes spilled to local memory per thread (each spill is a round trip to L1/L2 in the
-kernel's inner loop).
+kernel's inner loop), and how long each phase of the compilation took on this machine: Triton's
+MLIR passes (ttir, ttgir), LLVM IR (llir), PTX (ptx), ptxas (cubin). XLA runs the same phases on
+the GPU's host before the first step, so a kernel that takes minutes here stalls a run's start.
+`--precision highest` captures the kernels as they are traced under
+`jax.default_matmul_precision("highest")` (benchmarks/memory_kernel.py's check compiles them so).
 
 An estimate, not the GPU's own compilation: jaxlib's XLA compiles the same module with the Triton
 it was built with, which may place tensors differently from the `triton` installed here. It is
@@ -27,6 +32,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -57,8 +63,14 @@ def captured_modules(fn, args) -> list[tuple[str, int, int]]:
     return [(t, *settings[re.match(r"module @(\S+)", t).group(1)]) for t in texts]
 
 
-def kernels(config: str) -> dict[str, tuple[str, int, int]]:
-    """name -> (Triton module, warps, stages) of every Pallas kernel `config` trains with on a GPU."""
+def kernels(config: str, precision: str | None = None) -> dict[str, tuple[str, int, int]]:
+    """name -> (Triton module, warps, stages) of every Pallas kernel `config` trains with on a GPU,
+    traced under `jax.default_matmul_precision(precision)` (None: JAX's default)."""
+    with jax.default_matmul_precision(precision):
+        return _kernels(config)
+
+
+def _kernels(config: str) -> dict[str, tuple[str, int, int]]:
     from nljax import config as configuration
     from nljax.models import attention_kernel as ak
     from nljax.models import memory_kernel as mk
@@ -90,14 +102,52 @@ def kernels(config: str) -> dict[str, tuple[str, int, int]]:
     return out
 
 
+PHASES = ("ttir", "ttgir", "llir", "ptx", "cubin")  # Triton's compilation stages, in order
+
+
+def _timed_stages(seconds: dict):
+    """A triton `add_stages_inspection_hook` that times each stage into `seconds`, and runs the
+    Triton-IR passes (ttir) that a module given as IR skips: XLA runs them on what Pallas lowers."""
+    def hook(*args):
+        if not args:  # asked for the compilation cache's key
+            return "timed", "timed"
+        stages = args[1]
+        ttir = stages["ttir"]
+
+        def timed(name, fn):
+            def run(src, metadata):
+                if name == "ttgir":
+                    t = time.perf_counter()
+                    src = ttir(src, metadata)
+                    seconds["ttir"] = time.perf_counter() - t
+                t = time.perf_counter()
+                out = fn(src, metadata)
+                seconds[name] = time.perf_counter() - t
+                return out
+            return run
+
+        for name, fn in list(stages.items()):
+            stages[name] = timed(name, fn)
+    return hook
+
+
 def compiled(text: str, warps: int, stages: int, work: Path) -> dict:
-    """Shared memory, registers and spills of one Triton module compiled for sm_90."""
+    """Shared memory, registers, spills and compile seconds (per phase) of one Triton module
+    compiled for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     src = work / "kernel.ttir"
     src.write_text(text)
-    k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    seconds = {}
+    knobs = triton.knobs
+    saved = knobs.runtime.add_stages_inspection_hook, knobs.compilation.always_compile
+    knobs.runtime.add_stages_inspection_hook, knobs.compilation.always_compile = _timed_stages(seconds), True
+    try:
+        k = triton.compile(str(src), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "num_stages": stages})
+    finally:
+        knobs.runtime.add_stages_inspection_hook, knobs.compilation.always_compile = saved
     ptx = work / "kernel.ptx"
     ptx.write_text(k.asm["ptx"])
     bin_dir = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -110,8 +160,11 @@ def compiled(text: str, warps: int, stages: int, work: Path) -> dict:
             break
     regs = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
-    return {"warps": warps, "stages": stages, "shared_bytes": k.metadata.shared, "fits": k.metadata.shared <= HOPPER_SHARED_BYTES,
-            "registers": int(regs.group(1)) if regs else None, "spill_store_bytes": int(spills.group(1)) if spills else None}
+    return {"warps": warps, "stages": stages, "shared_bytes": k.metadata.shared,
+            "fits": k.metadata.shared <= HOPPER_SHARED_BYTES, "registers": int(regs.group(1)) if regs else None,
+            "spill_store_bytes": int(spills.group(1)) if spills else None,
+            "compile_s": {p: round(seconds[p], 2) for p in PHASES if p in seconds},
+            "compile_total_s": round(sum(seconds.values()), 2)}
 
 
 def main(argv=None) -> int:
@@ -119,10 +172,14 @@ def main(argv=None) -> int:
     p.add_argument("--config", action="append", required=True, help="a packaged config or YAML file (repeatable)")
     p.add_argument("--warps", help="numbers of warps to compile each kernel with, e.g. 4,8 (default: the "
                    "kernel's own)")
+    p.add_argument("--precision", choices=("default", "highest"), default="default",
+                   help="trace the kernels at JAX's default matmul precision or under "
+                   "jax.default_matmul_precision('highest')")
     p.add_argument("--capture-only", metavar="DIR", help="write the Triton modules into DIR; compile nothing")
     p.add_argument("--out", help="write the results as JSON")
     args = p.parse_args(argv)
-    found = {c: kernels(c) for c in args.config}
+    precision = None if args.precision == "default" else args.precision
+    found = {c: kernels(c, precision) for c in args.config}
     if args.capture_only:
         d = Path(args.capture_only)
         d.mkdir(parents=True, exist_ok=True)
@@ -147,10 +204,12 @@ def main(argv=None) -> int:
                     rows.append(r)
                     print(f"{c:12s} {name:58s} warps {w}, stages {stages}: shared {r['shared_bytes'] / 1024:5.0f} KiB"
                           f"{'' if r['fits'] else ' (over 227)'}, {r['registers']} registers, "
-                          f"{r['spill_store_bytes']} B spilled per thread", flush=True)
+                          f"{r['spill_store_bytes']} B spilled per thread; compiled in {r['compile_total_s']:.1f} s "
+                          f"({', '.join(f'{p} {t:.1f}' for p, t in r['compile_s'].items())})", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"triton": __import__("triton").__version__, "target": "sm_90a",
-                                              "jax": jax.__version__, "rows": rows}, indent=1))
+                                              "precision": args.precision, "jax": jax.__version__, "rows": rows},
+                                             indent=1))
     return 0
 
 

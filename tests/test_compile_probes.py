@@ -45,7 +45,7 @@ def probe_for_real_except(monkeypatch, refused: dict):
 
 
 def test_memory_auto_is_the_scan_on_a_gpu_too(monkeypatch):
-    """The kernel's compile took 6 minutes on an H200: auto neither takes nor probes it."""
+    """The kernel's speed on a GPU is not measured yet: auto neither takes nor probes it."""
     monkeypatch.setattr(compiles, "refusal", lambda *a: pytest.fail("probed"))
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert mk.select("auto", "mlp", 32, 64, 128) == "scan"

@@ -35,11 +35,43 @@ def test_the_memory_kernels_fence_every_store_of_the_state():
     """The memory kernels keep the state (and its cotangent) in global memory, which the threads of
     a program read and write in different layouts: each store of it sits between two barriers
     (and one after the initial copy). Interpret mode runs a program sequentially and cannot miss
-    a barrier; the lowered module can."""
-    from nljax.models import memory_kernel as mk
-
+    a barrier; the lowered module can. The MLP memory's state is stored a hidden tile at a time,
+    inside the tile loops (written once each): the forward stores W1', S1', W2', S2'; the
+    backward their cotangents in `_tile_step`'s pull-back, then adds W1's and W2's in
+    `_tile_sums`'."""
     texts = [text for name, (text, _, _) in resources.kernels("nl_350m").items() if name.startswith("memory")]
-    stages = mk._stages("mlp")
-    ends = sum(len(outs) for _, _, outs in stages if "'" in outs[0])  # the forward stores each end-state matrix
-    pulled = sum(x[:2] in ("M/", "S/") for _, ins, _ in stages for x in ins)  # the backward, each cotangent
-    assert [t.count("gpu.barrier") for t in texts] == [1 + 2 * ends, 1 + 2 * pulled] == [9, 23]
+    for text, stores in zip(texts, (4, 4 + 2), strict=True):
+        lines = [line.split()[0] if "gpu.barrier" in line else "store" for line in text.splitlines()
+                 if "gpu.barrier" in line or "tt.store" in line]
+        rest = lines[lines.index("gpu.barrier") + 1:]  # after the copies of the initial state
+        fence = ["gpu.barrier", "store", "gpu.barrier"]
+        fenced = sum(rest[i:i + 3] == fence for i in range(len(rest)))
+        assert fenced == stores and text.count("gpu.barrier") == 1 + 2 * stores
+
+
+def test_under_full_float32_the_memory_kernels_take_tf32x3_products_not_ieee_ones():
+    """Triton lowers an exact float32 product (inputPrecision = ieee, what
+    jax.default_matmul_precision("highest") asks for) without tensor cores, unrolled per element:
+    the backward kernel took minutes to compile. The memory kernels take three TF32 products
+    instead; at the default precision, one."""
+    for precision, want in ((None, "tf32"), ("highest", "tf32x3")):
+        texts = [text for name, (text, _, _) in resources.kernels("titans_demo", precision).items()
+                 if name.startswith("memory")]
+        for text in texts:
+            dots = text.count("tt.dot ")
+            assert dots > 0 and len(re.findall(rf"tt\.dot [^\n]*inputPrecision = {want} ", text)) == dots
+
+
+def test_each_compile_phase_is_timed_and_the_triton_ir_passes_run():
+    """compiled()'s hook on triton's stages: a module given as Triton IR skips the Triton-IR
+    passes (XLA runs them), so the hook runs them before ttgir, and times every phase."""
+    ran, seconds = [], {}
+    stages = {p: (lambda src, md, p=p: ran.append(p) or f"{src}>{p}") for p in resources.PHASES}
+    hook = resources._timed_stages(seconds)
+    assert hook() == ("timed", "timed")
+    hook(None, stages, None, None, None)
+    src = "ir"
+    for p in resources.PHASES[1:]:  # what triton.compile runs for a .ttir source
+        src = stages[p](src, {})
+    assert ran == list(resources.PHASES) and src == "ir>" + ">".join(resources.PHASES)
+    assert sorted(seconds) == sorted(resources.PHASES) and all(t >= 0 for t in seconds.values())

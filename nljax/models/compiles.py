@@ -1,14 +1,17 @@
 """Whether a fused kernel compiles on this device: what `auto` asks before it picks one.
 
-`auto` picks the fused forms on GPUs from their shapes (`memory_kernel.gpu_unsupported`,
-`attention.cudnn_refusal`, `attention_kernel.gpu_unsupported`), but a shape those rules take can
-still fail in the device's compiler: a Triton kernel needing more than the 227 KiB of shared
-memory an H100 or H200 gives one block (the memory kernel's backward at titans_demo's shapes did,
-compiled offline: docs/concepts/memory-kernel.md), a cuDNN without sliding windows. A failure
-there would stop every run with a compiler traceback at its first step. So before `auto` takes a
-fused form it compiles that form alone, forward and backward, at one stream row and one head
-(the kernels' resources do not depend on the batch or the number of heads: each program is one
-(row, head)), and takes the next form when it does not compile, saying so in one line.
+Attention's `auto` picks a fused form on a GPU from its shapes (`attention_kernel.gpu_unsupported`,
+`attention.cudnn_refusal`), but a shape those rules take can still fail in the device's
+compiler: a Triton kernel needing more than the 227 KiB of shared memory an H100 or H200 gives
+one block (the memory kernel's backward once did, compiled offline:
+docs/concepts/memory-kernel.md), a cuDNN without sliding windows. A failure there would stop
+every run with a compiler traceback at its first step. So before `auto` takes a fused form it
+compiles that form alone, forward and backward, at one stream row and one head (the kernels'
+resources do not depend on the batch or the number of heads: each program is one (row, head)),
+and takes the next form when it does not compile, saying so in one line. A probe costs its
+compilation: the attention kernels' take seconds; the memory kernel's took up to two minutes
+(nl_350m's backward, offline, the kernel of 2026-11-28), one reason the memory's `auto` is the
+scan and probes nothing.
 
 Explicit choices are not probed: a user who names a form gets it, or the compiler's error.
 Every process of a multi-host run probes on its own device; the devices of one run are alike.

@@ -8,23 +8,32 @@ whole layer's inner loop is one launch forward and one backward.
 - `chunk_math` is one chunk of one (row, head) on 2-D arrays: `memory.chunk_constants` and
   `memory.chunk_step` restated without batch axes and without ops that Triton cannot lower
   (cumulative sums are masked sums or products with a triangular matrix; a row or element is
-  picked with a mask), as a list of small stages (`_stages`). It is the only statement of the
-  arithmetic here: the forward kernel runs the stages, and the backward kernel pulls them back
-  with `jax.vjp`, so the two cannot drift apart.
+  picked with a mask). The MLP memory's chunk is `_mlp_chunk`: its hidden width walked in tiles
+  (`HIDDEN_TILE` units; `_tile_sums`, then the gate terms, then `_tile_step`, each tile's part
+  of the sums over the width added up), the linear memory's a list of small stages (`_stages`).
+  It is the only statement of the arithmetic here: the forward kernel runs these functions, and
+  the backward kernel pulls them back with `jax.vjp`, so the two cannot drift apart.
+- Why tiles, in loops: written out as straight-line code over the whole hidden width, the MLP
+  kernels took minutes for XLA to compile on an H200 (LLVM and ptxas on a large body at 255
+  registers with kilobytes of spills per thread). A tile's functions inside a `lax.fori_loop`
+  (an scf.for in Triton) are compiled once, on [b, 16] tensors instead of [b, hidden].
 - The state M, S (float32; the MLP memory's four [dim, hidden] matrices) is not the loop's carry:
   carried, all of it was live (registers, and a shared-memory copy of each matrix a product
   reads) for the whole chunk, which took more shared memory than an H100/H200 block has. It
   lives in the kernel's own outputs (global memory, L2-resident) between chunks, each matrix
-  loaded where a stage uses it and stored at the chunk's end between two block barriers
-  (`_store`: the program's threads hold different parts of it). docs/concepts/memory-kernel.md
-  has the measured shared memory and spills.
+  (MLP: each tile of it) loaded where it is used and stored at the chunk's end between two block
+  barriers (`_store`: the program's threads hold different parts of it).
+  docs/concepts/memory-kernel.md has the measured compile times, shared memory and spills.
 - Forward kernel (grid: rows x heads): for each chunk, store the chunk-start state (what
-  `model.remat=memory` keeps), run the stages, store the chunk's reads and its end state.
-- Backward kernel (same grid, chunks in reverse): recompute the chunk's intermediates from its
-  saved start state, then pull back one stage at a time, latest first (`jax.vjp` of that stage
-  alone, the large intermediates recomputed where used), so only one stage's values are live;
-  the state's cotangent lives in the kernel's outputs as the state does, and the inputs'
-  cotangents are stored per chunk.
+  `model.remat=memory` keeps), run the chunk, store its reads and its end state (MLP: a tile at
+  a time, in the second tile loop).
+- Backward kernel (same grid, chunks in reverse): recompute the chunk from its saved start state,
+  then pull it back piece by piece, latest first (`jax.vjp` of each piece alone; the MLP's tile
+  functions inside loops over the tiles, the linear memory's stages with the large
+  intermediates recomputed where used); the state's cotangent lives in the kernel's outputs as
+  the state does, and the inputs' cotangents are stored per chunk.
+- Exact float32 products (`jax.default_matmul_precision("highest")`) become three TF32 products
+  on a GPU (`_products`): Triton has no tensor-core path for them and unrolls them per element.
 - `memory_kernel` ties them with `jax.custom_vjp` (`backward="scan"`: the forward kernel with a
   reverse `lax.scan` of `chunk_math`'s vjp instead of the backward kernel: a variant to time
   against the whole kernel); `memory_forward` (the scan) and
@@ -40,6 +49,7 @@ checking a whole run). Inputs may be bfloat16; everything inside is float32, as 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -76,16 +86,11 @@ def _last(x, axis: int = 0):
     return jnp.sum(jnp.where(idx == n - 1, x, 0.0), axis=axis)
 
 
-def _hidden(k, W1):
-    """The MLP memory's hidden layer at the chunk's keys: (pre-activation, gelu) [b, hidden]."""
-    pre = dot(k, W1)
-    return pre, _gelu(pre)
-
-
-def _coefficients(k, theta, eta, alpha, h=None, W2=None):
+def _coefficients(k, theta, eta, alpha, hh=None, hsq=None, w2=None):
     """The chunk's gate and step-size terms (`memory.chunk_constants`): A [t, j] (the reads'
     scores' weights), c, s [t], a_end, w [j], c_end, s_end, s_decay (scalars). The MLP memory's
-    normaliser uses its hidden layer h and |W2|^2; the linear memory's only the keys."""
+    normaliser uses its hidden layer h's sums over the hidden width (`_tile_sums`: hh = h h^T,
+    hsq = |h_i|^2) and w2 = |W2|^2; the linear memory's only the keys."""
     b = k.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
@@ -109,12 +114,11 @@ def _coefficients(k, theta, eta, alpha, h=None, W2=None):
     s_decay = jnp.exp(le_end)
     kk = jnp.sum(k * k, axis=1)
     inner = jnp.abs(dot_t(k, k))  # |k_i . k_j|
-    if h is None:
+    if hh is None:
         nu = kk + NU_FLOOR
     else:
-        w2 = jnp.sum(W2 * W2)
-        nu = jnp.sum(h * h, axis=1) + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
-        inner = jnp.abs(dot_t(h, h)) + GELU_SLOPE**2 * inner * w2
+        nu = hsq + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
+        inner = jnp.abs(hh) + GELU_SLOPE**2 * inner * w2
     rs = jax.lax.rsqrt(nu)
     rows = dot(inner * rs[:, None] * rs[None, :], mine.astype(jnp.float32))  # [i, t]: row i summed over j <= t
     lam = jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=0), 1.0)  # [t], over rows i <= t
@@ -129,11 +133,45 @@ def _errors_linear(k, v, W):
     return (dot(k, W) - v,)
 
 
-def _errors_mlp(pre, h, v, W2):
-    """The MLP memory's surprise, pulled back to each layer's input: (gelu'(pre) * e W2^T, e)
-    with e = h W2 - v."""
-    e = dot(h, W2) - v
-    return _gelu_slope(pre) * dot_t(e, W2), e
+HIDDEN_TILE = 16  # the MLP memory's hidden width is walked in tiles of this many units (the whole width if narrower)
+
+
+def _tile_sums(k, W1, W2):
+    """One tile of the MLP memory's hidden units (W1 [dk, th] its columns, W2 [th, dv] its rows):
+    its part of the sums over the hidden width that the chunk needs before its reads: h h^T
+    [b, b], |h_i|^2 [b], |W2|^2 and h W2 [b, dv], h = gelu(k W1) the hidden layer at the keys."""
+    h = _gelu(dot(k, W1))
+    return dot_t(h, h), jnp.sum(h * h, axis=1), jnp.sum(W2 * W2), dot(h, W2)
+
+
+def _tile_step(q, k, e, qka, c, s, a_end, w, c_end, s_end, s_decay, W1, S1, W2, S2):
+    """One tile of hidden units (W1, S1 [dk, th] its columns; W2, S2 [th, dv] its rows) through
+    the rest of the chunk: its part of the second layer's reads (the chunk-start weight's and
+    momentum's terms and the scores r h^T [b, b], each summed over tiles by the caller) and its
+    state at the chunk's end. e [b, dv]: the surprise h W2 - v; qka = (q k^T) * A."""
+    pre = dot(k, W1)
+    h = _gelu(pre)
+    d0 = _gelu_slope(pre) * dot_t(e, W2)  # the surprise pulled back to the first layer's output
+    r1 = c[:, None] * dot(q, W1) + s[:, None] * dot(q, S1) - dot(qka, d0)  # the first layer's reads
+    g = _gelu(r1)
+    coefs = (a_end, w, c_end, s_end, s_decay)
+    return (dot(g, W2), dot(g, S2), dot_t(g, h), *_update(W1, S1, k, d0, *coefs), *_update(W2, S2, h, e, *coefs))
+
+
+def _surprise(eh, v):
+    """The MLP memory's surprise at the chunk-start state, e = h W2 - v, from h W2 summed over tiles."""
+    return eh - v
+
+
+def _scores_weights(q, k, A):
+    """(q k^T) * A [t, j]: the first layer's reads' scores, weighted."""
+    return dot_t(q, k) * A
+
+
+def _tail(rw, rs, rh, A, e, c, s):
+    """The second layer's reads (the chunk's reads y) from their parts summed over tiles: rw = g W2,
+    rs = g S2, rh = g h^T with g = gelu(the first layer's reads)."""
+    return c[:, None] * rw + s[:, None] * rs - dot(rh * A, e)
 
 
 def _through(r, W, first: bool):
@@ -163,56 +201,58 @@ _INPUTS = ("q", "k", "v", "theta", "eta", "alpha")
 _COEFS = ("A", "c", "s", "a_end", "w", "c_end", "s_end", "s_decay")
 
 
-def _stages(kind: str) -> list:
-    """`chunk_math` as stages (fn, input names, output names) in order: names are the chunk's
-    inputs (`_INPUTS`), the chunk-start state ('M/W1', 'S/W1'), intermediates, the reads 'y' and
-    the end state ("M'/W1", "S'/W1"). The kernels run them with each state matrix read from
-    memory where a stage uses it, and the backward kernel pulls back one stage at a time, so
-    only one stage's intermediates and state matrices are live at once (shared memory)."""
+def _stages() -> list:
+    """The linear memory's chunk as stages (fn, input names, output names) in order: names are
+    the chunk's inputs (`_INPUTS`), the chunk-start state ('M/W', 'S/W'), intermediates, the
+    reads 'y' and the end state ("M'/W", "S'/W"). The kernels run them with each state matrix
+    read from memory where a stage uses it, and the backward kernel pulls back one stage at a
+    time, so only one stage's intermediates and state matrices are live at once (shared memory).
+    The MLP memory's chunk is `_mlp_chunk`."""
     update = ["a_end", "w", "c_end", "s_end", "s_decay"]
-
-    def read(layer: int, r: str, x: str, out: str) -> list:  # a layer's reads, each term a stage
-        name, first = layers(kind)[layer], layer == 0
-        terms = [f"rw{layer}", f"rs{layer}", f"sc{layer}"]
-        return [
-            (functools.partial(_through, first=first), [r, f"M/{name}"], terms[:1]),
-            (functools.partial(_through, first=first), [r, f"S/{name}"], terms[1:2]),
-            (functools.partial(_scores, first=first), [r, x, f"d{layer}", "A"], terms[2:]),
-            (_read, [*terms, "c", "s"], [out]),
-        ]
-
-    def end(layer: int, x: str) -> tuple:
-        name = layers(kind)[layer]
-        return (_update, [f"M/{name}", f"S/{name}", x, f"d{layer}", *update], [f"M'/{name}", f"S'/{name}"])
-
-    if kind == "linear":
-        return [
-            (_coefficients, ["k", "theta", "eta", "alpha"], list(_COEFS)),
-            (_errors_linear, ["k", "v", "M/W"], ["d0"]),
-            *read(0, "q", "k", "y"),
-            end(0, "k"),
-        ]
+    terms = ["rw0", "rs0", "sc0"]  # the reads' three terms, each a stage
     return [
-        (_hidden, ["k", "M/W1"], ["pre", "h"]),
-        (_coefficients, ["k", "theta", "eta", "alpha", "h", "M/W2"], list(_COEFS)),
-        (_errors_mlp, ["pre", "h", "v", "M/W2"], ["d0", "d1"]),
-        *read(0, "q", "k", "r1"),
-        *read(1, "r1", "h", "y"),
-        end(0, "k"),
-        end(1, "h"),
+        (_coefficients, ["k", "theta", "eta", "alpha"], list(_COEFS)),
+        (_errors_linear, ["k", "v", "M/W"], ["d0"]),
+        (functools.partial(_through, first=True), ["q", "M/W"], terms[:1]),
+        (functools.partial(_through, first=True), ["q", "S/W"], terms[1:2]),
+        (functools.partial(_scores, first=True), ["q", "k", "d0", "A"], terms[2:]),
+        (_read, [*terms, "c", "s"], ["y"]),
+        (_update, ["M/W", "S/W", "k", "d0", *update], ["M'/W", "S'/W"]),
     ]
 
 
+def _mlp_chunk(q, k, v, theta, eta, alpha, sums, step):
+    """The MLP memory's chunk, its hidden width walked in tiles: `sums(fn)` is fn's sum over the
+    tiles of `fn(W1, W2)` (`_tile_sums`), `step(fn)` the same of `fn(W1, S1, W2, S2)` (`_tile_step`'s
+    parts of the reads; the caller stores each tile's end state). Returns the reads y."""
+    hh, hsq, w2, eh = sums(functools.partial(_tile_sums, k))
+    A, c, s, *coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2)
+    e = _surprise(eh, v)
+    qka = _scores_weights(q, k, A)
+    rw, rs, rh = step(functools.partial(_tile_step, q, k, e, qka, c, s, *coefs))
+    return _tail(rw, rs, rh, A, e, c, s)
+
+
 def chunk_math(M: dict, S: dict, q, k, v, theta, eta, alpha, kind: str):
-    """One chunk of one (row, head): `memory.chunk_constants` then `memory.chunk_step`, as
-    `_stages` in order. M, S leaves 2-D float32 (W [dk, dv]; W1 [dk, hidden], W2 [hidden, dv]);
-    q, k [b, dk], v [b, dv], gates [b] -> (new M, new S, reads y [b, dv])."""
+    """One chunk of one (row, head): `memory.chunk_constants` then `memory.chunk_step` (the linear
+    memory as `_stages` in order, the MLP memory as `_mlp_chunk` with its whole hidden width one
+    tile). M, S leaves 2-D float32 (W [dk, dv]; W1 [dk, hidden], W2 [hidden, dv]); q, k [b, dk],
+    v [b, dv], gates [b] -> (new M, new S, reads y [b, dv])."""
+    if kind == "mlp":
+        end = {}
+
+        def step(fn):
+            rw, rs, rh, *state = fn(M["W1"], S["W1"], M["W2"], S["W2"])
+            end.update(zip(("M/W1", "S/W1", "M/W2", "S/W2"), state))
+            return rw, rs, rh
+
+        y = _mlp_chunk(q, k, v, theta, eta, alpha, lambda fn: fn(M["W1"], M["W2"]), step)
+        return {n: end[f"M/{n}"] for n in ("W1", "W2")}, {n: end[f"S/{n}"] for n in ("W1", "W2")}, y
     env = dict(zip(_INPUTS, (q, k, v, theta, eta, alpha)))
     env |= {f"M/{n}": x for n, x in M.items()} | {f"S/{n}": x for n, x in S.items()}
-    for fn, ins, outs in _stages(kind):
+    for fn, ins, outs in _stages():
         env |= dict(zip(outs, fn(*[env[n] for n in ins])))
-    names = layers(kind)
-    return {n: env[f"M'/{n}"] for n in names}, {n: env[f"S'/{n}"] for n in names}, env["y"]
+    return {"W": env["M'/W"]}, {"W": env["S'/W"]}, env["y"]
 
 
 def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
@@ -239,9 +279,9 @@ def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
     """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
     'pallas' or 'scan'. auto is the scan on every backend: on a CPU the kernel only runs
-    interpreted, far slower; on an H200 (2026-11-28, jaxlib 0.11.2) XLA took 6 min 23 s to
-    compile the kernel's forward and backward at titans_demo's shapes, and its speed there is
-    not yet measured (docs/benchmarks/2026-11-28-h200.md). `pallas` is the kernel as asked."""
+    interpreted, far slower; on a GPU its speed is not measured yet (on an H200 on 2026-11-28
+    its check, at `highest` precision, took 6 min 23 s to compile and nothing was timed:
+    docs/benchmarks/2026-11-28-h200.md). `pallas` is the kernel as asked."""
     backend = backend or jax.default_backend()
     if impl == "pallas" and backend == "gpu" and (why := gpu_unsupported(kind, chunk, dim, hidden)):
         raise ConfigError(f"model.nl_lm.memory_impl=pallas: {why}")
@@ -254,6 +294,20 @@ def _chunk_input(refs, t):
     def reader(r):
         return lambda: (r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32)
     return {name: reader(r) for name, r in zip(_INPUTS, refs)}
+
+
+_FULL_FLOAT32 = ("highest", "float32", "F32_F32_F32")  # jax_default_matmul_precision's exact-float32 settings
+
+
+def _products(interpret: bool):
+    """The precision the kernel's matrix products are traced at: the ambient one, except that on
+    a GPU full float32 (`jax.default_matmul_precision("highest")`) becomes three TF32 products per
+    product (`TF32_TF32_F32_X3`, float32 to about 1e-6 relative). Triton lowers an exact float32
+    product (`inputPrecision = ieee`) without tensor cores, as multiply-adds unrolled per element:
+    the backward kernel alone took minutes to compile (docs/concepts/memory-kernel.md)."""
+    if interpret or jax.config.jax_default_matmul_precision not in _FULL_FLOAT32:
+        return contextlib.nullcontext()
+    return jax.default_matmul_precision("TF32_TF32_F32_X3")
 
 
 def _sync(interpret: bool) -> None:
@@ -287,6 +341,113 @@ def _store(ref, value, interpret: bool) -> None:
     _sync(interpret)
 
 
+def _hidden_tile(hidden: int) -> int:
+    """The hidden units one tile of the MLP memory's loops takes: HIDDEN_TILE where it divides the
+    width (on a GPU always: a power of two of at least 16), else the whole width (one tile)."""
+    return HIDDEN_TILE if hidden % HIDDEN_TILE == 0 else hidden
+
+
+def _tiles(W1, W2, j: int | jax.Array, th: int, first_rows=None):
+    """Tile j of hidden units of a [dk, hidden] and a [hidden, dv] matrix (refs): W1's columns and
+    W2's rows. `first_rows`: the chunk's matrices in saved [n * rows, cols] blocks, chunk i's
+    (W1's rows i * dk.., W2's rows i * hidden..) as (i, dk, hidden)."""
+    if first_rows is None:
+        return W1.at[:, tile(j, th)], W2.at[tile(j, th), :]
+    i, dk, hidden = first_rows
+    return W1.at[tile(i, dk), tile(j, th)], W2.at[tile(i * (hidden // th) + j, th), :]
+
+
+def _tile_loop(n: int, fn, init=None):
+    """The sum over tiles j < n of `fn(j)` (a tuple of arrays), as one loop (an scf.for in Triton:
+    the tile's arithmetic is compiled once, not once per tile), from `init` (default zeros)."""
+    if init is None:
+        init = tuple(jnp.zeros(x.shape, x.dtype) for x in jax.eval_shape(lambda: fn(0)))
+    return jax.lax.fori_loop(0, n, lambda j, total: tuple(a + b for a, b in zip(total, fn(j))), tuple(init))
+
+
+def _forward_mlp(load, state, interpret: bool):
+    """One chunk of the MLP memory (`_mlp_chunk`), its hidden width walked in tiles, each tile's
+    end state stored as it is computed: the reads [b, dv]."""
+    M1, S1, M2, S2 = (state[k] for k in ("M/W1", "S/W1", "M/W2", "S/W2"))
+    hidden = M1.shape[1]
+    th = _hidden_tile(hidden)
+    nt = hidden // th
+
+    def sums(fn):
+        return _tile_loop(nt, lambda j: fn(*[_load(r, interpret) for r in _tiles(M1, M2, j, th)]))
+
+    def step(fn):
+        def one(j):
+            refs = (*_tiles(M1, M2, j, th), *_tiles(S1, S2, j, th))
+            W1, W2, s1, s2 = (_load(r, interpret) for r in refs)
+            rw, rs, rh, *end = fn(W1, s1, W2, s2)
+            for r, value in zip((refs[0], refs[2], refs[1], refs[3]), end):  # W1', S1', W2', S2'
+                _store(r, value, interpret)
+            return rw, rs, rh
+        return _tile_loop(nt, one)
+
+    return _mlp_chunk(*[load[x]() for x in _INPUTS], sums, step)
+
+
+def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
+    """One chunk of the MLP memory pulled back: recomputed from its saved start state (both tile
+    loops, `_mlp_chunk`'s arithmetic), then `jax.vjp` of each of its pieces, latest first, the
+    tile functions inside loops over the tiles (`_tile_step`'s in any order: the tiles are
+    independent given the sums' cotangents). The state's cotangent (`d_state`: the chunk's end
+    state's in, its start state's out) is read and written a tile at a time. `fresh_load(name)`:
+    q or k read again (volatile) inside each loop, so that neither is live across the loops.
+    Returns the cotangents of q, k, v, theta, eta, alpha."""
+    q, k, v, theta, eta, alpha = (load[x]() for x in _INPUTS)
+    M1, S1, M2, S2 = (saved[x] for x in ("M/W1", "S/W1", "M/W2", "S/W2"))
+    dM1, dS1, dM2, dS2 = (d_state[x] for x in ("M/W1", "S/W1", "M/W2", "S/W2"))
+    dk_, hidden = dM1.shape
+    th = _hidden_tile(hidden)
+    nt = hidden // th
+    at = (i, dk_, hidden)
+
+    def start(j):  # tile j of the chunk-start state: W1, S1, W2, S2
+        (a, b), (c, d) = _tiles(M1, M2, j, th, at), _tiles(S1, S2, j, th, at)
+        return tuple(_load(r, interpret) for r in (a, c, b, d))
+
+    fresh = lambda: (fresh_load("q"), fresh_load("k"))
+    hh, hsq, w2, eh = _tile_loop(nt, lambda j: _tile_sums(fresh()[1], *start(j)[::2]))
+    coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2)
+    A, c, s, *rest = coefs
+    e = _surprise(eh, v)
+    qka = _scores_weights(q, k, A)
+    mid = (e, qka, c, s, *rest)
+    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*fresh(), *mid, *start(j))[:3])
+
+    d_rw, d_rs, d_rh, dA, de, dc, ds = jax.vjp(_tail, rw, rs, rh, A, e, c, s)[1](dy)
+
+    def step_back(j):  # tile j's part of the cotangents of `mid`; its state's stored
+        _, pull = jax.vjp(_tile_step, *fresh(), *mid, *start(j))
+        refs = (*_tiles(dM1, dM2, j, th), *_tiles(dS1, dS2, j, th))
+        ends = tuple(_load(r, interpret) for r in (refs[0], refs[2], refs[1], refs[3]))  # W1', S1', W2', S2'
+        *d_mid, dW1, dS1_, dW2, dS2_ = pull((d_rw, d_rs, d_rh, *ends))
+        for r, g in zip((refs[0], refs[2], refs[1], refs[3]), (dW1, dS1_, dW2, dS2_)):
+            _store(r, g, interpret)
+        return tuple(d_mid)
+
+    zero = lambda x: jnp.zeros(x.shape, x.dtype)
+    init = (zero(q), zero(k), de, zero(qka), dc, ds, *map(zero, rest))
+    dq, dk, de, dqka, dc, ds, *drest = _tile_loop(nt, step_back, init)
+    dq2, dk2, dA2 = jax.vjp(_scores_weights, q, k, A)[1](dqka)
+    dk3, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(_coefficients, k, theta, eta, alpha, hh, hsq, w2)[1](
+        (dA + dA2, dc, ds, *drest))
+    deh, dv = jax.vjp(_surprise, eh, v)[1](de)
+
+    def sums_back(j):  # tile j's part of k's cotangent; its state's added
+        W1, _, W2, _ = start(j)
+        dk_j, dW1, dW2 = jax.vjp(_tile_sums, fresh()[1], W1, W2)[1]((dhh, dhsq, dw2, deh))
+        for r, g in zip(_tiles(dM1, dM2, j, th), (dW1, dW2)):
+            _store(r, _load(r, interpret) + g, interpret)
+        return (dk_j,)
+
+    (dk,) = _tile_loop(nt, sums_back, (dk + dk2 + dk3,))
+    return dq + dq2, dk, dv, dtheta, deta, dalpha
+
+
 def _forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     """One (row, head): every chunk in order. The state lives in the final-state outputs (global
     memory, L2-resident) between chunks, each matrix loaded where a stage uses it: not in the
@@ -308,6 +469,9 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
             dst[tile(i, src.shape[0]), :] = src[...]
         t = tile(i, chunk)
         load = _chunk_input(inputs, t)
+        if kind == "mlp":
+            y_ref[t, :] = _forward_mlp(load, state, interpret)
+            return carry
         env = {}
 
         def get(name):
@@ -315,7 +479,7 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
                 return load[name]()
             return _load(state[name], interpret) if name in state else env[name]
 
-        for fn, ins, outs in _stages(kind):
+        for fn, ins, outs in _stages():
             values = fn(*[get(x) for x in ins])
             if outs == ["y"]:
                 y_ref[t, :] = values[0]
@@ -348,15 +512,24 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     for src, dst in zip((*dm_in, *ds_in), (*dm_out, *ds_out)):
         dst[...] = src[...]
     _sync(interpret)
-    stages = _stages(kind)
+    stages = _stages()
     # recomputed where used, not held from stage to stage (they took shared memory and registers):
-    # the MLP's hidden layer [b, hidden] and the three terms of each layer's reads [b, d_out]
-    again = {o: stage for stage in stages for o in stage[2] if o in ("pre", "h") or o[:2] in ("rw", "rs", "sc")}
+    # the three terms of the reads [b, dv]
+    again = {o: stage for stage in stages for o in stage[2] if o[:2] in ("rw", "rs", "sc")}
 
     def body(j, carry):
         i = n - 1 - j
         t = tile(i, chunk)
         load = _chunk_input(inputs, t)
+        if kind == "mlp":
+            fresh = lambda x: _load(inputs[_INPUTS.index(x)], interpret, t).astype(jnp.float32)
+            grads = _backward_mlp(load, fresh, saved, d_state, dy_ref[t, :].astype(jnp.float32), i, interpret)
+            for g, r in zip(grads, d_inputs):
+                if len(r.shape) == 2:
+                    r[t, :] = g
+                else:
+                    r[t] = g
+            return carry
         env = {}
 
         def get(name):
@@ -410,12 +583,13 @@ def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool, st
         # GPU timing yet
         big = state_size > 4 * 64 * 64
         params["compiler_params"] = pltriton.CompilerParams(num_warps=8 if big else 4, num_stages=1)
-    return pl.pallas_call(
-        functools.partial(kernel, kind=kind, chunk=chunk, n=n, interpret=interpret),
-        out_shape=outs, grid=(batch, heads),
-        in_specs=[_spec(a.shape) for a in args], out_specs=[_spec(o.shape) for o in outs],
-        interpret=interpret, name=f"memory_{kernel.__name__.strip('_')}", **params,
-    )(*args)
+    with _products(interpret):  # the kernel is traced here
+        return pl.pallas_call(
+            functools.partial(kernel, kind=kind, chunk=chunk, n=n, interpret=interpret),
+            out_shape=outs, grid=(batch, heads),
+            in_specs=[_spec(a.shape) for a in args], out_specs=[_spec(o.shape) for o in outs],
+            interpret=interpret, name=f"memory_{kernel.__name__.strip('_')}", **params,
+        )(*args)
 
 
 def _leaves(state: dict, kind: str) -> list:
