@@ -5,14 +5,15 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44): fused350m vs_pytorch
-#            fused350m_unrolled fused350m_memunroll b128 kernel paths. A wall-clock budget (SUITE_BUDGET_S, default 450 s
-#            for this preset) caps every bench at what is left of it, so the call ends in time
-#            whatever a compile costs; what did not fit is named in the log, and the summary says "-".
-#            On the H200 (2026-11-28) paths took 92 s, and nl_350m's fused step and titans_demo's
-#            batch-128 step compiled in 39 s and 41 s; the fused memory kernel's check then took 6 min 23 s to compile (its float32
-#            products at `highest` precision, since made tensor-core products: minutes less),
-#            so it runs near the end and gets what is left (`benchmarks/gpu_suite.sh OUT kernel` in
-#            a call of its own measures it); paths, checked and timed that day, runs last.
+#            fused350m_unrolled fused350m_memunroll b128 kernel fused350m_kernel paths. A wall-clock
+#            budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at what is left
+#            of it, so the call ends in time whatever a compile costs; what did not fit is named in
+#            the log, and the summary says "-". On the H200 (2026-11-28) paths took 92 s, and
+#            nl_350m's fused step and titans_demo's batch-128 step compiled in 39 s and 41 s; the
+#            fused memory kernel's check then took 6 min 23 s to compile (its float32 products at
+#            `highest` precision, since made tensor-core products: minutes less). The kernel's
+#            parts and paths (measured that day) come last and get what is left; a second call
+#            measures them (`benchmarks/gpu_suite.sh OUT kernel fused350m_kernel paths`).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
@@ -27,6 +28,8 @@
 #   fused350m_unrolled the same unrolled (model.nl_lm.scan_layers=false), profiled
 #   fused350m_memunroll the same scanned with 4 inner-loop chunks per loop iteration
 #                      (model.nl_lm.memory_unroll=4): the inner loop was most of the 2026-11-28 step
+#   fused350m_kernel   the same scanned with the fused memory kernel (model.nl_lm.memory_impl=pallas),
+#                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
 #
@@ -59,7 +62,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(fused350m vs_pytorch fused350m_unrolled fused350m_memunroll b128 kernel paths)
+ISSUE44=(fused350m vs_pytorch fused350m_unrolled fused350m_memunroll b128 kernel fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -226,6 +229,12 @@ part_fused350m_memunroll() {
   # 4 chunks per loop iteration give XLA longer bodies to fuse and a quarter of the iterations
   run bench_nl_350m_fused_memunroll $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
     "${FUSED[@]}" model.nl_lm.memory_unroll=4 "${NL350[@]}" --out "$OUT/bench_nl_350m_fused_memunroll.json"
+}
+
+part_fused350m_kernel() {
+  # the inner loop as the fused Pallas kernel (interpreted in a dry run: slow, tiny shapes)
+  run bench_nl_350m_fused_kernel $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
+    "${FUSED[@]}" model.nl_lm.memory_impl=pallas "${NL350[@]}" --out "$OUT/bench_nl_350m_fused_kernel.json"
 }
 
 part_vs_pytorch() {

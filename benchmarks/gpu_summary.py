@@ -121,7 +121,8 @@ def issue44_lines(out: Path) -> list[str]:
 
         rows += path_lines(p)  # "ok  " or "FAIL" first
     for name, how in (("bench_nl_350m_fused", "scanned"), ("bench_nl_350m_fused_unrolled", "unrolled"),
-                      ("bench_nl_350m_fused_memunroll", "scanned, memory_unroll=4")):
+                      ("bench_nl_350m_fused_memunroll", "scanned, memory_unroll=4"),
+                      ("bench_nl_350m_fused_kernel", "scanned, memory_impl=pallas")):
         b = load(out, name)
         mfu = b["mfu_analytic_mean"] if b else None
         rows.append(f"{verdict(None if mfu is None else mfu >= 0.40)}  nl_350m seq 2048 MFU, model.remat=memory + GPU "

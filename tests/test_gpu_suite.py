@@ -92,6 +92,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
     logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("paths", "bench_nl_350m_fused", "bench_nl_350m_fused_unrolled", "bench_nl_350m_fused_memunroll",
+                 "bench_nl_350m_fused_kernel",
                  "titans_vs_bf16",
                  "bench_titans_demo_b128_memory"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)

@@ -32,8 +32,9 @@ def _chunk_nll(kernel, bias, x, y, w):
     """Summed weighted cross-entropy of one chunk: x [c, D] (compute dtype), y [c] ids, w [c]."""
     x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=x.dtype)  # the matmul as nn.Dense(dtype=x.dtype)
     # the bias added in float32: its gradient is then a float32 sum of the chunk's cotangents (in
-    # bf16 the per-chunk sums of 4096 rounded cotangents gave the bias 0.048 of its largest entry
-    # in error against float32 on an H200, 6.5x the full head's; docs/benchmarks/2026-11-28-h200.md)
+    # bf16, per-chunk sums of 4096 rounded cotangents: the H200's check of 2026-11-28 failed, the
+    # worst gradient 6.5x the full head's error; the same check on a CPU put the bias at 0.0117
+    # of its largest entry, 5e-5 summed in float32: docs/benchmarks/2026-11-28-h200.md)
     logits = dense_dot(x, kernel, (((1,), (0,)), ((), ()))).astype(jnp.float32) + bias.astype(jnp.float32)  # [c, V]
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, y[:, None], axis=-1)[:, 0]

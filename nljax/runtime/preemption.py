@@ -136,10 +136,11 @@ class Notice:
 
     def __enter__(self) -> "Notice":
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
             r, w = socket.socketpair()
             w.setblocking(False)
+            # the wakeup fd before the handlers: a signal that finds the handler finds its byte too
             self._wake = (r, w, signal.set_wakeup_fd(w.fileno(), warn_on_full_buffer=False))
+            self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
             threading.Thread(target=self._read, args=(r,), name="nljax-signals", daemon=True).start()
         return self
 
