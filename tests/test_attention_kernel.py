@@ -168,8 +168,9 @@ def test_model_with_pallas_attention_lowers_for_cuda_without_a_second_forward(mo
 @pytest.mark.parametrize("choice, dtype, head_dim, cuda, form", [
     ("auto", "bfloat16", 64, False, "blocked"), ("auto", "float32", 64, False, "blocked"),  # a CPU: always blocked
     ("pallas", "float32", 12, False, "pallas"),  # a CPU: interpreted, any head width
-    ("auto", "bfloat16", 64, True, "cudnn"), ("auto", "float32", 64, True, "pallas"),  # cuDNN refuses float32
-    ("auto", "bfloat16", 256, True, "pallas"),  # and heads over 128
+    ("auto", "bfloat16", 64, True, "pallas"), ("auto", "float32", 64, True, "pallas"),  # the kernel first
+    ("auto", "bfloat16", 48, True, "cudnn"),  # the kernel refuses a width that is not a power of two
+    ("auto", "bfloat16", 256, True, "pallas"),  # cuDNN refuses heads over 128
     ("auto", "float32", 48, True, "blocked"),  # both refuse
     ("pallas", "bfloat16", 64, True, "pallas"), ("blocked", "float32", 64, True, "blocked"),
 ])
