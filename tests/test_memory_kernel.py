@@ -203,6 +203,7 @@ def test_training_through_the_kernel_equals_the_scan(kind, monkeypatch):
     assert_trees_close(state.memory, state_ref.memory, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.slow  # ~20 s on the 2-core CI machine; the GPU suite's dry run (slow too) runs it as well
 def test_benchmark_runs_interpreted(tmp_path):
     """benchmarks/memory_kernel.py (the GPU suite's `kernel` part) at tiny shapes, interpreted: its
     check passes, its JSON has the form benchmarks/gpu_summary.py reads (not the figures: CPU)."""
