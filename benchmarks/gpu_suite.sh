@@ -211,30 +211,32 @@ part_kernel() {
   fi
 }
 
+fused350m() {  # $1: the row's name after bench_nl_350m_fused; then its own overrides or bench flags
+  local name=bench_nl_350m_fused$1; shift
+  run "$name" $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
+    "${FUSED[@]}" "$@" "${NL350[@]}" --out "$OUT/$name.json"
+}
+
 part_fused350m() {
   # the trace and the compiled program kept (OUT/trace_nl_350m_fused/program.hlo.txt): the 2026-11-28
   # profile left 52 ms of the step in command buffers it could not place, to be mended offline
-  run bench_nl_350m_fused $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
-    "${FUSED[@]}" "${NL350[@]}" --profile-dir "$OUT/trace_nl_350m_fused" --out "$OUT/bench_nl_350m_fused.json"
+  fused350m "" --profile-dir "$OUT/trace_nl_350m_fused"
 }
 
 part_fused350m_unrolled() {
   # the layer scan's stacking of saved activations was 10% of the H200's remat=memory step: none unrolled
-  run bench_nl_350m_fused_unrolled $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
-    "${FUSED[@]}" model.nl_lm.scan_layers=false "${NL350[@]}" --out "$OUT/bench_nl_350m_fused_unrolled.json"
+  fused350m _unrolled model.nl_lm.scan_layers=false
 }
 
 part_fused350m_memunroll() {
   # the inner loop (4 memory layers x 32 chunks, ~97 kernels each) was most of the 2026-11-28 step:
   # 4 chunks per loop iteration give XLA longer bodies to fuse and a quarter of the iterations
-  run bench_nl_350m_fused_memunroll $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
-    "${FUSED[@]}" model.nl_lm.memory_unroll=4 "${NL350[@]}" --out "$OUT/bench_nl_350m_fused_memunroll.json"
+  fused350m _memunroll model.nl_lm.memory_unroll=4
 }
 
 part_fused350m_kernel() {
   # the inner loop as the fused Pallas kernel (interpreted in a dry run: slow, tiny shapes)
-  run bench_nl_350m_fused_kernel $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
-    "${FUSED[@]}" model.nl_lm.memory_impl=pallas "${NL350[@]}" --out "$OUT/bench_nl_350m_fused_kernel.json"
+  fused350m _kernel model.nl_lm.memory_impl=pallas
 }
 
 part_vs_pytorch() {
