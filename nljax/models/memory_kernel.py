@@ -174,14 +174,13 @@ def _tail(rw, rs, rh, A, e, c, s):
     return c[:, None] * rw + s[:, None] * rs - dot(rh * A, e)
 
 
-def _through(r, W, first: bool):
-    """A layer's input r [t, d_in] (gelu'd unless the first layer's) times a matrix W [d_in, d_out]."""
-    return (dot(r if first else _gelu(r), W),)
+def _through(r, W):
+    """The linear memory's input r [t, d_in] times a matrix W [d_in, d_out]."""
+    return (dot(r, W),)
 
 
-def _scores(r, x, d, A, first: bool):
-    """The chunk's own updates' part of a layer's reads: ((r x^T) * A) d [t, d_out]."""
-    r = r if first else _gelu(r)
+def _scores(r, x, d, A):
+    """The chunk's own updates' part of the linear memory's reads: ((r x^T) * A) d [t, d_out]."""
     return (dot(dot_t(r, x) * A, d),)
 
 
@@ -213,9 +212,9 @@ def _stages() -> list:
     return [
         (_coefficients, ["k", "theta", "eta", "alpha"], list(_COEFS)),
         (_errors_linear, ["k", "v", "M/W"], ["d0"]),
-        (functools.partial(_through, first=True), ["q", "M/W"], terms[:1]),
-        (functools.partial(_through, first=True), ["q", "S/W"], terms[1:2]),
-        (functools.partial(_scores, first=True), ["q", "k", "d0", "A"], terms[2:]),
+        (_through, ["q", "M/W"], terms[:1]),
+        (_through, ["q", "S/W"], terms[1:2]),
+        (_scores, ["q", "k", "d0", "A"], terms[2:]),
         (_read, [*terms, "c", "s"], ["y"]),
         (_update, ["M/W", "S/W", "k", "d0", *update], ["M'/W", "S'/W"]),
     ]
