@@ -122,6 +122,7 @@ def issue44_lines(out: Path) -> list[str]:
         rows += path_lines(p)  # "ok  " or "FAIL" first
     for name, how in (("bench_nl_350m_fused", "scanned"), ("bench_nl_350m_fused_unrolled", "unrolled"),
                       ("bench_nl_350m_fused_memunroll", "scanned, memory_unroll=4"),
+                      ("bench_nl_350m_fused_best", "unrolled, memory_unroll=4"),
                       ("bench_nl_350m_fused_kernel", "scanned, memory_impl=pallas")):
         b = load(out, name)
         mfu = b["mfu_analytic_mean"] if b else None

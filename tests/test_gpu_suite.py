@@ -27,7 +27,7 @@ def bench_module(name):
 
 def suite(out, *parts, **env):
     return subprocess.run(["bash", str(SUITE), str(out), *parts], cwd=ROOT, capture_output=True, text=True,
-                          env=subprocess_env(PYTHON=sys.executable, **env), timeout=1800)
+                          env=subprocess_env(**{"PYTHON": sys.executable, **env}), timeout=1800)
 
 
 def test_the_path_checks_pass_in_a_dry_run_and_the_summary_reads_them(tmp_path):
@@ -80,6 +80,24 @@ def test_an_unknown_part_stops_the_suite_before_anything_runs(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def test_a_bench_the_budget_stops_is_stopped_not_failed(tmp_path):
+    """A bench still running when SUITE_BUDGET_S runs out is killed by `timeout` and reported as
+    STOPPED (its log says so), not as the bench's own failure: on 2026-11-28 a batch-128 row the
+    budget cut read `FAILED` with an empty log. A bench that fails by itself still says FAILED."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+case "$1" in -c|benchmarks/gpu_summary.py) exec {sys.executable} "$@" ;; esac
+case "$*" in *batch_size=128*) sleep 30 ;; *) exit 3 ;; esac
+""")
+    fake.chmod(0o755)
+    out = tmp_path / "out"
+    r = suite(out, "b128", SUITE_BUDGET_S="8", SUITE_MIN_S="1", PYTHON=str(fake))  # the import check takes seconds
+    assert "STOPPED (bench_titans_demo_b128_memory)" in r.stdout and "FAILED (bench_titans_demo_b128" not in r.stdout, r.stdout
+    assert "stopped by the suite's budget" in (out / "bench_titans_demo_b128_memory.log").read_text()
+    r = suite(out, "fused350m", SUITE_BUDGET_S="30", SUITE_MIN_S="1", PYTHON=str(fake))
+    assert "FAILED (bench_nl_350m_fused, exit 3)" in r.stdout, r.stdout
+
+
 def test_the_suite_reads_as_bash():
     assert subprocess.run(["bash", "-n", str(SUITE)], capture_output=True).returncode == 0
 
@@ -92,10 +110,11 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
     logs = "".join(f"\n--- {p.name}\n" + p.read_text()[-2000:] for p in tmp_path.glob("*.log"))
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("paths", "bench_nl_350m_fused", "bench_nl_350m_fused_unrolled", "bench_nl_350m_fused_memunroll",
-                 "bench_nl_350m_fused_kernel",
+                 "bench_nl_350m_fused_kernel", "bench_nl_350m_fused_best",
                  "titans_vs_bf16",
                  "bench_titans_demo_b128_memory"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
-    assert (tmp_path / "trace_nl_350m_fused" / "program.hlo.txt").exists()  # kept for the profile's placement
+    for trace in ("trace_nl_350m_fused", "trace_nl_350m_fused_best"):  # kept for the profile's placement
+        assert (tmp_path / trace / "program.hlo.txt").exists()
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("DRY RUN") and "GPU paths, scanned" in summary and "FAILED" not in r.stdout, r.stdout
