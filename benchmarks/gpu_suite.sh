@@ -5,13 +5,16 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44): fused350m_best b128
-#            fused350m vs_pytorch kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
+#            fused350m vs_pytorch titans_unroll kernel fused350m_unrolled fused350m_memunroll fused350m_kernel
+#            paths.
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
-#            "-". On the H200 (2026-11-28, evening) the first four took 150, 60, 63 and 114 s: the
-#            kernel part (210 s) and the rows measured that day come after and get what is left; a
-#            second call measures them (`benchmarks/gpu_suite.sh OUT kernel`).
+#            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, batch 128 was stopped
+#            after 47 s (the morning: 41 s compiling), nl_350m scanned 63 s, vs_pytorch 114 s: about
+#            400 s for the first four. titans_unroll (three compiles), the kernel (210 s) and the rows
+#            measured that day get what is left; a second call measures them
+#            (`benchmarks/gpu_suite.sh OUT titans_unroll kernel`).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
@@ -31,6 +34,9 @@
 #   fused350m_kernel   the same scanned with the fused memory kernel (model.nl_lm.memory_impl=pallas),
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
+#   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
+#                      (model.nl_lm.memory_unroll), interleaved and profiled: its step is bound by its
+#                      kernel count, which unrolling lowers (nl_350m: 21,557 -> 17,179 at 4)
 #   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
 #
 # Parts of issue 17:
@@ -39,8 +45,9 @@
 #   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's scan), profiled
 #   memory  titans_demo at batch 128 x 512 with model.remat=block and =memory: peak memory
 #   dit     MeanFlow DiT-B/4 at 32x32 and its flow-matching twin
-#   nl350m  nl_350m (seq 2048) with its block remat, with model.remat=memory, and with
-#           model.remat=memory unrolled (scan_layers=false: no per-layer stacking), profiled
+#   nl350m  nl_350m (seq 2048) scanned with block remat, scanned with model.remat=memory, and with
+#           model.remat=memory unrolled (scan_layers=false: no per-layer stacking; the config's forms
+#           since 2026-11-28), profiled
 #   cycle   titans_demo's four pulse variants: compile time and tokens/s of each
 #
 # Dry run: GPU_SUITE_DRY_RUN=1 runs the issue-44 parts on whatever device there is (a CPU) with tiny
@@ -62,7 +69,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(fused350m_best b128 fused350m vs_pytorch kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
+ISSUE44=(fused350m_best b128 fused350m vs_pytorch titans_unroll kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -162,9 +169,9 @@ part_nl350m() {
   # block remat recomputes every sub-block's matmuls; model.remat=memory keeps them (20 GiB of
   # residuals at batch 8 x 2048 since the norms, GELU and scores are recomputed, 86 before).
   run bench_nl_350m $PY -m nljax.bench --config nl_350m --patterns worst --steps 3 --warmup 1 \
-    --profile 2 "${BF16[@]}" --out "$OUT/bench_nl_350m.json"
+    --profile 2 "${BF16[@]}" model.remat=block model.nl_lm.scan_layers=true --out "$OUT/bench_nl_350m.json"
   run bench_nl_350m_memory $PY -m nljax.bench --config nl_350m --patterns worst --steps 3 --warmup 1 \
-    --profile 2 "${BF16[@]}" model.remat=memory --out "$OUT/bench_nl_350m_memory.json"
+    --profile 2 "${BF16[@]}" model.remat=memory model.nl_lm.scan_layers=true --out "$OUT/bench_nl_350m_memory.json"
   # the H200's profile (docs/benchmarks/2026-11-27-h200.md) put 10% of the remat=memory step in the layer scan's
   # stacking of saved activations: the unrolled net has none (and a longer compile)
   run bench_nl_350m_unrolled $PY -m nljax.bench --config nl_350m --patterns worst --steps 3 --warmup 1 \
@@ -229,7 +236,7 @@ fused350m() {  # $1: the row's name after bench_nl_350m_fused; then its own over
 part_fused350m() {
   # the trace and the compiled program kept (OUT/trace_nl_350m_fused/program.hlo.txt), as for the
   # best row: the profile's placement of command-buffer kernels checked offline
-  fused350m "" --profile-dir "$OUT/trace_nl_350m_fused"
+  fused350m "" model.nl_lm.scan_layers=true --profile-dir "$OUT/trace_nl_350m_fused"
 }
 
 part_fused350m_best() {
@@ -246,12 +253,12 @@ part_fused350m_unrolled() {
 part_fused350m_memunroll() {
   # the inner loop (4 memory layers x 32 chunks, ~97 kernels each) was most of the 2026-11-28 step:
   # 4 chunks per loop iteration give XLA longer bodies to fuse and a quarter of the iterations
-  fused350m _memunroll model.nl_lm.memory_unroll=4
+  fused350m _memunroll model.nl_lm.scan_layers=true model.nl_lm.memory_unroll=4
 }
 
 part_fused350m_kernel() {
   # the inner loop as the fused Pallas kernel (interpreted in a dry run: slow, tiny shapes)
-  fused350m _kernel model.nl_lm.memory_impl=pallas
+  fused350m _kernel model.nl_lm.scan_layers=true model.nl_lm.memory_impl=pallas
 }
 
 part_vs_pytorch() {
@@ -269,6 +276,14 @@ part_vs_pytorch() {
   fi
   run titans_vs_bf16 $PY benchmarks/titans_pytorch.py --dtype bf16 "${TORCH[@]}" --out "$OUT/titans_vs_bf16.json" \
     "${TITANS[@]}"
+}
+
+part_titans_unroll() {
+  local v=()
+  for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_unroll=$u"); done
+  local rounds=(--rounds 10 --warmup 2 --profile 2)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
+  run ab_titans_unroll $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_unroll.json"
 }
 
 part_b128() {

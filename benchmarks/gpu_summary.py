@@ -55,8 +55,7 @@ def lines(out: Path) -> list[str]:
     rows.append(f"{verdict(None if ratio is None else ratio >= 100)}  titans_demo vs titans-pytorch bf16, batch 4: "
                 + ("skipped" if ratio is None else f"{ratio:.1f}x (target >= 100x; "
                    f"{t['nljax']['tokens_per_s']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)"))
-    a = load(out, "ab_titans_remat")
-    for r in a["rows"] if a else []:
+    for r in [r for name in ("ab_titans_remat", "ab_titans_unroll") for r in (load(out, name) or {}).get("rows", [])]:
         ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}" if "ops_per_step" in r else ""
         rows.append(f"info  titans_demo {r['variant'].strip()}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} of the "
                     f"first), compile {r['compile_s']:.0f} s{ops}")
@@ -71,7 +70,7 @@ def lines(out: Path) -> list[str]:
         rows.append(f"{verdict(None if peak is None else peak < 20e9)}  titans_demo batch 128 x 512 peak memory, "
                     f"model.remat={remat}: " + ("-" if peak is None else f"{peak / 1e9:.1f} GB (target < 20 GB; "
                                                 f"{b['units_per_s_per_device_mean']:,.0f} tokens/s/device)"))
-    for name, remat in (("bench_nl_350m", "block, the config's"), ("bench_nl_350m_memory", "memory"),
+    for name, remat in (("bench_nl_350m", "block, scanned"), ("bench_nl_350m_memory", "memory, scanned"),
                         ("bench_nl_350m_unrolled", "memory, scan_layers=false")):
         # MFU of the model's FLOPs (analytic: the outer loop, attention, the inner loop's estimate);
         # XLA's count where it has one (not for a scanned net: it counts a loop's body once)
