@@ -20,9 +20,10 @@ device:
   written, read from each instruction's `op_name` metadata (JAX's name stack): the pass
   (forward: `jvp(...)`, backward: `transpose(...)`, or `step`: the loss's reduction, the
   optimizer, collectives outside the model) and the model's modules (`mem1` -> `mem`,
-  `block0/cms1` -> `block/cms`). A kernel inside a CUDA command buffer is found through the
-  buffer's instructions (`command_buffers`); ops XLA made up (copies of loop state) carry none:
-  `?`.
+  `block0/cms1` -> `block/cms`). A kernel inside a CUDA command buffer, which the profiler tags
+  with the buffer and its kernel name only, is found by that name or, for a library kernel
+  (cuBLAS, memcpy, Pallas), by the HLO schedule (`place`); an op XLA made up (a copy of loop
+  state) takes its users' or its loop's; `?` where nothing identifies the op.
 
 Op events are those the runtime tags with `args.hlo_op`: XLA:GPU's kernels on the device's
 stream lanes, XLA:CPU's thunks on its worker threads. A GPU device process also has derived
