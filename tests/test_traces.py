@@ -191,9 +191,10 @@ def test_kernels_in_command_buffers_found_through_the_buffers_instructions(tmp_p
     assert scope("command_buffer_9", "memcpy128") == "?" and traces.op_scope(names, "command_buffer_5", "x") == "?"
     events = [meta(1, "/device:GPU:0"), meta(1, "Stream #13(Compute)", 13),
               op(1, 13, "command_buffer_5", 0, 30, name="nvjet_sm90_tst_128x128"),
-              op(1, 13, "command_buffer_5", 30, 10, name="memcpy32_post"), op(1, 13, "copy.11", 40, 5)]
+              op(1, 13, "command_buffer_5", 30, 10, name="memcpy32_post"), op(1, 13, "copy.11", 40, 5),
+              op(1, 13, "call.7", 45, 5, name="memcpy128")]  # the buffer by its call: not the call's own place
     s = traces.summarize(write(tmp_path, events), steps=1, step_s=100e-6, hlo_text=BUFFERS_HLO)
-    assert s["by_scope_s"] == pytest.approx({"backward attn | backward block/cms": 30e-6, "forward mem": 10e-6,
+    assert s["by_scope_s"] == pytest.approx({"backward attn | backward block/cms": 30e-6, "forward mem": 15e-6,
                                              "?": 5e-6})
     # the buffer's category in the top list: the kind of most of its time (its matmul), not its first kernel's
     events[2:4] = events[3:1:-1]
@@ -268,6 +269,7 @@ def test_kernels_in_thunk_command_buffers_placed_by_the_schedule(tmp_path):
     assert "fused_add" not in program.code and program.named["loop_add_fusion_1"] == [("body.3", 2), ("body.3", 7)]
     assert traces.kernel_kind("void cutlass::Kernel2<cutlass_80_tensorop_s1688gemm>") == "gemm"
     assert traces.kernel_kind("Memset 3") == "memset" and traces.kernel_kind("memcpy32_post") == "copy"
+    assert traces.kernel_kind("gemm_fusion_dot_2") == "fusion" and traces.kernel_kind("attention_dq") == "custom"
 
 
 def test_a_real_h200_profile_is_placed(tmp_path, capsys):

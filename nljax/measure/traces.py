@@ -171,13 +171,16 @@ def op_scope(names: dict[str, str], hlo_op: str, kernel: str,
 # What a kernel with no HLO name of its own runs, by its name: the kind of instruction to look for
 def kernel_kind(kernel: str) -> str:
     """'memset' (cuBLAS clears its workspace before a matmul), 'copy' (a memcpy kernel or node),
-    'gemm' (cuBLAS's own kernels) or 'custom' (any other: a Pallas/Triton kernel is named after
-    its function, `attention_dq`)."""
+    'fusion' (XLA names a fusion's kernel after it: `loop_add_fusion_3`, `wrapped_transpose`,
+    `gemm_fusion_dot_2`), 'gemm' (cuBLAS's own kernels) or 'custom' (any other: a Pallas kernel
+    is named after its function, `attention_dq`)."""
     low = kernel.lower()
     if low.startswith("memset"):
         return "memset"
     if "memcpy" in low:
         return "copy"
+    if re.search(r"(^|_)fusion(_|$)", low) or low.startswith("wrapped_"):
+        return "fusion"
     return "gemm" if any(k in low for k in ("nvjet", "cutlass", "gemm", "cublas", "xmma")) else "custom"
 
 
@@ -207,6 +210,7 @@ class Program:
         self.named: dict[str, list[tuple[str, int]]] = {}
         self._caller: dict[str, tuple[str, int]] = {}  # computation -> the instruction calling it
         self._users: dict[str, dict[int, list[int]]] = {}  # computation -> instruction -> its users
+        self._naming: dict[str, list[tuple[str, int]]] = {}
         for comp, lines in comps.items():
             if comp in fused:
                 continue
@@ -229,11 +233,12 @@ class Program:
                     for callee in ([c.group(1)] if c.group(1) else re.findall(r"%?([\w.\-]+)", c.group(2))):
                         self._caller[callee] = (comp, i)
 
-    @functools.lru_cache(maxsize=None)
-    def naming(self, kernel: str) -> tuple[tuple[str, int], ...]:
+    def naming(self, kernel: str) -> list[tuple[str, int]]:
         """The Pallas/custom calls whose op_name names `kernel` (Pallas names both after the function)."""
-        return tuple((c, j) for c, code in self.code.items() for j, (_, k, op) in enumerate(code)
-                     if k == "custom" and f"/{kernel}/" in (op or ""))
+        if kernel not in self._naming:
+            self._naming[kernel] = [(c, j) for c, code in self.code.items() for j, (_, k, op) in enumerate(code)
+                                    if k == "custom" and f"/{kernel}/" in (op or "")]
+        return self._naming[kernel]
 
     def op_name(self, comp: str, i: int) -> str | None:
         """The instruction's op_name; for one without (XLA's own: copies of loop state, the zeros
@@ -269,14 +274,15 @@ def _walk(program: Program, events: list[dict], by: int) -> list[list[tuple[str,
     for e in events:
         kernel = e["name"]
         places = program.named.get(kernel) or program.named.get(re.sub(r"_(\d+)$", r".\1", kernel))
-        if not places and "cuda_graph_id" not in e["args"]:  # a thunk of its own: its instruction
-            places = program.named.get(e["args"]["hlo_op"])
+        hlo_op = e["args"]["hlo_op"]
+        if not places and "cuda_graph_id" not in e["args"] and hlo_op not in program.buffers:
+            places = program.named.get(hlo_op)  # a thunk of its own: its instruction
         if places and last:
             places = [p for p in places if p[0] == last[0] and (p[1] - last[1]) * by > 0][::by][:1] or places
         elif not places and last and (k := kernel_kind(kernel)) != "memset":
             places = [p] if (p := program.step(last, k, kernel, by)) else []
         elif not places and kernel_kind(kernel) == "custom":  # none placed yet: a Pallas call names it
-            places = list(program.naming(kernel))
+            places = program.naming(kernel)
         if len(places or ()) == 1:
             last = places[0]
         out.append(places or [])
