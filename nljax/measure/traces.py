@@ -20,9 +20,10 @@ device:
   written, read from each instruction's `op_name` metadata (JAX's name stack): the pass
   (forward: `jvp(...)`, backward: `transpose(...)`, or `step`: the loss's reduction, the
   optimizer, collectives outside the model) and the model's modules (`mem1` -> `mem`,
-  `block0/cms1` -> `block/cms`). A kernel inside a CUDA command buffer is found through the
-  buffer's instructions (`command_buffers`); ops XLA made up (copies of loop state) carry none:
-  `?`.
+  `block0/cms1` -> `block/cms`). A kernel inside a CUDA command buffer, which the profiler tags
+  with the buffer and its kernel name only, is found by that name or, for a library kernel
+  (cuBLAS, memcpy, Pallas), by the HLO schedule (`place`); an op XLA made up (a copy of loop
+  state) takes its users' or its loop's; `?` where nothing identifies the op.
 
 Op events are those the runtime tags with `args.hlo_op`: XLA:GPU's kernels on the device's
 stream lanes, XLA:CPU's thunks on its worker threads. A GPU device process also has derived
@@ -91,10 +92,23 @@ def scope(op_name: str | None) -> str:
     return " ".join([pass_, "/".join(modules[:2])]).strip()
 
 
-_HEADER = re.compile(r"^\s*(?:ENTRY\s+)?%?([^\s(%=]+)\s*(?:\(.*\)\s*->.*)?\{\s*$")
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s+=\s+(.*)$")
 _CALLED = re.compile(r"(?:to_apply|body|condition)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def computations(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
+    """Computation -> its instructions (name, the rest of the line), in the text's order: in a
+    scheduled module (`is_scheduled=true`, what a compiled program prints), the execution order.
+    A computation's header starts its line (instructions are indented) and ends in `{`."""
+    comps: dict[str, list[tuple[str, str]]] = {}
+    lines_of: list[tuple[str, str]] | None = None
+    for line in hlo_text.splitlines():
+        if line[:1] not in (" ", "}", "") and line.rstrip().endswith("{") and not line.startswith("HloModule"):
+            lines_of = comps.setdefault(re.match(r"(?:ENTRY\s+)?%?([^\s(]+)", line).group(1), [])
+        elif lines_of is not None and (m := _LINE.match(line)):
+            lines_of.append(m.groups())
+    return comps
 
 
 def command_buffers(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
@@ -107,13 +121,7 @@ def command_buffers(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
     each also with `_N` for `.N` (the profiler's spelling); loops and conditionals inside it
     count with it (the called computations, not the fused ones: a fusion carries its own
     metadata)."""
-    comps: dict[str, list[tuple[str, str]]] = {}  # computation -> its instructions (name, the rest)
-    lines_of: list[tuple[str, str]] | None = None
-    for line in hlo_text.splitlines():
-        if (h := _HEADER.match(line)) and "=" not in line.split("{")[0]:
-            lines_of = comps.setdefault(h.group(1), [])
-        elif lines_of is not None and (m := _LINE.match(line)):
-            lines_of.append(m.groups())
+    comps = computations(hlo_text)
 
     def contents(comp: str, seen: set) -> list[tuple[str, str]]:
         if comp in seen or comp not in comps:
@@ -158,6 +166,160 @@ def op_scope(names: dict[str, str], hlo_op: str, kernel: str,
     cat = category(kernel)
     same = [op for c, op in inside if c == cat] or [op for _, op in inside]
     return " | ".join(sorted({scope(op) for op in same}))
+
+
+# What a kernel with no HLO name of its own runs, by its name: the kind of instruction to look for
+def kernel_kind(kernel: str) -> str:
+    """'memset' (cuBLAS clears its workspace before a matmul), 'copy' (a memcpy kernel or node),
+    'fusion' (XLA names a fusion's kernel after it: `loop_add_fusion_3`, `wrapped_transpose`,
+    `gemm_fusion_dot_2`), 'gemm' (cuBLAS's own kernels) or 'custom' (any other: a Pallas kernel
+    is named after its function, `attention_dq`)."""
+    low = kernel.lower()
+    if low.startswith("memset"):
+        return "memset"
+    if "memcpy" in low:
+        return "copy"
+    if re.search(r"(^|_)fusion(_|$)", low) or low.startswith("wrapped_"):
+        return "fusion"
+    return "gemm" if any(k in low for k in ("nvjet", "cutlass", "gemm", "cublas", "xmma")) else "custom"
+
+
+def _kind(opcode: str, target: str) -> str:  # an instruction's, in kernel_kind's terms
+    if opcode == "custom-call":
+        return "gemm" if "cublas" in target.lower() else "custom"
+    # an async dynamic-(update-)slice fusion is a memcpy (a MemcpyD2D thunk, or memcpy kernels in a buffer)
+    return {"copy": "copy", "copy-start": "copy", "fusion-start": "copy", "fusion": "fusion"}.get(opcode, "")
+
+
+class Program:
+    """A compiled program's scheduled computations (the fused ones left out: a fusion is one
+    kernel), to place the kernels the profile cannot name.
+
+    `named`: kernel name -> its instructions' places (computation, index): an instruction's name,
+    also with `_N` for `.N` (XLA:GPU's kernel names), and the `deduplicated_name` of instructions
+    that share another's kernel (XLA compiles identical fusions once). `op_name(c, i)`: the
+    instruction's metadata, or, for one without, its users' or its caller's."""
+
+    def __init__(self, hlo_text: str):
+        comps = computations(hlo_text)
+        self.names = op_names(hlo_text)
+        self.buffers = command_buffers(hlo_text) if "command_buffer" in hlo_text else {}
+        fused = {m for _, rest in (x for ins in comps.values() for x in ins)
+                 for m in re.findall(r"\bcalls=%?([\w.\-]+)", rest)}
+        self.code: dict[str, list[tuple[str, str, str | None]]] = {}  # computation -> (name, kind, op_name)
+        self.named: dict[str, list[tuple[str, int]]] = {}
+        self._caller: dict[str, tuple[str, int]] = {}  # computation -> the instruction calling it
+        self._users: dict[str, dict[int, list[int]]] = {}  # computation -> instruction -> its users
+        self._naming: dict[str, list[tuple[str, int]]] = {}
+        for comp, lines in comps.items():
+            if comp in fused:
+                continue
+            code, users, index = self.code.setdefault(comp, []), self._users.setdefault(comp, {}), {}
+            for i, (name, rest) in enumerate(lines):
+                index[name] = i
+                for operand in set(re.findall(r"%([\w.\-]+)", rest)):
+                    if operand in index:
+                        users.setdefault(index[operand], []).append(i)
+                opcode = re.search(r"(?:^|[\s)\]}])([a-z][\w\-]*)\(", rest)
+                target = re.search(r'custom_call_target="([^"]*)"', rest)
+                op = _OP_NAME.search(rest)
+                code.append((name, _kind(opcode.group(1) if opcode else "", target.group(1) if target else ""),
+                             op.group(1) if op else None))
+                dedup = re.search(r'deduplicated_name="([^"]*)"', rest)
+                for n in {name, name.replace(".", "_"), *((dedup.group(1), dedup.group(1).replace(".", "_"))
+                                                          if dedup else ())}:
+                    self.named.setdefault(n, []).append((comp, i))
+                for c in _CALLED.finditer(rest):
+                    for callee in ([c.group(1)] if c.group(1) else re.findall(r"%?([\w.\-]+)", c.group(2))):
+                        self._caller[callee] = (comp, i)
+
+    def naming(self, kernel: str) -> list[tuple[str, int]]:
+        """The Pallas/custom calls whose op_name names `kernel` (Pallas names both after the function)."""
+        if kernel not in self._naming:
+            self._naming[kernel] = [(c, j) for c, code in self.code.items() for j, (_, k, op) in enumerate(code)
+                                    if k == "custom" and f"/{kernel}/" in (op or "")]
+        return self._naming[kernel]
+
+    def op_name(self, comp: str, i: int) -> str | None:
+        """The instruction's op_name; for one without (XLA's own: copies of loop state, the zeros
+        a loop's buffers start from), that of the nearest of its users (in its computation) with
+        one, else that of the loop or call running its computation."""
+        code, seen, todo = self.code[comp], {i}, [i]
+        for j in todo:  # breadth first through the users
+            if code[j][2] is not None:
+                return code[j][2]
+            todo += [u for u in self._users[comp].get(j, ()) if u not in seen and not seen.add(u)]
+        return self.op_name(*self._caller[comp]) if comp in self._caller else None
+
+    def step(self, at: tuple[str, int], kind: str, kernel: str, by: int) -> tuple[str, int] | None:
+        """The next instruction of `kind` after `at` in its computation's execution order (`by` 1;
+        -1: the one before); of Pallas/custom calls, the nearest whose op_name names the kernel,
+        if one does."""
+        comp, i = at
+        code = self.code[comp]
+        span = range(i + 1, len(code)) if by > 0 else range(i - 1, -1, -1)
+        for named in ((True, False) if kind == "custom" else (False,)):
+            j = next((j for j in span if code[j][1] == kind
+                      and (not named or f"/{kernel}/" in (code[j][2] or ""))), None)
+            if j is not None:
+                return comp, j
+        return None
+
+
+def _walk(program: Program, events: list[dict], by: int) -> list[list[tuple[str, int]]]:
+    """The places of one command-buffer execution's kernels (in time order, `by` 1; reversed, -1):
+    a named kernel's, the one nearest after the last placed one (in that direction) when several
+    share its name; an unnamed kernel's, the nearest instruction of its kind after that."""
+    out, last = [], None
+    for e in events:
+        kernel = e["name"]
+        places = program.named.get(kernel) or program.named.get(re.sub(r"_(\d+)$", r".\1", kernel))
+        hlo_op = e["args"]["hlo_op"]
+        if not places and "cuda_graph_id" not in e["args"] and hlo_op not in program.buffers:
+            places = program.named.get(hlo_op)  # a thunk of its own: its instruction
+        if places and last:
+            places = [p for p in places if p[0] == last[0] and (p[1] - last[1]) * by > 0][::by][:1] or places
+        elif not places and last and (k := kernel_kind(kernel)) != "memset":
+            places = [p] if (p := program.step(last, k, kernel, by)) else []
+        elif not places and kernel_kind(kernel) == "custom":  # none placed yet: a Pallas call names it
+            places = program.naming(kernel)
+        if len(places or ()) == 1:
+            last = places[0]
+        out.append(places or [])
+    return out
+
+
+def place(ops: list[dict], program: Program) -> list[str]:
+    """The scope of each op event (in the order given). In turn: the op's HLO instruction; the
+    profiler's own op_name (`args.name`, given for ops outside command buffers); the kernel's name
+    (an instruction's, or the `deduplicated_name` of those sharing the kernel: the one next in the
+    schedule, else all their scopes); and for a kernel with no such name inside a CUDA command
+    buffer (cuBLAS's, a memcpy, a Pallas kernel), the schedule: a buffer runs consecutive
+    instructions of one computation in their order, so the next instruction of the kernel's kind
+    after the last placed kernel of this execution of the buffer (or, before the first, the one
+    before the first placed). A memset takes the place of the kernel after it (cuBLAS clears its
+    workspace before a matmul). Failing all, `op_scope` (a buffer's computation in older XLAs), else '?'."""
+    names, out = program.names, ["?"] * len(ops)
+    runs: dict = {}  # an execution of a command buffer (else the op itself) -> its events, in time order
+    for n in sorted(range(len(ops)), key=lambda n: ops[n]["ts"]):
+        args = ops[n]["args"]
+        if args["hlo_op"] in names or "name" in args:
+            out[n] = scope(names.get(args["hlo_op"]) or args["name"])
+        else:
+            runs.setdefault((args["hlo_op"], args.get("correlation_id")) if "cuda_graph_id" in args else n, []).append(n)
+    for run in runs.values():
+        events = [ops[n] for n in run]
+        ahead, back = _walk(program, events, 1), _walk(program, events[::-1], -1)[::-1]
+        for j, n in enumerate(run):
+            # one instruction found either way (a shared kernel's name can give several), else any
+            if (places := next((p for p in (ahead[j], back[j]) if len(p) == 1), ahead[j] or back[j])):
+                out[n] = " | ".join(sorted({scope(program.op_name(*p)) for p in places}))
+            elif kernel_kind(ops[n]["name"]) != "memset":
+                out[n] = op_scope(names, ops[n]["args"]["hlo_op"], ops[n]["name"], program.buffers)
+        for j, n in list(enumerate(run))[-2::-1]:  # a memset: the kernel after it
+            if kernel_kind(ops[n]["name"]) == "memset":
+                out[n] = out[run[j + 1]]
+    return out
 
 
 def category(name: str) -> str:
@@ -227,21 +389,20 @@ def kind(op: str) -> str:
     return ".".join(parts)
 
 
-def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: dict | None = None,
-                   buffers: dict | None = None) -> dict:
+def device_summary(ops: list[dict], steps: int, step_s: float, top: int, program: Program | None = None) -> dict:
     us = 1e-6  # trace times are in microseconds
     busy = busy_time([(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in ops]) * us / steps
     by_cat: dict[str, float] = {}
     by_op: dict[str, list] = {}
     by_kind: dict[str, list] = {}
     by_scope: dict[str, float] = {}
-    for e in ops:
+    scopes = place(ops, program) if program is not None else [None] * len(ops)
+    for e, where in zip(ops, scopes):
         name = e["args"]["hlo_op"]
         dur = e.get("dur", 0.0) * us
         cat = category(f"{name} {e['name']}")  # the HLO op, and the kernel's name on a GPU
         by_cat[cat] = by_cat.get(cat, 0.0) + dur / steps
-        if names is not None:
-            where = op_scope(names, name, e["name"], buffers)
+        if program is not None:
             by_scope[where] = by_scope.get(where, 0.0) + dur / steps
         for acc in (by_op.setdefault(name, [0.0, 0, {}]), by_kind.setdefault(kind(name), [0.0, 0, {}])):
             acc[0] += dur / steps
@@ -258,7 +419,7 @@ def device_summary(ops: list[dict], steps: int, step_s: float, top: int, names: 
         "by_category_s": dict(sorted(by_cat.items(), key=lambda kv: -kv[1])),
         "top": ranked(by_op),
         "top_kinds": ranked(by_kind),
-        **({"by_scope_s": dict(sorted(by_scope.items(), key=lambda kv: -kv[1]))} if names is not None else {}),
+        **({"by_scope_s": dict(sorted(by_scope.items(), key=lambda kv: -kv[1]))} if program is not None else {}),
     }
 
 
@@ -278,8 +439,7 @@ def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: 
         ops, module = per_device[first], None
     return {"device": first, "devices": len(per_device), "module": module, "steps": steps, "step_s": step_s,
             **({"timed_step_s": timed_step_s} if timed_step_s else {}),
-            **device_summary(ops, steps, step_s, top, op_names(hlo_text) if hlo_text else None,
-                             command_buffers(hlo_text) if hlo_text else None)}
+            **device_summary(ops, steps, step_s, top, Program(hlo_text) if hlo_text else None)}
 
 
 def format_summary(s: dict) -> list[str]:
