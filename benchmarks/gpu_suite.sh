@@ -4,17 +4,16 @@
 #   benchmarks/gpu_suite.sh OUT_DIR [PART ...]     PART: a part or a preset below (default: issue44)
 #
 # Presets:
-#   issue44  (the default) one device call of under 8 minutes (issue 44): fused350m_best b128
-#            fused350m vs_pytorch titans_unroll kernel fused350m_unrolled fused350m_memunroll fused350m_kernel
-#            paths.
+#   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
+#            they matter: fused350m_best b128 titans_unroll fused350m_graphs fused350m_best8 fused350m
+#            vs_pytorch kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
-#            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, batch 128 was stopped
-#            after 47 s (the morning: 41 s compiling), nl_350m scanned 63 s, vs_pytorch 114 s: about
-#            400 s for the first four. titans_unroll (three compiles), the kernel (210 s) and the rows
-#            measured that day get what is left; a second call measures them
-#            (`benchmarks/gpu_suite.sh OUT titans_unroll kernel`).
+#            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, scanned 63 s, batch
+#            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
+#            210 s: the first call gets through about the first four, a second call the next ones
+#            (`benchmarks/gpu_suite.sh OUT fused350m_best8 fused350m vs_pytorch kernel`).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
@@ -31,6 +30,10 @@
 #                      (model.nl_lm.memory_unroll=4): the inner loop was most of the 2026-11-28 step
 #   fused350m_best     the two that were faster on 2026-11-28 together (unrolled, memory_unroll=4),
 #                      profiled, its trace and compiled program kept (OUT/trace_nl_350m_fused_best)
+#   fused350m_best8    the same with 8 inner-loop chunks per loop iteration
+#   fused350m_graphs   fused350m_best with XLA's while loops inside CUDA graphs (each inner-loop
+#                      iteration's predicate is otherwise read by the host: 2 x 4 layers x 32 chunks
+#                      round trips per step, fewer with memory_unroll)
 #   fused350m_kernel   the same scanned with the fused memory kernel (model.nl_lm.memory_impl=pallas),
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
@@ -69,7 +72,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(fused350m_best b128 fused350m vs_pytorch titans_unroll kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
+ISSUE44=(fused350m_best b128 titans_unroll fused350m_graphs fused350m_best8 fused350m vs_pytorch kernel fused350m_unrolled
+         fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -243,6 +247,16 @@ part_fused350m_best() {
   # 2026-11-28 (H200): unrolled 154.6 ms and memory_unroll=4 170.0 ms against the scanned 180.3 ms,
   # each alone; together, measured first
   fused350m _best model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4 --profile-dir "$OUT/trace_nl_350m_fused_best"
+}
+
+part_fused350m_best8() {
+  fused350m _best8 model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=8
+}
+
+part_fused350m_graphs() {
+  # an XLA that does not know the flag fails this row only
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+    fused350m _graphs model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4
 }
 
 part_fused350m_unrolled() {

@@ -122,6 +122,8 @@ def issue44_lines(out: Path) -> list[str]:
     for name, how in (("bench_nl_350m_fused", "scanned"), ("bench_nl_350m_fused_unrolled", "unrolled"),
                       ("bench_nl_350m_fused_memunroll", "scanned, memory_unroll=4"),
                       ("bench_nl_350m_fused_best", "unrolled, memory_unroll=4"),
+                      ("bench_nl_350m_fused_best8", "unrolled, memory_unroll=8"),
+                      ("bench_nl_350m_fused_graphs", "unrolled, memory_unroll=4, while loops in CUDA graphs"),
                       ("bench_nl_350m_fused_kernel", "scanned, memory_impl=pallas")):
         b = load(out, name)
         mfu = b["mfu_analytic_mean"] if b else None
