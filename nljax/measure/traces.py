@@ -447,8 +447,8 @@ def format_summary(s: dict) -> list[str]:
     frac = "-" if s["busy_fraction"] is None else f"{100 * s['busy_fraction']:.0f}%"
     cats = ", ".join(f"{k} {ms(v)}" for k, v in s["by_category_s"].items())
     lines = [f"profile ({s['steps']} steps, {s['device']}, 1 of {s['devices']} devices): per step "
-             f"{s['ops']:,.0f} ops (median {s['median_op_us']:,.1f} us), device busy {ms(s['busy_s'])} "
-             f"of {ms(s['step_s'])} ({frac})"
+             f"{s['ops']:,.0f} ops (median {s['median_op_us']:,.1f} us), device busy {ms(s['busy_s'])}"
+             + (f" of {ms(s['step_s'])} ({frac})" if s["step_s"] else "")  # a kept trace read again: no step time
              + (f" (the step without the profiler: {ms(s['timed_step_s'])})" if s.get("timed_step_s") else "")
              + f"; op time: {cats}"]
     row = lambda t: f"  {t['s'] * 1e3:9.3f} ms  {t['calls']:8.1f} x  {t['category']:<10}  {t['op']}"
