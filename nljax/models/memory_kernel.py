@@ -86,11 +86,12 @@ def _last(x, axis: int = 0):
     return jnp.sum(jnp.where(idx == n - 1, x, 0.0), axis=axis)
 
 
-def _coefficients(k, theta, eta, alpha, hh=None, hsq=None, w2=None):
+def _coefficients(k, theta, eta, alpha, hh=None, hsq=None, w2=None, *, start=0):
     """The chunk's gate and step-size terms (`memory.chunk_constants`): A [t, j] (the reads'
     scores' weights), c, s [t], a_end, w [j], c_end, s_end, s_decay (scalars). The MLP memory's
     normaliser uses its hidden layer h's sums over the hidden width (`_tile_sums`: hh = h h^T,
-    hsq = |h_i|^2) and w2 = |W2|^2; the linear memory's only the keys."""
+    hsq = |h_i|^2) and w2 = |W2|^2; the linear memory's only the keys. `start`: the chunk's first
+    token (any integer gives the same result; a loop index keeps the kernels' triangle per chunk)."""
     b = k.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
@@ -120,7 +121,13 @@ def _coefficients(k, theta, eta, alpha, hh=None, hsq=None, w2=None):
         nu = hsq + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
         inner = jnp.abs(hh) + GELU_SLOPE**2 * inner * w2
     rs = jax.lax.rsqrt(nu)
-    rows = dot(inner * rs[:, None] * rs[None, :], mine.astype(jnp.float32))  # [i, t]: row i summed over j <= t
+    # the triangle as positions in the sequence (`start`: the chunk's first token, a loop index in
+    # the kernels), not as a constant: a constant matrix's shared-memory copies (two each under
+    # tf32x3, and its transpose's in the backward) were hoisted out of the chunk loop by Triton,
+    # 64 KiB alive for the whole backward kernel at chunk 64
+    pos = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0) + start
+    triangle = (pos <= jax.lax.broadcasted_iota(jnp.int32, (b, b), 1) + start).astype(jnp.float32)  # = mine
+    rows = dot(inner * rs[:, None] * rs[None, :], triangle)  # [i, t]: row i summed over j <= t
     lam = jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=0), 1.0)  # [t], over rows i <= t
 
     a = theta * (1.0 - eta) / nu  # [j]
@@ -220,12 +227,12 @@ def _stages() -> list:
     ]
 
 
-def _mlp_chunk(q, k, v, theta, eta, alpha, sums, step):
+def _mlp_chunk(q, k, v, theta, eta, alpha, sums, step, start=0):
     """The MLP memory's chunk, its hidden width walked in tiles: `sums(fn)` is fn's sum over the
     tiles of `fn(W1, W2)` (`_tile_sums`), `step(fn)` the same of `fn(W1, S1, W2, S2)` (`_tile_step`'s
     parts of the reads; the caller stores each tile's end state). Returns the reads y."""
     hh, hsq, w2, eh = sums(functools.partial(_tile_sums, k))
-    A, c, s, *coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2)
+    A, c, s, *coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2, start=start)
     e = _surprise(eh, v)
     qka = _scores_weights(q, k, A)
     rw, rs, rh = step(functools.partial(_tile_step, q, k, e, qka, c, s, *coefs))
@@ -364,7 +371,7 @@ def _tile_loop(n: int, fn, init=None):
     return jax.lax.fori_loop(0, n, lambda j, total: tuple(a + b for a, b in zip(total, fn(j))), tuple(init))
 
 
-def _forward_mlp(load, state, interpret: bool):
+def _forward_mlp(load, state, interpret: bool, start):
     """One chunk of the MLP memory (`_mlp_chunk`), its hidden width walked in tiles, each tile's
     end state stored as it is computed: the reads [b, dv]."""
     M1, S1, M2, S2 = (state[k] for k in ("M/W1", "S/W1", "M/W2", "S/W2"))
@@ -385,7 +392,7 @@ def _forward_mlp(load, state, interpret: bool):
             return rw, rs, rh
         return _tile_loop(nt, one)
 
-    return _mlp_chunk(*[load[x]() for x in _INPUTS], sums, step)
+    return _mlp_chunk(*[load[x]() for x in _INPUTS], sums, step, start)
 
 
 def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
@@ -410,7 +417,8 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
 
     fresh = lambda: (fresh_load("q"), fresh_load("k"))
     hh, hsq, w2, eh = _tile_loop(nt, lambda j: _tile_sums(fresh()[1], *start(j)[::2]))
-    coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2)
+    first = i * k.shape[0]  # the chunk's first token
+    coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2, start=first)
     A, c, s, *rest = coefs
     e = _surprise(eh, v)
     qka = _scores_weights(q, k, A)
@@ -432,7 +440,8 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
     init = (zero(q), zero(k), de, zero(qka), dc, ds, *map(zero, rest))
     dq, dk, de, dqka, dc, ds, *drest = _tile_loop(nt, step_back, init)
     dq2, dk2, dA2 = jax.vjp(_scores_weights, q, k, A)[1](dqka)
-    dk3, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(_coefficients, k, theta, eta, alpha, hh, hsq, w2)[1](
+    coefficients = functools.partial(_coefficients, start=first)
+    dk3, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(coefficients, k, theta, eta, alpha, hh, hsq, w2)[1](
         (dA + dA2, dc, ds, *drest))
     deh, dv = jax.vjp(_surprise, eh, v)[1](de)
 
@@ -469,7 +478,7 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         t = tile(i, chunk)
         load = _chunk_input(inputs, t)
         if kind == "mlp":
-            y_ref[t, :] = _forward_mlp(load, state, interpret)
+            y_ref[t, :] = _forward_mlp(load, state, interpret, i * chunk)
             return carry
         env = {}
 
