@@ -91,10 +91,14 @@ def _coefficients(k, theta, eta, alpha, hh=None, hsq=None, w2=None, *, start=0):
     scores' weights), c, s [t], a_end, w [j], c_end, s_end, s_decay (scalars). The MLP memory's
     normaliser uses its hidden layer h's sums over the hidden width (`_tile_sums`: hh = h h^T,
     hsq = |h_i|^2) and w2 = |W2|^2; the linear memory's only the keys. `start`: the chunk's first
-    token (any integer gives the same result; a loop index keeps the kernels' triangle per chunk)."""
+    token (any integer gives the same result; a loop index keeps the kernels' masks per chunk)."""
     b = k.shape[0]
-    row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
+    # the masks from positions in the sequence (`start`: a loop index in the kernels), not
+    # constants: the 0/1 triangle `mine` that a product takes (and its transpose in the backward)
+    # was hoisted by Triton out of the chunk loop with its shared-memory copies (two each under
+    # tf32x3), 64 KiB alive for the whole backward kernel at chunk 64
+    row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0) + start
+    col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1) + start
     lower = row >= col  # [i, j]: i >= j
     mine = row <= col  # [j, t]: j <= t
 
@@ -121,13 +125,7 @@ def _coefficients(k, theta, eta, alpha, hh=None, hsq=None, w2=None, *, start=0):
         nu = hsq + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
         inner = jnp.abs(hh) + GELU_SLOPE**2 * inner * w2
     rs = jax.lax.rsqrt(nu)
-    # the triangle as positions in the sequence (`start`: the chunk's first token, a loop index in
-    # the kernels), not as a constant: a constant matrix's shared-memory copies (two each under
-    # tf32x3, and its transpose's in the backward) were hoisted out of the chunk loop by Triton,
-    # 64 KiB alive for the whole backward kernel at chunk 64
-    pos = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0) + start
-    triangle = (pos <= jax.lax.broadcasted_iota(jnp.int32, (b, b), 1) + start).astype(jnp.float32)  # = mine
-    rows = dot(inner * rs[:, None] * rs[None, :], triangle)  # [i, t]: row i summed over j <= t
+    rows = dot(inner * rs[:, None] * rs[None, :], mine.astype(jnp.float32))  # [i, t]: row i summed over j <= t
     lam = jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=0), 1.0)  # [t], over rows i <= t
 
     a = theta * (1.0 - eta) / nu  # [j]
@@ -363,6 +361,15 @@ def _tiles(W1, W2, j: int | jax.Array, th: int, first_rows=None):
     return W1.at[tile(i, dk), tile(j, th)], W2.at[tile(i * (hidden // th) + j, th), :]
 
 
+def _in_loop(x, j):
+    """x, tied to loop index j (a select that is always true, and that no compiler pass can prove
+    so): a [b, b] matrix a loop's products take would otherwise be hoisted out of the loop by
+    Triton with its shared-memory copies (under tf32x3, two per operand), alive through the loop
+    and what precedes it; tied, each copy lives for one iteration's product. Same value."""
+    row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(row + j >= j, x, jnp.zeros_like(x))
+
+
 def _tile_loop(n: int, fn, init=None):
     """The sum over tiles j < n of `fn(j)` (a tuple of arrays), as one loop (an scf.for in Triton:
     the tile's arithmetic is compiled once, not once per tile), from `init` (default zeros)."""
@@ -423,12 +430,13 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
     e = _surprise(eh, v)
     qka = _scores_weights(q, k, A)
     mid = (e, qka, c, s, *rest)
-    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*fresh(), *mid, *start(j))[:3])
+    tied = lambda j: (e, _in_loop(qka, j), *mid[2:])  # qka's copies per tile, not hoisted out of both loops
+    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*fresh(), *tied(j), *start(j))[:3])
 
     d_rw, d_rs, d_rh, dA, de, dc, ds = jax.vjp(_tail, rw, rs, rh, A, e, c, s)[1](dy)
 
     def step_back(j):  # tile j's part of the cotangents of `mid`; its state's stored
-        _, pull = jax.vjp(_tile_step, *fresh(), *mid, *start(j))
+        _, pull = jax.vjp(_tile_step, *fresh(), *tied(j), *start(j))
         refs = (*_tiles(dM1, dM2, j, th), *_tiles(dS1, dS2, j, th))
         ends = tuple(_load(r, interpret) for r in (refs[0], refs[2], refs[1], refs[3]))  # W1', S1', W2', S2'
         *d_mid, dW1, dS1_, dW2, dS2_ = pull((d_rw, d_rs, d_rh, *ends))
@@ -440,7 +448,9 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
     init = (zero(q), zero(k), de, zero(qka), dc, ds, *map(zero, rest))
     dq, dk, de, dqka, dc, ds, *drest = _tile_loop(nt, step_back, init)
     dq2, dk2, dA2 = jax.vjp(_scores_weights, q, k, A)[1](dqka)
-    coefficients = functools.partial(_coefficients, start=first)
+    # another start than the recomputation's (the same values): the two computations identical,
+    # Triton merged them and kept a decay matrix's shared-memory copy from one to the other
+    coefficients = functools.partial(_coefficients, start=first + k.shape[0])
     dk3, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(coefficients, k, theta, eta, alpha, hh, hsq, w2)[1](
         (dA + dA2, dc, ds, *drest))
     deh, dv = jax.vjp(_surprise, eh, v)[1](de)
