@@ -283,9 +283,9 @@ def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
     """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
     'pallas' or 'scan'. auto is the scan on every backend: on a CPU the kernel only runs
-    interpreted, far slower; on a GPU its speed is not measured yet (on an H200 on 2026-11-28
-    its check, at `highest` precision, took 6 min 23 s to compile and nothing was timed:
-    docs/benchmarks/2026-11-28-h200.md). `pallas` is the kernel as asked."""
+    interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
+    the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
+    "Why the kernel is slower than the scan"). `pallas` is the kernel as asked."""
     backend = backend or jax.default_backend()
     if impl == "pallas" and backend == "gpu" and (why := gpu_unsupported(kind, chunk, dim, hidden)):
         raise ConfigError(f"model.nl_lm.memory_impl=pallas: {why}")
