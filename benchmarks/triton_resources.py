@@ -15,7 +15,9 @@ most) and bytes spilled to local memory per thread (each spill is a round trip t
 kernel's inner loop), and how long each phase of the compilation took on this machine: Triton's
 MLIR passes (ttir, ttgir), LLVM IR (llir), PTX (ptx), ptxas (cubin). XLA runs the same phases on
 the GPU's host before the first step, so a kernel that takes minutes here stalls a run's start.
-`--precision highest` captures the kernels as they are traced under
+Exits 1, naming each kernel (forward or backward, its config) whose shared memory is over
+227 KiB (232,448 bytes): a check to run by hand before a GPU session, with and without
+`--precision highest`. `--precision highest` captures the kernels as they are traced under
 `jax.default_matmul_precision("highest")` (benchmarks/memory_kernel.py's check compiles them so).
 
 An estimate, not the GPU's own compilation: jaxlib's XLA compiles the same module with the Triton
@@ -100,6 +102,15 @@ def _kernels(config: str) -> dict[str, tuple[str, int, int]]:
     names = ["attention forward", "attention dK/dV", "attention dQ"]
     out |= {f"{n} (head {hd}, window {nl.window})": text for n, text in zip(names, captured_modules(grad, ((x, x, x),)))}
     return out
+
+
+def over_limit(rows: list[dict]) -> list[str]:
+    """One line per compiled kernel (a row of `compiled`, with its config and kernel name) whose
+    shared memory is over what one block of an H100 or H200 may have: XLA refuses it on the GPU
+    (RESOURCE_EXHAUSTED: Shared memory size limit exceeded)."""
+    return [f"{r['config']}: {r['kernel']} at {r['warps']} warps asks for {r['shared_bytes']} bytes of shared "
+            f"memory, over the {HOPPER_SHARED_BYTES} an H100/H200 block has" for r in rows
+            if r["shared_bytes"] > HOPPER_SHARED_BYTES]
 
 
 PHASES = ("ttir", "ttgir", "llir", "ptx", "cubin")  # Triton's compilation stages, in order
@@ -210,7 +221,10 @@ def main(argv=None) -> int:
         Path(args.out).write_text(json.dumps({"triton": __import__("triton").__version__, "target": "sm_90a",
                                               "precision": args.precision, "jax": jax.__version__, "rows": rows},
                                              indent=1))
-    return 0
+    over = over_limit(rows)
+    for line in over:
+        print(f"triton_resources: {line}", file=sys.stderr)
+    return 1 if over else 0
 
 
 if __name__ == "__main__":

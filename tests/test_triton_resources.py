@@ -3,8 +3,10 @@ the warps and stages each pallas_call asks for, found on this CPU-only machine. 
 needs the `triton` package, not a test dependency: the figures are in
 docs/concepts/memory-kernel.md.)"""
 
+import json
 import re
 import sys
+import types
 
 from helpers import ROOT
 
@@ -75,3 +77,28 @@ def test_each_compile_phase_is_timed_and_the_triton_ir_passes_run():
         src = stages[p](src, {})
     assert ran == list(resources.PHASES) and src == "ir>" + ">".join(resources.PHASES)
     assert sorted(seconds) == sorted(resources.PHASES) and all(t >= 0 for t in seconds.values())
+
+
+def test_a_kernel_over_the_hopper_shared_memory_fails_the_check_and_is_named(monkeypatch, capsys, tmp_path):
+    """triton_resources exits 1 and names each kernel (config, forward or backward) whose shared
+    memory is over the 232,448 bytes an H100/H200 block may have (what XLA refused on an H200 for
+    nl_350m's backward under "highest"), 0 when all fit: checked on a fake resource table, since
+    compiling needs the `triton` package and a minute per kernel."""
+    table = {"memory forward (fake)": 232448, "memory backward (fake)": 348160}  # shared bytes per kernel
+    monkeypatch.setattr(resources, "kernels", lambda config, precision: {n: ("module", 8, 1) for n in table})
+    monkeypatch.setattr(resources, "compiled", lambda text, warps, stages, work, names=iter(table): {
+        "warps": warps, "stages": stages, "shared_bytes": table[next(names)], "registers": 255,
+        "spill_store_bytes": 0, "compile_s": {}, "compile_total_s": 0.0, "fits": None})
+    monkeypatch.setitem(sys.modules, "triton", types.SimpleNamespace(__version__="fake"))
+    out = tmp_path / "r.json"
+    assert resources.main(["--config", "nl_350m", "--precision", "highest", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["triton_resources: nl_350m: memory backward (fake) at 8 warps asks for 348160 bytes of shared "
+                   "memory, over the 232448 an H100/H200 block has"]
+    assert [r["shared_bytes"] for r in json.loads(out.read_text())["rows"]] == [232448, 348160]  # written first
+    table["memory backward (fake)"] = 232448
+    monkeypatch.setattr(resources, "compiled", lambda text, warps, stages, work: {
+        "warps": warps, "stages": stages, "shared_bytes": 232448, "registers": 255, "spill_store_bytes": 0,
+        "compile_s": {}, "compile_total_s": 0.0, "fits": True})
+    assert resources.main(["--config", "nl_350m"]) == 0 and capsys.readouterr().err == ""
+    assert resources.over_limit([{"config": "c", "kernel": "k", "warps": 4, "shared_bytes": 232449}]) != []

@@ -86,14 +86,19 @@ def _last(x, axis: int = 0):
     return jnp.sum(jnp.where(idx == n - 1, x, 0.0), axis=axis)
 
 
-def _coefficients(k, theta, eta, alpha, hh=None, hsq=None, w2=None):
+def _coefficients(k, theta, eta, alpha, hh=None, hsq=None, w2=None, *, start=0):
     """The chunk's gate and step-size terms (`memory.chunk_constants`): A [t, j] (the reads'
     scores' weights), c, s [t], a_end, w [j], c_end, s_end, s_decay (scalars). The MLP memory's
     normaliser uses its hidden layer h's sums over the hidden width (`_tile_sums`: hh = h h^T,
-    hsq = |h_i|^2) and w2 = |W2|^2; the linear memory's only the keys."""
+    hsq = |h_i|^2) and w2 = |W2|^2; the linear memory's only the keys. `start`: the chunk's first
+    token (any integer gives the same result; a loop index keeps the kernels' masks per chunk)."""
     b = k.shape[0]
-    row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
+    # the masks from positions in the sequence (`start`: a loop index in the kernels), not
+    # constants: the 0/1 triangle `mine` that a product takes (and its transpose in the backward)
+    # was hoisted by Triton out of the chunk loop with its shared-memory copies (two each under
+    # tf32x3), 64 KiB alive for the whole backward kernel at chunk 64
+    row = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0) + start
+    col = jax.lax.broadcasted_iota(jnp.int32, (b, b), 1) + start
     lower = row >= col  # [i, j]: i >= j
     mine = row <= col  # [j, t]: j <= t
 
@@ -220,12 +225,12 @@ def _stages() -> list:
     ]
 
 
-def _mlp_chunk(q, k, v, theta, eta, alpha, sums, step):
+def _mlp_chunk(q, k, v, theta, eta, alpha, sums, step, start=0):
     """The MLP memory's chunk, its hidden width walked in tiles: `sums(fn)` is fn's sum over the
     tiles of `fn(W1, W2)` (`_tile_sums`), `step(fn)` the same of `fn(W1, S1, W2, S2)` (`_tile_step`'s
     parts of the reads; the caller stores each tile's end state). Returns the reads y."""
     hh, hsq, w2, eh = sums(functools.partial(_tile_sums, k))
-    A, c, s, *coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2)
+    A, c, s, *coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2, start=start)
     e = _surprise(eh, v)
     qka = _scores_weights(q, k, A)
     rw, rs, rh = step(functools.partial(_tile_step, q, k, e, qka, c, s, *coefs))
@@ -278,9 +283,9 @@ def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
     """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
     'pallas' or 'scan'. auto is the scan on every backend: on a CPU the kernel only runs
-    interpreted, far slower; on a GPU its speed is not measured yet (on an H200 on 2026-11-28
-    its check, at `highest` precision, took 6 min 23 s to compile and nothing was timed:
-    docs/benchmarks/2026-11-28-h200.md). `pallas` is the kernel as asked."""
+    interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
+    the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
+    "Why the kernel is slower than the scan"). `pallas` is the kernel as asked."""
     backend = backend or jax.default_backend()
     if impl == "pallas" and backend == "gpu" and (why := gpu_unsupported(kind, chunk, dim, hidden)):
         raise ConfigError(f"model.nl_lm.memory_impl=pallas: {why}")
@@ -356,6 +361,15 @@ def _tiles(W1, W2, j: int | jax.Array, th: int, first_rows=None):
     return W1.at[tile(i, dk), tile(j, th)], W2.at[tile(i * (hidden // th) + j, th), :]
 
 
+def _in_loop(x, j):
+    """x, tied to loop index j (a select that is always true, and that no compiler pass can prove
+    so): a [b, b] matrix a loop's products take would otherwise be hoisted out of the loop by
+    Triton with its shared-memory copies (under tf32x3, two per operand), alive through the loop
+    and what precedes it; tied, each copy lives for one iteration's product. Same value."""
+    row = jax.lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(row + j >= j, x, jnp.zeros_like(x))
+
+
 def _tile_loop(n: int, fn, init=None):
     """The sum over tiles j < n of `fn(j)` (a tuple of arrays), as one loop (an scf.for in Triton:
     the tile's arithmetic is compiled once, not once per tile), from `init` (default zeros)."""
@@ -364,7 +378,7 @@ def _tile_loop(n: int, fn, init=None):
     return jax.lax.fori_loop(0, n, lambda j, total: tuple(a + b for a, b in zip(total, fn(j))), tuple(init))
 
 
-def _forward_mlp(load, state, interpret: bool):
+def _forward_mlp(load, state, interpret: bool, start):
     """One chunk of the MLP memory (`_mlp_chunk`), its hidden width walked in tiles, each tile's
     end state stored as it is computed: the reads [b, dv]."""
     M1, S1, M2, S2 = (state[k] for k in ("M/W1", "S/W1", "M/W2", "S/W2"))
@@ -385,7 +399,7 @@ def _forward_mlp(load, state, interpret: bool):
             return rw, rs, rh
         return _tile_loop(nt, one)
 
-    return _mlp_chunk(*[load[x]() for x in _INPUTS], sums, step)
+    return _mlp_chunk(*[load[x]() for x in _INPUTS], sums, step, start)
 
 
 def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
@@ -410,17 +424,19 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
 
     fresh = lambda: (fresh_load("q"), fresh_load("k"))
     hh, hsq, w2, eh = _tile_loop(nt, lambda j: _tile_sums(fresh()[1], *start(j)[::2]))
-    coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2)
+    first = i * k.shape[0]  # the chunk's first token
+    coefs = _coefficients(k, theta, eta, alpha, hh, hsq, w2, start=first)
     A, c, s, *rest = coefs
     e = _surprise(eh, v)
     qka = _scores_weights(q, k, A)
     mid = (e, qka, c, s, *rest)
-    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*fresh(), *mid, *start(j))[:3])
+    tied = lambda j: (e, _in_loop(qka, j), *mid[2:])  # qka's copies per tile, not hoisted out of both loops
+    rw, rs, rh = _tile_loop(nt, lambda j: _tile_step(*fresh(), *tied(j), *start(j))[:3])
 
     d_rw, d_rs, d_rh, dA, de, dc, ds = jax.vjp(_tail, rw, rs, rh, A, e, c, s)[1](dy)
 
     def step_back(j):  # tile j's part of the cotangents of `mid`; its state's stored
-        _, pull = jax.vjp(_tile_step, *fresh(), *mid, *start(j))
+        _, pull = jax.vjp(_tile_step, *fresh(), *tied(j), *start(j))
         refs = (*_tiles(dM1, dM2, j, th), *_tiles(dS1, dS2, j, th))
         ends = tuple(_load(r, interpret) for r in (refs[0], refs[2], refs[1], refs[3]))  # W1', S1', W2', S2'
         *d_mid, dW1, dS1_, dW2, dS2_ = pull((d_rw, d_rs, d_rh, *ends))
@@ -432,7 +448,10 @@ def _backward_mlp(load, fresh_load, saved, d_state, dy, i, interpret: bool):
     init = (zero(q), zero(k), de, zero(qka), dc, ds, *map(zero, rest))
     dq, dk, de, dqka, dc, ds, *drest = _tile_loop(nt, step_back, init)
     dq2, dk2, dA2 = jax.vjp(_scores_weights, q, k, A)[1](dqka)
-    dk3, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(_coefficients, k, theta, eta, alpha, hh, hsq, w2)[1](
+    # another start than the recomputation's (the same values): the two computations identical,
+    # Triton merged them and kept a decay matrix's shared-memory copy from one to the other
+    coefficients = functools.partial(_coefficients, start=first + k.shape[0])
+    dk3, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(coefficients, k, theta, eta, alpha, hh, hsq, w2)[1](
         (dA + dA2, dc, ds, *drest))
     deh, dv = jax.vjp(_surprise, eh, v)[1](de)
 
@@ -469,7 +488,7 @@ def _forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         t = tile(i, chunk)
         load = _chunk_input(inputs, t)
         if kind == "mlp":
-            y_ref[t, :] = _forward_mlp(load, state, interpret)
+            y_ref[t, :] = _forward_mlp(load, state, interpret, i * chunk)
             return carry
         env = {}
 
