@@ -12,7 +12,8 @@
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
 #            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, scanned 63 s, batch
 #            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
-#            210 s: the first call gets through about the first four, a second call the next ones
+#            211 s: the first call gets through about the first three or four (an estimate: the
+#            first three have not run yet), a second call the next ones
 #            (`benchmarks/gpu_suite.sh OUT fused350m_best8 fused350m vs_pytorch kernel`).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
