@@ -116,7 +116,9 @@ run() {  # name, then the command; a failed bench is reported and the suite goes
   "${cap[@]}" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
   if [ $rc -eq 0 ]; then
     tail -n 30 "$OUT/$name.log"
-  elif [ ${#cap[@]} -gt 0 ] && { [ $rc -eq 124 ] || [ $rc -eq 137 ]; }; then  # timeout's own codes: not the bench's failure
+  elif [ ${#cap[@]} -gt 0 ] && { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ $((SECONDS - t0)) -ge "$left" ]; then
+    # timeout's own codes once the cap has passed: not the bench's failure (a bench the kernel's
+    # OOM killer ends also exits 137, but before its cap)
     echo "STOPPED ($name): SUITE_BUDGET_S=$SUITE_BUDGET_S ran out after $((SECONDS - t0)) s, see $OUT/$name.log"
     echo "stopped by the suite's budget (SUITE_BUDGET_S=$SUITE_BUDGET_S) after $((SECONDS - t0)) s" >> "$OUT/$name.log"
   else
