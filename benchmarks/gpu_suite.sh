@@ -107,7 +107,8 @@ run() {  # name, then the command; a failed bench is reported and the suite goes
   local cap=()
   if [ "${SUITE_BUDGET_S:-0}" -gt 0 ]; then  # what is left of the call's budget caps this bench
     local left=$((SUITE_BUDGET_S - SECONDS))
-    if [ $left -lt "${SUITE_MIN_S:-30}" ]; then echo "== $name: skipped, ${left} s left of SUITE_BUDGET_S=$SUITE_BUDGET_S"; return; fi
+    # at least 1 s whatever SUITE_MIN_S says: `timeout 0` would not cap the bench at all
+    if [ $left -lt "${SUITE_MIN_S:-30}" ] || [ $left -lt 1 ]; then echo "== $name: skipped, ${left} s left of SUITE_BUDGET_S=$SUITE_BUDGET_S"; return; fi
     cap=(timeout --kill-after=10 $left)
   fi
   echo "== $name: $*"
