@@ -12,7 +12,8 @@
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
 #            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, scanned 63 s, batch
 #            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
-#            210 s: the first call gets through about the first four, a second call the next ones
+#            211 s: the first call gets through about the first three or four (an estimate: the
+#            first three have not run yet), a second call the next ones
 #            (`benchmarks/gpu_suite.sh OUT fused350m_best8 fused350m vs_pytorch kernel`).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
@@ -106,7 +107,8 @@ run() {  # name, then the command; a failed bench is reported and the suite goes
   local cap=()
   if [ "${SUITE_BUDGET_S:-0}" -gt 0 ]; then  # what is left of the call's budget caps this bench
     local left=$((SUITE_BUDGET_S - SECONDS))
-    if [ $left -lt "${SUITE_MIN_S:-30}" ]; then echo "== $name: skipped, ${left} s left of SUITE_BUDGET_S=$SUITE_BUDGET_S"; return; fi
+    # at least 1 s whatever SUITE_MIN_S says: `timeout 0` would not cap the bench at all
+    if [ $left -lt "${SUITE_MIN_S:-30}" ] || [ $left -lt 1 ]; then echo "== $name: skipped, ${left} s left of SUITE_BUDGET_S=$SUITE_BUDGET_S"; return; fi
     cap=(timeout --kill-after=10 $left)
   fi
   echo "== $name: $*"
@@ -115,7 +117,9 @@ run() {  # name, then the command; a failed bench is reported and the suite goes
   "${cap[@]}" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
   if [ $rc -eq 0 ]; then
     tail -n 30 "$OUT/$name.log"
-  elif [ ${#cap[@]} -gt 0 ] && { [ $rc -eq 124 ] || [ $rc -eq 137 ]; }; then  # timeout's own codes: not the bench's failure
+  elif [ ${#cap[@]} -gt 0 ] && { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ $((SECONDS - t0)) -ge "$left" ]; then
+    # timeout's own codes once the cap has passed: not the bench's failure (a bench the kernel's
+    # OOM killer ends also exits 137, but before its cap)
     echo "STOPPED ($name): SUITE_BUDGET_S=$SUITE_BUDGET_S ran out after $((SECONDS - t0)) s, see $OUT/$name.log"
     echo "stopped by the suite's budget (SUITE_BUDGET_S=$SUITE_BUDGET_S) after $((SECONDS - t0)) s" >> "$OUT/$name.log"
   else

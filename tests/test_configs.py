@@ -21,8 +21,9 @@ CONFIGS = sorted(str(p) for p in config.PACKAGED.glob("*.yaml"))
 # tests`) leaves them out and `.ci/run` runs them after it (`pytest -m big tests`). Unscanned, one float32 step of nl_350m needs 22.8 GB on XLA:CPU, whose
 # scheduler keeps every block's activations with or without remat (compiled memory_analysis).
 BIG = {"nl_350m.yaml", "nl_gpu.yaml", "titans_demo.yaml"}
-# nl_350m ships the forms fastest on a GPU (model.remat=memory, unrolled blocks), which hold more
-# than the CI machine's 24 GB on XLA:CPU; here it runs block remat and scanned layers: the same
+# nl_350m ships the forms fastest on a GPU (model.remat=memory, unrolled blocks); unrolled, XLA:CPU
+# needs 22.8 GB already with block remat (above), more than the 24 GiB CI machine can spare beside
+# the suite, and model.remat=memory keeps more; here it runs block remat and scanned layers: the same
 # step at the same shapes (remat and the layer scan change how a step is computed, not what:
 # tests/test_nl_model.py), as float32 stands in for its bf16.
 CPU_FORMS = {"nl_350m.yaml": ["model.remat=block", "model.nl_lm.scan_layers=true"]}

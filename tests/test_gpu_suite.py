@@ -83,19 +83,24 @@ def test_an_unknown_part_stops_the_suite_before_anything_runs(tmp_path):
 def test_a_bench_the_budget_stops_is_stopped_not_failed(tmp_path):
     """A bench still running when SUITE_BUDGET_S runs out is killed by `timeout` and reported as
     STOPPED (its log says so), not as the bench's own failure: on 2026-11-28 a batch-128 row the
-    budget cut read `FAILED` with an empty log. A bench that fails by itself still says FAILED."""
+    budget cut read `FAILED` with an empty log. A bench that fails by itself still says FAILED, also
+    when it is killed (exit 137) before the budget's cap."""
     fake = tmp_path / "python"
+    # the suite's `-c` check (model.dtype exists) answered at once, not by importing nljax: that
+    # import takes seconds on a loaded machine, and the budget left after it must stay >= SUITE_MIN_S
     fake.write_text(f"""#!/bin/sh
-case "$1" in -c|benchmarks/gpu_summary.py) exec {sys.executable} "$@" ;; esac
-case "$*" in *batch_size=128*) sleep 30 ;; *) exit 3 ;; esac
+case "$1" in -c) exit 0 ;; benchmarks/gpu_summary.py) exec {sys.executable} "$@" ;; esac
+case "$*" in *batch_size=128*) sleep 30 ;; *memory_unroll=4*) kill -9 $$ ;; *) exit 3 ;; esac
 """)
     fake.chmod(0o755)
     out = tmp_path / "out"
-    r = suite(out, "b128", SUITE_BUDGET_S="8", SUITE_MIN_S="1", PYTHON=str(fake))  # the import check takes seconds
+    r = suite(out, "b128", SUITE_BUDGET_S="4", SUITE_MIN_S="1", PYTHON=str(fake))
     assert "STOPPED (bench_titans_demo_b128_memory)" in r.stdout and "FAILED (bench_titans_demo_b128" not in r.stdout, r.stdout
     assert "stopped by the suite's budget" in (out / "bench_titans_demo_b128_memory.log").read_text()
-    r = suite(out, "fused350m", SUITE_BUDGET_S="30", SUITE_MIN_S="1", PYTHON=str(fake))
+    r = suite(out, "fused350m", "fused350m_memunroll", SUITE_BUDGET_S="30", SUITE_MIN_S="1", PYTHON=str(fake))
     assert "FAILED (bench_nl_350m_fused, exit 3)" in r.stdout, r.stdout
+    # killed (as by the OOM killer) well before its cap: timeout's code, but the bench's failure
+    assert "FAILED (bench_nl_350m_fused_memunroll, exit 137)" in r.stdout, r.stdout
 
 
 def test_the_suite_reads_as_bash():

@@ -273,7 +273,7 @@ def _walk(program: Program, events: list[dict], by: int) -> list[list[tuple[str,
     out, last = [], None
     for e in events:
         kernel = e["name"]
-        places = program.named.get(kernel) or program.named.get(re.sub(r"_(\d+)$", r".\1", kernel))
+        places = program.named.get(kernel)  # `named` holds both spellings, `.N` and `_N`
         hlo_op = e["args"]["hlo_op"]
         if not places and "cuda_graph_id" not in e["args"] and hlo_op not in program.buffers:
             places = program.named.get(hlo_op)  # a thunk of its own: its instruction
