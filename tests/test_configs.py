@@ -25,7 +25,8 @@ BIG = {"nl_350m.yaml", "nl_gpu.yaml", "titans_demo.yaml"}
 # needs 22.8 GB already with block remat (above), more than the 24 GiB CI machine can spare beside
 # the suite, and model.remat=memory keeps more; here it runs block remat and scanned layers: the same
 # step at the same shapes (remat and the layer scan change how a step is computed, not what:
-# tests/test_nl_model.py), as float32 stands in for its bf16.
+# tests/test_nl_model.py), as float32 stands in for its bf16. The shipped forms are traced at the real
+# shapes below, without compiling.
 CPU_FORMS = {"nl_350m.yaml": ["model.remat=block", "model.nl_lm.scan_layers=true"]}
 NL_CONFIGS = [pytest.param(p, marks=[pytest.mark.big] if Path(p).name in BIG else [])
               for p in CONFIGS if config.load(p).model.name == "nl_lm"]
@@ -52,6 +53,34 @@ def test_first_steps_at_real_shapes(path):
     for leaf in jax.tree.leaves(state.memory):
         assert bool(np.isfinite(np.asarray(leaf)).all())
 
+
+
+@pytest.mark.parametrize("name", sorted(CPU_FORMS))
+def test_the_shipped_forms_trace_at_real_shapes_with_the_same_levels(name):
+    """What the real-shape check above swaps out, checked without compiling: the config as shipped
+    (e.g. nl_350m's model.remat=memory and unrolled blocks) traces a gradient at its real shapes
+    (one row, its sequence length), and its parameters fall into the CMS levels in the same
+    numbers as the forms the check runs (the layer scan stacks them per unit; the count must not
+    move)."""
+    import jax.numpy as jnp
+
+    from nljax.models import build
+    from nljax.parallel import levels
+
+    def shaped(overrides):
+        cfg = config.load(str(config.PACKAGED / name), ["train.batch_size=1", *overrides])
+        model = build(cfg)
+        params = jax.eval_shape(model.init, jax.random.key(0))
+        n = len(cfg.cms.periods)
+        return cfg, model, params, levels.level_sizes(params, levels.assign(params, model.level_of, n), n)
+
+    cfg, model, params, shipped = shaped([])
+    assert shipped == shaped(CPU_FORMS[name])[3]
+    memory = jax.eval_shape(lambda: model.init_memory(1))
+    batch = {"tokens": jax.ShapeDtypeStruct((1, cfg.train.seq_len + 1), jnp.int32),
+             "reset": jax.ShapeDtypeStruct((1,), jnp.bool_)}
+    grads = jax.eval_shape(lambda p, m, b: jax.grad(lambda p: model.apply(p, m, b)[0])(p), params, memory, batch)
+    assert jax.tree.map(lambda g: g.shape, grads) == jax.tree.map(lambda p: p.shape, params)
 
 # The DiT configs train on 32x32x3 arrays the user brings (images.source=file): here random ones of
 # that shape (`nljax.bench.synthetic_images`), which is all a step's shapes depend on. `big`:
