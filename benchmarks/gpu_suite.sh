@@ -95,6 +95,12 @@ if [ -n "${GPU_SUITE_DRY_RUN:-}" ]; then  # the summary says so too
   echo "dry run (GPU_SUITE_DRY_RUN): tiny shapes, one step each; nothing here is a measurement" | tee "$OUT/DRY_RUN"
 fi
 
+# the card, the software and the code, for the report (a GPU figure names its card)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi: none"
+  $PY -c "import jax, jaxlib, sys; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices(), 'python', sys.version.split()[0])"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo 'unknown (no .git here)')"
+} > "$OUT/machine.txt" 2>&1
+
 # bf16 compute for nljax once mixed precision (model.dtype, item 2) exists; float32 before.
 if $PY -c "import sys, nljax.config as c; sys.exit('dtype' not in c.ModelConfig.__dataclass_fields__)"; then
   BF16=(model.dtype=bfloat16)

@@ -122,5 +122,6 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     for trace in ("trace_nl_350m_fused", "trace_nl_350m_fused_best"):  # kept for the profile's placement
         assert (tmp_path / trace / "program.hlo.txt").exists()
+    assert "jax " in (tmp_path / "machine.txt").read_text()  # the card and software, for the report
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("DRY RUN") and "GPU paths, scanned" in summary and "FAILED" not in r.stdout, r.stdout
