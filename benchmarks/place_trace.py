@@ -27,7 +27,6 @@ sys.path.insert(0, str(ROOT))
 from nljax.measure import traces  # noqa: E402  (after the path: a checkout need not be installed)
 
 
-_OPCODE = re.compile(r"(?:^|[\s)\]}])([a-z][\w\-]*)\(")
 _KEEP = re.compile(r'custom_call_target="[^"]*"|\b(?:calls|body|condition|to_apply)=%?[\w.\-]+|branch_computations=\{[^}]*\}')
 
 
@@ -35,14 +34,14 @@ def small_hlo(text: str) -> str:
     """The scheduled computations, each instruction cut to its opcode, operands, callees,
     library call and op_name/deduplicated_name (shapes and backend configs dropped)."""
     comps = traces.computations(text)
-    fused = {m for ins in comps.values() for _, rest in ins for m in re.findall(r"\bcalls=%?([\w.\-]+)", rest)}
+    fused = traces.fused_computations(comps)
     lines = ["HloModule jit_train_step, is_scheduled=true"]
     for comp, ins in comps.items():
         if comp in fused:
             continue
         lines.append(f"%{comp} () -> () {{")
         for name, rest in ins:
-            opcode = _OPCODE.search(rest)
+            opcode = traces.OPCODE.search(rest)
             operands = sorted(set(re.findall(r"%([\w.\-]+)", rest.split("metadata=")[0])))
             line = f"  %{name} = t {opcode.group(1) if opcode else 'unknown'}({', '.join('%' + o for o in operands)})"
             line += "".join(", " + m.group(0) for m in _KEEP.finditer(rest))

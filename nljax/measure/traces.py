@@ -95,6 +95,20 @@ def scope(op_name: str | None) -> str:
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s+=\s+(.*)$")
 _CALLED = re.compile(r"(?:to_apply|body|condition)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+OPCODE = re.compile(r"(?:^|[\s)\]}])([a-z][\w\-]*)\(")  # an instruction's opcode, after its shape
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")  # a fusion's computation: one kernel, not scheduled
+
+
+def _callees(rest: str):
+    """The computations an instruction runs as loops, calls or branches (not fusions: `_FUSED`)."""
+    for c in _CALLED.finditer(rest):
+        yield from [c.group(1)] if c.group(1) else re.findall(r"%?([\w.\-]+)", c.group(2))
+
+
+def fused_computations(comps: dict) -> set[str]:
+    """The computations that fusions call (`computations`' keys), which are kernels' bodies."""
+    return {m for ins in comps.values() for _, rest in ins for m in _FUSED.findall(rest)}
 
 
 def computations(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
@@ -130,13 +144,11 @@ def command_buffers(hlo_text: str) -> dict[str, list[tuple[str, str]]]:
         out = []
         for name, rest in comps[comp]:
             if m := _OP_NAME.search(rest):  # its category by its name, opcode and library call
-                opcode = re.search(r"(?:^|\s)([a-z][\w\-]*)\(", rest)
-                target = re.search(r'custom_call_target="([^"]*)"', rest)
+                opcode, target = OPCODE.search(rest), _TARGET.search(rest)
                 what = f"{name} {opcode.group(1) if opcode else ''} {target.group(1) if target else ''}"
                 out.append((category(what), m.group(1)))
-            for c in _CALLED.finditer(rest):
-                for callee in ([c.group(1)] if c.group(1) else re.findall(r"%?([\w.\-]+)", c.group(2))):
-                    out += contents(callee, seen)
+            for callee in _callees(rest):
+                out += contents(callee, seen)
         return out
 
     inside = {c: contents(c, set()) for c in comps if c.startswith("command_buffer")}
@@ -204,8 +216,7 @@ class Program:
         comps = computations(hlo_text)
         self.names = op_names(hlo_text)
         self.buffers = command_buffers(hlo_text) if "command_buffer" in hlo_text else {}
-        fused = {m for _, rest in (x for ins in comps.values() for x in ins)
-                 for m in re.findall(r"\bcalls=%?([\w.\-]+)", rest)}
+        fused = fused_computations(comps)
         self.code: dict[str, list[tuple[str, str, str | None]]] = {}  # computation -> (name, kind, op_name)
         self.named: dict[str, list[tuple[str, int]]] = {}
         self._caller: dict[str, tuple[str, int]] = {}  # computation -> the instruction calling it
@@ -220,18 +231,15 @@ class Program:
                 for operand in set(re.findall(r"%([\w.\-]+)", rest)):
                     if operand in index:
                         users.setdefault(index[operand], []).append(i)
-                opcode = re.search(r"(?:^|[\s)\]}])([a-z][\w\-]*)\(", rest)
-                target = re.search(r'custom_call_target="([^"]*)"', rest)
-                op = _OP_NAME.search(rest)
+                opcode, target, op = OPCODE.search(rest), _TARGET.search(rest), _OP_NAME.search(rest)
                 code.append((name, _kind(opcode.group(1) if opcode else "", target.group(1) if target else ""),
                              op.group(1) if op else None))
                 dedup = re.search(r'deduplicated_name="([^"]*)"', rest)
                 for n in {name, name.replace(".", "_"), *((dedup.group(1), dedup.group(1).replace(".", "_"))
                                                           if dedup else ())}:
                     self.named.setdefault(n, []).append((comp, i))
-                for c in _CALLED.finditer(rest):
-                    for callee in ([c.group(1)] if c.group(1) else re.findall(r"%?([\w.\-]+)", c.group(2))):
-                        self._caller[callee] = (comp, i)
+                for callee in _callees(rest):
+                    self._caller[callee] = (comp, i)
 
     def naming(self, kernel: str) -> list[tuple[str, int]]:
         """The Pallas/custom calls whose op_name names `kernel` (Pallas names both after the function)."""
