@@ -4,13 +4,12 @@ answer is known (the bench's smoke test profiles a real step)."""
 import gzip
 import json
 import sys
-from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 from nljax.measure import traces
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import place_trace  # noqa: E402  (benchmarks/ is no package)
 
