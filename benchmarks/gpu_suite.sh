@@ -5,16 +5,17 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: fused350m_best b128 titans_unroll fused350m_graphs fused350m_best8 fused350m
-#            vs_pytorch kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
+#            they matter: fused350m_best fused350m_parallel titans_unroll b128 fused350m_parallel4
+#            fused350m_graphs fused350m_best8 fused350m vs_pytorch kernel fused350m_unrolled
+#            fused350m_memunroll fused350m_kernel paths.
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
 #            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, scanned 63 s, batch
 #            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
 #            211 s: the first call gets through about the first three or four (an estimate: the
-#            first three have not run yet), a second call the next ones
-#            (`benchmarks/gpu_suite.sh OUT fused350m_best8 fused350m vs_pytorch kernel`).
+#            first four have not run yet), a second call the next ones (`benchmarks/gpu_suite.sh OUT
+#            fused350m_parallel4 fused350m_graphs fused350m_best8 vs_pytorch kernel`).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
@@ -32,6 +33,10 @@
 #   fused350m_best     the two that were faster on 2026-11-28 together (unrolled, memory_unroll=4),
 #                      profiled, its trace and compiled program kept (OUT/trace_nl_350m_fused_best)
 #   fused350m_best8    the same with 8 inner-loop chunks per loop iteration
+#   fused350m_parallel unrolled with model.nl_lm.memory_impl=parallel (the loop carries the end states
+#                      alone, the reads of all chunks after it at once: half the products per chunk),
+#                      profiled
+#   fused350m_parallel4 the same with memory_unroll=4
 #   fused350m_graphs   fused350m_best with XLA's while loops inside CUDA graphs (each inner-loop
 #                      iteration's predicate is otherwise read by the host: 2 x 4 layers x 32 chunks
 #                      round trips per step, fewer with memory_unroll)
@@ -39,8 +44,9 @@
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
-#                      (model.nl_lm.memory_unroll), interleaved and profiled: its step is bound by its
-#                      kernel count, which unrolling lowers (nl_350m: 21,557 -> 17,179 at 4)
+#                      (model.nl_lm.memory_unroll), and memory_impl=parallel at 1 and 4, interleaved and
+#                      profiled: its step is bound by its kernel count, which unrolling lowers (nl_350m:
+#                      21,557 -> 17,179 at 4) and the parallel form's shorter loop body too
 #   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
 #
 # Parts of issue 17:
@@ -73,8 +79,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(fused350m_best b128 titans_unroll fused350m_graphs fused350m_best8 fused350m vs_pytorch kernel fused350m_unrolled
-         fused350m_memunroll fused350m_kernel paths)
+ISSUE44=(fused350m_best fused350m_parallel titans_unroll b128 fused350m_parallel4 fused350m_graphs fused350m_best8
+         fused350m vs_pytorch kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -263,6 +269,16 @@ part_fused350m_best8() {
   fused350m _best8 model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=8
 }
 
+part_fused350m_parallel() {
+  # the reads out of the inner loop (model.nl_lm.memory_impl=parallel): its loop body has half the
+  # products per chunk; measured on a CPU only (1.3-1.6x slower there: more products in all)
+  fused350m _parallel model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel
+}
+
+part_fused350m_parallel4() {
+  fused350m _parallel4 model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=4
+}
+
 part_fused350m_graphs() {
   # an XLA that does not know the flag fails this row only
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
@@ -305,6 +321,7 @@ part_vs_pytorch() {
 part_titans_unroll() {
   local v=()
   for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_unroll=$u"); done
+  for u in 1 4; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=$u"); done
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
   run ab_titans_unroll $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_unroll.json"

@@ -1,5 +1,5 @@
-"""The fused Pallas memory kernel against the scan, alone (issue 44: its forward + backward >= 3x
-the scan's at titans_demo's and nl_350m's memory shapes).
+"""The fused Pallas memory kernel and the parallel-reads form against the scan, alone (issue 44:
+the kernel's forward + backward >= 3x the scan's at titans_demo's and nl_350m's memory shapes).
 
     python benchmarks/memory_kernel.py [--shapes titans_demo,nl_350m] [--rounds R] [--warmup W]
                                        [--interpret] [--out FILE.json]
@@ -8,7 +8,7 @@ For each packaged config named in --shapes (or `tiny`: a few chunks of small hea
 smoke test with --interpret), at its memory shapes (train.batch_size rows x memory_heads, seq_len
 tokens, memory_kind/dim/hidden/chunk; one memory layer):
 
-- check: the kernel's reads, final state and gradients (w.r.t. q, k, v, the gates and the
+- check: the kernel's (and `memory_parallel`'s) reads, final state and gradients (w.r.t. q, k, v, the gates and the
   initial state) against `memory_forward`'s, under `jax.default_matmul_precision("highest")`
   (Triton and XLA would otherwise both take TF32 on a GPU, each rounding its own way): the
   scan's products full float32, the kernel's three TF32 products each (`memory_kernel._products`:
@@ -65,17 +65,20 @@ def inputs(s: dict, seed: int = 0):
     return state, (q, k, v, *gates)
 
 
-KERNELS = ("kernel", "kernel, scan backward")  # the fused kernels, against "scan"
+KERNELS = ("kernel", "kernel, scan backward")  # the fused kernels, against "scan" (the target is theirs)
+VARIANTS = (*KERNELS, "parallel")  # each checked against the scan and timed (model.nl_lm.memory_impl=parallel)
 FWD, FWD_BWD = "forward", "forward+backward"
 
 
 def implementations(s: dict, interpret: bool) -> dict:
-    """The scan as the model runs it with remat, the kernel, and the kernel's forward with the
-    fallback backward (a reverse scan of the chunk's vjp)."""
+    """The scan as the model runs it with remat, the kernel, the kernel's forward with the
+    fallback backward (a reverse scan of the chunk's vjp), and the scan of end states with the
+    reads taken out of the loop (`memory_parallel`)."""
     kw = dict(kind=s["kind"], chunk=s["chunk"])
     return {"scan": lambda st, a: nm.memory_forward(st, *a, remat=True, **kw),
             "kernel": lambda st, a: mk.memory_kernel(st, *a, interpret=interpret, **kw),
-            "kernel, scan backward": lambda st, a: mk.memory_kernel(st, *a, interpret=interpret, backward="scan", **kw)}
+            "kernel, scan backward": lambda st, a: mk.memory_kernel(st, *a, interpret=interpret, backward="scan", **kw),
+            "parallel": lambda st, a: nm.memory_parallel(st, *a, **kw)}
 
 
 def loss_and_outputs(fn):
@@ -101,7 +104,7 @@ def check(impls: dict, state, args) -> dict:
     out = {}
     with jax.default_matmul_precision("highest"):
         g_s, out_s = grads(impls["scan"])
-        for k in KERNELS:
+        for k in VARIANTS:
             try:
                 g_k, out_k = grads(impls[k])
             except Exception as e:  # noqa: BLE001 - reported, the other variants go on
@@ -141,7 +144,7 @@ def bench(name: str, args) -> dict:
     med = timed(calls, args.warmup, args.rounds)
     out["median_ms"] = {k: v * 1e3 for k, v in med.items()}
     out["speedup"] = {k: {m: med[f"scan {m}"] / med[f"{k} {m}"] for m in (FWD, FWD_BWD)
-                          if f"{k} {m}" in med and f"scan {m}" in med} for k in KERNELS}
+                          if f"{k} {m}" in med and f"scan {m}" in med} for k in VARIANTS}
     out["target_met"] = any(out["check"][k]["ok"] and out["speedup"][k].get(FWD_BWD, 0) >= TARGET for k in KERNELS)
     return out
 
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
     for name, r in res["shapes"].items():
         ms = r["median_ms"]
         print(f"{name} {r['shapes']}: scan fwd+bwd {ms.get('scan ' + FWD_BWD, float('nan')):.2f} ms")
-        for k in KERNELS:
+        for k in VARIANTS:
             c, sp = r["check"][k], r["speedup"][k]
             print(f"  {k}: check {'ok' if c['ok'] else 'FAILED'} {c.get('max_rel_err', c.get('error'))}; fwd+bwd "
                   f"{ms.get(f'{k} {FWD_BWD}', float('nan')):.2f} ms ({sp.get(FWD_BWD, float('nan')):.2f}x, target >= "

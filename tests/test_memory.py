@@ -23,26 +23,32 @@ def inputs(kind, seed=0, gates=True):
     return state, (q, k, v, theta, eta, alpha)
 
 
+# the inner loop's two XLA forms (model.nl_lm.memory_impl scan and parallel), each against the definition
+FORMS = {"scan": nm.memory_forward, "parallel": nm.memory_parallel}
+
+
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("chunk", [1, 4, T])
-def test_chunk_parallel_equals_sequential(kind, chunk):
+def test_chunk_parallel_equals_sequential(kind, chunk, form):
     state, args = inputs(kind)
-    y, st = nm.memory_forward(state, *args, kind=kind, chunk=chunk)
+    y, st = FORMS[form](state, *args, kind=kind, chunk=chunk)
     y_ref, st_ref = nm.memory_reference(state, *args, kind=kind, chunk=chunk)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
     for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-def test_gradients_match_sequential(kind):
+def test_gradients_match_sequential(kind, form):
     state, args = inputs(kind, seed=1)
 
     def objective(fn, state, args):
         y, st = fn(state, *args, kind=kind, chunk=4)
         return jnp.sum(jnp.sin(y)) + sum(jnp.sum(jnp.cos(x)) for x in jax.tree.leaves(st))
 
-    g = jax.grad(objective, argnums=(1, 2))(nm.memory_forward, state, args)
+    g = jax.grad(objective, argnums=(1, 2))(FORMS[form], state, args)
     g_ref = jax.grad(objective, argnums=(1, 2))(nm.memory_reference, state, args)
     for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -173,7 +173,7 @@ def test_select():
 
 
 def test_unknown_memory_impl_is_one_line_error():
-    line = r"model.nl_lm.memory_impl' must be one of \['auto', 'scan', 'pallas'\], got 'fast'"
+    line = r"model.nl_lm.memory_impl' must be one of \['auto', 'scan', 'parallel', 'pallas'\], got 'fast'"
     with pytest.raises(ConfigError, match=line):
         config.load(None, ["model.nl_lm.memory_impl=fast"])
 
@@ -223,12 +223,14 @@ def test_benchmark_runs_interpreted(tmp_path):
     assert memory_kernel.main(argv) == 0
     r = json.loads(out.read_text())["shapes"]["tiny"]
     assert not r["errors"] and all(c["ok"] and c["max_rel_err"]["grads"] < 1e-5 for c in r["check"].values())
-    assert set(r["check"]) == set(memory_kernel.KERNELS)
+    assert set(r["check"]) == set(memory_kernel.VARIANTS) == {*memory_kernel.KERNELS, "parallel"}
     assert set(r["median_ms"]) == {"scan forward", "scan forward+backward", "kernel forward", "kernel forward+backward",
-                                   "kernel, scan backward forward+backward"}
+                                   "kernel, scan backward forward+backward", "parallel forward",
+                                   "parallel forward+backward"}
     rows = gpu_summary.memory_kernel_lines(json.loads(out.read_text()))
-    assert len(rows) == 2
-    assert all(r.startswith(("MET", "MISS")) and "tiny's shapes" in r and "check ok" in r for r in rows)
+    assert len(rows) == 3
+    assert all("tiny's shapes" in r and "check ok" in r for r in rows)
+    assert [r.split()[0] for r in rows][-1] == "info" and all(r.startswith(("MET", "MISS")) for r in rows[:2])
 
 
 def test_resume_may_change_memory_impl_with_a_warning(tmp_path):

@@ -46,6 +46,8 @@ with `lax.scan`. `memory_reference` is the plain token-by-token version used by 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -103,16 +105,24 @@ class Features:
             return self.kk + NU_FLOOR
         return jnp.sum(self.h * self.h, axis=-1) + GELU_SLOPE**2 * self.kk * self.w2[..., None] + NU_FLOOR
 
-    def chunk_scale(self, nu: jax.Array) -> jax.Array:
+    def _curvature(self, nu: jax.Array) -> jax.Array:
+        """[B, H, i, j]: ||J_i J_j^T|| / sqrt(nu_i nu_j), bounded as in the module docstring."""
         inner = self.k_gram if self.k_gram is not None else jnp.abs(jnp.einsum("bhid,bhjd->bhij", self.k, self.k))
         if self.kind == "mlp":
             inner = (jnp.abs(jnp.einsum("bhif,bhjf->bhij", self.h, self.h))
                      + GELU_SLOPE**2 * inner * self.w2[..., None, None])
         rs = jax.lax.rsqrt(nu)
-        rows = jnp.cumsum(inner * rs[..., :, None] * rs[..., None, :], axis=-1)  # [B, H, i, t]: row i over j <= t
+        return inner * rs[..., :, None] * rs[..., None, :]
+
+    def chunk_scale(self, nu: jax.Array) -> jax.Array:
+        rows = jnp.cumsum(self._curvature(nu), axis=-1)  # [B, H, i, t]: row i over j <= t
         b = rows.shape[-1]
         mine = jnp.arange(b)[:, None] <= jnp.arange(b)[None, :]  # row i is one of the tokens <= t
         return jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=-2), 1.0)  # [B, H, t]
+
+    def chunk_bound(self, nu: jax.Array) -> jax.Array:
+        """`chunk_scale`'s last entry alone (the whole chunk's), without the running sums.  [B, H]"""
+        return jnp.maximum(jnp.max(jnp.sum(self._curvature(nu), axis=-1), axis=-1), 1.0)
 
     def pieces(self, M: PyTree, v: jax.Array):
         """Per layer, each token's gradient of l_t at M as (input x [B,H,b,n_in], output grad d
@@ -170,18 +180,44 @@ def _bcast(c: jax.Array, x: jax.Array) -> jax.Array:
     return c.reshape(c.shape + (1,) * (x.ndim - c.ndim))
 
 
+def _end_state(M: PyTree, S: PyTree, pieces, a, lam_end, const: dict, kind: str) -> PyTree:
+    """The chunk's end state (what the next chunk starts from) from its chunk-start state, its
+    tokens' gradient pieces (`Features.pieces`), their steps a [B, H, j] before lambda and the whole
+    chunk's lambda [B, H]. Each layer's two updates, M's (weights A[b - 1, j]) and S's (w_j), are
+    one product with the coefficients stacked: one matrix product per layer, not two."""
+    a = a / lam_end[..., None]
+    coef = jnp.stack([const["keep_mom"][..., -1, :] * a, const["mom_last"] * a], axis=-2)  # [B, H, 2, j]
+    c, s, s_decay = const["c"][..., -1], const["s"][..., -1], const["s_decay"]
+    new_m, new_s = {}, {}
+    for name, (x, d) in zip(layers(kind), pieces):
+        upd = jnp.einsum("bhcji,bhjo->bhcio", coef[..., None] * x[:, :, None], d)  # [B, H, 2, n_in, n_out]
+        new_m[name] = _bcast(c, M[name]) * M[name] + _bcast(s, S[name]) * S[name] - upd[:, :, 0]
+        new_s[name] = _bcast(s_decay, S[name]) * S[name] - upd[:, :, 1]
+    return {"M": new_m, "S": new_s}
+
+
+def chunk_end(state: PyTree, k, v, theta, eta, const: dict, kind: str) -> PyTree:
+    """One chunk's end state alone: `chunk_step` without its reads (no queries, no running
+    curvature bounds, no [b, b] read weights). What `memory_parallel`'s sequential loop runs."""
+    M, S = state["M"], state["S"]
+    f = Features(M, k, kind, const["kk"], const["k_gram"])
+    nu = f.normaliser()
+    return _end_state(M, S, f.pieces(M, v), theta * (1.0 - eta) / nu, f.chunk_bound(nu), const, kind)
+
+
 def chunk_step(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
-    """One chunk.  q, k [B, H, b, dk], v [B, H, b, dv], gates [B, H, b], `const`: this chunk's
-    `chunk_constants`."""
+    """One chunk: (end state, reads [B, H, b, dv]).  q, k [B, H, b, dk], v [B, H, b, dv], gates
+    [B, H, b], `const`: this chunk's `chunk_constants`."""
     M, S = state["M"], state["S"]
     f = Features(M, k, kind, const["kk"], const["k_gram"])
     nu = f.normaliser()  # [B, H, b]
     lam = f.chunk_scale(nu)  # [B, H, t]: over the tokens <= t; the last over the whole chunk
     a = theta * (1.0 - eta) / nu  # [B, H, j]: the steps before lambda
     A = const["keep_mom"] * a[..., None, :] / lam[..., :, None]  # [B, H, t, j]: read t's weights
-    s, c, w, s_decay = const["s"], const["c"], a * const["mom_last"] / lam[..., -1:], const["s_decay"]
-    new_m, new_s, r = {}, {}, q  # r: the query's input to the current layer  [B, H, b, n_in]
-    for i, (name, (x, d)) in enumerate(zip(layers(kind), f.pieces(M, v))):
+    s, c = const["s"], const["c"]
+    pieces = f.pieces(M, v)
+    r = q  # the query's input to the current layer  [B, H, b, n_in]
+    for i, (name, (x, d)) in enumerate(zip(layers(kind), pieces)):
         if i:
             r = jax.nn.gelu(r)
         # r W_t = c_t r W + s_t r S - sum_j A[t, j] (r_t . x_j) d_j
@@ -189,10 +225,27 @@ def chunk_step(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
         r = (_bcast(c, r) * jnp.einsum("bhti,bhio->bhto", r, M[name])
              + _bcast(s, r) * jnp.einsum("bhti,bhio->bhto", r, S[name])
              - jnp.einsum("bhtj,bhjo->bhto", scores, d))
-        new_m[name] = (_bcast(c[..., -1], M[name]) * M[name] + _bcast(s[..., -1], S[name]) * S[name]
-                       - jnp.einsum("bhji,bhjo->bhio", x * A[..., -1, :, None], d))
-        new_s[name] = _bcast(s_decay, S[name]) * S[name] - jnp.einsum("bhji,bhjo->bhio", x * w[..., None], d)
-    return {"M": new_m, "S": new_s}, r
+    return _end_state(M, S, pieces, a, lam[..., -1], const, kind), r
+
+
+def _chunks(q, k, v, theta, eta, alpha, chunk: int):
+    """The inputs as chunks for `lax.scan`: ((q, k, v, theta, eta), `chunk_constants`), leaves
+    [n, B, H, b, ...]."""
+    t = q.shape[2]
+    if t % chunk:
+        raise ValueError(f"sequence length {t} is not a multiple of the memory chunk {chunk}")
+    n = t // chunk
+
+    def split(x):  # [B, H, T, ...] -> [B, H, n, b, ...]
+        return x.reshape(x.shape[:2] + (n, chunk) + x.shape[3:])
+
+    const = chunk_constants(split(k), split(eta), split(alpha))  # leaves [B, H, n, ...]
+    return jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), (tuple(split(x) for x in (q, k, v, theta, eta)), const))
+
+
+def _unchunk(ys, q):
+    """Reads [n, B, H, b, dv] -> [B, H, T, dv]."""
+    return jnp.moveaxis(ys, 0, 2).reshape(q.shape[:3] + ys.shape[-1:])
 
 
 def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, remat: bool = False,
@@ -204,16 +257,7 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
     exact). The memory-independent `chunk_constants` ([b, b] weights included) are computed for
     all chunks before the loop and kept: 2 B H T b floats per layer.
     `unroll`: chunks per loop iteration (XLA fuses across them; fewer, larger kernels)."""
-    t = q.shape[2]
-    if t % chunk:
-        raise ValueError(f"sequence length {t} is not a multiple of the memory chunk {chunk}")
-    n = t // chunk
-
-    def split(x):  # [B, H, T, ...] -> [B, H, n, b, ...]
-        return x.reshape(x.shape[:2] + (n, chunk) + x.shape[3:])
-
-    const = chunk_constants(split(k), split(eta), split(alpha))  # leaves [B, H, n, ...]
-    xs = jax.tree.map(lambda x: jnp.moveaxis(x, 2, 0), (tuple(split(x) for x in (q, k, v, theta, eta)), const))
+    xs = _chunks(q, k, v, theta, eta, alpha, chunk)
     state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
 
     def body(carry, inp):
@@ -221,9 +265,75 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
 
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    state, ys = jax.lax.scan(body, state, xs, unroll=min(unroll, n))  # ys [n, B, H, b, dv]
-    y = jnp.moveaxis(ys, 0, 2).reshape(q.shape[:3] + ys.shape[-1:])
-    return y, state
+    state, ys = jax.lax.scan(body, state, xs, unroll=min(unroll, xs[0][0].shape[0]))
+    return _unchunk(ys, q), state
+
+
+def _starts(state: PyTree, xs, kind: str, unroll: int):
+    """The sequential part: (final state, every chunk's start state, leaves [n, B, H, ...])."""
+    def body(carry, inp):
+        (_, k, v, theta, eta), const = inp
+        return chunk_end(carry, k, v, theta, eta, const, kind), carry
+
+    return jax.lax.scan(body, state, xs, unroll=min(unroll, xs[0][0].shape[0]))
+
+
+def _all_reads(starts: PyTree, xs, kind: str):
+    """Every chunk's reads from its start state, all chunks at once (the chunk axis one more batch
+    axis of `chunk_step`'s products): [n, B, H, b, dv]."""
+    (q, k, v, theta, eta), const = xs
+    return jax.vmap(lambda st, *a: chunk_step(st, *a, kind)[1])(starts, q, k, v, theta, eta, const)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _parallel(state, xs, kind, unroll):
+    final, starts = _starts(state, xs, kind, unroll)
+    return _all_reads(starts, xs, kind), final
+
+
+def _parallel_fwd(state, xs, kind, unroll):
+    final, starts = _starts(state, xs, kind, unroll)
+    return (_all_reads(starts, xs, kind), final), (starts, xs)
+
+
+def _parallel_bwd(kind, unroll, res, cotangents):
+    """The reads pulled back all at once (recomputed from the saved start states), then the end
+    states chunk by chunk in reverse, each chunk's start-state cotangent its end state's pulled
+    back through `chunk_end` plus what its reads gave."""
+    starts, xs = res
+    dys, d_final = cotangents
+    d_starts, d_xs = jax.vjp(lambda st, x: _all_reads(st, x, kind), starts, xs)[1](dys)
+    (_, *rest), const = xs
+
+    def body(d_end, inp):
+        start, ins, const, d_read = inp
+        _, pull = jax.vjp(lambda st, ins, const: chunk_end(st, *ins, const, kind), start, ins, const)
+        d_start, d_ins, d_const = pull(d_end)
+        return jax.tree.map(jnp.add, d_start, d_read), (d_ins, d_const)
+
+    d_state, (d_ins, d_const) = jax.lax.scan(body, d_final, (starts, tuple(rest), const, d_starts), reverse=True,
+                                             unroll=min(unroll, xs[0][0].shape[0]))
+    (dq, *d_rest), d_const_reads = d_xs
+    loop = (dq, *(a + b for a, b in zip(d_rest, d_ins))), jax.tree.map(jnp.add, d_const_reads, d_const)
+    return d_state, loop
+
+
+_parallel.defvjp(_parallel_fwd, _parallel_bwd)
+
+
+def memory_parallel(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, unroll: int = 1):
+    """`memory_forward`'s result with the reads taken out of the loop: a `lax.scan` of
+    `chunk_end` (the end states alone) carries the memory from chunk to chunk, then every chunk's
+    reads are computed from its start state at once, as one batched computation. The loop, whose
+    length is what a GPU runs one chunk after another, has half the matrix products per chunk
+    and no [b, b] read weights; the reads cost the per-token features a second time (about 1.6x
+    the scan's products at titans_demo's shapes). The backward pass keeps only the chunk-start
+    states (as `memory_forward(remat=True)`): the reads are pulled back at once, then the end
+    states in reverse, chunk by chunk (`jax.custom_vjp`, reverse mode only)."""
+    xs = _chunks(q, k, v, theta, eta, alpha, chunk)
+    state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
+    ys, final = _parallel(state, xs, kind, unroll)
+    return _unchunk(ys, q), final
 
 
 def memory_reference(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int):

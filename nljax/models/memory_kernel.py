@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from nljax.errors import ConfigError
-from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers, memory_forward
+from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers, memory_forward, memory_parallel
 from nljax.models.tiles import dot, dot_t, t_dot, tile
 
 _SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi), of gelu's tanh approximation (jax.nn.gelu's default)
@@ -273,10 +273,13 @@ def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
 
 def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat: bool, unroll: int):
     """`model.nl_lm.memory_impl`'s inner loop: (state, q, k, v, theta, eta, alpha) -> (y, state).
-    The kernel always keeps only the chunk-start states for its backward pass (as `remat` does);
-    `unroll` is the scan's."""
-    if select(impl, kind, chunk, dim, hidden) == "pallas":
+    The kernel and `memory.memory_parallel` always keep only the chunk-start states for their
+    backward pass (as `remat` does); `unroll` is the scans'."""
+    form = select(impl, kind, chunk, dim, hidden)
+    if form == "pallas":
         return functools.partial(memory_kernel, kind=kind, chunk=chunk)
+    if form == "parallel":  # keeps only the chunk-start states, whatever `remat` says
+        return functools.partial(memory_parallel, kind=kind, chunk=chunk, unroll=unroll)
     return functools.partial(memory_forward, kind=kind, chunk=chunk, remat=remat, unroll=unroll)
 
 
@@ -285,7 +288,8 @@ def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str
     'pallas' or 'scan'. auto is the scan on every backend: on a CPU the kernel only runs
     interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
     the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
-    "Why the kernel is slower than the scan"). `pallas` is the kernel as asked."""
+    "Why the kernel is slower than the scan"). `pallas` is the kernel as asked, `parallel`
+    (`memory.memory_parallel`) and `scan` run on every backend."""
     backend = backend or jax.default_backend()
     if impl == "pallas" and backend == "gpu" and (why := gpu_unsupported(kind, chunk, dim, hidden)):
         raise ConfigError(f"model.nl_lm.memory_impl=pallas: {why}")

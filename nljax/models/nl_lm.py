@@ -65,10 +65,13 @@ class NlLmConfig:
     memory_out_norm: bool = True  # RMS-normalise each memory head's read
     memory_out_gate: bool = True  # gate the read with sigmoid(W x)
     memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
-    # the inner loop as a lax.scan over chunks (scan) or as fused Pallas kernels, one launch per
-    # layer for all chunks (pallas: experimental, 3.1-3.6x slower than the scan on an H200; on a
-    # CPU in interpret mode: slow, for checking); auto: the scan (docs/concepts/memory-kernel.md)
-    memory_impl: Literal["auto", "scan", "pallas"] = "auto"
+    # the inner loop: a lax.scan over chunks (scan); a scan that carries the end states alone,
+    # then every chunk's reads at once (parallel: half the products per sequential chunk, more
+    # in all; 1.3-1.6x slower on a CPU, its GPU speed not yet measured); or fused Pallas kernels,
+    # one launch per layer for all chunks (pallas: experimental, 3.1-3.6x slower than the scan on
+    # an H200; on a CPU in interpret mode: slow, for checking); auto: the scan
+    # (docs/concepts/memory-kernel.md)
+    memory_impl: Literal["auto", "scan", "parallel", "pallas"] = "auto"
     # the memory reads its block's normalised stream plus the normalised token embeddings: a
     # memory after the first block then learns the recall probe
     # (docs/experiments/2026-11-27-where-the-memory-goes.md)
@@ -220,7 +223,7 @@ class NeuralMemory(nn.Module):
     dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
     remat: bool = False  # recompute each chunk's internals (memory.memory_forward) and the conv in the backward pass
     unroll: int = 1  # chunks per loop iteration of the inner loop
-    impl: str = "auto"  # auto | scan | pallas: the inner loop's implementation (memory_kernel.inner_loop)
+    impl: str = "auto"  # auto | scan | parallel | pallas: the inner loop's implementation (memory_kernel.inner_loop)
     tp: int = 1  # tensor-parallel shards: each holds heads / tp memory heads, their state and weights
     axis: str | None = None
 

@@ -1,0 +1,106 @@
+"""The inner loop with its reads taken out of the loop (`memory.memory_parallel`,
+model.nl_lm.memory_impl=parallel) computes what the scan (`memory_forward`) computes: reads, final
+states and gradients, at chunk sizes 1 to 64 with rows and heads > 1; its loop runs half the
+scan's matrix products per chunk; a training run through it equals one through the scan. (Both
+forms against the token-by-token definition: tests/test_memory.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import TINY_NL, assert_trees_close, make, train
+from nljax.models import memory as nm
+from nljax.models import memory_kernel as mk
+from test_memory_kernel import assert_close, assert_grads_close, inputs, outputs_and_grads
+
+
+@pytest.mark.parametrize("kind,chunk,t", [("linear", 1, 8), ("mlp", 4, 16), ("linear", 16, 64), ("mlp", 16, 48),
+                                          ("mlp", 64, 128)])
+def test_parallel_equals_the_scan_outputs_and_gradients(kind, chunk, t):
+    state, args = inputs(kind, t, seed=chunk)
+    ref, ref_grads = outputs_and_grads(nm.memory_forward, kind, chunk, state, args)
+    out, grads = outputs_and_grads(nm.memory_parallel, kind, chunk, state, args)
+    assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # eta's gradient is ill-conditioned at chunk 64 (assert_grads_close): 2.1e-4 of its scale there
+    assert_grads_close(grads, ref_grads, 5e-4 if chunk == 64 else 2e-5)
+
+
+def test_parallel_unrolled_and_remat_scan_agree():
+    """memory_unroll reaches both of the parallel form's loops (forward and backward), and the scan
+    with remat (what the parallel form's backward keeps: the chunk-start states) is the same too."""
+    state, args = inputs("mlp", 32, seed=3)
+    ref, ref_grads = outputs_and_grads(lambda *a, **kw: nm.memory_forward(*a, remat=True, **kw), "mlp", 4, state, args)
+    out, grads = outputs_and_grads(lambda *a, **kw: nm.memory_parallel(*a, unroll=3, **kw), "mlp", 4, state, args)
+    assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads, 2e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_chunk_end_is_the_end_state_of_chunk_step(kind):
+    state, (q, k, v, theta, eta, alpha) = inputs(kind, 8, seed=5)
+    const = nm.chunk_constants(k, eta, alpha)
+    end, _ = nm.chunk_step(state, q, k, v, theta, eta, const, kind)
+    assert_close(nm.chunk_end(state, k, v, theta, eta, const, kind), end, rtol=1e-6, atol=1e-6)
+
+
+def loop_products(fn, kind: str) -> list[int]:
+    """The matrix products in each `lax.scan` body of the gradient of fn's inner loop (the
+    forward's loop, then the backward's), counted in the jaxpr, nested calls included."""
+    state, args = inputs(kind, 64, d=16, hid=32)
+
+    def loss(state, args):
+        y, st = fn(state, *args, kind=kind, chunk=16)
+        return jnp.sum(y) + sum(jnp.sum(x) for x in jax.tree.leaves(st))
+
+    def inner(j):
+        j = getattr(j, "jaxpr", j)
+        return j if hasattr(j, "eqns") else inner(j)
+
+    def products(j):
+        return sum((e.primitive.name == "dot_general") + sum(products(inner(p)) for p in e.params.values()
+                                                             if hasattr(p, "jaxpr") or hasattr(p, "eqns"))
+                   for e in j.eqns)
+
+    def loops(j):
+        for e in j.eqns:
+            if e.primitive.name == "scan":
+                yield products(inner(e.params["jaxpr"]))
+            else:
+                for p in e.params.values():
+                    if hasattr(p, "jaxpr") or hasattr(p, "eqns"):
+                        yield from loops(inner(p))
+
+    return list(loops(inner(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, args))))
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_the_parallel_loop_has_at_most_half_the_products_per_chunk(kind):
+    """What the form is for: a GPU runs a loop's chunks one after another, each body a few dozen
+    small kernels; the parallel form's loops (forward and backward) have at most half the scan's
+    matrix products per chunk (MLP memory: 6 and 18 against 14 and 39)."""
+    scan = loop_products(lambda *a, **kw: nm.memory_forward(*a, remat=True, **kw), kind)
+    parallel = loop_products(nm.memory_parallel, kind)
+    assert len(scan) == len(parallel) == 2 and min(parallel) > 0, (scan, parallel)
+    assert all(2 * p <= s for p, s in zip(parallel, scan)), (scan, parallel)
+
+
+def test_memory_impl_parallel_is_selected_on_every_backend():
+    ok = dict(kind="mlp", chunk=8, dim=8, hidden=8)  # shapes the Triton kernel could not take
+    assert {mk.select("parallel", **ok, backend=b) for b in ("cpu", "gpu")} == {"parallel"}
+    fn = mk.inner_loop("parallel", "linear", 4, 8, 8, remat=False, unroll=2)
+    assert fn.func is nm.memory_parallel and fn.keywords == {"kind": "linear", "chunk": 4, "unroll": 2}
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_training_through_the_parallel_form_equals_the_scan(kind):
+    """Three steps of a tiny nl_lm with memory_impl=parallel on a (1, 2) mesh equal
+    memory_impl=scan on one device: losses, parameters (memory0's gradient reaches it through the
+    rows' resets) and every row's carried memory."""
+    base = [*TINY_NL, f"model.nl_lm.memory_kind={kind}", "model.nl_lm.memory_dim=4", "data.reset_prob=0.3",
+            "cms.periods=[1]"]
+    losses_ref, state_ref = train(make([*base, "model.nl_lm.memory_impl=scan"]), 3)
+    losses, state = train(make([*base, "model.nl_lm.memory_impl=parallel"], 1, 2), 3)
+    np.testing.assert_allclose(losses, losses_ref, rtol=2e-5)
+    assert_trees_close(state.params, state_ref.params, rtol=1e-4, atol=2e-5)
+    assert_trees_close(state.memory, state_ref.memory, rtol=1e-4, atol=2e-5)
