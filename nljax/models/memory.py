@@ -41,7 +41,9 @@ gradient is an outer product x_j^T d_j per layer (the layer's input and its outp
 M_t is a linear combination of them with scalar weights A[t, j] built from cumulative log-gates.
 A read q_t M_t therefore needs only masked [b, b] products ((q x^T) ⊙ A) d, never a per-token copy
 of the memory: cost O(b² d + b d²) per chunk (plus O(b³) for the scalar weights). Chunks advance
-with `lax.scan`. `memory_reference` is the plain token-by-token version used by tests.
+with `lax.scan` (`memory_forward`); `memory_parallel` carries only the end states through the
+loop (`chunk_end`) and computes every chunk's reads after it, at once. `memory_reference` is the
+plain token-by-token version used by tests.
 """
 
 from __future__ import annotations
