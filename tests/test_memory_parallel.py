@@ -15,8 +15,11 @@ from nljax.models import memory_kernel as mk
 from test_memory_kernel import assert_close, assert_grads_close, inputs, outputs_and_grads
 
 
-@pytest.mark.parametrize("kind,chunk,t", [("linear", 1, 8), ("mlp", 4, 16), ("linear", 16, 64), ("mlp", 16, 48),
-                                          ("mlp", 64, 128)])
+slow = pytest.mark.slow  # the fast tier has chunks 1, 4 and 64, both kinds, and the MLP training run
+
+
+@pytest.mark.parametrize("kind,chunk,t", [("linear", 1, 8), ("mlp", 4, 16), ("mlp", 64, 128),
+                                          *(pytest.param(*c, marks=slow) for c in (("linear", 16, 64), ("mlp", 16, 48)))])
 def test_parallel_equals_the_scan_outputs_and_gradients(kind, chunk, t):
     state, args = inputs(kind, t, seed=chunk)
     ref, ref_grads = outputs_and_grads(nm.memory_forward, kind, chunk, state, args)
@@ -93,7 +96,7 @@ def test_memory_impl_parallel_is_selected_on_every_backend():
     assert fn.func is nm.memory_parallel and fn.keywords == {"kind": "linear", "chunk": 4, "unroll": 2}
 
 
-@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("kind", [pytest.param("linear", marks=slow), "mlp"])
 def test_training_through_the_parallel_form_equals_the_scan(kind):
     """Three steps of a tiny nl_lm with memory_impl=parallel on a (1, 2) mesh equal
     memory_impl=scan on one device: losses, parameters (memory0's gradient reaches it through the
