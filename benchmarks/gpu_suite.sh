@@ -13,9 +13,10 @@
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
 #            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, scanned 63 s, batch
 #            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
-#            211 s: the first call gets through about the first three or four (an estimate: the
-#            first four have not run yet), a second call the next ones (`benchmarks/gpu_suite.sh OUT
-#            fused350m_parallel4 fused350m_graphs fused350m_best8 vs_pytorch kernel`).
+#            211 s: the first call gets through about the first three (an estimate: none of the
+#            first four has run yet; titans_unroll has five variants), a second call the next ones
+#            (`benchmarks/gpu_suite.sh OUT b128 fused350m_parallel4 fused350m_graphs vs_pytorch kernel`:
+#            about three of them fit its budget; the scanned fused350m was measured twice and waits).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
@@ -34,7 +35,8 @@
 #                      profiled, its trace and compiled program kept (OUT/trace_nl_350m_fused_best)
 #   fused350m_best8    the same with 8 inner-loop chunks per loop iteration
 #   fused350m_parallel unrolled with model.nl_lm.memory_impl=parallel (the loop carries the end states
-#                      alone, the reads of all chunks after it at once: half the products per chunk),
+#                      alone, the reads of all chunks after it at once: at most half the products per
+#                      chunk of the scan with remat),
 #                      profiled
 #   fused350m_parallel4 the same with memory_unroll=4
 #   fused350m_graphs   fused350m_best with XLA's while loops inside CUDA graphs (each inner-loop
@@ -46,7 +48,7 @@
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
 #                      (model.nl_lm.memory_unroll), and memory_impl=parallel at 1 and 4, interleaved and
 #                      profiled: its step is bound by its kernel count, which unrolling lowers (nl_350m:
-#                      21,557 -> 17,179 at 4) and the parallel form's shorter loop body too
+#                      21,557 -> 17,179 at 4) and the parallel form's shorter loop bodies are expected to
 #   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
 #
 # Parts of issue 17:
@@ -270,8 +272,9 @@ part_fused350m_best8() {
 }
 
 part_fused350m_parallel() {
-  # the reads out of the inner loop (model.nl_lm.memory_impl=parallel): its loop body has half the
-  # products per chunk; measured on a CPU only (1.3-1.6x slower there: more products in all)
+  # the reads out of the inner loop (model.nl_lm.memory_impl=parallel): its loop bodies have at
+  # most half the products per chunk of the scan with remat; on the 2-core CPU its step was
+  # 1.03-1.07x the scan's (2026-11-28, docs/performance): more products in all
   fused350m _parallel model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel
 }
 

@@ -186,8 +186,9 @@ def _end_state(M: PyTree, S: PyTree, pieces, a, lam_end, const: dict, kind: str,
     """The chunk's end state (what the next chunk starts from) from its chunk-start state, its
     tokens' gradient pieces (`Features.pieces`), their steps a [B, H, j] before lambda and the whole
     chunk's lambda [B, H]. `stacked`: each layer's two updates, M's (weights A[b - 1, j]) and S's
-    (w_j), as one matrix product with the weights stacked (one kernel, not two, in a loop a GPU
-    runs chunk after chunk; on a CPU the scan's step was up to 15% slower so, which keeps two)."""
+    (w_j), as one matrix product with the weights stacked: one product, not two, in
+    `memory_parallel`'s loop, whose length a GPU runs chunk after chunk. The scan keeps two, its
+    operations (and forward values) as they were before the parallel form existed."""
     a_end = const["keep_mom"][..., -1, :] * a / lam_end[..., None]  # A[b - 1, j]
     w = a * const["mom_last"] / lam_end[..., None]
     c, s, s_decay = const["c"][..., -1], const["s"][..., -1], const["s_decay"]
@@ -207,23 +208,15 @@ def _end_state(M: PyTree, S: PyTree, pieces, a, lam_end, const: dict, kind: str,
 def chunk_end(state: PyTree, k, v, theta, eta, const: dict, kind: str) -> PyTree:
     """One chunk's end state alone: `chunk_step` without its reads (no queries, no running
     curvature bounds, no [b, b] read weights). What `memory_parallel`'s sequential loop runs."""
-    M, S = state["M"], state["S"]
-    f = Features(M, k, kind, const["kk"], const["k_gram"])
-    nu = f.normaliser()
-    return _end_state(M, S, f.pieces(M, v), theta * (1.0 - eta) / nu, f.chunk_bound(nu), const, kind, stacked=True)
+    f, pieces, nu, a = _chunk_terms(state, k, v, theta, eta, const, kind)
+    return _end_state(state["M"], state["S"], pieces, a, f.chunk_bound(nu), const, kind, stacked=True)
 
 
-def chunk_step(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
-    """One chunk: (end state, reads [B, H, b, dv]).  q, k [B, H, b, dk], v [B, H, b, dv], gates
-    [B, H, b], `const`: this chunk's `chunk_constants`."""
-    M, S = state["M"], state["S"]
-    f = Features(M, k, kind, const["kk"], const["k_gram"])
-    nu = f.normaliser()  # [B, H, b]
-    lam = f.chunk_scale(nu)  # [B, H, t]: over the tokens <= t; the last over the whole chunk
-    a = theta * (1.0 - eta) / nu  # [B, H, j]: the steps before lambda
+def _reads(M: PyTree, S: PyTree, pieces, q, a, lam, const: dict, kind: str):
+    """A chunk's reads [B, H, b, dv] from its chunk-start state: token t reads the memory its
+    chunk's tokens <= t write, with lambda over them (`lam` [B, H, t], `Features.chunk_scale`)."""
     A = const["keep_mom"] * a[..., None, :] / lam[..., :, None]  # [B, H, t, j]: read t's weights
     s, c = const["s"], const["c"]
-    pieces = f.pieces(M, v)
     r = q  # the query's input to the current layer  [B, H, b, n_in]
     for i, (name, (x, d)) in enumerate(zip(layers(kind), pieces)):
         if i:
@@ -233,6 +226,31 @@ def chunk_step(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
         r = (_bcast(c, r) * jnp.einsum("bhti,bhio->bhto", r, M[name])
              + _bcast(s, r) * jnp.einsum("bhti,bhio->bhto", r, S[name])
              - jnp.einsum("bhtj,bhjo->bhto", scores, d))
+    return r
+
+
+def _chunk_terms(state: PyTree, k, v, theta, eta, const: dict, kind: str):
+    """What a chunk's end state and its reads share, at its chunk-start memory: the features, each
+    token's gradient pieces, nu and the steps a before lambda."""
+    M = state["M"]
+    f = Features(M, k, kind, const["kk"], const["k_gram"])
+    nu = f.normaliser()  # [B, H, b]
+    return f, f.pieces(M, v), nu, theta * (1.0 - eta) / nu
+
+
+def chunk_reads(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
+    """One chunk's reads alone (`chunk_step` without its end state).  [B, H, b, dv]"""
+    f, pieces, nu, a = _chunk_terms(state, k, v, theta, eta, const, kind)
+    return _reads(state["M"], state["S"], pieces, q, a, f.chunk_scale(nu), const, kind)
+
+
+def chunk_step(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
+    """One chunk: (end state, reads [B, H, b, dv]).  q, k [B, H, b, dk], v [B, H, b, dv], gates
+    [B, H, b], `const`: this chunk's `chunk_constants`."""
+    M, S = state["M"], state["S"]
+    f, pieces, nu, a = _chunk_terms(state, k, v, theta, eta, const, kind)
+    lam = f.chunk_scale(nu)  # [B, H, t]: over the tokens <= t; the last over the whole chunk
+    r = _reads(M, S, pieces, q, a, lam, const, kind)
     return _end_state(M, S, pieces, a, lam[..., -1], const, kind, stacked=False), r
 
 
@@ -273,8 +291,13 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
 
     if remat:
         body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-    state, ys = jax.lax.scan(body, state, xs, unroll=min(unroll, xs[0][0].shape[0]))
+    state, ys = jax.lax.scan(body, state, xs, unroll=_loop_unroll(unroll, xs))
     return _unchunk(ys, q), state
+
+
+def _loop_unroll(unroll: int, xs) -> int:
+    """`unroll` chunks per loop iteration, at most the chunks there are."""
+    return min(unroll, xs[0][0].shape[0])
 
 
 def _starts(state: PyTree, xs, kind: str, unroll: int):
@@ -283,25 +306,24 @@ def _starts(state: PyTree, xs, kind: str, unroll: int):
         (_, k, v, theta, eta), const = inp
         return chunk_end(carry, k, v, theta, eta, const, kind), carry
 
-    return jax.lax.scan(body, state, xs, unroll=min(unroll, xs[0][0].shape[0]))
+    return jax.lax.scan(body, state, xs, unroll=_loop_unroll(unroll, xs))
 
 
 def _all_reads(starts: PyTree, xs, kind: str):
     """Every chunk's reads from its start state, all chunks at once (the chunk axis one more batch
-    axis of `chunk_step`'s products): [n, B, H, b, dv]."""
+    axis of `chunk_reads`' products): [n, B, H, b, dv]."""
     (q, k, v, theta, eta), const = xs
-    return jax.vmap(lambda st, *a: chunk_step(st, *a, kind)[1])(starts, q, k, v, theta, eta, const)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _parallel(state, xs, kind, unroll):
-    final, starts = _starts(state, xs, kind, unroll)
-    return _all_reads(starts, xs, kind), final
+    return jax.vmap(lambda st, *a: chunk_reads(st, *a, kind))(starts, q, k, v, theta, eta, const)
 
 
 def _parallel_fwd(state, xs, kind, unroll):
     final, starts = _starts(state, xs, kind, unroll)
     return (_all_reads(starts, xs, kind), final), (starts, xs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _parallel(state, xs, kind, unroll):
+    return _parallel_fwd(state, xs, kind, unroll)[0]
 
 
 def _parallel_bwd(kind, unroll, res, cotangents):
@@ -310,20 +332,20 @@ def _parallel_bwd(kind, unroll, res, cotangents):
     back through `chunk_end` plus what its reads gave."""
     starts, xs = res
     dys, d_final = cotangents
-    d_starts, d_xs = jax.vjp(lambda st, x: _all_reads(st, x, kind), starts, xs)[1](dys)
-    (_, *rest), const = xs
+    d_starts, d_xs_reads = jax.vjp(lambda st, x: _all_reads(st, x, kind), starts, xs)[1](dys)
+    (_, *kv_gates), consts = xs  # q reaches the reads alone
 
     def body(d_end, inp):
         start, ins, const, d_read = inp
-        _, pull = jax.vjp(lambda st, ins, const: chunk_end(st, *ins, const, kind), start, ins, const)
+        _, pull = jax.vjp(lambda st, i, c: chunk_end(st, *i, c, kind), start, ins, const)
         d_start, d_ins, d_const = pull(d_end)
         return jax.tree.map(jnp.add, d_start, d_read), (d_ins, d_const)
 
-    d_state, (d_ins, d_const) = jax.lax.scan(body, d_final, (starts, tuple(rest), const, d_starts), reverse=True,
-                                             unroll=min(unroll, xs[0][0].shape[0]))
-    (dq, *d_rest), d_const_reads = d_xs
-    loop = (dq, *(a + b for a, b in zip(d_rest, d_ins))), jax.tree.map(jnp.add, d_const_reads, d_const)
-    return d_state, loop
+    d_state, (d_ins, d_consts) = jax.lax.scan(body, d_final, (starts, tuple(kv_gates), consts, d_starts),
+                                              reverse=True, unroll=_loop_unroll(unroll, xs))
+    (dq, *d_kv_gates), d_consts_reads = d_xs_reads
+    d_xs = ((dq, *(a + b for a, b in zip(d_kv_gates, d_ins))), jax.tree.map(jnp.add, d_consts_reads, d_consts))
+    return d_state, d_xs
 
 
 _parallel.defvjp(_parallel_fwd, _parallel_bwd)
@@ -333,14 +355,15 @@ def memory_parallel(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chu
     """`memory_forward`'s result with the reads taken out of the loop: a `lax.scan` of
     `chunk_end` (the end states alone) carries the memory from chunk to chunk, then every chunk's
     reads are computed from its start state at once, as one batched computation. The loop, whose
-    length is what a GPU runs one chunk after another, has half the matrix products per chunk
-    and no [b, b] read weights; the reads cost the per-token features a second time (about 1.6x
-    the scan's products at titans_demo's shapes). The backward pass keeps only the chunk-start
-    states (as `memory_forward(remat=True)`): the reads are pulled back at once, then the end
-    states in reverse, chunk by chunk (`jax.custom_vjp`, reverse mode only)."""
-    xs = _chunks(q, k, v, theta, eta, alpha, chunk)
-    state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
-    ys, final = _parallel(state, xs, kind, unroll)
+    length is what a GPU runs one chunk after another, has at most half the matrix products per
+    chunk of the scan with `remat` and no [b, b] read weights; the reads compute the per-token
+    features a second time (about 1.3x the scan's matrix-product FLOPs, forward and backward). The backward
+    pass keeps only the chunk-start states (as `memory_forward(remat=True)`): the reads are pulled
+    back at once, then the end states in reverse, chunk by chunk (`jax.custom_vjp`, reverse mode
+    only). Inputs are taken as float32 (the cotangents of both paths are added in float32)."""
+    f32 = lambda x: x.astype(jnp.float32)
+    xs = _chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
+    ys, final = _parallel(jax.tree.map(f32, state), xs, kind, unroll)
     return _unchunk(ys, q), final
 
 

@@ -285,7 +285,7 @@ def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat
 
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
     """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
-    'pallas' or 'scan'. auto is the scan on every backend: on a CPU the kernel only runs
+    'scan', 'parallel' or 'pallas'. auto is the scan on every backend: on a CPU the kernel only runs
     interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
     the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
     "Why the kernel is slower than the scan"). `pallas` is the kernel as asked, `parallel`
