@@ -30,18 +30,23 @@ def test_parallel_equals_the_scan_outputs_and_gradients(kind, chunk, t):
     assert_grads_close(grads, ref_grads, 5e-4 if chunk == 64 else 1e-4)
 
 
+def test_memory_unroll_reaches_both_loops():
+    """3 chunks per loop iteration in the parallel form's forward loop and in its backward one, at
+    most the chunks there are (4 here)."""
+    unrolled = lambda u: lambda *a, **kw: nm.memory_parallel(*a, unroll=u, **kw)
+    assert [u for _, u in loops_of(unrolled(3), "mlp")] == [3, 3]
+    assert [u for _, u in loops_of(unrolled(9), "mlp")] == [4, 4]
+
+
+@slow  # unrolling changes no value (the fast tier checks that it reaches the loops)
 def test_parallel_unrolled_and_remat_scan_agree():
-    """memory_unroll reaches both of the parallel form's loops (forward and backward: 3 chunks per
-    iteration, at most the chunks there are) and changes no value; the scan with remat (what the
-    parallel form's backward keeps: the chunk-start states) is the same too."""
+    """The unrolled parallel form equals the scan with remat (what the parallel form's backward
+    keeps: the chunk-start states)."""
     state, args = inputs("mlp", 32, seed=3)
-    unrolled = lambda *a, **kw: nm.memory_parallel(*a, unroll=3, **kw)
     ref, ref_grads = outputs_and_grads(lambda *a, **kw: nm.memory_forward(*a, remat=True, **kw), "mlp", 4, state, args)
-    out, grads = outputs_and_grads(unrolled, "mlp", 4, state, args)
+    out, grads = outputs_and_grads(lambda *a, **kw: nm.memory_parallel(*a, unroll=3, **kw), "mlp", 4, state, args)
     assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert_grads_close(grads, ref_grads, 1e-4)
-    assert [u for _, u in loops_of(unrolled, "mlp")] == [3, 3]  # 4 chunks of 16 tokens there
-    assert [u for _, u in loops_of(lambda *a, **kw: nm.memory_parallel(*a, unroll=9, **kw), "mlp")] == [4, 4]
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
