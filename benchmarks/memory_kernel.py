@@ -8,8 +8,8 @@ For each packaged config named in --shapes (or `tiny`: a few chunks of small hea
 smoke test with --interpret), at its memory shapes (train.batch_size rows x memory_heads, seq_len
 tokens, memory_kind/dim/hidden/chunk; one memory layer):
 
-- check: the kernel's (and `memory_parallel`'s) reads, final state and gradients (w.r.t. q, k, v, the gates and the
-  initial state) against `memory_forward`'s, under `jax.default_matmul_precision("highest")`
+- check: the kernel's (and `memory_parallel`'s) reads, final state and gradients (w.r.t. q, k,
+  v, the gates and the initial state) against `memory_forward`'s, under `jax.default_matmul_precision("highest")`
   (Triton and XLA would otherwise both take TF32 on a GPU, each rounding its own way): the
   scan's products full float32, the kernel's three TF32 products each (`memory_kernel._products`:
   Triton's exact float32 products are unrolled per element, and took the backward kernel minutes

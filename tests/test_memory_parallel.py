@@ -18,8 +18,11 @@ from test_memory_kernel import assert_close, assert_grads_close, inputs, outputs
 slow = pytest.mark.slow  # the fast tier has chunks 1, 4 and 64, both kinds, and the MLP training run
 
 
+SLOW_CASES = (("linear", 16, 64), ("mlp", 16, 48))
+
+
 @pytest.mark.parametrize("kind,chunk,t", [("linear", 1, 8), ("mlp", 4, 16), ("mlp", 64, 128),
-                                          *(pytest.param(*c, marks=slow) for c in (("linear", 16, 64), ("mlp", 16, 48)))])
+                                          *(pytest.param(*c, marks=slow) for c in SLOW_CASES)])
 def test_parallel_equals_the_scan_outputs_and_gradients(kind, chunk, t):
     state, args = inputs(kind, t, seed=chunk)
     ref, ref_grads = outputs_and_grads(nm.memory_forward, kind, chunk, state, args)

@@ -357,10 +357,11 @@ def memory_parallel(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chu
     reads are computed from its start state at once, as one batched computation. The loop, whose
     length is what a GPU runs one chunk after another, has at most half the matrix products per
     chunk of the scan with `remat` and no [b, b] read weights; the reads compute the per-token
-    features a second time (about 1.3x the scan's matrix-product FLOPs, forward and backward). The backward
-    pass keeps only the chunk-start states (as `memory_forward(remat=True)`): the reads are pulled
-    back at once, then the end states in reverse, chunk by chunk (`jax.custom_vjp`, reverse mode
-    only). Inputs are taken as float32 (the cotangents of both paths are added in float32)."""
+    features a second time (about 1.3x the scan's matrix-product FLOPs, forward and backward).
+    The backward pass keeps only the chunk-start states (as `memory_forward(remat=True)`): the
+    reads are pulled back at once, then the end states in reverse, chunk by chunk
+    (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the cotangents of both
+    paths are added in float32)."""
     f32 = lambda x: x.astype(jnp.float32)
     xs = _chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
     ys, final = _parallel(jax.tree.map(f32, state), xs, kind, unroll)
