@@ -5,18 +5,19 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: fused350m_best fused350m_parallel titans_unroll b128 fused350m_parallel4
-#            fused350m_graphs fused350m_best8 fused350m vs_pytorch kernel fused350m_unrolled
-#            fused350m_memunroll fused350m_kernel paths.
+#            they matter: fused350m_best kernel_loop fused350m_loop fused350m_parallel titans_unroll
+#            b128 fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m vs_pytorch kernel
+#            fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
 #            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, scanned 63 s, batch
 #            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
-#            211 s: the first call gets through about the first three (an estimate: none of the
-#            first four has run yet; titans_unroll has five variants), a second call the next ones
-#            (`benchmarks/gpu_suite.sh OUT b128 fused350m_parallel4 fused350m_graphs vs_pytorch kernel`:
-#            about three of them fit its budget; the scanned fused350m was measured twice and waits).
+#            211 s (kernel_loop compiles its kernels in seconds offline, not minutes): the first call
+#            gets through about the first four (an estimate: none of the first five has run yet;
+#            titans_unroll has six variants), a second call the next ones (`benchmarks/gpu_suite.sh
+#            OUT titans_unroll b128 fused350m_parallel4 fused350m_graphs vs_pytorch kernel`: about
+#            three of them fit its budget; the scanned fused350m was measured twice and waits).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
@@ -25,6 +26,9 @@
 #                      and segment-sum embedding gradients vs the scatter-add, the chunked cross-entropy vs
 #                      the full one (outputs and gradients on this GPU; each pair's time), at nl_350m's shapes
 #   kernel             the fused inner-loop memory kernel (issue 44, item 2): its own part, below
+#   kernel_loop        the same for the parallel form's loop kernel alone (memory_impl=parallel_pallas)
+#                      and the parallel form (memory_impl=parallel): benchmarks/memory_kernel.py
+#                      --variant "loop kernel" --variant parallel
 #   fused350m          nl_350m with model.remat=memory and the GPU paths (attention auto = the Pallas
 #                      kernel, the one-hot embedding gradient), scanned layers, profiled; the loss is
 #                      not chunked (at a byte vocabulary the chunked loss was the slower, 2026-11-28)
@@ -39,6 +43,8 @@
 #                      chunk of the scan with remat),
 #                      profiled
 #   fused350m_parallel4 the same with memory_unroll=4
+#   fused350m_loop     unrolled with model.nl_lm.memory_impl=parallel_pallas (the parallel form's loop of
+#                      end states as one Pallas kernel per layer, the reads XLA's), profiled
 #   fused350m_graphs   fused350m_best with XLA's while loops inside CUDA graphs (each inner-loop
 #                      iteration's predicate is otherwise read by the host: 2 x 4 layers x 32 chunks
 #                      round trips per step, fewer with memory_unroll)
@@ -46,7 +52,8 @@
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
-#                      (model.nl_lm.memory_unroll), and memory_impl=parallel at 1 and 4, interleaved and
+#                      (model.nl_lm.memory_unroll), memory_impl=parallel at 1 and 4 and
+#                      memory_impl=parallel_pallas, interleaved and
 #                      profiled: its step is bound by its kernel count, which unrolling lowers (nl_350m:
 #                      21,557 -> 17,179 at 4) and the parallel form's shorter loop bodies are expected to
 #   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
@@ -81,8 +88,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(fused350m_best fused350m_parallel titans_unroll b128 fused350m_parallel4 fused350m_graphs fused350m_best8
-         fused350m vs_pytorch kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
+ISSUE44=(fused350m_best kernel_loop fused350m_loop fused350m_parallel titans_unroll b128 fused350m_parallel4
+         fused350m_graphs fused350m_best8 fused350m vs_pytorch kernel fused350m_unrolled fused350m_memunroll
+         fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -249,6 +257,18 @@ part_kernel() {
   fi
 }
 
+part_kernel_loop() {
+  # the parallel form's loop kernel and the parallel form alone, checked against the scan then timed
+  local variants=(--variant "loop kernel" --variant parallel)
+  if [ -n "$DRY" ]; then
+    run memory_loop_kernel $PY benchmarks/memory_kernel.py --shapes tiny --interpret --rounds 1 --warmup 0 \
+      "${variants[@]}" --out "$OUT/memory_loop_kernel.json"
+  else
+    run memory_loop_kernel $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 \
+      "${variants[@]}" --out "$OUT/memory_loop_kernel.json"
+  fi
+}
+
 fused350m() {  # $1: the row's name after bench_nl_350m_fused; then its own overrides or bench flags
   local name=bench_nl_350m_fused$1; shift
   run "$name" $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
@@ -276,6 +296,12 @@ part_fused350m_parallel() {
   # most half the products per chunk of the scan with remat; on the 2-core CPU its step was
   # 1.03-1.07x the scan's (2026-11-28, docs/performance): more products in all
   fused350m _parallel model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel
+}
+
+part_fused350m_loop() {
+  # the parallel form with its loop of end states as one Pallas kernel per layer (interpreted in a
+  # dry run): fewer spills than the whole-chunk kernel's in the offline compile (docs/concepts/memory-kernel.md)
+  fused350m _loop model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel_pallas
 }
 
 part_fused350m_parallel4() {
@@ -325,6 +351,7 @@ part_titans_unroll() {
   local v=()
   for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_unroll=$u"); done
   for u in 1 4; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=$u"); done
+  v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
   run ab_titans_unroll $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_unroll.json"

@@ -82,6 +82,7 @@ def lines(out: Path) -> list[str]:
                        f"{b['flops']['params'] / 1e6:.0f}M parameters; peak {gb(b['memory']['peak_bytes'])})"
                        f"{profiled(b)}"))
     rows += memory_kernel_lines(load(out, "memory_kernel"))
+    rows += memory_kernel_lines(load(out, "memory_loop_kernel"), "loop kernel")
     rows += issue44_lines(out)
     mf, fm = load(out, "bench_dit_b4_meanflow"), load(out, "bench_dit_b4_flow_matching")
     r = mf["mean_step_ms"] / fm["mean_step_ms"] if mf and fm else None
@@ -90,12 +91,12 @@ def lines(out: Path) -> list[str]:
     return rows
 
 
-def memory_kernel_lines(m: dict | None) -> list[str]:
-    """The fused memory kernel against the scan (benchmarks/memory_kernel.py): issue 44's >= 3x,
-    for the kernel and for its forward with the scan's backward (the fallback); the parallel-reads
-    form's ratio alongside ("info": the target is the kernel's)."""
+def memory_kernel_lines(m: dict | None, what: str = "kernel") -> list[str]:
+    """The fused memory kernels against the scan (benchmarks/memory_kernel.py, one JSON): issue
+    44's >= 3x, for the kernel, its forward with the scan's backward (the fallback) and the loop
+    kernel; the parallel-reads form's ratio alongside ("info": the target is the kernels')."""
     if not m:
-        return [f"{verdict(None)}  memory kernel fwd+bwd vs scan: -"]
+        return [f"{verdict(None)}  memory {what} fwd+bwd vs scan: -"]
     rows = [f"MISS  memory kernel at {name}'s shapes: {err}" for name, err in m.get("errors", {}).items()]
     for name, r in m["shapes"].items():
         ms = r["median_ms"]
@@ -130,6 +131,7 @@ def issue44_lines(out: Path) -> list[str]:
                       ("bench_nl_350m_fused_graphs", "unrolled, memory_unroll=4, while loops in CUDA graphs"),
                       ("bench_nl_350m_fused_parallel", "unrolled, memory_impl=parallel"),
                       ("bench_nl_350m_fused_parallel4", "unrolled, memory_impl=parallel, memory_unroll=4"),
+                      ("bench_nl_350m_fused_loop", "unrolled, memory_impl=parallel_pallas"),
                       ("bench_nl_350m_fused_kernel", "scanned, memory_impl=pallas")):
         b = load(out, name)
         mfu = b["mfu_analytic_mean"] if b else None

@@ -1,14 +1,18 @@
-"""The fused Pallas memory kernel and the parallel-reads form against the scan, alone (issue 44:
-the kernel's forward + backward >= 3x the scan's at titans_demo's and nl_350m's memory shapes).
+"""The fused Pallas memory kernels and the parallel-reads form against the scan, alone (issue 44:
+a kernel's forward + backward >= 3x the scan's at titans_demo's and nl_350m's memory shapes).
 
-    python benchmarks/memory_kernel.py [--shapes titans_demo,nl_350m] [--rounds R] [--warmup W]
-                                       [--interpret] [--out FILE.json]
+    python benchmarks/memory_kernel.py [--shapes titans_demo,nl_350m] [--variant V ...] [--rounds R]
+                                       [--warmup W] [--interpret] [--out FILE.json]
+
+Variants (--variant, repeated; default all): kernel (memory_impl=pallas), "kernel, scan backward" (its
+forward with a reverse scan of the chunk's vjp), loop kernel (memory_impl=parallel_pallas: the
+parallel form's loop of end states as a kernel, the reads XLA's) and parallel (memory_impl=parallel).
 
 For each packaged config named in --shapes (or `tiny`: a few chunks of small heads, for a CPU
 smoke test with --interpret), at its memory shapes (train.batch_size rows x memory_heads, seq_len
 tokens, memory_kind/dim/hidden/chunk; one memory layer):
 
-- check: the kernel's (and `memory_parallel`'s) reads, final state and gradients (w.r.t. q, k,
+- check: each variant's reads, final state and gradients (w.r.t. q, k,
   v, the gates and the initial state) against `memory_forward`'s, under `jax.default_matmul_precision("highest")`
   (Triton and XLA would otherwise both take TF32 on a GPU, each rounding its own way): the
   scan's products full float32, the kernel's three TF32 products each (`memory_kernel._products`:
@@ -35,6 +39,7 @@ import jax.numpy as jnp
 from nljax import config
 from nljax.models import memory as nm
 from nljax.models import memory_kernel as mk
+from nljax.models import memory_loop_kernel as ml
 
 TINY = dict(batch=1, heads=2, seq=64, kind="mlp", dim=16, hidden=16, chunk=16)
 TARGET = 3.0  # the kernel's forward + backward against the scan's
@@ -65,19 +70,20 @@ def inputs(s: dict, seed: int = 0):
     return state, (q, k, v, *gates)
 
 
-KERNELS = ("kernel", "kernel, scan backward")  # the fused kernels, against "scan" (the target is theirs)
+KERNELS = ("kernel", "kernel, scan backward", "loop kernel")  # the fused kernels, against "scan" (the target is theirs)
 VARIANTS = (*KERNELS, "parallel")  # each checked against the scan and timed (model.nl_lm.memory_impl=parallel)
 FWD, FWD_BWD = "forward", "forward+backward"
 
 
 def implementations(s: dict, interpret: bool) -> dict:
     """The scan as the model runs it with remat, the kernel, the kernel's forward with the
-    fallback backward (a reverse scan of the chunk's vjp), and the scan of end states with the
-    reads taken out of the loop (`memory_parallel`)."""
+    fallback backward (a reverse scan of the chunk's vjp), the scan of end states with the reads
+    taken out of the loop (`memory_parallel`) and that loop as a kernel (`memory_parallel_kernel`)."""
     kw = dict(kind=s["kind"], chunk=s["chunk"])
     return {"scan": lambda st, a: nm.memory_forward(st, *a, remat=True, **kw),
             "kernel": lambda st, a: mk.memory_kernel(st, *a, interpret=interpret, **kw),
             "kernel, scan backward": lambda st, a: mk.memory_kernel(st, *a, interpret=interpret, backward="scan", **kw),
+            "loop kernel": lambda st, a: ml.memory_parallel_kernel(st, *a, interpret=interpret, **kw),
             "parallel": lambda st, a: nm.memory_parallel(st, *a, **kw)}
 
 
@@ -92,7 +98,7 @@ def _error(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
 
 
-def check(impls: dict, state, args) -> dict:
+def check(impls: dict, state, args, variants=VARIANTS) -> dict:
     """Per kernel: the largest difference from the scan over each leaf's largest entry (outputs;
     gradients), or the error that stopped it (a GPU compiler refusing the kernel)."""
     grads = lambda f: jax.jit(jax.grad(loss_and_outputs(f), argnums=(0, 1), has_aux=True))(state, args)
@@ -104,7 +110,7 @@ def check(impls: dict, state, args) -> dict:
     out = {}
     with jax.default_matmul_precision("highest"):
         g_s, out_s = grads(impls["scan"])
-        for k in VARIANTS:
+        for k in variants:
             try:
                 g_k, out_k = grads(impls[k])
             except Exception as e:  # noqa: BLE001 - reported, the other variants go on
@@ -125,8 +131,9 @@ def timed(calls: dict, warmup: int, rounds: int) -> dict:
 def bench(name: str, args) -> dict:
     s = shapes_of(name)
     state, xs = inputs(s)
-    impls = implementations(s, args.interpret)
-    out = {"shapes": s, "check": check(impls, state, xs), "errors": {}, "compile_s": {}}
+    variants = args.variants
+    impls = {k: f for k, f in implementations(s, args.interpret).items() if k == "scan" or k in variants}
+    out = {"shapes": s, "check": check(impls, state, xs, variants), "errors": {}, "compile_s": {}}
     calls = {}
     for k, f in impls.items():
         modes = {FWD: f, FWD_BWD: jax.grad(lambda st, a, f=f: loss_and_outputs(f)(st, a)[0], argnums=(0, 1))}
@@ -144,8 +151,9 @@ def bench(name: str, args) -> dict:
     med = timed(calls, args.warmup, args.rounds)
     out["median_ms"] = {k: v * 1e3 for k, v in med.items()}
     out["speedup"] = {k: {m: med[f"scan {m}"] / med[f"{k} {m}"] for m in (FWD, FWD_BWD)
-                          if f"{k} {m}" in med and f"scan {m}" in med} for k in VARIANTS}
-    out["target_met"] = any(out["check"][k]["ok"] and out["speedup"][k].get(FWD_BWD, 0) >= TARGET for k in KERNELS)
+                          if f"{k} {m}" in med and f"scan {m}" in med} for k in variants}
+    out["target_met"] = any(out["check"][k]["ok"] and out["speedup"][k].get(FWD_BWD, 0) >= TARGET
+                            for k in KERNELS if k in variants)
     return out
 
 
@@ -154,9 +162,12 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="titans_demo,nl_350m", help="packaged configs (or tiny), comma-separated")
     p.add_argument("--rounds", type=int, default=10, help="timed interleaved rounds (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--variant", action="append", dest="variants", choices=VARIANTS,
+                   help="a variant to check and time against the scan (repeat for several; default: all)")
     p.add_argument("--interpret", action="store_true", help="run the kernel interpreted (CPU; slow)")
     p.add_argument("--out", help="write the results here as JSON")
     args = p.parse_args(argv)
+    args.variants = tuple(args.variants or VARIANTS)
     if not args.interpret and jax.default_backend() != "gpu":
         p.error(f"the compiled kernel needs a GPU (JAX's backend here: {jax.default_backend()}); "
                 "--interpret runs it here")
@@ -170,7 +181,7 @@ def main(argv=None) -> int:
     for name, r in res["shapes"].items():
         ms = r["median_ms"]
         print(f"{name} {r['shapes']}: scan fwd+bwd {ms.get('scan ' + FWD_BWD, float('nan')):.2f} ms")
-        for k in VARIANTS:
+        for k in r["check"]:
             c, sp = r["check"][k], r["speedup"][k]
             print(f"  {k}: check {'ok' if c['ok'] else 'FAILED'} {c.get('max_rel_err', c.get('error'))}; fwd+bwd "
                   f"{ms.get(f'{k} {FWD_BWD}', float('nan')):.2f} ms ({sp.get(FWD_BWD, float('nan')):.2f}x, target >= "

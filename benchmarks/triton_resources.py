@@ -76,6 +76,7 @@ def _kernels(config: str) -> dict[str, tuple[str, int, int]]:
     from nljax import config as configuration
     from nljax.models import attention_kernel as ak
     from nljax.models import memory_kernel as mk
+    from nljax.models import memory_loop_kernel as ml
 
     cfg = configuration.load(config, [])
     m, nl = cfg.model, cfg.model.nl_lm
@@ -89,8 +90,12 @@ def _kernels(config: str) -> dict[str, tuple[str, int, int]]:
         fn = functools.partial(mk.memory_kernel, kind=kind, chunk=b, interpret=False)
         grad = jax.grad(lambda a: sum(x.astype(jnp.float32).sum() for x in jax.tree.leaves(fn(*a))))
         fwd, bwd = captured_modules(grad, ((state, *xs),))  # the backward pass runs the forward kernel too
-        out |= {f"memory forward ({kind}, chunk {b}, dim {d}, hidden {hid})": fwd,
-                f"memory backward ({kind}, chunk {b}, dim {d}, hidden {hid})": bwd}
+        at = f"({kind}, chunk {b}, dim {d}, hidden {hid})"
+        out |= {f"memory forward {at}": fwd, f"memory backward {at}": bwd}
+        loop = functools.partial(ml.memory_parallel_kernel, kind=kind, chunk=b, interpret=False)
+        grad = jax.grad(lambda a: sum(x.astype(jnp.float32).sum() for x in jax.tree.leaves(loop(*a))))
+        fwd, bwd = captured_modules(grad, ((state, *xs),))
+        out |= {f"memory loop forward {at}": fwd, f"memory loop backward {at}": bwd}
     hd = m.dim // m.heads
     if why := ak.gpu_unsupported(dtype, hd):  # then auto takes cuDNN's attention or the blocked form
         print(f"{config}: no Pallas attention ({why})")

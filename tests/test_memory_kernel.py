@@ -173,7 +173,7 @@ def test_select():
 
 
 def test_unknown_memory_impl_is_one_line_error():
-    line = r"model.nl_lm.memory_impl' must be one of \['auto', 'scan', 'parallel', 'pallas'\], got 'fast'"
+    line = r"model.nl_lm.memory_impl' must be one of \['auto', 'scan', 'parallel', 'pallas', 'parallel_pallas'\], got 'fast'"
     with pytest.raises(ConfigError, match=line):
         config.load(None, ["model.nl_lm.memory_impl=fast"])
 
@@ -226,11 +226,16 @@ def test_benchmark_runs_interpreted(tmp_path):
     assert set(r["check"]) == set(memory_kernel.VARIANTS) == {*memory_kernel.KERNELS, "parallel"}
     assert set(r["median_ms"]) == {"scan forward", "scan forward+backward", "kernel forward", "kernel forward+backward",
                                    "kernel, scan backward forward+backward", "parallel forward",
-                                   "parallel forward+backward"}
+                                   "parallel forward+backward", "loop kernel forward", "loop kernel forward+backward"}
     rows = gpu_summary.memory_kernel_lines(json.loads(out.read_text()))
-    assert len(rows) == 3
+    assert len(rows) == 4
     assert all("tiny's shapes" in r and "check ok" in r for r in rows)
-    assert [r.split()[0] for r in rows][-1] == "info" and all(r.startswith(("MET", "MISS")) for r in rows[:2])
+    assert [r.split()[0] for r in rows][-1] == "info" and all(r.startswith(("MET", "MISS")) for r in rows[:3])
+    # --variant: the scan and the variants named, nothing else
+    assert memory_kernel.main([*argv, "--variant", "loop kernel"]) == 0
+    r = json.loads(out.read_text())["shapes"]["tiny"]
+    assert set(r["check"]) == {"loop kernel"} and len(r["median_ms"]) == 4
+    assert "loop kernel fwd+bwd" in gpu_summary.memory_kernel_lines(json.loads(out.read_text()), "loop kernel")[0]
 
 
 def test_resume_may_change_memory_impl_with_a_warning(tmp_path):

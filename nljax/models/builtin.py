@@ -56,12 +56,12 @@ def nl_lm(cfg: Config) -> Model:
                       scan=nl.scan_layers, attention=attention, embed_grad=embed_grad, loss_chunk=nl.loss_chunk))
 
 
-GPU_ONLY_FORMS = {"attention": ("cudnn", "pallas"), "memory_impl": ("pallas",)}  # model.nl_lm.*
+GPU_ONLY_FORMS = {"attention": ("cudnn", "pallas"), "memory_impl": ("pallas", "parallel_pallas")}  # model.nl_lm.*
 
 
 def for_this_backend(cfg: Config, keep=()) -> Config:
     """`cfg` with the GPU forms it names (model.nl_lm.attention cudnn or pallas, memory_impl
-    pallas) as `auto` when JAX's backend is not a GPU: a model trained on a GPU and read for
+    pallas or parallel_pallas) as `auto` when JAX's backend is not a GPU: a model trained on a GPU and read for
     inference elsewhere (generate, lm_eval, nljax.load, an export) computes the same outputs by
     the forms that run here (cuDNN does not run on a CPU; the Pallas kernels only interpreted,
     slowly). `keep`: the dotted keys a user set, left as they are."""

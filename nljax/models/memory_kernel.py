@@ -273,11 +273,14 @@ def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
 
 def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat: bool, unroll: int):
     """`model.nl_lm.memory_impl`'s inner loop: (state, q, k, v, theta, eta, alpha) -> (y, state).
-    The kernel and `memory.memory_parallel` always keep only the chunk-start states for their
+    The kernels and `memory.memory_parallel` always keep only the chunk-start states for their
     backward pass (as `remat` does); `unroll` is the scans'."""
     form = select(impl, kind, chunk, dim, hidden)
     if form == "pallas":
         return functools.partial(memory_kernel, kind=kind, chunk=chunk)
+    if form == "parallel_pallas":
+        from nljax.models.memory_loop_kernel import memory_parallel_kernel  # it builds on this module's pieces
+        return functools.partial(memory_parallel_kernel, kind=kind, chunk=chunk)
     if form == "parallel":  # keeps only the chunk-start states, whatever `remat` says
         return functools.partial(memory_parallel, kind=kind, chunk=chunk, unroll=unroll)
     return functools.partial(memory_forward, kind=kind, chunk=chunk, remat=remat, unroll=unroll)
@@ -285,14 +288,16 @@ def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat
 
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
     """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
-    'scan', 'parallel' or 'pallas'. auto is the scan on every backend: on a CPU the kernel only runs
+    'scan', 'parallel', 'pallas' or 'parallel_pallas'. auto is the scan on every backend: on a CPU the kernel only runs
     interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
     the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
-    "Why the kernel is slower than the scan"). `pallas` is the kernel as asked, `parallel`
-    (`memory.memory_parallel`) and `scan` run on every backend."""
+    "Why the kernel is slower than the scan"). `pallas` and `parallel_pallas`
+    (`memory_loop_kernel`) are the kernels as asked, `parallel` (`memory.memory_parallel`) and
+    `scan` run on every backend."""
     backend = backend or jax.default_backend()
-    if impl == "pallas" and backend == "gpu" and (why := gpu_unsupported(kind, chunk, dim, hidden)):
-        raise ConfigError(f"model.nl_lm.memory_impl=pallas: {why}")
+    kernel = impl in ("pallas", "parallel_pallas")
+    if kernel and backend == "gpu" and (why := gpu_unsupported(kind, chunk, dim, hidden)):
+        raise ConfigError(f"model.nl_lm.memory_impl={impl}: {why}")
     return "scan" if impl == "auto" else impl
 
 

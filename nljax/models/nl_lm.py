@@ -69,9 +69,11 @@ class NlLmConfig:
     # then every chunk's reads at once (parallel: at most half the remat scan's products per
     # sequential chunk, more in all; 1.03-1.07x the scan's step time on a CPU, its GPU speed not
     # yet measured); or fused Pallas kernels, one launch per layer for all chunks (pallas:
-    # experimental, 3.1-3.6x slower than the scan on an H200; on a CPU in interpret mode: slow,
-    # for checking); auto: the scan (docs/concepts/memory-kernel.md)
-    memory_impl: Literal["auto", "scan", "parallel", "pallas"] = "auto"
+    # experimental, 3.1-3.6x slower than the scan on an H200; parallel_pallas: the parallel
+    # form's loop of end states as one such kernel, the reads XLA's, its GPU speed not yet
+    # measured; on a CPU both run in interpret mode: slow, for checking); auto: the scan
+    # (docs/concepts/memory-kernel.md)
+    memory_impl: Literal["auto", "scan", "parallel", "pallas", "parallel_pallas"] = "auto"
     # the memory reads its block's normalised stream plus the normalised token embeddings: a
     # memory after the first block then learns the recall probe
     # (docs/experiments/2026-11-27-where-the-memory-goes.md)
@@ -223,7 +225,7 @@ class NeuralMemory(nn.Module):
     dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
     remat: bool = False  # recompute each chunk's internals (memory.memory_forward) and the conv in the backward pass
     unroll: int = 1  # chunks per loop iteration of the inner loop
-    impl: str = "auto"  # auto | scan | parallel | pallas: the inner loop's implementation (memory_kernel.inner_loop)
+    impl: str = "auto"  # auto | scan | parallel | pallas | parallel_pallas: the inner loop's implementation (memory_kernel.inner_loop)
     tp: int = 1  # tensor-parallel shards: each holds heads / tp memory heads, their state and weights
     axis: str | None = None
 

@@ -1,0 +1,321 @@
+"""The parallel form's sequential loop as fused Pallas kernels: `memory.chunk_end` from chunk to
+chunk, each (stream row, head) one program that walks all its chunks in one launch, forward and
+backward; the reads stay batched XLA computations (`model.nl_lm.memory_impl=parallel_pallas`).
+
+Why: in `memory.memory_parallel` the reads leave the loop (one batched computation over all
+chunks, large products a GPU runs well), and what remains sequential is `chunk_end`: per chunk a
+few small products (the MLP memory: the hidden features at the chunk-start memory, the errors
+pulled back, each layer's update) and the gate terms, which XLA runs as a dozen small kernels per
+chunk, one chunk after another (nl_350m: 4 layers x 32 chunks; titans_demo is launch-bound).
+Here that loop is one launch per layer, the state on chip between its steps. It is a smaller
+kernel than `memory_kernel`'s whole chunk: no queries, no [b, b] read weights, no running
+curvature sums, one row of the gate terms (the last), so fewer live tensors per program.
+
+- `end_math` is one chunk's end state for one (row, head) on 2-D arrays: `_end_terms` (the gate
+  and step terms `memory.chunk_constants` and `Features.chunk_bound` give the end state, the last
+  rows alone, written without cumulative sums: Triton has none), then each layer's update
+  (`memory_kernel._update`). The MLP memory walks its hidden width in tiles as `memory_kernel`
+  does (`_tile_sums`, the terms, then `_tile_end` per tile), so that each tile's arithmetic is
+  compiled once and no [dim, hidden] matrix is live whole.
+- Forward kernel (grid: rows x heads): for each chunk, store the chunk-start state (the reads
+  need it, and the backward), then its end state, in place in the final-state outputs.
+- Backward kernel (chunks in reverse): recompute the chunk's terms from its saved start state,
+  pull the update back (`jax.vjp` of each piece, latest first, the MLP's tiles in loops), add
+  the reads' cotangent of that start state, and carry the sum to the chunk before.
+- `memory_parallel_kernel` ties them (`jax.custom_vjp` over the loop alone) to the reads,
+  `memory._all_reads` of the saved start states under `jax.checkpoint` (recomputed in the
+  backward pass from the start states, as `memory.memory_parallel`'s backward does).
+
+Shapes on a GPU as for `memory_kernel` (`gpu_unsupported`); on a CPU the kernels run in
+interpret mode (any shape, slow: tests and checks). Everything is float32 inside.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from nljax.models import memory as nm
+from nljax.models import memory_kernel as mk
+from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers
+from nljax.models.tiles import dot, dot_t, tile
+
+_LOOP_INPUTS = ("k", "v", "theta", "eta", "alpha")  # q reaches the reads alone
+
+
+def _end_terms(k, theta, eta, alpha, hh=None, hsq=None, w2=None):
+    """What a chunk's end state takes from its gates and keys (`memory.chunk_constants`' last
+    rows and `Features.chunk_bound`): a_end [j] (the weight of token j's gradient in M at the
+    chunk's end), w [j] (in S), c_end, s_end, s_decay (of M_0 and S_0 in M, of S_0 in S). The MLP
+    memory's normaliser takes its hidden layer's sums over the width (`memory_kernel._tile_sums`:
+    hh = h h^T, hsq = |h_i|^2, w2 = |W2|^2)."""
+    b = k.shape[0]
+    lower = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0) >= jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
+    log_eta = jnp.log(jnp.maximum(eta, 1e-30))
+    log_keep = jnp.log(jnp.maximum(1.0 - alpha, 1e-30))
+    le = jnp.sum(jnp.where(lower, log_eta[None, :], 0.0), axis=1)  # cumulative sums  [i]
+    la = jnp.sum(jnp.where(lower, log_keep[None, :], 0.0), axis=1)
+    le_end, la_end = jnp.sum(log_eta), jnp.sum(log_keep)
+    mom = jnp.where(lower, jnp.exp(jnp.where(lower, le[:, None] - le[None, :], 0.0)), 0.0)  # [i, j]: j's momentum at i
+    keep_last = jnp.exp(la_end - la)  # [i]: what the memory keeps from i to the chunk's end
+    kk = jnp.sum(k * k, axis=1)
+    inner = jnp.abs(dot_t(k, k))  # |k_i . k_j|
+    if hh is None:
+        nu = kk + NU_FLOOR
+    else:
+        nu = hsq + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
+        inner = jnp.abs(hh) + GELU_SLOPE**2 * inner * w2
+    rs = jax.lax.rsqrt(nu)
+    lam = jnp.maximum(jnp.max(jnp.sum(inner * rs[:, None] * rs[None, :], axis=1)), 1.0)  # the whole chunk's
+    a = theta * (1.0 - eta) / nu / lam  # [j]
+    a_end = jnp.sum(keep_last[:, None] * mom, axis=0) * a
+    return a_end, jnp.exp(le_end - le) * a, jnp.exp(la_end), jnp.sum(keep_last * jnp.exp(le)), jnp.exp(le_end)
+
+
+def _tile_end(k, e, a_end, w, c_end, s_end, s_decay, W1, S1, W2, S2):
+    """One tile of the MLP memory's hidden units (W1, S1 [dk, th] its columns; W2, S2 [th, dv]
+    its rows) at the chunk's end: W1', S1', W2', S2'. e [b, dv]: the surprise h W2 - v."""
+    pre = dot(k, W1)
+    d0 = mk._gelu_slope(pre) * dot_t(e, W2)  # the surprise pulled back to the first layer's output
+    coefs = (a_end, w, c_end, s_end, s_decay)
+    return (*mk._update(W1, S1, k, d0, *coefs), *mk._update(W2, S2, mk._gelu(pre), e, *coefs))
+
+
+def end_math(M: dict, S: dict, k, v, theta, eta, alpha, kind: str):
+    """One chunk's end state for one (row, head), the hidden width one tile: `memory.chunk_end`
+    on 2-D arrays (the statement the kernels run). M, S leaves 2-D float32; k [b, dk], v [b, dv],
+    gates [b] -> (M', S')."""
+    if kind == "linear":
+        (d0,) = mk._errors_linear(k, v, M["W"])
+        W, Sw = mk._update(M["W"], S["W"], k, d0, *_end_terms(k, theta, eta, alpha))
+        return {"W": W}, {"W": Sw}
+    hh, hsq, w2, eh = mk._tile_sums(k, M["W1"], M["W2"])
+    coefs = _end_terms(k, theta, eta, alpha, hh, hsq, w2)
+    W1, S1, W2, S2 = _tile_end(k, eh - v, *coefs, M["W1"], S["W1"], M["W2"], S["W2"])
+    return {"W1": W1, "W2": W2}, {"W1": S1, "W2": S2}
+
+
+def _state_refs(refs, kind: str) -> dict:
+    """name ('M/W1', 'S/W1', ...) -> the ref of that state matrix (or its cotangent)."""
+    return dict(zip((f"{p}/{name}" for p in "MS" for name in layers(kind)), refs))
+
+
+def _mlp_tiles(state: dict, j, th: int, chunk_of=None):
+    """Refs of tile j of the MLP memory's four matrices (W1, S1, W2, S2); `chunk_of` = (i, n):
+    chunk i's in saved [n * rows, cols] blocks."""
+    at = None
+    if chunk_of is not None:
+        i, n = chunk_of
+        at = (i, state["M/W1"].shape[0] // n, state["M/W2"].shape[0] // n)
+    (w1, w2), (s1, s2) = (mk._tiles(state[f"{p}/W1"], state[f"{p}/W2"], j, th, at) for p in "MS")
+    return w1, s1, w2, s2
+
+
+def _linear_refs(state: dict, chunk_of=None):
+    """Refs of the linear memory's (W, S); `chunk_of` = (i, n): chunk i's in saved blocks."""
+    refs = state["M/W"], state["S/W"]
+    if chunk_of is None:
+        return refs
+    i, n = chunk_of
+    return tuple(r.at[tile(i, r.shape[0] // n), :] for r in refs)
+
+
+def _forward_chunk(load, state: dict, kind: str, interpret: bool) -> None:
+    """One chunk's end state, stored in place over its start state."""
+    k, v, theta, eta, alpha = (load[x]() for x in _LOOP_INPUTS)
+    get = lambda r: mk._load(r, interpret)
+    if kind == "linear":
+        refs = _linear_refs(state)
+        W, S = map(get, refs)
+        (d0,) = mk._errors_linear(k, v, W)
+        for ref, value in zip(refs, mk._update(W, S, k, d0, *_end_terms(k, theta, eta, alpha))):
+            mk._store(ref, value, interpret)
+        return
+    hidden = state["M/W1"].shape[1]
+    th = mk._hidden_tile(hidden)
+    tiles = lambda j: [get(r) for r in _mlp_tiles(state, j, th)]
+    hh, hsq, w2, eh = mk._tile_loop(hidden // th, lambda j: mk._tile_sums(load["k"](), *tiles(j)[::2]))
+    coefs = _end_terms(k, theta, eta, alpha, hh, hsq, w2)
+    e = eh - v
+
+    def one(j, carry):
+        for ref, value in zip(_mlp_tiles(state, j, th), _tile_end(load["k"](), e, *coefs, *tiles(j))):
+            mk._store(ref, value, interpret)
+        return carry
+
+    jax.lax.fori_loop(0, hidden // th, one, 0)
+
+
+def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, kind: str, interpret: bool):
+    """Chunk i (`chunk_of` = (i, n)) pulled back from its start state (in the saved blocks
+    `saved`): `d_state` holds its end state's cotangent in and its start state's out, the
+    update's pulled back plus the reads' (in the saved blocks `d_reads`). Returns the cotangents
+    of k, v, theta, eta, alpha."""
+    k, v, theta, eta, alpha = (load[x]() for x in _LOOP_INPUTS)
+    get = lambda r: mk._load(r, interpret)
+    if kind == "linear":
+        W, S = map(get, _linear_refs(saved, chunk_of))
+        coefs, terms_pull = jax.vjp(_end_terms, k, theta, eta, alpha)
+        (d0,), errors_pull = jax.vjp(mk._errors_linear, k, v, W)
+        refs = _linear_refs(d_state)
+        dW, dS, dk, dd0, *dcoefs = jax.vjp(mk._update, W, S, k, d0, *coefs)[1](tuple(map(get, refs)))
+        dk2, dv, dW2 = errors_pull((dd0,))
+        dk3, dtheta, deta, dalpha = terms_pull(tuple(dcoefs))
+        for ref, g, r in zip(refs, (dW + dW2, dS), _linear_refs(d_reads, chunk_of)):
+            mk._store(ref, g + get(r), interpret)
+        return dk + dk2 + dk3, dv, dtheta, deta, dalpha
+    hidden = saved["M/W1"].shape[1]
+    th = mk._hidden_tile(hidden)
+    nt = hidden // th
+    start = lambda j: [get(r) for r in _mlp_tiles(saved, j, th, chunk_of)]  # W1, S1, W2, S2
+    hh, hsq, w2, eh = mk._tile_loop(nt, lambda j: mk._tile_sums(load["k"](), *start(j)[::2]))
+    sums = (k, theta, eta, alpha, hh, hsq, w2)
+    coefs = _end_terms(*sums)
+    e = eh - v
+
+    def step_back(j):  # tile j's part of the cotangents of k, e and the terms; its start state's stored
+        _, pull = jax.vjp(_tile_end, load["k"](), e, *coefs, *start(j))
+        refs = _mlp_tiles(d_state, j, th)
+        dk_j, de_j, *rest = pull(tuple(map(get, refs)))
+        for ref, g, r in zip(refs, rest[5:], _mlp_tiles(d_reads, j, th, chunk_of)):
+            mk._store(ref, g + get(r), interpret)
+        return (dk_j, de_j, *rest[:5])
+
+    dk, de, *dcoefs = mk._tile_loop(nt, step_back)
+    dk2, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(_end_terms, *sums)[1](tuple(dcoefs))
+
+    def sums_back(j):  # tile j's part of k's cotangent; its W1's and W2's added
+        W1, _, W2, _ = start(j)
+        dk_j, dW1, dW2 = jax.vjp(mk._tile_sums, load["k"](), W1, W2)[1]((dhh, dhsq, dw2, de))
+        for ref, g in zip(mk._tiles(d_state["M/W1"], d_state["M/W2"], j, th), (dW1, dW2)):
+            mk._store(ref, get(ref) + g, interpret)
+        return (dk_j,)
+
+    (dk,) = mk._tile_loop(nt, sums_back, (dk + dk2,))
+    return dk, -de, dtheta, deta, dalpha
+
+
+def _readers(refs, t) -> dict:
+    """name -> a reader of this chunk's k, v [b, d] or gate [b] as float32, read where used."""
+    def reader(r):
+        return lambda: (r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32)
+    return {name: reader(r) for name, r in zip(_LOOP_INPUTS, refs)}
+
+
+def _end_forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
+    """One (row, head): every chunk in order, the state in the final-state outputs between
+    chunks, each chunk's start state stored first."""
+    ns = 2 * len(layers(kind))
+    inputs, state_in, state, starts = refs[:5], refs[5:5 + ns], refs[5 + ns:5 + 2 * ns], refs[5 + 2 * ns:]
+    for src, dst in zip(state_in, state):
+        dst[...] = src[...].astype(jnp.float32)
+    mk._sync(interpret)
+    named = _state_refs(state, kind)
+
+    def body(i, carry):
+        for src, dst in zip(state, starts):
+            dst[tile(i, src.shape[0]), :] = mk._load(src, interpret)
+        _forward_chunk(_readers(inputs, tile(i, chunk)), named, kind, interpret)
+        return carry
+
+    jax.lax.fori_loop(0, n, body, 0)
+
+
+def _end_backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
+    """One (row, head): chunks in reverse, the state's cotangent in the initial-state cotangent
+    outputs between chunks."""
+    ns = 2 * len(layers(kind))
+    inputs, refs = refs[:5], refs[5:]
+    starts, d_reads, d_final, d_inputs, d_state = (refs[:ns], refs[ns:2 * ns], refs[2 * ns:3 * ns],
+                                                   refs[3 * ns:3 * ns + 5], refs[3 * ns + 5:])
+    for src, dst in zip(d_final, d_state):
+        dst[...] = src[...]
+    mk._sync(interpret)
+    saved, d_saved, named = (_state_refs(r, kind) for r in (starts, d_reads, d_state))
+
+    def body(j, carry):
+        i = n - 1 - j
+        t = tile(i, chunk)
+        grads = _backward_chunk(_readers(inputs, t), saved, named, d_saved, (i, n), kind, interpret)
+        for g, r in zip(grads, d_inputs):
+            if len(r.shape) == 2:
+                r[t, :] = g
+            else:
+                r[t] = g
+        return carry
+
+    jax.lax.fori_loop(0, n, body, 0)
+
+
+def _saved_shape(x, n: int):
+    """A state leaf [B, H, rows, cols] saved for every chunk: [B, H, n * rows, cols]."""
+    return jax.ShapeDtypeStruct((*x.shape[:2], n * x.shape[2], x.shape[3]), jnp.float32)
+
+
+def _forward(leaves, xs, kind: str, chunk: int, interpret: bool):
+    """(final state's leaves, every chunk's start state's leaves [B, H, n * rows, cols])."""
+    n = xs[0].shape[2] // chunk
+    outs = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in leaves] + [_saved_shape(x, n) for x in leaves]
+    size = sum(math.prod(x.shape[2:]) for x in leaves)
+    res = mk._call(_end_forward_kernel, [*xs, *leaves], outs, kind, chunk, n, interpret, size)
+    return list(res[:len(leaves)]), list(res[len(leaves):])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _loop(leaves, xs, kind, chunk, interpret):
+    return _forward(leaves, xs, kind, chunk, interpret)
+
+
+def _loop_fwd(leaves, xs, kind, chunk, interpret):
+    final, starts = _forward(leaves, xs, kind, chunk, interpret)
+    return (final, starts), (xs, starts)
+
+
+def _loop_bwd(kind, chunk, interpret, res, cotangents):
+    xs, starts = res
+    d_final, d_starts = cotangents
+    n = xs[0].shape[2] // chunk
+    f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
+    outs = [f32(x) for x in xs] + [f32(x) for x in d_final]
+    size = sum(math.prod(x.shape[2:]) for x in d_final)
+    res = mk._call(_end_backward_kernel, [*xs, *starts, *d_starts, *d_final], outs, kind, chunk, n, interpret, size)
+    return list(res[5:]), tuple(res[:5])
+
+
+_loop.defvjp(_loop_fwd, _loop_bwd)
+
+
+def memory_parallel_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str, chunk: int,
+                           interpret: bool | None = None):
+    """`memory.memory_parallel` with its sequential loop as the kernels above: (y [B, H, T, dv]
+    float32, final state). The reads of every chunk are `memory._all_reads` of the start states
+    the kernel saved, under `jax.checkpoint` (recomputed from them in the backward pass).
+    `interpret`: run the kernels as plain JAX (any backend, slow); None: on all but GPUs."""
+    if q.shape[2] % chunk:
+        raise ValueError(f"sequence length {q.shape[2]} is not a multiple of the memory chunk {chunk}")
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    f32 = lambda x: x.astype(jnp.float32)
+    q, k, v, theta, eta, alpha = map(f32, (q, k, v, theta, eta, alpha))
+    final, starts = _loop(mk._leaves(jax.tree.map(f32, state), kind), (k, v, theta, eta, alpha), kind, chunk, interpret)
+    ys = jax.checkpoint(functools.partial(_reads, kind=kind, chunk=chunk))(starts, q, k, v, theta, eta, alpha)
+    return ys, mk._unleaves(final, kind)
+
+
+def _reads(starts: list, q, k, v, theta, eta, alpha, *, kind: str, chunk: int):
+    """Every chunk's reads from its start state (leaves [B, H, n * rows, cols], as the kernel
+    saved them), as one `memory.chunk_reads` with the chunks a second head axis: [B, H, T, dv].
+    Every reshape here is free (no transposes: under vmap over a chunk axis, XLA:CPU's algebraic
+    simplifier failed on a transpose it folded into a product)."""
+    batch, heads, t = q.shape[:3]
+    n = t // chunk
+    as_heads = lambda x, per: x.reshape(batch, heads * n, per, *x.shape[3:])  # [B, H, n per, ...] -> [B, H n, per, ...]
+    state = mk._unleaves([as_heads(x, x.shape[2] // n) for x in starts], kind)
+    split = lambda x: x.reshape(batch, heads, n, chunk, *x.shape[3:])
+    const = jax.tree.map(lambda x: x.reshape(batch, heads * n, *x.shape[3:]),
+                         nm.chunk_constants(split(k), split(eta), split(alpha)))
+    ins = [as_heads(x, chunk) for x in (q, k, v, theta, eta)]
+    return nm.chunk_reads(state, *ins, const, kind).reshape(*q.shape[:3], -1)

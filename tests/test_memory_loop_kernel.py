@@ -1,0 +1,116 @@
+"""The parallel form's loop as Pallas kernels (nljax/models/memory_loop_kernel.py,
+`memory_impl=parallel_pallas`) computes what the scan computes: its per-chunk statement equals
+`memory.chunk_end`; reads, final states and gradients equal `memory_forward`'s in interpret mode
+on CPU (the MLP memory's hidden width in several tiles and in one); bfloat16 inputs; it lowers for
+CUDA (Triton) here; a training run through it equals one through the scan."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import TINY_NL, assert_trees_close, make, train
+from nljax.errors import ConfigError
+from nljax.models import memory as nm
+from nljax.models import memory_kernel as mk
+from nljax.models import memory_loop_kernel as ml
+from test_memory_kernel import HID, assert_close, assert_grads_close, inputs, objective, outputs_and_grads
+
+slow = pytest.mark.slow
+# Each interpreted case compiles the kernels, their backward and the scan: 6-12 s on the 2-core
+# machine. The fast tier has one case of each memory kind (the MLP's in tiles); the slow the rest.
+
+
+def loop_kernel(state, *args, kind, chunk):
+    return ml.memory_parallel_kernel(state, *args, kind=kind, chunk=chunk, interpret=True)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_end_math_equals_chunk_end(kind):
+    """The kernels' per-chunk statement (2-D, one row and head) is `memory.chunk_end`: the end
+    state of a chunk from a state with weight and momentum, every row and head."""
+    state, (_, k, v, theta, eta, alpha) = inputs(kind, t=8, seed=2)
+    const = nm.chunk_constants(k, eta, alpha)
+    want = nm.chunk_end(state, k, v, theta, eta, const, kind)
+    one = lambda M, S, *a: ml.end_math(M, S, *a, kind=kind)
+    M, S = jax.jit(jax.vmap(jax.vmap(one)))(state["M"], state["S"], k, v, theta, eta, alpha)
+    assert_close((M, S), (want["M"], want["S"]), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(jax.tree.leaves(M)[0]), np.asarray(jax.tree.leaves(state["M"])[0]))
+
+
+@pytest.mark.parametrize("kind,chunk,tiles", [("linear", 4, 1), ("mlp", 16, 4),
+                                              *(pytest.param(*c, marks=slow) for c in
+                                                (("linear", 1, 1), ("mlp", 1, 1), ("mlp", 4, 1), ("linear", 64, 1),
+                                                 ("mlp", 64, 2)))])
+def test_equals_the_scan_outputs_and_gradients(kind, chunk, tiles, monkeypatch):
+    """Reads, final state, and the gradients of both w.r.t. q, k, v, the gates and the initial
+    state (M and S), over several chunks; the MLP memory's hidden width walked in `tiles` tiles
+    (the kernels' loops over tiles: sums over the width accumulated, each tile's state and its
+    cotangent stored on their own)."""
+    monkeypatch.setattr(mk, "HIDDEN_TILE", HID // tiles)
+    state, args = inputs(kind, t=2 * chunk if chunk > 4 else 16, seed=chunk + 1)
+    out, grads = outputs_and_grads(loop_kernel, kind, chunk, state, args)
+    ref, ref_grads = outputs_and_grads(nm.memory_forward, kind, chunk, state, args)
+    assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads, 5e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_bf16_inputs(kind):
+    """bfloat16 q, k, v and gates: computed in float32 from them, as the scan does on the same
+    values upcast; the gradients come back in bfloat16."""
+    chunk = 16
+    state, args = inputs(kind, t=32, seed=7, dtype=jnp.bfloat16)
+    (y, st), grads = outputs_and_grads(loop_kernel, kind, chunk, state, args)
+    ref, ref_grads = outputs_and_grads(nm.memory_forward, kind, chunk, state, tuple(x.astype(jnp.float32) for x in args))
+    assert y.dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(st))
+    assert_close((y, st), ref, rtol=1e-5, atol=1e-5)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(grads[1]))
+    assert_grads_close(grads, ref_grads, 1e-2)
+
+
+def test_sequence_not_a_multiple_of_the_chunk():
+    state, args = inputs("linear", t=12)
+    with pytest.raises(ValueError, match="not a multiple of the memory chunk 8"):
+        loop_kernel(state, *args, kind="linear", chunk=8)
+
+
+@pytest.mark.parametrize("kind,chunk,d", [("linear", 16, 32), ("mlp", 64, 64)])
+def test_lowers_for_cuda(kind, chunk, d):
+    """Forward and backward lower through Pallas' Triton backend on this CPU-only machine: one
+    kernel forward, the forward's and the backward's under a gradient."""
+    state, args = inputs(kind, t=2 * chunk, d=d, hid=2 * d)
+    fwd = lambda s, a: ml.memory_parallel_kernel(s, *a, kind=kind, chunk=chunk, interpret=False)
+    grad = jax.grad(objective(lambda s, *a, **_: fwd(s, a), kind, chunk), argnums=(0, 1), has_aux=True)
+    texts = [jax.jit(f).trace(state, args).lower(lowering_platforms=("cuda",)).as_text() for f in (fwd, grad)]
+    assert [t.count("__gpu$xla.gpu.triton") for t in texts] == [1, 2]
+    assert "memory_end_backward_kernel" in texts[1] and "memory_end_forward_kernel" in texts[0]
+
+
+def test_select():
+    ok = dict(kind="mlp", chunk=32, dim=64, hidden=128)
+    assert mk.select("parallel_pallas", **ok, backend="cpu") == "parallel_pallas"  # interpreted
+    assert mk.select("parallel_pallas", **ok, backend="gpu") == "parallel_pallas"
+    with pytest.raises(ConfigError, match="memory_impl=parallel_pallas: model.nl_lm.memory_chunk=8: the Pallas"):
+        mk.select("parallel_pallas", **{**ok, "chunk": 8}, backend="gpu")
+    fn = mk.inner_loop("parallel_pallas", "mlp", 32, 64, 128, remat=False, unroll=1)
+    assert fn.func is ml.memory_parallel_kernel and fn.keywords == {"kind": "mlp", "chunk": 32}
+
+
+@pytest.mark.slow  # ~40 s on the 2-core machine
+def test_training_through_the_loop_kernel_equals_the_scan(monkeypatch):
+    """A few steps of a tiny nl_lm with memory_impl=parallel_pallas (interpreted) on two devices
+    equal memory_impl=scan on one: losses, parameters and every row's carried memory."""
+    calls = []
+    fn = ml.memory_parallel_kernel
+    monkeypatch.setattr(ml, "memory_parallel_kernel", lambda *a, **kw: calls.append(kw) or fn(*a, **kw))
+    base = [*TINY_NL, "model.nl_lm.memory_kind=mlp", "model.nl_lm.memory_dim=4", "data.reset_prob=0.3",
+            "cms.periods=[1]"]
+    losses_ref, state_ref = train(make([*base, "model.nl_lm.memory_impl=scan"]), 3)
+    assert not calls
+    losses, state = train(make([*base, "model.nl_lm.memory_impl=parallel_pallas"], 1, 2), 3)
+    assert calls
+    np.testing.assert_allclose(losses, losses_ref, rtol=2e-5)
+    assert_trees_close(state.params, state_ref.params, rtol=1e-4, atol=2e-5)
+    assert_trees_close(state.memory, state_ref.memory, rtol=1e-4, atol=2e-5)
