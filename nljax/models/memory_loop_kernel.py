@@ -21,7 +21,11 @@ curvature sums, one row of the gate terms (the last), so fewer live tensors per 
   need it, and the backward), then its end state, in place in the final-state outputs.
 - Backward kernel (chunks in reverse): recompute the chunk's terms from its saved start state,
   pull the update back (`jax.vjp` of each piece, latest first, the MLP's tiles in loops), add
-  the reads' cotangent of that start state, and carry the sum to the chunk before.
+  the reads' cotangent of that start state, and carry the sum to the chunk before. The state's
+  cotangent lives in the kernel's outputs as the state does, and so do the MLP memory's sums over
+  tiles of k's and the errors' cotangents (this chunk's rows of k's and v's), not the loops'
+  carries: offline (triton 3.9, sm_90, 8 warps) that spilled 5,008 bytes per thread at nl_350m's
+  shapes instead of 5,520, and took 80 KiB of shared memory instead of 88.
 - `memory_parallel_kernel` ties them (`jax.custom_vjp` over the loop alone) to the reads,
   `memory._all_reads` of the saved start states under `jax.checkpoint` (recomputed in the
   backward pass from the start states, as `memory.memory_parallel`'s backward does).
@@ -46,6 +50,13 @@ from nljax.models.tiles import dot, dot_t, tile
 _LOOP_INPUTS = ("k", "v", "theta", "eta", "alpha")  # q reaches the reads alone
 
 
+def _abs(x):
+    """|x| as x sign(x), its derivative the float sign(x): jnp.abs's pull-back selects with a
+    boolean mask of x >= 0, which the backward kernel needed in another layout than x's, and
+    Triton (3.9, 8 warps, chunk 64) failed to move a 1-bit tensor through shared memory."""
+    return x * jax.lax.stop_gradient(jnp.sign(x))
+
+
 def _end_terms(k, theta, eta, alpha, hh=None, hsq=None, w2=None):
     """What a chunk's end state takes from its gates and keys (`memory.chunk_constants`' last
     rows and `Features.chunk_bound`): a_end [j] (the weight of token j's gradient in M at the
@@ -53,21 +64,24 @@ def _end_terms(k, theta, eta, alpha, hh=None, hsq=None, w2=None):
     memory's normaliser takes its hidden layer's sums over the width (`memory_kernel._tile_sums`:
     hh = h h^T, hsq = |h_i|^2, w2 = |W2|^2)."""
     b = k.shape[0]
-    lower = jax.lax.broadcasted_iota(jnp.int32, (b, b), 0) >= jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
+    # the triangle i >= j as 0/1 floats, masks applied by products, not selects (as `_abs`)
+    lower = (jax.lax.broadcasted_iota(jnp.int32, (b, b), 0) >= jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
+             ).astype(jnp.float32)
     log_eta = jnp.log(jnp.maximum(eta, 1e-30))
     log_keep = jnp.log(jnp.maximum(1.0 - alpha, 1e-30))
-    le = jnp.sum(jnp.where(lower, log_eta[None, :], 0.0), axis=1)  # cumulative sums  [i]
-    la = jnp.sum(jnp.where(lower, log_keep[None, :], 0.0), axis=1)
+    le = jnp.sum(lower * log_eta[None, :], axis=1)  # cumulative sums  [i]
+    la = jnp.sum(lower * log_keep[None, :], axis=1)
     le_end, la_end = jnp.sum(log_eta), jnp.sum(log_keep)
-    mom = jnp.where(lower, jnp.exp(jnp.where(lower, le[:, None] - le[None, :], 0.0)), 0.0)  # [i, j]: j's momentum at i
+    # [i, j]: j's momentum at i (above the diagonal exp(0) masked: le_i - le_j > 0 there, finite)
+    mom = jnp.exp(lower * (le[:, None] - le[None, :])) * lower
     keep_last = jnp.exp(la_end - la)  # [i]: what the memory keeps from i to the chunk's end
     kk = jnp.sum(k * k, axis=1)
-    inner = jnp.abs(dot_t(k, k))  # |k_i . k_j|
+    inner = _abs(dot_t(k, k))  # |k_i . k_j|
     if hh is None:
         nu = kk + NU_FLOOR
     else:
         nu = hsq + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
-        inner = jnp.abs(hh) + GELU_SLOPE**2 * inner * w2
+        inner = _abs(hh) + GELU_SLOPE**2 * inner * w2
     rs = jax.lax.rsqrt(nu)
     lam = jnp.maximum(jnp.max(jnp.sum(inner * rs[:, None] * rs[None, :], axis=1)), 1.0)  # the whole chunk's
     a = theta * (1.0 - eta) / nu / lam  # [j]
@@ -149,7 +163,8 @@ def _forward_chunk(load, state: dict, kind: str, interpret: bool) -> None:
     jax.lax.fori_loop(0, hidden // th, one, 0)
 
 
-def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, kind: str, interpret: bool):
+def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, kind: str, interpret: bool,
+                    d_out: dict):
     """Chunk i (`chunk_of` = (i, n)) pulled back from its start state (in the saved blocks
     `saved`): `d_state` holds its end state's cotangent in and its start state's out, the
     update's pulled back plus the reads' (in the saved blocks `d_reads`). Returns the cotangents
@@ -175,27 +190,36 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
     sums = (k, theta, eta, alpha, hh, hsq, w2)
     coefs = _end_terms(*sums)
     e = eh - v
+    # k's and e's cotangents [b, d] are summed over the tiles in the outputs (k's and v's rows of
+    # this chunk: global memory), not in the loops' carries, where they were live through both loops
+    dk_ref, de_ref = d_out["k"], d_out["v"]
+    mk._store(dk_ref, jnp.zeros_like(k), interpret)
+    mk._store(de_ref, jnp.zeros_like(e), interpret)
 
-    def step_back(j):  # tile j's part of the cotangents of k, e and the terms; its start state's stored
+    def step_back(j):  # tile j's part of the terms' cotangents; its start state's and k's and e's stored
         _, pull = jax.vjp(_tile_end, load["k"](), e, *coefs, *start(j))
         refs = _mlp_tiles(d_state, j, th)
         dk_j, de_j, *rest = pull(tuple(map(get, refs)))
         for ref, g, r in zip(refs, rest[5:], _mlp_tiles(d_reads, j, th, chunk_of)):
             mk._store(ref, g + get(r), interpret)
-        return (dk_j, de_j, *rest[:5])
+        mk._store(dk_ref, get(dk_ref) + dk_j, interpret)
+        mk._store(de_ref, get(de_ref) + de_j, interpret)
+        return tuple(rest[:5])
 
-    dk, de, *dcoefs = mk._tile_loop(nt, step_back)
+    dcoefs = mk._tile_loop(nt, step_back)
     dk2, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(_end_terms, *sums)[1](tuple(dcoefs))
+    mk._store(dk_ref, get(dk_ref) + dk2, interpret)
 
     def sums_back(j):  # tile j's part of k's cotangent; its W1's and W2's added
         W1, _, W2, _ = start(j)
-        dk_j, dW1, dW2 = jax.vjp(mk._tile_sums, load["k"](), W1, W2)[1]((dhh, dhsq, dw2, de))
+        dk_j, dW1, dW2 = jax.vjp(mk._tile_sums, load["k"](), W1, W2)[1]((dhh, dhsq, dw2, get(de_ref)))
         for ref, g in zip(mk._tiles(d_state["M/W1"], d_state["M/W2"], j, th), (dW1, dW2)):
             mk._store(ref, get(ref) + g, interpret)
-        return (dk_j,)
+        mk._store(dk_ref, get(dk_ref) + dk_j, interpret)
+        return ()
 
-    (dk,) = mk._tile_loop(nt, sums_back, (dk + dk2,))
-    return dk, -de, dtheta, deta, dalpha
+    mk._tile_loop(nt, sums_back)
+    return get(dk_ref), -get(de_ref), dtheta, deta, dalpha
 
 
 def _readers(refs, t) -> dict:
@@ -239,7 +263,8 @@ def _end_backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     def body(j, carry):
         i = n - 1 - j
         t = tile(i, chunk)
-        grads = _backward_chunk(_readers(inputs, t), saved, named, d_saved, (i, n), kind, interpret)
+        d_out = {"k": d_inputs[0].at[t, :], "v": d_inputs[1].at[t, :]}
+        grads = _backward_chunk(_readers(inputs, t), saved, named, d_saved, (i, n), kind, interpret, d_out)
         for g, r in zip(grads, d_inputs):
             if len(r.shape) == 2:
                 r[t, :] = g
