@@ -20,17 +20,17 @@ finally:
 def test_a_configs_kernels_are_captured_with_their_own_settings(tmp_path):
     found = resources.kernels("nl_350m")
     names = [re.match(r"module @(\S+)", text).group(1) for text, _, _ in found.values()]
-    assert names == ["memory_forward_kernel", "memory_backward_kernel", "attention_forward", "attention_dkv",
-                     "attention_dq"]
-    assert [(w, s) for _, w, s in found.values()] == [(8, 1), (8, 1), (4, 2), (4, 2), (4, 2)]
+    assert names == ["memory_forward_kernel", "memory_backward_kernel", "memory_end_forward_kernel",
+                     "memory_end_backward_kernel", "attention_forward", "attention_dkv", "attention_dq"]
+    assert [(w, s) for _, w, s in found.values()] == [(8, 1)] * 4 + [(4, 2)] * 3
     assert "(mlp, chunk 64, dim 64, hidden 128)" in list(found)[0] and "tt.func public" in found[list(found)[0]][0]
     assert resources.main(["--config", "nl_350m", "--capture-only", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"nl_350m_{i}.ttir" for i in range(5)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"nl_350m_{i}.ttir" for i in range(7)]
 
 
 def test_a_head_width_triton_cannot_take_has_no_pallas_attention(capsys):
     found = resources.kernels("titans_demo")  # head width 48
-    assert len(found) == 2 and "no Pallas attention" in capsys.readouterr().out
+    assert len(found) == 4 and "no Pallas attention" in capsys.readouterr().out
 
 
 def test_the_memory_kernels_fence_every_store_of_the_state():
@@ -40,9 +40,12 @@ def test_the_memory_kernels_fence_every_store_of_the_state():
     a barrier; the lowered module can. The MLP memory's state is stored a hidden tile at a time,
     inside the tile loops (written once each): the forward stores W1', S1', W2', S2'; the
     backward their cotangents in `_tile_step`'s pull-back, then adds W1's and W2's in
-    `_tile_sums`'."""
+    `_tile_sums`'. The loop kernel's forward stores the same four (its copies of the chunk-start
+    state go to outputs no thread reads); its backward the four cotangents, k's and the errors'
+    cotangent sums (zeroed, added per tile in both loops and once between, stored as the chunk's
+    gradients: 2 + 2 + 1 + 1 + 2) and W1's and W2's additions."""
     texts = [text for name, (text, _, _) in resources.kernels("nl_350m").items() if name.startswith("memory")]
-    for text, stores in zip(texts, (4, 4 + 2), strict=True):
+    for text, stores in zip(texts, (4, 4 + 2, 4, 4 + 2 + 8), strict=True):
         lines = [line.split()[0] if "gpu.barrier" in line else "store" for line in text.splitlines()
                  if "gpu.barrier" in line or "tt.store" in line]
         rest = lines[lines.index("gpu.barrier") + 1:]  # after the copies of the initial state

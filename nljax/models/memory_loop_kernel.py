@@ -266,8 +266,8 @@ def _end_backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         d_out = {"k": d_inputs[0].at[t, :], "v": d_inputs[1].at[t, :]}
         grads = _backward_chunk(_readers(inputs, t), saved, named, d_saved, (i, n), kind, interpret, d_out)
         for g, r in zip(grads, d_inputs):
-            if len(r.shape) == 2:
-                r[t, :] = g
+            if len(r.shape) == 2:  # fenced: the MLP memory's sums over tiles were in these rows
+                mk._store(r.at[t, :], g, interpret)
             else:
                 r[t] = g
         return carry
