@@ -27,13 +27,14 @@ def loop_kernel(state, *args, kind, chunk):
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_end_math_equals_chunk_end(kind):
-    """The kernels' per-chunk statement (2-D, one row and head) is `memory.chunk_end`: the end
-    state of a chunk from a state with weight and momentum, every row and head."""
+    """The kernels' per-chunk statement (2-D, one row and head, from `loop_inputs`) is
+    `memory.chunk_end`: the end state of a chunk from a state with weight and momentum, every
+    row and head."""
     state, (_, k, v, theta, eta, alpha) = inputs(kind, t=8, seed=2)
-    const = nm.chunk_constants(k, eta, alpha)
-    want = nm.chunk_end(state, k, v, theta, eta, const, kind)
-    one = lambda M, S, *a: ml.end_math(M, S, *a, kind=kind)
-    M, S = jax.jit(jax.vmap(jax.vmap(one)))(state["M"], state["S"], k, v, theta, eta, alpha)
+    want = nm.chunk_end(state, k, v, theta, eta, nm.chunk_constants(k, eta, alpha), kind)
+    ins, _ = ml.loop_inputs(k, v, theta, eta, alpha, chunk=8)  # one chunk
+    one = lambda M, S, k, v, *terms: ml.end_math(M, S, k, v, terms, kind)
+    M, S = jax.jit(jax.vmap(jax.vmap(one)))(state["M"], state["S"], *ins)
     assert_close((M, S), (want["M"], want["S"]), rtol=1e-5, atol=1e-6)
     assert not np.allclose(np.asarray(jax.tree.leaves(M)[0]), np.asarray(jax.tree.leaves(state["M"])[0]))
 

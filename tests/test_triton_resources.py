@@ -42,8 +42,8 @@ def test_the_memory_kernels_fence_every_store_of_the_state():
     backward their cotangents in `_tile_step`'s pull-back, then adds W1's and W2's in
     `_tile_sums`'. The loop kernel's forward stores the same four (its copies of the chunk-start
     state go to outputs no thread reads); its backward the four cotangents, k's and the errors'
-    cotangent sums (zeroed, added per tile in both loops and once between, stored as the chunk's
-    gradients: 2 + 2 + 1 + 1 + 2) and W1's and W2's additions."""
+    cotangent sums (zeroed, added per tile in both loops, stored with the keys' Gram matrix's as
+    the chunk's gradients: 2 + 2 + 1 + 3) and W1's and W2's additions."""
     texts = [text for name, (text, _, _) in resources.kernels("nl_350m").items() if name.startswith("memory")]
     for text, stores in zip(texts, (4, 4 + 2, 4, 4 + 2 + 8), strict=True):
         lines = [line.split()[0] if "gpu.barrier" in line else "store" for line in text.splitlines()

@@ -5,15 +5,16 @@ backward; the reads stay batched XLA computations (`model.nl_lm.memory_impl=para
 Why: in `memory.memory_parallel` the reads leave the loop (one batched computation over all
 chunks, large products a GPU runs well), and what remains sequential is `chunk_end`: per chunk a
 few small products (the MLP memory: the hidden features at the chunk-start memory, the errors
-pulled back, each layer's update) and the gate terms, which XLA runs as a dozen small kernels per
-chunk, one chunk after another (nl_350m: 4 layers x 32 chunks; titans_demo is launch-bound).
-Here that loop is one launch per layer, the state on chip between its steps. It is a smaller
-kernel than `memory_kernel`'s whole chunk: no queries, no [b, b] read weights, no running
-curvature sums, one row of the gate terms (the last), so fewer live tensors per program.
+pulled back, each layer's update) and the curvature bound, which XLA runs as a dozen small
+kernels per chunk, one chunk after another (nl_350m: 4 layers x 32 chunks; titans_demo is
+launch-bound). Here that loop is one launch per layer. It is a smaller kernel than
+`memory_kernel`'s whole chunk: no queries, no [b, b] read weights, no running curvature sums, and
+no gate terms: what does not depend on the memory (`loop_inputs`: the gates' weights, the keys'
+Gram matrix) is computed for every chunk at once before the loop, as `memory.memory_parallel`
+does, and its cotangents pulled back by JAX after it.
 
-- `end_math` is one chunk's end state for one (row, head) on 2-D arrays: `_end_terms` (the gate
-  and step terms `memory.chunk_constants` and `Features.chunk_bound` give the end state, the last
-  rows alone, written without cumulative sums: Triton has none), then each layer's update
+- `end_math` is one chunk's end state for one (row, head) on 2-D arrays: `_end_terms` (the steps
+  over the whole chunk's curvature bound, `Features.chunk_bound`), then each layer's update
   (`memory_kernel._update`). The MLP memory walks its hidden width in tiles as `memory_kernel`
   does (`_tile_sums`, the terms, then `_tile_end` per tile), so that each tile's arithmetic is
   compiled once and no [dim, hidden] matrix is live whole.
@@ -24,11 +25,13 @@ curvature sums, one row of the gate terms (the last), so fewer live tensors per 
   the reads' cotangent of that start state, and carry the sum to the chunk before. The state's
   cotangent lives in the kernel's outputs as the state does, and so do the MLP memory's sums over
   tiles of k's and the errors' cotangents (this chunk's rows of k's and v's), not the loops'
-  carries: offline (triton 3.9, sm_90, 8 warps) that spilled 5,008 bytes per thread at nl_350m's
-  shapes instead of 5,520, and took 80 KiB of shared memory instead of 88.
+  carries, where they were live through both loops.
 - `memory_parallel_kernel` ties them (`jax.custom_vjp` over the loop alone) to the reads,
-  `memory._all_reads` of the saved start states under `jax.checkpoint` (recomputed in the
+  `memory.chunk_reads` of the saved start states under `jax.checkpoint` (recomputed in the
   backward pass from the start states, as `memory.memory_parallel`'s backward does).
+
+The offline resources (shared memory, registers, spills per kernel) and what each of these
+choices saved: docs/concepts/memory-kernel.md, "The loop kernel".
 
 Shapes on a GPU as for `memory_kernel` (`gpu_unsupported`); on a CPU the kernels run in
 interpret mode (any shape, slow: tests and checks). Everything is float32 inside.
@@ -47,7 +50,9 @@ from nljax.models import memory_kernel as mk
 from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers
 from nljax.models.tiles import dot, dot_t, tile
 
-_LOOP_INPUTS = ("k", "v", "theta", "eta", "alpha")  # q reaches the reads alone
+# the kernels' inputs, each [T, ...] per (row, head): k, v and the memory-independent terms of
+# `loop_inputs` (q reaches the reads alone)
+_LOOP_INPUTS = ("k", "v", "step", "keep_last", "mom_last", "c_end", "s_end", "s_decay", "kk", "k_gram")
 
 
 def _abs(x):
@@ -57,36 +62,23 @@ def _abs(x):
     return x * jax.lax.stop_gradient(jnp.sign(x))
 
 
-def _end_terms(k, theta, eta, alpha, hh=None, hsq=None, w2=None):
-    """What a chunk's end state takes from its gates and keys (`memory.chunk_constants`' last
-    rows and `Features.chunk_bound`): a_end [j] (the weight of token j's gradient in M at the
-    chunk's end), w [j] (in S), c_end, s_end, s_decay (of M_0 and S_0 in M, of S_0 in S). The MLP
-    memory's normaliser takes its hidden layer's sums over the width (`memory_kernel._tile_sums`:
-    hh = h h^T, hsq = |h_i|^2, w2 = |W2|^2)."""
-    b = k.shape[0]
-    # the triangle i >= j as 0/1 floats, masks applied by products, not selects (as `_abs`)
-    lower = (jax.lax.broadcasted_iota(jnp.int32, (b, b), 0) >= jax.lax.broadcasted_iota(jnp.int32, (b, b), 1)
-             ).astype(jnp.float32)
-    log_eta = jnp.log(jnp.maximum(eta, 1e-30))
-    log_keep = jnp.log(jnp.maximum(1.0 - alpha, 1e-30))
-    le = jnp.sum(lower * log_eta[None, :], axis=1)  # cumulative sums  [i]
-    la = jnp.sum(lower * log_keep[None, :], axis=1)
-    le_end, la_end = jnp.sum(log_eta), jnp.sum(log_keep)
-    # [i, j]: j's momentum at i (above the diagonal exp(0) masked: le_i - le_j > 0 there, finite)
-    mom = jnp.exp(lower * (le[:, None] - le[None, :])) * lower
-    keep_last = jnp.exp(la_end - la)  # [i]: what the memory keeps from i to the chunk's end
-    kk = jnp.sum(k * k, axis=1)
-    inner = _abs(dot_t(k, k))  # |k_i . k_j|
+def _end_terms(step, keep_last, mom_last, c_end, s_end, s_decay, kk, k_gram, hh=None, hsq=None, w2=None):
+    """What a chunk's end state takes besides its errors: a_end [j] (the weight of token j's
+    gradient in M at the chunk's end), w [j] (in S), c_end, s_end, s_decay (of M_0 and S_0 in M,
+    of S_0 in S), from the memory-independent terms `loop_inputs` computed for every chunk before
+    the loop, and the curvature bound at the chunk-start memory: the whole chunk's lambda
+    (`Features.chunk_bound`), the MLP memory's from its hidden layer's sums over the width
+    (`memory_kernel._tile_sums`: hh = h h^T, hsq = |h_i|^2, w2 = |W2|^2). The chunk's scalars
+    come repeated over its tokens (one block layout for every input): the last is taken."""
     if hh is None:
-        nu = kk + NU_FLOOR
+        nu, inner = kk + NU_FLOOR, k_gram
     else:
         nu = hsq + GELU_SLOPE**2 * kk * w2 + NU_FLOOR
-        inner = _abs(hh) + GELU_SLOPE**2 * inner * w2
+        inner = _abs(hh) + GELU_SLOPE**2 * k_gram * w2
     rs = jax.lax.rsqrt(nu)
-    lam = jnp.maximum(jnp.max(jnp.sum(inner * rs[:, None] * rs[None, :], axis=1)), 1.0)  # the whole chunk's
-    a = theta * (1.0 - eta) / nu / lam  # [j]
-    a_end = jnp.sum(keep_last[:, None] * mom, axis=0) * a
-    return a_end, jnp.exp(le_end - le) * a, jnp.exp(la_end), jnp.sum(keep_last * jnp.exp(le)), jnp.exp(le_end)
+    lam = jnp.maximum(jnp.max(jnp.sum(inner * rs[:, None] * rs[None, :], axis=1)), 1.0)
+    a = step / nu / lam  # [j]
+    return keep_last * a, mom_last * a, mk._last(c_end), mk._last(s_end), mk._last(s_decay)
 
 
 def _tile_end(k, e, a_end, w, c_end, s_end, s_decay, W1, S1, W2, S2):
@@ -98,17 +90,16 @@ def _tile_end(k, e, a_end, w, c_end, s_end, s_decay, W1, S1, W2, S2):
     return (*mk._update(W1, S1, k, d0, *coefs), *mk._update(W2, S2, mk._gelu(pre), e, *coefs))
 
 
-def end_math(M: dict, S: dict, k, v, theta, eta, alpha, kind: str):
+def end_math(M: dict, S: dict, k, v, terms, kind: str):
     """One chunk's end state for one (row, head), the hidden width one tile: `memory.chunk_end`
     on 2-D arrays (the statement the kernels run). M, S leaves 2-D float32; k [b, dk], v [b, dv],
-    gates [b] -> (M', S')."""
+    `terms`: the chunk's `loop_inputs` after k and v (each [b], k_gram [b, b]) -> (M', S')."""
     if kind == "linear":
         (d0,) = mk._errors_linear(k, v, M["W"])
-        W, Sw = mk._update(M["W"], S["W"], k, d0, *_end_terms(k, theta, eta, alpha))
+        W, Sw = mk._update(M["W"], S["W"], k, d0, *_end_terms(*terms))
         return {"W": W}, {"W": Sw}
     hh, hsq, w2, eh = mk._tile_sums(k, M["W1"], M["W2"])
-    coefs = _end_terms(k, theta, eta, alpha, hh, hsq, w2)
-    W1, S1, W2, S2 = _tile_end(k, eh - v, *coefs, M["W1"], S["W1"], M["W2"], S["W2"])
+    W1, S1, W2, S2 = _tile_end(k, eh - v, *_end_terms(*terms, hh, hsq, w2), M["W1"], S["W1"], M["W2"], S["W2"])
     return {"W1": W1, "W2": W2}, {"W1": S1, "W2": S2}
 
 
@@ -139,20 +130,20 @@ def _linear_refs(state: dict, chunk_of=None):
 
 def _forward_chunk(load, state: dict, kind: str, interpret: bool) -> None:
     """One chunk's end state, stored in place over its start state."""
-    k, v, theta, eta, alpha = (load[x]() for x in _LOOP_INPUTS)
+    k, v, *terms = (load[x]() for x in _LOOP_INPUTS)
     get = lambda r: mk._load(r, interpret)
     if kind == "linear":
         refs = _linear_refs(state)
         W, S = map(get, refs)
         (d0,) = mk._errors_linear(k, v, W)
-        for ref, value in zip(refs, mk._update(W, S, k, d0, *_end_terms(k, theta, eta, alpha))):
+        for ref, value in zip(refs, mk._update(W, S, k, d0, *_end_terms(*terms))):
             mk._store(ref, value, interpret)
         return
     hidden = state["M/W1"].shape[1]
     th = mk._hidden_tile(hidden)
     tiles = lambda j: [get(r) for r in _mlp_tiles(state, j, th)]
     hh, hsq, w2, eh = mk._tile_loop(hidden // th, lambda j: mk._tile_sums(load["k"](), *tiles(j)[::2]))
-    coefs = _end_terms(k, theta, eta, alpha, hh, hsq, w2)
+    coefs = _end_terms(*terms, hh, hsq, w2)
     e = eh - v
 
     def one(j, carry):
@@ -168,27 +159,25 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
     """Chunk i (`chunk_of` = (i, n)) pulled back from its start state (in the saved blocks
     `saved`): `d_state` holds its end state's cotangent in and its start state's out, the
     update's pulled back plus the reads' (in the saved blocks `d_reads`). Returns the cotangents
-    of k, v, theta, eta, alpha."""
-    k, v, theta, eta, alpha = (load[x]() for x in _LOOP_INPUTS)
+    of `_LOOP_INPUTS`."""
+    k, v, *terms = (load[x]() for x in _LOOP_INPUTS)
     get = lambda r: mk._load(r, interpret)
     if kind == "linear":
         W, S = map(get, _linear_refs(saved, chunk_of))
-        coefs, terms_pull = jax.vjp(_end_terms, k, theta, eta, alpha)
+        coefs, terms_pull = jax.vjp(_end_terms, *terms)
         (d0,), errors_pull = jax.vjp(mk._errors_linear, k, v, W)
         refs = _linear_refs(d_state)
         dW, dS, dk, dd0, *dcoefs = jax.vjp(mk._update, W, S, k, d0, *coefs)[1](tuple(map(get, refs)))
         dk2, dv, dW2 = errors_pull((dd0,))
-        dk3, dtheta, deta, dalpha = terms_pull(tuple(dcoefs))
         for ref, g, r in zip(refs, (dW + dW2, dS), _linear_refs(d_reads, chunk_of)):
             mk._store(ref, g + get(r), interpret)
-        return dk + dk2 + dk3, dv, dtheta, deta, dalpha
+        return dk + dk2, dv, *terms_pull(tuple(dcoefs))
     hidden = saved["M/W1"].shape[1]
     th = mk._hidden_tile(hidden)
     nt = hidden // th
     start = lambda j: [get(r) for r in _mlp_tiles(saved, j, th, chunk_of)]  # W1, S1, W2, S2
     hh, hsq, w2, eh = mk._tile_loop(nt, lambda j: mk._tile_sums(load["k"](), *start(j)[::2]))
-    sums = (k, theta, eta, alpha, hh, hsq, w2)
-    coefs = _end_terms(*sums)
+    coefs = _end_terms(*terms, hh, hsq, w2)
     e = eh - v
     # k's and e's cotangents [b, d] are summed over the tiles in the outputs (k's and v's rows of
     # this chunk: global memory), not in the loops' carries, where they were live through both loops
@@ -207,8 +196,7 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
         return tuple(rest[:5])
 
     dcoefs = mk._tile_loop(nt, step_back)
-    dk2, dtheta, deta, dalpha, dhh, dhsq, dw2 = jax.vjp(_end_terms, *sums)[1](tuple(dcoefs))
-    mk._store(dk_ref, get(dk_ref) + dk2, interpret)
+    *d_terms, dhh, dhsq, dw2 = jax.vjp(_end_terms, *terms, hh, hsq, w2)[1](tuple(dcoefs))
 
     def sums_back(j):  # tile j's part of k's cotangent; its W1's and W2's added
         W1, _, W2, _ = start(j)
@@ -219,11 +207,11 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
         return ()
 
     mk._tile_loop(nt, sums_back)
-    return get(dk_ref), -get(de_ref), dtheta, deta, dalpha
+    return get(dk_ref), -get(de_ref), *d_terms
 
 
 def _readers(refs, t) -> dict:
-    """name -> a reader of this chunk's k, v [b, d] or gate [b] as float32, read where used."""
+    """name -> a reader of this chunk's rows of an input ([b, d] or [b]) as float32, read where used."""
     def reader(r):
         return lambda: (r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32)
     return {name: reader(r) for name, r in zip(_LOOP_INPUTS, refs)}
@@ -232,8 +220,8 @@ def _readers(refs, t) -> dict:
 def _end_forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     """One (row, head): every chunk in order, the state in the final-state outputs between
     chunks, each chunk's start state stored first."""
-    ns = 2 * len(layers(kind))
-    inputs, state_in, state, starts = refs[:5], refs[5:5 + ns], refs[5 + ns:5 + 2 * ns], refs[5 + 2 * ns:]
+    ns, ni = 2 * len(layers(kind)), len(_LOOP_INPUTS)
+    inputs, state_in, state, starts = refs[:ni], refs[ni:ni + ns], refs[ni + ns:ni + 2 * ns], refs[ni + 2 * ns:]
     for src, dst in zip(state_in, state):
         dst[...] = src[...].astype(jnp.float32)
     mk._sync(interpret)
@@ -251,10 +239,10 @@ def _end_forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
 def _end_backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     """One (row, head): chunks in reverse, the state's cotangent in the initial-state cotangent
     outputs between chunks."""
-    ns = 2 * len(layers(kind))
-    inputs, refs = refs[:5], refs[5:]
+    ns, ni = 2 * len(layers(kind)), len(_LOOP_INPUTS)
+    inputs, refs = refs[:ni], refs[ni:]
     starts, d_reads, d_final, d_inputs, d_state = (refs[:ns], refs[ns:2 * ns], refs[2 * ns:3 * ns],
-                                                   refs[3 * ns:3 * ns + 5], refs[3 * ns + 5:])
+                                                   refs[3 * ns:3 * ns + ni], refs[3 * ns + ni:])
     for src, dst in zip(d_final, d_state):
         dst[...] = src[...]
     mk._sync(interpret)
@@ -307,16 +295,35 @@ def _loop_bwd(kind, chunk, interpret, res, cotangents):
     outs = [f32(x) for x in xs] + [f32(x) for x in d_final]
     size = sum(math.prod(x.shape[2:]) for x in d_final)
     res = mk._call(_end_backward_kernel, [*xs, *starts, *d_starts, *d_final], outs, kind, chunk, n, interpret, size)
-    return list(res[5:]), tuple(res[:5])
+    ni = len(_LOOP_INPUTS)
+    return list(res[ni:]), tuple(res[:ni])
 
 
 _loop.defvjp(_loop_fwd, _loop_bwd)
 
 
+def loop_inputs(k, v, theta, eta, alpha, chunk: int):
+    """The kernels' inputs (`_LOOP_INPUTS`), leaves [B, H, T, ...]: k, v, and what the end states
+    take that does not depend on the memory, computed for every chunk at once before the loop (as
+    `memory.memory_parallel` does): the steps before the normaliser theta (1 - eta), the last
+    rows of `memory.chunk_constants`' weights, its per-chunk scalars repeated over the chunk's
+    tokens, the keys' squared norms and Gram matrix (each chunk's [b, b] in its rows). Also
+    returns the constants, [B, H, n, ...], for the reads."""
+    batch, heads, t = k.shape[:3]
+    n = t // chunk
+    const = nm.chunk_constants(*(x.reshape(batch, heads, n, chunk, *x.shape[3:]) for x in (k, eta, alpha)))
+    tokens = lambda x: x.reshape(batch, heads, t, *x.shape[4:])  # [B, H, n, b, ...] -> [B, H, T, ...]
+    every = lambda x: tokens(jnp.broadcast_to(x[..., None], (batch, heads, n, chunk)))  # a chunk's scalar per token
+    terms = (theta * (1.0 - eta), tokens(const["keep_mom"][..., -1, :]), tokens(const["mom_last"]),
+             every(const["c"][..., -1]), every(const["s"][..., -1]), every(const["s_decay"]), tokens(const["kk"]),
+             tokens(const["k_gram"]))
+    return (k, v, *terms), const
+
+
 def memory_parallel_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str, chunk: int,
                            interpret: bool | None = None):
     """`memory.memory_parallel` with its sequential loop as the kernels above: (y [B, H, T, dv]
-    float32, final state). The reads of every chunk are `memory._all_reads` of the start states
+    float32, final state). The reads of every chunk are `memory.chunk_reads` of the start states
     the kernel saved, under `jax.checkpoint` (recomputed from them in the backward pass).
     `interpret`: run the kernels as plain JAX (any backend, slow); None: on all but GPUs."""
     if q.shape[2] % chunk:
@@ -325,22 +332,22 @@ def memory_parallel_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str
         interpret = jax.default_backend() != "gpu"
     f32 = lambda x: x.astype(jnp.float32)
     q, k, v, theta, eta, alpha = map(f32, (q, k, v, theta, eta, alpha))
-    final, starts = _loop(mk._leaves(jax.tree.map(f32, state), kind), (k, v, theta, eta, alpha), kind, chunk, interpret)
-    ys = jax.checkpoint(functools.partial(_reads, kind=kind, chunk=chunk))(starts, q, k, v, theta, eta, alpha)
+    ins, const = loop_inputs(k, v, theta, eta, alpha, chunk)
+    final, starts = _loop(mk._leaves(jax.tree.map(f32, state), kind), ins, kind, chunk, interpret)
+    ys = jax.checkpoint(functools.partial(_reads, kind=kind))(starts, q, k, v, theta, eta, const)
     return ys, mk._unleaves(final, kind)
 
 
-def _reads(starts: list, q, k, v, theta, eta, alpha, *, kind: str, chunk: int):
+def _reads(starts: list, q, k, v, theta, eta, const: dict, *, kind: str):
     """Every chunk's reads from its start state (leaves [B, H, n * rows, cols], as the kernel
     saved them), as one `memory.chunk_reads` with the chunks a second head axis: [B, H, T, dv].
-    Every reshape here is free (no transposes: under vmap over a chunk axis, XLA:CPU's algebraic
-    simplifier failed on a transpose it folded into a product)."""
+    `const`: `memory.chunk_constants`, leaves [B, H, n, ...]. Every reshape here is free (no
+    transposes: under vmap over a chunk axis, XLA:CPU's algebraic simplifier failed on a
+    transpose it folded into a product)."""
     batch, heads, t = q.shape[:3]
-    n = t // chunk
+    n = const["c"].shape[2]
     as_heads = lambda x, per: x.reshape(batch, heads * n, per, *x.shape[3:])  # [B, H, n per, ...] -> [B, H n, per, ...]
     state = mk._unleaves([as_heads(x, x.shape[2] // n) for x in starts], kind)
-    split = lambda x: x.reshape(batch, heads, n, chunk, *x.shape[3:])
-    const = jax.tree.map(lambda x: x.reshape(batch, heads * n, *x.shape[3:]),
-                         nm.chunk_constants(split(k), split(eta), split(alpha)))
-    ins = [as_heads(x, chunk) for x in (q, k, v, theta, eta)]
+    const = jax.tree.map(lambda x: x.reshape(batch, heads * n, *x.shape[3:]), const)
+    ins = [as_heads(x, t // n) for x in (q, k, v, theta, eta)]
     return nm.chunk_reads(state, *ins, const, kind).reshape(*q.shape[:3], -1)
