@@ -285,6 +285,9 @@ def test_a_model_trained_with_gpu_forms_is_read_with_the_forms_that_run_here(tmp
     kept = for_this_backend(gpu, keep={"model.nl_lm.memory_impl"})
     assert (kept.model.nl_lm.attention, kept.model.nl_lm.memory_impl) == ("auto", "pallas")
     assert for_this_backend(config.load(None, ["model.nl_lm.attention=blocked"])).model.nl_lm.attention == "blocked"
+    loop = config.load(None, ["model.nl_lm.memory_impl=parallel_pallas"])  # the loop kernel: GPU-only too
+    assert for_this_backend(loop).model.nl_lm.memory_impl == "auto"
+    assert for_this_backend(config.load(None, ["model.nl_lm.memory_impl=parallel"])).model.nl_lm.memory_impl == "parallel"
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(gpu), sort_keys=False))
