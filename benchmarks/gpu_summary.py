@@ -97,7 +97,7 @@ def memory_kernel_lines(m: dict | None, what: str = "kernel") -> list[str]:
     kernel; the parallel-reads form's ratio alongside ("info": the target is the kernels')."""
     if not m:
         return [f"{verdict(None)}  memory {what} fwd+bwd vs scan: -"]
-    rows = [f"MISS  memory kernel at {name}'s shapes: {err}" for name, err in m.get("errors", {}).items()]
+    rows = [f"MISS  memory {what} at {name}'s shapes: {err}" for name, err in m.get("errors", {}).items()]
     for name, r in m["shapes"].items():
         ms = r["median_ms"]
         for k, c in r["check"].items():

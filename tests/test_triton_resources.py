@@ -46,12 +46,27 @@ def test_the_memory_kernels_fence_every_store_of_the_state():
     the chunk's gradients: 2 + 2 + 1 + 3) and W1's and W2's additions."""
     texts = [text for name, (text, _, _) in resources.kernels("nl_350m").items() if name.startswith("memory")]
     for text, stores in zip(texts, (4, 4 + 2, 4, 4 + 2 + 8), strict=True):
-        lines = [line.split()[0] if "gpu.barrier" in line else "store" for line in text.splitlines()
-                 if "gpu.barrier" in line or "tt.store" in line]
-        rest = lines[lines.index("gpu.barrier") + 1:]  # after the copies of the initial state
-        fence = ["gpu.barrier", "store", "gpu.barrier"]
-        fenced = sum(rest[i:i + 3] == fence for i in range(len(rest)))
-        assert fenced == stores and text.count("gpu.barrier") == 1 + 2 * stores
+        assert_fenced(text, stores)
+
+
+def test_the_linear_loop_kernel_fences_every_store_of_the_state():
+    """The default job's linear memory: the loop kernel's forward stores W' and S'; its backward
+    their cotangents and the chunk's gradients of k, v and the keys' Gram matrix."""
+    found = resources.kernels(None)  # the default config: linear memory, chunk 16, dim 32
+    texts = [text for name, (text, _, _) in found.items() if name.startswith("memory loop")]
+    for text, stores in zip(texts, (2, 2 + 3), strict=True):
+        assert_fenced(text, stores)
+
+
+def assert_fenced(text: str, stores: int) -> None:
+    """`stores` stores of a lowered kernel each between two barriers, and no other barrier than
+    one after the copies of the initial state."""
+    lines = [line.split()[0] if "gpu.barrier" in line else "store" for line in text.splitlines()
+             if "gpu.barrier" in line or "tt.store" in line]
+    rest = lines[lines.index("gpu.barrier") + 1:]  # after the copies of the initial state
+    fence = ["gpu.barrier", "store", "gpu.barrier"]
+    fenced = sum(rest[i:i + 3] == fence for i in range(len(rest)))
+    assert fenced == stores and text.count("gpu.barrier") == 1 + 2 * stores, (fenced, stores)
 
 
 def test_under_full_float32_the_memory_kernels_take_tf32x3_products_not_ieee_ones():

@@ -301,12 +301,12 @@ def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str
     return "scan" if impl == "auto" else impl
 
 
-def _chunk_input(refs, t):
-    """name -> a reader of this chunk's q, k, v [b, d] or gate [b] from its [T, d] or [T] block,
-    as float32: read where a stage uses it, not kept from stage to stage."""
+def _chunk_input(refs, t, names=_INPUTS):
+    """name -> a reader of this chunk's rows of an input (q, k, v [b, d] or a gate [b]) from its
+    [T, d] or [T] block, as float32: read where a stage uses it, not kept from stage to stage."""
     def reader(r):
         return lambda: (r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32)
-    return {name: reader(r) for name, r in zip(_INPUTS, refs)}
+    return {name: reader(r) for name, r in zip(names, refs, strict=True)}
 
 
 _FULL_FLOAT32 = ("highest", "float32", "F32_F32_F32")  # jax_default_matmul_precision's exact-float32 settings

@@ -56,10 +56,11 @@ _LOOP_INPUTS = ("k", "v", "step", "keep_last", "mom_last", "c_end", "s_end", "s_
 
 
 def _abs(x):
-    """|x| as x sign(x), its derivative the float sign(x): jnp.abs's pull-back selects with a
-    boolean mask of x >= 0, which the backward kernel needed in another layout than x's, and
-    Triton (3.9, 8 warps, chunk 64) failed to move a 1-bit tensor through shared memory."""
-    return x * jax.lax.stop_gradient(jnp.sign(x))
+    """|x| as x times its float sign (+1 at 0, jnp.abs's slope there): jnp.abs's pull-back selects
+    with a boolean mask of x >= 0, which the backward kernel needed in another layout than x's,
+    and Triton (3.9, 8 warps, chunk 64) failed to move a 1-bit tensor through shared memory.
+    Here the mask is used in x's layout only."""
+    return x * jax.lax.stop_gradient(jnp.where(x >= 0, 1.0, -1.0))
 
 
 def _end_terms(step, keep_last, mom_last, c_end, s_end, s_decay, kk, k_gram, hh=None, hsq=None, w2=None):
@@ -92,8 +93,10 @@ def _tile_end(k, e, a_end, w, c_end, s_end, s_decay, W1, S1, W2, S2):
 
 def end_math(M: dict, S: dict, k, v, terms, kind: str):
     """One chunk's end state for one (row, head), the hidden width one tile: `memory.chunk_end`
-    on 2-D arrays (the statement the kernels run). M, S leaves 2-D float32; k [b, dk], v [b, dv],
-    `terms`: the chunk's `loop_inputs` after k and v (each [b], k_gram [b, b]) -> (M', S')."""
+    on 2-D arrays, from the pieces the kernels assemble around their loads and stores
+    (`_end_terms`, `_tile_end`, `memory_kernel._update`): their arithmetic in one function, for
+    tests. M, S leaves 2-D float32; k [b, dk], v [b, dv], `terms`: the chunk's `loop_inputs` after
+    k and v (each [b], k_gram [b, b]) -> (M', S')."""
     if kind == "linear":
         (d0,) = mk._errors_linear(k, v, M["W"])
         W, Sw = mk._update(M["W"], S["W"], k, d0, *_end_terms(*terms))
@@ -210,13 +213,6 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
     return get(dk_ref), -get(de_ref), *d_terms
 
 
-def _readers(refs, t) -> dict:
-    """name -> a reader of this chunk's rows of an input ([b, d] or [b]) as float32, read where used."""
-    def reader(r):
-        return lambda: (r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32)
-    return {name: reader(r) for name, r in zip(_LOOP_INPUTS, refs)}
-
-
 def _end_forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     """One (row, head): every chunk in order, the state in the final-state outputs between
     chunks, each chunk's start state stored first."""
@@ -230,7 +226,7 @@ def _end_forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     def body(i, carry):
         for src, dst in zip(state, starts):
             dst[tile(i, src.shape[0]), :] = mk._load(src, interpret)
-        _forward_chunk(_readers(inputs, tile(i, chunk)), named, kind, interpret)
+        _forward_chunk(mk._chunk_input(inputs, tile(i, chunk), _LOOP_INPUTS), named, kind, interpret)
         return carry
 
     jax.lax.fori_loop(0, n, body, 0)
@@ -252,7 +248,7 @@ def _end_backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         i = n - 1 - j
         t = tile(i, chunk)
         d_out = {"k": d_inputs[0].at[t, :], "v": d_inputs[1].at[t, :]}
-        grads = _backward_chunk(_readers(inputs, t), saved, named, d_saved, (i, n), kind, interpret, d_out)
+        grads = _backward_chunk(mk._chunk_input(inputs, t, _LOOP_INPUTS), saved, named, d_saved, (i, n), kind, interpret, d_out)
         for g, r in zip(grads, d_inputs):
             if len(r.shape) == 2:  # fenced: the MLP memory's sums over tiles were in these rows
                 mk._store(r.at[t, :], g, interpret)
@@ -294,9 +290,9 @@ def _loop_bwd(kind, chunk, interpret, res, cotangents):
     f32 = lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32)
     outs = [f32(x) for x in xs] + [f32(x) for x in d_final]
     size = sum(math.prod(x.shape[2:]) for x in d_final)
-    res = mk._call(_end_backward_kernel, [*xs, *starts, *d_starts, *d_final], outs, kind, chunk, n, interpret, size)
+    grads = mk._call(_end_backward_kernel, [*xs, *starts, *d_starts, *d_final], outs, kind, chunk, n, interpret, size)
     ni = len(_LOOP_INPUTS)
-    return list(res[ni:]), tuple(res[:ni])
+    return list(grads[ni:]), tuple(grads[:ni])
 
 
 _loop.defvjp(_loop_fwd, _loop_bwd)
