@@ -13,6 +13,7 @@ from helpers import TINY_NL, assert_trees_close, make, train
 from nljax import config
 from nljax.errors import ConfigError
 from nljax.models import memory as nm
+from nljax.models import memory_forms as forms
 from nljax.models import memory_kernel as mk
 
 B, H, D, HID = 2, 3, 8, 16  # rows and heads > 1
@@ -159,14 +160,14 @@ def test_kernel_lowers_for_cuda(kind, chunk, d):
 
 def test_select():
     ok = dict(kind="mlp", chunk=32, dim=64, hidden=128)
-    assert mk.select("auto", **ok, backend="cpu") == "scan"
-    assert mk.select("auto", **ok, backend="gpu") == "scan"  # its GPU speed is not measured yet
-    assert mk.select("pallas", **ok, backend="cpu") == "pallas"  # interpreted
-    assert mk.select("scan", **ok, backend="gpu") == "scan"
+    assert forms.select("auto", **ok, backend="cpu") == "scan"
+    assert forms.select("auto", **ok, backend="gpu") == "scan"  # its GPU speed is not measured yet
+    assert forms.select("pallas", **ok, backend="cpu") == "pallas"  # interpreted
+    assert forms.select("scan", **ok, backend="gpu") == "scan"
     small = {**ok, "chunk": 8}
-    assert mk.select("auto", **small, backend="gpu") == "scan"  # Triton's dots need >= 16
+    assert forms.select("auto", **small, backend="gpu") == "scan"  # Triton's dots need >= 16
     with pytest.raises(ConfigError, match="memory_chunk=8: the Pallas memory kernel needs powers of two >= 16"):
-        mk.select("pallas", **small, backend="gpu")
+        forms.select("pallas", **small, backend="gpu")
     assert mk.gpu_unsupported("linear", 64, 48, 1) == (
         "model.nl_lm.memory_dim=48: the Pallas memory kernel needs powers of two >= 16 on a GPU")
     assert mk.gpu_unsupported("linear", 64, 64, 1) is None  # the hidden width is the MLP's only
@@ -178,9 +179,11 @@ def test_unknown_memory_impl_is_one_line_error():
         config.load(None, ["model.nl_lm.memory_impl=fast"])
 
 
-# the MLP case is the slow tier's (about 60 s on the shared 2-core machine); the fast tier has the
-# linear one and the MLP kernel's equality with the scan above
-@pytest.mark.parametrize("kind", ["linear", pytest.param("mlp", marks=slow)])
+# slow tier (18 s linear, about 60 s MLP on the shared 2-core machine); the fast tier has the
+# kernel's equality with the scan above, and the parallel form's training run (tests/test_memory_parallel.py)
+# goes through the same wiring (memory_forms.inner_loop)
+@slow
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_training_through_the_kernel_equals_the_scan(kind, monkeypatch):
     """A few steps of a tiny nl_lm with memory_impl=pallas (interpreted) on two devices equal
     memory_impl=scan on one: losses, parameters (memory0's gradient reaches it through the rows'

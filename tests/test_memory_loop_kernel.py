@@ -12,6 +12,7 @@ import pytest
 from helpers import TINY_NL, assert_trees_close, make, train
 from nljax.errors import ConfigError
 from nljax.models import memory as nm
+from nljax.models import memory_forms as forms
 from nljax.models import memory_kernel as mk
 from nljax.models import memory_loop_kernel as ml
 from test_memory_kernel import HID, assert_close, assert_grads_close, inputs, objective, outputs_and_grads
@@ -107,11 +108,11 @@ def test_lowers_for_cuda(kind, chunk, d):
 
 def test_select():
     ok = dict(kind="mlp", chunk=32, dim=64, hidden=128)
-    assert mk.select("parallel_pallas", **ok, backend="cpu") == "parallel_pallas"  # interpreted
-    assert mk.select("parallel_pallas", **ok, backend="gpu") == "parallel_pallas"
+    assert forms.select("parallel_pallas", **ok, backend="cpu") == "parallel_pallas"  # interpreted
+    assert forms.select("parallel_pallas", **ok, backend="gpu") == "parallel_pallas"
     with pytest.raises(ConfigError, match="memory_impl=parallel_pallas: model.nl_lm.memory_chunk=8: the Pallas"):
-        mk.select("parallel_pallas", **{**ok, "chunk": 8}, backend="gpu")
-    fn = mk.inner_loop("parallel_pallas", "mlp", 32, 64, 128, remat=False, unroll=1)
+        forms.select("parallel_pallas", **{**ok, "chunk": 8}, backend="gpu")
+    fn = forms.inner_loop("parallel_pallas", "mlp", 32, 64, 128, remat=False, unroll=1)
     assert fn.func is ml.memory_parallel_kernel and fn.keywords == {"kind": "mlp", "chunk": 32}
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from helpers import TINY_NL, assert_trees_close, make, train
 from nljax.models import memory as nm
-from nljax.models import memory_kernel as mk
+from nljax.models import memory_forms as forms
 from test_memory_kernel import assert_close, assert_grads_close, inputs, outputs_and_grads
 
 
@@ -105,8 +105,8 @@ def test_the_parallel_loop_has_at_most_half_the_products_per_chunk(kind):
 
 def test_memory_impl_parallel_is_selected_on_every_backend():
     ok = dict(kind="mlp", chunk=8, dim=8, hidden=8)  # shapes the Triton kernel could not take
-    assert {mk.select("parallel", **ok, backend=b) for b in ("cpu", "gpu")} == {"parallel"}
-    fn = mk.inner_loop("parallel", "linear", 4, 8, 8, remat=False, unroll=2)
+    assert {forms.select("parallel", **ok, backend=b) for b in ("cpu", "gpu")} == {"parallel"}
+    fn = forms.inner_loop("parallel", "linear", 4, 8, 8, remat=False, unroll=2)
     assert fn.func is nm.memory_parallel and fn.keywords == {"kind": "linear", "chunk": 4, "unroll": 2}
 
 

@@ -19,7 +19,7 @@ from nljax.data.images import load
 from nljax.data.recall import attention_reach
 from nljax.errors import ConfigError
 from nljax.models import attention as attention_form
-from nljax.models import embedding, memory_kernel
+from nljax.models import embedding, memory_forms
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
 from nljax.models.dit import DiT, DiTConfig, DiTNet
@@ -47,8 +47,8 @@ def nl_lm(cfg: Config) -> Model:
     # the backend-dependent choices are made here, after the devices are set up, once per build
     # (on a GPU, attention `auto` compiles a fused form alone before it takes it: nljax/models/compiles.py)
     if nl.memory_layers:
-        memory["impl"] = memory_kernel.select(nl.memory_impl, nl.memory_kind, nl.memory_chunk, nl.memory_dim,
-                                              nl.memory_hidden)
+        memory["impl"] = memory_forms.select(nl.memory_impl, nl.memory_kind, nl.memory_chunk, nl.memory_dim,
+                                             nl.memory_hidden)
     attention = attention_form.resolve(nl.attention, m.dtype, m.dim // m.heads, attention_form.on_cuda(), nl.window)
     embed_grad = embedding.resolve(nl.embed_grad, m.vocab_size, jax.default_backend())
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,

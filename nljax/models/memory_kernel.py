@@ -57,8 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from nljax.errors import ConfigError
-from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers, memory_forward, memory_parallel
+from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers
 from nljax.models.tiles import dot, dot_t, t_dot, tile
 
 _SQRT_2_PI = 0.7978845608028654  # sqrt(2 / pi), of gelu's tanh approximation (jax.nn.gelu's default)
@@ -269,36 +268,6 @@ def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
         if n < 16 or n & (n - 1):
             return f"model.nl_lm.{name}={n}: the Pallas memory kernel needs powers of two >= 16 on a GPU"
     return None
-
-
-def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat: bool, unroll: int):
-    """`model.nl_lm.memory_impl`'s inner loop: (state, q, k, v, theta, eta, alpha) -> (y, state).
-    The kernels and `memory.memory_parallel` always keep only the chunk-start states for their
-    backward pass (as `remat` does); `unroll` is the scans'."""
-    form = select(impl, kind, chunk, dim, hidden)
-    if form == "pallas":
-        return functools.partial(memory_kernel, kind=kind, chunk=chunk)
-    if form == "parallel_pallas":
-        from nljax.models.memory_loop_kernel import memory_parallel_kernel  # it builds on this module's pieces
-        return functools.partial(memory_parallel_kernel, kind=kind, chunk=chunk)
-    if form == "parallel":  # keeps only the chunk-start states, whatever `remat` says
-        return functools.partial(memory_parallel, kind=kind, chunk=chunk, unroll=unroll)
-    return functools.partial(memory_forward, kind=kind, chunk=chunk, remat=remat, unroll=unroll)
-
-
-def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
-    """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
-    'scan', 'parallel', 'pallas' or 'parallel_pallas'. auto is the scan on every backend: on a CPU the kernel only runs
-    interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
-    the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
-    "Why the kernel is slower than the scan"). `pallas` and `parallel_pallas`
-    (`memory_loop_kernel`) are the kernels as asked, `parallel` (`memory.memory_parallel`) and
-    `scan` run on every backend."""
-    backend = backend or jax.default_backend()
-    kernel = impl in ("pallas", "parallel_pallas")
-    if kernel and backend == "gpu" and (why := gpu_unsupported(kind, chunk, dim, hidden)):
-        raise ConfigError(f"model.nl_lm.memory_impl={impl}: {why}")
-    return "scan" if impl == "auto" else impl
 
 
 def _chunk_input(refs, t, names=_INPUTS):

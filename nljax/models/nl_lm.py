@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import nljax.models.memory as nm
-import nljax.models.memory_kernel as mk
+import nljax.models.memory_forms as forms
 from nljax.errors import ConfigError
 from nljax.models.base import HIDDEN, cms_level_of, tp_divides
 from nljax.models.attention import sliding_window_attention
@@ -225,7 +225,7 @@ class NeuralMemory(nn.Module):
     dtype: jnp.dtype = jnp.float32  # of the projections; the inner loop always runs in float32
     remat: bool = False  # recompute each chunk's internals (memory.memory_forward) and the conv in the backward pass
     unroll: int = 1  # chunks per loop iteration of the inner loop
-    impl: str = "auto"  # auto | scan | parallel | pallas | parallel_pallas: the inner loop's implementation (memory_kernel.inner_loop)
+    impl: str = "auto"  # auto | scan | parallel | pallas | parallel_pallas: the inner loop's implementation (memory_forms.inner_loop)
     tp: int = 1  # tensor-parallel shards: each holds heads / tp memory heads, their state and weights
     axis: str | None = None
 
@@ -268,7 +268,7 @@ class NeuralMemory(nn.Module):
         theta, eta, alpha = (jax.nn.sigmoid(g[..., i]).transpose(0, 2, 1) for i in range(3))  # [B, H, T]
         memory0 = self.memory0()
         state = nm.reset_rows(state, memory0, reset)
-        inner = mk.inner_loop(self.impl, self.kind, self.chunk, d, self.hidden, remat=self.remat, unroll=self.unroll)
+        inner = forms.inner_loop(self.impl, self.kind, self.chunk, d, self.hidden, remat=self.remat, unroll=self.unroll)
         y, state = inner(state, q, k, v, theta * self.lr_max, eta, alpha)
         # A row whose memory became non-finite (from non-finite inputs: the update itself is
         # bounded) restarts from memory0 instead of poisoning every later step of its stream.

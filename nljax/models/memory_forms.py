@@ -1,0 +1,44 @@
+"""Which form of the neural memory's inner loop runs (`model.nl_lm.memory_impl`): the scan
+(`memory.memory_forward`), the parallel form (`memory.memory_parallel`), the whole-chunk Pallas
+kernel (`memory_kernel`) or the parallel form's loop as a kernel (`memory_loop_kernel`). Its own
+module: the kernel modules build on each other, and the choice takes all of them."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from nljax.errors import ConfigError
+from nljax.models import memory_kernel as mk
+from nljax.models import memory_loop_kernel as ml
+from nljax.models.memory import memory_forward, memory_parallel
+
+
+def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat: bool, unroll: int):
+    """`model.nl_lm.memory_impl`'s inner loop: (state, q, k, v, theta, eta, alpha) -> (y, state).
+    The kernels and `memory.memory_parallel` always keep only the chunk-start states for their
+    backward pass (as `remat` does); `unroll` is the scans'."""
+    form = select(impl, kind, chunk, dim, hidden)
+    if form == "pallas":
+        return functools.partial(mk.memory_kernel, kind=kind, chunk=chunk)
+    if form == "parallel_pallas":
+        return functools.partial(ml.memory_parallel_kernel, kind=kind, chunk=chunk)
+    if form == "parallel":  # keeps only the chunk-start states, whatever `remat` says
+        return functools.partial(memory_parallel, kind=kind, chunk=chunk, unroll=unroll)
+    return functools.partial(memory_forward, kind=kind, chunk=chunk, remat=remat, unroll=unroll)
+
+
+def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
+    """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
+    'scan', 'parallel', 'pallas' or 'parallel_pallas'. auto is the scan on every backend: on a CPU
+    the kernels only run interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
+    the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
+    "Why the kernel is slower than the scan"). `pallas` and `parallel_pallas`
+    (`memory_loop_kernel`) are the kernels as asked, `parallel` (`memory.memory_parallel`) and
+    `scan` run on every backend."""
+    backend = backend or jax.default_backend()
+    kernel = impl in ("pallas", "parallel_pallas")
+    if kernel and backend == "gpu" and (why := mk.gpu_unsupported(kind, chunk, dim, hidden)):
+        raise ConfigError(f"model.nl_lm.memory_impl={impl}: {why}")
+    return "scan" if impl == "auto" else impl
