@@ -270,11 +270,16 @@ def gpu_unsupported(kind: str, chunk: int, dim: int, hidden: int) -> str | None:
     return None
 
 
-def _chunk_input(refs, t, names=_INPUTS):
+def _chunk_input(refs, t, names=_INPUTS, interpret: bool | None = None):
     """name -> a reader of this chunk's rows of an input (q, k, v [b, d] or a gate [b]) from its
-    [T, d] or [T] block, as float32: read where a stage uses it, not kept from stage to stage."""
+    [T, d] or [T] block, as float32: read where a stage uses it, not kept from stage to stage.
+    With `interpret` given, each read is `_load`'s (volatile on a GPU: a second read is a new
+    load, not the first one's value kept alive until then)."""
     def reader(r):
-        return lambda: (r[t, :] if len(r.shape) == 2 else r[t]).astype(jnp.float32)
+        at = r.at[t, :] if len(r.shape) == 2 else r.at[t]
+        if interpret is not None:
+            return lambda: _load(at, interpret).astype(jnp.float32)
+        return lambda: at[...].astype(jnp.float32)
     return {name: reader(r) for name, r in zip(names, refs, strict=True)}
 
 

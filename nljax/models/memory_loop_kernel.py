@@ -175,12 +175,15 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
         for ref, g, r in zip(refs, (dW + dW2, dS), _linear_refs(d_reads, chunk_of)):
             mk._store(ref, g + get(r), interpret)
         return dk + dk2, dv, *terms_pull(tuple(dcoefs))
+    # read again where used (volatile loads): held from the first use to the last, the keys' Gram
+    # matrix alone was [b, b] live through the tile loops (offline: 3,176 B spilled, 2,616 re-read)
+    fresh_terms = lambda: [load[x]() for x in _LOOP_INPUTS[2:]]
     hidden = saved["M/W1"].shape[1]
     th = mk._hidden_tile(hidden)
     nt = hidden // th
     start = lambda j: [get(r) for r in _mlp_tiles(saved, j, th, chunk_of)]  # W1, S1, W2, S2
     hh, hsq, w2, eh = mk._tile_loop(nt, lambda j: mk._tile_sums(load["k"](), *start(j)[::2]))
-    coefs = _end_terms(*terms, hh, hsq, w2)
+    coefs = _end_terms(*fresh_terms(), hh, hsq, w2)
     e = eh - v
     # k's and e's cotangents [b, d] are summed over the tiles in the outputs (k's and v's rows of
     # this chunk: global memory), not in the loops' carries, where they were live through both loops
@@ -199,7 +202,7 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
         return tuple(rest[:5])
 
     dcoefs = mk._tile_loop(nt, step_back)
-    *d_terms, dhh, dhsq, dw2 = jax.vjp(_end_terms, *terms, hh, hsq, w2)[1](tuple(dcoefs))
+    *d_terms, dhh, dhsq, dw2 = jax.vjp(_end_terms, *fresh_terms(), hh, hsq, w2)[1](tuple(dcoefs))
 
     def sums_back(j):  # tile j's part of k's cotangent; its W1's and W2's added
         W1, _, W2, _ = start(j)
@@ -226,7 +229,7 @@ def _end_forward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     def body(i, carry):
         for src, dst in zip(state, starts):
             dst[tile(i, src.shape[0]), :] = mk._load(src, interpret)
-        _forward_chunk(mk._chunk_input(inputs, tile(i, chunk), _LOOP_INPUTS), named, kind, interpret)
+        _forward_chunk(mk._chunk_input(inputs, tile(i, chunk), _LOOP_INPUTS, interpret), named, kind, interpret)
         return carry
 
     jax.lax.fori_loop(0, n, body, 0)
@@ -248,7 +251,8 @@ def _end_backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
         i = n - 1 - j
         t = tile(i, chunk)
         d_out = {"k": d_inputs[0].at[t, :], "v": d_inputs[1].at[t, :]}
-        grads = _backward_chunk(mk._chunk_input(inputs, t, _LOOP_INPUTS), saved, named, d_saved, (i, n), kind, interpret, d_out)
+        load = mk._chunk_input(inputs, t, _LOOP_INPUTS, interpret)
+        grads = _backward_chunk(load, saved, named, d_saved, (i, n), kind, interpret, d_out)
         for g, r in zip(grads, d_inputs):
             if len(r.shape) == 2:  # fenced: the MLP memory's sums over tiles were in these rows
                 mk._store(r.at[t, :], g, interpret)
