@@ -129,10 +129,16 @@ def test_scan_backward_equals_the_backward_kernel(kind):
 def test_bf16_inputs(kind):
     """bfloat16 q, k, v and gates: the kernel computes in float32 from them, as the scan does on
     the same values upcast (1e-5); its gradients come back in bfloat16 (their rounding: 1e-2)."""
+    assert_bf16_inputs_computed_in_float32(kernel, kind)
+
+
+def assert_bf16_inputs_computed_in_float32(fn, kind):
+    """`fn` (an inner loop) on bfloat16 inputs: float32 reads and state equal to the scan's on the
+    same values upcast, gradients in bfloat16 within their rounding."""
     chunk = 16
     state, args = inputs(kind, t=32, seed=7, dtype=jnp.bfloat16)
     up = tuple(x.astype(jnp.float32) for x in args)
-    (y, st), grads = outputs_and_grads(kernel, kind, chunk, state, args)
+    (y, st), grads = outputs_and_grads(fn, kind, chunk, state, args)
     ref, ref_grads = outputs_and_grads(nm.memory_forward, kind, chunk, state, up)
     assert y.dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(st))
     assert_close((y, st), ref, rtol=1e-5, atol=1e-5)
@@ -141,9 +147,13 @@ def test_bf16_inputs(kind):
 
 
 def test_sequence_not_a_multiple_of_the_chunk():
+    assert_refuses_a_sequence_not_a_multiple_of_the_chunk(kernel)
+
+
+def assert_refuses_a_sequence_not_a_multiple_of_the_chunk(fn):
     state, args = inputs("linear", t=12)
     with pytest.raises(ValueError, match="not a multiple of the memory chunk 8"):
-        kernel(state, *args, kind="linear", chunk=8)
+        fn(state, *args, kind="linear", chunk=8)
 
 
 @pytest.mark.parametrize("kind,chunk,d", [("linear", 16, 32), ("mlp", 64, 64)])

@@ -15,6 +15,7 @@ from nljax.models import memory as nm
 from nljax.models import memory_forms as forms
 from nljax.models import memory_kernel as mk
 from nljax.models import memory_loop_kernel as ml
+import test_memory_kernel as tmk
 from test_memory_kernel import HID, assert_close, assert_grads_close, inputs, objective, outputs_and_grads
 
 slow = pytest.mark.slow
@@ -78,20 +79,11 @@ def test_orthogonal_and_repeated_keys(kind):
 def test_bf16_inputs(kind):
     """bfloat16 q, k, v and gates: computed in float32 from them, as the scan does on the same
     values upcast; the gradients come back in bfloat16."""
-    chunk = 16
-    state, args = inputs(kind, t=32, seed=7, dtype=jnp.bfloat16)
-    (y, st), grads = outputs_and_grads(loop_kernel, kind, chunk, state, args)
-    ref, ref_grads = outputs_and_grads(nm.memory_forward, kind, chunk, state, tuple(x.astype(jnp.float32) for x in args))
-    assert y.dtype == jnp.float32 and all(x.dtype == jnp.float32 for x in jax.tree.leaves(st))
-    assert_close((y, st), ref, rtol=1e-5, atol=1e-5)
-    assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(grads[1]))
-    assert_grads_close(grads, ref_grads, 1e-2)
+    tmk.assert_bf16_inputs_computed_in_float32(loop_kernel, kind)
 
 
 def test_sequence_not_a_multiple_of_the_chunk():
-    state, args = inputs("linear", t=12)
-    with pytest.raises(ValueError, match="not a multiple of the memory chunk 8"):
-        loop_kernel(state, *args, kind="linear", chunk=8)
+    tmk.assert_refuses_a_sequence_not_a_multiple_of_the_chunk(loop_kernel)
 
 
 @pytest.mark.parametrize("kind,chunk,d", [("linear", 16, 32), ("mlp", 64, 64)])
