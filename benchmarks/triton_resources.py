@@ -87,15 +87,12 @@ def _kernels(config: str) -> dict[str, tuple[str, int, int]]:
         shapes = {"W": (d, d)} if kind == "linear" else {"W1": (d, hid), "W2": (hid, d)}
         state = {p: {n: jnp.zeros((1, 1, *s), jnp.float32) for n, s in shapes.items()} for p in "MS"}
         xs = [jnp.zeros((1, 1, 2 * b, d), dtype)] * 3 + [jnp.full((1, 1, 2 * b), 0.5, dtype)] * 3
-        fn = functools.partial(mk.memory_kernel, kind=kind, chunk=b, interpret=False)
-        grad = jax.grad(lambda a: sum(x.astype(jnp.float32).sum() for x in jax.tree.leaves(fn(*a))))
-        fwd, bwd = captured_modules(grad, ((state, *xs),))  # the backward pass runs the forward kernel too
         at = f"({kind}, chunk {b}, dim {d}, hidden {hid})"
-        out |= {f"memory forward {at}": fwd, f"memory backward {at}": bwd}
-        loop = functools.partial(ml.memory_parallel_kernel, kind=kind, chunk=b, interpret=False)
-        grad = jax.grad(lambda a: sum(x.astype(jnp.float32).sum() for x in jax.tree.leaves(loop(*a))))
-        fwd, bwd = captured_modules(grad, ((state, *xs),))
-        out |= {f"memory loop forward {at}": fwd, f"memory loop backward {at}": bwd}
+        for name, kernel in (("memory", mk.memory_kernel), ("memory loop", ml.memory_parallel_kernel)):
+            fn = functools.partial(kernel, kind=kind, chunk=b, interpret=False)
+            grad = jax.grad(lambda a, fn=fn: sum(x.astype(jnp.float32).sum() for x in jax.tree.leaves(fn(*a))))
+            fwd, bwd = captured_modules(grad, ((state, *xs),))  # the backward pass runs the forward kernel too
+            out |= {f"{name} forward {at}": fwd, f"{name} backward {at}": bwd}
     hd = m.dim // m.heads
     if why := ak.gpu_unsupported(dtype, hd):  # then auto takes cuDNN's attention or the blocked form
         print(f"{config}: no Pallas attention ({why})")

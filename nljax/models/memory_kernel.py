@@ -602,6 +602,11 @@ def _unleaves(leaves: list, kind: str) -> dict:
     return {"M": dict(zip(names, leaves[:len(names)])), "S": dict(zip(names, leaves[len(names):]))}
 
 
+def _saved_shape(x, n: int):
+    """A state leaf [B, H, rows, cols] saved for every chunk: [B, H, n * rows, cols]."""
+    return jax.ShapeDtypeStruct((*x.shape[:2], n * x.shape[2], x.shape[3]), jnp.float32)
+
+
 def _forward(state, xs, kind: str, chunk: int, interpret: bool, save: bool = True):
     """(y, final state, chunk-start states: leaves [B, H, n * rows, cols], none unless `save`)."""
     q, v = xs[0], xs[2]
@@ -610,7 +615,7 @@ def _forward(state, xs, kind: str, chunk: int, interpret: bool, save: bool = Tru
     leaves = _leaves(state, kind)
     outs = [f32(v.shape)] + [f32(x.shape) for x in leaves]
     if save:  # the kernel writes what `outs` has room for
-        outs += [f32((*x.shape[:2], n * x.shape[2], x.shape[3])) for x in leaves]
+        outs += [_saved_shape(x, n) for x in leaves]
     size = sum(math.prod(x.shape[2:]) for x in leaves)
     res = _call(_forward_kernel, [*xs, *leaves], outs, kind, chunk, n, interpret, size)
     nl = len(leaves)

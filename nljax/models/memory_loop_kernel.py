@@ -163,11 +163,15 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
     `saved`): `d_state` holds its end state's cotangent in and its start state's out, the
     update's pulled back plus the reads' (in the saved blocks `d_reads`). Returns the cotangents
     of `_LOOP_INPUTS`."""
-    k, v, *terms = (load[x]() for x in _LOOP_INPUTS)
+    k, v = load["k"](), load["v"]()
+    # the terms read again where used (volatile loads): held from the first use to the last, the
+    # keys' Gram matrix alone was [b, b] live through the MLP's tile loops (offline: 3,176 B
+    # spilled, 2,616 re-read)
+    fresh_terms = lambda: [load[x]() for x in _LOOP_INPUTS[2:]]
     get = lambda r: mk._load(r, interpret)
     if kind == "linear":
         W, S = map(get, _linear_refs(saved, chunk_of))
-        coefs, terms_pull = jax.vjp(_end_terms, *terms)
+        coefs, terms_pull = jax.vjp(_end_terms, *fresh_terms())
         (d0,), errors_pull = jax.vjp(mk._errors_linear, k, v, W)
         refs = _linear_refs(d_state)
         dW, dS, dk, dd0, *dcoefs = jax.vjp(mk._update, W, S, k, d0, *coefs)[1](tuple(map(get, refs)))
@@ -175,9 +179,6 @@ def _backward_chunk(load, saved: dict, d_state: dict, d_reads: dict, chunk_of, k
         for ref, g, r in zip(refs, (dW + dW2, dS), _linear_refs(d_reads, chunk_of)):
             mk._store(ref, g + get(r), interpret)
         return dk + dk2, dv, *terms_pull(tuple(dcoefs))
-    # read again where used (volatile loads): held from the first use to the last, the keys' Gram
-    # matrix alone was [b, b] live through the tile loops (offline: 3,176 B spilled, 2,616 re-read)
-    fresh_terms = lambda: [load[x]() for x in _LOOP_INPUTS[2:]]
     hidden = saved["M/W1"].shape[1]
     th = mk._hidden_tile(hidden)
     nt = hidden // th
@@ -263,15 +264,10 @@ def _end_backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     jax.lax.fori_loop(0, n, body, 0)
 
 
-def _saved_shape(x, n: int):
-    """A state leaf [B, H, rows, cols] saved for every chunk: [B, H, n * rows, cols]."""
-    return jax.ShapeDtypeStruct((*x.shape[:2], n * x.shape[2], x.shape[3]), jnp.float32)
-
-
 def _forward(leaves, xs, kind: str, chunk: int, interpret: bool):
     """(final state's leaves, every chunk's start state's leaves [B, H, n * rows, cols])."""
     n = xs[0].shape[2] // chunk
-    outs = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in leaves] + [_saved_shape(x, n) for x in leaves]
+    outs = [jax.ShapeDtypeStruct(x.shape, jnp.float32) for x in leaves] + [mk._saved_shape(x, n) for x in leaves]
     size = sum(math.prod(x.shape[2:]) for x in leaves)
     res = mk._call(_end_forward_kernel, [*xs, *leaves], outs, kind, chunk, n, interpret, size)
     return list(res[:len(leaves)]), list(res[len(leaves):])
