@@ -40,7 +40,7 @@ import jax  # noqa: E402  (after the path: a checkout need not be installed)
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from nljax.models import attention, attention_kernel, embedding  # noqa: E402
+from nljax.models import attention, attention_kernel, embedding, platform  # noqa: E402
 from nljax.models.chunked_loss import chunked_token_loss  # noqa: E402
 from nljax.models.layers import dense_dot, local_attention, token_loss  # noqa: E402
 
@@ -175,7 +175,7 @@ def check_loss(s: dict, vocab: int, reps: int) -> dict:
 
 def run(dry: bool, reps: int) -> dict:
     s = DRY if dry else FULL
-    cuda = attention.on_cuda()
+    cuda = platform.on_cuda()
     dev = jax.devices()[0]
     result = {"device": f"{dev.platform} {dev.device_kind}", "dry_run": dry, "jax": jax.__version__,
               "attention": check_attention(s, cuda, reps), "attention_pallas": check_pallas_attention(s, reps),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from nljax import config
-from nljax.models import attention, builtin, compiles
+from nljax.models import attention, builtin, compiles, platform
 from nljax.models import memory_forms as forms
 from nljax.models import memory_kernel as mk
 
@@ -48,9 +48,9 @@ def probe_for_real_except(monkeypatch, refused: dict):
 def test_memory_auto_is_the_scan_on_a_gpu_too(monkeypatch):
     """The kernel's speed on a GPU is not measured yet: auto neither takes nor probes it."""
     monkeypatch.setattr(compiles, "refusal", lambda *a: pytest.fail("probed"))
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert forms.select("auto", "mlp", 32, 64, 128) == "scan"
-    assert forms.select("pallas", "mlp", 32, 64, 128) == "pallas"
+    with platform.compiling_for("gpu"):
+        assert forms.select("auto", "mlp", 32, 64, 128) == "scan"
+        assert forms.select("pallas", "mlp", 32, 64, 128) == "pallas"
 
 
 def test_attention_auto_takes_the_first_form_that_compiles(monkeypatch, capsys):

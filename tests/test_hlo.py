@@ -82,3 +82,101 @@ def test_xla_flops_only_for_programs_without_loops():
     assert throughput.flops(once) == pytest.approx(2 * 64**3, rel=0.05)
     assert throughput.flops(looped) is None and hlo.loop_trips(looped.as_text()) == [8]
     assert throughput.flops(unrolled) == pytest.approx(8 * 2 * 64**3, rel=0.05)
+
+
+# A scheduled module as XLA:GPU prints it, cut to what `launches` reads: two kernels in the entry,
+# a loop of 5 whose body holds a kernel, a library call and a loop of 3 (one kernel in its body),
+# a conditional with one kernel per branch, a call whose target holds a copy. The fused
+# computation's and the reduction's instructions are a kernel's body, not kernels.
+LOOPS = """HloModule jit_f, is_scheduled=true
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(f32[] %a, f32[] %b)
+}
+
+%fused_computation (p0: f32[8]) -> f32[8] {
+  %p0 = f32[8]{0} parameter(0)
+  %m = f32[8]{0} multiply(f32[8]{0} %p0, f32[8]{0} %p0)
+  %r = f32[] reduce(f32[8]{0} %m, f32[] %p0), dimensions={0}, to_apply=%add
+  ROOT %t = f32[8]{0} tanh(f32[8]{0} %m)
+}
+
+%inner_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element((s32[], f32[8]{0}) %p), index=1
+  %f = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused_computation
+  ROOT %t = (s32[], f32[8]{0}) tuple(s32[] %i, f32[8]{0} %f)
+}
+
+%inner_cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  ROOT %lt = pred[] fusion((s32[], f32[8]{0}) %p), kind=kLoop, calls=%fused_computation
+}
+
+%outer_body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  %x = f32[8]{0} get-tuple-element((s32[], f32[8]{0}) %p), index=1
+  %f = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused_computation
+  %g = f32[8]{0} custom-call(f32[8]{0} %f), custom_call_target="__cublas$gemm"
+  %w = (s32[], f32[8]{0}) while((s32[], f32[8]{0}) %p), condition=%inner_cond, body=%inner_body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t = (s32[], f32[8]{0}) tuple(s32[] %i, f32[8]{0} %g)
+}
+
+%outer_cond (p: (s32[], f32[8])) -> pred[] {
+  %p = (s32[], f32[8]{0}) parameter(0)
+  ROOT %lt = pred[] fusion((s32[], f32[8]{0}) %p), kind=kLoop, calls=%fused_computation
+}
+
+%yes (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %f = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused_computation
+}
+
+%no (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %f = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused_computation
+}
+
+%callee (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %c = f32[8]{0} copy(f32[8]{0} %x)
+}
+
+ENTRY %main (x: f32[8], q: pred[]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %q = pred[] parameter(1)
+  %a = f32[8]{0} fusion(f32[8]{0} %x), kind=kLoop, calls=%fused_computation
+  %b = f32[8]{0} bitcast(f32[8]{0} %a)
+  %w = (s32[], f32[8]{0}) while((s32[], f32[8]{0}) %t0), condition=%outer_cond, body=%outer_body, backend_config={"known_trip_count":{"n":"5"}}
+  %c = f32[8]{0} conditional(pred[] %q, f32[8]{0} %b, f32[8]{0} %b), true_computation=%yes, false_computation=%no
+  %k = f32[8]{0} call(f32[8]{0} %c), to_apply=%callee
+  ROOT %z = f32[8]{0} fusion(f32[8]{0} %k), kind=kLoop, calls=%fused_computation
+}
+"""
+
+
+def test_launches_count_kernels_times_their_loops_trips():
+    outer, inner = 5, 3
+    got = hlo.launches(LOOPS)
+    assert got["fusion"] == 2 + outer * 1 + outer * inner * 1 + 2  # entry, outer body, inner body, both branches
+    assert got["library"] == outer  # the cuBLAS call in the outer body
+    assert got["copy"] == 1  # the call's target
+    # each loop's condition runs once more than its body: the outer once, the inner once per outer trip
+    assert got["loop"] == (outer + 1) + outer * (inner + 1)
+    assert got["collective"] == got["other"] == 0
+
+
+def test_launches_of_a_compiled_loop_grow_with_its_trips():
+    """On a program XLA compiled: a loop of n trips launches n times its body's kernels and n + 1
+    conditions, so each further trip adds the same number of launches, at least two."""
+    import jax
+    import jax.numpy as jnp
+
+    def total(n):
+        f = lambda x: jax.lax.fori_loop(0, n, lambda i, x: jnp.tanh(x @ x) + i, x)
+        return sum(hlo.launches(jax.jit(f).lower(jnp.ones((8, 8))).compile().as_text()).values())
+
+    a, b, c = total(10), total(20), total(30)
+    assert c - b == b - a >= 10 * 2, (a, b, c)

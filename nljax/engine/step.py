@@ -205,11 +205,11 @@ class WithSteps:
     """A compiled train step called as `(state, batch)`: train.steps, its third input, is given
     here. Everything else (`as_text`, `cost_analysis`, ...) is the compiled executable's."""
 
-    def __init__(self, compiled: jax.stages.Compiled, total_steps: jax.Array):
+    def __init__(self, compiled: jax.stages.Compiled, total_steps: Callable[[], jax.Array]):
         self.compiled, self.total_steps = compiled, total_steps
 
     def __call__(self, state: TrainState, batch: dict):
-        return self.compiled(state, batch, self.total_steps)
+        return self.compiled(state, batch, self.total_steps())
 
     def __getattr__(self, name: str):
         return getattr(self.compiled, name)
@@ -229,11 +229,19 @@ class StepCache:
         self._train: dict = {}
         self._eval: Callable | None = None
         self._eval_stream: dict = {}  # batch keys -> jitted streaming eval step
-        # train.steps as the compiled step's input (the schedule's length), replicated
-        self.total_steps = put(np.asarray(eng.cfg.train.steps, np.int32), NamedSharding(eng.mesh, REPLICATED))
+        self._total_steps: jax.Array | None = None
         # called as (variant key, None) before a variant compiles and (key, seconds) after: the
         # run says so (a compilation can take minutes); None: silent
         self.announce: Callable[[Any, float | None], None] | None = None
+
+    def total_steps(self) -> jax.Array:
+        """train.steps as the compiled step's input (the schedule's length), replicated; placed on
+        first call, so that a step can be compiled for devices this process cannot hold arrays on
+        (benchmarks/gpu_compile.py compiles for a GPU on a CPU-only machine)."""
+        if self._total_steps is None:
+            self._total_steps = put(np.asarray(self.eng.cfg.train.steps, np.int32),
+                                    NamedSharding(self.eng.mesh, REPLICATED))
+        return self._total_steps
 
     def compiled(self, active: Active, batch: dict) -> bool:
         """Whether the variant for `active` and `batch`'s size is compiled already."""

@@ -31,10 +31,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.extend import backend as jax_backend
 
 from nljax.errors import ConfigError
-from nljax.models import compiles
+from nljax.models import compiles, platform
 from nljax.models.attention_kernel import flash_attention, gpu_unsupported
 from nljax.models.layers import local_attention, recomputed
 
@@ -53,13 +52,6 @@ def cudnn_refusal(dtype, head_dim: int) -> str | None:
     return None
 
 
-def on_cuda() -> bool:
-    """Whether JAX's default backend is a CUDA GPU (ROCm has no cuDNN)."""
-    if jax.default_backend() != "gpu":
-        return False
-    return "cuda" in jax_backend.get_backend().platform_version.lower()
-
-
 def resolve(choice: str, dtype, head_dim: int, cuda: bool, window: int = 64) -> str:
     """`blocked`, `cudnn` or `pallas` for the config's `choice` on this backend (`cuda`: a CUDA
     GPU). An explicit form that cannot run here is one line, at start-up, not a trace-time
@@ -69,7 +61,7 @@ def resolve(choice: str, dtype, head_dim: int, cuda: bool, window: int = 64) -> 
     if choice not in CHOICES:
         raise ConfigError(f"model.nl_lm.attention must be one of {', '.join(CHOICES)}, got '{choice}'")
     why = cudnn_refusal(dtype, head_dim) if cuda else "cuDNN runs on CUDA GPUs only, and this backend is " \
-        f"{jax.default_backend()}"
+        f"{platform.backend()}"
     no_kernel = gpu_unsupported(dtype, head_dim) if cuda else None
     if choice == "cudnn" and why:
         raise ConfigError(f"model.nl_lm.attention=cudnn: {why}; use model.nl_lm.attention=auto "

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from nljax.models import platform
 from nljax.models.tiles import dot, dot_t, t_dot, tile
 
 MIN_TILE = 16  # Triton's smallest matrix-product dimension
@@ -231,7 +232,7 @@ def _prepare(q, window: int, block_q: int, block_k: int, interpret: bool | None)
         raise ValueError(f"window must be >= 1, got {window}")
     bq, bk, tp = tiles(q.shape[1], window, block_q, block_k)
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = platform.backend() != "gpu"
     if not interpret and min(bq, bk) < MIN_TILE:
         raise ValueError(f"tiles {bq} x {bk}: the compiled kernel needs tiles >= {MIN_TILE}")
     pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0), (0, 0))) if tp > x.shape[1] else x

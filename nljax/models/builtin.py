@@ -12,14 +12,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from nljax.data.images import load
 from nljax.data.recall import attention_reach
 from nljax.errors import ConfigError
 from nljax.models import attention as attention_form
-from nljax.models import embedding, memory_forms
+from nljax.models import embedding, memory_forms, platform
 from nljax.models.base import Model
 from nljax.models.cms_mlp import CMSMLP
 from nljax.models.dit import DiT, DiTConfig, DiTNet
@@ -49,8 +48,8 @@ def nl_lm(cfg: Config) -> Model:
     if nl.memory_layers:
         memory["impl"] = memory_forms.select(nl.memory_impl, nl.memory_kind, nl.memory_chunk, nl.memory_dim,
                                              nl.memory_hidden)
-    attention = attention_form.resolve(nl.attention, m.dtype, m.dim // m.heads, attention_form.on_cuda(), nl.window)
-    embed_grad = embedding.resolve(nl.embed_grad, m.vocab_size, jax.default_backend())
+    attention = attention_form.resolve(nl.attention, m.dtype, m.dim // m.heads, platform.on_cuda(), nl.window)
+    embed_grad = embedding.resolve(nl.embed_grad, m.vocab_size, platform.backend())
     return NLLM(NLNet(m.vocab_size, m.dim, m.dim * m.hidden_mult, m.depth, len(cfg.cms.periods), m.heads, nl.window,
                       tuple(nl.memory_layers), memory, jnp.dtype(m.dtype), m.remat, memory_embed=nl.memory_embed,
                       scan=nl.scan_layers, attention=attention, embed_grad=embed_grad, loss_chunk=nl.loss_chunk))
@@ -61,12 +60,12 @@ GPU_ONLY_FORMS = {"attention": ("cudnn", "pallas"), "memory_impl": ("pallas", "p
 
 def for_this_backend(cfg: Config, keep=()) -> Config:
     """`cfg` with the GPU forms it names (model.nl_lm.attention cudnn or pallas, memory_impl
-    pallas or parallel_pallas) as `auto` when JAX's backend is not a GPU: a model trained on a GPU and read for
+    pallas or parallel_pallas) as `auto` when the platform (`platform.backend()`) is not a GPU: a model trained on a GPU and read for
     inference elsewhere (generate, lm_eval, nljax.load, an export) computes the same outputs by
     the forms that run here (cuDNN does not run on a CPU; the Pallas kernels only interpreted,
     slowly). `keep`: the dotted keys a user set, left as they are."""
     nl = getattr(cfg.model, "nl_lm", None)
-    if jax.default_backend() == "gpu" or nl is None:
+    if platform.backend() == "gpu" or nl is None:
         return cfg
     portable = {k: "auto" for k, forms in GPU_ONLY_FORMS.items()
                 if getattr(nl, k) in forms and f"model.nl_lm.{k}" not in keep}

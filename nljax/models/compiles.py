@@ -25,13 +25,19 @@ from typing import Callable
 import jax
 
 from nljax.errors import first_line
+from nljax.models import platform
 
 _SEEN: dict[tuple, str | None] = {}  # once per process and shape: a probe is a compilation
 
 
 def refusal(key: tuple, fn: Callable, *args) -> str | None:
     """None when `jax.jit(fn)` compiles for `args` (arrays or ShapeDtypeStructs) on JAX's
-    default backend; else the compiler's error, one line. Cached under `key`."""
+    default device, or the one the program is built for (`platform.device()`); else the
+    compiler's error, one line. Cached under `key`."""
+    if (device := platform.device()) is not None:
+        on = jax.sharding.SingleDeviceSharding(device)
+        args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), args)
+        key = (device.device_kind, *key)
     if key not in _SEEN:
         try:
             jax.jit(fn).lower(*args).compile()

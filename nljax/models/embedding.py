@@ -33,7 +33,7 @@ ONEHOT_MAX_VOCAB = 4096
 
 def resolve(choice: str, vocab: int, backend: str) -> str:
     """scatter | onehot | segment for the config's `choice`, a vocabulary of `vocab` token ids
-    and JAX's `backend` (jax.default_backend())."""
+    and the platform's `backend` (`platform.backend()`)."""
     if choice not in CHOICES:
         raise ConfigError(f"model.nl_lm.embed_grad must be one of {', '.join(CHOICES)}, got '{choice}'")
     if choice != "auto":

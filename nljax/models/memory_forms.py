@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import functools
 
-import jax
-
 from nljax.errors import ConfigError
 from nljax.models import memory_kernel as mk
 from nljax.models import memory_loop_kernel as ml
+from nljax.models import platform
 from nljax.models.memory import memory_forward, memory_parallel
 
 
@@ -30,14 +29,14 @@ def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat
 
 
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
-    """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: JAX's):
+    """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: `platform.backend()`):
     'scan', 'parallel', 'pallas' or 'parallel_pallas'. auto is the scan on every backend: on a CPU
     the kernels only run interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
     the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
     "Why the kernel is slower than the scan"). `pallas` and `parallel_pallas`
     (`memory_loop_kernel`) are the kernels as asked, `parallel` (`memory.memory_parallel`) and
     `scan` run on every backend."""
-    backend = backend or jax.default_backend()
+    backend = backend or platform.backend()
     kernel = impl in ("pallas", "parallel_pallas")
     if kernel and backend == "gpu" and (why := mk.gpu_unsupported(kind, chunk, dim, hidden)):
         raise ConfigError(f"model.nl_lm.memory_impl={impl}: {why}")

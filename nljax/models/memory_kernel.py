@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from nljax.models import platform
 from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers
 from nljax.models.tiles import dot, dot_t, t_dot, tile
 
@@ -688,6 +689,6 @@ def memory_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str, chunk: 
     if backward not in ("pallas", "scan"):
         raise ValueError(f"backward must be pallas or scan, got {backward!r}")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = platform.backend() != "gpu"
     state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
     return _fused(state, (q, k, v, theta, eta, alpha), kind, chunk, interpret, backward)

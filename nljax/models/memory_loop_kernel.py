@@ -47,6 +47,7 @@ import jax.numpy as jnp
 
 from nljax.models import memory as nm
 from nljax.models import memory_kernel as mk
+from nljax.models import platform
 from nljax.models.memory import GELU_SLOPE, NU_FLOOR, layers
 from nljax.models.tiles import dot, dot_t, tile
 
@@ -325,7 +326,7 @@ def memory_parallel_kernel(state: dict, q, k, v, theta, eta, alpha, *, kind: str
     if q.shape[2] % chunk:
         raise ValueError(f"sequence length {q.shape[2]} is not a multiple of the memory chunk {chunk}")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = platform.backend() != "gpu"
     f32 = lambda x: x.astype(jnp.float32)
     q, k, v, theta, eta, alpha = map(f32, (q, k, v, theta, eta, alpha))
     ins, const = loop_inputs(k, v, theta, eta, alpha, chunk)

@@ -1,0 +1,6 @@
+set -x
+G="/tmp/gv/bin/python benchmarks/gpu_compile.py --gpu h200"
+$G --config nl_350m --variant scanned:model.nl_lm.scan_layers=true --variant scanned_memory_unroll4:model.nl_lm.scan_layers=true,model.nl_lm.memory_unroll=4 --variant scanned_pallas:model.nl_lm.scan_layers=true,model.nl_lm.memory_impl=pallas --variant memory_unroll4:model.nl_lm.memory_unroll=4 --variant parallel:model.nl_lm.memory_impl=parallel --variant parallel_pallas:model.nl_lm.memory_impl=parallel_pallas --out /tmp/dl/final/nl_350m.json
+$G --config titans_demo --variant memory_unroll4:model.nl_lm.memory_unroll=4 --variant memory_unroll16:model.nl_lm.memory_unroll=16 --variant parallel:model.nl_lm.memory_impl=parallel --variant parallel_unroll4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 --variant parallel_pallas:model.nl_lm.memory_impl=parallel_pallas --variant pallas:model.nl_lm.memory_impl=pallas --out /tmp/dl/final/titans_demo.json model.dtype=bfloat16
+$G --config titans_demo --variant parallel_pallas:model.nl_lm.memory_impl=parallel_pallas --out /tmp/dl/final/titans_demo_b128.json model.dtype=bfloat16 train.batch_size=128
+$G --config nl_350m --no-base --precision highest --variant parallel_pallas:model.nl_lm.memory_impl=parallel_pallas --out /tmp/dl/final/nl_350m_highest.json

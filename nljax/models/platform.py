@@ -1,0 +1,54 @@
+"""The platform a model is built and traced for: JAX's default backend, unless a program is being
+compiled for another one.
+
+The GPU forms are chosen when a model is built (attention, the inner loop's implementation, the
+embedding's gradient) and a Pallas kernel decides when it is traced whether to run compiled or
+interpreted. Both follow the platform the program will run on. That is JAX's default backend,
+except when a CPU-only machine compiles a training step for a GPU it does not have
+(`benchmarks/gpu_compile.py`, through a GPU topology's compile-only devices): there the program
+is built and traced inside `compiling_for("gpu")`, so that it holds the same kernels as on the
+GPU itself, not their interpreted forms.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import jax
+from jax.extend import backend as jax_backend
+
+_TARGET: list[tuple[str, bool, Any]] = []  # (backend, CUDA, device) of the innermost compiling_for
+
+
+def backend() -> str:
+    """'gpu', 'cpu' or 'tpu': the platform the program being built runs on."""
+    return _TARGET[-1][0] if _TARGET else jax.default_backend()
+
+
+def on_cuda() -> bool:
+    """Whether that platform is a CUDA GPU (ROCm has no cuDNN, and its Triton differs)."""
+    if _TARGET:
+        return _TARGET[-1][1]
+    if jax.default_backend() != "gpu":
+        return False
+    return "cuda" in jax_backend.get_backend().platform_version.lower()
+
+
+def device() -> Any:
+    """The device a compile-time probe (`compiles.refusal`) compiles for: None for JAX's default
+    device; inside `compiling_for`, its device (e.g. a GPU topology's compile-only device)."""
+    return _TARGET[-1][2] if _TARGET else None
+
+
+@contextlib.contextmanager
+def compiling_for(name: str, device: Any = None, cuda: bool = True) -> Iterator[None]:
+    """Build and trace for `name` ('gpu', 'cpu') inside the block, whatever JAX's default backend
+    is; probes compile for `device` (None: JAX's default). `cuda`: a GPU is a CUDA GPU."""
+    if name not in ("gpu", "cpu", "tpu"):
+        raise ValueError(f"compiling_for: a platform is 'gpu', 'cpu' or 'tpu', not {name!r}")
+    _TARGET.append((name, cuda and name == "gpu", device))
+    try:
+        yield
+    finally:
+        _TARGET.pop()

@@ -1,0 +1,104 @@
+"""benchmarks/gpu_compile.py and what it builds on: a training step compiled for a platform
+other than the one this process runs on (`nljax.models.platform.compiling_for`), from shapes
+alone. Compiling for a GPU needs XLA:GPU's compiler (jax's CUDA plugin, about 4 GB), not a test
+dependency: here the same path compiles for a CPU device, and its program is checked against
+the one a run trains with. The GPU figures are in docs/guides/gpu.md."""
+
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import ROOT
+
+from nljax import config
+from nljax.errors import ConfigError
+from nljax.models import attention_kernel, memory_forms, platform
+from nljax.run.core import Run
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+try:
+    import gpu_compile
+finally:
+    sys.path.pop(0)
+
+
+def _program(text: str) -> str:
+    """The HLO's instructions, without source locations (as benchmarks/step_hlo.py)."""
+    if "StackFrames" in text:
+        text = text[text.index("\n\n", text.index("StackFrames")):]
+    text = re.sub(r", metadata=\{[^}]*\}", "", text)
+    return re.sub(r", stack_frame_id=\d+", "", text)
+
+
+@pytest.mark.slow  # two compilations of a step: 17 s
+def test_a_step_from_shapes_alone_is_the_program_a_run_trains_with():
+    """The state from jax.eval_shape and the batch's shapes (nothing placed on the target device)
+    compile the same program as the run's own arrays."""
+    cfg = config.load(None, ["cms.periods=[1,4]", "train.batch_size=2"])  # a memory, attention, two levels
+    device = jax.devices()[1]  # not the default device: nothing may assume it
+    run, fn = gpu_compile.compiled_step(cfg, device, jax.devices()[0])
+    assert list(run.mesh.devices.flat) == [device]
+    real = Run.create(cfg, [device])
+    concrete = real.cache.train_fn(tuple(True for _ in cfg.cms.periods), real.init_state(), real.batch(0))
+    assert _program(fn.as_text()) == _program(concrete.as_text())
+
+    report = gpu_compile.report(run, fn)
+    assert report["compiled"] is True and report["forms"]["attention"] == "blocked"
+    k, m = report["launches"], report["memory"]
+    assert k["total"] == sum(v for n, v in k.items() if n != "total") == sum(report["launches_by_scope"].values()) > 0
+    assert {"forward mem", "backward mem", "step"} <= set(report["launches_by_scope"])
+    assert m["peak"] == m["arguments"] + m["outputs"] + m["temporaries"] and m["arguments"] > 0
+
+
+def test_a_variant_that_does_not_compile_is_one_line(monkeypatch, capsys):
+    def fails(*_):
+        raise RuntimeError("INTERNAL: Shared memory size limit exceeded: requested 348160, available: 232448\n"
+                           "the compiler's traceback")
+
+    monkeypatch.setattr(gpu_compile, "compiled_step", fails)
+    monkeypatch.setattr(gpu_compile, "gpu_device", lambda gpu: jax.devices()[0])
+    assert gpu_compile.main(["--config", "titans_demo", "--variant", "small:train.batch_size=2"]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == [f"{name}: DOES NOT COMPILE: RuntimeError: INTERNAL: Shared memory size limit exceeded: "
+                       "requested 348160, available: 232448" for name in ("config", "small")]
+
+
+def test_without_xla_gpu_the_tool_says_what_to_install(monkeypatch):
+    from jax.experimental import topologies
+
+    def missing(**_):
+        raise RuntimeError("Unknown backend: 'cuda' requested")
+
+    monkeypatch.setattr(topologies, "get_topology_desc", missing)
+    with pytest.raises(SystemExit, match=r'XLA:GPU.s compiler is not installed here \(RuntimeError\); '
+                                         rf'pip install "jax\[cuda13\]=={re.escape(jax.__version__)}"'):
+        gpu_compile.gpu_device("h200")
+
+
+def test_target_config_names_the_card():
+    text = gpu_compile.target_config("h100")
+    assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in text and "core_count: 132" in text
+    assert "device_memory_size: 150754820096" in gpu_compile.target_config("h200")
+
+
+def test_compiling_for_a_gpu_decides_as_on_the_gpu():
+    """Inside compiling_for("gpu") the forms and kernels are chosen as on a GPU (compiled
+    kernels, the GPU's shape rules), whatever JAX's default backend; outside, as before."""
+    q = jnp.zeros((1, 128, 1, 64))
+    assert platform.backend() == jax.default_backend() == "cpu" and not platform.on_cuda()
+    assert attention_kernel._prepare(q, 64, 64, 64, None)[3] is True  # interpreted here
+    assert memory_forms.select("pallas", "mlp", 6, 64, 128) == "pallas"  # interpreted: any shape
+    with platform.compiling_for("gpu", device=jax.devices()[2]):
+        assert platform.backend() == "gpu" and platform.on_cuda() and platform.device() == jax.devices()[2]
+        assert attention_kernel._prepare(q, 64, 64, 64, None)[3] is False  # compiled
+        with pytest.raises(ConfigError, match="memory_impl=pallas"):
+            memory_forms.select("pallas", "mlp", 6, 64, 128)
+        with platform.compiling_for("cpu"):
+            assert platform.backend() == "cpu" and not platform.on_cuda()
+        assert platform.backend() == "gpu"
+    assert platform.backend() == "cpu" and platform.device() is None
+    with pytest.raises(ValueError, match="'gpu', 'cpu' or 'tpu'"):
+        with platform.compiling_for("cuda"):
+            pass
