@@ -118,7 +118,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
                  "bench_nl_350m_fused_kernel", "bench_nl_350m_fused_best",
                  "bench_nl_350m_fused_best8", "bench_nl_350m_fused_graphs", "bench_nl_350m_fused_parallel",
                  "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel",
-                 "titans_vs_bf16", "ab_titans_unroll",
+                 "titans_vs_bf16", "ab_titans_loop", "ab_titans_unroll",
                  "bench_titans_demo_b128_memory"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     for trace in ("trace_nl_350m_fused", "trace_nl_350m_fused_best"):  # kept for the profile's placement
