@@ -7,8 +7,9 @@ compiles, how many kernels a step launches, how much memory it holds.
 
 XLA compiles for a GPU it describes from a target config (`GPUS`: the card's SM count, shared
 memory, memory size and bandwidth) through a GPU topology's compile-only devices
-(`jax.experimental.topologies`), with the same passes, fusion decisions, Triton and cuDNN
-lowerings as on the card itself: nothing runs. The model is built and traced for the GPU
+(`jax.experimental.topologies`), with the HLO passes, fusion decisions and Triton and cuDNN
+lowerings it runs on the card itself, except what needs the card: matmul autotuning (it takes
+default Triton tiles, and no cuBLAS call where the card's timings might pick one). Nothing runs. The model is built and traced for the GPU
 (`nljax.models.platform.compiling_for`): `auto` takes the forms it takes on a GPU, its probes
 compile for the described card, and the Pallas kernels are compiled, not interpreted. The
 state and the batch are shapes, not arrays (`abstract_inputs`). For each variant (the config's
@@ -23,10 +24,13 @@ own forms first, then each `--variant`, its overrides after the command line's) 
   bound by its kernel count, not its FLOPs (docs/performance);
 - `memory`: XLA's buffer assignment, bytes: arguments (parameters, optimizer state, batch),
   outputs not aliased to them, and temporaries; `peak` is their sum, the device memory the step
-  needs before the allocator's own overhead.
+  needs before the allocator's and the libraries' own; `fits`: whether that is within the card's
+  memory (nljax's own start-up check reads a device's memory, which a compile-only device has
+  not).
 
 How close the estimates are to a GPU's measurements is on the GPU guide
-(docs/guides/gpu.md, "Compiling for a GPU without one"). Exits 1 when a variant does not compile.
+(docs/guides/gpu.md, "Compiling for a GPU without one"). Exits 1 when a variant does not compile
+or does not fit.
 """
 
 from __future__ import annotations
@@ -54,8 +58,8 @@ GPUS = {
 
 
 def target_config(gpu: str) -> str:
-    """XLA's target config (text proto) of `gpu`, a key of GPUS, with this machine's CUDA and
-    cuDNN versions as the plugin would find them on the card's host."""
+    """XLA's target config (text proto) of `gpu`, a key of GPUS: CUDA 13 (jax[cuda13]'s) and the
+    cuDNN of the wheel installed here, as the plugin would find them on the card's host."""
     name, info = GPUS[gpu]
     fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
     cudnn = _cudnn_version()
@@ -117,8 +121,8 @@ def compiled_step(cfg, device, host_device):
         return run, run.cache.train_fn(tuple(True for _ in cfg.cms.periods), state, batch)
 
 
-def compile_step(cfg, device, host_device) -> dict:
-    """One variant's report (module docstring) for `cfg` on one `device`."""
+def compile_step(cfg, device, host_device, memory_bytes: int | None = None) -> dict:
+    """One variant's report (module docstring) for `cfg` on one `device` of `memory_bytes`."""
     from nljax.errors import first_line
 
     t0 = time.perf_counter()
@@ -126,7 +130,10 @@ def compile_step(cfg, device, host_device) -> dict:
         run, fn = compiled_step(cfg, device, host_device)
     except Exception as e:  # noqa: BLE001 - the compiler's error is the result
         return dict(compiled=f"{type(e).__name__}: {first_line(e)}"[:400])
-    return dict(report(run, fn), compile_s=round(time.perf_counter() - t0, 1))
+    out = dict(report(run, fn), compile_s=round(time.perf_counter() - t0, 1))
+    if memory_bytes is not None:
+        out["memory"]["fits"] = out["memory"]["peak"] <= memory_bytes
+    return out
 
 
 def report(run, fn) -> dict:
@@ -155,7 +162,8 @@ def _line(name: str, r: dict) -> str:
     k, m = r["launches"], r["memory"]
     kinds = ", ".join(f"{n} {v:,}" for n, v in k.items() if n != "total" and v)
     where = ", ".join(f"{s} {v:,}" for s, v in list(r["launches_by_scope"].items())[:8])
-    return (f"{name}: {k['total']:,} kernels per step ({kinds}); memory {m['peak'] / 1e9:.1f} GB "
+    over = " (MORE THAN THE CARD HAS)" if m.get("fits") is False else ""
+    return (f"{name}: {k['total']:,} kernels per step ({kinds}); memory {m['peak'] / 1e9:.1f} GB{over} "
             f"(arguments {m['arguments'] / 1e9:.2f}, temporaries {m['temporaries'] / 1e9:.2f}); "
             f"compiled in {r['compile_s']} s here" + (f"; {forms}" if forms else "") + f"\n  most kernels: {where}")
 
@@ -191,8 +199,8 @@ def main(argv=None) -> int:
             cfg = config.load(args.config, [*args.overrides, *extra])
         except ConfigError as e:
             raise SystemExit(f"gpu_compile: variant {name}: {e}") from None
-        reports[name] = r = compile_step(cfg, device, host)
-        failed |= r["compiled"] is not True
+        reports[name] = r = compile_step(cfg, device, host, GPUS[args.gpu][1]["device_memory_size"])
+        failed |= r["compiled"] is not True or r["memory"]["fits"] is False
         print(_line(name, r), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(gpu=args.gpu, device_kind=device.device_kind, jax=jax.__version__,

@@ -9,7 +9,7 @@
 #            titans_unroll b128 fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m vs_pytorch
 #            kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths. The loop kernel
 #            first: compiled for an H200 on the CPU machine (benchmarks/gpu_compile.py, 2026-11-29) its
-#            steps launch 5.3x (titans_demo) and 7.6x (nl_350m) fewer kernels than the scan's.
+#            steps launch 5.2x (titans_demo) and 7.5x (nl_350m) fewer kernels than the scan's.
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
@@ -17,7 +17,7 @@
 #            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
 #            211 s (kernel_loop compiles its kernels in seconds offline, not minutes): the first call
 #            gets through about the first four (an estimate: none of the first five has run yet;
-#            titans_unroll has six variants), a second call the next ones (`benchmarks/gpu_suite.sh
+#            titans_unroll has five variants), a second call the next ones (`benchmarks/gpu_suite.sh
 #            OUT fused350m_parallel titans_unroll b128 fused350m_parallel4 vs_pytorch kernel`: about
 #            three of them fit its budget; the scanned fused350m was measured twice and waits).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
@@ -54,10 +54,10 @@
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   titans_loop        titans_demo at batch 4 x 512 with the scan (auto) and memory_impl=parallel_pallas,
-#                      interleaved and profiled: the two that titans_unroll holds among six, first
+#                      interleaved and profiled: two compilations, before titans_unroll's five
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
-#                      (model.nl_lm.memory_unroll), memory_impl=parallel at 1 and 4 and
-#                      memory_impl=parallel_pallas, interleaved and
+#                      (model.nl_lm.memory_unroll) and memory_impl=parallel at 1 and 4 (parallel_pallas:
+#                      titans_loop), interleaved and
 #                      profiled: its step is bound by its kernel count, which unrolling lowers (nl_350m:
 #                      21,557 -> 17,179 at 4) and the parallel form's shorter loop bodies are expected to
 #   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
@@ -355,14 +355,13 @@ part_titans_unroll() {
   local v=()
   for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_unroll=$u"); done
   for u in 1 4; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=$u"); done
-  v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
   run ab_titans_unroll $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_unroll.json"
 }
 
 part_titans_loop() {
-  # compiled for an H200 offline: 7,523 kernels per step with the scan, 1,419 with the loop kernel
+  # compiled for an H200 offline: 7,421 kernels per step with the scan, 1,419 with the loop kernel
   local v=("${BF16[*]} ${TITANS[*]}" "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi

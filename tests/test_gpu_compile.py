@@ -14,7 +14,7 @@ from helpers import ROOT
 
 from nljax import config
 from nljax.errors import ConfigError
-from nljax.models import attention_kernel, memory_forms, platform
+from nljax.models import attention_kernel, compiles, memory_forms, platform
 from nljax.run.core import Run
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -54,15 +54,35 @@ def test_a_step_from_shapes_alone_is_the_program_a_run_trains_with():
 
 def test_a_variant_that_does_not_compile_is_one_line(monkeypatch, capsys):
     def fails(*_):
-        raise RuntimeError("INTERNAL: Shared memory size limit exceeded: requested 348160, available: 232448\n"
-                           "the compiler's traceback")
+        raise RuntimeError("INTERNAL: ptxas exited with non-zero error code 255\nthe compiler's traceback")
 
     monkeypatch.setattr(gpu_compile, "compiled_step", fails)
     monkeypatch.setattr(gpu_compile, "gpu_device", lambda gpu: jax.devices()[0])
     assert gpu_compile.main(["--config", "titans_demo", "--variant", "small:train.batch_size=2"]) == 1
     out = capsys.readouterr().out.splitlines()
-    assert out[1:] == [f"{name}: DOES NOT COMPILE: RuntimeError: INTERNAL: Shared memory size limit exceeded: "
-                       "requested 348160, available: 232448" for name in ("config", "small")]
+    assert out[1:] == [f"{name}: DOES NOT COMPILE: RuntimeError: INTERNAL: ptxas exited with non-zero error code 255"
+                       for name in ("config", "small")]
+
+
+def test_a_variant_the_card_cannot_hold_fails_the_command(monkeypatch, capsys):
+    """The card's memory is checked here: nljax's start-up check cannot read a compile-only device."""
+    asked = []
+
+    def compiles(cfg, device, host, memory_bytes):
+        asked.append(memory_bytes)
+        peak = 2 * memory_bytes if cfg.train.batch_size == 128 else memory_bytes // 2
+        return dict(compiled=True, compile_s=1.0, forms=None, launches={"fusion": 10, "total": 10},
+                    launches_by_scope={"step": 10}, memory=dict(arguments=1, outputs=0, temporaries=peak - 1,
+                                                                peak=peak, fits=peak <= memory_bytes))
+
+    monkeypatch.setattr(gpu_compile, "compile_step", compiles)
+    monkeypatch.setattr(gpu_compile, "gpu_device", lambda gpu: jax.devices()[0])
+    assert gpu_compile.main(["--gpu", "h100", "--config", "titans_demo"]) == 0
+    assert gpu_compile.main(["--gpu", "h100", "--config", "titans_demo", "--variant", "b128:train.batch_size=128"]) == 1
+    assert asked == [gpu_compile.GPUS["h100"][1]["device_memory_size"]] * 3
+    lines = capsys.readouterr().out.splitlines()
+    assert "MORE THAN THE CARD HAS" in lines[-2] and lines[-2].startswith("b128: 10 kernels per step")
+    assert "MORE THAN" not in "".join(lines[:-2])
 
 
 def test_without_xla_gpu_the_tool_says_what_to_install(monkeypatch):
@@ -75,6 +95,19 @@ def test_without_xla_gpu_the_tool_says_what_to_install(monkeypatch):
     with pytest.raises(SystemExit, match=r'XLA:GPU.s compiler is not installed here \(RuntimeError\); '
                                          rf'pip install "jax\[cuda13\]=={re.escape(jax.__version__)}"'):
         gpu_compile.gpu_device("h200")
+
+
+def test_a_probe_is_answered_per_platform_and_device_built_for():
+    """`auto`'s probes (compiles.refusal) compile for the device `compiling_for` names, and a
+    probe's answer for one platform or device is not taken for another's."""
+    x = jax.ShapeDtypeStruct((4,), jnp.float32)
+    key = ("probe-test", id(x))
+    assert compiles.refusal(key, lambda x: x * 2, x) is None
+    with platform.compiling_for("cpu", device=jax.devices()[3]):
+        assert compiles.refusal(key, lambda x: x * 2, x) is None
+    with platform.compiling_for("gpu"):  # no device: JAX's default one, here a CPU
+        assert compiles.refusal(key, lambda x: x * 2, x) is None
+    assert {k[:2] for k in compiles._SEEN if k[2:] == key} == {("cpu", None), ("cpu", "cpu"), ("gpu", None)}
 
 
 def test_target_config_names_the_card():

@@ -33,12 +33,18 @@ from nljax.models import registry
 F32 = 4
 
 
-def available_bytes(used: int | None = None) -> int | None:
-    """Memory one local device may use, or None when it cannot be told. On CPU the host's memory
-    is shared by the `used` local devices the run's mesh holds (default: all of them)."""
-    dev = jax.local_devices()[0]
+def available_bytes(used: int | None = None, device=None) -> int | None:
+    """Memory one of the run's devices (`device`; default: this process's first) may use, or None
+    when it cannot be told (a compile-only device: benchmarks/gpu_compile.py). On CPU the host's
+    memory is shared by the `used` local devices the run's mesh holds (default: all of them)."""
+    dev = device or jax.local_devices()[0]
     if dev.platform != "cpu":
-        stats = dev.memory_stats() or {}
+        if dev.process_index != jax.process_index():
+            return None
+        try:
+            stats = dev.memory_stats() or {}
+        except jax.errors.JaxRuntimeError:  # a device this process compiles for but cannot hold arrays on
+            return None
         return int(stats["bytes_limit"]) if "bytes_limit" in stats else None
     try:
         with open("/proc/meminfo") as f:

@@ -179,61 +179,67 @@ def ring_all_reduce_bytes(nbytes: int, n: int) -> float:
     return 2 * nbytes * (n - 1) / n if n > 1 else 0.0
 
 
-# Instructions that launch nothing on a GPU: they name, group or reinterpret buffers, wait on an
-# operation started before, or run other computations (whose instructions are counted there).
+# Instructions that launch nothing on a GPU: they name, group or reinterpret buffers, or run other
+# computations (whose instructions are counted there); an async operation's `-done` (and
+# `-update`) waits for what its `-start` launched.
 _NO_LAUNCH = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "opt-barrier",
     "add-dependency", "partition-id", "replica-id", "domain", "while", "conditional", "call",
-    "copy-done", "async-done", "fusion-done", "all-reduce-done", "all-gather-done", "collective-permute-done",
-    "send-done", "recv-done", "async-update",
 }  # fmt: skip
 _COPIES = ("copy", "copy-start", "dynamic-slice", "dynamic-update-slice", "slice", "concatenate", "transpose", "pad")
-_OPCODE = re.compile(r"=\s.*?(?:^|[\s)\]}])([a-z][\w\-]*)\(")  # after the result's type
-_RUNS_ON_DEVICE = re.compile(r"\b(?:body|condition)=%?([\w.\-]+)")
+# an instruction's opcode: the first `name(` after its result's type (`%x = f32[2]{0} add(...)`)
+OPCODE = re.compile(r"(?:^|[\s)\]}])([a-z][\w\-]*)\(")
 
 
-def _executed(entry: str | None, comps: dict[str | None, list[str]]) -> set[str | None]:
-    """The computations the GPU runs instruction by instruction: the entry, loops' bodies and
-    conditions, conditionals' branches and calls' targets, from the entry down (not fusions'
-    bodies, which are kernels, nor reductions' and sorts' scalar functions)."""
-    seen, todo = {entry}, [entry]
-    while todo:
-        for line in comps.get(todo.pop(), ()):
-            m = _OPCODE.search(line)
-            names = _RUNS_ON_DEVICE.findall(line)
-            if m and m.group(1) == "call":
-                names += re.findall(r"\bto_apply=%?([\w.\-]+)", line)
-            names += re.findall(r"\b(?:true|false)_computation=%?([\w.\-]+)", line)
-            if b := _BRANCHES.search(line):
-                names += re.findall(r"%?([\w.\-]+)", b[1])
-            for n in names:
-                if n in comps and n not in seen:
-                    seen.add(n)
-                    todo.append(n)
-    return seen
+def opcode(line: str) -> str | None:
+    """The opcode of an instruction line (`%x = f32[2]{0} add(...)`), None for any other line."""
+    _, eq, rest = line.partition(" = ")
+    m = OPCODE.search(rest) if eq else None
+    return m.group(1) if m else None
+
+
+def _run_on_device(line: str) -> list[str]:
+    """The computations an instruction has the device run instruction by instruction: a loop's
+    body and condition, a conditional's branches, a call's target (not a fusion's body, a kernel,
+    nor a reduction's or sort's scalar function, also named `to_apply`)."""
+    kinds = ("body", "condition", "true_computation", "false_computation")
+    names = [m["name"] for m in _CALLEE.finditer(line)
+             if m["kind"] in kinds or m["kind"] == "to_apply" and opcode(line) == "call"]
+    return names + (re.findall(r"%?([\w.\-]+)", b[1]) if (b := _BRANCHES.search(line)) else [])
 
 
 def launching(hlo_text: str):
     """(kind, times, instruction line) of each kernel launch one call of a compiled XLA:GPU
     program makes, read from its scheduled HLO: every instruction of a computation the device
-    runs (`_executed`) that does more than name buffers (`_NO_LAUNCH`), `times` the runs of its
-    computation (the known trip counts of the loops around it; 1 where unknown). Kinds: 'fusion'
-    (XLA's own kernels, also its Triton matmuls), 'library' (custom calls: cuBLAS, cuDNN, a
-    Pallas kernel), 'copy' (copies, unfused slices and transposes), 'collective', 'other' (any
-    other unfused instruction), and 'loop' (the `while` line: its condition runs once more than
-    its body, each run a kernel and a copy of the predicate to the host, counted as one)."""
+    runs (from the entry down, `_run_on_device`; not loop conditions, see 'loop') that does more
+    than name buffers (`_NO_LAUNCH`), `times` the runs of its computation (the known trip counts
+    of the loops around it). Kinds: 'fusion' (XLA's own kernels, also its Triton matmuls),
+    'library' (custom calls: cuBLAS, cuDNN, a Pallas kernel), 'copy' (copies, unfused slices and
+    transposes), 'collective' (also an async start wrapping one), 'other' (any other unfused
+    instruction) and 'loop': a loop of unknown trip count, whose condition is a kernel and a copy
+    of its predicate to the host per iteration (counted once, as one iteration; XLA:GPU runs a
+    loop of known trip count without its condition). In the text's order of computations."""
     entry, comps = _computations(hlo_text)
     runs = _runs(entry, comps)
-    conditions = {m for lines in comps.values() for line in lines for m in re.findall(r"\bcondition=%?([\w.\-]+)", line)}
-    for comp in _executed(entry, comps) - conditions:
+    executed, todo = {entry}, [entry]
+    while todo:
+        for line in comps.get(todo.pop(), ()):
+            new = [n for n in _run_on_device(line) if n in comps and n not in executed]
+            executed.update(new)
+            todo += new
+    conditions = {m["name"] for lines in comps.values() for line in lines for m in _CALLEE.finditer(line)
+                  if m["kind"] == "condition"}
+    for comp in [c for c in comps if c in executed and c not in conditions]:
         for line in comps[comp]:
-            m = _OPCODE.search(line)
-            op = m.group(1) if m else None
-            if op == "while":
-                trip = _TRIP.search(line)
-                yield "loop", ((int(trip[1]) if trip else 1) + 1) * runs[comp], line
-            if op is None or op in _NO_LAUNCH:
+            op = opcode(line)
+            if op == "while" and not _TRIP.search(line):
+                yield "loop", 2 * runs[comp], line
+            if op is None or op in _NO_LAUNCH or op.endswith(("-done", "-update")):
                 continue
+            if op == "async-start":  # the op it wraps decides the kind
+                wrapped = re.search(r"\bcalls=%?([\w.\-]+)", line)
+                inner = {opcode(l) for l in comps.get(wrapped[1] if wrapped else None, ())}
+                op = next((o for o in inner if o and o.removesuffix("-start") in _OPS), "async-start")
             kind = ("fusion" if op == "fusion" else "library" if op == "custom-call"
                     else "collective" if op.removesuffix("-start") in _OPS
                     else "copy" if op in _COPIES else "other")
@@ -243,10 +249,10 @@ def launching(hlo_text: str):
 def launches(hlo_text: str) -> dict[str, int]:
     """Kernels one call of a compiled XLA:GPU program launches, by kind (`launching`).
 
-    An estimate of the kernels the profiler counts (`nljax.measure.traces`, `ops`): a cuBLAS
-    call may launch two kernels (a workspace memset), a conditional runs one branch where this
-    counts all, and XLA:GPU may run a loop of known trip count without its condition. Read it
-    as a comparison between programs compiled by the same XLA."""
+    An estimate of the kernels the profiler counts (`nljax.measure.traces`, `ops`): a library
+    call may launch more than one kernel (cuBLAS's workspace memset, a split reduction), a
+    conditional runs one branch where this counts all. Read it as a comparison between programs
+    compiled by the same XLA."""
     out = {"fusion": 0, "library": 0, "copy": 0, "collective": 0, "other": 0, "loop": 0}
     for kind, times, _ in launching(hlo_text):
         out[kind] += times

@@ -46,6 +46,8 @@ from typing import Callable
 
 import jax
 
+from nljax.measure.hlo import OPCODE  # an instruction's opcode, after its shape
+
 # The compiled module of the train step (nljax.engine.step names its function train_step): a profile of
 # training steps counts its ops only, not those of evaluation, checkpoints or sampling between them.
 TRAIN_MODULE = "jit_train_step"
@@ -95,7 +97,6 @@ def scope(op_name: str | None) -> str:
 _LINE = re.compile(r"^\s*(?:ROOT\s+)?%?([^\s=]+)\s+=\s+(.*)$")
 _CALLED = re.compile(r"(?:to_apply|body|condition)=%?([\w.\-]+)|branch_computations=\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
-OPCODE = re.compile(r"(?:^|[\s)\]}])([a-z][\w\-]*)\(")  # an instruction's opcode, after its shape
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _FUSED = re.compile(r"\bcalls=%?([\w.\-]+)")  # a fusion's computation: one kernel, not scheduled
 

@@ -37,7 +37,7 @@ def refusal(key: tuple, fn: Callable, *args) -> str | None:
     if (device := platform.device()) is not None:
         on = jax.sharding.SingleDeviceSharding(device)
         args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on), args)
-        key = (device.device_kind, *key)
+    key = (platform.backend(), device.device_kind if device is not None else None, *key)
     if key not in _SEEN:
         try:
             jax.jit(fn).lower(*args).compile()

@@ -13,23 +13,27 @@ GPU itself, not their interpreted forms.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Iterator
 
 import jax
 from jax.extend import backend as jax_backend
 
-_TARGET: list[tuple[str, bool, Any]] = []  # (backend, CUDA, device) of the innermost compiling_for
+# (backend, CUDA, device) of the innermost compiling_for; a context variable: another thread (or
+# task) building a model at the same time builds for its own platform
+_TARGET: contextvars.ContextVar[tuple[str, bool, Any] | None] = contextvars.ContextVar("nljax_target", default=None)
 
 
 def backend() -> str:
     """'gpu', 'cpu' or 'tpu': the platform the program being built runs on."""
-    return _TARGET[-1][0] if _TARGET else jax.default_backend()
+    target = _TARGET.get()
+    return target[0] if target else jax.default_backend()
 
 
 def on_cuda() -> bool:
     """Whether that platform is a CUDA GPU (ROCm has no cuDNN, and its Triton differs)."""
-    if _TARGET:
-        return _TARGET[-1][1]
+    if target := _TARGET.get():
+        return target[1]
     if jax.default_backend() != "gpu":
         return False
     return "cuda" in jax_backend.get_backend().platform_version.lower()
@@ -38,7 +42,8 @@ def on_cuda() -> bool:
 def device() -> Any:
     """The device a compile-time probe (`compiles.refusal`) compiles for: None for JAX's default
     device; inside `compiling_for`, its device (e.g. a GPU topology's compile-only device)."""
-    return _TARGET[-1][2] if _TARGET else None
+    target = _TARGET.get()
+    return target[2] if target else None
 
 
 @contextlib.contextmanager
@@ -47,8 +52,8 @@ def compiling_for(name: str, device: Any = None, cuda: bool = True) -> Iterator[
     is; probes compile for `device` (None: JAX's default). `cuda`: a GPU is a CUDA GPU."""
     if name not in ("gpu", "cpu", "tpu"):
         raise ValueError(f"compiling_for: a platform is 'gpu', 'cpu' or 'tpu', not {name!r}")
-    _TARGET.append((name, cuda and name == "gpu", device))
+    token = _TARGET.set((name, cuda and name == "gpu", device))
     try:
         yield
     finally:
-        _TARGET.pop()
+        _TARGET.reset(token)

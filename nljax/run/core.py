@@ -49,8 +49,8 @@ class Run:
             )
         # Refused before anything is allocated (nljax/measure/budget.py): from the config alone first, so
         # that an absurd size never reaches Flax or XLA, then from the exact shapes.
-        local = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-        available = budget.available_bytes(local)
+        local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
+        available = budget.available_bytes(len(local), local[0] if local else None)
         if model is None:  # a given model (a tensor-parallel shard) is smaller than its config says
             budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
         model = build(cfg) if model is None else model
