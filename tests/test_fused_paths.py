@@ -245,7 +245,9 @@ def default_loss_and_grads():
     return loss_and_grads(())
 
 
-@pytest.mark.parametrize("more", [["model.nl_lm.embed_grad=segment", "model.nl_lm.loss_chunk=1000"], GPU_PATHS])
+# the segment sum and a one-chunk loss in the whole model: slow tier (each is checked alone above)
+@pytest.mark.parametrize("more", [pytest.param(["model.nl_lm.embed_grad=segment", "model.nl_lm.loss_chunk=1000"],
+                                               marks=pytest.mark.slow), GPU_PATHS])
 def test_nl_lm_loss_and_gradients_equal_the_default_paths(more):
     """The model's loss and every parameter's gradient, with the one-hot or segment embedding
     gradient and the chunked loss (a chunk that divides B * T or not), equal the default paths'."""

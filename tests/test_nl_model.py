@@ -196,7 +196,7 @@ def test_every_block_starts_as_the_identity():
     np.testing.assert_array_equal(logits(other)[:, 100:], logits(tokens)[:, 100:])
 
 
-@pytest.mark.parametrize("embed", [True, False])
+@pytest.mark.parametrize("embed", [True, pytest.param(False, marks=pytest.mark.slow)])  # 22 s each
 def test_a_later_memory_reads_the_tokens_under_a_shared_stream(embed):
     """On the recall probe block 0's CMS MLPs learn a large output that is the same at every
     position (docs/experiments/2026-11-27-where-the-memory-goes.md); here a bias of
