@@ -1,5 +1,6 @@
 """The memory check: oversized runs are refused before anything is allocated, with one line."""
 
+import jax
 import pytest
 from helpers import TINY
 
@@ -62,3 +63,21 @@ def test_error_buffers_are_counted_as_allocated(mode):
 def test_small_amounts_are_named_in_mib():
     with pytest.raises(ConfigError, match=r"needs at least 150 MiB per device, more than the 60 MiB available"):
         budget.check({"parameters": 150 * 2**20}, 60 * 2**20)
+
+
+def test_a_device_whose_memory_cannot_be_read_gives_no_budget():
+    """A compile-only device (benchmarks/gpu_compile.py: a GPU this process compiles for but holds
+    no arrays on) says nothing of its memory: no budget, not the host's."""
+    class CompileOnly:
+        platform, process_index = "gpu", 0
+
+        def memory_stats(self):
+            raise jax.errors.JaxRuntimeError("INVALID_ARGUMENT: MemoryStats is only supported for addressable devices")
+
+    class Gpu(CompileOnly):
+        def memory_stats(self):
+            return {"bytes_limit": 80 * 2**30}
+
+    assert budget.available_bytes(1, CompileOnly()) is None
+    assert budget.available_bytes(1, Gpu()) == 80 * 2**30
+    assert 0 < budget.available_bytes(1, jax.devices()[0]) < 2**50  # a CPU: the host's memory

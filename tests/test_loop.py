@@ -281,7 +281,7 @@ def test_a_sharded_run_that_fits_reports_without_the_split_that_does_not(tmp_pat
     from nljax.measure import budget
     from nljax.train import main
 
-    monkeypatch.setattr(budget, "available_bytes", lambda used=None: 100 * 2**20)  # a GPU's bytes_limit
+    monkeypatch.setattr(budget, "available_bytes", lambda used=None, device=None: 100 * 2**20)  # a GPU's bytes_limit
     run = tmp_path / "run"
     rc = main(["--quiet", "model.name=cms_mlp", "model.dim=512", "model.depth=4", "cms.periods=[1,2]",
                "sync.strategy=fsdp", "train.batch_size=8", "train.seq_len=16", "train.steps=2", "eval.every=0",
