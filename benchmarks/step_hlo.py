@@ -29,7 +29,12 @@ def step_hlo(name: str | None, overrides: list[str]) -> str:
     run = Run.create(unevaluated(config.load(name, overrides)))
     batch, state = run.batch(0), run.init_state()
     every = tuple(True for _ in run.cfg.cms.periods)
-    text = run.cache.train_fn(every, state, batch).as_text()
+    return without_sources(run.cache.train_fn(every, state, batch).as_text())
+
+
+def without_sources(text: str) -> str:
+    """Compiled HLO text without what names source files and lines (the same program in two
+    checkouts prints the same)."""
     if "StackFrames" in text:  # the tables between the module's first line and its body
         text = text.split("\n", 1)[0] + text[text.index("\n\n", text.index("StackFrames")):]
     text = re.sub(r", metadata=\{[^}]*\}", "", text)

@@ -39,8 +39,6 @@ def available_bytes(used: int | None = None, device=None) -> int | None:
     memory is shared by the `used` local devices the run's mesh holds (default: all of them)."""
     dev = device or jax.local_devices()[0]
     if dev.platform != "cpu":
-        if dev.process_index != jax.process_index():
-            return None
         try:
             stats = dev.memory_stats() or {}
         except jax.errors.JaxRuntimeError:  # a device this process compiles for but cannot hold arrays on

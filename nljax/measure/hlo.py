@@ -221,14 +221,13 @@ def launching(hlo_text: str):
     loop of known trip count without its condition). In the text's order of computations."""
     entry, comps = _computations(hlo_text)
     runs = _runs(entry, comps)
-    executed, todo = {entry}, [entry]
+    executed, conditions, todo = {entry}, set(), [entry]
     while todo:
         for line in comps.get(todo.pop(), ()):
+            conditions.update(m["name"] for m in _CALLEE.finditer(line) if m["kind"] == "condition")
             new = [n for n in _run_on_device(line) if n in comps and n not in executed]
             executed.update(new)
             todo += new
-    conditions = {m["name"] for lines in comps.values() for line in lines for m in _CALLEE.finditer(line)
-                  if m["kind"] == "condition"}
     for comp in [c for c in comps if c in executed and c not in conditions]:
         for line in comps[comp]:
             op = opcode(line)
@@ -237,8 +236,8 @@ def launching(hlo_text: str):
             if op is None or op in _NO_LAUNCH or op.endswith(("-done", "-update")):
                 continue
             if op == "async-start":  # the op it wraps decides the kind
-                wrapped = re.search(r"\bcalls=%?([\w.\-]+)", line)
-                inner = {opcode(l) for l in comps.get(wrapped[1] if wrapped else None, ())}
+                wrapped = next((m["name"] for m in _CALLEE.finditer(line) if m["kind"] == "calls"), None)
+                inner = {opcode(l) for l in comps.get(wrapped, ())}
                 op = next((o for o in inner if o and o.removesuffix("-start") in _OPS), "async-start")
             kind = ("fusion" if op == "fusion" else "library" if op == "custom-call"
                     else "collective" if op.removesuffix("-start") in _OPS
