@@ -121,6 +121,20 @@ fi
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo 'unknown (no .git here)')"
 } > "$OUT/machine.txt" 2>&1
 
+# XLA's autotuning results on this card (its choice of matmul tiles and libraries per fusion), one
+# file per fusion in one folder per bench (OUT/autotune/NAME): each bench still compiles with a cold
+# cache, as it did before, and the files come back with the results, for compiling offline with the
+# card's own choices (benchmarks/gpu_compile.py compiles with default tiles: no card to time them).
+# Probed first: an XLA that does not know the flag runs the suite without it.
+AUTOTUNE_FLAG=--xla_gpu_per_fusion_autotune_cache_dir
+if XLA_FLAGS="${XLA_FLAGS:-} $AUTOTUNE_FLAG=$OUT/autotune/probe" $PY -c "import jax; jax.numpy.zeros(2).block_until_ready()" \
+    > "$OUT/autotune_probe.log" 2>&1; then
+  echo "autotune: $AUTOTUNE_FLAG=$OUT/autotune/NAME" >> "$OUT/machine.txt"
+else
+  echo "autotune: $AUTOTUNE_FLAG refused by this XLA (OUT/autotune_probe.log); the suite runs without it" | tee -a "$OUT/machine.txt"
+  AUTOTUNE_FLAG=""
+fi
+
 # bf16 compute for nljax once mixed precision (model.dtype, item 2) exists; float32 before.
 if $PY -c "import sys, nljax.config as c; sys.exit('dtype' not in c.ModelConfig.__dataclass_fields__)"; then
   BF16=(model.dtype=bfloat16)
@@ -140,7 +154,7 @@ run() {  # name, then the command; a failed bench is reported and the suite goes
   echo "== $name: $*"
   local t0=$SECONDS
   local rc=0
-  "${cap[@]}" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
+  XLA_FLAGS="${XLA_FLAGS:-}${AUTOTUNE_FLAG:+ $AUTOTUNE_FLAG=$OUT/autotune/$name}" "${cap[@]}" "$@" > "$OUT/$name.log" 2>&1 || rc=$?
   if [ $rc -eq 0 ]; then
     tail -n 30 "$OUT/$name.log"
   elif [ ${#cap[@]} -gt 0 ] && { [ $rc -eq 124 ] || [ $rc -eq 137 ]; } && [ $((SECONDS - t0)) -ge "$left" ]; then

@@ -103,6 +103,25 @@ case "$*" in *batch_size=128*) sleep 30 ;; *memory_unroll=4*) kill -9 $$ ;; *) e
     assert "FAILED (bench_nl_350m_fused_memunroll, exit 137)" in r.stdout, r.stdout
 
 
+def test_each_bench_keeps_its_autotuning_results_unless_xla_refuses_the_flag(tmp_path):
+    """Each bench compiles with its own autotune cache folder (OUT/autotune/NAME: the card's
+    choices come back with the results, every compile still cold); an XLA that refuses the flag
+    (the probe fails) runs every bench without it, and machine.txt says which."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+case "$2" in *zeros*) [ -n "$REFUSE" ] && exit 1; exit 0 ;; esac
+case "$1" in -c) exit 0 ;; benchmarks/gpu_summary.py) exec {sys.executable} "$@" ;; esac
+echo "$XLA_FLAGS" > "$OUT_FLAGS"
+""")
+    fake.chmod(0o755)
+    out, flags = tmp_path / "out", tmp_path / "flags"
+    suite(out, "b128", PYTHON=str(fake), OUT_FLAGS=str(flags))
+    assert f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/bench_titans_demo_b128_memory" in flags.read_text()
+    assert "autotune: --xla_gpu_per_fusion_autotune_cache_dir" in (out / "machine.txt").read_text()
+    r = suite(tmp_path / "refused", "b128", PYTHON=str(fake), OUT_FLAGS=str(flags), REFUSE="1")
+    assert "autotune" not in flags.read_text() and "refused by this XLA" in r.stdout, r.stdout
+
+
 def test_the_suite_reads_as_bash():
     assert subprocess.run(["bash", "-n", str(SUITE)], capture_output=True).returncode == 0
 
