@@ -367,3 +367,19 @@ def test_overwrite_of_a_users_directory_is_refused_and_nothing_is_removed(corpus
                                                    "or holds it: nljax.prepare replaces DIR by renaming it, give a "
                                                    "directory beside or below")
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "train.bin"]
+
+
+def test_a_chunk_is_cut_by_utf8_bytes_not_characters(tmp_path):
+    """prepare.chunk_bytes counts the text's UTF-8 bytes: documents of 3-byte characters make
+    chunks of a third as many characters as ASCII ones (memory follows bytes), and a chunk's
+    bytes are what the progress bar adds."""
+    from nljax.data import chunks, documents
+
+    for name, char in (("ascii", "a"), ("cjk", "記")):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps({"text": char * 100}) + "\n" for _ in range(60)))
+        files = documents.expand([str(tmp_path / f"{name}.jsonl")], "data.train")
+        cut = list(chunks.read([files, []], "text", 1000))
+        per_chunk = {len(c.texts) for c in cut[:-1]}
+        assert per_chunk == ({10} if char == "a" else {4}), (name, [len(c.texts) for c in cut])
+        assert all(c.nbytes == sum(len(t.encode()) for t in c.texts) for c in cut)
+    assert chunks.utf8_bytes("\ud800") == 3  # a lone surrogate (JSON allows one) is counted, not an error

@@ -2,7 +2,7 @@
 the results handed back in the order the chunks were read.
 
 A chunk is the consecutive documents of one split's files (data.train's or data.eval's, never
-both) up to about `chunk_bytes` characters, with the position after it (data/documents.py: file,
+both) up to about `chunk_bytes` bytes of UTF-8 text, with the position after it (data/documents.py: file,
 record), which is where a resumed prepare starts reading again. Whatever the worker count and the
 order in which workers finish, chunk k's tokens come out k-th, so the files written are the same.
 
@@ -36,7 +36,7 @@ class Chunk:
     texts: list[str]
     split: int  # 0: data.train's files, 1: data.eval's
     end: tuple[int, int, int]  # (split, file index, records of that file read): where the next chunk starts
-    chars: int  # the characters of its texts (the progress bar's bytes, up to multi-byte characters)
+    nbytes: int  # its texts' UTF-8 bytes (the progress bar's bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,25 +51,31 @@ class Encoded:
     nbytes: np.ndarray
 
 
+def utf8_bytes(text: str) -> int:
+    """The UTF-8 length of `text` without encoding it when it is ASCII (`isascii` reads a flag
+    CPython keeps); a lone surrogate (JSON allows one) counts its three bytes."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
 def read(sources: Sequence[Sequence[Path]], text_key: str, chunk_bytes: int,
          start: tuple[int, int, int] = (0, 0, 0)) -> Iterator[Chunk]:
     """The chunks of `sources` (train files, eval files) from position `start`."""
     for split in range(start[0], len(sources)):
         at = start[1:] if split == start[0] else (0, 0)
         texts: list[str] = []
-        chars, end = 0, (split, *at)
+        nbytes, end = 0, (split, *at)
         # documents per list read: one per KiB of chunk (1 to BATCH), so that a chunk ends near
         # chunk_bytes when documents are a KiB or longer
         batch = min(documents.BATCH, max(1, chunk_bytes >> 10))
         for docs, index, done in documents.read(sources[split], text_key, at, batch):
             texts += docs
-            chars += sum(map(len, docs))
+            nbytes += sum(map(utf8_bytes, docs))
             end = (split, index, done)
-            if chars >= chunk_bytes:
-                yield Chunk(texts, split, end, chars)
-                texts, chars = [], 0
+            if nbytes >= chunk_bytes:
+                yield Chunk(texts, split, end, nbytes)
+                texts, nbytes = [], 0
         if texts or end != (split, *at):  # the records read since the last chunk, text or none
-            yield Chunk(texts, split, end, chars)
+            yield Chunk(texts, split, end, nbytes)
 
 
 _TOKENIZER = None  # a worker's tokenization, built once by `_start`

@@ -46,7 +46,7 @@ SPLITS = ("train", "eval")
 MANIFEST, TOKENIZER = "manifest.json", "tokenizer.json"
 OWN = frozenset({f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")} | {MANIFEST, TOKENIZER})
 LEGACY = (".prepare.lock", ".prepare-work")  # what an earlier nljax.prepare kept inside DIR: ours too
-CHUNK_BYTES = 8 << 20  # characters of text per chunk (prepare.chunk_bytes)
+CHUNK_BYTES = 8 << 20  # UTF-8 bytes of text per chunk (prepare.chunk_bytes)
 # tests only: nljax.prepare kills itself (SIGKILL, or "N:SIGINT") once N chunks are recorded, or
 # (SIGKILL) at a point of replacing DIR: "built", "aside" (between the two renames), "replaced"
 TEST_KILL_AFTER = "NLJAX_PREPARE_TEST_KILL_AFTER"
@@ -265,7 +265,7 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
                    dynamic_ncols=True) as bar:
         def on_chunk(chunk, done, seen):
             work.record(sinks, done, chunk.end, seen)
-            bar.update(chunk.chars)
+            bar.update(chunk.nbytes)
             elapsed = bar.format_dict["elapsed"] or 1e-9
             bar.set_postfix_str(f"{(tokens() - first) / elapsed:,.0f} tokens/s", refresh=False)
             if done == kill_after:  # the tests' stand-in for a kill (or Ctrl-C) at an arbitrary point

@@ -101,7 +101,7 @@ class PrepareConfig:
     it writes."""
 
     workers: int = 0  # processes that tokenize with a tokenizer.json (bytes: one); 0: all cores
-    # characters of text per chunk, the unit of work and of resume; memory holds about
+    # bytes of text (UTF-8) per chunk, the unit of work and of resume; memory holds about
     # 2 x workers + 1 chunks of text and tokens (docs/guides/own-text-data.md)
     chunk_bytes: int = 8 << 20
 
