@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",
                    help="run.dir=DIR (required), dtype=, out=, checkpoint=, config overrides")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.export", lambda: _export(args))
 
 

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
                    help="run.dir=DIR (required); prompt=, max_new_tokens=, temperature=, top_k=, top_p=, seed=, "
                         "checkpoint=; for a MeanFlow run samples= and out=FILE.png; any other key=value: a config "
                         "override")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.generate", lambda: _generate(args), _stdout_to_devnull)
 
 

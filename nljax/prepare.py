@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                    "memory-mapped), for training with data.source=files data.prepared=DIR.")
     p.add_argument("--config", action=cli.Once, help="YAML config file whose data.* keys name the text")
     p.add_argument("settings", nargs="*", metavar="key=value", help="out=DIR (required), overwrite=true, data.* keys")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     # Ctrl-C, a full disk, a quota, a read-only file system: the chunks done are kept, to resume
     return cli.tool("nljax.prepare", lambda: _prepare(args.config, args.settings),
                     after_ctrl_c=": the same command resumes where it stopped")

@@ -110,3 +110,19 @@ def test_runs_in_sees_subprocesses_and_mains(tmp_path):
     f.write_text('from nljax import export\nfrom nljax.prepare import main as prep\n'
                  'cli("nljax.bench", "--steps", "1")\nexport.main([])\nprep([])\nprint("nljax.comm")\n')
     assert runs_in(f) == {"bench", "export", "prepare"}  # printing "nljax.comm" runs nothing
+
+
+@pytest.mark.parametrize("name,argv", [
+    ("generate", ["run.dir={d}", "--cpu-devices", "2", "max_new_tokens=5"]),
+    ("export", ["run.dir={d}", "--format", "safetensors", "out={d}/x"]),
+    ("prepare", ["data.train={d}/*.txt", "--config", "{d}/c.yaml", "out={d}/p"]),
+])
+def test_key_value_settings_may_follow_a_flag(name, argv, tmp_path):
+    """As train's: `generate run.dir=D --cpu-devices 2 max_new_tokens=5` reads both settings
+    (argparse's plain parse stopped at the flag: 'unrecognized arguments: max_new_tokens=5'); the
+    run directory here is empty, so the command goes on to refuse it, in one line."""
+    from helpers import cli
+
+    (tmp_path / "c.yaml").write_text("data:\n  eval_fraction: 0.5\n")
+    p = cli(f"nljax.{name}", *[a.format(d=tmp_path) for a in argv], check=False)
+    assert p.returncode == 2 and "unrecognized arguments" not in p.stderr and p.stderr.count("\n") == 1, p.stderr
