@@ -126,13 +126,23 @@ def bench_patterns(periods: tuple[int, ...], which: str) -> dict[tuple[bool, ...
     return cycle
 
 
+def say(line: str) -> None:
+    """A progress line on standard error (the report goes to standard output), at once, from the
+    first process: compiling a step variant takes up to minutes, which the bench never takes from
+    the compile cache (it measures them)."""
+    if jax.process_index() == 0:
+        print(f"nljax.bench: {line}", file=sys.stderr, flush=True)
+
+
 def compile_variants(cache: StepCache, actives, state, batch) -> tuple[dict, dict]:
     """(active set -> compiled step, active set -> seconds to lower and compile it)."""
     fns, seconds = {}, {}
-    for a in actives:
+    for i, a in enumerate(actives, 1):
+        say(f"compiling pattern {pattern_name(a)} ({i} of {len(actives)}) ...")
         t0 = time.perf_counter()
         fns[a] = cache.train_fn(a, state, batch)
         seconds[a] = time.perf_counter() - t0
+        say(f"compiled pattern {pattern_name(a)} in {seconds[a]:.1f} s")
     return fns, seconds
 
 
@@ -225,6 +235,7 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     units = run.units_per_device(batch)
     per_cycle = bench_patterns(cfg.cms.periods, which)
     fns, compile_s = compile_variants(run.cache, list(per_cycle), state, batch)
+    say(f"timing {warmup} warm-up and {steps} timed rounds of {len(fns)} pattern{'s' * (len(fns) > 1)} ...")
     times, state = time_steps(fns, state, batch, warmup, steps)
     analytic = flops.analytic_flops(cfg, eng.model, eng.param_shapes)
     rows = {pattern_name(a): pattern_row(times[a], compile_s[a], per_cycle[a], units,
@@ -233,6 +244,7 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     summary = summarize(rows, units)
     if profile:
         slowest = next(a for a in fns if pattern_name(a) == summary["worst_pattern"])
+        say(f"profiling {profile} step{'s' * (profile > 1)} of pattern {summary['worst_pattern']} ...")
         _, step_s = traces.record(fns[slowest], state, batch, profile, profile_dir)
         timed = rows[summary["worst_pattern"]]["step_time"]["median_ms"] / 1e3
         hlo = fns[slowest].as_text()
@@ -359,6 +371,7 @@ def _run(args, cfg: Config) -> int:
                               f"{cfg.model.name}")
         if args.synthetic:
             cfg = synthetic_images(cfg, args.synthetic, tmp)
+        say(f"building the run ({cfg.model.name}, batch {cfg.train.batch_size}) ...")
         run = Run.create(unevaluated(cfg))
         peak, source = device_peak(args.peak_tflops or cfg.throughput.peak_tflops)
         profile_dir = Path(args.profile_dir or Path(tmp) / "profile")
