@@ -218,4 +218,4 @@ def test_resume_may_change_the_attention_form_with_a_warning():
     saved = config.load(None, [*TINY_NL, "model.nl_lm.attention=blocked"])
     resumed = config.load(None, [*TINY_NL, "model.nl_lm.attention=pallas"])
     assert _changed_settings({"config": config.to_dict(saved)}, resumed) == [
-        "resuming with model.nl_lm.attention='pallas' (checkpoint: 'blocked')"]
+        "resuming with model.nl_lm.attention='pallas' (the checkpoint was written with 'blocked')"]

@@ -195,7 +195,7 @@ def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
         np.testing.assert_array_equal(a, b)
     z = make([*then, "sync.strategy=zero1"], 2, 2)
     r = restore(z.engine, z.state, tmp_path / "ckpt" / "2")
-    assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (checkpoint at step 2: 'replicated')"]
+    assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (the checkpoint at step 2 was written with 'replicated')"]
 
 
 def test_resume_may_change_how_the_step_computes(ref):
@@ -211,10 +211,10 @@ def test_resume_may_change_how_the_step_computes(ref):
     other = make([*NL, "model.dtype=bfloat16", "model.nl_lm.attention=blocked", "model.nl_lm.embed_grad=onehot",
                   "model.nl_lm.loss_chunk=16"], 2, 4)
     r = restore(other.engine, other.state, ref["dir"] / "2")
-    assert sorted(r.warnings) == ["resuming with model.dtype='bfloat16' (checkpoint at step 2: 'float32')",
-                                  "resuming with model.nl_lm.attention='blocked' (checkpoint at step 2: 'auto')",
-                                  "resuming with model.nl_lm.embed_grad='onehot' (checkpoint at step 2: 'auto')",
-                                  "resuming with model.nl_lm.loss_chunk=16 (checkpoint at step 2: 0)"], r.warnings
+    assert sorted(r.warnings) == ["resuming with model.dtype='bfloat16' (the checkpoint at step 2 was written with 'float32')",
+                                  "resuming with model.nl_lm.attention='blocked' (the checkpoint at step 2 was written with 'auto')",
+                                  "resuming with model.nl_lm.embed_grad='onehot' (the checkpoint at step 2 was written with 'auto')",
+                                  "resuming with model.nl_lm.loss_chunk=16 (the checkpoint at step 2 was written with 0)"], r.warnings
     for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
         np.testing.assert_array_equal(a, b)
 

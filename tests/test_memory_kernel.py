@@ -263,4 +263,4 @@ def test_resume_may_change_memory_impl_with_a_warning(tmp_path):
     with pytest.raises(ConfigError, match="model.nl_lm.memory_dim=4 cannot change on resume"):
         check_unchanged(saved, config.load(None, [*TINY_NL, "model.nl_lm.memory_dim=4"]), tmp_path / "config.yaml")
     assert _changed_settings({"config": config.to_dict(saved)}, resumed) == [
-        "resuming with model.nl_lm.memory_impl='pallas' (checkpoint: 'scan')"]
+        "resuming with model.nl_lm.memory_impl='pallas' (the checkpoint was written with 'scan')"]

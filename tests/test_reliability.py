@@ -233,7 +233,12 @@ def test_a_changed_setting_names_the_step_of_the_checkpoint_restored():
 
     saved = config.load(None, ["train.steps=4"])
     assert _changed_settings({"config": config.to_dict(saved), "step": 2}, config.load(None, ["train.steps=6"])) == [
-        "resuming with train.steps=6 (checkpoint at step 2: 4)"]
+        "resuming with train.steps=6 (the checkpoint at step 2 was written with 4): the cosine learning-rate "
+        "schedule now decays to step 6"]
+    # a constant schedule: more steps change nothing already decided, and nothing is said
+    saved = config.load(None, ["train.steps=4", "optim.schedule=constant"])
+    assert _changed_settings({"config": config.to_dict(saved), "step": 2},
+                             config.load(None, ["train.steps=6", "optim.schedule=constant"])) == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,10 +125,16 @@ def _absolute_paths(tree: dict) -> dict:
 def _changed_settings(meta: dict, cfg: Config, same_data: bool = False) -> list[str]:
     """A warning for each setting that differs from the checkpoint's and may change the result,
     naming the checkpoint's step: the one restored, which may be older than the newest (a damaged
-    one skipped), and whose value may read as a step (train.steps=6 against 4)."""
-    which = f"checkpoint at step {meta['step']}" if "step" in meta else "checkpoint"
-    return [f"resuming with {k}={fmt(b)} ({which}: {fmt(a)})" for k, a, b in _changed(meta, cfg, same_data)
-            if not _under(k, SILENT)]
+    one skipped). train.steps, the documented way to train on, changes the result only through a
+    cosine schedule, which then decays to the new end: said so; with a constant one, nothing."""
+    which = f"the checkpoint at step {meta['step']}" if "step" in meta else "the checkpoint"
+    out = []
+    for k, a, b in _changed(meta, cfg, same_data):
+        if _under(k, SILENT) or k == "train.steps" and cfg.optim.schedule == "constant":
+            continue
+        why = f": the cosine learning-rate schedule now decays to step {b}" if k == "train.steps" else ""
+        out.append(f"resuming with {k}={fmt(b)} ({which} was written with {fmt(a)}){why}")
+    return out
 
 
 def _under(key: str, sections) -> bool:
