@@ -195,7 +195,11 @@ def parse_override(text: str) -> tuple[str, Any]:
     key = key.strip()
     try:
         value = yamlread.load(raw, f"override {key}") if raw.strip() else ""
-    except yaml.YAMLError:
+    except yaml.YAMLError as e:
+        if raw.lstrip().startswith(("[", "{")) and _field_type(key) not in (str, None):
+            # a list or mapping meant, not a string: say so, not that its first item is a string
+            raise ConfigError(f"override {key}={raw}: not a valid list or mapping "
+                              f"({getattr(e, 'problem', None) or first_line(e)})") from None
         value = raw
     quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
     if _field_type(key) in (str, tuple[str, ...]) and not isinstance(value, list) and not quoted:
@@ -273,6 +277,11 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
     (`--resume` with `--config`: the run's saved config, then the user's file, then overrides)."""
     tree = {} if path is None else _read_yaml(path)
     tree = migrate(tree) if saved else tree
+    if path is not None and not saved:  # the file alone first: a wrong key or value there names the file
+        try:
+            _build(Config, tree)
+        except ConfigError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
     if base is not None:
         tree = _merged(migrate(_read_yaml(base)), tree)
     for text in overrides:

@@ -19,6 +19,14 @@ def test_yaml_file(tmp_path):
     p.write_text("train:\n  steps: 3\ncms:\n  periods: [2, 4]\n")
     cfg = config.load(str(p), ["train.steps=5"])
     assert cfg.train.steps == 5 and cfg.cms.periods == (2, 4)
+    # a wrong key or value in the file names the file (an override's does not)
+    p.write_text("train:\n  stepz: 3\n")
+    with pytest.raises(ConfigError, match=rf"^config file {p}: unknown config key 'train.stepz' \(did you mean"):
+        config.load(str(p))
+    p.write_text("train:\n  steps: many\n")
+    with pytest.raises(ConfigError, match=rf"^config file {p}: config key 'train.steps' must be int"):
+        config.load(str(p), ["train.steps=4"])
+    assert config.load(None, ["run.dir=[x"]).run.dir == "[x"  # a string setting takes a bracket as written
 
 
 @pytest.mark.parametrize(
@@ -30,6 +38,8 @@ def test_yaml_file(tmp_path):
         ("train.steps=1.5", "config key 'train.steps' must be int"),
         ("sync.reduce=ring", "config key 'sync.reduce' must be one of ['flat', 'hierarchical']"),
         ("cms.periods=[1,0]", "cms.periods must be a non-empty list of positive integers"),
+        # a bracket missing: the list is named broken (it read as a string: "'cms.periods[0]' must be int")
+        ("cms.periods=[1,4", "override cms.periods=[1,4: not a valid list or mapping (did not find expected ',' or ']')"),
         ("cms.frozen_grads=drop", "config key 'cms.frozen_grads' must be one of"),
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
         ("model.nl_lm.memory_chunk=0", "model.nl_lm.memory_chunk must be >= 1, got 0"),
@@ -116,7 +126,7 @@ def test_a_moved_key_names_its_new_place(tmp_path, old, new):
     p.write_text(f"model:\n  name: nl_lm\n  {old.split('.')[1]}: 8\n")
     with pytest.raises(ConfigError) as e:
         config.load(str(p))
-    assert str(e.value) == f"{old} moved to {new}"
+    assert str(e.value) == f"config file {p}: {old} moved to {new}"
 
 
 def test_data_corpus_moved_to_data_source():
@@ -186,7 +196,7 @@ def test_a_saved_config_with_run_tensorboard_is_read_as_run_trackers(tmp_path, o
     p = tmp_path / "config.yaml"
     p.write_text(yaml.safe_dump(old))
     assert config.load(str(p), ["train.steps=3"], saved=True).run.trackers == trackers
-    with pytest.raises(ConfigError, match="^run.tensorboard moved to run.trackers"):
+    with pytest.raises(ConfigError, match=f"^config file {p}: run.tensorboard moved to run.trackers"):
         config.load(str(p))
 
 
