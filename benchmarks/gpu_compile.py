@@ -118,7 +118,8 @@ def compiled_step(cfg, device, host_device):
     with platform.compiling_for("gpu" if device.platform in ("gpu", "cuda") else device.platform, device):
         run = Run.create(cfg, [device])
         state, batch = abstract_inputs(run, meshlib.make_mesh(1, 1, [host_device], 1))
-        return run, run.cache.train_fn(tuple(True for _ in cfg.cms.periods), state, batch)
+        with platform.lowering():
+            return run, run.cache.train_fn(tuple(True for _ in cfg.cms.periods), state, batch)
 
 
 def compile_step(cfg, device, host_device, memory_bytes: int | None = None) -> dict:

@@ -105,6 +105,21 @@ def test_a_probe_is_answered_per_platform_and_device_built_for():
     assert {k[:2] for k in compiles._SEEN if k[2:] == key} == {("cpu", None), ("cpu", "cpu"), ("gpu", None)}
 
 
+def test_a_program_built_for_a_device_is_lowered_with_it_as_the_default():
+    """Pallas's GPU lowering asks JAX's default device which card it compiles for (jax 0.11
+    refuses a CPU): inside compiling_for, `lowering()` makes the target that device, and a probe
+    compiles under it; outside, JAX's default device stays."""
+    target, seen = jax.devices()[5], []
+    with platform.compiling_for("cpu", device=target), platform.lowering():
+        assert jnp.zeros(2).devices() == {target}
+    with platform.lowering():
+        assert jnp.zeros(2).devices() == {jax.devices()[0]}
+    with platform.compiling_for("cpu", device=target):
+        assert compiles.refusal(("lowering-test",), lambda x: seen.append(jax.config.jax_default_device) or x,
+                                jnp.ones(2)) is None
+    assert seen == [target]
+
+
 def test_target_config_names_the_card():
     text = gpu_compile.target_config("h100")
     assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in text and "core_count: 132" in text

@@ -40,7 +40,8 @@ def refusal(key: tuple, fn: Callable, *args) -> str | None:
     key = (platform.backend(), device.device_kind if device is not None else None, *key)
     if key not in _SEEN:
         try:
-            jax.jit(fn).lower(*args).compile()
+            with platform.lowering():
+                jax.jit(fn).lower(*args).compile()
             _SEEN[key] = None
         except Exception as e:  # noqa: BLE001 - whatever the compiler raises is the reason given
             _SEEN[key] = f"{type(e).__name__}: {first_line(e)}"[:300]

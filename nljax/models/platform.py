@@ -57,3 +57,12 @@ def compiling_for(name: str, device: Any = None, cuda: bool = True) -> Iterator[
         yield
     finally:
         _TARGET.reset(token)
+
+
+def lowering() -> contextlib.AbstractContextManager:
+    """Where a program built for `device()` is lowered and compiled: that device as JAX's default
+    one, when there is one. Pallas's GPU lowering asks the default device what card it targets
+    (its compute capability; jax 0.11 refuses a CPU with "No supported GPU devices found"); a
+    compile-only device answers as the card would. Otherwise nothing changes."""
+    target = device()
+    return jax.default_device(target) if target is not None else contextlib.nullcontext()
