@@ -1,4 +1,4 @@
-"""Evaluate a trained model with EleutherAI's lm-evaluation-harness (the `lm-eval` extra).
+"""Evaluate a trained model with EleutherAI's lm-evaluation-harness.
 
     python -m nljax.lm_eval --model nljax --model_args run_dir=runs/default --tasks lambada_openai
     python -m nljax.lm_eval --model nljax --model_args run_dir=runs/default,checkpoint=2000,batch_size=16 \\
@@ -14,8 +14,9 @@ batch_size=N (requests read at once; lm-eval's --batch_size too). The model read
 device (`--cpu-devices N` emulates N on a CPU), the requests' rows split over them; the scores are
 the same on any count. How requests are read: nljax/run/harness_model.py.
 
-A task lm-eval does not know is one line (exit 2), as is lm-eval missing (`--help` still prints
-this command's own options).
+lm-eval is an optional extra: `pip install 'nljax[lm-eval]'` (in a checkout of nljax: `pip
+install -e '.[lm-eval]'`). Without it `--help` prints this command's own options and a run is
+one line (exit 2), as is a task lm-eval does not know.
 """
 
 from __future__ import annotations
