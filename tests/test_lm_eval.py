@@ -317,8 +317,8 @@ def test_bad_harness_settings_are_one_line(trained, tmp_path, monkeypatch, local
     monkeypatch.undo()
     for kwargs, words in ((dict(run_dir=str(tmp_path)), "is neither an export directory"),
                           (dict(run_dir=str(trained[0]), batch_size=0), "batch_size must be >= 1"),
-                          (dict(run_dir=str(trained[0]), checkpoint=7), "has no checkpoint at step 7 (its checkpoints are "
-                                                                      "at step"),
+                          (dict(run_dir=str(trained[0]), checkpoint=7), "has no checkpoint at step 7 (its "
+                                                                      "checkpoints are at step"),
                           (dict(run_dir=str(trained[0]), temperature=2), "unknown key(s) temperature"), ({}, "needs")):
         with pytest.raises(ConfigError) as e:
             FromRun(**kwargs)
@@ -352,6 +352,7 @@ def test_the_command_without_lm_eval_reads_its_help_and_is_one_line(monkeypatch,
     for name in [m for m in sys.modules if m.split(".")[0] == "lm_eval"] + ["lm_eval"]:
         monkeypatch.setitem(sys.modules, name, None)  # `import lm_eval...` raises ImportError
     monkeypatch.setitem(sys.modules, "nljax.run.harness_model", None)
+    monkeypatch.delitem(sys.modules, "nljax.lm_eval", raising=False)  # run as a fresh __main__, as `python -m` does
     install = "pip install 'nljax[lm-eval]' (in a checkout of nljax: pip install -e '.[lm-eval]')"
     for argv, code in ((["--help"], 0), (["--model", "nljax", "--tasks", "x"], 2)):
         monkeypatch.setattr(sys, "argv", ["nljax.lm_eval", *argv])

@@ -95,7 +95,8 @@ def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config
 
 def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
     """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
-    number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices` (default: all of this process's)."""
+    number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices`
+    (default: all of this process's)."""
     devices = list(devices or jax.local_devices())
     cfg = config_of(run_dir, checkpoint, overrides, len(devices))
     cfg_file = Path(run_dir) / "config.yaml"
