@@ -17,8 +17,9 @@ __all__ = ["__version__", "Model", "ModelSpec", "TextModel", "TrainedModel", "lo
 
 def load(path, checkpoint="latest", overrides=()):
     """The trained model in `path` (a run directory that `python -m nljax.train` wrote, at its
-    newest intact checkpoint or `checkpoint`, or an export directory that `python -m
-    nljax.export` wrote), on one device, with its run's tokenizer: `nljax.TrainedModel`."""
+    newest intact checkpoint or `checkpoint`: a step number or a step directory; or an export
+    directory that `python -m nljax.export` wrote), on one device, with its run's tokenizer:
+    `nljax.TrainedModel`."""
     from nljax.trained_model import load as load_trained
 
     return load_trained(path, checkpoint, overrides)

@@ -1,7 +1,7 @@
 """Export a trained run's parameters, and load them back without nljax's training machinery.
 
     python -m nljax.export run.dir=runs/default [--format safetensors] [dtype=float32|bfloat16]
-                           [out=DIR] [checkpoint=PATH]
+                           [out=DIR] [checkpoint=STEP|PATH]
 
 writes DIR (default <run.dir>/export) with
 
@@ -175,7 +175,8 @@ def main(argv=None) -> int:
     p.add_argument("--format", choices=FORMATS, default="safetensors")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",
-                   help="run.dir=DIR (required), dtype=, out=, checkpoint=, config overrides")
+                   help="run.dir=DIR (required), dtype=, out=, checkpoint= (latest, a step number or a step "
+                        "directory), config overrides")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.export", lambda: _export(args))
 

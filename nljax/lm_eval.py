@@ -1,4 +1,4 @@
-"""Evaluate a trained model with EleutherAI's lm-evaluation-harness (`pip install 'nljax[lm-eval]'`).
+"""Evaluate a trained model with EleutherAI's lm-evaluation-harness.
 
     python -m nljax.lm_eval --model nljax --model_args run_dir=runs/default --tasks lambada_openai
     python -m nljax.lm_eval --model nljax --model_args run_dir=runs/default,checkpoint=2000,batch_size=16 \\
@@ -13,21 +13,31 @@ directory), checkpoint=latest|STEP|PATH (a run's checkpoint: its step number or 
 batch_size=N (requests read at once; lm-eval's --batch_size too). The model reads on every local
 device (`--cpu-devices N` emulates N on a CPU), the requests' rows split over them; the scores are
 the same on any count. How requests are read: nljax/run/harness_model.py.
+
+lm-eval is an optional extra: `pip install 'nljax[lm-eval]'` (in a checkout of nljax: `pip
+install -e '.[lm-eval]'`). Without it `--help` prints this command's own options and a run is
+one line (exit 2), as is a task lm-eval does not know.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import sys
+import traceback
 
 from nljax import cli
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, first_line
+from nljax.run.harness import INSTALL
 
-try:  # the model class is lm-eval's `TemplateLM`: without lm-eval the command is one line, not a traceback
+_missing = None  # the command run without lm-eval: why it could not be imported
+try:  # the model class is lm-eval's `TemplateLM`
     from nljax.run.harness_model import NAME, NLJaxLM, Reading
 except ImportError as e:
-    if __name__ != "__main__":
+    if __name__ != "__main__":  # `from nljax.lm_eval import FromRun` needs lm-eval: its own error
         raise
-    sys.exit(f"nljax.lm_eval: error: lm-eval is not installed ({e}): pip install 'nljax[lm-eval]'")
+    # the command: its --help still reads, then one line (main); FromRun below is never made
+    _missing, NLJaxLM = first_line(e), object
 from nljax.run.scoring import StreamReader
 
 DEFAULT_ROWS = 8  # requests per batch when neither batch_size= nor --batch_size says (rounded up to the devices)
@@ -83,7 +93,7 @@ def load(path: str, checkpoint: str | int, n_rows: int) -> Reading:
     if not path:
         raise ConfigError(f"--model {NAME} needs --model_args run_dir=DIR (a run directory nljax.train wrote, or an "
                           "export directory)")
-    lm = nljax.load(path, _checkpoint(path, checkpoint))
+    lm = nljax.load(path, checkpoint)
     if not lm.makes_text:
         raise ConfigError(f"{path}: model.name={lm.config.model.name} makes images, not text: lm-eval scores "
                           "language models")
@@ -91,17 +101,6 @@ def load(path: str, checkpoint: str | int, n_rows: int) -> Reading:
     params = jax.device_put(lm.params, replicated(mesh))
     reader = StreamReader(lm.model, params, mesh, lm.seq_len, lm.end_id, n_rows)
     return Reading(reader, lm.tokenizer, f"{path} (step {lm.step})")
-
-
-def _checkpoint(path: str, checkpoint: str | int) -> str:
-    """nljax.load's checkpoint: "latest", a step directory, or the step number of one of the run's."""
-    checkpoint = str(checkpoint)
-    if not checkpoint.isdigit():
-        return checkpoint
-    from nljax.checkpoint.storage import checkpoint_dir
-    from nljax.run.trained import trained_config
-
-    return str(checkpoint_dir(trained_config(path)) / checkpoint)
 
 
 def register() -> None:
@@ -120,23 +119,43 @@ def main(argv=None) -> int:
     mine = {i for i, a in enumerate(argv) if a in ("-h", "--help") or a.startswith("--cpu-devices")
             or (i and argv[i - 1] == "--cpu-devices")}
     own, rest = [argv[i] for i in sorted(mine)], [a for i, a in enumerate(argv) if i not in mine]
+    theirs = "Every other argument is lm-eval's (`lm_eval run --help` lists them)"
+    if _missing is not None:  # the help reads before lm-eval is installed
+        theirs = f"lm-eval is not installed ({_missing}): {INSTALL}. Once it is, e{theirs[1:]}"
     p = cli.Parser(allow_abbrev=False, prog="nljax.lm_eval", description=__doc__.splitlines()[0],
-                   epilog="Every other argument is lm-eval's (`lm_eval run --help`): --model nljax "
-                          "--model_args run_dir=DIR[,checkpoint=STEP][,batch_size=N] --tasks ... "
-                          "[--include_path DIR] [--limit N] [--output_path DIR] ...")
+                   epilog=f"{theirs}: --model nljax --model_args run_dir=DIR[,checkpoint=STEP][,batch_size=N] "
+                          "--tasks ... [--include_path DIR] [--limit N] [--output_path DIR] ...")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     args = p.parse_args(own)
     return cli.tool("nljax.lm_eval", lambda: _evaluate(args.cpu_devices, rest))
 
 
 def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
+    if _missing is not None:  # refused, as the environment it needs is not there
+        raise ConfigError(f"lm-eval is not installed ({_missing}): {INSTALL}")
     cli.setup_devices(cpu_devices)
     register()
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm_eval", *lm_eval_argv]
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except ValueError as e:
+        tasks = unknown_tasks(e)
+        if tasks is None:
+            raise
+        raise ConfigError(f"unknown task(s): {tasks} (`lm_eval ls tasks` lists lm-eval's; a task of your own: "
+                          "--include_path DIR)") from None
     return 0
+
+
+def unknown_tasks(e: ValueError) -> str | None:
+    """The tasks of lm-eval's own "Tasks not found: a, b" (a plain ValueError, raised as it
+    matches --tasks), or None for any other error, which is not this command's to describe."""
+    m = re.fullmatch(r"Tasks not found: (.+)", str(e))
+    frames = traceback.extract_tb(e.__traceback__)
+    raised_by_lm_eval = bool(frames) and f"{os.sep}lm_eval{os.sep}" in frames[-1].filename
+    return m[1] if m and raised_by_lm_eval else None
 
 
 if __name__ == "__main__":

@@ -51,6 +51,15 @@ class TrainedModel:
     _sampler: Any = dataclasses.field(default=None, repr=False)
     _forward: Any = dataclasses.field(default=None, repr=False)
 
+    def __repr__(self) -> str:
+        """One line of what a user wants at a glance (the dataclass's own repr printed every
+        parameter array, then the whole config: thousands of lines)."""
+        leaves = jax.tree.leaves(self.params)
+        dtypes = "/".join(sorted({str(np.dtype(x.dtype)) for x in leaves}))
+        kind = f"text, seq_len {self.seq_len}, {_tokenizer_name(self.tokenizer)}" if self.makes_text else "images"
+        return (f"<nljax.TrainedModel {self.config.model.name} ({kind}): {sum(int(np.size(x)) for x in leaves):,} "
+                f"parameters ({dtypes}), step {self.step}, from {self.source}>")
+
     @property
     def makes_text(self) -> bool:
         """Whether the model is a language model (its task is text and it has `logits`)."""
@@ -164,23 +173,37 @@ class TrainedModel:
         return np.asarray(out)
 
 
-def load(path: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = ()) -> TrainedModel:
+def _tokenizer_name(tokenizer) -> str:
+    path = getattr(tokenizer, "path", None)
+    return f"tokenizer {path}" if path else "byte tokens"
+
+
+def load(path: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = ()) -> TrainedModel:
     """The trained model in `path`: an export directory (`python -m nljax.export`) or a run
-    directory (`python -m nljax.train`'s run.dir; `checkpoint`: "latest", a step directory or a
-    checkpoints directory; `overrides`: config overrides on top of the run's config.yaml)."""
+    directory (`python -m nljax.train`'s run.dir; `checkpoint`: "latest", a step number (300 or
+    "300": the run's checkpoint at that step), a step directory or a checkpoints directory;
+    `overrides`: config overrides on top of the run's config.yaml)."""
     path = Path(os.path.expanduser(path))
-    if is_export(path):
+    if kind_of(path) == "export":
         if checkpoint != "latest" or overrides:
             raise ConfigError(f"{path} is an export (one set of parameters): checkpoint= and overrides are for a "
                               "run directory")
         return _from_export(path)
+    return _from_run(path, checkpoint, overrides)
+
+
+def kind_of(path: Path) -> str:
+    """What `path` holds: "export" (python -m nljax.export wrote it) or "run" (a run directory,
+    with its config.yaml); neither is one line. `nljax.generate` reads a directory as this does."""
+    if is_export(path):
+        return "export"
     if (path / "config.yaml").is_file():
-        return _from_run(path, checkpoint, overrides)
+        return "run"
     raise ConfigError(f"{path} is neither an export directory (python -m nljax.export) nor a run directory "
                       "(python -m nljax.train's run.dir, with its config.yaml)")
 
 
-def _from_run(run_dir: Path, checkpoint: str, overrides: Sequence[str]) -> TrainedModel:
+def _from_run(run_dir: Path, checkpoint: str | int, overrides: Sequence[str]) -> TrainedModel:
     from nljax.run import trained
     from nljax.run.sampling import tokenization_of
 

@@ -117,11 +117,20 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     assert generate.main([f"run.dir={tmp_path / 'run'}", "out=/proc/nljax_grid.png"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("nljax.generate: error: cannot write "
                                                                "/proc/nljax_grid.png: No such file or directory")
+    # its export: the grid sets samples beside the run's held-out images, which an export lacks
+    from nljax import export
+
+    export.export(trained.load(tmp_path / "run", devices=jax.devices()[:1]), tmp_path / "export")
+    assert generate.main([f"run.dir={tmp_path / 'export'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"nljax.generate: error: {tmp_path / 'export'} is the export of an image model "
+                          "(model.name=dit): nljax.generate draws its grid from the run directory") and "\n" not in err
 
 
 @pytest.mark.parametrize("args,line", [
     (["prompt=x"], "run.dir=DIR is required"),
-    (["run.dir=/nonexistent/run"], "config.yaml not found"),
+    (["run.dir=/nonexistent/run"], "/nonexistent/run is neither an export directory (python -m nljax.export) nor a "
+                                   "run directory"),
     (["run.dir=/tmp", "top_p=0"], "0 < top_p <= 1"),
     (["run.dir=/tmp", "max_new_tokens=many"], "max_new_tokens='many' is not an integer"),
     (["run.dir=/tmp", "seed=-1"], "seed must be in [0, 2^63), got -1"),
@@ -186,6 +195,45 @@ def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path,
     assert not (tmp_path / "x.png").exists()
 
 
+def test_checkpoint_steps_and_an_export_directory(tmp_path, capsys):
+    """checkpoint=STEP in nljax.generate and nljax.export is the run's checkpoint at that step
+    (it was a path, looked for in the working directory); an export directory as run.dir is read
+    as nljax.load reads it and gives the run's text; each refusal is one line."""
+    import dataclasses
+
+    from helpers import save
+
+    from nljax import export
+
+    run, out = tmp_path / "run", tmp_path / "export"
+    setup, state = saved_run(run, NL, 1, 1, steps=0)  # the initial parameters: no step compiled
+    save(setup, dataclasses.replace(state, step=state.step + 2), 2)  # and as if after 2 steps: checkpoints 0, 2
+    capsys.readouterr()
+    assert export.main([f"run.dir={run}", "checkpoint=0", f"out={out}"]) == 0
+    assert f"nljax.export: {run / 'checkpoints' / '0'} (step 0) -> {out}" in capsys.readouterr().out
+    settings = ["prompt=def ", "max_new_tokens=12", "temperature=0.9", "top_k=20", "seed=1"]
+    assert generate.main([f"run.dir={run}", "checkpoint=0", *settings]) == 0
+    text, err = capsys.readouterr()
+    assert err.strip() == f"nljax.generate: {run / 'checkpoints' / '0'} (step 0)"
+    assert generate.main([f"run.dir={out}", *settings]) == 0
+    from_export, err = capsys.readouterr()
+    assert err.strip() == f"nljax.generate: {out} (export, step 0)"
+    assert from_export == text and text.startswith("def ") and len(text) > len("def \n")
+    for tool, argv, line in (
+        (generate, [f"run.dir={run}", "checkpoint=7"], f"checkpoint=7: {run} has no checkpoint at step 7 (its "
+                                                       "checkpoints are at steps 0, 2)"),
+        (export, [f"run.dir={run}", "checkpoint=7", f"out={tmp_path / 'e2'}"], "has no checkpoint at step 7"),
+        (generate, [f"run.dir={out}", "checkpoint=0"], f"{out} is an export (one set of parameters): checkpoint= "
+                                                       "and overrides are for a run directory"),
+        (generate, [f"run.dir={out}", "model.dim=8"], "is an export (one set of parameters)"),
+        (generate, [f"run.dir={out}", "samples=4"], "out= and samples= are for a MeanFlow"),
+    ):
+        assert tool.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and line in err, err
+    assert not (tmp_path / "e2").exists()
+
+
 def test_config_yaml_records_data_paths_as_the_loaders_read_them(monkeypatch, tmp_path):
     """`~` expanded as the data loaders expand it, then absolute; lists and empty paths kept."""
     from nljax import config
@@ -202,7 +250,7 @@ def test_config_yaml_records_data_paths_as_the_loaders_read_them(monkeypatch, tm
 
 
 @pytest.mark.parametrize("module", ["generate", "export", "prepare"])
-def test_ctrl_c_is_one_line(module, monkeypatch, capsys):
+def test_ctrl_c_is_one_line(module, tmp_path, monkeypatch, capsys):
     """Ctrl-C while text streams (or an export, a preparation runs): one line and exit 130, no traceback."""
     import importlib
 
@@ -215,7 +263,8 @@ def test_ctrl_c_is_one_line(module, monkeypatch, capsys):
     monkeypatch.setattr(target, "build" if module == "prepare" else "load", interrupted)
     if module == "generate":  # it reads the run's config first
         monkeypatch.setattr(target, "config_of", interrupted)
-    args = ["data.train=x.txt", "out=/tmp/never"] if module == "prepare" else ["run.dir=/tmp"]
+    (tmp_path / "config.yaml").touch()  # a run directory to nljax.generate, which tells it from an export first
+    args = ["data.train=x.txt", "out=/tmp/never"] if module == "prepare" else [f"run.dir={tmp_path}"]
     assert mod.main(args) == 130
     then = ": the same command resumes where it stopped" if module == "prepare" else ""  # its work is kept
     assert capsys.readouterr().err.strip() == f"nljax.{module}: interrupted (Ctrl-C){then}"

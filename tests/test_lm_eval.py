@@ -317,7 +317,8 @@ def test_bad_harness_settings_are_one_line(trained, tmp_path, monkeypatch, local
     monkeypatch.undo()
     for kwargs, words in ((dict(run_dir=str(tmp_path)), "is neither an export directory"),
                           (dict(run_dir=str(trained[0]), batch_size=0), "batch_size must be >= 1"),
-                          (dict(run_dir=str(trained[0]), checkpoint=7), "checkpoint not found"),
+                          (dict(run_dir=str(trained[0]), checkpoint=7), "has no checkpoint at step 7 (its "
+                                                                      "checkpoints are at step"),
                           (dict(run_dir=str(trained[0]), temperature=2), "unknown key(s) temperature"), ({}, "needs")):
         with pytest.raises(ConfigError) as e:
             FromRun(**kwargs)
@@ -342,12 +343,59 @@ def test_register_enters_the_model_in_lm_evals_registry():
     assert get_model("nljax") is FromRun and get_model("dummy").__name__ == "DummyLM"
 
 
-def test_the_command_without_lm_eval_is_one_line():
-    code = ("import runpy, sys; sys.modules['lm_eval'] = None; sys.argv = ['nljax.lm_eval', '--tasks', 'x']; "
-            "runpy.run_module('nljax.lm_eval', run_name='__main__')")
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=subprocess_env())
-    assert p.returncode == 1 and p.stderr.strip().splitlines() == [p.stderr.strip()]
-    assert "lm-eval is not installed" in p.stderr and "pip install 'nljax[lm-eval]'" in p.stderr
+def test_the_command_without_lm_eval_reads_its_help_and_is_one_line(monkeypatch, capsys):
+    """lm-eval missing (its import fails, as in an install without the extra): `--help` prints
+    the command's own options and how to install lm-eval (exit 0); a run is one line naming both
+    install forms, refused as the environment is (exit 2). Run as `python -m` runs it."""
+    import runpy
+
+    for name in [m for m in sys.modules if m.split(".")[0] == "lm_eval"] + ["lm_eval"]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import lm_eval...` raises ImportError
+    monkeypatch.setitem(sys.modules, "nljax.run.harness_model", None)
+    monkeypatch.delitem(sys.modules, "nljax.lm_eval", raising=False)  # run as a fresh __main__, as `python -m` does
+    install = "pip install 'nljax[lm-eval]' (in a checkout of nljax: pip install -e '.[lm-eval]')"
+    for argv, code in ((["--help"], 0), (["--model", "nljax", "--tasks", "x"], 2)):
+        monkeypatch.setattr(sys, "argv", ["nljax.lm_eval", *argv])
+        with pytest.raises(SystemExit) as e:
+            runpy.run_module("nljax.lm_eval", run_name="__main__")
+        assert e.value.code == code
+        out, err = capsys.readouterr()
+        if code == 0:
+            text = " ".join(out.split())  # argparse wraps the lines
+            assert "--cpu-devices N" in text and "lm-eval is not installed" in text and install in text, text
+            assert "Once it is, every other argument is lm-eval's" in text and err == ""
+        else:
+            assert err.strip().splitlines() == [err.strip()] and err.startswith("nljax.lm_eval: error: lm-eval is "
+                                                                                "not installed ("), err
+            assert err.strip().endswith(install)
+    # the guide's install line is one of the two forms the message names
+    assert "pip install -e '.[lm-eval]'" in (ROOT / "docs" / "guides" / "evaluation.md").read_text()
+
+
+def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch, capsys, local_tasks_only):
+    """`--tasks nosuchtask`: lm-eval's ValueError("Tasks not found: ...") becomes one line and
+    exit 2 (a 27-line traceback and exit 1 before), raised by lm-eval itself as it matches the
+    tasks (no run directory needed: the tasks are matched first). Any other ValueError, or one
+    of that wording that lm-eval did not raise, is not the command's to describe: it passes."""
+    from lm_eval import __main__ as lm_eval_main
+
+    from nljax import lm_eval
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command sets lm-eval's argv
+    tasks = write_tasks(tmp_path / "tasks")
+    assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "tiny_mc,nosuchtask",
+                         "--include_path", str(tasks)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("nljax.lm_eval: error: unknown task(s): nosuchtask (`lm_eval ls tasks` lists lm-eval's; a task of "
+                   "your own: --include_path DIR)"), err
+
+    for message in ("Tasks not found: x", "something else"):
+        def fails(message=message):
+            raise ValueError(message)
+
+        monkeypatch.setattr(lm_eval_main, "cli_evaluate", fails)
+        with pytest.raises(ValueError, match=message):
+            lm_eval.main(["--model", "nljax", "--tasks", "x"])
 
 
 def test_a_tokenizer_run_is_scored_with_its_tokens(tmp_path):

@@ -55,6 +55,47 @@ def test_a_run_and_its_export_load_alike_and_generate_as_the_command(runs, lm):
     assert lm.generate("def ", seed=4, max_new_tokens=40) != lm.generate("def ", seed=5, max_new_tokens=40)
 
 
+def test_print_shows_one_line_of_what_was_loaded(runs, lm):
+    """`print(lm)` is one short line (the dataclass's repr printed every parameter array and the
+    whole config: ~2,300 lines): the model, what it makes, its parameter count and dtype, the
+    step and where it was read from, for a run and for its export."""
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(jax.eval_shape(lm.model.init, jax.random.key(0))))
+    assert n > 1000
+    ex = nljax.load(runs / "runs" / "default" / "export")
+    for model in (lm, ex):
+        line = repr(model)
+        assert line == str(model) and "\n" not in line and len(line) < 300, line
+        assert line == (f"<nljax.TrainedModel nl_lm (text, seq_len 16, byte tokens): {n:,} parameters (float32), "
+                        f"step 1, from {model.source}>")
+    assert ex.source == runs / "runs" / "default" / "export"
+    assert lm.source == (runs / "runs" / "default" / "checkpoints" / "1").absolute()
+
+
+def test_checkpoint_is_a_step_number_or_a_path(tmp_path, monkeypatch):
+    """`checkpoint=` is a step number (an int, or digits that name no existing path: the run's
+    checkpoint at that step), as lm_eval's --model_args takes it, or a path as before; a step the
+    run does not have is one line naming the steps it has."""
+    import dataclasses
+
+    from helpers import save
+
+    run = tmp_path / "run"
+    setup, state = saved_run(run, NL, 1, 1, steps=0)  # the initial parameters: no step compiled
+    save(setup, dataclasses.replace(state, step=state.step + 2), 2)  # and as if after 2 steps: checkpoints 0, 2
+    lm = nljax.load(run, checkpoint=0)  # restored: the older of the two
+    assert lm.step == 0 and lm.source == run / "checkpoints" / "0"
+    # how each form resolves (what a load restores, as above)
+    monkeypatch.chdir(tmp_path)
+    step = lambda n: str(run / "checkpoints" / str(n))
+    for given, want in ((0, step(0)), ("0", step(0)), (step(0), step(0)), ("latest", "latest"), (2, step(2))):
+        assert trained.checkpoint_path(run, given) == want, given
+    (tmp_path / "2").symlink_to(run / "checkpoints" / "0")  # digits that name a path: the path
+    assert trained.checkpoint_path(run, "2") == "2" and trained.checkpoint_path(run, 2) == step(2)
+    with pytest.raises(ConfigError) as e:
+        nljax.load(run, checkpoint=300)
+    assert str(e.value) == f"checkpoint=300: {run} has no checkpoint at step 300 (its checkpoints are at steps 0, 2)"
+
+
 def test_logits_read_windows_with_the_memory_and_reset(lm):
     """`logits` of 2.5 windows equals feeding them one by one with the memory carried; `reset`
     True starts a row from the fresh memory, False continues (and the memory changes the logits)."""

@@ -28,6 +28,8 @@ from nljax.errors import ConfigError, first_line
 from nljax.run.core import Run
 from nljax.run.sampling import tokenization_of
 
+# How to install lm-eval, said wherever it is missing: a wheel's extra, and a checkout's
+INSTALL = "pip install 'nljax[lm-eval]' (in a checkout of nljax: pip install -e '.[lm-eval]')"
 FEWSHOT_SEED = 1234  # lm_eval.simple_evaluate's default: few-shot examples drawn as the harness draws them
 
 
@@ -42,8 +44,7 @@ def attach(run: Run) -> Run:
     try:
         from nljax.run import harness_model
     except ImportError as err:
-        raise ConfigError(f"eval.harness_tasks needs lm-eval ({first_line(err)}): "
-                          "pip install 'nljax[lm-eval]'") from None
+        raise ConfigError(f"eval.harness_tasks needs lm-eval ({first_line(err)}): {INSTALL}") from None
     manager = task_manager(list(e.harness_tasks), e.harness_include)
     with quiet():
         try:

@@ -50,7 +50,7 @@ class Settings:
     top_k: int = 0  # keep the k most likely tokens; 0: all
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p; 1: all
     seed: int = 0
-    checkpoint: str = "latest"  # or a step directory, or a checkpoints directory
+    checkpoint: str = "latest"  # or a step number, a step directory, or a checkpoints directory
     samples: int = 16  # DiT: images in the grid
     out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); refused for a text run
 
@@ -150,6 +150,13 @@ def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], No
         raise ConfigError(f"model.name={t.cfg.model.name} has no logits(): it cannot generate text")
     codec = tokenization_of(t.cfg)
     sampler = TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id)
+    return write_text(sampler, codec, s, write)
+
+
+def write_text(sampler: TextSampler, codec, s: Settings, write: Callable[[str], None]) -> list[int]:
+    """The prompt, then the text `sampler` samples after it, written as it comes (`codec`: the
+    tokenization, bytes or a tokenizer); returns the new tokens. A run's sampler and an export's
+    (`nljax.load(...).sampler()`) write alike."""
     out: list[int] = []
 
     prompt = prompt_ids(codec, s.prompt)

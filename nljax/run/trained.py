@@ -23,7 +23,7 @@ from nljax.checkpoint.restore import restore_first_valid
 from nljax.errors import ConfigError
 from nljax.models.builtin import for_this_backend
 from nljax.run.core import Run
-from nljax.runtime.rundir import DATA_PATHS
+from nljax.runtime.rundir import DATA_PATHS, checkpoint_dir
 
 # config keys outside any section (`seed`): a tool passes them on as overrides, like dotted ones
 
@@ -48,9 +48,11 @@ class Trained:
         return self.run.engine.model
 
 
-def config_of(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), n: int = 1) -> config.Config:
+def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (),
+              n: int = 1) -> config.Config:
     """The run's config as `load` uses it on n devices (read before anything is restored, so a
     tool can check its settings against the model first)."""
+    checkpoint = checkpoint_path(run_dir, checkpoint, overrides)
     cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
                                    "mesh.model=1", f"train.batch_size={n}", "train.accum_steps=1",
                                    "sync.strategy=replicated"])
@@ -60,6 +62,24 @@ def config_of(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequen
     # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows (set
     # after the load, whose checks a recall run, evaluated by streaming only, would fail)
     return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
+
+
+def checkpoint_path(run_dir: str | Path, checkpoint: str | int, overrides: Sequence[str] = ()) -> str:
+    """`checkpoint` as `checkpoint.resume` takes it. A step number (an int, or a string of digits
+    that names no existing path) is the run's checkpoint at that step, `<checkpoint.dir>/<step>`:
+    `checkpoint=400` reads alike in nljax.generate, nljax.export, nljax.load and lm_eval's
+    --model_args. "latest" and paths (a step directory, a checkpoints directory) are kept as given."""
+    text = str(checkpoint)
+    if not text.isdigit() or (isinstance(checkpoint, str) and Path(text).exists()):
+        return text
+    root = checkpoint_dir(trained_config(run_dir, overrides))
+    step = root / str(int(text))
+    if step.is_dir():  # one that is damaged or incomplete: the restore says what is wrong with it
+        return str(step)
+    steps = storage.committed_steps(root)
+    have = ", ".join(map(str, steps if len(steps) <= 8 else [*steps[:3], "...", *steps[-3:]]))
+    there = f"its checkpoints are at step{'s' if len(steps) > 1 else ''} {have}" if steps else f"{root} holds none"
+    raise ConfigError(f"checkpoint={text}: {run_dir} has no checkpoint at step {int(text)} ({there})")
 
 
 def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config.Config:
@@ -73,9 +93,10 @@ def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config
     return config.load(str(cfg_file), [*overrides, f"run.dir={run_dir}"], saved=True)
 
 
-def load(run_dir: str | Path, checkpoint: str = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
+def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
     """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
-    directory or a checkpoints directory), on `devices` (default: all of this process's)."""
+    number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices`
+    (default: all of this process's)."""
     devices = list(devices or jax.local_devices())
     cfg = config_of(run_dir, checkpoint, overrides, len(devices))
     cfg_file = Path(run_dir) / "config.yaml"
