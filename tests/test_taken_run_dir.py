@@ -21,12 +21,14 @@ ARGS = [*TINY, *QUICK, "train.steps=4", "run.compile_cache=none"]
 @pytest.fixture(scope="module")
 def earlier(tmp_path_factory):
     """An earlier run: config.yaml, a metrics.jsonl with two steps, checkpoint 2 under
-    runs/default/checkpoints (and the same run with its checkpoint.dir elsewhere)."""
+    runs/default/checkpoints (and the same run with its checkpoint.dir elsewhere); a run dir
+    `partial` whose only checkpoint is a save cut short."""
     root = tmp_path_factory.mktemp("earlier")
     saved_run(root / "runs" / "default", [], 1, 1)
     saved_run(root / "elsewhere" / "run", [f"checkpoint.dir={root / 'elsewhere' / 'ckpt'}"], 1, 1)
     for run in (root / "runs" / "default", root / "elsewhere" / "run"):
         (run / "metrics.jsonl").write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "loss": 5.4}\n')
+    (root / "partial" / "checkpoints" / "2.orbax-checkpoint-tmp-1").mkdir(parents=True)  # a first save cut short
     return root
 
 
@@ -55,6 +57,12 @@ CASES = {
     "metrics only": (["run.dir=elsewhere/run", "checkpoint.dir={root}/elsewhere/none"],
                      "nljax.train: error: run.dir elsewhere/run already holds a run (metrics.jsonl, no checkpoint): "
                      "choose another run.dir, or set run.overwrite=true to replace it"),
+    # a run killed in its first save
+    "partial save": (["run.dir=partial"], "nljax.train: error: run.dir partial already holds a run (an incomplete "
+                     "checkpoint): choose another run.dir, or set run.overwrite=true to replace it"),
+    # --resume of a run that is not there
+    "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
+                          "{root}/nowhere/checkpoints"),
 }
 
 
@@ -85,9 +93,9 @@ def test_every_process_of_a_launch_refuses_before_building(earlier, tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
     lines = sorted(l for l in p.stderr.splitlines() if not l.startswith("nljax.launch: "))
-    assert lines == [f"[{i}] nljax.train: error (process {i}): run.dir runs/default already holds a run (checkpoints up "
-                     "to step 2): continue it with --resume, choose another run.dir, or set run.overwrite=true to "
-                     "replace it" for i in (0, 1)], p.stderr
+    line = ("run.dir runs/default already holds a run (checkpoints up to step 2): continue it with --resume, "
+            "choose another run.dir, or set run.overwrite=true to replace it")
+    assert lines == [f"[{i}] nljax.train: error (process {i}): {line}" for i in (0, 1)], p.stderr
     assert "building the run" not in p.stdout and "initializing" not in p.stdout, p.stdout
     assert tree_hash(tmp_path) == before
     assert time.monotonic() - t < 120  # JAX's start and the processes' joining only (a few seconds)

@@ -43,7 +43,7 @@ def refuse_taken(cfg: Config, continues: bool, logged: bool) -> None:
         resume = "continue that run with --resume, " if resumable else ""
         raise ConfigError(f"checkpoint.dir {root} already holds checkpoints{upto}: {resume}choose another "
                           "checkpoint.dir, or set run.overwrite=true to replace them")
-    raise ConfigError(holds_a_run(cfg.run.dir, _held(cfg, steps, in_the_way), resumable))
+    raise ConfigError(holds_a_run(cfg.run.dir, _held(cfg, steps), resumable))
 
 
 def inside_run_dir(cfg: Config) -> bool:
@@ -52,11 +52,11 @@ def inside_run_dir(cfg: Config) -> bool:
     return checkpoint_dir(cfg).resolve() == (Path(cfg.run.dir) / "checkpoints").absolute().resolve()
 
 
-def _held(cfg: Config, steps: list[int], in_the_way: bool) -> str:
-    """What the earlier run left, as a refusal names it."""
-    inside = inside_run_dir(cfg)
-    if steps and inside:
+def _held(cfg: Config, steps: list[int]) -> str:
+    """What the earlier run left in its run.dir, as a refusal names it (`steps`: the complete
+    checkpoints in checkpoint.dir)."""
+    if inside_run_dir(cfg) and steps:
         return f"checkpoints up to step {steps[-1]}"
-    if in_the_way or (inside and storage.leftovers(checkpoint_dir(cfg))):  # partial saves, step directories
+    if inside_run_dir(cfg) and storage.leftovers(checkpoint_dir(cfg)):  # partial saves, step directories
         return "an incomplete checkpoint"  # missing an item: nothing to resume
     return "metrics.jsonl" if steps else "metrics.jsonl, no checkpoint"  # steps: in a checkpoint.dir elsewhere
