@@ -6,7 +6,7 @@ import dataclasses
 import sys
 
 from nljax import cli
-from nljax.run.resuming import resumed_config
+from nljax.run.resuming import launch_mesh, resumed_config
 from nljax.run.trainer import resume_step_guess, train
 
 
@@ -21,7 +21,8 @@ def _configure(args, cfg):
 
 
 def _run(args, cfg) -> int:
-    train(cfg)
+    # the devices are known once the processes joined: a resumed run's saved mesh may not fit them
+    train(launch_mesh(cfg, args.config, args.overrides))
     return 0
 
 

@@ -15,6 +15,7 @@ from nljax.checkpoint import storage
 from nljax.checkpoint.peers import Peers
 from nljax.checkpoint.quiet import errors_hidden
 from nljax.checkpoint.restore import Restored, restore_first_valid
+from nljax.checkpoint.taken import refuse_taken
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.errors import ConfigError
@@ -73,17 +74,9 @@ class Checkpoints:
         # Resuming this run (its own checkpoint.dir) continues its files; a checkpoint from
         # elsewhere starts a new run from that state, which may not take over existing files.
         own = bool(paths) and root.resolve() in paths[0].resolve().parents
-        taken = storage.leftovers(root) and not cfg.run.overwrite
-        if paths and not own and taken:
-            raise ConfigError(
-                f"checkpoint.dir {root} already holds another run's checkpoints; choose another run.dir or "
-                "checkpoint.dir, or set run.overwrite=true to replace them"
-            )
-        if not paths and cfg.checkpoint.every and taken:
-            raise ConfigError(
-                f"checkpoint.dir {root} already holds checkpoints; resume with --resume, or set "
-                "run.overwrite=true to replace them"
-            )
+        # the trainer checked before building the run (`refuse_taken`, run.dir's metrics.jsonl too);
+        # checked again here, the checkpoint to resume known
+        refuse_taken(cfg, continues=bool(paths) and own, logged=False)
         restored, later = None, []
         if paths:
             restored, warnings = _restore(engine, fresh, paths, digest)

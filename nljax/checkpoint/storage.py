@@ -294,16 +294,25 @@ def _free_name(path: Path) -> Path:
     return out
 
 
+def resume_root(cfg: Config) -> Path | None:
+    """What `checkpoint.resume` names (a step directory or a checkpoints directory; `latest`:
+    checkpoint.dir), refused in one line when it does not exist; None for a fresh run."""
+    resume = cfg.checkpoint.resume
+    if not resume:
+        return None
+    root = checkpoint_dir(cfg) if resume == "latest" else Path(resume).absolute()
+    if not root.exists():
+        raise ConfigError(f"checkpoint not found: {root}")
+    return root
+
+
 def candidates(cfg: Config) -> list[Path]:
     """The step directories a resume may use, best first: the one `checkpoint.resume` names, or
     for `latest` (or a checkpoint directory) its complete checkpoints, newest first (an older one
     is used when the newer ones are damaged). Empty for a fresh run."""
-    resume = cfg.checkpoint.resume
-    if not resume:
+    root = resume_root(cfg)
+    if root is None:
         return []
-    root = checkpoint_dir(cfg) if resume == "latest" else Path(resume).absolute()
-    if not root.exists():
-        raise ConfigError(f"checkpoint not found: {root}")
     if (root / META).is_dir() or (root / STATE).is_dir():
         return [root]  # a step directory
     steps = complete_steps(root)

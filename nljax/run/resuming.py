@@ -11,6 +11,11 @@ line naming the key, before anything is built.
 
 A resume from another run's checkpoint (`checkpoint.resume=DIR` outside this run's
 checkpoint.dir) starts a new run: its config is the command line's, as before.
+
+The mesh (`mesh.*`) is the launch's, not the run's: a saved mesh that does not fit the devices
+of this launch gives way to the defaults, which fit any (`fit_mesh`, once the processes have
+joined and the devices are known); a mesh the command line sets is kept, and refused where it
+does not fit, naming where it was set.
 """
 
 from __future__ import annotations
@@ -20,10 +25,13 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+import jax
+
 from nljax import config
 from nljax.checkpoint.contents import HOW_COMPUTED, MUST_MATCH, differences, fmt, get
 from nljax.config import Config
 from nljax.errors import ConfigError
+from nljax.parallel.mesh import resolve_shape
 from nljax.run import tasks
 from nljax.runtime.rundir import checkpoint_dir
 
@@ -93,3 +101,72 @@ def check_unchanged(saved: Config, resumed: Config, saved_file: Path) -> None:
             if k not in HOW_COMPUTED:
                 raise ConfigError(f"{k}={fmt(new)} cannot change on resume ({fmt(old)} in {saved_file}: the "
                                   "checkpoint holds that model); leave it out, or start a new run in another run.dir")
+
+
+MESH_KEYS = ("inter", "intra", "model")
+
+
+def mesh_given(config_file: str | None, overrides: Sequence[str]) -> dict[str, str]:
+    """The mesh keys this command line sets to other than their defaults, each with where it was
+    set ("on the command line", "in --config FILE"). A key set to its default changes nothing a
+    fit could change, so it need not be told apart from one left out."""
+    default = config.load(None).mesh
+    in_file = config.load(config_file).mesh if config_file else default
+    given = config.load(config_file, overrides).mesh
+    out = {}
+    for k in MESH_KEYS:
+        if getattr(given, k) != getattr(in_file, k):
+            out[k] = "on the command line"
+        elif getattr(in_file, k) != getattr(default, k):
+            out[k] = f"in --config {config_file}"
+    return out
+
+
+def _misfit(mesh, n_devices: int, n_processes: int) -> str | None:
+    """Why `mesh` does not fit the devices (`resolve_shape`'s line), or None where it does."""
+    try:
+        resolve_shape(mesh.inter, mesh.intra, n_devices, n_processes, mesh.model)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+def fit_mesh(cfg: Config, given: dict[str, str], n_devices: int, n_processes: int = 1) -> tuple[Config, str | None]:
+    """`cfg` with a mesh that fits `n_devices` over `n_processes`, and a note when it changed.
+
+    The mesh is the launch's: a resumed run's config.yaml records the mesh it trained on, which
+    may not fit this launch (8 devices then, 1 now). Those keys that do not fit and that the
+    command line did not set (`given`, from `mesh_given`: what the user chose now) take their
+    defaults, which fit any device count, as a fresh run's would; the note says so. A mesh the
+    command line set that does not fit is refused, one line naming where it was set."""
+    mesh = cfg.mesh
+    if _misfit(mesh, n_devices, n_processes) is None:
+        return cfg, None
+    default = type(mesh)()
+    # not set now and not the default: from the run's config.yaml (a fresh run has none)
+    saved = [k for k in MESH_KEYS if k not in given and getattr(mesh, k) != getattr(default, k)]
+    fitted = dataclasses.replace(mesh, **{k: getattr(default, k) for k in saved})
+    error = _misfit(fitted, n_devices, n_processes)
+    if error is None:
+        on = f"{n_devices} device{'s' if n_devices > 1 else ''}" + (
+            f" ({n_processes} processes)" if n_processes > 1 else "")
+        was = ", ".join(f"mesh.{k}={getattr(mesh, k)}" for k in saved)
+        now = ", ".join(f"mesh.{k}={getattr(fitted, k)}" for k in saved)
+        note = (f"resuming on {on}: {was} from {Path(cfg.run.dir) / 'config.yaml'} "
+                f"{'does' if len(saved) == 1 else 'do'} not fit, using {now} (set mesh.* to choose)")
+        return dataclasses.replace(cfg, mesh=fitted), note
+    where: dict[str, list[str]] = {}
+    for k in MESH_KEYS:
+        if k in given:
+            where.setdefault(given[k], []).append(f"mesh.{k}={getattr(mesh, k)}")
+    named = "; ".join(f"{', '.join(keys)} set {source}" for source, keys in where.items())
+    raise ConfigError(f"{error} ({named})" if named else error)
+
+
+def launch_mesh(cfg: Config, config_file: str | None, overrides: Sequence[str]) -> Config:
+    """`fit_mesh` on this launch's devices (the processes joined), its note on process 0's
+    standard error."""
+    cfg, note = fit_mesh(cfg, mesh_given(config_file, overrides), jax.device_count(), jax.process_count())
+    if note and jax.process_index() == 0:
+        print(f"nljax: {note}", file=sys.stderr)
+    return cfg

@@ -21,6 +21,7 @@ from jax.experimental import multihost_utils
 
 from nljax.checkpoint import storage
 from nljax.checkpoint.lifecycle import Checkpoints
+from nljax.checkpoint.taken import refuse_taken
 from nljax.config import Config
 from nljax.engine import optim
 from nljax.engine.conductor import Conductor, pattern_name
@@ -34,11 +35,12 @@ from nljax.run import harness, startup, throughput
 from nljax.run.core import Run
 from nljax.run.loop import Hooks, Profiler, StepResult, training_steps
 from nljax.run.phases import Announced, closing_lines, compile_announcer
+from nljax.run.resuming import continues_own
 from nljax.run.samples import TrainingSampler
 from nljax.run.trackers import Trackers, check_installed, step_scalars
 from nljax.runtime import compile_cache, distributed, exportdir, preemption, runlog
 from nljax.runtime.preemption import Notice, Preempted
-from nljax.runtime.rundir import RunDir, check_free, take_lock
+from nljax.runtime.rundir import RunDir, check_free, logged_a_step, take_lock
 from nljax.version import __version__
 
 
@@ -382,9 +384,19 @@ def train(cfg: Config) -> dict:
         return _train(cfg, notice)
 
 
+def _refuse_from_the_directories(cfg: Config) -> None:
+    storage.resume_root(cfg)
+    refuse_taken(cfg, continues_own(cfg), logged_a_step(Path(cfg.run.dir)))
+
+
 def _train(cfg: Config, notice: Notice) -> dict:
     # before the slow start-up (nljax.runtime.preemption), unless the command did as the processes joined
     preemption.check_in(lambda: resume_step_guess(cfg))
+    check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
+    # a checkpoint to resume that is not there, an earlier run in run.dir or checkpoint.dir: read
+    # from the directories alone, refused before the slow start-up (the model, its parameters and
+    # optimizer state, compiling), on every process
+    distributed.main_refuses(lambda: _refuse_from_the_directories(cfg))
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     check_installed(cfg)  # before anything is written
     if is_main() and not cfg.run.quiet:  # building reads the data and lays out the model: seconds
@@ -403,7 +415,6 @@ def _train(cfg: Config, notice: Notice) -> dict:
     if cfg.train.sample_every:  # made to check its prompt (data.prepared's tokenizer may lack an end token)
         TrainingSampler(run)  # before anything is written; the loop makes its own (compiled at its first sample)
     run = harness.attach(run)  # eval.harness_tasks: lm-eval and the tasks checked before anything is written
-    check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
     # reads and checks a checkpoint to resume before anything is written
     digest = startup.data_fingerprint(run.task)  # the same data under another spelling of its paths: no change
     with Announced(say)("initializing the parameters and the optimizer state"):  # compiles the model's init

@@ -353,6 +353,22 @@ def on_main(fn: Callable[[], Any], elsewhere: str, main: bool | None = None) -> 
     return value
 
 
+def main_refuses(check: Callable[[], None]) -> None:
+    """`check()` on process 0 (what process 0 decides for all: the run directory, on a file system
+    the others may not see); a ConfigError it raises stops every process with process 0's line,
+    the same line on each, before any of them goes on alone."""
+    line = None
+    if jax.process_index() == 0:
+        try:
+            check()
+        except ConfigError as e:
+            line = str(e)
+    if jax.process_count() > 1:
+        line = _allgather_bytes(b"" if line is None else line.encode())[0].decode() or None
+    if line is not None:
+        raise ConfigError(line)
+
+
 def main_decides(flag: bool) -> bool:
     """Process 0's value of `flag` on every process (e.g. a file check on a shared file system,
     which other processes could see only after process 0 has written it)."""

@@ -50,6 +50,21 @@ def recorded(cfg: Config) -> dict:
     return tree
 
 
+def logged_a_step(run_dir: Path) -> bool:
+    """Whether `run_dir` holds an earlier run: a metrics.jsonl with something in it. An attempt
+    that logged no step (it stopped in its start-up) is no run to keep (`RunDir`)."""
+    metrics = run_dir / "metrics.jsonl"
+    return metrics.is_file() and metrics.stat().st_size > 0
+
+
+def holds_a_run(run_dir, held: str, resumable: bool) -> str:
+    """The one line refusing a new run in a run.dir that holds an earlier run, `held` saying what
+    is there ("checkpoints up to step 200"); `resumable`: --resume would continue it."""
+    resume = "continue it with --resume, " if resumable else ""
+    return (f"run.dir {run_dir} already holds a run ({held}): {resume}choose another run.dir, or set "
+            "run.overwrite=true to replace it")
+
+
 class RunDir:
     """The files of one run. Refuses to overwrite an earlier run unless told to (or resuming it);
     when told to, removes the earlier run's outputs first so that none of them outlives it."""
@@ -71,12 +86,9 @@ class RunDir:
         # not start, the first compilation) is no run to keep: its files are replaced, as by
         # run.overwrite (a live one holds the lock, checked before). Process 0 decides: on a
         # shared file system the others could see its fresh metrics.jsonl.
-        earlier = metrics.is_file() and metrics.stat().st_size > 0
-        if distributed.main_decides(earlier) and not overwrite and resume_step is None:
-            raise ConfigError(
-                f"run.dir {path} already holds a run; choose another run.dir, resume it with --resume or set "
-                "run.overwrite=true"
-            )
+        if distributed.main_decides(logged_a_step(self.path)) and not overwrite and resume_step is None:
+            # found by `nljax.checkpoint.taken` before the run was built; here for a run made otherwise
+            raise ConfigError(holds_a_run(path, "metrics.jsonl", resumable=False))
         if write:
             if resume_step is None and self.path.is_dir():
                 self._refuse_foreign()

@@ -1,0 +1,62 @@
+"""Whether a run may write where it is pointed: a run.dir or checkpoint.dir that holds an earlier
+run is refused (unless `run.overwrite=true`, or the run continues it with `--resume`).
+
+Read from the directories alone (names, Orbax's step metadata files, the size of metrics.jsonl),
+so that the trainer refuses before the slow start-up: building the model, initializing the
+parameters and the optimizer state, compiling. `Checkpoints.resolve` checks again once the
+checkpoint to resume is read, with the same lines.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from nljax.checkpoint import storage
+from nljax.config import Config
+from nljax.errors import ConfigError
+from nljax.runtime.rundir import checkpoint_dir, holds_a_run
+
+
+def refuse_taken(cfg: Config, continues: bool, logged: bool) -> None:
+    """Refuses (ConfigError, one line) a run that would replace an earlier run's files: a fresh
+    run whose checkpoint.dir holds checkpoints (when it saves any), a new run started from another
+    run's checkpoint (`checkpoint.resume` elsewhere) into a checkpoint.dir that holds some, and
+    either one in a run.dir holding a run (`logged`: its metrics.jsonl logged a step,
+    `logged_a_step`, as process 0 sees it). `continues`: the run resumes its own checkpoints
+    (`--resume`), whose files it goes on with."""
+    if continues or cfg.run.overwrite:
+        return
+    root = checkpoint_dir(cfg)
+    started_elsewhere = bool(cfg.checkpoint.resume)  # a new run from another run's checkpoint
+    in_the_way = bool(storage.leftovers(root)) and (started_elsewhere or cfg.checkpoint.every > 0)
+    if not (in_the_way or logged):
+        return
+    steps = storage.committed_steps(root)
+    resumable = bool(steps) and not started_elsewhere  # --resume would continue that run
+    if in_the_way and not inside_run_dir(cfg):  # a checkpoint.dir the user chose: named as such
+        if started_elsewhere:
+            raise ConfigError(
+                f"checkpoint.dir {root} already holds another run's checkpoints; choose another run.dir or "
+                "checkpoint.dir, or set run.overwrite=true to replace them"
+            )
+        upto = f" (up to step {steps[-1]})" if steps else ""
+        resume = "continue that run with --resume, " if resumable else ""
+        raise ConfigError(f"checkpoint.dir {root} already holds checkpoints{upto}: {resume}choose another "
+                          "checkpoint.dir, or set run.overwrite=true to replace them")
+    raise ConfigError(holds_a_run(cfg.run.dir, _held(cfg, steps), resumable))
+
+
+def inside_run_dir(cfg: Config) -> bool:
+    """Whether checkpoint.dir is the run's own, `<run.dir>/checkpoints` (the default): a refusal
+    then speaks of the run dir, the one setting the user chose."""
+    return checkpoint_dir(cfg).resolve() == (Path(cfg.run.dir) / "checkpoints").absolute().resolve()
+
+
+def _held(cfg: Config, steps: list[int]) -> str:
+    """What the earlier run left in its run.dir, as a refusal names it (`steps`: the complete
+    checkpoints in checkpoint.dir)."""
+    if inside_run_dir(cfg) and steps:
+        return f"checkpoints up to step {steps[-1]}"
+    if inside_run_dir(cfg) and storage.leftovers(checkpoint_dir(cfg)):  # partial saves, step directories
+        return "an incomplete checkpoint"  # missing an item: nothing to resume
+    return "metrics.jsonl" if steps else "metrics.jsonl, no checkpoint"  # steps: in a checkpoint.dir elsewhere

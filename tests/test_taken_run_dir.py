@@ -1,0 +1,112 @@
+"""A new run pointed at a run.dir (or checkpoint.dir) that holds an earlier run is refused in one
+line, from the directories alone: before the model is built, its parameters initialized or
+anything compiled, on every process of a launch, and with nothing on disk changed
+(nljax/checkpoint/taken.py)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import QUICK, TINY, saved_run, subprocess_env, tree_hash
+
+from nljax.run import trainer
+
+ARGS = [*TINY, *QUICK, "train.steps=4", "run.compile_cache=none"]
+
+
+@pytest.fixture(scope="module")
+def earlier(tmp_path_factory):
+    """An earlier run: config.yaml, a metrics.jsonl with two steps, checkpoint 2 under
+    runs/default/checkpoints (and the same run with its checkpoint.dir elsewhere); a run dir
+    `partial` whose only checkpoint is a save cut short."""
+    root = tmp_path_factory.mktemp("earlier")
+    saved_run(root / "runs" / "default", [], 1, 1)
+    saved_run(root / "elsewhere" / "run", [f"checkpoint.dir={root / 'elsewhere' / 'ckpt'}"], 1, 1)
+    for run in (root / "runs" / "default", root / "elsewhere" / "run"):
+        (run / "metrics.jsonl").write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "loss": 5.4}\n')
+    (root / "partial" / "checkpoints" / "2.orbax-checkpoint-tmp-1").mkdir(parents=True)  # a first save cut short
+    return root
+
+
+@pytest.fixture
+def no_building(monkeypatch):
+    """The run must not be built: building it fails the test."""
+    def built(*a, **k):
+        raise AssertionError("the run was built before the refusal")
+    monkeypatch.setattr(trainer.Run, "create", built)
+
+
+CASES = {
+    # the README's quickstart run, then the quickstart again
+    "checkpoints": ([], "nljax.train: error: run.dir runs/default already holds a run (checkpoints up to step 2): "
+                        "continue it with --resume, choose another run.dir, or set run.overwrite=true to replace it"),
+    # checkpoint.every=0 saves nothing, and is refused all the same: the run dir holds a run
+    "no saving": (["checkpoint.every=0"], "nljax.train: error: run.dir runs/default already holds a run "
+                  "(checkpoints up to step 2): continue it with --resume, choose another run.dir, or set "
+                  "run.overwrite=true to replace it"),
+    # a checkpoint.dir the user chose is named as such
+    "checkpoint.dir": (["run.dir=elsewhere/new", "checkpoint.dir={root}/elsewhere/ckpt"],
+                       "nljax.train: error: checkpoint.dir {root}/elsewhere/ckpt already holds checkpoints (up to step "
+                       "2): continue that run with --resume, choose another checkpoint.dir, or set run.overwrite=true "
+                       "to replace them"),
+    # a run that logged steps but saved no checkpoint: nothing to resume
+    "metrics only": (["run.dir=elsewhere/run", "checkpoint.dir={root}/elsewhere/none"],
+                     "nljax.train: error: run.dir elsewhere/run already holds a run (metrics.jsonl, no checkpoint): "
+                     "choose another run.dir, or set run.overwrite=true to replace it"),
+    # a run killed in its first save
+    "partial save": (["run.dir=partial"], "nljax.train: error: run.dir partial already holds a run (an incomplete "
+                     "checkpoint): choose another run.dir, or set run.overwrite=true to replace it"),
+    # --resume of a run that is not there
+    "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
+                          "{root}/nowhere/checkpoints"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_taken_run_dir_is_refused_before_the_run_is_built(earlier, tmp_path, monkeypatch, capfd, no_building, case):
+    from nljax import train
+
+    shutil.copytree(earlier, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    before = tree_hash(tmp_path)
+    extra, line = CASES[case]
+    capfd.readouterr()
+    assert train.main([*ARGS, *(a.format(root=tmp_path) for a in extra)]) == 2
+    out, err = capfd.readouterr()
+    assert err.splitlines() == [line.format(root=tmp_path)], err
+    assert "building the run" not in out, out
+    assert tree_hash(tmp_path) == before  # nothing written, moved or removed
+
+
+def test_every_process_of_a_launch_refuses_before_building(earlier, tmp_path):
+    """2 processes x 4 devices on the default run dir that holds a run: each process stops with
+    the same line, exit 2, before the slow start-up; nothing written."""
+    shutil.copytree(earlier, tmp_path, dirs_exist_ok=True)
+    before = tree_hash(tmp_path)
+    t = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "nljax.launch", "--nproc", "2", "--cpu-devices", "4", "--",
+                        sys.executable, "-m", "nljax.train", *ARGS], cwd=tmp_path, env=subprocess_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    lines = sorted(l for l in p.stderr.splitlines() if not l.startswith("nljax.launch: "))
+    line = ("run.dir runs/default already holds a run (checkpoints up to step 2): continue it with --resume, "
+            "choose another run.dir, or set run.overwrite=true to replace it")
+    assert lines == [f"[{i}] nljax.train: error (process {i}): {line}" for i in (0, 1)], p.stderr
+    assert "building the run" not in p.stdout and "initializing" not in p.stdout, p.stdout
+    assert tree_hash(tmp_path) == before
+    assert time.monotonic() - t < 120  # JAX's start and the processes' joining only (a few seconds)
+
+
+def test_overwrite_and_resume_are_not_refused(earlier, tmp_path, monkeypatch, no_building):
+    """run.overwrite=true and --resume go on to build the run (here: the test's stand-in refuses)."""
+    from nljax import train
+
+    shutil.copytree(earlier, tmp_path, dirs_exist_ok=True)
+    monkeypatch.chdir(tmp_path)
+    for extra in (["run.overwrite=true"], ["--resume"]):
+        with pytest.raises(AssertionError, match="the run was built"):
+            train.main([*ARGS, *extra])
