@@ -28,6 +28,9 @@ own forms first, then each `--variant`, its overrides after the command line's) 
   memory (nljax's own start-up check reads a device's memory, which a compile-only device has
   not).
 
+Install the jax version of the GPU machine the figures are for: each brings its own XLA and
+Triton (with jax 0.11.2, the H200 host's, a step's kernels were the profiler's count within 1%
+and a kernel over a block's shared memory was refused as on the card; jax 0.10.2 missed both).
 How close the estimates are to a GPU's measurements is on the GPU guide
 (docs/guides/gpu.md, "Compiling for a GPU without one"). Exits 1 when a variant does not compile
 or does not fit.

@@ -8,8 +8,9 @@
 #            they matter: kernel_loop titans_loop fused350m_loop fused350m_best fused350m_parallel
 #            titans_unroll b128 fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m vs_pytorch
 #            kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths. The loop kernel
-#            first: compiled for an H200 on the CPU machine (benchmarks/gpu_compile.py, 2026-11-29) its
-#            steps launch 5.2x (titans_demo) and 7.5x (nl_350m) fewer kernels than the scan's.
+#            first: compiled for an H200 on the CPU machine with the H200 host's jax 0.11.2
+#            (benchmarks/gpu_compile.py, 2026-11-29) it compiles, also under "highest", and its steps
+#            launch 5.3x (titans_demo) and 7.1x (nl_350m) fewer kernels than the scan's.
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
@@ -375,7 +376,7 @@ part_titans_unroll() {
 }
 
 part_titans_loop() {
-  # compiled for an H200 offline: 7,421 kernels per step with the scan, 1,419 with the loop kernel
+  # compiled for an H200 offline (jax 0.11.2): 7,682 kernels per step with the scan, 1,456 with the loop kernel
   local v=("${BF16[*]} ${TITANS[*]}" "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi

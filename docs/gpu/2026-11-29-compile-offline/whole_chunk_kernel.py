@@ -6,7 +6,8 @@ shapes, compiled for an H200 on a CPU-only machine at each precision given: the 
     python docs/gpu/2026-11-29-compile-offline/whole_chunk_kernel.py /tmp/wt494 highest default
 
 That checkout predates nljax.models.platform: JAX's default backend is reported as "gpu" so that
-its kernels are compiled, not interpreted."""
+its kernels are compiled, not interpreted; the device is JAX's default while lowering (jax 0.11's Pallas asks it
+which card it compiles for)."""
 
 import sys
 import time
@@ -39,7 +40,7 @@ def loss(state, q, k, v, theta, eta, alpha):
 for precision in sys.argv[2:]:
     t0 = time.time()
     try:
-        with jax.default_matmul_precision(None if precision == "default" else precision):
+        with jax.default_matmul_precision(None if precision == "default" else precision), jax.default_device(device):
             jax.jit(jax.grad(loss, argnums=tuple(range(7)))).lower(*args).compile()
         print(f"{precision}: compiled in {time.time() - t0:.1f} s")
     except Exception as e:  # noqa: BLE001 - the compiler's error is the result
