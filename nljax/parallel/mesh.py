@@ -28,7 +28,9 @@ REPLICATED = P()
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Config section `mesh`: the shape of the device mesh (`resolve_shape` fills it in)."""
+    """Config section `mesh`: the shape of the device mesh (`resolve_shape` fills it in). The
+    mesh belongs to a launch, not to a run: `--resume` on devices a saved mesh does not fit takes
+    the defaults for the keys this command does not set, with a note (nljax/run/resuming.py)."""
 
     # optimizer instances / hosts (slow network); -1 fills in the rest, and with intra=-1 too
     # means one instance per process (1 in a single-process run)
