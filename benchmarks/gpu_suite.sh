@@ -5,7 +5,7 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: kernel_loop titans_loop fused350m_loop fused350m_best fused350m_parallel
+#            they matter: kernel_loop titans_loop fused350m_loop vs_pytorch_loop fused350m_best fused350m_parallel
 #            titans_unroll b128 fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m vs_pytorch
 #            kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths. The loop kernel
 #            first: compiled for an H200 on the CPU machine with the H200 host's jax 0.11.2
@@ -17,10 +17,10 @@
 #            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, scanned 63 s, batch
 #            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
 #            211 s (kernel_loop compiles its kernels in seconds offline, not minutes): the first call
-#            gets through about the first four (an estimate: none of the first five has run yet;
-#            titans_unroll has five variants), a second call the next ones (`benchmarks/gpu_suite.sh
-#            OUT fused350m_parallel titans_unroll b128 fused350m_parallel4 vs_pytorch kernel`: about
-#            three of them fit its budget; the scanned fused350m was measured twice and waits).
+#            gets through about the first three or four (an estimate: none of the first five has run
+#            yet; titans_unroll has five variants), a second call the parts the log names as left out
+#            (e.g. `benchmarks/gpu_suite.sh OUT vs_pytorch_loop fused350m_best fused350m_parallel
+#            titans_unroll b128 vs_pytorch`; the scanned fused350m was measured twice and waits).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
@@ -54,6 +54,7 @@
 #   fused350m_kernel   the same scanned with the fused memory kernel (model.nl_lm.memory_impl=pallas),
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
+#   vs_pytorch_loop    the same with memory_impl=parallel_pallas (the loop kernel)
 #   titans_loop        titans_demo at batch 4 x 512 with the scan (auto) and memory_impl=parallel_pallas,
 #                      interleaved and profiled: two compilations, before titans_unroll's five
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
@@ -93,7 +94,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(kernel_loop titans_loop fused350m_loop fused350m_best fused350m_parallel titans_unroll b128
+ISSUE44=(kernel_loop titans_loop fused350m_loop vs_pytorch_loop fused350m_best fused350m_parallel titans_unroll b128
          fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m vs_pytorch kernel fused350m_unrolled
          fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
@@ -352,18 +353,29 @@ part_fused350m_kernel() {
 part_vs_pytorch() {
   # titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (target: >= 100x its tokens/s); in a dry
   # run nljax's side alone (--skip-torch)
+  vs_pytorch titans_vs_bf16
+}
+
+part_vs_pytorch_loop() {
+  # the same with the loop kernel (memory_impl=parallel_pallas): 5.3x fewer kernels per step than
+  # the scan, compiled offline; the target measured with the candidate that may reach it
+  vs_pytorch titans_vs_bf16_loop model.nl_lm.memory_impl=parallel_pallas
+}
+
+vs_pytorch() {  # $1: the row's name; then nljax overrides
+  local name=$1; shift
   if [ -z "$DRY" ] && ! $PY -c "import titans_pytorch" 2>/dev/null; then
     if ls .whl/*.whl > /dev/null 2>&1; then
       $PY -m pip install --no-index --find-links .whl titans-pytorch > "$OUT/pip_titans.log" 2>&1 \
         || echo "titans-pytorch: install from .whl/ failed, see $OUT/pip_titans.log"
     fi
     if ! $PY -c "import titans_pytorch" 2>/dev/null; then
-      echo "== titans_vs_bf16: skipped, titans_pytorch is not importable (copy its wheels into .whl/, benchmarks/fetch_wheels.sh)"
+      echo "== $name: skipped, titans_pytorch is not importable (copy its wheels into .whl/, benchmarks/fetch_wheels.sh)"
       return
     fi
   fi
-  run titans_vs_bf16 $PY benchmarks/titans_pytorch.py --dtype bf16 "${TORCH[@]}" --out "$OUT/titans_vs_bf16.json" \
-    "${TITANS[@]}"
+  run "$name" $PY benchmarks/titans_pytorch.py --dtype bf16 "${TORCH[@]}" --out "$OUT/$name.json" \
+    "${TITANS[@]}" "$@"
 }
 
 part_titans_unroll() {

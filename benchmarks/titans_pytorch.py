@@ -180,7 +180,8 @@ def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
 
     tokens = args.batch * args.seq
     r = {"batch": args.batch, "seq": args.seq, "device": args.device, "dtype": args.dtype, "nljax_dtype": nl_dtype,
-         "threads": args.threads, "config": args.config, "anchor": ANCHOR, "malloc": hostmem.settings()}
+         "threads": args.threads, "config": args.config, "overrides": list(args.overrides), "anchor": ANCHOR,
+         "malloc": hostmem.settings()}
     names = [k for k in med if k.startswith("nljax")]
     if names:
         nl_l0 = med[names[0]]
