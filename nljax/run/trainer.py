@@ -396,7 +396,7 @@ def _train(cfg: Config, notice: Notice) -> dict:
     # a checkpoint to resume that is not there, an earlier run in run.dir or checkpoint.dir: read
     # from the directories alone, refused before the slow start-up (the model, its parameters and
     # optimizer state, compiling), on every process
-    distributed.main_refuses(lambda: _refuse_from_the_directories(cfg))
+    distributed.on_main(lambda: _refuse_from_the_directories(cfg), elsewhere=None)  # process 0's line on each
     compile_cache.enable(cfg.run.compile_cache)  # before anything compiles
     check_installed(cfg)  # before anything is written
     if is_main() and not cfg.run.quiet:  # building reads the data and lays out the model: seconds

@@ -338,35 +338,27 @@ def check_step(iteration: int, pulse: Any, every: int) -> None:
     agree(f"training step at loop iteration {iteration}", {"step": int(pulse.step), "active": list(pulse.active)})
 
 
-def on_main(fn: Callable[[], Any], elsewhere: str, main: bool | None = None) -> Any:
+def on_main(fn: Callable[[], Any], elsewhere: str | None, main: bool | None = None) -> Any:
     """`fn()` on process 0 (or where `main`), its value returned there (None elsewhere). A
     ConfigError it raises stops every process: process 0 with its own line, the others with
-    `elsewhere`, instead of their waiting at the next collective for a process that has left."""
+    `elsewhere`, or with process 0's line where `elsewhere` is None (what process 0 decides for
+    all, e.g. the run directory on a file system the others may not see), instead of their
+    waiting at the next collective for a process that has left."""
     value, error = None, None
     if jax.process_index() == 0 if main is None else main:
         try:
             value = fn()
         except ConfigError as e:
             error = e
-    if main_decides(error is not None):
+    if elsewhere is None:
+        line = str(error) if error is not None else ""
+        if jax.process_count() > 1:
+            line = _allgather_bytes(line.encode())[0].decode()
+        if line:
+            raise error or ConfigError(line)
+    elif main_decides(error is not None):
         raise error or ConfigError(elsewhere)
     return value
-
-
-def main_refuses(check: Callable[[], None]) -> None:
-    """`check()` on process 0 (what process 0 decides for all: the run directory, on a file system
-    the others may not see); a ConfigError it raises stops every process with process 0's line,
-    the same line on each, before any of them goes on alone."""
-    line = None
-    if jax.process_index() == 0:
-        try:
-            check()
-        except ConfigError as e:
-            line = str(e)
-    if jax.process_count() > 1:
-        line = _allgather_bytes(b"" if line is None else line.encode())[0].decode() or None
-    if line is not None:
-        raise ConfigError(line)
 
 
 def main_decides(flag: bool) -> bool:
