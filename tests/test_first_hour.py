@@ -65,6 +65,9 @@ def test_a_small_corpus_trains_with_the_default_evaluation(tmp_path, monkeypatch
             cwd=tmp_path)
     assert p.stdout.count("note: eval.stream_steps=4") == 1, p.stdout
     assert "eval_loss_stream" in p.stdout
+    # the final evaluation's numbers as soon as it ran, before the throughput timing's rounds
+    out = p.stdout
+    assert out.index("evaluating the final state") < out.index("final eval: eval_loss") < out.index("timing")
     assert p.stdout.rstrip().splitlines()[-4:] == [
         "run directory: runs/mine (config.yaml, metrics.jsonl, summary.json, plots, checkpoints)",
         "  resume:  python -m nljax.train --resume run.dir=runs/mine train.steps=4",

@@ -222,7 +222,7 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
 
     def evaluate(r: StepResult) -> None:
         if not r.last:
-            with evaluating(f"step {r.step:6d}  evaluating"):
+            with evaluating(f"step {r.step:6d}  evaluating after {r.step + 1} steps"):  # as loss.png places it
                 try:
                     r.evaluated = run.evaluate(r.state.params, r.step + 1)
                 except Exception:
@@ -280,6 +280,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     cfg, eng = run.cfg, run.engine
     with Announced(out.say)("evaluating the final state"):
         final_eval = run.evaluate(state.params, cfg.train.steps)
+    out.say(f"final eval: {runlog.format_metrics(final_eval)}")  # before the timing's minute
     if resumed_from != cfg.train.steps:  # a resume with nothing left to run: the trackers hold it already
         out.trackers.scalars("eval", final_eval, cfg.train.steps)
     batch = run.batch(0)
@@ -312,7 +313,6 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
             runlog.note_written(out.run.path, name)
         # a text task's bits per byte in a nat per token (the log's eval_bpb): loss.png shows both
         plots.write(out.run.path, hist.records, table["per_pattern"], final_eval, getattr(run.task, "bpb_per_nat", None))
-    out.say(f"final eval: {runlog.format_metrics(final_eval)}")
     out.say(throughput.format_table(table))
     every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case
     if every in measured.step_s and table["worst_pattern"] != pattern_name(every):
