@@ -80,18 +80,23 @@ class Conductor:
     def patterns(self) -> dict[tuple[bool, ...], int]:
         """Every distinct active set over one full cycle, with how often it occurs.
 
-        Counted by inclusion-exclusion over subsets of levels rather than by walking the cycle,
-        which for periods like [1, 997, 991, 983] is ~10^9 steps long: the steps where exactly
-        the set A fires number sum over B >= A of (-1)^|B - A| * cycle / lcm(B)."""
-        k, cycle = len(self.periods), self.cycle
-        masks = range(1 << k)
-        lcms = {b: math.lcm(*[self.periods[l] for l in range(k) if b >> l & 1]) for b in masks}
-        counts = {}
-        for a in masks:
-            n = sum((-1) ** bin(b & ~a).count("1") * (cycle // lcms[b]) for b in masks if b & a == a)
-            if n:
-                counts[tuple(bool(a >> l & 1) for l in range(k))] = n
-        return counts
+        Counted without walking the cycle, which for periods like [1, 997, 991, 983] is ~10^9
+        steps long. Level l fires at s iff periods[l] divides s, so the set that fires at s is
+        decided by the least common multiples of sets of periods that divide s: each distinct
+        active set A is the set of periods dividing m_A = lcm(A), and it fires exactly at the
+        multiples of m_A where no larger such lcm (a multiple of m_A) divides s. Counted from the
+        largest lcm down: cycle / m_A minus the counts of those larger ones. The work is
+        quadratic in the number of distinct sets (as many as the step programs a cycle
+        compiles), not exponential in the number of levels."""
+        periods, cycle = self.periods, self.cycle
+        lcms = {1}
+        for p in periods:
+            lcms |= {math.lcm(m, p) for m in lcms}
+        exact: dict[int, int] = {}
+        for m in sorted(lcms, reverse=True):
+            exact[m] = cycle // m - sum(n for big, n in exact.items() if big % m == 0)
+        counts = {tuple(m % p == 0 for p in periods): n for m, n in exact.items() if n}
+        return dict(sorted(counts.items(), key=lambda kv: sum(a << l for l, a in enumerate(kv[0]))))  # L0, L0+1, ...
 
     def state_dict(self) -> dict:
         return {"step": self.step, "periods": list(self.periods)}
