@@ -20,6 +20,17 @@ def test_config_floor_catches_absurd_sizes_without_building():
     assert max(long, key=long.get) == "activations (floor)"
 
 
+def test_the_activation_floor_counts_one_chunk_of_logits_under_the_chunked_loss():
+    """A large vocabulary's logits are the floor's biggest term, unless the chunked loss holds one
+    chunk of them at a time: a run that fits only with it is not refused (as nl_350m with a
+    50k-token vocabulary at 32 x 2048 tokens, about 26 GiB of logits otherwise)."""
+    base = ["model.vocab_size=50304", "train.batch_size=32", "train.seq_len=2048"]
+    full = budget.config_floor(config.load(None, base), 1)["activations (floor)"]
+    chunked = budget.config_floor(config.load(None, [*base, "model.nl_lm.loss_chunk=512"]), 1)["activations (floor)"]
+    stream = 32 * 2048 * 2 * config.load(None, base).model.depth * config.load(None, base).model.dim * 4
+    assert full == stream + 32 * 2048 * 2 * 50304 * 4 and chunked == stream + 512 * 2 * 50304 * 4
+
+
 def test_engine_terms_follow_the_strategy_and_name_the_biggest():
     from helpers import make
 

@@ -11,7 +11,8 @@ Two checks, both before any array exists:
   strategy shards them, plus the activations' floor.
 
 Activations are a floor, not an estimate: the micro-batch's residual stream saved at every block
-(input and normalized input, float32) and the logits with their log-softmax. The true need is
+(input and normalized input, float32) and the logits with their log-softmax (one chunk of
+tokens' under `model.nl_lm.loss_chunk`). The true need is
 larger (attention, MLP hidden layers, XLA's temporaries), so a refused run certainly does not
 fit, and one that passes may still run out of memory: XLA's RESOURCE_EXHAUSTED is then reported
 as one line by the CLI (`nljax.cli`). Available memory: `bytes_limit` of the device's
@@ -62,8 +63,10 @@ def _activations(cfg: Config, n_devices: int) -> int:
     # so that the floor stays a floor
     text = registry.task_of(cfg) == "text"
     tokens = rows * (t.seq_len if text else 1)
-    per_token = 2 * m.depth * m.dim + (2 * m.vocab_size if text else 0)
-    return tokens * per_token * F32
+    # the logits: all of them, or one chunk of tokens at a time under model.nl_lm.loss_chunk
+    chunk = getattr(getattr(m, "nl_lm", None), "loss_chunk", 0) if m.name == "nl_lm" else 0
+    logits = (min(tokens, chunk) if chunk else tokens) * 2 * m.vocab_size if text else 0
+    return (tokens * 2 * m.depth * m.dim + logits) * F32
 
 
 def config_floor(cfg: Config, n_devices: int) -> dict[str, int]:
