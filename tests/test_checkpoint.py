@@ -315,10 +315,23 @@ def test_a_setting_that_moves_the_rows_restarts_every_row(ref):
     assert not restore(setup.engine, setup.state, ref["dir"] / "4").fresh_rows
 
 
+def test_a_changed_global_batch_is_said_for_a_model_without_rows(tmp_path):
+    """No memory, so no row restarts, yet the batch size still changes what each step reads
+    (and the learning rate under optim.lr_scaling): a warning of its own."""
+    setup = make([*TINY, f"checkpoint.dir={tmp_path}"], 1, 2)
+    _, state = train(setup, 1)
+    save(setup, state, 1)
+    bigger = make([*TINY, "train.batch_size=16"], 1, 2)
+    r = restore(bigger.engine, bigger.state, tmp_path / "1")
+    assert not r.fresh_rows
+    assert r.warnings == ["resuming with train.batch_size=16 (the checkpoint at step 1 was written with 8)"], r.warnings
+
+
 def test_changed_global_batch_restarts_every_row(ref):
     setup = make([*NL, "train.batch_size=16", "optim.lr=0.02"], 2, 4)
     r = restore(setup.engine, setup.state, ref["dir"] / "4")
     assert r.fresh_rows and any("train.batch_size changed from 8 to 16" in w for w in r.warnings)
+    assert sum("train.batch_size" in w for w in r.warnings) == 1, r.warnings  # said once, by the rows' warning
     assert any("optim.lr=0.02" in w for w in r.warnings)
     for x in jax.tree.leaves(r.state.memory):
         assert x.shape[0] == 16 and not np.asarray(x).any()

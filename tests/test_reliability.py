@@ -162,6 +162,30 @@ def test_a_refused_fresh_run_creates_nothing(tmp_path):
     assert sorted(q.name for q in run.iterdir()) == ["config.yaml"]
 
 
+def test_every_process_of_a_launch_stops_when_process_0_refuses_the_run_dir(tmp_path):
+    """2 processes: process 0 alone looks at run.dir (metrics.jsonl is a folder there); it used
+    to refuse before the broadcast the others were in, which then read its flag as "logged a
+    step" and waited in a second one. Now each process stops at once, process 0 with its line."""
+    import subprocess
+    import sys
+
+    from helpers import QUICK, SMALL, subprocess_env
+
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").mkdir(parents=True)
+    p = subprocess.run([sys.executable, "-m", "nljax.launch", "--nproc", "2", "--cpu-devices", "1", "--",
+                        sys.executable, "-m", "nljax.train", *SMALL, *QUICK, f"run.dir={run}", "train.steps=2",
+                        "run.compile_cache=none"], cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                       text=True, timeout=240)
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = sorted(l for l in p.stderr.splitlines() if " error " in l and not l.startswith("nljax.launch: "))
+    assert errors == [
+        f"[0] nljax.train: error (process 0): run.dir {run}: metrics.jsonl is a directory, where the run writes a "
+        "file of that name; move it",
+        "[1] nljax.train: error (process 1): process 0 could not write the run's files (its line says why)"], p.stderr
+    assert sorted(q.name for q in run.iterdir()) == ["metrics.jsonl"]
+
+
 def test_a_run_lists_only_names_it_created_and_overwrite_removes_only_those(tmp_path):
     """A run without W&B or a profile listed wandb and profile as its own, and run.overwrite then
     removed a user's wandb/ made since: a name is listed as it is created."""
@@ -429,6 +453,13 @@ def test_the_same_data_spelled_otherwise_or_from_another_directory_resumes_exact
     assert restore(again.engine, again.state, tmp_path / "ck" / "1").fresh_rows  # paths alone: "data changed"
     r = restore(again.engine, again.state, tmp_path / "ck" / "1", digest)
     assert not r.fresh_rows and r.warnings == [], r.warnings
+    # the same paths and settings over edited files: every row's offset moved, so every row restarts
+    (tmp_path / "text" / "0.txt").write_text("other text, appended since " * 60)
+    monkeypatch.chdir(tmp_path)
+    edited = make([*TINY_NL, *files, "data.train=[text/*.txt]"], 1, 2)  # as the checkpoint's run wrote it
+    r = restore(edited.engine, edited.state, tmp_path / "ck" / "1", data_fingerprint(edited.run.task))
+    assert r.fresh_rows and any(w.startswith("the data's content changed") and "every row's memory restarts" in w
+                                for w in r.warnings), r.warnings
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ MUST_MATCH = ("model", "cms", "optim.name")
 SAME_BITS = ("model.remat", "model.nl_lm.memory_unroll")
 HOW_COMPUTED = (*SAME_BITS, "model.dtype", "model.nl_lm.memory_impl", "model.nl_lm.attention", "model.nl_lm.embed_grad",
                 "model.nl_lm.loss_chunk")
-SILENT = (*SAME_BITS, "run", "checkpoint", "mesh", "eval", "train.log_every", "train.batch_size", "train.profile_steps",
+SILENT = (*SAME_BITS, "run", "checkpoint", "mesh", "eval", "train.log_every", "train.profile_steps",
           "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
           "distributed", "prepare")
 

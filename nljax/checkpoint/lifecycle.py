@@ -114,15 +114,20 @@ class Checkpoints:
         """Start writing (after the run directory was accepted). A fresh run with
         run.overwrite=true removes the earlier run's checkpoints here."""
         fresh = self.restored is None or not self.own
-        try:
-            if fresh and self.cfg.run.overwrite and jax.process_index() == 0:
-                for p in storage.leftovers(self.dir):
-                    shutil.rmtree(p)
-            if self.set_aside and jax.process_index() == 0:
-                storage.set_aside(self.dir, self.set_aside)
-        except OSError as e:  # e.g. a file named set_aside, a read-only checkpoint.dir
-            where = f": {e.filename}" if e.filename else ""
-            raise ConfigError(f"cannot clear checkpoint.dir {self.dir} for this run: {e.strerror or e}{where}") from None
+
+        def clear() -> None:  # process 0's
+            try:
+                if fresh and self.cfg.run.overwrite:
+                    for p in storage.leftovers(self.dir):
+                        shutil.rmtree(p)
+                if self.set_aside:
+                    storage.set_aside(self.dir, self.set_aside)
+            except OSError as e:  # e.g. a file named set_aside, a read-only checkpoint.dir
+                where = f": {e.filename}" if e.filename else ""
+                raise ConfigError(f"cannot clear checkpoint.dir {self.dir} for this run: {e.strerror or e}{where}") from None
+
+        # every process stops with process 0's line, rather than wait for it at the barrier below
+        distributed.on_main(clear, elsewhere=None)
         if not self.cfg.checkpoint.every:
             return
         try:

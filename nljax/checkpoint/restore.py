@@ -59,8 +59,10 @@ def restore(engine: Engine, template: TrainState, path: Path, digest: str | None
     target = named_arrays(template)
     check_fits(path, meta, engine)
     same_data = digest is not None and data_digest(meta) == digest
-    warnings = _changed_settings(meta, cfg, same_data)
-    fresh_rows = _rows_restart(meta, cfg, target, warnings, same_data)
+    rows_warning: list[str] = []
+    fresh_rows = _rows_restart(meta, cfg, target, rows_warning, same_data, digest)
+    # a batch size that restarts the rows is said by that warning; otherwise by its own
+    warnings = _changed_settings(meta, cfg, same_data, ("train.batch_size",) if fresh_rows else ()) + rows_warning
 
     abstract = elastic.read_shardings(meta, target, engine.mesh)
     arrays, sums = storage.read_arrays(path, abstract)
@@ -122,15 +124,16 @@ def _absolute_paths(tree: dict) -> dict:
     return tree
 
 
-def _changed_settings(meta: dict, cfg: Config, same_data: bool = False) -> list[str]:
+def _changed_settings(meta: dict, cfg: Config, same_data: bool = False, said=()) -> list[str]:
     """A warning for each setting that differs from the checkpoint's and may change the result,
     naming the checkpoint's step: the one restored, which may be older than the newest (a damaged
     one skipped). train.steps, the documented way to train on, changes the result only through a
-    cosine schedule, which then decays to the new end: said so; with a constant one, nothing."""
+    cosine schedule, which then decays to the new end: said so; with a constant one, nothing.
+    `said`: keys another warning names."""
     which = f"the checkpoint at step {meta['step']}" if "step" in meta else "the checkpoint"
     out = []
     for k, a, b in _changed(meta, cfg, same_data):
-        if _under(k, SILENT) or k == "train.steps" and cfg.optim.schedule == "constant":
+        if _under(k, SILENT) or k in said or k == "train.steps" and cfg.optim.schedule == "constant":
             continue
         why = f": the cosine learning-rate schedule now decays to step {b}" if k == "train.steps" else ""
         out.append(f"resuming with {k}={fmt(b)} ({which} was written with {fmt(a)}){why}")
@@ -148,12 +151,18 @@ STREAM_KEYS = ("train.batch_size", "train.seq_len", "seed", "data")
 NOT_STREAM_KEYS = ("data.reset_prob",)
 
 
-def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str], same_data: bool = False) -> bool:
+def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str], same_data: bool = False,
+                  digest: str | None = None) -> bool:
     """Whether every row's memory restarts: a setting that places the rows in the data changed
-    (the global batch, the window, the seed, the data), so the ContextStream gives every row a new
-    stream and a carried memory would read text it never wrote (with a warning in `warnings`)."""
+    (the global batch, the window, the seed, the data), or the data's content under the same
+    settings (`digest`, this run's, against the checkpoint's: files edited or appended to move
+    every row's offset), so the ContextStream gives every row a new stream and a carried memory
+    would read text it never wrote (with a warning in `warnings`)."""
     moved = [f"{k} changed from {fmt(a)} to {fmt(b)}" for k, a, b in _changed(meta, cfg, same_data)
              if _under(k, STREAM_KEYS) and k not in NOT_STREAM_KEYS]
+    saved = data_digest(meta)
+    if not moved and digest is not None and saved is not None and saved != digest:
+        moved = ["the data's content changed (its digest differs from the checkpoint's)"]
     fresh_rows = bool(moved) and any(rows_of(n) for n in target)
     if fresh_rows:
         warnings.append(

@@ -69,7 +69,7 @@ def schedule(cfg: OptimConfig, total_steps, batch_size: int | None = None):
     if cfg.schedule == "constant":
         return optax.linear_schedule(0.0, lr, warm) if warm else optax.constant_schedule(lr)
     decay = jnp.maximum(total_steps, warm + 1)
-    alpha = lr * 0.1 / lr if warm else 0.1
+    alpha = lr * 0.1 / lr if warm else 0.1  # optax's end_value / peak_value: not exactly 0.1 for every lr
 
     def cosine(count, length):  # optax.cosine_decay_schedule(lr, length, alpha)
         count = jnp.minimum(count, length)

@@ -33,7 +33,8 @@ class SyncConfig:
     mean: bool = True  # average gradients over devices (True) or sum them (False)
     # Where parameters and optimizer state live (nljax/engine/strategy.py): replicated | zero1 | fsdp.
     strategy: Literal["replicated", "zero1", "fsdp"] = "replicated"
-    # Skip a step (on every device) whose synchronized gradient is not finite.
+    # Skip a level's update (on every device) whose synchronized gradient is not finite; the other
+    # levels of the step still update.
     check_grads: bool = True
     # Per level: also skip a level's update whose synchronized gradient norm exceeds this (0: off;
     # applies whatever check_grads says).

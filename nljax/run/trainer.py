@@ -114,13 +114,13 @@ def startup_report(run: Run, state: TrainState, say) -> None:
 @dataclasses.dataclass
 class History:
     records: list = dataclasses.field(default_factory=list)
-    skipped: int = 0  # steps whose gradients failed sync.check_grads
+    skipped: int = 0  # steps where a level's update was skipped (sync.check_grads, sync.max_grad_norm)
     stalled_in_a_row: int = 0  # the latest steps in a row where every active level skipped
+    wall_s: float = 0.0  # the loop, compilation and evaluations included
 
     @property
     def final_loss(self) -> float | None:
         return self.records[-1]["loss"] if self.records else None
-    wall_s: float = 0.0  # the loop, compilation and evaluations included
 
 
 def check_skipped(in_a_row: int, step: int, limit: int) -> None:

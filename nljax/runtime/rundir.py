@@ -80,13 +80,22 @@ class RunDir:
         metrics = self.path / "metrics.jsonl"
         # Every refusal before anything is created (check first, then create): a refused run
         # leaves run.dir as it found it.
+        refused = None
         if write:
-            self._refuse_not_files()
+            try:
+                self._refuse_not_files()
+            except ConfigError as e:
+                refused = e
         # An earlier attempt that logged no step (it stopped in its start-up: a tracker that could
         # not start, the first compilation) is no run to keep: its files are replaced, as by
         # run.overwrite (a live one holds the lock, checked before). Process 0 decides: on a
-        # shared file system the others could see its fresh metrics.jsonl.
-        if distributed.main_decides(logged_a_step(self.path)) and not overwrite and resume_step is None:
+        # shared file system the others could see its fresh metrics.jsonl. Every process takes
+        # part in that decision, process 0 also when it refuses (raised after it: the others then
+        # stop with it at `Output.create`, rather than wait in a collective it never joins).
+        logged = distributed.main_decides(refused is None and logged_a_step(self.path))
+        if refused is not None:
+            raise refused
+        if logged and not overwrite and resume_step is None:
             # found by `nljax.checkpoint.taken` before the run was built; here for a run made otherwise
             raise ConfigError(holds_a_run(path, "metrics.jsonl", resumable=False))
         if write:
