@@ -8,8 +8,9 @@ process index. If a process exits non-zero, the others get `--grace` seconds to 
 own (they usually do: their collectives fail, or they raise the same lockstep error), then are
 killed, and the launcher exits with the first failure's code. Ctrl-C, SIGTERM (a scheduler's
 preemption notice) and SIGHUP (the terminal closed) are passed on to every process as SIGTERM,
-on which it saves a checkpoint and exits (`nljax.runtime.preemption`); whatever is left after `--grace`
-seconds, or at a second signal, is killed. Their output is written out before the launcher exits.
+on which it saves a checkpoint and exits (`nljax.runtime.preemption`); whatever is left after
+`--save-grace` seconds (a large state's save takes a while: longer than a failure's `--grace`),
+or at a second signal, is killed, said in one line. Their output is written out before the launcher exits.
 
 Each process runs in its own session, so a command started through a shell is stopped with
 everything it started, and what a command leaves running when it exits is killed. SIGKILL, not
@@ -194,13 +195,16 @@ class Group:
             p.poll()  # reaped: a finished process no longer counts as its session's member
         return any(_group_alive(p.pid) for p in self.procs)
 
-    def stop(self, grace: float, hurry=lambda: False) -> None:
-        """SIGTERM, then SIGKILL for whatever is left after `grace` seconds (or once `hurry()`)."""
+    def stop(self, grace: float, hurry=lambda: False) -> bool:
+        """SIGTERM, then SIGKILL for whatever is left after `grace` seconds (or once `hurry()`);
+        whether anything was left to kill."""
         self.signal(signal.SIGTERM)
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.running() and not hurry():
             time.sleep(0.05)
+        left = self.running()
         self.kill()
+        return left
 
     def kill(self) -> None:
         """SIGKILL to whatever is left; returns when nothing is (the guard then has nothing to do)."""
@@ -235,7 +239,7 @@ def exit_code(returncode: int) -> int:
 
 
 def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grace: float = 10.0,
-        devices_per_proc: int | None = None) -> int:
+        devices_per_proc: int | None = None, save_grace: float = 120.0) -> int:
     coordinator = f"127.0.0.1:{free_port()}"
     envs = [child_env(os.environ, i, nproc, coordinator, cpu_devices, devices_per_proc) for i in range(nproc)]
     stopping: list[int] = []
@@ -254,7 +258,7 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
         raise
     group.say(f"{nproc} processes, coordinator {coordinator}, pids {' '.join(str(p.pid) for p in group.procs)}")
     try:
-        return watch(group, stopping, grace)
+        return watch(group, stopping, grace, save_grace)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
@@ -263,10 +267,10 @@ def run(command: Sequence[str], nproc: int, cpu_devices: int | None = None, grac
         group.release_guard()
 
 
-def watch(group: Group, stopping: list[int], grace: float) -> int:
+def watch(group: Group, stopping: list[int], grace: float, save_grace: float = 120.0) -> int:
     """Polls the processes until all have exited, or a signal arrived (`stopping`, appended by the
     handler); returns the launcher's exit code. After the first failure the others get `grace`
-    seconds to exit on their own before they are killed."""
+    seconds to exit on their own before they are killed; after a signal, `save_grace`."""
     failed: tuple[int, int] | None = None  # (process index, exit code)
     failed_at = 0.0
     first_bad_at: float | None = None
@@ -274,8 +278,10 @@ def watch(group: Group, stopping: list[int], grace: float) -> int:
         codes = [p.poll() for p in group.procs]
         if stopping:
             group.say(f"received signal {stopping[0]}; stopping all processes (a second signal: at once)")
-            # the processes save a preemption checkpoint first: they get the grace
-            group.stop(grace, hurry=lambda: len(stopping) > 1)
+            # the processes save a preemption checkpoint first: they get the save's grace
+            if group.stop(save_grace, hurry=lambda: len(stopping) > 1) and len(stopping) == 1:
+                group.say(f"killed the processes still running {save_grace:g} s after the signal (--save-grace): "
+                          "their preemption checkpoint may be incomplete (a resume never reads an incomplete one)")
             group.finish()  # their last lines ("preempted ... checkpoint saved") included
             codes = [exit_code(p.returncode) for p in group.procs]
             # 143: saved its preemption checkpoint (or a plain command ended by the SIGTERM); any
@@ -324,15 +330,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         allow_abbrev=False,
         prog=PROG,
         description="Run N processes of one multi-process JAX run on this machine (coordinator on 127.0.0.1).",
-        usage=f"python -m {PROG} --nproc N [--cpu-devices M] [--grace S] -- command [args ...]",
+        usage=f"python -m {PROG} --nproc N [--cpu-devices M] [--grace S] [--save-grace S] -- command [args ...]",
     )
     p.add_argument("--nproc", type=int, required=True, metavar="N", help="number of processes")
     p.add_argument("--cpu-devices", type=int, metavar="M", help="emulate M CPU devices in each process")
     p.add_argument("--devices-per-proc", type=int, metavar="K",
                    help="give process i the accelerators i*K .. i*K+K-1 (default: every process sees all)")
     p.add_argument("--grace", type=float, default=10.0, metavar="S",
-                   help="seconds the processes get to exit on their own, after a failure or a signal (a preemption "
-                        "save), before being killed")
+                   help="seconds the other processes get to exit on their own after one failed, before being killed")
+    p.add_argument("--save-grace", type=float, default=120.0, metavar="S",
+                   help="seconds the processes get after a signal (Ctrl-C, SIGTERM: a preemption notice) to save their "
+                        "checkpoint and exit, before being killed; keep it under the scheduler's own (Slurm: KillWait, "
+                        "or --signal's lead time)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every process runs, after --")
     args = p.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -351,15 +360,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--devices-per-proc must be >= 1, got {args.devices_per_proc}"
     elif args.devices_per_proc is not None and args.nproc == 1:  # JAX takes device ids only when joining processes
         problem = "--devices-per-proc is for several processes; choose one process's devices with CUDA_VISIBLE_DEVICES"
-    elif not args.grace >= 0:  # nan too
-        problem = f"--grace must be >= 0, got {args.grace}"
-    elif args.grace > 3600:
-        problem = f"--grace must be at most 3600 s, got {args.grace}"
+    for flag, value in (("--grace", args.grace), ("--save-grace", args.save_grace)):
+        if problem is None and not value >= 0:  # nan too
+            problem = f"{flag} must be >= 0, got {value}"
+        elif problem is None and value > 3600:
+            problem = f"{flag} must be at most 3600 s, got {value}"
     if problem:
         print(f"{PROG}: error: {problem}", file=sys.stderr)
         return 2
     try:
-        return run(command, args.nproc, args.cpu_devices, args.grace, args.devices_per_proc)
+        return run(command, args.nproc, args.cpu_devices, args.grace, args.devices_per_proc, args.save_grace)
     except OSError as e:  # e.g. the command does not exist, or no thread can be started
         print(f"{PROG}: error: cannot start {command[0]!r}: {e.strerror or e}", file=sys.stderr)
         return 2

@@ -63,7 +63,7 @@ def test_launcher_reports_a_worker_that_did_not_stop_cleanly_after_sigterm():
     """SIGTERM to the launcher is passed on; a worker that then fails (here: exits 2, as a run
     whose preemption save failed) is the exit code, not the 143 of a clean preemption."""
     script = ('trap "exit $((NLJAX_PROCESS_ID == 1 ? 2 : 143))" TERM; echo up; sleep 60 & wait')
-    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--grace", "10", "--", "sh", "-c", script], env=subprocess_env(),
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--save-grace", "10", "--", "sh", "-c", script], env=subprocess_env(),
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
     p.send_signal(signal.SIGTERM)
@@ -76,7 +76,7 @@ def test_a_signal_reaches_what_a_shell_wrapper_started_and_its_last_lines_are_wr
     the shell at once, while the child, which takes 1 s to "save", is waited for (it used to be
     left running, and its last line lost, when the launcher returned with the shell's exit)."""
     inner = 'trap "sleep 1; echo saved; exit 143" TERM; echo up $$; sleep 60 & wait'
-    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--grace", "20", "--", "sh", "-c", f"sh -c '{inner}'; echo after"],
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--save-grace", "20", "--", "sh", "-c", f"sh -c '{inner}'; echo after"],
                          env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     pids = [int(p.stdout.readline().split()[-1]) for _ in range(2)]
     p.send_signal(signal.SIGTERM)
@@ -86,11 +86,11 @@ def test_a_signal_reaches_what_a_shell_wrapper_started_and_its_last_lines_are_wr
     assert not any(alive(x) for x in pids)
 
 
-def test_ctrl_c_gives_the_grace_and_a_second_signal_ends_it_at_once():
-    """Ctrl-C gives the processes the whole `--grace` to save (it used to be 5 s at most); a second
-    signal to the launcher kills them at once."""
+def test_ctrl_c_gives_the_save_grace_and_a_second_signal_ends_it_at_once():
+    """Ctrl-C gives the processes the whole `--save-grace` to save (it used to be 5 s at most; a
+    failure's `--grace`, 1 s here, does not apply); a second signal to the launcher kills them at once."""
     script = 'trap "sleep 6; echo saved; exit 143" TERM; echo up; sleep 60 & wait'
-    launch = [*LAUNCH, "--nproc", "2", "--grace", "30", "--", "sh", "-c", script]
+    launch = [*LAUNCH, "--nproc", "2", "--grace", "1", "--save-grace", "30", "--", "sh", "-c", script]
     p = subprocess.Popen(launch, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
     p.send_signal(signal.SIGINT)
@@ -104,6 +104,21 @@ def test_ctrl_c_gives_the_grace_and_a_second_signal_ends_it_at_once():
     p.send_signal(signal.SIGTERM)
     out, err = p.communicate(timeout=60)
     assert p.returncode == 128 + signal.SIGKILL and time.monotonic() - t0 < 5 and "saved" not in out, err
+
+
+def test_a_save_cut_short_by_the_save_grace_is_said():
+    """Processes still saving when `--save-grace` ends are killed, with one line saying their
+    preemption checkpoint may be incomplete."""
+    script = 'trap "sleep 30; exit 143" TERM; echo up; sleep 60 & wait'
+    p = subprocess.Popen([*LAUNCH, "--nproc", "2", "--save-grace", "1", "--", "sh", "-c", script],
+                         env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert p.stdout.readline().endswith("up\n") and p.stdout.readline().endswith("up\n")
+    t0 = time.monotonic()
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=30)
+    assert p.returncode == 128 + signal.SIGKILL and time.monotonic() - t0 < 10, err
+    assert ("killed the processes still running 1 s after the signal (--save-grace): their preemption checkpoint "
+            "may be incomplete") in err, err
 
 
 def test_what_a_process_leaves_running_does_not_outlive_the_launcher():
@@ -134,6 +149,9 @@ def test_launcher_bad_input():
     p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "nan", "--", "true"], env=subprocess_env(),
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --grace must be >= 0, got nan"
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--save-grace", "7200", "--", "true"], env=subprocess_env(),
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --save-grace must be at most 3600 s, got 7200.0"
 
 
 @pytest.mark.parametrize("how", ["exec", "shell"])
