@@ -29,7 +29,7 @@ def _settle(args, cfg):
         return cfg
     loud = is_main() and not cfg.run.quiet and not args.print_config
     say = (lambda line: print(line, file=sys.stderr)) if loud else (lambda line: None)
-    return autoresume.configured(cfg, args.config, args.overrides, say)
+    return autoresume.configured(cfg, args.config, args.overrides, say, live_refused=not args.print_config)
 
 
 def _run(args, cfg) -> int:

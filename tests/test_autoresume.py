@@ -93,6 +93,27 @@ def test_a_run_that_saved_no_checkpoint_starts_over_in_place(straight, tmp_path,
     assert (run / "notes.txt").read_text() == "mine"
 
 
+def test_a_live_run_is_refused_before_anything_is_decided(tmp_path, monkeypatch, capfd):
+    """A run live in run.dir (its lock held: here by pytest's parent process) that logged steps and
+    saved nothing: --resume=auto refuses in the lock's one line, saying nothing of starting over,
+    and changes nothing."""
+    import os
+    import socket
+
+    from helpers import tree_hash
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 5.5}\n')
+    (run / "nljax.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "started": "now"}))
+    before = tree_hash(tmp_path)
+    args = [a for a in ARGS if a != "--quiet"]
+    assert train.main(["--resume=auto", *args, f"run.dir={run}"]) == 2
+    err = capfd.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"nljax.train: error: run.dir {run} is in use by a live run (host "), err
+    assert tree_hash(tmp_path) == before
+
+
 def test_process_0_decides_for_every_process(tmp_path, monkeypatch):
     """A process other than 0 does not read run.dir: it takes what process 0 saw (here: a
     checkpoint, then nothing, where this process would see a run without one)."""

@@ -28,7 +28,7 @@ from nljax.config import Config
 from nljax.errors import ConfigError
 from nljax.run.resuming import resumed_config
 from nljax.runtime import distributed
-from nljax.runtime.rundir import checkpoint_dir, logged_a_step
+from nljax.runtime.rundir import check_free, checkpoint_dir, logged_a_step
 
 RESUME, NEW, OVER = "resume", "new", "over"
 
@@ -49,12 +49,17 @@ def decide(cfg: Config) -> str:
     return OVER if held else NEW
 
 
-def configured(cfg: Config, config_file: str | None, overrides: Sequence[str], say: Callable[[str], None]) -> Config:
+def configured(cfg: Config, config_file: str | None, overrides: Sequence[str], say: Callable[[str], None],
+               live_refused: bool = True) -> Config:
     """The config `--resume=auto` trains with: `cfg` (the command line's, which names run.dir)
-    resumed, restarted in place or as it is, `say` given one line for the last two."""
+    resumed, restarted in place or as it is, `say` given one line for the last two.
+    `live_refused`: a live run in run.dir is refused first (its files are no attempt to start
+    over, nor its checkpoints one to resume); `--print-config`, which reads only, does not."""
     if cfg.checkpoint.resume:
         raise ConfigError(f"--resume=auto decides what the run resumes from: leave checkpoint.resume="
                           f"{cfg.checkpoint.resume} out, or give it without --resume=auto")
+    if live_refused:
+        check_free(cfg)  # the trainer checks again; here before a line says what this run would do there
     start = decide(cfg)
     if start == RESUME:
         latest = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest"))
