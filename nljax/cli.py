@@ -76,17 +76,11 @@ def setup_devices(cpu_devices: int | None) -> None:
         jax.config.update("jax_num_cpu_devices", cpu_devices)
 
 
-def setup_processes(args: argparse.Namespace, cfg: config.Config,
-                    first_step: Callable[[config.Config], int] = lambda cfg: 0) -> bool:
-    """Joins a multi-process run if this process is one of several (True), and tells JAX's
-    preemption service at once the step it counts from (`first_step(cfg)`, read after joining:
-    it may open checkpoints, which starts JAX; nljax.runtime.preemption)."""
+def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
+    """Joins a multi-process run if this process is one of several (True)."""
     launch = distributed.resolve(args.coordinator, args.num_processes, args.process_id,
                                  distributed.parse_device_ids(args.local_device_ids))
-    joined = distributed.initialize(launch, cfg.distributed.timeout_s)
-    if joined:
-        check_in(lambda: first_step(cfg))  # a notice from here on stops the run at a step it reaches
-    return joined
+    return distributed.initialize(launch, cfg.distributed.timeout_s)
 
 
 def backend_failed(e: BaseException) -> str | None:
@@ -207,11 +201,14 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
          argv: Sequence[str] | None = None,
          quiet: Callable[[argparse.Namespace, config.Config], bool] = lambda args, cfg: False,
          configure: Callable[[argparse.Namespace, config.Config], config.Config] = lambda args, cfg: cfg,
-         first_step: Callable[[config.Config], int] = lambda cfg: 0) -> int:
+         first_step: Callable[[config.Config], int] = lambda cfg: 0,
+         settle: Callable[[argparse.Namespace, config.Config], config.Config] = lambda args, cfg: cfg) -> int:
     """Parse, configure devices, load the config (then `configure(args, cfg)`: the tool's own
     flags) and call `run`; user errors become one line. With `quiet(args, cfg)` standard output
-    is silenced from the processes' joining on. `first_step(cfg)`: the step a run counts from
-    (its resume step), told to JAX's preemption service as the processes join."""
+    is silenced from the processes' joining on. `settle(args, cfg)`: the config once the
+    processes joined, from what process 0 decides for all (reading run.dir, say).
+    `first_step(cfg)`: the step a run counts from (its resume step), told to JAX's preemption
+    service as the processes join."""
     args = p.parse_intermixed_args(argv)
     multiprocess = False
     try:
@@ -219,10 +216,13 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         hostmem.retain()  # before JAX's backends start (nljax/measure/hostmem.py)
         cfg = configure(args, config.load(args.config, args.overrides))
         if getattr(args, "print_config", False):  # nljax.train --print-config: the config, nothing built
-            print(configdoc.to_yaml(cfg), end="")
+            print(configdoc.to_yaml(settle(args, cfg)), end="")
             return 0
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
-            multiprocess = setup_processes(args, cfg, first_step)
+            multiprocess = setup_processes(args, cfg)
+            cfg = settle(args, cfg)  # decided by process 0: once joined
+            if multiprocess:  # at once: first_step may open checkpoints, which starts JAX (nljax.runtime.preemption)
+                check_in(lambda: first_step(cfg))  # a notice from here on stops the run at a step it reaches
             distributed.check_config(cfg)  # before anything is built from it
             return run(args, cfg) or 0
     except Stopped as e:  # preempted: every process saved the same step; the scheduler restarts the job

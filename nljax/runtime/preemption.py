@@ -16,8 +16,9 @@ The service's "largest step reached" is the last step each process passed to it,
 first call: a notice during a resumed run's start-up (restore, compilation) would set the step
 to 1, which a run resumed at step 500 never reaches, and the notice would be lost (no save; the
 scheduler's SIGKILL ends the run). So `nljax.train` reports the step it resumes from the moment
-`jax.distributed.initialize` returns (`check_in`, before the start-up's collectives), and
-`trainer.train` again first thing, for a caller that joined the processes itself.
+`jax.distributed.initialize` returns (`check_in`, before the start-up's collectives; only
+`--resume=auto`'s decision, which the step depends on, comes first), and `trainer.train` again
+first thing, for a caller that joined the processes itself.
 
 One process defers SIGTERM the same way from the start of `nljax.run.trainer.train` to its end: a
 notice during start-up (restore, compilation) stops the run after its first step, saved; one
