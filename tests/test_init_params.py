@@ -163,9 +163,15 @@ def test_through_the_command_line_and_a_resume_of_such_a_run(tmp_path):
     assert f"parameters from {src / 'checkpoints' / '6'} (trained 6 steps)" in p.stdout, p.stdout
     recs = _records(new)
     assert [r["step"] for r in recs] == [0, 1, 2]
-    assert recs[0]["lr"] == 0.0 and 0 < recs[1]["lr"]  # the warm-up from its start
+    # the warm-up from its start: half the peak at step 0 (the schedule at step + 1), the peak at step 1
+    assert 0 < recs[0]["lr"] == pytest.approx(recs[1]["lr"] / 2)
     assert sorted(int(q.name) for q in (new / "checkpoints").iterdir()) == [3]
     shutil.rmtree(src)  # recorded in new/config.yaml; a resume of `new` does not read it
-    p = cli("nljax.train", "--cpu-devices", "2", "--quiet", "--resume", f"run.dir={new}", "train.steps=4")
-    assert "warning" not in p.stderr, p.stderr
+    p = cli("nljax.train", "--cpu-devices", "2", "--resume", f"run.dir={new}", "train.steps=4")
+    assert f"resumed from {new / 'checkpoints' / '3'} at step 3" in p.stdout, p.stdout
+    assert "parameters from" not in p.stdout, p.stdout
+    # the one warning: the longer cosine schedule (nothing of the checkpoint init_params names)
+    assert [w for w in p.stderr.splitlines() if "warning" in w] == [
+        "nljax: warning: resuming with train.steps=4 (the checkpoint at step 3 was written with 3): the cosine "
+        "learning-rate schedule now decays to step 4"], p.stderr
     assert [r["step"] for r in _records(new)] == [0, 1, 2, 3]
