@@ -16,6 +16,7 @@ from helpers import QUICK, SMALL, TINY, TINY_NL, cli, make, saved_run, train
 
 from nljax.checkpoint import contents, storage
 from nljax.checkpoint.lifecycle import Checkpoints
+from nljax.errors import ConfigError
 
 # Attention + neural memory (per-row state) and a level of period 4 (its error buffer in use)
 NL = [*TINY_NL, "cms.periods=[1,4]", "eval.every=0", "eval.batches=1"]
@@ -70,14 +71,24 @@ def test_a_new_run_starts_at_step_0_with_the_checkpoints_parameters_only(src, tm
     assert np.isfinite(losses).all()
 
 
-def test_another_mesh_strategy_optimizer_and_periods(src, tmp_path):
-    """4 devices under fsdp with sgd and other CMS periods (which shape the optimizer state and
-    the error buffers, not the parameters), from the step directory itself."""
-    setup = make([*NL, f"checkpoint.init_params={src['step_dir']}", "sync.strategy=fsdp", "optim.name=sgd",
-                  "cms.periods=[1,2]", "train.steps=1", f"run.dir={tmp_path}/new"], 1, 4)
+# (overrides, mesh inter x intra x model): what shapes the optimizer state and the error buffers
+# but not the parameters (optim.name, the CMS periods, cms.frozen_grads) differs from the source's
+OTHER = {
+    "fsdp sgd": (["sync.strategy=fsdp", "optim.name=sgd", "cms.periods=[1,2]"], (1, 4, 1)),
+    "zero1 tensor-parallel": (["sync.strategy=zero1", "cms.frozen_grads=skip"], (2, 2, 2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OTHER))
+def test_another_mesh_strategy_optimizer_and_periods(src, tmp_path, case):
+    """From the step directory itself, onto another mesh and strategy (tensor-parallel too), with
+    settings that shape the optimizer state and the error buffers but not the parameters."""
+    extra, mesh = OTHER[case]
+    setup = make([*NL, f"checkpoint.init_params={src['step_dir']}", *extra, "train.steps=1",
+                  f"run.dir={tmp_path}/new"], *mesh)
     fresh = host(setup.state)
     c = _started(setup)
-    params = host(setup.engine.strategy.export_state(c.state).params)  # fsdp's flat vectors as the model's tree
+    params = host(setup.engine.strategy.export_state(c.state).params)  # the model's tree, whole
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(src["state"].params)):
         np.testing.assert_array_equal(a, b)
     got = host(c.state)
@@ -135,6 +146,10 @@ def test_a_new_run_from_another_runs_checkpoint_at_train_steps_saves_its_own(src
     state to this run's checkpoint.dir (its closing lines offer to resume and export it)."""
     own = tmp_path / "own"
     setup = make([*NL, f"checkpoint.resume={src['step_dir']}", f"train.steps={TRAINED}", f"checkpoint.dir={own}"], 2, 4)
+    (own / str(TRAINED)).mkdir(parents=True)  # a user's folder named as that step: the save would replace it
+    with pytest.raises(ConfigError, match=f"checkpoint.dir {own} holds {TRAINED}, which nljax did not write"):
+        _started(setup)
+    (own / str(TRAINED)).rmdir()
     c = _started(setup)
     assert c.start == TRAINED and c.last_saved is None
     c.open()

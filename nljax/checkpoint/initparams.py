@@ -116,23 +116,19 @@ def params_of(engine: Engine, fresh: TrainState, path: Path) -> tuple[object, in
     return restored.state.params, restored.step
 
 
-# What shapes a checkpoint's optimizer state and error buffers but not its parameters: read as
-# the checkpoint has them. The number of CMS levels does shape the parameters (a model builds a
-# chain of that many levels), so it must match.
-NOT_PARAMS = ("optim.name", "cms")
-
-
 def _source_engine(engine: Engine, meta: dict, path: Path) -> Engine:
-    """`engine`, or where the checkpoint's `NOT_PARAMS` settings differ from this run's, an engine
-    on the same model, mesh and strategy with the checkpoint's (the layout of the parameters is
-    the same in both)."""
+    """`engine`, or where the checkpoint's `optim.name` or `cms.*` differ from this run's, an
+    engine on the same model, mesh and strategy with the checkpoint's: they shape the optimizer
+    state and the error buffers, not the parameters, whose layout is the same in both. The number
+    of CMS levels does shape the parameters (a model builds a chain of that many levels): it
+    must match."""
     cfg, saved = engine.cfg, meta["config"]
     periods = get(saved, "cms.periods")
     if not isinstance(periods, list) or len(periods) != len(cfg.cms.periods):
         raise ConfigError(f"checkpoint {path} does not fit this run: cms.periods={fmt(periods)} there, "
                           f"{list(cfg.cms.periods)} here (another number of levels is another model)")
     here = config.to_dict(cfg)
-    tree = {**here, "optim": {**here["optim"], "name": get(saved, "optim.name")},
+    tree = {**here, "optim": {**here["optim"], "name": get(saved, "optim.name") or here["optim"]["name"]},
             "cms": {**here["cms"], **{k: v for k, v in saved["cms"].items() if k in here["cms"]}}}
     if tree == here:
         return engine

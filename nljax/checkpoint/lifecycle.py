@@ -102,7 +102,10 @@ class Checkpoints:
             for w in [*warnings, *restored.warnings]:
                 if jax.process_index() == 0:
                     print(f"nljax: warning: {w}", file=sys.stderr)
-        theirs = storage.foreign_steps(root, restored.step if restored else 0, cfg.train.steps) if cfg.checkpoint.every else []
+        # the steps this run may save: after the one it continues, or from the one it starts at (a new
+        # run from another run's checkpoint saves that step too when it is train.steps)
+        after = (restored.step if own else restored.step - 1) if restored else 0
+        theirs = storage.foreign_steps(root, after, cfg.train.steps) if cfg.checkpoint.every else []
         if theirs:
             raise ConfigError(
                 f"checkpoint.dir {root} holds {', '.join(p.name for p in theirs[:3])}, which nljax did not write: "
