@@ -31,6 +31,7 @@ goes through one hook (`convert_layout`).
 The package, by job: `contents` (named arrays, checksums, metadata and its checks), `storage`
 (Orbax I/O, finding, pruning and setting aside step directories), `quiet` (Orbax's own reports
 of errors nljax reports in one line, hidden around nljax's Orbax calls), `elastic` (another mesh,
-device count, global batch or strategy), `restore` (read, check, convert) and `lifecycle`
+device count, global batch or strategy), `restore` (read, check, convert), `initparams` (a new
+run from a checkpoint's parameters only, `checkpoint.init_params`) and `lifecycle`
 (`Checkpoints`, what the trainer uses).
 """

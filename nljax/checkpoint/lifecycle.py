@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 from jax.experimental import multihost_utils
 
-from nljax.checkpoint import storage
+from nljax.checkpoint import initparams, storage
 from nljax.checkpoint.peers import Peers
 from nljax.checkpoint.quiet import errors_hidden
 from nljax.checkpoint.restore import Restored, restore_first_valid
@@ -37,17 +37,21 @@ class Checkpoints:
     `ckpt.close()` whatever happened."""
 
     def __init__(self, engine: Engine, fresh: TrainState, restored: Restored | None = None, own: bool = False,
-                 later: list[Path] | None = None):
+                 later: list[Path] | None = None, params_from: Path | None = None):
         """`fresh`: this run's state at step 0, where it starts when `restored` is None. `own`:
         `restored` is from this run's checkpoint.dir (the run continues its files). `later`: step
-        directories after the restored one, which `open` moves to `<dir>/set_aside/`."""
+        directories after the restored one, which `open` moves to `<dir>/set_aside/`.
+        `params_from`: the checkpoint whose parameters `fresh` holds (checkpoint.init_params)."""
         self.cfg, self.engine = engine.cfg, engine
         self.dir = checkpoint_dir(self.cfg)
-        self.restored, self.own = restored, own
+        self.restored, self.own, self.params_from = restored, own, params_from
         self.set_aside: list[Path] = list(later or [])
         self.state = restored.state if restored else fresh
         self.start = restored.step if restored else 0
-        self.last_saved: int | None = restored.step if restored else None
+        # the step this run's checkpoint.dir holds already: a new run from another run's checkpoint
+        # holds none there, so its final save writes one even at the step it started from (a run
+        # started from a checkpoint at train.steps has a checkpoint of its own to resume or export)
+        self.last_saved: int | None = restored.step if restored and own else None
         # tracker name -> run id (W&B's), saved with every checkpoint: read from the one resumed
         # when this run continues its own files, then set by the trainer once its trackers are open
         self.trackers: dict[str, str] = dict(restored.trackers) if restored and own else {}
@@ -65,7 +69,8 @@ class Checkpoints:
     @classmethod
     def resolve(cls, engine: Engine, fresh: TrainState, say=print, digest: str | None = None) -> "Checkpoints":
         """The run's checkpoints: the resume `checkpoint.resume` asks for, restored (falling back
-        past damaged checkpoints, with a warning), or a fresh start. Reads only (checkpoint.dir is
+        past damaged checkpoints, with a warning), or a fresh start, with the parameters of
+        `checkpoint.init_params` where it names a checkpoint (`nljax.checkpoint.initparams`). Reads only (checkpoint.dir is
         made by `open`, once the run directory was accepted: a refused run leaves none); refuses
         (ConfigError) a checkpoint.dir holding checkpoints this run may not take over. `digest`:
         the run's data digest (the same data under another spelling of its paths is no change)."""
@@ -77,7 +82,16 @@ class Checkpoints:
         # the trainer checked before building the run (`refuse_taken`, run.dir's metrics.jsonl too);
         # checked again here, the checkpoint to resume known
         refuse_taken(cfg, continues=bool(paths) and own, logged=False)
-        restored, later = None, []
+        restored, later, params_from = None, [], None
+        init_root = initparams.source(cfg)  # None when resuming this run's own checkpoints
+        if init_root is not None:
+            started = initparams.start_from(engine, fresh, init_root)
+            fresh, params_from = started.state, started.path
+            for w in started.warnings:
+                if jax.process_index() == 0:
+                    print(f"nljax: warning: {w}", file=sys.stderr)
+            say(f"parameters from {started.path} (trained {started.step} steps); this run starts at step 0 with a "
+                "fresh optimizer state")
         if paths:
             restored, warnings = _restore(engine, fresh, paths, digest)
             if own:  # with checkpoint.every=0 too: a later --resume must not take the abandoned branch
@@ -88,7 +102,10 @@ class Checkpoints:
             for w in [*warnings, *restored.warnings]:
                 if jax.process_index() == 0:
                     print(f"nljax: warning: {w}", file=sys.stderr)
-        theirs = storage.foreign_steps(root, restored.step if restored else 0, cfg.train.steps) if cfg.checkpoint.every else []
+        # the steps this run may save: after the one it continues, or from the one it starts at (a new
+        # run from another run's checkpoint saves that step too when it is train.steps)
+        after = (restored.step if own else restored.step - 1) if restored else 0
+        theirs = storage.foreign_steps(root, after, cfg.train.steps) if cfg.checkpoint.every else []
         if theirs:
             raise ConfigError(
                 f"checkpoint.dir {root} holds {', '.join(p.name for p in theirs[:3])}, which nljax did not write: "
@@ -96,7 +113,7 @@ class Checkpoints:
             )
         if restored:
             say(f"resumed from {restored.path} at step {restored.step}")
-        return cls(engine, fresh, restored, own, later)
+        return cls(engine, fresh, restored, own, later, params_from)
 
     @property
     def resume_step(self) -> int | None:

@@ -1,5 +1,5 @@
 """Config section `checkpoint`: where, how often and how many checkpoints are kept, and what
-a run resumes from (nljax/checkpoint/lifecycle.py)."""
+a run resumes or takes its initial parameters from (nljax/checkpoint/lifecycle.py, initparams.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ class CheckpointConfig:
     every: int = 100  # save every N steps and at the end; 0: never save
     keep: int = 3  # newest checkpoints kept on disk
     resume: str = ""  # "" (fresh run) | "latest" (newest in checkpoint.dir) | a checkpoint or checkpoints directory
+    # a new run from that checkpoint's parameters only (a step, checkpoints or run directory: its
+    # newest complete checkpoint): step 0, fresh optimizer state, this run's schedule and data from
+    # the start; refused with a checkpoint.resume of another run's, ignored by --resume of this run
+    init_params: str = ""
     async_save: bool = True  # training continues while a save is written (false: each save waits until on disk)
 
     def check(self) -> None:

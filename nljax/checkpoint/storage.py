@@ -294,6 +294,18 @@ def _free_name(path: Path) -> Path:
     return out
 
 
+def continues_own(cfg: Config) -> bool:
+    """Whether `cfg` resumes this run's own checkpoints (`latest`, or a path inside its
+    checkpoint.dir), as opposed to starting a new run from another run's."""
+    resume = cfg.checkpoint.resume
+    if not resume:
+        return False
+    if resume == "latest":
+        return True
+    root, target = checkpoint_dir(cfg).resolve(), Path(resume).absolute().resolve()
+    return target == root or root in target.parents
+
+
 def resume_root(cfg: Config) -> Path | None:
     """What `checkpoint.resume` names (a step directory or a checkpoints directory; `latest`:
     checkpoint.dir), refused in one line when it does not exist; None for a fresh run."""

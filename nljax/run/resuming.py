@@ -29,6 +29,7 @@ import jax
 
 from nljax import config
 from nljax.checkpoint.contents import HOW_COMPUTED, MUST_MATCH, differences, fmt, get
+from nljax.checkpoint.storage import continues_own
 from nljax.config import Config
 from nljax.errors import ConfigError
 from nljax.parallel.mesh import resolve_shape
@@ -38,18 +39,6 @@ from nljax.runtime.rundir import checkpoint_dir
 # Settings of this command, not of the run: taken from the command line, never from config.yaml
 # (a run started with --quiet resumes talking unless told again; a saved overwrite is not re-applied).
 THIS_COMMAND = (("run", "quiet"), ("run", "overwrite"), ("checkpoint", "resume"))
-
-
-def continues_own(cfg: Config) -> bool:
-    """Whether `cfg` resumes this run's own checkpoints (`latest`, or a path inside its
-    checkpoint.dir), as opposed to starting a new run from another run's."""
-    resume = cfg.checkpoint.resume
-    if not resume:
-        return False
-    if resume == "latest":
-        return True
-    root, target = checkpoint_dir(cfg).resolve(), Path(resume).absolute().resolve()
-    return target == root or root in target.parents
 
 
 def saved_config_file(cfg: Config) -> Path | None:

@@ -19,7 +19,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from nljax.checkpoint import storage
+from nljax.checkpoint import initparams, storage
 from nljax.checkpoint.lifecycle import Checkpoints
 from nljax.checkpoint.taken import refuse_taken
 from nljax.config import Config
@@ -35,7 +35,6 @@ from nljax.run import harness, startup, throughput
 from nljax.run.core import Run
 from nljax.run.loop import Hooks, Profiler, StepResult, training_steps
 from nljax.run.phases import Announced, closing_lines, compile_announcer
-from nljax.run.resuming import continues_own
 from nljax.run.samples import TrainingSampler
 from nljax.run.trackers import Trackers, check_installed, step_scalars
 from nljax.runtime import compile_cache, distributed, exportdir, preemption, runlog
@@ -386,7 +385,8 @@ def train(cfg: Config) -> dict:
 
 def _refuse_from_the_directories(cfg: Config) -> None:
     storage.resume_root(cfg)
-    refuse_taken(cfg, continues_own(cfg), logged_a_step(Path(cfg.run.dir)))
+    initparams.source(cfg)  # missing, or given with another run's checkpoint.resume
+    refuse_taken(cfg, storage.continues_own(cfg), logged_a_step(Path(cfg.run.dir)))
 
 
 def _train(cfg: Config, notice: Notice) -> dict:
@@ -419,7 +419,9 @@ def _train(cfg: Config, notice: Notice) -> dict:
     digest = startup.data_fingerprint(run.task)  # the same data under another spelling of its paths: no change
     with Announced(say)("initializing the parameters and the optimizer state"):  # compiles the model's init
         fresh = run.init_state()
-    with Announced(say if cfg.checkpoint.resume else (lambda text: None))("reading the checkpoint to resume"):
+    reading = ("reading the checkpoint to resume" if cfg.checkpoint.resume else
+               "reading the checkpoint's parameters" if cfg.checkpoint.init_params else None)
+    with Announced(say if reading else (lambda text: None))(reading or ""):
         ckpt = Checkpoints.resolve(run.engine, fresh, say, digest)
     ckpt.check_data(digest)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one

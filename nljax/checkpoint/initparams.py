@@ -1,0 +1,139 @@
+"""`checkpoint.init_params`: a new run that starts from another checkpoint's parameters only.
+
+What MaxText calls `load_parameters_path` (as opposed to `load_full_state_path`, which is
+`checkpoint.resume=PATH` here): the run starts at step 0 with this run's fresh optimizer state,
+error buffers and inner-loop memory, its own learning-rate schedule from the start, and its own
+data and PRNG keys from step 0; only the parameters come from the checkpoint. Fine-tuning a
+10,000-step checkpoint for 1,000 steps is `checkpoint.init_params=PATH train.steps=1000`.
+
+PATH is a step directory, a checkpoints directory or a run directory (its checkpoint.dir, read
+from its config.yaml); for the last two the newest complete checkpoint, older ones where the
+newer are damaged (with a warning), as `--resume` and `nljax.load` choose. The model must be the
+checkpoint's (`model.*` but what only changes how the step computes, and the number of CMS
+levels, which shapes the model); the optimizer (`optim.name`), the other `cms.*` settings, the
+mesh, device count and `sync.strategy` may differ. A run that continues its own checkpoints
+(`--resume`) ignores the key: its config.yaml records it, and its own checkpoints win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+
+from nljax import config
+from nljax.checkpoint import storage
+from nljax.checkpoint.contents import META, STATE, Damaged, fmt, get
+from nljax.checkpoint.restore import restore
+from nljax.config import Config
+from nljax.engine.core import Engine
+from nljax.engine.state import TrainState
+from nljax.errors import ConfigError
+from nljax.runtime.rundir import checkpoint_dir
+
+KEY = "checkpoint.init_params"
+
+
+def source(cfg: Config) -> Path | None:
+    """What checkpoint.init_params names, refused in one line when it does not exist or comes
+    with a checkpoint.resume of another run's checkpoint (two states to start from); None when
+    unset, or when the run continues its own checkpoints (`--resume`: the run's own state wins,
+    and its path need not exist any more). Reads the directory names only."""
+    given = cfg.checkpoint.init_params
+    if not given or storage.continues_own(cfg):
+        return None
+    if cfg.checkpoint.resume:
+        raise ConfigError(
+            f"{KEY}={given} and checkpoint.resume={cfg.checkpoint.resume} both name a checkpoint to start from: "
+            "give one (init_params: its parameters only, from step 0; resume: its whole state, at its step)"
+        )
+    root = Path(given).expanduser().absolute()
+    if not root.exists():
+        raise ConfigError(f"{KEY}: checkpoint not found: {root}")
+    return root
+
+
+def candidates(root: Path) -> list[Path]:
+    """The step directories `root` names, best first: itself (a step directory), or the complete
+    checkpoints of a checkpoints directory or of a run directory's checkpoint.dir, newest first."""
+    if (root / META).is_dir() or (root / STATE).is_dir():
+        return [root]
+    where = root
+    if not storage.complete_steps(root) and (root / "config.yaml").is_file():  # a run directory
+        # saved: a config.yaml written before a key moved; run.dir where the run is now
+        where = checkpoint_dir(config.load(str(root / "config.yaml"), [f"run.dir={root}"], saved=True))
+    steps = storage.complete_steps(where)
+    if not steps:
+        raise ConfigError(f"{KEY}: no complete checkpoint in {where}")
+    return [where / str(s) for s in reversed(steps)]
+
+
+@dataclasses.dataclass
+class Started:
+    state: TrainState  # this run's state at step 0, the checkpoint's parameters in it
+    path: Path  # the step directory read
+    step: int  # the steps it had trained
+    warnings: list[str]  # the newer checkpoints passed over (damaged)
+
+
+def start_from(engine: Engine, fresh: TrainState, root: Path) -> Started:
+    """`fresh` (this run's state at step 0) with the parameters of the checkpoint `root` names,
+    falling back past damaged ones in a directory. One-line ConfigError on bad input."""
+    paths = candidates(root)
+    skipped = []
+    for i, path in enumerate(paths):
+        try:
+            params, step = params_of(engine, fresh, path)
+            passed = [f"checkpoint {p} is damaged, using an older one ({why.removeprefix(f'checkpoint {p}: ')})"
+                      for p, why in skipped]
+            return Started(fresh.replace(params=params), path, step, passed)
+        except Damaged as e:
+            if i == len(paths) - 1:
+                if skipped:
+                    raise Damaged(f"every checkpoint in {path.parent} is damaged; the oldest: {e}") from None
+                raise
+            skipped.append((path, str(e)))
+    raise AssertionError("no paths")  # candidates() never returns an empty list
+
+
+def params_of(engine: Engine, fresh: TrainState, path: Path) -> tuple[object, int]:
+    """The parameters of the checkpoint at `path`, in this run's layout (mesh, device count,
+    strategy, tensor-parallel split), and the steps it had trained.
+
+    They go through the elastic restore of the whole state (`restore`), of which only `params`
+    is kept: the simplest path through every layout conversion, at the cost of reading and
+    converting the optimizer state, error buffers and memory too (about three times the
+    parameters' bytes with adamw), held on the devices beside this run's fresh state until they
+    are dropped here. Where the checkpoint's optimizer or CMS settings differ from this run's,
+    which shape that state but not the parameters, the state is read through an engine built
+    with the checkpoint's (`_source_engine`), whose own fresh state (one more initialization)
+    gives the shapes to read into."""
+    meta = storage.read_meta(path)
+    src = _source_engine(engine, meta, path)
+    template = fresh if src is engine else src.init_state(jax.random.key(engine.cfg.seed), engine.cfg.train.batch_size)
+    restored = restore(src, template, path)
+    return restored.state.params, restored.step
+
+
+def _source_engine(engine: Engine, meta: dict, path: Path) -> Engine:
+    """`engine`, or where the checkpoint's `optim.name` or `cms.*` differ from this run's, an
+    engine on the same model, mesh and strategy with the checkpoint's: they shape the optimizer
+    state and the error buffers, not the parameters, whose layout is the same in both. The number
+    of CMS levels does shape the parameters (a model builds a chain of that many levels): it
+    must match."""
+    cfg, saved = engine.cfg, meta["config"]
+    periods = get(saved, "cms.periods")
+    if not isinstance(periods, list) or len(periods) != len(cfg.cms.periods):
+        raise ConfigError(f"checkpoint {path} does not fit this run: cms.periods={fmt(periods)} there, "
+                          f"{list(cfg.cms.periods)} here (another number of levels is another model)")
+    here = config.to_dict(cfg)
+    tree = {**here, "optim": {**here["optim"], "name": get(saved, "optim.name") or here["optim"]["name"]},
+            "cms": {**here["cms"], **{k: v for k, v in saved["cms"].items() if k in here["cms"]}}}
+    if tree == here:
+        return engine
+    try:
+        src_cfg = config.from_dict(tree)
+    except ConfigError as e:  # an optimizer or a CMS setting this nljax does not know
+        raise ConfigError(f"checkpoint {path} does not fit this run: {e}") from None
+    return Engine.create(src_cfg, engine.model, engine.mesh)
