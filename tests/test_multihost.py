@@ -572,3 +572,25 @@ def test_preemption_notice_during_a_resumed_runs_startup_is_not_lost():
     stopped = [o.strip().splitlines()[-1] if o.strip() else "" for o, _ in outs]
     # the same step on both, soon after the one reported (501 unless the notice took over 3 s)
     assert stopped[0] == stopped[1] and stopped[0].isdigit() and 500 < int(stopped[0]) < 700, outs
+
+
+ON_MAIN_FAILS = """
+from nljax.runtime import distributed
+distributed.initialize(distributed.resolve(), 60)
+def clear():
+    raise OSError(5, "Input/output error", "/ck/7")
+distributed.on_main(clear, elsewhere=None)
+"""
+
+
+def test_an_unexpected_error_on_process_0_alone_stops_every_process_at_once():
+    """What process 0 does for all (`distributed.on_main`) raising something other than a
+    ConfigError (an OSError no one turned into a line): process 0 raises it with its traceback,
+    the others a line naming it, at once; they used to wait in the collective process 0 left."""
+    t = time.time()
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "1", "--", sys.executable, "-c", ON_MAIN_FAILS],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "[0] OSError: [Errno 5] Input/output error: '/ck/7'" in p.stderr, p.stderr
+    assert ("[1] nljax.errors.ConfigError: process 0 failed: OSError: [Errno 5] Input/output error: '/ck/7'"
+            in p.stderr), p.stderr
+    assert time.time() - t < 40, p.stderr

@@ -343,15 +343,21 @@ def on_main(fn: Callable[[], Any], elsewhere: str | None, main: bool | None = No
     ConfigError it raises stops every process: process 0 with its own line, the others with
     `elsewhere`, or with process 0's line where `elsewhere` is None (what process 0 decides for
     all, e.g. the run directory on a file system the others may not see), instead of their
-    waiting at the next collective for a process that has left."""
+    waiting at the next collective for a process that has left. Any other exception (a bug, an
+    OSError nobody turned into a line) stops them too: process 0 raises it as it is, with its
+    traceback, the others a line naming it."""
     value, error = None, None
     if jax.process_index() == 0 if main is None else main:
         try:
             value = fn()
         except ConfigError as e:
             error = e
+        except Exception as e:  # noqa: BLE001 - raised again below, after the others are told
+            error = e
+    said = error if isinstance(error, ConfigError) or error is None else ConfigError(
+        f"process 0 failed: {type(error).__name__}: {first_line(error)}")
     if elsewhere is None:
-        line = str(error) if error is not None else ""
+        line = str(said) if said is not None else ""
         if jax.process_count() > 1:
             line = _allgather_bytes(line.encode())[0].decode()
         if line:
