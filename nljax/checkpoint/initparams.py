@@ -24,8 +24,8 @@ import jax
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.checkpoint.contents import META, STATE, Damaged, fmt, get
-from nljax.checkpoint.restore import restore
+from nljax.checkpoint.contents import META, STATE, fmt, get
+from nljax.checkpoint.restore import first_valid, restore
 from nljax.config import Config
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
@@ -80,21 +80,10 @@ class Started:
 def start_from(engine: Engine, fresh: TrainState, root: Path) -> Started:
     """`fresh` (this run's state at step 0) with the parameters of the checkpoint `root` names,
     falling back past damaged ones in a directory. One-line ConfigError on bad input."""
-    paths = candidates(root)
-    skipped = []
-    for i, path in enumerate(paths):
-        try:
-            params, step = params_of(engine, fresh, path)
-            passed = [f"checkpoint {p} is damaged, using an older one ({why.removeprefix(f'checkpoint {p}: ')})"
-                      for p, why in skipped]
-            return Started(fresh.replace(params=params), path, step, passed)
-        except Damaged as e:
-            if i == len(paths) - 1:
-                if skipped:
-                    raise Damaged(f"every checkpoint in {path.parent} is damaged; the oldest: {e}") from None
-                raise
-            skipped.append((path, str(e)))
-    raise AssertionError("no paths")  # candidates() never returns an empty list
+    (params, step, path), skipped = first_valid(lambda p: (*params_of(engine, fresh, p), p), candidates(root))
+    passed = [f"checkpoint {p} is damaged, using an older one ({why.removeprefix(f'checkpoint {p}: ')})"
+              for p, why in skipped]
+    return Started(fresh.replace(params=params), path, step, passed)
 
 
 def params_of(engine: Engine, fresh: TrainState, path: Path) -> tuple[object, int]:

@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import jax
 
@@ -175,16 +176,25 @@ def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str], sa
 def restore_first_valid(engine: Engine, template: TrainState, paths: list[Path],
                         digest: str | None = None) -> tuple[Restored, list[tuple[Path, str]]]:
     """`restore` of the first of `paths` that is not damaged, and the damaged ones skipped (path,
+    reason): `first_valid`."""
+    return first_valid(lambda path: restore(engine, template, path, digest), paths)
+
+
+T = TypeVar("T")
+
+
+def first_valid(read: Callable[[Path], T], paths: list[Path]) -> tuple[T, list[tuple[Path, str]]]:
+    """`read` of the first of `paths` that is not damaged, and the damaged ones skipped (path,
     reason). A checkpoint that does not fit this run stops the search (an older one would not fit
     either); so does the last one's damage, with its own line."""
     skipped: list[tuple[Path, str]] = []
     for i, path in enumerate(paths):
         try:
-            return restore(engine, template, path, digest), skipped
+            return read(path), skipped
         except Damaged as e:
             if i == len(paths) - 1:
                 if skipped:
                     raise Damaged(f"every checkpoint in {path.parent} is damaged; the oldest: {e}") from None
                 raise
             skipped.append((path, str(e)))
-    raise AssertionError("no paths")  # candidates() never returns an empty list to resume from
+    raise AssertionError("no paths")  # the callers' candidates are never an empty list
