@@ -180,7 +180,8 @@ def test_mesh_and_batch_errors():
         make_mesh(3, 2)
     with pytest.raises(ConfigError, match=r"mesh.inter=3 does not divide the 8 available devices"):
         make_mesh(3, -1)
-    with pytest.raises(ConfigError, match=r"train.batch_size=12 does not divide over 8 data-parallel devices"):
+    with pytest.raises(ConfigError, match=r"train.batch_size=12 does not divide over 8 data-parallel devices "
+                                          r"\(mesh inter=2 x intra=4\): give a multiple of 8 \(8 or 16\)"):
         check_batch(12, make_mesh(2, 4))
     assert make_mesh(-1, 4).shape == {"inter": 2, "intra": 4, "model": 1}
     assert make_mesh(-1, 2, model=2).shape == {"inter": 2, "intra": 2, "model": 2}

@@ -100,9 +100,11 @@ def check_batch(global_rows: int, mesh: Mesh, what: str = "train.batch_size") ->
     """Rows per device, or a one-line error naming the numbers."""
     n = data_size(mesh)
     if global_rows % n:
+        near = [m for m in (global_rows // n * n, (global_rows // n + 1) * n) if m]  # the multiples around it
         raise ConfigError(
             f"{what}={global_rows} does not divide over {n} data-parallel devices "
-            f"(mesh inter={mesh.shape[INTER]} x intra={mesh.shape[INTRA]})"
+            f"(mesh inter={mesh.shape[INTER]} x intra={mesh.shape[INTRA]}): give a multiple of {n} "
+            f"({' or '.join(map(str, near))})"
         )
     return global_rows // n
 
