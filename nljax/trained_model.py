@@ -105,10 +105,20 @@ class TrainedModel:
         change), but the memory returned has then read the padding too: to continue a text
         later, carry the memory after full windows only, as `generate` does."""
         self._text_only("logits")
-        tokens = np.asarray(tokens, np.int32)
+        try:
+            tokens = np.asarray(tokens, np.int64)
+        except (TypeError, ValueError):  # ragged rows, not numbers
+            raise ConfigError("tokens must be [rows, T] integer ids, rows of one length") from None
         if tokens.ndim != 2 or tokens.shape[1] < 1:
             raise ConfigError(f"tokens must be [rows, T] with T >= 1, got shape {tokens.shape}")
+        vocab = self.config.model.vocab_size
+        bad = tokens[(tokens < 0) | (tokens >= vocab)]
+        if bad.size:  # the embedding's gather would read some other row (or NaN): logits of nothing
+            raise ConfigError(f"token ids must be in [0, {vocab}), got {int(bad[0])}")
+        tokens = tokens.astype(np.int32)
         rows = tokens.shape[0]
+        if reset is not None and np.size(reset) != rows:
+            raise ConfigError(f"reset must hold one flag per row ({rows}), got {np.size(reset)}")
         reset = np.full((rows,), memory is None) if reset is None else np.asarray(reset, bool).reshape(rows)
         memory = self.init_memory(rows) if memory is None else memory
         out = []

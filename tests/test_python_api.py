@@ -123,6 +123,11 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: nljax.load(tmp_path), "is neither an export directory"),
         (lambda: nljax.load(runs / "runs" / "default" / "export", checkpoint="3"), "is an export"),
         (lambda: lm.logits(np.zeros(5, np.int32)), "tokens must be [rows, T]"),
+        (lambda: lm.logits([[1, 2], [3]]), "tokens must be [rows, T]"),  # ragged rows: numpy's ValueError before
+        # ids outside the vocabulary gave logits of some other token (or NaN), silently
+        (lambda: lm.logits([[65, 256]]), "token ids must be in [0, 256), got 256"),
+        (lambda: lm.logits([[-1, 65]]), "token ids must be in [0, 256), got -1"),
+        (lambda: lm.logits([[65, 66]], reset=[True, False]), "reset must hold one flag per row (1), got 2"),
         (lambda: lm.generate("x", top_p=0), "0 < top_p <= 1"),
     ]
     for call, words in cases:
