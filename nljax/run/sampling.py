@@ -172,9 +172,14 @@ def write_text(sampler: TextSampler, codec, s: Settings, write: Callable[[str], 
     return out
 
 
-def prompt_ids(codec, prompt: str) -> list[int]:
+def prompt_ids(codec, prompt: str, what: str = "prompt") -> list[int]:
     """The prompt's tokens; an empty prompt starts a document: the token that ends one (bytes:
-    NUL). A tokenizer without `data.doc_end_token` has no such token: it needs a prompt."""
+    NUL). A tokenizer without `data.doc_end_token` has no such token: it needs a prompt. A
+    character the tokenizer has no token for is refused (`what`: the setting, in the line)."""
+    lost = codec.lost(prompt)
+    if lost:  # dropped by the encoding: the text would continue another prompt, or a document start
+        raise ConfigError(f"{what} {prompt!r}: this run's tokenizer has no token for {lost!r} (the model would not "
+                          f"see it): {codec.path}")
     ids = codec.encode(prompt)
     if not ids and codec.end_id is None:
         raise ConfigError("an empty prompt starts a document after data.doc_end_token, which this run's "
