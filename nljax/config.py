@@ -246,7 +246,8 @@ def _settings_in(tree: Any) -> bool:
     return any(_settings_in(v) for v in tree.values()) if isinstance(tree, dict) else tree is not None
 
 
-def _read_yaml(path: str) -> dict:
+def _read_yaml(path: str, saved: bool = False) -> dict:
+    """The settings in the YAML file `path` (`saved`: a run's config.yaml, which nljax wrote)."""
     p = config_path(path)
     if not p.is_file():  # a directory, /dev/null, a pipe
         raise ConfigError(f"config file {path} is not a regular file")
@@ -259,7 +260,9 @@ def _read_yaml(path: str) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}")
     if loaded is None or not _settings_in(loaded):  # a file saved before it was written, the wrong file
-        raise ConfigError(f"config file {path} holds no settings: give some, or leave --config out for the defaults")
+        hint = ("a run's config.yaml holds every setting, this is not the one nljax.train wrote" if saved
+                else "give some, or leave --config out for the defaults")
+        raise ConfigError(f"config file {path} holds no settings: {hint}")
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     empty = [k for k, v in loaded.items() if v is None and k in SECTIONS]
@@ -275,21 +278,27 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
     new place (`migrate`) like a checkpoint's config; a user's file with an old key is refused.
     `base`: a config.yaml nljax wrote, read first (migrated), which `path` then updates key by key
     (`--resume` with `--config`: the run's saved config, then the user's file, then overrides)."""
-    tree = {} if path is None else _read_yaml(path)
+    tree = {} if path is None else _read_yaml(path, saved)
     tree = migrate(tree) if saved else tree
-    if path is not None and not saved:  # the file alone first: a wrong key or value there names the file
-        try:
-            _build(Config, tree)
-        except ConfigError as e:
-            raise ConfigError(f"config file {path}: {e}") from None
-    if base is not None:
-        tree = _merged(migrate(_read_yaml(base)), tree)
+    if path is not None:  # the file alone first: a wrong key or value there names the file
+        _built_from(path, tree)
+    if base is not None:  # a run's config.yaml too: the line named a key the command line did not hold
+        tree = _merged(_built_from(base, migrate(_read_yaml(base, saved=True))), tree)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
     validate(cfg)
     return cfg
+
+
+def _built_from(path: str, tree: dict) -> dict:
+    """`tree`, the settings of the file `path`, once they build a config; else one line naming the file."""
+    try:
+        _build(Config, tree)
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    return tree
 
 
 def _merged(tree: dict, update: dict) -> dict:

@@ -185,6 +185,28 @@ def test_a_saved_config_without_a_key_added_since_reads_it_as_it_was():
     assert "reset_prob" not in config.migrate(old)["data"]
 
 
+def test_a_runs_config_yaml_names_itself_in_its_errors(tmp_path):
+    """A run's config.yaml (read by generate, export, nljax.load and --resume, `saved` or `base`)
+    with a key or value nljax does not take is one line naming the file, as a --config file is: the
+    line named only the key, which the command line did not hold. An emptied one is not told to
+    leave --config out (generate has no --config)."""
+    p = tmp_path / "config.yaml"
+    tree = config.to_dict(config.load(None))
+    tree["train"]["stepz"] = tree["train"].pop("steps")
+    p.write_text(yaml.safe_dump(tree))
+    line = f"config file {p}: unknown config key 'train.stepz' (did you mean 'train.steps'?)"
+    for read in (lambda: config.load(str(p), [f"run.dir={tmp_path}"], saved=True),
+                 lambda: config.load(None, ["train.steps=3"], base=str(p))):
+        with pytest.raises(ConfigError) as e:
+            read()
+        assert str(e.value) == line
+    p.write_text("")
+    with pytest.raises(ConfigError) as e:
+        config.load(str(p), saved=True)
+    assert str(e.value) == (f"config file {p} holds no settings: a run's config.yaml holds every setting, this is not "
+                            "the one nljax.train wrote")
+
+
 @pytest.mark.parametrize("on, trackers", [(True, ("tensorboard",)), (False, ())])
 def test_a_saved_config_with_run_tensorboard_is_read_as_run_trackers(tmp_path, on, trackers):
     """`run.tensorboard` (a bool) became `run.trackers` (a list): a checkpoint's config and a run's
