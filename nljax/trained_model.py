@@ -177,7 +177,16 @@ class TrainedModel:
             raise ConfigError(f"model.name={self.config.model.name} neither makes text nor has generate()")
         if labels is None or len(labels) == 0 or steps < 1:
             raise ConfigError("an image model's generate needs labels=[class, ...] (one sample each) and steps >= 1")
-        label = np.asarray(labels, np.int32)
+        label = np.asarray(labels, np.int64)
+        # a conditional DiT's classes 0..n-1 and n, its null label; a label beyond reads another
+        # row of the label embedding (or none), silently. An unconditional model reads none.
+        conditional = getattr(self.model, "conditional", False)
+        classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0
+        bad = label[(label < 0) | (label > classes)] if classes else label[:0]
+        if bad.size:
+            raise ConfigError(f"labels must be classes in [0, {classes}) ({classes}: none, unconditional), got "
+                              f"{int(bad[0])}")
+        label = label.astype(np.int32)
         index = np.arange(len(label), dtype=np.int32)  # each sample's noise, keyed by (seed, index)
         out = jax.jit(self.model.generate, static_argnums=3)(self.params, index, label, int(steps))
         return np.asarray(out)

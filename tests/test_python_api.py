@@ -153,6 +153,13 @@ def test_an_image_model_generates_images(tmp_path):
     assert not np.allclose(lm.generate(labels=[0, 2, 1], steps=2), one)
     with pytest.raises(ConfigError, match="for language models"):
         lm.encode("x")
+    # labels outside the 3 classes (3 itself is the null label: unconditional) drew from another
+    # class's embedding row, silently
+    assert lm.generate(labels=[3], steps=1).shape == (1, 4, 4, 3)
+    for bad in (4, -1):
+        with pytest.raises(ConfigError) as e:
+            lm.generate(labels=[0, bad], steps=1)
+        assert str(e.value) == f"labels must be classes in [0, 3) (3: none, unconditional), got {bad}"
 
 
 def test_import_nljax_stays_free_of_jax():
