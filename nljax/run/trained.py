@@ -23,6 +23,7 @@ from nljax.checkpoint.restore import restore_first_valid
 from nljax.errors import ConfigError
 from nljax.models.builtin import for_this_backend
 from nljax.run.core import Run
+from nljax.runtime.exportdir import is_export
 from nljax.runtime.rundir import DATA_PATHS, checkpoint_dir
 
 # config keys outside any section (`seed`): a tool passes them on as overrides, like dotted ones
@@ -88,6 +89,9 @@ def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config
     if cfg_file.exists() and not cfg_file.is_file():  # a folder, a FIFO: not what nljax.train wrote
         raise ConfigError(f"{cfg_file} is not a regular file: run.dir must be a run directory written by nljax.train")
     if not cfg_file.is_file():
+        if is_export(Path(run_dir)):  # nljax.export's out= given for its run.dir: "config.yaml not found" misled
+            raise ConfigError(f"{run_dir} is an export directory (nljax.export wrote it), not a run directory: give "
+                              "the run's directory")
         raise ConfigError(f"{cfg_file} not found: run.dir must be a run directory written by nljax.train")
     # saved: a config.yaml written before a key moved is read with it in its new place
     return config.load(str(cfg_file), [*overrides, f"run.dir={run_dir}"], saved=True)
