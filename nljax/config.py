@@ -272,12 +272,13 @@ def _read_yaml(path: str, saved: bool = False) -> dict:
 
 
 def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: bool = False,
-         base: str | None = None) -> Config:
+         base: str | None = None, check: bool = True) -> Config:
     """Default config, updated by the YAML file at `path`, then by `key=value` overrides.
     `saved`: the file is one nljax wrote (a run's config.yaml), read with its moved keys in their
     new place (`migrate`) like a checkpoint's config; a user's file with an old key is refused.
     `base`: a config.yaml nljax wrote, read first (migrated), which `path` then updates key by key
-    (`--resume` with `--config`: the run's saved config, then the user's file, then overrides)."""
+    (`--resume` with `--config`: the run's saved config, then the user's file, then overrides).
+    `check`: validate the settings together (False: each key's type only)."""
     tree = {} if path is None else _read_yaml(path, saved)
     tree = migrate(tree) if saved else tree
     if path is not None:  # the file alone first: a wrong key or value there names the file
@@ -288,7 +289,8 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
     cfg = _build(Config, tree)
-    validate(cfg)
+    if check:
+        validate(cfg)
     return cfg
 
 
