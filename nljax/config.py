@@ -288,9 +288,24 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
-    cfg = _build(Config, tree)
+    cfg = _home_expanded(_build(Config, tree))
     if check:
         validate(cfg)
+    return cfg
+
+
+# Settings naming a directory of the run's: `~` expanded, as the shell does in an assignment but
+# not in an argument (`run.dir=~/runs/x`): a run wrote into a folder named '~' in the current
+# directory, and generate, export and --resume looked there. The data paths' readers expand theirs.
+HOME_EXPANDED = (("run", "dir"), ("run", "compile_cache"), ("checkpoint", "dir"), ("checkpoint", "resume"))
+
+
+def _home_expanded(cfg: Config) -> Config:
+    for section, key in HOME_EXPANDED:
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and value.startswith("~"):  # not "auto", "none", "latest"
+            part = dataclasses.replace(getattr(cfg, section), **{key: os.path.expanduser(value)})
+            cfg = dataclasses.replace(cfg, **{section: part})
     return cfg
 
 

@@ -241,3 +241,23 @@ def test_compile_cache_setting(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="run.compile_cache: .* cannot be created"):
         compile_cache.enable(str(tmp_path / "file" / "c"))
+
+
+def test_a_home_relative_path_setting_is_expanded(tmp_path, monkeypatch):
+    """`run.dir=~/runs/x` reaches nljax unexpanded (the shell expands `~` in an assignment, not in
+    an argument): a run wrote into a folder named '~' in the current directory, and generate,
+    export and --resume looked for the run there, while nljax.load and the data paths expanded it."""
+    from nljax.run import trained
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(None, ["run.dir=~/runs/x", "checkpoint.dir=~/ck", "run.compile_cache=~/cache",
+                             "checkpoint.resume=~/ck/4"])
+    assert (cfg.run.dir, cfg.checkpoint.dir, cfg.run.compile_cache, cfg.checkpoint.resume) == (
+        f"{tmp_path}/runs/x", f"{tmp_path}/ck", f"{tmp_path}/cache", f"{tmp_path}/ck/4")
+    assert config.load(None, ["run.compile_cache=auto", "checkpoint.resume=latest"]).run.compile_cache == "auto"
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(config.load(None, [f"run.dir={run}"]))))
+    assert trained.trained_config("~/runs/x").run.dir == str(run)  # the run's config.yaml, found
+    assert trained.split_args(["run.dir=~/runs/x"], {})[2] == str(run)  # export's default out= lies under it

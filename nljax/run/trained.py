@@ -85,6 +85,7 @@ def checkpoint_path(run_dir: str | Path, checkpoint: str | int, overrides: Seque
 
 def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config.Config:
     """The run's config.yaml with `overrides` (run.dir where it is now)."""
+    run_dir = os.path.expanduser(run_dir)  # `run.dir=~/runs/x`, which the shell leaves as typed
     cfg_file = Path(run_dir) / "config.yaml"
     if cfg_file.exists() and not cfg_file.is_file():  # a folder, a FIFO: not what nljax.train wrote
         raise ConfigError(f"{cfg_file} is not a regular file: run.dir must be a run directory written by nljax.train")
@@ -149,4 +150,4 @@ def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> 
     run_dirs = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
     if not run_dirs:
         raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
-    return values, overrides, run_dirs[-1]
+    return values, overrides, os.path.expanduser(run_dirs[-1])  # `~/runs/x`: export's out= lies under it
