@@ -97,6 +97,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Checks `value` against annotation `tp`, converting only lossless cases (int -> float, list -> tuple)."""
     origin = typing.get_origin(tp)
     tp = _resolved(tp)
+    if value is None and origin not in (typing.Union, types.UnionType) and tp is not type(None):
+        raise ConfigError(_no_value(key))  # `steps:` with nothing after it: "must be int, got NoneType None"
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
@@ -133,6 +135,22 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             f"config key '{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}"
         )
     return value
+
+
+def _no_value(key: str) -> str:
+    return f"config key '{key}' has no value (null): give one, or leave the key out for its default"
+
+
+def _first_null(tree: dict, prefix: str = "") -> str | None:
+    """The first key of `tree` left without a value (`steps:` with nothing after it), sections
+    aside (`train:` alone is an empty section)."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            if (found := _first_null(v, f"{prefix}{k}.")) is not None:
+                return found
+        elif v is None and f"{prefix}{k}" not in SECTIONS:
+            return f"{prefix}{k}"
+    return None
 
 
 def _resolved(tp: Any) -> Any:
@@ -260,6 +278,8 @@ def _read_yaml(path: str, saved: bool = False) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}")
     if loaded is None or not _settings_in(loaded):  # a file saved before it was written, the wrong file
+        if isinstance(loaded, dict) and (null := _first_null(loaded)) is not None:  # `steps:` alone: a key, no value
+            raise ConfigError(f"config file {path}: {_no_value(null)}")
         hint = ("a run's config.yaml holds every setting, this is not the one nljax.train wrote" if saved
                 else "give some, or leave --config out for the defaults")
         raise ConfigError(f"config file {path} holds no settings: {hint}")

@@ -61,6 +61,8 @@ def test_yaml_file(tmp_path):
         ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),
         ("train.steps=2147483648", "train.steps must be < 2^31, got 2147483648"),
         ("train.max_skipped=-1", "train.max_skipped must be >= 0"),
+        # a key left without a value: "must be int, got NoneType None"
+        ("train.steps=null", "config key 'train.steps' has no value (null): give one, or leave the key out for its default"),
         # a group of keys checked together named them all, not the one given nor its value
         ("train.batch_size=0", "train.batch_size must be >= 1, got 0"),
         ("train.seq_len=-8", "train.seq_len must be >= 1, got -8"),
@@ -261,3 +263,19 @@ def test_a_home_relative_path_setting_is_expanded(tmp_path, monkeypatch):
     (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(config.load(None, [f"run.dir={run}"]))))
     assert trained.trained_config("~/runs/x").run.dir == str(run)  # the run's config.yaml, found
     assert trained.split_args(["run.dir=~/runs/x"], {})[2] == str(run)  # export's default out= lies under it
+
+
+def test_a_key_left_without_a_value_in_a_file_is_named(tmp_path):
+    """`steps:` with nothing after it: the file was refused as holding no settings at all (the
+    key alone), or a NoneType was named (beside another key)."""
+    p = tmp_path / "c.yaml"
+    for text in ("train:\n  steps:\n", "train:\n  steps:\n  batch_size: 4\n", "run:\n  dir: null\n"):
+        p.write_text(text)
+        key = "run.dir" if "dir" in text else "train.steps"
+        with pytest.raises(ConfigError) as e:
+            config.load(str(p))
+        assert str(e.value) == (f"config file {p}: config key '{key}' has no value (null): give one, or leave the "
+                                "key out for its default")
+    p.write_text("train:\n")  # a section with nothing under it: as before
+    with pytest.raises(ConfigError, match="holds no settings"):
+        config.load(str(p))
