@@ -134,7 +134,12 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     (["run.dir=/tmp", "top_p=0"], "0 < top_p <= 1"),
     (["run.dir=/tmp", "max_new_tokens=many"], "max_new_tokens='many' is not an integer"),
     (["run.dir=/tmp", "seed=-1"], "seed must be in [0, 2^63), got -1"),
-    (["run.dir=/tmp", "temperature=nan"], "finite temperature >= 0"),
+    (["run.dir=/tmp", "temperature=nan"], "temperature must be finite and >= 0 (0: greedy), got nan"),
+    # each named with its value (the line named all four and listed their values in order)
+    (["run.dir=/tmp", "max_new_tokens=-5"], "max_new_tokens must be >= 0, got -5"),
+    (["run.dir=/tmp", "top_k=-1"], "top_k must be >= 0 (0: every token), got -1"),
+    (["run.dir=/tmp", "temperature=-1"], "temperature must be finite and >= 0 (0: greedy), got -1.0"),
+    (["run.dir=/tmp", "top_p=2"], "top_p must be in 0 < top_p <= 1, got 2.0"),
     (["run.dir=/tmp", "out=README.md"], "out=README.md: the image grid is a PNG, give a file name ending in .png"),
     (["run.dir=/tmp", "temprature=0.5"], "unknown setting 'temprature': did you mean 'temperature'?"),
     (["run.dir=/tmp", "out=/nonexistent/dir/g.png"], "out=/nonexistent/dir/g.png: directory /nonexistent/dir does not exist"),

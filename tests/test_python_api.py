@@ -128,7 +128,7 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: lm.logits([[65, 256]]), "token ids must be in [0, 256), got 256"),
         (lambda: lm.logits([[-1, 65]]), "token ids must be in [0, 256), got -1"),
         (lambda: lm.logits([[65, 66]], reset=[True, False]), "reset must hold one flag per row (1), got 2"),
-        (lambda: lm.generate("x", top_p=0), "0 < top_p <= 1"),
+        (lambda: lm.generate("x", top_p=0), "top_p must be in 0 < top_p <= 1, got 0"),
     ]
     for call, words in cases:
         with pytest.raises(ConfigError) as e:

@@ -57,9 +57,15 @@ class Settings:
     def check(self) -> "Settings":
         if self.max_new_tokens > MAX_NEW_TOKENS:  # token by token on the host: a huge count never ends
             raise ConfigError(f"max_new_tokens must be <= {MAX_NEW_TOKENS:,}, got {self.max_new_tokens:,}")
-        if self.max_new_tokens < 0 or not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"need max_new_tokens >= 0, finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
-                              f"{self.max_new_tokens}, {self.temperature}, {self.top_k}, {self.top_p}")
+        # each its own line with its value: one naming all four left the user to match them up
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be finite and >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0: every token), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in 0 < top_p <= 1, got {self.top_p}")
         if not 0 <= self.seed < 2**63:  # NumPy's generator alone reads it (no JAX key)
             raise ConfigError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.samples < 1:
