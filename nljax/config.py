@@ -314,10 +314,12 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
     return cfg
 
 
-# Settings naming a directory of the run's: `~` expanded, as the shell does in an assignment but
+# Settings naming a path of the run's: `~` expanded, as the shell does in an assignment but
 # not in an argument (`run.dir=~/runs/x`): a run wrote into a folder named '~' in the current
-# directory, and generate, export and --resume looked there. The data paths' readers expand theirs.
-HOME_EXPANDED = (("run", "dir"), ("run", "compile_cache"), ("checkpoint", "dir"), ("checkpoint", "resume"))
+# directory, and generate, export and --resume looked there; images.path was "not found". The text
+# data paths' readers expand theirs.
+HOME_EXPANDED = (("run", "dir"), ("run", "compile_cache"), ("checkpoint", "dir"), ("checkpoint", "resume"),
+                 ("images", "path"))
 
 
 def _home_expanded(cfg: Config) -> Config:

@@ -258,6 +258,7 @@ def test_a_home_relative_path_setting_is_expanded(tmp_path, monkeypatch):
     assert (cfg.run.dir, cfg.checkpoint.dir, cfg.run.compile_cache, cfg.checkpoint.resume) == (
         f"{tmp_path}/runs/x", f"{tmp_path}/ck", f"{tmp_path}/cache", f"{tmp_path}/ck/4")
     assert config.load(None, ["run.compile_cache=auto", "checkpoint.resume=latest"]).run.compile_cache == "auto"
+    assert config.load(None, ["images.path=~/digits.npz"]).images.path == f"{tmp_path}/digits.npz"
     run = tmp_path / "runs" / "x"
     run.mkdir(parents=True)
     (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(config.load(None, [f"run.dir={run}"]))))
