@@ -112,6 +112,19 @@ def out_of_memory(e: BaseException) -> str | None:
     return None
 
 
+def symlink_loop(e: BaseException) -> str | None:
+    """The one line for a path that is a loop of symbolic links (a -> b -> a), or None: a
+    RuntimeError from Path.resolve (Python 3.11, 3.12) or an OSError (ELOOP) from whatever opens it,
+    anywhere a command reads or makes a path."""
+    if isinstance(e, OSError) and e.errno == errno.ELOOP:
+        name = e.filename
+    elif isinstance(e, RuntimeError) and str(e).startswith("Symlink loop from "):
+        name = str(e).removeprefix("Symlink loop from ").strip("'\"")
+    else:
+        return None
+    return f"{name} is a loop of symbolic links" if name else f"a loop of symbolic links ({first_line(e)})"
+
+
 def write_failed(e: BaseException) -> str | None:
     """The one line for a file that could not be written (a full disk, a quota, a file-size
     limit, a read-only file system), or None for any other error."""
@@ -192,10 +205,16 @@ def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] 
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way the tool stops
         return interrupted(prog, after_ctrl_c)
     except OSError as e:
+        if line := symlink_loop(e):  # a path the user gave: exit 2, as a ConfigError
+            print(f"{prog}: error: {line}", file=sys.stderr)
+            return 2
         print(f"{prog}: error: {write_failed(e) or e}", file=sys.stderr)
         after_os_error()
         return 1
     except Exception as e:  # noqa: BLE001 - JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
+        if line := symlink_loop(e):
+            print(f"{prog}: error: {line}", file=sys.stderr)
+            return 2
         line = backend_failed(e)
         if line is None:
             raise
@@ -241,7 +260,10 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         print(f"{p.prog}: error{where}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        line = out_of_memory(e) or write_failed(e) or backend_failed(e)
+        if (loop := symlink_loop(e)) and not multiprocess:  # a path the user gave: exit 2, as a ConfigError
+            print(f"{p.prog}: error: {loop}", file=sys.stderr)
+            return 2
+        line = out_of_memory(e) or write_failed(e) or backend_failed(e) or loop
         if line and not multiprocess:
             print(f"{p.prog}: error: {line}", file=sys.stderr)
             return 1
