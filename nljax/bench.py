@@ -347,6 +347,26 @@ def check_out(out: Path) -> None:
         raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
     if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
         raise ConfigError(f"--out {out}: {out if out.exists() else parent} is not writable")
+    if out.exists() and not earlier_result(out):  # a tokenizer.json, an export's config.json: replaced before
+        raise ConfigError(f"--out {out} holds a file that is not an nljax.bench result: give a new file name, "
+                          "or move it")
+
+
+# Keys every result has (`run_bench`, then `_run`): a JSON file with them is an earlier result
+RESULT_KEYS = frozenset({"config", "environment", "per_pattern", "command"})
+
+
+def earlier_result(out: Path) -> bool:
+    """Whether the existing `out` may be replaced: empty, or an earlier `--out` result (a rerun
+    of a suite into the same folder). A FIFO or a device is neither (and is not read)."""
+    if not out.is_file():
+        return False
+    try:
+        text = out.read_bytes()
+        result = json.loads(text) if text.strip() else {k: None for k in RESULT_KEYS}
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and RESULT_KEYS <= result.keys()
 
 
 def check_profile_dir(d: Path) -> None:

@@ -106,6 +106,22 @@ def out_of_memory(e: BaseException) -> str | None:
     return None
 
 
+def unusable_path(e: BaseException) -> str | None:
+    """The one line for a path the user gave that the file system cannot take, anywhere a command
+    reads or makes one, or None: a loop of symbolic links (a -> b -> a: an OSError ELOOP, or
+    Path.resolve's RuntimeError on Python 3.11, 3.12), a name over 255 bytes or a path over 4,096
+    (ENAMETOOLONG). Both were tracebacks where no check of the path's own came first."""
+    loop = "is a loop of symbolic links"
+    if isinstance(e, OSError) and e.errno in (errno.ELOOP, errno.ENAMETOOLONG):
+        name = e.filename
+        why = loop if e.errno == errno.ELOOP else "is longer than the file system takes (255 bytes a name, 4,096 a path)"
+    elif isinstance(e, RuntimeError) and str(e).startswith("Symlink loop from "):
+        name, why = str(e).removeprefix("Symlink loop from ").strip("'\""), loop
+    else:
+        return None
+    return f"{name} {why}" if name else f"a path {why} ({first_line(e)})"
+
+
 def write_failed(e: BaseException) -> str | None:
     """The one line for a file that could not be written (a full disk, a quota, a file-size
     limit, a read-only file system), or None for any other error."""
@@ -186,10 +202,16 @@ def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] 
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way the tool stops
         return interrupted(prog, after_ctrl_c)
     except OSError as e:
+        if line := unusable_path(e):  # a path the user gave: exit 2, as a ConfigError
+            print(f"{prog}: error: {line}", file=sys.stderr)
+            return 2
         print(f"{prog}: error: {write_failed(e) or e}", file=sys.stderr)
         after_os_error()
         return 1
     except Exception as e:  # noqa: BLE001 - JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
+        if line := unusable_path(e):
+            print(f"{prog}: error: {line}", file=sys.stderr)
+            return 2
         line = backend_failed(e)
         if line is None:
             raise
@@ -241,7 +263,10 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         print(f"{p.prog}: error{where}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        line = out_of_memory(e) or write_failed(e) or backend_failed(e)
+        if (loop := unusable_path(e)) and not multiprocess:  # a path the user gave: exit 2, as a ConfigError
+            print(f"{p.prog}: error: {loop}", file=sys.stderr)
+            return 2
+        line = out_of_memory(e) or write_failed(e) or backend_failed(e) or loop
         if line and not multiprocess:
             print(f"{p.prog}: error: {line}", file=sys.stderr)
             return 1

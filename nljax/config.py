@@ -97,6 +97,8 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
     """Checks `value` against annotation `tp`, converting only lossless cases (int -> float, list -> tuple)."""
     origin = typing.get_origin(tp)
     tp = _resolved(tp)
+    if value is None and origin not in (typing.Union, types.UnionType) and tp is not type(None):
+        raise ConfigError(_no_value(key))  # `steps:` with nothing after it: "must be int, got NoneType None"
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, dict):
             raise ConfigError(f"config key '{key}' must be a mapping, got {value!r}")
@@ -133,6 +135,22 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
             f"config key '{key}' must be {_type_name(tp)}, got {type(value).__name__} {value!r}"
         )
     return value
+
+
+def _no_value(key: str) -> str:
+    return f"config key '{key}' has no value (null): give one, or leave the key out for its default"
+
+
+def _first_null(tree: dict, prefix: str = "") -> str | None:
+    """The first key of `tree` left without a value (`steps:` with nothing after it), sections
+    aside (`train:` alone is an empty section)."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            if (found := _first_null(v, f"{prefix}{k}.")) is not None:
+                return found
+        elif v is None and f"{prefix}{k}" not in SECTIONS:
+            return f"{prefix}{k}"
+    return None
 
 
 def _resolved(tp: Any) -> Any:
@@ -246,7 +264,8 @@ def _settings_in(tree: Any) -> bool:
     return any(_settings_in(v) for v in tree.values()) if isinstance(tree, dict) else tree is not None
 
 
-def _read_yaml(path: str) -> dict:
+def _read_yaml(path: str, saved: bool = False) -> dict:
+    """The settings in the YAML file `path` (`saved`: a run's config.yaml, which nljax wrote)."""
     p = config_path(path)
     if not p.is_file():  # a directory, /dev/null, a pipe
         raise ConfigError(f"config file {path} is not a regular file")
@@ -259,7 +278,11 @@ def _read_yaml(path: str) -> dict:
     except yaml.YAMLError as e:
         raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}")
     if loaded is None or not _settings_in(loaded):  # a file saved before it was written, the wrong file
-        raise ConfigError(f"config file {path} holds no settings: give some, or leave --config out for the defaults")
+        if isinstance(loaded, dict) and (null := _first_null(loaded)) is not None:  # `steps:` alone: a key, no value
+            raise ConfigError(f"config file {path}: {_no_value(null)}")
+        hint = ("a run's config.yaml holds every setting, this is not the one nljax.train wrote" if saved
+                else "give some, or leave --config out for the defaults")
+        raise ConfigError(f"config file {path} holds no settings: {hint}")
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
     empty = [k for k, v in loaded.items() if v is None and k in SECTIONS]
@@ -269,27 +292,52 @@ def _read_yaml(path: str) -> dict:
 
 
 def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: bool = False,
-         base: str | None = None) -> Config:
+         base: str | None = None, check: bool = True) -> Config:
     """Default config, updated by the YAML file at `path`, then by `key=value` overrides.
     `saved`: the file is one nljax wrote (a run's config.yaml), read with its moved keys in their
     new place (`migrate`) like a checkpoint's config; a user's file with an old key is refused.
     `base`: a config.yaml nljax wrote, read first (migrated), which `path` then updates key by key
-    (`--resume` with `--config`: the run's saved config, then the user's file, then overrides)."""
-    tree = {} if path is None else _read_yaml(path)
+    (`--resume` with `--config`: the run's saved config, then the user's file, then overrides).
+    `check`: validate the settings together (False: each key's type only)."""
+    tree = {} if path is None else _read_yaml(path, saved)
     tree = migrate(tree) if saved else tree
-    if path is not None and not saved:  # the file alone first: a wrong key or value there names the file
-        try:
-            _build(Config, tree)
-        except ConfigError as e:
-            raise ConfigError(f"config file {path}: {e}") from None
-    if base is not None:
-        tree = _merged(migrate(_read_yaml(base)), tree)
+    if path is not None:  # the file alone first: a wrong key or value there names the file
+        _built_from(path, tree)
+    if base is not None:  # a run's config.yaml too: the line named a key the command line did not hold
+        tree = _merged(_built_from(base, migrate(_read_yaml(base, saved=True))), tree)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
-    cfg = _build(Config, tree)
-    validate(cfg)
+    cfg = _home_expanded(_build(Config, tree))
+    if check:
+        validate(cfg)
     return cfg
+
+
+# Settings naming a path of the run's: `~` expanded, as the shell does in an assignment but
+# not in an argument (`run.dir=~/runs/x`): a run wrote into a folder named '~' in the current
+# directory, and generate, export and --resume looked there; images.path was "not found". The text
+# data paths' readers expand theirs.
+HOME_EXPANDED = (("run", "dir"), ("run", "compile_cache"), ("checkpoint", "dir"), ("checkpoint", "resume"),
+                 ("images", "path"))
+
+
+def _home_expanded(cfg: Config) -> Config:
+    for section, key in HOME_EXPANDED:
+        value = getattr(getattr(cfg, section), key)
+        if isinstance(value, str) and value.startswith("~"):  # not "auto", "none", "latest"
+            part = dataclasses.replace(getattr(cfg, section), **{key: os.path.expanduser(value)})
+            cfg = dataclasses.replace(cfg, **{section: part})
+    return cfg
+
+
+def _built_from(path: str, tree: dict) -> dict:
+    """`tree`, the settings of the file `path`, once they build a config; else one line naming the file."""
+    try:
+        _build(Config, tree)
+    except ConfigError as e:
+        raise ConfigError(f"config file {path}: {e}") from None
+    return tree
 
 
 def _merged(tree: dict, update: dict) -> dict:

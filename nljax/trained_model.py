@@ -105,10 +105,20 @@ class TrainedModel:
         change), but the memory returned has then read the padding too: to continue a text
         later, carry the memory after full windows only, as `generate` does."""
         self._text_only("logits")
-        tokens = np.asarray(tokens, np.int32)
+        try:
+            tokens = np.asarray(tokens, np.int64)
+        except (TypeError, ValueError):  # ragged rows, not numbers
+            raise ConfigError("tokens must be [rows, T] integer ids, rows of one length") from None
         if tokens.ndim != 2 or tokens.shape[1] < 1:
             raise ConfigError(f"tokens must be [rows, T] with T >= 1, got shape {tokens.shape}")
+        vocab = self.config.model.vocab_size
+        bad = tokens[(tokens < 0) | (tokens >= vocab)]
+        if bad.size:  # the embedding's gather would read some other row (or NaN): logits of nothing
+            raise ConfigError(f"token ids must be in [0, {vocab}), got {int(bad[0])}")
+        tokens = tokens.astype(np.int32)
         rows = tokens.shape[0]
+        if reset is not None and np.size(reset) != rows:
+            raise ConfigError(f"reset must hold one flag per row ({rows}), got {np.size(reset)}")
         reset = np.full((rows,), memory is None) if reset is None else np.asarray(reset, bool).reshape(rows)
         memory = self.init_memory(rows) if memory is None else memory
         out = []
@@ -167,7 +177,16 @@ class TrainedModel:
             raise ConfigError(f"model.name={self.config.model.name} neither makes text nor has generate()")
         if labels is None or len(labels) == 0 or steps < 1:
             raise ConfigError("an image model's generate needs labels=[class, ...] (one sample each) and steps >= 1")
-        label = np.asarray(labels, np.int32)
+        label = np.asarray(labels, np.int64)
+        # a conditional DiT's classes 0..n-1 and n, its null label; a label beyond reads another
+        # row of the label embedding (or none), silently. An unconditional model reads none.
+        conditional = getattr(self.model, "conditional", False)
+        classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0
+        bad = label[(label < 0) | (label > classes)] if classes else label[:0]
+        if bad.size:
+            raise ConfigError(f"labels must be classes in [0, {classes}) ({classes}: none, unconditional), got "
+                              f"{int(bad[0])}")
+        label = label.astype(np.int32)
         index = np.arange(len(label), dtype=np.int32)  # each sample's noise, keyed by (seed, index)
         out = jax.jit(self.model.generate, static_argnums=3)(self.params, index, label, int(steps))
         return np.asarray(out)

@@ -136,6 +136,26 @@ def test_bench_out_is_checked_before_anything_runs(tmp_path, out, line):
     assert (tmp_path / "notes.md").read_text() == "mine"
 
 
+def test_bench_out_never_replaces_a_file_it_did_not_write(tmp_path):
+    """`--out` over an existing JSON file that is not an earlier benchmark result (a tokenizer.json,
+    an export's config.json) is refused at once: it was silently replaced by the result. An earlier
+    result, or an empty file, is replaced as before."""
+    from nljax.bench import check_out
+
+    theirs = tmp_path / "tokenizer.json"
+    theirs.write_text('{"model": {"type": "BPE"}}')
+    p = cli("nljax.bench", "--out", "tokenizer.json", *NL, check=False, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "nljax.bench: error: --out tokenizer.json holds a file that is not an nljax.bench result: give a new "
+        "file name, or move it"), p.stderr
+    assert theirs.read_text() == '{"model": {"type": "BPE"}}'
+    earlier, empty = tmp_path / "b.json", tmp_path / "e.json"
+    earlier.write_text(json.dumps({"config": {}, "environment": {}, "per_pattern": [], "command": "python -m nljax.bench"}))
+    empty.write_text("")
+    check_out(earlier)  # replaced by the new result
+    check_out(empty)
+
+
 @pytest.mark.parametrize("where", ["notes.md", "notes.md/trace"])
 def test_bench_profile_dir_is_checked_before_anything_runs(tmp_path, where):
     """A --profile-dir that is (or lies under) a file is one line at once: the profiler's

@@ -61,6 +61,16 @@ def test_yaml_file(tmp_path):
         ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),
         ("train.steps=2147483648", "train.steps must be < 2^31, got 2147483648"),
         ("train.max_skipped=-1", "train.max_skipped must be >= 0"),
+        # a key left without a value: "must be int, got NoneType None"
+        ("train.steps=null", "config key 'train.steps' has no value (null): give one, or leave the key out for its default"),
+        # a group of keys checked together named them all, not the one given nor its value
+        ("train.batch_size=0", "train.batch_size must be >= 1, got 0"),
+        ("train.seq_len=-8", "train.seq_len must be >= 1, got -8"),
+        ("train.steps=-1", "train.steps must be >= 0, got -1"),
+        ("train.log_every=0", "train.log_every must be >= 1, got 0"),
+        ("model.dim=-16", "model.dim must be >= 1, got -16"),
+        ("throughput.reps=0", "throughput.reps must be >= 1, got 0"),
+        ("checkpoint.keep=0", "checkpoint.keep must be >= 1, got 0"),
         ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
         ("data.train=a.txt", "data.train is read only with data.source=files (data.source=stdlib)"),
@@ -185,6 +195,28 @@ def test_a_saved_config_without_a_key_added_since_reads_it_as_it_was():
     assert "reset_prob" not in config.migrate(old)["data"]
 
 
+def test_a_runs_config_yaml_names_itself_in_its_errors(tmp_path):
+    """A run's config.yaml (read by generate, export, nljax.load and --resume, `saved` or `base`)
+    with a key or value nljax does not take is one line naming the file, as a --config file is: the
+    line named only the key, which the command line did not hold. An emptied one is not told to
+    leave --config out (generate has no --config)."""
+    p = tmp_path / "config.yaml"
+    tree = config.to_dict(config.load(None))
+    tree["train"]["stepz"] = tree["train"].pop("steps")
+    p.write_text(yaml.safe_dump(tree))
+    line = f"config file {p}: unknown config key 'train.stepz' (did you mean 'train.steps'?)"
+    for read in (lambda: config.load(str(p), [f"run.dir={tmp_path}"], saved=True),
+                 lambda: config.load(None, ["train.steps=3"], base=str(p))):
+        with pytest.raises(ConfigError) as e:
+            read()
+        assert str(e.value) == line
+    p.write_text("")
+    with pytest.raises(ConfigError) as e:
+        config.load(str(p), saved=True)
+    assert str(e.value) == (f"config file {p} holds no settings: a run's config.yaml holds every setting, this is not "
+                            "the one nljax.train wrote")
+
+
 @pytest.mark.parametrize("on, trackers", [(True, ("tensorboard",)), (False, ())])
 def test_a_saved_config_with_run_tensorboard_is_read_as_run_trackers(tmp_path, on, trackers):
     """`run.tensorboard` (a bool) became `run.trackers` (a list): a checkpoint's config and a run's
@@ -211,3 +243,40 @@ def test_compile_cache_setting(tmp_path, monkeypatch):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="run.compile_cache: .* cannot be created"):
         compile_cache.enable(str(tmp_path / "file" / "c"))
+
+
+def test_a_home_relative_path_setting_is_expanded(tmp_path, monkeypatch):
+    """`run.dir=~/runs/x` reaches nljax unexpanded (the shell expands `~` in an assignment, not in
+    an argument): a run wrote into a folder named '~' in the current directory, and generate,
+    export and --resume looked for the run there, while nljax.load and the data paths expanded it."""
+    from nljax.run import trained
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(None, ["run.dir=~/runs/x", "checkpoint.dir=~/ck", "run.compile_cache=~/cache",
+                             "checkpoint.resume=~/ck/4"])
+    assert (cfg.run.dir, cfg.checkpoint.dir, cfg.run.compile_cache, cfg.checkpoint.resume) == (
+        f"{tmp_path}/runs/x", f"{tmp_path}/ck", f"{tmp_path}/cache", f"{tmp_path}/ck/4")
+    assert config.load(None, ["run.compile_cache=auto", "checkpoint.resume=latest"]).run.compile_cache == "auto"
+    assert config.load(None, ["images.path=~/digits.npz"]).images.path == f"{tmp_path}/digits.npz"
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(config.load(None, [f"run.dir={run}"]))))
+    assert trained.trained_config("~/runs/x").run.dir == str(run)  # the run's config.yaml, found
+    assert trained.split_args(["run.dir=~/runs/x"], {})[2] == str(run)  # export's default out= lies under it
+
+
+def test_a_key_left_without_a_value_in_a_file_is_named(tmp_path):
+    """`steps:` with nothing after it: the file was refused as holding no settings at all (the
+    key alone), or a NoneType was named (beside another key)."""
+    p = tmp_path / "c.yaml"
+    for text in ("train:\n  steps:\n", "train:\n  steps:\n  batch_size: 4\n", "run:\n  dir: null\n"):
+        p.write_text(text)
+        key = "run.dir" if "dir" in text else "train.steps"
+        with pytest.raises(ConfigError) as e:
+            config.load(str(p))
+        assert str(e.value) == (f"config file {p}: config key '{key}' has no value (null): give one, or leave the "
+                                "key out for its default")
+    p.write_text("train:\n")  # a section with nothing under it: as before
+    with pytest.raises(ConfigError, match="holds no settings"):
+        config.load(str(p))

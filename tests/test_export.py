@@ -97,6 +97,10 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
                                                                f"{under_a_file}: Not a directory")
     assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0  # an earlier export is replaced
     done = tmp_path / "run" / "export"
+    capsys.readouterr()
+    assert export.main([f"run.dir={done}"]) == 2  # an export of the export: it was "config.yaml not found"
+    assert capsys.readouterr().err.strip() == (f"nljax.export: error: {done} is an export directory (nljax.export "
+                                               "wrote it), not a run directory: give the run's directory")
     before = {p.name: p.read_bytes() for p in done.iterdir()}
 
     def cut_short(tree, path, *a, **k):  # Ctrl-C halfway through the weights

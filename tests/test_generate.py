@@ -134,7 +134,12 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     (["run.dir=/tmp", "top_p=0"], "0 < top_p <= 1"),
     (["run.dir=/tmp", "max_new_tokens=many"], "max_new_tokens='many' is not an integer"),
     (["run.dir=/tmp", "seed=-1"], "seed must be in [0, 2^63), got -1"),
-    (["run.dir=/tmp", "temperature=nan"], "finite temperature >= 0"),
+    (["run.dir=/tmp", "temperature=nan"], "temperature must be finite and >= 0 (0: greedy), got nan"),
+    # each named with its value (the line named all four and listed their values in order)
+    (["run.dir=/tmp", "max_new_tokens=-5"], "max_new_tokens must be >= 0, got -5"),
+    (["run.dir=/tmp", "top_k=-1"], "top_k must be >= 0 (0: every token), got -1"),
+    (["run.dir=/tmp", "temperature=-1"], "temperature must be finite and >= 0 (0: greedy), got -1.0"),
+    (["run.dir=/tmp", "top_p=2"], "top_p must be in 0 < top_p <= 1, got 2.0"),
     (["run.dir=/tmp", "out=README.md"], "out=README.md: the image grid is a PNG, give a file name ending in .png"),
     (["run.dir=/tmp", "temprature=0.5"], "unknown setting 'temprature': did you mean 'temperature'?"),
     (["run.dir=/tmp", "out=/nonexistent/dir/g.png"], "out=/nonexistent/dir/g.png: directory /nonexistent/dir does not exist"),
@@ -283,3 +288,34 @@ def test_a_recall_run_generates_and_exports(tmp_path, capsys):
     assert generate.main([f"run.dir={tmp_path / 'run'}", "prompt=a=1;", "max_new_tokens=3"]) == 0
     assert capsys.readouterr().out.startswith("a=1;")
     assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_is_one_line(tmp_path):
+    """A tokenizer without byte fallback or an unknown token (a BPE over whitespace-split words)
+    dropped the characters it has no token for: a prompt of them generated from a document start,
+    and one partly of them from what was left, silently. Such a prompt is one line naming them;
+    a byte-level tokenizer (every character has tokens) and bytes take any prompt."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from nljax.data.tokenization import Bytes, HFTokenizer
+    from nljax.errors import ConfigError
+
+    docs = ["def f(x):\n    return x + 1\n", "class A:\n    pass\n"] * 20
+    paths = {}
+    for name, pre in (("words", pre_tokenizers.Whitespace()), ("bytes", pre_tokenizers.ByteLevel(add_prefix_space=False))):
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre
+        alphabet = pre_tokenizers.ByteLevel.alphabet() if name == "bytes" else []
+        tok.decoder = decoders.ByteLevel() if name == "bytes" else None
+        tok.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=300, special_tokens=["<eos>"], initial_alphabet=alphabet))
+        paths[name] = tmp_path / f"{name}.json"
+        tok.save(str(paths[name]))
+    words = HFTokenizer(paths["words"], "<eos>")
+    assert sampling.prompt_ids(words, "def f") == words.encode("def f")
+    for prompt in ("日本", "def 日本 f"):
+        with pytest.raises(ConfigError) as e:
+            sampling.prompt_ids(words, prompt)
+        assert str(e.value) == (f"prompt {prompt!r}: this run's tokenizer has no token for '日本' (the model "
+                                f"would not see it): {paths['words']}")
+    for codec in (HFTokenizer(paths["bytes"], "<eos>"), Bytes()):
+        assert sampling.prompt_ids(codec, "def 日本 f") == codec.encode("def 日本 f")

@@ -383,3 +383,22 @@ def test_a_chunk_is_cut_by_utf8_bytes_not_characters(tmp_path):
         assert per_chunk == ({10} if char == "a" else {4}), (name, [len(c.texts) for c in cut])
         assert all(c.nbytes == sum(len(t.encode()) for t in c.texts) for c in cut)
     assert chunks.utf8_bytes("\ud800") == 3  # a lone surrogate (JSON allows one) is counted, not an error
+
+
+def test_a_full_disk_while_tokenizing_names_the_file(tmp_path):
+    """A token file that fills the disk as a chunk is appended: the OS's error from `write`
+    carries no file name, and the line was 'a write failed: [Errno 28] ...', naming no file."""
+    import io
+
+    from nljax import cli
+    from nljax.data import workdir
+
+    class Full(io.FileIO):
+        def write(self, b):
+            raise OSError(28, "No space left on device")
+
+    tokens, starts = tmp_path / "part.train.bin", tmp_path / "part.train.starts"
+    with Full(tokens, "wb") as f, Full(starts, "wb") as s:
+        with pytest.raises(OSError) as e:
+            workdir.Sink(f, s, np.dtype(np.uint16)).add(np.arange(5), np.array([5]), np.array([6]))
+    assert cli.write_failed(e.value) == f"cannot write {tokens}: [Errno 28] No space left on device"

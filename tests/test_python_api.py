@@ -123,7 +123,12 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: nljax.load(tmp_path), "is neither an export directory"),
         (lambda: nljax.load(runs / "runs" / "default" / "export", checkpoint="3"), "is an export"),
         (lambda: lm.logits(np.zeros(5, np.int32)), "tokens must be [rows, T]"),
-        (lambda: lm.generate("x", top_p=0), "0 < top_p <= 1"),
+        (lambda: lm.logits([[1, 2], [3]]), "tokens must be [rows, T]"),  # ragged rows: numpy's ValueError before
+        # ids outside the vocabulary gave logits of some other token (or NaN), silently
+        (lambda: lm.logits([[65, 256]]), "token ids must be in [0, 256), got 256"),
+        (lambda: lm.logits([[-1, 65]]), "token ids must be in [0, 256), got -1"),
+        (lambda: lm.logits([[65, 66]], reset=[True, False]), "reset must hold one flag per row (1), got 2"),
+        (lambda: lm.generate("x", top_p=0), "top_p must be in 0 < top_p <= 1, got 0"),
     ]
     for call, words in cases:
         with pytest.raises(ConfigError) as e:
@@ -148,6 +153,13 @@ def test_an_image_model_generates_images(tmp_path):
     assert not np.allclose(lm.generate(labels=[0, 2, 1], steps=2), one)
     with pytest.raises(ConfigError, match="for language models"):
         lm.encode("x")
+    # labels outside the 3 classes (3 itself is the null label: unconditional) drew from another
+    # class's embedding row, silently
+    assert lm.generate(labels=[3], steps=1).shape == (1, 4, 4, 3)
+    for bad in (4, -1):
+        with pytest.raises(ConfigError) as e:
+            lm.generate(labels=[0, bad], steps=1)
+        assert str(e.value) == f"labels must be classes in [0, 3) (3: none, unconditional), got {bad}"
 
 
 def test_import_nljax_stays_free_of_jax():

@@ -644,6 +644,31 @@ def test_a_dangling_symlink_as_run_dir_is_named_as_such(tmp_path):
         make_run_dir(tmp_path / "run")
 
 
+def test_a_path_the_file_system_cannot_take_is_one_line(tmp_path, monkeypatch, capsys):
+    """run.dir or prepare's out= a loop of symbolic links (a -> b -> a): Path.resolve's
+    RuntimeError ('Symlink loop from ...', Python 3.11 and 3.12) was a traceback; so was a
+    --config or bench --out whose name is over 255 bytes (OSError ENAMETOOLONG from a stat)."""
+    from nljax import bench
+    from nljax import prepare, train
+
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    (tmp_path / "t.txt").write_text("text " * 100)
+    monkeypatch.chdir(tmp_path)
+    for tool, main, args in (("nljax.train", train.main, ["--resume", f"run.dir={tmp_path / 'a'}"]),
+                             ("nljax.prepare", prepare.main, [f"data.train={tmp_path / 't.txt'}", f"out={tmp_path / 'a'}"])):
+        capsys.readouterr()
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"{tool}: error: {tmp_path / 'a'} is a loop of symbolic links", err
+    long = tmp_path / ("x" * 300)
+    for tool, main, args, name in (("nljax.train", train.main, ["--config", f"{long}.yaml"], f"{long}.yaml"),
+                                   ("nljax.bench", bench.main, ["--out", f"{long}.json"], f"{long}.json")):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"{tool}: error: {name} is longer than the file system takes (255 bytes a name, 4,096 a path)"
+
+
 def test_an_export_onto_a_full_disk_is_an_oserror(tmp_path):
     """safetensors reports a failed write as its own error type ('I/O error: ... (os error 28)'):
     a traceback before; now the OSError that the export command reports in one line."""

@@ -75,3 +75,21 @@ def test_config_file_with_resume_is_applied_on_the_saved_config(tmp_path):
         raise AssertionError("a changed cms.periods was accepted")
     # no resume, or another run's checkpoints: the command line's config, as before
     assert resumed_config(config.load(None, [f"run.dir={run}"]), None, []).train.steps == config.Config().train.steps
+
+
+def test_a_changed_model_is_named_before_the_checks_it_fails(tmp_path):
+    """A resume that changes model.name is refused naming model.name: the merged config's own
+    check failed first and named a key the user did not touch (train.seq_len=6 must be a multiple
+    of model.nl_lm.memory_chunk=...)."""
+    from nljax import config
+    from nljax.run.resuming import resumed_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    saved = config.load(None, [*STARTED, "train.seq_len=6", f"run.dir={run}"])
+    (run / "config.yaml").write_text(json.dumps(config.to_dict(saved)))
+    args = ["checkpoint.resume=latest", f"run.dir={run}", "model.name=nl_lm"]
+    with pytest.raises(config.ConfigError) as e:
+        resumed_config(config.load(None, args), None, args)
+    assert str(e.value) == (f"model.name='nl_lm' cannot change on resume ('cms_mlp' in {run / 'config.yaml'}: the "
+                            "checkpoint holds that model); leave it out, or start a new run in another run.dir")

@@ -110,3 +110,19 @@ def test_overwrite_and_resume_are_not_refused(earlier, tmp_path, monkeypatch, no
     for extra in (["run.overwrite=true"], ["--resume"]):
         with pytest.raises(AssertionError, match="the run was built"):
             train.main([*ARGS, *extra])
+
+
+def test_a_checkpoint_dir_that_cannot_be_made_is_refused_before_the_run_is_built(tmp_path, monkeypatch, capfd,
+                                                                                  no_building):
+    """A checkpoint.dir under a file: refused only once the model was built and its parameters
+    initialized ('cannot be created: Not a directory'), with the new run.dir left behind, empty."""
+    from nljax import train
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notes.md").write_text("mine")
+    capfd.readouterr()
+    assert train.main([*ARGS, "run.dir=run", f"checkpoint.dir={tmp_path / 'notes.md' / 'ck'}"]) == 2
+    assert capfd.readouterr().err.splitlines() == [
+        f"nljax.train: error: checkpoint.dir {tmp_path / 'notes.md' / 'ck'}: {tmp_path / 'notes.md'} is a file, "
+        "not a directory"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from nljax.errors import ConfigError
+from nljax.errors import check_at_least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,5 +21,4 @@ class CheckpointConfig:
     async_save: bool = True  # training continues while a save is written (false: each save waits until on disk)
 
     def check(self) -> None:
-        if self.every < 0 or self.keep < 1:
-            raise ConfigError(f"checkpoint.every must be >= 0 and checkpoint.keep >= 1, got {self.every}, {self.keep}")
+        check_at_least("checkpoint", self, every=0, keep=1)

@@ -55,6 +55,10 @@ class Bytes:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def lost(self, text: str) -> str:
+        """The characters of `text` its tokens do not hold: none, every character is bytes."""
+        return ""
+
     def decode_stream(self, ids: Iterable[int], context: Sequence[int] = ()) -> Iterator[str]:
         """The text of `ids` as they come (a character once all of its bytes are there); a byte
         reads the same after any `context`."""
@@ -119,6 +123,19 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
+
+    def lost(self, text: str) -> str:
+        """The characters of `text` that no token of its encoding holds (whitespace aside: a
+        pre-tokenizer that splits on it drops it by design): a model without byte fallback drops a
+        character its vocabulary lacks (BPE without an unknown token), or reads it as its unknown
+        token (WordPiece's [UNK]). Offsets are characters of `text`, as normalized text maps back."""
+        e = self.tok.encode(text, add_special_tokens=False)
+        unk = getattr(self.tok.model, "unk_token", None)
+        held = [False] * len(text)
+        for token, (a, b) in zip(e.tokens, e.offsets):
+            if unk is None or token != unk:
+                held[a:b] = [True] * (b - a)
+        return "".join(c for c, h in zip(text, held) if not h and not c.isspace())
 
     def decode_stream(self, ids: Iterable[int], context: Sequence[int] = ()) -> Iterator[str]:
         """The text of `ids` as they come, after `context` (the prompt's ids: a decoder may read

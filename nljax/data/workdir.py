@@ -49,9 +49,9 @@ class Sink:
             return
         starts = self.tokens + np.concatenate([[0], np.cumsum(lengths[:-1])]).astype("<i8")
         raw, starts_raw = ids.astype(self.dtype, copy=False).tobytes(), starts.tobytes()
-        self.f.write(raw)
+        _write(self.f, raw)
         self.sha.update(raw)
-        self.starts_f.write(starts_raw)
+        _write(self.starts_f, starts_raw)
         self.starts_sha.update(starts_raw)
         self.tokens += len(ids)
         self.documents += len(lengths)
@@ -77,6 +77,18 @@ class Sink:
         self.sha, self.starts_sha = _hash(self.f), _hash(self.starts_f)
         self.tokens, self.documents, self.bytes, self.max = (state[k] for k in STATE_KEYS[:4])
         return self.state() == {k: state[k] for k in STATE_KEYS}
+
+
+def _write(f, raw: bytes) -> None:
+    """`f.write(raw)`; a failure (a full disk) names the file: the OS's error from `write` carries
+    no file name, and the user's line said only that a write failed."""
+    try:
+        f.write(raw)
+    except OSError as e:
+        name = getattr(f, "name", None)  # a BytesIO (a preparation held in memory) has none
+        if e.filename is not None or not isinstance(name, (str, os.PathLike)):
+            raise
+        raise OSError(e.errno, e.strerror, os.fspath(name)) from None
 
 
 def _hash(f) -> "hashlib._Hash":

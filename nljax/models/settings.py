@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, check_at_least
 
 MAX_DEPTH = 512  # blocks: deeper than any model here by 10x (nl_350m: 24), bounded before anything is built
 
@@ -47,8 +47,7 @@ class ModelConfig:
         return _with_sections(tuple((s.name, s.settings) for s in registry.specs()))
 
     def check(self) -> None:
-        if self.vocab_size < 1 or self.dim < 1 or self.depth < 1:
-            raise ConfigError("model.vocab_size, model.dim and model.depth must be >= 1")
+        check_at_least("model", self, vocab_size=1, dim=1, depth=1)
         if self.depth > MAX_DEPTH:  # building and compiling 100,000 blocks ran for minutes, then for ever
             raise ConfigError(f"model.depth={self.depth} is past the limit of {MAX_DEPTH} blocks")
         for key in ("hidden_mult", "heads"):

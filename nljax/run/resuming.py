@@ -71,13 +71,19 @@ def resumed_config(cfg: Config, config_file: str | None, overrides: Sequence[str
                   "the command line's settings (give the run's with --config)", file=sys.stderr)
         return cfg
     overrides = [*overrides, f"run.dir={cfg.run.dir}"]  # where the run is now, as `trained_config`
-    resumed = config.load(config_file, overrides, base=str(saved_file))
+    # with what the data decide (model.vocab_size of a tokenizer, left at its default): as saved
+    saved = config.load(str(saved_file), [f"run.dir={cfg.run.dir}"], saved=True)
+    try:
+        resumed = config.load(config_file, overrides, base=str(saved_file))
+    except ConfigError:
+        # a change the checkpoint cannot take (model.name) is the line to give, not the check of
+        # the settings together that it made fail (the saved seq_len against the new model's chunk)
+        check_unchanged(saved, config.load(config_file, overrides, base=str(saved_file), check=False), saved_file)
+        raise
     for section, key in THIS_COMMAND:
         value = getattr(getattr(cfg, section), key)
         resumed = dataclasses.replace(resumed, **{section: dataclasses.replace(getattr(resumed, section), **{key: value})})
-    # with what the data decide (model.vocab_size of a tokenizer, left at its default): as saved
-    check_unchanged(config.load(str(saved_file), [f"run.dir={cfg.run.dir}"], saved=True), tasks.resolve(resumed),
-                    saved_file)
+    check_unchanged(saved, tasks.resolve(resumed), saved_file)
     return resumed
 
 

@@ -23,7 +23,7 @@ class TrainingSampler:
         self.settings = Settings(prompt=t.sample_prompt, max_new_tokens=t.sample_tokens, seed=run.cfg.seed)
         self._sampler: TextSampler | None = None
         self.codec = tokenization_of(run.cfg)  # bytes, or the tokenizer of the run's files
-        self.prompt = prompt_ids(self.codec, t.sample_prompt)
+        self.prompt = prompt_ids(self.codec, t.sample_prompt, "train.sample_prompt")
 
     def sample(self, stored_params) -> str:
         """The prompt and the text sampled after it, from the parameters as the strategy stores them."""

@@ -57,9 +57,15 @@ class Settings:
     def check(self) -> "Settings":
         if self.max_new_tokens > MAX_NEW_TOKENS:  # token by token on the host: a huge count never ends
             raise ConfigError(f"max_new_tokens must be <= {MAX_NEW_TOKENS:,}, got {self.max_new_tokens:,}")
-        if self.max_new_tokens < 0 or not 0 <= self.temperature < math.inf or self.top_k < 0 or not 0 < self.top_p <= 1:
-            raise ConfigError(f"need max_new_tokens >= 0, finite temperature >= 0, top_k >= 0 and 0 < top_p <= 1, got "
-                              f"{self.max_new_tokens}, {self.temperature}, {self.top_k}, {self.top_p}")
+        # each its own line with its value: one naming all four left the user to match them up
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if not 0 <= self.temperature < math.inf:
+            raise ConfigError(f"temperature must be finite and >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0: every token), got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in 0 < top_p <= 1, got {self.top_p}")
         if not 0 <= self.seed < 2**63:  # NumPy's generator alone reads it (no JAX key)
             raise ConfigError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.samples < 1:
@@ -172,9 +178,14 @@ def write_text(sampler: TextSampler, codec, s: Settings, write: Callable[[str], 
     return out
 
 
-def prompt_ids(codec, prompt: str) -> list[int]:
+def prompt_ids(codec, prompt: str, what: str = "prompt") -> list[int]:
     """The prompt's tokens; an empty prompt starts a document: the token that ends one (bytes:
-    NUL). A tokenizer without `data.doc_end_token` has no such token: it needs a prompt."""
+    NUL). A tokenizer without `data.doc_end_token` has no such token: it needs a prompt. A
+    character the tokenizer has no token for is refused (`what`: the setting, in the line)."""
+    lost = codec.lost(prompt)
+    if lost:  # dropped by the encoding: the text would continue another prompt, or a document start
+        raise ConfigError(f"{what} {prompt!r}: this run's tokenizer has no token for {lost!r} (the model would not "
+                          f"see it): {codec.path}")
     ids = codec.encode(prompt)
     if not ids and codec.end_id is None:
         raise ConfigError("an empty prompt starts a document after data.doc_end_token, which this run's "

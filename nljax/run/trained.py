@@ -23,6 +23,7 @@ from nljax.checkpoint.restore import restore_first_valid
 from nljax.errors import ConfigError
 from nljax.models.builtin import for_this_backend
 from nljax.run.core import Run
+from nljax.runtime.exportdir import is_export
 from nljax.runtime.rundir import DATA_PATHS, checkpoint_dir
 
 # config keys outside any section (`seed`): a tool passes them on as overrides, like dotted ones
@@ -84,10 +85,14 @@ def checkpoint_path(run_dir: str | Path, checkpoint: str | int, overrides: Seque
 
 def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config.Config:
     """The run's config.yaml with `overrides` (run.dir where it is now)."""
+    run_dir = os.path.expanduser(run_dir)  # `run.dir=~/runs/x`, which the shell leaves as typed
     cfg_file = Path(run_dir) / "config.yaml"
     if cfg_file.exists() and not cfg_file.is_file():  # a folder, a FIFO: not what nljax.train wrote
         raise ConfigError(f"{cfg_file} is not a regular file: run.dir must be a run directory written by nljax.train")
     if not cfg_file.is_file():
+        if is_export(Path(run_dir)):  # nljax.export's out= given for its run.dir: "config.yaml not found" misled
+            raise ConfigError(f"{run_dir} is an export directory (nljax.export wrote it), not a run directory: give "
+                              "the run's directory")
         raise ConfigError(f"{cfg_file} not found: run.dir must be a run directory written by nljax.train")
     # saved: a config.yaml written before a key moved is read with it in its new place
     return config.load(str(cfg_file), [*overrides, f"run.dir={run_dir}"], saved=True)
@@ -145,4 +150,4 @@ def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> 
     run_dirs = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
     if not run_dirs:
         raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
-    return values, overrides, run_dirs[-1]
+    return values, overrides, os.path.expanduser(run_dirs[-1])  # `~/runs/x`: export's out= lies under it

@@ -229,6 +229,20 @@ def check_free(cfg: Config) -> None:
             if p.is_symlink() and not p.exists():
                 raise ConfigError(f"{what} {path}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
     distributed.on_main(lambda: _refuse_live(cfg), _in_use_elsewhere(cfg))
+    distributed.on_main(lambda: _refuse_unwritable(cfg), elsewhere=None)  # process 0 makes run.dir
+
+
+def _refuse_unwritable(cfg: Config) -> None:
+    """Refuses a run.dir or checkpoint.dir that cannot be made or written (under a file, on a
+    read-only file system): found only once the model was built and its parameters initialized,
+    with the new run.dir left behind, empty."""
+    for what, path in written_dirs(cfg):
+        there = next(p for p in (path, *path.parents) if p.exists())  # "/" at the latest
+        where = f"{what} {path}" + ("" if there == path else f": {there}")
+        if not there.is_dir():
+            raise ConfigError(f"{where} is a file, not a directory")
+        if not os.access(there, os.W_OK | os.X_OK):
+            raise ConfigError(f"{where} is not writable")
 
 
 def _refuse_live(cfg: Config, held: tuple[Path, ...] = ()) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, check_at_least
 
 # The names `run.trackers` takes; nljax/run/trackers.py registers one tracker for each.
 TrackerName = Literal["tensorboard", "wandb"]
@@ -61,14 +61,12 @@ class TrainConfig:
     sample_tokens: int = 64  # tokens (bytes, or the tokenizer's) sampled after the prompt
 
     def check(self) -> None:
-        if self.steps < 0 or self.batch_size < 1 or self.seq_len < 1 or self.accum_steps < 1:
-            raise ConfigError("train.steps must be >= 0 and train.batch_size, train.seq_len, train.accum_steps >= 1")
+        check_at_least("train", self, steps=0, batch_size=1, seq_len=1, accum_steps=1)
         if self.steps >= 2**31:  # the step counter is an int32 on the devices
             raise ConfigError(f"train.steps must be < 2^31, got {self.steps}")
         if self.max_skipped < 0:
             raise ConfigError(f"train.max_skipped must be >= 0, got {self.max_skipped}")
-        if self.log_every < 1 or self.profile_steps < 0 or self.profile_start < 0:
-            raise ConfigError("train.log_every must be >= 1, train.profile_steps and train.profile_start >= 0")
+        check_at_least("train", self, log_every=1, profile_steps=0, profile_start=0)
         if self.sample_every < 0 or self.sample_tokens < 1:
             raise ConfigError(f"train.sample_every must be >= 0 (0: off) and train.sample_tokens >= 1, got "
                               f"{self.sample_every} and {self.sample_tokens}")
@@ -132,7 +130,8 @@ class ThroughputConfig:
     peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the device kind when known
 
     def check(self) -> None:
-        if self.reps < 1 or self.peak_tflops < 0 or self.max_fraction <= 0:
-            raise ConfigError("throughput.reps must be >= 1, throughput.peak_tflops >= 0 and throughput.max_fraction > 0")
+        check_at_least("throughput", self, reps=1, peak_tflops=0)
+        if self.max_fraction <= 0:
+            raise ConfigError(f"throughput.max_fraction must be > 0, got {self.max_fraction}")
         if self.reps > MAX_REPS:  # nljax.bench times every rep whatever max_fraction says
             raise ConfigError(f"throughput.reps must be <= {MAX_REPS:,}, got {self.reps:,}")
