@@ -202,6 +202,10 @@ def load(path: str | Path, checkpoint: str | int = "latest", overrides: Sequence
     directory (`python -m nljax.train`'s run.dir; `checkpoint`: "latest", a step number (300 or
     "300": the run's checkpoint at that step), a step directory or a checkpoints directory;
     `overrides`: config overrides on top of the run's config.yaml)."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"nljax.load takes a directory path, got {type(path).__name__} {path!r}")
+    if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):  # a string is a sequence too
+        raise ConfigError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
     path = Path(os.path.expanduser(path))
     if kind_of(path) == "export":
         if checkpoint != "latest" or overrides:

@@ -129,6 +129,10 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: lm.logits([[-1, 65]]), "token ids must be in [0, 256), got -1"),
         (lambda: lm.logits([[65, 66]], reset=[True, False]), "reset must hold one flag per row (1), got 2"),
         (lambda: lm.generate("x", top_p=0), "top_p must be in 0 < top_p <= 1, got 0"),
+        (lambda: nljax.load(5), "nljax.load takes a directory path, got int 5"),  # a TypeError before
+        # a string of overrides was read character by character ("override 't' must look like key=value")
+        (lambda: nljax.load(runs / "runs" / "default", overrides="train.steps=3"),
+         "overrides must be a list of 'key=value' strings, got 'train.steps=3'"),
     ]
     for call, words in cases:
         with pytest.raises(ConfigError) as e:
