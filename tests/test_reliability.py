@@ -854,6 +854,21 @@ def test_the_closing_commands_paste_into_a_shell_as_printed():
         assert shlex.split(resume)[3:5] == ["--resume", f"run.dir={run_dir}"]
 
 
+def test_the_closing_lines_say_where_checkpoints_elsewhere_are(tmp_path):
+    """checkpoint.dir outside the run dir: the closing line said the checkpoints were in run.dir."""
+    from types import SimpleNamespace
+
+    from nljax import config
+    from nljax.run.trainer import closing
+
+    run = SimpleNamespace(task=SimpleNamespace(unit="tokens"))
+    own = closing(config.load(None, [f"run.dir={tmp_path}/r"]), run)[0]
+    assert own == f"run directory: {tmp_path}/r (config.yaml, metrics.jsonl, summary.json, plots, checkpoints)"
+    away = closing(config.load(None, [f"run.dir={tmp_path}/r", f"checkpoint.dir={tmp_path}/ck"]), run)[0]
+    assert away == (f"run directory: {tmp_path}/r (config.yaml, metrics.jsonl, summary.json, plots; checkpoints in "
+                    f"{tmp_path}/ck)")
+
+
 def test_minor_misreadings_are_named(tmp_path, capsys):
     """`--config` given twice (the second silently replaced the first), an empty config file (the
     defaults ran with no word), a folder named config.yaml in a run directory ('not found')."""

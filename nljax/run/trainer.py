@@ -21,7 +21,7 @@ from jax.experimental import multihost_utils
 
 from nljax.checkpoint import initparams, storage
 from nljax.checkpoint.lifecycle import Checkpoints
-from nljax.checkpoint.taken import refuse_taken
+from nljax.checkpoint.taken import inside_run_dir, refuse_taken
 from nljax.config import Config
 from nljax.engine import optim
 from nljax.engine.conductor import Conductor, pattern_name
@@ -39,7 +39,7 @@ from nljax.run.samples import TrainingSampler
 from nljax.run.trackers import Trackers, check_installed, step_scalars
 from nljax.runtime import compile_cache, distributed, exportdir, preemption, runlog
 from nljax.runtime.preemption import Notice, Preempted
-from nljax.runtime.rundir import RunDir, check_free, logged_a_step, take_lock
+from nljax.runtime.rundir import RunDir, check_free, checkpoint_dir, logged_a_step, take_lock
 from nljax.version import __version__
 
 
@@ -453,4 +453,5 @@ def closing(cfg: Config, run: Run) -> list[str]:
         return [f"run directory: {cfg.run.dir} (no checkpoint saved, checkpoint.every=0: nothing to resume, "
                 "sample or export)"]
     return closing_lines(cfg.run.dir, cfg.train.steps, run.task.unit == "tokens",
-                         str(Path(cfg.run.dir) / exportdir.DEFAULT))
+                         str(Path(cfg.run.dir) / exportdir.DEFAULT),
+                         None if inside_run_dir(cfg) else str(checkpoint_dir(cfg)))
