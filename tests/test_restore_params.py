@@ -1,0 +1,74 @@
+"""A load reads and holds the parameters alone (nljax/checkpoint/restore.py `restore_params`):
+`nljax.load` (and generate, export, lm_eval through it) of a run trained with adamw reads only the
+checkpoint's `params/...` arrays and its step, and the devices hold about the parameters' bytes
+while it reads, not the training state's (parameters, two Adam moments, error buffers, memory)
+twice over; the parameters are those of the whole restore, bit for bit, from a checkpoint in the
+load's layout and from one in another (fsdp, tensor-parallel)."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import jax
+import numpy as np
+import pytest
+from helpers import TINY_NL, saved_run
+
+from nljax.checkpoint import storage
+from nljax.checkpoint.restore import restore
+from nljax.run import trained
+
+# (sync.strategy, mesh inter x intra x model) the run trained with; the load is one device's
+TRAINED = {"replicated 8": ("replicated", (1, 8, 1)), "fsdp tensor-parallel": ("fsdp", (2, 2, 2))}
+
+
+def device_bytes() -> int:
+    """Bytes the live arrays hold on the devices, every replica and shard counted."""
+    return sum(len(x.sharding.device_set) * math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize
+               for x in jax.live_arrays())
+
+
+@pytest.mark.parametrize("case", sorted(TRAINED))
+def test_a_load_reads_and_holds_the_parameters_alone(tmp_path, monkeypatch, case):
+    strategy, (inter, intra, model) = TRAINED[case]
+    run_dir = tmp_path / "run"
+    setup, state = saved_run(run_dir, [*TINY_NL, f"sync.strategy={strategy}"], inter, intra, steps=1, model=model)
+    assert setup.cfg.optim.name == "adamw" and setup.engine.tp == model
+    want = jax.tree.map(np.asarray, setup.engine.strategy.export_state(state).params)  # the model's tree, whole
+    del setup, state
+    gc.collect()
+
+    read, held = [], []
+    reader = storage.read_arrays
+
+    def spy(*args, **kwargs):
+        arrays, sums = reader(*args, **kwargs)
+        read.append(sorted(arrays))
+        held.append(device_bytes())
+        return arrays, sums
+
+    monkeypatch.setattr(storage, "read_arrays", spy)
+    before = device_bytes()
+    t = trained.load(run_dir, devices=jax.devices()[:1])
+    monkeypatch.undo()
+
+    # every parameter and the step; none of the optimizer state, error buffers or memory saved beside
+    saved = storage.read_meta(t.path)["arrays"]
+    assert {"opt_state", "err_buf", "memory"} <= {n.split("/")[0] for n in saved}
+    assert read == [sorted(n for n in saved if n == "step" or n.startswith("params/"))]
+    size = lambda names: sum(math.prod(saved[n]["shape"]) * np.dtype(saved[n]["dtype"]).itemsize for n in names)
+    params_bytes, state_bytes = size(read[0]), size(saved)  # as saved (fsdp: padded level vectors)
+    assert state_bytes > 3 * params_bytes  # two Adam moments, error buffers and memory beside them
+    # while reading, one device holds the parameters read and nothing else (the whole restore held
+    # this run's fresh state and the checkpoint's: over 6x the parameters)
+    assert held[0] - before <= 1.05 * params_bytes, (held[0] - before, params_bytes, state_bytes)
+    assert jax.tree.structure(t.params) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), b)
+    # the whole restore's parameters, bit for bit
+    full = restore(t.run.engine, t.run.init_state(), t.path).state.params
+    for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(full)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
