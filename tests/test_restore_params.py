@@ -53,16 +53,17 @@ def test_a_load_reads_and_holds_the_parameters_alone(tmp_path, monkeypatch, case
     t = trained.load(run_dir, devices=jax.devices()[:1])
     monkeypatch.undo()
 
-    # every parameter and the step; none of the optimizer state, error buffers or memory saved beside
     saved = storage.read_meta(t.path)["arrays"]
-    assert {"opt_state", "err_buf", "memory"} <= {n.split("/")[0] for n in saved}
-    assert read == [sorted(n for n in saved if n == "step" or n.startswith("params/"))]
+    wanted = sorted(n for n in saved if n == "step" or n.startswith("params/"))
     size = lambda names: sum(math.prod(saved[n]["shape"]) * np.dtype(saved[n]["dtype"]).itemsize for n in names)
-    params_bytes, state_bytes = size(read[0]), size(saved)  # as saved (fsdp: padded level vectors)
+    params_bytes, state_bytes = size(wanted), size(saved)  # as saved (fsdp: padded level vectors)
     assert state_bytes > 3 * params_bytes  # two Adam moments, error buffers and memory beside them
-    # while reading, one device holds the parameters read and nothing else (the whole restore held
-    # this run's fresh state and the checkpoint's: over 6x the parameters)
-    assert held[0] - before <= 1.05 * params_bytes, (held[0] - before, params_bytes, state_bytes)
+    # while reading, the one device holds the parameters read and nothing else (the whole restore
+    # held this run's fresh state and the checkpoint's: over 6x the parameters)
+    assert len(held) == 1 and held[0] - before <= 1.05 * params_bytes, (held, before, params_bytes, state_bytes)
+    # every parameter and the step; none of the optimizer state, error buffers or memory saved beside
+    assert {"opt_state", "err_buf", "memory"} <= {n.split("/")[0] for n in saved}
+    assert read == [wanted]
     assert jax.tree.structure(t.params) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(want)):
         np.testing.assert_array_equal(np.asarray(a), b)
