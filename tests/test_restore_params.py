@@ -17,6 +17,7 @@ from helpers import TINY_NL, saved_run
 
 from nljax.checkpoint import storage
 from nljax.checkpoint.restore import restore
+from nljax.engine.strategy import Strategy
 from nljax.run import trained
 
 # (sync.strategy, mesh inter x intra x model) the run trained with; the load is one device's
@@ -48,7 +49,16 @@ def test_a_load_reads_and_holds_the_parameters_alone(tmp_path, monkeypatch, case
         held.append(device_bytes())
         return arrays, sums
 
+    importer = Strategy.import_params
+
+    def spy_import(self, canonical):
+        out = importer(self, canonical)
+        converted.append(device_bytes())
+        return out
+
+    converted = []
     monkeypatch.setattr(storage, "read_arrays", spy)
+    monkeypatch.setattr(Strategy, "import_params", spy_import)
     before = device_bytes()
     t = trained.load(run_dir, devices=jax.devices()[:1])
     monkeypatch.undo()
@@ -61,6 +71,8 @@ def test_a_load_reads_and_holds_the_parameters_alone(tmp_path, monkeypatch, case
     # while reading, the one device holds the parameters read and nothing else (the whole restore
     # held this run's fresh state and the checkpoint's: over 6x the parameters)
     assert len(held) == 1 and held[0] - before <= 1.05 * params_bytes, (held, before, params_bytes, state_bytes)
+    # converted from another layout: the saved layout's copy is dropped before this run's is made
+    assert len(converted) == (strategy != "replicated") and all(b - before <= 2 * params_bytes for b in converted)
     # every parameter and the step; none of the optimizer state, error buffers or memory saved beside
     assert {"opt_state", "err_buf", "memory"} <= {n.split("/")[0] for n in saved}
     assert read == [wanted]

@@ -134,13 +134,15 @@ def convert_layout(meta: dict, engine: Engine, template: TrainState,
 
 
 def convert_params(engine: Engine, arrays: dict[str, jax.Array], saved_eng: Engine) -> dict[str, jax.Array]:
-    """`convert_layout` of the parameters alone: `arrays` holds the saved parameters (and the
-    step), read as `convert_layout`'s are; they are taken to the model's pytree by the saved
-    layout (`gather_params`) and from there to this run's (`import_params`)."""
-    saved = _saved_state(saved_eng, arrays, TrainState(arrays["step"], None, (), (), {}))
-    converted = engine.strategy.import_params(saved_eng.strategy.gather_params(saved.params))
-    return {**{n: x for n, x in arrays.items() if not n.startswith("params/")},
-            **named_arrays(TrainState(arrays["step"], converted, (), (), {}))}
+    """`convert_layout` of the parameters alone: `arrays` holds the saved parameters and the
+    step, read as `convert_layout`'s are; they are taken to the model's pytree by the saved
+    layout (`gather_params`) and from there to this run's (`import_params`). `arrays` is emptied
+    on the way, so that the devices hold two copies of the parameters at most, not three: the
+    saved layout's is dropped once the model's pytree is made."""
+    step = arrays["step"]
+    canonical = saved_eng.strategy.gather_params(_saved_state(saved_eng, arrays, TrainState(step, None, (), (), {})).params)
+    arrays.clear()
+    return named_arrays(TrainState(step, engine.strategy.import_params(canonical), (), (), {}))
 
 
 def _saved_state(saved_eng: Engine, arrays: dict[str, jax.Array], rest: TrainState) -> TrainState:
