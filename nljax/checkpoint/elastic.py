@@ -4,7 +4,8 @@ Arrays are read with the new mesh's shardings where the layout is unchanged (`re
 each row's memory moving with its row. Per-device error buffers are redistributed so that the
 next reduction is unchanged (`redistribute_err_buf`). A different global batch gives every row a
 new stream, so every row's memory restarts (`fresh_memory`). A different optimizer-state layout
-goes through one hook (`convert_layout`). A different `mesh.model` changes what each device's
+goes through one hook (`convert_layout`; `convert_params` for a restore of the parameters alone,
+`restore.restore_params`). A different `mesh.model` changes what each device's
 level vectors hold: the state is read through an engine laid out for the saved tensor-parallel
 degree (`saved_engine`), and each error buffer is regrouped through the global pytree.
 """
@@ -140,7 +141,9 @@ def convert_params(engine: Engine, arrays: dict[str, jax.Array], saved_eng: Engi
     on the way, so that the devices hold two copies of the parameters at most, not three: the
     saved layout's is dropped once the model's pytree is made."""
     step = arrays["step"]
-    canonical = saved_eng.strategy.gather_params(_saved_state(saved_eng, arrays, TrainState(step, None, (), (), {})).params)
+    saved = _saved_state(saved_eng, arrays, TrainState(step, None, (), (), {}))
+    canonical = saved_eng.strategy.gather_params(saved.params)
+    del saved
     arrays.clear()
     return named_arrays(TrainState(step, engine.strategy.import_params(canonical), (), (), {}))
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-
 from nljax import config
 from nljax.checkpoint import storage
 from nljax.checkpoint.contents import META, STATE, fmt, get

@@ -8,7 +8,6 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
-
 from typing import Any, Callable, TypeVar
 
 import jax
@@ -103,8 +102,8 @@ def restore_params(engine: Engine, path: Path) -> RestoredParams:
     arrays, meta, saved = _read(engine, path, meta, target, partial=True)
     if saved is not None:
         arrays = elastic.convert_params(engine, arrays, saved)
-    treedef = jax.tree_util.tree_structure(layout)
-    return RestoredParams(jax.tree_util.tree_unflatten(treedef, [arrays[n] for n in target]).params, meta["step"], path)
+    restored = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(layout), [arrays[n] for n in target])
+    return RestoredParams(restored.params, meta["step"], path)
 
 
 def _read(engine: Engine, path: Path, meta: dict, target: dict[str, Any], partial: bool = False):
