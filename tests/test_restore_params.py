@@ -18,7 +18,10 @@ from helpers import TINY_NL, saved_run
 from nljax.checkpoint import storage
 from nljax.checkpoint.restore import restore
 from nljax.engine.strategy import Strategy
+from nljax.errors import ConfigError
+from nljax.measure import budget
 from nljax.run import trained
+from nljax.run.core import Run
 
 # (sync.strategy, mesh inter x intra x model) the run trained with; the load is one device's
 TRAINED = {"replicated 8": ("replicated", (1, 8, 1)), "fsdp tensor-parallel": ("fsdp", (2, 2, 2))}
@@ -85,3 +88,19 @@ def test_a_load_reads_and_holds_the_parameters_alone(tmp_path, monkeypatch, case
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
+
+
+def test_a_load_is_budgeted_for_what_it_holds_not_the_training_state(tmp_path, monkeypatch):
+    """The memory check before anything is allocated (nljax/measure/budget.py) counts what a load
+    holds: a model whose parameters fit a device loads there though its training would not."""
+    run_dir = tmp_path / "run"
+    saved_run(run_dir, TINY_NL, 1, 1, steps=1)
+    cfg = trained.config_of(run_dir)
+    terms = budget.engine_terms(cfg, Run.create(cfg, jax.devices()[:1]).engine)
+    assert terms["optimizer state"] == 2 * terms["parameters"] > 0 and terms["gradients"] > 0
+    # what training needs but the optimizer state (two Adam moments): more than a load holds
+    monkeypatch.setattr(budget, "available_bytes", lambda *args: sum(terms.values()) - terms["optimizer state"])
+    with pytest.raises(ConfigError, match="the run needs at least"):
+        Run.create(cfg, jax.devices()[:1])
+    t = trained.load(run_dir, devices=jax.devices()[:1])
+    assert t.step == 1

@@ -102,7 +102,7 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     cfg = config_of(run_dir, checkpoint, overrides, len(devices))
     cfg_file = Path(run_dir) / "config.yaml"
     try:
-        run = Run.create(cfg, devices)
+        run = Run.create(cfg, devices, trains=False)  # budgeted for the parameters, not the training state
     except ConfigError as e:
         relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(getattr(getattr(cfg, sec), key))]
         if not relative:
