@@ -1,6 +1,8 @@
 """Restoring a checkpoint onto this run: read and check it, then convert what depends on the
-device count, the global batch or the strategy (`nljax.checkpoint.elastic`). Reads only; bad
-input raises ConfigError (`Damaged` for files that cannot be read) with one line."""
+device count, the global batch or the strategy (`nljax.checkpoint.elastic`): the whole state
+(`restore`, a resume) or the parameters alone (`restore_params`, a use of the model and
+`checkpoint.init_params`). Reads only; bad input raises ConfigError (`Damaged` for files that
+cannot be read) with one line."""
 
 from __future__ import annotations
 
