@@ -13,7 +13,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_NL, saved_run
+from helpers import TINY_NL, save, saved_run, train
 
 from nljax.checkpoint import storage
 from nljax.checkpoint.restore import restore
@@ -104,3 +104,26 @@ def test_a_load_is_budgeted_for_what_it_holds_not_the_training_state(tmp_path, m
         Run.create(cfg, jax.devices()[:1])
     t = trained.load(run_dir, devices=jax.devices()[:1])
     assert t.step == 1
+
+
+def test_a_parameter_that_fails_its_checksum_falls_back_to_an_older_checkpoint(tmp_path, monkeypatch):
+    """The parameters read are checked against their checksums as the whole restore checks every
+    array: a newer checkpoint whose parameter does not match is passed over for an older one."""
+    run_dir = tmp_path / "run"
+    setup, _ = saved_run(run_dir, TINY_NL, 1, 1, steps=1)
+    train(setup, range(1, 2))
+    save(setup, setup.state, 2)
+    real, damaged = storage.checksums, []
+
+    def checksums(arrays):
+        sums = real(arrays)
+        if not damaged:  # the newest checkpoint's first parameter, as if a bit had flipped on disk
+            damaged.append(min(n for n in sums if n.startswith("params/")))
+            sums[damaged[0]] ^= 1
+        return sums
+
+    monkeypatch.setattr(storage, "checksums", checksums)
+    t = trained.load(run_dir, devices=jax.devices()[:1])
+    newest = run_dir / "checkpoints" / "2"
+    assert t.step == 1 and t.skipped == ((newest, f"checkpoint {newest}: array '{damaged[0]}' does not match its "
+                                                  "checksum (corrupted)"),)
