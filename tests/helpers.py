@@ -130,9 +130,9 @@ def replicas(x: jax.Array) -> list[np.ndarray]:
 # Checkpoints
 
 
-def saved_run(run_dir: Path, overrides, inter, intra, steps=2):
+def saved_run(run_dir: Path, overrides, inter, intra, steps=2, model=1):
     """A run directory as nljax.train leaves it (config.yaml, a checkpoint after `steps` steps)."""
-    setup = make([*overrides, f"run.dir={run_dir}"], inter, intra)
+    setup = make([*overrides, f"run.dir={run_dir}"], inter, intra, model)
     _, state = train(setup, steps)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(yaml.safe_dump(config.to_dict(setup.cfg), sort_keys=False))

@@ -26,7 +26,9 @@ A resume may use another mesh or device count: arrays are read with the new mesh
 each row's memory moves with its row, and per-device error buffers are redistributed so that the
 next reduction is unchanged (`redistribute_err_buf`). A different global batch gives every row a
 new stream, so every row's memory restarts (with a warning). A different optimizer-state layout
-goes through one hook (`convert_layout`).
+goes through one hook (`convert_layout`). A tool that uses the model (`nljax.load`, generate,
+export, lm_eval) and `checkpoint.init_params` read the parameters alone (`restore_params`): the
+optimizer state, error buffers and memory stay on disk.
 
 The package, by job: `contents` (named arrays, checksums, metadata and its checks), `storage`
 (Orbax I/O, finding, pruning and setting aside step directories), `quiet` (Orbax's own reports

@@ -108,6 +108,12 @@ def rows_of(name: str) -> bool:
     return name.startswith("memory/")
 
 
+def of_params(name: str) -> bool:
+    """An array of the model's parameters (what a restore of the parameters alone reads, with the
+    step that checks it)."""
+    return name.startswith("params/")
+
+
 def per_device(name: str) -> bool:
     """An array with one row per device (the error buffers of frozen levels)."""
     return name.startswith("err_buf/")
@@ -284,9 +290,10 @@ def tracker_ids(meta: dict) -> dict[str, str]:
 
 
 def check_arrays(path: Path, meta: dict, sums: dict[str, int], step: int) -> None:
-    """`Damaged` unless the arrays read match the checksums and the step saved in `meta`."""
-    for name, info in meta["arrays"].items():
-        if sums[name] != info["checksum"]:
+    """`Damaged` unless the arrays read (`sums`: all of the checkpoint's, or those a restore of the
+    parameters alone reads) match their checksums in `meta`, and the step read the step saved there."""
+    for name, total in sums.items():
+        if total != meta["arrays"][name]["checksum"]:
             raise Damaged(f"checkpoint {path}: array '{name}' does not match its checksum (corrupted)")
     if step != meta["step"]:
         raise Damaged(f"checkpoint {path}: state step disagrees with its metadata")

@@ -4,7 +4,8 @@ Arrays are read with the new mesh's shardings where the layout is unchanged (`re
 each row's memory moving with its row. Per-device error buffers are redistributed so that the
 next reduction is unchanged (`redistribute_err_buf`). A different global batch gives every row a
 new stream, so every row's memory restarts (`fresh_memory`). A different optimizer-state layout
-goes through one hook (`convert_layout`). A different `mesh.model` changes what each device's
+goes through one hook (`convert_layout`; `convert_params` for a restore of the parameters alone,
+`restore.restore_params`). A different `mesh.model` changes what each device's
 level vectors hold: the state is read through an engine laid out for the saved tensor-parallel
 degree (`saved_engine`), and each error buffer is regrouped through the global pytree.
 """
@@ -122,19 +123,8 @@ def convert_layout(meta: dict, engine: Engine, template: TrainState,
     `engine.strategy.import_state(saved_engine.strategy.export_state(saved_state))`, `saved_eng`
     being `saved_engine(meta, engine)`. Error buffers, memory and the step are returned as saved
     (the caller redistributes them)."""
-    saved_cfg = saved_eng.cfg
-    params, opt_state = saved_eng.strategy.layout_shapes()
     here = template
-    saved_template = TrainState(here.step, params, opt_state, here.err_buf, here.memory)
-    names = list(named_arrays(saved_template))
-    missing = [n for n in names if n not in arrays]
-    if missing or len(names) != len(arrays):
-        raise ConfigError(
-            f"checkpoint does not fit this run: its arrays do not form a sync.strategy={saved_cfg.sync.strategy} "
-            f"state (e.g. '{(missing or sorted(set(arrays) - set(names)))[0]}')"
-        )
-    treedef = jax.tree_util.tree_structure(saved_template)
-    saved = jax.tree_util.tree_unflatten(treedef, [arrays[n] for n in names])
+    saved = _saved_state(saved_eng, arrays, TrainState(here.step, None, None, here.err_buf, here.memory))
     canonical = saved_eng.strategy.export_state(saved)
     # This run's own (fresh) error buffers and memory ride along: import_state places them by
     # rows, which the saved ones may not divide into; the caller takes those from `arrays`.
@@ -142,3 +132,36 @@ def convert_layout(meta: dict, engine: Engine, template: TrainState,
     out = {n: x for n, x in arrays.items() if not n.startswith(("params/", "opt_state/"))}
     out.update({n: x for n, x in named_arrays(converted).items() if n.startswith(("params/", "opt_state/"))})
     return out
+
+
+def convert_params(engine: Engine, arrays: dict[str, jax.Array], saved_eng: Engine) -> dict[str, jax.Array]:
+    """`convert_layout` of the parameters alone: `arrays` holds the saved parameters and the
+    step, read as `convert_layout`'s are; they are taken to the model's pytree by the saved
+    layout (`gather_params`) and from there to this run's (`import_params`). `arrays` is emptied
+    on the way, so that the devices hold two copies of the parameters at most, not three: the
+    saved layout's is dropped once the model's pytree is made."""
+    step = arrays["step"]
+    saved = _saved_state(saved_eng, arrays, TrainState(step, None, (), (), {}))
+    canonical = saved_eng.strategy.gather_params(saved.params)
+    del saved
+    arrays.clear()
+    return named_arrays(TrainState(step, engine.strategy.import_params(canonical), (), (), {}))
+
+
+def _saved_state(saved_eng: Engine, arrays: dict[str, jax.Array], rest: TrainState) -> TrainState:
+    """The saved arrays put back into the structure of the saved strategy's state: its parameters,
+    its optimizer state unless `rest` gives one (`()`: a restore of the parameters alone), and
+    `rest`'s step, error buffers and memory (whose arrays `arrays` names alike). One line where
+    `arrays` does not form that state."""
+    params, opt_state = saved_eng.strategy.layout_shapes()
+    saved_template = TrainState(rest.step, params, opt_state if rest.opt_state is None else rest.opt_state,
+                                rest.err_buf, rest.memory)
+    names = list(named_arrays(saved_template))
+    missing = [n for n in names if n not in arrays]
+    if missing or len(names) != len(arrays):
+        raise ConfigError(
+            f"checkpoint does not fit this run: its arrays do not form a sync.strategy={saved_eng.cfg.sync.strategy} "
+            f"state (e.g. '{(missing or sorted(set(arrays) - set(names)))[0]}')"
+        )
+    treedef = jax.tree_util.tree_structure(saved_template)
+    return jax.tree_util.tree_unflatten(treedef, [arrays[n] for n in names])

@@ -20,12 +20,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax
-
 from nljax import config
 from nljax.checkpoint import storage
 from nljax.checkpoint.contents import META, STATE, fmt, get
-from nljax.checkpoint.restore import first_valid, restore
+from nljax.checkpoint.restore import RestoredParams, first_valid, restore_params
 from nljax.config import Config
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
@@ -80,29 +78,23 @@ class Started:
 def start_from(engine: Engine, fresh: TrainState, root: Path) -> Started:
     """`fresh` (this run's state at step 0) with the parameters of the checkpoint `root` names,
     falling back past damaged ones in a directory. One-line ConfigError on bad input."""
-    (params, step, path), skipped = first_valid(lambda p: (*params_of(engine, fresh, p), p), candidates(root))
+    restored, skipped = first_valid(lambda path: params_of(engine, path), candidates(root))
     passed = [f"checkpoint {p} is damaged, using an older one ({why.removeprefix(f'checkpoint {p}: ')})"
               for p, why in skipped]
-    return Started(fresh.replace(params=params), path, step, passed)
+    return Started(fresh.replace(params=restored.params), restored.path, restored.step, passed)
 
 
-def params_of(engine: Engine, fresh: TrainState, path: Path) -> tuple[object, int]:
+def params_of(engine: Engine, path: Path) -> RestoredParams:
     """The parameters of the checkpoint at `path`, in this run's layout (mesh, device count,
     strategy, tensor-parallel split), and the steps it had trained.
 
-    They go through the elastic restore of the whole state (`restore`), of which only `params`
-    is kept: the simplest path through every layout conversion, at the cost of reading and
-    converting the optimizer state, error buffers and memory too (about three times the
-    parameters' bytes with adamw), held on the devices beside this run's fresh state until they
-    are dropped here. Where the checkpoint's optimizer or CMS settings differ from this run's,
-    which shape that state but not the parameters, the state is read through an engine built
-    with the checkpoint's (`_source_engine`), whose own fresh state (one more initialization)
-    gives the shapes to read into."""
-    meta = storage.read_meta(path)
-    src = _source_engine(engine, meta, path)
-    template = fresh if src is engine else src.init_state(jax.random.key(engine.cfg.seed), engine.cfg.train.batch_size)
-    restored = restore(src, template, path)
-    return restored.state.params, restored.step
+    Only the parameters are read and converted (`restore_params`): the checkpoint's optimizer
+    state, error buffers and memory stay on disk, so the devices hold this run's fresh state and
+    the checkpoint's parameters, nothing more. Where the checkpoint's optimizer or CMS settings
+    differ from this run's, which shape that state but not the parameters, the checkpoint is
+    checked against an engine built with the checkpoint's (`_source_engine`), whose parameter
+    layout is this run's."""
+    return restore_params(_source_engine(engine, storage.read_meta(path), path), path)
 
 
 def _source_engine(engine: Engine, meta: dict, path: Path) -> Engine:

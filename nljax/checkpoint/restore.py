@@ -1,6 +1,8 @@
 """Restoring a checkpoint onto this run: read and check it, then convert what depends on the
-device count, the global batch or the strategy (`nljax.checkpoint.elastic`). Reads only; bad
-input raises ConfigError (`Damaged` for files that cannot be read) with one line."""
+device count, the global batch or the strategy (`nljax.checkpoint.elastic`): the whole state
+(`restore`, a resume) or the parameters alone (`restore_params`, a use of the model and
+`checkpoint.init_params`). Reads only; bad input raises ConfigError (`Damaged` for files that
+cannot be read) with one line."""
 
 from __future__ import annotations
 
@@ -8,9 +10,10 @@ import copy
 import dataclasses
 import math
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 import jax
+import jax.numpy as jnp
 
 from nljax.checkpoint import elastic, storage
 from nljax.checkpoint.contents import (
@@ -24,6 +27,7 @@ from nljax.checkpoint.contents import (
     fingerprint,
     fmt,
     named_arrays,
+    of_params,
     per_device,
     rows_of,
     tracker_ids,
@@ -33,7 +37,7 @@ from nljax.data.documents import absolute
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.parallel.hostdev import replica
-from nljax.parallel.mesh import MODEL
+from nljax.parallel.mesh import MODEL, replicated
 from nljax.runtime.rundir import DATA_PATHS
 
 
@@ -65,22 +69,61 @@ def restore(engine: Engine, template: TrainState, path: Path, digest: str | None
     # a batch size that restarts the rows is said by that warning; otherwise by its own
     warnings = _changed_settings(meta, cfg, same_data, ("train.batch_size",) if fresh_rows else ()) + rows_warning
 
-    abstract = elastic.read_shardings(meta, target, engine.mesh)
-    arrays, sums = storage.read_arrays(path, abstract)
-    check_arrays(path, meta, sums, int(replica(arrays["step"])))
-
-    arrays, meta = _reshaped(arrays, target, meta, engine)
-    by_rows = lambda name: per_device(name) or rows_of(name)  # one row per device or stream row
-    saved = None
-    if int(meta["mesh"].get(MODEL, 1)) != engine.tp or not engine.strategy.same_layout(
-            meta.get("strategy", "replicated"), meta["arrays"], target, by_rows):
-        saved = elastic.saved_engine(meta, engine)
+    arrays, meta, saved = _read(engine, path, meta, target)
+    if saved is not None:
         arrays = elastic.convert_layout(meta, engine, template, arrays, saved)
     out = elastic.to_this_run(arrays, target, engine, int(meta["mesh"]["devices"]), fresh_rows, saved)
     leaves, treedef = jax.tree_util.tree_flatten(template)
     assert len(leaves) == len(target)
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
     return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta), data_digest(meta))
+
+
+@dataclasses.dataclass
+class RestoredParams:
+    params: Any  # the model's parameters in the run's layout (`Strategy.param_layout`)
+    step: int  # optimizer steps the checkpoint had taken
+    path: Path
+
+
+def restore_params(engine: Engine, path: Path) -> RestoredParams:
+    """The parameters alone of the checkpoint at `path`, on `engine`'s mesh in its layout: what
+    `restore` gives as `state.params`, bit for bit, without reading or making anything else. Only
+    the `params/...` arrays and the step are read (the optimizer state, error buffers and memory
+    stay on disk), into shapes that allocate nothing (`Strategy.param_layout`), and only they are
+    converted where the checkpoint's layout differs (`elastic.convert_params`): the devices hold
+    the parameters once, or twice during a conversion, never the training state. The checks are
+    `restore`'s (the model fits, the metadata is sealed, the arrays read match their checksums);
+    `Damaged` and one-line ConfigErrors alike."""
+    meta = storage.read_meta(path)
+    check_fits(path, meta, engine)
+    layout = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(engine.mesh)),
+                        engine.strategy.param_layout(), (), (), {})
+    target = named_arrays(layout)
+    meta = {**meta, "arrays": {n: a for n, a in meta["arrays"].items() if n == "step" or of_params(n)}}
+    arrays, meta, saved = _read(engine, path, meta, target, partial=True)
+    if saved is not None:
+        arrays = elastic.convert_params(engine, arrays, saved)
+    restored = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(layout), [arrays[n] for n in target])
+    return RestoredParams(restored.params, meta["step"], path)
+
+
+def _read(engine: Engine, path: Path, meta: dict, target: dict[str, Any], partial: bool = False):
+    """The arrays `meta` lists, read with `target`'s shardings (`elastic.read_shardings`) and
+    checked against their checksums, reshaped where a parameter changed shape (`_reshaped`); the
+    metadata saying so; and an engine laid out as the checkpoint is where that is not this run's
+    layout (None: every array was read into place). `partial`: `meta` lists some of the stored
+    arrays, the others are not read."""
+    abstract = elastic.read_shardings(meta, target, engine.mesh)
+    arrays, sums = storage.read_arrays(path, abstract, partial)
+    check_arrays(path, meta, sums, int(replica(arrays["step"])))
+
+    arrays, meta = _reshaped(arrays, target, meta, engine)
+    by_rows = lambda name: per_device(name) or rows_of(name)  # one row per device or stream row
+    if int(meta["mesh"].get(MODEL, 1)) != engine.tp or not engine.strategy.same_layout(
+            meta.get("strategy", "replicated"), meta["arrays"], target, by_rows):
+        return arrays, meta, elastic.saved_engine(meta, engine)
+    return arrays, meta, None
 
 
 def _reshaped(arrays: dict[str, jax.Array], target: dict[str, jax.Array], meta: dict, engine: Engine):
@@ -184,9 +227,9 @@ T = TypeVar("T")
 
 
 def first_valid(read: Callable[[Path], T], paths: list[Path]) -> tuple[T, list[tuple[Path, str]]]:
-    """`read` of the first of `paths` that is not damaged, and the damaged ones skipped (path,
-    reason). A checkpoint that does not fit this run stops the search (an older one would not fit
-    either); so does the last one's damage, with its own line."""
+    """`read` (`restore`, `restore_params`) of the first of `paths` that is not damaged, and the
+    damaged ones skipped (path, reason). A checkpoint that does not fit this run stops the search
+    (an older one would not fit either); so does the last one's damage, with its own line."""
     skipped: list[tuple[Path, str]] = []
     for i, path in enumerate(paths):
         try:
@@ -197,4 +240,4 @@ def first_valid(read: Callable[[Path], T], paths: list[Path]) -> tuple[T, list[t
                     raise Damaged(f"every checkpoint in {path.parent} is damaged; the oldest: {e}") from None
                 raise
             skipped.append((path, str(e)))
-    raise AssertionError("no paths")  # the callers' candidates are never an empty list
+    raise AssertionError("no paths")  # candidates() never returns an empty list to resume from

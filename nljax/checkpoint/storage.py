@@ -151,9 +151,12 @@ def _orbax_meta_error(path: Path) -> str | None:
     return None
 
 
-def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct]) -> tuple[dict[str, jax.Array], dict[str, int]]:
+def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct],
+                partial: bool = False) -> tuple[dict[str, jax.Array], dict[str, int]]:
     """The arrays of the step directory `path`, each read as its `abstract` entry says (shape,
-    dtype, sharding), and their checksums; `Damaged` if they cannot be read.
+    dtype, sharding), and their checksums; `Damaged` if they cannot be read. `partial`: `abstract`
+    names some of the stored arrays (the parameters, `restore.restore_params`); the others are
+    not read at all (Orbax's partial restore), and each named one must be there.
 
     Each process reads its own shards; in a multi-process run they agree (`_agreed`) before the
     checksums, a computation over every process's shards."""
@@ -165,11 +168,21 @@ def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct]) -> tuple[
     with errors_hidden() as noise:
         try:
             # The item's handler, not a manager: see `read_meta`.
-            handler = ocp.StandardCheckpointHandler()
-            arrays = unnest(handler.restore(path / STATE, args=ocp.args.StandardRestore(nest(abstract))))
+            if partial:
+                # The handler StandardCheckpointHandler wraps, which can leave arrays out
+                handler = ocp.PyTreeCheckpointHandler()
+                item = nest(abstract)
+                args = ocp.args.PyTreeRestore(item, ocp.checkpoint_utils.construct_restore_args(item),
+                                              partial_restore=True)
+            else:
+                handler = ocp.StandardCheckpointHandler()
+                args = ocp.args.StandardRestore(nest(abstract))
+            arrays = unnest(handler.restore(path / STATE, args=args))
             handler.close()
-            if set(arrays) != set(abstract):
-                raise ValueError(f"arrays {sorted(set(abstract) ^ set(arrays))[:3]} missing or unexpected")
+            # a partial restore hands back the abstract entry of an array it did not find
+            read = {k for k, x in arrays.items() if isinstance(x, jax.Array)}
+            if read != set(abstract) or set(arrays) != set(abstract):
+                raise ValueError(f"arrays {sorted(set(abstract) ^ read)[:3]} missing or unexpected")
         except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
             noise.fail()
             error = f"checkpoint {path}: array data unreadable ({error_line(e)})"

@@ -192,6 +192,13 @@ class Strategy:
         """The structure and shapes of (params, opt_state) in this layout, as ShapeDtypeStructs."""
         return jax.eval_shape(self._fresh, self.tp.shapes)
 
+    def param_layout(self) -> PyTree:
+        """The stored parameters as ShapeDtypeStructs with their shardings: what a restore of the
+        parameters alone reads into, allocating nothing (`init_layout`'s parameters, unmade)."""
+        params, opt_state = self.layout_shapes()
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
+                            self._layout_shardings(params, opt_state)[0])
+
     def init_layout(self, init: Callable[[jax.Array], PyTree], key: jax.Array) -> tuple[PyTree, tuple]:
         """Fresh (params, opt_state) from the model's `init(key)`, created directly in their
         shardings."""
@@ -228,6 +235,14 @@ class Strategy:
                                                                                       canonical.err_buf)))
         memory = self.put_memory(canonical.memory)
         return TrainState(step, params, opt_state, err_buf, memory)
+
+    def import_params(self, canonical: PyTree) -> PyTree:
+        """`import_state` of the parameters alone (the model's pytree, as `gather_params` or
+        `export_state` give it): a restore that reads no optimizer state converts only them."""
+        params = jax.device_put(canonical, self.canonical_shardings()[0])
+        stored = lambda p: self.from_canonical(p, ())[0]
+        fn = jax.jit(stored, out_shardings=_named(self.mesh, self.param_specs(jax.eval_shape(stored, params))))
+        return fn(params)
 
     def same_layout(self, saved_strategy: str, saved: Mapping[str, Mapping], here: Mapping[str, jax.Array],
                     by_rows: Callable[[str], bool]) -> bool:

@@ -15,7 +15,9 @@ Activations are a floor, not an estimate: the micro-batch's residual stream save
 tokens' under `model.nl_lm.loss_chunk`). The true need is
 larger (attention, MLP hidden layers, XLA's temporaries), so a refused run certainly does not
 fit, and one that passes may still run out of memory: XLA's RESOURCE_EXHAUSTED is then reported
-as one line by the CLI (`nljax.cli`). Available memory: `bytes_limit` of the device's
+as one line by the CLI (`nljax.cli`). A run that only uses a trained model (`nljax.load`,
+generate, export, lm_eval) counts what it holds (`in_use`): no gradients, optimizer state or
+error buffers. Available memory: `bytes_limit` of the device's
 `memory_stats()` on accelerators; on CPU the host's MemAvailable shared by its local devices.
 """
 
@@ -102,6 +104,17 @@ def engine_terms(cfg: Config, engine) -> dict[str, int]:
     return {"parameters": params // shard_p, "gradients": params // shard_p, "optimizer state": opt // shard_o,
             "error buffers": err, "inner-loop memory": 2 * mem,  # this step's and the next step's
             "activations (floor)": _activations(cfg, n)}
+
+
+# What a use of a trained model holds (`nljax.load`, generate, export, lm_eval): its parameters
+# restored alone (`nljax.checkpoint.restore.restore_params`), no gradients, optimizer state or
+# error buffers
+IN_USE = ("parameters", "inner-loop memory", "activations (floor)")
+
+
+def in_use(terms: dict[str, int]) -> dict[str, int]:
+    """The terms of `config_floor` or `engine_terms` that a use of the model needs (`IN_USE`)."""
+    return {k: v for k, v in terms.items() if k in IN_USE}
 
 
 def check(terms: dict[str, int], available: int | None) -> None:

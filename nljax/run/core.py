@@ -35,10 +35,12 @@ class Run:
     harness: Any = None
 
     @classmethod
-    def create(cls, cfg: Config, devices=None, model=None) -> "Run":
+    def create(cls, cfg: Config, devices=None, model=None, trains: bool = True) -> "Run":
         """The run of `cfg`; its own `cfg` adds what the data decide (`tasks.resolve`: the
         vocabulary of the user's files), read and checked before anything is built. `model`:
-        this model instead of the one `cfg` names (`local`)."""
+        this model instead of the one `cfg` names (`local`). `trains=False`: the run only uses
+        the model (`nljax.run.trained.load`), whose budget has no gradients, optimizer state or
+        error buffers (`budget.in_use`)."""
         cfg = tasks.resolve(cfg)
         mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices, cfg.mesh.model)
         rows = meshlib.check_batch(cfg.train.batch_size, mesh)
@@ -51,11 +53,12 @@ class Run:
         # that an absurd size never reaches Flax or XLA, then from the exact shapes.
         local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         available = budget.available_bytes(len(local), local[0] if local else None)
+        needs = (lambda terms: terms) if trains else budget.in_use
         if model is None:  # a given model (a tensor-parallel shard) is smaller than its config says
-            budget.check(budget.config_floor(cfg, meshlib.data_size(mesh)), available)
+            budget.check(needs(budget.config_floor(cfg, meshlib.data_size(mesh))), available)
         model = build(cfg) if model is None else model
         engine = Engine.create(cfg, model, mesh)
-        budget.check(budget.engine_terms(cfg, engine), available)
+        budget.check(needs(budget.engine_terms(cfg, engine)), available)
         task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
         return cls(cfg, mesh, engine, StepCache(engine), task)
 

@@ -4,7 +4,8 @@ whole parameter tree replicated on them whatever strategy and mesh trained it.
 
 The run's own `config.yaml` (written by `nljax.train`) says what the model is; the restore is the
 elastic one of `--resume` (`nljax.checkpoint.restore`) onto a 1 x n mesh under the `replicated`
-strategy, one row per device. Reads only.
+strategy, one row per device, of the parameters alone (`restore_params`: the optimizer state,
+error buffers and memory are neither read nor made). Reads only.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.checkpoint.restore import restore_first_valid
+from nljax.checkpoint.restore import first_valid, restore_params
 from nljax.errors import ConfigError
 from nljax.models.builtin import for_this_backend
 from nljax.run.core import Run
@@ -106,7 +107,7 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     cfg = config_of(run_dir, checkpoint, overrides, len(devices))
     cfg_file = Path(run_dir) / "config.yaml"
     try:
-        run = Run.create(cfg, devices)
+        run = Run.create(cfg, devices, trains=False)  # budgeted for the parameters, not the training state
     except ConfigError as e:
         relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(getattr(getattr(cfg, sec), key))]
         if not relative:
@@ -114,10 +115,11 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
         # a config.yaml written before the paths were recorded absolute (nljax.runtime.rundir.recorded)
         raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
                           "started in: run from there, or give it absolute)") from None
-    restored, skipped = restore_first_valid(run.engine, run.init_state(), storage.candidates(cfg))
+    # the parameters alone: a model whose training state needs many devices loads on one
+    restored, skipped = first_valid(lambda path: restore_params(run.engine, path), storage.candidates(cfg))
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
-    return Trained(cfg, trained_config(run_dir, overrides), run, restored.state.params, restored.step,
+    return Trained(cfg, trained_config(run_dir, overrides), run, restored.params, restored.step,
                    restored.path, tuple(skipped), tuple(incomplete))
 
 
