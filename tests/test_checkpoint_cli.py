@@ -480,8 +480,9 @@ def test_setting_aside_and_cleanup_failures_are_one_line_and_release_the_lock(tm
     assert storage.complete_steps(ck) == [8, 12] and not (run / "nljax.lock").exists()
     (tmp_path / "afile").write_text("")
     p = nljax_train(*base, f"run.dir={tmp_path / 'afile' / 'sub'}", "checkpoint.every=0")
-    assert p.returncode == 2 and p.stderr.strip() == (f"nljax.train: error: run.dir {tmp_path / 'afile' / 'sub'} cannot "
-                                                      "be created: Not a directory"), p.stderr
+    # refused with the directory checks, before the run is built (tests/test_taken_run_dir.py)
+    assert p.returncode == 2 and p.stderr.strip() == (f"nljax.train: error: run.dir {tmp_path / 'afile' / 'sub'}: "
+                                                      f"{tmp_path / 'afile'} is a file, not a directory"), p.stderr
     p = nljax_train(*base, f"run.dir={tmp_path / 'afile'}")
     assert p.returncode == 2 and p.stderr.strip() == f"nljax.train: error: run.dir {tmp_path / 'afile'} is a file, " \
                                                      "not a directory", p.stderr
