@@ -104,6 +104,10 @@ def test_a_load_is_budgeted_for_what_it_holds_not_the_training_state(tmp_path, m
         Run.create(cfg, jax.devices()[:1])
     t = trained.load(run_dir, devices=jax.devices()[:1])
     assert t.step == 1
+    # a load that does not fit is told so, not given a training run's remedies
+    monkeypatch.setattr(budget, "available_bytes", lambda *args: terms["parameters"] // 2)
+    with pytest.raises(ConfigError, match=r"the load needs at least .*; the trained model does not fit this device"):
+        trained.load(run_dir, devices=jax.devices()[:1])
 
 
 def test_a_parameter_that_fails_its_checksum_falls_back_to_an_older_checkpoint(tmp_path, monkeypatch):

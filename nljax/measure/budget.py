@@ -117,15 +117,17 @@ def in_use(terms: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in terms.items() if k in IN_USE}
 
 
-def check(terms: dict[str, int], available: int | None) -> None:
-    """One line when the terms exceed the memory available per device."""
+def check(terms: dict[str, int], available: int | None, trains: bool = True) -> None:
+    """One line when the terms exceed the memory available per device; `trains`: what the line
+    suggests is a training run's remedies (a load's: fewer rows or other devices)."""
     need = sum(terms.values())
     if available is None or need <= available:
         return
     gib = lambda b: f"{b / 2**30:,.1f} GiB" if b >= 2**30 else f"{b / 2**20:,.0f} MiB"
     name, biggest = max(terms.items(), key=lambda kv: kv[1])
+    remedy = ("make the model, train.batch_size or train.seq_len smaller, raise train.accum_steps or use more devices"
+              if trains else "the trained model does not fit this device: load it on one with more memory")
     raise ConfigError(
-        f"the run needs at least {gib(need)} per device, more than the {gib(available)} available "
-        f"(biggest: {name} {gib(biggest)}); make the model, train.batch_size or train.seq_len smaller, "
-        "raise train.accum_steps or use more devices"
+        f"the {'run' if trains else 'load'} needs at least {gib(need)} per device, more than the {gib(available)} "
+        f"available (biggest: {name} {gib(biggest)}); {remedy}"
     )

@@ -55,10 +55,10 @@ class Run:
         available = budget.available_bytes(len(local), local[0] if local else None)
         needs = (lambda terms: terms) if trains else budget.in_use
         if model is None:  # a given model (a tensor-parallel shard) is smaller than its config says
-            budget.check(needs(budget.config_floor(cfg, meshlib.data_size(mesh))), available)
+            budget.check(needs(budget.config_floor(cfg, meshlib.data_size(mesh))), available, trains)
         model = build(cfg) if model is None else model
         engine = Engine.create(cfg, model, mesh)
-        budget.check(needs(budget.engine_terms(cfg, engine)), available)
+        budget.check(needs(budget.engine_terms(cfg, engine)), available, trains)
         task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
         return cls(cfg, mesh, engine, StepCache(engine), task)
 
