@@ -201,17 +201,14 @@ def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] 
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way the tool stops
         return interrupted(prog, after_ctrl_c)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - OSErrors, JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
         if line := unusable_path(e):  # a path the user gave: exit 2, as a ConfigError
             print(f"{prog}: error: {line}", file=sys.stderr)
             return 2
-        print(f"{prog}: error: {write_failed(e) or e}", file=sys.stderr)
-        after_os_error()
-        return 1
-    except Exception as e:  # noqa: BLE001 - JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
-        if line := unusable_path(e):
-            print(f"{prog}: error: {line}", file=sys.stderr)
-            return 2
+        if isinstance(e, OSError):
+            print(f"{prog}: error: {write_failed(e) or e}", file=sys.stderr)
+            after_os_error()
+            return 1
         line = backend_failed(e)
         if line is None:
             raise
