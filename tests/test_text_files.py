@@ -5,6 +5,7 @@ entry, exact and elastic resume on it; every bad-data case refused with one line
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import random
 import shutil
@@ -14,7 +15,7 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from helpers import cli
+from helpers import cli, tree_hash
 
 from nljax import config
 from nljax.checkpoint import storage
@@ -234,6 +235,45 @@ def test_bytes_from_txt_and_jsonl_train_without_preparing(corpus, tmp_path, caps
     assert warned == [f"nljax: warning: checkpoint {run / 'checkpoints' / '6'} was trained on other data (digest "
                       f"{m['digest'][:12]} there, {startup.data_fingerprint(other)[:12]} here): the resumed run "
                       "reads other data than the run it continues"], warned
+
+
+def test_another_tokenizer_is_refused_on_resume_and_load(corpus, tokenizer, tmp_path, capsys):
+    """Checkpoints record what their token ids are: bytes, or the tokenizer's sha256. Resuming or
+    loading with ids of another tokenizer of the same size (the model fits, the ids mean other
+    text) is one line and writes nothing; a new run from the parameters alone is warned."""
+    import nljax
+
+    tok = tmp_path / "tok.json"
+    shutil.copy(tokenizer, tok)
+    train = f"data.train=[{','.join(corpus['train'])}]"
+    args = [*QUICK, *TINY, "data.source=files", train, f"data.tokenizer={tok}", "data.doc_end_token=<eos>"]
+    run, byte_run = tmp_path / "run", tmp_path / "bytes"
+    assert train_main([*args, f"run.dir={run}"]) == 0
+    sha = hashlib.sha256(tok.read_bytes()).hexdigest()
+    assert storage.read_meta(run / "checkpoints" / "6")["data"]["tokenizer"] == {"kind": "tokenizers", "sha256": sha}
+    assert train_main([*QUICK, *TINY, "data.source=files", train, f"run.dir={byte_run}"]) == 0  # 320 rows too
+    # the same vocabulary, two tokens' ids swapped: every shape fits, the ids mean other text
+    spec = json.loads(tok.read_text())
+    vocab = spec["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    tok.write_text(json.dumps(spec))
+    other = hashlib.sha256(tok.read_bytes()).hexdigest()
+    capsys.readouterr()
+    for resumed, saved in ((run, f"the tokenizer of sha256 {sha[:12]}"), (byte_run, "byte tokens")):
+        before = tree_hash(resumed)
+        assert train_main([*args, "--resume", f"run.dir={resumed}", "train.steps=7"]) == 2
+        assert one_line(capsys) == (f"nljax.train: error: checkpoint {resumed / 'checkpoints' / '6'} was trained on "
+                                    f"{saved}, this run's data use the tokenizer of sha256 {other[:12]}: its token "
+                                    "ids would stand for other text")
+        assert tree_hash(resumed) == before
+    # run.dir's data.tokenizer file changed since it trained: the load would decode other text
+    with pytest.raises(config.ConfigError, match=f"trained on the tokenizer of sha256 {sha[:12]}, the run's data "
+                                                 f"now use the tokenizer of sha256 {other[:12]}"):
+        nljax.load(run)
+    # a new run from the parameters alone: the user's choice, warned
+    assert train_main([*args, f"checkpoint.init_params={run}", f"run.dir={tmp_path / 'new'}", "train.steps=1"]) == 0
+    assert f"trained on the tokenizer of sha256 {sha[:12]}" in capsys.readouterr().err
 
 
 def test_tokenized_files_train_and_resume_exactly_and_elastically(corpus, tokenizer, tmp_path):

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nljax.config import to_dict
+from nljax.data import tokenization
 from nljax.engine.conductor import Conductor
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
@@ -164,8 +165,9 @@ def fingerprint(model) -> dict[str, list]:
 
 
 def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: dict[str, str] | None = None,
-             data_digest: str | None = None) -> dict:
-    """`trackers`: tracker name -> the run id a resume continues (`nljax.run.trackers.Trackers.ids`)."""
+             data_digest: str | None = None, tokenizer: dict | None = None) -> dict:
+    """`trackers`: tracker name -> the run id a resume continues (`nljax.run.trackers.Trackers.ids`).
+    `tokenizer`: what the data's token ids are (`nljax.data.tokenization.identity`; None: no text)."""
     cfg, mesh = engine.cfg, engine.mesh
     sums = checksums(arrays)
     meta = {
@@ -176,7 +178,7 @@ def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: 
         # ContextStream row r at step s: a pure function of (seed, step, row) -> nothing else to save
         # the digest of the data's content (`Task.fingerprint`): a resume on other data is told so
         "data": {"step": step, "seed": cfg.seed, "rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
-                 "digest": data_digest},
+                 "digest": data_digest, "tokenizer": tokenizer},
         "rng": {"seed": cfg.seed, "device_key": "fold_in(fold_in(key(seed), step), global device index)"},
         "mesh": {**{k: int(v) for k, v in mesh.shape.items()}, "devices": meshlib.data_size(mesh),
                  "processes": jax.process_count()},
@@ -281,6 +283,22 @@ def data_digest(meta: dict) -> str | None:
     """The digest of the data a checkpoint was trained on; None in one saved before it was."""
     digest = get(meta, "data.digest")
     return digest if isinstance(digest, str) else None
+
+
+def data_tokenizer(meta: dict) -> dict | None:
+    """What the token ids a checkpoint was trained on are (`nljax.data.tokenization.identity`);
+    None for images, and in one saved before it was recorded."""
+    tok = get(meta, "data.tokenizer")
+    return tok if isinstance(tok, dict) and isinstance(tok.get("kind"), str) else None
+
+
+def check_tokenizer(path: Path, saved: dict | None, here: dict | None, what: str = "this run's data use") -> None:
+    """One line (ConfigError) when the checkpoint at `path`, trained on the token ids `saved`
+    (`data_tokenizer`), does not read them as `here` (this run's) does: its embedding rows would
+    stand for other text."""
+    if saved is not None and here is not None and saved != here:
+        raise ConfigError(f"checkpoint {path} was trained on {tokenization.describe(saved)}, {what} "
+                          f"{tokenization.describe(here)}: its token ids would stand for other text")
 
 
 def tracker_ids(meta: dict) -> dict[str, str]:

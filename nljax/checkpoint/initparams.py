@@ -73,6 +73,7 @@ class Started:
     path: Path  # the step directory read
     step: int  # the steps it had trained
     warnings: list[str]  # the newer checkpoints passed over (damaged)
+    tokenizer: dict | None = None  # what its token ids are (`contents.data_tokenizer`)
 
 
 def start_from(engine: Engine, fresh: TrainState, root: Path) -> Started:
@@ -81,7 +82,7 @@ def start_from(engine: Engine, fresh: TrainState, root: Path) -> Started:
     restored, skipped = first_valid(lambda path: params_of(engine, path), candidates(root))
     passed = [f"checkpoint {p} is damaged, using an older one ({why.removeprefix(f'checkpoint {p}: ')})"
               for p, why in skipped]
-    return Started(fresh.replace(params=restored.params), restored.path, restored.step, passed)
+    return Started(fresh.replace(params=restored.params), restored.path, restored.step, passed, restored.tokenizer)
 
 
 def params_of(engine: Engine, path: Path) -> RestoredParams:

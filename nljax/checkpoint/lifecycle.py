@@ -12,6 +12,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from nljax.checkpoint import initparams, storage
+from nljax.checkpoint.contents import check_tokenizer
 from nljax.checkpoint.peers import Peers
 from nljax.checkpoint.quiet import errors_hidden
 from nljax.checkpoint.restore import Restored, restore_first_valid
@@ -56,6 +57,7 @@ class Checkpoints:
         # when this run continues its own files, then set by the trainer once its trackers are open
         self.trackers: dict[str, str] = dict(restored.trackers) if restored and own else {}
         self.data_digest: str | None = None  # of the run's data, saved with every checkpoint (`check_data`)
+        self.tokenizer: dict | None = None  # what the data's token ids are, saved likewise (`resolve`)
         self.manager = None
         self.writing: int | None = None  # the step of the save in flight
         # Orbax's reports of a failed save come from its writer threads, at any time between the
@@ -67,13 +69,18 @@ class Checkpoints:
         self._peers: Peers | None = None  # a multi-process run's: a failed save ends every process's
 
     @classmethod
-    def resolve(cls, engine: Engine, fresh: TrainState, say=print, digest: str | None = None) -> "Checkpoints":
+    def resolve(cls, engine: Engine, fresh: TrainState, say=print, digest: str | None = None,
+                tokenizer: dict | None = None) -> "Checkpoints":
         """The run's checkpoints: the resume `checkpoint.resume` asks for, restored (falling back
         past damaged checkpoints, with a warning), or a fresh start, with the parameters of
         `checkpoint.init_params` where it names a checkpoint (`nljax.checkpoint.initparams`). Reads only (checkpoint.dir is
         made by `open`, once the run directory was accepted: a refused run leaves none); refuses
         (ConfigError) a checkpoint.dir holding checkpoints this run may not take over. `digest`:
-        the run's data digest (the same data under another spelling of its paths is no change)."""
+        the run's data digest (the same data under another spelling of its paths is no change).
+        `tokenizer`: what its token ids are (`nljax.data.tokenization.identity`, None without
+        text), saved with every checkpoint: a checkpoint trained on another tokenizer's ids, whose
+        embedding rows would stand for other text, is refused; a new run from its parameters alone
+        (checkpoint.init_params) may change it deliberately: warned."""
         cfg = engine.cfg
         root, paths = checkpoint_dir(cfg), storage.candidates(cfg)
         # Resuming this run (its own checkpoint.dir) continues its files; a checkpoint from
@@ -87,6 +94,10 @@ class Checkpoints:
         if init_root is not None:
             started = initparams.start_from(engine, fresh, init_root)
             fresh, params_from = started.state, started.path
+            try:
+                check_tokenizer(started.path, started.tokenizer, tokenizer)
+            except ConfigError as e:
+                started.warnings.append(f"{e} (checkpoint.init_params takes its parameters all the same)")
             for w in started.warnings:
                 if jax.process_index() == 0:
                     print(f"nljax: warning: {w}", file=sys.stderr)
@@ -94,6 +105,7 @@ class Checkpoints:
                 "fresh optimizer state")
         if paths:
             restored, warnings = _restore(engine, fresh, paths, digest)
+            check_tokenizer(restored.path, restored.tokenizer, tokenizer)
             if own:  # with checkpoint.every=0 too: a later --resume must not take the abandoned branch
                 later = storage.later_steps(root, restored.step)
                 warnings += [f"checkpoint {p} is incomplete ({why}), resuming from an older one"
@@ -113,7 +125,9 @@ class Checkpoints:
             )
         if restored:
             say(f"resumed from {restored.path} at step {restored.step}")
-        return cls(engine, fresh, restored, own, later, params_from)
+        out = cls(engine, fresh, restored, own, later, params_from)
+        out.tokenizer = tokenizer
+        return out
 
     @property
     def resume_step(self) -> int | None:
@@ -179,7 +193,7 @@ class Checkpoints:
         self.writing = step
         error = None
         try:
-            storage.save(self.manager, self.engine, step, state, self.trackers, self.data_digest)
+            storage.save(self.manager, self.engine, step, state, self.trackers, self.data_digest, self.tokenizer)
         except Exception as e:  # noqa: BLE001 - the blocking part of a save (e.g. the disk is full)
             error = self._failed(e)
         if error is not None:  # raised outside `except`: see `_failed`

@@ -23,6 +23,7 @@ from nljax.checkpoint.contents import (
     check_arrays,
     check_fits,
     data_digest,
+    data_tokenizer,
     differences,
     fingerprint,
     fmt,
@@ -50,6 +51,7 @@ class Restored:
     warnings: list[str]
     trackers: dict[str, str] = dataclasses.field(default_factory=dict)  # the tracker run ids it saved
     data_digest: str | None = None  # of the data it was trained on (None: saved before it was recorded)
+    tokenizer: dict | None = None  # what its token ids are (`data_tokenizer`; None: images, or not recorded)
 
 
 def restore(engine: Engine, template: TrainState, path: Path, digest: str | None = None) -> Restored:
@@ -76,7 +78,8 @@ def restore(engine: Engine, template: TrainState, path: Path, digest: str | None
     leaves, treedef = jax.tree_util.tree_flatten(template)
     assert len(leaves) == len(target)
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
-    return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta), data_digest(meta))
+    return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta), data_digest(meta),
+                    data_tokenizer(meta))
 
 
 @dataclasses.dataclass
@@ -84,6 +87,7 @@ class RestoredParams:
     params: Any  # the model's parameters in the run's layout (`Strategy.param_layout`)
     step: int  # optimizer steps the checkpoint had taken
     path: Path
+    tokenizer: dict | None = None  # what its token ids are (`data_tokenizer`)
 
 
 def restore_params(engine: Engine, path: Path) -> RestoredParams:
@@ -105,7 +109,7 @@ def restore_params(engine: Engine, path: Path) -> RestoredParams:
     if saved is not None:
         arrays = elastic.convert_params(engine, arrays, saved)
     restored = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(layout), [arrays[n] for n in target])
-    return RestoredParams(restored.params, meta["step"], path)
+    return RestoredParams(restored.params, meta["step"], path, data_tokenizer(meta))
 
 
 def _read(engine: Engine, path: Path, meta: dict, target: dict[str, Any], partial: bool = False):

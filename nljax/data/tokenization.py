@@ -23,6 +23,20 @@ from nljax.errors import ConfigError, first_line
 BYTE_END = 0  # NUL ends every document of the byte tokenization
 
 
+def identity(info: dict) -> dict:
+    """What makes token ids mean the same text, of a tokenization's `info()` (or a manifest's
+    record of it): its kind and, for a tokenizer, its file's sha256. Checkpoints record it, so that
+    a resume or a load with another tokenizer is refused rather than reading ids as other text."""
+    return {k: info[k] for k in ("kind", "sha256") if k in info}
+
+
+def describe(identity: dict) -> str:
+    """An `identity` in words, for messages."""
+    if identity.get("kind") == "bytes":
+        return "byte tokens"
+    return f"the tokenizer of sha256 {str(identity.get('sha256'))[:12]}"
+
+
 def dtype_for(vocab_size: int) -> np.dtype:
     """The smallest unsigned little-endian integer that holds every id below `vocab_size`."""
     for dt in ("<u1", "<u2", "<u4"):

@@ -18,6 +18,13 @@ def data_fingerprint(task: Task) -> str:
     return fp() if callable(fp) else type(task).__name__
 
 
+def tokenizer_identity(task: Task) -> dict | None:
+    """What a text task's token ids are (`nljax.data.tokenization.identity`), saved with every
+    checkpoint; None for a task without text or one of a user's that does not say."""
+    ident = getattr(task, "tokenizer_identity", None)
+    return ident if isinstance(ident, dict) else None
+
+
 def check_startup(cfg: Config, mesh: jax.sharding.Mesh, task: Task, say: Callable[[str], None]) -> None:
     """Start-up lockstep check of a built run: config, versions, mesh, data."""
     if jax.process_count() == 1:

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from nljax.config import Config
-from nljax.data import images, prepared
+from nljax.data import images, prepared, tokenization
 from nljax.data.recall import CHANCE, attention_reach, recall_corpus
 from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
 from nljax.errors import ConfigError
@@ -69,6 +69,7 @@ class TextData:
     tokens_per_byte: float = 1.0  # held-out tokens per byte: bits per token x this = bits per byte
     unit: str = "bytes"  # what a token is, in messages
     digest: str | None = None  # the content digest of the files' manifest (files)
+    tokenizer: dict = dataclasses.field(default_factory=lambda: {"kind": "bytes"})  # what the ids are (`identity`)
 
 
 def text_data(cfg: Config) -> TextData:
@@ -85,7 +86,8 @@ def text_data(cfg: Config) -> TextData:
     if d.source == "files":
         c = prepared.corpus(d)
         return TextData(c.train.tokens, c.eval.tokens, train_ends=c.train.ends, held_ends=c.eval.ends,
-                        tokens_per_byte=c.tokens_per_byte, unit="tokens", digest=c.digest)
+                        tokens_per_byte=c.tokens_per_byte, unit="tokens", digest=c.digest,
+                        tokenizer=tokenization.identity(c.manifest["tokenizer"]))
     return TextData(*stdlib_corpus(d.eval_fraction))
 
 
@@ -137,6 +139,12 @@ class TextTask:
         if self.data.digest is not None:
             return self.data.digest
         return hashlib.sha256(self.stream.data.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
+
+    @property
+    def tokenizer_identity(self) -> dict:
+        """What the token ids are (`nljax.data.tokenization.identity`): checkpoints record it, and
+        a resume or a load with other ids is refused."""
+        return self.data.tokenizer
 
     def describe(self) -> dict:
         """What summary.json records of the data: source, token counts, vocabulary, digest."""

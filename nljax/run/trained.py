@@ -20,9 +20,11 @@ import os
 
 from nljax import config
 from nljax.checkpoint import storage
+from nljax.checkpoint.contents import check_tokenizer
 from nljax.checkpoint.restore import first_valid, restore_params
 from nljax.errors import ConfigError
 from nljax.models.builtin import for_this_backend
+from nljax.run import startup
 from nljax.run.core import Run
 from nljax.runtime.exportdir import is_export
 from nljax.runtime.rundir import DATA_PATHS, checkpoint_dir
@@ -117,6 +119,8 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
                           "started in: run from there, or give it absolute)") from None
     # the parameters alone: a model whose training state needs many devices loads on one
     restored, skipped = first_valid(lambda path: restore_params(run.engine, path), storage.candidates(cfg))
+    # the run's tokenizer now (data.tokenizer's file, data.prepared's) must be the one it trained on
+    check_tokenizer(restored.path, restored.tokenizer, startup.tokenizer_identity(run.task), "the run's data now use")
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
     return Trained(cfg, trained_config(run_dir, overrides), run, restored.params, restored.step,

@@ -422,7 +422,8 @@ def _train(cfg: Config, notice: Notice) -> dict:
     reading = ("reading the checkpoint to resume" if cfg.checkpoint.resume else
                "reading the checkpoint's parameters" if cfg.checkpoint.init_params else None)
     with Announced(say if reading else (lambda text: None))(reading or ""):
-        ckpt = Checkpoints.resolve(run.engine, fresh, say, digest)
+        # another tokenizer's checkpoint is refused
+        ckpt = Checkpoints.resolve(run.engine, fresh, say, digest, startup.tokenizer_identity(run.task))
     ckpt.check_data(digest)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     # the cleanup, in reverse order of registration; each step runs whatever the one before raised
