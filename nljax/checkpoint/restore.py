@@ -176,14 +176,14 @@ def _changed_settings(meta: dict, cfg: Config, same_data: bool = False, said=())
     """A warning for each setting that differs from the checkpoint's and may change the result,
     naming the checkpoint's step: the one restored, which may be older than the newest (a damaged
     one skipped). train.steps, the documented way to train on, changes the result only through a
-    cosine schedule, which then decays to the new end: said so; with a constant one, nothing.
+    decaying schedule, which then decays to the new end: said so; with a constant one, nothing.
     `said`: keys another warning names."""
     which = f"the checkpoint at step {meta['step']}" if "step" in meta else "the checkpoint"
     out = []
     for k, a, b in _changed(meta, cfg, same_data):
         if _under(k, SILENT) or k in said or k == "train.steps" and cfg.optim.schedule == "constant":
             continue
-        why = f": the cosine learning-rate schedule now decays to step {b}" if k == "train.steps" else ""
+        why = f": the {cfg.optim.schedule} learning-rate schedule now decays to step {b}" if k == "train.steps" else ""
         out.append(f"resuming with {k}={fmt(b)} ({which} was written with {fmt(a)}){why}")
     return out
 

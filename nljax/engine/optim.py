@@ -28,8 +28,11 @@ class OptimConfig:
     lr: float = 3e-3  # peak learning rate (before optim.lr_scaling and optim.level_lr_scale)
     level_lr_scale: tuple[float, ...] = ()  # per-level multiplier; empty means 1 for every level
     warmup_steps: int = 20  # linear warm-up from 0 to the peak over these steps
-    # after the warm-up: cosine decay to 10% of the peak at train.steps, or constant
-    schedule: Literal["cosine", "constant"] = "cosine"
+    # after the warm-up, to optim.min_lr_ratio x the peak at train.steps: cosine or linear decay;
+    # wsd: constant, then linear decay over the last optim.decay_fraction of the steps; or constant
+    schedule: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1  # the learning rate at train.steps, as a fraction of the peak (not constant)
+    decay_fraction: float = 0.2  # wsd: the last fraction of train.steps that decays (after the warm-up)
     weight_decay: float = 0.0  # decoupled weight decay (AdamW), times the learning rate
     b1: float = 0.9  # Adam's first-moment decay
     b2: float = 0.99  # Adam's second-moment decay
@@ -39,7 +42,8 @@ class OptimConfig:
 
     # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
     RANGES: ClassVar[dict] = {"lr": (0, None, False, None), "weight_decay": (0, None, True, None),
-                              "b1": (0, 1, True, False), "b2": (0, 1, True, False), "clip_norm": (0, None, True, None)}
+                              "b1": (0, 1, True, False), "b2": (0, 1, True, False), "clip_norm": (0, None, True, None),
+                              "min_lr_ratio": (0, 1, True, True), "decay_fraction": (0, 1, False, True)}
 
     def check(self) -> None:
         if any(v < 0 for v in self.level_lr_scale):
@@ -60,25 +64,37 @@ def peak_lr(cfg: OptimConfig, batch_size: int) -> float:
 
 
 def schedule(cfg: OptimConfig, total_steps, batch_size: int | None = None):
-    """Warm-up (linear from 0) then cosine decay to 10% of the peak, or constant, by global step.
+    """The learning rate by global step: a linear warm-up from 0, then `optim.schedule` (cosine or
+    linear decay to `min_lr_ratio` x the peak at `total_steps`; wsd, warmup-stable-decay: the peak,
+    then a linear decay to that over the last `decay_fraction` of `total_steps`; or constant).
     `total_steps` (train.steps) may be a traced value: the compiled step takes it as an input, so
     a run with another train.steps runs (and loads from the compile cache) the same executables.
-    The arithmetic is optax's `warmup_cosine_decay_schedule`, whose decay length must be static."""
+    The cosine is optax's `warmup_cosine_decay_schedule`'s arithmetic, whose decay length must be
+    static; its end at 10% is the one nljax always had, bit for bit."""
     lr = cfg.lr if batch_size is None else peak_lr(cfg, batch_size)
     warm = cfg.warmup_steps
     if cfg.schedule == "constant":
         return optax.linear_schedule(0.0, lr, warm) if warm else optax.constant_schedule(lr)
     decay = jnp.maximum(total_steps, warm + 1)
-    alpha = lr * 0.1 / lr if warm else 0.1  # optax's end_value / peak_value: not exactly 0.1 for every lr
+    ratio = cfg.min_lr_ratio
+    alpha = lr * ratio / lr if warm else ratio  # optax's end_value / peak_value: not exactly the ratio for every lr
 
     def cosine(count, length):  # optax.cosine_decay_schedule(lr, length, alpha)
         count = jnp.minimum(count, length)
         return lr * ((1 - alpha) * (0.5 * (1 + jnp.cos(jnp.pi * count / length))) + alpha)
 
+    def linear(count, length):  # from the peak at 0 to the end at `length`, then held
+        return lr * (1 - (1 - ratio) * jnp.minimum(count, length) / length)
+
+    def wsd(count, length):  # the peak, then `linear` over the last decay_fraction of the steps
+        span = jnp.clip(jnp.ceil(cfg.decay_fraction * decay), 1, length)
+        return linear(jnp.maximum(count - (length - span), 0), span)
+
+    after = {"cosine": cosine, "linear": linear, "wsd": wsd}[cfg.schedule]
     if not warm:
-        return lambda count: cosine(count, decay)
+        return lambda count: after(count, decay)
     ramp = optax.linear_schedule(0.0, lr, warm)
-    return lambda count: jnp.where(count < warm, ramp(count), cosine(count - warm, decay - warm))
+    return lambda count: jnp.where(count < warm, ramp(count), after(count - warm, decay - warm))
 
 
 def update_direction(cfg: OptimConfig) -> optax.GradientTransformation:
