@@ -32,7 +32,8 @@ LINEAR = ["model.nl_lm.memory_kind=linear"]
 # Tensor parallelism alone, (1, 1, 2), is the (2, 2, 2) case with data axes of size 1: dropped
 # for the suite's time (its options, replicated, clip, MLP memory, are all covered below).
 CASES = [
-    ((1, 2, 2), "fsdp", "flat", "skip", [*SGD, "optim.clip_norm=0.05", *LINEAR]),
+    # with weight decay's mask over fsdp's flat shards (tests/test_weight_decay.py)
+    ((1, 2, 2), "fsdp", "flat", "skip", [*SGD, "optim.clip_norm=0.05", *LINEAR, "optim.weight_decay=0.5"]),
     # The dearest case (~42 s: the scanned net on every axis): with the `big` tests, for the suite's time
     pytest.param((2, 2, 2), "fsdp", "hierarchical", "accumulate", [*SGD, "cms.accumulate=updates", *SCANNED],
                  marks=pytest.mark.big),

@@ -21,7 +21,7 @@ from nljax.engine import frozen, optim
 from nljax.engine.state import TrainState
 from nljax.engine.strategy import Strategy, make_strategy
 from nljax.errors import ConfigError
-from nljax.models.base import Model
+from nljax.models.base import Model, decays_by_name
 from nljax.parallel import tp
 from nljax.parallel.levels import LevelFlat, LevelLayout
 from nljax.parallel.mesh import DATA_AXES, MODEL, data_size, model_size
@@ -42,6 +42,15 @@ def tensor_parallel(cfg: Config, model: Model, m: int) -> tuple[Model, tp.Split]
     memory = lambda mdl: jax.eval_shape(lambda: mdl.init_memory(1))
     return local_model, tp.Split(m, shapes, tp.split_specs(shapes, jax.eval_shape(shard.init, key), m),
                                  tp.split_specs(memory(model), memory(shard), m, lead=(DATA_AXES,)))
+
+
+def decays_of(cfg: Config, model: Model) -> Callable[[str], bool] | None:
+    """Which parameters `optim.weight_decay` applies to, by path: the model's `decays` (or
+    `decays_by_name`) with `optim.decay_params: weights`; None for every one (`all`, or no weight
+    decay: the update then compiles as it always did)."""
+    if cfg.optim.weight_decay == 0 or cfg.optim.decay_params == "all":
+        return None
+    return getattr(model, "decays", None) or decays_by_name
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -91,7 +100,7 @@ class Engine:
         (a checkpoint saved with another `mesh.model` is read through such an engine)."""
         m = model_size(mesh) if tp_shards is None else tp_shards
         local_model, split = tensor_parallel(cfg, model, m)
-        levels = LevelLayout.of(split.local_shapes, model.level_of, len(cfg.cms.periods))
+        levels = LevelLayout.of(split.local_shapes, model.level_of, len(cfg.cms.periods), decays_of(cfg, model))
         lr = optim.schedule(cfg.optim, cfg.train.steps, cfg.train.batch_size)
         return cls(cfg, model, mesh, levels, lr, make_strategy(cfg, mesh, levels, split), local_model, split)
 

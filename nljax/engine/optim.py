@@ -34,6 +34,9 @@ class OptimConfig:
     min_lr_ratio: float = 0.1  # the learning rate at train.steps, as a fraction of the peak (not constant)
     decay_fraction: float = 0.2  # wsd: the last fraction of train.steps that decays (after the warm-up)
     weight_decay: float = 0.0  # decoupled weight decay (AdamW), times the learning rate
+    # what weight decay applies to: weights (the model's `decays`; by default flax's kernel and
+    # embedding leaves, not biases, norm scales or an initial memory) or all parameters
+    decay_params: Literal["weights", "all"] = "weights"
     b1: float = 0.9  # Adam's first-moment decay
     b2: float = 0.99  # Adam's second-moment decay
     clip_norm: float = 0.0  # clip each active level's synchronized gradient by its own norm; 0: off
@@ -119,18 +122,22 @@ def clip(grads: jax.Array, norms: jax.Array, max_norm: float) -> jax.Array:
     return grads * jnp.minimum(1.0, max_norm / (norms + 1e-6))[:, None]
 
 
-def apply_steps(tx: optax.GradientTransformation, grads, oks, opt_state, params, lrs, weight_decay: float):
+def apply_steps(tx: optax.GradientTransformation, grads, oks, opt_state, params, lrs, weight_decay: float,
+                decays=None):
     """A level's update from K gradients taken at the same parameters (every leaf of `grads`
     has a leading K axis; `oks` [K] bool, `lrs` [K]): the optimizer runs on them in order and the
-    parameters move once, by Σ_k lr_k (u_k + wd θ). A gradient whose `ok` is False changes
-    neither the optimizer state nor the parameters. K = 1 is one ordinary step, bit for bit.
-    Returns (new params, new optimizer state)."""
+    parameters move once, by Σ_k lr_k (u_k + wd d θ). `decays`: d, a tree like `params` of 0/1
+    multipliers (scalars, or vectors over a flat one), None for 1 everywhere. A gradient whose
+    `ok` is False changes neither the optimizer state nor the parameters. K = 1 is one ordinary
+    step, bit for bit. Returns (new params, new optimizer state)."""
+    if decays is None:
+        decays = jax.tree.map(lambda p: 1.0, params)
 
     def one(carry, x):
         opt_state, total = carry
         g, ok, lr = x
         updates, new_state = tx.update(g, opt_state, params)
-        delta = jax.tree.map(lambda p, u: jnp.where(ok, lr * (u + weight_decay * p), 0), params, updates)
+        delta = jax.tree.map(lambda p, u, d: jnp.where(ok, lr * (u + weight_decay * d * p), 0), params, updates, decays)
         keep = lambda new, old: jnp.where(ok, new, old)
         return (jax.tree.map(keep, new_state, opt_state), jax.tree.map(jnp.add, total, delta)), None
 
@@ -157,6 +164,6 @@ class Optimizer:
     def init(self, params):
         return self.tx.init(params)
 
-    def apply(self, grads, oks, opt_state, params, lrs):
+    def apply(self, grads, oks, opt_state, params, lrs, decays=None):
         """`apply_steps` with this optimizer: (new params, new optimizer state)."""
-        return apply_steps(self.tx, grads, oks, opt_state, params, lrs, self.weight_decay)
+        return apply_steps(self.tx, grads, oks, opt_state, params, lrs, self.weight_decay, decays)

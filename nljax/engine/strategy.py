@@ -130,6 +130,11 @@ class Strategy:
         gradient covers (all of it, or its shard of the padded vector)."""
         return vec
 
+    def decay_mask(self, l: int) -> jax.Array | None:
+        """Weight decay's 0/1 multiplier over this device's part of level l's flat vector (`own`);
+        None where every parameter decays."""
+        return self.levels.decay_mask(l, self.own(jnp.arange(self.levels.flats[l].size)))
+
     def level_norms(self, synced: dict) -> dict:
         """Per active level, the norm of each of its synchronized gradients ([K_l]), identical on
         every device. Where each device holds a shard, the squared sums of all levels cross
@@ -276,7 +281,7 @@ class Replicated(Strategy):
 
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
         grads = jax.vmap(self.levels.flats[l].unravel)(gs)  # leaves [K, ...]
-        return self.opt.apply(grads, oks, opt_state, stored_part, lrs)
+        return self.opt.apply(grads, oks, opt_state, stored_part, lrs, self.levels.decays(l))
 
 
 class Zero1(Strategy):
@@ -305,7 +310,8 @@ class Zero1(Strategy):
 
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
         flat = self.levels.flats[l]
-        shard, opt_state = self.opt.apply(gs, oks, opt_state, self.own(flat.ravel(stored_part)), lrs)  # [Np/intra]
+        shard, opt_state = self.opt.apply(gs, oks, opt_state, self.own(flat.ravel(stored_part)), lrs,
+                                          self.decay_mask(l))  # [Np/intra]
         new = jax.lax.all_gather(shard, INTRA, axis=0, tiled=True)[: flat.size]  # [N]
         return flat.unravel(new), opt_state
 
@@ -354,7 +360,7 @@ class FSDP(Strategy):
         return sync.shard_all(g, c.reduce, c.mean, m[INTER], m[INTRA])  # [Np/(inter*intra)]
 
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
-        return self.opt.apply(gs, oks, opt_state, stored_part, lrs)
+        return self.opt.apply(gs, oks, opt_state, stored_part, lrs, self.decay_mask(l))
 
     def own(self, vec):
         return _block_of(vec, DATA_AXES, data_size(self.mesh))  # [Np/n]

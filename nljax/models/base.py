@@ -39,6 +39,10 @@ Optional:
 - `task`: "text" (the default: `nljax.run.tasks.TextTask` feeds it token windows; generate
   writes text) or "images" (a MeanFlow denoiser: `ImageTask`, a PNG grid). The registered task
   (`nljax.register_model(..., task=)`) decides; the attribute, if present, must agree.
+- `decays(path) -> bool`: whether `optim.weight_decay` applies to the parameter at `path` (with
+  `optim.decay_params: weights`, the default). Without it, `decays_by_name`: flax's `kernel` and
+  `embedding` leaves (the weights of Dense, DenseGeneral, Conv and Embed) decay; biases, norm
+  scales and a model's own parameters (an initial memory, a gain) do not.
 - `tensor_parallel(m, axis) -> Model`: this model's shard over `m` devices of the mesh axis
   `axis` (`nljax.parallel.tp`): its `init` gives one shard's parameter shapes, its `apply` runs
   on one shard and sums (or gathers) over `axis` where a split region ends (axis None: shapes
@@ -98,6 +102,17 @@ def cms_level_of(path: str) -> int:
     levels so); everything else is level 0."""
     m = _CMS_LEVEL.search(path)
     return int(m.group(1)) if m else 0
+
+
+DECAYED_NAMES = ("kernel", "embedding")  # flax's names for the weights of Dense/Conv and Embed
+
+
+def decays_by_name(path: str) -> bool:
+    """Whether weight decay applies to the parameter at `path` when its model does not say
+    (`decays`): its last name is flax's for a weight matrix or an embedding table. Biases, norm
+    scales and gains, and a model's own parameters (nl_lm's initial memory `memory0_*`) keep
+    their values: decaying them toward 0 is not a regularizer but a bias of the model."""
+    return path.rsplit("/", 1)[-1] in DECAYED_NAMES
 
 
 HIDDEN = "the MLP hidden width (model.dim x model.hidden_mult)"  # as tensor parallelism's refusals name it

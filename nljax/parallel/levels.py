@@ -90,11 +90,17 @@ class LevelLayout:
     shapes: PyTree  # the model's parameter pytree as ShapeDtypeStructs
     level_tree: PyTree  # same structure, an int level per leaf
     flats: tuple[LevelFlat, ...]  # per level: its leaves as one flat vector and back
+    decay_tree: PyTree = None  # same structure, a bool per leaf: optim.weight_decay applies (None: to all)
 
     @classmethod
-    def of(cls, shapes: PyTree, level_of: Callable[[str], int], n_levels: int) -> "LevelLayout":
+    def of(cls, shapes: PyTree, level_of: Callable[[str], int], n_levels: int,
+           decays: Callable[[str], bool] | None = None) -> "LevelLayout":
+        """`decays(path)`: whether weight decay applies to a parameter (None: to every one)."""
         level_tree = assign(shapes, level_of, n_levels)
-        return cls(shapes, level_tree, tuple(LevelFlat.of(p) for p in split(shapes, level_tree, n_levels)))
+        decay_tree = None if decays is None else jax.tree_util.tree_map_with_path(
+            lambda path, _: bool(decays(path_str(path))), shapes)
+        return cls(shapes, level_tree, tuple(LevelFlat.of(p) for p in split(shapes, level_tree, n_levels)),
+                   decay_tree)
 
     @property
     def n_levels(self) -> int:
@@ -105,6 +111,33 @@ class LevelLayout:
 
     def merge(self, parts) -> PyTree:
         return merge(tuple(parts), self.level_tree)
+
+    def decays(self, l: int) -> PyTree | None:
+        """Level l's subtree of weight-decay multipliers (1.0 or 0.0 per leaf), as the replicated
+        parameters are laid out; None where every parameter decays (nothing to mask)."""
+        if self.decay_tree is None or all(jax.tree.leaves(self.decay_tree)):
+            return None
+        return jax.tree.map(lambda d: 1.0 if d else 0.0, self.split(self.decay_tree)[l])
+
+    def decay_mask(self, l: int, idx: jax.Array) -> jax.Array | None:
+        """Per position `idx` of level l's flat vector (`LevelFlat`, as the sharded strategies lay
+        it out): 1.0 where the parameter decays, else 0.0; None where every parameter decays.
+        Built from the positions, a few comparisons per entry (not a stored [N] constant, which
+        would sit in every compiled step)."""
+        if self.decay_tree is None or all(jax.tree.leaves(self.decay_tree)):
+            return None
+        ranges, offset = [], 0  # [lo, hi) of the decaying leaves, neighbours joined
+        for shape, d in zip(self.flats[l].shapes, jax.tree.leaves(self.split(self.decay_tree)[l])):
+            n = math.prod(shape)
+            if d and ranges and ranges[-1][1] == offset:
+                ranges[-1][1] = offset + n
+            elif d:
+                ranges.append([offset, offset + n])
+            offset += n
+        mask = jnp.zeros(idx.shape, bool)
+        for lo, hi in ranges:
+            mask = mask | ((idx >= lo) & (idx < hi))
+        return mask.astype(jnp.float32)
 
 
 def level_sizes(params: PyTree, level_tree: PyTree, n_levels: int) -> list[tuple[int, int]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import signal
 import time
 from pathlib import Path
@@ -25,6 +26,7 @@ from nljax.checkpoint.taken import inside_run_dir, refuse_taken
 from nljax.config import Config
 from nljax.engine import optim
 from nljax.engine.conductor import Conductor, pattern_name
+from nljax.engine.core import decays_of
 from nljax.engine.state import TrainState, bytes_per_device, describe_memory
 from nljax.errors import ConfigError
 from nljax.measure import flops
@@ -105,7 +107,7 @@ def startup_report(run: Run, state: TrainState, say) -> None:
     scaled = "" if cfg.optim.lr_scaling == "none" else (
         f" (optim.lr {cfg.optim.lr:g} x {cfg.optim.lr_scaling} {t.batch_size}/{cfg.optim.base_batch_size})")
     say(f"optimizer {cfg.optim.name}: peak lr {lr:.4g}{scaled}, {cfg.optim.schedule} schedule, "
-        f"{cfg.optim.warmup_steps} warm-up steps")
+        f"{cfg.optim.warmup_steps} warm-up steps{weight_decay(cfg, eng)}")
     say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
     say(describe_memory(bytes_per_device(state), eng.strategy.name))
 
@@ -446,6 +448,16 @@ def _train(cfg: Config, notice: Notice) -> dict:
         for line in closing(cfg, run):
             out.say(line)
     return summary
+
+
+def weight_decay(cfg: Config, eng) -> str:
+    """The start-up line's weight decay: how many parameters it applies to (`optim.decay_params`)."""
+    if not cfg.optim.weight_decay:
+        return ""
+    decays = decays_of(cfg, eng.model) or (lambda path: True)
+    sizes = [(decays(levels.path_str(p)), math.prod(x.shape)) for p, x in jax.tree_util.tree_flatten_with_path(eng.param_shapes)[0]]
+    return (f", weight decay {cfg.optim.weight_decay:g} on {sum(n for d, n in sizes if d):,} of "
+            f"{sum(n for _, n in sizes):,} parameters (optim.decay_params={cfg.optim.decay_params})")
 
 
 def closing(cfg: Config, run: Run) -> list[str]:
