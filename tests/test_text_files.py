@@ -275,6 +275,7 @@ def _bad_files(root: Path) -> None:
     (root / "empty.txt").write_text("\0\0")
     (root / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     (root / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
+    (root / "latin1.jsonl").write_bytes('{"text": "one"}\n{"text": "caf\xe9"}\n'.encode("latin-1"))
     (root / "nokey.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
     (root / "surrogate.jsonl").write_text('{"text": "one"}\n{"text": "half \\ud83d an emoji"}\n')
     (root / "notgz.txt.gz").write_bytes(b"plain text, not gzip")
@@ -295,6 +296,8 @@ BAD = [
     (["data.train=R/empty.txt"], "data.train: no text in 1 file(s)"),
     (["data.train=R/latin1.txt"], "R/latin1.txt: not UTF-8 text (byte 3"),
     (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),
+    # the line's own message, not wrapped in "not valid JSON (...)" naming the line twice
+    (["data.train=R/latin1.jsonl"], "R/latin1.jsonl:2: not UTF-8 text (byte 13"),
     (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key)"),
     (["data.train=R/surrogate.jsonl"], "R/surrogate.jsonl:2: field 'text' holds a lone surrogate"),
     (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),

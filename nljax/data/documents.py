@@ -152,8 +152,9 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int) -> Iterator[tupl
         if number <= skip or not line.strip():
             continue
         where = f"{path}:{number}"
+        decoded = _decode(line, where)  # its own line: a ConfigError is a ValueError, which the JSON errors below catch
         try:
-            record = json.loads(_decode(line, where))
+            record = json.loads(decoded)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
         except (ValueError, RecursionError) as e:  # e.g. an integer past the digit limit, deep nesting
