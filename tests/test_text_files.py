@@ -140,6 +140,21 @@ def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path,
         prepared.corpus(data_config("data.train=['*.txt']", "data.eval_fraction=0.2", f"data.prepared={out}").data)
 
 
+def test_a_byte_order_mark_is_dropped(tmp_path):
+    """A BOM (Windows editors write one) was a 'not valid JSON' line in a .jsonl, and three bytes of
+    U+FEFF trained on at the start of a .txt; it is dropped: the same tokens as without."""
+    text = "été, fine text\n"
+    (tmp_path / "held.txt").write_text("held-out text\n")
+    (tmp_path / "plain.txt").write_text(text)
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    line = "\ufeff" + json.dumps({"text": text}, ensure_ascii=False) + "\r\n"  # each line: files joined with cat
+    (tmp_path / "bom.jsonl").write_bytes((line * 2 + "\ufeff\r\n").encode())  # and a line of a BOM alone: blank
+    tokens = lambda name: prepared.build(data_config(f"data.train={tmp_path / name}",
+                                                     f"data.eval={tmp_path / 'held.txt'}").data).train.tokens
+    assert tokens("bom.txt").tobytes() == tokens("plain.txt").tobytes() == text.encode() + b"\0"
+    assert tokens("bom.jsonl").tobytes() == (text.encode() + b"\0") * 2
+
+
 def test_a_file_named_like_a_glob_is_read_as_itself(tmp_path):
     """'notes[1].txt' exists: it is that file, not a glob that matches 'notes1.txt' (or nothing)."""
     from nljax.data import documents

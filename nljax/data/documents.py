@@ -6,8 +6,9 @@ is one, its `text_key` column (data/columnar.py). A save_to_disk folder is its .
 the order its state.json lists them. Files are read in the order of the list (each glob's
 matches sorted, a file named twice read once), so the same files give the same documents in the
 same order on every process and in every run. Documents are kept whole, never cut or merged; NUL
-characters are removed (NUL ends a document of the byte tokenization, as in the stdlib corpus)
-and documents left empty are skipped.
+characters are removed (NUL ends a document of the byte tokenization, as in the stdlib corpus),
+as is a byte order mark that starts a .txt file or a .jsonl line, and documents left empty are
+skipped.
 
 Files are streamed: a .jsonl line, a .txt file, a Parquet row group or an Arrow record batch at a
 time, so memory stays bounded whatever a file's size. `read` says where it is (file, record) after
@@ -36,6 +37,7 @@ from nljax.errors import ConfigError, first_line
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", *columnar.SUFFIXES)
 SAVED = ("state.json", "dataset_info.json")  # what marks a folder datasets.Dataset.save_to_disk wrote
 BATCH = 1024  # documents per list read, at most (a list is tokenized at once, in parallel)
+BOM = "\ufeff"  # the byte order mark Windows editors write first: an encoding's mark, not text
 
 
 def absolute(path: str) -> str:
@@ -113,7 +115,7 @@ def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
             for docs, done in _jsonl(path, text_key, skip, batch):
                 yield docs, index, done
         elif skip == 0:
-            text = _clean(_decode(_read(path), str(path)))
+            text = _clean(_decode(_read(path), str(path)).removeprefix(BOM))
             yield ([text] if text else []), index, 1
 
 
@@ -152,7 +154,11 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int) -> Iterator[tupl
         if number <= skip or not line.strip():
             continue
         where = f"{path}:{number}"
-        decoded = _decode(line, where)  # its own line: a ConfigError is a ValueError, which the JSON errors below catch
+        # its own line: a ConfigError is a ValueError, which the JSON errors below catch. A BOM is
+        # no JSON: dropped at the start of any line (files joined with `cat` carry one each)
+        decoded = _decode(line, where).removeprefix(BOM)
+        if not decoded.strip():  # a BOM alone (an empty file saved by a Windows editor): a blank line
+            continue
         try:
             record = json.loads(decoded)
         except json.JSONDecodeError as e:
