@@ -307,6 +307,8 @@ BAD = [
     (["data.train=R/missing.txt"], "data.train: no file R/missing.txt"),
     (["data.train=R/*.text"], "data.train: 'R/*.text' matches no file"),
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
+    (["data.train="], "data.train: an empty path"),
+    (["data.train=R/ok.txt", "data.eval=['']"], "data.eval: an empty path"),
     (["data.train=R/notes.md"], "data.train: R/notes.md is not a .txt, .jsonl, .parquet or .arrow file"),
     (["data.train=R/empty.txt"], "data.train: no text in 1 file(s)"),
     (["data.train=R/latin1.txt"], "R/latin1.txt: not UTF-8 text (byte 3"),

@@ -51,6 +51,8 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
     files: list[Path] = []
     seen: set[Path] = set()  # resolved: one file named twice in two spellings is read once
     for pattern in patterns:
+        if not pattern:  # read as the working directory: "data.train:  is a directory"
+            raise ConfigError(f"{key}: an empty path (give the paths or globs of the text files)")
         # a glob (** spans directories), unless a file has that very name ("notes[1].txt")
         if any(c in pattern for c in "*?[") and not os.path.isfile(os.path.expanduser(pattern)):
             found = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
