@@ -129,6 +129,9 @@ def _bad(root: Path) -> None:
     (root / "dict" / "dataset_dict.json").write_text('{"splits": ["train"]}')
     (root / "dict" / "train").mkdir()
     (root / "dict" / "train" / "state.json").write_text("{}")
+    (root / "nothing").mkdir()  # what save_to_disk writes for a dataset of no rows
+    (root / "nothing" / "state.json").write_text('{"_data_files": [], "_split": null}')
+    (root / "nothing" / "dataset_info.json").write_text("{}")
     (root / "folder").mkdir()
     (root / "folder" / "a.parquet").write_bytes(good.read_bytes())
 
@@ -142,6 +145,7 @@ BAD = [
     ("R/cut.parquet", "R/cut.parquet: not a readable Parquet file"),
     ("R/garbage.arrow", "R/garbage.arrow: not a readable Arrow file"),
     ("R/dict", "data.train: R/dict holds the splits of a DatasetDict (train): give one, such as R/dict/train"),
+    ("R/nothing", "data.train: R/nothing is an empty dataset (its state.json lists no .arrow file)"),
     ("R/folder", "data.train: R/folder is a directory (give a glob such as R/folder/*.txt"),
 ]
 

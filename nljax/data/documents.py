@@ -92,10 +92,12 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
                           "datasets' save_to_disk wrote)")
     try:
         names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
-        assert names and all(isinstance(n, str) and "/" not in n for n in names)
+        assert all(isinstance(n, str) and "/" not in n for n in names)
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise ConfigError(f"{key}: {folder / 'state.json'} does not list the folder's .arrow files "
                           "(_data_files): not a save_to_disk folder") from None
+    if not names:  # what save_to_disk writes for a dataset of no rows (it was "not a save_to_disk folder")
+        raise ConfigError(f"{key}: {pattern} is an empty dataset (its state.json lists no .arrow file)")
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
         raise ConfigError(f"{key}: {folder / missing[0]} is missing (listed in {folder / 'state.json'})")
