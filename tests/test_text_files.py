@@ -357,6 +357,8 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
         ([f"data.prepared={prep}", "data.doc_end_token=<eos>"],
          f"data.prepared={prep} was prepared with data.doc_end_token=None, not '<eos>'"),
         ([f"data.prepared={tmp_path}"], f"data.prepared={tmp_path} holds no manifest.json"),
+        ([f"data.prepared={tmp_path / 'none'}"], f"data.prepared={tmp_path / 'none'} does not exist: write it with"),
+        ([f"data.prepared={tokenizer}"], f"data.prepared={tokenizer} is a file, not a directory: write it with"),
         # its tokenizer has no end token, known once DIR is read: still before run.dir is written
         ([f"data.prepared={prep}", "train.sample_every=1", "train.seq_len=16", "eval.stream_steps=0"], "an empty prompt starts a document after "
                                                             "data.doc_end_token"),
@@ -368,6 +370,10 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
         f.truncate(10)
     assert train_main(["--quiet", "data.source=files", f"data.prepared={prep}", f"run.dir={tmp_path / 'run'}"]) == 2
     assert "train.bin holds 10 bytes, the manifest says" in one_line(capsys)
+    (prep / "train.bin").unlink()  # it said "train.bin holds None bytes"
+    assert train_main(["--quiet", "data.source=files", f"data.prepared={prep}", f"run.dir={tmp_path / 'run'}"]) == 2
+    assert one_line(capsys).endswith(f"data.prepared={prep}: train.bin is missing (deleted or moved since): "
+                                     "prepare again")
     assert not (tmp_path / "run").exists()
 
 
