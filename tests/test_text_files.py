@@ -377,6 +377,21 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+def test_held_out_text_too_short_names_where_it_came_from(corpus, tmp_path, capsys):
+    """Trained from data.prepared alone, the line blamed data.eval_fraction=0.05, which the
+    directory was not split by: its held-out text is its data.eval's."""
+    (tmp_path / "tiny.txt").write_text("hi")
+    prep, files = tmp_path / "prep", f"data.train=[{','.join(corpus['train'])}]"
+    assert prepare_main([files, f"data.eval={tmp_path / 'tiny.txt'}", f"out={prep}"]) == 0
+    capsys.readouterr()
+    for args, source in (([f"data.prepared={prep}"], f"data.prepared={prep}"),
+                         ([files, f"data.eval={tmp_path / 'tiny.txt'}"], f"data.eval={tmp_path / 'tiny.txt'}")):
+        assert train_main(["--quiet", "data.source=files", *args, f"run.dir={tmp_path / 'run'}"]) == 2
+        assert one_line(capsys) == (f"nljax.train: error: the held-out text (3 tokens from {source}) is shorter than "
+                                    "train.seq_len+1=129")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_prepared_dir_matches_its_sources_and_itself(corpus, tokenizer, tmp_path, capsys, monkeypatch):
     """What a run given data.prepared with data.train checks (each case trained silently on other
     text, or decoded with another tokenizer, before), and what it checks of DIR itself."""
