@@ -146,7 +146,8 @@ BAD = [
     ("R/garbage.arrow", "R/garbage.arrow: not a readable Arrow file"),
     ("R/dict", "data.train: R/dict holds the splits of a DatasetDict (train): give one, such as R/dict/train"),
     ("R/nothing", "data.train: R/nothing is an empty dataset (its state.json lists no .arrow file)"),
-    ("R/folder", "data.train: R/folder is a directory (give a glob such as R/folder/*.txt"),
+    # a folder of part files (Spark, Dask): the glob of what it holds, not *.txt
+    ("R/folder", "data.train: R/folder is a directory (give a glob such as R/folder/*.parquet, or a folder"),
 ]
 
 

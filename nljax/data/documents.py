@@ -88,8 +88,11 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
                           f"one, such as {pattern}/{splits[0] if splits else 'train'}")
     if not all((folder / name).is_file() for name in SAVED):
-        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*.txt, or a folder "
-                          "datasets' save_to_disk wrote)")
+        # the glob of what it holds: Spark and Dask write a Parquet "file" as a folder of part files
+        held = sorted({s for p in folder.iterdir() for s in SUFFIXES if p.name.endswith(s) and p.is_file()},
+                      key=SUFFIXES.index)
+        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*{(held or ['.txt'])[0]}, "
+                          "or a folder datasets' save_to_disk wrote)")
     try:
         names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
         assert all(isinstance(n, str) and "/" not in n for n in names)
