@@ -55,7 +55,10 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             raise ConfigError(f"{key}: an empty path (give the paths or globs of the text files)")
         # a glob (** spans directories), unless a file has that very name ("notes[1].txt")
         if any(c in pattern for c in "*?[") and not os.path.isfile(os.path.expanduser(pattern)):
-            found = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+            # its files, and the folders save_to_disk wrote as their shards (other folders, what `**`
+            # spans, are skipped: a save_to_disk folder among the matches was skipped without a word)
+            found = [q for m in sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+                     for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) else [])]
             if not found:
                 raise ConfigError(f"{key}: '{pattern}' matches no file")
         else:
@@ -64,6 +67,8 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 raise ConfigError(f"{key}: no file {pattern}")
             if p.is_dir():
                 found = saved_shards(p, pattern, key)
+                if not found:  # (matched by a glob, it adds nothing, as a Parquet file of no rows)
+                    raise ConfigError(f"{key}: {pattern} is an empty dataset (its state.json lists no .arrow file)")
             elif not p.is_file():  # a FIFO would wait for a writer forever, a device never end
                 raise ConfigError(f"{key}: {pattern} is not a regular file (a pipe or a device)")
             else:
@@ -87,7 +92,7 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
         splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
                           f"one, such as {pattern}/{splits[0] if splits else 'train'}")
-    if not all((folder / name).is_file() for name in SAVED):
+    if not _saved(folder):
         # the glob of what it holds: Spark and Dask write a Parquet "file" as a folder of part files
         held = sorted({s for p in folder.iterdir() for s in SUFFIXES if p.name.endswith(s) and p.is_file()},
                       key=SUFFIXES.index)
@@ -95,16 +100,19 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
                           "or a folder datasets' save_to_disk wrote)")
     try:
         names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
-        assert all(isinstance(n, str) and "/" not in n for n in names)
+        assert all(isinstance(n, str) and "/" not in n for n in names)  # none: a dataset of no rows
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise ConfigError(f"{key}: {folder / 'state.json'} does not list the folder's .arrow files "
                           "(_data_files): not a save_to_disk folder") from None
-    if not names:  # what save_to_disk writes for a dataset of no rows (it was "not a save_to_disk folder")
-        raise ConfigError(f"{key}: {pattern} is an empty dataset (its state.json lists no .arrow file)")
     missing = [n for n in names if not (folder / n).is_file()]
     if missing:
         raise ConfigError(f"{key}: {folder / missing[0]} is missing (listed in {folder / 'state.json'})")
     return [folder / n for n in names]
+
+
+def _saved(folder: Path) -> bool:
+    """Whether `folder` is one `datasets.Dataset.save_to_disk` wrote (its marker files)."""
+    return folder.is_dir() and all((folder / name).is_file() for name in SAVED)
 
 
 def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
