@@ -129,6 +129,9 @@ def _bad(root: Path) -> None:
     (root / "dict" / "dataset_dict.json").write_text('{"splits": ["train"]}')
     (root / "dict" / "train").mkdir()
     (root / "dict" / "train" / "state.json").write_text("{}")
+    (root / "nothing").mkdir()  # what save_to_disk writes for a dataset of no rows
+    (root / "nothing" / "state.json").write_text('{"_data_files": [], "_split": null}')
+    (root / "nothing" / "dataset_info.json").write_text("{}")
     (root / "folder").mkdir()
     (root / "folder" / "a.parquet").write_bytes(good.read_bytes())
 
@@ -142,7 +145,9 @@ BAD = [
     ("R/cut.parquet", "R/cut.parquet: not a readable Parquet file"),
     ("R/garbage.arrow", "R/garbage.arrow: not a readable Arrow file"),
     ("R/dict", "data.train: R/dict holds the splits of a DatasetDict (train): give one, such as R/dict/train"),
-    ("R/folder", "data.train: R/folder is a directory (give a glob such as R/folder/*.txt"),
+    ("R/nothing", "data.train: R/nothing is an empty dataset (its state.json lists no .arrow file)"),
+    # a folder of part files (Spark, Dask): the glob of what it holds, not *.txt
+    ("R/folder", "data.train: R/folder is a directory (give a glob such as R/folder/*.parquet, or a folder"),
 ]
 
 
@@ -220,8 +225,20 @@ def test_many_row_groups_are_read_in_the_memory_of_one(tmp_path):
     assert c.manifest["train"]["bytes"] + c.manifest["eval"]["bytes"] == text + 10_000
 
 
-def test_a_save_to_disk_folder_lists_its_shards_in_order(shards):
+def test_a_save_to_disk_folder_lists_its_shards_in_order(shards, tmp_path):
     saved = shards["root"] / "saved"
     files = documents.expand([str(saved)], "data.train")
     state = json.loads((saved / "state.json").read_text())
     assert [p.name for p in files] == [f["filename"] for f in state["_data_files"]] and len(files) == 3
+    # a glob that matches the folder reads it in its place among the matches (it was skipped without
+    # a word: only files were taken); other folders a glob matches are skipped
+    assert documents.expand([f"{shards['root']}/[ers]*"], "data.train") == [
+        shards["root"] / "ref.jsonl", *files, shards["root"] / "stream.arrow"]
+    # an empty one among the matches adds nothing, as a Parquet file of no rows; named, it is refused
+    (tmp_path / "a.txt").write_text("text")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "state.json").write_text('{"_data_files": []}')
+    (tmp_path / "b" / "dataset_info.json").write_text("{}")
+    assert documents.expand([f"{tmp_path}/*"], "data.train") == [tmp_path / "a.txt"]
+    with pytest.raises(config.ConfigError, match=f"data.train: {tmp_path / 'b'} is an empty dataset"):
+        documents.expand([str(tmp_path / "b")], "data.train")

@@ -43,8 +43,10 @@ def test_yaml_file(tmp_path):
         ("cms.frozen_grads=drop", "config key 'cms.frozen_grads' must be one of"),
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
         ("model.nl_lm.memory_chunk=0", "model.nl_lm.memory_chunk must be >= 1, got 0"),
-        ("data.eval_fraction=0", "data.eval_fraction must be in [1e-9, 1), got 0.0"),
-        ("data.eval_fraction=1e-320", "data.eval_fraction must be in [1e-9, 1)"),  # 1/x: inf, was a traceback
+        ("data.eval_fraction=0", "data.eval_fraction must be in [1e-9, 0.5] (every round(1/x)-th document is held "
+                                 "out), got 0.0"),
+        ("data.eval_fraction=1e-320", "data.eval_fraction must be in [1e-9, 0.5]"),  # 1/x: inf, was a traceback
+        ("data.eval_fraction=0.99", "data.eval_fraction must be in [1e-9, 0.5]"),  # held out every 2nd, without a word
         ("model.name=dit cms.periods=[1] images.eval_fraction=1e-320", "images.eval_fraction must be in [1e-9, 0.5]"),
         ("optim.lr=nan", "config key 'optim.lr' must be a finite number, got nan"),
         ("optim.lr=.inf", "config key 'optim.lr' must be a finite number, got inf"),

@@ -160,6 +160,17 @@ def test_a_record_that_does_not_match_or_other_sources_start_over(corpus, refere
         os.utime(src)
 
 
+def test_work_stopped_before_its_first_record_is_said_so(corpus, reference, tmp_path, capsys):
+    """A prepare stopped before its first chunk was recorded (a disk full in it) is not work "of
+    other data or settings", as the line said of the same command run again."""
+    out = tmp_path / "prep"
+    work(out).mkdir(parents=True)
+    (work(out) / "part.train.bin").write_bytes(b"\0" * 100)  # written, never recorded
+    assert prepare_main([*corpus["args"], "prepare.workers=0", f"out={out}"]) == 0
+    assert f"{work(out)}: an interrupted prepare that had recorded no chunk, started over" in capsys.readouterr().out
+    assert files(out) == reference
+
+
 def test_bad_data_found_mid_way_leaves_no_work_behind(corpus, tmp_path, capsys):
     """A bad line in the last file, found after chunks were recorded: one line, exit 2, and
     neither DIR nor its work directory is left (nothing to resume: the data must change)."""

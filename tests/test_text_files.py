@@ -141,6 +141,21 @@ def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path,
         prepared.corpus(data_config("data.train=['*.txt']", "data.eval_fraction=0.2", f"data.prepared={out}").data)
 
 
+def test_a_byte_order_mark_is_dropped(tmp_path):
+    """A BOM (Windows editors write one) was a 'not valid JSON' line in a .jsonl, and three bytes of
+    U+FEFF trained on at the start of a .txt; it is dropped: the same tokens as without."""
+    text = "été, fine text\n"
+    (tmp_path / "held.txt").write_text("held-out text\n")
+    (tmp_path / "plain.txt").write_text(text)
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    line = "\ufeff" + json.dumps({"text": text}, ensure_ascii=False) + "\r\n"  # each line: files joined with cat
+    (tmp_path / "bom.jsonl").write_bytes((line * 2 + "\ufeff\r\n").encode())  # and a line of a BOM alone: blank
+    tokens = lambda name: prepared.build(data_config(f"data.train={tmp_path / name}",
+                                                     f"data.eval={tmp_path / 'held.txt'}").data).train.tokens
+    assert tokens("bom.txt").tobytes() == tokens("plain.txt").tobytes() == text.encode() + b"\0"
+    assert tokens("bom.jsonl").tobytes() == (text.encode() + b"\0") * 2
+
+
 def test_a_file_named_like_a_glob_is_read_as_itself(tmp_path):
     """'notes[1].txt' exists: it is that file, not a glob that matches 'notes1.txt' (or nothing)."""
     from nljax.data import documents
@@ -315,6 +330,7 @@ def _bad_files(root: Path) -> None:
     (root / "empty.txt").write_text("\0\0")
     (root / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     (root / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
+    (root / "latin1.jsonl").write_bytes('{"text": "one"}\n{"text": "caf\xe9"}\n'.encode("latin-1"))
     (root / "nokey.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
     (root / "surrogate.jsonl").write_text('{"text": "one"}\n{"text": "half \\ud83d an emoji"}\n')
     (root / "notgz.txt.gz").write_bytes(b"plain text, not gzip")
@@ -331,10 +347,14 @@ BAD = [
     (["data.train=R/missing.txt"], "data.train: no file R/missing.txt"),
     (["data.train=R/*.text"], "data.train: 'R/*.text' matches no file"),
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
+    (["data.train="], "data.train: an empty path"),
+    (["data.train=R/ok.txt", "data.eval=['']"], "data.eval: an empty path"),
     (["data.train=R/notes.md"], "data.train: R/notes.md is not a .txt, .jsonl, .parquet or .arrow file"),
     (["data.train=R/empty.txt"], "data.train: no text in 1 file(s)"),
     (["data.train=R/latin1.txt"], "R/latin1.txt: not UTF-8 text (byte 3"),
     (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),
+    # the line's own message, not wrapped in "not valid JSON (...)" naming the line twice
+    (["data.train=R/latin1.jsonl"], "R/latin1.jsonl:2: not UTF-8 text (byte 13"),
     (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key)"),
     (["data.train=R/surrogate.jsonl"], "R/surrogate.jsonl:2: field 'text' holds a lone surrogate"),
     (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),
@@ -377,6 +397,8 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
         ([f"data.prepared={prep}", "data.doc_end_token=<eos>"],
          f"data.prepared={prep} was prepared with data.doc_end_token=None, not '<eos>'"),
         ([f"data.prepared={tmp_path}"], f"data.prepared={tmp_path} holds no manifest.json"),
+        ([f"data.prepared={tmp_path / 'none'}"], f"data.prepared={tmp_path / 'none'} does not exist: write it with"),
+        ([f"data.prepared={tokenizer}"], f"data.prepared={tokenizer} is a file, not a directory: write it with"),
         # its tokenizer has no end token, known once DIR is read: still before run.dir is written
         ([f"data.prepared={prep}", "train.sample_every=1", "train.seq_len=16", "eval.stream_steps=0"], "an empty prompt starts a document after "
                                                             "data.doc_end_token"),
@@ -388,6 +410,25 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
         f.truncate(10)
     assert train_main(["--quiet", "data.source=files", f"data.prepared={prep}", f"run.dir={tmp_path / 'run'}"]) == 2
     assert "train.bin holds 10 bytes, the manifest says" in one_line(capsys)
+    (prep / "train.bin").unlink()  # it said "train.bin holds None bytes"
+    assert train_main(["--quiet", "data.source=files", f"data.prepared={prep}", f"run.dir={tmp_path / 'run'}"]) == 2
+    assert one_line(capsys).endswith(f"data.prepared={prep}: train.bin is missing (deleted or moved since): "
+                                     "prepare again")
+    assert not (tmp_path / "run").exists()
+
+
+def test_held_out_text_too_short_names_where_it_came_from(corpus, tmp_path, capsys):
+    """Trained from data.prepared alone, the line blamed data.eval_fraction=0.05, which the
+    directory was not split by: its held-out text is its data.eval's."""
+    (tmp_path / "tiny.txt").write_text("hi")
+    prep, files = tmp_path / "prep", f"data.train=[{','.join(corpus['train'])}]"
+    assert prepare_main([files, f"data.eval={tmp_path / 'tiny.txt'}", f"out={prep}"]) == 0
+    capsys.readouterr()
+    for args, source in (([f"data.prepared={prep}"], f"data.prepared={prep}"),
+                         ([files, f"data.eval={tmp_path / 'tiny.txt'}"], f"data.eval={tmp_path / 'tiny.txt'}")):
+        assert train_main(["--quiet", "data.source=files", *args, f"run.dir={tmp_path / 'run'}"]) == 2
+        assert one_line(capsys) == (f"nljax.train: error: the held-out text (3 tokens from {source}) is shorter than "
+                                    "train.seq_len+1=129")
     assert not (tmp_path / "run").exists()
 
 

@@ -6,8 +6,9 @@ is one, its `text_key` column (data/columnar.py). A save_to_disk folder is its .
 the order its state.json lists them. Files are read in the order of the list (each glob's
 matches sorted, a file named twice read once), so the same files give the same documents in the
 same order on every process and in every run. Documents are kept whole, never cut or merged; NUL
-characters are removed (NUL ends a document of the byte tokenization, as in the stdlib corpus)
-and documents left empty are skipped.
+characters are removed (NUL ends a document of the byte tokenization, as in the stdlib corpus),
+as is a byte order mark that starts a .txt file or a .jsonl line, and documents left empty are
+skipped.
 
 Files are streamed: a .jsonl line, a .txt file, a Parquet row group or an Arrow record batch at a
 time, so memory stays bounded whatever a file's size. `read` says where it is (file, record) after
@@ -36,6 +37,7 @@ from nljax.errors import ConfigError, first_line
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", *columnar.SUFFIXES)
 SAVED = ("state.json", "dataset_info.json")  # what marks a folder datasets.Dataset.save_to_disk wrote
 BATCH = 1024  # documents per list read, at most (a list is tokenized at once, in parallel)
+BOM = "\ufeff"  # the byte order mark Windows editors write first: an encoding's mark, not text
 
 
 def absolute(path: str) -> str:
@@ -49,9 +51,14 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
     files: list[Path] = []
     seen: set[Path] = set()  # resolved: one file named twice in two spellings is read once
     for pattern in patterns:
+        if not pattern:  # read as the working directory: "data.train:  is a directory"
+            raise ConfigError(f"{key}: an empty path (give the paths or globs of the text files)")
         # a glob (** spans directories), unless a file has that very name ("notes[1].txt")
         if any(c in pattern for c in "*?[") and not os.path.isfile(os.path.expanduser(pattern)):
-            found = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True) if os.path.isfile(p))
+            # its files, and the folders save_to_disk wrote as their shards (other folders, what `**`
+            # spans, are skipped: a save_to_disk folder among the matches was skipped without a word)
+            found = [q for m in sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+                     for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) else [])]
             if not found:
                 raise ConfigError(f"{key}: '{pattern}' matches no file")
         else:
@@ -60,6 +67,8 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 raise ConfigError(f"{key}: no file {pattern}")
             if p.is_dir():
                 found = saved_shards(p, pattern, key)
+                if not found:  # (matched by a glob, it adds nothing, as a Parquet file of no rows)
+                    raise ConfigError(f"{key}: {pattern} is an empty dataset (its state.json lists no .arrow file)")
             elif not p.is_file():  # a FIFO would wait for a writer forever, a device never end
                 raise ConfigError(f"{key}: {pattern} is not a regular file (a pipe or a device)")
             else:
@@ -83,12 +92,15 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
         splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
                           f"one, such as {pattern}/{splits[0] if splits else 'train'}")
-    if not all((folder / name).is_file() for name in SAVED):
-        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*.txt, or a folder "
-                          "datasets' save_to_disk wrote)")
+    if not _saved(folder):
+        # the glob of what it holds: Spark and Dask write a Parquet "file" as a folder of part files
+        held = sorted({s for p in folder.iterdir() for s in SUFFIXES if p.name.endswith(s) and p.is_file()},
+                      key=SUFFIXES.index)
+        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*{(held or ['.txt'])[0]}, "
+                          "or a folder datasets' save_to_disk wrote)")
     try:
         names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
-        assert names and all(isinstance(n, str) and "/" not in n for n in names)
+        assert all(isinstance(n, str) and "/" not in n for n in names)  # none: a dataset of no rows
     except (OSError, ValueError, KeyError, TypeError, AssertionError):
         raise ConfigError(f"{key}: {folder / 'state.json'} does not list the folder's .arrow files "
                           "(_data_files): not a save_to_disk folder") from None
@@ -96,6 +108,11 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     if missing:
         raise ConfigError(f"{key}: {folder / missing[0]} is missing (listed in {folder / 'state.json'})")
     return [folder / n for n in names]
+
+
+def _saved(folder: Path) -> bool:
+    """Whether `folder` is one `datasets.Dataset.save_to_disk` wrote (its marker files)."""
+    return folder.is_dir() and all((folder / name).is_file() for name in SAVED)
 
 
 def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
@@ -113,7 +130,7 @@ def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
             for docs, done in _jsonl(path, text_key, skip, batch):
                 yield docs, index, done
         elif skip == 0:
-            text = _clean(_decode(_read(path), str(path)))
+            text = _clean(_decode(_read(path), str(path)).removeprefix(BOM))
             yield ([text] if text else []), index, 1
 
 
@@ -152,8 +169,13 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int) -> Iterator[tupl
         if number <= skip or not line.strip():
             continue
         where = f"{path}:{number}"
+        # its own line: a ConfigError is a ValueError, which the JSON errors below catch. A BOM is
+        # no JSON: dropped at the start of any line (files joined with `cat` carry one each)
+        decoded = _decode(line, where).removeprefix(BOM)
+        if not decoded.strip():  # a BOM alone (an empty file saved by a Windows editor): a blank line
+            continue
         try:
-            record = json.loads(_decode(line, where))
+            record = json.loads(decoded)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{where}: not valid JSON ({e.msg})") from None
         except (ValueError, RecursionError) as e:  # e.g. an integer past the digit limit, deep nesting

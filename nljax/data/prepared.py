@@ -314,6 +314,9 @@ def _regular(path: Path, name: str) -> Path:
 
 def load(path: Path) -> Corpus:
     """A prepared directory, its tokens memory-mapped; sizes checked against the manifest."""
+    if not path.is_dir() and not outdir.aside(path):  # (set aside by an overwrite: said below)
+        what = "is a file, not a directory" if path.exists() else "does not exist"
+        raise ConfigError(f"data.prepared={path} {what}: write it with python -m nljax.prepare")
     _regular(path, MANIFEST)
     try:
         manifest = json.loads((path / MANIFEST).read_text())
@@ -384,7 +387,9 @@ def _check_tokenizer_copy(path: Path, info: dict) -> None:
 def _open_split(path: Path, manifest: dict, name: str) -> Split:
     rec, dtype = manifest[name], np.dtype(manifest["dtype"]).newbyteorder("<")
     file, n = _regular(path, rec["file"]), rec["tokens"]
-    size = file.stat().st_size if file.is_file() else None
+    if not file.is_file():
+        raise ConfigError(f"data.prepared={path}: {rec['file']} is missing (deleted or moved since): prepare again")
+    size = file.stat().st_size
     if size != n * dtype.itemsize:
         raise ConfigError(f"data.prepared={path}: {rec['file']} holds {size} bytes, the manifest says {n} tokens of "
                           f"{dtype.name} (an incomplete or changed file: prepare again)")

@@ -60,8 +60,11 @@ class DataConfig:
     RANGES: ClassVar[dict] = {"reset_prob": (0, 1, True, True)}
 
     def check(self) -> None:
-        if not 1e-9 <= self.eval_fraction < 1:  # one document in a billion: 1/x stays a number
-            raise ConfigError(f"data.eval_fraction must be in [1e-9, 1), got {self.eval_fraction}")
+        # one document in a billion: 1/x stays a number; at most every 2nd document (above 2/3,
+        # round(1/x) is 1, and every 2nd was held out without a word: 0.99 held out half)
+        if not 1e-9 <= self.eval_fraction <= 0.5:
+            raise ConfigError(f"data.eval_fraction must be in [1e-9, 0.5] (every round(1/x)-th document is held "
+                              f"out), got {self.eval_fraction}")
         if self.source == "recall":
             self._check_recall()
         if self.source == "files":

@@ -118,7 +118,9 @@ class WorkDir:
         """(the sinks, the progress to go on from or None, a line saying what was found)."""
         saved, note = self._saved(), ""
         if self.path.exists() and saved is None:
-            note = f"{self.path}: an interrupted prepare of other data or settings, started over"
+            # no record at all: stopped (a full disk, a kill) before its first chunk was recorded
+            why = "of other data or settings" if self._recorded() else "that had recorded no chunk"
+            note = f"{self.path}: an interrupted prepare {why}, started over"
             shutil.rmtree(self.path)
         self.path.mkdir(exist_ok=True)
         mode = "r+b" if saved else "wb"

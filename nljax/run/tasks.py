@@ -115,7 +115,9 @@ class TextTask:
         self.eval_data, self.eval_score = data.held, data.held_score
         self.bpb_per_nat = data.tokens_per_byte / math.log(2)  # a loss in nats per token -> bits per byte
         if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
-            source = f"data.eval={cfg.data.eval}" if cfg.data.eval else f"data.eval_fraction={cfg.data.eval_fraction}"
+            d = cfg.data  # prepared alone: what DIR holds out, whatever data.eval_fraction says now
+            source = (f"data.eval={', '.join(d.eval)}" if d.eval else f"data.prepared={d.prepared}"
+                      if d.prepared and not d.train else f"data.eval_fraction={d.eval_fraction}")
             raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} from {source}) is shorter than "
                               f"train.seq_len+1={cfg.train.seq_len + 1}")
         if len(data.train) < cfg.train.seq_len + 1:  # a row would repeat a few tokens over and over
