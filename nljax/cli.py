@@ -221,25 +221,31 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
          quiet: Callable[[argparse.Namespace, config.Config], bool] = lambda args, cfg: False,
          configure: Callable[[argparse.Namespace, config.Config], config.Config] = lambda args, cfg: cfg,
          first_step: Callable[[config.Config], int] = lambda cfg: 0,
-         settle: Callable[[argparse.Namespace, config.Config], config.Config] = lambda args, cfg: cfg) -> int:
+         settle: Callable[[argparse.Namespace, config.Config], config.Config] = lambda args, cfg: cfg,
+         resumes: Callable[[argparse.Namespace], bool] = lambda args: False) -> int:
     """Parse, configure devices, load the config (then `configure(args, cfg)`: the tool's own
     flags) and call `run`; user errors become one line. With `quiet(args, cfg)` standard output
     is silenced from the processes' joining on. `settle(args, cfg)`: the config once the
     processes joined, from what process 0 decides for all (reading run.dir, say).
     `first_step(cfg)`: the step a run counts from (its resume step), told to JAX's preemption
-    service as the processes join."""
+    service as the processes join. `resumes(args)`: the command line continues a run whose saved
+    config `configure` or `settle` puts under it, so its settings are checked together only
+    then (`--resume data.prepared=NEW` alone: the defaults' data.source=stdlib would refuse it)."""
     args = p.parse_intermixed_args(argv)
     multiprocess = False
     try:
         setup_devices(args.cpu_devices)
         hostmem.retain()  # before JAX's backends start (nljax/measure/hostmem.py)
-        cfg = configure(args, config.load(args.config, args.overrides))
+        cfg = configure(args, config.load(args.config, args.overrides, check=not resumes(args)))
         if getattr(args, "print_config", False):  # nljax.train --print-config: the config, nothing built
-            print(configdoc.to_yaml(settle(args, cfg)), end="")
+            cfg = settle(args, cfg)
+            config.validate(cfg)  # a resumed config was; the command line's alone (nothing to resume) not yet
+            print(configdoc.to_yaml(cfg), end="")
             return 0
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
             multiprocess = setup_processes(args, cfg)
             cfg = settle(args, cfg)  # decided by process 0: once joined
+            config.validate(cfg)  # see `resumes`
             if multiprocess:  # at once: first_step may open checkpoints, which starts JAX (nljax.runtime.preemption)
                 check_in(lambda: first_step(cfg))  # a notice from here on stops the run at a step it reaches
             distributed.check_config(cfg)  # before anything is built from it

@@ -51,7 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML, each key with its comment, and exit (nothing is built)")
     return cli.main(_run, p, argv, quiet=lambda args, cfg: cfg.run.quiet, configure=_configure,
-                    first_step=resume_step_guess, settle=_settle)
+                    first_step=resume_step_guess, settle=_settle, resumes=lambda args: args.resume or args.resume_auto)
 
 
 if __name__ == "__main__":

@@ -291,6 +291,21 @@ def test_another_tokenizer_is_refused_on_resume_and_load(corpus, tokenizer, tmp_
     assert f"trained on the tokenizer of sha256 {sha[:12]}" in capsys.readouterr().err
 
 
+def test_a_resume_takes_a_data_override_alone(corpus, tmp_path, capsys):
+    """Prepared data moved since the run: `--resume run.dir=R data.prepared=NEW` resumes (the
+    command line alone, data.source at its default, was refused before the saved config applied)."""
+    prep, moved, run = tmp_path / "prep", tmp_path / "moved", tmp_path / "run"
+    assert prepare_main([f"data.train=[{','.join(corpus['train'])}]", "data.eval_fraction=0.2", f"out={prep}"]) == 0
+    assert train_main([*QUICK, *TINY, "train.steps=2", "data.source=files", f"data.prepared={prep}",
+                       f"run.dir={run}"]) == 0
+    prep.rename(moved)
+    assert train_main(["--quiet", "--resume", f"run.dir={run}", "train.steps=3", f"data.prepared={moved}"]) == 0
+    assert [r["step"] for r in records(run)] == [0, 1, 2]
+    # and a fresh run still needs data.source=files with it
+    assert train_main(["--quiet", f"data.prepared={moved}", f"run.dir={tmp_path / 'new'}"]) == 2
+    assert "data.prepared is read only with data.source=files" in capsys.readouterr().err
+
+
 def test_tokenized_files_train_and_resume_exactly_and_elastically(corpus, tokenizer, tmp_path):
     """Prepared with the tokenizer; 6 steps on 8 devices with checkpoints after 3 and 6. Resumed
     from step 3 on the same 8 devices: the same losses bitwise; on 4 devices (elastic): the same

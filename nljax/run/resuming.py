@@ -106,8 +106,10 @@ def mesh_given(config_file: str | None, overrides: Sequence[str]) -> dict[str, s
     set ("on the command line", "in --config FILE"). A key set to its default changes nothing a
     fit could change, so it need not be told apart from one left out."""
     default = config.load(None).mesh
-    in_file = config.load(config_file).mesh if config_file else default
-    given = config.load(config_file, overrides).mesh
+    # each key's type only: the command line's settings alone need not hold together (a resume's
+    # data.prepared=NEW without data.source=files, which its saved config holds)
+    in_file = config.load(config_file, check=False).mesh if config_file else default
+    given = config.load(config_file, overrides, check=False).mesh
     out = {}
     for k in MESH_KEYS:
         if getattr(given, k) != getattr(in_file, k):
