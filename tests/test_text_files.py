@@ -306,6 +306,30 @@ def test_a_resume_takes_a_data_override_alone(corpus, tmp_path, capsys):
     assert "data.prepared is read only with data.source=files" in capsys.readouterr().err
 
 
+def test_a_loaded_model_reads_no_text(corpus, tokenizer, tmp_path):
+    """nljax.load (generate, export, lm_eval) needs the tokenizer's file, not the text: the token
+    files of data.prepared deleted, or the data.train files gone, it loads and samples the same."""
+    import nljax
+
+    prep, run, mem = tmp_path / "prep", tmp_path / "run", tmp_path / "mem"
+    src = tmp_path / "src"
+    shutil.copytree(corpus["root"], src)
+    train = f"data.train=[{src}/*.txt,{src}/*.jsonl]"
+    assert prepare_main([train, f"data.tokenizer={tokenizer}", "data.doc_end_token=<eos>", f"out={prep}"]) == 0
+    assert train_main([*QUICK, *TINY, "data.source=files", f"data.prepared={prep}", f"run.dir={run}"]) == 0
+    assert train_main([*QUICK, *TINY, "data.source=files", train, f"data.tokenizer={tokenizer}",
+                       "data.doc_end_token=<eos>", f"run.dir={mem}"]) == 0
+    before = {r: nljax.load(r).generate("the ", max_new_tokens=5, seed=0) for r in (run, mem)}
+    for p in [*prep.glob("*.bin"), *prep.glob("*.npy")]:
+        p.unlink()
+    shutil.rmtree(src)
+    assert {r: nljax.load(r).generate("the ", max_new_tokens=5, seed=0) for r in (run, mem)} == before
+    # the tokenizer's file is still checked: the prepared copy edited is refused
+    (prep / "tokenizer.json").write_text((prep / "tokenizer.json").read_text().replace("<eos>", "<end>"))
+    with pytest.raises(config.ConfigError, match="is not the tokenizer it was prepared with"):
+        nljax.load(run)
+
+
 def test_tokenized_files_train_and_resume_exactly_and_elastically(corpus, tokenizer, tmp_path):
     """Prepared with the tokenizer; 6 steps on 8 devices with checkpoints after 3 and 6. Resumed
     from step 3 on the same 8 devices: the same losses bitwise; on 4 devices (elastic): the same

@@ -24,6 +24,7 @@ previous prepared data or the new, never a mix, and a prepare that fails leaves 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -312,8 +313,10 @@ def _regular(path: Path, name: str) -> Path:
     return file
 
 
-def load(path: Path) -> Corpus:
-    """A prepared directory, its tokens memory-mapped; sizes checked against the manifest."""
+def read_manifest(path: Path) -> dict:
+    """The manifest of the prepared directory `path`, checked (its format, fields and digest, and
+    its tokenizer.json's sha256), without opening the token files: what a loaded model needs of
+    its data (`tokenization_of`)."""
     if not path.is_dir() and not outdir.aside(path):  # (set aside by an overwrite: said below)
         what = "is a file, not a directory" if path.exists() else "does not exist"
         raise ConfigError(f"data.prepared={path} {what}: write it with python -m nljax.prepare")
@@ -329,7 +332,7 @@ def load(path: Path) -> Corpus:
         raise ConfigError(f"data.prepared={path}: {MANIFEST} cannot be read ({e})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ConfigError(f"data.prepared={path}: {MANIFEST} is not a manifest of format {FORMAT}")
-    try:
+    with _fields_of(path):
         for key in ("digest", "vocab_size", "dtype"):
             manifest[key]
         tok = manifest["tokenizer"]
@@ -338,12 +341,26 @@ def load(path: Path) -> Corpus:
         for s in SPLITS:
             manifest[s]["max_token"]
         _check_manifest_digest(path, manifest)
-        return Corpus(*(_open_split(path, manifest, s) for s in SPLITS), manifest)
+    return manifest
+
+
+@contextlib.contextmanager
+def _fields_of(path: Path):
+    """A manifest field missing or of another type, read inside: one line."""
+    try:
+        yield
     except ConfigError:
         raise
-    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a field missing or of another type
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
         raise ConfigError(f"data.prepared={path}: {MANIFEST} lacks {e} or holds it as another type: "
                           "prepare again") from None
+
+
+def load(path: Path) -> Corpus:
+    """A prepared directory, its tokens memory-mapped; sizes checked against the manifest."""
+    manifest = read_manifest(path)
+    with _fields_of(path):
+        return Corpus(*(_open_split(path, manifest, s) for s in SPLITS), manifest)
 
 
 def _check_manifest_digest(path: Path, manifest: dict) -> None:
@@ -490,9 +507,10 @@ def _check_sources(manifest: dict, d: DataConfig, where: str) -> None:
 
 
 def tokenization_of(d: DataConfig):
-    """The tokenization of data.source=files (to encode a prompt and decode samples)."""
+    """The tokenization of data.source=files (to encode a prompt and decode samples), read from
+    the tokenizer's file and data.prepared's manifest alone: a loaded model needs no token file."""
     if d.prepared:
-        info = corpus(d).manifest["tokenizer"]
+        info = read_manifest(_home(d.prepared))["tokenizer"]
         if info["kind"] == "bytes":
             return tokenization.Bytes()
         return tokenization.HFTokenizer(_home(d.prepared) / info["file"], info.get("doc_end_token") or "")

@@ -35,13 +35,14 @@ class Run:
     harness: Any = None
 
     @classmethod
-    def create(cls, cfg: Config, devices=None, model=None, trains: bool = True) -> "Run":
+    def create(cls, cfg: Config, devices=None, model=None, trains: bool = True, reads_data: bool = True) -> "Run":
         """The run of `cfg`; its own `cfg` adds what the data decide (`tasks.resolve`: the
         vocabulary of the user's files), read and checked before anything is built. `model`:
         this model instead of the one `cfg` names (`local`). `trains=False`: the run only uses
         the model (`nljax.run.trained.load`), whose budget has no gradients, optimizer state or
-        error buffers (`budget.in_use`)."""
-        cfg = tasks.resolve(cfg)
+        error buffers (`budget.in_use`). `reads_data=False`: a text model's data are not read
+        (`tasks.LoadedText`); its config.yaml holds what they decided."""
+        cfg = tasks.resolve(cfg) if reads_data else cfg
         mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices, cfg.mesh.model)
         rows = meshlib.check_batch(cfg.train.batch_size, mesh)
         if rows % cfg.train.accum_steps:
@@ -59,7 +60,7 @@ class Run:
         model = build(cfg) if model is None else model
         engine = Engine.create(cfg, model, mesh)
         budget.check(needs(budget.engine_terms(cfg, engine)), available, trains)
-        task = tasks.build(getattr(model, "task", "text"), cfg, mesh)
+        task = tasks.build(getattr(model, "task", "text"), cfg, mesh, reads_data)
         return cls(cfg, mesh, engine, StepCache(engine), task)
 
     def init_state(self) -> TrainState:

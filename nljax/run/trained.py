@@ -101,15 +101,17 @@ def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config
     return config.load(str(cfg_file), [*overrides, f"run.dir={run_dir}"], saved=True)
 
 
-def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None) -> Trained:
+def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None,
+         reads_data: bool = False) -> Trained:
     """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
     number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices`
-    (default: all of this process's)."""
+    (default: all of this process's). A text model's data are not read (only its tokenizer's
+    file) unless `reads_data` (to evaluate on them)."""
     devices = list(devices or jax.local_devices())
     cfg = config_of(run_dir, checkpoint, overrides, len(devices))
     cfg_file = Path(run_dir) / "config.yaml"
     try:
-        run = Run.create(cfg, devices, trains=False)  # budgeted for the parameters, not the training state
+        run = Run.create(cfg, devices, trains=False, reads_data=reads_data)  # budgeted for the parameters alone
     except ConfigError as e:
         relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(getattr(getattr(cfg, sec), key))]
         if not relative:
