@@ -282,6 +282,14 @@ def test_another_tokenizer_is_refused_on_resume_and_load(corpus, tokenizer, tmp_
                                     f"{saved}, this run's data use the tokenizer of sha256 {other[:12]}: its token "
                                     "ids would stand for other text")
         assert tree_hash(resumed) == before
+    # a tokenizer of more tokens than the run's model has rows for: the resume's own line
+    big = json.loads(tok.read_text())
+    big["model"]["vocab"].update({f"extra{i}": 320 + i for i in range(10)})
+    (bigger := tmp_path / "big.json").write_text(json.dumps(big))
+    assert train_main([*args, f"data.tokenizer={bigger}", "--resume", f"run.dir={run}", "train.steps=7"]) == 2
+    assert one_line(capsys) == (f"nljax.train: error: model.vocab_size=320 is smaller than the 330 tokens of the "
+                                f"tokenizer's vocabulary (the run's, {run / 'config.yaml'}): its model has no row "
+                                "for the other tokens; resume on data of the run's tokenizer")
     # run.dir's data.tokenizer file changed since it trained: the load would decode other text
     with pytest.raises(config.ConfigError, match=f"trained on the tokenizer of sha256 {sha[:12]}, the run's data "
                                                  f"now use the tokenizer of sha256 {other[:12]}"):

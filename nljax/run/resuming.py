@@ -83,7 +83,16 @@ def resumed_config(cfg: Config, config_file: str | None, overrides: Sequence[str
     for section, key in THIS_COMMAND:
         value = getattr(getattr(cfg, section), key)
         resumed = dataclasses.replace(resumed, **{section: dataclasses.replace(getattr(resumed, section), **{key: value})})
-    check_unchanged(saved, tasks.resolve(resumed), saved_file)
+    try:
+        resolved = tasks.resolve(resumed)
+    except ConfigError as e:
+        if "model.vocab_size" not in str(e):
+            raise
+        # the data hold more tokens than the run's model has rows for: its advice (leave
+        # model.vocab_size at its default) is a fresh run's, not a resume's
+        raise ConfigError(f"{e.args[0].split(';')[0]} (the run's, {saved_file}): its model has no row for the other "
+                          "tokens; resume on data of the run's tokenizer") from None
+    check_unchanged(saved, resolved, saved_file)
     return resumed
 
 
