@@ -41,6 +41,8 @@ class Run:
         this model instead of the one `cfg` names (`local`). `trains=False`: the run only uses
         the model (`nljax.run.trained.load`), whose budget has no gradients, optimizer state or
         error buffers (`budget.in_use`)."""
+        if trains:
+            tasks.check_trains(cfg)
         cfg = tasks.resolve(cfg)
         mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices, cfg.mesh.model)
         rows = meshlib.check_batch(cfg.train.batch_size, mesh)
