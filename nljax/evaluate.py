@@ -1,7 +1,8 @@
 """Score a trained run's checkpoint on held-out data.
 
-    python -m nljax.evaluate run.dir=runs/default [checkpoint=latest|STEP|PATH] [eval.batches=N]
-        [eval.stream_steps=N] [data.eval=GLOB | data.prepared=DIR | data.KEY=...] [out=FILE.json] [--cpu-devices N]
+    python -m nljax.evaluate run.dir=runs/default [checkpoint=latest|STEP|PATH] [out=FILE.json]
+        [eval.batches=N] [eval.stream_steps=N] [data.eval=GLOB | data.prepared=DIR | data.KEY=...]
+        [--cpu-devices N]
 
 prints the held-out metrics that the run's own evaluation computes (`Task.evaluate`,
 nljax/run/tasks.py), for one checkpoint: a language model's loss in nats per token, bits per
@@ -61,9 +62,11 @@ def _evaluate(args, argv: list[str]) -> int:
     if out is not None:
         check_out(out)  # before the slow load: a refused out= costs nothing and writes nothing
     t = load(run_dir, mine.get("checkpoint", "latest"), overrides)
-    n = t.run.engine.n_devices
+    n, local = t.run.engine.n_devices, len(jax.local_devices())
+    on = f"{n} device{'s' if n > 1 else ''}" + (
+        f" (of {local}: as many as divide train.batch_size={t.cfg.train.batch_size})" if n < local else "")
     for line in [*t.warnings("nljax.evaluate"), *(f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())),
-                 f"nljax.evaluate: {t.path} (step {t.step}) on {n} device{'s' if n > 1 else ''}{_data(t)}"]:
+                 f"nljax.evaluate: {t.path} (step {t.step}) on {on}{_data(t)}"]:
         print(line, file=sys.stderr)
     metrics = scores(t)
     for key, value in metrics.items():
