@@ -52,7 +52,7 @@ def main(argv=None) -> int:
                         "eval.stream_steps=, data.eval=, data.prepared=, ...)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
-    return cli.tool("nljax.evaluate", lambda: _evaluate(args, argv))
+    return cli.tool("nljax.evaluate", lambda: _evaluate(args, argv), cli.stdout_to_devnull)
 
 
 def _evaluate(args, argv: list[str]) -> int:
@@ -65,8 +65,8 @@ def _evaluate(args, argv: list[str]) -> int:
     n, local = t.run.engine.n_devices, len(jax.local_devices())
     on = f"{n} device{'s' if n > 1 else ''}" + (
         f" (of {local}: as many as divide train.batch_size={t.cfg.train.batch_size})" if n < local else "")
-    for line in [*t.warnings("nljax.evaluate"), *(f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())),
-                 f"nljax.evaluate: {t.path} (step {t.step}) on {on}{_data(t)}"]:
+    notes = [f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())]  # held-out text too short
+    for line in [*t.warnings("nljax.evaluate"), *notes, f"nljax.evaluate: {t.path} (step {t.step}) on {on}{_data(t)}"]:
         print(line, file=sys.stderr)
     metrics = scores(t)
     for key, value in metrics.items():
@@ -140,7 +140,8 @@ def _prepared_tokenizer(prepared: str) -> list[str]:
         if info["kind"] == "bytes":
             return []
         # quoted: a token such as [EOS] is a string, not a YAML list
-        return [f"data.tokenizer={home / info['file']}", f"data.doc_end_token={json.dumps(info.get('doc_end_token') or '')}"]
+        end = json.dumps(info.get("doc_end_token") or "")
+        return [f"data.tokenizer={home / info['file']}", f"data.doc_end_token={end}"]
     except (OSError, ValueError, KeyError, TypeError):
         return []
 

@@ -136,13 +136,14 @@ def test_bad_input_is_one_line_and_writes_nothing(args, line, run_dir, tmp_path,
     (tmp_path / "empty").mkdir()
     shutil.copy(run_dir / "config.yaml", tmp_path / "empty" / "config.yaml")  # a run that saved no checkpoint
     (tmp_path / "theirs.json").write_text('{"a user": "file"}')
-    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    tree = lambda root: sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*"))
+    before = tree(tmp_path), tree(run_dir)
     capsys.readouterr()
     argv = [a.format(d=tmp_path, run=run_dir) for a in args]
     assert evaluate.main([*argv, *([] if any(a.startswith("out=") for a in argv) else [f"out={tmp_path}/r.json"])]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and line.format(d=tmp_path, run=run_dir) in err, err
-    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    assert (tree(tmp_path), tree(run_dir)) == before
     assert (tmp_path / "theirs.json").read_text() == '{"a user": "file"}'
 
 

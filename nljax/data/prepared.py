@@ -177,7 +177,8 @@ def held_out(d: DataConfig, chunk_bytes: int = CHUNK_BYTES) -> Corpus:
     sink = workdir.Sink(io.BytesIO(), io.BytesIO(), dtype)
     both = {"train": sink, "eval": sink}
     _fill(d, tok, ([], files), both, dtype, 0, chunk_bytes)  # the eval files' documents: all held out
-    split = Split(np.frombuffer(sink.f.getvalue(), dtype), np.frombuffer(sink.starts_f.getvalue(), "<i8").astype(np.int64))
+    starts = np.frombuffer(sink.starts_f.getvalue(), "<i8").astype(np.int64)
+    split = Split(np.frombuffer(sink.f.getvalue(), dtype), starts)
     return Corpus(split, split, _manifest(d, tok, (files, files), both, 0))
 
 
