@@ -83,9 +83,12 @@ def test_the_numbers_are_the_runs_own_on_any_device_count(run_dir, tmp_path, cap
 def test_other_held_out_files_and_settings(run_dir, other_text, tmp_path, capsys):
     """data.eval alone scores those files (the run trained on the standard library's bytes), on 8
     and on 1 device alike; eval.batches and eval.stream_steps set how much is read."""
-    base, _ = result_of([f"run.dir={run_dir}", f"out={tmp_path / 'base.json'}"], capsys)
+    base = json.loads((run_dir / "summary.json").read_text())  # on the run's own held-out text
     args = [f"run.dir={run_dir}", f"data.eval={other_text}/*.txt", "eval.batches=2", "eval.stream_steps=3"]
-    other, _ = result_of([*args, f"out={tmp_path / 'other.json'}"], capsys)
+    out = tmp_path / "earlier.json"  # an earlier result (its keys): replaced
+    out.write_text(json.dumps({"command": "python -m nljax.evaluate", "run_dir": "r", "checkpoint": "c", "step": 1}))
+    other, _ = result_of([*args, f"out={out}"], capsys)
+    assert other["command"] == "python -m nljax.evaluate " + " ".join([*args, f"out={out}"])
     assert other["data"]["source"] == "files" and other["data"]["eval_tokens"] == sum(
         len(p.read_bytes()) + 1 for p in other_text.glob("*.txt"))  # each document and its end (NUL)
     assert other["eval_tokens"] == 2 * 8 * 8 and other["eval_tokens_stream"] == 3 * 8 * 8
@@ -94,9 +97,6 @@ def test_other_held_out_files_and_settings(run_dir, other_text, tmp_path, capsys
     one = evaluate.scores(evaluate.load(str(run_dir), overrides=args[1:], devices=jax.devices()[:1]))
     assert one["eval_loss"] == pytest.approx(other["eval_loss"], rel=1e-5)
     assert one["eval_loss_stream"] == pytest.approx(other["eval_loss_stream"], rel=1e-5)
-    # an earlier result is replaced
-    again, _ = result_of([*args, f"out={tmp_path / 'base.json'}"], capsys)
-    assert json.loads((tmp_path / "base.json").read_text()) == again
 
 
 def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, capsys):
@@ -188,3 +188,28 @@ def test_an_image_model_reports_its_tasks_evaluation(tmp_path):
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4), key
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+
+
+def test_which_data_keys_other_held_out_data_implies(tmp_path):
+    """data.eval alone: those files, with the tokenizer the run trained with (here the copy in its
+    data.prepared directory, its end token quoted); data.prepared alone: that directory, the run's
+    file keys dropped; data.train given: the overrides as they are."""
+    import yaml
+
+    prep = tmp_path / "prep"
+    prep.mkdir()
+    (prep / "manifest.json").write_text(json.dumps({"tokenizer": {"kind": "tokenizers", "file": "tokenizer.json",
+                                                                  "doc_end_token": "[EOS]"}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config.load(None, [*TINY, "data.source=files", f"data.prepared={prep}"])
+    (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
+    held = evaluate.data_overrides(str(run), ["data.eval=x/*.txt"])
+    assert held == ["data.source=files", "data.train=[]", "data.prepared=", f"data.tokenizer={prep / 'tokenizer.json'}",
+                    'data.doc_end_token="[EOS]"', "data.eval=x/*.txt"]
+    d = config.load(None, [*TINY, *held]).data
+    assert (d.train, d.eval, d.prepared, d.doc_end_token) == ((), ("x/*.txt",), "", "[EOS]")
+    assert evaluate.data_overrides(str(run), ["data.prepared=p", "eval.batches=2"]) == [
+        "data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
+        "data.prepared=p", "eval.batches=2"]
+    assert evaluate.data_overrides(str(run), ["data.train=a", "data.eval=b"]) == ["data.train=a", "data.eval=b"]
