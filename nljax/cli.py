@@ -181,6 +181,14 @@ def stdout_silenced(silence: bool):
         os.close(null)
 
 
+def stdout_to_devnull() -> None:
+    """After a failed write to standard output (a closed pipe: `| head`): the text still
+    buffered would fail again as Python exits (a traceback)."""
+    if sys.stdout is not None:
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def interrupted(prog: str, then: str = "") -> int:
     """Ctrl-C in a one-process tool (generate, export, prepare): one line, after whatever it was
     printing (`then`: what to do next), and the shell's 128 + SIGINT."""

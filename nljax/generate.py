@@ -17,7 +17,6 @@ Any other `key=value` is a config override on top of the run's own config.yaml.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
@@ -39,15 +38,7 @@ def main(argv=None) -> int:
                         "directory); for a MeanFlow run samples= and out=FILE.png; any other key=value: a config "
                         "override")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
-    return cli.tool("nljax.generate", lambda: _generate(args), _stdout_to_devnull)
-
-
-def _stdout_to_devnull() -> None:
-    """After a failed write to standard output: the text still buffered would fail again as
-    Python exits (a traceback)."""
-    if sys.stdout is not None:
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return cli.tool("nljax.generate", lambda: _generate(args), cli.stdout_to_devnull)
 
 
 def _generate(args) -> int:

@@ -153,6 +153,8 @@ def build(d: DataConfig, out: Path | None = None, overwrite: bool = False, worke
     """The corpus of data.train / data.eval, tokenized into memory, or into `out` and read back.
     Into `out`: by `workers` processes (0: this one), resumed where an interrupted prepare into
     `out` stopped (data/workdir.py); the files are the same whatever the workers and interruptions."""
+    if not d.train:  # data.eval alone: `held_out`, in memory
+        raise ConfigError("data.eval alone is held-out text only (for nljax.evaluate): preparing needs data.train")
     tok = tokenization.load(d.tokenizer, d.doc_end_token)
     sources = _sources(d)
     dtype = tokenization.dtype_for(tok.vocab_size)
@@ -163,6 +165,22 @@ def build(d: DataConfig, out: Path | None = None, overwrite: bool = False, worke
     split = lambda s: Split(np.frombuffer(sinks[s].f.getvalue(), dtype),
                             np.frombuffer(sinks[s].starts_f.getvalue(), "<i8").astype(np.int64))
     return Corpus(split("train"), split("eval"), manifest)
+
+
+def held_out(d: DataConfig, chunk_bytes: int = CHUNK_BYTES) -> Corpus:
+    """data.eval's files alone (no data.train), every document held out and tokenized into
+    memory as `build` tokenizes: what `nljax.evaluate data.eval=GLOB` scores a checkpoint on. Its
+    training split is the same text, which nothing that evaluates reads (a run that trains refuses
+    data.eval alone: `nljax.run.tasks.check_trains`)."""
+    tok = tokenization.load(d.tokenizer, d.doc_end_token)
+    files = documents.expand(d.eval, "data.eval")
+    dtype = tokenization.dtype_for(tok.vocab_size)
+    sink = workdir.Sink(io.BytesIO(), io.BytesIO(), dtype)
+    both = {"train": sink, "eval": sink}
+    _fill(d, tok, ([], files), both, dtype, 0, chunk_bytes)  # the eval files' documents: all held out
+    starts = np.frombuffer(sink.starts_f.getvalue(), "<i8").astype(np.int64)
+    split = Split(np.frombuffer(sink.f.getvalue(), dtype), starts)
+    return Corpus(split, split, _manifest(d, tok, (files, files), both, 0))
 
 
 def _job(d: DataConfig, tok, sources: tuple, dtype: np.dtype) -> dict:
@@ -443,7 +461,8 @@ def _home(path: str) -> Path:
 
 def corpus(d: DataConfig) -> Corpus:
     """data.prepared (checked against data.train and data.tokenizer when they are given too), or
-    data.train tokenized into memory. Read once per process while the files stay unchanged."""
+    data.train tokenized into memory (data.eval alone: `held_out`). Read once per process while
+    the files stay unchanged."""
     # the source files (when given) and every file of DIR: a token file replaced or cut short, or
     # a source edited since, is read again, and checked
     paths = [*documents.expand(d.train, "data.train"), *documents.expand(d.eval, "data.eval")]
@@ -457,7 +476,7 @@ def corpus(d: DataConfig) -> Corpus:
             c = load(prepared_dir)
             _check_settings(c.manifest, d)
         else:
-            c = build(d)
+            c = build(d) if d.train else held_out(d)
         _CACHE.clear()  # one corpus at a time: a memmap or an in-memory copy of the whole text
         _CACHE[key] = c
     return _CACHE[key]

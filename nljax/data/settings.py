@@ -29,7 +29,9 @@ class DataConfig:
     # data.text_key field) files, each optionally .gz; .parquet and .arrow files (one document per
     # row: pip install 'nljax[parquet]'); folders datasets' save_to_disk wrote. A string: a list of one
     train: tuple[str, ...] = ()
-    eval: tuple[str, ...] = ()  # files: the held-out documents; empty: split from data.train by document
+    # files: the held-out documents; empty: split from data.train by document. Alone (no data.train):
+    # held-out text only, which nljax.evaluate scores a checkpoint on (a training run refuses it)
+    eval: tuple[str, ...] = ()
     text_key: str = "text"  # files: the field of a .jsonl line, the column of a Parquet or Arrow file, that holds the text
     # files: a Hugging Face `tokenizers` tokenizer.json (pip install 'nljax[text]'); empty: bytes.
     # model.vocab_size left at 256 takes the tokenizer's size
@@ -75,11 +77,11 @@ class DataConfig:
                 raise ConfigError(f"data.{given[0]} is read only with data.source=files (data.source={self.source})")
 
     def _check_files(self) -> None:
-        if not self.train and not self.prepared:
+        if not self.train and not self.prepared and not self.eval:
             raise ConfigError("data.source=files needs data.train (paths or globs of .txt/.jsonl files) or "
                               "data.prepared (a directory nljax.prepare wrote)")
-        if self.eval and not self.train:
-            raise ConfigError("data.eval needs data.train (or give data.prepared alone)")
+        if self.eval and self.prepared and not self.train:  # the directory holds its own held-out split
+            raise ConfigError("data.eval with data.prepared needs data.train (or give data.prepared alone)")
         if self.doc_end_token and not self.tokenizer and not self.prepared:
             raise ConfigError("data.doc_end_token needs data.tokenizer (bytes end every document with NUL)")
         if not self.text_key:

@@ -42,6 +42,8 @@ class Run:
         the model (`nljax.run.trained.load`), whose budget has no gradients, optimizer state or
         error buffers (`budget.in_use`). `reads_data=False`: a text model's data are not read
         (`tasks.LoadedText`); its config.yaml holds what they decided."""
+        if trains:
+            tasks.check_trains(cfg)
         cfg = tasks.resolve(cfg) if reads_data else cfg
         mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices, cfg.mesh.model)
         rows = meshlib.check_batch(cfg.train.batch_size, mesh)

@@ -91,6 +91,15 @@ def text_data(cfg: Config) -> TextData:
     return TextData(*stdlib_corpus(d.eval_fraction))
 
 
+def check_trains(cfg: Config) -> None:
+    """A run that trains needs training text: data.eval alone is held-out text only (what
+    nljax.evaluate scores a checkpoint on), refused before anything is read."""
+    d = cfg.data
+    if registry.task_of(cfg) == "text" and d.source == "files" and d.eval and not d.train and not d.prepared:
+        raise ConfigError("data.eval alone is held-out text only (for nljax.evaluate): training needs data.train "
+                          "(or data.prepared)")
+
+
 def resolve(cfg: Config) -> Config:
     """`cfg` with what its data decide: with data.source=files, model.vocab_size from the files'
     vocabulary (bytes: 256; a tokenizer: its size) when the config leaves it at its default."""
@@ -255,6 +264,9 @@ class ImageTask:
         if len(self.data.eval_x) < 2:  # the evaluation's energy distance: found before step 0
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {len(self.data.eval_x)}")
         self._generate = self._error = None
+        # where each evaluation draws its samples_<step>.png; None: nowhere (nljax.evaluate
+        # scores a checkpoint and leaves the run directory as it is)
+        self.samples_dir: Path | None = Path(cfg.run.dir)
 
     def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
         # no inner-loop memory: there is no row to reset
@@ -336,8 +348,8 @@ class ImageTask:
         whole = cache.eng.strategy.gather_params(params)
         one, multi = self.generate(cache.eng, whole, n)
         ref = self.data.eval_x[:n]
-        if jax.process_index() == 0:
-            run_dir = Path(self.cfg.run.dir)
+        if jax.process_index() == 0 and self.samples_dir is not None:
+            run_dir = self.samples_dir
             run_dir.mkdir(parents=True, exist_ok=True)
             from nljax.runtime.runlog import note_written
 

@@ -20,7 +20,7 @@ import os
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.checkpoint.contents import check_tokenizer
+from nljax.checkpoint.contents import check_tokenizer, data_tokenizer
 from nljax.checkpoint.restore import first_valid, restore_params
 from nljax.errors import ConfigError
 from nljax.models.builtin import for_this_backend
@@ -53,16 +53,20 @@ class Trained:
 
 
 def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (),
-              n: int = 1) -> config.Config:
+              n: int = 1, evaluates: bool = False) -> config.Config:
     """The run's config as `load` uses it on n devices (read before anything is restored, so a
-    tool can check its settings against the model first)."""
+    tool can check its settings against the model first). `evaluates`: the run's rows
+    (train.batch_size, which n must divide) and evaluation settings are kept, as its own
+    evaluation read the held-out data (`nljax.evaluate`); else one row per device."""
     checkpoint = checkpoint_path(run_dir, checkpoint, overrides)
+    rows = [] if evaluates else [f"train.batch_size={n}"]
     cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
-                                   "mesh.model=1", f"train.batch_size={n}", "train.accum_steps=1",
-                                   "sync.strategy=replicated"])
+                                   "mesh.model=1", *rows, "train.accum_steps=1", "sync.strategy=replicated"])
     # a run trained with GPU-only forms (cuDNN attention, the Pallas kernels) read on a CPU: the
     # forms that run here, unless the tool's overrides name them
     cfg = for_this_backend(cfg, keep={o.partition("=")[0] for o in overrides})
+    if evaluates:
+        return cfg
     # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows (set
     # after the load, whose checks a recall run, evaluated by streaming only, would fail)
     return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
@@ -102,16 +106,16 @@ def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config
 
 
 def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None,
-         reads_data: bool = False) -> Trained:
+         evaluates: bool = False) -> Trained:
     """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
     number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices`
-    (default: all of this process's). A text model's data are not read (only its tokenizer's
-    file) unless `reads_data` (to evaluate on them)."""
+    (default: all of this process's). `evaluates`: as `config_of`'s, and a text model's data
+    are read (to be evaluated on); otherwise only its tokenizer's file is."""
     devices = list(devices or jax.local_devices())
-    cfg = config_of(run_dir, checkpoint, overrides, len(devices))
+    cfg = config_of(run_dir, checkpoint, overrides, len(devices), evaluates)
     cfg_file = Path(run_dir) / "config.yaml"
     try:
-        run = Run.create(cfg, devices, trains=False, reads_data=reads_data)  # budgeted for the parameters alone
+        run = Run.create(cfg, devices, trains=False, reads_data=evaluates)  # budgeted for the parameters alone
     except ConfigError as e:
         relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(getattr(getattr(cfg, sec), key))]
         if not relative:
@@ -119,10 +123,16 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
         # a config.yaml written before the paths were recorded absolute (nljax.runtime.rundir.recorded)
         raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
                           "started in: run from there, or give it absolute)") from None
-    # the parameters alone: a model whose training state needs many devices loads on one
-    restored, skipped = first_valid(lambda path: restore_params(run.engine, path), storage.candidates(cfg))
-    # the run's tokenizer now (data.tokenizer's file, data.prepared's) must be the one it trained on
-    check_tokenizer(restored.path, restored.tokenizer, startup.tokenizer_identity(run.task), "the run's data now use")
+
+    def read(path: Path):
+        # the run's tokenizer now (data.tokenizer's file, data.prepared's) must be the one it
+        # trained on: said before the model's fit (another tokenizer's size: model.vocab_size)
+        check_tokenizer(path, data_tokenizer(storage.read_meta(path)), startup.tokenizer_identity(run.task),
+                        "the run's data now use")
+        # the parameters alone: a model whose training state needs many devices loads on one
+        return restore_params(run.engine, path)
+
+    restored, skipped = first_valid(read, storage.candidates(cfg))
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
     return Trained(cfg, trained_config(run_dir, overrides), run, restored.params, restored.step,

@@ -1,0 +1,200 @@
+"""Score a trained run's checkpoint on held-out data.
+
+    python -m nljax.evaluate run.dir=runs/default [checkpoint=latest|STEP|PATH] [out=FILE.json]
+        [eval.batches=N] [eval.stream_steps=N] [data.eval=GLOB | data.prepared=DIR | data.KEY=...]
+        [--cpu-devices N]
+
+prints the held-out metrics that the run's own evaluation computes (`Task.evaluate`,
+nljax/run/tasks.py), for one checkpoint: a language model's loss in nats per token, bits per
+byte and bits per token, each window from a fresh memory (`eval_loss`, `eval_bpb`, `eval_bpt`)
+and, with eval.stream_steps > 0, with the memory carried from window to window (`*_stream`); a
+MeanFlow model's energy distances (and its unweighted error). The run's settings are kept
+(train.batch_size rows, train.seq_len, eval.batches, eval.stream_steps) unless overridden, so
+the numbers are those the run reported for that checkpoint, to float rounding on any device
+count (it reads on as many of the local devices as divide train.batch_size).
+
+The held-out data are the run's own. `data.eval=GLOB` alone scores those files, tokenized as the
+run's text (its tokenizer; the run's training text is not read); `data.prepared=DIR` alone scores
+that directory's held-out split; any other `data.KEY=` is an override on the run's config. Data
+whose token ids are not the checkpoint's (another tokenizer) are refused.
+
+`out=FILE.json` also writes the result, whole or not at all; an existing file is replaced only
+when it is an earlier result of this command.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import jax
+
+from nljax import cli
+from nljax.data.prepared import MANIFEST
+from nljax.errors import ConfigError
+from nljax.run import trained as trained_lib
+from nljax.version import __version__
+
+# keys every result has: an existing out= file with them is an earlier result, replaced
+RESULT_KEYS = frozenset({"command", "run_dir", "checkpoint", "step"})
+
+
+def main(argv=None) -> int:
+    p = cli.Parser(allow_abbrev=False, prog="nljax.evaluate", description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
+    p.add_argument("settings", nargs="*", metavar="key=value",
+                   help="run.dir=DIR (required: a run directory); checkpoint= (latest, a step number or a step "
+                        "directory); out=FILE.json; any other key=value: a config override (eval.batches=, "
+                        "eval.stream_steps=, data.eval=, data.prepared=, ...)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
+    return cli.tool("nljax.evaluate", lambda: _evaluate(args, argv), cli.stdout_to_devnull)
+
+
+def _evaluate(args, argv: list[str]) -> int:
+    cli.setup_devices(args.cpu_devices)
+    mine, overrides, run_dir = trained_lib.split_args(args.settings, {"checkpoint": str, "out": str})
+    out = Path(mine["out"]) if mine.get("out") else None
+    if out is not None:
+        check_out(out)  # before the slow load: a refused out= costs nothing and writes nothing
+    t = load(run_dir, mine.get("checkpoint", "latest"), overrides)
+    n, local = t.run.engine.n_devices, len(jax.local_devices())
+    on = f"{n} device{'s' if n > 1 else ''}" + (
+        f" (of {local}: as many as divide train.batch_size={t.cfg.train.batch_size})" if n < local else "")
+    notes = [f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())]  # held-out text too short
+    for line in [*t.warnings("nljax.evaluate"), *notes, f"nljax.evaluate: {t.path} (step {t.step}) on {on}{_data(t)}"]:
+        print(line, file=sys.stderr)
+    metrics = scores(t)
+    for key, value in metrics.items():
+        print(f"{key:<24} {value}")
+    if out is not None:
+        result = {"command": " ".join(["python -m nljax.evaluate", *argv]), "run_dir": run_dir,
+                  "checkpoint": str(t.path), "step": t.step, "devices": n, **metrics, "nljax_version": __version__}
+        describe = getattr(t.run.task, "describe", None)  # the text task: source, tokens, digest (as summary.json)
+        if describe is not None:
+            result["data"] = describe()
+        try:
+            write_result(out, result)
+        except OSError as e:  # permissions, a full disk
+            print(f"nljax.evaluate: error: {cli.cannot_write(out, e)}", file=sys.stderr)
+            return 1
+        print(f"nljax.evaluate: wrote {out}", file=sys.stderr)
+    return 0
+
+
+def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str] = (),
+         devices=None) -> trained_lib.Trained:
+    """The run's checkpoint, set up to be evaluated as the run evaluated it (`trained.load` with
+    `evaluates`): its rows and evaluation settings, the held-out data of `overrides`
+    (`data_overrides`), on as many of `devices` (default: this process's) as divide its rows."""
+    overrides = data_overrides(run_dir, overrides)
+    rows = trained_lib.trained_config(run_dir, overrides).train.batch_size
+    devices = list(devices or jax.local_devices())
+    n = max(d for d in range(1, len(devices) + 1) if rows % d == 0)
+    t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True)
+    if hasattr(t.run.task, "samples_dir"):  # an image task's evaluation draws no PNG into the run directory
+        t.run.task.samples_dir = None
+    return t
+
+
+def scores(t: trained_lib.Trained) -> dict:
+    """The run's evaluation of `t`'s parameters (`Run.evaluate`, as the trainer calls it), with a
+    text model's bits per token beside its bits per byte (equal for byte tokens)."""
+    metrics = {}
+    for key, value in t.run.evaluate(t.params, t.step).items():
+        metrics[key] = value
+        if key in ("eval_bpb", "eval_bpb_stream"):
+            loss = metrics[key.replace("bpb", "loss")]
+            metrics[key.replace("bpb", "bpt")] = loss / math.log(2)
+    return metrics
+
+
+def data_overrides(run_dir: str, overrides: Sequence[str]) -> list[str]:
+    """`overrides` with what naming other held-out data implies. `data.eval=` without data.train
+    or data.prepared: those files alone (data.source=files; `nljax.data.prepared.held_out`: the
+    run's training text is not read), tokenized as the run's text was (its data.tokenizer, or its
+    data.prepared directory's copy); `data.prepared=` without data.train: that directory alone."""
+    given = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
+    if "data.train" in given or not {"data.eval", "data.prepared"} & given.keys():
+        return list(overrides)
+    if "data.prepared" in given:  # the run's file keys would be checked against the directory's
+        return ["data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
+                *overrides]
+    d = trained_lib.trained_config(run_dir).data
+    tokenizer = []
+    if d.source == "files" and d.prepared and "data.tokenizer" not in given:
+        tokenizer = _prepared_tokenizer(d.prepared)
+    return ["data.source=files", "data.train=[]", "data.prepared=", *tokenizer, *overrides]
+
+
+def _prepared_tokenizer(prepared: str) -> list[str]:
+    """data.tokenizer and data.doc_end_token for the tokenizer a data.prepared directory holds
+    (none for bytes, or when the directory is gone: the tokenizer check then says what differs)."""
+    home = Path(os.path.expanduser(prepared))
+    try:
+        info = json.loads((home / MANIFEST).read_text())["tokenizer"]
+        if info["kind"] == "bytes":
+            return []
+        # quoted: a token such as [EOS] is a string, not a YAML list
+        end = json.dumps(info.get("doc_end_token") or "")
+        return [f"data.tokenizer={home / info['file']}", f"data.doc_end_token={end}"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+
+
+def _data(t: trained_lib.Trained) -> str:
+    describe = getattr(t.run.task, "describe", None)
+    if describe is None:
+        return ""
+    d = describe()
+    return f", data {d['source']} ({d['eval_tokens']:,} held-out tokens, digest {d['digest'][:12]})"
+
+
+def check_out(out: Path) -> None:
+    """`out=` names a JSON file that can be written, never over a file of another kind (as
+    `nljax.bench --out`)."""
+    if out.suffix.lower() != ".json":
+        raise ConfigError(f"out={out}: the result is JSON, give a file name ending in .json")
+    if out.is_dir():
+        raise ConfigError(f"out={out} is a directory: give the JSON file to write")
+    parent = next((p for p in out.absolute().parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ConfigError(f"out={out}: {parent} is a file, not a directory")
+    if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
+        raise ConfigError(f"out={out}: {out if out.exists() else parent} is not writable")
+    if out.exists() and not earlier_result(out):
+        raise ConfigError(f"out={out} holds a file that is not an nljax.evaluate result: give a new file name, "
+                          "or move it")
+
+
+def earlier_result(out: Path) -> bool:
+    """Whether the existing `out` may be replaced: empty, or an earlier result. A FIFO or a device
+    is neither (and is not read)."""
+    if not out.is_file():
+        return False
+    try:
+        text = out.read_bytes()
+        result = json.loads(text) if text.strip() else dict.fromkeys(RESULT_KEYS)
+    except (OSError, ValueError):
+        return False
+    return isinstance(result, dict) and RESULT_KEYS <= result.keys()
+
+
+def write_result(out: Path, result: dict) -> None:
+    """`result` as JSON at `out`: written beside it under a temporary name and renamed into
+    place, so that a write cut short (Ctrl-C, a full disk) leaves the earlier file whole."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    try:
+        temp.write_text(json.dumps(result, indent=1) + "\n")
+        os.replace(temp, out)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""nljax.evaluate: a checkpoint's held-out metrics equal those its training run reported, on any
+device count; other held-out files give other (finite) numbers; another tokenizer's data, and
+bad input, are one line with nothing written."""
+
+import json
+import math
+import shutil
+
+import jax
+import numpy as np
+import pytest
+from helpers import QUICK, TINY, TINY_NL, saved_run
+
+from nljax import config, evaluate
+from nljax.data import prepared
+from nljax.errors import ConfigError
+from nljax.run.core import Run
+from nljax.run.trainer import train
+
+# a memory (so that the streaming evaluation carries something), evaluated after 2 steps and at
+# the end (3), with checkpoints after 2 and 3; trained on a 2 x 4 mesh, one CMS level (one step
+# variant to compile)
+RUN = [*TINY, *TINY_NL, *QUICK, "cms.periods=[1]", "mesh.inter=2", "mesh.intra=4", "checkpoint.every=2", "eval.every=2",
+       "eval.batches=1", "eval.stream_steps=2", "run.quiet=true", "train.steps=3"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("evaluate") / "run"
+    train(config.load(None, [*RUN, f"run.dir={d}"]))
+    return d
+
+
+@pytest.fixture(scope="module")
+def other_text(tmp_path_factory):
+    """Held-out files of other text than the standard library's Python: English prose."""
+    root = tmp_path_factory.mktemp("other")
+    for i in range(3):
+        (root / f"doc{i}.txt").write_text(f"Chapter {i}. The quick brown fox jumps over the lazy dog. " * 20)
+    return root
+
+
+def result_of(argv, capsys) -> tuple[dict, dict]:
+    """(the out= JSON, the metrics printed) of `nljax.evaluate argv` in this process."""
+    capsys.readouterr()
+    assert evaluate.main(argv) == 0
+    printed = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    out = next(a.partition("=")[2] for a in argv if a.startswith("out="))
+    with open(out) as f:
+        return json.load(f), printed
+
+
+def test_the_numbers_are_the_runs_own_on_any_device_count(run_dir, tmp_path, capsys):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    reported = {k: v for k, v in summary.items() if k.startswith("eval_")}
+    assert set(reported) == {"eval_loss", "eval_bpb", "eval_tokens", "eval_loss_stream", "eval_bpb_stream",
+                             "eval_tokens_stream"}
+    out = tmp_path / "final.json"
+    result, printed = result_of([f"run.dir={run_dir}", f"out={out}"], capsys)  # the 8 devices, 1 x 8
+    assert result["step"] == 3 and result["checkpoint"] == str(run_dir / "checkpoints" / "3")
+    assert result["devices"] == 8 and result["data"] == summary["data"]
+    for key, value in reported.items():
+        assert result[key] == pytest.approx(value, rel=1e-6), key
+        assert float(printed[key]) == result[key]  # printed in full
+    # bits per token beside bits per byte: the same for byte tokens
+    assert result["eval_bpt"] == pytest.approx(result["eval_loss"] / math.log(2)) == result["eval_bpb"]
+    assert result["eval_bpt_stream"] == pytest.approx(result["eval_bpb_stream"])
+    # the evaluation after 2 steps, logged in metrics.jsonl, from checkpoint 2 on one device: the
+    # same numbers up to float reduction order
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    after_2 = next(r for r in logged if "eval_loss" in r)
+    assert after_2["step"] == 1  # the record of the second step
+    t = evaluate.load(str(run_dir), 2, devices=jax.devices()[:1])
+    early = evaluate.scores(t)
+    assert t.step == 2 and t.run.engine.n_devices == 1
+    for key in reported:
+        assert early[key] == pytest.approx(after_2[key], rel=1e-5), key
+    assert early["eval_loss"] != result["eval_loss"]
+    # 3 devices: as many as divide the run's 8 rows (2)
+    assert evaluate.load(str(run_dir), devices=jax.devices()[:3]).run.engine.n_devices == 2
+
+
+def test_other_held_out_files_and_settings(run_dir, other_text, tmp_path, capsys):
+    """data.eval alone scores those files (the run trained on the standard library's bytes), on 8
+    and on 1 device alike; eval.batches and eval.stream_steps set how much is read."""
+    base = json.loads((run_dir / "summary.json").read_text())  # on the run's own held-out text
+    args = [f"run.dir={run_dir}", f"data.eval={other_text}/*.txt", "eval.batches=2", "eval.stream_steps=3"]
+    out = tmp_path / "earlier.json"  # an earlier result (its keys): replaced
+    out.write_text(json.dumps({"command": "python -m nljax.evaluate", "run_dir": "r", "checkpoint": "c", "step": 1}))
+    other, _ = result_of([*args, f"out={out}"], capsys)
+    assert other["command"] == "python -m nljax.evaluate " + " ".join([*args, f"out={out}"])
+    assert other["data"]["source"] == "files" and other["data"]["eval_tokens"] == sum(
+        len(p.read_bytes()) + 1 for p in other_text.glob("*.txt"))  # each document and its end (NUL)
+    assert other["eval_tokens"] == 2 * 8 * 8 and other["eval_tokens_stream"] == 3 * 8 * 8
+    for key in ("eval_loss", "eval_bpb", "eval_loss_stream"):
+        assert np.isfinite(other[key]) and other[key] != base[key], key
+    one = evaluate.scores(evaluate.load(str(run_dir), overrides=args[1:], devices=jax.devices()[:1]))
+    assert one["eval_loss"] == pytest.approx(other["eval_loss"], rel=1e-5)
+    assert one["eval_loss_stream"] == pytest.approx(other["eval_loss_stream"], rel=1e-5)
+
+
+def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, capsys):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([p.read_text() for p in other_text.glob("*.txt")],
+                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    capsys.readouterr()
+    out = tmp_path / "r.json"
+    assert evaluate.main([f"run.dir={run_dir}", f"data.eval={other_text}/*.txt",
+                          f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"out={out}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith(f"nljax.evaluate: error: checkpoint {run_dir / 'checkpoints' / '3'} "
+                                              "was trained on byte tokens, the run's data now use the tokenizer of "
+                                              "sha256 "), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("args,line", [
+    (["run.dir={d}/nowhere"], "{d}/nowhere/config.yaml not found: run.dir must be a run directory written by "
+                              "nljax.train"),
+    (["run.dir={d}/empty"], "checkpoint not found: {d}/empty/checkpoints"),
+    (["run.dir={run}", "data.eval={d}/nothing/*.txt"], "data.eval: '{d}/nothing/*.txt' matches no file"),
+    (["run.dir={run}", "eval.batchez=2"], "unknown config key 'eval.batchez' (did you mean 'eval.batches'?)"),
+    (["run.dir={run}", "checkpoint=7"], "checkpoint=7: {run} has no checkpoint at step 7 (its checkpoints are at "
+                                        "steps 2, 3)"),
+    (["run.dir={run}", "out={d}/r.txt"], "out={d}/r.txt: the result is JSON, give a file name ending in .json"),
+    (["run.dir={run}", "out={d}/theirs.json"], "out={d}/theirs.json holds a file that is not an nljax.evaluate "
+                                               "result: give a new file name, or move it"),
+    (["out={d}/r.json"], "run.dir=DIR is required: the run directory nljax.train wrote"),
+])
+def test_bad_input_is_one_line_and_writes_nothing(args, line, run_dir, tmp_path, capsys):
+    (tmp_path / "empty").mkdir()
+    shutil.copy(run_dir / "config.yaml", tmp_path / "empty" / "config.yaml")  # a run that saved no checkpoint
+    (tmp_path / "theirs.json").write_text('{"a user": "file"}')
+    tree = lambda root: sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*"))
+    before = tree(tmp_path), tree(run_dir)
+    capsys.readouterr()
+    argv = [a.format(d=tmp_path, run=run_dir) for a in args]
+    assert evaluate.main([*argv, *([] if any(a.startswith("out=") for a in argv) else [f"out={tmp_path}/r.json"])]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and line.format(d=tmp_path, run=run_dir) in err, err
+    assert (tree(tmp_path), tree(run_dir)) == before
+    assert (tmp_path / "theirs.json").read_text() == '{"a user": "file"}'
+
+
+def test_the_result_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
+    out = tmp_path / "r.json"
+    evaluate.write_result(out, {"command": "first", "run_dir": "r", "checkpoint": "c", "step": 1})
+    assert evaluate.earlier_result(out)
+
+    def full(*a):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(evaluate.os, "replace", full)
+    with pytest.raises(OSError):
+        evaluate.write_result(out, {"command": "second"})
+    assert json.loads(out.read_text())["command"] == "first" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_held_out_files_alone_train_nothing(other_text, tmp_path):
+    """data.eval alone is held-out text only: every document scored, refused by a run that trains
+    and by nljax.prepare."""
+    cfg = config.load(None, [*TINY, "data.source=files", f"data.eval={other_text}/*.txt"])
+    c = prepared.corpus(cfg.data)
+    assert c.eval.tokens.tobytes() == b"".join(p.read_bytes() + b"\0" for p in sorted(other_text.glob("*.txt")))
+    with pytest.raises(ConfigError, match=r"data.eval alone is held-out text only \(for nljax.evaluate\): training "
+                                          r"needs data.train"):
+        Run.create(cfg)
+    with pytest.raises(ConfigError, match="preparing needs data.train"):
+        prepared.build(cfg.data, tmp_path / "prep")
+
+
+def test_an_image_model_reports_its_tasks_evaluation(tmp_path):
+    """A MeanFlow run: the energy distances (and error) its evaluation reports, and no sample grid
+    written into the run directory."""
+    dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+           "model.dit.patch_size=1", "images.source=moons", "images.toy_points=80", "cms.periods=[1]",
+           "train.batch_size=16", "meanflow.sample_steps=2"]
+    setup, state = saved_run(tmp_path / "run", dit, 1, 2, steps=1)  # trained: the DiT's output is zero at init
+    want = setup.run.evaluate(state.params, 1)
+    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    got = evaluate.scores(evaluate.load(str(tmp_path / "run")))
+    assert set(got) == set(want) and got["eval_energy_1step"] != got["eval_energy_multistep"]
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-4), key
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+
+
+def test_which_data_keys_other_held_out_data_implies(tmp_path):
+    """data.eval alone: those files, with the tokenizer the run trained with (here the copy in its
+    data.prepared directory, its end token quoted); data.prepared alone: that directory, the run's
+    file keys dropped; data.train given: the overrides as they are."""
+    import yaml
+
+    prep = tmp_path / "prep"
+    prep.mkdir()
+    (prep / "manifest.json").write_text(json.dumps({"tokenizer": {"kind": "tokenizers", "file": "tokenizer.json",
+                                                                  "doc_end_token": "[EOS]"}}))
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config.load(None, [*TINY, "data.source=files", f"data.prepared={prep}"])
+    (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
+    held = evaluate.data_overrides(str(run), ["data.eval=x/*.txt"])
+    assert held == ["data.source=files", "data.train=[]", "data.prepared=", f"data.tokenizer={prep / 'tokenizer.json'}",
+                    'data.doc_end_token="[EOS]"', "data.eval=x/*.txt"]
+    d = config.load(None, [*TINY, *held]).data
+    assert (d.train, d.eval, d.prepared, d.doc_end_token) == ((), ("x/*.txt",), "", "[EOS]")
+    assert evaluate.data_overrides(str(run), ["data.prepared=p", "eval.batches=2"]) == [
+        "data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
+        "data.prepared=p", "eval.batches=2"]
+    assert evaluate.data_overrides(str(run), ["data.train=a", "data.eval=b"]) == ["data.train=a", "data.eval=b"]
