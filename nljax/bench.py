@@ -31,9 +31,7 @@ A benchmark is a command, not a test: the suite only checks that its JSON is wel
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 import platform
 import statistics
 import sys
@@ -53,6 +51,7 @@ from nljax.measure import flops, hostmem, traces
 from nljax.models import registry
 from nljax.run import throughput
 from nljax.run.core import Run
+from nljax.runtime import resultfile
 from nljax.version import __version__
 
 # ---------------------------------------------------------------------------------- the device
@@ -335,38 +334,8 @@ def unevaluated(cfg: Config) -> Config:
     return dataclasses.replace(cfg, eval=dataclasses.replace(cfg.eval, stream_steps=0))
 
 
-def check_out(out: Path) -> None:
-    """Before anything is measured: `--out` names a JSON file that can be written (never over a
-    file of another kind)."""
-    if out.suffix.lower() != ".json":
-        raise ConfigError(f"--out {out}: the result is JSON, give a file name ending in .json")
-    if out.is_dir():
-        raise ConfigError(f"--out {out} is a directory: give the JSON file to write")
-    parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise ConfigError(f"--out {out}: {parent} is a file, not a directory")
-    if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
-        raise ConfigError(f"--out {out}: {out if out.exists() else parent} is not writable")
-    if out.exists() and not earlier_result(out):  # a tokenizer.json, an export's config.json: replaced before
-        raise ConfigError(f"--out {out} holds a file that is not an nljax.bench result: give a new file name, "
-                          "or move it")
-
-
 # Keys every result has (`run_bench`, then `_run`): a JSON file with them is an earlier result
 RESULT_KEYS = frozenset({"config", "environment", "per_pattern", "command"})
-
-
-def earlier_result(out: Path) -> bool:
-    """Whether the existing `out` may be replaced: empty, or an earlier `--out` result (a rerun
-    of a suite into the same folder). A FIFO or a device is neither (and is not read)."""
-    if not out.is_file():
-        return False
-    try:
-        text = out.read_bytes()
-        result = json.loads(text) if text.strip() else {k: None for k in RESULT_KEYS}
-    except (OSError, ValueError):
-        return False
-    return isinstance(result, dict) and RESULT_KEYS <= result.keys()
 
 
 def check_profile_dir(d: Path) -> None:
@@ -382,7 +351,7 @@ def _run(args, cfg: Config) -> int:
         raise ConfigError(f"--steps must be >= 1, --warmup and --profile >= 0, got {args.steps}, {args.warmup}, "
                           f"{args.profile}")
     if args.out:
-        check_out(Path(args.out))
+        resultfile.check(Path(args.out), f"--out {args.out}", "nljax.bench", RESULT_KEYS)
     if args.profile_dir:
         check_profile_dir(Path(args.profile_dir))
     with tempfile.TemporaryDirectory() as tmp:
@@ -400,8 +369,7 @@ def _run(args, cfg: Config) -> int:
     if jax.process_index() == 0:
         print(format_report(result))
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(result, indent=1))
+            resultfile.write(Path(args.out), result)  # whole or not at all
             print(f"wrote {args.out}")
     return 0
 

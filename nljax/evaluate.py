@@ -35,8 +35,8 @@ import jax
 
 from nljax import cli
 from nljax.data.prepared import MANIFEST
-from nljax.errors import ConfigError
 from nljax.run import trained as trained_lib
+from nljax.runtime import resultfile
 from nljax.version import __version__
 
 # keys every result has: an existing out= file with them is an earlier result, replaced
@@ -60,7 +60,7 @@ def _evaluate(args, argv: list[str]) -> int:
     mine, overrides, run_dir = trained_lib.split_args(args.settings, {"checkpoint": str, "out": str})
     out = Path(mine["out"]) if mine.get("out") else None
     if out is not None:
-        check_out(out)  # before the slow load: a refused out= costs nothing and writes nothing
+        resultfile.check(out, f"out={out}", "nljax.evaluate", RESULT_KEYS)  # before the slow load: writes nothing
     t = load(run_dir, mine.get("checkpoint", "latest"), overrides)
     n, local = t.run.engine.n_devices, len(jax.local_devices())
     on = f"{n} device{'s' if n > 1 else ''}" + (
@@ -78,7 +78,7 @@ def _evaluate(args, argv: list[str]) -> int:
         if describe is not None:
             result["data"] = describe()
         try:
-            write_result(out, result)
+            resultfile.write(out, result)
         except OSError as e:  # permissions, a full disk
             print(f"nljax.evaluate: error: {cli.cannot_write(out, e)}", file=sys.stderr)
             return 1
@@ -152,48 +152,6 @@ def _data(t: trained_lib.Trained) -> str:
         return ""
     d = describe()
     return f", data {d['source']} ({d['eval_tokens']:,} held-out tokens, digest {d['digest'][:12]})"
-
-
-def check_out(out: Path) -> None:
-    """`out=` names a JSON file that can be written, never over a file of another kind (as
-    `nljax.bench --out`)."""
-    if out.suffix.lower() != ".json":
-        raise ConfigError(f"out={out}: the result is JSON, give a file name ending in .json")
-    if out.is_dir():
-        raise ConfigError(f"out={out} is a directory: give the JSON file to write")
-    parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise ConfigError(f"out={out}: {parent} is a file, not a directory")
-    if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
-        raise ConfigError(f"out={out}: {out if out.exists() else parent} is not writable")
-    if out.exists() and not earlier_result(out):
-        raise ConfigError(f"out={out} holds a file that is not an nljax.evaluate result: give a new file name, "
-                          "or move it")
-
-
-def earlier_result(out: Path) -> bool:
-    """Whether the existing `out` may be replaced: empty, or an earlier result. A FIFO or a device
-    is neither (and is not read)."""
-    if not out.is_file():
-        return False
-    try:
-        text = out.read_bytes()
-        result = json.loads(text) if text.strip() else dict.fromkeys(RESULT_KEYS)
-    except (OSError, ValueError):
-        return False
-    return isinstance(result, dict) and RESULT_KEYS <= result.keys()
-
-
-def write_result(out: Path, result: dict) -> None:
-    """`result` as JSON at `out`: written beside it under a temporary name and renamed into
-    place, so that a write cut short (Ctrl-C, a full disk) leaves the earlier file whole."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    try:
-        temp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(temp, out)
-    finally:
-        temp.unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

@@ -140,7 +140,8 @@ def test_bench_out_never_replaces_a_file_it_did_not_write(tmp_path):
     """`--out` over an existing JSON file that is not an earlier benchmark result (a tokenizer.json,
     an export's config.json) is refused at once: it was silently replaced by the result. An earlier
     result, or an empty file, is replaced as before."""
-    from nljax.bench import check_out
+    from nljax.bench import RESULT_KEYS
+    from nljax.runtime.resultfile import check
 
     theirs = tmp_path / "tokenizer.json"
     theirs.write_text('{"model": {"type": "BPE"}}')
@@ -152,8 +153,8 @@ def test_bench_out_never_replaces_a_file_it_did_not_write(tmp_path):
     earlier, empty = tmp_path / "b.json", tmp_path / "e.json"
     earlier.write_text(json.dumps({"config": {}, "environment": {}, "per_pattern": [], "command": "python -m nljax.bench"}))
     empty.write_text("")
-    check_out(earlier)  # replaced by the new result
-    check_out(empty)
+    for out in (earlier, empty):  # replaced by the new result
+        check(out, f"--out {out}", "nljax.bench", RESULT_KEYS)
 
 
 @pytest.mark.parametrize("where", ["notes.md", "notes.md/trace"])

@@ -16,6 +16,7 @@ from nljax.data import prepared
 from nljax.errors import ConfigError
 from nljax.run.core import Run
 from nljax.run.trainer import train
+from nljax.runtime import resultfile
 
 # a memory (so that the streaming evaluation carries something), evaluated after 2 steps and at
 # the end (3), with checkpoints after 2 and 3; trained on a 2 x 4 mesh, one CMS level (one step
@@ -149,15 +150,15 @@ def test_bad_input_is_one_line_and_writes_nothing(args, line, run_dir, tmp_path,
 
 def test_the_result_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     out = tmp_path / "r.json"
-    evaluate.write_result(out, {"command": "first", "run_dir": "r", "checkpoint": "c", "step": 1})
-    assert evaluate.earlier_result(out)
+    resultfile.write(out, {"command": "first", "run_dir": "r", "checkpoint": "c", "step": 1})
+    assert resultfile.earlier_result(out, evaluate.RESULT_KEYS)
 
     def full(*a):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(evaluate.os, "replace", full)
+    monkeypatch.setattr(resultfile.os, "replace", full)
     with pytest.raises(OSError):
-        evaluate.write_result(out, {"command": "second"})
+        resultfile.write(out, {"command": "second"})
     assert json.loads(out.read_text())["command"] == "first" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
 
 
