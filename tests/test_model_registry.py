@@ -193,6 +193,44 @@ def test_a_level_outside_the_periods_and_a_memory_without_rows_are_refused_befor
         registry.build(cfg)
 
 
+def _changing_apply(change):
+    """A cms_mlp with a memory {"S": [rows, 3]} whose apply passes its outputs through `change`."""
+    import jax.numpy as jnp
+
+    @dataclasses.dataclass(frozen=True)
+    class Changing(CMSMLP):
+        def init_memory(self, rows):
+            return {"S": jnp.zeros((rows, 3), jnp.float32)}
+
+        def apply(self, params, memory, batch, key=None):
+            return change(*super().apply(params, memory, batch, key))
+
+    return lambda cfg: Changing(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1, len(cfg.cms.periods))
+
+
+APPLY_MISTAKES = [
+    # (apply's outputs changed so, the error line's end): a step carried such a memory into the
+    # next compiled variant, where it failed inside the model (a flax parameter-shape error), or
+    # failed in jax.grad: tracebacks
+    (lambda s, c, m: (s, c, {"S": m["S"][:, :2]}), r"apply returned new_memory leaf 'S' of \[8, 2\] float32 where "
+                                                  r"the memory it was given has \[8, 3\] float32: new_memory must keep"),
+    (lambda s, c, m: (s, c, {"S": m["S"].astype("bfloat16")}), r"apply returned new_memory leaf 'S' of \[8, 3\] "
+                                                              r"bfloat16 where the memory it was given has \[8, 3\] float32"),
+    (lambda s, c, m: (s, c, {"state": m["S"]}), r"apply returned new_memory with leaves \['state'\] where the memory "
+                                               r"it was given has \['S'\]: new_memory must keep memory's structure"),
+    (lambda s, c, m: (s + 0 * m["S"][:, 0], c, m), r"apply returned loss_sum of shape \(8,\): it must be a scalar"),
+    (lambda s, c, m: (s, c), r"apply must return \(loss_sum, count, new_memory\), got tuple"),
+]
+
+
+@pytest.mark.parametrize("change, line", APPLY_MISTAKES, ids=["shape", "dtype", "structure", "loss", "pair"])
+def test_what_apply_returns_is_checked_when_the_step_is_traced(on_path, change, line):
+    nljax.register_model("changing", _changing_apply(change))
+    setup = make(["model.name=changing"], 1, 1)
+    with pytest.raises(ConfigError, match=r"^model 'changing': " + line):
+        train(setup, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Discovery from an entry point
 
