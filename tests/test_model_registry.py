@@ -193,6 +193,28 @@ def test_a_level_outside_the_periods_and_a_memory_without_rows_are_refused_befor
         registry.build(cfg)
 
 
+def test_a_level_is_any_integer_and_only_an_integer(on_path):
+    import numpy as np
+
+    # a rule computed with numpy gives np.int64: its level 0 was refused as "outside cms.periods"
+    nljax.register_model("np_level", _bad_model(level_of=lambda p: np.int64(1 if "cms1" in p else 0)))
+    setup = make(["model.name=np_level", "cms.periods=[1,2]"], 1, 1)
+    assert sorted(set(jax_leaves(setup.engine.level_tree))) == [0, 1]
+    losses, _ = train(setup, 2)
+    assert np.all(np.isfinite(losses))
+    nljax.register_model("float_level", _bad_model(level_of=lambda p: 1.0 if "cms1" in p else 0))
+    cfg = config.load(None, [*TINY, "model.name=float_level", "cms.periods=[1,2]"])
+    with pytest.raises(ConfigError, match=r"level_of\('block0/cms1/down/bias'\) = 1.0, a float: a level is an int in "
+                                          r"0..1$"):
+        registry.build(cfg)
+
+
+def jax_leaves(tree):
+    import jax
+
+    return jax.tree.leaves(tree)
+
+
 def _changing_apply(change):
     """A cms_mlp with a memory {"S": [rows, 3]} whose apply passes its outputs through `change`."""
     import jax.numpy as jnp

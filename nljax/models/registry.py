@@ -24,6 +24,7 @@ so is a model whose parameters fall outside `cms.periods` or whose memory has no
 from __future__ import annotations
 
 import difflib
+import numbers
 from importlib import metadata
 from typing import Any
 
@@ -171,7 +172,10 @@ def _check_shapes(who: str, model: Model, n_levels: int) -> None:
     for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = path_str(path)
         level = model.level_of(name)
-        if not isinstance(level, int) or not 0 <= level < n_levels:
+        if isinstance(level, bool) or not isinstance(level, numbers.Integral):  # np.int64 is one (a rule on arrays)
+            raise ConfigError(f"{who}: level_of('{name}') = {level!r}, a {type(level).__name__}: a level is an int "
+                              f"in 0..{n_levels - 1}")
+        if not 0 <= level < n_levels:
             raise ConfigError(f"{who}: level_of('{name}') = {level!r}, outside cms.periods ({n_levels} level"
                               f"{'s' if n_levels > 1 else ''}: 0..{n_levels - 1})")
     for rows in (2, 3):
