@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import QUICK, ROOT, SMALL, TINY, make, run_python, train
+from helpers import QUICK, ROOT, SMALL, TINY, make, run_python, saved_run, train
 
 import nljax
 from nljax import config
@@ -251,6 +251,50 @@ def test_what_apply_returns_is_checked_when_the_step_is_traced(on_path, change, 
     setup = make(["model.name=changing"], 1, 1)
     with pytest.raises(ConfigError, match=r"^model 'changing': " + line):
         train(setup, 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class NoLogits:
+    """A text model without the optional `logits`: it trains and exports, but cannot generate."""
+
+    inner: CMSMLP
+
+    def init(self, key):
+        return self.inner.init(key)
+
+    def level_of(self, path):
+        return self.inner.level_of(path)
+
+    def init_memory(self, rows):
+        return self.inner.init_memory(rows)
+
+    def apply(self, params, memory, batch, key=None):
+        return self.inner.apply(params, memory, batch, key)
+
+
+def test_a_text_model_without_logits_is_refused_as_one_not_as_an_image_model(tmp_path, on_path, capsys):
+    import jax
+
+    from nljax import export, generate
+    from nljax.run import trained
+
+    build = lambda cfg: NoLogits(CMSMLP(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1, len(cfg.cms.periods)))
+    nljax.register_model("no_logits", build)
+    run_dir = tmp_path / "run"
+    saved_run(run_dir, ["model.name=no_logits"], 1, 1, steps=1)
+    export.export(trained.load(run_dir, devices=jax.devices()[:1]), run_dir / "export")
+    for path in (run_dir, run_dir / "export"):
+        lm = nljax.load(path)
+        # were: "encode is for language models; model.name=no_logits makes images", and "... neither
+        # makes text nor has generate()"
+        for what, call in (("encode", lambda: lm.encode("a")), ("generate", lambda: lm.generate("a"))):
+            with pytest.raises(ConfigError, match=rf"^{what} needs the model's logits\(\); model.name=no_logits has "
+                                                  r"none \(nljax.Model: logits"):
+                call()
+    capsys.readouterr()
+    assert generate.main([f"run.dir={run_dir / 'export'}", "max_new_tokens=2"]) == 2  # was: "the export of an image model"
+    err = capsys.readouterr().err
+    assert "model.name=no_logits has none" in err and "image" not in err, err
 
 
 # ---------------------------------------------------------------------------------------------
