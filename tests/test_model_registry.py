@@ -234,10 +234,10 @@ APPLY_MISTAKES = [
     # (apply's outputs changed so, the error line's end): a step carried such a memory into the
     # next compiled variant, where it failed inside the model (a flax parameter-shape error), or
     # failed in jax.grad: tracebacks
-    (lambda s, c, m: (s, c, {"S": m["S"][:, :2]}), r"apply returned new_memory leaf 'S' of \[8, 2\] float32 where "
-                                                  r"the memory it was given has \[8, 3\] float32: new_memory must keep"),
-    (lambda s, c, m: (s, c, {"S": m["S"].astype("bfloat16")}), r"apply returned new_memory leaf 'S' of \[8, 3\] "
-                                                              r"bfloat16 where the memory it was given has \[8, 3\] float32"),
+    (lambda s, c, m: (s, c, {"S": m["S"][:, :2]}), r"apply returned new_memory leaf 'S' of \[8, 2\] float32 "
+                                                  r"where the memory it was given has \[8, 3\] float32: new_memory"),
+    (lambda s, c, m: (s, c, {"S": m["S"].astype("bfloat16")}), r"apply returned new_memory leaf 'S' of "
+                                                              r"\[8, 3\] bfloat16 where the memory it was given has"),
     (lambda s, c, m: (s, c, {"state": m["S"]}), r"apply returned new_memory with leaves \['state'\] where the memory "
                                                r"it was given has \['S'\]: new_memory must keep memory's structure"),
     (lambda s, c, m: (s + 0 * m["S"][:, 0], c, m), r"apply returned loss_sum of shape \(8,\): it must be a scalar"),
@@ -292,7 +292,8 @@ def test_a_text_model_without_logits_is_refused_as_one_not_as_an_image_model(tmp
                                                   r"none \(nljax.Model: logits"):
                 call()
     capsys.readouterr()
-    assert generate.main([f"run.dir={run_dir / 'export'}", "max_new_tokens=2"]) == 2  # was: "the export of an image model"
+    # was: "... is the export of an image model"
+    assert generate.main([f"run.dir={run_dir / 'export'}", "max_new_tokens=2"]) == 2
     err = capsys.readouterr().err
     assert "model.name=no_logits has none" in err and "image" not in err, err
 
@@ -347,6 +348,14 @@ def test_a_bad_plugin_is_one_line_and_exit_2(tmp_path, kw, parts):
     p = cli_train(plugin(tmp_path / "site", "toy", **kw), "model.name=toy", f"run.dir={tmp_path / 'run'}")
     one_line_error(p, *parts)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_bad_plugin_is_not_blamed_on_the_config_file(tmp_path):
+    # the registry is read while the file's keys are built: the line began "config file job.yaml:"
+    (tmp_path / "job.yaml").write_text("model:\n  name: cms_mlp\n")
+    p = cli_train(plugin(tmp_path / "site", "toy", body="1 / 0"), "--config", str(tmp_path / "job.yaml"),
+                  f"run.dir={tmp_path / 'run'}")
+    one_line_error(p, "nljax.train: error: plugin 'toy = toy_pkg:register'", "failed to register: ZeroDivisionError")
 
 
 def test_a_plugin_named_like_a_builtin_is_refused(tmp_path):
