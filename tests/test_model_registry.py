@@ -10,6 +10,7 @@ import dataclasses
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 from helpers import QUICK, ROOT, SMALL, TINY, make, run_python, saved_run, train
@@ -296,6 +297,23 @@ def test_a_text_model_without_logits_is_refused_as_one_not_as_an_image_model(tmp
     assert generate.main([f"run.dir={run_dir / 'export'}", "max_new_tokens=2"]) == 2
     err = capsys.readouterr().err
     assert "model.name=no_logits has none" in err and "image" not in err, err
+
+
+def test_a_model_need_not_be_hashable(on_path):
+    """The guide said a model is hashed as a static argument of the compiled step: the steps close
+    over it instead, so a mutable dataclass (its __hash__ is None) trains as the frozen one."""
+
+    @dataclasses.dataclass
+    class Mutable:
+        inner: CMSMLP
+        init, level_of, init_memory, apply = NoLogits.init, NoLogits.level_of, NoLogits.init_memory, NoLogits.apply
+
+    assert Mutable.__hash__ is None
+    build = lambda cfg: CMSMLP(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1, len(cfg.cms.periods))
+    nljax.register_model("mutable", lambda cfg: Mutable(build(cfg)))
+    nljax.register_model("frozen", build)
+    losses = [train(make([f"model.name={name}", "cms.periods=[1,2]"], 1, 1), 2)[0] for name in ("mutable", "frozen")]
+    assert np.array_equal(*losses) and np.all(np.isfinite(losses[0]))
 
 
 # ---------------------------------------------------------------------------------------------

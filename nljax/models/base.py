@@ -1,7 +1,8 @@
 """`nljax.Model`: what the engine and the commands need from a model.
 
-A model is a frozen dataclass (hashable: it is a static argument of the jitted step) with these
-methods; the engine calls nothing else. Shapes: B rows of the batch this device owns (the global
+A model is an object with these methods, best a frozen dataclass (the compiled steps close over
+the model a run built, so nothing in it may change afterwards; it need not be hashable); the
+engine calls nothing else. Shapes: B rows of the batch this device owns (the global
 batch's rows are split over the data axes), T tokens per row (`train.seq_len`), V the vocabulary.
 
 Required:
