@@ -347,10 +347,14 @@ def test_the_command_line_trains_a_plugins_model(tmp_path):
 
 BAD_PLUGINS = [
     # (plugin(...) keywords, the error line's parts)
+    # where the plugin's own code raised, at the end of the line (not importlib's or nljax's frames)
     (dict(top="import no_such_module_xyz"), ["plugin 'toy = toy_pkg:register' of toy-pkg 0.1",
-                                            "failed to import: ModuleNotFoundError: No module named 'no_such_module_xyz'"]),
-    (dict(body="1 / 0"), ["plugin 'toy = toy_pkg:register'", "failed to register: ZeroDivisionError"]),
-    (dict(target="no_such_name"), ["plugin 'toy = toy_pkg:no_such_name'", "failed to import: AttributeError"]),
+                                            "failed to import: ModuleNotFoundError: No module named 'no_such_module_xyz' "
+                                            "(at ", "toy_pkg.py:2)"]),
+    (dict(body="1 / 0"), ["plugin 'toy = toy_pkg:register'", "failed to register: ZeroDivisionError: division by zero "
+                          "(at ", "toy_pkg.py:"]),
+    (dict(target="no_such_name"), ["plugin 'toy = toy_pkg:no_such_name'", "failed to import: AttributeError",
+                                   "has no attribute 'no_such_name'"]),
     (dict(body="pass"), ["plugin 'toy = toy_pkg:register'", "did not register a model named 'toy'"]),
     (dict(body="nljax.register_model('nl_lm', build)"), ["model 'nl_lm' is registered twice: by nljax.models.builtin "
                                                          "and by plugin 'toy = toy_pkg:register'"]),
@@ -366,6 +370,8 @@ def test_a_bad_plugin_is_one_line_and_exit_2(tmp_path, kw, parts):
     p = cli_train(plugin(tmp_path / "site", "toy", **kw), "model.name=toy", f"run.dir={tmp_path / 'run'}")
     one_line_error(p, *parts)
     assert not (tmp_path / "run" / "checkpoints").exists()
+    if "target" in kw:  # raised in importlib.metadata: no line of the plugin's to point at
+        assert "(at " not in p.stderr, p.stderr
 
 
 def test_a_bad_plugin_is_not_blamed_on_the_config_file(tmp_path):
