@@ -299,6 +299,7 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
     `base`: a config.yaml nljax wrote, read first (migrated), which `path` then updates key by key
     (`--resume` with `--config`: the run's saved config, then the user's file, then overrides).
     `check`: validate the settings together (False: each key's type only)."""
+    ModelConfig.resolved()  # the model registry first: a plugin that fails to load is its own line, not the file's
     tree = {} if path is None else _read_yaml(path, saved)
     tree = migrate(tree) if saved else tree
     if path is not None:  # the file alone first: a wrong key or value there names the file

@@ -75,8 +75,9 @@ def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
     the tokenizer beside it): the same text as from the run it came from."""
     # run.dir= is how the directory was named; any other override, or checkpoint=, is refused there
     lm = trained_model.load(path, s.checkpoint, [o for o in overrides if not o.startswith("run.dir=")])
-    _check(lm.config.model.name, not lm.makes_text, given, s)
-    if not lm.makes_text:  # the grid sets samples beside the run's held-out images, which an export lacks
+    images = registry.task_of(lm.config) == "images"  # not `makes_text`: a text model without logits is no image model
+    _check(lm.config.model.name, images, given, s)
+    if images:  # the grid sets samples beside the run's held-out images, which an export lacks
         raise ConfigError(f"{path} is the export of an image model (model.name={lm.config.model.name}): "
                           "nljax.generate draws its grid from the run directory (beside the held-out images); "
                           "an export samples from Python: nljax.load(DIR).generate(labels=[...])")

@@ -70,7 +70,18 @@ class TrainedModel:
         """Tokens per window (`train.seq_len`): the window `logits` reads and `generate` slides."""
         return self.config.train.seq_len
 
+    def _needs_logits(self, what: str) -> None:
+        """A text model registered without `logits` (optional in nljax.Model) is refused as one,
+        not as the image model `makes_text` alone would call it. The registered task decides (a
+        model need not carry a `task` attribute)."""
+        from nljax.models import registry
+
+        if registry.task_of(self.config) == "text" and not hasattr(self.model, "logits"):
+            raise ConfigError(f"{what} needs the model's logits(); model.name={self.config.model.name} has none "
+                              "(nljax.Model: logits(params, memory, batch, key) -> (logits, new_memory))")
+
     def _text_only(self, what: str) -> None:
+        self._needs_logits(what)
         if not self.makes_text:
             raise ConfigError(f"{what} is for language models; model.name={self.config.model.name} makes images "
                               "(generate(labels=...) samples them)")
@@ -150,6 +161,7 @@ class TrainedModel:
         with each piece as it is sampled. An empty prompt starts a new document.
         An image model (MeanFlow): samples [len(labels), H, W, C] in [-1, 1] for the class
         `labels`, in `steps` steps (1: MeanFlow's one-step sampling)."""
+        self._needs_logits("generate")
         if not self.makes_text:
             return self._images(labels, steps)
         from nljax.run.sampling import Settings, prompt_ids
@@ -168,6 +180,7 @@ class TrainedModel:
         """The windowed decoder `generate` uses (nljax.run.sampling.TextSampler), compiled once."""
         from nljax.run.sampling import TextSampler
 
+        self._text_only("sampler")
         if self._sampler is None:
             self._sampler = TextSampler(self.model, self.params, self._mesh, self.seq_len, self.end_id)
         return self._sampler

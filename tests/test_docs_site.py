@@ -1,7 +1,7 @@
 """The docs site's structure, checked without building it (`.ci/run` builds it with
 `mkdocs build --strict`): every page under docs/ is in mkdocs.yml's nav and every nav entry is a
 page, and every relative link of the README (which GitHub shows, and mkdocs does not check)
-points to a file that exists."""
+points to a file that exists, as does every `examples/...` path the docs and docstrings name."""
 
 from __future__ import annotations
 
@@ -49,3 +49,13 @@ def test_the_readme_links_to_files_that_exist():
     assert "docs/reference/config.md" in targets
     missing = sorted({t for t in targets if t and not (ROOT / t).exists()})
     assert not missing, f"README links to files that do not exist: {missing}"
+
+
+def test_the_examples_named_in_the_docs_and_docstrings_exist():
+    # a renamed example left `examples/gdn_lm` in the building blocks' docstring and the Python
+    # API reference, where a newcomer looks for a model written against the public API
+    sources = [ROOT / "README.md", *DOCS.rglob("*.md"), *(ROOT / "nljax").rglob("*.py")]
+    named = {m for s in sources for m in re.findall(r"examples/[\w./-]*\w", s.read_text(encoding="utf-8"))}
+    assert "examples/gated_delta" in named
+    missing = sorted(n for n in named if not (ROOT / n).exists())
+    assert not missing, f"examples named in the docs or docstrings that do not exist: {missing}"

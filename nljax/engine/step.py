@@ -30,6 +30,7 @@ from nljax.config import ConfigError
 from nljax.engine import frozen, optim
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
+from nljax.models.base import checked_apply
 from nljax.models.layers import token_hits, token_loss
 from nljax.parallel.hostdev import put
 from nljax.parallel.mesh import DATA_AXES, REPLICATED, ROWS
@@ -54,7 +55,8 @@ def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch
 
     def loss_fn(diff):
         full = tuple(d if d is not None else p for d, p in zip(diff, parts))
-        loss_sum, count, new_memory = eng.local_model.apply(eng.levels.merge(full), memory, batch, key)
+        params = eng.levels.merge(full)
+        loss_sum, count, new_memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key)
         return loss_sum / count, (loss_sum, count, new_memory)
 
     grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
@@ -177,7 +179,7 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
     params = eng.strategy.compute_params(params)
     key = jax.random.key(eng.cfg.seed)
     if "score" not in batch:
-        loss_sum, count, memory = eng.local_model.apply(params, memory, batch, key)
+        loss_sum, count, memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key)
         return {"loss_sum": loss_sum[None], "count": count[None]}, memory
     logits, memory = eng.local_model.logits(params, memory, batch, key)  # [G/n, T, V]
     targets = batch["tokens"][:, 1:]  # [G/n, T]

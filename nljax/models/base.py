@@ -1,7 +1,8 @@
 """`nljax.Model`: what the engine and the commands need from a model.
 
-A model is a frozen dataclass (hashable: it is a static argument of the jitted step) with these
-methods; the engine calls nothing else. Shapes: B rows of the batch this device owns (the global
+A model is an object with these methods, best a frozen dataclass (the compiled steps close over
+the model a run built, so nothing in it may change afterwards; it need not be hashable); the
+engine calls nothing else. Shapes: B rows of the batch this device owns (the global
 batch's rows are split over the data axes), T tokens per row (`train.seq_len`), V the vocabulary.
 
 Required:
@@ -24,12 +25,13 @@ Required:
 - `apply(params, memory, batch, key) -> (loss_sum, count, new_memory)` on this device's rows:
   loss_sum and count are float32 scalars (a sum, never a mean: callers add sums and counts over
   devices and micro-batches, so N devices compute exactly what 1 does); new_memory has
-  `memory`'s structure and shapes. A text batch holds `tokens` [B, T+1] int32 (inputs and
-  shifted targets), `reset` [B] bool (the row starts a new document or stream: its memory
-  restarts), optionally `mask` [B] (0 for an evaluation batch's padding rows) and `weight`
-  [B, T] (a per-target loss weight; `token_loss` takes both). `key` is this device's PRNG key
-  for the step (and micro-batch), derived from (seed, step, global device index): a model whose
-  randomness must not depend on the mesh derives per-example keys from indices in the batch.
+  `memory`'s structure, shapes and dtypes (checked when the step is traced: `checked_apply`). A
+  text batch holds `tokens` [B, T+1] int32 (inputs and shifted targets), `reset` [B] bool (the
+  row starts a new document or stream: its memory restarts), optionally `mask` [B] (0 for an
+  evaluation batch's padding rows) and `weight` [B, T] (a per-target loss weight; `token_loss`
+  takes both). `key` is this device's PRNG key for the step (and micro-batch), derived from
+  (seed, step, global device index): a model whose randomness must not depend on the mesh
+  derives per-example keys from indices in the batch.
 
 Optional:
 
@@ -58,6 +60,7 @@ import re
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from nljax.errors import ConfigError
 
@@ -123,3 +126,39 @@ def tp_divides(m: int, widths) -> None:
     for name, value in widths:
         if value % m:
             raise ConfigError(f"mesh.model={m} does not divide {name}={value}: tensor parallelism splits it")
+
+
+def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch: dict, key) -> tuple:
+    """`model.apply(...)`, its outputs checked from their shapes while the step is traced (free
+    at run time): two scalar sums, and new_memory with `memory`'s structure, shapes and dtypes.
+    The step carries new_memory into the next step, which may be another compiled variant: a leaf
+    that changed would otherwise fail there, inside the model, in a message about its parameters."""
+    out = model.apply(params, memory, batch, key)
+    who = f"model '{name}': apply"
+    if not isinstance(out, tuple) or len(out) != 3:
+        raise ConfigError(f"{who} must return (loss_sum, count, new_memory), got {type(out).__name__}")
+    for what, x in zip(("loss_sum", "count"), out[:2]):
+        if jnp.ndim(x) != 0:
+            raise ConfigError(f"{who} returned {what} of shape {tuple(jnp.shape(x))}: it must be a scalar, "
+                              "a sum over this device's rows (not a mean: sums add over devices)")
+    _same_memory(who, memory, out[2])
+    return out
+
+
+def _same_memory(who: str, memory: PyTree, new: PyTree) -> None:
+    from nljax.parallel.levels import path_str
+
+    was = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(memory)[0]}
+    now = {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(new)[0]}
+    if jax.tree.structure(memory) != jax.tree.structure(new):
+        raise ConfigError(f"{who} returned new_memory with leaves {sorted(now) or 'none'} where the memory it was "
+                          f"given has {sorted(was) or 'none'}: new_memory must keep memory's structure")
+    for path, x in was.items():
+        y = now[path]
+        if (jnp.shape(x), jnp.result_type(x)) != (jnp.shape(y), jnp.result_type(y)):
+            raise ConfigError(f"{who} returned new_memory leaf '{path}' of {_shape(y)} where the memory it was given "
+                              f"has {_shape(x)}: new_memory must keep memory's shapes and dtypes")
+
+
+def _shape(x) -> str:
+    return f"{list(jnp.shape(x))} {jnp.result_type(x)}"

@@ -1,5 +1,5 @@
 """Building blocks for a nested-learning model: the public, stable names to compose a new model
-from without copying nljax code (`examples/gdn_lm` is a model written only against them).
+from without copying nljax code (the repository's `examples/` holds a model written only against them).
 
 Shapes: B rows, T tokens, D model width, H heads, hd head width, dk the memory's key/value width.
 

@@ -24,6 +24,7 @@ so is a model whose parameters fall outside `cms.periods` or whose memory has no
 from __future__ import annotations
 
 import difflib
+import numbers
 from importlib import metadata
 from typing import Any
 
@@ -71,7 +72,7 @@ def load_entry_point(ep) -> None:
         try:
             register = ep.load()
         except Exception as e:  # anything the plugin's import raises: one line naming it
-            raise ConfigError(f"{who} failed to import: {type(e).__name__}: {first_line(e)}") from None
+            raise ConfigError(f"{who} failed to import: {type(e).__name__}: {first_line(e)}{_where(e)}") from None
         if not callable(register):
             raise ConfigError(f"{who} names {register!r}, not a function to call")
         if ep.name not in _SPECS:
@@ -80,12 +81,32 @@ def load_entry_point(ep) -> None:
             except ConfigError:
                 raise
             except Exception as e:
-                raise ConfigError(f"{who} failed to register: {type(e).__name__}: {first_line(e)}") from None
+                raise ConfigError(f"{who} failed to register: {type(e).__name__}: {first_line(e)}{_where(e)}") from None
         if ep.name not in _SPECS:
             raise ConfigError(f"{who} did not register a model named '{ep.name}' (registered: "
                               f"{', '.join(sorted(_SPECS))})")
     finally:
         _ORIGIN.pop()
+
+
+def _where(e: BaseException) -> str:
+    """' (at FILE:LINE)': the innermost line of the plugin's own code that raised `e` (not Python's
+    import machinery, not nljax), so that the one line still says where to look; '' if none."""
+    import os
+    import sysconfig
+    import traceback
+
+    paths = sysconfig.get_paths()
+    packages = (paths["purelib"], paths["platlib"])  # under the stdlib's folder where Python has no venv
+    nljax_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def theirs(name: str) -> bool:
+        name = os.path.abspath(name)
+        stdlib = name.startswith(paths["stdlib"]) and not name.startswith(packages)
+        return not (stdlib or name.startswith(nljax_dir + os.sep))
+
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<") and theirs(f.filename)]
+    return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
 
 
 def rediscover() -> None:
@@ -171,7 +192,10 @@ def _check_shapes(who: str, model: Model, n_levels: int) -> None:
     for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = path_str(path)
         level = model.level_of(name)
-        if not isinstance(level, int) or not 0 <= level < n_levels:
+        if isinstance(level, bool) or not isinstance(level, numbers.Integral):  # np.int64 is one (a rule on arrays)
+            raise ConfigError(f"{who}: level_of('{name}') = {level!r}, a {type(level).__name__}: a level is an int "
+                              f"in 0..{n_levels - 1}")
+        if not 0 <= level < n_levels:
             raise ConfigError(f"{who}: level_of('{name}') = {level!r}, outside cms.periods ({n_levels} level"
                               f"{'s' if n_levels > 1 else ''}: 0..{n_levels - 1})")
     for rows in (2, 3):

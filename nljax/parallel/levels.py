@@ -28,7 +28,7 @@ def assign(params: PyTree, level_of: Callable[[str], int], n_levels: int) -> PyT
     """A tree of ints (same structure as params) giving each leaf's level."""
 
     def one(path, _):
-        level = level_of(path_str(path))
+        level = int(level_of(path_str(path)))  # a numpy integer too (nljax.models.registry.check_model)
         if not 0 <= level < n_levels:
             raise ValueError(f"parameter {path_str(path)} assigned to level {level}, but only {n_levels} exist")
         return level
