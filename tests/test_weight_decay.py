@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 from helpers import assert_trees_close, make, train
 
 from nljax.engine import optim

@@ -19,7 +19,6 @@ from typing import ClassVar, Literal
 import jax
 import jax.numpy as jnp
 
-from nljax.errors import ConfigError
 from nljax.parallel.mesh import DATA_AXES, INTER, INTRA
 
 
