@@ -171,14 +171,19 @@ def test_a_run_on_own_files_generates_from_any_directory(tmp_path, monkeypatch, 
     capsys.readouterr()
     assert generate.main([f"run.dir={work / 'run'}", "max_new_tokens=5", "prompt=doc"]) == 0
     assert capsys.readouterr().out.startswith("doc")
-    # a config.yaml written before (paths as given): one line saying why
+    # a config.yaml written before (paths as given): generate reads no text (tasks.LoadedText), so
+    # a relative data.train is no matter; a relative tokenizer it must read is one line saying why
     cfg = yaml.safe_load((work / "run" / "config.yaml").read_text())
     cfg["data"]["train"] = ["corpus/*.txt"]
     (work / "run" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    assert generate.main([f"run.dir={work / 'run'}", "max_new_tokens=5", "prompt=doc"]) == 0
+    capsys.readouterr()
+    cfg["data"]["tokenizer"] = "tok/tokenizer.json"
+    (work / "run" / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert generate.main([f"run.dir={work / 'run'}", "max_new_tokens=5"]) == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "data.train in " in err and "is relative to the directory the run was " \
-        "started in" in err, err
+    assert len(err.splitlines()) == 1 and "data.tokenizer in " in err and "is relative to the directory the run " \
+        "was started in" in err, err
 
 
 def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path, capsys):

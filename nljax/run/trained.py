@@ -116,6 +116,9 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     cfg_file = Path(run_dir) / "config.yaml"
     try:
         run = Run.create(cfg, devices, trains=False, reads_data=evaluates)  # budgeted for the parameters alone
+        # what the run's token ids are now: without its data (`tasks.LoadedText`) the first read of
+        # data.tokenizer's or data.prepared's files, whose relative paths the line below explains
+        identity = startup.tokenizer_identity(run.task)
     except ConfigError as e:
         relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(getattr(getattr(cfg, sec), key))]
         if not relative:
@@ -127,8 +130,7 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     def read(path: Path):
         # the run's tokenizer now (data.tokenizer's file, data.prepared's) must be the one it
         # trained on: said before the model's fit (another tokenizer's size: model.vocab_size)
-        check_tokenizer(path, data_tokenizer(storage.read_meta(path)), startup.tokenizer_identity(run.task),
-                        "the run's data now use")
+        check_tokenizer(path, data_tokenizer(storage.read_meta(path)), identity, "the run's data now use")
         # the parameters alone: a model whose training state needs many devices loads on one
         return restore_params(run.engine, path)
 
