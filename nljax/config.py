@@ -71,11 +71,14 @@ MOVED = {**{f"model.{k}": f"model.nl_lm.{k}" for k in _NL_LM_KEYS}, "model.patch
 CONVERTED = {"run.tensorboard": (lambda on: ["tensorboard"] if on else [],
                                  "a list: run.trackers=[tensorboard], [tensorboard,wandb] or []")}
 
-# Keys added to sections that a checkpoint must match (`model`, `cms`), with the value that does
-# what the code did before the key existed: a checkpoint saved before reads as having it. Other
-# absent keys stay absent (a resume names them: "(checkpoint: (absent))").
+# Keys added to sections that a checkpoint must match (`model`, `cms`), and keys whose default
+# is not what the code did before they existed (optim.decay_params: weight decay applied to every
+# parameter), with the value that does what the code did then: a checkpoint saved before reads as
+# having it, and its run resumes as it trained. Other absent keys stay absent (a resume names them:
+# "(checkpoint: (absent))").
 ADDED = {"model.nl_lm.scan_layers": False, "model.nl_lm.memory_embed": False, "model.nl_lm.memory_impl": "scan",
-         "model.nl_lm.attention": "blocked", "model.nl_lm.embed_grad": "scatter", "model.nl_lm.loss_chunk": 0}
+         "model.nl_lm.attention": "blocked", "model.nl_lm.embed_grad": "scatter", "model.nl_lm.loss_chunk": 0,
+         "optim.decay_params": "all", "optim.min_lr_ratio": 0.1, "optim.decay_fraction": 0.2}
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 

@@ -197,6 +197,19 @@ def test_a_saved_config_without_a_key_added_since_reads_it_as_it_was():
     assert "reset_prob" not in config.migrate(old)["data"]
 
 
+def test_a_run_saved_before_the_weight_decay_mask_resumes_decaying_every_parameter():
+    """optim.decay_params came with a default ('weights') that is not what the code did before
+    (every parameter decayed): a config saved without it reads as 'all', and the schedule keys
+    added with it as the values that reproduce the old cosine, so a resume neither changes what
+    decays nor warns about keys that change nothing."""
+    old = config.to_dict(config.load(None, ["optim.weight_decay=0.1"]))
+    for key in ("decay_params", "min_lr_ratio", "decay_fraction"):
+        del old["optim"][key]
+    migrated = config.migrate(old)["optim"]
+    assert (migrated["decay_params"], migrated["min_lr_ratio"], migrated["decay_fraction"]) == ("all", 0.1, 0.2)
+    assert config.load(None).optim.decay_params == "weights"  # a new run's default is unchanged
+
+
 def test_a_runs_config_yaml_names_itself_in_its_errors(tmp_path):
     """A run's config.yaml (read by generate, export, nljax.load and --resume, `saved` or `base`)
     with a key or value nljax does not take is one line naming the file, as a --config file is: the
