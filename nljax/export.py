@@ -103,7 +103,7 @@ def _tokenization(t: trained_lib.Trained):
     makes no text."""
     from nljax.run.sampling import tokenization_of
 
-    makes_text = getattr(t.model, "task", "text") == "text" and hasattr(t.model, "logits")
+    makes_text = registry.task_of(t.cfg) == "text" and hasattr(t.model, "logits")
     return tokenization_of(t.cfg) if makes_text else None
 
 

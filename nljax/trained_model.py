@@ -62,8 +62,10 @@ class TrainedModel:
 
     @property
     def makes_text(self) -> bool:
-        """Whether the model is a language model (its task is text and it has `logits`)."""
-        return getattr(self.model, "task", "text") == "text" and hasattr(self.model, "logits")
+        """Whether the model is a language model (its registered task is text and it has `logits`)."""
+        from nljax.models import registry
+
+        return registry.task_of(self.config) == "text" and hasattr(self.model, "logits")
 
     @property
     def seq_len(self) -> int:

@@ -10,6 +10,7 @@ import dataclasses
 import textwrap
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 import yaml
@@ -388,3 +389,28 @@ def test_a_plugin_named_like_a_builtin_is_refused(tmp_path):
     p = cli_train(plugin(tmp_path / "site", "cms_mlp"), f"run.dir={tmp_path / 'run'}")
     one_line_error(p, "model 'cms_mlp' is registered twice: by nljax.models.builtin and by plugin 'cms_mlp = "
                       "cms_mlp_pkg:register'")
+
+
+def test_the_registered_task_decides_without_a_task_attribute(on_path):
+    """An image model registered with task="images" and no `task` attribute of its own (optional
+    in nljax.Model) is given the images task (it was given the text task: a traceback)."""
+    from nljax.models.builtin import dit
+    from nljax.run.core import Run
+    from nljax.run.tasks import ImageTask
+
+    class NoTask:  # dit's model, its `task` attribute hidden
+        def __init__(self, m):
+            self._m = m
+
+        def __getattr__(self, k):
+            if k == "task":
+                raise AttributeError(k)
+            return getattr(self._m, k)
+
+    as_dit = lambda cfg: dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name="dit"))
+    nljax.register_model("dit_notask", lambda cfg: NoTask(dit(as_dit(cfg))), task="images")
+    cfg = config.load("meanflow_toy", ["model.name=dit_notask", "train.batch_size=8", "mesh.inter=1", "mesh.intra=1"])
+    run = Run.create(cfg, devices=jax.devices()[:1])
+    assert isinstance(run.task, ImageTask) and not hasattr(run.engine.model, "task")
+    state, _, _ = run.cache.train((0,), run.init_state(), run.batch(0))
+    assert np.isfinite(float(jax.device_get(state.step)))

@@ -18,7 +18,7 @@ from nljax.engine.state import TrainState
 from nljax.engine.step import StepCache
 from nljax.errors import ConfigError
 from nljax.measure import budget
-from nljax.models import build
+from nljax.models import build, registry
 from nljax.parallel import mesh as meshlib
 from nljax.run import tasks
 from nljax.run.tasks import Task
@@ -62,7 +62,8 @@ class Run:
         model = build(cfg) if model is None else model
         engine = Engine.create(cfg, model, mesh)
         budget.check(needs(budget.engine_terms(cfg, engine)), available, trains)
-        task = tasks.build(getattr(model, "task", "text"), cfg, mesh, reads_data)
+        # the registered task decides (register_model(task=)); a model's own attribute is optional
+        task = tasks.build(registry.task_of(cfg), cfg, mesh, reads_data)
         return cls(cfg, mesh, engine, StepCache(engine), task)
 
     def init_state(self) -> TrainState:
