@@ -35,6 +35,8 @@ import jax
 
 from nljax import cli
 from nljax.data.prepared import MANIFEST
+from nljax.errors import ConfigError
+from nljax.models import registry
 from nljax.run import trained as trained_lib
 from nljax.runtime import resultfile
 from nljax.version import __version__
@@ -119,12 +121,17 @@ def data_overrides(run_dir: str, overrides: Sequence[str]) -> list[str]:
     run's training text is not read), tokenized as the run's text was (its data.tokenizer, or its
     data.prepared directory's copy); `data.prepared=` without data.train: that directory alone."""
     given = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
+    saved = trained_lib.trained_config(run_dir)
+    text_keys = sorted(k for k in given if k.startswith("data."))
+    if text_keys and registry.task_of(saved) != "text":  # its held-out images come from images.*
+        raise ConfigError(f"{text_keys[0]} names text, and {run_dir} holds an image model (model.name="
+                          f"{saved.model.name}): its held-out images are the images.* settings")
     if "data.train" in given or not {"data.eval", "data.prepared"} & given.keys():
         return list(overrides)
     if "data.prepared" in given:  # the run's file keys would be checked against the directory's
         return ["data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
                 *overrides]
-    d = trained_lib.trained_config(run_dir).data
+    d = saved.data
     tokenizer = []
     if d.source == "files" and d.prepared and "data.tokenizer" not in given:
         tokenizer = _prepared_tokenizer(d.prepared)

@@ -67,6 +67,8 @@ SLOW_CASES = (
     "test_meanflow.py::test_dit_remat_is_exact_and_keeps_less",
     "test_meanflow.py::test_gathered_energy_distance_equals_single_device",
     "test_generate.py::test_meanflow_run_writes_a_sample_grid",
+    # 2026-11-29: the MeanFlow side of nljax.evaluate (test_evaluate's text cases stay): ~30 s
+    "test_evaluate.py::test_an_image_model_reports_its_tasks_evaluation",
     "test_generate.py::test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out",
     "test_export.py::test_the_export_holds_the_runs_config_and_a_dit_loads_without_its_images",
     "test_python_api.py::test_an_image_model_generates_images",

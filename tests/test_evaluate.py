@@ -92,6 +92,7 @@ def test_other_held_out_files_and_settings(run_dir, other_text, tmp_path, capsys
     assert other["command"] == "python -m nljax.evaluate " + " ".join([*args, f"out={out}"])
     assert other["data"]["source"] == "files" and other["data"]["eval_tokens"] == sum(
         len(p.read_bytes()) + 1 for p in other_text.glob("*.txt"))  # each document and its end (NUL)
+    assert other["data"]["train_tokens"] == 0  # held-out text alone: no training text read
     assert other["eval_tokens"] == 2 * 8 * 8 and other["eval_tokens_stream"] == 3 * 8 * 8
     for key in ("eval_loss", "eval_bpb", "eval_loss_stream"):
         assert np.isfinite(other[key]) and other[key] != base[key], key
@@ -214,3 +215,10 @@ def test_which_data_keys_other_held_out_data_implies(tmp_path):
         "data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
         "data.prepared=p", "eval.batches=2"]
     assert evaluate.data_overrides(str(run), ["data.train=a", "data.eval=b"]) == ["data.train=a", "data.eval=b"]
+    # an image run's held-out images are images.*: a data.* key is refused, not ignored
+    img = tmp_path / "img"
+    img.mkdir()
+    (img / "config.yaml").write_text(yaml.safe_dump(config.to_dict(config.load("meanflow_toy")), sort_keys=False))
+    with pytest.raises(ConfigError, match=r"^data.eval names text, and .*img holds an image model \(model.name=dit\)"):
+        evaluate.data_overrides(str(img), ["data.eval=x/*.txt"])
+    assert evaluate.data_overrides(str(img), ["images.eval_fraction=0.5"]) == ["images.eval_fraction=0.5"]

@@ -159,7 +159,9 @@ class TextTask:
 
     def describe(self) -> dict:
         """What summary.json records of the data: source, token counts, vocabulary, digest."""
-        return {"source": self.cfg.data.source, "train_tokens": len(self.stream.data),
+        d = self.cfg.data
+        held_alone = d.source == "files" and d.eval and not d.train and not d.prepared  # `prepared.held_out`
+        return {"source": d.source, "train_tokens": 0 if held_alone else len(self.stream.data),
                 "eval_tokens": len(self.eval_data), "vocab_size": self.cfg.model.vocab_size,
                 "digest": self.fingerprint()}
 
