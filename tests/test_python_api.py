@@ -155,6 +155,15 @@ def test_an_image_model_generates_images(tmp_path):
     assert one.shape == (3, 4, 4, 3) and np.isfinite(one).all()
     np.testing.assert_allclose(ex.generate(labels=[0, 2, 1], steps=1), one, atol=1e-6)
     assert not np.allclose(lm.generate(labels=[0, 2, 1], steps=2), one)
+    # seed= keys the noise (it was ignored: every seed gave the run's samples); the default is the
+    # run's seed (0 here), as its evaluation drew
+    np.testing.assert_allclose(lm.generate(labels=[0, 2, 1], steps=1, seed=0), one, atol=1e-6)
+    other = lm.generate(labels=[0, 2, 1], steps=1, seed=7)
+    assert not np.allclose(other, one)
+    np.testing.assert_allclose(ex.generate(labels=[0, 2, 1], steps=1, seed=7), other, atol=1e-6)
+    for bad in (-1, 2**32, 1.5):
+        with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\^32\)"):
+            lm.generate(labels=[0], seed=bad)
     with pytest.raises(ConfigError, match="for language models"):
         lm.encode("x")
     # labels outside the 3 classes (3 itself is the null label: unconditional) drew from another
