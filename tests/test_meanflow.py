@@ -304,6 +304,21 @@ def test_guidance_needs_labels():
         load(None, [*DIT, "meanflow.label_dropout=0"])
 
 
+@pytest.mark.parametrize("setting,line", [
+    ("meanflow.cfg_omega=0", "config key 'meanflow.cfg_omega' must be in (0, inf), got 0.0"),
+    ("meanflow.cfg_omega=-2", "config key 'meanflow.cfg_omega' must be in (0, inf), got -2.0"),
+    ("meanflow.cfg_kappa=1", "config key 'meanflow.cfg_kappa' must be in [0, 1), got 1.0"),
+    ("meanflow.cfg_kappa=-0.5", "config key 'meanflow.cfg_kappa' must be in [0, 1), got -0.5"),
+])
+def test_guidance_out_of_range_is_refused(setting, line):
+    """The effective guidance scale is omega / (1 - kappa): kappa >= 1 or omega <= 0 trained a
+    meaningless target, exit 0."""
+    with pytest.raises(ConfigError) as e:
+        load(None, [*DIT, setting])
+    assert str(e.value) == line
+    load(None, [*DIT, "meanflow.cfg_omega=0.5", "meanflow.cfg_kappa=0.9"])  # weaker guidance, any kappa < 1
+
+
 def test_dit_remat_is_exact_and_keeps_less():
     """`model.remat=block` on the DiT: each block recomputed from its input in the backward pass
     of MeanFlow's loss (a jvp inside): the same gradients to the bit, and the forward pass keeps a

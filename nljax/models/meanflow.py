@@ -46,8 +46,11 @@ class MeanFlowConfig:
     sample_steps: int = 4  # steps of the multi-step evaluation (one-step is always reported)
     eval_samples: int = 0  # samples per evaluation; 0: as many as held-out images
 
-    # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
-    RANGES: ClassVar[dict] = {"cfg_t_min": (0, 1, True, True), "cfg_t_max": (0, 1, True, True)}
+    # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader.
+    # Guidance: the paper's effective scale is omega / (1 - kappa), so kappa >= 1 has none and
+    # omega <= 0 takes out (or reverses) the data's own velocity; both trained before, exit 0.
+    RANGES: ClassVar[dict] = {"cfg_t_min": (0, 1, True, True), "cfg_t_max": (0, 1, True, True),
+                              "cfg_omega": (0, None, False, None), "cfg_kappa": (0, 1, True, False)}
 
     def check(self) -> None:
         if self.eval_samples < 0 or self.eval_samples == 1:
