@@ -89,10 +89,29 @@ def _gaussians(n: int) -> tuple[np.ndarray, np.ndarray]:
     return pts[:, None, None, :], y
 
 
+# first bytes of files a user may give in place of arrays: named, where numpy's own message
+# spoke of pickled data ("allow_pickle=") and a folder was "not found"
+NOT_ARRAYS = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GIF8": "a GIF image",
+              b"RIFF": "a RIFF (WebP?) file", b"BM": "a BMP image"}
+ARRAY_MAGIC = (b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06")  # .npy; .npz (a zip, or an empty one)
+
+
 def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"images.path {path} is a directory: images.source=file reads one .npy or .npz file "
+                          "(a folder of images: save it as an .npz, docs/guides/meanflow.md#data)")
     if not p.is_file():
         raise ConfigError(f"images.path not found: {path}")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ConfigError(f"images.path {path}: cannot read it ({e.strerror})") from None
+    if not head.startswith(ARRAY_MAGIC):
+        what = next((name for magic, name in NOT_ARRAYS.items() if head.startswith(magic)), "" if head else "empty")
+        raise ConfigError(f"images.path {path} is {what + ', ' if what else ''}not a .npy or .npz file of images "
+                          "(a folder of images: save it as an .npz, docs/guides/meanflow.md#data)")
     try:
         loaded = np.load(p, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
