@@ -16,7 +16,9 @@ count (it reads on as many of the local devices as divide train.batch_size).
 The held-out data are the run's own. `data.eval=GLOB` alone scores those files, tokenized as the
 run's text (its tokenizer; the run's training text is not read); `data.prepared=DIR` alone scores
 that directory's held-out split; any other `data.KEY=` is an override on the run's config. Data
-whose token ids are not the checkpoint's (another tokenizer) are refused.
+whose token ids are not the checkpoint's (another tokenizer) are refused. A MeanFlow run's other
+held-out images are `images.*` overrides; data of the other kind (`data.*` for an image model,
+`images.*` for a language model) is refused.
 
 `out=FILE.json` also writes the result, whole or not at all; an existing file is replaced only
 when it is an earlier result of this command.
@@ -35,6 +37,8 @@ import jax
 
 from nljax import cli
 from nljax.data.prepared import MANIFEST
+from nljax.errors import ConfigError
+from nljax.models import registry
 from nljax.run import trained as trained_lib
 from nljax.runtime import resultfile
 from nljax.version import __version__
@@ -91,6 +95,7 @@ def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str
     """The run's checkpoint, set up to be evaluated as the run evaluated it (`trained.load` with
     `evaluates`): its rows and evaluation settings, the held-out data of `overrides`
     (`data_overrides`), on as many of `devices` (default: this process's) as divide its rows."""
+    _check_data_kind(run_dir, overrides)
     overrides = data_overrides(run_dir, overrides)
     rows = trained_lib.trained_config(run_dir, overrides).train.batch_size
     devices = list(devices or jax.local_devices())
@@ -111,6 +116,19 @@ def scores(t: trained_lib.Trained) -> dict:
             loss = metrics[key.replace("bpb", "loss")]
             metrics[key.replace("bpb", "bpt")] = loss / math.log(2)
     return metrics
+
+
+def _check_data_kind(run_dir: str, overrides: Sequence[str]) -> None:
+    """Held-out data of the other kind is refused: a MeanFlow run's `data.eval=` (text) or a
+    language model's `images.path=` was ignored, and the run's own held-out data scored, exit 0."""
+    cfg = trained_lib.trained_config(run_dir)
+    images = registry.task_of(cfg) == "images"
+    other = "data." if images else "images."
+    given = [o.partition("=")[0] for o in overrides if o.startswith(other)]
+    if given:
+        reads = "its held-out images are images.* (images.path=...)" if images else "it reads text (data.eval=, ...)"
+        raise ConfigError(f"{given[0]}= is {'text' if images else 'image'} data, and this run's model is "
+                          f"{cfg.model.name}: {reads}")
 
 
 def data_overrides(run_dir: str, overrides: Sequence[str]) -> list[str]:
