@@ -309,10 +309,16 @@ def test_guidance_needs_labels():
     ("meanflow.cfg_omega=-2", "config key 'meanflow.cfg_omega' must be in (0, inf), got -2.0"),
     ("meanflow.cfg_kappa=1", "config key 'meanflow.cfg_kappa' must be in [0, 1), got 1.0"),
     ("meanflow.cfg_kappa=-0.5", "config key 'meanflow.cfg_kappa' must be in [0, 1), got -0.5"),
+    # each with its key and value (one line named three keys and their rules, no value)
+    ("meanflow.time_sigma=0", "config key 'meanflow.time_sigma' must be in (0, inf), got 0.0"),
+    ("meanflow.r_fraction=1.5", "config key 'meanflow.r_fraction' must be in [0, 1], got 1.5"),
+    ("meanflow.label_dropout=1", "config key 'meanflow.label_dropout' must be in [0, 1), got 1.0"),
+    ("meanflow.adaptive_p=-1", "config key 'meanflow.adaptive_p' must be in [0, inf), got -1.0"),
+    ("meanflow.adaptive_c=0", "config key 'meanflow.adaptive_c' must be in (0, inf), got 0.0"),
 ])
-def test_guidance_out_of_range_is_refused(setting, line):
+def test_meanflow_settings_out_of_range_are_refused(setting, line):
     """The effective guidance scale is omega / (1 - kappa): kappa >= 1 or omega <= 0 trained a
-    meaningless target, exit 0."""
+    meaningless target, exit 0. Each setting is named with its value."""
     with pytest.raises(ConfigError) as e:
         load(None, [*DIT, setting])
     assert str(e.value) == line
