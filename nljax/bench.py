@@ -321,6 +321,8 @@ def synthetic_images(cfg: Config, shape: str, directory: str) -> Config:
         h, w, c = (int(x) for x in shape.lower().split("x"))
     except ValueError:
         raise ConfigError(f"--synthetic wants HxWxC, e.g. 32x32x3, got '{shape}'") from None
+    if min(h, w, c) < 1:  # -1 was numpy's traceback, 0 a message about a temporary .npz
+        raise ConfigError(f"--synthetic wants HxWxC of sizes >= 1, e.g. 32x32x3, got '{shape}'")
     n = max(4 * cfg.train.batch_size, 64)  # more than one batch after the held-out split
     rng = np.random.default_rng(cfg.seed)
     path = Path(directory) / f"synthetic_{h}x{w}x{c}.npz"

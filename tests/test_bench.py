@@ -122,6 +122,18 @@ def test_bench_synthetic_images_need_the_images_task():
         "nljax.bench: error: --synthetic is for the images task (model.name=dit); this config's model is nl_lm"
 
 
+@pytest.mark.parametrize("shape", ["-1x32x3", "0x32x3", "32x32x0"])
+def test_bench_synthetic_sizes_must_be_positive(shape):
+    """-1 was numpy's traceback (exit 1), 0 a message about a temporary .npz."""
+    from nljax import bench
+    from nljax.config import ConfigError, load
+
+    cfg = load(None, ["model.name=dit", "cms.periods=[1]"])
+    with pytest.raises(ConfigError) as e:
+        bench.synthetic_images(cfg, shape, "/nonexistent")  # refused before anything is written
+    assert str(e.value) == f"--synthetic wants HxWxC of sizes >= 1, e.g. 32x32x3, got '{shape}'"
+
+
 
 @pytest.mark.parametrize("out,line", [
     ("notes.md", "--out notes.md: the result is JSON, give a file name ending in .json"),
