@@ -52,6 +52,7 @@ from nljax.models import registry
 from nljax.run import throughput
 from nljax.run.core import Run
 from nljax.runtime import resultfile
+from nljax.runtime.runlog import short_unit
 from nljax.version import __version__
 
 # ---------------------------------------------------------------------------------- the device
@@ -285,7 +286,7 @@ def format_report(r: dict) -> str:
         f"{per_unit})",
         "",
         f"{'pattern':<14}{'/cycle':>7}{'compile s':>11}{'step ms':>10}{'min':>9}{'max':>9}"
-        f"{unit[:3] + '/s/dev':>12}{'XLA FLOP/' + unit[:3]:>15}{'MFU':>8}{'MFU(an.)':>10}",
+        f"{short_unit(unit) + '/s/dev':>12}{'XLA FLOP/' + short_unit(unit):>15}{'MFU':>8}{'MFU(an.)':>10}",
     ]
     for name, p in r["per_pattern"].items():
         st = p["step_time"]

@@ -30,6 +30,10 @@ def test_bench_json_fields_are_sane(tmp_path):
                     "compiled pattern L0+1", "timing 1 warm-up and 2 timed rounds of 2 patterns ...",
                     f"profiling 2 steps of pattern {r['worst_pattern']} ..."], p.stderr
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
+    # the table's unit columns as the run's throughput table names them (images were "ima")
+    from nljax.bench import format_report
+
+    assert "tok/s/dev" in p.stdout and " img/s/dev" in format_report({**r, "unit": "images"})
     assert set(r["per_pattern"]) == {"L0", "L0+1"}
     # what `auto` resolved to on this CPU, recorded and said
     assert r["config"]["forms"] == {"attention": "blocked", "memory_impl": "scan", "embed_grad": "scatter",
