@@ -13,6 +13,7 @@ from helpers import assert_trees_close, make, train
 from jax.sharding import PartitionSpec as P
 
 from nljax.config import ConfigError, MeanFlowConfig, load
+from nljax.config import to_dict as config_dict
 from nljax.measure.energy import energy_distance
 from nljax.models import meanflow
 from nljax.models.dit import DiTNet
@@ -323,6 +324,29 @@ def test_meanflow_settings_out_of_range_are_refused(setting, line):
         load(None, [*DIT, setting])
     assert str(e.value) == line
     load(None, [*DIT, "meanflow.cfg_omega=0.5", "meanflow.cfg_kappa=0.9"])  # weaker guidance, any kappa < 1
+
+
+def test_a_checkpoint_of_other_classes_or_channels_says_so():
+    """Evaluating, sampling or resuming on images of other classes or channels than the
+    checkpoint's named only a parameter and two shapes (label_embed/embedding (4, 16) there, (6, 16)
+    here): the line now says what they mean."""
+    from types import SimpleNamespace
+
+    from nljax.checkpoint import contents
+    from nljax.models.builtin import dit
+
+    cfg = load(None, [*DIT, "meanflow.cfg_omega=1", "meanflow.cfg_kappa=0"])  # guidance: labels needed
+    trained = dit(cfg, (4, 4, 3), 3)
+    meta = {"config": config_dict(cfg), "model": contents.fingerprint(trained)}
+    for shape, classes, why in [
+        ((4, 4, 3), 5, "the checkpoint's model trained on 3 classes, these images have 5 classes"),
+        ((4, 4, 3), 0, "the checkpoint's model trained on 3 classes, these images have no labels"),
+        ((4, 4, 1), 3, "the checkpoint's model trained on 3-channel images, these are 1-channel"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            contents.check_fits("ck", meta, SimpleNamespace(cfg=cfg, model=dit(cfg, shape, classes)))
+        assert str(e.value).startswith("checkpoint ck is from another model: parameter ") and why in str(e.value)
+    contents.check_fits("ck", meta, SimpleNamespace(cfg=cfg, model=dit(cfg, (4, 4, 3), 3)))  # the same: fits
 
 
 def test_dit_remat_is_exact_and_keeps_less():
