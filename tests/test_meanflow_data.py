@@ -89,6 +89,20 @@ def test_a_folder_or_a_picture_for_images_path_is_named(tmp_path):
         assert str(e.value) == line
 
 
+def test_images_of_different_sizes_are_named(tmp_path):
+    """numpy saves a list of images of different sizes as an object array; reading it said
+    "Object arrays cannot be loaded when allow_pickle=False", a setting nljax has no key for."""
+    ragged = np.empty(2, object)
+    ragged[0], ragged[1] = np.zeros((4, 4, 3), np.uint8), np.zeros((6, 6, 3), np.uint8)
+    np.savez(tmp_path / "r.npz", x=ragged)
+    np.save(tmp_path / "r.npy", ragged, allow_pickle=True)
+    for name in ("r.npz", "r.npy"):
+        with pytest.raises(ConfigError) as e:
+            images.load(ImagesConfig(source="file", path=str(tmp_path / name)))
+        assert str(e.value) == (f"images.path {tmp_path / name} holds an array of Python objects (images of different "
+                                "sizes?): save one uint8 or float array [N, H, W(, C)], every image resized to one size")
+
+
 def test_the_guides_folder_to_npz_snippet_runs_as_written(tmp_path, monkeypatch):
     """docs/guides/meanflow.md's recipe for a folder of pictures (class subfolders; grayscale,
     RGBA and another size among them) gives an .npz that images.source=file reads, labels by

@@ -115,6 +115,7 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     try:
         loaded = np.load(p, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
+        _objects(path, e)
         raise ConfigError(f"images.path {path} is not a readable .npy/.npz file: {e}")
     if isinstance(loaded, np.ndarray):
         x, y = loaded, None
@@ -131,6 +132,7 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
             x = loaded[xk]
             y = loaded[yk] if yk else None
         except Exception as e:  # noqa: BLE001 - an object array, a damaged member: one user error
+            _objects(path, e)
             raise ConfigError(f"images.path {path}: cannot read its arrays ({first_line(e)})") from None
     if x.ndim == 3:
         x = x[..., None]
@@ -146,6 +148,14 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
             f"images.path {path}: labels must be non-negative integers [N={len(x)}], got {y.dtype} {y.shape}"
         )
     return x, y
+
+
+def _objects(path: str, e: Exception) -> None:
+    """An array of Python objects is what numpy saves from images of different sizes; its own
+    message spoke of allow_pickle=, which nljax never sets (a pickle runs code when read)."""
+    if "Object arrays cannot be loaded" in str(e):
+        raise ConfigError(f"images.path {path} holds an array of Python objects (images of different sizes?): "
+                          "save one uint8 or float array [N, H, W(, C)], every image resized to one size") from None
 
 
 # Pixel magnitude a run accepts. The denoiser mixes data with N(0, 1) noise, so data far beyond
