@@ -103,6 +103,19 @@ def test_images_of_different_sizes_are_named(tmp_path):
                                 "sizes?): save one uint8 or float array [N, H, W(, C)], every image resized to one size")
 
 
+def test_channels_first_images_are_named(tmp_path):
+    """PyTorch's [N, C, H, W] read as [N, H, W, C] was refused for model.dit.patch_size (3 x 16
+    images) or, for 4 channels, trained on 4-row images of 16 channels."""
+    for c in (1, 3, 4):
+        np.save(tmp_path / "nchw.npy", np.zeros((8, c, 16, 16), np.uint8))
+        with pytest.raises(ConfigError) as e:
+            images.load(ImagesConfig(source="file", path=str(tmp_path / "nchw.npy")))
+        assert str(e.value) == (f"images.path {tmp_path / 'nchw.npy'}: images of shape (8, {c}, 16, 16) look "
+                                "channels-first [N, C, H, W]; nljax reads [N, H, W, C]: save np.moveaxis(x, 1, -1)")
+    np.save(tmp_path / "nhwc.npy", np.zeros((8, 16, 16, 3), np.uint8))
+    assert images.load(ImagesConfig(source="file", path=str(tmp_path / "nhwc.npy"))).shape == (16, 16, 3)
+
+
 def test_the_guides_folder_to_npz_snippet_runs_as_written(tmp_path, monkeypatch):
     """docs/guides/meanflow.md's recipe for a folder of pictures (class subfolders; grayscale,
     RGBA and another size among them) gives an .npz that images.source=file reads, labels by

@@ -139,6 +139,11 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     if x.ndim != 4 or len(x) < 2 or 0 in x.shape[1:]:  # zero-size images: nothing to learn or to draw
         raise ConfigError(f"images.path {path}: expected images [N, H, W] or [N, H, W, C] of at least one pixel, "
                           f"got shape {x.shape}")
+    if x.shape[1] in (1, 3, 4) and x.shape[2] == x.shape[3] > 4:
+        # PyTorch's layout [N, C, H, W] read as [N, H, W, C]: 3 x 16 images of 16 channels, whose
+        # refusal blamed model.dit.patch_size (or none came: a 4-row image trained)
+        raise ConfigError(f"images.path {path}: images of shape {x.shape} look channels-first [N, C, H, W]; nljax "
+                          "reads [N, H, W, C]: save np.moveaxis(x, 1, -1)")
     if x.dtype == np.uint8:
         x = x / 127.5 - 1.0
     elif not np.issubdtype(x.dtype, np.floating):
