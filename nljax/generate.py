@@ -60,6 +60,10 @@ def _generate(args) -> int:
         if path.exists() and not written_by_nljax(path):  # a user's picture of the same name
             raise ConfigError(f"out={path} exists and is not a PNG nljax.generate wrote; give another out= or "
                               "move it")
+        held = len(t.run.task.data.eval_x)
+        if s.samples > held:  # one sample per held-out label: the grid was cut to them in silence
+            print(f"nljax.generate: samples={s.samples}: the run holds {held} held-out images, one sample for each "
+                  f"one's label: drawing {held}", file=sys.stderr)
         try:
             generate_images(t, s, path)
         except OSError as e:  # permissions, a full disk, a directory that does not exist
