@@ -189,12 +189,14 @@ class TrainedModel:
     def _images(self, labels: Sequence[int] | None, steps: int, seed: int | None) -> np.ndarray:
         if not hasattr(self.model, "generate"):
             raise ConfigError(f"model.name={self.config.model.name} neither makes text nor has generate()")
+        conditional = getattr(self.model, "conditional", False)
         if labels is None or len(labels) == 0 or steps < 1:
-            raise ConfigError("an image model's generate needs labels=[class, ...] (one sample each) and steps >= 1")
+            # an unconditional model reads no label, but takes one per sample: say which to give
+            which = "labels=[class, ...]" if conditional else "labels=[0] * n (unconditional: the labels are not read)"
+            raise ConfigError(f"an image model's generate needs {which}, one sample each, and steps >= 1")
         label = np.asarray(labels, np.int64)
         # a conditional DiT's classes 0..n-1 and n, its null label; a label beyond reads another
         # row of the label embedding (or none), silently. An unconditional model reads none.
-        conditional = getattr(self.model, "conditional", False)
         classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0
         bad = label[(label < 0) | (label > classes)] if classes else label[:0]
         if bad.size:

@@ -175,6 +175,28 @@ def test_an_image_model_generates_images(tmp_path):
         assert str(e.value) == f"labels must be classes in [0, 3) (3: none, unconditional), got {bad}"
 
 
+def test_an_unconditional_image_model_says_which_labels_and_takes_a_seed():
+    """Without labels an unconditional model was asked for labels=[class, ...], which it has
+    none of; seed= was ignored (every seed the run's samples). Built, not trained: fast."""
+    from pathlib import Path
+
+    from nljax.config import load
+    from nljax.models.builtin import dit
+
+    cfg = load(None, ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+                      "model.dit.patch_size=2", "cms.periods=[1]", "seed=3"])
+    model = dit(cfg, (4, 4, 1), 0)
+    params = jax.tree.map(lambda p: p + 0.1, model.init(jax.random.key(0)))  # adaLN-zero's output is 0 at init
+    lm = nljax.TrainedModel(model, params, cfg, 0, Path("built"))
+    with pytest.raises(ConfigError) as e:
+        lm.generate(steps=1)
+    assert str(e.value) == ("an image model's generate needs labels=[0] * n (unconditional: the labels are not "
+                            "read), one sample each, and steps >= 1")
+    run_seed = lm.generate(labels=[0, 0])
+    np.testing.assert_allclose(lm.generate(labels=[0, 0], seed=3), run_seed, atol=1e-6)  # the default: the run's
+    assert not np.allclose(lm.generate(labels=[0, 0], seed=4), run_seed)
+
+
 def test_import_nljax_stays_free_of_jax():
     code = ("import sys, nljax; assert callable(nljax.load) and callable(nljax.load_model); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')]; assert not bad, bad")
