@@ -163,8 +163,15 @@ class TrainedModel:
         `labels`, in `steps` steps (1: MeanFlow's one-step sampling), from noise keyed by `seed`
         (default: the run's seed, as its evaluation's samples) and the sample's position."""
         self._needs_logits("generate")
+        # the other kind's arguments are refused, as nljax.generate refuses them (they were ignored)
         if not self.makes_text:
+            if prompt or stream is not None:
+                raise ConfigError(f"prompt= and stream= are for a language model; model.name={self.config.model.name} "
+                                  "makes images: generate(labels=[...], steps=, seed=)")
             return self._images(labels, steps, seed)
+        if labels is not None or steps != 1:
+            raise ConfigError(f"labels= and steps= are for an image model; model.name={self.config.model.name} makes "
+                              "text: generate(prompt, max_new_tokens=, ...)")
         from nljax.run.sampling import Settings, prompt_ids
 
         s = Settings(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,

@@ -129,6 +129,9 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: lm.logits([[-1, 65]]), "token ids must be in [0, 256), got -1"),
         (lambda: lm.logits([[65, 66]], reset=[True, False]), "reset must hold one flag per row (1), got 2"),
         (lambda: lm.generate("x", top_p=0), "top_p must be in 0 < top_p <= 1, got 0"),
+        # an image model's arguments, ignored before
+        (lambda: lm.generate("x", labels=[0, 1]), "labels= and steps= are for an image model; model.name=nl_lm "
+                                                   "makes text"),
         (lambda: nljax.load(5), "nljax.load takes a directory path, got int 5"),  # a TypeError before
         # a string of overrides was read character by character ("override 't' must look like key=value")
         (lambda: nljax.load(runs / "runs" / "default", overrides="train.steps=3"),
@@ -195,6 +198,10 @@ def test_an_unconditional_image_model_says_which_labels_and_takes_a_seed():
     run_seed = lm.generate(labels=[0, 0])
     np.testing.assert_allclose(lm.generate(labels=[0, 0], seed=3), run_seed, atol=1e-6)  # the default: the run's
     assert not np.allclose(lm.generate(labels=[0, 0], seed=4), run_seed)
+    with pytest.raises(ConfigError) as e:  # ignored before
+        lm.generate("a prompt", labels=[0])
+    assert str(e.value) == ("prompt= and stream= are for a language model; model.name=dit makes images: "
+                            "generate(labels=[...], steps=, seed=)")
 
 
 def test_import_nljax_stays_free_of_jax():
