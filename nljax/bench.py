@@ -52,6 +52,7 @@ from nljax.models import registry
 from nljax.run import throughput
 from nljax.run.core import Run
 from nljax.runtime import resultfile
+from nljax.runtime.runlog import short_unit
 from nljax.version import __version__
 
 # ---------------------------------------------------------------------------------- the device
@@ -285,7 +286,7 @@ def format_report(r: dict) -> str:
         f"{per_unit})",
         "",
         f"{'pattern':<14}{'/cycle':>7}{'compile s':>11}{'step ms':>10}{'min':>9}{'max':>9}"
-        f"{unit[:3] + '/s/dev':>12}{'XLA FLOP/' + unit[:3]:>15}{'MFU':>8}{'MFU(an.)':>10}",
+        f"{short_unit(unit) + '/s/dev':>12}{'XLA FLOP/' + short_unit(unit):>15}{'MFU':>8}{'MFU(an.)':>10}",
     ]
     for name, p in r["per_pattern"].items():
         st = p["step_time"]
@@ -321,6 +322,8 @@ def synthetic_images(cfg: Config, shape: str, directory: str) -> Config:
         h, w, c = (int(x) for x in shape.lower().split("x"))
     except ValueError:
         raise ConfigError(f"--synthetic wants HxWxC, e.g. 32x32x3, got '{shape}'") from None
+    if min(h, w, c) < 1:  # -1 was numpy's traceback, 0 a message about a temporary .npz
+        raise ConfigError(f"--synthetic wants HxWxC of sizes >= 1, e.g. 32x32x3, got '{shape}'")
     n = max(4 * cfg.train.batch_size, 64)  # more than one batch after the held-out split
     rng = np.random.default_rng(cfg.seed)
     path = Path(directory) / f"synthetic_{h}x{w}x{c}.npz"

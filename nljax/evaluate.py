@@ -16,7 +16,9 @@ count (it reads on as many of the local devices as divide train.batch_size).
 The held-out data are the run's own. `data.eval=GLOB` alone scores those files, tokenized as the
 run's text (its tokenizer; the run's training text is not read); `data.prepared=DIR` alone scores
 that directory's held-out split; any other `data.KEY=` is an override on the run's config. Data
-whose token ids are not the checkpoint's (another tokenizer) are refused.
+whose token ids are not the checkpoint's (another tokenizer) are refused. A MeanFlow run's other
+held-out images are `images.*` overrides; data of the other kind (`data.*` for an image model,
+`images.*` for a language model) is refused.
 
 `out=FILE.json` also writes the result, whole or not at all; an existing file is replaced only
 when it is an earlier result of this command.
@@ -93,6 +95,7 @@ def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str
     """The run's checkpoint, set up to be evaluated as the run evaluated it (`trained.load` with
     `evaluates`): its rows and evaluation settings, the held-out data of `overrides`
     (`data_overrides`), on as many of `devices` (default: this process's) as divide its rows."""
+    _check_data_kind(run_dir, overrides)
     overrides = data_overrides(run_dir, overrides)
     rows = trained_lib.trained_config(run_dir, overrides).train.batch_size
     devices = list(devices or jax.local_devices())
@@ -115,23 +118,31 @@ def scores(t: trained_lib.Trained) -> dict:
     return metrics
 
 
+def _check_data_kind(run_dir: str, overrides: Sequence[str]) -> None:
+    """Held-out data of the other kind is refused: a MeanFlow run's `data.eval=` (text) or a
+    language model's `images.path=` was ignored, and the run's own held-out data scored, exit 0."""
+    cfg = trained_lib.trained_config(run_dir)
+    images = registry.task_of(cfg) == "images"
+    other = "data." if images else "images."
+    given = [o.partition("=")[0] for o in overrides if o.startswith(other)]
+    if given:
+        reads = "its held-out images are images.* (images.path=...)" if images else "it reads text (data.eval=, ...)"
+        raise ConfigError(f"{given[0]}= is {'text' if images else 'image'} data, and this run's model is "
+                          f"{cfg.model.name}: {reads}")
+
+
 def data_overrides(run_dir: str, overrides: Sequence[str]) -> list[str]:
     """`overrides` with what naming other held-out data implies. `data.eval=` without data.train
     or data.prepared: those files alone (data.source=files; `nljax.data.prepared.held_out`: the
     run's training text is not read), tokenized as the run's text was (its data.tokenizer, or its
     data.prepared directory's copy); `data.prepared=` without data.train: that directory alone."""
     given = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
-    saved = trained_lib.trained_config(run_dir)
-    text_keys = sorted(k for k in given if k.startswith("data."))
-    if text_keys and registry.task_of(saved) != "text":  # its held-out images come from images.*
-        raise ConfigError(f"{text_keys[0]} names text, and {run_dir} holds an image model (model.name="
-                          f"{saved.model.name}): its held-out images are the images.* settings")
     if "data.train" in given or not {"data.eval", "data.prepared"} & given.keys():
         return list(overrides)
     if "data.prepared" in given:  # the run's file keys would be checked against the directory's
         return ["data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
                 *overrides]
-    d = saved.data
+    d = trained_lib.trained_config(run_dir).data
     tokenizer = []
     if d.source == "files" and d.prepared and "data.tokenizer" not in given:
         tokenizer = _prepared_tokenizer(d.prepared)

@@ -3,12 +3,12 @@
     python -m nljax.generate run.dir=runs/default prompt="def " max_new_tokens=200 \\
         temperature=0.8 top_k=40 top_p=0.95 seed=0 [checkpoint=STEP|PATH] [--cpu-devices N]
     python -m nljax.generate run.dir=runs/default/export prompt="def "   # an export (nljax.export)
-    python -m nljax.generate run.dir=runs/meanflow_digits [samples=16] [out=FILE.png]
+    python -m nljax.generate run.dir=runs/meanflow_digits [samples=16] [out=FILE.png] [seed=N]
 
 A language model's text streams to the terminal as it is sampled, read window by window with the
 neural memory carried as training reads the stream; an image model (MeanFlow) writes a PNG grid
-of one-step and multi-step samples. The same checkpoint and seed give the same tokens on any
-device count. `checkpoint=` is a step number (400: the run's checkpoint at step 400) or a step
+of one-step and multi-step samples (its noise keyed by seed=, default the run's seed). The same
+checkpoint and seed give the same tokens on any device count. `checkpoint=` is a step number (400: the run's checkpoint at step 400) or a step
 directory; run.dir= may also be an export directory, read as `nljax.load` reads it (one device;
 the same text as from its run). How the stream is read and sampled: nljax/run/sampling.py.
 
@@ -50,6 +50,8 @@ def _generate(args) -> int:
     cfg = trained_lib.config_of(run_dir, s.checkpoint, overrides)
     images = registry.task_of(cfg) == "images"  # a denoiser's grid, or a language model's text
     _check(cfg.model.name, images, given, s)  # before anything is restored
+    if images and "seed" in given:  # the grid's noise is keyed by the config's seed (default: the run's)
+        overrides = [*overrides, f"seed={s.seed}"]
     t = trained_lib.load(run_dir, s.checkpoint, overrides)
     for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
         print(line, file=sys.stderr)
@@ -58,6 +60,10 @@ def _generate(args) -> int:
         if path.exists() and not written_by_nljax(path):  # a user's picture of the same name
             raise ConfigError(f"out={path} exists and is not a PNG nljax.generate wrote; give another out= or "
                               "move it")
+        held = len(t.run.task.data.eval_x)
+        if s.samples > held:  # one sample per held-out label: the grid was cut to them in silence
+            print(f"nljax.generate: samples={s.samples}: the run holds {held} held-out images, one sample for each "
+                  f"one's label: drawing {held}", file=sys.stderr)
         try:
             generate_images(t, s, path)
         except OSError as e:  # permissions, a full disk, a directory that does not exist

@@ -155,21 +155,29 @@ class TrainedModel:
         return logits[:, :t], memory
 
     def generate(self, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, stream: Callable[[str], Any] | None = None,
+                 top_p: float = 1.0, seed: int | None = None, stream: Callable[[str], Any] | None = None,
                  labels: Sequence[int] | None = None, steps: int = 1):
         """A language model: the text sampled after `prompt` (not including it), with
         `python -m nljax.generate`'s settings and rules (temperature, then top-k, then top-p;
         temperature 0 is greedy; the same seed gives the same text); `stream(text)` is called
-        with each piece as it is sampled. An empty prompt starts a new document.
+        with each piece as it is sampled. An empty prompt starts a new document. `seed`: 0 by default.
         An image model (MeanFlow): samples [len(labels), H, W, C] in [-1, 1] for the class
-        `labels`, in `steps` steps (1: MeanFlow's one-step sampling)."""
+        `labels`, in `steps` steps (1: MeanFlow's one-step sampling), from noise keyed by `seed`
+        (default: the run's seed, as its evaluation's samples) and the sample's position."""
         self._needs_logits("generate")
+        # the other kind's arguments are refused, as nljax.generate refuses them (they were ignored)
         if not self.makes_text:
-            return self._images(labels, steps)
+            if prompt or stream is not None:
+                raise ConfigError(f"prompt= and stream= are for a language model; model.name={self.config.model.name} "
+                                  "makes images: generate(labels=[...], steps=, seed=)")
+            return self._images(labels, steps, seed)
+        if labels is not None or steps != 1:
+            raise ConfigError(f"labels= and steps= are for an image model; model.name={self.config.model.name} makes "
+                              "text: generate(prompt, max_new_tokens=, ...)")
         from nljax.run.sampling import Settings, prompt_ids
 
         s = Settings(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                     top_p=top_p, seed=seed).check()
+                     top_p=top_p, seed=0 if seed is None else seed).check()
         prompt_tokens = prompt_ids(self.tokenizer, prompt)
         pieces = []
         for piece in self.tokenizer.decode_stream(self.sampler().tokens(prompt_tokens, s), context=prompt_tokens):
@@ -187,23 +195,32 @@ class TrainedModel:
             self._sampler = TextSampler(self.model, self.params, self._mesh, self.seq_len, self.end_id)
         return self._sampler
 
-    def _images(self, labels: Sequence[int] | None, steps: int) -> np.ndarray:
+    def _images(self, labels: Sequence[int] | None, steps: int, seed: int | None) -> np.ndarray:
         if not hasattr(self.model, "generate"):
             raise ConfigError(f"model.name={self.config.model.name} neither makes text nor has generate()")
+        conditional = getattr(self.model, "conditional", False)
         if labels is None or len(labels) == 0 or steps < 1:
-            raise ConfigError("an image model's generate needs labels=[class, ...] (one sample each) and steps >= 1")
+            # an unconditional model reads no label, but takes one per sample: say which to give
+            which = "labels=[class, ...]" if conditional else "labels=[0] * n (unconditional: the labels are not read)"
+            raise ConfigError(f"an image model's generate needs {which}, one sample each, and steps >= 1")
         label = np.asarray(labels, np.int64)
         # a conditional DiT's classes 0..n-1 and n, its null label; a label beyond reads another
         # row of the label embedding (or none), silently. An unconditional model reads none.
-        conditional = getattr(self.model, "conditional", False)
         classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0
         bad = label[(label < 0) | (label > classes)] if classes else label[:0]
         if bad.size:
             raise ConfigError(f"labels must be classes in [0, {classes}) ({classes}: none, unconditional), got "
                               f"{int(bad[0])}")
+        model = self.model
+        if seed is not None:  # ignored before: every seed gave the run's samples
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:  # as the config's seed
+                raise ConfigError(f"seed must be an integer in [0, 2^32), got {seed!r}")
+            if not (dataclasses.is_dataclass(model) and hasattr(model, "seed")):
+                raise ConfigError(f"model.name={self.config.model.name} keys its noise itself: seed= is not for it")
+            model = dataclasses.replace(model, seed=seed)
         label = label.astype(np.int32)
         index = np.arange(len(label), dtype=np.int32)  # each sample's noise, keyed by (seed, index)
-        out = jax.jit(self.model.generate, static_argnums=3)(self.params, index, label, int(steps))
+        out = jax.jit(model.generate, static_argnums=3)(self.params, index, label, int(steps))
         return np.asarray(out)
 
 

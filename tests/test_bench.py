@@ -30,6 +30,10 @@ def test_bench_json_fields_are_sane(tmp_path):
                     "compiled pattern L0+1", "timing 1 warm-up and 2 timed rounds of 2 patterns ...",
                     f"profiling 2 steps of pattern {r['worst_pattern']} ..."], p.stderr
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
+    # the table's unit columns as the run's throughput table names them (images were "ima")
+    from nljax.bench import format_report
+
+    assert "tok/s/dev" in p.stdout and " img/s/dev" in format_report({**r, "unit": "images"})
     assert set(r["per_pattern"]) == {"L0", "L0+1"}
     # what `auto` resolved to on this CPU, recorded and said
     assert r["config"]["forms"] == {"attention": "blocked", "memory_impl": "scan", "embed_grad": "scatter",
@@ -120,6 +124,18 @@ def test_bench_synthetic_images_need_the_images_task():
     p = cli("nljax.bench", "--synthetic", "8x8x1", *NL, check=False)
     assert p.returncode == 2 and p.stderr.strip() == \
         "nljax.bench: error: --synthetic is for the images task (model.name=dit); this config's model is nl_lm"
+
+
+@pytest.mark.parametrize("shape", ["-1x32x3", "0x32x3", "32x32x0"])
+def test_bench_synthetic_sizes_must_be_positive(shape):
+    """-1 was numpy's traceback (exit 1), 0 a message about a temporary .npz."""
+    from nljax import bench
+    from nljax.config import ConfigError, load
+
+    cfg = load(None, ["model.name=dit", "cms.periods=[1]"])
+    with pytest.raises(ConfigError) as e:
+        bench.synthetic_images(cfg, shape, "/nonexistent")  # refused before anything is written
+    assert str(e.value) == f"--synthetic wants HxWxC of sizes >= 1, e.g. 32x32x3, got '{shape}'"
 
 
 

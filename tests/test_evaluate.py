@@ -215,10 +215,22 @@ def test_which_data_keys_other_held_out_data_implies(tmp_path):
         "data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
         "data.prepared=p", "eval.batches=2"]
     assert evaluate.data_overrides(str(run), ["data.train=a", "data.eval=b"]) == ["data.train=a", "data.eval=b"]
-    # an image run's held-out images are images.*: a data.* key is refused, not ignored
-    img = tmp_path / "img"
-    img.mkdir()
-    (img / "config.yaml").write_text(yaml.safe_dump(config.to_dict(config.load("meanflow_toy")), sort_keys=False))
-    with pytest.raises(ConfigError, match=r"^data.eval names text, and .*img holds an image model \(model.name=dit\)"):
-        evaluate.data_overrides(str(img), ["data.eval=x/*.txt"])
-    assert evaluate.data_overrides(str(img), ["images.eval_fraction=0.5"]) == ["images.eval_fraction=0.5"]
+
+
+def test_held_out_data_of_the_other_kind_is_refused(tmp_path, capsys):
+    """A MeanFlow run's data.eval= (text) and a language model's images.path= were ignored: the
+    run's own held-out data scored, exit 0. Refused from the config alone, before any load."""
+    import yaml
+
+    for name, settings, given, line in [
+        ("dit", ["model.name=dit", "cms.periods=[1]"], "data.eval=essays/*.txt",
+         "data.eval= is text data, and this run's model is dit: its held-out images are images.* (images.path=...)"),
+        ("text", TINY, "images.path=pics.npz",
+         "images.path= is image data, and this run's model is cms_mlp: it reads text (data.eval=, ...)"),
+    ]:
+        run = tmp_path / name
+        run.mkdir()
+        (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(config.load(None, settings)), sort_keys=False))
+        capsys.readouterr()
+        assert evaluate.main([f"run.dir={run}", given]) == 2
+        assert capsys.readouterr().err == f"nljax.evaluate: error: {line}\n"

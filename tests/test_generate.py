@@ -101,7 +101,21 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     out = tmp_path / "grid.png"
     assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from matplotlib.image import imread as pixels  # the grid as drawn, not the PNG's bytes
+
+    first = pixels(out)
     assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6"]) == 0  # its own grid: replaced
+    # seed= draws other noise (it was ignored: every seed gave the same grid); the run's seed (0)
+    # is the default
+    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6", "seed=0"]) == 0
+    np.testing.assert_array_equal(pixels(out), first)
+    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6", "seed=5"]) == 0
+    assert not np.array_equal(pixels(out), first)
+    # more samples than held-out labels: said (the grid was cut to them in silence)
+    capsys.readouterr()
+    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=500"]) == 0
+    assert ("nljax.generate: samples=500: the run holds 16 held-out images, one sample for each one's label: "
+            "drawing 16") in capsys.readouterr().err.splitlines()
     # a user's PNG of that name is never replaced; text settings on an image run are refused (both
     # were accepted, exit 0: the user's picture overwritten, prompt= ignored)
     mine = tmp_path / "mine.png"

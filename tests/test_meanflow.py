@@ -13,6 +13,7 @@ from helpers import assert_trees_close, make, train
 from jax.sharding import PartitionSpec as P
 
 from nljax.config import ConfigError, MeanFlowConfig, load
+from nljax.config import to_dict as config_dict
 from nljax.measure.energy import energy_distance
 from nljax.models import meanflow
 from nljax.models.dit import DiTNet
@@ -302,6 +303,50 @@ def test_guidance_needs_labels():
     # nor without dropped labels: the unconditional field is the null label's, never trained then
     with pytest.raises(ConfigError, match="meanflow.label_dropout=0 never trains: set it > 0"):
         load(None, [*DIT, "meanflow.label_dropout=0"])
+
+
+@pytest.mark.parametrize("setting,line", [
+    ("meanflow.cfg_omega=0", "config key 'meanflow.cfg_omega' must be in (0, inf), got 0.0"),
+    ("meanflow.cfg_omega=-2", "config key 'meanflow.cfg_omega' must be in (0, inf), got -2.0"),
+    ("meanflow.cfg_kappa=1", "config key 'meanflow.cfg_kappa' must be in [0, 1), got 1.0"),
+    ("meanflow.cfg_kappa=-0.5", "config key 'meanflow.cfg_kappa' must be in [0, 1), got -0.5"),
+    # each with its key and value (one line named three keys and their rules, no value)
+    ("meanflow.time_sigma=0", "config key 'meanflow.time_sigma' must be in (0, inf), got 0.0"),
+    ("meanflow.r_fraction=1.5", "config key 'meanflow.r_fraction' must be in [0, 1], got 1.5"),
+    ("meanflow.label_dropout=1", "config key 'meanflow.label_dropout' must be in [0, 1), got 1.0"),
+    ("meanflow.adaptive_p=-1", "config key 'meanflow.adaptive_p' must be in [0, inf), got -1.0"),
+    ("meanflow.adaptive_c=0", "config key 'meanflow.adaptive_c' must be in (0, inf), got 0.0"),
+])
+def test_meanflow_settings_out_of_range_are_refused(setting, line):
+    """The effective guidance scale is omega / (1 - kappa): kappa >= 1 or omega <= 0 trained a
+    meaningless target, exit 0. Each setting is named with its value."""
+    with pytest.raises(ConfigError) as e:
+        load(None, [*DIT, setting])
+    assert str(e.value) == line
+    load(None, [*DIT, "meanflow.cfg_omega=0.5", "meanflow.cfg_kappa=0.9"])  # weaker guidance, any kappa < 1
+
+
+def test_a_checkpoint_of_other_classes_or_channels_says_so():
+    """Evaluating, sampling or resuming on images of other classes or channels than the
+    checkpoint's named only a parameter and two shapes (label_embed/embedding (4, 16) there, (6, 16)
+    here): the line now says what they mean."""
+    from types import SimpleNamespace
+
+    from nljax.checkpoint import contents
+    from nljax.models.builtin import dit
+
+    cfg = load(None, [*DIT, "meanflow.cfg_omega=1", "meanflow.cfg_kappa=0"])  # guidance: labels needed
+    trained = dit(cfg, (4, 4, 3), 3)
+    meta = {"config": config_dict(cfg), "model": contents.fingerprint(trained)}
+    for shape, classes, why in [
+        ((4, 4, 3), 5, "the checkpoint's model trained on 3 classes, these images have 5 classes"),
+        ((4, 4, 3), 0, "the checkpoint's model trained on 3 classes, these images have no labels"),
+        ((4, 4, 1), 3, "the checkpoint's model trained on 3-channel images, these are 1-channel"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            contents.check_fits("ck", meta, SimpleNamespace(cfg=cfg, model=dit(cfg, shape, classes)))
+        assert str(e.value).startswith("checkpoint ck is from another model: parameter ") and why in str(e.value)
+    contents.check_fits("ck", meta, SimpleNamespace(cfg=cfg, model=dit(cfg, (4, 4, 3), 3)))  # the same: fits
 
 
 def test_dit_remat_is_exact_and_keeps_less():

@@ -69,6 +69,76 @@ def test_file_source(tmp_path):
         images.load(ImagesConfig(source="file", path=str(tmp_path / "missing.npy")))
 
 
+def test_a_folder_or_a_picture_for_images_path_is_named(tmp_path):
+    """A folder of images was "not found", and a PNG or a text file "contains pickled (object)
+    data ... allow_pickle=" (numpy's message): each is named for what it is."""
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "cat.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(40))
+    (tmp_path / "notes.txt").write_text("not pixels")
+    (tmp_path / "empty.npy").write_bytes(b"")
+    tail = "not a .npy or .npz file of images (a folder of images: save it as an .npz, docs/guides/meanflow.md#data)"
+    for name, line in [
+        ("pics", f"images.path {tmp_path / 'pics'} is a directory: images.source=file reads one .npy or .npz file "
+                 "(a folder of images: save it as an .npz, docs/guides/meanflow.md#data)"),
+        ("cat.png", f"images.path {tmp_path / 'cat.png'} is a PNG image, {tail}"),
+        ("notes.txt", f"images.path {tmp_path / 'notes.txt'} is {tail}"),
+        ("empty.npy", f"images.path {tmp_path / 'empty.npy'} is empty, {tail}"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            images.load(ImagesConfig(source="file", path=str(tmp_path / name)))
+        assert str(e.value) == line
+
+
+def test_images_of_different_sizes_are_named(tmp_path):
+    """numpy saves a list of images of different sizes as an object array; reading it said
+    "Object arrays cannot be loaded when allow_pickle=False", a setting nljax has no key for."""
+    ragged = np.empty(2, object)
+    ragged[0], ragged[1] = np.zeros((4, 4, 3), np.uint8), np.zeros((6, 6, 3), np.uint8)
+    np.savez(tmp_path / "r.npz", x=ragged)
+    np.save(tmp_path / "r.npy", ragged, allow_pickle=True)
+    for name in ("r.npz", "r.npy"):
+        with pytest.raises(ConfigError) as e:
+            images.load(ImagesConfig(source="file", path=str(tmp_path / name)))
+        assert str(e.value) == (f"images.path {tmp_path / name} holds an array of Python objects (images of different "
+                                "sizes?): save one uint8 or float array [N, H, W(, C)], every image resized to one size")
+
+
+def test_channels_first_images_are_named(tmp_path):
+    """PyTorch's [N, C, H, W] read as [N, H, W, C] was refused for model.dit.patch_size (3 x 16
+    images) or, for 4 channels, trained on 4-row images of 16 channels."""
+    for c in (1, 3, 4):
+        np.save(tmp_path / "nchw.npy", np.zeros((8, c, 16, 16), np.uint8))
+        with pytest.raises(ConfigError) as e:
+            images.load(ImagesConfig(source="file", path=str(tmp_path / "nchw.npy")))
+        assert str(e.value) == (f"images.path {tmp_path / 'nchw.npy'}: images of shape (8, {c}, 16, 16) look "
+                                "channels-first [N, C, H, W]; nljax reads [N, H, W, C]: save np.moveaxis(x, 1, -1)")
+    np.save(tmp_path / "nhwc.npy", np.zeros((8, 16, 16, 3), np.uint8))
+    assert images.load(ImagesConfig(source="file", path=str(tmp_path / "nhwc.npy"))).shape == (16, 16, 3)
+
+
+def test_the_guides_folder_to_npz_snippet_runs_as_written(tmp_path, monkeypatch):
+    """docs/guides/meanflow.md's recipe for a folder of pictures (class subfolders; grayscale,
+    RGBA and another size among them) gives an .npz that images.source=file reads, labels by
+    subfolder."""
+    import re
+
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for k, cls in enumerate(["cat", "dog"]):
+        (tmp_path / "my_images" / cls).mkdir(parents=True)
+        for i, mode in enumerate(["RGB", "L", "RGBA", "RGB"]):
+            side = 8 if i < 3 else 12
+            Image.fromarray(rng.integers(0, 256, (side, side, 3), np.uint8)).convert(mode).save(
+                tmp_path / "my_images" / cls / f"{i}.png")
+    block = re.search(r"```python\n(.*?)```", (ROOT / "docs/guides/meanflow.md").read_text(), re.S).group(1)
+    monkeypatch.chdir(tmp_path)
+    exec(block, {})
+    data = images.load(ImagesConfig(source="file", path=str(tmp_path / "my_images.npz"), eval_fraction=0.25))
+    assert data.shape == (32, 32, 3) and data.num_classes == 2 and len(data.train_x) == 6
+    np.testing.assert_array_equal(np.load(tmp_path / "my_images.npz")["y"], [0, 0, 0, 0, 1, 1, 1, 1])
+
+
 def brute_force_energy(x, y):
     d = lambda a, b: np.linalg.norm(a - b)
     n, m = len(x), len(y)

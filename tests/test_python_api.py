@@ -129,6 +129,9 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: lm.logits([[-1, 65]]), "token ids must be in [0, 256), got -1"),
         (lambda: lm.logits([[65, 66]], reset=[True, False]), "reset must hold one flag per row (1), got 2"),
         (lambda: lm.generate("x", top_p=0), "top_p must be in 0 < top_p <= 1, got 0"),
+        # an image model's arguments, ignored before
+        (lambda: lm.generate("x", labels=[0, 1]), "labels= and steps= are for an image model; model.name=nl_lm "
+                                                   "makes text"),
         (lambda: nljax.load(5), "nljax.load takes a directory path, got int 5"),  # a TypeError before
         # a string of overrides was read character by character ("override 't' must look like key=value")
         (lambda: nljax.load(runs / "runs" / "default", overrides="train.steps=3"),
@@ -155,6 +158,15 @@ def test_an_image_model_generates_images(tmp_path):
     assert one.shape == (3, 4, 4, 3) and np.isfinite(one).all()
     np.testing.assert_allclose(ex.generate(labels=[0, 2, 1], steps=1), one, atol=1e-6)
     assert not np.allclose(lm.generate(labels=[0, 2, 1], steps=2), one)
+    # seed= keys the noise (it was ignored: every seed gave the run's samples); the default is the
+    # run's seed (0 here), as its evaluation drew
+    np.testing.assert_allclose(lm.generate(labels=[0, 2, 1], steps=1, seed=0), one, atol=1e-6)
+    other = lm.generate(labels=[0, 2, 1], steps=1, seed=7)
+    assert not np.allclose(other, one)
+    np.testing.assert_allclose(ex.generate(labels=[0, 2, 1], steps=1, seed=7), other, atol=1e-6)
+    for bad in (-1, 2**32, 1.5):
+        with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\^32\)"):
+            lm.generate(labels=[0], seed=bad)
     with pytest.raises(ConfigError, match="for language models"):
         lm.encode("x")
     # labels outside the 3 classes (3 itself is the null label: unconditional) drew from another
@@ -164,6 +176,32 @@ def test_an_image_model_generates_images(tmp_path):
         with pytest.raises(ConfigError) as e:
             lm.generate(labels=[0, bad], steps=1)
         assert str(e.value) == f"labels must be classes in [0, 3) (3: none, unconditional), got {bad}"
+
+
+def test_an_unconditional_image_model_says_which_labels_and_takes_a_seed():
+    """Without labels an unconditional model was asked for labels=[class, ...], which it has
+    none of; seed= was ignored (every seed the run's samples). Built, not trained: fast."""
+    from pathlib import Path
+
+    from nljax.config import load
+    from nljax.models.builtin import dit
+
+    cfg = load(None, ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+                      "model.dit.patch_size=2", "cms.periods=[1]", "seed=3"])
+    model = dit(cfg, (4, 4, 1), 0)
+    params = jax.tree.map(lambda p: p + 0.1, model.init(jax.random.key(0)))  # adaLN-zero's output is 0 at init
+    lm = nljax.TrainedModel(model, params, cfg, 0, Path("built"))
+    with pytest.raises(ConfigError) as e:
+        lm.generate(steps=1)
+    assert str(e.value) == ("an image model's generate needs labels=[0] * n (unconditional: the labels are not "
+                            "read), one sample each, and steps >= 1")
+    run_seed = lm.generate(labels=[0, 0])
+    np.testing.assert_allclose(lm.generate(labels=[0, 0], seed=3), run_seed, atol=1e-6)  # the default: the run's
+    assert not np.allclose(lm.generate(labels=[0, 0], seed=4), run_seed)
+    with pytest.raises(ConfigError) as e:  # ignored before
+        lm.generate("a prompt", labels=[0])
+    assert str(e.value) == ("prompt= and stream= are for a language model; model.name=dit makes images: "
+                            "generate(labels=[...], steps=, seed=)")
 
 
 def test_import_nljax_stays_free_of_jax():

@@ -266,16 +266,20 @@ def check_fits(path: Path, meta: dict, engine: Engine) -> None:
                 continue
             raise ConfigError(f"checkpoint {path} does not fit this run: {k}={fmt(a)} there, {fmt(b)} here")
     saved, mine = meta["model"], fingerprint(engine.model)
+    # a model may say what a parameter's shape means (a DiT: classes, channels of its data)
+    explain = getattr(engine.model, "mismatch", lambda *_: "")
+    why = lambda name: (lambda s: f": {s}" if s else "")(explain(name, saved.get(name), mine.get(name)))  # noqa: E731
     for name in sorted(set(saved) | set(mine)):
         if name not in saved:
-            raise ConfigError(f"checkpoint {path} is from another model: it has no parameter '{name}'")
+            raise ConfigError(f"checkpoint {path} is from another model: it has no parameter '{name}'{why(name)}")
         if name not in mine:
-            raise ConfigError(f"checkpoint {path} is from another model: parameter '{name}' has no place here")
+            raise ConfigError(f"checkpoint {path} is from another model: parameter '{name}' has no place here"
+                              f"{why(name)}")
         (s1, d1), (s2, d2) = saved[name], mine[name]
         if saved[name] != mine[name] and not (d1 == d2 and math.prod(s1) == math.prod(s2) and RESHAPED.search(name)):
             raise ConfigError(
                 f"checkpoint {path} is from another model: parameter '{name}' is {d1}{tuple(s1)} there, "
-                f"{d2}{tuple(s2)} here"
+                f"{d2}{tuple(s2)} here{why(name)}"
             )
 
 

@@ -89,13 +89,33 @@ def _gaussians(n: int) -> tuple[np.ndarray, np.ndarray]:
     return pts[:, None, None, :], y
 
 
+# first bytes of files a user may give in place of arrays: named, where numpy's own message
+# spoke of pickled data ("allow_pickle=") and a folder was "not found"
+NOT_ARRAYS = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GIF8": "a GIF image",
+              b"RIFF": "a RIFF (WebP?) file", b"BM": "a BMP image"}
+ARRAY_MAGIC = (b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06")  # .npy; .npz (a zip, or an empty one)
+
+
 def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(f"images.path {path} is a directory: images.source=file reads one .npy or .npz file "
+                          "(a folder of images: save it as an .npz, docs/guides/meanflow.md#data)")
     if not p.is_file():
         raise ConfigError(f"images.path not found: {path}")
     try:
+        with open(p, "rb") as f:
+            head = f.read(8)
+    except OSError as e:
+        raise ConfigError(f"images.path {path}: cannot read it ({e.strerror})") from None
+    if not head.startswith(ARRAY_MAGIC):
+        what = next((name for magic, name in NOT_ARRAYS.items() if head.startswith(magic)), "" if head else "empty")
+        raise ConfigError(f"images.path {path} is {what + ', ' if what else ''}not a .npy or .npz file of images "
+                          "(a folder of images: save it as an .npz, docs/guides/meanflow.md#data)")
+    try:
         loaded = np.load(p, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
+        _objects(path, e)
         raise ConfigError(f"images.path {path} is not a readable .npy/.npz file: {e}")
     if isinstance(loaded, np.ndarray):
         x, y = loaded, None
@@ -112,12 +132,18 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
             x = loaded[xk]
             y = loaded[yk] if yk else None
         except Exception as e:  # noqa: BLE001 - an object array, a damaged member: one user error
+            _objects(path, e)
             raise ConfigError(f"images.path {path}: cannot read its arrays ({first_line(e)})") from None
     if x.ndim == 3:
         x = x[..., None]
     if x.ndim != 4 or len(x) < 2 or 0 in x.shape[1:]:  # zero-size images: nothing to learn or to draw
         raise ConfigError(f"images.path {path}: expected images [N, H, W] or [N, H, W, C] of at least one pixel, "
                           f"got shape {x.shape}")
+    if x.shape[1] in (1, 3, 4) and x.shape[2] == x.shape[3] > 4:
+        # PyTorch's layout [N, C, H, W] read as [N, H, W, C]: 3 x 16 images of 16 channels, whose
+        # refusal blamed model.dit.patch_size (or none came: a 4-row image trained)
+        raise ConfigError(f"images.path {path}: images of shape {x.shape} look channels-first [N, C, H, W]; nljax "
+                          "reads [N, H, W, C]: save np.moveaxis(x, 1, -1)")
     if x.dtype == np.uint8:
         x = x / 127.5 - 1.0
     elif not np.issubdtype(x.dtype, np.floating):
@@ -127,6 +153,14 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
             f"images.path {path}: labels must be non-negative integers [N={len(x)}], got {y.dtype} {y.shape}"
         )
     return x, y
+
+
+def _objects(path: str, e: Exception) -> None:
+    """An array of Python objects is what numpy saves from images of different sizes; its own
+    message spoke of allow_pickle=, which nljax never sets (a pickle runs code when read)."""
+    if "Object arrays cannot be loaded" in str(e):
+        raise ConfigError(f"images.path {path} holds an array of Python objects (images of different sizes?): "
+                          "save one uint8 or float array [N, H, W(, C)], every image resized to one size") from None
 
 
 # Pixel magnitude a run accepts. The denoiser mixes data with N(0, 1) noise, so data far beyond

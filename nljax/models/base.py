@@ -52,6 +52,9 @@ Optional:
   dimensions are split from the global and shard shapes, of the parameters and of the memory
   alike. Refuse with a ConfigError (`tp_divides`) when `m` does not divide a split width. A
   model without it trains with `mesh.model=1` only.
+- `mismatch(name, there, here) -> str`: what a parameter of another shape in a checkpoint says
+  in the user's terms (`there`, `here`: [shape, dtype], or None where absent), added to the
+  "from another model" line (the DiT: its data's classes and channels); "" for nothing to add.
 """
 
 from __future__ import annotations

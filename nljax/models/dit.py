@@ -215,6 +215,20 @@ class DiT:
     def level_of(self, path: str) -> int:
         return 0
 
+    def mismatch(self, name: str, there: list | None, here: list | None) -> str:
+        """What a checkpoint parameter `name` of another shape ([shape, dtype], None: absent) says
+        about the data it trained on, beside the parameter (`checkpoint.contents.check_fits`):
+        the label embedding's rows are the classes + the null one, the output layer's width
+        patch * patch * channels."""
+        if name == "label_embed/embedding":
+            classes = lambda side: f"{side[0][0] - 1} classes" if side else "no labels"  # noqa: E731
+            return (f"the checkpoint's model trained on {classes(there)}, these images have {classes(here)} "
+                    "(images.path's labels, meanflow.class_cond)")
+        if name == "final/bias" and there and here:
+            c = lambda side: side[0][0] // self.net.patch**2  # noqa: E731
+            return f"the checkpoint's model trained on {c(there)}-channel images, these are {c(here)}-channel"
+        return ""
+
     def init_memory(self, rows: int):
         return {}
 
