@@ -10,7 +10,8 @@ neural memory carried as training reads the stream; an image model (MeanFlow) wr
 of one-step and multi-step samples (its noise keyed by seed=, default the run's seed). The same
 checkpoint and seed give the same tokens on any device count. `checkpoint=` is a step number
 (400: the run's checkpoint at step 400) or a step directory; run.dir= may also be an export
-directory, read as `nljax.load` reads it (one device; the same text as from its run). How the stream is read and sampled: nljax/run/sampling.py.
+directory, read as `nljax.load` reads it (one device; the same text as from its run). How the
+stream is read and sampled: nljax/run/sampling.py.
 
 Any other `key=value` is a config override on top of the run's own config.yaml.
 """
