@@ -38,11 +38,12 @@ class Checkpoints:
     `ckpt.close()` whatever happened."""
 
     def __init__(self, engine: Engine, fresh: TrainState, restored: Restored | None = None, own: bool = False,
-                 later: list[Path] | None = None, params_from: Path | None = None):
+                 later: list[Path] | None = None, params_from: Path | None = None, tokenizer: dict | None = None):
         """`fresh`: this run's state at step 0, where it starts when `restored` is None. `own`:
         `restored` is from this run's checkpoint.dir (the run continues its files). `later`: step
         directories after the restored one, which `open` moves to `<dir>/set_aside/`.
-        `params_from`: the checkpoint whose parameters `fresh` holds (checkpoint.init_params)."""
+        `params_from`: the checkpoint whose parameters `fresh` holds (checkpoint.init_params).
+        `tokenizer`: what the run's token ids are, saved with every checkpoint (`resolve`)."""
         self.cfg, self.engine = engine.cfg, engine
         self.dir = checkpoint_dir(self.cfg)
         self.restored, self.own, self.params_from = restored, own, params_from
@@ -57,7 +58,7 @@ class Checkpoints:
         # when this run continues its own files, then set by the trainer once its trackers are open
         self.trackers: dict[str, str] = dict(restored.trackers) if restored and own else {}
         self.data_digest: str | None = None  # of the run's data, saved with every checkpoint (`check_data`)
-        self.tokenizer: dict | None = None  # what the data's token ids are, saved likewise (`resolve`)
+        self.tokenizer = tokenizer  # what the data's token ids are, saved likewise
         self.manager = None
         self.writing: int | None = None  # the step of the save in flight
         # Orbax's reports of a failed save come from its writer threads, at any time between the
@@ -125,9 +126,7 @@ class Checkpoints:
             )
         if restored:
             say(f"resumed from {restored.path} at step {restored.step}")
-        out = cls(engine, fresh, restored, own, later, params_from)
-        out.tokenizer = tokenizer
-        return out
+        return cls(engine, fresh, restored, own, later, params_from, tokenizer)
 
     @property
     def resume_step(self) -> int | None:

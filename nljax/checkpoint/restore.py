@@ -22,6 +22,7 @@ from nljax.checkpoint.contents import (
     Damaged,
     check_arrays,
     check_fits,
+    check_tokenizer,
     data_digest,
     data_tokenizer,
     differences,
@@ -90,7 +91,7 @@ class RestoredParams:
     tokenizer: dict | None = None  # what its token ids are (`data_tokenizer`)
 
 
-def restore_params(engine: Engine, path: Path) -> RestoredParams:
+def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None) -> RestoredParams:
     """The parameters alone of the checkpoint at `path`, on `engine`'s mesh in its layout: what
     `restore` gives as `state.params`, bit for bit, without reading or making anything else. Only
     the `params/...` arrays and the step are read (the optimizer state, error buffers and memory
@@ -98,8 +99,10 @@ def restore_params(engine: Engine, path: Path) -> RestoredParams:
     converted where the checkpoint's layout differs (`elastic.convert_params`): the devices hold
     the parameters once, or twice during a conversion, never the training state. The checks are
     `restore`'s (the model fits, the metadata is sealed, the arrays read match their checksums);
-    `Damaged` and one-line ConfigErrors alike."""
+    `Damaged` and one-line ConfigErrors alike. `tokenizer`: what a loading run's token ids are
+    now, checked first (another tokenizer's size would be said as a model.vocab_size misfit)."""
     meta = storage.read_meta(path)
+    check_tokenizer(path, data_tokenizer(meta), tokenizer, "the run's data now use")
     check_fits(path, meta, engine)
     layout = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(engine.mesh)),
                         engine.strategy.param_layout(), (), (), {})

@@ -526,8 +526,11 @@ def _check_sources(manifest: dict, d: DataConfig, where: str) -> None:
 
 
 def tokenization_of(d: DataConfig):
-    """The tokenization of data.source=files (to encode a prompt and decode samples), read from
-    the tokenizer's file and data.prepared's manifest alone: a loaded model needs no token file."""
+    """How the data section's text becomes tokens (to encode a prompt and decode samples): bytes,
+    or data.source=files' tokenizer, read from its file and data.prepared's manifest alone: a
+    loaded model needs no token file."""
+    if d.source != "files":
+        return tokenization.Bytes()
     if d.prepared:
         info = read_manifest(_home(d.prepared))["tokenizer"]
         if info["kind"] == "bytes":

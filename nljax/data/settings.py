@@ -61,6 +61,12 @@ class DataConfig:
     # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
     RANGES: ClassVar[dict] = {"reset_prob": (0, 1, True, True)}
 
+    @property
+    def held_out_only(self) -> bool:
+        """data.eval alone (no data.train, no data.prepared): held-out text only, which
+        nljax.evaluate scores (`nljax.data.prepared.held_out`) and a training run refuses."""
+        return self.source == "files" and bool(self.eval) and not self.train and not self.prepared
+
     def check(self) -> None:
         # one document in a billion: 1/x stays a number; at most every 2nd document (above 2/3,
         # round(1/x) is 1, and every 2nd was held out without a word: 0.99 held out half)

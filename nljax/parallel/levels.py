@@ -90,7 +90,7 @@ class LevelLayout:
     shapes: PyTree  # the model's parameter pytree as ShapeDtypeStructs
     level_tree: PyTree  # same structure, an int level per leaf
     flats: tuple[LevelFlat, ...]  # per level: its leaves as one flat vector and back
-    decay_tree: PyTree = None  # same structure, a bool per leaf: optim.weight_decay applies (None: to all)
+    decay_tree: PyTree = None  # same structure, a bool per leaf: optim.weight_decay applies (None: to every one)
 
     @classmethod
     def of(cls, shapes: PyTree, level_of: Callable[[str], int], n_levels: int,
@@ -99,6 +99,8 @@ class LevelLayout:
         level_tree = assign(shapes, level_of, n_levels)
         decay_tree = None if decays is None else jax.tree_util.tree_map_with_path(
             lambda path, _: bool(decays(path_str(path))), shapes)
+        if decay_tree is not None and all(jax.tree.leaves(decay_tree)):
+            decay_tree = None  # nothing to mask
         return cls(shapes, level_tree, tuple(LevelFlat.of(p) for p in split(shapes, level_tree, n_levels)),
                    decay_tree)
 
@@ -115,7 +117,7 @@ class LevelLayout:
     def decays(self, l: int) -> PyTree | None:
         """Level l's subtree of weight-decay multipliers (1.0 or 0.0 per leaf), as the replicated
         parameters are laid out; None where every parameter decays (nothing to mask)."""
-        if self.decay_tree is None or all(jax.tree.leaves(self.decay_tree)):
+        if self.decay_tree is None:
             return None
         return jax.tree.map(lambda d: 1.0 if d else 0.0, self.split(self.decay_tree)[l])
 
@@ -124,7 +126,7 @@ class LevelLayout:
         it out): 1.0 where the parameter decays, else 0.0; None where every parameter decays.
         Built from the positions, a few comparisons per entry (not a stored [N] constant, which
         would sit in every compiled step)."""
-        if self.decay_tree is None or all(jax.tree.leaves(self.decay_tree)):
+        if self.decay_tree is None:
             return None
         ranges, offset = [], 0  # [lo, hi) of the decaying leaves, neighbours joined
         for shape, d in zip(self.flats[l].shapes, jax.tree.leaves(self.split(self.decay_tree)[l])):

@@ -33,7 +33,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from nljax.data import prepared, tokenization
+from nljax.data import prepared
 from nljax.errors import ConfigError
 from nljax.parallel.hostdev import put, replica
 from nljax.run import trained as trained_lib
@@ -195,9 +195,7 @@ def prompt_ids(codec, prompt: str, what: str = "prompt") -> list[int]:
 
 def tokenization_of(cfg):
     """How the run's text became tokens: bytes, or the tokenizer of its files (data.source=files)."""
-    if cfg.data.source == "files":
-        return prepared.tokenization_of(cfg.data)
-    return tokenization.Bytes()
+    return prepared.tokenization_of(cfg.data)
 
 
 def generate_images(t: trained_lib.Trained, s: Settings, path: Path) -> None:

@@ -94,8 +94,7 @@ def text_data(cfg: Config) -> TextData:
 def check_trains(cfg: Config) -> None:
     """A run that trains needs training text: data.eval alone is held-out text only (what
     nljax.evaluate scores a checkpoint on), refused before anything is read."""
-    d = cfg.data
-    if registry.task_of(cfg) == "text" and d.source == "files" and d.eval and not d.train and not d.prepared:
+    if registry.task_of(cfg) == "text" and cfg.data.held_out_only:
         raise ConfigError("data.eval alone is held-out text only (for nljax.evaluate): training needs data.train "
                           "(or data.prepared)")
 
@@ -160,8 +159,7 @@ class TextTask:
     def describe(self) -> dict:
         """What summary.json records of the data: source, token counts, vocabulary, digest."""
         d = self.cfg.data
-        held_alone = d.source == "files" and d.eval and not d.train and not d.prepared  # `prepared.held_out`
-        return {"source": d.source, "train_tokens": 0 if held_alone else len(self.stream.data),
+        return {"source": d.source, "train_tokens": 0 if d.held_out_only else len(self.stream.data),
                 "eval_tokens": len(self.eval_data), "vocab_size": self.cfg.model.vocab_size,
                 "digest": self.fingerprint()}
 
@@ -242,9 +240,7 @@ class LoadedText:
 
     @property
     def tokenizer_identity(self) -> dict:
-        d = self.cfg.data
-        tok = prepared.tokenization_of(d) if d.source == "files" else tokenization.Bytes()
-        return tokenization.identity(tok.info())
+        return tokenization.identity(prepared.tokenization_of(self.cfg.data).info())
 
     def batch(self, step: int, reset_all: bool = False):
         raise TypeError("a run loaded without its data (Run.create(reads_data=False)) has no batches")

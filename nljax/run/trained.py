@@ -20,7 +20,6 @@ import os
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.checkpoint.contents import check_tokenizer, data_tokenizer
 from nljax.checkpoint.restore import first_valid, restore_params
 from nljax.errors import ConfigError
 from nljax.models.builtin import for_this_backend
@@ -126,15 +125,9 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
         # a config.yaml written before the paths were recorded absolute (nljax.runtime.rundir.recorded)
         raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
                           "started in: run from there, or give it absolute)") from None
-
-    def read(path: Path):
-        # the run's tokenizer now (data.tokenizer's file, data.prepared's) must be the one it
-        # trained on: said before the model's fit (another tokenizer's size: model.vocab_size)
-        check_tokenizer(path, data_tokenizer(storage.read_meta(path)), identity, "the run's data now use")
-        # the parameters alone: a model whose training state needs many devices loads on one
-        return restore_params(run.engine, path)
-
-    restored, skipped = first_valid(read, storage.candidates(cfg))
+    # the parameters alone (a model whose training state needs many devices loads on one), read
+    # only if the run's tokenizer now (data.tokenizer's file, data.prepared's) is the one it trained on
+    restored, skipped = first_valid(lambda path: restore_params(run.engine, path, identity), storage.candidates(cfg))
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
     return Trained(cfg, trained_config(run_dir, overrides), run, restored.params, restored.step,
