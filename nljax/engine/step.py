@@ -56,7 +56,8 @@ def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch
     def loss_fn(diff):
         full = tuple(d if d is not None else p for d, p in zip(diff, parts))
         params = eng.levels.merge(full)
-        loss_sum, count, new_memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key)
+        loss_sum, count, new_memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key,
+                                                    train=True)
         return loss_sum / count, (loss_sum, count, new_memory)
 
     grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
@@ -167,7 +168,8 @@ def local_eval_step(eng: Engine, params: PyTree, batch: dict):
     params = eng.strategy.compute_params(params)
     rows = jax.tree.leaves(batch)[0].shape[0]
     memory = eng.local_model.init_memory(rows)
-    loss_sum, count, _ = eng.local_model.apply(params, memory, batch, jax.random.key(eng.cfg.seed))
+    key = jax.random.key(eng.cfg.seed)
+    loss_sum, count, _ = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key, train=False)
     return {"loss_sum": loss_sum[None], "count": count[None]}
 
 
@@ -179,9 +181,10 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
     params = eng.strategy.compute_params(params)
     key = jax.random.key(eng.cfg.seed)
     if "score" not in batch:
-        loss_sum, count, memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key)
+        loss_sum, count, memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key,
+                                                train=False)
         return {"loss_sum": loss_sum[None], "count": count[None]}, memory
-    logits, memory = eng.local_model.logits(params, memory, batch, key)  # [G/n, T, V]
+    logits, memory = eng.local_model.logits(params, memory, batch, key)  # [G/n, T, V]; inference only: no dropout
     targets = batch["tokens"][:, 1:]  # [G/n, T]
     loss_sum, count = token_loss(logits, targets, batch.get("mask"))
     hits, scored = token_hits(logits, targets, batch["score"])

@@ -35,9 +35,17 @@ Required:
 
 Optional:
 
+- `apply(..., train: bool)`: an `apply` that declares a parameter named `train` is told whether
+  it trains: `train=True` in the training step, `train=False` wherever the engine scores without
+  training (the run's evaluation, fresh and streaming, which `nljax.evaluate` runs too). A model
+  with dropout turns it off there: flax's `nn.Dropout(rate)(x, deterministic=not train)`, with
+  `rngs={"dropout": key}`. `key` is given either way (a MeanFlow loss samples its times and noise
+  in evaluation too). An `apply` without the parameter is called as above (`takes_train`), so a
+  model without dropout need not declare it.
 - `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)`: the predictions `apply`
   scores. A text model needs it to be evaluated beyond the loss (the recall probe's accuracy),
-  sampled from (`nljax.generate`) and used after `nljax.load_model`.
+  sampled from (`nljax.generate`) and used after `nljax.load_model`. It is for inference only,
+  never called in training, so it takes no `train`: it applies no dropout.
 - `task`: "text" (the default: `nljax.run.tasks.TextTask` feeds it token windows; generate
   writes text) or "images" (a MeanFlow denoiser: `ImageTask`, a PNG grid). The registered task
   (`nljax.register_model(..., task=)`) decides; the attribute, if present, must agree.
@@ -59,6 +67,7 @@ Optional:
 
 from __future__ import annotations
 
+import inspect
 import re
 from typing import Any, Protocol
 
@@ -87,7 +96,9 @@ class Model(Protocol):
         ...
 
     def apply(self, params: PyTree, memory: PyTree, batch: dict, key: jax.Array) -> tuple[jax.Array, jax.Array, PyTree]:
-        """(loss_sum, count, new_memory) on this device's rows."""
+        """(loss_sum, count, new_memory) on this device's rows. An `apply` that also declares
+        `train: bool` is called with `train=True` in training and `train=False` in evaluation
+        (dropout off); one without it is called as here."""
         ...
 
 
@@ -95,7 +106,8 @@ class TextModel(Model, Protocol):
     """A language model: `apply`'s predictions are available for evaluation and generation."""
 
     def logits(self, params: PyTree, memory: PyTree, batch: dict, key: jax.Array | None = None) -> tuple[jax.Array, PyTree]:
-        """(logits `[B, T, V]` of `batch["tokens"][:, :-1]`, new_memory)."""
+        """(logits `[B, T, V]` of `batch["tokens"][:, :-1]`, new_memory). For inference only
+        (evaluation, generation, a loaded model): no dropout."""
         ...
 
 
@@ -131,12 +143,24 @@ def tp_divides(m: int, widths) -> None:
             raise ConfigError(f"mesh.model={m} does not divide {name}={value}: tensor parallelism splits it")
 
 
-def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch: dict, key) -> tuple:
-    """`model.apply(...)`, its outputs checked from their shapes while the step is traced (free
-    at run time): two scalar sums, and new_memory with `memory`'s structure, shapes and dtypes.
-    The step carries new_memory into the next step, which may be another compiled variant: a leaf
-    that changed would otherwise fail there, inside the model, in a message about its parameters."""
-    out = model.apply(params, memory, batch, key)
+def takes_train(model: Model) -> bool:
+    """Whether `model.apply` declares a parameter named `train` that a keyword can give (the
+    contract's optional `train`); a model without one is called as it always was."""
+    try:
+        p = inspect.signature(model.apply).parameters.get("train")
+    except (TypeError, ValueError):  # a callable without a signature: none declared
+        return False
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch: dict, key, *,
+                  train: bool) -> tuple:
+    """`model.apply(...)` (with `train` if it takes one: `takes_train`), its outputs checked from
+    their shapes while the step is traced (free at run time): two scalar sums, and new_memory with
+    `memory`'s structure, shapes and dtypes. The step carries new_memory into the next step, which
+    may be another compiled variant: a leaf that changed would otherwise fail there, inside the
+    model, in a message about its parameters."""
+    out = model.apply(params, memory, batch, key, **({"train": train} if takes_train(model) else {}))
     who = f"model '{name}': apply"
     if not isinstance(out, tuple) or len(out) != 3:
         raise ConfigError(f"{who} must return (loss_sum, count, new_memory), got {type(out).__name__}")
