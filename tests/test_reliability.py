@@ -861,7 +861,7 @@ def test_the_closing_lines_say_where_checkpoints_elsewhere_are(tmp_path):
     from nljax import config
     from nljax.run.trainer import closing
 
-    run = SimpleNamespace(task=SimpleNamespace(unit="tokens"))
+    run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=SimpleNamespace(logits=None)))
     own = closing(config.load(None, [f"run.dir={tmp_path}/r"]), run)[0]
     assert own == f"run directory: {tmp_path}/r (config.yaml, metrics.jsonl, summary.json, plots, checkpoints)"
     away = closing(config.load(None, [f"run.dir={tmp_path}/r", f"checkpoint.dir={tmp_path}/ck"]), run)[0]

@@ -73,6 +73,20 @@ def named_arrays(state: TrainState) -> dict[str, Any]:
     return {"/".join(_key_name(k) for k in path): x for path, x in leaves}
 
 
+def is_empty(x) -> bool:
+    """Whether `x` (an array or its ShapeDtypeStruct) holds no element: the state of a CMS level
+    the model puts no parameter in (its optimizer state, error buffer, flat shards). Orbax refuses
+    to save a zero-size array and there is nothing in it to save: a checkpoint leaves it out, and
+    a read makes it again from its shape (`empty_array`)."""
+    return math.prod(x.shape) == 0
+
+
+def empty_array(x) -> jax.Array:
+    """The zero-size array `x` describes (shape, dtype, sharding). Made directly, not computed: a
+    computation's zero-size output may come back with another sharding than the one asked for."""
+    return jax.make_array_from_callback(x.shape, x.sharding, lambda idx: np.zeros(x.shape, x.dtype)[idx])
+
+
 def nest(flat: dict[str, Any]) -> dict:
     """{'a/b': x} -> {'a': {'b': x}}: the tree Orbax saves."""
     tree: dict = {}

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from nljax.checkpoint.contents import named_arrays, per_device, rows_of
+from nljax.checkpoint.contents import empty_array, is_empty, named_arrays, per_device, rows_of
 from nljax.config import from_dict
 from nljax.engine import frozen
 from nljax.engine.core import Engine
@@ -80,7 +80,9 @@ def to_this_run(arrays: dict[str, jax.Array], target: dict[str, jax.Array], engi
             l = int(name.split("/")[1])
             old, new, k = saved.strategy.shards[l], engine.strategy.shards[l], max(frozen.slots(engine, l) - 1, 1)
             regroup = lambda v, old=old, new=new, k=k: tp.regroup(v, old, new, k)
-        if per_device(name) and (n_old != n_new or regroup is not None):
+        if is_empty(t):  # an empty level's buffer: nothing to spread
+            x = empty_array(t)
+        elif per_device(name) and (n_old != n_new or regroup is not None):
             x = redistribute_err_buf(x, n_old, n_new, cfg.sync.mean, t.sharding, regroup)
         elif rows_of(name) and fresh_rows:
             x = fresh[name]

@@ -21,6 +21,8 @@ from nljax.checkpoint.contents import (
     META,
     STATE,
     Damaged,
+    empty_array,
+    is_empty,
     check_well_formed,
     checksums,
     metadata,
@@ -80,7 +82,8 @@ def save(mngr, engine: Engine, step: int, state: TrainState, trackers: dict[str,
 
     arrays = named_arrays(state)
     meta = metadata(engine, step, arrays, trackers, data_digest, tokenizer)
-    args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(nest(arrays)), META: ocp.args.JsonSave(meta)})
+    stored = {k: x for k, x in arrays.items() if not is_empty(x)}
+    args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(nest(stored)), META: ocp.args.JsonSave(meta)})
     mngr.save(step, args=args, force=True)
 
 
@@ -163,6 +166,8 @@ def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct],
     import orbax.checkpoint as ocp
 
     error = arrays = None
+    made = {k: empty_array(x) for k, x in abstract.items() if is_empty(x)}
+    abstract = {k: x for k, x in abstract.items() if k not in made}
     # The error is raised once the scope has settled: the exception Orbax raised, kept as the
     # context of one raised inside, would keep the failed reads' futures alive past it.
     with errors_hidden() as noise:
@@ -189,6 +194,7 @@ def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct],
         if error is not None:
             noise.settle()
     _agreed(error)
+    arrays = {**arrays, **made}
     return arrays, checksums(arrays)
 
 

@@ -159,6 +159,15 @@ def level_sizes(params: PyTree, level_tree: PyTree, n_levels: int) -> list[tuple
 def describe(params: PyTree, level_tree: PyTree, periods: tuple[int, ...]) -> str:
     """The table printed at start: parameters and bytes per level."""
     lines = ["level  period      params        bytes"]
-    for l, (n, b) in enumerate(level_sizes(params, level_tree, len(periods))):
+    sizes = level_sizes(params, level_tree, len(periods))
+    for l, (n, b) in enumerate(sizes):
         lines.append(f"{l:5d}  {periods[l]:6d}  {n:10,d}  {b:11,d}")
+    empty = [str(l) for l, (n, _) in enumerate(sizes) if n == 0]
+    if empty:  # a model without CMS levels under the default periods: they cost compiled variants
+        line = (f"level{'s' * (len(empty) > 1)} {', '.join(empty)} hold{'s' * (len(empty) == 1)} no parameters "
+                "(the model's level_of puts none there): their periods change nothing")
+        kept = len(periods) - len(empty)
+        if empty == [str(l) for l in range(kept, len(periods))]:  # the last ones: fewer periods say the same
+            line += f"; cms.periods={list(periods[:kept])} would do the same in fewer compiled step variants"
+        lines.append(line)
     return "\n".join(lines)

@@ -64,13 +64,15 @@ class Announced:
             self.say(f"{what}: {self.last_s:.1f} s")
 
 
-def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoints: str | None = None) -> list[str]:
+def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoints: str | None = None,
+                  samples: bool = True) -> list[str]:
     """Where a finished run's outputs are and the commands that continue, sample and export it;
-    `checkpoints`: their directory where it is not the run directory's own."""
+    `checkpoints`: their directory where it is not the run directory's own; `samples`: whether
+    `nljax.generate` can sample the model (a text model without `logits()` cannot)."""
     d = shlex.quote(f"run.dir={run_dir}")  # pasted into a shell as printed, spaces and all
     prompt = " prompt='The '" if text else ""
     saved = f"plots; checkpoints in {checkpoints}" if checkpoints else "plots, checkpoints"
     return [f"run directory: {run_dir} (config.yaml, metrics.jsonl, summary.json, {saved})",
             f"  resume:  python -m nljax.train --resume {d} train.steps={2 * steps or 1}",
-            f"  sample:  python -m nljax.generate {d}{prompt}",
+            *([f"  sample:  python -m nljax.generate {d}{prompt}"] if samples else []),
             f"  export:  python -m nljax.export {d}   (to {exported})"]

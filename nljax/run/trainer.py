@@ -465,6 +465,7 @@ def closing(cfg: Config, run: Run) -> list[str]:
     if not cfg.checkpoint.every:
         return [f"run directory: {cfg.run.dir} (no checkpoint saved, checkpoint.every=0: nothing to resume, "
                 "sample or export)"]
-    return closing_lines(cfg.run.dir, cfg.train.steps, run.task.unit == "tokens",
-                         str(Path(cfg.run.dir) / exportdir.DEFAULT),
-                         None if inside_run_dir(cfg) else str(checkpoint_dir(cfg)))
+    text = run.task.unit == "tokens"
+    return closing_lines(cfg.run.dir, cfg.train.steps, text, str(Path(cfg.run.dir) / exportdir.DEFAULT),
+                         None if inside_run_dir(cfg) else str(checkpoint_dir(cfg)),
+                         samples=not text or hasattr(run.engine.model, "logits"))

@@ -1,0 +1,120 @@
+"""A model that puts no parameter in some CMS level (every parameter at level 0, the default
+`cms.periods` of three levels): its empty levels' state (optimizer moments, error buffers, flat
+shards) is zero-size, which Orbax refuses to save. The checkpoint leaves those arrays out and
+makes them again when read; a resume is bitwise, and an elastic one (another strategy and
+mesh) reads them too."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import make, save, train
+
+import nljax
+from nljax.checkpoint.restore import restore
+from nljax.models import specs
+from nljax.models.layers import token_loss
+from nljax.parallel.levels import describe
+
+
+class Net(nn.Module):
+    vocab: int
+    dim: int
+
+    @nn.compact
+    def __call__(self, tokens):  # [B, T] int32
+        return nn.Dense(self.vocab, name="head")(nn.Embed(self.vocab, self.dim, name="embed")(tokens))  # [B, T, V]
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat:
+    """A memory-less model without CMS levels, as a user writes one."""
+
+    vocab: int
+    dim: int
+
+    def init(self, key):
+        return Net(self.vocab, self.dim).init(key, jnp.zeros((1, 8), jnp.int32))["params"]
+
+    def level_of(self, path):
+        return 0
+
+    def init_memory(self, rows):
+        return {}
+
+    def apply(self, params, memory, batch, key):
+        logits = Net(self.vocab, self.dim).apply({"params": params}, batch["tokens"][:, :-1])
+        return (*token_loss(logits, batch["tokens"][:, 1:], batch.get("mask")), memory)
+
+
+@pytest.fixture
+def flat():
+    nljax.register_model("flat", lambda cfg: Flat(cfg.model.vocab_size, cfg.model.dim))
+    yield
+    specs.unregister("flat")
+
+
+ARGS = ["model.name=flat", "model.dim=16", "cms.periods=[1,2,4]", "cms.frozen_grads=accumulate"]
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
+def test_a_model_without_cms_levels_saves_and_resumes_bitwise(flat, tmp_path, strategy):
+    setup = make([*ARGS, f"sync.strategy={strategy}", f"checkpoint.dir={tmp_path}"], 2, 2)
+    empty = [k for k, x in _named(setup.state).items() if x.size == 0]
+    assert empty  # the test needs a zero-size array in the state
+    train(setup, 2)
+    save(setup, setup.state, 2)  # Orbax refused it: "Cannot save arrays with zero size"
+    straight, final = train(setup, range(2, 5))
+    r = restore(setup.engine, setup.state, tmp_path / "2")
+    assert r.step == 2 and r.warnings == []
+    for k in empty:
+        x = _named(r.state)[k]
+        assert x.size == 0 and x.sharding == _named(setup.state)[k].sharding
+    resumed, state = train(setup, range(2, 5), state=r.state)
+    np.testing.assert_array_equal(resumed, straight)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(final)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_an_elastic_resume_reads_the_empty_levels(flat, tmp_path):
+    saved = make([*ARGS, "sync.strategy=zero1", f"checkpoint.dir={tmp_path}"], 2, 2)
+    train(saved, 2)
+    save(saved, saved.state, 2)
+    other = make([*ARGS, "sync.strategy=fsdp", f"checkpoint.dir={tmp_path}"], 1, 8)
+    r = restore(other.engine, other.state, tmp_path / "2")
+    assert r.step == 2
+    here, there = other.engine.strategy.export_state(r.state), saved.engine.strategy.export_state(saved.state)
+    for a, b in zip(jax.tree.leaves((here.params, here.opt_state)), jax.tree.leaves((there.params, there.opt_state))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    train(other, range(2, 3), state=r.state)  # and it trains on from there
+
+
+def test_the_level_table_says_which_levels_hold_nothing(flat):
+    setup = make(ARGS, 1, 1)
+    table = describe(setup.engine.param_shapes, setup.engine.level_tree, setup.cfg.cms.periods)
+    assert "levels 1, 2 hold no parameters" in table
+
+
+def _named(state):
+    from nljax.checkpoint.contents import named_arrays
+
+    return named_arrays(state)
+
+
+def test_a_model_without_logits_is_not_offered_for_sampling(flat):
+    """The closing lines offer `nljax.generate` only for a model it can sample."""
+    from types import SimpleNamespace
+
+    from nljax.run.trainer import closing
+
+    setup = make(ARGS, 1, 1)
+    offered = lambda model: any("nljax.generate" in line for line in
+                                closing(setup.cfg, SimpleNamespace(task=SimpleNamespace(unit="tokens"),
+                                                                   engine=SimpleNamespace(model=model))))
+    assert not offered(setup.engine.model)
+    assert offered(make([], 1, 1).engine.model)  # the default model has logits()
