@@ -326,6 +326,22 @@ def test_meanflow_settings_out_of_range_are_refused(setting, line):
     load(None, [*DIT, "meanflow.cfg_omega=0.5", "meanflow.cfg_kappa=0.9"])  # weaker guidance, any kappa < 1
 
 
+def test_eval_samples_above_the_held_out_images_are_said_once():
+    """meanflow.eval_samples=500 with 16 held-out images drew 16 at every evaluation in silence:
+    the task's notes say so, which the trainer and nljax.evaluate print once (as they print
+    eval.stream_steps' cap)."""
+    from nljax.parallel.mesh import make_mesh
+    from nljax.run.tasks import ImageTask
+
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    task = ImageTask(load(None, [*DIT, "meanflow.eval_samples=500"]), mesh)
+    assert len(task.data.eval_x) == 16 and task.notes == [
+        "note: meanflow.eval_samples=500 is more than the 16 held-out images: each evaluation draws 16 (hold out "
+        "more, images.eval_fraction, for more)"]
+    assert ImageTask(load(None, [*DIT, "meanflow.eval_samples=16"]), mesh).notes == []
+    assert ImageTask(load(None, [*DIT, "meanflow.eval_samples=0"]), mesh).notes == []  # 0: all of them
+
+
 def test_a_checkpoint_of_other_classes_or_channels_says_so():
     """Evaluating, sampling or resuming on images of other classes or channels than the
     checkpoint's named only a parameter and two shapes (label_embed/embedding (4, 16) there, (6, 16)
