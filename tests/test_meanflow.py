@@ -316,6 +316,9 @@ def test_guidance_needs_labels():
     ("meanflow.label_dropout=1", "config key 'meanflow.label_dropout' must be in [0, 1), got 1.0"),
     ("meanflow.adaptive_p=-1", "config key 'meanflow.adaptive_p' must be in [0, inf), got -1.0"),
     ("meanflow.adaptive_c=0", "config key 'meanflow.adaptive_c' must be in (0, inf), got 0.0"),
+    # at mu = -1e6 every draw of t and r was 0 (float32 sigmoid): accepted, trained on the data alone
+    ("meanflow.time_mu=6", "config key 'meanflow.time_mu' must be in [-5, 5], got 6.0"),
+    ("meanflow.time_mu=-1e6", "config key 'meanflow.time_mu' must be in [-5, 5], got -1000000.0"),
 ])
 def test_meanflow_settings_out_of_range_are_refused(setting, line):
     """The effective guidance scale is omega / (1 - kappa): kappa >= 1 or omega <= 0 trained a
@@ -324,6 +327,8 @@ def test_meanflow_settings_out_of_range_are_refused(setting, line):
         load(None, [*DIT, setting])
     assert str(e.value) == line
     load(None, [*DIT, "meanflow.cfg_omega=0.5", "meanflow.cfg_kappa=0.9"])  # weaker guidance, any kappa < 1
+    load(None, [*DIT, "meanflow.time_mu=-5"])  # the bounds themselves are sane draws
+    load(None, [*DIT, "meanflow.time_mu=5"])
 
 
 def test_eval_samples_above_the_held_out_images_are_said_once():
