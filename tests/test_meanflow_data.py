@@ -349,3 +349,38 @@ def test_non_finite_or_huge_images_are_refused_at_load(tmp_path, poison, message
     with pytest.raises(ConfigError) as e:
         images.load(ImagesConfig(source="file", path=str(tmp_path / "x.npy")))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_used_on_images_of_another_size_is_refused(tmp_path, capsys):
+    """A DiT's parameters fit images of any size (its positions are computed), so a model trained
+    on 4x4 images scored and sampled 8x8 ones without a word: the checkpoint records the image
+    shape its data gave, and a use of the model on another is refused with one line naming both
+    (nljax.evaluate here; generate, export and nljax.load read it the same way: `trained.load`)."""
+    from helpers import saved_run
+
+    from nljax import evaluate
+    from nljax.checkpoint import contents
+    from nljax.run import trained
+
+    rng = np.random.default_rng(3)
+    labels = np.arange(40) % 4
+    np.savez(tmp_path / "small.npz", x=rng.integers(0, 256, (40, 4, 4, 3), dtype=np.uint8), y=labels)
+    np.savez(tmp_path / "other_small.npz", x=rng.integers(0, 256, (40, 4, 4, 3), dtype=np.uint8), y=labels)
+    pngs(tmp_path / "big", rng.integers(0, 256, (40, 8, 8, 3), dtype=np.uint8), [f"{k}/{i:02d}.png" for i, k in
+                                                                                   zip(range(40), labels)])
+    dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+           "model.dit.patch_size=1", "images.source=file", f"images.path={tmp_path / 'small.npz'}", "cms.periods=[1]",
+           "train.batch_size=16", "meanflow.sample_steps=2"]
+    saved_run(tmp_path / "run", dit, 1, 2, steps=1)
+    ck = tmp_path / "run" / "checkpoints" / "1"
+    capsys.readouterr()
+    assert evaluate.main([f"run.dir={tmp_path / 'run'}", f"images.path={tmp_path / 'big'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"nljax.evaluate: error: checkpoint {ck} was trained on data with images.shape=[4, 4, 3], this run's "
+        "data give images.shape=[8, 8, 3]")
+    # other images of its size: the model is used (what they are is the user's to choose)
+    t = trained.load(tmp_path / "run", overrides=[f"images.path={tmp_path / 'other_small.npz'}"],
+                     devices=jax.devices()[:1])
+    assert t.step == 1 and t.run.task.data.shape == (4, 4, 3)
+    # a checkpoint saved before the record was kept is not checked
+    contents.check_built(ck, {"config": {}}, {"images": {"shape": [8, 8, 3], "num_classes": 4}})
