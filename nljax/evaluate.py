@@ -69,7 +69,7 @@ def _evaluate(args, argv: list[str]) -> int:
     n, local = t.run.engine.n_devices, len(jax.local_devices())
     on = f"{n} device{'s' if n > 1 else ''}" + (
         f" (of {local}: as many as divide train.batch_size={t.cfg.train.batch_size})" if n < local else "")
-    notes = [f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())]  # held-out text too short
+    notes = [f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())]  # held-out data too short
     for line in [*t.warnings("nljax.evaluate"), *notes, f"nljax.evaluate: {t.path} (step {t.step}) on {on}{_data(t)}"]:
         print(line, file=sys.stderr)
     metrics = scores(t)

@@ -316,6 +316,9 @@ def test_guidance_needs_labels():
     ("meanflow.label_dropout=1", "config key 'meanflow.label_dropout' must be in [0, 1), got 1.0"),
     ("meanflow.adaptive_p=-1", "config key 'meanflow.adaptive_p' must be in [0, inf), got -1.0"),
     ("meanflow.adaptive_c=0", "config key 'meanflow.adaptive_c' must be in (0, inf), got 0.0"),
+    # at mu = -1e6 every draw of t and r was 0 (float32 sigmoid): accepted, trained on the data alone
+    ("meanflow.time_mu=6", "config key 'meanflow.time_mu' must be in [-5, 5], got 6.0"),
+    ("meanflow.time_mu=-1e6", "config key 'meanflow.time_mu' must be in [-5, 5], got -1000000.0"),
 ])
 def test_meanflow_settings_out_of_range_are_refused(setting, line):
     """The effective guidance scale is omega / (1 - kappa): kappa >= 1 or omega <= 0 trained a
@@ -324,6 +327,24 @@ def test_meanflow_settings_out_of_range_are_refused(setting, line):
         load(None, [*DIT, setting])
     assert str(e.value) == line
     load(None, [*DIT, "meanflow.cfg_omega=0.5", "meanflow.cfg_kappa=0.9"])  # weaker guidance, any kappa < 1
+    load(None, [*DIT, "meanflow.time_mu=-5"])  # the bounds themselves are sane draws
+    load(None, [*DIT, "meanflow.time_mu=5"])
+
+
+def test_eval_samples_above_the_held_out_images_are_said_once():
+    """meanflow.eval_samples=500 with 16 held-out images drew 16 at every evaluation in silence:
+    the task's notes say so, which the trainer and nljax.evaluate print once (as they print
+    eval.stream_steps' cap)."""
+    from nljax.parallel.mesh import make_mesh
+    from nljax.run.tasks import ImageTask
+
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    task = ImageTask(load(None, [*DIT, "meanflow.eval_samples=500"]), mesh)
+    assert len(task.data.eval_x) == 16 and task.notes == [
+        "note: meanflow.eval_samples=500 is more than the 16 held-out images: each evaluation draws 16 (hold out "
+        "more, images.eval_fraction, for more)"]
+    assert ImageTask(load(None, [*DIT, "meanflow.eval_samples=16"]), mesh).notes == []
+    assert ImageTask(load(None, [*DIT, "meanflow.eval_samples=0"]), mesh).notes == []  # 0: all of them
 
 
 def test_a_checkpoint_of_other_classes_or_channels_says_so():

@@ -69,17 +69,14 @@ def test_file_source(tmp_path):
         images.load(ImagesConfig(source="file", path=str(tmp_path / "missing.npy")))
 
 
-def test_a_folder_or_a_picture_for_images_path_is_named(tmp_path):
-    """A folder of images was "not found", and a PNG or a text file "contains pickled (object)
-    data ... allow_pickle=" (numpy's message): each is named for what it is."""
-    (tmp_path / "pics").mkdir()
+def test_a_picture_or_another_file_for_images_path_is_named(tmp_path):
+    """A PNG or a text file "contains pickled (object) data ... allow_pickle=" (numpy's message):
+    each is named for what it is."""
     (tmp_path / "cat.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(40))
     (tmp_path / "notes.txt").write_text("not pixels")
     (tmp_path / "empty.npy").write_bytes(b"")
-    tail = "not a .npy or .npz file of images (a folder of images: save it as an .npz, docs/guides/meanflow.md#data)"
+    tail = "not a .npy or .npz file of images (or a folder of image files)"
     for name, line in [
-        ("pics", f"images.path {tmp_path / 'pics'} is a directory: images.source=file reads one .npy or .npz file "
-                 "(a folder of images: save it as an .npz, docs/guides/meanflow.md#data)"),
         ("cat.png", f"images.path {tmp_path / 'cat.png'} is a PNG image, {tail}"),
         ("notes.txt", f"images.path {tmp_path / 'notes.txt'} is {tail}"),
         ("empty.npy", f"images.path {tmp_path / 'empty.npy'} is empty, {tail}"),
@@ -116,27 +113,124 @@ def test_channels_first_images_are_named(tmp_path):
     assert images.load(ImagesConfig(source="file", path=str(tmp_path / "nhwc.npy"))).shape == (16, 16, 3)
 
 
-def test_the_guides_folder_to_npz_snippet_runs_as_written(tmp_path, monkeypatch):
-    """docs/guides/meanflow.md's recipe for a folder of pictures (class subfolders; grayscale,
-    RGBA and another size among them) gives an .npz that images.source=file reads, labels by
-    subfolder."""
-    import re
-
+def pngs(root, pixels, names):
+    """`pixels` (uint8 [N, H, W] or [N, H, W, C]) written as PNG files `names` under `root`."""
     from PIL import Image
 
-    rng = np.random.default_rng(0)
-    for k, cls in enumerate(["cat", "dog"]):
-        (tmp_path / "my_images" / cls).mkdir(parents=True)
-        for i, mode in enumerate(["RGB", "L", "RGBA", "RGB"]):
-            side = 8 if i < 3 else 12
-            Image.fromarray(rng.integers(0, 256, (side, side, 3), np.uint8)).convert(mode).save(
-                tmp_path / "my_images" / cls / f"{i}.png")
-    block = re.search(r"```python\n(.*?)```", (ROOT / "docs/guides/meanflow.md").read_text(), re.S).group(1)
-    monkeypatch.chdir(tmp_path)
-    exec(block, {})
-    data = images.load(ImagesConfig(source="file", path=str(tmp_path / "my_images.npz"), eval_fraction=0.25))
-    assert data.shape == (32, 32, 3) and data.num_classes == 2 and len(data.train_x) == 6
-    np.testing.assert_array_equal(np.load(tmp_path / "my_images.npz")["y"], [0, 0, 0, 0, 1, 1, 1, 1])
+    for a, name in zip(pixels, names):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(a).save(root / name)
+
+
+TOY = ["model.dim=16", "model.depth=1", "train.batch_size=8", "meanflow.sample_steps=2", "mesh.inter=1",
+       "mesh.intra=2"]
+
+
+def test_a_folder_of_pngs_trains_as_its_npz(tmp_path):
+    """images.path=DIR of PNG files (flat: no labels) gives the arrays its .npz gives, the files
+    in sorted order, other files ignored; meanflow_toy trains on both with the same losses."""
+    from helpers import Setup, train
+
+    from nljax import config
+
+    x = np.random.default_rng(0).integers(0, 256, (20, 4, 4, 3), dtype=np.uint8)
+    pngs(tmp_path / "pics", x, [f"img_{i:02d}.png" for i in range(20)])
+    (tmp_path / "pics" / "README.txt").write_text("not a picture")
+    (tmp_path / "pics" / ".DS_Store").write_bytes(b"\0\0\0\1Bud1")
+    np.savez(tmp_path / "pics.npz", x=x)
+    got = images.load(ImagesConfig(source="file", path=str(tmp_path / "pics")))
+    want = images.load(ImagesConfig(source="file", path=str(tmp_path / "pics.npz")))
+    assert got.shape == (4, 4, 3) and got.num_classes == 0 and len(got.train_x) == 16
+    for a, b in [(got.train_x, want.train_x), (got.eval_x, want.eval_x), (got.train_y, want.train_y)]:
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    np.testing.assert_array_equal(got.eval_x[0], (x[4] / 127.5 - 1).astype(np.float32))  # every 5th held out, in name order
+    losses = []
+    for path in ("pics", "pics.npz"):
+        cfg = config.load(str(ROOT / "nljax/configs/meanflow_toy.yaml"),
+                          [*TOY, "images.source=file", f"images.path={tmp_path / path}", f"run.dir={tmp_path / 'run'}"])
+        setup = Setup.create(cfg, jax.devices()[:2])
+        losses.append(train(setup, 3)[0])
+    assert np.isfinite(losses[0]).all() and len(set(losses[0].tolist())) == 3
+    np.testing.assert_array_equal(losses[0], losses[1])
+
+
+def test_class_subfolders_are_the_labels(tmp_path):
+    """One subfolder per class (torchvision's ImageFolder): sorted names -> 0..K-1, images at any
+    depth below their class; all grayscale: one channel; any colour image: RGB for all."""
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (7, 6, 4), dtype=np.uint8)  # grayscale 6x4 (height x width)
+    names = ["dog/b.png", "dog/a.png", "cat/z.png", "cat/deep/er/a.png", "ant/1.png", "ant/0.png", "cat/.hidden/q.png"]
+    pngs(tmp_path / "set", x, names)
+    (tmp_path / "set" / "cat" / "._z.png").write_bytes(b"AppleDouble")  # hidden: not read
+    got = images.load(ImagesConfig(source="file", path=str(tmp_path / "set"), eval_fraction=0.5))
+    order = [5, 4, 3, 2, 1, 0]  # ant/0, ant/1, cat/deep/er/a, cat/z, dog/a, dog/b
+    assert got.shape == (6, 4, 1) and got.num_classes == 3
+    np.testing.assert_array_equal(np.concatenate([got.train_y, got.eval_y]), [0, 1, 2, 0, 1, 2])  # every 2nd held out
+    np.testing.assert_array_equal(got.train_x[..., 0], (x[order[::2]] / 127.5 - 1).astype(np.float32))
+    # one RGBA image among them: every image read as RGB (the gray ones as three equal channels)
+    from PIL import Image
+
+    Image.fromarray(rng.integers(0, 256, (6, 4, 4), dtype=np.uint8)).save(tmp_path / "set" / "dog" / "c.png")
+    images.load.cache_clear()
+    got = images.load(ImagesConfig(source="file", path=str(tmp_path / "set"), eval_fraction=0.5))
+    assert got.shape == (6, 4, 3) and got.num_classes == 3
+    np.testing.assert_array_equal(got.train_x[0], np.repeat(x[5][..., None] / 127.5 - 1, 3, axis=-1).astype(np.float32))
+
+
+def test_bad_folders_are_one_line(tmp_path, capsys):
+    """Each is refused before any training with one line naming the folder and the file."""
+    from PIL import Image
+
+    rng = np.random.default_rng(2)
+    d = tmp_path
+    (d / "empty").mkdir()
+    (d / "hidden_only").mkdir()
+    (d / "hidden_only" / ".DS_Store").write_bytes(b"x")
+    (d / "texts").mkdir()
+    (d / "texts" / "a.txt").write_text("a")
+    (d / "texts" / "b.npy").write_bytes(b"b")
+    pngs(d / "corrupt", rng.integers(0, 256, (3, 4, 4), dtype=np.uint8), ["a.png", "b.png", "c.png"])
+    (d / "corrupt" / "b.png").write_bytes((d / "corrupt" / "b.png").read_bytes()[:30])  # a truncated file
+    pngs(d / "notpng", rng.integers(0, 256, (2, 4, 4), dtype=np.uint8), ["a.png", "b.png"])
+    (d / "notpng" / "c.jpg").write_text("a text file named .jpg")
+    pngs(d / "sizes", [np.zeros((4, 4), np.uint8), np.zeros((4, 4), np.uint8), np.zeros((8, 6), np.uint8)],
+         ["a/0.png", "a/1.png", "b/0.png"])
+    pngs(d / "loose", rng.integers(0, 256, (2, 4, 4), dtype=np.uint8), ["x.png", "cls/y.png"])
+    pngs(d / "noclass", rng.integers(0, 256, (2, 4, 4), dtype=np.uint8), ["a/0.png", "a/1.png"])
+    (d / "noclass" / "b").mkdir()
+    (d / "noclass" / "b" / "notes.txt").write_text("no images here")
+    (d / "deep").mkdir()
+    Image.fromarray(np.zeros((4, 4), np.uint16)).save(d / "deep" / "a.png")
+    exts = ".png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, .tiff, .ppm, .pgm"
+    for name, line in [
+        ("empty", " is an empty folder"),
+        ("hidden_only", " is an empty folder"),
+        ("texts", f" holds no image files ({exts}); 2 other files, e.g. a.txt"),
+        ("corrupt", ": b.png is not a readable image ("),
+        ("notpng", ": c.jpg is not a readable image (cannot identify image file)"),
+        ("sizes", ": b/0.png is 8x6 (height x width), a/0.png is 4x4: every image must have one size "
+                  "(nljax does not resize them)"),
+        ("loose", " holds image files (x.png) beside subfolders (cls/): put every image in a class subfolder, "
+                  "or none in subfolders"),
+        ("noclass", f": class folder b/ holds no image files (every subfolder is a class: {exts})"),
+        ("deep", ": a.png has 16- or 32-bit pixels (Pillow mode I;16): a folder is read as 8-bit images; save "
+                 "them as 8-bit, or as a float .npz"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            images.load(ImagesConfig(source="file", path=str(d / name)))
+        assert str(e.value).startswith(f"images.path {d / name}{line}") and "\n" not in str(e.value), (name, e.value)
+    # through the command: exit 2, the line alone on stderr, before anything is built
+    from nljax import train
+
+    capsys.readouterr()
+    assert train.main(["--config", "meanflow_toy", "images.source=file", f"images.path={d / 'sizes'}",
+                       f"run.dir={d / 'run'}"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"nljax.train: error: images.path {d / 'sizes'}: b/0.png is 8x6 (height x width), a/0.png is 4x4: every "
+        "image must have one size (nljax does not resize them)"]
+    # an images.path beside another source was ignored: digits trained instead
+    with pytest.raises(ConfigError, match=r"^images.path is read only with images.source=file \(images.source=moons\)$"):
+        ImagesConfig(source="moons", path=str(d / "sizes")).check_used()
 
 
 def brute_force_energy(x, y):
@@ -228,7 +322,7 @@ def test_meanflow_toy_cli_end_to_end(tmp_path):
     # bad input: one line, exit 2
     bad = cli("nljax.train", *base, f"run.dir={tmp_path}/bad", "images.source=file", check=False, cwd=ROOT)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "nljax.train: error: images.source=file needs images.path (a .npy or .npz file)"]
+        "nljax.train: error: images.source=file needs images.path (a .npy or .npz file, or a folder of images)"]
 
 
 def test_labels_past_int32_and_a_large_eval_fraction_are_refused(tmp_path):
@@ -255,3 +349,38 @@ def test_non_finite_or_huge_images_are_refused_at_load(tmp_path, poison, message
     with pytest.raises(ConfigError) as e:
         images.load(ImagesConfig(source="file", path=str(tmp_path / "x.npy")))
     assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_checkpoint_used_on_images_of_another_size_is_refused(tmp_path, capsys):
+    """A DiT's parameters fit images of any size (its positions are computed), so a model trained
+    on 4x4 images scored and sampled 8x8 ones without a word: the checkpoint records the image
+    shape its data gave, and a use of the model on another is refused with one line naming both
+    (nljax.evaluate here; generate, export and nljax.load read it the same way: `trained.load`)."""
+    from helpers import saved_run
+
+    from nljax import evaluate
+    from nljax.checkpoint import contents
+    from nljax.run import trained
+
+    rng = np.random.default_rng(3)
+    labels = np.arange(40) % 4
+    np.savez(tmp_path / "small.npz", x=rng.integers(0, 256, (40, 4, 4, 3), dtype=np.uint8), y=labels)
+    np.savez(tmp_path / "other_small.npz", x=rng.integers(0, 256, (40, 4, 4, 3), dtype=np.uint8), y=labels)
+    pngs(tmp_path / "big", rng.integers(0, 256, (40, 8, 8, 3), dtype=np.uint8), [f"{k}/{i:02d}.png" for i, k in
+                                                                                   zip(range(40), labels)])
+    dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+           "model.dit.patch_size=1", "images.source=file", f"images.path={tmp_path / 'small.npz'}", "cms.periods=[1]",
+           "train.batch_size=16", "meanflow.sample_steps=2"]
+    saved_run(tmp_path / "run", dit, 1, 2, steps=1)
+    ck = tmp_path / "run" / "checkpoints" / "1"
+    capsys.readouterr()
+    assert evaluate.main([f"run.dir={tmp_path / 'run'}", f"images.path={tmp_path / 'big'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"nljax.evaluate: error: checkpoint {ck} was trained on data with images.shape=[4, 4, 3], this run's "
+        "data give images.shape=[8, 8, 3]")
+    # other images of its size: the model is used (what they are is the user's to choose)
+    t = trained.load(tmp_path / "run", overrides=[f"images.path={tmp_path / 'other_small.npz'}"],
+                     devices=jax.devices()[:1])
+    assert t.step == 1 and t.run.task.data.shape == (4, 4, 3)
+    # a checkpoint saved before the record was kept is not checked
+    contents.check_built(ck, {"config": {}}, {"images": {"shape": [8, 8, 3], "num_classes": 4}})

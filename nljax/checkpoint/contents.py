@@ -25,6 +25,7 @@ from nljax.engine.conductor import Conductor
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.errors import ConfigError
+from nljax.models import registry
 from nljax.parallel import mesh as meshlib
 from nljax.parallel.hostdev import replica
 from nljax.version import __version__
@@ -201,6 +202,9 @@ def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: 
         # beside the state it belongs to: a resume from this step continues the same tracker run
         "trackers": dict(trackers or {}),
         "model": fingerprint(engine.model),
+        # what the data decided when the model was built (a DiT: image shape, classes), which the
+        # parameters' shapes need not show: a use of the model on other data is refused (`check_built`)
+        "built": registry.record(engine.model, cfg.model.name),
         "arrays": {
             k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()
         },
@@ -317,6 +321,20 @@ def check_tokenizer(path: Path, saved: dict | None, here: dict | None, what: str
     if saved is not None and here is not None and saved != here:
         raise ConfigError(f"checkpoint {path} was trained on {tokenization.describe(saved)}, {what} "
                           f"{tokenization.describe(here)}: its token ids would stand for other text")
+
+
+def check_built(path: Path, meta: dict, here: dict) -> None:
+    """One line (ConfigError) where the checkpoint at `path` was trained on data that built its
+    model otherwise than this run's data build it (`here`: `registry.record` of this run's model):
+    a DiT's parameters fit images of any size (its positions are computed, not learned), so a
+    model trained on 32x32 images scored or sampled 64x64 ones without a word. A checkpoint saved
+    before the record was kept is not checked."""
+    saved = meta.get("built")
+    if not isinstance(saved, dict):
+        return
+    for key, there, mine in differences(saved, here, ""):
+        raise ConfigError(f"checkpoint {path} was trained on data with {key}={fmt(there)}, this run's data give "
+                          f"{key}={fmt(mine)}")
 
 
 def tracker_ids(meta: dict) -> dict[str, str]:

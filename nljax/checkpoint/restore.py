@@ -21,6 +21,7 @@ from nljax.checkpoint.contents import (
     SILENT,
     Damaged,
     check_arrays,
+    check_built,
     check_fits,
     check_tokenizer,
     data_digest,
@@ -91,7 +92,8 @@ class RestoredParams:
     tokenizer: dict | None = None  # what its token ids are (`data_tokenizer`)
 
 
-def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None) -> RestoredParams:
+def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None, built: dict | None = None
+                   ) -> RestoredParams:
     """The parameters alone of the checkpoint at `path`, on `engine`'s mesh in its layout: what
     `restore` gives as `state.params`, bit for bit, without reading or making anything else. Only
     the `params/...` arrays and the step are read (the optimizer state, error buffers and memory
@@ -100,10 +102,15 @@ def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None) ->
     the parameters once, or twice during a conversion, never the training state. The checks are
     `restore`'s (the model fits, the metadata is sealed, the arrays read match their checksums);
     `Damaged` and one-line ConfigErrors alike. `tokenizer`: what a loading run's token ids are
-    now, checked first (another tokenizer's size would be said as a model.vocab_size misfit)."""
+    now, checked first (another tokenizer's size would be said as a model.vocab_size misfit).
+    `built`: what the run's data now build the model for (`registry.record`: a DiT's image size,
+    which no parameter's shape shows), checked against the checkpoint's (`check_built`); None:
+    not checked (checkpoint.init_params may fine-tune on images of another size)."""
     meta = storage.read_meta(path)
     check_tokenizer(path, data_tokenizer(meta), tokenizer, "the run's data now use")
     check_fits(path, meta, engine)
+    if built is not None:
+        check_built(path, meta, built)
     layout = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(engine.mesh)),
                         engine.strategy.param_layout(), (), (), {})
     target = named_arrays(layout)

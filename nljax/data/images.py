@@ -4,8 +4,9 @@ Sources (`images.source`):
 - `digits`: scikit-learn's bundled 8x8 digits (1797 images, 10 classes), shipped inside the
   package, so it works offline; the default.
 - `file`: a user's `.npy` (images [N, H, W] or [N, H, W, C]) or `.npz` (`x`/`images`, optional
-  `y`/`labels`), e.g. CIFAR-10 saved as arrays. uint8 pixels are mapped to [-1, 1]; floats are
-  used as given.
+  `y`/`labels`), e.g. CIFAR-10 saved as arrays, or a folder of image files, flat or one subfolder
+  per class (`nljax.data.imagefolder`). uint8 pixels (every folder's) are mapped to [-1, 1];
+  floats are used as given.
 - `moons`, `gaussians`: 2-D toy distributions made by code, as "images" of shape [1, 1, 2].
 
 Every round(1 / eval_fraction)-th example is held out for evaluation (a fixed split that does
@@ -27,6 +28,7 @@ from typing import Literal
 import jax
 import numpy as np
 
+from nljax.data import imagefolder
 from nljax.errors import ConfigError, first_line
 from nljax.parallel.hostdev import rows_batch
 
@@ -36,7 +38,9 @@ class ImagesConfig:
     """Config section `images`: the image data of the `images` task."""
 
     source: Literal["digits", "file", "moons", "gaussians"] = "digits"  # digits: scikit-learn's 8x8 set
-    path: str = ""  # source=file: a .npy (images) or .npz ('x' or 'images', optional 'y' or 'labels')
+    # source=file: a .npy (images), an .npz ('x' or 'images', optional 'y' or 'labels'), or a folder
+    # of image files (PNG, JPEG, ...): flat, or one subfolder per class (torchvision's ImageFolder)
+    path: str = ""
     eval_fraction: float = 0.2  # every round(1/eval_fraction)-th example is held out
     toy_points: int = 8192  # size of the 2-D toy sets
 
@@ -46,7 +50,9 @@ class ImagesConfig:
         if not 1e-9 <= self.eval_fraction <= 0.5 or self.toy_points < 2:
             raise ConfigError("images.eval_fraction must be in [1e-9, 0.5] and images.toy_points >= 2")
         if self.source == "file" and not self.path:
-            raise ConfigError("images.source=file needs images.path (a .npy or .npz file)")
+            raise ConfigError("images.source=file needs images.path (a .npy or .npz file, or a folder of images)")
+        if self.source != "file" and self.path:  # ignored without a word: trained on digits instead
+            raise ConfigError(f"images.path is read only with images.source=file (images.source={self.source})")
         if self.toy_points > 10_000_000:  # made in memory at start-up: 2e9 points never finished
             raise ConfigError(f"images.toy_points must be <= 10,000,000, got {self.toy_points:,}")
 
@@ -97,10 +103,28 @@ ARRAY_MAGIC = (b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06")  # .npy; .npz (a zip,
 
 
 def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The pixels of `path` (a folder of images, or an array file) in [-1, 1] for uint8, and the labels."""
+    x, y = imagefolder.read(path) if Path(path).is_dir() else _arrays(path)
+    if x.dtype == np.uint8:
+        return _unit(x), y
+    if not np.issubdtype(x.dtype, np.floating):
+        raise ConfigError(f"images.path {path}: pixels must be uint8 or float, got {x.dtype}")
+    return x, y
+
+
+def _unit(x: np.ndarray) -> np.ndarray:
+    """uint8 pixels mapped to [-1, 1] as float32, a block of images at a time: the same values as
+    x / 127.5 - 1 (float64) cast whole, without that float64 copy of the data set."""
+    out = np.empty(x.shape, np.float32)
+    step = max(1, (64 << 20) // max(1, x[0].size * 8))  # about 64 MB of float64 per block
+    for i in range(0, len(x), step):
+        out[i : i + step] = x[i : i + step] / 127.5 - 1.0
+    return out
+
+
+def _arrays(path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The images and labels of a .npy or .npz file, as stored."""
     p = Path(path)
-    if p.is_dir():
-        raise ConfigError(f"images.path {path} is a directory: images.source=file reads one .npy or .npz file "
-                          "(a folder of images: save it as an .npz, docs/guides/meanflow.md#data)")
     if not p.is_file():
         raise ConfigError(f"images.path not found: {path}")
     try:
@@ -111,7 +135,7 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     if not head.startswith(ARRAY_MAGIC):
         what = next((name for magic, name in NOT_ARRAYS.items() if head.startswith(magic)), "" if head else "empty")
         raise ConfigError(f"images.path {path} is {what + ', ' if what else ''}not a .npy or .npz file of images "
-                          "(a folder of images: save it as an .npz, docs/guides/meanflow.md#data)")
+                          "(or a folder of image files)")
     try:
         loaded = np.load(p, allow_pickle=False)
     except Exception as e:  # noqa: BLE001 - any unreadable file is one user error
@@ -144,10 +168,6 @@ def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
         # refusal blamed model.dit.patch_size (or none came: a 4-row image trained)
         raise ConfigError(f"images.path {path}: images of shape {x.shape} look channels-first [N, C, H, W]; nljax "
                           "reads [N, H, W, C]: save np.moveaxis(x, 1, -1)")
-    if x.dtype == np.uint8:
-        x = x / 127.5 - 1.0
-    elif not np.issubdtype(x.dtype, np.floating):
-        raise ConfigError(f"images.path {path}: pixels must be uint8 or float, got {x.dtype}")
     if y is not None and (y.shape != (len(x),) or not np.issubdtype(y.dtype, np.integer) or y.min() < 0):
         raise ConfigError(
             f"images.path {path}: labels must be non-negative integers [N={len(x)}], got {y.dtype} {y.shape}"
@@ -203,7 +223,7 @@ def load(cfg: ImagesConfig) -> ImageSet:
         raise ConfigError(f"images: labels must be < {MAX_CLASSES:,} (2^20), got {int(y.max()):,}")
     num_classes = 0 if y is None else int(y.max()) + 1
     y = np.zeros(len(x), np.int32) if y is None else y.astype(np.int32)
-    x = x.astype(np.float32)
+    x = x.astype(np.float32, copy=False)  # uint8 came as float32 (`_unit`): no second copy
     check_values(x, cfg.path if cfg.source == "file" else cfg.source)
     every = round(1 / cfg.eval_fraction)
     held = np.arange(len(x)) % every == every - 1

@@ -50,8 +50,11 @@ class MeanFlowConfig:
     # Guidance: the paper's effective scale is omega / (1 - kappa), so kappa >= 1 has none and
     # omega <= 0 takes out (or reverses) the data's own velocity; both trained before, exit 0.
     # The others here too, so that a refusal names its key and value (check_used named three keys
-    # and their rules at once, no value).
-    RANGES: ClassVar[dict] = {"cfg_t_min": (0, 1, True, True), "cfg_t_max": (0, 1, True, True),
+    # and their rules at once, no value). time_mu: at |mu| = 5 half of the logit-normal draws lie
+    # within 0.007 of 0 or of 1 (sigmoid(5) = 0.993); further out almost none lands between data
+    # and noise, and at mu = 1e6 every draw is t = r = 1 (it was accepted).
+    RANGES: ClassVar[dict] = {"time_mu": (-5, 5, True, True),
+                              "cfg_t_min": (0, 1, True, True), "cfg_t_max": (0, 1, True, True),
                               "cfg_omega": (0, None, False, None), "cfg_kappa": (0, 1, True, False),
                               "r_fraction": (0, 1, True, True), "label_dropout": (0, 1, True, False),
                               "time_sigma": (0, None, False, None), "adaptive_p": (0, None, True, None),

@@ -261,6 +261,11 @@ class ImageTask:
         self.sampler = images.EpochSampler(len(self.data.train_x), cfg.train.batch_size, cfg.seed)
         if len(self.data.eval_x) < 2:  # the evaluation's energy distance: found before step 0
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {len(self.data.eval_x)}")
+        self.notes: list[str] = []  # said once at start-up by the trainer (and by nljax.evaluate)
+        held, asked = len(self.data.eval_x), cfg.meanflow.eval_samples
+        if asked > held:  # capped at every evaluation, as eval.stream_steps is: said once
+            self.notes.append(f"note: meanflow.eval_samples={asked} is more than the {held} held-out images: each "
+                              f"evaluation draws {held} (hold out more, images.eval_fraction, for more)")
         self._generate = self._error = None
         # where each evaluation draws its samples_<step>.png; None: nowhere (nljax.evaluate
         # scores a checkpoint and leaves the run directory as it is)

@@ -22,6 +22,7 @@ from nljax import config
 from nljax.checkpoint import storage
 from nljax.checkpoint.restore import first_valid, restore_params
 from nljax.errors import ConfigError
+from nljax.models import registry
 from nljax.models.builtin import for_this_backend
 from nljax.run import startup
 from nljax.run.core import Run
@@ -126,8 +127,11 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
         raise ConfigError(f"{e} ({', '.join(relative)} in {cfg_file} is relative to the directory the run was "
                           "started in: run from there, or give it absolute)") from None
     # the parameters alone (a model whose training state needs many devices loads on one), read
-    # only if the run's tokenizer now (data.tokenizer's file, data.prepared's) is the one it trained on
-    restored, skipped = first_valid(lambda path: restore_params(run.engine, path, identity), storage.candidates(cfg))
+    # only if the run's tokenizer now (data.tokenizer's file, data.prepared's) is the one it trained
+    # on, and its data build the model it trained (a DiT: images of its size)
+    built = registry.record(run.engine.model, cfg.model.name)
+    restored, skipped = first_valid(lambda path: restore_params(run.engine, path, identity, built),
+                                    storage.candidates(cfg))
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
     return Trained(cfg, trained_config(run_dir, overrides), run, restored.params, restored.step,

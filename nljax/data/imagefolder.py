@@ -1,0 +1,136 @@
+"""A folder of image files as the `images` task's data (`images.path=DIR`), read with Pillow.
+
+The layout is torchvision's `ImageFolder` convention, or a flat folder:
+
+- image files directly in DIR: no labels;
+- one subfolder per class: the classes are the subfolders' names in sorted order, labelled
+  0 .. K-1; a class's images may lie at any depth below its folder.
+
+Image files are those named with one of `EXTENSIONS` (any case); other files are ignored, and so
+is every name that starts with '.' (macOS's `._x.png` and `.DS_Store`, editors' backups). Files
+come in sorted order of their paths, class by class, which fixes the held-out split.
+
+Pixels: every image must have the size of the first one (nothing is resized: a silent resize
+changes the data a run claims to train on). All grayscale ('1', 'L', 'LA'): one channel;
+otherwise every image is converted to RGB (palettes expanded; alpha dropped, not blended). 16-bit
+and float images are refused: their values do not map to uint8 without a choice of scale. The
+result is uint8, scaled by the caller as a uint8 array file is (`nljax.data.images`).
+
+Two passes: the first opens every file's header only (size and mode: a file of another size or a
+corrupt header is named before any pixel is decoded), the second decodes each image into one
+preallocated uint8 array [N, H, W, C]. Errors are one line (ConfigError) naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from nljax.errors import ConfigError, first_line
+
+# torchvision's IMG_EXTENSIONS, and GIF (its first frame, as every multi-frame file: Pillow's default)
+EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff", ".ppm", ".pgm")
+GRAY = ("1", "L", "LA")  # Pillow modes read as one channel
+WIDE = ("I", "F")  # mode prefixes of 16/32-bit integer and float pixels ("I", "I;16", "F")
+
+
+def is_image(p: Path) -> bool:
+    return p.suffix.lower() in EXTENSIONS and not p.name.startswith(".")
+
+
+def read(path: str) -> tuple[np.ndarray, np.ndarray | None]:
+    """The images under the folder `path` (uint8 [N, H, W, 1 or 3]) and their labels (int64 [N],
+    None for a flat folder)."""
+    root = Path(path)
+    files, labels = listing(root, path)
+    (h, w), gray = _survey(root, files, path)
+    x = np.empty((len(files), h, w, 1 if gray else 3), np.uint8)  # the only copy of the pixels
+    for i, f in enumerate(files):
+        x[i] = _decode(root, f, path, "L" if gray else "RGB").reshape(x.shape[1:])
+    return x, labels
+
+
+def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None]:
+    """The image files in order, and their labels (None: flat)."""
+    try:
+        entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
+    except OSError as e:
+        raise ConfigError(f"images.path {path}: cannot read the folder ({e.strerror})") from None
+    if not entries:
+        raise ConfigError(f"images.path {path} is an empty folder")
+    classes = [p for p in entries if p.is_dir()]
+    loose = [p for p in entries if p.is_file() and is_image(p)]
+    if not classes:
+        if not loose:
+            raise ConfigError(f"images.path {path} holds no image files ({', '.join(EXTENSIONS)}); "
+                              f"{len(entries)} other file{'s' if len(entries) > 1 else ''}, e.g. {entries[0].name}")
+        return loose, None
+    if loose:  # which class would they be? not for nljax to guess
+        raise ConfigError(f"images.path {path} holds image files ({loose[0].name}) beside subfolders "
+                          f"({classes[0].name}/): put every image in a class subfolder, or none in subfolders")
+    files, labels = [], []
+    for k, d in enumerate(classes):
+        mine = _below(d)
+        if not mine:  # the classes after it would take its label: said instead
+            raise ConfigError(f"images.path {path}: class folder {d.name}/ holds no image files "
+                              f"(every subfolder is a class: {', '.join(EXTENSIONS)})")
+        files += mine
+        labels += [k] * len(mine)
+    return files, np.array(labels, np.int64)
+
+
+def _below(d: Path) -> list[Path]:
+    """Image files at any depth below `d` (links to folders followed, as torchvision does),
+    sorted by their path; hidden folders skipped."""
+    out = []
+    for top, dirs, names in os.walk(d, followlinks=True):
+        dirs[:] = [n for n in dirs if not n.startswith(".")]
+        out += [Path(top) / n for n in names if is_image(Path(n))]
+    return sorted(out, key=lambda p: p.relative_to(d).parts)
+
+
+def _survey(root: Path, files: list[Path], path: str) -> tuple[tuple[int, int], bool]:
+    """(height, width) shared by every image, and whether every one is grayscale; from the
+    headers alone."""
+    from PIL import Image
+
+    first = size = None
+    gray = True
+    for f in files:
+        try:
+            with Image.open(f) as im:
+                mode, (w, h) = im.mode, im.size
+        except Exception as e:  # noqa: BLE001 - not an image, a damaged header, a decompression bomb
+            raise ConfigError(f"images.path {path}: {_rel(root, f)} is not a readable image ({_why(e, f)})") from None
+        if mode.startswith(WIDE):
+            raise ConfigError(f"images.path {path}: {_rel(root, f)} has 16- or 32-bit pixels (Pillow mode {mode}): "
+                              "a folder is read as 8-bit images; save them as 8-bit, or as a float .npz")
+        if size is None:
+            first, size = f, (h, w)
+        elif (h, w) != size:
+            raise ConfigError(f"images.path {path}: {_rel(root, f)} is {h}x{w} (height x width), {_rel(root, first)} "
+                              f"is {size[0]}x{size[1]}: every image must have one size (nljax does not resize them)")
+        gray = gray and mode in GRAY
+    return size, gray
+
+
+def _decode(root: Path, f: Path, path: str, mode: str) -> np.ndarray:
+    from PIL import Image
+
+    try:
+        with Image.open(f) as im:
+            return np.asarray(im.convert(mode))
+    except Exception as e:  # noqa: BLE001 - a truncated or damaged body: one user error
+        raise ConfigError(f"images.path {path}: {_rel(root, f)} is not a readable image ({_why(e, f)})") from None
+
+
+def _rel(root: Path, f: Path) -> str:
+    return f.relative_to(root).as_posix()
+
+
+def _why(e: Exception, f: Path) -> str:
+    """Pillow's reason, without the full path it repeats ("cannot identify image file '/a/b.png'")."""
+    why = first_line(e).replace(f" {str(f)!r}", "").replace(f" {str(f)}", "")
+    return why or type(e).__name__
