@@ -3,9 +3,11 @@ pyarrow (the optional extra: pip install 'nljax[parquet]') one row group or reco
 time, so a file of any size is read in the memory of its largest row group (or record batch).
 
 An Arrow file is the IPC file format or the stream format (what `datasets.Dataset.save_to_disk`
-writes as its `.arrow` shards). pyarrow is imported only when such a file is named: `import
-nljax` never loads it. Every problem is one line naming the file: no pyarrow, not a Parquet or
-Arrow file (empty, cut short, damaged), no such column, a column that is not text, a null row.
+writes as its `.arrow` shards). The column is text: string, large_string, string_view, or a
+dictionary of them (pandas categoricals, `dictionary_encode()`), read as its strings. pyarrow is
+imported only when such a file is named: `import nljax` never loads it. Every problem is one line
+naming the file: no pyarrow, not a Parquet or Arrow file (empty, cut short, damaged), no such
+column, a column that is not text, a null row.
 """
 
 from __future__ import annotations
@@ -79,9 +81,13 @@ def _arrow(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[l
 def _texts(path: Path, column, text_key: str, done: int, skip: int):
     """Yield the texts of `column` (rows done .. done + len) at and past row `skip`; return the
     rows done after it."""
+    import pyarrow as pa
+
     end = done + len(column)
     if end > skip:
         column = column.slice(max(0, skip - done))
+        if pa.types.is_dictionary(column.type):  # categories: the strings they stand for
+            column = column.dictionary_decode()
         if column.null_count:
             first = done + max(0, skip - done) + column.is_null().to_pylist().index(True)
             raise ConfigError(f"{path}: row {first}: column '{text_key}' is null (data.text_key)")
@@ -100,6 +106,8 @@ def _check_column(path: Path, schema, text_key: str) -> None:
         names = ", ".join(schema.names[:8]) + (", ..." if len(schema.names) > 8 else "")
         raise ConfigError(f"{path}: no column '{text_key}' (data.text_key; its columns: {names or 'none'})")
     kind = schema.field(text_key).type
+    if pa.types.is_dictionary(kind):  # pandas categoricals, dictionary_encode(): read as their values
+        kind = kind.value_type
     string_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view(kind)):
         raise ConfigError(f"{path}: column '{text_key}' holds {kind}, not text (data.text_key)")
