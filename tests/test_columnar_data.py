@@ -148,6 +148,13 @@ def _bad(root: Path) -> None:
     pq.write_table(pa.table({"text": ["some text"] * 100}), good)
     (root / "cut.parquet").write_bytes(good.read_bytes()[:-20])
     (root / "garbage.arrow").write_bytes(b"not arrow at all" * 10)
+    table = pa.table({"text": ["some text"] * 100})
+    with pa.OSFile(str(root / "whole.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table, max_chunksize=30)
+    (root / "cut.arrow").write_bytes((root / "whole.arrow").read_bytes()[:-100])  # a copy stopped part-way
+    with pa.OSFile(str(root / "stream.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table, max_chunksize=30)
+    (root / "cutstream.arrow").write_bytes((root / "stream.arrow").read_bytes()[:-100])
     (root / "dict").mkdir()
     (root / "dict" / "dataset_dict.json").write_text('{"splits": ["train"]}')
     (root / "dict" / "train").mkdir()
@@ -167,6 +174,9 @@ BAD = [
     ("R/empty.parquet", "R/empty.parquet: not a readable Parquet file"),
     ("R/cut.parquet", "R/cut.parquet: not a readable Parquet file"),
     ("R/garbage.arrow", "R/garbage.arrow: not a readable Arrow file"),
+    ("R/cut.arrow", "R/cut.arrow: not a readable Arrow file: cut short or damaged (its footer, which ends the file, "
+                    "is missing or unreadable); write or copy it again"),
+    ("R/cutstream.arrow", "R/cutstream.arrow: not a readable Arrow file: cut short or damaged (pyarrow: "),
     ("R/dict", "data.train: R/dict holds the splits of a DatasetDict (train): give one, such as R/dict/train"),
     ("R/nothing", "data.train: R/nothing is an empty dataset (its state.json lists no .arrow file)"),
     # a folder of part files (Spark, Dask): the glob of what it holds, not *.txt

@@ -18,6 +18,8 @@ from typing import Iterator
 from nljax.errors import ConfigError, first_line
 
 PARQUET, ARROW = ".parquet", ".arrow"
+# how an Arrow file begins: the IPC file format's magic, the stream format's first message marker
+FILE_MAGIC, STREAM_MARKER = b"ARROW1", b"\xff\xff\xff\xff"
 SUFFIXES = (PARQUET, ARROW)
 INSTALL = "pip install 'nljax[parquet]'"
 
@@ -63,19 +65,39 @@ def _arrow(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[l
     import pyarrow as pa
 
     with pa.OSFile(str(path)) as source:  # read, not mapped: one record batch in memory at a time
+        head = source.read(len(FILE_MAGIC))
+        source.seek(0)
+        reader = None
         try:
-            reader = pa.ipc.open_file(source)
-            parts = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid:  # not the file format: the stream format (save_to_disk's shards)
-            source.seek(0)
-            reader = pa.ipc.open_stream(source)
-            parts = iter(reader)
-        _check_column(path, reader.schema, text_key)
-        done = 0
-        for record_batch in parts:
-            column = record_batch.column(text_key)
-            for start in range(0, len(column), batch):
-                done = yield from _texts(path, column.slice(start, batch), text_key, done, skip)
+            if head == FILE_MAGIC:  # the file format: its footer, at the end, lists the record batches
+                reader = pa.ipc.open_file(source)
+                parts = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:  # the stream format (save_to_disk's shards): one message after another
+                reader = pa.ipc.open_stream(source)
+                parts = iter(reader)
+            _check_column(path, reader.schema, text_key)
+            done = 0
+            for record_batch in parts:
+                column = record_batch.column(text_key)
+                for start in range(0, len(column), batch):
+                    done = yield from _texts(path, column.slice(start, batch), text_key, done, skip)
+        except (pa.ArrowException, OSError) as e:
+            line = _cut_short(path, head, reader is not None, e)
+            if line is None:
+                raise
+            raise ConfigError(line) from None
+
+
+def _cut_short(path: Path, head: bytes, opened: bool, e: Exception) -> str | None:
+    """The line for a file that begins as Arrow (`head`: either format's first bytes) and fails
+    further on: cut short or damaged, which pyarrow's words do not say ("Not an Arrow file" for the
+    file format without its footer). None for anything else (no Arrow file at all, a read error of
+    the disk: errno set), which `rows` words."""
+    if (isinstance(e, OSError) and e.errno is not None) or not head.startswith((FILE_MAGIC, STREAM_MARKER)):
+        return None
+    why = ("its footer, which ends the file, is missing or unreadable" if head == FILE_MAGIC and not opened
+           else f"pyarrow: {first_line(e)}")
+    return f"{path}: not a readable Arrow file: cut short or damaged ({why}); write or copy it again"
 
 
 def _texts(path: Path, column, text_key: str, done: int, skip: int):
