@@ -138,13 +138,19 @@ def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, cap
     (["run.dir={run}", "out={d}/r.txt"], "out={d}/r.txt: the result is JSON, give a file name ending in .json"),
     (["run.dir={run}", "out={d}/theirs.json"], "out={d}/theirs.json holds a file that is not an nljax.evaluate "
                                                "result: give a new file name, or move it"),
+    # under a file, or under a link to nothing: mkdir's "File exists" once the checkpoint was scored
+    (["run.dir={run}", "out={d}/theirs.json/r.json"], "out={d}/theirs.json/r.json: {d}/theirs.json is a file, not a "
+                                                      "directory"),
+    (["run.dir={run}", "out={d}/gone/sub/r.json"], "out={d}/gone/sub/r.json: {d}/gone is a symbolic link to "
+                                                   "{d}/nowhere, which does not exist"),
     (["out={d}/r.json"], "run.dir=DIR is required: the run directory nljax.train wrote"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args, line, run_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     shutil.copy(run_dir / "config.yaml", tmp_path / "empty" / "config.yaml")  # a run that saved no checkpoint
     (tmp_path / "theirs.json").write_text('{"a user": "file"}')
-    tree = lambda root: sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*"))
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    tree = lambda root: sorted((p.relative_to(root), p.lstat().st_mtime_ns) for p in root.rglob("*"))
     before = tree(tmp_path), tree(run_dir)
     capsys.readouterr()
     argv = [a.format(d=tmp_path, run=run_dir) for a in args]
