@@ -344,9 +344,8 @@ RESULT_KEYS = frozenset({"config", "environment", "per_pattern", "command"})
 def check_profile_dir(d: Path) -> None:
     """Before anything is measured: `--profile-dir` is a directory or can become one (the profiler
     and the program's HLO are written there after the timing, which a file would throw away)."""
-    bad = next((p for p in (d.absolute(), *d.absolute().parents) if p.exists() and not p.is_dir()), None)
-    if bad is not None:
-        raise ConfigError(f"--profile-dir {d}: {bad} is a file, not a directory")
+    if why := resultfile.not_a_directory(d.absolute()):
+        raise ConfigError(f"--profile-dir {d}: {why}")
 
 
 def _run(args, cfg: Config) -> int:

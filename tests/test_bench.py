@@ -142,11 +142,14 @@ def test_bench_synthetic_sizes_must_be_positive(shape):
 @pytest.mark.parametrize("out,line", [
     ("notes.md", "--out notes.md: the result is JSON, give a file name ending in .json"),
     ("notes.md/b.json", "--out notes.md/b.json: {dir}/notes.md is a file, not a directory"),
+    # mkdir's traceback ("File exists") once the whole benchmark had run
+    ("gone/b.json", "--out gone/b.json: {dir}/gone is a symbolic link to {dir}/nowhere, which does not exist"),
 ])
 def test_bench_out_is_checked_before_anything_runs(tmp_path, out, line):
     """A bad --out is refused at once: never written over another kind of file, never found out
     after the whole benchmark has run."""
     (tmp_path / "notes.md").write_text("mine")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
     p = cli("nljax.bench", "--out", out, *NL, check=False, cwd=tmp_path)
     assert p.returncode == 2 and p.stderr.strip() == f"nljax.bench: error: {line.format(dir=tmp_path)}", p.stderr
     assert (tmp_path / "notes.md").read_text() == "mine"

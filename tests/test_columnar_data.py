@@ -87,6 +87,29 @@ def test_columnar_input_is_the_jsonl_reference(shards, spelling, monkeypatch):
     assert texts == [d + "\0" for i, d in enumerate(kept) if i % 5 == 4]
 
 
+def test_dictionary_encoded_text_reads_as_its_strings(shards, tmp_path):
+    """A dictionary-encoded column (pyarrow's dictionary_encode(), a pandas categorical; of string
+    or large_string) in Parquet, an Arrow file and an Arrow stream: its strings, as the .jsonl."""
+    pd = pytest.importorskip("pandas")
+    docs = shards["docs"]
+    ref = prepared.build(data(f"data.train={shards['root']}/ref.jsonl"))
+    encoded = pa.table({"text": pa.array(docs).dictionary_encode()})
+    assert pa.types.is_dictionary(encoded.schema.field("text").type)
+    pq.write_table(encoded, tmp_path / "encoded.parquet", row_group_size=13)
+    large = pa.table({"text": pa.array(docs, pa.large_string()).dictionary_encode()})
+    pq.write_table(large, tmp_path / "large.parquet")
+    pd.DataFrame({"text": pd.Categorical(docs)}).to_parquet(tmp_path / "categorical.parquet")
+    assert pa.types.is_dictionary(pq.read_schema(tmp_path / "categorical.parquet").field("text").type)
+    with pa.OSFile(str(tmp_path / "file.arrow"), "wb") as f, pa.ipc.new_file(f, encoded.schema) as w:
+        w.write_table(encoded, max_chunksize=9)
+    with pa.OSFile(str(tmp_path / "stream.arrow"), "wb") as f, pa.ipc.new_stream(f, encoded.schema) as w:
+        w.write_table(encoded, max_chunksize=11)
+    for name in ("encoded.parquet", "large.parquet", "categorical.parquet", "file.arrow", "stream.arrow"):
+        got = prepared.build(data(f"data.train={tmp_path / name}"))
+        assert got.digest == ref.digest, name
+        np.testing.assert_array_equal(got.train.tokens, ref.train.tokens)
+
+
 def test_text_key_names_the_column_and_eval_files(shards, tmp_path):
     pq.write_table(pa.table({"content": shards["docs"][:30]}), tmp_path / "c.parquet")
     pq.write_table(pa.table({"content": shards["docs"][30:]}), tmp_path / "held.parquet")
@@ -125,6 +148,13 @@ def _bad(root: Path) -> None:
     pq.write_table(pa.table({"text": ["some text"] * 100}), good)
     (root / "cut.parquet").write_bytes(good.read_bytes()[:-20])
     (root / "garbage.arrow").write_bytes(b"not arrow at all" * 10)
+    table = pa.table({"text": ["some text"] * 100})
+    with pa.OSFile(str(root / "whole.arrow"), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+        w.write_table(table, max_chunksize=30)
+    (root / "cut.arrow").write_bytes((root / "whole.arrow").read_bytes()[:-100])  # a copy stopped part-way
+    with pa.OSFile(str(root / "stream.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table, max_chunksize=30)
+    (root / "cutstream.arrow").write_bytes((root / "stream.arrow").read_bytes()[:-100])
     (root / "dict").mkdir()
     (root / "dict" / "dataset_dict.json").write_text('{"splits": ["train"]}')
     (root / "dict" / "train").mkdir()
@@ -144,6 +174,9 @@ BAD = [
     ("R/empty.parquet", "R/empty.parquet: not a readable Parquet file"),
     ("R/cut.parquet", "R/cut.parquet: not a readable Parquet file"),
     ("R/garbage.arrow", "R/garbage.arrow: not a readable Arrow file"),
+    ("R/cut.arrow", "R/cut.arrow: not a readable Arrow file: cut short or damaged (its footer, which ends the file, "
+                    "is missing or unreadable); write or copy it again"),
+    ("R/cutstream.arrow", "R/cutstream.arrow: not a readable Arrow file: cut short or damaged (pyarrow: "),
     ("R/dict", "data.train: R/dict holds the splits of a DatasetDict (train): give one, such as R/dict/train"),
     ("R/nothing", "data.train: R/nothing is an empty dataset (its state.json lists no .arrow file)"),
     # a folder of part files (Spark, Dask): the glob of what it holds, not *.txt

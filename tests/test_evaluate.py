@@ -41,6 +41,19 @@ def other_text(tmp_path_factory):
     return root
 
 
+def bpe_tokenizer(texts, path):
+    """A byte-level BPE tokenizer of 300 tokens trained here on `texts`, saved at `path` (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
+    tok.save(str(path))
+    return path
+
+
 def result_of(argv, capsys) -> tuple[dict, dict]:
     """(the out= JSON, the metrics printed) of `nljax.evaluate argv` in this process."""
     capsys.readouterr()
@@ -102,14 +115,7 @@ def test_other_held_out_files_and_settings(run_dir, other_text, tmp_path, capsys
 
 
 def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, capsys):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator([p.read_text() for p in other_text.glob("*.txt")],
-                            trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(tmp_path / "tokenizer.json"))
+    bpe_tokenizer([p.read_text() for p in other_text.glob("*.txt")], tmp_path / "tokenizer.json")
     capsys.readouterr()
     out = tmp_path / "r.json"
     assert evaluate.main([f"run.dir={run_dir}", f"data.eval={other_text}/*.txt",
@@ -132,13 +138,19 @@ def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, cap
     (["run.dir={run}", "out={d}/r.txt"], "out={d}/r.txt: the result is JSON, give a file name ending in .json"),
     (["run.dir={run}", "out={d}/theirs.json"], "out={d}/theirs.json holds a file that is not an nljax.evaluate "
                                                "result: give a new file name, or move it"),
+    # under a file, or under a link to nothing: mkdir's "File exists" once the checkpoint was scored
+    (["run.dir={run}", "out={d}/theirs.json/r.json"], "out={d}/theirs.json/r.json: {d}/theirs.json is a file, not a "
+                                                      "directory"),
+    (["run.dir={run}", "out={d}/gone/sub/r.json"], "out={d}/gone/sub/r.json: {d}/gone is a symbolic link to "
+                                                   "{d}/nowhere, which does not exist"),
     (["out={d}/r.json"], "run.dir=DIR is required: the run directory nljax.train wrote"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args, line, run_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     shutil.copy(run_dir / "config.yaml", tmp_path / "empty" / "config.yaml")  # a run that saved no checkpoint
     (tmp_path / "theirs.json").write_text('{"a user": "file"}')
-    tree = lambda root: sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*"))
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    tree = lambda root: sorted((p.relative_to(root), p.lstat().st_mtime_ns) for p in root.rglob("*"))
     before = tree(tmp_path), tree(run_dir)
     capsys.readouterr()
     argv = [a.format(d=tmp_path, run=run_dir) for a in args]
@@ -161,6 +173,52 @@ def test_the_result_is_written_whole_or_not_at_all(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         resultfile.write(out, {"command": "second"})
     assert json.loads(out.read_text())["command"] == "first" and [p.name for p in tmp_path.iterdir()] == ["r.json"]
+
+
+def test_a_prepared_run_is_scored_from_its_held_out_split_alone(tmp_path, capsys, monkeypatch):
+    """A run on a data.prepared directory (with a tokenizer) is scored from the manifest, the
+    tokenizer copy and eval.bin: train.bin is neither opened nor hashed (some 25 s per 10B
+    tokens), and may be gone; the numbers and the data record are the run's own."""
+    words = "the a memory level stream token window model learns reads writes data file of and to".split()
+    rng = np.random.default_rng(0)
+    texts = [" ".join(rng.choice(words, 60)) + "." for _ in range(8)]
+    (tmp_path / "text").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "text" / f"doc{i}.txt").write_text(text)
+    tok = bpe_tokenizer(texts, tmp_path / "tok.json")
+    prep = tmp_path / "prep"
+    prepared.build(config.load(None, ["data.source=files", f"data.train={tmp_path}/text/*.txt", f"data.tokenizer={tok}",
+                                      "data.eval_fraction=0.5"]).data, prep)
+    run = tmp_path / "run"
+    train(config.load(None, [*TINY, *QUICK, "cms.periods=[1]", "train.steps=2", "eval.batches=1",
+                             "eval.stream_steps=1", "run.quiet=true", f"run.dir={run}", "data.source=files",
+                             f"data.prepared={prep}"]))
+    summary = json.loads((run / "summary.json").read_text())
+    reported = {k: v for k, v in summary.items() if k.startswith("eval_")}
+    assert {"eval_loss", "eval_loss_stream"} <= reported.keys()
+    monkeypatch.setattr(prepared, "_CACHE", {})  # as in a process of its own: the run's corpus is not at hand
+    hashed, real = [], prepared._check_tokens  # every token file a load opens is hashed in full first
+    monkeypatch.setattr(prepared, "_check_tokens", lambda path, file, *a: (hashed.append(file.name),
+                                                                          real(path, file, *a)))
+    result, _ = result_of([f"run.dir={run}", f"out={tmp_path / 'r.json'}"], capsys)
+    assert hashed == ["eval.bin"]
+    for name in ("train.bin", "train.docs.npy"):  # moved away, or deleted to save the space
+        (prep / name).unlink()
+    gone, _ = result_of([f"run.dir={run}", f"out={tmp_path / 'gone.json'}"], capsys)
+    for r in (result, gone):
+        assert r["data"] == summary["data"] and r["data"]["train_tokens"] > 0  # the manifest's count
+        for key, value in reported.items():
+            assert r[key] == pytest.approx(value, rel=1e-6), key
+    with pytest.raises(ConfigError, match="train.bin is missing"):  # a run that trains needs it
+        Run.create(config.load(None, [*TINY, "data.source=files", f"data.prepared={prep}"]))
+    # data.eval alone: those files, tokenized with the directory's copy of the tokenizer (the
+    # source text moved away too)
+    shutil.move(tmp_path / "text", tmp_path / "moved")
+    hashed.clear()
+    other, _ = result_of([f"run.dir={run}", f"data.eval={tmp_path}/moved/doc0.txt", f"out={tmp_path / 'o.json'}"],
+                         capsys)
+    assert other["data"]["train_tokens"] == 0 and other["eval_loss"] != result["eval_loss"]
+    assert hashed == []  # no token file of the directory
 
 
 def test_held_out_files_alone_train_nothing(other_text, tmp_path):

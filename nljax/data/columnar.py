@@ -3,9 +3,11 @@ pyarrow (the optional extra: pip install 'nljax[parquet]') one row group or reco
 time, so a file of any size is read in the memory of its largest row group (or record batch).
 
 An Arrow file is the IPC file format or the stream format (what `datasets.Dataset.save_to_disk`
-writes as its `.arrow` shards). pyarrow is imported only when such a file is named: `import
-nljax` never loads it. Every problem is one line naming the file: no pyarrow, not a Parquet or
-Arrow file (empty, cut short, damaged), no such column, a column that is not text, a null row.
+writes as its `.arrow` shards). The column is text: string, large_string, string_view, or a
+dictionary of them (pandas categoricals, `dictionary_encode()`), read as its strings. pyarrow is
+imported only when such a file is named: `import nljax` never loads it. Every problem is one line
+naming the file: no pyarrow, not a Parquet or Arrow file (empty, cut short, damaged), no such
+column, a column that is not text, a null row.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from typing import Iterator
 from nljax.errors import ConfigError, first_line
 
 PARQUET, ARROW = ".parquet", ".arrow"
+# how an Arrow file begins: the IPC file format's magic, the stream format's first message marker
+FILE_MAGIC, STREAM_MARKER = b"ARROW1", b"\xff\xff\xff\xff"
 SUFFIXES = (PARQUET, ARROW)
 INSTALL = "pip install 'nljax[parquet]'"
 
@@ -61,27 +65,51 @@ def _arrow(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[l
     import pyarrow as pa
 
     with pa.OSFile(str(path)) as source:  # read, not mapped: one record batch in memory at a time
+        head = source.read(len(FILE_MAGIC))
+        source.seek(0)
+        reader = None
         try:
-            reader = pa.ipc.open_file(source)
-            parts = (reader.get_batch(i) for i in range(reader.num_record_batches))
-        except pa.ArrowInvalid:  # not the file format: the stream format (save_to_disk's shards)
-            source.seek(0)
-            reader = pa.ipc.open_stream(source)
-            parts = iter(reader)
-        _check_column(path, reader.schema, text_key)
-        done = 0
-        for record_batch in parts:
-            column = record_batch.column(text_key)
-            for start in range(0, len(column), batch):
-                done = yield from _texts(path, column.slice(start, batch), text_key, done, skip)
+            if head == FILE_MAGIC:  # the file format: its footer, at the end, lists the record batches
+                reader = pa.ipc.open_file(source)
+                parts = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            else:  # the stream format (save_to_disk's shards): one message after another
+                reader = pa.ipc.open_stream(source)
+                parts = iter(reader)
+            _check_column(path, reader.schema, text_key)
+            done = 0
+            for record_batch in parts:
+                column = record_batch.column(text_key)
+                for start in range(0, len(column), batch):
+                    done = yield from _texts(path, column.slice(start, batch), text_key, done, skip)
+        except (pa.ArrowException, OSError) as e:
+            line = _cut_short(path, head, reader is not None, e)
+            if line is None:
+                raise
+            raise ConfigError(line) from None
+
+
+def _cut_short(path: Path, head: bytes, opened: bool, e: Exception) -> str | None:
+    """The line for a file that begins as Arrow (`head`: either format's first bytes) and fails
+    further on: cut short or damaged, which pyarrow's words do not say ("Not an Arrow file" for the
+    file format without its footer). None for anything else (no Arrow file at all, a read error of
+    the disk: errno set), which `rows` words."""
+    if (isinstance(e, OSError) and e.errno is not None) or not head.startswith((FILE_MAGIC, STREAM_MARKER)):
+        return None
+    why = ("its footer, which ends the file, is missing or unreadable" if head == FILE_MAGIC and not opened
+           else f"pyarrow: {first_line(e)}")
+    return f"{path}: not a readable Arrow file: cut short or damaged ({why}); write or copy it again"
 
 
 def _texts(path: Path, column, text_key: str, done: int, skip: int):
     """Yield the texts of `column` (rows done .. done + len) at and past row `skip`; return the
     rows done after it."""
+    import pyarrow as pa
+
     end = done + len(column)
     if end > skip:
         column = column.slice(max(0, skip - done))
+        if pa.types.is_dictionary(column.type):  # categories: the strings they stand for
+            column = column.dictionary_decode()
         if column.null_count:
             first = done + max(0, skip - done) + column.is_null().to_pylist().index(True)
             raise ConfigError(f"{path}: row {first}: column '{text_key}' is null (data.text_key)")
@@ -100,6 +128,8 @@ def _check_column(path: Path, schema, text_key: str) -> None:
         names = ", ".join(schema.names[:8]) + (", ..." if len(schema.names) > 8 else "")
         raise ConfigError(f"{path}: no column '{text_key}' (data.text_key; its columns: {names or 'none'})")
     kind = schema.field(text_key).type
+    if pa.types.is_dictionary(kind):  # pandas categoricals, dictionary_encode(): read as their values
+        kind = kind.value_type
     string_view = getattr(pa.types, "is_string_view", lambda t: False)  # pyarrow >= 16
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or string_view(kind)):
         raise ConfigError(f"{path}: column '{text_key}' holds {kind}, not text (data.text_key)")

@@ -66,7 +66,7 @@ class Split:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Corpus:
-    train: Split
+    train: Split | None  # None: not opened (`load(splits=("eval",))`, what an evaluation reads)
     eval: Split
     manifest: dict
 
@@ -374,11 +374,14 @@ def _fields_of(path: Path):
                           "prepare again") from None
 
 
-def load(path: Path) -> Corpus:
-    """A prepared directory, its tokens memory-mapped; sizes checked against the manifest."""
+def load(path: Path, splits: tuple[str, ...] = SPLITS) -> Corpus:
+    """A prepared directory, its tokens memory-mapped; sizes checked against the manifest.
+    `splits`: those opened and checked, the others None and never opened: ("eval",) is what an
+    evaluation reads (a train.bin of 10B tokens takes about 25 s to hash, and may be gone)."""
     manifest = read_manifest(path)
     with _fields_of(path):
-        return Corpus(*(_open_split(path, manifest, s) for s in SPLITS), manifest)
+        opened = {s: _open_split(path, manifest, s) if s in splits else None for s in SPLITS}
+        return Corpus(opened["train"], opened["eval"], manifest)
 
 
 def _check_manifest_digest(path: Path, manifest: dict) -> None:
@@ -459,10 +462,12 @@ def _home(path: str) -> Path:
     return Path(os.path.expanduser(path))
 
 
-def corpus(d: DataConfig) -> Corpus:
+def corpus(d: DataConfig, evaluates: bool = False) -> Corpus:
     """data.prepared (checked against data.train and data.tokenizer when they are given too), or
     data.train tokenized into memory (data.eval alone: `held_out`). Read once per process while
-    the files stay unchanged."""
+    the files stay unchanged. `evaluates`: only what an evaluation scores: of data.prepared, the
+    manifest and the held-out split (`Corpus.train` None: train.bin is not opened); data.train
+    without data.prepared is tokenized either way (its held-out documents are split from it)."""
     # the source files (when given) and every file of DIR: a token file replaced or cut short, or
     # a source edited since, is read again, and checked
     paths = [*documents.expand(d.train, "data.train"), *documents.expand(d.eval, "data.eval")]
@@ -470,10 +475,10 @@ def corpus(d: DataConfig) -> Corpus:
     if d.prepared:
         paths += sorted(prepared_dir.iterdir()) if prepared_dir.is_dir() else []
     paths += [_home(d.tokenizer)] if d.tokenizer else []
-    key = (d, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.is_file()))
+    key = (d, evaluates, tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in paths if p.is_file()))
     if key not in _CACHE:
         if d.prepared:
-            c = load(prepared_dir)
+            c = load(prepared_dir, ("eval",) if evaluates else SPLITS)
             _check_settings(c.manifest, d)
         else:
             c = build(d) if d.train else held_out(d)

@@ -40,11 +40,12 @@ class Run:
         vocabulary of the user's files), read and checked before anything is built. `model`:
         this model instead of the one `cfg` names (`local`). `trains=False`: the run only uses
         the model (`nljax.run.trained.load`), whose budget has no gradients, optimizer state or
-        error buffers (`budget.in_use`). `reads_data=False`: a text model's data are not read
-        (`tasks.LoadedText`); its config.yaml holds what they decided."""
+        error buffers (`budget.in_use`), and a text model's data are read as an evaluation reads
+        them (`tasks.text_data`: no training split of data.prepared). `reads_data=False`: a text
+        model's data are not read (`tasks.LoadedText`); its config.yaml holds what they decided."""
         if trains:
             tasks.check_trains(cfg)
-        cfg = tasks.resolve(cfg) if reads_data else cfg
+        cfg = tasks.resolve(cfg, trains) if reads_data else cfg
         mesh = meshlib.make_mesh(cfg.mesh.inter, cfg.mesh.intra, devices, cfg.mesh.model)
         rows = meshlib.check_batch(cfg.train.batch_size, mesh)
         if rows % cfg.train.accum_steps:
@@ -63,7 +64,7 @@ class Run:
         engine = Engine.create(cfg, model, mesh)
         budget.check(needs(budget.engine_terms(cfg, engine)), available, trains)
         # the registered task decides (register_model(task=)); a model's own attribute is optional
-        task = tasks.build(registry.task_of(cfg), cfg, mesh, reads_data)
+        task = tasks.build(registry.task_of(cfg), cfg, mesh, reads_data, trains)
         return cls(cfg, mesh, engine, StepCache(engine), task)
 
     def init_state(self) -> TrainState:

@@ -60,7 +60,7 @@ class Task(Protocol):
 class TextData:
     """A text task's token arrays: training and held-out ids, and what else its source supplies."""
 
-    train: np.ndarray  # [N] token ids
+    train: np.ndarray | None  # [N] token ids; None: not read (a run that evaluates only, of data.prepared)
     held: np.ndarray  # [M]
     train_weight: np.ndarray | None = None  # float32 [N]: training-loss weight per token (recall)
     held_score: np.ndarray | None = None  # float32 [M]: the scored held-out tokens (recall)
@@ -70,10 +70,16 @@ class TextData:
     unit: str = "bytes"  # what a token is, in messages
     digest: str | None = None  # the content digest of the files' manifest (files)
     tokenizer: dict = dataclasses.field(default_factory=lambda: {"kind": "bytes"})  # what the ids are (`identity`)
+    train_size: int | None = None  # tokens in the training split, read or not (None: len(train))
+
+    @property
+    def train_tokens(self) -> int:
+        return len(self.train) if self.train_size is None else self.train_size
 
 
-def text_data(cfg: Config) -> TextData:
-    """The token arrays of `data.source`."""
+def text_data(cfg: Config, trains: bool = True) -> TextData:
+    """The token arrays of `data.source`. `trains=False`: what an evaluation reads: of the user's
+    files, no training split where none need be read (`prepared.corpus(evaluates=True)`)."""
     d = cfg.data
     if d.source == "recall":
         reach = attention_reach(cfg.model.depth, cfg.model.nl_lm.window)
@@ -84,10 +90,12 @@ def text_data(cfg: Config) -> TextData:
         # rows) weighs the same in the mean loss: N devices still compute 1 device's gradient
         return TextData(train, held, train_score if d.recall_loss == "values" else None, held_score)
     if d.source == "files":
-        c = prepared.corpus(d)
-        return TextData(c.train.tokens, c.eval.tokens, train_ends=c.train.ends, held_ends=c.eval.ends,
+        c = prepared.corpus(d, evaluates=not trains)
+        train, ends = (c.train.tokens, c.train.ends) if c.train is not None else (None, None)
+        return TextData(train, c.eval.tokens, train_ends=ends, held_ends=c.eval.ends,
                         tokens_per_byte=c.tokens_per_byte, unit="tokens", digest=c.digest,
-                        tokenizer=tokenization.identity(c.manifest["tokenizer"]))
+                        tokenizer=tokenization.identity(c.manifest["tokenizer"]),
+                        train_size=c.manifest["train"]["tokens"])
     return TextData(*stdlib_corpus(d.eval_fraction))
 
 
@@ -99,27 +107,29 @@ def check_trains(cfg: Config) -> None:
                           "(or data.prepared)")
 
 
-def resolve(cfg: Config) -> Config:
+def resolve(cfg: Config, trains: bool = True) -> Config:
     """`cfg` with what its data decide: with data.source=files, model.vocab_size from the files'
-    vocabulary (bytes: 256; a tokenizer: its size) when the config leaves it at its default."""
+    vocabulary (bytes: 256; a tokenizer: its size) when the config leaves it at its default.
+    `trains=False`: the data read as an evaluation reads them (`text_data`)."""
     if cfg.data.source != "files" or registry.task_of(cfg) != "text":
         return cfg
     default = type(cfg.model)().vocab_size
-    vocab = prepared.model_vocab(prepared.corpus(cfg.data), cfg.model.vocab_size, default)
+    vocab = prepared.model_vocab(prepared.corpus(cfg.data, evaluates=not trains), cfg.model.vocab_size, default)
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
 class TextTask:
     """Language modelling on `data.source`: the standard library's source (see
     `nljax.data.text`), the associative-recall probe (`nljax.data.recall`) or the user's own
-    files (`nljax.data.prepared`)."""
+    files (`nljax.data.prepared`). `trains=False`: built to evaluate (`nljax.evaluate`), with
+    no batches where the training text is not read (`text_data`)."""
 
     unit = "tokens"
 
-    def __init__(self, cfg: Config, mesh: Mesh):
+    def __init__(self, cfg: Config, mesh: Mesh, trains: bool = True):
         self.cfg, self.mesh = cfg, mesh
         self.units_per_row = cfg.train.seq_len
-        self.data = data = text_data(cfg)
+        self.data = data = text_data(cfg, trains)
         self.eval_data, self.eval_score = data.held, data.held_score
         self.bpb_per_nat = data.tokens_per_byte / math.log(2)  # a loss in nats per token -> bits per byte
         if len(eval_windows(self.eval_data, cfg.train.seq_len, 1)) == 0:  # before step 0, not after training
@@ -128,17 +138,21 @@ class TextTask:
                       if d.prepared and not d.train else f"data.eval_fraction={d.eval_fraction}")
             raise ConfigError(f"the held-out text ({len(self.eval_data)} {data.unit} from {source}) is shorter than "
                               f"train.seq_len+1={cfg.train.seq_len + 1}")
-        if len(data.train) < cfg.train.seq_len + 1:  # a row would repeat a few tokens over and over
+        # a row would repeat a few tokens over and over (not read: an evaluation, which trains on none)
+        if data.train is not None and len(data.train) < cfg.train.seq_len + 1:
             raise ConfigError(f"the training text ({len(data.train)} {data.unit}) is shorter than "
                               f"train.seq_len+1={cfg.train.seq_len + 1}: give more text or a shorter train.seq_len")
         self.notes: list[str] = []  # said once at start-up by the trainer
         self.stream_steps = self._stream_steps()  # the streaming evaluation's windows per row
         # recall documents are exactly seq_len long: aligned rows read one whole document per step
         align = cfg.train.seq_len if cfg.data.source == "recall" else 1
-        self.stream = ContextStream(data.train, cfg.train.batch_size, cfg.train.seq_len, cfg.seed,
-                                    cfg.data.reset_prob, align, data.train_weight, data.train_ends)
+        self.stream = None if data.train is None else ContextStream(
+            data.train, cfg.train.batch_size, cfg.train.seq_len, cfg.seed, cfg.data.reset_prob, align,
+            data.train_weight, data.train_ends)
 
     def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
+        if self.stream is None:
+            raise TypeError("a run built to evaluate (Run.create(trains=False)) read no training text: no batches")
         batch = self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
         return reset_all_rows(batch) if reset_all else batch
 
@@ -159,7 +173,7 @@ class TextTask:
     def describe(self) -> dict:
         """What summary.json records of the data: source, token counts, vocabulary, digest."""
         d = self.cfg.data
-        return {"source": d.source, "train_tokens": 0 if d.held_out_only else len(self.stream.data),
+        return {"source": d.source, "train_tokens": 0 if d.held_out_only else self.data.train_tokens,
                 "eval_tokens": len(self.eval_data), "vocab_size": self.cfg.model.vocab_size,
                 "digest": self.fingerprint()}
 
@@ -378,10 +392,13 @@ TASKS: dict[str, Callable[[Config, Mesh], Task]] = {
 }
 
 
-def build(name: str, cfg: Config, mesh: Mesh, reads_data: bool = True) -> Task:
-    """The task `name` of a run; `reads_data=False`: a text model's `LoadedText`, which reads none."""
+def build(name: str, cfg: Config, mesh: Mesh, reads_data: bool = True, trains: bool = True) -> Task:
+    """The task `name` of a run; `reads_data=False`: a text model's `LoadedText`, which reads none;
+    `trains=False`: a text model's `TextTask` reads only what its evaluation scores."""
     if name == "text" and not reads_data:
         return LoadedText(cfg, mesh)
+    if name == "text" and not trains:
+        return TextTask(cfg, mesh, trains=False)
     try:
         make = TASKS[name]
     except KeyError:

@@ -19,13 +19,25 @@ def check(out: Path, named: str, tool: str, keys: frozenset[str]) -> None:
         raise ConfigError(f"{named}: the result is JSON, give a file name ending in .json")
     if out.is_dir():
         raise ConfigError(f"{named} is a directory: give the JSON file to write")
+    if why := not_a_directory(out.absolute().parent):  # else mkdir's "File exists", after the slow part
+        raise ConfigError(f"{named}: {why}")
     parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is not None and not parent.is_dir():
-        raise ConfigError(f"{named}: {parent} is a file, not a directory")
     if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
         raise ConfigError(f"{named}: {out if out.exists() else parent} is not writable")
     if out.exists() and not earlier_result(out, keys):  # a tokenizer.json, an export's config.json
         raise ConfigError(f"{named} holds a file that is not an {tool} result: give a new file name, or move it")
+
+
+def not_a_directory(path: Path) -> str | None:
+    """Why `path` can neither be a directory nor be made one, or None: the nearest of it and its
+    parents that is there (a symbolic link counted, broken or not) is a file, or a link to nothing
+    (both of which `mkdir(parents=True)` meets as "File exists")."""
+    there = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
+    if there is None or there.is_dir():
+        return None
+    if there.is_symlink() and not there.exists():
+        return f"{there} is a symbolic link to {os.readlink(there)}, which does not exist"
+    return f"{there} is a file, not a directory"
 
 
 def earlier_result(out: Path, keys: frozenset[str]) -> bool:
