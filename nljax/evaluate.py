@@ -17,7 +17,8 @@ The held-out data are the run's own. `data.eval=GLOB` alone scores those files, 
 run's text (its tokenizer; the run's training text is not read); `data.prepared=DIR` alone scores
 that directory's held-out split; any other `data.KEY=` is an override on the run's config. Of a
 data.prepared directory only the manifest, the tokenizer copy and the held-out split are read:
-train.bin is never opened (`Run.create(trains=False)`), and may be gone. Data whose token ids are
+train.bin is never opened (`Run.create(trains=False)`), and may be gone, as may the text it was
+prepared from (data.train). Data whose token ids are
 not the checkpoint's (another tokenizer) are refused. A MeanFlow run's other held-out images are
 `images.*` overrides; data of the other kind (`data.*` for an image model, `images.*` for a
 language model) is refused.

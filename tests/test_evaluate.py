@@ -219,6 +219,13 @@ def test_a_prepared_run_is_scored_from_its_held_out_split_alone(tmp_path, capsys
                          capsys)
     assert other["data"]["train_tokens"] == 0 and other["eval_loss"] != result["eval_loss"]
     assert hashed == []  # no token file of the directory
+    # a run that named the directory's source text too (one config to prepare and to train):
+    # that text, moved away, is not looked for
+    monkeypatch.setattr(prepared, "_CACHE", {})
+    with_sources = [f"run.dir={run}", f"data.train={tmp_path}/text/*.txt", f"data.tokenizer={tok}",
+                    f"data.prepared={prep}", "data.eval_fraction=0.5"]
+    also, _ = result_of([*with_sources, f"out={tmp_path / 'a.json'}"], capsys)
+    assert also["eval_loss"] == result["eval_loss"]
 
 
 def test_held_out_files_alone_train_nothing(other_text, tmp_path):

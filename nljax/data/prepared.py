@@ -466,8 +466,11 @@ def corpus(d: DataConfig, evaluates: bool = False) -> Corpus:
     """data.prepared (checked against data.train and data.tokenizer when they are given too), or
     data.train tokenized into memory (data.eval alone: `held_out`). Read once per process while
     the files stay unchanged. `evaluates`: only what an evaluation scores: of data.prepared, the
-    manifest and the held-out split (`Corpus.train` None: train.bin is not opened); data.train
+    manifest and the held-out split (`Corpus.train` None: train.bin is not opened), and the
+    files data.train and data.eval name beside it are not looked for (moved, deleted); data.train
     without data.prepared is tokenized either way (its held-out documents are split from it)."""
+    if evaluates and d.prepared:  # DIR holds the held-out split: the text it was prepared from may be gone
+        d = dataclasses.replace(d, train=(), eval=())
     # the source files (when given) and every file of DIR: a token file replaced or cut short, or
     # a source edited since, is read again, and checked
     paths = [*documents.expand(d.train, "data.train"), *documents.expand(d.eval, "data.eval")]
