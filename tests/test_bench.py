@@ -185,3 +185,18 @@ def test_bench_profile_dir_is_checked_before_anything_runs(tmp_path, where):
     assert p.returncode == 2 and p.stderr.strip() == \
         f"nljax.bench: error: --profile-dir {where}: {tmp_path}/notes.md is a file, not a directory", p.stderr
     assert (tmp_path / "notes.md").read_text() == "mine"
+
+
+@pytest.mark.parametrize("given,why", [("notes.md/p", "{dir}/notes.md is a file, not a directory"),
+                                       ("gone/p", "{dir}/gone is a symbolic link to {dir}/nowhere, which does not exist")])
+def test_a_profile_dir_that_cannot_be_made_is_refused_before_the_timing(tmp_path, given, why):
+    """`--profile-dir` under a file or a link to nothing: the trace and the HLO are written after
+    the timing, where mkdir's "File exists" came as a traceback."""
+    from nljax.bench import check_profile_dir
+    from nljax.errors import ConfigError
+
+    (tmp_path / "notes.md").write_text("mine")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigError) as e:
+        check_profile_dir(tmp_path / given)
+    assert str(e.value) == f"--profile-dir {tmp_path / given}: {why.format(dir=tmp_path)}"
