@@ -357,8 +357,8 @@ def _read_layers(path: Path, shown: str, chain: tuple[tuple[Path, str], ...], in
 
 def _base_path(name: str, including: Path, shown: str, label: str) -> tuple[Path, str]:
     """The file that `base_config: name` in the file `including` (shown as `shown`, named in a
-    line as `label`) names, and how a line shows it: a YAML path, relative to `including`'s folder, else a packaged config by
-    name (a file there wins, as it does for `--config`)."""
+    line as `label`) names, and how a line shows it: a YAML path, relative to `including`'s
+    folder, else a packaged config by name (a file there wins, as it does for `--config`)."""
     p = Path(os.path.expanduser(name))
     local = p if p.is_absolute() else including.parent / p
     mine = Path(os.path.expanduser(shown))

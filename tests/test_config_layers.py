@@ -156,4 +156,5 @@ def test_a_mesh_key_set_by_one_of_several_files_is_named_by_that_file(tmp_path):
     a = _write(tmp_path / "a.yaml", "mesh:\n  intra: 4\n  inter: 2\n")
     b = _write(tmp_path / "b.yaml", "mesh:\n  inter: 4\n")
     assert mesh_given([str(a), str(b)], []) == {"inter": f"in --config {b}", "intra": f"in --config {a}"}
-    assert mesh_given([str(a), str(b)], ["mesh.intra=2"]) == {"inter": f"in --config {b}", "intra": "on the command line"}
+    given = mesh_given([str(a), str(b)], ["mesh.intra=2"])
+    assert given == {"inter": f"in --config {b}", "intra": "on the command line"}
