@@ -36,20 +36,13 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
 
-class Once(argparse.Action):
-    """An option that may be given once: a second `--config` would silently replace the first."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        if getattr(namespace, self.dest, None) is not None:
-            parser.error(f"{option_string} is given twice ({getattr(namespace, self.dest)!r}, then {values!r}): "
-                         "give it once")
-        setattr(namespace, self.dest, values)
+CONFIG_HELP = ("YAML config file, or a packaged config's name (nl_default, nl_gpu, meanflow_digits, ...); "
+               "given again, each file updates the ones before it key by key; defaults apply to keys none sets")
 
 
 def parser(prog: str, description: str) -> argparse.ArgumentParser:
     p = Parser(allow_abbrev=False, prog=prog, description=description)
-    p.add_argument("--config", action=Once, help="YAML config file, or a packaged config's name (nl_default, nl_gpu, "
-                   "meanflow_digits, ...); defaults apply to keys it leaves out")
+    p.add_argument("--config", action="append", metavar="FILE", help=CONFIG_HELP)
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU (per process)")
     g = p.add_argument_group(
         "multi-process runs",

@@ -267,9 +267,11 @@ def _settings_in(tree: Any) -> bool:
     return any(_settings_in(v) for v in tree.values()) if isinstance(tree, dict) else tree is not None
 
 
-def _read_yaml(path: str, saved: bool = False) -> dict:
-    """The settings in the YAML file `path` (`saved`: a run's config.yaml, which nljax wrote)."""
+def _read_yaml(path: str, saved: bool = False, label: str | None = None) -> dict:
+    """The settings in the YAML file `path` (`saved`: a run's config.yaml, which nljax wrote;
+    `label`: how its lines name it, `path` by default)."""
     p = config_path(path)
+    path = path if label is None else label
     if not p.is_file():  # a directory, /dev/null, a pipe
         raise ConfigError(f"config file {path} is not a regular file")
     try:
@@ -294,19 +296,29 @@ def _read_yaml(path: str, saved: bool = False) -> dict:
     return loaded
 
 
-def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: bool = False,
+def as_files(path: str | typing.Sequence[str] | None) -> list[str]:
+    """The config files `path` names, in order: none, one, or several (`--config A --config B`)."""
+    return [] if path is None else [str(path)] if isinstance(path, (str, os.PathLike)) else [str(p) for p in path]
+
+
+def load(path: str | typing.Sequence[str] | None = None, overrides: typing.Sequence[str] = (), saved: bool = False,
          base: str | None = None, check: bool = True) -> Config:
-    """Default config, updated by the YAML file at `path`, then by `key=value` overrides.
+    """Default config, updated by the YAML file at `path` (or by several, each updating the ones
+    before it key by key: `--config A --config B`), then by `key=value` overrides. A user's file
+    may name a `base_config` of its own, read first (`_read_layers`).
     `saved`: the file is one nljax wrote (a run's config.yaml), read with its moved keys in their
     new place (`migrate`) like a checkpoint's config; a user's file with an old key is refused.
-    `base`: a config.yaml nljax wrote, read first (migrated), which `path` then updates key by key
-    (`--resume` with `--config`: the run's saved config, then the user's file, then overrides).
+    `base`: a config.yaml nljax wrote, read first (migrated), which the files then update key by key
+    (`--resume` with `--config`: the run's saved config, then the user's files, then overrides).
     `check`: validate the settings together (False: each key's type only)."""
     ModelConfig.resolved()  # the model registry first: a plugin that fails to load is its own line, not the file's
-    tree = {} if path is None else _read_yaml(path, saved)
-    tree = migrate(tree) if saved else tree
-    if path is not None:  # the file alone first: a wrong key or value there names the file
-        _built_from(path, tree)
+    tree: dict = {}
+    for one in as_files(path):  # each file alone first: a wrong key or value there names that file
+        if saved:
+            layer = _built_from(one, migrate(_read_yaml(one, saved)))
+        else:
+            layer = _read_layers(config_path(one), one, ())
+        tree = _merged(tree, layer)
     if base is not None:  # a run's config.yaml too: the line named a key the command line did not hold
         tree = _merged(_built_from(base, migrate(_read_yaml(base, saved=True))), tree)
     for text in overrides:
@@ -316,6 +328,49 @@ def load(path: str | None = None, overrides: typing.Sequence[str] = (), saved: b
     if check:
         validate(cfg)
     return cfg
+
+
+BASE_KEY = "base_config"  # a user's file's top-level key: the config it updates (`_read_layers`)
+
+
+def _read_layers(path: Path, shown: str, chain: tuple[tuple[Path, str], ...], includer: str | None = None) -> dict:
+    """The settings of the user's config file `path` (`shown`: as the user would name it;
+    `includer`: the file whose base_config it is) on top of its `base_config`, and that one's on
+    top of its own, in turn. Each file's own keys are checked alone, so that a wrong one names its
+    file. `chain`: the files including this one, each (resolved, shown): one met again is a cycle."""
+    label = shown if includer is None else f"{shown} (the base_config of {includer})"
+    tree = _read_yaml(str(path), label=label)
+    name = tree.pop(BASE_KEY, None)
+    _built_from(label, tree)
+    if name is None:
+        return tree
+    if not isinstance(name, str) or not name.strip():
+        raise ConfigError(f"config file {label}: {BASE_KEY} must name a packaged config or a YAML file, got {name!r}")
+    chain = (*chain, (path.resolve(), shown))
+    found, base_shown = _base_path(name, path, shown, label)
+    if any(found.resolve() == seen for seen, _ in chain):
+        loop = " -> ".join([*(s for _, s in chain), base_shown])
+        raise ConfigError(f"config file {label}: {BASE_KEY} {name} makes a cycle ({loop}): a config cannot "
+                          "build on itself")
+    return _merged(_read_layers(found, base_shown, chain, shown), tree)
+
+
+def _base_path(name: str, including: Path, shown: str, label: str) -> tuple[Path, str]:
+    """The file that `base_config: name` in the file `including` (shown as `shown`, named in a
+    line as `label`) names, and how a line shows it: a YAML path, relative to `including`'s
+    folder, else a packaged config by name (a file there wins, as it does for `--config`)."""
+    p = Path(os.path.expanduser(name))
+    local = p if p.is_absolute() else including.parent / p
+    mine = Path(os.path.expanduser(shown))
+    # as the user would write it from where they are (a packaged includer: where it is)
+    here = p if p.is_absolute() else (mine.parent / p if mine == including else local)
+    if local.exists():
+        return local, str(here)
+    stem = p.name[: -len(p.suffix)] if p.suffix in (".yaml", ".yml") else p.name
+    if not p.is_absolute() and p.parent == Path(".") and (PACKAGED / f"{stem}.yaml").is_file():
+        return PACKAGED / f"{stem}.yaml", name
+    raise ConfigError(f"config file {label}: {BASE_KEY} {name} not found (neither {here} nor a packaged config: "
+                      f"{', '.join(packaged_configs())})")
 
 
 # Settings naming a path of the run's: `~` expanded, as the shell does in an assignment but

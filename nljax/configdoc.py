@@ -229,6 +229,12 @@ def config_markdown() -> str:
            "Set a key in a YAML file given with `--config` or as a dotted override on the command line "
            "(`train.steps=50`); `python -m nljax.train --print-config` prints the resolved config in the "
            "same form. An unknown key or a value of the wrong type stops the run with one line naming the key.",
+           "",
+           "A config file may build on another: `base_config: nl_gpu` (a packaged config by name) or "
+           "`base_config: ../shared.yaml` (a YAML file, relative to the file naming it) at its top level is read "
+           "first, and the file's own keys update it section by section (a base may name a base of its own). "
+           "`--config A --config B` layers B on A the same way, and the overrides come last. "
+           "`--print-config` and the run's `config.yaml` hold the resolved settings, with no `base_config`.",
            ""]
     for sec in sections(cfg):
         out += _section_markdown(cfg, sec)

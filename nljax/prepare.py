@@ -66,7 +66,8 @@ def describe(c: prepared.Corpus) -> str:
 def main(argv=None) -> int:
     p = cli.Parser(allow_abbrev=False, prog="nljax.prepare", description="Prepare your own text once (tokenized, "
                    "memory-mapped), for training with data.source=files data.prepared=DIR.")
-    p.add_argument("--config", action=cli.Once, help="YAML config file whose data.* keys name the text")
+    p.add_argument("--config", action="append", metavar="FILE", help="YAML config file whose data.* keys name the "
+                   "text; given again, each file updates the ones before it key by key")
     p.add_argument("settings", nargs="*", metavar="key=value", help="out=DIR (required), overwrite=true, data.* keys")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     # Ctrl-C, a full disk, a quota, a read-only file system: the chunks done are kept, to resume
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
                     after_ctrl_c=": the same command resumes where it stopped")
 
 
-def _prepare(config_file: str | None, settings: list[str]) -> int:
+def _prepare(config_file: list[str] | None, settings: list[str]) -> int:
     out, overwrite, overrides = parse(settings)
     cfg = config.load(config_file, ["data.source=files", *overrides])
     if not cfg.data.train:

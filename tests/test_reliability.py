@@ -869,15 +869,13 @@ def test_the_closing_lines_say_where_checkpoints_elsewhere_are(tmp_path):
                     f"{tmp_path}/ck)")
 
 
-def test_minor_misreadings_are_named(tmp_path, capsys):
-    """`--config` given twice (the second silently replaced the first), an empty config file (the
-    defaults ran with no word), a folder named config.yaml in a run directory ('not found')."""
-    from nljax import config, train
+def test_minor_misreadings_are_named(tmp_path):
+    """An empty config file (the defaults ran with no word), a folder named config.yaml in a run
+    directory ('not found'). (`--config` given twice, which silently replaced the first, now
+    layers the second on the first: tests/test_config_layers.py.)"""
+    from nljax import config
     from nljax.run import resuming, trained
 
-    with pytest.raises(SystemExit) as e:
-        train.main(["--config", "nl_default", "--config", "nl_gpu", "--print-config"])
-    assert e.value.code == 2 and "--config is given twice ('nl_default', then 'nl_gpu')" in capsys.readouterr().err
     (tmp_path / "empty.yaml").write_text("# nothing yet\n")
     with pytest.raises(config.ConfigError, match="empty.yaml holds no settings"):
         config.load(str(tmp_path / "empty.yaml"))
@@ -979,8 +977,7 @@ def test_files_of_a_run_or_a_preparation_that_are_not_regular_files_are_one_line
 @pytest.mark.parametrize("command", ["prepare", "lm_eval"])
 def test_every_commands_argparse_refusal_is_one_line(command, capsys):
     """nljax.prepare and nljax.lm_eval kept argparse's usage block before the error (the other
-    commands' refusals are one line since cli.Parser); nljax.prepare's --config given twice took
-    the second silently."""
+    commands' refusals are one line since cli.Parser)."""
     import importlib
 
     main = importlib.import_module(f"nljax.{command}").main
@@ -990,10 +987,6 @@ def test_every_commands_argparse_refusal_is_one_line(command, capsys):
     said = "argument --cpu-devices: invalid int value: 'x'" if command == "lm_eval" else \
         "unrecognized arguments: --bogus"
     assert e.value.code == 2 and err == [f"nljax.{command}: error: {said} (--help lists the options)"]
-    if command == "prepare":
-        with pytest.raises(SystemExit) as e:
-            main(["--config", "nl_default", "--config", "nl_gpu", "out=x"])
-        assert e.value.code == 2 and "--config is given twice" in capsys.readouterr().err
 
 
 def test_a_tilde_name_of_no_user_is_a_path_as_typed_not_a_traceback(tmp_path, monkeypatch, capsys):

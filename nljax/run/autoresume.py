@@ -49,8 +49,8 @@ def decide(cfg: Config) -> str:
     return OVER if held else NEW
 
 
-def configured(cfg: Config, config_file: str | None, overrides: Sequence[str], say: Callable[[str], None],
-               live_refused: bool = True) -> Config:
+def configured(cfg: Config, config_file: str | Sequence[str] | None, overrides: Sequence[str],
+               say: Callable[[str], None], live_refused: bool = True) -> Config:
     """The config `--resume=auto` trains with: `cfg` (the command line's, which names run.dir)
     resumed, restarted in place or as it is, `say` given one line for the last two.
     `live_refused`: a live run in run.dir is refused first (its files are no attempt to start

@@ -56,15 +56,16 @@ def _has_steps(root: Path) -> bool:
     return root.is_dir() and any(p.name.isdigit() and p.is_dir() for p in root.iterdir())
 
 
-def resumed_config(cfg: Config, config_file: str | None, overrides: Sequence[str]) -> Config:
-    """The config to resume with: run.dir/config.yaml, then `config_file`, then `overrides` (the
-    command's, flags included as overrides); `cfg` is the command line's own config (it names
-    run.dir and what to resume). Unchanged when there is nothing of this run to resume."""
+def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrides: Sequence[str]) -> Config:
+    """The config to resume with: run.dir/config.yaml, then `config_file` (or several files, in
+    order: `--config A --config B`), then `overrides` (the command's, flags included as
+    overrides); `cfg` is the command line's own config (it names run.dir and what to resume).
+    Unchanged when there is nothing of this run to resume."""
     saved_file = saved_config_file(cfg)
     if saved_file is None:
         ckpts = checkpoint_dir(cfg)
         inside = Path(cfg.run.dir).resolve() in ckpts.resolve().parents  # the run's own layout: config.yaml beside
-        if continues_own(cfg) and config_file is None and inside and _has_steps(ckpts):
+        if continues_own(cfg) and not config.as_files(config_file) and inside and _has_steps(ckpts):
             # the defaults and the overrides alone are taken for the run's settings: said, and what the
             # checkpoint holds is still checked against them (one line if they differ)
             print(f"nljax: warning: {Path(cfg.run.dir) / 'config.yaml'} is missing: resuming with the defaults and "
@@ -110,21 +111,23 @@ def check_unchanged(saved: Config, resumed: Config, saved_file: Path) -> None:
 MESH_KEYS = ("inter", "intra", "model")
 
 
-def mesh_given(config_file: str | None, overrides: Sequence[str]) -> dict[str, str]:
+def mesh_given(config_file: str | Sequence[str] | None, overrides: Sequence[str]) -> dict[str, str]:
     """The mesh keys this command line sets to other than their defaults, each with where it was
-    set ("on the command line", "in --config FILE"). A key set to its default changes nothing a
-    fit could change, so it need not be told apart from one left out."""
-    default = config.load(None).mesh
+    set ("on the command line", "in --config FILE": the last of several files that changed it).
+    A key set to its default changes nothing a fit could change, so it need not be told apart
+    from one left out."""
+    files = config.as_files(config_file)
     # each key's type only: the command line's settings alone need not hold together (a resume's
     # data.prepared=NEW without data.source=files, which its saved config holds)
-    in_file = config.load(config_file, check=False).mesh if config_file else default
-    given = config.load(config_file, overrides, check=False).mesh
+    layers = [config.load(files[:i], check=False).mesh for i in range(len(files) + 1)]  # the defaults, then each file
+    given = config.load(files, overrides, check=False).mesh
     out = {}
     for k in MESH_KEYS:
-        if getattr(given, k) != getattr(in_file, k):
+        if getattr(given, k) != getattr(layers[-1], k):
             out[k] = "on the command line"
-        elif getattr(in_file, k) != getattr(default, k):
-            out[k] = f"in --config {config_file}"
+        elif getattr(layers[-1], k) != getattr(layers[0], k):
+            last = max(i for i in range(len(files)) if getattr(layers[i + 1], k) != getattr(layers[i], k))
+            out[k] = f"in --config {files[last]}"
     return out
 
 
@@ -169,7 +172,7 @@ def fit_mesh(cfg: Config, given: dict[str, str], n_devices: int, n_processes: in
     raise ConfigError(f"{error} ({named})" if named else error)
 
 
-def launch_mesh(cfg: Config, config_file: str | None, overrides: Sequence[str]) -> Config:
+def launch_mesh(cfg: Config, config_file: str | Sequence[str] | None, overrides: Sequence[str]) -> Config:
     """`fit_mesh` on this launch's devices (the processes joined), its note on process 0's
     standard error."""
     cfg, note = fit_mesh(cfg, mesh_given(config_file, overrides), jax.device_count(), jax.process_count())
