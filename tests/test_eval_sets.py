@@ -157,3 +157,14 @@ def test_an_image_model_refuses_sets(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "data.eval_sets holds held-out text, and model.name=dit makes images" in err[0], err
 
+
+def test_loss_png_draws_each_sets_losses_under_its_name():
+    """loss.png: a set's losses beside the main ones, its name in the legend; its other keys are
+    not losses, whatever the name (a set named `lossy`: eval_bpb/lossy is bits per byte)."""
+    from nljax.measure import plots
+
+    records = [{"step": s, "loss": 3.0 - s / 10} for s in range(4)]
+    records[1].update({"eval_loss": 2.5, "eval_loss/lossy": 2.7, "eval_bpb/lossy": 3.9, "eval_tokens/lossy": 64})
+    fig = plots.loss_figure(records, {"eval_loss": 2.4, "eval_loss/lossy": 2.6, "eval_bpb/lossy": 3.7}, 1.44)
+    labels = [line.get_label() for line in fig.axes[0].get_lines()]
+    assert labels == ["training loss", "held-out loss (fresh memory)", "held-out loss (fresh memory), lossy"]
