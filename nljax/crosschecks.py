@@ -48,5 +48,8 @@ def check_across_sections(cfg) -> None:
         if len(periods) != 1:
             raise ConfigError(f"model.name={m.name} keeps every parameter at level 0: set cms.periods to one period "
                               f"(e.g. [1]), got {list(periods)}")
+        if d.eval_sets:  # read by the text task alone: ignored here without a word
+            raise ConfigError(f"data.eval_sets holds held-out text, and model.name={m.name} makes images: its held-out "
+                              "images are images.* (images.eval_fraction, images.path)")
         cfg.meanflow.check_used()
         cfg.images.check_used()

@@ -2,13 +2,16 @@
 
     python -m nljax.evaluate run.dir=runs/default [checkpoint=latest|STEP|PATH] [out=FILE.json]
         [eval.batches=N] [eval.stream_steps=N] [data.eval=GLOB | data.prepared=DIR | data.KEY=...]
+        [data.eval_sets=[NAME=GLOB,...]]
         [--cpu-devices N]
 
 prints the held-out metrics that the run's own evaluation computes (`Task.evaluate`,
 nljax/run/tasks.py), for one checkpoint: a language model's loss in nats per token, bits per
 byte and bits per token, each window from a fresh memory (`eval_loss`, `eval_bpb`, `eval_bpt`)
 and, with eval.stream_steps > 0, with the memory carried from window to window (`*_stream`); a
-MeanFlow model's energy distances (and its unweighted error). The run's settings are kept
+MeanFlow model's energy distances (and its unweighted error); each set of data.eval_sets (the
+run's, or given here) is scored as the main held-out text, under the same keys with /<name>
+after them (`eval_loss/wiki`). The run's settings are kept
 (train.batch_size rows, train.seq_len, eval.batches, eval.stream_steps) unless overridden, so
 the numbers are those the run reported for that checkpoint, to float rounding on any device
 count (it reads on as many of the local devices as divide train.batch_size).
@@ -111,13 +114,15 @@ def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str
 
 def scores(t: trained_lib.Trained) -> dict:
     """The run's evaluation of `t`'s parameters (`Run.evaluate`, as the trainer calls it), with a
-    text model's bits per token beside its bits per byte (equal for byte tokens)."""
+    text model's bits per token beside its bits per byte (equal for byte tokens), of the main
+    held-out text and of each data.eval_sets set (`eval_bpt/<name>`)."""
     metrics = {}
     for key, value in t.run.evaluate(t.params, t.step).items():
         metrics[key] = value
-        if key in ("eval_bpb", "eval_bpb_stream"):
-            loss = metrics[key.replace("bpb", "loss")]
-            metrics[key.replace("bpb", "bpt")] = loss / math.log(2)
+        base, slash, name = key.partition("/")  # a set's name is not read: it may hold "bpb"
+        if base in ("eval_bpb", "eval_bpb_stream"):
+            loss = metrics[base.replace("bpb", "loss") + slash + name]
+            metrics[base.replace("bpb", "bpt") + slash + name] = loss / math.log(2)
     return metrics
 
 
@@ -172,7 +177,8 @@ def _data(t: trained_lib.Trained) -> str:
     if describe is None:
         return ""
     d = describe()
-    return f", data {d['source']} ({d['eval_tokens']:,} held-out tokens, digest {d['digest'][:12]})"
+    sets = "".join(f", set {k} ({n:,} tokens)" for k, n in d.get("eval_sets", {}).items())  # data.eval_sets
+    return f", data {d['source']} ({d['eval_tokens']:,} held-out tokens, digest {d['digest'][:12]}){sets}"
 
 
 if __name__ == "__main__":

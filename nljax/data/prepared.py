@@ -183,6 +183,17 @@ def held_out(d: DataConfig, chunk_bytes: int = CHUNK_BYTES) -> Corpus:
     return Corpus(split, split, _manifest(d, tok, (files, files), both, 0))
 
 
+def tokenized(d: DataConfig, files: list[Path], tok, chunk_bytes: int = CHUNK_BYTES) -> tuple[Split, dict]:
+    """The documents of `files`, tokenized into memory by `tok` as `build` tokenizes them (their
+    data.text_key field or column, each document ended): the split, and its record (tokens,
+    documents, bytes, as a manifest's). A `data.eval_sets` set (data/evalsets.py)."""
+    dtype = tokenization.dtype_for(tok.vocab_size)
+    sink = workdir.Sink(io.BytesIO(), io.BytesIO(), dtype)
+    _fill(d, tok, ([], files), {"train": sink, "eval": sink}, dtype, 0, chunk_bytes)  # every document held out
+    starts = np.frombuffer(sink.starts_f.getvalue(), "<i8").astype(np.int64)
+    return Split(np.frombuffer(sink.f.getvalue(), dtype), starts), sink.record("eval")
+
+
 def _job(d: DataConfig, tok, sources: tuple, dtype: np.dtype) -> dict:
     """What an interrupted prepare must match to be resumed: the settings, the tokenizer, the
     dtype and the source files as they are now (paths, sizes, modification times)."""

@@ -11,12 +11,37 @@ checked when they are read, before the model is built (`nljax.data.prepared`).
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import ClassVar, Literal
 
 from nljax.errors import ConfigError
 
 # the keys that describe the user's own files: read only with data.source=files
 FILE_KEYS = ("train", "eval", "tokenizer", "prepared", "doc_end_token")
+# a data.eval_sets name: it ends metric names (eval_loss/<name>), which trackers take as they are
+# (TensorBoard tags allow letters, digits, _ . - /; a / would nest the name, a space is not allowed)
+EVAL_SET_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def eval_sets(entries: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(name, glob) of each `name=glob` of data.eval_sets, in order; one line for an entry
+    without `=`, a name that is empty, not a simple identifier or given twice, an empty glob."""
+    out: list[tuple[str, str]] = []
+    for entry in entries:
+        name, eq, pattern = entry.partition("=")
+        if not eq:
+            raise ConfigError(f"data.eval_sets: '{entry}' must be name=glob (e.g. wiki=data/wiki/*.jsonl)")
+        if not name:
+            raise ConfigError(f"data.eval_sets: '{entry}' has an empty name (name=glob, e.g. wiki=data/wiki/*.jsonl)")
+        if not EVAL_SET_NAME.fullmatch(name):
+            raise ConfigError(f"data.eval_sets: '{name}' is not a simple name (letters, digits and _, not starting "
+                              "with a digit): it ends the metric names, eval_loss/<name>")
+        if not pattern:
+            raise ConfigError(f"data.eval_sets: '{entry}' names no files (name=glob, e.g. wiki=data/wiki/*.jsonl)")
+        if name in (n for n, _ in out):
+            raise ConfigError(f"data.eval_sets names the set '{name}' twice")
+        out.append((name, pattern))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,6 +57,11 @@ class DataConfig:
     # files: the held-out documents; empty: split from data.train by document. Alone (no data.train):
     # held-out text only, which nljax.evaluate scores a checkpoint on (a training run refuses it)
     eval: tuple[str, ...] = ()
+    # named held-out sets, each `name=glob`: [wiki=data/wiki/*.jsonl,code=src/*.txt] (a name:
+    # letters, digits, _; the glob: files as data.eval reads them), tokenized once at start-up as
+    # the run's text is, scored at every evaluation as the main held-out text is and logged as
+    # eval_loss/<name>, eval_bpb/<name>, ... (docs/guides/evaluation.md). Any text data.source
+    eval_sets: tuple[str, ...] = ()
     text_key: str = "text"  # files: the field of a .jsonl line, the column of a Parquet or Arrow file, that holds the text
     # files: a Hugging Face `tokenizers` tokenizer.json (pip install 'nljax[text]'); empty: bytes.
     # model.vocab_size left at 256 takes the tokenizer's size
@@ -73,6 +103,7 @@ class DataConfig:
         if not 1e-9 <= self.eval_fraction <= 0.5:
             raise ConfigError(f"data.eval_fraction must be in [1e-9, 0.5] (every round(1/x)-th document is held "
                               f"out), got {self.eval_fraction}")
+        eval_sets(self.eval_sets)
         if self.source == "recall":
             self._check_recall()
         if self.source == "files":

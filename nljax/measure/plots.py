@@ -28,6 +28,13 @@ LABELS = {
 }
 
 
+def label(key: str) -> str:
+    """The legend of a metrics.jsonl key; a data.eval_sets set's key (`eval_loss/<name>`) is its
+    metric's, with the set's name."""
+    base, _, name = key.partition("/")
+    return f"{LABELS.get(base, base)}, {name}" if name else LABELS.get(key, key)
+
+
 def plain(axis) -> None:
     """Plain tick labels on a linear axis: no offset, no scientific notation."""
     f = ScalarFormatter(useOffset=False)
@@ -75,14 +82,17 @@ def loss_figure(records: list[dict], final: dict | None = None, bpb_per_nat: flo
         return _image_loss_figure(records, final)
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1, label=LABELS["loss"])
-    for key in sorted(k for k in keys if k.startswith("eval") and "loss" in k):
-        ax.plot(*zip(*series(records, final, key)), "o-", ms=4, label=LABELS.get(key, key))
+    # the losses (nats per token); a set's name is after the '/' (`eval_loss/<name>`): not read
+    for key in sorted(k for k in keys if k.startswith("eval") and "loss" in k.partition("/")[0]):
+        ax.plot(*zip(*series(records, final, key)), "o-", ms=4, label=label(key))
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats per token)")
     plain(ax.yaxis)
     if bpb_per_nat:
         right = ax.secondary_yaxis("right", functions=(lambda n: n * bpb_per_nat, lambda b: b / bpb_per_nat))
-        right.set_ylabel("bits per byte")
+        # of the run's own held-out text: a data.eval_sets set tokenized otherwise has its own ratio
+        sets = any("/" in k for k in keys if k.startswith("eval_loss"))
+        right.set_ylabel("bits per byte" + (" (main held-out text)" if sets else ""))
         plain(right.yaxis)
     ax.grid(alpha=0.3)
     if bpb_per_nat:  # the right side holds the second axis: the legend goes below

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from nljax.config import Config
-from nljax.data import images, prepared, tokenization
+from nljax.data import evalsets, images, prepared, tokenization
 from nljax.data.recall import CHANCE, attention_reach, recall_corpus
 from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
 from nljax.errors import ConfigError
@@ -144,6 +144,11 @@ class TextTask:
                               f"train.seq_len+1={cfg.train.seq_len + 1}: give more text or a shorter train.seq_len")
         self.notes: list[str] = []  # said once at start-up by the trainer
         self.stream_steps = self._stream_steps()  # the streaming evaluation's windows per row
+        # data.eval_sets: tokenized once, here; each with its own streaming windows per row (as
+        # many of eval.stream_steps as fit in it)
+        self.eval_sets = evalsets.load(cfg.data, cfg.train.seq_len)
+        self.set_stream_steps = {s.name: self._stream_steps(self._held_stream(s.tokens, s.ends), f"data.eval_sets {s.name}")
+                                 for s in self.eval_sets}
         # recall documents are exactly seq_len long: aligned rows read one whole document per step
         align = cfg.train.seq_len if cfg.data.source == "recall" else 1
         self.stream = None if data.train is None else ContextStream(
@@ -171,52 +176,76 @@ class TextTask:
         return self.data.tokenizer
 
     def describe(self) -> dict:
-        """What summary.json records of the data: source, token counts, vocabulary, digest."""
+        """What summary.json records of the data: source, token counts, vocabulary, digest (and
+        the tokens of each data.eval_sets set)."""
         d = self.cfg.data
-        return {"source": d.source, "train_tokens": 0 if d.held_out_only else self.data.train_tokens,
-                "eval_tokens": len(self.eval_data), "vocab_size": self.cfg.model.vocab_size,
-                "digest": self.fingerprint()}
+        out = {"source": d.source, "train_tokens": 0 if d.held_out_only else self.data.train_tokens,
+               "eval_tokens": len(self.eval_data), "vocab_size": self.cfg.model.vocab_size,
+               "digest": self.fingerprint()}
+        if self.eval_sets:
+            out["eval_sets"] = {s.name: len(s.tokens) for s in self.eval_sets}
+        return out
 
     def evaluate(self, cache, params, step: int) -> dict:
-        """Fresh-memory held-out loss and, with eval.stream_steps, the streaming one."""
+        """Fresh-memory held-out loss and, with eval.stream_steps, the streaming one; then the
+        same of each data.eval_sets set, under its keys with /<name> after them."""
         out = self.evaluate_fresh(cache, params)
         if self.stream_steps:
             out.update(self.evaluate_stream(cache, params, self.held_out().batches(self.stream_steps)))
+        for s in self.eval_sets:
+            out.update({f"{k}/{s.name}": v for k, v in self.evaluate_set(cache, params, s).items()})
         return out
 
-    def _stream_steps(self) -> int:
-        """eval.stream_steps, or as many windows per row as the held-out text holds when it holds
-        fewer (a small corpus of one's own: said once, in `notes`); none fitting turns the
-        streaming evaluation off, except where it is the evaluation (data.source=recall: one line)."""
-        held, asked = self.held_out(), self.cfg.eval.stream_steps
+    def evaluate_set(self, cache, params, s: evalsets.EvalSet) -> dict:
+        """A data.eval_sets set scored as the main held-out text is, under the same keys."""
+        out = self.evaluate_fresh(cache, params, s.tokens, s.tokens_per_byte)
+        if steps := self.set_stream_steps[s.name]:
+            out.update(self.evaluate_stream(cache, params, self._held_stream(s.tokens, s.ends).batches(steps),
+                                            s.tokens_per_byte))
+        return out
+
+    def _stream_steps(self, held: HeldOutStream | None = None, what: str = "the held-out text") -> int:
+        """eval.stream_steps, or as many windows per row as the held-out text (`held`, default the
+        main one) holds when it holds fewer (a small corpus of one's own: said once, in `notes`);
+        none fitting turns the streaming evaluation off, except where it is the evaluation
+        (data.source=recall's main held-out text: one line)."""
+        main = held is None
+        held, asked = held or self.held_out(), self.cfg.eval.stream_steps
         fits = held.span // held.seq_len
         if asked <= fits:
             return asked
-        if fits == 0 and self.cfg.data.source == "recall":
+        if fits == 0 and main and self.cfg.data.source == "recall":
             held.check_fits(asked)  # raises
         t = self.cfg.train
+        more = " (hold out more text, data.eval_fraction or data.eval, for more)" if main else ""
         self.notes.append(
-            f"note: eval.stream_steps={asked} windows of train.seq_len={t.seq_len} per row do not fit in the held-out "
-            f"text ({len(self.eval_data):,} tokens over train.batch_size={t.batch_size} rows): the streaming "
-            + (f"evaluation reads {fits} per row" if fits else "evaluation is off")
-            + " (hold out more text, data.eval_fraction or data.eval, for more)")
+            f"note: eval.stream_steps={asked} windows of train.seq_len={t.seq_len} per row do not fit in {what} "
+            f"({len(held.data):,} tokens over train.batch_size={t.batch_size} rows): {'the' if main else 'its'} streaming "
+            + (f"evaluation reads {fits} per row" if fits else "evaluation is off") + more)
         return fits
 
     def held_out(self) -> HeldOutStream:
         t = self.cfg.train
         return HeldOutStream(self.eval_data, t.batch_size, t.seq_len, ends=self.data.held_ends, score=self.eval_score)
 
-    def evaluate_stream(self, cache, params, batches) -> dict:
+    def _held_stream(self, tokens: np.ndarray, ends: np.ndarray) -> HeldOutStream:
+        """A data.eval_sets set read as `held_out` reads the main held-out text (no score mask)."""
+        t = self.cfg.train
+        return HeldOutStream(tokens, t.batch_size, t.seq_len, ends=ends)
+
+    def evaluate_stream(self, cache, params, batches, tokens_per_byte: float | None = None) -> dict:
         """Loss over consecutive held-out windows per row with the memory carried from window to
         window (a fresh eval memory, reset at the first window and at document boundaries), and
-        with a score mask (the recall probe) the greedy accuracy at the scored positions."""
+        with a score mask (the recall probe) the greedy accuracy at the scored positions.
+        `tokens_per_byte`: of the text read (default: the main held-out text's)."""
+        tokens_per_byte = self.data.tokens_per_byte if tokens_per_byte is None else tokens_per_byte
         memory, sums = cache.eval_memory(), []
         for b in batches:
             m, memory = cache.eval_stream(params, memory, put_batch(b, self.mesh))
             sums.append(m)  # reduced on the host after the last window: no sync per window
         total = {k: sum(host_sum(m[k]) for m in sums) for k in sums[0]}
         mean = total["loss_sum"] / max(total["count"], 1.0)
-        out = {"eval_loss_stream": mean, "eval_bpb_stream": mean * self.data.tokens_per_byte / math.log(2),
+        out = {"eval_loss_stream": mean, "eval_bpb_stream": mean * tokens_per_byte / math.log(2),
                "eval_tokens_stream": int(total["count"])}
         if "hits" in total:
             out["eval_recall_acc"] = total["hits"] / max(total["scored"], 1.0)
@@ -224,11 +253,15 @@ class TextTask:
             out["eval_recall_scored"] = int(total["scored"])
         return out
 
-    def evaluate_fresh(self, cache, params) -> dict:
+    def evaluate_fresh(self, cache, params, tokens: np.ndarray | None = None,
+                       tokens_per_byte: float | None = None) -> dict:
         """Held-out loss over every eval example exactly once (padded rows are masked), every
-        window from a fresh memory."""
+        window from a fresh memory; at most eval.batches batches of them (0: all). `tokens` and
+        their `tokens_per_byte`: other held-out text (a data.eval_sets set) than the main one."""
+        if tokens is None:
+            tokens, tokens_per_byte = self.eval_data, self.data.tokens_per_byte
         rows = self.cfg.train.batch_size
-        windows = eval_windows(self.eval_data, self.cfg.train.seq_len, self.cfg.eval.batches * rows)
+        windows = eval_windows(tokens, self.cfg.train.seq_len, self.cfg.eval.batches * rows)
         if len(windows) == 0:
             raise ConfigError(f"the held-out text is shorter than train.seq_len={self.cfg.train.seq_len}")
         loss = count = 0.0
@@ -237,7 +270,7 @@ class TextTask:
             loss += host_sum(m["loss_sum"])
             count += host_sum(m["count"])
         mean = loss / max(count, 1.0)
-        bpb = mean * self.data.tokens_per_byte / math.log(2)
+        bpb = mean * tokens_per_byte / math.log(2)
         return {"eval_loss": mean, "eval_bpb": bpb, "eval_tokens": int(count)}
 
 

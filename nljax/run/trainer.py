@@ -100,6 +100,8 @@ def startup_report(run: Run, state: TrainState, say) -> None:
         d = run.task.describe()
         say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
             f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
+        if d.get("eval_sets"):  # data.eval_sets: scored at every evaluation as eval_loss/<name>, ...
+            say("held-out sets (data.eval_sets): " + ", ".join(f"{k} {n:,} tokens" for k, n in d["eval_sets"].items()))
     say(f"batch: global {t.batch_size} rows ({t.batch_size * per_row:,} {unit}) per optimizer step; per device "
         f"{rows_per_dev} rows in {t.accum_steps} micro-batch(es) of {rows_per_dev // t.accum_steps}; "
         f"effective batch {rows_per_dev // t.accum_steps} x {t.accum_steps} x {n_dev} devices = {t.batch_size} rows")

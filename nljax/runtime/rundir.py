@@ -17,6 +17,7 @@ import yaml
 
 from nljax.config import Config, to_dict
 from nljax.data.documents import absolute
+from nljax.data.settings import eval_sets
 from nljax.errors import ConfigError
 from nljax.runtime import distributed, exportdir, runlog
 from nljax.runtime.runlock import RunLock, make_run_dir, refuse_if_live
@@ -36,8 +37,8 @@ DATA_PATHS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data
 
 
 def recorded(cfg: Config) -> dict:
-    """`cfg` as config.yaml records it: the data paths (globs included) and checkpoint.dir made
-    absolute."""
+    """`cfg` as config.yaml records it: the data paths (globs included, data.eval_sets' too) and
+    checkpoint.dir made absolute."""
     tree = to_dict(cfg)
     if cfg.checkpoint.dir:
         tree["checkpoint"]["dir"] = absolute(cfg.checkpoint.dir)
@@ -47,6 +48,8 @@ def recorded(cfg: Config) -> dict:
             tree[section][key] = [absolute(p) for p in value]
         elif value:
             tree[section][key] = absolute(value)
+    # data.eval_sets: name=glob, the glob made absolute (a malformed entry was refused before)
+    tree["data"]["eval_sets"] = [f"{name}={absolute(glob)}" for name, glob in eval_sets(cfg.data.eval_sets)]
     return tree
 
 
