@@ -2,9 +2,11 @@
 where more levels fire cost more), compute vs communication.
 
 At the end of a run every pulse pattern that occurred within `train.steps` is timed on the final
-state (already saved; the timing consumes it, so no second copy has to fit beside it): `throughput.reps` rounds interleaved over the patterns (so a drift of clock or
-load hits all of them alike), medians reported. Tokens per second are per device; the aggregate
-is only shown beside them.
+state (already saved; the timing consumes it, so no second copy has to fit beside it): after a
+warm-up round, at least `throughput.reps` rounds interleaved over the patterns (so a drift of clock
+or load hits all of them alike), as many as fill a second up to 200, within
+`throughput.max_fraction` of the loop's time (`_time_interleaved`), medians reported. Tokens per
+second are per device; the aggregate is only shown beside them.
 
 Communication time is measured, not modelled: each pattern is also compiled as the same
 per-device program on a 1-device mesh (the same rows per device, the same parameters), where
