@@ -100,6 +100,12 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
         assert export.main([f"run.dir={tmp_path / 'run'}", f"out={under_a_file}"]) == 2
     assert capsys.readouterr().err.strip() == (f"nljax.export: error: out={under_a_file}: {tmp_path / 'run' / 'config.yaml'} "
                                                "is a file, not a directory")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")  # a folder on the way that is a link to nothing
+    with mock.patch.object(trained, "load", side_effect=AssertionError("the checkpoint was read")):
+        assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'gone' / 'export'}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.export: error: out={tmp_path / 'gone' / 'export'}: "
+                                               f"{tmp_path / 'gone'} is a symbolic link to {tmp_path / 'nowhere'}, "
+                                               "which does not exist")
     assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0  # an earlier export is replaced
     done = tmp_path / "run" / "export"
     capsys.readouterr()

@@ -21,8 +21,11 @@ def refuse_unwritable(named: str, path: Path, beside: bool = False) -> None:
     write failed at the end, as an OSError (exit 1), the work done lost."""
     starts = [path.parent, *([path] if path.exists() else [])] if beside else [path]
     for start in starts:
-        there = next(p for p in (start, *start.parents) if p.exists())  # "." or "/" at the latest
+        # a link counted, broken or not: mkdir(parents=True) meets a link to nothing as "File exists"
+        there = next(p for p in (start, *start.parents) if os.path.lexists(p))  # "." or "/" at the latest
         where = named + ("" if there == path else f": {there}")
+        if there.is_symlink() and not there.exists():
+            raise ConfigError(f"{where} is a symbolic link to {os.readlink(there)}, which does not exist")
         if not there.is_dir():
             raise ConfigError(f"{where} is a file, not a directory")
         if not os.access(there, os.W_OK | os.X_OK):
