@@ -112,10 +112,10 @@ def shared_keys() -> tuple[str, ...]:
 
 def _check_shared(where: str, shared: Iterable[str]) -> frozenset[str]:
     """`shared` as a set of shared keys of `model`; a name that is none is refused, with the
-    nearest (a typo would silence the warning it is there for)."""
+    nearest (a misspelt "hedas" would have model.heads, which the model reads, warned of)."""
     if isinstance(shared, str):  # shared="dim" would be the letters d, i, m
         raise ConfigError(f"{where}: shared must be a list of key names, got the string {shared!r}")
-    keys = shared_keys()
+    shared, keys = tuple(shared), shared_keys()  # a generator is read once
     for key in shared:
         if key not in keys:
             near = difflib.get_close_matches(str(key), keys, n=1)
