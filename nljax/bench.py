@@ -15,7 +15,8 @@ fires, `--patterns worst`):
 - units (tokens, images) per second per device: per pattern, the mean weighted by how often each
   pattern fires in a cycle, and the worst pattern;
 - FLOPs per unit: analytic (`nljax.measure.flops`: 6 N + attention for the outer loop, plus an
-  estimate of the inner-loop memory), and XLA's count for the compiled per-device program;
+  estimate of the inner-loop memory), and XLA's count for the compiled per-device program (none
+  for a step that runs a loop, whose body XLA counts once: a line under the table says so);
 - MFU against the device's peak: the known bf16 dense peak of GPUs/TPUs (`throughput.PEAK_TFLOPS`,
   or `--peak-tflops`); on CPU a float32 matmul peak measured here and printed;
 - peak memory: `memory_stats()['peak_bytes_in_use']` where the backend keeps it (GPU), else the
@@ -194,14 +195,17 @@ def peak_memory(fns: dict) -> dict:
 # ------------------------------------------------------------------------------------- report
 
 
-def pattern_row(ts: list[float], compile_s: float, per_cycle: int, units: int, xla_flops, analytic: float,
+def pattern_row(ts: list[float], compile_s: float, per_cycle: int, units: int, xla: tuple, analytic: float,
                 peak: float) -> dict:
+    """`xla`: XLA's count of the step and why there is none (`throughput.xla_count`)."""
     step = statistics.median(ts)
+    xla_flops, uncounted = xla
     return {
         "steps_per_cycle": per_cycle, "compile_s": compile_s, "step_time": spread(ts),
         "units_per_s_per_device": units / step,
         "xla_flops_per_device_step": xla_flops,
         "xla_flops_per_unit": xla_flops / units if xla_flops else None,
+        "xla_flops_missing": uncounted,  # why XLA's count is not given (the table's "-"), or None
         "mfu": xla_flops / step / peak if xla_flops else None,
         "mfu_analytic": analytic * units / step / peak,
     }
@@ -239,7 +243,7 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     times, state = time_steps(fns, state, batch, warmup, steps)
     analytic = flops.analytic_flops(cfg, eng.model, eng.param_shapes)
     rows = {pattern_name(a): pattern_row(times[a], compile_s[a], per_cycle[a], units,
-                                         throughput.flops(fns[a]), analytic["total_per_unit"], peak)
+                                         throughput.xla_count(fns[a]), analytic["total_per_unit"], peak)
             for a in sorted(per_cycle, key=lambda a: (sum(a), a))}
     summary = summarize(rows, units)
     if profile:
@@ -294,6 +298,10 @@ def format_report(r: dict) -> str:
         lines.append(f"{name:<14}{p['steps_per_cycle']:>7}{p['compile_s']:>11.2f}{st['median_ms']:>10.2f}"
                      f"{st['min_ms']:>9.2f}{st['max_ms']:>9.2f}{p['units_per_s_per_device']:>12,.0f}{xpu:>15}"
                      f"{pct(p['mfu']):>8}{pct(p['mfu_analytic']):>10}")
+    # a "-" in the XLA column (and so in MFU) said once, not left to guess: a step with a scan
+    uncounted = [p.get("xla_flops_missing") for p in r["per_pattern"].values() if p["xla_flops_per_unit"] is None]
+    for why in dict.fromkeys(uncounted):
+        lines.append(f"XLA FLOP, MFU '-': {why or 'XLA gave no count'}; MFU(an.) is from the analytic count")
     mem = r["memory"]
     lines += [
         f"{unit}/s per device: mean {r['units_per_s_per_device_mean']:,.1f} (weighted by steps per cycle), "

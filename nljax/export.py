@@ -38,7 +38,7 @@ from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.models.builtin import for_this_backend
 from nljax.run import trained as trained_lib
-from nljax.runtime import filedigest
+from nljax.runtime import filedigest, writable
 from nljax.runtime.exportdir import CONFIG, DEFAULT, TOKENIZER, WEIGHTS, is_export
 
 FORMATS = ("safetensors",)
@@ -189,6 +189,7 @@ def _export(args) -> int:
     mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
     out = Path(mine["out"] or Path(run_dir) / DEFAULT)
     check_out(out)
+    writable.refuse_unwritable(f"out={out}", out)  # before the checkpoint is read: exit 2, as train's run.dir
     t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
     for line in t.warnings("nljax.export"):
         print(line, file=sys.stderr)

@@ -10,14 +10,15 @@ writes DIR: each split's tokens as a file to memory-map, its document starts, a 
 tokenizer and manifest.json (nljax/data/prepared.py). Input and output are streamed, so memory
 stays bounded whatever the corpus size. The data.* keys are the config's, so one config file can
 prepare and then train. Bad data (a missing file, no text, bytes that are not UTF-8, a token id
-beyond the vocabulary) is one line and exit 2, and DIR is left as it was. Interrupted (Ctrl-C, a
-kill), the same command resumes from the chunks done (nljax/data/workdir.py) and writes the same
-files. They are written beside DIR, in .DIR.prepare-work, made into a complete directory there
-and read back, then put in place of DIR whole (nljax/data/outdir.py): DIR holds the previous
-prepared data until the new ones replace it, never a mix. A prepare stopped between the two
-renames of that replacement leaves DIR absent and the previous data whole in .DIR.prepare-old;
-the next nljax.prepare into DIR puts them back first (one warning line), or removes them when it
-stopped after the new data were in place.
+beyond the vocabulary) is one line and exit 2, and DIR is left as it was; so is an out= that cannot
+be written (a read-only folder or file system), before any text is tokenized. Interrupted (Ctrl-C,
+a kill), the same command resumes from the chunks done (nljax/data/workdir.py) and writes the same
+files. They are written beside DIR, in .DIR.prepare-work, made into a complete directory there and
+read back, then put in place of DIR whole (nljax/data/outdir.py): DIR holds the previous prepared
+data until the new ones replace it, never a mix. A prepare stopped between the two renames of that
+replacement leaves DIR absent and the previous data whole in .DIR.prepare-old; the next
+nljax.prepare into DIR puts them back first (one warning line), or removes them when it stopped
+after the new data were in place.
 """
 
 from __future__ import annotations

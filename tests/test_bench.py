@@ -8,6 +8,8 @@ import platform
 import pytest
 from helpers import TINY_NL, cli
 
+from nljax.run import throughput
+
 # TINY_NL with the defaults elsewhere (the optimizer, the MLP width, 4 memory heads)
 NL = [*TINY_NL, "model.dim=16", "model.depth=1", "model.nl_lm.memory_heads=4", "train.batch_size=4", "train.seq_len=16"]
 
@@ -34,6 +36,13 @@ def test_bench_json_fields_are_sane(tmp_path):
     from nljax.bench import format_report
 
     assert "tok/s/dev" in p.stdout and " img/s/dev" in format_report({**r, "unit": "images"})
+    # a "-" in the XLA column is said once, under the table, with why (a step with a scan: XLA's
+    # cost analysis counts a loop's body once); here every step is counted: no such line
+    assert all(row["xla_flops_missing"] is None for row in r["per_pattern"].values()) and "MFU '-'" not in p.stdout
+    looped = {k: {**v, "xla_flops_per_unit": None, "mfu": None, "xla_flops_missing": throughput.LOOP}
+              for k, v in r["per_pattern"].items()}
+    notes = [line for line in format_report({**r, "per_pattern": looped}).splitlines() if "MFU '-'" in line]
+    assert notes == [f"XLA FLOP, MFU '-': {throughput.LOOP}; MFU(an.) is from the analytic count"], notes
     assert set(r["per_pattern"]) == {"L0", "L0+1"}
     # what `auto` resolved to on this CPU, recorded and said
     assert r["config"]["forms"] == {"attention": "blocked", "memory_impl": "scan", "embed_grad": "scatter",

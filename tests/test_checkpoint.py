@@ -411,6 +411,37 @@ BAD = {
 }
 
 
+def test_a_damaged_checkpoints_line_names_the_kind_first_and_cuts_the_readers_words(caplog):
+    """A checkpoint found damaged: its line says the kind of damage, then after ' -- ' the error
+    Orbax wrapped (not its outer "Encountered error while reading array index"), at most 120
+    characters; a warning skipping it names its step first. Orbax's whole error goes to the
+    `nljax.checkpoint` logger at DEBUG. The warning once embedded 300 characters of it."""
+    import logging
+
+    step = Path("/r/checkpoints/8")
+    words = 'OUT_OF_RANGE: Error reading "opt_state.1.mu.block0.cms1.up.kernel/0.0" in OCDBT database at local file ' \
+            '"/r/checkpoints/8/state/": Requested byte range [56122, 59996) is not valid for value of size 1000'
+    try:
+        try:
+            raise ValueError(f"{words}. See full TensorStore details: {{'driver': 'ocdbt', ...}}")
+        except ValueError as inner:
+            raise Exception("Encountered error while reading array index: (slice(0, 16, 1), slice(0, 64, 1))") from inner
+    except Exception as e:  # noqa: BLE001 - as Orbax raises it
+        with caplog.at_level(logging.DEBUG, logger="nljax.checkpoint"):
+            line = storage.damage(step, "array data unreadable", e)
+    said, detail = line.split(contents.DETAIL)
+    assert said == f"checkpoint {step}: array data unreadable"
+    assert len(detail) == storage.DETAIL_CHARS == 120 and detail == f"ValueError: {words}"[:117] + "...", detail
+    assert words in caplog.text and "Encountered error" in caplog.text  # the whole of it, traceback too
+    assert contents.passed_over(step, line, "resuming from") == (
+        f"checkpoint {step} (step 8) is damaged: array data unreadable; resuming from an older one -- {detail}")
+    # no reader's words (a seal that does not match), found by one process of several
+    seal = f"checkpoint {step}: metadata does not match its seal (edited or damaged after it was written) (process 1)"
+    assert contents.passed_over(step, seal, "using") == (
+        f"checkpoint {step} (step 8) is damaged (as process 1 reads it): metadata does not match its seal (edited or "
+        "damaged after it was written); using an older one")
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_checkpoint_is_one_line_and_changes_nothing(ref, tmp_path, capfd, case):
     """Through `nljax.train` (one line on stderr, exit 2) or, where the run would be the same,

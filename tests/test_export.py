@@ -1,6 +1,9 @@
 """Export: the parameters gathered from any strategy, written as safetensors with the config, load
 back (`nljax.load_model`) into a model whose logits equal the training state's."""
 
+import os
+from unittest import mock
+
 import jax
 import numpy as np
 import pytest
@@ -92,9 +95,17 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
     assert "config.yaml is a file: the export is a directory" in err[2] and "did you mean 'dtype'" in err[3]
     assert err[4] == f"nljax.export: error: out={mine} holds config.json of something else than an nljax export; choose another directory"
     under_a_file = tmp_path / "run" / "config.yaml" / "export"  # its parent is a file: no directory there
-    assert export.main([f"run.dir={tmp_path / 'run'}", f"out={under_a_file}"]) == 1
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (f"nljax.export: error: cannot write the export to "
-                                                               f"{under_a_file}: Not a directory")
+    # refused before the checkpoint is read, exit 2 as train's run.dir (it was exit 1 once the export was written)
+    with mock.patch.object(trained, "load", side_effect=AssertionError("the checkpoint was read")):
+        assert export.main([f"run.dir={tmp_path / 'run'}", f"out={under_a_file}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.export: error: out={under_a_file}: {tmp_path / 'run' / 'config.yaml'} "
+                                               "is a file, not a directory")
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")  # a folder on the way that is a link to nothing
+    with mock.patch.object(trained, "load", side_effect=AssertionError("the checkpoint was read")):
+        assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'gone' / 'export'}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.export: error: out={tmp_path / 'gone' / 'export'}: "
+                                               f"{tmp_path / 'gone'} is a symbolic link to {tmp_path / 'nowhere'}, "
+                                               "which does not exist")
     assert export.main([f"run.dir={tmp_path / 'run'}"]) == 0  # an earlier export is replaced
     done = tmp_path / "run" / "export"
     capsys.readouterr()
@@ -113,3 +124,25 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
     assert {p.name: p.read_bytes() for p in done.iterdir()} == before  # the earlier export, whole
     with pytest.raises(nljax.errors.ConfigError, match="not a directory written by nljax.export"):
         nljax.load_model(tmp_path)
+
+
+def test_an_unwritable_out_is_one_line_and_exit_2_before_the_checkpoint_is_read(tmp_path, capsys):
+    """out= in a folder this user cannot write (as on a read-only file system): one line and exit 2,
+    as nljax.train refuses such a run.dir, and nothing read or written; it was exit 1, once the
+    checkpoint was read and gathered."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("root writes into a 0o555 folder whatever its mode (the folder under a file in "
+                        "test_export_cli_and_bad_input stands in)")
+        saved_run(tmp_path / "run", TINY_NL, 1, 1, steps=1)
+        for out in (locked / "export", locked):
+            with mock.patch.object(trained, "load", side_effect=AssertionError("the checkpoint was read")):
+                assert export.main([f"run.dir={tmp_path / 'run'}", f"out={out}"]) == 2
+            where = f"out={out}" + ("" if out == locked else f": {locked}")
+            assert capsys.readouterr().err.strip() == f"nljax.export: error: {where} is not writable"
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)

@@ -210,8 +210,8 @@ def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path,
     capsys.readouterr()
     assert generate.main([f"run.dir={run}", "max_new_tokens=2"]) == 0
     err = capsys.readouterr().err
-    assert f"nljax.generate: warning: checkpoint {run / 'checkpoints' / '2'} is damaged, using an older one " \
-           "(checkpoint" in err and "(step 1)" in err, err
+    assert f"nljax.generate: warning: checkpoint {run / 'checkpoints' / '2'} (step 2) is damaged: array data " \
+           "unreadable; using an older one -- " in err and "(step 1)" in err, err
     assert generate.main([f"run.dir={run}", f"out={tmp_path / 'x.png'}"]) == 2
     assert capsys.readouterr().err.strip() == ("nljax.generate: error: out= and samples= are for a MeanFlow "
                                                "(model.name=dit) run's image grid; this run's model is nl_lm: its "

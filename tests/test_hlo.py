@@ -81,6 +81,8 @@ def test_xla_flops_only_for_programs_without_loops():
     unrolled = jax.jit(lambda a: jax.lax.scan(lambda c, _: (c @ a, None), a, None, length=8, unroll=8)[0]).lower(x).compile()
     assert throughput.flops(once) == pytest.approx(2 * 64**3, rel=0.05)
     assert throughput.flops(looped) is None and hlo.loop_trips(looped.as_text()) == [8]
+    assert throughput.xla_count(looped) == (None, throughput.LOOP)  # why: nljax.bench's note under its table
+    assert throughput.xla_count(once)[1] is None
     assert throughput.flops(unrolled) == pytest.approx(8 * 2 * 64**3, rel=0.05)
 
 

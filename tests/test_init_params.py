@@ -109,7 +109,8 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(src, tmp_path, capf
     c = _started(setup)
     assert c.params_from == ck / "1"
     err = capfd.readouterr().err
-    assert f"nljax: warning: checkpoint {ck / '3'} is damaged, using an older one (metadata unreadable" in err, err
+    assert f"nljax: warning: checkpoint {ck / '3'} (step 3) is damaged: metadata unreadable; using an older one -- " \
+           in err, err
 
 
 # case: (overrides, the error line after "nljax.train: error: ")

@@ -170,6 +170,44 @@ def test_refusals_of_register_model(on_path):
     assert not {"mutable", "nodefault", "sound"} & set(registry.names())
 
 
+def test_shared_names_only_shared_keys_of_model(on_path):
+    build = lambda cfg: None  # noqa: E731
+    with pytest.raises(ConfigError, match=r"^model 'typo' \(.*\): shared names 'hedas', not a shared key of model "
+                                          r"\(did you mean 'heads'\?\); they are: vocab_size, dim, hidden_mult, depth, heads, "
+                                          r"dtype, remat$"):
+        nljax.register_model("typo", build, shared=("dim", "hedas"))
+    with pytest.raises(ConfigError, match="shared must be a list of key names, got the string 'dim'"):
+        nljax.register_model("letters", build, shared="dim")
+    assert not {"typo", "letters"} & set(registry.names())
+
+
+def test_shared_keys_a_model_does_not_read_are_warned_of_once(on_path, capfd):
+    """A model registered with the shared keys it reads: a run that sets another (model.heads=8 for
+    a model without attention) gets one warning line naming it, once however often the model is
+    built; nothing is said of keys left at their defaults, nor for a model that declared nothing
+    (it may read any), nor for nl_lm (it reads them all). They were accepted in silence."""
+    def build(cfg):
+        return CMSMLP(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim * cfg.model.hidden_mult, cfg.model.depth,
+                      len(cfg.cms.periods))
+
+    nljax.register_model("reads_four", build, shared=("vocab_size", "dim", "hidden_mult", "depth"))
+    nljax.register_model("says_nothing", build)
+    load = lambda *over: config.load(None, [*TINY, "cms.periods=[1,2]", *over])  # noqa: E731
+    capfd.readouterr()
+    for _ in range(2):  # a run builds its model more than once (Run.local, a tool's load)
+        registry.build(load("model.name=reads_four", "model.heads=8", "model.dtype=bfloat16", "model.dim=32"))
+    assert capfd.readouterr().err.splitlines() == [
+        "nljax: warning: model.heads=8, model.dtype=bfloat16 are set, and model 'reads_four' does not read them: they "
+        "change nothing (the shared keys it reads: vocab_size, dim, hidden_mult, depth)"]
+    registry.build(load("model.name=reads_four", "model.dim=32"))  # at the defaults: nothing to say
+    registry.build(load("model.name=says_nothing", "model.heads=8"))
+    assert capfd.readouterr().err == ""
+    assert registry.unread_shared(load("model.name=cms_mlp", "model.remat=none")) == ["remat"]  # nljax's own say too
+    assert registry.unread_shared(load("model.name=dit", "cms.periods=[1]", "model.vocab_size=512")) == ["vocab_size"]
+    assert registry.unread_shared(load("model.name=nl_lm", "train.seq_len=16", "model.heads=2", "model.remat=none",
+                                       "model.dtype=bfloat16")) == []
+
+
 def _bad_model(level_of=None, memory=None):
     @dataclasses.dataclass(frozen=True)
     class Bad(CMSMLP):

@@ -266,8 +266,9 @@ def test_checkpoint_damaged_for_one_process_is_skipped_by_every_process(tmp_path
                         "--resume", "train.steps=10", *args], env=subprocess_env(), capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert (f"[0] nljax: warning: checkpoint {ck / '8'} is damaged, resuming from an older one (array data "
-            "unreadable (ValueError: OUT_OF_RANGE: Error reading a chunk of process 1's) (process 1))") in p.stderr, p.stderr
+    assert (f"[0] nljax: warning: checkpoint {ck / '8'} (step 8) is damaged (as process 1 reads it): array data "
+            "unreadable; resuming from an older one -- ValueError: OUT_OF_RANGE: Error reading a chunk of process "
+            "1's\n") in p.stderr, p.stderr
     assert f"[0] resumed from {ck / '4'} at step 4" in p.stdout, p.stdout
     assert (ck / "set_aside" / "8").is_dir() and storage.committed_steps(ck) == [4, 8, 10]
 

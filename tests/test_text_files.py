@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -88,6 +89,38 @@ def one_line(capsys) -> str:
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     return err[0]
+
+
+def test_an_out_under_a_file_is_refused_in_one_line_before_tokenizing(corpus, tmp_path, capsys, monkeypatch):
+    """out= whose parent is a file: one line naming it and exit 2 before any text is read, as
+    nljax.train says of such a run.dir (it was mkdir's "File exists")."""
+    train = f"data.train=[{','.join(corpus['train'])}]"
+    (afile := tmp_path / "afile").write_text("")
+    monkeypatch.setattr(prepared.workdir, "WorkDir", mock.Mock(side_effect=AssertionError("tokenizing began")))
+    for out in (afile / "prep", afile / "deeper" / "prep"):
+        assert prepare_main([train, f"out={out}"]) == 2
+        assert one_line(capsys) == f"nljax.prepare: error: out={out}: {afile} is a file, not a directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_an_out_that_cannot_be_written_is_refused_in_one_line_before_tokenizing(corpus, tmp_path, capsys, monkeypatch):
+    """out= in a folder this user cannot write, or a DIR it cannot write (as on a read-only file
+    system): one line and exit 2, as nljax.train refuses such a run.dir; it was exit 1, from the
+    lock file's open (or, for DIR itself, a replacement that could not remove the previous data)."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    try:
+        if os.access(locked, os.W_OK):
+            pytest.skip("root writes into a 0o555 folder whatever its mode (test_an_out_under_a_file_... stands in)")
+        train = f"data.train=[{','.join(corpus['train'])}]"
+        monkeypatch.setattr(prepared.workdir, "WorkDir", mock.Mock(side_effect=AssertionError("tokenizing began")))
+        for out, where in ((locked / "prep", f"{locked / 'prep'}: {locked}"), (locked, f"{locked}")):
+            assert prepare_main([train, f"out={out}", "overwrite=true"]) == 2
+            assert one_line(capsys) == f"nljax.prepare: error: out={where} is not writable"
+        assert list(locked.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["locked"]
+    finally:
+        locked.chmod(0o755)
 
 
 # ---------------------------------------------------------------------------------------------

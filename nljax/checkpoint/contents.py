@@ -54,7 +54,26 @@ SILENT = (*SAME_BITS, "run", "checkpoint", "mesh", "eval", "train.log_every", "t
 
 class Damaged(ConfigError):
     """A checkpoint whose files cannot be read, or do not match their checksums (as opposed to
-    one that does not fit this run's config): `--resume` skips it for an older one."""
+    one that does not fit this run's config): `--resume` skips it for an older one. Its line:
+    "checkpoint <path>: <kind of damage>", then `DETAIL` and the reader's own words where it
+    raised (`storage.damage`)."""
+
+
+DETAIL = " -- "  # in a Damaged line: the kind of damage, then the reader's words (cut short)
+
+
+def passed_over(path: Path, why: str, then: str) -> str:
+    """The one warning line for the step directory `path` skipped as damaged (`why`: its Damaged
+    line), `then` ("resuming from", "using") an older one: the step and the kind of damage first,
+    the reader's words last; in a multi-process run, the process that found it
+    (`distributed.first_failure` appends it to the line)."""
+    process = re.search(r" \(process (\d+)\)$", why)
+    why = why[:process.start()] if process else why
+    kind, _, detail = why.removeprefix(f"checkpoint {path}: ").partition(DETAIL)
+    step = f" (step {int(path.name)})" if path.name.isdigit() else ""
+    found = f" (as process {process[1]} reads it)" if process else ""
+    return (f"checkpoint {path}{step} is damaged{found}: {kind}; {then} an older one"
+            + (DETAIL + detail if detail else ""))
 
 
 # ---------------------------------------------------------------------------------------------

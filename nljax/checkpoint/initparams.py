@@ -22,7 +22,7 @@ from pathlib import Path
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.checkpoint.contents import META, STATE, fmt, get
+from nljax.checkpoint.contents import META, STATE, fmt, get, passed_over
 from nljax.checkpoint.restore import RestoredParams, first_valid, restore_params
 from nljax.config import Config
 from nljax.engine.core import Engine
@@ -80,8 +80,7 @@ def start_from(engine: Engine, fresh: TrainState, root: Path) -> Started:
     """`fresh` (this run's state at step 0) with the parameters of the checkpoint `root` names,
     falling back past damaged ones in a directory. One-line ConfigError on bad input."""
     restored, skipped = first_valid(lambda path: params_of(engine, path), candidates(root))
-    passed = [f"checkpoint {p} is damaged, using an older one ({why.removeprefix(f'checkpoint {p}: ')})"
-              for p, why in skipped]
+    passed = [passed_over(p, why, "using") for p, why in skipped]
     return Started(fresh.replace(params=restored.params), restored.path, restored.step, passed, restored.tokenizer)
 
 

@@ -12,7 +12,7 @@ import jax
 from jax.experimental import multihost_utils
 
 from nljax.checkpoint import initparams, storage
-from nljax.checkpoint.contents import check_tokenizer
+from nljax.checkpoint.contents import check_tokenizer, passed_over
 from nljax.checkpoint.peers import Peers
 from nljax.checkpoint.quiet import errors_hidden
 from nljax.checkpoint.restore import Restored, restore_first_valid
@@ -280,8 +280,7 @@ def _restore(engine: Engine, fresh: TrainState, paths: list[Path], digest: str |
         raise ConfigError(
             f"checkpoint {restored.path} is at step {restored.step}, past train.steps={engine.cfg.train.steps}"
         )
-    return restored, [f"checkpoint {p} is damaged, resuming from an older one "
-                      f"({why.removeprefix(f'checkpoint {p}: ')})" for p, why in skipped]
+    return restored, [passed_over(p, why, "resuming from") for p, why in skipped]
 
 
 def _set_aside_warning(root: Path, resumed: Path, later: list[Path]) -> list[str]:

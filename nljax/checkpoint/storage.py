@@ -9,6 +9,7 @@ user keeps in `checkpoint.dir` (a folder `7`, notes) is ever read, refused or re
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -18,6 +19,7 @@ from pathlib import Path
 import jax
 
 from nljax.checkpoint.contents import (
+    DETAIL,
     META,
     STATE,
     Damaged,
@@ -87,15 +89,40 @@ def save(mngr, engine: Engine, step: int, state: TrainState, trackers: dict[str,
     mngr.save(step, args=args, force=True)
 
 
+def _cut(e: BaseException) -> str:
+    """The first line of `e` without the TensorStore spec Orbax appends (a repr that spans dozens
+    of lines)."""
+    return re.sub(r"\.?\s*See full TensorStore details:.*", "", first_line(e))
+
+
 def error_line(e: BaseException) -> str:
     """'<type>: <first line>' of whatever Orbax or TensorStore raised, without the TensorStore
-    spec Orbax appends (a repr that spans dozens of lines), and the first line of its cause."""
-    cut = lambda x: re.sub(r"\.?\s*See full TensorStore details:.*", "", first_line(x))
-    line = cut(e)
+    spec Orbax appends, and the first line of its cause."""
+    line = _cut(e)
     cause = e.__cause__  # the error Orbax wrapped (`raise ... from`), not one merely caught before
-    if cause is not None and cut(cause) and cut(cause) != line:
-        line += f" ({type(cause).__name__}: {cut(cause)})"
+    if cause is not None and _cut(cause) and _cut(cause) != line:
+        line += f" ({type(cause).__name__}: {_cut(cause)})"
     return f"{type(e).__name__}: {line}"[:300]
+
+
+DETAIL_CHARS = 120  # of the reader's own words in a damaged checkpoint's line
+
+
+def damage(path: Path, kind: str, e: BaseException) -> str:
+    """The line for the step directory `path` found damaged: its `kind` ("array data unreadable"),
+    then after `contents.DETAIL` the reader's own words, cut to DETAIL_CHARS: the innermost error
+    Orbax wrapped (the outer one says only "Encountered error while reading array index: (slice(0,
+    16, 1), ..."). Orbax's whole error, traceback included, goes to the `nljax.checkpoint` logger
+    at DEBUG (a warning embedded 300 characters of it once)."""
+    logging.getLogger("nljax.checkpoint").debug("checkpoint %s: %s", path, kind, exc_info=e)
+    inner = e
+    while inner.__cause__ is not None:  # `raise ... from`: the error that was wrapped
+        inner = inner.__cause__
+    said = _cut(inner) or _cut(e)
+    detail = f"{type(inner).__name__}: {said}" if said else type(inner).__name__
+    if len(detail) > DETAIL_CHARS:
+        detail = detail[:DETAIL_CHARS - 3].rstrip() + "..."
+    return f"checkpoint {path}: {kind}{DETAIL}{detail}"
 
 
 def os_error(e: BaseException) -> str:
@@ -135,7 +162,7 @@ def read_meta(path: Path) -> dict:
         # process, which one that failed here would never reach.
         meta = ocp.JsonCheckpointHandler().restore(path / META)
     except Exception as e:  # noqa: BLE001 - whatever Orbax raises, the user sees one line
-        error = f"checkpoint {path}: metadata unreadable ({error_line(e)})"
+        error = damage(path, "metadata unreadable", e)
     if error is None:
         error = _orbax_meta_error(path)
     _agreed(error)
@@ -190,7 +217,7 @@ def read_arrays(path: Path, abstract: dict[str, jax.ShapeDtypeStruct],
                 raise ValueError(f"arrays {sorted(set(abstract) ^ read)[:3]} missing or unexpected")
         except Exception as e:  # noqa: BLE001 - a truncated or damaged file, whatever the reader raises
             noise.fail()
-            error = f"checkpoint {path}: array data unreadable ({error_line(e)})"
+            error = damage(path, "array data unreadable", e)
         if error is not None:
             noise.settle()
     _agreed(error)

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Callable, Collection, Iterator
 
 from nljax.errors import ConfigError
+from nljax.runtime import writable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +90,9 @@ def locked(o: Out) -> Iterator[None]:
     """Hold .DIR.prepare.lock while the body runs (released by the kernel whatever ends this
     process); another prepare into DIR is refused in one line. The file is removed at the end,
     so one found removed or replaced after it was locked is not the lock: taken again."""
+    # a parent that is a file, or that cannot be written (permissions, a read-only file system):
+    # one line and exit 2 before anything is tokenized, as train's run.dir
+    writable.refuse_unwritable(f"out={o.given}", o.path, beside=True)
     try:
         o.path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:

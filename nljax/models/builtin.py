@@ -143,6 +143,8 @@ def check_dit(cfg: Config) -> None:
 def register() -> None:
     register_model("nl_lm", nl_lm, NlLmConfig, check=check_nl_lm, flops=nl_lm_flops,
                    reach=lambda cfg: attention_reach(cfg.model.depth, cfg.model.nl_lm.window))
-    register_model("cms_mlp", cms_mlp, check=check_cms_mlp)
+    # nl_lm reads every shared key; the others say which (a key set that they do not read: a warning)
+    register_model("cms_mlp", cms_mlp, check=check_cms_mlp, shared=("vocab_size", "dim", "hidden_mult", "depth"))
     register_model("dit", dit, DiTConfig, task="images", check=check_dit, describe=dit_record,
-                   rebuild=dit_rebuild, flops=dit_flops)
+                   rebuild=dit_rebuild, flops=dit_flops,
+                   shared=("dim", "hidden_mult", "depth", "heads", "dtype", "remat"))

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import difflib
 import numbers
+import sys
 from importlib import metadata
 from typing import Any
 
 from nljax.errors import ConfigError, first_line
 from nljax.models import builtin
-from nljax.models.specs import _ORIGIN, _SPECS, GROUP, ModelSpec
+from nljax.models.specs import _ORIGIN, _SPECS, GROUP, ModelSpec, shared_keys
 
 Config = Model = Any  # nljax.config.Config and nljax.models.base.Model (not imported: no cycle)
 
@@ -148,11 +149,47 @@ def task_of(cfg: Any) -> str:
 
 
 def build(cfg: Config) -> Model:
-    """The model `cfg.model.name` names, checked against the contract (`check_model`)."""
+    """The model `cfg.model.name` names, checked against the contract (`check_model`); shared
+    keys set that it does not read are said once (`warn_unread`)."""
     s = spec(cfg.model.name)
     model = s.build(cfg)
     check_model(s, model, len(cfg.cms.periods))
+    warn_unread(cfg)
     return model
+
+
+def unread_shared(cfg: Config) -> list[str]:
+    """The shared keys of `cfg.model` set to other than their defaults that the selected model
+    does not read, as it declared them (`register_model(shared=...)`); [] when it declared none."""
+    from nljax.models.settings import ModelConfig
+
+    s = spec(cfg.model.name)
+    if s.shared is None:
+        return []
+    default = ModelConfig()
+    return [k for k in shared_keys() if k not in s.shared and getattr(cfg.model, k) != getattr(default, k)]
+
+
+_WARNED: set[tuple] = set()  # (model, keys) said in this process: a run builds its model more than once
+
+
+def warn_unread(cfg: Config) -> None:
+    """One line on standard error (process 0, once) naming the shared keys a run sets that its
+    model does not read: `model.heads=8` for a model without heads was accepted in silence."""
+    import jax
+
+    keys = unread_shared(cfg)
+    said = (cfg.model.name, tuple(keys))
+    if not keys or said in _WARNED:
+        return
+    _WARNED.add(said)
+    if jax.process_index() == 0:
+        s, one = spec(cfg.model.name), len(keys) == 1
+        reads = ", ".join(k for k in shared_keys() if k in s.shared) or "none"
+        print(f"nljax: warning: {', '.join(f'model.{k}={getattr(cfg.model, k)}' for k in keys)} "
+              f"{'is' if one else 'are'} set, and model '{s.name}' does not read {'it' if one else 'them'}: "
+              f"{'it changes' if one else 'they change'} nothing (the shared keys it reads: {reads})",
+              file=sys.stderr)
 
 
 def rebuild(cfg: Config, info: dict) -> Model:

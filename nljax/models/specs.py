@@ -8,7 +8,8 @@ No JAX at import: a plugin's module imports this one at its own import.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import difflib
+from typing import Any, Callable, Iterable
 
 from nljax.errors import ConfigError
 
@@ -38,6 +39,9 @@ class ModelSpec:
     flops: Callable[..., dict] | None = None
     # tokens back that attention alone reaches (the recall probe's gap must exceed it); None: 0
     reach: Callable[[Config], int] | None = None
+    # the shared keys of `model` (dim, depth, heads, ...) that `build` reads; None: not said (any
+    # may be). Said, those set to other than their defaults and not read are warned of (registry)
+    shared: frozenset[str] | None = None
     origin: str = "nljax"  # who registered it, for messages: the plugin's entry point, or the build's module
 
 
@@ -51,7 +55,8 @@ def register_model(name: str, build: Callable[[Config], Model], settings: type |
                    describe: Callable[[Model], dict] | None = None,
                    rebuild: Callable[[Config, dict], Model] | None = None,
                    flops: Callable[..., dict] | None = None,
-                   reach: Callable[[Config], int] | None = None) -> ModelSpec:
+                   reach: Callable[[Config], int] | None = None,
+                   shared: Iterable[str] | None = None) -> ModelSpec:
     """Register a model under `model.name=name`.
 
     `build(cfg) -> Model` makes it from a config (`nljax.models.base.Model`); `settings`, a frozen
@@ -59,8 +64,11 @@ def register_model(name: str, build: Callable[[Config], Model], settings: type |
     and checked like nljax's own (unknown key: one line with the nearest one; wrong type: one
     line; its `check()`, if any, runs on every load; its `RANGES` bound its floats). `task`:
     "text" or "images". `check(cfg)`: rules that apply only when this model is selected (raise
-    `nljax.errors.ConfigError`). `describe`, `rebuild`, `flops`, `reach`: see `ModelSpec`. A name
-    registered twice is refused."""
+    `nljax.errors.ConfigError`). `describe`, `rebuild`, `flops`, `reach`: see `ModelSpec`.
+    `shared`: the keys of the shared section `model.*` that `build` reads ("vocab_size", "dim",
+    "hidden_mult", "depth", "heads", "dtype", "remat"); given, a run that sets one of the others
+    gets one warning line naming it (it changes nothing); None: any may be read, nothing said.
+    A name registered twice is refused."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ConfigError(f"register_model: the name must be an identifier (it is the config key model.<name>), "
                           f"got {name!r}")
@@ -70,7 +78,9 @@ def register_model(name: str, build: Callable[[Config], Model], settings: type |
         raise ConfigError(f"model '{name}' ({_who(build)}): task must be one of {', '.join(TASKS)}, got {task!r}")
     if settings is not None:
         _check_settings(f"model '{name}' ({_who(build)})", settings)
-    spec = ModelSpec(name, build, settings, task, check, describe, rebuild, flops, reach, _who(build))
+    if shared is not None:
+        shared = _check_shared(f"model '{name}' ({_who(build)})", shared)
+    spec = ModelSpec(name, build, settings, task, check, describe, rebuild, flops, reach, shared, _who(build))
     _SPECS[name] = spec
     return spec
 
@@ -91,6 +101,28 @@ def _check_settings(where: str, settings: type) -> None:
         settings()
     except TypeError as e:
         raise ConfigError(f"{where}: settings {settings.__name__} needs a default for every field ({e})") from None
+
+
+def shared_keys() -> tuple[str, ...]:
+    """The keys of the section `model` that every model shares (`ModelConfig`'s, but `name`)."""
+    from nljax.models.settings import ModelConfig
+
+    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "name")
+
+
+def _check_shared(where: str, shared: Iterable[str]) -> frozenset[str]:
+    """`shared` as a set of shared keys of `model`; a name that is none is refused, with the
+    nearest (a misspelt "hedas" would have model.heads, which the model reads, warned of)."""
+    if isinstance(shared, str):  # shared="dim" would be the letters d, i, m
+        raise ConfigError(f"{where}: shared must be a list of key names, got the string {shared!r}")
+    shared, keys = tuple(shared), shared_keys()  # a generator is read once
+    for key in shared:
+        if key not in keys:
+            near = difflib.get_close_matches(str(key), keys, n=1)
+            hint = f" (did you mean '{near[0]}'?)" if near else ""
+            raise ConfigError(f"{where}: shared names {key!r}, not a shared key of model{hint}; they are: "
+                              f"{', '.join(keys)}")
+    return frozenset(shared)
 
 
 def unregister(name: str) -> None:

@@ -2,9 +2,11 @@
 where more levels fire cost more), compute vs communication.
 
 At the end of a run every pulse pattern that occurred within `train.steps` is timed on the final
-state (already saved; the timing consumes it, so no second copy has to fit beside it): `throughput.reps` rounds interleaved over the patterns (so a drift of clock or
-load hits all of them alike), medians reported. Tokens per second are per device; the aggregate
-is only shown beside them.
+state (already saved; the timing consumes it, so no second copy has to fit beside it): after a
+warm-up round, at least `throughput.reps` rounds interleaved over the patterns (so a drift of clock
+or load hits all of them alike), as many as fill a second up to 200, within
+`throughput.max_fraction` of the loop's time (`_time_interleaved`), medians reported. Tokens per
+second are per device; the aggregate is only shown beside them.
 
 Communication time is measured, not modelled: each pattern is also compiled as the same
 per-device program on a 1-device mesh (the same rows per device, the same parameters), where
@@ -78,24 +80,36 @@ def patterns_in_run(periods: tuple[int, ...], start: int, steps: int) -> dict[tu
     return {a: c for a, c in counts.items() if c}
 
 
-def flops(compiled: jax.stages.Compiled) -> float | None:
-    """FLOPs of one call of a compiled (per-device) program, when XLA counts them exactly. None
-    when the program runs a loop more than once (scanned layers, micro-batches, the neural
-    memory's chunks unless `memory_unroll` unrolls them all): XLA's cost analysis counts a loop's
-    body once, which under-counts such a step (the analytic count, `nljax.measure.flops`, stands in)."""
+# Why XLA's count of a step is not given (`xla_count`), in words a table's footnote can print
+LOOP = "the step runs a loop (scanned layers, micro-batches, the memory's chunks), whose body XLA's count covers once"
+NO_COST_ANALYSIS = "this backend gives no cost analysis"
+
+
+def xla_count(compiled: jax.stages.Compiled) -> tuple[float | None, str | None]:
+    """(FLOPs of one call of a compiled (per-device) program, None) when XLA counts them exactly,
+    else (None, why: `LOOP` or `NO_COST_ANALYSIS`). A program that runs a loop more than once
+    (scanned layers, micro-batches, the neural memory's chunks unless `memory_unroll` unrolls them
+    all) is not counted: XLA's cost analysis counts a loop's body once, which under-counts such a
+    step (the analytic count, `nljax.measure.flops`, stands in)."""
     try:
         if any(trips != 1 for trips in hlo.loop_trips(compiled.as_text())):
-            return None
+            return None, LOOP
     except Exception:  # noqa: BLE001 - no text from this backend: then no loop to tell either
-        return None
+        return None, NO_COST_ANALYSIS
     try:
         ca = compiled.cost_analysis()
     except Exception:  # not every backend implements it
-        return None
+        return None, NO_COST_ANALYSIS
     if isinstance(ca, (list, tuple)):  # older jax: one dict per program
         ca = ca[0] if ca else {}
     value = (ca or {}).get("flops")
-    return float(value) if value and value > 0 else None
+    return (float(value), None) if value and value > 0 else (None, NO_COST_ANALYSIS)
+
+
+def flops(compiled: jax.stages.Compiled) -> float | None:
+    """FLOPs of one call of a compiled (per-device) program, when XLA counts them exactly
+    (`xla_count`), else None."""
+    return xla_count(compiled)[0]
 
 
 def _time_interleaved(runs: dict, reps: int, min_seconds: float = 1.0, max_reps: int = 200,

@@ -20,6 +20,7 @@ import os
 
 from nljax import config
 from nljax.checkpoint import storage
+from nljax.checkpoint.contents import passed_over
 from nljax.checkpoint.restore import first_valid, restore_params
 from nljax.errors import ConfigError
 from nljax.models import registry
@@ -44,8 +45,9 @@ class Trained:
     incomplete: tuple = ()  # (path, what it lacks) of newer step directories that are not whole checkpoints
 
     def warnings(self, tool: str) -> list[str]:
-        return [f"{tool}: warning: checkpoint {p} is {what}, using an older one ({why})"
-                for what, passed in (("incomplete", self.incomplete), ("damaged", self.skipped)) for p, why in passed]
+        return [*(f"{tool}: warning: checkpoint {p} is incomplete, using an older one ({why})"
+                  for p, why in self.incomplete),
+                *(f"{tool}: warning: {passed_over(p, why, 'using')}" for p, why in self.skipped)]
 
     @property
     def model(self):

@@ -19,7 +19,7 @@ from nljax.config import Config, to_dict
 from nljax.data.documents import absolute
 from nljax.data.settings import eval_sets
 from nljax.errors import ConfigError
-from nljax.runtime import distributed, exportdir, runlog
+from nljax.runtime import distributed, exportdir, runlog, writable
 from nljax.runtime.runlock import RunLock, make_run_dir, refuse_if_live
 
 
@@ -240,12 +240,7 @@ def _refuse_unwritable(cfg: Config) -> None:
     read-only file system): found only once the model was built and its parameters initialized,
     with the new run.dir left behind, empty."""
     for what, path in written_dirs(cfg):
-        there = next(p for p in (path, *path.parents) if p.exists())  # "/" at the latest
-        where = f"{what} {path}" + ("" if there == path else f": {there}")
-        if not there.is_dir():
-            raise ConfigError(f"{where} is a file, not a directory")
-        if not os.access(there, os.W_OK | os.X_OK):
-            raise ConfigError(f"{where} is not writable")
+        writable.refuse_unwritable(f"{what} {path}", path)
 
 
 def _refuse_live(cfg: Config, held: tuple[Path, ...] = ()) -> None:

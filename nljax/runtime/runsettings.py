@@ -118,7 +118,9 @@ class DistributedConfig:
 
 @dataclasses.dataclass(frozen=True)
 class ThroughputConfig:
-    reps: int = 5  # timed repetitions of every pulse pattern at the end of a run (medians reported)
+    # timed rounds over every pulse pattern at the end of a run (medians reported): this many, more
+    # when rounds are short (as many as fill one second, up to 200), fewer beyond max_fraction
+    reps: int = 5
     # the end-of-run timing stops short of throughput.reps rounds where they would take more than
     # this fraction of the training loop's time (one round at least: every pattern gets a time),
     # so it adds at most ~10% to a run: a report, not the run's work

@@ -15,4 +15,6 @@ def register() -> None:
     import nljax
     from nljax_gated_delta.model import GatedDeltaConfig, build, check
 
-    nljax.register_model(NAME, build, settings=GatedDeltaConfig, check=check)
+    # the shared model.* keys `build` reads: model.remat, which it does not, is warned of when set
+    nljax.register_model(NAME, build, settings=GatedDeltaConfig, check=check,
+                         shared=("vocab_size", "dim", "hidden_mult", "depth", "heads", "dtype"))
