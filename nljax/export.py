@@ -38,7 +38,8 @@ from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.models.builtin import for_this_backend
 from nljax.run import trained as trained_lib
-from nljax.runtime import filedigest, writable
+from nljax import writable
+from nljax.runtime import filedigest
 from nljax.runtime.exportdir import CONFIG, DEFAULT, TOKENIZER, WEIGHTS, is_export
 
 FORMATS = ("safetensors",)

@@ -120,7 +120,10 @@ def test_module_imports_alone(name):
 # `nljax.config` (and its cross-section rules, `nljax.crosschecks`) gathers each part's config
 # section, declared beside the code that reads it, and everything else imports the config.
 LAYERS = ["base", "parallel", "data", "models", "engine", "runtime", "checkpoint", "measure", "run", "commands"]
-BASE = {"nljax", "nljax.errors", "nljax.version", "nljax.config", "nljax.crosschecks", "nljax.yamlread"}
+# `writable`: whether a destination can be made and written (run.dir, prepare's and export's
+# out=), which the data, runtime and command parts check alike
+BASE = {"nljax", "nljax.errors", "nljax.version", "nljax.config", "nljax.crosschecks", "nljax.yamlread",
+        "nljax.writable"}
 CONFIG_ASSEMBLY = {"nljax.config", "nljax.crosschecks"}
 
 

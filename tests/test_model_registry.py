@@ -181,6 +181,17 @@ def test_shared_names_only_shared_keys_of_model(on_path):
     assert not {"typo", "letters"} & set(registry.names())
 
 
+def test_the_shared_keys_are_the_model_sections_own():
+    """specs.SHARED_KEYS is written out (nljax.models.settings reads the registry): it must list
+    ModelConfig's fields but `name`, no more and no fewer."""
+    import dataclasses
+
+    from nljax.models.settings import ModelConfig
+    from nljax.models.specs import SHARED_KEYS
+
+    assert SHARED_KEYS == tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "name")
+
+
 def test_shared_keys_a_model_does_not_read_are_warned_of_once(on_path, capfd):
     """A model registered with the shared keys it reads: a run that sets another (model.heads=8 for
     a model without attention) gets one warning line naming it, once however often the model is

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Callable, Collection, Iterator
 
 from nljax.errors import ConfigError
-from nljax.runtime import writable
+from nljax import writable
 
 
 @dataclasses.dataclass(frozen=True)

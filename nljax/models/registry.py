@@ -161,12 +161,10 @@ def build(cfg: Config) -> Model:
 def unread_shared(cfg: Config) -> list[str]:
     """The shared keys of `cfg.model` set to other than their defaults that the selected model
     does not read, as it declared them (`register_model(shared=...)`); [] when it declared none."""
-    from nljax.models.settings import ModelConfig
-
     s = spec(cfg.model.name)
     if s.shared is None:
         return []
-    default = ModelConfig()
+    default = type(cfg.model)()  # the section's defaults (ModelConfig, not imported: it reads this module)
     return [k for k in shared_keys() if k not in s.shared and getattr(cfg.model, k) != getattr(default, k)]
 
 

@@ -103,11 +103,15 @@ def _check_settings(where: str, settings: type) -> None:
         raise ConfigError(f"{where}: settings {settings.__name__} needs a default for every field ({e})") from None
 
 
+# The keys of the section `model` that every model shares: `ModelConfig`'s fields but `name`
+# (nljax/models/settings.py), written out because that module reads the registry (`resolved`),
+# which reads this one: tests/test_model_registry.py checks that the two agree.
+SHARED_KEYS = ("vocab_size", "dim", "hidden_mult", "depth", "heads", "dtype", "remat")
+
+
 def shared_keys() -> tuple[str, ...]:
     """The keys of the section `model` that every model shares (`ModelConfig`'s, but `name`)."""
-    from nljax.models.settings import ModelConfig
-
-    return tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "name")
+    return SHARED_KEYS
 
 
 def _check_shared(where: str, shared: Iterable[str]) -> frozenset[str]:

@@ -19,7 +19,8 @@ from nljax.config import Config, to_dict
 from nljax.data.documents import absolute
 from nljax.data.settings import eval_sets
 from nljax.errors import ConfigError
-from nljax.runtime import distributed, exportdir, runlog, writable
+from nljax import writable
+from nljax.runtime import distributed, exportdir, runlog
 from nljax.runtime.runlock import RunLock, make_run_dir, refuse_if_live
 
 
