@@ -395,3 +395,18 @@ def test_a_record_given_as_tuples_matches_the_lists_its_checkpoint_saved(tmp_pat
     contents.check_built(tmp_path, meta, {"images": {"shape": (16, 2, 1), "num_classes": 3}})
     with pytest.raises(ConfigError, match=r"images.shape=\[16, 2, 1\], this run's data give images.shape=\[8, 2, 1\]$"):
         contents.check_built(tmp_path, meta, {"images": {"shape": (8, 2, 1), "num_classes": 3}})
+
+
+def test_a_folder_reached_again_through_a_link_is_read_once(tmp_path):
+    """Links to folders are followed (as torchvision does), but a link back up (to the class
+    folder or its parent) is not walked round again: it gave each image some 40 times, and the
+    other classes' images under this class's label."""
+    from nljax.data import imagefolder
+
+    x = np.random.default_rng(4).integers(0, 256, (3, 4, 4), dtype=np.uint8)
+    pngs(tmp_path / "set", x, ["cat/a.png", "cat/b.png", "dog/a.png"])
+    (tmp_path / "set" / "cat" / "up").symlink_to("..")  # cat/up/cat/up/... and cat/up/dog
+    (tmp_path / "set" / "cat" / "again").symlink_to(".")
+    files, labels = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
+    assert [f.relative_to(tmp_path / "set").as_posix() for f in files] == ["cat/a.png", "cat/b.png", "dog/a.png"]
+    np.testing.assert_array_equal(labels, [0, 0, 1])
