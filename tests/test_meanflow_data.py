@@ -386,17 +386,6 @@ def test_a_checkpoint_used_on_images_of_another_size_is_refused(tmp_path, capsys
     contents.check_built(ck, {"config": {}}, {"images": {"shape": [8, 8, 3], "num_classes": 4}})
 
 
-def test_a_record_given_as_tuples_matches_the_lists_its_checkpoint_saved(tmp_path):
-    """A plugin's `describe` may give a tuple (JSON writes a list): its checkpoints are not refused
-    for (16, 2) != [16, 2]; a record that differs still is."""
-    from nljax.checkpoint import contents
-
-    meta = {"built": {"images": {"shape": [16, 2, 1], "num_classes": 3}}}
-    contents.check_built(tmp_path, meta, {"images": {"shape": (16, 2, 1), "num_classes": 3}})
-    with pytest.raises(ConfigError, match=r"images.shape=\[16, 2, 1\], this run's data give images.shape=\[8, 2, 1\]$"):
-        contents.check_built(tmp_path, meta, {"images": {"shape": (8, 2, 1), "num_classes": 3}})
-
-
 def test_a_folder_reached_again_through_a_link_is_read_once(tmp_path):
     """Links to folders are followed (as torchvision does), but a link back up (to the class
     folder or its parent) is not walked round again: it gave each image some 40 times, and the

@@ -332,9 +332,6 @@ def check_built(path: Path, meta: dict, here: dict) -> None:
     saved = meta.get("built")
     if not isinstance(saved, dict):
         return
-    # as the checkpoint holds it, read back from JSON: a describe() that gives a tuple was saved as
-    # a list, and (16, 2) != [16, 2] refused every load of the model's checkpoints
-    here = json.loads(json.dumps(here))
     for key, there, mine in differences(saved, here, ""):
         raise ConfigError(f"checkpoint {path} was trained on data with {key}={fmt(there)}, this run's data give "
                           f"{key}={fmt(mine)}")
