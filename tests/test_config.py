@@ -295,3 +295,19 @@ def test_a_key_left_without_a_value_in_a_file_is_named(tmp_path):
     p.write_text("train:\n")  # a section with nothing under it: as before
     with pytest.raises(ConfigError, match="holds no settings"):
         config.load(str(p))
+
+
+def test_a_saved_images_path_of_another_source_is_read_as_unset(tmp_path):
+    """images.path beside images.source=digits was ignored (the run trained on digits); it is
+    refused in a user's config since, but a run saved before still resumes, evaluates and loads:
+    its config.yaml and its checkpoints' configs read the key as unset."""
+    with pytest.raises(ConfigError, match=r"^images.path is read only with images.source=file"):
+        config.load("meanflow_digits", ["images.path=cifar.npz"])
+    tree = config.to_dict(config.load("meanflow_digits"))
+    tree["images"]["path"] = "cifar.npz"
+    assert config.from_dict(tree).images.path == "" and tree["images"]["path"] == "cifar.npz"  # a copy
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(tree))
+    assert config.load(str(saved), saved=True) == config.load("meanflow_digits")
+    tree["images"]["source"] = "file"  # read by the run: kept
+    assert config.migrate(tree)["images"]["path"] == "cifar.npz"

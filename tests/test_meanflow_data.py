@@ -384,3 +384,18 @@ def test_a_checkpoint_used_on_images_of_another_size_is_refused(tmp_path, capsys
     assert t.step == 1 and t.run.task.data.shape == (4, 4, 3)
     # a checkpoint saved before the record was kept is not checked
     contents.check_built(ck, {"config": {}}, {"images": {"shape": [8, 8, 3], "num_classes": 4}})
+
+
+def test_a_folder_reached_again_through_a_link_is_read_once(tmp_path):
+    """Links to folders are followed (as torchvision does), but a link back up (to the class
+    folder or its parent) is not walked round again: it gave each image some 40 times, and the
+    other classes' images under this class's label."""
+    from nljax.data import imagefolder
+
+    x = np.random.default_rng(4).integers(0, 256, (3, 4, 4), dtype=np.uint8)
+    pngs(tmp_path / "set", x, ["cat/a.png", "cat/b.png", "dog/a.png"])
+    (tmp_path / "set" / "cat" / "up").symlink_to("..")  # cat/up/cat/up/... and cat/up/dog
+    (tmp_path / "set" / "cat" / "again").symlink_to(".")
+    files, labels = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
+    assert [f.relative_to(tmp_path / "set").as_posix() for f in files] == ["cat/a.png", "cat/b.png", "dog/a.png"]
+    np.testing.assert_array_equal(labels, [0, 0, 1])

@@ -463,3 +463,29 @@ def test_the_registered_task_decides_without_a_task_attribute(on_path):
     assert isinstance(run.task, ImageTask) and not hasattr(run.engine.model, "task")
     state, _, _ = run.cache.train((0,), run.init_state(), run.batch(0))
     assert np.isfinite(float(jax.device_get(state.step)))
+
+
+def test_a_describe_record_is_read_as_json_and_checked_when_the_model_is_built(tmp_path):
+    """`describe`'s record goes into every checkpoint and is compared with the run's at a load: a
+    tuple it gives is the list a checkpoint reads back ((16, 2) != [16, 2] refused every load of
+    the model's checkpoints), and what JSON cannot hold (a numpy integer) is one line when the
+    model is built, not a traceback at the first checkpoint's save."""
+    from nljax.checkpoint import contents
+
+    try:
+        nljax.register_model("described", lambda cfg: CMSMLP(256, 8, 8, 1, 1),
+                             describe=lambda m: {"data": {"shape": (16, 2), "classes": 3}})
+        cfg = config.load(None, ["model.name=described", "cms.periods=[1]"])
+        here = registry.record(registry.build(cfg), "described")
+        assert here == {"data": {"shape": [16, 2], "classes": 3}}
+        contents.check_built(tmp_path, {"built": here}, here)  # as a checkpoint saved it: the same
+        with pytest.raises(ConfigError, match=r"data.shape=\[16, 2\], this run's data give data.shape=\[8, 2\]$"):
+            contents.check_built(tmp_path, {"built": here}, {"data": {"shape": [8, 2], "classes": 3}})
+        specs.unregister("described")
+        nljax.register_model("described", lambda cfg: CMSMLP(256, 8, 8, 1, 1),
+                             describe=lambda m: {"classes": np.int64(3)})
+        with pytest.raises(ConfigError, match=r"^model 'described' \(.*\): describe\(\) must give a dict of JSON "
+                                              r"values .*: Object of type int64 is not JSON serializable$"):
+            registry.build(cfg)
+    finally:
+        specs.unregister("described")

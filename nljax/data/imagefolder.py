@@ -83,9 +83,17 @@ def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None]:
 
 def _below(d: Path) -> list[Path]:
     """Image files at any depth below `d` (links to folders followed, as torchvision does),
-    sorted by their path; hidden folders skipped."""
-    out = []
+    sorted by their path; hidden folders skipped. A folder reached again through a link (the
+    class folder itself, a second link to one folder) is read once, and a link to a folder above
+    `d` (`..`: the other classes) not at all: walked round, a loop gave each image some 40 times
+    (until the links' nesting limit), and the other classes' images this class's label."""
+    out, seen = [], {str(p) for p in Path(os.path.realpath(d)).parents}
     for top, dirs, names in os.walk(d, followlinks=True):
+        real = os.path.realpath(top)
+        if real in seen:
+            dirs[:] = []
+            continue
+        seen.add(real)
         dirs[:] = [n for n in dirs if not n.startswith(".")]
         out += [Path(top) / n for n in names if is_image(Path(n))]
     return sorted(out, key=lambda p: p.relative_to(d).parts)

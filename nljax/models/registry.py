@@ -24,6 +24,7 @@ so is a model whose parameters fall outside `cms.periods` or whose memory has no
 from __future__ import annotations
 
 import difflib
+import json
 import numbers
 import sys
 from importlib import metadata
@@ -199,9 +200,23 @@ def rebuild(cfg: Config, info: dict) -> Model:
 
 
 def record(model: Model, name: str) -> dict:
-    """The entries the model `name` adds to an export's config.json (`ModelSpec.describe`)."""
+    """The entries the model `name` adds to an export's config.json and to every checkpoint
+    (`ModelSpec.describe`), as JSON reads them back: a checkpoint's record is compared with this
+    run's (`check_built`), and a tuple saved is a list read ((16, 2) != [16, 2] refused every load).
+    One line where `describe` gives what JSON cannot hold (checked when the model is built:
+    `check_model`), not a traceback at the first checkpoint's save."""
     s = spec(name)
-    return s.describe(model) if s.describe is not None else {}
+    if s.describe is None:
+        return {}
+    out = s.describe(model)
+    try:
+        back = json.loads(json.dumps(out))
+    except (TypeError, ValueError) as e:  # a numpy integer, a set, an object
+        raise ConfigError(f"model '{s.name}' ({s.origin}): describe() must give a dict of JSON values (str, int, "
+                          f"float, bool, None, lists and dicts of them): {e}") from None
+    if not isinstance(back, dict):
+        raise ConfigError(f"model '{s.name}' ({s.origin}): describe() must give a dict, got {type(out).__name__}")
+    return back
 
 
 def check_model(s: ModelSpec, model: Model, n_levels: int) -> None:
@@ -216,6 +231,7 @@ def check_model(s: ModelSpec, model: Model, n_levels: int) -> None:
     if getattr(model, "task", s.task) != s.task:
         raise ConfigError(f"{who}: the model's task is '{model.task}' but it was registered with task='{s.task}'")
     _check_shapes(who, model, n_levels)
+    record(model, s.name)  # what every checkpoint saves: JSON, or one line now
 
 
 def _check_shapes(who: str, model: Model, n_levels: int) -> None:
