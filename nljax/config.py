@@ -340,9 +340,10 @@ def _read_layers(path: Path, shown: str, chain: tuple[tuple[Path, str], ...], in
     file. `chain`: the files including this one, each (resolved, shown): one met again is a cycle."""
     label = shown if includer is None else f"{shown} (the base_config of {includer})"
     tree = _read_yaml(str(path), label=label)
+    given = BASE_KEY in tree
     name = tree.pop(BASE_KEY, None)
     _built_from(label, tree)
-    if name is None:
+    if not given:
         return tree
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(f"config file {label}: {BASE_KEY} must name a packaged config or a YAML file, got {name!r}")
@@ -364,7 +365,7 @@ def _base_path(name: str, including: Path, shown: str, label: str) -> tuple[Path
     mine = Path(os.path.expanduser(shown))
     # as the user would write it from where they are (a packaged includer: where it is)
     here = p if p.is_absolute() else (mine.parent / p if mine == including else local)
-    if local.exists():
+    if local.is_file():  # a folder of the same name (runs/nl_gpu) is not the base
         return local, str(here)
     stem = p.name[: -len(p.suffix)] if p.suffix in (".yaml", ".yml") else p.name
     if not p.is_absolute() and p.parent == Path(".") and (PACKAGED / f"{stem}.yaml").is_file():

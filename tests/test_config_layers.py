@@ -38,6 +38,13 @@ def test_base_config_by_a_path_relative_to_the_file_not_to_the_current_directory
     assert (cfg.train.steps, cfg.train.batch_size) == (9, 2)
 
 
+def test_a_folder_named_as_a_packaged_config_does_not_hide_it(tmp_path):
+    """A folder of runs named after the config beside the YAML (runs kept as ./nl_gpu/...)."""
+    (tmp_path / "nl_gpu").mkdir()
+    f = _write(tmp_path / "x.yaml", "base_config: nl_gpu\ntrain:\n  steps: 5\n")
+    assert config.load(str(f)) == config.load("nl_gpu", ["train.steps=5"])
+
+
 def test_a_chain_of_bases_applies_each_on_the_one_below(tmp_path):
     _write(tmp_path / "a.yaml", "base_config: nl_gpu\ntrain:\n  steps: 3\n  log_every: 7\n")
     _write(tmp_path / "b.yaml", "base_config: a.yaml\ntrain:\n  steps: 4\noptim:\n  lr: 0.002\n")
@@ -49,13 +56,13 @@ def test_a_chain_of_bases_applies_each_on_the_one_below(tmp_path):
     assert cfg.model == gpu.model
 
 
-@pytest.mark.parametrize("case", ["cycle", "self", "missing", "list", "number", "bad key"])
+@pytest.mark.parametrize("case", ["cycle", "self", "missing", "list", "number", "bad key", "empty"])
 def test_a_bad_base_is_one_line_naming_both_files(tmp_path, capsys, case):
     from nljax import train
 
     top = tmp_path / "top.yaml"
     base = {"cycle": "other.yaml", "self": "top.yaml", "missing": "nowhere.yaml", "list": "list.yaml",
-            "number": "3", "bad key": "other.yaml"}[case]
+            "number": "3", "bad key": "other.yaml", "empty": ""}[case]
     _write(top, f"base_config: {base}\ntrain:\n  steps: 3\n")
     _write(tmp_path / "other.yaml", "base_config: top.yaml\n" if case == "cycle" else "train:\n  stepz: 1\n")
     _write(tmp_path / "list.yaml", "- 1\n- 2\n")
@@ -66,6 +73,8 @@ def test_a_bad_base_is_one_line_naming_both_files(tmp_path, capsys, case):
                        "nor a packaged config: ",
             "list": f"config file {tmp_path / 'list.yaml'} (the base_config of {top}) must hold a mapping",
             "number": f"config file {top}: base_config must name a packaged config or a YAML file, got 3",
+            # `base_config:` with nothing after it (YAML's null) was read as no base at all
+            "empty": f"config file {top}: base_config must name a packaged config or a YAML file, got None",
             "bad key": f"config file {tmp_path / 'other.yaml'} (the base_config of {top}): unknown config key "
                        "'train.stepz'"}[case]
     with pytest.raises(ConfigError) as e:

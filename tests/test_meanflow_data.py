@@ -399,3 +399,26 @@ def test_a_folder_reached_again_through_a_link_is_read_once(tmp_path):
     files, labels = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
     assert [f.relative_to(tmp_path / "set").as_posix() for f in files] == ["cat/a.png", "cat/b.png", "dog/a.png"]
     np.testing.assert_array_equal(labels, [0, 0, 1])
+
+
+def test_a_class_subfolder_that_cannot_be_listed_is_one_line(tmp_path, monkeypatch):
+    """os.walk passes over a folder it cannot list (its permissions): its images were left out
+    without a word. Root lists any folder, so the refusal is simulated where os.walk lists it."""
+    import os
+
+    from nljax.data import imagefolder
+
+    for cls in ("cat", "dog"):
+        (tmp_path / cls / "inner").mkdir(parents=True)
+    locked = str(tmp_path / "cat" / "inner")
+    real = os.scandir
+
+    def scandir(path="."):
+        if os.fspath(path) == locked:
+            raise PermissionError(13, "Permission denied", locked)
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    with pytest.raises(ConfigError, match=f"^images.path: cannot read the folder {locked} \\(Permission denied\\)$"):
+        imagefolder.listing(tmp_path, str(tmp_path))
+

@@ -88,7 +88,7 @@ def _below(d: Path) -> list[Path]:
     `d` (`..`: the other classes) not at all: walked round, a loop gave each image some 40 times
     (until the links' nesting limit), and the other classes' images this class's label."""
     out, seen = [], {str(p) for p in Path(os.path.realpath(d)).parents}
-    for top, dirs, names in os.walk(d, followlinks=True):
+    for top, dirs, names in os.walk(d, followlinks=True, onerror=_unreadable):
         real = os.path.realpath(top)
         if real in seen:
             dirs[:] = []
@@ -97,6 +97,12 @@ def _below(d: Path) -> list[Path]:
         dirs[:] = [n for n in dirs if not n.startswith(".")]
         out += [Path(top) / n for n in names if is_image(Path(n))]
     return sorted(out, key=lambda p: p.relative_to(d).parts)
+
+
+def _unreadable(e: OSError) -> None:
+    """os.walk's error: a folder below a class that cannot be listed (its permissions) would
+    leave its images out without a word."""
+    raise ConfigError(f"images.path: cannot read the folder {e.filename} ({e.strerror})")
 
 
 def _survey(root: Path, files: list[Path], path: str) -> tuple[tuple[int, int], bool]:

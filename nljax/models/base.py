@@ -41,7 +41,8 @@ Optional:
   with dropout turns it off there: flax's `nn.Dropout(rate)(x, deterministic=not train)`, with
   `rngs={"dropout": key}`. `key` is given either way (a MeanFlow loss samples its times and noise
   in evaluation too). An `apply` without the parameter is called as above (`takes_train`), so a
-  model without dropout need not declare it.
+  model without dropout need not declare it; one that forwards `*args, **kwargs` is not told,
+  and a `tensor_parallel` shard is told only if its own `apply` declares `train`.
 - `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)`: the predictions `apply`
   scores. A text model needs it to be evaluated beyond the loss (the recall probe's accuracy),
   sampled from (`nljax.generate`) and used after `nljax.load_model`. It is for inference only,

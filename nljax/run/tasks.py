@@ -167,7 +167,7 @@ class TextTask:
         the files' content digest (their manifest's), or of the bytes themselves."""
         if self.data.digest is not None:
             return self.data.digest
-        return hashlib.sha256(self.stream.data.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
+        return hashlib.sha256(self.data.train.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
 
     @property
     def tokenizer_identity(self) -> dict:
