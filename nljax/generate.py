@@ -73,7 +73,7 @@ def _generate(args) -> int:
     cfg = trained_lib.config_of(run_dir, s.checkpoint, overrides)
     images = registry.task_of(cfg) == "images"  # a denoiser's grid, or a language model's text
     _check(cfg.model.name, images, given, s)  # before anything is restored
-    codec = tokenization_of(cfg)  # the run's tokenization, read without the checkpoint
+    codec = tokenization_of(cfg) if s.prompts else None  # the run's tokenization, read without the checkpoint
     batch = _prompts(s, codec) if s.prompts else None  # each line checked before the load
     if images and "seed" in given:  # the grid's noise is keyed by the config's seed (default: the run's)
         overrides = [*overrides, f"seed={s.seed}"]

@@ -51,7 +51,7 @@ def read(path: str) -> list[Prompt]:
             if n == 1:
                 line = line.removeprefix("\ufeff")  # a byte-order mark some editors write: not part of the prompt
             line = line.removesuffix("\n").removesuffix("\r")
-            if not line.strip() if suffix == ".jsonl" else not line:
+            if not (line.strip() if suffix == ".jsonl" else line):  # a .txt line of spaces is a prompt
                 continue
             out.append(_record(named, n, line) if suffix == ".jsonl" else Prompt(n, line, {}))
     if not out:
