@@ -2,6 +2,8 @@
 
     python -m nljax.generate run.dir=runs/default prompt="def " max_new_tokens=200 \\
         temperature=0.8 top_k=40 top_p=0.95 seed=0 [checkpoint=STEP|PATH] [--cpu-devices N]
+    python -m nljax.generate run.dir=runs/default prompts=FILE.txt|FILE.jsonl out=RESULTS.jsonl \\
+        [samples_per_prompt=N] [batch_size=8] [the sampling settings above]
     python -m nljax.generate run.dir=runs/default/export prompt="def "   # an export (nljax.export)
     python -m nljax.generate run.dir=runs/meanflow_digits [samples=16] [out=FILE.png] [seed=N]
 
@@ -13,6 +15,18 @@ checkpoint and seed give the same tokens on any device count. `checkpoint=` is a
 directory, read as `nljax.load` reads it (one device; the same text as from its run). How the
 stream is read and sampled: nljax/run/sampling.py.
 
+prompts=FILE samples many prompts: a .txt file holds one a line (as it stands, spaces kept; empty
+lines skipped; no escapes: a prompt with a line break goes in a .jsonl file), a .jsonl file a JSON
+object a line with a string "prompt" (its other fields are copied to the prompt's results). Every
+line is read and encoded before the checkpoint is. batch_size= completions are decoded together,
+one row each (nljax/run/scoring.py), and out= receives one JSON line per completion, {"prompt",
+"completion", "index" (the prompt's place, from 0), "sample" (from 0), the input's other
+fields}, written whole or not at all; progress goes to standard error. Each completion draws from
+its own generator, keyed by (seed, index, sample), and each row is decoded on its own (its own
+windows and memory; every batch padded to the same rows): a completion does not depend on the
+other prompts or their number, and prompt 0's sample 0 is the text prompt= gives with the same
+seed (docs/guides/generation-and-export.md: what batch_size= and the device count may change).
+
 Any other `key=value` is a config override on top of the run's own config.yaml.
 """
 
@@ -20,14 +34,19 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from pathlib import Path
 
 from nljax import cli, trained_model
 from nljax.errors import ConfigError
 from nljax.measure.figures import written_by_nljax
 from nljax.models import registry
+from nljax.run import prompts as prompts_lib
 from nljax.run import trained as trained_lib
-from nljax.run.sampling import generate_images, generate_text, parse, write_text
+from nljax.run.sampling import (completions, generate_images, generate_text, parse, prompt_ids, tokenization_of,
+                                write_text)
+from nljax.run.scoring import StreamReader
+from nljax.runtime import resultfile
 
 
 def main(argv=None) -> int:
@@ -36,21 +55,26 @@ def main(argv=None) -> int:
     p.add_argument("settings", nargs="*", metavar="key=value",
                    help="run.dir=DIR (required: a run directory, or an export directory); prompt=, max_new_tokens=, "
                         "temperature=, top_k=, top_p=, seed=, checkpoint= (latest, a step number or a step "
-                        "directory); for a MeanFlow run samples= and out=FILE.png; any other key=value: a config "
-                        "override")
+                        "directory); many prompts: prompts=FILE (.txt, a prompt a line; .jsonl, a \"prompt\" field "
+                        "a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run samples= and "
+                        "out=FILE.png; any other key=value: a config override")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.generate", lambda: _generate(args), cli.stdout_to_devnull)
 
 
 def _generate(args) -> int:
     cli.setup_devices(args.cpu_devices)
-    s, overrides, run_dir = parse(args.settings)
     given = {pair.partition("=")[0] for pair in args.settings}
+    if {"prompt", "prompts"} <= given:  # which one to sample: neither wins in silence
+        raise ConfigError("prompt= and prompts= together: give one prompt (prompt=) or a file of them (prompts=)")
+    s, overrides, run_dir = parse(args.settings)
     if trained_model.kind_of(Path(os.path.expanduser(run_dir))) == "export":  # as nljax.load reads a directory
         return _from_export(run_dir, s, given, overrides)
     cfg = trained_lib.config_of(run_dir, s.checkpoint, overrides)
     images = registry.task_of(cfg) == "images"  # a denoiser's grid, or a language model's text
     _check(cfg.model.name, images, given, s)  # before anything is restored
+    codec = tokenization_of(cfg) if s.prompts else None  # the run's tokenization, read without the checkpoint
+    batch = _prompts(s, codec) if s.prompts else None  # each line checked before the load
     if images and "seed" in given:  # the grid's noise is keyed by the config's seed (default: the run's)
         overrides = [*overrides, f"seed={s.seed}"]
     t = trained_lib.load(run_dir, s.checkpoint, overrides)
@@ -71,6 +95,9 @@ def _generate(args) -> int:
             print(f"nljax.generate: error: {cli.cannot_write(path, e)}", file=sys.stderr)
             return 1
         print(f"nljax.generate: wrote {path}", file=sys.stderr)
+    elif batch is not None:
+        reader = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size)
+        return _write_completions(reader, codec, s, *batch)
     else:
         generate_text(t, s, _write)
         print()
@@ -88,23 +115,65 @@ def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
         raise ConfigError(f"{path} is the export of an image model (model.name={lm.config.model.name}): "
                           "nljax.generate draws its grid from the run directory (beside the held-out images); "
                           "an export samples from Python: nljax.load(DIR).generate(labels=[...])")
+    batch = _prompts(s, lm.tokenizer) if s.prompts else None
     print(f"nljax.generate: {lm.source} (export, step {lm.step})", file=sys.stderr)
+    if batch is not None:
+        return _write_completions(lm.stream_reader(s.batch_size), lm.tokenizer, s, *batch)
     write_text(lm.sampler(), lm.tokenizer, s, _write)
     print()
     return 0
 
 
+def _prompts(s, codec) -> tuple[list[prompts_lib.Prompt], list[list[int]]]:
+    """The file's prompts and their tokens: every line read and encoded before anything slow runs
+    (a line the tokenizer cannot encode is named, as prompt= is refused)."""
+    records = prompts_lib.read(s.prompts)
+    return records, [prompt_ids(codec, r.text, where=f"prompts={s.prompts} line {r.line}: ") for r in records]
+
+
+def _write_completions(reader, codec, s, records: list[prompts_lib.Prompt], ids: list[list[int]]) -> int:
+    """The completions of every prompt as JSON lines in out=, written whole or not at all."""
+    out, start = Path(s.out), time.perf_counter()
+    total = len(records) * s.samples_per_prompt
+    print(f"nljax.generate: {len(records)} prompt{'s' if len(records) > 1 else ''} x {s.samples_per_prompt} "
+          f"sample{'s' if s.samples_per_prompt > 1 else ''}, {reader.rows} at a time -> {out}", file=sys.stderr)
+
+    def done(n: int, total: int, tokens: int) -> None:
+        rate = tokens / max(time.perf_counter() - start, 1e-9)
+        first = " (the first batch compiles too)" if n <= reader.rows else ""
+        print(f"nljax.generate: {n}/{total} completions, {tokens:,} tokens, {rate:,.1f} tokens/s{first}",
+              file=sys.stderr)
+
+    results = ({"prompt": records[i].text, "completion": text, "index": i, "sample": j, **records[i].fields}
+               for i, j, text in completions(reader, codec, ids, s, done))
+    try:
+        resultfile.write_lines(out, results)
+    except OSError as e:  # permissions, a full disk, a directory that does not exist
+        print(f"nljax.generate: error: {cli.cannot_write(out, e)}", file=sys.stderr)
+        return 1
+    print(f"nljax.generate: wrote {total} completion{'s' if total > 1 else ''} to {out}", file=sys.stderr)
+    return 0
+
+
 def _check(model_name: str, images: bool, given: set[str], s) -> None:
     """Settings that do not fit the model (checked before its parameters are read)."""
-    if not images and (s.out or "samples" in given):
-        raise ConfigError(f"out= and samples= are for a MeanFlow (model.name=dit) run's image grid; "
-                          f"this run's model is {model_name}: its text goes to the terminal")
-    text_only = sorted(given & {"prompt", "max_new_tokens", "temperature", "top_k", "top_p"})
+    if not images and "samples" in given:
+        raise ConfigError(f"samples= is for a MeanFlow (model.name=dit) run's image grid; this run's model is "
+                          f"{model_name}: completions per prompt of prompts=FILE are samples_per_prompt=")
+    if not images and s.out and not s.prompts:
+        raise ConfigError(f"out= names the results of prompts=FILE (.jsonl) or a MeanFlow (model.name=dit) run's "
+                          f"image grid; this run's model is {model_name}: the text of prompt= goes to the terminal")
+    batched = sorted(given & {"samples_per_prompt", "batch_size"})
+    if not images and batched and not s.prompts:  # ignored in silence otherwise
+        raise ConfigError(f"{', '.join(k + '=' for k in batched)} {'is' if len(batched) == 1 else 'are'} for "
+                          "prompts=FILE (many prompts); prompt= samples one completion")
+    text_only = sorted(given & {"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "prompts",
+                                "samples_per_prompt", "batch_size"})
     if images and text_only:  # ignored before, with exit 0
         raise ConfigError(f"{', '.join(k + '=' for k in text_only)} {'is' if len(text_only) == 1 else 'are'} for "
                           f"a language model; this run's model is {model_name}: it draws an image grid "
                           "(samples=, out=, seed=)")
-    if not images and sys.stdout is None:  # started with standard output closed (>&-)
+    if not images and not s.prompts and sys.stdout is None:  # started with standard output closed (>&-)
         raise ConfigError("standard output is closed: the text has nowhere to go")
 
 

@@ -49,6 +49,7 @@ class TrainedModel:
     tokenizer: Any = None  # text models: nljax.data.tokenization.Bytes or HFTokenizer; else None
     _mesh: Any = dataclasses.field(default=None, repr=False)  # one device: where generation runs
     _sampler: Any = dataclasses.field(default=None, repr=False)
+    _readers: dict = dataclasses.field(default_factory=dict, repr=False)  # rows -> StreamReader
     _forward: Any = dataclasses.field(default=None, repr=False)
 
     def __repr__(self) -> str:
@@ -154,13 +155,17 @@ class TrainedModel:
         logits, memory = self._forward(self.params, memory, window, reset)
         return logits[:, :t], memory
 
-    def generate(self, prompt: str = "", max_new_tokens: int = 200, temperature: float = 0.8, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stream: Callable[[str], Any] | None = None,
-                 labels: Sequence[int] | None = None, steps: int = 1):
+    def generate(self, prompt: str | Sequence[str] = "", max_new_tokens: int = 200, temperature: float = 0.8,
+                 top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 stream: Callable[[str], Any] | None = None, labels: Sequence[int] | None = None, steps: int = 1,
+                 batch_size: int = 8):
         """A language model: the text sampled after `prompt` (not including it), with
         `python -m nljax.generate`'s settings and rules (temperature, then top-k, then top-p;
         temperature 0 is greedy; the same seed gives the same text); `stream(text)` is called
         with each piece as it is sampled. An empty prompt starts a new document. `seed`: 0 by default.
+        A list of prompts gives a list of texts, one each, `batch_size` decoded together as
+        `nljax.generate prompts=` decodes them: the i-th drawn as prompts= draws prompt i's sample
+        0, so the first is what the prompt alone gives, and none depends on the others.
         An image model (MeanFlow): samples [len(labels), H, W, C] in [-1, 1] for the class
         `labels`, in `steps` steps (1: MeanFlow's one-step sampling), from noise keyed by `seed`
         (default: the run's seed, as its evaluation's samples) and the sample's position."""
@@ -176,6 +181,12 @@ class TrainedModel:
                               "text: generate(prompt, max_new_tokens=, ...)")
         from nljax.run.sampling import Settings, prompt_ids
 
+        if not isinstance(prompt, str):  # a list of prompts: one text each
+            if stream is not None:
+                raise ConfigError("stream= follows one prompt's text as it is sampled: give one prompt (a str)")
+            s = Settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                         seed=0 if seed is None else seed, batch_size=batch_size).check()
+            return self._generate_many(prompt, s)
         s = Settings(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                      top_p=top_p, seed=0 if seed is None else seed).check()
         prompt_tokens = prompt_ids(self.tokenizer, prompt)
@@ -194,6 +205,37 @@ class TrainedModel:
         if self._sampler is None:
             self._sampler = TextSampler(self.model, self.params, self._mesh, self.seq_len, self.end_id)
         return self._sampler
+
+    def _generate_many(self, prompts, s) -> list[str]:
+        """The text after each of `prompts` (a list or tuple of str), as `nljax.generate prompts=`
+        samples each prompt's sample 0 (nljax/run/sampling.py: `completions`)."""
+        from nljax.run.sampling import completions, prompt_ids
+
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ConfigError(f"prompt must be a str or a non-empty list of str, got {type(prompts).__name__} "
+                              f"{prompts!r:.60}")
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                raise ConfigError(f"prompt[{i}] must be a str, got {type(p).__name__} {p!r:.60}")
+            try:  # a lone surrogate: refused as prompt= is
+                p.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ConfigError(f"prompt[{i}] is not UTF-8 text (at character {e.start})") from None
+        ids = [prompt_ids(self.tokenizer, p, where=f"prompt[{i}]: ") for i, p in enumerate(prompts)]
+        return [text for _, _, text in completions(self.stream_reader(s.batch_size), self.tokenizer, ids, s)]
+
+    def stream_reader(self, rows: int = 8):
+        """The batched decoder `generate` uses for a list of prompts (nljax.run.scoring.StreamReader,
+        `rows` streams at a time, on this model's one device), compiled once per row count."""
+        from nljax.parallel.mesh import make_mesh, replicated
+        from nljax.run.scoring import StreamReader
+
+        self._text_only("stream_reader")
+        if rows not in self._readers:
+            mesh = make_mesh(1, 1, list(self._mesh.devices.flat)[:1])  # the data axes StreamReader splits rows over
+            params = jax.device_put(self.params, replicated(mesh))
+            self._readers[rows] = StreamReader(self.model, params, mesh, self.seq_len, self.end_id, rows)
+        return self._readers[rows]
 
     def _images(self, labels: Sequence[int] | None, steps: int, seed: int | None) -> np.ndarray:
         if not hasattr(self.model, "generate"):

@@ -213,9 +213,9 @@ def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path,
     assert f"nljax.generate: warning: checkpoint {run / 'checkpoints' / '2'} (step 2) is damaged: array data " \
            "unreadable; using an older one -- " in err and "(step 1)" in err, err
     assert generate.main([f"run.dir={run}", f"out={tmp_path / 'x.png'}"]) == 2
-    assert capsys.readouterr().err.strip() == ("nljax.generate: error: out= and samples= are for a MeanFlow "
-                                               "(model.name=dit) run's image grid; this run's model is nl_lm: its "
-                                               "text goes to the terminal")
+    assert capsys.readouterr().err.strip() == ("nljax.generate: error: out= names the results of prompts=FILE "
+                                               "(.jsonl) or a MeanFlow (model.name=dit) run's image grid; this run's "
+                                               "model is nl_lm: the text of prompt= goes to the terminal")
     assert not (tmp_path / "x.png").exists()
 
 
@@ -250,7 +250,7 @@ def test_checkpoint_steps_and_an_export_directory(tmp_path, capsys):
         (generate, [f"run.dir={out}", "checkpoint=0"], f"{out} is an export (one set of parameters): checkpoint= "
                                                        "and overrides are for a run directory"),
         (generate, [f"run.dir={out}", "model.dim=8"], "is an export (one set of parameters)"),
-        (generate, [f"run.dir={out}", "samples=4"], "out= and samples= are for a MeanFlow"),
+        (generate, [f"run.dir={out}", "samples=4"], "samples= is for a MeanFlow (model.name=dit) run's image grid"),
     ):
         assert tool.main(argv) == 2
         err = capsys.readouterr().err.strip()

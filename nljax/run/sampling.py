@@ -14,6 +14,14 @@ Sampling is on the host in float64 from the logits (temperature, then top-k, the
 numpy generator seeded by `seed`: the same checkpoint and seed give the same tokens on any device
 count (the parameters are replicated, so every device computes the same logits).
 
+Many prompts (`prompts=FILE`, `completions`) are decoded together, `batch_size` rows at a time, by
+the lm-evaluation-harness's reader (nljax/run/scoring.py: `StreamReader.generate`): each row reads
+its own stream exactly as above (its own windows, its own memory, written only when its own
+window is full, its own resets), so a prompt's left end needs no padding. Each completion draws
+from its own generator, keyed by (seed, the prompt's index, the sample's index) (`seeded`): a
+prompt's completions do not depend on the other prompts, and prompt 0's sample 0 is the text
+`prompt=` gives with the same seed.
+
 A MeanFlow run (model.name=dit) writes a PNG grid instead: one-step and multi-step
 (`meanflow.sample_steps`) samples side by side, for the labels of the first held-out images (2-D
 toy data: scatter plots over the held-out points).
@@ -26,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -37,9 +45,11 @@ from nljax.data import prepared
 from nljax.errors import ConfigError
 from nljax.parallel.hostdev import put, replica
 from nljax.run import trained as trained_lib
+from nljax.runtime import resultfile
 
 
 MAX_NEW_TOKENS = 65_536  # as train.sample_tokens
+RESULT_KEYS = frozenset({"prompt", "completion", "index", "sample"})  # in each record prompts= writes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +60,12 @@ class Settings:
     top_k: int = 0  # keep the k most likely tokens; 0: all
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p; 1: all
     seed: int = 0
+    prompts: str = ""  # a .txt (a prompt a line) or .jsonl file (nljax/run/prompts.py); the results go to out=
+    samples_per_prompt: int = 1  # prompts=: completions of each prompt
+    batch_size: int = 8  # prompts=: completions decoded together (rounded up to a multiple of the devices)
     checkpoint: str = "latest"  # or a step number, a step directory, or a checkpoints directory
     samples: int = 16  # DiT: images in the grid
-    out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); refused for a text run
+    out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); prompts=: the results (.jsonl)
 
     def check(self) -> "Settings":
         if self.max_new_tokens > MAX_NEW_TOKENS:  # token by token on the host: a huge count never ends
@@ -70,10 +83,21 @@ class Settings:
             raise ConfigError(f"seed must be in [0, 2^63), got {self.seed}")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")
+        if self.samples_per_prompt < 1:
+            raise ConfigError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         try:  # bytes that are not UTF-8 reach Python's argv as lone surrogates
             self.prompt.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ConfigError(f"prompt= is not UTF-8 text (at character {e.start})") from None
+        if self.prompts:  # the results file: checked before anything slow runs
+            if not self.out:
+                raise ConfigError("prompts= needs out=FILE.jsonl: the file the completions are written to")
+            resultfile.check(Path(self.out), f"out={self.out}", "nljax.generate", RESULT_KEYS, lines=True)
+            return self
+        if self.out and Path(self.out).suffix.lower() == ".jsonl":
+            raise ConfigError(f"out={self.out}: JSON lines are the results of prompts=FILE, which is not given")
         if self.out and Path(self.out).is_dir():
             raise ConfigError(f"out={self.out} is a directory: give the PNG file to write")
         if self.out and Path(self.out).suffix.lower() != ".png":  # never over a file of another kind
@@ -89,6 +113,16 @@ def parse(pairs: list[str]) -> tuple[Settings, list[str], str]:
     known = {f.name: cast[f.type] for f in dataclasses.fields(Settings)}
     values, overrides, run_dir = trained_lib.split_args(pairs, known)
     return Settings(**values).check(), overrides, run_dir
+
+
+def seeded(seed: int, index: int = 0, sample: int = 0) -> np.random.Generator:
+    """The generator of prompt `index`'s completion `sample` under `seed`: keyed by these three
+    alone, so that a prompt's completions do not depend on the other prompts of a file, their
+    number or their order around it. The key is four 32-bit words (seed's low and high halves,
+    index, sample); NumPy's SeedSequence reads a key shorter than its pool of four words as if
+    padded with zeros, so (seed, 0, 0) draws what `np.random.default_rng(seed)` draws: the single
+    prompt's generator, as it always was."""
+    return np.random.default_rng([seed & 0xFFFF_FFFF, seed >> 32, index, sample])
 
 
 def sample_token(logits: np.ndarray, rng: np.random.Generator, s: Settings) -> int:
@@ -133,9 +167,10 @@ class TextSampler:
         logits, memory = self._forward(self.params, memory, put(tokens, self.rep), put(reset, self.rep))
         return replica(logits)[0], memory
 
-    def tokens(self, prompt: list[int], s: Settings) -> Iterator[int]:
-        """The sampled tokens after `prompt`, one at a time."""
-        rng = np.random.default_rng(s.seed)
+    def tokens(self, prompt: list[int], s: Settings, rng: np.random.Generator | None = None) -> Iterator[int]:
+        """The sampled tokens after `prompt`, one at a time, drawn by `rng` (default: `seed`'s,
+        which is np.random.default_rng(seed); `seeded(seed, i, j)`: prompts= prompt i's sample j)."""
+        rng = seeded(s.seed) if rng is None else rng
         memory, fresh, window = self.memory0, True, list(prompt)  # at least one token: `prompt_ids`
         for _ in range(s.max_new_tokens):
             while len(window) > self.t:  # full windows go into the memory, as in training
@@ -178,17 +213,39 @@ def write_text(sampler: TextSampler, codec, s: Settings, write: Callable[[str], 
     return out
 
 
-def prompt_ids(codec, prompt: str, what: str = "prompt") -> list[int]:
+def completions(reader, codec, prompts: Sequence[list[int]], s: Settings,
+                done: Callable[[int, int, int], None] = lambda n, total, tokens: None) -> Iterator[tuple[int, int, str]]:
+    """(prompt index, sample index, text) of `s.samples_per_prompt` completions of each of
+    `prompts` (token ids, from `prompt_ids`), in that order: the text sampled after the prompt,
+    as `write_text` writes it after the prompt. `reader`: a `StreamReader` (nljax/run/scoring.py)
+    whose `rows` completions are decoded together, in the file's order; `done(completions so
+    far, all of them, tokens so far)` after each such batch."""
+    jobs = [(i, j) for i in range(len(prompts)) for j in range(s.samples_per_prompt)]
+    tokens = 0
+    for start in range(0, len(jobs), reader.rows):
+        batch = jobs[start : start + reader.rows]
+        rngs = [seeded(s.seed, i, j) for i, j in batch]  # each its own: no draw depends on another row
+        new = reader.generate([prompts[i] for i, _ in batch], s.max_new_tokens,
+                              lambda logits, b: sample_token(logits, rngs[b], s), lambda b, toks: False,
+                              lead_end_resets=True)  # an empty prompt's end token resets, as `tokens` reads it
+        for (i, j), ids in zip(batch, new):
+            yield i, j, "".join(codec.decode_stream(ids, context=prompts[i]))
+        tokens += sum(map(len, new))
+        done(start + len(batch), len(jobs), tokens)
+
+
+def prompt_ids(codec, prompt: str, what: str = "prompt", where: str = "") -> list[int]:
     """The prompt's tokens; an empty prompt starts a document: the token that ends one (bytes:
     NUL). A tokenizer without `data.doc_end_token` has no such token: it needs a prompt. A
-    character the tokenizer has no token for is refused (`what`: the setting, in the line)."""
+    character the tokenizer has no token for is refused (`what`: the setting, in the line;
+    `where`: what begins the line, "prompts=FILE line N: " for a file's prompt)."""
     lost = codec.lost(prompt)
     if lost:  # dropped by the encoding: the text would continue another prompt, or a document start
-        raise ConfigError(f"{what} {prompt!r}: this run's tokenizer has no token for {lost!r} (the model would not "
-                          f"see it): {codec.path}")
+        raise ConfigError(f"{where}{what} {prompt!r}: this run's tokenizer has no token for {lost!r} (the model would "
+                          f"not see it): {codec.path}")
     ids = codec.encode(prompt)
     if not ids and codec.end_id is None:
-        raise ConfigError("an empty prompt starts a document after data.doc_end_token, which this run's "
+        raise ConfigError(f"{where}an empty prompt starts a document after data.doc_end_token, which this run's "
                           "tokenizer has none of: give a prompt")
     return ids or [codec.end_id]
 

@@ -1,6 +1,7 @@
 """Many independent text streams read at once by a trained language model: the log-probability of
 every token, and the continuation of each stream token by token. The library behind the
-lm-evaluation-harness model (nljax/run/harness.py).
+lm-evaluation-harness model (nljax/run/harness.py) and `nljax.generate prompts=`
+(nljax/run/sampling.py: `completions`).
 
 Each row of a batch is one stream (one request of the harness), read as training reads a row of
 its ContextStream: in windows of `train.seq_len` tokens from the stream's first token, attention
@@ -8,8 +9,10 @@ inside a window, the neural memory written by each window and carried to the nex
 starts from the model's fresh memory; a window that holds a document's end (`end_id`) resets the
 memory before the next window, as in training, except for the stream's first token: a leading end
 token (the harness's prefix, "a document starts here") is the reset that the fresh start made
-already. A stream longer than one window is read whole, never cut: its earlier windows reach the
-later ones through the memory, as in the streaming evaluation (`eval_bpb_stream`).
+already (`generate(..., lead_end_resets=True)` reads it as any other end token, as `TextSampler`
+does: the prompts of `nljax.generate`). A stream longer than one window is read whole, never cut:
+its earlier windows reach the later ones through the memory, as in the streaming evaluation
+(`eval_bpb_stream`).
 
 Rows are split over the mesh's data axes, the parameters whole over them (split over `model`
 under tensor parallelism: XLA partitions the model's forward to match, as for `TextSampler`).
@@ -116,25 +119,30 @@ class StreamReader:
         hits = np.concatenate([replica(g) for _, g in parts], axis=1) == tokens[:, 1:]
         return [(logp[b, : max(n - 1, 0)], hits[b, : max(n - 1, 0)]) for b, n in enumerate(lengths)]
 
-    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, pick: Pick, stop: Stop) -> list[list[int]]:
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, pick: Pick, stop: Stop,
+                 lead_end_resets: bool = False) -> list[list[int]]:
         """The tokens after each prompt (at least one token each), chosen by `pick` from the
         logits of the next position, until `stop` says so or `max_new_tokens` are chosen. As
         `TextSampler.tokens` does for one prompt: full windows go into the memory, each token is
         predicted from the memory of the windows before it and its own window so far. A prompt
-        needs a token to predict from (the harness's empty context is the document-end token)."""
+        needs a token to predict from (the harness's empty context is the document-end token).
+        `lead_end_resets`: a prompt's first token, when it is the document end, resets the memory
+        after its window as any other end token does (as `TextSampler.tokens` reads a prompt)."""
         empty = [i for i, p in enumerate(prompts) if not len(p)]
         if empty:
             raise ValueError(f"StreamReader.generate: prompt {empty[0]} is empty: give it a first token")
         return self._longest_first(prompts, lambda which: self._generate_batch(
             [list(prompts[j]) for j in which], max_new_tokens, lambda logits, b: pick(logits, which[b]),
-            lambda b, toks: stop(which[b], toks)))
+            lambda b, toks: stop(which[b], toks), lead_end_resets))
 
-    def _generate_batch(self, prompts: list, max_new: int, pick: Pick, stop: Stop) -> list[list[int]]:
+    def _generate_batch(self, prompts: list, max_new: int, pick: Pick, stop: Stop,
+                        lead_end_resets: bool = False) -> list[list[int]]:
         r, t, n = self.rows, self.t, len(prompts)
         pending = prompts + [[0] for _ in range(r - n)]  # each row's window not yet in its memory
         new: list[list[int]] = [[] for _ in range(n)]
         live = np.arange(r) < n if max_new > 0 else np.zeros(r, bool)
-        memory, reset, first = self._memory0(), np.ones(r, bool), np.ones(r, bool)
+        memory, reset = self._memory0(), np.ones(r, bool)
+        first = np.full(r, not lead_end_resets)  # the rows whose leading end token is no reset
         while live.any():
             tokens = np.zeros((r, t + 1), np.int32)
             for b, p in enumerate(pending):

@@ -1,30 +1,32 @@
-"""A command's JSON result file (`nljax.bench --out`, `nljax.evaluate out=`): refused before
-anything slow runs when it cannot be written or holds a file of another kind, and written whole or
-not at all."""
+"""A command's JSON result file (`nljax.bench --out`, `nljax.evaluate out=`) or JSON-lines one
+(`nljax.generate prompts= out=`): refused before anything slow runs when it cannot be written or
+holds a file of another kind, and written whole or not at all."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Iterable
 
 from nljax.errors import ConfigError
 
 
-def check(out: Path, named: str, tool: str, keys: frozenset[str]) -> None:
+def check(out: Path, named: str, tool: str, keys: frozenset[str], lines: bool = False) -> None:
     """`out` (`named`: how the command line spells it, "--out FILE" or "out=FILE") names a JSON
-    file that can be written, never over a file that is not an earlier result of `tool` (one
-    holding `keys`)."""
-    if out.suffix.lower() != ".json":
-        raise ConfigError(f"{named}: the result is JSON, give a file name ending in .json")
+    file (`lines`: a JSON-lines file, one record a line) that can be written, never over a file
+    that is not an earlier result of `tool` (one holding `keys`, in every record)."""
+    kind, suffix = ("JSON lines", ".jsonl") if lines else ("JSON", ".json")
+    if out.suffix.lower() != suffix:
+        raise ConfigError(f"{named}: the result is {kind}, give a file name ending in {suffix}")
     if out.is_dir():
-        raise ConfigError(f"{named} is a directory: give the JSON file to write")
+        raise ConfigError(f"{named} is a directory: give the {kind} file to write")
     if why := not_a_directory(out.absolute().parent):  # else mkdir's "File exists", after the slow part
         raise ConfigError(f"{named}: {why}")
     parent = next((p for p in out.absolute().parents if p.exists()), None)
     if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
         raise ConfigError(f"{named}: {out if out.exists() else parent} is not writable")
-    if out.exists() and not earlier_result(out, keys):  # a tokenizer.json, an export's config.json
+    if out.exists() and not (earlier_lines if lines else earlier_result)(out, keys):  # a tokenizer.json, a data set
         raise ConfigError(f"{named} holds a file that is not an {tool} result: give a new file name, or move it")
 
 
@@ -51,6 +53,43 @@ def earlier_result(out: Path, keys: frozenset[str]) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(result, dict) and keys <= result.keys()
+
+
+def earlier_lines(out: Path, keys: frozenset[str]) -> bool:
+    """Whether the existing `out` may be replaced: empty, or JSON lines each an object holding
+    `keys` (an earlier result). A data set of JSON lines (a `prompt` field, say) is not one."""
+    if not out.is_file():
+        return False
+    try:
+        with out.open("rb") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, ValueError):
+        return False
+    return all(isinstance(r, dict) and keys <= r.keys() for r in records)
+
+
+def write_lines(out: Path, records: Iterable[dict]) -> int:
+    """`records` as JSON lines at `out`, each written as it comes beside it under a temporary name
+    that is renamed into place once the last is written: a run cut short (Ctrl-C, a full disk, an
+    error) leaves the earlier file whole and no partial one. Returns the records written."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    n = 0
+    try:
+        with temp.open("w", encoding="utf-8") as f:
+            for record in records:
+                line = json.dumps(record, ensure_ascii=False)  # readable text, as the input's
+                if not line.isascii():
+                    try:
+                        line.encode("utf-8")
+                    except UnicodeEncodeError:  # a lone surrogate (a JSON "\\ud800" read in): escaped
+                        line = json.dumps(record)
+                f.write(line + "\n")
+                n += 1
+        os.replace(temp, out)
+    finally:
+        temp.unlink(missing_ok=True)
+    return n
 
 
 def write(out: Path, result: dict) -> None:

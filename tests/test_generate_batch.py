@@ -1,0 +1,273 @@
+"""Generation over a file of prompts (`nljax.generate prompts=FILE out=RESULTS.jsonl`) and over a
+list of prompts in Python (`lm.generate([...])`): each completion is the single-prompt decoding
+of its prompt with its own generator, keyed by (seed, prompt index, sample index) — prompt 0's
+sample 0 is what `prompt=` gives — whatever the other prompts, the batch and the device count;
+the results file's records; and the refusals, one line each."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+from helpers import TINY_NL, saved_run
+
+import nljax
+from nljax import generate
+from nljax.errors import ConfigError
+from nljax.run import sampling, trained
+from nljax.run.scoring import StreamReader
+
+# TINY_NL at train.seq_len 8: 20 new tokens cross windows of the memory
+NL = TINY_NL
+SETTINGS = dict(max_new_tokens=20, temperature=1.0, top_k=50, seed=7)
+# an empty prompt (a document start: its end token, which resets the memory after the first
+# window), one with a document end in its second window, a one-token one, one four windows long
+PROMPTS = ["", "def f(x):\n\0  return", "x", "import numpy as np\nimport jax\n"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("batchgen") / "run"
+    saved_run(run_dir, NL, 1, 1, steps=1)
+    return run_dir
+
+
+def _args(run_dir, *more, **settings):
+    return [f"run.dir={run_dir}", *more, *(f"{k}={v}" for k, v in {**SETTINGS, **settings}.items())]
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_seeded_keeps_the_single_prompts_generator():
+    """(seed, 0, 0) draws what np.random.default_rng(seed) drew, over the whole seed range (the
+    single-prompt path's generator is unchanged); other indices draw otherwise."""
+    for seed in (0, 7, 2**32 - 1, 2**32, 2**40 + 3, 2**63 - 1):
+        want = np.random.default_rng(seed).random(8)
+        np.testing.assert_array_equal(sampling.seeded(seed).random(8), want)
+        draws = {tuple(sampling.seeded(seed, i, j).random(4)) for i in range(3) for j in range(3)}
+        assert len(draws) == 9
+
+
+def test_each_completion_is_its_prompts_single_decoding_on_any_device_count(run_dir):
+    """Batched over rows (prompts of different lengths, a batch padded at the end), each
+    completion equals `TextSampler.tokens` of its prompt alone, drawn by seeded(seed, i, j), on 1
+    and on 8 devices (rows split over them). The memory's output projection is made large so
+    that what the memory holds decides the tokens: a row whose memory were written at another
+    row's window end, or not reset after an empty prompt's end token, would differ."""
+    s = sampling.Settings(**SETTINGS, samples_per_prompt=2, batch_size=3)
+    got = {}
+    for n in (1, 8):
+        t = trained.load(run_dir, devices=jax.devices()[:n])
+        params = jax.tree.map(lambda x: x, t.params)
+        out = params["mem0"]["out"]["kernel"]
+        params["mem0"]["out"]["kernel"] = 3 * jax.random.normal(jax.random.key(0), out.shape, out.dtype)
+        t = dataclasses.replace(t, params=params)
+        codec = sampling.tokenization_of(t.cfg)
+        ids = [sampling.prompt_ids(codec, p) for p in PROMPTS]
+        reader = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size)
+        assert reader.rows == (3 if n == 1 else 8)
+        got[n] = list(sampling.completions(reader, codec, ids, s))
+    assert [(i, j) for i, j, _ in got[1]] == [(i, j) for i in range(4) for j in range(2)]
+    assert got[1] == got[8]
+    single = sampling.TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id)
+    for i, j, text in got[1]:
+        tokens = list(single.tokens(ids[i], s, sampling.seeded(s.seed, i, j)))
+        assert text == "".join(codec.decode_stream(tokens, context=ids[i])), (i, j)
+    assert len({text for _, _, text in got[1]}) == 8  # each its own draw
+
+
+def test_the_results_file(run_dir, tmp_path, capsys):
+    """A .jsonl file's records: prompt, completion, index, sample, then the input's other
+    fields; prompt 0's sample 0 is `prompt=`'s text with the same seed; a prompt's completions do
+    not depend on the other prompts or their number; a .txt file is a prompt a line (spaces
+    kept, empty lines skipped); progress on standard error; an earlier result is replaced."""
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": p, "id": f"q{i}", "meta": {"n": i}} for i, p in enumerate(PROMPTS)])
+    (tmp_path / "in.jsonl").write_text(src.read_text().replace("\n", "\n\n", 1))  # an empty line: skipped
+    out = tmp_path / "out.jsonl"
+    assert generate.main(_args(run_dir, f"prompts={src}", f"out={out}", samples_per_prompt=2, batch_size=3)) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[-3] == f"nljax.generate: 4 prompts x 2 samples, 8 at a time -> {out}"  # 3 rounded up to the 8 devices
+    assert err[-2].startswith("nljax.generate: 8/8 completions, 160 tokens, ") and err[-2].endswith(
+        " tokens/s (the first batch compiles too)")
+    assert err[-1] == f"nljax.generate: wrote 8 completions to {out}"
+    records = _records(out)
+    assert [list(r) for r in records] == [["prompt", "completion", "index", "sample", "id", "meta"]] * 8
+    assert [(r["prompt"], r["index"], r["sample"], r["id"], r["meta"]) for r in records] == [
+        (p, i, j, f"q{i}", {"n": i}) for i, p in enumerate(PROMPTS) for j in range(2)]
+    assert all(r["completion"] for r in records)
+    # prompt 0's sample 0: the single prompt's text with the same seed
+    assert generate.main(_args(run_dir, "prompt=")) == 0
+    assert capsys.readouterr().out == records[0]["completion"] + "\n"
+    # other prompts around a prompt, one sample each, a .txt file: its completions stay
+    txt = tmp_path / "in.txt"
+    txt.write_bytes(b"other\n\nclass A:  \r\nx\nzzz\n")
+    again = tmp_path / "again.jsonl"
+    assert generate.main(_args(run_dir, f"prompts={txt}", f"out={again}")) == 0
+    moved = _records(again)
+    assert [(r["prompt"], r["index"], r["sample"]) for r in moved] == [("other", 0, 0), ("class A:  ", 1, 0),
+                                                                         ("x", 2, 0), ("zzz", 3, 0)]
+    assert moved[2]["completion"] == records[4]["completion"]  # "x" at index 2 in both files
+    # an earlier result is replaced
+    assert generate.main(_args(run_dir, f"prompts={txt}", f"out={out}", seed=8)) == 0
+    assert [r["prompt"] for r in _records(out)] == ["other", "class A:  ", "x", "zzz"]
+
+
+def test_written_whole_or_not_at_all(run_dir, tmp_path, monkeypatch, capsys):
+    """Ctrl-C halfway: exit 130, the earlier result whole, no partial file; a file that is not an
+    earlier result (the prompts themselves, say) is never replaced."""
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": p} for p in PROMPTS])
+    out = tmp_path / "out.jsonl"
+    assert generate.main(_args(run_dir, f"prompts={src}", f"out={out}", max_new_tokens=3)) == 0
+    before = out.read_bytes()
+    draw, calls = sampling.sample_token, []
+
+    def interrupted(*a):
+        calls.append(1)
+        if len(calls) == 30:
+            raise KeyboardInterrupt
+        return draw(*a)
+
+    monkeypatch.setattr(sampling, "sample_token", interrupted)
+    assert generate.main(_args(run_dir, f"prompts={src}", f"out={out}")) == 130
+    assert len(calls) == 30 and out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "out.jsonl"]
+    capsys.readouterr()
+    text = src.read_text()
+    assert generate.main(_args(run_dir, f"prompts={src}", f"out={src}")) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.generate: error: out={src} holds a file that is not an "
+                                               "nljax.generate result: give a new file name, or move it")
+    assert src.read_text() == text
+
+
+def test_a_list_of_prompts_in_python(run_dir):
+    """`lm.generate([...])`: one text per prompt, the first the prompt's own `generate`, each
+    drawn as prompts= draws the prompt's sample 0 (not depending on the others); a str prompt
+    still gives a str; a bad list is one line."""
+    lm = nljax.load(run_dir)
+    texts = lm.generate(PROMPTS, **SETTINGS)
+    assert isinstance(texts, list) and len(texts) == 4 and all(isinstance(t, str) for t in texts)
+    one = lm.generate(PROMPTS[0], **SETTINGS)
+    assert isinstance(one, str) and texts[0] == one
+    assert lm.generate(("other", *PROMPTS[1:]), **SETTINGS, batch_size=3)[1:] == texts[1:]  # a tuple too
+    single, ids = lm.sampler(), [sampling.prompt_ids(lm.tokenizer, p) for p in PROMPTS]
+    s = sampling.Settings(**SETTINGS)
+    for i, text in enumerate(texts):
+        tokens = list(single.tokens(ids[i], s, sampling.seeded(s.seed, i, 0)))
+        assert text == lm.decode(tokens), i
+    for prompt, line in (([], "prompt must be a str or a non-empty list of str, got list []"),
+                         (["a", 3], "prompt[1] must be a str, got int 3"),
+                         (["a", "\ud800"], "prompt[1] is not UTF-8 text (at character 0)"),
+                         ({"a"}, "prompt must be a str or a non-empty list of str, got set {'a'}")):
+        with pytest.raises(ConfigError) as e:
+            lm.generate(prompt, max_new_tokens=2)
+        assert str(e.value) == line
+    with pytest.raises(ConfigError, match="stream= follows one prompt's text"):
+        lm.generate(["a"], stream=print)
+    with pytest.raises(ConfigError, match="batch_size must be >= 1, got 0"):
+        lm.generate(["a"], batch_size=0)
+
+
+def _bad(tmp_path):
+    """(files to write, arguments after run.dir=, the line) for each refusal."""
+    t = tmp_path
+    return [
+        ({}, ["prompt=a", f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}"],
+         "prompt= and prompts= together: give one prompt (prompt=) or a file of them (prompts=)"),
+        ({}, [f"prompts={t / 'missing.txt'}", f"out={t / 'o.jsonl'}"], f"prompts={t / 'missing.txt'}: no such file"),
+        ({"p.jsonl": '{"prompt": "a"}\n\n{"text": "b"}\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.jsonl'} line 3: each line is a JSON object with a string field \"prompt\", got no "
+         "\"prompt\" field"),
+        ({"p.jsonl": '{"prompt": 3}\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.jsonl'} line 1: each line is a JSON object with a string field \"prompt\", got "
+         "\"prompt\": 3"),
+        ({"p.jsonl": '["a"]\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.jsonl'} line 1: each line is a JSON object with a string field \"prompt\", got a list"),
+        ({"p.jsonl": '{"prompt": "a"\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.jsonl'} line 1: not JSON ("),
+        ({"p.jsonl": '{"prompt": "a", "completion": "b"}\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.jsonl'} line 1: the field \"completion\" is one nljax.generate writes (prompt, completion, "
+         "index, sample): rename it in the file"),
+        ({"p.txt": ""}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}"], f"prompts={t / 'p.txt'} holds no prompt: "
+                                                                            "the file is empty"),
+        ({"p.txt": "\n\n"}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.txt'} holds no prompt (empty lines are skipped)"),
+        ({"p.txt": "a\n\xff\n"}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.txt'} line 2: not UTF-8 text (at byte 0)"),
+        ({"p.csv": "a\n"}, [f"prompts={t / 'p.csv'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.csv'}: give a .txt file (one prompt a line) or a .jsonl file (a \"prompt\" field a line)"),
+        ({"p.txt": "a\n"}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.json'}"],
+         f"out={t / 'o.json'}: the result is JSON lines, give a file name ending in .jsonl"),
+        ({"p.txt": "a\n"}, [f"prompts={t / 'p.txt'}"], "prompts= needs out=FILE.jsonl: the file the completions are "
+                                                       "written to"),
+        ({}, [f"out={t / 'o.jsonl'}"], f"out={t / 'o.jsonl'}: JSON lines are the results of prompts=FILE, which is "
+                                       "not given"),
+        ({}, [f"out={t / 'o.png'}"], "out= names the results of prompts=FILE (.jsonl) or a MeanFlow (model.name=dit) "
+                                     "run's image grid; this run's model is nl_lm: the text of prompt= goes to the "
+                                     "terminal"),
+        ({}, ["samples_per_prompt=2"], "samples_per_prompt= is for prompts=FILE (many prompts); prompt= samples one "
+                                       "completion"),
+        ({"p.txt": "a\n"}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}", "samples_per_prompt=0"],
+         "samples_per_prompt must be >= 1, got 0"),
+        ({"p.txt": "a\n"}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}", "samples=2"],
+         "samples= is for a MeanFlow (model.name=dit) run's image grid; this run's model is nl_lm: completions per "
+         "prompt of prompts=FILE are samples_per_prompt="),
+    ]
+
+
+def test_bad_input_is_one_line(run_dir, tmp_path, capsys):
+    for files, args, line in _bad(tmp_path):
+        for name, text in files.items():
+            (tmp_path / name).write_bytes(text.encode("latin-1" if "\xff" in text else "utf-8"))
+        assert generate.main([f"run.dir={run_dir}", *args]) == 2, line
+        err = capsys.readouterr().err.strip()
+        assert err.count("\n") == 0 and err.startswith(f"nljax.generate: error: {line}"), (line, err)
+        assert not (tmp_path / "o.jsonl").exists()
+        for name in files:
+            (tmp_path / name).unlink()
+
+
+def test_a_prompt_the_tokenizer_cannot_encode_names_its_line(tmp_path):
+    """As prompt= is refused (test_generate.py), with the file and line: before anything loads."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from nljax.data.tokenization import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainers.BpeTrainer(vocab_size=300,
+                                                                                      special_tokens=["<eos>"]))
+    tok.save(str(tmp_path / "words.json"))
+    words = HFTokenizer(tmp_path / "words.json", "<eos>")
+    (tmp_path / "p.txt").write_text("def f\ndef 日本 f\n")
+    s = sampling.Settings(prompts=str(tmp_path / "p.txt"), out=str(tmp_path / "o.jsonl"))
+    with pytest.raises(ConfigError) as e:
+        generate._prompts(s, words)
+    assert str(e.value) == (f"prompts={tmp_path / 'p.txt'} line 2: prompt 'def 日本 f': this run's tokenizer has no "
+                            f"token for '日本' (the model would not see it): {tmp_path / 'words.json'}")
+
+
+def test_an_export_gives_its_runs_results(run_dir, tmp_path, capsys):
+    """prompts= through an export directory (read as nljax.load reads it, one device): the run's
+    records; a bad file of prompts is refused as for a run."""
+    from nljax import export
+
+    export.export(trained.load(run_dir, devices=jax.devices()[:1]), tmp_path / "export")
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": p, "k": i} for i, p in enumerate(PROMPTS)])
+    results = []
+    for where in (run_dir, tmp_path / "export"):
+        out = tmp_path / f"{where.name}.jsonl"
+        assert generate.main(_args(where, f"prompts={src}", f"out={out}", samples_per_prompt=2)) == 0
+        results.append(_records(out))
+    assert results[0] == results[1] and len(results[0]) == 8
+    capsys.readouterr()
+    (tmp_path / "bad.txt").write_text("")
+    assert generate.main(_args(tmp_path / "export", f"prompts={tmp_path / 'bad.txt'}", f"out={tmp_path / 'o.jsonl'}")) == 2
+    assert capsys.readouterr().err.strip().endswith("holds no prompt: the file is empty")
