@@ -156,16 +156,18 @@ class TextSampler:
         # Inputs made from host arrays (`put`) and outputs replicated, each process reading its
         # own copy (`replica`): the sampler also runs on a mesh that spans processes (training).
         self.memory0 = jax.tree.map(lambda x: put(np.asarray(x), self.rep), model.init_memory(1))
-        self._forward = jax.jit(lambda params, memory, tokens, reset: model.logits(
-            params, memory, {"tokens": tokens, "reset": reset}), out_shardings=self.rep)
+        self._forward = jax.jit(lambda params, memory, tokens, reset, at: _row(model.logits(
+            params, memory, {"tokens": tokens, "reset": reset}), at), out_shardings=self.rep)
 
     def forward(self, memory, window: list[int], fresh: bool):
-        """Logits [T, V] of `window` (<= T tokens, padded) and the memory after it."""
+        """The logits [V] after `window`'s last token (`window`: <= T tokens, padded), on the
+        devices, and the memory after the window. Only that row is kept: the window's [T, V]
+        logits read back for every token cost T times the copy (a 2048-token window and a vocabulary
+        of 50k: 400 MB a token)."""
         tokens = np.zeros((1, self.t + 1), np.int32)  # the model reads T inputs (the last is a target)
         tokens[0, : len(window)] = window
-        reset = np.array([fresh])
-        logits, memory = self._forward(self.params, memory, put(tokens, self.rep), put(reset, self.rep))
-        return replica(logits)[0], memory
+        reset, at = np.array([fresh]), np.array(len(window) - 1, np.int32)
+        return self._forward(self.params, memory, put(tokens, self.rep), put(reset, self.rep), put(at, self.rep))
 
     def tokens(self, prompt: list[int], s: Settings, rng: np.random.Generator | None = None) -> Iterator[int]:
         """The sampled tokens after `prompt`, one at a time, drawn by `rng` (default: `seed`'s,
@@ -180,9 +182,15 @@ class TextSampler:
                 # memory before the next one
                 fresh = self.end_id is not None and self.end_id in full
             logits, _ = self.forward(memory, window, fresh)
-            token = sample_token(logits[len(window) - 1], rng, s)
+            token = sample_token(replica(logits), rng, s)
             window.append(token)
             yield token
+
+
+def _row(out: tuple, at: jax.Array) -> tuple:
+    """(logits [1, T, V], memory) -> (the logits at position `at` [V], memory)."""
+    logits, memory = out
+    return jax.lax.dynamic_index_in_dim(logits[0], at, keepdims=False), memory
 
 
 def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], None]) -> list[int]:

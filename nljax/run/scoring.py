@@ -51,29 +51,41 @@ class StreamReader:
         self.params, self.t, self.end_id = params, seq_len, end_id
         self.split, rep = rows_sharding(mesh), replicated(mesh)
 
-        def window(params, memory, tokens, reset, pos):  # tokens [R, T+1], reset [R], pos [R]
+        def window(params, memory, tokens, reset):  # tokens [R, T+1], reset [R]
             logits, memory = model.logits(params, memory, {"tokens": tokens, "reset": reset})
             logits = logits.astype(jnp.float32)  # [R, T, V]
             logp = jax.nn.log_softmax(logits, axis=-1)
             target = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [R, T]
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [R, T]
-            at = jnp.take_along_axis(logits, pos[:, None, None], axis=1)[:, 0]  # [R, V]
-            return jax.lax.with_sharding_constraint((target, greedy, at), rep), memory
+            return jax.lax.with_sharding_constraint((target, greedy), rep), memory
+
+        def next_logits(params, memory, tokens, reset, pos):  # generation: the logits at pos alone
+            logits, memory = model.logits(params, memory, {"tokens": tokens, "reset": reset})
+            at = jnp.take_along_axis(logits.astype(jnp.float32), pos[:, None, None], axis=1)[:, 0]  # [R, V]
+            return jax.lax.with_sharding_constraint(at, rep), memory
 
         self._window = jax.jit(window)
+        # generation reads one position a row: `window`'s log-softmax and argmax over [R, T, V],
+        # gathered onto every device, would be computed and moved for every token and never read
+        self._next = jax.jit(next_logits)
         self._memory0 = jax.jit(lambda: model.init_memory(self.rows), out_shardings=self.split)
         # a row's memory moves on only where `commit` says so (generation: rows fill windows at different times)
         self._keep = jax.jit(lambda commit, new, old: jax.tree.map(
             lambda a, b: jnp.where(commit.reshape((-1,) + (1,) * (a.ndim - 1)), a, b), new, old))
 
-    def forward(self, memory, tokens: np.ndarray, reset: np.ndarray, pos: np.ndarray | None = None):
-        """One window of every row: ((log-probability of each target [R, T], argmax [R, T],
-        logits at `pos` [R, V]), the memory after the window). `tokens` [R, T+1]: T inputs and the
-        last column a target, as training's windows."""
-        pos = np.zeros(self.rows, np.int32) if pos is None else pos
+    def forward(self, memory, tokens: np.ndarray, reset: np.ndarray):
+        """One window of every row: ((log-probability of each target [R, T], argmax [R, T]), the
+        memory after the window). `tokens` [R, T+1]: T inputs and the last column a target, as
+        training's windows."""
+        args = (put(np.asarray(tokens, np.int32), self.split), put(np.asarray(reset, bool), self.split))
+        return self._window(self.params, memory, *args)
+
+    def logits_at(self, memory, tokens: np.ndarray, reset: np.ndarray, pos: np.ndarray):
+        """One window of every row, as `forward` reads it: (the logits at `pos` [R, V], the memory
+        after the window)."""
         args = (put(np.asarray(tokens, np.int32), self.split), put(np.asarray(reset, bool), self.split),
                 put(np.asarray(pos, np.int32), self.split))
-        return self._window(self.params, memory, *args)
+        return self._next(self.params, memory, *args)
 
     def _ends(self, inputs: np.ndarray, first: np.ndarray) -> np.ndarray:
         """Whether each row's window `inputs` [R, <=T] holds a document's end, the stream's first
@@ -112,7 +124,7 @@ class StreamReader:
         parts = []
         for k in range(windows):
             window = tokens[:, k * t : k * t + t + 1]
-            (target, greedy, _), memory = self.forward(memory, window, reset)
+            (target, greedy), memory = self.forward(memory, window, reset)
             parts.append((target, greedy))  # read back after the last window: no wait per window
             reset, first = self._ends(window[:, :t], first), np.zeros(r, bool)
         logp = np.concatenate([replica(p) for p, _ in parts], axis=1).astype(np.float64)
@@ -149,7 +161,7 @@ class StreamReader:
                 tokens[b, : min(len(p), t)] = p[:t]
             pos = np.array([min(len(p), t) - 1 for p in pending], np.int32)
             predict = live & np.array([len(p) <= t for p in pending])  # else: a full window to write first
-            (_, _, at), after = self.forward(memory, tokens, reset, pos)
+            at, after = self.logits_at(memory, tokens, reset, pos)
             if predict.any():
                 logits = replica(at)
                 for b in np.flatnonzero(predict):
