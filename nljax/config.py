@@ -191,7 +191,21 @@ def to_dict(cfg: Any) -> dict:
             return {k: conv(v) for k, v in x.items()}
         return x
 
-    return conv(dataclasses.asdict(cfg))
+    return own_model(conv(dataclasses.asdict(cfg)))
+
+
+def own_model(tree: dict) -> dict:
+    """`tree` (a config as a dict) with only its selected model's own section under `model`
+    (`model.<model.name>`), beside the keys every model shares: the other registered models'
+    sections say nothing about the run. Kept, they made what a run saved depend on which models
+    the process had registered: a plugin registered (or installed, or removed) since made every
+    earlier run's checkpoint "not fit" (`model.tiny=(absent) there`) or its config.yaml an
+    "unknown config key"."""
+    model = tree.get("model")
+    if not isinstance(model, dict):
+        return tree
+    name = model.get("name", ModelConfig.name)
+    return {**tree, "model": {k: v for k, v in model.items() if not isinstance(v, dict) or k == name}}
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
@@ -315,12 +329,12 @@ def load(path: str | typing.Sequence[str] | None = None, overrides: typing.Seque
     tree: dict = {}
     for one in as_files(path):  # each file alone first: a wrong key or value there names that file
         if saved:
-            layer = _built_from(one, migrate(_read_yaml(one, saved)))
+            layer = _built_from(one, _saved(one))
         else:
             layer = _read_layers(config_path(one), one, ())
         tree = _merged(tree, layer)
     if base is not None:  # a run's config.yaml too: the line named a key the command line did not hold
-        tree = _merged(_built_from(base, migrate(_read_yaml(base, saved=True))), tree)
+        tree = _merged(_built_from(base, _saved(base)), tree)
     for text in overrides:
         key, value = parse_override(text)
         _set_dotted(tree, key, value)
@@ -328,6 +342,21 @@ def load(path: str | typing.Sequence[str] | None = None, overrides: typing.Seque
     if check:
         validate(cfg)
     return cfg
+
+
+def _saved(path: str) -> dict:
+    """The settings of the config.yaml nljax wrote at `path`, migrated (`migrate`); a model this
+    process has not registered is said as such (its section was an "unknown config key")."""
+    tree = migrate(_read_yaml(path, saved=True))
+    name = tree.get("model", {}).get("name") if isinstance(tree.get("model"), dict) else None
+    if isinstance(name, str):
+        from nljax.models import registry
+
+        try:
+            registry.spec(name)
+        except ConfigError as e:
+            raise ConfigError(f"config file {path}: the run's {e} (register it in this process)") from None
+    return tree
 
 
 BASE_KEY = "base_config"  # a user's file's top-level key: the config it updates (`_read_layers`)
@@ -435,7 +464,9 @@ def migrate(tree: dict) -> dict:
     # run still resumes, evaluates, samples and loads as it trained
     if isinstance(images, dict) and images.get("path") and images.get("source", "digits") != "file":
         images["path"] = ""
-    return tree
+    # the sections of models other than its own, which a config saved before 2026-11-29 holds
+    # (every model registered in that process): another process need not have them
+    return own_model(tree)
 
 
 def _parent(tree: dict, key: str, create: bool) -> tuple[Any, str]:

@@ -196,6 +196,9 @@ def to_yaml(cfg: config.Config, width: int = 100) -> str:
     out = ["# nljax config (python -m nljax.train --print-config): every key, resolved, with its comment.",
            "# Give it back with --config FILE; keys left out of a file keep their defaults."]
     for sec in sections(cfg):
+        parts = sec.name.split(".")
+        if parts[0] == "model" and len(parts) > 1 and parts[1] != cfg.model.name:
+            continue  # another model's section: not this run's (`config.own_model`)
         depth = sec.name.count(".") + 1 if sec.name else 0
         if sec.name:
             note = f"{sec.cls.__name__}, {_source_of(sec.cls)}"
