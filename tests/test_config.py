@@ -71,7 +71,7 @@ def test_yaml_file(tmp_path):
         ("train.steps=-1", "train.steps must be >= 0, got -1"),
         ("train.log_every=0", "train.log_every must be >= 1, got 0"),
         ("model.dim=-16", "model.dim must be >= 1, got -16"),
-        ("throughput.reps=0", "throughput.reps must be >= 1, got 0"),
+        ("throughput.reps=-1", "throughput.reps must be >= 0, got -1"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1, got 0"),
         ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
