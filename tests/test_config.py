@@ -292,7 +292,13 @@ def test_a_key_left_without_a_value_in_a_file_is_named(tmp_path):
             config.load(str(p))
         assert str(e.value) == (f"config file {p}: config key '{key}' has no value (null): give one, or leave the "
                                 "key out for its default")
-    p.write_text("train:\n")  # a section with nothing under it: as before
+    for text in ("train:\n", "model:\n", "model: null\n"):  # a section alone: named, as beside others
+        p.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            config.load(str(p))
+        name = text.partition(":")[0]
+        assert str(e.value) == f"config file {p}: section '{name}' is empty (nothing indented under '{name}:')"
+    p.write_text("train: {}\n")  # nothing in it, written as such: as before
     with pytest.raises(ConfigError, match="holds no settings"):
         config.load(str(p))
 
