@@ -262,8 +262,9 @@ class TrainedModel:
         classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0
         bad = label[(label < 0) | (label > classes)] if classes else label[:0]
         if bad.size:
-            raise ConfigError(f"labels must be classes in [0, {classes}) ({classes}: none, unconditional), got "
-                              f"{int(bad[0])}")
+            which = "0" if classes == 1 else f"0 to {classes - 1}"
+            raise ConfigError(f"labels must be a class, {which}, or {classes} for no class (unconditional samples), "
+                              f"got {int(bad[0])}")
         model = self.model
         if seed is not None:  # ignored before: every seed gave the run's samples
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:  # as the config's seed
