@@ -94,7 +94,8 @@ def test_the_results_file(run_dir, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     assert generate.main(_args(run_dir, f"prompts={src}", f"out={out}", samples_per_prompt=2, batch_size=3)) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[-3] == f"nljax.generate: 4 prompts x 2 samples, 8 at a time -> {out}"  # 3 rounded up to the 8 devices
+    assert err[-3] == (f"nljax.generate: 4 prompts x 2 samples, 8 at a time (batch_size=3 rounded up to 8, a "
+                       f"multiple of 8 devices) -> {out}")  # said why, once
     assert err[-2].startswith("nljax.generate: 8/8 completions, 160 tokens, ") and err[-2].endswith(
         " tokens/s (the first batch compiles too)")
     assert err[-1] == f"nljax.generate: wrote 8 completions to {out}"
