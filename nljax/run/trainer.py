@@ -96,8 +96,11 @@ def startup_report(run: Run, state: TrainState, say) -> None:
         f"x model={eng.tp}, "
         f"{jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters")
-    if hasattr(run.task, "describe"):
-        d = run.task.describe()
+    if hasattr(run.task, "describe") and "train_images" in (d := run.task.describe()):  # a MeanFlow run's images
+        say(f"images {d['source']}: {d['train_images']:,} training and {d['eval_images']:,} held-out, "
+            f"{'x'.join(map(str, d['shape']))}, classes {d['num_classes']}"
+            f"{' (unconditional)' if not d['num_classes'] else ''}, digest {d['digest'][:12]}")
+    elif hasattr(run.task, "describe"):
         say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
             f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
         if d.get("eval_sets"):  # data.eval_sets: scored at every evaluation as eval_loss/<name>, ...
@@ -309,7 +312,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         "memory_bytes_per_device": held,
         "strategy": eng.strategy.name,
     }
-    describe = getattr(run.task, "describe", None)  # the text task: source, tokens, digest
+    describe = getattr(run.task, "describe", None)  # source, tokens or images, digest
     if describe is not None:
         summary["data"] = describe()
     out.run.save_summary(summary)
