@@ -299,15 +299,26 @@ def _read_yaml(path: str, saved: bool = False, label: str | None = None) -> dict
     if loaded is None or not _settings_in(loaded):  # a file saved before it was written, the wrong file
         if isinstance(loaded, dict) and (null := _first_null(loaded)) is not None:  # `steps:` alone: a key, no value
             raise ConfigError(f"config file {path}: {_no_value(null)}")
+        if isinstance(loaded, dict) and (empty := _empty_sections(loaded)):  # `model:` alone: named, as beside others
+            raise ConfigError(f"config file {path}: {_empty_section(empty[0])}")
         hint = ("a run's config.yaml holds every setting, this is not the one nljax.train wrote" if saved
                 else "give some, or leave --config out for the defaults")
         raise ConfigError(f"config file {path} holds no settings: {hint}")
     if not isinstance(loaded, dict):
         raise ConfigError(f"config file {path} must hold a mapping at the top level")
-    empty = [k for k, v in loaded.items() if v is None and k in SECTIONS]
+    empty = _empty_sections(loaded)
     if empty:  # `train:` with nothing under it: an override of train.x would be blamed for it
-        raise ConfigError(f"config file {path}: section '{empty[0]}' is empty (nothing indented under '{empty[0]}:')")
+        raise ConfigError(f"config file {path}: {_empty_section(empty[0])}")
     return loaded
+
+
+def _empty_sections(tree: dict) -> list[str]:
+    """The sections of a loaded file left without a value (`train:` with nothing indented under it)."""
+    return [k for k, v in tree.items() if v is None and k in SECTIONS]
+
+
+def _empty_section(name: str) -> str:
+    return f"section '{name}' is empty (nothing indented under '{name}:')"
 
 
 def as_files(path: str | typing.Sequence[str] | None) -> list[str]:
@@ -337,6 +348,9 @@ def load(path: str | typing.Sequence[str] | None = None, overrides: typing.Seque
         tree = _merged(_built_from(base, _saved(base)), tree)
     for text in overrides:
         key, value = parse_override(text)
+        if key == BASE_KEY:  # read from a file's top level only: the command line names the file instead
+            raise ConfigError(f"{BASE_KEY} is a config file's key (a YAML file's top-level '{BASE_KEY}: {value}'); "
+                              f"on the command line give the file itself: --config {value}")
         _set_dotted(tree, key, value)
     cfg = _home_expanded(_build(Config, tree))
     if check:
@@ -399,8 +413,10 @@ def _base_path(name: str, including: Path, shown: str, label: str) -> tuple[Path
     stem = p.name[: -len(p.suffix)] if p.suffix in (".yaml", ".yml") else p.name
     if not p.is_absolute() and p.parent == Path(".") and (PACKAGED / f"{stem}.yaml").is_file():
         return PACKAGED / f"{stem}.yaml", name
-    raise ConfigError(f"config file {label}: {BASE_KEY} {name} not found (neither {here} nor a packaged config: "
-                      f"{', '.join(packaged_configs())})")
+    near = difflib.get_close_matches(stem, packaged_configs(), n=1)  # a misspelt packaged name: nl_gpuu
+    hint = f" (did you mean '{near[0]}'?)" if near and p.parent == Path(".") else ""
+    raise ConfigError(f"config file {label}: {BASE_KEY} {name} not found (neither {here} nor a packaged "
+                      f"config: {', '.join(packaged_configs())}){hint}")
 
 
 # Settings naming a path of the run's: `~` expanded, as the shell does in an assignment but

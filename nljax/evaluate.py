@@ -84,7 +84,7 @@ def _evaluate(args, argv: list[str]) -> int:
     if out is not None:
         result = {"command": " ".join(["python -m nljax.evaluate", *argv]), "run_dir": run_dir,
                   "checkpoint": str(t.path), "step": t.step, "devices": n, **metrics, "nljax_version": __version__}
-        describe = getattr(t.run.task, "describe", None)  # the text task: source, tokens, digest (as summary.json)
+        describe = getattr(t.run.task, "describe", None)  # source, tokens or images, digest (as summary.json)
         if describe is not None:
             result["data"] = describe()
         try:
@@ -177,6 +177,8 @@ def _data(t: trained_lib.Trained) -> str:
     if describe is None:
         return ""
     d = describe()
+    if "eval_images" in d:  # a MeanFlow run's images
+        return f", images {d['source']} ({d['eval_images']:,} held-out, digest {d['digest'][:12]})"
     sets = "".join(f", set {k} ({n:,} tokens)" for k, n in d.get("eval_sets", {}).items())  # data.eval_sets
     return f", data {d['source']} ({d['eval_tokens']:,} held-out tokens, digest {d['digest'][:12]}){sets}"
 

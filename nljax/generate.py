@@ -135,8 +135,11 @@ def _write_completions(reader, codec, s, records: list[prompts_lib.Prompt], ids:
     """The completions of every prompt as JSON lines in out=, written whole or not at all."""
     out, start = Path(s.out), time.perf_counter()
     total = len(records) * s.samples_per_prompt
+    # a batch_size that the devices do not divide is rounded up (each decodes its share of rows): said why
+    why = (f" (batch_size={s.batch_size} rounded up to {reader.rows}, a multiple of {reader.devices} devices)"
+           if reader.rows != s.batch_size else "")
     print(f"nljax.generate: {len(records)} prompt{'s' if len(records) > 1 else ''} x {s.samples_per_prompt} "
-          f"sample{'s' if s.samples_per_prompt > 1 else ''}, {reader.rows} at a time -> {out}", file=sys.stderr)
+          f"sample{'s' if s.samples_per_prompt > 1 else ''}, {reader.rows} at a time{why} -> {out}", file=sys.stderr)
 
     def done(n: int, total: int, tokens: int) -> None:
         rate = tokens / max(time.perf_counter() - start, 1e-9)

@@ -158,14 +158,16 @@ class TrainedModel:
     def generate(self, prompt: str | Sequence[str] = "", max_new_tokens: int = 200, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stream: Callable[[str], Any] | None = None, labels: Sequence[int] | None = None, steps: int = 1,
-                 batch_size: int = 8):
+                 batch_size: int = 8, samples_per_prompt: int = 1):
         """A language model: the text sampled after `prompt` (not including it), with
         `python -m nljax.generate`'s settings and rules (temperature, then top-k, then top-p;
         temperature 0 is greedy; the same seed gives the same text); `stream(text)` is called
         with each piece as it is sampled. An empty prompt starts a new document. `seed`: 0 by default.
         A list of prompts gives a list of texts, one each, `batch_size` decoded together as
         `nljax.generate prompts=` decodes them: the i-th drawn as prompts= draws prompt i's sample
-        0, so the first is what the prompt alone gives, and none depends on the others.
+        0, so the first is what the prompt alone gives, and none depends on the others; an empty
+        list gives []. `samples_per_prompt=N` > 1 (a list of prompts only): a list, per prompt, of N
+        texts, sample j of prompt i keyed as prompts= keys it (`sampling.seeded(seed, i, j)`).
         An image model (MeanFlow): samples [len(labels), H, W, C] in [-1, 1] for the class
         `labels`, in `steps` steps (1: MeanFlow's one-step sampling), from noise keyed by `seed`
         (default: the run's seed, as its evaluation's samples) and the sample's position."""
@@ -185,8 +187,12 @@ class TrainedModel:
             if stream is not None:
                 raise ConfigError("stream= follows one prompt's text as it is sampled: give one prompt (a str)")
             s = Settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                         seed=0 if seed is None else seed, batch_size=batch_size).check()
+                         seed=0 if seed is None else seed, batch_size=batch_size,
+                         samples_per_prompt=samples_per_prompt).check()
             return self._generate_many(prompt, s)
+        if samples_per_prompt != 1:  # one prompt, one text (a str): more are asked for with a list
+            raise ConfigError(f"samples_per_prompt={samples_per_prompt} is for a list of prompts (one prompt gives "
+                              f"one text): generate([prompt], samples_per_prompt={samples_per_prompt})")
         s = Settings(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                      top_p=top_p, seed=0 if seed is None else seed).check()
         prompt_tokens = prompt_ids(self.tokenizer, prompt)
@@ -206,14 +212,17 @@ class TrainedModel:
             self._sampler = TextSampler(self.model, self.params, self._mesh, self.seq_len, self.end_id)
         return self._sampler
 
-    def _generate_many(self, prompts, s) -> list[str]:
+    def _generate_many(self, prompts, s) -> list[str] | list[list[str]]:
         """The text after each of `prompts` (a list or tuple of str), as `nljax.generate prompts=`
-        samples each prompt's sample 0 (nljax/run/sampling.py: `completions`)."""
+        samples each prompt's samples (nljax/run/sampling.py: `completions`): a str each, or with
+        `s.samples_per_prompt` > 1 a list of that many each."""
         from nljax.run.sampling import completions, prompt_ids
 
-        if not isinstance(prompts, (list, tuple)) or not prompts:
-            raise ConfigError(f"prompt must be a str or a non-empty list of str, got {type(prompts).__name__} "
+        if not isinstance(prompts, (list, tuple)):
+            raise ConfigError(f"prompt must be a str or a list of str, got {type(prompts).__name__} "
                               f"{prompts!r:.60}")
+        if not prompts:  # nothing to sample: nothing compiled either
+            return []
         for i, p in enumerate(prompts):
             if not isinstance(p, str):
                 raise ConfigError(f"prompt[{i}] must be a str, got {type(p).__name__} {p!r:.60}")
@@ -222,7 +231,9 @@ class TrainedModel:
             except UnicodeEncodeError as e:
                 raise ConfigError(f"prompt[{i}] is not UTF-8 text (at character {e.start})") from None
         ids = [prompt_ids(self.tokenizer, p, where=f"prompt[{i}]: ") for i, p in enumerate(prompts)]
-        return [text for _, _, text in completions(self.stream_reader(s.batch_size), self.tokenizer, ids, s)]
+        texts = [text for _, _, text in completions(self.stream_reader(s.batch_size), self.tokenizer, ids, s)]
+        n = s.samples_per_prompt  # completions gives prompt 0's samples, then prompt 1's, ...
+        return texts if n == 1 else [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
 
     def stream_reader(self, rows: int = 8):
         """The batched decoder `generate` uses for a list of prompts (nljax.run.scoring.StreamReader,
@@ -251,8 +262,9 @@ class TrainedModel:
         classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0
         bad = label[(label < 0) | (label > classes)] if classes else label[:0]
         if bad.size:
-            raise ConfigError(f"labels must be classes in [0, {classes}) ({classes}: none, unconditional), got "
-                              f"{int(bad[0])}")
+            which = "0" if classes == 1 else f"0 to {classes - 1}"
+            raise ConfigError(f"labels must be a class, {which}, or {classes} for no class (unconditional samples), "
+                              f"got {int(bad[0])}")
         model = self.model
         if seed is not None:  # ignored before: every seed gave the run's samples
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:  # as the config's seed

@@ -71,7 +71,7 @@ def test_yaml_file(tmp_path):
         ("train.steps=-1", "train.steps must be >= 0, got -1"),
         ("train.log_every=0", "train.log_every must be >= 1, got 0"),
         ("model.dim=-16", "model.dim must be >= 1, got -16"),
-        ("throughput.reps=0", "throughput.reps must be >= 1, got 0"),
+        ("throughput.reps=-1", "throughput.reps must be >= 0, got -1"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1, got 0"),
         ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
@@ -294,7 +294,13 @@ def test_a_key_left_without_a_value_in_a_file_is_named(tmp_path):
             config.load(str(p))
         assert str(e.value) == (f"config file {p}: config key '{key}' has no value (null): give one, or leave the "
                                 "key out for its default")
-    p.write_text("train:\n")  # a section with nothing under it: as before
+    for text in ("train:\n", "model:\n", "model: null\n"):  # a section alone: named, as beside others
+        p.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            config.load(str(p))
+        name = text.partition(":")[0]
+        assert str(e.value) == f"config file {p}: section '{name}' is empty (nothing indented under '{name}:')"
+    p.write_text("train: {}\n")  # nothing in it, written as such: as before
     with pytest.raises(ConfigError, match="holds no settings"):
         config.load(str(p))
 

@@ -56,12 +56,13 @@ def test_a_chain_of_bases_applies_each_on_the_one_below(tmp_path):
     assert cfg.model == gpu.model
 
 
-@pytest.mark.parametrize("case", ["cycle", "self", "missing", "list", "number", "bad key", "empty"])
+@pytest.mark.parametrize("case", ["cycle", "self", "missing", "misspelt", "list", "number", "bad key", "empty"])
 def test_a_bad_base_is_one_line_naming_both_files(tmp_path, capsys, case):
     from nljax import train
 
     top = tmp_path / "top.yaml"
-    base = {"cycle": "other.yaml", "self": "top.yaml", "missing": "nowhere.yaml", "list": "list.yaml",
+    base = {"cycle": "other.yaml", "self": "top.yaml", "missing": "nowhere.yaml", "misspelt": "nl_gpuu",
+            "list": "list.yaml",
             "number": "3", "bad key": "other.yaml", "empty": ""}[case]
     _write(top, f"base_config: {base}\ntrain:\n  steps: 3\n")
     _write(tmp_path / "other.yaml", "base_config: top.yaml\n" if case == "cycle" else "train:\n  stepz: 1\n")
@@ -71,6 +72,9 @@ def test_a_bad_base_is_one_line_naming_both_files(tmp_path, capsys, case):
             "self": f"config file {top}: base_config top.yaml makes a cycle ({top} -> {top})",
             "missing": f"config file {top}: base_config nowhere.yaml not found (neither {tmp_path / 'nowhere.yaml'} "
                        "nor a packaged config: ",
+            # a packaged config's name misspelt: the nearest named, as an unknown key's line does
+            "misspelt": f"config file {top}: base_config nl_gpuu not found (neither {tmp_path / 'nl_gpuu'} nor a "
+                        "packaged config: ",
             "list": f"config file {tmp_path / 'list.yaml'} (the base_config of {top}) must hold a mapping",
             "number": f"config file {top}: base_config must name a packaged config or a YAML file, got 3",
             # `base_config:` with nothing after it (YAML's null) was read as no base at all
@@ -80,6 +84,7 @@ def test_a_bad_base_is_one_line_naming_both_files(tmp_path, capsys, case):
     with pytest.raises(ConfigError) as e:
         config.load(str(top))
     assert str(e.value).startswith(said)
+    assert str(e.value).endswith(" (did you mean 'nl_gpu'?)") == (case == "misspelt")
     assert train.main(["--config", str(top), "--print-config"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [f"nljax.train: error: {e.value}"]
@@ -167,3 +172,15 @@ def test_a_mesh_key_set_by_one_of_several_files_is_named_by_that_file(tmp_path):
     assert mesh_given([str(a), str(b)], []) == {"inter": f"in --config {b}", "intra": f"in --config {a}"}
     given = mesh_given([str(a), str(b)], ["mesh.intra=2"])
     assert given == {"inter": f"in --config {b}", "intra": "on the command line"}
+
+
+def test_base_config_on_the_command_line_names_the_file_to_give(capsys):
+    """`base_config=x` as an override was an unknown key: it is a file's key; --config x it is."""
+    from nljax import train
+
+    with pytest.raises(ConfigError) as e:
+        config.load(None, ["base_config=nl_gpu"])
+    assert str(e.value) == ("base_config is a config file's key (a YAML file's top-level 'base_config: nl_gpu'); "
+                            "on the command line give the file itself: --config nl_gpu")
+    assert train.main(["base_config=nl_gpu", "--print-config"]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"nljax.train: error: {e.value}"]

@@ -255,6 +255,22 @@ def test_an_image_model_reports_its_tasks_evaluation(tmp_path):
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4), key
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+    # the images named, as a text run's data are: at start-up, in summary.json and in evaluate's header
+    from nljax.run import trainer
+
+    data = setup.run.task.data
+    d = setup.run.task.describe()
+    assert d == {"source": "moons", "train_images": len(data.train_x), "eval_images": len(data.eval_x),
+                 "shape": list(data.train_x.shape[1:]), "num_classes": data.num_classes,
+                 "digest": setup.run.task.fingerprint()}
+    said = []
+    trainer.startup_report(setup.run, state, said.append)
+    shape = "x".join(map(str, data.train_x.shape[1:]))
+    unconditional = " (unconditional)" if not data.num_classes else ""
+    assert (f"images moons: {len(data.train_x):,} training and {len(data.eval_x):,} held-out, {shape}, classes "
+            f"{data.num_classes}{unconditional}, digest {d['digest'][:12]}") in said
+    assert evaluate._data(evaluate.load(str(tmp_path / "run"))) == (
+        f", images moons ({len(data.eval_x):,} held-out, digest {d['digest'][:12]})")
 
 
 def test_which_data_keys_other_held_out_data_implies(tmp_path):

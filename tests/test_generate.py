@@ -158,6 +158,10 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     (["run.dir=/tmp", "temprature=0.5"], "unknown setting 'temprature': did you mean 'temperature'?"),
     (["run.dir=/tmp", "out=/nonexistent/dir/g.png"], "out=/nonexistent/dir/g.png: directory /nonexistent/dir does not exist"),
     (["run.dir=/tmp", "out=/tmp"], "out=/tmp is a directory"),
+    # an image run's user learns where its grid goes, not only that prompts= is missing
+    (["run.dir=/tmp", "out=g.jsonl"], "out=g.jsonl: JSON lines are the results of prompts=FILE, which is not given "
+                                      "(a language model's); a MeanFlow (model.name=dit) run's out= is its image grid, "
+                                      "a .png file"),
 ])
 def test_bad_arguments_are_one_line(args, line, capsys):
     assert generate.main(args) == 2

@@ -94,7 +94,8 @@ def test_the_results_file(run_dir, tmp_path, capsys):
     out = tmp_path / "out.jsonl"
     assert generate.main(_args(run_dir, f"prompts={src}", f"out={out}", samples_per_prompt=2, batch_size=3)) == 0
     err = capsys.readouterr().err.splitlines()
-    assert err[-3] == f"nljax.generate: 4 prompts x 2 samples, 8 at a time -> {out}"  # 3 rounded up to the 8 devices
+    assert err[-3] == (f"nljax.generate: 4 prompts x 2 samples, 8 at a time (batch_size=3 rounded up to 8, a "
+                       f"multiple of 8 devices) -> {out}")  # said why, once
     assert err[-2].startswith("nljax.generate: 8/8 completions, 160 tokens, ") and err[-2].endswith(
         " tokens/s (the first batch compiles too)")
     assert err[-1] == f"nljax.generate: wrote 8 completions to {out}"
@@ -162,10 +163,9 @@ def test_a_list_of_prompts_in_python(run_dir):
     for i, text in enumerate(texts):
         tokens = list(single.tokens(ids[i], s, sampling.seeded(s.seed, i, 0)))
         assert text == lm.decode(tokens), i
-    for prompt, line in (([], "prompt must be a str or a non-empty list of str, got list []"),
-                         (["a", 3], "prompt[1] must be a str, got int 3"),
+    for prompt, line in ((["a", 3], "prompt[1] must be a str, got int 3"),
                          (["a", "\ud800"], "prompt[1] is not UTF-8 text (at character 0)"),
-                         ({"a"}, "prompt must be a str or a non-empty list of str, got set {'a'}")):
+                         ({"a"}, "prompt must be a str or a list of str, got set {'a'}")):
         with pytest.raises(ConfigError) as e:
             lm.generate(prompt, max_new_tokens=2)
         assert str(e.value) == line
@@ -173,6 +173,27 @@ def test_a_list_of_prompts_in_python(run_dir):
         lm.generate(["a"], stream=print)
     with pytest.raises(ConfigError, match="batch_size must be >= 1, got 0"):
         lm.generate(["a"], batch_size=0)
+
+
+def test_an_empty_list_and_samples_per_prompt_in_python(run_dir):
+    """`lm.generate([])` is []; `samples_per_prompt=N` > 1 gives N texts per prompt, sample j of
+    prompt i keyed as prompts= keys it (sample 0: the one-sample list's text); with one prompt
+    (a str) it is refused."""
+    lm = nljax.load(run_dir)
+    assert lm.generate([]) == [] and lm.generate((), samples_per_prompt=3) == []
+    texts = lm.generate(PROMPTS[:2], **SETTINGS)
+    many = lm.generate(PROMPTS[:2], **SETTINGS, samples_per_prompt=3, batch_size=4)
+    assert [len(m) for m in many] == [3, 3] and [m[0] for m in many] == texts
+    single, s = lm.sampler(), sampling.Settings(**SETTINGS)
+    for i, m in enumerate(many):
+        ids = sampling.prompt_ids(lm.tokenizer, PROMPTS[i])
+        for j, text in enumerate(m):
+            assert text == lm.decode(list(single.tokens(ids, s, sampling.seeded(s.seed, i, j)))), (i, j)
+    assert len(set(many[1])) > 1  # the samples differ
+    with pytest.raises(ConfigError, match=r"samples_per_prompt=2 is for a list of prompts"):
+        lm.generate("x", samples_per_prompt=2)
+    with pytest.raises(ConfigError, match="samples_per_prompt must be >= 1, got 0"):
+        lm.generate(["x"], samples_per_prompt=0)
 
 
 def _bad(tmp_path):

@@ -292,3 +292,24 @@ def test_a_sharded_run_that_fits_reports_without_the_split_that_does_not(tmp_pat
     assert table["split_skipped"].startswith("the one-device program does not fit (the run needs at least")
     assert all(r["compute_ms"] is None and r["step_time_ms"] > 0 for r in table["per_pattern"].values())
     assert "compute/comm split skipped" in throughput.format_table(table)
+
+
+def test_reps_zero_skips_the_timing(tmp_path, monkeypatch, capsys):
+    """throughput.reps=0: a quick run ends after the final evaluation and checkpoint, nothing
+    timed, one line saying so; the summary has no throughput table and the plots are drawn."""
+    from nljax.train import main
+
+    def timed(*a, **k):
+        raise AssertionError("throughput.reps=0 timed the patterns")
+
+    monkeypatch.setattr(throughput, "measure", timed)
+    run = tmp_path / "run"
+    rc = main(["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1,2]", "train.batch_size=8",
+               "train.seq_len=16", "train.steps=2", "eval.every=0", "eval.batches=1", "throughput.reps=0",
+               "run.trackers=[]", "run.compile_cache=none", f"run.dir={run}"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.count("timing skipped (throughput.reps=0)") == 1 and "step ms" not in out  # no table
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["throughput"] == {"skipped": "throughput.reps=0"} and "eval_loss" in summary
+    assert (run / "step_time.png").read_bytes().startswith(b"\x89PNG")

@@ -175,7 +175,7 @@ def test_an_image_model_generates_images(tmp_path):
     for bad in (4, -1):
         with pytest.raises(ConfigError) as e:
             lm.generate(labels=[0, bad], steps=1)
-        assert str(e.value) == f"labels must be classes in [0, 3) (3: none, unconditional), got {bad}"
+        assert str(e.value) == f"labels must be a class, 0 to 2, or 3 for no class (unconditional samples), got {bad}"
 
 
 def test_an_unconditional_image_model_says_which_labels_and_takes_a_seed():

@@ -97,7 +97,8 @@ class Settings:
             resultfile.check(Path(self.out), f"out={self.out}", "nljax.generate", RESULT_KEYS, lines=True)
             return self
         if self.out and Path(self.out).suffix.lower() == ".jsonl":
-            raise ConfigError(f"out={self.out}: JSON lines are the results of prompts=FILE, which is not given")
+            raise ConfigError(f"out={self.out}: JSON lines are the results of prompts=FILE, which is not given (a "
+                              "language model's); a MeanFlow (model.name=dit) run's out= is its image grid, a .png file")
         if self.out and Path(self.out).is_dir():
             raise ConfigError(f"out={self.out} is a directory: give the PNG file to write")
         if self.out and Path(self.out).suffix.lower() != ".png":  # never over a file of another kind

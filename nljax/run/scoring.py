@@ -48,6 +48,7 @@ class StreamReader:
     def __init__(self, model, params, mesh, seq_len: int, end_id: int | None, rows: int):
         n = data_size(mesh)
         self.rows = -(-max(rows, 1) // n) * n
+        self.devices = n  # what `rows` was rounded up to a multiple of (nljax.generate says so)
         self.params, self.t, self.end_id = params, seq_len, end_id
         self.split, rep = rows_sharding(mesh), replicated(mesh)
 

@@ -329,6 +329,15 @@ class ImageTask:
         parts = [np.ascontiguousarray(a).tobytes() for a in (d.train_x, d.train_y, d.eval_x, d.eval_y) if a is not None]
         return hashlib.sha256(b"|".join(parts)).hexdigest()
 
+    def describe(self) -> dict:
+        """What summary.json records of the images (and the start-up line says): source (the
+        file's path, or the set's name), training and held-out counts, shape [H, W, C], classes
+        (0: unconditional), digest."""
+        c, d = self.cfg.images, self.data
+        return {"source": c.path if c.source == "file" else c.source, "train_images": len(d.train_x),
+                "eval_images": len(d.eval_x), "shape": list(d.train_x.shape[1:]), "num_classes": d.num_classes,
+                "digest": self.fingerprint()}
+
     def generator(self, eng):
         """(one-step, multi-step) samples for rows (index, label) split over the data axes, by the
         model's tensor-parallel shard where `mesh.model` > 1; traced and compiled once per sample

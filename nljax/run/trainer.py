@@ -96,8 +96,11 @@ def startup_report(run: Run, state: TrainState, say) -> None:
         f"x model={eng.tp}, "
         f"{jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters")
-    if hasattr(run.task, "describe"):
-        d = run.task.describe()
+    if hasattr(run.task, "describe") and "train_images" in (d := run.task.describe()):  # a MeanFlow run's images
+        say(f"images {d['source']}: {d['train_images']:,} training and {d['eval_images']:,} held-out, "
+            f"{'x'.join(map(str, d['shape']))}, classes {d['num_classes']}"
+            f"{' (unconditional)' if not d['num_classes'] else ''}, digest {d['digest'][:12]}")
+    elif hasattr(run.task, "describe"):
         say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
             f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
         if d.get("eval_sets"):  # data.eval_sets: scored at every evaluation as eval_loss/<name>, ...
@@ -289,7 +292,11 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state
-    table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"], out.say)
+    if cfg.throughput.reps:
+        table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"], out.say)
+    else:  # a quick run: no pattern compiled again for its timing, no table (of zeros) printed
+        table, measured = {"skipped": "throughput.reps=0"}, None
+        out.say("timing skipped (throughput.reps=0): summary.json has no throughput table")
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
@@ -305,7 +312,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         "memory_bytes_per_device": held,
         "strategy": eng.strategy.name,
     }
-    describe = getattr(run.task, "describe", None)  # the text task: source, tokens, digest
+    describe = getattr(run.task, "describe", None)  # source, tokens or images, digest
     if describe is not None:
         summary["data"] = describe()
     out.run.save_summary(summary)
@@ -315,10 +322,12 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         for name in plots.NAMES if hist.records else ():  # before they are made: an overwrite removes them
             runlog.note_written(out.run.path, name)
         # a text task's bits per byte in a nat per token (the log's eval_bpb): loss.png shows both
-        plots.write(out.run.path, hist.records, table["per_pattern"], final_eval, getattr(run.task, "bpb_per_nat", None))
-    out.say(throughput.format_table(table))
+        plots.write(out.run.path, hist.records, table.get("per_pattern", {}), final_eval,
+                    getattr(run.task, "bpb_per_nat", None))
+    if measured is not None:
+        out.say(throughput.format_table(table))
     every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case
-    if every in measured.step_s and table["worst_pattern"] != pattern_name(every):
+    if measured is not None and every in measured.step_s and table["worst_pattern"] != pattern_name(every):
         out.say(f"note: {table['worst_pattern']} timed slower than {pattern_name(every)}, where all levels fire: "
                 "it does less work, so the timing is noisy here (a loaded or shared machine; "
                 "throughput.reps raises the rounds)")
