@@ -168,6 +168,6 @@ def describe(params: PyTree, level_tree: PyTree, periods: tuple[int, ...]) -> st
                 "(the model's level_of puts none there): their periods change nothing")
         kept = len(periods) - len(empty)
         if empty == [str(l) for l in range(kept, len(periods))]:  # the last ones: fewer periods say the same
-            line += f"; cms.periods={list(periods[:kept])} would do the same in fewer compiled step variants"
+            line += f"; a new run with cms.periods={list(periods[:kept])} would do the same in fewer compiled step variants"
         lines.append(line)
     return "\n".join(lines)
