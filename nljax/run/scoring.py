@@ -78,15 +78,18 @@ class StreamReader:
         """One window of every row: ((log-probability of each target [R, T], argmax [R, T]), the
         memory after the window). `tokens` [R, T+1]: T inputs and the last column a target, as
         training's windows."""
-        args = (put(np.asarray(tokens, np.int32), self.split), put(np.asarray(reset, bool), self.split))
-        return self._window(self.params, memory, *args)
+        return self._window(self.params, memory, *self._rows(tokens, reset))
 
     def logits_at(self, memory, tokens: np.ndarray, reset: np.ndarray, pos: np.ndarray):
         """One window of every row, as `forward` reads it: (the logits at `pos` [R, V], the memory
         after the window)."""
-        args = (put(np.asarray(tokens, np.int32), self.split), put(np.asarray(reset, bool), self.split),
-                put(np.asarray(pos, np.int32), self.split))
-        return self._next(self.params, memory, *args)
+        return self._next(self.params, memory, *self._rows(tokens, reset, pos))
+
+    def _rows(self, tokens: np.ndarray, reset: np.ndarray, pos: np.ndarray | None = None) -> tuple:
+        """A window's host arrays (tokens int32, reset bool, positions int32) split over the rows."""
+        arrays = (np.asarray(tokens, np.int32), np.asarray(reset, bool),
+                  *(() if pos is None else (np.asarray(pos, np.int32),)))
+        return tuple(put(a, self.split) for a in arrays)
 
     def _ends(self, inputs: np.ndarray, first: np.ndarray) -> np.ndarray:
         """Whether each row's window `inputs` [R, <=T] holds a document's end, the stream's first

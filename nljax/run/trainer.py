@@ -96,11 +96,12 @@ def startup_report(run: Run, state: TrainState, say) -> None:
         f"x model={eng.tp}, "
         f"{jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters")
-    if hasattr(run.task, "describe") and "train_images" in (d := run.task.describe()):  # a MeanFlow run's images
+    d = run.task.describe() if hasattr(run.task, "describe") else {}
+    if "train_images" in d:  # a MeanFlow run's images
         say(f"images {d['source']}: {d['train_images']:,} training and {d['eval_images']:,} held-out, "
             f"{'x'.join(map(str, d['shape']))}, classes {d['num_classes']}"
             f"{' (unconditional)' if not d['num_classes'] else ''}, digest {d['digest'][:12]}")
-    elif hasattr(run.task, "describe"):
+    elif d:  # text: tokens
         say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
             f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
         if d.get("eval_sets"):  # data.eval_sets: scored at every evaluation as eval_loss/<name>, ...
