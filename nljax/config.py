@@ -399,6 +399,37 @@ def _read_layers(path: Path, shown: str, chain: tuple[tuple[Path, str], ...], in
     return _merged(_read_layers(found, base_shown, chain, shown), tree)
 
 
+def set_in(files: str | typing.Sequence[str] | None, dotted: str) -> str | None:
+    """Where the config files `files` (in order, each on top of the ones before) set the key
+    `dotted`, as a line names it: "--config B" (the last file that sets it), or "A.yaml (the
+    base_config of --config B)" where B's base_config chain set it; None where none sets it. For a
+    refusal naming a key (a resume's), so that a user of layered configs knows which file to edit."""
+    for one in reversed(as_files(files)):
+        path, shown, label = config_path(one), one, f"--config {one}"
+        seen: set[Path] = set()
+        while path.resolve() not in seen:  # a cycle is refused by `load` before any refusal names a key
+            seen.add(path.resolve())
+            tree = _read_yaml(str(path), label=label)
+            if _holds(tree, dotted):
+                return label
+            name = tree.get(BASE_KEY)
+            if not isinstance(name, str) or not name.strip():
+                break
+            path, shown = _base_path(name, path, shown, label)
+            label = f"{shown} (the base_config of {label})"
+    return None
+
+
+def _holds(tree: dict, dotted: str) -> bool:
+    """Whether the settings `tree` (a file's) hold the key `dotted` (section.key)."""
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def _base_path(name: str, including: Path, shown: str, label: str) -> tuple[Path, str]:
     """The file that `base_config: name` in the file `including` (shown as `shown`, named in a
     line as `label`) names, and how a line shows it: a YAML path, relative to `including`'s

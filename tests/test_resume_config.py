@@ -53,7 +53,8 @@ def test_resume_with_no_overrides_continues_a_run_started_with_overrides(tmp_pat
 
 def test_config_file_with_resume_is_applied_on_the_saved_config(tmp_path):
     """`--config FILE --resume`: the run's config.yaml first, the file's keys on top (checked like
-    overrides: a differing model key is refused, naming it; the file's other keys apply)."""
+    overrides: a differing model key is refused, naming it and the file that set it, through a
+    base_config too; the file's other keys apply)."""
     from nljax import config
     from nljax.run.resuming import resumed_config
 
@@ -67,12 +68,21 @@ def test_config_file_with_resume_is_applied_on_the_saved_config(tmp_path):
     cfg = resumed_config(config.load(str(file), args), str(file), args)
     assert (cfg.train.steps, cfg.eval.every, cfg.cms.periods, cfg.model.dim) == (20, 5, (1, 2), 16)
     file.write_text("cms:\n  periods: [1, 4]\n")
-    try:
+    tail = f" cannot change on resume ([1, 2] in {run / 'config.yaml'}: the checkpoint holds that model)"
+    with pytest.raises(config.ConfigError) as e:
         resumed_config(config.load(str(file), args), str(file), args)
-    except config.ConfigError as e:
-        assert str(e).startswith("cms.periods=[1, 4] cannot change on resume ([1, 2] in ")
-    else:
-        raise AssertionError("a changed cms.periods was accepted")
+    assert str(e.value).startswith(f"cms.periods=[1, 4], set in --config {file},{tail}"), e.value
+    # set by the file's base_config: that file is named, and how it was reached
+    (tmp_path / "base.yaml").write_text("cms:\n  periods: [1, 4]\n")
+    file.write_text("base_config: base.yaml\ntrain:\n  steps: 20\n")
+    with pytest.raises(config.ConfigError) as e:
+        resumed_config(config.load(str(file), args), str(file), args)
+    assert str(e.value).startswith(f"cms.periods=[1, 4], set in {tmp_path / 'base.yaml'} (the base_config of "
+                                   f"--config {file}),{tail}"), e.value
+    # the command line's own setting wins over the files: nothing to name but the key
+    with pytest.raises(config.ConfigError) as e:
+        resumed_config(config.load(str(file), [*args, "cms.periods=[1,8]"]), str(file), [*args, "cms.periods=[1,8]"])
+    assert str(e.value).startswith(f"cms.periods=[1, 8]{tail}"), e.value
     # no resume, or another run's checkpoints: the command line's config, as before
     assert resumed_config(config.load(None, [f"run.dir={run}"]), None, []).train.steps == config.Config().train.steps
 

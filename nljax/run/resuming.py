@@ -79,7 +79,8 @@ def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrid
     except ConfigError:
         # a change the checkpoint cannot take (model.name) is the line to give, not the check of
         # the settings together that it made fail (the saved seq_len against the new model's chunk)
-        check_unchanged(saved, config.load(config_file, overrides, base=str(saved_file), check=False), saved_file)
+        check_unchanged(saved, config.load(config_file, overrides, base=str(saved_file), check=False), saved_file,
+                        config_file, overrides)
         raise
     for section, key in THIS_COMMAND:
         value = getattr(getattr(cfg, section), key)
@@ -93,19 +94,25 @@ def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrid
         # model.vocab_size at its default) is a fresh run's, not a resume's
         raise ConfigError(f"{e.args[0].split(';')[0]} (the run's, {saved_file}): its model has no row for the other "
                           "tokens; resume on data of the run's tokenizer") from None
-    check_unchanged(saved, resolved, saved_file)
+    check_unchanged(saved, resolved, saved_file, config_file, overrides)
     return resumed
 
 
-def check_unchanged(saved: Config, resumed: Config, saved_file: Path) -> None:
+def check_unchanged(saved: Config, resumed: Config, saved_file: Path,
+                    config_file: str | Sequence[str] | None = None, overrides: Sequence[str] = ()) -> None:
     """One line for the first key of `MUST_MATCH` (what the checkpoint holds) that the resume
-    changes; keys of `HOW_COMPUTED` (remat, unrolling, the compute dtype) may change."""
+    changes; keys of `HOW_COMPUTED` (remat, unrolling, the compute dtype) may change. A key one of
+    the `config_file`s set (itself or through its base_config) is said to be set there; one the
+    command line set is plain to see there."""
     a, b = config.to_dict(saved), config.to_dict(resumed)
     for section in MUST_MATCH:
         for k, old, new in differences(get(a, section), get(b, section), section):
             if k not in HOW_COMPUTED:
-                raise ConfigError(f"{k}={fmt(new)} cannot change on resume ({fmt(old)} in {saved_file}: the "
-                                  "checkpoint holds that model); leave it out, or start a new run in another run.dir")
+                on_line = any(o.split("=", 1)[0].strip() == k for o in overrides)  # the last word: the line's
+                where = None if on_line else config.set_in(config_file, k)
+                given = f"{k}={fmt(new)}" + (f", set in {where}," if where else "")
+                raise ConfigError(f"{given} cannot change on resume ({fmt(old)} in {saved_file}: the checkpoint "
+                                  "holds that model); leave it out, or start a new run in another run.dir")
 
 
 MESH_KEYS = ("inter", "intra", "model")
