@@ -1,7 +1,10 @@
 """data.eval_sets: named held-out sets scored at every evaluation beside the main held-out text,
 under the main keys with /<name> after them. A set of the main held-out files scores exactly as
 the main evaluation, on a sharded mesh and on one device; two sets give their own numbers in
-metrics.jsonl, summary.json and nljax.evaluate; bad input is one line, exit 2, nothing written."""
+metrics.jsonl, summary.json and nljax.evaluate, one short group each on the console and one
+colour each in loss.png; each set's content digest is in the start-up lockstep record and the
+checkpoints, and a resume warns of a set whose text changed; bad input is one line, exit 2,
+nothing written."""
 
 import json
 import math
