@@ -179,7 +179,9 @@ def _data(t: trained_lib.Trained) -> str:
     d = describe()
     if "eval_images" in d:  # a MeanFlow run's images
         return f", images {d['source']} ({d['eval_images']:,} held-out, digest {d['digest'][:12]})"
-    sets = "".join(f", set {k} ({n:,} tokens)" for k, n in d.get("eval_sets", {}).items())  # data.eval_sets
+    digests = d.get("eval_set_digests", {})  # data.eval_sets: what the run's checkpoints record
+    sets = "".join(f", set {k} ({n:,} tokens" + (f", digest {digests[k][:12]})" if k in digests else ")")
+                   for k, n in d.get("eval_sets", {}).items())
     return f", data {d['source']} ({d['eval_tokens']:,} held-out tokens, digest {d['digest'][:12]}){sets}"
 
 

@@ -1,18 +1,26 @@
 """data.eval_sets: named held-out sets scored at every evaluation beside the main held-out text,
 under the main keys with /<name> after them. A set of the main held-out files scores exactly as
 the main evaluation, on a sharded mesh and on one device; two sets give their own numbers in
-metrics.jsonl, summary.json and nljax.evaluate; bad input is one line, exit 2, nothing written."""
+metrics.jsonl, summary.json and nljax.evaluate, one short group each on the console and one
+colour each in loss.png; each set's content digest is in the start-up lockstep record and the
+checkpoints, and a resume warns of a set whose text changed; bad input is one line, exit 2,
+nothing written."""
 
 import json
 import math
 import random
 import re
+import shutil
+import types
 
 import jax
 import pytest
 from helpers import QUICK, TINY, TINY_NL, Setup
 
 from nljax import config, evaluate
+from nljax.checkpoint import storage
+from nljax.data import evalsets
+from nljax.runtime import distributed, runlog
 from nljax.train import main as train_main
 
 WORDS = "the a memory level stream token window model learns reads writes data file line of and to in".split()
@@ -83,9 +91,11 @@ KEYS = ("eval_loss", "eval_bpb", "eval_tokens", "eval_loss_stream", "eval_bpb_st
 
 def test_two_sets_report_their_own_numbers_everywhere(texts, tmp_path, capsys):
     """A run on the standard library (bytes) with two sets of files: metrics.jsonl, summary.json,
-    the console line and nljax.evaluate (the run's sets, and another given on its command line)."""
+    the checkpoints' record of each set's content digest, and nljax.evaluate (the run's sets, and
+    another given on its command line); resumed with one set's file edited, a warning names it."""
     run = tmp_path / "run"
-    sets = f"data.eval_sets=[held={texts}/held/*.jsonl,other={texts}/other/*.jsonl]"
+    shutil.copytree(texts / "other", tmp_path / "other")  # edited below
+    sets = f"data.eval_sets=[held={texts}/held/*.jsonl,other={tmp_path}/other/*.jsonl]"
     assert train_main(["--quiet", *RUN, sets, f"run.dir={run}"]) == 0
     summary = json.loads((run / "summary.json").read_text())
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -99,12 +109,18 @@ def test_two_sets_report_their_own_numbers_everywhere(texts, tmp_path, capsys):
     # each document as bytes and its end (NUL): the .jsonl's text fields
     held = sum(len(json.loads(line)["text"].encode()) + 1 for line in (texts / "held" / "h.jsonl").read_text().splitlines())
     assert summary["data"]["eval_sets"]["held"] == held
+    digests = summary["data"]["eval_set_digests"]
+    assert sorted(digests) == ["held", "other"] and digests["held"] != digests["other"]
+    for step in (2, 3):  # every checkpoint records them
+        assert storage.read_meta(run / "checkpoints" / str(step))["data"]["eval_sets"] == digests
     for key in summary:  # the trackers' tags (`eval/<key>`) as TensorBoard keeps them
         assert re.fullmatch(r"[-/\w.]+", f"eval/{key}"), key
     # nljax.evaluate: the run's sets, the numbers it reported
     out = tmp_path / "final.json"
     assert evaluate.main([f"run.dir={run}", f"out={out}"]) == 0
-    printed = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    said = capsys.readouterr()
+    printed = dict(line.split() for line in said.out.splitlines())
+    assert f", set held ({held:,} tokens, digest {digests['held'][:12]})" in said.err  # as checkpoints record it
     result = json.loads(out.read_text())
     for key in [k + s for k in KEYS for s in ("/held", "/other")]:
         assert result[key] == pytest.approx(summary[key], rel=1e-6), key
@@ -116,6 +132,19 @@ def test_two_sets_report_their_own_numbers_everywhere(texts, tmp_path, capsys):
                                           devices=jax.devices()[:1]))
     assert given["eval_loss/new"] == pytest.approx(summary["eval_loss/other"], rel=1e-5)
     assert not any(k.endswith("/held") for k in given)
+    # one set's file edited, resumed with a set added (a setting that trains nothing: silent):
+    # one warning, naming the set whose content changed
+    _write(tmp_path / "other" / "o.jsonl", 12, 3, "zebra quartz jungle vex flick gym dwarf".split())
+    more = f"{sets[:-1]},new={texts}/held/*.jsonl]"
+    capsys.readouterr()
+    assert train_main(["--quiet", *RUN, more, f"run.dir={run}", "--resume", "train.steps=4", "throughput.reps=0"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    now = json.loads((run / "summary.json").read_text())["data"]["eval_set_digests"]
+    assert now["held"] == now["new"] == digests["held"] and now["other"] != digests["other"]
+    assert warned == [f"nljax: warning: data.eval_sets other changed since checkpoint {run / 'checkpoints' / '3'} "
+                      f"(digest {digests['other'][:12]} there, {now['other'][:12]} here): eval_loss/other and its "
+                      "other scores before and after this resume are not comparable"], warned
+    assert storage.read_meta(run / "checkpoints" / "4")["data"]["eval_sets"] == now
 
 
 def test_a_set_too_short_or_matching_nothing_is_one_line(texts, tmp_path, capsys):
@@ -168,3 +197,91 @@ def test_loss_png_draws_each_sets_losses_under_its_name():
     fig = plots.loss_figure(records, {"eval_loss": 2.4, "eval_loss/lossy": 2.6, "eval_bpb/lossy": 3.7}, 1.44)
     labels = [line.get_label() for line in fig.axes[0].get_lines()]
     assert labels == ["training loss", "held-out loss (fresh memory)", "held-out loss (fresh memory), lossy"]
+
+
+def test_loss_png_gives_each_held_out_text_one_colour():
+    """Each text (the main one, each set) one colour for its losses and its bits per byte, the
+    fresh memory's solid and the carried memory's dashed; with sets, whose tokens per byte are
+    their own, the bits per byte are a panel below the losses."""
+    from nljax.measure import plots
+
+    records = [{"step": s, "loss": 3.0 - s / 10} for s in range(4)]
+    for suffix, loss in (("", 2.5), ("/a", 2.7), ("/b", 2.9)):
+        records[1].update({f"eval_loss{suffix}": loss, f"eval_bpb{suffix}": loss * 1.6,
+                           f"eval_loss_stream{suffix}": loss - 0.1, f"eval_bpb_stream{suffix}": (loss - 0.1) * 1.6,
+                           f"eval_tokens{suffix}": 64})
+    fig = plots.loss_figure(records, {}, 1.44)
+    top, low = fig.axes[:2]
+    assert low.get_ylabel().startswith("bits per byte") and not top.child_axes  # no right axis of one ratio
+    drawn = {}  # (key's text, panel, fresh or carried) -> (colour, line style)
+    for panel, ax in (("loss", top), ("bpb", low)):
+        for line in ax.get_lines()[1 if panel == "loss" else 0:]:  # past the training loss
+            base, _, rest = line.get_label().partition(", ")
+            drawn[(rest, panel, "carried" in base)] = (line.get_color(), line.get_linestyle())
+    assert len(drawn) == 12, drawn  # 3 texts x 2 panels x fresh and carried
+    for text in ("", "a", "b"):
+        colours = {drawn[(text, panel, carried)][0] for panel in ("loss", "bpb") for carried in (False, True)}
+        assert len(colours) == 1, (text, colours)
+        for panel in ("loss", "bpb"):
+            assert drawn[(text, panel, False)][1] == "-" and drawn[(text, panel, True)][1] == "--"
+    assert len({drawn[(text, "loss", False)][0] for text in ("", "a", "b")}) == 3
+    assert top.get_lines()[0].get_color() not in {c for c, _ in drawn.values()}  # the training loss's own
+
+
+def test_the_console_line_gives_each_set_one_short_group():
+    """The evaluation's console line: the main keys as they were, then `name: loss/bpb (stream
+    loss/bpb)` per set, not its six keys (metrics.jsonl keeps them)."""
+    main = {"eval_loss": 2.5, "eval_bpb": 3.61, "eval_tokens": 1024, "eval_loss_stream": 2.25,
+            "eval_bpb_stream": 3.25, "eval_tokens_stream": 1024}
+    metrics = dict(main)
+    for name, shift in (("wiki", 0.5), ("code", 1.0)):
+        metrics.update({f"{k}/{name}": v + shift if isinstance(v, float) else v for k, v in main.items()})
+    del metrics["eval_loss_stream/code"], metrics["eval_bpb_stream/code"]  # its streaming evaluation off
+    line = runlog.format_metrics(metrics)
+    assert line == (runlog.format_metrics(main) + "  sets (loss/bpb)  wiki: 3/4.11 (stream 2.75/3.75)  code: 3.5/4.61"), line
+    assert "/wiki" not in line and "/code" not in line
+
+
+def test_a_sets_content_digest_is_in_the_start_up_check(texts, tmp_path, monkeypatch):
+    """The start-up record the processes compare holds each set's content digest: the same text
+    under another path is the same digest, an edited file another, which the mismatch's line
+    names (process 0 reading one copy, process 1 the other)."""
+    import jax.sharding
+
+    from nljax.run import startup
+
+    cfg = config.load(None, [*RUN, f"data.eval_sets=[held={tmp_path}/held/*.jsonl,other={texts}/other/*.jsonl]"])
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+    records = []
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # the check runs where there are several
+    monkeypatch.setattr(startup, "agree", lambda what, record: records.append(record) or "0" * 64)
+
+    def check():
+        task = types.SimpleNamespace(fingerprint=lambda: "main", eval_sets=evalsets.load(cfg.data, cfg.train.seq_len))
+        startup.check_startup(cfg, mesh, task, lambda line: None)
+        return task
+
+    shutil.copytree(texts / "held", tmp_path / "held")
+    task = check()
+    assert records[0]["data.eval_sets"] == {s.name: s.digest for s in task.eval_sets}
+    shutil.copy(texts / "other" / "o.jsonl", tmp_path / "held" / "h.jsonl")  # the other set's text here
+    check()
+    assert records[1]["data.eval_sets"]["held"] == records[0]["data.eval_sets"]["other"]
+    line = distributed.explain(records)
+    assert line.startswith('data.eval_sets.held: process 0 = "' + records[0]["data.eval_sets"]["held"][:20]), line
+    assert ";" not in line and f'process 1 = "{records[1]["data.eval_sets"]["held"][:20]}' in line
+
+
+def test_a_change_to_the_sets_setting_restarts_no_row_and_is_silent():
+    """data.eval_sets trains nothing (as eval.*): a resume with a set added neither restarts every
+    row's memory (the ContextStream reads the same rows) nor warns of the setting; a set whose
+    content changed is warned of by its digest instead (above)."""
+    from nljax.checkpoint import restore
+
+    saved = {"config": config.to_dict(config.load(None, RUN)), "step": 2}
+    resumed = config.load(None, [*RUN, "data.eval_sets=[a=held/*.txt]"])
+    assert restore._changed_settings(saved, resumed) == []
+    warnings = []
+    assert not restore._rows_restart(saved, resumed, {"memory/block0": None}, warnings) and warnings == []
+    # what does restart them still does
+    assert restore._rows_restart(saved, config.load(None, [*RUN, "seed=7"]), {"memory/block0": None}, warnings)

@@ -93,6 +93,27 @@ def test_config_mismatch_is_reported_on_every_process(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
+def test_an_eval_set_of_other_text_on_one_process_is_one_line_on_every_process(tmp_path):
+    """data.eval_sets held=held.txt, relative: each process reads the copy in its own directory
+    (as hosts without a shared file system read their own), one of other text. The config agrees;
+    the start-up check compares each set's content digest and names the set, on every process,
+    exit 2, nothing written (each process would score other text as the same set)."""
+    for i, text in enumerate(("the same words, read by one process " * 8, "other words, read by the other one " * 8)):
+        (tmp_path / f"p{i}").mkdir()
+        (tmp_path / f"p{i}" / "held.txt").write_text(text)
+    inner = (f"cd {tmp_path}/p$NLJAX_PROCESS_ID && exec {sys.executable} -m nljax.train run.dir={tmp_path}/r "
+             f"train.steps=2 'data.eval_sets=[held=held.txt]' {' '.join(ARGS)}")
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", "sh", "-c", inner],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    for i in (0, 1):
+        assert re.search(rf"^\[{i}\] nljax\.train: error \(process {i}\): processes disagree on the start-up state "
+                         r"\(config, versions, mesh, data\): data\.eval_sets\.held: process 0 = \"\w+…, "
+                         r"process 1 = \"\w+…$", p.stderr, re.M), p.stderr
+    assert not (tmp_path / "r").exists()
+
+
 def test_unequal_device_counts_are_reported_on_every_process(tmp_path):
     """1 CPU device in process 0, 2 in process 1: one line from each, exit 2, no traceback (the
     lockstep all-gather used to fail in a reshape and the peer in a C++ check)."""

@@ -47,9 +47,11 @@ MUST_MATCH = ("model", "cms", "optim.name")
 SAME_BITS = ("model.remat", "model.nl_lm.memory_unroll")
 HOW_COMPUTED = (*SAME_BITS, "model.dtype", "model.nl_lm.memory_impl", "model.nl_lm.attention", "model.nl_lm.embed_grad",
                 "model.nl_lm.loss_chunk")
+# data.eval_sets trains nothing, as eval.* does: a set added, left out or given another glob is
+# silent; a set whose content changed is warned of by its digest (`Checkpoints.check_data`)
 SILENT = (*SAME_BITS, "run", "checkpoint", "mesh", "eval", "train.log_every", "train.profile_steps",
           "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
-          "distributed", "prepare")
+          "distributed", "prepare", "data.eval_sets")
 
 
 class Damaged(ConfigError):
@@ -199,9 +201,11 @@ def fingerprint(model) -> dict[str, list]:
 
 
 def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: dict[str, str] | None = None,
-             data_digest: str | None = None, tokenizer: dict | None = None) -> dict:
+             data_digest: str | None = None, tokenizer: dict | None = None,
+             eval_sets: dict[str, str] | None = None) -> dict:
     """`trackers`: tracker name -> the run id a resume continues (`nljax.run.trackers.Trackers.ids`).
-    `tokenizer`: what the data's token ids are (`nljax.data.tokenization.identity`; None: no text)."""
+    `tokenizer`: what the data's token ids are (`nljax.data.tokenization.identity`; None: no text).
+    `eval_sets`: the content digest of each data.eval_sets set, by name."""
     cfg, mesh = engine.cfg, engine.mesh
     sums = checksums(arrays)
     meta = {
@@ -210,9 +214,10 @@ def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: 
         "step": step,
         "conductor": Conductor(cfg.cms.periods, step).state_dict(),
         # ContextStream row r at step s: a pure function of (seed, step, row) -> nothing else to save
-        # the digest of the data's content (`Task.fingerprint`): a resume on other data is told so
+        # the digest of the data's content (`Task.fingerprint`): a resume on other data is told so;
+        # and of each data.eval_sets set's: a resume whose set changed is told its scores differ
         "data": {"step": step, "seed": cfg.seed, "rows": cfg.train.batch_size, "seq_len": cfg.train.seq_len,
-                 "digest": data_digest, "tokenizer": tokenizer},
+                 "digest": data_digest, "tokenizer": tokenizer, "eval_sets": dict(eval_sets or {})},
         "rng": {"seed": cfg.seed, "device_key": "fold_in(fold_in(key(seed), step), global device index)"},
         "mesh": {**{k: int(v) for k, v in mesh.shape.items()}, "devices": meshlib.data_size(mesh),
                  "processes": jax.process_count()},
@@ -324,6 +329,13 @@ def data_digest(meta: dict) -> str | None:
     """The digest of the data a checkpoint was trained on; None in one saved before it was."""
     digest = get(meta, "data.digest")
     return digest if isinstance(digest, str) else None
+
+
+def data_eval_sets(meta: dict) -> dict[str, str]:
+    """The content digest of each data.eval_sets set a checkpoint's run scored, by name; {} in one
+    saved before they were recorded (or without sets)."""
+    sets = get(meta, "data.eval_sets")
+    return {k: v for k, v in sets.items() if isinstance(v, str)} if isinstance(sets, dict) else {}
 
 
 def data_tokenizer(meta: dict) -> dict | None:

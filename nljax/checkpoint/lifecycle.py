@@ -58,6 +58,7 @@ class Checkpoints:
         # when this run continues its own files, then set by the trainer once its trackers are open
         self.trackers: dict[str, str] = dict(restored.trackers) if restored and own else {}
         self.data_digest: str | None = None  # of the run's data, saved with every checkpoint (`check_data`)
+        self.eval_sets: dict[str, str] = {}  # of each data.eval_sets set, by name, saved likewise
         self.tokenizer = tokenizer  # what the data's token ids are, saved likewise
         self.manager = None
         self.writing: int | None = None  # the step of the save in flight
@@ -171,16 +172,27 @@ class Checkpoints:
         self._noise = self._quiet.enter_context(errors_hidden(self._peers.report if self._peers else None))
         self.manager = storage.writer(self.cfg, self._peers)
 
-    def check_data(self, digest: str) -> None:
-        """Record the digest of the run's data (saved with every checkpoint) and warn when the
-        checkpoint resumed was trained on other data: the stream is a pure function of (seed,
-        step, row) over the data, so with other files the resumed run is not the one it continues."""
-        self.data_digest = digest
-        saved = self.restored.data_digest if self.restored else None
-        if saved is not None and saved != digest and jax.process_index() == 0:
-            print(f"nljax: warning: checkpoint {self.restored.path} was trained on other data (digest {saved[:12]} "
+    def check_data(self, digest: str, eval_sets: dict[str, str] | None = None) -> None:
+        """Record the digest of the run's data and of each data.eval_sets set (`eval_sets`, by
+        name; saved with every checkpoint) and warn when the checkpoint resumed was trained on
+        other data: the stream is a pure function of (seed, step, row) over the data, so with
+        other files the resumed run is not the one it continues. A set of the same name whose
+        content changed is warned of too (it trains nothing, but its scores after the resume are
+        of other text than the ones before it); a set added or left out is no change."""
+        self.data_digest, self.eval_sets = digest, dict(eval_sets or {})
+        if self.restored is None or jax.process_index() != 0:
+            return
+        saved, path = self.restored.data_digest, self.restored.path
+        if saved is not None and saved != digest:
+            print(f"nljax: warning: checkpoint {path} was trained on other data (digest {saved[:12]} "
                   f"there, {digest[:12]} here): the resumed run reads other data than the run it continues",
                   file=sys.stderr)
+        for name, here in self.eval_sets.items():
+            there = self.restored.eval_sets.get(name)
+            if there is not None and there != here:
+                print(f"nljax: warning: data.eval_sets {name} changed since checkpoint {path} (digest {there[:12]} "
+                      f"there, {here[:12]} here): eval_loss/{name} and its other scores before and after this resume "
+                      "are not comparable", file=sys.stderr)
 
     def save(self, step: int, state: TrainState) -> None:
         # The previous save is finished first (Orbax would wait for it too) so that a failure is
@@ -192,7 +204,8 @@ class Checkpoints:
         self.writing = step
         error = None
         try:
-            storage.save(self.manager, self.engine, step, state, self.trackers, self.data_digest, self.tokenizer)
+            storage.save(self.manager, self.engine, step, state, self.trackers, self.data_digest, self.tokenizer,
+                         self.eval_sets)
         except Exception as e:  # noqa: BLE001 - the blocking part of a save (e.g. the disk is full)
             error = self._failed(e)
         if error is not None:  # raised outside `except`: see `_failed`

@@ -25,6 +25,7 @@ from nljax.checkpoint.contents import (
     check_fits,
     check_tokenizer,
     data_digest,
+    data_eval_sets,
     data_tokenizer,
     differences,
     fingerprint,
@@ -54,6 +55,7 @@ class Restored:
     trackers: dict[str, str] = dataclasses.field(default_factory=dict)  # the tracker run ids it saved
     data_digest: str | None = None  # of the data it was trained on (None: saved before it was recorded)
     tokenizer: dict | None = None  # what its token ids are (`data_tokenizer`; None: images, or not recorded)
+    eval_sets: dict[str, str] = dataclasses.field(default_factory=dict)  # its data.eval_sets digests (`data_eval_sets`)
 
 
 def restore(engine: Engine, template: TrainState, path: Path, digest: str | None = None) -> Restored:
@@ -81,7 +83,7 @@ def restore(engine: Engine, template: TrainState, path: Path, digest: str | None
     assert len(leaves) == len(target)
     state = jax.tree_util.tree_unflatten(treedef, [out[name] for name in target])
     return Restored(state, meta["step"], path, fresh_rows, warnings, tracker_ids(meta), data_digest(meta),
-                    data_tokenizer(meta))
+                    data_tokenizer(meta), data_eval_sets(meta))
 
 
 @dataclasses.dataclass
@@ -204,9 +206,10 @@ def _under(key: str, sections) -> bool:
 
 
 # What places a row in the data: the ContextStream reads row r at step s from (seed, s, r, seq_len)
-# over the data. A change to any of them sends every row elsewhere (data.reset_prob only resets).
+# over the data. A change to any of them sends every row elsewhere (data.reset_prob only resets;
+# data.eval_sets is scored, never read by a row).
 STREAM_KEYS = ("train.batch_size", "train.seq_len", "seed", "data")
-NOT_STREAM_KEYS = ("data.reset_prob",)
+NOT_STREAM_KEYS = ("data.reset_prob", "data.eval_sets")
 
 
 def _rows_restart(meta: dict, cfg: Config, target: dict, warnings: list[str], same_data: bool = False,

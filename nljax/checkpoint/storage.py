@@ -75,15 +75,17 @@ def writer(cfg: Config, peers: Peers | None = None):
 
 
 def save(mngr, engine: Engine, step: int, state: TrainState, trackers: dict[str, str] | None = None,
-         data_digest: str | None = None, tokenizer: dict | None = None) -> None:
+         data_digest: str | None = None, tokenizer: dict | None = None, eval_sets: dict[str, str] | None = None
+         ) -> None:
     """Save `state` after `step` optimizer steps, with the run's `trackers` ids, the digest of
-    its data and what its token ids are (`tokenizer`). Returns once the
+    its data, what its token ids are (`tokenizer`) and the digest of each data.eval_sets set
+    (`eval_sets`, by name). Returns once the
     arrays are copied off the devices (the next step may donate `state`); the files are written
     in the background."""
     import orbax.checkpoint as ocp
 
     arrays = named_arrays(state)
-    meta = metadata(engine, step, arrays, trackers, data_digest, tokenizer)
+    meta = metadata(engine, step, arrays, trackers, data_digest, tokenizer, eval_sets)
     stored = {k: x for k, x in arrays.items() if not is_empty(x)}
     args = ocp.args.Composite(**{STATE: ocp.args.StandardSave(nest(stored)), META: ocp.args.JsonSave(meta)})
     mngr.save(step, args=args, force=True)

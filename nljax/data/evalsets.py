@@ -7,6 +7,12 @@ the run's own tokenization (bytes, data.tokenizer, or data.prepared's copy: the 
 trained on) into memory, as data.eval's files are. The source of the run's own text does not
 matter: a run on the standard library or the recall probe reads its sets as bytes.
 
+Each set has a content digest (`EvalSet.digest`: its token ids, document ends, byte count and the
+tokenization), as the run's data has (`Task.fingerprint`): the processes of a run compare it at
+start-up (nljax/run/startup.py), checkpoints record it and a resume warns of a set that changed
+(nljax/checkpoint/lifecycle.py), and summary.json reports it: scores of an edited set are not
+comparable with its earlier ones.
+
 Problems are one line before anything is trained or scored: a glob that matches no file, a set
 shorter than train.seq_len + 1 tokens (not one window), and whatever data.eval's reader refuses
 (the file named); the names themselves are checked with the config (`settings.eval_sets`).
@@ -15,6 +21,7 @@ shorter than train.seq_len + 1 tokens (not one window), and whatever data.eval's
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 
 import numpy as np
@@ -32,6 +39,7 @@ class EvalSet:
     ends: np.ndarray  # int64 [D]: each document's last token
     tokens_per_byte: float  # bits per token x this = bits per byte
     files: int
+    digest: str  # sha256 of the content scored (`content_digest`), whatever the files' paths
 
 
 # (set's glob, text key, tokenization, its files now) -> EvalSet: a run's local copy
@@ -54,7 +62,8 @@ def load(d: DataConfig, seq_len: int) -> list[EvalSet]:
         s = _CACHE.get(key)
         if s is None:
             split, rec = prepared.tokenized(d, files, tok)
-            s = EvalSet(name, pattern, split.tokens, split.ends, rec["tokens"] / max(rec["bytes"], 1), len(files))
+            s = EvalSet(name, pattern, split.tokens, split.ends, rec["tokens"] / max(rec["bytes"], 1), len(files),
+                        content_digest(rec, tok.info()))
         if len(s.tokens) < seq_len + 1:  # not one window to score
             raise ConfigError(f"data.eval_sets {name}: {len(s.tokens)} tokens in {len(files)} file(s) ({pattern}), "
                               f"shorter than train.seq_len+1={seq_len + 1}: give more text")
@@ -63,3 +72,11 @@ def load(d: DataConfig, seq_len: int) -> list[EvalSet]:
     _CACHE.clear()  # the sets of one run at a time
     _CACHE.update(kept)
     return out
+
+
+def content_digest(rec: dict, tokenizer: dict) -> str:
+    """The digest of what a set's scores depend on: its token ids and document starts (the sha256s
+    the tokenization takes as it writes them, `prepared.tokenized`'s record), its bytes (bits per
+    byte) and what the ids are (`tokenizer`, its `info()`: the ids' dtype follows its size)."""
+    content = {k: rec[k] for k in ("sha256", "docs_sha256", "tokens", "bytes")}
+    return hashlib.sha256(json.dumps({**content, "tokenizer": tokenizer}, sort_keys=True).encode()).hexdigest()

@@ -22,6 +22,8 @@ LABELS = {
     "loss": "training loss",
     "eval_loss": "held-out loss (fresh memory)",
     "eval_loss_stream": "held-out loss (memory carried)",
+    "eval_bpb": "held-out bits per byte (fresh memory)",
+    "eval_bpb_stream": "held-out bits per byte (memory carried)",
     "eval_mse": "held-out squared error (unweighted)",
     "eval_energy_1step": "one-step samples",
     "eval_energy_multistep": "multi-step samples",
@@ -75,31 +77,65 @@ def loss_figure(records: list[dict], final: dict | None = None, bpb_per_nat: flo
     """loss.png's figure: a language model's losses in nats with bits per byte on the right
     (`bpb_per_nat`: bits per byte in one nat per token), or, where the records hold energy
     distances (a MeanFlow run), three panels: the training loss, the held-out unweighted error,
-    the energy distance."""
+    the energy distance. Each held-out text has one colour (the main one, then each
+    data.eval_sets set), its fresh-memory curve solid and its memory-carried one dashed; with
+    sets, whose tokens per byte differ from the main text's, their bits per byte are a panel of
+    their own below the losses (the right axis would read the main text's ratio alone)."""
     final = final or {}
     keys = {k for r in [*records, final] for k in r}
     if any(k.startswith("eval_energy") for k in keys):
         return _image_loss_figure(records, final)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1, label=LABELS["loss"])
-    # the losses (nats per token); a set's name is after the '/' (`eval_loss/<name>`): not read
-    for key in sorted(k for k in keys if k.startswith("eval") and "loss" in k.partition("/")[0]):
-        ax.plot(*zip(*series(records, final, key)), "o-", ms=4, label=label(key))
-    ax.set_xlabel("step")
+    texts = held_out_texts([*records, final])
+    bpb_panel = len(texts) > 1 and any(k.partition("/")[0] in BPB for k in keys)
+    if bpb_panel:
+        fig, (ax, low) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+    else:
+        fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1, color="C0", label=LABELS["loss"])
+    for i, name in enumerate(texts):
+        color = f"C{(i + 1) % 10}"  # C0 is the training loss's
+        for kind, style in (("", "o-"), ("_stream", "s--")):
+            for panel, base in ((ax, f"eval_loss{kind}"), (low if bpb_panel else None, f"eval_bpb{kind}")):
+                key = base + (f"/{name}" if name else "")
+                pts = series(records, final, key) if panel is not None and key in keys else []
+                if pts:
+                    panel.plot(*zip(*pts), style, ms=4, color=color, label=label(key))
     ax.set_ylabel("loss (nats per token)")
     plain(ax.yaxis)
+    ax.grid(alpha=0.3)
+    if bpb_panel:
+        low.set_ylabel("bits per byte\n(each text's own)")
+        low.set_xlabel("step")
+        plain(low.yaxis)
+        low.grid(alpha=0.3)
+        legend_beside(ax)  # the colours and line styles are the same below
+        return fig
+    ax.set_xlabel("step")
     if bpb_per_nat:
         right = ax.secondary_yaxis("right", functions=(lambda n: n * bpb_per_nat, lambda b: b / bpb_per_nat))
-        # of the run's own held-out text: a data.eval_sets set tokenized otherwise has its own ratio
-        sets = any("/" in k for k in keys if k.startswith("eval_loss"))
-        right.set_ylabel("bits per byte" + (" (main held-out text)" if sets else ""))
+        right.set_ylabel("bits per byte")
         plain(right.yaxis)
-    ax.grid(alpha=0.3)
-    if bpb_per_nat:  # the right side holds the second axis: the legend goes below
+        # the right side holds the second axis: the legend goes below
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, fontsize=8, frameon=False)
     else:
         legend_beside(ax)
     return fig
+
+
+BPB = ("eval_bpb", "eval_bpb_stream")
+
+
+def held_out_texts(records: list[dict]) -> list[str]:
+    """The held-out texts whose losses the records hold, in the order they were first logged: ''
+    for the run's main one, then each data.eval_sets set's name (`eval_loss/<name>`; a set's
+    name is not read: it may hold "loss")."""
+    out: dict[str, None] = {}
+    for r in records:
+        for k in r:
+            base, _, name = k.partition("/")
+            if base in ("eval_loss", "eval_loss_stream"):
+                out.setdefault(name)
+    return sorted(out, key=lambda name: name != "")  # the main text first, the sets as logged
 
 
 def _image_loss_figure(records: list[dict], final: dict):

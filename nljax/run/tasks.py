@@ -177,13 +177,14 @@ class TextTask:
 
     def describe(self) -> dict:
         """What summary.json records of the data: source, token counts, vocabulary, digest (and
-        the tokens of each data.eval_sets set)."""
+        the tokens and content digest of each data.eval_sets set)."""
         d = self.cfg.data
         out = {"source": d.source, "train_tokens": 0 if d.held_out_only else self.data.train_tokens,
                "eval_tokens": len(self.eval_data), "vocab_size": self.cfg.model.vocab_size,
                "digest": self.fingerprint()}
         if self.eval_sets:
             out["eval_sets"] = {s.name: len(s.tokens) for s in self.eval_sets}
+            out["eval_set_digests"] = {s.name: s.digest for s in self.eval_sets}
         return out
 
     def evaluate(self, cache, params, step: int) -> dict:

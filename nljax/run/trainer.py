@@ -105,7 +105,10 @@ def startup_report(run: Run, state: TrainState, say) -> None:
         say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
             f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
         if d.get("eval_sets"):  # data.eval_sets: scored at every evaluation as eval_loss/<name>, ...
-            say("held-out sets (data.eval_sets): " + ", ".join(f"{k} {n:,} tokens" for k, n in d["eval_sets"].items()))
+            digests = d.get("eval_set_digests", {})  # what a resume or the other processes compare
+            say("held-out sets (data.eval_sets): " + ", ".join(
+                f"{k} {n:,} tokens" + (f" (digest {digests[k][:12]})" if k in digests else "")
+                for k, n in d["eval_sets"].items()))
     say(f"batch: global {t.batch_size} rows ({t.batch_size * per_row:,} {unit}) per optimizer step; per device "
         f"{rows_per_dev} rows in {t.accum_steps} micro-batch(es) of {rows_per_dev // t.accum_steps}; "
         f"effective batch {rows_per_dev // t.accum_steps} x {t.accum_steps} x {n_dev} devices = {t.batch_size} rows")
@@ -438,7 +441,7 @@ def _train(cfg: Config, notice: Notice) -> dict:
     with Announced(say if reading else (lambda text: None))(reading or ""):
         # another tokenizer's checkpoint is refused
         ckpt = Checkpoints.resolve(run.engine, fresh, say, digest, startup.tokenizer_identity(run.task))
-    ckpt.check_data(digest)
+    ckpt.check_data(digest, startup.eval_set_digests(run.task))
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     # the cleanup, in reverse order of registration; each step runs whatever the one before raised
     with contextlib.ExitStack() as cleanup:

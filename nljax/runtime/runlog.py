@@ -131,10 +131,33 @@ class Progress:
 
 
 def format_metrics(metrics: dict) -> str:
-    """Whatever numbers a task's `evaluate` returns, as `key value` pairs."""
-    parts = []
+    """Whatever numbers a task's `evaluate` returns, as `key value` pairs; then the data.eval_sets
+    sets' (`<key>/<name>`: six keys a set, too many for one line) as one short group each,
+    `name: loss/bpb` and the streaming evaluation's in brackets. metrics.jsonl keeps every key."""
+    parts, sets = [], {}
     for k, v in metrics.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
+        base, slash, name = k.partition("/")
+        if slash:
+            sets.setdefault(name, {})[base] = v
+            continue
         parts.append(f"{k} {v:,d}" if isinstance(v, int) else f"{k} {v:.4g}")
+    groups = [group for name, m in sets.items() if (group := _set_group(name, m))]
+    if groups:
+        parts.append("sets (loss/bpb)  " + "  ".join(groups))
     return "  ".join(parts)
+
+
+def _set_group(name: str, m: dict) -> str:
+    """'name: loss/bpb (stream loss/bpb)' of one set's metrics (keys without its name); '' when
+    it has neither evaluation's loss and bits per byte."""
+    fresh, stream = _loss_bpb(m, ""), _loss_bpb(m, "_stream")
+    if not fresh and not stream:
+        return ""
+    return f"{name}: {fresh or '-'}" + (f" (stream {stream})" if stream else "")
+
+
+def _loss_bpb(m: dict, kind: str) -> str:
+    loss, bpb = m.get(f"eval_loss{kind}"), m.get(f"eval_bpb{kind}")
+    return "" if loss is None or bpb is None else f"{loss:.4g}/{bpb:.4g}"
