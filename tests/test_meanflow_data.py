@@ -166,7 +166,8 @@ def test_class_subfolders_are_the_labels(tmp_path):
     (tmp_path / "set" / "cat" / "._z.png").write_bytes(b"AppleDouble")  # hidden: not read
     got = images.load(ImagesConfig(source="file", path=str(tmp_path / "set"), eval_fraction=0.5))
     order = [5, 4, 3, 2, 1, 0]  # ant/0, ant/1, cat/deep/er/a, cat/z, dog/a, dog/b
-    assert got.shape == (6, 4, 1) and got.num_classes == 3 and got.classes == ("ant", "cat", "dog")  # label k: k-th name
+    assert got.shape == (6, 4, 1) and got.num_classes == 3
+    assert got.classes == ("ant", "cat", "dog")  # label k's name: the k-th subfolder
     np.testing.assert_array_equal(np.concatenate([got.train_y, got.eval_y]), [0, 1, 2, 0, 1, 2])  # every 2nd held out
     np.testing.assert_array_equal(got.train_x[..., 0], (x[order[::2]] / 127.5 - 1).astype(np.float32))
     # one RGBA image among them: every image read as RGB (the gray ones as three equal channels)
@@ -463,8 +464,8 @@ def test_a_folders_class_names_are_recorded_and_a_resume_on_others_is_refused(tm
     folder("gray", (4, 4))
     folder("renamed", (4, 4, 3), ["ant", "bee", "cow"])
     run = tmp_path / "run"
-    args = ["--config", "meanflow_toy", "model.dim=16", "model.depth=1", "train.batch_size=8", "meanflow.sample_steps=1",
-            "throughput.reps=0", "run.plots=false", "eval.every=0", "checkpoint.every=2", "images.source=file",
+    args = ["--config", "meanflow_toy", "model.dim=16", "model.depth=1", "train.batch_size=8",
+            "meanflow.sample_steps=1", "throughput.reps=0", "run.plots=false", "eval.every=0", "checkpoint.every=2", "images.source=file",
             f"run.dir={run}"]
     drawn = []
     real = tasks.write_samples
