@@ -42,6 +42,7 @@ from typing import Sequence
 import jax
 
 from nljax import cli
+from nljax.data import imagefolder
 from nljax.data.prepared import MANIFEST
 from nljax.errors import ConfigError
 from nljax.models import registry
@@ -177,8 +178,9 @@ def _data(t: trained_lib.Trained) -> str:
     if describe is None:
         return ""
     d = describe()
-    if "eval_images" in d:  # a MeanFlow run's images
-        return f", images {d['source']} ({d['eval_images']:,} held-out, digest {d['digest'][:12]})"
+    if "eval_images" in d:  # a MeanFlow run's images (a folder's: its class names, as at start-up)
+        names = f", classes {d['num_classes']} ({imagefolder.short_list(d['classes'])})" if "classes" in d else ""
+        return f", images {d['source']} ({d['eval_images']:,} held-out{names}, digest {d['digest'][:12]})"
     digests = d.get("eval_set_digests", {})  # data.eval_sets: what the run's checkpoints record
     sets = "".join(f", set {k} ({n:,} tokens" + (f", digest {digests[k][:12]})" if k in digests else ")")
                    for k, n in d.get("eval_sets", {}).items())

@@ -370,6 +370,45 @@ def test_a_checkpoint_of_other_classes_or_channels_says_so():
     contents.check_fits("ck", meta, SimpleNamespace(cfg=cfg, model=dit(cfg, (4, 4, 3), 3)))  # the same: fits
 
 
+def test_the_record_names_the_classes_and_a_use_on_others_names_the_first_that_differs():
+    """A folder's class names (label k: its k-th subfolder, sorted) are recorded with the model
+    (every checkpoint's `built`, an export's config.json): data whose label k is another class,
+    with as many classes, were used without a word. The line names the first label that differs;
+    another class count or image shape is named before the names it changes, and another channel
+    count as the images', not as the output layer's shape (`check_built` runs before `check_fits`).
+    Names one side lacks (an .npz's labels, a checkpoint saved before) are not compared."""
+    from nljax.checkpoint import contents
+    from nljax.models import registry
+    from nljax.models.builtin import dit, dit_rebuild
+
+    cfg = load(None, [*DIT, "meanflow.cfg_omega=1", "meanflow.cfg_kappa=0"])
+    record = lambda *a: registry.record(dit(cfg, *a), "dit")  # noqa: E731
+    meta = {"built": record((4, 4, 3), 3, ("ant", "cat", "dog"))}
+    assert meta["built"] == {"images": {"shape": [4, 4, 3], "num_classes": 3, "classes": ["ant", "cat", "dog"]}}
+    assert dit_rebuild(cfg, meta["built"]).classes == ("ant", "cat", "dog")  # an export's model keeps them
+    unconditional = load(None, [*DIT, "meanflow.cfg_omega=1", "meanflow.cfg_kappa=0", "meanflow.class_cond=false"])
+    assert registry.record(dit(unconditional, (4, 4, 3), 3, ("ant", "cat", "dog")), "dit") == {
+        "images": {"shape": [4, 4, 3], "num_classes": 0}}  # its labels are not read: nothing to name
+    for here, line in [
+        (record((4, 4, 3), 3, ("ant", "bee", "dog")),
+         "images.classes[1]='cat', this run's data give images.classes[1]='bee': label 1 would stand for another "
+         "class (a folder's labels are its class subfolders in sorted order)"),
+        (record((4, 4, 3), 3, ("bee", "cat", "dog")),
+         "images.classes[0]='ant', this run's data give images.classes[0]='bee'"),
+        (record((4, 4, 3), 2, ("ant", "dog")), "images.num_classes=3, this run's data give images.num_classes=2"),
+        (record((4, 4, 1), 3, ("bee", "cat", "eel")),
+         "images.shape=[4, 4, 3], this run's data give images.shape=[4, 4, 1] (3-channel images there, "
+         "1-channel here)"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            contents.check_built("ck", meta, here, "; then")
+        assert str(e.value).startswith(f"checkpoint ck was trained on data with {line}"), e.value
+        assert str(e.value).endswith("; then") and "\n" not in str(e.value)
+    for same in (record((4, 4, 3), 3, ("ant", "cat", "dog")), record((4, 4, 3), 3, None)):  # None: an .npz's labels
+        contents.check_built("ck", meta, same)
+    contents.check_built("ck", {"built": record((4, 4, 3), 3, None)}, meta["built"])  # saved before names were kept
+
+
 def test_dit_remat_is_exact_and_keeps_less():
     """`model.remat=block` on the DiT: each block recomputed from its input in the backward pass
     of MeanFlow's loss (a jvp inside): the same gradients to the bit, and the forward pass keeps a

@@ -141,6 +141,7 @@ def test_a_folder_of_pngs_trains_as_its_npz(tmp_path):
     got = images.load(ImagesConfig(source="file", path=str(tmp_path / "pics")))
     want = images.load(ImagesConfig(source="file", path=str(tmp_path / "pics.npz")))
     assert got.shape == (4, 4, 3) and got.num_classes == 0 and len(got.train_x) == 16
+    assert got.classes is None and want.classes is None  # nothing names the images: no class names
     for a, b in [(got.train_x, want.train_x), (got.eval_x, want.eval_x), (got.train_y, want.train_y)]:
         assert a.dtype == b.dtype and np.array_equal(a, b)
     np.testing.assert_array_equal(got.eval_x[0], (x[4] / 127.5 - 1).astype(np.float32))  # every 5th held out, in name order
@@ -155,8 +156,9 @@ def test_a_folder_of_pngs_trains_as_its_npz(tmp_path):
 
 
 def test_class_subfolders_are_the_labels(tmp_path):
-    """One subfolder per class (torchvision's ImageFolder): sorted names -> 0..K-1, images at any
-    depth below their class; all grayscale: one channel; any colour image: RGB for all."""
+    """One subfolder per class (torchvision's ImageFolder): sorted names -> 0..K-1, kept as the
+    class names (torchvision's `classes`), images at any depth below their class; all grayscale:
+    one channel; any colour image: RGB for all."""
     rng = np.random.default_rng(1)
     x = rng.integers(0, 256, (7, 6, 4), dtype=np.uint8)  # grayscale 6x4 (height x width)
     names = ["dog/b.png", "dog/a.png", "cat/z.png", "cat/deep/er/a.png", "ant/1.png", "ant/0.png", "cat/.hidden/q.png"]
@@ -165,6 +167,7 @@ def test_class_subfolders_are_the_labels(tmp_path):
     got = images.load(ImagesConfig(source="file", path=str(tmp_path / "set"), eval_fraction=0.5))
     order = [5, 4, 3, 2, 1, 0]  # ant/0, ant/1, cat/deep/er/a, cat/z, dog/a, dog/b
     assert got.shape == (6, 4, 1) and got.num_classes == 3
+    assert got.classes == ("ant", "cat", "dog")  # label k's name: the k-th subfolder
     np.testing.assert_array_equal(np.concatenate([got.train_y, got.eval_y]), [0, 1, 2, 0, 1, 2])  # every 2nd held out
     np.testing.assert_array_equal(got.train_x[..., 0], (x[order[::2]] / 127.5 - 1).astype(np.float32))
     # one RGBA image among them: every image read as RGB (the gray ones as three equal channels)
@@ -351,11 +354,13 @@ def test_non_finite_or_huge_images_are_refused_at_load(tmp_path, poison, message
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_checkpoint_used_on_images_of_another_size_is_refused(tmp_path, capsys):
+def test_a_checkpoint_used_on_other_images_is_refused(tmp_path, capsys):
     """A DiT's parameters fit images of any size (its positions are computed), so a model trained
     on 4x4 images scored and sampled 8x8 ones without a word: the checkpoint records the image
     shape its data gave, and a use of the model on another is refused with one line naming both
-    (nljax.evaluate here; generate, export and nljax.load read it the same way: `trained.load`)."""
+    (nljax.evaluate here; generate, export and nljax.load read it the same way: `trained.load`).
+    So are images of other channels, named as the images' (the output layer's shape was named),
+    and a folder whose classes are others (as many: they were taken for the trained ones)."""
     from helpers import saved_run
 
     from nljax import evaluate
@@ -363,25 +368,35 @@ def test_a_checkpoint_used_on_images_of_another_size_is_refused(tmp_path, capsys
     from nljax.run import trained
 
     rng = np.random.default_rng(3)
-    labels = np.arange(40) % 4
-    np.savez(tmp_path / "small.npz", x=rng.integers(0, 256, (40, 4, 4, 3), dtype=np.uint8), y=labels)
-    np.savez(tmp_path / "other_small.npz", x=rng.integers(0, 256, (40, 4, 4, 3), dtype=np.uint8), y=labels)
-    pngs(tmp_path / "big", rng.integers(0, 256, (40, 8, 8, 3), dtype=np.uint8), [f"{k}/{i:02d}.png" for i, k in
-                                                                                   zip(range(40), labels)])
+    names = ["ant", "bee", "cat", "dog"]
+    folder = lambda name, shape, classes=names: pngs(  # noqa: E731
+        tmp_path / name, rng.integers(0, 256, (40, *shape), dtype=np.uint8),
+        [f"{classes[i % 4]}/{i:02d}.png" for i in range(40)])
+    folder("small", (4, 4, 3))
+    folder("other_small", (4, 4, 3))  # other pixels, the same classes
+    folder("big", (8, 8, 3))
+    folder("gray", (4, 4))
+    folder("renamed", (4, 4, 3), ["ant", "bee", "cow", "dog"])
     dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
-           "model.dit.patch_size=1", "images.source=file", f"images.path={tmp_path / 'small.npz'}", "cms.periods=[1]",
+           "model.dit.patch_size=1", "images.source=file", f"images.path={tmp_path / 'small'}", "cms.periods=[1]",
            "train.batch_size=16", "meanflow.sample_steps=2"]
     saved_run(tmp_path / "run", dit, 1, 2, steps=1)
     ck = tmp_path / "run" / "checkpoints" / "1"
-    capsys.readouterr()
-    assert evaluate.main([f"run.dir={tmp_path / 'run'}", f"images.path={tmp_path / 'big'}"]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        f"nljax.evaluate: error: checkpoint {ck} was trained on data with images.shape=[4, 4, 3], this run's "
-        "data give images.shape=[8, 8, 3]")
-    # other images of its size: the model is used (what they are is the user's to choose)
-    t = trained.load(tmp_path / "run", overrides=[f"images.path={tmp_path / 'other_small.npz'}"],
+    for other, line in [
+        ("big", "images.shape=[4, 4, 3], this run's data give images.shape=[8, 8, 3]"),
+        ("gray", "images.shape=[4, 4, 3], this run's data give images.shape=[4, 4, 1] (3-channel images there, "
+                 "1-channel here)"),
+        ("renamed", "images.classes[2]='cat', this run's data give images.classes[2]='cow': label 2 would stand "
+                    "for another class (a folder's labels are its class subfolders in sorted order)"),
+    ]:
+        capsys.readouterr()
+        assert evaluate.main([f"run.dir={tmp_path / 'run'}", f"images.path={tmp_path / other}"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"nljax.evaluate: error: checkpoint {ck} was trained on data with {line}"), other
+    # other images of its size and classes: the model is used (what they are is the user's to choose)
+    t = trained.load(tmp_path / "run", overrides=[f"images.path={tmp_path / 'other_small'}"],
                      devices=jax.devices()[:1])
-    assert t.step == 1 and t.run.task.data.shape == (4, 4, 3)
+    assert t.step == 1 and t.run.task.data.shape == (4, 4, 3) and t.run.task.data.classes == tuple(names)
     # a checkpoint saved before the record was kept is not checked
     contents.check_built(ck, {"config": {}}, {"images": {"shape": [8, 8, 3], "num_classes": 4}})
 
@@ -396,9 +411,10 @@ def test_a_folder_reached_again_through_a_link_is_read_once(tmp_path):
     pngs(tmp_path / "set", x, ["cat/a.png", "cat/b.png", "dog/a.png"])
     (tmp_path / "set" / "cat" / "up").symlink_to("..")  # cat/up/cat/up/... and cat/up/dog
     (tmp_path / "set" / "cat" / "again").symlink_to(".")
-    files, labels = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
+    files, labels, names = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
     assert [f.relative_to(tmp_path / "set").as_posix() for f in files] == ["cat/a.png", "cat/b.png", "dog/a.png"]
     np.testing.assert_array_equal(labels, [0, 0, 1])
+    assert names == ("cat", "dog")
 
 
 def test_a_class_subfolder_that_cannot_be_listed_is_one_line(tmp_path, monkeypatch):
@@ -422,3 +438,61 @@ def test_a_class_subfolder_that_cannot_be_listed_is_one_line(tmp_path, monkeypat
     with pytest.raises(ConfigError, match=f"^images.path: cannot read the folder {locked} \\(Permission denied\\)$"):
         imagefolder.listing(tmp_path, str(tmp_path))
 
+
+
+@pytest.mark.slow
+def test_a_folders_class_names_are_recorded_and_a_resume_on_others_is_refused(tmp_path, capsys, monkeypatch):
+    """A run on a folder of class subfolders says its class names at start-up (label order) and
+    records them in summary.json, every checkpoint and its sample grids' caption. A resume on
+    images of another size (the run trained on 8x8 ones from then on, warned only of the path and
+    digest), other channels or other class names (as many: taken for the trained ones) is refused
+    with one line before anything is written; on other images of the same classes it goes on."""
+    from helpers import tree_hash
+
+    from nljax import evaluate, train
+    from nljax.checkpoint import storage
+    from nljax.run import tasks
+
+    rng = np.random.default_rng(5)
+    names = ["ant", "bee", "cat"]
+    folder = lambda name, shape, classes=names: pngs(  # noqa: E731
+        tmp_path / name, rng.integers(0, 256, (30, *shape), dtype=np.uint8),
+        [f"{classes[i % 3]}/{i:02d}.png" for i in range(30)])
+    folder("pets", (4, 4, 3))
+    folder("more_pets", (4, 4, 3))  # other pixels, the same classes
+    folder("big", (8, 8, 3))
+    folder("gray", (4, 4))
+    folder("renamed", (4, 4, 3), ["ant", "bee", "cow"])
+    run = tmp_path / "run"
+    args = ["--config", "meanflow_toy", "model.dim=16", "model.depth=1", "train.batch_size=8",
+            "meanflow.sample_steps=1", "throughput.reps=0", "run.plots=false", "eval.every=0", "checkpoint.every=2", "images.source=file",
+            f"run.dir={run}"]
+    drawn = []
+    real = tasks.write_samples
+    monkeypatch.setattr(tasks, "write_samples", lambda *a: (drawn.append(a[-1]), real(*a))[1])
+    capsys.readouterr()
+    assert train.main([*args, f"images.path={tmp_path / 'pets'}", "train.steps=2"]) == 0
+    out = capsys.readouterr().out
+    assert f"images {tmp_path / 'pets'}: 24 training and 6 held-out, 4x4x3, classes 3 (ant, bee, cat), digest " in out
+    assert json.loads((run / "summary.json").read_text())["data"]["classes"] == names
+    assert storage.read_meta(run / "checkpoints" / "2")["built"]["images"]["classes"] == names
+    assert drawn == [tuple(names)]  # the final evaluation's grid names the classes in its caption
+    assert evaluate.main([f"run.dir={run}"]) == 0
+    assert f"images {tmp_path / 'pets'} (6 held-out, classes 3 (ant, bee, cat), digest " in capsys.readouterr().err
+    ck = run / "checkpoints" / "2"
+    for other, line in [
+        ("big", "images.shape=[4, 4, 3], this run's data give images.shape=[8, 8, 3]"),
+        ("gray", "images.shape=[4, 4, 3], this run's data give images.shape=[4, 4, 1] (3-channel images there, "
+                 "1-channel here)"),
+        ("renamed", "images.classes[2]='cat', this run's data give images.classes[2]='cow': label 2 would stand "
+                    "for another class (a folder's labels are its class subfolders in sorted order)"),
+    ]:
+        before = tree_hash(tmp_path)
+        capsys.readouterr()
+        assert train.main([*args, "--resume", f"images.path={tmp_path / other}", "train.steps=4"]) == 2, other
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"nljax.train: error: checkpoint {ck} was trained on data with {line}; a resume continues the run on its "
+            "own data (a new run may start from its parameters: checkpoint.init_params)"], other
+        assert tree_hash(tmp_path) == before, other  # nothing written, nothing lost
+    assert train.main([*args, "--resume", f"images.path={tmp_path / 'more_pets'}", "train.steps=4"]) == 0
+    assert storage.read_meta(run / "checkpoints" / "4")["built"]["images"]["classes"] == names

@@ -109,7 +109,13 @@ def test_sample_grids_are_titled_and_labelled(tmp_path, monkeypatch):
     titles = [ax.get_title() for ax in seen[0].axes]
     assert titles == ["one step (1 network evaluation)", "multi-step (4 steps)"]
     assert texts.count("0") == 2 * 4 and texts.count("2") == 2 * 3  # each half: classes 0,1,2,0,1,2,...
+    assert "the number in each corner: the class the sample was drawn for" in [t.get_text() for t in seen[0].texts]
+    # a folder's classes: the caption names those drawn (0 ant, 1 bee, 2 cat), in label order
+    figures.write_samples(tmp_path / "n.png", imgs[:5], imgs[:5], imgs[:5], 4, np.array([2, 0, 2, 0, 2]), "",
+                          ("ant", "bee", "cat"))
+    assert "the number in each corner: the class the sample was drawn for (0 ant, 2 cat)" in [
+        t.get_text() for t in seen[1].texts]
     pts = rng.normal(size=(50, 1, 1, 2)).astype(np.float32)
     figures.write_samples(tmp_path / "t.png", pts, pts, pts, 2)
-    assert "black: samples; grey: held-out points" in [t.get_text() for t in seen[1].texts]
+    assert "black: samples; grey: held-out points" in [t.get_text() for t in seen[2].texts]
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

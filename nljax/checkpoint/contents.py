@@ -354,18 +354,42 @@ def check_tokenizer(path: Path, saved: dict | None, here: dict | None, what: str
                           f"{tokenization.describe(here)}: its token ids would stand for other text")
 
 
-def check_built(path: Path, meta: dict, here: dict) -> None:
+def check_built(path: Path, meta: dict, here: dict, then: str = "") -> None:
     """One line (ConfigError) where the checkpoint at `path` was trained on data that built its
     model otherwise than this run's data build it (`here`: `registry.record` of this run's model):
     a DiT's parameters fit images of any size (its positions are computed, not learned), so a
-    model trained on 32x32 images scored or sampled 64x64 ones without a word. A checkpoint saved
-    before the record was kept is not checked."""
+    model trained on 32x32 images scored or sampled 64x64 ones without a word, and a folder whose
+    class subfolders are others gave its label k another class than the one it trained as. Called
+    before `check_fits`: images of another channel count change the output layer's shape too, and
+    the line names the images, not that parameter. An entry one side lacks is not compared: a
+    checkpoint saved before the record (or the entry: a DiT's `classes`) was kept, data that do
+    not name their labels (an .npz's). `then`: added to the line (a resume's way out)."""
     saved = meta.get("built")
     if not isinstance(saved, dict):
         return
-    for key, there, mine in differences(saved, here, ""):
-        raise ConfigError(f"checkpoint {path} was trained on data with {key}={fmt(there)}, this run's data give "
-                          f"{key}={fmt(mine)}")
+    found = [d for d in differences(saved, here, "") if d[1] is not None and d[2] is not None]
+    # names last: another class count (which changes the names too) or image shape is said first
+    found.sort(key=lambda d: _names(d[1]))
+    for key, there, mine in found[:1]:
+        raise ConfigError(f"checkpoint {path} was trained on data with {_built_difference(key, there, mine)}{then}")
+
+
+def _names(v: Any) -> bool:
+    """Whether a record's entry is a list of names (a DiT's class names, in label order)."""
+    return isinstance(v, list) and bool(v) and all(isinstance(x, str) for x in v)
+
+
+def _built_difference(key: str, there: Any, mine: Any) -> str:
+    """The middle of `check_built`'s line: the entry there and here, or of two lists of names
+    (as many) the first that differs (1000 class names would fill the screen)."""
+    if _names(there) and _names(mine) and len(there) == len(mine):
+        k = next(i for i, (a, b) in enumerate(zip(there, mine)) if a != b)
+        return (f"{key}[{k}]={fmt(there[k])}, this run's data give {key}[{k}]={fmt(mine[k])}: label {k} would "
+                "stand for another class (a folder's labels are its class subfolders in sorted order)")
+    line = f"{key}={fmt(there)}, this run's data give {key}={fmt(mine)}"
+    if key == "images.shape" and isinstance(there, list) and isinstance(mine, list) and there[-1:] != mine[-1:]:
+        line += f" ({fmt(there[-1])}-channel images there, {fmt(mine[-1])}-channel here)"
+    return line
 
 
 def tracker_ids(meta: dict) -> dict[str, str]:

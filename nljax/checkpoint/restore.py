@@ -40,9 +40,15 @@ from nljax.config import Config, to_dict
 from nljax.data.documents import absolute
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
+from nljax.models import registry
 from nljax.parallel.hostdev import replica
 from nljax.parallel.mesh import MODEL, replicated
 from nljax.runtime.rundir import DATA_PATHS
+
+
+# added to `check_built`'s line on resume: training on other images is a new run
+RESUME_ON_OTHER_DATA = ("; a resume continues the run on its own data (a new run may start from its parameters: "
+                        "checkpoint.init_params)")
 
 
 @dataclasses.dataclass
@@ -68,6 +74,9 @@ def restore(engine: Engine, template: TrainState, path: Path, digest: str | None
     cfg = engine.cfg
     meta = storage.read_meta(path)
     target = named_arrays(template)
+    # what the data built (a DiT's image shape, class names): a resume goes on training the run
+    # it continues, on its data; before the parameters' shapes, which another channel count changes
+    check_built(path, meta, registry.record(engine.model, cfg.model.name), RESUME_ON_OTHER_DATA)
     check_fits(path, meta, engine)
     same_data = digest is not None and data_digest(meta) == digest
     rows_warning: list[str] = []
@@ -110,9 +119,9 @@ def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None, bu
     not checked (checkpoint.init_params may fine-tune on images of another size)."""
     meta = storage.read_meta(path)
     check_tokenizer(path, data_tokenizer(meta), tokenizer, "the run's data now use")
-    check_fits(path, meta, engine)
-    if built is not None:
+    if built is not None:  # before the parameters' shapes: images of another channel count change one
         check_built(path, meta, built)
+    check_fits(path, meta, engine)
     layout = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(engine.mesh)),
                         engine.strategy.param_layout(), (), (), {})
     target = named_arrays(layout)

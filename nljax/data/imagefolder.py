@@ -4,7 +4,10 @@ The layout is torchvision's `ImageFolder` convention, or a flat folder:
 
 - image files directly in DIR: no labels;
 - one subfolder per class: the classes are the subfolders' names in sorted order, labelled
-  0 .. K-1; a class's images may lie at any depth below its folder.
+  0 .. K-1 (torchvision's `classes`; its `class_to_idx` is their positions); a class's images may
+  lie at any depth below its folder. The names are the run's record of what each label is
+  (summary.json, the checkpoints), and another folder's names refused where the checkpoint's
+  are others (`nljax.checkpoint.contents.check_built`).
 
 Image files are those named with one of `EXTENSIONS` (any case); other files are ignored, and so
 is every name that starts with '.' (macOS's `._x.png` and `.DS_Store`, editors' backups). Files
@@ -40,20 +43,20 @@ def is_image(p: Path) -> bool:
     return p.suffix.lower() in EXTENSIONS and not p.name.startswith(".")
 
 
-def read(path: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """The images under the folder `path` (uint8 [N, H, W, 1 or 3]) and their labels (int64 [N],
-    None for a flat folder)."""
+def read(path: str) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...] | None]:
+    """The images under the folder `path` (uint8 [N, H, W, 1 or 3]), their labels (int64 [N]) and
+    the class names (label k: names[k]); both None for a flat folder."""
     root = Path(path)
-    files, labels = listing(root, path)
+    files, labels, names = listing(root, path)
     (h, w), gray = _survey(root, files, path)
     x = np.empty((len(files), h, w, 1 if gray else 3), np.uint8)  # the only copy of the pixels
     for i, f in enumerate(files):
         x[i] = _decode(root, f, path, "L" if gray else "RGB").reshape(x.shape[1:])
-    return x, labels
+    return x, labels, names
 
 
-def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None]:
-    """The image files in order, and their labels (None: flat)."""
+def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None, tuple[str, ...] | None]:
+    """The image files in order, their labels and the class names in label order (None: flat)."""
     try:
         entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
     except OSError as e:
@@ -66,7 +69,7 @@ def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None]:
         if not loose:
             raise ConfigError(f"images.path {path} holds no image files ({', '.join(EXTENSIONS)}); "
                               f"{len(entries)} other file{'s' if len(entries) > 1 else ''}, e.g. {entries[0].name}")
-        return loose, None
+        return loose, None, None
     if loose:  # which class would they be? not for nljax to guess
         raise ConfigError(f"images.path {path} holds image files ({loose[0].name}) beside subfolders "
                           f"({classes[0].name}/): put every image in a class subfolder, or none in subfolders")
@@ -78,7 +81,14 @@ def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None]:
                               f"(every subfolder is a class: {', '.join(EXTENSIONS)})")
         files += mine
         labels += [k] * len(mine)
-    return files, np.array(labels, np.int64)
+    return files, np.array(labels, np.int64), tuple(d.name for d in classes)
+
+
+def short_list(names, most: int = 8) -> str:
+    """Class names for a line of text, in label order: all of them up to `most`, else the first
+    ones, '...' and the last (ImageNet's 1000 would fill a screen)."""
+    names = list(names)
+    return ", ".join(names if len(names) <= most else [*names[: most - 2], "...", names[-1]])
 
 
 def _below(d: Path) -> list[Path]:

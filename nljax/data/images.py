@@ -5,8 +5,8 @@ Sources (`images.source`):
   package, so it works offline; the default.
 - `file`: a user's `.npy` (images [N, H, W] or [N, H, W, C]) or `.npz` (`x`/`images`, optional
   `y`/`labels`), e.g. CIFAR-10 saved as arrays, or a folder of image files, flat or one subfolder
-  per class (`nljax.data.imagefolder`). uint8 pixels (every folder's) are mapped to [-1, 1];
-  floats are used as given.
+  per class (`nljax.data.imagefolder`: its subfolders' names are the class names). uint8 pixels
+  (every folder's) are mapped to [-1, 1]; floats are used as given.
 - `moons`, `gaussians`: 2-D toy distributions made by code, as "images" of shape [1, 1, 2].
 
 Every round(1 / eval_fraction)-th example is held out for evaluation (a fixed split that does
@@ -64,6 +64,9 @@ class ImageSet:
     eval_x: np.ndarray  # float32 [E, H, W, C]
     eval_y: np.ndarray  # int32 [E]
     num_classes: int  # 0: no labels
+    # label k's name (a folder's class subfolders, sorted); None where the data do not name their
+    # labels (an .npz's integers, digits, the toy sets)
+    classes: tuple[str, ...] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -102,14 +105,15 @@ NOT_ARRAYS = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GIF8
 ARRAY_MAGIC = (b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06")  # .npy; .npz (a zip, or an empty one)
 
 
-def _file(path: str) -> tuple[np.ndarray, np.ndarray | None]:
-    """The pixels of `path` (a folder of images, or an array file) in [-1, 1] for uint8, and the labels."""
-    x, y = imagefolder.read(path) if Path(path).is_dir() else _arrays(path)
+def _file(path: str) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...] | None]:
+    """The pixels of `path` (a folder of images, or an array file) in [-1, 1] for uint8, the
+    labels, and their names (a folder's classes; None for an array file)."""
+    x, y, names = imagefolder.read(path) if Path(path).is_dir() else (*_arrays(path), None)
     if x.dtype == np.uint8:
-        return _unit(x), y
+        return _unit(x), y, names
     if not np.issubdtype(x.dtype, np.floating):
         raise ConfigError(f"images.path {path}: pixels must be uint8 or float, got {x.dtype}")
-    return x, y
+    return x, y, names
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -211,6 +215,7 @@ def check_values(x: np.ndarray, where: str) -> None:
 @functools.lru_cache(maxsize=4)
 def load(cfg: ImagesConfig) -> ImageSet:
     """The configured data, split into training and held-out parts."""
+    names = None
     if cfg.source == "digits":
         x, y = _digits()
     elif cfg.source == "moons":
@@ -218,7 +223,7 @@ def load(cfg: ImagesConfig) -> ImageSet:
     elif cfg.source == "gaussians":
         x, y = _gaussians(cfg.toy_points)
     else:
-        x, y = _file(cfg.path)
+        x, y, names = _file(cfg.path)
     if y is not None and y.max() >= MAX_CLASSES:  # the class embedding has a row per class (and the null one)
         raise ConfigError(f"images: labels must be < {MAX_CLASSES:,} (2^20), got {int(y.max()):,}")
     num_classes = 0 if y is None else int(y.max()) + 1
@@ -231,7 +236,7 @@ def load(cfg: ImagesConfig) -> ImageSet:
         raise ConfigError(
             f"images: {len(x)} examples leave no training or no held-out part at eval_fraction={cfg.eval_fraction}"
         )
-    return ImageSet(x[~held], y[~held], x[held], y[held], num_classes)
+    return ImageSet(x[~held], y[~held], x[held], y[held], num_classes, names)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nljax.data.imagefolder import short_list
+
 
 # In every samples PNG nljax writes (a PNG text chunk): `nljax.generate` replaces such a file, never
 # a user's PNG of the same name
@@ -91,10 +93,11 @@ def sample_figure(one_step: np.ndarray, multi_step: np.ndarray, reference: np.nd
 
 
 def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray, steps: int,
-                  labels: np.ndarray | None = None, title: str = "") -> None:
+                  labels: np.ndarray | None = None, title: str = "", classes=None) -> None:
     """The samples PNG a MeanFlow run writes (samples_<step>.png, generate's grid): one-step
     samples left, multi-step (`steps` steps) right, each half titled, every image of a grid
-    with its class (`labels`, when the model is conditional) in its corner."""
+    with its class (`labels`, when the model is conditional) in its corner; `classes`: the
+    labels' names (a folder's class subfolders), those of the classes shown said in the caption."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
@@ -124,7 +127,12 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
     if not cols:
         fig.text(0.5, 0.02, "black: samples; grey: held-out points", ha="center", fontsize=8)
     elif labels is not None:
-        fig.text(0.5, 0.02, "the number in each corner: the class the sample was drawn for", ha="center", fontsize=8)
+        key = ""
+        if classes is not None:  # a number's name: the classes drawn in the grid, in label order
+            shown = sorted({int(y) for y in np.asarray(labels)[:GRID_MAX]})
+            key = f" ({short_list([f'{k} {classes[k]}' for k in shown if k < len(classes)])})"
+        fig.text(0.5, 0.02, f"the number in each corner: the class the sample was drawn for{key}", ha="center",
+                 fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 1))

@@ -91,37 +91,47 @@ def nl_lm_flops(cfg: Config, model: Model, param_shapes) -> dict:
     return {"context": min(nl.window, cfg.train.seq_len), "inner_memory_per_token": per_layer * len(nl.memory_layers)}
 
 
-def dit(cfg: Config, shape: tuple[int, int, int] | None = None, num_classes: int | None = None) -> Model:
-    """The DiT of `cfg` for images of `shape` (H, W, C) with `num_classes` labels (0: none), as
-    its data decide them (read from the data when not given; an export records them:
-    `nljax.load_model` reads no data)."""
+def dit(cfg: Config, shape: tuple[int, int, int] | None = None, num_classes: int | None = None,
+        classes: tuple[str, ...] | None = None) -> Model:
+    """The DiT of `cfg` for images of `shape` (H, W, C) with `num_classes` labels (0: none), named
+    `classes` where the data name them (a folder's class subfolders), as its data decide them
+    (read from the data when not given; an export records them: `nljax.load_model` reads no data)."""
     if shape is None or num_classes is None:
         data = load(cfg.images)  # the data decide the image shape and the label count
-        shape, num_classes = data.shape, data.num_classes
+        shape, num_classes, classes = data.shape, data.num_classes, data.classes
     m = cfg.model
     h, w, _ = shape
     patch = m.dit.patch_size
     if h % patch or w % patch:
         raise ConfigError(f"model.dit.patch_size={patch} does not divide the {h}x{w} images")
     mf = cfg.meanflow
-    classes = num_classes if mf.class_cond else 0
-    if not classes and (mf.cfg_omega != 1.0 or mf.cfg_kappa != 0.0):
+    n_classes = num_classes if mf.class_cond else 0
+    if not n_classes and (mf.cfg_omega != 1.0 or mf.cfg_kappa != 0.0):
         why = "meanflow.class_cond=false" if not mf.class_cond else "the images have no labels"
         raise ConfigError(f"meanflow.cfg_omega={mf.cfg_omega}, cfg_kappa={mf.cfg_kappa} guide by labels, and {why}: "
                           "leave them at 1, 0")
-    return DiT(DiTNet(tuple(shape), patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, classes,
-                      dtype=jnp.dtype(m.dtype), remat=m.remat), mf, cfg.seed)
+    names = tuple(classes) if classes is not None and n_classes else None  # unconditional: no label to name
+    return DiT(DiTNet(tuple(shape), patch, m.dim, m.depth, m.heads, m.dim * m.hidden_mult, n_classes,
+                      dtype=jnp.dtype(m.dtype), remat=m.remat), mf, cfg.seed, classes=names)
 
 
 def dit_record(model: Model) -> dict:
-    """What the DiT's data decided, for an export's config.json: the image shape and the label
-    count (0: unconditional), so that `nljax.load_model` reads no data."""
-    return {"images": {"shape": list(model.net.image), "num_classes": model.net.num_classes}}
+    """What the DiT's data decided, for an export's config.json and every checkpoint: the image
+    shape and the label count (0: unconditional), so that `nljax.load_model` reads no data, and
+    the labels' names where the data named them (`classes`: a folder's class subfolders, in label
+    order; absent otherwise), so that a use of the model on data whose label k is another class
+    is refused (`checkpoint.contents.check_built`)."""
+    images = {"shape": list(model.net.image), "num_classes": model.net.num_classes}
+    if model.classes is not None:
+        images["classes"] = list(model.classes)
+    return {"images": images}
 
 
 def dit_rebuild(cfg: Config, info: dict) -> Model:
     images = info.get("images")  # an export written before it was recorded: read from its data
-    return dit(cfg, tuple(images["shape"]), images["num_classes"]) if images else dit(cfg)
+    if not images:
+        return dit(cfg)
+    return dit(cfg, tuple(images["shape"]), images["num_classes"], images.get("classes"))
 
 
 # DiT parameters applied once per image to its conditioning vector, not to every patch token.

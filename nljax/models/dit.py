@@ -189,6 +189,9 @@ class DiT:
     loss: MeanFlowConfig
     seed: int
     task: str = "images"
+    # label k's name (a folder's class subfolders, sorted): recorded with the model, not computed
+    # with; None where the data do not name their labels, or the model takes none
+    classes: tuple[str, ...] | None = None
 
     @property
     def conditional(self) -> bool:

@@ -273,4 +273,4 @@ def generate_images(t: trained_lib.Trained, s: Settings, path: Path) -> None:
     one, multi = task.generate(t.run.engine, t.params, n)
     labels = task.data.eval_y[:n] if task.data.num_classes else None
     write_samples(path, one, multi, task.data.eval_x[:n], t.cfg.meanflow.sample_steps, labels,
-                  f"{t.cfg.run.dir}, step {t.step}")
+                  f"{t.cfg.run.dir}, step {t.step}", task.data.classes)

@@ -333,11 +333,13 @@ class ImageTask:
     def describe(self) -> dict:
         """What summary.json records of the images (and the start-up line says): source (the
         file's path, or the set's name), training and held-out counts, shape [H, W, C], classes
-        (0: unconditional), digest."""
+        (0: unconditional), their names in label order where the data name them (a folder's
+        class subfolders: `classes`, absent otherwise), digest."""
         c, d = self.cfg.images, self.data
+        names = {"classes": list(d.classes)} if d.classes is not None else {}
         return {"source": c.path if c.source == "file" else c.source, "train_images": len(d.train_x),
                 "eval_images": len(d.eval_x), "shape": list(d.train_x.shape[1:]), "num_classes": d.num_classes,
-                "digest": self.fingerprint()}
+                **names, "digest": self.fingerprint()}
 
     def generator(self, eng):
         """(one-step, multi-step) samples for rows (index, label) split over the data axes, by the
@@ -415,7 +417,8 @@ class ImageTask:
 
             name = f"samples_{step:06d}.png"
             labels = self.data.eval_y[:n] if self.data.num_classes else None
-            write_samples(run_dir / name, one, multi, ref, mf.sample_steps, labels, f"after {step} steps")
+            write_samples(run_dir / name, one, multi, ref, mf.sample_steps, labels, f"after {step} steps",
+                          self.data.classes)
             note_written(run_dir, name)
         error = {}
         if hasattr(cache.eng.local_model, "per_example_error"):

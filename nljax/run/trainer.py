@@ -24,6 +24,7 @@ from nljax.checkpoint import initparams, storage
 from nljax.checkpoint.lifecycle import Checkpoints
 from nljax.checkpoint.taken import inside_run_dir, refuse_taken
 from nljax.config import Config
+from nljax.data import imagefolder
 from nljax.engine import optim
 from nljax.engine.conductor import Conductor, pattern_name
 from nljax.engine.core import decays_of
@@ -98,9 +99,11 @@ def startup_report(run: Run, state: TrainState, say) -> None:
     say(f"model {cfg.model.name}: {n_params:,} parameters")
     d = run.task.describe() if hasattr(run.task, "describe") else {}
     if "train_images" in d:  # a MeanFlow run's images
+        # a folder's class names, label 0 first (torchvision's class_to_idx): which folder is which label
+        names = f" ({imagefolder.short_list(d['classes'])})" if "classes" in d else ""
         say(f"images {d['source']}: {d['train_images']:,} training and {d['eval_images']:,} held-out, "
             f"{'x'.join(map(str, d['shape']))}, classes {d['num_classes']}"
-            f"{' (unconditional)' if not d['num_classes'] else ''}, digest {d['digest'][:12]}")
+            f"{' (unconditional)' if not d['num_classes'] else names}, digest {d['digest'][:12]}")
     elif d:  # text: tokens
         say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
             f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
