@@ -158,7 +158,7 @@ class TrainedModel:
     def generate(self, prompt: str | Sequence[str] = "", max_new_tokens: int = 200, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stream: Callable[[str], Any] | None = None, labels: Sequence[int] | None = None, steps: int = 1,
-                 batch_size: int = 8, samples_per_prompt: int = 1, stop: str | Sequence[str] = (),
+                 batch_size: int = 8, samples_per_prompt: int = 1, stop: str | Sequence[str] | None = (),
                  stop_at_eos: bool = True):
         """A language model: the text sampled after `prompt` (not including it), with
         `python -m nljax.generate`'s settings and rules (temperature, then top-k, then top-p;
@@ -189,6 +189,7 @@ class TrainedModel:
         from nljax.run.sampling import Settings, ending_of, prompt_ids
         from nljax.run.stopping import pieces
 
+        stop = () if stop is None else stop  # as OpenAI's API reads a null stop
         if not isinstance(prompt, str):  # a list of prompts: one text each
             if stream is not None:
                 raise ConfigError("stream= follows one prompt's text as it is sampled: give one prompt (a str)")

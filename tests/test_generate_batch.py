@@ -250,15 +250,20 @@ def test_the_document_end_token_ends_a_completion(lm):
     (prompt= and lm.generate(str)) end alike."""
     s = sampling.Settings(max_new_tokens=40, temperature=1.0, seed=35, samples_per_prompt=2, batch_size=3)
     ids = [sampling.prompt_ids(lm.tokenizer, p) for p in PROMPTS]
-    whole = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, dataclasses.replace(s, stop_at_eos=False)))
-    ended = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, s))
+    whole = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids,
+                                      dataclasses.replace(s, stop_at_eos=False)))
+    drawn = []  # the tokens drawn, after each batch
+    ended = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, s, lambda n, total, t: drawn.append(t)))
     assert [k for k, (*_, text, _) in enumerate(whole) if "\0" in text] == [0, 5, 6]
     assert {why for *_, why in whole} == {"length"}
     assert [(text, why) for *_, text, why in ended] == [
         (text.partition("\0")[0], "eos" if "\0" in text else "length") for *_, text, _ in whole]
     assert ended[5][2] == ""  # the end token first: nothing
     single = lm.sampler()  # sampled past it: the text the tokens read as (the end token's NUL in it)
-    assert whole[0][2] == lm.decode(list(single.tokens(ids[0], s, sampling.seeded(s.seed, 0, 0))))
+    tokens = {k: list(single.tokens(ids[k // 2], s, sampling.seeded(s.seed, k // 2, k % 2))) for k in (0, 5, 6)}
+    assert whole[0][2] == lm.decode(tokens[0])
+    # a row that has ended is not extended: no token drawn after its end token
+    assert drawn[-1] == 5 * 40 + sum(t.index(0) + 1 for t in tokens.values())
     # the single prompt: as prompt 0's sample 0, streamed in pieces that join to its text
     streamed = []
     assert lm.generate(PROMPTS[0], max_new_tokens=40, temperature=1.0, seed=35, stream=streamed.append) == ended[0][2]
@@ -284,6 +289,11 @@ def test_stop_strings_in_python(lm):
     streamed = []
     one = lm.generate(PROMPTS[0], **settings, stop=stops, stream=streamed.append)
     assert one == _cut(texts[0], stops)[0] == "".join(streamed)
+    written = []  # prompt='s terminal text: the prompt, then the same
+    sampling.write_text(lm.sampler(), lm.tokenizer, sampling.Settings(prompt=PROMPTS[0], **settings, stop=tuple(stops)),
+                        written.append)
+    assert "".join(written) == PROMPTS[0] + one
+    assert lm.generate(PROMPTS[:2], **settings, stop=None) == texts[:2]  # None: no stop strings, as ()
     # held back: a stop string's first character is not shown until the next settles it
     first = lm.generate(PROMPTS[0], **settings, stop=[texts[0][6:9]], stream=(pieces := []).append)
     assert first == texts[0][:6] and "".join(pieces) == first

@@ -94,7 +94,8 @@ class Settings:
         if not isinstance(self.stop_at_eos, bool):  # "false" would be true
             raise ConfigError(f"stop_at_eos must be true or false, got {self.stop_at_eos!r}")
         if isinstance(self.stop, (str, list)):  # one string, or a list (Python's lm.generate(stop=...))
-            return dataclasses.replace(self, stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop)).check()
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+            return dataclasses.replace(self, stop=stop).check()
         if not isinstance(self.stop, tuple):
             raise ConfigError(f"stop must be a str or a list of str, got {type(self.stop).__name__} {self.stop!r:.60}")
         for i, stop in enumerate(self.stop):

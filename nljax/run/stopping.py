@@ -1,13 +1,13 @@
 """Where a sampled completion ends (`nljax.generate`'s `stop_at_eos=` and `stop=`, `lm.generate`).
 
-A completion ends at the first of:
+A completion ends at the first of these (its `reason`, the results' "finish_reason"):
 
 - **eos**: the model samples the document-end token (bytes: NUL; a tokenizer: `data.doc_end_token`'s,
   none without it), as Hugging Face's `generate` stops at `eos_token_id`. The token is not part of
   the text. On by default; `stop_at_eos=false` samples past it (its text, NUL or the token's
   string, then part of the completion as before).
 - **stop**: the completion's text so far holds one of the stop strings; the text is cut before
-  the earliest one, which is not part of it (as the `stop` of OpenAI's API and vLLM). A stop string
+  the one that begins first, which is not part of it (as the `stop` of OpenAI's API and vLLM). A stop string
   is looked for in the decoded text, so one may span several tokens, or end inside one (what the
   token adds after it is dropped too).
 - **length**: `max_new_tokens` tokens were sampled.
@@ -21,8 +21,6 @@ a run without stops draws: a completion that meets none of them is the same text
 from __future__ import annotations
 
 from typing import Iterable, Iterator, Sequence
-
-FINISH_REASONS = ("stop", "eos", "length")  # the results' "finish_reason", as OpenAI's API names them
 
 
 class Ending:
