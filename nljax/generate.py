@@ -1,7 +1,8 @@
 """Sample from a trained run.
 
     python -m nljax.generate run.dir=runs/default prompt="def " max_new_tokens=200 \\
-        temperature=0.8 top_k=40 top_p=0.95 seed=0 [checkpoint=STEP|PATH] [--cpu-devices N]
+        temperature=0.8 top_k=40 top_p=0.95 seed=0 [stop=TEXT|stop='["\\n\\n", "def "]'] \\
+        [stop_at_eos=false] [checkpoint=STEP|PATH] [--cpu-devices N]
     python -m nljax.generate run.dir=runs/default prompts=FILE.txt|FILE.jsonl out=RESULTS.jsonl \\
         [samples_per_prompt=N] [batch_size=8] [the sampling settings above]
     python -m nljax.generate run.dir=runs/default/export prompt="def "   # an export (nljax.export)
@@ -15,13 +16,23 @@ checkpoint and seed give the same tokens on any device count. `checkpoint=` is a
 directory, read as `nljax.load` reads it (one device; the same text as from its run). How the
 stream is read and sampled: nljax/run/sampling.py.
 
+A completion ends at the first of: the document-end token (bytes: NUL; a tokenizer: its
+data.doc_end_token, if the run has one), not part of the text, as Hugging Face's generate stops at
+eos_token_id (stop_at_eos=false samples past it, its text then part of the completion); one of the
+stop= strings in its text, cut before it (the stop string is not part of the text, as with the stop
+of OpenAI's API and vLLM); max_new_tokens. stop=TEXT is one stop string as it stands (no escapes);
+a value in [ ] is a JSON list of them (JSON's escapes: "\\n" is a line's end). The terminal's text
+holds back what may begin a stop string until the next token settles it (nljax/run/stopping.py).
+
 prompts=FILE samples many prompts: a .txt file holds one a line (as it stands, spaces kept; empty
 lines skipped; no escapes: a prompt with a line break goes in a .jsonl file), a .jsonl file a JSON
 object a line with a string "prompt" (its other fields are copied to the prompt's results). Every
 line is read and encoded before the checkpoint is. batch_size= completions are decoded together,
-one row each (nljax/run/scoring.py), and out= receives one JSON line per completion, {"prompt",
-"completion", "index" (the prompt's place, from 0), "sample" (from 0), the input's other
-fields}, written whole or not at all; progress goes to standard error. Each completion draws from
+one row each (nljax/run/scoring.py; a row that has ended is not extended, and a batch ends when all
+of its rows have), and out= receives one JSON line per completion, {"prompt", "completion",
+"index" (the prompt's place, from 0), "sample" (from 0), "finish_reason" ("eos": the
+document-end token; "stop": a stop string; "length": max_new_tokens), the input's other fields},
+written whole or not at all; progress goes to standard error. Each completion draws from
 its own generator, keyed by (seed, index, sample), and each row is decoded on its own (its own
 windows and memory; every batch padded to the same rows): a completion does not depend on the
 other prompts or their number, and prompt 0's sample 0 is the text prompt= gives with the same
@@ -54,10 +65,12 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",
                    help="run.dir=DIR (required: a run directory, or an export directory); prompt=, max_new_tokens=, "
-                        "temperature=, top_k=, top_p=, seed=, checkpoint= (latest, a step number or a step "
-                        "directory); many prompts: prompts=FILE (.txt, a prompt a line; .jsonl, a \"prompt\" field "
-                        "a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run samples= and "
-                        "out=FILE.png; any other key=value: a config override")
+                        "temperature=, top_k=, top_p=, seed=, stop= (a string, or a JSON list of them: a "
+                        "completion ends before the first in its text), stop_at_eos= (true: a completion ends at "
+                        "the document-end token; false: sampled past it), checkpoint= (latest, a step number or a "
+                        "step directory); many prompts: prompts=FILE (.txt, a prompt a line; .jsonl, a \"prompt\" "
+                        "field a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run "
+                        "samples= and out=FILE.png; any other key=value: a config override")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.generate", lambda: _generate(args), cli.stdout_to_devnull)
 
@@ -147,8 +160,8 @@ def _write_completions(reader, codec, s, records: list[prompts_lib.Prompt], ids:
         print(f"nljax.generate: {n}/{total} completions, {tokens:,} tokens, {rate:,.1f} tokens/s{first}",
               file=sys.stderr)
 
-    results = ({"prompt": records[i].text, "completion": text, "index": i, "sample": j, **records[i].fields}
-               for i, j, text in completions(reader, codec, ids, s, done))
+    results = ({"prompt": records[i].text, "completion": text, "index": i, "sample": j, "finish_reason": why,
+                **records[i].fields} for i, j, text, why in completions(reader, codec, ids, s, done))
     try:
         resultfile.write_lines(out, results)
     except OSError as e:  # permissions, a full disk, a directory that does not exist
@@ -171,7 +184,7 @@ def _check(model_name: str, images: bool, given: set[str], s) -> None:
         raise ConfigError(f"{', '.join(k + '=' for k in batched)} {'is' if len(batched) == 1 else 'are'} for "
                           "prompts=FILE (many prompts); prompt= samples one completion")
     text_only = sorted(given & {"prompt", "max_new_tokens", "temperature", "top_k", "top_p", "prompts",
-                                "samples_per_prompt", "batch_size"})
+                                "samples_per_prompt", "batch_size", "stop", "stop_at_eos"})
     if images and text_only:  # ignored before, with exit 0
         raise ConfigError(f"{', '.join(k + '=' for k in text_only)} {'is' if len(text_only) == 1 else 'are'} for "
                           f"a language model; this run's model is {model_name}: it draws an image grid "

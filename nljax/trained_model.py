@@ -158,11 +158,16 @@ class TrainedModel:
     def generate(self, prompt: str | Sequence[str] = "", max_new_tokens: int = 200, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stream: Callable[[str], Any] | None = None, labels: Sequence[int] | None = None, steps: int = 1,
-                 batch_size: int = 8, samples_per_prompt: int = 1):
+                 batch_size: int = 8, samples_per_prompt: int = 1, stop: str | Sequence[str] | None = (),
+                 stop_at_eos: bool = True):
         """A language model: the text sampled after `prompt` (not including it), with
         `python -m nljax.generate`'s settings and rules (temperature, then top-k, then top-p;
         temperature 0 is greedy; the same seed gives the same text); `stream(text)` is called
         with each piece as it is sampled. An empty prompt starts a new document. `seed`: 0 by default.
+        A text ends at the document-end token (`end_id`; not part of the text) unless
+        `stop_at_eos=False`, before the first of the `stop` strings it holds (a str or a list;
+        the stop string is not part of the text), or after `max_new_tokens` tokens
+        (nljax/run/stopping.py; a stream is held back while its end may begin a stop string).
         A list of prompts gives a list of texts, one each, `batch_size` decoded together as
         `nljax.generate prompts=` decodes them: the i-th drawn as prompts= draws prompt i's sample
         0, so the first is what the prompt alone gives, and none depends on the others; an empty
@@ -181,27 +186,29 @@ class TrainedModel:
         if labels is not None or steps != 1:
             raise ConfigError(f"labels= and steps= are for an image model; model.name={self.config.model.name} makes "
                               "text: generate(prompt, max_new_tokens=, ...)")
-        from nljax.run.sampling import Settings, prompt_ids
+        from nljax.run.sampling import Settings, ending_of, prompt_ids
+        from nljax.run.stopping import pieces
 
+        stop = () if stop is None else stop  # as OpenAI's API reads a null stop
         if not isinstance(prompt, str):  # a list of prompts: one text each
             if stream is not None:
                 raise ConfigError("stream= follows one prompt's text as it is sampled: give one prompt (a str)")
             s = Settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          seed=0 if seed is None else seed, batch_size=batch_size,
-                         samples_per_prompt=samples_per_prompt).check()
+                         samples_per_prompt=samples_per_prompt, stop=stop, stop_at_eos=stop_at_eos).check()
             return self._generate_many(prompt, s)
         if samples_per_prompt != 1:  # one prompt, one text (a str): more are asked for with a list
             raise ConfigError(f"samples_per_prompt={samples_per_prompt} is for a list of prompts (one prompt gives "
                               f"one text): generate([prompt], samples_per_prompt={samples_per_prompt})")
         s = Settings(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                     top_p=top_p, seed=0 if seed is None else seed).check()
+                     top_p=top_p, seed=0 if seed is None else seed, stop=stop, stop_at_eos=stop_at_eos).check()
         prompt_tokens = prompt_ids(self.tokenizer, prompt)
-        pieces = []
-        for piece in self.tokenizer.decode_stream(self.sampler().tokens(prompt_tokens, s), context=prompt_tokens):
-            pieces.append(piece)
+        out = []
+        for piece in pieces(self.sampler().tokens(prompt_tokens, s), ending_of(self.tokenizer, prompt_tokens, s)):
+            out.append(piece)
             if stream is not None and piece:
                 stream(piece)
-        return "".join(pieces)
+        return "".join(out)
 
     def sampler(self):
         """The windowed decoder `generate` uses (nljax.run.sampling.TextSampler), compiled once."""
@@ -231,7 +238,7 @@ class TrainedModel:
             except UnicodeEncodeError as e:
                 raise ConfigError(f"prompt[{i}] is not UTF-8 text (at character {e.start})") from None
         ids = [prompt_ids(self.tokenizer, p, where=f"prompt[{i}]: ") for i, p in enumerate(prompts)]
-        texts = [text for _, _, text in completions(self.stream_reader(s.batch_size), self.tokenizer, ids, s)]
+        texts = [text for _, _, text, _ in completions(self.stream_reader(s.batch_size), self.tokenizer, ids, s)]
         n = s.samples_per_prompt  # completions gives prompt 0's samples, then prompt 1's, ...
         return texts if n == 1 else [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
 

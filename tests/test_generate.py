@@ -141,6 +141,79 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
                           "(model.name=dit): nljax.generate draws its grid from the run directory") and "\n" not in err
 
 
+def _ended(text, stops=(), end_id=0, budget=None):
+    """(the pieces `stopping.pieces` gives for `text` (its UTF-8 bytes, or bytes), a byte token
+    each, the first `budget`, the text, the reason)."""
+    from nljax.data.tokenization import Bytes
+    from nljax.run.stopping import Ending, pieces
+
+    tokens = list(text if isinstance(text, bytes) else text.encode("utf-8"))[:budget]
+    end = Ending(Bytes().decoder(), stops, end_id)
+    out = list(pieces(iter(tokens), end))
+    assert "".join(out) == end.text  # the stream's pieces are the text
+    return out, end.text, end.reason
+
+
+def test_where_a_completion_ends():
+    """At the end token (not part of the text; a character it cuts short is U+FFFD), before the
+    first stop string the text holds (across tokens; the earliest of those found when one is
+    completed), or at the budget's end; a stream holds back what may begin a stop string."""
+    assert _ended("ab\0cd")[1:] == ("ab", "eos")
+    assert _ended("ab\0cd", end_id=None)[1:] == ("ab\0cd", "length")  # stop_at_eos=false
+    assert _ended("\0ab")[1:] == ("", "eos")
+    assert _ended(b"a\xc3\0b")[1:] == ("a\ufffd", "eos")
+    assert _ended("caf\xe9!", budget=4)[1:] == ("caf\ufffd", "length")
+    pieces, text, why = _ended("one\n\ntwo", stops=["\n\n"])
+    assert (text, why) == ("one", "stop")
+    assert pieces == ["o", "n", "e", "", ""]  # the first line's end held back, then dropped
+    assert _ended("one\ntwo\n", stops=["\n\n"])[0] == ["o", "n", "e", "", "\nt", "w", "o", "", "\n"]
+    assert _ended("xabcd", stops=["abcd", "bc"])[1:] == ("xa", "stop")  # "bc" is met first
+    assert _ended("xabcd", stops=["bcd", "ab"])[1:] == ("x", "stop")
+    assert _ended("日本語です", stops=["本語"])[1:] == ("日", "stop")  # characters of three bytes
+    assert _ended("ab\0", stops=["b"])[1:] == ("a", "stop")
+    assert _ended("abc", stops=["bcd"])[1:] == ("abc", "length")  # held back, then given at the end
+    assert _ended("ab", stops=["c"], budget=0)[1:] == ("", "length")
+
+
+def test_a_tokenizers_text_ends_alike(tmp_path):
+    """With a tokenizer.json: stop strings are looked for in the text decoded after the prompt (a
+    SentencePiece-style decoder's leading space read as the sampled text has it), across tokens;
+    the end token is data.doc_end_token's, its text ("<eos>") not part of the completion."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from nljax.data import tokenization
+    from nljax.run.stopping import ending, pieces
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "\u2581the": 1, "\u2581quick": 2, "\u2581fox": 3, "<eos>": 4},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    codec = tokenization.load(str(tmp_path / "tokenizer.json"), "<eos>")
+    prompt = codec.encode("the")
+
+    def ended(tokens, stops=(), stop_at_eos=True):
+        end = ending(codec, prompt, stops, stop_at_eos)
+        return "".join(pieces(iter(tokens), end)), end.reason
+
+    assert ended([2, 3, 1]) == (" quick fox the", "length")
+    assert ended([2, 3, 1], stops=["ck f"]) == (" qui", "stop")
+    assert ended([2, 4, 3]) == (" quick", "eos")
+    assert ended([2, 4, 3], stop_at_eos=False) == (" quick<eos> fox", "length")
+
+
+def test_stop_settings_on_the_command_line():
+    """stop=TEXT is one stop string as it stands; stop=[...] a JSON list (its escapes: a line's
+    end); stop_at_eos= true or false (default true)."""
+    def settings(*pairs):
+        return sampling.parse(["run.dir=r", *pairs])[0]
+
+    assert settings().stop == () and settings().stop_at_eos is True
+    assert settings("stop=###").stop == ("###",)
+    assert settings("stop=\\n").stop == ("\\n",)  # as it stands: no escapes
+    assert settings('stop=["\\n\\n", "def "]').stop == ("\n\n", "def ")
+    assert settings("stop_at_eos=false").stop_at_eos is False
+
+
 @pytest.mark.parametrize("args,line", [
     (["prompt=x"], "run.dir=DIR is required"),
     (["run.dir=/nonexistent/run"], "/nonexistent/run is neither an export directory (python -m nljax.export) nor a "
@@ -156,6 +229,15 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     (["run.dir=/tmp", "top_p=2"], "top_p must be in 0 < top_p <= 1, got 2.0"),
     (["run.dir=/tmp", "out=README.md"], "out=README.md: the image grid is a PNG, give a file name ending in .png"),
     (["run.dir=/tmp", "temprature=0.5"], "unknown setting 'temprature': did you mean 'temperature'?"),
+    (["run.dir=/tmp", "stop="], "stop is empty: a stop string ends a completion where it appears, and an empty one "
+                                "appears before the first character"),
+    (["run.dir=/tmp", "stop=[\"a\", \"\"]"], "stop[1] is empty: "),
+    (["run.dir=/tmp", "stop=[1]"], "stop=[1]: give a JSON list of strings, as stop='[\"\\n\\n\", \"def \"]'"),
+    (["run.dir=/tmp", "stop=[a"], "stop=[a: a value that begins with [ is a JSON list of strings, and this is not "
+                                  "JSON (Expecting value"),
+    (["run.dir=/tmp", "stop=a", "stop=b"], "stop= is given more than once: give the stop strings in one JSON list"),
+    (["run.dir=/tmp", "stop_at_eos=no"], "stop_at_eos='no': give true or false"),
+    (["run.dir=/tmp", "stop_at_eos=True"], "stop_at_eos='True': give true or false"),
     (["run.dir=/tmp", "out=/nonexistent/dir/g.png"], "out=/nonexistent/dir/g.png: directory /nonexistent/dir does not exist"),
     (["run.dir=/tmp", "out=/tmp"], "out=/tmp is a directory"),
     # an image run's user learns where its grid goes, not only that prompts= is missing

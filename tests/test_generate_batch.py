@@ -2,7 +2,8 @@
 list of prompts in Python (`lm.generate([...])`): each completion is the single-prompt decoding
 of its prompt with its own generator, keyed by (seed, prompt index, sample index) — prompt 0's
 sample 0 is what `prompt=` gives — whatever the other prompts, the batch and the device count;
-the results file's records; and the refusals, one line each."""
+the results file's records; where a completion ends (the document-end token, stop strings:
+nljax/run/stopping.py), row by row; and the refusals, one line each."""
 
 import dataclasses
 import json
@@ -33,6 +34,12 @@ def run_dir(tmp_path_factory):
     return run_dir
 
 
+@pytest.fixture(scope="module")
+def lm(run_dir):
+    """The run loaded once for the module's Python-API tests: its decoders compile once (per row count)."""
+    return nljax.load(run_dir)
+
+
 def _args(run_dir, *more, **settings):
     return [f"run.dir={run_dir}", *more, *(f"{k}={v}" for k, v in {**SETTINGS, **settings}.items())]
 
@@ -44,6 +51,25 @@ def _records(path):
 def _jsonl(path, records):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
+
+
+def _cut(text, stops, eos=False):
+    """(text, finish reason) of a completion whose whole text (no stops, sampled past the end
+    token) is `text`, as `stop=` ends it, worked out character by character: before the earliest
+    stop string of the first prefix that holds one; `eos`: or before its first NUL (bytes' end
+    token), whichever comes first."""
+    before, end, _ = text.partition("\0") if eos else (text, "", "")
+    for k in range(len(before) + 1):
+        found = [before[:k].find(stop) for stop in stops if stop in before[:k]]
+        if found:
+            return before[: min(found)], "stop"
+    return before, "eos" if end else "length"
+
+
+def _stop_in(text, at):
+    """A two-character stop string of `text` from character `at` on, without U+FFFD (what a byte
+    that is no UTF-8 reads as: the replacement a character cut short also reads as) or NUL."""
+    return next(text[k : k + 2] for k in range(at, len(text) - 1) if not {"\ufffd", "\0"} & set(text[k : k + 2]))
 
 
 def test_seeded_keeps_the_single_prompts_generator():
@@ -61,9 +87,11 @@ def test_each_completion_is_its_prompts_single_decoding_on_any_device_count(run_
     completion equals `TextSampler.tokens` of its prompt alone, drawn by seeded(seed, i, j), on 1
     and on 8 devices (rows split over them). The memory's output projection is made large so
     that what the memory holds decides the tokens: a row whose memory were written at another
-    row's window end, or not reset after an empty prompt's end token, would differ."""
-    s = sampling.Settings(**SETTINGS, samples_per_prompt=2, batch_size=3)
-    got = {}
+    row's window end, or not reset after an empty prompt's end token, would differ. Sampled past
+    the end token (stop_at_eos=false): the text as it always was; then as stop strings and the
+    end token end it (its own row's, while the other rows go on)."""
+    s = sampling.Settings(**SETTINGS, samples_per_prompt=2, batch_size=3, stop_at_eos=False)
+    got, readers = {}, {}
     for n in (1, 8):
         t = trained.load(run_dir, devices=jax.devices()[:n])
         params = jax.tree.map(lambda x: x, t.params)
@@ -72,16 +100,27 @@ def test_each_completion_is_its_prompts_single_decoding_on_any_device_count(run_
         t = dataclasses.replace(t, params=params)
         codec = sampling.tokenization_of(t.cfg)
         ids = [sampling.prompt_ids(codec, p) for p in PROMPTS]
-        reader = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size)
-        assert reader.rows == (3 if n == 1 else 8)
-        got[n] = list(sampling.completions(reader, codec, ids, s))
-    assert [(i, j) for i, j, _ in got[1]] == [(i, j) for i in range(4) for j in range(2)]
+        readers[n] = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size)
+        assert readers[n].rows == (3 if n == 1 else 8)
+        got[n] = list(sampling.completions(readers[n], codec, ids, s))
+    assert [(i, j) for i, j, _, _ in got[1]] == [(i, j) for i in range(4) for j in range(2)]
     assert got[1] == got[8]
     single = sampling.TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id)
-    for i, j, text in got[1]:
+    for i, j, text, why in got[1]:
         tokens = list(single.tokens(ids[i], s, sampling.seeded(s.seed, i, j)))
-        assert text == "".join(codec.decode_stream(tokens, context=ids[i])), (i, j)
-    assert len({text for _, _, text in got[1]}) == 8  # each its own draw
+        assert text == "".join(codec.decode_stream(tokens, context=ids[i])) and why == "length", (i, j)
+    assert len({text for _, _, text, _ in got[1]}) == 8  # each its own draw
+    # stop strings, each from one completion's text: rows end at different tokens, each stops
+    # being extended while the others go on, and each text is still its own whatever the batch
+    # (3 rows with the other prompts of its batch, 8 rows over 8 devices)
+    texts = [text for _, _, text, _ in got[1]]
+    stops = (_stop_in(texts[1], 3), _stop_in(texts[4], 10), _stop_in(texts[6], 15))
+    stopped = {n: list(sampling.completions(readers[n], codec, ids, dataclasses.replace(s, stop=stops,
+                                                                                        stop_at_eos=True)))
+               for n in (1, 8)}
+    assert stopped[1] == stopped[8]
+    assert [(text, why) for *_, text, why in stopped[1]] == [_cut(text, stops, eos=True) for text in texts]
+    assert {why for *_, why in stopped[1]} == {"stop", "eos", "length"}
 
 
 def test_the_results_file(run_dir, tmp_path, capsys):
@@ -100,7 +139,9 @@ def test_the_results_file(run_dir, tmp_path, capsys):
         " tokens/s (the first batch compiles too)")
     assert err[-1] == f"nljax.generate: wrote 8 completions to {out}"
     records = _records(out)
-    assert [list(r) for r in records] == [["prompt", "completion", "index", "sample", "id", "meta"]] * 8
+    assert [list(r) for r in records] == [["prompt", "completion", "index", "sample", "finish_reason", "id",
+                                           "meta"]] * 8
+    assert {r["finish_reason"] for r in records} == {"length"}  # no document end sampled, no stop strings
     assert [(r["prompt"], r["index"], r["sample"], r["id"], r["meta"]) for r in records] == [
         (p, i, j, f"q{i}", {"n": i}) for i, p in enumerate(PROMPTS) for j in range(2)]
     assert all(r["completion"] for r in records)
@@ -116,9 +157,14 @@ def test_the_results_file(run_dir, tmp_path, capsys):
     assert [(r["prompt"], r["index"], r["sample"]) for r in moved] == [("other", 0, 0), ("class A:  ", 1, 0),
                                                                          ("x", 2, 0), ("zzz", 3, 0)]
     assert moved[2]["completion"] == records[4]["completion"]  # "x" at index 2 in both files
-    # an earlier result is replaced
-    assert generate.main(_args(run_dir, f"prompts={txt}", f"out={out}", seed=8)) == 0
-    assert [r["prompt"] for r in _records(out)] == ["other", "class A:  ", "x", "zzz"]
+    # an earlier result is replaced; stop= (a JSON list) cuts each completion before the first
+    # stop string in it, and its finish_reason says so
+    stops = [_stop_in(moved[1]["completion"], 4), _stop_in(moved[3]["completion"], 8)]
+    assert generate.main(_args(run_dir, f"prompts={txt}", f"out={out}", f"stop={json.dumps(stops)}")) == 0
+    stopped = _records(out)
+    assert [r["prompt"] for r in stopped] == ["other", "class A:  ", "x", "zzz"]
+    assert [(r["completion"], r["finish_reason"]) for r in stopped] == [_cut(r["completion"], stops) for r in moved]
+    assert [r["finish_reason"] for r in stopped][1::2] == ["stop", "stop"]
 
 
 def test_written_whole_or_not_at_all(run_dir, tmp_path, monkeypatch, capsys):
@@ -148,11 +194,10 @@ def test_written_whole_or_not_at_all(run_dir, tmp_path, monkeypatch, capsys):
     assert src.read_text() == text
 
 
-def test_a_list_of_prompts_in_python(run_dir):
+def test_a_list_of_prompts_in_python(lm):
     """`lm.generate([...])`: one text per prompt, the first the prompt's own `generate`, each
     drawn as prompts= draws the prompt's sample 0 (not depending on the others); a str prompt
     still gives a str; a bad list is one line."""
-    lm = nljax.load(run_dir)
     texts = lm.generate(PROMPTS, **SETTINGS)
     assert isinstance(texts, list) and len(texts) == 4 and all(isinstance(t, str) for t in texts)
     one = lm.generate(PROMPTS[0], **SETTINGS)
@@ -175,11 +220,10 @@ def test_a_list_of_prompts_in_python(run_dir):
         lm.generate(["a"], batch_size=0)
 
 
-def test_an_empty_list_and_samples_per_prompt_in_python(run_dir):
+def test_an_empty_list_and_samples_per_prompt_in_python(lm):
     """`lm.generate([])` is []; `samples_per_prompt=N` > 1 gives N texts per prompt, sample j of
     prompt i keyed as prompts= keys it (sample 0: the one-sample list's text); with one prompt
     (a str) it is refused."""
-    lm = nljax.load(run_dir)
     assert lm.generate([]) == [] and lm.generate((), samples_per_prompt=3) == []
     texts = lm.generate(PROMPTS[:2], **SETTINGS)
     many = lm.generate(PROMPTS[:2], **SETTINGS, samples_per_prompt=3, batch_size=4)
@@ -194,6 +238,76 @@ def test_an_empty_list_and_samples_per_prompt_in_python(run_dir):
         lm.generate("x", samples_per_prompt=2)
     with pytest.raises(ConfigError, match="samples_per_prompt must be >= 1, got 0"):
         lm.generate(["x"], samples_per_prompt=0)
+
+
+def test_the_document_end_token_ends_a_completion(lm):
+    """By default (as Hugging Face's eos_token_id) a completion ends at the document-end token (NUL
+    for bytes), which is not part of its text: the text without it sampled past (stop_at_eos=False:
+    as before, the NUL in it) cut before its first NUL, finish_reason "eos"; the rows that sample
+    none are the same text (the same draws). Seed 35 samples NUL in prompt 0's sample 0 (at
+    character 5), prompt 2's sample 1 (first: an empty completion) and prompt 3's sample 0. A
+    stop string and the end token: the first met ends it. The single prompt's text and stream
+    (prompt= and lm.generate(str)) end alike."""
+    s = sampling.Settings(max_new_tokens=40, temperature=1.0, seed=35, samples_per_prompt=2, batch_size=3)
+    ids = [sampling.prompt_ids(lm.tokenizer, p) for p in PROMPTS]
+    whole = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids,
+                                      dataclasses.replace(s, stop_at_eos=False)))
+    drawn = []  # the tokens drawn, after each batch
+    ended = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, s, lambda n, total, t: drawn.append(t)))
+    assert [k for k, (*_, text, _) in enumerate(whole) if "\0" in text] == [0, 5, 6]
+    assert {why for *_, why in whole} == {"length"}
+    assert [(text, why) for *_, text, why in ended] == [
+        (text.partition("\0")[0], "eos" if "\0" in text else "length") for *_, text, _ in whole]
+    assert ended[5][2] == ""  # the end token first: nothing
+    single = lm.sampler()  # sampled past it: the text the tokens read as (the end token's NUL in it)
+    tokens = {k: list(single.tokens(ids[k // 2], s, sampling.seeded(s.seed, k // 2, k % 2))) for k in (0, 5, 6)}
+    assert whole[0][2] == lm.decode(tokens[0])
+    # a row that has ended is not extended: no token drawn after its end token
+    assert drawn[-1] == 5 * 40 + sum(t.index(0) + 1 for t in tokens.values())
+    # the single prompt: as prompt 0's sample 0, streamed in pieces that join to its text
+    streamed = []
+    assert lm.generate(PROMPTS[0], max_new_tokens=40, temperature=1.0, seed=35, stream=streamed.append) == ended[0][2]
+    assert "".join(streamed) == ended[0][2]
+    assert lm.generate(PROMPTS[0], max_new_tokens=40, temperature=1.0, seed=35, stop_at_eos=False) == whole[0][2]
+    # a stop string after the end token is never met; one before it is
+    late, early = _stop_in(whole[6][2].partition("\0")[2], 0), _stop_in(whole[6][2], 0)
+    both = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, dataclasses.replace(s, stop=(late,))))
+    assert both[6][2:] == ended[6][2:]
+    both = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, dataclasses.replace(s, stop=(early,))))
+    assert both[6][2:] == (_cut(whole[6][2], [early])[0], "stop")
+
+
+def test_stop_strings_in_python(lm):
+    """lm.generate(stop=...): a str or a list; each text cut before the first stop string in it,
+    as the batch's rows are (a list of prompts) and as the single prompt's stream is (held back
+    while its end may begin a stop string: the stream never shows what the text then drops)."""
+    settings = dict(SETTINGS, stop_at_eos=False)
+    texts = lm.generate(PROMPTS, **settings)
+    stops = [_stop_in(texts[0], 6), _stop_in(texts[3], 2)]
+    assert lm.generate(PROMPTS, **settings, stop=stops) == [_cut(text, stops)[0] for text in texts]
+    assert lm.generate(PROMPTS, **settings, stop=stops[1]) == [_cut(text, stops[1:])[0] for text in texts]
+    streamed = []
+    one = lm.generate(PROMPTS[0], **settings, stop=stops, stream=streamed.append)
+    assert one == _cut(texts[0], stops)[0] == "".join(streamed)
+    written = []  # prompt='s terminal text: the prompt, then the same
+    sampling.write_text(lm.sampler(), lm.tokenizer, sampling.Settings(prompt=PROMPTS[0], **settings, stop=tuple(stops)),
+                        written.append)
+    assert "".join(written) == PROMPTS[0] + one
+    assert lm.generate(PROMPTS[:2], **settings, stop=None) == texts[:2]  # None: no stop strings, as ()
+    # held back: a stop string's first character is not shown until the next settles it
+    first = lm.generate(PROMPTS[0], **settings, stop=[texts[0][6:9]], stream=(pieces := []).append)
+    assert first == texts[0][:6] and "".join(pieces) == first
+    for stop, line in (("", "stop is empty: a stop string ends a completion where it appears, and an empty one "
+                            "appears before the first character"),
+                       (["a", ""], "stop[1] is empty: "),
+                       (["a", 3], "stop[1] must be a str, got int 3"),
+                       ({"a"}, "stop must be a str or a list of str, got set {'a'}"),
+                       ("\ud800", "stop is not UTF-8 text (at character 0)")):
+        with pytest.raises(ConfigError) as e:
+            lm.generate(["a"], max_new_tokens=2, stop=stop)
+        assert str(e.value).startswith(line), (stop, str(e.value))
+    with pytest.raises(ConfigError, match="stop_at_eos must be true or false, got 'false'"):
+        lm.generate("a", stop_at_eos="false")
 
 
 def _bad(tmp_path):
@@ -215,7 +329,11 @@ def _bad(tmp_path):
          f"prompts={t / 'p.jsonl'} line 1: not JSON ("),
         ({"p.jsonl": '{"prompt": "a", "completion": "b"}\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
          f"prompts={t / 'p.jsonl'} line 1: the field \"completion\" is one nljax.generate writes (prompt, completion, "
-         "index, sample): rename it in the file"),
+         "index, sample, finish_reason): rename it in the file"),
+        ({"p.jsonl": '{"prompt": "a", "finish_reason": "b"}\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
+         f"prompts={t / 'p.jsonl'} line 1: the field \"finish_reason\" is one nljax.generate writes"),
+        ({"p.txt": "a\n"}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}", 'stop=["a", ""]'],
+         "stop[1] is empty: a stop string ends a completion where it appears"),
         ({"p.txt": ""}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}"], f"prompts={t / 'p.txt'} holds no prompt: "
                                                                             "the file is empty"),
         ({"p.txt": "\n\n"}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}"],

@@ -73,13 +73,17 @@ class Bytes:
         """The characters of `text` its tokens do not hold: none, every character is bytes."""
         return ""
 
+    def decoder(self, context: Sequence[int] = ()) -> "ByteDecoder":
+        """A decoder that is given the ids one at a time (`decode_stream` is its pieces)."""
+        return ByteDecoder()
+
     def decode_stream(self, ids: Iterable[int], context: Sequence[int] = ()) -> Iterator[str]:
         """The text of `ids` as they come (a character once all of its bytes are there); a byte
         reads the same after any `context`."""
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        for token in ids:  # a token past the byte values (a padded model.vocab_size) is no text
-            yield decoder.decode(bytes([token])) if token < 256 else "\ufffd"
-        yield decoder.decode(b"", final=True)
+        decoder = self.decoder(context)
+        for token in ids:
+            yield decoder.push(token)
+        yield decoder.end()
 
     def decode(self, ids: Iterable[int], context: Sequence[int] = ()) -> str:
         """The text of `ids` after `context`, whole: `decode_stream`'s pieces joined."""
@@ -151,22 +155,21 @@ class HFTokenizer:
                 held[a:b] = [True] * (b - a)
         return "".join(c for c, h in zip(text, held) if not h and not c.isspace())
 
+    def decoder(self, context: Sequence[int] = ()) -> "TokenizerDecoder":
+        """A decoder that is given the ids one at a time, after `context` (`decode_stream` is its
+        pieces)."""
+        return TokenizerDecoder(self.tok, context)
+
     def decode_stream(self, ids: Iterable[int], context: Sequence[int] = ()) -> Iterator[str]:
         """The text of `ids` as they come, after `context` (the prompt's ids: a decoder may read
         a token differently at the start, SentencePiece's dropping its leading space): the
         whole sequence is decoded again at every token (a token may change how the ones before
         it read) and what extends the text shown is written; the rest comes at the end (after
         the longest prefix already shown: what was written cannot be taken back)."""
-        seen = list(context)
-        shown = self.tok.decode(seen, skip_special_tokens=False) if seen else ""
+        decoder = self.decoder(context)
         for token in ids:
-            seen.append(token)
-            text = self.tok.decode(seen, skip_special_tokens=False)
-            if text.startswith(shown) and not text.endswith("\ufffd"):  # not inside a character
-                yield text[len(shown):]
-                shown = text
-        text = self.tok.decode(seen, skip_special_tokens=False)
-        yield text[len(os.path.commonprefix([shown, text])):]
+            yield decoder.push(token)
+        yield decoder.end()
 
     def decode(self, ids: Iterable[int], context: Sequence[int] = ()) -> str:
         """The text of `ids` after `context`, whole, in two decodings (`decode_stream` decodes the
@@ -178,6 +181,45 @@ class HFTokenizer:
         shown = self.tok.decode(ctx, skip_special_tokens=False) if ctx else ""
         text = self.tok.decode(ctx + [int(i) for i in ids], skip_special_tokens=False)
         return text[len(os.path.commonprefix([shown, text])):]
+
+
+class ByteDecoder:
+    """UTF-8 bytes given one at a time: a character once all of its bytes are there."""
+
+    def __init__(self):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        """The text `token` completes ("" inside a character)."""
+        # a token past the byte values (a padded model.vocab_size) is no text
+        return self._utf8.decode(bytes([token])) if token < 256 else "\ufffd"
+
+    def end(self) -> str:
+        """What is left: a character cut short reads as U+FFFD."""
+        return self._utf8.decode(b"", final=True)
+
+
+class TokenizerDecoder:
+    """A tokenizer's ids given one at a time after `context` (`HFTokenizer.decode_stream`): the
+    whole sequence decoded again at each, what extends the text shown so far given out."""
+
+    def __init__(self, tok, context: Sequence[int] = ()):
+        self.tok, self.seen = tok, list(context)
+        self.shown = tok.decode(self.seen, skip_special_tokens=False) if self.seen else ""
+
+    def push(self, token: int) -> str:
+        """The text `token` adds ("" while the text so far does not extend what was shown)."""
+        self.seen.append(token)
+        text = self.tok.decode(self.seen, skip_special_tokens=False)
+        if not text.startswith(self.shown) or text.endswith("\ufffd"):  # inside a character
+            return ""
+        piece, self.shown = text[len(self.shown):], text
+        return piece
+
+    def end(self) -> str:
+        """The rest: after the longest prefix already shown (what was given out stays)."""
+        text = self.tok.decode(self.seen, skip_special_tokens=False)
+        return text[len(os.path.commonprefix([self.shown, text])):]
 
 
 def from_spec(spec: tuple) -> Bytes | HFTokenizer:

@@ -19,7 +19,7 @@ from pathlib import Path
 from nljax.errors import ConfigError
 
 # the fields nljax.generate writes into each result record: an input record's own would be lost
-RESULT_FIELDS = ("prompt", "completion", "index", "sample")
+RESULT_FIELDS = ("prompt", "completion", "index", "sample", "finish_reason")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,6 +22,10 @@ from its own generator, keyed by (seed, the prompt's index, the sample's index) 
 prompt's completions do not depend on the other prompts, and prompt 0's sample 0 is the text
 `prompt=` gives with the same seed.
 
+A completion ends at the document-end token (`stop_at_eos`, on by default), before the first of
+the `stop` strings in its text, or after `max_new_tokens` (nljax/run/stopping.py): the tokens
+before its end are drawn as without them, and in a batch a row that has ended is not extended.
+
 A MeanFlow run (model.name=dit) writes a PNG grid instead: one-step and multi-step
 (`meanflow.sample_steps`) samples side by side, for the labels of the first held-out images (2-D
 toy data: scatter plots over the held-out points).
@@ -32,6 +36,7 @@ Any other `key=value` is a config override on top of the run's own config.yaml.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -45,11 +50,14 @@ from nljax.data import prepared
 from nljax.errors import ConfigError
 from nljax.parallel.hostdev import put, replica
 from nljax.run import trained as trained_lib
+from nljax.run.stopping import Ending, ending, pieces
 from nljax.runtime import resultfile
 
 
 MAX_NEW_TOKENS = 65_536  # as train.sample_tokens
-RESULT_KEYS = frozenset({"prompt", "completion", "index", "sample"})  # in each record prompts= writes
+# in each record prompts= writes: an existing out= holding them is an earlier result, replaced
+# ("finish_reason", written since, is not asked for: a result written before it is one too)
+RESULT_KEYS = frozenset({"prompt", "completion", "index", "sample"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +68,8 @@ class Settings:
     top_k: int = 0  # keep the k most likely tokens; 0: all
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches p; 1: all
     seed: int = 0
+    stop_at_eos: bool = True  # a completion ends at the document-end token (nljax/run/stopping.py)
+    stop: tuple[str, ...] = ()  # a completion ends before the first of these in its text
     prompts: str = ""  # a .txt (a prompt a line) or .jsonl file (nljax/run/prompts.py); the results go to out=
     samples_per_prompt: int = 1  # prompts=: completions of each prompt
     batch_size: int = 8  # prompts=: completions decoded together (rounded up to a multiple of the devices)
@@ -81,6 +91,15 @@ class Settings:
             raise ConfigError(f"top_p must be in 0 < top_p <= 1, got {self.top_p}")
         if not 0 <= self.seed < 2**63:  # NumPy's generator alone reads it (no JAX key)
             raise ConfigError(f"seed must be in [0, 2^63), got {self.seed}")
+        if not isinstance(self.stop_at_eos, bool):  # "false" would be true
+            raise ConfigError(f"stop_at_eos must be true or false, got {self.stop_at_eos!r}")
+        if isinstance(self.stop, (str, list)):  # one string, or a list (Python's lm.generate(stop=...))
+            stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+            return dataclasses.replace(self, stop=stop).check()
+        if not isinstance(self.stop, tuple):
+            raise ConfigError(f"stop must be a str or a list of str, got {type(self.stop).__name__} {self.stop!r:.60}")
+        for i, stop in enumerate(self.stop):
+            check_stop(stop, f"stop[{i}]" if len(self.stop) > 1 else "stop")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")
         if self.samples_per_prompt < 1:
@@ -110,10 +129,48 @@ class Settings:
 
 def parse(pairs: list[str]) -> tuple[Settings, list[str], str]:
     """(generation settings, config overrides, run directory) from `key=value` arguments."""
-    cast = {"str": str, "int": int, "float": float}
+    cast = {"str": str, "int": int, "float": float, "bool": _bool, "tuple[str, ...]": stops_of}
     known = {f.name: cast[f.type] for f in dataclasses.fields(Settings)}
+    given = [pair.partition("=")[0] for pair in pairs]
+    if given.count("stop") > 1:  # the last would win in silence
+        raise ConfigError("stop= is given more than once: give the stop strings in one JSON list, "
+                          "stop='[\"A\", \"B\"]'")
     values, overrides, run_dir = trained_lib.split_args(pairs, known)
     return Settings(**values).check(), overrides, run_dir
+
+
+def _bool(value: str) -> bool:
+    if value not in ("true", "false"):  # as prepare's overwrite=
+        raise ConfigError(f"stop_at_eos={value!r}: give true or false")
+    return value == "true"
+
+
+def stops_of(value: str) -> tuple[str, ...]:
+    """`stop=`'s strings: a JSON list of strings (`stop='["\\n\\n", "def "]'`: JSON's escapes, a
+    line's end among them), or else one string as it stands (`stop=###`)."""
+    if not value.startswith("["):
+        return (value,)
+    try:
+        stops = json.loads(value)
+    except ValueError as e:
+        raise ConfigError(f"stop={value}: a value that begins with [ is a JSON list of strings, and this is not "
+                          f"JSON ({e})") from None
+    if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
+        raise ConfigError(f"stop={value}: give a JSON list of strings, as stop='[\"\\n\\n\", \"def \"]'")
+    return tuple(stops)
+
+
+def check_stop(stop, named: str) -> None:
+    """One stop string: text, not empty (it would end every completion before its first character)."""
+    if not isinstance(stop, str):
+        raise ConfigError(f"{named} must be a str, got {type(stop).__name__} {stop!r:.60}")
+    if not stop:
+        raise ConfigError(f"{named} is empty: a stop string ends a completion where it appears, and an empty one "
+                          "appears before the first character")
+    try:  # bytes that are not UTF-8 reach Python's argv as lone surrogates
+        stop.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{named} is not UTF-8 text (at character {e.start})") from None
 
 
 def seeded(seed: int, index: int = 0, sample: int = 0) -> np.random.Generator:
@@ -205,8 +262,9 @@ def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], No
 
 def write_text(sampler: TextSampler, codec, s: Settings, write: Callable[[str], None]) -> list[int]:
     """The prompt, then the text `sampler` samples after it, written as it comes (`codec`: the
-    tokenization, bytes or a tokenizer); returns the new tokens. A run's sampler and an export's
-    (`nljax.load(...).sampler()`) write alike."""
+    tokenization, bytes or a tokenizer) until it ends (`s.stop_at_eos`, `s.stop`:
+    nljax/run/stopping.py); returns the new tokens (an end token that stopped it among them). A
+    run's sampler and an export's (`nljax.load(...).sampler()`) write alike."""
     out: list[int] = []
 
     prompt = prompt_ids(codec, s.prompt)
@@ -217,28 +275,39 @@ def write_text(sampler: TextSampler, codec, s: Settings, write: Callable[[str], 
             yield token
 
     write(s.prompt)
-    for text in codec.decode_stream(sampled(), context=prompt):  # read after the prompt, as sampled
+    for text in pieces(sampled(), ending_of(codec, prompt, s)):  # read after the prompt, as sampled
         write(text)
     return out
 
 
+def ending_of(codec, prompt: list[int], s: Settings) -> Ending:
+    """Where the completion after `prompt` (its ids) ends under `s` (nljax/run/stopping.py)."""
+    return ending(codec, prompt, s.stop, s.stop_at_eos)
+
+
 def completions(reader, codec, prompts: Sequence[list[int]], s: Settings,
-                done: Callable[[int, int, int], None] = lambda n, total, tokens: None) -> Iterator[tuple[int, int, str]]:
-    """(prompt index, sample index, text) of `s.samples_per_prompt` completions of each of
-    `prompts` (token ids, from `prompt_ids`), in that order: the text sampled after the prompt,
-    as `write_text` writes it after the prompt. `reader`: a `StreamReader` (nljax/run/scoring.py)
-    whose `rows` completions are decoded together, in the file's order; `done(completions so
-    far, all of them, tokens so far)` after each such batch."""
+                done: Callable[[int, int, int], None] = lambda n, total, tokens: None,
+                ) -> Iterator[tuple[int, int, str, str]]:
+    """(prompt index, sample index, text, finish reason) of `s.samples_per_prompt` completions of
+    each of `prompts` (token ids, from `prompt_ids`), in that order: the text sampled after the
+    prompt, as `write_text` writes it after the prompt, and why it ended ("stop", "eos" or
+    "length": nljax/run/stopping.py). `reader`: a `StreamReader` (nljax/run/scoring.py) whose
+    `rows` completions are decoded together, in the file's order; a row that has ended is not
+    extended, and a batch ends when all of its rows have; `done(completions so far, all of them,
+    tokens so far)` after each such batch."""
     jobs = [(i, j) for i in range(len(prompts)) for j in range(s.samples_per_prompt)]
     tokens = 0
     for start in range(0, len(jobs), reader.rows):
         batch = jobs[start : start + reader.rows]
         rngs = [seeded(s.seed, i, j) for i, j in batch]  # each its own: no draw depends on another row
+        ends = [ending_of(codec, prompts[i], s) for i, _ in batch]  # each row's own text and stops
         new = reader.generate([prompts[i] for i, _ in batch], s.max_new_tokens,
-                              lambda logits, b: sample_token(logits, rngs[b], s), lambda b, toks: False,
+                              lambda logits, b: sample_token(logits, rngs[b], s), lambda b, toks: ends[b].feed(toks),
                               lead_end_resets=True)  # an empty prompt's end token resets, as `tokens` reads it
-        for (i, j), ids in zip(batch, new):
-            yield i, j, "".join(codec.decode_stream(ids, context=prompts[i]))
+        for (i, j), ids, end in zip(batch, new, ends):
+            end.feed(ids)  # the reader asks `stop` of no row's last token within the budget
+            end.end()
+            yield i, j, end.text, end.reason
         tokens += sum(map(len, new))
         done(start + len(batch), len(jobs), tokens)
 
