@@ -83,6 +83,11 @@ def test_config_file_with_resume_is_applied_on_the_saved_config(tmp_path):
     with pytest.raises(config.ConfigError) as e:
         resumed_config(config.load(str(file), [*args, "cms.periods=[1,8]"]), str(file), [*args, "cms.periods=[1,8]"])
     assert str(e.value).startswith(f"cms.periods=[1, 8]{tail}"), e.value
+    # as is a whole section the command line sets (a YAML mapping): the file's key is not the one used
+    whole = [*args, "cms={periods: [1, 8]}"]
+    with pytest.raises(config.ConfigError) as e:
+        resumed_config(config.load(str(file), whole), str(file), whole)
+    assert str(e.value).startswith(f"cms.periods=[1, 8]{tail}"), e.value
     # no resume, or another run's checkpoints: the command line's config, as before
     assert resumed_config(config.load(None, [f"run.dir={run}"]), None, []).train.steps == config.Config().train.steps
 

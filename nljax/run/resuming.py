@@ -108,7 +108,8 @@ def check_unchanged(saved: Config, resumed: Config, saved_file: Path,
     for section in MUST_MATCH:
         for k, old, new in differences(get(a, section), get(b, section), section):
             if k not in HOW_COMPUTED:
-                on_line = any(o.split("=", 1)[0].strip() == k for o in overrides)  # the last word: the line's
+                # the last word is the line's: the key itself, or a section above it (cms={periods: [1, 8]})
+                on_line = any(f"{k}.".startswith(o.split("=", 1)[0].strip() + ".") for o in overrides)
                 where = None if on_line else config.set_in(config_file, k)
                 given = f"{k}={fmt(new)}" + (f", set in {where}," if where else "")
                 raise ConfigError(f"{given} cannot change on resume ({fmt(old)} in {saved_file}: the checkpoint "
