@@ -117,10 +117,15 @@ COMMANDS = ("train", "generate", "evaluate", "export", "bench")
 def main(argv: list[str]) -> int:
     nljax.register_model("smallest", build, settings=SmallestConfig, shared=("vocab_size", "dim"))
     command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("train", argv)
-    if command == "train" and not any(a.startswith(("model.name=", "--resume")) for a in rest):
-        # a new run's defaults (a resume has its run's): two levels, the slow MLP's gradients wait in
-        # its error buffer and cross devices every 4th step; given on the command line, yours win
-        rest = ["model.name=smallest", "cms.periods=[1,4]", *rest]
+    if command == "train":  # given on the command line, yours win (they come after these)
+        # this model, in a new run and in a resume alike (the run's own name: no change); a run that
+        # --resume=auto starts trained nl_lm, the default model, without it
+        defaults = ["model.name=smallest"]
+        if not any(a in ("--resume", "--resume=auto") or a.startswith("checkpoint.resume=") for a in rest):
+            # a new run's levels (a resume has its run's, which these could contradict): two, the slow
+            # MLP's gradients wait in its error buffer and cross devices every 4th step
+            defaults.append("cms.periods=[1,4]")
+        rest = [*defaults, *rest]
     return importlib.import_module(f"nljax.{command}").main(rest)
 
 

@@ -72,3 +72,27 @@ def test_its_commands_train_resume_generate_and_evaluate(tmp_path):
     assert p.stdout.startswith("The ") and len(p.stdout.rstrip("\n").encode()) > 4
     p = run_python(str(EXAMPLE), "evaluate", f"run.dir={run}")
     assert "eval_loss" in p.stdout, p.stdout
+
+
+def test_the_files_train_command_gives_its_model_to_every_run(example, monkeypatch):
+    """`train` gives model.name=smallest to a new run, a resume and a --resume=auto start alike
+    (without it that start trained nl_lm), cms.periods=[1,4] to a new run only (a resume's own
+    could be other: refused as changed), and the line's own settings after them (they win)."""
+    import types
+
+    import nljax
+
+    given = []
+    monkeypatch.setattr(nljax, "register_model", lambda *a, **k: None)  # the fixture registered it
+    monkeypatch.setattr(example, "importlib", types.SimpleNamespace(
+        import_module=lambda name: types.SimpleNamespace(main=lambda argv: given.append((name, argv)) or 0)))
+
+    def train(*argv):
+        assert example.main(["train", *argv]) == 0
+        return given[-1][1]
+
+    assert train("run.dir=r") == ["model.name=smallest", "cms.periods=[1,4]", "run.dir=r"]
+    assert train("run.dir=r", "cms.periods=[1,2]")[-1] == "cms.periods=[1,2]"
+    for resume in ("--resume", "--resume=auto", "checkpoint.resume=latest"):
+        assert train(resume, "run.dir=r") == ["model.name=smallest", resume, "run.dir=r"], resume
+    assert example.main(["generate", "run.dir=r"]) == 0 and given[-1] == ("nljax.generate", ["run.dir=r"])
