@@ -209,6 +209,9 @@ def own_model(tree: dict) -> dict:
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    """`tree` with the override `dotted=value` applied. A section given whole (`cms={periods:
+    [1,8]}`) updates the keys it names, as a config file's section does; the section's other keys
+    keep the values below it (a resume's saved ones), not their defaults."""
     parts = dotted.split(".")
     node = tree
     for part in parts[:-1]:
@@ -216,7 +219,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"config key '{dotted}': '{part}' is not a section")
         node = child
-    node[parts[-1]] = value
+    old = node.get(parts[-1])
+    node[parts[-1]] = _merged(old, value) if isinstance(old, dict) and isinstance(value, dict) else value
 
 
 def parse_override(text: str) -> tuple[str, Any]:

@@ -12,6 +12,11 @@ def test_defaults_and_overrides():
     assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
     assert cfg.sync.reduce == "flat"
     assert config.load().cms.periods == (1, 8, 64, 512)
+    # a section given whole updates the keys it names, like a file's section: the others stay as set
+    # before it (it replaced the section: cms.frozen_grads went back to its default, on a resume the
+    # saved config's keys too)
+    cfg = config.load(None, ["cms.frozen_grads=skip", "cms={periods: [1, 8]}"])
+    assert (cfg.cms.periods, cfg.cms.frozen_grads) == ((1, 8), "skip")
 
 
 def test_yaml_file(tmp_path):
