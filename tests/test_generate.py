@@ -235,6 +235,7 @@ def test_stop_settings_on_the_command_line():
     (["run.dir=/tmp", "stop=[1]"], "stop=[1]: give a JSON list of strings, as stop='[\"\\n\\n\", \"def \"]'"),
     (["run.dir=/tmp", "stop=[a"], "stop=[a: a value that begins with [ is a JSON list of strings, and this is not "
                                   "JSON (Expecting value"),
+    (["run.dir=/tmp", "stop=[END]"], "; to stop at the text itself, give it in a list: stop='[\"[END]\"]'"),
     (["run.dir=/tmp", "stop=a", "stop=b"], "stop= is given more than once: give the stop strings in one JSON list"),
     (["run.dir=/tmp", "stop_at_eos=no"], "stop_at_eos='no': give true or false"),
     (["run.dir=/tmp", "stop_at_eos=True"], "stop_at_eos='True': give true or false"),

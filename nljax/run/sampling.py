@@ -153,8 +153,9 @@ def stops_of(value: str) -> tuple[str, ...]:
     try:
         stops = json.loads(value)
     except ValueError as e:
+        text = json.dumps([value])  # the list that stops at the text as written
         raise ConfigError(f"stop={value}: a value that begins with [ is a JSON list of strings, and this is not "
-                          f"JSON ({e})") from None
+                          f"JSON ({e}); to stop at the text itself, give it in a list: stop='{text}'") from None
     if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
         raise ConfigError(f"stop={value}: give a JSON list of strings, as stop='[\"\\n\\n\", \"def \"]'")
     return tuple(stops)
