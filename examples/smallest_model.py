@@ -121,9 +121,11 @@ def main(argv: list[str]) -> int:
         # this model, in a new run and in a resume alike (the run's own name: no change); a run that
         # --resume=auto starts trained nl_lm, the default model, without it
         defaults = ["model.name=smallest"]
-        if not any(a in ("--resume", "--resume=auto") or a.startswith("checkpoint.resume=") for a in rest):
-            # a new run's levels (a resume has its run's, which these could contradict): two, the slow
-            # MLP's gradients wait in its error buffer and cross devices every 4th step
+        if not any(a in ("--resume", "--resume=auto", "--config") or a.startswith(("checkpoint.resume=", "--config="))
+                   for a in rest):
+            # a new run's levels (a resume has its run's and a --config file may set its own, which
+            # these would override): two, the slow MLP's gradients wait in its error buffer and
+            # cross devices every 4th step
             defaults.append("cms.periods=[1,4]")
         rest = [*defaults, *rest]
     return importlib.import_module(f"nljax.{command}").main(rest)

@@ -76,8 +76,8 @@ def test_its_commands_train_resume_generate_and_evaluate(tmp_path):
 
 def test_the_files_train_command_gives_its_model_to_every_run(example, monkeypatch):
     """`train` gives model.name=smallest to a new run, a resume and a --resume=auto start alike
-    (without it that start trained nl_lm), cms.periods=[1,4] to a new run only (a resume's own
-    could be other: refused as changed), and the line's own settings after them (they win)."""
+    (without it that start trained nl_lm), cms.periods=[1,4] to a new run without --config only (a
+    resume's own could be other: refused as changed; a file's would be overridden), and the line's own settings after them (they win)."""
     import types
 
     import nljax
@@ -95,4 +95,6 @@ def test_the_files_train_command_gives_its_model_to_every_run(example, monkeypat
     assert train("run.dir=r", "cms.periods=[1,2]")[-1] == "cms.periods=[1,2]"
     for resume in ("--resume", "--resume=auto", "checkpoint.resume=latest"):
         assert train(resume, "run.dir=r") == ["model.name=smallest", resume, "run.dir=r"], resume
+    # a config file's own cms.periods is not overridden
+    assert train("--config", "mine.yaml") == ["model.name=smallest", "--config", "mine.yaml"]
     assert example.main(["generate", "run.dir=r"]) == 0 and given[-1] == ("nljax.generate", ["run.dir=r"])
