@@ -4,6 +4,7 @@
 
     lm = nljax.load("runs/default")                  # a run directory, or an export directory
     print(lm.generate("def ", max_new_tokens=100, temperature=0.8, top_k=40, seed=0))
+    c = lm.generate("def ", stop="\\n\\n", details=True)  # nljax.Completion: text, finish_reason, new_tokens
     ids = lm.encode("def f(x):")                     # the run's own tokenizer: bytes or tokenizer.json
     logits, memory = lm.logits([ids])                # [1, T, V] and the neural memory after them
 
@@ -179,9 +180,9 @@ class TrainedModel:
         `labels`, in `steps` steps (1: MeanFlow's one-step sampling), from noise keyed by `seed`
         (default: the run's seed, as its evaluation's samples) and the sample's position."""
         self._needs_logits("generate")
-        # the other kind's arguments are refused, as nljax.generate refuses them (they were ignored)
         if not isinstance(details, bool):  # a truthy string would change what is returned
             raise ConfigError(f"details must be True or False, got {details!r:.60}")
+        # the other kind's arguments are refused, as nljax.generate refuses them (they were ignored)
         if not self.makes_text:
             if prompt or stream is not None:
                 raise ConfigError(f"prompt= and stream= are for a language model; model.name={self.config.model.name} "

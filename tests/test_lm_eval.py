@@ -478,9 +478,10 @@ def test_generate_until_ends_as_lm_evals_hugging_face_model():
 
 
 def test_generate_untils_stop_check_decodes_once_per_token(tmp_path):
-    """The stop check decodes the answer so far after every generated token; with a tokenizer.json
-    that decoding decoded the whole sequence again per token (`decode_stream` joined): 12 s of host
-    time per 256-token answer after a 2,000-token prompt. Now two decodings per check, the same text."""
+    """`tok_decode` (lm-eval's; generate_until's stop check used it after every generated token,
+    until it read each token once with nljax.generate's Ending): with a tokenizer.json it decoded
+    the whole sequence again per token (`decode_stream` joined): 12 s of host time per 256-token
+    answer after a 2,000-token prompt. Now two decodings, the same text."""
     from nljax.data import tokenization
     from nljax.run.harness_model import NLJaxLM, Reading
 
