@@ -10,9 +10,11 @@ from nljax.version import __version__
 # contract a model meets (nljax/models/base.py) and the registry a plugin's model enters by
 # (nljax/models/specs.py, nljax/models/registry.py); the building blocks are `nljax.models.blocks`.
 _LAZY = {"Model": "nljax.models.base", "TextModel": "nljax.models.base", "ModelSpec": "nljax.models.specs",
-         "register_model": "nljax.models.specs"}
+         "register_model": "nljax.models.specs",
+         "Completion": "nljax.run.stopping"}  # what `TrainedModel.generate(..., details=True)` returns
 
-__all__ = ["__version__", "Model", "ModelSpec", "TextModel", "TrainedModel", "load", "load_model", "register_model"]
+__all__ = ["__version__", "Completion", "Model", "ModelSpec", "TextModel", "TrainedModel", "load", "load_model",
+           "register_model"]
 
 
 def load(path, checkpoint="latest", overrides=()):

@@ -160,8 +160,9 @@ def _write_completions(reader, codec, s, records: list[prompts_lib.Prompt], ids:
         print(f"nljax.generate: {n}/{total} completions, {tokens:,} tokens, {rate:,.1f} tokens/s{first}",
               file=sys.stderr)
 
-    results = ({"prompt": records[i].text, "completion": text, "index": i, "sample": j, "finish_reason": why,
-                **records[i].fields} for i, j, text, why in completions(reader, codec, ids, s, done))
+    results = ({"prompt": records[i].text, "completion": c.text, "index": i, "sample": j,
+                "finish_reason": c.finish_reason, **records[i].fields}
+               for i, j, c in completions(reader, codec, ids, s, done))
     try:
         resultfile.write_lines(out, results)
     except OSError as e:  # permissions, a full disk, a directory that does not exist

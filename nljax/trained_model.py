@@ -4,6 +4,7 @@
 
     lm = nljax.load("runs/default")                  # a run directory, or an export directory
     print(lm.generate("def ", max_new_tokens=100, temperature=0.8, top_k=40, seed=0))
+    c = lm.generate("def ", stop="\\n\\n", details=True)  # nljax.Completion: text, finish_reason, new_tokens
     ids = lm.encode("def f(x):")                     # the run's own tokenizer: bytes or tokenizer.json
     logits, memory = lm.logits([ids])                # [1, T, V] and the neural memory after them
 
@@ -159,7 +160,7 @@ class TrainedModel:
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  stream: Callable[[str], Any] | None = None, labels: Sequence[int] | None = None, steps: int = 1,
                  batch_size: int = 8, samples_per_prompt: int = 1, stop: str | Sequence[str] | None = (),
-                 stop_at_eos: bool = True):
+                 stop_at_eos: bool = True, details: bool = False):
         """A language model: the text sampled after `prompt` (not including it), with
         `python -m nljax.generate`'s settings and rules (temperature, then top-k, then top-p;
         temperature 0 is greedy; the same seed gives the same text); `stream(text)` is called
@@ -168,6 +169,8 @@ class TrainedModel:
         `stop_at_eos=False`, before the first of the `stop` strings it holds (a str or a list;
         the stop string is not part of the text), or after `max_new_tokens` tokens
         (nljax/run/stopping.py; a stream is held back while its end may begin a stop string).
+        `details=True`: an `nljax.Completion` in place of each str: the `text`, why it ended
+        (`finish_reason`: "eos", "stop" or "length") and the tokens drawn (`new_tokens`).
         A list of prompts gives a list of texts, one each, `batch_size` decoded together as
         `nljax.generate prompts=` decodes them: the i-th drawn as prompts= draws prompt i's sample
         0, so the first is what the prompt alone gives, and none depends on the others; an empty
@@ -177,11 +180,16 @@ class TrainedModel:
         `labels`, in `steps` steps (1: MeanFlow's one-step sampling), from noise keyed by `seed`
         (default: the run's seed, as its evaluation's samples) and the sample's position."""
         self._needs_logits("generate")
+        if not isinstance(details, bool):  # a truthy string would change what is returned
+            raise ConfigError(f"details must be True or False, got {details!r:.60}")
         # the other kind's arguments are refused, as nljax.generate refuses them (they were ignored)
         if not self.makes_text:
             if prompt or stream is not None:
                 raise ConfigError(f"prompt= and stream= are for a language model; model.name={self.config.model.name} "
                                   "makes images: generate(labels=[...], steps=, seed=)")
+            if details:
+                raise ConfigError(f"details= tells why each text ended, for a language model; model.name="
+                                  f"{self.config.model.name} makes images (an array of samples)")
             return self._images(labels, steps, seed)
         if labels is not None or steps != 1:
             raise ConfigError(f"labels= and steps= are for an image model; model.name={self.config.model.name} makes "
@@ -196,19 +204,18 @@ class TrainedModel:
             s = Settings(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                          seed=0 if seed is None else seed, batch_size=batch_size,
                          samples_per_prompt=samples_per_prompt, stop=stop, stop_at_eos=stop_at_eos).check()
-            return self._generate_many(prompt, s)
+            return self._generate_many(prompt, s, details)
         if samples_per_prompt != 1:  # one prompt, one text (a str): more are asked for with a list
             raise ConfigError(f"samples_per_prompt={samples_per_prompt} is for a list of prompts (one prompt gives "
                               f"one text): generate([prompt], samples_per_prompt={samples_per_prompt})")
         s = Settings(prompt=prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                      top_p=top_p, seed=0 if seed is None else seed, stop=stop, stop_at_eos=stop_at_eos).check()
         prompt_tokens = prompt_ids(self.tokenizer, prompt)
-        out = []
-        for piece in pieces(self.sampler().tokens(prompt_tokens, s), ending_of(self.tokenizer, prompt_tokens, s)):
-            out.append(piece)
+        end = ending_of(self.tokenizer, prompt_tokens, s)
+        for piece in pieces(self.sampler().tokens(prompt_tokens, s), end):
             if stream is not None and piece:
                 stream(piece)
-        return "".join(out)
+        return end.completion() if details else end.text  # the pieces joined
 
     def sampler(self):
         """The windowed decoder `generate` uses (nljax.run.sampling.TextSampler), compiled once."""
@@ -219,10 +226,10 @@ class TrainedModel:
             self._sampler = TextSampler(self.model, self.params, self._mesh, self.seq_len, self.end_id)
         return self._sampler
 
-    def _generate_many(self, prompts, s) -> list[str] | list[list[str]]:
+    def _generate_many(self, prompts, s, details: bool = False) -> list | list[list]:
         """The text after each of `prompts` (a list or tuple of str), as `nljax.generate prompts=`
-        samples each prompt's samples (nljax/run/sampling.py: `completions`): a str each, or with
-        `s.samples_per_prompt` > 1 a list of that many each."""
+        samples each prompt's samples (nljax/run/sampling.py: `completions`): a str each (`details`:
+        a `Completion`), or with `s.samples_per_prompt` > 1 a list of that many each."""
         from nljax.run.sampling import completions, prompt_ids
 
         if not isinstance(prompts, (list, tuple)):
@@ -238,7 +245,8 @@ class TrainedModel:
             except UnicodeEncodeError as e:
                 raise ConfigError(f"prompt[{i}] is not UTF-8 text (at character {e.start})") from None
         ids = [prompt_ids(self.tokenizer, p, where=f"prompt[{i}]: ") for i, p in enumerate(prompts)]
-        texts = [text for _, _, text, _ in completions(self.stream_reader(s.batch_size), self.tokenizer, ids, s)]
+        texts = [c if details else c.text
+                 for _, _, c in completions(self.stream_reader(s.batch_size), self.tokenizer, ids, s)]
         n = s.samples_per_prompt  # completions gives prompt 0's samples, then prompt 1's, ...
         return texts if n == 1 else [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
 

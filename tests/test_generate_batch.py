@@ -3,7 +3,8 @@ list of prompts in Python (`lm.generate([...])`): each completion is the single-
 of its prompt with its own generator, keyed by (seed, prompt index, sample index) — prompt 0's
 sample 0 is what `prompt=` gives — whatever the other prompts, the batch and the device count;
 the results file's records; where a completion ends (the document-end token, stop strings:
-nljax/run/stopping.py), row by row; and the refusals, one line each."""
+nljax/run/stopping.py), row by row, and why (`lm.generate(details=True)`); and the refusals,
+one line each."""
 
 import dataclasses
 import json
@@ -66,6 +67,11 @@ def _cut(text, stops, eos=False):
     return before, "eos" if end else "length"
 
 
+def _flat(completions):
+    """`sampling.completions`' (i, j, Completion) as (i, j, text, finish reason)."""
+    return [(i, j, c.text, c.finish_reason) for i, j, c in completions]
+
+
 def _stop_in(text, at):
     """A two-character stop string of `text` from character `at` on, without U+FFFD (what a byte
     that is no UTF-8 reads as: the replacement a character cut short also reads as) or NUL."""
@@ -102,7 +108,7 @@ def test_each_completion_is_its_prompts_single_decoding_on_any_device_count(run_
         ids = [sampling.prompt_ids(codec, p) for p in PROMPTS]
         readers[n] = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size)
         assert readers[n].rows == (3 if n == 1 else 8)
-        got[n] = list(sampling.completions(readers[n], codec, ids, s))
+        got[n] = _flat(sampling.completions(readers[n], codec, ids, s))
     assert [(i, j) for i, j, _, _ in got[1]] == [(i, j) for i in range(4) for j in range(2)]
     assert got[1] == got[8]
     single = sampling.TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id)
@@ -115,7 +121,7 @@ def test_each_completion_is_its_prompts_single_decoding_on_any_device_count(run_
     # (3 rows with the other prompts of its batch, 8 rows over 8 devices)
     texts = [text for _, _, text, _ in got[1]]
     stops = (_stop_in(texts[1], 3), _stop_in(texts[4], 10), _stop_in(texts[6], 15))
-    stopped = {n: list(sampling.completions(readers[n], codec, ids, dataclasses.replace(s, stop=stops,
+    stopped = {n: _flat(sampling.completions(readers[n], codec, ids, dataclasses.replace(s, stop=stops,
                                                                                         stop_at_eos=True)))
                for n in (1, 8)}
     assert stopped[1] == stopped[8]
@@ -247,13 +253,16 @@ def test_the_document_end_token_ends_a_completion(lm):
     none are the same text (the same draws). Seed 35 samples NUL in prompt 0's sample 0 (at
     character 5), prompt 2's sample 1 (first: an empty completion) and prompt 3's sample 0. A
     stop string and the end token: the first met ends it. The single prompt's text and stream
-    (prompt= and lm.generate(str)) end alike."""
+    (prompt= and lm.generate(str)) end alike. Each `Completion` counts the tokens drawn for it;
+    `lm.generate(details=True)` gives those Completions."""
     s = sampling.Settings(max_new_tokens=40, temperature=1.0, seed=35, samples_per_prompt=2, batch_size=3)
     ids = [sampling.prompt_ids(lm.tokenizer, p) for p in PROMPTS]
-    whole = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids,
+    whole = _flat(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids,
                                       dataclasses.replace(s, stop_at_eos=False)))
     drawn = []  # the tokens drawn, after each batch
-    ended = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, s, lambda n, total, t: drawn.append(t)))
+    completed = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, s,
+                                          lambda n, total, t: drawn.append(t)))
+    ended = _flat(completed)
     assert [k for k, (*_, text, _) in enumerate(whole) if "\0" in text] == [0, 5, 6]
     assert {why for *_, why in whole} == {"length"}
     assert [(text, why) for *_, text, why in ended] == [
@@ -262,18 +271,29 @@ def test_the_document_end_token_ends_a_completion(lm):
     single = lm.sampler()  # sampled past it: the text the tokens read as (the end token's NUL in it)
     tokens = {k: list(single.tokens(ids[k // 2], s, sampling.seeded(s.seed, k // 2, k % 2))) for k in (0, 5, 6)}
     assert whole[0][2] == lm.decode(tokens[0])
-    # a row that has ended is not extended: no token drawn after its end token
+    # a row that has ended is not extended: no token drawn after its end token; each completion
+    # counts the tokens drawn for it (`new_tokens`): to its end token, which counts, or all 40
     assert drawn[-1] == 5 * 40 + sum(t.index(0) + 1 for t in tokens.values())
+    assert [c.new_tokens for *_, c in completed] == [tokens[k].index(0) + 1 if k in tokens else 40 for k in range(8)]
     # the single prompt: as prompt 0's sample 0, streamed in pieces that join to its text
     streamed = []
     assert lm.generate(PROMPTS[0], max_new_tokens=40, temperature=1.0, seed=35, stream=streamed.append) == ended[0][2]
     assert "".join(streamed) == ended[0][2]
+    # details=True: those Completions (a list of prompts, samples_per_prompt; one prompt, streamed too)
+    got = lm.generate(PROMPTS, max_new_tokens=40, temperature=1.0, seed=35, samples_per_prompt=2, batch_size=3,
+                      details=True)
+    assert [c for per in got for c in per] == [c for *_, c in completed]
+    assert all(type(c) is nljax.Completion for per in got for c in per)
+    streamed = []
+    one = lm.generate(PROMPTS[0], max_new_tokens=40, temperature=1.0, seed=35, stream=streamed.append, details=True)
+    assert one == completed[0][2] == nljax.Completion(ended[0][2], "eos", tokens[0].index(0) + 1)
+    assert "".join(streamed) == one.text
     assert lm.generate(PROMPTS[0], max_new_tokens=40, temperature=1.0, seed=35, stop_at_eos=False) == whole[0][2]
     # a stop string after the end token is never met; one before it is
     late, early = _stop_in(whole[6][2].partition("\0")[2], 0), _stop_in(whole[6][2], 0)
-    both = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, dataclasses.replace(s, stop=(late,))))
+    both = _flat(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, dataclasses.replace(s, stop=(late,))))
     assert both[6][2:] == ended[6][2:]
-    both = list(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, dataclasses.replace(s, stop=(early,))))
+    both = _flat(sampling.completions(lm.stream_reader(3), lm.tokenizer, ids, dataclasses.replace(s, stop=(early,))))
     assert both[6][2:] == (_cut(whole[6][2], [early])[0], "stop")
 
 
@@ -289,6 +309,10 @@ def test_stop_strings_in_python(lm):
     streamed = []
     one = lm.generate(PROMPTS[0], **settings, stop=stops, stream=streamed.append)
     assert one == _cut(texts[0], stops)[0] == "".join(streamed)
+    # details=True: why it ended, and the tokens drawn: up to the one that completed a stop string
+    tokens = list(lm.sampler().tokens(sampling.prompt_ids(lm.tokenizer, PROMPTS[0]), sampling.Settings(**settings)))
+    n = next(k for k in range(1, len(tokens) + 1) if any(stop in lm.decode(tokens[:k]) for stop in stops))
+    assert lm.generate(PROMPTS[0], **settings, stop=stops, details=True) == nljax.Completion(one, "stop", n)
     written = []  # prompt='s terminal text: the prompt, then the same
     sampling.write_text(lm.sampler(), lm.tokenizer, sampling.Settings(prompt=PROMPTS[0], **settings, stop=tuple(stops)),
                         written.append)
@@ -308,6 +332,8 @@ def test_stop_strings_in_python(lm):
         assert str(e.value).startswith(line), (stop, str(e.value))
     with pytest.raises(ConfigError, match="stop_at_eos must be true or false, got 'false'"):
         lm.generate("a", stop_at_eos="false")
+    with pytest.raises(ConfigError, match="^details must be True or False, got 'yes'$"):
+        lm.generate("a", details="yes")
 
 
 def _bad(tmp_path):

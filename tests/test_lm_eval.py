@@ -225,7 +225,8 @@ def test_a_long_context_is_read_in_windows_with_the_memory(trained, lm):
 
 def test_generate_until_is_nljax_generate_greedy(trained, lm):
     """generate_until, batched over prompts of different lengths (one crossing windows), gives
-    `TrainedModel.generate` with temperature 0, cut before the stop string."""
+    `TrainedModel.generate` with temperature 0 and the request's `until` as its stop strings
+    (ended at the document-end token too: both ways)."""
     from lm_eval.api.instance import Instance
 
     from nljax.lm_eval import FromRun
@@ -236,7 +237,8 @@ def test_generate_until_is_nljax_generate_greedy(trained, lm):
     reqs = [Instance("generate_until", {}, (p, {"until": until, "max_gen_toks": 24}), 0) for p in prompts]
     got = model.generate_until(reqs)
     for prompt, text in zip(prompts, got):
-        full = lm.generate(prompt, max_new_tokens=24, temperature=0)
+        assert text == lm.generate(prompt, max_new_tokens=24, temperature=0, stop=until)
+        full = lm.generate(prompt, max_new_tokens=24, temperature=0, stop_at_eos=False)
         for stop in [*until, "\0"]:  # and the document end, lm-eval's models' default stop
             full = full.split(stop)[0]
         assert text == full
@@ -430,10 +432,56 @@ def test_a_tokenizer_run_is_scored_with_its_tokens(tmp_path):
     assert rolled == pytest.approx(float(own_logprobs(lm, [lm.end_id, *lm.encode(text)]).sum()), rel=1e-5)
 
 
+class Scripted:
+    """A stream reader whose rows draw the tokens of a script (`StreamReader.generate`'s contract:
+    `stop` asked after each token but the budget's last; a row it stops is not extended)."""
+
+    def __init__(self, scripts):
+        self.scripts, self.drawn = scripts, []
+
+    def generate(self, prompts, max_new_tokens, pick, stop):
+        out = []
+        for i, script in enumerate(self.scripts):
+            tokens = []
+            for token in script[:max_new_tokens]:
+                tokens.append(token)
+                if len(tokens) >= max_new_tokens or stop(i, tokens):
+                    break
+            out.append(tokens)
+        self.drawn = [len(t) for t in out]
+        return out
+
+
+def test_generate_until_ends_as_lm_evals_hugging_face_model():
+    """generate_until ends an answer as lm-eval's HFLM: at the end token (not part of it), before
+    the first of `until` and the end token's text, or after max_gen_toks; a row that has ended
+    draws no more. It is nljax.generate's Ending, each token read once as it comes: the stop
+    check decoded the whole answer again after every token (a decoding per token per request)."""
+    from lm_eval.api.instance import Instance
+
+    from nljax.data.tokenization import Bytes
+    from nljax.run.harness_model import NLJaxLM, Reading
+
+    asks = [({"until": ["\n\n"]}, b"ab\0cd"),  # the end token: "ab"
+            ({"until": ["yz", "xyz"], "max_gen_toks": 9}, b"axyzq"),  # both at once: the earlier
+            ({"until": "zz", "max_gen_toks": 3}, b"abczz"),  # a str; max_gen_toks first
+            ({"until": ["", "c"]}, b"abc\0"),  # an empty stop string, which lm-eval skips, is no stop
+            ({}, b"xyz")]  # no until: the script's end
+    reader = Scripted([script for _, script in asks])
+    model = NLJaxLM(Reading(reader, Bytes(), "scripted"), progress=False)
+    reqs = [Instance("generate_until", {}, ("ctx", kwargs), i) for i, (kwargs, _) in enumerate(asks)]
+    with mock.patch.object(Bytes, "decode", autospec=True, side_effect=Bytes.decode) as decode:
+        got = model.generate_until(reqs)
+    assert got == ["ab", "a", "abc", "ab", "xyz"]
+    assert reader.drawn == [3, 4, 3, 3, 3]  # up to the end token, the stop string's end, the budget
+    assert decode.call_count <= 1  # the end token's text, once: no answer decoded whole
+
+
 def test_generate_untils_stop_check_decodes_once_per_token(tmp_path):
-    """The stop check decodes the answer so far after every generated token; with a tokenizer.json
-    that decoding decoded the whole sequence again per token (`decode_stream` joined): 12 s of host
-    time per 256-token answer after a 2,000-token prompt. Now two decodings per check, the same text."""
+    """`tok_decode` (lm-eval's; generate_until's stop check used it after every generated token,
+    until it read each token once with nljax.generate's Ending): with a tokenizer.json it decoded
+    the whole sequence again per token (`decode_stream` joined): 12 s of host time per 256-token
+    answer after a 2,000-token prompt. Now two decodings, the same text."""
     from nljax.data import tokenization
     from nljax.run.harness_model import NLJaxLM, Reading
 

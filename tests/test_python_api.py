@@ -202,10 +202,15 @@ def test_an_unconditional_image_model_says_which_labels_and_takes_a_seed():
         lm.generate("a prompt", labels=[0])
     assert str(e.value) == ("prompt= and stream= are for a language model; model.name=dit makes images: "
                             "generate(labels=[...], steps=, seed=)")
+    with pytest.raises(ConfigError) as e:
+        lm.generate(labels=[0], details=True)
+    assert str(e.value) == ("details= tells why each text ended, for a language model; model.name=dit makes images "
+                            "(an array of samples)")
 
 
 def test_import_nljax_stays_free_of_jax():
     code = ("import sys, nljax; assert callable(nljax.load) and callable(nljax.load_model); "
+            "assert nljax.Completion('a', 'eos', 2).finish_reason == 'eos'; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')]; assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr

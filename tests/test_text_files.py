@@ -579,7 +579,8 @@ def test_a_prepared_dir_matches_its_sources_and_itself(corpus, tokenizer, tmp_pa
 
 def test_training_samples_are_the_tokenizers_text(corpus, tokenizer):
     """train.sample_every with a tokenizer: the prompt is the tokenizer's ids and the sample its
-    decoding (ids above 255 are tokens, not bytes), as nljax.generate writes it."""
+    decoding (ids above 255 are tokens, not bytes), as nljax.generate writes it: to the
+    tokenizer's end token (data.doc_end_token), if the model samples it."""
     from nljax.run.core import Run
     from nljax.run.samples import TrainingSampler
     from nljax.run.sampling import Settings, TextSampler
@@ -590,14 +591,16 @@ def test_training_samples_are_the_tokenizers_text(corpus, tokenizer):
                       "train.batch_size=1")
     run = Run.create(cfg, jax.devices()[:1])
     params = run.init_state().params
-    text = TrainingSampler(run).sample(params)
+    text, why = TrainingSampler(run).sample(params)
     codec = tokenization.load(str(tokenizer), "<eos>")
     sampler = TextSampler(run.engine.model, run.engine.strategy.gather_params(params), run.mesh, cfg.train.seq_len,
                           codec.end_id)
     ids = list(sampler.tokens(codec.encode("the memory"), Settings(prompt="the memory", max_new_tokens=48,
                                                                     seed=cfg.seed)))
     assert max(ids) >= 256  # an untrained model samples the whole vocabulary
-    assert text == "the memory" + "".join(codec.decode_stream(ids, context=codec.encode("the memory")))
+    end = ids.index(codec.end_id) if codec.end_id in ids else len(ids)
+    assert text == "the memory" + "".join(codec.decode_stream(ids[:end], context=codec.encode("the memory")))
+    assert why == ("eos" if end < len(ids) else "length")
 
 
 def test_continuations_read_after_the_prompt(tmp_path):

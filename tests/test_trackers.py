@@ -6,6 +6,7 @@ import json
 import math
 import shutil
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from nljax.engine import optim
 from nljax.engine.conductor import Conductor
 from nljax.errors import ConfigError
 from nljax.run.samples import TrainingSampler
-from nljax.run.sampling import TextSampler
+from nljax.run.sampling import TextSampler, tokenization_of, write_text
 from nljax.run.trackers import TensorBoard, Trackers, check_installed
 from nljax.run.trainer import Output, train, train_loop
 from nljax.runtime import runlog
@@ -60,15 +61,43 @@ def test_tensorboard_gets_grad_norm_lr_skips_firing_and_the_samples(tmp_path, ca
 
     printed = [l for l in capsys.readouterr().out.splitlines() if "sample:" in l]
     assert [l.split()[1] for l in printed] == ["1", "3"]  # after 2 and 4 steps
-    texts = [json.loads(l.split("sample: ", 1)[1]) for l in printed]
+    texts = [json.JSONDecoder().raw_decode(l.split("sample: ", 1)[1])[0] for l in printed]  # "(ended ...)" after
     assert [e.step for e in acc.Tensors("train/sample/text_summary")] == [2, 4]
     logged = acc.Tensors("train/sample/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert logged == "\n".join("    " + line for line in texts[-1].split("\n"))
     sampler = TextSampler(setup.engine.model, state.params, setup.mesh, setup.cfg.train.seq_len, 0)  # bytes: NUL ends a document
     settings = TrainingSampler(setup.run).settings  # nljax.generate's defaults, the run's seed
     assert (settings.prompt, settings.max_new_tokens, settings.seed) == ("def ", 5, setup.cfg.seed)
-    want = b"def " + bytes(sampler.tokens(list(b"def "), settings))
-    assert texts[-1] == want.decode("utf-8", "replace")
+    written = []  # nljax.generate's text (prompt=): to its document end, if the model samples one
+    write_text(sampler, tokenization_of(setup.cfg), settings, written.append)
+    assert texts[-1] == "".join(written)
+
+
+def test_a_training_sample_ends_at_the_document_end():
+    """A sample ends, as nljax.generate's text does by default, at the document-end token (bytes:
+    NUL), which is not shown, and the tokens after it are not drawn; it ran on into the next
+    document. Without one it is the prompt and every token. The model is scripted: no forward."""
+    cfg = config.load(None, ["train.sample_every=1", "train.sample_tokens=6", "train.sample_prompt=ab"])
+    strategy = types.SimpleNamespace(gather_params=lambda params: params)
+    sampler = TrainingSampler(types.SimpleNamespace(cfg=cfg, engine=types.SimpleNamespace(strategy=strategy)))
+    drawn = []
+
+    class Scripted:  # TextSampler's tokens, from a script
+        params = None
+
+        def __init__(self, script):
+            self.script = script
+
+        def tokens(self, prompt, settings):
+            assert prompt == list(b"ab") and settings.max_new_tokens == 6
+            for token in self.script[: settings.max_new_tokens]:
+                drawn.append(token)
+                yield token
+
+    sampler._sampler = Scripted(b"cd\0efg")
+    assert sampler.sample({}) == ("abcd", "eos") and drawn == list(b"cd\0")
+    sampler._sampler = Scripted(b"cdefgh\0")
+    assert sampler.sample({}) == ("abcdefgh", "length")
 
 
 def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):

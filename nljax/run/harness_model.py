@@ -12,6 +12,12 @@ context's (lm-eval's `TemplateLM` split), and an empty context, like every rolli
 starts with the run's document-end token (`end_id`: bytes 0), as lm-eval's models start with
 theirs.
 
+`generate_until` ends a text as lm-eval's Hugging Face model (HFLM) does: at the document-end
+token, which is not part of it (HF's `generate` stops at `eos_token_id`), before the first of the
+request's `until` strings and the end token's text (HFLM adds it to `until`: that text spelled
+by other tokens ends it too), or after `max_gen_toks` tokens. The rule is nljax.generate's
+(nljax/run/stopping.py: `Ending`, each token read once as it comes).
+
 This module imports lm_eval: nothing imports it at start-up (the trainer only for
 `eval.harness_tasks`).
 """
@@ -28,6 +34,7 @@ from lm_eval.api.model import TemplateLM
 from nljax.errors import ConfigError
 from nljax.run.sampling import Settings, sample_token
 from nljax.run.scoring import StreamReader
+from nljax.run.stopping import ending
 
 NAME = "nljax"  # --model nljax
 MAX_GEN_TOKS = 256  # generate_until's default max_gen_toks, as lm-eval's own models
@@ -116,46 +123,45 @@ class NLJaxLM(TemplateLM):
         return [next(it) if len(s) > 1 else empty for s in streams]
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """The text after each context until one of `until` (cut before it) or `max_gen_toks`
-        tokens; greedy unless `do_sample` (then `temperature`, `top_k`, `top_p` as nljax.generate,
-        seeded by `seed` and the request's place)."""
+        """The text after each context until the end token (not included), one of `until` (cut
+        before it) or `max_gen_toks` tokens, as lm-eval's Hugging Face model answers (module
+        docstring); greedy unless `do_sample` (then `temperature`, `top_k`, `top_p` as
+        nljax.generate, seeded by `seed` and the request's place)."""
         contexts = [req.args[0] for req in requests]
         kwargs = [dict(req.args[1]) if len(req.args) > 1 and req.args[1] else {} for req in requests]
         prompts = [self.tok_encode(c) or [self.prefix_token_id] for c in contexts]
-        until = [_until(k, self.tok_decode([self.eot_token_id]) if self.eot_token_id is not None else None)
-                 for k in kwargs]
+        eot = self.tok_decode([self.eot_token_id]) if self.eot_token_id is not None else None
+        # nljax.generate's rule (nljax/run/stopping.py), each request's own: the end token, its stop strings
+        ends = [ending(self.reading.tokenizer, prompts[i], _until(k, eot), stop_at_eos=True)
+                for i, k in enumerate(kwargs)]
         settings = [_settings(k) for k in kwargs]
         rngs = [np.random.default_rng([s.seed, i]) for i, s in enumerate(settings)]
-        max_new = max([int(k.get("max_gen_toks", MAX_GEN_TOKS)) for k in kwargs] or [0])
         limits = [int(k.get("max_gen_toks", MAX_GEN_TOKS)) for k in kwargs]
 
         def pick(logits, i):
             return sample_token(logits, rngs[i], settings[i])
 
-        def stop(i, tokens):
-            return len(tokens) >= limits[i] or _cut(self.tok_decode(tokens, prompts[i]), until[i]) is not None
+        def stop(i, tokens):  # each token is read once, as it comes
+            return ends[i].feed(tokens[: limits[i]]) or len(tokens) >= limits[i]
 
-        new = self.reader.generate(prompts, max_new, pick, stop) if requests else []
+        new = self.reader.generate(prompts, max(limits), pick, stop) if requests else []
         out = []
         for i, tokens in enumerate(new):
-            text = self.tok_decode(tokens[: limits[i]], prompts[i])
-            cut = _cut(text, until[i])
-            out.append(text if cut is None else text[:cut])
+            ends[i].feed(tokens[: limits[i]])  # the reader asks `stop` of no row's last token within the budget
+            ends[i].end()
+            out.append(ends[i].text)
             self.cache_hook.add_partial("generate_until", (contexts[i], kwargs[i]), out[-1])
         return out
 
 
 def _until(kwargs: dict, eot: str | None) -> list[str]:
-    """The stop strings of a request: its `until` (a string or a list), and the document end."""
+    """The stop strings of a request: its `until` (a string or a list) and the end token's text,
+    as lm-eval's `handle_stop_sequences` gives its Hugging Face model (so the end token's text
+    spelled by other tokens ends a text too); an empty one, which lm-eval skips, is left out."""
     until = kwargs.get("until") or []
     until = [until] if isinstance(until, str) else list(until)
-    return until + ([eot] if eot and eot not in until else [])
-
-
-def _cut(text: str, until: list[str]) -> int | None:
-    """Where `text` stops: the first place one of `until` starts, or None."""
-    found = [text.find(s) for s in until if s and s in text]
-    return min(found) if found else None
+    until = until + ([eot] if eot and eot not in until else [])
+    return [s for s in until if s]
 
 
 def _settings(kwargs: dict) -> Settings:

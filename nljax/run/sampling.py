@@ -50,7 +50,7 @@ from nljax.data import prepared
 from nljax.errors import ConfigError
 from nljax.parallel.hostdev import put, replica
 from nljax.run import trained as trained_lib
-from nljax.run.stopping import Ending, ending, pieces
+from nljax.run.stopping import Completion, Ending, ending, pieces
 from nljax.runtime import resultfile
 
 
@@ -288,14 +288,14 @@ def ending_of(codec, prompt: list[int], s: Settings) -> Ending:
 
 def completions(reader, codec, prompts: Sequence[list[int]], s: Settings,
                 done: Callable[[int, int, int], None] = lambda n, total, tokens: None,
-                ) -> Iterator[tuple[int, int, str, str]]:
-    """(prompt index, sample index, text, finish reason) of `s.samples_per_prompt` completions of
-    each of `prompts` (token ids, from `prompt_ids`), in that order: the text sampled after the
-    prompt, as `write_text` writes it after the prompt, and why it ended ("stop", "eos" or
-    "length": nljax/run/stopping.py). `reader`: a `StreamReader` (nljax/run/scoring.py) whose
-    `rows` completions are decoded together, in the file's order; a row that has ended is not
-    extended, and a batch ends when all of its rows have; `done(completions so far, all of them,
-    tokens so far)` after each such batch."""
+                ) -> Iterator[tuple[int, int, Completion]]:
+    """(prompt index, sample index, completion) of `s.samples_per_prompt` completions of each of
+    `prompts` (token ids, from `prompt_ids`), in that order: a `stopping.Completion`, the text
+    sampled after the prompt as `write_text` writes it after the prompt, why it ended ("stop",
+    "eos" or "length": nljax/run/stopping.py) and the tokens drawn for it. `reader`: a
+    `StreamReader` (nljax/run/scoring.py) whose `rows` completions are decoded together, in the
+    file's order; a row that has ended is not extended, and a batch ends when all of its rows
+    have; `done(completions so far, all of them, tokens so far)` after each such batch."""
     jobs = [(i, j) for i in range(len(prompts)) for j in range(s.samples_per_prompt)]
     tokens = 0
     for start in range(0, len(jobs), reader.rows):
@@ -308,7 +308,7 @@ def completions(reader, codec, prompts: Sequence[list[int]], s: Settings,
         for (i, j), ids, end in zip(batch, new, ends):
             end.feed(ids)  # the reader asks `stop` of no row's last token within the budget
             end.end()
-            yield i, j, end.text, end.reason
+            yield i, j, end.completion()
         tokens += sum(map(len, new))
         done(start + len(batch), len(jobs), tokens)
 

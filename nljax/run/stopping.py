@@ -16,11 +16,27 @@ Text that may yet turn out to begin a stop string is held back from a stream unt
 token settles it (a stream of `"\\n\\n"`-stopped text shows a line's end one token late); the
 stream's pieces joined are always the returned text. The tokens drawn before the end are those
 a run without stops draws: a completion that meets none of them is the same text as before.
+
+`Completion` is what ended (`lm.generate(..., details=True)`, `sampling.completions`): the text,
+the reason and the tokens drawn, as OpenAI's API gives `finish_reason` and `completion_tokens`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Iterator, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One sampled completion: its `text` (without the prompt, the end token or a stop string),
+    why it ended (`finish_reason`: "eos", "stop" or "length", the reasons above) and how many
+    tokens were drawn for it (`new_tokens`: the end token that ended it counted, as are the
+    tokens of a stop string; at most `max_new_tokens`)."""
+
+    text: str
+    finish_reason: str
+    new_tokens: int
 
 
 class Ending:
@@ -67,6 +83,12 @@ class Ending:
             return ""
         self.reason = "length"
         return self._add(self._decoder.end(), last=True)
+
+    def completion(self) -> Completion:
+        """What ended (`end` first, once the tokens are spent): its text, reason and tokens drawn."""
+        if self.reason is None:
+            raise ValueError("Ending.completion: the completion has not ended (call end() once its tokens are spent)")
+        return Completion(self.text, self.reason, self.pushed)
 
     def _add(self, piece: str, last: bool = False) -> str:
         pending = self._pending + piece

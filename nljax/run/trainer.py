@@ -271,8 +271,9 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
 
     def sample(r: StepResult) -> None:  # every process: the sampler runs on the whole mesh
         with sampling(f"step {r.step:6d}  sampling"):
-            text = sampler.sample(r.state.params)
-        out.say(f"step {r.step:6d}  sample: {json.dumps(text, ensure_ascii=False)}")
+            text, why = sampler.sample(r.state.params)
+        ended = "  (ended at the document end)" if why == "eos" else ""  # a short sample is not cut off
+        out.say(f"step {r.step:6d}  sample: {json.dumps(text, ensure_ascii=False)}{ended}")
         # after the step's scalars: W&B takes steps in increasing order
         out.trackers.text("train/sample", text, r.step + 1)
 

@@ -58,7 +58,7 @@ class TrainConfig:
     # (nljax/run/samples.py; text models only); 0: off
     sample_every: int = 0
     sample_prompt: str = ""  # text the sample continues ("": from a document start)
-    sample_tokens: int = 64  # tokens (bytes, or the tokenizer's) sampled after the prompt
+    sample_tokens: int = 64  # tokens (bytes, or the tokenizer's) sampled after the prompt; fewer at a document end
 
     def check(self) -> None:
         check_at_least("train", self, steps=0, batch_size=1, seq_len=1, accum_steps=1)
