@@ -114,13 +114,21 @@ def build(cfg) -> Smallest:
 COMMANDS = ("train", "generate", "evaluate", "export", "bench")
 
 
+def command_line(argv: list[str]) -> tuple[str, list[str]]:
+    """The nljax command to run and its arguments, with a new run's defaults where it trains."""
+    command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("train", argv)
+    if command == "train" and not any(a == "--resume" or a.startswith("model.name=") for a in rest):
+        # a new run's defaults (a plain --resume has its run's): two levels, the slow MLP's gradients
+        # wait in its error buffer and cross devices every 4th step; given on the command line, yours
+        # win. --resume=auto gets them too: a job script's one line starts the run as well as
+        # continuing it, and without them it would start nljax's default model
+        rest = ["model.name=smallest", "cms.periods=[1,4]", *rest]
+    return command, rest
+
+
 def main(argv: list[str]) -> int:
     nljax.register_model("smallest", build, settings=SmallestConfig, shared=("vocab_size", "dim"))
-    command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("train", argv)
-    if command == "train" and not any(a.startswith(("model.name=", "--resume")) for a in rest):
-        # a new run's defaults (a resume has its run's): two levels, the slow MLP's gradients wait in
-        # its error buffer and cross devices every 4th step; given on the command line, yours win
-        rest = ["model.name=smallest", "cms.periods=[1,4]", *rest]
+    command, rest = command_line(argv)
     return importlib.import_module(f"nljax.{command}").main(rest)
 
 

@@ -72,3 +72,14 @@ def test_its_commands_train_resume_generate_and_evaluate(tmp_path):
     assert p.stdout.startswith("The ") and len(p.stdout.rstrip("\n").encode()) > 4
     p = run_python(str(EXAMPLE), "evaluate", f"run.dir={run}")
     assert "eval_loss" in p.stdout, p.stdout
+
+
+def test_its_command_line_gives_a_new_run_its_defaults(example):
+    # --resume=auto starts the run as well as continuing it: without the defaults a job script's line
+    # would start nljax's default model; a plain --resume takes its run's config, and yours win
+    defaults = ["model.name=smallest", "cms.periods=[1,4]"]
+    assert example.command_line(["run.dir=r"]) == ("train", [*defaults, "run.dir=r"])
+    assert example.command_line(["train", "--resume=auto", "run.dir=r"]) == ("train", [*defaults, "--resume=auto",
+                                                                                       "run.dir=r"])
+    assert example.command_line(["train", "--resume", "run.dir=r"]) == ("train", ["--resume", "run.dir=r"])
+    assert example.command_line(["generate", "run.dir=r"]) == ("generate", ["run.dir=r"])
