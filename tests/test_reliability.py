@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -856,8 +858,6 @@ def test_the_closing_commands_paste_into_a_shell_as_printed():
 
 def test_the_closing_lines_say_where_checkpoints_elsewhere_are(tmp_path):
     """checkpoint.dir outside the run dir: the closing line said the checkpoints were in run.dir."""
-    from types import SimpleNamespace
-
     from nljax import config
     from nljax.run.trainer import closing
 
@@ -1030,3 +1030,32 @@ def test_a_failing_evaluation_keeps_the_steps_since_the_last_checkpoint(tmp_path
     assert "the evaluation failed; checkpoint 3 saved (resume with --resume)" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 2  # the failed step's record (steps count from 0), written before the save
+
+
+def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(monkeypatch):
+    """A model registered by the script run (examples/smallest_model.py): `python -m nljax.generate`
+    does not know it, and the closing lines printed that command."""
+    import shlex
+
+    from nljax import config, register_model
+    from nljax.models import specs
+    from nljax.run.trainer import closing
+
+    def build(cfg):
+        raise AssertionError("not built")
+
+    build.__module__ = "__main__"  # as a function defined in the script `python my model.py` runs
+    register_model("scripted", build)
+    try:
+        monkeypatch.setattr(sys, "argv", ["my model.py", "train"])
+        model = SimpleNamespace(logits=None)
+        run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=model))
+        lines = closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == [
+            ["python", "my model.py", "train"], ["python", "my model.py", "generate"],
+            ["python", "my model.py", "export"]]
+        own = closing(config.load(None, ["run.dir=r"]), run)  # nljax's own model: python -m
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in own[1:]] == [
+            ["python", "-m", "nljax.train"], ["python", "-m", "nljax.generate"], ["python", "-m", "nljax.export"]]
+    finally:
+        specs.unregister("scripted")

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -486,4 +487,12 @@ def closing(cfg: Config, run: Run) -> list[str]:
     text = run.task.unit == "tokens"
     return closing_lines(cfg.run.dir, cfg.train.steps, text, str(Path(cfg.run.dir) / exportdir.DEFAULT),
                          None if inside_run_dir(cfg) else str(checkpoint_dir(cfg)),
-                         samples=not text or hasattr(run.engine.model, "logits"))
+                         samples=not text or hasattr(run.engine.model, "logits"), script=registering_script(cfg))
+
+
+def registering_script(cfg: Config) -> str | None:
+    """The script this process runs, where it registered the run's model itself (a build function
+    of `__main__`, as examples/smallest_model.py's): only a process that registers the model knows
+    it, so the closing commands go through that script. None: a package's or nljax's own model."""
+    script = sys.argv[0] if sys.argv else ""
+    return script if registry.spec(cfg.model.name).origin == "__main__" and script.endswith(".py") else None
