@@ -24,6 +24,7 @@ Everything here imports JAX on call: `import nljax` stays light.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import sys
 from pathlib import Path
@@ -264,8 +265,8 @@ class TrainedModel:
         for x in labels:
             if isinstance(x, str) and x in names:
                 ids.append(names.index(x))
-            elif isinstance(x, (int, np.integer)) and not isinstance(x, bool):
-                ids.append(int(x))
+            elif hasattr(x, "__index__") and not isinstance(x, (bool, str)):  # int, numpy's, a 0-d jax array
+                ids.append(operator.index(x))
             else:
                 known = f"its classes: {', '.join(names)}" if names else "its data name no classes"
                 raise ConfigError(f"labels must be class numbers or, for a run on a folder, class names ({known}); "
