@@ -115,9 +115,10 @@ COMMANDS = ("train", "generate", "evaluate", "export", "bench")
 
 
 def command_line(argv: list[str]) -> tuple[str, list[str]]:
-    """The nljax command to run and its arguments, with a new run's defaults where it trains."""
+    """The nljax command to run and its arguments, with a new run's defaults where it builds one
+    from a config (train, bench: without them, nljax's default model)."""
     command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("train", argv)
-    if command == "train" and not any(a == "--resume" or a.startswith("model.name=") for a in rest):
+    if command in ("train", "bench") and not any(a == "--resume" or a.startswith("model.name=") for a in rest):
         # a new run's defaults (a plain --resume has its run's): two levels, the slow MLP's gradients
         # wait in its error buffer and cross devices every 4th step; given on the command line, yours
         # win. --resume=auto gets them too: a job script's one line starts the run as well as

@@ -83,3 +83,5 @@ def test_its_command_line_gives_a_new_run_its_defaults(example):
                                                                                        "run.dir=r"])
     assert example.command_line(["train", "--resume", "run.dir=r"]) == ("train", ["--resume", "run.dir=r"])
     assert example.command_line(["generate", "run.dir=r"]) == ("generate", ["run.dir=r"])
+    # bench builds its model from a config as train does: it measured nljax's default model
+    assert example.command_line(["bench", "--cpu-devices", "2"]) == ("bench", [*defaults, "--cpu-devices", "2"])
