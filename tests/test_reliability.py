@@ -1032,7 +1032,7 @@ def test_a_failing_evaluation_keeps_the_steps_since_the_last_checkpoint(tmp_path
     assert steps[-1] == 2  # the failed step's record (steps count from 0), written before the save
 
 
-def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(monkeypatch):
+def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(monkeypatch, tmp_path):
     """A model registered by the script run (examples/smallest_model.py): `python -m nljax.generate`
     does not know it, and the closing lines printed that command."""
     import shlex
@@ -1046,16 +1046,25 @@ def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(
 
     build.__module__ = "__main__"  # as a function defined in the script `python my model.py` runs
     register_model("scripted", build)
+    script = tmp_path / "my model.py"
+    script.write_text("")
+    monkeypatch.chdir(tmp_path)
     try:
         monkeypatch.setattr(sys, "argv", ["my model.py", "train"])
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
         model = SimpleNamespace(logits=None)
         run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=model))
         lines = closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)
         assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == [
             ["python", "my model.py", "train"], ["python", "my model.py", "generate"],
             ["python", "my model.py", "export"]]
+        python_m = [["python", "-m", f"nljax.{c}"] for c in ("train", "generate", "export")]
         own = closing(config.load(None, ["run.dir=r"]), run)  # nljax's own model: python -m
-        assert [shlex.split(l.split(":", 1)[1])[:3] for l in own[1:]] == [
-            ["python", "-m", "nljax.train"], ["python", "-m", "nljax.generate"], ["python", "-m", "nljax.export"]]
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in own[1:]] == python_m
+        # a notebook: its kernel's launcher is argv[0], and __main__ has no file; python -m, as before
+        monkeypatch.setattr(sys, "argv", ["/venv/lib/ipykernel_launcher.py", "-f", "kernel.json"])
+        monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
+        lines = closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == python_m
     finally:
         specs.unregister("scripted")
