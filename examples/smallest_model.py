@@ -114,20 +114,28 @@ def build(cfg) -> Smallest:
 COMMANDS = ("train", "generate", "evaluate", "export", "bench")
 
 
+def command_line(argv: list[str]) -> tuple[str, list[str]]:
+    """The nljax command to run and its arguments, with this model's settings where the command
+    builds a model from a config (train, bench: without them, nljax's default model). Given on the
+    command line, yours win: they come after these."""
+    command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("train", argv)
+    if command not in ("train", "bench"):
+        return command, rest
+    # this model, in a new run and in a resume alike (the run's own name: no change); a run that
+    # --resume=auto starts trained nl_lm without it
+    defaults = ["model.name=smallest"]
+    if not any(a in ("--resume", "--resume=auto", "--config") or a.startswith(("checkpoint.resume=", "--config="))
+               for a in rest):
+        # a new run's levels (a resume has its run's and a --config file may set its own, which
+        # these would override): two, the slow MLP's gradients wait in its error buffer and cross
+        # devices every 4th step
+        defaults.append("cms.periods=[1,4]")
+    return command, [*defaults, *rest]
+
+
 def main(argv: list[str]) -> int:
     nljax.register_model("smallest", build, settings=SmallestConfig, shared=("vocab_size", "dim"))
-    command, rest = (argv[0], argv[1:]) if argv and argv[0] in COMMANDS else ("train", argv)
-    if command == "train":  # given on the command line, yours win (they come after these)
-        # this model, in a new run and in a resume alike (the run's own name: no change); a run that
-        # --resume=auto starts trained nl_lm, the default model, without it
-        defaults = ["model.name=smallest"]
-        if not any(a in ("--resume", "--resume=auto", "--config") or a.startswith(("checkpoint.resume=", "--config="))
-                   for a in rest):
-            # a new run's levels (a resume has its run's and a --config file may set its own, which
-            # these would override): two, the slow MLP's gradients wait in its error buffer and
-            # cross devices every 4th step
-            defaults.append("cms.periods=[1,4]")
-        rest = [*defaults, *rest]
+    command, rest = command_line(argv)
     return importlib.import_module(f"nljax.{command}").main(rest)
 
 

@@ -280,6 +280,19 @@ def config_path(path: str) -> Path:
                       f"{', '.join(packaged_configs())})")
 
 
+def yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error in one line that still says where: its problem and line/column, then what it
+    was parsing and where that began (the message's first line alone, 'while parsing a flow
+    sequence', named neither the problem nor a line)."""
+    problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+    if not problem:
+        return first_line(e)
+    at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    context, begun = getattr(e, "context", None), getattr(e, "context_mark", None)
+    within = f" ({context} at line {begun.line + 1}, column {begun.column + 1})" if context and begun else ""
+    return f"{at}{problem}{within}"
+
+
 def _settings_in(tree: Any) -> bool:
     """Whether a loaded YAML tree sets anything (`train: {}` or `train:` alone sets nothing)."""
     return any(_settings_in(v) for v in tree.values()) if isinstance(tree, dict) else tree is not None
@@ -299,7 +312,7 @@ def _read_yaml(path: str, saved: bool = False, label: str | None = None) -> dict
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror or e}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config file {path} is not valid YAML: {first_line(e)}")
+        raise ConfigError(f"config file {path} is not valid YAML: {yaml_problem(e)}") from None
     if loaded is None or not _settings_in(loaded):  # a file saved before it was written, the wrong file
         if isinstance(loaded, dict) and (null := _first_null(loaded)) is not None:  # `steps:` alone: a key, no value
             raise ConfigError(f"config file {path}: {_no_value(null)}")

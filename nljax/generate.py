@@ -141,6 +141,11 @@ def _prompts(s, codec) -> tuple[list[prompts_lib.Prompt], list[list[int]]]:
     """The file's prompts and their tokens: every line read and encoded before anything slow runs
     (a line the tokenizer cannot encode is named, as prompt= is refused)."""
     records = prompts_lib.read(s.prompts)
+    if held := prompts_lib.settings_in(records):  # a vLLM user's per-request stop: copied, never applied
+        settings = dict.fromkeys(prompts_lib.SETTING_NAMES.get(k, k) + "=" for k in held)  # OpenAI's max_tokens
+        print(f"nljax.generate: warning: prompts={s.prompts}: the records' fields {', '.join(held)} are copied to "
+              f"the results, not read: the command line's settings ({', '.join(settings)}) apply to every prompt",
+              file=sys.stderr)
     return records, [prompt_ids(codec, r.text, where=f"prompts={s.prompts} line {r.line}: ") for r in records]
 
 

@@ -25,6 +25,7 @@ Everything here imports JAX on call: `import nljax` stays light.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import sys
 from pathlib import Path
@@ -158,7 +159,7 @@ class TrainedModel:
 
     def generate(self, prompt: str | Sequence[str] = "", max_new_tokens: int = 200, temperature: float = 0.8,
                  top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                 stream: Callable[[str], Any] | None = None, labels: Sequence[int] | None = None, steps: int = 1,
+                 stream: Callable[[str], Any] | None = None, labels: Sequence[int | str] | None = None, steps: int = 1,
                  batch_size: int = 8, samples_per_prompt: int = 1, stop: str | Sequence[str] | None = (),
                  stop_at_eos: bool = True, details: bool = False):
         """A language model: the text sampled after `prompt` (not including it), with
@@ -177,8 +178,9 @@ class TrainedModel:
         list gives []. `samples_per_prompt=N` > 1 (a list of prompts only): a list, per prompt, of N
         texts, sample j of prompt i keyed as prompts= keys it (`sampling.seeded(seed, i, j)`).
         An image model (MeanFlow): samples [len(labels), H, W, C] in [-1, 1] for the class
-        `labels`, in `steps` steps (1: MeanFlow's one-step sampling), from noise keyed by `seed`
-        (default: the run's seed, as its evaluation's samples) and the sample's position."""
+        `labels` (numbers, or a folder's class names: `model.classes`), in `steps` steps (1:
+        MeanFlow's one-step sampling), from noise keyed by `seed` (default: the run's seed, as its
+        evaluation's samples) and the sample's position."""
         self._needs_logits("generate")
         if not isinstance(details, bool):  # a truthy string would change what is returned
             raise ConfigError(f"details must be True or False, got {details!r:.60}")
@@ -263,7 +265,23 @@ class TrainedModel:
             self._readers[rows] = StreamReader(self.model, params, mesh, self.seq_len, self.end_id, rows)
         return self._readers[rows]
 
-    def _images(self, labels: Sequence[int] | None, steps: int, seed: int | None) -> np.ndarray:
+    def _label_ids(self, labels: Sequence[int | str]) -> list[int]:
+        """`labels` as class ids: a folder's class names (`model.classes`) stand for their labels;
+        anything else that is not an integer is one line (int('cat') raised a ValueError)."""
+        names = tuple(getattr(self.model, "classes", None) or ())
+        ids = []
+        for x in labels:
+            if isinstance(x, str) and x in names:
+                ids.append(names.index(x))
+            elif hasattr(x, "__index__") and not isinstance(x, (bool, str)):  # int, numpy's, a 0-d jax array
+                ids.append(operator.index(x))
+            else:
+                known = f"its classes: {', '.join(names)}" if names else "its data name no classes"
+                raise ConfigError(f"labels must be class numbers or, for a run on a folder, class names ({known}); "
+                                  f"got {x!r:.60}")
+        return ids
+
+    def _images(self, labels: Sequence[int | str] | None, steps: int, seed: int | None) -> np.ndarray:
         if not hasattr(self.model, "generate"):
             raise ConfigError(f"model.name={self.config.model.name} neither makes text nor has generate()")
         conditional = getattr(self.model, "conditional", False)
@@ -271,7 +289,7 @@ class TrainedModel:
             # an unconditional model reads no label, but takes one per sample: say which to give
             which = "labels=[class, ...]" if conditional else "labels=[0] * n (unconditional: the labels are not read)"
             raise ConfigError(f"an image model's generate needs {which}, one sample each, and steps >= 1")
-        label = np.asarray(labels, np.int64)
+        label = np.asarray(self._label_ids(labels), np.int64)
         # a conditional DiT's classes 0..n-1 and n, its null label; a label beyond reads another
         # row of the label embedding (or none), silently. An unconditional model reads none.
         classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0

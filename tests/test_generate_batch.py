@@ -387,6 +387,23 @@ def _bad(tmp_path):
     ]
 
 
+def test_a_records_settings_are_said_to_be_copied_not_read(tmp_path, capsys):
+    """A .jsonl record's "stop" or "max_tokens" (vLLM's and OpenAI's request fields) was copied to
+    the results in silence, the command line's settings applied: one warning line names them."""
+    from nljax.data.tokenization import Bytes
+
+    p = tmp_path / "p.jsonl"
+    p.write_text('{"prompt": "a", "stop": ["x"], "id": 0}\n{"prompt": "b", "max_tokens": 5, "top_k": 2}\n')
+    records, ids = generate._prompts(sampling.Settings(prompts=str(p)), Bytes())
+    assert [r.fields for r in records] == [{"stop": ["x"], "id": 0}, {"max_tokens": 5, "top_k": 2}]
+    assert capsys.readouterr().err == (
+        f"nljax.generate: warning: prompts={p}: the records' fields max_tokens, top_k, stop are copied to the results, "
+        "not read: the command line's settings (max_new_tokens=, top_k=, stop=) apply to every prompt\n")
+    p.write_text('{"prompt": "a", "id": 0}\n')
+    generate._prompts(sampling.Settings(prompts=str(p)), Bytes())
+    assert capsys.readouterr().err == ""
+
+
 def test_bad_input_is_one_line(run_dir, tmp_path, capsys):
     for files, args, line in _bad(tmp_path):
         for name, text in files.items():

@@ -395,7 +395,10 @@ def test_the_record_names_the_classes_and_a_use_on_others_names_the_first_that_d
          "class (a folder's labels are its class subfolders in sorted order)"),
         (record((4, 4, 3), 3, ("bee", "cat", "dog")),
          "images.classes[0]='ant', this run's data give images.classes[0]='bee'"),
-        (record((4, 4, 3), 2, ("ant", "dog")), "images.num_classes=3, this run's data give images.num_classes=2"),
+        (record((4, 4, 3), 2, ("ant", "dog")), "images.num_classes=3, this run's data give images.num_classes=2 "
+         "(classes there, not here: 'cat')"),  # which subfolder went: the user's terms
+        (record((4, 4, 3), 4, ("ant", "cat", "dog", "eel")), "images.num_classes=3, this run's data give "
+         "images.num_classes=4 (classes here, not there: 'eel')"),
         (record((4, 4, 1), 3, ("bee", "cat", "eel")),
          "images.shape=[4, 4, 3], this run's data give images.shape=[4, 4, 1] (3-channel images there, "
          "1-channel here)"),

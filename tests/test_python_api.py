@@ -208,6 +208,27 @@ def test_an_unconditional_image_model_says_which_labels_and_takes_a_seed():
                             "(an array of samples)")
 
 
+def test_an_image_model_of_a_folder_takes_its_class_names_as_labels():
+    """labels=["cat"] raised int()'s ValueError: a folder's run names its classes (model.classes),
+    and a name stands for its label; a name it lacks, or no names, is one line. Built, no parameters: fast."""
+    from pathlib import Path
+
+    from nljax.config import load
+    from nljax.models.builtin import dit
+
+    cfg = load(None, ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+                      "model.dit.patch_size=2", "cms.periods=[1]", "meanflow.cfg_omega=1", "meanflow.cfg_kappa=0"])
+    for classes in (("cat", "dog", "fox"), None):
+        lm = nljax.TrainedModel(dit(cfg, (4, 4, 1), 3, classes), {}, cfg, 0, Path("built"))  # refused before params
+        if classes:  # the ids generate samples (drawing them compiles: seconds)
+            assert lm._label_ids(["fox", "cat", 1, np.int64(2), jax.numpy.asarray(0)]) == [2, 0, 1, 2, 0]
+        with pytest.raises(ConfigError) as e:
+            lm.generate(labels=[0, "owl"])
+        known = "its classes: cat, dog, fox" if classes else "its data name no classes"
+        assert str(e.value) == (f"labels must be class numbers or, for a run on a folder, class names ({known}); "
+                                "got 'owl'")
+
+
 def test_import_nljax_stays_free_of_jax():
     code = ("import sys, nljax; assert callable(nljax.load) and callable(nljax.load_model); "
             "assert nljax.Completion('a', 'eos', 2).finish_reason == 'eos'; "

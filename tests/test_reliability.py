@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import threading
+from types import SimpleNamespace
 
 import pytest
 
@@ -856,8 +858,6 @@ def test_the_closing_commands_paste_into_a_shell_as_printed():
 
 def test_the_closing_lines_say_where_checkpoints_elsewhere_are(tmp_path):
     """checkpoint.dir outside the run dir: the closing line said the checkpoints were in run.dir."""
-    from types import SimpleNamespace
-
     from nljax import config
     from nljax.run.trainer import closing
 
@@ -1030,3 +1030,41 @@ def test_a_failing_evaluation_keeps_the_steps_since_the_last_checkpoint(tmp_path
     assert "the evaluation failed; checkpoint 3 saved (resume with --resume)" in capsys.readouterr().out
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps[-1] == 2  # the failed step's record (steps count from 0), written before the save
+
+
+def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(monkeypatch, tmp_path):
+    """A model registered by the script run (examples/smallest_model.py): `python -m nljax.generate`
+    does not know it, and the closing lines printed that command."""
+    import shlex
+
+    from nljax import config, register_model
+    from nljax.models import specs
+    from nljax.run.trainer import closing
+
+    def build(cfg):
+        raise AssertionError("not built")
+
+    build.__module__ = "__main__"  # as a function defined in the script `python my model.py` runs
+    register_model("scripted", build)
+    script = tmp_path / "my model.py"
+    script.write_text("")
+    monkeypatch.chdir(tmp_path)
+    try:
+        monkeypatch.setattr(sys, "argv", ["my model.py", "train"])
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+        model = SimpleNamespace(logits=None)
+        run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=model))
+        lines = closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == [
+            ["python", "my model.py", "train"], ["python", "my model.py", "generate"],
+            ["python", "my model.py", "export"]]
+        python_m = [["python", "-m", f"nljax.{c}"] for c in ("train", "generate", "export")]
+        own = closing(config.load(None, ["run.dir=r"]), run)  # nljax's own model: python -m
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in own[1:]] == python_m
+        # a notebook: its kernel's launcher is argv[0], and __main__ has no file; python -m, as before
+        monkeypatch.setattr(sys, "argv", ["/venv/lib/ipykernel_launcher.py", "-f", "kernel.json"])
+        monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
+        lines = closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == python_m
+    finally:
+        specs.unregister("scripted")

@@ -74,27 +74,18 @@ def test_its_commands_train_resume_generate_and_evaluate(tmp_path):
     assert "eval_loss" in p.stdout, p.stdout
 
 
-def test_the_files_train_command_gives_its_model_to_every_run(example, monkeypatch):
-    """`train` gives model.name=smallest to a new run, a resume and a --resume=auto start alike
-    (without it that start trained nl_lm), cms.periods=[1,4] to a new run without --config only (a
-    resume's own could be other: refused as changed; a file's would be overridden), and the line's own settings after them (they win)."""
-    import types
-
-    import nljax
-
-    given = []
-    monkeypatch.setattr(nljax, "register_model", lambda *a, **k: None)  # the fixture registered it
-    monkeypatch.setattr(example, "importlib", types.SimpleNamespace(
-        import_module=lambda name: types.SimpleNamespace(main=lambda argv: given.append((name, argv)) or 0)))
-
-    def train(*argv):
-        assert example.main(["train", *argv]) == 0
-        return given[-1][1]
-
-    assert train("run.dir=r") == ["model.name=smallest", "cms.periods=[1,4]", "run.dir=r"]
-    assert train("run.dir=r", "cms.periods=[1,2]")[-1] == "cms.periods=[1,2]"
+def test_its_command_line_gives_its_model_to_every_run(example):
+    """`train` and `bench` give model.name=smallest to a new run, a resume and a --resume=auto start
+    alike (without it that start trained nl_lm, bench measured it), cms.periods=[1,4] to a new run
+    without --config only (a resume's own could be other: refused as changed; a file's would be
+    overridden), and the line's own settings after them (they win)."""
+    defaults = ["model.name=smallest", "cms.periods=[1,4]"]
+    assert example.command_line(["run.dir=r"]) == ("train", [*defaults, "run.dir=r"])
+    assert example.command_line(["train", "run.dir=r", "cms.periods=[1,2]"])[1][-1] == "cms.periods=[1,2]"
     for resume in ("--resume", "--resume=auto", "checkpoint.resume=latest"):
-        assert train(resume, "run.dir=r") == ["model.name=smallest", resume, "run.dir=r"], resume
-    # a config file's own cms.periods is not overridden
-    assert train("--config", "mine.yaml") == ["model.name=smallest", "--config", "mine.yaml"]
-    assert example.main(["generate", "run.dir=r"]) == 0 and given[-1] == ("nljax.generate", ["run.dir=r"])
+        assert example.command_line(["train", resume, "run.dir=r"]) == ("train", ["model.name=smallest", resume,
+                                                                                  "run.dir=r"]), resume
+    assert example.command_line(["train", "--config", "mine.yaml"]) == ("train", ["model.name=smallest", "--config",
+                                                                                  "mine.yaml"])
+    assert example.command_line(["generate", "run.dir=r"]) == ("generate", ["run.dir=r"])
+    assert example.command_line(["bench", "--cpu-devices", "2"]) == ("bench", [*defaults, "--cpu-devices", "2"])

@@ -370,8 +370,23 @@ def check_built(path: Path, meta: dict, here: dict, then: str = "") -> None:
     found = [d for d in differences(saved, here, "") if d[1] is not None and d[2] is not None]
     # names last: another class count (which changes the names too) or image shape is said first
     found.sort(key=lambda d: _names(d[1]))
+    names = next(((t, m) for _, t, m in found if _names(t) and _names(m)), None)
     for key, there, mine in found[:1]:
-        raise ConfigError(f"checkpoint {path} was trained on data with {_built_difference(key, there, mine)}{then}")
+        line = _built_difference(key, there, mine)
+        if key.endswith("num_classes") and names:  # which subfolders came or went: the user's terms
+            line += _classes_apart(*names)
+        raise ConfigError(f"checkpoint {path} was trained on data with {line}{then}")
+
+
+def _classes_apart(there: list[str], mine: list[str], most: int = 3) -> str:
+    """' (classes here, not there: 'eel'; there, not here: ...)': where another class count came
+    from, at most `most` names each side."""
+    def some(names: list[str]) -> str:
+        return ", ".join(fmt(x) for x in names[:most]) + (f", ... ({len(names)})" if len(names) > most else "")
+
+    parts = [f"{side}: {some(d)}" for side, d in (("here, not there", [x for x in mine if x not in there]),
+                                                  ("there, not here", [x for x in there if x not in mine])) if d]
+    return f" (classes {'; '.join(parts)})" if parts else ""
 
 
 def _names(v: Any) -> bool:

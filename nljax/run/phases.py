@@ -65,14 +65,20 @@ class Announced:
 
 
 def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoints: str | None = None,
-                  samples: bool = True) -> list[str]:
+                  samples: bool = True, script: str | None = None) -> list[str]:
     """Where a finished run's outputs are and the commands that continue, sample and export it;
     `checkpoints`: their directory where it is not the run directory's own; `samples`: whether
-    `nljax.generate` can sample the model (a text model without `logits()` cannot)."""
+    `nljax.generate` can sample the model (a text model without `logits()` cannot); `script`: the
+    file that registered the run's model in its own process, run as `python SCRIPT COMMAND ...`
+    (examples/smallest_model.py's form): `python -m nljax.generate` would not know the model."""
     d = shlex.quote(f"run.dir={run_dir}")  # pasted into a shell as printed, spaces and all
+
+    def command(name: str) -> str:
+        return f"python {shlex.quote(script)} {name}" if script else f"python -m nljax.{name}"
+
     prompt = " prompt='The '" if text else ""
     saved = f"plots; checkpoints in {checkpoints}" if checkpoints else "plots, checkpoints"
     return [f"run directory: {run_dir} (config.yaml, metrics.jsonl, summary.json, {saved})",
-            f"  resume:  python -m nljax.train --resume {d} train.steps={2 * steps or 1}",
-            *([f"  sample:  python -m nljax.generate {d}{prompt}"] if samples else []),
-            f"  export:  python -m nljax.export {d}   (to {exported})"]
+            f"  resume:  {command('train')} --resume {d} train.steps={2 * steps or 1}",
+            *([f"  sample:  {command('generate')} {d}{prompt}"] if samples else []),
+            f"  export:  {command('export')} {d}   (to {exported})"]

@@ -22,6 +22,12 @@ from nljax.errors import ConfigError
 RESULT_FIELDS = ("prompt", "completion", "index", "sample", "finish_reason")
 
 
+# what a request record of vLLM's or OpenAI's batch files sets per prompt; nljax.generate's settings
+# are its command line's, for every prompt, so such a field is copied to the results and not read
+SETTING_FIELDS = ("max_new_tokens", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "stop_at_eos")
+SETTING_NAMES = {"max_tokens": "max_new_tokens"}  # a field's nljax.generate setting, where named otherwise
+
+
 @dataclasses.dataclass(frozen=True)
 class Prompt:
     line: int  # the file's line it came from, from 1
@@ -79,3 +85,9 @@ def _record(named: str, n: int, line: str) -> Prompt:
     except UnicodeEncodeError as e:
         raise ConfigError(f"{named} line {n}: the prompt is not UTF-8 text (at character {e.start})") from None
     return Prompt(n, text, record)
+
+
+def settings_in(prompts: list[Prompt]) -> list[str]:
+    """The `SETTING_FIELDS` the records hold, in that order: per-prompt settings that are not read."""
+    held = {k for p in prompts for k in p.fields}
+    return [k for k in SETTING_FIELDS if k in held]

@@ -12,7 +12,9 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -487,4 +489,19 @@ def closing(cfg: Config, run: Run) -> list[str]:
     text = run.task.unit == "tokens"
     return closing_lines(cfg.run.dir, cfg.train.steps, text, str(Path(cfg.run.dir) / exportdir.DEFAULT),
                          None if inside_run_dir(cfg) else str(checkpoint_dir(cfg)),
-                         samples=not text or hasattr(run.engine.model, "logits"))
+                         samples=not text or hasattr(run.engine.model, "logits"), script=registering_script(cfg))
+
+
+def registering_script(cfg: Config) -> str | None:
+    """The script this process runs, where it registered the run's model itself (a build function
+    of `__main__`, as examples/smallest_model.py's): only a process that registers the model knows
+    it, so the closing commands go through that script. None: a package's or nljax's own model."""
+    if registry.spec(cfg.model.name).origin != "__main__":
+        return None
+    script = sys.argv[0] if sys.argv else ""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)  # none in a notebook's kernel
+    try:  # the script as the user typed it, where it is the file Python runs (not a kernel's launcher)
+        ran = bool(main_file) and script.endswith(".py") and os.path.samefile(script, main_file)
+    except OSError:
+        ran = False
+    return script if ran else None
