@@ -233,7 +233,7 @@ def loss_and_grads(overrides):
     """The tiny nl_lm's loss and parameter gradients on a fixed batch (masked row included), from
     the default paths' initial parameters."""
     base = config.load(None, TINY_NL)
-    params = build(base).init(jax.random.key(0))
+    params = jax.jit(build(base).init)(jax.random.key(0))  # one compile instead of hundreds of eager ops
     model = build(config.load(None, [*TINY_NL, *overrides]))
     tokens = jax.random.randint(jax.random.key(1), (4, base.train.seq_len + 1), 0, base.model.vocab_size)
     batch = {"tokens": tokens, "reset": jnp.ones((4,), bool), "mask": jnp.array([1, 1, 0, 1])}

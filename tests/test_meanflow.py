@@ -439,7 +439,9 @@ def test_bf16_dit_modulates_in_float32():
     net = DiTNet(*SMALL_DIT, dtype=jnp.bfloat16)
     params = tiny_params(DiTNet(*SMALL_DIT))
     z, t = jnp.zeros((2, 8, 8, 3)), jnp.full((2,), 0.5)
-    _, inter = net.apply({"params": params}, z, t, t, jnp.zeros((2,), jnp.int32), capture_intermediates=True)
+    # dtypes only: traced, not run (eager, the forward took seconds of per-op compiles)
+    _, inter = jax.eval_shape(lambda p: net.apply({"params": p}, z, t, t, jnp.zeros((2,), jnp.int32),
+                                                  capture_intermediates=True), params)
     outs = {"/".join(k): v for k, v in flax.traverse_util.flatten_dict(inter["intermediates"]).items()}
     mods = {k: v[0].dtype for k, v in outs.items() if "adaln" in k}
     assert len(mods) == 3 and set(mods.values()) == {jnp.dtype(jnp.float32)}, mods

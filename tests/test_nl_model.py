@@ -90,9 +90,10 @@ def test_reset_rows_start_from_memory0():
     fresh = model.init_memory(8)
     reset = np.zeros(8, bool)
     reset[[2, 5]] = True
-    out_mixed = model.apply(params, memory, {**batch, "reset": reset})[2]
-    out_fresh = model.apply(params, fresh, {**batch, "reset": np.ones(8, bool)})[2]
-    out_kept = model.apply(params, memory, {**batch, "reset": np.zeros(8, bool)})[2]
+    apply = jax.jit(model.apply)  # one compile for the three forwards instead of eager ops
+    out_mixed = apply(params, memory, {**batch, "reset": reset})[2]
+    out_fresh = apply(params, fresh, {**batch, "reset": np.ones(8, bool)})[2]
+    out_kept = apply(params, memory, {**batch, "reset": np.zeros(8, bool)})[2]
     for mixed, fr, kept in zip(jax.tree.leaves(out_mixed), jax.tree.leaves(out_fresh), jax.tree.leaves(out_kept)):
         mixed, fr, kept = map(np.asarray, (mixed, fr, kept))
         np.testing.assert_allclose(mixed[[2, 5]], fr[[2, 5]], rtol=1e-6)
@@ -129,8 +130,9 @@ def test_non_finite_memory_row_restarts_and_others_are_untouched():
     key = jax.random.key(2)
     memory = jax.tree.map(lambda x: jax.random.normal(key, x.shape), model.init_memory(8))
     poisoned = jax.tree.map(lambda x: x.at[3].set(np.nan), memory)
-    clean_out = model.apply(params, memory, batch)[2]
-    out = model.apply(params, poisoned, batch)[2]
+    apply = jax.jit(model.apply)  # one compile for both forwards instead of eager ops
+    clean_out = apply(params, memory, batch)[2]
+    out = apply(params, poisoned, batch)[2]
     fresh = model.init_memory(1)
     for leaf, clean in zip(jax.tree.leaves(out), jax.tree.leaves(clean_out)):
         leaf, clean = np.asarray(leaf), np.asarray(clean)
@@ -210,21 +212,27 @@ def test_a_later_memory_reads_the_tokens_under_a_shared_stream(embed):
     from nljax.models import build, nl_lm
 
     model = build(config.load(None, ["model.nl_lm.memory_layers=[1]", f"model.nl_lm.memory_embed={str(embed).lower()}"]))
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))  # one compile instead of hundreds of eager ops
     bias = 6.0 * jax.random.normal(jax.random.key(2), params["block0"]["cms0"]["down"]["bias"].shape)
     params = {**params, "block0": {**params["block0"], "cms0": {**params["block0"]["cms0"], "down": {
         **params["block0"]["cms0"]["down"], "bias": bias}}}}
     tokens = jax.random.randint(jax.random.key(1), (4, 129), 0, 256)
-    seen = []
 
-    def record(call, args, kwargs, context):
-        if isinstance(context.module, nl_lm.NeuralMemory) and context.method_name == "__call__":
-            seen.append(args[0])
-        return call(*args, **kwargs)
+    @jax.jit  # the memory's input, returned from the compiled forward (one compile, not eager ops)
+    def memory_input(params, tokens):
+        seen = []
 
-    with nn.intercept_methods(record):
-        model.logits(params, model.init_memory(4), {"tokens": tokens, "reset": jnp.ones(4, bool)})
-    (x,) = seen
+        def record(call, args, kwargs, context):
+            if isinstance(context.module, nl_lm.NeuralMemory) and context.method_name == "__call__":
+                seen.append(args[0])
+            return call(*args, **kwargs)
+
+        with nn.intercept_methods(record):
+            model.logits(params, model.init_memory(4), {"tokens": tokens, "reset": jnp.ones(4, bool)})
+        (x,) = seen
+        return x
+
+    x = memory_input(params, tokens)
     shared = float(jnp.mean(jnp.sum(x.mean(1) ** 2, -1) / jnp.mean(jnp.sum(x * x, -1), 1)))
     assert (shared < 0.6) if embed else (shared > 0.95), shared
 

@@ -16,7 +16,7 @@ from nljax.models import build
 def grads(overrides):
     """Gradients of the default model's loss on two rows, carried memory included."""
     model = build(config.load(None, overrides))
-    params = model.init(jax.random.key(0))
+    params = jax.jit(model.init)(jax.random.key(0))  # one compile instead of hundreds of eager ops
     tokens = jax.random.randint(jax.random.key(1), (2, 129), 0, 256)
     batch = {"tokens": tokens, "reset": jnp.ones(2, bool)}
     memory = model.init_memory(2)
