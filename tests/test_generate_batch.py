@@ -451,5 +451,6 @@ def test_an_export_gives_its_runs_results(run_dir, tmp_path, capsys):
     assert results[0] == results[1] and len(results[0]) == 8
     capsys.readouterr()
     (tmp_path / "bad.txt").write_text("")
-    assert generate.main(_args(tmp_path / "export", f"prompts={tmp_path / 'bad.txt'}", f"out={tmp_path / 'o.jsonl'}")) == 2
+    bad = _args(tmp_path / "export", f"prompts={tmp_path / 'bad.txt'}", f"out={tmp_path / 'o.jsonl'}")
+    assert generate.main(bad) == 2
     assert capsys.readouterr().err.strip().endswith("holds no prompt: the file is empty")

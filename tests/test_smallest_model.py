@@ -17,8 +17,8 @@ from helpers import QUICK, ROOT, TINY, assert_trees_close, make, run_python, tra
 from nljax.models import specs
 
 EXAMPLE = ROOT / "examples" / "smallest_model.py"
-ARGS = [*(a for a in TINY if not a.startswith("model.")), "model.name=smallest", "model.dim=16", "model.smallest.hidden=8",
-        "cms.periods=[1,2]"]
+ARGS = [*(a for a in TINY if not a.startswith("model.")), "model.name=smallest", "model.dim=16",
+        "model.smallest.hidden=8", "cms.periods=[1,2]"]
 
 
 @pytest.fixture(scope="module")

@@ -84,7 +84,8 @@ def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrid
         raise
     for section, key in THIS_COMMAND:
         value = getattr(getattr(cfg, section), key)
-        resumed = dataclasses.replace(resumed, **{section: dataclasses.replace(getattr(resumed, section), **{key: value})})
+        part = dataclasses.replace(getattr(resumed, section), **{key: value})
+        resumed = dataclasses.replace(resumed, **{section: part})
     try:
         resolved = tasks.resolve(resumed)
     except ConfigError as e:

@@ -476,7 +476,8 @@ def weight_decay(cfg: Config, eng) -> str:
     if not cfg.optim.weight_decay:
         return ""
     decays = decays_of(cfg, eng.model) or (lambda path: True)
-    sizes = [(decays(levels.path_str(p)), math.prod(x.shape)) for p, x in jax.tree_util.tree_flatten_with_path(eng.param_shapes)[0]]
+    sizes = [(decays(levels.path_str(p)), math.prod(x.shape))
+             for p, x in jax.tree_util.tree_flatten_with_path(eng.param_shapes)[0]]
     return (f", weight decay {cfg.optim.weight_decay:g} on {sum(n for d, n in sizes if d):,} of "
             f"{sum(n for _, n in sizes):,} parameters (optim.decay_params={cfg.optim.decay_params})")
 
