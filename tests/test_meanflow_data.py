@@ -122,6 +122,17 @@ def pngs(root, pixels, names):
         Image.fromarray(a).save(root / name)
 
 
+def class_folders(root, seed: int, n: int, names: list[str], pair: tuple[str, str], renamed: list[str]) -> None:
+    """Five folders under `root` of `n` random PNGs, labelled by cycling through class subfolders:
+    `pair` (two of 4x4 RGB images, other pixels, the classes `names`), big (8x8 RGB), gray (4x4,
+    one channel) and renamed (4x4 RGB, the classes `renamed`: as many, others)."""
+    rng = np.random.default_rng(seed)
+    for name, shape, classes in ((pair[0], (4, 4, 3), names), (pair[1], (4, 4, 3), names), ("big", (8, 8, 3), names),
+                                 ("gray", (4, 4), names), ("renamed", (4, 4, 3), renamed)):
+        pngs(root / name, rng.integers(0, 256, (n, *shape), dtype=np.uint8),
+             [f"{classes[i % len(classes)]}/{i:02d}.png" for i in range(n)])
+
+
 TOY = ["model.dim=16", "model.depth=1", "train.batch_size=8", "meanflow.sample_steps=2", "mesh.inter=1",
        "mesh.intra=2"]
 
@@ -367,16 +378,8 @@ def test_a_checkpoint_used_on_other_images_is_refused(tmp_path, capsys):
     from nljax.checkpoint import contents
     from nljax.run import trained
 
-    rng = np.random.default_rng(3)
     names = ["ant", "bee", "cat", "dog"]
-    folder = lambda name, shape, classes=names: pngs(  # noqa: E731
-        tmp_path / name, rng.integers(0, 256, (40, *shape), dtype=np.uint8),
-        [f"{classes[i % 4]}/{i:02d}.png" for i in range(40)])
-    folder("small", (4, 4, 3))
-    folder("other_small", (4, 4, 3))  # other pixels, the same classes
-    folder("big", (8, 8, 3))
-    folder("gray", (4, 4))
-    folder("renamed", (4, 4, 3), ["ant", "bee", "cow", "dog"])
+    class_folders(tmp_path, 3, 40, names, ("small", "other_small"), ["ant", "bee", "cow", "dog"])
     dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
            "model.dit.patch_size=1", "images.source=file", f"images.path={tmp_path / 'small'}", "cms.periods=[1]",
            "train.batch_size=16", "meanflow.sample_steps=2"]
@@ -453,16 +456,8 @@ def test_a_folders_class_names_are_recorded_and_a_resume_on_others_is_refused(tm
     from nljax.checkpoint import storage
     from nljax.run import tasks
 
-    rng = np.random.default_rng(5)
     names = ["ant", "bee", "cat"]
-    folder = lambda name, shape, classes=names: pngs(  # noqa: E731
-        tmp_path / name, rng.integers(0, 256, (30, *shape), dtype=np.uint8),
-        [f"{classes[i % 3]}/{i:02d}.png" for i in range(30)])
-    folder("pets", (4, 4, 3))
-    folder("more_pets", (4, 4, 3))  # other pixels, the same classes
-    folder("big", (8, 8, 3))
-    folder("gray", (4, 4))
-    folder("renamed", (4, 4, 3), ["ant", "bee", "cow"])
+    class_folders(tmp_path, 5, 30, names, ("pets", "more_pets"), ["ant", "bee", "cow"])
     run = tmp_path / "run"
     args = ["--config", "meanflow_toy", "model.dim=16", "model.depth=1", "train.batch_size=8",
             "meanflow.sample_steps=1", "throughput.reps=0", "run.plots=false", "eval.every=0", "checkpoint.every=2", "images.source=file",

@@ -147,9 +147,7 @@ class NLJaxLM(TemplateLM):
         new = self.reader.generate(prompts, max(limits), pick, stop) if requests else []
         out = []
         for i, tokens in enumerate(new):
-            ends[i].feed(tokens[: limits[i]])  # the reader asks `stop` of no row's last token within the budget
-            ends[i].end()
-            out.append(ends[i].text)
+            out.append(ends[i].finish(tokens[: limits[i]]).text)
             self.cache_hook.add_partial("generate_until", (contexts[i], kwargs[i]), out[-1])
         return out
 

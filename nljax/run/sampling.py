@@ -306,9 +306,7 @@ def completions(reader, codec, prompts: Sequence[list[int]], s: Settings,
                               lambda logits, b: sample_token(logits, rngs[b], s), lambda b, toks: ends[b].feed(toks),
                               lead_end_resets=True)  # an empty prompt's end token resets, as `tokens` reads it
         for (i, j), ids, end in zip(batch, new, ends):
-            end.feed(ids)  # the reader asks `stop` of no row's last token within the budget
-            end.end()
-            yield i, j, end.completion()
+            yield i, j, end.finish(ids)
         tokens += sum(map(len, new))
         done(start + len(batch), len(jobs), tokens)
 

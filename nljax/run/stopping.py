@@ -84,6 +84,14 @@ class Ending:
         self.reason = "length"
         return self._add(self._decoder.end(), last=True)
 
+    def finish(self, tokens: Sequence[int]) -> Completion:
+        """What ended, once a row's `tokens` are all drawn: those not taken yet fed (a batched
+        reader asks its `stop` of no row's last token within the budget), then the budget's end
+        where nothing ended it first."""
+        self.feed(tokens)
+        self.end()
+        return self.completion()
+
     def completion(self) -> Completion:
         """What ended (`end` first, once the tokens are spent): its text, reason and tokens drawn."""
         if self.reason is None:
