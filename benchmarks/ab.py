@@ -83,7 +83,7 @@ def run(args) -> int:
                                      timed_step_s=row["median_ms"] / 1e3)
             row.update(ops_per_step=s["ops"], busy_s=s["busy_s"], profiled_step_s=s["step_s"],
                        busy_fraction=s["busy_fraction"], by_category_s=s["by_category_s"],
-                       by_scope_s=s["by_scope_s"])
+                       by_scope_s=s["by_scope_s"], **({"idle": s["idle"]} if "idle" in s else {}))
         rows.append(row)
     print(f"{args.config or '(default config)'}: {args.rounds} interleaved rounds after {args.warmup} warm-up, "
           f"all-levels step, {jax.device_count()} x {jax.devices()[0].device_kind}")
@@ -93,6 +93,8 @@ def run(args) -> int:
         ops = f"  {r['ops_per_step']:,.0f} ops/step, busy {busy}" if "ops_per_step" in r else ""
         print(f"  {r['variant']:<40} median {r['median_ms']:9.1f} ms  min {r['min_ms']:9.1f} ms  x{r['ratio']:.3f}  "
               f"compile {r['compile_s']:5.1f} s  memory {mem}{ops}")
+        if r.get("idle"):  # where the device waited in the profiled steps
+            print("\n".join(f"      {line}" for line in traces.format_idle(r["idle"])))
     if args.out:
         Path(args.out).write_text(json.dumps({"config": args.config, "rounds": args.rounds, "rows": rows}, indent=1))
     return 0

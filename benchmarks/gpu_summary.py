@@ -32,7 +32,16 @@ def profiled(b: dict) -> str:
                                                           if p.get("timed_step_s") else "")
     return (f"; profile: {kernels(p['ops'], p['busy_fraction'])} under the profiler{busy} "
             f"(median {p['median_op_us']:.1f} us); {cats}"
-            + (f"; most time in: {where}" if where else ""))
+            + (f"; most time in: {where}" if where else "") + idled(p.get("idle")))
+
+
+def idled(idle: dict | None) -> str:
+    """Where the device waited in a profiled step (nljax.measure.traces, `idle`), if recorded."""
+    if not idle:
+        return ""
+    ms = lambda k: f"{idle[k] * 1e3:.1f} ms"
+    return (f"; device idle: before the first op {ms('before_first_op_s')}, between ops {ms('between_ops_s')}, "
+            f"after the last op {ms('after_last_op_s')}")
 
 
 def gb(n) -> str:
@@ -59,7 +68,7 @@ def lines(out: Path) -> list[str]:
                     + ("skipped" if ratio is None else f"{ratio:.1f}x (target >= 100x; "
                        f"{t['nljax']['tokens_per_s']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)"))
     for r in [r for name in ("ab_titans_remat", "ab_titans_loop", "ab_titans_unroll") for r in (load(out, name) or {}).get("rows", [])]:
-        ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}" if "ops_per_step" in r else ""
+        ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
         rows.append(f"info  titans_demo {r['variant'].strip()}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} of the "
                     f"first), compile {r['compile_s']:.0f} s{ops}")
     for name in ("bench_titans_demo_graphs",):

@@ -293,3 +293,37 @@ def test_a_real_h200_profile_is_placed(tmp_path, capsys):
     with pytest.raises(SystemExit):
         place_trace.main([str(tmp_path / "nothing"), "--steps", "1"])
     assert "program.hlo.txt does not exist" in capsys.readouterr().err
+
+
+def test_idle_time_of_each_marked_step_is_split(tmp_path):
+    """Two steps `record` marked: the device's idle time before the first op, between ops (by gap
+    length, overlapping streams counted once) and after the last op, per step; the longest gaps
+    name the ops around them. A trace without the marks has no `idle`."""
+    host = lambda ts, dur: {"ph": "X", "pid": 7, "tid": 3, "name": traces.STEP_EVENT, "ts": ts, "dur": dur}
+    events = [
+        meta(1, "/device:GPU:0"), meta(1, "Stream #13", 13), meta(1, "Stream #14", 14), meta(7, "/host:CPU"),
+        # step 1, window [0, 300): first op at 40; gaps 3 us (10 -> 13 on the other stream's
+        # overlap: [40, 90) and [60, 100) are one interval), 60 us; last op ends at 250
+        host(0, 300),
+        op(1, 13, "fusion.1", 40, 50), op(1, 14, "fusion.2", 60, 40), op(1, 13, "fusion.3", 103, 7),
+        op(1, 13, "while.4", 170, 80),
+        # step 2, window [1000, 1100): first op at 1010, one 20 us gap, last op ends at 1095
+        host(1000, 100),
+        op(1, 13, "fusion.1", 1010, 30), op(1, 13, "fusion.3", 1060, 35),
+    ]
+    s = traces.summarize(write(tmp_path, events), steps=2, step_s=200e-6)
+    idle = s["idle"]
+    assert idle["steps"] == 2
+    assert idle["before_first_op_s"] == pytest.approx((40 + 10) * 1e-6 / 2)
+    assert idle["between_ops_s"] == pytest.approx((3 + 60 + 20) * 1e-6 / 2)
+    assert idle["after_last_op_s"] == pytest.approx((50 + 5) * 1e-6 / 2)
+    assert [(g["per_step"], round(g["s"] * 1e6, 6)) for g in idle["gaps"]] == [(0.5, 1.5), (0.5, 10.0), (0.5, 30.0)]
+    assert idle["longest"][0] == {"us": 60, "after": "fusion.3", "before": "while.4"}
+    assert idle["longest"][1] == {"us": 20, "after": "fusion.1", "before": "fusion.3"}
+    assert idle["longest"][2] == {"us": 3, "after": "fusion.2", "before": "fusion.3"}  # the later end
+    text = "\n".join(traces.format_summary(s))
+    assert "device idle per step 0.09 ms: before the first op" in text and "between ops 0.04 ms (0.5 of under 5 us: 0.00 ms, 0.5 of 5-50 us: 0.01 ms, 0.5 of 50 us or more: 0.03 ms)" in text
+    assert "after fusion.3, before while.4" in text
+    unmarked = traces.summarize(write(tmp_path / "b", [e for e in events if e.get("name") != traces.STEP_EVENT]),
+                                steps=2, step_s=200e-6)
+    assert "idle" not in unmarked
