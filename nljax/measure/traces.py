@@ -16,8 +16,8 @@ device:
   the rest (fusions), by op and kernel names (`CATEGORIES`);
 - `top`: the ops that take the most time, and `top_kinds` the same by kind of op (the name
   without XLA's numeric suffix: all `fusion.N` together);
-- `idle`, for a trace `record` made: where the device waited during each step, from the host's
-  mark around each step call (`STEP_EVENT`, dispatch to `block_until_ready`): before its first
+- `idle`, for a trace whose steps the host marked (`STEP_EVENT`, from the step's dispatch to its
+  result: `record`, and a training run's steps): where the device waited during each: before its first
   op (the host's dispatch of the step, the first launch), between its ops (by gap length: a
   launch's latency is a few microseconds, a host round trip tens), after its last op (the
   result's way back), and the longest gaps with the ops on either side. titans_demo on an H200
