@@ -447,7 +447,7 @@ def _train(cfg: Config, notice: Notice) -> dict:
     with Announced(say if reading else (lambda text: None))(reading or ""):
         # another tokenizer's checkpoint is refused
         ckpt = Checkpoints.resolve(run.engine, fresh, say, digest, startup.tokenizer_identity(run.task))
-    ckpt.check_data(digest, startup.eval_set_digests(run.task))
+    ckpt.check_data(digest, startup.eval_set_digests(run.task), say)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     # the cleanup, in reverse order of registration; each step runs whatever the one before raised
     with contextlib.ExitStack() as cleanup:
