@@ -423,7 +423,8 @@ def test_each_record_says_the_tokens_drawn(tmp_path, monkeypatch, capsys):
     s = sampling.Settings(prompts=str(src), out=str(out), batch_size=8)
     assert generate._write_completions(reader, None, s, prompts_lib.read(str(src)), [[97], [98]]) == 0
     assert _records(out) == [
-        {"prompt": "a", "completion": "xy", "index": 0, "sample": 0, "finish_reason": "eos", "new_tokens": 3, "id": "q0"},
+        {"prompt": "a", "completion": "xy", "index": 0, "sample": 0, "finish_reason": "eos", "new_tokens": 3,
+         "id": "q0"},
         {"prompt": "b", "completion": "zzzz", "index": 1, "sample": 0, "finish_reason": "length", "new_tokens": 4}]
     assert [list(r)[4:6] for r in _records(out)] == [["finish_reason", "new_tokens"]] * 2
     capsys.readouterr()
