@@ -459,11 +459,19 @@ def _base_path(name: str, including: Path, shown: str, label: str) -> tuple[Path
     if local.is_file():  # a folder of the same name (runs/nl_gpu) is not the base
         return local, str(here)
     stem = p.name[: -len(p.suffix)] if p.suffix in (".yaml", ".yml") else p.name
-    if not p.is_absolute() and p.parent == Path(".") and (PACKAGED / f"{stem}.yaml").is_file():
+    bare = not p.is_absolute() and p.parent == Path(".")  # a name alone may be a packaged config's
+    if bare and (PACKAGED / f"{stem}.yaml").is_file():
         return PACKAGED / f"{stem}.yaml", name
+    # the path tried, its '..' folded (../base.yaml from conf/a.yaml: base.yaml, not conf/../base.yaml)
+    # unless a symbolic link makes the folded path another file
+    tried = os.path.normpath(here)
+    tried = tried if Path(os.path.normpath(local)).resolve() == local.resolve() else str(here)
+    if not bare:  # a path: no packaged config was looked for, so none is offered
+        where = "" if p.is_absolute() else f" (a relative {BASE_KEY} is read from the folder of the file naming it)"
+        raise ConfigError(f"config file {label}: {BASE_KEY} {name} not found: no file {tried}{where}")
     near = difflib.get_close_matches(stem, packaged_configs(), n=1)  # a misspelt packaged name: nl_gpuu
-    hint = f" (did you mean '{near[0]}'?)" if near and p.parent == Path(".") else ""
-    raise ConfigError(f"config file {label}: {BASE_KEY} {name} not found (neither {here} nor a packaged "
+    hint = f" (did you mean '{near[0]}'?)" if near else ""
+    raise ConfigError(f"config file {label}: {BASE_KEY} {name} not found (neither {tried} nor a packaged "
                       f"config: {', '.join(packaged_configs())}){hint}")
 
 

@@ -31,12 +31,14 @@ line is read and encoded before the checkpoint is. batch_size= completions are d
 one row each (nljax/run/scoring.py; a row that has ended is not extended, and a batch ends when all
 of its rows have), and out= receives one JSON line per completion, {"prompt", "completion",
 "index" (the prompt's place, from 0), "sample" (from 0), "finish_reason" ("eos": the
-document-end token; "stop": a stop string; "length": max_new_tokens), the input's other fields},
-written whole or not at all; progress goes to standard error. Each completion draws from
-its own generator, keyed by (seed, index, sample), and each row is decoded on its own (its own
-windows and memory; every batch padded to the same rows): a completion does not depend on the
-other prompts or their number, and prompt 0's sample 0 is the text prompt= gives with the same
-seed (docs/guides/generation-and-export.md: what batch_size= and the device count may change).
+document-end token; "stop": a stop string; "length": max_new_tokens), "new_tokens" (the tokens
+drawn: an end token's and a stop string's counted, as lm.generate(details=True) gives them), the
+input's other fields}, written whole or not at all; progress goes to standard error. Each
+completion draws from its own generator, keyed by (seed, index, sample), and each row is decoded
+on its own (its own windows and memory; every batch padded to the same rows): a completion does
+not depend on the other prompts or their number, and prompt 0's sample 0 is the text prompt=
+gives with the same seed (docs/guides/generation-and-export.md: what batch_size= and the device
+count may change).
 
 Any other `key=value` is a config override on top of the run's own config.yaml.
 """
@@ -166,7 +168,7 @@ def _write_completions(reader, codec, s, records: list[prompts_lib.Prompt], ids:
               file=sys.stderr)
 
     results = ({"prompt": records[i].text, "completion": c.text, "index": i, "sample": j,
-                "finish_reason": c.finish_reason, **records[i].fields}
+                "finish_reason": c.finish_reason, "new_tokens": c.new_tokens, **records[i].fields}
                for i, j, c in completions(reader, codec, ids, s, done))
     try:
         resultfile.write_lines(out, results)

@@ -56,13 +56,13 @@ def test_a_chain_of_bases_applies_each_on_the_one_below(tmp_path):
     assert cfg.model == gpu.model
 
 
-@pytest.mark.parametrize("case", ["cycle", "self", "missing", "misspelt", "list", "number", "bad key", "empty"])
+@pytest.mark.parametrize("case", ["cycle", "self", "missing", "misspelt", "path", "list", "number", "bad key", "empty"])
 def test_a_bad_base_is_one_line_naming_both_files(tmp_path, capsys, case):
     from nljax import train
 
     top = tmp_path / "top.yaml"
     base = {"cycle": "other.yaml", "self": "top.yaml", "missing": "nowhere.yaml", "misspelt": "nl_gpuu",
-            "list": "list.yaml",
+            "path": "../elsewhere/nowhere.yaml", "list": "list.yaml",
             "number": "3", "bad key": "other.yaml", "empty": ""}[case]
     _write(top, f"base_config: {base}\ntrain:\n  steps: 3\n")
     _write(tmp_path / "other.yaml", "base_config: top.yaml\n" if case == "cycle" else "train:\n  stepz: 1\n")
@@ -75,6 +75,10 @@ def test_a_bad_base_is_one_line_naming_both_files(tmp_path, capsys, case):
             # a packaged config's name misspelt: the nearest named, as an unknown key's line does
             "misspelt": f"config file {top}: base_config nl_gpuu not found (neither {tmp_path / 'nl_gpuu'} nor a "
                         "packaged config: ",
+            # a path: the file tried, from top.yaml's folder, its '..' folded; no packaged config offered
+            "path": f"config file {top}: base_config ../elsewhere/nowhere.yaml not found: no file "
+                    f"{tmp_path.parent / 'elsewhere' / 'nowhere.yaml'} (a relative base_config is read from the folder "
+                    "of the file naming it)",
             "list": f"config file {tmp_path / 'list.yaml'} (the base_config of {top}) must hold a mapping",
             "number": f"config file {top}: base_config must name a packaged config or a YAML file, got 3",
             # `base_config:` with nothing after it (YAML's null) was read as no base at all
@@ -85,9 +89,27 @@ def test_a_bad_base_is_one_line_naming_both_files(tmp_path, capsys, case):
         config.load(str(top))
     assert str(e.value).startswith(said)
     assert str(e.value).endswith(" (did you mean 'nl_gpu'?)") == (case == "misspelt")
+    assert case != "path" or str(e.value) == said
     assert train.main(["--config", str(top), "--print-config"]) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.splitlines() == [f"nljax.train: error: {e.value}"]
+
+
+def test_a_missing_base_names_the_path_tried_from_the_file_naming_it(tmp_path, monkeypatch, capsys):
+    """A base_config path is read from the folder of the file that names it, however deep in the
+    chain: the line says that file (and what included it) and the path tried, as written from here."""
+    from nljax import train
+
+    monkeypatch.chdir(tmp_path)
+    _write(tmp_path / "top.yaml", "base_config: conf/a.yaml\n")
+    _write(tmp_path / "conf" / "a.yaml", "base_config: ../base/missing.yaml\ntrain:\n  steps: 3\n")
+    (tmp_path / "base").mkdir()
+    assert train.main(["--config", "top.yaml", "--print-config"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        "nljax.train: error: config file conf/a.yaml (the base_config of top.yaml): base_config ../base/missing.yaml "
+        "not found: no file base/missing.yaml (a relative base_config is read from the folder of the file naming "
+        "it)"], err
 
 
 def test_two_config_files_layer_in_order_with_the_overrides_on_top(tmp_path, capsys):

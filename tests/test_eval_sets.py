@@ -3,8 +3,8 @@ under the main keys with /<name> after them. A set of the main held-out files sc
 the main evaluation, on a sharded mesh and on one device; two sets give their own numbers in
 metrics.jsonl, summary.json and nljax.evaluate, one short group each on the console and one
 colour each in loss.png; each set's content digest is in the start-up lockstep record and the
-checkpoints, and a resume warns of a set whose text changed; bad input is one line, exit 2,
-nothing written."""
+checkpoints, and a resume warns of a set whose text changed or that was left out (and notes one
+added); bad input is one line, exit 2, nothing written."""
 
 import json
 import math
@@ -285,3 +285,28 @@ def test_a_change_to_the_sets_setting_restarts_no_row_and_is_silent():
     assert not restore._rows_restart(saved, resumed, {"memory/block0": None}, warnings) and warnings == []
     # what does restart them still does
     assert restore._rows_restart(saved, config.load(None, [*RUN, "seed=7"]), {"memory/block0": None}, warnings)
+
+
+def test_a_resume_warns_of_a_set_left_out_and_notes_a_set_added(tmp_path, capsys):
+    """The checkpoint's record of its sets against this run's (`Checkpoints.check_data`): a set
+    the checkpoint scored that the config left out is one warning naming it (its curve stops; not
+    an error: dropping a set is legitimate), a set added one note (its curve starts here), a
+    set kept with the same text nothing. Checked on the method alone: no run is trained."""
+    from nljax.checkpoint.lifecycle import Checkpoints
+    from nljax.checkpoint.restore import Restored
+
+    path = tmp_path / "checkpoints" / "3"
+    ckpt = Checkpoints.__new__(Checkpoints)  # only what check_data reads
+    ckpt.restored = Restored(None, 3, path, False, [], eval_sets={"kept": "a" * 64, "gone": "b" * 64})
+    notes = []
+    ckpt.check_data("d" * 64, {"kept": "a" * 64, "added": "c" * 64}, notes.append)
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"nljax: warning: data.eval_sets gone was scored by checkpoint {path} but is no longer in "
+                   "data.eval_sets: eval_loss/gone and its other scores in metrics.jsonl stop at this resume "
+                   "(step 3)"], err
+    assert notes == [f"note: data.eval_sets added is new since checkpoint {path}: eval_loss/added and its other "
+                     "scores in metrics.jsonl start at this resume (step 3)"], notes
+    assert ckpt.eval_sets == {"kept": "a" * 64, "added": "c" * 64}  # what the next save records
+    # the same sets: nothing said
+    ckpt.check_data("d" * 64, {"kept": "a" * 64, "gone": "b" * 64}, notes.append)
+    assert capsys.readouterr().err == "" and len(notes) == 1

@@ -8,6 +8,7 @@ one line each."""
 
 import dataclasses
 import json
+import types
 
 import jax
 import numpy as np
@@ -145,9 +146,10 @@ def test_the_results_file(run_dir, tmp_path, capsys):
         " tokens/s (the first batch compiles too)")
     assert err[-1] == f"nljax.generate: wrote 8 completions to {out}"
     records = _records(out)
-    assert [list(r) for r in records] == [["prompt", "completion", "index", "sample", "finish_reason", "id",
-                                           "meta"]] * 8
+    assert [list(r) for r in records] == [["prompt", "completion", "index", "sample", "finish_reason", "new_tokens",
+                                           "id", "meta"]] * 8
     assert {r["finish_reason"] for r in records} == {"length"}  # no document end sampled, no stop strings
+    assert {r["new_tokens"] for r in records} == {SETTINGS["max_new_tokens"]}
     assert [(r["prompt"], r["index"], r["sample"], r["id"], r["meta"]) for r in records] == [
         (p, i, j, f"q{i}", {"n": i}) for i, p in enumerate(PROMPTS) for j in range(2)]
     assert all(r["completion"] for r in records)
@@ -171,6 +173,7 @@ def test_the_results_file(run_dir, tmp_path, capsys):
     assert [r["prompt"] for r in stopped] == ["other", "class A:  ", "x", "zzz"]
     assert [(r["completion"], r["finish_reason"]) for r in stopped] == [_cut(r["completion"], stops) for r in moved]
     assert [r["finish_reason"] for r in stopped][1::2] == ["stop", "stop"]
+    assert all(1 <= r["new_tokens"] <= SETTINGS["max_new_tokens"] for r in stopped)
 
 
 def test_written_whole_or_not_at_all(run_dir, tmp_path, monkeypatch, capsys):
@@ -355,7 +358,7 @@ def _bad(tmp_path):
          f"prompts={t / 'p.jsonl'} line 1: not JSON ("),
         ({"p.jsonl": '{"prompt": "a", "completion": "b"}\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
          f"prompts={t / 'p.jsonl'} line 1: the field \"completion\" is one nljax.generate writes (prompt, completion, "
-         "index, sample, finish_reason): rename it in the file"),
+         "index, sample, finish_reason, new_tokens): rename it in the file"),
         ({"p.jsonl": '{"prompt": "a", "finish_reason": "b"}\n'}, [f"prompts={t / 'p.jsonl'}", f"out={t / 'o.jsonl'}"],
          f"prompts={t / 'p.jsonl'} line 1: the field \"finish_reason\" is one nljax.generate writes"),
         ({"p.txt": "a\n"}, [f"prompts={t / 'p.txt'}", f"out={t / 'o.jsonl'}", 'stop=["a", ""]'],
@@ -402,6 +405,33 @@ def test_a_records_settings_are_said_to_be_copied_not_read(tmp_path, capsys):
     p.write_text('{"prompt": "a", "id": 0}\n')
     generate._prompts(sampling.Settings(prompts=str(p)), Bytes())
     assert capsys.readouterr().err == ""
+
+
+def test_each_record_says_the_tokens_drawn(tmp_path, monkeypatch, capsys):
+    """A results record's "new_tokens": the tokens drawn for its completion, as
+    `lm.generate(details=True)`'s `Completion.new_tokens` gives them, after "finish_reason"; an
+    input record holding the field is refused (the result would overwrite it). The completions
+    are scripted: no model."""
+    from nljax.run import prompts as prompts_lib
+    from nljax.run.stopping import Completion
+
+    src = _jsonl(tmp_path / "in.jsonl", [{"prompt": "a", "id": "q0"}, {"prompt": "b"}])
+    drawn = {0: Completion("xy", "eos", 3), 1: Completion("zzzz", "length", 4)}
+    monkeypatch.setattr(generate, "completions", lambda reader, codec, ids, s, done: ((i, 0, drawn[i]) for i in (0, 1)))
+    out = tmp_path / "out.jsonl"
+    reader = types.SimpleNamespace(rows=8, devices=8)
+    s = sampling.Settings(prompts=str(src), out=str(out), batch_size=8)
+    assert generate._write_completions(reader, None, s, prompts_lib.read(str(src)), [[97], [98]]) == 0
+    assert _records(out) == [
+        {"prompt": "a", "completion": "xy", "index": 0, "sample": 0, "finish_reason": "eos", "new_tokens": 3,
+         "id": "q0"},
+        {"prompt": "b", "completion": "zzzz", "index": 1, "sample": 0, "finish_reason": "length", "new_tokens": 4}]
+    assert [list(r)[4:6] for r in _records(out)] == [["finish_reason", "new_tokens"]] * 2
+    capsys.readouterr()
+    _jsonl(src, [{"prompt": "a", "new_tokens": 5}])
+    with pytest.raises(ConfigError) as e:
+        prompts_lib.read(str(src))
+    assert str(e.value).startswith(f'prompts={src} line 1: the field "new_tokens" is one nljax.generate writes')
 
 
 def test_bad_input_is_one_line(run_dir, tmp_path, capsys):

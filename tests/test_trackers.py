@@ -16,7 +16,7 @@ from nljax import config
 from nljax.engine import optim
 from nljax.engine.conductor import Conductor
 from nljax.errors import ConfigError
-from nljax.run.samples import TrainingSampler
+from nljax.run.samples import TrainingSampler, sample_line
 from nljax.run.sampling import TextSampler, tokenization_of, write_text
 from nljax.run.trackers import TensorBoard, Trackers, check_installed
 from nljax.run.trainer import Output, train, train_loop
@@ -98,6 +98,21 @@ def test_a_training_sample_ends_at_the_document_end():
     assert sampler.sample({}) == ("abcd", "eos") and drawn == list(b"cd\0")
     sampler._sampler = Scripted(b"cdefgh\0")
     assert sampler.sample({}) == ("abcdefgh", "length")
+
+
+def test_the_sample_line_says_a_sample_ended_at_the_document_end():
+    """The console line of a sample (the trainer's `train.sample_every` hook prints it): one that
+    stopped at the document end says so after the text, so that a short sample is not taken for
+    one cut off; one that ran its train.sample_tokens says nothing more. The sampler is scripted
+    (no model): the line is made from what `TrainingSampler.sample` returns."""
+    cfg = config.load(None, ["train.sample_every=1", "train.sample_tokens=4", "train.sample_prompt=ab"])
+    strategy = types.SimpleNamespace(gather_params=lambda params: params)
+    sampler = TrainingSampler(types.SimpleNamespace(cfg=cfg, engine=types.SimpleNamespace(strategy=strategy)))
+    script = lambda tokens: types.SimpleNamespace(params=None, tokens=lambda prompt, settings: iter(tokens))
+    sampler._sampler = script(b'c"\0de')  # a quote, shown as JSON writes it
+    assert sample_line(3, *sampler.sample({})) == 'step      3  sample: "abc\\""  (ended at the document end)'
+    sampler._sampler = script(b"cdef")
+    assert sample_line(3, *sampler.sample({})) == 'step      3  sample: "abcdef"'
 
 
 def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):

@@ -48,7 +48,8 @@ SAME_BITS = ("model.remat", "model.nl_lm.memory_unroll")
 HOW_COMPUTED = (*SAME_BITS, "model.dtype", "model.nl_lm.memory_impl", "model.nl_lm.attention", "model.nl_lm.embed_grad",
                 "model.nl_lm.loss_chunk")
 # data.eval_sets trains nothing, as eval.* does: a set added, left out or given another glob is
-# silent; a set whose content changed is warned of by its digest (`Checkpoints.check_data`)
+# no change of settings; a set whose content changed, or left out, is warned of by its digests
+# (`Checkpoints.check_data`)
 SILENT = (*SAME_BITS, "run", "checkpoint", "mesh", "eval", "train.log_every", "train.profile_steps",
           "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
           "distributed", "prepare", "data.eval_sets")

@@ -172,13 +172,16 @@ class Checkpoints:
         self._noise = self._quiet.enter_context(errors_hidden(self._peers.report if self._peers else None))
         self.manager = storage.writer(self.cfg, self._peers)
 
-    def check_data(self, digest: str, eval_sets: dict[str, str] | None = None) -> None:
+    def check_data(self, digest: str, eval_sets: dict[str, str] | None = None, say=print) -> None:
         """Record the digest of the run's data and of each data.eval_sets set (`eval_sets`, by
         name; saved with every checkpoint) and warn when the checkpoint resumed was trained on
         other data: the stream is a pure function of (seed, step, row) over the data, so with
         other files the resumed run is not the one it continues. A set of the same name whose
         content changed is warned of too (it trains nothing, but its scores after the resume are
-        of other text than the ones before it); a set added or left out is no change."""
+        of other text than the ones before it). A set left out trains nothing either, but its
+        curve in metrics.jsonl stops here, which a user who did not mean to drop it would not
+        see: a warning naming it; a set added is meant, and only noted (`say`) where its curve
+        starts."""
         self.data_digest, self.eval_sets = digest, dict(eval_sets or {})
         if self.restored is None or jax.process_index() != 0:
             return
@@ -193,6 +196,14 @@ class Checkpoints:
                 print(f"nljax: warning: data.eval_sets {name} changed since checkpoint {path} (digest {there[:12]} "
                       f"there, {here[:12]} here): eval_loss/{name} and its other scores before and after this resume "
                       "are not comparable", file=sys.stderr)
+        step = self.restored.step
+        for name in [n for n in self.restored.eval_sets if n not in self.eval_sets]:  # in the order saved
+            print(f"nljax: warning: data.eval_sets {name} was scored by checkpoint {path} but is no longer in "
+                  f"data.eval_sets: eval_loss/{name} and its other scores in metrics.jsonl stop at this resume "
+                  f"(step {step})", file=sys.stderr)
+        for name in [n for n in self.eval_sets if n not in self.restored.eval_sets]:
+            say(f"note: data.eval_sets {name} is new since checkpoint {path}: eval_loss/{name} and its other "
+                f"scores in metrics.jsonl start at this resume (step {step})")
 
     def save(self, step: int, state: TrainState) -> None:
         # The previous save is finished first (Orbax would wait for it too) so that a failure is

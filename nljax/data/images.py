@@ -249,7 +249,9 @@ class EpochSampler:
 
     def __post_init__(self):
         if self.n < self.batch_size:
-            raise ConfigError(f"train.batch_size={self.batch_size} is larger than the {self.n} training images")
+            # what to do too: a small folder of one's own meets this first (no partial batch is drawn)
+            raise ConfigError(f"train.batch_size={self.batch_size} is larger than the {self.n} training images: lower "
+                              f"train.batch_size to at most {self.n}, or add images")
 
     @property
     def steps_per_epoch(self) -> int:

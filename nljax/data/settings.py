@@ -61,7 +61,8 @@ class DataConfig:
     # letters, digits, _; the glob: files as data.eval reads them), tokenized once at start-up as
     # the run's text is, scored at every evaluation as the main held-out text is and logged as
     # eval_loss/<name>, eval_bpb/<name>, ... (docs/guides/evaluation.md). Any text data.source. Each
-    # set's content digest is compared across processes at start-up and warned of on resume when it changed
+    # set's content digest is compared across processes at start-up and warned of on resume when it changed;
+    # a set the checkpoint scored that is left out on resume is warned of too (its curve stops there)
     eval_sets: tuple[str, ...] = ()
     text_key: str = "text"  # files: the field of a .jsonl line, the column of a Parquet or Arrow file, that holds the text
     # files: a Hugging Face `tokenizers` tokenizer.json (pip install 'nljax[text]'); empty: bytes.

@@ -19,7 +19,7 @@ from pathlib import Path
 from nljax.errors import ConfigError
 
 # the fields nljax.generate writes into each result record: an input record's own would be lost
-RESULT_FIELDS = ("prompt", "completion", "index", "sample", "finish_reason")
+RESULT_FIELDS = ("prompt", "completion", "index", "sample", "finish_reason", "new_tokens")
 
 
 # what a request record of vLLM's or OpenAI's batch files sets per prompt; nljax.generate's settings

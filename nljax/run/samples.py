@@ -18,9 +18,19 @@ is compiled once, at the first sample. Text models only: a DiT's samples are the
 
 from __future__ import annotations
 
+import json
+
 from nljax.run.core import Run
 from nljax.run.sampling import Settings, TextSampler, ending_of, prompt_ids, tokenization_of
 from nljax.run.stopping import pieces
+
+
+def sample_line(step: int, text: str, why: str) -> str:
+    """The console line of a sample after step `step` (0-based, as the progress lines count),
+    `why` as `TrainingSampler.sample` gives it: a sample that stopped at the document end says so,
+    so that a short one is not taken for one cut off (the trackers get the text alone)."""
+    ended = "  (ended at the document end)" if why == "eos" else ""
+    return f"step {step:6d}  sample: {json.dumps(text, ensure_ascii=False)}{ended}"
 
 
 class TrainingSampler:

@@ -56,7 +56,8 @@ from nljax.runtime import resultfile
 
 MAX_NEW_TOKENS = 65_536  # as train.sample_tokens
 # in each record prompts= writes: an existing out= holding them is an earlier result, replaced
-# ("finish_reason", written since, is not asked for: a result written before it is one too)
+# ("finish_reason" and "new_tokens", written since, are not asked for: a result written before
+# them is one too)
 RESULT_KEYS = frozenset({"prompt", "completion", "index", "sample"})
 
 

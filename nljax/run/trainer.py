@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import os
 import signal
@@ -40,7 +39,7 @@ from nljax.run import harness, startup, throughput
 from nljax.run.core import Run
 from nljax.run.loop import Hooks, Profiler, StepResult, training_steps
 from nljax.run.phases import Announced, closing_lines, compile_announcer
-from nljax.run.samples import TrainingSampler
+from nljax.run.samples import TrainingSampler, sample_line
 from nljax.run.trackers import Trackers, check_installed, step_scalars
 from nljax.runtime import compile_cache, distributed, exportdir, preemption, runlog
 from nljax.runtime.preemption import Notice, Preempted
@@ -274,8 +273,7 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
     def sample(r: StepResult) -> None:  # every process: the sampler runs on the whole mesh
         with sampling(f"step {r.step:6d}  sampling"):
             text, why = sampler.sample(r.state.params)
-        ended = "  (ended at the document end)" if why == "eos" else ""  # a short sample is not cut off
-        out.say(f"step {r.step:6d}  sample: {json.dumps(text, ensure_ascii=False)}{ended}")
+        out.say(sample_line(r.step, text, why))
         # after the step's scalars: W&B takes steps in increasing order
         out.trackers.text("train/sample", text, r.step + 1)
 
@@ -447,7 +445,7 @@ def _train(cfg: Config, notice: Notice) -> dict:
     with Announced(say if reading else (lambda text: None))(reading or ""):
         # another tokenizer's checkpoint is refused
         ckpt = Checkpoints.resolve(run.engine, fresh, say, digest, startup.tokenizer_identity(run.task))
-    ckpt.check_data(digest, startup.eval_set_digests(run.task))
+    ckpt.check_data(digest, startup.eval_set_digests(run.task), say)
     lock = take_lock(cfg)  # before the first write: a live run in run.dir refuses this one
     # the cleanup, in reverse order of registration; each step runs whatever the one before raised
     with contextlib.ExitStack() as cleanup:
