@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from helpers import make, train
 
+from nljax.bench import built
 from nljax.engine import executables
 from nljax.run.phases import compile_announcer
 
@@ -68,6 +69,9 @@ def test_a_loaded_step_trains_bit_identically_to_the_compiled_one(written, monke
     # the run says where each variant came from, not that it compiled it
     done = [line for line in said if not line.endswith("...")]
     assert len(done) == 2 and all(line.startswith("loaded step variant") and str(directory) in line for line in done)
+    # and the bench's JSON, per pattern: its compile_s is then a load time
+    assert {built(setup.cache, a, setup.batch(0)) for a in ((True, True), (True, False))} == \
+        {f"loaded from {f}" for f in files}
 
 
 def test_another_program_is_another_key(written, monkeypatch):

@@ -232,9 +232,11 @@ class StepCache:
         self.traces: dict = {}  # variant key -> times traced
         self.compile_s: dict = {}  # variant key -> seconds to trace and compile it (or load it from the cache)
         # executables compiled ahead (NLJAX_EXECUTABLES, nljax/engine/executables.py): where they
-        # are kept (None: nowhere), and variant key -> the file each loaded variant came from
+        # are kept (None: nowhere), and variant key -> the file each loaded variant came from, or
+        # each compiled one was written to
         self.executables: executables.Store | None = executables.store()
         self.loaded: dict = {}
+        self.written: dict = {}
         self._train: dict = {}
         self._eval: Callable | None = None
         self._eval_stream: dict = {}  # batch keys -> jitted streaming eval step
@@ -316,6 +318,8 @@ class StepCache:
         self.compile_s[key] = time.perf_counter() - t0
         if outcome.loaded is not None:
             self.loaded[key] = outcome.loaded
+        if outcome.written is not None:
+            self.written[key] = outcome.written
         if self.announce is not None:
             self.announce(key, self.compile_s[key], outcome.loaded)
         return WithSteps(compiled, self.total_steps)
