@@ -210,7 +210,8 @@ def use_autotune_results(directory: Path) -> None:
         raise SystemExit(f"gpu_compile: --autotune {directory}: not a directory")
     import os
 
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_per_fusion_autotune_cache_dir={directory}".strip()
+    flag = f"--xla_gpu_per_fusion_autotune_cache_dir={directory}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def main(argv=None) -> int:

@@ -152,7 +152,8 @@ echo "[$NLJAX_EXECUTABLES]" > "$OUT_SEEN"
     suite(tmp_path / "out", "b128", PYTHON=str(fake), OUT_SEEN=str(seen), SUITE_EXECUTABLES=str(exe))
     assert seen.read_text().strip() == f"[{exe}]"
     assert f"executables: NLJAX_EXECUTABLES={exe} (1 files)" in (tmp_path / "out" / "machine.txt").read_text()
-    r = suite(tmp_path / "missing", "b128", PYTHON=str(fake), OUT_SEEN=str(seen), SUITE_EXECUTABLES=str(tmp_path / "no"))
+    r = suite(tmp_path / "missing", "b128", PYTHON=str(fake), OUT_SEEN=str(seen),
+              SUITE_EXECUTABLES=str(tmp_path / "no"))
     assert r.returncode == 2 and r.stdout.strip() == f"SUITE_EXECUTABLES={tmp_path / 'no'}: not a directory", r.stdout
     suite(tmp_path / "plain", "b128", PYTHON=str(fake), OUT_SEEN=str(seen))
     assert seen.read_text().strip() == "[]" and "executables" not in (tmp_path / "plain" / "machine.txt").read_text()
@@ -183,8 +184,9 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     loop, b128 = args.read_text().splitlines()
-    assert loop == (f"benchmarks/gpu_compile.py --gpu h200 --save-executables {tmp_path / 'exe'} --out "
-                    f"{tmp_path / 'exe' / 'titans_loop.json'} --autotune {tuned / 'ab_titans_loop'} --config titans_demo "
+    exe = tmp_path / "exe"
+    assert loop == (f"benchmarks/gpu_compile.py --gpu h200 --save-executables {exe} --out {exe / 'titans_loop.json'} "
+                    f"--autotune {tuned / 'ab_titans_loop'} --config titans_demo "
                     "--variant loop:model.nl_lm.memory_impl=parallel_pallas model.dtype=bfloat16")
     assert "--autotune" not in b128 and b128.endswith("model.dtype=bfloat16 model.remat=memory train.batch_size=128")
     assert "XLA's default matmul tiles" in r.stdout
