@@ -22,9 +22,9 @@
 #   b128               bench_titans_demo_b128_memory: titans_demo bf16 at batch 128, model.remat=memory
 # Only the step where every level fires (the benches' --patterns worst, ab.py's step);
 # titans_pytorch.py also compiles level 0's step, which the card compiles. Measured on the 2-core
-# CPU machine (2026-11-30): titans_demo's two steps 45-74 s each, 3.1-3.7 MiB each; nl_350m's
-# fused350m_loop step 117 s, 6.5 MiB (the other parts' sizes not measured). A GPU session carries
-# at most 64 MiB with the checkout. Each part's report goes to DIR/PART.json.
+# CPU machine (2026-11-30): titans_demo's two steps 45-104 s each, 3.1-3.7 MiB each; b128 78 s,
+# 3.4 MiB; nl_350m's fused350m_loop step 117 s, 6.5 MiB (the other parts not measured). A GPU
+# session carries at most 64 MiB with the checkout. Each part's report goes to DIR/PART.json.
 set -u
 DIR=${1:?usage: benchmarks/gpu_prepare.sh DIR [PART ...]}
 PY=${PYTHON:-python}
