@@ -132,3 +132,26 @@ def test_without_the_variable_nothing_is_read_or_written(monkeypatch):
     assert setup.cache.executables is None
     train(setup, 1)
     assert setup.cache.loaded == {}
+
+
+def test_functions_are_compared_by_content_not_by_jaxs_numbering():
+    """jax numbers a module's private functions, and shares one between identical call sites, by
+    what the process lowered before (jax 0.11.2 defined `_where` twice in a step lowered after a
+    loaded one): the same program must be the same key, another program another."""
+    def module(calls, defs, target="__cudnn$fmha"):
+        body = "\n".join(f"    %{i} = func.call @{c}(%arg0) : (tensor<i32>) -> tensor<i32>" for i, c in enumerate(calls))
+        funcs = "".join(f"  func.func private @{name}(%arg0: tensor<i32>) -> tensor<i32> {{\n    {op}\n  }}\n"
+                        for name, op in defs)
+        return (f"module @m {{\n  sdy.mesh @mesh = <[\"x\"=1]>\n  func.func public @main(%arg0: tensor<i32>) {{\n{body}\n"
+                f"    %c = stablehlo.custom_call @{target}(%arg0)\n  }}\n{funcs}}}\n")
+
+    add, neg = "return %arg0 : tensor<i32> // add", "return %arg0 : tensor<i32> // neg"
+    one = module(["_where", "_where_1", "_where"], [("_where", add), ("_where_1", neg)])
+    renumbered = module(["_where_4", "_where_12", "_where_4"], [("_where_12", neg), ("_where_4", add)])
+    duplicated = module(["_where_2", "_where_3", "_where_5"], [("_where_2", add), ("_where_3", neg), ("_where_5", add)])
+    canonical = executables.canonical_names
+    assert canonical(one) == canonical(renumbered) == canonical(duplicated)
+    assert canonical(one) != canonical(module(["_where", "_where_1", "_where_1"], [("_where", add), ("_where_1", neg)]))
+    assert canonical(one) != canonical(module(["_where", "_where_1", "_where"], [("_where", add), ("_where_1", add)]))
+    assert canonical(one) != canonical(module(["_where", "_where_1", "_where"], [("_where", add), ("_where_1", neg)],
+                                              target="__cudnn$fmhaBackward"))

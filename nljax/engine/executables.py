@@ -14,7 +14,8 @@ training step through `compile_step` here:
   file renamed into place: a reader never sees half a file).
 
 The key is what makes a loaded step the step this run would have compiled: a digest of the
-lowered program's text without its debug information, the jax and jaxlib versions, the
+lowered program's text without its debug information and with its functions compared by
+content, not by the names jax numbered them with (`canonical_names`), the jax and jaxlib versions, the
 devices' platform, kinds and count, and the XLA flags that change what XLA compiles (dump and
 cache locations do not; jax's persistent compilation cache leaves the same ones out). With the
 variable set, steps are lowered naming nljax's files relative to the checkout
@@ -95,10 +96,78 @@ def xla_flags(flags: str | None = None) -> list[str]:
 
 def program_text(lowered: jax.stages.Lowered) -> str:
     """The lowered program as text, without locations (file paths, line numbers, the Python
-    names of the code that wrote each operation). A Pallas kernel's Triton IR, embedded in the
-    program as bytes, keeps its own locations: lower under `relative_paths` for them to name
-    nljax's files relative to the checkout."""
-    return lowered.as_text(debug_info=False)
+    names of the code that wrote each operation), its functions named in order (`canonical_names`).
+    A Pallas kernel's Triton IR, embedded in the program as bytes, keeps its own locations: lower
+    under `relative_paths` for them to name nljax's files relative to the checkout."""
+    return canonical_names(lowered.as_text(debug_info=False))
+
+
+_FUNCTION = re.compile(r"^  func\.func (?:public |private )?@([\w$.-]+)")
+_SYMBOL = re.compile(r"@([\w$.-]+)")
+
+
+def canonical_names(text: str) -> str:
+    """`text`, a lowered module, with its functions compared by content, not by name: jax names
+    a module's private functions (`_where_4`, `_where_12`) and shares one between identical call
+    sites by what the process did before (seen with jax 0.11.2: the same step lowered after a
+    loaded executable defined one `_where` twice where a fresh process defined it once), so the
+    same program can be two texts. Here each function becomes its content's digest (its
+    callees' digests in place of their names), functions of the same digest are one, and they
+    follow the public ones in order of first call, named `<name less its numeric suffix>#<k>`.
+    Other symbols (custom-call targets, the mesh) keep their names. The result is for digests,
+    not for MLIR's parser."""
+    lines = text.split("\n")
+    starts = [n for n, line in enumerate(lines) if _FUNCTION.match(line)]
+    if not starts:
+        return text
+    blocks: dict[str, list[str]] = {}
+    order: list[str] = []  # as defined; the public ones are where calls start
+    outside, n = [], 0  # the module's other lines (its attributes, the mesh), in order
+    for start in starts:
+        outside += lines[n:start]
+        n = next(m for m in range(start + 1, len(lines)) if lines[m] == "  }") + 1
+        name = _FUNCTION.match(lines[start]).group(1)
+        blocks[name] = lines[start:n]
+        order.append(name)
+    outside += lines[n:]
+
+    def callees(name: str) -> list[str]:
+        body = "\n".join(blocks[name])
+        return [c for c in dict.fromkeys(_SYMBOL.findall(body)) if c in blocks and c != name]
+
+    digests: dict[str, str] = {}
+
+    def digest(name: str, seen: frozenset = frozenset()) -> str:
+        if name not in digests:
+            if name in seen:  # recursion (jax lowers none): its name stands for it
+                return name
+            inner = {c: digest(c, seen | {name}) for c in callees(name)}
+            body = _SYMBOL.sub(lambda m: "@" + ("SELF" if m.group(1) == name else inner.get(m.group(1), m.group(1))),
+                               "\n".join(blocks[name]))
+            digests[name] = hashlib.sha256(body.encode()).hexdigest()
+        return digests[name]
+
+    names: dict[str, str] = {}  # digest -> canonical name
+    count: dict[str, int] = {}
+    out, done = list(outside), set()
+    queue = [n for n in order if " public " in blocks[n][0]]  # main; the calls start there
+    # then any function no call reaches (jax lowers none), in an order of their own
+    for pending in (queue, sorted(order, key=digest)):
+        k = 0
+        while k < len(pending):
+            name, k = pending[k], k + 1
+            if digest(name) in done:
+                continue
+            done.add(digest(name))
+            for c in [name, *callees(name)]:
+                if digest(c) not in names:
+                    base = re.sub(r"_\d+$", "", c)
+                    names[digest(c)] = f"{base}#{count.get(base, 0)}"
+                    count[base] = count.get(base, 0) + 1
+            pending += [c for c in callees(name) if digest(c) not in done]
+            out += [_SYMBOL.sub(lambda m: "@" + names[digest(m.group(1))] if m.group(1) in blocks else m.group(0),
+                                line) for line in blocks[name]]
+    return "\n".join(out)
 
 
 def relative_paths(where: Store | None) -> contextlib.AbstractContextManager:
@@ -114,7 +183,8 @@ def relative_paths(where: Store | None) -> contextlib.AbstractContextManager:
     state = getattr(jax_config, "hlo_source_file_canonicalization_regex", None)
     if where is None or state is None:
         return contextlib.nullcontext()
-    return state("^(" + "|".join(re.escape(r + os.sep) for r in dict.fromkeys((_ROOT, os.path.realpath(_ROOT)))) + ")")
+    roots = dict.fromkeys((_ROOT, os.path.realpath(_ROOT)))
+    return state("^(" + "|".join(re.escape(r + os.sep) for r in roots) + ")")
 
 
 def key(lowered: jax.stages.Lowered, devices: Sequence[Any], flags: str | None = None) -> str:
