@@ -52,6 +52,7 @@ def run(args) -> int:
 
     import jax
 
+    from nljax.bench import built as how_built
     from nljax.bench import compile_variants, peak_memory, unevaluated
     from nljax.run.core import Run
 
@@ -62,6 +63,7 @@ def run(args) -> int:
         every = tuple(True for _ in run.cfg.cms.periods)
         fns, compile_s = compile_variants(run.cache, [every], state, batch)
         built.append({"variant": v, "fn": fns[every], "state": state, "batch": batch, "compile_s": compile_s[every],
+                      "executable": how_built(run.cache, every, batch),  # compile_s of a loaded step is its load
                       "memory_bytes": peak_memory(fns)["compiled_peak_bytes"], "times": []})
     for i in range(args.warmup + args.rounds):  # a round runs every variant's step once
         for b in built:
@@ -75,7 +77,7 @@ def run(args) -> int:
     for b in built:
         row = {"variant": b["variant"] or "(config)", "median_ms": statistics.median(b["times"]) * 1e3,
                "min_ms": min(b["times"]) * 1e3, "ratio": statistics.median(b["times"]) / base,
-               "compile_s": b["compile_s"], "memory_bytes": b["memory_bytes"]}
+               "compile_s": b["compile_s"], "executable": b["executable"], "memory_bytes": b["memory_bytes"]}
         if args.profile:
             with tempfile.TemporaryDirectory() as tmp:
                 b["state"], step_s = traces.record(b["fn"], b["state"], b["batch"], args.profile, Path(tmp))
@@ -92,7 +94,7 @@ def run(args) -> int:
         busy = "-" if r.get("busy_fraction") is None else f"{100 * r['busy_fraction']:.0f}%"
         ops = f"  {r['ops_per_step']:,.0f} ops/step, busy {busy}" if "ops_per_step" in r else ""
         print(f"  {r['variant']:<40} median {r['median_ms']:9.1f} ms  min {r['min_ms']:9.1f} ms  x{r['ratio']:.3f}  "
-              f"compile {r['compile_s']:5.1f} s  memory {mem}{ops}")
+              f"{'compile' if r['executable'] == 'compiled' else 'load'} {r['compile_s']:5.1f} s  memory {mem}{ops}")
         if r.get("idle"):  # where the device waited in the profiled steps
             print("\n".join(f"      {line}" for line in traces.format_idle(r["idle"])))
     if args.out:

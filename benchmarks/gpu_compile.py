@@ -3,7 +3,8 @@ compiles, how many kernels a step launches, how much memory it holds.
 
     pip install "jax[cuda13]==<this jax's version>"   # once, beside nljax: XLA:GPU's compiler (about 4 GB)
     python benchmarks/gpu_compile.py --gpu h200 --config nl_350m [--variant NAME:key=value,...]
-                                     [--precision highest] [--no-base] [--out F.json] [key=value ...]
+                                     [--precision highest] [--no-base] [--out F.json]
+                                     [--save-executables DIR] [--autotune DIR] [key=value ...]
 
 XLA compiles for a GPU it describes from a target config (`GPUS`: the card's SM count, shared
 memory, memory size and bandwidth) through a GPU topology's compile-only devices
@@ -27,6 +28,14 @@ own forms first, then each `--variant`, its overrides after the command line's) 
   needs before the allocator's and the libraries' own; `fits`: whether that is within the card's
   memory (nljax's own start-up check reads a device's memory, which a compile-only device has
   not).
+
+`--save-executables DIR` writes each variant's executable to DIR under the key a run on the card
+computes for the same step (nljax/engine/executables.py), for a GPU session to load instead of
+compiling (`NLJAX_EXECUTABLES=DIR`; benchmarks/gpu_prepare.sh does it for the GPU suite's parts),
+and reports each file's size. `--autotune DIR` compiles with XLA's autotuning results from the
+card (the GPU suite's OUT/autotune/NAME): XLA takes the card's tiles and cuBLAS calls for the
+fusions found there, its defaults for the others (docs/guides/gpu.md, "Executables compiled
+ahead", says how many were found).
 
 Install the jax version of the GPU machine the figures are for: each brings its own XLA and
 Triton (with jax 0.11.2, the H200 host's, a step's kernels were the profiler's count within 1%
@@ -56,7 +65,13 @@ _HOPPER = dict(threads_per_block_limit=1024, threads_per_warp=32, shared_memory_
                registers_per_core_limit=65536, registers_per_block_limit=65536)
 GPUS = {
     "h100": ("NVIDIA H100 80GB HBM3", dict(_HOPPER, memory_bandwidth=3352320000000, device_memory_size=84929347584)),
-    "h200": ("NVIDIA H200", dict(_HOPPER, memory_bandwidth=4800000000000, device_memory_size=150754820096)),
+    # The L2 and the bandwidth as the H200's XLA describes the card (60 MiB, 4814 GB/s rounded):
+    # XLA's autotuning results are filed under a fingerprint of "CUDA: 9.0, Cores: 132, GPU
+    # clock: 1.98 GHz, Memory bandwidth: 4814 GB/s, L2 cache: 60 MB" (the folder ed0e56ab8b2a0ecb
+    # the suite brought back on 2026-11-30; the 50 MiB and 4800 GB/s described before gave
+    # a4baa03864db7cfb), and `--autotune` reads them only under the same fingerprint
+    "h200": ("NVIDIA H200", dict(_HOPPER, l2_cache_size=62914560, memory_bandwidth=4814000000000,
+                                 device_memory_size=150754820096)),
 }
 
 
@@ -111,32 +126,40 @@ def abstract_inputs(run, host_mesh):
     return state, batch
 
 
-def compiled_step(cfg, device, host_device):
+def compiled_step(cfg, device, host_device, save: Path | None = None):
     """(the run, the compiled all-levels step) of `cfg` on one `device`, built and traced for its
-    platform; `host_device` (a CPU) reads the data."""
+    platform; `host_device` (a CPU) reads the data. `save`: a directory the executable is written
+    to, under the key a run on the card computes (nljax/engine/executables.py)."""
+    from nljax.engine import executables
     from nljax.models import platform
     from nljax.parallel import mesh as meshlib
     from nljax.run.core import Run
 
     with platform.compiling_for("gpu" if device.platform in ("gpu", "cuda") else device.platform, device):
         run = Run.create(cfg, [device])
+        # written, never read: a compile-only device cannot load an executable
+        run.cache.executables = None if save is None else executables.Store(save, write=True, read=False)
         state, batch = abstract_inputs(run, meshlib.make_mesh(1, 1, [host_device], 1))
         with platform.lowering():
             return run, run.cache.train_fn(tuple(True for _ in cfg.cms.periods), state, batch)
 
 
-def compile_step(cfg, device, host_device, memory_bytes: int | None = None) -> dict:
-    """One variant's report (module docstring) for `cfg` on one `device` of `memory_bytes`."""
+def compile_step(cfg, device, host_device, memory_bytes: int | None = None, save: Path | None = None) -> dict:
+    """One variant's report (module docstring) for `cfg` on one `device` of `memory_bytes`;
+    with `save`, the executable's file and bytes (`executable`), or null where it was not written."""
     from nljax.errors import first_line
 
     t0 = time.perf_counter()
     try:
-        run, fn = compiled_step(cfg, device, host_device)
+        run, fn = compiled_step(cfg, device, host_device, save)
     except Exception as e:  # noqa: BLE001 - the compiler's error is the result
         return dict(compiled=f"{type(e).__name__}: {first_line(e)}"[:400])
     out = dict(report(run, fn), compile_s=round(time.perf_counter() - t0, 1))
     if memory_bytes is not None:
         out["memory"]["fits"] = out["memory"]["peak"] <= memory_bytes
+    if save is not None:
+        written = next(iter(run.cache.written.values()), None)
+        out["executable"] = None if written is None else dict(file=str(written), bytes=written.stat().st_size)
     return out
 
 
@@ -167,9 +190,28 @@ def _line(name: str, r: dict) -> str:
     kinds = ", ".join(f"{n} {v:,}" for n, v in k.items() if n != "total" and v)
     where = ", ".join(f"{s} {v:,}" for s, v in list(r["launches_by_scope"].items())[:8])
     over = " (MORE THAN THE CARD HAS)" if m.get("fits") is False else ""
+    saved = ""
+    if "executable" in r:
+        e = r["executable"]
+        saved = "\n  executable NOT WRITTEN (the line above says why)" if e is None else \
+            f"\n  executable {e['file']} ({e['bytes'] / 2**20:.1f} MiB)"
     return (f"{name}: {k['total']:,} kernels per step ({kinds}); memory {m['peak'] / 1e9:.1f} GB{over} "
             f"(arguments {m['arguments'] / 1e9:.2f}, temporaries {m['temporaries'] / 1e9:.2f}); "
-            f"compiled in {r['compile_s']} s here" + (f"; {forms}" if forms else "") + f"\n  most kernels: {where}")
+            f"compiled in {r['compile_s']} s here" + (f"; {forms}" if forms else "") + f"\n  most kernels: {where}"
+            + saved)
+
+
+def use_autotune_results(directory: Path) -> None:
+    """Compile with XLA's per-fusion autotuning results in `directory` (the folder the GPU suite
+    brings back, OUT/autotune/NAME, holding one folder per device fingerprint): XLA reads them
+    without a card and writes nothing there without one (checked with jax 0.11.2). Set before
+    XLA reads its flags (the first compilation)."""
+    if not directory.is_dir():
+        raise SystemExit(f"gpu_compile: --autotune {directory}: not a directory")
+    import os
+
+    flag = f"--xla_gpu_per_fusion_autotune_cache_dir={directory}"
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
 
 def main(argv=None) -> int:
@@ -182,8 +224,15 @@ def main(argv=None) -> int:
     p.add_argument("--precision", choices=("default", "high", "highest"), default="default",
                    help="jax_default_matmul_precision while tracing (benchmarks/memory_kernel.py checks at highest)")
     p.add_argument("--out", help="write the reports here as JSON")
+    p.add_argument("--save-executables", metavar="DIR", type=Path,
+                   help="write each variant's executable here, for a run on the card to load (NLJAX_EXECUTABLES=DIR)")
+    p.add_argument("--autotune", metavar="DIR", type=Path,
+                   help="XLA's autotuning results from the card (the GPU suite's OUT/autotune/NAME): its matmul "
+                        "tiles and library calls where the fusion is the card's, default tiles elsewhere")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="for every variant")
     args = p.parse_args(argv)
+    if args.autotune is not None:
+        use_autotune_results(args.autotune)
     jax.config.update("jax_platforms", "cpu")  # this process computes nothing on a GPU
     if args.precision != "default":
         jax.config.update("jax_default_matmul_precision", args.precision)
@@ -203,13 +252,16 @@ def main(argv=None) -> int:
             cfg = config.load(args.config, [*args.overrides, *extra])
         except ConfigError as e:
             raise SystemExit(f"gpu_compile: variant {name}: {e}") from None
-        reports[name] = r = compile_step(cfg, device, host, GPUS[args.gpu][1]["device_memory_size"])
-        failed |= r["compiled"] is not True or r["memory"]["fits"] is False
+        reports[name] = r = compile_step(cfg, device, host, GPUS[args.gpu][1]["device_memory_size"],
+                                         args.save_executables)
+        failed |= r["compiled"] is not True or r["memory"]["fits"] is False or r.get("executable", True) is None
         print(_line(name, r), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(dict(gpu=args.gpu, device_kind=device.device_kind, jax=jax.__version__,
                                                   config=args.config, overrides=args.overrides,
-                                                  precision=args.precision, variants=reports),
+                                                  precision=args.precision,
+                                                  autotune=None if args.autotune is None else str(args.autotune),
+                                                  variants=reports),
                                              indent=1))
     return 1 if failed else 0
 

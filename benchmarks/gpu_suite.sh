@@ -75,6 +75,17 @@
 #           since 2026-11-28), profiled
 #   cycle   titans_demo's four pulse variants: compile time and tokens/s of each
 #
+# Executables compiled ahead: SUITE_EXECUTABLES=DIR exports NLJAX_EXECUTABLES=DIR (absolute), so that
+# every training step the parts compile through nljax (bench, ab.py, titans_pytorch.py; not
+# memory_kernel.py's or gpu_paths.py's kernels) is loaded from DIR where its executable is there
+# (benchmarks/gpu_prepare.sh DIR writes them on a machine without a GPU; carry DIR with the
+# checkout) and compiled as before where it is not. machine.txt names DIR and its file count; a
+# bench's JSON says per step "executable": "compiled" or "loaded from FILE" (its compile_s is then a
+# load time). An executable compiled without the card has the matmul tiles of the autotuning results
+# gpu_prepare.sh was given (AUTOTUNE=OUT/autotune of an earlier run of this suite), XLA's defaults
+# elsewhere: its step times are those tiles', not the ones this card would pick (docs/guides/gpu.md,
+# "Executables compiled ahead").
+#
 # Dry run: GPU_SUITE_DRY_RUN=1 runs the issue-44 parts on whatever device there is (a CPU) with tiny
 # shapes, one step each: the script's own check (tests/test_gpu_suite.py), not a measurement.
 #
@@ -113,6 +124,11 @@ for part in "${PARTS[@]}"; do  # all checked before any runs
     *) echo "unknown part '$part' (parts: ${ISSUE44[*]} ${ISSUE17[*]}; presets: issue44 issue17)"; exit 2 ;;
   esac
 done
+if [ -n "${SUITE_EXECUTABLES:-}" ]; then  # before anything runs: a wrong folder is one line, not a suite of compiles
+  if [ ! -d "$SUITE_EXECUTABLES" ]; then echo "SUITE_EXECUTABLES=$SUITE_EXECUTABLES: not a directory"; exit 2; fi
+  export NLJAX_EXECUTABLES
+  NLJAX_EXECUTABLES=$(cd "$SUITE_EXECUTABLES" && pwd)
+fi
 if [ -n "${GPU_SUITE_DRY_RUN:-}" ]; then  # the summary says so too
   echo "dry run (GPU_SUITE_DRY_RUN): tiny shapes, one step each; nothing here is a measurement" | tee "$OUT/DRY_RUN"
 fi
@@ -121,6 +137,9 @@ fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "nvidia-smi: none"
   $PY -c "import jax, jaxlib, sys; print('jax', jax.__version__, 'jaxlib', jaxlib.__version__, jax.devices(), 'python', sys.version.split()[0])"
   echo "commit: $(git rev-parse HEAD 2>/dev/null || echo 'unknown (no .git here)')"
+  if [ -n "${NLJAX_EXECUTABLES:-}" ]; then
+    echo "executables: NLJAX_EXECUTABLES=$NLJAX_EXECUTABLES ($(find "$NLJAX_EXECUTABLES" -maxdepth 1 -name '*.xla' | wc -l) files)"
+  fi
 } > "$OUT/machine.txt" 2>&1
 
 # XLA's autotuning results on this card (its choice of matmul tiles and libraries per fusion), one

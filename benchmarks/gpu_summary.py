@@ -48,6 +48,11 @@ def gb(n) -> str:
     return "-" if n is None else f"{n / 1e9:.1f} GB"
 
 
+def loaded(row: dict) -> str:
+    """" (loaded, not compiled)" for a step loaded from an executable compiled ahead (NLJAX_EXECUTABLES)."""
+    return "" if row.get("executable", "compiled") == "compiled" else " (loaded, not compiled)"
+
+
 def kernels(per_step: float, busy) -> str:
     return f"{per_step:,.0f} kernels/step, device busy {100 * (busy or 0):.0f}% of the step"
 
@@ -56,7 +61,7 @@ def lines(out: Path) -> list[str]:
     rows = []
     b = load(out, "bench_titans_demo")
     if b:
-        comp = ", ".join(f"{k} {p['compile_s']:.1f} s" for k, p in b["per_pattern"].items())
+        comp = ", ".join(f"{k} {p['compile_s']:.1f} s{loaded(p)}" for k, p in b["per_pattern"].items())
         rows.append(f"info  titans_demo: {b['units_per_s_per_device_mean']:,.0f} tokens/s/device mean, "
                     f"worst {b['units_per_s_per_device_worst']:,.0f}; compile per variant: {comp}")
     for name, how in (("titans_vs_bf16", ""), ("titans_vs_bf16_loop", ", memory_impl=parallel_pallas")):
@@ -70,7 +75,7 @@ def lines(out: Path) -> list[str]:
     for r in [r for name in ("ab_titans_remat", "ab_titans_loop", "ab_titans_unroll") for r in (load(out, name) or {}).get("rows", [])]:
         ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
         rows.append(f"info  titans_demo {r['variant'].strip()}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} of the "
-                    f"first), compile {r['compile_s']:.0f} s{ops}")
+                    f"first), compile {r['compile_s']:.0f} s{loaded(r)}{ops}")
     for name in ("bench_titans_demo_graphs",):
         b = load(out, name)
         if b:

@@ -136,15 +136,25 @@ def say(line: str) -> None:
 
 
 def compile_variants(cache: StepCache, actives, state, batch) -> tuple[dict, dict]:
-    """(active set -> compiled step, active set -> seconds to lower and compile it)."""
+    """(active set -> compiled step, active set -> seconds to lower and compile it, or to lower
+    it and load it where `built` says it was loaded: NLJAX_EXECUTABLES)."""
     fns, seconds = {}, {}
     for i, a in enumerate(actives, 1):
         say(f"compiling pattern {pattern_name(a)} ({i} of {len(actives)}) ...")
         t0 = time.perf_counter()
         fns[a] = cache.train_fn(a, state, batch)
         seconds[a] = time.perf_counter() - t0
-        say(f"compiled pattern {pattern_name(a)} in {seconds[a]:.1f} s")
+        loaded = cache.loaded.get(cache.variant(a, batch))
+        say(f"compiled pattern {pattern_name(a)} in {seconds[a]:.1f} s" if loaded is None
+            else f"loaded pattern {pattern_name(a)} from {loaded} in {seconds[a]:.1f} s")
     return fns, seconds
+
+
+def built(cache: StepCache, active, batch) -> str:
+    """How the step of `active` came to be: "compiled", or "loaded from FILE" (an executable
+    compiled ahead, NLJAX_EXECUTABLES): a compile time is then a load time, and says so."""
+    loaded = cache.loaded.get(cache.variant(active, batch))
+    return "compiled" if loaded is None else f"loaded from {loaded}"
 
 
 def time_steps(fns: dict, state, batch, warmup: int, steps: int) -> tuple[dict, object]:
@@ -196,12 +206,13 @@ def peak_memory(fns: dict) -> dict:
 
 
 def pattern_row(ts: list[float], compile_s: float, per_cycle: int, units: int, xla: tuple, analytic: float,
-                peak: float) -> dict:
-    """`xla`: XLA's count of the step and why there is none (`throughput.xla_count`)."""
+                peak: float, executable: str = "compiled") -> dict:
+    """`xla`: XLA's count of the step and why there is none (`throughput.xla_count`);
+    `executable`: how the step came to be (`built`), what `compile_s` timed."""
     step = statistics.median(ts)
     xla_flops, uncounted = xla
     return {
-        "steps_per_cycle": per_cycle, "compile_s": compile_s, "step_time": spread(ts),
+        "steps_per_cycle": per_cycle, "compile_s": compile_s, "executable": executable, "step_time": spread(ts),
         "units_per_s_per_device": units / step,
         "xla_flops_per_device_step": xla_flops,
         "xla_flops_per_unit": xla_flops / units if xla_flops else None,
@@ -243,7 +254,8 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     times, state = time_steps(fns, state, batch, warmup, steps)
     analytic = flops.analytic_flops(cfg, eng.model, eng.param_shapes)
     rows = {pattern_name(a): pattern_row(times[a], compile_s[a], per_cycle[a], units,
-                                         throughput.xla_count(fns[a]), analytic["total_per_unit"], peak)
+                                         throughput.xla_count(fns[a]), analytic["total_per_unit"], peak,
+                                         built(run.cache, a, batch))
             for a in sorted(per_cycle, key=lambda a: (sum(a), a))}
     summary = summarize(rows, units)
     if profile:
@@ -298,6 +310,10 @@ def format_report(r: dict) -> str:
         lines.append(f"{name:<14}{p['steps_per_cycle']:>7}{p['compile_s']:>11.2f}{st['median_ms']:>10.2f}"
                      f"{st['min_ms']:>9.2f}{st['max_ms']:>9.2f}{p['units_per_s_per_device']:>12,.0f}{xpu:>15}"
                      f"{pct(p['mfu']):>8}{pct(p['mfu_analytic']):>10}")
+    loaded = [name for name, p in r["per_pattern"].items() if p.get("executable", "compiled") != "compiled"]
+    if loaded:  # a load time is no compile time
+        lines.append(f"compile s of {', '.join(loaded)}: the time to load an executable compiled ahead "
+                     "(NLJAX_EXECUTABLES), not to compile")
     # a "-" in the XLA column (and so in MFU) said once, not left to guess: a step with a scan
     uncounted = [p.get("xla_flops_missing") for p in r["per_pattern"].values() if p["xla_flops_per_unit"] is None]
     for why in dict.fromkeys(uncounted):

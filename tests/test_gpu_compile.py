@@ -10,7 +10,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import ROOT
+from helpers import ROOT, TINY
 
 from nljax import config
 from nljax.errors import ConfigError
@@ -63,7 +63,7 @@ def test_a_variant_the_card_cannot_hold_fails_the_command(monkeypatch, capsys):
     """The card's memory is checked here: nljax's start-up check cannot read a compile-only device."""
     asked = []
 
-    def compiles(cfg, device, host, memory_bytes):
+    def compiles(cfg, device, host, memory_bytes, save=None):
         asked.append(memory_bytes)
         peak = 2 * memory_bytes if cfg.train.batch_size == 128 else memory_bytes // 2
         return dict(compiled=True, compile_s=1.0, forms=None, launches={"fusion": 10, "total": 10},
@@ -145,3 +145,23 @@ def test_compiling_for_a_gpu_decides_as_on_the_gpu():
     with pytest.raises(ValueError, match="'gpu', 'cpu' or 'tpu'"):
         with platform.compiling_for("cuda"):
             pass
+
+
+def test_a_saved_executable_is_the_one_a_run_loads(tmp_path, monkeypatch):
+    """--save-executables writes the step under the key a run of the same config computes: the
+    run loads it instead of compiling (here for a CPU device; a GPU's is docs/guides/gpu.md's)."""
+    from pathlib import Path
+
+    from nljax.engine import executables
+
+    cfg = config.load(None, [*TINY, "cms.periods=[1,2]"])
+    device = jax.devices()[1]
+    r = gpu_compile.compile_step(cfg, device, jax.devices()[0], save=tmp_path)
+    saved = Path(r["executable"]["file"])
+    assert r["compiled"] is True and saved.parent == tmp_path and r["executable"]["bytes"] == saved.stat().st_size > 0
+    monkeypatch.setenv(executables.ENV, str(tmp_path))
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self: pytest.fail("compiled, not loaded"))
+    run = Run.create(cfg, [device])
+    every = tuple(True for _ in cfg.cms.periods)
+    run.cache.train_fn(every, run.init_state(), run.batch(0))
+    assert list(run.cache.loaded.values()) == [saved]

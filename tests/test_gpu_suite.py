@@ -136,8 +136,68 @@ def test_the_summary_gives_the_loop_kernels_ratio_to_titans_pytorch_when_measure
     assert rows[1].startswith("MET") and "memory_impl=parallel_pallas: 120.0x" in rows[1], rows
 
 
+def test_the_suite_hands_its_executables_folder_to_every_bench(tmp_path):
+    """SUITE_EXECUTABLES=DIR: every bench runs with NLJAX_EXECUTABLES=DIR (absolute) and
+    machine.txt names it; a DIR that is no folder stops the suite with one line; unset, nothing."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+case "$2" in *zeros*) exit 0 ;; esac
+case "$1" in -c) exit 0 ;; benchmarks/gpu_summary.py) exec {sys.executable} "$@" ;; esac
+echo "[$NLJAX_EXECUTABLES]" > "$OUT_SEEN"
+""")
+    fake.chmod(0o755)
+    exe, seen = tmp_path / "exe", tmp_path / "seen"
+    exe.mkdir()
+    (exe / "0123.xla").write_bytes(b"")
+    suite(tmp_path / "out", "b128", PYTHON=str(fake), OUT_SEEN=str(seen), SUITE_EXECUTABLES=str(exe))
+    assert seen.read_text().strip() == f"[{exe}]"
+    assert f"executables: NLJAX_EXECUTABLES={exe} (1 files)" in (tmp_path / "out" / "machine.txt").read_text()
+    r = suite(tmp_path / "missing", "b128", PYTHON=str(fake), OUT_SEEN=str(seen),
+              SUITE_EXECUTABLES=str(tmp_path / "no"))
+    assert r.returncode == 2 and r.stdout.strip() == f"SUITE_EXECUTABLES={tmp_path / 'no'}: not a directory", r.stdout
+    suite(tmp_path / "plain", "b128", PYTHON=str(fake), OUT_SEEN=str(seen))
+    assert seen.read_text().strip() == "[]" and "executables" not in (tmp_path / "plain" / "machine.txt").read_text()
+
+
+PREPARE = ROOT / "benchmarks" / "gpu_prepare.sh"
+
+
+def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning_results(tmp_path):
+    """benchmarks/gpu_prepare.sh hands gpu_compile.py the suite's overrides of each part (the key
+    of a step is its program: another override, another program, nothing loaded on the card),
+    with the card's autotuning results of that bench where AUTOTUNE has them."""
+    text = SUITE.read_text()
+    prepare = PREPARE.read_text()
+    fused = "FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot)"
+    assert fused in text and fused in prepare
+    for name, overrides in (("_loop", "model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel_pallas"),
+                            ("_best", "model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4"),
+                            ("_parallel", "model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel")):
+        assert f"fused350m {name} {overrides}" in text and f"fused350m{name} {name} {overrides};" in prepare, name
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$*" >> "$OUT_ARGS"\n')
+    fake.chmod(0o755)
+    args, tuned = tmp_path / "args", tmp_path / "autotune"
+    (tuned / "ab_titans_loop").mkdir(parents=True)
+    env = subprocess_env(PYTHON=str(fake), OUT_ARGS=str(args), AUTOTUNE=str(tuned))
+    r = subprocess.run(["bash", str(PREPARE), str(tmp_path / "exe"), "titans_loop", "b128"], cwd=ROOT,
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    loop, b128 = args.read_text().splitlines()
+    exe = tmp_path / "exe"
+    assert loop == (f"benchmarks/gpu_compile.py --gpu h200 --save-executables {exe} --out {exe / 'titans_loop.json'} "
+                    f"--autotune {tuned / 'ab_titans_loop'} --config titans_demo "
+                    "--variant loop:model.nl_lm.memory_impl=parallel_pallas model.dtype=bfloat16")
+    assert "--autotune" not in b128 and b128.endswith("model.dtype=bfloat16 model.remat=memory train.batch_size=128")
+    assert "XLA's default matmul tiles" in r.stdout
+    r = subprocess.run(["bash", str(PREPARE), str(tmp_path / "exe"), "bogus"], cwd=ROOT, capture_output=True,
+                       text=True, env=env, timeout=60)
+    assert r.returncode == 2 and r.stdout.startswith("unknown part 'bogus'")
+
+
 def test_the_suite_reads_as_bash():
     assert subprocess.run(["bash", "-n", str(SUITE)], capture_output=True).returncode == 0
+    assert subprocess.run(["bash", "-n", str(PREPARE)], capture_output=True).returncode == 0
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from nljax.config import ConfigError
-from nljax.engine import frozen, optim
+from nljax.engine import executables, frozen, optim
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.models.base import checked_apply
@@ -231,13 +231,19 @@ class StepCache:
         self.eng = eng
         self.traces: dict = {}  # variant key -> times traced
         self.compile_s: dict = {}  # variant key -> seconds to trace and compile it (or load it from the cache)
+        # executables compiled ahead (NLJAX_EXECUTABLES, nljax/engine/executables.py): where they
+        # are kept (None: nowhere), and variant key -> the file each loaded variant came from, or
+        # each compiled one was written to
+        self.executables: executables.Store | None = executables.store()
+        self.loaded: dict = {}
+        self.written: dict = {}
         self._train: dict = {}
         self._eval: Callable | None = None
         self._eval_stream: dict = {}  # batch keys -> jitted streaming eval step
         self._total_steps: jax.Array | None = None
-        # called as (variant key, None) before a variant compiles and (key, seconds) after: the
-        # run says so (a compilation can take minutes); None: silent
-        self.announce: Callable[[Any, float | None], None] | None = None
+        # called as (variant key, None) before a variant compiles and (key, seconds, the file it
+        # was loaded from or None) after: the run says so (a compilation can take minutes); None: silent
+        self.announce: Callable[..., None] | None = None
 
     def total_steps(self) -> jax.Array:
         """train.steps as the compiled step's input (the schedule's length), replicated; placed on
@@ -306,10 +312,16 @@ class StepCache:
         # train.steps is an input, not a constant: another train.steps compiles (or loads from
         # the persistent cache) the same executable
         total = jax.ShapeDtypeStruct((), jnp.int32, sharding=named(REPLICATED))
-        compiled = jax.jit(fn, donate_argnums=0, **shardings).lower(state, batch, total).compile()
+        with executables.relative_paths(self.executables):
+            lowered = jax.jit(fn, donate_argnums=0, **shardings).lower(state, batch, total)
+        compiled, outcome = executables.compile_step(lowered, list(self.eng.mesh.devices.flat), self.executables)
         self.compile_s[key] = time.perf_counter() - t0
+        if outcome.loaded is not None:
+            self.loaded[key] = outcome.loaded
+        if outcome.written is not None:
+            self.written[key] = outcome.written
         if self.announce is not None:
-            self.announce(key, self.compile_s[key])
+            self.announce(key, self.compile_s[key], outcome.loaded)
         return WithSteps(compiled, self.total_steps)
 
     def train(self, active: Active, state: TrainState, batch: dict):

@@ -12,7 +12,8 @@ from __future__ import annotations
 import contextlib
 import shlex
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Callable
 
 from nljax.engine.conductor import Conductor, pattern_name
 from nljax.runtime import compile_cache
@@ -20,21 +21,24 @@ from nljax.runtime import compile_cache
 SLOW_S = 2.0  # a phase that took this long is said again the next time
 
 
-def compile_announcer(periods: tuple[int, ...], say: Callable[[str], None]) -> Callable[[Any, float | None], None]:
+def compile_announcer(periods: tuple[int, ...], say: Callable[[str], None]) -> Callable[..., None]:
     """`StepCache.announce` for a run with CMS `periods`: "compiling step variant i of n (pattern
-    L0+1) ..." before a variant compiles, its seconds after; n is the cycle's distinct patterns
-    (a tail batch that ends a data pass is one more variant of its pattern)."""
+    L0+1) ..." before a variant compiles, its seconds after, and where it came from when it was
+    not compiled (an executable file, NLJAX_EXECUTABLES, or the compile cache); n is the cycle's
+    distinct patterns (a tail batch that ends a data pass is one more variant of its pattern)."""
     total = len(Conductor(periods).patterns())
     order: dict = {}
     hits_before = [0]
 
-    def announce(key, seconds: float | None) -> None:
+    def announce(key, seconds: float | None, loaded: Path | None = None) -> None:
         active, tail = (key[0], f", tail batch of {key[1]} micro-batches") if isinstance(key[0], tuple) else (key, "")
         i = order.setdefault(key, len(order) + 1)
         what = f"step variant {i} of {total} (pattern {pattern_name(active)}{tail})"
         if seconds is None:
             hits_before[0] = compile_cache.hits()
             say(f"compiling {what} ...")
+        elif loaded is not None:
+            say(f"loaded {what} from {loaded} in {seconds:.1f} s")
         elif compile_cache.hits() > hits_before[0]:
             say(f"loaded {what} from the compile cache in {seconds:.1f} s")
         else:

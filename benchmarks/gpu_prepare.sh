@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# The GPU suite's training steps compiled for an H200 here, on a machine without a GPU, into DIR,
+# for a GPU session to load instead of compiling them (benchmarks/gpu_suite.sh with SUITE_EXECUTABLES=DIR):
+#
+#   PYTHON=/path/to/python benchmarks/gpu_prepare.sh DIR [PART ...]    PART: below (default: all)
+#
+# PYTHON: a Python with jax[cuda13] at the GPU host's jax version (XLA:GPU's compiler,
+# benchmarks/gpu_compile.py); run from the repository root, at the commit the GPU session will run
+# (a Pallas kernel's source lines are part of a step's key). AUTOTUNE=FOLDER: the autotuning
+# results an earlier suite run brought back (its OUT/autotune): each part compiles with
+# FOLDER/<its bench's name> where there is one (the card's matmul tiles and cuBLAS calls for the
+# fusions it holds; XLA's default tiles, much smaller, without), and says which.
+#
+# Parts (the issue-44 preset's first parts whose steps nljax compiles; each step's overrides as the
+# suite gives them, so that the lowered program, and with it the key, is the one the card computes):
+#   titans_loop        ab_titans_loop: titans_demo bf16, the scan and memory_impl=parallel_pallas
+#                      (its second step is also vs_pytorch_loop's all-levels step: the same program)
+#   fused350m_loop     bench_nl_350m_fused_loop: nl_350m unrolled, memory_impl=parallel_pallas
+#   fused350m_best     bench_nl_350m_fused_best: unrolled, memory_unroll=4
+#   fused350m_parallel bench_nl_350m_fused_parallel: unrolled, memory_impl=parallel
+#   titans_unroll      ab_titans_unroll: titans_demo bf16 at memory_unroll 1, 4, 16, and parallel at 1, 4
+#   b128               bench_titans_demo_b128_memory: titans_demo bf16 at batch 128, model.remat=memory
+# Only the step where every level fires (the benches' --patterns worst, ab.py's step);
+# titans_pytorch.py also compiles level 0's step, which the card compiles. Measured on the 2-core
+# CPU machine (2026-11-30): titans_demo's two steps 45-104 s each, 3.1-3.7 MiB each; b128 78 s,
+# 3.4 MiB; nl_350m's fused350m_loop step 117 s, 6.5 MiB (the other parts not measured). A GPU
+# session carries at most 64 MiB with the checkout. Each part's report goes to DIR/PART.json.
+set -u
+DIR=${1:?usage: benchmarks/gpu_prepare.sh DIR [PART ...]}
+PY=${PYTHON:-python}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export JAX_PLATFORMS=cpu  # the CUDA plugin's start-up checks fail on a machine without a GPU
+mkdir -p "$DIR"
+
+# as benchmarks/gpu_suite.sh gives them (FUSED, BF16)
+FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot)
+BF16=(model.dtype=bfloat16)
+ALL=(titans_loop fused350m_loop fused350m_best fused350m_parallel titans_unroll b128)
+
+compile() {  # part, the suite's bench name, then gpu_compile.py's arguments
+  local part=$1 name=$2; shift 2
+  local tuned=()
+  if [ -n "${AUTOTUNE:-}" ] && [ -d "$AUTOTUNE/$name" ]; then
+    tuned=(--autotune "$AUTOTUNE/$name"); echo "== $part: the card's autotuning results from $AUTOTUNE/$name"
+  else
+    echo "== $part: no autotuning results (AUTOTUNE/$name): XLA's default matmul tiles"
+  fi
+  local t0=$SECONDS
+  $PY benchmarks/gpu_compile.py --gpu h200 --save-executables "$DIR" --out "$DIR/$part.json" "${tuned[@]}" "$@" \
+    || echo "FAILED ($part)"
+  echo "   ($((SECONDS - t0)) s)"
+}
+
+part_titans_loop() {
+  compile titans_loop ab_titans_loop --config titans_demo --variant loop:model.nl_lm.memory_impl=parallel_pallas "${BF16[@]}"
+}
+fused350m() {  # part, bench name suffix, the part's own overrides
+  local part=$1 name=bench_nl_350m_fused$2; shift 2
+  compile "$part" "$name" --config nl_350m "${BF16[@]}" "${FUSED[@]}" "$@"
+}
+part_fused350m_loop() { fused350m fused350m_loop _loop model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel_pallas; }
+part_fused350m_best() { fused350m fused350m_best _best model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4; }
+part_fused350m_parallel() { fused350m fused350m_parallel _parallel model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel; }
+part_titans_unroll() {
+  compile titans_unroll ab_titans_unroll --config titans_demo --no-base \
+    --variant u1:model.nl_lm.memory_unroll=1 --variant u4:model.nl_lm.memory_unroll=4 \
+    --variant u16:model.nl_lm.memory_unroll=16 \
+    --variant parallel1:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=1 \
+    --variant parallel4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 "${BF16[@]}"
+}
+part_b128() {
+  compile b128 bench_titans_demo_b128_memory --config titans_demo "${BF16[@]}" model.remat=memory train.batch_size=128
+}
+
+PARTS=("${@:2}")
+if [ ${#PARTS[@]} -eq 0 ]; then PARTS=("${ALL[@]}"); fi
+for part in "${PARTS[@]}"; do  # all checked before any compiles
+  case " ${ALL[*]} " in
+    *" $part "*) ;;
+    *) echo "unknown part '$part' (parts: ${ALL[*]})"; exit 2 ;;
+  esac
+done
+for part in "${PARTS[@]}"; do
+  part_$part
+done
+echo "executables in $DIR: $(find "$DIR" -maxdepth 1 -name '*.xla' | wc -l) files, $(du -sh "$DIR" | cut -f1)"
