@@ -13,6 +13,10 @@
 #
 # Parts (the issue-44 preset's first parts whose steps nljax compiles; each step's overrides as the
 # suite gives them, so that the lowered program, and with it the key, is the one the card computes):
+#   titans_forms       ab_titans_forms: titans_demo bf16, the scan, memory_impl=parallel and =parallel_pallas
+#                      (autotuning results: ab_titans_forms', else ab_titans_loop's, whose runs had the
+#                      scan's and the loop kernel's steps: docs/gpu/2026-11-30-h200/autotune.tgz)
+#   ab350m             ab_nl_350m: nl_350m bf16 unrolled with the GPU paths, the scan and memory_impl=parallel
 #   titans_loop        ab_titans_loop: titans_demo bf16, the scan and memory_impl=parallel_pallas
 #                      (its second step is also vs_pytorch_loop's all-levels step: the same program)
 #   fused350m_loop     bench_nl_350m_fused_loop: nl_350m unrolled, memory_impl=parallel_pallas
@@ -35,15 +39,18 @@ mkdir -p "$DIR"
 # as benchmarks/gpu_suite.sh gives them (FUSED, BF16)
 FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot)
 BF16=(model.dtype=bfloat16)
-ALL=(titans_loop fused350m_loop fused350m_best fused350m_parallel titans_unroll b128)
+ALL=(titans_forms ab350m titans_loop fused350m_loop fused350m_best fused350m_parallel titans_unroll b128)
 
-compile() {  # part, the suite's bench name, then gpu_compile.py's arguments
-  local part=$1 name=$2; shift 2
+compile() {  # part, the suite's bench name (NAME or NAME,FALLBACK: whose autotuning results), then gpu_compile.py's arguments
+  local part=$1 names=$2 name=""; shift 2
   local tuned=()
-  if [ -n "${AUTOTUNE:-}" ] && [ -d "$AUTOTUNE/$name" ]; then
+  for n in ${names//,/ }; do
+    if [ -n "${AUTOTUNE:-}" ] && [ -d "$AUTOTUNE/$n" ]; then name=$n; break; fi
+  done
+  if [ -n "$name" ]; then
     tuned=(--autotune "$AUTOTUNE/$name"); echo "== $part: the card's autotuning results from $AUTOTUNE/$name"
   else
-    echo "== $part: no autotuning results (AUTOTUNE/$name): XLA's default matmul tiles"
+    echo "== $part: no autotuning results (AUTOTUNE/${names//,/ or AUTOTUNE/}): XLA's default matmul tiles"
   fi
   local t0=$SECONDS
   $PY benchmarks/gpu_compile.py --gpu h200 --save-executables "$DIR" --out "$DIR/$part.json" "${tuned[@]}" "$@" \
@@ -51,6 +58,14 @@ compile() {  # part, the suite's bench name, then gpu_compile.py's arguments
   echo "   ($((SECONDS - t0)) s)"
 }
 
+part_titans_forms() {
+  compile titans_forms ab_titans_forms,ab_titans_loop --config titans_demo --variant parallel:model.nl_lm.memory_impl=parallel \
+    --variant loop:model.nl_lm.memory_impl=parallel_pallas "${BF16[@]}"
+}
+part_ab350m() {
+  compile ab350m ab_nl_350m --config nl_350m --variant parallel:model.nl_lm.memory_impl=parallel \
+    "${BF16[@]}" "${FUSED[@]}" model.nl_lm.scan_layers=false
+}
 part_titans_loop() {
   compile titans_loop ab_titans_loop --config titans_demo --variant loop:model.nl_lm.memory_impl=parallel_pallas "${BF16[@]}"
 }

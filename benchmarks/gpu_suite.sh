@@ -5,22 +5,23 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: kernel_loop titans_loop fused350m_loop vs_pytorch_loop fused350m_best fused350m_parallel
-#            titans_unroll b128 fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m vs_pytorch
-#            kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths. The loop kernel
-#            first: compiled for an H200 on the CPU machine with the H200 host's jax 0.11.2
-#            (benchmarks/gpu_compile.py, 2026-11-29) it compiles, also under "highest", and its steps
-#            launch 5.3x (titans_demo) and 7.1x (nl_350m) fewer kernels than the scan's.
+#            they matter: titans_forms ab350m vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4
+#            fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop
+#            fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
+#            Since 2026-11-30 (the loop kernel and the parallel form timed, docs/benchmarks/2026-11-30-h200.md):
+#            first titans_demo's three inner-loop forms side by side with where each step's device idles
+#            (the 100x target needs a 10 ms step; 8.6 ms of the loop kernel's 27.8 ms step was idle), then
+#            nl_350m with the scan and the parallel form side by side (measured a session apart: within
+#            1.5%), then the rows no session has reached yet (titans-pytorch with the current code,
+#            batch 128 with the Pallas attention, the two fastest nl_350m forms together).
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
-#            "-". On the H200 (2026-11-28, evening) nl_350m unrolled took 143 s, scanned 63 s, batch
-#            128 more than 47 s (stopped; the morning: 41 s compiling), vs_pytorch 114 s, the kernel
-#            211 s (kernel_loop compiles its kernels in seconds offline, not minutes): the first call
-#            gets through about the first three or four (an estimate: none of the first five has run
-#            yet; titans_unroll has five variants), a second call the parts the log names as left out
-#            (e.g. `benchmarks/gpu_suite.sh OUT vs_pytorch_loop fused350m_best fused350m_parallel
-#            titans_unroll b128 vs_pytorch`; the scanned fused350m was measured twice and waits).
+#            "-". Compiling takes most of a call (H200, 2026-11-30: titans_demo 45-47 s per variant,
+#            nl_350m unrolled 74 s; kernel_loop 160 s in all): the first call gets through about the
+#            first two or three parts, a second call the parts the log names as left out (e.g.
+#            `benchmarks/gpu_suite.sh OUT vs_pytorch b128 fused350m_best`), unless the steps were
+#            compiled ahead (SUITE_EXECUTABLES, below).
 #   issue17  the parts of issue 17 (item 6), each fitting a 10-minute call: titans graphs memory dit
 #            nl350m cycle (no budget unless SUITE_BUDGET_S is set)
 #
@@ -55,6 +56,10 @@
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   vs_pytorch_loop    the same with memory_impl=parallel_pallas (the loop kernel)
+#   titans_forms       titans_demo at batch 4 x 512 with the scan (auto), memory_impl=parallel and
+#                      memory_impl=parallel_pallas, interleaved and profiled (where each step's device idles)
+#   ab350m             nl_350m unrolled with the GPU paths, the scan (auto) and memory_impl=parallel,
+#                      interleaved in one process and profiled
 #   titans_loop        titans_demo at batch 4 x 512 with the scan (auto) and memory_impl=parallel_pallas,
 #                      interleaved and profiled: two compilations, before titans_unroll's five
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
@@ -105,9 +110,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(kernel_loop titans_loop fused350m_loop vs_pytorch_loop fused350m_best fused350m_parallel titans_unroll b128
-         fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m vs_pytorch kernel fused350m_unrolled
-         fused350m_memunroll fused350m_kernel paths)
+ISSUE44=(titans_forms ab350m vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4 fused350m_graphs
+         fused350m_best8 fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel
+         fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -412,6 +417,26 @@ part_titans_loop() {
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
   run ab_titans_loop $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_loop.json"
+}
+
+part_titans_forms() {
+  # the 2026-11-30 H200 profile: the loop kernel cut the step's kernels 5.2x and its idle time by a
+  # quarter only; each variant's profile now splits the idle time (before, between, after the ops)
+  local v=("${BF16[*]} ${TITANS[*]}" "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel"
+           "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
+  local rounds=(--rounds 10 --warmup 2 --profile 2)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
+  run ab_titans_forms $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_forms.json"
+}
+
+part_ab350m() {
+  # the parallel form was 1.21x the scan alone at nl_350m's shapes, and its step within 1.5% of the
+  # scan's measured two days apart (2026-11-28, -30): side by side decides `auto`
+  local base="${BF16[*]} ${FUSED[*]} model.nl_lm.scan_layers=false ${NL350[*]}"
+  local rounds=(--rounds 5 --warmup 1 --profile 2)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
+  run ab_nl_350m $PY benchmarks/ab.py --config nl_350m "${rounds[@]}" "$base" "$base model.nl_lm.memory_impl=parallel" \
+    --out "$OUT/ab_nl_350m.json"
 }
 
 part_b128() {

@@ -189,6 +189,14 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
                     f"--autotune {tuned / 'ab_titans_loop'} --config titans_demo "
                     "--variant loop:model.nl_lm.memory_impl=parallel_pallas model.dtype=bfloat16")
     assert "--autotune" not in b128 and b128.endswith("model.dtype=bfloat16 model.remat=memory train.batch_size=128")
+    forms_args = tmp_path / "forms_args"  # titans_forms takes ab_titans_loop's results when it has none of its own
+    r = subprocess.run(["bash", str(PREPARE), str(exe), "titans_forms", "ab350m"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "OUT_ARGS": str(forms_args)}, timeout=60)
+    forms, ab350m = forms_args.read_text().splitlines()
+    assert r.returncode == 0 and f"--autotune {tuned / 'ab_titans_loop'} " in forms, r.stdout + r.stderr
+    assert "--variant parallel:model.nl_lm.memory_impl=parallel --variant loop:model.nl_lm.memory_impl=parallel_pallas" in forms
+    assert "--autotune" not in ab350m and ab350m.endswith(f"{fused[7:-1]} model.nl_lm.scan_layers=false")
+    assert "no autotuning results (AUTOTUNE/ab_nl_350m)" in r.stdout
     assert "XLA's default matmul tiles" in r.stdout
     r = subprocess.run(["bash", str(PREPARE), str(tmp_path / "exe"), "bogus"], cwd=ROOT, capture_output=True,
                        text=True, env=env, timeout=60)
@@ -211,7 +219,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
                  "bench_nl_350m_fused_kernel", "bench_nl_350m_fused_best",
                  "bench_nl_350m_fused_best8", "bench_nl_350m_fused_graphs", "bench_nl_350m_fused_parallel",
                  "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel",
-                 "titans_vs_bf16", "titans_vs_bf16_loop", "ab_titans_loop", "ab_titans_unroll",
+                 "titans_vs_bf16", "titans_vs_bf16_loop", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
                  "bench_titans_demo_b128_memory"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     assert "model.nl_lm.memory_impl=parallel_pallas" in json.loads((tmp_path / "titans_vs_bf16_loop.json").read_text())["overrides"]
