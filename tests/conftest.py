@@ -11,12 +11,26 @@ os.environ["XLA_FLAGS"] = (
     + " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# run.compile_cache=auto writes under $XDG_CACHE_HOME: a directory of this session's own, so the
-# suite never reads or fills the user's cache (subprocesses inherit it)
-os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="nljax_test_cache_")
+# run.compile_cache=auto writes under $XDG_CACHE_HOME: a directory of this pytest run's own, so the
+# suite never reads or fills the user's cache (subprocesses inherit it). The xdist controller
+# makes it before it starts the workers, which inherit it: one per run, empty at its start.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="nljax_test_cache_")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Every program the tests compile in-process goes to that run's JAX compile cache (the one
+# run.compile_cache=auto uses), however fast it compiled, so the same program traced again by
+# another test or worker is loaded, not compiled. Measured 2026-11-30 on test_engine +
+# test_strategies + test_nl_model, -n 2, on a 2-core machine under another job's varying load,
+# baseline -> this: 90-96 of ~445 compilations load; CPU time 202->167, 211->164, 220->183,
+# 194->175, 195->167 s; wall 134->132, 193->90, 218->161, 100->93, 100->89 s (140->123: CPU not taken).
+# JAX's default 1 s floor loaded 19-26: wall 186->127, 179->169 s. NOT ADOPTED on main: the wall
+# gain was under 10% in 2 of 6 pairs, one of the two quietest; to be timed on the CI machine.
+# Subprocesses keep JAX's defaults; tests of run.compile_cache give their runs a cache of their own.
+jax.config.update("jax_compilation_cache_dir", os.path.join(os.environ["XDG_CACHE_HOME"], "nljax", "jax"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 def pytest_configure(config):

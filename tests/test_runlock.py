@@ -105,9 +105,11 @@ def test_a_lock_that_cannot_be_written_is_one_line_and_left_nowhere(tmp_path):
                "resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY)); "
                "from nljax.train import main; sys.exit(main(sys.argv[1:]))")
     # every compilation before the lock is written to the compile cache (run.compile_cache=auto),
-    # and fails there first: JAX's warning of it is not a line of nljax's (it was, on a slow machine)
+    # and fails there first: JAX's warning of it is not a line of nljax's (it was, on a slow machine).
+    # An empty cache of its own: one the suite's other runs filled would load, and write nothing
     p = subprocess.run([sys.executable, "-c", limited, *args], capture_output=True, text=True, timeout=300,
-                       env=subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
+                       env=subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+                                          XDG_CACHE_HOME=str(tmp_path / "cache")))
     lock = tmp_path / "run" / runlock.NAME
     assert p.returncode == 1 and p.stderr.strip() == f"nljax.train: error: cannot write {lock}: [Errno 27] File too large", p.stderr
     assert not lock.exists()
