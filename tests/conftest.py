@@ -1,6 +1,7 @@
 """Eight emulated CPU devices, configured before JAX creates its backends."""
 
 import os
+import shutil
 import tempfile
 
 # The LLVM flags halve XLA:CPU compile time, which dominates this suite; they change code
@@ -35,6 +36,12 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 def pytest_configure(config):
     assert jax.device_count() == 8, f"tests need 8 emulated CPU devices, got {jax.device_count()}"
+
+
+def pytest_unconfigure(config):
+    """The run's cache goes with the run (the controller's, after every worker has finished)."""
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        shutil.rmtree(os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 # Tests that take over a minute on the 2-core CI machine. pytest-xdist hands tests to workers
