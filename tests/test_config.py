@@ -270,6 +270,26 @@ def test_compile_cache_setting(tmp_path, monkeypatch):
         compile_cache.enable(str(tmp_path / "file" / "c"))
 
 
+def test_a_second_compile_cache_in_one_process_is_the_one_written(tmp_path):
+    """Two runs in one process (the Python API) with two run.compile_cache directories: the
+    second run's executables go to its own directory (JAX opens its cache once, at the first
+    directory it compiles with). In a fresh process: the suite's own cache is on in this one."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    code = ("import sys, jax, jax.numpy as jnp\n"
+            "from nljax.runtime import compile_cache\n"
+            "compile_cache.enable(sys.argv[1]); jax.jit(lambda x: x * 2 + 1)(jnp.ones(3)).block_until_ready()\n"
+            "compile_cache.enable(sys.argv[2]); jax.jit(lambda x: x * 3 - 1)(jnp.ones(5)).block_until_ready()\n")
+    first, second = tmp_path / "first", tmp_path / "second"
+    p = subprocess.run([sys.executable, "-c", code, str(first), str(second)], capture_output=True, text=True,
+                       timeout=120, env=subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))
+    assert p.returncode == 0, p.stderr
+    assert any(second.iterdir()), (sorted(first.iterdir()), sorted(second.iterdir()))
+
+
 def test_a_home_relative_path_setting_is_expanded(tmp_path, monkeypatch):
     """`run.dir=~/runs/x` reaches nljax unexpanded (the shell expands `~` in an assignment, not in
     an argument): a run wrote into a folder named '~' in the current directory, and generate,

@@ -53,7 +53,14 @@ def enable(setting: str) -> Path | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"run.compile_cache: {path} cannot be created: {e.strerror or e}") from None
+    before = jax.config.jax_compilation_cache_dir
     jax.config.update("jax_compilation_cache_dir", str(path))
+    if before and Path(before) != path:
+        # JAX opens its cache at the first directory a process compiles with and keeps writing
+        # there: a second run in one process (the Python API) with another directory reopens it
+        from jax.experimental.compilation_cache import compilation_cache
+
+        compilation_cache.reset_cache()
     global _listening
     if not _listening:  # once per process
         jax.monitoring.register_event_listener(_count)
