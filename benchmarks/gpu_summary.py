@@ -72,9 +72,9 @@ def lines(out: Path) -> list[str]:
         rows.append(f"{verdict(None if ratio is None else ratio >= 100)}  titans_demo vs titans-pytorch bf16, batch 4{how}: "
                     + ("skipped" if ratio is None else f"{ratio:.1f}x (target >= 100x; "
                        f"{t['nljax']['tokens_per_s']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)"))
-    ab = [("titans_demo", name) for name in ("ab_titans_forms", "ab_titans_remat", "ab_titans_loop", "ab_titans_unroll")]
-    for config, r in [(config, r) for config, name in [*ab, ("nl_350m", "ab_nl_350m")]
-                      for r in (load(out, name) or {}).get("rows", [])]:
+    ab = (("titans_demo", "ab_titans_forms"), ("titans_demo", "ab_titans_remat"), ("titans_demo", "ab_titans_loop"),
+          ("titans_demo", "ab_titans_unroll"), ("nl_350m", "ab_nl_350m"))
+    for config, r in [(config, r) for config, name in ab for r in (load(out, name) or {}).get("rows", [])]:
         ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
         rows.append(f"info  {config} {' '.join(r['variant'].split())}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} "
                     f"of the first), compile {r['compile_s']:.0f} s{loaded(r)}{ops}")

@@ -144,9 +144,9 @@ def compile_variants(cache: StepCache, actives, state, batch) -> tuple[dict, dic
         t0 = time.perf_counter()
         fns[a] = cache.train_fn(a, state, batch)
         seconds[a] = time.perf_counter() - t0
-        loaded = cache.loaded.get(cache.variant(a, batch))
-        say(f"compiled pattern {pattern_name(a)} in {seconds[a]:.1f} s" if loaded is None
-            else f"loaded pattern {pattern_name(a)} from {loaded} in {seconds[a]:.1f} s")
+        how = built(cache, a, batch)
+        say(f"{'compiled' if how == 'compiled' else 'loaded'} pattern {pattern_name(a)}"
+            f"{'' if how == 'compiled' else how.removeprefix('loaded')} in {seconds[a]:.1f} s")
     return fns, seconds
 
 

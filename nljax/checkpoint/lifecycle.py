@@ -190,20 +190,20 @@ class Checkpoints:
             print(f"nljax: warning: checkpoint {path} was trained on other data (digest {saved[:12]} "
                   f"there, {digest[:12]} here): the resumed run reads other data than the run it continues",
                   file=sys.stderr)
+        step = self.restored.step
         for name, here in self.eval_sets.items():
             there = self.restored.eval_sets.get(name)
-            if there is not None and there != here:
+            if there is None:
+                say(f"note: data.eval_sets {name} is new since checkpoint {path}: eval_loss/{name} and its other "
+                    f"scores in metrics.jsonl start at this resume (step {step})")
+            elif there != here:
                 print(f"nljax: warning: data.eval_sets {name} changed since checkpoint {path} (digest {there[:12]} "
                       f"there, {here[:12]} here): eval_loss/{name} and its other scores before and after this resume "
                       "are not comparable", file=sys.stderr)
-        step = self.restored.step
         for name in [n for n in self.restored.eval_sets if n not in self.eval_sets]:  # in the order saved
             print(f"nljax: warning: data.eval_sets {name} was scored by checkpoint {path} but is no longer in "
                   f"data.eval_sets: eval_loss/{name} and its other scores in metrics.jsonl stop at this resume "
                   f"(step {step})", file=sys.stderr)
-        for name in [n for n in self.eval_sets if n not in self.restored.eval_sets]:
-            say(f"note: data.eval_sets {name} is new since checkpoint {path}: eval_loss/{name} and its other "
-                f"scores in metrics.jsonl start at this resume (step {step})")
 
     def save(self, step: int, state: TrainState) -> None:
         # The previous save is finished first (Orbax would wait for it too) so that a failure is
