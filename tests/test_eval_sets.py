@@ -242,6 +242,17 @@ def test_the_console_line_gives_each_set_one_short_group():
     assert "/wiki" not in line and "/code" not in line
 
 
+def test_the_console_line_shows_other_slashed_keys_as_they_are():
+    """A key with a '/' that is no set's score (a task's or a hook's: `acc/foo`, an lm-eval style
+    `lm_eval/hellaswag/acc`) is a plain `key value` pair, not dropped as a set without a loss;
+    the sets beside it keep their group."""
+    metrics = {"eval_loss": 2.5, "acc/foo": 0.75, "lm_eval/hellaswag/acc": 0.3125, "count/bar": 7,
+               "eval_loss/wiki": 3.0, "eval_bpb/wiki": 4.11, "eval_tokens/wiki": 64}
+    line = runlog.format_metrics(metrics)
+    assert line == ("eval_loss 2.5  acc/foo 0.75  lm_eval/hellaswag/acc 0.3125  count/bar 7  "
+                    "sets (loss/bpb)  wiki: 3/4.11"), line
+
+
 def test_a_sets_content_digest_is_in_the_start_up_check(texts, tmp_path, monkeypatch):
     """The start-up record the processes compare holds each set's content digest: the same text
     under another path is the same digest, an edited file another, which the mismatch's line

@@ -130,16 +130,24 @@ class Progress:
             self.bar = None
 
 
+# The keys a data.eval_sets set's evaluation gives (`<key>/<name>`: run/tasks.py's evaluate_set,
+# and nljax.evaluate's bits per token): only these are a set's, summed up in its group.
+SET_KEYS = frozenset(f"{key}{kind}" for key in ("eval_loss", "eval_bpb", "eval_tokens", "eval_bpt")
+                     for kind in ("", "_stream"))
+
+
 def format_metrics(metrics: dict) -> str:
     """Whatever numbers a task's `evaluate` returns, as `key value` pairs; then the data.eval_sets
     sets' (`<key>/<name>`: six keys a set, too many for one line) as one short group each,
-    `name: loss/bpb` and the streaming evaluation's in brackets. metrics.jsonl keeps every key."""
+    `name: loss/bpb` and the streaming evaluation's in brackets (a set's token counts only in
+    metrics.jsonl). Any other key with a '/' (`acc/foo`, `lm_eval/hellaswag/acc`) is no set's and
+    is a `key value` pair as well. metrics.jsonl keeps every key."""
     parts, sets = [], {}
     for k, v in metrics.items():
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
         base, slash, name = k.partition("/")
-        if slash:
+        if slash and base in SET_KEYS:
             sets.setdefault(name, {})[base] = v
             continue
         parts.append(f"{k} {v:,d}" if isinstance(v, int) else f"{k} {v:.4g}")
