@@ -477,6 +477,34 @@ def test_generate_until_ends_as_lm_evals_hugging_face_model():
     assert decode.call_count <= 1  # the end token's text, once: no answer decoded whole
 
 
+def test_generate_until_drops_special_tokens_as_lm_evals_hugging_face_model(tmp_path):
+    """An answer is decoded as HFLM's `tok_decode` decodes one, without the tokenizer's special
+    tokens (`skip_special_tokens=True`; it kept them, `<sep>` in the answer), and cut before the
+    first `until` string of that text; the stop check still reads them (a special token's text in
+    `until`, a chat template's `<|im_end|>`, ends the answer there, as HFLM's stopping criteria)."""
+    from lm_eval.api.instance import Instance
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from nljax.data import tokenization
+    from nljax.run.harness_model import NLJaxLM, Reading
+
+    tok = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "\u2581the": 1, "\u2581quick": 2, "\u2581fox": 3},
+                                     unk_token="[UNK]"))
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    tok.add_special_tokens(["<eos>", "<sep>", "<|im_end|>"])  # ids 4, 5, 6
+    tok.save(str(tmp_path / "tokenizer.json"))
+    codec = tokenization.load(str(tmp_path / "tokenizer.json"), "<eos>")
+    asks = [({}, [2, 5, 3, 4]),  # <sep> inside: dropped; the end token ends it
+            ({"until": ["<|im_end|>"]}, [2, 6, 3, 1]),  # a special token's text in until: the answer ends there
+            ({"until": ["quick fox"]}, [2, 5, 3, 1]),  # in the text without <sep>: cut there, as HFLM's
+            ({"until": ["fox"]}, [2, 3, 1])]  # no special token drawn: the text as it was
+    reader = Scripted([script for _, script in asks])
+    model = NLJaxLM(Reading(reader, codec, "scripted"), progress=False)
+    reqs = [Instance("generate_until", {}, ("the", kwargs), i) for i, (kwargs, _) in enumerate(asks)]
+    assert model.generate_until(reqs) == [" quick fox", " quick", " ", " quick "]
+    assert reader.drawn == [4, 2, 4, 2]  # the end token, <|im_end|>'s, the script's end, fox's
+
+
 def test_generate_untils_stop_check_decodes_once_per_token(tmp_path):
     """`tok_decode` (lm-eval's; generate_until's stop check used it after every generated token,
     until it read each token once with nljax.generate's Ending): with a tokenizer.json it decoded

@@ -50,6 +50,7 @@ class Bytes:
 
     vocab_size = 256
     end_id: int | None = BYTE_END
+    special_ids: frozenset[int] = frozenset()  # no byte is a special token
 
     def info(self) -> dict:
         return {"kind": "bytes", "vocab_size": self.vocab_size}
@@ -85,8 +86,9 @@ class Bytes:
             yield decoder.push(token)
         yield decoder.end()
 
-    def decode(self, ids: Iterable[int], context: Sequence[int] = ()) -> str:
-        """The text of `ids` after `context`, whole: `decode_stream`'s pieces joined."""
+    def decode(self, ids: Iterable[int], context: Sequence[int] = (), skip_special: bool = False) -> str:
+        """The text of `ids` after `context`, whole: `decode_stream`'s pieces joined (no byte is
+        a special token: `skip_special` changes nothing)."""
         return "".join(self.decode_stream(ids, context))
 
 
@@ -111,6 +113,8 @@ class HFTokenizer:
         self.path, self.end_token = path, end_token
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         self.end_id = self.tok.token_to_id(end_token) if end_token else None
+        # the ids `decode(skip_special=True)` leaves out (the tokenizer.json's added tokens marked special)
+        self.special_ids = frozenset(i for i, t in self.tok.get_added_tokens_decoder().items() if t.special)
         if end_token and self.end_id is None:
             raise ConfigError(f"data.doc_end_token={end_token!r} is not a token of data.tokenizer {path}")
 
@@ -171,15 +175,17 @@ class HFTokenizer:
             yield decoder.push(token)
         yield decoder.end()
 
-    def decode(self, ids: Iterable[int], context: Sequence[int] = ()) -> str:
+    def decode(self, ids: Iterable[int], context: Sequence[int] = (), skip_special: bool = False) -> str:
         """The text of `ids` after `context`, whole, in two decodings (`decode_stream` decodes the
         sequence again at every token: joined, its pieces cost time quadratic in the tokens): what
         context + ids read, after what the context reads alone. The same text as the stream's
         pieces joined, but where a token changed how text already shown reads: then as it reads
-        at the end."""
+        at the end. Special tokens read as their text, as the stream's do, unless `skip_special`
+        (the `special_ids` left out of both decodings, as Hugging Face's skip_special_tokens=True:
+        lm-eval's answers, nljax/run/harness_model.py)."""
         ctx = list(context)
-        shown = self.tok.decode(ctx, skip_special_tokens=False) if ctx else ""
-        text = self.tok.decode(ctx + [int(i) for i in ids], skip_special_tokens=False)
+        shown = self.tok.decode(ctx, skip_special_tokens=skip_special) if ctx else ""
+        text = self.tok.decode(ctx + [int(i) for i in ids], skip_special_tokens=skip_special)
         return text[len(os.path.commonprefix([shown, text])):]
 
 

@@ -16,7 +16,11 @@ theirs.
 token, which is not part of it (HF's `generate` stops at `eos_token_id`), before the first of the
 request's `until` strings and the end token's text (HFLM adds it to `until`: that text spelled
 by other tokens ends it too), or after `max_gen_toks` tokens. The rule is nljax.generate's
-(nljax/run/stopping.py: `Ending`, each token read once as it comes).
+(nljax/run/stopping.py: `Ending`, each token read once as it comes), which reads special tokens
+as their text (a special token's text in `until`, `<|im_end|>`, ends an answer, as HFLM's
+stopping criteria); the answer returned is then decoded as HFLM's `tok_decode` decodes one,
+without special tokens (`skip_special_tokens=True`), and cut before the first `until` string
+of that text (`_answer`).
 
 This module imports lm_eval: nothing imports it at start-up (the trainer only for
 `eval.harness_tasks`).
@@ -34,7 +38,7 @@ from lm_eval.api.model import TemplateLM
 from nljax.errors import ConfigError
 from nljax.run.sampling import Settings, sample_token
 from nljax.run.scoring import StreamReader
-from nljax.run.stopping import ending
+from nljax.run.stopping import Completion, ending
 
 NAME = "nljax"  # --model nljax
 MAX_GEN_TOKS = 256  # generate_until's default max_gen_toks, as lm-eval's own models
@@ -124,16 +128,17 @@ class NLJaxLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """The text after each context until the end token (not included), one of `until` (cut
-        before it) or `max_gen_toks` tokens, as lm-eval's Hugging Face model answers (module
-        docstring); greedy unless `do_sample` (then `temperature`, `top_k`, `top_p` as
-        nljax.generate, seeded by `seed` and the request's place)."""
+        before it) or `max_gen_toks` tokens, without the tokenizer's special tokens, as lm-eval's
+        Hugging Face model answers (module docstring); greedy unless `do_sample` (then
+        `temperature`, `top_k`, `top_p` as nljax.generate, seeded by `seed` and the request's
+        place)."""
         contexts = [req.args[0] for req in requests]
         kwargs = [dict(req.args[1]) if len(req.args) > 1 and req.args[1] else {} for req in requests]
         prompts = [self.tok_encode(c) or [self.prefix_token_id] for c in contexts]
         eot = self.tok_decode([self.eot_token_id]) if self.eot_token_id is not None else None
         # nljax.generate's rule (nljax/run/stopping.py), each request's own: the end token, its stop strings
-        ends = [ending(self.reading.tokenizer, prompts[i], _until(k, eot), stop_at_eos=True)
-                for i, k in enumerate(kwargs)]
+        untils = [_until(k, eot) for k in kwargs]
+        ends = [ending(self.reading.tokenizer, p, u, stop_at_eos=True) for p, u in zip(prompts, untils)]
         settings = [_settings(k) for k in kwargs]
         rngs = [np.random.default_rng([s.seed, i]) for i, s in enumerate(settings)]
         limits = [int(k.get("max_gen_toks", MAX_GEN_TOKS)) for k in kwargs]
@@ -147,9 +152,21 @@ class NLJaxLM(TemplateLM):
         new = self.reader.generate(prompts, max(limits), pick, stop) if requests else []
         out = []
         for i, tokens in enumerate(new):
-            out.append(ends[i].finish(tokens[: limits[i]]).text)
+            out.append(self._answer(prompts[i], tokens, ends[i].finish(tokens[: limits[i]]), untils[i]))
             self.cache_hook.add_partial("generate_until", (contexts[i], kwargs[i]), out[-1])
         return out
+
+    def _answer(self, prompt: list[int], tokens, done: Completion, until: list[str]) -> str:
+        """The answer as HFLM returns it: the tokens the stop check took (`done`; the end token
+        aside) decoded after the prompt without the tokenizer's special tokens (HFLM's
+        `tok_decode`, skip_special_tokens=True), cut before the first of `until` in that text (its
+        `postprocess_generated_text`). With no special token drawn that is `done`'s own text."""
+        codec = self.reading.tokenizer
+        drawn = [int(t) for t in tokens[: done.new_tokens - (done.finish_reason == "eos")]]
+        if not codec.special_ids.intersection(drawn):
+            return done.text
+        text = codec.decode(drawn, context=prompt, skip_special=True)
+        return text[: min((at for at in map(text.find, until) if at >= 0), default=len(text))]
 
 
 def _until(kwargs: dict, eot: str | None) -> list[str]:
