@@ -66,9 +66,12 @@ def test_a_loaded_step_trains_bit_identically_to_the_compiled_one(written, monke
     assert sorted(setup.cache.loaded.values()) == files
     assert_identical(loaded_metrics, metrics)
     assert_identical(loaded_state, state)
-    # the run says where each variant came from, not that it compiled it
+    # the run says where each variant came from, not that it compiled it: neither after (it said
+    # "compiled") nor before, when it cannot know yet (it said "compiling step variant ...")
     done = [line for line in said if not line.endswith("...")]
     assert len(done) == 2 and all(line.startswith("loaded step variant") and str(directory) in line for line in done)
+    assert [line for line in said if line.endswith("...")] == \
+        ["building step variant 1 of 2 (pattern L0+1) ...", "building step variant 2 of 2 (pattern L0) ..."], said
     # and the bench's JSON, per pattern: its compile_s is then a load time
     assert {built(setup.cache, a, setup.batch(0)) for a in ((True, True), (True, False))} == \
         {f"loaded from {f}" for f in files}

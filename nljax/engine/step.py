@@ -241,8 +241,9 @@ class StepCache:
         self._eval: Callable | None = None
         self._eval_stream: dict = {}  # batch keys -> jitted streaming eval step
         self._total_steps: jax.Array | None = None
-        # called as (variant key, None) before a variant compiles and (key, seconds, the file it
-        # was loaded from or None) after: the run says so (a compilation can take minutes); None: silent
+        # called as (variant key, None) before a variant is lowered (then compiled or loaded: not
+        # known yet) and (key, seconds, the file it was loaded from or None) after: the run says
+        # so (a compilation can take minutes); None: silent
         self.announce: Callable[..., None] | None = None
 
     def total_steps(self) -> jax.Array:

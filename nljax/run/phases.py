@@ -22,10 +22,13 @@ SLOW_S = 2.0  # a phase that took this long is said again the next time
 
 
 def compile_announcer(periods: tuple[int, ...], say: Callable[[str], None]) -> Callable[..., None]:
-    """`StepCache.announce` for a run with CMS `periods`: "compiling step variant i of n (pattern
-    L0+1) ..." before a variant compiles, its seconds after, and where it came from when it was
-    not compiled (an executable file, NLJAX_EXECUTABLES, or the compile cache); n is the cycle's
-    distinct patterns (a tail batch that ends a data pass is one more variant of its pattern)."""
+    """`StepCache.announce` for a run with CMS `periods`: "building step variant i of n (pattern
+    L0+1) ..." before a variant is lowered, then how it came to be and its seconds: "compiled", or
+    "loaded" and from where (an executable file, NLJAX_EXECUTABLES, or the compile cache); n is
+    the cycle's distinct patterns (a tail batch that ends a data pass is one more variant of its
+    pattern). The first line cannot say which: the executable file's key is the lowered
+    program's, and a cache hit is known once compiling is asked; lowering alone can take seconds,
+    too long to say nothing."""
     total = len(Conductor(periods).patterns())
     order: dict = {}
     hits_before = [0]
@@ -36,7 +39,7 @@ def compile_announcer(periods: tuple[int, ...], say: Callable[[str], None]) -> C
         what = f"step variant {i} of {total} (pattern {pattern_name(active)}{tail})"
         if seconds is None:
             hits_before[0] = compile_cache.hits()
-            say(f"compiling {what} ...")
+            say(f"building {what} ...")  # not "compiling": it may be loaded (the docstring)
         elif loaded is not None:
             say(f"loaded {what} from {loaded} in {seconds:.1f} s")
         elif compile_cache.hits() > hits_before[0]:
