@@ -8,6 +8,14 @@ change of clock or load hits all of them alike. Printed per variant: median and 
 the ratio of medians to the first variant, compile time, peak memory (the compiled program's
 `memory_analysis`: arguments + outputs + temporaries - donated), and with `--profile N` the XLA ops per step and the
 device's busy share from N profiled steps (`nljax/measure/traces.py`). `--out FILE.json` keeps it all.
+
+`--loop K`: a round runs K all-levels steps of each variant through the training loop itself
+(`nljax.run.loop.training_steps`, no hook keeping a state), and its time is the K steps' wall time
+over K: what the trainer gets, with `train.dispatch_ahead` as the variant sets it, e.g.
+
+    python benchmarks/ab.py --config titans_demo --loop 8 "" "train.dispatch_ahead=false"
+
+Without it each step is waited for before the next is dispatched (the step alone).
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--cpu-devices", type=int, default=None)
     p.add_argument("--profile", type=int, default=0, metavar="N")
+    p.add_argument("--loop", type=int, default=0, metavar="K",
+                   help="time rounds of K steps through the training loop (train.dispatch_ahead applies)")
     p.add_argument("--out", metavar="FILE.json")
     p.add_argument("variants", nargs="+", help='overrides of each variant, e.g. "model.remat=none"')
     args = p.parse_args(argv)
@@ -45,8 +55,8 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
-    if args.rounds < 1 or args.warmup < 0 or args.profile < 0:
-        raise config.ConfigError("--rounds must be >= 1, --warmup and --profile >= 0")
+    if args.rounds < 1 or args.warmup < 0 or args.profile < 0 or args.loop < 0:
+        raise config.ConfigError("--rounds must be >= 1, --warmup, --profile and --loop >= 0")
     cli.setup_devices(args.cpu_devices)
     hostmem.retain()  # as nljax's commands do, before JAX starts (nljax/measure/hostmem.py)
 
@@ -62,16 +72,20 @@ def run(args) -> int:
         batch, state = run.batch(0), run.init_state()
         every = tuple(True for _ in run.cfg.cms.periods)
         fns, compile_s = compile_variants(run.cache, [every], state, batch)
-        built.append({"variant": v, "fn": fns[every], "state": state, "batch": batch, "compile_s": compile_s[every],
+        built.append({"variant": v, "run": run, "step": 0, "fn": fns[every], "state": state, "batch": batch,
+                      "compile_s": compile_s[every],
                       "executable": how_built(run.cache, every, batch),  # compile_s of a loaded step is its load
                       "memory_bytes": peak_memory(fns)["compiled_peak_bytes"], "times": []})
     for i in range(args.warmup + args.rounds):  # a round runs every variant's step once
         for b in built:
             t0 = time.perf_counter()
-            b["state"], metrics = b["fn"](b["state"], b["batch"])  # donates the state
-            jax.block_until_ready((b["state"], metrics))
+            if args.loop:
+                b["state"] = in_the_loop(b, args.loop)
+            else:
+                b["state"], metrics = b["fn"](b["state"], b["batch"])  # donates the state
+                jax.block_until_ready((b["state"], metrics))
             if i >= args.warmup:
-                b["times"].append(time.perf_counter() - t0)
+                b["times"].append((time.perf_counter() - t0) / max(args.loop, 1))
     base = statistics.median(built[0]["times"])
     rows = []
     for b in built:
@@ -80,15 +94,20 @@ def run(args) -> int:
                "compile_s": b["compile_s"], "executable": b["executable"], "memory_bytes": b["memory_bytes"]}
         if args.profile:
             with tempfile.TemporaryDirectory() as tmp:
-                b["state"], step_s = traces.record(b["fn"], b["state"], b["batch"], args.profile, Path(tmp))
+                if args.loop:  # the loop marks its steps itself
+                    b["state"], step_s = traces.trace(lambda state: in_the_loop(b, args.profile, state), b["state"],
+                                                      args.profile, Path(tmp))
+                else:
+                    b["state"], step_s = traces.record(b["fn"], b["state"], b["batch"], args.profile, Path(tmp))
                 s = traces.summarize(Path(tmp), args.profile, step_s, hlo_text=b["fn"].as_text(),
                                      timed_step_s=row["median_ms"] / 1e3)
             row.update(ops_per_step=s["ops"], busy_s=s["busy_s"], profiled_step_s=s["step_s"],
                        busy_fraction=s["busy_fraction"], by_category_s=s["by_category_s"],
                        by_scope_s=s["by_scope_s"], **({"idle": s["idle"]} if "idle" in s else {}))
         rows.append(row)
+    how = f"rounds of {args.loop} steps in the training loop" if args.loop else "each step waited for"
     print(f"{args.config or '(default config)'}: {args.rounds} interleaved rounds after {args.warmup} warm-up, "
-          f"all-levels step, {jax.device_count()} x {jax.devices()[0].device_kind}")
+          f"all-levels step ({how}), {jax.device_count()} x {jax.devices()[0].device_kind}")
     for r in rows:
         mem = "-" if r["memory_bytes"] is None else f"{r['memory_bytes'] / 2**20:,.0f} MiB"
         busy = "-" if r.get("busy_fraction") is None else f"{100 * r['busy_fraction']:.0f}%"
@@ -98,8 +117,28 @@ def run(args) -> int:
         if r.get("idle"):  # where the device waited in the profiled steps
             print("\n".join(f"      {line}" for line in traces.format_idle(r["idle"])))
     if args.out:
-        Path(args.out).write_text(json.dumps({"config": args.config, "rounds": args.rounds, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"config": args.config, "rounds": args.rounds, "loop": args.loop,
+                                              "rows": rows}, indent=1))
     return 0
+
+
+def in_the_loop(b: dict, k: int, state=None):
+    """K all-levels steps of variant `b` through the training loop (`training_steps` with a
+    Conductor whose levels all fire every step, so that its compiled step is the one timed);
+    no step keeps its state but the last. Returns the state after them."""
+    import dataclasses
+
+    from nljax.engine.conductor import Conductor
+    from nljax.run.loop import training_steps
+
+    run, start = b["run"], b["step"]
+    cfg = dataclasses.replace(run.cfg, train=dataclasses.replace(run.cfg.train, steps=start + k))
+    state = b["state"] if state is None else state
+    for r in training_steps(dataclasses.replace(run, cfg=cfg), state, Conductor((1,) * len(cfg.cms.periods), start),
+                            keep=lambda step: False):
+        state = r.state if r.state is not None else state
+    b["step"] = start + k
+    return state
 
 
 if __name__ == "__main__":

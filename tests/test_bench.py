@@ -124,6 +124,16 @@ def test_gpu_suite_and_ab(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().splitlines() == [
         "residuals.py: error: model.name=dit is not a language model (this script feeds it tokens)"]
     assert [r["ratio"] for r in ab][0] == 1.0 and all(r["median_ms"] > 0 and r["ops_per_step"] > 10 for r in ab)
+    # --loop: rounds of steps through the training loop, with and without dispatching ahead; the
+    # profile finds the steps the loop marks itself
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), "--cpu-devices", "1", "--rounds", "1",
+                        "--warmup", "0", "--loop", "3", "--profile", "2", " ".join(NL),
+                        " ".join([*NL, "train.dispatch_ahead=false"]), "--out", str(tmp_path / "loop.json")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and "rounds of 3 steps in the training loop" in p.stdout, p.stderr
+    looped = json.loads((tmp_path / "loop.json").read_text())
+    assert looped["loop"] == 3 and [r["variant"].endswith("dispatch_ahead=false") for r in looped["rows"]] == [False, True]
+    assert all(r["median_ms"] > 0 and r["idle"]["steps"] == 2 for r in looped["rows"])
     rows = gpu_summary().lines(tmp_path)
     assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)
     assert any(r.startswith("info  titans_demo") and "model.remat=none" in r and "kernels/step" in r for r in rows)

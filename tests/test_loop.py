@@ -313,3 +313,83 @@ def test_reps_zero_skips_the_timing(tmp_path, monkeypatch, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["throughput"] == {"skipped": "throughput.reps=0"} and "eval_loss" in summary
     assert (run / "step_time.png").read_bytes().startswith(b"\x89PNG")
+
+
+def loop_run(setup, steps, ahead, hooks=(), keep=None, stop=lambda step: False, seen=None):
+    """`train_loop`'s stepping (`training_steps`) of `setup`'s run with train.dispatch_ahead=`ahead`:
+    (records, {step: params of the results that kept their state}, the final state). `hooks`:
+    (every, reads_state) of hooks that do nothing; `seen(result)`, called on each result as
+    train_loop's hooks are."""
+    import dataclasses
+
+    from nljax.run.loop import Hooks, training_steps
+
+    cfg = dataclasses.replace(setup.cfg, train=dataclasses.replace(setup.cfg.train, steps=steps, dispatch_ahead=ahead))
+    run = dataclasses.replace(setup.run, cfg=cfg)
+    h = Hooks()
+    for every, reads in hooks:
+        h.add(lambda r: None, every=every, reads_state=reads)
+    records, kept, state = [], {}, setup.engine.init_state(jax.random.key(setup.cfg.seed), cfg.train.batch_size)
+    for r in training_steps(run, state, Conductor(cfg.cms.periods), keep=keep or h.keeps, stop=stop):
+        records.append(r.record)
+        if seen is not None:
+            seen(r)
+        if r.state is not None:
+            kept[r.step] = jax.device_get(r.state.params)
+            state = r.state
+    return records, kept, state
+
+
+def test_dispatch_ahead_trains_the_same_and_keeps_the_states_hooks_read():
+    """train.dispatch_ahead: the same losses, gradient norms and final parameters as reading each
+    step's loss before the next dispatch; a step carries its state exactly where a hook reading
+    it fires (here every 3 steps) and at the last step, and that state is the one of the
+    synchronous run at that step."""
+    setup = make(TINY_NL, 1, 2)
+    hooks = [(3, True), (1, False)]  # a checkpoint-like hook every 3 steps; a logging one every step
+    sync, sync_kept, _ = loop_run(setup, 7, False, hooks)
+    ahead, ahead_kept, state = loop_run(setup, 7, True, hooks)
+    assert sorted(sync_kept) == list(range(7))  # without dispatch ahead, every result has its state
+    # 2 and 5: the hook; 6: the last; 0: read before step 1's new variant compiles
+    assert sorted(ahead_kept) == [0, 2, 5, 6]
+    for a, b in zip(sync, ahead, strict=True):
+        assert a["step"] == b["step"] and a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+        assert a["compiled"] == b["compiled"] and b["step_time_s"] > 0
+    for s in ahead_kept:
+        assert_trees_close(ahead_kept[s], sync_kept[s], rtol=0, atol=0)
+    assert_trees_close(jax.device_get(state.params), sync_kept[6], rtol=0, atol=0)
+
+
+def test_dispatch_ahead_order_of_dispatches_reads_hooks_and_stop_questions(monkeypatch):
+    """Ahead, step s + 1 is dispatched before step s is read, except where s keeps its state
+    (here 2; and the last step) and before a step whose variant compiles (steps 0 and 1 are the
+    first of cms.periods=[1,2]'s two patterns: step 0 is read before step 1 compiles, so a
+    compilation is timed with its own step). `stop` is asked once per step, in order: after the
+    step's hooks where it kept its state, before the next dispatch where it did not. Without
+    dispatch ahead: dispatch, read, hooks, stop, step by step."""
+    from nljax.run import loop
+
+    setup = make(TINY_NL, 1, 1)
+    events = []
+    train_step = setup.run.cache.train
+    monkeypatch.setattr(setup.run.cache, "train", lambda *a: events.append("D") or train_step(*a))
+    monkeypatch.setattr(loop, "mean_loss", lambda m: events.append("R") or 1.0)
+    hook = lambda r: events.append(f"H{r.step}")
+    stop = lambda s: events.append(f"S{s}") and False
+    loop_run(setup, 5, True, keep=lambda s: s == 2, stop=stop, seen=hook)
+    assert events == ["D", "R", "H0", "S0",  # step 0, read before step 1 compiles
+                      "D", "S1",  # step 1, dispatched ahead of step 2
+                      "D", "R", "H1", "R", "H2", "S2",  # step 2 kept
+                      "D", "S3", "D", "R", "H3", "R", "H4", "S4"]  # step 3 ahead of step 4, the last
+    events.clear()
+    loop_run(setup, 5, False, stop=stop, seen=hook)
+    assert events == [e for s in range(5) for e in ("D", "R", f"H{s}", f"S{s}")]
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_stop_ends_the_loop_after_its_step_with_the_state(ahead):
+    """`stop(step)` True (a preemption notice): the loop ends after that step, whose result has
+    its state (train_loop saves it), whether or not it would have been dispatched ahead."""
+    setup = make(TINY_NL, 1, 1)
+    records, kept, _ = loop_run(setup, 6, ahead, keep=lambda s: False, stop=lambda s: s == 3)
+    assert [r["step"] for r in records] == [0, 1, 2, 3] and 3 in kept

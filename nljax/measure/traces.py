@@ -349,14 +349,26 @@ def category(name: str) -> str:
 
 
 def record(step: Callable, state, batch, n: int, directory: Path):
-    """Runs `step` n times under the profiler into `directory`; returns (state, seconds per step)."""
-    jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
-    try:
-        t0 = time.perf_counter()
+    """Runs `step` n times under the profiler into `directory`, each step waited for; returns
+    (state, seconds per step)."""
+
+    def steps(state):
         for i in range(n):
             with jax.profiler.StepTraceAnnotation(STEP_EVENT, step_num=i):  # `idle`'s window
                 state, metrics = step(state, batch)
                 jax.block_until_ready((state, metrics))
+        return state
+
+    return trace(steps, state, n, directory)
+
+
+def trace(steps: Callable, state, n: int, directory: Path):
+    """Runs `steps(state)`, n steps that mark themselves with STEP_EVENT (as `record` and the
+    training loop do), under the profiler into `directory`; returns (its state, seconds per step)."""
+    jax.profiler.start_trace(str(directory), create_perfetto_trace=True)
+    try:
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(steps(state))
         seconds = (time.perf_counter() - t0) / n
     finally:
         jax.profiler.stop_trace()

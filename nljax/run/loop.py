@@ -43,18 +43,28 @@ class StepResult:
 
 class Hooks:
     """Callbacks on step results: `add(fn, every=n)` calls fn after every step s with
-    (s + 1) % n == 0, i.e. once n, 2n, ... optimizer steps are done; n = 0 never."""
+    (s + 1) % n == 0, i.e. once n, 2n, ... optimizer steps are done; n = 0 never. A hook that
+    reads the step's state (`reads_state=True`: evaluation, a checkpoint, a sample) makes its
+    steps keep it (`keeps`): the next step is not dispatched ahead of them (`training_steps`)."""
 
     def __init__(self):
-        self._hooks: list[tuple[Callable[[StepResult], None], int]] = []
+        self._hooks: list[tuple[Callable[[StepResult], None], int, bool]] = []
 
-    def add(self, fn: Callable[[StepResult], None], every: int = 1) -> None:
-        self._hooks.append((fn, every))
+    def add(self, fn: Callable[[StepResult], None], every: int = 1, reads_state: bool = False) -> None:
+        self._hooks.append((fn, every, reads_state))
 
     def run(self, result: StepResult) -> None:
-        for fn, every in self._hooks:
-            if every and (result.step + 1) % every == 0:
+        for fn, every, _ in self._hooks:
+            if _fires(every, result.step):
                 fn(result)
+
+    def keeps(self, step: int) -> bool:
+        """Whether a hook that reads the state runs after `step`."""
+        return any(reads and _fires(every, step) for _, every, reads in self._hooks)
+
+
+def _fires(every: int, step: int) -> bool:
+    return bool(every) and (step + 1) % every == 0
 
 
 def step_record(pulse: Pulse, m: dict, loss: float, dt: float, units: int, key: str, compiled: bool,
@@ -81,10 +91,24 @@ def step_record(pulse: Pulse, m: dict, loss: float, dt: float, units: int, key: 
     return rec
 
 
-def training_steps(run: Run, state: TrainState, conductor: Conductor,
-                   reset_first: bool = False) -> Iterator[StepResult]:
+def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_first: bool = False,
+                   keep: Callable[[int], bool] = lambda step: True,
+                   stop: Callable[[int], bool] = lambda step: False) -> Iterator[StepResult]:
     """Steps from `conductor.step` to `train.steps`. `reset_first`: the first batch starts every
-    row from a fresh memory (after a resume that restarted every row)."""
+    row from a fresh memory (after a resume that restarted every row).
+
+    With `train.dispatch_ahead` on, the next step is dispatched before a step's metrics are read,
+    so that the host's work between steps (reading the loss, writing the record, the hooks that
+    only log, passing hundreds of state arrays to the next call) overlaps the device's work
+    instead of leaving it idle; that step's result then has `state` None (donated to the next
+    step). Not where `keep(step)` says a hook reads the step's state (evaluation, a checkpoint, a
+    sample), at the last step, or before a step whose variant compiles (its compilation is then
+    timed with its own step). `stop(step)`, asked once per step in order (after the step's hooks
+    where it kept its state, else right before the next dispatch: as late as the step allows),
+    ends the loop after that step, its state kept (a preemption notice).
+
+    `step_time_s`: from the step's dispatch, or from the previous step's result where the host
+    read that later, until its loss is on the host: the time the loop spent on it alone."""
     cfg, steps = run.cfg, run.cfg.train.steps
     key = f"{run.task.unit}_per_s_per_device"
     seen: set = set()
@@ -93,25 +117,50 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor,
     # Each step's learning rate for its record, as the step computes it (step.update_levels: the
     # schedule at step + 1), in one computation here rather than a device round trip per step.
     lrs = np.broadcast_to(np.asarray(run.engine.lr(jnp.arange(conductor.step + 1, steps + 1))), (n,))
+    pending = None  # the step before, dispatched ahead of this one, its metrics not yet read
+    read_at = 0.0  # when the host last had a step's loss
+
+    def result(d: dict, state) -> StepResult:
+        nonlocal read_at
+        loss = mean_loss(d["m"])  # waits for the step
+        done = time.perf_counter()
+        dt, read_at = done - max(d["t0"], read_at), done
+        rec = step_record(d["pulse"], d["m"], loss, dt, d["units"], key, d["compiled"], d["variant"], d["lr"])
+        if d["compiled"]:
+            rec["compile_s"] = run.cache.compile_s.get(d["variant"])
+        return StepResult(d["pulse"], state, rec, d["last"], d["units"] / dt)
+
     for i in range(n):
         p = conductor.pulse
         distributed.check_step(i, p, cfg.distributed.check_every)
         last = p.step == steps - 1
-        units = run.units_per_device(batch)
-        t0 = time.perf_counter()
-        # the mark a profile's idle time is split by (traces.idle_summary); costs nothing unprofiled
+        d = {"pulse": p, "last": last, "units": run.units_per_device(batch), "lr": float(lrs[i])}
+        # The mark a profile's idle time is split by (traces.idle_summary; costs nothing
+        # unprofiled): from the step's dispatch until its loss is read or, dispatched ahead of
+        # the next, until the next one's dispatch, so that such steps' marks tile the time.
         with jax.profiler.StepTraceAnnotation(traces.STEP_EVENT, step_num=p.step):
-            state, m, variant = run.cache.train(p.active, state, batch)
+            d["t0"] = time.perf_counter()
+            state, d["m"], d["variant"] = run.cache.train(p.active, state, batch)
+            d["compiled"] = d["variant"] not in seen  # its first call includes its compilation
+            seen.add(d["variant"])
             batch = None if last else run.batch(p.step + 1)  # overlaps the step on the device
-            loss = mean_loss(m)  # waits for the step
-        dt = time.perf_counter() - t0
-        compiled = variant not in seen  # the first call of a variant includes its compilation
-        seen.add(variant)
-        conductor = conductor.advance()  # after the step's synchronization
-        rec = step_record(p, m, loss, dt, units, key, compiled, variant, float(lrs[i]))
-        if compiled:
-            rec["compile_s"] = run.cache.compile_s.get(variant)
-        yield StepResult(p, state, rec, last, units / dt)
+            conductor = conductor.advance()
+            if pending is not None:  # read, and its hooks run, while this step runs on the device
+                previous, pending = result(pending, None), None
+                yield previous
+            ahead = (cfg.train.dispatch_ahead and not last and not keep(p.step)
+                     and run.cache.variant(conductor.pulse.active, batch) in seen)
+            asked = ahead
+            stopping = ahead and stop(p.step)  # as late as a step dispatched ahead allows
+            mine = None if ahead and not stopping else result(d, state)
+        if mine is None:
+            pending = d
+            continue
+        yield mine
+        if not asked:
+            stopping = stop(p.step)  # after the step's hooks
+        if stopping and not last:
+            return
 
 
 class Profiler:
@@ -152,6 +201,11 @@ class Profiler:
             return
         (self.path / "summary.json").write_text(json.dumps(s, indent=1))
         self.say("\n".join(traces.format_summary(s)))
+
+    def keeps(self, step: int) -> bool:
+        """The step before the first profiled one (the trace starts with nothing in flight) and
+        the last profiled one (it stops before the next step is dispatched)."""
+        return bool(self.n) and step in (self.first - 1, self.first + self.n - 1)
 
     def start_next(self, r: StepResult) -> None:
         if not r.last:

@@ -190,16 +190,17 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
         profiler.start(conductor.step)
     # after a resume that restarted every row's memory, the first batch resets every row
     reset_first = ckpt is not None and ckpt.rows_restarted and conductor.step == ckpt.start
+    keep = lambda step: hooks.keeps(step) or profiler.keeps(step)  # the step's state is read after it
     notice.in_loop = notice.looped = True
     try:
-        for r in training_steps(run, state, conductor, reset_first):
-            state = r.state
+        r = None
+        for r in training_steps(run, state, conductor, reset_first, keep, notice.stop_after):
+            state = r.state if r.state is not None else state  # None: dispatched ahead, donated
             _after_step(r, run, hist, hooks, out)
-            # a notice: save at this step boundary (every process at the same step) and stop
-            if notice.stop_after(r.step) and not r.last:
-                saved = ckpt is not None and ckpt.save_now(r.step + 1, r.state)
-                out.progress.close()
-                raise Preempted(r.step, notice.received or signal.SIGTERM, saved)
+        if r is not None and not r.last:  # a notice stopped the loop: save at this step boundary and stop
+            saved = ckpt is not None and ckpt.save_now(r.step + 1, r.state)
+            out.progress.close()
+            raise Preempted(r.step, notice.received or signal.SIGTERM, saved)
     finally:
         notice.in_loop = False
     hist.wall_s = time.perf_counter() - t_start
@@ -277,12 +278,12 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
         # after the step's scalars: W&B takes steps in increasing order
         out.trackers.text("train/sample", text, r.step + 1)
 
-    hooks.add(evaluate, every=cfg.eval.every)
+    hooks.add(evaluate, every=cfg.eval.every, reads_state=True)
     hooks.add(lambda r: out.run.log(r.record))
     if ckpt is not None:  # copies off the devices before the next step donates the state
-        hooks.add(save, every=cfg.checkpoint.every)
+        hooks.add(save, every=cfg.checkpoint.every, reads_state=True)
     hooks.add(report)
-    hooks.add(sample, every=cfg.train.sample_every)
+    hooks.add(sample, every=cfg.train.sample_every, reads_state=True)
     hooks.add(profiler.start_next)
     return hooks, profiler
 

@@ -52,6 +52,10 @@ class TrainConfig:
     # stop (one line, exit 2) when this many steps in a row were skipped: nothing is training; 0: off
     max_skipped: int = 20
     log_every: int = 10  # steps between log lines when the output is not a terminal (else a progress bar)
+    # dispatch each step before reading the one before's loss where no hook needs that step's state
+    # (nljax/run/loop.py): the host's work between steps overlaps the device's; false: each step's
+    # loss is read before the next is dispatched (an error on the device is then raised at its step)
+    dispatch_ahead: bool = True
     profile_steps: int = 0  # record a jax.profiler trace of this many steps into run.dir/profile
     profile_start: int = 10  # first profiled step (after compilation)
     # every N steps print a short text sample from the training state and send it to the trackers
