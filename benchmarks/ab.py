@@ -15,12 +15,14 @@ over K: what the trainer gets, with `train.dispatch_ahead` as the variant sets i
 
     python benchmarks/ab.py --config titans_demo --loop 8 "" "train.dispatch_ahead=false"
 
-Without it each step is waited for before the next is dispatched (the step alone).
+Without it each step is waited for before the next is dispatched (the step alone). Variants that
+differ in train.dispatch_ahead alone share one compiled step.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -68,13 +70,18 @@ def run(args) -> int:
 
     built = []
     for v in args.variants:
-        run = Run.create(unevaluated(config.load(args.config, v.split())))
+        cfg = unevaluated(config.load(args.config, v.split()))
+        same = next((b for b in built if same_step(b["run"].cfg, cfg)), None)
+        # a variant that differs only in how the loop runs shares the step compiled for the first
+        run = dataclasses.replace(same["run"], cfg=cfg) if same else Run.create(cfg)
         batch, state = run.batch(0), run.init_state()
         every = tuple(True for _ in run.cfg.cms.periods)
         fns, compile_s = compile_variants(run.cache, [every], state, batch)
         built.append({"variant": v, "run": run, "step": 0, "fn": fns[every], "state": state, "batch": batch,
                       "compile_s": compile_s[every],
-                      "executable": how_built(run.cache, every, batch),  # compile_s of a loaded step is its load
+                      # compile_s of a loaded step is its load
+                      "executable": f"shared with {same['variant'] or '(config)'}" if same else
+                      how_built(run.cache, every, batch),
                       "memory_bytes": peak_memory(fns)["compiled_peak_bytes"], "times": []})
     for i in range(args.warmup + args.rounds):  # a round runs every variant's step once
         for b in built:
@@ -113,7 +120,7 @@ def run(args) -> int:
         busy = "-" if r.get("busy_fraction") is None else f"{100 * r['busy_fraction']:.0f}%"
         ops = f"  {r['ops_per_step']:,.0f} ops/step, busy {busy}" if "ops_per_step" in r else ""
         print(f"  {r['variant']:<40} median {r['median_ms']:9.1f} ms  min {r['min_ms']:9.1f} ms  x{r['ratio']:.3f}  "
-              f"{'compile' if r['executable'] == 'compiled' else 'load'} {r['compile_s']:5.1f} s  memory {mem}{ops}")
+              f"{built_how(r)}  memory {mem}{ops}")
         if r.get("idle"):  # where the device waited in the profiled steps
             print("\n".join(f"      {line}" for line in traces.format_idle(r["idle"])))
     if args.out:
@@ -122,12 +129,22 @@ def run(args) -> int:
     return 0
 
 
+def built_how(row: dict) -> str:
+    how = row["executable"]
+    if how.startswith("shared"):
+        return f"step {how}"
+    return f"{'compile' if how == 'compiled' else 'load'} {row['compile_s']:5.1f} s"
+
+
+def same_step(a, b) -> bool:
+    """Whether configs `a` and `b` differ in train.dispatch_ahead at most: the same compiled step."""
+    return dataclasses.replace(a, train=dataclasses.replace(a.train, dispatch_ahead=b.train.dispatch_ahead)) == b
+
+
 def in_the_loop(b: dict, k: int, state=None):
     """K all-levels steps of variant `b` through the training loop (`training_steps` with a
     Conductor whose levels all fire every step, so that its compiled step is the one timed);
     no step keeps its state but the last. Returns the state after them."""
-    import dataclasses
-
     from nljax.engine.conductor import Conductor
     from nljax.run.loop import training_steps
 

@@ -57,7 +57,8 @@
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   vs_pytorch_loop    the same with memory_impl=parallel_pallas (the loop kernel)
 #   titans_forms       titans_demo at batch 4 x 512 with the scan (auto), memory_impl=parallel and
-#                      memory_impl=parallel_pallas, interleaved and profiled (where each step's device idles)
+#                      memory_impl=parallel_pallas, interleaved and profiled (where each step's device idles),
+#                      timed through the training loop; the scan also with train.dispatch_ahead=false
 #   ab350m             nl_350m unrolled with the GPU paths, the scan (auto) and memory_impl=parallel,
 #                      interleaved in one process and profiled
 #   titans_loop        titans_demo at batch 4 x 512 with the scan (auto) and memory_impl=parallel_pallas,
@@ -421,11 +422,14 @@ part_titans_loop() {
 
 part_titans_forms() {
   # the 2026-11-30 H200 profile: the loop kernel cut the step's kernels 5.2x and its idle time by a
-  # quarter only; each variant's profile now splits the idle time (before, between, after the ops)
-  local v=("${BF16[*]} ${TITANS[*]}" "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel"
+  # quarter only; each variant's profile now splits the idle time (before, between, after the ops).
+  # Timed through the training loop (--loop 8), with the scan also without dispatching ahead
+  # (train.dispatch_ahead=false: the step shares the first variant's compiled step)
+  local v=("${BF16[*]} ${TITANS[*]}" "${BF16[*]} ${TITANS[*]} train.dispatch_ahead=false"
+           "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel"
            "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
-  local rounds=(--rounds 10 --warmup 2 --profile 2)
-  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
+  local rounds=(--rounds 6 --warmup 1 --loop 8 --profile 4)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 2); fi
   run ab_titans_forms $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_forms.json"
 }
 

@@ -49,8 +49,10 @@ def gb(n) -> str:
 
 
 def loaded(row: dict) -> str:
-    """" (loaded, not compiled)" for a step loaded from an executable compiled ahead (NLJAX_EXECUTABLES)."""
-    return "" if row.get("executable", "compiled") == "compiled" else " (loaded, not compiled)"
+    """" (loaded, not compiled)" for a step loaded from an executable compiled ahead
+    (NLJAX_EXECUTABLES); " (the step of ...)" for an ab.py variant that shares another's step."""
+    how = row.get("executable", "compiled")
+    return "" if how == "compiled" else f" (the step {how})" if how.startswith("shared") else " (loaded, not compiled)"
 
 
 def kernels(per_step: float, busy) -> str:
