@@ -13,7 +13,7 @@ device's busy share from N profiled steps (`nljax/measure/traces.py`). `--out FI
 (`nljax.run.loop.training_steps`, no hook keeping a state), and its time is the K steps' wall time
 over K: what the trainer gets, with `train.dispatch_ahead` as the variant sets it, e.g.
 
-    python benchmarks/ab.py --config titans_demo --loop 8 "" "train.dispatch_ahead=false"
+    python benchmarks/ab.py --config titans_demo --loop 8 "train.dispatch_ahead=true" "train.dispatch_ahead=false"
 
 Without it each step is waited for before the next is dispatched (the step alone). Variants that
 differ in train.dispatch_ahead alone share one compiled step.

@@ -124,7 +124,9 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
                 return _coerce(key, arm, value)
             except ConfigError:
                 pass
-        raise ConfigError(f"config key '{key}' has the wrong type: {value!r}")
+        arms = [f"one of {list(typing.get_args(a))}" if typing.get_origin(a) is typing.Literal else _type_name(a)
+                for a in typing.get_args(tp) if a is not type(None)]
+        raise ConfigError(f"config key '{key}' must be {' or '.join(arms)}, got {value!r}")
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if tp is float and isinstance(value, str):

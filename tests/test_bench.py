@@ -127,13 +127,14 @@ def test_gpu_suite_and_ab(tmp_path):
     # --loop: rounds of steps through the training loop, with and without dispatching ahead; the
     # profile finds the steps the loop marks itself
     p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), "--cpu-devices", "1", "--rounds", "1",
-                        "--warmup", "0", "--loop", "3", "--profile", "2", " ".join(NL),
+                        "--warmup", "0", "--loop", "3", "--profile", "2", " ".join([*NL, "train.dispatch_ahead=true"]),
                         " ".join([*NL, "train.dispatch_ahead=false"]), "--out", str(tmp_path / "loop.json")],
                        capture_output=True, text=True)
     assert p.returncode == 0 and "rounds of 3 steps in the training loop" in p.stdout, p.stderr
     looped = json.loads((tmp_path / "loop.json").read_text())
     assert looped["loop"] == 3 and [r["variant"].endswith("dispatch_ahead=false") for r in looped["rows"]] == [False, True]
     assert all(r["median_ms"] > 0 and r["idle"]["steps"] == 2 for r in looped["rows"])
+    assert looped["rows"][1]["executable"] == f"shared with {' '.join([*NL, 'train.dispatch_ahead=true'])}"
     rows = gpu_summary().lines(tmp_path)
     assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)
     assert any(r.startswith("info  titans_demo") and "model.remat=none" in r and "kernels/step" in r for r in rows)

@@ -313,7 +313,8 @@ def test_preemption_and_kills_at_random_steps_resume_exactly(tmp_path):
     ref, run = tmp_path / "ref", tmp_path / "run"
     ck = run / "checkpoints"
     assert nljax_train("--cpu-devices", "2", "--quiet", *SAVING, f"run.dir={ref}").returncode == 0
-    base = ["--cpu-devices", "2", "--quiet", *SAVING, f"run.dir={run}"]
+    # dispatched ahead (train.dispatch_ahead's auto: on a GPU, not on a CPU), as a GPU run would
+    base = ["--cpu-devices", "2", "--quiet", *SAVING, "train.dispatch_ahead=true", f"run.dir={run}"]
     rng = random.Random(1)
     t1 = rng.randint(1, 5)
     t2 = rng.randint(t1 + 2, 9)
@@ -337,7 +338,8 @@ def test_ctrl_c_saves_the_step_and_a_second_one_stops_at_once(tmp_path):
     Two: the run stops at once, unsaved, in one line (no traceback)."""
     run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
-    p = nljax_train(*base, killer=["int", "3", str(ck)])  # Ctrl-C once step 2 is logged: step 3 runs already
+    # Ctrl-C once step 2 is logged: dispatched ahead (auto: not on a CPU), step 3 runs already
+    p = nljax_train(*base, "train.dispatch_ahead=true", killer=["int", "3", str(ck)])
     assert p.returncode == 130 and p.stderr.strip().splitlines() == [
         "nljax: Ctrl-C: stopping after this step (Ctrl-C again: at once, unsaved)",
         "nljax.train: interrupted (Ctrl-C): stopped after step 3, checkpoint saved; continue with --resume"], p.stderr
@@ -347,9 +349,9 @@ def test_ctrl_c_saves_the_step_and_a_second_one_stops_at_once(tmp_path):
     assert "Traceback" not in p.stderr and not (ck / "6").exists()
     p = nljax_train("--resume", *base)
     assert p.returncode == 0 and json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 11, p.stderr
-    # train.dispatch_ahead=false: each step read before the next is dispatched, so step 3 has not begun
-    p = nljax_train(*base, f"run.dir={tmp_path / 'unsaved'}", "checkpoint.every=0", "train.dispatch_ahead=false",
-                    killer=["int", "3", str(ck)])
+    # train.dispatch_ahead=auto, off on a CPU: each step read before the next is dispatched, so
+    # step 3 has not begun
+    p = nljax_train(*base, f"run.dir={tmp_path / 'unsaved'}", "checkpoint.every=0", killer=["int", "3", str(ck)])
     assert p.returncode == 130 and p.stderr.strip().splitlines()[-1] == \
         "nljax.train: interrupted (Ctrl-C): stopped after step 2, nothing saved (checkpoint.every=0)", p.stderr
 

@@ -386,6 +386,17 @@ def test_dispatch_ahead_order_of_dispatches_reads_hooks_and_stop_questions(monke
     assert events == [e for s in range(5) for e in ("D", "R", f"H{s}", f"S{s}")]
 
 
+def test_dispatch_ahead_auto_is_off_on_a_cpu_only():
+    from nljax.run.loop import dispatches_ahead
+
+    assert [dispatches_ahead("auto", p) for p in ("cpu", "gpu", "tpu")] == [False, True, True]
+    assert [dispatches_ahead(v, "cpu") for v in (True, False)] == [True, False]
+    assert [dispatches_ahead(v, "gpu") for v in (True, False)] == [True, False]
+    for bad in ("fast", 2):  # (YAML reads "on" and "yes" as true)
+        with pytest.raises(ConfigError, match=r"train.dispatch_ahead' must be bool or one of \['auto'\], got"):
+            config.load(None, [f"train.dispatch_ahead={bad}"])
+
+
 @pytest.mark.parametrize("ahead", [True, False])
 def test_a_stop_ends_the_loop_after_its_step_with_the_state(ahead):
     """`stop(step)` True (a preemption notice): the loop ends after that step, whose result has

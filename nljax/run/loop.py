@@ -91,13 +91,20 @@ def step_record(pulse: Pulse, m: dict, loss: float, dt: float, units: int, key: 
     return rec
 
 
+def dispatches_ahead(setting: bool | str, platform: str) -> bool:
+    """`train.dispatch_ahead` on devices of `platform`: "auto" is on except on a CPU, whose
+    device is the host's own cores: there the overlap only shares them (measured: the default
+    job's step 1.5% slower in median, equal at the minimum; 2026-11-30)."""
+    return platform != "cpu" if setting == "auto" else bool(setting)
+
+
 def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_first: bool = False,
                    keep: Callable[[int], bool] = lambda step: True,
                    stop: Callable[[int], bool] = lambda step: False) -> Iterator[StepResult]:
     """Steps from `conductor.step` to `train.steps`. `reset_first`: the first batch starts every
     row from a fresh memory (after a resume that restarted every row).
 
-    With `train.dispatch_ahead` on, the next step is dispatched before a step's metrics are read,
+    With `train.dispatch_ahead` on (`auto`: on a GPU or TPU), the next step is dispatched before a step's metrics are read,
     so that the host's work between steps (reading the loss, writing the record, the hooks that
     only log, passing hundreds of state arrays to the next call) overlaps the device's work
     instead of leaving it idle; that step's result then has `state` None (donated to the next
@@ -110,6 +117,7 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
     `step_time_s`: from the step's dispatch, or from the previous step's result where the host
     read that later, until its loss is on the host: the time the loop spent on it alone."""
     cfg, steps = run.cfg, run.cfg.train.steps
+    dispatch_ahead = dispatches_ahead(cfg.train.dispatch_ahead, run.mesh.devices.flat[0].platform)
     key = f"{run.task.unit}_per_s_per_device"
     seen: set = set()
     batch = run.batch(conductor.step, reset_all=reset_first) if conductor.step < steps else None
@@ -148,7 +156,7 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
             if pending is not None:  # read, and its hooks run, while this step runs on the device
                 previous, pending = result(pending, None), None
                 yield previous
-            ahead = (cfg.train.dispatch_ahead and not last and not keep(p.step)
+            ahead = (dispatch_ahead and not last and not keep(p.step)
                      and run.cache.variant(conductor.pulse.active, batch) in seen)
             asked = ahead
             stopping = ahead and stop(p.step)  # as late as a step dispatched ahead allows
