@@ -15,8 +15,11 @@ titans-pytorch step, ...) so that a drift of clock or load hits both alike; medi
 - nljax: `nljax.run.core.Run` on a 1-device mesh with the config (default the packaged titans_demo),
   its compiled step variants for level 0 alone (448 of every 512 steps) and all levels firing,
   the cycle mean estimated as 7/8 level-0 + 1/8 the slower of the two (conservative: the three
-  rarer patterns are charged as the slower pattern measured). The script only uses the engine's
-  public pieces, so it does not depend on the model's internals.
+  rarer patterns are charged as the slower pattern measured), each step waited for. Also the same
+  cycle run by the training loop (`nljax (loop)`: 8 steps, all levels at the first, through
+  `nljax.run.loop.training_steps`, which on a GPU dispatches each step before the one before is
+  read: `train.dispatch_ahead`), what training gets. The script only uses the engine's public
+  pieces, so it does not depend on the model's internals.
 
 CPU: one thread each by default (`--threads 1`: torch.set_num_threads, XLA's single-threaded
 Eigen, the process pinned to one core), as the anchor (39.8 s per step, 51 tokens/s) was measured.
@@ -27,6 +30,7 @@ by side: the outer-loop FLOP/s each reaches is tokens/s x 6 N.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -34,6 +38,8 @@ import sys
 import time
 
 ANCHOR = "titans-pytorch 0.5.5, 1 CPU core, fp32, 4 x 512: 39.8 s/step, 51 tokens/s"
+CYCLE = 8  # steps of the loop's call: one all-levels step and 7 level-0 steps, as the cycle mean weighs them
+LOOP = f"loop x{CYCLE}"  # nljax's call of CYCLE steps through the training loop
 
 
 def pin_threads(args) -> None:
@@ -112,9 +118,10 @@ def nljax_side(args):
 
     from nljax import config
     from nljax.bench import unevaluated
-    from nljax.engine.conductor import pattern_name
+    from nljax.engine.conductor import Conductor, pattern_name
     from nljax.measure import flops
     from nljax.run.core import Run
+    from nljax.run.loop import training_steps
 
     overrides = [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}", "mesh.inter=1", "mesh.intra=1",
                  *args.overrides]
@@ -144,6 +151,24 @@ def nljax_side(args):
 
     level0, every = tuple(l == 0 for l in range(n_levels)), (True,) * n_levels
     steps = {pattern_name(a): runner(a) for a in dict.fromkeys((level0, every))}
+    for a in (level0, every):
+        steps[pattern_name(a)]()  # compiled here (and run once), not in the loop's first timing
+    chain["step"] = 0
+
+    def loop():
+        """CYCLE steps as the trainer runs them (nljax.run.loop.training_steps: train.dispatch_ahead
+        as the config says, `auto` on a GPU), all levels at the first and level 0 at the others: a
+        Conductor of periods (1, CYCLE, CYCLE, ...) fires just the two compiled patterns above."""
+        start = chain["step"]
+        run = dataclasses.replace(setup, cfg=dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, steps=start + CYCLE)))
+        conductor = Conductor((1,) + (CYCLE,) * (n_levels - 1), start)
+        state = chain["state"]
+        for r in training_steps(run, state, conductor, keep=lambda step: False):
+            state = r.state if r.state is not None else state
+        chain["state"], chain["step"] = state, start + CYCLE
+
+    steps[LOOP] = loop
     n, n_mat = flops.matmul_params(setup.engine.param_shapes)
     return steps, n, n_mat, dtype
 
@@ -182,7 +207,7 @@ def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
     r = {"batch": args.batch, "seq": args.seq, "device": args.device, "dtype": args.dtype, "nljax_dtype": nl_dtype,
          "threads": args.threads, "config": args.config, "overrides": list(args.overrides), "anchor": ANCHOR,
          "malloc": hostmem.settings()}
-    names = [k for k in med if k.startswith("nljax")]
+    names = [k for k in med if k.startswith("nljax ") and k != f"nljax {LOOP}"]
     if names:
         nl_l0 = med[names[0]]
         worst = max(med[k] for k in names)
@@ -190,6 +215,9 @@ def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
         nl_mean = (7 * nl_l0 + worst) / 8
         r["nljax"] = {"step_s": {k[6:]: med[k] for k in names}, "step_s_cycle_mean": nl_mean,
                       "tokens_per_s": tokens / nl_mean, "tokens_per_s_worst": tokens / worst, **sizes["nljax"]}
+        if f"nljax {LOOP}" in med:  # the same cycle run by the training loop: what training gets
+            loop_s = med[f"nljax {LOOP}"] / CYCLE
+            r["nljax"].update(step_s_in_loop=loop_s, tokens_per_s_in_loop=tokens / loop_s)
     if "titans-pytorch" in med:
         t = med["titans-pytorch"]
         r["titans_pytorch"] = {"step_s": t, "tokens_per_s": tokens / t, **sizes["titans_pytorch"]}
@@ -197,6 +225,8 @@ def report(args, med: dict, sizes: dict, nl_dtype: str) -> dict:
         n_nl, n_t = sizes["nljax"]["nonembedding_params"], sizes["titans_pytorch"]["nonembedding_params"]
         r["ratio_tokens_per_s"] = r["nljax"]["tokens_per_s"] / r["titans_pytorch"]["tokens_per_s"]
         r["ratio_tokens_per_s_worst"] = r["nljax"]["tokens_per_s_worst"] / r["titans_pytorch"]["tokens_per_s"]
+        if "tokens_per_s_in_loop" in r["nljax"]:
+            r["ratio_tokens_per_s_in_loop"] = r["nljax"]["tokens_per_s_in_loop"] / r["titans_pytorch"]["tokens_per_s"]
         # tokens/s x 6N is the outer-loop FLOP/s each reaches: the ratio of work done per second
         r["ratio_outer_flops_per_s"] = r["ratio_tokens_per_s"] * n_nl / n_t
         # tokens/s per outer-loop FLOP per token (tokens/s / 6N), as the issue words it
@@ -215,12 +245,15 @@ def format_report(r: dict) -> str:
         lines.append(row("nljax (mean)", nl, nl["step_s_cycle_mean"], nl["tokens_per_s"]))
         for k, s in nl["step_s"].items():
             lines.append(f"  {k:<14}{'':>28}{s:>10.3f}{r['batch'] * r['seq'] / s:>12,.1f}")
+        if "step_s_in_loop" in nl:
+            lines.append(row("nljax (loop)", nl, nl["step_s_in_loop"], nl["tokens_per_s_in_loop"]))
     if "titans_pytorch" in r:
         t = r["titans_pytorch"]
         lines.append(row("titans-pytorch", t, t["step_s"], t["tokens_per_s"]))
     if "ratio_tokens_per_s" in r:
+        in_loop = f", in the training loop {r['ratio_tokens_per_s_in_loop']:.1f}x" if "ratio_tokens_per_s_in_loop" in r else ""
         lines += [f"ratio nljax / titans-pytorch tokens/s: {r['ratio_tokens_per_s']:.1f}x "
-                  f"(worst pattern {r['ratio_tokens_per_s_worst']:.1f}x)",
+                  f"(worst pattern {r['ratio_tokens_per_s_worst']:.1f}x){in_loop}",
                   f"ratio of outer-loop FLOP/s (tokens/s x 6N): {r['ratio_outer_flops_per_s']:.1f}x; "
                   f"of tokens/s per outer-loop FLOP/token (tokens/s / 6N): {r['ratio_tokens_per_s_per_outer_flop']:.1f}x"]
     lines.append(f"anchor: {r['anchor']}")
