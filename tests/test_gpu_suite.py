@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import types
 
 import pytest
 from helpers import ROOT, subprocess_env
@@ -234,3 +235,34 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
     assert "jax " in (tmp_path / "machine.txt").read_text()  # the card and software, for the report
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("DRY RUN") and "GPU paths, scanned" in summary and "FAILED" not in r.stdout, r.stdout
+
+
+def test_titans_pytorch_reports_the_training_loops_cycle_beside_the_waited_steps():
+    """benchmarks/titans_pytorch.py's report: the cycle mean of the waited steps (7/8 level 0 +
+    1/8 the slower pattern) and the loop's 8 steps per call as its own figure and ratio."""
+    tp = bench_module("titans_pytorch")
+    args = types.SimpleNamespace(batch=4, seq=512, device="cuda", dtype="bf16", threads=0, config="titans_demo",
+                                 overrides=[])
+    sizes = {"nljax": {"params": 10, "nonembedding_params": 6}, "titans_pytorch": {"params": 20, "nonembedding_params": 12}}
+    med = {"nljax L0": 0.020, "nljax L0+1+2+3": 0.028, f"nljax {tp.LOOP}": 8 * 0.018, "titans-pytorch": 1.0}
+    r = tp.report(args, med, sizes, "bfloat16")
+    assert r["nljax"]["step_s"] == {"L0": 0.020, "L0+1+2+3": 0.028}  # the loop's call is no pattern
+    assert r["nljax"]["step_s_cycle_mean"] == pytest.approx((7 * 0.020 + 0.028) / 8)
+    assert r["nljax"]["step_s_in_loop"] == pytest.approx(0.018)
+    assert r["ratio_tokens_per_s_in_loop"] == pytest.approx(1.0 / 0.018)
+    assert "nljax (loop)" in tp.format_report(r) and "in the training loop 55.6x" in tp.format_report(r)
+
+
+@pytest.mark.slow
+def test_titans_pytorch_times_nljax_through_the_loop(tmp_path):
+    """The script's nljax side on a CPU (--skip-torch, a tiny titans_demo): both waited patterns
+    and the loop's cycle are timed and written."""
+    out = tmp_path / "tp.json"
+    p = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "titans_pytorch.py"), "--skip-torch", "--batch", "1",
+                        "--seq", "32", "--rounds", "1", "--warmup", "0", "--threads", "0", "--out", str(out),
+                        "train.batch_size=1", "train.seq_len=32", "model.dim=32", "model.heads=2", "model.depth=2",
+                        "model.nl_lm.memory_layers=[1]", "model.nl_lm.memory_dim=8", "model.nl_lm.memory_hidden=8"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    nl = json.loads(out.read_text())["nljax"]
+    assert sorted(nl["step_s"]) == ["L0", "L0+1+2+3"] and nl["step_s_in_loop"] > 0 and nl["tokens_per_s_in_loop"] > 0
