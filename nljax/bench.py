@@ -140,7 +140,7 @@ def compile_variants(cache: StepCache, actives, state, batch) -> tuple[dict, dic
     it and load it where `built` says it was loaded: NLJAX_EXECUTABLES)."""
     fns, seconds = {}, {}
     for i, a in enumerate(actives, 1):
-        say(f"compiling pattern {pattern_name(a)} ({i} of {len(actives)}) ...")
+        say(f"building pattern {pattern_name(a)} ({i} of {len(actives)}) ...")  # compiled or loaded: said after
         t0 = time.perf_counter()
         fns[a] = cache.train_fn(a, state, batch)
         seconds[a] = time.perf_counter() - t0
