@@ -60,7 +60,7 @@
 #                      memory_impl=parallel_pallas, interleaved and profiled (where each step's device idles),
 #                      timed through the training loop; the scan also with train.dispatch_ahead=false
 #   ab350m             nl_350m unrolled with the GPU paths, the scan (auto) and memory_impl=parallel,
-#                      interleaved in one process and profiled
+#                      interleaved in one process and profiled, timed through the training loop
 #   titans_loop        titans_demo at batch 4 x 512 with the scan (auto) and memory_impl=parallel_pallas,
 #                      interleaved and profiled: two compilations, before titans_unroll's five
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
@@ -436,9 +436,10 @@ part_titans_forms() {
 part_ab350m() {
   # the parallel form was 1.21x the scan alone at nl_350m's shapes, and its step within 1.5% of the
   # scan's measured two days apart (2026-11-28, -30): side by side decides `auto`
+  # (through the training loop, dispatched ahead: what training gets)
   local base="${BF16[*]} ${FUSED[*]} model.nl_lm.scan_layers=false ${NL350[*]}"
-  local rounds=(--rounds 5 --warmup 1 --profile 2)
-  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
+  local rounds=(--rounds 5 --warmup 1 --loop 4 --profile 2)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 2); fi
   run ab_nl_350m $PY benchmarks/ab.py --config nl_350m "${rounds[@]}" "$base" "$base model.nl_lm.memory_impl=parallel" \
     --out "$OUT/ab_nl_350m.json"
 }

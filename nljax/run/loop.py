@@ -1,9 +1,11 @@
 """The step loop as a generator of step results, and hooks called on them every N steps.
 
-`training_steps` only steps: it dispatches each step, times it from dispatch until its loss is
-on the host, builds the next batch while the device runs the current one, and yields a
-`StepResult`. What happens between steps (evaluation, logging, checkpoints, the profiler) is a
-hook (`Hooks.add(fn, every=n)`), run in the order added, outside the timed region.
+`training_steps` only steps: it dispatches each step, builds the next batch while the device
+runs it, times it until its loss is on the host, and yields a `StepResult`. What happens between
+steps (evaluation, logging, checkpoints, the profiler) is a hook (`Hooks.add(fn, every=n)`), run
+in the order added. On a GPU it dispatches the next step before it reads a step's loss
+(`train.dispatch_ahead`), so that the hooks that only log run while the device works; after a
+step whose hooks read the state (`reads_state=True`) it waits for the step first.
 """
 
 from __future__ import annotations
@@ -104,11 +106,11 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
     """Steps from `conductor.step` to `train.steps`. `reset_first`: the first batch starts every
     row from a fresh memory (after a resume that restarted every row).
 
-    With `train.dispatch_ahead` on (`auto`: on a GPU or TPU), the next step is dispatched before a step's metrics are read,
-    so that the host's work between steps (reading the loss, writing the record, the hooks that
-    only log, passing hundreds of state arrays to the next call) overlaps the device's work
-    instead of leaving it idle; that step's result then has `state` None (donated to the next
-    step). Not where `keep(step)` says a hook reads the step's state (evaluation, a checkpoint, a
+    With `train.dispatch_ahead` on (`auto`: on a GPU or TPU), the next step is dispatched before
+    a step's metrics are read, so that the host's work between steps (reading the loss, writing
+    the record, the hooks that only log, passing hundreds of state arrays to the next call)
+    overlaps the device's work instead of leaving it idle; that step's result then has `state`
+    None (donated to the next step). Not where `keep(step)` says a hook reads the step's state (evaluation, a checkpoint, a
     sample), at the last step, or before a step whose variant compiles (its compilation is then
     timed with its own step). `stop(step)`, asked once per step in order (after the step's hooks
     where it kept its state, else right before the next dispatch: as late as the step allows),
