@@ -133,7 +133,10 @@ def test_gpu_suite_and_ab(tmp_path):
     assert p.returncode == 0 and "rounds of 3 steps in the training loop" in p.stdout, p.stderr
     looped = json.loads((tmp_path / "loop.json").read_text())
     assert looped["loop"] == 3 and [r["variant"].endswith("dispatch_ahead=false") for r in looped["rows"]] == [False, True]
-    assert all(r["median_ms"] > 0 and r["idle"]["steps"] == 2 for r in looped["rows"])
+    assert all(r["median_ms"] > 0 for r in looped["rows"])
+    # each step marked: waited for, both steps' windows hold their ops; dispatched ahead a
+    # window ends at the next dispatch, and a loaded CPU may start a step's ops only after that
+    assert looped["rows"][1]["idle"]["steps"] == 2 and looped["rows"][0]["idle"]["steps"] in (1, 2)
     assert looped["rows"][1]["executable"] == f"shared with {' '.join([*NL, 'train.dispatch_ahead=true'])}"
     rows = gpu_summary().lines(tmp_path)
     assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)
