@@ -402,5 +402,36 @@ def test_a_stop_ends_the_loop_after_its_step_with_the_state(ahead):
     """`stop(step)` True (a preemption notice): the loop ends after that step, whose result has
     its state (train_loop saves it), whether or not it would have been dispatched ahead."""
     setup = make(TINY_NL, 1, 1)
-    records, kept, _ = loop_run(setup, 6, ahead, keep=lambda s: False, stop=lambda s: s == 3)
+    records, kept, state = loop_run(setup, 6, ahead, keep=lambda s: False, stop=lambda s: s == 3)
     assert [r["step"] for r in records] == [0, 1, 2, 3] and 3 in kept
+    # the state after step 3, not after a step 4 dispatched before the stop was seen
+    assert int(jax.device_get(state.step)) == 4
+
+
+def test_profile_edges_keep_their_state_on_every_process(tmp_path):
+    """train.profile_steps: the step before the profile and its last one keep their state (not
+    dispatched ahead) on every process, the one that records the trace (process 0: its run
+    directory written) and the others alike, which record nothing; a step dispatched ahead on one
+    process and not on another would order their collectives (the loss's gather,
+    distributed.check_step) differently."""
+    import dataclasses
+
+    from nljax.run.trackers import Trackers
+    from nljax.run.trainer import Output, loop_hooks
+    from nljax.runtime import runlog
+    from nljax.runtime.rundir import RunDir
+
+    setup = make(TINY_NL, 1, 1)
+    cfg = dataclasses.replace(setup.cfg, train=dataclasses.replace(
+        setup.cfg.train, steps=10, profile_start=4, profile_steps=2, sample_every=0))
+    run = dataclasses.replace(setup.run, cfg=cfg)
+    kept, recording = [], []
+    for write in (True, False):
+        out = Output(RunDir(str(tmp_path / f"run{write}"), False, write=write), runlog.Progress(10, 0, 1, quiet=True),
+                     Trackers())
+        _, profiler = loop_hooks(run, out, None)
+        kept.append([s for s in range(10) if profiler.keeps(s)])
+        recording.append(profiler.here)
+    assert kept == [[3, 5], [3, 5]] and recording == [True, False]
+    profiler.start(4)  # the process that does not record starts no trace
+    assert not profiler.on and not (tmp_path / "runFalse" / "profile").exists()

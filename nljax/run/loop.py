@@ -175,19 +175,20 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
 
 class Profiler:
     """A jax.profiler trace of steps [train.profile_start, + train.profile_steps) into
-    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); process 0 only. When it
-    ends, where the device time went (`nljax.measure.traces`) is said and written to
+    run.dir/profile (TensorBoard's profile plugin or Perfetto read it); where `here` (process 0
+    only). When it ends, where the device time went (`nljax.measure.traces`) is said and written to
     run.dir/profile/summary.json. `start(step)` before the loop, then two hooks: `stop` first
     after each step (the trace ends with the last profiled step, not with the other hooks) and
     `start_next` last (it begins right before the first profiled step)."""
 
-    def __init__(self, first: int, n: int, path: Path, say: Callable[[str], None] = print):
+    def __init__(self, first: int, n: int, path: Path, say: Callable[[str], None] = print, here: bool = True):
         self.first, self.n, self.path, self.on, self.say = first, n, path / "profile", False, say
+        self.here = here
         self.steps = 0
         self.step_s: list[float] = []  # of the profiled steps that did not compile
 
     def start(self, step: int) -> None:
-        if self.n and step == self.first:
+        if self.here and self.n and step == self.first:
             note_written(self.path.parent, "profile")  # before it is made: an overwrite removes it
             jax.profiler.start_trace(str(self.path), create_perfetto_trace=True)
             self.on = True
@@ -214,7 +215,10 @@ class Profiler:
 
     def keeps(self, step: int) -> bool:
         """The step before the first profiled one (the trace starts with nothing in flight) and
-        the last profiled one (it stops before the next step is dispatched)."""
+        the last profiled one (it stops before the next step is dispatched). On every process,
+        `here` or not: a step kept on one process and dispatched ahead on another would order
+        their collectives differently (the loss's gather, `distributed.check_step`), which every
+        process must make in the same order."""
         return bool(self.n) and step in (self.first - 1, self.first + self.n - 1)
 
     def start_next(self, r: StepResult) -> None:

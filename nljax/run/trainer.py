@@ -229,7 +229,7 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
     `train.sample_every` steps, the profiler's start."""
     cfg, key = run.cfg, f"{run.task.unit}_per_s_per_device"
     n_levels = len(cfg.cms.periods)
-    profiler = Profiler(cfg.train.profile_start, cfg.train.profile_steps if out.run.write else 0, out.run.path, out.say)
+    profiler = Profiler(cfg.train.profile_start, cfg.train.profile_steps, out.run.path, out.say, here=out.run.write)
     hooks = Hooks()
     hooks.add(profiler.stop)
 
