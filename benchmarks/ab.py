@@ -151,8 +151,10 @@ def in_the_loop(b: dict, k: int, state=None):
     run, start = b["run"], b["step"]
     cfg = dataclasses.replace(run.cfg, train=dataclasses.replace(run.cfg.train, steps=start + k))
     state = b["state"] if state is None else state
-    for r in training_steps(dataclasses.replace(run, cfg=cfg), state, Conductor((1,) * len(cfg.cms.periods), start),
-                            keep=lambda step: False):
+    every = tuple(True for _ in cfg.cms.periods)
+    steps = training_steps(dataclasses.replace(run, cfg=cfg), state, Conductor((1,) * len(every), start),
+                           keep=lambda step: False, built_before={run.cache.variant(every, b["batch"])})
+    for r in steps:
         state = r.state if r.state is not None else state
     b["step"] = start + k
     return state

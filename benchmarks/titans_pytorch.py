@@ -159,12 +159,14 @@ def nljax_side(args):
         """CYCLE steps as the trainer runs them (nljax.run.loop.training_steps: train.dispatch_ahead
         as the config says, `auto` on a GPU), all levels at the first and level 0 at the others: a
         Conductor of periods (1, CYCLE, CYCLE, ...) fires just the two compiled patterns above."""
-        start = chain["step"]
-        run = dataclasses.replace(setup, cfg=dataclasses.replace(cfg, train=dataclasses.replace(
-            cfg.train, steps=start + CYCLE)))
+        start, base = chain["step"], setup.cfg
+        run = dataclasses.replace(setup, cfg=dataclasses.replace(base, train=dataclasses.replace(
+            base.train, steps=start + CYCLE)))
         conductor = Conductor((1,) + (CYCLE,) * (n_levels - 1), start)
         state = chain["state"]
-        for r in training_steps(run, state, conductor, keep=lambda step: False):
+        # both patterns were called before: no step of the loop waits as for a compilation
+        warm = {setup.cache.variant(a, batch) for a in (level0, every)}
+        for r in training_steps(run, state, conductor, keep=lambda step: False, built_before=warm):
             state = r.state if r.state is not None else state
         chain["state"], chain["step"] = state, start + CYCLE
 

@@ -12,11 +12,13 @@ from nljax.measure.traces import TRAIN_MODULE
 def test_train_writes_run_dir_and_loss_falls(tmp_path):
     """A run's outputs: metrics, summary with the throughput table, plots, TensorBoard events, a
     profiler trace. A second, shorter run with the same seed and mesh under another
-    PYTHONHASHSEED logs identical losses (eval included)."""
+    PYTHONHASHSEED logs identical losses (eval included). The first dispatches each step ahead of
+    the one before's result (train.dispatch_ahead=true, a GPU's default), the second does not (a
+    CPU's): the same bits either way."""
     d = tmp_path / "run"
     common = ["--cpu-devices", "2", "--quiet", "optim.lr=0.01", *SMALL, "optim.schedule=constant", "eval.every=3"]
     cli("nljax.train", *common, f"run.dir={d}", "train.steps=30", "train.profile_steps=2", "train.profile_start=4",
-        "throughput.split=true", env={"PYTHONHASHSEED": "1"})  # the compute/comm split: off by default
+        "throughput.split=true", "train.dispatch_ahead=true", env={"PYTHONHASHSEED": "1"})  # split: off by default
     recs = [json.loads(l) for l in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == list(range(30))
     for key in ("loss", "active_levels", "step_time_s", "tokens_per_s_per_device"):

@@ -186,9 +186,12 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
 def test_preemption_notice_saves_the_same_step_on_every_process(tmp_path, to):
     """SIGTERM to every worker (as SLURM sends it) or to the launcher (Kubernetes: the container's
     first process), which passes it on: JAX's preemption service agrees on a step, every process
-    saves it and exits 143 with one line; --resume then continues from it."""
+    saves it and exits 143 with one line; --resume then continues from it. Each step dispatched
+    ahead of the one before's result (train.dispatch_ahead=true, a GPU's default): the notice is
+    asked before the next dispatch, on every process in the same order."""
     log = tmp_path / "log.txt"
-    args = [f"run.dir={tmp_path}/r", "train.log_every=1", "checkpoint.every=1000", *ARGS, "cms.periods=[1]"]
+    args = [f"run.dir={tmp_path}/r", "train.log_every=1", "checkpoint.every=1000", *ARGS, "cms.periods=[1]",
+            "train.dispatch_ahead=true"]
     cmd = [*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--grace", "60", "--", sys.executable, "-m",
            "nljax.train", "train.steps=100000", *args]
     with open(log, "w") as f:

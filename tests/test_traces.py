@@ -295,6 +295,20 @@ def test_a_real_h200_profile_is_placed(tmp_path, capsys):
     assert "program.hlo.txt does not exist" in capsys.readouterr().err
 
 
+def test_idle_before_a_step_dispatched_ahead_starts_when_the_step_before_ends(tmp_path):
+    """The training loop's marks tile its time (a step dispatched ahead: its mark ends at the next
+    dispatch), so the next mark starts while the step before still runs: the device is waiting
+    for the new step's first op only once that op before has ended."""
+    host = lambda ts, dur: {"ph": "X", "pid": 7, "tid": 3, "name": traces.STEP_EVENT, "ts": ts, "dur": dur}
+    events = [
+        meta(1, "/device:GPU:0"), meta(1, "Stream #13", 13), meta(7, "/host:CPU"),
+        host(0, 100), op(1, 13, "fusion.1", 20, 110),  # step 1: first op at 20, runs into step 2's mark
+        host(100, 100), op(1, 13, "fusion.2", 140, 50),  # step 2: its first op 10 us after fusion.1 ends
+    ]
+    idle = traces.summarize(write(tmp_path, events), steps=2, step_s=100e-6)["idle"]
+    assert idle["steps"] == 2 and idle["before_first_op_s"] == pytest.approx((20 + 10) * 1e-6 / 2)
+
+
 def test_idle_time_of_each_marked_step_is_split(tmp_path):
     """Two steps `record` marked: the device's idle time before the first op, between ops (by gap
     length, overlapping streams counted once) and after the last op, per step; the longest gaps

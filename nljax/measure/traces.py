@@ -17,8 +17,9 @@ device:
 - `top`: the ops that take the most time, and `top_kinds` the same by kind of op (the name
   without XLA's numeric suffix: all `fusion.N` together);
 - `idle`, for a trace whose steps the host marked (`STEP_EVENT`, from the step's dispatch to its
-  result: `record`, and a training run's steps): where the device waited during each: before its first
-  op (the host's dispatch of the step, the first launch), between its ops (by gap length: a
+  result: `record`, and a training run's steps; a training step dispatched ahead of the next,
+  until the next one's dispatch): where the device waited during each: before its first op (the
+  host's dispatch of the step, the first launch; not while an op of the step before still runs), between its ops (by gap length: a
   launch's latency is a few microseconds, a host round trip tens), after its last op (the
   result's way back), and the longest gaps with the ops on either side. titans_demo on an H200
   was idle 8.6 ms of a 27.8 ms step with 1,475 kernels per step: not launch gaps alone;
@@ -437,7 +438,10 @@ def idle_summary(ops: list[dict], windows: list[tuple[float, float]], scopes: li
         if not mine:
             continue
         counted += 1
-        lead += ops[mine[0]]["ts"] - w0
+        # the device busy past the window's start with an earlier op (the step before, where the
+        # next was dispatched ahead of its end: training's marks) was not waiting until it ended
+        busy_until = max((ops[i]["ts"] + ops[i].get("dur", 0.0) for i in order if ops[i]["ts"] < w0), default=w0)
+        lead += max(ops[mine[0]]["ts"] - max(w0, busy_until), 0.0)
         end, last = ops[mine[0]]["ts"], mine[0]  # the latest end so far, and whose it is
         for i in mine:
             s, e = ops[i]["ts"], ops[i]["ts"] + ops[i].get("dur", 0.0)

@@ -14,7 +14,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ import numpy as np
 
 from nljax.engine.conductor import Conductor, Pulse
 from nljax.engine.state import TrainState
+from nljax.errors import ConfigError
 from nljax.measure import traces
 from nljax.parallel.hostdev import mean_loss, replica
 from nljax.run.core import Run
@@ -102,7 +103,8 @@ def dispatches_ahead(setting: bool | str, platform: str) -> bool:
 
 def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_first: bool = False,
                    keep: Callable[[int], bool] = lambda step: True,
-                   stop: Callable[[int], bool] = lambda step: False) -> Iterator[StepResult]:
+                   stop: Callable[[int], bool] = lambda step: False,
+                   built_before: Iterable = ()) -> Iterator[StepResult]:
     """Steps from `conductor.step` to `train.steps`. `reset_first`: the first batch starts every
     row from a fresh memory (after a resume that restarted every row).
 
@@ -114,20 +116,31 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
     sample), at the last step, or before a step whose variant compiles (its compilation is then
     timed with its own step). `stop(step)`, asked once per step in order (after the step's hooks
     where it kept its state, else right before the next dispatch: as late as the step allows),
-    ends the loop after that step, its state kept (a preemption notice).
+    ends the loop after that step, its state kept (a preemption notice). `built_before`: the
+    variant keys (`StepCache.variant`) already called before this loop (a benchmark's rounds of
+    steps): none of them is taken for a compilation.
 
     `step_time_s`: from the step's dispatch, or from the previous step's result where the host
     read that later, until its loss is on the host: the time the loop spent on it alone."""
     cfg, steps = run.cfg, run.cfg.train.steps
     dispatch_ahead = dispatches_ahead(cfg.train.dispatch_ahead, run.mesh.devices.flat[0].platform)
     key = f"{run.task.unit}_per_s_per_device"
-    seen: set = set()
+    seen: set = set(built_before)
     batch = run.batch(conductor.step, reset_all=reset_first) if conductor.step < steps else None
     n = max(steps - conductor.step, 0)
     # Each step's learning rate for its record, as the step computes it (step.update_levels: the
     # schedule at step + 1), in one computation here rather than a device round trip per step.
     lrs = np.broadcast_to(np.asarray(run.engine.lr(jnp.arange(conductor.step + 1, steps + 1))), (n,))
     pending = None  # the step before, dispatched ahead of this one, its metrics not yet read
+
+    def built(active, batch) -> bool:
+        """Whether the step of `active` on `batch` is compiled already. A batch the step refuses
+        (a tail of the wrong size) is refused by its own dispatch, after this step's record."""
+        try:
+            return run.cache.variant(active, batch) in seen
+        except ConfigError:
+            return False
+
     read_at = 0.0  # when the host last had a step's loss
 
     def result(d: dict, state) -> StepResult:
@@ -158,8 +171,7 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
             if pending is not None:  # read, and its hooks run, while this step runs on the device
                 previous, pending = result(pending, None), None
                 yield previous
-            ahead = (dispatch_ahead and not last and not keep(p.step)
-                     and run.cache.variant(conductor.pulse.active, batch) in seen)
+            ahead = dispatch_ahead and not last and not keep(p.step) and built(conductor.pulse.active, batch)
             asked = ahead
             stopping = ahead and stop(p.step)  # as late as a step dispatched ahead allows
             mine = None if ahead and not stopping else result(d, state)

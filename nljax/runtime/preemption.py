@@ -234,8 +234,9 @@ class Notice:
         return None
 
     def stop_after(self, step: int) -> bool:
-        """Called after every step on every process with the step just done (the same number
-        everywhere): True on all of them at the same step once a notice arrived."""
+        """Asked once per step, in order, on every process with the same step (the training loop:
+        after the step's hooks, or right before the next dispatch where the next step goes ahead
+        of this one's result): True on all of them at the same step once a notice arrived."""
         if jax.process_count() == 1:
             return bool(self.received)
         return multihost_utils.reached_preemption_sync_point(step)
