@@ -151,9 +151,9 @@ def nljax_side(args):
 
     level0, every = tuple(l == 0 for l in range(n_levels)), (True,) * n_levels
     steps = {pattern_name(a): runner(a) for a in dict.fromkeys((level0, every))}
-    for a in (level0, every):
-        steps[pattern_name(a)]()  # compiled here (and run once), not in the loop's first timing
-    chain["step"] = 0
+    chain["step"] = 0  # the loop's next step
+    # both patterns compiled above (`runner`): no step of the loop waits as for a compilation
+    warm = {setup.cache.variant(a, batch) for a in (level0, every)}
 
     def loop():
         """CYCLE steps as the trainer runs them (nljax.run.loop.training_steps: train.dispatch_ahead
@@ -164,8 +164,6 @@ def nljax_side(args):
             base.train, steps=start + CYCLE)))
         conductor = Conductor((1,) + (CYCLE,) * (n_levels - 1), start)
         state = chain["state"]
-        # both patterns were called before: no step of the loop waits as for a compilation
-        warm = {setup.cache.variant(a, batch) for a in (level0, every)}
         for r in training_steps(run, state, conductor, keep=lambda step: False, built_before=warm):
             state = r.state if r.state is not None else state
         chain["state"], chain["step"] = state, start + CYCLE

@@ -50,9 +50,9 @@ HOW_COMPUTED = (*SAME_BITS, "model.dtype", "model.nl_lm.memory_impl", "model.nl_
 # data.eval_sets trains nothing, as eval.* does: a set added, left out or given another glob is
 # no change of settings; a set whose content changed, or left out, is warned of by its digests
 # (`Checkpoints.check_data`)
-SILENT = (*SAME_BITS, "run", "checkpoint", "mesh", "eval", "train.log_every", "train.dispatch_ahead", "train.profile_steps",
-          "train.profile_start", "train.sample_every", "train.sample_prompt", "train.sample_tokens", "throughput",
-          "distributed", "prepare", "data.eval_sets")
+SILENT = (*SAME_BITS, "run", "checkpoint", "mesh", "eval", "train.log_every", "train.dispatch_ahead",
+          "train.profile_steps", "train.profile_start", "train.sample_every", "train.sample_prompt",
+          "train.sample_tokens", "throughput", "distributed", "prepare", "data.eval_sets")
 
 
 class Damaged(ConfigError):

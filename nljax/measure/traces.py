@@ -19,9 +19,10 @@ device:
 - `idle`, for a trace whose steps the host marked (`STEP_EVENT`, from the step's dispatch to its
   result: `record`, and a training run's steps; a training step dispatched ahead of the next,
   until the next one's dispatch): where the device waited during each: before its first op (the
-  host's dispatch of the step, the first launch; not while an op of the step before still runs), between its ops (by gap length: a
-  launch's latency is a few microseconds, a host round trip tens), after its last op (the
-  result's way back), and the longest gaps with the ops on either side. titans_demo on an H200
+  host's dispatch of the step, the first launch; not while an op of the step before still
+  runs), between its ops (by gap length: a launch's latency is a few microseconds, a host round
+  trip tens), after its last op (the result's way back), and the longest gaps with the ops on
+  either side. titans_demo on an H200
   was idle 8.6 ms of a 27.8 ms step with 1,475 kernels per step: not launch gaps alone;
 - `by_scope`, given the compiled program's HLO text: op time by where in the model it was
   written, read from each instruction's `op_name` metadata (JAX's name stack): the pass

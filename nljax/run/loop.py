@@ -112,9 +112,9 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
     a step's metrics are read, so that the host's work between steps (reading the loss, writing
     the record, the hooks that only log, passing hundreds of state arrays to the next call)
     overlaps the device's work instead of leaving it idle; that step's result then has `state`
-    None (donated to the next step). Not where `keep(step)` says a hook reads the step's state (evaluation, a checkpoint, a
-    sample), at the last step, or before a step whose variant compiles (its compilation is then
-    timed with its own step). `stop(step)`, asked once per step in order (after the step's hooks
+    None (donated to the next step). Not where `keep(step)` says a hook reads the step's state
+    (evaluation, a checkpoint, a sample), at the last step, or before a step whose variant
+    compiles (its compilation is then timed with its own step). `stop(step)`, asked once per step in order (after the step's hooks
     where it kept its state, else right before the next dispatch: as late as the step allows),
     ends the loop after that step, its state kept (a preemption notice). `built_before`: the
     variant keys (`StepCache.variant`) already called before this loop (a benchmark's rounds of
@@ -132,6 +132,7 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
     # schedule at step + 1), in one computation here rather than a device round trip per step.
     lrs = np.broadcast_to(np.asarray(run.engine.lr(jnp.arange(conductor.step + 1, steps + 1))), (n,))
     pending = None  # the step before, dispatched ahead of this one, its metrics not yet read
+    read_at = 0.0  # when the host last had a step's loss
 
     def built(active, batch) -> bool:
         """Whether the step of `active` on `batch` is compiled already. A batch the step refuses
@@ -140,8 +141,6 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
             return run.cache.variant(active, batch) in seen
         except ConfigError:
             return False
-
-    read_at = 0.0  # when the host last had a step's loss
 
     def result(d: dict, state) -> StepResult:
         nonlocal read_at
@@ -172,14 +171,13 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
                 previous, pending = result(pending, None), None
                 yield previous
             ahead = dispatch_ahead and not last and not keep(p.step) and built(conductor.pulse.active, batch)
-            asked = ahead
             stopping = ahead and stop(p.step)  # as late as a step dispatched ahead allows
-            mine = None if ahead and not stopping else result(d, state)
+            mine = result(d, state) if stopping or not ahead else None
         if mine is None:
             pending = d
             continue
         yield mine
-        if not asked:
+        if not ahead:
             stopping = stop(p.step)  # after the step's hooks
         if stopping and not last:
             return
