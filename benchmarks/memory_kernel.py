@@ -23,6 +23,12 @@ tokens, memory_kind/dim/hidden/chunk; one memory layer):
   as the model runs it with model.remat=memory (chunk internals recomputed in the backward pass).
 
 Writes one JSON object (per shape: the shapes, the check, the times, the ratios) to --out.
+
+`--launches h200` (or h100) runs nothing: it compiles each variant's forward + backward for that
+card on a machine without one (XLA:GPU's compiler, `pip install "jax[cuda13]==<jax's version>"`, as
+benchmarks/gpu_compile.py does) and counts the kernels one call launches
+(`nljax.measure.hlo.launching`): `total`, and `per_chunk`, those of the loops' bodies (forward and
+backward together: the kernels a GPU runs once per chunk, one chunk after another).
 """
 
 from __future__ import annotations
@@ -157,6 +163,34 @@ def bench(name: str, args) -> dict:
     return out
 
 
+def launches(name: str, gpu: str, variants) -> dict:
+    """Kernels per call of each variant's forward + backward compiled for `gpu` (module docstring)."""
+    from gpu_compile import gpu_device  # benchmarks/gpu_compile.py: the card described to XLA
+
+    from nljax.measure import hlo
+    from nljax.models import platform
+
+    device = gpu_device(gpu)
+    s = shapes_of(name)
+    state, xs = inputs(s)
+    on_card = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
+    chunks = s["seq"] // s["chunk"]
+    out = {"shapes": s, "launches": {}, "errors": {}}
+    with platform.compiling_for("gpu", device), platform.lowering():
+        impls = implementations(s, interpret=False)
+        for k in ("scan", *variants):
+            fn = jax.grad(lambda st, a, f=impls[k]: loss_and_outputs(f)(st, a)[0], argnums=(0, 1))
+            try:
+                text = jax.jit(fn).lower(*jax.tree.map(on_card, (state, xs))).compile().as_text()
+            except Exception as e:  # noqa: BLE001 - reported, the others are counted
+                out["errors"][k] = _error(e)
+                continue
+            counted = list(hlo.launching(text))
+            out["launches"][k] = {"total": sum(t for _, t, _ in counted),
+                                  "per_chunk": sum(1 for _, t, _ in counted if t == chunks)}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="benchmarks/memory_kernel.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="titans_demo,nl_350m", help="packaged configs (or tiny), comma-separated")
@@ -166,8 +200,23 @@ def main(argv=None) -> int:
                    help="a variant to check and time against the scan (repeat for several; default: all)")
     p.add_argument("--interpret", action="store_true", help="run the kernel interpreted (CPU; slow)")
     p.add_argument("--out", help="write the results here as JSON")
+    p.add_argument("--launches", metavar="GPU", choices=("h100", "h200"),
+                   help="count each variant's kernels compiled for this card, without one (runs nothing)")
     args = p.parse_args(argv)
     args.variants = tuple(args.variants or VARIANTS)
+    if args.launches:
+        res = {"gpu": args.launches, "shapes": {n: launches(n, args.launches, args.variants)
+                                                for n in args.shapes.split(",")}}
+        for name, r in res["shapes"].items():
+            print(f"{name}: kernels per forward + backward (per chunk, one after another)")
+            for k, n in r["launches"].items():
+                print(f"  {k}: {n['total']:,} ({n['per_chunk']} per chunk)")
+            for k, err in r["errors"].items():
+                print(f"  {k}: FAILED: {err}")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return 1 if any(r["errors"] for r in res["shapes"].values()) else 0
     if not args.interpret and jax.default_backend() != "gpu":
         p.error(f"the compiled kernel needs a GPU (JAX's backend here: {jax.default_backend()}); "
                 "--interpret runs it here")

@@ -251,6 +251,34 @@ def test_benchmark_runs_interpreted(tmp_path):
     assert "loop kernel fwd+bwd" in gpu_summary.memory_kernel_lines(json.loads(out.read_text()), "loop kernel")[0]
 
 
+def test_benchmark_counts_launches_without_the_card(monkeypatch, tmp_path, capsys):
+    """`--launches GPU` compiles each variant's forward + backward and counts its kernels, per call
+    and per chunk (the loops' bodies); here for this machine's CPU in place of the card (what
+    it does with XLA:GPU's compiler is the same calls). The parallel form's loops run fewer
+    operations per chunk than the scan's."""
+    import json
+    import sys
+
+    from helpers import ROOT
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import gpu_compile
+        import memory_kernel
+    finally:
+        sys.path.pop(0)
+    monkeypatch.setattr(gpu_compile, "gpu_device", lambda gpu: jax.devices()[0])
+    out = tmp_path / "launches.json"
+    argv = ["--launches", "h200", "--shapes", "tiny", "--variant", "parallel", "--out", str(out)]
+    assert memory_kernel.main(argv) == 0
+    counts = json.loads(out.read_text())["shapes"]["tiny"]["launches"]
+    assert set(counts) == {"scan", "parallel"}
+    assert all(c["total"] > c["per_chunk"] > 0 for c in counts.values())
+    assert counts["parallel"]["per_chunk"] < counts["scan"]["per_chunk"]
+    par = counts["parallel"]
+    assert f"parallel: {par['total']:,} ({par['per_chunk']} per chunk)" in capsys.readouterr().out
+
+
 def test_resume_may_change_memory_impl_with_a_warning(tmp_path):
     """memory_impl changes how the step computes, not what a checkpoint holds: a resume may change
     it (a warning: the rounding differs), unlike the memory's shapes."""

@@ -62,6 +62,30 @@ def test_chunk_end_is_the_end_state_of_chunk_step(kind):
     assert_close(nm.chunk_end(state, k, v, theta, eta, const, kind), end, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+@pytest.mark.parametrize("chunk", [1, 8])
+def test_end_pullback_is_the_end_states_vjp(kind, chunk):
+    """The parallel form's backward loop pulls each chunk back by hand (`end_pullback`): what
+    `jax.vjp` of `end_state` gives, for every input, with the curvature bound at its floor (one
+    token: lambda = 1, nothing flows through it) and above it (8 tokens: through one row's sum)."""
+    state, (_, k, v, theta, eta, alpha) = inputs(kind, chunk, seed=chunk)
+    ends = nm.end_inputs(theta, eta, nm.chunk_constants(k, eta, alpha))
+    terms = nm.EndTerms(state["M"], k, v, ends, kind)
+    assert bool(jnp.all(terms.lam_raw < 1.0)) if chunk == 1 else bool(jnp.all(terms.lam_raw > 1.0))
+    end, pull = jax.vjp(lambda *a: nm.end_state(*a, kind), state, k, v, ends)
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree.leaves(end))))
+    d_end = jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape), end)
+    want, got = pull(d_end), nm.end_pullback(state, k, v, ends, kind, d_end)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for path, x in jax.tree_util.tree_leaves_with_path(want):
+        y = got
+        for key in path:
+            y = y[key.idx if hasattr(key, "idx") else key.key]
+        scale = float(jnp.max(jnp.abs(x)))
+        assert scale > 0 or chunk == 1, jax.tree_util.keystr(path)  # only the floor's cotangents may be zero
+        assert float(jnp.max(jnp.abs(y - x))) <= 1e-5 * max(scale, 1e-6), jax.tree_util.keystr(path)
+
+
 def loops_of(fn, kind: str) -> list[tuple[int, int]]:
     """(matrix products, chunks per iteration) of each `lax.scan` in the gradient of fn's inner
     loop over 4 chunks of 16 tokens (the forward's loop, then the backward's): the products of its
@@ -97,8 +121,8 @@ def loops_of(fn, kind: str) -> list[tuple[int, int]]:
 def test_the_parallel_loop_has_at_most_half_the_products_per_chunk(kind):
     """What the form is for: a GPU runs a loop's chunks one after another, each body a few dozen
     small kernels; the parallel form's loops (forward and backward) have at most half the matrix
-    products per chunk of the scan with remat (MLP memory: 6 and 18 against 16 and 43; linear: 2
-    and 6 against 7 and 18)."""
+    products per chunk of the scan with remat (MLP memory: 6 and 21 against 16 and 43; linear: 2
+    and 7 against 7 and 18)."""
     scan = [p for p, _ in loops_of(lambda *a, **kw: nm.memory_forward(*a, remat=True, **kw), kind)]
     parallel = [p for p, _ in loops_of(nm.memory_parallel, kind)]
     assert len(scan) == len(parallel) == 2 and min(parallel) > 0, (scan, parallel)

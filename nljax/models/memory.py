@@ -42,8 +42,8 @@ M_t is a linear combination of them with scalar weights A[t, j] built from cumul
 A read q_t M_t therefore needs only masked [b, b] products ((q x^T) ⊙ A) d, never a per-token copy
 of the memory: cost O(b² d + b d²) per chunk (plus O(b³) for the scalar weights). Chunks advance
 with `lax.scan` (`memory_forward`); `memory_parallel` carries only the end states through the
-loop (`chunk_end`) and computes every chunk's reads after it, at once. `memory_reference` is the
-plain token-by-token version used by tests.
+loop (`end_state`, pulled back by hand: `end_pullback`) and computes every chunk's reads after
+it, at once. `memory_reference` is the plain token-by-token version used by tests.
 """
 
 from __future__ import annotations
@@ -99,7 +99,8 @@ class Features:
         self.kk = jnp.sum(k * k, axis=-1) if kk is None else kk  # [B, H, b]
         self.k_gram = k_gram  # [B, H, b, b], made by `chunk_scale` when not given
         if kind == "mlp":
-            self.h, self.gelu_vjp = jax.vjp(jax.nn.gelu, jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"]))  # [B, H, b, hidden]
+            self.z = jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"])  # [B, H, b, hidden]
+            self.h, self.gelu_vjp = jax.vjp(jax.nn.gelu, self.z)
             self.w2 = jnp.sum(jnp.square(M["W2"]), axis=(-2, -1))  # [B, H]
 
     def normaliser(self) -> jax.Array:
@@ -107,24 +108,24 @@ class Features:
             return self.kk + NU_FLOOR
         return jnp.sum(self.h * self.h, axis=-1) + GELU_SLOPE**2 * self.kk * self.w2[..., None] + NU_FLOOR
 
-    def _curvature(self, nu: jax.Array) -> jax.Array:
-        """[B, H, i, j]: ||J_i J_j^T|| / sqrt(nu_i nu_j), bounded as in the module docstring."""
+    def inner(self) -> jax.Array:
+        """[B, H, i, j]: the bound on ||J_i J_j^T|| (module docstring) before the normalisers."""
         inner = self.k_gram if self.k_gram is not None else jnp.abs(jnp.einsum("bhid,bhjd->bhij", self.k, self.k))
         if self.kind == "mlp":
             inner = (jnp.abs(jnp.einsum("bhif,bhjf->bhij", self.h, self.h))
                      + GELU_SLOPE**2 * inner * self.w2[..., None, None])
+        return inner
+
+    def _curvature(self, nu: jax.Array) -> jax.Array:
+        """[B, H, i, j]: ||J_i J_j^T|| / sqrt(nu_i nu_j), bounded as in the module docstring."""
         rs = jax.lax.rsqrt(nu)
-        return inner * rs[..., :, None] * rs[..., None, :]
+        return self.inner() * rs[..., :, None] * rs[..., None, :]
 
     def chunk_scale(self, nu: jax.Array) -> jax.Array:
         rows = jnp.cumsum(self._curvature(nu), axis=-1)  # [B, H, i, t]: row i over j <= t
         b = rows.shape[-1]
         mine = jnp.arange(b)[:, None] <= jnp.arange(b)[None, :]  # row i is one of the tokens <= t
         return jnp.maximum(jnp.max(jnp.where(mine, rows, 0.0), axis=-2), 1.0)  # [B, H, t]
-
-    def chunk_bound(self, nu: jax.Array) -> jax.Array:
-        """`chunk_scale`'s last entry alone (the whole chunk's), without the running sums.  [B, H]"""
-        return jnp.maximum(jnp.max(jnp.sum(self._curvature(nu), axis=-1), axis=-1), 1.0)
 
     def pieces(self, M: PyTree, v: jax.Array):
         """Per layer, each token's gradient of l_t at M as (input x [B,H,b,n_in], output grad d
@@ -182,16 +183,13 @@ def _bcast(c: jax.Array, x: jax.Array) -> jax.Array:
     return c.reshape(c.shape + (1,) * (x.ndim - c.ndim))
 
 
-def _end_state(M: PyTree, S: PyTree, pieces, a, lam_end, const: dict, kind: str, stacked: bool) -> PyTree:
+def _end_state(M: PyTree, S: PyTree, pieces, a_end, w, c, s, s_decay, kind: str, stacked: bool) -> PyTree:
     """The chunk's end state (what the next chunk starts from) from its chunk-start state, its
-    tokens' gradient pieces (`Features.pieces`), their steps a [B, H, j] before lambda and the whole
-    chunk's lambda [B, H]. `stacked`: each layer's two updates, M's (weights A[b - 1, j]) and S's
-    (w_j), as one matrix product with the weights stacked: one product, not two, in
-    `memory_parallel`'s loop, whose length a GPU runs chunk after chunk. The scan keeps two, its
-    operations (and forward values) as they were before the parallel form existed."""
-    a_end = const["keep_mom"][..., -1, :] * a / lam_end[..., None]  # A[b - 1, j]
-    w = a * const["mom_last"] / lam_end[..., None]
-    c, s, s_decay = const["c"][..., -1], const["s"][..., -1], const["s_decay"]
+    tokens' gradient pieces (`Features.pieces`) and their weights in M's update (a_end [B, H, j],
+    A[b - 1, j]) and S's (w), with the chunk's scalars c, s, s_decay [B, H] (the weights of M_0 and
+    S_0 in M, of S_0 in S). `stacked`: each layer's two updates as one matrix product with the
+    weights stacked. The scan keeps two, its operations (and forward values) as they were before
+    the parallel form existed."""
     new_m, new_s = {}, {}
     for name, (x, d) in zip(layers(kind), pieces):
         if stacked:
@@ -205,11 +203,121 @@ def _end_state(M: PyTree, S: PyTree, pieces, a, lam_end, const: dict, kind: str,
     return {"M": new_m, "S": new_s}
 
 
+def end_inputs(theta, eta, const: dict) -> dict:
+    """What a chunk's end state takes besides k and v that does not depend on the memory, from its
+    gates and `chunk_constants` (any leading axes): the steps before the normaliser theta (1 - eta)
+    [..., j], the last rows of the weights (`keep_last`: of -grad l_j in M_b over a_j, `mom_last`:
+    in S_b) [..., j], the chunk's scalars `c_end`, `s_end`, `s_decay` [...], the keys' `kk` [..., j]
+    and `k_gram` [..., j, j]."""
+    return dict(step=theta * (1.0 - eta), keep_last=const["keep_mom"][..., -1, :], mom_last=const["mom_last"],
+                c_end=const["c"][..., -1], s_end=const["s"][..., -1], s_decay=const["s_decay"],
+                kk=const["kk"], k_gram=const["k_gram"])
+
+
+class EndTerms:
+    """A chunk's end-state terms at its chunk-start memory, shared by `end_state` and
+    `end_pullback`: the features, the gradient pieces, nu, the curvature rows over j and their
+    bound lambda (Gershgorin's over the whole chunk, at least 1), the steps a and the update
+    weights alpha (M's) and omega (S's)."""
+
+    def __init__(self, M: PyTree, k, v, ends: dict, kind: str):
+        self.f = f = Features(M, k, kind, ends["kk"], ends["k_gram"])
+        self.pieces = f.pieces(M, v)
+        self.nu = f.normaliser()  # [B, H, j]
+        self.r = jax.lax.rsqrt(self.nu)
+        self.inner = f.inner()  # [B, H, i, j]
+        self.rows = jnp.sum(self.inner * self.r[..., :, None] * self.r[..., None, :], axis=-1)  # [B, H, i]
+        self.lam_raw = jnp.max(self.rows, axis=-1)
+        self.lam = jnp.maximum(self.lam_raw, 1.0)[..., None]
+        self.a = ends["step"] / self.nu
+        self.alpha = ends["keep_last"] * self.a / self.lam
+        self.omega = ends["mom_last"] * self.a / self.lam
+
+
+def end_state(state: PyTree, k, v, ends: dict, kind: str) -> PyTree:
+    """One chunk's end state from its start state, k, v and `end_inputs`: the step of
+    `memory_parallel`'s sequential loop."""
+    t = EndTerms(state["M"], k, v, ends, kind)
+    return _end_state(state["M"], state["S"], t.pieces, t.alpha, t.omega, ends["c_end"], ends["s_end"],
+                      ends["s_decay"], kind, stacked=True)
+
+
 def chunk_end(state: PyTree, k, v, theta, eta, const: dict, kind: str) -> PyTree:
     """One chunk's end state alone: `chunk_step` without its reads (no queries, no running
-    curvature bounds, no [b, b] read weights). What `memory_parallel`'s sequential loop runs."""
-    f, pieces, nu, a = _chunk_terms(state, k, v, theta, eta, const, kind)
-    return _end_state(state["M"], state["S"], pieces, a, f.chunk_bound(nu), const, kind, stacked=True)
+    curvature bounds, no [b, b] read weights)."""
+    return end_state(state, k, v, end_inputs(theta, eta, const), kind)
+
+
+def _gelu_slopes(z):
+    """gelu's first and second derivatives at z, elementwise."""
+    ones = jnp.ones_like(z)
+    slope = lambda u: jax.jvp(jax.nn.gelu, (u,), (ones,))[1]
+    return jax.jvp(slope, (z,), (ones,))
+
+
+def end_pullback(state: PyTree, k, v, ends: dict, kind: str, d_end: PyTree):
+    """`end_state`'s pull-back written out (what `jax.vjp` of it computes, within float32
+    rounding; tests/test_memory_parallel.py): d_end, the end state's cotangent ->
+    (d_state, d_k, d_v, d_ends). The chunk's terms are recomputed from its start state. Why by
+    hand: it is the body of the parallel form's backward loop, which a GPU runs chunk after chunk
+    as a few dozen small kernels; written out, it runs fewer (42 against 54 per chunk at
+    titans_demo's shapes, compiled for an H200: docs/concepts/memory-kernel.md). jnp.max and
+    jnp.maximum's ties split the cotangent evenly, as JAX's do."""
+    M, S, dM_end, dS_end = state["M"], state["S"], d_end["M"], d_end["S"]
+    t = EndTerms(M, k, v, ends, kind)
+    tot = lambda x: jnp.sum(x, axis=(-2, -1))
+    d_m = {n: _bcast(ends["c_end"], x) * x for n, x in dM_end.items()}
+    d_s = {n: _bcast(ends["s_end"], x) * x + _bcast(ends["s_decay"], dS_end[n]) * dS_end[n] for n, x in dM_end.items()}
+    d_ends = dict(c_end=sum(tot(dM_end[n] * M[n]) for n in M), s_end=sum(tot(dM_end[n] * S[n]) for n in M),
+                  s_decay=sum(tot(dS_end[n] * S[n]) for n in M))
+    # each layer's updates -(x^T (alpha d)) and -(x^T (omega d)), pulled back to x, d, alpha, omega
+    d_alpha = d_omega = 0.0
+    d_x, d_d = [], []
+    for name, (x, d) in zip(layers(kind), t.pieces):
+        xa, xb = (jnp.einsum("bhji,bhio->bhjo", x, g[name]) for g in (dM_end, dS_end))
+        d_d.append(-(t.alpha[..., None] * xa + t.omega[..., None] * xb))
+        d_x.append(-(jnp.einsum("bhjo,bhio->bhji", t.alpha[..., None] * d, dM_end[name])
+                     + jnp.einsum("bhjo,bhio->bhji", t.omega[..., None] * d, dS_end[name])))
+        d_alpha = d_alpha - jnp.sum(xa * d, axis=-1)
+        d_omega = d_omega - jnp.sum(xb * d, axis=-1)
+    # alpha = keep a / lambda, omega = mom a / lambda, a = step / nu
+    d_a = (ends["keep_last"] * d_alpha + ends["mom_last"] * d_omega) / t.lam
+    d_ends.update(keep_last=t.a * d_alpha / t.lam, mom_last=t.a * d_omega / t.lam, step=d_a / t.nu)
+    d_lam = -jnp.sum(t.alpha * d_alpha + t.omega * d_omega, axis=-1) / t.lam[..., 0]
+    d_lam_raw = d_lam * jnp.where(t.lam_raw > 1.0, 1.0, jnp.where(t.lam_raw == 1.0, 0.5, 0.0))
+    top = (t.rows == t.lam_raw[..., None]).astype(t.rows.dtype)
+    d_rows = d_lam_raw[..., None] * top / jnp.sum(top, axis=-1, keepdims=True)  # [B, H, i]
+    # rows_i = r_i sum_j inner_ij r_j, inner symmetric
+    d_inner = (d_rows * t.r)[..., :, None] * t.r[..., None, :]
+    d_r = (d_rows * jnp.sum(t.inner * t.r[..., None, :], axis=-1)
+           + jnp.sum(t.inner * (d_rows * t.r)[..., None, :], axis=-1))
+    d_nu = -0.5 * d_r * t.r**3 - d_a * t.a / t.nu
+    if kind == "linear":  # nu = kk + floor, inner = k_gram, e = k W - v
+        d_ends.update(kk=d_nu, k_gram=d_inner)
+        (d_e,) = d_d
+        d_m["W"] = d_m["W"] + jnp.einsum("bhjd,bhje->bhde", k, d_e)
+        d_k = d_x[0] + jnp.einsum("bhje,bhde->bhjd", d_e, M["W"])
+        return {"M": d_m, "S": d_s}, d_k, -d_e, d_ends
+    # mlp: nu = |h|^2 + c^2 kk w2 + floor, inner = |h h^T| + c^2 k_gram w2, e = h W2 - v,
+    # the first layer's d = gelu'(z) (e W2^T), h = gelu(z), z = k W1
+    f, (_, e) = t.f, t.pieces[1]
+    h, w2, W1, W2 = f.h, f.w2, M["W1"], M["W2"]
+    c2 = GELU_SLOPE**2
+    d_ends.update(kk=c2 * w2[..., None] * d_nu, k_gram=c2 * w2[..., None, None] * d_inner)
+    d_w2 = c2 * (tot(d_inner * ends["k_gram"]) + jnp.sum(ends["kk"] * d_nu, axis=-1))
+    slope, curve = _gelu_slopes(f.z)
+    g = jnp.einsum("bhje,bhfe->bhjf", e, W2)  # the errors pulled back to h
+    d_g = d_d[0] * slope
+    d_e = d_d[1] + jnp.einsum("bhjf,bhfe->bhje", d_g, W2)
+    d_hh = d_inner * jnp.sign(jnp.einsum("bhif,bhjf->bhij", h, h))
+    d_h = (jnp.einsum("bhij,bhjf->bhif", d_hh + jnp.swapaxes(d_hh, -1, -2), h) + 2.0 * d_nu[..., None] * h
+           + d_x[1] + jnp.einsum("bhje,bhfe->bhjf", d_e, W2))
+    d_z = d_d[0] * g * curve + d_h * slope
+    d_m["W2"] = (d_m["W2"] + jnp.einsum("bhjf,bhje->bhfe", d_g, e) + jnp.einsum("bhjf,bhje->bhfe", h, d_e)
+                 + 2.0 * _bcast(d_w2, W2) * W2)
+    d_m["W1"] = d_m["W1"] + jnp.einsum("bhjd,bhjf->bhdf", k, d_z)
+    d_k = d_x[0] + jnp.einsum("bhjf,bhdf->bhjd", d_z, W1)
+    return {"M": d_m, "S": d_s}, d_k, -d_e, d_ends
 
 
 def _reads(M: PyTree, S: PyTree, pieces, q, a, lam, const: dict, kind: str):
@@ -251,7 +359,10 @@ def chunk_step(state: PyTree, q, k, v, theta, eta, const: dict, kind: str):
     f, pieces, nu, a = _chunk_terms(state, k, v, theta, eta, const, kind)
     lam = f.chunk_scale(nu)  # [B, H, t]: over the tokens <= t; the last over the whole chunk
     r = _reads(M, S, pieces, q, a, lam, const, kind)
-    return _end_state(M, S, pieces, a, lam[..., -1], const, kind, stacked=False), r
+    a_end = const["keep_mom"][..., -1, :] * a / lam[..., -1:]  # A[b - 1, j]
+    w = a * const["mom_last"] / lam[..., -1:]
+    return _end_state(M, S, pieces, a_end, w, const["c"][..., -1], const["s"][..., -1], const["s_decay"], kind,
+                      stacked=False), r
 
 
 def _chunks(q, k, v, theta, eta, alpha, chunk: int):
@@ -302,11 +413,12 @@ def _loop_unroll(unroll: int, xs) -> int:
 
 def _starts(state: PyTree, xs, kind: str, unroll: int):
     """The sequential part: (final state, every chunk's start state, leaves [n, B, H, ...])."""
-    def body(carry, inp):
-        (_, k, v, theta, eta), const = inp
-        return chunk_end(carry, k, v, theta, eta, const, kind), carry
+    (_, k, v, theta, eta), const = xs
 
-    return jax.lax.scan(body, state, xs, unroll=_loop_unroll(unroll, xs))
+    def body(carry, inp):
+        return end_state(carry, *inp, kind), carry
+
+    return jax.lax.scan(body, state, (k, v, end_inputs(theta, eta, const)), unroll=_loop_unroll(unroll, xs))
 
 
 def _all_reads(starts: PyTree, xs, kind: str):
@@ -326,25 +438,39 @@ def _parallel(state, xs, kind, unroll):
     return _parallel_fwd(state, xs, kind, unroll)[0]
 
 
+# end_inputs' leaves whose cotangents the backward loop stacks together: one per token, one per chunk
+_PER_TOKEN, _PER_CHUNK = ("step", "keep_last", "mom_last", "kk"), ("c_end", "s_end", "s_decay")
+
+
 def _parallel_bwd(kind, unroll, res, cotangents):
     """The reads pulled back all at once (recomputed from the saved start states), then the end
-    states chunk by chunk in reverse, each chunk's start-state cotangent its end state's pulled
-    back through `chunk_end` plus what its reads gave."""
+    states chunk by chunk in reverse (`end_pullback`), each chunk's start-state cotangent its end
+    state's pulled back plus what its reads gave. The loop's per-chunk cotangents leave it stacked
+    in four arrays (k's and v's, the per-token and the per-chunk terms, k_gram's), not eleven: one
+    store each per chunk; what `end_inputs` computed from the gates and constants is pulled back
+    after the loop, for all chunks at once."""
     starts, xs = res
     dys, d_final = cotangents
     d_starts, d_xs_reads = jax.vjp(lambda st, x: _all_reads(st, x, kind), starts, xs)[1](dys)
-    (_, *kv_gates), consts = xs  # q reaches the reads alone
+    (_, k, v, theta, eta), consts = xs  # q reaches the reads alone
+    ends, pull_ends = jax.vjp(end_inputs, theta, eta, consts)
 
     def body(d_end, inp):
-        start, ins, const, d_read = inp
-        _, pull = jax.vjp(lambda st, i, c: chunk_end(st, *i, c, kind), start, ins, const)
-        d_start, d_ins, d_const = pull(d_end)
-        return jax.tree.map(jnp.add, d_start, d_read), (d_ins, d_const)
+        start, k, v, e, d_read = inp
+        d_start, d_k, d_v, d_e = end_pullback(start, k, v, e, kind, d_end)
+        out = (jnp.concatenate([d_k, d_v], axis=-1), jnp.stack([d_e[n] for n in _PER_TOKEN], axis=-1),
+               jnp.stack([d_e[n] for n in _PER_CHUNK], axis=-1), d_e["k_gram"])
+        return jax.tree.map(jnp.add, d_start, d_read), out
 
-    d_state, (d_ins, d_consts) = jax.lax.scan(body, d_final, (starts, tuple(kv_gates), consts, d_starts),
-                                              reverse=True, unroll=_loop_unroll(unroll, xs))
-    (dq, *d_kv_gates), d_consts_reads = d_xs_reads
-    d_xs = ((dq, *(a + b for a, b in zip(d_kv_gates, d_ins))), jax.tree.map(jnp.add, d_consts_reads, d_consts))
+    d_state, (d_kv, per_token, per_chunk, d_gram) = jax.lax.scan(
+        body, d_final, (starts, k, v, ends, d_starts), reverse=True, unroll=_loop_unroll(unroll, xs))
+    d_ends = {n: per_token[..., i] for i, n in enumerate(_PER_TOKEN)}
+    d_ends.update({n: per_chunk[..., i] for i, n in enumerate(_PER_CHUNK)}, k_gram=d_gram)
+    d_theta, d_eta, d_consts = pull_ends(d_ends)
+    (dq, dk, dv, d_theta_reads, d_eta_reads), d_consts_reads = d_xs_reads
+    dk_loop, dv_loop = jnp.split(d_kv, [k.shape[-1]], axis=-1)
+    d_xs = ((dq, dk + dk_loop, dv + dv_loop, d_theta + d_theta_reads, d_eta + d_eta_reads),
+            jax.tree.map(jnp.add, d_consts_reads, d_consts))
     return d_state, d_xs
 
 
@@ -353,14 +479,14 @@ _parallel.defvjp(_parallel_fwd, _parallel_bwd)
 
 def memory_parallel(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, unroll: int = 1):
     """`memory_forward`'s result with the reads taken out of the loop: a `lax.scan` of
-    `chunk_end` (the end states alone) carries the memory from chunk to chunk, then every chunk's
+    `end_state` (the end states alone) carries the memory from chunk to chunk, then every chunk's
     reads are computed from its start state at once, as one batched computation. The loop, whose
     length is what a GPU runs one chunk after another, has at most half the matrix products per
     chunk of the scan with `remat` and no [b, b] read weights; the reads compute the per-token
     features a second time (about 1.3x the scan's matrix-product FLOPs, forward and backward).
     The backward pass keeps only the chunk-start states (as `memory_forward(remat=True)`): the
-    reads are pulled back at once, then the end states in reverse, chunk by chunk
-    (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the cotangents of both
+    reads are pulled back at once, then the end states in reverse, chunk by chunk, by
+    `end_pullback` (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the cotangents of both
     paths are added in float32)."""
     f32 = lambda x: x.astype(jnp.float32)
     xs = _chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)

@@ -14,7 +14,7 @@ Gram matrix) is computed for every chunk at once before the loop, as `memory.mem
 does, and its cotangents pulled back by JAX after it.
 
 - `end_math` is one chunk's end state for one (row, head) on 2-D arrays: `_end_terms` (the steps
-  over the whole chunk's curvature bound, `Features.chunk_bound`), then each layer's update
+  over the whole chunk's curvature bound, `memory.EndTerms`), then each layer's update
   (`memory_kernel._update`). The MLP memory walks its hidden width in tiles as `memory_kernel`
   does (`_tile_sums`, the terms, then `_tile_end` per tile), so that each tile's arithmetic is
   compiled once and no [dim, hidden] matrix is live whole.
@@ -69,7 +69,7 @@ def _end_terms(step, keep_last, mom_last, c_end, s_end, s_decay, kk, k_gram, hh=
     gradient in M at the chunk's end), w [j] (in S), c_end, s_end, s_decay (of M_0 and S_0 in M,
     of S_0 in S), from the memory-independent terms `loop_inputs` computed for every chunk before
     the loop, and the curvature bound at the chunk-start memory: the whole chunk's lambda
-    (`Features.chunk_bound`), the MLP memory's from its hidden layer's sums over the width
+    (`memory.EndTerms`), the MLP memory's from its hidden layer's sums over the width
     (`memory_kernel._tile_sums`: hh = h h^T, hsq = |h_i|^2, w2 = |W2|^2). The chunk's scalars
     come repeated over its tokens (one block layout for every input): the last is taken."""
     if hh is None:
