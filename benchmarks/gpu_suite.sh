@@ -5,7 +5,7 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: titans_forms ab350m vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4
+#            they matter: titans_forms ab350m pullback vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4
 #            fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop
 #            fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
 #            Since 2026-11-30 (the loop kernel and the parallel form timed, docs/benchmarks/2026-11-30-h200.md):
@@ -61,6 +61,9 @@
 #                      timed through the training loop; the scan also with train.dispatch_ahead=false
 #   ab350m             nl_350m unrolled with the GPU paths, the scan (auto) and memory_impl=parallel,
 #                      interleaved in one process and profiled, timed through the training loop
+#   pullback           the parallel form alone with its hand-written pull-back (memory.end_pullback) and
+#                      with JAX's, against the scan, at titans_demo's and nl_350m's memory shapes
+#                      (benchmarks/memory_kernel.py; no Pallas kernel: quick to compile)
 #   titans_loop        titans_demo at batch 4 x 512 with the scan (auto) and memory_impl=parallel_pallas,
 #                      interleaved and profiled: two compilations, before titans_unroll's five
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
@@ -111,7 +114,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(titans_forms ab350m vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4 fused350m_graphs
+ISSUE44=(titans_forms ab350m pullback vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4 fused350m_graphs
          fused350m_best8 fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel
          fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
@@ -318,6 +321,20 @@ fused350m() {  # $1: the row's name after bench_nl_350m_fused; then its own over
   local name=bench_nl_350m_fused$1; shift
   run "$name" $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
     "${FUSED[@]}" "$@" "${NL350[@]}" --out "$OUT/$name.json"
+}
+
+part_pullback() {
+  # the parallel form's backward loop written out (end_pullback) against JAX's pull-back of the same
+  # function, side by side, each checked against the scan first (fewer kernels per chunk offline:
+  # 63 against 75 at titans_demo's shapes; what that is worth on the card)
+  local variants=(--variant parallel --variant "parallel, JAX's pull-back")
+  if [ -n "$DRY" ]; then
+    run memory_pullback $PY benchmarks/memory_kernel.py --shapes tiny --interpret --rounds 1 --warmup 0 \
+      "${variants[@]}" --out "$OUT/memory_pullback.json"
+  else
+    run memory_pullback $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 \
+      "${variants[@]}" --out "$OUT/memory_pullback.json"
+  fi
 }
 
 part_fused350m() {

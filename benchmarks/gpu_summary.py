@@ -111,6 +111,7 @@ def lines(out: Path) -> list[str]:
                        f"{profiled(b)}"))
     rows += memory_kernel_lines(load(out, "memory_kernel"))
     rows += memory_kernel_lines(load(out, "memory_loop_kernel"), "loop kernel")
+    rows += memory_kernel_lines(load(out, "memory_pullback"), "parallel form's pull-backs")
     rows += issue44_lines(out)
     mf, fm = load(out, "bench_dit_b4_meanflow"), load(out, "bench_dit_b4_flow_matching")
     r = mf["mean_step_ms"] / fm["mean_step_ms"] if mf and fm else None
@@ -137,10 +138,14 @@ def memory_kernel_lines(m: dict | None, what: str = "kernel") -> list[str]:
                       f"{sp:.2f}x (target >= {m['target_speedup']:g}x; {ms[f'{k} forward+backward']:.2f} vs "
                       f"{ms['scan forward+backward']:.2f} ms)")
             met = verdict(c["ok"] and sp is not None and sp >= m["target_speedup"])
-            if k == "parallel":
+            if k.startswith("parallel"):  # the XLA forms: no target of their own
                 met = "info" if c["ok"] else "FAIL"
             rows.append(f"{met}  memory {k} fwd+bwd vs "
                         f"scan, {name}'s shapes: {timing}; {check}")
+        written, by_jax = (ms.get(f"{k} forward+backward") for k in ("parallel", "parallel, JAX's pull-back"))
+        if written and by_jax:
+            rows.append(f"info  memory parallel form, {name}'s shapes: the hand-written pull-back (end_pullback) "
+                        f"{by_jax / written:.2f}x the speed of JAX's ({written:.2f} vs {by_jax:.2f} ms fwd+bwd)")
     return rows
 
 

@@ -6,7 +6,10 @@ a kernel's forward + backward >= 3x the scan's at titans_demo's and nl_350m's me
 
 Variants (--variant, repeated; default all): kernel (memory_impl=pallas), "kernel, scan backward" (its
 forward with a reverse scan of the chunk's vjp), loop kernel (memory_impl=parallel_pallas: the
-parallel form's loop of end states as a kernel, the reads XLA's) and parallel (memory_impl=parallel).
+parallel form's loop of end states as a kernel, the reads XLA's), parallel (memory_impl=parallel)
+and "parallel, JAX's pull-back" (the parallel form with its backward loop pulling each chunk back
+through `jax.vjp` of `memory.end_state`, as before `memory.end_pullback` was written out: what
+the hand-written one gains, side by side).
 
 For each packaged config named in --shapes (or `tiny`: a few chunks of small heads, for a CPU
 smoke test with --interpret), at its memory shapes (train.batch_size rows x memory_heads, seq_len
@@ -77,7 +80,8 @@ def inputs(s: dict, seed: int = 0):
 
 
 KERNELS = ("kernel", "kernel, scan backward", "loop kernel")  # the fused kernels, against "scan" (the target is theirs)
-VARIANTS = (*KERNELS, "parallel")  # each checked against the scan and timed (model.nl_lm.memory_impl=parallel)
+JAX_PULLBACK = "parallel, JAX's pull-back"
+VARIANTS = (*KERNELS, "parallel", JAX_PULLBACK)  # each checked against the scan and timed
 FWD, FWD_BWD = "forward", "forward+backward"
 
 
@@ -90,7 +94,42 @@ def implementations(s: dict, interpret: bool) -> dict:
             "kernel": lambda st, a: mk.memory_kernel(st, *a, interpret=interpret, **kw),
             "kernel, scan backward": lambda st, a: mk.memory_kernel(st, *a, interpret=interpret, backward="scan", **kw),
             "loop kernel": lambda st, a: ml.memory_parallel_kernel(st, *a, interpret=interpret, **kw),
-            "parallel": lambda st, a: nm.memory_parallel(st, *a, **kw)}
+            "parallel": lambda st, a: nm.memory_parallel(st, *a, **kw),
+            JAX_PULLBACK: lambda st, a: parallel_jax_pullback(st, *a, **kw)}
+
+
+def parallel_jax_pullback(state, q, k, v, theta, eta, alpha, *, kind: str, chunk: int):
+    """`memory.memory_parallel` whose backward loop takes `jax.vjp` of `memory.end_state` per chunk
+    in place of `memory.end_pullback` (the same values within float32 rounding)."""
+    f32 = lambda x: x.astype(jnp.float32)
+    xs = nm._chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
+
+    def fwd(state, xs):
+        final, starts = nm._starts(state, xs, kind, 1)
+        return (nm._all_reads(starts, xs, kind), final), (starts, xs)
+
+    def bwd(res, cotangents):
+        starts, xs = res
+        dys, d_final = cotangents
+        d_starts, d_xs = jax.vjp(lambda st, x: nm._all_reads(st, x, kind), starts, xs)[1](dys)
+        (_, k, v, theta, eta), consts = xs
+        ends, pull_ends = jax.vjp(nm.end_inputs, theta, eta, consts)
+
+        def body(d_end, inp):
+            start, ins, d_read = inp
+            d_start, *d_ins = jax.vjp(lambda st, *i: nm.end_state(st, *i, kind), start, *ins)[1](d_end)
+            return jax.tree.map(jnp.add, d_start, d_read), d_ins
+
+        d_state, (dk, dv, d_ends) = jax.lax.scan(body, d_final, (starts, (k, v, ends), d_starts), reverse=True)
+        d_theta, d_eta, d_consts = pull_ends(d_ends)
+        (dq, *rest), d_consts_reads = d_xs
+        return d_state, ((dq, *(a + b for a, b in zip(rest, (dk, dv, d_theta, d_eta)))),
+                         jax.tree.map(jnp.add, d_consts_reads, d_consts))
+
+    loop = jax.custom_vjp(lambda state, xs: fwd(state, xs)[0])
+    loop.defvjp(fwd, bwd)
+    ys, final = loop(jax.tree.map(f32, state), xs)
+    return nm._unchunk(ys, q), final
 
 
 def loss_and_outputs(fn):

@@ -236,14 +236,17 @@ def test_benchmark_runs_interpreted(tmp_path):
     assert memory_kernel.main(argv) == 0
     r = json.loads(out.read_text())["shapes"]["tiny"]
     assert not r["errors"] and all(c["ok"] and c["max_rel_err"]["grads"] < 1e-5 for c in r["check"].values())
-    assert set(r["check"]) == set(memory_kernel.VARIANTS) == {*memory_kernel.KERNELS, "parallel"}
+    jax_pullback = memory_kernel.JAX_PULLBACK
+    assert set(r["check"]) == set(memory_kernel.VARIANTS) == {*memory_kernel.KERNELS, "parallel", jax_pullback}
     assert set(r["median_ms"]) == {"scan forward", "scan forward+backward", "kernel forward", "kernel forward+backward",
                                    "kernel, scan backward forward+backward", "parallel forward",
-                                   "parallel forward+backward", "loop kernel forward", "loop kernel forward+backward"}
+                                   "parallel forward+backward", "loop kernel forward", "loop kernel forward+backward",
+                                   f"{jax_pullback} forward", f"{jax_pullback} forward+backward"}
     rows = gpu_summary.memory_kernel_lines(json.loads(out.read_text()))
-    assert len(rows) == 4
-    assert all("tiny's shapes" in r and "check ok" in r for r in rows)
-    assert [r.split()[0] for r in rows][-1] == "info" and all(r.startswith(("MET", "MISS")) for r in rows[:3])
+    assert len(rows) == 6
+    assert all("tiny's shapes" in r and "check ok" in r for r in rows[:5])
+    assert [r.split()[0] for r in rows][3:] == ["info"] * 3 and all(r.startswith(("MET", "MISS")) for r in rows[:3])
+    assert "the hand-written pull-back (end_pullback)" in rows[5]
     # --variant: the scan and the variants named, nothing else
     assert memory_kernel.main([*argv, "--variant", "loop kernel"]) == 0
     r = json.loads(out.read_text())["shapes"]["tiny"]
