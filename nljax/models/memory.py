@@ -262,7 +262,7 @@ def end_pullback(state: PyTree, k, v, ends: dict, kind: str, d_end: PyTree):
     hand: it is the body of the parallel form's backward loop, which a GPU runs chunk after chunk
     as a few dozen small kernels; written out, it runs fewer (42 against 54 per chunk at
     titans_demo's shapes, compiled for an H200: docs/concepts/memory-kernel.md). jnp.max and
-    jnp.maximum's ties split the cotangent evenly, as JAX's do."""
+    jnp.maximum's ties split the cotangent evenly and jnp.abs's slope at 0 is +1, as JAX's are."""
     M, S, dM_end, dS_end = state["M"], state["S"], d_end["M"], d_end["S"]
     t = EndTerms(M, k, v, ends, kind)
     tot = lambda x: jnp.sum(x, axis=(-2, -1))
@@ -309,7 +309,8 @@ def end_pullback(state: PyTree, k, v, ends: dict, kind: str, d_end: PyTree):
     g = jnp.einsum("bhje,bhfe->bhjf", e, W2)  # the errors pulled back to h
     d_g = d_d[0] * slope
     d_e = d_d[1] + jnp.einsum("bhjf,bhfe->bhje", d_g, W2)
-    d_hh = d_inner * jnp.sign(jnp.einsum("bhif,bhjf->bhij", h, h))
+    # |hh|'s slope: -1 or +1, +1 at 0 as JAX's abs has it (a zero key's row of hh is 0), not sign's 0
+    d_hh = jnp.where(jnp.einsum("bhif,bhjf->bhij", h, h) >= 0.0, d_inner, -d_inner)
     d_h = (jnp.einsum("bhij,bhjf->bhif", d_hh + jnp.swapaxes(d_hh, -1, -2), h) + 2.0 * d_nu[..., None] * h
            + d_x[1] + jnp.einsum("bhje,bhfe->bhjf", d_e, W2))
     d_z = d_d[0] * g * curve + d_h * slope
