@@ -97,7 +97,7 @@ class Features:
     def __init__(self, M: PyTree, k: jax.Array, kind: str, kk=None, k_gram=None):
         self.kind, self.k = kind, k
         self.kk = jnp.sum(k * k, axis=-1) if kk is None else kk  # [B, H, b]
-        self.k_gram = k_gram  # [B, H, b, b], made by `chunk_scale` when not given
+        self.k_gram = k_gram  # [B, H, b, b], computed by `inner` when not given
         if kind == "mlp":
             self.z = jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"])  # [B, H, b, hidden]
             self.h, self.gelu_vjp = jax.vjp(jax.nn.gelu, self.z)
@@ -244,7 +244,9 @@ def end_state(state: PyTree, k, v, ends: dict, kind: str) -> PyTree:
 
 def chunk_end(state: PyTree, k, v, theta, eta, const: dict, kind: str) -> PyTree:
     """One chunk's end state alone: `chunk_step` without its reads (no queries, no running
-    curvature bounds, no [b, b] read weights)."""
+    curvature bounds, no [b, b] read weights), from its gates and `chunk_constants`. The tests'
+    reference for one chunk; `memory_parallel`'s loop runs `end_state` with `end_inputs` computed
+    for all chunks before it."""
     return end_state(state, k, v, end_inputs(theta, eta, const), kind)
 
 
@@ -487,8 +489,8 @@ def memory_parallel(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chu
     features a second time (about 1.3x the scan's matrix-product FLOPs, forward and backward).
     The backward pass keeps only the chunk-start states (as `memory_forward(remat=True)`): the
     reads are pulled back at once, then the end states in reverse, chunk by chunk, by
-    `end_pullback` (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the cotangents of both
-    paths are added in float32)."""
+    `end_pullback` (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the
+    cotangents of both paths are added in float32)."""
     f32 = lambda x: x.astype(jnp.float32)
     xs = _chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
     ys, final = _parallel(jax.tree.map(f32, state), xs, kind, unroll)
