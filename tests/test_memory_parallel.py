@@ -63,12 +63,16 @@ def test_chunk_end_is_the_end_state_of_chunk_step(kind):
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
-@pytest.mark.parametrize("chunk", [1, 8])
-def test_end_pullback_is_the_end_states_vjp(kind, chunk):
+@pytest.mark.parametrize("chunk,zero_key", [(1, False), (8, False), (8, True)])
+def test_end_pullback_is_the_end_states_vjp(kind, chunk, zero_key):
     """The parallel form's backward loop pulls each chunk back by hand (`end_pullback`): what
     `jax.vjp` of `end_state` gives, for every input, with the curvature bound at its floor (one
-    token: lambda = 1, nothing flows through it) and above it (8 tokens: through one row's sum)."""
+    token: lambda = 1, nothing flows through it) and above it (8 tokens: through one row's sum).
+    A zero key makes its row of the MLP memory's |h_i . h_j| zero: the kink of abs, where JAX's
+    derivative is +1 (and the scan's gradient takes it)."""
     state, (_, k, v, theta, eta, alpha) = inputs(kind, chunk, seed=chunk)
+    if zero_key:
+        k = k.at[:, :, 1].set(0.0)
     ends = nm.end_inputs(theta, eta, nm.chunk_constants(k, eta, alpha))
     terms = nm.EndTerms(state["M"], k, v, ends, kind)
     assert bool(jnp.all(terms.lam_raw < 1.0)) if chunk == 1 else bool(jnp.all(terms.lam_raw > 1.0))

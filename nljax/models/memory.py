@@ -97,7 +97,7 @@ class Features:
     def __init__(self, M: PyTree, k: jax.Array, kind: str, kk=None, k_gram=None):
         self.kind, self.k = kind, k
         self.kk = jnp.sum(k * k, axis=-1) if kk is None else kk  # [B, H, b]
-        self.k_gram = k_gram  # [B, H, b, b], made by `chunk_scale` when not given
+        self.k_gram = k_gram  # [B, H, b, b], computed by `inner` when not given
         if kind == "mlp":
             self.z = jnp.einsum("bhnd,bhdf->bhnf", k, M["W1"])  # [B, H, b, hidden]
             self.h, self.gelu_vjp = jax.vjp(jax.nn.gelu, self.z)
@@ -244,7 +244,9 @@ def end_state(state: PyTree, k, v, ends: dict, kind: str) -> PyTree:
 
 def chunk_end(state: PyTree, k, v, theta, eta, const: dict, kind: str) -> PyTree:
     """One chunk's end state alone: `chunk_step` without its reads (no queries, no running
-    curvature bounds, no [b, b] read weights)."""
+    curvature bounds, no [b, b] read weights), from its gates and `chunk_constants`. The tests'
+    reference for one chunk; `memory_parallel`'s loop runs `end_state` with `end_inputs` computed
+    for all chunks before it."""
     return end_state(state, k, v, end_inputs(theta, eta, const), kind)
 
 
@@ -262,7 +264,7 @@ def end_pullback(state: PyTree, k, v, ends: dict, kind: str, d_end: PyTree):
     hand: it is the body of the parallel form's backward loop, which a GPU runs chunk after chunk
     as a few dozen small kernels; written out, it runs fewer (42 against 54 per chunk at
     titans_demo's shapes, compiled for an H200: docs/concepts/memory-kernel.md). jnp.max and
-    jnp.maximum's ties split the cotangent evenly, as JAX's do."""
+    jnp.maximum's ties split the cotangent evenly and jnp.abs's slope at 0 is +1, as JAX's are."""
     M, S, dM_end, dS_end = state["M"], state["S"], d_end["M"], d_end["S"]
     t = EndTerms(M, k, v, ends, kind)
     tot = lambda x: jnp.sum(x, axis=(-2, -1))
@@ -309,7 +311,8 @@ def end_pullback(state: PyTree, k, v, ends: dict, kind: str, d_end: PyTree):
     g = jnp.einsum("bhje,bhfe->bhjf", e, W2)  # the errors pulled back to h
     d_g = d_d[0] * slope
     d_e = d_d[1] + jnp.einsum("bhjf,bhfe->bhje", d_g, W2)
-    d_hh = d_inner * jnp.sign(jnp.einsum("bhif,bhjf->bhij", h, h))
+    # |hh|'s slope: -1 or +1, +1 at 0 as JAX's abs has it (a zero key's row of hh is 0), not sign's 0
+    d_hh = jnp.where(jnp.einsum("bhif,bhjf->bhij", h, h) >= 0.0, d_inner, -d_inner)
     d_h = (jnp.einsum("bhij,bhjf->bhif", d_hh + jnp.swapaxes(d_hh, -1, -2), h) + 2.0 * d_nu[..., None] * h
            + d_x[1] + jnp.einsum("bhje,bhfe->bhjf", d_e, W2))
     d_z = d_d[0] * g * curve + d_h * slope
@@ -486,8 +489,8 @@ def memory_parallel(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chu
     features a second time (about 1.3x the scan's matrix-product FLOPs, forward and backward).
     The backward pass keeps only the chunk-start states (as `memory_forward(remat=True)`): the
     reads are pulled back at once, then the end states in reverse, chunk by chunk, by
-    `end_pullback` (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the cotangents of both
-    paths are added in float32)."""
+    `end_pullback` (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the
+    cotangents of both paths are added in float32)."""
     f32 = lambda x: x.astype(jnp.float32)
     xs = _chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
     ys, final = _parallel(jax.tree.map(f32, state), xs, kind, unroll)

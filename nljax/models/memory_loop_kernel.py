@@ -1,9 +1,9 @@
-"""The parallel form's sequential loop as fused Pallas kernels: `memory.chunk_end` from chunk to
+"""The parallel form's sequential loop as fused Pallas kernels: `memory.end_state` from chunk to
 chunk, each (stream row, head) one program that walks all its chunks in one launch, forward and
 backward; the reads stay batched XLA computations (`model.nl_lm.memory_impl=parallel_pallas`).
 
 Why: in `memory.memory_parallel` the reads leave the loop (one batched computation over all
-chunks, large products a GPU runs well), and what remains sequential is `chunk_end`: per chunk a
+chunks, large products a GPU runs well), and what remains sequential is `end_state`: per chunk a
 few small products (the MLP memory: the hidden features at the chunk-start memory, the errors
 pulled back, each layer's update) and the curvature bound, which XLA runs as a dozen small
 kernels per chunk, one chunk after another (nl_350m: 4 layers x 32 chunks; titans_demo is
