@@ -326,7 +326,7 @@ fused350m() {  # $1: the row's name after bench_nl_350m_fused; then its own over
 part_pullback() {
   # the parallel form's backward loop written out (end_pullback) against JAX's pull-back of the same
   # function, side by side, each checked against the scan first (fewer kernels per chunk offline:
-  # 63 against 75 at titans_demo's shapes; what that is worth on the card)
+  # 62 against 75 at titans_demo's shapes; what that is worth on the card)
   local variants=(--variant parallel --variant "parallel, JAX's pull-back")
   if [ -n "$DRY" ]; then
     run memory_pullback $PY benchmarks/memory_kernel.py --shapes tiny --interpret --rounds 1 --warmup 0 \
