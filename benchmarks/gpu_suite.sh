@@ -292,49 +292,40 @@ part_paths() {
   run paths $PY benchmarks/gpu_paths.py ${DRY:+--dry-run --reps 2} --out "$OUT/paths.json"
 }
 
+memory_bench() {  # $1: the JSON's name; then memory_kernel.py's --variant flags (none: every variant)
+  local name=$1; shift
+  if [ -n "$DRY" ]; then
+    run "$name" $PY benchmarks/memory_kernel.py --shapes tiny --interpret --rounds 1 --warmup 0 "$@" \
+      --out "$OUT/$name.json"
+  else
+    run "$name" $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 "$@" \
+      --out "$OUT/$name.json"
+  fi
+}
+
 part_kernel() {
   # the fused inner-loop memory kernel alone (model.nl_lm.memory_impl, benchmarks/memory_kernel.py), at
   # titans_demo's and nl_350m's memory shapes, checked against the scan then timed (target: fwd+bwd
   # >= 3x the scan's); a dry run interprets it at tiny shapes. Exits non-zero when the check fails.
-  if [ -n "$DRY" ]; then
-    run memory_kernel $PY benchmarks/memory_kernel.py --shapes tiny --interpret --rounds 1 --warmup 0 \
-      --out "$OUT/memory_kernel.json"
-  else
-    run memory_kernel $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 \
-      --out "$OUT/memory_kernel.json"
-  fi
+  memory_bench memory_kernel
 }
 
 part_kernel_loop() {
   # the parallel form's loop kernel and the parallel form alone, checked against the scan then timed
-  local variants=(--variant "loop kernel" --variant parallel)
-  if [ -n "$DRY" ]; then
-    run memory_loop_kernel $PY benchmarks/memory_kernel.py --shapes tiny --interpret --rounds 1 --warmup 0 \
-      "${variants[@]}" --out "$OUT/memory_loop_kernel.json"
-  else
-    run memory_loop_kernel $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 \
-      "${variants[@]}" --out "$OUT/memory_loop_kernel.json"
-  fi
-}
-
-fused350m() {  # $1: the row's name after bench_nl_350m_fused; then its own overrides or bench flags
-  local name=bench_nl_350m_fused$1; shift
-  run "$name" $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
-    "${FUSED[@]}" "$@" "${NL350[@]}" --out "$OUT/$name.json"
+  memory_bench memory_loop_kernel --variant "loop kernel" --variant parallel
 }
 
 part_pullback() {
   # the parallel form's backward loop written out (end_pullback) against JAX's pull-back of the same
   # function, side by side, each checked against the scan first (fewer kernels per chunk offline:
   # 62 against 75 at titans_demo's shapes; what that is worth on the card)
-  local variants=(--variant parallel --variant "parallel, JAX's pull-back")
-  if [ -n "$DRY" ]; then
-    run memory_pullback $PY benchmarks/memory_kernel.py --shapes tiny --interpret --rounds 1 --warmup 0 \
-      "${variants[@]}" --out "$OUT/memory_pullback.json"
-  else
-    run memory_pullback $PY benchmarks/memory_kernel.py --shapes titans_demo,nl_350m --rounds 10 --warmup 2 \
-      "${variants[@]}" --out "$OUT/memory_pullback.json"
-  fi
+  memory_bench memory_pullback --variant parallel --variant "parallel, JAX's pull-back"
+}
+
+fused350m() {  # $1: the row's name after bench_nl_350m_fused; then its own overrides or bench flags
+  local name=bench_nl_350m_fused$1; shift
+  run "$name" $PY -m nljax.bench --config nl_350m --patterns worst "${STEPS[@]}" "${BF16[@]}" \
+    "${FUSED[@]}" "$@" "${NL350[@]}" --out "$OUT/$name.json"
 }
 
 part_fused350m() {

@@ -47,7 +47,10 @@ def test_train_writes_run_dir_and_loss_falls(tmp_path):
     assert prof["steps"] == 2 and prof["devices"] == 2 and prof["ops"] > 10 and 0 < prof["busy_fraction"] <= 1.05
     assert prof["module"] == TRAIN_MODULE  # evaluation (eval.every=3) between the steps not counted
     idle = prof["idle"]  # each profiled step marked: where its device waited
-    assert idle["steps"] == 2 and min(idle[k] for k in ("before_first_op_s", "between_ops_s", "after_last_op_s")) >= 0
+    # step 5 is dispatched ahead of step 4's result: on a loaded CPU (the host's own cores) step 4's
+    # ops can all start after step 5's mark and count in its window (seen once in the fast tier)
+    assert idle["steps"] in (1, 2)
+    assert min(idle[k] for k in ("before_first_op_s", "between_ops_s", "after_last_op_s")) >= 0
 
     d2 = tmp_path / "rerun"
     cli("nljax.train", *common, f"run.dir={d2}", "train.steps=6", *QUICK, env={"PYTHONHASHSEED": "2"})
