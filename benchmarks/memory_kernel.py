@@ -104,9 +104,7 @@ def parallel_jax_pullback(state, q, k, v, theta, eta, alpha, *, kind: str, chunk
     f32 = lambda x: x.astype(jnp.float32)
     xs = nm._chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
 
-    def fwd(state, xs):
-        final, starts = nm._starts(state, xs, kind, 1)
-        return (nm._all_reads(starts, xs, kind), final), (starts, xs)
+    fwd = lambda state, xs: nm._parallel_fwd(state, xs, kind, 1)  # the same forward loop
 
     def bwd(res, cotangents):
         starts, xs = res

@@ -7,11 +7,12 @@ chunks, large products a GPU runs well), and what remains sequential is `end_sta
 few small products (the MLP memory: the hidden features at the chunk-start memory, the errors
 pulled back, each layer's update) and the curvature bound, which XLA runs as about 20 small
 kernels per chunk forward and 40 backward, one chunk after another (compiled for an H200,
-docs/concepts/memory-kernel.md; nl_350m: 4 layers x 32 chunks; titans_demo is launch-bound). Here that loop is one launch per layer. It is a smaller kernel than
-`memory_kernel`'s whole chunk: no queries, no [b, b] read weights, no running curvature sums, and
-no gate terms: what does not depend on the memory (`loop_inputs`: the gates' weights, the keys'
-Gram matrix) is computed for every chunk at once before the loop, as `memory.memory_parallel`
-does, and its cotangents pulled back by JAX after it.
+docs/concepts/memory-kernel.md; nl_350m: 4 layers x 32 chunks; titans_demo is launch-bound).
+Here that loop is one launch per layer. It is a smaller kernel than `memory_kernel`'s whole
+chunk: no queries, no [b, b] read weights, no running curvature sums, and no gate terms: what
+does not depend on the memory (`loop_inputs`: the gates' weights, the keys' Gram matrix) is
+computed for every chunk at once before the loop, as `memory.memory_parallel` does, and its
+cotangents pulled back by JAX after it.
 
 - `end_math` is one chunk's end state for one (row, head) on 2-D arrays: `_end_terms` (the steps
   over the whole chunk's curvature bound, `memory.EndTerms`), then each layer's update

@@ -114,11 +114,11 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
     overlaps the device's work instead of leaving it idle; that step's result then has `state`
     None (donated to the next step). Not where `keep(step)` says a hook reads the step's state
     (evaluation, a checkpoint, a sample), at the last step, or before a step whose variant
-    compiles (its compilation is then timed with its own step). `stop(step)`, asked once per step in order (after the step's hooks
-    where it kept its state, else right before the next dispatch: as late as the step allows),
-    ends the loop after that step, its state kept (a preemption notice). `built_before`: the
-    variant keys (`StepCache.variant`) already called before this loop (a benchmark's rounds of
-    steps): none of them is taken for a compilation.
+    compiles (its compilation is then timed with its own step). `stop(step)`, asked once per
+    step in order (after the step's hooks where it kept its state, else right before the next
+    dispatch: as late as the step allows), ends the loop after that step, its state kept (a
+    preemption notice). `built_before`: the variant keys (`StepCache.variant`) already called
+    before this loop (a benchmark's rounds of steps): none of them is taken for a compilation.
 
     `step_time_s`: from the step's dispatch, or from the previous step's result where the host
     read that later, until its loss is on the host: the time the loop spent on it alone."""
