@@ -5,7 +5,7 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: titans_forms ab350m pullback vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4
+#            they matter: titans_forms ab350m pullback attn_tiles vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4
 #            fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop
 #            fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
 #            Since 2026-11-30 (the loop kernel and the parallel form timed, docs/benchmarks/2026-11-30-h200.md):
@@ -61,6 +61,10 @@
 #                      timed through the training loop; the scan also with train.dispatch_ahead=false
 #   ab350m             nl_350m unrolled with the GPU paths, the scan (auto) and memory_impl=parallel,
 #                      interleaved in one process and profiled, timed through the training loop
+#   attn_tiles         the Pallas attention's three kernels (forward, dK/dV, dQ) each timed alone over
+#                      its candidate tiles, warps and stages at nl_350m's shapes, then the fastest of each
+#                      together against the default launch (benchmarks/attention_tiles.py; small Triton
+#                      kernels: about 0.3-0.8 s to compile each, 108 candidates)
 #   pullback           the parallel form alone with its hand-written pull-back (memory.end_pullback) and
 #                      with JAX's, against the scan, at titans_demo's and nl_350m's memory shapes
 #                      (benchmarks/memory_kernel.py; no Pallas kernel: quick to compile)
@@ -114,7 +118,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(titans_forms ab350m pullback vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4 fused350m_graphs
+ISSUE44=(titans_forms ab350m pullback attn_tiles vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4 fused350m_graphs
          fused350m_best8 fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel
          fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
@@ -313,6 +317,13 @@ part_kernel() {
 part_kernel_loop() {
   # the parallel form's loop kernel and the parallel form alone, checked against the scan then timed
   memory_bench memory_loop_kernel --variant "loop kernel" --variant parallel
+}
+
+part_attn_tiles() {
+  # the kernels ran at 12-15% of the card's bf16 peak with jax's reference's launch (2026-11-28:
+  # 0.90 ms forward + backward per layer at nl_350m's shapes); capped below the budget
+  # so that the side-by-side of the default and the fastest launches still runs
+  run attention_tiles $PY benchmarks/attention_tiles.py ${DRY:+--dry-run} --budget-s 200 --out "$OUT/attention_tiles.json"
 }
 
 part_pullback() {

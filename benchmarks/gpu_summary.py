@@ -157,6 +157,12 @@ def issue44_lines(out: Path) -> list[str]:
         from gpu_paths import lines as path_lines  # benchmarks/gpu_paths.py: its own wording of each check
 
         rows += path_lines(p)  # "ok  " or "FAIL" first
+    if t := load(out, "attention_tiles"):
+        c = t["side_by_side"]
+        tuned = ", ".join(f"{k} {v}" for k, v in c["tuning"].items())
+        rows.append(f"{'ok  ' if c['ok'] else 'FAIL'}  Pallas attention's launches tuned at {t['shape']['seq']} tokens, "
+                    f"window {t['shape']['window']}: forward + backward x{c['speedup']:.2f} the default's speed "
+                    f"({c['fwd_bwd_ms']['tuned']:.3f} against {c['fwd_bwd_ms']['default']:.3f} ms; {tuned})")
     for name, how in (("bench_nl_350m_fused", "scanned"), ("bench_nl_350m_fused_unrolled", "unrolled"),
                       ("bench_nl_350m_fused_memunroll", "scanned, memory_unroll=4"),
                       ("bench_nl_350m_fused_best", "unrolled, memory_unroll=4"),

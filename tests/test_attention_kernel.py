@@ -132,8 +132,35 @@ def test_tiles_are_clamped_to_the_sequence_and_the_window():
     with pytest.raises(ValueError, match="block_k must be a power of two, got 48"):
         ak.tiles(64, 16, 64, 48)
     q = jnp.zeros((1, 32, 1, 16))
-    with pytest.raises(ValueError, match="tiles 8 x 8: the compiled kernel needs tiles >= 16"):
+    with pytest.raises(ValueError, match="forward tiles 8 x 8: the compiled kernel needs tiles >= 16"):
         ak.flash_attention(q, q, q, 4, block_q=8, block_k=8, interpret=False)
+
+
+def test_each_kernel_takes_its_own_tiles():
+    """Per-kernel tiles (`Tuning`: forward, dK/dV and dQ each its own query and key tiles, T padded
+    to a multiple of all of them) compute what the blocked form computes, and what uniform tiles
+    compute to rounding."""
+    t, window = 70, 24
+    q, k, v, ct = qkv(t, seed=4)
+    tuning = ak.Tuning(forward=ak.Tiles(16, 32), dkv=ak.Tiles(32, 16), dq=ak.Tiles(16, 16))
+    assert tuning.resolved(t, window, 16) == (ak.Tuning(ak.Tiles(16, 32, 4), ak.Tiles(32, 16, 4), ak.Tiles(16, 16, 4)), 96)
+    got = out_and_grads(lambda q, k, v: ak.flash_attention(q, k, v, window, tuning=tuning, interpret=True), q, k, v, ct)
+    assert max_rel_err(got, out_and_grads(blocked(window), q, k, v, ct)) < 2e-6
+    assert max_rel_err(got, out_and_grads(kernel(window, 16, 16), q, k, v, ct)) < 2e-6
+
+
+def test_each_kernel_is_launched_with_its_own_warps_and_stages():
+    """The warps and pipeline stages asked for each kernel reach its Triton launch (lowered for
+    CUDA here); warps 0 is 4 at heads of 64, 8 above."""
+    import re
+    tuning = ak.Tuning(forward=ak.Tiles(128, 64, 8, 3), dkv=ak.Tiles(64, 128, 4, 1), dq=ak.Tiles(64, 32, 0, 4))
+    f = lambda q, k, v: ak.flash_attention(q, k, v, 256, tuning=tuning, interpret=False)
+    grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
+    q = jnp.zeros((1, 512, 2, 64), jnp.bfloat16)
+    text = jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    launches = {m[1]: (int(m[3]), int(m[2])) for m in
+                re.finditer(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
+    assert launches == {"attention_forward": (8, 3), "attention_dkv": (4, 1), "attention_dq": (4, 4)}
 
 
 @pytest.mark.parametrize("t, dtype", [(256, jnp.bfloat16), (200, jnp.float32)])

@@ -131,11 +131,11 @@ def test_compiling_for_a_gpu_decides_as_on_the_gpu():
     kernels, the GPU's shape rules), whatever JAX's default backend; outside, as before."""
     q = jnp.zeros((1, 128, 1, 64))
     assert platform.backend() == jax.default_backend() == "cpu" and not platform.on_cuda()
-    assert attention_kernel._prepare(q, 64, 64, 64, None)[3] is True  # interpreted here
+    assert attention_kernel.prepare(q, 64, attention_kernel.Tuning(), None)[2] is True  # interpreted here
     assert memory_forms.select("pallas", "mlp", 6, 64, 128) == "pallas"  # interpreted: any shape
     with platform.compiling_for("gpu", device=jax.devices()[2]):
         assert platform.backend() == "gpu" and platform.on_cuda() and platform.device() == jax.devices()[2]
-        assert attention_kernel._prepare(q, 64, 64, 64, None)[3] is False  # compiled
+        assert attention_kernel.prepare(q, 64, attention_kernel.Tuning(), None)[2] is False  # compiled
         with pytest.raises(ConfigError, match="memory_impl=pallas"):
             memory_forms.select("pallas", "mlp", 6, 64, 128)
         with platform.compiling_for("cpu"):

@@ -75,6 +75,44 @@ def test_the_pallas_check_can_fail_and_a_kernel_error_is_one_failed_line(monkeyp
     assert line.startswith("FAIL attention pallas (interpreted)") and "out of shared memory" in line
 
 
+def test_attention_tiles_picks_the_fastest_correct_launch_of_each_kernel(tmp_path, monkeypatch, capsys):
+    """benchmarks/attention_tiles.py's dry run (interpreted): every kernel's candidates timed, the
+    default first; a launch whose output is wrong is marked so and never chosen, however fast; the
+    chosen launches together are checked against the float32 blocked form."""
+    tiles = bench_module("attention_tiles")
+    ak = tiles.ak
+    wrong = ak.Tiles(32, 16)  # resolved at the dry run's shape as itself
+    forward = ak._forward
+    monkeypatch.setattr(ak, "_forward", lambda q, k, v, w, launch, interp: (
+        tuple(x * 2 for x in forward(q, k, v, w, launch, interp)) if launch.block_q == wrong.block_q else
+        forward(q, k, v, w, launch, interp)))
+    times = iter(range(100, 0, -1))  # each candidate faster than the one before: the wrong one is the fastest forward
+    monkeypatch.setattr(tiles, "timed", lambda fn, *a, reps: (jax_block(fn(*a)), next(times) * 1e-5))
+    assert tiles.main(["--dry-run", "--out", str(tmp_path / "t.json")]) == 0
+    r = json.loads((tmp_path / "t.json").read_text())
+    assert list(r["kernels"]) == ["forward", "dkv", "dq"]
+    for rows in r["kernels"].values():
+        assert rows[0]["launch"]["block_q"] == 64 and rows[0]["err_vs_default"] == 0  # the default, resolved
+    bad = [row for row in r["kernels"]["forward"] if row["launch"]["block_q"] == 32]
+    assert len(bad) == 1 and not bad[0]["ok"] and bad[0]["err_vs_default"] > 0.5
+    assert r["side_by_side"]["tuning"]["forward"] != str(bad[0]["name"]) and r["side_by_side"]["ok"]
+    assert "WRONG" in capsys.readouterr().out
+
+
+def test_attention_tiles_budget_leaves_candidates_out_and_still_compares(tmp_path):
+    tiles = bench_module("attention_tiles")
+    assert tiles.main(["--dry-run", "--budget-s", "0", "--out", str(tmp_path / "t.json")]) == 0
+    r = json.loads((tmp_path / "t.json").read_text())
+    assert all(rows == [] for rows in r["kernels"].values()) and len(r["not_reached"]["dq"]) == 3
+    assert r["side_by_side"]["speedup"] > 0  # the default against itself
+
+
+def jax_block(x):
+    import jax
+    jax.block_until_ready(x)
+    return 0.0
+
+
 def test_an_unknown_part_stops_the_suite_before_anything_runs(tmp_path):
     r = suite(tmp_path, "paths", "bogus")
     assert r.returncode == 2 and "unknown part 'bogus'" in r.stdout, r.stdout + r.stderr
@@ -225,7 +263,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
     for name in ("paths", "bench_nl_350m_fused", "bench_nl_350m_fused_unrolled", "bench_nl_350m_fused_memunroll",
                  "bench_nl_350m_fused_kernel", "bench_nl_350m_fused_best",
                  "bench_nl_350m_fused_best8", "bench_nl_350m_fused_graphs", "bench_nl_350m_fused_parallel",
-                 "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback",
+                 "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback", "attention_tiles",
                  "titans_vs_bf16", "titans_vs_bf16_loop", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
                  "bench_titans_demo_b128_memory"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
@@ -235,6 +273,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
     assert "jax " in (tmp_path / "machine.txt").read_text()  # the card and software, for the report
     summary = (tmp_path / "summary.txt").read_text()
     assert summary.startswith("DRY RUN") and "GPU paths, scanned" in summary and "FAILED" not in r.stdout, r.stdout
+    assert "Pallas attention's launches tuned" in summary
 
 
 def test_titans_pytorch_reports_the_training_loops_cycle_beside_the_waited_steps():

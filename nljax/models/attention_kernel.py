@@ -27,7 +27,9 @@ Adapted from jax's reference (jax/experimental/pallas/ops/gpu/attention.py, `mha
 
 Tiles are powers of two (Triton's tensors), at least 16 on a GPU (its matrix products): the
 requested `block_q` and `block_k` (default 64) are clamped to T and, for keys, to the window
-(a window of 8 reads 16-key tiles, not 64), never below 16. Inputs may be float32, bfloat16
+(a window of 8 reads 16-key tiles, not 64), never below 16. Each kernel may take its own tiles,
+warps and pipeline stages (`Tuning`, one `Tiles` per kernel; `benchmarks/attention_tiles.py`
+times them on a GPU); the default is jax's reference's choice for every kernel. Inputs may be float32, bfloat16
 or float16; scores, softmax statistics and accumulators are float32, and the probabilities
 meet v (and the score gradients meet q and k) in the inputs' dtype, as in the blocked form.
 On a GPU, float32 inputs meet in TF32 matrix products (Triton's default, as XLA's default
@@ -38,6 +40,7 @@ interpret mode (any head width, slow: for tests and for checking a run).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -81,8 +84,43 @@ def tiles(t: int, window: int, block_q: int, block_k: int) -> tuple[int, int, in
     return bq, bk, -(-t // step) * step
 
 
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One kernel's launch: its query and key tiles (tokens, powers of two; the forward and dQ
+    kernels' grid walks query tiles and their loops key tiles, the dK/dV kernel's the other way
+    round), and Triton's warps (0: 4 for heads up to 64 wide, else 8) and pipeline stages."""
+
+    block_q: int = 64
+    block_k: int = 64
+    warps: int = 0
+    stages: int = 2
+
+    def __str__(self) -> str:
+        return f"q{self.block_q} k{self.block_k} w{self.warps or 'auto'} s{self.stages}"
 
 
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """The three kernels' launches (`Tiles`): forward, dK/dV and dQ."""
+
+    forward: Tiles = Tiles()
+    dkv: Tiles = Tiles()
+    dq: Tiles = Tiles()
+
+    @classmethod
+    def uniform(cls, block_q: int = 64, block_k: int = 64) -> "Tuning":
+        return cls(*(Tiles(block_q, block_k),) * 3)
+
+    def resolved(self, t: int, window: int, head_dim: int) -> tuple["Tuning", int]:
+        """(every kernel's tiles clamped as `tiles` clamps them and its warps chosen, T padded to a
+        multiple of every tile)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            k = getattr(self, f.name)
+            bq, bk, _ = tiles(t, window, k.block_q, k.block_k)
+            out[f.name] = Tiles(bq, bk, k.warps or (4 if head_dim <= 64 else 8), k.stages)
+        step = max(max(k.block_q, k.block_k) for k in out.values())  # powers of two: a multiple of all
+        return Tuning(**out), -(-t // step) * step
 
 
 def _scores(q, k, q0, k0, window: int):
@@ -177,79 +215,100 @@ def _whole_spec(t: int, hd: int | None):
     return pl.BlockSpec((None, t, None, hd), lambda b, h, i: (b, 0, h, 0))
 
 
-def _call(kernel, args, specs, outs, out_specs, tiles_: int, interpret: bool, name: str):
+def _call(kernel, args, specs, outs, out_specs, tiles_: int, launch: Tiles, interpret: bool, name: str):
     b, t, h, hd = args[0].shape
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
-        # jax's reference's choice; untuned (no GPU timing yet)
-        params["compiler_params"] = pltriton.CompilerParams(num_warps=4 if hd <= 64 else 8, num_stages=2)
+        params["compiler_params"] = pltriton.CompilerParams(num_warps=launch.warps, num_stages=launch.stages)
     return pl.pallas_call(kernel, out_shape=outs, grid=(b, h, t // tiles_), in_specs=specs, out_specs=out_specs,
                           interpret=interpret, name=name, **params)(*args)
 
 
-def _forward(q, k, v, window, bq, bk, interpret):
-    """(y [B, T, H, hd], lse [B, H, T] float32) for T a multiple of both tiles."""
+def _forward(q, k, v, window, launch: Tiles, interpret):
+    """(y [B, T, H, hd], lse [B, H, T] float32) for T a multiple of the tiles."""
     b, t, h, hd = q.shape
+    bq = launch.block_q
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)]
-    return _call(functools.partial(_forward_kernel, window=window, bk=bk), [q, k, v],
+    return _call(functools.partial(_forward_kernel, window=window, bk=launch.block_k), [q, k, v],
                  [_tile_spec(bq, hd), _whole_spec(t, hd), _whole_spec(t, hd)], outs,
-                 [_tile_spec(bq, hd), _tile_spec(bq, None)], bq, interpret, "attention_forward")
+                 [_tile_spec(bq, hd), _tile_spec(bq, None)], bq, launch, interpret, "attention_forward")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _flash(q, k, v, window, bq, bk, interpret):
-    return _forward(q, k, v, window, bq, bk, interpret)[0]
+def backward_delta(y, dy):
+    """rowsum(o * dO) [B, H, T] float32: what both backward kernels subtract (one fused XLA op)."""
+    return jnp.einsum("bthd,bthd->bht", y.astype(jnp.float32), dy.astype(jnp.float32))
 
 
-def _flash_fwd(q, k, v, window, bq, bk, interpret):
-    y, lse = _forward(q, k, v, window, bq, bk, interpret)
+def _dkv(q, k, v, dy, lse, delta, window, launch: Tiles, interpret):
+    """(dK, dV) by the dK/dV kernel: its grid over key tiles, its loop over query tiles."""
+    t, hd = q.shape[1], q.shape[3]
+    bk, whole = launch.block_k, _whole_spec(t, hd)
+    return _call(functools.partial(_dkv_kernel, window=window, bq=launch.block_q), [q, k, v, dy, lse, delta],
+                 [whole, _tile_spec(bk, hd), _tile_spec(bk, hd), whole, *[_whole_spec(t, None)] * 2],
+                 [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+                 [_tile_spec(bk, hd)] * 2, bk, launch, interpret, "attention_dkv")
+
+
+def _dq(q, k, v, dy, lse, delta, window, launch: Tiles, interpret):
+    """dQ by the dQ kernel: its grid over query tiles, its loop over key tiles (the forward's)."""
+    t, hd = q.shape[1], q.shape[3]
+    bq, whole = launch.block_q, _whole_spec(t, hd)
+    return _call(functools.partial(_dq_kernel, window=window, bk=launch.block_k), [q, k, v, dy, lse, delta],
+                 [_tile_spec(bq, hd), whole, whole, _tile_spec(bq, hd), *[_tile_spec(bq, None)] * 2],
+                 [jax.ShapeDtypeStruct(q.shape, q.dtype)], [_tile_spec(bq, hd)], bq, launch, interpret,
+                 "attention_dq")[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _flash(q, k, v, window, tuning: Tuning, interpret):
+    return _forward(q, k, v, window, tuning.forward, interpret)[0]
+
+
+def _flash_fwd(q, k, v, window, tuning, interpret):
+    y, lse = _forward(q, k, v, window, tuning.forward, interpret)
     return y, (q, k, v, y, lse)
 
 
-def _flash_bwd(window, bq, bk, interpret, res, dy):
+def _flash_bwd(window, tuning, interpret, res, dy):
     q, k, v, y, lse = res
-    b, t, h, hd = q.shape
     dy = dy.astype(q.dtype)
-    delta = jnp.einsum("bthd,bthd->bht", y.astype(jnp.float32), dy.astype(jnp.float32))  # rowsum(o * dO)
-    args = [q, k, v, dy, lse, delta]
-    whole = [_whole_spec(t, hd)] * 4 + [_whole_spec(t, None)] * 2
-    dk, dv = _call(functools.partial(_dkv_kernel, window=window, bq=bq), args,
-                   [whole[0], _tile_spec(bk, hd), _tile_spec(bk, hd), *whole[3:]],
-                   [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
-                   [_tile_spec(bk, hd)] * 2, bk, interpret, "attention_dkv")
-    dq = _call(functools.partial(_dq_kernel, window=window, bk=bk), args,
-               [_tile_spec(bq, hd), whole[1], whole[2], _tile_spec(bq, hd), _tile_spec(bq, None), _tile_spec(bq, None)],
-               [jax.ShapeDtypeStruct(q.shape, q.dtype)], [_tile_spec(bq, hd)], bq, interpret, "attention_dq")[0]
-    return dq, dk, dv
+    args = (q, k, v, dy, lse, backward_delta(y, dy), window)
+    dk, dv = _dkv(*args, tuning.dkv, interpret)
+    return _dq(*args, tuning.dq, interpret), dk, dv
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-def _prepare(q, window: int, block_q: int, block_k: int, interpret: bool | None):
+def prepare(q, window: int, tuning: Tuning, interpret: bool | None):
+    """(pad: [B, T, ...] -> [B, padded T, ...], the tuning resolved for q's shape, interpret)."""
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
-    bq, bk, tp = tiles(q.shape[1], window, block_q, block_k)
+    tuning, tp = tuning.resolved(q.shape[1], window, q.shape[3])
     if interpret is None:
         interpret = platform.backend() != "gpu"
-    if not interpret and min(bq, bk) < MIN_TILE:
-        raise ValueError(f"tiles {bq} x {bk}: the compiled kernel needs tiles >= {MIN_TILE}")
+    for name, k in (("forward", tuning.forward), ("dkv", tuning.dkv), ("dq", tuning.dq)):
+        if not interpret and min(k.block_q, k.block_k) < MIN_TILE:
+            raise ValueError(f"{name} tiles {k.block_q} x {k.block_k}: the compiled kernel needs tiles >= {MIN_TILE}")
     pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0), (0, 0))) if tp > x.shape[1] else x
-    return pad, bq, bk, interpret
+    return pad, tuning, interpret
 
 
-def flash_attention(q, k, v, window: int, *, block_q: int = 64, block_k: int = 64, interpret: bool | None = None):
+def flash_attention(q, k, v, window: int, *, block_q: int = 64, block_k: int = 64, tuning: Tuning | None = None,
+                    interpret: bool | None = None):
     """Causal sliding-window attention, q, k, v [B, T, H, hd] -> [B, T, H, hd] (the blocked
-    form's semantics), differentiable (hand-written backward kernels). `interpret`: run the
-    kernels as plain JAX (any backend, slow); None: on all but GPUs."""
-    pad, bq, bk, interpret = _prepare(q, window, block_q, block_k, interpret)
-    return _flash(pad(q), pad(k), pad(v), window, bq, bk, interpret)[:, :q.shape[1]]
+    form's semantics), differentiable (hand-written backward kernels). Tiles: `block_q` and
+    `block_k` for every kernel, or `tuning`'s per kernel. `interpret`: run the kernels as plain
+    JAX (any backend, slow); None: on all but GPUs."""
+    pad, tuning, interpret = prepare(q, window, tuning or Tuning.uniform(block_q, block_k), interpret)
+    return _flash(pad(q), pad(k), pad(v), window, tuning, interpret)[:, :q.shape[1]]
 
 
-def flash_forward(q, k, v, window: int, *, block_q: int = 64, block_k: int = 64, interpret: bool | None = None):
+def flash_forward(q, k, v, window: int, *, block_q: int = 64, block_k: int = 64, tuning: Tuning | None = None,
+                  interpret: bool | None = None):
     """The forward kernel alone: (y [B, T, H, hd], log-sum-exp of each query's scaled logits
     over its window [B, H, T], float32), what the backward pass starts from. Not differentiable."""
-    pad, bq, bk, interpret = _prepare(q, window, block_q, block_k, interpret)
-    y, lse = _forward(pad(q), pad(k), pad(v), window, bq, bk, interpret)
+    pad, tuning, interpret = prepare(q, window, tuning or Tuning.uniform(block_q, block_k), interpret)
+    y, lse = _forward(pad(q), pad(k), pad(v), window, tuning.forward, interpret)
     return y[:, :q.shape[1]], lse[:, :, :q.shape[1]]
