@@ -149,11 +149,35 @@ def test_each_kernel_takes_its_own_tiles():
     assert max_rel_err(got, out_and_grads(kernel(window, 16, 16), q, k, v, ct)) < 2e-6
 
 
+@pytest.mark.parametrize("t, window, bq, bk", [*CASES, (128, 64, 16, 16), (128, 40, 16, 32), (100, 33, 32, 16)])
+def test_loops_split_at_the_windows_edges_give_the_masked_loops_values(t, window, bq, bk):
+    """`Tiles.split`: the mask only on the edge tiles of each loop (forward, dK/dV, dQ). The tiles
+    left unmasked are ones every query sees whole, so the outputs and gradients are the masked
+    loops' to the bit (a tile taken for whole that is not would let a query see a key outside its
+    window), and the blocked form's."""
+    q, k, v, ct = qkv(t, seed=5)
+    split = ak.Tuning(*(ak.Tiles(bq, bk, split=True),) * 3)
+    got = out_and_grads(lambda q, k, v: ak.flash_attention(q, k, v, window, tuning=split, interpret=True), q, k, v, ct)
+    want = out_and_grads(kernel(window, bq, bk), q, k, v, ct)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(g, w)
+    assert max_rel_err(got, out_and_grads(blocked(window), q, k, v, ct)) < 2e-6
+
+
+def test_the_split_loops_leave_the_mask_off_most_tiles():
+    """At a window of 512 in 64-token tiles a query tile's loop runs 9 key tiles, 7 of them seen
+    whole by every query (the unmasked middle loop); the dK/dV kernel's likewise."""
+    for q0 in (1024, 1536):
+        lo, hi, a, b = (int(x) for x in ak._key_tiles(q0, 64, 64, 512))
+        assert (hi - lo, min(b, hi) - max(a, lo)) == (9, 7)
+
+
 def test_each_kernel_is_launched_with_its_own_warps_and_stages():
     """The warps and pipeline stages asked for each kernel reach its Triton launch (lowered for
-    CUDA here); warps 0 is 4 at heads of 64, 8 above."""
+    CUDA here, split loops too); warps 0 is 4 at heads of 64, 8 above."""
     import re
-    tuning = ak.Tuning(forward=ak.Tiles(128, 64, 8, 3), dkv=ak.Tiles(64, 128, 4, 1), dq=ak.Tiles(64, 32, 0, 4))
+    tuning = ak.Tuning(forward=ak.Tiles(128, 64, 8, 3), dkv=ak.Tiles(64, 128, 4, 1, split=True),
+                       dq=ak.Tiles(64, 32, 0, 4, split=True))
     f = lambda q, k, v: ak.flash_attention(q, k, v, 256, tuning=tuning, interpret=False)
     grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
     q = jnp.zeros((1, 512, 2, 64), jnp.bfloat16)

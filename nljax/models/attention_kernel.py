@@ -28,8 +28,9 @@ Adapted from jax's reference (jax/experimental/pallas/ops/gpu/attention.py, `mha
 Tiles are powers of two (Triton's tensors), at least 16 on a GPU (its matrix products): the
 requested `block_q` and `block_k` (default 64) are clamped to T and, for keys, to the window
 (a window of 8 reads 16-key tiles, not 64), never below 16. Each kernel may take its own tiles,
-warps and pipeline stages (`Tuning`, one `Tiles` per kernel; `benchmarks/attention_tiles.py`
-times them on a GPU); the default is jax's reference's choice for every kernel. Inputs may be float32, bfloat16
+warps and pipeline stages, and split its loop so that only the tiles at the window's edges are
+masked (`Tuning`, one `Tiles` per kernel; `benchmarks/attention_tiles.py` times them on a GPU);
+the default is jax's reference's choice for every kernel, one masked loop. Inputs may be float32, bfloat16
 or float16; scores, softmax statistics and accumulators are float32, and the probabilities
 meet v (and the score gradients meet q and k) in the inputs' dtype, as in the blocked form.
 On a GPU, float32 inputs meet in TF32 matrix products (Triton's default, as XLA's default
@@ -88,15 +89,19 @@ def tiles(t: int, window: int, block_q: int, block_k: int) -> tuple[int, int, in
 class Tiles:
     """One kernel's launch: its query and key tiles (tokens, powers of two; the forward and dQ
     kernels' grid walks query tiles and their loops key tiles, the dK/dV kernel's the other way
-    round), and Triton's warps (0: 4 for heads up to 64 wide, else 8) and pipeline stages."""
+    round), Triton's warps (0: 4 for heads up to 64 wide, else 8) and pipeline stages, and
+    `split`: the loop in three, the window's mask computed on its edge tiles only (as
+    FlashAttention masks only the causal diagonal; at a window of 512 in 64-token tiles, 2 of
+    a query tile's 9 key tiles)."""
 
     block_q: int = 64
     block_k: int = 64
     warps: int = 0
     stages: int = 2
+    split: bool = False
 
     def __str__(self) -> str:
-        return f"q{self.block_q} k{self.block_k} w{self.warps or 'auto'} s{self.stages}"
+        return f"q{self.block_q} k{self.block_k} w{self.warps or 'auto'} s{self.stages}" + (" split" if self.split else "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,87 +123,108 @@ class Tuning:
         for f in dataclasses.fields(self):
             k = getattr(self, f.name)
             bq, bk, _ = tiles(t, window, k.block_q, k.block_k)
-            out[f.name] = Tiles(bq, bk, k.warps or (4 if head_dim <= 64 else 8), k.stages)
+            out[f.name] = Tiles(bq, bk, k.warps or (4 if head_dim <= 64 else 8), k.stages, k.split)
         step = max(max(k.block_q, k.block_k) for k in out.values())  # powers of two: a multiple of all
         return Tuning(**out), -(-t // step) * step
 
 
-def _scores(q, k, q0, k0, window: int):
+def _scores(q, k, q0, k0, window: int, masked: bool = True):
     """Scaled logits of a query tile starting at q0 against a key tile starting at k0, float32
-    [bq, bk], NEG where the key lies outside the query's window."""
+    [bq, bk], NEG where the key lies outside the query's window (`masked`: a tile some of whose
+    keys some query does not see; unmasked, one every query sees whole)."""
+    s = dot_t(q, k) * q.shape[1] ** -0.5
+    if not masked:
+        return s
     back = (q0 + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], k.shape[0]), 0)) - (
         k0 + jax.lax.broadcasted_iota(jnp.int32, (q.shape[0], k.shape[0]), 1))  # query - key position
-    s = dot_t(q, k) * q.shape[1] ** -0.5
     return jnp.where((back >= 0) & (back < window), s, NEG)
 
 
 def _key_tiles(q0, bq: int, bk: int, window: int):
-    """The key tiles that queries q0 .. q0 + bq - 1 see: [lo, hi)."""
+    """The key tiles that queries q0 .. q0 + bq - 1 see, [lo, hi), and [a, b): those each of them
+    sees whole (keys j * bk .. j * bk + bk - 1 within q - window + 1 .. q for every q; may be empty)."""
     lo = jax.lax.div(jnp.maximum(q0 - window + 1, 0), bk)
-    return lo, jax.lax.div(q0 + bq + bk - 1, bk)
+    a = jax.lax.div(jnp.maximum(q0 + bq - window, 0) + bk - 1, bk)  # first key within the last query's window
+    return lo, jax.lax.div(q0 + bq + bk - 1, bk), a, jax.lax.div(q0 + 1, bk)  # last key <= the first query
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, window: int, bk: int):
+def _loops(body, lo, hi, a, b, split: bool, carry):
+    """`body(j, carry, masked)` over tiles lo .. hi - 1 in order: masked throughout, or (`split`)
+    without the mask on the tiles [a, b) that every query sees whole (the same values: the mask
+    there keeps every score) and with it on the edges before and after."""
+    if not split:
+        return jax.lax.fori_loop(lo, hi, functools.partial(body, masked=True), carry)
+    a = jnp.clip(a, lo, hi)
+    b = jnp.clip(b, a, hi)
+    for start, stop, masked in ((lo, a, True), (a, b, False), (b, hi, True)):
+        carry = jax.lax.fori_loop(start, stop, functools.partial(body, masked=masked), carry)
+    return carry
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, o_ref, lse_ref, *, window: int, bk: int, split: bool):
     """One query tile of one (row, head): online softmax over the key tiles its window touches.
     q_ref [bq, hd]; k_ref, v_ref [T, hd] (the whole sequence); o_ref [bq, hd]; lse_ref [bq]."""
     bq, hd = q_ref.shape
     q0 = pl.program_id(2) * bq
     q = q_ref[...]
 
-    def body(j, carry):
+    def body(j, carry, masked):
         acc, m, l = carry  # [bq, hd], running max [bq], running sum [bq]
-        s = _scores(q, k_ref[tile(j, bk), :], q0, j * bk, window)
+        s = _scores(q, k_ref[tile(j, bk), :], q0, j * bk, window, masked)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         fix = jnp.exp(m - m_new)  # rescales what was summed under the old max
         v = v_ref[tile(j, bk), :]
         return fix[:, None] * acc + dot(p.astype(v.dtype), v), m_new, fix * l + jnp.sum(p, axis=1)
 
-    lo, hi = _key_tiles(q0, bq, bk, window)
     init = (jnp.zeros((bq, hd), jnp.float32), jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(lo, hi, body, init)
+    acc, m, l = _loops(body, *_key_tiles(q0, bq, bk, window), split, init)
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, window: int, bq: int):
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, window: int, bq: int,
+                split: bool):
     """dK, dV of one key tile: over the query tiles that see it. q_ref, do_ref [T, hd],
     lse_ref, delta_ref [T] (whole sequence); k_ref, v_ref, dk_ref, dv_ref [bk, hd]."""
     bk, hd = k_ref.shape
     k0 = pl.program_id(2) * bk
     k, v = k_ref[...], v_ref[...]
 
-    def body(i, carry):
+    def body(i, carry, masked):
         dk, dv = carry
         rows = tile(i, bq)
         q, do = q_ref[rows, :], do_ref[rows, :]
-        p = jnp.exp(_scores(q, k, i * bq, k0, window) - lse_ref[rows][:, None])  # [bq, bk]
+        p = jnp.exp(_scores(q, k, i * bq, k0, window, masked) - lse_ref[rows][:, None])  # [bq, bk]
         ds = p * (dot_t(do, v) - delta_ref[rows][:, None]) * hd**-0.5  # d(scaled logits)
         return dk + t_dot(ds.astype(q.dtype), q), dv + t_dot(p.astype(do.dtype), do)
 
     lo = jax.lax.div(k0, bq)
     hi = jnp.minimum(jax.lax.div(k0 + bk - 1 + window - 1 + bq, bq), q_ref.shape[0] // bq)
+    # the query tiles that see the whole key tile: the first query at or after its last key, the
+    # last query within the window of its first key
+    a, b = jax.lax.div(k0 + bk - 1 + bq - 1, bq), jax.lax.div(k0 + window, bq)
     zeros = jnp.zeros((bk, hd), jnp.float32)
-    dk, dv = jax.lax.fori_loop(lo, hi, body, (zeros, zeros))
+    dk, dv = _loops(body, lo, hi, a, b, split, (zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, window: int, bk: int):
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *, window: int, bk: int, split: bool):
     """dQ of one query tile: over the key tiles it sees (the forward's loop). q_ref, do_ref,
     dq_ref [bq, hd], lse_ref, delta_ref [bq]; k_ref, v_ref [T, hd] (whole sequence)."""
     bq, hd = q_ref.shape
     q0 = pl.program_id(2) * bq
     q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
 
-    def body(j, dq):
+    def body(j, dq, masked):
         k, v = k_ref[tile(j, bk), :], v_ref[tile(j, bk), :]
-        p = jnp.exp(_scores(q, k, q0, j * bk, window) - lse[:, None])
+        p = jnp.exp(_scores(q, k, q0, j * bk, window, masked) - lse[:, None])
         ds = p * (dot_t(do, v) - delta[:, None]) * hd**-0.5
         return dq + dot(ds.astype(k.dtype), k)
 
-    lo, hi = _key_tiles(q0, bq, bk, window)
-    dq_ref[...] = jax.lax.fori_loop(lo, hi, body, jnp.zeros((bq, hd), jnp.float32)).astype(dq_ref.dtype)
+    dq = _loops(body, *_key_tiles(q0, bq, bk, window), split, jnp.zeros((bq, hd), jnp.float32))
+    dq_ref[...] = dq.astype(dq_ref.dtype)
 
 
 def _tile_spec(t: int, hd: int | None):
@@ -230,7 +256,7 @@ def _forward(q, k, v, window, launch: Tiles, interpret):
     b, t, h, hd = q.shape
     bq = launch.block_q
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, h, t), jnp.float32)]
-    return _call(functools.partial(_forward_kernel, window=window, bk=launch.block_k), [q, k, v],
+    return _call(functools.partial(_forward_kernel, window=window, bk=launch.block_k, split=launch.split), [q, k, v],
                  [_tile_spec(bq, hd), _whole_spec(t, hd), _whole_spec(t, hd)], outs,
                  [_tile_spec(bq, hd), _tile_spec(bq, None)], bq, launch, interpret, "attention_forward")
 
@@ -244,7 +270,7 @@ def _dkv(q, k, v, dy, lse, delta, window, launch: Tiles, interpret):
     """(dK, dV) by the dK/dV kernel: its grid over key tiles, its loop over query tiles."""
     t, hd = q.shape[1], q.shape[3]
     bk, whole = launch.block_k, _whole_spec(t, hd)
-    return _call(functools.partial(_dkv_kernel, window=window, bq=launch.block_q), [q, k, v, dy, lse, delta],
+    return _call(functools.partial(_dkv_kernel, window=window, bq=launch.block_q, split=launch.split), [q, k, v, dy, lse, delta],
                  [whole, _tile_spec(bk, hd), _tile_spec(bk, hd), whole, *[_whole_spec(t, None)] * 2],
                  [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
                  [_tile_spec(bk, hd)] * 2, bk, launch, interpret, "attention_dkv")
@@ -254,7 +280,7 @@ def _dq(q, k, v, dy, lse, delta, window, launch: Tiles, interpret):
     """dQ by the dQ kernel: its grid over query tiles, its loop over key tiles (the forward's)."""
     t, hd = q.shape[1], q.shape[3]
     bq, whole = launch.block_q, _whole_spec(t, hd)
-    return _call(functools.partial(_dq_kernel, window=window, bk=launch.block_k), [q, k, v, dy, lse, delta],
+    return _call(functools.partial(_dq_kernel, window=window, bk=launch.block_k, split=launch.split), [q, k, v, dy, lse, delta],
                  [_tile_spec(bq, hd), whole, whole, _tile_spec(bq, hd), *[_tile_spec(bq, None)] * 2],
                  [jax.ShapeDtypeStruct(q.shape, q.dtype)], [_tile_spec(bq, hd)], bq, launch, interpret,
                  "attention_dq")[0]
