@@ -143,7 +143,8 @@ def test_each_kernel_takes_its_own_tiles():
     t, window = 70, 24
     q, k, v, ct = qkv(t, seed=4)
     tuning = ak.Tuning(forward=ak.Tiles(16, 32), dkv=ak.Tiles(32, 16), dq=ak.Tiles(16, 16))
-    assert tuning.resolved(t, window, 16) == (ak.Tuning(ak.Tiles(16, 32, 4), ak.Tiles(32, 16, 4), ak.Tiles(16, 16, 4)), 96)
+    resolved = ak.Tuning(ak.Tiles(16, 32, 4), ak.Tiles(32, 16, 4), ak.Tiles(16, 16, 4))
+    assert tuning.resolved(t, window, 16) == (resolved, 96)
     got = out_and_grads(lambda q, k, v: ak.flash_attention(q, k, v, window, tuning=tuning, interpret=True), q, k, v, ct)
     assert max_rel_err(got, out_and_grads(blocked(window), q, k, v, ct)) < 2e-6
     assert max_rel_err(got, out_and_grads(kernel(window, 16, 16), q, k, v, ct)) < 2e-6

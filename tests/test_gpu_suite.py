@@ -263,7 +263,8 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
     for name in ("paths", "bench_nl_350m_fused", "bench_nl_350m_fused_unrolled", "bench_nl_350m_fused_memunroll",
                  "bench_nl_350m_fused_kernel", "bench_nl_350m_fused_best",
                  "bench_nl_350m_fused_best8", "bench_nl_350m_fused_graphs", "bench_nl_350m_fused_parallel",
-                 "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback", "attention_tiles",
+                 "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback",
+                 "attention_tiles",
                  "titans_vs_bf16", "titans_vs_bf16_loop", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
                  "bench_titans_demo_b128_memory"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)

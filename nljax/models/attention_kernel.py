@@ -30,8 +30,8 @@ requested `block_q` and `block_k` (default 64) are clamped to T and, for keys, t
 (a window of 8 reads 16-key tiles, not 64), never below 16. Each kernel may take its own tiles,
 warps and pipeline stages, and split its loop so that only the tiles at the window's edges are
 masked (`Tuning`, one `Tiles` per kernel; `benchmarks/attention_tiles.py` times them on a GPU);
-the default is jax's reference's choice for every kernel, one masked loop. Inputs may be float32, bfloat16
-or float16; scores, softmax statistics and accumulators are float32, and the probabilities
+the default is jax's reference's choice for every kernel, one masked loop. Inputs may be
+float32, bfloat16 or float16; scores, softmax statistics and accumulators are float32, and the probabilities
 meet v (and the score gradients meet q and k) in the inputs' dtype, as in the blocked form.
 On a GPU, float32 inputs meet in TF32 matrix products (Triton's default, as XLA's default
 precision is there; `jax.default_matmul_precision` does not reach inside the kernel).
@@ -101,7 +101,8 @@ class Tiles:
     split: bool = False
 
     def __str__(self) -> str:
-        return f"q{self.block_q} k{self.block_k} w{self.warps or 'auto'} s{self.stages}" + (" split" if self.split else "")
+        split = " split" if self.split else ""
+        return f"q{self.block_q} k{self.block_k} w{self.warps or 'auto'} s{self.stages}{split}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +243,7 @@ def _whole_spec(t: int, hd: int | None):
 
 
 def _call(kernel, args, specs, outs, out_specs, tiles_: int, launch: Tiles, interpret: bool, name: str):
-    b, t, h, hd = args[0].shape
+    b, t, h, _ = args[0].shape
     params = {}
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
@@ -270,7 +271,8 @@ def _dkv(q, k, v, dy, lse, delta, window, launch: Tiles, interpret):
     """(dK, dV) by the dK/dV kernel: its grid over key tiles, its loop over query tiles."""
     t, hd = q.shape[1], q.shape[3]
     bk, whole = launch.block_k, _whole_spec(t, hd)
-    return _call(functools.partial(_dkv_kernel, window=window, bq=launch.block_q, split=launch.split), [q, k, v, dy, lse, delta],
+    kernel = functools.partial(_dkv_kernel, window=window, bq=launch.block_q, split=launch.split)
+    return _call(kernel, [q, k, v, dy, lse, delta],
                  [whole, _tile_spec(bk, hd), _tile_spec(bk, hd), whole, *[_whole_spec(t, None)] * 2],
                  [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
                  [_tile_spec(bk, hd)] * 2, bk, launch, interpret, "attention_dkv")
@@ -280,7 +282,8 @@ def _dq(q, k, v, dy, lse, delta, window, launch: Tiles, interpret):
     """dQ by the dQ kernel: its grid over query tiles, its loop over key tiles (the forward's)."""
     t, hd = q.shape[1], q.shape[3]
     bq, whole = launch.block_q, _whole_spec(t, hd)
-    return _call(functools.partial(_dq_kernel, window=window, bk=launch.block_k, split=launch.split), [q, k, v, dy, lse, delta],
+    kernel = functools.partial(_dq_kernel, window=window, bk=launch.block_k, split=launch.split)
+    return _call(kernel, [q, k, v, dy, lse, delta],
                  [_tile_spec(bq, hd), whole, whole, _tile_spec(bq, hd), *[_tile_spec(bq, None)] * 2],
                  [jax.ShapeDtypeStruct(q.shape, q.dtype)], [_tile_spec(bq, hd)], bq, launch, interpret,
                  "attention_dq")[0]
