@@ -385,10 +385,12 @@ def _saved(path: str) -> dict:
     if isinstance(name, str):
         from nljax.models import registry
 
-        try:
-            registry.spec(name)
-        except ConfigError as e:
-            raise ConfigError(f"config file {path}: the run's {e} (register it in this process)") from None
+        if name not in {s.name for s in registry.specs()}:
+            raise ConfigError(
+                f"config file {path}: the run's model '{name}' is not registered in this process (registered: "
+                f"{', '.join(sorted(s.name for s in registry.specs()))}): run the command where it is, a script's "
+                f"model through that script as the run's last lines say (python SCRIPT COMMAND), a package's "
+                f"through its '{registry.GROUP}' entry point") from None
     return tree
 
 

@@ -176,6 +176,20 @@ def test_comm_report_all_variants():
     assert r["ratio_vs_ddp"] < 1
 
 
+def test_comm_report_on_one_device_compiles_nothing():
+    """On a one-device mesh no step communicates: the report is zeros without compiling any
+    pattern (a run shorter than a cycle compiled the ones it had not reached only to read none);
+    on two devices it compiles each pattern and reads its collectives."""
+    one = make([PERIODS], 1, 1)
+    r = comm_per_step(one.cache, one.state, one.batch(0))
+    assert one.cache.traces == {} and len(r["variants"]) == 4
+    assert all(v["wire_bytes"] == 0 and v["collectives"] == [] for v in r["variants"])
+    assert r["mean_wire_bytes_per_step"] == 0 and r["ratio_vs_ddp"] is None
+    two = make([PERIODS], 1, 2)
+    r = comm_per_step(two.cache, two.state, two.batch(0))
+    assert len(two.cache.traces) == 4 and r["mean_wire_bytes_per_step"] > 0
+
+
 def test_mesh_and_batch_errors():
     with pytest.raises(ConfigError, match=r"mesh inter=3 x intra=2 = 6 devices, but 8 are available"):
         make_mesh(3, 2)

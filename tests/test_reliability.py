@@ -1061,10 +1061,25 @@ def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(
         python_m = [["python", "-m", f"nljax.{c}"] for c in ("train", "generate", "export")]
         own = closing(config.load(None, ["run.dir=r"]), run)  # nljax's own model: python -m
         assert [shlex.split(l.split(":", 1)[1])[:3] for l in own[1:]] == python_m
-        # a notebook: its kernel's launcher is argv[0], and __main__ has no file; python -m, as before
+        # a notebook: its kernel's launcher is argv[0], and __main__ has no file; `python -m` would not
+        # know the model (a fresh process): the calls to make where it is registered
         monkeypatch.setattr(sys, "argv", ["/venv/lib/ipykernel_launcher.py", "-f", "kernel.json"])
         monkeypatch.delattr(sys.modules["__main__"], "__file__", raising=False)
         lines = closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)
-        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == python_m
+        assert "registered by __main__ in this process only" in lines[1]
+        assert lines[2:] == ["  resume:  nljax.train.main(['--resume', 'run.dir=r', 'train.steps=400'])",
+                             "  sample:  nljax.generate.main(['run.dir=r', 'prompt=The '])",
+                             "  export:  nljax.export.main(['run.dir=r'])"]
     finally:
         specs.unregister("scripted")
+    # a module the script imported registered it: the same calls, naming the module
+    build.__module__ = "my_models"
+    register_model("imported", build)
+    try:
+        monkeypatch.setattr(sys, "argv", ["my model.py", "train"])
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+        lines = closing(config.load(None, ["model.name=imported", "run.dir=r"]), run)
+        assert "registered by my_models in this process only" in lines[1]
+        assert lines[2] == "  resume:  nljax.train.main(['--resume', 'run.dir=r', 'train.steps=400'])"
+    finally:
+        specs.unregister("imported")

@@ -72,20 +72,32 @@ class Announced:
 
 
 def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoints: str | None = None,
-                  samples: bool = True, script: str | None = None) -> list[str]:
+                  samples: bool = True, script: str | None = None, registered_by: str | None = None) -> list[str]:
     """Where a finished run's outputs are and the commands that continue, sample and export it;
     `checkpoints`: their directory where it is not the run directory's own; `samples`: whether
     `nljax.generate` can sample the model (a text model without `logits()` cannot); `script`: the
     file that registered the run's model in its own process, run as `python SCRIPT COMMAND ...`
-    (examples/smallest_model.py's form): `python -m nljax.generate` would not know the model."""
+    (examples/smallest_model.py's form): `python -m nljax.generate` would not know the model;
+    `registered_by`: the module that registered it in this process where no such script can be
+    named (a notebook, a module the script imported): the commands are Python calls to make where
+    the model is registered."""
+    saved = f"plots; checkpoints in {checkpoints}" if checkpoints else "plots, checkpoints"
+    head = f"run directory: {run_dir} (config.yaml, metrics.jsonl, summary.json, {saved})"
+    resume = ["--resume", f"run.dir={run_dir}", f"train.steps={2 * steps or 1}"]
+    sample = [f"run.dir={run_dir}", *(["prompt=The "] if text else [])]
+    if registered_by:
+        calls = [("resume", "train", resume), *([("sample", "generate", sample)] if samples else []),
+                 ("export", "export", [f"run.dir={run_dir}"])]
+        return [head, f"  (model registered by {registered_by} in this process only: `python -m nljax.*` cannot "
+                      "load it; where it is registered, after `import nljax.train, nljax.generate, nljax.export`:)",
+                *(f"  {what}:  nljax.{module}.main({args!r})" for what, module, args in calls)]
     d = shlex.quote(f"run.dir={run_dir}")  # pasted into a shell as printed, spaces and all
 
     def command(name: str) -> str:
         return f"python {shlex.quote(script)} {name}" if script else f"python -m nljax.{name}"
 
     prompt = " prompt='The '" if text else ""
-    saved = f"plots; checkpoints in {checkpoints}" if checkpoints else "plots, checkpoints"
-    return [f"run directory: {run_dir} (config.yaml, metrics.jsonl, summary.json, {saved})",
+    return [head,
             f"  resume:  {command('train')} --resume {d} train.steps={2 * steps or 1}",
             *([f"  sample:  {command('generate')} {d}{prompt}"] if samples else []),
             f"  export:  {command('export')} {d}   (to {exported})"]

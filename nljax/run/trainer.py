@@ -486,16 +486,26 @@ def closing(cfg: Config, run: Run) -> list[str]:
     if not cfg.checkpoint.every:
         return [f"run directory: {cfg.run.dir} (no checkpoint saved, checkpoint.every=0: nothing to resume, "
                 "sample or export)"]
-    text = run.task.unit == "tokens"
+    text, script = run.task.unit == "tokens", registering_script(cfg)
     return closing_lines(cfg.run.dir, cfg.train.steps, text, str(Path(cfg.run.dir) / exportdir.DEFAULT),
                          None if inside_run_dir(cfg) else str(checkpoint_dir(cfg)),
-                         samples=not text or hasattr(run.engine.model, "logits"), script=registering_script(cfg))
+                         samples=not text or hasattr(run.engine.model, "logits"), script=script,
+                         registered_by=None if script else registered_here(cfg))
+
+
+def registered_here(cfg: Config) -> str | None:
+    """The module that registered the run's model in this process (a notebook's `__main__`, a module
+    a script imported; not nljax's own models, not a package's entry point, which every process
+    loads), or None."""
+    origin = registry.spec(cfg.model.name).origin
+    return None if origin == "nljax" or origin.startswith(("nljax.", "plugin '")) else origin
 
 
 def registering_script(cfg: Config) -> str | None:
     """The script this process runs, where it registered the run's model itself (a build function
     of `__main__`, as examples/smallest_model.py's): only a process that registers the model knows
-    it, so the closing commands go through that script. None: a package's or nljax's own model."""
+    it, so the closing commands go through that script. None: a package's or nljax's own model, or
+    one registered in a notebook or by a module the script imported (`registered_here`)."""
     if registry.spec(cfg.model.name).origin != "__main__":
         return None
     script = sys.argv[0] if sys.argv else ""
