@@ -8,7 +8,7 @@ backward 5) or the 9 the kernels compute (each backward kernel recomputes q k^T 
     python benchmarks/attention_tiles.py --dry-run        # tiny shapes, interpreted: the script's own test
 
 Each kernel (`attention_kernel`: forward, dK/dV, dQ) is timed alone over its candidate launches
-(`CANDIDATES`: query and key tiles, warps, stages; the default first), every candidate's output
+(`candidates`: query and key tiles, warps, stages, split loops; the default first), every candidate's output
 checked against the default launch's (the same arithmetic in another order: within 2% of the
 output's largest entry in bfloat16) and a candidate that does not compile (Triton's shared memory,
 registers) recorded with its error, not raised. Then the fastest correct launch of each kernel
@@ -62,17 +62,15 @@ def candidates(kernel: str, dry: bool) -> list[ak.Tiles]:
     return out
 
 
-def timed(fn, *args, reps: int) -> tuple[float, float]:
-    """(seconds to compile and run once, median seconds of `reps` calls) of the jitted `fn`."""
-    t0 = time.perf_counter()
+def timed(fn, *args, reps: int) -> float:
+    """Median seconds of `reps` calls of the jitted `fn`, after one untimed call."""
     jax.block_until_ready(fn(*args))
-    first = time.perf_counter() - t0
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
+    return statistics.median(times)
 
 
 def rel_err(a, b) -> float:
@@ -105,7 +103,7 @@ def sweep(s: dict, dry: bool, reps: int, budget_s: float, interpret: bool) -> di
     args["dq"] = args["dkv"]
     start, out, left = time.perf_counter(), {}, {}
     for kernel in KERNELS:
-        rows, seen, default = [], set(), {}
+        rows, seen, first = [], set(), {}
 
         def run(launch: ak.Tiles):
             seen.add(launch)
@@ -115,11 +113,12 @@ def sweep(s: dict, dry: bool, reps: int, budget_s: float, interpret: bool) -> di
             row = {"launch": dataclasses.asdict(launch), "name": str(launch)}
             try:
                 fn = kernel_fn(kernel, w, launch, interpret)
-                got = fn(*args[kernel])
-                row["err_vs_default"] = rel_err(got, default.setdefault("out", got))  # the first launch's
+                t0 = time.perf_counter()
+                got = jax.block_until_ready(fn(*args[kernel]))  # compiled here
+                row["compile_s"] = time.perf_counter() - t0
+                row["err_vs_default"] = rel_err(got, first.setdefault("out", got))  # the default's: the first
                 row["ok"] = row["err_vs_default"] <= 2e-2
-                first_s, median_s = timed(fn, *args[kernel], reps=reps)
-                row.update(compile_s=first_s, ms=1e3 * median_s)
+                row["ms"] = 1e3 * timed(fn, *args[kernel], reps=reps)
             except Exception as e:  # noqa: BLE001 - a launch Triton refuses is a result
                 row.update(ok=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
             rows.append(row)
@@ -128,8 +127,8 @@ def sweep(s: dict, dry: bool, reps: int, budget_s: float, interpret: bool) -> di
             launch = getattr(ak.Tuning(**{kernel: c}).resolved(s["seq"], w, hd)[0], kernel)
             if launch not in seen:
                 run(launch)
-        if rows and (split := dataclasses.replace(best(rows), split=True)) not in seen:
-            run(split)  # the fastest launch, its loop split
+        if any(r.get("ok") for r in rows) and (split := dataclasses.replace(best(rows), split=True)) not in seen:
+            run(split)  # the fastest correct launch, its loop split
         out[kernel] = rows
     return {"kernels": out, "not_reached": left, "sweep_s": time.perf_counter() - start}
 
@@ -157,7 +156,7 @@ def side_by_side(s: dict, tuned: ak.Tuning, reps: int, rounds: int, interpret: b
     times = {name: [] for name in fns}
     for _ in range(rounds):
         for name, fn in fns.items():
-            times[name].append(timed(fn, *bf, ct, reps=reps)[1])
+            times[name].append(timed(fn, *bf, ct, reps=reps))
     ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     return {"tuning": {f.name: str(getattr(tuned, f.name)) for f in dataclasses.fields(tuned)},
             "fwd_bwd_ms": ms, "speedup": ms["default"] / ms["tuned"],
