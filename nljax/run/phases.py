@@ -88,8 +88,8 @@ def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoin
     if registered_by:
         calls = [("resume", "train", resume), *([("sample", "generate", sample)] if samples else []),
                  ("export", "export", [f"run.dir={run_dir}"])]
-        return [head, f"  (model registered by {registered_by} in this process only: `python -m nljax.*` cannot "
-                      "load it; where it is registered, after `import nljax.train, nljax.generate, nljax.export`:)",
+        return [head, f"  (model registered by {registered_by} in this process only, which `python -m` cannot "
+                      "load: the calls to make where it is registered, each module imported)",
                 *(f"  {what}:  nljax.{module}.main({args!r})" for what, module, args in calls)]
     d = shlex.quote(f"run.dir={run_dir}")  # pasted into a shell as printed, spaces and all
 
