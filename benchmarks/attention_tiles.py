@@ -41,6 +41,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from gpu_paths import timed  # noqa: E402  (median seconds of reps calls, after an untimed one)
 from nljax.models import attention_kernel as ak  # noqa: E402
 
 SHAPES = {"nl_350m": dict(batch=8, seq=2048, heads=16, head_dim=64, window=512)}
@@ -60,17 +61,6 @@ def candidates(kernel: str, dry: bool) -> list[ak.Tiles]:
     for grid, loop, warps, stages in itertools.product((64, 128), (64, 32, 128), (4, 8), (2, 3, 1)):
         out.append(ak.Tiles(loop, grid, warps, stages) if kernel == "dkv" else ak.Tiles(grid, loop, warps, stages))
     return out
-
-
-def timed(fn, *args, reps: int) -> float:
-    """Median seconds of `reps` calls of the jitted `fn`, after one untimed call."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def rel_err(a, b) -> float:
