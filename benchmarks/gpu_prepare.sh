@@ -13,7 +13,8 @@
 #
 # Parts (the issue-44 preset's first parts whose steps nljax compiles; each step's overrides as the
 # suite gives them, so that the lowered program, and with it the key, is the one the card computes):
-#   titans_forms       ab_titans_forms: titans_demo bf16, the scan, memory_impl=parallel and =parallel_pallas
+#   titans_forms       ab_titans_forms: titans_demo bf16, the scan, memory_impl=parallel (memory_unroll 1 and 16)
+#                      and =parallel_pallas
 #                      (autotuning results: ab_titans_forms', else ab_titans_loop's, whose runs had the
 #                      scan's and the loop kernel's steps: docs/gpu/2026-11-30-h200/autotune.tgz)
 #   ab350m             ab_nl_350m: nl_350m bf16 unrolled with the GPU paths, the scan and memory_impl=parallel
@@ -22,7 +23,7 @@
 #   fused350m_loop     bench_nl_350m_fused_loop: nl_350m unrolled, memory_impl=parallel_pallas
 #   fused350m_best     bench_nl_350m_fused_best: unrolled, memory_unroll=4
 #   fused350m_parallel bench_nl_350m_fused_parallel: unrolled, memory_impl=parallel
-#   titans_unroll      ab_titans_unroll: titans_demo bf16 at memory_unroll 1, 4, 16, and parallel at 1, 4
+#   titans_unroll      ab_titans_unroll: titans_demo bf16 at memory_unroll 1, 4, 16, and parallel at 1, 4, 16
 #   b128               bench_titans_demo_b128_memory: titans_demo bf16 at batch 128, model.remat=memory
 # Only the step where every level fires (the benches' --patterns worst, ab.py's step);
 # titans_pytorch.py also compiles level 0's step, which the card compiles. Measured on the 2-core
@@ -60,6 +61,7 @@ compile() {  # part, the suite's bench name (NAME or NAME,FALLBACK: whose autotu
 
 part_titans_forms() {
   compile titans_forms ab_titans_forms,ab_titans_loop --config titans_demo --variant parallel:model.nl_lm.memory_impl=parallel \
+    --variant parallel16:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=16 \
     --variant loop:model.nl_lm.memory_impl=parallel_pallas "${BF16[@]}"
 }
 part_ab350m() {
@@ -81,7 +83,8 @@ part_titans_unroll() {
     --variant u1:model.nl_lm.memory_unroll=1 --variant u4:model.nl_lm.memory_unroll=4 \
     --variant u16:model.nl_lm.memory_unroll=16 \
     --variant parallel1:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=1 \
-    --variant parallel4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 "${BF16[@]}"
+    --variant parallel4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 \
+    --variant parallel16:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=16 "${BF16[@]}"
 }
 part_b128() {
   compile b128 bench_titans_demo_b128_memory --config titans_demo "${BF16[@]}" model.remat=memory train.batch_size=128

@@ -56,9 +56,11 @@
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   vs_pytorch_loop    the same with memory_impl=parallel_pallas (the loop kernel)
-#   titans_forms       titans_demo at batch 4 x 512 with the scan (auto), memory_impl=parallel and
-#                      memory_impl=parallel_pallas, interleaved and profiled (where each step's device idles),
-#                      timed through the training loop; the scan also with train.dispatch_ahead=false
+#   titans_forms       titans_demo at batch 4 x 512 with the scan (auto), memory_impl=parallel (also with its
+#                      16 chunks in one loop iteration, memory_unroll=16: 3,655 kernels per step against 4,390,
+#                      compiled offline) and memory_impl=parallel_pallas, interleaved and profiled (where each
+#                      step's device idles), timed through the training loop; the scan also with
+#                      train.dispatch_ahead=false
 #   ab350m             nl_350m unrolled with the GPU paths, the scan (auto) and memory_impl=parallel,
 #                      interleaved in one process and profiled, timed through the training loop
 #   attn_tiles         the Pallas attention's three kernels (forward, dK/dV, dQ) each timed alone over
@@ -71,7 +73,7 @@
 #   titans_loop        titans_demo at batch 4 x 512 with the scan (auto) and memory_impl=parallel_pallas,
 #                      interleaved and profiled: two compilations, before titans_unroll's five
 #   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
-#                      (model.nl_lm.memory_unroll) and memory_impl=parallel at 1 and 4 (parallel_pallas:
+#                      (model.nl_lm.memory_unroll) and memory_impl=parallel at 1, 4 and 16 (parallel_pallas:
 #                      titans_loop), interleaved and
 #                      profiled: its step is bound by its kernel count, which unrolling lowers (nl_350m:
 #                      21,557 -> 17,179 at 4) and the parallel form's shorter loop bodies are expected to
@@ -425,7 +427,7 @@ vs_pytorch() {  # $1: the row's name; then nljax overrides
 part_titans_unroll() {
   local v=()
   for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_unroll=$u"); done
-  for u in 1 4; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=$u"); done
+  for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=$u"); done
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
   run ab_titans_unroll $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_unroll.json"
@@ -446,6 +448,7 @@ part_titans_forms() {
   # (train.dispatch_ahead=false: the step shares the first variant's compiled step)
   local v=("${BF16[*]} ${TITANS[*]}" "${BF16[*]} ${TITANS[*]} train.dispatch_ahead=false"
            "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel"
+           "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=16"
            "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
   local rounds=(--rounds 6 --warmup 1 --loop 8 --profile 4)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 2); fi

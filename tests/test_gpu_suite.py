@@ -239,7 +239,8 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
                        env={**env, "OUT_ARGS": str(forms_args)}, timeout=60)
     forms, ab350m = forms_args.read_text().splitlines()
     assert r.returncode == 0 and f"--autotune {tuned / 'ab_titans_loop'} " in forms, r.stdout + r.stderr
-    assert "--variant parallel:model.nl_lm.memory_impl=parallel --variant loop:model.nl_lm.memory_impl=parallel_pallas" in forms
+    assert ("--variant parallel:model.nl_lm.memory_impl=parallel --variant parallel16:model.nl_lm.memory_impl=parallel,"
+            "model.nl_lm.memory_unroll=16 --variant loop:model.nl_lm.memory_impl=parallel_pallas") in forms
     assert "--autotune" not in ab350m and ab350m.endswith(f"{fused[7:-1]} model.nl_lm.scan_layers=false")
     assert "no autotuning results (AUTOTUNE/ab_nl_350m)" in r.stdout
     assert "XLA's default matmul tiles" in r.stdout
