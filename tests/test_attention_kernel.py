@@ -5,6 +5,7 @@ CPU-only machine; `model.nl_lm.attention=pallas` selects it, and a training run 
 one through the blocked form."""
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -171,6 +172,31 @@ def test_the_split_loops_leave_the_mask_off_most_tiles():
     for q0 in (1024, 1536):
         lo, hi, a, b = (int(x) for x in ak._key_tiles(q0, 64, 64, 512))
         assert (hi - lo, min(b, hi) - max(a, lo)) == (9, 7)
+
+
+@pytest.mark.parametrize("t, window", [(48, 1), (48, 5), (48, 16), (45, 17), (48, 47), (40, 100)])
+def test_the_loops_bounds_are_exactly_the_tiles_the_window_touches_and_sees_whole(t, window):
+    """Both loops' bounds (`_key_tiles`: the forward and dQ kernels', `_query_tiles`: the dK/dV
+    kernel's) against every (query tile, key tile) pair's visibility counted token by token, at tiles
+    1 .. 16 each way: [lo, hi) the tiles with some query-key pair in the window, [a, b) within them
+    the ones seen whole. A bound too wide reads or unmasks what it must not (the split test's
+    mutations); one too narrow leaves a tile masked that need not be (no wrong value, a slower loop)."""
+    for bq, bk in itertools.product((1, 2, 4, 8, 16), repeat=2):
+        tp = -(-t // max(bq, bk)) * max(bq, bk)
+        pos = np.arange(tp)
+        back = pos[:, None] - pos[None, :]  # query - key
+        seen = ((back >= 0) & (back < window)).reshape(tp // bq, bq, tp // bk, bk)
+        some, whole = seen.any(axis=(1, 3)), seen.all(axis=(1, 3))  # [query tile, key tile]
+
+        def check(bounds, some, whole):  # each row of `some`: one tile of the grid, its loop's tiles
+            lo, hi, a, b = (np.asarray(x) for x in bounds)
+            for i, (l, h) in enumerate(zip(lo, hi)):
+                a_, b_ = min(max(a[i], l), h), min(max(b[i], min(max(a[i], l), h)), h)  # as `_loops` clips
+                assert list(np.flatnonzero(some[i])) == list(range(l, h)), (bq, bk, i)
+                assert list(np.flatnonzero(whole[i])) == list(range(a_, b_)), (bq, bk, i)
+
+        check(ak._key_tiles(jnp.arange(0, tp, bq), bq, bk, window), some, whole)
+        check(ak._query_tiles(jnp.arange(0, tp, bk), bq, bk, window, tp // bq), some.T, whole.T)
 
 
 def test_each_kernel_is_launched_with_its_own_warps_and_stages():

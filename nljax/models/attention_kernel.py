@@ -149,6 +149,15 @@ def _key_tiles(q0, bq: int, bk: int, window: int):
     return lo, jax.lax.div(q0 + bq + bk - 1, bk), a, jax.lax.div(q0 + 1, bk)  # last key <= the first query
 
 
+def _query_tiles(k0, bq: int, bk: int, window: int, n: int):
+    """The query tiles (of `n`) that see some of keys k0 .. k0 + bk - 1, [lo, hi), and [a, b): those
+    each of whose queries sees every one of them (may be empty): the dK/dV kernel's loop."""
+    lo = jax.lax.div(k0, bq)
+    hi = jnp.minimum(jax.lax.div(k0 + bk - 1 + window - 1 + bq, bq), n)
+    # the first query at or after the last key, the last query within the window of the first key
+    return lo, hi, jax.lax.div(k0 + bk - 1 + bq - 1, bq), jax.lax.div(k0 + window, bq)
+
+
 def _loops(body, lo, hi, a, b, split: bool, carry):
     """`body(j, carry, masked)` over tiles lo .. hi - 1 in order: masked throughout, or (`split`)
     without the mask on the tiles [a, b) that every query sees whole (the same values: the mask
@@ -200,13 +209,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
         ds = p * (dot_t(do, v) - delta_ref[rows][:, None]) * hd**-0.5  # d(scaled logits)
         return dk + t_dot(ds.astype(q.dtype), q), dv + t_dot(p.astype(do.dtype), do)
 
-    lo = jax.lax.div(k0, bq)
-    hi = jnp.minimum(jax.lax.div(k0 + bk - 1 + window - 1 + bq, bq), q_ref.shape[0] // bq)
-    # the query tiles that see the whole key tile: the first query at or after its last key, the
-    # last query within the window of its first key
-    a, b = jax.lax.div(k0 + bk - 1 + bq - 1, bq), jax.lax.div(k0 + window, bq)
     zeros = jnp.zeros((bk, hd), jnp.float32)
-    dk, dv = _loops(body, lo, hi, a, b, split, (zeros, zeros))
+    dk, dv = _loops(body, *_query_tiles(k0, bq, bk, window, q_ref.shape[0] // bq), split, (zeros, zeros))
     dk_ref[...] = dk.astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
