@@ -8,9 +8,10 @@ backward 5) or the 9 the kernels compute (each backward kernel recomputes q k^T 
     python benchmarks/attention_tiles.py --dry-run        # tiny shapes, interpreted: the script's own test
 
 Each kernel (`attention_kernel`: forward, dK/dV, dQ) is timed alone over its candidate launches
-(`candidates`: query and key tiles, warps, stages, split loops; the default first), every candidate's output
-checked against the default launch's (the same arithmetic in another order: within 2% of the
-output's largest entry in bfloat16) and a candidate that does not compile (Triton's shared memory,
+(`candidates`: query and key tiles, warps, stages, split loops; the default first), every
+candidate's output checked against the default launch's (the same arithmetic in another order:
+within 2% of the output's largest entry in bfloat16; against the first launch that runs, should
+the default not) and a candidate that does not compile (Triton's shared memory,
 registers) recorded with its error, not raised. Then the fastest correct launch of each kernel
 together (`Tuning`) against the default, the whole forward and backward (`flash_attention` under
 `jax.vjp`), timed in interleaved rounds, both checked against the blocked form in float32 as

@@ -66,7 +66,7 @@
 #   attn_tiles         the Pallas attention's three kernels (forward, dK/dV, dQ) each timed alone over
 #                      its candidate tiles, warps, stages and split loops at nl_350m's shapes, then the
 #                      fastest of each together against the default launch (benchmarks/attention_tiles.py;
-#                      small Triton kernels: about 0.3-0.8 s to compile each, 114 candidates at most)
+#                      small Triton kernels: about 0.3-0.8 s to compile each, 117 launches at most)
 #   pullback           the parallel form alone with its hand-written pull-back (memory.end_pullback) and
 #                      with JAX's, against the scan, at titans_demo's and nl_350m's memory shapes
 #                      (benchmarks/memory_kernel.py; no Pallas kernel: quick to compile)

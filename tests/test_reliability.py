@@ -1069,7 +1069,7 @@ def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(
         assert "registered by __main__ in this process only" in lines[1]
         assert lines[2:] == ["  resume:  nljax.train.main(['--resume', 'run.dir=r', 'train.steps=400'])",
                              "  sample:  nljax.generate.main(['run.dir=r', 'prompt=The '])",
-                             "  export:  nljax.export.main(['run.dir=r'])"]
+                             "  export:  nljax.export.main(['run.dir=r'])   (to r/export)"]
     finally:
         specs.unregister("scripted")
     # a module the script imported registered it: the same calls, naming the module

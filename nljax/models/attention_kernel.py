@@ -11,8 +11,8 @@ Adapted from jax's reference (jax/experimental/pallas/ops/gpu/attention.py, `mha
 `causal=True`), the window's lower bound added to every loop:
 
 - Forward (grid B x H x T / block_q): one query tile, an online softmax (float32 running max,
-  sum and output) over only the key tiles its window touches, tiles floor((q0 - window + 1) /
-  block_k) .. floor((q0 + block_q - 1) / block_k): cost O(T * (window + block)), not O(T^2).
+  sum and output) over only the key tiles its window touches, tiles floor(max(q0 - window + 1,
+  0) / block_k) .. floor((q0 + block_q - 1) / block_k): cost O(T * (window + block)), not O(T^2).
   Stores the output and the log-sum-exp.
 - Backward, flash-attention-2 style, as two kernels: `_dkv_kernel` (grid over key tiles, each
   looping over the query tiles that see it: k0 / block_q .. (k0 + block_k - 1 + window - 1) /

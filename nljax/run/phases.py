@@ -90,7 +90,8 @@ def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoin
                  ("export", "export", [f"run.dir={run_dir}"])]
         return [head, f"  (model registered by {registered_by} in this process only, which `python -m` cannot "
                       "load: the calls to make where it is registered, each module imported)",
-                *(f"  {what}:  nljax.{module}.main({args!r})" for what, module, args in calls)]
+                *(f"  {what}:  nljax.{module}.main({args!r})" + (f"   (to {exported})" if what == "export" else "")
+                  for what, module, args in calls)]
     d = shlex.quote(f"run.dir={run_dir}")  # pasted into a shell as printed, spaces and all
 
     def command(name: str) -> str:
