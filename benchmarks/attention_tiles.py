@@ -88,8 +88,7 @@ def sweep(s: dict, dry: bool, reps: int, budget_s: float, interpret: bool) -> di
     q, k, v, dy = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
                    for key in jax.random.split(jax.random.key(0), 4))
     hd, w = s["head_dim"], s["window"]
-    default = ak.Tuning().resolved(s["seq"], w, hd)[0]
-    y, lse = kernel_fn("forward", w, default.forward, interpret)(q, k, v)
+    y, lse = kernel_fn("forward", w, ak.Tiles().resolved(s["seq"], w, hd), interpret)(q, k, v)
     args = {"forward": (q, k, v), "dkv": (q, k, v, dy, lse, ak.backward_delta(y, dy))}
     args["dq"] = args["dkv"]
     start, out, left = time.perf_counter(), {}, {}
@@ -115,7 +114,7 @@ def sweep(s: dict, dry: bool, reps: int, budget_s: float, interpret: bool) -> di
             rows.append(row)
 
         for c in candidates(kernel, dry):
-            launch = getattr(ak.Tuning(**{kernel: c}).resolved(s["seq"], w, hd)[0], kernel)
+            launch = c.resolved(s["seq"], w, hd)
             if launch not in seen:
                 run(launch)
         if any(r.get("ok") for r in rows) and (split := dataclasses.replace(best(rows), split=True)) not in seen:

@@ -385,10 +385,11 @@ def _saved(path: str) -> dict:
     if isinstance(name, str):
         from nljax.models import registry
 
-        if name not in {s.name for s in registry.specs()}:
+        registered = sorted(s.name for s in registry.specs())
+        if name not in registered:
             raise ConfigError(
                 f"config file {path}: the run's model '{name}' is not registered in this process (registered: "
-                f"{', '.join(sorted(s.name for s in registry.specs()))}): run the command where it is, a script's "
+                f"{', '.join(registered)}): run the command where it is, a script's "
                 f"model through that script as the run's last lines say (python SCRIPT COMMAND), a package's "
                 f"through its '{registry.GROUP}' entry point") from None
     return tree

@@ -104,6 +104,11 @@ class Tiles:
         split = " split" if self.split else ""
         return f"q{self.block_q} k{self.block_k} w{self.warps or 'auto'} s{self.stages}{split}"
 
+    def resolved(self, t: int, window: int, head_dim: int) -> "Tiles":
+        """The tiles clamped as `tiles` clamps them, the warps chosen."""
+        bq, bk, _ = tiles(t, window, self.block_q, self.block_k)
+        return Tiles(bq, bk, self.warps or (4 if head_dim <= 64 else 8), self.stages, self.split)
+
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
@@ -120,11 +125,7 @@ class Tuning:
     def resolved(self, t: int, window: int, head_dim: int) -> tuple["Tuning", int]:
         """(every kernel's tiles clamped as `tiles` clamps them and its warps chosen, T padded to a
         multiple of every tile)."""
-        out = {}
-        for f in dataclasses.fields(self):
-            k = getattr(self, f.name)
-            bq, bk, _ = tiles(t, window, k.block_q, k.block_k)
-            out[f.name] = Tiles(bq, bk, k.warps or (4 if head_dim <= 64 else 8), k.stages, k.split)
+        out = {f.name: getattr(self, f.name).resolved(t, window, head_dim) for f in dataclasses.fields(self)}
         step = max(max(k.block_q, k.block_k) for k in out.values())  # powers of two: a multiple of all
         return Tuning(**out), -(-t // step) * step
 
@@ -321,9 +322,10 @@ def prepare(q, window: int, tuning: Tuning, interpret: bool | None):
     tuning, tp = tuning.resolved(q.shape[1], window, q.shape[3])
     if interpret is None:
         interpret = platform.backend() != "gpu"
-    for name, k in (("forward", tuning.forward), ("dkv", tuning.dkv), ("dq", tuning.dq)):
+    for f in dataclasses.fields(tuning):
+        k = getattr(tuning, f.name)
         if not interpret and min(k.block_q, k.block_k) < MIN_TILE:
-            raise ValueError(f"{name} tiles {k.block_q} x {k.block_k}: the compiled kernel needs tiles >= {MIN_TILE}")
+            raise ValueError(f"{f.name} tiles {k.block_q} x {k.block_k}: the compiled kernel needs tiles >= {MIN_TILE}")
     pad = lambda x: jnp.pad(x, ((0, 0), (0, tp - x.shape[1]), (0, 0), (0, 0))) if tp > x.shape[1] else x
     return pad, tuning, interpret
 
