@@ -238,7 +238,8 @@ def test_the_console_line_gives_each_set_one_short_group():
         metrics.update({f"{k}/{name}": v + shift if isinstance(v, float) else v for k, v in main.items()})
     del metrics["eval_loss_stream/code"], metrics["eval_bpb_stream/code"]  # its streaming evaluation off
     line = runlog.format_metrics(metrics)
-    assert line == (runlog.format_metrics(main) + "  sets (loss/bpb)  wiki: 3/4.11 (stream 2.75/3.75)  code: 3.5/4.61"), line
+    assert line == (runlog.format_metrics(main) + "  sets (loss/bpb)  wiki: 3.000/4.110 (stream 2.750/3.750)  "
+                    "code: 3.500/4.610"), line
     assert "/wiki" not in line and "/code" not in line
 
 
@@ -249,8 +250,23 @@ def test_the_console_line_shows_other_slashed_keys_as_they_are():
     metrics = {"eval_loss": 2.5, "acc/foo": 0.75, "lm_eval/hellaswag/acc": 0.3125, "count/bar": 7,
                "eval_loss/wiki": 3.0, "eval_bpb/wiki": 4.11, "eval_tokens/wiki": 64}
     line = runlog.format_metrics(metrics)
-    assert line == ("eval_loss 2.5  acc/foo 0.75  lm_eval/hellaswag/acc 0.3125  count/bar 7  "
-                    "sets (loss/bpb)  wiki: 3/4.11"), line
+    assert line == ("eval_loss 2.500  acc/foo 0.7500  lm_eval/hellaswag/acc 0.3125  count/bar 7  "
+                    "sets (loss/bpb)  wiki: 3.000/4.110"), line
+
+
+def test_the_console_metrics_keep_their_width_from_line_to_line():
+    """A metric has four significant digits, trailing zeros kept: with `:.4g` the lines read
+    `eval_loss 2.31` then `eval_loss 2.307`, ragged. No '1234.' (the '#' form's trailing point):
+    1000 and over as an integer with separators; tiny values in the exponent form."""
+    lines = [runlog.format_metrics({"eval_loss": v, "eval_bpb": v + 1, "eval_loss/wiki": v, "eval_bpb/wiki": v})
+             for v in (2.31, 2.307, 2.3, 2.0)]
+    assert lines[0] == "eval_loss 2.310  eval_bpb 3.310  sets (loss/bpb)  wiki: 2.310/2.310", lines[0]
+    assert len({len(line) for line in lines}) == 1, lines
+    assert [runlog.sig4(v) for v in (0.0, 0.1, -1.5, 999.94, 999.97, 1234.0, 9999.7, 123456.7, 2e9, 1.23e-5)] == [
+        "0.000", "0.1000", "-1.500", "999.9", "1,000", "1,234", "10,000", "123,457", "2.000e+09", "1.230e-05"]
+    assert [runlog.sig4(v) for v in (float("nan"), float("inf"), -float("inf"))] == ["nan", "inf", "-inf"]
+    progress = runlog.Progress(10, 0, 1, quiet=True)
+    assert progress.error_text({"eval_mse": 1.5}) == "  held-out mse (unweighted) 1.500"
 
 
 def test_a_sets_content_digest_is_in_the_start_up_check(texts, tmp_path, monkeypatch):

@@ -122,12 +122,26 @@ class Progress:
         evaluations), which shows the fit."""
         if rec.get("eval_mse") is not None:
             self.last_mse = rec["eval_mse"]
-        return "" if self.last_mse is None else f"  held-out mse (unweighted) {self.last_mse:.4g}"
+        return "" if self.last_mse is None else f"  held-out mse (unweighted) {sig4(self.last_mse)}"
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def sig4(v: float) -> str:
+    """A metric on the log lines: four significant digits, trailing zeros kept (2.310, not 2.31),
+    so that a value keeps its width from one line to the next. From 1000 on, the rounded integer
+    with thousands separators, as counts are printed (1,234 and 12,346, never '1234.' or
+    1.235e+04; from 1e9 the exponent form); below 1e-4 the exponent form (1.230e-05); nan and
+    inf as such."""
+    if not math.isfinite(v):
+        return str(float(v))
+    s = f"{v:#.4g}"  # '#': the trailing zeros kept, and a point after 1234 ('1234.')
+    if ("e+" in s or s.endswith(".")) and abs(v) < 1e9:  # 999.97 is '1000.' too, 9999.7 '1.000e+04'
+        return f"{v:,.0f}"
+    return s
 
 
 # The keys a data.eval_sets set's evaluation gives (`<key>/<name>`: run/tasks.py's evaluate_set,
@@ -150,7 +164,7 @@ def format_metrics(metrics: dict) -> str:
         if slash and base in SET_KEYS:
             sets.setdefault(name, {})[base] = v
             continue
-        parts.append(f"{k} {v:,d}" if isinstance(v, int) else f"{k} {v:.4g}")
+        parts.append(f"{k} {v:,d}" if isinstance(v, int) else f"{k} {sig4(v)}")
     groups = [group for name, m in sets.items() if (group := _set_group(name, m))]
     if groups:
         parts.append("sets (loss/bpb)  " + "  ".join(groups))
@@ -168,4 +182,4 @@ def _set_group(name: str, m: dict) -> str:
 
 def _loss_bpb(m: dict, kind: str) -> str:
     loss, bpb = m.get(f"eval_loss{kind}"), m.get(f"eval_bpb{kind}")
-    return "" if loss is None or bpb is None else f"{loss:.4g}/{bpb:.4g}"
+    return "" if loss is None or bpb is None else f"{sig4(loss)}/{sig4(bpb)}"
