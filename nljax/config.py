@@ -389,8 +389,8 @@ def _saved(path: str) -> dict:
         if name not in registered:
             raise ConfigError(
                 f"config file {path}: the run's model '{name}' is not registered in this process (registered: "
-                f"{', '.join(registered)}): run the command where it is, a script's "
-                f"model through that script as the run's last lines say (python SCRIPT COMMAND), a package's "
+                f"{', '.join(registered)}): run the command where it is, a script's model through that "
+                f"script as the run's last lines say (python SCRIPT COMMAND, ./SCRIPT COMMAND), a package's "
                 f"through its '{registry.GROUP}' entry point") from None
     return tree
 

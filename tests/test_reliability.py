@@ -1058,6 +1058,13 @@ def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(
         assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == [
             ["python", "my model.py", "train"], ["python", "my model.py", "generate"],
             ["python", "my model.py", "export"]]
+        # no `.py` (run as `python my_model`): the same form (the python calls of a notebook's model before)
+        (tmp_path / "my model").write_text("")
+        monkeypatch.setattr(sys, "argv", ["my model", "train"])
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tmp_path / "my model"), raising=False)
+        lines = closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == [
+            ["python", "my model", "train"], ["python", "my model", "generate"], ["python", "my model", "export"]]
         python_m = [["python", "-m", f"nljax.{c}"] for c in ("train", "generate", "export")]
         own = closing(config.load(None, ["run.dir=r"]), run)  # nljax's own model: python -m
         assert [shlex.split(l.split(":", 1)[1])[:3] for l in own[1:]] == python_m
@@ -1083,3 +1090,71 @@ def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(
         assert lines[2] == "  resume:  nljax.train.main(['--resume', 'run.dir=r', 'train.steps=400'])"
     finally:
         specs.unregister("imported")
+
+
+SCRIPTED = """#!/usr/bin/env python
+from types import SimpleNamespace
+
+import nljax
+from nljax import config
+from nljax.run.trainer import closing
+
+
+def build(cfg):
+    raise AssertionError("not built")
+
+
+nljax.register_model("scripted", build)
+model = SimpleNamespace(logits=None)
+run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=model))
+print("\\n".join(closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)))
+"""
+
+
+def test_the_closing_commands_of_a_script_run_by_its_path_are_its_own_command(tmp_path):
+    """A script executed by its path (a shebang, `./my_model train ...`, with or without `.py`)
+    closed with `python ...` only where argv[0] ended in `.py`; `./my_model` got the Python calls
+    of a notebook's model. Its closing commands are the ones it was run with: `./my_model`,
+    `./my_model.py`; by hand, `python my_model.py`. Whether the shebang's command is this
+    process's: `run_by_shebang`, below without a subprocess."""
+    import shlex
+    import stat
+    import subprocess
+
+    from helpers import subprocess_env
+
+    for name in ("my_model", "my_model.py"):
+        (tmp_path / name).write_text(SCRIPTED)
+        (tmp_path / name).chmod((tmp_path / name).stat().st_mode | stat.S_IXUSR)
+    # `#!/usr/bin/env python` finds this python (the venv's) first on the PATH
+    env = subprocess_env(PATH=os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")]))
+    python = sys.executable  # typed by hand as a path: not the `python` the shebang's env runs
+    argvs = {"./my_model": ["./my_model"], "./my_model.py": ["./my_model.py"],
+             "python my_model.py": ["python", "my_model.py"]}
+    runs = {said: subprocess.Popen([*(argv if argv[0] != "python" else [python, *argv[1:]]), "train"], cwd=tmp_path,
+                                   env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for said, argv in argvs.items()}
+    for said, p in runs.items():
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, (said, out, err)
+        lines = [line.split(":", 1) for line in out.splitlines()[1:]]
+        assert [what.strip() for what, _ in lines] == ["resume", "sample", "export"], out
+        want = [[*argvs[said], command] for command in ("train", "generate", "export")]
+        assert [shlex.split(command)[:len(argvs[said]) + 1] for _, command in lines] == want, (said, out)
+
+    from nljax.run.trainer import run_by_shebang
+
+    script = str(tmp_path / "my_model")
+    assert run_by_shebang(script, ["python", script, "train"])  # `#!/usr/bin/env python`
+    assert not run_by_shebang(script, [python, script, "train"])  # another python typed by hand
+    assert not run_by_shebang(script, ["python", "-u", script, "train"])
+    assert not run_by_shebang("my_model", ["python", "my_model", "train"])  # a bare name: PATH's, not this one
+    (tmp_path / "my_model").write_text(f"#!{python} -u\n")
+    assert run_by_shebang(script, [python, "-u", script])
+    assert not run_by_shebang(script, [python, script])
+    (tmp_path / "my_model").write_text("#! /usr/bin/env -S python -X dev\n")
+    assert run_by_shebang(script, ["python", "-X", "dev", script])
+    (tmp_path / "my_model").chmod(0o644)  # not executable: `./my_model` would be refused
+    assert not run_by_shebang(script, ["python", "-X", "dev", script])
+    (tmp_path / "my_model.py").write_text("print()\n")  # no shebang: the shell would run it
+    assert not run_by_shebang(str(tmp_path / "my_model.py"), ["python", str(tmp_path / "my_model.py")])

@@ -13,7 +13,7 @@ import contextlib
 import shlex
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from nljax.engine.conductor import Conductor, pattern_name
 from nljax.runtime import compile_cache
@@ -72,12 +72,14 @@ class Announced:
 
 
 def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoints: str | None = None,
-                  samples: bool = True, script: str | None = None, registered_by: str | None = None) -> list[str]:
+                  samples: bool = True, script: Sequence[str] | None = None,
+                  registered_by: str | None = None) -> list[str]:
     """Where a finished run's outputs are and the commands that continue, sample and export it;
     `checkpoints`: their directory where it is not the run directory's own; `samples`: whether
     `nljax.generate` can sample the model (a text model without `logits()` cannot); `script`: the
-    file that registered the run's model in its own process, run as `python SCRIPT COMMAND ...`
-    (examples/smallest_model.py's form): `python -m nljax.generate` would not know the model;
+    command that runs the file that registered the run's model in its own process (`python
+    my_model.py` or `./my_model`), followed by the command (`SCRIPT COMMAND ...`,
+    examples/smallest_model.py's form): `python -m nljax.generate` would not know the model;
     `registered_by`: the module that registered it in this process where no such script can be
     named (a notebook, a module the script imported): the commands are Python calls to make where
     the model is registered."""
@@ -95,7 +97,7 @@ def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoin
     d = shlex.quote(f"run.dir={run_dir}")  # pasted into a shell as printed, spaces and all
 
     def command(name: str) -> str:
-        return f"python {shlex.quote(script)} {name}" if script else f"python -m nljax.{name}"
+        return f"{shlex.join(script)} {name}" if script else f"python -m nljax.{name}"
 
     prompt = " prompt='The '" if text else ""
     return [head,

@@ -501,17 +501,46 @@ def registered_here(cfg: Config) -> str | None:
     return None if origin == "nljax" or origin.startswith(("nljax.", "plugin '")) else origin
 
 
-def registering_script(cfg: Config) -> str | None:
-    """The script this process runs, where it registered the run's model itself (a build function
-    of `__main__`, as examples/smallest_model.py's): only a process that registers the model knows
-    it, so the closing commands go through that script. None: a package's or nljax's own model, or
-    one registered in a notebook or by a module the script imported (`registered_here`)."""
+def registering_script(cfg: Config) -> list[str] | None:
+    """The command that runs the script this process runs, where it registered the run's model
+    itself (a build function of `__main__`, as examples/smallest_model.py's): only a process that
+    registers the model knows it, so the closing commands go through that script: `./my_model`
+    where the script was executed by its path (its shebang: `run_by_shebang`), else
+    `python my_model.py` (with or without `.py`). None: a package's or nljax's own model, or one
+    registered in a notebook or by a module the script imported (`registered_here`)."""
     if registry.spec(cfg.model.name).origin != "__main__":
         return None
     script = sys.argv[0] if sys.argv else ""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)  # none in a notebook's kernel
     try:  # the script as the user typed it, where it is the file Python runs (not a kernel's launcher)
-        ran = bool(main_file) and script.endswith(".py") and os.path.samefile(script, main_file)
+        ran = bool(main_file) and bool(script) and os.path.samefile(script, main_file)
     except OSError:
         ran = False
-    return script if ran else None
+    if not ran:
+        return None
+    return [script] if run_by_shebang(script, getattr(sys, "orig_argv", [])) else ["python", script]
+
+
+def run_by_shebang(script: str, orig_argv: list[str]) -> bool:
+    """Whether executing `script` by its path (`./my_model train ...`) runs what this process runs:
+    it is executable, typed with a directory (a bare name is looked up in PATH), and this
+    process's command line (`sys.orig_argv`) is the one the kernel makes of its `#!interpreter
+    [argument]` line: [interpreter, argument, script, ...], or through `/usr/bin/env` (`-S`
+    too) the argument's words then the script. Typed by hand, `python ./my_model` matches as well
+    where the shebang runs that same `python` (`#!/usr/bin/env python`): then both are one command."""
+    if os.name != "posix" or os.sep not in script or not os.access(script, os.X_OK):
+        return False
+    try:
+        with open(script, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return False
+    if not first.startswith(b"#!"):
+        return False
+    interpreter, argument = [*first[2:].decode(errors="replace").split(None, 1), "", ""][:2]
+    argument = argument.strip()  # the kernel passes the rest of the line as one argument
+    if os.path.basename(interpreter) == "env":
+        words = argument.removeprefix("-S").split() if argument.startswith("-S") else [argument]
+    else:
+        words = [interpreter, *([argument] if argument else [])]
+    return orig_argv[:len(words) + 1] == [*words, script]
