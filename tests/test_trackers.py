@@ -243,3 +243,38 @@ def test_a_full_disk_under_the_event_file_is_an_error_not_a_hang(tmp_path):
     p = subprocess.run([sys.executable, "-c", FILLS_UP, str(tmp_path)], env=subprocess_env(), capture_output=True,
                        text=True, timeout=120)
     assert p.stdout.split() == ["27", "True", "True"], p.stdout + p.stderr
+
+
+WRITES_EVENTS = r"""
+import sys
+from pathlib import Path
+from nljax.run.trackers import TensorBoard
+tb = TensorBoard(Path(sys.argv[1]))
+tb.scalars("train", {"loss": 1.5}, 0)
+tb.close()
+print("torch" in sys.modules, "torch" in sys.modules and sys.modules["torch"] is None)  # imported; left refused
+"""
+
+
+def test_tensorboard_does_not_import_torch(tmp_path):
+    """tensorboardX's writer imports torch where it is installed (a type for its annotations):
+    3 s more at a run's start and 1 to 2 s of torch's teardown at the process's exit, silent after
+    the run's last line. The events are written without it, and torch stays importable."""
+    import importlib.util
+    import subprocess
+
+    from helpers import subprocess_env
+
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("torch is not installed: nothing would import it")
+    p = subprocess.run([sys.executable, "-c", WRITES_EVENTS, str(tmp_path)], env=subprocess_env(),
+                       capture_output=True, text=True, timeout=120)
+    assert p.stdout.split() == ["False", "False"], p.stdout + p.stderr
+    assert list(tmp_path.glob("events.out.tfevents.*"))
+    from nljax.run.trackers import torch_hidden
+
+    with torch_hidden():  # within, refused (unless this process imported torch already)
+        if "torch" not in sys.modules or sys.modules["torch"] is None:
+            with pytest.raises(ImportError):
+                import torch  # noqa: F401
+    assert sys.modules.get("torch", "absent") is not None  # not left refused after it

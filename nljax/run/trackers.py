@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import html
 import os
+import sys
 import time
 import typing
 from pathlib import Path
@@ -59,6 +60,24 @@ class Start:
 def numbers(values: dict) -> dict[str, float | int]:
     """The entries of `values` that are numbers (a bool is a flag, not a number)."""
     return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+@contextlib.contextmanager
+def torch_hidden():
+    """`import torch` refused within, where torch is installed but not imported yet: tensorboardX's
+    writer imports it to name a type in its annotations (`torch.Tensor`, numpy's array without
+    it), which nljax never passes. That import took 3 s of a run's start-up, and torch's teardown
+    1 to 2 s at the process's exit, silent after the run's last line. Afterwards torch imports as
+    ever (lm-eval's, in the same process)."""
+    if "torch" in sys.modules:  # imported already (or hidden by an outer call): nothing to save
+        yield
+        return
+    sys.modules["torch"] = None  # the import system's "not importable": `import torch` raises ImportError
+    try:
+        yield
+    finally:
+        if "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]
 
 
 class TensorBoard:
@@ -108,7 +127,8 @@ class TensorBoard:
     @staticmethod
     def require():
         try:
-            import tensorboardX
+            with torch_hidden():
+                import tensorboardX
         except ImportError:  # a dependency of nljax: only a broken installation lacks it
             raise ConfigError("run.trackers has tensorboard, but tensorboardX is not installed: pip install "
                               "tensorboardX, or leave tensorboard out of run.trackers") from None
