@@ -12,6 +12,7 @@ import pytest
 from helpers import TINY_NL, assert_trees_close, make, train
 from nljax.models import memory as nm
 from nljax.models import memory_forms as forms
+import test_memory_kernel as tmk
 from test_memory_kernel import assert_close, assert_grads_close, inputs, outputs_and_grads
 
 
@@ -33,6 +34,13 @@ def test_parallel_equals_the_scan_outputs_and_gradients(kind, chunk, t):
     # eta's gradient is ill-conditioned, the more so the longer the chunk (assert_grads_close):
     # seen up to 2.7e-5 of its scale at chunk 16 and 2.1e-4 at 64; every other leaf within 1e-6
     assert_grads_close(grads, ref_grads, 5e-4 if chunk == 64 else 1e-4)
+
+
+@pytest.mark.parametrize("form", [nm.memory_forward, nm.memory_parallel], ids=["scan", "parallel"])
+def test_bf16_inputs_are_computed_in_float32(form):
+    """Every form takes bfloat16 inputs as float32 (the kernels' tests check theirs): reads and
+    state in float32, equal to the scan's on the values upcast."""
+    tmk.assert_bf16_inputs_computed_in_float32(form, "mlp")
 
 
 def test_memory_unroll_reaches_both_loops():

@@ -396,9 +396,12 @@ def memory_forward(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chun
     depends on it (the steps, per-token pieces and reads; a pure function: the recomputation is
     exact). The memory-independent `chunk_constants` ([b, b] weights included) are computed for
     all chunks before the loop and kept: 2 B H T b floats per layer.
-    `unroll`: chunks per loop iteration (XLA fuses across them; fewer, larger kernels)."""
-    xs = _chunks(q, k, v, theta, eta, alpha, chunk)
-    state = jax.tree.map(lambda x: x.astype(jnp.float32), state)
+    `unroll`: chunks per loop iteration (XLA fuses across them; fewer, larger kernels).
+    Inputs are taken as float32, as every form of the inner loop takes them (bfloat16 q, k, v or
+    gates: the same result as on their values upcast; their cotangents come back in their dtype)."""
+    f32 = lambda x: x.astype(jnp.float32)
+    xs = _chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
+    state = jax.tree.map(f32, state)
 
     def body(carry, inp):
         return chunk_step(carry, *inp[0], inp[1], kind)
