@@ -79,6 +79,8 @@ def _evaluate(args, argv: list[str]) -> int:
     notes = [f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())]  # held-out data too short
     for line in [*t.warnings("nljax.evaluate"), *notes, f"nljax.evaluate: {t.path} (step {t.step}) on {on}{_data(t)}"]:
         print(line, file=sys.stderr)
+    # compiling the evaluation takes seconds to a minute, with nothing else to show meanwhile
+    print("nljax.evaluate: evaluating (compiling its step first) ...", file=sys.stderr, flush=True)
     metrics = scores(t)
     for key, value in metrics.items():
         print(f"{key:<24} {value}")

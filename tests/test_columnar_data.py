@@ -104,7 +104,9 @@ def test_dictionary_encoded_text_reads_as_its_strings(shards, tmp_path):
         w.write_table(encoded, max_chunksize=9)
     with pa.OSFile(str(tmp_path / "stream.arrow"), "wb") as f, pa.ipc.new_stream(f, encoded.schema) as w:
         w.write_table(encoded, max_chunksize=11)
-    for name in ("encoded.parquet", "large.parquet", "categorical.parquet", "file.arrow", "stream.arrow"):
+    pd.DataFrame({"text": docs}).to_feather(tmp_path / "frame.feather")  # Feather v2: Arrow's IPC file format
+    for name in ("encoded.parquet", "large.parquet", "categorical.parquet", "file.arrow", "stream.arrow",
+                 "frame.feather"):
         got = prepared.build(data(f"data.train={tmp_path / name}"))
         assert got.digest == ref.digest, name
         np.testing.assert_array_equal(got.train.tokens, ref.train.tokens)
@@ -275,3 +277,25 @@ def test_a_save_to_disk_folder_lists_its_shards_in_order(shards, tmp_path):
     assert documents.expand([f"{tmp_path}/*"], "data.train") == [tmp_path / "a.txt"]
     with pytest.raises(config.ConfigError, match=f"data.train: {tmp_path / 'b'} is an empty dataset"):
         documents.expand([str(tmp_path / "b")], "data.train")
+    # `**` matches the folder and its own files (state.json, dataset_info.json, its shards): the
+    # folder is read once, its metadata files are not text files to refuse
+    deep = documents.expand([f"{shards['root']}/sa*/**"], "data.train")
+    assert deep == files
+    assert documents.expand([f"{shards['root']}/**"], "data.train") == [
+        shards["root"] / "all.arrow", shards["root"] / "ref.jsonl", *files, *sorted((shards["root"] / "shards").iterdir()),
+        shards["root"] / "stream.arrow"]
+
+
+def test_a_datasetdict_a_glob_matches_is_refused_as_when_named(tmp_path):
+    """A DatasetDict's folder (one folder per split) matched by a glob was skipped without a word
+    (`*`) or refused for its dataset_dict.json (`**`): both say which split to give."""
+    for split in ("test", "train"):
+        (tmp_path / "dd" / split).mkdir(parents=True)
+        (tmp_path / "dd" / split / "state.json").write_text('{"_data_files": []}')
+        (tmp_path / "dd" / split / "dataset_info.json").write_text("{}")
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["test", "train"]}')
+    (tmp_path / "a.txt").write_text("text")
+    for pattern in ("*", "**"):
+        with pytest.raises(config.ConfigError, match=f"data.train: {tmp_path / 'dd'} holds the splits of a DatasetDict "
+                                                     r"\(test, train\): give one"):
+            documents.expand([f"{tmp_path}/{pattern}"], "data.train")

@@ -58,7 +58,10 @@ def result_of(argv, capsys) -> tuple[dict, dict]:
     """(the out= JSON, the metrics printed) of `nljax.evaluate argv` in this process."""
     capsys.readouterr()
     assert evaluate.main(argv) == 0
-    printed = dict(line.split() for line in capsys.readouterr().out.splitlines())
+    captured = capsys.readouterr()
+    # the seconds of compiling are announced, on standard error (standard output: the metrics alone)
+    assert "nljax.evaluate: evaluating (compiling its step first) ..." in captured.err.splitlines()
+    printed = dict(line.split() for line in captured.out.splitlines())
     out = next(a.partition("=")[2] for a in argv if a.startswith("out="))
     with open(out) as f:
         return json.load(f), printed

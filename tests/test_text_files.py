@@ -429,7 +429,7 @@ BAD = [
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
     (["data.train="], "data.train: an empty path"),
     (["data.train=R/ok.txt", "data.eval=['']"], "data.eval: an empty path"),
-    (["data.train=R/notes.md"], "data.train: R/notes.md is not a .txt, .jsonl, .parquet or .arrow file"),
+    (["data.train=R/notes.md"], "data.train: R/notes.md is not a .txt, .jsonl, .parquet or .arrow (.feather) file"),
     (["data.train=R/empty.txt"], "data.train: no text in 1 file(s)"),
     (["data.train=R/latin1.txt"], "R/latin1.txt: not UTF-8 text (byte 3"),
     (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),
@@ -444,6 +444,9 @@ BAD = [
     (["data.train=R/ok.txt", "data.tokenizer=R/gap.json"],
      "data.tokenizer R/gap.json gave token id 5, not below its vocabulary size 2"),
     (["data.train=R/ok.txt", "data.tokenizer=R/ok.txt"], "data.tokenizer: R/ok.txt is not a tokenizers tokenizer.json"),
+    # a Hub name, as Levanter's and MaxText's tokenizer settings take: said to be none
+    (["data.train=R/ok.txt", "data.tokenizer=gpt2"],
+     "data.tokenizer: cannot read gpt2: No such file or directory (a tokenizer.json file, not a Hub name"),
     (["data.train=R/ok.txt", "data.tokenizer=R/gap.json", "data.doc_end_token=</s>"],
      "data.doc_end_token='</s>' is not a token"),
 ]

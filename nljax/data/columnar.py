@@ -3,7 +3,7 @@ pyarrow (the optional extra: pip install 'nljax[parquet]') one row group or reco
 time, so a file of any size is read in the memory of its largest row group (or record batch).
 
 An Arrow file is the IPC file format or the stream format (what `datasets.Dataset.save_to_disk`
-writes as its `.arrow` shards). The column is text: string, large_string, string_view, or a
+writes as its `.arrow` shards); a `.feather` file is read as one (Feather v2 is the IPC file format). The column is text: string, large_string, string_view, or a
 dictionary of them (pandas categoricals, `dictionary_encode()`), read as its strings. pyarrow is
 imported only when such a file is named: `import nljax` never loads it. Every problem is one line
 naming the file: no pyarrow, not a Parquet or Arrow file (empty, cut short, damaged), no such
@@ -18,9 +18,10 @@ from typing import Iterator
 from nljax.errors import ConfigError, first_line
 
 PARQUET, ARROW = ".parquet", ".arrow"
+FEATHER = ".feather"  # pandas' to_feather (Feather v2): the Arrow IPC file format under another name
 # how an Arrow file begins: the IPC file format's magic, the stream format's first message marker
 FILE_MAGIC, STREAM_MARKER = b"ARROW1", b"\xff\xff\xff\xff"
-SUFFIXES = (PARQUET, ARROW)
+SUFFIXES = (PARQUET, ARROW, FEATHER)
 INSTALL = "pip install 'nljax[parquet]'"
 
 

@@ -57,8 +57,9 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
         if any(c in pattern for c in "*?[") and not os.path.isfile(os.path.expanduser(pattern)):
             # its files, and the folders save_to_disk wrote as their shards (other folders, what `**`
             # spans, are skipped: a save_to_disk folder among the matches was skipped without a word)
-            found = [q for m in sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
-                     for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) else [])]
+            matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+            found = [q for m in matches if not _dataset_metadata(m)
+                     for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) or _splits(m) else [])]
             if not found:
                 raise ConfigError(f"{key}: '{pattern}' matches no file")
         else:
@@ -75,8 +76,8 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 found = [p]
         for p in found:
             if not p.name.endswith(SUFFIXES):
-                raise ConfigError(f"{key}: {p} is not a .txt, .jsonl, .parquet or .arrow file (.txt and .jsonl "
-                                  "optionally .gz)")
+                raise ConfigError(f"{key}: {p} is not a .txt, .jsonl, .parquet or .arrow (.feather) file (.txt "
+                                  "and .jsonl optionally .gz)")
             if p.name.endswith(columnar.SUFFIXES):
                 columnar.require_pyarrow(p)
             if p.resolve() not in seen:
@@ -88,7 +89,7 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
 def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     """The .arrow shards of a folder `datasets.Dataset.save_to_disk` wrote, in its state.json's
     order (read as Arrow stream files: `datasets` itself is not needed)."""
-    if (folder / "dataset_dict.json").is_file():  # a DatasetDict: one folder per split
+    if _splits(folder):  # a DatasetDict: one folder per split
         splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
                           f"one, such as {pattern}/{splits[0] if splits else 'train'}")
@@ -108,6 +109,19 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     if missing:
         raise ConfigError(f"{key}: {folder / missing[0]} is missing (listed in {folder / 'state.json'})")
     return [folder / n for n in names]
+
+
+def _splits(folder: Path) -> bool:
+    """Whether `folder` holds a `datasets.DatasetDict`'s splits (refused by `saved_shards`, which
+    says which to give: read whole, a glob took the test split into training)."""
+    return (folder / "dataset_dict.json").is_file()
+
+
+def _dataset_metadata(path: Path) -> bool:
+    """Whether `path` is a file of a `datasets` folder's own (state.json, dataset_info.json,
+    dataset_dict.json): a `**` glob matches them with the folder, which is read (or refused) as
+    a whole."""
+    return path.name in (*SAVED, "dataset_dict.json") and (_saved(path.parent) or _splits(path.parent))
 
 
 def _saved(folder: Path) -> bool:

@@ -104,7 +104,12 @@ class HFTokenizer:
         try:  # `raw` given: the bytes read once by the parent process, so every worker has the same
             self.raw = path.read_bytes() if raw is None else raw
         except OSError as e:
-            raise ConfigError(f"data.tokenizer: cannot read {path}: {e.strerror or e}") from None
+            # a bare name that is no file (gpt2, meta-llama/...) is a Hub name, which Levanter's and
+            # MaxText's tokenizer settings take: nljax reads a file and downloads nothing
+            hub = "" if path.exists() or path.suffix == ".json" else (
+                " (a tokenizer.json file, not a Hub name: nljax downloads nothing; the guide "
+                "'Train on your own text', section Tokenizer, says how to get one)")
+            raise ConfigError(f"data.tokenizer: cannot read {path}: {e.strerror or e}{hub}") from None
         try:
             self.tok = Tokenizer.from_str(self.raw.decode("utf-8"))
         except Exception as e:  # the Rust side raises its own exception types
