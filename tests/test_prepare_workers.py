@@ -455,6 +455,48 @@ def test_a_chunk_ends_once_its_bytes_reach_chunk_bytes_whatever_the_documents_si
             assert [a.texts for a in again] == [b.texts for b in cut[k + 1:]], (chunk_bytes, k)
 
 
+def test_progress_lines_are_at_most_one_per_interval():
+    """Where no bar is drawn (a batch job's log), a line after a chunk once `every` seconds have
+    passed since the last: this run's documents, bytes, tokens and their rates."""
+    import io
+
+    now = [100.0]
+    out = io.StringIO()
+    lines = prepared.ProgressLines(every=10, clock=lambda: now[0], file=out)
+    said = []
+    for step in range(1, 13):  # a chunk every 3 s for 36 s
+        now[0] = 100.0 + 3 * step
+        said.append(lines.update(100 * step, 2_000_000 * step, 500_000 * step))
+    assert [i for i, line in enumerate(said, 1) if line] == [4, 8, 12]  # at 12 s, 24 s and 36 s
+    assert said[3] == ("nljax.prepare: 400 documents, 8.0 MB, 2,000,000 tokens in 12 s "
+                       "(0.67 MB/s, 166,667 tokens/s)")
+    assert out.getvalue().splitlines() == [line for line in said if line]
+
+
+def test_without_a_terminal_prepare_prints_progress_lines(corpus, tmp_path, capsys, monkeypatch):
+    """Output not a terminal (here captured; a batch job's log): no bar, and progress lines on
+    stdout (a line per chunk here, with no interval), the last with the totals; it printed
+    nothing until its last line (36 s silent on a 31 MB corpus)."""
+    monkeypatch.setattr(prepared, "PROGRESS_EVERY", 0.0)
+    out = tmp_path / "prep"
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
+    said = capsys.readouterr()
+    lines = [line for line in said.out.splitlines() if re.match(r"nljax.prepare: [\d,]+ documents, ", line)]
+    m = prepared.load(out).manifest
+    from nljax.data import chunks, documents
+
+    files = documents.expand([f"{corpus['root']}/*.jsonl"], "data.train")
+    assert len(lines) == len(list(chunks.read([files, []], "text", 3000))) > 5, said.out
+    last = re.match(r"nljax.prepare: ([\d,]+) documents, ([\d.]+) MB, ([\d,]+) tokens in \d+ s "
+                    r"\([\d.]+ MB/s, [\d,]+ tokens/s\)$", lines[-1])
+    assert last, lines[-1]
+    documents = m["train"]["documents"] + m["eval"]["documents"]
+    assert int(last[1].replace(",", "")) == documents == 400
+    assert float(last[2]) == round((m["train"]["bytes"] + m["eval"]["bytes"] - documents) / 1e6, 1)
+    assert int(last[3].replace(",", "")) == m["train"]["tokens"] + m["eval"]["tokens"]
+    assert "nljax.prepare:" not in said.err  # no bar either
+
+
 def test_a_full_disk_while_tokenizing_names_the_file(tmp_path):
     """A token file that fills the disk as a chunk is appended: the OS's error from `write`
     carries no file name, and the line was 'a write failed: [Errno 28] ...', naming no file."""
