@@ -45,7 +45,7 @@ def corpus(tmp_path_factory) -> dict:
                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(root / "tokenizer.json"))
     args = [f"data.train={root}/*.jsonl", f"data.tokenizer={root}/tokenizer.json", "data.doc_end_token=<eos>",
-            "data.eval_fraction=0.1", "prepare.chunk_bytes=3000"]  # about 13 chunks
+            "data.eval_fraction=0.1", "prepare.chunk_bytes=3000"]  # 32 chunks
     return {"root": root, "args": args}
 
 
@@ -134,6 +134,31 @@ def test_ctrl_c_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_pat
     assert json.loads((work(out) / "progress.json").read_text())["chunks"] >= 4
     assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
     assert files(out) == reference
+
+
+def test_ctrl_c_after_the_first_chunks_of_large_documents_keeps_them(corpus, tmp_path, capsys):
+    """Documents of 17 KB, chunks of 40 KB: Ctrl-C once 2 chunks are recorded keeps those 2
+    chunks of 3 documents each (the first 6 of 60; lists of 39 documents read whole made the first
+    chunk 39 documents, 660 KB, and a user's Ctrl-C in it lost the work: "an interrupted prepare
+    that had recorded no chunk, started over"); the same command resumes from them to the files
+    of a prepare never interrupted."""
+    rng = random.Random(3)
+    src = tmp_path / "big.jsonl"
+    docs = [" ".join(rng.choice(WORDS) for _ in range(2600))[:17_000] for _ in range(60)]
+    src.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    args = [f"data.train={src}", f"data.tokenizer={corpus['root']}/tokenizer.json", "data.eval_fraction=0.1",
+            "prepare.chunk_bytes=40000", "prepare.workers=1"]
+    out = tmp_path / "prep"
+    p = cli("nljax.prepare", *args, f"out={out}", check=False, env={prepared.TEST_KILL_AFTER: "2:SIGINT"})
+    assert p.returncode == 130, p.stderr
+    progress = json.loads((work(out) / "progress.json").read_text())
+    kept = progress["splits"]["train"]["documents"] + progress["splits"]["eval"]["documents"]
+    assert (progress["chunks"], progress["position"], kept) == (2, [0, 0, 6], 6), progress
+    assert prepare_main([*args, f"out={out}"]) == 0
+    assert "resuming an interrupted prepare: 2 chunks done" in capsys.readouterr().out
+    reference = tmp_path / "reference"
+    prepared.build(config.load(None, ["data.source=files", *args]).data, reference, workers=0)
+    assert files(out) == files(reference)
 
 
 def test_a_record_that_does_not_match_or_other_sources_start_over(corpus, reference, tmp_path, capsys):
@@ -394,6 +419,82 @@ def test_a_chunk_is_cut_by_utf8_bytes_not_characters(tmp_path):
         assert per_chunk == ({10} if char == "a" else {4}), (name, [len(c.texts) for c in cut])
         assert all(c.nbytes == sum(len(t.encode()) for t in c.texts) for c in cut)
     assert chunks.utf8_bytes("\ud800") == 3  # a lone surrogate (JSON allows one) is counted, not an error
+
+
+def test_a_chunk_ends_once_its_bytes_reach_chunk_bytes_whatever_the_documents_sizes(tmp_path):
+    """Documents of 1 to 17 KB in .jsonl (across two files), Parquet and .txt: every chunk ends at
+    the document with which it reaches prepare.chunk_bytes (no more than that plus one document; one
+    larger is a chunk of its own), and reading again from any chunk's end gives the chunks after
+    it, the same documents in the same order. Lists of chunk_bytes >> 10 documents read whole were
+    cut only after the list: 17 KB documents made chunks of 17 x chunk_bytes."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nljax.data import chunks, documents
+
+    rng = random.Random(2)
+    docs = ["x" * rng.choice([1000, 5000, 17000, 17000, 60000]) + str(i) for i in range(80)]
+    docs[7] = "記" * 30000  # 90 KB of UTF-8, a third of it in characters
+    for name, part in (("a.jsonl", docs[:30]), ("b.jsonl", docs[30:50])):
+        (tmp_path / name).write_text("".join(json.dumps({"text": d}) + "\n" + ("\n" if i % 3 else "")
+                                             for i, d in enumerate(part)))  # blank lines among them
+    pq.write_table(pa.table({"text": docs[50:75] + [""]}), tmp_path / "c.parquet", row_group_size=10)
+    for i, d in enumerate(docs[75:]):
+        (tmp_path / f"d{i}.txt").write_text(d)
+    files = documents.expand([str(tmp_path / n) for n in ("a.jsonl", "b.jsonl", "c.parquet", "d*.txt")], "data.train")
+    for chunk_bytes in (20_000, 50_000, 200_000):
+        cut = list(chunks.read([files, []], "text", chunk_bytes))
+        assert [t for c in cut for t in c.texts] == docs, chunk_bytes
+        for c in cut:
+            sizes = [chunks.utf8_bytes(t) for t in c.texts]
+            assert c.nbytes == sum(sizes)
+            assert sum(sizes[:-1]) < chunk_bytes, (chunk_bytes, sizes)  # it ended once it reached chunk_bytes
+        assert all(c.nbytes >= chunk_bytes for c in cut[:-1]), chunk_bytes  # ... and not before
+        for k, c in enumerate(cut):  # a resumed read from chunk k's end: the chunks after it
+            again = list(chunks.read([files, []], "text", chunk_bytes, c.end))
+            assert [a.texts for a in again] == [b.texts for b in cut[k + 1:]], (chunk_bytes, k)
+
+
+def test_progress_lines_are_at_most_one_per_interval():
+    """Where no bar is drawn (a batch job's log), a line after a chunk once `every` seconds have
+    passed since the last: this run's documents, bytes, tokens and their rates."""
+    import io
+
+    now = [100.0]
+    out = io.StringIO()
+    lines = prepared.ProgressLines(every=10, clock=lambda: now[0], file=out)
+    said = []
+    for step in range(1, 13):  # a chunk every 3 s for 36 s
+        now[0] = 100.0 + 3 * step
+        said.append(lines.update(100 * step, 2_000_000 * step, 500_000 * step))
+    assert [i for i, line in enumerate(said, 1) if line] == [4, 8, 12]  # at 12 s, 24 s and 36 s
+    assert said[3] == ("nljax.prepare: 400 documents, 8.0 MB, 2,000,000 tokens in 12 s "
+                       "(0.67 MB/s, 166,667 tokens/s)")
+    assert out.getvalue().splitlines() == [line for line in said if line]
+
+
+def test_without_a_terminal_prepare_prints_progress_lines(corpus, tmp_path, capsys, monkeypatch):
+    """Output not a terminal (here captured; a batch job's log): no bar, and progress lines on
+    stdout (a line per chunk here, with no interval), the last with the totals; it printed
+    nothing until its last line (36 s silent on a 31 MB corpus)."""
+    monkeypatch.setattr(prepared, "PROGRESS_EVERY", 0.0)
+    out = tmp_path / "prep"
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
+    said = capsys.readouterr()
+    lines = [line for line in said.out.splitlines() if re.match(r"nljax.prepare: [\d,]+ documents, ", line)]
+    m = prepared.load(out).manifest
+    from nljax.data import chunks, documents
+
+    files = documents.expand([f"{corpus['root']}/*.jsonl"], "data.train")
+    assert len(lines) == len(list(chunks.read([files, []], "text", 3000))) > 5, said.out
+    last = re.match(r"nljax.prepare: ([\d,]+) documents, ([\d.]+) MB, ([\d,]+) tokens in \d+ s "
+                    r"\([\d.]+ MB/s, [\d,]+ tokens/s\)$", lines[-1])
+    assert last, lines[-1]
+    documents = m["train"]["documents"] + m["eval"]["documents"]
+    assert int(last[1].replace(",", "")) == documents == 400
+    assert float(last[2]) == round((m["train"]["bytes"] + m["eval"]["bytes"] - documents) / 1e6, 1)
+    assert int(last[3].replace(",", "")) == m["train"]["tokens"] + m["eval"]["tokens"]
+    assert "nljax.prepare:" not in said.err  # no bar either
 
 
 def test_a_full_disk_while_tokenizing_names_the_file(tmp_path):

@@ -2,8 +2,9 @@
 the results handed back in the order the chunks were read.
 
 A chunk is the consecutive documents of one split's files (data.train's or data.eval's, never
-both) up to about `chunk_bytes` bytes of UTF-8 text, with the position after it (data/documents.py: file,
-record), which is where a resumed prepare starts reading again. Whatever the worker count and the
+both) up to the one with which their UTF-8 text reaches `chunk_bytes` (so at most `chunk_bytes`
+plus one document), with the position after it (data/documents.py: file, record), which is where
+a resumed prepare starts reading again. Whatever the worker count and the
 order in which workers finish, chunk k's tokens come out k-th, so the files written are the same.
 
 Memory is bounded: at most 2 x workers chunks are in flight (their text on its way to a worker,
@@ -51,30 +52,31 @@ class Encoded:
     nbytes: np.ndarray
 
 
-def utf8_bytes(text: str) -> int:
-    """The UTF-8 length of `text` without encoding it when it is ASCII (`isascii` reads a flag
-    CPython keeps); a lone surrogate (JSON allows one) counts its three bytes."""
-    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+utf8_bytes = documents.utf8_bytes  # what prepare.chunk_bytes counts
 
 
 def read(sources: Sequence[Sequence[Path]], text_key: str, chunk_bytes: int,
          start: tuple[int, int, int] = (0, 0, 0)) -> Iterator[Chunk]:
-    """The chunks of `sources` (train files, eval files) from position `start`."""
+    """The chunks of `sources` (train files, eval files) from position `start`. A chunk ends at
+    the document with which its text reaches `chunk_bytes` (one larger is a chunk of its own): the
+    lists read end there too (documents.read's max_bytes), so no chunk holds more than
+    chunk_bytes plus one document, whatever the documents' sizes."""
     for split in range(start[0], len(sources)):
         at = start[1:] if split == start[0] else (0, 0)
         texts: list[str] = []
         nbytes, end = 0, (split, *at)
-        # documents per list read: one per KiB of chunk (1 to BATCH), so that a chunk ends near
-        # chunk_bytes when documents are a KiB or longer
+        yielded = end  # where the last chunk ended
+        # documents per list read, at most: one per KiB of chunk (1 to BATCH); the lists end at
+        # chunk_bytes besides, so this bounds only the rows a Parquet or Arrow read converts at once
         batch = min(documents.BATCH, max(1, chunk_bytes >> 10))
-        for docs, index, done in documents.read(sources[split], text_key, at, batch):
+        for docs, index, done in documents.read(sources[split], text_key, at, batch, max_bytes=chunk_bytes):
             texts += docs
             nbytes += sum(map(utf8_bytes, docs))
             end = (split, index, done)
-            if nbytes >= chunk_bytes:
+            if nbytes >= chunk_bytes:  # the list ended at the document that reached it
                 yield Chunk(texts, split, end, nbytes)
-                texts, nbytes = [], 0
-        if texts or end != (split, *at):  # the records read since the last chunk, text or none
+                texts, nbytes, yielded = [], 0, end
+        if texts or end != yielded:  # the records read since the last chunk, text or none
             yield Chunk(texts, split, end, nbytes)
 
 

@@ -130,22 +130,61 @@ def _saved(folder: Path) -> bool:
 
 
 def read(files: Sequence[Path], text_key: str, start: tuple[int, int] = (0, 0),
-         batch: int = BATCH) -> Iterator[tuple[list[str], int, int]]:
+         batch: int = BATCH, max_bytes: int = 0) -> Iterator[tuple[list[str], int, int]]:
     """The documents of `files` in lists of up to `batch`, from record `start[1]` of file
     `start[0]`; each list with the index of its file and the records of that file read after it
     (a .txt is one record, a .jsonl line one, a Parquet or Arrow row one). A list may be empty
-    (a record with no text): the position still moves."""
+    (a record with no text): the position still moves.
+
+    With `max_bytes`, a list also ends at the document with which the UTF-8 bytes (`utf8_bytes`)
+    of the documents since the last such end reach `max_bytes`, counted across files: chunks.read
+    ends a chunk there, so that a chunk holds at most `max_bytes` plus one document, whatever the
+    documents' sizes (lists of `batch` documents of 64 KB were 64 MB chunks for 2 MB ones)."""
+    cut = _Cut(max_bytes)
     for index in range(start[0], len(files)):
         path, skip = files[index], start[1] if index == start[0] else 0
         if path.name.endswith(columnar.SUFFIXES):
             for texts, done in columnar.rows(path, text_key, skip, batch):
-                yield [t for t in map(_clean, texts) if t], index, done
+                first, docs, at = done - len(texts), [], None  # texts are rows first .. done - 1
+                for row, text in enumerate(map(_clean, texts), first + 1):
+                    if text:
+                        docs.append(text)
+                        if cut(text):
+                            yield docs, index, row
+                            docs, at = [], row
+                if docs or at != done:  # the rest, or rows with no text after the last cut
+                    yield docs, index, done
         elif path.name.endswith((".jsonl", ".jsonl.gz")):
-            for docs, done in _jsonl(path, text_key, skip, batch):
+            for docs, done in _jsonl(path, text_key, skip, batch, cut):
                 yield docs, index, done
         elif skip == 0:
             text = _clean(_decode(_read(path), str(path)).removeprefix(BOM))
+            if text:
+                cut(text)  # one document, one list: counted towards the next cut
             yield ([text] if text else []), index, 1
+
+
+def utf8_bytes(text: str) -> int:
+    """The UTF-8 length of `text` without encoding it when it is ASCII (`isascii` reads a flag
+    CPython keeps); a lone surrogate (JSON allows one) counts its three bytes."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+
+
+class _Cut:
+    """Where lists end by bytes (`read`'s max_bytes; 0: never): called with each document in
+    order, True for the one with which the bytes since the last True reach the limit."""
+
+    def __init__(self, max_bytes: int):
+        self.max_bytes, self.counted = max_bytes, 0
+
+    def __call__(self, text: str) -> bool:
+        if not self.max_bytes:
+            return False
+        self.counted += utf8_bytes(text)
+        if self.counted < self.max_bytes:
+            return False
+        self.counted = 0
+        return True
 
 
 def _read(path: Path) -> bytes:
@@ -161,13 +200,13 @@ def _read(path: Path) -> bytes:
     return raw
 
 
-def _jsonl(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
+def _jsonl(path: Path, text_key: str, skip: int, batch: int, cut: _Cut) -> Iterator[tuple[list[str], int]]:
     """One document per non-blank line, from line `skip` + 1; the file is streamed (a .gz
     decompressed as it is read), one line in memory at a time."""
     gz = path.name.endswith(".gz")
     try:
         with (gzip.open(path, "rb") if gz else open(path, "rb")) as f:
-            yield from _lines(path, f, text_key, skip, batch)
+            yield from _lines(path, f, text_key, skip, batch, cut)
     except OSError as e:
         if gz and not isinstance(e, FileNotFoundError | PermissionError):
             raise ConfigError(f"{path}: not a valid gzip file ({first_line(e) or type(e).__name__})") from None
@@ -176,9 +215,9 @@ def _jsonl(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[l
         raise ConfigError(f"{path}: not a valid gzip file ({first_line(e) or type(e).__name__})") from None
 
 
-def _lines(path: Path, f, text_key: str, skip: int, batch: int) -> Iterator[tuple[list[str], int]]:
+def _lines(path: Path, f, text_key: str, skip: int, batch: int, cut: _Cut) -> Iterator[tuple[list[str], int]]:
     docs: list[str] = []
-    number = 0
+    number = at = 0  # the line read, and the one the last list ended at
     for number, line in enumerate(f, 1):
         if number <= skip or not line.strip():
             continue
@@ -204,10 +243,11 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int) -> Iterator[tupl
         text = _clean(text)
         if text:
             docs.append(text)
-        if len(docs) == batch:
-            yield docs, number
-            docs = []
-    yield docs, number
+            if cut(text) or len(docs) == batch:  # (cut counts every document: called first)
+                yield docs, number
+                docs, at = [], number
+    if docs or at != number or not at:  # the rest, or blank lines after the last list (or none read)
+        yield docs, number
 
 
 def _decode(raw: bytes, where: str) -> str:

@@ -33,6 +33,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -51,6 +52,7 @@ CHUNK_BYTES = 8 << 20  # UTF-8 bytes of text per chunk (prepare.chunk_bytes)
 # tests only: nljax.prepare kills itself (SIGKILL, or "N:SIGINT") once N chunks are recorded, or
 # (SIGKILL) at a point of replacing DIR: "built", "aside" (between the two renames), "replaced"
 TEST_KILL_AFTER = "NLJAX_PREPARE_TEST_KILL_AFTER"
+PROGRESS_EVERY = 10.0  # seconds between nljax.prepare's progress lines where it draws no bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,20 +292,53 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
     kill_after, _, how = os.environ.get(TEST_KILL_AFTER, "0").partition(":")  # "N" or "N:SIGINT"
     kill_after, how = int(kill_after) if kill_after.isdigit() else 0, getattr(signal, how or "SIGKILL")
     tokens = lambda: sum(s.tokens for s in sinks.values())
-    first = tokens()
+    docs = lambda: sum(s.documents for s in sinks.values())
+    first, first_docs = tokens(), docs()
     with tqdm.tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="nljax.prepare", disable=None,
                    dynamic_ncols=True) as bar:
+        # no terminal (a batch job's log): no bar, a line every PROGRESS_EVERY seconds instead
+        lines = ProgressLines() if bar.disable else None
+        read = 0
+
         def on_chunk(chunk, done, seen):
+            nonlocal read
             work.record(sinks, done, chunk.end, seen)
-            bar.update(chunk.nbytes)
-            elapsed = bar.format_dict["elapsed"] or 1e-9
-            bar.set_postfix_str(f"{(tokens() - first) / elapsed:,.0f} tokens/s", refresh=False)
+            read += chunk.nbytes
+            if lines:
+                lines.update(docs() - first_docs, read, tokens() - first)
+            else:
+                bar.update(chunk.nbytes)
+                elapsed = bar.format_dict["elapsed"] or 1e-9
+                bar.set_postfix_str(f"{(tokens() - first) / elapsed:,.0f} tokens/s", refresh=False)
             if done == kill_after:  # the tests' stand-in for a kill (or Ctrl-C) at an arbitrary point
                 if how == signal.SIGINT:  # Python's handler, even where the test's shell ignores SIGINT (a
                     signal.signal(signal.SIGINT, signal.default_int_handler)  # background job): as at a terminal
                 os.kill(os.getpid(), how)
         seen = _fill(d, tok, sources, sinks, dtype, workers, chunk_bytes, start, on_chunk)
     return _manifest(d, tok, sources, sinks, seen)
+
+
+class ProgressLines:
+    """nljax.prepare's progress where it draws no bar (stderr not a terminal: a batch job's log,
+    which showed nothing until the last line): after a chunk, a line on stdout with this run's
+    documents, bytes and tokens so far and their rates, at most one per `every` seconds."""
+
+    def __init__(self, every: float | None = None, clock=time.monotonic, file=None):
+        self.every = PROGRESS_EVERY if every is None else every
+        self.clock, self.file = clock, file
+        self.start = self.last = clock()
+
+    def update(self, documents: int, nbytes: int, tokens: int) -> str | None:
+        """The line printed, or None (the last one is more recent than `every` seconds)."""
+        now = self.clock()
+        if now - self.last < self.every:
+            return None
+        self.last = now
+        elapsed = max(now - self.start, 1e-9)
+        line = (f"nljax.prepare: {documents:,} documents, {nbytes / 1e6:,.1f} MB, {tokens:,} tokens in "
+                f"{elapsed:,.0f} s ({nbytes / 1e6 / elapsed:,.2f} MB/s, {tokens / elapsed:,.0f} tokens/s)")
+        print(line, file=self.file or sys.stdout, flush=True)
+        return line
 
 
 def _commit(work: workdir.WorkDir, manifest: dict, tok) -> Corpus:

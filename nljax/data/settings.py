@@ -145,8 +145,9 @@ class PrepareConfig:
     it writes."""
 
     workers: int = 0  # processes that tokenize with a tokenizer.json (bytes: one); 0: all cores
-    # bytes of text (UTF-8) per chunk, the unit of work and of resume; memory holds about
-    # 2 x workers + 1 chunks of text and tokens (docs/guides/own-text-data.md)
+    # bytes of text (UTF-8) per chunk, the unit of work and of resume (a chunk ends at the
+    # document that reaches it); memory holds about 2 x workers + 1 chunks of text and tokens
+    # (docs/guides/own-text-data.md)
     chunk_bytes: int = 8 << 20
 
     def check(self) -> None:
