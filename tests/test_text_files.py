@@ -453,7 +453,9 @@ BAD = [
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
     (["data.train="], "data.train: an empty path"),
     (["data.train=R/ok.txt", "data.eval=['']"], "data.eval: an empty path"),
-    (["data.train=R/notes.md"], "data.train: R/notes.md is not a .txt, .jsonl, .parquet or .arrow file"),
+    (["data.train=R/notes.md"], "data.train: R/notes.md is not a file nljax reads as text (it reads .txt, .jsonl, "
+                                      ".txt.gz, .jsonl.gz, .parquet or .arrow files, or folders datasets' save_to_disk "
+                                      "wrote)"),
     (["data.train=R/empty.txt"], "data.train: no text in 1 file(s)"),
     (["data.train=R/latin1.txt"], "R/latin1.txt: not UTF-8 text (byte 3"),
     (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),
