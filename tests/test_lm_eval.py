@@ -450,7 +450,7 @@ def test_a_tasks_data_out_of_reach_is_one_line_and_exit_2(tmp_path, monkeypatch,
     kind = ConnectionError if error == "ConnectionError" else OfflineModeIsEnabled
 
     def unreachable(*args, **kwargs):  # as datasets.load_dataset raises it
-        raise kind(f"Couldn't reach 'EleutherAI/wikitext_document_level' on the Hub (LocalEntryNotFoundError)")
+        raise kind("Couldn't reach 'EleutherAI/wikitext_document_level' on the Hub (LocalEntryNotFoundError)")
 
     tasks = write_tasks(tmp_path / "tasks")
     monkeypatch.setattr(datasets, "load_dataset", unreachable)

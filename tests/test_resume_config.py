@@ -124,7 +124,7 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
     capsys.readouterr()
     assert train_main(["--resume", *args]) == 0
     out = capsys.readouterr().out
-    assert (f"nothing left to train: the checkpoint is at step 2 = train.steps (raise train.steps to continue); "
+    assert ("nothing left to train: the checkpoint is at step 2 = train.steps (raise train.steps to continue); "
             "evaluating it again for summary.json") in out.splitlines(), out
     assert "saving the final checkpoint" not in out, out
     assert sorted((p.relative_to(step), p.stat().st_mtime_ns) for p in step.rglob("*")) == before
