@@ -237,11 +237,18 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
     try:
         setup_devices(args.cpu_devices)
         hostmem.retain()  # before JAX's backends start (nljax/measure/hostmem.py)
-        cfg = configure(args, config.load(args.config, args.overrides, check=not resumes(args)))
-        if getattr(args, "print_config", False):  # nljax.train --print-config: the config, nothing built
+        printing = getattr(args, "print_config", False)  # nljax.train --print-config: the config, nothing built
+        cfg = configure(args, config.load(args.config, args.overrides, check=not resumes(args) and not printing))
+        if printing:
             cfg = settle(args, cfg)
-            config.validate(cfg)  # a resumed config was; the command line's alone (nothing to resume) not yet
             print(configdoc.to_yaml(cfg), end="")
+            # a config that does not train as it is (data.source=files before data.train is chosen)
+            # is still the one to look at: printed, and what it lacks said (a wrong key or value
+            # stopped config.load before, in one line)
+            try:
+                config.validate(cfg)
+            except config.ConfigError as e:
+                print(f"{p.prog}: note: this config does not train as it is: {e}", file=sys.stderr)
             return 0
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
             multiprocess = setup_processes(args, cfg)

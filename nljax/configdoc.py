@@ -231,7 +231,8 @@ def config_markdown() -> str:
            "the fields of the config dataclasses (each section is declared beside the code that reads it). "
            "Set a key in a YAML file given with `--config` or as a dotted override on the command line "
            "(`train.steps=50`); `python -m nljax.train --print-config` prints the resolved config in the "
-           "same form. An unknown key or a value of the wrong type stops the run with one line naming the key.",
+           "same form (one that cannot train as it is, such as `data.source=files` before `data.train` is "
+           "chosen, is printed too, with a note on standard error saying what it lacks). An unknown key or a value of the wrong type stops the run with one line naming the key.",
            "",
            "A config file may build on another: `base_config: nl_gpu` (a packaged config by name) or "
            "`base_config: ../shared.yaml` (a YAML file, relative to the file naming it) at its top level is read "

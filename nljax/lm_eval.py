@@ -16,15 +16,19 @@ the same on any count. How requests are read: nljax/run/harness_model.py.
 
 lm-eval is an optional extra: `pip install 'nljax[lm-eval]'` (in a checkout of nljax: `pip
 install -e '.[lm-eval]'`). Without it `--help` prints this command's own options and a run is
-one line (exit 2), as is a task lm-eval does not know.
+one line (exit 2), as is a task lm-eval does not know, a task whose data cannot be fetched,
+and bad --model_args (checked before lm-eval's start-up).
 """
 
 from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 import traceback
+from pathlib import Path
+from unittest import mock
 
 from nljax import cli
 from nljax.errors import ConfigError, first_line
@@ -48,11 +52,7 @@ class FromRun(NLJaxLM):
 
     def __init__(self, run_dir: str = "", checkpoint: str | int = "latest", batch_size: int | str | None = None,
                  **options):
-        # lm-eval passes its own options to every model: the device and the batch limit are JAX's and ours
-        unknown = sorted(set(options) - {"device", "max_batch_size"})
-        if unknown:
-            raise ConfigError(f"--model_args: unknown key(s) {', '.join(unknown)} for --model {NAME} (it takes "
-                              "run_dir=, checkpoint= and batch_size=)")
+        check_keys(options)
         super().__init__(load(str(run_dir), checkpoint, rows(batch_size)))
 
     @classmethod
@@ -67,6 +67,55 @@ class FromRun(NLJaxLM):
         from lm_eval.utils import simple_parse_args_string
 
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+
+KEYS = ("run_dir", "checkpoint", "batch_size")  # FromRun's own --model_args
+# lm-eval passes its own options to every model: the device and the batch limit are JAX's and ours
+PASSED = ("device", "max_batch_size")
+
+
+def check_keys(options) -> None:
+    """One line for --model_args keys that are neither `KEYS` nor lm-eval's `PASSED`."""
+    unknown = sorted(set(options) - set(KEYS) - set(PASSED))
+    if unknown:
+        raise ConfigError(f"--model_args: unknown key(s) {', '.join(unknown)} for --model {NAME} (it takes "
+                          "run_dir=, checkpoint= and batch_size=)")
+
+
+def check_early(lm_eval_argv: list[str]) -> None:
+    """`--model nljax`'s --model_args checked as FromRun will check them (the keys, run_dir= a
+    run or export directory, batch_size=), before lm-eval's start-up (its imports, its index of
+    its thousands of tasks, the tasks' data: 20 s and more) rather than after it. Parsed as
+    lm-eval parses them (its own action); an lm-eval without that action is left to its check."""
+    import argparse
+
+    try:
+        from lm_eval._cli.utils import MergeDictAction
+    except ImportError:  # another lm-eval 0.4 layout: FromRun checks them, later
+        return
+    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    p.add_argument("--model", "-m")
+    p.add_argument("--model_args", "-a", nargs="+", action=MergeDictAction)
+    try:
+        args, _ = p.parse_known_args(lm_eval_argv)
+    except (SystemExit, ValueError, TypeError):  # not ours to word: lm-eval's parser says it
+        return
+    if args.model != NAME:
+        return
+    given = args.model_args or {}
+    check_keys(given)
+    path = str(given.get("run_dir", ""))
+    need_run_dir(path)
+    from nljax.trained_model import kind_of
+
+    kind_of(Path(os.path.expanduser(path)))  # one line where it is neither
+    rows(given.get("batch_size"))
+
+
+def need_run_dir(path: str) -> None:
+    if not path:
+        raise ConfigError(f"--model {NAME} needs --model_args run_dir=DIR (a run directory nljax.train wrote, or an "
+                          "export directory)")
 
 
 def rows(batch_size: int | str | None) -> int:
@@ -90,9 +139,7 @@ def load(path: str, checkpoint: str | int, n_rows: int) -> Reading:
     import nljax
     from nljax.parallel.mesh import make_mesh, replicated
 
-    if not path:
-        raise ConfigError(f"--model {NAME} needs --model_args run_dir=DIR (a run directory nljax.train wrote, or an "
-                          "export directory)")
+    need_run_dir(path)
     lm = nljax.load(path, checkpoint)
     if not lm.makes_text:
         raise ConfigError(f"{path}: model.name={lm.config.model.name} makes images, not text: lm-eval scores "
@@ -134,19 +181,65 @@ def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
     if _missing is not None:  # refused, as the environment it needs is not there
         raise ConfigError(f"lm-eval is not installed ({_missing}): {INSTALL}")
     cli.setup_devices(cpu_devices)
+    check_early(lm_eval_argv)
     register()
+    from lm_eval import evaluator
     from lm_eval.__main__ import cli_evaluate
 
     sys.argv = ["lm_eval", *lm_eval_argv]
     try:
-        cli_evaluate()
+        # lm-eval's `git describe` (its results' git_hash) says `fatal: not a git repository` on
+        # standard error outside one: the same hash, without the stray line
+        with mock.patch.object(evaluator, "get_git_commit_hash", git_hash):
+            cli_evaluate()
     except ValueError as e:
         tasks = unknown_tasks(e)
         if tasks is None:
             raise
         raise ConfigError(f"unknown task(s): {tasks} (`lm_eval ls tasks` lists lm-eval's; a task of your own: "
                           "--include_path DIR)") from None
+    except OSError as e:
+        if not unreadable_data(e):
+            raise
+        raise ConfigError(f"a task's data cannot be read: {first_line(e) or type(e).__name__} ({UNREADABLE})") from None
     return 0
+
+
+# where a task's data that Hugging Face's libraries cannot fetch is refused: what to do instead
+UNREADABLE = ("lm-eval downloads a standard task's data from the Hugging Face Hub once, then reads its cache; "
+              "without the network, a task of your own reads local files: docs/guides/evaluation.md, "
+              "\"A task of your own, nothing downloaded\"")
+
+
+def unreadable_data(e: OSError) -> bool:
+    """Whether `e` is a task's data that `datasets` or the Hub could not fetch (the Hub out of
+    reach, offline mode, no such dataset), raised as lm-eval built a task: an input the command
+    refuses (exit 2), as an unknown task is; any other OSError (a full disk) is not."""
+    kinds: tuple[type, ...] = (ConnectionError,)  # datasets' "Couldn't reach ..."; the Hub's OfflineModeIsEnabled
+    try:
+        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+        kinds += (HfHubHTTPError, LocalEntryNotFoundError)
+    except ImportError:
+        pass
+    try:
+        from datasets.exceptions import DatasetNotFoundError
+
+        kinds += (DatasetNotFoundError,)
+    except ImportError:
+        pass
+    task = f"{os.sep}lm_eval{os.sep}api{os.sep}task.py"  # ConfigurableTask.download: datasets.load_dataset
+    return isinstance(e, kinds) and any(f.filename.endswith(task) for f in traceback.extract_tb(e.__traceback__))
+
+
+def git_hash() -> str | None:
+    """lm-eval's `get_git_commit_hash` with git's own error line held back."""
+    from lm_eval.loggers.utils import get_commit_from_path
+
+    try:
+        return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+    except (subprocess.CalledProcessError, FileNotFoundError):  # not a repository; git not installed
+        return get_commit_from_path(os.getcwd())
 
 
 def unknown_tasks(e: ValueError) -> str | None:

@@ -49,7 +49,8 @@ def main(argv=None) -> int:
                         help="continue from the latest checkpoint if run.dir has one, else start the run (over, in "
                         "place, if it saved none): one command for a job's first start and its restarts")
     p.add_argument("--print-config", action="store_true",
-                   help="print the resolved config as YAML, each key with its comment, and exit (nothing is built)")
+                   help="print the resolved config as YAML, each key with its comment, and exit (nothing is built; "
+                   "a config that cannot train as it is is printed too, with a note saying what it lacks)")
     return cli.main(_run, p, argv, quiet=lambda args, cfg: cfg.run.quiet, configure=_configure,
                     first_step=resume_step_guess, settle=_settle, resumes=lambda args: args.resume or args.resume_auto)
 

@@ -81,7 +81,8 @@ def test_yaml_file(tmp_path):
         ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
         ("data.train=a.txt", "data.train is read only with data.source=files (data.source=stdlib)"),
-        ("data.source=files", "data.source=files needs data.train (paths or globs of .txt/.jsonl files) or "
+        ("data.source=files", "data.source=files needs data.train (paths or globs of .txt, .jsonl, .txt.gz, "
+                              ".jsonl.gz, .parquet, .arrow or .feather files, or folders datasets' save_to_disk wrote) or "
                               "data.prepared"),
     ],
 )

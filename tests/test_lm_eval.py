@@ -377,7 +377,7 @@ def test_the_command_without_lm_eval_reads_its_help_and_is_one_line(monkeypatch,
 def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch, capsys, local_tasks_only):
     """`--tasks nosuchtask`: lm-eval's ValueError("Tasks not found: ...") becomes one line and
     exit 2 (a 27-line traceback and exit 1 before), raised by lm-eval itself as it matches the
-    tasks (no run directory needed: the tasks are matched first). Any other ValueError, or one
+    tasks (the model is not built: the tasks are matched first). Any other ValueError, or one
     of that wording that lm-eval did not raise, is not the command's to describe: it passes."""
     from lm_eval import __main__ as lm_eval_main
 
@@ -385,6 +385,7 @@ def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command sets lm-eval's argv
     tasks = write_tasks(tmp_path / "tasks")
+    (tmp_path / "config.yaml").write_text("")  # a run directory to the check of --model_args before lm-eval's start-up
     assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "tiny_mc,nosuchtask",
                          "--include_path", str(tasks)]) == 2
     err = capsys.readouterr().err.strip()
@@ -397,7 +398,99 @@ def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch
 
         monkeypatch.setattr(lm_eval_main, "cli_evaluate", fails)
         with pytest.raises(ValueError, match=message):
-            lm_eval.main(["--model", "nljax", "--tasks", "x"])
+            lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "x"])
+
+
+def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, monkeypatch, capsys):
+    """nljax's own --model_args (the keys, run_dir=, batch_size=) are checked before lm-eval's
+    start-up (its task index, the tasks' data: 20 s and more before), with FromRun's lines."""
+    from lm_eval import __main__ as lm_eval_main
+
+    from nljax import lm_eval
+
+    def started():
+        raise AssertionError("lm-eval started")
+
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", started)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    nope = tmp_path / "nope"
+    for args, line in (
+            ([f"run_dir={nope}"], f"{nope} is neither an export directory (python -m nljax.export) nor a run directory "
+                                  "(python -m nljax.train's run.dir, with its config.yaml)"),
+            ([f"run_dir={tmp_path},batchsize=4"], "--model_args: unknown key(s) batchsize for --model nljax (it takes "
+                                                  "run_dir=, checkpoint= and batch_size=)"),
+            ([f"run_dir={tmp_path}", "batchsize=4"], "--model_args: unknown key(s) batchsize for --model nljax (it "
+                                                     "takes run_dir=, checkpoint= and batch_size=)"),
+            ([], "--model nljax needs --model_args run_dir=DIR (a run directory nljax.train wrote, or an export "
+                 "directory)")):
+        assert lm_eval.main(["--model", "nljax", *(["--model_args", *args] if args else []), "--tasks", "x"]) == 2
+        assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
+    (tmp_path / "config.yaml").write_text("")
+    assert lm_eval.main(["--model", "nljax", "--model_args", f'{{"run_dir": "{tmp_path}", "batch_size": 0}}',
+                         "--tasks", "x"]) == 2
+    assert capsys.readouterr().err.strip() == "nljax.lm_eval: error: batch_size must be >= 1, got 0"
+    with pytest.raises(AssertionError, match="lm-eval started"):  # good ones, and another model's: lm-eval's
+        lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},checkpoint=3", "--tasks", "x"])
+    with pytest.raises(AssertionError, match="lm-eval started"):
+        lm_eval.main(["--model", "hf", "--model_args", "pretrained=x,batchsize=4", "--tasks", "x"])
+
+
+@pytest.mark.parametrize("error", ["ConnectionError", "OfflineModeIsEnabled"])
+def test_a_tasks_data_out_of_reach_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, error):
+    """A task whose data `datasets` cannot fetch (the Hub out of reach, or offline: simulated, no
+    download here) is a refused input: one line pointing to a task of one's own, exit 2 (a
+    traceback's last line and exit 1 before); an OSError raised elsewhere is not: it passes."""
+    import datasets
+    from huggingface_hub.errors import OfflineModeIsEnabled
+    from lm_eval import __main__ as lm_eval_main
+    from lm_eval.tasks import TaskManager
+
+    from nljax import lm_eval
+
+    kind = ConnectionError if error == "ConnectionError" else OfflineModeIsEnabled
+
+    def unreachable(*args, **kwargs):  # as datasets.load_dataset raises it
+        raise kind("Couldn't reach 'EleutherAI/wikitext_document_level' on the Hub (LocalEntryNotFoundError)")
+
+    tasks = write_tasks(tmp_path / "tasks")
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    # lm-eval as far as it builds the task (ConfigurableTask.download): the model is not the test's
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate",
+                        lambda: TaskManager(include_path=str(tasks), include_defaults=False).load(["tiny_mc"]))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    (tmp_path / "config.yaml").write_text("")
+    argv = ["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "tiny_mc", "--include_path",
+            str(tasks)]
+    assert lm_eval.main(argv) == 2
+    assert capsys.readouterr().err.strip() == (
+        "nljax.lm_eval: error: a task's data cannot be read: Couldn't reach 'EleutherAI/wikitext_document_level' on "
+        "the Hub (LocalEntryNotFoundError) (lm-eval downloads a standard task's data from the Hugging Face Hub once, "
+        "then reads its cache; without the network, a task of your own reads local files: docs/guides/evaluation.md, "
+        "\"A task of your own, nothing downloaded\")")
+    # the guide has that section
+    assert "### A task of your own, nothing downloaded" in (ROOT / "docs" / "guides" / "evaluation.md").read_text()
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", unreachable)  # not raised building a task
+    assert lm_eval.main(argv) == 1
+
+
+def test_lm_evals_git_describe_says_nothing_outside_a_repository(tmp_path, monkeypatch, capfd):
+    """lm-eval records `git describe` in its results; outside a repository git's `fatal: not a
+    git repository` went to standard error. The command holds it back (the hash is the same)."""
+    from lm_eval import __main__ as lm_eval_main
+    from lm_eval import evaluator
+    from lm_eval.loggers.utils import get_git_commit_hash
+
+    from nljax import lm_eval
+
+    got = []
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", lambda: got.append(evaluator.get_git_commit_hash()))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.chdir(tmp_path)  # no repository here
+    capfd.readouterr()
+    assert lm_eval.main(["--model", "hf", "--tasks", "x"]) == 0
+    assert got == [None] and capfd.readouterr().err == ""
+    monkeypatch.chdir(ROOT)  # a repository (a checkout): the same hash as lm-eval's own
+    assert lm_eval.git_hash() == get_git_commit_hash()
 
 
 def test_a_tokenizer_run_is_scored_with_its_tokens(tmp_path):

@@ -95,3 +95,16 @@ def test_print_config_round_trips(tmp_path, capsys):
 def test_print_config_refuses_a_bad_key(capsys):
     assert train.main(["--print-config", "train.stepz=3"]) == 2
     assert "did you mean 'train.steps'" in capsys.readouterr().err
+
+
+def test_print_config_prints_a_config_that_does_not_train_yet(capsys):
+    """`--print-config data.source=files` before data.train is chosen: the config is printed (exit
+    0), with one note on standard error saying what it lacks to train; it was refused before."""
+    assert train.main(["--print-config", "data.source=files"]) == 0
+    out, err = capsys.readouterr()
+    assert "  source: files\n" in out and "nljax" not in out.splitlines()[-1]
+    assert err.splitlines() == [
+        "nljax.train: note: this config does not train as it is: data.source=files needs data.train (paths or globs "
+        "of .txt, .jsonl, .txt.gz, .jsonl.gz, .parquet or .arrow files, or folders datasets' save_to_disk wrote) or "
+        "data.prepared (a directory nljax.prepare wrote)"]
+    assert train.main(["--print-config", "data.source=files", "train.steps=x"]) == 2  # a wrong value: refused

@@ -108,3 +108,24 @@ def test_a_changed_model_is_named_before_the_checks_it_fails(tmp_path):
         resumed_config(config.load(None, args), None, args)
     assert str(e.value) == (f"model.name='nl_lm' cannot change on resume ('cms_mlp' in {run / 'config.yaml'}: the "
                             "checkpoint holds that model); leave it out, or start a new run in another run.dir")
+
+
+def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
+    """`--resume` of a run whose checkpoint is at train.steps: one line says there is nothing left
+    to train, and no save is announced (none happens: the checkpoint is untouched); the final
+    evaluation and summary.json are made again."""
+    from nljax.train import main as train_main
+
+    run = tmp_path / "run"
+    args = [*SMALL, "train.steps=2", "eval.every=0", *QUICK, "throughput.reps=0", f"run.dir={run}"]
+    assert train_main(args) == 0
+    step = run / "checkpoints" / "2"
+    before = sorted((p.relative_to(step), p.stat().st_mtime_ns) for p in step.rglob("*"))
+    capsys.readouterr()
+    assert train_main(["--resume", *args]) == 0
+    out = capsys.readouterr().out
+    assert ("nothing left to train: the checkpoint is at step 2 = train.steps (raise train.steps to continue); "
+            "evaluating it again for summary.json") in out.splitlines(), out
+    assert "saving the final checkpoint" not in out, out
+    assert sorted((p.relative_to(step), p.stat().st_mtime_ns) for p in step.rglob("*")) == before
+    assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 2

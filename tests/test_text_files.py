@@ -332,6 +332,30 @@ def test_another_tokenizer_is_refused_on_resume_and_load(corpus, tokenizer, tmp_
     assert f"trained on the tokenizer of sha256 {sha[:12]}" in capsys.readouterr().err
 
 
+def test_a_bytes_run_resumed_with_a_tokenizer_is_told_the_tokenization(corpus, tokenizer, tmp_path):
+    """A run of byte tokens (model.vocab_size never set: the bytes' 256) resumed with
+    data.tokenizer: the line names the tokenizations, not a model.vocab_size the user never set."""
+    from nljax.run.resuming import resumed_config
+
+    run = tmp_path / "run"
+    run.mkdir()
+    train = f"data.train=[{','.join(corpus['train'])}]"
+    data = ["model.name=cms_mlp", "data.source=files", train, f"run.dir={run}"]
+    saved = tasks.resolve(config.load(None, data))
+    assert saved.model.vocab_size == 256
+    (run / "config.yaml").write_text(json.dumps(config.to_dict(saved)))  # YAML reads JSON
+    args = ["checkpoint.resume=latest", f"run.dir={run}", f"data.tokenizer={tokenizer}", "data.doc_end_token=<eos>"]
+    with pytest.raises(config.ConfigError) as e:
+        resumed_config(config.load(None, args, check=False), None, args)
+    assert str(e.value) == (f"the run in {run} was trained on byte tokens (model.vocab_size=256 in "
+                            f"{run / 'config.yaml'}), this run's data use data.tokenizer={tokenizer} (320 tokens): its "
+                            "token ids would stand for other text; resume on data of the run's tokenization, or start "
+                            "a new run in another run.dir")
+    # model.vocab_size set on the command line: that key is the line's, as before
+    with pytest.raises(config.ConfigError, match=r"^model.vocab_size=320 cannot change on resume \(256 in"):
+        resumed_config(config.load(None, [*args, "model.vocab_size=320"], check=False), None, [*args, "model.vocab_size=320"])
+
+
 def test_a_resume_takes_a_data_override_alone(corpus, tmp_path, capsys):
     """Prepared data moved since the run: `--resume run.dir=R data.prepared=NEW` resumes (the
     command line alone, data.source at its default, was refused before the saved config applied)."""
@@ -429,7 +453,9 @@ BAD = [
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
     (["data.train="], "data.train: an empty path"),
     (["data.train=R/ok.txt", "data.eval=['']"], "data.eval: an empty path"),
-    (["data.train=R/notes.md"], "data.train: R/notes.md is not a .txt, .jsonl, .parquet or .arrow (.feather) file"),
+    (["data.train=R/notes.md"], "data.train: R/notes.md is not a file nljax reads as text (it reads .txt, .jsonl, "
+                                      ".txt.gz, .jsonl.gz, .parquet, .arrow or .feather files, or folders datasets' save_to_disk "
+                                      "wrote)"),
     (["data.train=R/empty.txt"], "data.train: no text in 1 file(s)"),
     (["data.train=R/latin1.txt"], "R/latin1.txt: not UTF-8 text (byte 3"),
     (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from nljax.data import columnar
+from nljax.data.settings import TEXT_FORMATS
 from nljax.errors import ConfigError, first_line
 
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", *columnar.SUFFIXES)
@@ -76,8 +77,7 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 found = [p]
         for p in found:
             if not p.name.endswith(SUFFIXES):
-                raise ConfigError(f"{key}: {p} is not a .txt, .jsonl, .parquet or .arrow (.feather) file (.txt "
-                                  "and .jsonl optionally .gz)")
+                raise ConfigError(f"{key}: {p} is not a file nljax reads as text (it reads {TEXT_FORMATS})")
             if p.name.endswith(columnar.SUFFIXES):
                 columnar.require_pyarrow(p)
             if p.resolve() not in seen:

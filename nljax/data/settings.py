@@ -16,6 +16,11 @@ from typing import ClassVar, Literal
 
 from nljax.errors import ConfigError
 
+# What data.train and data.eval read, in the messages that name them all (one list: a message
+# that named only .txt/.jsonl sent users of Parquet away)
+TEXT_FORMATS = (".txt, .jsonl, .txt.gz, .jsonl.gz, .parquet, .arrow or .feather files, or folders datasets' "
+                "save_to_disk wrote")
+
 # the keys that describe the user's own files: read only with data.source=files
 FILE_KEYS = ("train", "eval", "tokenizer", "prepared", "doc_end_token")
 # a data.eval_sets name: it ends metric names (eval_loss/<name>), which trackers take as they are
@@ -117,7 +122,7 @@ class DataConfig:
 
     def _check_files(self) -> None:
         if not self.train and not self.prepared and not self.eval:
-            raise ConfigError("data.source=files needs data.train (paths or globs of .txt/.jsonl files) or "
+            raise ConfigError(f"data.source=files needs data.train (paths or globs of {TEXT_FORMATS}) or "
                               "data.prepared (a directory nljax.prepare wrote)")
         if self.eval and self.prepared and not self.train:  # the directory holds its own held-out split
             raise ConfigError("data.eval with data.prepared needs data.train (or give data.prepared alone)")

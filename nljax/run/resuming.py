@@ -95,8 +95,26 @@ def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrid
         # model.vocab_size at its default) is a fresh run's, not a resume's
         raise ConfigError(f"{e.args[0].split(';')[0]} (the run's, {saved_file}): its model has no row for the other "
                           "tokens; resume on data of the run's tokenizer") from None
+    if resolved.model.vocab_size not in (resumed.model.vocab_size, saved.model.vocab_size):
+        # model.vocab_size came from the data (left at its default), not from the user: the change
+        # is of the tokenization, which is the line to give (as a checkpoint of another tokenizer's
+        # ids is refused), not a key the user never set
+        raise ConfigError(f"the run in {cfg.run.dir} was trained on {tokens_of(saved.data)} "
+                          f"(model.vocab_size={saved.model.vocab_size} in {saved_file}), this run's data use "
+                          f"{tokens_of(resumed.data)} ({resolved.model.vocab_size} tokens): its token ids would "
+                          "stand for other text; resume on data of the run's tokenization, or start a new run in "
+                          "another run.dir")
     check_unchanged(saved, resolved, saved_file, config_file, overrides)
     return resumed
+
+
+def tokens_of(d) -> str:
+    """The tokenization of data settings `d` (data.source=files) in words, as its config names it."""
+    if d.tokenizer:
+        return f"data.tokenizer={d.tokenizer}"
+    if d.prepared:
+        return f"the tokenization of data.prepared={d.prepared}"
+    return "byte tokens"
 
 
 def check_unchanged(saved: Config, resumed: Config, saved_file: Path,

@@ -459,8 +459,15 @@ def _train(cfg: Config, notice: Notice) -> dict:
         cleanup.callback(ckpt.close)  # a run stopped by an error keeps the saves it started (a failed one found here)
         ckpt.open()
         startup_report(run, ckpt.state, out.say)
+        # a resume of a run that finished (its checkpoint at train.steps): no step, no save (the
+        # checkpoint is the final one); the final evaluation and summary.json are made again, as
+        # the one report of this command (the trackers hold the scores already: `final_report`)
+        done = ckpt.resume_step == cfg.train.steps
+        if done:
+            out.say(f"nothing left to train: the checkpoint is at step {ckpt.start} = train.steps (raise "
+                    "train.steps to continue); evaluating it again for summary.json")
         state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt, notice)
-        final = Announced(out.say if cfg.checkpoint.every else (lambda text: None))
+        final = Announced(out.say if cfg.checkpoint.every and not done else (lambda text: None))
         with final(f"saving the final checkpoint ({cfg.train.steps}) to {ckpt.dir}"):
             ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
         summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
