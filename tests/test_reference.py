@@ -105,6 +105,6 @@ def test_print_config_prints_a_config_that_does_not_train_yet(capsys):
     assert "  source: files\n" in out and "nljax" not in out.splitlines()[-1]
     assert err.splitlines() == [
         "nljax.train: note: this config does not train as it is: data.source=files needs data.train (paths or globs "
-        "of .txt, .jsonl, .txt.gz, .jsonl.gz, .parquet or .arrow files, or folders datasets' save_to_disk wrote) or "
+        "of .txt, .jsonl, .txt.gz, .jsonl.gz, .parquet, .arrow or .feather files, or folders datasets' save_to_disk wrote) or "
         "data.prepared (a directory nljax.prepare wrote)"]
     assert train.main(["--print-config", "data.source=files", "train.steps=x"]) == 2  # a wrong value: refused
