@@ -22,6 +22,10 @@ from nljax.parallel.hostdev import mean_loss
 from nljax.run.core import Run
 
 ROOT = Path(__file__).resolve().parent.parent  # the checkout: its nljax is the one under test
+# A jit's compiler_options for a test that claims two programs give the same bits: XLA:CPU's
+# default emitters, where conftest chose the faster-compiling older ones (jaxlib 0.10).
+EXACT = ({"xla_cpu_use_fusion_emitters": True}
+         if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "").split() else {})
 
 # ---------------------------------------------------------------------------------------------
 # Tiny configs (overrides; later ones win, so a test adds its own after these)

@@ -71,7 +71,10 @@ def test_skip_is_per_level(strategy, inter, intra, poison, extra):
     np.testing.assert_array_equal(np.asarray(m["level_skipped"]), [0, 1])
     assert float(m["skipped"]) == 1
     p_start, p_fired, p_frozen = (params_host(setup, s) for s in (start, fired, frozen))
-    assert_trees_close(level(setup, p_fired, 0), level(setup, p_frozen, 0), rtol=0, atol=0)
+    # two programs (level 1 fired, frozen): their level-0 updates agree to float32 rounding (to the
+    # bit under XLA:CPU's default emitters; conftest's faster ones fuse the two differently). A
+    # leak of the poison would show as nan or as a ~1e6-fold smaller update (test_clipping_...)
+    assert_trees_close(level(setup, p_fired, 0), level(setup, p_frozen, 0), rtol=1e-6, atol=1e-7)
     assert not np.allclose(jax.tree.leaves(level(setup, p_fired, 0))[0], jax.tree.leaves(level(setup, p_start, 0))[0])
     assert_trees_close(level(setup, p_fired, 1), level(setup, p_start, 1), rtol=0, atol=0)
     assert_trees_close(fired.opt_state[1], start.opt_state[1], rtol=0, atol=0)

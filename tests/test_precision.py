@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY_NL_DEEP, assert_trees_close, make, train
+from helpers import EXACT, TINY_NL_DEEP, assert_trees_close, make, train
 
 from nljax import config
 from nljax.models import build
@@ -20,7 +20,7 @@ def grads(overrides):
     tokens = jax.random.randint(jax.random.key(1), (2, 129), 0, 256)
     batch = {"tokens": tokens, "reset": jnp.ones(2, bool)}
     memory = model.init_memory(2)
-    return jax.jit(jax.grad(lambda p: model.apply(p, memory, batch)[0]))(params)
+    return jax.jit(jax.grad(lambda p: model.apply(p, memory, batch)[0]), compiler_options=EXACT)(params)
 
 
 @pytest.mark.parametrize("remat,kind", [pytest.param("block", "linear", marks=pytest.mark.slow), ("memory", "mlp")])
