@@ -106,9 +106,15 @@ def check_early(lm_eval_argv: list[str]) -> None:
     check_keys(given)
     path = str(given.get("run_dir", ""))
     need_run_dir(path)
-    from nljax.trained_model import kind_of
+    from nljax.run.trained import checkpoint_path
+    from nljax.trained_model import check_export_args, kind_of
 
-    kind_of(Path(os.path.expanduser(path)))  # one line where it is neither
+    where = Path(os.path.expanduser(path))
+    checkpoint = given.get("checkpoint", "latest")
+    if kind_of(where) == "export":  # one line where it is neither
+        check_export_args(where, checkpoint)
+    else:
+        checkpoint_path(where, checkpoint)  # a step the run has no checkpoint at: one line, with the steps it has
     rows(given.get("batch_size"))
 
 

@@ -327,11 +327,16 @@ def load(path: str | Path, checkpoint: str | int = "latest", overrides: Sequence
         raise ConfigError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
     path = Path(os.path.expanduser(path))
     if kind_of(path) == "export":
-        if checkpoint != "latest" or overrides:
-            raise ConfigError(f"{path} is an export (one set of parameters): checkpoint= and overrides are for a "
-                              "run directory")
+        check_export_args(path, checkpoint, overrides)
         return _from_export(path)
     return _from_run(path, checkpoint, overrides)
+
+
+def check_export_args(path: Path, checkpoint: str | int = "latest", overrides: Sequence[str] = ()) -> None:
+    """An export is one set of parameters: no checkpoint to choose, no config to override."""
+    if checkpoint != "latest" or overrides:
+        raise ConfigError(f"{path} is an export (one set of parameters): checkpoint= and overrides are for a "
+                          "run directory")
 
 
 def kind_of(path: Path) -> str:

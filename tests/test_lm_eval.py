@@ -402,7 +402,7 @@ def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch
 
 
 def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, monkeypatch, capsys):
-    """nljax's own --model_args (the keys, run_dir=, batch_size=) are checked before lm-eval's
+    """nljax's own --model_args (the keys, run_dir=, checkpoint=, batch_size=) are checked before lm-eval's
     start-up (its task index, the tasks' data: 20 s and more before), with FromRun's lines."""
     from lm_eval import __main__ as lm_eval_main
 
@@ -429,6 +429,11 @@ def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, monkeypa
     assert lm_eval.main(["--model", "nljax", "--model_args", f'{{"run_dir": "{tmp_path}", "batch_size": 0}}',
                          "--tasks", "x"]) == 2
     assert capsys.readouterr().err.strip() == "nljax.lm_eval: error: batch_size must be >= 1, got 0"
+    (tmp_path / "config.yaml").write_text("train:\n  steps: 3\n")  # a run that saved no checkpoint
+    assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},checkpoint=3", "--tasks", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.lm_eval: error: checkpoint=3: {tmp_path} has no checkpoint at "
+                                               f"step 3 ({tmp_path / 'checkpoints'} holds none)")
+    (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     with pytest.raises(AssertionError, match="lm-eval started"):  # good ones, and another model's: lm-eval's
         lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},checkpoint=3", "--tasks", "x"])
     with pytest.raises(AssertionError, match="lm-eval started"):
