@@ -315,6 +315,22 @@ def test_reps_zero_skips_the_timing(tmp_path, monkeypatch, capsys):
     assert (run / "step_time.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_plots_are_drawn_after_the_report(tmp_path, monkeypatch, capsys):
+    """The plots (matplotlib's import and drawing: ~2 s) are drawn after the report's last line
+    and before the closing lines, not in a silence before the throughput table."""
+    from nljax.measure import plots
+    from nljax.train import main
+
+    real = plots.write
+    monkeypatch.setattr(plots, "write", lambda *a, **k: (print("<drawing>"), real(*a, **k))[1])
+    rc = main(["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1,2]", "train.batch_size=8",
+               "train.seq_len=16", "train.steps=2", "eval.every=0", "eval.batches=1", "throughput.reps=1",
+               "run.trackers=[]", "run.compile_cache=none", f"run.dir={tmp_path / 'run'}"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.index("step ms") < out.index("<drawing>") < out.index("run directory:"), out
+
+
 def loop_run(setup, steps, ahead, hooks=(), keep=None, stop=lambda step: False, seen=None):
     """`train_loop`'s stepping (`training_steps`) of `setup`'s run with train.dispatch_ahead=`ahead`:
     (records, {step: params of the results that kept their state}, the final state). `hooks`:

@@ -325,14 +325,6 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     if describe is not None:
         summary["data"] = describe()
     out.run.save_summary(summary)
-    if out.run.write and cfg.run.plots:
-        from nljax.measure import plots  # matplotlib: loaded only to draw
-
-        for name in plots.NAMES if hist.records else ():  # before they are made: an overwrite removes them
-            runlog.note_written(out.run.path, name)
-        # a text task's bits per byte in a nat per token (the log's eval_bpb): loss.png shows both
-        plots.write(out.run.path, hist.records, table.get("per_pattern", {}), final_eval,
-                    getattr(run.task, "bpb_per_nat", None))
     if measured is not None:
         out.say(throughput.format_table(table))
     every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case
@@ -345,6 +337,16 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         out.say(f"per-level sync per device per step (HLO, mean over a cycle): "
                 f"{comm['mean_wire_bytes_per_step'] - tp:,.0f} B, {comm['ratio_vs_ddp']:.3f} x a DDP all-reduce of "
                 "every parameter" + (f"; tensor-parallel activations {tp:,.0f} B" if tp else ""))
+    # drawn after the report's lines (matplotlib's import and drawing take ~2 s, which came
+    # silently before the throughput table); the closing lines follow
+    if out.run.write and cfg.run.plots:
+        from nljax.measure import plots  # matplotlib: loaded only to draw
+
+        for name in plots.NAMES if hist.records else ():  # before they are made: an overwrite removes them
+            runlog.note_written(out.run.path, name)
+        # a text task's bits per byte in a nat per token (the log's eval_bpb): loss.png shows both
+        plots.write(out.run.path, hist.records, table.get("per_pattern", {}), final_eval,
+                    getattr(run.task, "bpb_per_nat", None))
     return summary
 
 
