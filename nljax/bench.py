@@ -370,6 +370,8 @@ def check_profile_dir(d: Path) -> None:
     and the program's HLO are written there after the timing, which a file would throw away)."""
     if why := resultfile.not_a_directory(d.absolute()):
         raise ConfigError(f"--profile-dir {d}: {why}")
+    if where := resultfile.unwritable(d.absolute()):  # /proc, a read-only disk: else the profiler's traceback
+        raise ConfigError(f"--profile-dir {d}: {where} is not writable")
 
 
 def _run(args, cfg: Config) -> int:
@@ -378,6 +380,9 @@ def _run(args, cfg: Config) -> int:
                           f"{args.profile}")
     if args.out:
         resultfile.check(Path(args.out), f"--out {args.out}", "nljax.bench", RESULT_KEYS)
+    if args.profile_dir and not args.profile:  # it keeps the trace of --profile N: nothing was kept, in silence
+        raise ConfigError(f"--profile-dir {args.profile_dir} keeps the trace of --profile N, which was not given: "
+                          "add --profile N (the steps to profile, e.g. --profile 2)")
     if args.profile_dir:
         check_profile_dir(Path(args.profile_dir))
     with tempfile.TemporaryDirectory() as tmp:

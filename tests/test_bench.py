@@ -223,3 +223,26 @@ def test_a_profile_dir_that_cannot_be_made_is_refused_before_the_timing(tmp_path
     with pytest.raises(ConfigError) as e:
         check_profile_dir(tmp_path / given)
     assert str(e.value) == f"--profile-dir {tmp_path / given}: {why.format(dir=tmp_path)}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+@pytest.mark.parametrize("flags,line", [
+    (["--out", "/proc/b.json"], "--out /proc/b.json: /proc is not writable"),
+    (["--profile", "1", "--profile-dir", "/proc/trace"], "--profile-dir /proc/trace: /proc is not writable"),
+])
+def test_bench_output_where_no_file_can_be_made_is_refused_at_once(flags, line):
+    """A directory os.access calls writable (to root; /proc, /sys, a read-only mount to anyone)
+    where no file can be made: the JSON's FileNotFoundError, or the profiler's JaxRuntimeError,
+    came as a traceback after the whole benchmark had run."""
+    p = cli("nljax.bench", *flags, *NL, check=False)
+    assert p.returncode == 2 and p.stderr.strip() == f"nljax.bench: error: {line}", p.stderr
+
+
+def test_bench_profile_dir_without_profile_is_refused(tmp_path):
+    """--profile-dir alone ran the benchmark and kept no trace, in silence (exit 0, the folder
+    never made): the trace it keeps is that of --profile N."""
+    p = cli("nljax.bench", "--profile-dir", "prof", *NL, check=False, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "nljax.bench: error: --profile-dir prof keeps the trace of --profile N, which was not given: add "
+        "--profile N (the steps to profile, e.g. --profile 2)"), p.stderr
+    assert not (tmp_path / "prof").exists()
