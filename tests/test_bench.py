@@ -246,3 +246,37 @@ def test_bench_profile_dir_without_profile_is_refused(tmp_path):
         "nljax.bench: error: --profile-dir prof keeps the trace of --profile N, which was not given: add "
         "--profile N (the steps to profile, e.g. --profile 2)"), p.stderr
     assert not (tmp_path / "prof").exists()
+
+
+def _ab(*args, cwd=None):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), *args], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def test_ab_checks_every_variant_before_the_first_compiles():
+    """Strategies compared on a mesh that one variant's devices do not fit: the second variant's
+    mesh was refused only after the first variant's step had compiled (minutes for titans_demo)."""
+    p = _ab("--cpu-devices", "4", " ".join([*NL, "sync.strategy=zero1"]),
+            " ".join([*NL, "sync.strategy=fsdp", "mesh.inter=3"]))
+    assert p.returncode == 2 and "building pattern" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        f'ab.py: error: variant "{" ".join([*NL, "sync.strategy=fsdp", "mesh.inter=3"])}": mesh.inter=3 does not '
+        "divide the 4 available devices")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+def test_ab_out_is_checked_before_anything_runs(tmp_path):
+    """ab.py's --out was written with Path.write_text at the end: a traceback after every variant
+    had compiled and run, or another kind of file replaced."""
+    p = _ab("--out", "/proc/ab.json", " ".join(NL))
+    assert p.returncode == 2 and p.stderr.strip() == "ab.py: error: --out /proc/ab.json: /proc is not writable"
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    p = _ab("--out", "notes.json", " ".join(NL), cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "ab.py: error: --out notes.json holds a file that is not an ab.py result: give a new file name, or move it")
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
