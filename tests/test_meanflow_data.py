@@ -493,3 +493,24 @@ def test_a_folders_class_names_are_recorded_and_a_resume_on_others_is_refused(tm
         assert tree_hash(tmp_path) == before, other  # nothing written, nothing lost
     assert train.main([*args, "--resume", f"images.path={tmp_path / 'more_pets'}", "train.steps=4"]) == 0
     assert storage.read_meta(run / "checkpoints" / "4")["built"]["images"]["classes"] == names
+
+
+def test_labels_with_a_gap_are_said_at_start_up(tmp_path):
+    """Labels numbered from 1 (or with gaps) give a class per number up to the largest, some of
+    which no image has: the run went on with `classes 4` for three classes and said nothing."""
+    from nljax.config import load
+    from nljax.run.tasks import ImageTask
+
+    x = np.random.default_rng(0).integers(0, 256, (40, 4, 4, 1), dtype=np.uint8)
+    np.savez(tmp_path / "from1.npz", x=x, y=np.arange(40) % 3 + 1)  # 1, 2, 3: no 0
+    np.savez(tmp_path / "from0.npz", x=x, y=np.arange(40) % 3)
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    base = ["model.name=dit", "cms.periods=[1]", "images.source=file", "train.batch_size=4"]
+    task = ImageTask(load(None, [*base, f"images.path={tmp_path / 'from1.npz'}"]), mesh)
+    assert task.data.num_classes == 4 and task.notes == [
+        f"note: images {tmp_path / 'from1.npz'}: no image has label 0; the model has a class for each of 0 .. 3 "
+        "(number the labels from 0 without gaps)"]
+    assert ImageTask(load(None, [*base, f"images.path={tmp_path / 'from0.npz'}"]), mesh).notes == []
+    # a model that reads no labels has no classes to leave untrained
+    assert ImageTask(load(None, [*base, f"images.path={tmp_path / 'from1.npz'}", "meanflow.class_cond=false"]),
+                     mesh).notes == []

@@ -314,6 +314,12 @@ class ImageTask:
         if asked > held:  # capped at every evaluation, as eval.stream_steps is: said once
             self.notes.append(f"note: meanflow.eval_samples={asked} is more than the {held} held-out images: each "
                               f"evaluation draws {held} (hold out more, images.eval_fraction, for more)")
+        if missing := images.missing_labels(self.data) if cfg.meanflow.class_cond else []:
+            # labels numbered from 1 (or with gaps): a class per number up to the largest, some never trained
+            where = cfg.images.path if cfg.images.source == "file" else cfg.images.source
+            shown = ", ".join(map(str, missing[:8])) + (f", ... ({len(missing):,} in all)" if len(missing) > 8 else "")
+            self.notes.append(f"note: images {where}: no image has label {shown}; the model has a class for each of "
+                              f"0 .. {self.data.num_classes - 1} (number the labels from 0 without gaps)")
         self._generate = self._error = None
         # where each evaluation draws its samples_<step>.png; None: nowhere (nljax.evaluate
         # scores a checkpoint and leaves the run directory as it is)
