@@ -514,3 +514,23 @@ def test_labels_with_a_gap_are_said_at_start_up(tmp_path):
     # a model that reads no labels has no classes to leave untrained
     assert ImageTask(load(None, [*base, f"images.path={tmp_path / 'from1.npz'}", "meanflow.class_cond=false"]),
                      mesh).notes == []
+
+
+def test_a_run_built_to_evaluate_takes_fewer_images_than_its_training_batch(tmp_path):
+    """`nljax.evaluate run.dir=... images.path=FEW` (and generate, export, load) scores or samples
+    the held-out images alone: a set smaller than the run's train.batch_size was refused with
+    "train.batch_size=64 is larger than the 48 training images", which a training run says."""
+    from nljax.config import load
+    from nljax.run import tasks
+
+    x = np.random.default_rng(0).integers(0, 256, (20, 4, 4, 1), dtype=np.uint8)
+    np.savez(tmp_path / "few.npz", x=x, y=np.arange(20) % 2)
+    cfg = load(None, ["model.name=dit", "cms.periods=[1]", "images.source=file", f"images.path={tmp_path / 'few.npz'}",
+                      "train.batch_size=64"])
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    task = tasks.build("images", cfg, mesh, trains=False)
+    assert len(task.data.eval_x) == 4
+    with pytest.raises(TypeError, match="draws no training batches"):
+        task.batch(0)
+    with pytest.raises(ConfigError, match=r"train.batch_size=64 is larger than the 16 training images"):
+        tasks.build("images", cfg, mesh)  # a run that trains still says so before step 0
