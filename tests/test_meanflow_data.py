@@ -534,3 +534,32 @@ def test_a_run_built_to_evaluate_takes_fewer_images_than_its_training_batch(tmp_
         task.batch(0)
     with pytest.raises(ConfigError, match=r"train.batch_size=64 is larger than the 16 training images"):
         tasks.build("images", cfg, mesh)  # a run that trains still says so before step 0
+
+
+def test_the_comparison_script_says_each_run_as_it_starts(tmp_path):
+    """examples/meanflow_vs_flow_matching.sh trains both losses with --quiet: minutes without a
+    line (41 s at 10 steps on the 2-core CPU), which reads as a hang. A stand-in `python` makes
+    the runs instant: what is checked is what the script says."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!/bin/bash
+if [ "$1" = -m ]; then  # a training run: its summary.json alone
+  for a; do case $a in run.dir=*) d=${{a#run.dir=}};; esac; done
+  mkdir -p "$d" && echo '{{"eval_energy_1step": 1, "eval_energy_multistep": 2, "eval_sample_steps": 4, "steps": 3}}' > "$d/summary.json"
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "runs")}
+    p = subprocess.run(["bash", str(ROOT / "examples" / "meanflow_vs_flow_matching.sh"), "train.steps=3"], env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines() == [
+        f"meanflow_vs_flow_matching.sh: training with meanflow.loss={loss} into {tmp_path / 'runs'}/{loss} ..."
+        for loss in ("meanflow", "flow_matching")]
+    assert "meanflow       energy distance: 1-step 1.0000  4-step 2.0000  (3 steps)" in p.stdout
