@@ -69,7 +69,7 @@ def run(args) -> int:
     import jax
 
     from nljax.bench import built as how_built
-    from nljax.bench import compile_variants, peak_memory, unevaluated
+    from nljax.bench import compile_variants, peak_memory, say, unevaluated
     from nljax.run.core import Run
 
     # Every variant's config, mesh and data checked before the first step compiles (minutes
@@ -89,6 +89,7 @@ def run(args) -> int:
     built = []
     for v, run, same in runs:
         same = same and {"variant": same[0]}
+        say(f"{v or '(config)'}: initializing the parameters and the optimizer state ...")  # seconds: its init compiles
         batch, state = run.batch(0), run.init_state()
         every = tuple(True for _ in run.cfg.cms.periods)
         fns, compile_s = compile_variants(run.cache, [every], state, batch)
