@@ -241,6 +241,9 @@ def test_stop_settings_on_the_command_line():
     (["run.dir=/tmp", "stop_at_eos=True"], "stop_at_eos='True': give true or false"),
     (["run.dir=/tmp", "out=/nonexistent/dir/g.png"], "out=/nonexistent/dir/g.png: directory /nonexistent/dir does not exist"),
     (["run.dir=/tmp", "out=/tmp"], "out=/tmp is a directory"),
+    # a folder no file can be made in (a read-only mount, /proc; root's os.access says yes): the
+    # write failed after the checkpoint was read and the samples drawn
+    (["run.dir=/tmp", "out=/proc/g.png"], "out=/proc/g.png: /proc is not writable"),
     # an image run's user learns where its grid goes, not only that prompts= is missing
     (["run.dir=/tmp", "out=g.jsonl"], "out=g.jsonl: JSON lines are the results of prompts=FILE, which is not given "
                                       "(a language model's); a MeanFlow (model.name=dit) run's out= is its image grid, "
