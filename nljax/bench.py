@@ -392,6 +392,11 @@ def _run(args, cfg: Config) -> int:
         if args.synthetic and registry.task_of(cfg) != "images":
             raise ConfigError(f"--synthetic is for the images task (model.name=dit); this config's model is "
                               f"{cfg.model.name}")
+        given = [o.partition("=")[0] for o in args.overrides if o.partition("=")[0].startswith("images.")]
+        if args.synthetic and (data := [k for k in given if k in ("images.source", "images.path")]):
+            # the random images replace them: they were not read, in silence
+            raise ConfigError(f"--synthetic {args.synthetic} benchmarks random images in place of the data set: "
+                              f"{', '.join(data)} would not be read; give --synthetic or {data[0]}=, not both")
         if args.synthetic:
             cfg = synthetic_images(cfg, args.synthetic, tmp)
         say(f"building the run ({cfg.model.name}, batch {cfg.train.batch_size}) ...")

@@ -280,3 +280,14 @@ def test_ab_out_is_checked_before_anything_runs(tmp_path):
     assert p.returncode == 2 and p.stderr.strip() == (
         "ab.py: error: --out notes.json holds a file that is not an ab.py result: give a new file name, or move it")
     assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+
+
+def test_bench_synthetic_with_a_data_set_given_is_refused():
+    """--synthetic with images.path= (or images.source=) on the command line: the random images
+    replaced the data set named, in silence (a config's own images.path, meanflow_dit_b4's, is
+    replaced as before)."""
+    p = cli("nljax.bench", "--config", "meanflow_digits", "--synthetic", "8x8x1", "images.source=file",
+            "images.path=my_images", check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        "nljax.bench: error: --synthetic 8x8x1 benchmarks random images in place of the data set: images.source, "
+        "images.path would not be read; give --synthetic or images.source=, not both"), p.stderr
