@@ -157,18 +157,24 @@ def built(cache: StepCache, active, batch) -> str:
     return "compiled" if loaded is None else f"loaded from {loaded}"
 
 
-def time_steps(fns: dict, state, batch, warmup: int, steps: int) -> tuple[dict, object]:
+def time_steps(fns: dict, state, batch, warmup: int, steps: int, slow_s: float = 5.0) -> tuple[dict, object]:
     """(active set -> step times (s) of `steps` rounds interleaved over the patterns, after
     `warmup` untimed rounds; the state after them). One state is threaded through every call,
-    each donating it, as training does: `state` is consumed (no second copy inflates the peak)."""
+    each donating it, as training does: `state` is consumed (no second copy inflates the peak).
+    A round that takes `slow_s` or more is said as it ends: a large model's step on a CPU takes
+    minutes (meanflow_dit_b4: 2 minutes a step), and the rounds passed without a line."""
     times = {a: [] for a in fns}
     for i in range(warmup + steps):
+        r0 = time.perf_counter()
         for a, fn in fns.items():
             t0 = time.perf_counter()
             state, metrics = fn(state, batch)
             jax.block_until_ready((state, metrics))
             if i >= warmup:
                 times[a].append(time.perf_counter() - t0)
+        if (took := time.perf_counter() - r0) >= slow_s:
+            kind = f"warm-up round {i + 1} of {warmup}" if i < warmup else f"timed round {i + 1 - warmup} of {steps}"
+            say(f"{kind}: {took:.1f} s")
     return times, state
 
 

@@ -291,3 +291,20 @@ def test_bench_synthetic_with_a_data_set_given_is_refused():
     assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
         "nljax.bench: error: --synthetic 8x8x1 benchmarks random images in place of the data set: images.source, "
         "images.path would not be read; give --synthetic or images.source=, not both"), p.stderr
+
+
+def test_slow_rounds_are_said_as_they_end(monkeypatch):
+    """A round of a large model's steps on a CPU takes minutes (meanflow_dit_b4 at batch 256: two
+    minutes a step on the 2-core CPU): the seven rounds passed after one line. A round of `slow_s`
+    or more is said as it ends; quick ones are not."""
+    from nljax import bench
+
+    said = []
+    monkeypatch.setattr(bench, "say", said.append)
+    step = lambda state, batch: (state + 1, {})  # noqa: E731
+    times, state = bench.time_steps({(True,): step}, 0, None, warmup=1, steps=2, slow_s=0.0)
+    assert state == 3 and len(times[(True,)]) == 2
+    assert [line.split(":")[0] for line in said] == ["warm-up round 1 of 1", "timed round 1 of 2", "timed round 2 of 2"]
+    said.clear()
+    bench.time_steps({(True,): step}, 0, None, warmup=1, steps=2)
+    assert said == []
