@@ -161,8 +161,8 @@ def time_steps(fns: dict, state, batch, warmup: int, steps: int, slow_s: float =
     """(active set -> step times (s) of `steps` rounds interleaved over the patterns, after
     `warmup` untimed rounds; the state after them). One state is threaded through every call,
     each donating it, as training does: `state` is consumed (no second copy inflates the peak).
-    A round that takes `slow_s` or more is said as it ends: a large model's step on a CPU takes
-    minutes (meanflow_dit_b4: 6.9 s a step at batch 16 on the 2-core CPU), and the rounds passed without a line."""
+    A round that takes `slow_s` or more is said as it ends: a large model's rounds on a CPU take
+    minutes (meanflow_dit_b4: 6.9 s a step at batch 16 on the 2-core CPU), and passed without a line."""
     times = {a: [] for a in fns}
     for i in range(warmup + steps):
         r0 = time.perf_counter()
@@ -398,7 +398,7 @@ def _run(args, cfg: Config) -> int:
         if args.synthetic and registry.task_of(cfg) != "images":
             raise ConfigError(f"--synthetic is for the images task (model.name=dit); this config's model is "
                               f"{cfg.model.name}")
-        given = [o.partition("=")[0] for o in args.overrides if o.partition("=")[0].startswith("images.")]
+        given = [o.partition("=")[0] for o in args.overrides]
         if args.synthetic and (data := [k for k in given if k in ("images.source", "images.path")]):
             # the random images replace them: they were not read, in silence
             raise ConfigError(f"--synthetic {args.synthetic} benchmarks random images in place of the data set: "

@@ -28,7 +28,8 @@ def test_bench_json_fields_are_sane(tmp_path):
     # each phase said as it starts, on stderr (a compile took minutes in silence, found by a newcomer)
     said = [line.removeprefix("nljax.bench: ").split(" (")[0].split(" in ")[0] for line in p.stderr.splitlines()
             if line.startswith("nljax.bench: ")]
-    assert said == ["building the run", "initializing the parameters and the optimizer state ...", "building pattern L0", "compiled pattern L0", "building pattern L0+1",
+    assert said == ["building the run", "initializing the parameters and the optimizer state ...",
+                    "building pattern L0", "compiled pattern L0", "building pattern L0+1",
                     "compiled pattern L0+1", "timing 1 warm-up and 2 timed rounds of 2 patterns ...",
                     f"profiling 2 steps of pattern {r['worst_pattern']} ..."], p.stderr
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16

@@ -549,7 +549,8 @@ def test_the_comparison_script_says_each_run_as_it_starts(tmp_path):
     fake.write_text(f"""#!/bin/bash
 if [ "$1" = -m ]; then  # a training run: its summary.json alone
   for a; do case $a in run.dir=*) d=${{a#run.dir=}};; esac; done
-  mkdir -p "$d" && echo '{{"eval_energy_1step": 1, "eval_energy_multistep": 2, "eval_sample_steps": 4, "steps": 3}}' > "$d/summary.json"
+  mkdir -p "$d"
+  echo '{{"eval_energy_1step": 1, "eval_energy_multistep": 2, "eval_sample_steps": 4, "steps": 3}}' > "$d/summary.json"
   exit 0
 fi
 exec {sys.executable} "$@"
