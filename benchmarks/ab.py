@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import tempfile
@@ -35,6 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from nljax import cli, config  # noqa: E402  (after the path: a checkout need not be installed)
 from nljax.measure import hostmem, traces  # noqa: E402
+from nljax.runtime import resultfile  # noqa: E402
+
+RESULT_KEYS = frozenset({"config", "rounds", "loop", "rows"})  # an earlier result, which --out may replace
 
 
 def main(argv=None) -> int:
@@ -59,21 +61,35 @@ def main(argv=None) -> int:
 def run(args) -> int:
     if args.rounds < 1 or args.warmup < 0 or args.profile < 0 or args.loop < 0:
         raise config.ConfigError("--rounds must be >= 1, --warmup, --profile and --loop >= 0")
+    if args.out:  # else its traceback came after every variant had compiled and run
+        resultfile.check(Path(args.out), f"--out {args.out}", "ab.py", RESULT_KEYS)
     cli.setup_devices(args.cpu_devices)
     hostmem.retain()  # as nljax's commands do, before JAX starts (nljax/measure/hostmem.py)
 
     import jax
 
     from nljax.bench import built as how_built
-    from nljax.bench import compile_variants, peak_memory, unevaluated
+    from nljax.bench import compile_variants, peak_memory, say, unevaluated
     from nljax.run.core import Run
 
-    built = []
+    # Every variant's config, mesh and data checked before the first step compiles (minutes
+    # each): a second variant whose mesh did not fit the devices was refused only after the first
+    # had compiled.
+    print(f"ab.py: building the run of {len(args.variants)} variant{'s' * (len(args.variants) > 1)} ...",
+          file=sys.stderr, flush=True)  # the data read, the models built: seconds before the first compile
+    runs = []
     for v in args.variants:
-        cfg = unevaluated(config.load(args.config, v.split()))
-        same = next((b for b in built if same_step(b["run"].cfg, cfg)), None)
-        # a variant that differs only in how the loop runs shares the step compiled for the first
-        run = dataclasses.replace(same["run"], cfg=cfg) if same else Run.create(cfg)
+        try:
+            cfg = unevaluated(config.load(args.config, v.split()))
+            same = next((r for r in runs if same_step(r[1].cfg, cfg)), None)
+            # a variant that differs only in how the loop runs shares the step compiled for the first
+            runs.append((v, dataclasses.replace(same[1], cfg=cfg) if same else Run.create(cfg), same))
+        except config.ConfigError as e:
+            raise config.ConfigError(f"variant \"{v}\": {e}") if len(args.variants) > 1 else e from None
+    built = []
+    for v, run, same in runs:
+        same = same and {"variant": same[0]}
+        say(f"{v or '(config)'}: initializing the parameters and the optimizer state ...")  # seconds: its init compiles
         batch, state = run.batch(0), run.init_state()
         every = tuple(True for _ in run.cfg.cms.periods)
         fns, compile_s = compile_variants(run.cache, [every], state, batch)
@@ -123,9 +139,9 @@ def run(args) -> int:
               f"{built_how(r)}  memory {mem}{ops}")
         if r.get("idle"):  # where the device waited in the profiled steps
             print("\n".join(f"      {line}" for line in traces.format_idle(r["idle"])))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"config": args.config, "rounds": args.rounds, "loop": args.loop,
-                                              "rows": rows}, indent=1))
+    if args.out:  # whole or not at all, checked before anything ran
+        resultfile.write(Path(args.out), {"config": args.config, "rounds": args.rounds, "loop": args.loop,
+                                          "rows": rows})
     return 0
 
 

@@ -6,6 +6,9 @@
 set -euo pipefail
 out=${OUT:-runs/mf_vs_fm}
 for loss in meanflow flow_matching; do
+  # each run is --quiet (its progress would bury the comparison): say which one is training, else
+  # minutes pass without a line
+  echo "meanflow_vs_flow_matching.sh: training with meanflow.loss=$loss into $out/$loss ..." >&2
   python -m nljax.train --quiet --config meanflow_digits "run.dir=$out/$loss" run.overwrite=true \
     "meanflow.loss=$loss" "$@"
 done

@@ -157,18 +157,24 @@ def built(cache: StepCache, active, batch) -> str:
     return "compiled" if loaded is None else f"loaded from {loaded}"
 
 
-def time_steps(fns: dict, state, batch, warmup: int, steps: int) -> tuple[dict, object]:
+def time_steps(fns: dict, state, batch, warmup: int, steps: int, slow_s: float = 5.0) -> tuple[dict, object]:
     """(active set -> step times (s) of `steps` rounds interleaved over the patterns, after
     `warmup` untimed rounds; the state after them). One state is threaded through every call,
-    each donating it, as training does: `state` is consumed (no second copy inflates the peak)."""
+    each donating it, as training does: `state` is consumed (no second copy inflates the peak).
+    A round that takes `slow_s` or more is said as it ends: a large model's rounds on a CPU take
+    minutes (meanflow_dit_b4: 6.9 s a step at batch 16 on the 2-core CPU), and passed without a line."""
     times = {a: [] for a in fns}
     for i in range(warmup + steps):
+        r0 = time.perf_counter()
         for a, fn in fns.items():
             t0 = time.perf_counter()
             state, metrics = fn(state, batch)
             jax.block_until_ready((state, metrics))
             if i >= warmup:
                 times[a].append(time.perf_counter() - t0)
+        if (took := time.perf_counter() - r0) >= slow_s:
+            kind = f"warm-up round {i + 1} of {warmup}" if i < warmup else f"timed round {i + 1 - warmup} of {steps}"
+            say(f"{kind}: {took:.1f} s")
     return times, state
 
 
@@ -246,7 +252,10 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
               profile: int = 0, profile_dir: Path | None = None) -> dict:
     """The whole measurement as a JSON-ready dict (see the module docstring)."""
     cfg, eng = run.cfg, run.engine
-    batch, state = run.batch(0), run.init_state()
+    batch = run.batch(0)
+    # compiles the model's init, as training does (titans_demo: 10 s on the 2-core CPU, in silence)
+    say("initializing the parameters and the optimizer state ...")
+    state = run.init_state()
     units = run.units_per_device(batch)
     per_cycle = bench_patterns(cfg.cms.periods, which)
     fns, compile_s = compile_variants(run.cache, list(per_cycle), state, batch)
@@ -370,6 +379,8 @@ def check_profile_dir(d: Path) -> None:
     and the program's HLO are written there after the timing, which a file would throw away)."""
     if why := resultfile.not_a_directory(d.absolute()):
         raise ConfigError(f"--profile-dir {d}: {why}")
+    if where := resultfile.unwritable(d.absolute()):  # /proc, a read-only disk: else the profiler's traceback
+        raise ConfigError(f"--profile-dir {d}: {where} is not writable")
 
 
 def _run(args, cfg: Config) -> int:
@@ -378,12 +389,20 @@ def _run(args, cfg: Config) -> int:
                           f"{args.profile}")
     if args.out:
         resultfile.check(Path(args.out), f"--out {args.out}", "nljax.bench", RESULT_KEYS)
+    if args.profile_dir and not args.profile:  # it keeps the trace of --profile N: nothing was kept, in silence
+        raise ConfigError(f"--profile-dir {args.profile_dir} keeps the trace of --profile N, which was not given: "
+                          "add --profile N (the steps to profile, e.g. --profile 2)")
     if args.profile_dir:
         check_profile_dir(Path(args.profile_dir))
     with tempfile.TemporaryDirectory() as tmp:
         if args.synthetic and registry.task_of(cfg) != "images":
             raise ConfigError(f"--synthetic is for the images task (model.name=dit); this config's model is "
                               f"{cfg.model.name}")
+        given = [o.partition("=")[0] for o in args.overrides]
+        if args.synthetic and (data := [k for k in given if k in ("images.source", "images.path")]):
+            # the random images replace them: they were not read, in silence
+            raise ConfigError(f"--synthetic {args.synthetic} benchmarks random images in place of the data set: "
+                              f"{', '.join(data)} would not be read; give --synthetic or {data[0]}=, not both")
         if args.synthetic:
             cfg = synthetic_images(cfg, args.synthetic, tmp)
         say(f"building the run ({cfg.model.name}, batch {cfg.train.batch_size}) ...")

@@ -28,7 +28,8 @@ def test_bench_json_fields_are_sane(tmp_path):
     # each phase said as it starts, on stderr (a compile took minutes in silence, found by a newcomer)
     said = [line.removeprefix("nljax.bench: ").split(" (")[0].split(" in ")[0] for line in p.stderr.splitlines()
             if line.startswith("nljax.bench: ")]
-    assert said == ["building the run", "building pattern L0", "compiled pattern L0", "building pattern L0+1",
+    assert said == ["building the run", "initializing the parameters and the optimizer state ...",
+                    "building pattern L0", "compiled pattern L0", "building pattern L0+1",
                     "compiled pattern L0+1", "timing 1 warm-up and 2 timed rounds of 2 patterns ...",
                     f"profiling 2 steps of pattern {r['worst_pattern']} ..."], p.stderr
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
@@ -223,3 +224,88 @@ def test_a_profile_dir_that_cannot_be_made_is_refused_before_the_timing(tmp_path
     with pytest.raises(ConfigError) as e:
         check_profile_dir(tmp_path / given)
     assert str(e.value) == f"--profile-dir {tmp_path / given}: {why.format(dir=tmp_path)}"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+@pytest.mark.parametrize("flags,line", [
+    (["--out", "/proc/b.json"], "--out /proc/b.json: /proc is not writable"),
+    (["--profile", "1", "--profile-dir", "/proc/trace"], "--profile-dir /proc/trace: /proc is not writable"),
+])
+def test_bench_output_where_no_file_can_be_made_is_refused_at_once(flags, line):
+    """A directory os.access calls writable (to root; /proc, /sys, a read-only mount to anyone)
+    where no file can be made: the JSON's FileNotFoundError, or the profiler's JaxRuntimeError,
+    came as a traceback after the whole benchmark had run."""
+    p = cli("nljax.bench", *flags, *NL, check=False)
+    assert p.returncode == 2 and p.stderr.strip() == f"nljax.bench: error: {line}", p.stderr
+
+
+def test_bench_profile_dir_without_profile_is_refused(tmp_path):
+    """--profile-dir alone ran the benchmark and kept no trace, in silence (exit 0, the folder
+    never made): the trace it keeps is that of --profile N."""
+    p = cli("nljax.bench", "--profile-dir", "prof", *NL, check=False, cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "nljax.bench: error: --profile-dir prof keeps the trace of --profile N, which was not given: add "
+        "--profile N (the steps to profile, e.g. --profile 2)"), p.stderr
+    assert not (tmp_path / "prof").exists()
+
+
+def _ab(*args, cwd=None):
+    import subprocess
+    import sys
+
+    from helpers import ROOT
+
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ab.py"), *args], capture_output=True, text=True,
+                          cwd=cwd)
+
+
+def test_ab_checks_every_variant_before_the_first_compiles():
+    """Strategies compared on a mesh that one variant's devices do not fit: the second variant's
+    mesh was refused only after the first variant's step had compiled (minutes for titans_demo)."""
+    p = _ab("--cpu-devices", "4", " ".join([*NL, "sync.strategy=zero1"]),
+            " ".join([*NL, "sync.strategy=fsdp", "mesh.inter=3"]))
+    assert p.returncode == 2 and "building pattern" not in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        f'ab.py: error: variant "{" ".join([*NL, "sync.strategy=fsdp", "mesh.inter=3"])}": mesh.inter=3 does not '
+        "divide the 4 available devices")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux's /proc, where no file can be made")
+def test_ab_out_is_checked_before_anything_runs(tmp_path):
+    """ab.py's --out was written with Path.write_text at the end: a traceback after every variant
+    had compiled and run, or another kind of file replaced."""
+    p = _ab("--out", "/proc/ab.json", " ".join(NL))
+    assert p.returncode == 2 and p.stderr.strip() == "ab.py: error: --out /proc/ab.json: /proc is not writable"
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    p = _ab("--out", "notes.json", " ".join(NL), cwd=tmp_path)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "ab.py: error: --out notes.json holds a file that is not an ab.py result: give a new file name, or move it")
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+
+
+def test_bench_synthetic_with_a_data_set_given_is_refused():
+    """--synthetic with images.path= (or images.source=) on the command line: the random images
+    replaced the data set named, in silence (a config's own images.path, meanflow_dit_b4's, is
+    replaced as before)."""
+    p = cli("nljax.bench", "--config", "meanflow_digits", "--synthetic", "8x8x1", "images.source=file",
+            "images.path=my_images", check=False)
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1] == (
+        "nljax.bench: error: --synthetic 8x8x1 benchmarks random images in place of the data set: images.source, "
+        "images.path would not be read; give --synthetic or images.source=, not both"), p.stderr
+
+
+def test_slow_rounds_are_said_as_they_end(monkeypatch):
+    """A round of a large model's steps on a CPU takes minutes (meanflow_dit_b4: 6.9 s a step at batch
+    16 on the 2-core CPU, 16 times that at its batch 256): the seven rounds passed after one line. A round of `slow_s`
+    or more is said as it ends; quick ones are not."""
+    from nljax import bench
+
+    said = []
+    monkeypatch.setattr(bench, "say", said.append)
+    step = lambda state, batch: (state + 1, {})  # noqa: E731
+    times, state = bench.time_steps({(True,): step}, 0, None, warmup=1, steps=2, slow_s=0.0)
+    assert state == 3 and len(times[(True,)]) == 2
+    assert [line.split(":")[0] for line in said] == ["warm-up round 1 of 1", "timed round 1 of 2", "timed round 2 of 2"]
+    said.clear()
+    bench.time_steps({(True,): step}, 0, None, warmup=1, steps=2)
+    assert said == []

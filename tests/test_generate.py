@@ -93,7 +93,7 @@ def test_same_tokens_on_one_and_eight_devices(fsdp_run):
     assert one != sampling.generate_text(runs[0], sampling.Settings(**{**vars(s), "seed": 4}), lambda _: None)
 
 
-def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
+def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys, monkeypatch):
     dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
            "model.dit.patch_size=1", "images.source=moons", "images.toy_points=80", "cms.periods=[1]",
            "train.batch_size=16", "meanflow.sample_steps=2"]
@@ -127,10 +127,16 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys):
     assert mine.read_bytes().endswith(b"a user's picture")
     assert generate.main([f"run.dir={tmp_path / 'run'}", "prompt=a cat", f"out={tmp_path / 'g2.png'}"]) == 2
     assert "prompt= is for a language model; this run's model is dit" in capsys.readouterr().err
-    # a directory where no file can be made (Linux's /proc): one line naming the file, exit 1
+    # a directory where no file can be made (Linux's /proc): one line, exit 2, before the checkpoint is read
+    assert generate.main([f"run.dir={tmp_path / 'run'}", "out=/proc/nljax_grid.png"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "nljax.generate: error: out=/proc/nljax_grid.png: /proc is not writable"]
+    # a write that fails all the same (a disk filled meanwhile): one line naming the file, exit 1
+    monkeypatch.setattr("nljax.runtime.resultfile.unwritable", lambda path: None)
     assert generate.main([f"run.dir={tmp_path / 'run'}", "out=/proc/nljax_grid.png"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("nljax.generate: error: cannot write "
                                                                "/proc/nljax_grid.png: No such file or directory")
+    monkeypatch.undo()
     # its export: the grid sets samples beside the run's held-out images, which an export lacks
     from nljax import export
 
@@ -241,6 +247,9 @@ def test_stop_settings_on_the_command_line():
     (["run.dir=/tmp", "stop_at_eos=True"], "stop_at_eos='True': give true or false"),
     (["run.dir=/tmp", "out=/nonexistent/dir/g.png"], "out=/nonexistent/dir/g.png: directory /nonexistent/dir does not exist"),
     (["run.dir=/tmp", "out=/tmp"], "out=/tmp is a directory"),
+    # a folder no file can be made in (a read-only mount, /proc; root's os.access says yes): the
+    # write failed after the checkpoint was read and the samples drawn
+    (["run.dir=/tmp", "out=/proc/g.png"], "out=/proc/g.png: /proc is not writable"),
     # an image run's user learns where its grid goes, not only that prompts= is missing
     (["run.dir=/tmp", "out=g.jsonl"], "out=g.jsonl: JSON lines are the results of prompts=FILE, which is not given "
                                       "(a language model's); a MeanFlow (model.name=dit) run's out= is its image grid, "

@@ -399,6 +399,10 @@ def test_the_record_names_the_classes_and_a_use_on_others_names_the_first_that_d
          "(classes there, not here: 'cat')"),  # which subfolder went: the user's terms
         (record((4, 4, 3), 4, ("ant", "cat", "dog", "eel")), "images.num_classes=3, this run's data give "
          "images.num_classes=4 (classes here, not there: 'eel')"),
+        # meanflow.class_cond=false on a class-conditional checkpoint: not the data's doing
+        (registry.record(dit(unconditional, (4, 4, 3), 3, ("ant", "cat", "dog")), "dit"),
+         "images.num_classes=3, this run's data give images.num_classes=0 (0 here: a model that reads no labels, "
+         "by meanflow.class_cond=false or from images without labels)"),
         (record((4, 4, 1), 3, ("bee", "cat", "eel")),
          "images.shape=[4, 4, 3], this run's data give images.shape=[4, 4, 1] (3-channel images there, "
          "1-channel here)"),

@@ -493,3 +493,74 @@ def test_a_folders_class_names_are_recorded_and_a_resume_on_others_is_refused(tm
         assert tree_hash(tmp_path) == before, other  # nothing written, nothing lost
     assert train.main([*args, "--resume", f"images.path={tmp_path / 'more_pets'}", "train.steps=4"]) == 0
     assert storage.read_meta(run / "checkpoints" / "4")["built"]["images"]["classes"] == names
+
+
+def test_labels_with_a_gap_are_said_at_start_up(tmp_path):
+    """Labels numbered from 1 (or with gaps) give a class per number up to the largest, some of
+    which no image has: the run went on with `classes 4` for three classes and said nothing."""
+    from nljax.config import load
+    from nljax.run.tasks import ImageTask
+
+    x = np.random.default_rng(0).integers(0, 256, (40, 4, 4, 1), dtype=np.uint8)
+    np.savez(tmp_path / "from1.npz", x=x, y=np.arange(40) % 3 + 1)  # 1, 2, 3: no 0
+    np.savez(tmp_path / "from0.npz", x=x, y=np.arange(40) % 3)
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    base = ["model.name=dit", "cms.periods=[1]", "images.source=file", "train.batch_size=4"]
+    task = ImageTask(load(None, [*base, f"images.path={tmp_path / 'from1.npz'}"]), mesh)
+    assert task.data.num_classes == 4 and task.notes == [
+        f"note: images {tmp_path / 'from1.npz'}: no image has label 0; the model has a class for each of 0 .. 3 "
+        "(number the labels from 0 without gaps)"]
+    assert ImageTask(load(None, [*base, f"images.path={tmp_path / 'from0.npz'}"]), mesh).notes == []
+    # a model that reads no labels has no classes to leave untrained
+    assert ImageTask(load(None, [*base, f"images.path={tmp_path / 'from1.npz'}", "meanflow.class_cond=false"]),
+                     mesh).notes == []
+
+
+def test_a_run_built_to_evaluate_takes_fewer_images_than_its_training_batch(tmp_path):
+    """`nljax.evaluate run.dir=... images.path=FEW` (and generate, export, load) scores or samples
+    the held-out images alone: a set smaller than the run's train.batch_size was refused with
+    "train.batch_size=64 is larger than the 48 training images", which a training run says."""
+    from nljax.config import load
+    from nljax.run import tasks
+
+    x = np.random.default_rng(0).integers(0, 256, (20, 4, 4, 1), dtype=np.uint8)
+    np.savez(tmp_path / "few.npz", x=x, y=np.arange(20) % 2)
+    cfg = load(None, ["model.name=dit", "cms.periods=[1]", "images.source=file", f"images.path={tmp_path / 'few.npz'}",
+                      "train.batch_size=64"])
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    task = tasks.build("images", cfg, mesh, trains=False)
+    assert len(task.data.eval_x) == 4
+    with pytest.raises(TypeError, match="draws no training batches"):
+        task.batch(0)
+    with pytest.raises(ConfigError, match=r"train.batch_size=64 is larger than the 16 training images"):
+        tasks.build("images", cfg, mesh)  # a run that trains still says so before step 0
+
+
+def test_the_comparison_script_says_each_run_as_it_starts(tmp_path):
+    """examples/meanflow_vs_flow_matching.sh trains both losses with --quiet: minutes without a
+    line (41 s at 10 steps on the 2-core CPU), which reads as a hang. A stand-in `python` makes
+    the runs instant: what is checked is what the script says."""
+    import os
+    import subprocess
+    import sys
+
+    fake = tmp_path / "bin" / "python"
+    fake.parent.mkdir()
+    fake.write_text(f"""#!/bin/bash
+if [ "$1" = -m ]; then  # a training run: its summary.json alone
+  for a; do case $a in run.dir=*) d=${{a#run.dir=}};; esac; done
+  mkdir -p "$d"
+  echo '{{"eval_energy_1step": 1, "eval_energy_multistep": 2, "eval_sample_steps": 4, "steps": 3}}' > "$d/summary.json"
+  exit 0
+fi
+exec {sys.executable} "$@"
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "OUT": str(tmp_path / "runs")}
+    p = subprocess.run(["bash", str(ROOT / "examples" / "meanflow_vs_flow_matching.sh"), "train.steps=3"], env=env,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.splitlines() == [
+        f"meanflow_vs_flow_matching.sh: training with meanflow.loss={loss} into {tmp_path / 'runs'}/{loss} ..."
+        for loss in ("meanflow", "flow_matching")]
+    assert "meanflow       energy distance: 1-step 1.0000  4-step 2.0000  (3 steps)" in p.stdout

@@ -403,6 +403,10 @@ def _built_difference(key: str, there: Any, mine: Any) -> str:
         return (f"{key}[{k}]={fmt(there[k])}, this run's data give {key}[{k}]={fmt(mine[k])}: label {k} would "
                 "stand for another class (a folder's labels are its class subfolders in sorted order)")
     line = f"{key}={fmt(there)}, this run's data give {key}={fmt(mine)}"
+    if key.endswith("num_classes") and 0 in (there, mine):  # 0 may be a setting, not the data: say which can be
+        side = "here" if mine == 0 else "there"
+        line += (f" (0 {side}: a model that reads no labels, by meanflow.class_cond=false or from images without "
+                 "labels)")
     if key == "images.shape" and isinstance(there, list) and isinstance(mine, list) and there[-1:] != mine[-1:]:
         line += f" ({fmt(there[-1])}-channel images there, {fmt(mine[-1])}-channel here)"
     return line

@@ -212,6 +212,14 @@ def check_values(x: np.ndarray, where: str) -> None:
         )
 
 
+def missing_labels(data: ImageSet) -> list[int]:
+    """The labels in 0 .. num_classes - 1 that no image has (an .npz numbered from 1, or with gaps)."""
+    if not data.num_classes:
+        return []
+    seen = np.unique(np.concatenate([data.train_y, data.eval_y]))
+    return np.setdiff1d(np.arange(data.num_classes), seen).tolist()
+
+
 @functools.lru_cache(maxsize=4)
 def load(cfg: ImagesConfig) -> ImageSet:
     """The configured data, split into training and held-out parts."""

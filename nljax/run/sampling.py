@@ -125,6 +125,9 @@ class Settings:
             raise ConfigError(f"out={self.out}: the image grid is a PNG, give a file name ending in .png")
         if self.out and not Path(self.out).parent.is_dir():
             raise ConfigError(f"out={self.out}: directory {Path(self.out).parent} does not exist")
+        if self.out and (where := resultfile.unwritable(Path(self.out).absolute().parent)):
+            # else said after the checkpoint was read and the samples drawn
+            raise ConfigError(f"out={self.out}: {where} is not writable")
         return self
 
 

@@ -303,10 +303,12 @@ class ImageTask:
     unit = "images"
     units_per_row = 1
 
-    def __init__(self, cfg: Config, mesh: Mesh):
+    def __init__(self, cfg: Config, mesh: Mesh, trains: bool = True):
         self.cfg, self.mesh = cfg, mesh
         self.data = images.load(cfg.images)
-        self.sampler = images.EpochSampler(len(self.data.train_x), cfg.train.batch_size, cfg.seed)
+        # `trains=False` (nljax.evaluate, generate, export, load): the held-out images alone are
+        # used, so a small set of other images is not refused for the run's training batch size
+        self.sampler = images.EpochSampler(len(self.data.train_x), cfg.train.batch_size, cfg.seed) if trains else None
         if len(self.data.eval_x) < 2:  # the evaluation's energy distance: found before step 0
             raise ConfigError(f"evaluation needs at least 2 held-out images, got {len(self.data.eval_x)}")
         self.notes: list[str] = []  # said once at start-up by the trainer (and by nljax.evaluate)
@@ -314,6 +316,12 @@ class ImageTask:
         if asked > held:  # capped at every evaluation, as eval.stream_steps is: said once
             self.notes.append(f"note: meanflow.eval_samples={asked} is more than the {held} held-out images: each "
                               f"evaluation draws {held} (hold out more, images.eval_fraction, for more)")
+        if missing := images.missing_labels(self.data) if cfg.meanflow.class_cond else []:
+            # labels numbered from 1 (or with gaps): a class per number up to the largest, some never trained
+            where = cfg.images.path if cfg.images.source == "file" else cfg.images.source
+            shown = ", ".join(map(str, missing[:8])) + (f", ... ({len(missing):,} in all)" if len(missing) > 8 else "")
+            self.notes.append(f"note: images {where}: no image has label {shown}; the model has a class for each of "
+                              f"0 .. {self.data.num_classes - 1} (number the labels from 0 without gaps)")
         self._generate = self._error = None
         # where each evaluation draws its samples_<step>.png; None: nowhere (nljax.evaluate
         # scores a checkpoint and leaves the run directory as it is)
@@ -321,6 +329,8 @@ class ImageTask:
 
     def batch(self, step: int, reset_all: bool = False) -> dict[str, jax.Array]:
         # no inner-loop memory: there is no row to reset
+        if self.sampler is None:
+            raise TypeError("a run built to evaluate (Run.create(trains=False)) draws no training batches")
         return images.global_batch(self.data, self.sampler, step, meshlib.rows_sharding(self.mesh))
 
     @functools.cache  # asked for at start-up and by the checkpoints: hashed once
@@ -449,4 +459,4 @@ def build(name: str, cfg: Config, mesh: Mesh, reads_data: bool = True, trains: b
         make = TASKS[name]
     except KeyError:
         raise ConfigError(f"unknown task '{name}' (available: {', '.join(sorted(TASKS))})")
-    return make(cfg, mesh)
+    return make(cfg, mesh, trains=trains) if make is ImageTask else make(cfg, mesh)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -26,6 +27,8 @@ def check(out: Path, named: str, tool: str, keys: frozenset[str], lines: bool = 
     parent = next((p for p in out.absolute().parents if p.exists()), None)
     if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
         raise ConfigError(f"{named}: {out if out.exists() else parent} is not writable")
+    if parent is not None and (where := unwritable(parent)):  # the result is written there, renamed into place
+        raise ConfigError(f"{named}: {where} is not writable")
     if out.exists() and not (earlier_lines if lines else earlier_result)(out, keys):  # a tokenizer.json, a data set
         raise ConfigError(f"{named} holds a file that is not an {tool} result: give a new file name, or move it")
 
@@ -40,6 +43,21 @@ def not_a_directory(path: Path) -> str | None:
     if there.is_symlink() and not there.exists():
         return f"{there} is a symbolic link to {os.readlink(there)}, which does not exist"
     return f"{there} is a file, not a directory"
+
+
+def unwritable(path: Path) -> Path | None:
+    """The nearest of `path` and its parents that is there, where a file cannot be made in it
+    (then what was there, a directory), or None. `os.access` alone answers yes to root, and for a
+    file system that refuses every new file (/proc, /sys): a file is made there and taken away."""
+    there = next((p for p in (path, *path.parents) if p.exists()), None)
+    if there is None or not there.is_dir():
+        return None
+    try:
+        with tempfile.TemporaryFile(dir=there):
+            pass
+    except OSError:
+        return there
+    return None
 
 
 def earlier_result(out: Path, keys: frozenset[str]) -> bool:
