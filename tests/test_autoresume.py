@@ -93,6 +93,24 @@ def test_a_run_that_saved_no_checkpoint_starts_over_in_place(straight, tmp_path,
     assert (run / "notes.txt").read_text() == "mine"
 
 
+def test_a_run_whose_checkpoints_are_in_another_checkpoint_dir_is_not_started_over(tmp_path, monkeypatch, capfd):
+    """The restart's command names another checkpoint.dir than the one the run saved to: the run
+    is one to resume, not an attempt to start over; starting over in place replaced its
+    metrics.jsonl and config.yaml. One line, nothing changed."""
+    from helpers import tree_hash
+
+    monkeypatch.chdir(tmp_path)
+    assert train.main([*SAVING, "train.steps=2", "run.dir=runs/x"]) == 0
+    before = tree_hash(tmp_path)
+    capfd.readouterr()
+    assert train.main(["--resume=auto", *SAVING, "train.steps=4", "run.dir=runs/x", "checkpoint.dir=ck"]) == 2
+    err = capfd.readouterr().err.splitlines()
+    assert err == [f"nljax.train: error: --resume=auto: runs/x holds a run whose checkpoints are in "
+                   f"{tmp_path / 'runs/x/checkpoints'} (up to step 2), not in checkpoint.dir {tmp_path / 'ck'}: give "
+                   f"checkpoint.dir={tmp_path / 'runs/x/checkpoints'} to resume it, or choose another run.dir"], err
+    assert tree_hash(tmp_path) == before
+
+
 def test_a_live_run_is_refused_before_anything_is_decided(tmp_path, monkeypatch, capfd):
     """A run live in run.dir (its lock held: here by pytest's parent process) that logged steps and
     saved nothing: --resume=auto refuses in the lock's one line, saying nothing of starting over,

@@ -501,6 +501,30 @@ def test_resolve_launch(monkeypatch):
         distributed.resolve(local_device_ids=(0, 1))
 
 
+def test_a_coordinator_port_already_served_is_one_line(monkeypatch):
+    """gRPC binds the coordinator with SO_REUSEPORT: a second coordinator on a port another run
+    serves (the same fixed port given to two launches, or two processes both --process-id 0)
+    started without error, and both runs waited out the 300 s join timeout."""
+    import jax
+
+    listener = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)  # as gRPC's [::]:PORT server
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    listener.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+    listener.bind(("::", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    joined = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
+    with listener:
+        with pytest.raises(ConfigError, match=f"port {port} is already in use on this host"):
+            distributed.initialize(distributed.Launch(f"127.0.0.1:{port}", 2, 0), 5)
+        assert not joined
+        distributed.initialize(distributed.Launch(f"127.0.0.1:{port}", 2, 1), 5)  # a client: only process 0 serves
+        assert len(joined) == 1
+    distributed.initialize(distributed.Launch(f"127.0.0.1:{port}", 2, 0), 5)  # free again: it starts
+    assert len(joined) == 2
+
+
 def test_lockstep_explain_and_digest():
     a = {"config": {"train": {"steps": 3, "seq_len": 8}}, "data": "x"}
     b = {"config": {"train": {"steps": 4, "seq_len": 8}}, "data": "x"}

@@ -129,3 +129,34 @@ def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
     assert "saving the final checkpoint" not in out, out
     assert sorted((p.relative_to(step), p.stat().st_mtime_ns) for p in step.rglob("*")) == before
     assert json.loads((run / "summary.json").read_text())["resumed_from_step"] == 2
+
+
+def test_a_resume_pointed_at_another_runs_checkpoints_is_refused(tmp_path, capsys):
+    """`--resume` with checkpoint.dir changed to the checkpoints/ folder of another run directory
+    continued this run from that run's state: it dropped this run's metrics.jsonl records from
+    that checkpoint's step on, and its saves pruned the other run's checkpoints. One line, nothing
+    changed; checkpoints moved to a folder of their own still resume."""
+    import shutil
+
+    from helpers import tree_hash
+
+    from nljax.train import main as train_main
+
+    args = [*SMALL, "train.steps=2", "eval.every=0", *QUICK, "throughput.reps=0"]
+    assert train_main([*args, f"run.dir={tmp_path / 'a'}"]) == 0
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    before = tree_hash(tmp_path)
+    capsys.readouterr()
+    theirs = tmp_path / "a" / "checkpoints"
+    assert train_main(["--resume", *args, "train.steps=4", f"run.dir={tmp_path / 'b'}", f"checkpoint.dir={theirs}"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"nljax.train: error: checkpoint.dir {theirs} is the checkpoints folder of another run "
+                   f"({tmp_path / 'a'}), not of the run in {tmp_path / 'b'} (its checkpoint.dir is "
+                   f"{tmp_path / 'b' / 'checkpoints'}): continue that run with --resume run.dir={tmp_path / 'a'}, or "
+                   f"start a new run from one of its checkpoints with checkpoint.resume={theirs}/STEP in another "
+                   "run.dir"], err
+    assert tree_hash(tmp_path) == before
+    (tmp_path / "b" / "checkpoints").rename(tmp_path / "ck")  # moved by the user: still this run's
+    assert train_main(["--resume", *args, "train.steps=3", f"run.dir={tmp_path / 'b'}",
+                       f"checkpoint.dir={tmp_path / 'ck'}"]) == 0
+    assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["2", "3"]

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import jax
 
+from nljax import config
 from nljax.checkpoint import storage
 from nljax.checkpoint.taken import inside_run_dir
 from nljax.config import Config
@@ -46,7 +47,33 @@ def decide(cfg: Config) -> str:
     if _on_main(lambda: bool(storage.committed_steps(root))):
         return RESUME
     held = _on_main(lambda: logged_a_step(Path(cfg.run.dir)) or bool(storage.leftovers(root)))
+    if held:  # process 0's line on every process
+        distributed.on_main(lambda: _refuse_checkpoints_elsewhere(cfg, root), elsewhere=None)
     return OVER if held else NEW
+
+
+def _refuse_checkpoints_elsewhere(cfg: Config, root: Path) -> None:
+    """A run.dir whose run saved its checkpoints in another checkpoint.dir than this command's
+    (its config.yaml's, or the default <run.dir>/checkpoints) holds a run to resume, not an
+    attempt to start over: starting over in place replaced its metrics.jsonl and config.yaml
+    (the same command with checkpoint.dir changed, or added, on a restart). Refused in one line."""
+    saved_file = Path(cfg.run.dir) / "config.yaml"
+    theirs = Path(cfg.run.dir) / "checkpoints"
+    if saved_file.is_file():
+        try:
+            saved = config.load(str(saved_file), [f"run.dir={cfg.run.dir}"], saved=True)
+            theirs = checkpoint_dir(saved)
+        except (ConfigError, OSError, ValueError):
+            pass  # an unreadable config.yaml: the default checkpoint.dir is the one to look in
+    theirs = theirs.absolute()
+    if theirs.resolve() == root.resolve():
+        return
+    steps = storage.committed_steps(theirs)
+    if steps:
+        raise ConfigError(
+            f"--resume=auto: {cfg.run.dir} holds a run whose checkpoints are in {theirs} (up to step {steps[-1]}), "
+            f"not in checkpoint.dir {root}: give checkpoint.dir={theirs} to resume it, or "
+            "choose another run.dir")
 
 
 def configured(cfg: Config, config_file: str | Sequence[str] | None, overrides: Sequence[str],

@@ -105,7 +105,27 @@ def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrid
                           "stand for other text; resume on data of the run's tokenization, or start a new run in "
                           "another run.dir")
     check_unchanged(saved, resolved, saved_file, config_file, overrides)
+    _refuse_another_runs_checkpoints(cfg, saved, resumed)
     return resumed
+
+
+def _refuse_another_runs_checkpoints(cfg: Config, saved: Config, resumed: Config) -> None:
+    """A resume whose checkpoint.dir, changed from the run's own, is the `checkpoints/` folder of
+    another run directory (one a run wrote: it lists its files in nljax_written.txt) would
+    continue this run from that run's state: it dropped this run's metrics.jsonl records from the
+    other checkpoint's step on, and its saves pruned the other run's checkpoints. Refused in one
+    line. Checkpoints moved to a folder of their own (`/data/ck`) still resume."""
+    theirs, ours = checkpoint_dir(resumed), checkpoint_dir(saved)
+    if theirs.resolve() == ours.resolve():
+        return
+    other = theirs.parent
+    if theirs.name != "checkpoints" or other.resolve() == Path(cfg.run.dir).absolute().resolve():
+        return
+    if (other / "nljax_written.txt").is_file():
+        raise ConfigError(
+            f"checkpoint.dir {theirs} is the checkpoints folder of another run ({other}), not of the run in "
+            f"{cfg.run.dir} (its checkpoint.dir is {ours}): continue that run with --resume run.dir={other}, or "
+            f"start a new run from one of its checkpoints with checkpoint.resume={theirs}/STEP in another run.dir")
 
 
 def tokens_of(d) -> str:

@@ -24,6 +24,7 @@ runtime's coordination service starts the processes and watches them, XLA's coll
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import inspect
 import json
@@ -144,6 +145,8 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
     kwargs: dict[str, Any] = {}
     if launch.cluster is None:
         _check_resolves(launch.coordinator)
+        if launch.process_id == 0:  # the process that serves the coordinator
+            _check_port_free(launch.coordinator)
         kwargs = dict(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
                       process_id=launch.process_id)
     if launch.local_device_ids is not None:
@@ -181,6 +184,40 @@ def _check_resolves(coordinator: str) -> None:
     except socket.gaierror as e:
         if e.errno == socket.EAI_NONAME:
             raise ConfigError(f"--coordinator {coordinator}: host {host!r} does not resolve ({e.strerror})") from None
+
+
+def _check_port_free(coordinator: str) -> None:
+    """Process 0 serves the coordination service on [::]:PORT. A port another run's coordinator
+    already serves is one line now: gRPC binds with SO_REUSEPORT, so a second coordinator on the
+    same port (two launches given the same fixed port, or two processes both given
+    --process-id 0) started without error and both runs waited out JAX's 300 s join timeout,
+    the kernel handing each joining process to either. A probe bound without SO_REUSEPORT fails
+    against any listener on the port; SO_REUSEADDR lets it pass connections left in TIME_WAIT
+    by an earlier run."""
+    port = int(coordinator.rpartition(":")[2])
+    for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host: the IPv4 wildcard then
+            continue
+        with probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                try:  # dual stack, as gRPC's [::] listener: conflicts with an IPv4 listener too
+                    probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                except OSError:
+                    pass
+            try:
+                probe.bind((address, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise ConfigError(
+                        f"--coordinator {coordinator}: port {port} is already in use on this host (another run's "
+                        f"coordinator, or two processes given --process-id 0?); choose another port") from None
+                if family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL:
+                    continue  # IPv6 present but not configured: the IPv4 wildcard then
+                return  # anything else is left to JAX to report
+        return
 
 
 def abort(message: str, code: int = 1) -> None:
