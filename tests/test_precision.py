@@ -89,23 +89,34 @@ def test_layer_norm_is_flax_forward_to_the_bit_and_its_backward():
 
 def test_dense_dot_gradients_are_autodiffs():
     """dense_dot (the language models' dense layers) differentiates as jax.lax.dot_general does:
-    the same cotangents, in the primals' dtypes, on the CPU's path and on the other backends'."""
+    the same cotangents, in the primals' dtypes, on the CPU's path and on the other backends'. In
+    bf16 both are held to the float32 gradient of the same rounded inputs, dense_dot's no further
+    from it than autodiff's: jax 0.11's XLA:CPU sums lax.dot_general's bf16 kernel gradient less
+    exactly (1.6% of the largest entry off, dense_dot's 0.2%; on jax 0.10 both 0.2%: 2026-11-30),
+    so the two are not within 1% of each other there."""
     import flax.linen as nn
 
     from nljax.models.layers import dense_dot, kernel_grad, kernel_grad_transposed_first
 
+    rounded = lambda tree, dtype: jax.tree.map(lambda a: a.astype(dtype).astype(jnp.float32), tree)
     for dtype, rtol in ((jnp.float32, 1e-6), (jnp.bfloat16, 1e-2)):
         x = jax.random.normal(jax.random.key(0), (4, 16, 48)).astype(dtype)
-        for layer in (lambda dg: nn.Dense(40, dtype=dtype, dot_general=dg),
-                      lambda dg: nn.DenseGeneral((3, 2, 8), use_bias=False, dtype=dtype, dot_general=dg)):
+        for layer in (lambda dg, dtype=dtype: nn.Dense(40, dtype=dtype, dot_general=dg),
+                      lambda dg, dtype=dtype: nn.DenseGeneral((3, 2, 8), use_bias=False, dtype=dtype, dot_general=dg)):
             ref, ours = layer(None), layer(dense_dot)
             params = ref.init(jax.random.key(1), x)
             np.testing.assert_array_equal(ours.apply(params, x), ref.apply(params, x))
-            grad = lambda m: jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(m.apply(p, x).astype(jnp.float32))), argnums=(0, 1)))
-            for a, b in zip(jax.tree.leaves(grad(ours)(params, x)), jax.tree.leaves(grad(ref)(params, x))):
+            w = jax.random.normal(jax.random.key(4), ref.apply(params, x).shape)  # the output's cotangent
+            grad = lambda m, p, x: jax.jit(jax.grad(lambda p, x: jnp.sum(m.apply(p, x).astype(jnp.float32) * w),
+                                                    argnums=(0, 1)))(p, x)
+            want = jax.tree.leaves(grad(layer(None, jnp.float32), rounded(params, dtype), rounded(x, dtype)))
+            for a, b, exact in zip(jax.tree.leaves(grad(ours, params, x)), jax.tree.leaves(grad(ref, params, x)), want):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-                assert np.abs(a - b).max() <= rtol * np.abs(b).max()
+                if dtype == jnp.float32:
+                    assert np.abs(a - b).max() <= rtol * np.abs(b).max()
+                off = lambda g: np.abs(g - exact).max() / np.abs(exact).max()  # a bias's bf16 sum: ~1%
+                assert off(a) <= max(2 * rtol, off(b) + 1e-3), (off(a), off(b))
     for k, m in ((24, 40), (40, 24)):  # x narrower (x transposed), g narrower (g transposed)
         x, g = jax.random.normal(jax.random.key(2), (64, k)), jax.random.normal(jax.random.key(3), (64, m))
         for path in (kernel_grad, kernel_grad_transposed_first):
