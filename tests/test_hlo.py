@@ -25,6 +25,28 @@ def test_iota_groups():
     assert c.axes == ("inter",) and c.groups[0] == (0, 4) and c.bytes == 16
 
 
+def test_groups_by_mesh_axes():
+    """jax 0.11's form (lines as XLA:CPU printed them with jax 0.11.2): the groups named by the
+    axes they span, over the program's mesh; read as the other forms were (the reduce-scatter was
+    taken for one over all 8 devices, every byte figure wrong with it)."""
+    c = parse("%reduce_scatter.7 = f32[16]{0} reduce-scatter(%param.1), channel_id=1, replica_groups=mesh['inter'=2,"
+              "'intra'=4] {'intra'}, use_global_device_ids=true, dimensions={0}, to_apply=%region_0.0")
+    assert (c.op, c.axes, c.groups, c.bytes) == ("reduce-scatter", ("intra",), ((0, 1, 2, 3), (4, 5, 6, 7)), 256)
+    assert c.wire_bytes == pytest.approx(64 * 3)
+    c = parse("ROOT %psum_invariant.7 = f32[16]{0} all-reduce(%reduce_scatter.7), channel_id=1, "
+              "replica_groups=mesh['inter'=2,'intra'=4] {'inter'}, use_global_device_ids=true, to_apply=%region_1.0")
+    assert (c.axes, c.groups) == (("inter",), ((0, 4), (1, 5), (2, 6), (3, 7)))
+    c = parse("%ar = f32[64]{0} all-reduce(%p), replica_groups=mesh['inter'=2,'intra'=4] {'inter','intra'}, "
+              "use_global_device_ids=true, to_apply=%region_0.0")
+    assert c.axes == ("inter", "intra") and c.group_size == 8
+    # a size-1 axis named beside another (psum_scatter over ('intra', 'model')): the group is intra's
+    (c,) = hlo.collectives("%rs = f32[16]{0} reduce-scatter(%p), replica_groups=mesh['inter'=2,'intra'=4,'model'=1] "
+                           "{'intra','model'}, use_global_device_ids=true, dimensions={0}", {**MESH, "model": 1})
+    assert c.axes == ("intra",) and c.groups[1] == (4, 5, 6, 7)
+    assert hlo.collectives("%ar = f32[4]{0} all-reduce(%p), replica_groups=mesh['inter'=2,'intra'=4,'model'=1] "
+                           "{'model'}, to_apply=%add", {**MESH, "model": 1}) == []  # a group of one moves nothing
+
+
 def test_async_start_ops_count_results_once():
     ag = parse("%ags = (f32[25]{0}, f32[100]{0}) all-gather-start(f32[25]{0} %x), replica_groups=[2,4]<=[8], "
                "dimensions={0}")

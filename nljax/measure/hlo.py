@@ -25,6 +25,9 @@ _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+# jax 0.11's XLA prints a shard_map collective's groups by mesh axes: `replica_groups=mesh['inter'=2,
+# 'intra'=4] {'intra'}` (the program's mesh, in its logical device order, then the axes a group spans)
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 
 
 # A computation's header: `%name (params) -> type {`, the entry one prefixed with ENTRY.
@@ -69,6 +72,21 @@ def _result(op: str, is_start: bool, type_text: str) -> tuple[str, int]:
     elif is_start and op == "collective-permute" and len(shapes) > 1:
         shapes = shapes[1:2]
     return (shapes[-1][0] if shapes else "f32"), sum(b for _, b in shapes)
+
+
+def _mesh_groups(line: str) -> tuple[tuple[tuple[int, ...], ...], dict[str, int]] | None:
+    """The groups of a collective whose groups are printed by mesh axes (`_GROUPS_MESH`), as
+    logical device ids of that mesh, and the mesh's shape; None for the other forms."""
+    m = _GROUPS_MESH.search(line)
+    if not m:
+        return None
+    shape = {name: int(n) for name, n in re.findall(r"'([^']*)'=(\d+)", m.group(1))}
+    over = [n for n in re.findall(r"'([^']*)'", m.group(2)) if n in shape]
+    names = list(shape)
+    order = [names.index(n) for n in names if n not in over] + [names.index(n) for n in over]
+    ids = np.arange(int(np.prod(list(shape.values())))).reshape(list(shape.values())).transpose(order)
+    size = int(np.prod([shape[n] for n in over]))
+    return tuple(tuple(int(i) for i in row) for row in ids.reshape(-1, size)), shape
 
 
 def _groups(line: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
@@ -155,7 +173,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
         if not m:
             continue
         op = m.group("op")
-        groups = _groups(line, n_devices)
+        groups, shape = _mesh_groups(line) or (_groups(line, n_devices), mesh_shape)
         g = len(groups[0]) if groups else 1
         if g <= 1:
             continue
@@ -170,7 +188,7 @@ def collectives(hlo_text: str, mesh_shape: dict[str, int]) -> list[Collective]:
             full, wire = result, result * (g - 1) / g
         else:  # collective-permute: every device sends its buffer once
             full, wire = result, result
-        out.append(Collective(op, dtype, groups, _axes(groups[0], mesh_shape), int(full), float(wire), runs[comp]))
+        out.append(Collective(op, dtype, groups, _axes(groups[0], shape), int(full), float(wire), runs[comp]))
     return out
 
 
