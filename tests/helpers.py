@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the checkout: its nljax is the 
 # default emitters, where conftest chose the faster-compiling older ones (jaxlib 0.10).
 EXACT = ({"xla_cpu_use_fusion_emitters": True}
          if "--xla_cpu_use_fusion_emitters=false" in os.environ.get("XLA_FLAGS", "").split() else {})
+FAST_EMITTERS = "--xla_cpu_use_fusion_emitters=false"  # conftest's flag (jaxlib 0.10)
 
 # ---------------------------------------------------------------------------------------------
 # Tiny configs (overrides; later ones win, so a test adds its own after these)
@@ -180,6 +181,15 @@ def truncate(step_dir: Path) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Command lines in subprocesses
+
+
+def default_emitters(env: dict[str, str]) -> dict[str, str]:
+    """`env` without conftest's faster-compiling emitters: for a command whose check reads what a
+    user's compile gives (how long it takes: with the older emitters a compile is too quick for a
+    cache's saving to show; whether XLA counts a step's FLOPs: with them XLA:CPU leaves a while
+    loop in the bench's fully unrolled step, whose FLOPs it then does not count)."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if f != FAST_EMITTERS]
+    return {**{k: v for k, v in env.items() if k != "XLA_FLAGS"}, **({"XLA_FLAGS": " ".join(flags)} if flags else {})}
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:

@@ -6,7 +6,7 @@ import os
 import platform
 
 import pytest
-from helpers import TINY_NL, cli
+from helpers import TINY_NL, cli, default_emitters, subprocess_env
 
 from nljax.run import throughput
 
@@ -22,7 +22,7 @@ def test_bench_json_fields_are_sane(tmp_path):
     # the memory's 4 chunks unrolled: no loop in the step, so XLA's FLOP count is exact and shown
     p = cli("nljax.bench", "--cpu-devices", "2", "--steps", "2", "--warmup", "1", "--out", str(out),
             "--profile", "2", "--profile-dir", str(trace), *NL, "model.nl_lm.memory_unroll=4",
-            "eval.stream_steps=100000")
+            "eval.stream_steps=100000", env=default_emitters(subprocess_env()))
     assert "tokens/s per device" in p.stdout and "device busy" in p.stdout and not list(tmp_path.glob("runs"))
     r = json.loads(out.read_text())
     # each phase said as it starts, on stderr (a compile took minutes in silence, found by a newcomer)

@@ -4,7 +4,7 @@ import json
 import os
 
 import pytest
-from helpers import QUICK, SMALL, cli, subprocess_env
+from helpers import QUICK, SMALL, cli, default_emitters, subprocess_env
 
 from nljax.measure.traces import TRAIN_MODULE
 
@@ -214,7 +214,7 @@ def test_compile_cache_makes_the_second_start_faster(tmp_path):
     # Every program is cached, however fast it compiled: with JAX's default 1 s floor, a program
     # compiled just under it in the first run and just over it (on a loaded machine) in the
     # second would be written then, and look like a step variant compiled again.
-    env = subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+    env = default_emitters(subprocess_env(JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0"))  # a user's compile times
     first = times(cli("nljax.train", *common, env=env))
     entries = set(os.listdir(cache))
     second = times(cli("nljax.train", *common, f"checkpoint.resume={d}/checkpoints/4", env=env))
