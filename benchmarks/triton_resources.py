@@ -48,6 +48,8 @@ def captured_modules(fn, args) -> list[tuple[str, int, int]]:
     is lowered for CUDA; the settings are those the kernel's pallas_call asks XLA for."""
     from jax._src.pallas.triton import lowering  # private: where Pallas builds the Triton module
 
+    from nljax.models.platform import cuda_lowering
+
     texts, original = [], lowering.lower_jaxpr_to_triton_module
 
     def grab(*a, **k):
@@ -57,7 +59,8 @@ def captured_modules(fn, args) -> list[tuple[str, int, int]]:
 
     lowering.lower_jaxpr_to_triton_module = grab
     try:
-        hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        with cuda_lowering():
+            hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     finally:
         lowering.lower_jaxpr_to_triton_module = original
     settings = {m.group(1): (int(m.group(3)), int(m.group(2))) for m in

@@ -19,6 +19,7 @@ from nljax.models import attention, build, compiles
 from nljax.models import attention_kernel as ak
 from nljax.models.layers import local_attention
 from nljax.models.nl_lm import NLLM
+from nljax.models.platform import cuda_lowering
 
 
 def qkv(t, dtype=jnp.float32, b=2, h=3, hd=16, seed=0):
@@ -208,7 +209,8 @@ def test_each_kernel_is_launched_with_its_own_warps_and_stages():
     f = lambda q, k, v: ak.flash_attention(q, k, v, 256, tuning=tuning, interpret=False)
     grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
     q = jnp.zeros((1, 512, 2, 64), jnp.bfloat16)
-    text = jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
+    with cuda_lowering():
+        text = jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
     launches = {m[1]: (int(m[3]), int(m[2])) for m in
                 re.finditer(r'name = "([^"]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)}
     assert launches == {"attention_forward": (8, 3), "attention_dkv": (4, 1), "attention_dq": (4, 4)}
@@ -222,7 +224,8 @@ def test_kernel_lowers_for_cuda(t, dtype):
     q = jnp.zeros((2, t, 4, 64), dtype)
     f = lambda q, k, v: ak.flash_attention(q, k, v, 100, interpret=False)
     grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2), argnums=(0, 1, 2))
-    texts = [jax.jit(g).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text() for g in (f, grad)]
+    with cuda_lowering():
+        texts = [jax.jit(g).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text() for g in (f, grad)]
     assert [text.count("__gpu$xla.gpu.triton") for text in texts] == [1, 3]
 
 
@@ -239,7 +242,8 @@ def test_model_with_pallas_attention_lowers_for_cuda_without_a_second_forward(mo
     params = jax.eval_shape(model.init, jax.random.key(0))
     batch = {"tokens": jnp.zeros((2, cfg.train.seq_len + 1), jnp.int32), "reset": jnp.ones((2,), bool)}
     loss = lambda p: model.apply(p, model.init_memory(2), batch)[0]
-    text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
+    with cuda_lowering():
+        text = jax.jit(jax.grad(loss)).trace(params).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("__gpu$xla.gpu.triton") == 3 * cfg.model.depth
 
 

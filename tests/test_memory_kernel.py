@@ -15,6 +15,7 @@ from nljax.errors import ConfigError
 from nljax.models import memory as nm
 from nljax.models import memory_forms as forms
 from nljax.models import memory_kernel as mk
+from nljax.models.platform import cuda_lowering
 
 B, H, D, HID = 2, 3, 8, 16  # rows and heads > 1
 slow = pytest.mark.slow
@@ -164,7 +165,8 @@ def test_kernel_lowers_for_cuda(kind, chunk, d):
     state, args = inputs(kind, t=2 * chunk, d=d, hid=2 * d)
     fwd = lambda s, a: mk.memory_kernel(s, *a, kind=kind, chunk=chunk, interpret=False)
     grad = jax.grad(objective(lambda s, *a, **_: fwd(s, a), kind, chunk), argnums=(0, 1), has_aux=True)
-    texts = [jax.jit(f).trace(state, args).lower(lowering_platforms=("cuda",)).as_text() for f in (fwd, grad)]
+    with cuda_lowering():
+        texts = [jax.jit(f).trace(state, args).lower(lowering_platforms=("cuda",)).as_text() for f in (fwd, grad)]
     assert [t.count("__gpu$xla.gpu.triton") for t in texts] == [1, 2]  # forward; forward and backward
 
 

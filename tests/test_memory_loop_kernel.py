@@ -15,6 +15,7 @@ from nljax.models import memory as nm
 from nljax.models import memory_forms as forms
 from nljax.models import memory_kernel as mk
 from nljax.models import memory_loop_kernel as ml
+from nljax.models.platform import cuda_lowering
 import test_memory_kernel as tmk
 from test_memory_kernel import HID, assert_close, assert_grads_close, inputs, objective, outputs_and_grads
 
@@ -93,7 +94,8 @@ def test_lowers_for_cuda(kind, chunk, d):
     state, args = inputs(kind, t=2 * chunk, d=d, hid=2 * d)
     fwd = lambda s, a: ml.memory_parallel_kernel(s, *a, kind=kind, chunk=chunk, interpret=False)
     grad = jax.grad(objective(lambda s, *a, **_: fwd(s, a), kind, chunk), argnums=(0, 1), has_aux=True)
-    texts = [jax.jit(f).trace(state, args).lower(lowering_platforms=("cuda",)).as_text() for f in (fwd, grad)]
+    with cuda_lowering():
+        texts = [jax.jit(f).trace(state, args).lower(lowering_platforms=("cuda",)).as_text() for f in (fwd, grad)]
     assert [t.count("__gpu$xla.gpu.triton") for t in texts] == [1, 2]
     assert "memory_end_backward_kernel" in texts[1] and "memory_end_forward_kernel" in texts[0]
 

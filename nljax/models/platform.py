@@ -66,3 +66,18 @@ def lowering() -> contextlib.AbstractContextManager:
     compile-only device answers as the card would. Otherwise nothing changes."""
     target = device()
     return jax.default_device(target) if target is not None else contextlib.nullcontext()
+
+
+def cuda_lowering(card: str = "NVIDIA H100") -> contextlib.AbstractContextManager:
+    """Where a machine without a GPU lowers a program that holds Pallas kernels for CUDA
+    (`jax.jit(f).trace(...).lower(lowering_platforms=("cuda",))`: the tests, and
+    benchmarks/triton_resources.py). jax 0.11's Triton lowering asks the default device which card
+    it targets and refuses a CPU ("No supported GPU devices found"): inside this block an abstract
+    mesh names `card`. jax 0.10 asks nothing (and lowers no kernel under such a mesh), and a GPU
+    answers for itself: nothing changes there."""
+    if tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 11) or jax.default_backend() == "gpu":
+        return contextlib.nullcontext()
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType, use_abstract_mesh
+
+    device = AbstractDevice(device_kind=card, num_cores=None, platform="gpu")
+    return use_abstract_mesh(AbstractMesh((1,), ("_",), axis_types=(AxisType.Auto,), abstract_device=device))
