@@ -125,7 +125,7 @@ def tokenization_of_export(path: Path, cfg: config.Config):
 def check_out(out: Path) -> None:
     """Refuses an `out` the export would damage or mix with: a file, or a directory holding
     anything but an earlier nljax export (which is replaced): a user's folder, a run directory."""
-    if out.is_symlink() and not out.exists():  # mkdir would say only "File exists"
+    if writable.dangling(out):  # mkdir would say only "File exists"
         raise ConfigError(f"out={out} is a symbolic link to {os.readlink(out)}, which does not exist")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")

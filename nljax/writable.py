@@ -12,6 +12,20 @@ from pathlib import Path
 from nljax.errors import ConfigError
 
 
+def dangling(path: Path) -> bool:
+    """Whether `path` is a symbolic link to nothing. A loop of links (a -> b -> a) is not one: its
+    OSError (ELOOP, naming `path`) is raised here, which every command says in one line
+    (`cli.unusable_path`). Python 3.13's Path.resolve no longer raises for a loop (3.11 and 3.12
+    raised RuntimeError), and Path.exists answers False for one, as for a link to nothing."""
+    if not path.is_symlink() or path.exists():
+        return False
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return True
+    return False
+
+
 def refuse_unwritable(named: str, path: Path, beside: bool = False) -> None:
     """Refuses the directory `path` (`named`: how the message names it, "run.dir runs/x" or
     "out=DIR") when the nearest part of it that exists is a file, or a directory this process
@@ -24,7 +38,7 @@ def refuse_unwritable(named: str, path: Path, beside: bool = False) -> None:
         # a link counted, broken or not: mkdir(parents=True) meets a link to nothing as "File exists"
         there = next(p for p in (start, *start.parents) if os.path.lexists(p))  # "." or "/" at the latest
         where = named + ("" if there == path else f": {there}")
-        if there.is_symlink() and not there.exists():
+        if dangling(there):
             raise ConfigError(f"{where} is a symbolic link to {os.readlink(there)}, which does not exist")
         if not there.is_dir():
             raise ConfigError(f"{where} is a file, not a directory")

@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import tqdm
 
+from nljax import writable
 from nljax.data import chunks, documents, outdir, tokenization, workdir
 from nljax.data.settings import DataConfig
 from nljax.errors import ConfigError
@@ -243,6 +244,7 @@ def _check_out(o: outdir.Out, overwrite: bool) -> None:
     """Refused in one line: a DIR holding a user's files (overwrite=true replaces prepared data,
     never those: the source text may be there), prepared data without overwrite=true, a file, a
     mount point (DIR is replaced by renames)."""
+    writable.dangling(o.path)  # a loop of symbolic links raises its own one-line error (ELOOP)
     if os.path.lexists(o.path) and not o.path.is_dir():
         raise ConfigError(f"{o.given} is a file, not a directory; give another out=")
     there = outdir.strangers(o.path, lambda name: name in LEGACY or ".tmp-" in name) if o.path.is_dir() else []

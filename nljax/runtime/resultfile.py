@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Iterable
 
 from nljax.errors import ConfigError
+from nljax.writable import dangling
 
 
 def check(out: Path, named: str, tool: str, keys: frozenset[str], lines: bool = False) -> None:
@@ -40,7 +41,7 @@ def not_a_directory(path: Path) -> str | None:
     there = next((p for p in (path, *path.parents) if os.path.lexists(p)), None)
     if there is None or there.is_dir():
         return None
-    if there.is_symlink() and not there.exists():
+    if dangling(there):
         return f"{there} is a symbolic link to {os.readlink(there)}, which does not exist"
     return f"{there} is a file, not a directory"
 

@@ -230,7 +230,7 @@ def check_free(cfg: Config) -> None:
         if _exists(what, path) and not path.is_dir():  # not "checkpoint.dir ... cannot be created"
             raise ConfigError(f"{what} {path} is a file, not a directory")
         for p in (path, *path.parents):  # mkdir would say only "File exists"
-            if p.is_symlink() and not p.exists():
+            if writable.dangling(p):
                 raise ConfigError(f"{what} {path}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
     distributed.on_main(lambda: _refuse_live(cfg), _in_use_elsewhere(cfg))
     distributed.on_main(lambda: _refuse_unwritable(cfg), elsewhere=None)  # process 0 makes run.dir

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from nljax.config import ConfigError
+from nljax.writable import dangling
 
 NAME = "nljax.lock"
 HEARTBEAT_S = 30.0
@@ -105,7 +106,7 @@ def refuse_if_live(run_dir: str | Path, what: str = "run.dir") -> None:
 
 def make_run_dir(path: Path, what: str = "run.dir") -> None:
     """Creates run.dir (and its parents), or says in one line why it cannot be."""
-    if path.is_symlink() and not path.exists():  # mkdir would say only "File exists"
+    if dangling(path):  # mkdir would say only "File exists"
         raise ConfigError(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist")
     try:
         path.mkdir(parents=True, exist_ok=True)
