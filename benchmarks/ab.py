@@ -83,12 +83,11 @@ def run(args) -> int:
             cfg = unevaluated(config.load(args.config, v.split()))
             same = next((r for r in runs if same_step(r[1].cfg, cfg)), None)
             # a variant that differs only in how the loop runs shares the step compiled for the first
-            runs.append((v, dataclasses.replace(same[1], cfg=cfg) if same else Run.create(cfg), same))
+            runs.append((v, dataclasses.replace(same[1], cfg=cfg) if same else Run.create(cfg), same and same[0]))
         except config.ConfigError as e:
             raise config.ConfigError(f"variant \"{v}\": {e}") if len(args.variants) > 1 else e from None
     built = []
-    for v, run, same in runs:
-        same = same and {"variant": same[0]}
+    for v, run, shared in runs:  # shared: the variant whose step this one runs, or None
         say(f"{v or '(config)'}: initializing the parameters and the optimizer state ...")  # seconds: its init compiles
         batch, state = run.batch(0), run.init_state()
         every = tuple(True for _ in run.cfg.cms.periods)
@@ -96,7 +95,7 @@ def run(args) -> int:
         built.append({"variant": v, "run": run, "step": 0, "fn": fns[every], "state": state, "batch": batch,
                       "compile_s": compile_s[every],
                       # compile_s of a loaded step is its load
-                      "executable": f"shared with {same['variant'] or '(config)'}" if same else
+                      "executable": f"shared with {shared or '(config)'}" if shared is not None else
                       how_built(run.cache, every, batch),
                       "memory_bytes": peak_memory(fns)["compiled_peak_bytes"], "times": []})
     for i in range(args.warmup + args.rounds):  # a round runs every variant's step once

@@ -442,7 +442,7 @@ class ImageTask:
         }
 
 
-TASKS: dict[str, Callable[[Config, Mesh], Task]] = {
+TASKS: dict[str, Callable[..., Task]] = {  # (cfg, mesh, trains=...)
     "text": TextTask,
     "images": ImageTask,
 }
@@ -450,13 +450,11 @@ TASKS: dict[str, Callable[[Config, Mesh], Task]] = {
 
 def build(name: str, cfg: Config, mesh: Mesh, reads_data: bool = True, trains: bool = True) -> Task:
     """The task `name` of a run; `reads_data=False`: a text model's `LoadedText`, which reads none;
-    `trains=False`: a text model's `TextTask` reads only what its evaluation scores."""
+    `trains=False`: built to evaluate, it reads only what its evaluation scores."""
     if name == "text" and not reads_data:
         return LoadedText(cfg, mesh)
-    if name == "text" and not trains:
-        return TextTask(cfg, mesh, trains=False)
     try:
         make = TASKS[name]
     except KeyError:
         raise ConfigError(f"unknown task '{name}' (available: {', '.join(sorted(TASKS))})")
-    return make(cfg, mesh, trains=trains) if make is ImageTask else make(cfg, mesh)
+    return make(cfg, mesh, trains=trains)

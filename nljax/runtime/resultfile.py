@@ -25,10 +25,9 @@ def check(out: Path, named: str, tool: str, keys: frozenset[str], lines: bool = 
         raise ConfigError(f"{named} is a directory: give the {kind} file to write")
     if why := not_a_directory(out.absolute().parent):  # else mkdir's "File exists", after the slow part
         raise ConfigError(f"{named}: {why}")
-    parent = next((p for p in out.absolute().parents if p.exists()), None)
-    if parent is not None and not os.access(out if out.exists() else parent, os.W_OK):
-        raise ConfigError(f"{named}: {out if out.exists() else parent} is not writable")
-    if parent is not None and (where := unwritable(parent)):  # the result is written there, renamed into place
+    if out.exists() and not os.access(out, os.W_OK):
+        raise ConfigError(f"{named}: {out} is not writable")
+    if where := unwritable(out.absolute().parent):  # the result is written there, renamed into place
         raise ConfigError(f"{named}: {where} is not writable")
     if out.exists() and not (earlier_lines if lines else earlier_result)(out, keys):  # a tokenizer.json, a data set
         raise ConfigError(f"{named} holds a file that is not an {tool} result: give a new file name, or move it")
