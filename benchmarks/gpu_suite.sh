@@ -5,15 +5,19 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: titans_forms ab350m pullback attn_tiles vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4
-#            fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop
-#            fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
-#            Since 2026-11-30 (the loop kernel and the parallel form timed, docs/benchmarks/2026-11-30-h200.md):
-#            first titans_demo's three inner-loop forms side by side with where each step's device idles
-#            (the 100x target needs a 10 ms step; 8.6 ms of the loop kernel's 27.8 ms step was idle), then
-#            nl_350m with the scan and the parallel form side by side (measured a session apart: within
-#            1.5%), then the rows no session has reached yet (titans-pytorch with the current code,
-#            batch 128 with the Pallas attention, the two fastest nl_350m forms together).
+#            they matter: vs_pytorch_parallel ab350m titans_alone pullback attn_tiles b128 fused350m_best
+#            titans_forms vs_pytorch titans_unroll fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m
+#            fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel fused350m_unrolled
+#            fused350m_memunroll fused350m_kernel paths.
+#            Since the second H200 run of 2026-11-30 (docs/benchmarks/2026-11-30-h200-b.md): titans_demo's
+#            parallel form kept its device busy 10.8 ms a step against the scan's 14.9, and the scan ran
+#            16.3 ms a step in titans_pytorch.py's loop (75.2x titans-pytorch): first the parallel form
+#            against titans-pytorch (the 100x target needs about 12 ms), then nl_350m with the scan and
+#            the parallel form side by side (stopped by the budget that day), then the scan alone
+#            through ab.py's loop (interleaved with four other forms it took 41.9 ms a step, 2.6x
+#            titans_pytorch.py's loop: whether the interleaving costs it), then the rows no session has
+#            reached yet (the hand-written pull-back, the attention's tiles, batch 128 with the Pallas
+#            attention, the two fastest nl_350m forms together).
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
@@ -56,6 +60,9 @@
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
 #   vs_pytorch_loop    the same with memory_impl=parallel_pallas (the loop kernel)
+#   vs_pytorch_parallel the same with memory_impl=parallel (the parallel form)
+#   titans_alone       titans_demo at batch 4 x 512 with the scan (auto) alone in ab.py's process, timed
+#                      through the training loop and profiled as titans_forms times it among four others
 #   titans_forms       titans_demo at batch 4 x 512 with the scan (auto), memory_impl=parallel (also with its
 #                      16 chunks in one loop iteration, memory_unroll=16: 3,655 kernels per step against 4,390,
 #                      compiled offline) and memory_impl=parallel_pallas, interleaved and profiled (where each
@@ -120,9 +127,9 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(titans_forms ab350m pullback attn_tiles vs_pytorch b128 fused350m_best titans_unroll fused350m_parallel4 fused350m_graphs
-         fused350m_best8 fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel
-         fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
+ISSUE44=(vs_pytorch_parallel ab350m titans_alone pullback attn_tiles b128 fused350m_best titans_forms vs_pytorch
+         titans_unroll fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop
+         kernel_loop titans_loop fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -422,6 +429,21 @@ vs_pytorch() {  # $1: the row's name; then nljax overrides
   fi
   run "$name" $PY benchmarks/titans_pytorch.py --dtype bf16 "${TORCH[@]}" --out "$OUT/$name.json" \
     "${TITANS[@]}" "$@"
+}
+
+part_vs_pytorch_parallel() {
+  # the parallel form's device time was 10.8 ms a step against the scan's 14.9 (2026-11-30, second
+  # run); the scan ran 16.3 ms a step through the training loop, 75.2x titans-pytorch
+  vs_pytorch titans_vs_bf16_parallel model.nl_lm.memory_impl=parallel
+}
+
+part_titans_alone() {
+  # the same step ran 41.9 ms in ab.py's loop among four other forms and 16.3 ms in titans_pytorch.py's:
+  # one variant alone says whether ab.py's interleaving of executables is what costs the difference
+  local rounds=(--rounds 6 --warmup 1 --loop 8 --profile 4)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 2); fi
+  run ab_titans_alone $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${BF16[*]} ${TITANS[*]}" \
+    --out "$OUT/ab_titans_alone.json"
 }
 
 part_titans_unroll() {

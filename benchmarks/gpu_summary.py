@@ -66,10 +66,11 @@ def lines(out: Path) -> list[str]:
         comp = ", ".join(f"{k} {p['compile_s']:.1f} s{loaded(p)}" for k, p in b["per_pattern"].items())
         rows.append(f"info  titans_demo: {b['units_per_s_per_device_mean']:,.0f} tokens/s/device mean, "
                     f"worst {b['units_per_s_per_device_worst']:,.0f}; compile per variant: {comp}")
-    for name, how in (("titans_vs_bf16", ""), ("titans_vs_bf16_loop", ", memory_impl=parallel_pallas")):
+    for name, how in (("titans_vs_bf16", ""), ("titans_vs_bf16_loop", ", memory_impl=parallel_pallas"),
+                      ("titans_vs_bf16_parallel", ", memory_impl=parallel")):
         t = load(out, name)
         ratio = t.get("ratio_tokens_per_s") if t else None
-        if ratio is None and how:  # the loop kernel's row only when its part ran
+        if ratio is None and how:  # another form's row only when its part ran
             continue
         # the training loop's figure (what training gets) where measured, each step waited for beside it
         looped = t.get("ratio_tokens_per_s_in_loop") if t else None
@@ -81,7 +82,8 @@ def lines(out: Path) -> list[str]:
             f"{t['nljax']['tokens_per_s_in_loop']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)")
         rows.append(f"{verdict(None if best is None else best >= 100)}  titans_demo vs titans-pytorch bf16, batch 4{how}: "
                     + said)
-    ab = (("titans_demo", "ab_titans_forms"), ("titans_demo", "ab_titans_remat"), ("titans_demo", "ab_titans_loop"),
+    ab = (("titans_demo", "ab_titans_forms"), ("titans_demo", "ab_titans_alone"), ("titans_demo", "ab_titans_remat"),
+          ("titans_demo", "ab_titans_loop"),
           ("titans_demo", "ab_titans_unroll"), ("nl_350m", "ab_nl_350m"))
     for config, r in [(config, r) for config, name in ab for r in (load(out, name) or {}).get("rows", [])]:
         ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""

@@ -162,17 +162,19 @@ echo "$XLA_FLAGS" > "$OUT_FLAGS"
 
 
 def test_the_summary_gives_the_loop_kernels_ratio_to_titans_pytorch_when_measured(tmp_path):
-    """vs_pytorch_loop's row (the 100x target with memory_impl=parallel_pallas) beside the auto
-    forms' row, each against the target; absent, only the auto row says 'skipped'."""
+    """vs_pytorch_loop's and vs_pytorch_parallel's rows (the 100x target with memory_impl=parallel_pallas
+    and =parallel) beside the auto forms' row, each against the target; absent, only the auto row says
+    'skipped'."""
     summary = bench_module("gpu_summary")
     rows = [r for r in summary.lines(tmp_path) if "titans-pytorch" in r]
     assert len(rows) == 1 and rows[0].endswith("skipped"), rows
-    for name, ratio in (("titans_vs_bf16", 45.2), ("titans_vs_bf16_loop", 120.0)):
+    for name, ratio in (("titans_vs_bf16", 45.2), ("titans_vs_bf16_loop", 120.0), ("titans_vs_bf16_parallel", 99.0)):
         (tmp_path / f"{name}.json").write_text(json.dumps({"ratio_tokens_per_s": ratio, "nljax": {"tokens_per_s": ratio * 2000},
                                                            "titans_pytorch": {"tokens_per_s": 2000}}))
     rows = [r for r in summary.lines(tmp_path) if "titans-pytorch" in r]
     assert rows[0].startswith("MISS") and "45.2x" in rows[0], rows
     assert rows[1].startswith("MET") and "memory_impl=parallel_pallas: 120.0x" in rows[1], rows
+    assert rows[2].startswith("MISS") and "memory_impl=parallel: 99.0x" in rows[2], rows
     # measured through the training loop as well: that figure decides, the other beside it
     (tmp_path / "titans_vs_bf16.json").write_text(json.dumps({
         "ratio_tokens_per_s": 90.0, "ratio_tokens_per_s_in_loop": 104.0,
@@ -266,10 +268,12 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
                  "bench_nl_350m_fused_best8", "bench_nl_350m_fused_graphs", "bench_nl_350m_fused_parallel",
                  "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback",
                  "attention_tiles",
-                 "titans_vs_bf16", "titans_vs_bf16_loop", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
+                 "titans_vs_bf16", "titans_vs_bf16_loop", "titans_vs_bf16_parallel", "ab_titans_alone", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
                  "bench_titans_demo_b128_memory"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     assert "model.nl_lm.memory_impl=parallel_pallas" in json.loads((tmp_path / "titans_vs_bf16_loop.json").read_text())["overrides"]
+    assert "model.nl_lm.memory_impl=parallel" in json.loads((tmp_path / "titans_vs_bf16_parallel.json").read_text())["overrides"]
+    assert len(json.loads((tmp_path / "ab_titans_alone.json").read_text())["rows"]) == 1
     for trace in ("trace_nl_350m_fused", "trace_nl_350m_fused_best"):  # kept for the profile's placement
         assert (tmp_path / trace / "program.hlo.txt").exists()
     assert "jax " in (tmp_path / "machine.txt").read_text()  # the card and software, for the report
