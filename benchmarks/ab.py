@@ -157,20 +157,15 @@ def same_step(a, b) -> bool:
 
 
 def in_the_loop(b: dict, k: int, state=None):
-    """K all-levels steps of variant `b` through the training loop (`training_steps` with a
-    Conductor whose levels all fire every step, so that its compiled step is the one timed);
-    no step keeps its state but the last. Returns the state after them."""
-    from nljax.engine.conductor import Conductor
-    from nljax.run.loop import training_steps
+    """K all-levels steps of variant `b` through the training loop (`nljax.bench.loop_steps`, all
+    levels firing every step, so that its compiled step is the one timed). Returns the state
+    after them."""
+    from nljax.bench import loop_steps, only
 
     run, start = b["run"], b["step"]
-    cfg = dataclasses.replace(run.cfg, train=dataclasses.replace(run.cfg.train, steps=start + k))
-    state = b["state"] if state is None else state
-    every = tuple(True for _ in cfg.cms.periods)
-    steps = training_steps(dataclasses.replace(run, cfg=cfg), state, Conductor((1,) * len(every), start),
-                           keep=lambda step: False, built_before={run.cache.variant(every, b["batch"])})
-    for r in steps:
-        state = r.state if r.state is not None else state
+    every = tuple(True for _ in run.cfg.cms.periods)
+    state = loop_steps(run, b["state"] if state is None else state, only(every, start, k), k,
+                       {run.cache.variant(every, b["batch"])})
     b["step"] = start + k
     return state
 

@@ -30,7 +30,6 @@ by side: the outer-loop FLOP/s each reaches is tokens/s x 6 N.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -117,11 +116,10 @@ def nljax_side(args):
     import jax
 
     from nljax import config
-    from nljax.bench import unevaluated
+    from nljax.bench import loop_steps, unevaluated
     from nljax.engine.conductor import Conductor, pattern_name
     from nljax.measure import flops
     from nljax.run.core import Run
-    from nljax.run.loop import training_steps
 
     overrides = [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}", "mesh.inter=1", "mesh.intra=1",
                  *args.overrides]
@@ -159,14 +157,10 @@ def nljax_side(args):
         """CYCLE steps as the trainer runs them (nljax.run.loop.training_steps: train.dispatch_ahead
         as the config says, `auto` on a GPU), all levels at the first and level 0 at the others: a
         Conductor of periods (1, CYCLE, CYCLE, ...) fires just the two compiled patterns above."""
-        start, base = chain["step"], setup.cfg
-        run = dataclasses.replace(setup, cfg=dataclasses.replace(base, train=dataclasses.replace(
-            base.train, steps=start + CYCLE)))
+        start = chain["step"]
         conductor = Conductor((1,) + (CYCLE,) * (n_levels - 1), start)
-        state = chain["state"]
-        for r in training_steps(run, state, conductor, keep=lambda step: False, built_before=warm):
-            state = r.state if r.state is not None else state
-        chain["state"], chain["step"] = state, start + CYCLE
+        chain["state"] = loop_steps(setup, chain["state"], conductor, CYCLE, warm)
+        chain["step"] = start + CYCLE
 
     steps[LOOP] = loop
     n, n_mat = flops.matmul_params(setup.engine.param_shapes)

@@ -1,6 +1,6 @@
 """The benchmark command: how fast a config trains, measured the way it trains.
 
-    python -m nljax.bench [--config FILE] [--cpu-devices N] [--steps S] [--warmup W]
+    python -m nljax.bench [--config FILE] [--cpu-devices N] [--steps S] [--warmup W] [--loop K]
                           [--patterns cycle|worst] [--profile N [--profile-dir DIR]]
                           [--out FILE.json] [key=value ...]
 
@@ -11,7 +11,12 @@ fires, `--patterns worst`):
 
 - compile time of its step variant (lower + compile, ahead of time, as the trainer does);
 - `--warmup` untimed steps, then `--steps` timed rounds interleaved over the patterns (a drift of
-  clock or load hits all of them alike): median, min, max and spread of the step time;
+  clock or load hits all of them alike): median, min, max and spread of the step time, each step
+  waited for;
+- then `--loop K` steps of each pattern through the training loop (`nljax.run.loop.training_steps`,
+  as `nljax.train` runs them: with `train.dispatch_ahead` a step is dispatched before the one
+  before it has finished, which each step waited for cannot show; on a GPU titans_demo ran 1.3x
+  faster so): the time per step and the units per second training gets;
 - units (tokens, images) per second per device: per pattern, the mean weighted by how often each
   pattern fires in a cycle, and the worst pattern;
 - FLOPs per unit: analytic (`nljax.measure.flops`: 6 N + attention for the outer loop, plus an
@@ -52,6 +57,7 @@ from nljax.measure import flops, hostmem, traces
 from nljax.models import registry
 from nljax.run import throughput
 from nljax.run.core import Run
+from nljax.run.loop import dispatches_ahead, training_steps
 from nljax.runtime import resultfile
 from nljax.runtime.runlog import short_unit
 from nljax.version import __version__
@@ -178,6 +184,42 @@ def time_steps(fns: dict, state, batch, warmup: int, steps: int, slow_s: float =
     return times, state
 
 
+def loop_steps(run: Run, state, conductor: Conductor, k: int, built_before=()):
+    """`k` steps from `conductor.step` through the training loop (`training_steps`, which keeps
+    no step's state but the last); returns the state after them. `built_before`: the variant keys
+    already compiled (none of them is taken for a compilation)."""
+    cfg = dataclasses.replace(run.cfg, train=dataclasses.replace(run.cfg.train, steps=conductor.step + k))
+    for r in training_steps(dataclasses.replace(run, cfg=cfg), state, conductor, keep=lambda step: False,
+                            built_before=built_before):
+        state = r.state if r.state is not None else state
+    return state
+
+
+def only(active: tuple[bool, ...], start: int, k: int) -> Conductor:
+    """A Conductor that fires `active` at each of the `k` steps from `start` (>= 1) and nothing
+    else: the active levels every step, the others at a period past the last (step 0, where
+    every level fires, is before `start`)."""
+    return Conductor(tuple(1 if a else start + k + 1 for a in active), start)
+
+
+def time_loops(run: Run, fns: dict, state, batch, start: int, k: int) -> tuple[dict, object]:
+    """(active set -> seconds per step of `k` steps of it alone through the training loop, from
+    step `start`; the state after them), the patterns one after another."""
+    built_before = {run.cache.variant(a, batch) for a in fns}
+    # one untimed call first: the loop's own first call compiles what it computes outside the step
+    # (the records' learning rates, for `k` steps) and starts the data's reading
+    state = loop_steps(run, state, only(next(iter(fns)), start, k), k, built_before)
+    start += k
+    seconds = {}
+    for a in fns:
+        t0 = time.perf_counter()
+        state = loop_steps(run, state, only(a, start, k), k, built_before)
+        jax.block_until_ready(state)
+        seconds[a] = (time.perf_counter() - t0) / k
+        start += k
+    return seconds, state
+
+
 def spread(ts: list[float]) -> dict:
     med = statistics.median(ts)
     return {"median_ms": med * 1e3, "min_ms": min(ts) * 1e3, "max_ms": max(ts) * 1e3,
@@ -212,12 +254,15 @@ def peak_memory(fns: dict) -> dict:
 
 
 def pattern_row(ts: list[float], compile_s: float, per_cycle: int, units: int, xla: tuple, analytic: float,
-                peak: float, executable: str = "compiled") -> dict:
+                peak: float, executable: str = "compiled", loop_s: float | None = None) -> dict:
     """`xla`: XLA's count of the step and why there is none (`throughput.xla_count`);
-    `executable`: how the step came to be (`built`), what `compile_s` timed."""
+    `executable`: how the step came to be (`built`), what `compile_s` timed; `loop_s`: its time
+    per step through the training loop (`time_loops`), where timed."""
     step = statistics.median(ts)
     xla_flops, uncounted = xla
     return {
+        "loop_step_ms": None if loop_s is None else loop_s * 1e3,
+        "units_per_s_per_device_in_loop": None if loop_s is None else units / loop_s,
         "steps_per_cycle": per_cycle, "compile_s": compile_s, "executable": executable, "step_time": spread(ts),
         "units_per_s_per_device": units / step,
         "xla_flops_per_device_step": xla_flops,
@@ -236,8 +281,13 @@ def summarize(rows: dict, units: int) -> dict:
     mean_step = sum(weight[k] * r["step_time"]["median_ms"] for k, r in rows.items()) / total / 1e3
     worst = max(rows, key=lambda k: rows[k]["step_time"]["median_ms"])
     mfu = [r["mfu"] for r in rows.values()]
+    looped = all(r["loop_step_ms"] is not None for r in rows.values())
+    loop_step = sum(weight[k] * r["loop_step_ms"] for k, r in rows.items()) / total / 1e3 if looped else None
     return {
         "mean_step_ms": mean_step * 1e3,
+        # the same mean of each pattern's step through the training loop: what training gets
+        "loop_step_ms_mean": None if loop_step is None else loop_step * 1e3,
+        "units_per_s_per_device_in_loop_mean": None if loop_step is None else units / loop_step,
         "units_per_s_per_device_mean": units / mean_step,
         "units_per_s_per_device_worst": rows[worst]["units_per_s_per_device"],
         "worst_pattern": worst,
@@ -249,7 +299,7 @@ def summarize(rows: dict, units: int) -> dict:
 
 
 def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_source: str,
-              profile: int = 0, profile_dir: Path | None = None) -> dict:
+              profile: int = 0, profile_dir: Path | None = None, loop: int = 0) -> dict:
     """The whole measurement as a JSON-ready dict (see the module docstring)."""
     cfg, eng = run.cfg, run.engine
     batch = run.batch(0)
@@ -261,10 +311,14 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
     fns, compile_s = compile_variants(run.cache, list(per_cycle), state, batch)
     say(f"timing {warmup} warm-up and {steps} timed rounds of {len(fns)} pattern{'s' * (len(fns) > 1)} ...")
     times, state = time_steps(fns, state, batch, warmup, steps)
+    in_loop = {}
+    if loop:
+        say(f"timing {loop} step{'s' * (loop > 1)} of each pattern through the training loop ...")
+        in_loop, state = time_loops(run, fns, state, batch, warmup + steps + 1, loop)
     analytic = flops.analytic_flops(cfg, eng.model, eng.param_shapes)
     rows = {pattern_name(a): pattern_row(times[a], compile_s[a], per_cycle[a], units,
                                          throughput.xla_count(fns[a]), analytic["total_per_unit"], peak,
-                                         built(run.cache, a, batch))
+                                         built(run.cache, a, batch), in_loop.get(a))
             for a in sorted(per_cycle, key=lambda a: (sum(a), a))}
     summary = summarize(rows, units)
     if profile:
@@ -286,7 +340,8 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
                    "forms": eng.model.forms() if hasattr(eng.model, "forms") else None},
         "environment": environment(),
         "unit": run.task.unit, "units_per_device_step": units, "devices": eng.mesh_devices,
-        "warmup": warmup, "steps": steps, "patterns": which,
+        "warmup": warmup, "steps": steps, "patterns": which, "loop": loop,
+        "dispatch_ahead": dispatches_ahead(cfg.train.dispatch_ahead, run.mesh.devices.flat[0].platform),
         "peak_flops_per_device": peak, "peak_source": peak_source,
         "flops": analytic, "per_pattern": rows, **summary,
         "memory": peak_memory(fns),
@@ -328,6 +383,11 @@ def format_report(r: dict) -> str:
     for why in dict.fromkeys(uncounted):
         lines.append(f"XLA FLOP, MFU '-': {why or 'XLA gave no count'}; MFU(an.) is from the analytic count")
     mem = r["memory"]
+    if r.get("loop_step_ms_mean") is not None:
+        each = ", ".join(f"{name} {p['loop_step_ms']:.2f} ms" for name, p in r["per_pattern"].items())
+        lines.append(f"through the training loop ({r['loop']} steps of each pattern, dispatched ahead: "
+                     f"{'yes' if r['dispatch_ahead'] else 'no'}): {each}; {unit}/s per device: mean "
+                     f"{r['units_per_s_per_device_in_loop_mean']:,.1f} (weighted by steps per cycle)")
     lines += [
         f"{unit}/s per device: mean {r['units_per_s_per_device_mean']:,.1f} (weighted by steps per cycle), "
         f"worst {r['units_per_s_per_device_worst']:,.1f} ({r['worst_pattern']}); MFU mean {pct(r['mfu_mean'])} "
@@ -384,9 +444,9 @@ def check_profile_dir(d: Path) -> None:
 
 
 def _run(args, cfg: Config) -> int:
-    if args.steps < 1 or args.warmup < 0 or args.profile < 0:
-        raise ConfigError(f"--steps must be >= 1, --warmup and --profile >= 0, got {args.steps}, {args.warmup}, "
-                          f"{args.profile}")
+    if args.steps < 1 or args.warmup < 0 or args.profile < 0 or args.loop < 0:
+        raise ConfigError(f"--steps must be >= 1, --warmup, --profile and --loop >= 0, got {args.steps}, "
+                          f"{args.warmup}, {args.profile}, {args.loop}")
     if args.out:
         resultfile.check(Path(args.out), f"--out {args.out}", "nljax.bench", RESULT_KEYS)
     if args.profile_dir and not args.profile:  # it keeps the trace of --profile N: nothing was kept, in silence
@@ -409,7 +469,8 @@ def _run(args, cfg: Config) -> int:
         run = Run.create(unevaluated(cfg))
         peak, source = device_peak(args.peak_tflops or cfg.throughput.peak_tflops)
         profile_dir = Path(args.profile_dir or Path(tmp) / "profile")
-        result = run_bench(run, args.steps, args.warmup, args.patterns, peak, source, args.profile, profile_dir)
+        result = run_bench(run, args.steps, args.warmup, args.patterns, peak, source, args.profile, profile_dir,
+                           args.loop)
     result["command"] = " ".join(["python -m nljax.bench", *(args.argv or [])])
     if jax.process_index() == 0:
         print(format_report(result))
@@ -431,6 +492,9 @@ def main(argv=None) -> int:
     p = cli.parser("nljax.bench", "Compile time, step time, tokens/s, FLOPs, MFU and memory of a config's train step.")
     p.add_argument("--steps", type=int, default=5, help="timed rounds over the patterns (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after compilation (default 2)")
+    p.add_argument("--loop", type=int, default=8, metavar="K",
+                   help="then K steps of each pattern through the training loop, as training runs them "
+                        "(default 8; 0: none)")
     p.add_argument("--patterns", choices=("cycle", "worst"), default="cycle",
                    help="every active set of one cycle of cms.periods, or only the one where all levels fire")
     p.add_argument("--peak-tflops", type=peak_tflops, default=0.0, help="per-device peak for MFU (default: known or measured)")

@@ -14,6 +14,20 @@ from nljax.run import throughput
 NL = [*TINY_NL, "model.dim=16", "model.depth=1", "model.nl_lm.memory_heads=4", "train.batch_size=4", "train.seq_len=16"]
 
 
+def test_a_pattern_alone_fires_just_its_levels():
+    """The loop's timing of one pattern (`only`): its levels every step, the others never, from
+    any step after 0 (where every level fires)."""
+    from nljax.bench import only
+
+    for active in ((True, False, False), (True, True, False), (True, True, True), (False, True, False)):
+        c = only(active, 5, 9)
+        pulses = []
+        for _ in range(9):
+            pulses.append(c.pulse.active)
+            c = c.advance()
+        assert pulses == [active] * 9, (active, pulses)
+
+
 def test_bench_json_fields_are_sane(tmp_path):
     """Two emulated devices, a tiny nl_lm with a memory layer, two patterns, 2 timed rounds,
     then 2 profiled steps of the slower pattern. The streaming evaluation asked for does not fit
@@ -31,6 +45,7 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert said == ["building the run", "initializing the parameters and the optimizer state ...",
                     "building pattern L0", "compiled pattern L0", "building pattern L0+1",
                     "compiled pattern L0+1", "timing 1 warm-up and 2 timed rounds of 2 patterns ...",
+                    "timing 8 steps of each pattern through the training loop ...",
                     f"profiling 2 steps of pattern {r['worst_pattern']} ..."], p.stderr
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
     # the table's unit columns as the run's throughput table names them (images were "ima")
@@ -49,7 +64,13 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert r["config"]["forms"] == {"attention": "blocked", "memory_impl": "scan", "embed_grad": "scatter",
                                     "loss_chunk": 0}
     assert "computed by: attention blocked, memory_impl scan, embed_grad scatter, loss_chunk 0" in p.stdout
+    # each pattern also as training runs it: 8 steps through the loop (not dispatched ahead on a CPU)
+    assert r["loop"] == 8 and r["dispatch_ahead"] is False
+    loop_line = next(line for line in p.stdout.splitlines() if line.startswith("through the training loop"))
+    assert loop_line.startswith("through the training loop (8 steps of each pattern, dispatched ahead: no): L0 ")
+    assert r["units_per_s_per_device_in_loop_mean"] * r["loop_step_ms_mean"] / 1e3 == pytest.approx(2 * 16)
     for p in r["per_pattern"].values():
+        assert p["loop_step_ms"] > 0 and p["units_per_s_per_device_in_loop"] * p["loop_step_ms"] / 1e3 == pytest.approx(32)
         assert p["compile_s"] > 0 and p["step_time"]["samples"] == 2
         assert 0 < p["step_time"]["min_ms"] <= p["step_time"]["median_ms"] <= p["step_time"]["max_ms"]
         assert p["units_per_s_per_device"] > 0 and p["xla_flops_per_unit"] > 0
