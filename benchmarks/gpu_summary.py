@@ -176,10 +176,17 @@ def issue44_lines(out: Path) -> list[str]:
                       ("bench_nl_350m_fused_kernel", "scanned, memory_impl=pallas")):
         b = load(out, name)
         mfu = b["mfu_analytic_mean"] if b else None
-        rows.append(f"{verdict(None if mfu is None else mfu >= 0.40)}  nl_350m seq 2048 MFU, model.remat=memory + GPU "
-                    f"paths, {how}: " + ("-" if mfu is None else f"{100 * mfu:.1f}% analytic (target >= 40%; "
-                                         f"{b['mean_step_ms']:.1f} ms/step; peak {gb(b['memory']['peak_bytes'])} "
-                                         f"(target <= 36.3 GB)){profiled(b)}{forms(b)}"))
+        # through the training loop where the bench timed it (what training gets): that decides
+        looped = b.get("mfu_analytic_in_loop_mean") if b else None
+        best = looped if looped is not None else mfu
+        said = "-" if mfu is None else (
+            (f"{100 * mfu:.1f}% analytic" if looped is None else
+             f"{100 * looped:.1f}% analytic in the training loop ({b['loop_step_ms_mean']:.1f} ms/step), "
+             f"{100 * mfu:.1f}% each step waited for") +
+            f" (target >= 40%; {b['mean_step_ms']:.1f} ms/step waited for; peak {gb(b['memory']['peak_bytes'])} "
+            f"(target <= 36.3 GB)){profiled(b)}{forms(b)}")
+        rows.append(f"{verdict(None if best is None else best >= 0.40)}  nl_350m seq 2048 MFU, model.remat=memory + GPU "
+                    f"paths, {how}: " + said)
     return rows
 
 

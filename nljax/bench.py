@@ -293,8 +293,10 @@ def summarize(rows: dict, units: int) -> dict:
         "worst_pattern": worst,
         "mfu_mean": sum(weight[k] * r["mfu"] * r["step_time"]["median_ms"] for k, r in rows.items())
         / (mean_step * 1e3 * total) if all(m is not None for m in mfu) else None,
-        "mfu_analytic_mean": sum(weight[k] * r["mfu_analytic"] * r["step_time"]["median_ms"]
-                                 for k, r in rows.items()) / (mean_step * 1e3 * total),
+        "mfu_analytic_mean": (mfu_an := sum(weight[k] * r["mfu_analytic"] * r["step_time"]["median_ms"]
+                                            for k, r in rows.items()) / (mean_step * 1e3 * total)),
+        # the same FLOPs per unit over the loop's mean step (that mean is the waited steps' over mean_step)
+        "mfu_analytic_in_loop_mean": None if loop_step is None else mfu_an * mean_step / loop_step,
     }
 
 
@@ -387,7 +389,8 @@ def format_report(r: dict) -> str:
         each = ", ".join(f"{name} {p['loop_step_ms']:.2f} ms" for name, p in r["per_pattern"].items())
         lines.append(f"through the training loop ({r['loop']} steps of each pattern, dispatched ahead: "
                      f"{'yes' if r['dispatch_ahead'] else 'no'}): {each}; {unit}/s per device: mean "
-                     f"{r['units_per_s_per_device_in_loop_mean']:,.1f} (weighted by steps per cycle)")
+                     f"{r['units_per_s_per_device_in_loop_mean']:,.1f} (weighted by steps per cycle), MFU "
+                     f"{pct(r['mfu_analytic_in_loop_mean'])} (analytic)")
     lines += [
         f"{unit}/s per device: mean {r['units_per_s_per_device_mean']:,.1f} (weighted by steps per cycle), "
         f"worst {r['units_per_s_per_device_worst']:,.1f} ({r['worst_pattern']}); MFU mean {pct(r['mfu_mean'])} "

@@ -69,6 +69,8 @@ def test_bench_json_fields_are_sane(tmp_path):
     loop_line = next(line for line in p.stdout.splitlines() if line.startswith("through the training loop"))
     assert loop_line.startswith("through the training loop (8 steps of each pattern, dispatched ahead: no): L0 ")
     assert r["units_per_s_per_device_in_loop_mean"] * r["loop_step_ms_mean"] / 1e3 == pytest.approx(2 * 16)
+    assert r["mfu_analytic_in_loop_mean"] == pytest.approx(
+        r["flops"]["total_per_unit"] * r["units_per_s_per_device_in_loop_mean"] / r["peak_flops_per_device"])
     for p in r["per_pattern"].values():
         assert p["loop_step_ms"] > 0 and p["units_per_s_per_device_in_loop"] * p["loop_step_ms"] / 1e3 == pytest.approx(32)
         assert p["compile_s"] > 0 and p["step_time"]["samples"] == 2

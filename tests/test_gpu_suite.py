@@ -183,6 +183,21 @@ def test_the_summary_gives_the_loop_kernels_ratio_to_titans_pytorch_when_measure
     assert row.startswith("MET") and "104.0x in the training loop, 90.0x each step waited for" in row, row
 
 
+def test_the_summary_judges_nl_350m_by_its_mfu_through_the_training_loop(tmp_path):
+    """A bench that timed the loop (nljax.bench --loop): the loop's MFU decides the verdict, the
+    waited steps' beside it; a bench without it (an older JSON) is judged by the waited steps."""
+    summary = bench_module("gpu_summary")
+    bench = {"mfu_analytic_mean": 0.30, "mfu_analytic_in_loop_mean": 0.41, "loop_step_ms_mean": 90.0,
+             "mean_step_ms": 123.0, "memory": {"peak_bytes": 30e9}}
+    (tmp_path / "bench_nl_350m_fused_best.json").write_text(json.dumps(bench))
+    row = next(r for r in summary.lines(tmp_path) if "unrolled, memory_unroll=4:" in r)
+    assert row.startswith("MET") and "41.0% analytic in the training loop (90.0 ms/step), 30.0% each step waited for" in row, row
+    del bench["mfu_analytic_in_loop_mean"]
+    (tmp_path / "bench_nl_350m_fused_best.json").write_text(json.dumps(bench))
+    row = next(r for r in summary.lines(tmp_path) if "unrolled, memory_unroll=4:" in r)
+    assert row.startswith("MISS") and ": 30.0% analytic (target >= 40%; 123.0 ms/step waited for" in row, row
+
+
 def test_the_suite_hands_its_executables_folder_to_every_bench(tmp_path):
     """SUITE_EXECUTABLES=DIR: every bench runs with NLJAX_EXECUTABLES=DIR (absolute) and
     machine.txt names it; a DIR that is no folder stops the suite with one line; unset, nothing."""
