@@ -514,3 +514,28 @@ def test_a_full_disk_while_tokenizing_names_the_file(tmp_path):
         with pytest.raises(OSError) as e:
             workdir.Sink(f, s, np.dtype(np.uint16)).add(np.arange(5), np.array([5]), np.array([6]))
     assert cli.write_failed(e.value) == f"cannot write {tokens}: [Errno 28] No space left on device"
+
+
+def test_ctrl_c_stops_the_workers_at_once_not_after_their_chunks(corpus, tmp_path):
+    """Ctrl-C while workers tokenize large chunks: the pool's shutdown waited for every chunk in
+    flight (seconds each at the default 8 MB); the workers are stopped now, their chunks dropped
+    (only recorded chunks count), within a quarter of the time one chunk takes."""
+    from nljax.data import chunks, documents, tokenization
+
+    tok = tokenization.load(str(corpus["root"] / "tokenizer.json"), "<eos>")
+    rng = random.Random(1)
+    text = " ".join(rng.choice(WORDS) for _ in range(200_000))  # about 1.3 MB a document
+    (tmp_path / "big.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for _ in range(6)))
+    t0 = time.perf_counter()
+    tok.encode_flat([text], np.dtype("<u2"))
+    one = time.perf_counter() - t0  # one chunk's tokenizing, in this process
+    files = documents.expand([str(tmp_path / "big.jsonl")], "data.train")
+    stream = chunks.encoded(chunks.read([files, []], "text", len(text)), tok, np.dtype("<u2"), 1)
+    next(stream)  # the first chunk back, the second in flight
+    workers = [int(p) for p in _children() if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        stream.throw(KeyboardInterrupt)
+    took = time.perf_counter() - t0
+    assert took < one / 4, (took, one)
+    assert workers and not any(Path(f"/proc/{p}").exists() for p in workers), workers
