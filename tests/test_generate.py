@@ -329,9 +329,10 @@ def test_a_run_on_own_files_generates_from_any_directory(tmp_path, monkeypatch, 
     cfg["data"]["tokenizer"] = "tok/tokenizer.json"
     (work / "run" / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert generate.main([f"run.dir={work / 'run'}", "max_new_tokens=5"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "data.tokenizer in " in err and "is relative to the directory the run " \
-        "was started in" in err, err
+    # one line, found as the model is built: after the progress line that says so
+    reading, err = capsys.readouterr().err.strip().splitlines()
+    assert reading == f"nljax.generate: reading the checkpoint of {work / 'run'} ..."
+    assert "data.tokenizer in " in err and "is relative to the directory the run was started in" in err, err
 
 
 def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path, capsys):
@@ -372,10 +373,14 @@ def test_checkpoint_steps_and_an_export_directory(tmp_path, capsys):
     settings = ["prompt=def ", "max_new_tokens=12", "temperature=0.9", "top_k=20", "seed=1"]
     assert generate.main([f"run.dir={run}", "checkpoint=0", *settings]) == 0
     text, err = capsys.readouterr()
-    assert err.strip() == f"nljax.generate: {run / 'checkpoints' / '0'} (step 0)"
+    # the seconds of building and restoring, then of compiling, each said before it (silent before)
+    assert err.splitlines() == [f"nljax.generate: reading the checkpoint of {run} ...",
+                                f"nljax.generate: {run / 'checkpoints' / '0'} (step 0)",
+                                "nljax.generate: sampling (compiling the model first) ..."]
     assert generate.main([f"run.dir={out}", *settings]) == 0
     from_export, err = capsys.readouterr()
-    assert err.strip() == f"nljax.generate: {out} (export, step 0)"
+    assert err.splitlines() == [f"nljax.generate: {out} (export, step 0)",
+                                "nljax.generate: sampling (compiling the model first) ..."]
     assert from_export == text and text.startswith("def ") and len(text) > len("def \n")
     for tool, argv, line in (
         (generate, [f"run.dir={run}", "checkpoint=7"], f"checkpoint=7: {run} has no checkpoint at step 7 (its "

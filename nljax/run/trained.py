@@ -112,16 +112,20 @@ def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config
 
 
 def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None,
-         evaluates: bool = False) -> Trained:
+         evaluates: bool = False, announce: Callable[[], None] | None = None) -> Trained:
     """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
     number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices`
     (default: all of this process's). `evaluates`: as `config_of`'s, and a text model's data
-    are read (to be evaluated on); otherwise only its tokenizer's file is."""
+    are read (to be evaluated on); otherwise only its tokenizer's file is. `announce`: called
+    once the settings are checked against the run, before the slow part (building the model,
+    reading its data and checkpoint: seconds), so that a refusal of the settings stays one line."""
     devices = list(devices or jax.local_devices())
     cfg = config_of(run_dir, checkpoint, overrides, len(devices), evaluates)
     cfg_file = Path(run_dir) / "config.yaml"
     saved, trained_cfg = trained_config(run_dir), trained_config(run_dir, overrides)
     sampler = _sampler_against_the_run(saved, trained_cfg, cfg_file)  # refused before anything is read
+    if announce is not None:
+        announce()
     try:
         run = Run.create(cfg, devices, trains=False, reads_data=evaluates)  # budgeted for the parameters alone
         # what the run's token ids are now: without its data (`tasks.LoadedText`) the first read of
