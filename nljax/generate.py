@@ -92,18 +92,22 @@ def _generate(args) -> int:
     batch = _prompts(s, codec) if s.prompts else None  # each line checked before the load
     if images and "seed" in given:  # the grid's noise is keyed by the config's seed (default: the run's)
         overrides = [*overrides, f"seed={s.seed}"]
-    t = trained_lib.load(run_dir, s.checkpoint, overrides)
+    path = (Path(s.out) if s.out else Path(cfg.run.dir) / "generated.png") if images else None
+    if path is not None and path.exists() and not written_by_nljax(path):  # a user's picture of the same name
+        raise ConfigError(f"out={path} exists and is not a PNG nljax.generate wrote; give another out= or move it")
+    # building the model and restoring its parameters takes seconds (2-5 s after the imports on a
+    # 2-core CPU), said before it as the other commands say their slow phases, once the settings
+    # are checked (a refusal of them is one line)
+    reading = f"reading the checkpoint of {run_dir} ..."
+    t = trained_lib.load(run_dir, s.checkpoint, overrides, announce=lambda: _say(reading))
     for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
         print(line, file=sys.stderr)
     if images:
-        path = Path(s.out) if s.out else Path(t.cfg.run.dir) / "generated.png"
-        if path.exists() and not written_by_nljax(path):  # a user's picture of the same name
-            raise ConfigError(f"out={path} exists and is not a PNG nljax.generate wrote; give another out= or "
-                              "move it")
         held = len(t.run.task.data.eval_x)
         if s.samples > held:  # one sample per held-out label: the grid was cut to them in silence
             print(f"nljax.generate: samples={s.samples}: the run holds {held} held-out images, one sample for each "
                   f"one's label: drawing {held}", file=sys.stderr)
+        _say("drawing the grid (compiling the sampler first) ...")
         try:
             generate_images(t, s, path)
         except OSError as e:  # permissions, a full disk, a directory that does not exist
@@ -114,9 +118,15 @@ def _generate(args) -> int:
         reader = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size)
         return _write_completions(reader, codec, s, *batch)
     else:
+        _say("sampling (compiling the model first) ...")  # seconds before the first token
         generate_text(t, s, _write)
         print()
     return 0
+
+
+def _say(line: str) -> None:
+    """A progress line before a slow phase, on standard error (the text goes to standard output)."""
+    print(f"nljax.generate: {line}", file=sys.stderr, flush=True)
 
 
 def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
@@ -134,6 +144,7 @@ def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
     print(f"nljax.generate: {lm.source} (export, step {lm.step})", file=sys.stderr)
     if batch is not None:
         return _write_completions(lm.stream_reader(s.batch_size), lm.tokenizer, s, *batch)
+    _say("sampling (compiling the model first) ...")
     write_text(lm.sampler(), lm.tokenizer, s, _write)
     print()
     return 0

@@ -117,6 +117,23 @@ def test_other_held_out_files_and_settings(run_dir, other_text, tmp_path, capsys
     assert one["eval_loss_stream"] == pytest.approx(other["eval_loss_stream"], rel=1e-5)
 
 
+def test_another_held_out_split_than_the_runs_is_warned_of(run_dir, other_text):
+    """data.eval_fraction= other than the run's scores other held-out text than the run scored
+    (in silence before): one warning naming the key and both values. Where it cuts nothing (other
+    files, data.eval), or nothing is read (a text model loaded to sample), none."""
+    from nljax.run import trained
+
+    one = jax.devices()[:1]
+    t = evaluate.load(str(run_dir), overrides=["data.eval_fraction=0.1"], devices=one)
+    assert t.warnings("nljax.evaluate") == [
+        f"nljax.evaluate: warning: data.eval_fraction=0.1 holds out other examples than the run's (0.05 in "
+        f"{run_dir / 'config.yaml'}): the held-out data are not those the run was scored on"]
+    assert evaluate.load(str(run_dir), overrides=["data.eval_fraction=0.05"], devices=one).warnings("x") == []
+    assert evaluate.load(str(run_dir), overrides=[f"data.eval={other_text}/*.txt", "data.eval_fraction=0.1"],
+                         devices=one).warnings("x") == []
+    assert trained.load(run_dir, overrides=["data.eval_fraction=0.1"], devices=one).warnings("x") == []
+
+
 def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, capsys):
     bpe_tokenizer([p.read_text() for p in other_text.glob("*.txt")], tmp_path / "tokenizer.json")
     capsys.readouterr()

@@ -147,6 +147,44 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys, monkeypatch):
                           "(model.name=dit): nljax.generate draws its grid from the run directory") and "\n" not in err
 
 
+def test_another_sampler_or_held_out_split_than_the_runs_is_said(tmp_path, capsys):
+    """meanflow.loss= other than the run's picks the other sampler (taken in silence before): a
+    MeanFlow net sampled by flow matching (Euler steps of u(z, t, t), which its loss trains on its
+    r = t share) is warned of; a flow-matching net sampled as MeanFlow (an h = t - r it never saw)
+    is refused in one line, by nljax.generate and nljax.evaluate alike, before anything is
+    restored. images.eval_fraction= other than the run's holds out other images (the grid's
+    labels and references, evaluate's scores): warned of, naming the key and both values."""
+    from nljax import evaluate
+
+    dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+           "model.dit.patch_size=1", "images.source=moons", "images.toy_points=80", "cms.periods=[1]",
+           "train.batch_size=16"]
+    mf, fm = tmp_path / "mf", tmp_path / "fm"
+    saved_run(mf, dit, 1, 1, steps=0)
+    saved_run(fm, [*dit, "meanflow.loss=flow_matching"], 1, 1, steps=0)
+    one = jax.devices()[:1]
+    assert trained.load(mf, devices=one).warnings("nljax.generate") == []
+    assert trained.load(mf, overrides=["meanflow.loss=meanflow", "images.eval_fraction=0.2"],
+                        devices=one).warnings("nljax.generate") == []  # the run's own values
+    t = trained.load(mf, overrides=["meanflow.loss=flow_matching", "images.eval_fraction=0.25",
+                                    "images.toy_points=100"], devices=one)
+    assert t.warnings("nljax.generate") == [
+        f"nljax.generate: warning: meanflow.loss=flow_matching: the run trained with meanflow.loss=meanflow "
+        f"({mf / 'config.yaml'}); sampling with flow matching's Euler steps of u(z, t, t), not the run's MeanFlow "
+        "sampler: the samples and scores are not the run's",
+        f"nljax.generate: warning: images.eval_fraction=0.25 holds out other examples than the run's (0.2 in "
+        f"{mf / 'config.yaml'}): the held-out data are not those the run was scored on",
+        f"nljax.generate: warning: images.toy_points=100 holds out other examples than the run's (80 in "
+        f"{mf / 'config.yaml'}): the held-out data are not those the run was scored on"]
+    for tool in (generate, evaluate):
+        capsys.readouterr()
+        assert tool.main([f"run.dir={fm}", "meanflow.loss=meanflow"]) == 2
+        assert capsys.readouterr().err == (
+            f"{tool.__name__}: error: meanflow.loss=meanflow: the run trained with meanflow.loss=flow_matching "
+            f"({fm / 'config.yaml'}), whose net never saw r != t, and MeanFlow's sampler asks it for u(z, t, r) over "
+            "[r, t]: leave meanflow.loss out (the run's own sampler)\n")
+
+
 def _ended(text, stops=(), end_id=0, budget=None):
     """(the pieces `stopping.pieces` gives for `text` (its UTF-8 bytes, or bytes), a byte token
     each, the first `budget`, the text, the reason)."""
@@ -291,9 +329,10 @@ def test_a_run_on_own_files_generates_from_any_directory(tmp_path, monkeypatch, 
     cfg["data"]["tokenizer"] = "tok/tokenizer.json"
     (work / "run" / "config.yaml").write_text(yaml.safe_dump(cfg))
     assert generate.main([f"run.dir={work / 'run'}", "max_new_tokens=5"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "data.tokenizer in " in err and "is relative to the directory the run " \
-        "was started in" in err, err
+    # one line, found as the model is built: after the progress line that says so
+    reading, err = capsys.readouterr().err.strip().splitlines()
+    assert reading == f"nljax.generate: reading the checkpoint of {work / 'run'} ..."
+    assert "data.tokenizer in " in err and "is relative to the directory the run was started in" in err, err
 
 
 def test_a_damaged_newest_checkpoint_is_named_and_text_runs_refuse_out(tmp_path, capsys):
@@ -334,10 +373,14 @@ def test_checkpoint_steps_and_an_export_directory(tmp_path, capsys):
     settings = ["prompt=def ", "max_new_tokens=12", "temperature=0.9", "top_k=20", "seed=1"]
     assert generate.main([f"run.dir={run}", "checkpoint=0", *settings]) == 0
     text, err = capsys.readouterr()
-    assert err.strip() == f"nljax.generate: {run / 'checkpoints' / '0'} (step 0)"
+    # the seconds of building and restoring, then of compiling, each said before it (silent before)
+    assert err.splitlines() == [f"nljax.generate: reading the checkpoint of {run} ...",
+                                f"nljax.generate: {run / 'checkpoints' / '0'} (step 0)",
+                                "nljax.generate: sampling (compiling the model first) ..."]
     assert generate.main([f"run.dir={out}", *settings]) == 0
     from_export, err = capsys.readouterr()
-    assert err.strip() == f"nljax.generate: {out} (export, step 0)"
+    assert err.splitlines() == [f"nljax.generate: {out} (export, step 0)",
+                                "nljax.generate: sampling (compiling the model first) ..."]
     assert from_export == text and text.startswith("def ") and len(text) > len("def \n")
     for tool, argv, line in (
         (generate, [f"run.dir={run}", "checkpoint=7"], f"checkpoint=7: {run} has no checkpoint at step 7 (its "

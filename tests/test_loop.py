@@ -451,3 +451,25 @@ def test_profile_edges_keep_their_state_on_every_process(tmp_path):
     assert kept == [[3, 5], [3, 5]] and recording == [True, False]
     profiler.start(4)  # the process that does not record starts no trace
     assert not profiler.on and not (tmp_path / "runFalse" / "profile").exists()
+
+
+def test_a_profile_window_past_the_last_step_is_refused_before_anything_is_built(tmp_path):
+    """train.profile_steps with train.profile_start at or past train.steps records no step: it
+    was a warning among the start-up lines (none under --quiet) and the run ended without a trace.
+    Refused in one line from the config alone: run.dir is not made; a window that starts inside
+    the run (even one cut by its end) is taken."""
+    from nljax.run.trainer import train as train_run
+
+    run_dir = tmp_path / "run"
+    cfg = config.load(None, [*TINY_NL, "train.steps=4", "train.profile_steps=2", "run.quiet=true", f"run.dir={run_dir}"])
+    with pytest.raises(ConfigError) as e:
+        train_run(cfg)
+    assert str(e.value) == ("train.profile_start=10 is not before train.steps=4: no step of the train.profile_steps=2 "
+                            "window runs; set train.profile_start below 4, or train.profile_steps=0")
+    assert not run_dir.exists()
+    from nljax.run.trainer import check_profile
+
+    for settings in (["train.profile_start=3"], ["train.profile_steps=0"]):  # steps 3 and 4: step 3 recorded
+        check_profile(config.load(None, [*TINY_NL, "train.steps=4", "train.profile_steps=2", *settings]))
+    with pytest.raises(ConfigError, match="train.profile_start=4 is not before train.steps=4"):
+        check_profile(config.load(None, [*TINY_NL, "train.steps=4", "train.profile_steps=2", "train.profile_start=4"]))

@@ -168,6 +168,26 @@ def flow_matching_loss(u_fn: VelocityFn, x, y, keys, cfg: MeanFlowConfig, null_l
 LOSSES = {"meanflow": meanflow_loss, "flow_matching": flow_matching_loss}
 
 
+def sampled_as(trained: str, used: str, where: str) -> str | None:
+    """A net trained with meanflow.loss=`trained` (its value in `where`, the run's config.yaml)
+    and used with meanflow.loss=`used` (a tool's override: `sample` and the held-out error follow
+    it): None when they agree, else a warning line, or a refusal where the other sampler reads
+    what the net never learned. The DiT sees h = t - r. The MeanFlow loss trains h = 0 on
+    1 - r_fraction of its examples (u(z, t, t) = v), so flow matching's Euler steps of u(z, t, t)
+    are a sampler of that net, only not the run's: warned. Flow matching trains h = 0 alone, so
+    MeanFlow's steps (h = 1/steps; one step: h = 1) read an h-embedding that never trained:
+    refused."""
+    if trained == used:
+        return None
+    if trained == "flow_matching":
+        raise ConfigError(f"meanflow.loss={used}: the run trained with meanflow.loss={trained} ({where}), whose net "
+                          "never saw r != t, and MeanFlow's sampler asks it for u(z, t, r) over [r, t]: leave "
+                          "meanflow.loss out (the run's own sampler)")
+    return (f"meanflow.loss={used}: the run trained with meanflow.loss={trained} ({where}); sampling with flow "
+            "matching's Euler steps of u(z, t, t), not the run's MeanFlow sampler: the samples and scores are not "
+            "the run's")
+
+
 def sample(u_fn: VelocityFn, z1: jax.Array, y, steps: int, mean_flow: bool = True) -> jax.Array:
     """Noise z_1 -> data z_0 in `steps` uniform steps z_r = z_t - (t - r) u(z_t, t, r).
 

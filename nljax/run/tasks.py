@@ -161,6 +161,16 @@ class TextTask:
         batch = self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
         return reset_all_rows(batch) if reset_all else batch
 
+    def held_out_by(self) -> tuple[str, ...]:
+        """The config keys that decide which of the data's examples are held out: another value
+        at evaluation (`nljax.evaluate data.eval_fraction=0.1`) scores other text than the run
+        scored, which `trained.load` warns of. data.eval's files, and a data.prepared
+        directory's split (made when it was prepared), are not cut by data.eval_fraction."""
+        d = self.cfg.data
+        if d.source == "files" and (d.eval or d.prepared):
+            return ()
+        return ("data.eval_fraction",)
+
     @functools.cache  # asked for at start-up, by the checkpoints and in the reports: hashed once
     def fingerprint(self) -> str:
         """Digest of the training and held-out tokens, compared across processes at start-up:
@@ -332,6 +342,12 @@ class ImageTask:
         if self.sampler is None:
             raise TypeError("a run built to evaluate (Run.create(trains=False)) draws no training batches")
         return images.global_batch(self.data, self.sampler, step, meshlib.rows_sharding(self.mesh))
+
+    def held_out_by(self) -> tuple[str, ...]:
+        """The config keys that decide which examples are held out (`TextTask.held_out_by`): the
+        split, and the toy sets' size (other points, drawn from one generator)."""
+        return ("images.eval_fraction", *(("images.toy_points",) if self.cfg.images.source in ("moons", "gaussians")
+                                          else ()))
 
     @functools.cache  # asked for at start-up and by the checkpoints: hashed once
     def fingerprint(self) -> str:

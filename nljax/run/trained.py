@@ -20,10 +20,10 @@ import os
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.checkpoint.contents import passed_over
+from nljax.checkpoint.contents import fmt, get, passed_over
 from nljax.checkpoint.restore import first_valid, restore_params
 from nljax.errors import ConfigError
-from nljax.models import registry
+from nljax.models import meanflow, registry
 from nljax.models.builtin import for_this_backend
 from nljax.run import startup
 from nljax.run.core import Run
@@ -43,11 +43,15 @@ class Trained:
     path: Path  # the step directory read
     skipped: tuple = ()  # (path, why) of the newer checkpoints that were damaged
     incomplete: tuple = ()  # (path, what it lacks) of newer step directories that are not whole checkpoints
+    # lines on overrides that make this use differ from the run's own: another sampler, another
+    # held-out split (`_sampler_against_the_run`, `_split_against_the_run`)
+    unlike_the_run: tuple = ()
 
     def warnings(self, tool: str) -> list[str]:
         return [*(f"{tool}: warning: checkpoint {p} is incomplete, using an older one ({why})"
                   for p, why in self.incomplete),
-                *(f"{tool}: warning: {passed_over(p, why, 'using')}" for p, why in self.skipped)]
+                *(f"{tool}: warning: {passed_over(p, why, 'using')}" for p, why in self.skipped),
+                *(f"{tool}: warning: {line}" for line in self.unlike_the_run)]
 
     @property
     def model(self):
@@ -108,14 +112,20 @@ def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config
 
 
 def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None,
-         evaluates: bool = False) -> Trained:
+         evaluates: bool = False, announce: Callable[[], None] | None = None) -> Trained:
     """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
     number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices`
     (default: all of this process's). `evaluates`: as `config_of`'s, and a text model's data
-    are read (to be evaluated on); otherwise only its tokenizer's file is."""
+    are read (to be evaluated on); otherwise only its tokenizer's file is. `announce`: called
+    once the settings are checked against the run, before the slow part (building the model,
+    reading its data and checkpoint: seconds), so that a refusal of the settings stays one line."""
     devices = list(devices or jax.local_devices())
     cfg = config_of(run_dir, checkpoint, overrides, len(devices), evaluates)
     cfg_file = Path(run_dir) / "config.yaml"
+    saved, trained_cfg = trained_config(run_dir), trained_config(run_dir, overrides)
+    sampler = _sampler_against_the_run(saved, trained_cfg, cfg_file)  # refused before anything is read
+    if announce is not None:
+        announce()
     try:
         run = Run.create(cfg, devices, trains=False, reads_data=evaluates)  # budgeted for the parameters alone
         # what the run's token ids are now: without its data (`tasks.LoadedText`) the first read of
@@ -136,8 +146,31 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
                                     storage.candidates(cfg))
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
-    return Trained(cfg, trained_config(run_dir, overrides), run, restored.params, restored.step,
-                   restored.path, tuple(skipped), tuple(incomplete))
+    unlike = [*sampler, *_split_against_the_run(saved, trained_cfg, run.task, cfg_file)]
+    return Trained(cfg, trained_cfg, run, restored.params, restored.step, restored.path, tuple(skipped),
+                   tuple(incomplete), tuple(unlike))
+
+
+def _sampler_against_the_run(saved: config.Config, cfg: config.Config, cfg_file: Path) -> list[str]:
+    """An image model's meanflow.loss overridden (the sampler and the held-out error follow it):
+    a warning line, or refused where the other sampler reads what the net never learned
+    (`meanflow.sampled_as`)."""
+    if registry.task_of(saved) != "images":
+        return []
+    line = meanflow.sampled_as(saved.meanflow.loss, cfg.meanflow.loss, str(cfg_file))
+    return [line] if line else []
+
+
+def _split_against_the_run(saved: config.Config, cfg: config.Config, task, cfg_file: Path) -> list[str]:
+    """A warning for each key that decides which examples the task holds out (its `held_out_by`:
+    the split's fraction, a toy set's size) given another value than the run's: the held-out
+    examples (nljax.evaluate's scores, nljax.generate's labels and reference images) are then not
+    those the run was scored on. A task that reads no data (a text model loaded to sample) has
+    none."""
+    a, b = config.to_dict(saved), config.to_dict(cfg)
+    return [f"{key}={fmt(get(b, key))} holds out other examples than the run's ({fmt(get(a, key))} in {cfg_file}): "
+            "the held-out data are not those the run was scored on"
+            for key in getattr(task, "held_out_by", lambda: ())() if get(a, key) != get(b, key)]
 
 
 def _unresolved_relative(value) -> bool:

@@ -413,7 +413,21 @@ def _refuse_from_the_directories(cfg: Config) -> None:
     refuse_taken(cfg, storage.continues_own(cfg), logged_a_step(Path(cfg.run.dir)))
 
 
+def check_profile(cfg: Config) -> None:
+    """A profile window (train.profile_start, train.profile_steps) that starts at or past
+    train.steps records nothing: refused, not warned of (a warning scrolled away above the
+    compilations, and --quiet hid it; the run then ended without a trace). No resume can make
+    this command's window meaningful: train.steps is where this command stops, and a later resume
+    that trains further takes its own train.profile_* (they may change on any resume)."""
+    t = cfg.train
+    if t.profile_steps and t.profile_start >= t.steps:
+        raise ConfigError(f"train.profile_start={t.profile_start} is not before train.steps={t.steps}: no step of "
+                          f"the train.profile_steps={t.profile_steps} window runs; set train.profile_start below "
+                          f"{t.steps}, or train.profile_steps=0")
+
+
 def _train(cfg: Config, notice: Notice) -> dict:
+    check_profile(cfg)  # from the config alone, before anything is read or built
     # before the slow start-up (nljax.runtime.preemption), unless the command did as the processes joined
     preemption.check_in(lambda: resume_step_guess(cfg))
     check_free(cfg)  # a live run in run.dir: say so, not what it has not saved yet
@@ -433,9 +447,6 @@ def _train(cfg: Config, notice: Notice) -> dict:
     startup.check_startup(cfg, run.mesh, run.task, say)
     for note in getattr(run.task, "notes", ()):  # what the task adapted to the data (nljax/run/tasks.py)
         say(note)
-    if cfg.train.profile_steps and cfg.train.profile_start >= cfg.train.steps:
-        say(f"warning: train.profile_start={cfg.train.profile_start} is past the last step (train.steps="
-            f"{cfg.train.steps}): nothing is profiled")
     if cfg.train.sample_every:  # made to check its prompt (data.prepared's tokenizer may lack an end token)
         TrainingSampler(run)  # before anything is written; the loop makes its own (compiled at its first sample)
     run = harness.attach(run)  # eval.harness_tasks: lm-eval and the tasks checked before anything is written

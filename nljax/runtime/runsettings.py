@@ -59,7 +59,7 @@ class TrainConfig:
     # overlap only shares: 1.5% slower on the default job, 2026-11-30)
     dispatch_ahead: bool | Literal["auto"] = "auto"
     profile_steps: int = 0  # record a jax.profiler trace of this many steps into run.dir/profile
-    profile_start: int = 10  # first profiled step (after compilation)
+    profile_start: int = 10  # first profiled step (after compilation); below train.steps, or the run is refused
     # every N steps print a short text sample from the training state and send it to the trackers
     # (nljax/run/samples.py; text models only); 0: off
     sample_every: int = 0
