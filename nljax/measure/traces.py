@@ -11,7 +11,9 @@ device:
   computing: that step is latency-bound, and larger kernels, not faster ones, are the fix. The
   profiler slows the host's side (on a GPU, each launch), so the step it measures can be much
   longer than the step without it (titans_demo on an H200: 46.9 against 21.8 ms): given
-  `timed_step_s`, the step without the profiler, the summary shows both;
+  `timed_step_s`, the step without the profiler, the summary shows both. Where the host marked
+  each step (`STEP_EVENT`, below), the measured step time is the marks' mean, not the wall clock
+  around the recording, which can hold the profiler's own start (`wall_step_s` keeps that);
 - `by_category`: op time in matmuls, collectives, copies, control flow (XLA:CPU's `while`), and
   the rest (fusions), by op and kernel names (`CATEGORIES`);
 - `top`: the ops that take the most time, and `top_kinds` the same by kind of op (the name
@@ -531,9 +533,16 @@ def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: 
     ops = [e for e in per_device[first] if e["args"].get("hlo_module") == module]
     if not ops:
         ops, module = per_device[first], None
+    windows = step_windows(events)
+    wall = {}
+    if len(windows) == steps and step_s:
+        # the steps' own marks, not the wall time around them: that held the profiler's start on
+        # the card (the first of ab.py's variants, H200 2026-11-30: 449 ms a step by the wall
+        # clock, 44 ms by its marks, its device "busy 3%")
+        wall, step_s = {"wall_step_s": step_s}, sum(w1 - w0 for w0, w1 in windows) * 1e-6 / steps
     return {"device": first, "devices": len(per_device), "module": module, "steps": steps, "step_s": step_s,
-            **({"timed_step_s": timed_step_s} if timed_step_s else {}),
-            **device_summary(ops, steps, step_s, top, Program(hlo_text) if hlo_text else None, step_windows(events))}
+            **wall, **({"timed_step_s": timed_step_s} if timed_step_s else {}),
+            **device_summary(ops, steps, step_s, top, Program(hlo_text) if hlo_text else None, windows)}
 
 
 def format_summary(s: dict) -> list[str]:
