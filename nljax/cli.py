@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import logging
 import os
 import signal
 import sys
@@ -26,6 +27,26 @@ from nljax.errors import first_line
 from nljax.measure import hostmem
 from nljax.runtime import distributed
 from nljax.runtime.preemption import Stopped, check_in
+
+
+class PluginFailed(logging.Filter):
+    """JAX's report of a device plugin that failed to start, a traceback of some 25 lines before
+    the command's own output (JAX's CUDA plugin on a machine without a GPU: 'Unable to load
+    cuPTI'), as one line; JAX goes on with the devices it found. A report worded otherwise
+    passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        e = record.exc_info[1] if record.exc_info else None
+        if e is not None and str(record.msg).startswith("Jax plugin configuration error: Exception when calling"):
+            plugin = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = ("nljax: warning: JAX's device plugin %s did not start (%s: %s), so its devices are not "
+                          "used; --cpu-devices or JAX_PLATFORMS=cpu does not start it, and python -c 'import jax; "
+                          "jax.devices()' shows JAX's traceback")
+            record.args, record.exc_info, record.exc_text = (plugin, type(e).__name__, first_line(e)), None, None
+        return True
+
+
+logging.getLogger("jax._src.xla_bridge").addFilter(PluginFailed())  # where JAX starts its plugins
 
 
 class Parser(argparse.ArgumentParser):

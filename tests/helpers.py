@@ -194,13 +194,15 @@ def default_emitters(env: dict[str, str]) -> dict[str, str]:
 
 def subprocess_env(**extra: str) -> dict[str, str]:
     """The environment of a command run in a subprocess: this one with `extra` on top, less what
-    would make it another run than the one the test asks for. The suite's device count and
-    platform go (the command sets its own, `--cpu-devices`); its other XLA flags stay (conftest:
-    the compile-time flags). A launcher's or a cluster's process variables go (NLJAX_*,
-    SLURM_*, OMPI_*: the command would take itself for one process of several). This checkout
-    comes first on the path, so the command runs the nljax under test."""
+    would make it another run than the one the test asks for. The suite's device count goes (the
+    command sets its own, `--cpu-devices`); its other XLA flags stay (conftest: the compile-time
+    flags), and so does its platform (conftest: JAX_PLATFORMS=cpu), so that a command without
+    `--cpu-devices` runs on the CPU too and JAX starts no other plugin (its CUDA plugin, on a
+    machine without a GPU, logs why it could not start). A launcher's or a cluster's process
+    variables go (NLJAX_*, SLURM_*, OMPI_*: the command would take itself for one process of
+    several). This checkout comes first on the path, so the command runs the nljax under test."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("XLA_FLAGS", "JAX_PLATFORMS") and not k.startswith(("NLJAX_", "SLURM_", "OMPI_"))}
+           if k != "XLA_FLAGS" and not k.startswith(("NLJAX_", "SLURM_", "OMPI_"))}
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     if flags:

@@ -10,6 +10,7 @@ import dataclasses
 
 import flax.linen as nn
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -92,6 +93,32 @@ def test_an_elastic_resume_reads_the_empty_levels(flat, tmp_path):
     for a, b in zip(jax.tree.leaves((here.params, here.opt_state)), jax.tree.leaves((there.params, there.opt_state))):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     train(other, range(2, 3), state=r.state)  # and it trains on from there
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
+def test_the_step_reads_no_zero_size_array(flat, strategy):
+    """jaxlib 0.11.2's XLA crashes compiling a shard_map whose outputs depend on a zero-size
+    input (docs/getting-started.md), which the step's did through the empty levels' state: the
+    step's body reads none (step.unread_empty), checked in its jaxpr so that jaxlib 0.10, which
+    compiles it anyway, checks it too. Every level active (step 0) and levels 1, 2 frozen."""
+    from jax.sharding import PartitionSpec as P
+
+    from nljax.engine.step import TRAIN_METRIC_SPECS, batch_specs, local_train_step
+
+    setup = make([*ARGS, f"sync.strategy={strategy}"], 2, 2)
+    eng, state, batch = setup.engine, setup.state, setup.batch(0)
+    specs = eng.strategy.state_specs(state)
+    for active in ((True, True, True), (True, False, False)):
+        step = jax.shard_map(lambda s, b, t: local_train_step(eng, active, s, b, t), mesh=eng.mesh,
+                             in_specs=(specs, batch_specs(batch), P()), out_specs=(specs, TRAIN_METRIC_SPECS),
+                             check_vma=False)
+        (eqn,) = [e for e in jax.make_jaxpr(step)(state, batch, jnp.int32(5)).eqns if e.primitive.name == "shard_map"]
+        body = eqn.params["jaxpr"]
+        empty = {v for v in body.invars if v.aval.size == 0}
+        assert len(empty) == sum(x.size == 0 for x in jax.tree.leaves(state))  # the empty levels' state
+        used = [v for e in body.eqns for v in e.invars] + list(body.outvars)
+        read = {v for v in used if isinstance(v, jax.extend.core.Var) and v in empty}
+        assert not read, (active, read)
 
 
 def test_the_level_table_says_which_levels_hold_nothing(flat):

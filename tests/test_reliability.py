@@ -631,6 +631,28 @@ def test_a_backend_that_cannot_start_is_one_line():
         "nljax.train: error: JAX could not start a backend for JAX_PLATFORMS=cuda"), p.stderr
 
 
+def test_a_device_plugin_that_cannot_start_is_one_line(tmp_path):
+    """JAX's CUDA plugin on a machine without a GPU, JAX_PLATFORMS unset: JAX logged why it could
+    not start as a traceback of some 25 lines before every command's output, then went on with
+    the CPU. A plugin whose initialize() fails alike stands in for it (JAX_PLATFORMS='': JAX's
+    default, every plugin started; a real CUDA plugin may add its own line)."""
+    from helpers import ROOT, cli
+
+    plugin = tmp_path / "jax_plugins" / "broken"  # jax_plugins: the namespace JAX's plugins live in
+    plugin.mkdir(parents=True)
+    (plugin / "__init__.py").write_text("def initialize():\n    raise RuntimeError('Unable to load cuPTI. Is it "
+                                        "installed?')\n")
+    p = cli("nljax.train", "mesh.inter=3", f"run.dir={tmp_path / 'r'}", check=False, timeout=300,
+            env={"JAX_PLATFORMS": "", "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])})
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
+    assert ("nljax: warning: JAX's device plugin jax_plugins.broken did not start (RuntimeError: Unable to load "
+            "cuPTI. Is it installed?), so its devices are not used; --cpu-devices or JAX_PLATFORMS=cpu does not "
+            "start it, and python -c 'import jax; jax.devices()' shows JAX's traceback") in lines, p.stderr
+    assert all(line.startswith("nljax: warning: JAX's device plugin ") for line in lines[:-1]), p.stderr
+    assert lines[-1].startswith("nljax.train: error: mesh.inter=3 does not divide the 1 available devices"), p.stderr
+
+
 # ---------------------------------------------------------------------------------------------
 # Misleading lines
 

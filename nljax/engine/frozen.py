@@ -76,7 +76,7 @@ def fold(eng, active: tuple[bool, ...], grads: tuple, err_buf: tuple, step: jax.
     check = eng.cfg.sync.check_grads
     to_sync, new_buf = {}, list(err_buf)
     for l in range(eng.n_levels):
-        if grads[l] is None:
+        if grads[l] is None or not eng.flats[l].size:  # not computed, or a level with no parameters
             continue
         g = eng.flats[l].ravel(grads[l])  # [N_l]
         k = slots(eng, l)

@@ -46,6 +46,19 @@ def device_key(seed: int, step: jax.Array) -> jax.Array:
     return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), index)
 
 
+def unread_empty(tree: PyTree) -> PyTree:
+    """`tree` with each zero-size array replaced by a constant of its shape and dtype, so that
+    the step reads none of them. A level no parameter is in (a model that puts every parameter
+    in level 0) still has state: a zero-size error buffer, and under zero1 and fsdp zero-size
+    flat parameters and moments. They hold nothing, so nothing is lost; `frozen.fold` then skips
+    the level, which has nothing to buffer, synchronize or update. Why the step must not read
+    them: XLA in jaxlib 0.11.2 crashes (a segmentation fault in Shardy's canonicalizer,
+    ManualComputationUnusedInputsPattern) compiling a shard_map whose outputs depend on a
+    zero-size input (docs/getting-started.md has a reproduction); jaxlib 0.10 compiles it.
+    Read or not, the arrays and the results are the same."""
+    return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if x.size == 0 else x, tree)
+
+
 def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict, key: jax.Array):
     """Gradients (one subtree per level, None where not computed) of the mean loss of `batch`,
     with the summed loss, the token count and the memory after the batch."""
@@ -134,6 +147,7 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     err_buf[l] [1, N_l] (or [1, (C_l − 1) N_l], `frozen.width`); params and optimizer states as
     `eng.strategy` stores them (full replicas, or flat shards); `total_steps` [] int32, train.steps."""
     cfg, strat = eng.cfg, eng.strategy
+    state = unread_empty(state)
     stored = strat.split(state.params)
     parts = eng.levels.split(strat.compute_params(state.params))
     key = device_key(cfg.seed, state.step)
@@ -144,7 +158,7 @@ def local_train_step(eng: Engine, active: Active, state: TrainState, batch: dict
     # A fired level's buffer is reset even when its update is skipped: the reset drops a
     # gradient sum that failed the check, which would otherwise fail it again at every firing.
     to_sync, err_buf = frozen.fold(eng, active, grads, state.err_buf, state.step)
-    synced = {l: eng.strategy.sync_level(g) for l, g in to_sync.items() if g.size}
+    synced = {l: eng.strategy.sync_level(g) for l, g in to_sync.items()}
     new_stored, opt_state, level_metrics = update_levels(eng, state, stored, synced, total_steps)
     # The inner-loop memory advances even when levels are skipped: it is the streams' state, not
     # a learned parameter, and keeping a state that produced a non-finite loss would replay it at
