@@ -122,7 +122,7 @@ def run(args) -> int:
                 else:
                     b["state"], step_s = traces.record(b["fn"], b["state"], b["batch"], args.profile, Path(tmp))
                 s = traces.summarize(Path(tmp), args.profile, step_s, hlo_text=b["fn"].as_text(),
-                                     timed_step_s=row["median_ms"] / 1e3)
+                                     timed_step_s=row["median_ms"] / 1e3, from_marks=True)
             row.update(ops_per_step=s["ops"], busy_s=s["busy_s"], profiled_step_s=s["step_s"],
                        busy_fraction=s["busy_fraction"], by_category_s=s["by_category_s"],
                        by_scope_s=s["by_scope_s"], **({"idle": s["idle"]} if "idle" in s else {}))

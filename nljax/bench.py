@@ -204,7 +204,9 @@ def only(active: tuple[bool, ...], start: int, k: int) -> Conductor:
 
 def time_loops(run: Run, fns: dict, state, batch, start: int, k: int) -> tuple[dict, object]:
     """(active set -> seconds per step of `k` steps of it alone through the training loop, from
-    step `start`; the state after them), the patterns one after another."""
+    step `start`; the state after them), the patterns one after another. Each pattern's call
+    starts with no step in flight and ends waiting for its last: about one step's host work per
+    call more than a long run's loop, which a larger `k` spreads thinner."""
     built_before = {run.cache.variant(a, batch) for a in fns}
     # one untimed call first: the loop's own first call compiles what it computes outside the step
     # (the records' learning rates, for `k` steps) and starts the data's reading
@@ -333,7 +335,8 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
         # be checked and mended later on a machine without the GPU that recorded it
         (profile_dir / "program.hlo.txt").write_text(hlo)
         summary["profile"] = {"pattern": summary["worst_pattern"],
-                              **traces.summarize(profile_dir, profile, step_s, hlo_text=hlo, timed_step_s=timed)}
+                              **traces.summarize(profile_dir, profile, step_s, hlo_text=hlo, timed_step_s=timed,
+                                                 from_marks=True)}
     return {
         "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,
                    "seq_len": cfg.train.seq_len if run.task.unit == "tokens" else None,
@@ -495,9 +498,9 @@ def main(argv=None) -> int:
     p = cli.parser("nljax.bench", "Compile time, step time, tokens/s, FLOPs, MFU and memory of a config's train step.")
     p.add_argument("--steps", type=int, default=5, help="timed rounds over the patterns (default 5)")
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds after compilation (default 2)")
-    p.add_argument("--loop", type=int, default=8, metavar="K",
+    p.add_argument("--loop", type=int, default=16, metavar="K",
                    help="then K steps of each pattern through the training loop, as training runs them "
-                        "(default 8; 0: none)")
+                        "(default 16; 0: none)")
     p.add_argument("--patterns", choices=("cycle", "worst"), default="cycle",
                    help="every active set of one cycle of cms.periods, or only the one where all levels fire")
     p.add_argument("--peak-tflops", type=peak_tflops, default=0.0, help="per-device peak for MFU (default: known or measured)")

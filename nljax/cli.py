@@ -39,9 +39,8 @@ class PluginFailed(logging.Filter):
         e = record.exc_info[1] if record.exc_info else None
         if e is not None and str(record.msg).startswith("Jax plugin configuration error: Exception when calling"):
             plugin = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
-            record.msg = ("nljax: warning: JAX's device plugin %s did not start (%s: %s), so its devices are not "
-                          "used; --cpu-devices or JAX_PLATFORMS=cpu does not start it, and python -c 'import jax; "
-                          "jax.devices()' shows JAX's traceback")
+            record.msg = ("nljax: warning: JAX's device plugin %s did not start (%s: %s): JAX goes on without "
+                          "its devices (python -c 'import jax; jax.devices()' shows JAX's traceback)")
             record.args, record.exc_info, record.exc_text = (plugin, type(e).__name__, first_line(e)), None, None
         return True
 

@@ -197,8 +197,8 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     would make it another run than the one the test asks for. The suite's device count goes (the
     command sets its own, `--cpu-devices`); its other XLA flags stay (conftest: the compile-time
     flags), and so does its platform (conftest: JAX_PLATFORMS=cpu), so that a command without
-    `--cpu-devices` runs on the CPU too and JAX starts no other plugin (its CUDA plugin, on a
-    machine without a GPU, logs why it could not start). A launcher's or a cluster's process
+    `--cpu-devices` runs on the CPU too (JAX's CUDA plugin, on a machine without a GPU, then
+    skips the checks whose failure it logs). A launcher's or a cluster's process
     variables go (NLJAX_*, SLURM_*, OMPI_*: the command would take itself for one process of
     several). This checkout comes first on the path, so the command runs the nljax under test."""
     env = {k: v for k, v in os.environ.items()

@@ -45,7 +45,7 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert said == ["building the run", "initializing the parameters and the optimizer state ...",
                     "building pattern L0", "compiled pattern L0", "building pattern L0+1",
                     "compiled pattern L0+1", "timing 1 warm-up and 2 timed rounds of 2 patterns ...",
-                    "timing 8 steps of each pattern through the training loop ...",
+                    "timing 16 steps of each pattern through the training loop ...",
                     f"profiling 2 steps of pattern {r['worst_pattern']} ..."], p.stderr
     assert r["devices"] == 2 and r["unit"] == "tokens" and r["units_per_device_step"] == 2 * 16
     # the table's unit columns as the run's throughput table names them (images were "ima")
@@ -64,10 +64,10 @@ def test_bench_json_fields_are_sane(tmp_path):
     assert r["config"]["forms"] == {"attention": "blocked", "memory_impl": "scan", "embed_grad": "scatter",
                                     "loss_chunk": 0}
     assert "computed by: attention blocked, memory_impl scan, embed_grad scatter, loss_chunk 0" in p.stdout
-    # each pattern also as training runs it: 8 steps through the loop (not dispatched ahead on a CPU)
-    assert r["loop"] == 8 and r["dispatch_ahead"] is False
+    # each pattern also as training runs it: 16 steps through the loop (not dispatched ahead on a CPU)
+    assert r["loop"] == 16 and r["dispatch_ahead"] is False
     loop_line = next(line for line in p.stdout.splitlines() if line.startswith("through the training loop"))
-    assert loop_line.startswith("through the training loop (8 steps of each pattern, dispatched ahead: no): L0 ")
+    assert loop_line.startswith("through the training loop (16 steps of each pattern, dispatched ahead: no): L0 ")
     assert r["units_per_s_per_device_in_loop_mean"] * r["loop_step_ms_mean"] / 1e3 == pytest.approx(2 * 16)
     assert r["mfu_analytic_in_loop_mean"] == pytest.approx(
         r["flops"]["total_per_unit"] * r["units_per_s_per_device_in_loop_mean"] / r["peak_flops_per_device"])

@@ -129,6 +129,8 @@ def test_another_held_out_split_than_the_runs_is_warned_of(run_dir, other_text):
         f"nljax.evaluate: warning: data.eval_fraction=0.1 holds out other examples than the run's (0.05 in "
         f"{run_dir / 'config.yaml'}): the held-out data are not those the run was scored on"]
     assert evaluate.load(str(run_dir), overrides=["data.eval_fraction=0.05"], devices=one).warnings("x") == []
+    # another fraction that makes the same split (every 20th: round(1/0.051) == round(1/0.05)): no warning
+    assert evaluate.load(str(run_dir), overrides=["data.eval_fraction=0.051"], devices=one).warnings("x") == []
     assert evaluate.load(str(run_dir), overrides=[f"data.eval={other_text}/*.txt", "data.eval_fraction=0.1"],
                          devices=one).warnings("x") == []
     assert trained.load(run_dir, overrides=["data.eval_fraction=0.1"], devices=one).warnings("x") == []

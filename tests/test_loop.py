@@ -473,3 +473,22 @@ def test_a_profile_window_past_the_last_step_is_refused_before_anything_is_built
         check_profile(config.load(None, [*TINY_NL, "train.steps=4", "train.profile_steps=2", *settings]))
     with pytest.raises(ConfigError, match="train.profile_start=4 is not before train.steps=4"):
         check_profile(config.load(None, [*TINY_NL, "train.steps=4", "train.profile_steps=2", "train.profile_start=4"]))
+
+
+def test_a_resume_past_a_window_it_never_recorded_says_so(tmp_path):
+    """A run resumed past its profile window (stopped before it, or the window moved on the
+    resume) ended without a trace in silence: one warning line at the resume. A run that recorded
+    its window earlier (run.dir/profile) says nothing on its resumes; a window still ahead, none."""
+    from nljax.run.loop import Profiler
+
+    said = []
+    Profiler(10, 2, tmp_path, say=said.append).start(15)
+    assert said == ["warning: train.profile_start=10 is before step 15, where this run resumes: nothing is "
+                    "profiled (train.profile_start=15 or later profiles this run)"], said
+    said.clear()
+    Profiler(10, 2, tmp_path, say=said.append).start(3)  # ahead: recorded when the loop reaches it
+    Profiler(10, 0, tmp_path, say=said.append).start(15)  # no window asked for
+    Profiler(10, 2, tmp_path, say=said.append, here=False).start(15)  # another process than the one that writes
+    (tmp_path / "profile").mkdir()
+    Profiler(10, 2, tmp_path, say=said.append).start(15)  # recorded before this resume
+    assert said == []

@@ -647,8 +647,8 @@ def test_a_device_plugin_that_cannot_start_is_one_line(tmp_path):
     lines = p.stderr.strip().splitlines()
     assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr
     assert ("nljax: warning: JAX's device plugin jax_plugins.broken did not start (RuntimeError: Unable to load "
-            "cuPTI. Is it installed?), so its devices are not used; --cpu-devices or JAX_PLATFORMS=cpu does not "
-            "start it, and python -c 'import jax; jax.devices()' shows JAX's traceback") in lines, p.stderr
+            "cuPTI. Is it installed?): JAX goes on without its devices (python -c 'import jax; jax.devices()' "
+            "shows JAX's traceback)") in lines, p.stderr
     assert all(line.startswith("nljax: warning: JAX's device plugin ") for line in lines[:-1]), p.stderr
     assert lines[-1].startswith("nljax.train: error: mesh.inter=3 does not divide the 1 available devices"), p.stderr
 

@@ -345,14 +345,17 @@ def test_idle_time_of_each_marked_step_is_split(tmp_path):
 
 def test_the_profiled_step_is_the_marks_mean_not_the_wall_clock_around_them(tmp_path):
     """The wall clock around a recording held the profiler's start (an H200: 449 ms a step for the
-    first variant, its device "busy 3%"): where every step is marked, the busy fraction divides
-    by the marks' mean step, and the wall clock's is kept beside it."""
+    first variant, its device "busy 3%"): for `record`'s and `trace`'s steps (from_marks), each
+    marked, the busy fraction divides by the marks' mean step, the wall clock's kept beside it."""
     host = lambda ts, dur: {"ph": "X", "pid": 7, "tid": 3, "name": traces.STEP_EVENT, "ts": ts, "dur": dur}
     events = [meta(1, "/device:GPU:0"), meta(1, "Stream #13", 13), meta(7, "/host:CPU"),
               host(0, 100), op(1, 13, "fusion.1", 10, 50), host(100, 300), op(1, 13, "fusion.1", 120, 50)]
-    s = traces.summarize(write(tmp_path, events), steps=2, step_s=0.449)
+    s = traces.summarize(write(tmp_path, events), steps=2, step_s=0.449, from_marks=True)
     assert s["step_s"] == pytest.approx(200e-6) and s["wall_step_s"] == 0.449
     assert s["busy_fraction"] == pytest.approx(50 / 200)
     # marks for fewer steps than recorded (a trace cut short): the wall clock's, as before
-    s = traces.summarize(tmp_path, steps=3, step_s=0.449)
+    s = traces.summarize(tmp_path, steps=3, step_s=0.449, from_marks=True)
+    assert s["step_s"] == 0.449 and "wall_step_s" not in s
+    # a training run's window passes its own steps' time, without the compiling ones: kept
+    s = traces.summarize(tmp_path, steps=2, step_s=0.449)
     assert s["step_s"] == 0.449 and "wall_step_s" not in s

@@ -11,9 +11,10 @@ device:
   computing: that step is latency-bound, and larger kernels, not faster ones, are the fix. The
   profiler slows the host's side (on a GPU, each launch), so the step it measures can be much
   longer than the step without it (titans_demo on an H200: 46.9 against 21.8 ms): given
-  `timed_step_s`, the step without the profiler, the summary shows both. Where the host marked
-  each step (`STEP_EVENT`, below), the measured step time is the marks' mean, not the wall clock
-  around the recording, which can hold the profiler's own start (`wall_step_s` keeps that);
+  `timed_step_s`, the step without the profiler, the summary shows both. For `record`'s and
+  `trace`'s steps, each marked (`STEP_EVENT`, below), the measured step time is the marks' mean,
+  not the wall clock around the recording, which can hold the profiler's own start
+  (`wall_step_s` keeps that);
 - `by_category`: op time in matmuls, collectives, copies, control flow (XLA:CPU's `while`), and
   the rest (fusions), by op and kernel names (`CATEGORIES`);
 - `top`: the ops that take the most time, and `top_kinds` the same by kind of op (the name
@@ -519,12 +520,14 @@ def device_summary(ops: list[dict], steps: int, step_s: float, top: int, program
 
 
 def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: str | None = TRAIN_MODULE,
-              hlo_text: str | None = None, timed_step_s: float | None = None) -> dict:
+              hlo_text: str | None = None, timed_step_s: float | None = None, from_marks: bool = False) -> dict:
     """Per step of the recorded `steps` (measured at `step_s` seconds each): the summary of the
     first device, and how many devices the trace holds (SPMD: each runs the same program).
     `module`: count only that compiled program's ops (all when the trace names none of them so:
     `module` in the result is then None). `hlo_text`: that program's, for `by_scope_s`;
-    `timed_step_s`: the step's time measured without the profiler."""
+    `timed_step_s`: the step's time measured without the profiler. `from_marks`: `step_s` is the
+    wall clock around the recording (`record`, `trace`), and the steps' marks give the step time
+    where every step has one; not for a training run's window, whose marks can hold a compile."""
     events = load_events(directory)
     per_device = op_events(events)
     if not per_device:
@@ -535,7 +538,7 @@ def summarize(directory: Path, steps: int, step_s: float, top: int = 8, module: 
         ops, module = per_device[first], None
     windows = step_windows(events)
     wall = {}
-    if len(windows) == steps and step_s:
+    if from_marks and len(windows) == steps and step_s:
         # the steps' own marks, not the wall time around them: that held the profiler's start on
         # the card (the first of ab.py's variants, H200 2026-11-30: 449 ms a step by the wall
         # clock, 44 ms by its marks, its device "busy 3%")

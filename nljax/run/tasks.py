@@ -118,6 +118,12 @@ def resolve(cfg: Config, trains: bool = True) -> Config:
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=vocab))
 
 
+def every_nth(fraction: float) -> int:
+    """The split an eval fraction makes: every round(1/fraction)-th example held out (the text
+    readers' and the image sets' rule; data.eval_fraction is at most 0.5, so at least every 2nd)."""
+    return round(1 / fraction)
+
+
 class TextTask:
     """Language modelling on `data.source`: the standard library's source (see
     `nljax.data.text`), the associative-recall probe (`nljax.data.recall`) or the user's own
@@ -161,15 +167,17 @@ class TextTask:
         batch = self.stream.global_batch(step, meshlib.rows_sharding(self.mesh))
         return reset_all_rows(batch) if reset_all else batch
 
-    def held_out_by(self) -> tuple[str, ...]:
-        """The config keys that decide which of the data's examples are held out: another value
-        at evaluation (`nljax.evaluate data.eval_fraction=0.1`) scores other text than the run
-        scored, which `trained.load` warns of. data.eval's files, and a data.prepared
-        directory's split (made when it was prepared), are not cut by data.eval_fraction."""
+    def held_out_by(self) -> dict[str, Callable]:
+        """The config keys that decide which of the data's examples are held out, each with the
+        split its value makes (two fractions that round to the same every-n-th split hold out the
+        same examples): another split at evaluation (`nljax.evaluate data.eval_fraction=0.1`)
+        scores other text than the run scored, which `trained.load` warns of. data.eval's files,
+        and a data.prepared directory's split (made when it was prepared), are not cut by
+        data.eval_fraction."""
         d = self.cfg.data
         if d.source == "files" and (d.eval or d.prepared):
-            return ()
-        return ("data.eval_fraction",)
+            return {}
+        return {"data.eval_fraction": every_nth}
 
     @functools.cache  # asked for at start-up, by the checkpoints and in the reports: hashed once
     def fingerprint(self) -> str:
@@ -343,11 +351,11 @@ class ImageTask:
             raise TypeError("a run built to evaluate (Run.create(trains=False)) draws no training batches")
         return images.global_batch(self.data, self.sampler, step, meshlib.rows_sharding(self.mesh))
 
-    def held_out_by(self) -> tuple[str, ...]:
+    def held_out_by(self) -> dict[str, Callable]:
         """The config keys that decide which examples are held out (`TextTask.held_out_by`): the
         split, and the toy sets' size (other points, drawn from one generator)."""
-        return ("images.eval_fraction", *(("images.toy_points",) if self.cfg.images.source in ("moons", "gaussians")
-                                          else ()))
+        return {"images.eval_fraction": every_nth,
+                **({"images.toy_points": lambda n: n} if self.cfg.images.source in ("moons", "gaussians") else {})}
 
     @functools.cache  # asked for at start-up and by the checkpoints: hashed once
     def fingerprint(self) -> str:

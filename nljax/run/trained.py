@@ -170,7 +170,7 @@ def _split_against_the_run(saved: config.Config, cfg: config.Config, task, cfg_f
     a, b = config.to_dict(saved), config.to_dict(cfg)
     return [f"{key}={fmt(get(b, key))} holds out other examples than the run's ({fmt(get(a, key))} in {cfg_file}): "
             "the held-out data are not those the run was scored on"
-            for key in getattr(task, "held_out_by", lambda: ())() if get(a, key) != get(b, key)]
+            for key, split in getattr(task, "held_out_by", dict)().items() if split(get(a, key)) != split(get(b, key))]
 
 
 def _unresolved_relative(value) -> bool:
