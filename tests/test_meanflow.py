@@ -75,7 +75,9 @@ def test_bf16_dit_tracks_float32():
     rel = lambda a, b: float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a))
     assert 0 < rel(u32, u16) < 1e-2 and 0 < rel(d32, d16) < 1e-2  # measured: 0.4% each
     flat32, flat16 = (jnp.concatenate([g.ravel() for g in jax.tree.leaves(g)]) for g in (g32, g16))
-    assert 0 < rel(flat32, flat16) < 1e-2  # measured: 0.45%
+    # measured: 0.45% (jaxlib 0.10.2), 1.30% (0.11.2, whose XLA:CPU sums bf16 products' gradients
+    # in bf16 longer: test_precision's dense_dot case): both far from a dtype error's
+    assert 0 < rel(flat32, flat16) < 2e-2
 
 
 def test_jvp_du_dt_matches_finite_differences():
