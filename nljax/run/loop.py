@@ -198,13 +198,15 @@ class Profiler:
         self.step_s: list[float] = []  # of the profiled steps that did not compile
 
     def start(self, step: int) -> None:
-        if self.here and self.n and self.first < step and not self.path.exists():
+        if not (self.here and self.n):
+            return
+        if self.first < step and not self.path.exists():
             # a run resumed past a window it never recorded (a first run stopped before it, or a
             # window moved on resume) ended without a trace in silence; one recorded earlier is
             # in run.dir/profile, and its resumes say nothing
             self.say(f"warning: train.profile_start={self.first} is before step {step}, where this run resumes: "
                      f"nothing is profiled (train.profile_start={step} or later profiles this run)")
-        if self.here and self.n and step == self.first:
+        if step == self.first:
             note_written(self.path.parent, "profile")  # before it is made: an overwrite removes it
             jax.profiler.start_trace(str(self.path), create_perfetto_trace=True)
             self.on = True
