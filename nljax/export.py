@@ -126,7 +126,7 @@ def check_out(out: Path) -> None:
     """Refuses an `out` the export would damage or mix with: a file, or a directory holding
     anything but an earlier nljax export (which is replaced): a user's folder, a run directory."""
     if writable.dangling(out):  # mkdir would say only "File exists"
-        raise ConfigError(f"out={out} is a symbolic link to {os.readlink(out)}, which does not exist")
+        raise ConfigError(writable.broken_link(out, f"out={out}"))
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
     theirs = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if (out / n).exists()]

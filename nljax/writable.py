@@ -26,6 +26,12 @@ def dangling(path: Path) -> bool:
     return False
 
 
+def broken_link(path: Path, named: str | None = None) -> str:
+    """What every command says of a `dangling` path (`named`: how it names it, the path itself by
+    default): one wording wherever it is met."""
+    return f"{named or path} is a symbolic link to {os.readlink(path)}, which does not exist"
+
+
 def refuse_unwritable(named: str, path: Path, beside: bool = False) -> None:
     """Refuses the directory `path` (`named`: how the message names it, "run.dir runs/x" or
     "out=DIR") when the nearest part of it that exists is a file, or a directory this process
@@ -39,7 +45,7 @@ def refuse_unwritable(named: str, path: Path, beside: bool = False) -> None:
         there = next(p for p in (start, *start.parents) if os.path.lexists(p))  # "." or "/" at the latest
         where = named + ("" if there == path else f": {there}")
         if dangling(there):
-            raise ConfigError(f"{where} is a symbolic link to {os.readlink(there)}, which does not exist")
+            raise ConfigError(broken_link(there, where))
         if not there.is_dir():
             raise ConfigError(f"{where} is a file, not a directory")
         if not os.access(there, os.W_OK | os.X_OK):

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Iterable
 
 from nljax.errors import ConfigError
-from nljax.writable import dangling
+from nljax.writable import broken_link, dangling
 
 
 def check(out: Path, named: str, tool: str, keys: frozenset[str], lines: bool = False) -> None:
@@ -41,7 +41,7 @@ def not_a_directory(path: Path) -> str | None:
     if there is None or there.is_dir():
         return None
     if dangling(there):
-        return f"{there} is a symbolic link to {os.readlink(there)}, which does not exist"
+        return broken_link(there)
     return f"{there} is a file, not a directory"
 
 

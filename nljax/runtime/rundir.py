@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import fnmatch
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -231,7 +230,7 @@ def check_free(cfg: Config) -> None:
             raise ConfigError(f"{what} {path} is a file, not a directory")
         for p in (path, *path.parents):  # mkdir would say only "File exists"
             if writable.dangling(p):
-                raise ConfigError(f"{what} {path}: {p} is a symbolic link to {os.readlink(p)}, which does not exist")
+                raise ConfigError(f"{what} {path}: {writable.broken_link(p)}")
     distributed.on_main(lambda: _refuse_live(cfg), _in_use_elsewhere(cfg))
     distributed.on_main(lambda: _refuse_unwritable(cfg), elsewhere=None)  # process 0 makes run.dir
 

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from nljax.config import ConfigError
-from nljax.writable import dangling
+from nljax.writable import broken_link, dangling
 
 NAME = "nljax.lock"
 HEARTBEAT_S = 30.0
@@ -107,7 +107,7 @@ def refuse_if_live(run_dir: str | Path, what: str = "run.dir") -> None:
 def make_run_dir(path: Path, what: str = "run.dir") -> None:
     """Creates run.dir (and its parents), or says in one line why it cannot be."""
     if dangling(path):  # mkdir would say only "File exists"
-        raise ConfigError(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist")
+        raise ConfigError(broken_link(path, f"{what} {path}"))
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:
