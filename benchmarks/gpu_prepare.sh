@@ -13,6 +13,11 @@
 #
 # Parts (the issue-44 preset's first parts whose steps nljax compiles; each step's overrides as the
 # suite gives them, so that the lowered program, and with it the key, is the one the card computes):
+#   b128               bench_titans_demo_b128_memory: titans_demo bf16 at batch 128, model.remat=memory (auto's
+#                      forms: the parallel form)
+#   vs_pytorch         titans_vs_bf16: titans_demo bf16, auto's forms (the parallel form on a GPU); also
+#                      titans_alone's step and titans_forms' parallel variant (the same program)
+#   fused350m_parallel4 bench_nl_350m_fused_parallel4: unrolled, memory_impl=parallel, memory_unroll=4
 #   titans_forms       ab_titans_forms: titans_demo bf16, the scan, memory_impl=parallel (memory_unroll 1 and 16)
 #                      and =parallel_pallas
 #                      (autotuning results: ab_titans_forms', else ab_titans_loop's, whose runs had the
@@ -21,10 +26,9 @@
 #   titans_loop        ab_titans_loop: titans_demo bf16, the scan and memory_impl=parallel_pallas
 #                      (its second step is also vs_pytorch_loop's all-levels step: the same program)
 #   fused350m_loop     bench_nl_350m_fused_loop: nl_350m unrolled, memory_impl=parallel_pallas
-#   fused350m_best     bench_nl_350m_fused_best: unrolled, memory_unroll=4
+#   fused350m_best     bench_nl_350m_fused_best: unrolled, the scan, memory_unroll=4
 #   fused350m_parallel bench_nl_350m_fused_parallel: unrolled, memory_impl=parallel
-#   titans_unroll      ab_titans_unroll: titans_demo bf16 at memory_unroll 1, 4, 16, and parallel at 1, 4, 16
-#   b128               bench_titans_demo_b128_memory: titans_demo bf16 at batch 128, model.remat=memory
+#   titans_unroll      ab_titans_unroll: titans_demo bf16, the scan at memory_unroll 1, 4, 16, and parallel at 1, 4, 16
 # Only the step where every level fires (the benches' --patterns worst, ab.py's step);
 # titans_pytorch.py also compiles level 0's step, which the card compiles. Measured on the 2-core
 # CPU machine (2026-11-30): titans_demo's two steps 45-104 s each, 3.1-3.7 MiB each; b128 78 s,
@@ -39,8 +43,10 @@ mkdir -p "$DIR"
 
 # as benchmarks/gpu_suite.sh gives them (FUSED, BF16)
 FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot)
+SCAN=(model.nl_lm.memory_impl=scan)  # the rows measured with the scan name it (auto: the parallel form on a GPU)
 BF16=(model.dtype=bfloat16)
-ALL=(titans_forms ab350m titans_loop fused350m_loop fused350m_best fused350m_parallel titans_unroll b128)
+ALL=(b128 vs_pytorch fused350m_parallel4 titans_unroll fused350m_best ab350m titans_forms titans_loop fused350m_loop
+     fused350m_parallel)
 
 compile() {  # part, the suite's bench name (NAME or NAME,FALLBACK: whose autotuning results), then gpu_compile.py's arguments
   local part=$1 names=$2 name=""; shift 2
@@ -62,26 +68,32 @@ compile() {  # part, the suite's bench name (NAME or NAME,FALLBACK: whose autotu
 part_titans_forms() {
   compile titans_forms ab_titans_forms,ab_titans_loop --config titans_demo --variant parallel:model.nl_lm.memory_impl=parallel \
     --variant parallel16:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=16 \
-    --variant loop:model.nl_lm.memory_impl=parallel_pallas "${BF16[@]}"
+    --variant loop:model.nl_lm.memory_impl=parallel_pallas "${BF16[@]}" "${SCAN[@]}"
 }
 part_ab350m() {
   compile ab350m ab_nl_350m --config nl_350m --variant parallel:model.nl_lm.memory_impl=parallel \
-    "${BF16[@]}" "${FUSED[@]}" model.nl_lm.scan_layers=false
+    "${BF16[@]}" "${FUSED[@]}" model.nl_lm.scan_layers=false "${SCAN[@]}"
 }
 part_titans_loop() {
-  compile titans_loop ab_titans_loop --config titans_demo --variant loop:model.nl_lm.memory_impl=parallel_pallas "${BF16[@]}"
+  compile titans_loop ab_titans_loop --config titans_demo --variant loop:model.nl_lm.memory_impl=parallel_pallas \
+    "${BF16[@]}" "${SCAN[@]}"
 }
 fused350m() {  # part, bench name suffix, the part's own overrides
   local part=$1 name=bench_nl_350m_fused$2; shift 2
   compile "$part" "$name" --config nl_350m "${BF16[@]}" "${FUSED[@]}" "$@"
 }
 part_fused350m_loop() { fused350m fused350m_loop _loop model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel_pallas; }
-part_fused350m_best() { fused350m fused350m_best _best model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4; }
+part_fused350m_best() { fused350m fused350m_best _best model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4 "${SCAN[@]}"; }
+part_fused350m_parallel4() { fused350m fused350m_parallel4 _parallel4 model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=4; }
+part_vs_pytorch() {
+  compile vs_pytorch titans_vs_bf16,titans_vs_bf16_parallel --config titans_demo "${BF16[@]}"
+}
 part_fused350m_parallel() { fused350m fused350m_parallel _parallel model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel; }
 part_titans_unroll() {
   compile titans_unroll ab_titans_unroll --config titans_demo --no-base \
-    --variant u1:model.nl_lm.memory_unroll=1 --variant u4:model.nl_lm.memory_unroll=4 \
-    --variant u16:model.nl_lm.memory_unroll=16 \
+    --variant u1:model.nl_lm.memory_impl=scan,model.nl_lm.memory_unroll=1 \
+    --variant u4:model.nl_lm.memory_impl=scan,model.nl_lm.memory_unroll=4 \
+    --variant u16:model.nl_lm.memory_impl=scan,model.nl_lm.memory_unroll=16 \
     --variant parallel1:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=1 \
     --variant parallel4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 \
     --variant parallel16:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=16 "${BF16[@]}"

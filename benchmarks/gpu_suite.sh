@@ -5,19 +5,19 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: vs_pytorch_parallel ab350m titans_alone pullback attn_tiles b128 fused350m_best
-#            titans_forms vs_pytorch titans_unroll fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m
-#            fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel fused350m_unrolled
-#            fused350m_memunroll fused350m_kernel paths.
-#            Since the second H200 run of 2026-11-30 (docs/benchmarks/2026-11-30-h200-b.md): titans_demo's
-#            parallel form kept its device busy 10.8 ms a step against the scan's 14.9, and the scan ran
-#            16.3 ms a step in titans_pytorch.py's loop (75.2x titans-pytorch): first the parallel form
-#            against titans-pytorch (the 100x target needs about 12 ms), then nl_350m with the scan and
-#            the parallel form side by side (stopped by the budget that day), then the scan alone
-#            through ab.py's loop (interleaved with four other forms it took 41.9 ms a step, 2.6x
-#            titans_pytorch.py's loop: whether the interleaving costs it), then the rows no session has
-#            reached yet (the hand-written pull-back, the attention's tiles, batch 128 with the Pallas
-#            attention, the two fastest nl_350m forms together).
+#            they matter: b128 vs_pytorch titans_alone fused350m_parallel4 titans_unroll fused350m_best
+#            ab350m pullback attn_tiles titans_forms vs_pytorch_parallel fused350m_graphs fused350m_best8
+#            fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel
+#            fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
+#            Since the third H200 run of 2026-11-30 (docs/benchmarks/2026-11-30-h200-c.md) memory_impl
+#            auto is the parallel form on a GPU (x0.906 the scan's step in nl_350m, side by side; its
+#            reads in groups of chunks since, to hold titans_demo's batch 128 under 20 GB, compiled
+#            offline): first batch 128's peak memory on the card with it, then titans_demo (auto)
+#            against titans-pytorch (the README's figure), then auto's step alone through ab.py's loop
+#            (interleaved with four other forms the scan took 41.9 ms a step, 2.6x titans_pytorch.py's
+#            loop: whether the interleaving costs it), then the parallel form with 4 chunks per loop
+#            iteration in nl_350m and with 1, 4 and 16 in titans_demo (beside the scan's), then the
+#            rows measured before.
 #            A wall-clock budget (SUITE_BUDGET_S, default 450 s for this preset) caps every bench at
 #            what is left of it, so the call ends in time whatever a compile costs; a bench the budget
 #            stops is reported as STOPPED, what did not fit is named in the log, and the summary says
@@ -38,7 +38,8 @@
 #                      and the parallel form (memory_impl=parallel): benchmarks/memory_kernel.py
 #                      --variant "loop kernel" --variant parallel
 #   fused350m          nl_350m with model.remat=memory and the GPU paths (attention auto = the Pallas
-#                      kernel, the one-hot embedding gradient), scanned layers, profiled; the loss is
+#                      kernel, the one-hot embedding gradient), the inner loop's scan (memory_impl=scan,
+#                      as in every fused350m row but those naming another), scanned layers, profiled; the loss is
 #                      not chunked (at a byte vocabulary the chunked loss was the slower, 2026-11-28)
 #   fused350m_unrolled the same unrolled (model.nl_lm.scan_layers=false), profiled
 #   fused350m_memunroll the same scanned with 4 inner-loop chunks per loop iteration
@@ -58,17 +59,18 @@
 #                      round trips per step, fewer with memory_unroll)
 #   fused350m_kernel   the same scanned with the fused memory kernel (model.nl_lm.memory_impl=pallas),
 #                      profiled: the kernel in the whole step
-#   vs_pytorch         titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (interleaved, one process)
+#   vs_pytorch         titans_demo (auto's forms: the parallel form on a GPU) vs titans-pytorch in bf16 at
+#                      batch 4 x 512 (interleaved, one process)
 #   vs_pytorch_loop    the same with memory_impl=parallel_pallas (the loop kernel)
-#   vs_pytorch_parallel the same with memory_impl=parallel (the parallel form)
-#   titans_alone       titans_demo at batch 4 x 512 with the scan (auto) alone in ab.py's process, timed
+#   vs_pytorch_parallel the same with memory_impl=parallel named (auto's choice on a GPU since 2026-12-01)
+#   titans_alone       titans_demo at batch 4 x 512 with auto's forms alone in ab.py's process, timed
 #                      through the training loop and profiled as titans_forms times it among four others
-#   titans_forms       titans_demo at batch 4 x 512 with the scan (auto), memory_impl=parallel (also with its
+#   titans_forms       titans_demo at batch 4 x 512 with the scan, memory_impl=parallel (also with its
 #                      16 chunks in one loop iteration, memory_unroll=16: 3,655 kernels per step against 4,390,
 #                      compiled offline) and memory_impl=parallel_pallas, interleaved and profiled (where each
 #                      step's device idles), timed through the training loop; the scan also with
 #                      train.dispatch_ahead=false
-#   ab350m             nl_350m unrolled with the GPU paths, the scan (auto) and memory_impl=parallel,
+#   ab350m             nl_350m unrolled with the GPU paths, the scan and memory_impl=parallel,
 #                      interleaved in one process and profiled, timed through the training loop
 #   attn_tiles         the Pallas attention's three kernels (forward, dK/dV, dQ) each timed alone over
 #                      its candidate tiles, warps, stages and split loops at nl_350m's shapes, then the
@@ -77,14 +79,14 @@
 #   pullback           the parallel form alone with its hand-written pull-back (memory.end_pullback) and
 #                      with JAX's, against the scan, at titans_demo's and nl_350m's memory shapes
 #                      (benchmarks/memory_kernel.py; no Pallas kernel: quick to compile)
-#   titans_loop        titans_demo at batch 4 x 512 with the scan (auto) and memory_impl=parallel_pallas,
+#   titans_loop        titans_demo at batch 4 x 512 with the scan and memory_impl=parallel_pallas,
 #                      interleaved and profiled: two compilations, before titans_unroll's five
-#   titans_unroll      titans_demo at batch 4 x 512 with 1, 4 and 16 inner-loop chunks per loop iteration
-#                      (model.nl_lm.memory_unroll) and memory_impl=parallel at 1, 4 and 16 (parallel_pallas:
+#   titans_unroll      titans_demo at batch 4 x 512 with the scan at 1, 4 and 16 inner-loop chunks per loop
+#                      iteration (model.nl_lm.memory_unroll) and memory_impl=parallel at 1, 4 and 16 (parallel_pallas:
 #                      titans_loop), interleaved and
 #                      profiled: its step is bound by its kernel count, which unrolling lowers (nl_350m:
 #                      21,557 -> 17,179 at 4) and the parallel form's shorter loop bodies are expected to
-#   b128               titans_demo at batch 128 x 512, model.remat=memory: peak memory
+#   b128               titans_demo at batch 128 x 512, model.remat=memory (auto's forms): peak memory
 #
 # Parts of issue 17:
 #   titans  titans_demo vs titans-pytorch in bf16 at batch 4 (interleaved, one process); titans_demo's
@@ -127,8 +129,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(vs_pytorch_parallel ab350m titans_alone pullback attn_tiles b128 fused350m_best titans_forms vs_pytorch
-         titans_unroll fused350m_parallel4 fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop
+ISSUE44=(b128 vs_pytorch titans_alone fused350m_parallel4 titans_unroll fused350m_best ab350m pullback attn_tiles
+         titans_forms vs_pytorch_parallel fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop
          kernel_loop titans_loop fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
@@ -298,8 +300,11 @@ else
   TORCH=(--device cuda --threads 0 --rounds 3 --warmup 1)
 fi
 # the GPU paths: attention auto (the Pallas kernel on a CUDA GPU, the blocked form elsewhere), the
-# one-hot embedding gradient; the inner loop's scan (memory_impl auto)
+# one-hot embedding gradient
 FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot)
+# the inner loop's scan, named: memory_impl auto is the parallel form on a GPU since 2026-12-01, and
+# the rows measured with the scan before stay the scan's
+SCAN=(model.nl_lm.memory_impl=scan)
 
 part_paths() {
   run paths $PY benchmarks/gpu_paths.py ${DRY:+--dry-run --reps 2} --out "$OUT/paths.json"
@@ -351,17 +356,17 @@ fused350m() {  # $1: the row's name after bench_nl_350m_fused; then its own over
 part_fused350m() {
   # the trace and the compiled program kept (OUT/trace_nl_350m_fused/program.hlo.txt), as for the
   # best row: the profile's placement of command-buffer kernels checked offline
-  fused350m "" model.nl_lm.scan_layers=true --profile-dir "$OUT/trace_nl_350m_fused"
+  fused350m "" model.nl_lm.scan_layers=true "${SCAN[@]}" --profile-dir "$OUT/trace_nl_350m_fused"
 }
 
 part_fused350m_best() {
   # 2026-11-28 (H200): unrolled 154.6 ms and memory_unroll=4 170.0 ms against the scanned 180.3 ms,
   # each alone; together, measured first
-  fused350m _best model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4 --profile-dir "$OUT/trace_nl_350m_fused_best"
+  fused350m _best model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4 "${SCAN[@]}" --profile-dir "$OUT/trace_nl_350m_fused_best"
 }
 
 part_fused350m_best8() {
-  fused350m _best8 model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=8
+  fused350m _best8 model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=8 "${SCAN[@]}"
 }
 
 part_fused350m_parallel() {
@@ -384,18 +389,18 @@ part_fused350m_parallel4() {
 part_fused350m_graphs() {
   # an XLA that does not know the flag fails this row only
   XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
-    fused350m _graphs model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4
+    fused350m _graphs model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4 "${SCAN[@]}"
 }
 
 part_fused350m_unrolled() {
   # the layer scan's stacking of saved activations was 10% of the H200's remat=memory step: none unrolled
-  fused350m _unrolled model.nl_lm.scan_layers=false
+  fused350m _unrolled model.nl_lm.scan_layers=false "${SCAN[@]}"
 }
 
 part_fused350m_memunroll() {
   # the inner loop (4 memory layers x 32 chunks, ~97 kernels each) was most of the 2026-11-28 step:
   # 4 chunks per loop iteration give XLA longer bodies to fuse and a quarter of the iterations
-  fused350m _memunroll model.nl_lm.scan_layers=true model.nl_lm.memory_unroll=4
+  fused350m _memunroll model.nl_lm.scan_layers=true model.nl_lm.memory_unroll=4 "${SCAN[@]}"
 }
 
 part_fused350m_kernel() {
@@ -432,14 +437,15 @@ vs_pytorch() {  # $1: the row's name; then nljax overrides
 }
 
 part_vs_pytorch_parallel() {
-  # the parallel form's device time was 10.8 ms a step against the scan's 14.9 (2026-11-30, second
-  # run); the scan ran 16.3 ms a step through the training loop, 75.2x titans-pytorch
+  # the parallel form named: 70.4x titans-pytorch through the training loop on 2026-11-30's third
+  # run (15.4 ms a step), before it was auto's choice on a GPU (vs_pytorch's since)
   vs_pytorch titans_vs_bf16_parallel model.nl_lm.memory_impl=parallel
 }
 
 part_titans_alone() {
-  # the same step ran 41.9 ms in ab.py's loop among four other forms and 16.3 ms in titans_pytorch.py's:
-  # one variant alone says whether ab.py's interleaving of executables is what costs the difference
+  # the scan's step ran 41.9 ms in ab.py's loop among four other forms and 16.3 ms in titans_pytorch.py's
+  # (the parallel form's 37.6 and 15.4 ms): auto's step alone says whether ab.py's interleaving of
+  # executables is what costs the difference
   local rounds=(--rounds 6 --warmup 1 --loop 8 --profile 4)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 2); fi
   run ab_titans_alone $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${BF16[*]} ${TITANS[*]}" \
@@ -448,7 +454,7 @@ part_titans_alone() {
 
 part_titans_unroll() {
   local v=()
-  for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_unroll=$u"); done
+  for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} ${SCAN[*]} model.nl_lm.memory_unroll=$u"); done
   for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=$u"); done
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
@@ -457,7 +463,7 @@ part_titans_unroll() {
 
 part_titans_loop() {
   # compiled for an H200 offline (jax 0.11.2): 7,682 kernels per step with the scan, 1,456 with the loop kernel
-  local v=("${BF16[*]} ${TITANS[*]}" "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
+  local v=("${BF16[*]} ${TITANS[*]} ${SCAN[*]}" "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
   run ab_titans_loop $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_loop.json"
@@ -468,7 +474,7 @@ part_titans_forms() {
   # quarter only; each variant's profile now splits the idle time (before, between, after the ops).
   # Timed through the training loop (--loop 8), with the scan also without dispatching ahead
   # (train.dispatch_ahead=false: the step shares the first variant's compiled step)
-  local v=("${BF16[*]} ${TITANS[*]}" "${BF16[*]} ${TITANS[*]} train.dispatch_ahead=false"
+  local v=("${BF16[*]} ${TITANS[*]} ${SCAN[*]}" "${BF16[*]} ${TITANS[*]} ${SCAN[*]} train.dispatch_ahead=false"
            "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel"
            "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=16"
            "${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel_pallas")
@@ -484,12 +490,13 @@ part_ab350m() {
   local base="${BF16[*]} ${FUSED[*]} model.nl_lm.scan_layers=false ${NL350[*]}"
   local rounds=(--rounds 5 --warmup 1 --loop 4 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 2); fi
-  run ab_nl_350m $PY benchmarks/ab.py --config nl_350m "${rounds[@]}" "$base" "$base model.nl_lm.memory_impl=parallel" \
+  run ab_nl_350m $PY benchmarks/ab.py --config nl_350m "${rounds[@]}" "$base ${SCAN[*]}" "$base model.nl_lm.memory_impl=parallel" \
     --out "$OUT/ab_nl_350m.json"
 }
 
 part_b128() {
-  # titans_demo at batch 128 x 512 with model.remat=memory (target: under 20 GB)
+  # titans_demo at batch 128 x 512 with model.remat=memory (target: under 20 GB); auto's parallel form
+  # reads its chunks in groups so as to hold no more than the scan (compiled offline: the card's figure)
   run bench_titans_demo_b128_memory $PY -m nljax.bench --config titans_demo --patterns worst "${PLAIN[@]}" \
     "${BF16[@]}" model.remat=memory "${B128[@]}" "${TITANS[@]}" --out "$OUT/bench_titans_demo_b128_memory.json"
 }

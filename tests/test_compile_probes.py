@@ -45,11 +45,13 @@ def probe_for_real_except(monkeypatch, refused: dict):
     monkeypatch.setattr(compiles, "refusal", lambda key, fn, *args: refused.get(key[-1]) or real(key, fn, *args))
 
 
-def test_memory_auto_is_the_scan_on_a_gpu_too(monkeypatch):
-    """The kernel's speed on a GPU is not measured yet: auto neither takes nor probes it."""
+def test_memory_auto_is_the_parallel_form_on_a_gpu(monkeypatch):
+    """Built for a GPU, auto takes the parallel form (plain XLA: nothing to probe), never a kernel
+    (both slower than the scan on an H200); on a CPU the scan."""
     monkeypatch.setattr(compiles, "refusal", lambda *a: pytest.fail("probed"))
+    assert forms.select("auto", "mlp", 32, 64, 128) == "scan"
     with platform.compiling_for("gpu"):
-        assert forms.select("auto", "mlp", 32, 64, 128) == "scan"
+        assert forms.select("auto", "mlp", 32, 64, 128) == "parallel"
         assert forms.select("pallas", "mlp", 32, 64, 128) == "pallas"
 
 

@@ -232,9 +232,13 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
     prepare = PREPARE.read_text()
     fused = "FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot)"
     assert fused in text and fused in prepare
+    scan = "SCAN=(model.nl_lm.memory_impl=scan)"  # auto is the parallel form on a GPU: the scan's rows name it
+    assert scan in text and scan in prepare
     for name, overrides in (("_loop", "model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel_pallas"),
-                            ("_best", "model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4"),
-                            ("_parallel", "model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel")):
+                            ("_best", 'model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4 "${SCAN[@]}"'),
+                            ("_parallel", "model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel"),
+                            ("_parallel4", "model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel "
+                                           "model.nl_lm.memory_unroll=4")):
         assert f"fused350m {name} {overrides}" in text and f"fused350m{name} {name} {overrides};" in prepare, name
     fake = tmp_path / "python"
     fake.write_text('#!/bin/sh\necho "$*" >> "$OUT_ARGS"\n')
@@ -249,7 +253,7 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
     exe = tmp_path / "exe"
     assert loop == (f"benchmarks/gpu_compile.py --gpu h200 --save-executables {exe} --out {exe / 'titans_loop.json'} "
                     f"--autotune {tuned / 'ab_titans_loop'} --config titans_demo "
-                    "--variant loop:model.nl_lm.memory_impl=parallel_pallas model.dtype=bfloat16")
+                    "--variant loop:model.nl_lm.memory_impl=parallel_pallas model.dtype=bfloat16 model.nl_lm.memory_impl=scan")
     assert "--autotune" not in b128 and b128.endswith("model.dtype=bfloat16 model.remat=memory train.batch_size=128")
     forms_args = tmp_path / "forms_args"  # titans_forms takes ab_titans_loop's results when it has none of its own
     r = subprocess.run(["bash", str(PREPARE), str(exe), "titans_forms", "ab350m"], cwd=ROOT, capture_output=True, text=True,
@@ -258,7 +262,7 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
     assert r.returncode == 0 and f"--autotune {tuned / 'ab_titans_loop'} " in forms, r.stdout + r.stderr
     assert ("--variant parallel:model.nl_lm.memory_impl=parallel --variant parallel16:model.nl_lm.memory_impl=parallel,"
             "model.nl_lm.memory_unroll=16 --variant loop:model.nl_lm.memory_impl=parallel_pallas") in forms
-    assert "--autotune" not in ab350m and ab350m.endswith(f"{fused[7:-1]} model.nl_lm.scan_layers=false")
+    assert "--autotune" not in ab350m and ab350m.endswith(f"{fused[7:-1]} model.nl_lm.scan_layers=false {scan[6:-1]}")
     assert "no autotuning results (AUTOTUNE/ab_nl_350m)" in r.stdout
     assert "XLA's default matmul tiles" in r.stdout
     r = subprocess.run(["bash", str(PREPARE), str(tmp_path / "exe"), "bogus"], cwd=ROOT, capture_output=True,

@@ -30,14 +30,17 @@ def inner_loop(impl: str, kind: str, chunk: int, dim: int, hidden: int, *, remat
 
 def select(impl: str, kind: str, chunk: int, dim: int, hidden: int, backend: str | None = None) -> str:
     """The inner loop's implementation for `model.nl_lm.memory_impl` on `backend` (default: `platform.backend()`):
-    'scan', 'parallel', 'pallas' or 'parallel_pallas'. auto is the scan on every backend: on a CPU
-    the kernels only run interpreted, far slower; on an H200 (2026-11-28) its forward + backward took 3.6x and 3.1x
-    the scan's at titans_demo's and nl_350m's memory shapes (docs/concepts/memory-kernel.md,
-    "Why the kernel is slower than the scan"). `pallas` and `parallel_pallas`
-    (`memory_loop_kernel`) are the kernels as asked, `parallel` (`memory.memory_parallel`) and
-    `scan` run on every backend."""
+    'scan', 'parallel', 'pallas' or 'parallel_pallas'. auto is the parallel form on a GPU and the
+    scan elsewhere. On one H200 (2026-11-30) the parallel form ran x0.906 the scan's step in
+    nl_350m and x0.898 in titans_demo, side by side, and its reads in groups of chunks hold no
+    more memory than the scan at titans_demo's batch 128; on a CPU, bound by arithmetic rather
+    than by launches, it is 1.01-1.03x slower (docs/concepts/memory-kernel.md). Both kernels were
+    slower than the scan on the H200. `pallas` and `parallel_pallas` (`memory_loop_kernel`) are
+    the kernels as asked, `parallel` (`memory.memory_parallel`) and `scan` run on every backend."""
     backend = backend or platform.backend()
     kernel = impl in ("pallas", "parallel_pallas")
     if kernel and backend == "gpu" and (why := mk.gpu_unsupported(kind, chunk, dim, hidden)):
         raise ConfigError(f"model.nl_lm.memory_impl={impl}: {why}")
-    return "scan" if impl == "auto" else impl
+    if impl == "auto":
+        return "parallel" if backend == "gpu" else "scan"
+    return impl
