@@ -435,8 +435,9 @@ def _starts(state: PyTree, xs, kind: str, unroll: int):
 # memory layer there). 1.25 GiB is above nl_350m's whole sequence at batch 8 (1.24 GB by this
 # count) and titans_demo's up to batch 32, which stay one group, the computation unchanged (the
 # same program and peak as before the groups: nl_350m's step peaks where the reads are not).
-# titans_demo at batch 128 gets 4 groups of 4 chunks (1.0 GB each): 19.4 GB (8 groups: 18.8, 16:
-# 18.5; the rest is the scan's own: the start states of every chunk; docs/concepts/memory-kernel.md).
+# titans_demo at batch 128 gets 4 groups of 4 chunks (1.0 GB each): 19.4 GB. Smaller groups would
+# hold less (8 groups: 18.8 GB, 16: 18.5) but no byte budget that leaves nl_350m's batch 8 as it
+# was gives them: a group of 4 there counts as much (docs/concepts/memory-kernel.md).
 READ_GROUP_BYTES = 5 * 2**28
 
 
