@@ -104,7 +104,7 @@ def parallel_jax_pullback(state, q, k, v, theta, eta, alpha, *, kind: str, chunk
     f32 = lambda x: x.astype(jnp.float32)
     xs = nm._chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
 
-    fwd = lambda state, xs: nm._parallel_fwd(state, xs, kind, 1)  # the same forward loop
+    fwd = lambda state, xs: nm._parallel_fwd(state, xs, kind, 1, 1)  # the same forward loop, one group of reads
 
     def bwd(res, cotangents):
         starts, xs = res

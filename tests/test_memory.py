@@ -23,8 +23,10 @@ def inputs(kind, seed=0, gates=True):
     return state, (q, k, v, theta, eta, alpha)
 
 
-# the inner loop's two XLA forms (model.nl_lm.memory_impl scan and parallel), each against the definition
-FORMS = {"scan": nm.memory_forward, "parallel": nm.memory_parallel}
+# the inner loop's two XLA forms (model.nl_lm.memory_impl scan and parallel), each against the definition;
+# the parallel form also with its reads in groups of one chunk, one group after another (large batches)
+FORMS = {"scan": nm.memory_forward, "parallel": nm.memory_parallel,
+         "parallel_grouped": lambda *a, chunk, **kw: nm.memory_parallel(*a, chunk=chunk, groups=T // chunk, **kw)}
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -41,7 +43,7 @@ def test_chunk_parallel_equals_sequential(kind, chunk, form):
 
 # the parallel form's gradients in the slow tier here: the fast tier compares them with the scan's
 # (tests/test_memory_parallel.py)
-@pytest.mark.parametrize("form", ["scan", pytest.param("parallel", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("form", ["scan", *(pytest.param(f, marks=pytest.mark.slow) for f in ("parallel", "parallel_grouped"))])
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_gradients_match_sequential(kind, form):
     state, args = inputs(kind, seed=1)

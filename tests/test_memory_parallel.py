@@ -36,6 +36,75 @@ def test_parallel_equals_the_scan_outputs_and_gradients(kind, chunk, t):
     assert_grads_close(grads, ref_grads, 5e-4 if chunk == 64 else 1e-4)
 
 
+@pytest.mark.parametrize("kind,groups", [("mlp", 2), ("mlp", 8), ("linear", 4)])
+def test_reads_in_groups_equal_the_scan(kind, groups):
+    """The parallel form's reads in groups of chunks, forward and backward, one group after
+    another (what large batches get, `memory.read_groups`): 8 chunks of 4 in 2, 4 or 8 groups, the
+    loops unrolled by 3 (in a group of one chunk: 1), as the scan: reads, final states, gradients."""
+    state, args = inputs(kind, 32, seed=groups)
+    ref, ref_grads = outputs_and_grads(nm.memory_forward, kind, 4, state, args)
+    grouped = lambda *a, **kw: nm.memory_parallel(*a, groups=groups, unroll=3, **kw)
+    out, grads = outputs_and_grads(grouped, kind, 4, state, args)
+    assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_grads_close(grads, ref_grads, 1e-4)
+
+
+def memory_shapes(batch, heads, t, chunk, dim=64, hidden=128):
+    """(state, q) of an MLP memory as abstract arrays: shapes only, nothing computed."""
+    m = {"W1": jax.ShapeDtypeStruct((batch, heads, dim, hidden), jnp.float32),
+         "W2": jax.ShapeDtypeStruct((batch, heads, hidden, dim), jnp.float32)}
+    return {"M": m, "S": m}, jax.ShapeDtypeStruct((batch, heads, t, dim), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("name,batch,heads,t,chunk,groups", [
+    ("titans_demo", 4, 4, 512, 32, 1), ("titans_demo", 32, 4, 512, 32, 1), ("titans_demo", 128, 4, 512, 32, 4),
+    ("nl_350m", 8, 8, 2048, 64, 1), ("nl_350m", 16, 8, 2048, 64, 2)])
+def test_large_batches_read_in_groups(name, batch, heads, t, chunk, groups):
+    """The group count at the configs' memory shapes: one group (the computation as it was, the
+    same compiled program) at titans_demo's batch 4 and nl_350m's batch 8; at titans_demo's batch
+    128, where all 16 chunks at once held 24.3 GB against the scan's 18.4 (H200, offline), 4."""
+    state, q = memory_shapes(batch, heads, t, chunk)
+    assert nm.read_groups(t // chunk, nm.read_bytes(state, q, chunk)) == groups
+
+
+def test_read_groups_divide_the_chunks_within_the_budget():
+    assert nm.read_groups(16, 10, budget=40) == 4  # 4 chunks a group: 40 bytes
+    assert nm.read_groups(12, 10, budget=50) == 3  # 5 would fit, 4 divide 12
+    assert nm.read_groups(7, 10, budget=30) == 7  # 7 is prime: one chunk a group
+    assert nm.read_groups(5, 100, budget=30) == 5  # one chunk over the budget: still one a group
+
+
+def test_the_grouping_reaches_both_passes():
+    """The gradient's program at titans_demo's batch 128 (traced only): the reads of its 4 groups
+    one after another in the forward (a loop of 4 over the groups beside the loop of 16 over the
+    chunks' end states) and in the backward (a loop of 4, each iteration pulling back its reads and
+    its 4 chunks' end states); at batch 4, loops over the 16 chunks alone."""
+    def loop_lengths(batch):
+        state, q = memory_shapes(batch, 4, 512, 32)
+
+        def loss(state, q, gates):
+            y, st = nm.memory_parallel(state, q, q, q, gates, gates, gates, kind="mlp", chunk=32)
+            return jnp.sum(y) + sum(jnp.sum(x) for x in jax.tree.leaves(st))
+
+        def lengths(j):  # (length, nested) of each scan, in program order
+            for e in j.eqns:
+                subs = [p for p in e.params.values() if hasattr(p, "jaxpr") or hasattr(p, "eqns")]
+                inner = [x for p in subs for x in lengths(getattr(p, "jaxpr", p))]
+                yield from [(e.params["length"], inner)] if e.primitive.name == "scan" else inner
+
+        gates = jax.ShapeDtypeStruct(q.shape[:3], q.dtype)
+        return list(lengths(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, q, gates).jaxpr))
+
+    assert loop_lengths(4) == [(16, []), (16, [])]
+    assert loop_lengths(128) == [(16, []), (4, []), (4, [(4, [])])]
+
+
+def test_groups_must_divide_the_chunks():
+    state, args = inputs("linear", 12)
+    with pytest.raises(ValueError, match="2 groups do not divide the 3 chunks"):
+        nm.memory_parallel(state, *args, kind="linear", chunk=4, groups=2)
+
+
 @pytest.mark.parametrize("form", [nm.memory_forward, nm.memory_parallel], ids=["scan", "parallel"])
 def test_bf16_inputs_are_computed_in_float32(form):
     """Every form takes bfloat16 inputs as float32 (the kernels' tests check theirs): reads and

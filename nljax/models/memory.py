@@ -43,7 +43,8 @@ A read q_t M_t therefore needs only masked [b, b] products ((q x^T) ⊙ A) d, ne
 of the memory: cost O(b² d + b d²) per chunk (plus O(b³) for the scalar weights). Chunks advance
 with `lax.scan` (`memory_forward`); `memory_parallel` carries only the end states through the
 loop (`end_state`, pulled back by hand: `end_pullback`) and computes every chunk's reads after
-it, at once. `memory_reference` is the plain token-by-token version used by tests.
+it, at once (at large batch in groups of chunks: `READ_GROUP_BYTES`). `memory_reference` is the
+plain token-by-token version used by tests.
 """
 
 from __future__ import annotations
@@ -427,39 +428,83 @@ def _starts(state: PyTree, xs, kind: str, unroll: int):
     return jax.lax.scan(body, state, (k, v, end_inputs(theta, eta, const)), unroll=_loop_unroll(unroll, xs))
 
 
-def _all_reads(starts: PyTree, xs, kind: str):
-    """Every chunk's reads from its start state, all chunks at once (the chunk axis one more batch
-    axis of `chunk_reads`' products): [n, B, H, b, dv]."""
-    (q, k, v, theta, eta), const = xs
-    return jax.vmap(lambda st, *a: chunk_reads(st, *a, kind))(starts, q, k, v, theta, eta, const)
+# The most bytes (`read_bytes`' count) the parallel form's reads may hold for one group of chunks
+# computed at once. All chunks at once, titans_demo's step at batch 128 x 512 held 24.3 GB against
+# the scan's 18.4 (compiled for an H200 offline, jax 0.11.2, 2026-12-01): the reads' pull-back held
+# every chunk's intermediates, start states and their cotangents together (~0.3 GB a chunk and
+# memory layer there). 1.25 GiB is above nl_350m's whole sequence at batch 8 (1.24 GB by this
+# count) and titans_demo's up to batch 32, which stay one group, the computation unchanged (the
+# same program and peak as before the groups: nl_350m's step peaks where the reads are not).
+# titans_demo at batch 128 gets 4 groups of 4 chunks (1.0 GB each): 19.4 GB. Smaller groups would
+# hold less (8 groups: 18.8 GB, 16: 18.5) but no byte budget that leaves nl_350m's batch 8 as it
+# was gives them: a group of 4 there counts as much (docs/concepts/memory-kernel.md).
+READ_GROUP_BYTES = 5 * 2**28
 
 
-def _parallel_fwd(state, xs, kind, unroll):
+def read_bytes(state: PyTree, q, chunk: int) -> int:
+    """A rough count of what one chunk adds to the bytes the parallel form's reads hold when its
+    group's chunks are computed at once, in float32 (`READ_GROUP_BYTES`), as XLA held them (CPU and
+    H200, titans_demo's memory shapes): per row and head, three chunk-start states (M and S: the
+    group's copy of it, its cotangent and one of partial sums) and, per token, its [b] row of read
+    weights and two values per memory layer's input and output width."""
+    rows_heads = q.shape[0] * q.shape[1]
+    state_floats = sum(x.size for x in jax.tree.leaves(state)) // rows_heads
+    widths = sum(sum(w.shape[-2:]) for w in state["M"].values())
+    return 4 * rows_heads * (3 * state_floats + chunk * (chunk + 2 * widths))
+
+
+def read_groups(n: int, per_chunk: int, budget: int = READ_GROUP_BYTES) -> int:
+    """How many groups the parallel form computes its n chunks' reads in, one after another: the
+    fewest that divides n with each group's chunks at most `budget` bytes (`read_bytes` each); n
+    (one chunk a group) if none does."""
+    return next(g for g in range(1, n + 1) if n % g == 0 and (n // g) * per_chunk <= budget or g == n)
+
+
+def _in_groups(groups: int, tree):
+    """Leaves [n, ...] -> [groups, n / groups, ...]."""
+    return jax.tree.map(lambda x: x.reshape((groups, x.shape[0] // groups) + x.shape[1:]), tree)
+
+
+def _merged(tree):
+    """Leaves [groups, g, ...] -> [groups * g, ...]."""
+    return jax.tree.map(lambda x: x.reshape((-1,) + x.shape[2:]), tree)
+
+
+def _all_reads(starts: PyTree, xs, kind: str, groups: int = 1):
+    """Every chunk's reads from its start state: [n, B, H, b, dv]. The chunks of a group at once
+    (the chunk axis one more batch axis of `chunk_reads`' products), the groups one after another."""
+    reads = lambda st, x: jax.vmap(lambda st, *a: chunk_reads(st, *a, kind))(st, *x[0], x[1])
+    if groups == 1:
+        return reads(starts, xs)
+    return _merged(jax.lax.map(lambda a: reads(*a), _in_groups(groups, (starts, xs))))
+
+
+def _parallel_fwd(state, xs, kind, unroll, groups):
     final, starts = _starts(state, xs, kind, unroll)
-    return (_all_reads(starts, xs, kind), final), (starts, xs)
+    return (_all_reads(starts, xs, kind, groups), final), (starts, xs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _parallel(state, xs, kind, unroll):
-    return _parallel_fwd(state, xs, kind, unroll)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _parallel(state, xs, kind, unroll, groups):
+    return _parallel_fwd(state, xs, kind, unroll, groups)[0]
 
 
 # end_inputs' leaves whose cotangents the backward loop stacks together: one per token, one per chunk
 _PER_TOKEN, _PER_CHUNK = ("step", "keep_last", "mom_last", "kk"), ("c_end", "s_end", "s_decay")
 
 
-def _parallel_bwd(kind, unroll, res, cotangents):
-    """The reads pulled back all at once (recomputed from the saved start states), then the end
-    states chunk by chunk in reverse (`end_pullback`), each chunk's start-state cotangent its end
-    state's pulled back plus what its reads gave. The loop's per-chunk cotangents leave it stacked
-    in four arrays (k's and v's, the per-token and the per-chunk terms, k_gram's), not eleven: one
-    store each per chunk; what `end_inputs` computed from the gates and constants is pulled back
-    after the loop, for all chunks at once."""
+def _parallel_bwd(kind, unroll, groups, res, cotangents):
+    """Group by group in reverse (`read_groups`; one group: all chunks at once): the group's
+    reads pulled back at once (recomputed from the saved start states), then its end states chunk
+    by chunk in reverse (`end_pullback`), each chunk's start-state cotangent its end state's pulled
+    back plus what its reads gave, then what `end_inputs` computed from the group's gates and
+    constants, for all its chunks at once. So one group's read intermediates, start-state
+    cotangents and cotangents of the loop's inputs are live at a time, and the group leaves one
+    set of its inputs' cotangents, both paths' summed. The loop's per-chunk cotangents leave it
+    stacked in four arrays (k's and v's, the per-token and the per-chunk terms, k_gram's), not
+    eleven: one store each per chunk."""
     starts, xs = res
     dys, d_final = cotangents
-    d_starts, d_xs_reads = jax.vjp(lambda st, x: _all_reads(st, x, kind), starts, xs)[1](dys)
-    (_, k, v, theta, eta), consts = xs  # q reaches the reads alone
-    ends, pull_ends = jax.vjp(end_inputs, theta, eta, consts)
 
     def body(d_end, inp):
         start, k, v, e, d_read = inp
@@ -468,35 +513,54 @@ def _parallel_bwd(kind, unroll, res, cotangents):
                jnp.stack([d_e[n] for n in _PER_CHUNK], axis=-1), d_e["k_gram"])
         return jax.tree.map(jnp.add, d_start, d_read), out
 
-    d_state, (d_kv, per_token, per_chunk, d_gram) = jax.lax.scan(
-        body, d_final, (starts, k, v, ends, d_starts), reverse=True, unroll=_loop_unroll(unroll, xs))
-    d_ends = {n: per_token[..., i] for i, n in enumerate(_PER_TOKEN)}
-    d_ends.update({n: per_chunk[..., i] for i, n in enumerate(_PER_CHUNK)}, k_gram=d_gram)
-    d_theta, d_eta, d_consts = pull_ends(d_ends)
-    (dq, dk, dv, d_theta_reads, d_eta_reads), d_consts_reads = d_xs_reads
-    dk_loop, dv_loop = jnp.split(d_kv, [k.shape[-1]], axis=-1)
-    d_xs = ((dq, dk + dk_loop, dv + dv_loop, d_theta + d_theta_reads, d_eta + d_eta_reads),
-            jax.tree.map(jnp.add, d_consts_reads, d_consts))
-    return d_state, d_xs
+    def group(d_end, inp):  # d_end: the cotangent of the group's end state -> of its start state
+        starts, xs, dys = inp
+        d_starts, d_xs_reads = jax.vjp(lambda st, x: _all_reads(st, x, kind), starts, xs)[1](dys)
+        (_, k, v, theta, eta), consts = xs  # q reaches the reads alone
+        ends, pull_ends = jax.vjp(end_inputs, theta, eta, consts)
+        d_end, (d_kv, per_token, per_chunk, d_gram) = jax.lax.scan(
+            body, d_end, (starts, k, v, ends, d_starts), reverse=True, unroll=_loop_unroll(unroll, xs))
+        d_ends = {n: per_token[..., i] for i, n in enumerate(_PER_TOKEN)}
+        d_ends.update({n: per_chunk[..., i] for i, n in enumerate(_PER_CHUNK)}, k_gram=d_gram)
+        d_theta, d_eta, d_consts = pull_ends(d_ends)
+        (dq, dk, dv, d_theta_reads, d_eta_reads), d_consts_reads = d_xs_reads
+        dk_loop, dv_loop = jnp.split(d_kv, [k.shape[-1]], axis=-1)
+        return d_end, ((dq, dk + dk_loop, dv + dv_loop, d_theta + d_theta_reads, d_eta + d_eta_reads),
+                       jax.tree.map(jnp.add, d_consts_reads, d_consts))
+
+    if groups == 1:
+        return group(d_final, (starts, xs, dys))
+    d_state, d_xs = jax.lax.scan(group, d_final, _in_groups(groups, (starts, xs, dys)), reverse=True)
+    return d_state, _merged(d_xs)
 
 
 _parallel.defvjp(_parallel_fwd, _parallel_bwd)
 
 
-def memory_parallel(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, unroll: int = 1):
+def memory_parallel(state: PyTree, q, k, v, theta, eta, alpha, *, kind: str, chunk: int, unroll: int = 1,
+                    groups: int | None = None):
     """`memory_forward`'s result with the reads taken out of the loop: a `lax.scan` of
     `end_state` (the end states alone) carries the memory from chunk to chunk, then every chunk's
-    reads are computed from its start state at once, as one batched computation. The loop, whose
+    reads are computed from their start states, all chunks as one batched computation (at large
+    batch in groups of chunks, one group after another: `groups`). The loop, whose
     length is what a GPU runs one chunk after another, has at most half the matrix products per
     chunk of the scan with `remat` and no [b, b] read weights; the reads compute the per-token
     features a second time (about 1.3x the scan's matrix-product FLOPs, forward and backward).
-    The backward pass keeps only the chunk-start states (as `memory_forward(remat=True)`): the
-    reads are pulled back at once, then the end states in reverse, chunk by chunk, by
-    `end_pullback` (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the
-    cotangents of both paths are added in float32)."""
+    The backward pass keeps only the chunk-start states (as `memory_forward(remat=True)`): group by
+    group in reverse, the group's reads are pulled back at once, then its end states chunk by chunk
+    by `end_pullback` (`jax.custom_vjp`, reverse mode only). Inputs are taken as float32 (the
+    cotangents of both paths are added in float32).
+    `groups`: how many groups of chunks the reads (forward and backward) are computed in; it must
+    divide the chunk count. Default: `read_groups`' choice, one group unless all chunks at once
+    would hold more than `READ_GROUP_BYTES`."""
     f32 = lambda x: x.astype(jnp.float32)
     xs = _chunks(*map(f32, (q, k, v, theta, eta, alpha)), chunk)
-    ys, final = _parallel(jax.tree.map(f32, state), xs, kind, unroll)
+    n = xs[0][0].shape[0]
+    if groups is None:
+        groups = read_groups(n, read_bytes(state, q, chunk))
+    elif groups < 1 or n % groups:
+        raise ValueError(f"memory_parallel: {groups} groups do not divide the {n} chunks")
+    ys, final = _parallel(jax.tree.map(f32, state), xs, kind, unroll, groups)
     return _unchunk(ys, q), final
 
 
