@@ -88,10 +88,11 @@
 #                      21,557 -> 17,179 at 4) and the parallel form's shorter loop bodies are expected to
 #   b128               titans_demo at batch 128 x 512, model.remat=memory (auto's forms): peak memory
 #
-# Parts of issue 17:
+# Parts of issue 17 (auto's forms: since 2026-12-01 the inner loop's parallel form on a GPU, where
+# their runs before measured the scan; dit has no neural memory):
 #   titans  titans_demo vs titans-pytorch in bf16 at batch 4 (interleaved, one process); titans_demo's
 #           step with model.remat memory (the default), none and block, interleaved and profiled
-#   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's scan), profiled
+#   graphs  titans_demo with CUDA graphs around XLA's while loops (the inner loop's), profiled
 #   memory  titans_demo at batch 128 x 512 with model.remat=block and =memory: peak memory
 #   dit     MeanFlow DiT-B/4 at 32x32 and its flow-matching twin
 #   nl350m  nl_350m (seq 2048) scanned with block remat, scanned with model.remat=memory, and with
