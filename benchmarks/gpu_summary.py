@@ -99,7 +99,7 @@ def lines(out: Path) -> list[str]:
         peak = b["memory"]["peak_bytes"] if b else None
         rows.append(f"{verdict(None if peak is None else peak < 20e9)}  titans_demo batch 128 x 512 peak memory, "
                     f"model.remat={remat}: " + ("-" if peak is None else f"{peak / 1e9:.1f} GB (target < 20 GB; "
-                                                f"{b['units_per_s_per_device_mean']:,.0f} tokens/s/device)"))
+                                                f"{b['units_per_s_per_device_mean']:,.0f} tokens/s/device){forms(b)}"))
     for name, remat in (("bench_nl_350m", "block, scanned"), ("bench_nl_350m_memory", "memory, scanned"),
                         ("bench_nl_350m_unrolled", "memory, scan_layers=false")):
         # MFU of the model's FLOPs (analytic: the outer loop, attention, the inner loop's estimate);
