@@ -66,13 +66,14 @@ class NlLmConfig:
     memory_out_gate: bool = True  # gate the read with sigmoid(W x)
     memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
     # the inner loop: a lax.scan over chunks (scan); a scan that carries the end states alone,
-    # then the chunks' reads in a few batched groups (parallel: at most half the remat scan's
-    # products per sequential chunk, more in all; x0.906 the scan's step in nl_350m on an H200,
-    # 1.01-1.03x on a CPU); or fused Pallas kernels, one launch per layer for all chunks (pallas:
-    # experimental, 3.1-3.6x slower than the scan on an H200; parallel_pallas: the parallel
-    # form's loop of end states as one such kernel, the reads XLA's, 1.4-1.5x slower than the
-    # scan on an H200; on a CPU both run in interpret mode: slow, for checking); auto: the
-    # parallel form on a GPU, the scan elsewhere (docs/concepts/memory-kernel.md)
+    # then the chunks' reads batched, in groups of chunks at large batch (parallel: at most half
+    # the remat scan's products per sequential chunk, more in all; x0.906 the scan's step in
+    # nl_350m on an H200, 1.01-1.03x on a CPU); or fused Pallas kernels, one launch per layer
+    # for all chunks (pallas: experimental, 3.1-3.6x slower than the scan on an H200;
+    # parallel_pallas: the parallel form's loop of end states as one such kernel, the reads
+    # XLA's, 1.4-1.5x slower than the scan on an H200; on a CPU both run in interpret mode:
+    # slow, for checking); auto: the parallel form on a GPU, the scan elsewhere
+    # (docs/concepts/memory-kernel.md)
     memory_impl: Literal["auto", "scan", "parallel", "pallas", "parallel_pallas"] = "auto"
     # the memory reads its block's normalised stream plus the normalised token embeddings: a
     # memory after the first block then learns the recall probe
