@@ -6,7 +6,7 @@
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
 #            they matter: b128 vs_pytorch titans_alone fused350m_parallel4 titans_unroll fused350m_best
-#            ab350m pullback attn_tiles titans_forms vs_pytorch_parallel fused350m_graphs fused350m_best8
+#            ab350m pullback attn_tiles vs_pytorch_parallel titans_forms fused350m_graphs fused350m_best8
 #            fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel
 #            fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
 #            Since the third H200 run of 2026-11-30 (docs/benchmarks/2026-11-30-h200-c.md) memory_impl
@@ -131,7 +131,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # ------------------------------------------------------------------ which parts
 
 ISSUE44=(b128 vs_pytorch titans_alone fused350m_parallel4 titans_unroll fused350m_best ab350m pullback attn_tiles
-         titans_forms vs_pytorch_parallel fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop
+         vs_pytorch_parallel titans_forms fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop
          kernel_loop titans_loop fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
