@@ -486,8 +486,9 @@ part_titans_forms() {
 
 part_ab350m() {
   # the parallel form was 1.21x the scan alone at nl_350m's shapes, and its step within 1.5% of the
-  # scan's measured two days apart (2026-11-28, -30): side by side decides `auto`
-  # (through the training loop, dispatched ahead: what training gets)
+  # scan's measured two days apart (2026-11-28, -30): side by side, through the training loop
+  # (dispatched ahead: what training gets), it ran x0.906 the scan's step on 2026-11-30's third run,
+  # which made it `auto`'s choice on a GPU
   local base="${BF16[*]} ${FUSED[*]} model.nl_lm.scan_layers=false ${NL350[*]}"
   local rounds=(--rounds 5 --warmup 1 --loop 4 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 2); fi
