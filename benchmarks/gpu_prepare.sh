@@ -32,7 +32,9 @@
 # Only the step where every level fires (the benches' --patterns worst, ab.py's step);
 # titans_pytorch.py also compiles level 0's step, which the card compiles. Measured on the 2-core
 # CPU machine (2026-11-30): titans_demo's two steps 45-104 s each, 3.1-3.7 MiB each; b128 78 s,
-# 3.4 MiB; nl_350m's fused350m_loop step 117 s, 6.5 MiB (the other parts not measured). A GPU
+# 3.4 MiB; nl_350m's fused350m_loop step 117 s, 6.5 MiB; with auto's parallel form (2026-12-01, the
+# machine busy with the tests): b128 184 s, 3.8 MiB; vs_pytorch 133 s, 3.7 MiB;
+# fused350m_parallel4 331 s, 7.8 MiB (the other parts not measured). A GPU
 # session carries at most 64 MiB with the checkout. Each part's report goes to DIR/PART.json.
 set -u
 DIR=${1:?usage: benchmarks/gpu_prepare.sh DIR [PART ...]}
@@ -79,8 +81,9 @@ part_titans_loop() {
     "${BF16[@]}" "${SCAN[@]}"
 }
 fused350m() {  # part, bench name suffix, the part's own overrides
+  # without the bench's own autotuning results, ab_nl_350m's: the same model, unrolled, both forms
   local part=$1 name=bench_nl_350m_fused$2; shift 2
-  compile "$part" "$name" --config nl_350m "${BF16[@]}" "${FUSED[@]}" "$@"
+  compile "$part" "$name,ab_nl_350m" --config nl_350m "${BF16[@]}" "${FUSED[@]}" "$@"
 }
 part_fused350m_loop() { fused350m fused350m_loop _loop model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel_pallas; }
 part_fused350m_best() { fused350m fused350m_best _best model.nl_lm.scan_layers=false model.nl_lm.memory_unroll=4 "${SCAN[@]}"; }

@@ -373,7 +373,8 @@ part_fused350m_best8() {
 part_fused350m_parallel() {
   # the reads out of the inner loop (model.nl_lm.memory_impl=parallel): its loop bodies have at
   # most half the products per chunk of the scan with remat; on the 2-core CPU its step was
-  # 1.03-1.07x the scan's (2026-11-28, docs/performance): more products in all
+  # 1.01-1.03x the scan's (2026-11-30, with end_pullback; docs/concepts/memory-kernel.md): more
+  # products in all
   fused350m _parallel model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel
 }
 
