@@ -80,8 +80,9 @@ def lines(out: Path) -> list[str]:
             f"{t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)" if looped is None else
             f"{looped:.1f}x in the training loop, {ratio:.1f}x each step waited for (target >= 100x; "
             f"{t['nljax']['tokens_per_s_in_loop']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)")
+        computed = forms({"config": {"forms": t["nljax"].get("forms")}}) if t and "nljax" in t else ""
         rows.append(f"{verdict(None if best is None else best >= 100)}  titans_demo vs titans-pytorch bf16, batch 4{how}: "
-                    + said)
+                    + said + computed)
     ab = (("titans_demo", "ab_titans_forms"), ("titans_demo", "ab_titans_alone"), ("titans_demo", "ab_titans_remat"),
           ("titans_demo", "ab_titans_loop"),
           ("titans_demo", "ab_titans_unroll"), ("nl_350m", "ab_nl_350m"))

@@ -111,8 +111,8 @@ def torch_side(args):
 
 
 def nljax_side(args):
-    """(pattern name -> a call that runs one nljax step, parameters, non-embedding parameters,
-    the dtype it computes in)."""
+    """(pattern name -> a call that runs one nljax step, {parameters, non-embedding parameters,
+    the forms the model's `auto` settings took here}, the dtype it computes in)."""
     import jax
 
     from nljax import config
@@ -164,7 +164,9 @@ def nljax_side(args):
 
     steps[LOOP] = loop
     n, n_mat = flops.matmul_params(setup.engine.param_shapes)
-    return steps, n, n_mat, dtype
+    model = setup.engine.model  # on a GPU memory_impl auto is the parallel form, on a CPU the scan
+    forms = model.forms() if hasattr(model, "forms") else None
+    return steps, {"params": n, "nonembedding_params": n_mat, "forms": forms}, dtype
 
 
 def interleaved(calls: dict, warmup: int, rounds: int, say, settle: bool = True, switch=lambda: None) -> dict:
@@ -294,8 +296,7 @@ def main(argv=None) -> int:
     say = lambda s: print(s, flush=True)
     calls, sizes, nl_dtype = {}, {}, "-"
     if not args.skip_nljax:
-        steps, n, n_mat, nl_dtype = nljax_side(args)
-        sizes["nljax"] = {"params": n, "nonembedding_params": n_mat}
+        steps, sizes["nljax"], nl_dtype = nljax_side(args)
         calls.update({f"nljax {k}": v for k, v in steps.items()})
     if not args.skip_torch:
         try:

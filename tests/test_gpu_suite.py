@@ -178,9 +178,12 @@ def test_the_summary_gives_the_loop_kernels_ratio_to_titans_pytorch_when_measure
     # measured through the training loop as well: that figure decides, the other beside it
     (tmp_path / "titans_vs_bf16.json").write_text(json.dumps({
         "ratio_tokens_per_s": 90.0, "ratio_tokens_per_s_in_loop": 104.0,
-        "nljax": {"tokens_per_s": 180000, "tokens_per_s_in_loop": 208000}, "titans_pytorch": {"tokens_per_s": 2000}}))
+        "nljax": {"tokens_per_s": 180000, "tokens_per_s_in_loop": 208000,
+                  "forms": {"attention": "cudnn", "memory_impl": "parallel", "loss_chunk": None}},
+        "titans_pytorch": {"tokens_per_s": 2000}}))
     row = [r for r in summary.lines(tmp_path) if "titans-pytorch" in r][0]
     assert row.startswith("MET") and "104.0x in the training loop, 90.0x each step waited for" in row, row
+    assert row.endswith("; computed by: attention cudnn, memory_impl parallel"), row  # what auto took there
 
 
 def test_the_summary_judges_nl_350m_by_its_mfu_through_the_training_loop(tmp_path):
@@ -330,3 +333,4 @@ def test_titans_pytorch_times_nljax_through_the_loop(tmp_path):
     assert p.returncode == 0, p.stderr
     nl = json.loads(out.read_text())["nljax"]
     assert sorted(nl["step_s"]) == ["L0", "L0+1+2+3"] and nl["step_s_in_loop"] > 0 and nl["tokens_per_s_in_loop"] > 0
+    assert nl["forms"]["memory_impl"] == "scan"  # auto on a CPU
