@@ -114,6 +114,9 @@ def run(args) -> int:
         row = {"variant": b["variant"] or "(config)", "median_ms": statistics.median(b["times"]) * 1e3,
                "min_ms": min(b["times"]) * 1e3, "ratio": statistics.median(b["times"]) / base,
                "compile_s": b["compile_s"], "executable": b["executable"], "memory_bytes": b["memory_bytes"]}
+        model = b["run"].engine.model  # the forms auto took here (on a GPU the inner loop's parallel form)
+        if hasattr(model, "forms"):
+            row["forms"] = model.forms()
         if args.profile:
             with tempfile.TemporaryDirectory() as tmp:
                 if args.loop:  # the loop marks its steps itself

@@ -89,7 +89,7 @@ def lines(out: Path) -> list[str]:
     for config, r in [(config, r) for config, name in ab for r in (load(out, name) or {}).get("rows", [])]:
         ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
         rows.append(f"info  {config} {' '.join(r['variant'].split())}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} "
-                    f"of the first), compile {r['compile_s']:.0f} s{loaded(r)}{ops}")
+                    f"of the first), compile {r['compile_s']:.0f} s{loaded(r)}{ops}{forms({'config': r})}")
     for name in ("bench_titans_demo_graphs",):
         b = load(out, name)
         if b:

@@ -165,6 +165,9 @@ def test_gpu_suite_and_ab(tmp_path):
     rows = gpu_summary().lines(tmp_path)
     assert any(r.startswith("n/a") and "DiT-B/4" in r for r in rows)
     assert any(r.startswith("info  titans_demo") and "model.remat=none" in r and "kernels/step" in r for r in rows)
+    # each row says what auto took (the inner loop's form: the scan on a CPU, the parallel form on a GPU)
+    assert all(r["forms"]["memory_impl"] == "scan" for r in ab)
+    assert all(r.endswith("memory_impl scan, embed_grad scatter, loss_chunk 0") for r in rows if "model.remat=none" in r), rows
 
 
 def test_bench_synthetic_images_need_the_images_task():
