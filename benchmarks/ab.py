@@ -69,7 +69,7 @@ def run(args) -> int:
     import jax
 
     from nljax.bench import built as how_built
-    from nljax.bench import compile_variants, peak_memory, say, unevaluated
+    from nljax.bench import compile_variants, forms_of, peak_memory, say, unevaluated
     from nljax.run.core import Run
 
     # Every variant's config, mesh and data checked before the first step compiles (minutes
@@ -114,9 +114,7 @@ def run(args) -> int:
         row = {"variant": b["variant"] or "(config)", "median_ms": statistics.median(b["times"]) * 1e3,
                "min_ms": min(b["times"]) * 1e3, "ratio": statistics.median(b["times"]) / base,
                "compile_s": b["compile_s"], "executable": b["executable"], "memory_bytes": b["memory_bytes"]}
-        model = b["run"].engine.model  # the forms auto took here (on a GPU the inner loop's parallel form)
-        if hasattr(model, "forms"):
-            row["forms"] = model.forms()
+        row["forms"] = forms_of(b["run"].engine.model)
         if args.profile:
             with tempfile.TemporaryDirectory() as tmp:
                 if args.loop:  # the loop marks its steps itself

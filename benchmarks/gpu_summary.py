@@ -80,16 +80,15 @@ def lines(out: Path) -> list[str]:
             f"{t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)" if looped is None else
             f"{looped:.1f}x in the training loop, {ratio:.1f}x each step waited for (target >= 100x; "
             f"{t['nljax']['tokens_per_s_in_loop']:,.0f} vs {t['titans_pytorch']['tokens_per_s']:,.0f} tokens/s)")
-        computed = forms({"config": {"forms": t["nljax"].get("forms")}}) if t and "nljax" in t else ""
         rows.append(f"{verdict(None if best is None else best >= 100)}  titans_demo vs titans-pytorch bf16, batch 4{how}: "
-                    + said + computed)
+                    + said + forms((t or {}).get("nljax", {}).get("forms")))
     ab = (("titans_demo", "ab_titans_forms"), ("titans_demo", "ab_titans_alone"), ("titans_demo", "ab_titans_remat"),
           ("titans_demo", "ab_titans_loop"),
           ("titans_demo", "ab_titans_unroll"), ("nl_350m", "ab_nl_350m"))
     for config, r in [(config, r) for config, name in ab for r in (load(out, name) or {}).get("rows", [])]:
         ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
         rows.append(f"info  {config} {' '.join(r['variant'].split())}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} "
-                    f"of the first), compile {r['compile_s']:.0f} s{loaded(r)}{ops}{forms({'config': r})}")
+                    f"of the first), compile {r['compile_s']:.0f} s{loaded(r)}{ops}{forms(r.get('forms'))}")
     for name in ("bench_titans_demo_graphs",):
         b = load(out, name)
         if b:
@@ -100,7 +99,7 @@ def lines(out: Path) -> list[str]:
         peak = b["memory"]["peak_bytes"] if b else None
         rows.append(f"{verdict(None if peak is None else peak < 20e9)}  titans_demo batch 128 x 512 peak memory, "
                     f"model.remat={remat}: " + ("-" if peak is None else f"{peak / 1e9:.1f} GB (target < 20 GB; "
-                                                f"{b['units_per_s_per_device_mean']:,.0f} tokens/s/device){forms(b)}"))
+                                                f"{b['units_per_s_per_device_mean']:,.0f} tokens/s/device){forms(config_forms(b))}"))
     for name, remat in (("bench_nl_350m", "block, scanned"), ("bench_nl_350m_memory", "memory, scanned"),
                         ("bench_nl_350m_unrolled", "memory, scan_layers=false")):
         # MFU of the model's FLOPs (analytic: the outer loop, attention, the inner loop's estimate);
@@ -185,15 +184,20 @@ def issue44_lines(out: Path) -> list[str]:
              f"{100 * looped:.1f}% analytic in the training loop ({b['loop_step_ms_mean']:.1f} ms/step), "
              f"{100 * mfu:.1f}% each step waited for") +
             f" (target >= 40%; {b['mean_step_ms']:.1f} ms/step waited for; peak {gb(b['memory']['peak_bytes'])} "
-            f"(target <= 36.3 GB)){profiled(b)}{forms(b)}")
+            f"(target <= 36.3 GB)){profiled(b)}{forms(config_forms(b))}")
         rows.append(f"{verdict(None if best is None else best >= 0.40)}  nl_350m seq 2048 MFU, model.remat=memory + GPU "
                     f"paths, {how}: " + said)
     return rows
 
 
-def forms(b: dict) -> str:
-    """'; computed by: attention pallas, memory_impl scan, ...' (what `auto` took on this GPU)."""
-    f = (b.get("config") or {}).get("forms")
+def config_forms(b: dict) -> dict | None:
+    """The forms an nljax.bench result records (its config's)."""
+    return (b.get("config") or {}).get("forms")
+
+
+def forms(f: dict | None) -> str:
+    """'; computed by: attention pallas, memory_impl parallel, ...' (what `auto` took on this GPU),
+    from the forms a bench recorded (None: nothing said)."""
     return "; computed by: " + ", ".join(f"{k} {v}" for k, v in f.items() if v is not None) if f else ""
 
 

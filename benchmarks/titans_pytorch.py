@@ -116,7 +116,7 @@ def nljax_side(args):
     import jax
 
     from nljax import config
-    from nljax.bench import loop_steps, unevaluated
+    from nljax.bench import forms_of, loop_steps, unevaluated
     from nljax.engine.conductor import Conductor, pattern_name
     from nljax.measure import flops
     from nljax.run.core import Run
@@ -164,9 +164,7 @@ def nljax_side(args):
 
     steps[LOOP] = loop
     n, n_mat = flops.matmul_params(setup.engine.param_shapes)
-    model = setup.engine.model  # on a GPU memory_impl auto is the parallel form, on a CPU the scan
-    forms = model.forms() if hasattr(model, "forms") else None
-    return steps, {"params": n, "nonembedding_params": n_mat, "forms": forms}, dtype
+    return steps, {"params": n, "nonembedding_params": n_mat, "forms": forms_of(setup.engine.model)}, dtype
 
 
 def interleaved(calls: dict, warmup: int, rounds: int, say, settle: bool = True, switch=lambda: None) -> dict:
