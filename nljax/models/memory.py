@@ -50,6 +50,7 @@ plain token-by-token version used by tests.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -428,6 +429,28 @@ def _starts(state: PyTree, xs, kind: str, unroll: int):
     return jax.lax.scan(body, state, (k, v, end_inputs(theta, eta, const)), unroll=_loop_unroll(unroll, xs))
 
 
+def _pack(state: PyTree) -> jax.Array:
+    """A state's leaves [B, H, ...] as one array [B, H, total]: one store per chunk, not one per leaf."""
+    return jnp.concatenate([x.reshape(x.shape[:2] + (-1,)) for x in jax.tree.leaves(state)], axis=-1)
+
+
+def _scan_packed(body, init, xs, **scan_kw):
+    """`jax.lax.scan(body, init, xs, **scan_kw)` with each iteration's outputs (leaves [B, H, ...])
+    stored as one array (`_pack`) and unpacked after the loop: one store per iteration, not one per
+    leaf (on a GPU each store is a kernel, run once per chunk)."""
+    like = jax.eval_shape(body, init, jax.tree.map(lambda x: x[0], xs))[1]
+    carry, packed = jax.lax.scan(lambda c, x: (lambda c, y: (c, _pack(y)))(*body(c, x)), init, xs, **scan_kw)
+    return carry, _unpack(packed, like)
+
+
+def _unpack(packed: jax.Array, like: PyTree) -> PyTree:
+    """`_pack`'s inverse for leaves stacked along a leading axis: [..., B, H, total] -> like's tree."""
+    leaves, tree = jax.tree.flatten(like)
+    sizes = [x.size // (x.shape[0] * x.shape[1]) for x in leaves]
+    parts = jnp.split(packed, list(itertools.accumulate(sizes))[:-1], axis=-1)
+    return jax.tree.unflatten(tree, [p.reshape(p.shape[:-1] + x.shape[2:]) for p, x in zip(parts, leaves)])
+
+
 # The most bytes (`read_bytes`' count) the parallel form's reads may hold for one group of chunks
 # computed at once. All chunks at once, titans_demo's step at batch 128 x 512 held 24.3 GB against
 # the scan's 18.4 (compiled for an H200 offline, jax 0.11.2, 2026-12-01): the reads' pull-back held
@@ -489,10 +512,6 @@ def _parallel(state, xs, kind, unroll, groups):
     return _parallel_fwd(state, xs, kind, unroll, groups)[0]
 
 
-# end_inputs' leaves whose cotangents the backward loop stacks together: one per token, one per chunk
-_PER_TOKEN, _PER_CHUNK = ("step", "keep_last", "mom_last", "kk"), ("c_end", "s_end", "s_decay")
-
-
 def _parallel_bwd(kind, unroll, groups, res, cotangents):
     """Group by group in reverse (`read_groups`; one group: all chunks at once): the group's
     reads pulled back at once (recomputed from the saved start states), then its end states chunk
@@ -500,31 +519,26 @@ def _parallel_bwd(kind, unroll, groups, res, cotangents):
     back plus what its reads gave, then what `end_inputs` computed from the group's gates and
     constants, for all its chunks at once. So one group's read intermediates, start-state
     cotangents and cotangents of the loop's inputs are live at a time, and the group leaves one
-    set of its inputs' cotangents, both paths' summed. The loop's per-chunk cotangents leave it
-    stacked in four arrays (k's and v's, the per-token and the per-chunk terms, k_gram's), not
-    eleven: one store each per chunk."""
+    set of its inputs' cotangents, both paths' summed. The loop's per-chunk cotangents (of k, v
+    and each of `end_inputs`' leaves) leave it packed in one array (`_scan_packed`): one store per
+    chunk, not eleven."""
     starts, xs = res
     dys, d_final = cotangents
 
     def body(d_end, inp):
         start, k, v, e, d_read = inp
-        d_start, d_k, d_v, d_e = end_pullback(start, k, v, e, kind, d_end)
-        out = (jnp.concatenate([d_k, d_v], axis=-1), jnp.stack([d_e[n] for n in _PER_TOKEN], axis=-1),
-               jnp.stack([d_e[n] for n in _PER_CHUNK], axis=-1), d_e["k_gram"])
-        return jax.tree.map(jnp.add, d_start, d_read), out
+        d_start, *d_ins = end_pullback(start, k, v, e, kind, d_end)
+        return jax.tree.map(jnp.add, d_start, d_read), d_ins
 
     def group(d_end, inp):  # d_end: the cotangent of the group's end state -> of its start state
         starts, xs, dys = inp
         d_starts, d_xs_reads = jax.vjp(lambda st, x: _all_reads(st, x, kind), starts, xs)[1](dys)
         (_, k, v, theta, eta), consts = xs  # q reaches the reads alone
         ends, pull_ends = jax.vjp(end_inputs, theta, eta, consts)
-        d_end, (d_kv, per_token, per_chunk, d_gram) = jax.lax.scan(
+        d_end, (dk_loop, dv_loop, d_ends) = _scan_packed(
             body, d_end, (starts, k, v, ends, d_starts), reverse=True, unroll=_loop_unroll(unroll, xs))
-        d_ends = {n: per_token[..., i] for i, n in enumerate(_PER_TOKEN)}
-        d_ends.update({n: per_chunk[..., i] for i, n in enumerate(_PER_CHUNK)}, k_gram=d_gram)
         d_theta, d_eta, d_consts = pull_ends(d_ends)
         (dq, dk, dv, d_theta_reads, d_eta_reads), d_consts_reads = d_xs_reads
-        dk_loop, dv_loop = jnp.split(d_kv, [k.shape[-1]], axis=-1)
         return d_end, ((dq, dk + dk_loop, dv + dv_loop, d_theta + d_theta_reads, d_eta + d_eta_reads),
                        jax.tree.map(jnp.add, d_consts_reads, d_consts))
 
