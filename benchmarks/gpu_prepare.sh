@@ -28,7 +28,7 @@
 #   fused350m_loop     bench_nl_350m_fused_loop: nl_350m unrolled, memory_impl=parallel_pallas
 #   fused350m_best     bench_nl_350m_fused_best: unrolled, the scan, memory_unroll=4
 #   fused350m_parallel bench_nl_350m_fused_parallel: unrolled, memory_impl=parallel
-#   titans_unroll      ab_titans_unroll: titans_demo bf16, the scan at memory_unroll 1, 4, 16, and parallel at 1, 4, 16
+#   titans_unroll      ab_titans_unroll: titans_demo bf16, memory_impl=parallel at memory_unroll 1, 2, 4
 # Only the step where every level fires (the benches' --patterns worst, ab.py's step);
 # titans_pytorch.py also compiles level 0's step, which the card compiles. Measured on the 2-core
 # CPU machine (2026-11-30): titans_demo's two steps 45-104 s each, 3.1-3.7 MiB each; b128 78 s,
@@ -94,12 +94,9 @@ part_vs_pytorch() {
 part_fused350m_parallel() { fused350m fused350m_parallel _parallel model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel; }
 part_titans_unroll() {
   compile titans_unroll ab_titans_unroll --config titans_demo --no-base \
-    --variant u1:model.nl_lm.memory_impl=scan,model.nl_lm.memory_unroll=1 \
-    --variant u4:model.nl_lm.memory_impl=scan,model.nl_lm.memory_unroll=4 \
-    --variant u16:model.nl_lm.memory_impl=scan,model.nl_lm.memory_unroll=16 \
     --variant parallel1:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=1 \
-    --variant parallel4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 \
-    --variant parallel16:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=16 "${BF16[@]}"
+    --variant parallel2:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=2 \
+    --variant parallel4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 "${BF16[@]}"
 }
 part_b128() {
   compile b128 bench_titans_demo_b128_memory --config titans_demo "${BF16[@]}" model.remat=memory train.batch_size=128

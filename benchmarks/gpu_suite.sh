@@ -80,12 +80,12 @@
 #                      with JAX's, against the scan, at titans_demo's and nl_350m's memory shapes
 #                      (benchmarks/memory_kernel.py; no Pallas kernel: quick to compile)
 #   titans_loop        titans_demo at batch 4 x 512 with the scan and memory_impl=parallel_pallas,
-#                      interleaved and profiled: two compilations, before titans_unroll's five
-#   titans_unroll      titans_demo at batch 4 x 512 with the scan at 1, 4 and 16 inner-loop chunks per loop
-#                      iteration (model.nl_lm.memory_unroll) and memory_impl=parallel at 1, 4 and 16 (parallel_pallas:
-#                      titans_loop), interleaved and
-#                      profiled: its step is bound by its kernel count, which unrolling lowers (nl_350m:
-#                      21,557 -> 17,179 at 4) and the parallel form's shorter loop bodies are expected to
+#                      interleaved and profiled: two compilations, before titans_unroll's three
+#   titans_unroll      titans_demo at batch 4 x 512 with memory_impl=parallel (auto's on a GPU) at 1, 2 and 4
+#                      inner-loop chunks per loop iteration (model.nl_lm.memory_unroll; the scan's and 16 were
+#                      measured on 2026-11-30; parallel_pallas: titans_loop), interleaved and
+#                      profiled: its step is bound by its kernel count, which unrolling lowers (the scan in
+#                      nl_350m: 21,557 -> 17,179 at 4), at the price of the step's dispatch
 #   b128               titans_demo at batch 128 x 512, model.remat=memory (auto's forms): peak memory
 #
 # Parts of issue 17 (auto's forms: since 2026-12-01 the inner loop's parallel form on a GPU, where
@@ -455,9 +455,11 @@ part_titans_alone() {
 }
 
 part_titans_unroll() {
+  # the parallel form (auto's on a GPU) at 1, 2 and 4 chunks per loop iteration: compiled for an H200
+  # offline, one memory layer's forward + backward launched 1,062, 970 and 954 kernels (2026-12-01);
+  # fully unrolled (16) its step's dispatch took 41.8 ms on the card (2026-11-30, second run)
   local v=()
-  for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} ${SCAN[*]} model.nl_lm.memory_unroll=$u"); done
-  for u in 1 4 16; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=$u"); done
+  for u in 1 2 4; do v+=("${BF16[*]} ${TITANS[*]} model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=$u"); done
   local rounds=(--rounds 10 --warmup 2 --profile 2)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --profile 1); fi
   run ab_titans_unroll $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_unroll.json"
