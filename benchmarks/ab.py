@@ -69,7 +69,8 @@ def run(args) -> int:
     import jax
 
     from nljax.bench import built as how_built
-    from nljax.bench import compile_variants, forms_of, peak_memory, say, unevaluated
+    from nljax.bench import compile_variants, peak_memory, say, unevaluated
+    from nljax.models.registry import forms_of
     from nljax.run.core import Run
 
     # Every variant's config, mesh and data checked before the first step compiles (minutes

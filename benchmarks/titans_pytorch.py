@@ -116,9 +116,10 @@ def nljax_side(args):
     import jax
 
     from nljax import config
-    from nljax.bench import forms_of, loop_steps, unevaluated
+    from nljax.bench import loop_steps, unevaluated
     from nljax.engine.conductor import Conductor, pattern_name
     from nljax.measure import flops
+    from nljax.models.registry import forms_of
     from nljax.run.core import Run
 
     overrides = [f"train.batch_size={args.batch}", f"train.seq_len={args.seq}", "mesh.inter=1", "mesh.intra=1",

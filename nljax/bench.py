@@ -184,13 +184,6 @@ def time_steps(fns: dict, state, batch, warmup: int, steps: int, slow_s: float =
     return times, state
 
 
-def forms_of(model) -> dict | None:
-    """The forms the model's `auto` settings resolved to here (nl_lm: attention, the inner loop's
-    implementation, ...; on a GPU the inner loop is the parallel form, on a CPU the scan), or None
-    for a model without such settings."""
-    return model.forms() if hasattr(model, "forms") else None
-
-
 def loop_steps(run: Run, state, conductor: Conductor, k: int, built_before=()):
     """`k` steps from `conductor.step` through the training loop (`training_steps`, which keeps
     no step's state but the last); returns the state after them. `built_before`: the variant keys
@@ -348,7 +341,7 @@ def run_bench(run: Run, steps: int, warmup: int, which: str, peak: float, peak_s
         "config": {"model": cfg.model.name, "periods": list(cfg.cms.periods), "batch_size": cfg.train.batch_size,
                    "seq_len": cfg.train.seq_len if run.task.unit == "tokens" else None,
                    "mesh": dict(run.mesh.shape), "strategy": eng.strategy.name,
-                   "forms": forms_of(eng.model)},
+                   "forms": registry.forms_of(eng.model)},
         "environment": environment(),
         "unit": run.task.unit, "units_per_device_step": units, "devices": eng.mesh_devices,
         "warmup": warmup, "steps": steps, "patterns": which, "loop": loop,

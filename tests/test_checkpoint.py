@@ -219,6 +219,35 @@ def test_resume_may_change_how_the_step_computes(ref):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_resume_whose_auto_computes_another_way_is_told(ref, monkeypatch):
+    """Each checkpoint records the forms its model's `auto` settings took (on this CPU: the scan);
+    a resume under the same settings whose `auto` takes another (on a GPU the parallel form of the
+    inner loop) gets a warning naming both, the state restored as it is; one whose setting itself
+    changed is told by that setting's warning alone; a checkpoint saved before forms were recorded
+    says nothing."""
+    meta = storage.read_meta(ref["dir"] / "2")
+    assert meta["forms"] == ref["setup"].engine.model.forms() and meta["forms"]["memory_impl"] == "scan"
+    from nljax.models import memory_forms
+
+    select = memory_forms.select
+    monkeypatch.setattr(memory_forms, "select", lambda impl, *a, **k: "parallel" if impl == "auto" else select(impl, *a, **k))
+    moved = make(NL, 2, 4)
+    r = restore(moved.engine, moved.state, ref["dir"] / "2")
+    assert r.warnings == ["resuming with model.nl_lm.memory_impl='auto' computed as 'parallel' on this cpu "
+                          "(the checkpoint at step 2 was computed as 'scan'): float rounding differs"], r.warnings
+    same = restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "2").state
+    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
+        np.testing.assert_array_equal(a, b)
+    from nljax.checkpoint.restore import _changed_forms
+
+    here = moved.engine.model.forms()
+    assert _changed_forms({k: v for k, v in meta.items() if k != "forms"}, moved.engine.cfg, here) == []
+    asked = make([*NL, "model.nl_lm.memory_impl=parallel"], 2, 4)
+    r = restore(asked.engine, asked.state, ref["dir"] / "2")
+    assert r.warnings == ["resuming with model.nl_lm.memory_impl='parallel' (the checkpoint at step 2 was written "
+                          "with 'auto')"], r.warnings
+
+
 @pytest.mark.slow
 def test_elastic_resume_changes_mesh_model(ref, tmp_path):
     """(2, 4, 1) replicated -> (2, 2, 2) zero1 (tensor parallelism: heads, memory heads and MLP

@@ -230,6 +230,9 @@ def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: 
         # what the data decided when the model was built (a DiT: image shape, classes), which the
         # parameters' shapes need not show: a use of the model on other data is refused (`check_built`)
         "built": registry.record(engine.model, cfg.model.name),
+        # how its `auto` settings computed here (nl_lm's inner loop: the parallel form on a GPU, the
+        # scan on a CPU): a resume that computes another way under the same settings is told so
+        "forms": registry.forms_of(engine.model),
         "arrays": {
             k: {"shape": list(x.shape), "dtype": str(x.dtype), "checksum": sums[k]} for k, x in arrays.items()
         },

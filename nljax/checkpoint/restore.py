@@ -82,7 +82,8 @@ def restore(engine: Engine, template: TrainState, path: Path, digest: str | None
     rows_warning: list[str] = []
     fresh_rows = _rows_restart(meta, cfg, target, rows_warning, same_data, digest)
     # a batch size that restarts the rows is said by that warning; otherwise by its own
-    warnings = _changed_settings(meta, cfg, same_data, ("train.batch_size",) if fresh_rows else ()) + rows_warning
+    warnings = (_changed_settings(meta, cfg, same_data, ("train.batch_size",) if fresh_rows else ()) + rows_warning
+                + _changed_forms(meta, cfg, registry.forms_of(engine.model)))
 
     arrays, meta, saved = _read(engine, path, meta, target)
     if saved is not None:
@@ -206,6 +207,24 @@ def _changed_settings(meta: dict, cfg: Config, same_data: bool = False, said=())
             continue
         why = f": the {cfg.optim.schedule} learning-rate schedule now decays to step {b}" if k == "train.steps" else ""
         out.append(f"resuming with {k}={fmt(b)} ({which} was written with {fmt(a)}){why}")
+    return out
+
+
+def _changed_forms(meta: dict, cfg: Config, forms: dict | None) -> list[str]:
+    """A warning for each form the model computes with (`registry.forms_of`: nl_lm's attention,
+    inner loop, ...) that differs from the one the checkpoint was written with under the same
+    setting: `auto` takes the parallel form of the inner loop on a GPU and the scan on a CPU, so a
+    run moved between them computes the same sums in another order, as a changed setting would
+    (`_changed_settings` names those). A checkpoint saved before its forms were recorded: none."""
+    saved, section = meta.get("forms") or {}, (meta["config"].get("model") or {}).get(cfg.model.name) or {}
+    here = getattr(cfg.model, cfg.model.name, None)
+    which = f"the checkpoint at step {meta['step']}" if "step" in meta else "the checkpoint"
+    out = []
+    for k, now in (forms or {}).items():
+        setting = getattr(here, k, None)
+        if k in saved and saved[k] != now and section.get(k) == setting:
+            out.append(f"resuming with model.{cfg.model.name}.{k}={fmt(setting)} computed as {fmt(now)} on this "
+                       f"{jax.default_backend()} ({which} was computed as {fmt(saved[k])}): float rounding differs")
     return out
 
 

@@ -219,6 +219,14 @@ def record(model: Model, name: str) -> dict:
     return back
 
 
+def forms_of(model: Model) -> dict | None:
+    """The forms the model's `auto` settings resolved to here (nl_lm: attention, the inner loop's
+    implementation, ...; on a GPU the inner loop is the parallel form, on a CPU the scan), or None
+    for a model without such settings. Saved with every checkpoint (a resume that computes another
+    way is told so) and in benchmarks' records."""
+    return model.forms() if hasattr(model, "forms") else None
+
+
 def check_model(s: ModelSpec, model: Model, n_levels: int) -> None:
     """What the engine relies on, checked from shapes alone (nothing allocated): the methods of the
     contract, every parameter's level inside `cms.periods`, every memory leaf with a leading
