@@ -7,8 +7,8 @@ is). Every variant's step is compiled, then the rounds run each variant's step i
 change of clock or load hits all of them alike. Printed per variant: median and min step time,
 the ratio of medians to the first variant, compile time, peak memory (the compiled program's
 `memory_analysis`: arguments + outputs + temporaries - donated), and with `--profile N` the XLA ops per step and the
-device's busy share from N profiled steps (`nljax/measure/traces.py`). `--out FILE.json` keeps it all, with the XLA flags
-the process ran under (`xla_flags`: XLA_FLAGS less where XLA writes dumps and caches).
+device's busy share from N profiled steps (`nljax/measure/traces.py`). `--out FILE.json` keeps it all,
+with the XLA flags the process ran under (`xla_flags`: XLA_FLAGS less where XLA writes dumps and caches).
 
 `--loop K`: a round runs K all-levels steps of each variant through the training loop itself
 (`nljax.run.loop.training_steps`, no hook keeping a state), and its time is the K steps' wall time

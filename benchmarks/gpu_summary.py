@@ -144,7 +144,8 @@ def cmdbuf_lines(out: Path) -> list[str]:
 
 # XLA's log lines (xla/backends/gpu/runtime/command_buffer_thunk.cc at VLOG 3, jax 0.11.2): one
 # before each graph's first recording or update, one at each launch
-_RECORDED = re.compile(r"Create/Update command buffer.*?; updated_allocs=(\d+); is_first_record=(\w+); needs_update=(\w+)")
+_RECORDED = re.compile(r"Create/Update command buffer.*?; updated_allocs=(\d+); "
+                       r"is_first_record=(\w+); needs_update=(\w+)")
 _LAUNCHED = "Execute command buffer; num_executions="
 
 
@@ -158,7 +159,8 @@ def cmdbuf_log_lines(out: Path) -> list[str]:
     steps = (meta["rounds"] + meta.get("warmup", 0)) * max(meta["loop"], 1)
     text = log.read_text(errors="replace")
     launches = text.count(_LAUNCHED)
-    records = [(int(n), first in ("1", "true"), update in ("1", "true")) for n, first, update in _RECORDED.findall(text)]
+    records = [(int(n), first in ("1", "true"), update in ("1", "true"))
+               for n, first, update in _RECORDED.findall(text)]
     if not launches and not records:
         return [f"info  titans_demo command buffers, XLA's log: no graph launched or recorded in {steps} steps "
                 "(no command buffers on this device, or this XLA logs them otherwise)"]
@@ -167,9 +169,10 @@ def cmdbuf_log_lines(out: Path) -> list[str]:
     for n in updates:
         moved[n] = moved.get(n, 0) + 1
     spread = ", ".join(f"{k} moved: {v}" for k, v in sorted(moved.items()))
-    return [f"info  titans_demo command buffers, XLA's log (its defaults, {steps} steps): {launches / steps:,.1f} graph "
-            f"launches per step, {len(updates) / steps:,.1f} updates per step before one ({len(updates)} in all; "
-            f"buffers {spread or '-'}), {sum(first for _, first, _ in records)} first recordings"]
+    return [f"info  titans_demo command buffers, XLA's log (its defaults, {steps} steps): "
+            f"{launches / steps:,.1f} graph launches per step, {len(updates) / steps:,.1f} updates per step before "
+            f"one ({len(updates)} in all; buffers {spread or '-'}), {sum(first for _, first, _ in records)} first "
+            "recordings"]
 
 
 def memory_kernel_lines(m: dict | None, what: str = "kernel") -> list[str]:

@@ -188,7 +188,8 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
               for name, words in flags.items()}
     assert cmdbuf == {"default": [], "off": ["--xla_gpu_enable_command_buffer="],
                       "no_dsf": ["--xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION"],
-                      "unroll": ["--xla_gpu_enable_command_buffer=+WHILE", "--xla_gpu_command_buffer_unroll_loops=true"]}
+                      "unroll": ["--xla_gpu_enable_command_buffer=+WHILE",
+                                 "--xla_gpu_command_buffer_unroll_loops=true"]}
     assert all(f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/ab_titans_cmdbuf_{name}" in words
                for name, words in flags.items())
     assert ("ab_titans_cmdbuf_skip_temp: skipped, this XLA refuses --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
