@@ -509,10 +509,11 @@ CMDBUF=("default"
 part_titans_cmdbuf() {
   # auto's step alone (ab.py's loop, as titans_alone), once per flag set; a set this XLA refuses
   # (an older jax: a flag it does not know) is skipped, the others still run
-  local rounds=(--rounds 4 --warmup 1 --loop 8 --profile 2)
-  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 1); fi
+  local rounds=(--rounds 4 --warmup 1 --loop 8 --profile 2) sets=("${CMDBUF[@]}")
+  # a dry run checks the script with the first two sets (each a compile: minutes on 2 cores)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 1); sets=("${CMDBUF[@]:0:2}"); fi
   local set name flags
-  for set in "${CMDBUF[@]}"; do
+  for set in "${sets[@]}"; do
     name=${set%% *}; flags=${set#"$name"}; flags=${flags# }
     if [ -n "$flags" ] && ! XLA_FLAGS="${XLA_FLAGS:-} $flags" JAX_PLATFORMS=cpu $PY -c "import jax; jax.numpy.zeros(2)" \
         > "$OUT/ab_titans_cmdbuf_${name}_probe.log" 2>&1; then

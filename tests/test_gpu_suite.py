@@ -367,7 +367,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
                  "attention_tiles",
                  "titans_vs_bf16", "titans_vs_bf16_loop", "titans_vs_bf16_parallel", "ab_titans_alone", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
                  "bench_titans_demo_b128_memory", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_off",
-                 "ab_titans_cmdbuf_no_dsf", "ab_titans_cmdbuf_unroll"):
+                 "titans_cmdbuf_log"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     assert "model.nl_lm.memory_impl=parallel_pallas" in json.loads((tmp_path / "titans_vs_bf16_loop.json").read_text())["overrides"]
     assert "model.nl_lm.memory_impl=parallel" in json.loads((tmp_path / "titans_vs_bf16_parallel.json").read_text())["overrides"]
