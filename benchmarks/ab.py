@@ -7,7 +7,8 @@ is). Every variant's step is compiled, then the rounds run each variant's step i
 change of clock or load hits all of them alike. Printed per variant: median and min step time,
 the ratio of medians to the first variant, compile time, peak memory (the compiled program's
 `memory_analysis`: arguments + outputs + temporaries - donated), and with `--profile N` the XLA ops per step and the
-device's busy share from N profiled steps (`nljax/measure/traces.py`). `--out FILE.json` keeps it all.
+device's busy share from N profiled steps (`nljax/measure/traces.py`). `--out FILE.json` keeps it all,
+with the XLA flags the process ran under (`xla_flags`: XLA_FLAGS less where XLA writes dumps and caches).
 
 `--loop K`: a round runs K all-levels steps of each variant through the training loop itself
 (`nljax.run.loop.training_steps`, no hook keeping a state), and its time is the K steps' wall time
@@ -33,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from nljax import cli, config  # noqa: E402  (after the path: a checkout need not be installed)
+from nljax.engine import executables  # noqa: E402
 from nljax.measure import hostmem, traces  # noqa: E402
 from nljax.runtime import resultfile  # noqa: E402
 
@@ -141,8 +143,10 @@ def run(args) -> int:
         if r.get("idle"):  # where the device waited in the profiled steps
             print("\n".join(f"      {line}" for line in traces.format_idle(r["idle"])))
     if args.out:  # whole or not at all, checked before anything ran
-        resultfile.write(Path(args.out), {"config": args.config, "rounds": args.rounds, "loop": args.loop,
-                                          "rows": rows})
+        # the XLA flags every variant compiled and ran under (XLA_FLAGS is the process's; where XLA
+        # writes dumps and caches left out): the GPU suite's command-buffer part runs one process per set
+        resultfile.write(Path(args.out), {"config": args.config, "rounds": args.rounds, "warmup": args.warmup,
+                                          "loop": args.loop, "xla_flags": executables.xla_flags(), "rows": rows})
     return 0
 
 

@@ -75,10 +75,19 @@ GPUS = {
 }
 
 
+# The CUDA driver and toolkit of the card's host (the H200's: driver 580.159.04, CUDA 13.0). XLA
+# decides from them what goes into command buffers (CUDA graphs): without them it takes 0.0 and
+# keeps cuDNN, cuBLAS, while loops and dynamic-slice fusions out of the graphs, as on no CUDA 13
+# host (docs/benchmarks/2026-12-01-command-buffers.md); the compiled HLO is the same either way
+CUDA = "13.0.0"
+
+
 def target_config(gpu: str) -> str:
-    """XLA's target config (text proto) of `gpu`, a key of GPUS: CUDA 13 (jax[cuda13]'s) and the
-    cuDNN of the wheel installed here, as the plugin would find them on the card's host."""
+    """XLA's target config (text proto) of `gpu`, a key of GPUS: CUDA 13 (jax[cuda13]'s: the
+    runtime, the driver and the toolkit) and the cuDNN of the wheel installed here, as the plugin
+    would find them on the card's host."""
     name, info = GPUS[gpu]
+    info = dict(info, driver_version=f'"{CUDA}"', compile_time_toolkit_version=f'"{CUDA}"')
     fields = "\n".join(f"  {k}: {v}" for k, v in info.items())
     cudnn = _cudnn_version()
     return (f"gpu_device_info {{\n{fields}\n  cuda_compute_capability {{ major: 9 }}\n}}\n"

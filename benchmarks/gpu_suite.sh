@@ -8,7 +8,7 @@
 #            they matter: b128 vs_pytorch titans_alone fused350m_parallel4 titans_unroll fused350m_best
 #            ab350m pullback attn_tiles vs_pytorch_parallel titans_forms fused350m_graphs fused350m_best8
 #            fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel
-#            fused350m_unrolled fused350m_memunroll fused350m_kernel paths.
+#            fused350m_unrolled fused350m_memunroll fused350m_kernel paths titans_cmdbuf.
 #            Since the third H200 run of 2026-11-30 (docs/benchmarks/2026-11-30-h200-c.md) memory_impl
 #            auto is the parallel form on a GPU (x0.906 the scan's step in nl_350m, side by side; its
 #            reads in groups of chunks since, to hold titans_demo's batch 128 under 20 GB, compiled
@@ -54,9 +54,11 @@
 #   fused350m_parallel4 the same with memory_unroll=4
 #   fused350m_loop     unrolled with model.nl_lm.memory_impl=parallel_pallas (the parallel form's loop of
 #                      end states as one Pallas kernel per layer, the reads XLA's), profiled
-#   fused350m_graphs   fused350m_best with XLA's while loops inside CUDA graphs (each inner-loop
-#                      iteration's predicate is otherwise read by the host: 2 x 4 layers x 32 chunks
-#                      round trips per step, fewer with memory_unroll)
+#   fused350m_graphs   fused350m_best with --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL: XLA's
+#                      while loops inside CUDA graphs where it takes them (jax 0.11.2's XLA does not
+#                      take a loop whose body writes at the loop counter's offset unless it also
+#                      unrolls it; a loop of known trip count reads no predicate back either way:
+#                      docs/benchmarks/2026-12-01-command-buffers.md)
 #   fused350m_kernel   the same scanned with the fused memory kernel (model.nl_lm.memory_impl=pallas),
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo (auto's forms: the parallel form on a GPU) vs titans-pytorch in bf16 at
@@ -87,6 +89,12 @@
 #                      profiled: its step is bound by its kernel count, which unrolling lowers (the scan in
 #                      nl_350m: 21,557 -> 17,179 at 4), at the price of the step's dispatch
 #   b128               titans_demo at batch 128 x 512, model.remat=memory (auto's forms): peak memory
+#   titans_cmdbuf      titans_demo at batch 4 x 512 (auto's forms) alone through ab.py's training loop, once
+#                      per set of XLA command-buffer flags, each in its own process (XLA_FLAGS is a
+#                      process's): XLA's defaults, none (op by op), the loop bodies' dynamic-update-slices
+#                      out of the graphs, whole loops unrolled into one graph, temporaries at fixed
+#                      addresses; about 60-90 s each on the card (docs/benchmarks/2026-12-01-command-buffers.md);
+#                      then 8 steps with XLA's log of each graph's launches and recordings (titans_cmdbuf_log)
 #
 # Parts of issue 17 (auto's forms: since 2026-12-01 the inner loop's parallel form on a GPU, where
 # their runs before measured the scan; dit has no neural memory):
@@ -132,7 +140,8 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 ISSUE44=(b128 vs_pytorch titans_alone fused350m_parallel4 titans_unroll fused350m_best ab350m pullback attn_tiles
          vs_pytorch_parallel titans_forms fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop
-         kernel_loop titans_loop fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths)
+         kernel_loop titans_loop fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths
+         titans_cmdbuf)
 ISSUE17=(titans graphs memory dit nl350m cycle)
 PARTS=()
 for part in "${@:2}"; do
@@ -485,6 +494,42 @@ part_titans_forms() {
   local rounds=(--rounds 6 --warmup 1 --loop 8 --profile 4)
   if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 2); fi
   run ab_titans_forms $PY benchmarks/ab.py --config titans_demo "${rounds[@]}" "${v[@]}" --out "$OUT/ab_titans_forms.json"
+}
+
+# XLA's command buffers (CUDA graphs) in jax 0.11.2's XLA, read from its source and the thunks of
+# titans_demo's step compiled offline for an H200 (docs/benchmarks/2026-12-01-command-buffers.md):
+# every inner-loop body is one graph launched 16 times a step from the host, and each launch is
+# recorded again first (the body's dynamic-update-slices write at the loop counter's offset);
+# +WHILE alone leaves those loops on the host (XLA takes a loop with such slices into a graph only
+# unrolled). Each set of flags: its name, then the flags (none: XLA's defaults)
+CMDBUF=("default"
+        "off --xla_gpu_enable_command_buffer="
+        "no_dsf --xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION"
+        "unroll --xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true"
+        "skip_temp --xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+
+part_titans_cmdbuf() {
+  # auto's step alone (ab.py's loop, as titans_alone), once per flag set; a set this XLA refuses
+  # (an older jax: a flag it does not know) is skipped, the others still run
+  local rounds=(--rounds 4 --warmup 1 --loop 8 --profile 2) sets=("${CMDBUF[@]}")
+  # a dry run checks the script with the first two sets (each a compile: minutes on 2 cores)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 1); sets=("${CMDBUF[@]:0:2}"); fi
+  local set name flags
+  for set in "${sets[@]}"; do
+    name=${set%% *}; flags=${set#"$name"}; flags=${flags# }
+    if [ -n "$flags" ] && ! XLA_FLAGS="${XLA_FLAGS:-} $flags" JAX_PLATFORMS=cpu $PY -c "import jax; jax.numpy.zeros(2)" \
+        > "$OUT/ab_titans_cmdbuf_${name}_probe.log" 2>&1; then
+      echo "== ab_titans_cmdbuf_$name: skipped, this XLA refuses $flags (OUT/ab_titans_cmdbuf_${name}_probe.log)"
+      continue
+    fi
+    XLA_FLAGS="${XLA_FLAGS:-}${flags:+ $flags}" run "ab_titans_cmdbuf_$name" $PY benchmarks/ab.py --config titans_demo \
+      "${rounds[@]}" "${BF16[*]} ${TITANS[*]}" --out "$OUT/ab_titans_cmdbuf_$name.json"
+  done
+  # XLA's own account with its defaults (its log of command_buffer_thunk.cc): each launch of a
+  # graph, and each recording before one with why (updated_allocs: buffers whose address moved
+  # since the last launch; needs_update). Logging costs the host time: not timed against the others
+  TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 run titans_cmdbuf_log $PY benchmarks/ab.py \
+    --config titans_demo --rounds 1 --warmup 1 --loop 4 "${BF16[*]} ${TITANS[*]}" --out "$OUT/titans_cmdbuf_log.json"
 }
 
 part_ab350m() {

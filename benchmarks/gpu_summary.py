@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -89,6 +90,7 @@ def lines(out: Path) -> list[str]:
         ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
         rows.append(f"info  {config} {' '.join(r['variant'].split())}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} "
                     f"of the first), compile {r['compile_s']:.0f} s{loaded(r)}{ops}{forms(r.get('forms'))}")
+    rows += cmdbuf_lines(out)
     for name in ("bench_titans_demo_graphs",):
         b = load(out, name)
         if b:
@@ -120,6 +122,57 @@ def lines(out: Path) -> list[str]:
     rows.append(f"{verdict(None if r is None else r <= 1.6)}  DiT-B/4 32x32 MeanFlow / flow-matching step: "
                 + ("-" if r is None else f"{r:.2f}x (target <= 1.6x; {mf['mean_step_ms']:.1f} vs {fm['mean_step_ms']:.1f} ms)"))
     return rows
+
+
+def cmdbuf_lines(out: Path) -> list[str]:
+    """The titans_cmdbuf part's runs (auto's step alone through ab.py's loop, one process per set of
+    XLA command-buffer flags, OUT/ab_titans_cmdbuf_NAME.json): each set's step, named by the flags
+    it ran under, against the run with XLA's defaults."""
+    runs = {p.stem.removeprefix("ab_titans_cmdbuf_"): json.loads(p.read_text())
+            for p in sorted(out.glob("ab_titans_cmdbuf_*.json"))}
+    base = runs["default"]["rows"][0]["median_ms"] if "default" in runs else None
+    rows = []
+    for name in sorted(runs, key=lambda n: n != "default"):  # the defaults first, then by name
+        r = runs[name]["rows"][0]
+        flags = " ".join(runs[name].get("xla_flags") or []) or "XLA's defaults"
+        ratio = "" if base is None or name == "default" else f" (x{r['median_ms'] / base:.3f} of the defaults' run)"
+        ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
+        rows.append(f"info  titans_demo command buffers, {flags}: {r['median_ms']:.2f} ms/step through the training "
+                    f"loop{ratio}, compile {r['compile_s']:.0f} s{loaded(r)}{ops}")
+    return rows + cmdbuf_log_lines(out)
+
+
+# XLA's log lines (xla/backends/gpu/runtime/command_buffer_thunk.cc at VLOG 3, jax 0.11.2): one
+# before each graph's first recording or update, one at each launch
+_RECORDED = re.compile(r"Create/Update command buffer.*?; updated_allocs=(\d+); "
+                       r"is_first_record=(\w+); needs_update=(\w+)")
+_LAUNCHED = "Execute command buffer; num_executions="
+
+
+def cmdbuf_log_lines(out: Path) -> list[str]:
+    """The titans_cmdbuf part's logged run (OUT/titans_cmdbuf_log.log, XLA's defaults): graph
+    launches, first recordings and updates per step, and how many buffers had moved before an
+    update; nothing when the part did not run."""
+    meta, log = load(out, "titans_cmdbuf_log"), out / "titans_cmdbuf_log.log"
+    if not meta or not log.exists():
+        return []
+    steps = (meta["rounds"] + meta.get("warmup", 0)) * max(meta["loop"], 1)
+    text = log.read_text(errors="replace")
+    launches = text.count(_LAUNCHED)
+    records = [(int(n), first in ("1", "true"), update in ("1", "true"))
+               for n, first, update in _RECORDED.findall(text)]
+    if not launches and not records:
+        return [f"info  titans_demo command buffers, XLA's log: no graph launched or recorded in {steps} steps "
+                "(no command buffers on this device, or this XLA logs them otherwise)"]
+    updates = [n for n, first, update in records if update and not first]
+    moved = {}
+    for n in updates:
+        moved[n] = moved.get(n, 0) + 1
+    spread = ", ".join(f"{k} moved: {v}" for k, v in sorted(moved.items()))
+    return [f"info  titans_demo command buffers, XLA's log (its defaults, {steps} steps): "
+            f"{launches / steps:,.1f} graph launches per step, {len(updates) / steps:,.1f} updates per step before "
+            f"one ({len(updates)} in all; buffers {spread or '-'}), {sum(first for _, first, _ in records)} first "
+            "recordings"]
 
 
 def memory_kernel_lines(m: dict | None, what: str = "kernel") -> list[str]:

@@ -124,6 +124,9 @@ def test_target_config_names_the_card():
     text = gpu_compile.target_config("h100")
     assert 'device_description_str: "NVIDIA H100 80GB HBM3"' in text and "core_count: 132" in text
     assert "device_memory_size: 150754820096" in gpu_compile.target_config("h200")
+    # the host's CUDA driver and toolkit: XLA's command buffers take cuDNN, loops and dynamic
+    # slices only above a version (the thunks of titans_demo's step differ without them)
+    assert 'driver_version: "13.0.0"' in text and 'compile_time_toolkit_version: "13.0.0"' in text
 
 
 def test_compiling_for_a_gpu_decides_as_on_the_gpu():

@@ -161,6 +161,81 @@ echo "$XLA_FLAGS" > "$OUT_FLAGS"
     assert "autotune" not in flags.read_text() and "refused by this XLA" in r.stdout, r.stdout
 
 
+def test_the_command_buffer_part_runs_each_flag_set_in_its_own_process(tmp_path):
+    """titans_cmdbuf: ab.py once per set of XLA command-buffer flags, each process with its own set
+    in XLA_FLAGS (beside its autotuning folder), the defaults' run with none; a set this XLA refuses
+    (its probe fails, as an older jax's for a flag it does not know) is skipped and named, the
+    others still run."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/sh
+case "$2" in *zeros*) case "$XLA_FLAGS" in *update_mode*) exit 1 ;; esac; exit 0 ;; esac
+case "$1" in -c) exit 0 ;; benchmarks/gpu_summary.py) exec {sys.executable} "$@" ;; esac
+prev=""; for a in "$@"; do [ "$prev" = "--out" ] && out=$(basename "$a" .json); prev=$a; done
+echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule"
+""")
+    fake.chmod(0o755)
+    out, calls = tmp_path / "out", tmp_path / "calls"
+    calls.mkdir()
+    r = suite(out, "titans_cmdbuf", PYTHON=str(fake), CALLS=str(calls))
+    vmodule = {p.stem: p.read_text().strip() for p in calls.glob("*.vmodule")}
+    flags = {p.name.removeprefix("ab_titans_cmdbuf_"): p.read_text().split() for p in calls.iterdir()
+             if p.suffix != ".vmodule" and p.name != "titans_cmdbuf_log"}
+    assert sorted(flags) == ["default", "no_dsf", "off", "unroll"], (sorted(flags), r.stdout)
+    # then the defaults once more with XLA's log of its graphs, the only run that logs them
+    assert vmodule.pop("titans_cmdbuf_log") == "command_buffer_thunk=3" and set(vmodule.values()) == {""}, vmodule
+    assert "FAILED" not in r.stdout, r.stdout
+    cmdbuf = {name: [f for f in words if f.startswith(("--xla_gpu_enable_command_buffer", "--xla_gpu_command_buffer"))]
+              for name, words in flags.items()}
+    assert cmdbuf == {"default": [], "off": ["--xla_gpu_enable_command_buffer="],
+                      "no_dsf": ["--xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION"],
+                      "unroll": ["--xla_gpu_enable_command_buffer=+WHILE",
+                                 "--xla_gpu_command_buffer_unroll_loops=true"]}
+    assert all(f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/ab_titans_cmdbuf_{name}" in words
+               for name, words in flags.items())
+    assert ("ab_titans_cmdbuf_skip_temp: skipped, this XLA refuses --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+            in r.stdout), r.stdout
+
+
+def test_the_summary_names_each_command_buffer_run_by_its_flags(tmp_path):
+    """titans_cmdbuf's rows: each run's step with the XLA flags it ran under (ab.py's `xla_flags`),
+    the defaults' first, the others as a ratio to it."""
+    def run(name, flags, ms):
+        row = {"variant": "model.dtype=bfloat16", "median_ms": ms, "min_ms": ms, "ratio": 1.0, "compile_s": 45.0,
+               "executable": "compiled", "ops_per_step": 4390, "busy_fraction": 0.7}
+        (tmp_path / f"ab_titans_cmdbuf_{name}.json").write_text(json.dumps({"xla_flags": flags, "rows": [row]}))
+
+    run("off", ["--xla_gpu_enable_command_buffer="], 20.0)
+    run("default", [], 16.0)
+    rows = [r for r in bench_module("gpu_summary").lines(tmp_path) if "command buffers" in r]
+    assert rows == ["info  titans_demo command buffers, XLA's defaults: 16.00 ms/step through the training loop, "
+                    "compile 45 s; 4,390 kernels/step, device busy 70% of the step",
+                    "info  titans_demo command buffers, --xla_gpu_enable_command_buffer=: 20.00 ms/step through the "
+                    "training loop (x1.250 of the defaults' run), compile 45 s; 4,390 kernels/step, device busy 70% "
+                    "of the step"], rows
+
+
+def test_the_summary_counts_xlas_graph_launches_and_updates_per_step(tmp_path):
+    """titans_cmdbuf_log: XLA's log lines (command_buffer_thunk.cc at VLOG 3, as jax 0.11.2's XLA
+    writes them) counted per step of the logged run, each update with how many buffers had moved;
+    a log without them (a CPU) is said to have none."""
+    summary = bench_module("gpu_summary")
+    (tmp_path / "titans_cmdbuf_log.json").write_text(json.dumps({"rounds": 1, "warmup": 1, "loop": 4, "rows": []}))
+    log = tmp_path / "titans_cmdbuf_log.log"
+    log.write_text("nljax.bench: compiled\n")
+    assert [r for r in summary.lines(tmp_path) if "XLA's log" in r] == [
+        "info  titans_demo command buffers, XLA's log: no graph launched or recorded in 8 steps (no command buffers "
+        "on this device, or this XLA logs them otherwise)"]
+    record = ("I1201 10:00:00.000000 1 command_buffer_thunk.cc:300] [0] Create/Update command buffer by recoding "
+              "command buffer cmd sequence after {e} executions since last update; num_commands=41; "
+              "updated_allocs={n}; is_first_record={first}; needs_update={update}\n")
+    launch = "I1201 10:00:00.000001 1 command_buffer_thunk.cc:330] [0] Execute command buffer; num_executions=1\n"
+    log.write_text(2 * record.format(e=0, n=90, first=1, update=0) + 6 * record.format(e=1, n=0, first=0, update=1)
+                   + 2 * record.format(e=1, n=3, first=0, update=1) + 24 * launch)
+    assert [r for r in summary.lines(tmp_path) if "XLA's log" in r] == [
+        "info  titans_demo command buffers, XLA's log (its defaults, 8 steps): 3.0 graph launches per step, 1.0 "
+        "updates per step before one (8 in all; buffers 0 moved: 6, 3 moved: 2), 2 first recordings"]
+
+
 def test_the_summary_gives_the_loop_kernels_ratio_to_titans_pytorch_when_measured(tmp_path):
     """vs_pytorch_loop's and vs_pytorch_parallel's rows (the 100x target with memory_impl=parallel_pallas
     and =parallel) beside the auto forms' row, each against the target; absent, only the auto row says
@@ -291,7 +366,8 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
                  "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback",
                  "attention_tiles",
                  "titans_vs_bf16", "titans_vs_bf16_loop", "titans_vs_bf16_parallel", "ab_titans_alone", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
-                 "bench_titans_demo_b128_memory"):
+                 "bench_titans_demo_b128_memory", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_off",
+                 "titans_cmdbuf_log"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     assert "model.nl_lm.memory_impl=parallel_pallas" in json.loads((tmp_path / "titans_vs_bf16_loop.json").read_text())["overrides"]
     assert "model.nl_lm.memory_impl=parallel" in json.loads((tmp_path / "titans_vs_bf16_parallel.json").read_text())["overrides"]
