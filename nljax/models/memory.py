@@ -265,7 +265,8 @@ def end_pullback(state: PyTree, k, v, ends: dict, kind: str, d_end: PyTree):
     (d_state, d_k, d_v, d_ends). The chunk's terms are recomputed from its start state. Why by
     hand: it is the body of the parallel form's backward loop, which a GPU runs chunk after chunk
     as a few dozen small kernels; written out, it runs fewer (41 against 54 per chunk at
-    titans_demo's shapes, compiled for an H200: docs/concepts/memory-kernel.md). jnp.max and
+    titans_demo's shapes, compiled for an H200, 38 with the loop's outputs packed:
+    docs/concepts/memory-kernel.md). jnp.max and
     jnp.maximum's ties split the cotangent evenly and jnp.abs's slope at 0 is +1, as JAX's are."""
     M, S, dM_end, dS_end = state["M"], state["S"], d_end["M"], d_end["S"]
     t = EndTerms(M, k, v, ends, kind)
