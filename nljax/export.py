@@ -141,10 +141,9 @@ def check_out(out: Path) -> None:
                           "export does not write: give an empty or new directory (or an earlier export's)")
 
 
-def load_model(path: str | Path):
-    """(model, params) of an export directory, the parameters on the default device."""
-    from safetensors.flax import load_file
-
+def read_config(path: str | Path) -> tuple[dict, config.Config]:
+    """An export directory's config.json (checked: both files there, parsed, its seal intact) and
+    the run config it holds: what the export is, read without its weights."""
     path = Path(path)
     for name in (WEIGHTS, CONFIG):
         if not (path / name).is_file():
@@ -155,6 +154,15 @@ def load_model(path: str | Path):
     except (ValueError, KeyError, TypeError) as e:  # damaged or edited
         raise ConfigError(f"{path / CONFIG} is not an nljax export's config ({type(e).__name__}: {e})") from None
     filedigest.check_seal(path / CONFIG, info)
+    return info, cfg
+
+
+def load_model(path: str | Path):
+    """(model, params) of an export directory, the parameters on the default device."""
+    from safetensors.flax import load_file
+
+    path = Path(path)
+    info, cfg = read_config(path)
     filedigest.check(path, info.get("sha256"), "the export")
     # with what its data decided (a DiT's images), as recorded; GPU-only forms off a GPU: auto's
     model = registry.rebuild(for_this_backend(cfg), info)

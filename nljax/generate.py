@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 
 from nljax import cli, trained_model
+from nljax import export as export_lib
 from nljax.errors import ConfigError
 from nljax.measure.figures import written_by_nljax
 from nljax.models import registry
@@ -133,14 +134,19 @@ def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
     """A language model's export (nljax.export), loaded as `nljax.load` loads it (one device,
     the tokenizer beside it): the same text as from the run it came from."""
     # run.dir= is how the directory was named; any other override, or checkpoint=, is refused there
-    lm = trained_model.load(path, s.checkpoint, [o for o in overrides if not o.startswith("run.dir=")])
-    images = registry.task_of(lm.config) == "images"  # not `makes_text`: a text model without logits is no image model
-    _check(lm.config.model.name, images, given, s)
+    overrides = [o for o in overrides if not o.startswith("run.dir=")]
+    where = Path(os.path.expanduser(path))
+    trained_model.check_export_args(where, s.checkpoint, overrides)
+    _, cfg = export_lib.read_config(where)  # the settings checked against it before the weights are read
+    images = registry.task_of(cfg) == "images"  # not `makes_text`: a text model without logits is no image model
+    _check(cfg.model.name, images, given, s)
     if images:  # the grid sets samples beside the run's held-out images, which an export lacks
-        raise ConfigError(f"{path} is the export of an image model (model.name={lm.config.model.name}): "
+        raise ConfigError(f"{path} is the export of an image model (model.name={cfg.model.name}): "
                           "nljax.generate draws its grid from the run directory (beside the held-out images); "
                           "an export samples from Python: nljax.load(DIR).generate(labels=[...])")
-    batch = _prompts(s, lm.tokenizer) if s.prompts else None
+    batch = _prompts(s, export_lib.tokenization_of_export(where, cfg)) if s.prompts else None
+    _say(f"reading the export {path} ...")  # its weights checked, the model built: seconds, as a checkpoint's
+    lm = trained_model.load(where, s.checkpoint, overrides)
     print(f"nljax.generate: {lm.source} (export, step {lm.step})", file=sys.stderr)
     if batch is not None:
         return _write_completions(lm.stream_reader(s.batch_size), lm.tokenizer, s, *batch)

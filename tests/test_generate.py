@@ -379,7 +379,8 @@ def test_checkpoint_steps_and_an_export_directory(tmp_path, capsys):
                                 "nljax.generate: sampling (compiling the model first) ..."]
     assert generate.main([f"run.dir={out}", *settings]) == 0
     from_export, err = capsys.readouterr()
-    assert err.splitlines() == [f"nljax.generate: {out} (export, step 0)",
+    assert err.splitlines() == [f"nljax.generate: reading the export {out} ...",
+                                f"nljax.generate: {out} (export, step 0)",
                                 "nljax.generate: sampling (compiling the model first) ..."]
     assert from_export == text and text.startswith("def ") and len(text) > len("def \n")
     for tool, argv, line in (
