@@ -502,21 +502,34 @@ part_titans_forms() {
 # recorded again first (the body's dynamic-update-slices write at the loop counter's offset);
 # +WHILE alone leaves those loops on the host (XLA takes a loop with such slices into a graph only
 # unrolled). Each set of flags: its name, then the flags (none: XLA's defaults)
+# in the order a short call should reach them (the budget skips the rest): XLA's defaults; the loop
+# bodies' slices out of their graphs and the temporaries at fixed addresses, the two ways past the
+# update before each loop-body launch that XLA's source describes; XLA's own log of the updates
+# (`log`, with the defaults); whole loops in one graph; no graphs at all
 CMDBUF=("default"
-        "off --xla_gpu_enable_command_buffer="
         "no_dsf --xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION"
+        "skip_temp --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+        "log"
         "unroll --xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true"
-        "skip_temp --xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+        "off --xla_gpu_enable_command_buffer=")
 
 part_titans_cmdbuf() {
   # auto's step alone (ab.py's loop, as titans_alone), once per flag set; a set this XLA refuses
   # (an older jax: a flag it does not know) is skipped, the others still run
   local rounds=(--rounds 4 --warmup 1 --loop 8 --profile 2) sets=("${CMDBUF[@]}")
-  # a dry run checks the script with the first two sets (each a compile: minutes on 2 cores)
-  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 1); sets=("${CMDBUF[@]:0:2}"); fi
+  # a dry run checks the script with the first two sets and the log (each a compile: minutes on 2 cores)
+  if [ -n "$DRY" ]; then rounds=(--rounds 1 --warmup 0 --loop 2 --profile 1); sets=("${CMDBUF[@]:0:2}" log); fi
   local set name flags
   for set in "${sets[@]}"; do
     name=${set%% *}; flags=${set#"$name"}; flags=${flags# }
+    if [ "$name" = log ]; then
+      # XLA's own account with its defaults (its log of command_buffer_thunk.cc): each launch of a
+      # graph, and each recording before one with why (updated_allocs: buffers whose address moved
+      # since the last launch; needs_update). Logging costs the host time: not timed against the others
+      TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 run titans_cmdbuf_log $PY benchmarks/ab.py \
+        --config titans_demo --rounds 1 --warmup 1 --loop 4 "${BF16[*]} ${TITANS[*]}" --out "$OUT/titans_cmdbuf_log.json"
+      continue
+    fi
     if [ -n "$flags" ] && ! XLA_FLAGS="${XLA_FLAGS:-} $flags" JAX_PLATFORMS=cpu $PY -c "import jax; jax.numpy.zeros(2)" \
         > "$OUT/ab_titans_cmdbuf_${name}_probe.log" 2>&1; then
       echo "== ab_titans_cmdbuf_$name: skipped, this XLA refuses $flags (OUT/ab_titans_cmdbuf_${name}_probe.log)"
@@ -525,11 +538,6 @@ part_titans_cmdbuf() {
     XLA_FLAGS="${XLA_FLAGS:-}${flags:+ $flags}" run "ab_titans_cmdbuf_$name" $PY benchmarks/ab.py --config titans_demo \
       "${rounds[@]}" "${BF16[*]} ${TITANS[*]}" --out "$OUT/ab_titans_cmdbuf_$name.json"
   done
-  # XLA's own account with its defaults (its log of command_buffer_thunk.cc): each launch of a
-  # graph, and each recording before one with why (updated_allocs: buffers whose address moved
-  # since the last launch; needs_update). Logging costs the host time: not timed against the others
-  TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 run titans_cmdbuf_log $PY benchmarks/ab.py \
-    --config titans_demo --rounds 1 --warmup 1 --loop 4 "${BF16[*]} ${TITANS[*]}" --out "$OUT/titans_cmdbuf_log.json"
 }
 
 part_ab350m() {

@@ -194,6 +194,11 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
                for name, words in flags.items())
     assert ("ab_titans_cmdbuf_skip_temp: skipped, this XLA refuses --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
             in r.stdout), r.stdout
+    # in the order a call cut short by the budget should reach them: the two ways past the loop
+    # bodies' updates and XLA's log of them before whole loops in one graph and no graphs at all
+    said = [line.split(":")[0].removeprefix("== ") for line in r.stdout.splitlines() if line.startswith("== ")]
+    assert said == [f"ab_titans_cmdbuf_{n}" for n in ("default", "no_dsf", "skip_temp")] + [
+        "titans_cmdbuf_log", "ab_titans_cmdbuf_unroll", "ab_titans_cmdbuf_off"], said
 
 
 def test_the_summary_names_each_command_buffer_run_by_its_flags(tmp_path):
@@ -366,7 +371,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
                  "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback",
                  "attention_tiles",
                  "titans_vs_bf16", "titans_vs_bf16_loop", "titans_vs_bf16_parallel", "ab_titans_alone", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
-                 "bench_titans_demo_b128_memory", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_off",
+                 "bench_titans_demo_b128_memory", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_no_dsf",
                  "titans_cmdbuf_log"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     assert "model.nl_lm.memory_impl=parallel_pallas" in json.loads((tmp_path / "titans_vs_bf16_loop.json").read_text())["overrides"]
