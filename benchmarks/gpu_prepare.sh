@@ -93,7 +93,9 @@ part_vs_pytorch() {
 }
 part_fused350m_parallel() { fused350m fused350m_parallel _parallel model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel; }
 part_titans_unroll() {
-  compile titans_unroll ab_titans_unroll --config titans_demo --no-base \
+  # without its own autotuning results, titans_vs_bf16_parallel's: its unroll-1 step is vs_pytorch's
+  # (the same key: with other tiles it would replace that file), the others share most fusions
+  compile titans_unroll ab_titans_unroll,titans_vs_bf16_parallel --config titans_demo --no-base \
     --variant parallel1:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=1 \
     --variant parallel2:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=2 \
     --variant parallel4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 "${BF16[@]}"

@@ -348,6 +348,12 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
     assert "--autotune" not in ab350m and ab350m.endswith(f"{fused[7:-1]} model.nl_lm.scan_layers=false {scan[6:-1]}")
     assert "no autotuning results (AUTOTUNE/ab_nl_350m)" in r.stdout
     assert "XLA's default matmul tiles" in r.stdout
+    # titans_unroll's unroll-1 step is vs_pytorch's (one key): with that bench's results when it has none
+    (tuned / "titans_vs_bf16_parallel").mkdir()
+    unroll_args = tmp_path / "unroll_args"
+    r = subprocess.run(["bash", str(PREPARE), str(exe), "titans_unroll"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "OUT_ARGS": str(unroll_args)}, timeout=60)
+    assert r.returncode == 0 and f"--autotune {tuned / 'titans_vs_bf16_parallel'} " in unroll_args.read_text(), r.stdout
     r = subprocess.run(["bash", str(PREPARE), str(tmp_path / "exe"), "bogus"], cwd=ROOT, capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and r.stdout.startswith("unknown part 'bogus'")
