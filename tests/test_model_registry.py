@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 import yaml
-from helpers import QUICK, ROOT, SMALL, TINY, make, run_python, saved_run, train
+from helpers import QUICK, ROOT, SMALL, TINY, TINY_NL, make, run_python, saved_run, train
 
 import nljax
 from nljax import config
@@ -489,3 +489,21 @@ def test_a_describe_record_is_read_as_json_and_checked_when_the_model_is_built(t
             registry.build(cfg)
     finally:
         specs.unregister("described")
+
+
+def test_the_forms_a_checkpoint_records_come_only_from_a_forms_method_giving_json():
+    """`registry.forms_of` (saved with every checkpoint): nl_lm's `forms()` as it resolved here;
+    a model of one's own with something else named `forms` (an attribute, a method giving what
+    JSON cannot hold) records none rather than failing the first save."""
+
+    class Attribute:
+        forms = 3
+
+    class Unwritable:
+        def forms(self):
+            return {"x": object()}
+
+    assert registry.forms_of(Attribute()) is None and registry.forms_of(Unwritable()) is None
+    assert registry.forms_of(object()) is None and registry.forms_of(registry.build(config.load(None, TINY))) is None
+    model = registry.build(config.load(None, TINY_NL))
+    assert registry.forms_of(model) == model.forms() and registry.forms_of(model)["memory_impl"] == "scan"

@@ -223,8 +223,15 @@ def forms_of(model: Model) -> dict | None:
     """The forms the model's `auto` settings resolved to here (nl_lm: attention, the inner loop's
     implementation, ...; on a GPU the inner loop is the parallel form, on a CPU the scan), or None
     for a model without such settings. Saved with every checkpoint (a resume that computes another
-    way is told so) and in benchmarks' records."""
-    return model.forms() if hasattr(model, "forms") else None
+    way is told so) and in benchmarks' records. The builtin nl_lm's `forms()`; anything else by
+    that name (a model of one's own may have one, with another meaning) that is not a method
+    giving a dict of JSON values is no record: None."""
+    method = getattr(model, "forms", None)
+    out = method() if callable(method) else None
+    try:
+        return json.loads(json.dumps(out)) if isinstance(out, dict) else None
+    except (TypeError, ValueError):
+        return None
 
 
 def check_model(s: ModelSpec, model: Model, n_levels: int) -> None:
