@@ -114,11 +114,18 @@ def tokenization_of_export(path: Path, cfg: config.Config):
     from nljax.data import tokenization
     from nljax.run.sampling import tokenization_of
 
-    info = json.loads((Path(path) / CONFIG).read_text()).get("tokenizer")
+    record = json.loads((Path(path) / CONFIG).read_text())
+    info = record.get("tokenizer")
     if info is None:
         return tokenization_of(cfg)
     if info["kind"] == "bytes":
         return tokenization.Bytes()
+    # its file checked against the export's record before it is parsed: nljax.generate reads it for
+    # prompts= before `load_model` checks every file, and a damaged one is named as such, not as a
+    # data.tokenizer that is no tokenizer.json
+    sums = record.get("sha256")
+    filedigest.check(Path(path), {TOKENIZER: sums[TOKENIZER]} if isinstance(sums, dict) and TOKENIZER in sums else None,
+                     "the export")
     return tokenization.HFTokenizer(Path(path) / TOKENIZER, info.get("doc_end_token") or "")
 
 

@@ -257,9 +257,11 @@ def test_the_python_snippets_run_as_written(where, runs, monkeypatch, capsys):
     assert capsys.readouterr().out.strip(), "the snippet prints the generated text"
 
 
-def test_an_export_carries_the_runs_tokenizer(tmp_path):
+def test_an_export_carries_the_runs_tokenizer(tmp_path, capsys):
     """A run on its own files with a tokenizer.json: the export holds a copy, so `nljax.load` of
-    the export encodes and decodes as the run did with the tokenizer and the corpus gone."""
+    the export encodes and decodes as the run did with the tokenizer and the corpus gone; another
+    or a damaged one in its place is refused in one line, by nljax.generate's prompts= too (which
+    reads it before the weights)."""
 
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -284,3 +286,10 @@ def test_an_export_carries_the_runs_tokenizer(tmp_path):
     other.save(str(out / "tokenizer.json"))
     with pytest.raises(ConfigError, match="tokenizer.json is not the file that was written with the export"):
         nljax.load(out)
+    from nljax import generate
+
+    (out / "tokenizer.json").write_text("{")  # cut short: named as the export's damaged file, not parsed
+    (tmp_path / "prompts.txt").write_text("document\n")
+    assert generate.main([f"run.dir={out}", f"prompts={tmp_path / 'prompts.txt'}", f"out={tmp_path / 'c.jsonl'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "tokenizer.json is not the file that was written with the export" in err, err
