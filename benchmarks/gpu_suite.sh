@@ -465,7 +465,7 @@ part_titans_alone() {
 
 part_titans_unroll() {
   # the parallel form (auto's on a GPU) at 1, 2 and 4 chunks per loop iteration: compiled for an H200
-  # offline, one memory layer's forward + backward launched 1,062, 970 and 954 kernels, the step
+  # offline, one memory layer's forward + backward launched 1,063, 978 and 930 kernels, the step
   # 4,244, 3,998 and 3,854 (2026-12-01);
   # fully unrolled (16) its step's dispatch took 41.8 ms on the card (2026-11-30, second run)
   local v=()
