@@ -14,6 +14,6 @@ $G --config titans_demo --no-base --variant $P --out OUT/after_titans_demo_b4.js
 $G --config nl_350m --no-base --variant $P --out OUT/after_nl_350m.json
 $G --config titans_demo --no-base --variant $P --out OUT/after_titans_demo_b128.json model.dtype=bfloat16 train.batch_size=128
 # one memory layer's kernels per chunk (forward + backward loop bodies):
-python benchmarks/memory_kernel.py --launches h200 --variant parallel --shapes titans_demo,nl_350m
+python benchmarks/memory_kernel.py --launches h200 --variant parallel --shapes titans_demo,nl_350m > OUT/memory_kernel_launches.txt
 # one memory layer's kernels at 1, 2 and 4 chunks per loop iteration (titans_unroll's variants):
 /tmp/gv13/bin/python docs/gpu/2026-12-01-packed-cotangents/unroll_launches.py > OUT/unroll_launches.txt
