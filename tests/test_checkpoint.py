@@ -242,6 +242,8 @@ def test_a_resume_whose_auto_computes_another_way_is_told(ref, monkeypatch):
 
     here = moved.engine.model.forms()
     assert _changed_forms({k: v for k, v in meta.items() if k != "forms"}, moved.engine.cfg, here) == []
+    # a form that is no setting of the model's section (a model of one's own) names nothing
+    assert _changed_forms({**meta, "forms": {"odd": "a"}}, moved.engine.cfg, {"odd": "b"}) == []
     asked = make([*NL, "model.nl_lm.memory_impl=parallel"], 2, 4)
     r = restore(asked.engine, asked.state, ref["dir"] / "2")
     assert r.warnings == ["resuming with model.nl_lm.memory_impl='parallel' (the checkpoint at step 2 was written "

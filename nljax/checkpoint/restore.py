@@ -221,7 +221,9 @@ def _changed_forms(meta: dict, cfg: Config, forms: dict | None) -> list[str]:
     which = f"the checkpoint at step {meta['step']}" if "step" in meta else "the checkpoint"
     out = []
     for k, now in (forms or {}).items():
-        setting = getattr(here, k, None)
+        if not hasattr(here, k):  # a form that is no setting of the model's section: nothing to name
+            continue
+        setting = getattr(here, k)
         if k in saved and saved[k] != now and section.get(k) == setting:
             out.append(f"resuming with model.{cfg.model.name}.{k}={fmt(setting)} computed as {fmt(now)} on this "
                        f"{jax.default_backend()} ({which} was computed as {fmt(saved[k])}): float rounding differs")
