@@ -34,7 +34,10 @@
 # CPU machine (2026-11-30): titans_demo's two steps 45-104 s each, 3.1-3.7 MiB each; b128 78 s,
 # 3.4 MiB; nl_350m's fused350m_loop step 117 s, 6.5 MiB; with auto's parallel form (2026-12-01, the
 # machine busy with the tests): b128 184 s, 3.8 MiB; vs_pytorch 133 s, 3.7 MiB;
-# fused350m_parallel4 331 s, 7.8 MiB (the other parts not measured). A GPU
+# fused350m_parallel4 331 s, 7.8 MiB; with the backward loop's cotangents packed and the card's
+# driver named (2026-12-01, the machine otherwise idle): b128 99 s, 3.8 MiB; vs_pytorch 73 s, 3.7 MiB;
+# fused350m_parallel4 145 s, 7.9 MiB; titans_unroll 284 s for its three (1, 2, 4: 3.7, 4.2, 5.0 MiB;
+# unroll 1 is vs_pytorch's file) (the other parts not measured). A GPU
 # session carries at most 64 MiB with the checkout. Each part's report goes to DIR/PART.json.
 set -u
 DIR=${1:?usage: benchmarks/gpu_prepare.sh DIR [PART ...]}
