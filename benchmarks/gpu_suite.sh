@@ -91,10 +91,11 @@
 #   b128               titans_demo at batch 128 x 512, model.remat=memory (auto's forms): peak memory
 #   titans_cmdbuf      titans_demo at batch 4 x 512 (auto's forms) alone through ab.py's training loop, once
 #                      per set of XLA command-buffer flags, each in its own process (XLA_FLAGS is a
-#                      process's): XLA's defaults, none (op by op), the loop bodies' dynamic-update-slices
-#                      out of the graphs, whole loops unrolled into one graph, temporaries at fixed
-#                      addresses; about 60-90 s each on the card (docs/benchmarks/2026-12-01-command-buffers.md);
-#                      then 8 steps with XLA's log of each graph's launches and recordings (titans_cmdbuf_log)
+#                      process's), in this order: XLA's defaults, the loop bodies' dynamic slices out of
+#                      the graphs, temporaries at fixed addresses, 8 steps with XLA's log of each graph's
+#                      launches and recordings (titans_cmdbuf_log), whole loops unrolled into one graph,
+#                      none (op by op); about 60-90 s each on the card
+#                      (docs/benchmarks/2026-12-01-command-buffers.md)
 #
 # Parts of issue 17 (auto's forms: since 2026-12-01 the inner loop's parallel form on a GPU, where
 # their runs before measured the scan; dit has no neural memory):
@@ -502,11 +503,11 @@ part_titans_forms() {
 # every inner-loop body is one graph launched 16 times a step from the host, and each launch is
 # recorded again first (the body's dynamic-update-slices write at the loop counter's offset);
 # +WHILE alone leaves those loops on the host (XLA takes a loop with such slices into a graph only
-# unrolled). Each set of flags: its name, then the flags (none: XLA's defaults)
-# in the order a short call should reach them (the budget skips the rest): XLA's defaults; the loop
-# bodies' slices out of their graphs and the temporaries at fixed addresses, the two ways past the
-# update before each loop-body launch that XLA's source describes; XLA's own log of the updates
-# (`log`, with the defaults); whole loops in one graph; no graphs at all
+# unrolled). Each entry: a set's name, then its flags (none: XLA's defaults), in the order a short
+# call should reach them (the budget skips the rest): XLA's defaults; the loop bodies' slices out
+# of their graphs and the temporaries at fixed addresses, the two ways past the update before each
+# loop-body launch that XLA's source describes; XLA's own log of the updates (`log`, with the
+# defaults); whole loops in one graph; no graphs at all
 CMDBUF=("default"
         "no_dsf --xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION"
         "skip_temp --xla_gpu_command_buffer_update_mode=SKIP_TEMP"

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import re
 import sys
@@ -87,9 +88,8 @@ def lines(out: Path) -> list[str]:
           ("titans_demo", "ab_titans_loop"),
           ("titans_demo", "ab_titans_unroll"), ("nl_350m", "ab_nl_350m"))
     for config, r in [(config, r) for config, name in ab for r in (load(out, name) or {}).get("rows", [])]:
-        ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
         rows.append(f"info  {config} {' '.join(r['variant'].split())}: {r['median_ms']:.2f} ms/step (x{r['ratio']:.3f} "
-                    f"of the first), compile {r['compile_s']:.0f} s{loaded(r)}{ops}{forms(r.get('forms'))}")
+                    f"of the first), compile {r['compile_s']:.0f} s{loaded(r)}{profiled_ops(r)}{forms(r.get('forms'))}")
     rows += cmdbuf_lines(out)
     for name in ("bench_titans_demo_graphs",):
         b = load(out, name)
@@ -124,6 +124,11 @@ def lines(out: Path) -> list[str]:
     return rows
 
 
+def profiled_ops(r: dict) -> str:
+    """'; N kernels/step, ... idle ...' of an ab.py row profiled (--profile), else nothing."""
+    return f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
+
+
 def cmdbuf_lines(out: Path) -> list[str]:
     """The titans_cmdbuf part's runs (auto's step alone through ab.py's loop, one process per set of
     XLA command-buffer flags, OUT/ab_titans_cmdbuf_NAME.json): each set's step, named by the flags
@@ -136,9 +141,8 @@ def cmdbuf_lines(out: Path) -> list[str]:
         r = runs[name]["rows"][0]
         flags = " ".join(runs[name].get("xla_flags") or []) or "XLA's defaults"
         ratio = "" if base is None or name == "default" else f" (x{r['median_ms'] / base:.3f} of the defaults' run)"
-        ops = f"; {kernels(r['ops_per_step'], r['busy_fraction'])}{idled(r.get('idle'))}" if "ops_per_step" in r else ""
         rows.append(f"info  titans_demo command buffers, {flags}: {r['median_ms']:.2f} ms/step through the training "
-                    f"loop{ratio}, compile {r['compile_s']:.0f} s{loaded(r)}{ops}")
+                    f"loop{ratio}, compile {r['compile_s']:.0f} s{loaded(r)}{profiled_ops(r)}")
     return rows + cmdbuf_log_lines(out)
 
 
@@ -165,9 +169,7 @@ def cmdbuf_log_lines(out: Path) -> list[str]:
         return [f"info  titans_demo command buffers, XLA's log: no graph launched or recorded in {steps} steps "
                 "(no command buffers on this device, or this XLA logs them otherwise)"]
     updates = [n for n, first, update in records if update and not first]
-    moved = {}
-    for n in updates:
-        moved[n] = moved.get(n, 0) + 1
+    moved = collections.Counter(updates)
     spread = ", ".join(f"{k} moved: {v}" for k, v in sorted(moved.items()))
     return [f"info  titans_demo command buffers, XLA's log (its defaults, {steps} steps): "
             f"{launches / steps:,.1f} graph launches per step, {len(updates) / steps:,.1f} updates per step before "
