@@ -29,6 +29,9 @@
 #   fused350m_best     bench_nl_350m_fused_best: unrolled, the scan, memory_unroll=4
 #   fused350m_parallel bench_nl_350m_fused_parallel: unrolled, memory_impl=parallel
 #   titans_unroll      ab_titans_unroll: titans_demo bf16, memory_impl=parallel at memory_unroll 1, 2, 4
+#   titans_cmdbuf      ab_titans_cmdbuf_while and _while_skip_temp (and the logged run under +WHILE):
+#                      vs_pytorch's step under those sets' XLA flags (part of a step's key; the
+#                      default set's step is vs_pytorch's)
 # Only the step where every level fires (the benches' --patterns worst, ab.py's step);
 # titans_pytorch.py also compiles level 0's step, which the card compiles. Measured on the 2-core
 # CPU machine (2026-11-30): titans_demo's two steps 45-104 s each, 3.1-3.7 MiB each; b128 78 s,
@@ -50,7 +53,9 @@ mkdir -p "$DIR"
 FUSED=(model.remat=memory model.nl_lm.attention=auto model.nl_lm.embed_grad=onehot)
 SCAN=(model.nl_lm.memory_impl=scan)  # the rows measured with the scan name it (auto: the parallel form on a GPU)
 BF16=(model.dtype=bfloat16)
-ALL=(b128 vs_pytorch fused350m_parallel4 titans_unroll fused350m_best ab350m titans_forms titans_loop fused350m_loop
+WHILE=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL  # titans_cmdbuf's flag sets, as the suite gives them
+SKIP_TEMP=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
+ALL=(b128 vs_pytorch titans_cmdbuf fused350m_parallel4 titans_unroll fused350m_best ab350m titans_forms titans_loop fused350m_loop
      fused350m_parallel)
 
 compile() {  # part, the suite's bench name (NAME or NAME,FALLBACK: whose autotuning results), then gpu_compile.py's arguments
@@ -102,6 +107,15 @@ part_titans_unroll() {
     --variant parallel1:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=1 \
     --variant parallel2:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=2 \
     --variant parallel4:model.nl_lm.memory_impl=parallel,model.nl_lm.memory_unroll=4 "${BF16[@]}"
+}
+part_titans_cmdbuf() {
+  # the sets' runs give XLA_FLAGS "$WHILE" and "$WHILE $SKIP_TEMP" (the key keeps their order);
+  # without their own autotuning results, vs_pytorch's: the same program
+  local flags name
+  for flags in "$WHILE" "$WHILE $SKIP_TEMP"; do
+    name=titans_cmdbuf_while; [ "$flags" = "$WHILE" ] || name=titans_cmdbuf_while_skip_temp
+    XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" compile "$name" "ab_$name,titans_vs_bf16_parallel" --config titans_demo "${BF16[@]}"
+  done
 }
 part_b128() {
   compile b128 bench_titans_demo_b128_memory --config titans_demo "${BF16[@]}" model.remat=memory train.batch_size=128

@@ -91,10 +91,11 @@
 #   b128               titans_demo at batch 128 x 512, model.remat=memory (auto's forms): peak memory
 #   titans_cmdbuf      titans_demo at batch 4 x 512 (auto's forms) alone through ab.py's training loop, once
 #                      per set of XLA command-buffer flags, each in its own process (XLA_FLAGS is a
-#                      process's), in this order: XLA's defaults, the loop bodies' dynamic slices out of
-#                      the graphs, temporaries at fixed addresses, 8 steps with XLA's log of each graph's
-#                      launches and recordings (titans_cmdbuf_log), whole loops unrolled into one graph,
-#                      none (op by op); about 60-90 s each on the card
+#                      process's), in this order: XLA's defaults, the whole step one graph (+WHILE), the
+#                      same with temporaries at fixed addresses, 8 steps with XLA's log of each graph's
+#                      launches and recordings under +WHILE and under the defaults (titans_cmdbuf_log_while,
+#                      titans_cmdbuf_log), temporaries at fixed addresses alone, whole loops unrolled into
+#                      one graph, none (op by op); about 60-90 s each on the card, less loaded
 #                      (docs/benchmarks/2026-12-01-command-buffers.md)
 #
 # Parts of issue 17 (auto's forms: since 2026-12-01 the inner loop's parallel form on a GPU, where
@@ -500,18 +501,24 @@ part_titans_forms() {
 
 # XLA's command buffers (CUDA graphs) in jax 0.11.2's XLA, read from its source and the thunks of
 # titans_demo's step compiled offline for an H200 (docs/benchmarks/2026-12-01-command-buffers.md):
-# every inner-loop body is one graph launched 16 times a step from the host, and each launch is
-# recorded again first (the body's dynamic-update-slices write at the loop counter's offset);
-# +WHILE alone leaves those loops on the host (XLA takes a loop with such slices into a graph only
-# unrolled). Each entry: a set's name, then its flags (none: XLA's defaults), in the order a short
-# call should reach them (the budget skips the rest): XLA's defaults; the loop bodies' slices out
-# of their graphs and the temporaries at fixed addresses, the two ways past the update before each
-# loop-body launch that XLA's source describes; XLA's own log of the updates (`log`, with the
-# defaults); whole loops in one graph; no graphs at all
+# every inner-loop body is one graph launched 16 times a step from the host. Until the parallel
+# form's loops sliced at an offset XLA does not read as their counter (memory._scan, 2026-12-01),
+# each launch was recorded again first and +WHILE left the loops to the host; now, compiled
+# offline, a loop body's graph has nothing that asks for it and +WHILE makes the whole step one
+# graph (103 launches a step before). Each entry: a set's name, then its flags (none: XLA's
+# defaults), in the order a short call should reach them (the budget skips the rest): XLA's
+# defaults; the whole step one graph (+WHILE), then with its temporaries at fixed addresses (an
+# update of that one graph would re-record all of its kernels); XLA's own log of the graphs'
+# launches and updates (`log...`: not timed) with +WHILE and with the defaults; the temporaries
+# alone; whole loops unrolled in one graph; no graphs at all
+WHILE=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
+SKIP_TEMP=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 CMDBUF=("default"
-        "no_dsf --xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION"
-        "skip_temp --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
+        "while $WHILE"
+        "while_skip_temp $WHILE $SKIP_TEMP"
+        "log_while $WHILE"
         "log"
+        "skip_temp $SKIP_TEMP"
         "unroll --xla_gpu_enable_command_buffer=+WHILE --xla_gpu_command_buffer_unroll_loops=true"
         "off --xla_gpu_enable_command_buffer=")
 
@@ -524,17 +531,18 @@ part_titans_cmdbuf() {
   local set name flags
   for set in "${sets[@]}"; do
     name=${set%% *}; flags=${set#"$name"}; flags=${flags# }
-    if [ "$name" = log ]; then
-      # XLA's own account with its defaults (its log of command_buffer_thunk.cc): each launch of a
-      # graph, and each recording before one with why (updated_allocs: buffers whose address moved
-      # since the last launch; needs_update). Logging costs the host time: not timed against the others
-      TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 run titans_cmdbuf_log $PY benchmarks/ab.py \
-        --config titans_demo --rounds 1 --warmup 1 --loop 4 "${BF16[*]} ${TITANS[*]}" --out "$OUT/titans_cmdbuf_log.json"
-      continue
-    fi
     if [ -n "$flags" ] && ! XLA_FLAGS="${XLA_FLAGS:-} $flags" JAX_PLATFORMS=cpu $PY -c "import jax; jax.numpy.zeros(2)" \
         > "$OUT/ab_titans_cmdbuf_${name}_probe.log" 2>&1; then
       echo "== ab_titans_cmdbuf_$name: skipped, this XLA refuses $flags (OUT/ab_titans_cmdbuf_${name}_probe.log)"
+      continue
+    fi
+    if [ "${name%%_*}" = log ]; then
+      # XLA's own account under the set's flags (its log of command_buffer_thunk.cc): each launch of
+      # a graph, and each recording before one with why (updated_allocs: buffers whose address moved
+      # since the last launch; needs_update). Logging costs the host time: not timed against the others
+      XLA_FLAGS="${XLA_FLAGS:-}${flags:+ $flags}" TF_CPP_VMODULE=command_buffer_thunk=3 TF_CPP_MIN_LOG_LEVEL=0 \
+        run "titans_cmdbuf_$name" $PY benchmarks/ab.py --config titans_demo --rounds 1 --warmup 1 --loop 4 \
+        "${BF16[*]} ${TITANS[*]}" --out "$OUT/titans_cmdbuf_$name.json"
       continue
     fi
     XLA_FLAGS="${XLA_FLAGS:-}${flags:+ $flags}" run "ab_titans_cmdbuf_$name" $PY benchmarks/ab.py --config titans_demo \

@@ -154,27 +154,31 @@ _LAUNCHED = "Execute command buffer; num_executions="
 
 
 def cmdbuf_log_lines(out: Path) -> list[str]:
-    """The titans_cmdbuf part's logged run (OUT/titans_cmdbuf_log.log, XLA's defaults): graph
-    launches, first recordings and updates per step, and how many buffers had moved before an
-    update; nothing when the part did not run."""
-    meta, log = load(out, "titans_cmdbuf_log"), out / "titans_cmdbuf_log.log"
-    if not meta or not log.exists():
-        return []
-    steps = (meta["rounds"] + meta.get("warmup", 0)) * max(meta["loop"], 1)
-    text = log.read_text(errors="replace")
-    launches = text.count(_LAUNCHED)
-    records = [(int(n), first in ("1", "true"), update in ("1", "true"))
-               for n, first, update in _RECORDED.findall(text)]
-    if not launches and not records:
-        return [f"info  titans_demo command buffers, XLA's log: no graph launched or recorded in {steps} steps "
-                "(no command buffers on this device, or this XLA logs them otherwise)"]
-    updates = [n for n, first, update in records if update and not first]
-    moved = collections.Counter(updates)
-    spread = ", ".join(f"{k} moved: {v}" for k, v in sorted(moved.items()))
-    return [f"info  titans_demo command buffers, XLA's log (its defaults, {steps} steps): "
-            f"{launches / steps:,.1f} graph launches per step, {len(updates) / steps:,.1f} updates per step before "
-            f"one ({len(updates)} in all; buffers {spread or '-'}), {sum(first for _, first, _ in records)} first "
-            "recordings"]
+    """The titans_cmdbuf part's logged runs (OUT/titans_cmdbuf_log*.log, each under its set's
+    flags): graph launches, first recordings and updates per step, and how many buffers had moved
+    before an update; nothing when the part did not run."""
+    rows = []
+    for log in sorted(out.glob("titans_cmdbuf_log*.log")):
+        meta = load(out, log.stem)
+        if not meta:
+            continue
+        steps = (meta["rounds"] + meta.get("warmup", 0)) * max(meta["loop"], 1)
+        flags = " ".join(meta.get("xla_flags") or []) or "its defaults"
+        text = log.read_text(errors="replace")
+        launches = text.count(_LAUNCHED)
+        records = [(int(n), first in ("1", "true"), update in ("1", "true"))
+                   for n, first, update in _RECORDED.findall(text)]
+        if not launches and not records:
+            rows.append(f"info  titans_demo command buffers, XLA's log ({flags}): no graph launched or recorded in "
+                        f"{steps} steps (no command buffers on this device, or this XLA logs them otherwise)")
+            continue
+        updates = [n for n, first, update in records if update and not first]
+        spread = ", ".join(f"{k} moved: {v}" for k, v in sorted(collections.Counter(updates).items()))
+        rows.append(f"info  titans_demo command buffers, XLA's log ({flags}, {steps} steps): "
+                    f"{launches / steps:,.1f} graph launches per step, {len(updates) / steps:,.1f} updates per step "
+                    f"before one ({len(updates)} in all; buffers {spread or '-'}), "
+                    f"{sum(first for _, first, _ in records)} first recordings")
+    return rows
 
 
 def memory_kernel_lines(m: dict | None, what: str = "kernel") -> list[str]:

@@ -178,27 +178,32 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
     calls.mkdir()
     r = suite(out, "titans_cmdbuf", PYTHON=str(fake), CALLS=str(calls))
     vmodule = {p.stem: p.read_text().strip() for p in calls.glob("*.vmodule")}
-    flags = {p.name.removeprefix("ab_titans_cmdbuf_"): p.read_text().split() for p in calls.iterdir()
-             if p.suffix != ".vmodule" and p.name != "titans_cmdbuf_log"}
-    assert sorted(flags) == ["default", "no_dsf", "off", "unroll"], (sorted(flags), r.stdout)
-    # then the defaults once more with XLA's log of its graphs, the only run that logs them
-    assert vmodule.pop("titans_cmdbuf_log") == "command_buffer_thunk=3" and set(vmodule.values()) == {""}, vmodule
+    flags = {p.name.removeprefix("ab_titans_cmdbuf_").removeprefix("titans_cmdbuf_"): p.read_text().split()
+             for p in calls.iterdir() if p.suffix != ".vmodule"}
+    assert sorted(flags) == ["default", "log", "log_while", "off", "unroll", "while"], (sorted(flags), r.stdout)
+    # the logged runs (under +WHILE and under the defaults) are the only ones that log XLA's graphs
+    assert {k: v for k, v in vmodule.items() if v} == {"titans_cmdbuf_log": "command_buffer_thunk=3",
+                                                       "titans_cmdbuf_log_while": "command_buffer_thunk=3"}, vmodule
     assert "FAILED" not in r.stdout, r.stdout
     cmdbuf = {name: [f for f in words if f.startswith(("--xla_gpu_enable_command_buffer", "--xla_gpu_command_buffer"))]
               for name, words in flags.items()}
-    assert cmdbuf == {"default": [], "off": ["--xla_gpu_enable_command_buffer="],
-                      "no_dsf": ["--xla_gpu_enable_command_buffer=-DYNAMIC_SLICE_FUSION"],
+    while_ = ["--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"]
+    assert cmdbuf == {"default": [], "log": [], "off": ["--xla_gpu_enable_command_buffer="],
+                      "while": while_, "log_while": while_,
                       "unroll": ["--xla_gpu_enable_command_buffer=+WHILE",
                                  "--xla_gpu_command_buffer_unroll_loops=true"]}
-    assert all(f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/ab_titans_cmdbuf_{name}" in words
-               for name, words in flags.items())
-    assert ("ab_titans_cmdbuf_skip_temp: skipped, this XLA refuses --xla_gpu_command_buffer_update_mode=SKIP_TEMP"
-            in r.stdout), r.stdout
-    # in the order a call cut short by the budget should reach them: the two ways past the loop
-    # bodies' updates and XLA's log of them before whole loops in one graph and no graphs at all
+    assert all(f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/{prefix}titans_cmdbuf_{name}" in words
+               for name, words in flags.items() for prefix in ["" if name.startswith("log") else "ab_"])
+    for refused in ("while_skip_temp", "skip_temp"):
+        assert (f"ab_titans_cmdbuf_{refused}: skipped, this XLA refuses" in r.stdout
+                and "--xla_gpu_command_buffer_update_mode=SKIP_TEMP" in r.stdout), r.stdout
+    # in the order a call cut short by the budget should reach them: the whole step one graph, its
+    # temporaries fixed and XLA's logs of both before the temporaries alone, whole loops unrolled
+    # in one graph and no graphs at all
     said = [line.split(":")[0].removeprefix("== ") for line in r.stdout.splitlines() if line.startswith("== ")]
-    assert said == [f"ab_titans_cmdbuf_{n}" for n in ("default", "no_dsf", "skip_temp")] + [
-        "titans_cmdbuf_log", "ab_titans_cmdbuf_unroll", "ab_titans_cmdbuf_off"], said
+    assert said == ["ab_titans_cmdbuf_default", "ab_titans_cmdbuf_while", "ab_titans_cmdbuf_while_skip_temp",
+                    "titans_cmdbuf_log_while", "titans_cmdbuf_log", "ab_titans_cmdbuf_skip_temp",
+                    "ab_titans_cmdbuf_unroll", "ab_titans_cmdbuf_off"], said
 
 
 def test_the_summary_names_each_command_buffer_run_by_its_flags(tmp_path):
@@ -225,10 +230,12 @@ def test_the_summary_counts_xlas_graph_launches_and_updates_per_step(tmp_path):
     a log without them (a CPU) is said to have none."""
     summary = bench_module("gpu_summary")
     (tmp_path / "titans_cmdbuf_log.json").write_text(json.dumps({"rounds": 1, "warmup": 1, "loop": 4, "rows": []}))
+    (tmp_path / "titans_cmdbuf_log_while.json").write_text(json.dumps(
+        {"rounds": 1, "warmup": 1, "loop": 4, "rows": [], "xla_flags": ["--xla_gpu_enable_command_buffer=+WHILE"]}))
     log = tmp_path / "titans_cmdbuf_log.log"
     log.write_text("nljax.bench: compiled\n")
     assert [r for r in summary.lines(tmp_path) if "XLA's log" in r] == [
-        "info  titans_demo command buffers, XLA's log: no graph launched or recorded in 8 steps (no command buffers "
+        "info  titans_demo command buffers, XLA's log (its defaults): no graph launched or recorded in 8 steps (no command buffers "
         "on this device, or this XLA logs them otherwise)"]
     record = ("I1201 10:00:00.000000 1 command_buffer_thunk.cc:300] [0] Create/Update command buffer by recoding "
               "command buffer cmd sequence after {e} executions since last update; num_commands=41; "
@@ -239,6 +246,11 @@ def test_the_summary_counts_xlas_graph_launches_and_updates_per_step(tmp_path):
     assert [r for r in summary.lines(tmp_path) if "XLA's log" in r] == [
         "info  titans_demo command buffers, XLA's log (its defaults, 8 steps): 3.0 graph launches per step, 1.0 "
         "updates per step before one (8 in all; buffers 0 moved: 6, 3 moved: 2), 2 first recordings"]
+    # each logged run under its own flags; the +WHILE one: one graph a step, recorded once
+    (tmp_path / "titans_cmdbuf_log_while.log").write_text(record.format(e=0, n=90, first=1, update=0) + 8 * launch)
+    assert [r for r in summary.lines(tmp_path) if "XLA's log" in r][1] == (
+        "info  titans_demo command buffers, XLA's log (--xla_gpu_enable_command_buffer=+WHILE, 8 steps): 1.0 graph "
+        "launches per step, 0.0 updates per step before one (0 in all; buffers -), 1 first recordings")
 
 
 def test_the_summary_gives_the_loop_kernels_ratio_to_titans_pytorch_when_measured(tmp_path):
@@ -354,6 +366,21 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
     r = subprocess.run(["bash", str(PREPARE), str(exe), "titans_unroll"], cwd=ROOT, capture_output=True, text=True,
                        env={**env, "OUT_ARGS": str(unroll_args)}, timeout=60)
     assert r.returncode == 0 and f"--autotune {tuned / 'titans_vs_bf16_parallel'} " in unroll_args.read_text(), r.stdout
+    # titans_cmdbuf: vs_pytorch's step under the suite's +WHILE sets' XLA flags (a step's key has them)
+    for flag in ("WHILE=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+                 "SKIP_TEMP=--xla_gpu_command_buffer_update_mode=SKIP_TEMP"):
+        assert flag in text and flag in prepare, flag
+    assert '"while_skip_temp $WHILE $SKIP_TEMP"' in text and '"while $WHILE"' in text
+    fake.write_text('#!/bin/sh\necho "$XLA_FLAGS|$*" >> "$OUT_ARGS"\n')
+    cmdbuf_args = tmp_path / "cmdbuf_args"
+    r = subprocess.run(["bash", str(PREPARE), str(exe), "titans_cmdbuf"], cwd=ROOT, capture_output=True, text=True,
+                       env={**env, "OUT_ARGS": str(cmdbuf_args), "XLA_FLAGS": ""}, timeout=60)
+    runs = [line.split("|") for line in cmdbuf_args.read_text().splitlines()]
+    assert r.returncode == 0 and [flags for flags, _ in runs] == [
+        "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+        "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_update_mode=SKIP_TEMP"], runs
+    assert all(f"--autotune {tuned / 'titans_vs_bf16_parallel'} --config titans_demo model.dtype=bfloat16" in a
+               and a.endswith("model.dtype=bfloat16") for _, a in runs), runs
     r = subprocess.run(["bash", str(PREPARE), str(tmp_path / "exe"), "bogus"], cwd=ROOT, capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and r.stdout.startswith("unknown part 'bogus'")
@@ -377,7 +404,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
                  "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback",
                  "attention_tiles",
                  "titans_vs_bf16", "titans_vs_bf16_loop", "titans_vs_bf16_parallel", "ab_titans_alone", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
-                 "bench_titans_demo_b128_memory", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_no_dsf",
+                 "bench_titans_demo_b128_memory", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_while",
                  "titans_cmdbuf_log"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
     assert "model.nl_lm.memory_impl=parallel_pallas" in json.loads((tmp_path / "titans_vs_bf16_loop.json").read_text())["overrides"]

@@ -207,6 +207,30 @@ def test_the_parallel_loop_has_at_most_half_the_products_per_chunk(kind):
     assert all(2 * p <= s for p, s in zip(parallel, scan)), (scan, parallel)
 
 
+def test_the_loops_slice_at_an_offset_that_is_not_their_counter():
+    """The parallel form's loops (forward and backward) slice their inputs and outputs in the body,
+    at `min(i, n - 1)` (or `max(n - 1 - i, 0)`), not through `lax.scan`'s own xs and ys: XLA:GPU
+    made the counter's own slices dynamic-slice fusions, which keep a loop out of one graph and
+    have its body's graph recorded again before every launch (memory._scan)."""
+    state, args = inputs("mlp", 64, d=16, hid=32)
+    loss = lambda st, a: jnp.sum(nm.memory_parallel(st, *a, kind="mlp", chunk=16)[0])
+    loops = [e for e in jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, args).jaxpr.eqns
+             if e.primitive.name == "scan"]
+
+    def offsets(body):  # what computes the offset of each slice of the body (jax's slicing helpers)
+        made = {v: e.primitive.name for e in body.eqns for v in e.outvars}
+        return [made.get(e.invars[-1] if e.params["name"] == "dynamic_index_in_dim" else e.invars[2], "counter")
+                for e in body.eqns if e.primitive.name in ("jit", "pjit")
+                and e.params["name"] in ("dynamic_index_in_dim", "dynamic_update_index_in_dim")]
+
+    assert len(loops) == 2, [e.primitive.name for e in jax.make_jaxpr(jax.grad(loss))(state, args).jaxpr.eqns]
+    for e in loops:
+        p = e.params
+        assert p["length"] == 4 and len(e.invars) == p["num_consts"] + p["num_carry"] and len(e.outvars) == p["num_carry"]
+        made = offsets(p["jaxpr"].jaxpr)
+        assert made and set(made) <= {"min", "max"}, made
+
+
 def test_memory_impl_parallel_is_selected_on_every_backend():
     ok = dict(kind="mlp", chunk=8, dim=8, hidden=8)  # shapes the Triton kernel could not take
     assert {forms.select("parallel", **ok, backend=b) for b in ("cpu", "gpu")} == {"parallel"}

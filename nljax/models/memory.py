@@ -420,6 +420,31 @@ def _loop_unroll(unroll: int, xs) -> int:
     return min(unroll, xs[0][0].shape[0])
 
 
+def _scan(body, carry, xs, reverse: bool = False, unroll: int = 1):
+    """`jax.lax.scan(body, carry, xs, reverse=reverse, unroll=unroll)`, with its slices of xs and
+    ys at an offset XLA does not read as the loop's counter (`min(i, n - 1)`, which it does not
+    simplify), so that they compile to kernels that read the offset on the device.
+
+    Why (XLA:GPU of jax 0.11.2, compiled for an H200 offline, 2026-12-01): a slice at the counter's
+    own offset that is a plain copy (the forward loop storing the chunk-start states, the backward
+    reading one of them) becomes a dynamic-slice fusion whose offset the host computes each
+    iteration; a loop body holding one is a graph XLA records again before each of its launches,
+    and `--xla_gpu_enable_command_buffer=+WHILE` leaves such a loop to the host. Here the same
+    kernels per chunk and no such fusion: with `+WHILE` titans_demo's whole step is one graph
+    launch where it was 103 (docs/concepts/memory-kernel.md)."""
+    n = jax.tree.leaves(xs)[0].shape[0]
+    _, y = jax.eval_shape(body, carry, jax.tree.map(lambda x: x[0], xs))
+    ys = jax.tree.map(lambda y: jnp.zeros((n,) + y.shape, y.dtype), y)
+
+    def step(i, c):
+        carry, ys = c
+        j = jnp.maximum(n - 1 - i, 0) if reverse else jnp.minimum(i, n - 1)
+        carry, y = body(carry, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, j, keepdims=False), xs))
+        return carry, jax.tree.map(lambda a, b: jax.lax.dynamic_update_index_in_dim(a, b, j, 0), ys, y)
+
+    return jax.lax.fori_loop(0, n, step, (carry, ys), unroll=unroll)
+
+
 def _starts(state: PyTree, xs, kind: str, unroll: int):
     """The sequential part: (final state, every chunk's start state, leaves [n, B, H, ...])."""
     (_, k, v, theta, eta), const = xs
@@ -427,7 +452,7 @@ def _starts(state: PyTree, xs, kind: str, unroll: int):
     def body(carry, inp):
         return end_state(carry, *inp, kind), carry
 
-    return jax.lax.scan(body, state, (k, v, end_inputs(theta, eta, const)), unroll=_loop_unroll(unroll, xs))
+    return _scan(body, state, (k, v, end_inputs(theta, eta, const)), unroll=_loop_unroll(unroll, xs))
 
 
 def _pack(tree: PyTree) -> jax.Array:
@@ -492,7 +517,7 @@ def _all_reads(starts: PyTree, xs, kind: str, groups: int = 1):
     reads = lambda st, x: jax.vmap(lambda st, *a: chunk_reads(st, *a, kind))(st, *x[0], x[1])
     if groups == 1:
         return reads(starts, xs)
-    return _merged(jax.lax.map(lambda a: reads(*a), _in_groups(groups, (starts, xs))))
+    return _merged(_scan(lambda c, a: (c, reads(*a)), (), _in_groups(groups, (starts, xs)))[1])
 
 
 def _parallel_fwd(state, xs, kind, unroll, groups):
@@ -530,7 +555,7 @@ def _parallel_bwd(kind, unroll, groups, res, cotangents):
         d_starts, d_xs_reads = jax.vjp(lambda st, x: _all_reads(st, x, kind), starts, xs)[1](dys)
         (_, k, v, theta, eta), consts = xs  # q reaches the reads alone
         ends, pull_ends = jax.vjp(end_inputs, theta, eta, consts)
-        d_end, (d_kv, packed) = jax.lax.scan(
+        d_end, (d_kv, packed) = _scan(
             body, d_end, (starts, k, v, ends, d_starts), reverse=True, unroll=_loop_unroll(unroll, xs))
         dk_loop, dv_loop = jnp.split(d_kv, [k.shape[-1]], axis=-1)
         d_ends = _unpack(packed, jax.tree.map(lambda x: x[0], ends))
@@ -541,7 +566,7 @@ def _parallel_bwd(kind, unroll, groups, res, cotangents):
 
     if groups == 1:
         return group(d_final, (starts, xs, dys))
-    d_state, d_xs = jax.lax.scan(group, d_final, _in_groups(groups, (starts, xs, dys)), reverse=True)
+    d_state, d_xs = _scan(group, d_final, _in_groups(groups, (starts, xs, dys)), reverse=True)
     return d_state, _merged(d_xs)
 
 
