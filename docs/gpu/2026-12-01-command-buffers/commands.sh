@@ -31,3 +31,16 @@ done
 # default's thunk_sequence_after_thunk_passes.txt
 # The HLO text of every variant is the same but for a source line in its metadata (diff); kernels:
 # 4,390 per step in each (OUT.json, nljax.measure.hlo.launching), buffers 1,035,095,820 bytes.
+# Later the same day, at the commit whose loops slice at min(i, n - 1) (memory._scan):
+# thunks_min_offset.txt. The step again, with the driver named, under XLA's defaults and +WHILE:
+run x_default ""
+run x_while "" --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
+# one memory layer's forward + backward at titans_demo's memory shapes, as the variants were tried
+# (/tmp/kc/dump.py: benchmarks/memory_kernel.py's inputs, jax.grad of the parallel form, compiled
+# for an H200 with memory_kernel's shapes; thunks.py on its dump), each variant of memory._scan's
+# offset in turn: the loop's counter (lax.scan: 5 dynamic-slice fusions, 35 graph launches), an
+# optimization barrier on it (XLA's HloEvaluator refuses opt-barrier while compiling), a second
+# counter carried and incremented (XLA still reads it as the counter: 5), one clamped with min/max
+# in the carry (none; 61 kernels a chunk against 59), min(i, n - 1) of the counter (none; 59; kept)
+XLA_FLAGS="--xla_dump_to=/tmp/cb/Lexp --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+  /tmp/gv13/bin/python /tmp/kc/dump.py titans_demo parallel /tmp/cb/Lexp.hlo
