@@ -5,7 +5,7 @@
 #
 # Presets:
 #   issue44  (the default) one device call of under 8 minutes (issue 44), the rows in the order
-#            they matter: b128 vs_pytorch titans_alone fused350m_parallel4 titans_unroll fused350m_best
+#            they matter: b128 vs_pytorch vs_pytorch_while titans_alone fused350m_parallel4 titans_unroll fused350m_best
 #            ab350m pullback attn_tiles vs_pytorch_parallel titans_forms fused350m_graphs fused350m_best8
 #            fused350m fused350m_loop vs_pytorch_loop kernel_loop titans_loop fused350m_parallel kernel
 #            fused350m_unrolled fused350m_memunroll fused350m_kernel paths titans_cmdbuf.
@@ -63,6 +63,9 @@
 #                      profiled: the kernel in the whole step
 #   vs_pytorch         titans_demo (auto's forms: the parallel form on a GPU) vs titans-pytorch in bf16 at
 #                      batch 4 x 512 (interleaved, one process)
+#   vs_pytorch_while   the same with XLA's while loops in its CUDA graphs
+#                      (--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL): compiled offline, the whole step
+#                      one graph launch instead of 103 (titans_cmdbuf's `while` set)
 #   vs_pytorch_loop    the same with memory_impl=parallel_pallas (the loop kernel)
 #   vs_pytorch_parallel the same with memory_impl=parallel named (auto's choice on a GPU since 2026-12-01)
 #   titans_alone       titans_demo at batch 4 x 512 with auto's forms alone in ab.py's process, timed
@@ -140,7 +143,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 # ------------------------------------------------------------------ which parts
 
-ISSUE44=(b128 vs_pytorch titans_alone fused350m_parallel4 titans_unroll fused350m_best ab350m pullback attn_tiles
+ISSUE44=(b128 vs_pytorch vs_pytorch_while titans_alone fused350m_parallel4 titans_unroll fused350m_best ab350m pullback attn_tiles
          vs_pytorch_parallel titans_forms fused350m_graphs fused350m_best8 fused350m fused350m_loop vs_pytorch_loop
          kernel_loop titans_loop fused350m_parallel kernel fused350m_unrolled fused350m_memunroll fused350m_kernel paths
          titans_cmdbuf)
@@ -425,6 +428,12 @@ part_vs_pytorch() {
   # titans_demo vs titans-pytorch in bf16 at batch 4 x 512 (target: >= 100x its tokens/s); in a dry
   # run nljax's side alone (--skip-torch)
   vs_pytorch titans_vs_bf16
+}
+
+part_vs_pytorch_while() {
+  # the one-graph step (titans_cmdbuf's `while` set) against titans-pytorch: the target's own figure
+  # under the flags that may reach it (docs/benchmarks/2026-12-01-command-buffers.md)
+  XLA_FLAGS="${XLA_FLAGS:-} $WHILE" vs_pytorch titans_vs_bf16_while
 }
 
 part_vs_pytorch_loop() {

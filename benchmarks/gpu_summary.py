@@ -69,7 +69,8 @@ def lines(out: Path) -> list[str]:
         rows.append(f"info  titans_demo: {b['units_per_s_per_device_mean']:,.0f} tokens/s/device mean, "
                     f"worst {b['units_per_s_per_device_worst']:,.0f}; compile per variant: {comp}")
     for name, how in (("titans_vs_bf16", ""), ("titans_vs_bf16_loop", ", memory_impl=parallel_pallas"),
-                      ("titans_vs_bf16_parallel", ", memory_impl=parallel")):
+                      ("titans_vs_bf16_parallel", ", memory_impl=parallel"),
+                      ("titans_vs_bf16_while", ", XLA's while loops in its graphs (+WHILE)")):
         t = load(out, name)
         ratio = t.get("ratio_tokens_per_s") if t else None
         if ratio is None and how:  # another form's row only when its part ran

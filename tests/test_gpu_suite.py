@@ -176,8 +176,15 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
     fake.chmod(0o755)
     out, calls = tmp_path / "out", tmp_path / "calls"
     calls.mkdir()
-    r = suite(out, "titans_cmdbuf", PYTHON=str(fake), CALLS=str(calls))
+    r = suite(out, "vs_pytorch_while", "titans_cmdbuf", PYTHON=str(fake), CALLS=str(calls))
     vmodule = {p.stem: p.read_text().strip() for p in calls.glob("*.vmodule")}
+    # titans_demo against titans-pytorch under the `while` set's flags (a part of the first call)
+    assert (calls / "titans_vs_bf16_while").read_text().split()[-2:] == [
+        "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
+        f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/titans_vs_bf16_while"], r.stdout
+    (calls / "titans_vs_bf16_while").unlink()
+    (calls / "titans_vs_bf16_while.vmodule").unlink()
+    del vmodule["titans_vs_bf16_while"]
     flags = {p.name.removeprefix("ab_titans_cmdbuf_").removeprefix("titans_cmdbuf_"): p.read_text().split()
              for p in calls.iterdir() if p.suffix != ".vmodule"}
     assert sorted(flags) == ["default", "log", "log_while", "off", "unroll", "while"], (sorted(flags), r.stdout)
@@ -201,7 +208,7 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
     # temporaries fixed and XLA's logs of both before the temporaries alone, whole loops unrolled
     # in one graph and no graphs at all
     said = [line.split(":")[0].removeprefix("== ") for line in r.stdout.splitlines() if line.startswith("== ")]
-    assert said == ["ab_titans_cmdbuf_default", "ab_titans_cmdbuf_while", "ab_titans_cmdbuf_while_skip_temp",
+    assert said == ["titans_vs_bf16_while", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_while", "ab_titans_cmdbuf_while_skip_temp",
                     "titans_cmdbuf_log_while", "titans_cmdbuf_log", "ab_titans_cmdbuf_skip_temp",
                     "ab_titans_cmdbuf_unroll", "ab_titans_cmdbuf_off"], said
 
@@ -254,8 +261,8 @@ def test_the_summary_counts_xlas_graph_launches_and_updates_per_step(tmp_path):
 
 
 def test_the_summary_gives_the_loop_kernels_ratio_to_titans_pytorch_when_measured(tmp_path):
-    """vs_pytorch_loop's and vs_pytorch_parallel's rows (the 100x target with memory_impl=parallel_pallas
-    and =parallel) beside the auto forms' row, each against the target; absent, only the auto row says
+    """vs_pytorch_loop's, vs_pytorch_parallel's and vs_pytorch_while's rows (the 100x target with
+    memory_impl=parallel_pallas, =parallel, and XLA's loops in graphs) beside the auto forms' row, each against the target; absent, only the auto row says
     'skipped'."""
     summary = bench_module("gpu_summary")
     rows = [r for r in summary.lines(tmp_path) if "titans-pytorch" in r]
@@ -267,6 +274,10 @@ def test_the_summary_gives_the_loop_kernels_ratio_to_titans_pytorch_when_measure
     assert rows[0].startswith("MISS") and "45.2x" in rows[0], rows
     assert rows[1].startswith("MET") and "memory_impl=parallel_pallas: 120.0x" in rows[1], rows
     assert rows[2].startswith("MISS") and "memory_impl=parallel: 99.0x" in rows[2], rows
+    (tmp_path / "titans_vs_bf16_while.json").write_text(json.dumps({"ratio_tokens_per_s": 101.0, "nljax": {
+        "tokens_per_s": 202000}, "titans_pytorch": {"tokens_per_s": 2000}}))
+    row = [r for r in summary.lines(tmp_path) if "titans-pytorch" in r][3]
+    assert row.startswith("MET") and "XLA's while loops in its graphs (+WHILE): 101.0x" in row, row
     # measured through the training loop as well: that figure decides, the other beside it
     (tmp_path / "titans_vs_bf16.json").write_text(json.dumps({
         "ratio_tokens_per_s": 90.0, "ratio_tokens_per_s_in_loop": 104.0,
@@ -403,7 +414,7 @@ def test_the_issue44_suite_runs_dry_on_a_cpu(tmp_path):
                  "bench_nl_350m_fused_best8", "bench_nl_350m_fused_graphs", "bench_nl_350m_fused_parallel",
                  "bench_nl_350m_fused_parallel4", "bench_nl_350m_fused_loop", "memory_loop_kernel", "memory_pullback",
                  "attention_tiles",
-                 "titans_vs_bf16", "titans_vs_bf16_loop", "titans_vs_bf16_parallel", "ab_titans_alone", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
+                 "titans_vs_bf16", "titans_vs_bf16_while", "titans_vs_bf16_loop", "titans_vs_bf16_parallel", "ab_titans_alone", "ab_titans_loop", "ab_titans_unroll", "ab_titans_forms", "ab_nl_350m",
                  "bench_titans_demo_b128_memory", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_while",
                  "titans_cmdbuf_log"):
         assert (tmp_path / f"{name}.json").exists(), (name, r.stdout, logs)
