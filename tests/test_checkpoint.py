@@ -242,6 +242,13 @@ def test_a_resume_whose_auto_computes_another_way_is_told(ref, monkeypatch):
 
     here = moved.engine.model.forms()
     assert _changed_forms({k: v for k, v in meta.items() if k != "forms"}, moved.engine.cfg, here) == []
+    # several forms moved (a GPU's checkpoint on a CPU): one line naming them all
+    gpu = {**meta, "forms": {**meta["forms"], "attention": "cudnn", "embed_grad": "onehot", "memory_impl": "parallel"}}
+    cpu = ref["setup"].engine.model.forms()
+    assert _changed_forms(gpu, moved.engine.cfg, cpu) == [
+        f"resuming with model.nl_lm.attention='auto', model.nl_lm.memory_impl='auto' and "
+        f"model.nl_lm.embed_grad='auto' computed as {cpu['attention']!r}, 'scan' and {cpu['embed_grad']!r} on this "
+        "cpu (the checkpoint at step 2 was computed as 'cudnn', 'parallel' and 'onehot'): float rounding differs"]
     # a form that is no setting of the model's section (a model of one's own) names nothing
     assert _changed_forms({**meta, "forms": {"odd": "a"}}, moved.engine.cfg, {"odd": "b"}) == []
     asked = make([*NL, "model.nl_lm.memory_impl=parallel"], 2, 4)

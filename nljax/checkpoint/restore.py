@@ -211,23 +211,31 @@ def _changed_settings(meta: dict, cfg: Config, same_data: bool = False, said=())
 
 
 def _changed_forms(meta: dict, cfg: Config, forms: dict | None) -> list[str]:
-    """A warning for each form the model computes with (`registry.forms_of`: nl_lm's attention,
-    inner loop, ...) that differs from the one the checkpoint was written with under the same
-    setting: `auto` takes the parallel form of the inner loop on a GPU and the scan on a CPU, so a
+    """One warning naming the forms the model computes with (`registry.forms_of`: nl_lm's
+    attention, inner loop, ...) that differ from those the checkpoint was written with under the
+    same settings: `auto` takes the parallel form of the inner loop on a GPU and the scan on a CPU, so a
     run moved between them computes the same sums in another order, as a changed setting would
     (`_changed_settings` names those). A checkpoint saved before its forms were recorded: none."""
     saved, section = meta.get("forms") or {}, (meta["config"].get("model") or {}).get(cfg.model.name) or {}
     here = getattr(cfg.model, cfg.model.name, None)
     which = f"the checkpoint at step {meta['step']}" if "step" in meta else "the checkpoint"
-    out = []
+    moved = []  # (setting, this run's form, the checkpoint's)
     for k, now in (forms or {}).items():
         if not hasattr(here, k):  # a form that is no setting of the model's section: nothing to name
             continue
         setting = getattr(here, k)
         if k in saved and saved[k] != now and section.get(k) == setting:
-            out.append(f"resuming with model.{cfg.model.name}.{k}={fmt(setting)} computed as {fmt(now)} on this "
-                       f"{jax.default_backend()} ({which} was computed as {fmt(saved[k])}): float rounding differs")
-    return out
+            moved.append((f"model.{cfg.model.name}.{k}={fmt(setting)}", fmt(now), fmt(saved[k])))
+    if not moved:
+        return []
+    said = lambda i: _and([m[i] for m in moved])  # one line for all (a GPU's checkpoint on a CPU moves three)
+    return [f"resuming with {said(0)} computed as {said(1)} on this {jax.default_backend()} ({which} was computed "
+            f"as {said(2)}): float rounding differs"]
+
+
+def _and(words: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 def _under(key: str, sections) -> bool:
