@@ -95,7 +95,7 @@
 #   titans_cmdbuf      titans_demo at batch 4 x 512 (auto's forms) alone through ab.py's training loop, once
 #                      per set of XLA command-buffer flags, each in its own process (XLA_FLAGS is a
 #                      process's), in this order: XLA's defaults, the whole step one graph (+WHILE), the
-#                      same with temporaries at fixed addresses, 8 steps with XLA's log of each graph's
+#                      same with temporaries at fixed addresses, with 2 and 4 chunks per loop iteration, 8 steps with XLA's log of each graph's
 #                      launches and recordings under +WHILE and under the defaults (titans_cmdbuf_log_while,
 #                      titans_cmdbuf_log), temporaries at fixed addresses alone, whole loops unrolled into
 #                      one graph, none (op by op); about 60-90 s each on the card, less loaded
@@ -517,7 +517,9 @@ part_titans_forms() {
 # graph (103 launches a step before). Each entry: a set's name, then its flags (none: XLA's
 # defaults), in the order a short call should reach them (the budget skips the rest): XLA's
 # defaults; the whole step one graph (+WHILE), then with its temporaries at fixed addresses (an
-# update of that one graph would re-record all of its kernels); XLA's own log of the graphs'
+# update of that one graph would re-record all of its kernels), then with 2 and 4 chunks per loop
+# iteration interleaved (`while_u24`: fewer kernels, whose dispatch a graph no longer pays for
+# from the host; titans_unroll times them without); XLA's own log of the graphs'
 # launches and updates (`log...`: not timed) with +WHILE and with the defaults; the temporaries
 # alone; whole loops unrolled in one graph; no graphs at all
 WHILE=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
@@ -525,6 +527,7 @@ SKIP_TEMP=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 CMDBUF=("default"
         "while $WHILE"
         "while_skip_temp $WHILE $SKIP_TEMP"
+        "while_u24 $WHILE"
         "log_while $WHILE"
         "log"
         "skip_temp $SKIP_TEMP"
@@ -554,8 +557,10 @@ part_titans_cmdbuf() {
         "${BF16[*]} ${TITANS[*]}" --out "$OUT/titans_cmdbuf_$name.json"
       continue
     fi
+    local variants=("${BF16[*]} ${TITANS[*]}")
+    if [ "$name" = while_u24 ]; then variants=("${variants[0]} model.nl_lm.memory_unroll=2" "${variants[0]} model.nl_lm.memory_unroll=4"); fi
     XLA_FLAGS="${XLA_FLAGS:-}${flags:+ $flags}" run "ab_titans_cmdbuf_$name" $PY benchmarks/ab.py --config titans_demo \
-      "${rounds[@]}" "${BF16[*]} ${TITANS[*]}" --out "$OUT/ab_titans_cmdbuf_$name.json"
+      "${rounds[@]}" "${variants[@]}" --out "$OUT/ab_titans_cmdbuf_$name.json"
   done
 }
 

@@ -171,7 +171,7 @@ def test_the_command_buffer_part_runs_each_flag_set_in_its_own_process(tmp_path)
 case "$2" in *zeros*) case "$XLA_FLAGS" in *update_mode*) exit 1 ;; esac; exit 0 ;; esac
 case "$1" in -c) exit 0 ;; benchmarks/gpu_summary.py) exec {sys.executable} "$@" ;; esac
 prev=""; for a in "$@"; do [ "$prev" = "--out" ] && out=$(basename "$a" .json); prev=$a; done
-echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule"
+echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule"; echo "$*" > "$CALLS/$out.args"
 """)
     fake.chmod(0o755)
     out, calls = tmp_path / "out", tmp_path / "calls"
@@ -182,12 +182,16 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
     assert (calls / "titans_vs_bf16_while").read_text().split()[-2:] == [
         "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
         f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/titans_vs_bf16_while"], r.stdout
-    (calls / "titans_vs_bf16_while").unlink()
-    (calls / "titans_vs_bf16_while.vmodule").unlink()
+    for suffix in ("", ".vmodule", ".args"):
+        (calls / f"titans_vs_bf16_while{suffix}").unlink()
     del vmodule["titans_vs_bf16_while"]
     flags = {p.name.removeprefix("ab_titans_cmdbuf_").removeprefix("titans_cmdbuf_"): p.read_text().split()
-             for p in calls.iterdir() if p.suffix != ".vmodule"}
-    assert sorted(flags) == ["default", "log", "log_while", "off", "unroll", "while"], (sorted(flags), r.stdout)
+             for p in calls.iterdir() if p.suffix not in (".vmodule", ".args")}
+    assert sorted(flags) == ["default", "log", "log_while", "off", "unroll", "while", "while_u24"], (sorted(flags), r.stdout)
+    # while_u24: the +WHILE step at 2 and 4 chunks per loop iteration, interleaved; the others auto's step alone
+    args = (calls / "ab_titans_cmdbuf_while_u24.args").read_text()
+    assert "model.nl_lm.memory_unroll=2" in args and "model.nl_lm.memory_unroll=4" in args, args
+    assert "memory_unroll" not in (calls / "ab_titans_cmdbuf_while.args").read_text()
     # the logged runs (under +WHILE and under the defaults) are the only ones that log XLA's graphs
     assert {k: v for k, v in vmodule.items() if v} == {"titans_cmdbuf_log": "command_buffer_thunk=3",
                                                        "titans_cmdbuf_log_while": "command_buffer_thunk=3"}, vmodule
@@ -196,7 +200,7 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
               for name, words in flags.items()}
     while_ = ["--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"]
     assert cmdbuf == {"default": [], "log": [], "off": ["--xla_gpu_enable_command_buffer="],
-                      "while": while_, "log_while": while_,
+                      "while": while_, "log_while": while_, "while_u24": while_,
                       "unroll": ["--xla_gpu_enable_command_buffer=+WHILE",
                                  "--xla_gpu_command_buffer_unroll_loops=true"]}
     assert all(f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/{prefix}titans_cmdbuf_{name}" in words
@@ -208,9 +212,9 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
     # temporaries fixed and XLA's logs of both before the temporaries alone, whole loops unrolled
     # in one graph and no graphs at all
     said = [line.split(":")[0].removeprefix("== ") for line in r.stdout.splitlines() if line.startswith("== ")]
-    assert said == ["titans_vs_bf16_while", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_while", "ab_titans_cmdbuf_while_skip_temp",
-                    "titans_cmdbuf_log_while", "titans_cmdbuf_log", "ab_titans_cmdbuf_skip_temp",
-                    "ab_titans_cmdbuf_unroll", "ab_titans_cmdbuf_off"], said
+    assert said == ["titans_vs_bf16_while", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_while",
+                    "ab_titans_cmdbuf_while_skip_temp", "ab_titans_cmdbuf_while_u24", "titans_cmdbuf_log_while",
+                    "titans_cmdbuf_log", "ab_titans_cmdbuf_skip_temp", "ab_titans_cmdbuf_unroll", "ab_titans_cmdbuf_off"], said
 
 
 def test_the_summary_names_each_command_buffer_run_by_its_flags(tmp_path):
@@ -223,7 +227,17 @@ def test_the_summary_names_each_command_buffer_run_by_its_flags(tmp_path):
 
     run("off", ["--xla_gpu_enable_command_buffer="], 20.0)
     run("default", [], 16.0)
+    run("while_u24", ["--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"], 12.0)  # two variants: each a row
+    both = json.loads((tmp_path / "ab_titans_cmdbuf_while_u24.json").read_text())
+    both["rows"] = [{**both["rows"][0], "variant": f"model.dtype=bfloat16 model.nl_lm.memory_unroll={u}", "median_ms": ms}
+                    for u, ms in ((2, 12.0), (4, 11.0))]
+    (tmp_path / "ab_titans_cmdbuf_while_u24.json").write_text(json.dumps(both))
     rows = [r for r in bench_module("gpu_summary").lines(tmp_path) if "command buffers" in r]
+    assert rows[2:] == [
+        f"info  titans_demo command buffers, --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL "
+        f"model.nl_lm.memory_unroll={u}: {ms:.2f} ms/step through the training loop (x{ms / 16:.3f} of the defaults' "
+        "run), compile 45 s; 4,390 kernels/step, device busy 70% of the step" for u, ms in ((2, 12.0), (4, 11.0))], rows
+    rows = rows[:2]
     assert rows == ["info  titans_demo command buffers, XLA's defaults: 16.00 ms/step through the training loop, "
                     "compile 45 s; 4,390 kernels/step, device busy 70% of the step",
                     "info  titans_demo command buffers, --xla_gpu_enable_command_buffer=: 20.00 ms/step through the "
@@ -389,9 +403,12 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
     runs = [line.split("|") for line in cmdbuf_args.read_text().splitlines()]
     assert r.returncode == 0 and [flags for flags, _ in runs] == [
         "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL",
-        "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_update_mode=SKIP_TEMP"], runs
-    assert all(f"--autotune {tuned / 'titans_vs_bf16_parallel'} --config titans_demo model.dtype=bfloat16" in a
+        "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL --xla_gpu_command_buffer_update_mode=SKIP_TEMP",
+        "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"], runs
+    assert all(f"--autotune {tuned / 'titans_vs_bf16_parallel'} --config titans_demo" in a
                and a.endswith("model.dtype=bfloat16") for _, a in runs), runs
+    assert ("--no-base --variant u2:model.nl_lm.memory_unroll=2 --variant u4:model.nl_lm.memory_unroll=4"
+            in runs[2][1]), runs  # while_u24's two steps
     r = subprocess.run(["bash", str(PREPARE), str(tmp_path / "exe"), "bogus"], cwd=ROOT, capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and r.stdout.startswith("unknown part 'bogus'")
