@@ -114,19 +114,23 @@ def test_bf16_inputs_are_computed_in_float32(form):
 
 def test_memory_unroll_reaches_both_loops():
     """3 chunks per loop iteration in the parallel form's forward loop and in its backward one, at
-    most the chunks there are (4 here)."""
+    most the chunks there are (4 here); a number that divides them, in blocks."""
     unrolled = lambda u: lambda *a, **kw: nm.memory_parallel(*a, unroll=u, **kw)
     assert [u for _, u in loops_of(unrolled(3), "mlp")] == [3, 3]
     assert [u for _, u in loops_of(unrolled(9), "mlp")] == [4, 4]
+    # 2, which divides the 4 chunks: loops over blocks of 2 chunks (one slice a block, as lax.scan's)
+    one, two = loops_of(unrolled(1), "mlp"), loops_of(unrolled(2), "mlp")
+    assert [p * 2 for p, _ in one] == [p for p, _ in two] and [u for _, u in two] == [1, 1], (one, two)
 
 
-@slow  # unrolling changes no value (the fast tier checks that it reaches the loops)
-def test_parallel_unrolled_and_remat_scan_agree():
+@pytest.mark.parametrize("unroll", [2, pytest.param(3, marks=slow)])
+def test_parallel_unrolled_and_remat_scan_agree(unroll):
     """The unrolled parallel form equals the scan with remat (what the parallel form's backward
-    keeps: the chunk-start states)."""
+    keeps: the chunk-start states): in blocks of 2 of the 8 chunks, or 3 at a time (fori_loop's
+    unrolling, slow: its values are the loop's)."""
     state, args = inputs("mlp", 32, seed=3)
     ref, ref_grads = outputs_and_grads(lambda *a, **kw: nm.memory_forward(*a, remat=True, **kw), "mlp", 4, state, args)
-    out, grads = outputs_and_grads(lambda *a, **kw: nm.memory_parallel(*a, unroll=3, **kw), "mlp", 4, state, args)
+    out, grads = outputs_and_grads(lambda *a, **kw: nm.memory_parallel(*a, unroll=unroll, **kw), "mlp", 4, state, args)
     assert_close(out, ref, rtol=1e-5, atol=1e-5)
     assert_grads_close(grads, ref_grads, 1e-4)
 

@@ -431,8 +431,24 @@ def _scan(body, carry, xs, reverse: bool = False, unroll: int = 1):
     iteration; a loop body holding one is a graph XLA records again before each of its launches,
     and `--xla_gpu_enable_command_buffer=+WHILE` leaves such a loop to the host. Here the same
     kernels per chunk and no such fusion: with `+WHILE` titans_demo's whole step is one graph
-    launch where it was 103 (docs/concepts/memory-kernel.md)."""
+    launch where it was 103 (docs/concepts/memory-kernel.md).
+
+    `unroll` > 1 that divides n: blocks of `unroll` steps, each block's inputs and outputs one
+    slice a leaf, as `lax.scan` unrolls (a slice a step cost titans_demo's step 222 kernels at 4);
+    otherwise `fori_loop`'s unrolling."""
     n = jax.tree.leaves(xs)[0].shape[0]
+    if 1 < unroll < n and n % unroll == 0:
+        order = range(unroll - 1, -1, -1) if reverse else range(unroll)
+
+        def block(carry, x):  # x: leaves [unroll, ...] -> ys [unroll, ...]
+            ys = [None] * unroll
+            for k in order:
+                carry, ys[k] = body(carry, jax.tree.map(lambda a: a[k], x))
+            return carry, jax.tree.map(lambda *y: jnp.stack(y), *ys)
+
+        carry, ys = _scan(block, carry, jax.tree.map(lambda a: a.reshape((n // unroll, unroll) + a.shape[1:]), xs),
+                          reverse)
+        return carry, jax.tree.map(lambda a: a.reshape((n,) + a.shape[2:]), ys)
     _, y = jax.eval_shape(body, carry, jax.tree.map(lambda x: x[0], xs))
     ys = jax.tree.map(lambda y: jnp.zeros((n,) + y.shape, y.dtype), y)
 
