@@ -31,7 +31,7 @@
 #   titans_unroll      ab_titans_unroll: titans_demo bf16, memory_impl=parallel at memory_unroll 1, 2, 4
 #   titans_cmdbuf      ab_titans_cmdbuf_while and _while_skip_temp (and the logged run under +WHILE):
 #                      vs_pytorch's step under those sets' XLA flags (part of a step's key; the
-#                      default set's step is vs_pytorch's); _while_u24: at memory_unroll 2 and 4 under +WHILE
+#                      default set's step is vs_pytorch's); while_u2 and _u4: at memory_unroll 2 and 4 under +WHILE
 # Only the step where every level fires (the benches' --patterns worst, ab.py's step);
 # titans_pytorch.py also compiles level 0's step, which the card compiles. Measured on the 2-core
 # CPU machine (2026-11-30): titans_demo's two steps 45-104 s each, 3.1-3.7 MiB each; b128 78 s,
@@ -116,9 +116,9 @@ part_titans_cmdbuf() {
     name=titans_cmdbuf_while; [ "$flags" = "$WHILE" ] || name=titans_cmdbuf_while_skip_temp
     XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" compile "$name" "ab_$name,titans_vs_bf16_parallel" --config titans_demo "${BF16[@]}"
   done
-  # while_u24: 2 and 4 chunks per loop iteration under +WHILE (most fusions are vs_pytorch's)
+  # while_u2, while_u4: 2 and 4 chunks per loop iteration under +WHILE (most fusions are vs_pytorch's)
   XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$WHILE" compile titans_cmdbuf_while_u24 \
-    ab_titans_cmdbuf_while_u24,titans_vs_bf16_parallel --config titans_demo --no-base \
+    ab_titans_cmdbuf_while_u2,titans_vs_bf16_parallel --config titans_demo --no-base \
     --variant u2:model.nl_lm.memory_unroll=2 --variant u4:model.nl_lm.memory_unroll=4 "${BF16[@]}"
 }
 part_b128() {

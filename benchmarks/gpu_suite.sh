@@ -95,7 +95,7 @@
 #   titans_cmdbuf      titans_demo at batch 4 x 512 (auto's forms) alone through ab.py's training loop, once
 #                      per set of XLA command-buffer flags, each in its own process (XLA_FLAGS is a
 #                      process's), in this order: XLA's defaults, the whole step one graph (+WHILE), the
-#                      same with temporaries at fixed addresses, with 2 and 4 chunks per loop iteration, 8 steps with XLA's log of each graph's
+#                      same with temporaries at fixed addresses, with 2 and with 4 chunks per loop iteration, 8 steps with XLA's log of each graph's
 #                      launches and recordings under +WHILE and under the defaults (titans_cmdbuf_log_while,
 #                      titans_cmdbuf_log), temporaries at fixed addresses alone, whole loops unrolled into
 #                      one graph, none (op by op); about 60-90 s each on the card, less loaded
@@ -518,8 +518,10 @@ part_titans_forms() {
 # defaults), in the order a short call should reach them (the budget skips the rest): XLA's
 # defaults; the whole step one graph (+WHILE), then with its temporaries at fixed addresses (an
 # update of that one graph would re-record all of its kernels), then with 2 and 4 chunks per loop
-# iteration interleaved (`while_u24`: fewer kernels, whose dispatch a graph no longer pays for
-# from the host; titans_unroll times them without); XLA's own log of the graphs'
+# iteration (`while_u2`, `while_u4`: fewer kernels, whose dispatch a graph no longer pays for from
+# the host; titans_unroll times them without; each alone in its process, as every set here: a
+# graph is recorded again when its buffers moved, which another executable run between two of its
+# steps may cause); XLA's own log of the graphs'
 # launches and updates (`log...`: not timed) with +WHILE and with the defaults; the temporaries
 # alone; whole loops unrolled in one graph; no graphs at all
 WHILE=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
@@ -527,7 +529,8 @@ SKIP_TEMP=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 CMDBUF=("default"
         "while $WHILE"
         "while_skip_temp $WHILE $SKIP_TEMP"
-        "while_u24 $WHILE"
+        "while_u2 $WHILE"
+        "while_u4 $WHILE"
         "log_while $WHILE"
         "log"
         "skip_temp $SKIP_TEMP"
@@ -557,10 +560,10 @@ part_titans_cmdbuf() {
         "${BF16[*]} ${TITANS[*]}" --out "$OUT/titans_cmdbuf_$name.json"
       continue
     fi
-    local variants=("${BF16[*]} ${TITANS[*]}")
-    if [ "$name" = while_u24 ]; then variants=("${variants[0]} model.nl_lm.memory_unroll=2" "${variants[0]} model.nl_lm.memory_unroll=4"); fi
+    local variant="${BF16[*]} ${TITANS[*]}"
+    case $name in while_u*) variant+=" model.nl_lm.memory_unroll=${name#while_u}" ;; esac
     XLA_FLAGS="${XLA_FLAGS:-}${flags:+ $flags}" run "ab_titans_cmdbuf_$name" $PY benchmarks/ab.py --config titans_demo \
-      "${rounds[@]}" "${variants[@]}" --out "$OUT/ab_titans_cmdbuf_$name.json"
+      "${rounds[@]}" "$variant" --out "$OUT/ab_titans_cmdbuf_$name.json"
   done
 }
 

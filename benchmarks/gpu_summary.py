@@ -139,13 +139,12 @@ def cmdbuf_lines(out: Path) -> list[str]:
     base = runs["default"]["rows"][0]["median_ms"] if "default" in runs else None
     rows = []
     for name in sorted(runs, key=lambda n: n != "default"):  # the defaults first, then by name
+        r = runs[name]["rows"][0]
         flags = " ".join(runs[name].get("xla_flags") or []) or "XLA's defaults"
-        several = len(runs[name]["rows"]) > 1  # a set of several variants (while_u24): each named by its last override
-        for r in runs[name]["rows"]:
-            which = f" {r['variant'].split()[-1]}" if several else ""
-            ratio = "" if base is None or r is runs["default"]["rows"][0] else f" (x{r['median_ms'] / base:.3f} of the defaults' run)"
-            rows.append(f"info  titans_demo command buffers, {flags}{which}: {r['median_ms']:.2f} ms/step through the "
-                        f"training loop{ratio}, compile {r['compile_s']:.0f} s{loaded(r)}{profiled_ops(r)}")
+        unroll = [w for w in r["variant"].split() if w.startswith("model.nl_lm.memory_unroll=")]  # while_u2, _u4
+        ratio = "" if base is None or name == "default" else f" (x{r['median_ms'] / base:.3f} of the defaults' run)"
+        rows.append(f"info  titans_demo command buffers, {' '.join([flags, *unroll])}: {r['median_ms']:.2f} ms/step "
+                    f"through the training loop{ratio}, compile {r['compile_s']:.0f} s{loaded(r)}{profiled_ops(r)}")
     return rows + cmdbuf_log_lines(out)
 
 

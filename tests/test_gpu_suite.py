@@ -187,10 +187,12 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
     del vmodule["titans_vs_bf16_while"]
     flags = {p.name.removeprefix("ab_titans_cmdbuf_").removeprefix("titans_cmdbuf_"): p.read_text().split()
              for p in calls.iterdir() if p.suffix not in (".vmodule", ".args")}
-    assert sorted(flags) == ["default", "log", "log_while", "off", "unroll", "while", "while_u24"], (sorted(flags), r.stdout)
-    # while_u24: the +WHILE step at 2 and 4 chunks per loop iteration, interleaved; the others auto's step alone
-    args = (calls / "ab_titans_cmdbuf_while_u24.args").read_text()
-    assert "model.nl_lm.memory_unroll=2" in args and "model.nl_lm.memory_unroll=4" in args, args
+    assert sorted(flags) == ["default", "log", "log_while", "off", "unroll", "while", "while_u2", "while_u4"], (
+        sorted(flags), r.stdout)
+    # while_u2, while_u4: the +WHILE step at 2 and at 4 chunks per loop iteration, each alone as the others
+    for u in (2, 4):
+        args = (calls / f"ab_titans_cmdbuf_while_u{u}.args").read_text()
+        assert args.count("memory_unroll") == 1 and f"model.nl_lm.memory_unroll={u} --out" in args, args
     assert "memory_unroll" not in (calls / "ab_titans_cmdbuf_while.args").read_text()
     # the logged runs (under +WHILE and under the defaults) are the only ones that log XLA's graphs
     assert {k: v for k, v in vmodule.items() if v} == {"titans_cmdbuf_log": "command_buffer_thunk=3",
@@ -200,7 +202,7 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
               for name, words in flags.items()}
     while_ = ["--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"]
     assert cmdbuf == {"default": [], "log": [], "off": ["--xla_gpu_enable_command_buffer="],
-                      "while": while_, "log_while": while_, "while_u24": while_,
+                      "while": while_, "log_while": while_, "while_u2": while_, "while_u4": while_,
                       "unroll": ["--xla_gpu_enable_command_buffer=+WHILE",
                                  "--xla_gpu_command_buffer_unroll_loops=true"]}
     assert all(f"--xla_gpu_per_fusion_autotune_cache_dir={out}/autotune/{prefix}titans_cmdbuf_{name}" in words
@@ -213,7 +215,8 @@ echo "$XLA_FLAGS" > "$CALLS/$out"; echo "$TF_CPP_VMODULE" > "$CALLS/$out.vmodule
     # in one graph and no graphs at all
     said = [line.split(":")[0].removeprefix("== ") for line in r.stdout.splitlines() if line.startswith("== ")]
     assert said == ["titans_vs_bf16_while", "ab_titans_cmdbuf_default", "ab_titans_cmdbuf_while",
-                    "ab_titans_cmdbuf_while_skip_temp", "ab_titans_cmdbuf_while_u24", "titans_cmdbuf_log_while",
+                    "ab_titans_cmdbuf_while_skip_temp", "ab_titans_cmdbuf_while_u2", "ab_titans_cmdbuf_while_u4",
+                    "titans_cmdbuf_log_while",
                     "titans_cmdbuf_log", "ab_titans_cmdbuf_skip_temp", "ab_titans_cmdbuf_unroll", "ab_titans_cmdbuf_off"], said
 
 
@@ -227,11 +230,11 @@ def test_the_summary_names_each_command_buffer_run_by_its_flags(tmp_path):
 
     run("off", ["--xla_gpu_enable_command_buffer="], 20.0)
     run("default", [], 16.0)
-    run("while_u24", ["--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"], 12.0)  # two variants: each a row
-    both = json.loads((tmp_path / "ab_titans_cmdbuf_while_u24.json").read_text())
-    both["rows"] = [{**both["rows"][0], "variant": f"model.dtype=bfloat16 model.nl_lm.memory_unroll={u}", "median_ms": ms}
-                    for u, ms in ((2, 12.0), (4, 11.0))]
-    (tmp_path / "ab_titans_cmdbuf_while_u24.json").write_text(json.dumps(both))
+    for u, ms in ((2, 12.0), (4, 11.0)):  # named by the flags and the unroll
+        run(f"while_u{u}", ["--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"], ms)
+        one = json.loads((tmp_path / f"ab_titans_cmdbuf_while_u{u}.json").read_text())
+        one["rows"][0]["variant"] += f" model.nl_lm.memory_unroll={u}"
+        (tmp_path / f"ab_titans_cmdbuf_while_u{u}.json").write_text(json.dumps(one))
     rows = [r for r in bench_module("gpu_summary").lines(tmp_path) if "command buffers" in r]
     assert rows[2:] == [
         f"info  titans_demo command buffers, --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL "
@@ -408,7 +411,7 @@ def test_prepare_compiles_each_part_with_the_suites_overrides_and_its_autotuning
     assert all(f"--autotune {tuned / 'titans_vs_bf16_parallel'} --config titans_demo" in a
                and a.endswith("model.dtype=bfloat16") for _, a in runs), runs
     assert ("--no-base --variant u2:model.nl_lm.memory_unroll=2 --variant u4:model.nl_lm.memory_unroll=4"
-            in runs[2][1]), runs  # while_u24's two steps
+            in runs[2][1]), runs  # while_u2's and while_u4's steps
     r = subprocess.run(["bash", str(PREPARE), str(tmp_path / "exe"), "bogus"], cwd=ROOT, capture_output=True,
                        text=True, env=env, timeout=60)
     assert r.returncode == 2 and r.stdout.startswith("unknown part 'bogus'")
