@@ -40,7 +40,10 @@
 # fused350m_parallel4 331 s, 7.8 MiB; with the backward loop's cotangents packed and the card's
 # driver named (2026-12-01, the machine otherwise idle): b128 99 s, 3.8 MiB; vs_pytorch 73 s, 3.7 MiB;
 # fused350m_parallel4 145 s, 7.9 MiB; titans_unroll 284 s for its three (1, 2, 4: 3.7, 4.2, 5.0 MiB;
-# unroll 1 is vs_pytorch's file) (the other parts not measured). A GPU
+# unroll 1 is vs_pytorch's file); with the loops' slices off the loop counter (2026-12-01, the machine
+# busy with other compiles and tests): vs_pytorch 71 s; titans_cmdbuf 392 s for its four (3.7, 3.7,
+# 4.2, 5.0 MiB); b128 182 s; fused350m_parallel4 207 s; titans_unroll 387 s; 42 MiB for those five
+# parts (the other parts not measured). A GPU
 # session carries at most 64 MiB with the checkout. Each part's report goes to DIR/PART.json.
 set -u
 DIR=${1:?usage: benchmarks/gpu_prepare.sh DIR [PART ...]}
