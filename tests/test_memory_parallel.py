@@ -211,15 +211,23 @@ def test_the_parallel_loop_has_at_most_half_the_products_per_chunk(kind):
     assert all(2 * p <= s for p, s in zip(parallel, scan)), (scan, parallel)
 
 
-def test_the_loops_slice_at_an_offset_that_is_not_their_counter():
-    """The parallel form's loops (forward and backward) slice their inputs and outputs in the body,
-    at `min(i, n - 1)` (or `max(n - 1 - i, 0)`), not through `lax.scan`'s own xs and ys: XLA:GPU
-    made the counter's own slices dynamic-slice fusions, which keep a loop out of one graph and
-    have its body's graph recorded again before every launch (memory._scan)."""
-    state, args = inputs("mlp", 64, d=16, hid=32)
-    loss = lambda st, a: jnp.sum(nm.memory_parallel(st, *a, kind="mlp", chunk=16)[0])
-    loops = [e for e in jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, args).jaxpr.eqns
-             if e.primitive.name == "scan"]
+@pytest.mark.parametrize("groups,unroll,lengths", [(1, 1, [8, 8]), (2, 2, [4, 2, 2, 2])])
+def test_the_loops_slice_at_an_offset_that_is_not_their_counter(groups, unroll, lengths):
+    """The parallel form's loops (forward and backward, over chunks, blocks of chunks or groups)
+    slice their inputs and outputs in the body, at `min(i, n - 1)` (or `max(n - 1 - i, 0)`), not
+    through `lax.scan`'s own xs and ys: XLA:GPU made the counter's own slices dynamic-slice
+    fusions, which keep a loop out of one graph and have its body's graph recorded again before
+    every launch (memory._scan). 8 chunks: one loop each way; in 2 groups with blocks of 2 chunks,
+    the forward's blocks, the reads' groups, the backward's groups and, in each, its blocks."""
+    state, args = inputs("mlp", 128, d=16, hid=32)
+    loss = lambda st, a: jnp.sum(nm.memory_parallel(st, *a, kind="mlp", chunk=16, groups=groups, unroll=unroll)[0])
+
+    def loops(j):  # every scan, nested ones after the one holding them
+        for e in j.eqns:
+            yield from [e] if e.primitive.name == "scan" else []
+            for p in e.params.values():
+                if hasattr(p, "jaxpr") or hasattr(p, "eqns"):
+                    yield from loops(getattr(p, "jaxpr", p))
 
     def offsets(body):  # what computes the offset of each slice of the body (jax's slicing helpers)
         made = {v: e.primitive.name for e in body.eqns for v in e.outvars}
@@ -227,10 +235,11 @@ def test_the_loops_slice_at_an_offset_that_is_not_their_counter():
                 for e in body.eqns if e.primitive.name in ("jit", "pjit")
                 and e.params["name"] in ("dynamic_index_in_dim", "dynamic_update_index_in_dim")]
 
-    assert len(loops) == 2, [e.primitive.name for e in jax.make_jaxpr(jax.grad(loss))(state, args).jaxpr.eqns]
-    for e in loops:
+    found = list(loops(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, args).jaxpr))
+    assert [e.params["length"] for e in found] == lengths
+    for e in found:
         p = e.params
-        assert p["length"] == 4 and len(e.invars) == p["num_consts"] + p["num_carry"] and len(e.outvars) == p["num_carry"]
+        assert len(e.invars) == p["num_consts"] + p["num_carry"] and len(e.outvars) == p["num_carry"], p["length"]
         made = offsets(p["jaxpr"].jaxpr)
         assert made and set(made) <= {"min", "max"}, made
 

@@ -433,9 +433,11 @@ def _scan(body, carry, xs, reverse: bool = False, unroll: int = 1):
     kernels per chunk and no such fusion: with `+WHILE` titans_demo's whole step is one graph
     launch where it was 103 (docs/concepts/memory-kernel.md).
 
-    `unroll` > 1 that divides n: blocks of `unroll` steps, each block's inputs and outputs one
-    slice a leaf, as `lax.scan` unrolls (a slice a step cost titans_demo's step 222 kernels at 4);
-    otherwise `fori_loop`'s unrolling."""
+    `unroll` > 1 that divides n (below n): blocks of `unroll` steps, each block's inputs and
+    outputs one slice a leaf, as `lax.scan` unrolls (a slice a step cost titans_demo's step 222
+    kernels at 4); otherwise `fori_loop`'s unrolling (n itself: no loop, the offsets constants).
+    Values: `lax.scan`'s at unroll 1 (bit for bit where checked on a CPU; `lax.scan`'s own unrolling
+    not dividing n, or n, rounds some sums otherwise)."""
     n = jax.tree.leaves(xs)[0].shape[0]
     if 1 < unroll < n and n % unroll == 0:
         order = range(unroll - 1, -1, -1) if reverse else range(unroll)
