@@ -29,7 +29,8 @@
 #   fused350m_best     bench_nl_350m_fused_best: unrolled, the scan, memory_unroll=4
 #   fused350m_parallel bench_nl_350m_fused_parallel: unrolled, memory_impl=parallel
 #   titans_unroll      ab_titans_unroll: titans_demo bf16, memory_impl=parallel at memory_unroll 1, 2, 4
-#   titans_cmdbuf      ab_titans_cmdbuf_while and _while_skip_temp (and the logged run under +WHILE):
+#   titans_cmdbuf      ab_titans_cmdbuf_while and _while_skip_temp (the first also the logged run under +WHILE
+#                      and vs_pytorch_while's step: the same program under the same flags):
 #                      vs_pytorch's step under those sets' XLA flags (part of a step's key; the
 #                      default set's step is vs_pytorch's); while_u2 and _u4: at memory_unroll 2 and 4 under +WHILE
 # Only the step where every level fires (the benches' --patterns worst, ab.py's step);
