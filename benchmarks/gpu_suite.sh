@@ -95,10 +95,12 @@
 #   titans_cmdbuf      titans_demo at batch 4 x 512 (auto's forms) alone through ab.py's training loop, once
 #                      per set of XLA command-buffer flags, each in its own process (XLA_FLAGS is a
 #                      process's), in this order: XLA's defaults, the whole step one graph (+WHILE), the
-#                      same with temporaries at fixed addresses, with 2 and with 4 chunks per loop iteration, 8 steps with XLA's log of each graph's
-#                      launches and recordings under +WHILE and under the defaults (titans_cmdbuf_log_while,
-#                      titans_cmdbuf_log), temporaries at fixed addresses alone, whole loops unrolled into
-#                      one graph, none (op by op); about 60-90 s each on the card, less loaded
+#                      same with temporaries at fixed addresses, with 2 and with 4 chunks per loop
+#                      iteration, 8 steps with XLA's log of each graph's launches and recordings under
+#                      +WHILE and under the defaults (titans_cmdbuf_log_while, titans_cmdbuf_log),
+#                      temporaries at fixed addresses alone, whole loops unrolled into one graph, none (op
+#                      by op); about 60-90 s each on the card compiled, less loaded: a call of its own,
+#                      which a budget may cut before the last sets
 #                      (docs/benchmarks/2026-12-01-command-buffers.md)
 #
 # Parts of issue 17 (auto's forms: since 2026-12-01 the inner loop's parallel form on a GPU, where
@@ -521,9 +523,9 @@ part_titans_forms() {
 # iteration (`while_u2`, `while_u4`: fewer kernels, whose dispatch a graph no longer pays for from
 # the host; titans_unroll times them without; each alone in its process, as every set here: a
 # graph is recorded again when its buffers moved, which another executable run between two of its
-# steps may cause); XLA's own log of the graphs'
-# launches and updates (`log...`: not timed) with +WHILE and with the defaults; the temporaries
-# alone; whole loops unrolled in one graph; no graphs at all
+# steps may cause); XLA's own log of the graphs' launches and updates (`log...`: not timed) with
+# +WHILE and with the defaults; the temporaries alone; whole loops unrolled in one graph; no graphs
+# at all
 WHILE=--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
 SKIP_TEMP=--xla_gpu_command_buffer_update_mode=SKIP_TEMP
 CMDBUF=("default"
