@@ -115,10 +115,11 @@ part_titans_unroll() {
 part_titans_cmdbuf() {
   # the sets' runs give XLA_FLAGS "$WHILE" and "$WHILE $SKIP_TEMP" (the key keeps their order);
   # without their own autotuning results, vs_pytorch's: the same program
-  local flags name
-  for flags in "$WHILE" "$WHILE $SKIP_TEMP"; do
-    name=titans_cmdbuf_while; [ "$flags" = "$WHILE" ] || name=titans_cmdbuf_while_skip_temp
-    XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" compile "$name" "ab_$name,titans_vs_bf16_parallel" --config titans_demo "${BF16[@]}"
+  local name flags
+  for name in while while_skip_temp; do
+    flags=$WHILE; [ $name = while ] || flags+=" $SKIP_TEMP"
+    XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$flags" compile "titans_cmdbuf_$name" "ab_titans_cmdbuf_$name,titans_vs_bf16_parallel" \
+      --config titans_demo "${BF16[@]}"
   done
   # while_u2, while_u4: 2 and 4 chunks per loop iteration under +WHILE (most fusions are vs_pytorch's)
   XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }$WHILE" compile titans_cmdbuf_while_u24 \

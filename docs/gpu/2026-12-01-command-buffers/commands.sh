@@ -44,3 +44,9 @@ run x_while "" --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL
 # in the carry (none; 61 kernels a chunk against 59), min(i, n - 1) of the counter (none; 59; kept)
 XLA_FLAGS="--xla_dump_to=/tmp/cb/Lexp --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
   /tmp/gv13/bin/python /tmp/kc/dump.py titans_demo parallel /tmp/cb/Lexp.hlo
+# nl_350m's step with fused350m_parallel4's overrides under +WHILE (thunks_min_offset.txt, n350_while):
+# compile_step.py with `cfg = config.load(os.environ.get("CFG", "titans_demo"), ...)` in place of its
+# titans_demo, then
+CFG=nl_350m XLA_FLAGS="--xla_dump_to=/tmp/cb/n350_while --xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL" \
+  /tmp/gv13/bin/python compile_step2.py /tmp/cb/n350_while.hlo model.remat=memory model.nl_lm.attention=auto \
+  model.nl_lm.embed_grad=onehot model.nl_lm.scan_layers=false model.nl_lm.memory_impl=parallel model.nl_lm.memory_unroll=4
