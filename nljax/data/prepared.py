@@ -137,8 +137,13 @@ def _manifest(d: DataConfig, tok, sources: tuple, sinks: dict, seen: int) -> dic
     if not sinks["train"].tokens:
         raise ConfigError(f"data.train: no text in {len(train_files)} file(s) (every document empty)")
     if not sinks["eval"].tokens:
+        every = max(2, round(1 / d.eval_fraction))  # as _fill splits
+        # every `every`-th document is held out, so a fraction of 1/seen holds out the last one
+        # (at most 0.5: a single document is never split off)
+        raise_it = f", data.eval_fraction={1 / seen:.4g} or more (at most 0.5)" if seen >= 2 else ""
         why = "data.eval holds no text" if eval_files else (
-            f"{seen} document(s) at data.eval_fraction={d.eval_fraction} hold out none; give data.eval or more documents")
+            f"{seen} document(s) at data.eval_fraction={d.eval_fraction} (every {every}th held out) hold out none; "
+            f"give data.eval{raise_it} or more documents")
         raise ConfigError(f"no held-out documents: {why}")
     content = {"format": FORMAT, "tokenizer": tok.info(), "vocab_size": tok.vocab_size,
                "dtype": np.dtype(sinks["train"].dtype).name, **{s: sinks[s].record(s) for s in SPLITS}}
