@@ -408,6 +408,9 @@ def train(cfg: Config) -> dict:
 
 
 def _refuse_from_the_directories(cfg: Config) -> None:
+    root = storage.checkpoint_dir(cfg)
+    if cfg.checkpoint.resume == "latest" and not root.exists():  # a mistyped run.dir, or a first start
+        raise ConfigError(f"checkpoint not found: {root} ({NOTHING_TO_RESUME})")
     storage.resume_root(cfg)
     initparams.source(cfg)  # missing, or given with another run's checkpoint.resume
     refuse_taken(cfg, storage.continues_own(cfg), logged_a_step(Path(cfg.run.dir)))
@@ -426,6 +429,8 @@ def check_profile(cfg: Config) -> None:
                           f"{t.steps}, or train.profile_steps=0")
 
 
+NOTHING_TO_RESUME = ("--resume continues a run that saved checkpoints there; to start this run, leave --resume out, "
+                     "or give --resume=auto, which starts it or continues it")
 TOKENIZED_AT_EACH_START = "at every start: python -m nljax.prepare does it once"
 
 
