@@ -477,6 +477,8 @@ BAD = [
     (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),
     (["data.train=R/ok.txt"], "no held-out documents: 1 document(s) at data.eval_fraction=0.05 (every 20th held out) "
                               "hold out none; give data.eval or more documents"),
+    (["data.train=R/ok.txt", "data.eval_fraction=0.5"], "no held-out documents: 1 document(s) at "
+                                                          "data.eval_fraction=0.5 (every 2nd held out) hold out none"),
     # the fraction that holds one out is named, and it does: every 3rd of 3 documents
     (["data.train=[R/ok.txt,R/two.jsonl]"], "no held-out documents: 3 document(s) at data.eval_fraction=0.05 (every 20th "
                                           "held out) hold out none; give data.eval, data.eval_fraction=0.3333 or more "
