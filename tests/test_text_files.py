@@ -480,9 +480,9 @@ BAD = [
     (["data.train=R/ok.txt", "data.eval_fraction=0.5"], "no held-out documents: 1 document(s) at "
                                                           "data.eval_fraction=0.5 (every 2nd held out) hold out none"),
     # the fraction that holds one out is named, and it does: every 3rd of 3 documents
-    (["data.train=[R/ok.txt,R/two.jsonl]"], "no held-out documents: 3 document(s) at data.eval_fraction=0.05 (every 20th "
-                                          "held out) hold out none; give data.eval, data.eval_fraction=0.3333 or more "
-                                          "(at most 0.5) or more documents"),
+    (["data.train=[R/ok.txt,R/two.jsonl]"], "no held-out documents: 3 document(s) at data.eval_fraction=0.05 (every "
+                                          "20th held out) hold out none; give data.eval, data.eval_fraction=0.3333 or "
+                                          "more (at most 0.5) or more documents"),
     (["data.train=R/ok.txt", "data.eval=R/ok.txt"], "R/ok.txt is in both data.train and data.eval"),
     (["data.train=R/ok.txt", "data.eval=R/sub/../ok.txt"], "R/sub/../ok.txt is in both data.train and data.eval"),
     (["data.train=R/ok.txt", "data.tokenizer=R/gap.json"],
