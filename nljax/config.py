@@ -176,11 +176,24 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
             if dot and section in names:  # `train.steps: 3` in a file: the override's spelling
                 raise ConfigError(f"config key '{prefix}{key}': a config file nests its keys ({section}: then "
                                   f"'{leaf}: ...' indented under it); the dotted form is for command-line overrides")
-            near = difflib.get_close_matches(str(key), names, n=1)
-            hint = f" (did you mean '{prefix}{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
+            near = [prefix + n for n in difflib.get_close_matches(str(key), names, n=1)]
+            # a key of another section under this one (train.lr: optim.lr) is named where no key
+            # here is close: the list of this section's keys would not show it
+            near = near or _in_other_sections(str(key), prefix)
+            hint = f" (did you mean '{near[0]}'?)" if near else f" (valid: {', '.join(names)})"
             raise ConfigError(f"unknown config key '{prefix}{key}'{hint}")
         kwargs[key] = _coerce(prefix + key, hints[key], value)
     return cls(**kwargs)
+
+
+def _in_other_sections(key: str, prefix: str) -> list[str]:
+    """The dotted names of the sections' keys spelt `key`, in sections other than `prefix`."""
+    found = []
+    for section, tp in typing.get_type_hints(Config).items():
+        tp = _resolved(tp)
+        if dataclasses.is_dataclass(tp) and f"{section}." != prefix and key in {f.name for f in dataclasses.fields(tp)}:
+            found.append(f"{section}.{key}")
+    return found
 
 
 def to_dict(cfg: Any) -> dict:

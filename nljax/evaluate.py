@@ -72,7 +72,11 @@ def _evaluate(args, argv: list[str]) -> int:
     out = Path(mine["out"]) if mine.get("out") else None
     if out is not None:
         resultfile.check(out, f"out={out}", "nljax.evaluate", RESULT_KEYS)  # before the slow load: writes nothing
-    t = load(run_dir, mine.get("checkpoint", "latest"), overrides)
+    # building the model, reading the held-out data (a run on data.train tokenizes its text again)
+    # and restoring the checkpoint take seconds to minutes: said once the settings are checked
+    reading = f"nljax.evaluate: reading the checkpoint of {run_dir} and its held-out data ..."
+    t = load(run_dir, mine.get("checkpoint", "latest"), overrides,
+             announce=lambda: print(reading, file=sys.stderr, flush=True))
     n, local = t.run.engine.n_devices, len(jax.local_devices())
     on = f"{n} device{'s' if n > 1 else ''}" + (
         f" (of {local}: as many as divide train.batch_size={t.cfg.train.batch_size})" if n < local else "")
@@ -100,16 +104,17 @@ def _evaluate(args, argv: list[str]) -> int:
 
 
 def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str] = (),
-         devices=None) -> trained_lib.Trained:
+         devices=None, announce=None) -> trained_lib.Trained:
     """The run's checkpoint, set up to be evaluated as the run evaluated it (`trained.load` with
     `evaluates`): its rows and evaluation settings, the held-out data of `overrides`
-    (`data_overrides`), on as many of `devices` (default: this process's) as divide its rows."""
+    (`data_overrides`), on as many of `devices` (default: this process's) as divide its rows.
+    `announce`: called before the slow part, as `trained.load`'s."""
     _check_data_kind(run_dir, overrides)
     overrides = data_overrides(run_dir, overrides)
     rows = trained_lib.trained_config(run_dir, overrides).train.batch_size
     devices = list(devices or jax.local_devices())
     n = max(d for d in range(1, len(devices) + 1) if rows % d == 0)
-    t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True)
+    t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True, announce=announce)
     if hasattr(t.run.task, "samples_dir"):  # an image task's evaluation draws no PNG into the run directory
         t.run.task.samples_dir = None
     return t

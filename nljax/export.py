@@ -206,7 +206,11 @@ def _export(args) -> int:
     out = Path(mine["out"] or Path(run_dir) / DEFAULT)
     check_out(out)
     writable.refuse_unwritable(f"out={out}", out)  # before the checkpoint is read: exit 2, as train's run.dir
-    t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1])
+    # restoring the checkpoint, gathering its parameters and writing them take seconds (more for a
+    # large model), said once the settings are checked, as nljax.generate says its reading
+    reading = f"nljax.export: reading the checkpoint of {run_dir} ..."
+    t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1],
+                         announce=lambda: print(reading, file=sys.stderr, flush=True))
     for line in t.warnings("nljax.export"):
         print(line, file=sys.stderr)
     try:

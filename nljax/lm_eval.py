@@ -188,6 +188,9 @@ def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
         raise ConfigError(f"lm-eval is not installed ({_missing}): {INSTALL}")
     cli.setup_devices(cpu_devices)
     check_early(lm_eval_argv)
+    # lm-eval's start-up (its imports, torch's among them, and the index of its thousands of tasks)
+    # takes 20 to 35 s on a 2-core CPU before its first log line: said, once the arguments are checked
+    print(STARTING, file=sys.stderr, flush=True)
     register()
     from lm_eval import evaluator
     from lm_eval.__main__ import cli_evaluate
@@ -210,6 +213,8 @@ def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
         raise ConfigError(f"a task's data cannot be read: {first_line(e) or type(e).__name__} ({UNREADABLE})") from None
     return 0
 
+
+STARTING = "nljax.lm_eval: starting lm-evaluation-harness (its imports and its index of tasks: 20 s and more) ..."
 
 # where a task's data that Hugging Face's libraries cannot fetch is refused: what to do instead
 UNREADABLE = ("lm-eval downloads a standard task's data from the Hugging Face Hub once, then reads its cache; "

@@ -196,7 +196,10 @@ def test_the_step_told_to_the_preemption_service_is_the_resumed_one(tmp_path, mo
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["--resume", "run.dir=runs/x"], "nljax.train: error: checkpoint not found: {root}/runs/x/checkpoints"),
+    # what to do instead is said: a first start, or --resume=auto
+    (["--resume", "run.dir=runs/x"], "nljax.train: error: checkpoint not found: {root}/runs/x/checkpoints (--resume "
+                                     "continues a run that saved checkpoints there; to start this run, leave --resume "
+                                     "out, or give --resume=auto, which starts it or continues it)"),
     (["--resume", "--resume=auto"],
      "nljax.train: error: argument --resume=auto: not allowed with argument --resume (--help lists the options)"),
     (["--resume=auto", "checkpoint.resume=latest"],

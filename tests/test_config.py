@@ -38,6 +38,9 @@ def test_yaml_file(tmp_path):
     "override, message",
     [
         ("train.stepz=3", "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+        # a key of another section: named, where the list of train's keys would not show it
+        ("train.lr=1e-3", "unknown config key 'train.lr' (did you mean 'optim.lr'?)"),
+        ("lr=1e-3", "unknown config key 'lr' (did you mean 'optim.lr'?)"),
         ("trian.steps=3", "unknown config key 'trian' (did you mean 'train'?)"),
         ("train.steps=abc", "config key 'train.steps' must be int, got str 'abc'"),
         ("train.steps=1.5", "config key 'train.steps' must be int"),

@@ -98,7 +98,7 @@ def test_an_elastic_resume_reads_the_empty_levels(flat, tmp_path):
 @pytest.mark.parametrize("strategy", ["replicated", "zero1", "fsdp"])
 def test_the_step_reads_no_zero_size_array(flat, strategy):
     """jaxlib 0.11.2's XLA crashes compiling a shard_map whose outputs depend on a zero-size
-    input (docs/getting-started.md), which the step's did through the empty levels' state: the
+    input (docs/guides/reliability.md, JAX versions), which the step's did through the empty levels' state: the
     step's body reads none (step.unread_empty), checked in its jaxpr so that jaxlib 0.10, which
     compiles it anyway, checks it too. Every level active (step 0) and levels 1, 2 frozen."""
     from jax.sharding import PartitionSpec as P

@@ -59,8 +59,12 @@ def result_of(argv, capsys) -> tuple[dict, dict]:
     capsys.readouterr()
     assert evaluate.main(argv) == 0
     captured = capsys.readouterr()
-    # the seconds of compiling are announced, on standard error (standard output: the metrics alone)
-    assert "nljax.evaluate: evaluating (compiling its step first) ..." in captured.err.splitlines()
+    # the seconds of reading the data and the checkpoint, then of compiling, are announced, on
+    # standard error (standard output: the metrics alone)
+    err = captured.err.splitlines()
+    run = next(a.partition("=")[2] for a in argv if a.startswith("run.dir="))
+    assert err[0] == f"nljax.evaluate: reading the checkpoint of {run} and its held-out data ...", err
+    assert "nljax.evaluate: evaluating (compiling its step first) ..." in err
     printed = dict(line.split() for line in captured.out.splitlines())
     out = next(a.partition("=")[2] for a in argv if a.startswith("out="))
     with open(out) as f:
@@ -142,10 +146,11 @@ def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, cap
     out = tmp_path / "r.json"
     assert evaluate.main([f"run.dir={run_dir}", f"data.eval={other_text}/*.txt",
                           f"data.tokenizer={tmp_path / 'tokenizer.json'}", f"out={out}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and err.startswith(f"nljax.evaluate: error: checkpoint {run_dir / 'checkpoints' / '3'} "
-                                              "was trained on byte tokens, the run's data now use the tokenizer of "
-                                              "sha256 "), err
+    # found once the checkpoint is read: one line, after the one saying it is being read
+    reading, err = capsys.readouterr().err.strip().split("\n")
+    assert reading == f"nljax.evaluate: reading the checkpoint of {run_dir} and its held-out data ..."
+    assert err.startswith(f"nljax.evaluate: error: checkpoint {run_dir / 'checkpoints' / '3'} "
+                          "was trained on byte tokens, the run's data now use the tokenizer of sha256 "), err
     assert not out.exists()
 
 
@@ -177,8 +182,11 @@ def test_bad_input_is_one_line_and_writes_nothing(args, line, run_dir, tmp_path,
     capsys.readouterr()
     argv = [a.format(d=tmp_path, run=run_dir) for a in args]
     assert evaluate.main([*argv, *([] if any(a.startswith("out=") for a in argv) else [f"out={tmp_path}/r.json"])]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and line.format(d=tmp_path, run=run_dir) in err, err
+    # one line: after the line saying the checkpoint is being read where it is found there
+    *reading, err = capsys.readouterr().err.splitlines()
+    assert reading in ([], [f"nljax.evaluate: reading the checkpoint of {argv[0].partition('=')[2]} and its "
+                            "held-out data ..."]), reading
+    assert err.startswith("nljax.evaluate: error: ") and line.format(d=tmp_path, run=run_dir) in err, err
     assert (tree(tmp_path), tree(run_dir)) == before
     assert (tmp_path / "theirs.json").read_text() == '{"a user": "file"}'
 

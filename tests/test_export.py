@@ -80,7 +80,8 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
     assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=bfloat16"]) == 0
     weights = tmp_path / "run" / "export" / export.WEIGHTS
     assert weights.is_file() and weights.stat().st_mode & 0o777 == (tmp_path / "run" / "export" / export.CONFIG).stat().st_mode & 0o777
-    capsys.readouterr()
+    # the seconds of reading the checkpoint are said before it, on standard error
+    assert capsys.readouterr().err.splitlines() == [f"nljax.export: reading the checkpoint of {tmp_path / 'run'} ..."]
     assert export.main([f"run.dir={tmp_path / 'run'}", "dtype=int8"]) == 2
     assert export.main(["run.dir=/nonexistent"]) == 2
     assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'run' / 'config.yaml'}"]) == 2

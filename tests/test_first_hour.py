@@ -15,6 +15,7 @@ from helpers import QUICK, SMALL, cli
 from nljax import config
 from nljax.parallel import mesh as meshlib
 from nljax.run import tasks
+from nljax.version import __version__
 
 
 def test_another_train_steps_loads_every_step_variant_from_the_compile_cache(tmp_path):
@@ -65,6 +66,9 @@ def test_a_small_corpus_trains_with_the_default_evaluation(tmp_path, monkeypatch
             "model.dim=16", "model.depth=1", "cms.periods=[1]", "train.steps=2", *QUICK, "run.dir=runs/mine",
             cwd=tmp_path)
     assert p.stdout.count("note: eval.stream_steps=4") == 1, p.stdout
+    # the text read and tokenized at start is said, with what does it once
+    assert (f"nljax {__version__}: building the run (model cms_mlp, data files) ...\nreading and tokenizing "
+            "data.train into memory (at every start: python -m nljax.prepare does it once) ...\n") in p.stdout, p.stdout
     assert "eval_loss_stream" in p.stdout
     # the final evaluation's numbers as soon as it ran, before the throughput timing's rounds
     out = p.stdout

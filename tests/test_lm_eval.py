@@ -388,9 +388,10 @@ def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch
     (tmp_path / "config.yaml").write_text("")  # a run directory to the check of --model_args before lm-eval's start-up
     assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "tiny_mc,nosuchtask",
                          "--include_path", str(tasks)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == ("nljax.lm_eval: error: unknown task(s): nosuchtask (`lm_eval ls tasks` lists lm-eval's; a task of "
-                   "your own: --include_path DIR)"), err
+    # lm-eval's start-up is said before it (seconds), the refusal after it one line
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [lm_eval.STARTING, "nljax.lm_eval: error: unknown task(s): nosuchtask (`lm_eval ls tasks` lists "
+                                     "lm-eval's; a task of your own: --include_path DIR)"], err
 
     for message in ("Tasks not found: x", "something else"):
         def fails(message=message):
@@ -467,7 +468,7 @@ def test_a_tasks_data_out_of_reach_is_one_line_and_exit_2(tmp_path, monkeypatch,
     argv = ["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "tiny_mc", "--include_path",
             str(tasks)]
     assert lm_eval.main(argv) == 2
-    assert capsys.readouterr().err.strip() == (
+    assert capsys.readouterr().err.strip() == lm_eval.STARTING + "\n" + (
         "nljax.lm_eval: error: a task's data cannot be read: Couldn't reach 'EleutherAI/wikitext_document_level' on "
         "the Hub (LocalEntryNotFoundError) (lm-eval downloads a standard task's data from the Hugging Face Hub once, "
         "then reads its cache; without the network, a task of your own reads local files: docs/guides/evaluation.md, "
@@ -493,7 +494,7 @@ def test_lm_evals_git_describe_says_nothing_outside_a_repository(tmp_path, monke
     monkeypatch.chdir(tmp_path)  # no repository here
     capfd.readouterr()
     assert lm_eval.main(["--model", "hf", "--tasks", "x"]) == 0
-    assert got == [None] and capfd.readouterr().err == ""
+    assert got == [None] and capfd.readouterr().err == lm_eval.STARTING + "\n"  # git's line held back
     monkeypatch.chdir(ROOT)  # a repository (a checkout): the same hash as lm-eval's own
     assert lm_eval.git_hash() == get_git_commit_hash()
 

@@ -62,7 +62,9 @@ CASES = {
                      "checkpoint): choose another run.dir, or set run.overwrite=true to replace it"),
     # --resume of a run that is not there
     "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
-                          "{root}/nowhere/checkpoints"),
+                          "{root}/nowhere/checkpoints (--resume continues a run that saved checkpoints there; to "
+                          "start this run, leave --resume out, or give --resume=auto, which starts it or continues "
+                          "it)"),
 }
 
 

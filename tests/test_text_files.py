@@ -424,6 +424,16 @@ def test_tokenized_files_train_and_resume_exactly_and_elastically(corpus, tokeni
     np.testing.assert_allclose(elastic[3:], losses[3:], rtol=1e-5)
 
 
+def test_the_eval_fraction_a_refusal_names_holds_a_document_out(tmp_path):
+    """The data.eval_fraction that "no held-out documents" proposes holds out one (the last)."""
+    root = tmp_path / "R"
+    _bad_files(root)
+    assert prepare_main([f"data.train=[{root}/ok.txt,{root}/two.jsonl]", "data.eval_fraction=0.3333",
+                         f"out={tmp_path / 'out'}"]) == 0
+    manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    assert (manifest["train"]["documents"], manifest["eval"]["documents"]) == (2, 1), manifest
+
+
 # ---------------------------------------------------------------------------------------------
 # Bad data: one line, exit 2, before training; nothing written
 
@@ -431,6 +441,7 @@ def test_tokenized_files_train_and_resume_exactly_and_elastically(corpus, tokeni
 def _bad_files(root: Path) -> None:
     root.mkdir()
     (root / "ok.txt").write_text("fine text\n")
+    (root / "two.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n')
     (root / "empty.txt").write_text("\0\0")
     (root / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
     (root / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
@@ -464,7 +475,14 @@ BAD = [
     (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key)"),
     (["data.train=R/surrogate.jsonl"], "R/surrogate.jsonl:2: field 'text' holds a lone surrogate"),
     (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),
-    (["data.train=R/ok.txt"], "no held-out documents: 1 document(s) at data.eval_fraction=0.05 hold out none"),
+    (["data.train=R/ok.txt"], "no held-out documents: 1 document(s) at data.eval_fraction=0.05 (every 20th held out) "
+                              "hold out none; give data.eval or more documents"),
+    (["data.train=R/ok.txt", "data.eval_fraction=0.5"], "no held-out documents: 1 document(s) at "
+                                                          "data.eval_fraction=0.5 (every 2nd held out) hold out none"),
+    # the fraction that holds one out is named, and it does: every 3rd of 3 documents
+    (["data.train=[R/ok.txt,R/two.jsonl]"], "no held-out documents: 3 document(s) at data.eval_fraction=0.05 (every "
+                                          "20th held out) hold out none; give data.eval, data.eval_fraction=0.3333 or "
+                                          "more (at most 0.5) or more documents"),
     (["data.train=R/ok.txt", "data.eval=R/ok.txt"], "R/ok.txt is in both data.train and data.eval"),
     (["data.train=R/ok.txt", "data.eval=R/sub/../ok.txt"], "R/sub/../ok.txt is in both data.train and data.eval"),
     (["data.train=R/ok.txt", "data.tokenizer=R/gap.json"],
