@@ -221,6 +221,7 @@ def _write(out: Path, overwrite: bool, d: DataConfig, tok, sources: tuple, dtype
         if note := outdir.recover(o, _ours, MANIFEST):
             print(f"nljax.prepare: warning: {note}", file=sys.stderr, flush=True)
         work = workdir.WorkDir(o.work, _job(d, tok, sources, dtype), dtype, SPLITS)
+        work.check()
         if work.finished(this_job=False) and not work.done.exists():  # stopped once it had replaced DIR
             work.discard()
         _check_out(o, overwrite)
