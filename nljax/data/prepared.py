@@ -486,8 +486,12 @@ def _open_split(path: Path, manifest: dict, name: str) -> Split:
         raise ConfigError(f"data.prepared={path}: {rec['file']} cannot be read ({e.strerror or e})") from None
     try:
         starts = np.load(_regular(path, rec["docs_file"]))
-    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
-        raise ConfigError(f"data.prepared={path}: {rec['docs_file']} cannot be read ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"data.prepared={path}: {rec['docs_file']} cannot be read ({e.strerror or e})") from None
+    except (ValueError, EOFError):  # EOFError: an empty file
+        # NumPy takes what is not a .npy file for a pickle, and its line offered to load it unsafely
+        raise ConfigError(f"data.prepared={path}: {rec['docs_file']} is not the .npy file prepared (damaged or "
+                          "replaced since): prepare again") from None
     ordered = starts.ndim == 1 and bool(np.all(np.diff(starts) > 0))
     if starts.shape != (rec["documents"],) or not ordered or (len(starts) and (starts[0] != 0 or starts[-1] >= n)):
         raise ConfigError(f"data.prepared={path}: {rec['docs_file']} does not match the manifest's {rec['documents']} "
