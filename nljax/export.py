@@ -140,9 +140,11 @@ def check_out(out: Path) -> None:
     if theirs and not is_export(out):
         raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "
                           "choose another directory")
-    ours = {WEIGHTS, CONFIG, TOKENIZER}
-    others = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith(".")) \
-        if out.is_dir() else []
+    # an export's names, and the temporary ones an export killed part-way leaves (`export`); any
+    # other hidden name is a user's too (out=~, a home directory of dotfiles, took the export)
+    names = "|".join(map(re.escape, (WEIGHTS, CONFIG, TOKENIZER)))
+    ours = re.compile(rf"({names})|\.({names})\.tmp-\d+")
+    others = sorted(p.name for p in out.iterdir() if not ours.fullmatch(p.name)) if out.is_dir() else []
     if others:
         raise ConfigError(f"out={out} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, which an "
                           "export does not write: give an empty or new directory (or an earlier export's)")

@@ -830,6 +830,14 @@ def test_export_refuses_a_folder_holding_other_files(tmp_path):
     check_out(tmp_path / "new")  # a new or empty directory is fine
     (tmp_path / "empty").mkdir()
     check_out(tmp_path / "empty")
+    # hidden files are a user's too: out=~ (a home directory of dotfiles) took model.safetensors
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".bashrc").write_text("mine")
+    with pytest.raises(config.ConfigError, match=r"holds \.bashrc, which an export does not write"):
+        check_out(tmp_path / "home")
+    # an earlier export with the temporaries of one killed part-way: replaced
+    (tmp_path / "empty" / ".model.safetensors.tmp-1234").write_bytes(b"cut short")
+    check_out(tmp_path / "empty")
 
 
 def test_a_dangling_symlink_on_the_way_to_a_run_dir_is_named_before_anything_is_made(tmp_path):
