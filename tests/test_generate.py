@@ -271,7 +271,10 @@ def test_stop_settings_on_the_command_line():
     (["run.dir=/tmp", "top_k=-1"], "top_k must be >= 0 (0: every token), got -1"),
     (["run.dir=/tmp", "temperature=-1"], "temperature must be finite and >= 0 (0: greedy), got -1.0"),
     (["run.dir=/tmp", "top_p=2"], "top_p must be in 0 < top_p <= 1, got 2.0"),
-    (["run.dir=/tmp", "out=README.md"], "out=README.md: the image grid is a PNG, give a file name ending in .png"),
+    # said before the model is known: a language model's user (out=results, prompts= forgotten) read
+    # only of an image grid
+    (["run.dir=/tmp", "out=README.md"], "out=README.md: the image grid is a PNG, give a file name ending in .png (a "
+                                        "language model's out= is for the results of prompts=FILE, a .jsonl file)"),
     (["run.dir=/tmp", "temprature=0.5"], "unknown setting 'temprature': did you mean 'temperature'?"),
     (["run.dir=/tmp", "stop="], "stop is empty: a stop string ends a completion where it appears, and an empty one "
                                 "appears before the first character"),

@@ -122,7 +122,9 @@ class Settings:
         if self.out and Path(self.out).is_dir():
             raise ConfigError(f"out={self.out} is a directory: give the PNG file to write")
         if self.out and Path(self.out).suffix.lower() != ".png":  # never over a file of another kind
-            raise ConfigError(f"out={self.out}: the image grid is a PNG, give a file name ending in .png")
+            # checked before the run's model is known: a language model's user learns what out= is for
+            raise ConfigError(f"out={self.out}: the image grid is a PNG, give a file name ending in .png (a language "
+                              "model's out= is for the results of prompts=FILE, a .jsonl file)")
         if self.out and not Path(self.out).parent.is_dir():
             raise ConfigError(f"out={self.out}: directory {Path(self.out).parent} does not exist")
         if self.out and (where := resultfile.unwritable(Path(self.out).absolute().parent)):
