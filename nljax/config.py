@@ -113,6 +113,10 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         return value
     if origin is tuple:
         (elem, _) = typing.get_args(tp)
+        if isinstance(value, str) and elem is not str and ("," in value or value.startswith("(")):
+            # a list in another syntax (cms.periods=1,2 or (1,2)): read as a list of one string, the
+            # line named its first item ("'cms.periods[0]' must be int, got str '1,2'")
+            raise ConfigError(f"config key '{key}' must be a list, written [a, b, ...]: got {value!r}")
         if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             value = [value]  # one entry is a list of one: run.trackers=wandb, data.train=corpus/*.txt
         if not isinstance(value, (list, tuple)):
