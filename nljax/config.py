@@ -619,6 +619,6 @@ def check_setting(key: str, known) -> None:
     keys are dotted, section.key, or top-level like `seed`): one line, with the nearest setting."""
     if key not in known and "." not in key and key not in TOP_LEVEL:
         near = difflib.get_close_matches(key, list(known), n=1)
-        hint = f"did you mean '{near[0]}'? " if near else ""
-        raise ConfigError(f"unknown setting '{key}': {hint}(settings: {', '.join(known)}; config "
+        hint = f": did you mean '{near[0]}'?" if near else ""  # none: no colon before the list ("'x': (settings")
+        raise ConfigError(f"unknown setting '{key}'{hint} (settings: {', '.join(known)}; config "
                                  "overrides are dotted, e.g. model.dim=128)")
