@@ -205,6 +205,18 @@ def _job(d: DataConfig, tok, sources: tuple, dtype: np.dtype) -> dict:
             "files": files, "split": [len(sources[0]), len(sources[1])]}
 
 
+def is_prepared(path: Path) -> bool:
+    """Whether `path` holds the manifest nljax.prepare writes (read only if a regular file: a FIFO
+    would block): a directory of prepared data, whatever the state of its token files."""
+    if not (path / MANIFEST).is_file():
+        return False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
 def _ours(name: str) -> bool:
     """Whether `name` in DIR is one a prepare writes there (overwrite=true replaces only such)."""
     return name in OWN or name in LEGACY or ".tmp-" in name

@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 
 from nljax.checkpoint import initparams, storage
 from nljax.checkpoint.lifecycle import Checkpoints
-from nljax.checkpoint.taken import inside_run_dir, refuse_taken
+from nljax.checkpoint.taken import inside_run_dir, refuse_anothers, refuse_taken
 from nljax.config import Config
 from nljax.data import imagefolder
 from nljax.engine import optim
@@ -410,6 +410,7 @@ def train(cfg: Config) -> dict:
 def _refuse_from_the_directories(cfg: Config) -> None:
     storage.resume_root(cfg)
     initparams.source(cfg)  # missing, or given with another run's checkpoint.resume
+    refuse_anothers(cfg, storage.continues_own(cfg))
     refuse_taken(cfg, storage.continues_own(cfg), logged_a_step(Path(cfg.run.dir)))
 
 
