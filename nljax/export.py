@@ -205,8 +205,9 @@ def _export(args) -> int:
     mine, overrides, run_dir = trained_lib.split_args(args.settings, {"dtype": check_dtype, "out": str,
                                                                       "checkpoint": str})
     mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
-    if not mine["out"]:  # out= is <run.dir>/export: a run.dir that is no run was named as a bad out=
-        trained_lib.trained_config(run_dir)
+    if not mine["out"] and not (Path(run_dir) / "config.yaml").is_file():
+        # out= is <run.dir>/export: a run.dir that is no run (a file) was named as a bad out=
+        trained_lib.trained_config(run_dir)  # its line: no config.yaml, an export's directory, ...
     out = Path(mine["out"] or Path(run_dir) / DEFAULT)
     check_out(out)
     writable.refuse_unwritable(f"out={out}", out)  # before the checkpoint is read: exit 2, as train's run.dir
