@@ -64,6 +64,12 @@ def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: 
     tool can check its settings against the model first). `evaluates`: the run's rows
     (train.batch_size, which n must divide) and evaluation settings are kept, as its own
     evaluation read the held-out data (`nljax.evaluate`); else one row per device."""
+    # the keys set below win over the command line's: given there, they were ignored in silence
+    forced = {"checkpoint.resume", "mesh.inter", "mesh.intra", "mesh.model", "train.accum_steps", "sync.strategy",
+              *([] if evaluates else ["train.batch_size"])}
+    if clash := sorted(forced & {o.partition("=")[0].strip() for o in overrides}):
+        raise ConfigError(f"{', '.join(k + '=' for k in clash)} cannot be overridden here: the checkpoint is read "
+                          "onto this process's devices, replicated (checkpoint= chooses which one)")
     checkpoint = checkpoint_path(run_dir, checkpoint, overrides)
     rows = [] if evaluates else [f"train.batch_size={n}"]
     cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
