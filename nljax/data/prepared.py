@@ -558,6 +558,10 @@ def corpus(d: DataConfig, evaluates: bool = False) -> Corpus:
 def _check_settings(manifest: dict, d: DataConfig) -> None:
     """A data.prepared directory given with data.train (or data.tokenizer) must have been prepared from them."""
     where = f"data.prepared={d.prepared} was prepared"
+    if d.tokenizer:  # first: another tokenizer given without its end token was named as data.doc_end_token's change
+        sha = tokenization.load(d.tokenizer, d.doc_end_token).info()["sha256"]
+        if manifest["tokenizer"].get("sha256") != sha:
+            raise ConfigError(f"{where} with another tokenizer than data.tokenizer={d.tokenizer}")
     if d.train:
         saved = manifest.get("settings", {})
         for key, value in settings_record(d).items():
@@ -575,10 +579,6 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
     if d.doc_end_token and manifest["tokenizer"].get("doc_end_token") != d.doc_end_token:
         raise ConfigError(f"{where} with data.doc_end_token={manifest['tokenizer'].get('doc_end_token')!r}, not "
                           f"{d.doc_end_token!r}: prepare it again, or leave data.doc_end_token out")
-    if d.tokenizer:
-        sha = tokenization.load(d.tokenizer, d.doc_end_token).info()["sha256"]
-        if manifest["tokenizer"].get("sha256") != sha:
-            raise ConfigError(f"{where} with another tokenizer than data.tokenizer={d.tokenizer}")
 
 
 def _check_sources(manifest: dict, d: DataConfig, where: str) -> None:
