@@ -113,6 +113,10 @@ def _coerce(key: str, tp: Any, value: Any) -> Any:
         return value
     if origin is tuple:
         (elem, _) = typing.get_args(tp)
+        if isinstance(value, str) and elem is not str and ("," in value or value.startswith("(")):
+            # a list in another syntax (cms.periods=1,2 or (1,2)): read as a list of one string, the
+            # line named its first item ("'cms.periods[0]' must be int, got str '1,2'")
+            raise ConfigError(f"config key '{key}' must be a list, written [a, b, ...]: got {value!r}")
         if isinstance(value, (int, float, str)) and not isinstance(value, bool):
             value = [value]  # one entry is a list of one: run.trackers=wandb, data.train=corpus/*.txt
         if not isinstance(value, (list, tuple)):
@@ -628,6 +632,6 @@ def check_setting(key: str, known) -> None:
     keys are dotted, section.key, or top-level like `seed`): one line, with the nearest setting."""
     if key not in known and "." not in key and key not in TOP_LEVEL:
         near = difflib.get_close_matches(key, list(known), n=1)
-        hint = f"did you mean '{near[0]}'? " if near else ""
-        raise ConfigError(f"unknown setting '{key}': {hint}(settings: {', '.join(known)}; config "
+        hint = f": did you mean '{near[0]}'?" if near else ""  # none: no colon before the list ("'x': (settings")
+        raise ConfigError(f"unknown setting '{key}'{hint} (settings: {', '.join(known)}; config "
                                  "overrides are dotted, e.g. model.dim=128)")

@@ -140,9 +140,11 @@ def check_out(out: Path) -> None:
     if theirs and not is_export(out):
         raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "
                           "choose another directory")
-    ours = {WEIGHTS, CONFIG, TOKENIZER}
-    others = sorted(p.name for p in out.iterdir() if p.name not in ours and not p.name.startswith(".")) \
-        if out.is_dir() else []
+    # an export's names, and the temporary ones an export killed part-way leaves (`export`); any
+    # other hidden name is a user's too (out=~, a home directory of dotfiles, took the export)
+    names = "|".join(map(re.escape, (WEIGHTS, CONFIG, TOKENIZER)))
+    ours = re.compile(rf"({names})|\.({names})\.tmp-\d+")
+    others = sorted(p.name for p in out.iterdir() if not ours.fullmatch(p.name)) if out.is_dir() else []
     if others:
         raise ConfigError(f"out={out} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, which an "
                           "export does not write: give an empty or new directory (or an earlier export's)")
@@ -203,6 +205,9 @@ def _export(args) -> int:
     mine, overrides, run_dir = trained_lib.split_args(args.settings, {"dtype": check_dtype, "out": str,
                                                                       "checkpoint": str})
     mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
+    if not mine["out"] and not (Path(run_dir) / "config.yaml").is_file():
+        # out= is <run.dir>/export: a run.dir that is no run (a file) was named as a bad out=
+        trained_lib.trained_config(run_dir)  # its line: no config.yaml, an export's directory, ...
     out = Path(mine["out"] or Path(run_dir) / DEFAULT)
     check_out(out)
     writable.refuse_unwritable(f"out={out}", out)  # before the checkpoint is read: exit 2, as train's run.dir

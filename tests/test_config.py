@@ -48,6 +48,11 @@ def test_yaml_file(tmp_path):
         ("cms.periods=[1,0]", "cms.periods must be a non-empty list of positive integers"),
         # a bracket missing: the list is named broken (it read as a string: "'cms.periods[0]' must be int")
         ("cms.periods=[1,4", "override cms.periods=[1,4: not a valid list or mapping (did not find expected ',' or ']')"),
+        # a list in another syntax: the line named its first item, cms.periods[0], as a string
+        ("cms.periods=(1,4)", "config key 'cms.periods' must be a list, written [a, b, ...]: got '(1,4)'"),
+        ("cms.periods=1,4", "config key 'cms.periods' must be a list, written [a, b, ...]: got '1,4'"),
+        ("run.trackers=tensorboard,wandb", "config key 'run.trackers' must be a list, written [a, b, ...]: got "
+                                           "'tensorboard,wandb'"),
         ("cms.frozen_grads=drop", "config key 'cms.frozen_grads' must be one of"),
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
         ("model.nl_lm.memory_chunk=0", "model.nl_lm.memory_chunk must be >= 1, got 0"),

@@ -171,6 +171,14 @@ def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, cap
     (["run.dir={run}", "out={d}/gone/sub/r.json"], "out={d}/gone/sub/r.json: {d}/gone is a symbolic link to "
                                                    "{d}/nowhere, which does not exist"),
     (["out={d}/r.json"], "run.dir=DIR is required: the run directory nljax.train wrote"),
+    # empty: a fresh start's checkpoint.resume (an AssertionError's traceback), the working directory
+    (["run.dir={run}", "checkpoint="], "checkpoint= is empty: give latest (the default), a step number or a step "
+                                       "directory"),
+    (["run.dir="], "run.dir= is empty: give the run directory nljax.train wrote"),
+    # keys the command sets itself, which won over the command line's in silence
+    (["run.dir={run}", "mesh.intra=2", "checkpoint.resume={run}/checkpoints/2"],
+     "checkpoint.resume=, mesh.intra= cannot be overridden here: the checkpoint is read onto this process's devices, "
+     "replicated (checkpoint= chooses which one)"),
 ])
 def test_bad_input_is_one_line_and_writes_nothing(args, line, run_dir, tmp_path, capsys):
     (tmp_path / "empty").mkdir()

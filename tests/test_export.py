@@ -113,6 +113,12 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
     assert export.main([f"run.dir={done}"]) == 2  # an export of the export: it was "config.yaml not found"
     assert capsys.readouterr().err.strip() == (f"nljax.export: error: {done} is an export directory (nljax.export "
                                                "wrote it), not a run directory: give the run's directory")
+    # a run.dir that is a file, out= left to its default (<run.dir>/export): the line named out=
+    # ("out=F/export: F is a file"), which the user had not given
+    run_file = tmp_path / "run" / "config.yaml"
+    assert export.main([f"run.dir={run_file}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.export: error: {run_file}/config.yaml not found: run.dir must "
+                                               "be a run directory written by nljax.train")
     before = {p.name: p.read_bytes() for p in done.iterdir()}
 
     def cut_short(tree, path, *a, **k):  # Ctrl-C halfway through the weights

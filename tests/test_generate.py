@@ -276,6 +276,7 @@ def test_stop_settings_on_the_command_line():
                                         "language model's out= is the results of prompts=FILE, a .jsonl file; the "
                                         "text of prompt= goes to the terminal)"),
     (["run.dir=/tmp", "temprature=0.5"], "unknown setting 'temprature': did you mean 'temperature'?"),
+    (["run.dir=/tmp", "length=5"], "unknown setting 'length' (settings: prompt, max_new_tokens, "),
     (["run.dir=/tmp", "stop="], "stop is empty: a stop string ends a completion where it appears, and an empty one "
                                 "appears before the first character"),
     (["run.dir=/tmp", "stop=[\"a\", \"\"]"], "stop[1] is empty: "),

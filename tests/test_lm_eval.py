@@ -434,6 +434,10 @@ def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, monkeypa
     assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},checkpoint=3", "--tasks", "x"]) == 2
     assert capsys.readouterr().err.strip() == (f"nljax.lm_eval: error: checkpoint=3: {tmp_path} has no checkpoint at "
                                                f"step 3 ({tmp_path / 'checkpoints'} holds none)")
+    # empty: a fresh start's checkpoint.resume, an AssertionError's traceback once lm-eval had started
+    assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},checkpoint=", "--tasks", "x"]) == 2
+    assert capsys.readouterr().err.strip() == ("nljax.lm_eval: error: checkpoint= is empty: give latest (the "
+                                               "default), a step number or a step directory")
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     with pytest.raises(AssertionError, match="lm-eval started"):  # good ones, and another model's: lm-eval's
         lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},checkpoint=3", "--tasks", "x"])

@@ -405,6 +405,35 @@ def test_overwrite_of_a_users_directory_is_refused_and_nothing_is_removed(corpus
     assert sorted(p.name for p in mine.iterdir()) == ["notes.txt", "train.bin"]
 
 
+def test_a_work_directory_that_is_not_ours_is_refused_and_kept(corpus, tmp_path, capsys):
+    """The work directory's name (.DIR.prepare-work) taken by a file, a link to a user's folder,
+    or a folder holding a file a prepare does not write: one line and exit 2, all of it kept (a
+    file: exit 1 and a "Not a directory: PosixPath(...)" line; a link: "Cannot call rmtree on a
+    symbolic link"; a user's file: removed with the work as "an interrupted prepare")."""
+    out = tmp_path / "prep"
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "notes.txt").write_text("keep")
+    for make, line in (
+        (lambda w: w.write_text("a file"), "is not a directory nljax.prepare works in: move it away, then run again"),
+        (lambda w: w.symlink_to(theirs), "is a symbolic link, not a directory nljax.prepare works in"),
+        (lambda w: (w.mkdir(), (w / "notes.txt").write_text("keep")),
+         "holds files that nljax.prepare does not write there (notes.txt): move them away, then run again"),
+    ):
+        make(work(out))
+        assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith(f"nljax.prepare: error: {work(out)} {line}"), err
+        assert os.path.lexists(work(out)) and not out.exists()
+        if work(out).is_dir() and not work(out).is_symlink():
+            assert [p.name for p in work(out).iterdir()] == ["notes.txt"]
+            (work(out) / "notes.txt").unlink()
+            work(out).rmdir()
+        else:
+            work(out).unlink()
+    assert [p.name for p in theirs.iterdir()] == ["notes.txt"]
+
+
 def test_a_chunk_is_cut_by_utf8_bytes_not_characters(tmp_path):
     """prepare.chunk_bytes counts the text's UTF-8 bytes: documents of 3-byte characters make
     chunks of a third as many characters as ASCII ones (memory follows bytes), and a chunk's

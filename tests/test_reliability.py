@@ -830,6 +830,14 @@ def test_export_refuses_a_folder_holding_other_files(tmp_path):
     check_out(tmp_path / "new")  # a new or empty directory is fine
     (tmp_path / "empty").mkdir()
     check_out(tmp_path / "empty")
+    # hidden files are a user's too: out=~ (a home directory of dotfiles) took model.safetensors
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / ".bashrc").write_text("mine")
+    with pytest.raises(config.ConfigError, match=r"holds \.bashrc, which an export does not write"):
+        check_out(tmp_path / "home")
+    # an earlier export with the temporaries of one killed part-way: replaced
+    (tmp_path / "empty" / ".model.safetensors.tmp-1234").write_bytes(b"cut short")
+    check_out(tmp_path / "empty")
 
 
 def test_a_dangling_symlink_on_the_way_to_a_run_dir_is_named_before_anything_is_made(tmp_path):
@@ -986,14 +994,20 @@ def test_files_of_a_run_or_a_preparation_that_are_not_regular_files_are_one_line
         (corpus / f"d{i:02d}.txt").write_text(f"document {i} " * 200)
     cfg = config.load(None, ["data.source=files", f"data.train={corpus}/*.txt"])
     prepared.build(cfg.data, tmp_path / "p", workers=1)
-    for name, damage, said in (("manifest.json", os.mkfifo, "manifest.json is not a regular file"),
-                               ("train.docs.npy", lambda p: p.write_bytes(b""), "train.docs.npy cannot be read")):
-        q = tmp_path / f"q_{name}"
+    # a documents file that is not a .npy file (empty, or text): NumPy's line for the text offered
+    # to load it as a pickle ("If you trust the file you can load it unsafely")
+    not_npy = "is not the .npy file prepared (damaged or replaced since): prepare again"
+    for i, (name, damage, said) in enumerate((
+            ("manifest.json", os.mkfifo, "manifest.json is not a regular file"),
+            ("train.docs.npy", lambda p: p.write_bytes(b""), f"train.docs.npy {not_npy}"),
+            ("eval.docs.npy", lambda p: p.write_text("garbage\n"), f"eval.docs.npy {not_npy}"))):
+        q = tmp_path / f"q{i}_{name}"
         shutil.copytree(tmp_path / "p", q)
         (q / name).unlink()
         damage(q / name)
-        with pytest.raises(config.ConfigError, match=said):
+        with pytest.raises(config.ConfigError) as e:
             prepared.load(q)
+        assert str(e.value).startswith(f"data.prepared={q}: {said}"), e.value
 
 
 @pytest.mark.parametrize("command", ["prepare", "lm_eval"])

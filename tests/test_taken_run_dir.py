@@ -5,6 +5,7 @@ anything compiled, on every process of a launch, and with nothing on disk change
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -29,6 +30,14 @@ def earlier(tmp_path_factory):
     for run in (root / "runs" / "default", root / "elsewhere" / "run"):
         (run / "metrics.jsonl").write_text('{"step": 0, "loss": 5.5}\n{"step": 1, "loss": 5.4}\n')
     (root / "partial" / "checkpoints" / "2.orbax-checkpoint-tmp-1").mkdir(parents=True)  # a first save cut short
+    # what other commands wrote: an export (nljax.export), prepared data (nljax.prepare)
+    (root / "exported").mkdir()
+    (root / "exported" / "config.json").write_text(json.dumps({"config": {}, "step": 2, "dtype": "float32",
+                                                               "checkpoint": "x"}))
+    (root / "exported" / "model.safetensors").write_bytes(b"weights")
+    (root / "data" / "mine").mkdir(parents=True)
+    (root / "data" / "mine" / "manifest.json").write_text(json.dumps({"format": "nljax-text-1"}))
+    (root / "data" / "mine" / "train.bin").write_bytes(b"tokens")
     return root
 
 
@@ -60,6 +69,13 @@ CASES = {
     # a run killed in its first save
     "partial save": (["run.dir=partial"], "nljax.train: error: run.dir partial already holds a run (an incomplete "
                      "checkpoint): choose another run.dir, or set run.overwrite=true to replace it"),
+    # another command's directory: the run's files went in beside its files, overwrite or not (the
+    # export then read as the export alone; a later export or prepare into it was refused)
+    "an export": (["run.dir=exported"], "nljax.train: error: run.dir exported is an export directory (nljax.export "
+                  "wrote it): a run's files would mix with it; choose another run.dir"),
+    "prepared data": (["run.dir=data/mine", "run.overwrite=true"], "nljax.train: error: run.dir data/mine holds "
+                      "prepared data (nljax.prepare wrote it): a run's files would mix with them; choose another "
+                      "run.dir (to train on them: data.prepared=DIR)"),
     # --resume of a run that is not there
     "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
                           "{root}/nowhere/checkpoints (--resume continues a run that saved checkpoints there; to "

@@ -544,6 +544,22 @@ def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, c
     assert not (tmp_path / "run").exists()
 
 
+def test_prepared_data_with_another_tokenizer_is_named_as_such(corpus, tokenizer, tmp_path):
+    """data.prepared with data.train and another tokenizer (its end token not given): the line
+    named data.doc_end_token's change, not the tokenizer's."""
+    from tokenizers import Tokenizer
+
+    prep, files = tmp_path / "prep", f"data.train=[{','.join(corpus['train'])}]"
+    prepared.build(data_config(files, f"data.tokenizer={tokenizer}", "data.doc_end_token=<eos>").data, prep)
+    other = tmp_path / "other.json"
+    tok = Tokenizer.from_file(str(tokenizer))
+    tok.add_tokens(["zzz"])
+    tok.save(str(other))
+    with pytest.raises(config.ConfigError) as e:
+        prepared.corpus(data_config(files, f"data.prepared={prep}", f"data.tokenizer={other}").data)
+    assert str(e.value) == f"data.prepared={prep} was prepared with another tokenizer than data.tokenizer={other}"
+
+
 def test_held_out_text_too_short_names_where_it_came_from(corpus, tmp_path, capsys):
     """Trained from data.prepared alone, the line blamed data.eval_fraction=0.05, which the
     directory was not split by: its held-out text is its data.eval's."""

@@ -13,8 +13,27 @@ from pathlib import Path
 
 from nljax.checkpoint import storage
 from nljax.config import Config
+from nljax.data.prepared import is_prepared
 from nljax.errors import ConfigError
+from nljax.runtime.exportdir import is_export
 from nljax.runtime.rundir import checkpoint_dir, holds_a_run
+
+
+def refuse_anothers(cfg: Config, continues: bool) -> None:
+    """Refuses (one line) a new run whose run.dir is what another command wrote: an export
+    (nljax.export) or prepared data (nljax.prepare), run.overwrite=true or not (it replaces a
+    run's files, never those). The run's files went in beside theirs: the export then read as
+    the export alone (nljax.generate, nljax.load), and a later export or prepare into it was
+    refused for the run's files. `continues`: --resume of a run already there, left as it is."""
+    if continues:
+        return
+    run_dir = Path(cfg.run.dir)
+    if is_export(run_dir):
+        raise ConfigError(f"run.dir {run_dir} is an export directory (nljax.export wrote it): a run's files would "
+                          "mix with it; choose another run.dir")
+    if is_prepared(run_dir):
+        raise ConfigError(f"run.dir {run_dir} holds prepared data (nljax.prepare wrote it): a run's files would mix "
+                          "with them; choose another run.dir (to train on them: data.prepared=DIR)")
 
 
 def refuse_taken(cfg: Config, continues: bool, logged: bool) -> None:

@@ -215,6 +215,18 @@ def _job(d: DataConfig, tok, sources: tuple, dtype: np.dtype) -> dict:
             "files": files, "split": [len(sources[0]), len(sources[1])]}
 
 
+def is_prepared(path: Path) -> bool:
+    """Whether `path` holds the manifest nljax.prepare writes (read only if a regular file: a FIFO
+    would block): a directory of prepared data, whatever the state of its token files."""
+    if not (path / MANIFEST).is_file():
+        return False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
 def _ours(name: str) -> bool:
     """Whether `name` in DIR is one a prepare writes there (overwrite=true replaces only such)."""
     return name in OWN or name in LEGACY or ".tmp-" in name
@@ -231,6 +243,7 @@ def _write(out: Path, overwrite: bool, d: DataConfig, tok, sources: tuple, dtype
         if note := outdir.recover(o, _ours, MANIFEST):
             print(f"nljax.prepare: warning: {note}", file=sys.stderr, flush=True)
         work = workdir.WorkDir(o.work, _job(d, tok, sources, dtype), dtype, SPLITS)
+        work.check()
         if work.finished(this_job=False) and not work.done.exists():  # stopped once it had replaced DIR
             work.discard()
         _check_out(o, overwrite)
@@ -495,8 +508,12 @@ def _open_split(path: Path, manifest: dict, name: str) -> Split:
         raise ConfigError(f"data.prepared={path}: {rec['file']} cannot be read ({e.strerror or e})") from None
     try:
         starts = np.load(_regular(path, rec["docs_file"]))
-    except (OSError, ValueError, EOFError) as e:  # EOFError: an empty file
-        raise ConfigError(f"data.prepared={path}: {rec['docs_file']} cannot be read ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"data.prepared={path}: {rec['docs_file']} cannot be read ({e.strerror or e})") from None
+    except (ValueError, EOFError):  # EOFError: an empty file
+        # NumPy takes what is not a .npy file for a pickle, and its line offered to load it unsafely
+        raise ConfigError(f"data.prepared={path}: {rec['docs_file']} is not the .npy file prepared (damaged or "
+                          "replaced since): prepare again") from None
     ordered = starts.ndim == 1 and bool(np.all(np.diff(starts) > 0))
     if starts.shape != (rec["documents"],) or not ordered or (len(starts) and (starts[0] != 0 or starts[-1] >= n)):
         raise ConfigError(f"data.prepared={path}: {rec['docs_file']} does not match the manifest's {rec['documents']} "
@@ -551,6 +568,10 @@ def corpus(d: DataConfig, evaluates: bool = False) -> Corpus:
 def _check_settings(manifest: dict, d: DataConfig) -> None:
     """A data.prepared directory given with data.train (or data.tokenizer) must have been prepared from them."""
     where = f"data.prepared={d.prepared} was prepared"
+    if d.tokenizer:  # first: another tokenizer given without its end token was named as data.doc_end_token's change
+        sha = tokenization.load(d.tokenizer, d.doc_end_token).info()["sha256"]
+        if manifest["tokenizer"].get("sha256") != sha:
+            raise ConfigError(f"{where} with another tokenizer than data.tokenizer={d.tokenizer}")
     if d.train:
         saved = manifest.get("settings", {})
         for key, value in settings_record(d).items():
@@ -568,10 +589,6 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
     if d.doc_end_token and manifest["tokenizer"].get("doc_end_token") != d.doc_end_token:
         raise ConfigError(f"{where} with data.doc_end_token={manifest['tokenizer'].get('doc_end_token')!r}, not "
                           f"{d.doc_end_token!r}: prepare it again, or leave data.doc_end_token out")
-    if d.tokenizer:
-        sha = tokenization.load(d.tokenizer, d.doc_end_token).info()["sha256"]
-        if manifest["tokenizer"].get("sha256") != sha:
-            raise ConfigError(f"{where} with another tokenizer than data.tokenizer={d.tokenizer}")
 
 
 def _check_sources(manifest: dict, d: DataConfig, where: str) -> None:

@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from nljax.errors import ConfigError
+
 PROGRESS = "progress.json"
 STATE_KEYS = ("tokens", "documents", "bytes", "max_token", "sha256", "docs_sha256")
 
@@ -107,6 +109,22 @@ class WorkDir:
         self.job = hashlib.sha256(json.dumps(job, sort_keys=True).encode()).hexdigest()
         self.files: list = []
         self.done = path / "prepared"  # the finished directory, made from the part files (data/prepared.py)
+
+    def check(self) -> None:
+        """Refused in one line, before anything in it is read or removed: a work directory that is
+        not one (a file, a symbolic link: a traceback, or "Cannot call rmtree on a symbolic link",
+        exit 1), or one holding names a prepare does not write (a user's file, removed with it)."""
+        if not os.path.lexists(self.path):
+            return
+        if self.path.is_symlink() or not self.path.is_dir():
+            what = "a symbolic link, not" if self.path.is_symlink() else "not"
+            raise ConfigError(f"{self.path} is {what} a directory nljax.prepare works in: move it away, then run again")
+        ours = {PROGRESS, f".{PROGRESS}.tmp", self.done.name,
+                *(f"part.{s}.{kind}" for s in self.splits for kind in ("bin", "starts"))}
+        if foreign := sorted(set(os.listdir(self.path)) - ours):
+            raise ConfigError(f"{self.path} holds files that nljax.prepare does not write there "
+                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): move them away, "
+                              "then run again")
 
     def finished(self, this_job: bool = True) -> bool:
         """Whether the work recorded here (of this job, or of any) ended in its finished

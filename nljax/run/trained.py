@@ -64,6 +64,12 @@ def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: 
     tool can check its settings against the model first). `evaluates`: the run's rows
     (train.batch_size, which n must divide) and evaluation settings are kept, as its own
     evaluation read the held-out data (`nljax.evaluate`); else one row per device."""
+    # the keys set below win over the command line's: given there, they were ignored in silence
+    forced = {"checkpoint.resume", "mesh.inter", "mesh.intra", "mesh.model", "train.accum_steps", "sync.strategy",
+              *([] if evaluates else ["train.batch_size"])}
+    if clash := sorted(forced & {o.partition("=")[0].strip() for o in overrides}):
+        raise ConfigError(f"{', '.join(k + '=' for k in clash)} cannot be overridden here: the checkpoint is read "
+                          "onto this process's devices, replicated (checkpoint= chooses which one)")
     checkpoint = checkpoint_path(run_dir, checkpoint, overrides)
     rows = [] if evaluates else [f"train.batch_size={n}"]
     cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
@@ -84,6 +90,8 @@ def checkpoint_path(run_dir: str | Path, checkpoint: str | int, overrides: Seque
     `checkpoint=400` reads alike in nljax.generate, nljax.export, nljax.load and lm_eval's
     --model_args. "latest" and paths (a step directory, a checkpoints directory) are kept as given."""
     text = str(checkpoint)
+    if not text.strip():  # checkpoint.resume="" is a fresh start: no checkpoint to read (an assertion's traceback)
+        raise ConfigError("checkpoint= is empty: give latest (the default), a step number or a step directory")
     if not text.isdigit() or (isinstance(checkpoint, str) and Path(text).exists()):
         return text
     root = checkpoint_dir(trained_config(run_dir, overrides))
@@ -202,4 +210,6 @@ def split_args(pairs: Sequence[str], known: dict[str, Callable[[str], Any]]) -> 
     run_dirs = [o.partition("=")[2] for o in overrides if o.startswith("run.dir=")]
     if not run_dirs:
         raise ConfigError("run.dir=DIR is required: the run directory nljax.train wrote")
+    if not run_dirs[-1].strip():  # read as the working directory: "config.yaml not found" named no setting
+        raise ConfigError("run.dir= is empty: give the run directory nljax.train wrote")
     return values, overrides, os.path.expanduser(run_dirs[-1])  # `~/runs/x`: export's out= lies under it

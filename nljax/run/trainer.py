@@ -23,7 +23,7 @@ from jax.experimental import multihost_utils
 
 from nljax.checkpoint import initparams, storage
 from nljax.checkpoint.lifecycle import Checkpoints
-from nljax.checkpoint.taken import inside_run_dir, refuse_taken
+from nljax.checkpoint.taken import inside_run_dir, refuse_anothers, refuse_taken
 from nljax.config import Config
 from nljax.data import imagefolder
 from nljax.engine import optim
@@ -413,6 +413,7 @@ def _refuse_from_the_directories(cfg: Config) -> None:
         raise ConfigError(f"checkpoint not found: {root} ({NOTHING_TO_RESUME})")
     storage.resume_root(cfg)
     initparams.source(cfg)  # missing, or given with another run's checkpoint.resume
+    refuse_anothers(cfg, storage.continues_own(cfg))
     refuse_taken(cfg, storage.continues_own(cfg), logged_a_step(Path(cfg.run.dir)))
 
 
