@@ -34,6 +34,7 @@ from flax import traverse_util
 
 from nljax import cli, config
 from nljax.checkpoint.contents import RESHAPED
+from nljax.checkpoint.taken import checkpoints_around, where
 from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.models.builtin import for_this_backend
@@ -210,6 +211,9 @@ def _export(args) -> int:
         trained_lib.trained_config(run_dir)  # its line: no config.yaml, an export's directory, ...
     out = Path(mine["out"] or Path(run_dir) / DEFAULT)
     check_out(out)
+    if holder := checkpoints_around(out):  # a run's resume would stop at a step folder it did not write
+        raise ConfigError(f"out={out} {where(out, holder)} a run's checkpoints (its resume would stop at the export's "
+                          "folder): choose another directory")
     writable.refuse_unwritable(f"out={out}", out)  # before the checkpoint is read: exit 2, as train's run.dir
     # restoring the checkpoint, gathering its parameters and writing them take seconds (more for a
     # large model), said once the settings are checked, as nljax.generate says its reading

@@ -101,6 +101,15 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
         assert export.main([f"run.dir={tmp_path / 'run'}", f"out={under_a_file}"]) == 2
     assert capsys.readouterr().err.strip() == (f"nljax.export: error: out={under_a_file}: {tmp_path / 'run' / 'config.yaml'} "
                                                "is a file, not a directory")
+    # into the run's own folder of checkpoints: its resume stopped at the folder nljax did not write
+    in_checkpoints = tmp_path / "run" / "checkpoints" / "6"
+    with mock.patch.object(trained, "load", side_effect=AssertionError("the checkpoint was read")):
+        assert export.main([f"run.dir={tmp_path / 'run'}", f"out={in_checkpoints}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.export: error: out={in_checkpoints} is inside "
+                                               f"{tmp_path / 'run' / 'checkpoints'}, which holds a run's checkpoints "
+                                               "(its resume would stop at the export's folder): choose another "
+                                               "directory")
+    assert not in_checkpoints.exists()
     (tmp_path / "gone").symlink_to(tmp_path / "nowhere")  # a folder on the way that is a link to nothing
     with mock.patch.object(trained, "load", side_effect=AssertionError("the checkpoint was read")):
         assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'gone' / 'export'}"]) == 2

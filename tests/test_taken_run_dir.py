@@ -76,6 +76,15 @@ CASES = {
     "prepared data": (["run.dir=data/mine", "run.overwrite=true"], "nljax.train: error: run.dir data/mine holds "
                       "prepared data (nljax.prepare wrote it): a run's files would mix with them; choose another "
                       "run.dir (to train on them: data.prepared=DIR)"),
+    # a fresh run in (or under) an earlier run's folder of checkpoints: its files beside the step
+    # folders, which a resume of that run stops at
+    "a run's checkpoints": (["run.dir=runs/default/checkpoints"], "nljax.train: error: run.dir "
+                            "runs/default/checkpoints holds a run's checkpoints: this run's files would mix with them "
+                            "(a resume of that run stops at folders it did not write); choose another run.dir"),
+    "under a run's checkpoints": (["run.dir=elsewhere/ckpt/new", "run.overwrite=true"], "nljax.train: error: run.dir "
+                                  "elsewhere/ckpt/new is inside {root}/elsewhere/ckpt, which holds a run's checkpoints: "
+                                  "this run's files would mix with them (a resume of that run stops at folders it did "
+                                  "not write); choose another run.dir"),
     # --resume of a run that is not there
     "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
                           "{root}/nowhere/checkpoints (--resume continues a run that saved checkpoints there; to "

@@ -34,6 +34,27 @@ def refuse_anothers(cfg: Config, continues: bool) -> None:
     if is_prepared(run_dir):
         raise ConfigError(f"run.dir {run_dir} holds prepared data (nljax.prepare wrote it): a run's files would mix "
                           "with them; choose another run.dir (to train on them: data.prepared=DIR)")
+    if holder := checkpoints_around(run_dir):
+        raise ConfigError(f"run.dir {run_dir} {where(run_dir, holder)} a run's checkpoints: this run's files would mix "
+                          "with them (a resume of that run stops at folders it did not write); choose another run.dir")
+
+
+def where(path: Path, holder: Path) -> str:
+    """How `path` stands to `holder`, the folder of checkpoints `checkpoints_around` found."""
+    return "holds" if path.absolute().resolve() == holder else f"is inside {holder}, which holds"
+
+
+def checkpoints_around(path: Path) -> Path | None:
+    """The directory at or above `path` that holds nljax's step directories (a run's
+    checkpoint.dir, `storage.leftovers`), or None."""
+    def holds(p: Path) -> bool:
+        try:
+            return bool(storage.leftovers(p))
+        except OSError:  # a folder above that cannot be listed (permissions) holds none we could resume
+            return False
+
+    path = path.absolute().resolve()
+    return next((p for p in (path, *path.parents) if holds(p)), None)
 
 
 def refuse_taken(cfg: Config, continues: bool, logged: bool) -> None:
