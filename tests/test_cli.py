@@ -107,6 +107,9 @@ def test_comm_cli_json():
     assert 0 < r["ratio_vs_ddp"] < 1
     text = cli("nljax.comm", "--cpu-devices", "8", "mesh.inter=2", *SMALL).stdout
     assert "ratio nljax / DDP" in text and "reduce-scatter" in text
+    # each level's bytes with its thousands separated, the levels by semicolons (a list of commas misread)
+    by_level = "; ".join(f"L{i} {b:,}" for i, b in enumerate(r["param_bytes_per_level"]))
+    assert f"parameter bytes per level: {by_level}\n" in text, text
 
 
 @pytest.mark.slow

@@ -136,11 +136,12 @@ def comm_per_step(cache: StepCache, state: TrainState, batch: dict) -> dict:
 
 def format_report(r: dict) -> str:
     mesh = " x ".join(f"{k}={v}" for k, v in r["mesh"].items())
+    per_level = "; ".join(f"L{i} {b:,}" for i, b in enumerate(r["param_bytes_per_level"]))  # commas: thousands
     lines = [
         f"mesh {mesh}   strategy={r['strategy']}   reduce={r['reduce']}   frozen_grads={r['frozen_grads']}   "
         f"periods={r['periods']} (cycle {r['cycle_steps']} steps)",
-        f"parameter bytes per level (one device's tensor-parallel shard): {r['param_bytes_per_level']}"
-        if r["mesh"].get(MODEL, 1) > 1 else f"parameter bytes per level: {r['param_bytes_per_level']}",
+        f"parameter bytes per level (one device's tensor-parallel shard): {per_level}"
+        if r["mesh"].get(MODEL, 1) > 1 else f"parameter bytes per level: {per_level}",
         f"links: intra {r['bandwidth_gbps']['intra']:g} GB/s, inter {r['bandwidth_gbps']['inter']:g} GB/s per device",
         "",
         f"{'variant':<12}{'steps/cycle':>12}  {'op':<16}{'axes':<14}{'groups':>7}{'runs':>6}{'payload B':>14}"

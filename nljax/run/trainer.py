@@ -107,7 +107,7 @@ def startup_report(run: Run, state: TrainState, say) -> None:
             f"{' (unconditional)' if not d['num_classes'] else names}, digest {d['digest'][:12]}")
     elif d:  # text: tokens
         say(f"data {d['source']}: {d['train_tokens']:,} training and {d['eval_tokens']:,} held-out tokens, "
-            f"vocabulary {d['vocab_size']}, digest {d['digest'][:12]}")
+            f"vocabulary {d['vocab_size']:,}, digest {d['digest'][:12]}")
         if d.get("eval_sets"):  # data.eval_sets: scored at every evaluation as eval_loss/<name>, ...
             digests = d.get("eval_set_digests", {})  # what a resume or the other processes compare
             say("held-out sets (data.eval_sets): " + ", ".join(
