@@ -45,6 +45,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# nljax.cli imports JAX first, turning an environment variable JAX cannot read into one line
+from nljax import cli  # noqa: I001
+
 import jax
 import jax.numpy as jnp
 import numpy as np
