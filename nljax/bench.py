@@ -45,6 +45,9 @@ import tempfile
 import time
 from pathlib import Path
 
+# nljax.cli imports JAX first, turning an environment variable JAX cannot read into one line
+from nljax import cli  # noqa: I001
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -202,23 +205,31 @@ def only(active: tuple[bool, ...], start: int, k: int) -> Conductor:
     return Conductor(tuple(1 if a else start + k + 1 for a in active), start)
 
 
-def time_loops(run: Run, fns: dict, state, batch, start: int, k: int) -> tuple[dict, object]:
+def time_loops(run: Run, fns: dict, state, batch, start: int, k: int,
+               slow_s: float = 5.0) -> tuple[dict, object]:
     """(active set -> seconds per step of `k` steps of it alone through the training loop, from
     step `start`; the state after them), the patterns one after another. Each pattern's call
     starts with no step in flight and ends waiting for its last: about one step's host work per
-    call more than a long run's loop, which a larger `k` spreads thinner."""
+    call more than a long run's loop, which a larger `k` spreads thinner. A call that takes
+    `slow_s` or more is said as it ends, as `time_steps`'s rounds are: nl_default's 5 calls of
+    16 steps on the 2-core CPU passed 40 s after one line."""
     built_before = {run.cache.variant(a, batch) for a in fns}
-    # one untimed call first: the loop's own first call compiles what it computes outside the step
-    # (the records' learning rates, for `k` steps) and starts the data's reading
-    state = loop_steps(run, state, only(next(iter(fns)), start, k), k, built_before)
-    start += k
-    seconds = {}
-    for a in fns:
+
+    def timed(a, what: str):
+        nonlocal state, start
         t0 = time.perf_counter()
         state = loop_steps(run, state, only(a, start, k), k, built_before)
         jax.block_until_ready(state)
-        seconds[a] = (time.perf_counter() - t0) / k
         start += k
+        if (took := time.perf_counter() - t0) >= slow_s:
+            say(f"{what}: {k} step{'s' * (k > 1)} in {took:.1f} s")
+        return took
+
+    # one untimed call first: the loop's own first call compiles what it computes outside the step
+    # (the records' learning rates, for `k` steps) and starts the data's reading
+    timed(next(iter(fns)), "through the training loop, warm-up")
+    seconds = {a: timed(a, f"through the training loop, pattern {pattern_name(a)} ({i} of {len(fns)})") / k
+               for i, a in enumerate(fns, 1)}
     return seconds, state
 
 

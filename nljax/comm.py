@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import sys
 
+# nljax.cli imports JAX first, turning an environment variable JAX cannot read into one line
+from nljax import cli  # noqa: I001
+
 import jax
 
-from nljax import cli
 from nljax.config import Config
 from nljax.measure.comm import comm_per_step, format_report
 from nljax.run.core import Run

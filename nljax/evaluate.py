@@ -39,9 +39,11 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+# nljax.cli imports JAX first, turning an environment variable JAX cannot read into one line
+from nljax import cli  # noqa: I001
+
 import jax
 
-from nljax import cli
 from nljax.data import imagefolder
 from nljax.data.prepared import MANIFEST
 from nljax.errors import ConfigError

@@ -28,11 +28,14 @@ import re
 import sys
 from pathlib import Path
 
+# nljax.cli imports JAX first, turning an environment variable JAX cannot read into one line
+from nljax import cli  # noqa: I001
+
 import jax
 import jax.numpy as jnp
 from flax import traverse_util
 
-from nljax import cli, config
+from nljax import config
 from nljax.checkpoint.contents import RESHAPED
 from nljax.checkpoint.taken import checkpoints_around, where
 from nljax.errors import ConfigError

@@ -320,6 +320,30 @@ def test_bench_synthetic_with_a_data_set_given_is_refused():
         "images.path would not be read; give --synthetic or images.source=, not both"), p.stderr
 
 
+def test_slow_loop_calls_are_said_as_they_end(monkeypatch):
+    """`--loop K` runs K steps of each pattern through the training loop, after an untimed call:
+    nl_default's five calls of 16 steps on the 2-core CPU passed 40 s after one line (found by a
+    newcomer). A call of `slow_s` or more is said as it ends; quick ones are not."""
+    from types import SimpleNamespace
+
+    from nljax import bench
+
+    said, calls = [], []
+    monkeypatch.setattr(bench, "say", said.append)
+    monkeypatch.setattr(bench, "loop_steps", lambda run, state, conductor, k, built: calls.append(k) or state + k)
+    run = SimpleNamespace(cache=SimpleNamespace(variant=lambda a, batch: a))
+    fns = {(True, False): None, (True, True): None}
+    seconds, state = bench.time_loops(run, fns, 0, None, start=1, k=4, slow_s=0.0)
+    assert state == 12 and calls == [4, 4, 4] and set(seconds) == set(fns)
+    assert [line.split(":")[0] for line in said] == [
+        "through the training loop, warm-up", "through the training loop, pattern L0 (1 of 2)",
+        "through the training loop, pattern L0+1 (2 of 2)"], said
+    assert all(": 4 steps in " in line for line in said), said
+    said.clear()
+    bench.time_loops(run, fns, 0, None, start=1, k=4)
+    assert said == []
+
+
 def test_slow_rounds_are_said_as_they_end(monkeypatch):
     """A round of a large model's steps on a CPU takes minutes (meanflow_dit_b4: 6.9 s a step at batch
     16 on the 2-core CPU, 16 times that at its batch 256): the seven rounds passed after one line. A round of `slow_s`

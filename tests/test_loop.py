@@ -492,3 +492,22 @@ def test_a_resume_past_a_window_it_never_recorded_says_so(tmp_path):
     (tmp_path / "profile").mkdir()
     Profiler(10, 2, tmp_path, say=said.append).start(15)  # recorded before this resume
     assert said == []
+
+
+def test_a_window_being_recorded_is_not_said_to_be_skipped(tmp_path, monkeypatch):
+    """`start_next` calls `start` after every step: a fresh run with train.profile_start=2
+    train.profile_steps=2 said "... where this run resumes: nothing is profiled" at step 3, in the
+    middle of its window (the trace's folder appears when it ends), and a run resumed past its
+    window said it after every step (found by a newcomer). Said once, where the run starts."""
+    from nljax.run import loop
+
+    monkeypatch.setattr(loop.jax.profiler, "start_trace", lambda *a, **k: None)
+    said = []
+    p = loop.Profiler(2, 2, tmp_path, say=said.append)
+    for step in range(4):
+        p.start(step)
+    assert p.on and said == [], said
+    p = loop.Profiler(10, 2, tmp_path / "resumed", say=said.append)
+    for step in (15, 16, 17):
+        p.start(step)
+    assert len(said) == 1 and "where this run resumes" in said[0], said

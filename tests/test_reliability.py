@@ -706,12 +706,26 @@ def test_an_export_onto_a_full_disk_is_an_oserror(tmp_path):
     assert e.value.errno == 28 and e.value.filename == str(tmp_path / "w")
 
 
-def test_a_jax_environment_variable_jax_cannot_read_is_one_line():
+@pytest.mark.parametrize("command", ["train", "bench", "comm", "evaluate", "export"])
+def test_a_jax_environment_variable_jax_cannot_read_is_one_line(command):
+    """bench, comm, evaluate and export imported JAX before nljax.cli caught this: a traceback
+    (found by a newcomer). Bad input: exit 2 and the command's name, as every other refusal (it
+    was `nljax: error:`, exit 1)."""
     from helpers import cli
 
-    p = cli("nljax.train", "train.steps=1", check=False, env={"JAX_NUM_CPU_DEVICES": "two"}, timeout=300)
-    assert p.returncode == 1 and p.stderr.strip() == (
-        "nljax: error: JAX's environment variables: Invalid value \"two\" for JAX flag jax_num_cpu_devices"), p.stderr
+    p = cli(f"nljax.{command}", check=False, env={"JAX_NUM_CPU_DEVICES": "two"}, timeout=300)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        f"nljax.{command}: error: JAX's environment variables: Invalid value \"two\" for JAX flag "
+        "jax_num_cpu_devices"), p.stderr
+
+
+def test_a_jax_environment_variable_jax_cannot_read_is_the_importers_to_handle():
+    """Imported by a program of the user's (nljax.load imports nljax.export), nljax leaves JAX's
+    ValueError to it rather than exit the program."""
+    from helpers import run_python
+
+    p = run_python("-c", "import nljax.export", check=False, env={"JAX_NUM_CPU_DEVICES": "two"}, timeout=300)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1].startswith("ValueError: Invalid value"), p.stderr
 
 
 def test_a_run_dir_that_cannot_be_written_is_one_line(tmp_path, monkeypatch):

@@ -196,11 +196,16 @@ class Profiler:
         self.here = here
         self.steps = 0
         self.step_s: list[float] = []  # of the profiled steps that did not compile
+        self.started = False  # `start` called once: the step the run starts (or resumes) at
 
     def start(self, step: int) -> None:
         if not (self.here and self.n):
             return
-        if self.first < step and not self.path.exists():
+        resumes, self.started = not self.started, True
+        # only where the run starts: `start_next` calls this after every step, and the trace's
+        # folder appears when the window ends, so a fresh run warned at its second profiled
+        # step, and a resumed one at every step
+        if resumes and self.first < step and not self.path.exists():
             # a run resumed past a window it never recorded (a first run stopped before it, or a
             # window moved on resume) ended without a trace in silence; one recorded earlier is
             # in run.dir/profile, and its resumes say nothing
