@@ -278,3 +278,19 @@ def test_tensorboard_does_not_import_torch(tmp_path):
             with pytest.raises(ImportError):
                 import torch  # noqa: F401
     assert sys.modules.get("torch", "absent") is not None  # not left refused after it
+
+
+def test_a_bad_wandb_mode_in_the_environment_is_named_as_the_environments(tmp_path, monkeypatch):
+    """WANDB_MODE wins over run.wandb_mode: a bad one is named as the environment's, and the fix
+    offered is the environment's (run.wandb_mode=offline, which it was, would not help)."""
+    pytest.importorskip("wandb")
+    for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing written outside tmp_path
+        monkeypatch.setenv(key, str(tmp_path / key.lower()))
+    monkeypatch.setenv("WANDB_MODE", "bogus")  # refused by W&B's settings, before any network
+    cfg = config.load(None, ["run.trackers=[wandb]", f"run.dir={tmp_path}", "run.wandb_mode=offline"])
+    with pytest.raises(ConfigError) as e:
+        Trackers.open(cfg, main=True)
+    assert str(e.value).startswith("W&B could not start a run (mode bogus, from the environment variable "
+                                   "WANDB_MODE): "), e.value
+    assert str(e.value).endswith("; unset WANDB_MODE, or set WANDB_MODE=offline: offline needs neither "
+                                 "account nor network"), e.value

@@ -187,7 +187,8 @@ class WandB:
     def open(cls, start: Start) -> "WandB":
         wandb = cls.require()
         r = start.cfg.run
-        mode = os.environ.get("WANDB_MODE") or r.wandb_mode
+        env_mode = os.environ.get("WANDB_MODE")
+        mode = env_mode or r.wandb_mode
         resumed = start.ids.get("wandb") if start.resume_step is not None else None
         # console="off": nljax's own lines are what the run logs; W&B's capture of the terminal
         # would wrap stdout and stderr, under the progress bar and a launcher's pipes.
@@ -200,8 +201,12 @@ class WandB:
                 mode=mode, config=to_dict(start.cfg), settings=settings,
             )
         except Exception as e:  # noqa: BLE001 - e.g. online without an account or a network
-            raise ConfigError(f"W&B could not start a run (mode {mode}): {type(e).__name__}: {first_line(e)}; "
-                              "run.wandb_mode=offline needs neither account nor network") from None
+            # WANDB_MODE wins over run.wandb_mode: where it is set, pointing at run.wandb_mode
+            # would not help (WANDB_MODE=bogus was blamed on no setting of the run's)
+            where, fix = ((f"mode {mode}, from the environment variable WANDB_MODE", "unset WANDB_MODE, or set "
+                           "WANDB_MODE=offline: offline needs neither account nor network") if env_mode else
+                          (f"mode {mode}", "run.wandb_mode=offline needs neither account nor network"))
+            raise ConfigError(f"W&B could not start a run ({where}): {type(e).__name__}: {first_line(e)}; {fix}") from None
         (start.path / "wandb").mkdir(exist_ok=True)
         return cls(run, start.path / "wandb" / f"nljax-last-step-{run.id}")
 
