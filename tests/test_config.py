@@ -57,6 +57,7 @@ def test_yaml_file(tmp_path):
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
         ("model.nl_lm.memory_chunk=0", "model.nl_lm.memory_chunk must be >= 1, got 0"),
         ("eval.batches=-1", "eval.batches must be >= 0, got -1"),  # was one line for three keys, no value
+        ("distributed.check_every=-1", "distributed.check_every must be >= 0, got -1"),  # likewise, two keys
         ("data.eval_fraction=0", "data.eval_fraction must be in [1e-9, 0.5] (every round(1/x)-th document is held "
                                  "out), got 0.0"),
         ("data.eval_fraction=1e-320", "data.eval_fraction must be in [1e-9, 0.5]"),  # 1/x: inf, was a traceback

@@ -117,8 +117,7 @@ class DistributedConfig:
     check_every: int = 100  # loop iterations between lockstep checks of the step and Pulse; 0: off
 
     def check(self) -> None:
-        if self.timeout_s < 1 or self.check_every < 0:
-            raise ConfigError("distributed.timeout_s must be >= 1 and distributed.check_every >= 0")
+        check_at_least("distributed", self, timeout_s=1, check_every=0)  # the key named, with its value
 
 
 @dataclasses.dataclass(frozen=True)
