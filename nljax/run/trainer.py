@@ -301,11 +301,14 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state
-    if cfg.throughput.reps:
+    if cfg.throughput.reps and cfg.train.steps:
         table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"], out.say)
-    else:  # a quick run: no pattern compiled again for its timing, no table (of zeros) printed
-        table, measured = {"skipped": "throughput.reps=0"}, None
-        out.say("timing skipped (throughput.reps=0): summary.json has no throughput table")
+    else:  # a quick run: no pattern compiled again for its timing, no table (of zeros) printed;
+        # train.steps=0 (the initial parameters saved) runs no pattern: its table was a header
+        # alone, after "timing 0 step variants" and "200 rounds of about 0 ms"
+        why = "throughput.reps=0" if not cfg.throughput.reps else "train.steps=0"
+        table, measured = {"skipped": why}, None
+        out.say(f"timing skipped ({why}): summary.json has no throughput table")
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,
