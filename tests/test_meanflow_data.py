@@ -432,11 +432,21 @@ def test_a_link_to_nothing_in_the_folder_is_one_line(tmp_path):
     (tmp_path / "set" / "cat").symlink_to(tmp_path / "unmounted" / "cat")
     pngs(tmp_path / "flat", x, ["a.png", "b.png"])
     (tmp_path / "flat" / "c.png").symlink_to(tmp_path / "gone.png")
-    for name, entry, target in (("set", "cat", tmp_path / "unmounted" / "cat"), ("flat", "c.png", tmp_path / "gone.png")):
+    for name, entry, target in (("set", "cat", tmp_path / "unmounted" / "cat"),
+                                ("flat", "c.png", tmp_path / "gone.png")):
         with pytest.raises(ConfigError) as e:
             imagefolder.listing(tmp_path / name, str(tmp_path / name))
         assert str(e.value) == (f"images.path {tmp_path / name}: {entry} is a symbolic link to {target}, which does "
                                 "not exist (a class folder or an image): fix the link, or remove it")
+    # below a class folder: a linked folder of its images (or a linked image) whose target is gone
+    (tmp_path / "set" / "cat").unlink()
+    pngs(tmp_path / "set", x, ["cat/a.png", "cat/b.png"])
+    (tmp_path / "set" / "cat" / "more").symlink_to(tmp_path / "unmounted" / "more")
+    with pytest.raises(ConfigError) as e:
+        imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
+    gone = tmp_path / "unmounted" / "more"
+    assert str(e.value) == (f"images.path {tmp_path / 'set'}: cat/more is a symbolic link to {gone}, which does not "
+                            "exist (a folder or an image of the class): fix the link, or remove it")
 
 
 def test_a_class_subfolder_that_cannot_be_listed_is_one_line(tmp_path, monkeypatch):

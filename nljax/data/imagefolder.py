@@ -112,6 +112,12 @@ def _below(d: Path) -> list[Path]:
             continue
         seen.add(real)
         dirs[:] = [n for n in dirs if not n.startswith(".")]
+        for n in names:  # os.walk lists a link to nothing as a file: a linked folder of the class's images
+            p = Path(top) / n
+            if not n.startswith(".") and p.is_symlink() and not p.exists():
+                raise ConfigError(f"images.path {d.parent}: {p.relative_to(d.parent).as_posix()} is a symbolic link to "
+                                  f"{os.readlink(p)}, which does not exist (a folder or an image of the class): fix "
+                                  "the link, or remove it")
         out += [Path(top) / n for n in names if is_image(Path(n))]
     return sorted(out, key=lambda p: p.relative_to(d).parts)
 

@@ -206,7 +206,8 @@ class WandB:
             where, fix = ((f"mode {mode}, from the environment variable WANDB_MODE", "unset WANDB_MODE, or set "
                            "WANDB_MODE=offline: offline needs neither account nor network") if env_mode else
                           (f"mode {mode}", "run.wandb_mode=offline needs neither account nor network"))
-            raise ConfigError(f"W&B could not start a run ({where}): {type(e).__name__}: {first_line(e)}; {fix}") from None
+            raise ConfigError(f"W&B could not start a run ({where}): {type(e).__name__}: {first_line(e)}; "
+                              f"{fix}") from None
         (start.path / "wandb").mkdir(exist_ok=True)
         return cls(run, start.path / "wandb" / f"nljax-last-step-{run.id}")
 

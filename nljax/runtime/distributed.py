@@ -133,7 +133,8 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
                           f"got process id {process_id} of {num_processes}")
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{said['--coordinator']} must look like HOST:PORT with a port in 1-65535, got {coordinator!r}")
+        raise ConfigError(f"{said['--coordinator']} must look like HOST:PORT with a port in 1-65535, "
+                          f"got {coordinator!r}")
     return Launch(coordinator, num_processes, process_id, ids)
 
 
