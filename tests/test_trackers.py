@@ -281,16 +281,28 @@ def test_tensorboard_does_not_import_torch(tmp_path):
 
 
 def test_a_bad_wandb_mode_in_the_environment_is_named_as_the_environments(tmp_path, monkeypatch):
-    """WANDB_MODE wins over run.wandb_mode: a bad one is named as the environment's, and the fix
-    offered is the environment's (run.wandb_mode=offline, which it was, would not help)."""
+    """WANDB_MODE wins over run.wandb_mode: a bad one is refused as the environment's before the
+    run writes anything (a resume's config.yaml was rewritten first), and where W&B refuses the
+    mode it starts in, the fix offered is the environment's (run.wandb_mode=offline, which it
+    was, would not help)."""
     pytest.importorskip("wandb")
     for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing written outside tmp_path
         monkeypatch.setenv(key, str(tmp_path / key.lower()))
-    monkeypatch.setenv("WANDB_MODE", "bogus")  # refused by W&B's settings, before any network
+    monkeypatch.setenv("WANDB_MODE", "bogus")
     cfg = config.load(None, ["run.trackers=[wandb]", f"run.dir={tmp_path}", "run.wandb_mode=offline"])
+    said = ("WANDB_MODE='bogus' is not a W&B mode (Input should be 'online', 'offline', 'shared', 'disabled', "
+            "'dryrun' or 'run'); it overrides run.wandb_mode: unset it, or set WANDB_MODE=offline")
+    with pytest.raises(ConfigError) as e:
+        check_installed(cfg)  # the trainer's check, before it writes anything
+    assert str(e.value) == said
+    # online with no account (and no key anywhere W&B looks): W&B's own refusal, the fix the environment's
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
     with pytest.raises(ConfigError) as e:
         Trackers.open(cfg, main=True)
-    assert str(e.value).startswith("W&B could not start a run (mode bogus, from the environment variable "
+    assert str(e.value).startswith("W&B could not start a run (mode online, from the environment variable "
                                    "WANDB_MODE): "), e.value
     assert str(e.value).endswith("; unset WANDB_MODE, or set WANDB_MODE=offline: offline needs neither "
                                  "account nor network"), e.value

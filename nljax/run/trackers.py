@@ -181,6 +181,15 @@ class WandB:
         except ImportError:
             raise ConfigError("run.trackers has wandb, which is not installed: pip install 'nljax[wandb]' (or wandb), "
                               "or leave wandb out of run.trackers") from None
+        env_mode = os.environ.get("WANDB_MODE")
+        if env_mode:  # refused here, before the run writes anything (a resume's config.yaml was rewritten)
+            try:
+                wandb.Settings(mode=env_mode)
+            except Exception as e:  # noqa: BLE001 - pydantic's ValidationError: its line listing the modes
+                said = next((line.strip().split(" [type=")[0] for line in str(e).splitlines()
+                             if "Input should be" in line), first_line(e))
+                raise ConfigError(f"WANDB_MODE={env_mode!r} is not a W&B mode ({said}); it overrides run.wandb_mode: "
+                                  "unset it, or set WANDB_MODE=offline") from None
         return wandb
 
     @classmethod
