@@ -306,3 +306,27 @@ def test_a_bad_wandb_mode_in_the_environment_is_named_as_the_environments(tmp_pa
                                    "WANDB_MODE): "), e.value
     assert str(e.value).endswith("; unset WANDB_MODE, or set WANDB_MODE=offline: offline needs neither "
                                  "account nor network"), e.value
+
+
+def test_a_tracker_that_fails_to_start_leaves_a_resumed_runs_config_as_it_was(tmp_path, monkeypatch, capsys):
+    """The trackers open before config.yaml is written: one that failed to start (W&B online
+    without an account) stopped a resume after its config.yaml held the failed attempt's
+    settings (train.steps, run.trackers), which the next plain --resume then ran with."""
+    from nljax.run.trackers import TensorBoard
+    from nljax.train import main
+
+    run = tmp_path / "run"
+    common = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1]", "train.batch_size=8",
+              "train.seq_len=16", "eval.every=0", "eval.batches=1", "throughput.reps=0", "run.plots=false",
+              "run.compile_cache=none", f"run.dir={run}"]
+    assert main([*common, "train.steps=1", "run.trackers=[]"]) == 0
+    before = (run / "config.yaml").read_bytes()
+
+    def fails(start):
+        raise ConfigError("the tracker could not start")
+
+    monkeypatch.setattr(TensorBoard, "open", fails)
+    capsys.readouterr()
+    assert main(["--resume", *common, "train.steps=2", "run.trackers=[tensorboard]"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "nljax.train: error: the tracker could not start"
+    assert (run / "config.yaml").read_bytes() == before
