@@ -116,6 +116,7 @@ SLOW_CASES = (
     "test_tp.py::test_hlo_of_a_level0_step[2]",  # [1] stays; test_loop's accumulation cases stay
     "test_meanflow.py::test_meanflow_accumulation_matches",  # text accumulation (test_loop) stays
     "test_loop.py::test_reps_zero_skips_the_timing",  # a 20 s run for one switch: the slow tier alone checks it
+    "test_loop.py::test_a_run_of_no_steps_times_nothing",  # likewise, the same switch's other arm (7 s)
     # 2026-11-30 (session 41): the suite took 13:30 here; each of these is checked in the suite by
     # the test or case named after it
     "test_engine.py::test_frozen_modes_differ",  # guards the `skip`/`updates` cases above, all in this tier

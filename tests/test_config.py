@@ -56,11 +56,16 @@ def test_yaml_file(tmp_path):
         ("cms.frozen_grads=drop", "config key 'cms.frozen_grads' must be one of"),
         ("sync.mean=3", "config key 'sync.mean' must be bool"),
         ("model.nl_lm.memory_chunk=0", "model.nl_lm.memory_chunk must be >= 1, got 0"),
+        ("eval.batches=-1", "eval.batches must be >= 0, got -1"),  # was one line for three keys, no value
+        ("distributed.check_every=-1", "distributed.check_every must be >= 0, got -1"),  # likewise, two keys
         ("data.eval_fraction=0", "data.eval_fraction must be in [1e-9, 0.5] (every round(1/x)-th document is held "
                                  "out), got 0.0"),
         ("data.eval_fraction=1e-320", "data.eval_fraction must be in [1e-9, 0.5]"),  # 1/x: inf, was a traceback
         ("data.eval_fraction=0.99", "data.eval_fraction must be in [1e-9, 0.5]"),  # held out every 2nd, without a word
         ("model.name=dit cms.periods=[1] images.eval_fraction=1e-320", "images.eval_fraction must be in [1e-9, 0.5]"),
+        # each named alone, with its value: one line for both left the user to guess which
+        ("model.name=dit cms.periods=[1] images.eval_fraction=0.9", "images.eval_fraction must be in [1e-9, 0.5], got 0.9"),
+        ("model.name=dit cms.periods=[1] images.source=moons images.toy_points=0", "images.toy_points must be >= 2, got 0"),
         ("optim.lr=nan", "config key 'optim.lr' must be a finite number, got nan"),
         ("optim.lr=.inf", "config key 'optim.lr' must be a finite number, got inf"),
         ("optim.lr=-1", "config key 'optim.lr' must be in (0, inf), got -1.0"),

@@ -315,6 +315,28 @@ def test_reps_zero_skips_the_timing(tmp_path, monkeypatch, capsys):
     assert (run / "step_time.png").read_bytes().startswith(b"\x89PNG")
 
 
+def test_a_run_of_no_steps_times_nothing(tmp_path, monkeypatch, capsys):
+    """train.steps=0 (the initial parameters saved) runs no step pattern: the timing said "timing 0
+    step variants" and "200 rounds of about 0 ms", then printed a table header with no rows."""
+    from nljax.run import throughput
+    from nljax.train import main
+
+    def timed(*a, **k):
+        raise AssertionError("train.steps=0 timed the patterns")
+
+    monkeypatch.setattr(throughput, "measure", timed)
+    run = tmp_path / "run"
+    rc = main(["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1,2]", "train.batch_size=8",
+               "train.seq_len=16", "train.steps=0", "eval.batches=1", "throughput.reps=1", "run.trackers=[]",
+               "run.plots=false", "run.compile_cache=none", f"run.dir={run}"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.count("timing skipped (train.steps=0)") == 1 and "step ms" not in out  # no table
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["throughput"] == {"skipped": "train.steps=0"} and summary["steps"] == 0
+    assert (run / "checkpoints" / "0").is_dir()  # what such a run is for
+
+
 def test_plots_are_drawn_after_the_report(tmp_path, monkeypatch, capsys):
     """The plots (matplotlib's import and drawing: ~2 s) are drawn after the report's last line
     and before the closing lines, not in a silence before the throughput table."""

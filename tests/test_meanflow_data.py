@@ -422,6 +422,33 @@ def test_a_folder_reached_again_through_a_link_is_read_once(tmp_path):
     assert names == ("cat", "dog")
 
 
+def test_a_link_to_nothing_in_the_folder_is_one_line(tmp_path):
+    """A class folder (or a flat folder's image) that is a link whose target is gone, an
+    unmounted disk, was left out without a word: a set of one class fewer, its labels shifted."""
+    from nljax.data import imagefolder
+
+    x = np.random.default_rng(5).integers(0, 256, (2, 4, 4), dtype=np.uint8)
+    pngs(tmp_path / "set", x, ["dog/a.png", "dog/b.png"])
+    (tmp_path / "set" / "cat").symlink_to(tmp_path / "unmounted" / "cat")
+    pngs(tmp_path / "flat", x, ["a.png", "b.png"])
+    (tmp_path / "flat" / "c.png").symlink_to(tmp_path / "gone.png")
+    for name, entry, target in (("set", "cat", tmp_path / "unmounted" / "cat"),
+                                ("flat", "c.png", tmp_path / "gone.png")):
+        with pytest.raises(ConfigError) as e:
+            imagefolder.listing(tmp_path / name, str(tmp_path / name))
+        assert str(e.value) == (f"images.path {tmp_path / name}: {entry} is a symbolic link to {target}, which does "
+                                "not exist (a class folder or an image): fix the link, or remove it")
+    # below a class folder: a linked folder of its images (or a linked image) whose target is gone
+    (tmp_path / "set" / "cat").unlink()
+    pngs(tmp_path / "set", x, ["cat/a.png", "cat/b.png"])
+    (tmp_path / "set" / "cat" / "more").symlink_to(tmp_path / "unmounted" / "more")
+    with pytest.raises(ConfigError) as e:
+        imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
+    gone = tmp_path / "unmounted" / "more"
+    assert str(e.value) == (f"images.path {tmp_path / 'set'}: cat/more is a symbolic link to {gone}, which does not "
+                            "exist (a folder or an image of the class): fix the link, or remove it")
+
+
 def test_a_class_subfolder_that_cannot_be_listed_is_one_line(tmp_path, monkeypatch):
     """os.walk passes over a folder it cannot list (its permissions): its images were left out
     without a word. Root lists any folder, so the refusal is simulated where os.walk lists it."""

@@ -478,8 +478,18 @@ def test_resolve_launch(monkeypatch):
     with pytest.raises(ConfigError, match=r"--process-id must be in \[0, 4\)"):
         distributed.resolve(process_id=4)
     for bad in ("nohost", "h:abc", "h:0", "h:99999"):
-        with pytest.raises(ConfigError, match="HOST:PORT with a port in 1-65535"):
+        with pytest.raises(ConfigError, match="^--coordinator must look like HOST:PORT with a port in 1-65535"):
             distributed.resolve(bad, process_id=0)
+    # a bad value from the environment (a launch script's) is named as the variable, not as a flag
+    # the command line did not give
+    with monkeypatch.context() as m:
+        m.setenv(distributed.ENV_COORDINATOR, "nohost")
+        with pytest.raises(ConfigError, match=f"^{distributed.ENV_COORDINATOR} must look like HOST:PORT"):
+            distributed.resolve(process_id=0)
+        m.setenv(distributed.ENV_PROCESS_ID, "4")
+        with pytest.raises(ConfigError, match=f"^{distributed.ENV_PROCESS_ID} must be in \\[0, 4\\) and "
+                                              f"{distributed.ENV_NUM_PROCESSES} >= 1, got process id 4 of 4$"):
+            distributed.resolve()
     def no_such_name(host, port, *a, **k):  # what the resolver says of a misspelt host (no DNS needed here)
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
     with monkeypatch.context() as m, pytest.raises(ConfigError, match="host 'nosuchhost' does not resolve"):

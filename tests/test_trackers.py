@@ -278,3 +278,55 @@ def test_tensorboard_does_not_import_torch(tmp_path):
             with pytest.raises(ImportError):
                 import torch  # noqa: F401
     assert sys.modules.get("torch", "absent") is not None  # not left refused after it
+
+
+def test_a_bad_wandb_mode_in_the_environment_is_named_as_the_environments(tmp_path, monkeypatch):
+    """WANDB_MODE wins over run.wandb_mode: a bad one is refused as the environment's before the
+    run writes anything (a resume's config.yaml was rewritten first), and where W&B refuses the
+    mode it starts in, the fix offered is the environment's (run.wandb_mode=offline, which it
+    was, would not help)."""
+    pytest.importorskip("wandb")
+    for key in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing written outside tmp_path
+        monkeypatch.setenv(key, str(tmp_path / key.lower()))
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    cfg = config.load(None, ["run.trackers=[wandb]", f"run.dir={tmp_path}", "run.wandb_mode=offline"])
+    said = ("WANDB_MODE='bogus' is not a W&B mode (Input should be 'online', 'offline', 'shared', 'disabled', "
+            "'dryrun' or 'run'); it overrides run.wandb_mode: unset it, or set WANDB_MODE=offline")
+    with pytest.raises(ConfigError) as e:
+        check_installed(cfg)  # the trainer's check, before it writes anything
+    assert str(e.value) == said
+    # online with no account (and no key anywhere W&B looks): W&B's own refusal, the fix the environment's
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    with pytest.raises(ConfigError) as e:
+        Trackers.open(cfg, main=True)
+    assert str(e.value).startswith("W&B could not start a run (mode online, from the environment variable "
+                                   "WANDB_MODE): "), e.value
+    assert str(e.value).endswith("; unset WANDB_MODE, or set WANDB_MODE=offline: offline needs neither "
+                                 "account nor network"), e.value
+
+
+def test_a_tracker_that_fails_to_start_leaves_a_resumed_runs_config_as_it_was(tmp_path, monkeypatch, capsys):
+    """The trackers open before config.yaml is written: one that failed to start (W&B online
+    without an account) stopped a resume after its config.yaml held the failed attempt's
+    settings (train.steps, run.trackers), which the next plain --resume then ran with."""
+    from nljax.run.trackers import TensorBoard
+    from nljax.train import main
+
+    run = tmp_path / "run"
+    common = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1]", "train.batch_size=8",
+              "train.seq_len=16", "eval.every=0", "eval.batches=1", "throughput.reps=0", "run.plots=false",
+              "run.compile_cache=none", f"run.dir={run}"]
+    assert main([*common, "train.steps=1", "run.trackers=[]"]) == 0
+    before = (run / "config.yaml").read_bytes()
+
+    def fails(start):
+        raise ConfigError("the tracker could not start")
+
+    monkeypatch.setattr(TensorBoard, "open", fails)
+    capsys.readouterr()
+    assert main(["--resume", *common, "train.steps=2", "run.trackers=[tensorboard]"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == "nljax.train: error: the tracker could not start"
+    assert (run / "config.yaml").read_bytes() == before

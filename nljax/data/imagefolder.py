@@ -63,6 +63,13 @@ def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None, tuple
         raise ConfigError(f"images.path {path}: cannot read the folder ({e.strerror})") from None
     if not entries:
         raise ConfigError(f"images.path {path} is an empty folder")
+    # A link whose target is gone is neither a folder nor a file: a class folder linked from an
+    # unmounted disk was passed over without a word (the other classes took its labels), and so
+    # was a linked image of a flat folder, where one in a class folder is refused.
+    dangling = [p for p in entries if p.is_symlink() and not p.exists()]
+    if dangling:
+        raise ConfigError(f"images.path {path}: {dangling[0].name} is a symbolic link to {os.readlink(dangling[0])}, "
+                          "which does not exist (a class folder or an image): fix the link, or remove it")
     classes = [p for p in entries if p.is_dir()]
     loose = [p for p in entries if p.is_file() and is_image(p)]
     if not classes:
@@ -105,6 +112,12 @@ def _below(d: Path) -> list[Path]:
             continue
         seen.add(real)
         dirs[:] = [n for n in dirs if not n.startswith(".")]
+        for n in names:  # os.walk lists a link to nothing as a file: a linked folder of the class's images
+            p = Path(top) / n
+            if not n.startswith(".") and p.is_symlink() and not p.exists():
+                raise ConfigError(f"images.path {d.parent}: {p.relative_to(d.parent).as_posix()} is a symbolic link to "
+                                  f"{os.readlink(p)}, which does not exist (a folder or an image of the class): fix "
+                                  "the link, or remove it")
         out += [Path(top) / n for n in names if is_image(Path(n))]
     return sorted(out, key=lambda p: p.relative_to(d).parts)
 

@@ -47,8 +47,11 @@ class ImagesConfig:
     def check_used(self) -> None:
         """Rules that apply when a run reads this section (model.name=dit)."""
         # every round(1/f)-th example is held out: at most every 2nd (1e-9: 1/f stays a number)
-        if not 1e-9 <= self.eval_fraction <= 0.5 or self.toy_points < 2:
-            raise ConfigError("images.eval_fraction must be in [1e-9, 0.5] and images.toy_points >= 2")
+        # one refusal each, with the value given: a combined line left the user to guess which
+        if not 1e-9 <= self.eval_fraction <= 0.5:
+            raise ConfigError(f"images.eval_fraction must be in [1e-9, 0.5], got {self.eval_fraction:g}")
+        if self.toy_points < 2:
+            raise ConfigError(f"images.toy_points must be >= 2, got {self.toy_points:,}")
         if self.source == "file" and not self.path:
             raise ConfigError("images.source=file needs images.path (a .npy or .npz file, or a folder of images)")
         if self.source != "file" and self.path:  # ignored without a word: trained on digits instead

@@ -181,13 +181,23 @@ class WandB:
         except ImportError:
             raise ConfigError("run.trackers has wandb, which is not installed: pip install 'nljax[wandb]' (or wandb), "
                               "or leave wandb out of run.trackers") from None
+        env_mode = os.environ.get("WANDB_MODE")
+        if env_mode:  # refused here, before the run writes anything (a resume's config.yaml was rewritten)
+            try:
+                wandb.Settings(mode=env_mode)
+            except Exception as e:  # noqa: BLE001 - pydantic's ValidationError: its line listing the modes
+                said = next((line.strip().split(" [type=")[0] for line in str(e).splitlines()
+                             if "Input should be" in line), first_line(e))
+                raise ConfigError(f"WANDB_MODE={env_mode!r} is not a W&B mode ({said}); it overrides run.wandb_mode: "
+                                  "unset it, or set WANDB_MODE=offline") from None
         return wandb
 
     @classmethod
     def open(cls, start: Start) -> "WandB":
         wandb = cls.require()
         r = start.cfg.run
-        mode = os.environ.get("WANDB_MODE") or r.wandb_mode
+        env_mode = os.environ.get("WANDB_MODE")
+        mode = env_mode or r.wandb_mode
         resumed = start.ids.get("wandb") if start.resume_step is not None else None
         # console="off": nljax's own lines are what the run logs; W&B's capture of the terminal
         # would wrap stdout and stderr, under the progress bar and a launcher's pipes.
@@ -200,8 +210,13 @@ class WandB:
                 mode=mode, config=to_dict(start.cfg), settings=settings,
             )
         except Exception as e:  # noqa: BLE001 - e.g. online without an account or a network
-            raise ConfigError(f"W&B could not start a run (mode {mode}): {type(e).__name__}: {first_line(e)}; "
-                              "run.wandb_mode=offline needs neither account nor network") from None
+            # WANDB_MODE wins over run.wandb_mode: where it is set, pointing at run.wandb_mode
+            # would not help (WANDB_MODE=bogus was blamed on no setting of the run's)
+            where, fix = ((f"mode {mode}, from the environment variable WANDB_MODE", "unset WANDB_MODE, or set "
+                           "WANDB_MODE=offline: offline needs neither account nor network") if env_mode else
+                          (f"mode {mode}", "run.wandb_mode=offline needs neither account nor network"))
+            raise ConfigError(f"W&B could not start a run ({where}): {type(e).__name__}: {first_line(e)}; "
+                              f"{fix}") from None
         (start.path / "wandb").mkdir(exist_ok=True)
         return cls(run, start.path / "wandb" / f"nljax-last-step-{run.id}")
 

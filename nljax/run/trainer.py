@@ -64,18 +64,34 @@ class Output:
                tracker_ids: dict | None = None) -> "Output":
         """`tracker_ids`: those saved in the checkpoint a resume continues (W&B's run id)."""
         main = is_main()
-        run, error = None, None
-        try:  # process 0 alone writes: when it cannot, every process stops here, before the trackers'
-            run = RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)  # collectives (the others
-            run.save_config(cfg)  # would wait in them until the timeout)
-        except ConfigError as e:
-            error = e
-        except OSError as e:  # as a ConfigError: every process leaves through the same path (cli.main)
-            error = ConfigError(f"cannot write {e.filename or cfg.run.dir}: [Errno {e.errno}] {e.strerror or e}")
-        if distributed.main_decides(error is not None) or error is not None:
-            raise error or ConfigError("process 0 could not write the run's files (its line says why)")
+
+        def decided(write) -> None:
+            """`write()` on process 0; when it cannot, every process stops here, before the
+            trackers' collectives (the others would wait in them until the timeout)."""
+            error = None
+            try:
+                write()
+            except ConfigError as e:
+                error = e
+            except OSError as e:  # as a ConfigError: every process leaves through the same path (cli.main)
+                error = ConfigError(f"cannot write {e.filename or cfg.run.dir}: [Errno {e.errno}] {e.strerror or e}")
+            if distributed.main_decides(error is not None) or error is not None:
+                raise error or ConfigError("process 0 could not write the run's files (its line says why)")
+
+        holder: list[RunDir] = []
+        decided(lambda: holder.append(RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)))
+        run = holder[0]
+        # The trackers open before config.yaml is written: a tracker that fails to start (W&B online
+        # without an account) stopped a resume after its config.yaml had been replaced by the
+        # failed attempt's settings, which the next plain --resume then ran with.
+        trackers = Trackers.open(cfg, main, resume_step, tracker_ids)
+        try:
+            decided(lambda: run.save_config(cfg))
+        except BaseException:
+            trackers.close(failed=True)
+            raise
         progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
-        return cls(run, progress, Trackers.open(cfg, main, resume_step, tracker_ids))
+        return cls(run, progress, trackers)
 
     def say(self, text: str) -> None:
         self.progress.say(text)
@@ -301,11 +317,14 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state
-    if cfg.throughput.reps:
+    if cfg.throughput.reps and cfg.train.steps:
         table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"], out.say)
-    else:  # a quick run: no pattern compiled again for its timing, no table (of zeros) printed
-        table, measured = {"skipped": "throughput.reps=0"}, None
-        out.say("timing skipped (throughput.reps=0): summary.json has no throughput table")
+    else:  # a quick run: no pattern compiled again for its timing, no table (of zeros) printed;
+        # train.steps=0 (the initial parameters saved) runs no pattern: its table was a header
+        # alone, after "timing 0 step variants" and "200 rounds of about 0 ms"
+        why = "throughput.reps=0" if not cfg.throughput.reps else "train.steps=0"
+        table, measured = {"skipped": why}, None
+        out.say(f"timing skipped ({why}): summary.json has no throughput table")
     summary = {
         "nljax_version": __version__,
         "steps": cfg.train.steps,

@@ -97,6 +97,11 @@ def detected_cluster() -> str | None:
 def resolve(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
             local_device_ids: Sequence[int] | None = None) -> Launch | None:
     """Flags, then `NLJAX_*` variables, then cluster auto-detection; None for a single process."""
+    # each value's source, for the refusals below: a bad NLJAX_* variable (a launch script's) was
+    # named as the flag, which the command line did not give
+    said = {"--coordinator": "--coordinator" if coordinator else ENV_COORDINATOR,
+            "--num-processes": "--num-processes" if num_processes is not None else ENV_NUM_PROCESSES,
+            "--process-id": "--process-id" if process_id is not None else ENV_PROCESS_ID}
     coordinator = coordinator or os.environ.get(ENV_COORDINATOR) or None
     num_processes = num_processes if num_processes is not None else _env_int(ENV_NUM_PROCESSES)
     process_id = process_id if process_id is not None else _env_int(ENV_PROCESS_ID)
@@ -124,11 +129,12 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
             f"{ENV_NUM_PROCESSES}, {ENV_PROCESS_ID}); missing {', '.join(missing)}"
         )
     if num_processes < 1 or not 0 <= process_id < num_processes:
-        raise ConfigError(f"--process-id must be in [0, {num_processes}) and --num-processes >= 1, got "
-                          f"process id {process_id} of {num_processes}")
+        raise ConfigError(f"{said['--process-id']} must be in [0, {num_processes}) and {said['--num-processes']} >= 1, "
+                          f"got process id {process_id} of {num_processes}")
     host, _, port = coordinator.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"--coordinator must look like HOST:PORT with a port in 1-65535, got {coordinator!r}")
+        raise ConfigError(f"{said['--coordinator']} must look like HOST:PORT with a port in 1-65535, "
+                          f"got {coordinator!r}")
     return Launch(coordinator, num_processes, process_id, ids)
 
 

@@ -102,8 +102,7 @@ class EvalConfig:
     harness_include: str = ""  # a directory of your own lm-eval task YAML files (lm-eval's --include_path)
 
     def check(self) -> None:
-        if self.every < 0 or self.batches < 0 or self.stream_steps < 0:
-            raise ConfigError("eval.every, eval.batches and eval.stream_steps must be >= 0")
+        check_at_least("eval", self, every=0, batches=0, stream_steps=0)  # the key named, with its value
         if self.harness_limit < 0:
             raise ConfigError(f"eval.harness_limit must be >= 0 (0: every example), got {self.harness_limit}")
         if len(set(self.harness_tasks)) != len(self.harness_tasks):
@@ -118,8 +117,7 @@ class DistributedConfig:
     check_every: int = 100  # loop iterations between lockstep checks of the step and Pulse; 0: off
 
     def check(self) -> None:
-        if self.timeout_s < 1 or self.check_every < 0:
-            raise ConfigError("distributed.timeout_s must be >= 1 and distributed.check_every >= 0")
+        check_at_least("distributed", self, timeout_s=1, check_every=0)  # the key named, with its value
 
 
 @dataclasses.dataclass(frozen=True)
