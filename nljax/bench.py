@@ -52,7 +52,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax import cli
 from nljax.config import Config, ConfigError
 from nljax.engine.conductor import Conductor, pattern_name
 from nljax.engine.step import StepCache
