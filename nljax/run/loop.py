@@ -225,6 +225,9 @@ class Profiler:
         if r.step == self.first + self.n - 1 or r.last:
             jax.profiler.stop_trace()
             self.on = False
+            if self.steps < self.n:  # the window ran past train.steps: its summary is of fewer steps, said why
+                self.say(f"profile: {self.steps} of the train.profile_steps={self.n} steps from step {self.first} "
+                         f"recorded: the run ends at step {r.step}")
             self.report()
 
     def report(self) -> None:
