@@ -21,11 +21,10 @@ try:  # the commands' first import of JAX, which reads its environment as it is 
     import jax
 except ValueError as e:  # JAX_NUM_CPU_DEVICES=abc, ...: a traceback before
     # bad input like any other, so named by the command and exit 2 (it was `nljax: error:`, exit 1);
-    # `python -m nljax.train` has set argv[0] to the module's file by the time it imports this
-    _main = os.path.basename(os.path.dirname(sys.argv[0])) == "nljax" and sys.argv[0].endswith(".py")
-    if not _main:  # imported by a program of the user's (nljax.load): theirs to handle
+    # `python -m nljax.train` runs with its module's name in __main__.__spec__ (runpy sets it first)
+    _prog = getattr(getattr(sys.modules.get("__main__"), "__spec__", None), "name", None) or ""
+    if not _prog.startswith("nljax."):  # imported by a program of the user's (nljax.load): theirs to handle
         raise
-    _prog = f"nljax.{os.path.basename(sys.argv[0])[:-3]}"
     print(f"{_prog}: error: JAX's environment variables: {str(e).splitlines()[0]}", file=sys.stderr)
     sys.exit(2)
 

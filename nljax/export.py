@@ -145,10 +145,13 @@ def check_out(out: Path) -> None:
         raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "
                           "choose another directory")
     # an export's names, and the temporary ones an export killed part-way leaves (`export`); any
-    # other hidden name is a user's too (out=~, a home directory of dotfiles, took the export)
+    # other hidden name is a user's too (out=~, a home directory of dotfiles, took the export),
+    # except in an earlier export (a desktop's .DS_Store, a notebook's .ipynb_checkpoints)
     names = "|".join(map(re.escape, (WEIGHTS, CONFIG, TOKENIZER)))
     ours = re.compile(rf"({names})|\.({names})\.tmp-\d+")
-    others = sorted(p.name for p in out.iterdir() if not ours.fullmatch(p.name)) if out.is_dir() else []
+    hidden_too = not is_export(out)
+    others = sorted(p.name for p in out.iterdir() if not ours.fullmatch(p.name)
+                    and (hidden_too or not p.name.startswith("."))) if out.is_dir() else []
     if others:
         raise ConfigError(f"out={out} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, which an "
                           "export does not write: give an empty or new directory (or an earlier export's)")

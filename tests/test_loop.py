@@ -294,47 +294,35 @@ def test_a_sharded_run_that_fits_reports_without_the_split_that_does_not(tmp_pat
     assert "compute/comm split skipped" in throughput.format_table(table)
 
 
-def test_reps_zero_skips_the_timing(tmp_path, monkeypatch, capsys):
-    """throughput.reps=0: a quick run ends after the final evaluation and checkpoint, nothing
-    timed, one line saying so; the summary has no throughput table and the plots are drawn."""
+@pytest.mark.parametrize("why,settings", [
+    ("throughput.reps=0", ["train.steps=2", "eval.every=0", "throughput.reps=0"]),
+    # the initial parameters saved, no step run: it said "timing 0 step variants" and "200 rounds
+    # of about 0 ms", then printed a table header with no rows
+    ("train.steps=0", ["train.steps=0", "throughput.reps=1", "run.plots=false"]),
+])
+def test_a_quick_run_or_one_of_no_steps_times_nothing(tmp_path, monkeypatch, capsys, why, settings):
+    """throughput.reps=0 (a quick run) or train.steps=0: the run ends after the final evaluation
+    and checkpoint, nothing timed, one line saying why; the summary has no throughput table (the
+    plots are drawn)."""
     from nljax.train import main
 
     def timed(*a, **k):
-        raise AssertionError("throughput.reps=0 timed the patterns")
+        raise AssertionError(f"{why} timed the patterns")
 
     monkeypatch.setattr(throughput, "measure", timed)
     run = tmp_path / "run"
     rc = main(["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1,2]", "train.batch_size=8",
-               "train.seq_len=16", "train.steps=2", "eval.every=0", "eval.batches=1", "throughput.reps=0",
-               "run.trackers=[]", "run.compile_cache=none", f"run.dir={run}"])
+               "train.seq_len=16", "eval.batches=1", "run.trackers=[]", "run.compile_cache=none", f"run.dir={run}",
+               *settings])
     out, err = capsys.readouterr()
     assert rc == 0, err
-    assert out.count("timing skipped (throughput.reps=0)") == 1 and "step ms" not in out  # no table
+    assert out.count(f"timing skipped ({why})") == 1 and "step ms" not in out  # no table
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["throughput"] == {"skipped": "throughput.reps=0"} and "eval_loss" in summary
-    assert (run / "step_time.png").read_bytes().startswith(b"\x89PNG")
-
-
-def test_a_run_of_no_steps_times_nothing(tmp_path, monkeypatch, capsys):
-    """train.steps=0 (the initial parameters saved) runs no step pattern: the timing said "timing 0
-    step variants" and "200 rounds of about 0 ms", then printed a table header with no rows."""
-    from nljax.run import throughput
-    from nljax.train import main
-
-    def timed(*a, **k):
-        raise AssertionError("train.steps=0 timed the patterns")
-
-    monkeypatch.setattr(throughput, "measure", timed)
-    run = tmp_path / "run"
-    rc = main(["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1,2]", "train.batch_size=8",
-               "train.seq_len=16", "train.steps=0", "eval.batches=1", "throughput.reps=1", "run.trackers=[]",
-               "run.plots=false", "run.compile_cache=none", f"run.dir={run}"])
-    out, err = capsys.readouterr()
-    assert rc == 0, err
-    assert out.count("timing skipped (train.steps=0)") == 1 and "step ms" not in out  # no table
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["throughput"] == {"skipped": "train.steps=0"} and summary["steps"] == 0
-    assert (run / "checkpoints" / "0").is_dir()  # what such a run is for
+    assert summary["throughput"] == {"skipped": why} and "eval_loss" in summary
+    if why == "train.steps=0":
+        assert summary["steps"] == 0 and (run / "checkpoints" / "0").is_dir()  # what such a run is for
+    else:
+        assert (run / "step_time.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_plots_are_drawn_after_the_report(tmp_path, monkeypatch, capsys):
@@ -514,6 +502,26 @@ def test_a_resume_past_a_window_it_never_recorded_says_so(tmp_path):
     (tmp_path / "profile").mkdir()
     Profiler(10, 2, tmp_path, say=said.append).start(15)  # recorded before this resume
     assert said == []
+
+
+def test_a_window_cut_by_the_runs_end_is_said(tmp_path, monkeypatch):
+    """train.steps=3 train.profile_start=2 train.profile_steps=2 records step 2 alone: its summary
+    said "profile (1 steps, ...)" with no word of the window cut (found by a bad-input audit)."""
+    from types import SimpleNamespace
+
+    from nljax.run import loop
+
+    monkeypatch.setattr(loop.jax.profiler, "start_trace", lambda *a, **k: None)
+    monkeypatch.setattr(loop.jax.profiler, "stop_trace", lambda: None)
+    monkeypatch.setattr(loop.Profiler, "report", lambda self: None)
+    said = []
+    for n, last, cut in ((2, True, True), (1, True, False), (2, False, False)):
+        p = loop.Profiler(2, n, tmp_path, say=said.append)
+        p.start(2)
+        p.stop(SimpleNamespace(step=2, last=last, record={"compiled": False, "step_time_s": 0.1}))
+        assert said == (["profile: 1 of the train.profile_steps=2 steps from step 2 recorded: the run ends at step 2"]
+                        if cut else []), (n, last, said)
+        said.clear()
 
 
 def test_a_window_being_recorded_is_not_said_to_be_skipped(tmp_path, monkeypatch):

@@ -350,6 +350,16 @@ def test_labels_past_int32_and_a_large_eval_fraction_are_refused(tmp_path):
         images.load(ImagesConfig(source="file", path=str(tmp_path / "d.npz")))
     with pytest.raises(ConfigError, match=r"images.eval_fraction must be in \[1e-9, 0.5\]"):
         ImagesConfig(eval_fraction=0.7).check_used()
+    # too few examples to split, counted as said: a folder of one image read "1 examples leave"
+    from PIL import Image
+
+    (tmp_path / "one").mkdir()
+    Image.fromarray(rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)).save(tmp_path / "one" / "a.png")
+    np.savez(tmp_path / "three.npz", x=rng.uniform(-1, 1, (3, 4, 4, 1)))
+    for path, said in (("one", "1 example leaves"), ("three.npz", "3 examples leave")):
+        with pytest.raises(ConfigError, match=f"^images: {said} no training or no held-out part at "
+                                              f"images.eval_fraction={ImagesConfig().eval_fraction}$"):
+            images.load(ImagesConfig(source="file", path=str(tmp_path / path)))
 
 
 @pytest.mark.parametrize("poison, message", [

@@ -492,9 +492,16 @@ def test_resolve_launch(monkeypatch):
             distributed.resolve()
     def no_such_name(host, port, *a, **k):  # what the resolver says of a misspelt host (no DNS needed here)
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
-    with monkeypatch.context() as m, pytest.raises(ConfigError, match="host 'nosuchhost' does not resolve"):
+    with monkeypatch.context() as m:
         m.setattr(socket, "getaddrinfo", no_such_name)
-        distributed.initialize(distributed.Launch("nosuchhost:1234", 2, 1), 5)  # not minutes of waiting, then abort
+        with pytest.raises(ConfigError, match="^--coordinator nosuchhost:1234: host 'nosuchhost' does not resolve"):
+            distributed.initialize(distributed.Launch("nosuchhost:1234", 2, 1), 5)  # not minutes of waiting, then abort
+        # given by a launch script's variables, the line names the variable, not a flag nobody gave
+        m.setenv(distributed.ENV_COORDINATOR, "nosuchhost:1234")
+        m.setenv(distributed.ENV_NUM_PROCESSES, "2")
+        m.setenv(distributed.ENV_PROCESS_ID, "1")
+        with pytest.raises(ConfigError, match=f"^{distributed.ENV_COORDINATOR} nosuchhost:1234: host 'nosuchhost'"):
+            distributed.initialize(distributed.resolve(), 5)
     for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_LOCAL_DEVICE_IDS):
         monkeypatch.delenv(var)
     monkeypatch.setenv("SLURM_NTASKS", "8")
@@ -526,8 +533,17 @@ def test_a_coordinator_port_already_served_is_one_line(monkeypatch):
     joined = []
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: joined.append(kw))
     with listener:
-        with pytest.raises(ConfigError, match=f"port {port} is already in use on this host"):
+        with pytest.raises(ConfigError, match=f"^--coordinator 127.0.0.1:{port}: port {port} is already in use on "
+                                              "this host"):
             distributed.initialize(distributed.Launch(f"127.0.0.1:{port}", 2, 0), 5)
+        # given by a launch script's variables, the line names the variable, not a flag nobody gave
+        with monkeypatch.context() as m:
+            m.setenv(distributed.ENV_COORDINATOR, f"127.0.0.1:{port}")
+            m.setenv(distributed.ENV_NUM_PROCESSES, "2")
+            m.setenv(distributed.ENV_PROCESS_ID, "0")
+            with pytest.raises(ConfigError, match=f"^{distributed.ENV_COORDINATOR} 127.0.0.1:{port}: port {port} is "
+                                                  "already in use"):
+                distributed.initialize(distributed.resolve(), 5)
         assert not joined
         distributed.initialize(distributed.Launch(f"127.0.0.1:{port}", 2, 1), 5)  # a client: only process 0 serves
         assert len(joined) == 1

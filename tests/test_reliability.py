@@ -852,6 +852,15 @@ def test_export_refuses_a_folder_holding_other_files(tmp_path):
     # an earlier export with the temporaries of one killed part-way: replaced
     (tmp_path / "empty" / ".model.safetensors.tmp-1234").write_bytes(b"cut short")
     check_out(tmp_path / "empty")
+    # an earlier export that a desktop or a notebook left a hidden file in: replaced all the same
+    import json
+
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "config.json").write_text(json.dumps({"config": {}, "step": 2, "dtype": "float32",
+                                                               "checkpoint": "x"}))
+    (tmp_path / "done" / "model.safetensors").write_bytes(b"weights")
+    (tmp_path / "done" / ".DS_Store").write_bytes(b"desktop")
+    check_out(tmp_path / "done")
 
 
 def test_a_dangling_symlink_on_the_way_to_a_run_dir_is_named_before_anything_is_made(tmp_path):

@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import QUICK, TINY, saved_run, subprocess_env, tree_hash
@@ -81,10 +82,10 @@ CASES = {
     "a run's checkpoints": (["run.dir=runs/default/checkpoints"], "nljax.train: error: run.dir "
                             "runs/default/checkpoints holds a run's checkpoints: this run's files would mix with them "
                             "(a resume of that run stops at folders it did not write); choose another run.dir"),
-    "under a run's checkpoints": (["run.dir=elsewhere/ckpt/new", "run.overwrite=true"], "nljax.train: error: run.dir "
-                                  "elsewhere/ckpt/new is inside {root}/elsewhere/ckpt, which holds a run's checkpoints: "
-                                  "this run's files would mix with them (a resume of that run stops at folders it did "
-                                  "not write); choose another run.dir"),
+    "a step folder of a run's checkpoints": (["run.dir=elsewhere/ckpt/9", "run.overwrite=true"], "nljax.train: error: "
+                                             "run.dir elsewhere/ckpt/9 is inside {root}/elsewhere/ckpt, which holds a "
+                                             "run's checkpoints: this run's files would mix with them (a resume of "
+                                             "that run stops at folders it did not write); choose another run.dir"),
     # --resume of a run that is not there
     "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
                           "{root}/nowhere/checkpoints (--resume continues a run that saved checkpoints there; to "
@@ -134,9 +135,23 @@ def test_overwrite_and_resume_are_not_refused(earlier, tmp_path, monkeypatch, no
 
     shutil.copytree(earlier, tmp_path, dirs_exist_ok=True)
     monkeypatch.chdir(tmp_path)
-    for extra in (["run.overwrite=true"], ["--resume"]):
+    # checkpoint.dir=run.dir (the steps beside the run's files): the run's own folder of checkpoints;
+    # not a step folder of one: a folder below another run's checkpoints named otherwise, or a
+    # folder of numbered runs (not steps); a folder this user cannot look into holds none
+    (tmp_path / "numbered" / "122" / "checkpoints" / "2").mkdir(parents=True)
+    (tmp_path / "numbered" / "122" / "checkpoints" / "2" / "state").mkdir()
+    for extra in (["run.overwrite=true"], ["--resume"], ["run.dir=runs/default/checkpoints",
+                                                         "checkpoint.dir=runs/default/checkpoints", "run.overwrite=true"],
+                  ["run.dir=elsewhere/ckpt/new"], ["run.dir=numbered/123"]):
         with pytest.raises(AssertionError, match="the run was built"):
             train.main([*ARGS, *extra])
+    from nljax.checkpoint import taken
+
+    assert taken.checkpoints_around(tmp_path / "runs" / "default" / "checkpoints" / "7") == (
+        tmp_path / "runs" / "default" / "checkpoints").resolve()
+    with monkeypatch.context() as m:  # its step folders private to another user
+        m.setattr(Path, "exists", lambda self: (_ for _ in ()).throw(PermissionError(13, "denied")))
+        assert taken.checkpoints_around(tmp_path / "runs" / "default" / "checkpoints" / "7") is None
 
 
 def test_a_checkpoint_dir_that_cannot_be_made_is_refused_before_the_run_is_built(tmp_path, monkeypatch, capfd,

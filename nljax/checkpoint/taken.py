@@ -34,7 +34,8 @@ def refuse_anothers(cfg: Config, continues: bool) -> None:
     if is_prepared(run_dir):
         raise ConfigError(f"run.dir {run_dir} holds prepared data (nljax.prepare wrote it): a run's files would mix "
                           "with them; choose another run.dir (to train on them: data.prepared=DIR)")
-    if holder := checkpoints_around(run_dir):
+    own = checkpoint_dir(cfg).resolve()  # checkpoint.dir=run.dir: the run's own, refuse_taken's to judge
+    if (holder := checkpoints_around(run_dir)) and holder != own:
         raise ConfigError(f"run.dir {run_dir} {where(run_dir, holder)} a run's checkpoints: this run's files would mix "
                           "with them (a resume of that run stops at folders it did not write); choose another run.dir")
 
@@ -45,16 +46,29 @@ def where(path: Path, holder: Path) -> str:
 
 
 def checkpoints_around(path: Path) -> Path | None:
-    """The directory at or above `path` that holds nljax's step directories (a run's
-    checkpoint.dir, `storage.leftovers`), or None."""
-    def holds(p: Path) -> bool:
+    """The folder of a run's checkpoints that `path` is, or that `path` would be a step folder
+    of (a numeric name directly in it, which that run's resume stops at: "holds 6, which nljax did
+    not write"), or None. Only there: a folder further down is no step of its, and the folders
+    above are not listed (a cluster's /scratch of job ids, slow to list over NFS)."""
+    path = path.absolute().resolve()
+    if _holds_steps(path):
+        return path
+    return path.parent if path.name.isdigit() and _holds_steps(path.parent) else None
+
+
+def _holds_steps(folder: Path) -> bool:
+    """Whether `folder` holds a step folder nljax wrote that this user can look into; one it cannot
+    (another user's private folder named by a job id) is not taken for one."""
+    def step(p: Path) -> bool:
         try:
-            return bool(storage.leftovers(p))
-        except OSError:  # a folder above that cannot be listed (permissions) holds none we could resume
+            return p.is_dir() and any((p / n).exists() for n in storage.ITEMS)
+        except OSError:
             return False
 
-    path = path.absolute().resolve()
-    return next((p for p in (path, *path.parents) if holds(p)), None)
+    try:
+        return any(p.name.isdigit() and step(p) for p in folder.iterdir())
+    except OSError:  # not there, not a folder, or not readable
+        return False
 
 
 def refuse_taken(cfg: Config, continues: bool, logged: bool) -> None:

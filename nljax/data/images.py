@@ -245,7 +245,8 @@ def load(cfg: ImagesConfig) -> ImageSet:
     held = np.arange(len(x)) % every == every - 1
     if held.all() or not held.any():
         raise ConfigError(
-            f"images: {len(x)} examples leave no training or no held-out part at eval_fraction={cfg.eval_fraction}"
+            f"images: {len(x):,} example{'s' * (len(x) != 1)} leave{'s' * (len(x) == 1)} no training or no held-out "
+            f"part at images.eval_fraction={cfg.eval_fraction}"
         )
     return ImageSet(x[~held], y[~held], x[held], y[held], num_classes, names)
 

@@ -201,11 +201,11 @@ class Profiler:
     def start(self, step: int) -> None:
         if not (self.here and self.n):
             return
-        resumes, self.started = not self.started, True
+        first_call, self.started = not self.started, True
         # only where the run starts: `start_next` calls this after every step, and the trace's
         # folder appears when the window ends, so a fresh run warned at its second profiled
         # step, and a resumed one at every step
-        if resumes and self.first < step and not self.path.exists():
+        if first_call and self.first < step and not self.path.exists():
             # a run resumed past a window it never recorded (a first run stopped before it, or a
             # window moved on resume) ended without a trace in silence; one recorded earlier is
             # in run.dir/profile, and its resumes say nothing
@@ -225,6 +225,9 @@ class Profiler:
         if r.step == self.first + self.n - 1 or r.last:
             jax.profiler.stop_trace()
             self.on = False
+            if self.steps < self.n:  # the run ended inside the window (train.steps, a stop): said, with the summary
+                self.say(f"profile: {self.steps} of the train.profile_steps={self.n} steps from step {self.first} "
+                         f"recorded: the run ends at step {r.step}")
             self.report()
 
     def report(self) -> None:

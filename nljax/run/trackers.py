@@ -305,11 +305,11 @@ class Trackers:
 
 
 def check_installed(cfg: Config) -> None:
-    """A one-line ConfigError for a tracker of run.trackers whose package is missing, before the
-    run writes anything (a run stopped later would leave a run.dir that refuses the next try).
-    Process 0, the one that opens trackers, decides; the others stop with it."""
-    on_main(lambda: [TRACKERS[name].require() for name in cfg.run.trackers],
-            "run.trackers: a tracker's package is missing on process 0")
+    """A one-line ConfigError for a tracker of run.trackers whose package is missing (or, for W&B,
+    whose WANDB_MODE is none of its modes), before the run writes anything (a run stopped later
+    would leave a run.dir that refuses the next try). Process 0, the one that opens trackers,
+    decides; the others stop with its line (a fixed one blamed a missing package for either)."""
+    on_main(lambda: [TRACKERS[name].require() for name in cfg.run.trackers], None)
 
 
 def step_scalars(rec: dict, n_levels: int, rate_key: str) -> dict:

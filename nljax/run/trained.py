@@ -64,19 +64,18 @@ def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: 
     tool can check its settings against the model first). `evaluates`: the run's rows
     (train.batch_size, which n must divide) and evaluation settings are kept, as its own
     evaluation read the held-out data (`nljax.evaluate`); else one row per device."""
-    # the keys set below win over the command line's: given there, they were ignored in silence
-    forced = {"checkpoint.resume", "mesh.inter", "mesh.intra", "mesh.model", "train.accum_steps", "sync.strategy",
-              *([] if evaluates else ["train.batch_size"])}
-    if clash := sorted(forced & {o.partition("=")[0].strip() for o in overrides}):
+    rows = [] if evaluates else [f"train.batch_size={n}"]
+    placed = ["mesh.inter=1", f"mesh.intra={n}", "mesh.model=1", *rows, "train.accum_steps=1", "sync.strategy=replicated"]
+    given = {o.partition("=")[0].strip() for o in overrides}
+    # the keys set here win over the command line's: given there, they were ignored in silence
+    if clash := sorted(given & {"checkpoint.resume", *(p.partition("=")[0] for p in placed)}):
         raise ConfigError(f"{', '.join(k + '=' for k in clash)} cannot be overridden here: the checkpoint is read "
                           "onto this process's devices, replicated (checkpoint= chooses which one)")
     checkpoint = checkpoint_path(run_dir, checkpoint, overrides)
-    rows = [] if evaluates else [f"train.batch_size={n}"]
-    cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", "mesh.inter=1", f"mesh.intra={n}",
-                                   "mesh.model=1", *rows, "train.accum_steps=1", "sync.strategy=replicated"])
+    cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", *placed])
     # a run trained with GPU-only forms (cuDNN attention, the Pallas kernels) read on a CPU: the
     # forms that run here, unless the tool's overrides name them
-    cfg = for_this_backend(cfg, keep={o.partition("=")[0] for o in overrides})
+    cfg = for_this_backend(cfg, keep=given)
     if evaluates:
         return cfg
     # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows (set

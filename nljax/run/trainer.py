@@ -88,7 +88,8 @@ class Output:
         try:
             decided(lambda: run.save_config(cfg))
         except BaseException:
-            trackers.close(failed=True)
+            with contextlib.suppress(Exception):  # W&B's finish offline, say: the line above is the one to see
+                trackers.close(failed=True)
             raise
         progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
         return cls(run, progress, trackers)

@@ -62,6 +62,9 @@ class Launch:
     process_id: int | None = None
     local_device_ids: tuple[int, ...] | None = None
     cluster: str | None = None  # the auto-detected cluster, when no argument was given
+    # where the coordinator came from, as its refusals name it: the flag or NLJAX_COORDINATOR (the
+    # same launch either way: not compared)
+    said: str = dataclasses.field(default="--coordinator", compare=False)
 
 
 def _env_int(name: str) -> int | None:
@@ -135,7 +138,7 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"{said['--coordinator']} must look like HOST:PORT with a port in 1-65535, "
                           f"got {coordinator!r}")
-    return Launch(coordinator, num_processes, process_id, ids)
+    return Launch(coordinator, num_processes, process_id, ids, said=said["--coordinator"])
 
 
 def initialize(launch: Launch | None, timeout_s: int) -> bool:
@@ -150,9 +153,9 @@ def initialize(launch: Launch | None, timeout_s: int) -> bool:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     kwargs: dict[str, Any] = {}
     if launch.cluster is None:
-        _check_resolves(launch.coordinator)
+        _check_resolves(launch.coordinator, launch.said)
         if launch.process_id == 0:  # the process that serves the coordinator
-            _check_port_free(launch.coordinator)
+            _check_port_free(launch.coordinator, launch.said)
         kwargs = dict(coordinator_address=launch.coordinator, num_processes=launch.num_processes,
                       process_id=launch.process_id)
     if launch.local_device_ids is not None:
@@ -181,7 +184,7 @@ def waiting_for_peers(what: str):
                                 f"{jax.process_count() - 1} process(es) at {what}")
 
 
-def _check_resolves(coordinator: str) -> None:
+def _check_resolves(coordinator: str, said: str = "--coordinator") -> None:
     """A host name that does not resolve is one line now; JAX would wait out its join timeout (minutes)
     and abort with a native stack. A temporary lookup failure is left to JAX's retries."""
     host, _, port = coordinator.rpartition(":")
@@ -189,10 +192,10 @@ def _check_resolves(coordinator: str) -> None:
         socket.getaddrinfo(host.strip("[]"), int(port))
     except socket.gaierror as e:
         if e.errno == socket.EAI_NONAME:
-            raise ConfigError(f"--coordinator {coordinator}: host {host!r} does not resolve ({e.strerror})") from None
+            raise ConfigError(f"{said} {coordinator}: host {host!r} does not resolve ({e.strerror})") from None
 
 
-def _check_port_free(coordinator: str) -> None:
+def _check_port_free(coordinator: str, said: str = "--coordinator") -> None:
     """Process 0 serves the coordination service on [::]:PORT. A port another run's coordinator
     already serves is one line now: gRPC binds with SO_REUSEPORT, so a second coordinator on the
     same port (two launches given the same fixed port, or two processes both given
@@ -218,7 +221,7 @@ def _check_port_free(coordinator: str) -> None:
             except OSError as e:
                 if e.errno == errno.EADDRINUSE:
                     raise ConfigError(
-                        f"--coordinator {coordinator}: port {port} is already in use on this host (another run's "
+                        f"{said} {coordinator}: port {port} is already in use on this host (another run's "
                         f"coordinator, or two processes given --process-id 0?); choose another port") from None
                 if family == socket.AF_INET6 and e.errno == errno.EADDRNOTAVAIL:
                     continue  # IPv6 present but not configured: the IPv4 wildcard then
