@@ -531,7 +531,7 @@ def test_a_process_waiting_for_its_peers_says_what_for(monkeypatch, capsys):
     monkeypatch.setattr(waiting, "EVERY_S", 0.2)
     # the join: JAX's initialize blocks (stood in for by a sleep) while the line is said
     monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: time.sleep(1.5))
-    monkeypatch.setattr(distributed, "_check_resolves", lambda coordinator: None)
+    monkeypatch.setattr(distributed, "_check_resolves", lambda coordinator, said: None)
     assert distributed.initialize(distributed.Launch("10.0.0.1:1234", 2, 1), 60)
     err = capsys.readouterr().err.splitlines()
     assert len(err) >= 2 and err[0] == ("nljax: process 1 has waited 0 s for the run's 2 processes to join at "
