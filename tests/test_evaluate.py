@@ -154,6 +154,15 @@ def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, cap
     assert not out.exists()
 
 
+def test_a_section_the_tools_set_given_whole_is_refused(run_dir):
+    """From Python (the command line takes dotted keys only), mesh={model: 2} was merged into the
+    mesh the tools set and lost in silence, as mesh.model=2 was."""
+    from nljax.run import trained
+
+    with pytest.raises(ConfigError, match="^mesh= cannot be overridden here"):
+        trained.config_of(run_dir, overrides=["mesh={model: 2}"])
+
+
 @pytest.mark.parametrize("args,line", [
     (["run.dir={d}/nowhere"], "{d}/nowhere/config.yaml not found: run.dir must be a run directory written by "
                               "nljax.train"),

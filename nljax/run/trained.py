@@ -68,7 +68,9 @@ def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: 
     placed = ["mesh.inter=1", f"mesh.intra={n}", "mesh.model=1", *rows, "train.accum_steps=1", "sync.strategy=replicated"]
     given = {o.partition("=")[0].strip() for o in overrides}
     # the keys set here win over the command line's: given there, they were ignored in silence
-    if clash := sorted(given & {"checkpoint.resume", *(p.partition("=")[0] for p in placed)}):
+    forced = {"checkpoint.resume", *(p.partition("=")[0] for p in placed)}
+    # and the sections that hold them, given whole (mesh={model: 2}): merged in, as silently lost
+    if clash := sorted(given & (forced | {k.partition(".")[0] for k in forced})):
         raise ConfigError(f"{', '.join(k + '=' for k in clash)} cannot be overridden here: the checkpoint is read "
                           "onto this process's devices, replicated (checkpoint= chooses which one)")
     checkpoint = checkpoint_path(run_dir, checkpoint, overrides)
