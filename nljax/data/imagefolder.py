@@ -66,10 +66,8 @@ def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None, tuple
     # A link whose target is gone is neither a folder nor a file: a class folder linked from an
     # unmounted disk was passed over without a word (the other classes took its labels), and so
     # was a linked image of a flat folder, where one in a class folder is refused.
-    dangling = [p for p in entries if p.is_symlink() and not p.exists()]
-    if dangling:
-        raise ConfigError(f"images.path {path}: {dangling[0].name} is a symbolic link to {os.readlink(dangling[0])}, "
-                          "which does not exist (a class folder or an image): fix the link, or remove it")
+    for p in entries:
+        _refuse_dangling(p, path, p.name, "a class folder or an image")
     classes = [p for p in entries if p.is_dir()]
     loose = [p for p in entries if p.is_file() and is_image(p)]
     if not classes:
@@ -98,6 +96,13 @@ def short_list(names, most: int = 8) -> str:
     return ", ".join(names if len(names) <= most else [*names[: most - 2], "...", names[-1]])
 
 
+def _refuse_dangling(p: Path, root, shown: str, what: str) -> None:
+    """One line for `p`, a symbolic link to nothing (`shown` as named under images.path `root`)."""
+    if p.is_symlink() and not p.exists():
+        raise ConfigError(f"images.path {root}: {shown} is a symbolic link to {os.readlink(p)}, which does not exist "
+                          f"({what}): fix the link, or remove it")
+
+
 def _below(d: Path) -> list[Path]:
     """Image files at any depth below `d` (links to folders followed, as torchvision does),
     sorted by their path; hidden folders skipped. A folder reached again through a link (the
@@ -113,11 +118,9 @@ def _below(d: Path) -> list[Path]:
         seen.add(real)
         dirs[:] = [n for n in dirs if not n.startswith(".")]
         for n in names:  # os.walk lists a link to nothing as a file: a linked folder of the class's images
-            p = Path(top) / n
-            if not n.startswith(".") and p.is_symlink() and not p.exists():
-                raise ConfigError(f"images.path {d.parent}: {p.relative_to(d.parent).as_posix()} is a symbolic link to "
-                                  f"{os.readlink(p)}, which does not exist (a folder or an image of the class): fix "
-                                  "the link, or remove it")
+            if not n.startswith("."):
+                p = Path(top) / n
+                _refuse_dangling(p, d.parent, p.relative_to(d.parent).as_posix(), "a folder or an image of the class")
         out += [Path(top) / n for n in names if is_image(Path(n))]
     return sorted(out, key=lambda p: p.relative_to(d).parts)
 

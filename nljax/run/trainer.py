@@ -65,22 +65,21 @@ class Output:
         """`tracker_ids`: those saved in the checkpoint a resume continues (W&B's run id)."""
         main = is_main()
 
-        def decided(write) -> None:
-            """`write()` on process 0; when it cannot, every process stops here, before the
-            trackers' collectives (the others would wait in them until the timeout)."""
-            error = None
+        def decided(write):
+            """`write()` on process 0 (its value); when it cannot, every process stops here, before
+            the trackers' collectives (the others would wait in them until the timeout)."""
+            value, error = None, None
             try:
-                write()
+                value = write()
             except ConfigError as e:
                 error = e
             except OSError as e:  # as a ConfigError: every process leaves through the same path (cli.main)
                 error = ConfigError(f"cannot write {e.filename or cfg.run.dir}: [Errno {e.errno}] {e.strerror or e}")
             if distributed.main_decides(error is not None) or error is not None:
                 raise error or ConfigError("process 0 could not write the run's files (its line says why)")
+            return value
 
-        holder: list[RunDir] = []
-        decided(lambda: holder.append(RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step)))
-        run = holder[0]
+        run = decided(lambda: RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step))
         # The trackers open before config.yaml is written: a tracker that fails to start (W&B online
         # without an account) stopped a resume after its config.yaml had been replaced by the
         # failed attempt's settings, which the next plain --resume then ran with.
@@ -433,8 +432,9 @@ def _refuse_from_the_directories(cfg: Config) -> None:
         raise ConfigError(f"checkpoint not found: {root} ({NOTHING_TO_RESUME})")
     storage.resume_root(cfg)
     initparams.source(cfg)  # missing, or given with another run's checkpoint.resume
-    refuse_anothers(cfg, storage.continues_own(cfg))
-    refuse_taken(cfg, storage.continues_own(cfg), logged_a_step(Path(cfg.run.dir)))
+    continues = storage.continues_own(cfg)
+    refuse_anothers(cfg, continues)
+    refuse_taken(cfg, continues, logged_a_step(Path(cfg.run.dir)))
 
 
 def check_profile(cfg: Config) -> None:
@@ -468,9 +468,10 @@ def _train(cfg: Config, notice: Notice) -> dict:
     check_installed(cfg)  # before anything is written
     if is_main() and not cfg.run.quiet:  # building reads the data and lays out the model: seconds
         # an image model reads images.*, a text model data.*
-        data = f"images {cfg.images.source}" if registry.task_of(cfg) == "images" else f"data {cfg.data.source}"
+        text = registry.task_of(cfg) != "images"
+        data = f"data {cfg.data.source}" if text else f"images {cfg.images.source}"
         print(f"nljax {__version__}: building the run (model {cfg.model.name}, {data}) ...", flush=True)
-        if data == "data files" and cfg.data.train and not cfg.data.prepared:
+        if text and cfg.data.source == "files" and cfg.data.train and not cfg.data.prepared:
             # the longest part of a start on a corpus not prepared (33 s for 20 MB with a BPE on a
             # 2-core CPU), done again at each start: said, with what does it once
             print(f"reading and tokenizing data.train into memory ({TOKENIZED_AT_EACH_START}) ...", flush=True)
