@@ -432,6 +432,8 @@ def _edited_meta(step_dir: Path):
 BAD = {
     "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere", True),
     "empty": (None, ["checkpoint.resume={d}/empty"], "no complete checkpoint in {d}/empty", False),
+    "file": (None, ["checkpoint.resume={d}/run/metrics.jsonl"], "checkpoint.resume={d}/run/metrics.jsonl is a file, "
+             "not a checkpoint: give latest, a step directory or a folder of checkpoints", True),
     # named explicitly: `--resume` would fall back to step 2 (test_resume_falls_back_...)
     "truncated": (truncate, ["checkpoint.resume={d}/ckpt/4"], "checkpoint {d}/ckpt/4: array data unreadable", True),
     "flipped": (_flip, [], "checkpoint {d}/ckpt/4:", False),

@@ -171,6 +171,11 @@ def test_a_section_the_tools_set_given_whole_is_refused(run_dir):
     (["run.dir={run}", "eval.batchez=2"], "unknown config key 'eval.batchez' (did you mean 'eval.batches'?)"),
     (["run.dir={run}", "checkpoint=7"], "checkpoint=7: {run} has no checkpoint at step 7 (its checkpoints are at "
                                         "steps 2, 3)"),
+    # a word or a file taken for a path: "checkpoint not found: $PWD/abc", "no complete checkpoint in FILE"
+    (["run.dir={run}", "checkpoint={d}/abc"], "checkpoint={d}/abc is not latest, a step number or an existing path "
+                                             "({d}/abc not found): give latest (the default), a step number, a step "
+                                             "directory or a folder of checkpoints"),
+    (["run.dir={run}", "checkpoint={d}/theirs.json"], "checkpoint={d}/theirs.json is a file: give latest"),
     (["run.dir={run}", "out={d}/r.txt"], "out={d}/r.txt: the result is JSON, give a file name ending in .json"),
     (["run.dir={run}", "out={d}/theirs.json"], "out={d}/theirs.json holds a file that is not an nljax.evaluate "
                                                "result: give a new file name, or move it"),

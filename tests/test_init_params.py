@@ -117,6 +117,8 @@ def test_damaged_newest_checkpoint_falls_back_with_a_warning(src, tmp_path, capf
 BAD = {
     "missing": (["checkpoint.init_params={t}/nowhere"], "checkpoint.init_params: checkpoint not found: {t}/nowhere"),
     "empty": (["checkpoint.init_params={t}/empty"], "checkpoint.init_params: no complete checkpoint in {t}/empty"),
+    "file": (["checkpoint.init_params={s}/config.yaml"], "checkpoint.init_params={s}/config.yaml is a file, not a "
+             "checkpoint: give a run directory, a step directory or a folder of checkpoints"),
     "with resume": (["checkpoint.init_params={s}", "checkpoint.resume={c}"],
                     "checkpoint.init_params={s} and checkpoint.resume={c} both name a checkpoint to start from"),
     "model": (["checkpoint.init_params={s}", "model.dim=32"],

@@ -49,6 +49,9 @@ def source(cfg: Config) -> Path | None:
     root = Path(given).expanduser().absolute()
     if not root.exists():
         raise ConfigError(f"{KEY}: checkpoint not found: {root}")
+    if not root.is_dir():  # read on, "no complete checkpoint in FILE"
+        raise ConfigError(f"{KEY}={given} is a file, not a checkpoint: give a run directory, a step directory or "
+                          "a folder of checkpoints")
     return root
 
 

@@ -363,6 +363,9 @@ def resume_root(cfg: Config) -> Path | None:
     root = checkpoint_dir(cfg) if resume == "latest" else Path(resume).absolute()
     if not root.exists():
         raise ConfigError(f"checkpoint not found: {root}")
+    if not root.is_dir():  # read on, "no complete checkpoint in FILE"
+        raise ConfigError(f"checkpoint.resume={resume} is a file, not a checkpoint: give latest, a step directory "
+                          "or a folder of checkpoints")
     return root
 
 

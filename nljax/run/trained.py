@@ -93,6 +93,8 @@ def checkpoint_path(run_dir: str | Path, checkpoint: str | int, overrides: Seque
     text = str(checkpoint)
     if not text.strip():  # checkpoint.resume="" is a fresh start: no checkpoint to read (an assertion's traceback)
         raise ConfigError("checkpoint= is empty: give latest (the default), a step number or a step directory")
+    if text != "latest" and not text.isdigit():
+        _check_names_a_checkpoint(text)
     if not text.isdigit() or (isinstance(checkpoint, str) and Path(text).exists()):
         return text
     root = checkpoint_dir(trained_config(run_dir, overrides))
@@ -103,6 +105,18 @@ def checkpoint_path(run_dir: str | Path, checkpoint: str | int, overrides: Seque
     have = ", ".join(map(str, steps if len(steps) <= 8 else [*steps[:3], "...", *steps[-3:]]))
     there = f"its checkpoints are at step{'s' if len(steps) > 1 else ''} {have}" if steps else f"{root} holds none"
     raise ConfigError(f"checkpoint={text}: {run_dir} has no checkpoint at step {int(text)} ({there})")
+
+
+def _check_names_a_checkpoint(text: str) -> None:
+    """A `checkpoint=` path that is missing or a file, refused with what the key takes (read
+    further on, `abc` was "checkpoint not found: $PWD/abc" and a file "no complete checkpoint in
+    FILE", neither saying a word was taken for a path)."""
+    path = Path(text).absolute()
+    if path.is_dir():
+        return
+    said = "is a file" if path.exists() else f"is not latest, a step number or an existing path ({path} not found)"
+    raise ConfigError(f"checkpoint={text} {said}: give latest (the default), a step number, a step directory "
+                      "or a folder of checkpoints")
 
 
 def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config.Config:
