@@ -10,6 +10,7 @@ import types
 
 import numpy as np
 import pytest
+import yaml
 from helpers import TINY, cli, make
 
 from nljax import config
@@ -330,3 +331,43 @@ def test_a_tracker_that_fails_to_start_leaves_a_resumed_runs_config_as_it_was(tm
     assert main(["--resume", *common, "train.steps=2", "run.trackers=[tensorboard]"]) == 2
     assert capsys.readouterr().err.splitlines()[-1] == "nljax.train: error: the tracker could not start"
     assert (run / "config.yaml").read_bytes() == before
+
+
+def test_a_resume_that_fails_before_its_first_step_leaves_the_runs_config_as_it_was(tmp_path, monkeypatch, capsys):
+    """A resume's settings reach config.yaml once a step has run with them: a resume that failed
+    at its first step (out of memory at a larger batch) left them there, and the next plain
+    --resume failed the same way. One that runs a step, or has none left to run, writes them."""
+    from nljax.run import trainer
+    from nljax.train import main
+
+    run = tmp_path / "run"
+    common = ["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1]", "train.batch_size=8",
+              "train.seq_len=16", "eval.every=0", "eval.batches=1", "throughput.reps=0", "run.plots=false",
+              "run.compile_cache=none", "run.trackers=[]", f"run.dir={run}"]
+    assert main([*common, "train.steps=1"]) == 0
+    before = (run / "config.yaml").read_bytes()
+    steps = trainer.training_steps
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+        yield  # a generator, as training_steps is
+
+    monkeypatch.setattr(trainer, "training_steps", fails)
+    capsys.readouterr()
+    assert main(["--resume", *common, "train.steps=2", "eval.batches=2"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1].startswith("nljax.train: error: out of memory")
+    assert (run / "config.yaml").read_bytes() == before
+    monkeypatch.setattr(trainer, "training_steps", steps)
+    saved = lambda: yaml.safe_load((run / "config.yaml").read_text())
+    assert main(["--resume", *common, "train.steps=2", "eval.batches=2"]) == 0
+    assert (saved()["train"]["steps"], saved()["eval"]["batches"]) == (2, 2)
+    assert main(["--resume", *common, "train.steps=2", "eval.batches=3"]) == 0  # nothing left to train
+    assert saved()["eval"]["batches"] == 3
+
+    def one_then_fails(*args, **kwargs):  # a step ran with the new settings: they are the run's
+        yield next(steps(*args, **kwargs))
+        raise RuntimeError("RESOURCE_EXHAUSTED: out of memory")
+
+    monkeypatch.setattr(trainer, "training_steps", one_then_fails)
+    assert main(["--resume", *common, "train.steps=4", "eval.batches=4"]) == 1
+    assert (saved()["train"]["steps"], saved()["eval"]["batches"]) == (4, 4)

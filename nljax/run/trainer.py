@@ -51,6 +51,21 @@ def is_main() -> bool:
     return jax.process_index() == 0
 
 
+def _decided(cfg: Config, write):
+    """`write()` on process 0 (its value); when it cannot, every process stops here, before
+    the trackers' collectives (the others would wait in them until the timeout)."""
+    value, error = None, None
+    try:
+        value = write()
+    except ConfigError as e:
+        error = e
+    except OSError as e:  # as a ConfigError: every process leaves through the same path (cli.main)
+        error = ConfigError(f"cannot write {e.filename or cfg.run.dir}: [Errno {e.errno}] {e.strerror or e}")
+    if distributed.main_decides(error is not None) or error is not None:
+        raise error or ConfigError("process 0 could not write the run's files (its line says why)")
+    return value
+
+
 @dataclasses.dataclass
 class Output:
     """Where a run reports: files (process 0 only), terminal, trackers (TensorBoard, W&B)."""
@@ -58,40 +73,36 @@ class Output:
     run: RunDir
     progress: runlog.Progress
     trackers: Trackers
+    # A resume's settings, written to config.yaml once its first step has run (`save_config`): a
+    # resume that fails before (out of memory at a larger train.batch_size) left them there, and
+    # the next plain --resume failed the same way.
+    config_due: Config | None = None
 
     @classmethod
     def create(cls, cfg: Config, start: int = 0, unit: str = "tok", resume_step: int | None = None,
                tracker_ids: dict | None = None) -> "Output":
         """`tracker_ids`: those saved in the checkpoint a resume continues (W&B's run id)."""
-        main = is_main()
-
-        def decided(write):
-            """`write()` on process 0 (its value); when it cannot, every process stops here, before
-            the trackers' collectives (the others would wait in them until the timeout)."""
-            value, error = None, None
-            try:
-                value = write()
-            except ConfigError as e:
-                error = e
-            except OSError as e:  # as a ConfigError: every process leaves through the same path (cli.main)
-                error = ConfigError(f"cannot write {e.filename or cfg.run.dir}: [Errno {e.errno}] {e.strerror or e}")
-            if distributed.main_decides(error is not None) or error is not None:
-                raise error or ConfigError("process 0 could not write the run's files (its line says why)")
-            return value
-
-        run = decided(lambda: RunDir(cfg.run.dir, cfg.run.overwrite, main, resume_step))
+        run = _decided(cfg, lambda: RunDir(cfg.run.dir, cfg.run.overwrite, is_main(), resume_step))
         # The trackers open before config.yaml is written: a tracker that fails to start (W&B online
         # without an account) stopped a resume after its config.yaml had been replaced by the
         # failed attempt's settings, which the next plain --resume then ran with.
-        trackers = Trackers.open(cfg, main, resume_step, tracker_ids)
-        try:
-            decided(lambda: run.save_config(cfg))
-        except BaseException:
-            with contextlib.suppress(Exception):  # W&B's finish offline, say: the line above is the one to see
-                trackers.close(failed=True)
-            raise
-        progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not main, unit)
-        return cls(run, progress, trackers)
+        trackers = Trackers.open(cfg, is_main(), resume_step, tracker_ids)
+        out = cls(run, runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not is_main(),
+                                       unit), trackers, cfg)
+        if resume_step is None or not (Path(cfg.run.dir) / "config.yaml").is_file():
+            try:
+                out.save_config()
+            except BaseException:
+                with contextlib.suppress(Exception):  # W&B's finish offline, say: the line above is the one to see
+                    trackers.close(failed=True)
+                raise
+        return out
+
+    def save_config(self) -> None:
+        """config.yaml written with this run's settings, once (every process: process 0 writes)."""
+        if self.config_due is not None:
+            cfg, self.config_due = self.config_due, None
+            _decided(cfg, lambda: self.run.save_config(cfg))
 
     def say(self, text: str) -> None:
         self.progress.say(text)
@@ -233,6 +244,7 @@ def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Outpu
                 f"sync.max_grad_norm)")
     s = stalled(r.record)
     hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if s else hist.stalled_in_a_row if s is None else 0
+    out.save_config()  # a resume's settings, now that a step ran with them (before a save names them)
     hooks.run(r)
     hist.records.append(r.record)
     check_skipped(hist.stalled_in_a_row, r.step, run.cfg.train.max_skipped)
@@ -514,6 +526,7 @@ def _train(cfg: Config, notice: Notice) -> dict:
             out.say(f"nothing left to train: the checkpoint is at step {ckpt.start} = train.steps (raise "
                     "train.steps to continue); evaluating it again for summary.json")
         state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt, notice)
+        out.save_config()  # a resume with no step left to run
         final = Announced(out.say if cfg.checkpoint.every and not done else (lambda text: None))
         with final(f"saving the final checkpoint ({cfg.train.steps}) to {ckpt.dir}"):
             ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
