@@ -89,7 +89,8 @@ class Output:
         trackers = Trackers.open(cfg, is_main(), resume_step, tracker_ids)
         out = cls(run, runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not is_main(),
                                        unit), trackers, cfg)
-        if resume_step is None or not (Path(cfg.run.dir) / "config.yaml").is_file():
+        # decided from the config alone: the same on every process (a collective), whatever each sees
+        if resume_step is None or not storage.continues_own(cfg):
             try:
                 out.save_config()
             except BaseException:
