@@ -18,6 +18,13 @@ def first_line(e: BaseException) -> str:
     return next((line.strip() for line in str(e).splitlines() if line.strip()), "")
 
 
+def few(names, most: int = 3) -> str:
+    """Up to `most` of `names` for a line of text, ', ...' after them when there are more: a folder
+    of a thousand strangers named in one line."""
+    names = list(names)
+    return ", ".join(map(str, names[:most])) + (", ..." if len(names) > most else "")
+
+
 def check_at_least(section: str, settings, **least) -> None:
     """One line for the first field of `settings` below its least value (`least`: field=value),
     naming that key and what it was given: a line naming a group of keys left the user to find

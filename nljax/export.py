@@ -38,7 +38,7 @@ from flax import traverse_util
 from nljax import config
 from nljax.checkpoint.contents import RESHAPED
 from nljax.checkpoint.taken import checkpoints_around, where
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, few
 from nljax.models import registry
 from nljax.models.builtin import for_this_backend
 from nljax.run import trained as trained_lib
@@ -153,7 +153,7 @@ def check_out(out: Path) -> None:
     others = sorted(p.name for p in out.iterdir() if not ours.fullmatch(p.name)
                     and (hidden_too or not p.name.startswith("."))) if out.is_dir() else []
     if others:
-        raise ConfigError(f"out={out} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, which an "
+        raise ConfigError(f"out={out} holds {few(others)}, which an "
                           "export does not write: give an empty or new directory (or an earlier export's)")
 
 

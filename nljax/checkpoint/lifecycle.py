@@ -19,7 +19,7 @@ from nljax.checkpoint.restore import Restored, restore_first_valid
 from nljax.checkpoint.taken import refuse_taken
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, few
 from nljax.runtime import distributed
 from nljax.runtime.rundir import checkpoint_dir
 
@@ -122,7 +122,7 @@ class Checkpoints:
         theirs = storage.foreign_steps(root, after, cfg.train.steps) if cfg.checkpoint.every else []
         if theirs:
             raise ConfigError(
-                f"checkpoint.dir {root} holds {', '.join(p.name for p in theirs[:3])}, which nljax did not write: "
+                f"checkpoint.dir {root} holds {few(p.name for p in theirs)}, which nljax did not write: "
                 "a checkpoint of that step would replace it; move it or choose another checkpoint.dir"
             )
         if restored:

@@ -40,7 +40,7 @@ import shutil
 from pathlib import Path
 from typing import Callable, Collection, Iterator
 
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, few
 from nljax import writable
 
 
@@ -129,7 +129,7 @@ def recover(o: Out, ours: Callable[[str], bool], manifest: str) -> str:
     if o.old.is_symlink() or not o.old.is_dir():
         raise ConfigError(f"{o.old} is not a directory nljax.prepare set aside: move it away, then run again")
     if foreign := strangers(o.old, ours):
-        raise ConfigError(f"{o.old} holds files that are not nljax prepared data ({', '.join(foreign[:3])}): "
+        raise ConfigError(f"{o.old} holds files that are not nljax prepared data ({few(foreign)}): "
                           "move them away, then run again")
     if os.path.lexists(o.path):  # stopped after the new data went in place: the previous are not needed
         if not (o.path / manifest).is_file() or strangers(o.path, ours):  # not what a prepare put there

@@ -42,7 +42,7 @@ import tqdm
 from nljax import writable
 from nljax.data import chunks, documents, outdir, tokenization, workdir
 from nljax.data.settings import DataConfig
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, few
 
 FORMAT = "nljax-text-1"
 SPLITS = ("train", "eval")
@@ -273,10 +273,10 @@ def _check_out(o: outdir.Out, overwrite: bool) -> None:
     there = outdir.strangers(o.path, lambda name: name in LEGACY or ".tmp-" in name) if o.path.is_dir() else []
     foreign = [name for name in there if not _ours(name)]
     if foreign:
-        raise ConfigError(f"{o.given} holds files that are not nljax prepared data ({', '.join(foreign[:3])}"
-                          f"{', ...' if len(foreign) > 3 else ''}); give a new or empty out=")
+        raise ConfigError(f"{o.given} holds files that are not nljax prepared data ({few(foreign)}); "
+                          "give a new or empty out=")
     if there and not overwrite:  # a manifest, or the files of a prepare that stopped part-way
-        raise ConfigError(f"{o.given} already holds prepared data ({', '.join(there[:3])}); give another out= or "
+        raise ConfigError(f"{o.given} already holds prepared data ({few(there)}); give another out= or "
                           "overwrite=true")
     if outdir.on_another_file_system(o):
         raise ConfigError(f"{o.given} is a mount point (another file system than its parent): nljax.prepare "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, few
 
 PROGRESS = "progress.json"
 STATE_KEYS = ("tokens", "documents", "bytes", "max_token", "sha256", "docs_sha256")
@@ -123,7 +123,7 @@ class WorkDir:
                 *(f"part.{s}.{kind}" for s in self.splits for kind in ("bin", "starts"))}
         if foreign := sorted(set(os.listdir(self.path)) - ours):
             raise ConfigError(f"{self.path} holds files that nljax.prepare does not write there "
-                              f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}): move them away, "
+                              f"({few(foreign)}): move them away, "
                               "then run again")
 
     def finished(self, this_job: bool = True) -> bool:

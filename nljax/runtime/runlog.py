@@ -11,6 +11,8 @@ import shutil
 import sys
 from pathlib import Path
 
+from nljax.errors import few
+
 # The names a run writes in run.dir, each noted here right before it is first created
 # (metrics.jsonl, config.yaml, summary.json, the plots, profile/ and wandb/ when made,
 # samples_000100.png, TensorBoard event files), so that run.overwrite=true removes the earlier
@@ -45,7 +47,7 @@ def written(run_dir: Path) -> set[str]:
         return set()
     ours = {n for n in names if n and n == Path(n).name and any(fnmatch.fnmatchcase(n, p) for p in OUTPUT_PATTERNS)}
     if names - ours - {""}:
-        print(f"nljax: warning: {listing} lists names a run does not write ({', '.join(sorted(names - ours - {''})[:3])}"
+        print(f"nljax: warning: {listing} lists names a run does not write ({few(sorted(names - ours - {''}))}"
               "): left in place", file=sys.stderr)
     return ours
 
