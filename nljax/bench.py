@@ -459,9 +459,9 @@ def check_profile_dir(d: Path) -> None:
 
 
 def _run(args, cfg: Config) -> int:
-    if args.steps < 1 or args.warmup < 0 or args.profile < 0 or args.loop < 0:
-        raise ConfigError(f"--steps must be >= 1, --warmup, --profile and --loop >= 0, got {args.steps}, "
-                          f"{args.warmup}, {args.profile}, {args.loop}")
+    for flag, low in (("steps", 1), ("warmup", 0), ("profile", 0), ("loop", 0)):  # the one given wrong, named
+        if getattr(args, flag) < low:
+            raise ConfigError(f"--{flag} must be >= {low}, got {getattr(args, flag)}")
     if args.out:
         resultfile.check(Path(args.out), f"--out {args.out}", "nljax.bench", RESULT_KEYS)
     if args.profile_dir and not args.profile:  # it keeps the trace of --profile N: nothing was kept, in silence

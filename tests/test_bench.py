@@ -205,6 +205,14 @@ def test_bench_out_is_checked_before_anything_runs(tmp_path, out, line):
     assert (tmp_path / "notes.md").read_text() == "mine"
 
 
+@pytest.mark.parametrize("flags,line", [(["--steps", "0"], "--steps must be >= 1, got 0"),
+                                        (["--loop", "-1"], "--loop must be >= 0, got -1")])
+def test_a_count_below_its_bound_names_its_flag(flags, line):
+    """One flag given wrong is named alone: the line named four flags and four values."""
+    p = cli("nljax.bench", *flags, *NL, check=False)
+    assert p.returncode == 2 and p.stderr.strip() == f"nljax.bench: error: {line}", p.stderr
+
+
 def test_bench_out_never_replaces_a_file_it_did_not_write(tmp_path):
     """`--out` over an existing JSON file that is not an earlier benchmark result (a tokenizer.json,
     an export's config.json) is refused at once: it was silently replaced by the result. An earlier
