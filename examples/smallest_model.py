@@ -124,11 +124,12 @@ def command_line(argv: list[str]) -> tuple[str, list[str]]:
     # this model, in a new run and in a resume alike (the run's own name: no change); a run that
     # --resume=auto starts trained nl_lm without it
     defaults = ["model.name=smallest"]
-    if not any(a in ("--resume", "--resume=auto", "--config") or a.startswith(("checkpoint.resume=", "--config="))
-               for a in rest):
+    if not any(a in ("--resume", "--config") or a.startswith(("checkpoint.resume=", "--config=")) for a in rest):
         # a new run's levels (a resume has its run's and a --config file may set its own, which
         # these would override): two, the slow MLP's gradients wait in its error buffer and cross
-        # devices every 4th step
+        # devices every 4th step. --resume=auto gets them too: a job script's one line starts the
+        # run and continues it, with the same levels both times (without them its start trained
+        # cms.periods=[1,8,64,512], two levels empty)
         defaults.append("cms.periods=[1,4]")
     return command, [*defaults, *rest]
 

@@ -177,7 +177,9 @@ class TrainedModel:
         0, so the first is what the prompt alone gives, and none depends on the others; an empty
         list gives []. `samples_per_prompt=N` > 1 (a list of prompts only): a list, per prompt, of N
         texts, sample j of prompt i keyed as prompts= keys it (`sampling.seeded(seed, i, j)`).
-        An image model (MeanFlow): samples [len(labels), H, W, C] in [-1, 1] for the class
+        An image model (MeanFlow): samples [len(labels), H, W, C] at the training data's scale
+        (uint8 images and the digits were trained in [-1, 1]; the samples are not clipped to it:
+        clip before converting to pixels) for the class
         `labels` (numbers, or a folder's class names: `model.classes`), in `steps` steps (1:
         MeanFlow's one-step sampling), from noise keyed by `seed` (default: the run's seed, as its
         evaluation's samples) and the sample's position."""

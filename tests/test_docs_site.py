@@ -59,3 +59,18 @@ def test_the_examples_named_in_the_docs_and_docstrings_exist():
     assert "examples/gated_delta" in named
     missing = sorted(n for n in named if not (ROOT / n).exists())
     assert not missing, f"examples named in the docs or docstrings that do not exist: {missing}"
+
+
+def test_the_python_api_reference_documents_every_public_name():
+    """docs/reference/python-api.md renders `nljax.models.blocks` from a `members:` list, which
+    does not follow the module: every name of its `__all__` must be in it (Model and TextModel
+    have their own sections), and every name of `nljax.__all__` must be named on the page."""
+    import nljax
+    from nljax.models import blocks
+
+    page = (DOCS / "reference" / "python-api.md").read_text(encoding="utf-8")
+    listed = re.search(r"::: nljax\.models\.blocks\n(?:\s+.*\n)*?\s+members: \[([^\]]*)\]", page)
+    assert listed, "the nljax.models.blocks section has no members: list"
+    members = {m.strip() for m in listed.group(1).split(",")}
+    assert set(blocks.__all__) - {"Model", "TextModel"} - members == set()
+    assert [n for n in nljax.__all__ if n != "__version__" and f"nljax.{n}" not in page] == []

@@ -78,11 +78,15 @@ def test_its_command_line_gives_its_model_to_every_run(example):
     """`train` and `bench` give model.name=smallest to a new run, a resume and a --resume=auto start
     alike (without it that start trained nl_lm, bench measured it), cms.periods=[1,4] to a new run
     without --config only (a resume's own could be other: refused as changed; a file's would be
-    overridden), and the line's own settings after them (they win)."""
+    overridden) and to --resume=auto (one line starts and continues a run: the same levels both
+    times; without them its start trained [1,8,64,512]), and the line's own settings after them
+    (they win)."""
     defaults = ["model.name=smallest", "cms.periods=[1,4]"]
     assert example.command_line(["run.dir=r"]) == ("train", [*defaults, "run.dir=r"])
     assert example.command_line(["train", "run.dir=r", "cms.periods=[1,2]"])[1][-1] == "cms.periods=[1,2]"
-    for resume in ("--resume", "--resume=auto", "checkpoint.resume=latest"):
+    assert example.command_line(["train", "--resume=auto", "run.dir=r"]) == ("train", [*defaults, "--resume=auto",
+                                                                                      "run.dir=r"])
+    for resume in ("--resume", "checkpoint.resume=latest"):
         assert example.command_line(["train", resume, "run.dir=r"]) == ("train", ["model.name=smallest", resume,
                                                                                   "run.dir=r"]), resume
     assert example.command_line(["train", "--config", "mine.yaml"]) == ("train", ["model.name=smallest", "--config",
