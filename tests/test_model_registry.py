@@ -167,7 +167,17 @@ def test_refusals_of_register_model(on_path):
         nljax.register_model("sound", build, task="audio")
     with pytest.raises(ConfigError, match="must be an identifier"):
         nljax.register_model("my-model", build)
-    assert not {"mutable", "nodefault", "sound"} & set(registry.names())
+    # a key of the model section: every config load after it was refused, whatever model it named
+    for key in ("name", "dim"):
+        with pytest.raises(ConfigError, match=rf"^model '{key}' \(.*\): its name is a key of the model section "
+                                              rf"\(model.{key}\): register it under another$"):
+            nljax.register_model(key, build)
+    # not a function: a TypeError at the first build
+    with pytest.raises(ConfigError, match=r"^model 'nobuild': build must be a function of the config that returns "
+                                          r"the model, got None$"):
+        nljax.register_model("nobuild", None)
+    assert not {"mutable", "nodefault", "sound", "name", "dim", "nobuild"} & set(registry.names())
+    config.load(None, [])  # the registry as it was
 
 
 def test_shared_names_only_shared_keys_of_model(on_path):
@@ -260,6 +270,32 @@ def test_a_level_is_any_integer_and_only_an_integer(on_path):
     with pytest.raises(ConfigError, match=r"level_of\('block0/cms1/down/bias'\) = 1.0, a float: a level is an int in "
                                           r"0..1$"):
         registry.build(cfg)
+
+
+def test_a_parameter_that_is_not_a_float_is_refused_before_allocation(on_path):
+    """An integer parameter (a counter in `init`'s tree) failed in jax.grad at the first step, a
+    traceback from inside the engine."""
+    import jax.numpy as jnp
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting(CMSMLP):
+        def init(self, key):
+            return {**super().init(key), "seen": jnp.zeros((), jnp.int32)}
+
+    nljax.register_model("counting", lambda cfg: Counting(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1,
+                                                          len(cfg.cms.periods)))
+    cfg = config.load(None, [*TINY, "model.name=counting"])
+    with pytest.raises(ConfigError, match=r"^model 'counting' \(.*\): init's parameter 'seen' is int32: every "
+                                          r"parameter is trained, and gradients need floats"):
+        registry.build(cfg)
+
+
+def test_a_python_number_for_count_is_a_scalar(on_path):
+    """`count = rows * seq_len`, a Python int, is a scalar as the contract asks: it trains (a
+    TypeError in the step's metrics before)."""
+    nljax.register_model("counted", _changing_apply(lambda s, c, m: (s, 64, m)))
+    losses, _ = train(make(["model.name=counted"], 1, 1), 2)
+    assert np.all(np.isfinite(losses))
 
 
 def jax_leaves(tree):

@@ -170,7 +170,8 @@ def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch
             raise ConfigError(f"{who} returned {what} of shape {tuple(jnp.shape(x))}: it must be a scalar, "
                               "a sum over this device's rows (not a mean: sums add over devices)")
     _same_memory(who, memory, out[2])
-    return out
+    # a Python number (`count = 8`) is a scalar too: as an array, or the step's `count[None]` fails
+    return jnp.asarray(out[0]), jnp.asarray(out[1]), out[2]
 
 
 def _same_memory(who: str, memory: PyTree, new: PyTree) -> None:
