@@ -102,6 +102,7 @@ def check_early(lm_eval_argv: list[str]) -> None:
     p.add_argument("--limit", "-L")
     p.add_argument("--batch_size", "-b")
     p.add_argument("--output_path", "-o")
+    p.add_argument("--include_path")
     try:
         args, _ = p.parse_known_args(lm_eval_argv)
     except (SystemExit, ValueError, TypeError):  # not ours to word: lm-eval's parser says it
@@ -159,6 +160,10 @@ def check_lm_eval_options(args) -> None:
         if limit is not None and not limit > 0:  # 0: no documents, -1: islice's ValueError, both tracebacks
             raise ConfigError(f"--limit {args.limit}: give a number of examples per task (>= 1) or a fraction of "
                               "them (between 0 and 1)")
+    if args.include_path and not Path(os.path.expanduser(args.include_path)).is_dir():
+        # lm-eval indexes the YAML files under it: none under a file or a missing path, and its
+        # tasks were then "unknown", with advice to give the --include_path just given
+        raise ConfigError(f"--include_path {args.include_path} is not a directory (of lm-eval task YAML files)")
     if args.output_path:
         # lm-eval writes OUT/<model>/results_<time>.json, or OUT_<time>.json beside OUT=NAME.json,
         # making the directories; one it cannot make is a warning after the evaluation, and exit 0

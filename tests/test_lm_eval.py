@@ -467,7 +467,8 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
     """What lm-eval failed on with a traceback (exit 1) after its start-up, or not at all, is one
     line and exit 2 before it: --tasks missing, empty or a name with spaces around it ("a, b" as
     one word), --limit 0 or below, an --output_path it cannot make (a warning after the whole
-    evaluation, exit 0, the results not written), --batch_size 0, a MeanFlow run (refused after
+    evaluation, exit 0, the results not written), --batch_size 0, an --include_path that is no
+    directory (its tasks "unknown": "give --include_path"), a MeanFlow run (refused after
     lm-eval's start-up) and a run with no checkpoint yet."""
     from lm_eval import __main__ as lm_eval_main
 
@@ -502,10 +503,15 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
                                                          "directory"),
             (["--tasks", "a", "--output_path", f"{notes}/out/"], f"--output_path {notes}/out/: {notes} is a file, not "
                                                                   "a directory"),
-            (["--tasks", "a", "--batch_size", "0"], "batch_size must be >= 1, got 0")):
+            (["--tasks", "a", "--batch_size", "0"], "batch_size must be >= 1, got 0"),
+            (["--tasks", "a", "--include_path", str(notes)], f"--include_path {notes} is not a directory (of lm-eval "
+                                                             "task YAML files)"),
+            (["--tasks", "a", "--include_path", str(tmp_path / "nope")], f"--include_path {tmp_path / 'nope'} is not "
+                                                                        "a directory (of lm-eval task YAML files)")):
         assert lm_eval.main([*base, *args]) == 2, args
         assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
-    for args in (["-t", "a", "b"], ["--tasks", "a,b", "--limit", "0.5", "-o", str(tmp_path / "new" / "r.json")],
+    for args in (["-t", "a", "b", "--include_path", str(tmp_path)],
+                 ["--tasks", "a,b", "--limit", "0.5", "-o", str(tmp_path / "new" / "r.json")],
                  ["--tasks", "a", "--limit", "2", "--output_path", str(tmp_path)], ["--config", "mine.yaml"],
                  ["--tasks", "a", "-o", str(tmp_path / "earlier.json")],  # kept: r_<time>.json written beside it
                  ["--tasks", "a", "--limit", "abc"]):  # lm-eval's parser refuses that, in its own usage line
