@@ -107,7 +107,8 @@ def check_early(lm_eval_argv: list[str]) -> None:
         args, _ = p.parse_known_args(lm_eval_argv)
     except (SystemExit, ValueError, TypeError):  # not ours to word: lm-eval's parser says it
         return
-    check_lm_eval_options(args)
+    if runs(lm_eval_argv):  # not `ls tasks` or `validate --tasks ...`
+        check_lm_eval_options(args)
     if args.model != NAME:
         return
     given = args.model_args or {}
@@ -135,6 +136,15 @@ def check_early(lm_eval_argv: list[str]) -> None:
             root = checkpoint_dir(cfg)
             if not storage.committed_steps(root):  # "checkpoint not found", after lm-eval's start-up
                 raise ConfigError(f"{path} has no checkpoint yet ({root} holds none): nothing to evaluate")
+
+
+SUBCOMMANDS = ("run", "ls", "validate")  # lm-eval's; without one, arguments are `run`'s
+
+
+def runs(argv: list[str]) -> bool:
+    """Whether lm-eval's command line runs an evaluation, as its HarnessCLI reads it: `run ...`, or
+    two or more arguments without a subcommand (one alone prints its help)."""
+    return argv[0] == "run" if argv and argv[0] in SUBCOMMANDS else len(argv) > 1
 
 
 def check_lm_eval_options(args) -> None:
