@@ -387,6 +387,45 @@ def test_a_text_model_without_logits_is_refused_as_one_not_as_an_image_model(tmp
     assert "model.name=no_logits has none" in err and "image" not in err, err
 
 
+def _changing_logits(change):
+    """A cms_mlp whose `logits` passes its outputs through `change` (its `apply`, cms_mlp's
+    own, trains as usual)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Mislabelled(CMSMLP):
+        def logits(self, params, memory, batch, key=None):
+            return change(*CMSMLP.logits(self, params, memory, batch, key))
+
+        def apply(self, params, memory, batch, key=None):
+            plain = CMSMLP(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+            return plain.apply(params, memory, batch, key)
+
+    return lambda cfg: Mislabelled(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1, len(cfg.cms.periods))
+
+
+def test_what_logits_returns_is_checked_where_it_is_read(tmp_path, on_path):
+    """`logits` (read by evaluation, generation and the harness, never in training) returning the
+    logits alone or [B, T] failed deep inside (an unpacking ValueError, numpy's `len()` of a
+    float in the sampler): one line naming the model's class. A memory of none may come back
+    as {} or None alike."""
+    nljax.register_model("mislabelled", _changing_logits(lambda logits, memory: (logits, memory)))
+    saved_run(tmp_path / "run", ["model.name=mislabelled"], 1, 1)
+    for change, line in ((lambda l, m: l, r"must return \(logits \[B, T, V\], new_memory\), got an array of shape "
+                                          r"\(1, 8, 256\)"),
+                         (lambda l, m: (l[..., 0], m), r"returned logits of shape \(1, 8\) for tokens \[1, 9\]: it "
+                                                       r"must be \[1, 8, V\], one row of V \(the vocabulary\) per "
+                                                       r"input token")):
+        specs.unregister("mislabelled")
+        nljax.register_model("mislabelled", _changing_logits(change))
+        lm = nljax.load(tmp_path / "run")
+        for read in (lambda: lm.logits([[1, 2, 3]]), lambda: lm.generate("ab", max_new_tokens=2)):
+            with pytest.raises(ConfigError, match=r"^model Mislabelled: logits " + line):
+                read()
+    specs.unregister("mislabelled")
+    nljax.register_model("mislabelled", _changing_logits(lambda logits, memory: (logits, None)))
+    assert len(nljax.load(tmp_path / "run").generate("ab", max_new_tokens=2, temperature=0)) > 0
+
+
 def test_a_model_need_not_be_hashable(on_path):
     """The guide said a model is hashed as a static argument of the compiled step: the steps close
     over it instead, so a mutable dataclass (its __hash__ is None) trains as the frozen one."""
