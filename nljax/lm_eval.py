@@ -33,6 +33,7 @@ from unittest import mock
 from nljax import cli
 from nljax.errors import ConfigError, first_line
 from nljax.run.harness import INSTALL
+from nljax.writable import refuse_unwritable
 
 _missing = None  # the command run without lm-eval: why it could not be imported
 try:  # the model class is lm-eval's `TemplateLM`
@@ -94,19 +95,32 @@ def check_early(lm_eval_argv: list[str]) -> None:
     except ImportError:  # another lm-eval 0.4 layout: FromRun checks them, later
         return
     p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    p.add_argument("--model", "-m")
+    p.add_argument("--model", "-M", "-m")  # -M in lm-eval 0.4.9 and later, -m before
     p.add_argument("--model_args", "-a", nargs="+", action=MergeDictAction)
+    p.add_argument("--config", "-C")  # a YAML of lm-eval's options, --tasks among them
+    p.add_argument("--tasks", "-t", nargs="+")
+    p.add_argument("--limit", "-L")
+    p.add_argument("--batch_size", "-b")
+    p.add_argument("--output_path", "-o")
+    p.add_argument("--include_path")
     try:
         args, _ = p.parse_known_args(lm_eval_argv)
     except (SystemExit, ValueError, TypeError):  # not ours to word: lm-eval's parser says it
         return
+    if runs(lm_eval_argv):  # not `ls tasks` or `validate --tasks ...`
+        check_lm_eval_options(args)
     if args.model != NAME:
         return
     given = args.model_args or {}
     check_keys(given)
+    # batch_size= under --model_args wins over --batch_size (create_from_arg_obj)
+    rows(given.get("batch_size", args.batch_size))
     path = str(given.get("run_dir", ""))
     need_run_dir(path)
-    from nljax.run.trained import checkpoint_path
+    from nljax.checkpoint import storage
+    from nljax.models import registry
+    from nljax.run.trained import checkpoint_path, trained_config
+    from nljax.runtime.rundir import checkpoint_dir
     from nljax.trained_model import check_export_args, kind_of
 
     where = Path(os.path.expanduser(path))
@@ -115,7 +129,62 @@ def check_early(lm_eval_argv: list[str]) -> None:
         check_export_args(where, checkpoint)
     else:
         checkpoint_path(where, checkpoint)  # a step the run has no checkpoint at: one line, with the steps it has
-    rows(given.get("batch_size"))
+        cfg = trained_config(where)
+        if registry.task_of(cfg) != "text":  # refused by `load` too, after lm-eval's start-up
+            raise ConfigError(image_model(path, cfg.model.name))
+        if str(checkpoint) == "latest":
+            root = checkpoint_dir(cfg)
+            if not storage.committed_steps(root):  # "checkpoint not found", after lm-eval's start-up
+                raise ConfigError(f"{path} has no checkpoint yet ({root} holds none): nothing to evaluate")
+
+
+SUBCOMMANDS = ("run", "ls", "validate")  # lm-eval's; without one, arguments are `run`'s
+
+
+def runs(argv: list[str]) -> bool:
+    """Whether lm-eval's command line runs an evaluation, as its HarnessCLI reads it: `run ...`, or
+    two or more arguments without a subcommand (one alone prints its help)."""
+    return argv[0] == "run" if argv and argv[0] in SUBCOMMANDS else len(argv) > 1
+
+
+def check_lm_eval_options(args) -> None:
+    """lm-eval's own options that it would fail on with a traceback (exit 1) or, for
+    --output_path, not at all (a warning after the whole evaluation, the results not written):
+    each one line here, before its start-up."""
+    tasks = args.tasks or []
+    if args.tasks is None and args.config is None:  # lm-eval: "No tasks specified", a traceback
+        raise ConfigError("--tasks is missing: name lm-eval's tasks (--tasks lambada_openai,hellaswag; `lm_eval ls "
+                          "tasks` lists them)")
+    names = [t for arg in tasks for t in arg.split(",")]  # lm-eval splits each word at its commas
+    if any(not t for t in names):  # "" is lm-eval's "no tasks", then its ValueError with no name
+        raise ConfigError(f"--tasks {' '.join(tasks)!r} holds an empty task name (names are separated by commas, "
+                          "or by spaces as separate words: --tasks a,b or --tasks a b)")
+    spaced = [t for t in names if t != t.strip()]
+    if spaced:  # "a, b" quoted as one word: lm-eval looks for a task " b"
+        raise ConfigError(f"--tasks: task name {spaced[0]!r} has spaces around it (write --tasks a,b or --tasks a b)")
+    if args.limit is not None:
+        try:
+            limit = float(args.limit)
+        except ValueError:  # lm-eval's parser says it, in its usage line
+            limit = None
+        if limit is not None and not limit > 0:  # 0: no documents, -1: islice's ValueError, both tracebacks
+            raise ConfigError(f"--limit {args.limit}: give a number of examples per task (>= 1) or a fraction of "
+                              "them (between 0 and 1)")
+    if args.include_path and not Path(os.path.expanduser(args.include_path)).is_dir():
+        # lm-eval indexes the YAML files under it: none under a file or a missing path, and its
+        # tasks were then "unknown", with advice to give the --include_path just given
+        raise ConfigError(f"--include_path {args.include_path} is not a directory (of lm-eval task YAML files)")
+    if args.output_path:
+        # lm-eval writes OUT/<model>/results_<time>.json, or OUT_<time>.json beside OUT=NAME.json,
+        # making the directories; one it cannot make is a warning after the evaluation, and exit 0
+        out, named = Path(os.path.expanduser(args.output_path)), f"--output_path {args.output_path}"
+        if out.suffix == ".json" and os.path.lexists(out):  # an earlier result: kept, the new one written beside it
+            out, named = out.parent, f"{named}: {out.parent}"
+        refuse_unwritable(named, out)
+
+
+def image_model(path: str, name: str) -> str:
+    return f"{path}: model.name={name} makes images, not text: lm-eval scores language models"
 
 
 def need_run_dir(path: str) -> None:
@@ -148,8 +217,7 @@ def load(path: str, checkpoint: str | int, n_rows: int) -> Reading:
     need_run_dir(path)
     lm = nljax.load(path, checkpoint)
     if not lm.makes_text:
-        raise ConfigError(f"{path}: model.name={lm.config.model.name} makes images, not text: lm-eval scores "
-                          "language models")
+        raise ConfigError(image_model(path, lm.config.model.name))
     mesh = make_mesh(1, -1, jax.local_devices())
     params = jax.device_put(lm.params, replicated(mesh))
     reader = StreamReader(lm.model, params, mesh, lm.seq_len, lm.end_id, n_rows)

@@ -36,6 +36,7 @@ import numpy as np
 
 from nljax import config
 from nljax.errors import ConfigError
+from nljax.models.base import checked_logits
 from nljax.runtime.exportdir import is_export
 
 
@@ -153,7 +154,7 @@ class TrainedModel:
         window[:, :t] = tokens
         if self._forward is None:
             model = self.model
-            self._forward = jax.jit(lambda p, m, x, r: model.logits(p, m, {"tokens": x, "reset": r}))
+            self._forward = jax.jit(lambda p, m, x, r: checked_logits(model, p, m, {"tokens": x, "reset": r}))
         logits, memory = self._forward(self.params, memory, window, reset)
         return logits[:, :t], memory
 

@@ -299,3 +299,23 @@ def test_a_datasetdict_a_glob_matches_is_refused_as_when_named(tmp_path):
         with pytest.raises(config.ConfigError, match=f"data.train: {tmp_path / 'dd'} holds the splits of a DatasetDict "
                                                      r"\(test, train\): give one"):
             documents.expand([f"{tmp_path}/{pattern}"], "data.train")
+
+
+def test_a_split_or_a_dataset_name_not_on_disk_says_what_there_is(tmp_path):
+    """A split a DatasetDict folder lacks (`dd/validation`) names the splits it has, and a name
+    with no file suffix that is not on disk (a Hugging Face dataset's, which nljax never
+    downloads) says how to save one (both were "no file ...")."""
+    for split in ("test", "train"):
+        (tmp_path / "dd" / split).mkdir(parents=True)
+        (tmp_path / "dd" / split / "state.json").write_text('{"_data_files": []}')
+        (tmp_path / "dd" / split / "dataset_info.json").write_text("{}")
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["test", "train"]}')
+    with pytest.raises(config.ConfigError, match=rf"^data.eval: {tmp_path / 'dd'} has no split 'validation' \(its "
+                                                 r"splits: test, train\)$"):
+        documents.expand([str(tmp_path / "dd" / "validation")], "data.eval")
+    with pytest.raises(config.ConfigError, match=r"^data.train: no file or folder HuggingFaceFW/fineweb \(a Hugging "
+                                                 r"Face dataset is not downloaded: save it once with datasets' "
+                                                 r"load_dataset\(...\).save_to_disk\(DIR\) and give DIR"):
+        documents.expand(["HuggingFaceFW/fineweb"], "data.train")
+    with pytest.raises(config.ConfigError, match=r"^data.train: no file missing.txt$"):
+        documents.expand(["missing.txt"], "data.train")

@@ -374,6 +374,23 @@ def test_the_command_without_lm_eval_reads_its_help_and_is_one_line(monkeypatch,
     assert "pip install -e '.[lm-eval]'" in (ROOT / "docs" / "guides" / "evaluation.md").read_text()
 
 
+def stand_in_run(d, *overrides: str, checkpoint: bool = True):
+    """A run directory to the checks of --model_args before lm-eval's start-up: its config.yaml
+    (the defaults with `overrides`) and a step directory as nljax commits one (its files empty:
+    never restored here)."""
+    import yaml
+
+    from nljax import config
+    from nljax.checkpoint.storage import META, ORBAX_META
+
+    (d / "config.yaml").write_text(yaml.safe_dump(config.to_dict(config.load(None, overrides)), sort_keys=False))
+    if not checkpoint:
+        return
+    (d / "checkpoints" / "1" / META).mkdir(parents=True)
+    (d / "checkpoints" / "1" / META / "metadata").write_text("")
+    (d / "checkpoints" / "1" / ORBAX_META).write_text("")
+
+
 def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch, capsys, local_tasks_only):
     """`--tasks nosuchtask`: lm-eval's ValueError("Tasks not found: ...") becomes one line and
     exit 2 (a 27-line traceback and exit 1 before), raised by lm-eval itself as it matches the
@@ -385,7 +402,7 @@ def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch
 
     monkeypatch.setattr(sys, "argv", list(sys.argv))  # the command sets lm-eval's argv
     tasks = write_tasks(tmp_path / "tasks")
-    (tmp_path / "config.yaml").write_text("")  # a run directory to the check of --model_args before lm-eval's start-up
+    stand_in_run(tmp_path)
     assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "tiny_mc,nosuchtask",
                          "--include_path", str(tasks)]) == 2
     # lm-eval's start-up is said before it (seconds), the refusal after it one line
@@ -445,6 +462,83 @@ def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, monkeypa
         lm_eval.main(["--model", "hf", "--model_args", "pretrained=x,batchsize=4", "--tasks", "x"])
 
 
+def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_start_up(tmp_path, monkeypatch,
+                                                                                      capsys):
+    """What lm-eval failed on with a traceback (exit 1) after its start-up, or not at all, is one
+    line and exit 2 before it: --tasks missing, empty or a name with spaces around it ("a, b" as
+    one word), --limit 0 or below, an --output_path it cannot make (a warning after the whole
+    evaluation, exit 0, the results not written), --batch_size 0, an --include_path that is no
+    directory (its tasks "unknown": "give --include_path"), a MeanFlow run (refused after
+    lm-eval's start-up) and a run with no checkpoint yet."""
+    from lm_eval import __main__ as lm_eval_main
+
+    from nljax import lm_eval
+
+    def started():
+        raise AssertionError("lm-eval started")
+
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", started)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run = tmp_path / "run"
+    run.mkdir()
+    stand_in_run(run)
+    (tmp_path / "notes.md").write_text("mine")
+    (tmp_path / "earlier.json").write_text("{}")
+    notes = tmp_path / "notes.md"
+    base = ["--model", "nljax", "--model_args", f"run_dir={run}"]
+    spaces = "(names are separated by commas, or by spaces as separate words: --tasks a,b or --tasks a b)"
+    fraction = "give a number of examples per task (>= 1) or a fraction of them (between 0 and 1)"
+    for args, line in (
+            ([], "--tasks is missing: name lm-eval's tasks (--tasks lambada_openai,hellaswag; `lm_eval ls tasks` lists "
+                 "them)"),
+            (["--tasks", ""], f"--tasks '' holds an empty task name {spaces}"),
+            (["--tasks", ",tiny_mc"], f"--tasks ',tiny_mc' holds an empty task name {spaces}"),
+            (["--tasks", "a,,b"], f"--tasks 'a,,b' holds an empty task name {spaces}"),
+            (["--tasks", "a", "b,"], f"--tasks 'a b,' holds an empty task name {spaces}"),
+            (["--tasks", "a, b"], "--tasks: task name ' b' has spaces around it (write --tasks a,b or --tasks a b)"),
+            (["--tasks", "a", "--limit", "0"], f"--limit 0: {fraction}"),
+            (["--tasks", "a", "-L", "-1"], f"--limit -1: {fraction}"),
+            (["--tasks", "a", "--output_path", str(notes)], f"--output_path {notes} is a file, not a directory"),
+            (["--tasks", "a", "-o", f"{notes}/r.json"], f"--output_path {notes}/r.json: {notes} is a file, not a "
+                                                         "directory"),
+            (["--tasks", "a", "--output_path", f"{notes}/out/"], f"--output_path {notes}/out/: {notes} is a file, not "
+                                                                  "a directory"),
+            (["--tasks", "a", "--batch_size", "0"], "batch_size must be >= 1, got 0"),
+            (["--tasks", "a", "--include_path", str(notes)], f"--include_path {notes} is not a directory (of lm-eval "
+                                                             "task YAML files)"),
+            (["--tasks", "a", "--include_path", str(tmp_path / "nope")], f"--include_path {tmp_path / 'nope'} is not "
+                                                                        "a directory (of lm-eval task YAML files)")):
+        assert lm_eval.main([*base, *args]) == 2, args
+        assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
+    for args in (["-t", "a", "b", "--include_path", str(tmp_path)],
+                 ["--tasks", "a,b", "--limit", "0.5", "-o", str(tmp_path / "new" / "r.json")],
+                 ["--tasks", "a", "--limit", "2", "--output_path", str(tmp_path)], ["--config", "mine.yaml"],
+                 ["--tasks", "a", "-o", str(tmp_path / "earlier.json")],  # kept: r_<time>.json written beside it
+                 ["--tasks", "a", "--limit", "abc"]):  # lm-eval's parser refuses that, in its own usage line
+        with pytest.raises(AssertionError, match="lm-eval started"):
+            lm_eval.main([*base, *args])
+    with pytest.raises(AssertionError, match="lm-eval started"):  # another model's: lm-eval's options checked alike
+        lm_eval.main(["--model", "hf", "--tasks", "a"])
+    assert lm_eval.main(["--model", "hf", "--tasks", "a,"]) == 2
+    assert lm_eval.main(["run", "--model", "hf"]) == 2  # the subcommand spelt out
+    capsys.readouterr()
+    for args in (["ls", "tasks"], ["validate", "--tasks", "a"], []):  # no evaluation: lm-eval's own
+        with pytest.raises(AssertionError, match="lm-eval started"):
+            lm_eval.main(args)
+    capsys.readouterr()
+
+    image = tmp_path / "image"
+    image.mkdir()
+    stand_in_run(image, "model.name=dit", "images.source=moons", "cms.periods=[1]")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    stand_in_run(empty, checkpoint=False)
+    for d, line in ((image, f"{image}: model.name=dit makes images, not text: lm-eval scores language models"),
+                    (empty, f"{empty} has no checkpoint yet ({empty / 'checkpoints'} holds none): nothing to evaluate")):
+        assert lm_eval.main(["-M", "nljax", "--model_args", f"run_dir={d}", "--tasks", "a"]) == 2
+        assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
+
+
 @pytest.mark.parametrize("error", ["ConnectionError", "OfflineModeIsEnabled"])
 def test_a_tasks_data_out_of_reach_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys, error):
     """A task whose data `datasets` cannot fetch (the Hub out of reach, or offline: simulated, no
@@ -468,7 +562,7 @@ def test_a_tasks_data_out_of_reach_is_one_line_and_exit_2(tmp_path, monkeypatch,
     monkeypatch.setattr(lm_eval_main, "cli_evaluate",
                         lambda: TaskManager(include_path=str(tasks), include_defaults=False).load(["tiny_mc"]))
     monkeypatch.setattr(sys, "argv", list(sys.argv))
-    (tmp_path / "config.yaml").write_text("")
+    stand_in_run(tmp_path)
     argv = ["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "tiny_mc", "--include_path",
             str(tasks)]
     assert lm_eval.main(argv) == 2

@@ -167,7 +167,17 @@ def test_refusals_of_register_model(on_path):
         nljax.register_model("sound", build, task="audio")
     with pytest.raises(ConfigError, match="must be an identifier"):
         nljax.register_model("my-model", build)
-    assert not {"mutable", "nodefault", "sound"} & set(registry.names())
+    # a key of the model section: every config load after it was refused, whatever model it named
+    for key in ("name", "dim"):
+        with pytest.raises(ConfigError, match=rf"^model '{key}' \(.*\): its name is a key of the model section "
+                                              rf"\(model.{key}\): register it under another$"):
+            nljax.register_model(key, build)
+    # not a function: a TypeError at the first build
+    with pytest.raises(ConfigError, match=r"^model 'nobuild': build must be a function of the config that returns "
+                                          r"the model, got None$"):
+        nljax.register_model("nobuild", None)
+    assert not {"mutable", "nodefault", "sound", "name", "dim", "nobuild"} & set(registry.names())
+    config.load(None, [])  # the registry as it was
 
 
 def test_shared_names_only_shared_keys_of_model(on_path):
@@ -262,6 +272,32 @@ def test_a_level_is_any_integer_and_only_an_integer(on_path):
         registry.build(cfg)
 
 
+def test_a_parameter_that_is_not_a_float_is_refused_before_allocation(on_path):
+    """An integer parameter (a counter in `init`'s tree) failed in jax.grad at the first step, a
+    traceback from inside the engine."""
+    import jax.numpy as jnp
+
+    @dataclasses.dataclass(frozen=True)
+    class Counting(CMSMLP):
+        def init(self, key):
+            return {**super().init(key), "seen": jnp.zeros((), jnp.int32)}
+
+    nljax.register_model("counting", lambda cfg: Counting(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1,
+                                                          len(cfg.cms.periods)))
+    cfg = config.load(None, [*TINY, "model.name=counting"])
+    with pytest.raises(ConfigError, match=r"^model 'counting' \(.*\): init's parameter 'seen' is int32: every "
+                                          r"parameter is trained, and gradients need floats"):
+        registry.build(cfg)
+
+
+def test_a_python_number_for_count_is_a_scalar(on_path):
+    """`count = rows * seq_len`, a Python int, is a scalar as the contract asks: it trains (a
+    TypeError in the step's metrics before)."""
+    nljax.register_model("counted", _changing_apply(lambda s, c, m: (s, 64, m)))
+    losses, _ = train(make(["model.name=counted"], 1, 1), 2)
+    assert np.all(np.isfinite(losses))
+
+
 def jax_leaves(tree):
     import jax
 
@@ -349,6 +385,45 @@ def test_a_text_model_without_logits_is_refused_as_one_not_as_an_image_model(tmp
     assert generate.main([f"run.dir={run_dir / 'export'}", "max_new_tokens=2"]) == 2
     err = capsys.readouterr().err
     assert "model.name=no_logits has none" in err and "image" not in err, err
+
+
+def _changing_logits(change):
+    """A cms_mlp whose `logits` passes its outputs through `change` (its `apply`, cms_mlp's
+    own, trains as usual)."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Mislabelled(CMSMLP):
+        def logits(self, params, memory, batch, key=None):
+            return change(*CMSMLP.logits(self, params, memory, batch, key))
+
+        def apply(self, params, memory, batch, key=None):
+            plain = CMSMLP(**{f.name: getattr(self, f.name) for f in dataclasses.fields(self)})
+            return plain.apply(params, memory, batch, key)
+
+    return lambda cfg: Mislabelled(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1, len(cfg.cms.periods))
+
+
+def test_what_logits_returns_is_checked_where_it_is_read(tmp_path, on_path):
+    """`logits` (read by evaluation, generation and the harness, never in training) returning the
+    logits alone or [B, T] failed deep inside (an unpacking ValueError, numpy's `len()` of a
+    float in the sampler): one line naming the model's class. A memory of none may come back
+    as {} or None alike."""
+    nljax.register_model("mislabelled", _changing_logits(lambda logits, memory: (logits, memory)))
+    saved_run(tmp_path / "run", ["model.name=mislabelled"], 1, 1)
+    for change, line in ((lambda l, m: l, r"must return \(logits \[B, T, V\], new_memory\), got an array of shape "
+                                          r"\(1, 8, 256\)"),
+                         (lambda l, m: (l[..., 0], m), r"returned logits of shape \(1, 8\) for tokens \[1, 9\]: it "
+                                                       r"must be \[1, 8, V\], one row of V \(the vocabulary\) per "
+                                                       r"input token")):
+        specs.unregister("mislabelled")
+        nljax.register_model("mislabelled", _changing_logits(change))
+        lm = nljax.load(tmp_path / "run")
+        for read in (lambda: lm.logits([[1, 2, 3]]), lambda: lm.generate("ab", max_new_tokens=2)):
+            with pytest.raises(ConfigError, match=r"^model Mislabelled: logits " + line):
+                read()
+    specs.unregister("mislabelled")
+    nljax.register_model("mislabelled", _changing_logits(lambda logits, memory: (logits, None)))
+    assert len(nljax.load(tmp_path / "run").generate("ab", max_new_tokens=2, temperature=0)) > 0
 
 
 def test_a_model_need_not_be_hashable(on_path):

@@ -66,7 +66,7 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
         else:
             p = Path(os.path.expanduser(pattern))
             if not p.exists():
-                raise ConfigError(f"{key}: no file {pattern}")
+                raise ConfigError(f"{key}: {missing(p, pattern)}")
             if p.is_dir():
                 found = saved_shards(p, pattern, key)
                 if not found:  # (matched by a glob, it adds nothing, as a Parquet file of no rows)
@@ -84,6 +84,19 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 seen.add(p.resolve())
                 files.append(p)
     return files
+
+
+def missing(p: Path, pattern: str) -> str:
+    """What a path that does not exist is: a split a `DatasetDict` folder lacks (its splits
+    named), a name with no file suffix (a Hugging Face dataset's name, which nljax never
+    downloads), or no file."""
+    if _splits(p.parent):  # my_dataset/validation where it saved train and test
+        splits = sorted(q.name for q in p.parent.iterdir() if (q / "state.json").is_file())
+        return f"{p.parent} has no split '{p.name}' (its splits: {', '.join(splits) or 'none'})"
+    if not p.name.endswith(SUFFIXES) and not p.suffix:  # "wikitext", "HuggingFaceFW/fineweb"
+        return (f"no file or folder {pattern} (a Hugging Face dataset is not downloaded: save it once with "
+                "datasets' load_dataset(...).save_to_disk(DIR) and give DIR, or one split of it, DIR/train)")
+    return f"no file {pattern}"
 
 
 def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:

@@ -30,7 +30,7 @@ from nljax.config import ConfigError
 from nljax.engine import executables, frozen, optim
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
-from nljax.models.base import checked_apply
+from nljax.models.base import checked_apply, checked_logits
 from nljax.models.layers import token_hits, token_loss
 from nljax.parallel.hostdev import put
 from nljax.parallel.mesh import DATA_AXES, REPLICATED, ROWS
@@ -198,7 +198,8 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
         loss_sum, count, memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key,
                                                 train=False)
         return {"loss_sum": loss_sum[None], "count": count[None]}, memory
-    logits, memory = eng.local_model.logits(params, memory, batch, key)  # [G/n, T, V]; inference only: no dropout
+    # [G/n, T, V]; inference only: no dropout
+    logits, memory = checked_logits(eng.local_model, params, memory, batch, key)
     targets = batch["tokens"][:, 1:]  # [G/n, T]
     loss_sum, count = token_loss(logits, targets, batch.get("mask"))
     hits, scored = token_hits(logits, targets, batch["score"])

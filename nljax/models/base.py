@@ -46,7 +46,8 @@ Optional:
 - `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)`: the predictions `apply`
   scores. A text model needs it to be evaluated beyond the loss (the recall probe's accuracy),
   sampled from (`nljax.generate`) and used after `nljax.load_model`. It is for inference only,
-  never called in training, so it takes no `train`: it applies no dropout.
+  never called in training, so it takes no `train`: it applies no dropout. Its outputs are
+  checked where it is traced, as `apply`'s are (`checked_logits`).
 - `task`: "text" (the default: `nljax.run.tasks.TextTask` feeds it token windows; generate
   writes text) or "images" (a MeanFlow denoiser: `ImageTask`, a PNG grid). The registered task
   (`nljax.register_model(..., task=)`) decides; the attribute, if present, must agree.
@@ -170,6 +171,28 @@ def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch
             raise ConfigError(f"{who} returned {what} of shape {tuple(jnp.shape(x))}: it must be a scalar, "
                               "a sum over this device's rows (not a mean: sums add over devices)")
     _same_memory(who, memory, out[2])
+    # a Python number (`count = 8`) is a scalar too: as an array, or the step's `count[None]` fails
+    return jnp.asarray(out[0]), jnp.asarray(out[1]), out[2]
+
+
+def checked_logits(model: Model, params: PyTree, memory: PyTree, batch: dict, *key) -> tuple:
+    """`model.logits(params, memory, batch[, key])`, its outputs checked from their shapes while
+    the caller is traced (free at run time): (logits [B, T, V] for tokens [B, T+1], new_memory
+    with `memory`'s structure, shapes and dtypes). `logits` is called only by evaluation,
+    generation and the harness: a model returning logits alone, or [B, T] without the
+    vocabulary, failed there deep inside (an unpacking error, numpy's `len()` of a float)."""
+    out = model.logits(params, memory, batch, *key)
+    who = f"model {type(model).__name__}: logits"
+    if not isinstance(out, tuple) or len(out) != 2:
+        got = f"an array of shape {tuple(out.shape)}" if hasattr(out, "shape") else type(out).__name__
+        raise ConfigError(f"{who} must return (logits [B, T, V], new_memory), got {got}")
+    rows, t = batch["tokens"].shape[0], batch["tokens"].shape[1] - 1
+    if jnp.ndim(out[0]) != 3 or tuple(jnp.shape(out[0]))[:2] != (rows, t):
+        raise ConfigError(f"{who} returned logits of shape {tuple(jnp.shape(out[0]))} for tokens "
+                          f"{list(batch['tokens'].shape)}: it must be [{rows}, {t}, V], one row of V (the "
+                          "vocabulary) per input token")
+    if jax.tree.leaves(memory) or jax.tree.leaves(out[1]):  # no memory: {} or None alike
+        _same_memory(who, memory, out[1])
     return out
 
 

@@ -254,9 +254,14 @@ def _check_shapes(who: str, model: Model, n_levels: int) -> None:
 
     from nljax.parallel.levels import path_str
 
+    import jax.numpy as jnp
+
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    for path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    for path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         name = path_str(path)
+        if not jnp.issubdtype(leaf.dtype, jnp.inexact):  # else jax.grad's TypeError, deep in the first step
+            raise ConfigError(f"{who}: init's parameter '{name}' is {leaf.dtype}: every parameter is trained, and "
+                              "gradients need floats (keep an integer in the model's fields or in init_memory)")
         level = model.level_of(name)
         if isinstance(level, bool) or not isinstance(level, numbers.Integral):  # np.int64 is one (a rule on arrays)
             raise ConfigError(f"{who}: level_of('{name}') = {level!r}, a {type(level).__name__}: a level is an int "

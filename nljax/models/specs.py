@@ -74,6 +74,12 @@ def register_model(name: str, build: Callable[[Config], Model], settings: type |
                           f"got {name!r}")
     if name in _SPECS:
         raise ConfigError(f"model '{name}' is registered twice: by {_SPECS[name].origin} and by {_who(build)}")
+    if name in ("name", *SHARED_KEYS):  # else every config load after it is refused, whatever model it selects
+        raise ConfigError(f"model '{name}' ({_who(build)}): its name is a key of the model section (model.{name}): "
+                          "register it under another")
+    if not callable(build):  # else a TypeError when a run first builds it
+        raise ConfigError(f"model '{name}': build must be a function of the config that returns the model, got "
+                          f"{build!r}")
     if task not in TASKS:
         raise ConfigError(f"model '{name}' ({_who(build)}): task must be one of {', '.join(TASKS)}, got {task!r}")
     if settings is not None:

@@ -48,6 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from nljax.data import prepared
 from nljax.errors import ConfigError
+from nljax.models.base import checked_logits
 from nljax.parallel.hostdev import put, replica
 from nljax.run import trained as trained_lib
 from nljax.run.stopping import Completion, Ending, ending, pieces
@@ -222,8 +223,8 @@ class TextSampler:
         # Inputs made from host arrays (`put`) and outputs replicated, each process reading its
         # own copy (`replica`): the sampler also runs on a mesh that spans processes (training).
         self.memory0 = jax.tree.map(lambda x: put(np.asarray(x), self.rep), model.init_memory(1))
-        self._forward = jax.jit(lambda params, memory, tokens, reset, at: _row(model.logits(
-            params, memory, {"tokens": tokens, "reset": reset}), at), out_shardings=self.rep)
+        self._forward = jax.jit(lambda params, memory, tokens, reset, at: _row(checked_logits(
+            model, params, memory, {"tokens": tokens, "reset": reset}), at), out_shardings=self.rep)
 
     def forward(self, memory, window: list[int], fresh: bool):
         """The logits [V] after `window`'s last token (`window`: <= T tokens, padded), on the

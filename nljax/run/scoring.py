@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nljax.models.base import checked_logits
 from nljax.parallel.hostdev import put, replica
 from nljax.parallel.mesh import data_size, replicated, rows_sharding
 
@@ -53,7 +54,7 @@ class StreamReader:
         self.split, rep = rows_sharding(mesh), replicated(mesh)
 
         def window(params, memory, tokens, reset):  # tokens [R, T+1], reset [R]
-            logits, memory = model.logits(params, memory, {"tokens": tokens, "reset": reset})
+            logits, memory = checked_logits(model, params, memory, {"tokens": tokens, "reset": reset})
             logits = logits.astype(jnp.float32)  # [R, T, V]
             logp = jax.nn.log_softmax(logits, axis=-1)
             target = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [R, T]
@@ -61,7 +62,7 @@ class StreamReader:
             return jax.lax.with_sharding_constraint((target, greedy), rep), memory
 
         def next_logits(params, memory, tokens, reset, pos):  # generation: the logits at pos alone
-            logits, memory = model.logits(params, memory, {"tokens": tokens, "reset": reset})
+            logits, memory = checked_logits(model, params, memory, {"tokens": tokens, "reset": reset})
             at = jnp.take_along_axis(logits.astype(jnp.float32), pos[:, None, None], axis=1)[:, 0]  # [R, V]
             return jax.lax.with_sharding_constraint(at, rep), memory
 
