@@ -3,7 +3,7 @@
 into tokens and back, sample text, and read the logits with the memory carried. Runs from any
 directory; writes only into a temporary directory.
 
-    python examples/python_api.py               # a few minutes on a 2-core CPU
+    python examples/python_api.py               # under a minute on a 2-core CPU
 """
 
 import sys

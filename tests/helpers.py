@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -222,6 +223,18 @@ def run_python(*argv: str, check: bool = True, env: dict[str, str] | None = None
     if check and p.returncode:
         raise AssertionError(f"{list(argv)} failed ({p.returncode}):\n{p.stdout}\n{p.stderr}")
     return p
+
+
+def python_block(path: Path, marker: str | None = None) -> str:
+    """The first ```python block of `path` (after the line `marker`, when given): a doc's
+    snippet, for a test that runs the doc's own text."""
+    text = path.read_text()
+    if marker is not None:
+        assert marker in text.splitlines(), f"{path} has no line {marker}"
+        text = text.split(marker, 1)[1]
+    m = re.search(r"```python\n(.*?)```", text, re.S)
+    assert m, f"no python block in {path}"
+    return m.group(1)
 
 
 def cli(module: str, *args: str, **kwargs) -> subprocess.CompletedProcess:

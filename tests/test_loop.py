@@ -179,6 +179,11 @@ def test_throughput_table():
     assert t["mean"]["wire_bytes"] == pytest.approx((600 + 450 + 300) / 10)
     text = throughput.format_table(t)
     assert "worst L0+1+2" in text and "mean (run)" in text and "analytic" not in text
+    assert "aggregate over 4 devices 344,828" in text
+    # one device: singular ("over 1 devices" read as a typo in every single-device run's table)
+    one = throughput.report(m, {l0: 6, l01: 3, all3: 1}, {l0: 2, l01: 1, all3: 1}, wire,
+                            units_per_device_step=1000, n_devices=1, peak=1e12)
+    assert one["devices"] == 1 and "aggregate over 1 device 86,207" in throughput.format_table(one)
     assert r["flops_source"] == "xla"
     # a step with a loop has no exact XLA count (None): the analytic count stands in, and says so
     looped = throughput.Measured(m.step_s, m.compute_s, flops={a: None for a in m.step_s})

@@ -3,14 +3,13 @@ and of an export give the same model, tokenizer and samples as `python -m nljax.
 `logits` reads a stream as training does (windows, the memory carried, `reset` per row); the
 README's and the guide's Python snippets run as written."""
 
-import re
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
-from helpers import ROOT, TINY_NL, bpe_corpus, saved_run
+from helpers import ROOT, TINY_NL, bpe_corpus, python_block, saved_run
 
 import nljax
 from nljax import export
@@ -235,17 +234,6 @@ def test_import_nljax_stays_free_of_jax():
             "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')]; assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
-
-
-def python_block(path, marker: str | None = None) -> str:
-    """The first ```python block of `path` (after the line `marker`, when given)."""
-    text = path.read_text()
-    if marker is not None:
-        assert marker in text.splitlines(), f"{path} has no line {marker}"
-        text = text.split(marker, 1)[1]
-    m = re.search(r"```python\n(.*?)```", text, re.S)
-    assert m, f"no python block in {path}"
-    return m.group(1)
 
 
 @pytest.mark.parametrize("where", ["README.md", "docs/guides/python-api.md"])

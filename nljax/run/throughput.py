@@ -297,7 +297,8 @@ def format_table(t: dict) -> str:
         lines.append(line("mean (run)", t["mean"]))
         lines.append(line(f"worst {t['worst_pattern']}", t["worst"]))
         lines.append(f"{unit}/s per device: mean {t[key + '_mean']:,.0f}, worst {t[key + '_worst']:,.0f}; "
-                     f"aggregate over {t['devices']} devices {t[unit + '_per_s_aggregate']:,.0f}")
+                     f"aggregate over {t['devices']} device{'' if t['devices'] == 1 else 's'} "
+                     f"{t[unit + '_per_s_aggregate']:,.0f}")
     if t.get("split_skipped"):
         lines.append(f"compute/comm split skipped: {t['split_skipped']}")
     if any(r.get("flops_source") == "analytic" and r["mfu"] is not None for r in t["per_pattern"].values()):
