@@ -146,8 +146,9 @@ SUBCOMMANDS = ("run", "ls", "validate")  # lm-eval's; without one, arguments are
 
 def runs(argv: list[str]) -> bool:
     """Whether lm-eval's command line runs an evaluation, as its HarnessCLI reads it: `run ...`, or
-    two or more arguments without a subcommand (one alone prints its help)."""
-    return argv[0] == "run" if argv and argv[0] in SUBCOMMANDS else len(argv) > 1
+    two or more arguments without a subcommand (one alone prints its help, as `run` alone prints
+    run's: the list of lm-eval's options, which `--help` here would not reach)."""
+    return argv[0] == "run" and len(argv) > 1 if argv and argv[0] in SUBCOMMANDS else len(argv) > 1
 
 
 def check_lm_eval_options(args) -> None:
