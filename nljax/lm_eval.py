@@ -94,7 +94,10 @@ def check_early(lm_eval_argv: list[str]) -> None:
         from lm_eval._cli.utils import MergeDictAction
     except ImportError:  # another lm-eval 0.4 layout: FromRun checks them, later
         return
-    p = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    # Abbreviations read as lm-eval reads them (`--task a`, `--lim 5`: its parser allows them): these
+    # options are some of its own, so a prefix that names one of its options names the same one
+    # here (without them, `--task a` was refused as "--tasks is missing")
+    p = argparse.ArgumentParser(add_help=False)
     p.add_argument("--model", "-M", "-m")  # -M in lm-eval 0.4.9 and later, -m before
     p.add_argument("--model_args", "-a", nargs="+", action=MergeDictAction)
     p.add_argument("--config", "-C")  # a YAML of lm-eval's options, --tasks among them
@@ -143,8 +146,9 @@ SUBCOMMANDS = ("run", "ls", "validate")  # lm-eval's; without one, arguments are
 
 def runs(argv: list[str]) -> bool:
     """Whether lm-eval's command line runs an evaluation, as its HarnessCLI reads it: `run ...`, or
-    two or more arguments without a subcommand (one alone prints its help)."""
-    return argv[0] == "run" if argv and argv[0] in SUBCOMMANDS else len(argv) > 1
+    two or more arguments without a subcommand (one alone prints its help, as `run` alone prints
+    run's: the list of lm-eval's options, which `--help` here would not reach)."""
+    return argv[0] == "run" and len(argv) > 1 if argv and argv[0] in SUBCOMMANDS else len(argv) > 1
 
 
 def check_lm_eval_options(args) -> None:

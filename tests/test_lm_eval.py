@@ -522,7 +522,7 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
     assert lm_eval.main(["--model", "hf", "--tasks", "a,"]) == 2
     assert lm_eval.main(["run", "--model", "hf"]) == 2  # the subcommand spelt out
     capsys.readouterr()
-    for args in (["ls", "tasks"], ["validate", "--tasks", "a"], []):  # no evaluation: lm-eval's own
+    for args in (["ls", "tasks"], ["validate", "--tasks", "a"], [], ["run"]):  # no evaluation: lm-eval's own (help)
         with pytest.raises(AssertionError, match="lm-eval started"):
             lm_eval.main(args)
     capsys.readouterr()
@@ -536,6 +536,33 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
     for d, line in ((image, f"{image}: model.name=dit makes images, not text: lm-eval scores language models"),
                     (empty, f"{empty} has no checkpoint yet ({empty / 'checkpoints'} holds none): nothing to evaluate")):
         assert lm_eval.main(["-M", "nljax", "--model_args", f"run_dir={d}", "--tasks", "a"]) == 2
+        assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
+
+
+def test_lm_evals_abbreviated_options_are_read_as_it_reads_them(tmp_path, monkeypatch, capsys):
+    """lm-eval's parser takes an option's unambiguous prefix (`--task a`): the early checks read
+    it alike, neither refusing what lm-eval runs ("--tasks is missing") nor passing what they
+    refuse spelt out."""
+    from lm_eval import __main__ as lm_eval_main
+
+    from nljax import lm_eval
+
+    def started():
+        raise AssertionError("lm-eval started")
+
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", started)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    run = tmp_path / "run"
+    run.mkdir()
+    stand_in_run(run)
+    base = ["--model", "nljax", "--model_args", f"run_dir={run}"]
+    with pytest.raises(AssertionError, match="lm-eval started"):
+        lm_eval.main([*base, "--task", "a"])
+    capsys.readouterr()
+    for args, line in ((["--task", "a", "--lim", "0"], "--limit 0: give a number of examples per task (>= 1) or a "
+                                                        "fraction of them (between 0 and 1)"),
+                       (["--task", "a", "--batch", "0"], "batch_size must be >= 1, got 0")):
+        assert lm_eval.main([*base, *args]) == 2, args
         assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
 
 
