@@ -87,17 +87,18 @@ class Output:
         # without an account) stopped a resume after its config.yaml had been replaced by the
         # failed attempt's settings, which the next plain --resume then ran with.
         trackers = Trackers.open(cfg, is_main(), resume_step, tracker_ids)
-        out = cls(run, runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not is_main(),
-                                       unit), trackers, cfg)
         # decided from the config alone: the same on every process (a collective), whatever each sees
-        if resume_step is None or not storage.continues_own(cfg):
+        due = cfg if resume_step is not None and storage.continues_own(cfg) else None
+        if due is None:
             try:
-                out.save_config()
+                _decided(cfg, lambda: run.save_config(cfg))
             except BaseException:
                 with contextlib.suppress(Exception):  # W&B's finish offline, say: the line above is the one to see
                     trackers.close(failed=True)
                 raise
-        return out
+        # after the write: its failure's line is not left under an empty progress bar
+        progress = runlog.Progress(cfg.train.steps, start, cfg.train.log_every, cfg.run.quiet or not is_main(), unit)
+        return cls(run, progress, trackers, due)
 
     def save_config(self) -> None:
         """config.yaml written with this run's settings, once (every process: process 0 writes)."""
