@@ -419,18 +419,24 @@ def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch
             lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "x"])
 
 
-def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, monkeypatch, capsys):
-    """nljax's own --model_args (the keys, run_dir=, checkpoint=, batch_size=) are checked before lm-eval's
-    start-up (its task index, the tasks' data: 20 s and more before), with FromRun's lines."""
+@pytest.fixture
+def never_started(monkeypatch):
+    """lm-eval's start replaced by an AssertionError("lm-eval started"): what the early checks let
+    through raises it, what they refuse never reaches it."""
     from lm_eval import __main__ as lm_eval_main
-
-    from nljax import lm_eval
 
     def started():
         raise AssertionError("lm-eval started")
 
     monkeypatch.setattr(lm_eval_main, "cli_evaluate", started)
     monkeypatch.setattr(sys, "argv", list(sys.argv))
+
+
+def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, never_started, capsys):
+    """nljax's own --model_args (the keys, run_dir=, checkpoint=, batch_size=) are checked before lm-eval's
+    start-up (its task index, the tasks' data: 20 s and more before), with FromRun's lines."""
+    from nljax import lm_eval
+
     nope = tmp_path / "nope"
     for args, line in (
             ([f"run_dir={nope}"], f"{nope} is neither an export directory (python -m nljax.export) nor a run directory "
@@ -462,7 +468,7 @@ def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, monkeypa
         lm_eval.main(["--model", "hf", "--model_args", "pretrained=x,batchsize=4", "--tasks", "x"])
 
 
-def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_start_up(tmp_path, monkeypatch,
+def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_start_up(tmp_path, never_started,
                                                                                       capsys):
     """What lm-eval failed on with a traceback (exit 1) after its start-up, or not at all, is one
     line and exit 2 before it: --tasks missing, empty or a name with spaces around it ("a, b" as
@@ -470,15 +476,8 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
     evaluation, exit 0, the results not written), --batch_size 0, an --include_path that is no
     directory (its tasks "unknown": "give --include_path"), a MeanFlow run (refused after
     lm-eval's start-up) and a run with no checkpoint yet."""
-    from lm_eval import __main__ as lm_eval_main
-
     from nljax import lm_eval
 
-    def started():
-        raise AssertionError("lm-eval started")
-
-    monkeypatch.setattr(lm_eval_main, "cli_evaluate", started)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
     run = tmp_path / "run"
     run.mkdir()
     stand_in_run(run)
@@ -539,19 +538,12 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
         assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
 
 
-def test_lm_evals_abbreviated_options_are_read_as_it_reads_them(tmp_path, monkeypatch, capsys):
+def test_lm_evals_abbreviated_options_are_read_as_it_reads_them(tmp_path, never_started, capsys):
     """lm-eval's parser takes an option's unambiguous prefix (`--task a`): the early checks read
     it alike, neither refusing what lm-eval runs ("--tasks is missing") nor passing what they
     refuse spelt out."""
-    from lm_eval import __main__ as lm_eval_main
-
     from nljax import lm_eval
 
-    def started():
-        raise AssertionError("lm-eval started")
-
-    monkeypatch.setattr(lm_eval_main, "cli_evaluate", started)
-    monkeypatch.setattr(sys, "argv", list(sys.argv))
     run = tmp_path / "run"
     run.mkdir()
     stand_in_run(run)
