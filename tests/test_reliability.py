@@ -1217,3 +1217,34 @@ def test_the_closing_commands_of_a_script_run_by_its_path_are_its_own_command(tm
     assert not run_by_shebang(script, ["python", "-X", "dev", script])
     (tmp_path / "my_model.py").write_text("print()\n")  # no shebang: the shell would run it
     assert not run_by_shebang(str(tmp_path / "my_model.py"), ["python", str(tmp_path / "my_model.py")])
+
+
+def test_a_script_that_registers_an_imported_build_gets_its_own_closing_commands(monkeypatch, tmp_path):
+    """The script run registers the model itself with a `build` it imported from its own module (a
+    launcher beside the model's file): its process knows the model exactly as when `build` is
+    defined in the script, so the closing commands go through the script, not `nljax.train.main`."""
+    import shlex
+
+    from nljax import config
+    from nljax.models import specs
+    from nljax.run.trainer import closing
+
+    def build(cfg):
+        raise AssertionError("not built")
+
+    build.__module__ = "my_models"  # imported by the script from its own module
+    # the call made at the script's top level: its frame's module is __main__
+    exec("register_model('launched', build)", {"__name__": "__main__", "register_model": specs.register_model,
+                                                "build": build})
+    script = tmp_path / "launch.py"
+    script.write_text("")
+    monkeypatch.chdir(tmp_path)
+    try:
+        monkeypatch.setattr(sys, "argv", ["launch.py", "train"])
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+        run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=SimpleNamespace(logits=None)))
+        lines = closing(config.load(None, ["model.name=launched", "run.dir=r"]), run)
+        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == [
+            ["python", "launch.py", "train"], ["python", "launch.py", "generate"], ["python", "launch.py", "export"]]
+    finally:
+        specs.unregister("launched")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 from typing import Any, Callable, Iterable
 
 from nljax.errors import ConfigError
@@ -86,7 +87,11 @@ def register_model(name: str, build: Callable[[Config], Model], settings: type |
         _check_settings(f"model '{name}' ({_who(build)})", settings)
     if shared is not None:
         shared = _check_shared(f"model '{name}' ({_who(build)})", shared)
-    spec = ModelSpec(name, build, settings, task, check, describe, rebuild, flops, reach, shared, _who(build))
+    # the script run registering it at its top level is its origin, wherever `build` is defined (a
+    # launcher that imports the model's module): its closing commands go through that script
+    caller = sys._getframe(1).f_globals.get("__name__")
+    origin = "__main__" if caller == "__main__" and len(_ORIGIN) == 1 else _who(build)
+    spec = ModelSpec(name, build, settings, task, check, describe, rebuild, flops, reach, shared, origin)
     _SPECS[name] = spec
     return spec
 
