@@ -507,6 +507,7 @@ def test_setting_aside_and_cleanup_failures_are_one_line_and_release_the_lock(tm
     assert (tmp_path / "r2" / "metrics.jsonl").exists() and not (tmp_path / "r2" / "nljax.lock").exists()
 
 
+@pytest.mark.slow  # an edge case of 10-15 s: the README's suite kept under 15 minutes on 2 cores (.ci/run runs it)
 def test_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
     run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}", "train.steps=8"]
@@ -521,7 +522,8 @@ def test_resume_with_every_checkpoint_damaged_is_one_line(tmp_path):
     assert tree_hash(run) == before
 
 
-@pytest.mark.parametrize("async_save", [True, False], ids=["async", "sync"])
+# the synchronous save in the slow tier: the README's suite kept under 15 minutes on 2 cores
+@pytest.mark.parametrize("async_save", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["async", "sync"])
 def test_failed_write_during_a_save_is_one_line_and_keeps_the_earlier_checkpoints(tmp_path, async_save):
     run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
     # 6000 bytes: metrics.jsonl (about 300 bytes a step) fits, a checkpoint's files do not

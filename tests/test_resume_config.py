@@ -110,6 +110,7 @@ def test_a_changed_model_is_named_before_the_checks_it_fails(tmp_path):
                             "checkpoint holds that model); leave it out, or start a new run in another run.dir")
 
 
+@pytest.mark.slow  # an edge case of 10-15 s: the README's suite kept under 15 minutes on 2 cores (.ci/run runs it)
 def test_a_resume_with_nothing_left_to_train_says_so(tmp_path, capsys):
     """`--resume` of a run whose checkpoint is at train.steps: one line says there is nothing left
     to train, and no save is announced (none happens: the checkpoint is untouched); the final

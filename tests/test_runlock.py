@@ -95,6 +95,7 @@ def test_a_stale_lock_taken_over_by_a_racer_is_left_to_it(tmp_path, monkeypatch)
     assert json.loads(path.read_text())["host"] == "other-host"
 
 
+@pytest.mark.slow  # an edge case of 10-15 s: the README's suite kept under 15 minutes on 2 cores (.ci/run runs it)
 def test_a_lock_that_cannot_be_written_is_one_line_and_left_nowhere(tmp_path):
     """A full disk (here: a file-size limit of 0) when the lock is written: one line naming the
     lock file, exit 1, and no empty lock left to refuse the next run (it was, for 5 minutes)."""

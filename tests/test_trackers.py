@@ -333,6 +333,7 @@ def test_a_tracker_that_fails_to_start_leaves_a_resumed_runs_config_as_it_was(tm
     assert (run / "config.yaml").read_bytes() == before
 
 
+@pytest.mark.slow  # an edge case of 10-15 s: the README's suite kept under 15 minutes on 2 cores (.ci/run runs it)
 def test_a_resume_that_fails_before_its_first_step_leaves_the_runs_config_as_it_was(tmp_path, monkeypatch, capsys):
     """A resume's settings reach config.yaml once a step has run with them: a resume that failed
     at its first step (out of memory at a larger batch) left them there, and the next plain
