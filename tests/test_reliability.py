@@ -1105,16 +1105,10 @@ def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(
 
     build.__module__ = "__main__"  # as a function defined in the script `python my model.py` runs
     register_model("scripted", build)
-    script = tmp_path / "my model.py"
-    script.write_text("")
     monkeypatch.chdir(tmp_path)
+    run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=SimpleNamespace(logits=None)))
     try:
-        monkeypatch.setattr(sys, "argv", ["my model.py", "train"])
-        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
-        model = SimpleNamespace(logits=None)
-        run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=model))
-        lines = closing(config.load(None, ["model.name=scripted", "run.dir=r"]), run)
-        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == [
+        assert _script_closing_commands(monkeypatch, tmp_path / "my model.py", "scripted") == [
             ["python", "my model.py", "train"], ["python", "my model.py", "generate"],
             ["python", "my model.py", "export"]]
         # no `.py` (run as `python my_model`): the same form (the python calls of a notebook's model before)
@@ -1143,7 +1137,7 @@ def test_the_closing_commands_of_a_model_registered_by_its_script_go_through_it(
     register_model("imported", build)
     try:
         monkeypatch.setattr(sys, "argv", ["my model.py", "train"])
-        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tmp_path / "my model.py"), raising=False)
         lines = closing(config.load(None, ["model.name=imported", "run.dir=r"]), run)
         assert "registered by my_models in this process only" in lines[1]
         assert lines[2] == "  resume:  nljax.train.main(['--resume', 'run.dir=r', 'train.steps=400'])"
@@ -1219,15 +1213,27 @@ def test_the_closing_commands_of_a_script_run_by_its_path_are_its_own_command(tm
     assert not run_by_shebang(str(tmp_path / "my_model.py"), ["python", str(tmp_path / "my_model.py")])
 
 
+def _script_closing_commands(monkeypatch, script, model: str) -> list[list[str]]:
+    """The first three words of each closing command of a run of `model` that `script` started
+    (`python SCRIPT train`), the script an empty file."""
+    import shlex
+
+    from nljax import config
+    from nljax.run.trainer import closing
+
+    script.write_text("")
+    monkeypatch.setattr(sys, "argv", [script.name, "train"])
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
+    run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=SimpleNamespace(logits=None)))
+    lines = closing(config.load(None, [f"model.name={model}", "run.dir=r"]), run)
+    return [shlex.split(line.split(":", 1)[1])[:3] for line in lines[1:]]
+
+
 def test_a_script_that_registers_an_imported_build_gets_its_own_closing_commands(monkeypatch, tmp_path):
     """The script run registers the model itself with a `build` it imported from its own module (a
     launcher beside the model's file): its process knows the model exactly as when `build` is
     defined in the script, so the closing commands go through the script, not `nljax.train.main`."""
-    import shlex
-
-    from nljax import config
     from nljax.models import specs
-    from nljax.run.trainer import closing
 
     def build(cfg):
         raise AssertionError("not built")
@@ -1236,15 +1242,9 @@ def test_a_script_that_registers_an_imported_build_gets_its_own_closing_commands
     # the call made at the script's top level: its frame's module is __main__
     exec("register_model('launched', build)", {"__name__": "__main__", "register_model": specs.register_model,
                                                 "build": build})
-    script = tmp_path / "launch.py"
-    script.write_text("")
     monkeypatch.chdir(tmp_path)
     try:
-        monkeypatch.setattr(sys, "argv", ["launch.py", "train"])
-        monkeypatch.setattr(sys.modules["__main__"], "__file__", str(script), raising=False)
-        run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=SimpleNamespace(logits=None)))
-        lines = closing(config.load(None, ["model.name=launched", "run.dir=r"]), run)
-        assert [shlex.split(l.split(":", 1)[1])[:3] for l in lines[1:]] == [
+        assert _script_closing_commands(monkeypatch, tmp_path / "launch.py", "launched") == [
             ["python", "launch.py", "train"], ["python", "launch.py", "generate"], ["python", "launch.py", "export"]]
     finally:
         specs.unregister("launched")
