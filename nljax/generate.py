@@ -116,7 +116,8 @@ def _generate(args) -> int:
             return 1
         print(f"nljax.generate: wrote {path}", file=sys.stderr)
     elif batch is not None:
-        reader = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size)
+        reader = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size,
+                              vocab=t.cfg.model.vocab_size)
         return _write_completions(reader, codec, s, *batch)
     else:
         _say("sampling (compiling the model first) ...")  # seconds before the first token

@@ -224,7 +224,7 @@ def load(path: str, checkpoint: str | int, n_rows: int) -> Reading:
         raise ConfigError(image_model(path, lm.config.model.name))
     mesh = make_mesh(1, -1, jax.local_devices())
     params = jax.device_put(lm.params, replicated(mesh))
-    reader = StreamReader(lm.model, params, mesh, lm.seq_len, lm.end_id, n_rows)
+    reader = StreamReader(lm.model, params, mesh, lm.seq_len, lm.end_id, n_rows, vocab=lm.config.model.vocab_size)
     return Reading(reader, lm.tokenizer, f"{path} (step {lm.step})")
 
 

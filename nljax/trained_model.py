@@ -153,8 +153,9 @@ class TrainedModel:
         window = np.zeros((rows, self.seq_len + 1), np.int32)  # T inputs read; the last column is a target
         window[:, :t] = tokens
         if self._forward is None:
-            model = self.model
-            self._forward = jax.jit(lambda p, m, x, r: checked_logits(model, p, m, {"tokens": x, "reset": r}))
+            model, vocab = self.model, self.config.model.vocab_size
+            self._forward = jax.jit(lambda p, m, x, r: checked_logits(model, p, m, {"tokens": x, "reset": r},
+                                                                      vocab=vocab))
         logits, memory = self._forward(self.params, memory, window, reset)
         return logits[:, :t], memory
 
@@ -228,7 +229,8 @@ class TrainedModel:
 
         self._text_only("sampler")
         if self._sampler is None:
-            self._sampler = TextSampler(self.model, self.params, self._mesh, self.seq_len, self.end_id)
+            self._sampler = TextSampler(self.model, self.params, self._mesh, self.seq_len, self.end_id,
+                                        vocab=self.config.model.vocab_size)
         return self._sampler
 
     def _generate_many(self, prompts, s, details: bool = False) -> list | list[list]:
@@ -265,7 +267,8 @@ class TrainedModel:
         if rows not in self._readers:
             mesh = make_mesh(1, 1, list(self._mesh.devices.flat)[:1])  # the data axes StreamReader splits rows over
             params = jax.device_put(self.params, replicated(mesh))
-            self._readers[rows] = StreamReader(self.model, params, mesh, self.seq_len, self.end_id, rows)
+            self._readers[rows] = StreamReader(self.model, params, mesh, self.seq_len, self.end_id, rows,
+                                               vocab=self.config.model.vocab_size)
         return self._readers[rows]
 
     def _label_ids(self, labels: Sequence[int | str]) -> list[int]:

@@ -113,12 +113,14 @@ def test_each_completion_is_its_prompts_single_decoding_on_any_device_count(run_
         t = dataclasses.replace(t, params=params)
         codec = sampling.tokenization_of(t.cfg)
         ids = [sampling.prompt_ids(codec, p) for p in PROMPTS]
-        readers[n] = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size)
+        readers[n] = StreamReader(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id, s.batch_size,
+                                  vocab=t.cfg.model.vocab_size)
         assert readers[n].rows == (3 if n == 1 else 8)
         got[n] = _flat(sampling.completions(readers[n], codec, ids, s))
     assert [(i, j) for i, j, _, _ in got[1]] == [(i, j) for i in range(4) for j in range(2)]
     assert got[1] == got[8]
-    single = sampling.TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id)
+    single = sampling.TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id,
+                                  vocab=t.cfg.model.vocab_size)
     for i, j, text, why in got[1]:
         tokens = list(single.tokens(ids[i], s, sampling.seeded(s.seed, i, j)))
         assert text == "".join(codec.decode_stream(tokens, context=ids[i])) and why == "length", (i, j)

@@ -175,7 +175,8 @@ def test_the_harness_scores_as_nljax_on_8_and_1_devices(trained, lm):
     assert asked == [(d["question"], DELIMITER + c) for d in MC for c in d["choices"]]  # the strings scored here
     check(out["results"], out["samples"], want)
     one = make_mesh(1, 1, jax.devices()[:1])
-    single = NLJaxLM(Reading(StreamReader(lm.model, lm.params, one, lm.seq_len, lm.end_id, 2), lm.tokenizer, "one"))
+    single = NLJaxLM(Reading(StreamReader(lm.model, lm.params, one, lm.seq_len, lm.end_id, 2,
+                                                  vocab=lm.config.model.vocab_size), lm.tokenizer, "one"))
     out = harness_run(single, tasks)
     check(out["results"], out["samples"], want)
 
@@ -767,7 +768,8 @@ def test_the_stream_reader_scores_a_stream_of_fewer_than_two_tokens_as_nothing(l
     from nljax.parallel.mesh import make_mesh
     from nljax.run.scoring import StreamReader
 
-    reader = StreamReader(lm.model, lm.params, make_mesh(1, 1, jax.devices()[:1]), lm.seq_len, lm.end_id, 2)
+    reader = StreamReader(lm.model, lm.params, make_mesh(1, 1, jax.devices()[:1]), lm.seq_len, lm.end_id, 2,
+                          vocab=lm.config.model.vocab_size)
     out = reader.score([[], [5], [5, 6, 7]])
     assert [(len(logp), len(hits)) for logp, hits in out] == [(0, 0), (0, 0), (2, 2)]
     with pytest.raises(ValueError, match="prompt 1 is empty"):

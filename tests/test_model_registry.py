@@ -406,15 +406,18 @@ def _changing_logits(change):
 def test_what_logits_returns_is_checked_where_it_is_read(tmp_path, on_path):
     """`logits` (read by evaluation, generation and the harness, never in training) returning the
     logits alone or [B, T] failed deep inside (an unpacking ValueError, numpy's `len()` of a
-    float in the sampler): one line naming the model's class. A memory of none may come back
-    as {} or None alike."""
+    float in the sampler), and fewer logits a token than the vocabulary scored NaN for the
+    tokens past its end and never generated them: one line naming the model's class. A memory
+    of none may come back as {} or None alike."""
     nljax.register_model("mislabelled", _changing_logits(lambda logits, memory: (logits, memory)))
     saved_run(tmp_path / "run", ["model.name=mislabelled"], 1, 1)
     for change, line in ((lambda l, m: l, r"must return \(logits \[B, T, V\], new_memory\), got an array of shape "
                                           r"\(1, 8, 256\)"),
                          (lambda l, m: (l[..., 0], m), r"returned logits of shape \(1, 8\) for tokens \[1, 9\]: it "
                                                        r"must be \[1, 8, V\], one row of V \(the vocabulary\) per "
-                                                       r"input token")):
+                                                       r"input token"),
+                         (lambda l, m: (l[..., :100], m), r"returned 100 logits a token, fewer than "
+                                                          r"model.vocab_size=256 \(the token ids of the run's data\)")):
         specs.unregister("mislabelled")
         nljax.register_model("mislabelled", _changing_logits(change))
         lm = nljax.load(tmp_path / "run")

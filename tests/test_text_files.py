@@ -657,7 +657,7 @@ def test_training_samples_are_the_tokenizers_text(corpus, tokenizer):
     text, why = TrainingSampler(run).sample(params)
     codec = tokenization.load(str(tokenizer), "<eos>")
     sampler = TextSampler(run.engine.model, run.engine.strategy.gather_params(params), run.mesh, cfg.train.seq_len,
-                          codec.end_id)
+                          codec.end_id, vocab=cfg.model.vocab_size)
     ids = list(sampler.tokens(codec.encode("the memory"), Settings(prompt="the memory", max_new_tokens=48,
                                                                     seed=cfg.seed)))
     assert max(ids) >= 256  # an untrained model samples the whole vocabulary

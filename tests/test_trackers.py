@@ -66,7 +66,8 @@ def test_tensorboard_gets_grad_norm_lr_skips_firing_and_the_samples(tmp_path, ca
     assert [e.step for e in acc.Tensors("train/sample/text_summary")] == [2, 4]
     logged = acc.Tensors("train/sample/text_summary")[-1].tensor_proto.string_val[0].decode()
     assert logged == "\n".join("    " + line for line in texts[-1].split("\n"))
-    sampler = TextSampler(setup.engine.model, state.params, setup.mesh, setup.cfg.train.seq_len, 0)  # bytes: NUL ends a document
+    sampler = TextSampler(setup.engine.model, state.params, setup.mesh, setup.cfg.train.seq_len, 0,
+                          vocab=setup.cfg.model.vocab_size)  # bytes: NUL ends a document
     settings = TrainingSampler(setup.run).settings  # nljax.generate's defaults, the run's seed
     assert (settings.prompt, settings.max_new_tokens, settings.seed) == ("def ", 5, setup.cfg.seed)
     written = []  # nljax.generate's text (prompt=): to its document end, if the model samples one

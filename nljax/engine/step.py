@@ -199,7 +199,7 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
                                                 train=False)
         return {"loss_sum": loss_sum[None], "count": count[None]}, memory
     # [G/n, T, V]; inference only: no dropout
-    logits, memory = checked_logits(eng.local_model, params, memory, batch, key)
+    logits, memory = checked_logits(eng.local_model, params, memory, batch, key, vocab=eng.cfg.model.vocab_size)
     targets = batch["tokens"][:, 1:]  # [G/n, T]
     loss_sum, count = token_loss(logits, targets, batch.get("mask"))
     hits, scored = token_hits(logits, targets, batch["score"])

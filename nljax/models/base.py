@@ -44,10 +44,11 @@ Optional:
   model without dropout need not declare it; one that forwards `*args, **kwargs` is not told,
   and a `tensor_parallel` shard is told only if its own `apply` declares `train`.
 - `logits(params, memory, batch, key) -> (logits [B, T, V], new_memory)`: the predictions `apply`
-  scores. A text model needs it to be evaluated beyond the loss (the recall probe's accuracy),
-  sampled from (`nljax.generate`) and used after `nljax.load_model`. It is for inference only,
-  never called in training, so it takes no `train`: it applies no dropout. Its outputs are
-  checked where it is traced, as `apply`'s are (`checked_logits`).
+  scores, V >= model.vocab_size (every token id of the run's data). A text model needs it to be
+  evaluated beyond the loss (the recall probe's accuracy), sampled from (`nljax.generate`) and
+  used after `nljax.load_model`. It is for inference only, never called in training, so it
+  takes no `train`: it applies no dropout. Its outputs are checked where it is traced, as
+  `apply`'s are (`checked_logits`).
 - `task`: "text" (the default: `nljax.run.tasks.TextTask` feeds it token windows; generate
   writes text) or "images" (a MeanFlow denoiser: `ImageTask`, a PNG grid). The registered task
   (`nljax.register_model(..., task=)`) decides; the attribute, if present, must agree.
@@ -175,12 +176,14 @@ def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch
     return jnp.asarray(out[0]), jnp.asarray(out[1]), out[2]
 
 
-def checked_logits(model: Model, params: PyTree, memory: PyTree, batch: dict, *key) -> tuple:
+def checked_logits(model: Model, params: PyTree, memory: PyTree, batch: dict, *key, vocab: int) -> tuple:
     """`model.logits(params, memory, batch[, key])`, its outputs checked from their shapes while
-    the caller is traced (free at run time): (logits [B, T, V] for tokens [B, T+1], new_memory
-    with `memory`'s structure, shapes and dtypes). `logits` is called only by evaluation,
-    generation and the harness: a model returning logits alone, or [B, T] without the
-    vocabulary, failed there deep inside (an unpacking error, numpy's `len()` of a float)."""
+    the caller is traced (free at run time): (logits [B, T, V] for tokens [B, T+1], V >= `vocab`
+    (model.vocab_size, which holds every token id of the run's data), new_memory with `memory`'s
+    structure, shapes and dtypes). `logits` is called only by evaluation, generation and the
+    harness: a model returning logits alone, or [B, T] without the vocabulary, failed there deep
+    inside (an unpacking error, numpy's `len()` of a float), and one with fewer than `vocab`
+    entries a token scored NaN for the tokens past its end and never generated them."""
     out = model.logits(params, memory, batch, *key)
     who = f"model {type(model).__name__}: logits"
     if not isinstance(out, tuple) or len(out) != 2:
@@ -191,6 +194,9 @@ def checked_logits(model: Model, params: PyTree, memory: PyTree, batch: dict, *k
         raise ConfigError(f"{who} returned logits of shape {tuple(jnp.shape(out[0]))} for tokens "
                           f"{list(batch['tokens'].shape)}: it must be [{rows}, {t}, V], one row of V (the "
                           "vocabulary) per input token")
+    if jnp.shape(out[0])[2] < vocab:
+        raise ConfigError(f"{who} returned {jnp.shape(out[0])[2]} logits a token, fewer than model.vocab_size={vocab} "
+                          "(the token ids of the run's data): it must score every token id, V >= model.vocab_size")
     if jax.tree.leaves(memory) or jax.tree.leaves(out[1]):  # no memory: {} or None alike
         _same_memory(who, memory, out[1])
     return out

@@ -122,7 +122,7 @@ class HarnessEval:
         params = run.engine.strategy.gather_params(stored_params)
         if self.reader is None:
             self.reader = StreamReader(run.engine.model, params, run.mesh, run.cfg.train.seq_len, self.codec.end_id,
-                                       run.cfg.train.batch_size)
+                                       run.cfg.train.batch_size, vocab=run.cfg.model.vocab_size)
         self.reader.params = params  # the same compiled forward, this evaluation's parameters
         lm = self.lib.NLJaxLM(self.lib.Reading(self.reader, self.codec, run.cfg.run.dir), progress=False)
         start = time.perf_counter()

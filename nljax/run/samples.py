@@ -48,7 +48,8 @@ class TrainingSampler:
         eng = self.run.engine
         params = eng.strategy.gather_params(stored_params)
         if self._sampler is None:
-            self._sampler = TextSampler(eng.model, params, self.run.mesh, self.run.cfg.train.seq_len, self.codec.end_id)
+            self._sampler = TextSampler(eng.model, params, self.run.mesh, self.run.cfg.train.seq_len, self.codec.end_id,
+                                        vocab=self.run.cfg.model.vocab_size)
         self._sampler.params = params  # the same compiled forward, this step's parameters
         end = ending_of(self.codec, self.prompt, self.settings)  # generate's: the end token ends it
         text = "".join(pieces(self._sampler.tokens(self.prompt, self.settings), end))

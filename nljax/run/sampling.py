@@ -215,16 +215,17 @@ class TextSampler:
     """Windowed decoding of a trained language model (module docstring). `params`: the model's
     parameter tree, whole over the data axes of `mesh` (split over `model` under tensor
     parallelism: XLA partitions the global model's forward to match); a sampler that is kept
-    (`nljax.run.samples`) may be given new ones, and its compiled forward serves them."""
+    (`nljax.run.samples`) may be given new ones, and its compiled forward serves them. `vocab`:
+    the run's model.vocab_size, which the model's logits must cover (`checked_logits`)."""
 
-    def __init__(self, model, params, mesh, seq_len: int, end_id: int | None):
+    def __init__(self, model, params, mesh, seq_len: int, end_id: int | None, *, vocab: int):
         self.params, self.t, self.end_id = params, seq_len, end_id
         self.rep = NamedSharding(mesh, P())
         # Inputs made from host arrays (`put`) and outputs replicated, each process reading its
         # own copy (`replica`): the sampler also runs on a mesh that spans processes (training).
         self.memory0 = jax.tree.map(lambda x: put(np.asarray(x), self.rep), model.init_memory(1))
         self._forward = jax.jit(lambda params, memory, tokens, reset, at: _row(checked_logits(
-            model, params, memory, {"tokens": tokens, "reset": reset}), at), out_shardings=self.rep)
+            model, params, memory, {"tokens": tokens, "reset": reset}, vocab=vocab), at), out_shardings=self.rep)
 
     def forward(self, memory, window: list[int], fresh: bool):
         """The logits [V] after `window`'s last token (`window`: <= T tokens, padded), on the
@@ -265,7 +266,8 @@ def generate_text(t: trained_lib.Trained, s: Settings, write: Callable[[str], No
     if not hasattr(t.model, "logits"):
         raise ConfigError(f"model.name={t.cfg.model.name} has no logits(): it cannot generate text")
     codec = tokenization_of(t.cfg)
-    sampler = TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id)
+    sampler = TextSampler(t.model, t.params, t.run.mesh, t.cfg.train.seq_len, codec.end_id,
+                          vocab=t.cfg.model.vocab_size)
     return write_text(sampler, codec, s, write)
 
 

@@ -44,9 +44,10 @@ Stop = Callable[[int, list], bool]
 
 class StreamReader:
     """Reads batches of `rows` streams (rounded up to a multiple of the mesh's data-parallel
-    devices) with `model` and `params` (the parameter tree whole over the data axes of `mesh`)."""
+    devices) with `model` and `params` (the parameter tree whole over the data axes of `mesh`);
+    `vocab`: the run's model.vocab_size, which the model's logits must cover (`checked_logits`)."""
 
-    def __init__(self, model, params, mesh, seq_len: int, end_id: int | None, rows: int):
+    def __init__(self, model, params, mesh, seq_len: int, end_id: int | None, rows: int, *, vocab: int):
         n = data_size(mesh)
         self.rows = -(-max(rows, 1) // n) * n
         self.devices = n  # what `rows` was rounded up to a multiple of (nljax.generate says so)
@@ -54,7 +55,7 @@ class StreamReader:
         self.split, rep = rows_sharding(mesh), replicated(mesh)
 
         def window(params, memory, tokens, reset):  # tokens [R, T+1], reset [R]
-            logits, memory = checked_logits(model, params, memory, {"tokens": tokens, "reset": reset})
+            logits, memory = checked_logits(model, params, memory, {"tokens": tokens, "reset": reset}, vocab=vocab)
             logits = logits.astype(jnp.float32)  # [R, T, V]
             logp = jax.nn.log_softmax(logits, axis=-1)
             target = jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]  # [R, T]
@@ -62,7 +63,7 @@ class StreamReader:
             return jax.lax.with_sharding_constraint((target, greedy), rep), memory
 
         def next_logits(params, memory, tokens, reset, pos):  # generation: the logits at pos alone
-            logits, memory = checked_logits(model, params, memory, {"tokens": tokens, "reset": reset})
+            logits, memory = checked_logits(model, params, memory, {"tokens": tokens, "reset": reset}, vocab=vocab)
             at = jnp.take_along_axis(logits.astype(jnp.float32), pos[:, None, None], axis=1)[:, 0]  # [R, V]
             return jax.lax.with_sharding_constraint(at, rep), memory
 
