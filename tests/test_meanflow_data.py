@@ -1,7 +1,6 @@
 """Image data, energy distance, sample figures and the MeanFlow command line."""
 
 import json
-import zlib
 
 import jax
 import numpy as np
@@ -11,7 +10,7 @@ from helpers import ROOT, cli
 from nljax.config import ConfigError, ImagesConfig
 from nljax.data import images
 from nljax.measure.energy import energy_distance
-from nljax.measure.figures import sample_figure, write_png
+from nljax.measure.figures import halves
 from nljax.parallel.hostdev import gather_rows
 from nljax.parallel.mesh import make_mesh, rows_sharding
 
@@ -284,29 +283,17 @@ def test_gather_rows_with_uneven_counts():
     np.testing.assert_array_equal(out, rows[:13])
 
 
-def test_png_figures(tmp_path):
+def test_sample_grids():
+    """Each half a grid of the images (1-pixel white gaps, each image scaled to 64 pixels): grey
+    one channel, RGB three, 2 channels as red and green (their picture was 2 bytes a pixel in a
+    file saying 3)."""
     rng = np.random.default_rng(0)
-    pic = sample_figure(rng.uniform(-1, 1, (10, 8, 8, 1)), rng.uniform(-1, 1, (10, 8, 8, 1)), None)
-    write_png(tmp_path / "a.png", pic)
-    raw = (tmp_path / "a.png").read_bytes()
-    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
-    w, h = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
-    assert (h, w) == pic.shape
-    idat = raw[raw.index(b"IDAT") + 4 : raw.index(b"IEND") - 8]
-    decoded = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, w + 1)[:, 1:]
-    np.testing.assert_array_equal(decoded, pic)
-    toy = sample_figure(rng.normal(size=(30, 1, 1, 2)), rng.normal(size=(30, 1, 1, 2)), rng.normal(size=(30, 1, 1, 2)))
-    assert toy.ndim == 2 and (toy == 0).any() and (toy == 180).any()
-    # RGB, and 2 channels as red and green (their picture was 2 bytes a pixel in a file saying 3)
+    one, multi, cols, cell = halves(rng.uniform(-1, 1, (10, 8, 8, 1)), rng.uniform(-1, 1, (10, 8, 8, 1)), None)
+    assert (cols, cell) == (4, 65) and one.shape == multi.shape == (3 * 65 + 1, 4 * 65 + 1)
+    assert (one[0] == 255).all() and (one[1:9, 1:9] == one[1, 1]).all()  # a gap; one pixel scaled 8 times
     for c in (3, 2):
-        pic = sample_figure(rng.uniform(-1, 1, (4, 4, 4, c)), rng.uniform(-1, 1, (4, 4, 4, c)), None)
-        write_png(tmp_path / "c.png", pic)
-        raw = (tmp_path / "c.png").read_bytes()
-        w, h = int.from_bytes(raw[16:20], "big"), int.from_bytes(raw[20:24], "big")
-        assert pic.shape == (h, w, 3) and raw[25] == 2  # colour type 2: RGB
-        idat = raw[raw.index(b"IDAT") + 4 : raw.index(b"IEND") - 8]
-        decoded = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(h, 1 + 3 * w)[:, 1:].reshape(h, w, 3)
-        np.testing.assert_array_equal(decoded, pic)
+        pic, _, _, _ = halves(rng.uniform(-1, 1, (4, 4, 4, c)), rng.uniform(-1, 1, (4, 4, 4, c)), None)
+        assert pic.shape == (2 * 65 + 1, 2 * 65 + 1, 3)
         assert c == 3 or set(np.unique(pic[..., 2])) == {0, 255}  # blue: none in the images, white gaps
 
 

@@ -1,13 +1,11 @@
 """Sample figures written to the run directory as PNG.
 
 Images become a grid (one-step samples left, multi-step right); 2-D points become a scatter
-raster (held-out data grey, samples black). The pixels are made here (and `write_png` encodes them
-with no imaging dependency); `write_samples` draws them titled and labelled with matplotlib."""
+raster (held-out data grey, samples black). The pixels are made here; `write_samples` draws them
+titled and labelled with matplotlib."""
 
 from __future__ import annotations
 
-import struct
-import zlib
 from pathlib import Path
 
 import numpy as np
@@ -28,21 +26,6 @@ def written_by_nljax(path: Path) -> bool:
     except OSError:
         return False
     return b"tEXtSoftware\x00nljax" in head
-
-
-def write_png(path: Path, pixels: np.ndarray) -> None:
-    """8-bit greyscale [H, W] or RGB [H, W, 3] PNG."""
-    pixels = np.ascontiguousarray(pixels, np.uint8)
-    h, w = pixels.shape[:2]
-    color = 2 if pixels.ndim == 3 else 0
-    raw = b"".join(b"\0" + pixels[i].tobytes() for i in range(h))  # filter type 0 on every row
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
-
-    header = struct.pack(">IIBBBBB", w, h, 8, color, 0, 0, 0)
-    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b"")
-    Path(path).write_bytes(b"\x89PNG\r\n\x1a\n" + body)
 
 
 def grid(images: np.ndarray, cols: int, scale: int) -> np.ndarray:
@@ -83,13 +66,6 @@ def halves(one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray):
     cols = int(np.ceil(np.sqrt(n)))
     scale = max(1, 64 // one_step.shape[1])
     return grid(one_step[:n], cols, scale), grid(multi_step[:n], cols, scale), cols, one_step.shape[1] * scale + 1
-
-
-def sample_figure(one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray) -> np.ndarray:
-    """Side-by-side picture of one-step and multi-step samples (unlabelled pixels)."""
-    a, b, _, _ = halves(one_step, multi_step, reference)
-    gap = np.full((a.shape[0], 8) + a.shape[2:], 255, np.uint8)
-    return np.concatenate([a, gap, b], axis=1)
 
 
 def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray, steps: int,
