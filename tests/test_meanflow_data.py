@@ -288,11 +288,11 @@ def test_sample_grids():
     one channel, RGB three, 2 channels as red and green (their picture was 2 bytes a pixel in a
     file saying 3)."""
     rng = np.random.default_rng(0)
-    one, multi, cols, cell = halves(rng.uniform(-1, 1, (10, 8, 8, 1)), rng.uniform(-1, 1, (10, 8, 8, 1)), None)
+    one, multi, cols, cell = halves(rng.uniform(-1, 1, (10, 8, 8, 1)), rng.uniform(-1, 1, (10, 8, 8, 1)))
     assert (cols, cell) == (4, 65) and one.shape == multi.shape == (3 * 65 + 1, 4 * 65 + 1)
     assert (one[0] == 255).all() and (one[1:9, 1:9] == one[1, 1]).all()  # a gap; one pixel scaled 8 times
     for c in (3, 2):
-        pic, _, _, _ = halves(rng.uniform(-1, 1, (4, 4, 4, c)), rng.uniform(-1, 1, (4, 4, 4, c)), None)
+        pic, _, _, _ = halves(rng.uniform(-1, 1, (4, 4, 4, c)), rng.uniform(-1, 1, (4, 4, 4, c)))
         assert pic.shape == (2 * 65 + 1, 2 * 65 + 1, 3)
         assert c == 3 or set(np.unique(pic[..., 2])) == {0, 255}  # blue: none in the images, white gaps
 

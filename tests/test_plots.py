@@ -118,4 +118,5 @@ def test_sample_grids_are_titled_and_labelled(tmp_path, monkeypatch):
     pts = rng.normal(size=(50, 1, 1, 2)).astype(np.float32)
     figures.write_samples(tmp_path / "t.png", pts, pts, pts, 2)
     assert "black: samples; grey: held-out points" in [t.get_text() for t in seen[2].texts]
+    assert tuple(seen[2].get_size_inches()) == pytest.approx((6.4, 3.8))  # the toy's two squares of 3.2 inches, and a caption
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,8 +1,8 @@
 """Sample figures written to the run directory as PNG.
 
-Images become a grid (one-step samples left, multi-step right); 2-D points become a scatter
-raster (held-out data grey, samples black). The pixels are made here; `write_samples` draws them
-titled and labelled with matplotlib."""
+One-step samples left, multi-step right: images as a grid (its pixels made here), 2-D points as
+dots (black) over the held-out points (grey); `write_samples` draws them titled and labelled with
+matplotlib."""
 
 from __future__ import annotations
 
@@ -45,23 +45,11 @@ def grid(images: np.ndarray, cols: int, scale: int) -> np.ndarray:
     return out[..., 0] if c == 1 else out
 
 
-def scatter(points: np.ndarray, reference: np.ndarray, size: int = 256, extent: float = 3.0) -> np.ndarray:
-    """2-D points (black) over reference points (grey) on a [-extent, extent]^2 canvas.  uint8 [size, size]"""
-    out = np.full((size, size), 255, np.uint8)
-    for pts, shade in ((reference, 180), (points, 0)):
-        ij = np.round((pts.reshape(-1, 2) + extent) / (2 * extent) * (size - 1)).astype(int)
-        ok = ((ij >= 0) & (ij < size)).all(axis=1)
-        out[size - 1 - ij[ok, 1], ij[ok, 0]] = shade
-    return out
-
-
 GRID_MAX = 64  # images shown per half
 
 
-def halves(one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray):
-    """(one-step picture, multi-step picture, grid columns or 0 for a scatter, cell size in pixels)."""
-    if one_step.shape[1:] == (1, 1, 2):  # 2-D toy data
-        return scatter(one_step, reference), scatter(multi_step, reference), 0, 0
+def halves(one_step: np.ndarray, multi_step: np.ndarray):
+    """Images [n, H, W, C] -> (one-step grid, multi-step grid, grid columns, cell size in pixels)."""
     n = min(GRID_MAX, len(one_step))
     cols = int(np.ceil(np.sqrt(n)))
     scale = max(1, 64 // one_step.shape[1])
@@ -79,13 +67,15 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
-    a, b, cols, cell = halves(one_step, multi_step, reference)
-    fig, axes = plt.subplots(1, 2, figsize=(2 * max(3.2, a.shape[1] / 80), max(3.2, a.shape[0] / 80) + 0.6))
+    dots = one_step.shape[1:] == (1, 1, 2)  # 2-D toy data: dots over the held-out points, no grid
+    a, b, cols, cell = (None, None, 0, 0) if dots else halves(one_step, multi_step)
+    h, w = (0, 0) if dots else a.shape[:2]
+    fig, axes = plt.subplots(1, 2, figsize=(2 * max(3.2, w / 80), max(3.2, h / 80) + 0.6))
     for ax, pic, pts, name in zip(axes, (a, b), (one_step, multi_step),
                                   ("one step (1 network evaluation)", f"multi-step ({steps} steps)")):
         if cols:
             ax.imshow(pic, cmap="gray" if pic.ndim == 2 else None, vmin=0, vmax=255, interpolation="nearest")
-        else:  # 2-D points: drawn as dots, the canvas of `scatter`
+        else:  # 2-D points on [-3, 3]^2
             ref, pts = reference.reshape(-1, 2), pts.reshape(-1, 2)
             ax.scatter(ref[:, 0], ref[:, 1], s=4, color="0.7", lw=0)
             ax.scatter(pts[:, 0], pts[:, 1], s=6, color="black", lw=0)
