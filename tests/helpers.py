@@ -115,11 +115,6 @@ def train(setup: Setup, steps, *, state: TrainState | None = None, batch=None, a
     return np.array(losses), state
 
 
-def run_steps(setup: Setup, steps: int, batch_fn=None):
-    """`train(setup, steps)` under its earlier name; `batch_fn(setup, step)` gives the batches."""
-    return train(setup, steps, batch=None if batch_fn is None else lambda s: batch_fn(setup, s))
-
-
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)

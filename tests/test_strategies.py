@@ -48,12 +48,6 @@ def trained(strategy, inter, intra, reduce, frozen):
     return setup, losses, state, start
 
 
-def host_flat(part, shards):
-    """A level's subtree as the padded flat vector the sharded strategies store (numpy)."""
-    flat = np.concatenate([np.ravel(x) for x in jax.tree.leaves(part)])
-    return np.pad(flat, (0, padded(flat.size, shards) - flat.size))
-
-
 def canonical_on_host(setup, state):
     """`state`'s params and optimizer state in the replicated layout, converted on the host (the
     same conversion as `export_state`, written independently and without compiling)."""
