@@ -175,36 +175,40 @@ def build(d: DataConfig, out: Path | None = None, overwrite: bool = False, worke
         return _write(Path(out), overwrite, d, tok, sources, dtype, workers, chunk_bytes)
     sinks = {s: workdir.Sink(io.BytesIO(), io.BytesIO(), dtype) for s in SPLITS}
     manifest = _manifest(d, tok, sources, sinks, _fill(d, tok, sources, sinks, dtype, 0, chunk_bytes))
-    split = lambda s: Split(np.frombuffer(sinks[s].f.getvalue(), dtype),
-                            np.frombuffer(sinks[s].starts_f.getvalue(), "<i8").astype(np.int64))
-    return Corpus(split("train"), split("eval"), manifest)
+    return Corpus(_in_memory(sinks["train"]), _in_memory(sinks["eval"]), manifest)
 
 
-def held_out(d: DataConfig, chunk_bytes: int = CHUNK_BYTES) -> Corpus:
+def held_out(d: DataConfig) -> Corpus:
     """data.eval's files alone (no data.train), every document held out and tokenized into
     memory as `build` tokenizes: what `nljax.evaluate data.eval=GLOB` scores a checkpoint on. Its
     training split is the same text, which nothing that evaluates reads (a run that trains refuses
     data.eval alone: `nljax.run.tasks.check_trains`)."""
     tok = tokenization.load(d.tokenizer, d.doc_end_token)
     files = documents.expand(d.eval, "data.eval")
-    dtype = tokenization.dtype_for(tok.vocab_size)
-    sink = workdir.Sink(io.BytesIO(), io.BytesIO(), dtype)
-    both = {"train": sink, "eval": sink}
-    _fill(d, tok, ([], files), both, dtype, 0, chunk_bytes)  # the eval files' documents: all held out
-    starts = np.frombuffer(sink.starts_f.getvalue(), "<i8").astype(np.int64)
-    split = Split(np.frombuffer(sink.f.getvalue(), dtype), starts)
-    return Corpus(split, split, _manifest(d, tok, (files, files), both, 0))
+    split, sink = _all_held_out(d, files, tok)
+    return Corpus(split, split, _manifest(d, tok, (files, files), {"train": sink, "eval": sink}, 0))
 
 
-def tokenized(d: DataConfig, files: list[Path], tok, chunk_bytes: int = CHUNK_BYTES) -> tuple[Split, dict]:
+def tokenized(d: DataConfig, files: list[Path], tok) -> tuple[Split, dict]:
     """The documents of `files`, tokenized into memory by `tok` as `build` tokenizes them (their
     data.text_key field or column, each document ended): the split, and its record (tokens,
     documents, bytes, as a manifest's). A `data.eval_sets` set (data/evalsets.py)."""
-    dtype = tokenization.dtype_for(tok.vocab_size)
-    sink = workdir.Sink(io.BytesIO(), io.BytesIO(), dtype)
-    _fill(d, tok, ([], files), {"train": sink, "eval": sink}, dtype, 0, chunk_bytes)  # every document held out
-    starts = np.frombuffer(sink.starts_f.getvalue(), "<i8").astype(np.int64)
-    return Split(np.frombuffer(sink.f.getvalue(), dtype), starts), sink.record("eval")
+    split, sink = _all_held_out(d, files, tok)
+    return split, sink.record("eval")
+
+
+def _all_held_out(d: DataConfig, files: list[Path], tok) -> tuple[Split, workdir.Sink]:
+    """`files` tokenized into one in-memory sink, every document held out (no training files:
+    none is split off): its split, and the sink."""
+    sink = workdir.Sink(io.BytesIO(), io.BytesIO(), tokenization.dtype_for(tok.vocab_size))
+    _fill(d, tok, ([], files), {"train": sink, "eval": sink}, sink.dtype, 0, CHUNK_BYTES)
+    return _in_memory(sink), sink
+
+
+def _in_memory(sink: workdir.Sink) -> Split:
+    """The split an in-memory sink holds."""
+    return Split(np.frombuffer(sink.f.getvalue(), sink.dtype),
+                 np.frombuffer(sink.starts_f.getvalue(), "<i8").astype(np.int64))
 
 
 def _job(d: DataConfig, tok, sources: tuple, dtype: np.dtype) -> dict:
