@@ -540,6 +540,19 @@ def test_labels_with_a_gap_are_said_at_start_up(tmp_path):
                      mesh).notes == []
 
 
+def test_one_held_out_image_is_refused_at_start_up(tmp_path):
+    """Energy distance needs 2 held-out images: 1 is refused when the task is built, before step
+    0 (where an evaluation would take fewer: meanflow.eval_samples is 0 or >= 2)."""
+    from nljax.config import load
+    from nljax.run.tasks import ImageTask
+
+    np.savez(tmp_path / "four.npz", x=np.random.default_rng(0).uniform(-1, 1, (4, 4, 4, 1)))
+    cfg = load(None, ["model.name=dit", "cms.periods=[1]", "images.source=file", f"images.path={tmp_path / 'four.npz'}",
+                      "images.eval_fraction=0.25", "train.batch_size=1"])
+    with pytest.raises(ConfigError, match=r"^evaluation needs at least 2 held-out images, got 1$"):
+        ImageTask(cfg, make_mesh(1, 1, jax.devices()[:1]))
+
+
 def test_a_run_built_to_evaluate_takes_fewer_images_than_its_training_batch(tmp_path):
     """`nljax.evaluate run.dir=... images.path=FEW` (and generate, export, load) scores or samples
     the held-out images alone: a set smaller than the run's train.batch_size was refused with
