@@ -568,9 +568,9 @@ def _backward_kernel(*refs, kind: str, chunk: int, n: int, interpret: bool):
     jax.lax.fori_loop(0, n, body, 0)
 
 
-def _spec(shape, lead: int = 2):
+def _spec(shape):
     """One (row, head)'s block of an array [B, H, ...]: the leading axes squeezed."""
-    return pl.BlockSpec((None,) * lead + tuple(shape[lead:]), lambda b, h: (b, h) + (0,) * (len(shape) - lead))
+    return pl.BlockSpec((None, None) + tuple(shape[2:]), lambda b, h: (b, h) + (0,) * (len(shape) - 2))
 
 
 def _call(kernel, args, outs, kind: str, chunk: int, n: int, interpret: bool, state_size: int):

@@ -47,12 +47,12 @@ def device() -> Any:
 
 
 @contextlib.contextmanager
-def compiling_for(name: str, device: Any = None, cuda: bool = True) -> Iterator[None]:
-    """Build and trace for `name` ('gpu', 'cpu') inside the block, whatever JAX's default backend
-    is; probes compile for `device` (None: JAX's default). `cuda`: a GPU is a CUDA GPU."""
+def compiling_for(name: str, device: Any = None) -> Iterator[None]:
+    """Build and trace for `name` ('gpu': a CUDA GPU, 'cpu') inside the block, whatever JAX's
+    default backend is; probes compile for `device` (None: JAX's default)."""
     if name not in ("gpu", "cpu", "tpu"):
         raise ValueError(f"compiling_for: a platform is 'gpu', 'cpu' or 'tpu', not {name!r}")
-    token = _TARGET.set((name, cuda and name == "gpu", device))
+    token = _TARGET.set((name, name == "gpu", device))
     try:
         yield
     finally:

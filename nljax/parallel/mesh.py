@@ -96,13 +96,13 @@ def model_size(mesh: Mesh) -> int:
     return dict(mesh.shape).get(MODEL, 1)
 
 
-def check_batch(global_rows: int, mesh: Mesh, what: str = "train.batch_size") -> int:
-    """Rows per device, or a one-line error naming the numbers."""
+def check_batch(global_rows: int, mesh: Mesh) -> int:
+    """Rows per device of a train.batch_size of `global_rows`, or a one-line error naming the numbers."""
     n = data_size(mesh)
     if global_rows % n:
         near = [m for m in (global_rows // n * n, (global_rows // n + 1) * n) if m]  # the multiples around it
         raise ConfigError(
-            f"{what}={global_rows} does not divide over {n} data-parallel devices "
+            f"train.batch_size={global_rows} does not divide over {n} data-parallel devices "
             f"(mesh inter={mesh.shape[INTER]} x intra={mesh.shape[INTRA]}): give a multiple of {n} "
             f"({' or '.join(map(str, near))})"
         )

@@ -186,7 +186,7 @@ def _settings(kwargs: dict) -> Settings:
                     top_p=float(kwargs.get("top_p", 1.0) or 1.0), seed=int(kwargs.get("seed", 0) or 0)).check()
 
 
-def results_of(results: dict, prefix: str = "harness_") -> dict[str, float]:
+def results_of(results: dict) -> dict[str, float]:
     """The numbers of lm-eval's results as flat `harness_<task>_<metric>` keys (the filter name
     `none` left out, standard errors too)."""
     out = {}
@@ -198,6 +198,6 @@ def results_of(results: dict, prefix: str = "harness_") -> dict[str, float]:
                 continue
             if not math.isfinite(float(value)):  # a perplexity can overflow: JSON and trackers take finite numbers
                 continue
-            name = f"{prefix}{task}_{metric}" + ("" if filt in ("", "none") else f"_{filt}")
+            name = f"harness_{task}_{metric}" + ("" if filt in ("", "none") else f"_{filt}")
             out[name] = float(value)
     return out
