@@ -34,11 +34,9 @@ from nljax.errors import ConfigError
 @dataclasses.dataclass(frozen=True, eq=False)
 class EvalSet:
     name: str
-    pattern: str  # the glob as given
     tokens: np.ndarray  # [N] token ids, documents back to back
     ends: np.ndarray  # int64 [D]: each document's last token
     tokens_per_byte: float  # bits per token x this = bits per byte
-    files: int
     digest: str  # sha256 of the content scored (`content_digest`), whatever the files' paths
 
 
@@ -62,7 +60,7 @@ def load(d: DataConfig, seq_len: int) -> list[EvalSet]:
         s = _CACHE.get(key)
         if s is None:
             split, rec = prepared.tokenized(d, files, tok)
-            s = EvalSet(name, pattern, split.tokens, split.ends, rec["tokens"] / max(rec["bytes"], 1), len(files),
+            s = EvalSet(name, split.tokens, split.ends, rec["tokens"] / max(rec["bytes"], 1),
                         content_digest(rec, tok.info()))
         if len(s.tokens) < seq_len + 1:  # not one window to score
             raise ConfigError(f"data.eval_sets {name}: {len(s.tokens)} tokens in {len(files)} file(s) ({pattern}), "
