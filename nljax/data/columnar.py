@@ -28,7 +28,7 @@ INSTALL = "pip install 'nljax[parquet]'"
 def require_pyarrow(path: Path) -> None:
     """One line with the pip command when pyarrow is missing, before anything is read."""
     try:
-        import pyarrow  # noqa: F401
+        import pyarrow  # noqa: F401 - only whether it is installed
     except ImportError:
         raise ConfigError(f"{path}: reading Parquet and Arrow files needs pyarrow: {INSTALL}") from None
 
