@@ -111,7 +111,7 @@ def _fill(d: DataConfig, tok, sources: tuple, sinks: dict, dtype: np.dtype, work
     prepare's progress); every round(1/eval_fraction)-th training document is held out unless
     data.eval is given. `on_chunk(chunk, chunks done, training documents seen)` after each chunk.
     Returns the training documents seen."""
-    every, split_train = max(2, round(1 / d.eval_fraction)), not sources[1]
+    every, split_train = round(1 / d.eval_fraction), not sources[1]  # >= 2: eval_fraction <= 0.5
     seen, done = (start["seen"], start["chunks"]) if start else (0, 0)
     position = tuple(start["position"]) if start else (0, 0, 0)
     for light, e in chunks.encoded(chunks.read(sources, d.text_key, chunk_bytes, position), tok, dtype, workers):
@@ -137,7 +137,7 @@ def _manifest(d: DataConfig, tok, sources: tuple, sinks: dict, seen: int) -> dic
     if not sinks["train"].tokens:
         raise ConfigError(f"data.train: no text in {len(train_files)} file(s) (every document empty)")
     if not sinks["eval"].tokens:
-        every = max(2, round(1 / d.eval_fraction))  # as _fill splits
+        every = round(1 / d.eval_fraction)  # as _fill splits
         # every `every`-th document is held out, so a fraction of 1/seen holds out the last one
         # (at most 0.5: a single document is never split off)
         raise_it = f", data.eval_fraction={1 / seen:.4g} or more (at most 0.5)" if seen >= 2 else ""

@@ -84,7 +84,7 @@ def recall_corpus(docs: int, doc_len: int, pairs: int, gap: int, reach: int, eva
     """(train bytes uint8 [N], train score float32 [N], held-out bytes uint8 [M], held-out score
     float32 [M]); every round(1 / eval_fraction)-th document is held out, as for the stdlib corpus."""
     rng = np.random.default_rng([seed, 0x7265_6361])  # a stream of its own, not the model's
-    every = max(2, round(1 / eval_fraction))
+    every = round(1 / eval_fraction)
     train, train_score, held, held_score = [], [], [], []
     for i in range(docs):
         doc, s = document(rng, doc_len, pairs, gap, reach, key_len, value_len)
