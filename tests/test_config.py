@@ -92,6 +92,11 @@ def test_yaml_file(tmp_path):
         ("model.dim=-16", "model.dim must be >= 1, got -16"),
         ("throughput.reps=-1", "throughput.reps must be >= 0, got -1"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1, got 0"),
+        ("checkpoint.keep_every=-1", "checkpoint.keep_every must be >= 0, got -1"),
+        # kept for good only at multiples of both: fewer than asked, without a word
+        ("checkpoint.keep_every=250", "checkpoint.keep_every=250 is not a multiple of checkpoint.every=100: only a "
+                                      "checkpoint every 500 steps would be kept for good; give a multiple of "
+                                      "checkpoint.every"),
         ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
         ("data.train=a.txt", "data.train is read only with data.source=files (data.source=stdlib)"),
