@@ -629,6 +629,15 @@ def test_unawaited_writes_of_a_failed_save_are_hidden_only_after_a_failure_insid
         assert [str(w.message) for w in shown] == [expected, expected]
 
 
+def test_prune_keeps_multiples_of_keep_every(tmp_path, monkeypatch):
+    """checkpoint.keep_every: the newest `keep`, and the older steps at a multiple of it."""
+    for s in range(2, 22, 2):
+        (tmp_path / str(s)).mkdir()
+    monkeypatch.setattr(storage, "complete_steps", lambda root: list(range(2, 22, 2)))
+    storage.prune(tmp_path, keep=2, keep_every=6)
+    assert sorted(int(p.name) for p in tmp_path.iterdir()) == [6, 12, 18, 20]
+
+
 def test_prune_says_when_an_old_checkpoint_cannot_be_removed(tmp_path, monkeypatch, capsys):
     """checkpoint.keep: a step that cannot be deleted (permissions, NFS) is named in a warning, and
     the other old steps still go."""
@@ -649,3 +658,19 @@ def test_prune_says_when_an_old_checkpoint_cannot_be_removed(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "3"]
     assert capsys.readouterr().err == (f"nljax: warning: could not remove old checkpoint {tmp_path / '1'} "
                                        "(checkpoint.keep=1): Permission denied\n")
+
+
+def test_keep_every_keeps_those_checkpoints_for_good(tmp_path):
+    """checkpoint.keep_every: besides the newest checkpoint.keep, every checkpoint at a multiple of
+    it stays (the saves here: 2, 4, ..., 10, and 10 at the end)."""
+    setup = make([f"run.dir={tmp_path}", "checkpoint.every=2", "checkpoint.keep=1", "checkpoint.keep_every=4",
+                  "checkpoint.async_save=false"])
+    c = Checkpoints.resolve(setup.engine, setup.state, say=lambda *a: None)
+    c.open()
+    try:
+        for step in range(1, 11):
+            c.maybe_save(step, setup.state)
+        c.finish(10, setup.state)
+    finally:
+        c.close()
+    assert storage.complete_steps(tmp_path / "checkpoints") == [4, 8, 10]

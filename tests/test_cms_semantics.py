@@ -104,6 +104,23 @@ def adam(g, mu, nu, count, b1=0.9, b2=0.99, eps=1e-8):
     return (mu / (1 - b1**count)) / (np.sqrt(nu / (1 - b2**count)) + eps), mu, nu, count
 
 
+def test_adam_eps_is_optim_eps():
+    """optim.eps reaches Adam's update: a first step moves the parameters by lr g / (|g| + eps)
+    (after the bias corrections Adam's moments are g and g²), here with an eps near |g|, where
+    optax's default 1e-8 would give lr sign(g)."""
+    eps, lr = 1e-3, 0.01
+    setup = make([f"optim.eps={eps}", "optim.schedule=constant", "cms.periods=[1]"])
+    eng, batch = setup.engine, setup.batch(0)
+    before = params_host(setup, setup.state)
+    g = jax.grad(lambda p: (lambda s, c, _: s / c)(*eng.model.apply(p, {}, jax.device_get(batch), None)))(before)
+    _, state = train(setup, 1)
+    moved = jax.tree.map(lambda a, b: a - b, before, params_host(setup, state))
+    want = jax.tree.map(lambda g: lr * g / (np.abs(g) + eps), g)
+    assert_trees_close(moved, want, rtol=1e-3, atol=1e-8)
+    flat = lambda t: np.concatenate([np.ravel(x) for x in jax.tree.leaves(t)])
+    assert not np.allclose(flat(moved), lr * np.sign(flat(g)), rtol=0.05)  # eps made the difference
+
+
 def test_adam_updates_run_adam_on_each_step():
     """Adam, periods [1, 3]: at step 3, level 1 moves by −lr Σ_t u_t, where Adam runs on steps 1,
     2, 3's gradients in turn (all taken at the parameters level 1 had after step 0), and its

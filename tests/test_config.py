@@ -70,6 +70,7 @@ def test_yaml_file(tmp_path):
         ("optim.lr=.inf", "config key 'optim.lr' must be a finite number, got inf"),
         ("optim.lr=-1", "config key 'optim.lr' must be in (0, inf), got -1.0"),
         ("optim.b2=5", "config key 'optim.b2' must be in [0, 1), got 5.0"),
+        ("optim.eps=0", "config key 'optim.eps' must be in (0, inf), got 0.0"),  # 0 / 0 at a zero gradient
         ("model.nl_lm.memory_lr_max=nan", "config key 'model.nl_lm.memory_lr_max' must be a finite number"),
         ("model.nl_lm.memory_lr_max=2", "config key 'model.nl_lm.memory_lr_max' must be in (0, 1], got 2.0"),
         ("optim.level_lr_scale=[1,nan,1,1]", "config key 'optim.level_lr_scale[1]' must be a finite number"),
@@ -91,6 +92,11 @@ def test_yaml_file(tmp_path):
         ("model.dim=-16", "model.dim must be >= 1, got -16"),
         ("throughput.reps=-1", "throughput.reps must be >= 0, got -1"),
         ("checkpoint.keep=0", "checkpoint.keep must be >= 1, got 0"),
+        ("checkpoint.keep_every=-1", "checkpoint.keep_every must be >= 0, got -1"),
+        # kept for good only at multiples of both: fewer than asked, without a word
+        ("checkpoint.keep_every=250", "checkpoint.keep_every=250 is not a multiple of checkpoint.every=100: only a "
+                                      "checkpoint every 500 steps would be kept for good; give a multiple of "
+                                      "checkpoint.every"),
         ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
         ("data.train=a.txt", "data.train is read only with data.source=files (data.source=stdlib)"),
@@ -227,10 +233,11 @@ def test_a_run_saved_before_the_weight_decay_mask_resumes_decaying_every_paramet
     added with it as the values that reproduce the old cosine, so a resume neither changes what
     decays nor warns about keys that change nothing."""
     old = config.to_dict(config.load(None, ["optim.weight_decay=0.1"]))
-    for key in ("decay_params", "min_lr_ratio", "decay_fraction"):
+    for key in ("decay_params", "min_lr_ratio", "decay_fraction", "eps"):
         del old["optim"][key]
     migrated = config.migrate(old)["optim"]
     assert (migrated["decay_params"], migrated["min_lr_ratio"], migrated["decay_fraction"]) == ("all", 0.1, 0.2)
+    assert migrated["eps"] == 1e-8  # optax's default, which Adam always had
     assert config.load(None).optim.decay_params == "weights"  # a new run's default is unchanged
 
 

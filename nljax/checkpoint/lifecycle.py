@@ -211,7 +211,7 @@ class Checkpoints:
         self._wait()
         # The saves before this one that are complete count against checkpoint.keep; this one,
         # still being written, does not: until it is committed one more stays on disk.
-        storage.prune(self.dir, self.cfg.checkpoint.keep)
+        storage.prune(self.dir, self.cfg.checkpoint.keep, self.cfg.checkpoint.keep_every)
         self.writing = step
         error = None
         try:
@@ -276,7 +276,7 @@ class Checkpoints:
             return
         self.save_now(step, state)
         self.close()
-        storage.prune(self.dir, self.cfg.checkpoint.keep)
+        storage.prune(self.dir, self.cfg.checkpoint.keep, self.cfg.checkpoint.keep_every)
 
     def close(self) -> None:
         """Wait until the saves in flight are on disk (a run stopped by an error keeps them)."""

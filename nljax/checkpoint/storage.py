@@ -266,13 +266,16 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if is_nljax_step(p)) if root.is_dir() else []
 
 
-def prune(root: Path, keep: int) -> None:
-    """Remove all but the newest `keep` complete nljax checkpoints under `root` (process 0).
+def prune(root: Path, keep: int, keep_every: int = 0) -> None:
+    """Remove all but the newest `keep` complete nljax checkpoints under `root` (process 0), and
+    those whose step is a multiple of `keep_every` (> 0), which stay for good.
     Every process calls it: listing the steps opens an Orbax manager, which syncs processes."""
     steps = complete_steps(root)
     if jax.process_index() != 0:
         return
     for step in steps[:-keep]:
+        if keep_every and step % keep_every == 0:
+            continue
         try:
             shutil.rmtree(root / str(step))
         except OSError as e:  # permissions, a busy file on NFS: the run goes on, said each time (the disk fills)

@@ -39,13 +39,18 @@ class OptimConfig:
     decay_params: Literal["weights", "all"] = "weights"
     b1: float = 0.9  # Adam's first-moment decay
     b2: float = 0.99  # Adam's second-moment decay
+    # Adam's epsilon, added to the root of the second moment (optax's default; MaxText's adam_eps,
+    # torch's AdamW eps): larger values damp the update of parameters with tiny gradients; above 0,
+    # or a zero gradient (a parameter no token reaches) would divide 0 by 0
+    eps: float = 1e-8
     clip_norm: float = 0.0  # clip each active level's synchronized gradient by its own norm; 0: off
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # lr x (B/B0) or x sqrt(B/B0), B = train.batch_size
     base_batch_size: int = 16  # B0: the global batch that optim.lr was tuned for
 
     # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
     RANGES: ClassVar[dict] = {"lr": (0, None, False, None), "weight_decay": (0, None, True, None),
-                              "b1": (0, 1, True, False), "b2": (0, 1, True, False), "clip_norm": (0, None, True, None),
+                              "b1": (0, 1, True, False), "b2": (0, 1, True, False), "eps": (0, None, False, None),
+                              "clip_norm": (0, None, True, None),
                               "min_lr_ratio": (0, 1, True, True), "decay_fraction": (0, 1, False, True)}
 
     def check(self) -> None:
@@ -103,7 +108,7 @@ def schedule(cfg: OptimConfig, total_steps, batch_size: int | None = None):
 def update_direction(cfg: OptimConfig) -> optax.GradientTransformation:
     """The update direction without learning rate (the schedule is applied by `apply_steps`)."""
     if cfg.name == "adamw":
-        return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2)
+        return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     if cfg.name == "sgd":
         return optax.identity()
     raise ValueError(f"unknown optimizer {cfg.name}")
