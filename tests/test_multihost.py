@@ -459,7 +459,8 @@ def test_peers_barrier_all_pass_or_all_fail(monkeypatch):
 
 def test_resolve_launch(monkeypatch):
     for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
-                distributed.ENV_LOCAL_DEVICE_IDS, "SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri"):
+                distributed.ENV_LOCAL_DEVICE_IDS, "SLURM_STEP_NODELIST", "SLURM_NTASKS", "OMPI_MCA_orte_hnp_uri",
+                "WORLD_SIZE", "RANK", "JAX_COORDINATOR_ADDRESS"):
         monkeypatch.delenv(var, raising=False)
     assert distributed.resolve() is None  # a plain single process
     assert distributed.resolve("h:1", 2, 1, (0, 1)) == distributed.Launch("h:1", 2, 1, (0, 1))
@@ -669,3 +670,31 @@ def test_an_unexpected_error_on_process_0_alone_stops_every_process_at_once():
     assert ("[1] nljax.errors.ConfigError: process 0 failed: OSError: [Errno 5] Input/output error: '/ck/7'"
             in p.stderr), p.stderr
     assert time.time() - t < 40, p.stderr
+
+
+def test_another_launchers_variables_are_not_taken_for_one_process(monkeypatch, capsys):
+    """torchrun (accelerate, DeepSpeed) sets WORLD_SIZE and RANK for each of its processes; nljax
+    reads neither, so each trained alone into the same run.dir: refused, saying how to launch.
+    JAX_COORDINATOR_ADDRESS alone (JAX's, without the process count and id) is said. nljax's own
+    launch variables, given beside them, are what joins."""
+    for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+                distributed.ENV_LOCAL_DEVICE_IDS, "SLURM_STEP_NODELIST", "OMPI_MCA_orte_hnp_uri"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # torchrun --nproc 1: one process, as it is
+    assert distributed.resolve() is None
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ConfigError, match=r"^WORLD_SIZE=2 is set \(torchrun's or another launcher's\), but nljax does "
+                                          r"not read it: start the processes with python -m nljax.launch --nproc 2 -- "
+                                          r"<command>, or give each --coordinator HOST:PORT --num-processes 2 "
+                                          r"--process-id 1$"):
+        distributed.resolve()
+    assert distributed.resolve("h:1", 2, 1) == distributed.Launch("h:1", 2, 1)  # nljax's own flags join
+    assert distributed.resolve(num_processes=1) is None  # forced single process
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+    assert distributed.resolve() is None
+    assert capsys.readouterr().err == ("nljax: warning: JAX_COORDINATOR_ADDRESS=10.0.0.1:1234 is set, but nljax joins "
+                                       "processes from --coordinator, --num-processes and --process-id "
+                                       f"({distributed.ENV_COORDINATOR}, ...) or a SLURM / Open MPI job: this "
+                                       "process runs alone\n")

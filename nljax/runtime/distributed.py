@@ -97,6 +97,23 @@ def detected_cluster() -> str | None:
     return None
 
 
+def _unread_launch() -> None:
+    """Another launcher's variables when nljax has none of its own and no cluster: the process
+    would train alone. torchrun (and accelerate, DeepSpeed) set WORLD_SIZE for each of several
+    processes: every one trained alone, into the same run.dir. JAX_COORDINATOR_ADDRESS is half
+    of a JAX launch (JAX needs the process count and id too): said, not refused."""
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        rank = os.environ.get("RANK", "$RANK")
+        raise ConfigError(f"WORLD_SIZE={world} is set (torchrun's or another launcher's), but nljax does not read it: "
+                          f"start the processes with python -m nljax.launch --nproc {world} -- <command>, or give "
+                          f"each --coordinator HOST:PORT --num-processes {world} --process-id {rank}")
+    if os.environ.get("JAX_COORDINATOR_ADDRESS"):
+        print(f"nljax: warning: JAX_COORDINATOR_ADDRESS={os.environ['JAX_COORDINATOR_ADDRESS']} is set, but nljax "
+              f"joins processes from --coordinator, --num-processes and --process-id ({ENV_COORDINATOR}, ...) or a "
+              "SLURM / Open MPI job: this process runs alone", file=sys.stderr)
+
+
 def resolve(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
             local_device_ids: Sequence[int] | None = None) -> Launch | None:
     """Flags, then `NLJAX_*` variables, then cluster auto-detection; None for a single process."""
@@ -124,7 +141,10 @@ def resolve(coordinator: str | None = None, num_processes: int | None = None, pr
                               "(or a multi-task SLURM / Open MPI job)")
         # JAX fills in what is not given; under SLURM it would give each process only the device
         # of its local task id, so one process driving several GPUs names them.
-        return Launch(local_device_ids=ids, cluster=cluster) if cluster else None
+        if cluster is None:
+            _unread_launch()
+            return None
+        return Launch(local_device_ids=ids, cluster=cluster)
     missing = [k for k, v in given.items() if v is None]
     if missing:
         raise ConfigError(
