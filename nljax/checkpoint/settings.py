@@ -17,7 +17,9 @@ class CheckpointConfig:
     # also keep for good every checkpoint whose step is a multiple of this (a trajectory to score
     # or fine-tune from later; Orbax's keep_period); a multiple of checkpoint.every; 0: off
     keep_every: int = 0
-    resume: str = ""  # "" (fresh run) | "latest" (newest in checkpoint.dir) | a checkpoint or checkpoints directory
+    # "" (fresh run) | "latest" (newest in checkpoint.dir) | a step number (that checkpoint in
+    # checkpoint.dir) | a checkpoint or checkpoints directory
+    resume: str = ""
     # a new run from that checkpoint's parameters only (a step, checkpoints or run directory: its
     # newest complete checkpoint): step 0, fresh optimizer state, this run's schedule and data from
     # the start; refused with a checkpoint.resume of another run's, ignored by --resume of this run

@@ -266,6 +266,19 @@ def committed_steps(root: Path) -> list[int]:
     return sorted(int(p.name) for p in root.iterdir() if is_nljax_step(p)) if root.is_dir() else []
 
 
+def step_checkpoint(root: Path, step: int, said: str, run_dir) -> Path:
+    """`<root>/<step>`, a run's checkpoint named by its step number (one that is damaged or
+    incomplete too: its restore says what is wrong with it); refused in one line listing the
+    steps the run has, `said` naming the setting, when there is none."""
+    path = root / str(step)
+    if path.is_dir():
+        return path
+    steps = committed_steps(root)
+    have = ", ".join(map(str, steps if len(steps) <= 8 else [*steps[:3], "...", *steps[-3:]]))
+    there = f"its checkpoints are at step{'s' if len(steps) > 1 else ''} {have}" if steps else f"{root} holds none"
+    raise ConfigError(f"{said}: {run_dir} has no checkpoint at step {step} ({there})")
+
+
 def prune(root: Path, keep: int, keep_every: int = 0) -> None:
     """Remove all but the newest `keep` complete nljax checkpoints under `root` (process 0), and
     those whose step is a multiple of `keep_every` (> 0), which stay for good.

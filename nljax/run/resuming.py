@@ -29,7 +29,7 @@ import jax
 
 from nljax import config
 from nljax.checkpoint.contents import HOW_COMPUTED, MUST_MATCH, differences, fmt, get
-from nljax.checkpoint.storage import continues_own
+from nljax.checkpoint.storage import continues_own, step_checkpoint
 from nljax.config import Config
 from nljax.errors import ConfigError
 from nljax.parallel.mesh import resolve_shape
@@ -54,6 +54,18 @@ def saved_config_file(cfg: Config) -> Path | None:
 def _has_steps(root: Path) -> bool:
     """Whether `root` holds a step directory of a run (a numeric name)."""
     return root.is_dir() and any(p.name.isdigit() and p.is_dir() for p in root.iterdir())
+
+
+def step_resume(cfg: Config) -> Config:
+    """`checkpoint.resume=STEP` (digits naming no path here) as this run's checkpoint at that
+    step, `<checkpoint.dir>/<STEP>`, as `checkpoint=STEP` reads in nljax.evaluate, generate and
+    export (a bare step was "checkpoint not found: $PWD/400"); refused in one line naming the
+    run's steps when it has none there."""
+    text = cfg.checkpoint.resume
+    if not text.isdigit() or Path(text).exists():
+        return cfg
+    path = step_checkpoint(checkpoint_dir(cfg), int(text), f"checkpoint.resume={text}", cfg.run.dir)
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(path)))
 
 
 def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrides: Sequence[str]) -> Config:

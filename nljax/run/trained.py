@@ -98,13 +98,7 @@ def checkpoint_path(run_dir: str | Path, checkpoint: str | int, overrides: Seque
     if not text.isdigit() or (isinstance(checkpoint, str) and Path(text).exists()):
         return text
     root = checkpoint_dir(trained_config(run_dir, overrides))
-    step = root / str(int(text))
-    if step.is_dir():  # one that is damaged or incomplete: the restore says what is wrong with it
-        return str(step)
-    steps = storage.committed_steps(root)
-    have = ", ".join(map(str, steps if len(steps) <= 8 else [*steps[:3], "...", *steps[-3:]]))
-    there = f"its checkpoints are at step{'s' if len(steps) > 1 else ''} {have}" if steps else f"{root} holds none"
-    raise ConfigError(f"checkpoint={text}: {run_dir} has no checkpoint at step {int(text)} ({there})")
+    return str(storage.step_checkpoint(root, int(text), f"checkpoint={text}", run_dir))
 
 
 def _check_names_a_checkpoint(text: str) -> None:
