@@ -22,6 +22,7 @@ and bad --model_args (checked before lm-eval's start-up).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -120,25 +121,29 @@ def check_early(lm_eval_argv: list[str]) -> None:
     rows(given.get("batch_size", args.batch_size))
     path = str(given.get("run_dir", ""))
     need_run_dir(path)
+    from nljax import config
     from nljax.checkpoint import storage
     from nljax.models import registry
     from nljax.run.trained import checkpoint_path, trained_config
+    from nljax.runtime.exportdir import CONFIG
     from nljax.runtime.rundir import checkpoint_dir
     from nljax.trained_model import check_export_args, kind_of
 
     where = Path(os.path.expanduser(path))
     checkpoint = given.get("checkpoint", "latest")
-    if kind_of(where) == "export":  # one line where it is neither
+    export = kind_of(where) == "export"  # one line where it is neither
+    if export:
         check_export_args(where, checkpoint)
+        cfg = config.from_dict(json.loads((where / CONFIG).read_text())["config"])  # its run's, as `load` reads it
     else:
         checkpoint_path(where, checkpoint)  # a step the run has no checkpoint at: one line, with the steps it has
         cfg = trained_config(where)
-        if registry.task_of(cfg) != "text":  # refused by `load` too, after lm-eval's start-up
-            raise ConfigError(image_model(path, cfg.model.name))
-        if str(checkpoint) == "latest":
-            root = checkpoint_dir(cfg)
-            if not storage.committed_steps(root):  # "checkpoint not found", after lm-eval's start-up
-                raise ConfigError(f"{path} has no checkpoint yet ({root} holds none): nothing to evaluate")
+    if registry.task_of(cfg) != "text":  # refused by `load` too, after lm-eval's start-up
+        raise ConfigError(image_model(path, cfg.model.name))
+    if not export and str(checkpoint) == "latest":
+        root = checkpoint_dir(cfg)
+        if not storage.committed_steps(root):  # "checkpoint not found", after lm-eval's start-up
+            raise ConfigError(f"{path} has no checkpoint yet ({root} holds none): nothing to evaluate")
 
 
 SUBCOMMANDS = ("run", "ls", "validate")  # lm-eval's; without one, arguments are `run`'s

@@ -475,8 +475,8 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
     line and exit 2 before it: --tasks missing, empty or a name with spaces around it ("a, b" as
     one word), --limit 0 or below, an --output_path it cannot make (a warning after the whole
     evaluation, exit 0, the results not written), --batch_size 0, an --include_path that is no
-    directory (its tasks "unknown": "give --include_path"), a MeanFlow run (refused after
-    lm-eval's start-up) and a run with no checkpoint yet."""
+    directory (its tasks "unknown": "give --include_path"), a MeanFlow run or its export (refused
+    after lm-eval's start-up) and a run with no checkpoint yet."""
     from nljax import lm_eval
 
     run = tmp_path / "run"
@@ -533,7 +533,14 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
     empty = tmp_path / "empty"
     empty.mkdir()
     stand_in_run(empty, checkpoint=False)
+    import yaml
+
+    export = tmp_path / "export"  # an image model's export: its run's config in config.json (was refused after start-up)
+    export.mkdir()
+    (export / "config.json").write_text(json.dumps({"config": yaml.safe_load((image / "config.yaml").read_text()),
+                                                    "step": 1, "dtype": "float32", "checkpoint": "x"}))
     for d, line in ((image, f"{image}: model.name=dit makes images, not text: lm-eval scores language models"),
+                    (export, f"{export}: model.name=dit makes images, not text: lm-eval scores language models"),
                     (empty, f"{empty} has no checkpoint yet ({empty / 'checkpoints'} holds none): nothing to evaluate")):
         assert lm_eval.main(["-M", "nljax", "--model_args", f"run_dir={d}", "--tasks", "a"]) == 2
         assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
