@@ -175,6 +175,22 @@ def truncate(step_dir: Path) -> None:
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
+def lock(folder: Path, monkeypatch) -> None:
+    """`folder` made unwritable to this process (mode 0o555; the caller makes it 0o755 again).
+    Root writes into it whatever its mode, and `os.access`, which the commands ask before they
+    write (`nljax.writable`), says so: as root, `os.access` answers for `folder` as it does for
+    any other user (or for a read-only mount), so that a test of the refusal runs here too (it was
+    skipped, and the refusal of every command went untested where the suite runs as root)."""
+    folder.chmod(0o555)
+    if os.access(folder, os.W_OK):
+        access = os.access
+
+        def as_another_user(path, mode, *args, **kwargs):
+            return not (mode & os.W_OK and Path(path) == folder) and access(path, mode, *args, **kwargs)
+
+        monkeypatch.setattr(os, "access", as_another_user)
+
+
 # ---------------------------------------------------------------------------------------------
 # Command lines in subprocesses
 

@@ -21,7 +21,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
-from helpers import QUICK, ROOT, TINY, TINY_NL, bpe_corpus, cli, saved_run, subprocess_env
+from helpers import QUICK, ROOT, TINY, TINY_NL, bpe_corpus, cli, lock, saved_run, subprocess_env
 
 pytest.importorskip("lm_eval")  # the `lm-eval` extra (in `dev`)
 
@@ -544,6 +544,29 @@ def test_lm_evals_own_options_and_runs_it_cannot_read_are_one_line_before_its_st
                     (empty, f"{empty} has no checkpoint yet ({empty / 'checkpoints'} holds none): nothing to evaluate")):
         assert lm_eval.main(["-M", "nljax", "--model_args", f"run_dir={d}", "--tasks", "a"]) == 2
         assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: {line}"
+
+
+def test_an_output_path_in_a_folder_it_cannot_write_is_one_line_before_its_start_up(tmp_path, never_started, capsys,
+                                                                                      monkeypatch):
+    """--output_path in a folder this user cannot write, or that folder itself (its permissions, a
+    read-only mount): one line and exit 2 before lm-eval's start-up, nothing written."""
+    from nljax import lm_eval
+
+    run = tmp_path / "run"
+    run.mkdir()
+    stand_in_run(run)
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    lock(locked, monkeypatch)
+    try:
+        for out, said in ((locked, f"{locked}"), (locked / "out", f"{locked / 'out'}: {locked}")):
+            capsys.readouterr()
+            assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={run}", "--tasks", "a",
+                                 "--output_path", str(out)]) == 2
+            assert capsys.readouterr().err.strip() == f"nljax.lm_eval: error: --output_path {said} is not writable"
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o755)
 
 
 def test_lm_evals_abbreviated_options_are_read_as_it_reads_them(tmp_path, never_started, capsys):

@@ -1066,7 +1066,7 @@ def test_a_tilde_name_of_no_user_is_a_path_as_typed_not_a_traceback(tmp_path, mo
     capsys.readouterr()
     with pytest.raises(config.ConfigError, match=f"config file not found: {typo}/c.yaml"):
         config.load(f"{typo}/c.yaml")
-    with pytest.raises(config.ConfigError):
+    with pytest.raises(config.ConfigError, match=f"^{typo}/run is neither an export directory "):  # as typed
         nljax.load(f"{typo}/run")
 
 

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import QUICK, TINY, saved_run, subprocess_env, tree_hash
+from helpers import QUICK, TINY, lock, saved_run, subprocess_env, tree_hash
 
 from nljax.run import trainer
 
@@ -168,3 +168,23 @@ def test_a_checkpoint_dir_that_cannot_be_made_is_refused_before_the_run_is_built
         f"nljax.train: error: checkpoint.dir {tmp_path / 'notes.md' / 'ck'}: {tmp_path / 'notes.md'} is a file, "
         "not a directory"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.md"]
+
+
+def test_a_run_dir_in_a_folder_that_cannot_be_written_is_refused_before_the_run_is_built(tmp_path, monkeypatch,
+                                                                                           capfd, no_building):
+    """A run.dir, or a checkpoint.dir, in a folder this process cannot write (its permissions, a
+    read-only mount): one line and exit 2 before the run is built, nothing written."""
+    from nljax import train
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    lock(locked, monkeypatch)
+    try:
+        for extra, said in (([f"run.dir={locked / 'run'}"], f"run.dir {locked / 'run'}: {locked}"),
+                            ([f"run.dir={tmp_path / 'run'}", f"checkpoint.dir={locked}"], f"checkpoint.dir {locked}")):
+            capfd.readouterr()
+            assert train.main([*ARGS, *extra]) == 2
+            assert capfd.readouterr().err.splitlines() == [f"nljax.train: error: {said} is not writable"]
+        assert list(locked.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["locked"]
+    finally:
+        locked.chmod(0o755)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import json
-import os
 import random
 import shutil
 from pathlib import Path
@@ -16,7 +15,7 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from helpers import cli, tree_hash
+from helpers import cli, lock, tree_hash
 
 from nljax import config
 from nljax.checkpoint import storage
@@ -109,10 +108,8 @@ def test_an_out_that_cannot_be_written_is_refused_in_one_line_before_tokenizing(
     lock file's open (or, for DIR itself, a replacement that could not remove the previous data)."""
     locked = tmp_path / "locked"
     locked.mkdir()
-    locked.chmod(0o555)
+    lock(locked, monkeypatch)
     try:
-        if os.access(locked, os.W_OK):
-            pytest.skip("root writes into a 0o555 folder whatever its mode (test_an_out_under_a_file_... stands in)")
         train = f"data.train=[{','.join(corpus['train'])}]"
         monkeypatch.setattr(prepared.workdir, "WorkDir", mock.Mock(side_effect=AssertionError("tokenizing began")))
         for out, where in ((locked / "prep", f"{locked / 'prep'}: {locked}"), (locked, f"{locked}")):

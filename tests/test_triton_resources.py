@@ -77,6 +77,7 @@ def test_under_full_float32_the_memory_kernels_take_tf32x3_products_not_ieee_one
     for precision, want in ((None, "tf32"), ("highest", "tf32x3")):
         texts = [text for name, (text, _, _) in resources.kernels("titans_demo", precision).items()
                  if name.startswith("memory")]
+        assert len(texts) == 4, precision  # both kernels' forward and backward: none would pass unchecked
         for text in texts:
             dots = text.count("tt.dot ")
             assert dots > 0 and len(re.findall(rf"tt\.dot [^\n]*inputPrecision = {want} ", text)) == dots
