@@ -254,8 +254,8 @@ def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Outpu
 
 def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, Profiler]:
     """What runs between steps, in this order: the profiler's stop, evaluation every
-    `eval.every` steps (not after the last: `final_report` evaluates), the metrics.jsonl
-    record, the checkpoint, the trackers and the progress bar, a text sample every
+    `eval.every` steps (not after the last: `final_report` evaluates), the step's model FLOP/s
+    and MFU (`throughput.StepRates`), the metrics.jsonl record, the checkpoint, the trackers and the progress bar, a text sample every
     `train.sample_every` steps, the profiler's start."""
     cfg, key = run.cfg, f"{run.task.unit}_per_s_per_device"
     n_levels = len(cfg.cms.periods)
@@ -308,7 +308,9 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
         # after the step's scalars: W&B takes steps in increasing order
         out.trackers.text("train/sample", text, r.step + 1)
 
+    rates = throughput.StepRates(run)
     hooks.add(evaluate, every=cfg.eval.every, reads_state=True)
+    hooks.add(lambda r: r.record.update(rates(r.variant, r.units_per_s, r.record["step_time_s"])))
     hooks.add(lambda r: out.run.log(r.record))
     if ckpt is not None:  # copies off the devices before the next step donates the state
         hooks.add(save, every=cfg.checkpoint.every, reads_state=True)

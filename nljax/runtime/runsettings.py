@@ -134,7 +134,9 @@ class ThroughputConfig:
     # one-device program per pattern, minutes on a CPU, so off by default; `nljax.bench --profile N`
     # shows the collectives' device time instead
     split: bool = False
-    peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the device kind when known
+    # per-device peak for MFU (the table's and each step's `mfu` in metrics.jsonl); 0: from the
+    # device kind when known (none on a CPU: no MFU)
+    peak_tflops: float = 0.0
 
     def check(self) -> None:
         check_at_least("throughput", self, reps=0, peak_tflops=0)
