@@ -30,6 +30,11 @@ def check_across_sections(cfg) -> None:
             and not d.doc_end_token:
         raise ConfigError("train.sample_every with an empty train.sample_prompt starts at a document start, "
                           "which a tokenizer has only with data.doc_end_token: set one of them")
+    if cfg.train.target_eval_loss and (spec.task != "text" or not cfg.eval.every):
+        why = (f"model.name={m.name} makes images, whose evaluation has no eval_loss" if spec.task != "text"
+               else "eval.every=0 evaluates only at the end; set eval.every")
+        raise ConfigError(f"train.target_eval_loss stops at an evaluation during training whose eval_loss is at or "
+                          f"below it: {why}")
     if d.source == "recall":
         reach = spec.reach(cfg) if spec.reach is not None else 0  # how far back attention alone sees
         if d.recall_gap < reach:

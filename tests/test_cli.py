@@ -146,6 +146,32 @@ def test_a_run_that_skips_every_step_stops(tmp_path):
     assert not (d / "nljax.lock").exists()  # released on the way out
 
 
+def test_a_run_that_reaches_its_target_eval_loss_stops_saved_and_its_resume_says_so(tmp_path):
+    """train.target_eval_loss (MaxText's target_eval_loss): the first evaluation (every 5 steps)
+    whose eval_loss is at or below it (here the one after 15 steps: 5.01, 4.48, 4.19) ends the
+    run there: one line, the checkpoint at that step, the final report, exit 0. A --resume with
+    the target trains no step: it evaluates the checkpoint first and says so; one with a lower
+    target trains on, and stops at its next evaluation that meets it (4.04 after 20 steps)."""
+    d = tmp_path / "r"
+    run = lambda *a: cli("nljax.train", "--cpu-devices", "1", *SMALL, *QUICK, f"run.dir={d}", "train.steps=40",
+                         "cms.periods=[1,2]", "eval.every=5", "eval.stream_steps=0", "optim.lr=0.01", *a)
+    p = run("train.target_eval_loss=4.3")
+    assert "step     14  eval_loss 4.1" in p.stdout and "is at or below train.target_eval_loss=4.3: the run stops " \
+        "after 15 of 40 steps" in p.stdout, p.stdout
+    steps = lambda: [json.loads(l)["step"] for l in (d / "metrics.jsonl").read_text().splitlines()]
+    assert steps() == list(range(15)) and sorted(c.name for c in (d / "checkpoints").iterdir()) == ["15"]
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["steps"] == 15 and summary["stopped_at_target_eval_loss"] == 4.3 and summary["eval_loss"] <= 4.3
+    assert sum(r["steps_in_run"] for r in summary["throughput"]["per_pattern"].values()) == 15
+    p = run("--resume")
+    assert "the checkpoint's eval_loss 4.1" in p.stdout and "is at or below train.target_eval_loss=4.3: no step " \
+        "trained (set it lower, or 0, to train on to train.steps=40)" in p.stdout, p.stdout
+    assert steps() == list(range(15)) and sorted(c.name for c in (d / "checkpoints").iterdir()) == ["15"]
+    p = run("--resume", "train.target_eval_loss=4.1")
+    assert "the run stops after 20 of 40 steps" in p.stdout, p.stdout
+    assert steps() == list(range(20)) and (d / "checkpoints" / "20").is_dir()
+
+
 def test_a_step_where_no_level_fires_is_not_a_skipped_step():
     """Level 0 with a period above 1 leaves steps where nothing is active: nothing could be
     skipped there (a run with cms.periods=[25, 50] stopped at step 20, "all skipped")."""

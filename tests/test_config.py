@@ -82,6 +82,11 @@ def test_yaml_file(tmp_path):
         ("optim.warmup_steps=-1", "optim.warmup_steps must be >= 0, got -1"),
         ("train.steps=2147483648", "train.steps must be < 2^31, got 2147483648"),
         ("train.max_skipped=-1", "train.max_skipped must be >= 0"),
+        ("train.target_eval_loss=-1", "config key 'train.target_eval_loss' must be in [0, inf), got -1.0"),
+        # never met: no evaluation during training, or no eval_loss at all
+        ("train.target_eval_loss=2 eval.every=0", "eval.every=0 evaluates only at the end; set eval.every"),
+        ("model.name=dit cms.periods=[1] train.target_eval_loss=2", "model.name=dit makes images, whose evaluation "
+                                                                    "has no eval_loss"),
         # a key left without a value: "must be int, got NoneType None"
         ("train.steps=null", "config key 'train.steps' has no value (null): give one, or leave the key out for its default"),
         # a group of keys checked together named them all, not the one given nor its value

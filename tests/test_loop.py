@@ -346,6 +346,31 @@ def test_plots_are_drawn_after_the_report(tmp_path, monkeypatch, capsys):
     assert out.index("step ms") < out.index("<drawing>") < out.index("run directory:"), out
 
 
+def test_each_steps_record_has_its_model_flops_per_second_and_mfu(tmp_path, capsys):
+    """Every metrics.jsonl row has `tflops_per_s_per_device` (MaxText's per-step TFLOP/s) and,
+    with a peak (throughput.peak_tflops), `mfu` (Levanter's): the FLOPs the end-of-run table
+    gives the row's pattern over the row's own step time, so the two agree but for the timing.
+    Without a peak, on a CPU: no `mfu` (tests/test_trackers.py)."""
+    from nljax.train import main
+
+    run = tmp_path / "run"
+    rc = main(["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1,2]", "train.batch_size=8",
+               "train.seq_len=16", "train.steps=4", "eval.every=0", "eval.batches=1", "throughput.reps=1",
+               "throughput.peak_tflops=0.5", "run.plots=false", "run.trackers=[]", "run.compile_cache=none",
+               f"run.dir={run}"])
+    assert rc == 0, capsys.readouterr().err
+    table = json.loads((run / "summary.json").read_text())["throughput"]["per_pattern"]
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["pattern"] for r in rows} == set(table) == {"L0", "L0+1"}
+    for r in rows:
+        t = table[r["pattern"]]
+        assert r["tflops_per_s_per_device"] * 1e12 * r["step_time_s"] == pytest.approx(t["flops_per_device_step"])
+        assert r["mfu"] == pytest.approx(r["tflops_per_s_per_device"] / 0.5)
+        assert r["mfu"] * r["step_time_s"] == pytest.approx(t["mfu"] * t["step_time_ms"] / 1e3)  # same FLOPs
+    if table["L0"]["flops_source"] == "xla":  # XLA's count: level 1's backward pass only where it fires
+        assert table["L0"]["flops_per_device_step"] < table["L0+1"]["flops_per_device_step"]
+
+
 def loop_run(setup, steps, ahead, hooks=(), keep=None, stop=lambda step: False, seen=None):
     """`train_loop`'s stepping (`training_steps`) of `setup`'s run with train.dispatch_ahead=`ahead`:
     (records, {step: params of the results that kept their state}, the final state). `hooks`:

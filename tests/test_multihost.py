@@ -698,3 +698,20 @@ def test_another_launchers_variables_are_not_taken_for_one_process(monkeypatch, 
                                        "processes from --coordinator, --num-processes and --process-id "
                                        f"({distributed.ENV_COORDINATOR}, ...) or a SLURM / Open MPI job: this "
                                        "process runs alone\n")
+
+
+@pytest.mark.slow
+def test_a_target_eval_loss_met_stops_every_process_after_the_same_step(tmp_path):
+    """train.target_eval_loss is decided on each process from its own eval_loss, the same bits on
+    each (gathered whole, summed in one order): both stop after the same evaluation, save at that
+    step together and exit 0; one that went on alone would wait in the next step's collective."""
+    run = tmp_path / "r"
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "1", "--", sys.executable, "-m", "nljax.train",
+                        *ARGS, "cms.periods=[1,2]", "train.seq_len=16", "eval.every=5", "eval.stream_steps=0",
+                        "train.steps=40", "train.target_eval_loss=4.3", *QUICK, f"run.dir={run}"],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    stopped = re.search(r"eval_loss [\d.]+ is at or below train.target_eval_loss=4.3: the run stops after (\d+) of 40",
+                        p.stdout)
+    assert stopped, p.stdout
+    assert sorted(c.name for c in (run / "checkpoints").iterdir()) == [stopped[1]]

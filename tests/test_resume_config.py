@@ -14,7 +14,7 @@ from test_checkpoint_cli import KILLER
 # Overrides a resume with the defaults would refuse (cms.periods, model.*) or run differently
 # (train.steps, the checkpoint cadence)
 STARTED = [*SMALL, "cms.periods=[1,2]", "train.steps=8", "checkpoint.every=2", "eval.every=0", *QUICK]
-TIMINGS = ("step_time_s", "tokens_per_s_per_device", "compiled", "compile_s")
+TIMINGS = ("step_time_s", "tokens_per_s_per_device", "compiled", "compile_s", "tflops_per_s_per_device", "mfu")
 
 
 def deterministic(run: Path) -> list[dict]:

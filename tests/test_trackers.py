@@ -56,6 +56,12 @@ def test_tensorboard_gets_grad_norm_lr_skips_firing_and_the_samples(tmp_path, ca
     lr = optim.schedule(setup.cfg.optim, 4, setup.cfg.train.batch_size)
     np.testing.assert_allclose(values("lr"), [float(lr(s + 1)) for s in range(4)], rtol=1e-6)
     assert values("lr")[0] < values("lr")[1]  # warm-up
+    # each step's model FLOP/s (nljax.run.throughput.StepRates), as its record has it; no peak on
+    # a CPU without throughput.peak_tflops: no MFU, rather than a 0
+    np.testing.assert_allclose(values("tflops_per_s_per_device"), [r["tflops_per_s_per_device"] for r in hist.records],
+                               rtol=1e-6)
+    assert all(v > 0 for v in values("tflops_per_s_per_device"))
+    assert "train/mfu" not in acc.Tags()["scalars"] and not any("mfu" in r for r in hist.records)
     norms = [math.hypot(r["grad_norm_l0"], r.get("grad_norm_l1", 0.0)) for r in hist.records]
     np.testing.assert_allclose(values("grad_norm"), norms, rtol=1e-5)
     assert all(n > 0 for n in norms)

@@ -296,6 +296,10 @@ class StepCache:
         first use)."""
         return self._compiled(self.variant(active, batch), active, state, batch)
 
+    def built(self, key) -> jax.stages.Compiled:
+        """The compiled variant of cache key `key` (`variant`), built already (a step ran it)."""
+        return self._train[key]
+
     def _compiled(self, key, active: Active, state: TrainState, batch: dict) -> jax.stages.Compiled:
         if key not in self._train:
             self._train[key] = self._build_train(key, active, state, batch)

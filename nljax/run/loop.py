@@ -38,6 +38,7 @@ class StepResult:
     last: bool  # the run's last step
     units_per_s: float  # tokens (or the task's unit) per second per device
     evaluated: dict = dataclasses.field(default_factory=dict)  # held-out metrics after this step
+    variant: object = None  # the step's compiled variant (`StepCache.variant`)
 
     @property
     def step(self) -> int:
@@ -150,7 +151,7 @@ def training_steps(run: Run, state: TrainState, conductor: Conductor, reset_firs
         rec = step_record(d["pulse"], d["m"], loss, dt, d["units"], key, d["compiled"], d["variant"], d["lr"])
         if d["compiled"]:
             rec["compile_s"] = run.cache.compile_s.get(d["variant"])
-        return StepResult(d["pulse"], state, rec, d["last"], d["units"] / dt)
+        return StepResult(d["pulse"], state, rec, d["last"], d["units"] / dt, variant=d["variant"])
 
     for i in range(n):
         p = conductor.pulse

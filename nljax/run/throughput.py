@@ -19,7 +19,9 @@ and optimizer on one device: where it does not fit (a sharded run's reason to sh
 is skipped and the table says why (`split_skipped`), instead of failing a run that trained.
 
 MFU: the FLOPs of the compiled per-device program (`cost_analysis()`) per step time, over the
-device's peak (`throughput.peak_tflops`, else the bf16 dense peak of known device kinds).
+device's peak (`throughput.peak_tflops`, else the bf16 dense peak of known device kinds). Every
+step's metrics.jsonl record has the same FLOPs over the loop's own time of that step
+(`StepRates`).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from nljax.engine.conductor import Conductor, pattern_name, pulse
 from nljax.engine.state import TrainState
 from nljax.engine.step import StepCache
 from nljax.errors import ConfigError, first_line
+from nljax.measure import flops as flop_count
 from nljax.measure import hlo
 from nljax.run.core import Run
 from nljax.runtime import runlog
@@ -110,6 +113,29 @@ def flops(compiled: jax.stages.Compiled) -> float | None:
     """FLOPs of one call of a compiled (per-device) program, when XLA counts them exactly
     (`xla_count`), else None."""
     return xla_count(compiled)[0]
+
+
+class StepRates:
+    """A training step's model TFLOP/s per device and MFU for its metrics.jsonl record and the
+    trackers (`tflops_per_s_per_device`, `mfu`; no `mfu` where the peak is not known, as on a
+    CPU without `throughput.peak_tflops`), as MaxText and Levanter log them each step. Its FLOPs
+    are those the throughput table gives the step's variant (`report`): XLA's count of the
+    compiled program where exact (a pattern where fewer levels fire then counts its smaller
+    backward pass), else the analytic count of the units it processed; over the loop's time of
+    that step (`step_time_s`). Host arithmetic on numbers the record has: no device work, no
+    wait; XLA's count is read from the program's text once per variant."""
+
+    def __init__(self, run: Run):
+        cfg, eng = run.cfg, run.engine
+        self.cache, self.xla = run.cache, {}
+        self.per_unit = flop_count.analytic_flops(cfg, eng.model, eng.param_shapes)["total_per_unit"]
+        self.peak = peak_flops(run.mesh.devices.flat[0].device_kind, cfg.throughput.peak_tflops)
+
+    def __call__(self, variant, units_per_s: float, step_s: float) -> dict:
+        if variant not in self.xla:
+            self.xla[variant] = flops(self.cache.built(variant))
+        per_s = self.xla[variant] / step_s if self.xla[variant] else self.per_unit * units_per_s
+        return {"tflops_per_s_per_device": per_s / 1e12, **({"mfu": per_s / self.peak} if self.peak else {})}
 
 
 def _time_interleaved(runs: dict, reps: int, min_seconds: float = 1.0, max_reps: int = 200,

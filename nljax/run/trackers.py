@@ -316,8 +316,9 @@ def step_scalars(rec: dict, n_levels: int, rate_key: str) -> dict:
     """The `train/*` scalars of a step's metrics.jsonl record: loss, the norm of the gradients
     applied (`grad_norm`, over the fired levels, and each fired level's), the learning rate,
     `skipped` (1: a level's update was skipped), `fired_l<l>` (1: level l fired: the Pulse),
-    the step time and the rate."""
-    out = {k: rec[k] for k in ("loss", "grad_norm", "lr", "step_time_s", rate_key) if k in rec}
+    the step time, the rate, the model TFLOP/s per device and the MFU (where the peak is known)."""
+    keys = ("loss", "grad_norm", "lr", "step_time_s", rate_key, "tflops_per_s_per_device", "mfu")
+    out = {k: rec[k] for k in keys if k in rec}
     out["skipped"] = int(rec["skipped"])
     for l in range(n_levels):
         out[f"fired_l{l}"] = int(l in rec["active_levels"])

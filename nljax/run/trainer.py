@@ -160,10 +160,24 @@ class History:
     skipped: int = 0  # steps where a level's update was skipped (sync.check_grads, sync.max_grad_norm)
     stalled_in_a_row: int = 0  # the latest steps in a row where every active level skipped
     wall_s: float = 0.0  # the loop, compilation and evaluations included
+    # train.target_eval_loss met: (the steps done when the run stopped, that evaluation's metrics)
+    target_met: tuple[int, dict] | None = None
 
     @property
     def final_loss(self) -> float | None:
         return self.records[-1]["loss"] if self.records else None
+
+    def end(self, steps: int) -> int:
+        """The steps done at the run's end: `steps` (train.steps), or fewer where the target was met."""
+        return self.target_met[0] if self.target_met else steps
+
+
+def meets_target(evaluated: dict, target: float) -> bool:
+    """Whether an evaluation's eval_loss (the main held-out text's) is at or below
+    train.target_eval_loss (0: off). Every process decides alike with no exchange: the loss is
+    the same bits on each, its sums gathered whole to every process and added in one order
+    there (`hostdev.host_sum`), so all of them stop after the same step."""
+    return bool(target) and evaluated.get("eval_loss", math.inf) <= target
 
 
 def check_skipped(in_a_row: int, step: int, limit: int) -> None:
@@ -204,7 +218,9 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
     """Steps from `conductor.step` to `train.steps` (`loop.training_steps`) with the hooks of
     `loop_hooks`, saving checkpoints through `ckpt`; stops a run whose steps all skip, and
     after a preemption notice (`nljax.runtime.preemption`; `notice`: one opened before, by `train`, else
-    the loop's own) saves and raises `Preempted`."""
+    the loop's own) saves and raises `Preempted`. After an evaluation that meets
+    `train.target_eval_loss` it stops, saved, and returns (`History.target_met`); a resume with
+    that target evaluates its checkpoint first, and one that meets it trains no step."""
     if notice is None:
         with Notice() as notice:
             return train_loop(run, state, conductor, out, ckpt, notice)
@@ -214,19 +230,41 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
     hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
     hist.stalled_in_a_row = stalled_in_a_row(kept)
     t_start = time.perf_counter()
+    target, steps = run.cfg.train.target_eval_loss, run.cfg.train.steps
+    if target and ckpt is not None and ckpt.restored and conductor.step < steps:  # a run that stopped on it, say
+        with Announced(out.say)(f"evaluating the checkpoint (step {conductor.step}) against train.target_eval_loss"):
+            evaluated = run.evaluate(state.params, conductor.step)
+        if meets_target(evaluated, target):
+            hist.target_met = conductor.step, evaluated
+            out.say(f"the checkpoint's eval_loss {evaluated['eval_loss']:.4f} is at or below train.target_eval_loss="
+                    f"{target:g}: no step trained (set it lower, or 0, to train on to train.steps={steps})")
+            out.progress.close()
+            return state, hist
     hooks, profiler = loop_hooks(run, out, ckpt)
     if conductor.step < run.cfg.train.steps:
         profiler.start(conductor.step)
     # after a resume that restarted every row's memory, the first batch resets every row
     reset_first = ckpt is not None and ckpt.rows_restarted and conductor.step == ckpt.start
     keep = lambda step: hooks.keeps(step) or profiler.keeps(step)  # the step's state is read after it
+    preempted = False
+
+    def stop(step: int) -> bool:
+        nonlocal preempted
+        preempted = notice.stop_after(step)  # asked at every step, on every process
+        return preempted or hist.target_met is not None
+
     notice.in_loop = notice.looped = True
     try:
         r = None
-        for r in training_steps(run, state, conductor, reset_first, keep, notice.stop_after):
+        for r in training_steps(run, state, conductor, reset_first, keep, stop):
             state = r.state if r.state is not None else state  # None: dispatched ahead, donated
             _after_step(r, run, hist, hooks, out)
-        if r is not None and not r.last:  # a notice stopped the loop: save at this step boundary and stop
+            if meets_target(r.evaluated, target):  # the loop stops after this step (`stop`)
+                hist.target_met = r.step + 1, r.evaluated
+        if r is not None and not r.last and not preempted:
+            out.say(f"step {r.step:6d}  eval_loss {r.evaluated['eval_loss']:.4f} is at or below "
+                    f"train.target_eval_loss={target:g}: the run stops after {r.step + 1} of {steps} steps")
+        elif r is not None and not r.last:  # a notice stopped the loop: save at this step boundary and stop
             saved = ckpt is not None and ckpt.save_now(r.step + 1, r.state)
             out.progress.close()
             raise Preempted(r.step, notice.received or signal.SIGTERM, saved)
@@ -254,9 +292,9 @@ def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Outpu
 
 def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, Profiler]:
     """What runs between steps, in this order: the profiler's stop, evaluation every
-    `eval.every` steps (not after the last: `final_report` evaluates), the metrics.jsonl
-    record, the checkpoint, the trackers and the progress bar, a text sample every
-    `train.sample_every` steps, the profiler's start."""
+    `eval.every` steps (not after the last: `final_report` evaluates), the step's model FLOP/s
+    and MFU (`throughput.StepRates`), the metrics.jsonl record, the checkpoint, the trackers and
+    the progress bar, a text sample every `train.sample_every` steps, the profiler's start."""
     cfg, key = run.cfg, f"{run.task.unit}_per_s_per_device"
     n_levels = len(cfg.cms.periods)
     profiler = Profiler(cfg.train.profile_start, cfg.train.profile_steps, out.run.path, out.say, here=out.run.write)
@@ -308,7 +346,9 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
         # after the step's scalars: W&B takes steps in increasing order
         out.trackers.text("train/sample", text, r.step + 1)
 
+    rates = throughput.StepRates(run)
     hooks.add(evaluate, every=cfg.eval.every, reads_state=True)
+    hooks.add(lambda r: r.record.update(rates(r.variant, r.units_per_s, r.record["step_time_s"])))
     hooks.add(lambda r: out.run.log(r.record))
     if ckpt is not None:  # copies off the devices before the next step donates the state
         hooks.add(save, every=cfg.checkpoint.every, reads_state=True)
@@ -323,15 +363,18 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     """summary.json, the plots and the printed report: the final evaluation, the communication
     read from the HLO and the throughput table, merged."""
     cfg, eng = run.cfg, run.engine
-    with Announced(out.say)("evaluating the final state"):
-        final_eval = run.evaluate(state.params, cfg.train.steps)
+    end, final_eval = hist.target_met or (cfg.train.steps, None)  # that evaluation's: of the final state
+    if final_eval is None:
+        with Announced(out.say)("evaluating the final state"):
+            final_eval = run.evaluate(state.params, cfg.train.steps)
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")  # before the timing's minute
-    if resumed_from != cfg.train.steps:  # a resume with nothing left to run: the trackers hold it already
+    # a resume with nothing left to run, or a target met at an evaluation: the trackers hold it already
+    if resumed_from != cfg.train.steps and not hist.target_met:
         out.trackers.scalars("eval", final_eval, cfg.train.steps)
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state
-    if cfg.throughput.reps and cfg.train.steps:
+    if cfg.throughput.reps and end:
         table, measured = throughput_report(run, state, batch, hist, comm["wire_bytes_per_pattern"], out.say)
     else:  # a quick run: no pattern compiled again for its timing, no table (of zeros) printed;
         # train.steps=0 (the initial parameters saved) runs no pattern: its table was a header
@@ -341,7 +384,8 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         out.say(f"timing skipped ({why}): summary.json has no throughput table")
     summary = {
         "nljax_version": __version__,
-        "steps": cfg.train.steps,
+        "steps": end,
+        **({"stopped_at_target_eval_loss": cfg.train.target_eval_loss} if hist.target_met else {}),
         "resumed_from_step": resumed_from,
         "devices": eng.mesh_devices,
         "mesh": dict(run.mesh.shape),
@@ -401,7 +445,7 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
     `throughput.max_fraction` of the loop's time) with what the loop itself achieved, and the
     measurements it was made from."""
     cfg, eng = run.cfg, run.engine
-    counts = throughput.patterns_in_run(cfg.cms.periods, 0, cfg.train.steps)
+    counts = throughput.patterns_in_run(cfg.cms.periods, 0, hist.end(cfg.train.steps))
     budget_s = cfg.throughput.max_fraction * hist.wall_s
     measured = throughput.measure(run.cache, state, batch, list(counts), cfg.throughput.reps, cfg.throughput.split,
                                   run.local, budget_s, say)
@@ -529,9 +573,12 @@ def _train(cfg: Config, notice: Notice) -> dict:
                     "train.steps to continue); evaluating it again for summary.json")
         state, hist = train_loop(run, ckpt.state, Conductor(cfg.cms.periods, ckpt.start), out, ckpt, notice)
         out.save_config()  # a resume with no step left to run
-        final = Announced(out.say if cfg.checkpoint.every and not done else (lambda text: None))
-        with final(f"saving the final checkpoint ({cfg.train.steps}) to {ckpt.dir}"):
-            ckpt.finish(cfg.train.steps, state)  # the final save; waits until every save is on disk
+        end = hist.end(cfg.train.steps)  # fewer where train.target_eval_loss was met
+        # nothing said where the checkpoint resumed is the final one (no step ran: `done`, or the target met)
+        kept_as_is = ckpt.last_saved == end == ckpt.start
+        final = Announced(out.say if cfg.checkpoint.every and not kept_as_is else (lambda text: None))
+        with final(f"saving the final checkpoint ({end}) to {ckpt.dir}"):
+            ckpt.finish(end, state)  # the final save; waits until every save is on disk
         summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
         failed = False
         for line in closing(cfg, run):

@@ -8,7 +8,7 @@ sit in this leaf module, which imports no other part of nljax but the error type
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from typing import ClassVar, Literal
 
 from nljax.errors import ConfigError, check_at_least
 
@@ -51,6 +51,13 @@ class TrainConfig:
     accum_steps: int = 1  # micro-batches per optimizer step, accumulated on each device
     # stop (one line, exit 2) when this many steps in a row were skipped: nothing is training; 0: off
     max_skipped: int = 20
+    # stop early (MaxText's target_eval_loss) once an evaluation during training (every eval.every
+    # steps) has eval_loss at or below this: the fresh-memory loss on the main held-out text
+    # (data.eval, or the data.eval_fraction split), not the streaming one nor a data.eval_sets
+    # set's. The run saves a checkpoint at that step and ends as at train.steps (exit 0); a
+    # --resume evaluates its checkpoint first and, at or below the target, stops there again
+    # without training. Text models; 0: off
+    target_eval_loss: float = 0.0
     log_every: int = 10  # steps between log lines when the output is not a terminal (else a progress bar)
     # dispatch each step before reading the one before's loss where no hook needs that step's state
     # (nljax/run/loop.py): the host's work between steps overlaps the device's; false: each step's
@@ -65,6 +72,8 @@ class TrainConfig:
     sample_every: int = 0
     sample_prompt: str = ""  # text the sample continues ("": from a document start)
     sample_tokens: int = 64  # tokens (bytes, or the tokenizer's) sampled after the prompt; fewer at a document end
+
+    RANGES: ClassVar[dict] = {"target_eval_loss": (0, None, True, None)}
 
     def check(self) -> None:
         check_at_least("train", self, steps=0, batch_size=1, seq_len=1, accum_steps=1)
@@ -134,7 +143,9 @@ class ThroughputConfig:
     # one-device program per pattern, minutes on a CPU, so off by default; `nljax.bench --profile N`
     # shows the collectives' device time instead
     split: bool = False
-    peak_tflops: float = 0.0  # per-device peak for MFU; 0: from the device kind when known
+    # per-device peak for MFU (the table's and each step's `mfu` in metrics.jsonl); 0: from the
+    # device kind when known (none on a CPU: no MFU)
+    peak_tflops: float = 0.0
 
     def check(self) -> None:
         check_at_least("throughput", self, reps=0, peak_tflops=0)
