@@ -151,7 +151,8 @@ def test_a_run_that_reaches_its_target_eval_loss_stops_saved_and_its_resume_says
     whose eval_loss is at or below it (here the one after 15 steps: 5.01, 4.48, 4.19) ends the
     run there: one line, the checkpoint at that step, the final report, exit 0. A --resume with
     the target trains no step: it evaluates the checkpoint first and says so; one with a lower
-    target trains on, and stops at its next evaluation that meets it (4.04 after 20 steps)."""
+    target trains on, and stops at its next evaluation that meets it (4.04 after 20 steps),
+    ending the profile window it stopped inside (its trace was left open)."""
     d = tmp_path / "r"
     run = lambda *a: cli("nljax.train", "--cpu-devices", "1", *SMALL, *QUICK, f"run.dir={d}", "train.steps=40",
                          "cms.periods=[1,2]", "eval.every=5", "eval.stream_steps=0", "optim.lr=0.01", *a)
@@ -167,9 +168,11 @@ def test_a_run_that_reaches_its_target_eval_loss_stops_saved_and_its_resume_says
     assert "the checkpoint's eval_loss 4.1" in p.stdout and "is at or below train.target_eval_loss=4.3: no step " \
         "trained (set it lower, or 0, to train on to train.steps=40)" in p.stdout, p.stdout
     assert steps() == list(range(15)) and sorted(c.name for c in (d / "checkpoints").iterdir()) == ["15"]
-    p = run("--resume", "train.target_eval_loss=4.1")
+    p = run("--resume", "train.target_eval_loss=4.1", "train.profile_start=18", "train.profile_steps=5")
     assert "the run stops after 20 of 40 steps" in p.stdout, p.stdout
     assert steps() == list(range(20)) and (d / "checkpoints" / "20").is_dir()
+    assert "profile: 2 of the train.profile_steps=5 steps from step 18 recorded: the run ends at step 19" in p.stdout
+    assert json.loads((d / "profile" / "summary.json").read_text())
 
 
 def test_a_step_where_no_level_fires_is_not_a_skipped_step():

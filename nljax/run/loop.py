@@ -224,12 +224,19 @@ class Profiler:
         if not r.record["compiled"]:  # a first call's time includes its compilation
             self.step_s.append(r.record["step_time_s"])
         if r.step == self.first + self.n - 1 or r.last:
-            jax.profiler.stop_trace()
-            self.on = False
-            if self.steps < self.n:  # the run ended inside the window (train.steps, a stop): said, with the summary
-                self.say(f"profile: {self.steps} of the train.profile_steps={self.n} steps from step {self.first} "
-                         f"recorded: the run ends at step {r.step}")
-            self.report()
+            self.end(r.step)
+
+    def end(self, step: int) -> None:
+        """Ends the trace after `step` if one is being recorded: the window's last step, the run's,
+        or a stop inside the window (a preemption, train.target_eval_loss), which left it open."""
+        if not self.on:
+            return
+        jax.profiler.stop_trace()
+        self.on = False
+        if self.steps < self.n:  # the run ended inside the window (train.steps, a stop): said, with the summary
+            self.say(f"profile: {self.steps} of the train.profile_steps={self.n} steps from step {self.first} "
+                     f"recorded: the run ends at step {step}")
+        self.report()
 
     def report(self) -> None:
         try:

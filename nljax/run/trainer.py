@@ -261,6 +261,8 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
             _after_step(r, run, hist, hooks, out)
             if meets_target(r.evaluated, target):  # the loop stops after this step (`stop`)
                 hist.target_met = r.step + 1, r.evaluated
+        if r is not None and not r.last:  # stopped early: a profile window it was in ends with it
+            profiler.end(r.step)
         if r is not None and not r.last and not preempted:
             out.say(f"step {r.step:6d}  eval_loss {r.evaluated['eval_loss']:.4f} is at or below "
                     f"train.target_eval_loss={target:g}: the run stops after {r.step + 1} of {steps} steps")
