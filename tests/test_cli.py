@@ -163,6 +163,8 @@ def test_a_run_that_reaches_its_target_eval_loss_stops_saved_and_its_resume_says
     assert steps() == list(range(15)) and sorted(c.name for c in (d / "checkpoints").iterdir()) == ["15"]
     summary = json.loads((d / "summary.json").read_text())
     assert summary["steps"] == 15 and summary["stopped_at_target_eval_loss"] == 4.3 and summary["eval_loss"] <= 4.3
+    # its resume line turns the target off to train on (train.steps doubled, the target kept, stopped at once)
+    assert f"--resume run.dir={d} train.target_eval_loss=0\n" in p.stdout, p.stdout
     assert sum(r["steps_in_run"] for r in summary["throughput"]["per_pattern"].values()) == 15
     p = run("--resume")
     assert "the checkpoint's eval_loss 4.1" in p.stdout and "is at or below train.target_eval_loss=4.3: no step " \

@@ -73,7 +73,7 @@ class Announced:
 
 def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoints: str | None = None,
                   samples: bool = True, script: Sequence[str] | None = None,
-                  registered_by: str | None = None) -> list[str]:
+                  registered_by: str | None = None, more: str | None = None) -> list[str]:
     """Where a finished run's outputs are and the commands that continue, sample and export it;
     `checkpoints`: their directory where it is not the run directory's own; `samples`: whether
     `nljax.generate` can sample the model (a text model without `logits()` cannot); `script`: the
@@ -82,10 +82,12 @@ def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoin
     examples/smallest_model.py's form): `python -m nljax.generate` would not know the model;
     `registered_by`: the module that registered it in this process where no such script can be
     named (a notebook, a module the script imported): the commands are Python calls to make where
-    the model is registered."""
+    the model is registered; `more`: the resume's override that trains on (default: twice the
+    steps; a run stopped at train.target_eval_loss: that target off, or its resume stops at once)."""
     saved = f"plots; checkpoints in {checkpoints}" if checkpoints else "plots, checkpoints"
     head = f"run directory: {run_dir} (config.yaml, metrics.jsonl, summary.json, {saved})"
-    resume = ["--resume", f"run.dir={run_dir}", f"train.steps={2 * steps or 1}"]
+    more = more or f"train.steps={2 * steps or 1}"
+    resume = ["--resume", f"run.dir={run_dir}", more]
     sample = [f"run.dir={run_dir}", *(["prompt=The "] if text else [])]
     if registered_by:
         calls = [("resume", "train", resume), *([("sample", "generate", sample)] if samples else []),
@@ -101,6 +103,6 @@ def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoin
 
     prompt = " prompt='The '" if text else ""
     return [head,
-            f"  resume:  {command('train')} --resume {d} train.steps={2 * steps or 1}",
+            f"  resume:  {command('train')} --resume {d} {more}",
             *([f"  sample:  {command('generate')} {d}{prompt}"] if samples else []),
             f"  export:  {command('export')} {d}   (to {exported})"]

@@ -583,7 +583,7 @@ def _train(cfg: Config, notice: Notice) -> dict:
             ckpt.finish(end, state)  # the final save; waits until every save is on disk
         summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
         failed = False
-        for line in closing(cfg, run):
+        for line in closing(cfg, run, hist.target_met is not None):
             out.say(line)
     return summary
 
@@ -599,8 +599,9 @@ def weight_decay(cfg: Config, eng) -> str:
             f"{sum(n for _, n in sizes):,} parameters (optim.decay_params={cfg.optim.decay_params})")
 
 
-def closing(cfg: Config, run: Run) -> list[str]:
-    """The run's closing lines: where its outputs are and how to resume, sample and export it."""
+def closing(cfg: Config, run: Run, target_met: bool = False) -> list[str]:
+    """The run's closing lines: where its outputs are and how to resume, sample and export it
+    (`target_met`: it stopped at train.target_eval_loss, which its resume turns off to train on)."""
     if not cfg.checkpoint.every:
         return [f"run directory: {cfg.run.dir} (no checkpoint saved, checkpoint.every=0: nothing to resume, "
                 "sample or export)"]
@@ -608,7 +609,8 @@ def closing(cfg: Config, run: Run) -> list[str]:
     return closing_lines(cfg.run.dir, cfg.train.steps, text, str(Path(cfg.run.dir) / exportdir.DEFAULT),
                          None if inside_run_dir(cfg) else str(checkpoint_dir(cfg)),
                          samples=not text or hasattr(run.engine.model, "logits"), script=script,
-                         registered_by=None if script else registered_here(cfg))
+                         registered_by=None if script else registered_here(cfg),
+                         more="train.target_eval_loss=0" if target_met else None)
 
 
 def registered_here(cfg: Config) -> str | None:
