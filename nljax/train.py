@@ -7,7 +7,7 @@ import sys
 
 from nljax import cli
 from nljax.run import autoresume
-from nljax.run.resuming import launch_mesh, resumed_config, step_resume
+from nljax.run.resuming import launch_mesh, step_resume
 from nljax.run.trainer import is_main, resume_step_guess, train
 
 
@@ -18,7 +18,7 @@ def _configure(args, cfg):
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, quiet=True))
     if args.resume and not cfg.checkpoint.resume:
         cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest"))
-    return resumed_config(step_resume(cfg), args.config, args.overrides)
+    return step_resume(cfg, args.config, args.overrides)
 
 
 def _settle(args, cfg):

@@ -165,23 +165,24 @@ def test_a_resume_pointed_at_another_runs_checkpoints_is_refused(tmp_path, capsy
 
 def test_a_resume_from_a_step_number_reads_that_checkpoint_of_the_run(tmp_path, monkeypatch):
     """`checkpoint.resume=STEP` is the run's checkpoint at that step, as `checkpoint=STEP` reads
-    in nljax.evaluate, generate and export (it was "checkpoint not found: $PWD/2"); a step the
-    run has no checkpoint at is one line naming the steps it has; digits naming a path here
-    stay that path."""
+    in nljax.evaluate, generate and export (it was "checkpoint not found: $PWD/2"), in the run's
+    checkpoint.dir as its config.yaml has it (the command line's default, <run.dir>/checkpoints,
+    was looked in: "no checkpoint at step 2"); a step the run has no checkpoint at is one line
+    naming the steps it has; digits naming a path here stay that path."""
     from nljax import config
     from nljax.run.resuming import step_resume
 
-    run = tmp_path / "run"
+    run, ck = tmp_path / "run", tmp_path / "ck"
     started = [*SMALL, "cms.periods=[1,2]", "train.steps=4", "checkpoint.every=2", "eval.every=0", *QUICK]
-    cli("nljax.train", "--quiet", *started, f"run.dir={run}")
+    cli("nljax.train", "--quiet", *started, f"run.dir={run}", f"checkpoint.dir={ck}")
     p = cli("nljax.train", "checkpoint.resume=2", f"run.dir={run}")
-    assert f"resumed from {run / 'checkpoints' / '2'} at step 2" in p.stdout, p.stdout
+    assert f"resumed from {ck / '2'} at step 2" in p.stdout, p.stdout
     # the later checkpoint set aside, as for any resume from an older one, and step 4 trained again
-    assert (run / "checkpoints" / "set_aside" / "4").is_dir() and (run / "checkpoints" / "4").is_dir()
+    assert (ck / "set_aside" / "4").is_dir() and (ck / "4").is_dir()
     with pytest.raises(config.ConfigError, match=rf"^checkpoint.resume=3: {run} has no checkpoint at step 3 \(its "
                                                  r"checkpoints are at steps 2, 4\)$"):
-        step_resume(config.load(None, [f"run.dir={run}", "checkpoint.resume=3"]))
+        step_resume(config.load(None, [f"run.dir={run}", "checkpoint.resume=3"]), None, [])
     (tmp_path / "7").mkdir()  # a folder named 7 here: the path, as before
     monkeypatch.chdir(tmp_path)
     cfg = config.load(None, [f"run.dir={run}", "checkpoint.resume=7"])
-    assert step_resume(cfg) is cfg
+    assert step_resume(cfg, None, []).checkpoint.resume == "7"

@@ -56,16 +56,23 @@ def _has_steps(root: Path) -> bool:
     return root.is_dir() and any(p.name.isdigit() and p.is_dir() for p in root.iterdir())
 
 
-def step_resume(cfg: Config) -> Config:
-    """`checkpoint.resume=STEP` (digits naming no path here) as this run's checkpoint at that
-    step, `<checkpoint.dir>/<STEP>`, as `checkpoint=STEP` reads in nljax.evaluate, generate and
-    export (a bare step was "checkpoint not found: $PWD/400"); refused in one line naming the
-    run's steps when it has none there."""
+def step_resume(cfg: Config, config_file: str | Sequence[str] | None, overrides: Sequence[str]) -> Config:
+    """`resumed_config`, where `checkpoint.resume=STEP` (digits naming no path here) is this run's
+    checkpoint at that step, `<checkpoint.dir>/<STEP>`, as `checkpoint=STEP` reads in
+    nljax.evaluate, generate and export (a bare step was "checkpoint not found: $PWD/400"); refused
+    in one line naming the run's steps when it has none there. The run's checkpoint.dir is its
+    config.yaml's (read as for `latest`): the command line's alone named <run.dir>/checkpoints for a
+    run whose checkpoints are elsewhere."""
     text = cfg.checkpoint.resume
     if not text.isdigit() or Path(text).exists():
-        return cfg
-    path = step_checkpoint(checkpoint_dir(cfg), int(text), f"checkpoint.resume={text}", cfg.run.dir)
-    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=str(path)))
+        return resumed_config(cfg, config_file, overrides)
+    resumed = resumed_config(_resuming(cfg, "latest"), config_file, overrides)
+    path = step_checkpoint(checkpoint_dir(resumed), int(text), f"checkpoint.resume={text}", cfg.run.dir)
+    return _resuming(resumed, str(path))
+
+
+def _resuming(cfg: Config, resume: str) -> Config:
+    return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
 
 
 def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrides: Sequence[str]) -> Config:
