@@ -30,9 +30,13 @@ def check_across_sections(cfg) -> None:
             and not d.doc_end_token:
         raise ConfigError("train.sample_every with an empty train.sample_prompt starts at a document start, "
                           "which a tokenizer has only with data.doc_end_token: set one of them")
-    if cfg.train.target_eval_loss and (spec.task != "text" or not cfg.eval.every):
+    # eval.every >= train.steps: no evaluation during training either (none after the last step:
+    # the final one is the run's end), so the target could never stop the run
+    if cfg.train.target_eval_loss and (spec.task != "text" or not 0 < cfg.eval.every < cfg.train.steps):
         why = (f"model.name={m.name} makes images, whose evaluation has no eval_loss" if spec.task != "text"
-               else "eval.every=0 evaluates only at the end; set eval.every")
+               else "eval.every=0 evaluates only at the end; set eval.every" if not cfg.eval.every
+               else f"eval.every={cfg.eval.every} evaluates only at the end of train.steps={cfg.train.steps}; set "
+               "eval.every lower")
         raise ConfigError(f"train.target_eval_loss stops at an evaluation during training whose eval_loss is at or "
                           f"below it: {why}")
     if d.source == "recall":

@@ -85,6 +85,8 @@ def test_yaml_file(tmp_path):
         ("train.target_eval_loss=-1", "config key 'train.target_eval_loss' must be in [0, inf), got -1.0"),
         # never met: no evaluation during training, or no eval_loss at all
         ("train.target_eval_loss=2 eval.every=0", "eval.every=0 evaluates only at the end; set eval.every"),
+        ("train.target_eval_loss=2 eval.every=10 train.steps=10", "eval.every=10 evaluates only at the end of "
+                                                                 "train.steps=10; set eval.every lower"),
         ("model.name=dit cms.periods=[1] train.target_eval_loss=2", "model.name=dit makes images, whose evaluation "
                                                                     "has no eval_loss"),
         # a key left without a value: "must be int, got NoneType None"
