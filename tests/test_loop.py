@@ -571,3 +571,26 @@ def test_a_window_being_recorded_is_not_said_to_be_skipped(tmp_path, monkeypatch
     for step in (15, 16, 17):
         p.start(step)
     assert len(said) == 1 and "where this run resumes" in said[0], said
+
+
+def test_a_preempted_run_saves_before_it_ends_its_profile(tmp_path, monkeypatch):
+    """A notice inside the profile window: the step's checkpoint is saved first, then the trace
+    ended and summarised (seconds for a large trace): that work came before the save, inside the
+    notice's grace period."""
+    from nljax.checkpoint.lifecycle import Checkpoints
+    from nljax.run.loop import Profiler
+    from nljax.runtime.preemption import Notice
+    from nljax.train import main
+
+    order = []
+    save_now, end = Checkpoints.save_now, Profiler.end
+    monkeypatch.setattr(Notice, "stop_after", lambda self, step: step == 5)
+    monkeypatch.setattr(Checkpoints, "save_now", lambda self, *a: order.append("save") or save_now(self, *a))
+    monkeypatch.setattr(Profiler, "end", lambda self, step: order.append(f"end {step}") or end(self, step))
+    run = tmp_path / "run"
+    main(["model.name=cms_mlp", "model.dim=16", "model.depth=1", "cms.periods=[1]", "train.batch_size=8",
+          "train.seq_len=16", "train.steps=10", "eval.every=0", "eval.batches=1", "throughput.reps=0",
+          "checkpoint.every=100", "train.profile_start=4", "train.profile_steps=4", "run.plots=false",
+          "run.trackers=[]", "run.compile_cache=none", f"run.dir={run}"])
+    assert order == ["save", "end 5"] and (run / "checkpoints" / "6").is_dir()
+    assert (run / "profile" / "summary.json").is_file()

@@ -261,13 +261,15 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
             _after_step(r, run, hist, hooks, out)
             if meets_target(r.evaluated, target):  # the loop stops after this step (`stop`)
                 hist.target_met = r.step + 1, r.evaluated
-        if r is not None and not r.last:  # stopped early: a profile window it was in ends with it
-            profiler.end(r.step)
-        if r is not None and not r.last and not preempted:
+        if r is not None and not r.last and not preempted:  # train.target_eval_loss met
+            profiler.end(r.step)  # a profile window it stopped inside ends with it
             out.say(f"step {r.step:6d}  eval_loss {r.evaluated['eval_loss']:.4f} is at or below "
                     f"train.target_eval_loss={target:g}: the run stops after {r.step + 1} of {steps} steps")
         elif r is not None and not r.last:  # a notice stopped the loop: save at this step boundary and stop
+            # the save first: the trace's end and summary (seconds for a large trace) after it,
+            # within the notice's grace period
             saved = ckpt is not None and ckpt.save_now(r.step + 1, r.state)
+            profiler.end(r.step)
             out.progress.close()
             raise Preempted(r.step, notice.received or signal.SIGTERM, saved)
     finally:
