@@ -171,7 +171,8 @@ def test_a_run_that_reaches_its_target_eval_loss_stops_saved_and_its_resume_says
         "trained (set it lower, or 0, to train on to train.steps=40)" in p.stdout, p.stdout
     assert steps() == list(range(15)) and sorted(c.name for c in (d / "checkpoints").iterdir()) == ["15"]
     p = run("--resume", "train.target_eval_loss=4.1", "train.profile_start=18", "train.profile_steps=5")
-    assert "the run stops after 20 of 40 steps" in p.stdout, p.stdout
+    assert "the checkpoint's eval_loss 4.1" in p.stdout and "is above train.target_eval_loss=4.1: training on" \
+        in p.stdout and "the run stops after 20 of 40 steps" in p.stdout, p.stdout
     assert steps() == list(range(20)) and (d / "checkpoints" / "20").is_dir()
     assert "profile: 2 of the train.profile_steps=5 steps from step 18 recorded: the run ends at step 19" in p.stdout
     assert json.loads((d / "profile" / "summary.json").read_text())

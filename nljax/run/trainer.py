@@ -233,8 +233,13 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
     target, steps = run.cfg.train.target_eval_loss, run.cfg.train.steps
     if target and ckpt is not None and ckpt.restored and conductor.step < steps:  # a run that stopped on it, say
         with Announced(out.say)(f"evaluating the checkpoint (step {conductor.step}) against train.target_eval_loss"):
-            evaluated = run.evaluate(state.params, conductor.step)
-        if meets_target(evaluated, target):
+            evaluated = run.task.evaluate(run.cache, state.params, conductor.step)  # no harness tasks: minutes
+        if not meets_target(evaluated, target):
+            out.say(f"the checkpoint's eval_loss {evaluated['eval_loss']:.4f} is above train.target_eval_loss="
+                    f"{target:g}: training on")
+        else:
+            if run.harness is not None:  # this evaluation is the final report's: its harness scores too
+                evaluated.update(run.harness.evaluate(state.params))
             hist.target_met = conductor.step, evaluated
             out.say(f"the checkpoint's eval_loss {evaluated['eval_loss']:.4f} is at or below train.target_eval_loss="
                     f"{target:g}: no step trained (set it lower, or 0, to train on to train.steps={steps})")

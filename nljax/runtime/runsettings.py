@@ -54,9 +54,9 @@ class TrainConfig:
     # stop early (MaxText's target_eval_loss) once an evaluation during training (every eval.every
     # steps) has eval_loss at or below this: the fresh-memory loss on the main held-out text
     # (data.eval, or the data.eval_fraction split), not the streaming one nor a data.eval_sets
-    # set's. The run saves a checkpoint at that step and ends as at train.steps (exit 0); a
-    # --resume evaluates its checkpoint first and, at or below the target, stops there again
-    # without training. Text models; 0: off
+    # set's. The run ends there as at train.steps (exit 0; its checkpoint saved, unless
+    # checkpoint.every=0); a --resume evaluates its checkpoint first and, at or below the
+    # target, stops there again without training. Text models; 0: off
     target_eval_loss: float = 0.0
     log_every: int = 10  # steps between log lines when the output is not a terminal (else a progress bar)
     # dispatch each step before reading the one before's loss where no hook needs that step's state
