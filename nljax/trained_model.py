@@ -34,7 +34,7 @@ from typing import Any, Callable, Sequence
 import jax
 import numpy as np
 
-from nljax import config
+from nljax.config import Config
 from nljax.errors import ConfigError
 from nljax.models.base import checked_logits
 from nljax.runtime.exportdir import is_export
@@ -46,7 +46,7 @@ class TrainedModel:
 
     model: Any  # the nljax model (nljax/models/base.py: init, init_memory, logits or generate)
     params: Any  # its parameter tree
-    config: config.Config  # the run's config as it trained
+    config: Config  # the run's config as it trained
     step: int  # optimizer steps the parameters had taken
     source: Path  # the checkpoint's step directory, or the export directory
     tokenizer: Any = None  # text models: nljax.data.tokenization.Bytes or HFTokenizer; else None
@@ -369,14 +369,11 @@ def _from_run(run_dir: Path, checkpoint: str | int, overrides: Sequence[str]) ->
 
 
 def _from_export(path: Path) -> TrainedModel:
-    import json
-
-    from nljax.export import load_model, tokenization_of_export
-    from nljax.runtime.exportdir import CONFIG
+    from nljax.export import load_model, read_config, tokenization_of_export
 
     model, params = load_model(path)
-    info = json.loads((path / CONFIG).read_text())
+    info, cfg = read_config(path)
     mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("rows",))
-    out = TrainedModel(model, params, config.from_dict(info["config"]), int(info["step"]), path, _mesh=mesh)
+    out = TrainedModel(model, params, cfg, int(info["step"]), path, _mesh=mesh)
     out.tokenizer = tokenization_of_export(path, out.config) if out.makes_text else None
     return out
