@@ -39,6 +39,9 @@ def test_engine_terms_follow_the_strategy_and_name_the_biggest():
     assert terms["optimizer state"] == 2 * terms["parameters"]  # adamw, replicated
     zero1 = budget.engine_terms(config.load(None, [*TINY, "sync.strategy=zero1"]), setup.engine)
     assert zero1["optimizer state"] == terms["optimizer state"] // 8
+    for one in [["optim.name=lion"], ["optim.name=sgd", "optim.momentum=0.9"]]:  # one moment, not Adam's two
+        assert budget.engine_terms(config.load(None, [*TINY, *one]), setup.engine)["optimizer state"] == terms["parameters"]
+    assert budget.engine_terms(config.load(None, [*TINY, "optim.name=sgd"]), setup.engine)["optimizer state"] == 0
     budget.check(terms, budget.available_bytes())  # a tiny run fits
     with pytest.raises(ConfigError, match="biggest: "):
         budget.check(terms, 1000)
