@@ -160,7 +160,8 @@ def test_a_checkpoint_with_another_momentum_does_not_fit(ckpt):
     plain = make([*BASE, "optim.name=sgd", f"optim.lr={LR}"])
     with pytest.raises(ConfigError) as e:
         restore(plain.engine, plain.state, ckpt / "momentum" / "2")
-    assert str(e.value) == f"checkpoint {ckpt / 'momentum' / '2'} does not fit this run: optim.momentum=0.9 there, 0.0 here"
+    assert str(e.value) == (f"checkpoint {ckpt / 'momentum' / '2'} does not fit this run: optim.momentum=0.9 there, "
+                            "0.0 here")
 
 
 def test_a_resume_may_not_change_the_momentum(tmp_path):
