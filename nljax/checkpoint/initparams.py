@@ -101,9 +101,9 @@ def params_of(engine: Engine, path: Path) -> RestoredParams:
 
 
 def _source_engine(engine: Engine, meta: dict, path: Path) -> Engine:
-    """`engine`, or where the checkpoint's `optim.name`, `optim.momentum` or `cms.*` differ from this run's, an
-    engine on the same model, mesh and strategy with the checkpoint's: they shape the optimizer
-    state and the error buffers, not the parameters, whose layout is the same in both. The number
+    """`engine`, or where the checkpoint's `optim.name`, `optim.momentum` or `cms.*` differ from
+    this run's, an engine on the same model, mesh and strategy with the checkpoint's: they shape the
+    optimizer state and the error buffers, not the parameters, whose layout is the same in both. The number
     of CMS levels does shape the parameters (a model builds a chain of that many levels): it
     must match."""
     cfg, saved = engine.cfg, meta["config"]
