@@ -39,6 +39,9 @@ def test_engine_terms_follow_the_strategy_and_name_the_biggest():
     assert terms["optimizer state"] == 2 * terms["parameters"]  # adamw, replicated
     zero1 = budget.engine_terms(config.load(None, [*TINY, "sync.strategy=zero1"]), setup.engine)
     assert zero1["optimizer state"] == terms["optimizer state"] // 8
+    opt_bytes = lambda *o: budget.engine_terms(config.load(None, [*TINY, *o]), setup.engine)["optimizer state"]
+    assert opt_bytes("optim.name=lion") == opt_bytes("optim.name=sgd", "optim.momentum=0.9") == terms["parameters"]
+    assert opt_bytes("optim.name=sgd") == 0  # plain SGD keeps none
     budget.check(terms, budget.available_bytes())  # a tiny run fits
     with pytest.raises(ConfigError, match="biggest: "):
         budget.check(terms, 1000)

@@ -72,9 +72,10 @@ def test_a_new_run_starts_at_step_0_with_the_checkpoints_parameters_only(src, tm
 
 
 # (overrides, mesh inter x intra x model): what shapes the optimizer state and the error buffers
-# but not the parameters (optim.name, the CMS periods, cms.frozen_grads) differs from the source's
+# but not the parameters (optim.name and optim.momentum, the CMS periods, cms.frozen_grads) differs
+# from the source's
 OTHER = {
-    "fsdp sgd": (["sync.strategy=fsdp", "optim.name=sgd", "cms.periods=[1,2]"], (1, 4, 1)),
+    "fsdp sgd": (["sync.strategy=fsdp", "optim.name=sgd", "optim.momentum=0.9", "cms.periods=[1,2]"], (1, 4, 1)),
     "zero1 tensor-parallel": (["sync.strategy=zero1", "cms.frozen_grads=skip"], (2, 2, 2)),
 }
 

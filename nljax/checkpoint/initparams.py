@@ -101,9 +101,9 @@ def params_of(engine: Engine, path: Path) -> RestoredParams:
 
 
 def _source_engine(engine: Engine, meta: dict, path: Path) -> Engine:
-    """`engine`, or where the checkpoint's `optim.name` or `cms.*` differ from this run's, an
-    engine on the same model, mesh and strategy with the checkpoint's: they shape the optimizer
-    state and the error buffers, not the parameters, whose layout is the same in both. The number
+    """`engine`, or where the checkpoint's `optim.name`, `optim.momentum` or `cms.*` differ from
+    this run's, an engine on the same model, mesh and strategy with the checkpoint's: they shape the
+    optimizer state and the error buffers, not the parameters, whose layout is the same in both. The number
     of CMS levels does shape the parameters (a model builds a chain of that many levels): it
     must match."""
     cfg, saved = engine.cfg, meta["config"]
@@ -112,7 +112,8 @@ def _source_engine(engine: Engine, meta: dict, path: Path) -> Engine:
         raise ConfigError(f"checkpoint {path} does not fit this run: cms.periods={fmt(periods)} there, "
                           f"{list(cfg.cms.periods)} here (another number of levels is another model)")
     here = config.to_dict(cfg)
-    tree = {**here, "optim": {**here["optim"], "name": get(saved, "optim.name") or here["optim"]["name"]},
+    optim = {k: get(saved, f"optim.{k}") for k in ("name", "momentum") if get(saved, f"optim.{k}") is not None}
+    tree = {**here, "optim": {**here["optim"], **optim},
             "cms": {**here["cms"], **{k: v for k, v in saved["cms"].items() if k in here["cms"]}}}
     if tree == here:
         return engine

@@ -2,7 +2,7 @@
 keep (`nljax.engine.strategy`).
 
 A level's leaves in pytree order form one float32 vector, padded with zeros to a multiple of the
-shard count. Padding is inert: its gradient is zero, so an elementwise optimizer (Adam, SGD)
+shard count. Padding is inert: its gradient is zero, so an elementwise optimizer (Adam, SGD, Lion)
 leaves it at zero; every optimizer in `nljax.engine.optim` is elementwise. `FlatOptState` converts the
 per-level optax state that `replicated` keeps (the canonical layout) to and from this one.
 """

@@ -24,7 +24,10 @@ from nljax.errors import ConfigError
 class OptimConfig:
     """Config section `optim`: the per-level optimizer and its learning-rate schedule."""
 
-    name: Literal["adamw", "sgd"] = "adamw"  # the update rule, one optimizer state per CMS level
+    # the update rule, one optimizer state per CMS level: adamw; sgd (optim.momentum); or lion
+    # (Chen et al. 2023: the sign of a b1/b2 blend of momentum and gradient, each step of size lr):
+    # Lion wants a learning rate about 3-10x smaller than AdamW's and a weight decay as much larger
+    name: Literal["adamw", "sgd", "lion"] = "adamw"
     lr: float = 3e-3  # peak learning rate (before optim.lr_scaling and optim.level_lr_scale)
     level_lr_scale: tuple[float, ...] = ()  # per-level multiplier; empty means 1 for every level
     warmup_steps: int = 20  # linear warm-up from 0 to the peak over these steps
@@ -37,8 +40,12 @@ class OptimConfig:
     # what weight decay applies to: weights (the model's `decays`; by default flax's kernel and
     # embedding leaves, not biases, norm scales or an initial memory) or all parameters
     decay_params: Literal["weights", "all"] = "weights"
-    b1: float = 0.9  # Adam's first-moment decay
-    b2: float = 0.99  # Adam's second-moment decay
+    b1: float = 0.9  # adamw: the first-moment decay; lion: the momentum's weight in the update's sign
+    b2: float = 0.99  # adamw: the second-moment decay; lion: the momentum's decay (optax's 0.99)
+    # sgd: the momentum's decay (optax.trace: m = g + momentum m, the step lr m); 0: plain SGD and no
+    # optimizer state; unused by adamw and lion, as b1, b2 and eps are by sgd
+    momentum: float = 0.0
+    nesterov: bool = False  # sgd with momentum: the step lr (g + momentum m), Nesterov's look-ahead
     # Adam's epsilon, added to the root of the second moment (optax's default; MaxText's adam_eps,
     # torch's AdamW eps): larger values damp the update of parameters with tiny gradients; above 0,
     # or a zero gradient (a parameter no token reaches) would divide 0 by 0
@@ -49,7 +56,8 @@ class OptimConfig:
 
     # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader
     RANGES: ClassVar[dict] = {"lr": (0, None, False, None), "weight_decay": (0, None, True, None),
-                              "b1": (0, 1, True, False), "b2": (0, 1, True, False), "eps": (0, None, False, None),
+                              "b1": (0, 1, True, False), "b2": (0, 1, True, False),
+                              "momentum": (0, 1, True, False), "eps": (0, None, False, None),
                               "clip_norm": (0, None, True, None),
                               "min_lr_ratio": (0, 1, True, True), "decay_fraction": (0, 1, False, True)}
 
@@ -110,8 +118,16 @@ def update_direction(cfg: OptimConfig) -> optax.GradientTransformation:
     if cfg.name == "adamw":
         return optax.scale_by_adam(b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
     if cfg.name == "sgd":
-        return optax.identity()
+        # momentum 0 keeps the stateless identity, so plain SGD's state (and checkpoints) stay empty
+        return optax.trace(cfg.momentum, cfg.nesterov) if cfg.momentum else optax.identity()
+    if cfg.name == "lion":
+        return optax.scale_by_lion(b1=cfg.b1, b2=cfg.b2)
     raise ValueError(f"unknown optimizer {cfg.name}")
+
+
+def state_vectors(cfg: OptimConfig) -> int:
+    """How many parameter-sized vectors each level's optimizer state holds (its counts aside)."""
+    return {"adamw": 2, "lion": 1, "sgd": 1 if cfg.momentum else 0}[cfg.name]
 
 
 def level_scales(cfg: OptimConfig, n_levels: int) -> tuple[float, ...]:

@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from nljax.config import Config, ConfigError
-from nljax.engine import frozen
+from nljax.engine import frozen, optim
 from nljax.models import registry
 
 F32 = 4
@@ -78,7 +78,7 @@ def config_floor(cfg: Config, n_devices: int) -> dict[str, int]:
     level_mlp = m.depth * 2 * m.hidden_mult * m.dim * m.dim // cfg.mesh.model
     params = (len(c.periods) * level_mlp + m.vocab_size * m.dim) * F32
     shard = n_devices if cfg.sync.strategy == "fsdp" else 1
-    opt = 2 * params if cfg.optim.name == "adamw" else 0
+    opt = optim.state_vectors(cfg.optim) * params
     # a frozen level's rank-local error buffer: its MLPs once, or C_l - 1 times under `updates`
     # (`frozen.width`); never sharded
     slots = lambda p: (p - 1 if c.accumulate == "updates" else 1) if p > 1 and c.frozen_grads == "accumulate" else 0
@@ -96,7 +96,7 @@ def engine_terms(cfg: Config, engine) -> dict[str, int]:
     params = sum(size * F32 for size in sizes)  # flat float32 vectors per level
     shard_p = n if cfg.sync.strategy == "fsdp" else 1
     shard_o = 1 if cfg.sync.strategy == "replicated" else n
-    opt = 2 * params if cfg.optim.name == "adamw" else 0
+    opt = optim.state_vectors(cfg.optim) * params
     err = sum(frozen.width(engine, l) * F32 for l in range(engine.n_levels) if engine.buffered(l))
     rows = max(cfg.train.batch_size // n, 1)
     memory = jax.eval_shape(lambda: engine.local_model.init_memory(rows))  # this device's heads

@@ -6,8 +6,8 @@ with included. `--resume` (or `checkpoint.resume`) that continues this run's own
 starts from it; `--config FILE` and `key=value` overrides given with the resume are applied on
 top, key by key. What may change on a resume (train.steps, logging, evaluation, trackers,
 checkpoint cadence, the mesh and strategy, which the elastic restore converts) changes; a change
-to what the checkpoint holds (`MUST_MATCH`: the model, cms, optim.name) is refused here, in one
-line naming the key, before anything is built.
+to what the checkpoint holds (`MUST_MATCH`: the model, cms, optim.name, optim.momentum) is refused
+here, in one line naming the key, before anything is built.
 
 A resume from another run's checkpoint (`checkpoint.resume=DIR` outside this run's
 checkpoint.dir) starts a new run: its config is the command line's, as before.
