@@ -184,3 +184,16 @@ def test_a_resume_may_not_change_the_momentum(tmp_path):
         resumed_config(load(None, args), None, args)
     assert str(e.value) == (f"optim.momentum=0.9 cannot change on resume (0.0 in {run / 'config.yaml'}: the "
                             "checkpoint holds that model); leave it out, or start a new run in another run.dir")
+
+
+def test_the_start_up_line_names_the_update_rule():
+    """The start-up's optimizer line says the momentum a run trains with (it said `sgd` alone)."""
+    from nljax.run.trainer import startup_report
+
+    for opts, want in ((OPTS["nesterov"], f"optimizer sgd with Nesterov momentum 0.9: peak lr {LR:g},"),
+                       (OPTS["momentum"], f"optimizer sgd with momentum 0.9: peak lr {LR:g},"),
+                       (["optim.name=sgd", f"optim.lr={LR}"], f"optimizer sgd: peak lr {LR:g},"),
+                       (OPTS["lion"], "optimizer lion: peak lr 0.001,")):
+        setup, lines = make(opts, 1, 1), []
+        startup_report(setup, setup.state, lines.append)
+        assert any(line.startswith(want) for line in lines), (want, lines)

@@ -148,7 +148,10 @@ def startup_report(run: Run, state: TrainState, say) -> None:
     lr = optim.peak_lr(cfg.optim, t.batch_size)
     scaled = "" if cfg.optim.lr_scaling == "none" else (
         f" (optim.lr {cfg.optim.lr:g} x {cfg.optim.lr_scaling} {t.batch_size}/{cfg.optim.base_batch_size})")
-    say(f"optimizer {cfg.optim.name}: peak lr {lr:.4g}{scaled}, {cfg.optim.schedule} schedule, "
+    o = cfg.optim
+    rule = (f"sgd with {'Nesterov ' if o.nesterov else ''}momentum {o.momentum:g}" if o.name == "sgd" and o.momentum
+            else o.name)
+    say(f"optimizer {rule}: peak lr {lr:.4g}{scaled}, {cfg.optim.schedule} schedule, "
         f"{cfg.optim.warmup_steps} warm-up steps{weight_decay(cfg, eng)}")
     say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
     say(describe_memory(bytes_per_device(state), eng.strategy.name))
