@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import EXACT, TINY_NL_DEEP, assert_trees_close, make, train
+from helpers import EXACT, TINY_NL_DEEP, assert_trees_close, assert_trees_equal, leaf_pairs, make, train
 
 from nljax import config
 from nljax.models import build
@@ -29,8 +29,7 @@ def test_remat_gradients_are_bitwise_equal(remat, kind):
     (a stateful inner loop re-run diverges) does not apply to a functional inner loop."""
     mem = f"model.nl_lm.memory_kind={kind}"
     ref, got = grads(["model.remat=none", mem]), grads([f"model.remat={remat}", mem])
-    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(got)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(ref, got)
 
 
 def test_remat_saves_memory():
@@ -81,7 +80,7 @@ def test_layer_norm_is_flax_forward_to_the_bit_and_its_backward():
         np.testing.assert_array_equal(ours.apply(params, x), ref.apply(params, x))
         np.testing.assert_array_equal(jax.jit(ours.apply)(params, x), jax.jit(ref.apply)(params, x))
         loss = lambda m: jax.jit(jax.grad(lambda p, x: jnp.sum(jnp.sin(m.apply(p, x).astype(jnp.float32))), argnums=(0, 1)))
-        for a, b in zip(jax.tree.leaves(loss(ours)(params, x)), jax.tree.leaves(loss(ref)(params, x))):
+        for a, b in leaf_pairs(loss(ours)(params, x), loss(ref)(params, x)):
             assert a.dtype == b.dtype
             a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
             assert np.abs(a - b).max() <= rtol * np.abs(b).max()
@@ -110,7 +109,7 @@ def test_dense_dot_gradients_are_autodiffs():
             grad = lambda m, p, x: jax.jit(jax.grad(lambda p, x: jnp.sum(m.apply(p, x).astype(jnp.float32) * w),
                                                     argnums=(0, 1)))(p, x)
             want = jax.tree.leaves(grad(layer(None, jnp.float32), rounded(params, dtype), rounded(x, dtype)))
-            for a, b, exact in zip(jax.tree.leaves(grad(ours, params, x)), jax.tree.leaves(grad(ref, params, x)), want):
+            for (a, b), exact in zip(leaf_pairs(grad(ours, params, x), grad(ref, params, x)), want, strict=True):
                 assert a.dtype == b.dtype and a.shape == b.shape
                 a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
                 if dtype == jnp.float32:
