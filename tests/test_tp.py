@@ -130,7 +130,8 @@ def test_hlo_of_a_level0_step(accum):
     split0 = eng.levels.split(eng.split.params)[0]
     n0 = sum(int(np.prod(x.shape)) // (2 if tp.is_split(s) else 1)
              for x, s in zip(jax.tree.leaves(eng.levels.split(eng.param_shapes)[0]),
-                             jax.tree.leaves(split0, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))))
+                             jax.tree.leaves(split0, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)),
+                             strict=True))
     assert n0 == eng.flats[0].size
     padded = -(-n0 // 2) * 2
     by_op = {(c.op, c.axes): c.bytes for c in on_data}
