@@ -115,11 +115,25 @@ def train(setup: Setup, steps, *, state: TrainState | None = None, batch=None, a
     return np.array(losses), state
 
 
+def leaf_pairs(a, b):
+    """The leaves of `a` and `b` side by side, once the two are shown to be trees of one structure
+    with at least one leaf: a zip of their leaf lists would stop silently at the shorter, so a
+    tree missing its last leaves, or an empty one, would go uncompared."""
+    sa, sb = jax.tree.structure(a), jax.tree.structure(b)
+    assert sa == sb, f"the trees differ in structure:\n{sa}\n{sb}"
+    assert sa.num_leaves > 0, "no leaves to compare"
+    return zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+
+
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb):
+    for x, y in leaf_pairs(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=atol)
+
+
+def assert_trees_equal(a, b):
+    """Bit for bit, leaf by leaf (`leaf_pairs`)."""
+    for x, y in leaf_pairs(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def replicas(x: jax.Array) -> list[np.ndarray]:

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY_NL, assert_trees_close, make, train
+from helpers import TINY_NL, assert_trees_close, assert_trees_equal, leaf_pairs, make, train
 
 from nljax import config
 from nljax.errors import ConfigError
@@ -53,7 +53,7 @@ def max_rel_err(a, b) -> float:
     """The largest difference of any leaf, relative to that leaf's largest entry in b (absolute
     where b's leaf is zero: dQ and dK at a window of 1, where each token sees only itself)."""
     errs, scales = [], []
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    for x, y in leaf_pairs(a, b):
         scales.append(np.abs(y).max())
         errs.append(np.abs(x - y).max() / (scales[-1] or 1.0))
     assert max(scales) > 1e-3  # not a comparison of zeros
@@ -162,8 +162,7 @@ def test_loops_split_at_the_windows_edges_give_the_masked_loops_values(t, window
     split = ak.Tuning(*(ak.Tiles(bq, bk, split=True),) * 3)
     got = out_and_grads(lambda q, k, v: ak.flash_attention(q, k, v, window, tuning=split, interpret=True), q, k, v, ct)
     want = out_and_grads(kernel(window, bq, bk), q, k, v, ct)
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        np.testing.assert_array_equal(g, w)
+    assert_trees_equal(got, want)
     assert max_rel_err(got, out_and_grads(blocked(window), q, k, v, ct)) < 2e-6
 
 
@@ -191,7 +190,7 @@ def test_the_loops_bounds_are_exactly_the_tiles_the_window_touches_and_sees_whol
 
         def check(bounds, some, whole):  # each row of `some`: one tile of the grid, its loop's tiles
             lo, hi, a, b = (np.asarray(x) for x in bounds)
-            for i, (l, h) in enumerate(zip(lo, hi)):
+            for i, (l, h) in enumerate(zip(lo, hi, strict=True)):
                 a_, b_ = min(max(a[i], l), h), min(max(b[i], min(max(a[i], l), h)), h)  # as `_loops` clips
                 assert list(np.flatnonzero(some[i])) == list(range(l, h)), (bq, bk, i)
                 assert list(np.flatnonzero(whole[i])) == list(range(a_, b_)), (bq, bk, i)

@@ -16,7 +16,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, TINY_NL, assert_trees_close, data_files, make, save, train, tree_hash, truncate
+from helpers import (TINY, TINY_NL, assert_trees_close, assert_trees_equal, data_files, make, save, train, tree_hash,
+                     truncate)
 
 from nljax import config
 from nljax.checkpoint import contents, elastic, storage
@@ -55,8 +56,7 @@ def test_resume_on_the_same_mesh_is_bitwise(ref):
     assert errs and any(np.abs(np.asarray(e)).sum() > 0 for e in errs)  # a frozen level's buffer is in use
     losses, state = train(setup, range(2, STEPS), state=r.state)
     np.testing.assert_array_equal(losses, ref["losses"][2:])  # bitwise
-    for a, b in zip(jax.tree.leaves(host(state)), jax.tree.leaves(ref["final"])):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(host(state), ref["final"])
     setup.state = state
 
 
@@ -191,8 +191,7 @@ def test_a_checkpoint_from_before_the_model_split_restores(tmp_path):
     r = restore(setup.engine, setup.state, tmp_path / "ckpt" / "2")
     assert r.step == 2 and r.warnings == []
     same = restore(setup.engine, setup.state, tmp_path / "ref" / "2").state
-    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(host(r.state), host(same))
     z = make([*then, "sync.strategy=zero1"], 2, 2)
     r = restore(z.engine, z.state, tmp_path / "ckpt" / "2")
     assert r.step == 2 and r.warnings == ["resuming with sync.strategy='zero1' (the checkpoint at step 2 was written with 'replicated')"]
@@ -206,8 +205,7 @@ def test_resume_may_change_how_the_step_computes(ref):
     r = restore(setup.engine, setup.state, ref["dir"] / "2")
     assert r.step == 2 and r.warnings == []
     same = restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "2").state
-    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(host(r.state), host(same))
     other = make([*NL, "model.dtype=bfloat16", "model.nl_lm.attention=blocked", "model.nl_lm.embed_grad=onehot",
                   "model.nl_lm.loss_chunk=16"], 2, 4)
     r = restore(other.engine, other.state, ref["dir"] / "2")
@@ -215,8 +213,7 @@ def test_resume_may_change_how_the_step_computes(ref):
                                   "resuming with model.nl_lm.attention='blocked' (the checkpoint at step 2 was written with 'auto')",
                                   "resuming with model.nl_lm.embed_grad='onehot' (the checkpoint at step 2 was written with 'auto')",
                                   "resuming with model.nl_lm.loss_chunk=16 (the checkpoint at step 2 was written with 0)"], r.warnings
-    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(host(r.state), host(same))
 
 
 def test_a_resume_whose_auto_computes_another_way_is_told(ref, monkeypatch):
@@ -236,8 +233,7 @@ def test_a_resume_whose_auto_computes_another_way_is_told(ref, monkeypatch):
     assert r.warnings == ["resuming with model.nl_lm.memory_impl='auto' computed as 'parallel' on this cpu "
                           "(the checkpoint at step 2 was computed as 'scan'): float rounding differs"], r.warnings
     same = restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "2").state
-    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(same))):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(host(r.state), host(same))
     from nljax.checkpoint.restore import _changed_forms
 
     here = moved.engine.model.forms()
@@ -297,8 +293,7 @@ def test_a_checkpoint_with_flat_qkv_kernels_restores(ref, tmp_path):
                                              contents.META: ocp.args.JsonSave(meta)}))
     r = restore(setup.engine, setup.state, tmp_path / "old" / "2")
     assert r.step == 2 and r.warnings == []
-    for a, b in zip(jax.tree.leaves(host(r.state)), jax.tree.leaves(host(state))):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(host(r.state), host(state))
     # onto another strategy and tensor parallelism: the moments are converted in today's shapes
     f = make([*NL, "sync.strategy=fsdp"], 1, 2, 2)
     r = restore(f.engine, f.state, tmp_path / "old" / "2")
@@ -374,8 +369,7 @@ def test_changed_global_batch_restarts_every_row(ref):
     for x in jax.tree.leaves(r.state.memory):
         assert x.shape[0] == 16 and not np.asarray(x).any()
     same = restore(ref["setup"].engine, ref["setup"].state, ref["dir"] / "4").state
-    for a, b in zip(jax.tree.leaves(r.state.params), jax.tree.leaves(same.params)):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(r.state.params, same.params)
     batch = setup.batch(5)
     assert not np.asarray(batch["reset"]).all()
     reset = setup.batch(5, reset_all=True)  # the first batch after this resume

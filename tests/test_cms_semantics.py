@@ -4,7 +4,7 @@ buffers (`gradients` vs `updates`) checked against hand-written references."""
 import jax
 import numpy as np
 import pytest
-from helpers import assert_trees_close, make, train
+from helpers import assert_trees_close, leaf_pairs, make, train
 
 from nljax.config import ConfigError, load
 from nljax.engine.conductor import pulse
@@ -51,8 +51,7 @@ def test_clipping_is_per_level(strategy, inter, intra):
     norms = np.asarray(m["level_grad_norm"])
     assert norms[1] > 1e6 and 0 < norms[0] < 1e3
     # level 1 moved by exactly lr * clip_norm (SGD): clipped by its own norm
-    step = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree.leaves(level(setup, fired, 1)),
-                                                           jax.tree.leaves(level(setup, before, 1)))])
+    step = np.concatenate([np.ravel(a - b) for a, b in leaf_pairs(level(setup, fired, 1), level(setup, before, 1))])
     np.testing.assert_allclose(np.linalg.norm(step), 0.1 * 0.5, rtol=1e-4)
 
 

@@ -83,7 +83,7 @@ def test_columnar_input_is_the_jsonl_reference(shards, spelling, monkeypatch):
         np.testing.assert_array_equal(a.starts, b.starts)
     kept = [d.replace("\0", "") for d in shards["docs"] if d.replace("\0", "")]
     assert got.manifest["train"]["documents"] + got.manifest["eval"]["documents"] == len(kept) == 58
-    texts = [bytes(got.eval.tokens[a:e + 1]).decode() for a, e in zip(got.eval.starts, got.eval.ends)]
+    texts = [bytes(got.eval.tokens[a:e + 1]).decode() for a, e in zip(got.eval.starts, got.eval.ends, strict=True)]
     assert texts == [d + "\0" for i, d in enumerate(kept) if i % 5 == 4]
 
 

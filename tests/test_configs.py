@@ -47,7 +47,7 @@ def test_first_steps_at_real_shapes(path):
     every_level = pulse(0, cfg.cms.periods).active  # one step variant, compiled once: every level trains
     metrics = []
     losses, state = train(setup, 2, active=every_level, metrics=metrics)  # step 1 reads the memory step 0 wrote
-    for s, (loss, m) in enumerate(zip(losses, metrics)):
+    for s, (loss, m) in enumerate(zip(losses, metrics, strict=True)):
         assert np.isfinite(loss) and loss < 8.0, (s, loss)  # 8 nats: far above a uniform byte model
         assert not bool(m["skipped"].addressable_data(0)), f"step {s} skipped, grad norm {m['grad_norm']}"
     for leaf in jax.tree.leaves(state.memory):

@@ -14,7 +14,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make, save, train
+from helpers import assert_trees_equal, make, save, train
 
 import nljax
 from nljax.checkpoint.restore import restore
@@ -78,8 +78,7 @@ def test_a_model_without_cms_levels_saves_and_resumes_bitwise(flat, tmp_path, st
         assert x.size == 0 and x.sharding == _named(setup.state)[k].sharding
     resumed, state = train(setup, range(2, 5), state=r.state)
     np.testing.assert_array_equal(resumed, straight)
-    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(final)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(state, final)
 
 
 def test_an_elastic_resume_reads_the_empty_levels(flat, tmp_path):
@@ -90,8 +89,7 @@ def test_an_elastic_resume_reads_the_empty_levels(flat, tmp_path):
     r = restore(other.engine, other.state, tmp_path / "2")
     assert r.step == 2
     here, there = other.engine.strategy.export_state(r.state), saved.engine.strategy.export_state(saved.state)
-    for a, b in zip(jax.tree.leaves((here.params, here.opt_state)), jax.tree.leaves((there.params, there.opt_state))):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal((here.params, here.opt_state), (there.params, there.opt_state))
     train(other, range(2, 3), state=r.state)  # and it trains on from there
 
 

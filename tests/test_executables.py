@@ -6,7 +6,7 @@ variable nothing is read or written."""
 import jax
 import numpy as np
 import pytest
-from helpers import make, train
+from helpers import assert_trees_equal, make, train
 
 from nljax.bench import built
 from nljax.engine import executables
@@ -24,13 +24,6 @@ def trained(overrides=OVERRIDES, announced=None):
     metrics = []
     _, state = train(setup, STEPS, metrics=metrics)
     return setup, jax.device_get(metrics), jax.device_get(state)
-
-
-def assert_identical(a, b):
-    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
-    assert len(la) == len(lb) > 0
-    for x, y in zip(la, lb):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +57,8 @@ def test_a_loaded_step_trains_bit_identically_to_the_compiled_one(written, monke
     said = []
     setup, loaded_metrics, loaded_state = trained(announced=said)
     assert sorted(setup.cache.loaded.values()) == files
-    assert_identical(loaded_metrics, metrics)
-    assert_identical(loaded_state, state)
+    assert_trees_equal(loaded_metrics, metrics)
+    assert_trees_equal(loaded_state, state)
     # the run says where each variant came from, not that it compiled it: neither after (it said
     # "compiled") nor before, when it cannot know yet (it said "compiling step variant ...")
     done = [line for line in said if not line.endswith("...")]
@@ -109,8 +102,8 @@ def test_a_damaged_file_warns_once_and_the_step_compiles(written, tmp_path, monk
     warned = [line for line in capsys.readouterr().err.splitlines() if "not loaded" in line]
     assert sorted(warned) == sorted(f"nljax: {tmp_path / f.name}: not loaded (ValueError: its content does not match "
                                     "its digest (truncated or corrupted)); compiling" for f in (truncated, flipped))
-    assert_identical(damaged_metrics, metrics)
-    assert_identical(damaged_state, state)
+    assert_trees_equal(damaged_metrics, metrics)
+    assert_trees_equal(damaged_state, state)
 
 
 def test_a_file_of_another_kind_or_key_is_refused_before_xla_reads_it():

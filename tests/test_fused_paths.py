@@ -202,7 +202,8 @@ def test_chunked_loss_gradients_in_bfloat16_are_as_close_to_float32_as_the_matmu
     with jax.default_matmul_precision("highest"):
         ref = grad(x.astype(jnp.float32))
     got = grad(x)
-    rel = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / float(jnp.max(jnp.abs(r)))) for g, r in zip(got, ref)]
+    rel = [float(jnp.max(jnp.abs(g.astype(jnp.float32) - r)) / float(jnp.max(jnp.abs(r))))
+           for g, r in zip(got, ref, strict=True)]
     assert rel[2] < 1e-3, rel  # the bias
     assert max(rel) < 2e-2, rel  # x and the kernel: bf16 products
 

@@ -5,7 +5,7 @@ MeanFlow run, and one-line errors."""
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_NL, saved_run
+from helpers import TINY_NL, assert_trees_equal, saved_run
 
 from nljax import generate
 from nljax.run import sampling, trained
@@ -85,8 +85,7 @@ def test_same_tokens_on_one_and_eight_devices(fsdp_run):
     s = sampling.Settings(prompt="import ", max_new_tokens=20, temperature=1.0, top_k=50, seed=3)
     runs = [trained.load(run_dir, devices=jax.devices()[:n]) for n in (1, 8)]
     for t in runs:  # the whole tree, gathered from the fsdp shards
-        for a, b in zip(jax.tree.leaves(jax.device_get(t.params)), jax.tree.leaves(params)):
-            np.testing.assert_array_equal(a, b)
+        assert_trees_equal(jax.device_get(t.params), params)
     one, eight = (sampling.generate_text(t, s, lambda _: None) for t in runs)
     assert runs[0].skipped == () and runs[0].warnings("nljax.generate") == []
     assert one == eight and len(one) == 20

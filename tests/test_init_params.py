@@ -12,7 +12,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from helpers import QUICK, SMALL, TINY, TINY_NL, cli, make, saved_run, train
+from helpers import QUICK, SMALL, TINY, TINY_NL, assert_trees_equal, cli, make, saved_run, train
 
 from nljax.checkpoint import contents, storage
 from nljax.checkpoint.lifecycle import Checkpoints
@@ -60,11 +60,9 @@ def test_a_new_run_starts_at_step_0_with_the_checkpoints_parameters_only(src, tm
     assert c.params_from == src["step_dir"]
     got = host(c.state)
     assert int(got.step) == 0
-    for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(saved.params)):
-        np.testing.assert_array_equal(a, b)
-    for field in ("opt_state", "err_buf", "memory"):  # this run's own, at step 0
-        for a, b in zip(jax.tree.leaves(getattr(got, field)), jax.tree.leaves(getattr(fresh, field))):
-            np.testing.assert_array_equal(a, b)
+    assert_trees_equal(got.params, saved.params)
+    # this run's own, at step 0
+    assert_trees_equal((got.opt_state, got.err_buf, got.memory), (fresh.opt_state, fresh.err_buf, fresh.memory))
     assert not any(v.any() for v in _named(got, "opt_state/").values() if v.dtype.kind == "i")  # counts at 0
     # a state the step takes (its shardings): one step trains from it
     losses, _ = train(setup, 1, state=c.state)
@@ -90,12 +88,9 @@ def test_another_mesh_strategy_optimizer_and_periods(src, tmp_path, case):
     fresh = host(setup.state)
     c = _started(setup)
     params = host(setup.engine.strategy.export_state(c.state).params)  # the model's tree, whole
-    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(src["state"].params)):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(params, src["state"].params)
     got = host(c.state)
-    for a, b in zip(jax.tree.leaves((got.opt_state, got.err_buf, got.memory)),
-                    jax.tree.leaves((fresh.opt_state, fresh.err_buf, fresh.memory))):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal((got.opt_state, got.err_buf, got.memory), (fresh.opt_state, fresh.err_buf, fresh.memory))
     losses, _ = train(setup, 1, state=c.state)
     assert np.isfinite(losses).all()
 

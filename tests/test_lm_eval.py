@@ -129,7 +129,8 @@ def expected(lm) -> dict:
     ll = [own_rolling(lm, d["text"]) for d in ROLL]
     words = sum(len(re.split(r"\s+", d["text"])) for d in ROLL)  # lm-eval's word count
     nbytes = sum(len(d["text"].encode()) for d in ROLL)
-    return {"mc": mc, "acc": float(np.mean([np.argmax(s) == d["label"] for s, d in zip(mc, MC)])), "rolling": ll,
+    return {"mc": mc, "acc": float(np.mean([np.argmax(s) == d["label"] for s, d in zip(mc, MC, strict=True)])),
+            "rolling": ll,
             "word_perplexity": math.exp(-sum(ll) / words), "byte_perplexity": math.exp(-sum(ll) / nbytes),
             "bits_per_byte": -sum(ll) / nbytes / math.log(2)}
 
@@ -237,7 +238,7 @@ def test_generate_until_is_nljax_generate_greedy(trained, lm):
     until = ["\n\n"]
     reqs = [Instance("generate_until", {}, (p, {"until": until, "max_gen_toks": 24}), 0) for p in prompts]
     got = model.generate_until(reqs)
-    for prompt, text in zip(prompts, got):
+    for prompt, text in zip(prompts, got, strict=True):
         assert text == lm.generate(prompt, max_new_tokens=24, temperature=0, stop=until)
         full = lm.generate(prompt, max_new_tokens=24, temperature=0, stop_at_eos=False)
         for stop in [*until, "\0"]:  # and the document end, lm-eval's models' default stop

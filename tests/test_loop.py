@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import TINY_NL, assert_trees_close, make, train
+from helpers import TINY_NL, assert_trees_close, leaf_pairs, make, train
 
 from nljax import config
 from nljax.config import ConfigError
@@ -64,8 +64,7 @@ def test_tail_is_not_dropped():
     setup, params, _ = tail_run(1, 2, 4)
     dropped = make([*TAIL, "train.accum_steps=4"], 1, 2).state  # the same run with the tail dropped
     _, st = train(setup, (0, 2), state=dropped, batch=lambda s: rows_of(setup, s, 8))
-    leaves = zip(jax.tree.leaves(params), jax.tree.leaves(jax.device_get(st.params)))
-    assert max(float(np.abs(a - b).max()) for a, b in leaves) > 1e-4
+    assert max(float(np.abs(a - b).max()) for a, b in leaf_pairs(params, jax.device_get(st.params))) > 1e-4
 
 
 def test_bad_tail_batches_are_refused():

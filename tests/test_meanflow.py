@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import EXACT, assert_trees_close, make, train
+from helpers import EXACT, assert_trees_close, assert_trees_equal, make, train
 from jax.sharding import PartitionSpec as P
 
 from nljax.config import ConfigError, MeanFlowConfig, load
@@ -432,8 +432,7 @@ def test_dit_remat_is_exact_and_keeps_less():
         return jnp.sum(meanflow.meanflow_loss(f, x, y, keys, MeanFlowConfig(r_fraction=0.5), 3))
 
     g = {r: jax.jit(jax.grad(functools.partial(loss, n)), compiler_options=EXACT)(params) for r, n in nets.items()}
-    for a, b in zip(jax.tree.leaves(g["none"]), jax.tree.leaves(g["block"])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert_trees_equal(g["none"], g["block"])
     kept = {r: sum(v.size * v.dtype.itemsize for v in jax.tree.leaves(
         jax.eval_shape(lambda p, n=n: jax.vjp(functools.partial(loss, n), p)[1], params))) for r, n in nets.items()}
     assert kept["block"] < 0.5 * kept["none"], kept

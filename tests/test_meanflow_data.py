@@ -118,7 +118,7 @@ def pngs(root, pixels, names):
     """`pixels` (uint8 [N, H, W] or [N, H, W, C]) written as PNG files `names` under `root`."""
     from PIL import Image
 
-    for a, name in zip(pixels, names):
+    for a, name in zip(pixels, names, strict=True):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         Image.fromarray(a).save(root / name)
 

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import assert_trees_close
 
 from nljax.models import memory as nm
 
@@ -37,8 +38,7 @@ def test_chunk_parallel_equals_sequential(kind, chunk, form):
     y, st = FORMS[form](state, *args, kind=kind, chunk=chunk)
     y_ref, st_ref = nm.memory_reference(state, *args, kind=kind, chunk=chunk)
     np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
-    for a, b in zip(jax.tree.leaves(st), jax.tree.leaves(st_ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    assert_trees_close(st, st_ref, rtol=1e-5, atol=1e-5)
 
 
 # the parallel form's gradients in the slow tier here: the fast tier compares them with the scan's
@@ -54,8 +54,7 @@ def test_gradients_match_sequential(kind, form):
 
     g = jax.grad(objective, argnums=(1, 2))(FORMS[form], state, args)
     g_ref = jax.grad(objective, argnums=(1, 2))(nm.memory_reference, state, args)
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    assert_trees_close(g, g_ref, rtol=1e-4, atol=1e-5)
 
 
 def test_momentum_and_forget_gate_matter():

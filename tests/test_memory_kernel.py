@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import TINY_NL, assert_trees_close, make, train
+from helpers import TINY_NL, assert_trees_close, leaf_pairs, make, train
 from nljax import config
 from nljax.errors import ConfigError
 from nljax.models import memory as nm
@@ -58,7 +58,7 @@ def kernel(state, *args, kind, chunk):
 
 
 def assert_close(a, b, rtol, atol):
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    for x, y in leaf_pairs(a, b):
         np.testing.assert_allclose(np.asarray(x, np.float32), np.asarray(y, np.float32), rtol=rtol, atol=atol)
 
 
@@ -66,7 +66,7 @@ def assert_grads_close(a, b, tol):
     """Each gradient leaf within `tol` of the reference's largest entry: the gradient w.r.t. eta
     is ill-conditioned (log eta near eta = 0), and there the scan itself is 1.6e-4 of that scale
     from a float64 evaluation at chunk 64, the kernel 1.7e-4."""
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    for x, y in leaf_pairs(a, b):
         x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
         scale = np.abs(y).max()
         assert scale > 1e-4  # every input moves the objective: the comparison is not of zeros

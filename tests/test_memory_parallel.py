@@ -208,7 +208,7 @@ def test_the_parallel_loop_has_at_most_half_the_products_per_chunk(kind):
     scan = [p for p, _ in loops_of(lambda *a, **kw: nm.memory_forward(*a, remat=True, **kw), kind)]
     parallel = [p for p, _ in loops_of(nm.memory_parallel, kind)]
     assert len(scan) == len(parallel) == 2 and min(parallel) > 0, (scan, parallel)
-    assert all(2 * p <= s for p, s in zip(parallel, scan)), (scan, parallel)
+    assert all(2 * p <= s for p, s in zip(parallel, scan, strict=True)), (scan, parallel)
 
 
 @pytest.mark.parametrize("groups,unroll,lengths", [(1, 1, [8, 8]), (2, 2, [4, 2, 2, 2])])

@@ -5,7 +5,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_NL_DEEP, assert_trees_close, make, replicas, train
+from helpers import TINY_NL_DEEP, assert_trees_close, leaf_pairs, make, replicas, train
 
 from nljax import config
 from nljax.data.text import SEPARATOR, ContextStream
@@ -94,7 +94,10 @@ def test_reset_rows_start_from_memory0():
     out_mixed = apply(params, memory, {**batch, "reset": reset})[2]
     out_fresh = apply(params, fresh, {**batch, "reset": np.ones(8, bool)})[2]
     out_kept = apply(params, memory, {**batch, "reset": np.zeros(8, bool)})[2]
-    for mixed, fr, kept in zip(jax.tree.leaves(out_mixed), jax.tree.leaves(out_fresh), jax.tree.leaves(out_kept)):
+    assert jax.tree.structure(out_mixed) == jax.tree.structure(out_fresh) == jax.tree.structure(out_kept)
+    assert jax.tree.leaves(out_mixed)
+    for mixed, fr, kept in zip(jax.tree.leaves(out_mixed), jax.tree.leaves(out_fresh), jax.tree.leaves(out_kept),
+                               strict=True):
         mixed, fr, kept = map(np.asarray, (mixed, fr, kept))
         np.testing.assert_allclose(mixed[[2, 5]], fr[[2, 5]], rtol=1e-6)
         others = [0, 1, 3, 4, 6, 7]
@@ -134,7 +137,7 @@ def test_non_finite_memory_row_restarts_and_others_are_untouched():
     clean_out = apply(params, memory, batch)[2]
     out = apply(params, poisoned, batch)[2]
     fresh = model.init_memory(1)
-    for leaf, clean in zip(jax.tree.leaves(out), jax.tree.leaves(clean_out)):
+    for leaf, clean in leaf_pairs(out, clean_out):
         leaf, clean = np.asarray(leaf), np.asarray(clean)
         assert np.isfinite(leaf[3]).all()
         others = [0, 1, 2, 4, 5, 6, 7]
@@ -312,7 +315,7 @@ def test_scanned_layers_equal_the_unrolled_net():
     assert jax.tree.structure(stacked) == jax.tree.structure(scan.init(jax.random.key(0)))
     (out_flat, g_flat), (out_scan, g_scan) = (jax.jit(functools.partial(run, m))(p) for m, p in
                                               ((flat, params), (scan, stacked)))
-    for (la, ma), (lb, mb) in zip(out_flat, out_scan):
+    for (la, ma), (lb, mb) in zip(out_flat, out_scan, strict=True):
         np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
         assert_trees_close(mb, ma, rtol=1e-5, atol=1e-6)
     assert_trees_close(g_scan, scanned_params(g_flat, 4, (1, 3)), rtol=1e-4, atol=1e-5)

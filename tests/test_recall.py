@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import make, train
+from helpers import assert_trees_close, assert_trees_equal, make, train
 
 from nljax import config
 from nljax.config import ConfigError
@@ -21,8 +21,7 @@ def test_corpus_is_deterministic_and_has_the_layout():
     args = dict(docs=40, doc_len=96, pairs=3, gap=30, reach=20, eval_fraction=0.25, key_len=3, value_len=VALUE_LEN)
     train_bytes, train_score, held, score = corpus = recall_corpus(**args, seed=1)
     again = recall_corpus.__wrapped__(**args, seed=1)  # not the cached arrays
-    for a, b in zip(corpus, again):
-        np.testing.assert_array_equal(a, b)
+    assert_trees_equal(corpus, again)
     assert not np.array_equal(held, recall_corpus(**args, seed=2)[2])
     assert len(train_bytes) == len(train_score) == 30 * 96 and len(held) == len(score) == 10 * 96
     docs = [(text[d * 96 : (d + 1) * 96].tobytes(), s[d * 96 : (d + 1) * 96])
@@ -95,8 +94,7 @@ def test_values_loss_is_the_mean_over_the_queried_values_on_any_mesh():
     assert "weight" not in make([*RECALL, "data.recall_loss=all"]).batch(0)
     many_losses, many = train(make(RECALL, 2, 4), 3)
     np.testing.assert_allclose(many_losses, losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(jax.device_get(many.params)), jax.tree.leaves(jax.device_get(state.params))):
-        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+    assert_trees_close(jax.device_get(many.params), jax.device_get(state.params), rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("override,match", [

@@ -13,7 +13,7 @@ import math
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_NL, save, saved_run, train
+from helpers import TINY_NL, assert_trees_equal, leaf_pairs, save, saved_run, train
 
 from nljax.checkpoint import storage
 from nljax.checkpoint.restore import restore
@@ -79,12 +79,10 @@ def test_a_load_reads_and_holds_the_parameters_alone(tmp_path, monkeypatch, case
     # every parameter and the step; none of the optimizer state, error buffers or memory saved beside
     assert {"opt_state", "err_buf", "memory"} <= {n.split("/")[0] for n in saved}
     assert read == [wanted]
-    assert jax.tree.structure(t.params) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), b)
+    assert_trees_equal(t.params, want)
     # the whole restore's parameters, bit for bit
     full = restore(t.run.engine, t.run.init_state(), t.path).state.params
-    for a, b in zip(jax.tree.leaves(t.params), jax.tree.leaves(full)):
+    for a, b in leaf_pairs(t.params, full):
         assert a.sharding == b.sharding
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

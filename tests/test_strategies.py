@@ -6,7 +6,7 @@ import functools
 import jax
 import numpy as np
 import pytest
-from helpers import TINY, Setup, assert_trees_close, make, train
+from helpers import TINY, Setup, assert_trees_close, assert_trees_equal, make, train
 
 from nljax.config import ConfigError, load
 from nljax.engine.conductor import pulse
@@ -54,12 +54,12 @@ def canonical_on_host(setup, state):
     eng = setup.engine
     params, opt = jax.device_get((state.params, state.opt_state))
     if eng.strategy.name == "fsdp":
-        parts = [f.unravel(np.asarray(v)[: f.size]) for f, v in zip(eng.flats, params)]
+        parts = [f.unravel(np.asarray(v)[: f.size]) for f, v in zip(eng.flats, params, strict=True)]
         params = levels.merge(tuple(parts), eng.level_tree)
     if eng.strategy.name != "replicated":
         opt = tuple(
             jax.tree.map(lambda x, f=f: f.unravel(np.asarray(x)[: f.size]) if np.ndim(x) == 1 else x, o)
-            for f, o in zip(eng.flats, opt)
+            for f, o in zip(eng.flats, opt, strict=True)
         )
     return jax.device_get(params), jax.device_get(opt)
 
@@ -170,8 +170,7 @@ def test_nan_step_skips_the_poisoned_level(strategy):
         losses.append(mean_loss(m))
         skipped.append(np.asarray(m["level_skipped"]).tolist())
         if s == nan_at:
-            for a, b in zip(jax.tree.leaves((state.params, state.opt_state)), jax.tree.leaves((before.params, before.opt_state))):
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            assert_trees_equal((state.params, state.opt_state), (before.params, before.opt_state))
             buf = np.asarray(state.err_buf[1])
             assert not buf[3].any() and all(buf[d].any() for d in range(8) if d != 3)
     assert skipped == [[0, 0], [1, 0], [0, 0], [0, 0]]
@@ -218,8 +217,7 @@ def test_canonical_round_trip():
     rebuilt = z.engine.strategy.import_state(state)
     a = z.cache.train((True, True), jax.tree.map(lambda x: x.copy(), z_state), z.batch(STEPS))[0]
     b = z.cache.train((True, True), rebuilt, z.batch(STEPS))[0]
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert_trees_equal(a, b)
 
 
 def test_fsdp_eval_gathers_params():

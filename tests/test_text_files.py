@@ -136,7 +136,7 @@ def test_prepare_keeps_documents_whole_and_holds_out_every_nth(corpus, tmp_path,
     docs = corpus["docs"]
     held = [d for i, d in enumerate(docs) if i % 5 == 4]
     for split, want in ((on_disk.train, [d for i, d in enumerate(docs) if i % 5 != 4]), (on_disk.eval, held)):
-        got = [bytes(split.tokens[a:e + 1]).decode() for a, e in zip(split.starts, split.ends)]
+        got = [bytes(split.tokens[a:e + 1]).decode() for a, e in zip(split.starts, split.ends, strict=True)]
         assert got == [d + "\0" for d in want]  # whole, in order, each ended by NUL
     assert m["train"]["bytes"] == m["train"]["tokens"] and on_disk.tokens_per_byte == 1.0
     in_memory = prepared.build(data_config(train, "data.eval_fraction=0.2").data)

@@ -286,7 +286,8 @@ def test_a_real_h200_profile_is_placed(tmp_path, capsys):
     assert sum(v for k, v in where.items() if " | " in k) < 0.01 * sum(where.values())
     # the layer scan's residuals: stacked by the forward scan, sliced out by the backward one
     ops = traces.op_events(traces.load_events(d))["/device:GPU:0"]
-    copies = [(e, w) for e, w in zip(ops, traces.place(ops, traces.Program(data["hlo"]))) if e["name"] == "MemcpyD2D"]
+    copies = [(e, w) for e, w in zip(ops, traces.place(ops, traces.Program(data["hlo"])), strict=True)
+              if e["name"] == "MemcpyD2D"]
     assert copies and {w for _, w in copies} == {"forward", "backward"}
     assert place_trace.main([str(d), "--steps", "1", "--unplaced"]) == 0
     assert "kernels placed at '?', per step:" in capsys.readouterr().out

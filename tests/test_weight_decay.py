@@ -43,7 +43,7 @@ def test_the_flat_mask_is_the_tree_mask_raveled():
     for l in range(lay.n_levels):
         tree = lay.decays(l)
         want = np.concatenate([np.full(int(np.prod(f)), d, np.float32)
-                               for f, d in zip(lay.flats[l].shapes, jax.tree.leaves(tree))])
+                               for f, d in zip(lay.flats[l].shapes, jax.tree.leaves(tree), strict=True)])
         np.testing.assert_array_equal(lay.decay_mask(l, jnp.arange(lay.flats[l].size)), want)
         assert 0 < want.sum() < want.size  # both kinds in every level
     # no mask at all where nothing is excluded: the update compiles as it did before the mask
