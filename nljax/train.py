@@ -7,7 +7,7 @@ import sys
 
 from nljax import cli
 from nljax.run import autoresume
-from nljax.run.resuming import launch_mesh, step_resume
+from nljax.run.resuming import launch_mesh, resuming, step_resume
 from nljax.run.trainer import is_main, resume_step_guess, train
 
 
@@ -17,7 +17,7 @@ def _configure(args, cfg):
     if args.quiet:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, quiet=True))
     if args.resume and not cfg.checkpoint.resume:
-        cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest"))
+        cfg = resuming(cfg, "latest")
     return step_resume(cfg, args.config, args.overrides)
 
 

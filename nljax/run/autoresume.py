@@ -27,7 +27,7 @@ from nljax.checkpoint import storage
 from nljax.checkpoint.taken import inside_run_dir
 from nljax.config import Config
 from nljax.errors import ConfigError
-from nljax.run.resuming import resumed_config
+from nljax.run.resuming import resumed_config, resuming
 from nljax.runtime import distributed
 from nljax.runtime.rundir import check_free, checkpoint_dir, logged_a_step
 
@@ -89,8 +89,7 @@ def configured(cfg: Config, config_file: str | Sequence[str] | None, overrides: 
         check_free(cfg)  # the trainer checks again; here before a line says what this run would do there
     start = decide(cfg)
     if start == RESUME:
-        latest = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume="latest"))
-        return resumed_config(latest, config_file, overrides)
+        return resumed_config(resuming(cfg, "latest"), config_file, overrides)
     if start == NEW:
         where = cfg.run.dir if inside_run_dir(cfg) else f"checkpoint.dir {checkpoint_dir(cfg)}"
         say(f"nljax: --resume=auto: no checkpoint in {where}, starting a new run")

@@ -66,12 +66,13 @@ def step_resume(cfg: Config, config_file: str | Sequence[str] | None, overrides:
     text = cfg.checkpoint.resume
     if not text.isdigit() or Path(text).exists():
         return resumed_config(cfg, config_file, overrides)
-    resumed = resumed_config(_resuming(cfg, "latest"), config_file, overrides)
+    resumed = resumed_config(resuming(cfg, "latest"), config_file, overrides)
     path = step_checkpoint(checkpoint_dir(resumed), int(text), f"checkpoint.resume={text}", cfg.run.dir)
-    return _resuming(resumed, str(path))
+    return resuming(resumed, str(path))
 
 
-def _resuming(cfg: Config, resume: str) -> Config:
+def resuming(cfg: Config, resume: str) -> Config:
+    """`cfg` with checkpoint.resume=`resume` (`--resume` is "latest")."""
     return dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, resume=resume))
 
 
