@@ -142,13 +142,20 @@ def test_momentum_range(value):
     assert str(e.value) == f"config key 'optim.momentum' must be in [0, 1), got {float(value)}"
 
 
-def test_momentum_is_unused_by_adamw_and_lion():
-    """As b1, b2 and eps are by sgd: accepted, and the update rule is the optimizer's own."""
-    for name in ["adamw", "lion"]:
-        cfg = load(None, [f"optim.name={name}", "optim.momentum=0.5", "optim.nesterov=true"]).optim
-        state = optim.update_direction(cfg).init(jnp.zeros(3))
-        plain = optim.update_direction(load(None, [f"optim.name={name}"]).optim).init(jnp.zeros(3))
-        assert jax.tree.structure(state) == jax.tree.structure(plain)
+@pytest.mark.parametrize("opts,message", [
+    (["optim.momentum=0.5"], "optim.momentum and optim.nesterov are sgd's: adamw's momentum is optim.b1"),
+    (["optim.name=lion", "optim.nesterov=true"],
+     "optim.momentum and optim.nesterov are sgd's: lion's momentum is optim.b1"),
+    (["optim.name=sgd", "optim.nesterov=true"],
+     "optim.nesterov=true needs optim.momentum > 0 (plain SGD has no look-ahead)")])
+def test_momentum_set_where_it_is_unused_is_refused(opts, message):
+    """torch's momentum on adamw or lion, or a look-ahead without momentum, would change nothing."""
+    with pytest.raises(ConfigError) as e:
+        load(None, opts)
+    assert str(e.value) == message
+
+
+def test_state_vectors_by_optimizer():
     assert [optim.state_vectors(load(None, o).optim) for o in
             [[], ["optim.name=sgd"], ["optim.name=sgd", "optim.momentum=0.9"], ["optim.name=lion"]]] == [2, 0, 1, 1]
 
@@ -176,14 +183,15 @@ def test_a_resume_may_not_change_the_momentum(tmp_path):
     saved = config.to_dict(load(None, ["optim.name=sgd", f"run.dir={run}"]))
     del saved["optim"]["momentum"]
     (run / "config.yaml").write_text(json.dumps(saved))
-    args = ["checkpoint.resume=latest", f"run.dir={run}"]
+    args = ["checkpoint.resume=latest", f"run.dir={run}", "optim.name=sgd"]
     assert resumed_config(load(None, args), None, args).optim.momentum == 0
     assert config.migrate({"optim": {"name": "sgd"}})["optim"]["momentum"] == 0  # a checkpoint's, likewise
     args.append("optim.momentum=0.9")
     with pytest.raises(ConfigError) as e:
         resumed_config(load(None, args), None, args)
     assert str(e.value) == (f"optim.momentum=0.9 cannot change on resume (0.0 in {run / 'config.yaml'}: the "
-                            "checkpoint holds that model); leave it out, or start a new run in another run.dir")
+                            "checkpoint holds that optimizer state); leave it out, or start a new run in another "
+                            "run.dir")
 
 
 def test_the_start_up_line_names_the_update_rule():

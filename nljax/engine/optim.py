@@ -43,7 +43,7 @@ class OptimConfig:
     b1: float = 0.9  # adamw: the first-moment decay; lion: the momentum's weight in the update's sign
     b2: float = 0.99  # adamw: the second-moment decay; lion: the momentum's decay (optax's 0.99)
     # sgd: the momentum's decay (optax.trace: m = g + momentum m, the step lr m); 0: plain SGD and no
-    # optimizer state; unused by adamw and lion, as b1, b2 and eps are by sgd
+    # optimizer state; sgd's alone (adamw's and lion's momentum is b1: refused with them)
     momentum: float = 0.0
     nesterov: bool = False  # sgd with momentum: the step lr (g + momentum m), Nesterov's look-ahead
     # Adam's epsilon, added to the root of the second moment (optax's default; MaxText's adam_eps,
@@ -70,6 +70,12 @@ class OptimConfig:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.base_batch_size < 1:
             raise ConfigError(f"optim.base_batch_size must be >= 1, got {self.base_batch_size}")
+        # torch's SGD(momentum=...) habit on another optimizer would be silently unused (and, as a
+        # key a resume must match, a refusal later): said now
+        if self.name != "sgd" and (self.momentum or self.nesterov):
+            raise ConfigError(f"optim.momentum and optim.nesterov are sgd's: {self.name}'s momentum is optim.b1")
+        if self.nesterov and not self.momentum:
+            raise ConfigError("optim.nesterov=true needs optim.momentum > 0 (plain SGD has no look-ahead)")
 
 
 def peak_lr(cfg: OptimConfig, batch_size: int) -> float:

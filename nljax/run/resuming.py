@@ -171,8 +171,9 @@ def check_unchanged(saved: Config, resumed: Config, saved_file: Path,
                 on_line = any(f"{k}.".startswith(o.split("=", 1)[0].strip() + ".") for o in overrides)
                 where = None if on_line else config.set_in(config_file, k)
                 given = f"{k}={fmt(new)}" + (f", set in {where}," if where else "")
+                held = "optimizer state" if k.startswith("optim.") else "model"
                 raise ConfigError(f"{given} cannot change on resume ({fmt(old)} in {saved_file}: the checkpoint "
-                                  "holds that model); leave it out, or start a new run in another run.dir")
+                                  f"holds that {held}); leave it out, or start a new run in another run.dir")
 
 
 MESH_KEYS = ("inter", "intra", "model")
