@@ -157,6 +157,31 @@ def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):
                                        rtol=1e-6, err_msg=tag)
 
 
+def test_a_resume_that_meets_its_target_at_once_logs_that_evaluation_once(tmp_path):
+    """A resume whose checkpoint already meets train.target_eval_loss trains nothing, and its
+    evaluation of the checkpoint is the final report's: sent to the trackers where no evaluation
+    was at that step (a checkpoint between evaluations), not a second time where one was (during
+    training, or the final one of the attempt that ended there)."""
+    def run(d, *more):
+        train(config.load(None, [*TINY, *QUICK, "cms.periods=[1]", f"run.dir={d}", "run.quiet=true",
+                                 "checkpoint.every=2", *more]))
+        return [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")]
+
+    target = ["checkpoint.resume=latest", "train.steps=8", "eval.every=4", "train.target_eval_loss=1000"]
+    between = tmp_path / "between"
+    assert [s for s, _ in run(between, "train.steps=6", "eval.every=0")] == [6]  # the final evaluation's
+    shutil.rmtree(between / "checkpoints" / "6")
+    logged = run(between, *target)  # from 4: the events after it purged, no evaluation there until now
+    summary = json.loads((between / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["stopped_at_target_eval_loss"] == 1000
+    assert logged == [(4, pytest.approx(summary["eval_loss"], rel=1e-6))]
+    assert run(between, *target) == logged  # again: the attempt before ended there, logged
+    during = tmp_path / "during"
+    assert [s for s, _ in run(during, "train.steps=6", "eval.every=4")] == [4, 6]
+    shutil.rmtree(during / "checkpoints" / "6")
+    assert [s for s, _ in run(during, *target)] == [4]
+
+
 @pytest.mark.slow
 def test_wandb_offline_run_is_continued_by_a_resume(tmp_path, monkeypatch):
     """An offline W&B run writes its files under run.dir/wandb with no network; its id is saved

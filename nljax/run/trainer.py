@@ -244,6 +244,10 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
             if run.harness is not None:  # this evaluation is the final report's: its harness scores too
                 evaluated.update(run.harness.evaluate(state.params))
             hist.target_met = conductor.step, evaluated
+            # the final report's scores: sent unless the trackers hold an evaluation at this step
+            # already (a checkpoint between evaluations: a preemption's, or eval.every set on resume)
+            if not out.run.evaluated_at(conductor.step):
+                out.trackers.scalars("eval", evaluated, conductor.step)
             out.say(f"the checkpoint's eval_loss {evaluated['eval_loss']:.4f} is at or below train.target_eval_loss="
                     f"{target:g}: no step trained (set it lower, or 0, to train on to train.steps={steps})")
             out.progress.close()
