@@ -33,7 +33,7 @@ from unittest import mock
 
 from nljax import cli
 from nljax.errors import ConfigError, first_line
-from nljax.run.harness import INSTALL
+from nljax.run.harness import INSTALL, unloadable
 from nljax.writable import refuse_unwritable
 
 _missing = None  # the command run without lm-eval: why it could not be imported
@@ -265,6 +265,7 @@ def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
         raise ConfigError(f"lm-eval is not installed ({_missing}): {INSTALL}")
     cli.setup_devices(cpu_devices)
     check_early(lm_eval_argv)
+    lm_eval_argv = expand_home(lm_eval_argv)
     # lm-eval's start-up (its imports, torch's among them, and the index of its thousands of tasks)
     # takes 20 to 35 s on a 2-core CPU before its first log line: said, once the arguments are checked
     print(STARTING, file=sys.stderr, flush=True)
@@ -283,12 +284,40 @@ def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
         if tasks is None:
             raise
         raise ConfigError(f"unknown task(s): {tasks} (`lm_eval ls tasks` lists lm-eval's; a task of your own: "
-                          "--include_path DIR)") from None
+                          f"--include_path DIR){unloadable(option(lm_eval_argv, '--include_path'))}") from None
     except OSError as e:
         if not unreadable_data(e):
             raise
         raise ConfigError(f"a task's data cannot be read: {first_line(e) or type(e).__name__} ({UNREADABLE})") from None
     return 0
+
+
+PATHS = ("--include_path", "--output_path", "-o")  # lm-eval's options that name a file or directory
+
+
+def expand_home(argv: list[str]) -> list[str]:
+    """`--include_path=~/tasks` as the shell leaves it (it expands `~` at a word's start only),
+    expanded for lm-eval, which would open a directory named `~` (the checks above read it expanded)."""
+    out = []
+    for i, a in enumerate(argv):
+        opt, eq, value = a.partition("=")
+        if eq and opt in PATHS:
+            a = f"{opt}={os.path.expanduser(value)}"
+        elif i and argv[i - 1] in PATHS:  # a value quoted as its own word: "~/tasks"
+            a = os.path.expanduser(a)
+        out.append(a)
+    return out
+
+
+def option(argv: list[str], name: str) -> str | None:
+    """The last value of option `name` in `argv` (`name VALUE` or `name=VALUE`), or None."""
+    found = None
+    for i, a in enumerate(argv):
+        if a.startswith(name + "="):
+            found = a.split("=", 1)[1]
+        elif a == name and i + 1 < len(argv):
+            found = argv[i + 1]
+    return found
 
 
 STARTING = "nljax.lm_eval: starting lm-evaluation-harness (its imports and its index of tasks: 20 s and more) ..."

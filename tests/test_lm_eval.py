@@ -421,6 +421,43 @@ def test_an_unknown_task_is_one_line_and_other_errors_pass(tmp_path, monkeypatch
             lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--tasks", "x"])
 
 
+def test_a_task_file_lm_eval_skips_is_named_and_home_is_expanded(tmp_path, monkeypatch, capsys, local_tasks_only):
+    """A task YAML lm-eval cannot load is skipped by its index in silence (a debug log), and its
+    task was "unknown" with no word of why: the refusal names the file and its error. A
+    `--include_path=~/...` (the shell leaves `~` after `=` as typed) reaches lm-eval expanded:
+    its tasks were unknown while nljax's own check had found the directory."""
+    from nljax import lm_eval
+    from nljax.run import harness
+
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    tasks = write_tasks(tmp_path / "tasks")
+    broken = tasks / "tiny_broken.yaml"
+    broken.write_text("task: tiny_broken\ndoc_to_text: [unclosed\n")
+    stand_in_run(tmp_path)
+    argv = ["--model", "nljax", "--model_args", f"run_dir={tmp_path}", "--include_path=~/tasks"]
+    assert lm_eval.main([*argv, "--tasks", "tiny_broken"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("nljax.lm_eval: error: unknown task(s): tiny_broken (`lm_eval ls tasks` lists lm-eval's; a "
+                          f"task of your own: --include_path DIR); {broken} does not load: "), err
+    assert harness.unloadable(str(tasks)) == err.split("DIR)", 1)[1]  # the trainer's eval.harness_include says it too
+    broken.unlink()
+    assert harness.unloadable(str(tasks)) == "" and harness.unloadable("") == ""
+    matched = []  # the tasks lm-eval matched under the expanded path, then its start stopped there
+    from lm_eval.tasks.manager import TaskManager  # the class (local_tasks_only replaced lm_eval.tasks')
+
+    def matching(self, names, real=TaskManager.match_tasks):
+        matched.extend(real(self, names))
+        raise SystemExit(0)
+
+    monkeypatch.setattr(TaskManager, "match_tasks", matching)
+    with pytest.raises(SystemExit):
+        lm_eval._evaluate(None, [*argv, "--tasks", "tiny_mc"])
+    assert matched == ["tiny_mc"]
+    assert lm_eval.expand_home(["-o", "~/o", "--output_path=~/p", "--tasks", "~x"]) == [
+        "-o", f"{tmp_path}/o", f"--output_path={tmp_path}/p", "--tasks", "~x"]
+
+
 @pytest.fixture
 def never_started(monkeypatch):
     """lm-eval's start replaced by an AssertionError("lm-eval started"): what the early checks let

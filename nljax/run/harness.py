@@ -84,8 +84,27 @@ def task_manager(tasks: list[str], include: str):
     unknown = sorted(set(tasks) - set(manager.match_tasks(tasks)))
     if unknown:
         raise ConfigError(f"eval.harness_tasks: unknown lm-eval task(s) {', '.join(unknown)} (`lm_eval ls tasks` lists "
-                          "them; a task of your own: eval.harness_include=DIR)")
+                          f"them; a task of your own: eval.harness_include=DIR){unloadable(include)}")
     return manager
+
+
+def unloadable(include: str | None) -> str:
+    """The first task file under `include` that lm-eval's index skips in silence (a YAML error, an
+    `!include` of a missing file, no task name: it logs them at debug level only), as `; FILE
+    does not load: ERROR`, or '': its tasks were "unknown" with no word of why."""
+    if not include:
+        return ""
+    try:
+        from lm_eval.tasks._index import TaskIndex
+        from lm_eval.tasks._yaml_loader import load_yaml
+    except ImportError:  # another lm-eval 0.4 layout: the message without it
+        return ""
+    for path in TaskIndex._iter_yaml_files(Path(os.path.expanduser(include))):
+        try:  # as TaskIndex.build reads each file
+            TaskIndex.process_cfg(load_yaml(path, resolve_func=False, recursive=True), path, {})
+        except Exception as e:
+            return f"; {path} does not load: {first_line(e) or type(e).__name__}"
+    return ""
 
 
 @contextlib.contextmanager
