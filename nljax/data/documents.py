@@ -63,6 +63,7 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                      for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) or _splits(m) else [])]
             if not found:
                 raise ConfigError(f"{key}: '{pattern}' matches no file")
+            _one_split_each(found, pattern, key)
         else:
             p = Path(os.path.expanduser(pattern))
             if not p.exists():
@@ -122,6 +123,20 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     if missing:
         raise ConfigError(f"{key}: {folder / missing[0]} is missing (listed in {folder / 'state.json'})")
     return [folder / n for n in names]
+
+
+def _one_split_each(found: list[Path], pattern: str, key: str) -> None:
+    """Refuse a glob that takes the files of several splits of one `DatasetDict` (dd/*, or
+    **/*.arrow above it), as a glob that matches its folder: it trained on the test split too."""
+    taken: dict[Path, set[str]] = {}
+    for p in found:
+        if _saved(p.parent) and _splits(p.parent.parent):
+            taken.setdefault(p.parent.parent, set()).add(p.parent.name)
+    for folder, splits in taken.items():
+        if len(splits) > 1:
+            names = sorted(splits)
+            raise ConfigError(f"{key}: '{pattern}' matches the splits {', '.join(names)} of the DatasetDict {folder}: "
+                              f"give one, such as {folder}/{names[0]} (or name each)")
 
 
 def _splits(folder: Path) -> bool:
