@@ -196,6 +196,30 @@ def test_a_file_named_like_a_glob_is_read_as_itself(tmp_path):
     assert documents.expand([str(tmp_path / "notes[0-9].txt")], "data.train") == [tmp_path / "notes1.txt"]
 
 
+def test_a_glob_matching_a_link_to_nothing_or_a_pipe_is_refused(tmp_path):
+    """A glob skipped a link to nothing (a share not mounted) and a pipe as it skips a folder: the
+    text lacked that file without a word. Refused as when named, a link named as such."""
+    import os
+
+    from nljax.data import documents
+
+    (tmp_path / "a.txt").write_text("mine")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "unmounted" / "b.txt")
+    for pattern in ("*.txt", "b.txt"):
+        with pytest.raises(config.ConfigError) as e:
+            documents.expand([str(tmp_path / pattern)], "data.train")
+        assert str(e.value) == (f"data.train: {tmp_path / 'b.txt'} is a symbolic link to "
+                                f"{tmp_path / 'unmounted' / 'b.txt'}, which does not exist")
+    (tmp_path / "b.txt").unlink()
+    os.mkfifo(tmp_path / "c.txt")
+    with pytest.raises(config.ConfigError) as e:
+        documents.expand([str(tmp_path / "*.txt")], "data.train")
+    assert str(e.value) == f"data.train: {tmp_path / 'c.txt'} is not a regular file (a pipe or a device)"
+    (tmp_path / "c.txt").unlink()
+    (tmp_path / "sub.txt").mkdir()  # a folder a glob matches is still skipped
+    assert documents.expand([str(tmp_path / "*.txt")], "data.train") == [tmp_path / "a.txt"]
+
+
 def test_tokenizer_ids_above_255_and_boundaries_from_the_manifest(corpus, tokenizer):
     d = data_config(f"data.train=[{','.join(corpus['train'])}]", f"data.tokenizer={tokenizer}",
                     "data.doc_end_token=<eos>").data

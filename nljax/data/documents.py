@@ -16,9 +16,9 @@ every list of documents, and starts from such a position: an interrupted nljax.p
 without reading again what it has done.
 
 Every problem is one line (`ConfigError`) naming the file, and the line of a .jsonl: a path or
-glob that names no file, another file type, bytes that are not UTF-8, a .gz that is not gzip, a
-line that is not a JSON object with a string `text_key`, a Parquet or Arrow file without that
-column (data/columnar.py).
+glob that names no file, or a link to nothing or a pipe (a glob skips only folders), another file
+type, bytes that are not UTF-8, a .gz that is not gzip, a line that is not a JSON object with a
+string `text_key`, a Parquet or Arrow file without that column (data/columnar.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from nljax import writable
 from nljax.data import columnar
 from nljax.data.settings import TEXT_FORMATS
 from nljax.errors import ConfigError, first_line
@@ -59,6 +60,10 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             # its files, and the folders save_to_disk wrote as their shards (other folders, what `**`
             # spans, are skipped: a save_to_disk folder among the matches was skipped without a word)
             matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+            # a link to nothing (a share not mounted) or a pipe was skipped as a folder is: the
+            # training text lacked that file without a word
+            if odd := next((m for m in matches if not m.is_file() and not m.is_dir()), None):
+                raise ConfigError(f"{key}: {not_regular(odd)}")
             found = [q for m in matches if not _dataset_metadata(m)
                      for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) or _splits(m) else [])]
             if not found:
@@ -66,14 +71,14 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             _one_split_each(found, pattern, key)
         else:
             p = Path(os.path.expanduser(pattern))
-            if not p.exists():
+            if not p.exists() and not writable.dangling(p):
                 raise ConfigError(f"{key}: {missing(p, pattern)}")
             if p.is_dir():
                 found = saved_shards(p, pattern, key)
                 if not found:  # (matched by a glob, it adds nothing, as a Parquet file of no rows)
                     raise ConfigError(f"{key}: {pattern} is an empty dataset (its state.json lists no .arrow file)")
-            elif not p.is_file():  # a FIFO would wait for a writer forever, a device never end
-                raise ConfigError(f"{key}: {pattern} is not a regular file (a pipe or a device)")
+            elif not p.is_file():
+                raise ConfigError(f"{key}: {not_regular(p, pattern)}")
             else:
                 found = [p]
         for p in found:
@@ -85,6 +90,14 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 seen.add(p.resolve())
                 files.append(p)
     return files
+
+
+def not_regular(p: Path, named: str | None = None) -> str:
+    """What a path that is neither a file nor a folder is: a symbolic link to nothing, or a pipe
+    or a device (a FIFO would wait for a writer forever, a device never end)."""
+    if writable.dangling(p):
+        return writable.broken_link(p, named)
+    return f"{named or p} is not a regular file (a pipe or a device)"
 
 
 def missing(p: Path, pattern: str) -> str:
