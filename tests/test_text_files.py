@@ -482,6 +482,12 @@ def _bad_files(root: Path) -> None:
 BAD = [
     (["data.train=R/missing.txt"], "data.train: no file R/missing.txt"),
     (["data.train=R/*.text"], "data.train: 'R/*.text' matches no file"),
+    # paths joined by a comma are one path: said how to give several
+    (["data.train=R/ok.txt,R/two.jsonl"], "data.train: no file R/ok.txt,R/two.jsonl (several paths are a list: "
+                                          "data.train='[R/ok.txt, R/two.jsonl]')"),
+    (["data.train=R/ok.txt", "data.eval=R/*.jsonl, R/e*.txt"], "data.eval: 'R/*.jsonl, R/e*.txt' matches no file "
+                                                               "(several paths are a list: data.eval='[R/*.jsonl, "
+                                                               "R/e*.txt]')"),
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
     (["data.train="], "data.train: an empty path"),
     (["data.train=R/ok.txt", "data.eval=['']"], "data.eval: an empty path"),

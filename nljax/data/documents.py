@@ -67,12 +67,12 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             found = [q for m in matches if not _dataset_metadata(m)
                      for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) or _splits(m) else [])]
             if not found:
-                raise ConfigError(f"{key}: '{pattern}' matches no file")
+                raise ConfigError(f"{key}: '{pattern}' matches no file{_list_hint(pattern, key)}")
             _one_split_each(found, pattern, key)
         else:
             p = Path(os.path.expanduser(pattern))
             if not p.exists() and not writable.dangling(p):
-                raise ConfigError(f"{key}: {missing(p, pattern)}")
+                raise ConfigError(f"{key}: {missing(p, pattern)}{_list_hint(pattern, key)}")
             if p.is_dir():
                 found = saved_shards(p, pattern, key)
                 if not found:  # (matched by a glob, it adds nothing, as a Parquet file of no rows)
@@ -111,6 +111,16 @@ def missing(p: Path, pattern: str) -> str:
         return (f"no file or folder {pattern} (a Hugging Face dataset is not downloaded: save it once with "
                 "datasets' load_dataset(...).save_to_disk(DIR) and give DIR, or one split of it, DIR/train)")
     return f"no file {pattern}"
+
+
+def _list_hint(pattern: str, key: str) -> str:
+    """How to write several paths, when `pattern` is some joined by commas that each name
+    something (`data.train=a.txt,b.txt` is one path with a comma in its name): '' otherwise, and
+    for a data.eval_sets set (`key` "data.eval_sets NAME"), whose glob is one."""
+    parts = [part.strip() for part in pattern.split(",")]
+    if " " in key or len(parts) < 2 or not all(part and glob.glob(os.path.expanduser(part)) for part in parts):
+        return ""
+    return f" (several paths are a list: {key}='[{', '.join(parts)}]')"
 
 
 def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
