@@ -489,6 +489,8 @@ BAD = [
                                                                "(several paths are a list: data.eval='[R/*.jsonl, "
                                                                "R/e*.txt]')"),
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
+    # a shell's completion ends a folder with "/": the glob offered was R/sub//*.txt
+    (["data.train=R/sub/"], "data.train: R/sub/ is a directory (give a glob such as R/sub/*.txt, or a folder"),
     (["data.train="], "data.train: an empty path"),
     (["data.train=R/ok.txt", "data.eval=['']"], "data.eval: an empty path"),
     (["data.train=R/notes.md"], "data.train: R/notes.md is not a file nljax reads as text (it reads .txt, .jsonl, "

@@ -126,15 +126,16 @@ def _list_hint(pattern: str, key: str) -> str:
 def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     """The .arrow shards of a folder `datasets.Dataset.save_to_disk` wrote, in its state.json's
     order (read as Arrow stream files: `datasets` itself is not needed)."""
+    inside = pattern.rstrip("/")  # a shell's completion ends a folder with "/": not "corpus//*.txt"
     if _splits(folder):  # a DatasetDict: one folder per split
         splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
-                          f"one, such as {pattern}/{splits[0] if splits else 'train'}")
+                          f"one, such as {inside}/{splits[0] if splits else 'train'}")
     if not _saved(folder):
         # the glob of what it holds: Spark and Dask write a Parquet "file" as a folder of part files
         held = sorted({s for p in folder.iterdir() for s in SUFFIXES if p.name.endswith(s) and p.is_file()},
                       key=SUFFIXES.index)
-        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*{(held or ['.txt'])[0]}, "
+        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {inside}/*{(held or ['.txt'])[0]}, "
                           "or a folder datasets' save_to_disk wrote)")
     try:
         names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
