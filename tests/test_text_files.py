@@ -472,6 +472,8 @@ def _bad_files(root: Path) -> None:
     (root / "notgz.txt.gz").write_bytes(b"plain text, not gzip")
     (root / "notes.md").write_text("# not a supported type\n")
     (root / "sub").mkdir()
+    (root / "prep").mkdir()  # what nljax.prepare writes: named as text
+    (root / "prep" / "manifest.json").write_text(json.dumps({"format": prepared.FORMAT}))
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     gap = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "fine": 5}, unk_token="[UNK]"))  # 2 entries, id 5
@@ -489,6 +491,9 @@ BAD = [
                                                                "(several paths are a list: data.eval='[R/*.jsonl, "
                                                                "R/e*.txt]')"),
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
+    # the glob offered was R/prep/*.txt
+    (["data.train=R/prep"], "data.train: R/prep holds data nljax.prepare wrote, not text: give it as "
+                            "data.prepared=R/prep"),
     # a shell's completion ends a folder with "/": the glob offered was R/sub//*.txt
     (["data.train=R/sub/"], "data.train: R/sub/ is a directory (give a glob such as R/sub/*.txt, or a folder"),
     (["data.train="], "data.train: an empty path"),

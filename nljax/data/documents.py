@@ -132,6 +132,11 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
                           f"one, such as {inside}/{splits[0] if splits else 'train'}")
     if not _saved(folder):
+        from nljax.data.prepared import is_prepared  # (it imports this module)
+
+        if is_prepared(folder):  # nljax.prepare's output: offered the glob of text files it does not hold
+            raise ConfigError(f"{key}: {pattern} holds data nljax.prepare wrote, not text: give it as "
+                              f"data.prepared={inside}")
         # the glob of what it holds: Spark and Dask write a Parquet "file" as a folder of part files
         held = sorted({s for p in folder.iterdir() for s in SUFFIXES if p.name.endswith(s) and p.is_file()},
                       key=SUFFIXES.index)
