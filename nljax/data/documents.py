@@ -135,8 +135,8 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
         from nljax.data.prepared import is_prepared  # (it imports this module)
 
         if is_prepared(folder):  # nljax.prepare's output: offered the glob of text files it does not hold
-            raise ConfigError(f"{key}: {pattern} holds data nljax.prepare wrote, not text: give it as "
-                              f"data.prepared={inside}")
+            instead = "" if " " in key else f": give it as data.prepared={inside}"  # (a data.eval_sets set: text)
+            raise ConfigError(f"{key}: {pattern} holds data nljax.prepare wrote, not text{instead}")
         # the glob of what it holds: Spark and Dask write a Parquet "file" as a folder of part files
         held = sorted({s for p in folder.iterdir() for s in SUFFIXES if p.name.endswith(s) and p.is_file()},
                       key=SUFFIXES.index)
