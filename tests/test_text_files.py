@@ -468,6 +468,8 @@ def _bad_files(root: Path) -> None:
     (root / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
     (root / "latin1.jsonl").write_bytes('{"text": "one"}\n{"text": "caf\xe9"}\n'.encode("latin-1"))
     (root / "nokey.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
+    (root / "nulltext.jsonl").write_text('{"text": null}\n')
+    (root / "array.jsonl").write_text('["one", "two"]\n')
     (root / "surrogate.jsonl").write_text('{"text": "one"}\n{"text": "half \\ud83d an emoji"}\n')
     (root / "notgz.txt.gz").write_bytes(b"plain text, not gzip")
     (root / "notes.md").write_text("# not a supported type\n")
@@ -506,7 +508,11 @@ BAD = [
     (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),
     # the line's own message, not wrapped in "not valid JSON (...)" naming the line twice
     (["data.train=R/latin1.jsonl"], "R/latin1.jsonl:2: not UTF-8 text (byte 13"),
-    (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key)"),
+    # what the line holds instead: a corpus's text under another name is found at once
+    (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key; its fields: body)"),
+    (["data.train=R/nulltext.jsonl"], "R/nulltext.jsonl:1: no string field 'text' (data.text_key; it holds null)"),
+    (["data.train=R/array.jsonl"], "R/array.jsonl:1: no string field 'text' (data.text_key; the line is an array, "
+                                   "not an object)"),
     (["data.train=R/surrogate.jsonl"], "R/surrogate.jsonl:2: field 'text' holds a lone surrogate"),
     (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),
     (["data.train=R/ok.txt"], "no held-out documents: 1 document(s) at data.eval_fraction=0.05 (every 20th held out) "

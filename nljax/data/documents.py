@@ -292,7 +292,7 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int, cut: _Cut) -> It
             raise ConfigError(f"{where}: not valid JSON ({first_line(e) or type(e).__name__})") from None
         text = record.get(text_key) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise ConfigError(f"{where}: no string field '{text_key}' (data.text_key)")
+            raise ConfigError(f"{where}: no string field '{text_key}' (data.text_key; {_what_is_there(record, text_key)})")
         try:  # JSON's \ud83d escapes can spell a lone surrogate, which is no UTF-8 text
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -305,6 +305,20 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int, cut: _Cut) -> It
                 docs, at = [], number
     if docs or at != number or not at:  # the rest, or blank lines after the last list (or none read)
         yield docs, number
+
+
+def _what_is_there(record, text_key: str) -> str:
+    """What a .jsonl line without a string `text_key` holds instead: its fields (a corpus whose
+    text is under another name, "content"), as a Parquet file's columns are named, or the JSON
+    type of the field or of the line."""
+    kinds = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}
+    if not isinstance(record, dict):
+        return f"the line is {kinds[type(record)]}, not an object"
+    if text_key in record:
+        return f"it holds {kinds[type(record[text_key])]}"
+    names = list(record)
+    return f"its fields: {', '.join(names[:8]) + (', ...' if len(names) > 8 else '') or 'none'}"
 
 
 def _decode(raw: bytes, where: str) -> str:
