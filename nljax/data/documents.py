@@ -292,7 +292,8 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int, cut: _Cut) -> It
             raise ConfigError(f"{where}: not valid JSON ({first_line(e) or type(e).__name__})") from None
         text = record.get(text_key) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise ConfigError(f"{where}: no string field '{text_key}' (data.text_key; {_what_is_there(record, text_key)})")
+            there = _what_is_there(record, text_key)
+            raise ConfigError(f"{where}: no string field '{text_key}' (data.text_key; {there})")
         try:  # JSON's \ud83d escapes can spell a lone surrogate, which is no UTF-8 text
             text.encode("utf-8")
         except UnicodeEncodeError:
