@@ -481,6 +481,8 @@ def _bad_files(root: Path) -> None:
     gap = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "fine": 5}, unk_token="[UNK]"))  # 2 entries, id 5
     gap.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     gap.save(str(root / "gap.json"))
+    (root / "model").mkdir()  # a model's folder, as downloaded from the Hub
+    gap.save(str(root / "model" / "tokenizer.json"))
 
 
 BAD = [
@@ -531,6 +533,9 @@ BAD = [
     # a Hub name, as Levanter's and MaxText's tokenizer settings take: said to be none
     (["data.train=R/ok.txt", "data.tokenizer=gpt2"],
      "data.tokenizer: cannot read gpt2: No such file or directory (a tokenizer.json file, not a Hub name"),
+    (["data.train=R/ok.txt", "data.tokenizer=R/model"],
+     "data.tokenizer: cannot read R/model: Is a directory (give the tokenizer.json in it: "
+     "data.tokenizer=R/model/tokenizer.json)"),
     (["data.train=R/ok.txt", "data.tokenizer=R/gap.json", "data.doc_end_token=</s>"],
      "data.doc_end_token='</s>' is not a token"),
 ]
