@@ -314,7 +314,9 @@ def test_a_glob_into_several_splits_of_a_datasetdict_is_refused(tmp_path):
         with pytest.raises(config.ConfigError) as e:
             documents.expand([f"{tmp_path}/{pattern}"], "data.train")
         assert str(e.value) == (f"data.train: '{tmp_path}/{pattern}' matches the splits test, train of the DatasetDict "
-                                f"{tmp_path / 'dd'}: give one, such as {tmp_path / 'dd' / 'test'} (or name each)")
+                                f"{tmp_path / 'dd'}: give one, such as {tmp_path / 'dd' / 'train'} (or name each)")
+    with pytest.raises(config.ConfigError, match=rf"give one, such as {tmp_path / 'dd' / 'test'}$"):
+        documents.expand([str(tmp_path / "dd")], "data.eval")  # a held-out split offered for data.eval
     assert documents.expand([f"{tmp_path}/dd/tr*"], "data.train") == [tmp_path / "dd" / "train" / "data.arrow"]
     both = documents.expand([str(tmp_path / "dd" / "train"), str(tmp_path / "dd" / "test")], "data.train")
     assert both == [tmp_path / "dd" / s / "data.arrow" for s in ("train", "test")]

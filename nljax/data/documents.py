@@ -130,7 +130,7 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     if _splits(folder):  # a DatasetDict: one folder per split
         splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
-                          f"one, such as {inside}/{splits[0] if splits else 'train'}")
+                          f"one, such as {inside}/{_example(splits, key)}")
     if not _saved(folder):
         from nljax.data.prepared import is_prepared  # (it imports this module)
 
@@ -165,7 +165,14 @@ def _one_split_each(found: list[Path], pattern: str, key: str) -> None:
         if len(splits) > 1:
             names = sorted(splits)
             raise ConfigError(f"{key}: '{pattern}' matches the splits {', '.join(names)} of the DatasetDict {folder}: "
-                              f"give one, such as {folder}/{names[0]} (or name each)")
+                              f"give one, such as {folder}/{_example(names, key)} (or name each)")
+
+
+def _example(splits: list[str], key: str) -> str:
+    """The split to offer for `key`: train for data.train, a held-out one for the others (the
+    first in name order offered data.train the test split)."""
+    wanted = ("train",) if key == "data.train" else ("validation", "test")
+    return next((s for s in wanted if s in splits), splits[0] if splits else wanted[0])
 
 
 def _splits(folder: Path) -> bool:
