@@ -301,6 +301,27 @@ def test_a_datasetdict_a_glob_matches_is_refused_as_when_named(tmp_path):
             documents.expand([f"{tmp_path}/{pattern}"], "data.train")
 
 
+def test_a_glob_into_several_splits_of_a_datasetdict_is_refused(tmp_path):
+    """A glob that matches the split folders (dd/*) or their shards (**/*.arrow) of a DatasetDict,
+    not its folder, trained on its test split without a word; one split matched is read."""
+    for split in ("test", "train"):
+        (tmp_path / "dd" / split).mkdir(parents=True)
+        (tmp_path / "dd" / split / "state.json").write_text('{"_data_files": [{"filename": "data.arrow"}]}')
+        (tmp_path / "dd" / split / "dataset_info.json").write_text("{}")
+        (tmp_path / "dd" / split / "data.arrow").write_bytes(b"")
+    (tmp_path / "dd" / "dataset_dict.json").write_text('{"splits": ["test", "train"]}')
+    for pattern in ("dd/*", "dd/*/*.arrow", "dd/**/*.arrow"):
+        with pytest.raises(config.ConfigError) as e:
+            documents.expand([f"{tmp_path}/{pattern}"], "data.train")
+        assert str(e.value) == (f"data.train: '{tmp_path}/{pattern}' matches the splits test, train of the DatasetDict "
+                                f"{tmp_path / 'dd'}: give one, such as {tmp_path / 'dd' / 'train'} (or name each)")
+    with pytest.raises(config.ConfigError, match=rf"give one, such as {tmp_path / 'dd' / 'test'}$"):
+        documents.expand([str(tmp_path / "dd")], "data.eval")  # a held-out split offered for data.eval
+    assert documents.expand([f"{tmp_path}/dd/tr*"], "data.train") == [tmp_path / "dd" / "train" / "data.arrow"]
+    both = documents.expand([str(tmp_path / "dd" / "train"), str(tmp_path / "dd" / "test")], "data.train")
+    assert both == [tmp_path / "dd" / s / "data.arrow" for s in ("train", "test")]
+
+
 def test_a_split_or_a_dataset_name_not_on_disk_says_what_there_is(tmp_path):
     """A split a DatasetDict folder lacks (`dd/validation`) names the splits it has, and a name
     with no file suffix that is not on disk (a Hugging Face dataset's, which nljax never

@@ -168,6 +168,8 @@ def test_a_section_the_tools_set_given_whole_is_refused(run_dir):
                               "nljax.train"),
     (["run.dir={d}/empty"], "checkpoint not found: {d}/empty/checkpoints"),
     (["run.dir={run}", "data.eval={d}/nothing/*.txt"], "data.eval: '{d}/nothing/*.txt' matches no file"),
+    # held-out files of no text: the line named data.train, which was not given
+    (["run.dir={run}", "data.eval={d}/blank.txt"], "data.eval: no text in 1 file(s) (every document empty)"),
     (["run.dir={run}", "eval.batchez=2"], "unknown config key 'eval.batchez' (did you mean 'eval.batches'?)"),
     (["run.dir={run}", "checkpoint=7"], "checkpoint=7: {run} has no checkpoint at step 7 (its checkpoints are at "
                                         "steps 2, 3)"),
@@ -198,6 +200,7 @@ def test_bad_input_is_one_line_and_writes_nothing(args, line, run_dir, tmp_path,
     (tmp_path / "empty").mkdir()
     shutil.copy(run_dir / "config.yaml", tmp_path / "empty" / "config.yaml")  # a run that saved no checkpoint
     (tmp_path / "theirs.json").write_text('{"a user": "file"}')
+    (tmp_path / "blank.txt").write_text("")
     (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
     tree = lambda root: sorted((p.relative_to(root), p.lstat().st_mtime_ns) for p in root.rglob("*"))
     before = tree(tmp_path), tree(run_dir)

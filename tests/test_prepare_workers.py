@@ -207,7 +207,8 @@ def test_bad_data_found_mid_way_leaves_no_work_behind(corpus, tmp_path, capsys):
     out = tmp_path / "out"
     args = [f"data.train={src}/*.jsonl", "prepare.chunk_bytes=3000", f"out={out}"]
     assert prepare_main(args) == 2
-    assert capsys.readouterr().err.strip() == f"nljax.prepare: error: {src}/part9.jsonl:2: no string field 'text' (data.text_key)"
+    assert capsys.readouterr().err.strip() == (f"nljax.prepare: error: {src}/part9.jsonl:2: no string field 'text' "
+                                               "(data.text_key; its fields: body)")
     assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no DIR, no work, no lock
 
 

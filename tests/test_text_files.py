@@ -196,6 +196,30 @@ def test_a_file_named_like_a_glob_is_read_as_itself(tmp_path):
     assert documents.expand([str(tmp_path / "notes[0-9].txt")], "data.train") == [tmp_path / "notes1.txt"]
 
 
+def test_a_glob_matching_a_link_to_nothing_or_a_pipe_is_refused(tmp_path):
+    """A glob skipped a link to nothing (a share not mounted) and a pipe as it skips a folder: the
+    text lacked that file without a word. Refused as when named, a link named as such."""
+    import os
+
+    from nljax.data import documents
+
+    (tmp_path / "a.txt").write_text("mine")
+    (tmp_path / "b.txt").symlink_to(tmp_path / "unmounted" / "b.txt")
+    for pattern in ("*.txt", "b.txt"):
+        with pytest.raises(config.ConfigError) as e:
+            documents.expand([str(tmp_path / pattern)], "data.train")
+        assert str(e.value) == (f"data.train: {tmp_path / 'b.txt'} is a symbolic link to "
+                                f"{tmp_path / 'unmounted' / 'b.txt'}, which does not exist")
+    (tmp_path / "b.txt").unlink()
+    os.mkfifo(tmp_path / "c.txt")
+    with pytest.raises(config.ConfigError) as e:
+        documents.expand([str(tmp_path / "*.txt")], "data.train")
+    assert str(e.value) == f"data.train: {tmp_path / 'c.txt'} is not a regular file (a pipe or a device)"
+    (tmp_path / "c.txt").unlink()
+    (tmp_path / "sub.txt").mkdir()  # a folder a glob matches is still skipped
+    assert documents.expand([str(tmp_path / "*.txt")], "data.train") == [tmp_path / "a.txt"]
+
+
 def test_tokenizer_ids_above_255_and_boundaries_from_the_manifest(corpus, tokenizer):
     d = data_config(f"data.train=[{','.join(corpus['train'])}]", f"data.tokenizer={tokenizer}",
                     "data.doc_end_token=<eos>").data
@@ -444,21 +468,38 @@ def _bad_files(root: Path) -> None:
     (root / "bad.jsonl").write_text('{"text": "one"}\n{"text": "two"\n')
     (root / "latin1.jsonl").write_bytes('{"text": "one"}\n{"text": "caf\xe9"}\n'.encode("latin-1"))
     (root / "nokey.jsonl").write_text('{"text": "one"}\n{"body": "two"}\n')
+    (root / "nulltext.jsonl").write_text('{"text": null}\n')
+    (root / "array.jsonl").write_text('["one", "two"]\n')
     (root / "surrogate.jsonl").write_text('{"text": "one"}\n{"text": "half \\ud83d an emoji"}\n')
     (root / "notgz.txt.gz").write_bytes(b"plain text, not gzip")
     (root / "notes.md").write_text("# not a supported type\n")
     (root / "sub").mkdir()
+    (root / "prep").mkdir()  # what nljax.prepare writes: named as text
+    (root / "prep" / "manifest.json").write_text(json.dumps({"format": prepared.FORMAT}))
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     gap = Tokenizer(models.WordLevel(vocab={"[UNK]": 0, "fine": 5}, unk_token="[UNK]"))  # 2 entries, id 5
     gap.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     gap.save(str(root / "gap.json"))
+    (root / "model").mkdir()  # a model's folder, as downloaded from the Hub
+    gap.save(str(root / "model" / "tokenizer.json"))
 
 
 BAD = [
     (["data.train=R/missing.txt"], "data.train: no file R/missing.txt"),
     (["data.train=R/*.text"], "data.train: 'R/*.text' matches no file"),
+    # paths joined by a comma are one path: said how to give several
+    (["data.train=R/ok.txt,R/two.jsonl"], "data.train: no file R/ok.txt,R/two.jsonl (several paths are a list: "
+                                          "data.train='[R/ok.txt, R/two.jsonl]')"),
+    (["data.train=R/ok.txt", "data.eval=R/*.jsonl, R/e*.txt"], "data.eval: 'R/*.jsonl, R/e*.txt' matches no file "
+                                                               "(several paths are a list: data.eval='[R/*.jsonl, "
+                                                               "R/e*.txt]')"),
     (["data.train=R/sub"], "data.train: R/sub is a directory"),
+    # the glob offered was R/prep/*.txt
+    (["data.train=R/prep"], "data.train: R/prep holds data nljax.prepare wrote, not text: give it as "
+                            "data.prepared=R/prep"),
+    # a shell's completion ends a folder with "/": the glob offered was R/sub//*.txt
+    (["data.train=R/sub/"], "data.train: R/sub/ is a directory (give a glob such as R/sub/*.txt, or a folder"),
     (["data.train="], "data.train: an empty path"),
     (["data.train=R/ok.txt", "data.eval=['']"], "data.eval: an empty path"),
     (["data.train=R/notes.md"], "data.train: R/notes.md is not a file nljax reads as text (it reads .txt, .jsonl, "
@@ -469,7 +510,11 @@ BAD = [
     (["data.train=R/bad.jsonl"], "R/bad.jsonl:2: not valid JSON"),
     # the line's own message, not wrapped in "not valid JSON (...)" naming the line twice
     (["data.train=R/latin1.jsonl"], "R/latin1.jsonl:2: not UTF-8 text (byte 13"),
-    (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key)"),
+    # what the line holds instead: a corpus's text under another name is found at once
+    (["data.train=R/nokey.jsonl"], "R/nokey.jsonl:2: no string field 'text' (data.text_key; its fields: body)"),
+    (["data.train=R/nulltext.jsonl"], "R/nulltext.jsonl:1: no string field 'text' (data.text_key; it holds null)"),
+    (["data.train=R/array.jsonl"], "R/array.jsonl:1: no string field 'text' (data.text_key; the line is an array, "
+                                   "not an object)"),
     (["data.train=R/surrogate.jsonl"], "R/surrogate.jsonl:2: field 'text' holds a lone surrogate"),
     (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),
     (["data.train=R/ok.txt"], "no held-out documents: 1 document(s) at data.eval_fraction=0.05 (every 20th held out) "
@@ -488,6 +533,9 @@ BAD = [
     # a Hub name, as Levanter's and MaxText's tokenizer settings take: said to be none
     (["data.train=R/ok.txt", "data.tokenizer=gpt2"],
      "data.tokenizer: cannot read gpt2: No such file or directory (a tokenizer.json file, not a Hub name"),
+    (["data.train=R/ok.txt", "data.tokenizer=R/model"],
+     "data.tokenizer: cannot read R/model: Is a directory (give the tokenizer.json in it: "
+     "data.tokenizer=R/model/tokenizer.json)"),
     (["data.train=R/ok.txt", "data.tokenizer=R/gap.json", "data.doc_end_token=</s>"],
      "data.doc_end_token='</s>' is not a token"),
 ]

@@ -16,9 +16,9 @@ every list of documents, and starts from such a position: an interrupted nljax.p
 without reading again what it has done.
 
 Every problem is one line (`ConfigError`) naming the file, and the line of a .jsonl: a path or
-glob that names no file, another file type, bytes that are not UTF-8, a .gz that is not gzip, a
-line that is not a JSON object with a string `text_key`, a Parquet or Arrow file without that
-column (data/columnar.py).
+glob that names no file, or a link to nothing or a pipe (a glob skips only folders), another file
+type, bytes that are not UTF-8, a .gz that is not gzip, a line that is not a JSON object with a
+string `text_key`, a Parquet or Arrow file without that column (data/columnar.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import zlib
 from pathlib import Path
 from typing import Iterator, Sequence
 
+from nljax import writable
 from nljax.data import columnar
 from nljax.data.settings import TEXT_FORMATS
 from nljax.errors import ConfigError, first_line
@@ -59,20 +60,25 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             # its files, and the folders save_to_disk wrote as their shards (other folders, what `**`
             # spans, are skipped: a save_to_disk folder among the matches was skipped without a word)
             matches = sorted(Path(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True))
+            # a link to nothing (a share not mounted) or a pipe was skipped as a folder is: the
+            # training text lacked that file without a word
+            if odd := next((m for m in matches if not m.is_file() and not m.is_dir()), None):
+                raise ConfigError(f"{key}: {not_regular(odd)}")
             found = [q for m in matches if not _dataset_metadata(m)
                      for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) or _splits(m) else [])]
             if not found:
-                raise ConfigError(f"{key}: '{pattern}' matches no file")
+                raise ConfigError(f"{key}: '{pattern}' matches no file{_list_hint(pattern, key)}")
+            _one_split_each(found, pattern, key)
         else:
             p = Path(os.path.expanduser(pattern))
-            if not p.exists():
-                raise ConfigError(f"{key}: {missing(p, pattern)}")
+            if not p.exists() and not writable.dangling(p):
+                raise ConfigError(f"{key}: {missing(p, pattern)}{_list_hint(pattern, key)}")
             if p.is_dir():
                 found = saved_shards(p, pattern, key)
                 if not found:  # (matched by a glob, it adds nothing, as a Parquet file of no rows)
                     raise ConfigError(f"{key}: {pattern} is an empty dataset (its state.json lists no .arrow file)")
-            elif not p.is_file():  # a FIFO would wait for a writer forever, a device never end
-                raise ConfigError(f"{key}: {pattern} is not a regular file (a pipe or a device)")
+            elif not p.is_file():
+                raise ConfigError(f"{key}: {not_regular(p, pattern)}")
             else:
                 found = [p]
         for p in found:
@@ -84,6 +90,14 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 seen.add(p.resolve())
                 files.append(p)
     return files
+
+
+def not_regular(p: Path, named: str | None = None) -> str:
+    """What a path that is neither a file nor a folder is: a symbolic link to nothing, or a pipe
+    or a device (a FIFO would wait for a writer forever, a device never end)."""
+    if writable.dangling(p):
+        return writable.broken_link(p, named)
+    return f"{named or p} is not a regular file (a pipe or a device)"
 
 
 def missing(p: Path, pattern: str) -> str:
@@ -99,18 +113,34 @@ def missing(p: Path, pattern: str) -> str:
     return f"no file {pattern}"
 
 
+def _list_hint(pattern: str, key: str) -> str:
+    """How to write several paths, when `pattern` is some joined by commas that each name
+    something (`data.train=a.txt,b.txt` is one path with a comma in its name): '' otherwise, and
+    for a data.eval_sets set (`key` "data.eval_sets NAME"), whose glob is one."""
+    parts = [part.strip() for part in pattern.split(",")]
+    if " " in key or len(parts) < 2 or not all(part and glob.glob(os.path.expanduser(part)) for part in parts):
+        return ""
+    return f" (several paths are a list: {key}='[{', '.join(parts)}]')"
+
+
 def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     """The .arrow shards of a folder `datasets.Dataset.save_to_disk` wrote, in its state.json's
     order (read as Arrow stream files: `datasets` itself is not needed)."""
+    inside = pattern.rstrip("/")  # a shell's completion ends a folder with "/": not "corpus//*.txt"
     if _splits(folder):  # a DatasetDict: one folder per split
         splits = sorted(p.name for p in folder.iterdir() if (p / "state.json").is_file())
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
-                          f"one, such as {pattern}/{splits[0] if splits else 'train'}")
+                          f"one, such as {inside}/{_example(splits, key)}")
     if not _saved(folder):
+        from nljax.data.prepared import is_prepared  # (it imports this module)
+
+        if is_prepared(folder):  # nljax.prepare's output: offered the glob of text files it does not hold
+            instead = "" if " " in key else f": give it as data.prepared={inside}"  # (a data.eval_sets set: text)
+            raise ConfigError(f"{key}: {pattern} holds data nljax.prepare wrote, not text{instead}")
         # the glob of what it holds: Spark and Dask write a Parquet "file" as a folder of part files
         held = sorted({s for p in folder.iterdir() for s in SUFFIXES if p.name.endswith(s) and p.is_file()},
                       key=SUFFIXES.index)
-        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {pattern}/*{(held or ['.txt'])[0]}, "
+        raise ConfigError(f"{key}: {pattern} is a directory (give a glob such as {inside}/*{(held or ['.txt'])[0]}, "
                           "or a folder datasets' save_to_disk wrote)")
     try:
         names = [f["filename"] for f in json.loads((folder / "state.json").read_text())["_data_files"]]
@@ -122,6 +152,27 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
     if missing:
         raise ConfigError(f"{key}: {folder / missing[0]} is missing (listed in {folder / 'state.json'})")
     return [folder / n for n in names]
+
+
+def _one_split_each(found: list[Path], pattern: str, key: str) -> None:
+    """Refuse a glob that takes the files of several splits of one `DatasetDict` (dd/*, or
+    **/*.arrow above it), as a glob that matches its folder: it trained on the test split too."""
+    taken: dict[Path, set[str]] = {}
+    for p in found:
+        if _saved(p.parent) and _splits(p.parent.parent):
+            taken.setdefault(p.parent.parent, set()).add(p.parent.name)
+    for folder, splits in taken.items():
+        if len(splits) > 1:
+            names = sorted(splits)
+            raise ConfigError(f"{key}: '{pattern}' matches the splits {', '.join(names)} of the DatasetDict {folder}: "
+                              f"give one, such as {folder}/{_example(names, key)} (or name each)")
+
+
+def _example(splits: list[str], key: str) -> str:
+    """The split to offer for `key`: train for data.train, a held-out one for the others (the
+    first in name order offered data.train the test split)."""
+    wanted = ("train",) if key == "data.train" else ("validation", "test")
+    return next((s for s in wanted if s in splits), splits[0] if splits else wanted[0])
 
 
 def _splits(folder: Path) -> bool:
@@ -248,7 +299,8 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int, cut: _Cut) -> It
             raise ConfigError(f"{where}: not valid JSON ({first_line(e) or type(e).__name__})") from None
         text = record.get(text_key) if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise ConfigError(f"{where}: no string field '{text_key}' (data.text_key)")
+            there = _what_is_there(record, text_key)
+            raise ConfigError(f"{where}: no string field '{text_key}' (data.text_key; {there})")
         try:  # JSON's \ud83d escapes can spell a lone surrogate, which is no UTF-8 text
             text.encode("utf-8")
         except UnicodeEncodeError:
@@ -261,6 +313,20 @@ def _lines(path: Path, f, text_key: str, skip: int, batch: int, cut: _Cut) -> It
                 docs, at = [], number
     if docs or at != number or not at:  # the rest, or blank lines after the last list (or none read)
         yield docs, number
+
+
+def _what_is_there(record, text_key: str) -> str:
+    """What a .jsonl line without a string `text_key` holds instead: its fields (a corpus whose
+    text is under another name, "content"), as a Parquet file's columns are named, or the JSON
+    type of the field or of the line."""
+    kinds = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+             list: "an array", dict: "an object"}
+    if not isinstance(record, dict):
+        return f"the line is {kinds[type(record)]}, not an object"
+    if text_key in record:
+        return f"it holds {kinds[type(record[text_key])]}"
+    names = list(record)
+    return f"its fields: {', '.join(names[:8]) + (', ...' if len(names) > 8 else '') or 'none'}"
 
 
 def _decode(raw: bytes, where: str) -> str:

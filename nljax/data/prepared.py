@@ -186,6 +186,8 @@ def held_out(d: DataConfig) -> Corpus:
     tok = tokenization.load(d.tokenizer, d.doc_end_token)
     files = documents.expand(d.eval, "data.eval")
     split, sink = _all_held_out(d, files, tok)
+    if not sink.tokens:  # _manifest's line would name data.train, which was not given
+        raise ConfigError(f"data.eval: no text in {len(files)} file(s) (every document empty)")
     return Corpus(split, split, _manifest(d, tok, (files, files), {"train": sink, "eval": sink}, 0))
 
 

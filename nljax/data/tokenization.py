@@ -109,6 +109,8 @@ class HFTokenizer:
             hub = "" if path.exists() or path.suffix == ".json" else (
                 " (a tokenizer.json file, not a Hub name: nljax downloads nothing; the guide "
                 "'Train on your own text', section Tokenizer, says how to get one)")
+            if path.is_dir() and (path / "tokenizer.json").is_file():  # a model's folder, as downloaded from the Hub
+                hub = f" (give the tokenizer.json in it: data.tokenizer={path / 'tokenizer.json'})"
             raise ConfigError(f"data.tokenizer: cannot read {path}: {e.strerror or e}{hub}") from None
         try:
             self.tok = Tokenizer.from_str(self.raw.decode("utf-8"))
