@@ -74,6 +74,13 @@ class Run:
     def batch(self, step: int, reset_all: bool = False) -> dict:
         return self.task.batch(step, reset_all=reset_all)
 
+    def model_params(self, state: TrainState):
+        """The parameters evaluation and samples read, in the stored layout: the moving average
+        where optim.ema_decay is set (`Strategy.average_params`), else the trained ones."""
+        if not self.cfg.optim.ema_decay:
+            return state.params
+        return self.engine.strategy.average_params(state.params, state.opt_state)
+
     def evaluate(self, params, step: int = 0) -> dict:
         """The task's held-out metrics, and the harness tasks' (eval.harness_tasks) when attached."""
         out = self.task.evaluate(self.cache, params, step)
