@@ -168,3 +168,28 @@ def test_training_evaluates_the_average(tmp_path):
     np.testing.assert_allclose(summary["eval_loss"], t.run.evaluate(t.params, t.step)["eval_loss"], rtol=1e-5)
     raw = restore_params(t.run.engine, t.path).params
     assert abs(t.run.evaluate(raw, t.step)["eval_loss"] - summary["eval_loss"]) > 1e-4
+
+
+def test_the_start_up_line_says_what_is_evaluated():
+    from nljax.run.trainer import startup_report
+
+    for opts, average in ((EMA, True), (EMA[:2], False)):
+        setup, lines = make(opts), []
+        startup_report(setup, setup.state, lines.append)
+        line = next(line for line in lines if line.startswith("optimizer adamw"))
+        assert line.endswith("; evaluation and the tools read the moving average (optim.ema_decay=0.8)") == average, line
+
+
+def test_a_use_of_the_model_budgets_the_optimizer_state_it_reads(monkeypatch):
+    """A tool reads the average from the optimizer state: its memory budget counts that state
+    (a device that holds the parameters alone, not with it, refuses the load in one line)."""
+    from nljax.measure import budget
+    from nljax.run.core import Run
+
+    setup, plain = make(EMA), make(EMA[:2])
+    terms = budget.engine_terms(setup.cfg, setup.engine)
+    assert terms["optimizer state"] > 0
+    monkeypatch.setattr(budget, "available_bytes", lambda *a: sum(budget.in_use(terms).values()) + 1)
+    with pytest.raises(ConfigError, match="the trained model does not fit this device"):
+        Run.create(setup.cfg, jax.devices()[:1], trains=False)
+    Run.create(plain.cfg, jax.devices()[:1], trains=False)  # without the average it fits

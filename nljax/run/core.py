@@ -57,7 +57,7 @@ class Run:
         # that an absurd size never reaches Flax or XLA, then from the exact shapes.
         local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         available = budget.available_bytes(len(local), local[0] if local else None)
-        needs = (lambda terms: terms) if trains else budget.in_use
+        needs = (lambda terms: terms) if trains else (lambda terms: budget.in_use(terms, bool(cfg.optim.ema_decay)))
         if model is None:  # a given model (a tensor-parallel shard) is smaller than its config says
             budget.check(needs(budget.config_floor(cfg, meshlib.data_size(mesh))), available, trains)
         model = build(cfg) if model is None else model

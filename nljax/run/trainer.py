@@ -151,8 +151,9 @@ def startup_report(run: Run, state: TrainState, say) -> None:
     o = cfg.optim
     rule = (f"sgd with {'Nesterov ' if o.nesterov else ''}momentum {o.momentum:g}" if o.name == "sgd" and o.momentum
             else o.name)
+    average = f"; evaluation and the tools read the moving average (optim.ema_decay={o.ema_decay:g})" if o.ema_decay else ""
     say(f"optimizer {rule}: peak lr {lr:.4g}{scaled}, {o.schedule} schedule, {o.warmup_steps} warm-up "
-        f"steps{weight_decay(cfg, eng)}")
+        f"steps{weight_decay(cfg, eng)}{average}")
     say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
     say(describe_memory(bytes_per_device(state), eng.strategy.name))
 
