@@ -25,10 +25,11 @@ def averages(setup, state):
     return optim.average_of(opt)
 
 
-def test_each_level_averages_over_its_own_updates():
-    """a = p at the start; after each update of a level a <- 0.8 a + 0.2 p for its parameters,
-    unchanged at the steps it is frozen (level 1, period 2: steps 0 and 2); evaluation reads it
-    (`Run.model_params`), not the trained parameters."""
+def test_each_level_averages_over_the_steps():
+    """a = p at the start, then per step a <- 0.8 a + 0.2 p: level 1 (period 2), whose parameters
+    stand still between its updates (steps 0 and 2), takes its two steps at each update,
+    a <- 0.8^2 a + (1 - 0.8^2) p, and is unchanged at the steps it is frozen; evaluation reads
+    it (`Run.model_params`), not the trained parameters."""
     setup = make(EMA)
     split = lambda p: setup.engine.levels.split(jax.device_get(p))
     want = list(split(setup.state.params))
@@ -38,7 +39,8 @@ def test_each_level_averages_over_its_own_updates():
         now = split(setup.state.params)
         for l, fired in enumerate(pulse(s, (1, 2)).active):
             if fired:
-                want[l] = jax.tree.map(lambda a, p: DECAY * a + (1 - DECAY) * p, want[l], now[l])
+                d = DECAY ** (1, 2)[l]
+                want[l] = jax.tree.map(lambda a, p: d * a + (1 - d) * p, want[l], now[l])
         assert_trees_close(averages(setup, setup.state), tuple(want), rtol=1e-6, atol=1e-7)
     read = jax.device_get(setup.run.model_params(setup.state))
     assert_trees_close(read, setup.engine.levels.merge(tuple(want)), rtol=1e-6, atol=1e-7)

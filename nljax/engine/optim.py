@@ -51,10 +51,11 @@ class OptimConfig:
     # or a zero gradient (a parameter no token reaches) would divide 0 by 0
     eps: float = 1e-8
     # an exponential moving average of the parameters (NeMo's, Composer's, MeanFlow's EMA), what
-    # evaluation, samples, nljax.evaluate/generate/export/lm_eval and nljax.load read: each level's
-    # average a <- ema_decay a + (1 - ema_decay) p after each of its updates (a level of period C
-    # averages over its updates, every C steps), starting from the initial parameters; kept with
-    # its optimizer state (as sharded). Its horizon is about 1 / (1 - ema_decay) updates. 0: off
+    # evaluation, samples, nljax.evaluate/generate/export/lm_eval and nljax.load read: per step
+    # a <- ema_decay a + (1 - ema_decay) p, from the initial parameters; a level of period C,
+    # whose parameters hold still between its updates, takes its C steps at once at each update
+    # (a <- ema_decay^C a + (1 - ema_decay^C) p). Its horizon is about 1 / (1 - ema_decay) steps,
+    # for every level; kept with the optimizer state (as sharded). 0: off
     ema_decay: float = 0.0
     clip_norm: float = 0.0  # clip each active level's synchronized gradient by its own norm; 0: off
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # lr x (B/B0) or x sqrt(B/B0), B = train.batch_size
@@ -194,25 +195,28 @@ class Optimizer:
 
     tx: optax.GradientTransformation
     weight_decay: float
-    ema_decay: float = 0.0
+    # per level, the average's decay at each of its updates: optim.ema_decay ** its period (the
+    # steps it stood still); empty: no average
+    ema: tuple[float, ...] = ()
 
     @classmethod
-    def of(cls, cfg: OptimConfig) -> "Optimizer":
-        return cls(update_direction(cfg), cfg.weight_decay, cfg.ema_decay)
+    def of(cls, cfg: OptimConfig, periods: tuple[int, ...] = ()) -> "Optimizer":
+        ema = tuple(cfg.ema_decay**p for p in periods) if cfg.ema_decay else ()
+        return cls(update_direction(cfg), cfg.weight_decay, ema)
 
     def init(self, params):
         state = self.tx.init(params)
         # the average starts at the initial parameters (a copy: never the same buffer)
-        return (state, jax.tree.map(jnp.array, params)) if self.ema_decay else state
+        return (state, jax.tree.map(jnp.array, params)) if self.ema else state
 
-    def apply(self, grads, oks, opt_state, params, lrs, decays=None):
-        """`apply_steps` with this optimizer: (new params, new optimizer state); the average moves
-        toward the new parameters where any of the K gradients updated them."""
-        if not self.ema_decay:
+    def apply(self, grads, oks, opt_state, params, lrs, decays=None, level: int = 0):
+        """`apply_steps` with this optimizer: (new params, new optimizer state); level `level`'s
+        average moves toward the new parameters where any of the K gradients updated them."""
+        if not self.ema:
             return apply_steps(self.tx, grads, oks, opt_state, params, lrs, self.weight_decay, decays)
         state, average = opt_state
         new, state = apply_steps(self.tx, grads, oks, state, params, lrs, self.weight_decay, decays)
-        d, moved = self.ema_decay, jnp.any(oks)
+        d, moved = self.ema[level], jnp.any(oks)
         average = jax.tree.map(lambda a, p: jnp.where(moved, d * a + (1 - d) * p, a), average, new)
         return new, (state, average)
 

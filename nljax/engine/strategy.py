@@ -310,7 +310,7 @@ class Replicated(Strategy):
 
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
         grads = jax.vmap(self.levels.flats[l].unravel)(gs)  # leaves [K, ...]
-        return self.opt.apply(grads, oks, opt_state, stored_part, lrs, self.levels.decays(l))
+        return self.opt.apply(grads, oks, opt_state, stored_part, lrs, self.levels.decays(l), level=l)
 
 
 class Zero1(Strategy):
@@ -340,7 +340,7 @@ class Zero1(Strategy):
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
         flat = self.levels.flats[l]
         shard, opt_state = self.opt.apply(gs, oks, opt_state, self.own(flat.ravel(stored_part)), lrs,
-                                          self.decay_mask(l))  # [Np/intra]
+                                          self.decay_mask(l), level=l)  # [Np/intra]
         new = jax.lax.all_gather(shard, INTRA, axis=0, tiled=True)[: flat.size]  # [N]
         return flat.unravel(new), opt_state
 
@@ -397,7 +397,7 @@ class FSDP(Strategy):
         return sync.shard_all(g, c.reduce, c.mean, m[INTER], m[INTRA])  # [Np/(inter*intra)]
 
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
-        return self.opt.apply(gs, oks, opt_state, stored_part, lrs, self.decay_mask(l))
+        return self.opt.apply(gs, oks, opt_state, stored_part, lrs, self.decay_mask(l), level=l)
 
     def own(self, vec):
         return _block_of(vec, DATA_AXES, data_size(self.mesh))  # [Np/n]
@@ -432,4 +432,4 @@ STRATEGIES: dict[str, type[Strategy]] = {"replicated": Replicated, "zero1": Zero
 def make_strategy(cfg: Config, mesh: Mesh, levels: LevelLayout, split: Split) -> Strategy:
     """The `sync.strategy` of `cfg` for a run on `mesh` whose per-device parameters split as
     `levels`, over the tensor-parallel shards `split`."""
-    return STRATEGIES[cfg.sync.strategy](mesh, levels, cfg.sync, Optimizer.of(cfg.optim), split)
+    return STRATEGIES[cfg.sync.strategy](mesh, levels, cfg.sync, Optimizer.of(cfg.optim, cfg.cms.periods), split)
