@@ -195,3 +195,19 @@ def test_a_use_of_the_model_budgets_the_optimizer_state_it_reads(monkeypatch):
     with pytest.raises(ConfigError, match="the trained model does not fit this device"):
         Run.create(setup.cfg, jax.devices()[:1], trains=False)
     Run.create(plain.cfg, jax.devices()[:1], trains=False)  # without the average it fits
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_the_average_moves_no_byte(strategy):
+    """The average is updated on each device's own part of a level, where its optimizer state
+    is: every step variant's collectives (from the compiled HLO) are the same with it as without,
+    so a frozen level still moves zero bytes."""
+    from nljax.measure.comm import comm_per_step
+
+    def collectives(opts):
+        setup = make([*opts, f"sync.strategy={strategy}"], 2, 4)
+        r = comm_per_step(setup.cache, setup.state, setup.batch(0))
+        return [[(c["op"], c["axes"], c["wire_bytes"]) for c in v["collectives"]] for v in r["variants"]]
+
+    plain = collectives(EMA[:2])
+    assert all(plain) and collectives(EMA) == plain
