@@ -38,7 +38,7 @@ class Trained:
     cfg: config.Config  # the run's config as this tool runs it (1 x n mesh, one row per device)
     trained_cfg: config.Config  # the run's config as it trained (with the tool's config overrides)
     run: Run  # on a 1 x n mesh, replicated strategy
-    params: Any  # the model's parameter tree, replicated over run.mesh
+    params: Any  # the model's parameter tree (its moving average under optim.ema_decay), replicated over run.mesh
     step: int  # optimizer steps the checkpoint had taken
     path: Path  # the step directory read
     skipped: tuple = ()  # (path, why) of the newer checkpoints that were damaged
