@@ -79,7 +79,7 @@ CONVERTED = {"run.tensorboard": (lambda on: ["tensorboard"] if on else [],
 ADDED = {"model.nl_lm.scan_layers": False, "model.nl_lm.memory_embed": False, "model.nl_lm.memory_impl": "scan",
          "model.nl_lm.attention": "blocked", "model.nl_lm.embed_grad": "scatter", "model.nl_lm.loss_chunk": 0,
          "optim.decay_params": "all", "optim.min_lr_ratio": 0.1, "optim.decay_fraction": 0.2,
-         "optim.eps": 1e-8, "optim.momentum": 0.0}
+         "optim.eps": 1e-8, "optim.momentum": 0.0, "optim.ema_decay": 0.0}
 
 FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32
 

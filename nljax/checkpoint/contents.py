@@ -38,8 +38,9 @@ STATE, META = "state", "nljax"  # item names inside a step directory
 # and model.dit.* included; a checkpoint saved before those subsections is read with its keys
 # moved, `storage.read_meta`). Everything else may change on resume: settings that do not change
 # the result silently, the rest (strategy included) with a warning. `optim.momentum`: whether sgd
-# keeps a momentum buffer in the optimizer state at all (and a momentum never restarts silently).
-MUST_MATCH = ("model", "cms", "optim.name", "optim.momentum")
+# keeps a momentum buffer in the optimizer state at all (and a momentum never restarts silently);
+# `optim.ema_decay`: whether it holds the parameters' moving average (and that average's meaning).
+MUST_MATCH = ("model", "cms", "optim.name", "optim.momentum", "optim.ema_decay")
 # model keys that change how the step computes, not what a checkpoint holds: they may change on
 # resume (a run that ran out of memory resumes with remat). Recomputation and unrolling give the
 # same bits (SAME_BITS: silent); the compute dtype, the attention's form, the embedding's

@@ -84,7 +84,10 @@ def start_from(engine: Engine, fresh: TrainState, root: Path) -> Started:
     falling back past damaged ones in a directory. One-line ConfigError on bad input."""
     restored, skipped = first_valid(lambda path: params_of(engine, path), candidates(root))
     passed = [passed_over(p, why, "using") for p, why in skipped]
-    return Started(fresh.replace(params=restored.params), restored.path, restored.step, passed, restored.tokenizer)
+    state = fresh.replace(params=restored.params)
+    if engine.cfg.optim.ema_decay:  # the moving average starts from the parameters the run starts from
+        state = state.replace(opt_state=engine.strategy.restart_average(state.params, state.opt_state))
+    return Started(state, restored.path, restored.step, passed, restored.tokenizer)
 
 
 def params_of(engine: Engine, path: Path) -> RestoredParams:
@@ -101,8 +104,8 @@ def params_of(engine: Engine, path: Path) -> RestoredParams:
 
 
 def _source_engine(engine: Engine, meta: dict, path: Path) -> Engine:
-    """`engine`, or where the checkpoint's `optim.name`, `optim.momentum` or `cms.*` differ from
-    this run's, an engine on the same model, mesh and strategy with the checkpoint's: they shape the
+    """`engine`, or where the checkpoint's `optim.name`, `optim.momentum`, `optim.ema_decay` or
+    `cms.*` differ from this run's, an engine on the same model, mesh and strategy with the checkpoint's: they shape the
     optimizer state and the error buffers, not the parameters, whose layout is the same in both. The number
     of CMS levels does shape the parameters (a model builds a chain of that many levels): it
     must match."""
@@ -112,7 +115,8 @@ def _source_engine(engine: Engine, meta: dict, path: Path) -> Engine:
         raise ConfigError(f"checkpoint {path} does not fit this run: cms.periods={fmt(periods)} there, "
                           f"{list(cfg.cms.periods)} here (another number of levels is another model)")
     here = config.to_dict(cfg)
-    optim = {k: get(saved, f"optim.{k}") for k in ("name", "momentum") if get(saved, f"optim.{k}") is not None}
+    optim = {k: get(saved, f"optim.{k}") for k in ("name", "momentum", "ema_decay")
+             if get(saved, f"optim.{k}") is not None}
     tree = {**here, "optim": {**here["optim"], **optim},
             "cms": {**here["cms"], **{k: v for k, v in saved["cms"].items() if k in here["cms"]}}}
     if tree == here:

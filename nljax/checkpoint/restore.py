@@ -30,6 +30,7 @@ from nljax.checkpoint.contents import (
     differences,
     fingerprint,
     fmt,
+    get,
     named_arrays,
     of_params,
     per_device,
@@ -104,8 +105,8 @@ class RestoredParams:
     tokenizer: dict | None = None  # what its token ids are (`data_tokenizer`)
 
 
-def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None, built: dict | None = None
-                   ) -> RestoredParams:
+def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None, built: dict | None = None,
+                   average: bool = False) -> RestoredParams:
     """The parameters alone of the checkpoint at `path`, on `engine`'s mesh in its layout: what
     `restore` gives as `state.params`, bit for bit, without reading or making anything else. Only
     the `params/...` arrays and the step are read (the optimizer state, error buffers and memory
@@ -117,21 +118,28 @@ def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None, bu
     now, checked first (another tokenizer's size would be said as a model.vocab_size misfit).
     `built`: what the run's data now build the model for (`registry.record`: a DiT's image size,
     which no parameter's shape shows), checked against the checkpoint's (`check_built`); None:
-    not checked (checkpoint.init_params may fine-tune on images of another size)."""
+    not checked (checkpoint.init_params may fine-tune on images of another size). `average`: the
+    parameters' moving average instead where the checkpoint holds one (optim.ema_decay, kept with
+    the optimizer state: then that state is read too, and converted as a resume converts it)."""
     meta = storage.read_meta(path)
     check_tokenizer(path, data_tokenizer(meta), tokenizer, "the run's data now use")
     if built is not None:  # before the parameters' shapes: images of another channel count change one
         check_built(path, meta, built)
     check_fits(path, meta, engine)
-    layout = TrainState(jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(engine.mesh)),
-                        engine.strategy.param_layout(), (), (), {})
+    average = average and bool(engine.cfg.optim.ema_decay) and bool(get(meta["config"], "optim.ema_decay"))
+    step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(engine.mesh))
+    params, opt_state = engine.strategy.state_layout()
+    layout = TrainState(step, params, opt_state if average else (), (), {})
     target = named_arrays(layout)
-    meta = {**meta, "arrays": {n: a for n, a in meta["arrays"].items() if n == "step" or of_params(n)}}
+    reads = lambda n: n == "step" or of_params(n) or (average and n.startswith("opt_state/"))
+    meta = {**meta, "arrays": {n: a for n, a in meta["arrays"].items() if reads(n)}}
     arrays, meta, saved = _read(engine, path, meta, target, partial=True)
     if saved is not None:
-        arrays = elastic.convert_params(engine, arrays, saved)
+        arrays = (elastic.convert_layout(meta, engine, layout, arrays, saved) if average
+                  else elastic.convert_params(engine, arrays, saved))
     restored = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(layout), [arrays[n] for n in target])
-    return RestoredParams(restored.params, meta["step"], path, data_tokenizer(meta))
+    params = engine.strategy.average_params(restored.params, restored.opt_state) if average else restored.params
+    return RestoredParams(params, meta["step"], path, data_tokenizer(meta))
 
 
 def _read(engine: Engine, path: Path, meta: dict, target: dict[str, Any], partial: bool = False):

@@ -50,6 +50,13 @@ class OptimConfig:
     # torch's AdamW eps): larger values damp the update of parameters with tiny gradients; above 0,
     # or a zero gradient (a parameter no token reaches) would divide 0 by 0
     eps: float = 1e-8
+    # an exponential moving average of the parameters (NeMo's, Composer's, MeanFlow's EMA), what
+    # evaluation, samples, nljax.evaluate/generate/export/lm_eval and nljax.load read: per step
+    # a <- ema_decay a + (1 - ema_decay) p, from the initial parameters; a level of period C,
+    # whose parameters hold still between its updates, takes its C steps at once at each update
+    # (a <- ema_decay^C a + (1 - ema_decay^C) p). Its horizon is about 1 / (1 - ema_decay) steps,
+    # for every level; kept with the optimizer state (as sharded). 0: off
+    ema_decay: float = 0.0
     clip_norm: float = 0.0  # clip each active level's synchronized gradient by its own norm; 0: off
     lr_scaling: Literal["none", "linear", "sqrt"] = "none"  # lr x (B/B0) or x sqrt(B/B0), B = train.batch_size
     base_batch_size: int = 16  # B0: the global batch that optim.lr was tuned for
@@ -58,6 +65,7 @@ class OptimConfig:
     RANGES: ClassVar[dict] = {"lr": (0, None, False, None), "weight_decay": (0, None, True, None),
                               "b1": (0, 1, True, False), "b2": (0, 1, True, False),
                               "momentum": (0, 1, True, False), "eps": (0, None, False, None),
+                              "ema_decay": (0, 1, True, False),
                               "clip_norm": (0, None, True, None),
                               "min_lr_ratio": (0, 1, True, True), "decay_fraction": (0, 1, False, True)}
 
@@ -132,8 +140,9 @@ def update_direction(cfg: OptimConfig) -> optax.GradientTransformation:
 
 
 def state_vectors(cfg: OptimConfig) -> int:
-    """How many parameter-sized vectors each level's optimizer state holds (its counts aside)."""
-    return {"adamw": 2, "lion": 1, "sgd": 1 if cfg.momentum else 0}[cfg.name]
+    """How many parameter-sized vectors each level's optimizer state holds (its counts aside):
+    the update rule's, and the average of optim.ema_decay."""
+    return {"adamw": 2, "lion": 1, "sgd": 1 if cfg.momentum else 0}[cfg.name] + bool(cfg.ema_decay)
 
 
 def level_scales(cfg: OptimConfig, n_levels: int) -> tuple[float, ...]:
@@ -179,18 +188,39 @@ def apply_steps(tx: optax.GradientTransformation, grads, oks, opt_state, params,
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
     """A level's update rule as the strategies apply it: the direction and the weight decay of
-    `optim` (the learning rate comes per step from the schedule)."""
+    `optim` (the learning rate comes per step from the schedule), and the parameters' moving
+    average where `ema_decay` > 0. Its state is the update rule's (optax's), or with the average
+    the pair (that state, the average: a tree like the parameters, or a vector over a flat one),
+    so that every layout, checkpoint and conversion of the optimizer state carries the average."""
 
     tx: optax.GradientTransformation
     weight_decay: float
+    # per level, the average's decay at each of its updates: optim.ema_decay ** its period (the
+    # steps it stood still); empty: no average
+    ema: tuple[float, ...] = ()
 
     @classmethod
-    def of(cls, cfg: OptimConfig) -> "Optimizer":
-        return cls(update_direction(cfg), cfg.weight_decay)
+    def of(cls, cfg: OptimConfig, periods: tuple[int, ...] = ()) -> "Optimizer":
+        ema = tuple(cfg.ema_decay**p for p in periods) if cfg.ema_decay else ()
+        return cls(update_direction(cfg), cfg.weight_decay, ema)
 
     def init(self, params):
-        return self.tx.init(params)
+        state = self.tx.init(params)
+        # the average starts at the initial parameters (a copy: never the same buffer)
+        return (state, jax.tree.map(jnp.array, params)) if self.ema else state
 
-    def apply(self, grads, oks, opt_state, params, lrs, decays=None):
-        """`apply_steps` with this optimizer: (new params, new optimizer state)."""
-        return apply_steps(self.tx, grads, oks, opt_state, params, lrs, self.weight_decay, decays)
+    def apply(self, grads, oks, opt_state, params, lrs, decays=None, level: int = 0):
+        """`apply_steps` with this optimizer: (new params, new optimizer state); level `level`'s
+        average moves toward the new parameters where any of the K gradients updated them."""
+        if not self.ema:
+            return apply_steps(self.tx, grads, oks, opt_state, params, lrs, self.weight_decay, decays)
+        state, average = opt_state
+        new, state = apply_steps(self.tx, grads, oks, state, params, lrs, self.weight_decay, decays)
+        d, moved = self.ema[level], jnp.any(oks)
+        average = jax.tree.map(lambda a, p: jnp.where(moved, d * a + (1 - d) * p, a), average, new)
+        return new, (state, average)
+
+
+def average_of(opt_state: tuple) -> tuple:
+    """Each level's moving average from its optimizer state (`Optimizer`'s pair)."""
+    return tuple(pair[1] for pair in opt_state)

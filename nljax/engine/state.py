@@ -12,7 +12,9 @@
 |           |                                   | (C_l - 1) N_l], one slot per frozen step)       |
 | memory    | inner loop, per stream row        | [G, ...] split over data axes by row            |
 
-`err_buf[l]` is None for levels that never freeze (period 1) and in `skip` mode. The layouts of
+`err_buf[l]` is None for levels that never freeze (period 1) and in `skip` mode. With
+`optim.ema_decay`, `opt_state[l]` is the pair (the update rule's state, level l's moving average
+of its parameters), laid out as that state is (`nljax.engine.optim.Optimizer`). The layouts of
 `params` and `opt_state` per strategy, and the PartitionSpecs of every field
 (`Strategy.state_specs`), are in `nljax/engine/strategy.py`.
 """

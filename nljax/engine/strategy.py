@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from nljax.config import Config
 from nljax.engine import sync
 from nljax.engine.flatopt import FlatOptState
-from nljax.engine.optim import Optimizer
+from nljax.engine.optim import Optimizer, average_of
 from nljax.engine.state import TrainState
 from nljax.engine.sync import SyncConfig
 from nljax.parallel.levels import LevelLayout
@@ -88,6 +88,7 @@ class Strategy:
         init = lambda parts: tuple(jax.eval_shape(opt.init, p) for p in parts)
         self.canonical_opt_specs = split_specs(init(levels.split(split.shapes)), init(levels.split(levels.shapes)),
                                                split.m)
+        self._average = None  # `average_params`' compiled function
 
     # Layout conversions, global view (run under jit, outside shard_map).
     def from_canonical(self, params: PyTree, opt_state: tuple) -> tuple[PyTree, tuple]:
@@ -197,18 +198,46 @@ class Strategy:
         """The structure and shapes of (params, opt_state) in this layout, as ShapeDtypeStructs."""
         return jax.eval_shape(self._fresh, self.tp.shapes)
 
+    def state_layout(self) -> tuple[PyTree, tuple]:
+        """The stored (params, opt_state) as ShapeDtypeStructs with their shardings: what a
+        restore reads into, allocating nothing (`init_layout`'s, unmade)."""
+        shapes = self.layout_shapes()
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                            self._layout_shardings(*shapes))
+
     def param_layout(self) -> PyTree:
-        """The stored parameters as ShapeDtypeStructs with their shardings: what a restore of the
-        parameters alone reads into, allocating nothing (`init_layout`'s parameters, unmade)."""
-        params, opt_state = self.layout_shapes()
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params,
-                            self._layout_shardings(params, opt_state)[0])
+        """`state_layout`'s parameters: what a restore of the parameters alone reads into."""
+        return self.state_layout()[0]
 
     def init_layout(self, init: Callable[[jax.Array], PyTree], key: jax.Array) -> tuple[PyTree, tuple]:
         """Fresh (params, opt_state) from the model's `init(key)`, created directly in their
         shardings."""
         out = self._layout_shardings(*self.layout_shapes())
         return jax.jit(lambda key: self._fresh(init(key)), out_shardings=out)(key)
+
+    def averaged(self, opt_state: tuple) -> PyTree:
+        """The parameters' moving average (optim.ema_decay, `optim.Optimizer`) from the optimizer
+        state, in the stored parameters' layout; global view (under jit). By default the stored
+        parameters are the model's pytree, as each level's average is."""
+        return self.levels.merge(average_of(opt_state))
+
+    def as_average(self, params: PyTree) -> tuple:
+        """`averaged`'s inverse: the stored parameters as each level's average (global view)."""
+        return self.levels.split(params)
+
+    def restart_average(self, params: PyTree, opt_state: tuple) -> tuple:
+        """`opt_state` with each level's moving average set to `params` (the stored parameters a
+        run starts from: checkpoint.init_params' rather than the fresh ones), placed as it was."""
+        out = self._layout_shardings(params, opt_state)[1]
+        fn = lambda p, o: tuple((s[0], a) for s, a in zip(o, self.as_average(p)))
+        return jax.jit(fn, out_shardings=out)(params, opt_state)
+
+    def average_params(self, params: PyTree, opt_state: tuple) -> PyTree:
+        """`averaged`, placed as the stored `params` are: what evaluation and sampling read in
+        their place (one compilation per run: the layout is the run's)."""
+        if self._average is None:
+            self._average = jax.jit(self.averaged, out_shardings=self._layout_shardings(params, opt_state)[0])
+        return self._average(opt_state)
 
     def gather_params(self, stored: PyTree) -> PyTree:
         """The model's parameter pytree from the stored layout (e.g. for sampling): whole over the
@@ -281,7 +310,7 @@ class Replicated(Strategy):
 
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
         grads = jax.vmap(self.levels.flats[l].unravel)(gs)  # leaves [K, ...]
-        return self.opt.apply(grads, oks, opt_state, stored_part, lrs, self.levels.decays(l))
+        return self.opt.apply(grads, oks, opt_state, stored_part, lrs, self.levels.decays(l), level=l)
 
 
 class Zero1(Strategy):
@@ -311,12 +340,20 @@ class Zero1(Strategy):
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
         flat = self.levels.flats[l]
         shard, opt_state = self.opt.apply(gs, oks, opt_state, self.own(flat.ravel(stored_part)), lrs,
-                                          self.decay_mask(l))  # [Np/intra]
+                                          self.decay_mask(l), level=l)  # [Np/intra]
         new = jax.lax.all_gather(shard, INTRA, axis=0, tiled=True)[: flat.size]  # [N]
         return flat.unravel(new), opt_state
 
     def opt_specs(self, opt_state):
         return jax.tree.map(self.flat_opt.leaf_spec, opt_state)
+
+    def averaged(self, opt_state):
+        # each level's average is a vector split over `intra`, as its moments are; stored
+        # parameters are the model's pytree
+        return self.levels.merge(tuple(sh.unravel(v, self.mesh) for sh, v in zip(self.shards, average_of(opt_state))))
+
+    def as_average(self, params):
+        return tuple(sh.ravel(p, self.flat_opt.shards) for sh, p in zip(self.shards, self.levels.split(params)))
 
 
 class FSDP(Strategy):
@@ -360,7 +397,7 @@ class FSDP(Strategy):
         return sync.shard_all(g, c.reduce, c.mean, m[INTER], m[INTRA])  # [Np/(inter*intra)]
 
     def update(self, l, gs, stored_part, opt_state, lrs, oks):
-        return self.opt.apply(gs, oks, opt_state, stored_part, lrs, self.decay_mask(l))
+        return self.opt.apply(gs, oks, opt_state, stored_part, lrs, self.decay_mask(l), level=l)
 
     def own(self, vec):
         return _block_of(vec, DATA_AXES, data_size(self.mesh))  # [Np/n]
@@ -374,6 +411,12 @@ class FSDP(Strategy):
     def gather_params(self, stored):
         fn = jax.jit(lambda p: self.to_canonical(p, ())[0], out_shardings=self.canonical_shardings()[0])
         return fn(stored)
+
+    def averaged(self, opt_state):
+        return average_of(opt_state)  # each level's vector, padded and split as its parameters are
+
+    def as_average(self, params):
+        return tuple(params)
 
 
 def _block_of(vec: jax.Array, axes, n: int) -> jax.Array:
@@ -389,4 +432,4 @@ STRATEGIES: dict[str, type[Strategy]] = {"replicated": Replicated, "zero1": Zero
 def make_strategy(cfg: Config, mesh: Mesh, levels: LevelLayout, split: Split) -> Strategy:
     """The `sync.strategy` of `cfg` for a run on `mesh` whose per-device parameters split as
     `levels`, over the tensor-parallel shards `split`."""
-    return STRATEGIES[cfg.sync.strategy](mesh, levels, cfg.sync, Optimizer.of(cfg.optim), split)
+    return STRATEGIES[cfg.sync.strategy](mesh, levels, cfg.sync, Optimizer.of(cfg.optim, cfg.cms.periods), split)

@@ -16,8 +16,8 @@ tokens' under `model.nl_lm.loss_chunk`). The true need is
 larger (attention, MLP hidden layers, XLA's temporaries), so a refused run certainly does not
 fit, and one that passes may still run out of memory: XLA's RESOURCE_EXHAUSTED is then reported
 as one line by the CLI (`nljax.cli`). A run that only uses a trained model (`nljax.load`,
-generate, export, lm_eval) counts what it holds (`in_use`): no gradients, optimizer state or
-error buffers. Available memory: `bytes_limit` of the device's
+generate, export, lm_eval) counts what it holds (`in_use`): no gradients, optimizer state (but
+under optim.ema_decay, whose average it reads) or error buffers. Available memory: `bytes_limit` of the device's
 `memory_stats()` on accelerators; on CPU the host's MemAvailable shared by its local devices.
 """
 
@@ -108,13 +108,15 @@ def engine_terms(cfg: Config, engine) -> dict[str, int]:
 
 # What a use of a trained model holds (`nljax.load`, generate, export, lm_eval): its parameters
 # restored alone (`nljax.checkpoint.restore.restore_params`), no gradients, optimizer state or
-# error buffers
+# error buffers; the optimizer state too where the model is the parameters' moving average
+# (optim.ema_decay), which is read from it
 IN_USE = ("parameters", "inner-loop memory", "activations (floor)")
 
 
-def in_use(terms: dict[str, int]) -> dict[str, int]:
-    """The terms of `config_floor` or `engine_terms` that a use of the model needs (`IN_USE`)."""
-    return {k: v for k, v in terms.items() if k in IN_USE}
+def in_use(terms: dict[str, int], average: bool = False) -> dict[str, int]:
+    """The terms of `config_floor` or `engine_terms` that a use of the model needs (`IN_USE`;
+    `average`: and the optimizer state)."""
+    return {k: v for k, v in terms.items() if k in IN_USE or (average and k == "optimizer state")}
 
 
 def check(terms: dict[str, int], available: int | None, trains: bool = True) -> None:

@@ -57,7 +57,7 @@ class Run:
         # that an absurd size never reaches Flax or XLA, then from the exact shapes.
         local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         available = budget.available_bytes(len(local), local[0] if local else None)
-        needs = (lambda terms: terms) if trains else budget.in_use
+        needs = (lambda terms: terms) if trains else (lambda terms: budget.in_use(terms, bool(cfg.optim.ema_decay)))
         if model is None:  # a given model (a tensor-parallel shard) is smaller than its config says
             budget.check(needs(budget.config_floor(cfg, meshlib.data_size(mesh))), available, trains)
         model = build(cfg) if model is None else model
@@ -73,6 +73,13 @@ class Run:
 
     def batch(self, step: int, reset_all: bool = False) -> dict:
         return self.task.batch(step, reset_all=reset_all)
+
+    def model_params(self, state: TrainState):
+        """The parameters evaluation and samples read, in the stored layout: the moving average
+        where optim.ema_decay is set (`Strategy.average_params`), else the trained ones."""
+        if not self.cfg.optim.ema_decay:
+            return state.params
+        return self.engine.strategy.average_params(state.params, state.opt_state)
 
     def evaluate(self, params, step: int = 0) -> dict:
         """The task's held-out metrics, and the harness tasks' (eval.harness_tasks) when attached."""

@@ -38,7 +38,7 @@ class Trained:
     cfg: config.Config  # the run's config as this tool runs it (1 x n mesh, one row per device)
     trained_cfg: config.Config  # the run's config as it trained (with the tool's config overrides)
     run: Run  # on a 1 x n mesh, replicated strategy
-    params: Any  # the model's parameter tree, replicated over run.mesh
+    params: Any  # the model's parameter tree (its moving average under optim.ema_decay), replicated over run.mesh
     step: int  # optimizer steps the checkpoint had taken
     path: Path  # the step directory read
     skipped: tuple = ()  # (path, why) of the newer checkpoints that were damaged
@@ -159,7 +159,7 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     # only if the run's tokenizer now (data.tokenizer's file, data.prepared's) is the one it trained
     # on, and its data build the model it trained (a DiT: images of its size)
     built = registry.record(run.engine.model, cfg.model.name)
-    restored, skipped = first_valid(lambda path: restore_params(run.engine, path, identity, built),
+    restored, skipped = first_valid(lambda path: restore_params(run.engine, path, identity, built, average=True),
                                     storage.candidates(cfg))
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []

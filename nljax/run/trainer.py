@@ -151,8 +151,9 @@ def startup_report(run: Run, state: TrainState, say) -> None:
     o = cfg.optim
     rule = (f"sgd with {'Nesterov ' if o.nesterov else ''}momentum {o.momentum:g}" if o.name == "sgd" and o.momentum
             else o.name)
+    average = f"; evaluation and the tools read the moving average (optim.ema_decay={o.ema_decay:g})" if o.ema_decay else ""
     say(f"optimizer {rule}: peak lr {lr:.4g}{scaled}, {o.schedule} schedule, {o.warmup_steps} warm-up "
-        f"steps{weight_decay(cfg, eng)}")
+        f"steps{weight_decay(cfg, eng)}{average}")
     say(levels.describe(eng.param_shapes, eng.level_tree, cfg.cms.periods))
     say(describe_memory(bytes_per_device(state), eng.strategy.name))
 
@@ -236,13 +237,14 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
     target, steps = run.cfg.train.target_eval_loss, run.cfg.train.steps
     if target and ckpt is not None and ckpt.restored and conductor.step < steps:  # a run that stopped on it, say
         with Announced(out.say)(f"evaluating the checkpoint (step {conductor.step}) against train.target_eval_loss"):
-            evaluated = run.task.evaluate(run.cache, state.params, conductor.step)  # no harness tasks: minutes
+            # the held-out sets alone, no harness tasks (minutes)
+            evaluated = run.task.evaluate(run.cache, run.model_params(state), conductor.step)
         if not meets_target(evaluated, target):
             out.say(f"the checkpoint's eval_loss {evaluated['eval_loss']:.4f} is above train.target_eval_loss="
                     f"{target:g}: training on")
         else:
             if run.harness is not None:  # this evaluation is the final report's: its harness scores too
-                evaluated.update(run.harness.evaluate(state.params))
+                evaluated.update(run.harness.evaluate(run.model_params(state)))
             hist.target_met = conductor.step, evaluated
             # the final report's scores: sent unless the trackers hold an evaluation at this step
             # already (a checkpoint between evaluations: a preemption's, or eval.every set on resume)
@@ -323,7 +325,7 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
         if not r.last:
             with evaluating(f"step {r.step:6d}  evaluating after {r.step + 1} steps"):  # as loss.png places it
                 try:
-                    r.evaluated = run.evaluate(r.state.params, r.step + 1)
+                    r.evaluated = run.evaluate(run.model_params(r.state), r.step + 1)
                 except Exception:
                     keep_steps_of_a_failed_evaluation(r)
                     raise
@@ -357,7 +359,7 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
 
     def sample(r: StepResult) -> None:  # every process: the sampler runs on the whole mesh
         with sampling(f"step {r.step:6d}  sampling"):
-            text, why = sampler.sample(r.state.params)
+            text, why = sampler.sample(run.model_params(r.state))
         out.say(sample_line(r.step, text, why))
         # after the step's scalars: W&B takes steps in increasing order
         out.trackers.text("train/sample", text, r.step + 1)
@@ -382,7 +384,7 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     end, final_eval = hist.target_met or (cfg.train.steps, None)  # that evaluation's: of the final state
     if final_eval is None:
         with Announced(out.say)("evaluating the final state"):
-            final_eval = run.evaluate(state.params, cfg.train.steps)
+            final_eval = run.evaluate(run.model_params(state), cfg.train.steps)
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")  # before the timing's minute
     # a resume with nothing left to run, or a target met at an evaluation: the trackers hold it already
     if resumed_from != cfg.train.steps and not hist.target_met:

@@ -1,0 +1,213 @@
+"""The parameters' moving average (`optim.ema_decay`): its formula per CMS level, under zero1 and
+fsdp against one device, kept through checkpoints (restored onto another strategy), read by
+evaluation and by the tools in the trained parameters' place, restarted by checkpoint.init_params,
+and its config lines."""
+
+import jax
+import numpy as np
+import pytest
+from helpers import assert_trees_close, assert_trees_equal, make, saved_run, train
+
+from nljax.checkpoint.initparams import start_from
+from nljax.checkpoint.restore import restore, restore_params
+from nljax.config import ConfigError, load
+from nljax.engine import optim
+from nljax.engine.conductor import pulse
+from test_strategies import canonical_on_host
+
+DECAY = 0.8
+EMA = ["cms.periods=[1,2]", "model.dim=15", f"optim.ema_decay={DECAY}"]
+
+
+def averages(setup, state):
+    """Each level's average from `state`, as the model's pytrees, on the host."""
+    _, opt = canonical_on_host(setup, state)
+    return optim.average_of(opt)
+
+
+def test_each_level_averages_over_the_steps():
+    """a = p at the start, then per step a <- 0.8 a + 0.2 p: level 1 (period 2), whose parameters
+    stand still between its updates (steps 0 and 2), takes its two steps at each update,
+    a <- 0.8^2 a + (1 - 0.8^2) p, and is unchanged at the steps it is frozen; evaluation reads
+    it (`Run.model_params`), not the trained parameters."""
+    setup = make(EMA)
+    split = lambda p: setup.engine.levels.split(jax.device_get(p))
+    want = list(split(setup.state.params))
+    assert_trees_equal(averages(setup, setup.state), tuple(want))
+    for s in range(4):
+        train(setup, range(s, s + 1))
+        now = split(setup.state.params)
+        for l, fired in enumerate(pulse(s, (1, 2)).active):
+            if fired:
+                d = DECAY ** (1, 2)[l]
+                want[l] = jax.tree.map(lambda a, p: d * a + (1 - d) * p, want[l], now[l])
+        assert_trees_close(averages(setup, setup.state), tuple(want), rtol=1e-6, atol=1e-7)
+    read = jax.device_get(setup.run.model_params(setup.state))
+    assert_trees_close(read, setup.engine.levels.merge(tuple(want)), rtol=1e-6, atol=1e-7)
+    moved = [not np.allclose(a, p) for a, p in zip(jax.tree.leaves(read), jax.tree.leaves(setup.state.params))]
+    assert any(moved)  # it is not the trained parameters
+    assert make(EMA[:2]).run.model_params(setup.state) is setup.state.params  # off: the trained ones
+
+
+def test_a_skipped_update_leaves_the_average():
+    """A level whose every gradient is skipped (sync.max_grad_norm) keeps its parameters, and
+    its average stays where it was (not a step of decay toward them)."""
+    setup = make([*EMA, "sync.max_grad_norm=1e-9", "train.max_skipped=0"])
+    start = averages(setup, setup.state)
+    train(setup, 1)
+    assert_trees_equal(averages(setup, setup.state), start)
+    setup = make(EMA)  # the same step, not skipped: the average moves
+    train(setup, 1)
+    assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(averages(setup, setup.state)),
+                                                         jax.tree.leaves(start)))
+
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The one-device run: its checkpoint after step 2 (run.dir/checkpoints/2), then steps 2-3."""
+    run_dir = tmp_path_factory.mktemp("ema") / "run"
+    setup, _ = saved_run(run_dir, EMA, 1, 1, steps=2)
+    train(setup, range(2, STEPS))
+    return run_dir, setup
+
+
+@pytest.mark.parametrize("strategy,inter,intra", [("zero1", 1, 2), ("zero1", 2, 4), ("fsdp", 1, 2), ("fsdp", 2, 4)])
+def test_sharded_average_matches_one_device(strategy, inter, intra, reference):
+    """The average sharded as the optimizer state is, against one device, and what evaluation
+    reads in the stored parameters' layout."""
+    _, ref = reference
+    setup = make([*EMA, f"sync.strategy={strategy}"], inter, intra)
+    train(setup, STEPS)
+    assert_trees_close(averages(setup, setup.state), averages(ref, ref.state), rtol=1e-4, atol=2e-6)
+    read = setup.engine.strategy.gather_params(setup.run.model_params(setup.state))
+    assert_trees_close(jax.device_get(read), jax.device_get(ref.run.model_params(ref.state)), rtol=1e-4, atol=2e-6)
+
+
+@pytest.mark.parametrize("strategy", ["replicated", "fsdp"])
+def test_the_tools_read_the_average_and_a_resume_keeps_it(strategy, reference):
+    """restore_params(average=True) (what nljax.load, evaluate, generate, export and lm_eval
+    read) gives the checkpoint's average, here and under another strategy on (2, 4); the trained
+    parameters without it; a resume restores the average with the rest and goes on as the
+    uninterrupted run."""
+    run_dir, ref = reference
+    path = run_dir / "checkpoints" / "2"
+    mesh = (1, 1) if strategy == "replicated" else (2, 4)
+    setup = make([*EMA, f"sync.strategy={strategy}", f"run.dir={run_dir}"], *mesh)
+    r = restore(setup.engine, setup.state, path)
+    gather = lambda p: jax.device_get(setup.engine.strategy.gather_params(p))
+    average = gather(setup.run.model_params(r.state))
+    assert_trees_close(gather(restore_params(setup.engine, path, average=True).params), average, rtol=1e-6, atol=1e-7)
+    assert_trees_close(gather(restore_params(setup.engine, path).params), gather(r.state.params), rtol=0, atol=0)
+    _, state = train(setup, range(2, STEPS), state=r.state)
+    assert_trees_close(averages(setup, state), averages(ref, ref.state), rtol=1e-4, atol=2e-6)
+
+
+def test_a_trained_run_is_used_with_its_average(reference):
+    """nljax.load and every tool (`trained.load`) read the average: here on 2 devices."""
+    from nljax.run.trained import load
+
+    run_dir, ref = reference
+    ref_setup = make(EMA)
+    r = restore(ref_setup.engine, ref_setup.state, run_dir / "checkpoints" / "2")
+    t = load(run_dir, devices=jax.devices()[:2])
+    assert t.step == 2
+    assert_trees_close(jax.device_get(t.run.engine.strategy.gather_params(t.params)),
+                       jax.device_get(ref_setup.run.model_params(r.state)), rtol=1e-6, atol=1e-7)
+
+
+def test_init_params_restarts_the_average_from_the_checkpoints_parameters(reference):
+    """A fine-tuning run from a checkpoint's parameters (checkpoint.init_params) averages from
+    them, not from its own random initial parameters."""
+    run_dir, _ = reference
+    setup = make([*EMA, "seed=7"])
+    started = start_from(setup.engine, setup.state, run_dir / "checkpoints" / "2")
+    assert_trees_equal(jax.device_get(setup.run.model_params(started.state)), jax.device_get(started.state.params))
+
+
+def test_a_checkpoint_with_another_average_does_not_fit(reference):
+    """Whether the optimizer state holds an average (and what it means) is the checkpoint's."""
+    run_dir, _ = reference
+    plain = make(EMA[:2])
+    with pytest.raises(ConfigError) as e:
+        restore(plain.engine, plain.state, run_dir / "checkpoints" / "2")
+    assert str(e.value) == (f"checkpoint {run_dir / 'checkpoints' / '2'} does not fit this run: optim.ema_decay=0.8 "
+                            "there, 0.0 here")
+
+
+@pytest.mark.parametrize("value", ["1", "-0.5"])
+def test_ema_decay_range(value):
+    with pytest.raises(ConfigError) as e:
+        load(None, [f"optim.ema_decay={value}"])
+    assert str(e.value) == f"config key 'optim.ema_decay' must be in [0, 1), got {float(value)}"
+
+
+def test_the_average_is_counted_in_the_memory_budget():
+    assert [optim.state_vectors(load(None, o).optim) for o in
+            [[], ["optim.ema_decay=0.99"], ["optim.name=sgd", "optim.ema_decay=0.99"]]] == [2, 3, 1]
+
+
+def test_training_evaluates_the_average(tmp_path):
+    """A run's evaluations (here its final one, in summary.json) score the average: as
+    nljax.evaluate scores its checkpoint, and not as the trained parameters score."""
+    import json
+
+    from helpers import QUICK
+
+    from nljax import config
+    from nljax.run.trained import load
+    from nljax.run.trainer import train as run_training
+
+    d = tmp_path / "run"
+    run_training(config.load(None, [*EMA, *QUICK, "model.name=cms_mlp", "model.depth=1", "train.batch_size=8",
+                                    "train.seq_len=8", "train.steps=4", "eval.batches=1", "eval.stream_steps=0",
+                                    f"run.dir={d}", "run.quiet=true"]))
+    summary = json.loads((d / "summary.json").read_text())
+    t = load(d, devices=jax.devices()[:1], evaluates=True)
+    assert t.step == 4
+    np.testing.assert_allclose(summary["eval_loss"], t.run.evaluate(t.params, t.step)["eval_loss"], rtol=1e-5)
+    raw = restore_params(t.run.engine, t.path).params
+    assert abs(t.run.evaluate(raw, t.step)["eval_loss"] - summary["eval_loss"]) > 1e-4
+
+
+def test_the_start_up_line_says_what_is_evaluated():
+    from nljax.run.trainer import startup_report
+
+    for opts, average in ((EMA, True), (EMA[:2], False)):
+        setup, lines = make(opts), []
+        startup_report(setup, setup.state, lines.append)
+        line = next(line for line in lines if line.startswith("optimizer adamw"))
+        assert line.endswith("; evaluation and the tools read the moving average (optim.ema_decay=0.8)") == average, line
+
+
+def test_a_use_of_the_model_budgets_the_optimizer_state_it_reads(monkeypatch):
+    """A tool reads the average from the optimizer state: its memory budget counts that state
+    (a device that holds the parameters alone, not with it, refuses the load in one line)."""
+    from nljax.measure import budget
+    from nljax.run.core import Run
+
+    setup, plain = make(EMA), make(EMA[:2])
+    terms = budget.engine_terms(setup.cfg, setup.engine)
+    assert terms["optimizer state"] > 0
+    monkeypatch.setattr(budget, "available_bytes", lambda *a: sum(budget.in_use(terms).values()) + 1)
+    with pytest.raises(ConfigError, match="the trained model does not fit this device"):
+        Run.create(setup.cfg, jax.devices()[:1], trains=False)
+    Run.create(plain.cfg, jax.devices()[:1], trains=False)  # without the average it fits
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_the_average_moves_no_byte(strategy):
+    """The average is updated on each device's own part of a level, where its optimizer state
+    is: every step variant's collectives (from the compiled HLO) are the same with it as without,
+    so a frozen level still moves zero bytes."""
+    from nljax.measure.comm import comm_per_step
+
+    def collectives(opts):
+        setup = make([*opts, f"sync.strategy={strategy}"], 2, 4)
+        r = comm_per_step(setup.cache, setup.state, setup.batch(0))
+        return [[(c["op"], c["axes"], c["wire_bytes"]) for c in v["collectives"]] for v in r["variants"]]
+
+    plain = collectives(EMA[:2])
+    assert all(plain) and collectives(EMA) == plain
