@@ -492,16 +492,46 @@ BAD_PLUGINS = [
                                                                         "outside cms.periods (3 levels: 0..2)"]),
     (dict(memory="{'S': jnp.zeros((5,))}"), ["model 'toy' (plugin", "init_memory(2) leaf 'S' has shape (5,)",
                                              "needs the rows axis first"]),
+    # the model's own code raising while it is built or checked: a traceback through nljax's frames
+    (dict(body="nljax.register_model('toy', lambda cfg: 1 / 0)"),
+     ["model 'toy' (plugin 'toy = toy_pkg:register'", "building it raised ZeroDivisionError: division by zero (at ",
+      "toy_pkg.py:", "(NLJAX_TRACEBACK=1 shows the traceback)"]),
+    (dict(level="path.no_such_method()"), ["model 'toy' (plugin", "building it raised AttributeError: 'str' object has "
+                                           "no attribute 'no_such_method' (at ", "toy_pkg.py:"]),
 ]
 
 
-@pytest.mark.parametrize("kw, parts", BAD_PLUGINS, ids=["import", "raises", "object", "silent", "twice", "level", "rows"])
+@pytest.mark.parametrize("kw, parts", BAD_PLUGINS, ids=["import", "raises", "object", "silent", "twice", "level", "rows",
+                                                        "build", "level_of"])
 def test_a_bad_plugin_is_one_line_and_exit_2(tmp_path, kw, parts):
     p = cli_train(plugin(tmp_path / "site", "toy", **kw), "model.name=toy", f"run.dir={tmp_path / 'run'}")
     one_line_error(p, *parts)
     assert not (tmp_path / "run" / "checkpoints").exists()
     if "target" in kw:  # raised in importlib.metadata: no line of the plugin's to point at
         assert "(at " not in p.stderr, p.stderr
+
+
+def test_nljax_traceback_prints_the_traceback_of_a_plugins_exception(tmp_path):
+    """The one line replaces a traceback a plugin's author debugging a build may need: with
+    NLJAX_TRACEBACK=1 it comes before the line, the plugin's own frame in it."""
+    root = plugin(tmp_path / "site", "toy", body="nljax.register_model('toy', lambda cfg: 1 / 0)")
+    p = run_python("-m", "nljax.train", "--cpu-devices", "1", *QUICK, *SMALL, "model.name=toy",
+                   f"run.dir={tmp_path / 'run'}", check=False, timeout=300,
+                   env={"PYTHONPATH": f"{ROOT}:{root}", "NLJAX_TRACEBACK": "1"})
+    assert p.returncode == 2, p.stderr
+    assert "Traceback (most recent call last)" in p.stderr and "toy_pkg.py" in p.stderr, p.stderr
+    assert "The above exception was the direct cause" in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("nljax.train: error: model 'toy'"), p.stderr
+
+
+def test_an_exception_in_a_models_build_is_a_config_error_caused_by_it(on_path):
+    """In Python the line's ConfigError keeps the model's exception as its cause (the traceback
+    shows both); nljax's own models are not wrapped: an exception there is nljax's bug."""
+    nljax.register_model("raising", lambda cfg: {}["no_such_key"])
+    with pytest.raises(ConfigError, match=r"^model 'raising' \(.*\): building it raised KeyError: 'no_such_key' "
+                                          r"\(at .*test_model_registry.py:\d+\) \(NLJAX_TRACEBACK=1") as e:
+        registry.build(config.load(None, [*TINY, "model.name=raising"]))
+    assert isinstance(e.value.__cause__, KeyError)
 
 
 def test_a_bad_plugin_is_not_blamed_on_the_config_file(tmp_path):

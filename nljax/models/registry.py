@@ -23,6 +23,7 @@ so is a model whose parameters fall outside `cms.periods` or whose memory has no
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import numbers
@@ -40,6 +41,9 @@ Config = Model = Any  # nljax.config.Config and nljax.models.base.Model (not imp
 # ---------------------------------------------------------------------------------------------
 # Discovery
 
+
+TRACEBACK = "NLJAX_TRACEBACK"  # set (to anything but "" or 0): a one-line error prints its traceback too (nljax.cli)
+HINT = f" ({TRACEBACK}=1 shows the traceback)"  # ends the line of an exception a plugin's own code raised
 
 _DONE: set[str] = set()  # what `_loaded` has registered: "nljax", then "plugins"
 
@@ -74,7 +78,7 @@ def load_entry_point(ep) -> None:
         try:
             register = ep.load()
         except Exception as e:  # anything the plugin's import raises: one line naming it
-            raise ConfigError(f"{who} failed to import: {type(e).__name__}: {first_line(e)}{_where(e)}") from None
+            raise ConfigError(f"{who} failed to import: {type(e).__name__}: {first_line(e)}{_where(e)}{HINT}") from e
         if not callable(register):
             raise ConfigError(f"{who} names {register!r}, not a function to call")
         if ep.name not in _SPECS:
@@ -83,7 +87,7 @@ def load_entry_point(ep) -> None:
             except ConfigError:
                 raise
             except Exception as e:
-                raise ConfigError(f"{who} failed to register: {type(e).__name__}: {first_line(e)}{_where(e)}") from None
+                raise ConfigError(f"{who} failed to register: {type(e).__name__}: {first_line(e)}{_where(e)}{HINT}") from e
         if ep.name not in _SPECS:
             raise ConfigError(f"{who} did not register a model named '{ep.name}' (registered: "
                               f"{', '.join(sorted(_SPECS))})")
@@ -153,10 +157,32 @@ def build(cfg: Config) -> Model:
     """The model `cfg.model.name` names, checked against the contract (`check_model`); shared
     keys set that it does not read are said once (`warn_unread`)."""
     s = spec(cfg.model.name)
-    model = s.build(cfg)
-    check_model(s, model, len(cfg.cms.periods))
+    with plugin_code(s):
+        model = s.build(cfg)
+        check_model(s, model, len(cfg.cms.periods))
     warn_unread(cfg)
     return model
+
+
+@contextlib.contextmanager
+def plugin_code(s: ModelSpec):
+    """Around the calls into a registered model's own code while it is built and checked (its
+    `build`, `rebuild`, and the `init`, `level_of`, `init_memory` and `describe` that
+    `check_model` calls): an exception raised there, other than a ConfigError, is one line
+    naming the model, the exception and where the model's code raised, as a plugin that fails to
+    register is (an error in a model being written is the common case, and the traceback ran
+    through nljax's own frames first). The exception stays its cause: in Python the traceback
+    shows it, and the commands print it with NLJAX_TRACEBACK=1. nljax's own models keep their
+    traceback: an exception there is nljax's bug."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        if s.origin.split(".")[0] == "nljax":
+            raise
+        raise ConfigError(f"model '{s.name}' ({s.origin}): building it raised {type(e).__name__}: "
+                          f"{first_line(e) or 'no message'}{_where(e)}{HINT}") from e
 
 
 def unread_shared(cfg: Config) -> list[str]:
@@ -194,8 +220,9 @@ def warn_unread(cfg: Config) -> None:
 def rebuild(cfg: Config, info: dict) -> Model:
     """The model of an export: its config and its config.json `info` (`ModelSpec.rebuild`)."""
     s = spec(cfg.model.name)
-    model = s.rebuild(cfg, info) if s.rebuild is not None else s.build(cfg)
-    check_model(s, model, len(cfg.cms.periods))
+    with plugin_code(s):
+        model = s.rebuild(cfg, info) if s.rebuild is not None else s.build(cfg)
+        check_model(s, model, len(cfg.cms.periods))
     return model
 
 
