@@ -342,6 +342,29 @@ def test_what_apply_returns_is_checked_when_the_step_is_traced(on_path, change, 
         train(setup, 1)
 
 
+def test_token_loss_of_logits_of_another_shape_is_one_line(on_path):
+    """A model's apply giving `token_loss` logits without the vocabulary axis ([B, T]: an argmax,
+    a slice too many) or one position too many failed in take_along_axis, a traceback from the
+    step's trace."""
+    import jax.numpy as jnp
+
+    from nljax.models.blocks import token_loss
+
+    @dataclasses.dataclass(frozen=True)
+    class Flat(CMSMLP):
+        def apply(self, params, memory, batch, key=None):
+            logits, memory = self.logits(params, memory, batch, key)
+            return (*token_loss(logits[..., 0], batch["tokens"][:, 1:]), memory)
+
+    nljax.register_model("flat", lambda cfg: Flat(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1,
+                                                  len(cfg.cms.periods)))
+    with pytest.raises(ConfigError, match=r"^token_loss: logits of shape \(8, \d+\) for targets of shape \(8, \d+\): "
+                                          r"the logits must be \[B, T, V\], one row of V"):
+        train(make(["model.name=flat"], 1, 1), 1)
+    with pytest.raises(ConfigError, match=r"logits of shape \(2, 5, 7\) for targets of shape \(2, 4\)"):
+        token_loss(jnp.zeros((2, 5, 7)), jnp.zeros((2, 4), jnp.int32))
+
+
 @dataclasses.dataclass(frozen=True)
 class NoLogits:
     """A text model without the optional `logits`: it trains and exports, but cannot generate."""
