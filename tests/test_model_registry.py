@@ -290,6 +290,30 @@ def test_a_parameter_that_is_not_a_float_is_refused_before_allocation(on_path):
         registry.build(cfg)
 
 
+def test_an_init_that_is_not_a_function_of_its_key_is_refused_before_allocation(on_path):
+    """Parameters drawn at trace time (numpy's global generator: init code ported from numpy or
+    PyTorch) trained without a word: each process of a multi-process run held replicas of its
+    own, and a seed did not repeat a run. A generator seeded inside init is a function of nothing
+    but the code: it passes."""
+    import jax.numpy as jnp
+
+    def drawing(rng):
+        @dataclasses.dataclass(frozen=True)
+        class Drawing(CMSMLP):
+            def init(self, key):
+                params = super().init(key)
+                return {**params, "gain": jnp.asarray(rng().normal(size=(4,)), jnp.float32)}
+
+        return lambda cfg: Drawing(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1, len(cfg.cms.periods))
+
+    nljax.register_model("drawing", drawing(lambda: np.random))
+    with pytest.raises(ConfigError, match=r"^model 'drawing' \(.*\): init\(key\) gave two different parameter trees "
+                                          r"for the same key: it must draw them from the key alone"):
+        registry.build(config.load(None, [*TINY, "model.name=drawing"]))
+    nljax.register_model("seeded", drawing(lambda: np.random.default_rng(0)))
+    registry.build(config.load(None, [*TINY, "model.name=seeded"]))
+
+
 def test_a_python_number_for_count_is_a_scalar(on_path):
     """`count = rows * seq_len`, a Python int, is a scalar as the contract asks: it trains (a
     TypeError in the step's metrics before)."""

@@ -10,7 +10,9 @@ Required:
 - `init(key) -> params`: the parameter pytree (flax's `{"params": ...}` contents), one device's
   worth when the model is a tensor-parallel shard. Everything in it is an outer-loop parameter,
   synchronized by the engine; its initial inner-loop memory belongs here too (nl_lm's
-  `memory0_*`).
+  `memory0_*`). A function of `key` alone (`jax.random`): every process of a run calls it and
+  must get the same replicas; numbers drawn at trace time (numpy's random generator, the time)
+  are refused when the model is built.
 - `level_of(path) -> int`: the CMS level of a parameter, by its path ("block0/cms1/up/kernel"),
   in 0 .. len(cms.periods) - 1. Level l is synchronized and updated every `cms.periods[l]`
   steps; what is not a CMS parameter (embeddings, attention, memory projections, norms, head)

@@ -273,7 +273,38 @@ def check_model(s: ModelSpec, model: Model, n_levels: int) -> None:
     if getattr(model, "task", s.task) != s.task:
         raise ConfigError(f"{who}: the model's task is '{model.task}' but it was registered with task='{s.task}'")
     _check_shapes(who, model, n_levels)
+    if s.origin.split(".")[0] != "nljax":  # nljax's own draw from the key alone (their tests compare runs)
+        _check_deterministic(who, model)
     record(model, s.name)  # what every checkpoint saves: JSON, or one line now
+
+
+def _check_deterministic(who: str, model: Model) -> None:
+    """`init(key)` must be a function of the key alone: every process of a multi-process run calls
+    it and must hold the same replicas, and a seed must give a run's parameters again. Numbers
+    drawn at trace time (numpy's or Python's random generator, the time) are constants of the
+    traced program: two traces with the same key then differ, in a literal or a constant. Without
+    this, each process of a run trained replicas of its own, silently (nothing else compares
+    them), and a rerun with the same seed did not repeat. From the traces alone: nothing is
+    computed. (What is the same within a process but not across processes, `hash()` of a str, is
+    not seen here.)"""
+    import jax
+    import numpy as np
+
+    def traced():  # a new function each time: a cached trace would compare with itself
+        return jax.make_jaxpr(lambda key: model.init(key))(jax.random.key(0))
+
+    def data(x):  # a constant's bytes (a typed PRNG key's too)
+        key = jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+        return np.asarray(jax.random.key_data(x) if key else x).tobytes()
+
+    a, b = traced(), traced()
+    same = str(a.jaxpr) == str(b.jaxpr) and len(a.consts) == len(b.consts) and all(
+        np.shape(x) == np.shape(y) and data(x) == data(y) for x, y in zip(a.consts, b.consts))
+    if not same:
+        raise ConfigError(f"{who}: init(key) gave two different parameter trees for the same key: it must draw "
+                          "them from the key alone (jax.random), not from numpy's or Python's random generator "
+                          "or the time; else the processes of a run hold different replicas and a seed does "
+                          "not repeat a run")
 
 
 def _check_shapes(who: str, model: Model, n_levels: int) -> None:
