@@ -366,6 +366,25 @@ def test_what_apply_returns_is_checked_when_the_step_is_traced(on_path, change, 
         train(setup, 1)
 
 
+def test_an_exception_in_a_plugins_apply_is_one_line_naming_its_line(on_path):
+    """A plugin's apply raising while the step is traced (here: reading batch["mask"], which only
+    an evaluation batch holds) was a traceback through the engine's and JAX's frames."""
+    @dataclasses.dataclass(frozen=True)
+    class Masked(CMSMLP):
+        def apply(self, params, memory, batch, key=None):
+            logits, memory = self.logits(params, memory, batch, key)
+            return (*token_loss(logits, batch["tokens"][:, 1:], batch["mask"]), memory)
+
+    from nljax.models.blocks import token_loss
+
+    nljax.register_model("masked", lambda cfg: Masked(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1,
+                                                      len(cfg.cms.periods)))
+    with pytest.raises(ConfigError, match=r"^model 'masked': apply raised KeyError: 'mask' \(at .*test_model_registry"
+                                          r"\.py:\d+\) \(NLJAX_TRACEBACK=1 shows the traceback\)") as e:
+        train(make(["model.name=masked"], 1, 1), 1)
+    assert isinstance(e.value.__cause__, KeyError)
+
+
 def test_token_loss_of_logits_of_another_shape_is_one_line(on_path):
     """A model's apply giving `token_loss` logits without the vocabulary axis ([B, T]: an argmax,
     a slice too many) or one position too many failed in take_along_axis, a traceback from the

@@ -72,6 +72,7 @@ Optional:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 from typing import Any, Protocol
@@ -164,8 +165,13 @@ def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch
     their shapes while the step is traced (free at run time): two scalar sums, and new_memory with
     `memory`'s structure, shapes and dtypes. The step carries new_memory into the next step, which
     may be another compiled variant: a leaf that changed would otherwise fail there, inside the
-    model, in a message about its parameters."""
-    out = model.apply(params, memory, batch, key, **({"train": train} if takes_train(model) else {}))
+    model, in a message about its parameters. A plugin's `apply` raising is one line too
+    (`registry.plugin_code`)."""
+    from nljax.models import registry  # not at the top: the registry imports the models
+
+    spec = registry.spec(name) if name in registry.names() else None  # a model built without the registry
+    with registry.plugin_code(spec, "apply", who=f"model '{name}'") if spec else contextlib.nullcontext():
+        out = model.apply(params, memory, batch, key, **({"train": train} if takes_train(model) else {}))
     who = f"model '{name}': apply"
     if not isinstance(out, tuple) or len(out) != 3:
         raise ConfigError(f"{who} must return (loss_sum, count, new_memory), got {type(out).__name__}")

@@ -165,15 +165,16 @@ def build(cfg: Config) -> Model:
 
 
 @contextlib.contextmanager
-def plugin_code(s: ModelSpec):
-    """Around the calls into a registered model's own code while it is built and checked (its
+def plugin_code(s: ModelSpec, doing: str = "building it", who: str | None = None):
+    """Around the calls into a registered model's own code: while it is built and checked (its
     `build`, `rebuild`, and the `init`, `level_of`, `init_memory` and `describe` that
-    `check_model` calls): an exception raised there, other than a ConfigError, is one line
-    naming the model, the exception and where the model's code raised, as a plugin that fails to
-    register is (an error in a model being written is the common case, and the traceback ran
-    through nljax's own frames first). The exception stays its cause: in Python the traceback
-    shows it, and the commands print it with NLJAX_TRACEBACK=1. nljax's own models keep their
-    traceback: an exception there is nljax's bug."""
+    `check_model` calls), and its `apply` while a step is traced (`base.checked_apply`). An
+    exception raised there, other than a ConfigError, is one line naming the model (`who`:
+    `model 'name' (origin)`), what it was `doing`, the exception and where the model's code
+    raised, as a plugin that fails to register is (an error in a model being written is the
+    common case, and the traceback ran through nljax's and JAX's frames first). The exception
+    stays its cause: in Python the traceback shows it, and the commands print it with
+    NLJAX_TRACEBACK=1. nljax's own models keep their traceback: an exception there is nljax's bug."""
     try:
         yield
     except ConfigError:
@@ -181,7 +182,7 @@ def plugin_code(s: ModelSpec):
     except Exception as e:
         if s.origin.split(".")[0] == "nljax":
             raise
-        raise ConfigError(f"model '{s.name}' ({s.origin}): building it raised {type(e).__name__}: "
+        raise ConfigError(f"{who or f'model {s.name!r} ({s.origin})'}: {doing} raised {type(e).__name__}: "
                           f"{first_line(e) or 'no message'}{_where(e)}{HINT}") from e
 
 
