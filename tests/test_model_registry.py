@@ -385,6 +385,31 @@ def test_an_exception_in_a_plugins_apply_is_one_line_naming_its_line(on_path):
     assert isinstance(e.value.__cause__, KeyError)
 
 
+def test_a_plugins_checks_raising_are_one_line(on_path):
+    """The rules a plugin registers raising something else than a ConfigError (a typo's
+    AttributeError in check(cfg), an `assert` in its settings' check()) were tracebacks from
+    inside the config's validation, on every load."""
+    def check(cfg):
+        return cfg.model.dimm  # a typo
+
+    nljax.register_model("checking", _bad_model(), check=check)
+    with pytest.raises(ConfigError, match=r"^model 'checking' \(.*\): its check\(cfg\) raised AttributeError: "
+                                          r"'ModelConfig' object has no attribute 'dimm' \(at .*test_model_registry"):
+        config.load(None, [*TINY, "model.name=checking"])
+
+    @dataclasses.dataclass(frozen=True)
+    class Asserting:
+        width: int = 2  # a width
+
+        def check(self):
+            assert self.width < 2, "width must be below 2"
+
+    nljax.register_model("asserting", _bad_model(), settings=Asserting)
+    with pytest.raises(ConfigError, match=r"^model 'asserting' \(.*\): model.asserting's check\(\) raised "
+                                          r"AssertionError: width must be below 2 \(at .*test_model_registry"):
+        config.load(None, [*TINY, "model.name=asserting"])
+
+
 def test_token_loss_of_logits_of_another_shape_is_one_line(on_path):
     """A model's apply giving `token_loss` logits without the vocabulary axis ([B, T]: an argmax,
     a slice too many) or one position too many failed in take_along_axis, a traceback from the

@@ -12,6 +12,7 @@ loaded and checked like nljax's own.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Literal
 
@@ -47,6 +48,8 @@ class ModelConfig:
         return _with_sections(tuple((s.name, s.settings) for s in registry.specs()))
 
     def check(self) -> None:
+        from nljax.models import registry
+
         check_at_least("model", self, vocab_size=1, dim=1, depth=1)
         if self.depth > MAX_DEPTH:  # building and compiling 100,000 blocks ran for minutes, then for ever
             raise ConfigError(f"model.depth={self.depth} is past the limit of {MAX_DEPTH} blocks")
@@ -56,7 +59,10 @@ class ModelConfig:
         for f in dataclasses.fields(self):  # every model's own section, selected or not
             check = getattr(getattr(self, f.name), "check", None)
             if dataclasses.is_dataclass(getattr(self, f.name)) and check is not None:
-                check()
+                # a plugin's section: its AttributeError or assert is one line naming it
+                spec = registry.spec(f.name) if f.name in registry.names() else None
+                with registry.plugin_code(spec, f"model.{f.name}'s check()") if spec else contextlib.nullcontext():
+                    check()
         # the selected model's own rules read the whole config: nljax.crosschecks runs them
 
 
