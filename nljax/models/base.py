@@ -7,8 +7,10 @@ batch's rows are split over the data axes), T tokens per row (`train.seq_len`), 
 
 Required:
 
-- `init(key) -> params`: the parameter pytree (flax's `{"params": ...}` contents), one device's
-  worth when the model is a tensor-parallel shard. Everything in it is an outer-loop parameter,
+- `init(key) -> params`: the parameter pytree (flax's `{"params": ...}` contents, or any pytree
+  of float arrays: a NamedTuple, a list; a leaf's path, as `level_of` and the export name it,
+  joins dict keys, field names and indices with "/"), one device's worth when the model is a
+  tensor-parallel shard. Everything in it is an outer-loop parameter,
   synchronized by the engine; its initial inner-loop memory belongs here too (nl_lm's
   `memory0_*`). A function of `key` alone (`jax.random`): every process of a run calls it and
   must get the same replicas; numbers drawn at trace time (numpy's random generator, the time)

@@ -21,7 +21,9 @@ PyTree = Any
 
 
 def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """'block0/cms1/up/kernel': a dict's keys, a sequence's indices and an attribute's name (a
+    NamedTuple's or a dataclass pytree's fields: '.embed' before), as checkpoints name them."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def assign(params: PyTree, level_of: Callable[[str], int], n_levels: int) -> PyTree:
