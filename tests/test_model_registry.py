@@ -385,6 +385,30 @@ def test_an_exception_in_a_plugins_apply_is_one_line_naming_its_line(on_path):
     assert isinstance(e.value.__cause__, KeyError)
 
 
+def test_a_plugins_tensor_parallel_shard_raising_is_one_line_at_the_plugins_line(on_path):
+    """The shard `tensor_parallel` gives is the model's own code, run when the engine is built: an
+    exception there was a traceback. The line points at the model's own line, not at the frame
+    inside JAX where the error surfaced (a shard of zero heads: JAX's initializer divides by 0)."""
+    import jax.numpy as jnp
+
+    @dataclasses.dataclass(frozen=True)
+    class Sharded(CMSMLP):
+        def tensor_parallel(self, m, axis):
+            return dataclasses.replace(self, dim=0)
+
+        def init(self, key):
+            return {"w": jax.nn.initializers.lecun_normal()(key, (self.dim, 4), jnp.float32)}
+
+        def level_of(self, path):
+            return 0
+
+    nljax.register_model("sharded", lambda cfg: Sharded(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1,
+                                                        len(cfg.cms.periods)))
+    with pytest.raises(ConfigError, match=r"^model 'sharded' \(.*\): its tensor_parallel\(2, ...\) shard raised "
+                                          r"ZeroDivisionError: .* \(at .*test_model_registry\.py:\d+\) \(NLJAX_TRACEBACK"):
+        make(["model.name=sharded", "cms.periods=[1]"], 1, 1, 2)
+
+
 def test_a_plugins_checks_raising_are_one_line(on_path):
     """The rules a plugin registers raising something else than a ConfigError (a typo's
     AttributeError in check(cfg), an `assert` in its settings' check()) were tracebacks from

@@ -95,9 +95,14 @@ def load_entry_point(ep) -> None:
         _ORIGIN.pop()
 
 
+LIBRARIES = ("jax", "jaxlib", "flax", "numpy", "optax", "einops")  # whose frames `_where` passes over
+
+
 def _where(e: BaseException) -> str:
     """' (at FILE:LINE)': the innermost line of the plugin's own code that raised `e` (not Python's
-    import machinery, not nljax), so that the one line still says where to look; '' if none."""
+    import machinery, not nljax, not the libraries a model is written with: a shape error raised
+    inside flax's Dense or JAX's initializers is the model's line that called them), so that the
+    one line still says where to look; '' if none."""
     import os
     import sysconfig
     import traceback
@@ -105,11 +110,13 @@ def _where(e: BaseException) -> str:
     paths = sysconfig.get_paths()
     packages = (paths["purelib"], paths["platlib"])  # under the stdlib's folder where Python has no venv
     nljax_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    libraries = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in map(sys.modules.get, LIBRARIES)
+                      if getattr(m, "__file__", None))
 
     def theirs(name: str) -> bool:
         name = os.path.abspath(name)
         stdlib = name.startswith(paths["stdlib"]) and not name.startswith(packages)
-        return not (stdlib or name.startswith(nljax_dir + os.sep))
+        return not (stdlib or name.startswith((nljax_dir + os.sep, *libraries)))
 
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<") and theirs(f.filename)]
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
