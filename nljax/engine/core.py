@@ -41,7 +41,7 @@ def tensor_parallel(cfg: Config, model: Model, m: int) -> tuple[Model, tp.Split]
         raise ConfigError(f"model.name={cfg.model.name} has no tensor-parallel form: use mesh.model=1")
     memory = lambda mdl: jax.eval_shape(lambda: mdl.init_memory(1))
     # the shard is the model's own code: what it raises is one line, as its build's
-    with registry.plugin_code(registry.spec(cfg.model.name), f"its tensor_parallel({m}, ...) shard"):
+    with registry.plugin_code(cfg.model.name, f"its tensor_parallel({m}, ...) shard"):
         if m > 1:
             local_model, shard = model.tensor_parallel(m, MODEL), model.tensor_parallel(m, None)
         split = tp.Split(m, shapes, tp.split_specs(shapes, jax.eval_shape(shard.init, key), m),

@@ -74,7 +74,6 @@ Optional:
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import re
 from typing import Any, Protocol
@@ -171,8 +170,7 @@ def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch
     (`registry.plugin_code`)."""
     from nljax.models import registry  # not at the top: the registry imports the models
 
-    spec = registry.spec(name) if name in registry.names() else None  # a model built without the registry
-    with registry.plugin_code(spec, "apply", who=f"model '{name}'") if spec else contextlib.nullcontext():
+    with registry.plugin_code(name, "apply", who=f"model '{name}'"):
         out = model.apply(params, memory, batch, key, **({"train": train} if takes_train(model) else {}))
     who = f"model '{name}': apply"
     if not isinstance(out, tuple) or len(out) != 3:

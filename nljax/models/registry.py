@@ -164,7 +164,7 @@ def build(cfg: Config) -> Model:
     """The model `cfg.model.name` names, checked against the contract (`check_model`); shared
     keys set that it does not read are said once (`warn_unread`)."""
     s = spec(cfg.model.name)
-    with plugin_code(s):
+    with plugin_code(s.name):
         model = s.build(cfg)
         check_model(s, model, len(cfg.cms.periods))
     warn_unread(cfg)
@@ -172,25 +172,32 @@ def build(cfg: Config) -> Model:
 
 
 @contextlib.contextmanager
-def plugin_code(s: ModelSpec, doing: str = "building it", who: str | None = None):
-    """Around the calls into a registered model's own code: while it is built and checked (its
-    `build`, `rebuild`, and the `init`, `level_of`, `init_memory` and `describe` that
-    `check_model` calls), and its `apply` while a step is traced (`base.checked_apply`). An
-    exception raised there, other than a ConfigError, is one line naming the model (`who`:
-    `model 'name' (origin)`), what it was `doing`, the exception and where the model's code
-    raised, as a plugin that fails to register is (an error in a model being written is the
-    common case, and the traceback ran through nljax's and JAX's frames first). The exception
-    stays its cause: in Python the traceback shows it, and the commands print it with
-    NLJAX_TRACEBACK=1. nljax's own models keep their traceback: an exception there is nljax's bug."""
+def plugin_code(name: str, doing: str = "building it", who: str | None = None):
+    """Around a call into the code of the registered model `name`: its rules (`check(cfg)`, its
+    settings' `check()`), its `build` or `rebuild` and what `check_model` calls (`init`,
+    `level_of`, `init_memory`, `describe`), its `tensor_parallel` shard, its `apply` while a step
+    is traced (`base.checked_apply`). An exception raised there, other than a ConfigError, is one
+    line naming the model (`who`: `model 'name' (origin)`), what it was `doing`, the exception and
+    where the model's code raised, as a plugin that fails to register is (an error in a model
+    being written is the common case, and the traceback ran through nljax's and JAX's frames
+    first). The exception stays its cause: in Python the traceback shows it, and the commands
+    print it with NLJAX_TRACEBACK=1. nljax's own models, and a model the registry does not hold
+    (built by hand), keep their traceback: an exception there is nljax's bug."""
     try:
         yield
     except ConfigError:
         raise
     except Exception as e:
-        if s.origin.split(".")[0] == "nljax":
+        s = _SPECS.get(name)
+        if s is None or nljax_own(s):
             raise
         raise ConfigError(f"{who or f'model {s.name!r} ({s.origin})'}: {doing} raised {type(e).__name__}: "
                           f"{first_line(e) or 'no message'}{_where(e)}{HINT}") from e
+
+
+def nljax_own(s: ModelSpec) -> bool:
+    """Whether nljax registered the model itself (nljax.models.builtin), not a plugin or a user."""
+    return s.origin.split(".")[0] == "nljax"
 
 
 def unread_shared(cfg: Config) -> list[str]:
@@ -228,7 +235,7 @@ def warn_unread(cfg: Config) -> None:
 def rebuild(cfg: Config, info: dict) -> Model:
     """The model of an export: its config and its config.json `info` (`ModelSpec.rebuild`)."""
     s = spec(cfg.model.name)
-    with plugin_code(s):
+    with plugin_code(s.name):
         model = s.rebuild(cfg, info) if s.rebuild is not None else s.build(cfg)
         check_model(s, model, len(cfg.cms.periods))
     return model
@@ -281,7 +288,7 @@ def check_model(s: ModelSpec, model: Model, n_levels: int) -> None:
     if getattr(model, "task", s.task) != s.task:
         raise ConfigError(f"{who}: the model's task is '{model.task}' but it was registered with task='{s.task}'")
     _check_shapes(who, model, n_levels)
-    if s.origin.split(".")[0] != "nljax":  # nljax's own draw from the key alone (their tests compare runs)
+    if not nljax_own(s):  # nljax's own draw from the key alone (their tests compare runs)
         _check_deterministic(who, model)
     record(model, s.name)  # what every checkpoint saves: JSON, or one line now
 

@@ -12,7 +12,6 @@ loaded and checked like nljax's own.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Literal
 
@@ -60,8 +59,7 @@ class ModelConfig:
             check = getattr(getattr(self, f.name), "check", None)
             if dataclasses.is_dataclass(getattr(self, f.name)) and check is not None:
                 # a plugin's section: its AttributeError or assert is one line naming it
-                spec = registry.spec(f.name) if f.name in registry.names() else None
-                with registry.plugin_code(spec, f"model.{f.name}'s check()") if spec else contextlib.nullcontext():
+                with registry.plugin_code(f.name, f"model.{f.name}'s check()"):
                     check()
         # the selected model's own rules read the whole config: nljax.crosschecks runs them
 
