@@ -31,6 +31,7 @@ except ValueError as e:  # JAX_NUM_CPU_DEVICES=abc, ...: a traceback before
 from nljax import config, configdoc
 from nljax.errors import first_line
 from nljax.measure import hostmem
+from nljax.models import registry
 from nljax.runtime import distributed
 from nljax.runtime.preemption import Stopped, check_in
 
@@ -215,6 +216,14 @@ def interrupted(prog: str, then: str = "") -> int:
     return 128 + signal.SIGINT
 
 
+def traceback_if_asked(e: config.ConfigError) -> None:
+    """With NLJAX_TRACEBACK set (not "" or 0), the traceback of a one-line error, before its line:
+    where nljax raised it and, when it stands for an exception of a model's own code (a plugin's
+    `build` raising: `registry.plugin_code`), that exception's traceback first."""
+    if os.environ.get(registry.TRACEBACK, "") not in ("", "0"):
+        traceback.print_exception(e, file=sys.stderr)
+
+
 def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] = lambda: None,
          after_ctrl_c: str = "") -> int:
     """`body()`'s exit code for a one-process tool (generate, export, lm_eval, prepare), a user's
@@ -224,6 +233,7 @@ def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] 
     try:
         return body()
     except config.ConfigError as e:
+        traceback_if_asked(e)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: one line, as every other way the tool stops
@@ -297,6 +307,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         # In a multi-process run every process raises it together (lockstep checks) or the
         # others are released by the shutdown barrier's timeout (distributed.timeout_s).
         where = f" (process {jax.process_index()})" if multiprocess else ""
+        traceback_if_asked(e)
         print(f"{p.prog}: error{where}: {e}", file=sys.stderr)
         return 2
     except Exception as e:

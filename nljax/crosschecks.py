@@ -21,7 +21,8 @@ def check_across_sections(cfg) -> None:
         raise ConfigError(f"optim.level_lr_scale has {len(cfg.optim.level_lr_scale)} entries but cms.periods has "
                           f"{len(periods)} levels")
     if spec.check is not None:
-        spec.check(cfg)
+        with registry.plugin_code(spec.name, "its check(cfg)"):  # a plugin's AttributeError or assert: one line
+            spec.check(cfg)
     if spec.task == "text" and d.source != "files" and m.vocab_size < 256:
         # these corpora are bytes: token ids 0..255 index the embedding (files: checked against
         # their own vocabulary when they are read: nljax.run.tasks.resolve)

@@ -33,7 +33,6 @@ from nljax import cli  # noqa: I001
 
 import jax
 import jax.numpy as jnp
-from flax import traverse_util
 
 from nljax import config
 from nljax.checkpoint.contents import RESHAPED
@@ -41,6 +40,7 @@ from nljax.checkpoint.taken import checkpoints_around, where
 from nljax.errors import ConfigError, few
 from nljax.models import registry
 from nljax.models.builtin import for_this_backend
+from nljax.parallel.levels import path_str
 from nljax.run import trained as trained_lib
 from nljax import writable
 from nljax.runtime import filedigest
@@ -61,7 +61,7 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     from safetensors.flax import save_file
 
     check_dtype(dtype)
-    flat = traverse_util.flatten_dict(jax.device_get(t.params), sep="/")
+    flat = named(jax.device_get(t.params))
     out.mkdir(parents=True, exist_ok=True)
     # written under temporary names and renamed into place, config.json last: an export cut short
     # (Ctrl-C, a full disk) leaves the previous one whole
@@ -183,7 +183,8 @@ def load_model(path: str | Path):
     # with what its data decided (a DiT's images), as recorded; GPU-only forms off a GPU: auto's
     model = registry.rebuild(for_this_backend(cfg), info)
     flat = load_file(str(path / WEIGHTS))
-    template = traverse_util.flatten_dict(jax.eval_shape(model.init, jax.random.key(0)), sep="/")
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    template = named(shapes)
     if set(flat) != set(template):
         missing, extra = sorted(set(template) - set(flat))[:3], sorted(set(flat) - set(template))[:3]
         raise ConfigError(f"{path / WEIGHTS} does not fit its config.json (missing {missing}, unexpected {extra})")
@@ -192,7 +193,15 @@ def load_model(path: str | Path):
             flat[k] = flat[k].reshape(v.shape)  # written before the qkv kernels took a head axis
         if flat[k].shape != v.shape:
             raise ConfigError(f"{path / WEIGHTS}: '{k}' is {flat[k].shape}, the model needs {v.shape}")
-    return model, traverse_util.unflatten_dict(flat, sep="/")
+    return model, jax.tree.unflatten(jax.tree.structure(shapes), [flat[k] for k in template])
+
+
+def named(params) -> dict:
+    """The parameters by their paths ('block0/cms1/up/kernel'), the tensors' names in the
+    safetensors file: of any pytree the model's `init` gives (flax's dicts, a NamedTuple, a list),
+    in its leaves' order; flax's flatten_dict took dicts alone (an AssertionError's traceback for a
+    model of plain JAX whose parameters are a NamedTuple, which trains and checkpoints)."""
+    return {path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
 def main(argv=None) -> int:

@@ -122,7 +122,11 @@ def test_the_step_reads_no_zero_size_array(flat, strategy):
 def test_the_level_table_says_which_levels_hold_nothing(flat):
     setup = make(ARGS, 1, 1)
     table = describe(setup.engine.param_shapes, setup.engine.level_tree, setup.cfg.cms.periods)
-    assert "levels 1, 2 hold no parameters" in table
+    assert "levels 1, 2 hold no parameters (the model's level_of puts none there): their periods change nothing" in table
+    # one level: "its period", not "their periods"
+    one = describe(setup.engine.param_shapes, setup.engine.level_tree, setup.cfg.cms.periods[:2])
+    assert "level 1 holds no parameters (the model's level_of puts none there): its period changes nothing; a " \
+           "new run with cms.periods=[1] would do the same" in one
 
 
 def _named(state):

@@ -1,6 +1,8 @@
 """Export: the parameters gathered from any strategy, written as safetensors with the config, load
 back (`nljax.load_model`) into a model whose logits equal the training state's."""
 
+import dataclasses
+from typing import NamedTuple
 from unittest import mock
 
 import jax
@@ -158,3 +160,59 @@ def test_an_unwritable_out_is_one_line_and_exit_2_before_the_checkpoint_is_read(
         assert list(locked.iterdir()) == []
     finally:
         locked.chmod(0o755)
+
+
+class PlainParams(NamedTuple):
+    embed: jax.Array
+    out: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class Plain:
+    """A model of plain JAX, its parameters a NamedTuple (no flax), a bigram table."""
+
+    vocab: int
+    dim: int
+    seen: list = dataclasses.field(default_factory=list, compare=False)  # the paths level_of was given
+
+    def init(self, key):
+        k1, k2 = jax.random.split(key)
+        return PlainParams(jax.random.normal(k1, (self.vocab, self.dim)), jax.random.normal(k2, (self.dim, self.vocab)))
+
+    def level_of(self, path):
+        self.seen.append(path)
+        return 0
+
+    def init_memory(self, rows):
+        return {}
+
+    def logits(self, params, memory, batch, key=None):
+        return params.embed[batch["tokens"][:, :-1]] @ params.out, memory
+
+    def apply(self, params, memory, batch, key):
+        from nljax.models.blocks import token_loss
+
+        logits, memory = self.logits(params, memory, batch, key)
+        return (*token_loss(logits, batch["tokens"][:, 1:]), memory)
+
+
+def test_parameters_of_any_pytree_export_and_load(tmp_path):
+    """Parameters a NamedTuple (a model of plain JAX) trained and checkpointed, but the export
+    flattened them with flax's flatten_dict: an AssertionError's traceback. They are named by their
+    paths ('embed', as level_of is given them: '.embed' before) and load back as the NamedTuple."""
+    from nljax.models import specs
+
+    model = Plain(256, 8)
+    nljax.register_model("plain", lambda cfg: model)
+    try:
+        setup, state = saved_run(tmp_path / "run", ["model.name=plain", "cms.periods=[1]", "train.seq_len=16",
+                                                    "train.batch_size=4"], 1, 1)
+        assert set(model.seen) == {"embed", "out"}
+        t = trained.load(tmp_path / "run", devices=jax.devices()[:1])
+        loaded_model, loaded = nljax.load_model(export.export(t, tmp_path / "export"))
+        assert isinstance(loaded, PlainParams)
+        want = jax.device_get(setup.engine.strategy.gather_params(state.params))
+        for a, b in zip(loaded, want, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    finally:
+        specs.unregister("plain")

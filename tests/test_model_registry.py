@@ -290,6 +290,30 @@ def test_a_parameter_that_is_not_a_float_is_refused_before_allocation(on_path):
         registry.build(cfg)
 
 
+def test_an_init_that_is_not_a_function_of_its_key_is_refused_before_allocation(on_path):
+    """Parameters drawn at trace time (numpy's global generator: init code ported from numpy or
+    PyTorch) trained without a word: each process of a multi-process run held replicas of its
+    own, and a seed did not repeat a run. A generator seeded inside init is a function of nothing
+    but the code: it passes."""
+    import jax.numpy as jnp
+
+    def drawing(rng):
+        @dataclasses.dataclass(frozen=True)
+        class Drawing(CMSMLP):
+            def init(self, key):
+                params = super().init(key)
+                return {**params, "gain": jnp.asarray(rng().normal(size=(4,)), jnp.float32)}
+
+        return lambda cfg: Drawing(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1, len(cfg.cms.periods))
+
+    nljax.register_model("drawing", drawing(lambda: np.random))
+    with pytest.raises(ConfigError, match=r"^model 'drawing' \(.*\): init\(key\) gave two different parameter trees "
+                                          r"for the same key: it must draw them from the key alone"):
+        registry.build(config.load(None, [*TINY, "model.name=drawing"]))
+    nljax.register_model("seeded", drawing(lambda: np.random.default_rng(0)))
+    registry.build(config.load(None, [*TINY, "model.name=seeded"]))
+
+
 def test_a_python_number_for_count_is_a_scalar(on_path):
     """`count = rows * seq_len`, a Python int, is a scalar as the contract asks: it trains (a
     TypeError in the step's metrics before)."""
@@ -340,6 +364,97 @@ def test_what_apply_returns_is_checked_when_the_step_is_traced(on_path, change, 
     setup = make(["model.name=changing"], 1, 1)
     with pytest.raises(ConfigError, match=r"^model 'changing': " + line):
         train(setup, 1)
+
+
+def test_an_exception_in_a_plugins_apply_is_one_line_naming_its_line(on_path):
+    """A plugin's apply raising while the step is traced (here: reading batch["mask"], which only
+    an evaluation batch holds) was a traceback through the engine's and JAX's frames."""
+    @dataclasses.dataclass(frozen=True)
+    class Masked(CMSMLP):
+        def apply(self, params, memory, batch, key=None):
+            logits, memory = self.logits(params, memory, batch, key)
+            return (*token_loss(logits, batch["tokens"][:, 1:], batch["mask"]), memory)
+
+    from nljax.models.blocks import token_loss
+
+    nljax.register_model("masked", lambda cfg: Masked(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1,
+                                                      len(cfg.cms.periods)))
+    with pytest.raises(ConfigError, match=r"^model 'masked': apply raised KeyError: 'mask' \(at .*test_model_registry"
+                                          r"\.py:\d+\) \(NLJAX_TRACEBACK=1 shows the traceback\)") as e:
+        train(make(["model.name=masked"], 1, 1), 1)
+    assert isinstance(e.value.__cause__, KeyError)
+
+
+def test_a_plugins_tensor_parallel_shard_raising_is_one_line_at_the_plugins_line(on_path):
+    """The shard `tensor_parallel` gives is the model's own code, run when the engine is built: an
+    exception there was a traceback. The line points at the model's own line, not at the frame
+    inside JAX where the error surfaced (a shard of zero heads: JAX's initializer divides by 0)."""
+    import jax.numpy as jnp
+
+    @dataclasses.dataclass(frozen=True)
+    class Sharded(CMSMLP):
+        def tensor_parallel(self, m, axis):
+            return dataclasses.replace(self, dim=0)
+
+        def init(self, key):
+            return {"w": jax.nn.initializers.lecun_normal()(key, (self.dim, 4), jnp.float32)}
+
+        def level_of(self, path):
+            return 0
+
+    nljax.register_model("sharded", lambda cfg: Sharded(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1,
+                                                        len(cfg.cms.periods)))
+    with pytest.raises(ConfigError, match=r"^model 'sharded' \(.*\): its tensor_parallel\(2, ...\) shard raised "
+                                          r"ZeroDivisionError: .* \(at .*test_model_registry\.py:\d+\) \(NLJAX_TRACEBACK"):
+        make(["model.name=sharded", "cms.periods=[1]"], 1, 1, 2)
+
+
+def test_a_plugins_checks_raising_are_one_line(on_path):
+    """The rules a plugin registers raising something else than a ConfigError (a typo's
+    AttributeError in check(cfg), an `assert` in its settings' check()) were tracebacks from
+    inside the config's validation, on every load."""
+    def check(cfg):
+        return cfg.model.dimm  # a typo
+
+    nljax.register_model("checking", _bad_model(), check=check)
+    with pytest.raises(ConfigError, match=r"^model 'checking' \(.*\): its check\(cfg\) raised AttributeError: "
+                                          r"'ModelConfig' object has no attribute 'dimm' \(at .*test_model_registry"):
+        config.load(None, [*TINY, "model.name=checking"])
+
+    @dataclasses.dataclass(frozen=True)
+    class Asserting:
+        width: int = 2  # a width
+
+        def check(self):
+            assert self.width < 2, "width must be below 2"
+
+    nljax.register_model("asserting", _bad_model(), settings=Asserting)
+    with pytest.raises(ConfigError, match=r"^model 'asserting' \(.*\): model.asserting's check\(\) raised "
+                                          r"AssertionError: width must be below 2 \(at .*test_model_registry"):
+        config.load(None, [*TINY, "model.name=asserting"])
+
+
+def test_token_loss_of_logits_of_another_shape_is_one_line(on_path):
+    """A model's apply giving `token_loss` logits without the vocabulary axis ([B, T]: an argmax,
+    a slice too many) or one position too many failed in take_along_axis, a traceback from the
+    step's trace."""
+    import jax.numpy as jnp
+
+    from nljax.models.blocks import token_loss
+
+    @dataclasses.dataclass(frozen=True)
+    class Flat(CMSMLP):
+        def apply(self, params, memory, batch, key=None):
+            logits, memory = self.logits(params, memory, batch, key)
+            return (*token_loss(logits[..., 0], batch["tokens"][:, 1:]), memory)
+
+    nljax.register_model("flat", lambda cfg: Flat(cfg.model.vocab_size, cfg.model.dim, cfg.model.dim, 1,
+                                                  len(cfg.cms.periods)))
+    with pytest.raises(ConfigError, match=r"^token_loss: logits of shape \(8, \d+\) for targets of shape \(8, \d+\): "
+                                          r"the logits must be \[B, T, V\], one row of V"):
+        train(make(["model.name=flat"], 1, 1), 1)
+    with pytest.raises(ConfigError, match=r"logits of shape \(2, 5, 7\) for targets of shape \(2, 4\)"):
+        token_loss(jnp.zeros((2, 5, 7)), jnp.zeros((2, 4), jnp.int32))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -492,16 +607,46 @@ BAD_PLUGINS = [
                                                                         "outside cms.periods (3 levels: 0..2)"]),
     (dict(memory="{'S': jnp.zeros((5,))}"), ["model 'toy' (plugin", "init_memory(2) leaf 'S' has shape (5,)",
                                              "needs the rows axis first"]),
+    # the model's own code raising while it is built or checked: a traceback through nljax's frames
+    (dict(body="nljax.register_model('toy', lambda cfg: 1 / 0)"),
+     ["model 'toy' (plugin 'toy = toy_pkg:register'", "building it raised ZeroDivisionError: division by zero (at ",
+      "toy_pkg.py:", "(NLJAX_TRACEBACK=1 shows the traceback)"]),
+    (dict(level="path.no_such_method()"), ["model 'toy' (plugin", "building it raised AttributeError: 'str' object has "
+                                           "no attribute 'no_such_method' (at ", "toy_pkg.py:"]),
 ]
 
 
-@pytest.mark.parametrize("kw, parts", BAD_PLUGINS, ids=["import", "raises", "object", "silent", "twice", "level", "rows"])
+@pytest.mark.parametrize("kw, parts", BAD_PLUGINS, ids=["import", "raises", "object", "silent", "twice", "level", "rows",
+                                                        "build", "level_of"])
 def test_a_bad_plugin_is_one_line_and_exit_2(tmp_path, kw, parts):
     p = cli_train(plugin(tmp_path / "site", "toy", **kw), "model.name=toy", f"run.dir={tmp_path / 'run'}")
     one_line_error(p, *parts)
     assert not (tmp_path / "run" / "checkpoints").exists()
     if "target" in kw:  # raised in importlib.metadata: no line of the plugin's to point at
         assert "(at " not in p.stderr, p.stderr
+
+
+def test_nljax_traceback_prints_the_traceback_of_a_plugins_exception(tmp_path):
+    """The one line replaces a traceback a plugin's author debugging a build may need: with
+    NLJAX_TRACEBACK=1 it comes before the line, the plugin's own frame in it."""
+    root = plugin(tmp_path / "site", "toy", body="nljax.register_model('toy', lambda cfg: 1 / 0)")
+    p = run_python("-m", "nljax.train", "--cpu-devices", "1", *QUICK, *SMALL, "model.name=toy",
+                   f"run.dir={tmp_path / 'run'}", check=False, timeout=300,
+                   env={"PYTHONPATH": f"{ROOT}:{root}", "NLJAX_TRACEBACK": "1"})
+    assert p.returncode == 2, p.stderr
+    assert "Traceback (most recent call last)" in p.stderr and "toy_pkg.py" in p.stderr, p.stderr
+    assert "The above exception was the direct cause" in p.stderr, p.stderr
+    assert p.stderr.strip().splitlines()[-1].startswith("nljax.train: error: model 'toy'"), p.stderr
+
+
+def test_an_exception_in_a_models_build_is_a_config_error_caused_by_it(on_path):
+    """In Python the line's ConfigError keeps the model's exception as its cause (the traceback
+    shows both); nljax's own models are not wrapped: an exception there is nljax's bug."""
+    nljax.register_model("raising", lambda cfg: {}["no_such_key"])
+    with pytest.raises(ConfigError, match=r"^model 'raising' \(.*\): building it raised KeyError: 'no_such_key' "
+                                          r"\(at .*test_model_registry.py:\d+\) \(NLJAX_TRACEBACK=1") as e:
+        registry.build(config.load(None, [*TINY, "model.name=raising"]))
+    assert isinstance(e.value.__cause__, KeyError)
 
 
 def test_a_bad_plugin_is_not_blamed_on_the_config_file(tmp_path):

@@ -1248,3 +1248,32 @@ def test_a_script_that_registers_an_imported_build_gets_its_own_closing_commands
             ["python", "launch.py", "train"], ["python", "launch.py", "generate"], ["python", "launch.py", "export"]]
     finally:
         specs.unregister("launched")
+
+
+def test_a_script_not_run_with_the_command_first_closes_with_the_calls(monkeypatch, tmp_path):
+    """A script that registers its model and passes its own arguments to `nljax.train.main` (the
+    guide's script without a package: `python my_run.py run.dir=...`) closed with `python my_run.py
+    train --resume ...`, the form of examples/smallest_model.py, which it refuses ("override
+    'train' must look like key=value"). Only a script run with the command first takes that form;
+    this one gets the calls to make where the model is registered."""
+    from nljax import config
+    from nljax.models import specs
+    from nljax.run.trainer import closing
+
+    def build(cfg):
+        raise AssertionError("not built")
+
+    exec("register_model('own_args', build)", {"__name__": "__main__", "register_model": specs.register_model,
+                                                "build": build})
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_run.py").write_text("")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", str(tmp_path / "my_run.py"), raising=False)
+    run = SimpleNamespace(task=SimpleNamespace(unit="tokens"), engine=SimpleNamespace(model=SimpleNamespace(logits=None)))
+    try:
+        for argv in (["my_run.py", "run.dir=r"], ["my_run.py", "--resume", "run.dir=r"], ["my_run.py"]):
+            monkeypatch.setattr(sys, "argv", argv)
+            lines = closing(config.load(None, ["model.name=own_args", "run.dir=r"]), run)
+            assert "registered by __main__ in this process only" in lines[1], (argv, lines)
+            assert lines[2] == "  resume:  nljax.train.main(['--resume', 'run.dir=r', 'train.steps=400'])", lines
+    finally:
+        specs.unregister("own_args")

@@ -32,16 +32,21 @@ PyTree = Any
 def tensor_parallel(cfg: Config, model: Model, m: int) -> tuple[Model, tp.Split]:
     """`model`'s shard over `m` devices of the `model` axis (the model itself when m = 1) and
     how its parameters and memory split (`tp.Split`), derived from the global and shard shapes."""
+    from nljax.models import registry
+
     key = jax.random.key(0)
     shapes = jax.eval_shape(model.init, key)
     local_model, shard = model, model
-    if m > 1:
-        if not hasattr(model, "tensor_parallel"):
-            raise ConfigError(f"model.name={cfg.model.name} has no tensor-parallel form: use mesh.model=1")
-        local_model, shard = model.tensor_parallel(m, MODEL), model.tensor_parallel(m, None)
+    if m > 1 and not hasattr(model, "tensor_parallel"):
+        raise ConfigError(f"model.name={cfg.model.name} has no tensor-parallel form: use mesh.model=1")
     memory = lambda mdl: jax.eval_shape(lambda: mdl.init_memory(1))
-    return local_model, tp.Split(m, shapes, tp.split_specs(shapes, jax.eval_shape(shard.init, key), m),
-                                 tp.split_specs(memory(model), memory(shard), m, lead=(DATA_AXES,)))
+    # the shard is the model's own code: what it raises is one line, as its build's
+    with registry.plugin_code(cfg.model.name, f"its tensor_parallel({m}, ...) shard"):
+        if m > 1:
+            local_model, shard = model.tensor_parallel(m, MODEL), model.tensor_parallel(m, None)
+        split = tp.Split(m, shapes, tp.split_specs(shapes, jax.eval_shape(shard.init, key), m),
+                         tp.split_specs(memory(model), memory(shard), m, lead=(DATA_AXES,)))
+    return local_model, split
 
 
 def decays_of(cfg: Config, model: Model) -> Callable[[str], bool] | None:

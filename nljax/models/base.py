@@ -7,10 +7,14 @@ batch's rows are split over the data axes), T tokens per row (`train.seq_len`), 
 
 Required:
 
-- `init(key) -> params`: the parameter pytree (flax's `{"params": ...}` contents), one device's
-  worth when the model is a tensor-parallel shard. Everything in it is an outer-loop parameter,
+- `init(key) -> params`: the parameter pytree (flax's `{"params": ...}` contents, or any pytree
+  of float arrays: a NamedTuple, a list; a leaf's path, as `level_of` and the export name it,
+  joins dict keys, field names and indices with "/"), one device's worth when the model is a
+  tensor-parallel shard. Everything in it is an outer-loop parameter,
   synchronized by the engine; its initial inner-loop memory belongs here too (nl_lm's
-  `memory0_*`).
+  `memory0_*`). A function of `key` alone (`jax.random`): every process of a run calls it and
+  must get the same replicas; numbers drawn at trace time (numpy's random generator, the time)
+  are refused when the model is built.
 - `level_of(path) -> int`: the CMS level of a parameter, by its path ("block0/cms1/up/kernel"),
   in 0 .. len(cms.periods) - 1. Level l is synchronized and updated every `cms.periods[l]`
   steps; what is not a CMS parameter (embeddings, attention, memory projections, norms, head)
@@ -162,8 +166,12 @@ def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch
     their shapes while the step is traced (free at run time): two scalar sums, and new_memory with
     `memory`'s structure, shapes and dtypes. The step carries new_memory into the next step, which
     may be another compiled variant: a leaf that changed would otherwise fail there, inside the
-    model, in a message about its parameters."""
-    out = model.apply(params, memory, batch, key, **({"train": train} if takes_train(model) else {}))
+    model, in a message about its parameters. A plugin's `apply` raising is one line too
+    (`registry.plugin_code`)."""
+    from nljax.models import registry  # not at the top: the registry imports the models
+
+    with registry.plugin_code(name, "apply", who=f"model '{name}'"):
+        out = model.apply(params, memory, batch, key, **({"train": train} if takes_train(model) else {}))
     who = f"model '{name}': apply"
     if not isinstance(out, tuple) or len(out) != 3:
         raise ConfigError(f"{who} must return (loss_sum, count, new_memory), got {type(out).__name__}")

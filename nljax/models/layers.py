@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from nljax.errors import ConfigError
 from nljax.parallel import tp as tplib
 
 
@@ -217,6 +218,12 @@ def token_loss(logits, targets, mask=None, weight=None):
     """Summed next-token cross-entropy and the token count (the summed weights).  logits [B, T, V],
     targets [B, T], mask [B] (1 for real rows, 0 for padding rows of an evaluation batch), weight
     [B, T] (each target's weight; None: 1)."""
+    if jnp.ndim(logits) != 3 or tuple(jnp.shape(logits))[:2] != tuple(jnp.shape(targets)):
+        # a model's apply passing logits of another shape failed inside take_along_axis, a traceback
+        # from the training step's trace ("indices and arr must have the same number of dimensions")
+        raise ConfigError(f"token_loss: logits of shape {tuple(jnp.shape(logits))} for targets of shape "
+                          f"{tuple(jnp.shape(targets))}: the logits must be [B, T, V], one row of V (the vocabulary) "
+                          "per target")
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     nll = -jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]  # [B, T]
     if mask is None and weight is None:

@@ -23,9 +23,11 @@ so is a model whose parameters fall outside `cms.periods` or whose memory has no
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import json
 import numbers
+import re
 import sys
 from importlib import metadata
 from typing import Any
@@ -40,6 +42,9 @@ Config = Model = Any  # nljax.config.Config and nljax.models.base.Model (not imp
 # ---------------------------------------------------------------------------------------------
 # Discovery
 
+
+TRACEBACK = "NLJAX_TRACEBACK"  # set (to anything but "" or 0): a one-line error prints its traceback too (nljax.cli)
+HINT = f" ({TRACEBACK}=1 shows the traceback)"  # ends the line of an exception a plugin's own code raised
 
 _DONE: set[str] = set()  # what `_loaded` has registered: "nljax", then "plugins"
 
@@ -74,7 +79,7 @@ def load_entry_point(ep) -> None:
         try:
             register = ep.load()
         except Exception as e:  # anything the plugin's import raises: one line naming it
-            raise ConfigError(f"{who} failed to import: {type(e).__name__}: {first_line(e)}{_where(e)}") from None
+            raise ConfigError(f"{who} failed to import: {type(e).__name__}: {first_line(e)}{_where(e)}{HINT}") from e
         if not callable(register):
             raise ConfigError(f"{who} names {register!r}, not a function to call")
         if ep.name not in _SPECS:
@@ -83,7 +88,7 @@ def load_entry_point(ep) -> None:
             except ConfigError:
                 raise
             except Exception as e:
-                raise ConfigError(f"{who} failed to register: {type(e).__name__}: {first_line(e)}{_where(e)}") from None
+                raise ConfigError(f"{who} failed to register: {type(e).__name__}: {first_line(e)}{_where(e)}{HINT}") from e
         if ep.name not in _SPECS:
             raise ConfigError(f"{who} did not register a model named '{ep.name}' (registered: "
                               f"{', '.join(sorted(_SPECS))})")
@@ -91,9 +96,14 @@ def load_entry_point(ep) -> None:
         _ORIGIN.pop()
 
 
+LIBRARIES = ("jax", "jaxlib", "flax", "numpy", "optax", "einops")  # whose frames `_where` passes over
+
+
 def _where(e: BaseException) -> str:
     """' (at FILE:LINE)': the innermost line of the plugin's own code that raised `e` (not Python's
-    import machinery, not nljax), so that the one line still says where to look; '' if none."""
+    import machinery, not nljax, not the libraries a model is written with: a shape error raised
+    inside flax's Dense or JAX's initializers is the model's line that called them), so that the
+    one line still says where to look; '' if none."""
     import os
     import sysconfig
     import traceback
@@ -101,11 +111,13 @@ def _where(e: BaseException) -> str:
     paths = sysconfig.get_paths()
     packages = (paths["purelib"], paths["platlib"])  # under the stdlib's folder where Python has no venv
     nljax_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    libraries = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep for m in map(sys.modules.get, LIBRARIES)
+                      if getattr(m, "__file__", None))
 
     def theirs(name: str) -> bool:
         name = os.path.abspath(name)
         stdlib = name.startswith(paths["stdlib"]) and not name.startswith(packages)
-        return not (stdlib or name.startswith(nljax_dir + os.sep))
+        return not (stdlib or name.startswith((nljax_dir + os.sep, *libraries)))
 
     frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith("<") and theirs(f.filename)]
     return f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
@@ -153,10 +165,40 @@ def build(cfg: Config) -> Model:
     """The model `cfg.model.name` names, checked against the contract (`check_model`); shared
     keys set that it does not read are said once (`warn_unread`)."""
     s = spec(cfg.model.name)
-    model = s.build(cfg)
-    check_model(s, model, len(cfg.cms.periods))
+    with plugin_code(s.name):
+        model = s.build(cfg)
+        check_model(s, model, len(cfg.cms.periods))
     warn_unread(cfg)
     return model
+
+
+@contextlib.contextmanager
+def plugin_code(name: str, doing: str = "building it", who: str | None = None):
+    """Around a call into the code of the registered model `name`: its rules (`check(cfg)`, its
+    settings' `check()`), its `build` or `rebuild` and what `check_model` calls (`init`,
+    `level_of`, `init_memory`, `describe`), its `tensor_parallel` shard, its `apply` while a step
+    is traced (`base.checked_apply`). An exception raised there, other than a ConfigError, is one
+    line naming the model (`who`: `model 'name' (origin)`), what it was `doing`, the exception and
+    where the model's code raised, as a plugin that fails to register is (an error in a model
+    being written is the common case, and the traceback ran through nljax's and JAX's frames
+    first). The exception stays its cause: in Python the traceback shows it, and the commands
+    print it with NLJAX_TRACEBACK=1. nljax's own models, and a model the registry does not hold
+    (built by hand), keep their traceback: an exception there is nljax's bug."""
+    try:
+        yield
+    except ConfigError:
+        raise
+    except Exception as e:
+        s = _SPECS.get(name)
+        if s is None or nljax_own(s):
+            raise
+        raise ConfigError(f"{who or f'model {s.name!r} ({s.origin})'}: {doing} raised {type(e).__name__}: "
+                          f"{first_line(e) or 'no message'}{_where(e)}{HINT}") from e
+
+
+def nljax_own(s: ModelSpec) -> bool:
+    """Whether nljax registered the model itself (nljax.models.builtin), not a plugin or a user."""
+    return s.origin.split(".")[0] == "nljax"
 
 
 def unread_shared(cfg: Config) -> list[str]:
@@ -194,8 +236,9 @@ def warn_unread(cfg: Config) -> None:
 def rebuild(cfg: Config, info: dict) -> Model:
     """The model of an export: its config and its config.json `info` (`ModelSpec.rebuild`)."""
     s = spec(cfg.model.name)
-    model = s.rebuild(cfg, info) if s.rebuild is not None else s.build(cfg)
-    check_model(s, model, len(cfg.cms.periods))
+    with plugin_code(s.name):
+        model = s.rebuild(cfg, info) if s.rebuild is not None else s.build(cfg)
+        check_model(s, model, len(cfg.cms.periods))
     return model
 
 
@@ -246,7 +289,41 @@ def check_model(s: ModelSpec, model: Model, n_levels: int) -> None:
     if getattr(model, "task", s.task) != s.task:
         raise ConfigError(f"{who}: the model's task is '{model.task}' but it was registered with task='{s.task}'")
     _check_shapes(who, model, n_levels)
+    if not nljax_own(s):  # nljax's own draw from the key alone (their tests compare runs)
+        _check_deterministic(who, model)
     record(model, s.name)  # what every checkpoint saves: JSON, or one line now
+
+
+def _check_deterministic(who: str, model: Model) -> None:
+    """`init(key)` must be a function of the key alone: every process of a multi-process run calls
+    it and must hold the same replicas, and a seed must give a run's parameters again. Numbers
+    drawn at trace time (numpy's or Python's random generator, the time) are constants of the
+    traced program: two traces with the same key then differ, in a literal or a constant. Without
+    this, each process of a run trained replicas of its own, silently (nothing else compares
+    them), and a rerun with the same seed did not repeat. From the traces alone: nothing is
+    computed. (What is the same within a process but not across processes, `hash()` of a str, is
+    not seen here.)"""
+    import jax
+    import numpy as np
+
+    def traced():  # a new function each time: a cached trace would compare with itself
+        return jax.make_jaxpr(lambda key: model.init(key))(jax.random.key(0))
+
+    def data(x):  # a constant's bytes (a typed PRNG key's too)
+        key = jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key)
+        return np.asarray(jax.random.key_data(x) if key else x).tobytes()
+
+    def text(closed):  # a function in a primitive's parameters may print with its address
+        return re.sub(r" at 0x[0-9a-fA-F]+", "", str(closed.jaxpr))
+
+    a, b = traced(), traced()
+    same = text(a) == text(b) and len(a.consts) == len(b.consts) and all(
+        np.shape(x) == np.shape(y) and data(x) == data(y) for x, y in zip(a.consts, b.consts))
+    if not same:
+        raise ConfigError(f"{who}: init(key) gave two different parameter trees for the same key: it must draw "
+                          "them from the key alone (jax.random), not from numpy's or Python's random generator "
+                          "or the time; else the processes of a run hold different replicas and a seed does "
+                          "not repeat a run")
 
 
 def _check_shapes(who: str, model: Model, n_levels: int) -> None:

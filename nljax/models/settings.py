@@ -47,6 +47,8 @@ class ModelConfig:
         return _with_sections(tuple((s.name, s.settings) for s in registry.specs()))
 
     def check(self) -> None:
+        from nljax.models import registry
+
         check_at_least("model", self, vocab_size=1, dim=1, depth=1)
         if self.depth > MAX_DEPTH:  # building and compiling 100,000 blocks ran for minutes, then for ever
             raise ConfigError(f"model.depth={self.depth} is past the limit of {MAX_DEPTH} blocks")
@@ -56,7 +58,9 @@ class ModelConfig:
         for f in dataclasses.fields(self):  # every model's own section, selected or not
             check = getattr(getattr(self, f.name), "check", None)
             if dataclasses.is_dataclass(getattr(self, f.name)) and check is not None:
-                check()
+                # a plugin's section: its AttributeError or assert is one line naming it
+                with registry.plugin_code(f.name, f"model.{f.name}'s check()"):
+                    check()
         # the selected model's own rules read the whole config: nljax.crosschecks runs them
 
 

@@ -21,7 +21,9 @@ PyTree = Any
 
 
 def path_str(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """'block0/cms1/up/kernel': a dict's keys, a sequence's indices and an attribute's name (a
+    NamedTuple's or a dataclass pytree's fields: '.embed' before), as checkpoints name them."""
+    return "/".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
 
 
 def assign(params: PyTree, level_of: Callable[[str], int], n_levels: int) -> PyTree:
@@ -164,8 +166,9 @@ def describe(params: PyTree, level_tree: PyTree, periods: tuple[int, ...]) -> st
         lines.append(f"{l:5d}  {periods[l]:6d}  {n:10,d}  {b:11,d}")
     empty = [str(l) for l, (n, _) in enumerate(sizes) if n == 0]
     if empty:  # a model without CMS levels under the default periods: they cost compiled variants
-        line = (f"level{'s' * (len(empty) > 1)} {', '.join(empty)} hold{'s' * (len(empty) == 1)} no parameters "
-                "(the model's level_of puts none there): their periods change nothing")
+        one = len(empty) == 1
+        line = (f"level{'' if one else 's'} {', '.join(empty)} hold{'s' if one else ''} no parameters (the model's "
+                f"level_of puts none there): {'its period changes' if one else 'their periods change'} nothing")
         kept = len(periods) - len(empty)
         if empty == [str(l) for l in range(kept, len(periods))]:  # the last ones: fewer periods say the same
             line += f"; a new run with cms.periods={list(periods[:kept])} would do the same in fewer compiled step variants"

@@ -642,9 +642,13 @@ def registering_script(cfg: Config) -> list[str] | None:
     itself (a build function of `__main__`, as examples/smallest_model.py's): only a process that
     registers the model knows it, so the closing commands go through that script: `./my_model`
     where the script was executed by its path (its shebang: `run_by_shebang`), else
-    `python my_model.py` (with or without `.py`). None: a package's or nljax's own model, or one
-    registered in a notebook or by a module the script imported (`registered_here`)."""
-    if registry.spec(cfg.model.name).origin != "__main__":
+    `python my_model.py` (with or without `.py`). None: a package's or nljax's own model, one
+    registered in a notebook or by a module the script imported (`registered_here`), or a script
+    not run with the command first (`my_model.py train ...`): only that form says the script takes
+    nljax's command there; one that passes its arguments to `nljax.train.main` itself refused the
+    printed `python my_run.py train --resume ...` ("override 'train' must look like key=value"),
+    and gets the calls instead."""
+    if registry.spec(cfg.model.name).origin != "__main__" or sys.argv[1:2] != ["train"]:
         return None
     script = sys.argv[0] if sys.argv else ""
     main_file = getattr(sys.modules.get("__main__"), "__file__", None)  # none in a notebook's kernel
