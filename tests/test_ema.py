@@ -74,7 +74,9 @@ def reference(tmp_path_factory):
     return run_dir, setup
 
 
-@pytest.mark.parametrize("strategy,inter,intra", [("zero1", 1, 2), ("zero1", 2, 4), ("fsdp", 1, 2), ("fsdp", 2, 4)])
+# (1, 2) in the slow tier: the suite's time
+@pytest.mark.parametrize("strategy,inter,intra", [pytest.param("zero1", 1, 2, marks=pytest.mark.slow), ("zero1", 2, 4),
+                                                  pytest.param("fsdp", 1, 2, marks=pytest.mark.slow), ("fsdp", 2, 4)])
 def test_sharded_average_matches_one_device(strategy, inter, intra, reference):
     """The average sharded as the optimizer state is, against one device, and what evaluation
     reads in the stored parameters' layout."""
@@ -197,6 +199,7 @@ def test_a_use_of_the_model_budgets_the_optimizer_state_it_reads(monkeypatch):
     Run.create(plain.cfg, jax.devices()[:1], trains=False)  # without the average it fits
 
 
+@pytest.mark.slow  # ~10 s each (two compilations of every step variant on 8 devices): as above
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
 def test_the_average_moves_no_byte(strategy):
     """The average is updated on each device's own part of a level, where its optimizer state
@@ -211,3 +214,21 @@ def test_the_average_moves_no_byte(strategy):
 
     plain = collectives(EMA[:2])
     assert all(plain) and collectives(EMA) == plain
+
+
+@pytest.mark.slow  # ~17 s on 2 cores: the README's suite kept under 15 minutes (.ci/run runs the slow tier)
+def test_under_tensor_parallelism_the_average_matches_one_device():
+    """zero1 over (1, 2) with the model split over 2 devices (mesh.model): each device's average
+    covers its shard of the parameters, as its optimizer state does; the average as the model's
+    pytree equals the one-device run's."""
+    from test_tp import SGD, TP
+
+    opts = [*TP, *SGD, "sync.strategy=zero1", f"optim.ema_decay={DECAY}"]
+    one, many = make(opts), make(opts, 1, 2, 2)
+    train(one, 3)
+    train(many, 3)
+    read = lambda s: jax.device_get(s.engine.strategy.gather_params(s.run.model_params(s.state)))
+    assert_trees_close(read(many), read(one), rtol=1e-4, atol=1e-6)
+    c1, cn = (s.engine.strategy.export_state(s.state) for s in (one, many))
+    assert_trees_close(jax.device_get(optim.average_of(cn.opt_state)), jax.device_get(optim.average_of(c1.opt_state)),
+                       rtol=1e-4, atol=1e-6)
