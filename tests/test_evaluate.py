@@ -154,6 +154,16 @@ def test_data_of_another_tokenizer_is_refused(run_dir, other_text, tmp_path, cap
     assert not out.exists()
 
 
+def test_a_relative_glob_of_the_command_line_is_not_blamed_on_config_yaml(run_dir, tmp_path, monkeypatch, capsys):
+    """data.eval=held/*.txt matching nothing here: the line said that data.eval in the run's
+    config.yaml was relative to where the run started, a value the command line had just given."""
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert evaluate.main([f"run.dir={run_dir}", "data.eval=held/*.txt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == "nljax.evaluate: error: data.eval: 'held/*.txt' matches no file", err
+
+
 def test_a_section_the_tools_set_given_whole_is_refused(run_dir):
     """From Python (the command line takes dotted keys only), mesh={model: 2} was merged into the
     mesh the tools set and lost in silence, as mesh.model=2 was."""

@@ -157,6 +157,19 @@ def test_a_resume_pointed_at_another_runs_checkpoints_is_refused(tmp_path, capsy
                    f"start a new run from one of its checkpoints with checkpoint.resume={theirs}/STEP in another "
                    "run.dir"], err
     assert tree_hash(tmp_path) == before
+    # from a run.dir of no run: it went on with the other run's checkpoints, its saves in that
+    # run's folder; and a fresh run there is told to resume that run from its own run.dir
+    new = tmp_path / "c"
+    for resume, line in [(["--resume"], f"nljax.train: error: checkpoint.dir {theirs} is the checkpoints folder of "
+                          f"another run ({tmp_path / 'a'}), not of the run in {new} (which holds no run): continue "
+                          f"that run with --resume run.dir={tmp_path / 'a'}, or start a new run from one of its "
+                          f"checkpoints with checkpoint.resume={theirs}/STEP in another run.dir"),
+                         ([], f"nljax.train: error: checkpoint.dir {theirs} already holds checkpoints (up to step 2): "
+                          f"continue that run with --resume run.dir={tmp_path / 'a'}, choose another checkpoint.dir, "
+                          "or set run.overwrite=true to replace them")]:
+        assert train_main([*resume, *args, "train.steps=4", f"run.dir={new}", f"checkpoint.dir={theirs}"]) == 2
+        assert capsys.readouterr().err.splitlines() == [line]
+        assert tree_hash(tmp_path) == before
     (tmp_path / "b" / "checkpoints").rename(tmp_path / "ck")  # moved by the user: still this run's
     assert train_main(["--resume", *args, "train.steps=3", f"run.dir={tmp_path / 'b'}",
                        f"checkpoint.dir={tmp_path / 'ck'}"]) == 0

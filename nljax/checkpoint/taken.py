@@ -94,7 +94,10 @@ def refuse_taken(cfg: Config, continues: bool, logged: bool) -> None:
                 "checkpoint.dir, or set run.overwrite=true to replace them"
             )
         upto = f" (up to step {steps[-1]})" if steps else ""
-        resume = "continue that run with --resume, " if resumable else ""
+        # another run directory's checkpoints/: that run is continued from its own run.dir (a
+        # --resume from this one is refused, nljax.run.resuming)
+        theirs = root.parent if root.name == "checkpoints" and (root.parent / "nljax_written.txt").is_file() else None
+        resume = (f"continue that run with --resume{f' run.dir={theirs}' if theirs else ''}, " if resumable else "")
         raise ConfigError(f"checkpoint.dir {root} already holds checkpoints{upto}: {resume}choose another "
                           "checkpoint.dir, or set run.overwrite=true to replace them")
     raise ConfigError(holds_a_run(cfg.run.dir, _held(cfg, steps), resumable))

@@ -83,6 +83,8 @@ def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrid
     Unchanged when there is nothing of this run to resume."""
     saved_file = saved_config_file(cfg)
     if saved_file is None:
+        if continues_own(cfg):  # a run.dir of no run, resuming the checkpoints of another's
+            _refuse_another_runs_checkpoints(cfg, None, cfg)
         ckpts = checkpoint_dir(cfg)
         inside = Path(cfg.run.dir).resolve() in ckpts.resolve().parents  # the run's own layout: config.yaml beside
         if continues_own(cfg) and not config.as_files(config_file) and inside and _has_steps(ckpts):
@@ -129,22 +131,26 @@ def resumed_config(cfg: Config, config_file: str | Sequence[str] | None, overrid
     return resumed
 
 
-def _refuse_another_runs_checkpoints(cfg: Config, saved: Config, resumed: Config) -> None:
+def _refuse_another_runs_checkpoints(cfg: Config, saved: Config | None, resumed: Config) -> None:
     """A resume whose checkpoint.dir, changed from the run's own, is the `checkpoints/` folder of
     another run directory (one a run wrote: it lists its files in nljax_written.txt) would
     continue this run from that run's state: it dropped this run's metrics.jsonl records from the
     other checkpoint's step on, and its saves pruned the other run's checkpoints. Refused in one
-    line. Checkpoints moved to a folder of their own (`/data/ck`) still resume."""
-    theirs, ours = checkpoint_dir(resumed), checkpoint_dir(saved)
-    if theirs.resolve() == ours.resolve():
+    line. Checkpoints moved to a folder of their own (`/data/ck`) still resume. `saved` None: a
+    run.dir that holds no run (no config.yaml), whose resume would continue the other run's
+    checkpoints from here, its records in this run.dir and its saves in that run's folder."""
+    theirs = checkpoint_dir(resumed)
+    ours = checkpoint_dir(saved) if saved is not None else None
+    if ours is not None and theirs.resolve() == ours.resolve():
         return
     other = theirs.parent
     if theirs.name != "checkpoints" or other.resolve() == Path(cfg.run.dir).absolute().resolve():
         return
     if (other / "nljax_written.txt").is_file():
+        own = f"its checkpoint.dir is {ours}" if ours is not None else "which holds no run"
         raise ConfigError(
             f"checkpoint.dir {theirs} is the checkpoints folder of another run ({other}), not of the run in "
-            f"{cfg.run.dir} (its checkpoint.dir is {ours}): continue that run with --resume run.dir={other}, or "
+            f"{cfg.run.dir} ({own}): continue that run with --resume run.dir={other}, or "
             f"start a new run from one of its checkpoints with checkpoint.resume={theirs}/STEP in another run.dir")
 
 

@@ -149,7 +149,11 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
         # data.tokenizer's or data.prepared's files, whose relative paths the line below explains
         identity = startup.tokenizer_identity(run.task)
     except ConfigError as e:
-        relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(getattr(getattr(cfg, sec), key))]
+        # only the paths config.yaml holds: one given on the command line is relative to here, not
+        # to where the run started (`data.eval=held/*.txt` matching nothing was blamed on config.yaml)
+        value = lambda c, sec, key: getattr(getattr(c, sec), key)
+        relative = [f"{sec}.{key}" for sec, key in DATA_PATHS if _unresolved_relative(value(saved, sec, key))
+                    and value(saved, sec, key) == value(cfg, sec, key)]
         if not relative:
             raise
         # a config.yaml written before the paths were recorded absolute (nljax.runtime.rundir.recorded)
