@@ -136,7 +136,8 @@ def test_a_resume_pointed_at_another_runs_checkpoints_is_refused(tmp_path, capsy
     """`--resume` with checkpoint.dir changed to the checkpoints/ folder of another run directory
     continued this run from that run's state: it dropped this run's metrics.jsonl records from
     that checkpoint's step on, and its saves pruned the other run's checkpoints. One line, nothing
-    changed; checkpoints moved to a folder of their own still resume."""
+    changed; run.overwrite=true does not replace that run's checkpoints either (it replaces this
+    run's files); checkpoints moved to a folder of their own still resume."""
     import shutil
 
     from helpers import tree_hash
@@ -165,8 +166,12 @@ def test_a_resume_pointed_at_another_runs_checkpoints_is_refused(tmp_path, capsy
                           f"that run with --resume run.dir={tmp_path / 'a'}, or start a new run from one of its "
                           f"checkpoints with checkpoint.resume={theirs}/STEP in another run.dir"),
                          ([], f"nljax.train: error: checkpoint.dir {theirs} already holds checkpoints (up to step 2): "
-                          f"continue that run with --resume run.dir={tmp_path / 'a'}, choose another checkpoint.dir, "
-                          "or set run.overwrite=true to replace them")]:
+                          f"continue that run with --resume run.dir={tmp_path / 'a'}, choose another checkpoint.dir"),
+                         # run.overwrite replaces this run's files, never another run's checkpoints
+                         (["run.overwrite=true"], f"nljax.train: error: checkpoint.dir {theirs} holds the checkpoints "
+                          f"of the run in {tmp_path / 'a'}: run.overwrite=true replaces this run's files, not another "
+                          f"run's; choose another checkpoint.dir (to start that run over: run.dir={tmp_path / 'a'} "
+                          "run.overwrite=true)")]:
         assert train_main([*resume, *args, "train.steps=4", f"run.dir={new}", f"checkpoint.dir={theirs}"]) == 2
         assert capsys.readouterr().err.splitlines() == [line]
         assert tree_hash(tmp_path) == before

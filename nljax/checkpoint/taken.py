@@ -78,9 +78,17 @@ def refuse_taken(cfg: Config, continues: bool, logged: bool) -> None:
     either one in a run.dir holding a run (`logged`: its metrics.jsonl logged a step,
     `logged_a_step`, as process 0 sees it). `continues`: the run resumes its own checkpoints
     (`--resume`), whose files it goes on with."""
-    if continues or cfg.run.overwrite:
+    if continues:
         return
     root = checkpoint_dir(cfg)
+    theirs = other_runs(cfg, root)
+    if cfg.run.overwrite and theirs is not None and storage.leftovers(root):
+        # run.overwrite replaces this run's files: never another run directory's checkpoints
+        raise ConfigError(f"checkpoint.dir {root} holds the checkpoints of the run in {theirs}: run.overwrite=true "
+                          f"replaces this run's files, not another run's; choose another checkpoint.dir (to start "
+                          f"that run over: run.dir={theirs} run.overwrite=true)")
+    if cfg.run.overwrite:
+        return
     started_elsewhere = bool(cfg.checkpoint.resume)  # a new run from another run's checkpoint
     in_the_way = bool(storage.leftovers(root)) and (started_elsewhere or cfg.checkpoint.every > 0)
     if not (in_the_way or logged):
@@ -95,12 +103,21 @@ def refuse_taken(cfg: Config, continues: bool, logged: bool) -> None:
             )
         upto = f" (up to step {steps[-1]})" if steps else ""
         # another run directory's checkpoints/: that run is continued from its own run.dir (a
-        # --resume from this one is refused, nljax.run.resuming)
-        theirs = root.parent if root.name == "checkpoints" and (root.parent / "nljax_written.txt").is_file() else None
+        # --resume from this one is refused, nljax.run.resuming), and never overwritten from here
         resume = (f"continue that run with --resume{f' run.dir={theirs}' if theirs else ''}, " if resumable else "")
+        overwrite = "" if theirs else ", or set run.overwrite=true to replace them"
         raise ConfigError(f"checkpoint.dir {root} already holds checkpoints{upto}: {resume}choose another "
-                          "checkpoint.dir, or set run.overwrite=true to replace them")
+                          f"checkpoint.dir{overwrite}")
     raise ConfigError(holds_a_run(cfg.run.dir, _held(cfg, steps), resumable))
+
+
+def other_runs(cfg: Config, root: Path) -> Path | None:
+    """The run directory whose `checkpoints/` folder `root` (this run's checkpoint.dir) is, where
+    that is not this run's run.dir (a run wrote it: its nljax_written.txt); else None."""
+    holder = root.parent
+    if root.name != "checkpoints" or not (holder / "nljax_written.txt").is_file():
+        return None
+    return None if holder.absolute().resolve() == Path(cfg.run.dir).absolute().resolve() else holder
 
 
 def inside_run_dir(cfg: Config) -> bool:
