@@ -31,6 +31,7 @@ import ctypes
 import errno
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -39,7 +40,7 @@ import threading
 import time
 from typing import IO, Sequence
 
-from nljax.runtime.launchenv import ENV_COORDINATOR, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from nljax.runtime.launchenv import ENV_COORDINATOR, ENV_LAUNCHER, ENV_LOCAL_DEVICE_IDS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 PROG = "nljax.launch"
 
@@ -58,6 +59,9 @@ def child_env(base: dict, index: int, nproc: int, coordinator: str, cpu_devices:
     env[ENV_COORDINATOR] = coordinator
     env[ENV_NUM_PROCESSES] = str(nproc)
     env[ENV_PROCESS_ID] = str(index)
+    env[ENV_LAUNCHER] = shlex.join(["python", "-m", PROG, "--nproc", str(nproc),
+                                    *(["--cpu-devices", str(cpu_devices)] if cpu_devices is not None else []),
+                                    *(["--devices-per-proc", str(devices_per_proc)] if devices_per_proc else [])])
     env["PYTHONUNBUFFERED"] = "1"  # lines arrive as they are printed
     if cpu_devices is not None:
         # JAX reads every config option from the upper-case environment variable of its name.

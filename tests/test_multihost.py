@@ -216,6 +216,9 @@ def test_preemption_notice_saves_the_same_step_on_every_process(tmp_path, to):
                         "--resume", f"train.steps={saved + 2}", *args], env=subprocess_env(), capture_output=True,
                        text=True, timeout=300)
     assert p.returncode == 0 and f"at step {saved}" in p.stdout, p.stderr
+    # its closing resume line goes through the launcher, with as many processes and devices
+    assert ("[0]   resume:  python -m nljax.launch --nproc 2 --cpu-devices 2 -- python -m nljax.train --resume "
+            f"run.dir={tmp_path / 'r'} train.steps=") in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("failing, async_save", [(1, "true"), (0, "false")], ids=["process1-async", "process0-sync"])

@@ -909,6 +909,26 @@ def test_the_closing_commands_paste_into_a_shell_as_printed():
         assert shlex.split(resume)[3:5] == ["--resume", f"run.dir={run_dir}"]
 
 
+def test_a_launched_runs_resume_goes_through_its_launcher():
+    """A run of several processes started by nljax.launch resumes with as many: its resume line
+    is the launcher's command (NLJAX_LAUNCHER, which it sets) before the train command; sampling
+    and exporting are one process's. As printed (`python -m nljax.train --resume` alone resumed
+    on one process, an elastic resume on another setup)."""
+    import shlex
+
+    from nljax.launch import child_env
+    from nljax.run.phases import closing_lines
+    from nljax.runtime.launchenv import ENV_LAUNCHER
+
+    launcher = child_env({}, 1, 2, "127.0.0.1:1", 4, None)[ENV_LAUNCHER]
+    assert launcher == "python -m nljax.launch --nproc 2 --cpu-devices 4"
+    assert child_env({}, 0, 3, "c", None, 2)[ENV_LAUNCHER] == "python -m nljax.launch --nproc 3 --devices-per-proc 2"
+    lines = closing_lines("runs/a b", 10, True, "runs/a b/export", launcher=launcher)
+    assert shlex.split(lines[1].split("resume:", 1)[1]) == [*shlex.split(launcher), "--", "python", "-m", "nljax.train",
+                                                            "--resume", "run.dir=runs/a b", "train.steps=20"]
+    assert lines[2].split("sample:", 1)[1].split()[:3] == ["python", "-m", "nljax.generate"]
+
+
 def test_the_closing_lines_say_where_checkpoints_elsewhere_are(tmp_path):
     """checkpoint.dir outside the run dir: the closing line said the checkpoints were in run.dir."""
     from nljax import config

@@ -73,7 +73,8 @@ class Announced:
 
 def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoints: str | None = None,
                   samples: bool = True, script: Sequence[str] | None = None,
-                  registered_by: str | None = None, more: str | None = None) -> list[str]:
+                  registered_by: str | None = None, more: str | None = None,
+                  launcher: str | None = None) -> list[str]:
     """Where a finished run's outputs are and the commands that continue, sample and export it;
     `checkpoints`: their directory where it is not the run directory's own; `samples`: whether
     `nljax.generate` can sample the model (a text model without `logits()` cannot); `script`: the
@@ -83,7 +84,9 @@ def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoin
     `registered_by`: the module that registered it in this process where no such script can be
     named (a notebook, a module the script imported): the commands are Python calls to make where
     the model is registered; `more`: the resume's override that trains on (default: twice the
-    steps; a run stopped at train.target_eval_loss: that target off, or its resume stops at once)."""
+    steps; a run stopped at train.target_eval_loss: that target off, or its resume stops at once);
+    `launcher`: the `nljax.launch` command the run's processes were started by, which its resume
+    goes through too (sampling and exporting are one process's)."""
     saved = f"plots; checkpoints in {checkpoints}" if checkpoints else "plots, checkpoints"
     head = f"run directory: {run_dir} (config.yaml, metrics.jsonl, summary.json, {saved})"
     more = more or f"train.steps={2 * steps or 1}"
@@ -102,7 +105,8 @@ def closing_lines(run_dir: str, steps: int, text: bool, exported: str, checkpoin
         return f"{shlex.join(script)} {name}" if script else f"python -m nljax.{name}"
 
     prompt = " prompt='The '" if text else ""
+    launched = f"{launcher} -- " if launcher else ""
     return [head,
-            f"  resume:  {command('train')} --resume {d} {more}",
+            f"  resume:  {launched}{command('train')} --resume {d} {more}",
             *([f"  sample:  {command('generate')} {d}{prompt}"] if samples else []),
             f"  export:  {command('export')} {d}   (to {exported})"]

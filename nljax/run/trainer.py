@@ -42,6 +42,7 @@ from nljax.run.phases import Announced, closing_lines, compile_announcer
 from nljax.run.samples import TrainingSampler, sample_line
 from nljax.run.trackers import Trackers, check_installed, step_scalars
 from nljax.runtime import compile_cache, distributed, exportdir, preemption, runlog
+from nljax.runtime.launchenv import ENV_LAUNCHER
 from nljax.runtime.preemption import Notice, Preempted
 from nljax.runtime.rundir import RunDir, check_free, checkpoint_dir, logged_a_step, take_lock
 from nljax.version import __version__
@@ -626,7 +627,8 @@ def closing(cfg: Config, run: Run, target_met: bool = False) -> list[str]:
                          None if inside_run_dir(cfg) else str(checkpoint_dir(cfg)),
                          samples=not text or hasattr(run.engine.model, "logits"), script=script,
                          registered_by=None if script else registered_here(cfg),
-                         more="train.target_eval_loss=0" if target_met else None)
+                         more="train.target_eval_loss=0" if target_met else None,
+                         launcher=os.environ.get(ENV_LAUNCHER) if jax.process_count() > 1 else None)
 
 
 def registered_here(cfg: Config) -> str | None:
