@@ -257,3 +257,25 @@ def test_compile_cache_makes_the_second_start_faster(tmp_path):
     new = set(os.listdir(cache)) - entries  # the restore's own small programs may be new, no step is
     assert not [e for e in new if e.startswith(TRAIN_MODULE)], new
     assert sum(second) < 0.7 * sum(first), (first, second)
+
+
+def test_python_m_nljax_lists_the_commands_and_runs_one():
+    """`python -m nljax` (it was "No module named nljax.__main__") lists every command with one
+    line and the version; `python -m nljax COMMAND ...` is `python -m nljax.COMMAND ...`, its
+    output and exit code; an unknown command is one line with the nearest name, exit 2."""
+    from nljax import __version__
+    from nljax.refdoc import COMMANDS
+
+    p = cli("nljax")
+    listed = [l.split()[0] for l in p.stdout.split("commands:\n", 1)[1].split("\n\n", 1)[0].splitlines()]
+    assert listed == list(COMMANDS) and f"nljax {__version__}" in p.stdout
+    assert cli("nljax", "--version").stdout == f"nljax {__version__}\n"
+    for name in COMMANDS:  # each names a command module with a main
+        assert callable(__import__(f"nljax.{name}", fromlist=["main"]).main)
+    args = ["--print-config", "train.steps=3"]
+    assert cli("nljax", "train", *args).stdout == cli("nljax.train", *args).stdout
+    bad, direct = cli("nljax", "train", "--bad", check=False), cli("nljax.train", "--bad", check=False)
+    assert (bad.returncode, bad.stderr) == (direct.returncode, direct.stderr) == (2, direct.stderr), bad.stderr
+    p = cli("nljax", "trian", check=False)
+    assert p.returncode == 2 and p.stderr.splitlines() == [
+        "nljax: error: unknown command 'trian' (did you mean train?); the commands: " + ", ".join(COMMANDS)]
