@@ -559,6 +559,12 @@ def migrate(tree: dict) -> dict:
     # run still resumes, evaluates, samples and loads as it trained
     if isinstance(images, dict) and images.get("path") and images.get("source", "digits") != "file":
         images["path"] = ""
+    # optim.momentum and optim.nesterov beside adamw or lion were never read (refused since
+    # 2026-12-01 in a user's config): left out of a saved one, so that such a run still resumes,
+    # evaluates and loads (a checkpoint's config and its run's config.yaml alike: they must match)
+    optim = tree.get("optim")
+    if isinstance(optim, dict) and optim.get("name", "adamw") != "sgd":
+        optim.update({k: v for k, v in (("momentum", 0.0), ("nesterov", False)) if k in optim})
     # the sections of models other than its own, which a config saved before 2026-11-29 holds
     # (every model registered in that process): another process need not have them
     return own_model(tree)

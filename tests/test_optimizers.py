@@ -194,6 +194,34 @@ def test_a_resume_may_not_change_the_momentum(tmp_path):
                             "run.dir")
 
 
+def test_a_run_saved_with_momentum_on_adamw_still_resumes_and_loads(tmp_path):
+    """optim.momentum and nesterov beside adamw were accepted and unused before they were
+    refused: a run (its config.yaml and its checkpoint's config) that set them resumes and loads
+    as it trained, not refused on every read for a key that may not change on resume."""
+    import json
+
+    import yaml
+    from helpers import saved_run
+
+    from nljax.checkpoint.contents import seal
+    from nljax.run.resuming import resumed_config
+    from nljax.run.trained import load as load_trained
+
+    run = tmp_path / "run"
+    saved_run(run, ["model.dim=15", "cms.periods=[1,2]"], 1, 1)
+    old = {"momentum": 0.9, "nesterov": True}
+    tree = yaml.safe_load((run / "config.yaml").read_text())
+    tree["optim"].update(old)
+    (run / "config.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
+    meta = run / "checkpoints" / "2" / "nljax" / "metadata"
+    tree = json.loads(meta.read_text())
+    tree["config"]["optim"].update(old)
+    meta.write_text(json.dumps({**tree, "seal": seal(tree)}))  # as that nljax sealed it
+    args = ["checkpoint.resume=latest", f"run.dir={run}"]
+    assert resumed_config(load(None, args), None, args).optim.momentum == 0
+    assert load_trained(run, devices=jax.devices()[:1]).step == 2
+
+
 def test_the_start_up_line_names_the_update_rule():
     """The start-up's optimizer line says the momentum a run trains with (it said `sgd` alone)."""
     from nljax.run.trainer import startup_report
