@@ -28,5 +28,5 @@ for _ in range(20):
     # the step's loss leaves as per-device sums and token counts: the mean is their ratio
     loss = float(np.sum(np.asarray(metrics["loss_sum"])) / np.sum(np.asarray(metrics["count"])))
     print(f"step {pulse.step:3d} {pulse.name:<8} loss {loss:.3f}")
-print(run.evaluate(state.params))
+print(run.evaluate(run.model_params(state)))  # the parameters, or their moving average (optim.ema_decay)
 print(format_report(comm_per_step(run.cache, state, run.batch(0))))
