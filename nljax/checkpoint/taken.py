@@ -13,7 +13,7 @@ from pathlib import Path
 
 from nljax.checkpoint import storage
 from nljax.config import Config
-from nljax.data.prepared import is_prepared
+from nljax.data.outdir import is_prepared
 from nljax.errors import ConfigError
 from nljax.runtime.exportdir import is_export
 from nljax.runtime.rundir import checkpoint_dir, holds_a_run

@@ -33,6 +33,7 @@ from typing import Iterator, Sequence
 
 from nljax import writable
 from nljax.data import columnar
+from nljax.data.outdir import is_prepared
 from nljax.data.settings import TEXT_FORMATS
 from nljax.errors import ConfigError, first_line
 
@@ -132,7 +133,6 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
                           f"one, such as {inside}/{_example(splits, key)}")
     if not _saved(folder):
-        from nljax.data.prepared import is_prepared  # (it imports this module)
 
         if is_prepared(folder):  # nljax.prepare's output: offered the glob of text files it does not hold
             instead = "" if " " in key else f": give it as data.prepared={inside}"  # (a data.eval_sets set: text)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import json
 import os
 import shutil
 from pathlib import Path
@@ -42,6 +43,22 @@ from typing import Callable, Collection, Iterator
 
 from nljax.errors import ConfigError, few
 from nljax import writable
+
+FORMAT = "nljax-text-1"  # a prepared directory's manifest says it (nljax.data.prepared writes it)
+MANIFEST = "manifest.json"
+
+
+def is_prepared(path: Path) -> bool:
+    """Whether `path` holds the manifest nljax.prepare writes (read only if a regular file: a FIFO
+    would block): a directory of prepared data, whatever the state of its token files. Here, below
+    the readers of text (`nljax.data.documents` names a prepared directory given as text)."""
+    if not (path / MANIFEST).is_file():
+        return False
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 @dataclasses.dataclass(frozen=True)

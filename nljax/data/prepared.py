@@ -41,12 +41,12 @@ import tqdm
 
 from nljax import writable
 from nljax.data import chunks, documents, outdir, tokenization, workdir
+from nljax.data.outdir import FORMAT, MANIFEST
 from nljax.data.settings import DataConfig
 from nljax.errors import ConfigError, few
 
-FORMAT = "nljax-text-1"
 SPLITS = ("train", "eval")
-MANIFEST, TOKENIZER = "manifest.json", "tokenizer.json"
+TOKENIZER = "tokenizer.json"
 OWN = frozenset({f"{s}{ext}" for s in SPLITS for ext in (".bin", ".docs.npy")} | {MANIFEST, TOKENIZER})
 LEGACY = (".prepare.lock", ".prepare-work")  # what an earlier nljax.prepare kept inside DIR: ours too
 CHUNK_BYTES = 8 << 20  # UTF-8 bytes of text per chunk (prepare.chunk_bytes)
@@ -219,18 +219,6 @@ def _job(d: DataConfig, tok, sources: tuple, dtype: np.dtype) -> dict:
     files = [[str(p.absolute()), p.stat().st_size, p.stat().st_mtime_ns] for group in sources for p in group]
     return {"format": FORMAT, "settings": settings_record(d), "tokenizer": tok.info(), "dtype": dtype.str,
             "files": files, "split": [len(sources[0]), len(sources[1])]}
-
-
-def is_prepared(path: Path) -> bool:
-    """Whether `path` holds the manifest nljax.prepare writes (read only if a regular file: a FIFO
-    would block): a directory of prepared data, whatever the state of its token files."""
-    if not (path / MANIFEST).is_file():
-        return False
-    try:
-        manifest = json.loads((path / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
 
 
 def _ours(name: str) -> bool:

@@ -30,6 +30,7 @@ from nljax.config import ConfigError
 from nljax.engine import executables, frozen, optim
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
+from nljax.models import registry
 from nljax.models.base import checked_apply, checked_logits
 from nljax.models.layers import token_hits, token_loss
 from nljax.parallel.hostdev import put
@@ -59,6 +60,14 @@ def unread_empty(tree: PyTree) -> PyTree:
     return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype) if x.size == 0 else x, tree)
 
 
+def apply_model(eng: Engine, params: PyTree, memory: PyTree, batch: dict, key: jax.Array, train: bool) -> tuple:
+    """The run's model on a batch (`checked_apply`: loss_sum, count, new_memory); a plugin's
+    `apply` raising while it is traced is one line naming the model (`registry.plugin_code`)."""
+    name = eng.cfg.model.name
+    with registry.plugin_code(name, "apply", who=f"model '{name}'"):
+        return checked_apply(name, eng.local_model, params, memory, batch, key, train=train)
+
+
 def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch: dict, key: jax.Array):
     """Gradients (one subtree per level, None where not computed) of the mean loss of `batch`,
     with the summed loss, the token count and the memory after the batch."""
@@ -69,8 +78,7 @@ def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch
     def loss_fn(diff):
         full = tuple(d if d is not None else p for d, p in zip(diff, parts))
         params = eng.levels.merge(full)
-        loss_sum, count, new_memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key,
-                                                    train=True)
+        loss_sum, count, new_memory = apply_model(eng, params, memory, batch, key, train=True)
         return loss_sum / count, (loss_sum, count, new_memory)
 
     grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
@@ -183,7 +191,7 @@ def local_eval_step(eng: Engine, params: PyTree, batch: dict):
     rows = jax.tree.leaves(batch)[0].shape[0]
     memory = eng.local_model.init_memory(rows)
     key = jax.random.key(eng.cfg.seed)
-    loss_sum, count, _ = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key, train=False)
+    loss_sum, count, _ = apply_model(eng, params, memory, batch, key, train=False)
     return {"loss_sum": loss_sum[None], "count": count[None]}
 
 
@@ -195,8 +203,7 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
     params = eng.strategy.compute_params(params)
     key = jax.random.key(eng.cfg.seed)
     if "score" not in batch:
-        loss_sum, count, memory = checked_apply(eng.cfg.model.name, eng.local_model, params, memory, batch, key,
-                                                train=False)
+        loss_sum, count, memory = apply_model(eng, params, memory, batch, key, train=False)
         return {"loss_sum": loss_sum[None], "count": count[None]}, memory
     # [G/n, T, V]; inference only: no dropout
     logits, memory = checked_logits(eng.local_model, params, memory, batch, key, vocab=eng.cfg.model.vocab_size)

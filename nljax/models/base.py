@@ -166,12 +166,9 @@ def checked_apply(name: str, model: Model, params: PyTree, memory: PyTree, batch
     their shapes while the step is traced (free at run time): two scalar sums, and new_memory with
     `memory`'s structure, shapes and dtypes. The step carries new_memory into the next step, which
     may be another compiled variant: a leaf that changed would otherwise fail there, inside the
-    model, in a message about its parameters. A plugin's `apply` raising is one line too
-    (`registry.plugin_code`)."""
-    from nljax.models import registry  # not at the top: the registry imports the models
-
-    with registry.plugin_code(name, "apply", who=f"model '{name}'"):
-        out = model.apply(params, memory, batch, key, **({"train": train} if takes_train(model) else {}))
+    model, in a message about its parameters. (A plugin's `apply` raising is one line too: the
+    engine calls this inside `registry.plugin_code`, `nljax.engine.step.apply_model`.)"""
+    out = model.apply(params, memory, batch, key, **({"train": train} if takes_train(model) else {}))
     who = f"model '{name}': apply"
     if not isinstance(out, tuple) or len(out) != 3:
         raise ConfigError(f"{who} must return (loss_sum, count, new_memory), got {type(out).__name__}")
