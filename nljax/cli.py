@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import traceback
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 try:  # the commands' first import of JAX, which reads its environment as it is imported
     import jax
@@ -251,6 +251,20 @@ def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] 
             raise
         print(f"{prog}: error: {line}", file=sys.stderr)
         return 1
+
+
+def leave(code: int) -> NoReturn:
+    """`sys.exit(code)` for a command run as a program (`python -m nljax.train`), past its last line:
+    a Ctrl-C or SIGTERM during the interpreter's teardown (JAX's clean-up at exit, a second or so)
+    ends it at once with the same code, the command's outcome being said. The default handlers
+    printed a KeyboardInterrupt traceback from JAX's atexit callback there (Ctrl-C twice, the
+    first one saved and said), or ended the process by the signal with no line (SIGTERM)."""
+    for stream in (sys.stdout, sys.stderr):  # os._exit flushes nothing
+        with contextlib.suppress(Exception):
+            stream.flush()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: os._exit(code))
+    sys.exit(code)
 
 
 def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argparse.ArgumentParser,

@@ -197,4 +197,4 @@ def _data(t: trained_lib.Trained) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.leave(main())

@@ -247,4 +247,4 @@ def _export(args) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.leave(main())

@@ -225,4 +225,4 @@ def _write(text: str) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.leave(main())

@@ -369,4 +369,4 @@ def unknown_tasks(e: ValueError) -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.leave(main())

@@ -97,4 +97,4 @@ def _prepare(config_file: list[str] | None, settings: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.leave(main())

@@ -28,7 +28,8 @@ SAVING = [*SMALL, "cms.periods=[1,2]", "eval.every=0", "train.steps=12", "checkp
 # written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is
 # complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead, `int N`
 # SIGINT (Ctrl-C), `int2 N` two of them. `boot 0` and `report 0` send SIGTERM as the start-up
-# report, and as the final report, begin.
+# report, and as the final report, begin. `aside 0` SIGKILLs itself as a resume of an older
+# checkpoint begins to set the later ones aside.
 KILLER = r"""
 import os, signal, sys, time
 from pathlib import Path
@@ -44,6 +45,9 @@ if mode == "save":
                 return await orig(self, *a, **k)
             return finalize
         cls.finalize = patch(cls.finalize)
+elif mode == "aside":
+    from nljax.checkpoint import storage
+    storage.set_aside = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
 elif mode in ("boot", "report"):
     from nljax.run import trainer
     name = "startup_report" if mode == "boot" else "final_report"
@@ -458,6 +462,23 @@ def test_a_step_directory_missing_an_item_is_passed_over_with_a_warning_and_set_
     assert p.returncode == 0 and "is incomplete (it has no _CHECKPOINT_METADATA)" in p.stderr, p.stderr
     assert sorted(q.name for q in (ck / "set_aside").iterdir()) == ["12", "12.1"]
 
+@pytest.mark.slow
+def test_sigkill_while_setting_later_checkpoints_aside_loses_no_logged_step(tmp_path):
+    """A resume of an older checkpoint killed before the later ones are set aside leaves the log
+    whole: it was cut back to the older step first, and the next --resume took the newest
+    checkpoint, left in place, whose steps the log no longer held (12 steps, 8 logged)."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
+    assert nljax_train(*base).returncode == 0  # checkpoints 8 and 12 (keep 2)
+    logged = (run / "metrics.jsonl").read_text()
+    p = nljax_train(*base, f"checkpoint.resume={ck / '8'}", killer=["aside", "0", str(ck)])
+    assert p.returncode == -9, p.stderr
+    assert storage.complete_steps(ck) == [8, 12] and (run / "metrics.jsonl").read_text() == logged
+    p = nljax_train("--resume", *base[:2], *base[3:])  # not --quiet: its line says which it resumed
+    assert p.returncode == 0 and f"resumed from {ck / '12'} at step 12" in p.stdout, p.stderr
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == list(range(12))
+
+
 # nljax.train whose checkpoint cleanup fails after its own work (as a failed save found there does)
 CLOSE_FAILS = r"""
 import sys
@@ -494,6 +515,8 @@ def test_setting_aside_and_cleanup_failures_are_one_line_and_release_the_lock(tm
     assert p.stderr.strip().splitlines()[-1] == (f"nljax.train: error: cannot clear checkpoint.dir {ck} for this run: "
                                                  f"File exists: {ck / 'set_aside'}"), p.stderr
     assert storage.complete_steps(ck) == [8, 12] and not (run / "nljax.lock").exists()
+    # nor is the log cut back to step 8 while checkpoint 12 stays the one a --resume takes
+    assert [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()] == list(range(12))
     (tmp_path / "afile").write_text("")
     p = nljax_train(*base, f"run.dir={tmp_path / 'afile' / 'sub'}", "checkpoint.every=0")
     # refused with the directory checks, before the run is built (tests/test_taken_run_dir.py)

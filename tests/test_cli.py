@@ -279,3 +279,37 @@ def test_python_m_nljax_lists_the_commands_and_runs_one():
     p = cli("nljax", "trian", check=False)
     assert p.returncode == 2 and p.stderr.splitlines() == [
         "nljax: error: unknown command 'trian' (did you mean train?); the commands: " + ", ".join(COMMANDS)]
+
+
+# A command run as a program whose teardown is slow (as JAX's clean-up at exit is), past its line
+SLOW_TEARDOWN = r"""
+import atexit, runpy, sys, time
+atexit.register(time.sleep, 30)
+sys.argv = ["nljax.evaluate", "run.dir=nowhere"]
+runpy.run_module("nljax.evaluate", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_a_signal_after_the_commands_last_line_ends_it_with_its_code(tmp_path, sig):
+    """Ctrl-C (or SIGTERM) again while the interpreter tears down, the command's outcome said: its
+    exit code at once, nothing more printed. A second Ctrl-C after a run's `interrupted (Ctrl-C):
+    ... checkpoint saved` printed a KeyboardInterrupt traceback from JAX's atexit callback; a
+    second SIGTERM ended the process by the signal."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", SLOW_TEARDOWN], cwd=tmp_path, env=subprocess_env(),
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        line = p.stderr.readline()
+        time.sleep(0.3)
+        p.send_signal(getattr(signal, sig))
+        rest = p.stderr.read()
+        code = p.wait(timeout=20)
+    finally:
+        p.kill()
+    assert line.startswith("nljax.evaluate: error: ") and "config.yaml not found" in line, line
+    assert (code, rest) == (2, ""), (code, rest)

@@ -582,6 +582,8 @@ def _train(cfg: Config, notice: Notice) -> dict:
         cleanup.callback(lambda: out.close(failed))
         cleanup.callback(ckpt.close)  # a run stopped by an error keeps the saves it started (a failed one found here)
         ckpt.open()
+        # a resume's log cut back to its step only now, the later checkpoints set aside (`begin_log`)
+        _decided(cfg, out.run.begin_log)
         startup_report(run, ckpt.state, out.say)
         # a resume of a run that finished (its checkpoint at train.steps): no step, no save (the
         # checkpoint is the final one); the final evaluation and summary.json are made again, as

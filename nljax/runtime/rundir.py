@@ -80,6 +80,7 @@ class RunDir:
         self.path = Path(path)
         self.write = write
         self.kept: list[dict] = []
+        self._cut_due = False  # a resume's metrics.jsonl is cut back at `begin_log`
         metrics = self.path / "metrics.jsonl"
         # Every refusal before anything is created (check first, then create): a refused run
         # leaves run.dir as it found it.
@@ -113,7 +114,19 @@ class RunDir:
             # only what a run made, never a folder (wandb/, profile/) this run did not create
             runlog.note_written(self.path, "metrics.jsonl")
             self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
-            replace_text(metrics, "".join(runlog.strict_json(r) + "\n" for r in self.kept))
+            self._cut_due = resume_step is not None
+            if not self._cut_due:
+                replace_text(metrics, "")
+
+    def begin_log(self) -> None:
+        """A resume's metrics.jsonl cut back to the records before the step it resumes (`kept`), the
+        run's steps from there on being logged again. Called once the checkpoints after that step are
+        set aside, not as the run directory is taken: a run killed in between left them in
+        checkpoint.dir and the log cut, and the next --resume took the newest of them, whose steps
+        the log had lost. Once; a fresh run's log was made empty as it was taken."""
+        if self.write and self._cut_due:
+            self._cut_due = False
+            replace_text(self.path / "metrics.jsonl", "".join(runlog.strict_json(r) + "\n" for r in self.kept))
 
     def _refuse_not_files(self) -> None:
         """Refuses a run.dir holding, under the name of a file the run writes, something that is
@@ -146,6 +159,7 @@ class RunDir:
 
     def log(self, record: dict) -> None:
         if self.write:
+            self.begin_log()
             with open(self.path / "metrics.jsonl", "a") as f:
                 f.write(runlog.strict_json(record) + "\n")
 
