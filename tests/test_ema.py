@@ -169,8 +169,9 @@ def test_the_average_is_counted_in_the_memory_budget():
 
 
 def test_training_evaluates_the_average(tmp_path):
-    """A run's evaluations (here its final one, in summary.json) score the average: as
-    nljax.evaluate scores its checkpoint, and not as the trained parameters score."""
+    """A run's evaluations (during training, in metrics.jsonl, and its final one, in summary.json)
+    score the average: as nljax.evaluate scores the checkpoint of that step, and not as the
+    trained parameters score."""
     import json
 
     from helpers import QUICK
@@ -181,14 +182,17 @@ def test_training_evaluates_the_average(tmp_path):
 
     d = tmp_path / "run"
     run_training(config.load(None, [*EMA, *QUICK, "model.name=cms_mlp", "model.depth=1", "train.batch_size=8",
-                                    "train.seq_len=8", "train.steps=4", "eval.batches=1", "eval.stream_steps=0",
-                                    f"run.dir={d}", "run.quiet=true"]))
+                                    "train.seq_len=8", "train.steps=4", "eval.every=2", "checkpoint.every=2",
+                                    "eval.batches=1", "eval.stream_steps=0", f"run.dir={d}", "run.quiet=true"]))
+    records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    during = next(r["eval_loss"] for r in records if r.get("step") == 1 and "eval_loss" in r)  # after 2 steps
     summary = json.loads((d / "summary.json").read_text())
-    t = load(d, devices=jax.devices()[:1], evaluates=True)
-    assert t.step == 4
-    np.testing.assert_allclose(summary["eval_loss"], t.run.evaluate(t.params, t.step)["eval_loss"], rtol=1e-5)
-    raw = restore_params(t.run.engine, t.path).params
-    assert abs(t.run.evaluate(raw, t.step)["eval_loss"] - summary["eval_loss"]) > 1e-4
+    for step, logged in ((2, during), (4, summary["eval_loss"])):
+        t = load(d, checkpoint=step, devices=jax.devices()[:1], evaluates=True)
+        assert t.step == step
+        np.testing.assert_allclose(logged, t.run.evaluate(t.params, t.step)["eval_loss"], rtol=1e-5)
+        raw = restore_params(t.run.engine, t.path).params
+        assert abs(t.run.evaluate(raw, t.step)["eval_loss"] - logged) > 1e-4, step
 
 
 def test_training_samples_the_average(tmp_path, monkeypatch):
