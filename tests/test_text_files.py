@@ -196,6 +196,25 @@ def test_a_file_named_like_a_glob_is_read_as_itself(tmp_path):
     assert documents.expand([str(tmp_path / "notes[0-9].txt")], "data.train") == [tmp_path / "notes1.txt"]
 
 
+def test_a_list_is_offered_only_where_each_part_names_something(tmp_path):
+    """A path of several joined by commas, each naming a file, is refused with the list to give
+    instead; not where a part names nothing (a name with a comma, merely missing: a list would
+    be refused too), nor for a data.eval_sets set, whose glob is one (no list under its key)."""
+    from nljax.data import documents
+
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").write_text("b")
+    both, half = f"{tmp_path}/a.txt,{tmp_path}/b.txt", f"{tmp_path}/a.txt,{tmp_path}/none.txt"
+    with pytest.raises(config.ConfigError) as e:
+        documents.expand([both], "data.train")
+    assert str(e.value) == (f"data.train: no file {both} (several paths are a list: "
+                            f"data.train='[{tmp_path}/a.txt, {tmp_path}/b.txt]')")
+    for pattern, key in ((half, "data.train"), (both, "data.eval_sets held")):
+        with pytest.raises(config.ConfigError) as e:
+            documents.expand([pattern], key)
+        assert str(e.value) == f"{key}: no file {pattern}"
+
+
 def test_a_glob_matching_a_link_to_nothing_or_a_pipe_is_refused(tmp_path):
     """A glob skipped a link to nothing (a share not mounted) and a pipe as it skips a folder: the
     text lacked that file without a word. Refused as when named, a link named as such."""
