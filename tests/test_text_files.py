@@ -215,6 +215,15 @@ def test_a_list_is_offered_only_where_each_part_names_something(tmp_path):
         assert str(e.value) == f"{key}: no file {pattern}"
 
 
+def test_a_jsonl_line_without_its_text_names_its_fields_up_to_eight():
+    from nljax.data.documents import _what_is_there
+
+    assert _what_is_there({"title": "t", "body": "b"}, "text") == "its fields: title, body"
+    nine = {f"f{i}": i for i in range(9)}  # the first eight named
+    assert _what_is_there(nine, "text") == "its fields: f0, f1, f2, f3, f4, f5, f6, f7, ..."
+    assert _what_is_there({}, "text") == "its fields: none"
+
+
 def test_a_glob_matching_a_link_to_nothing_or_a_pipe_is_refused(tmp_path):
     """A glob skipped a link to nothing (a share not mounted) and a pipe as it skips a folder: the
     text lacked that file without a word. Refused as when named, a link named as such."""
