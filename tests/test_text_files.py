@@ -224,6 +224,20 @@ def test_a_jsonl_line_without_its_text_names_its_fields_up_to_eight():
     assert _what_is_there({}, "text") == "its fields: none"
 
 
+def test_prepared_data_given_as_a_held_out_set_is_refused_without_data_prepared(tmp_path):
+    """A data.eval_sets set is text: nljax.prepare's output there is refused, and not offered as
+    data.prepared (data.train's refusal offers it)."""
+    from nljax.data import documents
+
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "prep" / "manifest.json").write_text(json.dumps({"format": prepared.FORMAT}))
+    prep = str(tmp_path / "prep")
+    for key, more in (("data.train", f": give it as data.prepared={prep}"), ("data.eval_sets held", "")):
+        with pytest.raises(config.ConfigError) as e:
+            documents.expand([prep], key)
+        assert str(e.value) == f"{key}: {prep} holds data nljax.prepare wrote, not text{more}"
+
+
 def test_a_glob_matching_a_link_to_nothing_or_a_pipe_is_refused(tmp_path):
     """A glob skipped a link to nothing (a share not mounted) and a pipe as it skips a folder: the
     text lacked that file without a word. Refused as when named, a link named as such."""
