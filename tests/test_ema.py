@@ -132,6 +132,20 @@ def test_init_params_restarts_the_average_from_the_checkpoints_parameters(refere
     assert_trees_equal(jax.device_get(setup.run.model_params(started.state)), jax.device_get(started.state.params))
 
 
+def test_init_params_takes_the_parameters_of_a_checkpoint_with_another_average(reference):
+    """The average is optimizer state, which checkpoint.init_params does not read: a run without
+    one, or with another decay, starts from the parameters of a checkpoint that held one (they
+    were refused as a misfit of optim.ema_decay)."""
+    run_dir, _ = reference
+    path = run_dir / "checkpoints" / "2"
+    want = jax.device_get(restore_params(make(EMA).engine, path).params)
+    for opts in (EMA[:2], [*EMA[:2], "optim.ema_decay=0.5"]):
+        setup = make([*opts, "seed=7"])
+        started = start_from(setup.engine, setup.state, path)
+        assert started.step == 2
+        assert_trees_equal(jax.device_get(started.state.params), want)
+
+
 def test_a_checkpoint_with_another_average_does_not_fit(reference):
     """Whether the optimizer state holds an average (and what it means) is the checkpoint's."""
     run_dir, _ = reference
@@ -155,8 +169,9 @@ def test_the_average_is_counted_in_the_memory_budget():
 
 
 def test_training_evaluates_the_average(tmp_path):
-    """A run's evaluations (here its final one, in summary.json) score the average: as
-    nljax.evaluate scores its checkpoint, and not as the trained parameters score."""
+    """A run's evaluations (during training, in metrics.jsonl, and its final one, in summary.json)
+    score the average: as nljax.evaluate scores the checkpoint of that step, and not as the
+    trained parameters score."""
     import json
 
     from helpers import QUICK
@@ -167,14 +182,89 @@ def test_training_evaluates_the_average(tmp_path):
 
     d = tmp_path / "run"
     run_training(config.load(None, [*EMA, *QUICK, "model.name=cms_mlp", "model.depth=1", "train.batch_size=8",
-                                    "train.seq_len=8", "train.steps=4", "eval.batches=1", "eval.stream_steps=0",
-                                    f"run.dir={d}", "run.quiet=true"]))
+                                    "train.seq_len=8", "train.steps=4", "eval.every=2", "checkpoint.every=2",
+                                    "eval.batches=1", "eval.stream_steps=0", f"run.dir={d}", "run.quiet=true"]))
+    records = [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
+    during = next(r["eval_loss"] for r in records if r.get("step") == 1 and "eval_loss" in r)  # after 2 steps
     summary = json.loads((d / "summary.json").read_text())
+    for step, logged in ((2, during), (4, summary["eval_loss"])):
+        t = load(d, checkpoint=step, devices=jax.devices()[:1], evaluates=True)
+        assert t.step == step
+        np.testing.assert_allclose(logged, t.run.evaluate(t.params, t.step)["eval_loss"], rtol=1e-5)
+        raw = restore_params(t.run.engine, t.path).params
+        assert abs(t.run.evaluate(raw, t.step)["eval_loss"] - logged) > 1e-4, step
+
+
+def test_training_samples_the_average(tmp_path, monkeypatch):
+    """train.sample_every samples the model evaluation scores, the average: after the last step,
+    the parameters nljax.load reads from the final checkpoint (not the trained ones)."""
+    from helpers import QUICK
+
+    from nljax import config
+    from nljax.run.samples import TrainingSampler
+    from nljax.run.trained import load
+    from nljax.run.trainer import train as run_training
+
+    sampled = []
+
+    def sample(self, stored_params):
+        sampled.append(jax.device_get(self.run.engine.strategy.gather_params(stored_params)))
+        return self.settings.prompt, "length"
+
+    monkeypatch.setattr(TrainingSampler, "sample", sample)
+    d = tmp_path / "run"
+    run_training(config.load(None, [*EMA, *QUICK, "model.name=cms_mlp", "model.depth=1", "train.batch_size=8",
+                                    "train.seq_len=8", "train.steps=4", "train.sample_every=2", "eval.every=0",
+                                    "eval.batches=1", "eval.stream_steps=0", f"run.dir={d}", "run.quiet=true"]))
+    assert len(sampled) == 2
+    t = load(d, devices=jax.devices()[:1])
+    gather = lambda p: jax.device_get(t.run.engine.strategy.gather_params(p))
+    assert_trees_close(sampled[-1], gather(t.params), rtol=1e-6, atol=1e-7)
+    raw = gather(restore_params(t.run.engine, t.path).params)
+    assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(sampled[-1]), jax.tree.leaves(raw)))
+
+
+def test_a_resume_at_its_target_evaluates_the_checkpoints_average(tmp_path, monkeypatch):
+    """train.target_eval_loss on resume scores the checkpoint's average, as every evaluation of
+    the run does: the report's eval_loss is nljax.evaluate's of that checkpoint, and the harness
+    tasks (eval.harness_tasks; here a stand-in for lm-eval that keeps what it scored) score it too."""
+    import dataclasses
+    import json
+
+    from helpers import QUICK
+
+    from nljax import config
+    from nljax.run import harness
+    from nljax.run.trained import load
+    from nljax.run.trainer import train as run_training
+
+    scored = []
+
+    class Harness:
+        def __init__(self, run):
+            self.run = run
+
+        def evaluate(self, stored_params):
+            scored.append(jax.device_get(self.run.engine.strategy.gather_params(stored_params)))
+            return {}
+
+    monkeypatch.setattr(harness, "attach", lambda run: dataclasses.replace(run, harness=Harness(run)))
+
+    d = tmp_path / "run"
+    opts = [*EMA, *QUICK, "model.name=cms_mlp", "model.depth=1", "train.batch_size=8", "train.seq_len=8",
+            "eval.every=0", "eval.batches=1", "eval.stream_steps=0", f"run.dir={d}", "run.quiet=true"]
+    run_training(config.load(None, [*opts, "train.steps=4"]))
+    run_training(config.load(None, [*opts, "train.steps=8", "eval.every=4", "checkpoint.resume=latest",
+                                    "train.target_eval_loss=1000"]))
+    summary = json.loads((d / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["stopped_at_target_eval_loss"] == 1000
     t = load(d, devices=jax.devices()[:1], evaluates=True)
-    assert t.step == 4
     np.testing.assert_allclose(summary["eval_loss"], t.run.evaluate(t.params, t.step)["eval_loss"], rtol=1e-5)
     raw = restore_params(t.run.engine, t.path).params
     assert abs(t.run.evaluate(raw, t.step)["eval_loss"] - summary["eval_loss"]) > 1e-4
+    gather = lambda p: jax.device_get(t.run.engine.strategy.gather_params(p))
+    assert_trees_close(scored[-1], gather(t.params), rtol=1e-6, atol=1e-7)
+    assert not all(np.allclose(a, b) for a, b in zip(jax.tree.leaves(scored[-1]), jax.tree.leaves(gather(raw))))
 
 
 def test_the_start_up_line_says_what_is_evaluated():

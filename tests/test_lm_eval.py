@@ -440,7 +440,11 @@ def test_a_task_file_lm_eval_skips_is_named_and_home_is_expanded(tmp_path, monke
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("nljax.lm_eval: error: unknown task(s): tiny_broken (`lm_eval ls tasks` lists lm-eval's; a "
                           f"task of your own: --include_path DIR); {broken} does not load: "), err
-    assert harness.unloadable(str(tasks)) == err.split("DIR)", 1)[1]  # the trainer's eval.harness_include says it too
+    hint = err.split("DIR)", 1)[1]
+    assert harness.unloadable(str(tasks)) == hint
+    with pytest.raises(ConfigError) as e:  # the trainer's eval.harness_tasks refusal says it too
+        harness.task_manager(["tiny_broken"], str(tasks))
+    assert str(e.value).endswith(f"a task of your own: eval.harness_include=DIR){hint}"), str(e.value)
     broken.unlink()
     assert harness.unloadable(str(tasks)) == "" and harness.unloadable("") == ""
     matched = []  # the tasks lm-eval matched under the expanded path, then its start stopped there

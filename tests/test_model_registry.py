@@ -647,6 +647,9 @@ def test_an_exception_in_a_models_build_is_a_config_error_caused_by_it(on_path):
                                           r"\(at .*test_model_registry.py:\d+\) \(NLJAX_TRACEBACK=1") as e:
         registry.build(config.load(None, [*TINY, "model.name=raising"]))
     assert isinstance(e.value.__cause__, KeyError)
+    assert registry.spec("cms_mlp").origin.startswith("nljax.")
+    with pytest.raises(KeyError), registry.plugin_code("cms_mlp"):  # nljax's own: raised as it is
+        {}["no_such_key"]
 
 
 def test_a_bad_plugin_is_not_blamed_on_the_config_file(tmp_path):

@@ -179,6 +179,8 @@ def test_a_resume_pointed_at_another_runs_checkpoints_is_refused(tmp_path, capsy
     assert train_main(["--resume", *args, "train.steps=3", f"run.dir={tmp_path / 'b'}",
                        f"checkpoint.dir={tmp_path / 'ck'}"]) == 0
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == ["2", "3"]
+    # the refusal's way to start that run over: its own checkpoints are its files to replace
+    assert train_main([*args, f"run.dir={tmp_path / 'a'}", "run.overwrite=true"]) == 0
 
 
 def test_a_resume_from_a_step_number_reads_that_checkpoint_of_the_run(tmp_path, monkeypatch):

@@ -196,6 +196,48 @@ def test_a_file_named_like_a_glob_is_read_as_itself(tmp_path):
     assert documents.expand([str(tmp_path / "notes[0-9].txt")], "data.train") == [tmp_path / "notes1.txt"]
 
 
+def test_a_list_is_offered_only_where_each_part_names_something(tmp_path):
+    """A path of several joined by commas, each naming a file, is refused with the list to give
+    instead; not where a part names nothing (a name with a comma, merely missing: a list would
+    be refused too), nor for a data.eval_sets set, whose glob is one (no list under its key)."""
+    from nljax.data import documents
+
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "b.txt").write_text("b")
+    both, half = f"{tmp_path}/a.txt,{tmp_path}/b.txt", f"{tmp_path}/a.txt,{tmp_path}/none.txt"
+    with pytest.raises(config.ConfigError) as e:
+        documents.expand([both], "data.train")
+    assert str(e.value) == (f"data.train: no file {both} (several paths are a list: "
+                            f"data.train='[{tmp_path}/a.txt, {tmp_path}/b.txt]')")
+    for pattern, key in ((half, "data.train"), (both, "data.eval_sets held")):
+        with pytest.raises(config.ConfigError) as e:
+            documents.expand([pattern], key)
+        assert str(e.value) == f"{key}: no file {pattern}"
+
+
+def test_a_jsonl_line_without_its_text_names_its_fields_up_to_eight():
+    from nljax.data.documents import _what_is_there
+
+    assert _what_is_there({"title": "t", "body": "b"}, "text") == "its fields: title, body"
+    nine = {f"f{i}": i for i in range(9)}  # the first eight named
+    assert _what_is_there(nine, "text") == "its fields: f0, f1, f2, f3, f4, f5, f6, f7, ..."
+    assert _what_is_there({}, "text") == "its fields: none"
+
+
+def test_prepared_data_given_as_a_held_out_set_is_refused_without_data_prepared(tmp_path):
+    """A data.eval_sets set is text: nljax.prepare's output there is refused, and not offered as
+    data.prepared (data.train's refusal offers it)."""
+    from nljax.data import documents
+
+    (tmp_path / "prep").mkdir()
+    (tmp_path / "prep" / "manifest.json").write_text(json.dumps({"format": prepared.FORMAT}))
+    prep = str(tmp_path / "prep")
+    for key, more in (("data.train", f": give it as data.prepared={prep}"), ("data.eval_sets held", "")):
+        with pytest.raises(config.ConfigError) as e:
+            documents.expand([prep], key)
+        assert str(e.value) == f"{key}: {prep} holds data nljax.prepare wrote, not text{more}"
+
+
 def test_a_glob_matching_a_link_to_nothing_or_a_pipe_is_refused(tmp_path):
     """A glob skipped a link to nothing (a share not mounted) and a pipe as it skips a folder: the
     text lacked that file without a word. Refused as when named, a link named as such."""
