@@ -30,7 +30,6 @@ from nljax.checkpoint.contents import (
     differences,
     fingerprint,
     fmt,
-    get,
     named_arrays,
     of_params,
     per_device,
@@ -126,7 +125,7 @@ def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None, bu
     if built is not None:  # before the parameters' shapes: images of another channel count change one
         check_built(path, meta, built)
     check_fits(path, meta, engine)
-    average = average and bool(engine.cfg.optim.ema_decay) and bool(get(meta["config"], "optim.ema_decay"))
+    average = average and bool(engine.cfg.optim.ema_decay)  # the checkpoint's too: check_fits matched them
     step = jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated(engine.mesh))
     params, opt_state = engine.strategy.state_layout()
     layout = TrainState(step, params, opt_state if average else (), (), {})

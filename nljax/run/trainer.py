@@ -238,14 +238,15 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
     target, steps = run.cfg.train.target_eval_loss, run.cfg.train.steps
     if target and ckpt is not None and ckpt.restored and conductor.step < steps:  # a run that stopped on it, say
         with Announced(out.say)(f"evaluating the checkpoint (step {conductor.step}) against train.target_eval_loss"):
+            params = run.model_params(state)  # computed once: the harness reads it too
             # the held-out sets alone, no harness tasks (minutes)
-            evaluated = run.task.evaluate(run.cache, run.model_params(state), conductor.step)
+            evaluated = run.task.evaluate(run.cache, params, conductor.step)
         if not meets_target(evaluated, target):
             out.say(f"the checkpoint's eval_loss {evaluated['eval_loss']:.4f} is above train.target_eval_loss="
                     f"{target:g}: training on")
         else:
             if run.harness is not None:  # this evaluation is the final report's: its harness scores too
-                evaluated.update(run.harness.evaluate(run.model_params(state)))
+                evaluated.update(run.harness.evaluate(params))
             hist.target_met = conductor.step, evaluated
             # the final report's scores: sent unless the trackers hold an evaluation at this step
             # already (a checkpoint between evaluations: a preemption's, or eval.every set on resume)
