@@ -36,7 +36,7 @@ import numpy as np
 
 from nljax.config import Config
 from nljax.errors import ConfigError
-from nljax.models.base import checked_logits
+from nljax.models.registry import checked_logits
 from nljax.runtime.exportdir import is_export
 
 

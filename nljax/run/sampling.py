@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from nljax.data import prepared
 from nljax.errors import ConfigError
-from nljax.models.base import checked_logits
+from nljax.models.registry import checked_logits
 from nljax.parallel.hostdev import put, replica
 from nljax.run import trained as trained_lib
 from nljax.run.stopping import Completion, Ending, ending, pieces

@@ -43,7 +43,9 @@ class Trained:
     cfg: config.Config  # the run's config as this tool runs it (1 x n mesh, one row per device)
     trained_cfg: config.Config  # the run's config as it trained (with the tool's config overrides)
     run: Run  # on a 1 x n mesh, replicated strategy
-    params: Any  # the model's parameter tree (under optim.ema_decay its moving average unless params=trained), replicated over run.mesh
+    # the model's parameter tree (under optim.ema_decay its moving average unless params=trained),
+    # replicated over run.mesh
+    params: Any
     step: int  # optimizer steps the checkpoint had taken
     path: Path  # the step directory read
     skipped: tuple = ()  # (path, why) of the newer checkpoints that were damaged
