@@ -647,6 +647,24 @@ def test_prepared_data_with_another_tokenizer_is_named_as_such(corpus, tokenizer
     assert str(e.value) == f"data.prepared={prep} was prepared with another tokenizer than data.tokenizer={other}"
 
 
+def test_an_eval_fraction_beside_prepared_data_alone_is_refused(corpus, tmp_path):
+    """data.prepared alone holds its own held-out split, made when it was prepared: a
+    data.eval_fraction other than that one (or beside a directory split by data.eval) split
+    nothing and was ignored without a word. Its default, and the directory's own, are read."""
+    files = f"data.train=[{','.join(corpus['train'])}]"
+    prep, held = tmp_path / "prep", tmp_path / "held"
+    prepared.build(data_config(files, "data.eval_fraction=0.25").data, prep)
+    prepared.build(data_config(files, f"data.eval={corpus['eval'][0]}").data, held)
+    for fraction in ("0.05", "0.25"):
+        assert prepared.corpus(data_config(f"data.prepared={prep}", f"data.eval_fraction={fraction}").data)
+    for where, said in ((prep, "with its held-out split at data.eval_fraction=0.25, not 0.1"),
+                        (held, "with data.eval (its held-out documents): data.eval_fraction=0.1 splits nothing")):
+        with pytest.raises(config.ConfigError) as e:
+            prepared.corpus(data_config(f"data.prepared={where}", "data.eval_fraction=0.1").data)
+        assert str(e.value) == (f"data.prepared={where} was prepared {said}: leave data.eval_fraction out, or "
+                                "prepare again with it")
+
+
 def test_held_out_text_too_short_names_where_it_came_from(corpus, tmp_path, capsys):
     """Trained from data.prepared alone, the line blamed data.eval_fraction=0.05, which the
     directory was not split by: its held-out text is its data.eval's."""

@@ -580,9 +580,23 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
         if not d.tokenizer and manifest["tokenizer"]["kind"] != "bytes":
             raise ConfigError(f"{where} with a tokenizer, and data.tokenizer is not given (bytes): give it, or "
                               "give data.prepared alone")
+    elif "settings" in manifest:  # data.prepared alone: its held-out split was made when it was prepared
+        _check_fraction(manifest["settings"].get("eval_fraction"), d, where)
     if d.doc_end_token and manifest["tokenizer"].get("doc_end_token") != d.doc_end_token:
         raise ConfigError(f"{where} with data.doc_end_token={manifest['tokenizer'].get('doc_end_token')!r}, not "
                           f"{d.doc_end_token!r}: prepare it again, or leave data.doc_end_token out")
+
+
+def _check_fraction(then: float | None, d: DataConfig, where: str) -> None:
+    """data.eval_fraction set (not its default) beside data.prepared alone, other than the one the
+    directory was split at: it splits nothing (the directory's split was made when it was
+    prepared), and was ignored without a word."""
+    default = DataConfig.__dataclass_fields__["eval_fraction"].default
+    if d.eval_fraction in (default, then):
+        return
+    made = (f"with data.eval (its held-out documents): data.eval_fraction={d.eval_fraction} splits nothing"
+            if then is None else f"with its held-out split at data.eval_fraction={then}, not {d.eval_fraction}")
+    raise ConfigError(f"{where} {made}: leave data.eval_fraction out, or prepare again with it")
 
 
 def _check_sources(manifest: dict, d: DataConfig, where: str) -> None:
