@@ -50,6 +50,7 @@ import jax
 
 from nljax.data import imagefolder
 from nljax.data.prepared import MANIFEST
+from nljax.data.settings import EVAL_FRACTION
 from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.run import trained as trained_lib
@@ -164,9 +165,9 @@ def data_overrides(run_dir: str, overrides: Sequence[str]) -> list[str]:
     given = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
     if "data.train" in given or not {"data.eval", "data.prepared"} & given.keys():
         return list(overrides)
-    if "data.prepared" in given:  # the run's file keys would be checked against the directory's
+    if "data.prepared" in given:  # the run's file keys would be checked against the directory's (and its split)
         return ["data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
-                *overrides]
+                f"data.eval_fraction={EVAL_FRACTION}", *overrides]
     d = trained_lib.trained_config(run_dir).data
     tokenizer = []
     if d.source == "files" and d.prepared and "data.tokenizer" not in given:

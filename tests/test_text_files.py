@@ -647,22 +647,29 @@ def test_prepared_data_with_another_tokenizer_is_named_as_such(corpus, tokenizer
     assert str(e.value) == f"data.prepared={prep} was prepared with another tokenizer than data.tokenizer={other}"
 
 
-def test_an_eval_fraction_beside_prepared_data_alone_is_refused(corpus, tmp_path):
+def test_an_eval_fraction_beside_prepared_data_alone_is_said(corpus, tmp_path, capsys):
     """data.prepared alone holds its own held-out split, made when it was prepared: a
-    data.eval_fraction other than that one (or beside a directory split by data.eval) split
-    nothing and was ignored without a word. Its default, and the directory's own, are read."""
+    data.eval_fraction other than that one (or beside a directory split by data.eval) splits
+    nothing, and was ignored without a word; now a note at start-up says so (a config may keep
+    the key for its runs on data.train). Its default, and the directory's own, are not noted."""
     files = f"data.train=[{','.join(corpus['train'])}]"
     prep, held = tmp_path / "prep", tmp_path / "held"
     prepared.build(data_config(files, "data.eval_fraction=0.25").data, prep)
     prepared.build(data_config(files, f"data.eval={corpus['eval'][0]}").data, held)
-    for fraction in ("0.05", "0.25"):
-        assert prepared.corpus(data_config(f"data.prepared={prep}", f"data.eval_fraction={fraction}").data)
-    for where, said in ((prep, "with its held-out split at data.eval_fraction=0.25, not 0.1"),
-                        (held, "with data.eval (its held-out documents): data.eval_fraction=0.1 splits nothing")):
-        with pytest.raises(config.ConfigError) as e:
-            prepared.corpus(data_config(f"data.prepared={where}", "data.eval_fraction=0.1").data)
-        assert str(e.value) == (f"data.prepared={where} was prepared {said}: leave data.eval_fraction out, or "
-                                "prepare again with it")
+    notes = lambda where, fraction: prepared.split_notes(
+        json.loads((where / "manifest.json").read_text()),
+        data_config(f"data.prepared={where}", f"data.eval_fraction={fraction}").data)
+    assert notes(prep, 0.05) == notes(prep, 0.25) == []
+    for where, said in ((prep, "data.eval_fraction=0.25"), (held, "its data.eval")):
+        assert notes(where, 0.1) == [f"note: data.eval_fraction=0.1 splits nothing here: data.prepared={where} holds "
+                                     f"out what it was prepared with ({said}); prepare again to split otherwise"]
+    assert prepare_main([files, "data.eval_fraction=0.25", f"out={tmp_path / 'p'}"]) == 0  # through a run's start-up
+    capsys.readouterr()
+    said = [a for a in QUICK if a != "--quiet"]  # the notes go with the start-up's lines
+    assert train_main([*said, *TINY, "data.source=files", f"data.prepared={tmp_path / 'p'}", "train.steps=1",
+                       f"run.dir={tmp_path / 'run'}"]) == 0
+    assert (f"note: data.eval_fraction=0.2 splits nothing here: data.prepared={tmp_path / 'p'} holds out what it "
+            "was prepared with (data.eval_fraction=0.25)") in capsys.readouterr().out
 
 
 def test_held_out_text_too_short_names_where_it_came_from(corpus, tmp_path, capsys):

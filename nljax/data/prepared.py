@@ -42,7 +42,7 @@ import tqdm
 from nljax import writable
 from nljax.data import chunks, documents, outdir, tokenization, workdir
 from nljax.data.outdir import FORMAT, MANIFEST
-from nljax.data.settings import DataConfig
+from nljax.data.settings import EVAL_FRACTION, DataConfig
 from nljax.errors import ConfigError, few
 
 SPLITS = ("train", "eval")
@@ -580,23 +580,24 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
         if not d.tokenizer and manifest["tokenizer"]["kind"] != "bytes":
             raise ConfigError(f"{where} with a tokenizer, and data.tokenizer is not given (bytes): give it, or "
                               "give data.prepared alone")
-    elif "settings" in manifest:  # data.prepared alone: its held-out split was made when it was prepared
-        _check_fraction(manifest["settings"].get("eval_fraction"), d, where)
     if d.doc_end_token and manifest["tokenizer"].get("doc_end_token") != d.doc_end_token:
         raise ConfigError(f"{where} with data.doc_end_token={manifest['tokenizer'].get('doc_end_token')!r}, not "
                           f"{d.doc_end_token!r}: prepare it again, or leave data.doc_end_token out")
 
 
-def _check_fraction(then: float | None, d: DataConfig, where: str) -> None:
-    """data.eval_fraction set (not its default) beside data.prepared alone, other than the one the
-    directory was split at: it splits nothing (the directory's split was made when it was
-    prepared), and was ignored without a word."""
-    default = DataConfig.__dataclass_fields__["eval_fraction"].default
-    if d.eval_fraction in (default, then):
-        return
-    made = (f"with data.eval (its held-out documents): data.eval_fraction={d.eval_fraction} splits nothing"
-            if then is None else f"with its held-out split at data.eval_fraction={then}, not {d.eval_fraction}")
-    raise ConfigError(f"{where} {made}: leave data.eval_fraction out, or prepare again with it")
+def split_notes(manifest: dict, d: DataConfig) -> list[str]:
+    """A note where data.prepared alone is given with a data.eval_fraction (not its default) other
+    than the one the directory was split at: it splits nothing there (the directory's split was
+    made when it was prepared), and was ignored without a word. A config may keep the key for
+    the runs on data.train, so it is said, not refused."""
+    if d.train or not d.prepared or "settings" not in manifest:  # with data.train: `_check_settings`
+        return []
+    then = manifest["settings"].get("eval_fraction")
+    if d.eval_fraction in (EVAL_FRACTION, then):
+        return []
+    split = "its data.eval" if then is None else f"data.eval_fraction={then}"
+    return [f"note: data.eval_fraction={d.eval_fraction} splits nothing here: data.prepared={d.prepared} holds out "
+            f"what it was prepared with ({split}); prepare again to split otherwise"]
 
 
 def _check_sources(manifest: dict, d: DataConfig, where: str) -> None:
