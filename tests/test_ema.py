@@ -290,6 +290,7 @@ def test_a_use_of_the_model_budgets_the_optimizer_state_it_reads(monkeypatch):
     with pytest.raises(ConfigError, match="the trained model does not fit this device"):
         Run.create(setup.cfg, jax.devices()[:1], trains=False)
     Run.create(plain.cfg, jax.devices()[:1], trains=False)  # without the average it fits
+    Run.create(setup.cfg, jax.devices()[:1], trains=False, average=False)  # and params=trained reads none
 
 
 @pytest.mark.slow  # ~10 s each (two compilations of every step variant on 8 devices): as above
@@ -327,10 +328,12 @@ def test_under_tensor_parallelism_the_average_matches_one_device():
                        rtol=1e-4, atol=1e-6)
 
 
-def test_params_trained_reads_the_optimizers_own_parameters(reference):
+def test_params_trained_reads_the_optimizers_own_parameters(reference, monkeypatch):
     """`params=trained` (nljax.load, and every tool through `trained.load`) reads the parameters
-    the optimizer holds, bit for bit, not their average; the default and `params=average` read
-    the average; each says which in the tool's line."""
+    the optimizer holds, bit for bit, not their average, and its memory budget leaves out the
+    optimizer state the average is read from; the default and `params=average` read the
+    average; each says which in the tool's line."""
+    from nljax.measure import budget
     from nljax.run.trained import load
 
     run_dir, _ = reference
@@ -345,6 +348,11 @@ def test_params_trained_reads_the_optimizers_own_parameters(reference):
         assert t.average and "moving average (optim.ema_decay=0.8)" in t.which
         assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(t.params)),
                                                              jax.tree.leaves(trained)))
+    terms = budget.engine_terms(t.cfg, t.run.engine)
+    monkeypatch.setattr(budget, "available_bytes", lambda *a: sum(budget.in_use(terms).values()) + 1)
+    assert not load(run_dir, devices=jax.devices()[:1], params="trained").average  # fits
+    with pytest.raises(ConfigError, match="the trained model does not fit this device"):
+        load(run_dir, devices=jax.devices()[:1])
 
 
 def test_params_values_are_checked():

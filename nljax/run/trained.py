@@ -178,7 +178,8 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     if announce is not None:
         announce()
     try:
-        run = Run.create(cfg, devices, trains=False, reads_data=evaluates)  # budgeted for the parameters alone
+        # budgeted for the parameters alone (and the optimizer state that holds their average)
+        run = Run.create(cfg, devices, trains=False, reads_data=evaluates, average=average)
         # what the run's token ids are now: without its data (`tasks.LoadedText`) the first read of
         # data.tokenizer's or data.prepared's files, whose relative paths the line below explains
         identity = startup.tokenizer_identity(run.task)
