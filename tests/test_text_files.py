@@ -820,3 +820,26 @@ def test_decode_is_the_streams_pieces_joined_in_two_decodings(corpus, tokenizer,
     codec.tok = mock.Mock(wraps=codec.tok)  # counts the tokenizer's decodings
     codec.decode(ids, context=ctx)
     assert len(ids) > 100 and codec.tok.decode.call_count == 2
+
+
+def test_a_glob_skips_what_a_run_wrote_in_its_run_dir(tmp_path, capsys):
+    """A run directory inside the corpus's folder (data.train='notes/**/*.txt' with
+    run.dir=notes/runs/x): the glob read the run's own files as text (its nljax_written.txt,
+    metrics.jsonl, W&B's requirements.txt), and more of them at each resume. Those a run's
+    listing names are skipped; a user's file in a run directory, and a run's file named without
+    a glob, are read."""
+    from nljax.data import documents
+    from nljax.runtime import runlog
+
+    assert documents.RUN_LISTING == runlog.WRITTEN
+    notes = tmp_path / "notes"
+    (notes / "runs" / "x" / "wandb" / "run-1" / "files").mkdir(parents=True)
+    for name in ("a.txt", "b.jsonl", "runs/x/mine.txt", "runs/x/metrics.jsonl",
+                 "runs/x/wandb/run-1/files/requirements.txt"):
+        (notes / name).write_text('{"text": "t"}\n')
+    for name in ("metrics.jsonl", "wandb"):
+        runlog.note_written(notes / "runs" / "x", name)
+    globs = [f"{notes}/**/*.txt", f"{notes}/**/*.jsonl"]
+    assert documents.expand(globs, "data.train") == [notes / "a.txt", notes / "runs/x/mine.txt", notes / "b.jsonl"]
+    metrics = notes / "runs" / "x" / "metrics.jsonl"
+    assert documents.expand([str(metrics)], "data.train") == [metrics]
