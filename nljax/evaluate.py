@@ -67,8 +67,9 @@ def main(argv=None) -> int:
     p.add_argument("settings", nargs="*", metavar="key=value",
                    help="run.dir=DIR (required: a run directory); checkpoint= (latest, a step number or a step "
                         "directory); out=FILE.json; params= (average or trained: under optim.ema_decay, "
-                        "the parameters' moving average, the default, or the optimizer's own); any other key=value: a config override (eval.batches=, "
-                        "eval.stream_steps=, data.eval=, data.prepared=, ...)")
+                        "the parameters' moving average, the default, or the optimizer's own); any other "
+                        "key=value: a config override (eval.batches=, eval.stream_steps=, data.eval=, "
+                        "data.prepared=, ...)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.evaluate", lambda: _evaluate(args, argv), cli.stdout_to_devnull)
@@ -89,7 +90,8 @@ def _evaluate(args, argv: list[str]) -> int:
     on = f"{n} device{'s' if n > 1 else ''}" + (
         f" (of {local}: as many as divide train.batch_size={t.cfg.train.batch_size})" if n < local else "")
     notes = [f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())]  # held-out data too short
-    for line in [*t.warnings("nljax.evaluate"), *notes, f"nljax.evaluate: {t.path} (step {t.step}{t.which}) on {on}{_data(t)}"]:
+    read = f"nljax.evaluate: {t.path} (step {t.step}{t.which}) on {on}{_data(t)}"
+    for line in [*t.warnings("nljax.evaluate"), *notes, read]:
         print(line, file=sys.stderr)
     # compiling the evaluation takes seconds to a minute, with nothing else to show meanwhile
     print("nljax.evaluate: evaluating (compiling its step first) ...", file=sys.stderr, flush=True)

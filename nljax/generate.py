@@ -73,8 +73,8 @@ def main(argv=None) -> int:
                         "completion ends before the first in its text), stop_at_eos= (true: a completion ends at "
                         "the document-end token; false: sampled past it), checkpoint= (latest, a step number or a "
                         "step directory), params= (average or trained: under optim.ema_decay, the parameters' "
-                        "moving average, the default, or the optimizer's own); many prompts: prompts=FILE (.txt, a prompt a line; .jsonl, a \"prompt\" "
-                        "field a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run "
+                        "moving average, the default, or the optimizer's own); many prompts: prompts=FILE (.txt, "
+                        "a prompt a line; .jsonl, a \"prompt\" field a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run "
                         "samples= and out=FILE.png; any other key=value: a config override")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.generate", lambda: _generate(args), cli.stdout_to_devnull)
