@@ -17,14 +17,15 @@ __all__ = ["__version__", "Completion", "Model", "ModelSpec", "TextModel", "Trai
            "register_model"]
 
 
-def load(path, checkpoint="latest", overrides=()):
+def load(path, checkpoint="latest", overrides=(), params=""):
     """The trained model in `path` (a run directory that `python -m nljax.train` wrote, at its
     newest intact checkpoint or `checkpoint`: a step number or a step directory; or an export
     directory that `python -m nljax.export` wrote), on one device, with its run's tokenizer:
-    `nljax.TrainedModel`."""
+    `nljax.TrainedModel`. `params`: of a run under optim.ema_decay, "average" (the parameters'
+    moving average, the default there) or "trained" (the optimizer's own)."""
     from nljax.trained_model import load as load_trained
 
-    return load_trained(path, checkpoint, overrides)
+    return load_trained(path, checkpoint, overrides, params)
 
 
 def load_model(path):

@@ -1,6 +1,7 @@
 """Score a trained run's checkpoint on held-out data.
 
     python -m nljax.evaluate run.dir=runs/default [checkpoint=latest|STEP|PATH] [out=FILE.json]
+        [params=average|trained]
         [eval.batches=N] [eval.stream_steps=N] [data.eval=GLOB | data.prepared=DIR | data.KEY=...]
         [data.eval_sets=[NAME=GLOB,...]]
         [--cpu-devices N]
@@ -26,6 +27,9 @@ not the checkpoint's (another tokenizer) are refused. A MeanFlow run's other hel
 `images.*` overrides; data of the other kind (`data.*` for an image model, `images.*` for a
 language model) is refused.
 
+Under optim.ema_decay a run keeps its parameters' moving average beside them: it is scored, as
+the run's own evaluation scores it, unless `params=trained` (the optimizer's own parameters).
+
 `out=FILE.json` also writes the result, whole or not at all; an existing file is replaced only
 when it is an earlier result of this command.
 """
@@ -46,6 +50,7 @@ import jax
 
 from nljax.data import imagefolder
 from nljax.data.prepared import MANIFEST
+from nljax.data.settings import EVAL_FRACTION
 from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.run import trained as trained_lib
@@ -61,8 +66,10 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",
                    help="run.dir=DIR (required: a run directory); checkpoint= (latest, a step number or a step "
-                        "directory); out=FILE.json; any other key=value: a config override (eval.batches=, "
-                        "eval.stream_steps=, data.eval=, data.prepared=, ...)")
+                        "directory); out=FILE.json; params= (average or trained: under optim.ema_decay, "
+                        "the parameters' moving average, the default, or the optimizer's own); any other "
+                        "key=value: a config override (eval.batches=, eval.stream_steps=, data.eval=, "
+                        "data.prepared=, ...)")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.evaluate", lambda: _evaluate(args, argv), cli.stdout_to_devnull)
@@ -70,7 +77,7 @@ def main(argv=None) -> int:
 
 def _evaluate(args, argv: list[str]) -> int:
     cli.setup_devices(args.cpu_devices)
-    mine, overrides, run_dir = trained_lib.split_args(args.settings, {"checkpoint": str, "out": str})
+    mine, overrides, run_dir = trained_lib.split_args(args.settings, {"checkpoint": str, "out": str, "params": str})
     out = Path(mine["out"]) if mine.get("out") else None
     if out is not None:
         resultfile.check(out, f"out={out}", "nljax.evaluate", RESULT_KEYS)  # before the slow load: writes nothing
@@ -78,12 +85,13 @@ def _evaluate(args, argv: list[str]) -> int:
     # and restoring the checkpoint take seconds to minutes: said once the settings are checked
     reading = f"nljax.evaluate: reading the checkpoint of {run_dir} and its held-out data ..."
     t = load(run_dir, mine.get("checkpoint", "latest"), overrides,
-             announce=lambda: print(reading, file=sys.stderr, flush=True))
+             announce=lambda: print(reading, file=sys.stderr, flush=True), params=mine.get("params", ""))
     n, local = t.run.engine.n_devices, len(jax.local_devices())
     on = f"{n} device{'s' if n > 1 else ''}" + (
         f" (of {local}: as many as divide train.batch_size={t.cfg.train.batch_size})" if n < local else "")
     notes = [f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())]  # held-out data too short
-    for line in [*t.warnings("nljax.evaluate"), *notes, f"nljax.evaluate: {t.path} (step {t.step}) on {on}{_data(t)}"]:
+    read = f"nljax.evaluate: {t.path} (step {t.step}{t.which}) on {on}{_data(t)}"
+    for line in [*t.warnings("nljax.evaluate"), *notes, read]:
         print(line, file=sys.stderr)
     # compiling the evaluation takes seconds to a minute, with nothing else to show meanwhile
     print("nljax.evaluate: evaluating (compiling its step first) ...", file=sys.stderr, flush=True)
@@ -92,7 +100,8 @@ def _evaluate(args, argv: list[str]) -> int:
         print(f"{key:<24} {value}")
     if out is not None:
         result = {"command": " ".join(["python -m nljax.evaluate", *argv]), "run_dir": run_dir,
-                  "checkpoint": str(t.path), "step": t.step, "devices": n, **metrics, "nljax_version": __version__}
+                  "checkpoint": str(t.path), "step": t.step, "params": "average" if t.average else "trained",
+                  "devices": n, **metrics, "nljax_version": __version__}
         describe = getattr(t.run.task, "describe", None)  # source, tokens or images, digest (as summary.json)
         if describe is not None:
             result["data"] = describe()
@@ -106,17 +115,18 @@ def _evaluate(args, argv: list[str]) -> int:
 
 
 def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str] = (),
-         devices=None, announce=None) -> trained_lib.Trained:
+         devices=None, announce=None, params: str = "") -> trained_lib.Trained:
     """The run's checkpoint, set up to be evaluated as the run evaluated it (`trained.load` with
     `evaluates`): its rows and evaluation settings, the held-out data of `overrides`
     (`data_overrides`), on as many of `devices` (default: this process's) as divide its rows.
-    `announce`: called before the slow part, as `trained.load`'s."""
+    `announce`, `params`: as `trained.load`'s."""
     _check_data_kind(run_dir, overrides)
     overrides = data_overrides(run_dir, overrides)
     rows = trained_lib.trained_config(run_dir, overrides).train.batch_size
     devices = list(devices or jax.local_devices())
     n = max(d for d in range(1, len(devices) + 1) if rows % d == 0)
-    t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True, announce=announce)
+    t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True, announce=announce,
+                         params=params)
     if hasattr(t.run.task, "samples_dir"):  # an image task's evaluation draws no PNG into the run directory
         t.run.task.samples_dir = None
     return t
@@ -157,9 +167,9 @@ def data_overrides(run_dir: str, overrides: Sequence[str]) -> list[str]:
     given = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
     if "data.train" in given or not {"data.eval", "data.prepared"} & given.keys():
         return list(overrides)
-    if "data.prepared" in given:  # the run's file keys would be checked against the directory's
+    if "data.prepared" in given:  # the run's file keys would be checked against the directory's (and its split)
         return ["data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
-                *overrides]
+                f"data.eval_fraction={EVAL_FRACTION}", *overrides]
     d = trained_lib.trained_config(run_dir).data
     tokenizer = []
     if d.source == "files" and d.prepared and "data.tokenizer" not in given:

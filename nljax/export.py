@@ -1,14 +1,15 @@
 """Export a trained run's parameters, and load them back without nljax's training machinery.
 
     python -m nljax.export run.dir=runs/default [--format safetensors] [dtype=float32|bfloat16]
-                           [out=DIR] [checkpoint=STEP|PATH]
+                           [out=DIR] [checkpoint=STEP|PATH] [params=average|trained]
 
 writes DIR (default <run.dir>/export) with
 
 - `model.safetensors`: the model's parameter tree in its own layout, gathered from whatever
   strategy trained it, one tensor per leaf named by its path ("block0/cms1/down/kernel");
 - `config.json`: the run's config (what `nljax.models.build` needs; a DiT's image shape and label
-  count too), the step, the dtype, and a text model's tokenization (bytes, or a tokenizer);
+  count too), the step, the dtype, which parameters (`params`: under optim.ema_decay their moving
+  average unless `params=trained`), and a text model's tokenization (bytes, or a tokenizer);
 - `tokenizer.json`: a copy of the run's tokenizer, when it trained on one (data.source=files).
 
 `nljax.load(DIR)` gives the model with its tokenizer, `generate` and `logits`
@@ -70,7 +71,8 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     temp = {n: out / f".{n}.tmp-{os.getpid()}" for n in names}
     try:
         _save_weights(save_file, {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, temp[WEIGHTS])
-        info = {"config": config.to_dict(t.trained_cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path)}
+        info = {"config": config.to_dict(t.trained_cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path),
+                "params": "average" if t.average else "trained"}
         if tok is not None:  # how text becomes tokens, for nljax.load (a tokenizer's file beside it)
             info["tokenizer"] = tok.info()
         if TOKENIZER in temp:
@@ -210,7 +212,8 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",
                    help="run.dir=DIR (required), dtype=, out=, checkpoint= (latest, a step number or a step "
-                        "directory), config overrides")
+                        "directory), params= (average or trained: under optim.ema_decay, the parameters' moving "
+                        "average, the default, or the optimizer's own), config overrides")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.export", lambda: _export(args))
 
@@ -219,8 +222,9 @@ def _export(args) -> int:
     cli.setup_devices(args.cpu_devices)
     # dtype is checked before the checkpoint is read
     mine, overrides, run_dir = trained_lib.split_args(args.settings, {"dtype": check_dtype, "out": str,
-                                                                      "checkpoint": str})
-    mine = {"dtype": "float32", "out": "", "checkpoint": "latest", **mine}
+                                                                      "checkpoint": str, "params": str})
+    mine = {"dtype": "float32", "out": "", "checkpoint": "latest", "params": "", **mine}
+    trained_lib.reads_average(mine["params"], None)  # its value, before anything is read
     if not mine["out"] and not (Path(run_dir) / "config.yaml").is_file():
         # out= is <run.dir>/export: a run.dir that is no run (a file) was named as a bad out=
         trained_lib.trained_config(run_dir)  # its line: no config.yaml, an export's directory, ...
@@ -234,7 +238,7 @@ def _export(args) -> int:
     # large model), said once the settings are checked, as nljax.generate says its reading
     reading = f"nljax.export: reading the checkpoint of {run_dir} ..."
     t = trained_lib.load(run_dir, mine["checkpoint"], overrides, devices=jax.local_devices()[:1],
-                         announce=lambda: print(reading, file=sys.stderr, flush=True))
+                         announce=lambda: print(reading, file=sys.stderr, flush=True), params=mine["params"])
     for line in t.warnings("nljax.export"):
         print(line, file=sys.stderr)
     try:
@@ -242,7 +246,7 @@ def _export(args) -> int:
     except OSError as e:  # permissions, a full disk, a directory that cannot be made
         print(f"nljax.export: error: {cli.cannot_write(f'the export to {out}', e)}", file=sys.stderr)
         return 1
-    print(f"nljax.export: {t.path} (step {t.step}) -> {out}/{WEIGHTS}, {out}/{CONFIG}")
+    print(f"nljax.export: {t.path} (step {t.step}{t.which}) -> {out}/{WEIGHTS}, {out}/{CONFIG}")
     return 0
 
 

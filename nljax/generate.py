@@ -2,7 +2,7 @@
 
     python -m nljax.generate run.dir=runs/default prompt="def " max_new_tokens=200 \\
         temperature=0.8 top_k=40 top_p=0.95 seed=0 [stop=TEXT|stop='["\\n\\n", "def "]'] \\
-        [stop_at_eos=false] [checkpoint=STEP|PATH] [--cpu-devices N]
+        [stop_at_eos=false] [checkpoint=STEP|PATH] [params=average|trained] [--cpu-devices N]
     python -m nljax.generate run.dir=runs/default prompts=FILE.txt|FILE.jsonl out=RESULTS.jsonl \\
         [samples_per_prompt=N] [batch_size=8] [the sampling settings above]
     python -m nljax.generate run.dir=runs/default/export prompt="def "   # an export (nljax.export)
@@ -12,7 +12,8 @@ A language model's text streams to the terminal as it is sampled, read window by
 neural memory carried as training reads the stream; an image model (MeanFlow) writes a PNG grid
 of one-step and multi-step samples (its noise keyed by seed=, default the run's seed). The same
 checkpoint and seed give the same tokens on any device count. `checkpoint=` is a step number
-(400: the run's checkpoint at step 400) or a step directory; run.dir= may also be an export
+(400: the run's checkpoint at step 400) or a step directory; under optim.ema_decay the parameters'
+moving average is sampled unless `params=trained` (the optimizer's own); run.dir= may also be an export
 directory, read as `nljax.load` reads it (one device; the same text as from its run). How the
 stream is read and sampled: nljax/run/sampling.py.
 
@@ -71,8 +72,9 @@ def main(argv=None) -> int:
                         "temperature=, top_k=, top_p=, seed=, stop= (a string, or a JSON list of them: a "
                         "completion ends before the first in its text), stop_at_eos= (true: a completion ends at "
                         "the document-end token; false: sampled past it), checkpoint= (latest, a step number or a "
-                        "step directory); many prompts: prompts=FILE (.txt, a prompt a line; .jsonl, a \"prompt\" "
-                        "field a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run "
+                        "step directory), params= (average or trained: under optim.ema_decay, the parameters' "
+                        "moving average, the default, or the optimizer's own); many prompts: prompts=FILE (.txt, "
+                        "a prompt a line; .jsonl, a \"prompt\" field a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run "
                         "samples= and out=FILE.png; any other key=value: a config override")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.generate", lambda: _generate(args), cli.stdout_to_devnull)
@@ -100,8 +102,8 @@ def _generate(args) -> int:
     # 2-core CPU), said before it as the other commands say their slow phases, once the settings
     # are checked (a refusal of them is one line)
     reading = f"reading the checkpoint of {run_dir} ..."
-    t = trained_lib.load(run_dir, s.checkpoint, overrides, announce=lambda: _say(reading))
-    for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step})"]:
+    t = trained_lib.load(run_dir, s.checkpoint, overrides, announce=lambda: _say(reading), params=s.params)
+    for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step}{t.which})"]:
         print(line, file=sys.stderr)
     if images:
         held = len(t.run.task.data.eval_x)
@@ -137,7 +139,7 @@ def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
     # run.dir= is how the directory was named; any other override, or checkpoint=, is refused there
     overrides = [o for o in overrides if not o.startswith("run.dir=")]
     where = Path(os.path.expanduser(path))
-    trained_model.check_export_args(where, s.checkpoint, overrides)
+    trained_model.check_export_args(where, s.checkpoint, overrides, s.params)
     _, cfg = export_lib.read_config(where)  # the settings checked against it before the weights are read
     images = registry.task_of(cfg) == "images"  # not `makes_text`: a text model without logits is no image model
     _check(cfg.model.name, images, given, s)

@@ -10,7 +10,8 @@ command line with the other arguments: every `lm_eval` option works as documente
 Python, `nljax.lm_eval.register()` before `lm_eval.simple_evaluate(model="nljax", ...)` does the
 same. `--model_args`: run_dir=DIR (a run directory that nljax.train wrote, or an export
 directory), checkpoint=latest|STEP|PATH (a run's checkpoint: its step number or step directory),
-batch_size=N (requests read at once; lm-eval's --batch_size too). The model reads on every local
+params=average|trained (under optim.ema_decay: the parameters' moving average, the default, or
+the optimizer's own), batch_size=N (requests read at once; lm-eval's --batch_size too). The model reads on every local
 device (`--cpu-devices N` emulates N on a CPU), the requests' rows split over them; the scores are
 the same on any count. How requests are read: nljax/run/harness_model.py.
 
@@ -53,9 +54,9 @@ class FromRun(NLJaxLM):
     """`--model nljax`: the model of a run or export directory, built from --model_args."""
 
     def __init__(self, run_dir: str = "", checkpoint: str | int = "latest", batch_size: int | str | None = None,
-                 **options):
+                 params: str = "", **options):
         check_keys(options)
-        super().__init__(load(str(run_dir), checkpoint, rows(batch_size)))
+        super().__init__(load(str(run_dir), checkpoint, rows(batch_size), str(params)))
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "FromRun":
@@ -71,7 +72,7 @@ class FromRun(NLJaxLM):
         return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
 
-KEYS = ("run_dir", "checkpoint", "batch_size")  # FromRun's own --model_args
+KEYS = ("run_dir", "checkpoint", "batch_size", "params")  # FromRun's own --model_args
 # lm-eval passes its own options to every model: the device and the batch limit are JAX's and ours
 PASSED = ("device", "max_batch_size")
 
@@ -81,7 +82,7 @@ def check_keys(options) -> None:
     unknown = sorted(set(options) - set(KEYS) - set(PASSED))
     if unknown:
         raise ConfigError(f"--model_args: unknown key(s) {', '.join(unknown)} for --model {NAME} (it takes "
-                          "run_dir=, checkpoint= and batch_size=)")
+                          "run_dir=, checkpoint=, params= and batch_size=)")
 
 
 def check_early(lm_eval_argv: list[str]) -> None:
@@ -124,20 +125,21 @@ def check_early(lm_eval_argv: list[str]) -> None:
     from nljax import config
     from nljax.checkpoint import storage
     from nljax.models import registry
-    from nljax.run.trained import checkpoint_path, trained_config
+    from nljax.run.trained import checkpoint_path, reads_average, trained_config
     from nljax.runtime.exportdir import CONFIG
     from nljax.runtime.rundir import checkpoint_dir
     from nljax.trained_model import check_export_args, kind_of
 
     where = Path(os.path.expanduser(path))
-    checkpoint = given.get("checkpoint", "latest")
+    checkpoint, params = given.get("checkpoint", "latest"), str(given.get("params", ""))
     export = kind_of(where) == "export"  # one line where it is neither
     if export:
-        check_export_args(where, checkpoint)
+        check_export_args(where, checkpoint, params=params)
         cfg = config.from_dict(json.loads((where / CONFIG).read_text())["config"])  # its run's, as `load` reads it
     else:
         checkpoint_path(where, checkpoint)  # a step the run has no checkpoint at: one line, with the steps it has
         cfg = trained_config(where)
+        reads_average(params, cfg, where / "config.yaml")  # params=average of a run that keeps no average
     if registry.task_of(cfg) != "text":  # refused by `load` too, after lm-eval's start-up
         raise ConfigError(image_model(path, cfg.model.name))
     if not export and str(checkpoint) == "latest":
@@ -215,7 +217,7 @@ def rows(batch_size: int | str | None) -> int:
     return n
 
 
-def load(path: str, checkpoint: str | int, n_rows: int) -> Reading:
+def load(path: str, checkpoint: str | int, n_rows: int, params: str = "") -> Reading:
     """The reading of a run or export directory (`nljax.load`), its parameters replicated over
     this process's devices."""
     import jax
@@ -224,7 +226,7 @@ def load(path: str, checkpoint: str | int, n_rows: int) -> Reading:
     from nljax.parallel.mesh import make_mesh, replicated
 
     need_run_dir(path)
-    lm = nljax.load(path, checkpoint)
+    lm = nljax.load(path, checkpoint, params=params)
     if not lm.makes_text:
         raise ConfigError(image_model(path, lm.config.model.name))
     mesh = make_mesh(1, -1, jax.local_devices())

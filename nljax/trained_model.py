@@ -36,7 +36,7 @@ import numpy as np
 
 from nljax.config import Config
 from nljax.errors import ConfigError
-from nljax.models.base import checked_logits
+from nljax.models.registry import checked_logits
 from nljax.runtime.exportdir import is_export
 
 
@@ -322,27 +322,31 @@ def _tokenizer_name(tokenizer) -> str:
     return f"tokenizer {path}" if path else "byte tokens"
 
 
-def load(path: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = ()) -> TrainedModel:
+def load(path: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (),
+         params: str = "") -> TrainedModel:
     """The trained model in `path`: an export directory (`python -m nljax.export`) or a run
     directory (`python -m nljax.train`'s run.dir; `checkpoint`: "latest", a step number (300 or
     "300": the run's checkpoint at that step), a step directory or a checkpoints directory;
-    `overrides`: config overrides on top of the run's config.yaml)."""
+    `overrides`: config overrides on top of the run's config.yaml; `params`: under
+    optim.ema_decay, "average" (the parameters' moving average, the default there) or "trained"
+    (the optimizer's own))."""
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"nljax.load takes a directory path, got {type(path).__name__} {path!r}")
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):  # a string is a sequence too
         raise ConfigError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
     path = Path(os.path.expanduser(path))
     if kind_of(path) == "export":
-        check_export_args(path, checkpoint, overrides)
+        check_export_args(path, checkpoint, overrides, params)
         return _from_export(path)
-    return _from_run(path, checkpoint, overrides)
+    return _from_run(path, checkpoint, overrides, params)
 
 
-def check_export_args(path: Path, checkpoint: str | int = "latest", overrides: Sequence[str] = ()) -> None:
-    """An export is one set of parameters: no checkpoint to choose, no config to override."""
-    if checkpoint != "latest" or overrides:
-        raise ConfigError(f"{path} is an export (one set of parameters): checkpoint= and overrides are for a "
-                          "run directory")
+def check_export_args(path: Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (),
+                      params: str = "") -> None:
+    """An export is one set of parameters: no checkpoint or parameters to choose, no config to override."""
+    if checkpoint != "latest" or overrides or params:
+        raise ConfigError(f"{path} is an export (one set of parameters): checkpoint=, params= and overrides are for "
+                          "a run directory")
 
 
 def kind_of(path: Path) -> str:
@@ -356,11 +360,11 @@ def kind_of(path: Path) -> str:
                       "(python -m nljax.train's run.dir, with its config.yaml)")
 
 
-def _from_run(run_dir: Path, checkpoint: str | int, overrides: Sequence[str]) -> TrainedModel:
+def _from_run(run_dir: Path, checkpoint: str | int, overrides: Sequence[str], params: str) -> TrainedModel:
     from nljax.run import trained
     from nljax.run.sampling import tokenization_of
 
-    t = trained.load(run_dir, checkpoint, overrides, devices=jax.local_devices()[:1])
+    t = trained.load(run_dir, checkpoint, overrides, devices=jax.local_devices()[:1], params=params)
     for line in t.warnings("nljax.load"):
         print(line, file=sys.stderr)
     out = TrainedModel(t.model, t.params, t.trained_cfg, t.step, t.path, _mesh=t.run.mesh)

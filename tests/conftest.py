@@ -126,6 +126,22 @@ SLOW_CASES = (
     "test_eval_sets.py::test_a_set_of_the_held_out_files_scores_as_the_main_evaluation[2-4-bytes]",  # [1-1-bytes], [2-4-bpe]
     "test_strategies.py::test_matches_replicated[fsdp-1-2-flat-accumulate]",  # fsdp-1-8-flat, fsdp-2-2 (shards of 4)
     "test_configs.py::test_first_steps_at_real_shapes[nl_recall]",  # [nl_default]; recall at toy size: test_recall
+    # 2026-12-01 (session 51): the suite took 16:09 alone here (1,340 tests); the longest end-to-end
+    # cases whose behaviour a shorter test of the suite checks (named after each), and refusals and
+    # compatibility cases that need a whole run or checkpoint of their own (each 8-22 s here)
+    "test_cli.py::test_a_run_that_reaches_its_target_eval_loss_stops_saved_and_its_resume_says_so",  # test_ema's
+    "test_trackers.py::test_a_resume_that_meets_its_target_at_once_logs_that_evaluation_once",  # and the target's
+    "test_resume_config.py::test_a_resume_pointed_at_another_runs_checkpoints_is_refused",
+    # the tools' checkpoint=STEP stay
+    "test_resume_config.py::test_a_resume_from_a_step_number_reads_that_checkpoint_of_the_run",
+    "test_reliability.py::test_a_failing_evaluation_keeps_the_steps_since_the_last_checkpoint",
+    "test_reliability.py::test_the_same_data_spelled_otherwise_or_from_another_directory_resumes_exactly",
+    "test_cli.py::test_python_m_nljax_lists_the_commands_and_runs_one",  # test_reference: the same list
+    "test_multihost.py::test_save_failing_on_one_process_stops_every_process_with_its_cause[process1-async]",  # [process0-sync]
+    "test_meanflow_data.py::test_a_checkpoint_used_on_other_images_is_refused",
+    "test_loop.py::test_a_preempted_run_saves_before_it_ends_its_profile",  # the preemption tests without a profile stay
+    "test_checkpoint.py::test_a_checkpoint_with_flat_qkv_kernels_restores",
+    "test_generate.py::test_a_recall_run_generates_and_exports",
 )
 
 

@@ -166,12 +166,22 @@ def _bad(root: Path) -> None:
     (root / "nothing" / "dataset_info.json").write_text("{}")
     (root / "folder").mkdir()
     (root / "folder" / "a.parquet").write_bytes(good.read_bytes())
+    # Latin-1 bytes in a string column (a writer that did not check): rows "ok", "fine", "été"
+    latin = pa.Array.from_buffers(pa.string(), 3, [None, pa.py_buffer(np.array([0, 2, 6, 9], np.int32).tobytes()),
+                                                   pa.py_buffer(b"okfine\xe9t\xe9")])
+    pq.write_table(pa.table({"text": latin}), root / "latin1.parquet")
+    # Feather's first format: its magic, then its own metadata (pyarrow warns that it is deprecated)
+    (root / "v1.feather").write_bytes(b"FEA1\0\0\0\0" + b"\0" * 64 + b"FEA1")
 
 
 BAD = [
     ("R/nocol.parquet", "R/nocol.parquet: no column 'text' (data.text_key; its columns: body)"),
     ("R/ints.parquet", "R/ints.parquet: column 'text' holds int64, not text (data.text_key)"),
     ("R/null.parquet", "R/null.parquet: row 1: column 'text' is null (data.text_key)"),
+    ("R/v1.feather", "R/v1.feather: a Feather v1 file (deprecated by pyarrow), not the Arrow format read here: "
+                     "write it again as Feather v2"),
+    ("R/latin1.parquet", "R/latin1.parquet: row 2: column 'text' holds bytes that are not UTF-8 (invalid "
+                         "continuation byte)"),
     ("R/norows.parquet", "data.train: no text in 1 file(s) (every document empty)"),
     ("R/empty.parquet", "R/empty.parquet: not a readable Parquet file"),
     ("R/cut.parquet", "R/cut.parquet: not a readable Parquet file"),

@@ -290,6 +290,7 @@ def test_a_use_of_the_model_budgets_the_optimizer_state_it_reads(monkeypatch):
     with pytest.raises(ConfigError, match="the trained model does not fit this device"):
         Run.create(setup.cfg, jax.devices()[:1], trains=False)
     Run.create(plain.cfg, jax.devices()[:1], trains=False)  # without the average it fits
+    Run.create(setup.cfg, jax.devices()[:1], trains=False, average=False)  # and params=trained reads none
 
 
 @pytest.mark.slow  # ~10 s each (two compilations of every step variant on 8 devices): as above
@@ -325,3 +326,76 @@ def test_under_tensor_parallelism_the_average_matches_one_device():
     c1, cn = (s.engine.strategy.export_state(s.state) for s in (one, many))
     assert_trees_close(jax.device_get(optim.average_of(cn.opt_state)), jax.device_get(optim.average_of(c1.opt_state)),
                        rtol=1e-4, atol=1e-6)
+
+
+def test_params_trained_reads_the_optimizers_own_parameters(reference, monkeypatch):
+    """`params=trained` (nljax.load, and every tool through `trained.load`) reads the parameters
+    the optimizer holds, bit for bit, not their average, and its memory budget leaves out the
+    optimizer state the average is read from; the default and `params=average` read the
+    average; each says which in the tool's line."""
+    from nljax.measure import budget
+    from nljax.run.trained import load
+
+    run_dir, _ = reference
+    path = run_dir / "checkpoints" / "2"
+    setup = make(EMA)
+    trained = jax.device_get(restore(setup.engine, setup.state, path).state.params)
+    t = load(run_dir, devices=jax.devices()[:1], params="trained")
+    assert not t.average and "params=trained" in t.which
+    assert_trees_equal(jax.device_get(t.params), trained)
+    for params in ("", "average"):
+        t = load(run_dir, devices=jax.devices()[:1], params=params)
+        assert t.average and "moving average (optim.ema_decay=0.8)" in t.which
+        assert not all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(jax.device_get(t.params)),
+                                                             jax.tree.leaves(trained)))
+    terms = budget.engine_terms(t.cfg, t.run.engine)
+    monkeypatch.setattr(budget, "available_bytes", lambda *a: sum(budget.in_use(terms).values()) + 1)
+    assert not load(run_dir, devices=jax.devices()[:1], params="trained").average  # fits
+    with pytest.raises(ConfigError, match="the trained model does not fit this device"):
+        load(run_dir, devices=jax.devices()[:1])
+
+
+def test_params_values_are_checked():
+    from nljax.run.trained import reads_average
+
+    with pytest.raises(ConfigError, match=r"^params=best: give average \(the parameters' moving average"):
+        reads_average("best", None)
+    with pytest.raises(ConfigError) as e:
+        reads_average("average", load(None, []), "runs/x/config.yaml")
+    assert str(e.value) == ("params=average: the run keeps no moving average of its parameters (optim.ema_decay=0 "
+                            "in runs/x/config.yaml): leave params= out, or give params=trained")
+    assert not reads_average("", load(None, [])) and not reads_average("trained", load(None, []))
+    assert reads_average("", load(None, ["optim.ema_decay=0.9"]))
+
+
+def test_the_commands_take_params(reference, tmp_path, capsys):
+    """nljax.evaluate and nljax.export read what params= says and record it (the result file, the
+    export's config.json); an export holds one set of parameters: params= is refused there, by
+    nljax.load and nljax.generate alike; a value params= does not take is one line before
+    anything is read."""
+    import json
+
+    import nljax
+    from nljax import evaluate, export, generate
+
+    run_dir, _ = reference
+    out = tmp_path / "r.json"
+    assert evaluate.main([f"run.dir={run_dir}", "params=trained", f"out={out}"]) == 0
+    assert json.loads(out.read_text())["params"] == "trained"
+    assert "(step 2, the trained parameters (params=trained" in capsys.readouterr().err
+    assert export.main([f"run.dir={run_dir}", f"out={tmp_path / 'e'}"]) == 0
+    assert json.loads((tmp_path / "e" / "config.json").read_text())["params"] == "average"
+    assert export.main([f"run.dir={run_dir}", f"out={tmp_path / 't'}", "params=trained"]) == 0
+    assert json.loads((tmp_path / "t" / "config.json").read_text())["params"] == "trained"
+    _, exported = nljax.load_model(tmp_path / "t")
+    setup = make(EMA)
+    trained = restore(setup.engine, setup.state, run_dir / "checkpoints" / "2").state.params
+    assert_trees_equal(jax.device_get(exported), jax.device_get(trained))
+    with pytest.raises(ConfigError, match="checkpoint=, params= and overrides are for a run directory"):
+        nljax.load(tmp_path / "t", params="trained")
+    capsys.readouterr()
+    assert generate.main([f"run.dir={tmp_path / 't'}", "params=average"]) == 2
+    assert "checkpoint=, params= and overrides are for a run directory" in capsys.readouterr().err
+    for command in (generate.main, export.main):
+        assert command([f"run.dir={run_dir}", "params=ema"]) == 2
+        assert "params=ema: give average" in capsys.readouterr().err

@@ -359,7 +359,7 @@ def test_which_data_keys_other_held_out_data_implies(tmp_path):
     assert (d.train, d.eval, d.prepared, d.doc_end_token) == ((), ("x/*.txt",), "", "[EOS]")
     assert evaluate.data_overrides(str(run), ["data.prepared=p", "eval.batches=2"]) == [
         "data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
-        "data.prepared=p", "eval.batches=2"]
+        "data.eval_fraction=0.05", "data.prepared=p", "eval.batches=2"]
     assert evaluate.data_overrides(str(run), ["data.train=a", "data.eval=b"]) == ["data.train=a", "data.eval=b"]
 
 

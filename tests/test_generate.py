@@ -390,8 +390,8 @@ def test_checkpoint_steps_and_an_export_directory(tmp_path, capsys):
         (generate, [f"run.dir={run}", "checkpoint=7"], f"checkpoint=7: {run} has no checkpoint at step 7 (its "
                                                        "checkpoints are at steps 0, 2)"),
         (export, [f"run.dir={run}", "checkpoint=7", f"out={tmp_path / 'e2'}"], "has no checkpoint at step 7"),
-        (generate, [f"run.dir={out}", "checkpoint=0"], f"{out} is an export (one set of parameters): checkpoint= "
-                                                       "and overrides are for a run directory"),
+        (generate, [f"run.dir={out}", "checkpoint=0"], f"{out} is an export (one set of parameters): checkpoint=, "
+                                                       "params= and overrides are for a run directory"),
         (generate, [f"run.dir={out}", "model.dim=8"], "is an export (one set of parameters)"),
         (generate, [f"run.dir={out}", "samples=4"], "samples= is for a MeanFlow (model.name=dit) run's image grid"),
     ):

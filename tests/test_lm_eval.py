@@ -485,9 +485,9 @@ def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, never_st
             ([f"run_dir={nope}"], f"{nope} is neither an export directory (python -m nljax.export) nor a run directory "
                                   "(python -m nljax.train's run.dir, with its config.yaml)"),
             ([f"run_dir={tmp_path},batchsize=4"], "--model_args: unknown key(s) batchsize for --model nljax (it takes "
-                                                  "run_dir=, checkpoint= and batch_size=)"),
+                                                  "run_dir=, checkpoint=, params= and batch_size=)"),
             ([f"run_dir={tmp_path}", "batchsize=4"], "--model_args: unknown key(s) batchsize for --model nljax (it "
-                                                     "takes run_dir=, checkpoint= and batch_size=)"),
+                                                     "takes run_dir=, checkpoint=, params= and batch_size=)"),
             ([], "--model nljax needs --model_args run_dir=DIR (a run directory nljax.train wrote, or an export "
                  "directory)")):
         assert lm_eval.main(["--model", "nljax", *(["--model_args", *args] if args else []), "--tasks", "x"]) == 2
@@ -504,6 +504,11 @@ def test_bad_model_args_are_one_line_before_lm_evals_start_up(tmp_path, never_st
     assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},checkpoint=", "--tasks", "x"]) == 2
     assert capsys.readouterr().err.strip() == ("nljax.lm_eval: error: checkpoint= is empty: give latest (the "
                                                "default), a step number or a step directory")
+    # the moving average of a run that keeps none (optim.ema_decay=0)
+    assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},params=average", "--tasks", "x"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "nljax.lm_eval: error: params=average: the run keeps no moving average of its parameters (optim.ema_decay=0 "
+        f"in {tmp_path / 'config.yaml'}): leave params= out, or give params=trained")
     (tmp_path / "checkpoints" / "3").mkdir(parents=True)
     with pytest.raises(AssertionError, match="lm-eval started"):  # good ones, and another model's: lm-eval's
         lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={tmp_path},checkpoint=3", "--tasks", "x"])

@@ -539,6 +539,14 @@ def test_what_logits_returns_is_checked_where_it_is_read(tmp_path, on_path):
         for read in (lambda: lm.logits([[1, 2, 3]]), lambda: lm.generate("ab", max_new_tokens=2)):
             with pytest.raises(ConfigError, match=r"^model Mislabelled: logits " + line):
                 read()
+    # its `logits` raising: one line naming the model and the plugin's line, as its `apply` raising
+    specs.unregister("mislabelled")
+    nljax.register_model("mislabelled", _changing_logits(lambda logits, memory: {}["mask"]))
+    lm = nljax.load(tmp_path / "run")
+    for read in (lambda: lm.logits([[1, 2, 3]]), lambda: lm.generate("ab", max_new_tokens=2)):
+        with pytest.raises(ConfigError, match=r"^model 'mislabelled': logits raised KeyError: 'mask' \(at "
+                                              r".*test_model_registry"):
+            read()
     specs.unregister("mislabelled")
     nljax.register_model("mislabelled", _changing_logits(lambda logits, memory: (logits, None)))
     assert len(nljax.load(tmp_path / "run").generate("ab", max_new_tokens=2, temperature=0)) > 0

@@ -647,6 +647,31 @@ def test_prepared_data_with_another_tokenizer_is_named_as_such(corpus, tokenizer
     assert str(e.value) == f"data.prepared={prep} was prepared with another tokenizer than data.tokenizer={other}"
 
 
+def test_an_eval_fraction_beside_prepared_data_alone_is_said(corpus, tmp_path, capsys):
+    """data.prepared alone holds its own held-out split, made when it was prepared: a
+    data.eval_fraction other than that one (or beside a directory split by data.eval) splits
+    nothing, and was ignored without a word; now a note at start-up says so (a config may keep
+    the key for its runs on data.train). Its default, and the directory's own, are not noted."""
+    files = f"data.train=[{','.join(corpus['train'])}]"
+    prep, held = tmp_path / "prep", tmp_path / "held"
+    prepared.build(data_config(files, "data.eval_fraction=0.25").data, prep)
+    prepared.build(data_config(files, f"data.eval={corpus['eval'][0]}").data, held)
+    notes = lambda where, fraction: prepared.split_notes(
+        json.loads((where / "manifest.json").read_text()),
+        data_config(f"data.prepared={where}", f"data.eval_fraction={fraction}").data)
+    assert notes(prep, 0.05) == notes(prep, 0.25) == []
+    for where, said in ((prep, "data.eval_fraction=0.25"), (held, "its data.eval")):
+        assert notes(where, 0.1) == [f"note: data.eval_fraction=0.1 splits nothing here: data.prepared={where} holds "
+                                     f"out what it was prepared with ({said}); prepare again to split otherwise"]
+    assert prepare_main([files, "data.eval_fraction=0.25", f"out={tmp_path / 'p'}"]) == 0  # through a run's start-up
+    capsys.readouterr()
+    said = [a for a in QUICK if a != "--quiet"]  # the notes go with the start-up's lines
+    assert train_main([*said, *TINY, "data.source=files", f"data.prepared={tmp_path / 'p'}", "train.steps=1",
+                       f"run.dir={tmp_path / 'run'}"]) == 0
+    assert (f"note: data.eval_fraction=0.2 splits nothing here: data.prepared={tmp_path / 'p'} holds out what it "
+            "was prepared with (data.eval_fraction=0.25)") in capsys.readouterr().out
+
+
 def test_held_out_text_too_short_names_where_it_came_from(corpus, tmp_path, capsys):
     """Trained from data.prepared alone, the line blamed data.eval_fraction=0.05, which the
     directory was not split by: its held-out text is its data.eval's."""
@@ -795,3 +820,26 @@ def test_decode_is_the_streams_pieces_joined_in_two_decodings(corpus, tokenizer,
     codec.tok = mock.Mock(wraps=codec.tok)  # counts the tokenizer's decodings
     codec.decode(ids, context=ctx)
     assert len(ids) > 100 and codec.tok.decode.call_count == 2
+
+
+def test_a_glob_skips_what_a_run_wrote_in_its_run_dir(tmp_path, capsys):
+    """A run directory inside the corpus's folder (data.train='notes/**/*.txt' with
+    run.dir=notes/runs/x): the glob read the run's own files as text (its nljax_written.txt,
+    metrics.jsonl, W&B's requirements.txt), and more of them at each resume. Those a run's
+    listing names are skipped; a user's file in a run directory, and a run's file named without
+    a glob, are read."""
+    from nljax.data import documents
+    from nljax.runtime import runlog
+
+    assert documents.RUN_LISTING == runlog.WRITTEN
+    notes = tmp_path / "notes"
+    (notes / "runs" / "x" / "wandb" / "run-1" / "files").mkdir(parents=True)
+    for name in ("a.txt", "b.jsonl", "runs/x/mine.txt", "runs/x/metrics.jsonl",
+                 "runs/x/wandb/run-1/files/requirements.txt"):
+        (notes / name).write_text('{"text": "t"}\n')
+    for name in ("metrics.jsonl", "wandb"):
+        runlog.note_written(notes / "runs" / "x", name)
+    globs = [f"{notes}/**/*.txt", f"{notes}/**/*.jsonl"]
+    assert documents.expand(globs, "data.train") == [notes / "a.txt", notes / "runs/x/mine.txt", notes / "b.jsonl"]
+    metrics = notes / "runs" / "x" / "metrics.jsonl"
+    assert documents.expand([str(metrics)], "data.train") == [metrics]

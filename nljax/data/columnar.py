@@ -21,6 +21,7 @@ PARQUET, ARROW = ".parquet", ".arrow"
 FEATHER = ".feather"  # pandas' to_feather (Feather v2): the Arrow IPC file format under another name
 # how an Arrow file begins: the IPC file format's magic, the stream format's first message marker
 FILE_MAGIC, STREAM_MARKER = b"ARROW1", b"\xff\xff\xff\xff"
+FEATHER_V1 = b"FEA1"  # Feather's first format (pyarrow's write_feather(version=1)): not Arrow IPC
 SUFFIXES = (PARQUET, ARROW, FEATHER)
 INSTALL = "pip install 'nljax[parquet]'"
 
@@ -68,6 +69,10 @@ def _arrow(path: Path, text_key: str, skip: int, batch: int) -> Iterator[tuple[l
     with pa.OSFile(str(path)) as source:  # read, not mapped: one record batch in memory at a time
         head = source.read(len(FILE_MAGIC))
         source.seek(0)
+        if head.startswith(FEATHER_V1):  # pyarrow's own line: "Expected to read 826361158 metadata bytes"
+            raise ConfigError(f"{path}: a Feather v1 file (deprecated by pyarrow), not the Arrow format read here: "
+                              "write it again as Feather v2 (the default of pandas' to_feather and pyarrow's "
+                              "write_feather) or Parquet")
         reader = None
         try:
             if head == FILE_MAGIC:  # the file format: its footer, at the end, lists the record batches
@@ -108,18 +113,30 @@ def _texts(path: Path, column, text_key: str, done: int, skip: int):
 
     end = done + len(column)
     if end > skip:
+        start = done + max(0, skip - done)  # the file's row of the column's first
         column = column.slice(max(0, skip - done))
         if pa.types.is_dictionary(column.type):  # categories: the strings they stand for
             column = column.dictionary_decode()
         if column.null_count:
-            first = done + max(0, skip - done) + column.is_null().to_pylist().index(True)
+            first = start + column.is_null().to_pylist().index(True)
             raise ConfigError(f"{path}: row {first}: column '{text_key}' is null (data.text_key)")
         try:
             texts = column.to_pylist()
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{path}: column '{text_key}' holds bytes that are not UTF-8 ({e.reason})") from None
+        except UnicodeDecodeError as e:  # the row found again one by one: only on the way to this line
+            row = start + next(i for i in range(len(column)) if not _decodes(column[i]))
+            raise ConfigError(f"{path}: row {row}: column '{text_key}' holds bytes that are not UTF-8 "
+                              f"({e.reason})") from None
         yield texts, end
     return end
+
+
+def _decodes(value) -> bool:
+    """Whether one string of a column reads as UTF-8 text."""
+    try:
+        value.as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _check_column(path: Path, schema, text_key: str) -> None:

@@ -40,6 +40,8 @@ from nljax.errors import ConfigError, first_line
 SUFFIXES = (".txt", ".jsonl", ".txt.gz", ".jsonl.gz", *columnar.SUFFIXES)
 SAVED = ("state.json", "dataset_info.json")  # what marks a folder datasets.Dataset.save_to_disk wrote
 BATCH = 1024  # documents per list read, at most (a list is tokenized at once, in parallel)
+# the listing of the files a run wrote in its run.dir (nljax.runtime.runlog.WRITTEN, a layer above)
+RUN_LISTING = "nljax_written.txt"
 BOM = "\ufeff"  # the byte order mark Windows editors write first: an encoding's mark, not text
 
 
@@ -53,6 +55,7 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
     """The files `patterns` (paths or globs, under config key `key`) name, in order, each once."""
     files: list[Path] = []
     seen: set[Path] = set()  # resolved: one file named twice in two spellings is read once
+    runs: dict[Path, set[str] | None] = {}  # each folder's run listing, read once (`_run_output`)
     for pattern in patterns:
         if not pattern:  # read as the working directory: "data.train:  is a directory"
             raise ConfigError(f"{key}: an empty path (give the paths or globs of the text files)")
@@ -65,7 +68,7 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
             # training text lacked that file without a word
             if odd := next((m for m in matches if not m.is_file() and not m.is_dir()), None):
                 raise ConfigError(f"{key}: {not_regular(odd)}")
-            found = [q for m in matches if not _dataset_metadata(m)
+            found = [q for m in matches if not _dataset_metadata(m) and not _run_output(m, runs)
                      for q in ([m] if m.is_file() else saved_shards(m, str(m), key) if _saved(m) or _splits(m) else [])]
             if not found:
                 raise ConfigError(f"{key}: '{pattern}' matches no file{_list_hint(pattern, key)}")
@@ -91,6 +94,29 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 seen.add(p.resolve())
                 files.append(p)
     return files
+
+
+def _run_output(path: Path, runs: dict[Path, set[str] | None]) -> bool:
+    """Whether a glob's match is something a run wrote in its run.dir: its listing
+    (nljax_written.txt) or what the listing names (metrics.jsonl, wandb/.../requirements.txt). A
+    glob over a folder that holds a run directory (`notes/**/*.txt` with run.dir=notes/runs/x)
+    read them as text, and more of them at each resume (the data then changed). A user's own
+    file in a run directory is read; so is a run's file named without a glob. `runs`: the
+    listing of each folder looked at (None: not a run directory)."""
+    for folder in path.parents:  # the nearest run directory decides
+        if folder not in runs:
+            runs[folder] = _listed(folder / RUN_LISTING)
+        if runs[folder] is not None:
+            return path.relative_to(folder).parts[0] in runs[folder]
+    return False
+
+
+def _listed(listing: Path) -> set[str] | None:
+    """The names a run's listing holds, itself among them; None where there is none."""
+    try:
+        return {*listing.read_text(errors="replace").splitlines(), RUN_LISTING} if listing.is_file() else None
+    except OSError:  # unreadable: not taken for a run's
+        return None
 
 
 def not_regular(p: Path, named: str | None = None) -> str:

@@ -42,7 +42,7 @@ import tqdm
 from nljax import writable
 from nljax.data import chunks, documents, outdir, tokenization, workdir
 from nljax.data.outdir import FORMAT, MANIFEST
-from nljax.data.settings import DataConfig
+from nljax.data.settings import EVAL_FRACTION, DataConfig
 from nljax.errors import ConfigError, few
 
 SPLITS = ("train", "eval")
@@ -583,6 +583,21 @@ def _check_settings(manifest: dict, d: DataConfig) -> None:
     if d.doc_end_token and manifest["tokenizer"].get("doc_end_token") != d.doc_end_token:
         raise ConfigError(f"{where} with data.doc_end_token={manifest['tokenizer'].get('doc_end_token')!r}, not "
                           f"{d.doc_end_token!r}: prepare it again, or leave data.doc_end_token out")
+
+
+def split_notes(manifest: dict, d: DataConfig) -> list[str]:
+    """A note where data.prepared alone is given with a data.eval_fraction (not its default) other
+    than the one the directory was split at: it splits nothing there (the directory's split was
+    made when it was prepared), and was ignored without a word. A config may keep the key for
+    the runs on data.train, so it is said, not refused."""
+    if d.train or not d.prepared or "settings" not in manifest:  # with data.train: `_check_settings`
+        return []
+    then = manifest["settings"].get("eval_fraction")
+    if d.eval_fraction in (EVAL_FRACTION, then):
+        return []
+    split = "its data.eval" if then is None else f"data.eval_fraction={then}"
+    return [f"note: data.eval_fraction={d.eval_fraction} splits nothing here: data.prepared={d.prepared} holds out "
+            f"what it was prepared with ({split}); prepare again to split otherwise"]
 
 
 def _check_sources(manifest: dict, d: DataConfig, where: str) -> None:

@@ -49,12 +49,16 @@ def eval_sets(entries: tuple[str, ...]) -> list[tuple[str, str]]:
     return out
 
 
+EVAL_FRACTION = 0.05  # data.eval_fraction's default (a data.prepared directory's split is its own)
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # stdlib: the standard library's modules (data/text.py); recall: synthetic associative-recall
     # documents, the long-context probe (data/recall.py); files: the user's own text (data.train)
     source: Literal["stdlib", "recall", "files"] = "stdlib"
-    eval_fraction: float = 0.05  # every round(1/eval_fraction)-th document is held out (files: without data.eval)
+    # every round(1/eval_fraction)-th document is held out (files: without data.eval)
+    eval_fraction: float = EVAL_FRACTION
     # files: paths or globs of .txt (one document per file) and .jsonl (one per line, its
     # data.text_key field) files, each optionally .gz; .parquet and .arrow files (one document per
     # row: pip install 'nljax[parquet]'); folders datasets' save_to_disk wrote. A string: a list of one

@@ -31,7 +31,7 @@ from nljax.engine import executables, frozen, optim
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.models import registry
-from nljax.models.base import checked_apply, checked_logits
+from nljax.models.base import checked_apply
 from nljax.models.layers import token_hits, token_loss
 from nljax.parallel.hostdev import put
 from nljax.parallel.mesh import DATA_AXES, REPLICATED, ROWS
@@ -206,7 +206,8 @@ def local_eval_stream_step(eng: Engine, params: PyTree, memory: PyTree, batch: d
         loss_sum, count, memory = apply_model(eng, params, memory, batch, key, train=False)
         return {"loss_sum": loss_sum[None], "count": count[None]}, memory
     # [G/n, T, V]; inference only: no dropout
-    logits, memory = checked_logits(eng.local_model, params, memory, batch, key, vocab=eng.cfg.model.vocab_size)
+    logits, memory = registry.checked_logits(eng.local_model, params, memory, batch, key,
+                                             vocab=eng.cfg.model.vocab_size)
     targets = batch["tokens"][:, 1:]  # [G/n, T]
     loss_sum, count = token_loss(logits, targets, batch.get("mask"))
     hits, scored = token_hits(logits, targets, batch["score"])

@@ -33,10 +33,11 @@ from importlib import metadata
 from typing import Any
 
 from nljax.errors import ConfigError, first_line
-from nljax.models import builtin
+from nljax.models import base, builtin
 from nljax.models.specs import _ORIGIN, _SPECS, GROUP, ModelSpec, shared_keys
 
-Config = Model = Any  # nljax.config.Config and nljax.models.base.Model (not imported: no cycle)
+Config = Any  # nljax.config.Config (not imported: no cycle)
+Model = base.Model
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,6 +162,11 @@ def task_of(cfg: Any) -> str:
 # Building
 
 
+# the class of each model built -> the registered model's name, for the calls made outside the
+# engine's step that are not given the run's config (`checked_logits`)
+_BUILT: dict[type, str] = {}
+
+
 def build(cfg: Config) -> Model:
     """The model `cfg.model.name` names, checked against the contract (`check_model`); shared
     keys set that it does not read are said once (`warn_unread`)."""
@@ -168,8 +174,18 @@ def build(cfg: Config) -> Model:
     with plugin_code(s.name):
         model = s.build(cfg)
         check_model(s, model, len(cfg.cms.periods))
+    _BUILT[type(model)] = s.name
     warn_unread(cfg)
     return model
+
+
+def checked_logits(model: Model, params, memory, batch: dict, *key, vocab: int) -> tuple:
+    """`base.checked_logits` (what evaluation, generation and the harness read), a plugin's
+    `logits` raising one line as its `apply` does in the step (`plugin_code`), named by the class
+    that `build` or `rebuild` made (a model built by hand: its traceback, as nljax's own)."""
+    name = _BUILT.get(type(model), "")
+    with plugin_code(name, "logits", who=f"model '{name}'"):
+        return base.checked_logits(model, params, memory, batch, *key, vocab=vocab)
 
 
 @contextlib.contextmanager
@@ -239,6 +255,7 @@ def rebuild(cfg: Config, info: dict) -> Model:
     with plugin_code(s.name):
         model = s.rebuild(cfg, info) if s.rebuild is not None else s.build(cfg)
         check_model(s, model, len(cfg.cms.periods))
+    _BUILT[type(model)] = s.name
     return model
 
 

@@ -35,14 +35,17 @@ class Run:
     harness: Any = None
 
     @classmethod
-    def create(cls, cfg: Config, devices=None, model=None, trains: bool = True, reads_data: bool = True) -> "Run":
+    def create(cls, cfg: Config, devices=None, model=None, trains: bool = True, reads_data: bool = True,
+               average: bool | None = None) -> "Run":
         """The run of `cfg`; its own `cfg` adds what the data decide (`tasks.resolve`: the
         vocabulary of the user's files), read and checked before anything is built. `model`:
         this model instead of the one `cfg` names (`local`). `trains=False`: the run only uses
         the model (`nljax.run.trained.load`), whose budget has no gradients, optimizer state or
         error buffers (`budget.in_use`), and a text model's data are read as an evaluation reads
         them (`tasks.text_data`: no training split of data.prepared). `reads_data=False`: a text
-        model's data are not read (`tasks.LoadedText`); its config.yaml holds what they decided."""
+        model's data are not read (`tasks.LoadedText`); its config.yaml holds what they decided.
+        `average`: whether a use reads the parameters' moving average, whose optimizer state its
+        budget then counts (None: where optim.ema_decay keeps one; `params=trained` reads none)."""
         if trains:
             tasks.check_trains(cfg)
         cfg = tasks.resolve(cfg, trains) if reads_data else cfg
@@ -57,7 +60,8 @@ class Run:
         # that an absurd size never reaches Flax or XLA, then from the exact shapes.
         local = [d for d in mesh.devices.flat if d.process_index == jax.process_index()]
         available = budget.available_bytes(len(local), local[0] if local else None)
-        needs = (lambda terms: terms) if trains else (lambda terms: budget.in_use(terms, bool(cfg.optim.ema_decay)))
+        average = bool(cfg.optim.ema_decay) if average is None else average
+        needs = (lambda terms: terms) if trains else (lambda terms: budget.in_use(terms, average))
         if model is None:  # a given model (a tensor-parallel shard) is smaller than its config says
             budget.check(needs(budget.config_floor(cfg, meshlib.data_size(mesh))), available, trains)
         model = build(cfg) if model is None else model

@@ -48,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from nljax.data import prepared
 from nljax.errors import ConfigError
-from nljax.models.base import checked_logits
+from nljax.models.registry import checked_logits
 from nljax.parallel.hostdev import put, replica
 from nljax.run import trained as trained_lib
 from nljax.run.stopping import Completion, Ending, ending, pieces
@@ -76,6 +76,9 @@ class Settings:
     samples_per_prompt: int = 1  # prompts=: completions of each prompt
     batch_size: int = 8  # prompts=: completions decoded together (rounded up to a multiple of the devices)
     checkpoint: str = "latest"  # or a step number, a step directory, or a checkpoints directory
+    # under optim.ema_decay: average (the parameters' moving average) or trained (the optimizer's
+    # own); empty: the average where the run keeps one (nljax.run.trained.PARAMS)
+    params: str = ""
     samples: int = 16  # DiT: images in the grid
     out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); prompts=: the results (.jsonl)
 
@@ -104,6 +107,7 @@ class Settings:
             check_stop(stop, f"stop[{i}]" if len(self.stop) > 1 else "stop")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")
+        trained_lib.reads_average(self.params, None)  # the value; what the run keeps is checked on load
         if self.samples_per_prompt < 1:
             raise ConfigError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
         if self.batch_size < 1:

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nljax.models.base import checked_logits
+from nljax.models.registry import checked_logits
 from nljax.parallel.hostdev import put, replica
 from nljax.parallel.mesh import data_size, replicated, rows_sharding
 

@@ -71,6 +71,7 @@ class TextData:
     digest: str | None = None  # the content digest of the files' manifest (files)
     tokenizer: dict = dataclasses.field(default_factory=lambda: {"kind": "bytes"})  # what the ids are (`identity`)
     train_size: int | None = None  # tokens in the training split, read or not (None: len(train))
+    notes: tuple[str, ...] = ()  # lines on the data the start-up says (`prepared.split_notes`)
 
     @property
     def train_tokens(self) -> int:
@@ -95,7 +96,7 @@ def text_data(cfg: Config, trains: bool = True) -> TextData:
         return TextData(train, c.eval.tokens, train_ends=ends, held_ends=c.eval.ends,
                         tokens_per_byte=c.tokens_per_byte, unit="tokens", digest=c.digest,
                         tokenizer=tokenization.identity(c.manifest["tokenizer"]),
-                        train_size=c.manifest["train"]["tokens"])
+                        train_size=c.manifest["train"]["tokens"], notes=tuple(prepared.split_notes(c.manifest, d)))
     return TextData(*stdlib_corpus(d.eval_fraction))
 
 
@@ -148,7 +149,7 @@ class TextTask:
         if data.train is not None and len(data.train) < cfg.train.seq_len + 1:
             raise ConfigError(f"the training text ({len(data.train)} {data.unit}) is shorter than "
                               f"train.seq_len+1={cfg.train.seq_len + 1}: give more text or a shorter train.seq_len")
-        self.notes: list[str] = []  # said once at start-up by the trainer
+        self.notes: list[str] = list(data.notes)  # said once at start-up by the trainer (and by nljax.evaluate)
         self.stream_steps = self._stream_steps()  # the streaming evaluation's windows per row
         # data.eval_sets: tokenized once, here; each with its own streaming windows per row (as
         # many of eval.stream_steps as fit in it)

@@ -32,13 +32,20 @@ from nljax.runtime.rundir import DATA_PATHS, checkpoint_dir
 
 # config keys outside any section (`seed`): a tool passes them on as overrides, like dotted ones
 
+# `params=`: which of a run's parameters a tool reads. Under optim.ema_decay the run keeps two
+# sets: the optimizer's own (`trained`) and their moving average (`average`, the default there, as
+# the run's own evaluation reads it); without it, one (`trained`, the default)
+PARAMS = ("average", "trained")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Trained:
     cfg: config.Config  # the run's config as this tool runs it (1 x n mesh, one row per device)
     trained_cfg: config.Config  # the run's config as it trained (with the tool's config overrides)
     run: Run  # on a 1 x n mesh, replicated strategy
-    params: Any  # the model's parameter tree (its moving average under optim.ema_decay), replicated over run.mesh
+    # the model's parameter tree (under optim.ema_decay its moving average unless params=trained),
+    # replicated over run.mesh
+    params: Any
     step: int  # optimizer steps the checkpoint had taken
     path: Path  # the step directory read
     skipped: tuple = ()  # (path, why) of the newer checkpoints that were damaged
@@ -46,6 +53,16 @@ class Trained:
     # lines on overrides that make this use differ from the run's own: another sampler, another
     # held-out split (`_sampler_against_the_run`, `_split_against_the_run`)
     unlike_the_run: tuple = ()
+    average: bool = False  # params are the moving average (`params=`, `reads_average`)
+
+    @property
+    def which(self) -> str:
+        """Which parameters were read, for a tool's line about the checkpoint: empty where the run
+        keeps one set."""
+        if not self.trained_cfg.optim.ema_decay:
+            return ""
+        return (f", the parameters' moving average (optim.ema_decay={self.trained_cfg.optim.ema_decay:g})"
+                if self.average else ", the trained parameters (params=trained: not their moving average)")
 
     def warnings(self, tool: str) -> list[str]:
         return [*(f"{tool}: warning: checkpoint {p} is incomplete, using an older one ({why})"
@@ -128,23 +145,41 @@ def trained_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> config
     return config.load(str(cfg_file), [*overrides, f"run.dir={run_dir}"], saved=True)
 
 
+def reads_average(params: str, cfg: config.Config | None, cfg_file: Path | None = None) -> bool:
+    """Whether `params=` (empty: the default) reads the parameters' moving average of a run whose
+    config is `cfg` (`PARAMS`); one line for a value it does not take, or for `average` where the
+    run keeps none. `cfg` None: the value alone is checked."""
+    if params not in ("", *PARAMS):
+        raise ConfigError(f"params={params}: give average (the parameters' moving average, optim.ema_decay) or "
+                          "trained (the optimizer's own)")
+    if cfg is None:
+        return params != "trained"
+    if params == "average" and not cfg.optim.ema_decay:
+        raise ConfigError(f"params=average: the run keeps no moving average of its parameters (optim.ema_decay=0 in "
+                          f"{cfg_file}): leave params= out, or give params=trained")
+    return params != "trained" and bool(cfg.optim.ema_decay)
+
+
 def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None,
-         evaluates: bool = False, announce: Callable[[], None] | None = None) -> Trained:
+         evaluates: bool = False, announce: Callable[[], None] | None = None, params: str = "") -> Trained:
     """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
     number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices`
     (default: all of this process's). `evaluates`: as `config_of`'s, and a text model's data
     are read (to be evaluated on); otherwise only its tokenizer's file is. `announce`: called
     once the settings are checked against the run, before the slow part (building the model,
-    reading its data and checkpoint: seconds), so that a refusal of the settings stays one line."""
+    reading its data and checkpoint: seconds), so that a refusal of the settings stays one line.
+    `params`: "average", "trained" or "" (the default: the average where the run keeps one; `PARAMS`)."""
     devices = list(devices or jax.local_devices())
     cfg = config_of(run_dir, checkpoint, overrides, len(devices), evaluates)
     cfg_file = Path(run_dir) / "config.yaml"
     saved, trained_cfg = trained_config(run_dir), trained_config(run_dir, overrides)
+    average = reads_average(params, trained_cfg, cfg_file)
     sampler = _sampler_against_the_run(saved, trained_cfg, cfg_file)  # refused before anything is read
     if announce is not None:
         announce()
     try:
-        run = Run.create(cfg, devices, trains=False, reads_data=evaluates)  # budgeted for the parameters alone
+        # budgeted for the parameters alone (and the optimizer state that holds their average)
+        run = Run.create(cfg, devices, trains=False, reads_data=evaluates, average=average)
         # what the run's token ids are now: without its data (`tasks.LoadedText`) the first read of
         # data.tokenizer's or data.prepared's files, whose relative paths the line below explains
         identity = startup.tokenizer_identity(run.task)
@@ -163,13 +198,13 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     # only if the run's tokenizer now (data.tokenizer's file, data.prepared's) is the one it trained
     # on, and its data build the model it trained (a DiT: images of its size)
     built = registry.record(run.engine.model, cfg.model.name)
-    restored, skipped = first_valid(lambda path: restore_params(run.engine, path, identity, built, average=True),
+    restored, skipped = first_valid(lambda path: restore_params(run.engine, path, identity, built, average=average),
                                     storage.candidates(cfg))
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
     unlike = [*sampler, *_split_against_the_run(saved, trained_cfg, run.task, cfg_file)]
     return Trained(cfg, trained_cfg, run, restored.params, restored.step, restored.path, tuple(skipped),
-                   tuple(incomplete), tuple(unlike))
+                   tuple(incomplete), tuple(unlike), average)
 
 
 def _sampler_against_the_run(saved: config.Config, cfg: config.Config, cfg_file: Path) -> list[str]:
