@@ -540,6 +540,49 @@ def test_labels_with_a_gap_are_said_at_start_up(tmp_path):
                      mesh).notes == []
 
 
+def class_sorted(tmp_path):
+    """Overrides for a DiT on 300 images sorted by class (3 x 100): held out every 5th, 20 of each."""
+    x = np.random.default_rng(0).integers(0, 256, (300, 4, 4, 1), dtype=np.uint8)
+    np.savez(tmp_path / "sorted.npz", x=x, y=np.repeat([0, 1, 2], 100))
+    return ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+            "model.dit.patch_size=1", "cms.periods=[1]", "images.source=file", f"images.path={tmp_path / 'sorted.npz'}",
+            "meanflow.eval_samples=12", "meanflow.sample_steps=1", f"run.dir={tmp_path / 'run'}"]
+
+
+def test_samples_are_drawn_for_held_out_images_spread_over_them(tmp_path):
+    """A folder's images come class by class, and so do its held-out images: n samples (an
+    evaluation's meanflow.eval_samples, nljax.generate's samples=) were drawn for the first n
+    held-out images, the first class's alone, and a grid showed the first 64 samples, that class
+    again. Both take them spread over the held-out images (all of them for as many)."""
+    from nljax.config import load
+    from nljax.measure import figures
+    from nljax.run.tasks import ImageTask
+
+    task = ImageTask(load(None, class_sorted(tmp_path)), make_mesh(1, 1, jax.devices()[:1]))
+    assert np.bincount(task.data.eval_y[task.chosen(12)]).tolist() == [4, 4, 4]
+    np.testing.assert_array_equal(task.chosen(60), np.arange(60))
+    # a grid's 64 of 200 samples drawn class by class: every class shown; fewer than 64 all shown
+    assert np.bincount(np.repeat([0, 1, 2, 3], 50)[figures.shown(200)]).tolist() == [16, 16, 16, 16]
+    np.testing.assert_array_equal(figures.shown(10), np.arange(10))
+
+
+@pytest.mark.slow
+def test_an_evaluation_of_a_class_sorted_set_scores_every_class(tmp_path, monkeypatch):
+    """meanflow.eval_samples=12 of 60 held-out images sorted by class: the samples (and the PNG's
+    labels) are drawn for 4 images of each class and scored against those images."""
+    from helpers import make
+
+    from nljax.run import tasks
+
+    setup = make(class_sorted(tmp_path))
+    drawn = {}
+    monkeypatch.setattr(tasks, "write_samples", lambda _path, one, _multi, ref, _steps, labels, *_a: drawn.update(
+        labels=labels, ref=ref))
+    assert setup.evaluate(setup.state.params, 0)["eval_samples"] == 12
+    assert np.bincount(drawn["labels"]).tolist() == [4, 4, 4]
+    np.testing.assert_array_equal(drawn["ref"], setup.task.data.eval_x[::5])
+
+
 def test_one_held_out_image_is_refused_at_start_up(tmp_path):
     """Energy distance needs 2 held-out images: 1 is refused when the task is built, before step
     0 (where an evaluation would take fewer: meanflow.eval_samples is 0 or >= 2)."""

@@ -215,6 +215,14 @@ def check_values(x: np.ndarray, where: str) -> None:
         )
 
 
+def spread(total: int, n: int) -> np.ndarray:
+    """n positions of range(total) spread evenly over it, in order (all of them for n = total).
+    The held-out images an evaluation of n samples scores, and a grid shows: not the first n,
+    since a folder's images come class by class (a grid of 16 from 3 classes of 1,000 drew the
+    first class alone, and meanflow.eval_samples scored it alone)."""
+    return np.arange(n) * total // n
+
+
 def missing_labels(data: ImageSet) -> list[int]:
     """The labels in 0 .. num_classes - 1 that no image has (an .npz numbered from 1, or with gaps)."""
     if not data.num_classes:
