@@ -87,6 +87,19 @@ def test_a_picture_or_another_file_for_images_path_is_named(tmp_path):
         assert str(e.value) == line
 
 
+def test_images_that_do_not_fit_in_memory_are_named(tmp_path, monkeypatch):
+    """A folder of 12000 x 12000 photos stopped with the trainer's out-of-memory line, which named
+    the model, train.batch_size and train.seq_len, and exit 1."""
+    np.save(tmp_path / "x.npy", np.zeros((4, 2, 2), np.uint8))
+    too_big = "Unable to allocate 10.7 GiB for an array with shape (20, 12000, 12000, 1) and data type float32"
+    monkeypatch.setattr(images, "_unit", lambda x: (_ for _ in ()).throw(MemoryError(too_big)))
+    with pytest.raises(ConfigError) as e:
+        images.load(ImagesConfig(source="file", path=str(tmp_path / "x.npy")))
+    assert str(e.value) == (f"images.path {tmp_path / 'x.npy'}: the images do not fit in memory ({too_big}): the "
+                            "whole set is read at start-up, 4 bytes a pixel value (nothing is resized): use smaller "
+                            "or fewer images")
+
+
 def test_images_of_different_sizes_are_named(tmp_path):
     """numpy saves a list of images of different sizes as an object array; reading it said
     "Object arrays cannot be loaded when allow_pickle=False", a setting nljax has no key for."""

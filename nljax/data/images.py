@@ -242,7 +242,12 @@ def load(cfg: ImagesConfig) -> ImageSet:
     elif cfg.source == "gaussians":
         x, y = _gaussians(cfg.toy_points)
     else:
-        x, y, names = _file(cfg.path)
+        try:
+            x, y, names = _file(cfg.path)
+        except MemoryError as e:  # the run's out-of-memory line blamed the model and train.batch_size
+            raise ConfigError(f"images.path {cfg.path}: the images do not fit in memory ({first_line(e)}): the whole "
+                              "set is read at start-up, 4 bytes a pixel value (nothing is resized): use smaller or "
+                              "fewer images") from None
     if y is not None and y.max() >= MAX_CLASSES:  # the class embedding has a row per class (and the null one)
         raise ConfigError(f"images: labels must be < {MAX_CLASSES:,} (2^20), got {int(y.max()):,}")
     num_classes = 0 if y is None else int(y.max()) + 1
