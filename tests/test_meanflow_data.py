@@ -100,6 +100,29 @@ def test_images_that_do_not_fit_in_memory_are_named(tmp_path, monkeypatch):
                             "or fewer images")
 
 
+def test_large_photos_read_without_pillows_warning(tmp_path, monkeypatch):
+    """Images over Pillow's 89M-pixel warning limit (a camera's) printed its DecompressionBombWarning,
+    two lines naming Pillow's source, before the run's own lines; over twice that Pillow refuses
+    them, one line naming the file. The limit lowered here to 100 pixels: 10 x 12 warns."""
+    import warnings
+
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    for c in ("a", "b"):
+        (tmp_path / c).mkdir()
+        for i in range(5):
+            Image.fromarray(np.full((10, 12), 40 * i, np.uint8)).save(tmp_path / c / f"{i}.png")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        data = images.load(ImagesConfig(source="file", path=str(tmp_path)))
+    assert data.shape == (10, 12, 1) and said == []
+    Image.fromarray(np.zeros((10, 21), np.uint8)).save(tmp_path / "b" / "9.png")  # 210 pixels: refused
+    # (another eval_fraction: images.load caches by config)
+    with pytest.raises(ConfigError, match=r"b/9.png is not a readable image \(Image size \(210 pixels\) exceeds"):
+        images.load(ImagesConfig(source="file", path=str(tmp_path), eval_fraction=0.25))
+
+
 def test_images_of_different_sizes_are_named(tmp_path):
     """numpy saves a list of images of different sizes as an object array; reading it said
     "Object arrays cannot be loaded when allow_pickle=False", a setting nljax has no key for."""

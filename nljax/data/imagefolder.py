@@ -26,7 +26,9 @@ preallocated uint8 array [N, H, W, C]. Errors are one line (ConfigError) naming 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -134,13 +136,11 @@ def _unreadable(e: OSError) -> None:
 def _survey(root: Path, files: list[Path], path: str) -> tuple[tuple[int, int], bool]:
     """(height, width) shared by every image, and whether every one is grayscale; from the
     headers alone."""
-    from PIL import Image
-
     first = size = None
     gray = True
     for f in files:
         try:
-            with Image.open(f) as im:
+            with _opened(f) as im:
                 mode, (w, h) = im.mode, im.size
         except Exception as e:  # noqa: BLE001 - not an image, a damaged header, a decompression bomb
             raise ConfigError(f"images.path {path}: {_rel(root, f)} is not a readable image ({_why(e, f)})") from None
@@ -157,13 +157,24 @@ def _survey(root: Path, files: list[Path], path: str) -> tuple[tuple[int, int], 
 
 
 def _decode(root: Path, f: Path, path: str, mode: str) -> np.ndarray:
-    from PIL import Image
-
     try:
-        with Image.open(f) as im:
+        with _opened(f) as im:
             return np.asarray(im.convert(mode))
     except Exception as e:  # noqa: BLE001 - a truncated or damaged body: one user error
         raise ConfigError(f"images.path {path}: {_rel(root, f)} is not a readable image ({_why(e, f)})") from None
+
+
+@contextlib.contextmanager
+def _opened(f: Path):
+    """Pillow's image `f`, without its DecompressionBombWarning for an image over 89M pixels: two
+    lines naming Pillow's own source before the run's (a user's large photo is no attack; one
+    over 179M pixels Pillow refuses, which is named as an unreadable image)."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(f) as im:
+            yield im
 
 
 def _rel(root: Path, f: Path) -> str:
