@@ -87,6 +87,26 @@ def test_a_picture_or_another_file_for_images_path_is_named(tmp_path):
         assert str(e.value) == line
 
 
+def test_a_zip_of_images_or_an_npz_of_many_arrays_is_one_short_line(tmp_path):
+    """A downloaded zip of PNGs (a zip, as an .npz is) and an .npz of an array per image were
+    refused with the list of every name in them: one line of megabytes for 50,000 images."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "pets.zip", "w") as z:
+        for i in range(300):
+            z.writestr(f"pets/cat/{i:04d}.png", b"\x89PNG")
+    np.savez(tmp_path / "each.npz", **{f"img{i:03d}": np.zeros((4, 4), np.uint8) for i in range(300)})
+    for name, line in [
+        ("pets.zip", "is a zip archive of 300 files (e.g. pets/cat/0000.png), not an .npz of arrays: unzip it and "
+                     "give the folder"),
+        ("each.npz", "holds img000, img001, img002, img003, img004, img005, ..., img299; expected an array named 'x' "
+                     "or 'images'"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            images.load(ImagesConfig(source="file", path=str(tmp_path / name)))
+        assert str(e.value) == f"images.path {tmp_path / name} {line}"
+
+
 def test_images_that_do_not_fit_in_memory_are_named(tmp_path, monkeypatch):
     """A folder of 12000 x 12000 photos stopped with the trainer's out-of-memory line, which named
     the model, train.batch_size and train.seq_len, and exit 1."""

@@ -151,13 +151,19 @@ def _arrays(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     if isinstance(loaded, np.ndarray):
         x, y = loaded, None
     else:
+        members = [n for n in loaded.zip.namelist() if not n.endswith("/")]
+        if members and not any(n.endswith(".npy") for n in members):  # numpy's are NAME.npy: a zip of images
+            raise ConfigError(f"images.path {path} is a zip archive of {len(members):,} files (e.g. {members[0]}), "
+                              "not an .npz of arrays: unzip it and give the folder")
         keys = set(loaded.files)
         for pair in (("x", "images"), ("y", "labels")):
             if all(k in keys for k in pair):  # which one is meant is not for nljax to guess
                 raise ConfigError(f"images.path {path} holds both '{pair[0]}' and '{pair[1]}': keep one of them")
         xk = next((k for k in ("x", "images") if k in keys), None)
         if xk is None:
-            raise ConfigError(f"images.path {path} holds {sorted(keys)}; expected an array named 'x' or 'images'")
+            # the first names only: an .npz of thousands of arrays (one per image) filled the screen
+            raise ConfigError(f"images.path {path} holds {imagefolder.short_list(sorted(keys))}; expected an array "
+                              "named 'x' or 'images'")
         yk = next((k for k in ("y", "labels") if k in keys), None)
         try:
             x = loaded[xk]
