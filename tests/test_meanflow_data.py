@@ -469,7 +469,7 @@ def test_a_folder_reached_again_through_a_link_is_read_once(tmp_path):
     pngs(tmp_path / "set", x, ["cat/a.png", "cat/b.png", "dog/a.png"])
     (tmp_path / "set" / "cat" / "up").symlink_to("..")  # cat/up/cat/up/... and cat/up/dog
     (tmp_path / "set" / "cat" / "again").symlink_to(".")
-    files, labels, names = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
+    files, labels, names, _ = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
     assert [f.relative_to(tmp_path / "set").as_posix() for f in files] == ["cat/a.png", "cat/b.png", "dog/a.png"]
     np.testing.assert_array_equal(labels, [0, 0, 1])
     assert names == ("cat", "dog")
@@ -637,6 +637,30 @@ def test_an_evaluation_of_a_class_sorted_set_scores_every_class(tmp_path, monkey
     assert setup.evaluate(setup.state.params, 0)["eval_samples"] == 12
     assert np.bincount(drawn["labels"]).tolist() == [4, 4, 4]
     np.testing.assert_array_equal(drawn["ref"], setup.task.data.eval_x[::5])
+
+
+def test_files_passed_over_in_a_folder_are_said_at_start_up(tmp_path):
+    """A .jfif (a JPEG as Windows saves one) or .heic photo beside the .jpg ones, and any other file,
+    was left out without a word (a class trained on fewer images than it has); hidden files
+    (.DS_Store) stay silent."""
+    from nljax.config import load
+    from nljax.run.tasks import ImageTask
+
+    x = np.random.default_rng(6).integers(0, 256, (20, 4, 4), dtype=np.uint8)
+    pngs(tmp_path / "set", x, [f"{c}/{i}.png" for c in ("cat", "dog") for i in range(10)])
+    for name in ("cat/9.jfif", "dog/deep/7.heic", "dog/.DS_Store"):
+        (tmp_path / "set" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "set" / name).write_bytes(b"\xff\xd8\xff")
+    pngs(tmp_path / "flat", x[:10], [f"{i}.png" for i in range(10)])
+    (tmp_path / "flat" / "labels.csv").write_text("0,cat")
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    base = ["model.name=dit", "cms.periods=[1]", "images.source=file", "train.batch_size=4"]
+    read = "read: .png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, .tiff, .ppm, .pgm"
+    for name, said in (("set", f"2 files passed over, not of an image type read here (e.g. cat/9.jfif; {read})"),
+                       ("flat", f"1 file passed over, not of an image type read here (e.g. labels.csv; {read})")):
+        task = ImageTask(load(None, [*base, f"images.path={tmp_path / name}"]), mesh)
+        assert task.notes == [f"note: images.path {tmp_path / name}: {said}"]
+        assert len(task.data.train_x) + len(task.data.eval_x) == (20 if name == "set" else 10)
 
 
 def test_one_held_out_image_is_refused_at_start_up(tmp_path):

@@ -70,6 +70,7 @@ class ImageSet:
     # label k's name (a folder's class subfolders, sorted); None where the data do not name their
     # labels (an .npz's integers, digits, the toy sets)
     classes: tuple[str, ...] | None = None
+    passed_over: tuple[str, ...] = ()  # a folder's files not of an image type (paths under it)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -108,15 +109,15 @@ NOT_ARRAYS = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GIF8
 ARRAY_MAGIC = (b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06")  # .npy; .npz (a zip, or an empty one)
 
 
-def _file(path: str) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...] | None]:
+def _file(path: str) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...] | None, tuple[str, ...]]:
     """The pixels of `path` (a folder of images, or an array file) in [-1, 1] for uint8, the
-    labels, and their names (a folder's classes; None for an array file)."""
-    x, y, names = imagefolder.read(path) if Path(path).is_dir() else (*_arrays(path), None)
+    labels, their names (a folder's classes; None for an array file) and a folder's other files."""
+    x, y, names, others = imagefolder.read(path) if Path(path).is_dir() else (*_arrays(path), None, ())
     if x.dtype == np.uint8:
-        return _unit(x), y, names
+        return _unit(x), y, names, others
     if not np.issubdtype(x.dtype, np.floating):
         raise ConfigError(f"images.path {path}: pixels must be uint8 or float, got {x.dtype}")
-    return x, y, names
+    return x, y, names, others
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -240,7 +241,7 @@ def missing_labels(data: ImageSet) -> list[int]:
 @functools.lru_cache(maxsize=4)
 def load(cfg: ImagesConfig) -> ImageSet:
     """The configured data, split into training and held-out parts."""
-    names = None
+    names, others = None, ()
     if cfg.source == "digits":
         x, y = _digits()
     elif cfg.source == "moons":
@@ -249,7 +250,7 @@ def load(cfg: ImagesConfig) -> ImageSet:
         x, y = _gaussians(cfg.toy_points)
     else:
         try:
-            x, y, names = _file(cfg.path)
+            x, y, names, others = _file(cfg.path)
         except MemoryError as e:  # the run's out-of-memory line blamed the model and train.batch_size
             raise ConfigError(f"images.path {cfg.path}: the images do not fit in memory ({first_line(e)}): the whole "
                               "set is read at start-up, 4 bytes a pixel value (nothing is resized): use smaller or "
@@ -267,7 +268,7 @@ def load(cfg: ImagesConfig) -> ImageSet:
             f"images: {len(x):,} example{'s' * (len(x) != 1)} leave{'s' * (len(x) == 1)} no training or no held-out "
             f"part at images.eval_fraction={cfg.eval_fraction}"
         )
-    return ImageSet(x[~held], y[~held], x[held], y[held], num_classes, names)
+    return ImageSet(x[~held], y[~held], x[held], y[held], num_classes, names, others)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from nljax.config import Config
-from nljax.data import evalsets, images, prepared, tokenization
+from nljax.data import evalsets, imagefolder, images, prepared, tokenization
 from nljax.data.recall import CHANCE, attention_reach, recall_corpus
 from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
 from nljax.errors import ConfigError
@@ -333,6 +333,10 @@ class ImageTask:
         if asked > held:  # capped at every evaluation, as eval.stream_steps is: said once
             self.notes.append(f"note: meanflow.eval_samples={asked} is more than the {held} held-out images: each "
                               f"evaluation draws {held} (hold out more, images.eval_fraction, for more)")
+        if others := self.data.passed_over:  # a .jfif or .heic photo among the .jpg ones left out in silence
+            self.notes.append(f"note: images.path {cfg.images.path}: {len(others):,} file{'s' * (len(others) > 1)} "
+                              f"passed over, not of an image type read here (e.g. {others[0]}; read: "
+                              f"{', '.join(imagefolder.EXTENSIONS)})")
         if missing := images.missing_labels(self.data) if cfg.meanflow.class_cond else []:
             # labels numbered from 1 (or with gaps): a class per number up to the largest, some never trained
             where = cfg.images.path if cfg.images.source == "file" else cfg.images.source
