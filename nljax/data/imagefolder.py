@@ -112,10 +112,11 @@ def _refuse_dangling(p: Path, root, shown: str, what: str) -> None:
 
 def _below(d: Path) -> tuple[list[Path], list[Path]]:
     """Image files at any depth below `d` (links to folders followed, as torchvision does),
-    sorted by their path, and the other files (not hidden); hidden folders skipped. A folder reached again through a link (the
-    class folder itself, a second link to one folder) is read once, and a link to a folder above
-    `d` (`..`: the other classes) not at all: walked round, a loop gave each image some 40 times
-    (until the links' nesting limit), and the other classes' images this class's label."""
+    sorted by their path, and the other files (not hidden); hidden folders skipped. A folder
+    reached again through a link (the class folder itself, a second link to one folder) is read
+    once, and a link to a folder above `d` (`..`: the other classes) not at all: walked round, a
+    loop gave each image some 40 times (until the links' nesting limit), and the other classes'
+    images this class's label."""
     out, others, seen = [], [], {str(p) for p in Path(os.path.realpath(d)).parents}
     for top, dirs, names in os.walk(d, followlinks=True, onerror=_unreadable):
         real = os.path.realpath(top)
