@@ -291,6 +291,10 @@ class TrainedModel:
         if not hasattr(self.model, "generate"):
             raise ConfigError(f"model.name={self.config.model.name} neither makes text nor has generate()")
         conditional = getattr(self.model, "conditional", False)
+        if isinstance(labels, str) or (labels is not None and np.ndim(labels) == 0):
+            # one label, not a list of them: a name was read letter by letter ("got 'c'" for
+            # "cat"), a number raised len()'s TypeError
+            raise ConfigError(f"labels is a list, one sample each: labels=[{labels!r:.60}] for one sample")
         if labels is None or len(labels) == 0 or steps < 1:
             # an unconditional model reads no label, but takes one per sample: say which to give
             which = "labels=[class, ...]" if conditional else "labels=[0] * n (unconditional: the labels are not read)"

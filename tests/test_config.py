@@ -106,6 +106,10 @@ def test_yaml_file(tmp_path):
                                       "checkpoint.every"),
         ("run.dir=", "run.dir must not be empty"),
         ("meanflow.eval_samples=1", "meanflow.eval_samples must be 0 (all) or >= 2, got 1"),
+        # a DiT's two rules, each its own line: the combined one blamed model.dim for a patch size of 0
+        ("model.name=dit cms.periods=[1] model.dim=64 model.heads=5",
+         "model.dim=64 must split into model.heads=5 heads of equal width"),
+        ("model.name=dit cms.periods=[1] model.dit.patch_size=0", "model.dit.patch_size must be >= 1, got 0"),
         ("data.train=a.txt", "data.train is read only with data.source=files (data.source=stdlib)"),
         ("data.source=files", "data.source=files needs data.train (paths or globs of .txt, .jsonl, .txt.gz, "
                               ".jsonl.gz, .parquet, .arrow or .feather files, or folders datasets' save_to_disk wrote) or "

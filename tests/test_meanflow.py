@@ -282,7 +282,11 @@ def test_gathered_energy_distance_equals_single_device():
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _s, **_k: compiled.append(event) if event.endswith("backend_compile_duration") else None)
     e1 = one.evaluate(params, 0)
-    one.task.generate(one.engine, params, 5)  # another sample count is compiled: the listener sees it
+    few, _ = one.task.generate(one.engine, params, 5)  # another sample count is compiled: the listener sees it
+    # 5 samples are drawn for 5 held-out images spread over the 16 (not the first 5: a folder's
+    # first held-out images are its first class's), each sample keyed by its image's position
+    every, _ = one.task.generate(one.engine, params, 16)
+    np.testing.assert_allclose(few, every[[0, 3, 6, 9, 12]], rtol=1e-6, atol=1e-6)
     first = len(compiled)
     e2 = one.evaluate(params, 0)
     assert first > 0 and len(compiled) == first, compiled

@@ -87,6 +87,62 @@ def test_a_picture_or_another_file_for_images_path_is_named(tmp_path):
         assert str(e.value) == line
 
 
+def test_a_zip_of_images_or_an_npz_of_many_arrays_is_one_short_line(tmp_path):
+    """A downloaded zip of PNGs (a zip, as an .npz is) and an .npz of an array per image were
+    refused with the list of every name in them: one line of megabytes for 50,000 images."""
+    import zipfile
+
+    with zipfile.ZipFile(tmp_path / "pets.zip", "w") as z:
+        for i in range(300):
+            z.writestr(f"pets/cat/{i:04d}.png", b"\x89PNG")
+    np.savez(tmp_path / "each.npz", **{f"img{i:03d}": np.zeros((4, 4), np.uint8) for i in range(300)})
+    for name, line in [
+        ("pets.zip", "is a zip archive of 300 files (e.g. pets/cat/0000.png), not an .npz of arrays: unzip it and "
+                     "give the folder"),
+        ("each.npz", "holds img000, img001, img002, img003, img004, img005, ..., img299; expected an array named 'x' "
+                     "or 'images'"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            images.load(ImagesConfig(source="file", path=str(tmp_path / name)))
+        assert str(e.value) == f"images.path {tmp_path / name} {line}"
+
+
+def test_images_that_do_not_fit_in_memory_are_named(tmp_path, monkeypatch):
+    """A folder of 12000 x 12000 photos stopped with the trainer's out-of-memory line, which named
+    the model, train.batch_size and train.seq_len, and exit 1."""
+    np.save(tmp_path / "x.npy", np.zeros((4, 2, 2), np.uint8))
+    too_big = "Unable to allocate 10.7 GiB for an array with shape (20, 12000, 12000, 1) and data type float32"
+    monkeypatch.setattr(images, "_unit", lambda x: (_ for _ in ()).throw(MemoryError(too_big)))
+    with pytest.raises(ConfigError) as e:
+        images.load(ImagesConfig(source="file", path=str(tmp_path / "x.npy")))
+    assert str(e.value) == (f"images.path {tmp_path / 'x.npy'}: the images do not fit in memory ({too_big}): the "
+                            "whole set is read at start-up, 4 bytes a pixel value (nothing is resized): use smaller "
+                            "or fewer images")
+
+
+def test_large_photos_read_without_pillows_warning(tmp_path, monkeypatch):
+    """Images over Pillow's 89M-pixel warning limit (a camera's) printed its DecompressionBombWarning,
+    two lines naming Pillow's source, before the run's own lines; over twice that Pillow refuses
+    them, one line naming the file. The limit lowered here to 100 pixels: 10 x 12 warns."""
+    import warnings
+
+    from PIL import Image
+
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)
+    for c in ("a", "b"):
+        (tmp_path / c).mkdir()
+        for i in range(5):
+            Image.fromarray(np.full((10, 12), 40 * i, np.uint8)).save(tmp_path / c / f"{i}.png")
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        data = images.load(ImagesConfig(source="file", path=str(tmp_path)))
+    assert data.shape == (10, 12, 1) and said == []
+    Image.fromarray(np.zeros((10, 21), np.uint8)).save(tmp_path / "b" / "9.png")  # 210 pixels: refused
+    # (another eval_fraction: images.load caches by config)
+    with pytest.raises(ConfigError, match=r"b/9.png is not a readable image \(Image size \(210 pixels\) exceeds"):
+        images.load(ImagesConfig(source="file", path=str(tmp_path), eval_fraction=0.25))
+
+
 def test_images_of_different_sizes_are_named(tmp_path):
     """numpy saves a list of images of different sizes as an object array; reading it said
     "Object arrays cannot be loaded when allow_pickle=False", a setting nljax has no key for."""
@@ -413,7 +469,7 @@ def test_a_folder_reached_again_through_a_link_is_read_once(tmp_path):
     pngs(tmp_path / "set", x, ["cat/a.png", "cat/b.png", "dog/a.png"])
     (tmp_path / "set" / "cat" / "up").symlink_to("..")  # cat/up/cat/up/... and cat/up/dog
     (tmp_path / "set" / "cat" / "again").symlink_to(".")
-    files, labels, names = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
+    files, labels, names, _ = imagefolder.listing(tmp_path / "set", str(tmp_path / "set"))
     assert [f.relative_to(tmp_path / "set").as_posix() for f in files] == ["cat/a.png", "cat/b.png", "dog/a.png"]
     np.testing.assert_array_equal(labels, [0, 0, 1])
     assert names == ("cat", "dog")
@@ -538,6 +594,73 @@ def test_labels_with_a_gap_are_said_at_start_up(tmp_path):
     # a model that reads no labels has no classes to leave untrained
     assert ImageTask(load(None, [*base, f"images.path={tmp_path / 'from1.npz'}", "meanflow.class_cond=false"]),
                      mesh).notes == []
+
+
+def class_sorted(tmp_path):
+    """Overrides for a DiT on 300 images sorted by class (3 x 100): held out every 5th, 20 of each."""
+    x = np.random.default_rng(0).integers(0, 256, (300, 4, 4, 1), dtype=np.uint8)
+    np.savez(tmp_path / "sorted.npz", x=x, y=np.repeat([0, 1, 2], 100))
+    return ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+            "model.dit.patch_size=1", "cms.periods=[1]", "images.source=file", f"images.path={tmp_path / 'sorted.npz'}",
+            "meanflow.eval_samples=12", "meanflow.sample_steps=1", f"run.dir={tmp_path / 'run'}"]
+
+
+def test_samples_are_drawn_for_held_out_images_spread_over_them(tmp_path):
+    """A folder's images come class by class, and so do its held-out images: n samples (an
+    evaluation's meanflow.eval_samples, nljax.generate's samples=) were drawn for the first n
+    held-out images, the first class's alone, and a grid showed the first 64 samples, that class
+    again. Both take them spread over the held-out images (all of them for as many)."""
+    from nljax.config import load
+    from nljax.measure import figures
+    from nljax.run.tasks import ImageTask
+
+    task = ImageTask(load(None, class_sorted(tmp_path)), make_mesh(1, 1, jax.devices()[:1]))
+    assert np.bincount(task.data.eval_y[task.chosen(12)]).tolist() == [4, 4, 4]
+    np.testing.assert_array_equal(task.chosen(60), np.arange(60))
+    # a grid's 64 of 200 samples drawn class by class: every class shown; fewer than 64 all shown
+    assert np.bincount(np.repeat([0, 1, 2, 3], 50)[figures.shown(200)]).tolist() == [16, 16, 16, 16]
+    np.testing.assert_array_equal(figures.shown(10), np.arange(10))
+
+
+@pytest.mark.slow
+def test_an_evaluation_of_a_class_sorted_set_scores_every_class(tmp_path, monkeypatch):
+    """meanflow.eval_samples=12 of 60 held-out images sorted by class: the samples (and the PNG's
+    labels) are drawn for 4 images of each class and scored against those images."""
+    from helpers import make
+
+    from nljax.run import tasks
+
+    setup = make(class_sorted(tmp_path))
+    drawn = {}
+    monkeypatch.setattr(tasks, "write_samples", lambda _path, one, _multi, ref, _steps, labels, *_a: drawn.update(
+        labels=labels, ref=ref))
+    assert setup.evaluate(setup.state.params, 0)["eval_samples"] == 12
+    assert np.bincount(drawn["labels"]).tolist() == [4, 4, 4]
+    np.testing.assert_array_equal(drawn["ref"], setup.task.data.eval_x[::5])
+
+
+def test_files_passed_over_in_a_folder_are_said_at_start_up(tmp_path):
+    """A .jfif (a JPEG as Windows saves one) or .heic photo beside the .jpg ones, and any other file,
+    was left out without a word (a class trained on fewer images than it has); hidden files
+    (.DS_Store) stay silent."""
+    from nljax.config import load
+    from nljax.run.tasks import ImageTask
+
+    x = np.random.default_rng(6).integers(0, 256, (20, 4, 4), dtype=np.uint8)
+    pngs(tmp_path / "set", x, [f"{c}/{i}.png" for c in ("cat", "dog") for i in range(10)])
+    for name in ("cat/9.jfif", "dog/deep/7.heic", "dog/.DS_Store"):
+        (tmp_path / "set" / name).parent.mkdir(exist_ok=True)
+        (tmp_path / "set" / name).write_bytes(b"\xff\xd8\xff")
+    pngs(tmp_path / "flat", x[:10], [f"{i}.png" for i in range(10)])
+    (tmp_path / "flat" / "labels.csv").write_text("0,cat")
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    base = ["model.name=dit", "cms.periods=[1]", "images.source=file", "train.batch_size=4"]
+    read = "read: .png, .jpg, .jpeg, .bmp, .gif, .webp, .tif, .tiff, .ppm, .pgm"
+    for name, said in (("set", f"2 files passed over, not of an image type read here (e.g. cat/9.jfif; {read})"),
+                       ("flat", f"1 file passed over, not of an image type read here (e.g. labels.csv; {read})")):
+        task = ImageTask(load(None, [*base, f"images.path={tmp_path / name}"]), mesh)
+        assert task.notes == [f"note: images.path {tmp_path / name}: {said}"]
+        assert len(task.data.train_x) + len(task.data.eval_x) == (20 if name == "set" else 10)
 
 
 def test_one_held_out_image_is_refused_at_start_up(tmp_path):

@@ -120,3 +120,15 @@ def test_sample_grids_are_titled_and_labelled(tmp_path, monkeypatch):
     assert "black: samples; grey: held-out points" in [t.get_text() for t in seen[2].texts]
     assert tuple(seen[2].get_size_inches()) == pytest.approx((6.4, 3.8))  # the toy's two squares of 3.2 inches, and a caption
     assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_class_names_the_font_lacks_draw_without_warnings(tmp_path):
+    """A folder's classes named in a script DejaVu Sans lacks (日本, 猫): matplotlib warned of each
+    missing character in two lines naming nljax's figures.py, at every evaluation's grid."""
+    import warnings
+
+    imgs = np.zeros((4, 8, 8, 3), np.float32)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        figures.write_samples(tmp_path / "cjk.png", imgs, imgs, imgs, 4, np.array([0, 1, 0, 1]), "", ("日本", "猫"))
+    assert [str(w.message) for w in said] == [] and (tmp_path / "cjk.png").read_bytes()[:4] == b"\x89PNG"

@@ -226,6 +226,11 @@ def test_an_image_model_of_a_folder_takes_its_class_names_as_labels():
         known = "its classes: cat, dog, fox" if classes else "its data name no classes"
         assert str(e.value) == (f"labels must be class numbers or, for a run on a folder, class names ({known}); "
                                 "got 'owl'")
+    # one label given alone: a name was read letter by letter ("got 'c'"), a number a TypeError
+    for one in ("cat", 2, np.int64(2)):
+        with pytest.raises(ConfigError) as e:
+            lm.generate(labels=one)
+        assert str(e.value) == f"labels is a list, one sample each: labels=[{one!r}] for one sample"
 
 
 def test_import_nljax_stays_free_of_jax():

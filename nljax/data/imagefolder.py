@@ -9,9 +9,10 @@ The layout is torchvision's `ImageFolder` convention, or a flat folder:
   (summary.json, the checkpoints), and another folder's names refused where the checkpoint's
   are others (`nljax.checkpoint.contents.check_built`).
 
-Image files are those named with one of `EXTENSIONS` (any case); other files are ignored, and so
-is every name that starts with '.' (macOS's `._x.png` and `.DS_Store`, editors' backups). Files
-come in sorted order of their paths, class by class, which fixes the held-out split.
+Image files are those named with one of `EXTENSIONS` (any case); other files are passed over (and
+counted: a note says so, where a `.jfif` or `.heic` photo would otherwise vanish), and every name
+that starts with '.' (macOS's `._x.png` and `.DS_Store`, editors' backups) silently. Files come in
+sorted order of their paths, class by class, which fixes the held-out split.
 
 Pixels: every image must have the size of the first one (nothing is resized: a silent resize
 changes the data a run claims to train on). All grayscale ('1', 'L', 'LA'): one channel;
@@ -26,7 +27,9 @@ preallocated uint8 array [N, H, W, C]. Errors are one line (ConfigError) naming 
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -43,20 +46,22 @@ def is_image(p: Path) -> bool:
     return p.suffix.lower() in EXTENSIONS and not p.name.startswith(".")
 
 
-def read(path: str) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...] | None]:
+def read(path: str) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...] | None, tuple[str, ...]]:
     """The images under the folder `path` (uint8 [N, H, W, 1 or 3]), their labels (int64 [N]) and
-    the class names (label k: names[k]); both None for a flat folder."""
+    the class names (label k: names[k]), both None for a flat folder; and the other files passed
+    over (their paths under `path`)."""
     root = Path(path)
-    files, labels, names = listing(root, path)
+    files, labels, names, others = listing(root, path)
     (h, w), gray = _survey(root, files, path)
     x = np.empty((len(files), h, w, 1 if gray else 3), np.uint8)  # the only copy of the pixels
     for i, f in enumerate(files):
         x[i] = _decode(root, f, path, "L" if gray else "RGB").reshape(x.shape[1:])
-    return x, labels, names
+    return x, labels, names, tuple(_rel(root, f) for f in others)
 
 
-def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None, tuple[str, ...] | None]:
-    """The image files in order, their labels and the class names in label order (None: flat)."""
+def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None, tuple[str, ...] | None, list[Path]]:
+    """The image files in order, their labels, the class names in label order (None: flat) and
+    the other files (not hidden) passed over."""
     try:
         entries = sorted(p for p in root.iterdir() if not p.name.startswith("."))
     except OSError as e:
@@ -70,23 +75,25 @@ def listing(root: Path, path: str) -> tuple[list[Path], np.ndarray | None, tuple
         _refuse_dangling(p, path, p.name, "a class folder or an image")
     classes = [p for p in entries if p.is_dir()]
     loose = [p for p in entries if p.is_file() and is_image(p)]
+    others = [p for p in entries if p.is_file() and not is_image(p)]
     if not classes:
         if not loose:
             raise ConfigError(f"images.path {path} holds no image files ({', '.join(EXTENSIONS)}); "
                               f"{len(entries)} other file{'s' if len(entries) > 1 else ''}, e.g. {entries[0].name}")
-        return loose, None, None
+        return loose, None, None, others
     if loose:  # which class would they be? not for nljax to guess
         raise ConfigError(f"images.path {path} holds image files ({loose[0].name}) beside subfolders "
                           f"({classes[0].name}/): put every image in a class subfolder, or none in subfolders")
     files, labels = [], []
     for k, d in enumerate(classes):
-        mine = _below(d)
+        mine, theirs = _below(d)
+        others += theirs
         if not mine:  # the classes after it would take its label: said instead
             raise ConfigError(f"images.path {path}: class folder {d.name}/ holds no image files "
                               f"(every subfolder is a class: {', '.join(EXTENSIONS)})")
         files += mine
         labels += [k] * len(mine)
-    return files, np.array(labels, np.int64), tuple(d.name for d in classes)
+    return files, np.array(labels, np.int64), tuple(d.name for d in classes), others
 
 
 def short_list(names, most: int = 8) -> str:
@@ -103,13 +110,14 @@ def _refuse_dangling(p: Path, root, shown: str, what: str) -> None:
                           f"({what}): fix the link, or remove it")
 
 
-def _below(d: Path) -> list[Path]:
+def _below(d: Path) -> tuple[list[Path], list[Path]]:
     """Image files at any depth below `d` (links to folders followed, as torchvision does),
-    sorted by their path; hidden folders skipped. A folder reached again through a link (the
-    class folder itself, a second link to one folder) is read once, and a link to a folder above
-    `d` (`..`: the other classes) not at all: walked round, a loop gave each image some 40 times
-    (until the links' nesting limit), and the other classes' images this class's label."""
-    out, seen = [], {str(p) for p in Path(os.path.realpath(d)).parents}
+    sorted by their path, and the other files (not hidden); hidden folders skipped. A folder
+    reached again through a link (the class folder itself, a second link to one folder) is read
+    once, and a link to a folder above `d` (`..`: the other classes) not at all: walked round, a
+    loop gave each image some 40 times (until the links' nesting limit), and the other classes'
+    images this class's label."""
+    out, others, seen = [], [], {str(p) for p in Path(os.path.realpath(d)).parents}
     for top, dirs, names in os.walk(d, followlinks=True, onerror=_unreadable):
         real = os.path.realpath(top)
         if real in seen:
@@ -122,7 +130,8 @@ def _below(d: Path) -> list[Path]:
                 p = Path(top) / n
                 _refuse_dangling(p, d.parent, p.relative_to(d.parent).as_posix(), "a folder or an image of the class")
         out += [Path(top) / n for n in names if is_image(Path(n))]
-    return sorted(out, key=lambda p: p.relative_to(d).parts)
+        others += [Path(top) / n for n in names if not n.startswith(".") and not is_image(Path(n))]
+    return sorted(out, key=lambda p: p.relative_to(d).parts), sorted(others)
 
 
 def _unreadable(e: OSError) -> None:
@@ -134,13 +143,11 @@ def _unreadable(e: OSError) -> None:
 def _survey(root: Path, files: list[Path], path: str) -> tuple[tuple[int, int], bool]:
     """(height, width) shared by every image, and whether every one is grayscale; from the
     headers alone."""
-    from PIL import Image
-
     first = size = None
     gray = True
     for f in files:
         try:
-            with Image.open(f) as im:
+            with _opened(f) as im:
                 mode, (w, h) = im.mode, im.size
         except Exception as e:  # noqa: BLE001 - not an image, a damaged header, a decompression bomb
             raise ConfigError(f"images.path {path}: {_rel(root, f)} is not a readable image ({_why(e, f)})") from None
@@ -157,13 +164,24 @@ def _survey(root: Path, files: list[Path], path: str) -> tuple[tuple[int, int], 
 
 
 def _decode(root: Path, f: Path, path: str, mode: str) -> np.ndarray:
-    from PIL import Image
-
     try:
-        with Image.open(f) as im:
+        with _opened(f) as im:
             return np.asarray(im.convert(mode))
     except Exception as e:  # noqa: BLE001 - a truncated or damaged body: one user error
         raise ConfigError(f"images.path {path}: {_rel(root, f)} is not a readable image ({_why(e, f)})") from None
+
+
+@contextlib.contextmanager
+def _opened(f: Path):
+    """Pillow's image `f`, without its DecompressionBombWarning for an image over 89M pixels: two
+    lines naming Pillow's own source before the run's (a user's large photo is no attack; one
+    over 179M pixels Pillow refuses, which is named as an unreadable image)."""
+    from PIL import Image
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(f) as im:
+            yield im
 
 
 def _rel(root: Path, f: Path) -> str:

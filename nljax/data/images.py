@@ -70,6 +70,7 @@ class ImageSet:
     # label k's name (a folder's class subfolders, sorted); None where the data do not name their
     # labels (an .npz's integers, digits, the toy sets)
     classes: tuple[str, ...] | None = None
+    passed_over: tuple[str, ...] = ()  # a folder's files not of an image type (paths under it)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -108,15 +109,15 @@ NOT_ARRAYS = {b"\x89PNG": "a PNG image", b"\xff\xd8\xff": "a JPEG image", b"GIF8
 ARRAY_MAGIC = (b"\x93NUMPY", b"PK\x03\x04", b"PK\x05\x06")  # .npy; .npz (a zip, or an empty one)
 
 
-def _file(path: str) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...] | None]:
+def _file(path: str) -> tuple[np.ndarray, np.ndarray | None, tuple[str, ...] | None, tuple[str, ...]]:
     """The pixels of `path` (a folder of images, or an array file) in [-1, 1] for uint8, the
-    labels, and their names (a folder's classes; None for an array file)."""
-    x, y, names = imagefolder.read(path) if Path(path).is_dir() else (*_arrays(path), None)
+    labels, their names (a folder's classes; None for an array file) and a folder's other files."""
+    x, y, names, others = imagefolder.read(path) if Path(path).is_dir() else (*_arrays(path), None, ())
     if x.dtype == np.uint8:
-        return _unit(x), y, names
+        return _unit(x), y, names, others
     if not np.issubdtype(x.dtype, np.floating):
         raise ConfigError(f"images.path {path}: pixels must be uint8 or float, got {x.dtype}")
-    return x, y, names
+    return x, y, names, others
 
 
 def _unit(x: np.ndarray) -> np.ndarray:
@@ -151,13 +152,19 @@ def _arrays(path: str) -> tuple[np.ndarray, np.ndarray | None]:
     if isinstance(loaded, np.ndarray):
         x, y = loaded, None
     else:
+        members = [n for n in loaded.zip.namelist() if not n.endswith("/")]
+        if members and not any(n.endswith(".npy") for n in members):  # numpy's are NAME.npy: a zip of images
+            raise ConfigError(f"images.path {path} is a zip archive of {len(members):,} files (e.g. {members[0]}), "
+                              "not an .npz of arrays: unzip it and give the folder")
         keys = set(loaded.files)
         for pair in (("x", "images"), ("y", "labels")):
             if all(k in keys for k in pair):  # which one is meant is not for nljax to guess
                 raise ConfigError(f"images.path {path} holds both '{pair[0]}' and '{pair[1]}': keep one of them")
         xk = next((k for k in ("x", "images") if k in keys), None)
         if xk is None:
-            raise ConfigError(f"images.path {path} holds {sorted(keys)}; expected an array named 'x' or 'images'")
+            # the first names only: an .npz of thousands of arrays (one per image) filled the screen
+            raise ConfigError(f"images.path {path} holds {imagefolder.short_list(sorted(keys))}; expected an array "
+                              "named 'x' or 'images'")
         yk = next((k for k in ("y", "labels") if k in keys), None)
         try:
             x = loaded[xk]
@@ -215,6 +222,14 @@ def check_values(x: np.ndarray, where: str) -> None:
         )
 
 
+def spread(total: int, n: int) -> np.ndarray:
+    """n positions of range(total) spread evenly over it, in order (all of them for n = total).
+    The held-out images an evaluation of n samples scores, and a grid shows: not the first n,
+    since a folder's images come class by class (a grid of 16 from 3 classes of 1,000 drew the
+    first class alone, and meanflow.eval_samples scored it alone)."""
+    return np.arange(n) * total // n
+
+
 def missing_labels(data: ImageSet) -> list[int]:
     """The labels in 0 .. num_classes - 1 that no image has (an .npz numbered from 1, or with gaps)."""
     if not data.num_classes:
@@ -226,7 +241,7 @@ def missing_labels(data: ImageSet) -> list[int]:
 @functools.lru_cache(maxsize=4)
 def load(cfg: ImagesConfig) -> ImageSet:
     """The configured data, split into training and held-out parts."""
-    names = None
+    names, others = None, ()
     if cfg.source == "digits":
         x, y = _digits()
     elif cfg.source == "moons":
@@ -234,7 +249,12 @@ def load(cfg: ImagesConfig) -> ImageSet:
     elif cfg.source == "gaussians":
         x, y = _gaussians(cfg.toy_points)
     else:
-        x, y, names = _file(cfg.path)
+        try:
+            x, y, names, others = _file(cfg.path)
+        except MemoryError as e:  # the run's out-of-memory line blamed the model and train.batch_size
+            raise ConfigError(f"images.path {cfg.path}: the images do not fit in memory ({first_line(e)}): the whole "
+                              "set is read at start-up, 4 bytes a pixel value (nothing is resized): use smaller or "
+                              "fewer images") from None
     if y is not None and y.max() >= MAX_CLASSES:  # the class embedding has a row per class (and the null one)
         raise ConfigError(f"images: labels must be < {MAX_CLASSES:,} (2^20), got {int(y.max()):,}")
     num_classes = 0 if y is None else int(y.max()) + 1
@@ -248,7 +268,7 @@ def load(cfg: ImagesConfig) -> ImageSet:
             f"images: {len(x):,} example{'s' * (len(x) != 1)} leave{'s' * (len(x) == 1)} no training or no held-out "
             f"part at images.eval_fraction={cfg.eval_fraction}"
         )
-    return ImageSet(x[~held], y[~held], x[held], y[held], num_classes, names)
+    return ImageSet(x[~held], y[~held], x[held], y[held], num_classes, names, others)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -6,10 +6,12 @@ matplotlib."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
 
+from nljax.data.images import spread
 from nljax.data.imagefolder import short_list
 
 
@@ -48,12 +50,18 @@ def grid(images: np.ndarray, cols: int, scale: int) -> np.ndarray:
 GRID_MAX = 64  # images shown per half
 
 
+def shown(n: int) -> np.ndarray:
+    """Which of n samples a grid shows: GRID_MAX at most, spread over them (an evaluation's are in
+    the held-out images' order, a folder's class by class: the first 64 were the first class's)."""
+    return spread(n, min(GRID_MAX, n))
+
+
 def halves(one_step: np.ndarray, multi_step: np.ndarray):
     """Images [n, H, W, C] -> (one-step grid, multi-step grid, grid columns, cell size in pixels)."""
-    n = min(GRID_MAX, len(one_step))
-    cols = int(np.ceil(np.sqrt(n)))
+    pick = shown(len(one_step))
+    cols = int(np.ceil(np.sqrt(len(pick))))
     scale = max(1, 64 // one_step.shape[1])
-    return grid(one_step[:n], cols, scale), grid(multi_step[:n], cols, scale), cols, one_step.shape[1] * scale + 1
+    return grid(one_step[pick], cols, scale), grid(multi_step[pick], cols, scale), cols, one_step.shape[1] * scale + 1
 
 
 def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, reference: np.ndarray, steps: int,
@@ -86,7 +94,7 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
         ax.set_xticks([])
         ax.set_yticks([])
         if cols and labels is not None:
-            for i, y in enumerate(np.asarray(labels)[: min(GRID_MAX, len(one_step))]):
+            for i, y in enumerate(np.asarray(labels)[shown(len(one_step))]):
                 r, k = divmod(i, cols)
                 ax.text(k * cell + 2, r * cell + 2, str(int(y)), color="yellow", fontsize=7, va="top", ha="left",
                         bbox={"facecolor": "black", "alpha": 0.6, "pad": 0.5, "lw": 0})
@@ -95,12 +103,17 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
     elif labels is not None:
         key = ""
         if classes is not None:  # a number's name: the classes drawn in the grid, in label order
-            shown = sorted({int(y) for y in np.asarray(labels)[:GRID_MAX]})
-            key = f" ({short_list([f'{k} {classes[k]}' for k in shown if k < len(classes)])})"
+            drawn = sorted({int(y) for y in np.asarray(labels)[shown(len(labels))]})
+            key = f" ({short_list([f'{k} {classes[k]}' for k in drawn if k < len(classes)])})"
         fig.text(0.5, 0.02, f"the number in each corner: the class the sample was drawn for{key}", ha="center",
                  fontsize=8)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=100, metadata=MARK)
+    with warnings.catch_warnings():
+        # a class name in a script the font lacks (a folder named 日本) is drawn as boxes, its
+        # number still in the corners and its name in summary.json: matplotlib's warning per
+        # missing character (two lines each, naming this file) said nothing more, at every evaluation
+        warnings.filterwarnings("ignore", "Glyph .* missing from font", UserWarning)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
+        fig.savefig(path, dpi=100, metadata=MARK)
     plt.close(fig)

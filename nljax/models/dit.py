@@ -40,8 +40,12 @@ class DiTConfig:
 
     def check_with(self, dim: int, heads: int) -> None:
         """Rules that apply when model.name=dit, with the shared model fields."""
-        if dim % heads or self.patch_size < 1:
-            raise ConfigError(f"model.dim={dim} must split into model.heads={heads} heads; model.dit.patch_size >= 1")
+        # one refusal each: the combined line blamed model.dim for a patch_size of 0, and named
+        # model.dit.patch_size to a user who had changed model.heads
+        if dim % heads:
+            raise ConfigError(f"model.dim={dim} must split into model.heads={heads} heads of equal width")
+        if self.patch_size < 1:
+            raise ConfigError(f"model.dit.patch_size must be >= 1, got {self.patch_size}")
 
 
 def time_features(t: jax.Array, dim: int = 256, max_period: float = 10000.0) -> jax.Array:

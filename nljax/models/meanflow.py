@@ -44,7 +44,7 @@ class MeanFlowConfig:
     cfg_t_min: float = 0.0  # guidance applies for t in [cfg_t_min, cfg_t_max]
     cfg_t_max: float = 1.0  # see cfg_t_min
     sample_steps: int = 4  # steps of the multi-step evaluation (one-step is always reported)
-    eval_samples: int = 0  # samples per evaluation; 0: as many as held-out images
+    eval_samples: int = 0  # samples per evaluation, for held-out images spread over them; 0: one per held-out image
 
     # (low, high, low inclusive, high inclusive) of float fields, checked by the config loader.
     # Guidance: the paper's effective scale is omega / (1 - kappa), so kappa >= 1 has none and

@@ -353,6 +353,7 @@ def generate_images(t: trained_lib.Trained, s: Settings, path: Path) -> None:
     task = t.run.task
     n = min(s.samples, len(task.data.eval_x))
     one, multi = task.generate(t.run.engine, t.params, n)
-    labels = task.data.eval_y[:n] if task.data.num_classes else None
-    write_samples(path, one, multi, task.data.eval_x[:n], t.cfg.meanflow.sample_steps, labels,
+    held = task.chosen(n)  # the held-out images drawn for: spread over them, as an evaluation's
+    labels = task.data.eval_y[held] if task.data.num_classes else None
+    write_samples(path, one, multi, task.data.eval_x[held], t.cfg.meanflow.sample_steps, labels,
                   f"{t.cfg.run.dir}, step {t.step}", task.data.classes)

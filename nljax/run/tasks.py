@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from nljax.config import Config
-from nljax.data import evalsets, images, prepared, tokenization
+from nljax.data import evalsets, imagefolder, images, prepared, tokenization
 from nljax.data.recall import CHANCE, attention_reach, recall_corpus
 from nljax.data.text import ContextStream, HeldOutStream, eval_batches, eval_windows, stdlib_corpus
 from nljax.errors import ConfigError
@@ -334,6 +334,10 @@ class ImageTask:
         if asked > held:  # capped at every evaluation, as eval.stream_steps is: said once
             self.notes.append(f"note: meanflow.eval_samples={asked} is more than the {held} held-out images: each "
                               f"evaluation draws {held} (hold out more, images.eval_fraction, for more)")
+        if others := self.data.passed_over:  # a .jfif or .heic photo among the .jpg ones left out in silence
+            self.notes.append(f"note: images.path {cfg.images.path}: {len(others):,} file{'s' * (len(others) > 1)} "
+                              f"passed over, not of an image type read here (e.g. {others[0]}; read: "
+                              f"{', '.join(imagefolder.EXTENSIONS)})")
         if missing := images.missing_labels(self.data) if cfg.meanflow.class_cond else []:
             # labels numbered from 1 (or with gaps): a class per number up to the largest, some never trained
             where = cfg.images.path if cfg.images.source == "file" else cfg.images.source
@@ -393,12 +397,19 @@ class ImageTask:
             )
         return self._generate
 
+    def chosen(self, n: int) -> np.ndarray:
+        """The held-out images (their positions) that n samples are drawn for and scored against:
+        n spread over the held-out set (`images.spread`), all of them for n = the held-out count."""
+        return images.spread(len(self.data.eval_x), n)
+
     def generate(self, eng, params, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """n samples conditioned on the first n held-out labels, one-step and multi-step, gathered.
-        `eng`: the run's engine; `params`: the model's parameter tree (`Strategy.gather_params`)."""
+        """n samples conditioned on the labels of the held-out images `chosen(n)`, one-step and
+        multi-step, gathered; each sample's noise keyed by its image's position, so a sample is the
+        same whatever n. `eng`: the run's engine; `params`: the model's parameter tree
+        (`Strategy.gather_params`)."""
         padded = -(-n // meshlib.data_size(self.mesh)) * meshlib.data_size(self.mesh)
-        labels = np.resize(self.data.eval_y, padded).astype(np.int32)  # tail rows are padding
-        rows = put_batch({"index": np.arange(padded, dtype=np.int32), "label": labels}, self.mesh)
+        index = np.resize(self.chosen(n), padded).astype(np.int32)  # tail rows are padding
+        rows = put_batch({"index": index, "label": self.data.eval_y[index].astype(np.int32)}, self.mesh)
         one, multi = self.generator(eng)(params, rows["index"], rows["label"])
         return gather_rows(one, n), gather_rows(multi, n)
 
@@ -419,20 +430,20 @@ class ImageTask:
         return self._error
 
     def held_out_error(self, eng, params, n: int) -> float:
-        """The mean unweighted error of the loss on the first n held-out images (their draws keyed
-        by their index, as training's are): what the adaptively weighted loss (near 1 with the
-        default weight) hides."""
+        """The mean unweighted error of the loss on the held-out images `chosen(n)` (their draws
+        keyed by their position, as training's are by the row's): what the adaptively weighted
+        loss (near 1 with the default weight) hides."""
         padded = -(-n // meshlib.data_size(self.mesh)) * meshlib.data_size(self.mesh)
-        x = np.zeros((padded, *self.data.eval_x.shape[1:]), np.float32)
-        x[:n] = self.data.eval_x[:n]
-        rows = put_batch({"image": x, "label": np.resize(self.data.eval_y, padded).astype(np.int32),
-                          "index": np.arange(padded, dtype=np.int32), "mask": np.arange(padded) < n}, self.mesh)
+        index = np.resize(self.chosen(n), padded).astype(np.int32)  # tail rows are padding, masked
+        rows = put_batch({"image": self.data.eval_x[index], "label": self.data.eval_y[index].astype(np.int32),
+                          "index": index, "mask": np.arange(padded) < n}, self.mesh)
         total, count = self.error_fn(eng)(params, rows["image"], rows["label"], rows["index"], rows["mask"])
         return host_sum(total) / max(host_sum(count), 1.0)
 
     def evaluate(self, cache, params, step: int) -> dict:
-        """Energy distance between n generated samples and the n first held-out images (n: all held-out
-        images, or meanflow.eval_samples), for one-step and multi-step sampling; a PNG of samples;
+        """Energy distance between n generated samples and the n held-out images they are drawn for
+        (n: all held-out images, or meanflow.eval_samples spread over them: `chosen`), for one-step
+        and multi-step sampling; a PNG of samples;
         with a model that has `per_example_error`, its unweighted error on those images."""
         mf = self.cfg.meanflow
         held = len(self.data.eval_x)
@@ -441,14 +452,14 @@ class ImageTask:
         # gathered over the data axes here.
         whole = cache.eng.strategy.gather_params(params)
         one, multi = self.generate(cache.eng, whole, n)
-        ref = self.data.eval_x[:n]
+        ref = self.data.eval_x[self.chosen(n)]
         if jax.process_index() == 0 and self.samples_dir is not None:
             run_dir = self.samples_dir
             run_dir.mkdir(parents=True, exist_ok=True)
             from nljax.runtime.runlog import note_written
 
             name = f"samples_{step:06d}.png"
-            labels = self.data.eval_y[:n] if self.data.num_classes else None
+            labels = self.data.eval_y[self.chosen(n)] if self.data.num_classes else None
             write_samples(run_dir / name, one, multi, ref, mf.sample_steps, labels, f"after {step} steps",
                           self.data.classes)
             note_written(run_dir, name)
