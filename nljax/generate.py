@@ -102,7 +102,9 @@ def _generate(args) -> int:
     # 2-core CPU), said before it as the other commands say their slow phases, once the settings
     # are checked (a refusal of them is one line)
     reading = f"reading the checkpoint of {run_dir} ..."
-    t = trained_lib.load(run_dir, s.checkpoint, overrides, announce=lambda: _say(reading), params=s.params)
+    # a grid is drawn beside the held-out images (their labels, the reference row): they are read
+    t = trained_lib.load(run_dir, s.checkpoint, overrides, announce=lambda: _say(reading), params=s.params,
+                         reads_data=images)
     for line in [*t.warnings("nljax.generate"), f"nljax.generate: {t.path} (step {t.step}{t.which})"]:
         print(line, file=sys.stderr)
     if images:

@@ -8,7 +8,7 @@ from unittest import mock
 import jax
 import numpy as np
 import pytest
-from helpers import TINY_NL, lock, saved_run
+from helpers import TINY_NL, assert_trees_equal, lock, saved_run
 
 import nljax
 from nljax import export
@@ -216,3 +216,39 @@ def test_parameters_of_any_pytree_export_and_load(tmp_path):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     finally:
         specs.unregister("plain")
+
+
+@pytest.mark.slow  # a DiT run of its own, loaded and sampled: the README's suite kept under 15 minutes
+def test_an_image_run_loads_and_exports_without_its_images(tmp_path, capsys):
+    """nljax.load and nljax.export of a DiT run build the model from what its checkpoint recorded
+    of its images (their shape, the labels and their names): with the images moved away (it was
+    "images.path ... not found"), it samples as before, by class name too, and exports; the
+    grid of nljax.generate, drawn beside the held-out images, still reads them (one line)."""
+    from PIL import Image
+
+    from nljax import generate
+    from nljax.data import images
+
+    rng = np.random.default_rng(0)
+    folder = tmp_path / "pets"
+    for name in ("cat", "dog"):
+        (folder / name).mkdir(parents=True)
+        for i in range(10):
+            Image.fromarray(rng.integers(0, 256, (4, 4, 3), np.uint8)).save(folder / name / f"{i}.png")
+    dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+           "model.dit.patch_size=2", "images.source=file", f"images.path={folder}", "cms.periods=[1]",
+           "train.batch_size=8"]
+    setup, state = saved_run(tmp_path / "run", dit, 1, 1, steps=1)
+    folder.rename(tmp_path / "moved")
+    images.load.cache_clear()  # as in a process of its own: the training's images are not at hand
+    lm = nljax.load(tmp_path / "run")
+    assert lm.model == setup.engine.model and lm.model.classes == ("cat", "dog")
+    z, t, r = np.zeros((2, 4, 4, 3), np.float32), np.array([0.9, 0.5]), np.array([0.1, 0.5])
+    want = setup.engine.model.velocity(jax.device_get(state.params))(z, t, r, np.array([1, 0]))
+    np.testing.assert_array_equal(lm.model.velocity(lm.params)(z, t, r, np.array([1, 0])), want)
+    assert lm.generate(labels=["dog", "cat"], steps=1).shape == (2, 4, 4, 3)
+    assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'export'}"]) == 0
+    assert_trees_equal(nljax.load_model(tmp_path / "export")[1], jax.device_get(state.params))
+    capsys.readouterr()
+    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'grid.png'}"]) == 2
+    assert f"{folder}" in capsys.readouterr().err

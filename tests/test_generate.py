@@ -165,8 +165,9 @@ def test_another_sampler_or_held_out_split_than_the_runs_is_said(tmp_path, capsy
     assert trained.load(mf, devices=one).warnings("nljax.generate") == []
     assert trained.load(mf, overrides=["meanflow.loss=meanflow", "images.eval_fraction=0.2"],
                         devices=one).warnings("nljax.generate") == []  # the run's own values
+    # as nljax.generate reads it (its grid is drawn beside the held-out images: they are read)
     t = trained.load(mf, overrides=["meanflow.loss=flow_matching", "images.eval_fraction=0.25",
-                                    "images.toy_points=100"], devices=one)
+                                    "images.toy_points=100"], devices=one, reads_data=True)
     assert t.warnings("nljax.generate") == [
         f"nljax.generate: warning: meanflow.loss=flow_matching: the run trained with meanflow.loss=meanflow "
         f"({mf / 'config.yaml'}); sampling with flow matching's Euler steps of u(z, t, t), not the run's MeanFlow "

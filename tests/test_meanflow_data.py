@@ -424,7 +424,8 @@ def test_a_checkpoint_used_on_other_images_is_refused(tmp_path, capsys):
     """A DiT's parameters fit images of any size (its positions are computed), so a model trained
     on 4x4 images scored and sampled 8x8 ones without a word: the checkpoint records the image
     shape its data gave, and a use of the model on another is refused with one line naming both
-    (nljax.evaluate here; generate, export and nljax.load read it the same way: `trained.load`).
+    (nljax.evaluate here; nljax.generate reads them the same way, `trained.load(reads_data=True)`;
+    export and nljax.load read none: the model the checkpoint recorded).
     So are images of other channels, named as the images' (the output layer's shape was named),
     and a folder whose classes are others (as many: they were taken for the trained ones)."""
     from helpers import saved_run
@@ -453,7 +454,7 @@ def test_a_checkpoint_used_on_other_images_is_refused(tmp_path, capsys):
             f"nljax.evaluate: error: checkpoint {ck} was trained on data with {line}"), other
     # other images of its size and classes: the model is used (what they are is the user's to choose)
     t = trained.load(tmp_path / "run", overrides=[f"images.path={tmp_path / 'other_small'}"],
-                     devices=jax.devices()[:1])
+                     devices=jax.devices()[:1], reads_data=True)
     assert t.step == 1 and t.run.task.data.shape == (4, 4, 3) and t.run.task.data.classes == tuple(names)
     # a checkpoint saved before the record was kept is not checked
     contents.check_built(ck, {"config": {}}, {"images": {"shape": [8, 8, 3], "num_classes": 4}})

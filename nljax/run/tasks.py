@@ -293,7 +293,18 @@ class TextTask:
         return {"eval_loss": mean, "eval_bpb": bpb, "eval_tokens": int(count)}
 
 
-class LoadedText:
+class _Unread:
+    """A task of a run loaded for use without its data (`Run.create(reads_data=False)`): no
+    batches, no evaluation."""
+
+    def batch(self, step: int, reset_all: bool = False):
+        raise TypeError("a run loaded without its data (Run.create(reads_data=False)) has no batches")
+
+    def evaluate(self, cache, params, step: int) -> dict:
+        raise TypeError("a run loaded without its data (Run.create(reads_data=False)) cannot evaluate")
+
+
+class LoadedText(_Unread):
     """A text model loaded for use (`nljax.load`, generate, export, lm_eval): no text is read, so
     the run's data may have moved or grown since; what its token ids are comes from the
     tokenizer's file (data.prepared's manifest, data.tokenizer) alone. Not for training or
@@ -308,11 +319,18 @@ class LoadedText:
     def tokenizer_identity(self) -> dict:
         return tokenization.identity(prepared.tokenization_of(self.cfg.data).info())
 
-    def batch(self, step: int, reset_all: bool = False):
-        raise TypeError("a run loaded without its data (Run.create(reads_data=False)) has no batches")
 
-    def evaluate(self, cache, params, step: int) -> dict:
-        raise TypeError("a run loaded without its data (Run.create(reads_data=False)) cannot evaluate")
+class LoadedImages(_Unread):
+    """An image model loaded for use (`nljax.load`, export): no image is read, so the run's images
+    may have moved since; its model is built from what its checkpoint recorded of them
+    (`nljax.run.trained`: the image shape, the labels and their names). Not for training,
+    evaluating or nljax.generate's grid, drawn beside the held-out images (`ImageTask`)."""
+
+    unit = "images"
+    units_per_row = 1
+
+    def __init__(self, cfg: Config, mesh: Mesh):
+        self.cfg = cfg
 
 
 class ImageTask:
@@ -479,13 +497,14 @@ TASKS: dict[str, Callable[..., Task]] = {  # (cfg, mesh, trains=...)
     "text": TextTask,
     "images": ImageTask,
 }
+UNREAD: dict[str, Callable[..., Task]] = {"text": LoadedText, "images": LoadedImages}  # (cfg, mesh)
 
 
 def build(name: str, cfg: Config, mesh: Mesh, reads_data: bool = True, trains: bool = True) -> Task:
-    """The task `name` of a run; `reads_data=False`: a text model's `LoadedText`, which reads none;
-    `trains=False`: built to evaluate, it reads only what its evaluation scores."""
-    if name == "text" and not reads_data:
-        return LoadedText(cfg, mesh)
+    """The task `name` of a run; `reads_data=False`: `LoadedText` or `LoadedImages`, which read
+    none; `trains=False`: built to evaluate, it reads only what its evaluation scores."""
+    if not reads_data and name in UNREAD:
+        return UNREAD[name](cfg, mesh)
     try:
         make = TASKS[name]
     except KeyError:

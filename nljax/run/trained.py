@@ -20,7 +20,7 @@ import os
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.checkpoint.contents import fmt, get, passed_over
+from nljax.checkpoint.contents import Damaged, fmt, get, passed_over
 from nljax.checkpoint.restore import first_valid, restore_params
 from nljax.errors import ConfigError
 from nljax.models import meanflow, registry
@@ -161,14 +161,17 @@ def reads_average(params: str, cfg: config.Config | None, cfg_file: Path | None 
 
 
 def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Sequence[str] = (), devices=None,
-         evaluates: bool = False, announce: Callable[[], None] | None = None, params: str = "") -> Trained:
+         evaluates: bool = False, announce: Callable[[], None] | None = None, params: str = "",
+         reads_data: bool | None = None) -> Trained:
     """The run in `run_dir` at its newest intact checkpoint (`checkpoint`: "latest", a step
     number, a step directory or a checkpoints directory: `checkpoint_path`), on `devices`
     (default: all of this process's). `evaluates`: as `config_of`'s, and a text model's data
     are read (to be evaluated on); otherwise only its tokenizer's file is. `announce`: called
     once the settings are checked against the run, before the slow part (building the model,
     reading its data and checkpoint: seconds), so that a refusal of the settings stays one line.
-    `params`: "average", "trained" or "" (the default: the average where the run keeps one; `PARAMS`)."""
+    `params`: "average", "trained" or "" (the default: the average where the run keeps one; `PARAMS`).
+    `reads_data`: whether the run's data are read (None: where it `evaluates`); an image model
+    not reading them is built from what its checkpoint recorded of them (`recorded_model`)."""
     devices = list(devices or jax.local_devices())
     cfg = config_of(run_dir, checkpoint, overrides, len(devices), evaluates)
     cfg_file = Path(run_dir) / "config.yaml"
@@ -178,8 +181,10 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     if announce is not None:
         announce()
     try:
+        reads = evaluates if reads_data is None else reads_data
+        model = None if reads or registry.task_of(cfg) != "images" else recorded_model(cfg)
         # budgeted for the parameters alone (and the optimizer state that holds their average)
-        run = Run.create(cfg, devices, trains=False, reads_data=evaluates, average=average)
+        run = Run.create(cfg, devices, model, trains=False, reads_data=reads, average=average)
         # what the run's token ids are now: without its data (`tasks.LoadedText`) the first read of
         # data.tokenizer's or data.prepared's files, whose relative paths the line below explains
         identity = startup.tokenizer_identity(run.task)
@@ -205,6 +210,20 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     unlike = [*sampler, *_split_against_the_run(saved, trained_cfg, run.task, cfg_file)]
     return Trained(cfg, trained_cfg, run, restored.params, restored.step, restored.path, tuple(skipped),
                    tuple(incomplete), tuple(unlike), average)
+
+
+def recorded_model(cfg: config.Config):
+    """The model of an image run as its newest readable checkpoint recorded what the data decided
+    (`registry.rebuild`: a DiT's image shape, labels and their names, as an export does), its
+    images not read: they may have moved since (its export and nljax.load said only
+    "images.path not found"). None where no checkpoint recorded it: built from the data."""
+    for path in storage.candidates(cfg):
+        try:
+            built = storage.read_meta(path).get("built")
+        except Damaged:  # the restore passes over it too (`first_valid`), and says so
+            continue
+        return registry.rebuild(cfg, built) if built else None
+    return None
 
 
 def _sampler_against_the_run(saved: config.Config, cfg: config.Config, cfg_file: Path) -> list[str]:
