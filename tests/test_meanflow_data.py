@@ -664,6 +664,23 @@ def test_files_passed_over_in_a_folder_are_said_at_start_up(tmp_path):
         assert len(task.data.train_x) + len(task.data.eval_x) == (20 if name == "set" else 10)
 
 
+def test_class_folders_named_by_numbers_are_said_to_be_labelled_as_text(tmp_path):
+    """Folders 0 .. 10 are labelled in the order of their names as text (torchvision's: label 2 is
+    folder 10), which a start-up note says; names that sort alike as numbers (00 .. 10) say nothing."""
+    from nljax.config import load
+    from nljax.run.tasks import ImageTask
+
+    x = np.random.default_rng(7).integers(0, 256, (22, 4, 4), dtype=np.uint8)
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    base = ["model.name=dit", "cms.periods=[1]", "images.source=file", "train.batch_size=4"]
+    for width, notes in ((1, ["the class folders are numbers, labelled in the order of their names as text (label 2 "
+                              "is folder 10); name them 00, 01, ... for labels in number order"]), (2, [])):
+        where = tmp_path / str(width)
+        pngs(where, x, [f"{k:0{width}d}/{i}.png" for k in range(11) for i in range(2)])
+        task = ImageTask(load(None, [*base, f"images.path={where}"]), mesh)
+        assert task.notes == [f"note: images.path {where}: {n}" for n in notes]
+
+
 def test_one_held_out_image_is_refused_at_start_up(tmp_path):
     """Energy distance needs 2 held-out images: 1 is refused when the task is built, before step
     0 (where an evaluation would take fewer: meanflow.eval_samples is 0 or >= 2)."""

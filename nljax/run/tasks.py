@@ -362,6 +362,13 @@ class ImageTask:
             shown = ", ".join(map(str, missing[:8])) + (f", ... ({len(missing):,} in all)" if len(missing) > 8 else "")
             self.notes.append(f"note: images {where}: no image has label {shown}; the model has a class for each of "
                               f"0 .. {self.data.num_classes - 1} (number the labels from 0 without gaps)")
+        names = self.data.classes or ()
+        if all(n.isdigit() for n in names) and list(names) != sorted(names, key=int):
+            # torchvision's order too, but a folder `10` labelled 2 surprises: said, with an example
+            k = next(k for k, n in enumerate(names) if n != sorted(names, key=int)[k])
+            self.notes.append(f"note: images.path {cfg.images.path}: the class folders are numbers, labelled in the "
+                              f"order of their names as text (label {k} is folder {names[k]}); name them 00, 01, ... "
+                              "for labels in number order")
         self._generate = self._error = None
         # where each evaluation draws its samples_<step>.png; None: nowhere (nljax.evaluate
         # scores a checkpoint and leaves the run directory as it is)
