@@ -132,3 +132,28 @@ def test_class_names_the_font_lacks_draw_without_warnings(tmp_path):
         warnings.simplefilter("always")
         figures.write_samples(tmp_path / "cjk.png", imgs, imgs, imgs, 4, np.array([0, 1, 0, 1]), "", ("日本", "猫"))
     assert [str(w.message) for w in said] == [] and (tmp_path / "cjk.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_grid_cut_short_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    """A write of the grid that fails part-way (a full disk, Ctrl-C) left a partial PNG, which the
+    next nljax.generate refused to replace (it lacks the mark of one nljax wrote): written beside
+    it and renamed into place, the earlier grid stays whole, no temporary file is left, and the
+    error names the file asked for."""
+    import errno
+
+    import matplotlib.figure
+
+    imgs = np.zeros((4, 8, 8, 1), np.float32)
+    path = tmp_path / "grid.png"
+    figures.write_samples(path, imgs, imgs, imgs, 4)
+    before = path.read_bytes()
+
+    def full(fig, fname, **kw):
+        open(fname, "wb").write(before[:100])
+        raise OSError(errno.ENOSPC, "No space left on device", str(fname))
+
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", full)
+    with pytest.raises(OSError) as e:
+        figures.write_samples(path, imgs + 1, imgs, imgs, 4)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
+    assert path.read_bytes() == before and figures.written_by_nljax(path) and sorted(tmp_path.iterdir()) == [path]

@@ -6,6 +6,7 @@ matplotlib."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -115,5 +116,15 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
         # missing character (two lines each, naming this file) said nothing more, at every evaluation
         warnings.filterwarnings("ignore", "Glyph .* missing from font", UserWarning)
         fig.tight_layout(rect=(0, 0.05, 1, 1))
-        fig.savefig(path, dpi=100, metadata=MARK)
-    plt.close(fig)
+        # beside it under a temporary name, renamed into place: a write cut short (Ctrl-C, a full
+        # disk) leaves the earlier grid whole, not a partial PNG the next nljax.generate would
+        # refuse to replace (it lacks the mark of one nljax wrote)
+        temp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        try:
+            fig.savefig(temp, dpi=100, metadata=MARK, format="png")
+            os.replace(temp, path)
+        except OSError as e:  # said of the file asked for, not of the temporary one
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        finally:
+            temp.unlink(missing_ok=True)
+            plt.close(fig)
