@@ -725,3 +725,16 @@ def test_a_resume_of_the_checkpoint_dir_or_a_step_in_it_continues_the_run(tmp_pa
 
     assert own("latest") and own(tmp_path / "ck") and own(tmp_path / "ck" / "4")
     assert not own(tmp_path / "other") and not own(tmp_path / "ck2")
+
+
+def test_saved_arrays_that_do_not_form_the_saved_strategys_state_are_refused():
+    """`_saved_state` puts the saved arrays back into the saved strategy's state: an array that
+    state has no place for is one line naming it, not dropped silently (nor is one it lacks)."""
+    setup = make(["sync.strategy=zero1"])
+    arrays = contents.named_arrays(setup.state)
+    rest = dataclasses.replace(setup.state, params=None, opt_state=None)
+    assert elastic._saved_state(setup.engine, arrays, rest).step is arrays["step"]
+    for name, odd in (("opt_state/extra", {**arrays, "opt_state/extra": arrays["step"]}),
+                      ("step", {n: x for n, x in arrays.items() if n != "step"})):
+        with pytest.raises(config.ConfigError, match=f"do not form a sync.strategy=zero1 state \\(e.g. '{name}'\\)"):
+            elastic._saved_state(setup.engine, odd, rest)
