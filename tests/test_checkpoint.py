@@ -738,3 +738,23 @@ def test_saved_arrays_that_do_not_form_the_saved_strategys_state_are_refused():
                       ("step", {n: x for n, x in arrays.items() if n != "step"})):
         with pytest.raises(config.ConfigError, match=f"do not form a sync.strategy=zero1 state \\(e.g. '{name}'\\)"):
             elastic._saved_state(setup.engine, odd, rest)
+
+
+def test_a_resume_compares_data_paths_as_the_files_they_name(tmp_path, monkeypatch):
+    """The checkpoint keeps data paths as written, run.dir/config.yaml records them absolute: the
+    same files either way, a list's entries too, are no change (no warning, no row restarted).
+    With the data's digest the checkpoint's, other paths are the same data; a checkpoint that
+    recorded no digest restarts no row for this run's."""
+    from nljax.checkpoint import restore as resume
+
+    monkeypatch.chdir(tmp_path)
+    files = lambda *train: [*TINY_NL_ARGS, "data.source=files", f"data.train=[{','.join(train)}]"]
+    saved = {"config": config.to_dict(config.load(None, files("a/*.txt", "b.txt"))), "step": 4}
+    rows = {"memory/block0": None}
+    assert resume._changed(saved, config.load(None, files(f"{tmp_path}/a/*.txt", f"{tmp_path}/b.txt"))) == []
+    moved = config.load(None, files("c/*.txt"))
+    assert [k for k, *_ in resume._changed(saved, moved)] == ["data.train"]
+    assert resume._changed(saved, moved, same_data=True) == []
+    assert not resume._rows_restart(saved, config.load(None, files("a/*.txt", "b.txt")), rows, [], digest="abc")
+    assert resume._rows_restart({**saved, "data": {"digest": "xyz"}}, config.load(None, files("a/*.txt", "b.txt")),
+                                rows, [], digest="abc")
