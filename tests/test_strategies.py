@@ -238,3 +238,31 @@ def test_config_errors():
     cfg = load(None, ["sync.strategy=zero1", "mesh.inter=3", "model.name=cms_mlp"])
     with pytest.raises(ConfigError, match=r"mesh.inter=3 does not divide the 8 available devices"):
         Setup.create(cfg)
+
+
+@pytest.mark.parametrize("inter,intra", [(2, 4), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_each_device_gets_its_shard_of_the_sum(inter, intra):
+    """`sync.shard_all` hands device (i, j) shard i * intra + j of the summed vector (the order of
+    an array split over DATA_AXES, as FSDP stores its parameters), by either reduction;
+    `shard_intra` hands it shard j, the same on every `inter` instance; the mean divides by the
+    devices. test_matches_replicated runs the flat FSDP reduction on one instance only (inter 1),
+    where the axes' order cannot show."""
+    from jax.sharding import PartitionSpec as P
+
+    from nljax.engine import sync
+    from nljax.parallel.mesh import DATA_AXES
+
+    n, size = inter * intra, 21  # padded to 24 (shard_all): shards of 24 / n
+    mesh = make_mesh(inter, intra, jax.devices()[:n])
+    x = np.arange(n * size, dtype=np.float32).reshape(n, size) ** 2  # device k's local vector: row k
+    total = np.pad(x.sum(0), (0, 24 - size))
+    per_device = lambda f: np.asarray(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=P(DATA_AXES),
+                                                    out_specs=P(DATA_AXES), check_vma=False)(x))
+    for how in ("flat", "hierarchical"):
+        np.testing.assert_array_equal(per_device(lambda v: sync.shard_all(v, how, False, inter, intra)),
+                                      total.reshape(n, -1))
+        np.testing.assert_allclose(per_device(lambda v: sync.shard_all(v, how, True, inter, intra)),
+                                   total.reshape(n, -1) / n, rtol=1e-6)
+        by_intra = np.pad(x.sum(0), (0, -size % intra)).reshape(intra, -1)  # padded to a multiple of intra
+        np.testing.assert_allclose(per_device(lambda v: sync.shard_intra(v, how, True, intra, n)),
+                                   np.tile(by_intra, (inter, 1)) / n, rtol=1e-6)
