@@ -525,6 +525,13 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
     c.open()
     assert not any((tmp_path / "ckpt").iterdir())
     c.close()
+    # a resume of that run with run.overwrite=true continues its files: none is removed
+    shutil.copytree(ref["dir"], tmp_path / "ckpt", dirs_exist_ok=True)
+    cfg = config.load(None, [*TINY_NL_ARGS, f"checkpoint.dir={tmp_path}/ckpt", "run.overwrite=true", "checkpoint.resume=latest"])
+    c = Checkpoints.resolve(dataclasses.replace(ref["setup"].engine, cfg=cfg), ref["setup"].state, say=lambda *a: None)
+    c.open()
+    c.close()
+    assert c.start == 4 and sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["2", "4"]
 
 
 # ---------------------------------------------------------------------------------------------
