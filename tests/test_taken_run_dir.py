@@ -86,6 +86,13 @@ CASES = {
                                              "run.dir elsewhere/ckpt/9 is inside {root}/elsewhere/ckpt, which holds a "
                                              "run's checkpoints: this run's files would mix with them (a resume of "
                                              "that run stops at folders it did not write); choose another run.dir"),
+    # a new run from another run's checkpoint into a checkpoint.dir holding a run's: refused even
+    # saving nothing (checkpoint.every=0), as a later --resume would continue that run's checkpoints
+    "started elsewhere": (["run.dir=elsewhere/new", "checkpoint.dir={root}/elsewhere/ckpt", "checkpoint.every=0",
+                           "checkpoint.resume={root}/runs/default/checkpoints/2"],
+                          "nljax.train: error: checkpoint.dir {root}/elsewhere/ckpt already holds another run's "
+                          "checkpoints; choose another run.dir or checkpoint.dir, or set run.overwrite=true to replace "
+                          "them"),
     # --resume of a run that is not there
     "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
                           "{root}/nowhere/checkpoints (--resume continues a run that saved checkpoints there; to "
