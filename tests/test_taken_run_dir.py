@@ -195,3 +195,17 @@ def test_a_run_dir_in_a_folder_that_cannot_be_written_is_refused_before_the_run_
         assert list(locked.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["locked"]
     finally:
         locked.chmod(0o755)
+
+
+def test_only_a_runs_checkpoints_folder_is_that_runs(tmp_path):
+    """`other_runs`: a checkpoint.dir is another run's when it is that run directory's
+    `checkpoints/` (its nljax_written.txt says a run wrote there), not any folder beside its files."""
+    from nljax import config
+    from nljax.checkpoint.taken import other_runs
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "nljax_written.txt").write_text("metrics.jsonl\n")
+    cfg = config.load(None, [f"run.dir={tmp_path / 'new'}"])
+    assert other_runs(cfg, tmp_path / "old" / "checkpoints") == tmp_path / "old"
+    assert other_runs(cfg, tmp_path / "old" / "mine") is None
+    assert other_runs(config.load(None, [f"run.dir={tmp_path / 'old'}"]), tmp_path / "old" / "checkpoints") is None
