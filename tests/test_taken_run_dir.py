@@ -93,6 +93,10 @@ CASES = {
                           "nljax.train: error: checkpoint.dir {root}/elsewhere/ckpt already holds another run's "
                           "checkpoints; choose another run.dir or checkpoint.dir, or set run.overwrite=true to replace "
                           "them"),
+    # ... or into a run.dir holding a run: --resume would continue that run, not offered to this one
+    "started elsewhere into a run": (["checkpoint.resume={root}/elsewhere/ckpt/2"], "nljax.train: error: run.dir "
+                                     "runs/default already holds a run (checkpoints up to step 2): choose another "
+                                     "run.dir, or set run.overwrite=true to replace it"),
     # --resume of a run that is not there
     "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
                           "{root}/nowhere/checkpoints (--resume continues a run that saved checkpoints there; to "
