@@ -510,6 +510,9 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
     from nljax import train
 
     shutil.copytree(ref["dir"], tmp_path / "ckpt")
+    # what a resume would take, newest first (an older one where the newer are damaged)
+    latest = config.load(None, [*TINY_NL_ARGS, f"checkpoint.dir={tmp_path}/ckpt", "checkpoint.resume=latest"])
+    assert storage.candidates(latest) == [tmp_path / "ckpt" / "4", tmp_path / "ckpt" / "2"]
     before = tree_hash(tmp_path)
     capfd.readouterr()
     assert train.main([*TINY_NL_ARGS, f"run.dir={tmp_path}/run", f"checkpoint.dir={tmp_path}/ckpt"]) == 2
@@ -522,6 +525,13 @@ def test_fresh_run_does_not_replace_checkpoints(ref, tmp_path, capfd):
     c.open()
     assert not any((tmp_path / "ckpt").iterdir())
     c.close()
+    # a resume of that run with run.overwrite=true continues its files: none is removed
+    shutil.copytree(ref["dir"], tmp_path / "ckpt", dirs_exist_ok=True)
+    cfg = config.load(None, [*TINY_NL_ARGS, f"checkpoint.dir={tmp_path}/ckpt", "run.overwrite=true", "checkpoint.resume=latest"])
+    c = Checkpoints.resolve(dataclasses.replace(ref["setup"].engine, cfg=cfg), ref["setup"].state, say=lambda *a: None)
+    c.open()
+    c.close()
+    assert c.start == 4 and sorted(q.name for q in (tmp_path / "ckpt").iterdir()) == ["2", "4"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -668,3 +678,90 @@ def test_keep_every_keeps_those_checkpoints_for_good(tmp_path):
     finally:
         c.close()
     assert storage.complete_steps(tmp_path / "checkpoints") == [4, 8, 10]
+
+
+def test_steps_set_aside_and_foreign_steps_are_named_by_their_bounds(tmp_path):
+    """`set_aside` never moves a step over an earlier one of its name (a third `12` becomes
+    `12.2`); `foreign_steps` names the folders in (after, last], not the one at `after` (the step
+    a run continues from, or step 0 before a fresh run's first save)."""
+    for n in range(3):
+        (tmp_path / "12").mkdir()
+        (tmp_path / "12" / "mark").write_text(str(n))
+        storage.set_aside(tmp_path, [tmp_path / "12"])
+    moved = tmp_path / storage.SET_ASIDE
+    assert {p.name: (p / "mark").read_text() for p in moved.iterdir()} == {"12": "0", "12.1": "1", "12.2": "2"}
+    for name in ("3", "4", "8", "9"):  # a user's folders, named as steps
+        (tmp_path / name).mkdir()
+    assert [p.name for p in storage.foreign_steps(tmp_path, 3, 8)] == ["4", "8"]
+
+
+def test_a_failed_saves_os_error_is_found_where_it_was_raised_during_another():
+    """A save's line names the disk's error however it was raised: wrapped (`raise ... from`),
+    or raised while handling it (Orbax's writer raising its own error in an `except OSError`)."""
+    def failed(wrapped):
+        try:
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError as e:
+                if wrapped:
+                    raise RuntimeError("write failed") from e
+                raise RuntimeError("write failed")  # noqa: B904 - the case tested: the OSError is its context
+        except RuntimeError as e:
+            return e
+
+    assert storage.os_error(failed(True)) == storage.os_error(failed(False)) == \
+        "OSError: [Errno 28] No space left on device"
+
+
+def test_a_partial_read_of_an_array_the_checkpoint_lacks_is_damage(ref):
+    """A read of some arrays (`restore_params`') names each one it wants: one that the step does
+    not hold (Orbax's partial restore hands back its abstract entry) is damage, not a parameter."""
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    want = {name: jax.ShapeDtypeStruct(shape, np.float32 if shape else np.int32, sharding=one)
+            for name, shape in (("step", ()), ("params/nowhere", (2,)))}
+    with pytest.raises(contents.Damaged, match=r"array data unreadable.*\['params/nowhere'\] missing"):
+        storage.read_arrays(ref["dir"] / "4", want, partial=True)
+
+
+def test_a_resume_of_the_checkpoint_dir_or_a_step_in_it_continues_the_run(tmp_path):
+    """checkpoint.resume naming checkpoint.dir itself, or a step in it, continues the run's own
+    files as `latest` does; a checkpoint elsewhere starts a new run."""
+    def own(resume):
+        cfg = config.load(None, [*TINY_NL_ARGS, f"checkpoint.dir={tmp_path}/ck", f"checkpoint.resume={resume}"])
+        return storage.continues_own(cfg)
+
+    assert own("latest") and own(tmp_path / "ck") and own(tmp_path / "ck" / "4")
+    assert not own(tmp_path / "other") and not own(tmp_path / "ck2")
+
+
+def test_saved_arrays_that_do_not_form_the_saved_strategys_state_are_refused():
+    """`_saved_state` puts the saved arrays back into the saved strategy's state: an array that
+    state has no place for is one line naming it, not dropped silently (nor is one it lacks)."""
+    setup = make(["sync.strategy=zero1"])
+    arrays = contents.named_arrays(setup.state)
+    rest = dataclasses.replace(setup.state, params=None, opt_state=None)
+    assert elastic._saved_state(setup.engine, arrays, rest).step is arrays["step"]
+    for name, odd in (("opt_state/extra", {**arrays, "opt_state/extra": arrays["step"]}),
+                      ("step", {n: x for n, x in arrays.items() if n != "step"})):
+        with pytest.raises(config.ConfigError, match=f"do not form a sync.strategy=zero1 state \\(e.g. '{name}'\\)"):
+            elastic._saved_state(setup.engine, odd, rest)
+
+
+def test_a_resume_compares_data_paths_as_the_files_they_name(tmp_path, monkeypatch):
+    """The checkpoint keeps data paths as written, run.dir/config.yaml records them absolute: the
+    same files either way, a list's entries too, are no change (no warning, no row restarted).
+    With the data's digest the checkpoint's, other paths are the same data; a checkpoint that
+    recorded no digest restarts no row for this run's."""
+    from nljax.checkpoint import restore as resume
+
+    monkeypatch.chdir(tmp_path)
+    files = lambda *train: [*TINY_NL_ARGS, "data.source=files", f"data.train=[{','.join(train)}]"]
+    saved = {"config": config.to_dict(config.load(None, files("a/*.txt", "b.txt"))), "step": 4}
+    rows = {"memory/block0": None}
+    assert resume._changed(saved, config.load(None, files(f"{tmp_path}/a/*.txt", f"{tmp_path}/b.txt"))) == []
+    moved = config.load(None, files("c/*.txt"))
+    assert [k for k, *_ in resume._changed(saved, moved)] == ["data.train"]
+    assert resume._changed(saved, moved, same_data=True) == []
+    assert not resume._rows_restart(saved, config.load(None, files("a/*.txt", "b.txt")), rows, [], digest="abc")
+    assert resume._rows_restart({**saved, "data": {"digest": "xyz"}}, config.load(None, files("a/*.txt", "b.txt")),
+                                rows, [], digest="abc")

@@ -1,4 +1,7 @@
-from nljax.engine.conductor import Conductor, pulse
+import pytest
+
+from nljax.engine.conductor import MAX_LEVELS, CMSConfig, Conductor, pulse
+from nljax.errors import ConfigError
 
 
 def test_pulse_is_step_mod_period():
@@ -12,6 +15,8 @@ def test_non_nested_periods_and_cycle():
     assert c.cycle == 12
     pats = c.patterns()
     assert sum(pats.values()) == 12
+    # in the order of the levels' bits, lowest first (the order reports list them in): L0, L0+1, L0+2, L0+1+2
+    assert list(pats) == [(True, False, False), (True, True, False), (True, False, True), (True, True, True)]
     assert pats[(True, True, True)] == 1  # steps 0 only (lcm 12)
     assert pats[(True, False, False)] == 12 - 3 - 2 + 1
 
@@ -56,3 +61,9 @@ def test_pattern_counts_of_many_levels_are_instant():
     assert pats[(True,) * 40] == 1 and pats[(True,) + (False,) * 39] == 2 ** 38
     mixed = (1, 2, 3, 4, 6, 12, 5)
     assert Conductor(mixed).patterns() == brute_force(mixed)
+
+
+def test_max_levels_is_the_most_taken():
+    CMSConfig(periods=(1,) * MAX_LEVELS).check()
+    with pytest.raises(ConfigError, match=f"has {MAX_LEVELS + 1} levels, more than the {MAX_LEVELS}"):
+        CMSConfig(periods=(1,) * (MAX_LEVELS + 1)).check()

@@ -31,21 +31,29 @@ def opts(strategy, reduce="hierarchical", frozen="accumulate", extra=()):
     return [*BASE, f"sync.strategy={strategy}", f"sync.reduce={reduce}", *mode, *extra]
 
 
+def curves(setup):
+    """STEPS steps of `setup`: each step's loss and each level's synchronized gradient norm
+    ([STEPS], [STEPS, levels]), and the state."""
+    metrics = []
+    losses, state = train(setup, STEPS, metrics=metrics)
+    return {"loss": losses, "level_grad_norm": np.array([np.asarray(m["level_grad_norm"]) for m in metrics])}, state
+
+
 @functools.lru_cache(maxsize=None)
 def reference(frozen):
     setup = make(opts("replicated", frozen=frozen), 1, 1)
-    losses, state = train(setup, STEPS)
-    return setup, losses, jax.device_get(state.params), jax.device_get(state.opt_state)
+    seen, state = curves(setup)
+    return setup, seen, jax.device_get(state.params), jax.device_get(state.opt_state)
 
 
 @functools.lru_cache(maxsize=None)
 def trained(strategy, inter, intra, reduce, frozen):
-    """A setup after STEPS steps, with a copy of its initial state (its compiled variants stay
-    cached for the HLO, comm and gradient-check tests)."""
+    """A setup after STEPS steps (`curves`), with a copy of its initial state (its compiled
+    variants stay cached for the HLO, comm and gradient-check tests)."""
     setup = make(opts(strategy, reduce, frozen), inter, intra)
     start = jax.tree.map(lambda x: x.copy(), setup.state)
-    losses, state = train(setup, STEPS)
-    return setup, losses, state, start
+    seen, state = curves(setup)
+    return setup, seen, state, start
 
 
 def canonical_on_host(setup, state):
@@ -77,9 +85,11 @@ CASES = [pytest.param(*c, marks=pytest.mark.slow) if c[4] == "skip" and c[1:3] !
 
 @pytest.mark.parametrize("strategy,inter,intra,reduce,frozen", CASES)
 def test_matches_replicated(strategy, inter, intra, reduce, frozen):
-    _, ref_losses, ref_params, ref_opt = reference(frozen)
-    setup, losses, state, _ = trained(strategy, inter, intra, reduce, frozen)
-    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    _, ref_seen, ref_params, ref_opt = reference(frozen)
+    setup, seen, state, _ = trained(strategy, inter, intra, reduce, frozen)
+    np.testing.assert_allclose(seen["loss"], ref_seen["loss"], rtol=2e-5)
+    # the norms the gradient checks judge: each device's shard summed over every shard (`stat_axes`)
+    np.testing.assert_allclose(seen["level_grad_norm"], ref_seen["level_grad_norm"], rtol=1e-4)
     params, opt = canonical_on_host(setup, state)
     assert_trees_close(params, ref_params, rtol=1e-4, atol=2e-6)
     assert_trees_close(opt, ref_opt, rtol=1e-4, atol=1e-7)
@@ -238,3 +248,31 @@ def test_config_errors():
     cfg = load(None, ["sync.strategy=zero1", "mesh.inter=3", "model.name=cms_mlp"])
     with pytest.raises(ConfigError, match=r"mesh.inter=3 does not divide the 8 available devices"):
         Setup.create(cfg)
+
+
+@pytest.mark.parametrize("inter,intra", [(2, 4), pytest.param(4, 2, marks=pytest.mark.slow)])
+def test_each_device_gets_its_shard_of_the_sum(inter, intra):
+    """`sync.shard_all` hands device (i, j) shard i * intra + j of the summed vector (the order of
+    an array split over DATA_AXES, as FSDP stores its parameters), by either reduction;
+    `shard_intra` hands it shard j, the same on every `inter` instance; the mean divides by the
+    devices. test_matches_replicated runs the flat FSDP reduction on one instance only (inter 1),
+    where the axes' order cannot show."""
+    from jax.sharding import PartitionSpec as P
+
+    from nljax.engine import sync
+    from nljax.parallel.mesh import DATA_AXES
+
+    n, size = inter * intra, 21  # padded to 24 (shard_all): shards of 24 / n
+    mesh = make_mesh(inter, intra, jax.devices()[:n])
+    x = np.arange(n * size, dtype=np.float32).reshape(n, size) ** 2  # device k's local vector: row k
+    total = np.pad(x.sum(0), (0, 24 - size))
+    per_device = lambda f: np.asarray(jax.shard_map(lambda v: f(v[0])[None], mesh=mesh, in_specs=P(DATA_AXES),
+                                                    out_specs=P(DATA_AXES), check_vma=False)(x))
+    for how in ("flat", "hierarchical"):
+        np.testing.assert_array_equal(per_device(lambda v: sync.shard_all(v, how, False, inter, intra)),
+                                      total.reshape(n, -1))
+        np.testing.assert_allclose(per_device(lambda v: sync.shard_all(v, how, True, inter, intra)),
+                                   total.reshape(n, -1) / n, rtol=1e-6)
+        by_intra = np.pad(x.sum(0), (0, -size % intra)).reshape(intra, -1)  # padded to a multiple of intra
+        np.testing.assert_allclose(per_device(lambda v: sync.shard_intra(v, how, True, intra, n)),
+                                   np.tile(by_intra, (inter, 1)) / n, rtol=1e-6)

@@ -86,6 +86,17 @@ CASES = {
                                              "run.dir elsewhere/ckpt/9 is inside {root}/elsewhere/ckpt, which holds a "
                                              "run's checkpoints: this run's files would mix with them (a resume of "
                                              "that run stops at folders it did not write); choose another run.dir"),
+    # a new run from another run's checkpoint into a checkpoint.dir holding a run's: refused even
+    # saving nothing (checkpoint.every=0), as a later --resume would continue that run's checkpoints
+    "started elsewhere": (["run.dir=elsewhere/new", "checkpoint.dir={root}/elsewhere/ckpt", "checkpoint.every=0",
+                           "checkpoint.resume={root}/runs/default/checkpoints/2"],
+                          "nljax.train: error: checkpoint.dir {root}/elsewhere/ckpt already holds another run's "
+                          "checkpoints; choose another run.dir or checkpoint.dir, or set run.overwrite=true to replace "
+                          "them"),
+    # ... or into a run.dir holding a run: --resume would continue that run, not offered to this one
+    "started elsewhere into a run": (["checkpoint.resume={root}/elsewhere/ckpt/2"], "nljax.train: error: run.dir "
+                                     "runs/default already holds a run (checkpoints up to step 2): choose another "
+                                     "run.dir, or set run.overwrite=true to replace it"),
     # --resume of a run that is not there
     "nothing to resume": (["--resume", "run.dir=nowhere"], "nljax.train: error: checkpoint not found: "
                           "{root}/nowhere/checkpoints (--resume continues a run that saved checkpoints there; to "
@@ -188,3 +199,17 @@ def test_a_run_dir_in_a_folder_that_cannot_be_written_is_refused_before_the_run_
         assert list(locked.iterdir()) == [] and sorted(p.name for p in tmp_path.iterdir()) == ["locked"]
     finally:
         locked.chmod(0o755)
+
+
+def test_only_a_runs_checkpoints_folder_is_that_runs(tmp_path):
+    """`other_runs`: a checkpoint.dir is another run's when it is that run directory's
+    `checkpoints/` (its nljax_written.txt says a run wrote there), not any folder beside its files."""
+    from nljax import config
+    from nljax.checkpoint.taken import other_runs
+
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "nljax_written.txt").write_text("metrics.jsonl\n")
+    cfg = config.load(None, [f"run.dir={tmp_path / 'new'}"])
+    assert other_runs(cfg, tmp_path / "old" / "checkpoints") == tmp_path / "old"
+    assert other_runs(cfg, tmp_path / "old" / "mine") is None
+    assert other_runs(config.load(None, [f"run.dir={tmp_path / 'old'}"]), tmp_path / "old" / "checkpoints") is None

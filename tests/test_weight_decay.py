@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from helpers import assert_trees_close, make, train
 
 from nljax.engine import optim
@@ -62,9 +63,12 @@ def test_the_start_up_line_counts_what_decays():
     assert decays_of(plain, setup.engine.model) is None and weight_decay(plain, None) == ""
 
 
-def test_masked_decay_matches_one_device():
-    """zero1's flat mask (fsdp's with tensor parallelism: tests/test_tp.py) against the replicated tree's."""
-    one, many = make(WD), make([*WD, "sync.strategy=zero1"], 2, 4)
+# fsdp's in the slow tier (its own compilations, ~30 s on 2 busy cores): the suite checks zero1's
+@pytest.mark.parametrize("strategy", ["zero1", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_masked_decay_matches_one_device(strategy):
+    """A sharded strategy's flat mask against the replicated tree's (fsdp's: a mutation decaying
+    every parameter there passed the suite and test_tp's fsdp case with weight decay)."""
+    one, many = make(WD), make([*WD, f"sync.strategy={strategy}"], 2, 4)
     l1, s1 = train(one, 4)
     ln, sn = train(many, 4)
     np.testing.assert_allclose(ln, l1, rtol=2e-5)
