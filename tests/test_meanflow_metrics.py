@@ -20,9 +20,11 @@ def test_the_evaluation_carries_the_unweighted_error_and_the_energy_distances(tm
     got = one.run.evaluate(one.state.params, 7)
     assert {"eval_mse", "eval_energy_1step", "eval_energy_multistep"} <= got.keys()
     assert (tmp_path / "one" / "samples_000007.png").read_bytes()[:4] == b"\x89PNG"
-    # the model's own unweighted error, on one device, over the first 10 held-out points
-    model, data = one.engine.model, one.task.data
-    batch = {"image": data.eval_x[:10], "label": data.eval_y[:10].astype(np.int32), "index": np.arange(10, dtype=np.int32)}
+    # the model's own unweighted error, on one device, over the 10 held-out points spread over them
+    # that the evaluation draws for (`ImageTask.chosen`), each keyed by its position
+    model, data, held = one.engine.model, one.task.data, one.task.chosen(10)
+    assert len(held) == 10 and held[-1] > 10  # spread, not the first 10
+    batch = {"image": data.eval_x[held], "label": data.eval_y[held].astype(np.int32), "index": held.astype(np.int32)}
     params = jax.device_get(one.state.params)
     want = float(np.mean(model.per_example_error(params, batch)))
     assert got["eval_mse"] == pytest.approx(want, rel=1e-5) and got["eval_mse"] > 0
