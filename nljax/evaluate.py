@@ -100,7 +100,7 @@ def _evaluate(args, argv: list[str]) -> int:
         print(f"{key:<24} {value}")
     if out is not None:
         result = {"command": " ".join(["python -m nljax.evaluate", *argv]), "run_dir": run_dir,
-                  "checkpoint": str(t.path), "step": t.step, "params": "average" if t.average else "trained",
+                  "checkpoint": str(t.path), "step": t.step, "params": t.params_read,
                   "devices": n, **metrics, "nljax_version": __version__}
         describe = getattr(t.run.task, "describe", None)  # source, tokens or images, digest (as summary.json)
         if describe is not None:

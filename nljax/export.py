@@ -72,7 +72,7 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     try:
         _save_weights(save_file, {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, temp[WEIGHTS])
         info = {"config": config.to_dict(t.trained_cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path),
-                "params": "average" if t.average else "trained"}
+                "params": t.params_read}
         if tok is not None:  # how text becomes tokens, for nljax.load (a tokenizer's file beside it)
             info["tokenizer"] = tok.info()
         if TOKENIZER in temp:

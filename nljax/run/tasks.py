@@ -363,9 +363,10 @@ class ImageTask:
             self.notes.append(f"note: images {where}: no image has label {shown}; the model has a class for each of "
                               f"0 .. {self.data.num_classes - 1} (number the labels from 0 without gaps)")
         names = self.data.classes or ()
-        if all(n.isdigit() for n in names) and list(names) != sorted(names, key=int):
+        numeric = sorted(names, key=int) if all(n.isdigit() for n in names) else list(names)
+        if list(names) != numeric:
             # torchvision's order too, but a folder `10` labelled 2 surprises: said, with an example
-            k = next(k for k, n in enumerate(names) if n != sorted(names, key=int)[k])
+            k = next(k for k, (n, m) in enumerate(zip(names, numeric)) if n != m)
             self.notes.append(f"note: images.path {cfg.images.path}: the class folders are numbers, labelled in the "
                               f"order of their names as text (label {k} is folder {names[k]}); name them 00, 01, ... "
                               "for labels in number order")
@@ -477,14 +478,15 @@ class ImageTask:
         # gathered over the data axes here.
         whole = cache.eng.strategy.gather_params(params)
         one, multi = self.generate(cache.eng, whole, n)
-        ref = self.data.eval_x[self.chosen(n)]
+        drawn = self.chosen(n)  # the held-out images the samples are drawn for
+        ref = self.data.eval_x[drawn]
         if jax.process_index() == 0 and self.samples_dir is not None:
             run_dir = self.samples_dir
             run_dir.mkdir(parents=True, exist_ok=True)
             from nljax.runtime.runlog import note_written
 
             name = f"samples_{step:06d}.png"
-            labels = self.data.eval_y[self.chosen(n)] if self.data.num_classes else None
+            labels = self.data.eval_y[drawn] if self.data.num_classes else None
             write_samples(run_dir / name, one, multi, ref, mf.sample_steps, labels, f"after {step} steps",
                           self.data.classes)
             note_written(run_dir, name)

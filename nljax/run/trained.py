@@ -56,6 +56,11 @@ class Trained:
     average: bool = False  # params are the moving average (`params=`, `reads_average`)
 
     @property
+    def params_read(self) -> str:
+        """`params=`'s name for the parameters read, as results and exports record it."""
+        return "average" if self.average else "trained"
+
+    @property
     def which(self) -> str:
         """Which parameters were read, for a tool's line about the checkpoint: empty where the run
         keeps one set."""
