@@ -6,12 +6,15 @@
     python -m nljax.generate run.dir=runs/default prompts=FILE.txt|FILE.jsonl out=RESULTS.jsonl \\
         [samples_per_prompt=N] [batch_size=8] [the sampling settings above]
     python -m nljax.generate run.dir=runs/default/export prompt="def "   # an export (nljax.export)
-    python -m nljax.generate run.dir=runs/meanflow_digits [samples=16] [out=FILE.png] [seed=N]
+    python -m nljax.generate run.dir=runs/meanflow_digits [samples=16 | labels=3,3,7] [out=FILE.png] [seed=N]
 
 A language model's text streams to the terminal as it is sampled, read window by window with the
 neural memory carried as training reads the stream; an image model (MeanFlow) writes a PNG grid
-of one-step and multi-step samples (its noise keyed by seed=, default the run's seed). The same
-checkpoint and seed give the same tokens on any device count. `checkpoint=` is a step number
+of one-step and multi-step samples (its noise keyed by seed=, default the run's seed): for the
+classes of `samples=` held-out images spread over them, or for the classes `labels=` names, one
+sample each (numbers or a folder's class names, comma-separated or a JSON list; K, the number of
+classes, for a sample of no class), as `nljax.load(run.dir).generate(labels=[...], seed=)` draws
+them. The same checkpoint and seed give the same tokens on any device count. `checkpoint=` is a step number
 (400: the run's checkpoint at step 400) or a step directory; under optim.ema_decay the parameters'
 moving average is sampled unless `params=trained` (the optimizer's own); run.dir= may also be an export
 directory, read as `nljax.load` reads it (one device; the same text as from its run). How the
@@ -58,8 +61,8 @@ from nljax.measure.figures import written_by_nljax
 from nljax.models import registry
 from nljax.run import prompts as prompts_lib
 from nljax.run import trained as trained_lib
-from nljax.run.sampling import (completions, generate_images, generate_text, parse, prompt_ids, tokenization_of,
-                                write_text)
+from nljax.run.sampling import (completions, generate_images, generate_text, grid_labels, parse, prompt_ids,
+                                tokenization_of, write_text)
 from nljax.run.scoring import StreamReader
 from nljax.runtime import resultfile
 
@@ -75,7 +78,8 @@ def main(argv=None) -> int:
                         "step directory), params= (average or trained: under optim.ema_decay, the parameters' "
                         "moving average, the default, or the optimizer's own); many prompts: prompts=FILE (.txt, "
                         "a prompt a line; .jsonl, a \"prompt\" field a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run "
-                        "samples= and out=FILE.png; any other key=value: a config override")
+                        "samples= or labels= (classes, one sample each: 3,3,7 or class names) and out=FILE.png; any "
+                        "other key=value: a config override")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
     return cli.tool("nljax.generate", lambda: _generate(args), cli.stdout_to_devnull)
 
@@ -90,9 +94,10 @@ def _generate(args) -> int:
         return _from_export(run_dir, s, given, overrides)
     cfg = trained_lib.config_of(run_dir, s.checkpoint, overrides)
     images = registry.task_of(cfg) == "images"  # a denoiser's grid, or a language model's text
-    _check(cfg.model.name, images, given, s)  # before anything is restored
+    _check(cfg.model.name, images, given, s, cfg.meanflow.class_cond)  # before anything is restored
     codec = tokenization_of(cfg) if s.prompts else None  # the run's tokenization, read without the checkpoint
     batch = _prompts(s, codec) if s.prompts else None  # each line checked before the load
+    label = grid_labels(cfg, s.labels) if images and s.labels else None  # a class the run lacks: before the load
     if images and "seed" in given:  # the grid's noise is keyed by the config's seed (default: the run's)
         overrides = [*overrides, f"seed={s.seed}"]
     path = (Path(s.out) if s.out else Path(cfg.run.dir) / "generated.png") if images else None
@@ -109,12 +114,12 @@ def _generate(args) -> int:
         print(line, file=sys.stderr)
     if images:
         held = len(t.run.task.data.eval_x)
-        if s.samples > held:  # one sample per held-out label: the grid was cut to them in silence
+        if s.samples > held and not s.labels:  # one sample per held-out label: the grid was cut to them in silence
             print(f"nljax.generate: samples={s.samples}: the run holds {held} held-out images, one sample for each "
                   f"one's label: drawing {held}", file=sys.stderr)
         _say("drawing the grid (compiling the sampler first) ...")
         try:
-            generate_images(t, s, path)
+            generate_images(t, s, path, label)
         except OSError as e:  # permissions, a full disk, a directory that does not exist
             print(f"nljax.generate: error: {cli.cannot_write(path, e)}", file=sys.stderr)
             return 1
@@ -144,7 +149,7 @@ def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
     trained_model.check_export_args(where, s.checkpoint, overrides, s.params)
     _, cfg = export_lib.read_config(where)  # the settings checked against it before the weights are read
     images = registry.task_of(cfg) == "images"  # not `makes_text`: a text model without logits is no image model
-    _check(cfg.model.name, images, given, s)
+    _check(cfg.model.name, images, given, s, cfg.meanflow.class_cond)
     if images:  # the grid sets samples beside the run's held-out images, which an export lacks
         raise ConfigError(f"{path} is the export of an image model (model.name={cfg.model.name}): "
                           "nljax.generate draws its grid from the run directory (beside the held-out images); "
@@ -201,11 +206,18 @@ def _write_completions(reader, codec, s, records: list[prompts_lib.Prompt], ids:
     return 0
 
 
-def _check(model_name: str, images: bool, given: set[str], s) -> None:
+def _check(model_name: str, images: bool, given: set[str], s, conditional: bool = False) -> None:
     """Settings that do not fit the model (checked before its parameters are read)."""
-    if not images and "samples" in given:
-        raise ConfigError(f"samples= is for a MeanFlow (model.name=dit) run's image grid; this run's model is "
-                          f"{model_name}: completions per prompt of prompts=FILE are samples_per_prompt=")
+    for key in sorted(given & {"samples", "labels"}):
+        if not images:
+            raise ConfigError(f"{key}= is for a MeanFlow (model.name=dit) run's image grid; this run's model is "
+                              f"{model_name}" + (": completions per prompt of prompts=FILE are samples_per_prompt="
+                                                 if key == "samples" else ""))
+    if images and {"samples", "labels"} <= given:
+        raise ConfigError("samples= and labels= together: labels= draws one sample per class it names")
+    if images and "labels" in given and not conditional:  # its samples read no label: the grid would lie
+        raise ConfigError(f"labels=: this run's model ({model_name}) is unconditional (meanflow.class_cond=false): "
+                          "its samples have no class; samples=N draws N")
     if not images and s.out and not s.prompts:
         raise ConfigError(f"out= names the results of prompts=FILE (.jsonl) or a MeanFlow (model.name=dit) run's "
                           f"image grid; this run's model is {model_name}: the text of prompt= goes to the terminal")

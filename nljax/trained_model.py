@@ -25,7 +25,6 @@ Everything here imports JAX on call: `import nljax` stays light.
 from __future__ import annotations
 
 import dataclasses
-import operator
 import os
 import sys
 from pathlib import Path
@@ -35,6 +34,7 @@ import jax
 import numpy as np
 
 from nljax.config import Config
+from nljax.data import images
 from nljax.errors import ConfigError
 from nljax.models.registry import checked_logits
 from nljax.runtime.exportdir import is_export
@@ -271,22 +271,6 @@ class TrainedModel:
                                                vocab=self.config.model.vocab_size)
         return self._readers[rows]
 
-    def _label_ids(self, labels: Sequence[int | str]) -> list[int]:
-        """`labels` as class ids: a folder's class names (`model.classes`) stand for their labels;
-        anything else that is not an integer is one line (int('cat') raised a ValueError)."""
-        names = tuple(getattr(self.model, "classes", None) or ())
-        ids = []
-        for x in labels:
-            if isinstance(x, str) and x in names:
-                ids.append(names.index(x))
-            elif hasattr(x, "__index__") and not isinstance(x, (bool, str)):  # int, numpy's, a 0-d jax array
-                ids.append(operator.index(x))
-            else:
-                known = f"its classes: {', '.join(names)}" if names else "its data name no classes"
-                raise ConfigError(f"labels must be class numbers or, for a run on a folder, class names ({known}); "
-                                  f"got {x!r:.60}")
-        return ids
-
     def _images(self, labels: Sequence[int | str] | None, steps: int, seed: int | None) -> np.ndarray:
         if not hasattr(self.model, "generate"):
             raise ConfigError(f"model.name={self.config.model.name} neither makes text nor has generate()")
@@ -299,15 +283,9 @@ class TrainedModel:
             # an unconditional model reads no label, but takes one per sample: say which to give
             which = "labels=[class, ...]" if conditional else "labels=[0] * n (unconditional: the labels are not read)"
             raise ConfigError(f"an image model's generate needs {which}, one sample each, and steps >= 1")
-        label = np.asarray(self._label_ids(labels), np.int64)
-        # a conditional DiT's classes 0..n-1 and n, its null label; a label beyond reads another
-        # row of the label embedding (or none), silently. An unconditional model reads none.
+        # a conditional DiT's classes 0..n-1 and n, its null label; an unconditional model reads none
         classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0
-        bad = label[(label < 0) | (label > classes)] if classes else label[:0]
-        if bad.size:
-            which = "0" if classes == 1 else f"0 to {classes - 1}"
-            raise ConfigError(f"labels must be a class, {which}, or {classes} for no class (unconditional samples), "
-                              f"got {int(bad[0])}")
+        label = images.label_ids(labels, getattr(self.model, "classes", None), classes)
         model = self.model
         if seed is not None:  # ignored before: every seed gave the run's samples
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:  # as the config's seed
@@ -315,7 +293,6 @@ class TrainedModel:
             if not (dataclasses.is_dataclass(model) and hasattr(model, "seed")):
                 raise ConfigError(f"model.name={self.config.model.name} keys its noise itself: seed= is not for it")
             model = dataclasses.replace(model, seed=seed)
-        label = label.astype(np.int32)
         index = np.arange(len(label), dtype=np.int32)  # each sample's noise, keyed by (seed, index)
         out = jax.jit(model.generate, static_argnums=3)(self.params, index, label, int(steps))
         return np.asarray(out)

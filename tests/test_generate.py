@@ -5,9 +5,11 @@ MeanFlow run, and one-line errors."""
 import jax
 import numpy as np
 import pytest
+from PIL import Image
 from helpers import TINY_NL, assert_trees_equal, saved_run
 
 from nljax import generate
+from nljax.errors import ConfigError
 from nljax.run import sampling, trained
 
 # TINY_NL at train.seq_len 8: a 30-token generation crosses several windows of the memory
@@ -92,27 +94,35 @@ def test_same_tokens_on_one_and_eight_devices(fsdp_run):
     assert one != sampling.generate_text(runs[0], sampling.Settings(**{**vars(s), "seed": 4}), lambda _: None)
 
 
-def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys, monkeypatch):
+@pytest.fixture(scope="module")
+def moons_run(tmp_path_factory):
+    """A class-conditional MeanFlow run on the moons (2 classes), one step, on a (1, 2) mesh."""
+    run_dir = tmp_path_factory.mktemp("moons") / "run"
     dit = ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
            "model.dit.patch_size=1", "images.source=moons", "images.toy_points=80", "cms.periods=[1]",
            "train.batch_size=16", "meanflow.sample_steps=2"]
-    saved_run(tmp_path / "run", dit, 1, 2, steps=1)
+    saved_run(run_dir, dit, 1, 2, steps=1)
+    return run_dir
+
+
+def test_meanflow_run_writes_a_sample_grid(moons_run, tmp_path, capsys, monkeypatch):
+    run = moons_run
     out = tmp_path / "grid.png"
-    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6"]) == 0
+    assert generate.main([f"run.dir={run}", f"out={out}", "samples=6"]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     from matplotlib.image import imread as pixels  # the grid as drawn, not the PNG's bytes
 
     first = pixels(out)
-    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6"]) == 0  # its own grid: replaced
+    assert generate.main([f"run.dir={run}", f"out={out}", "samples=6"]) == 0  # its own grid: replaced
     # seed= draws other noise (it was ignored: every seed gave the same grid); the run's seed (0)
     # is the default
-    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6", "seed=0"]) == 0
+    assert generate.main([f"run.dir={run}", f"out={out}", "samples=6", "seed=0"]) == 0
     np.testing.assert_array_equal(pixels(out), first)
-    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=6", "seed=5"]) == 0
+    assert generate.main([f"run.dir={run}", f"out={out}", "samples=6", "seed=5"]) == 0
     assert not np.array_equal(pixels(out), first)
     # more samples than held-out labels: said (the grid was cut to them in silence)
     capsys.readouterr()
-    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={out}", "samples=500"]) == 0
+    assert generate.main([f"run.dir={run}", f"out={out}", "samples=500"]) == 0
     assert ("nljax.generate: samples=500: the run holds 16 held-out images, one sample for each one's label: "
             "drawing 16") in capsys.readouterr().err.splitlines()
     # a user's PNG of that name is never replaced; text settings on an image run are refused (both
@@ -120,30 +130,87 @@ def test_meanflow_run_writes_a_sample_grid(tmp_path, capsys, monkeypatch):
     mine = tmp_path / "mine.png"
     mine.write_bytes(b"\x89PNG\r\n\x1a\n a user's picture")
     capsys.readouterr()
-    assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={mine}"]) == 2
+    assert generate.main([f"run.dir={run}", f"out={mine}"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"nljax.generate: error: out={mine} exists and is not a PNG nljax.generate wrote; give another out= or move it")
     assert mine.read_bytes().endswith(b"a user's picture")
-    assert generate.main([f"run.dir={tmp_path / 'run'}", "prompt=a cat", f"out={tmp_path / 'g2.png'}"]) == 2
+    assert generate.main([f"run.dir={run}", "prompt=a cat", f"out={tmp_path / 'g2.png'}"]) == 2
     assert "prompt= is for a language model; this run's model is dit" in capsys.readouterr().err
     # a directory where no file can be made (Linux's /proc): one line, exit 2, before the checkpoint is read
-    assert generate.main([f"run.dir={tmp_path / 'run'}", "out=/proc/nljax_grid.png"]) == 2
+    assert generate.main([f"run.dir={run}", "out=/proc/nljax_grid.png"]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [
         "nljax.generate: error: out=/proc/nljax_grid.png: /proc is not writable"]
     # a write that fails all the same (a disk filled meanwhile): one line naming the file, exit 1
     monkeypatch.setattr("nljax.runtime.resultfile.unwritable", lambda path: None)
-    assert generate.main([f"run.dir={tmp_path / 'run'}", "out=/proc/nljax_grid.png"]) == 1
+    assert generate.main([f"run.dir={run}", "out=/proc/nljax_grid.png"]) == 1
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("nljax.generate: error: cannot write "
                                                                "/proc/nljax_grid.png: No such file or directory")
     monkeypatch.undo()
     # its export: the grid sets samples beside the run's held-out images, which an export lacks
     from nljax import export
 
-    export.export(trained.load(tmp_path / "run", devices=jax.devices()[:1]), tmp_path / "export")
+    export.export(trained.load(run, devices=jax.devices()[:1]), tmp_path / "export")
     assert generate.main([f"run.dir={tmp_path / 'export'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"nljax.generate: error: {tmp_path / 'export'} is the export of an image model "
                           "(model.name=dit): nljax.generate draws its grid from the run directory") and "\n" not in err
+
+
+def test_a_grid_of_the_classes_labels_names(moons_run, tmp_path, capsys, monkeypatch):
+    """labels= draws one sample per class it names (numbers, comma-separated or a JSON list; the
+    null class K too), the samples Python's nljax.load(run).generate(labels=, seed=) draws for them
+    (its noise keyed by the sample's place); refused in one line where it cannot apply."""
+    import nljax
+    from nljax.measure import figures
+
+    drawn = {}
+    monkeypatch.setattr(figures, "write_samples", lambda path, one, multi, ref, steps, labels, *a: drawn.update(
+        one=one, multi=multi, labels=labels))
+    run, out = str(moons_run), f"out={tmp_path / 'g.png'}"
+    assert generate.main([f"run.dir={run}", out, "labels=1,0,1,2", "seed=3"]) == 0
+    lm = nljax.load(run)
+    np.testing.assert_array_equal(drawn["labels"], [1, 0, 1, 2])
+    np.testing.assert_allclose(drawn["one"], lm.generate(labels=[1, 0, 1, 2], seed=3), atol=1e-5)
+    np.testing.assert_allclose(drawn["multi"], lm.generate(labels=[1, 0, 1, 2], steps=2, seed=3), atol=1e-5)
+    assert not np.allclose(drawn["one"][0], drawn["one"][2])  # two samples of one class: their own noise
+    first = drawn["one"]
+    assert generate.main([f"run.dir={run}", out, "labels=[1, 0, 1, 2]", "seed=3"]) == 0  # a JSON list
+    np.testing.assert_array_equal(drawn["one"], first)
+    capsys.readouterr()
+    for args, line in [
+        (["labels=1", "samples=4"], "samples= and labels= together: labels= draws one sample per class it names"),
+        (["labels=1,,0"], "labels=1,,0: an empty class; give classes separated by commas, as labels=3,3,7"),
+        (["labels=[1"], "labels=[1: a value that begins with [ is a JSON list of classes, and this is not JSON"),
+        (["labels=3"], "labels must be a class, 0 to 1, or 2 for no class (unconditional samples), got 3"),
+        (["labels=cat"], "labels must be class numbers or, for a run on a folder, class names (its data name no "
+                         "classes); got 'cat'"),
+        (["labels=1", "meanflow.class_cond=false"], "labels=: this run's model (dit) is unconditional "
+                                                    "(meanflow.class_cond=false): its samples have no class; samples=N "
+                                                    "draws N"),
+    ]:
+        assert generate.main([f"run.dir={run}", out, *args]) == 2, args
+        err = capsys.readouterr().err.strip()  # before the checkpoint is read: the line alone
+        assert err.startswith(f"nljax.generate: error: {line}") and "\n" not in err, (args, err)
+    # images without labels (an .npy's): the model reads none
+    from nljax.config import load
+
+    np.save(tmp_path / "x.npy", np.zeros((10, 4, 4), np.uint8))
+    with pytest.raises(ConfigError, match="^labels=: the run's images have no labels .its model is unconditional.; "
+                                          "samples=N draws N$"):
+        sampling.grid_labels(load(None, ["images.source=file", f"images.path={tmp_path / 'x.npy'}"]), "1")
+    # a folder's class names, a name read before a number (the folder `10` is label 1 of 00, 10, 2)
+    for name in ("00", "10", "2"):
+        (tmp_path / "f" / name).mkdir(parents=True)
+        for k in range(2):
+            Image.fromarray(np.full((4, 4), k, np.uint8)).save(tmp_path / "f" / name / f"{k}.png")
+    folder = load(None, ["images.source=file", f"images.path={tmp_path / 'f'}"])
+    assert sampling.grid_labels(folder, "10,2,0,1,3").tolist() == [1, 2, 0, 1, 3]
+
+
+def test_labels_is_for_an_image_grid(fsdp_run, capsys):
+    assert generate.main([f"run.dir={fsdp_run[0]}", "labels=1"]) == 2
+    assert capsys.readouterr().err.strip() == ("nljax.generate: error: labels= is for a MeanFlow (model.name=dit) "
+                                               "run's image grid; this run's model is nl_lm")
 
 
 def test_another_sampler_or_held_out_split_than_the_runs_is_said(tmp_path, capsys):

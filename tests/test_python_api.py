@@ -220,7 +220,10 @@ def test_an_image_model_of_a_folder_takes_its_class_names_as_labels():
     for classes in (("cat", "dog", "fox"), None):
         lm = nljax.TrainedModel(dit(cfg, (4, 4, 1), 3, classes), {}, cfg, 0, Path("built"))  # refused before params
         if classes:  # the ids generate samples (drawing them compiles: seconds)
-            assert lm._label_ids(["fox", "cat", 1, np.int64(2), jax.numpy.asarray(0)]) == [2, 0, 1, 2, 0]
+            from nljax.data.images import label_ids
+
+            ids = label_ids(["fox", "cat", 1, np.int64(2), jax.numpy.asarray(0), 3], lm.model.classes, 3)
+            assert ids.tolist() == [2, 0, 1, 2, 0, 3] and ids.dtype == np.int32
         with pytest.raises(ConfigError) as e:
             lm.generate(labels=[0, "owl"])
         known = "its classes: cat, dog, fox" if classes else "its data name no classes"

@@ -79,7 +79,8 @@ def test_a_fresh_run_refuses_a_users_file_under_a_run_files_name(tmp_path, name)
 
 def test_overwrite_removes_only_names_a_run_writes(tmp_path):
     """nljax_written.txt edited to list a user's files: run.overwrite keeps them (it deleted
-    whatever the listing named); the run's own samples go."""
+    whatever the listing named); the run's own samples go, and the hidden partial files a kill
+    left of the run's own outputs (a user's hidden files of that form stay)."""
     from nljax.runtime import runlog
     from nljax.runtime.rundir import RunDir
 
@@ -87,9 +88,14 @@ def test_overwrite_removes_only_names_a_run_writes(tmp_path):
     for name in ("data.txt", "notes.md", "samples_000002.png"):
         (tmp_path / name).write_text("x")
         runlog.note_written(tmp_path, name)
+    partial = [".samples_000004.png.tmp-123", ".summary.json.tmp-9"]
+    kept = [".data.txt.tmp-5", ".samples_000004.png.tmp-x", ".notes.tmp-1"]
+    for name in partial + kept:
+        (tmp_path / name).write_text("x")
     RunDir(str(tmp_path), overwrite=True, write=True)
     assert (tmp_path / "data.txt").exists() and (tmp_path / "notes.md").exists()
     assert not (tmp_path / "samples_000002.png").exists()
+    assert [n for n in partial + kept if (tmp_path / n).exists()] == kept
 
 
 @pytest.mark.parametrize("where", ["checkpoints", "run.dir"])

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import operator
 from pathlib import Path
 from typing import Literal
 
@@ -228,6 +229,33 @@ def spread(total: int, n: int) -> np.ndarray:
     since a folder's images come class by class (a grid of 16 from 3 classes of 1,000 drew the
     first class alone, and meanflow.eval_samples scored it alone)."""
     return np.arange(n) * total // n
+
+
+def label_ids(labels, names, classes: int) -> np.ndarray:
+    """Sample labels as class ids [n] int32: a folder's class name (`names`, in label order) stands
+    for its label, as Python's `generate(labels=)` and `nljax.generate labels=` take them; each a
+    class 0 .. classes - 1, or `classes`, the null label (a sample of no class). `classes` 0: an
+    unconditional model, which reads no label (any number is taken)."""
+    names = tuple(names or ())
+    ids = []
+    for x in labels:
+        if isinstance(x, str) and x in names:
+            ids.append(names.index(x))
+        elif hasattr(x, "__index__") and not isinstance(x, (bool, str)):  # int, numpy's, a 0-d jax array
+            ids.append(operator.index(x))
+        else:  # int('cat') raised a ValueError
+            known = f"its classes: {', '.join(names)}" if names else "its data name no classes"
+            raise ConfigError(f"labels must be class numbers or, for a run on a folder, class names ({known}); "
+                              f"got {x!r:.60}")
+    label = np.asarray(ids, np.int64)
+    # a conditional DiT's classes 0..n-1 and n, its null label; a label beyond reads another row
+    # of the label embedding (or none), silently
+    bad = label[(label < 0) | (label > classes)] if classes else label[:0]
+    if bad.size:
+        which = "0" if classes == 1 else f"0 to {classes - 1}"
+        raise ConfigError(f"labels must be a class, {which}, or {classes} for no class (unconditional samples), "
+                          f"got {int(bad[0])}")
+    return label.astype(np.int32)
 
 
 def missing_labels(data: ImageSet) -> list[int]:

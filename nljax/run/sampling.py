@@ -27,8 +27,8 @@ the `stop` strings in its text, or after `max_new_tokens` (nljax/run/stopping.py
 before its end are drawn as without them, and in a batch a row that has ended is not extended.
 
 A MeanFlow run (model.name=dit) writes a PNG grid instead: one-step and multi-step
-(`meanflow.sample_steps`) samples side by side, for the labels of the first held-out images (2-D
-toy data: scatter plots over the held-out points).
+(`meanflow.sample_steps`) samples side by side, for the labels of held-out images spread over them, or for the classes
+`labels=` names (2-D toy data: scatter plots over the held-out points).
 
 Any other `key=value` is a config override on top of the run's own config.yaml.
 """
@@ -80,6 +80,9 @@ class Settings:
     # own); empty: the average where the run keeps one (nljax.run.trained.PARAMS)
     params: str = ""
     samples: int = 16  # DiT: images in the grid
+    # DiT: the grid's classes, one sample each (numbers or a folder's class names, comma-separated
+    # or a JSON list); empty: the labels of `samples` held-out images
+    labels: str = ""
     out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); prompts=: the results (.jsonl)
 
     def check(self) -> "Settings":
@@ -107,6 +110,7 @@ class Settings:
             check_stop(stop, f"stop[{i}]" if len(self.stop) > 1 else "stop")
         if self.samples < 1:
             raise ConfigError(f"samples must be >= 1, got {self.samples}")
+        label_items(self.labels)  # its form; the classes are the run's, checked on load
         trained_lib.reads_average(self.params, None)  # the value; what the run keeps is checked on load
         if self.samples_per_prompt < 1:
             raise ConfigError(f"samples_per_prompt must be >= 1, got {self.samples_per_prompt}")
@@ -184,6 +188,41 @@ def check_stop(stop, named: str) -> None:
         stop.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ConfigError(f"{named} is not UTF-8 text (at character {e.start})") from None
+
+
+def label_items(value: str) -> list[int | str]:
+    """`labels=`'s classes, one sample each: comma-separated (`labels=3,3,7`, `labels=cat,dog`), or
+    a JSON list (`labels='["a, b", 2]'`: a class name holding a comma). A name in digits stays a
+    str: a folder's class `10` is read by name first (`resolve_labels`)."""
+    if not value:
+        return []
+    if value.startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError as e:
+            raise ConfigError(f"labels={value}: a value that begins with [ is a JSON list of classes, and this is not "
+                              f"JSON ({e})") from None
+        if not isinstance(items, list) or not all(isinstance(x, (int, str)) and not isinstance(x, bool) for x in items):
+            raise ConfigError(f"labels={value}: give a JSON list of class numbers or names, as labels='[3, 7]'")
+    else:
+        items = [x.strip() for x in value.split(",")]
+    if not items or any(x == "" for x in items):
+        raise ConfigError(f"labels={value}: an empty class; give classes separated by commas, as labels=3,3,7")
+    return items
+
+
+def grid_labels(cfg, value: str) -> np.ndarray:
+    """`labels=` as the class ids of the run's images (`cfg.images`): a folder's class name first,
+    else a number (`images.label_ids`). Read before the checkpoint (the images are then in memory
+    for the grid): a class the run lacks is refused before anything is restored."""
+    from nljax.data import images
+
+    data = images.load(cfg.images)
+    if not data.num_classes:  # the model reads no label: the grid would name classes it never drew
+        raise ConfigError("labels=: the run's images have no labels (its model is unconditional); samples=N draws N")
+    names = tuple(data.classes or ())
+    items = [x if not isinstance(x, str) or x in names or not x.isdigit() else int(x) for x in label_items(value)]
+    return images.label_ids(items, names, data.num_classes)
 
 
 def seeded(seed: int, index: int = 0, sample: int = 0) -> np.random.Generator:
@@ -346,14 +385,17 @@ def tokenization_of(cfg):
     return prepared.tokenization_of(cfg.data)
 
 
-def generate_images(t: trained_lib.Trained, s: Settings, path: Path) -> None:
-    """A MeanFlow run's one-step and multi-step samples side by side, as a PNG at `path`."""
+def generate_images(t: trained_lib.Trained, s: Settings, path: Path, label: np.ndarray | None = None) -> None:
+    """A MeanFlow run's one-step and multi-step samples side by side, as a PNG at `path`: for the
+    classes `label` (`grid_labels`), or for `s.samples` held-out images."""
     from nljax.measure.figures import write_samples
 
-    task = t.run.task
-    n = min(s.samples, len(task.data.eval_x))
-    one, multi = task.generate(t.run.engine, t.params, n)
-    held = task.chosen(n)  # the held-out images drawn for: spread over them, as an evaluation's
-    labels = task.data.eval_y[held] if task.data.num_classes else None
-    write_samples(path, one, multi, task.data.eval_x[held], t.cfg.meanflow.sample_steps, labels,
-                  f"{t.cfg.run.dir}, step {t.step}", task.data.classes)
+    task, data = t.run.task, t.run.task.data
+    if label is not None:  # the classes asked for, each sample's noise keyed by its place (as Python's generate(labels=))
+        index, reference = np.arange(len(label)), data.eval_x  # 2-D toy data: over every held-out point
+    else:  # the held-out images drawn for: spread over them, as an evaluation's
+        index = task.chosen(min(s.samples, len(data.eval_x)))
+        label, reference = data.eval_y[index], data.eval_x[index]
+    one, multi = task.draw(t.run.engine, t.params, index, label)
+    write_samples(path, one, multi, reference, t.cfg.meanflow.sample_steps, label if data.num_classes else None,
+                  f"{t.cfg.run.dir}, step {t.step}", data.classes)

@@ -433,10 +433,18 @@ class ImageTask:
         multi-step, gathered; each sample's noise keyed by its image's position, so a sample is the
         same whatever n. `eng`: the run's engine; `params`: the model's parameter tree
         (`Strategy.gather_params`)."""
-        padded = -(-n // meshlib.data_size(self.mesh)) * meshlib.data_size(self.mesh)
-        index = np.resize(self.chosen(n), padded).astype(np.int32)  # tail rows are padding
-        rows = put_batch({"index": index, "label": self.data.eval_y[index].astype(np.int32)}, self.mesh)
-        one, multi = self.generator(eng)(params, rows["index"], rows["label"])
+        index = self.chosen(n)
+        return self.draw(eng, params, index, self.data.eval_y[index])
+
+    def draw(self, eng, params, index: np.ndarray, label: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(one-step, multi-step) samples [n, ...] gathered, sample i of class label[i] from noise
+        keyed by (the run's seed, index[i])."""
+        n, rows = len(index), meshlib.data_size(self.mesh)
+        padded = -(-n // rows) * rows
+        # tail rows are padding
+        batch = {"index": np.resize(index, padded).astype(np.int32), "label": np.resize(label, padded).astype(np.int32)}
+        batch = put_batch(batch, self.mesh)
+        one, multi = self.generator(eng)(params, batch["index"], batch["label"])
         return gather_rows(one, n), gather_rows(multi, n)
 
     def error_fn(self, eng):

@@ -53,12 +53,18 @@ def written(run_dir: Path) -> set[str]:
 
 
 def remove_written(run_dir: Path) -> None:
-    """Removes the files and folders noted by `note_written` (`written`), then the list."""
+    """Removes the files and folders noted by `note_written` (`written`), then the list, and the
+    hidden `.NAME.tmp-PID` file a write of one of the run's files (NAME, an `OUTPUT_PATTERNS`
+    name) left where a kill cut it short (`resultfile`, `figures.write_samples`)."""
     for name in written(run_dir):
         p = Path(run_dir) / name
         if p.is_dir() and not p.is_symlink():
             shutil.rmtree(p)
         else:
+            p.unlink(missing_ok=True)
+    for p in Path(run_dir).glob(".*.tmp-*"):
+        name, _, pid = p.name[1:].rpartition(".tmp-")
+        if pid.isdigit() and p.is_file() and any(fnmatch.fnmatchcase(name, x) for x in OUTPUT_PATTERNS):
             p.unlink(missing_ok=True)
     (Path(run_dir) / WRITTEN).unlink(missing_ok=True)
 
