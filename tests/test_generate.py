@@ -156,6 +156,7 @@ def test_meanflow_run_writes_a_sample_grid(moons_run, tmp_path, capsys, monkeypa
                           "(model.name=dit): nljax.generate draws its grid from the run directory") and "\n" not in err
 
 
+@pytest.mark.slow  # its run (the moons_run fixture) is the slow tier's, as the grid test's above
 def test_a_grid_of_the_classes_labels_names(moons_run, tmp_path, capsys, monkeypatch):
     """labels= draws one sample per class it names (numbers, comma-separated or a JSON list; the
     null class K too), the samples Python's nljax.load(run).generate(labels=, seed=) draws for them
@@ -191,10 +192,14 @@ def test_a_grid_of_the_classes_labels_names(moons_run, tmp_path, capsys, monkeyp
         assert generate.main([f"run.dir={run}", out, *args]) == 2, args
         err = capsys.readouterr().err.strip()  # before the checkpoint is read: the line alone
         assert err.startswith(f"nljax.generate: error: {line}") and "\n" not in err, (args, err)
-    # images without labels (an .npy's): the model reads none
+
+
+def test_labels_are_read_as_the_runs_classes(tmp_path):
+    """`labels=` against the run's images, before any checkpoint is read: images without labels
+    (an .npy's) refused in one line; a folder's class names, a name read before a number."""
     from nljax.config import load
 
-    np.save(tmp_path / "x.npy", np.zeros((10, 4, 4), np.uint8))
+    np.save(tmp_path / "x.npy", np.zeros((10, 4, 4), np.uint8))  # the model reads no label
     with pytest.raises(ConfigError, match="^labels=: the run's images have no labels .its model is unconditional.; "
                                           "samples=N draws N$"):
         sampling.grid_labels(load(None, ["images.source=file", f"images.path={tmp_path / 'x.npy'}"]), "1")
@@ -205,6 +210,18 @@ def test_a_grid_of_the_classes_labels_names(moons_run, tmp_path, capsys, monkeyp
             Image.fromarray(np.full((4, 4), k, np.uint8)).save(tmp_path / "f" / name / f"{k}.png")
     folder = load(None, ["images.source=file", f"images.path={tmp_path / 'f'}"])
     assert sampling.grid_labels(folder, "10,2,0,1,3").tolist() == [1, 2, 0, 1, 3]
+    assert sampling.grid_labels(folder, '["2", 0]').tolist() == [2, 0]
+    for value, line in [("4", "labels must be a class, 0 to 2, or 3 for no class (unconditional samples), got 4"),
+                        ("cat", "labels must be class numbers or, for a run on a folder, class names (its classes: "
+                                "00, 10, 2); got 'cat'"),
+                        ("1,,0", "labels=1,,0: an empty class; give classes separated by commas, as labels=3,3,7"),
+                        ('[1, true]', "labels=[1, true]: give a JSON list of class numbers or names, as "
+                                      "labels='[3, 7]'")]:
+        with pytest.raises(ConfigError) as e:
+            sampling.grid_labels(folder, value)
+        assert str(e.value) == line
+    with pytest.raises(ConfigError, match="^labels=1,,0: an empty class"):  # its form: as the settings are read
+        sampling.parse(["run.dir=x", "labels=1,,0"])
 
 
 def test_labels_is_for_an_image_grid(fsdp_run, capsys):
