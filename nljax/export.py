@@ -175,15 +175,22 @@ def read_config(path: str | Path) -> tuple[dict, config.Config]:
     return info, cfg
 
 
+def built_model(path: str | Path):
+    """The model of an export directory, built from its config.json without reading its weights:
+    with what its data decided (a DiT's image shape and classes), as recorded; GPU-only forms off
+    a GPU: auto's."""
+    info, cfg = read_config(path)
+    return registry.rebuild(for_this_backend(cfg), info)
+
+
 def load_model(path: str | Path):
     """(model, params) of an export directory, the parameters on the default device."""
     from safetensors.flax import load_file
 
     path = Path(path)
-    info, cfg = read_config(path)
+    info, _ = read_config(path)
     filedigest.check(path, info.get("sha256"), "the export")
-    # with what its data decided (a DiT's images), as recorded; GPU-only forms off a GPU: auto's
-    model = registry.rebuild(for_this_backend(cfg), info)
+    model = built_model(path)
     flat = load_file(str(path / WEIGHTS))
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     template = named(shapes)

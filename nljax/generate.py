@@ -7,6 +7,7 @@
         [samples_per_prompt=N] [batch_size=8] [the sampling settings above]
     python -m nljax.generate run.dir=runs/default/export prompt="def "   # an export (nljax.export)
     python -m nljax.generate run.dir=runs/meanflow_digits [samples=16 | labels=3,3,7] [out=FILE.png] [seed=N]
+    python -m nljax.generate run.dir=runs/meanflow_digits/export labels=3,3,7 out=FILE.png   # its export
 
 A language model's text streams to the terminal as it is sampled, read window by window with the
 neural memory carried as training reads the stream; an image model (MeanFlow) writes a PNG grid
@@ -14,7 +15,8 @@ of one-step and multi-step samples (its noise keyed by seed=, default the run's 
 classes of `samples=` held-out images spread over them, or for the classes `labels=` names, one
 sample each (numbers or a folder's class names, comma-separated or a JSON list; K, the number of
 classes, for a sample of no class), as `nljax.load(run.dir).generate(labels=[...], seed=)` draws
-them. The same checkpoint and seed give the same tokens on any device count. `checkpoint=` is a step number
+them (an export holds no held-out images: it draws labels=, out= given). The same checkpoint and
+seed give the same tokens on any device count. `checkpoint=` is a step number
 (400: the run's checkpoint at step 400) or a step directory; under optim.ema_decay the parameters'
 moving average is sampled unless `params=trained` (the optimizer's own); run.dir= may also be an export
 directory, read as `nljax.load` reads it (one device; the same text as from its run). How the
@@ -54,10 +56,13 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 from nljax import cli, trained_model
 from nljax import export as export_lib
 from nljax.errors import ConfigError
-from nljax.measure.figures import written_by_nljax
+from nljax.data import images as images_lib
+from nljax.measure.figures import write_samples, written_by_nljax
 from nljax.models import registry
 from nljax.run import prompts as prompts_lib
 from nljax.run import trained as trained_lib
@@ -97,7 +102,10 @@ def _generate(args) -> int:
     _check(cfg.model.name, images, given, s, cfg.meanflow.class_cond)  # before anything is restored
     codec = tokenization_of(cfg) if s.prompts else None  # the run's tokenization, read without the checkpoint
     batch = _prompts(s, codec) if s.prompts else None  # each line checked before the load
-    label = grid_labels(cfg, s.labels) if images and s.labels else None  # a class the run lacks: before the load
+    label = None
+    if images and s.labels:  # a class the run lacks: said before the load (its images then in memory for the grid)
+        data = images_lib.load(cfg.images)
+        label = grid_labels(s.labels, data.classes, data.num_classes)
     if images and "seed" in given:  # the grid's noise is keyed by the config's seed (default: the run's)
         overrides = [*overrides, f"seed={s.seed}"]
     path = (Path(s.out) if s.out else Path(cfg.run.dir) / "generated.png") if images else None
@@ -141,8 +149,8 @@ def _say(line: str) -> None:
 
 
 def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
-    """A language model's export (nljax.export), loaded as `nljax.load` loads it (one device,
-    the tokenizer beside it): the same text as from the run it came from."""
+    """An export (nljax.export), loaded as `nljax.load` loads it (one device, a language model's
+    tokenizer beside it): the same text, or grid, as from the run it came from."""
     # run.dir= is how the directory was named; any other override, or checkpoint=, is refused there
     overrides = [o for o in overrides if not o.startswith("run.dir=")]
     where = Path(os.path.expanduser(path))
@@ -150,10 +158,8 @@ def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
     _, cfg = export_lib.read_config(where)  # the settings checked against it before the weights are read
     images = registry.task_of(cfg) == "images"  # not `makes_text`: a text model without logits is no image model
     _check(cfg.model.name, images, given, s, cfg.meanflow.class_cond)
-    if images:  # the grid sets samples beside the run's held-out images, which an export lacks
-        raise ConfigError(f"{path} is the export of an image model (model.name={cfg.model.name}): "
-                          "nljax.generate draws its grid from the run directory (beside the held-out images); "
-                          "an export samples from Python: nljax.load(DIR).generate(labels=[...])")
+    if images:
+        return _grid_of_export(path, where, s, given)
     batch = _prompts(s, export_lib.tokenization_of_export(where, cfg)) if s.prompts else None
     _say(f"reading the export {path} ...")  # its weights checked, the model built: seconds, as a checkpoint's
     lm = trained_model.load(where, s.checkpoint, overrides)
@@ -163,6 +169,42 @@ def _from_export(path: str, s, given: set[str], overrides: list[str]) -> int:
     _say("sampling (compiling the model first) ...")
     write_text(lm.sampler(), lm.tokenizer, s, _write)
     print()
+    return 0
+
+
+def _grid_of_export(path: str, where: Path, s, given: set[str]) -> int:
+    """An image model's export: the grid of the classes labels= names (or of samples= samples of an
+    unconditional model), drawn as `nljax.load(DIR).generate(labels=, seed=)` draws them; an
+    export holds no held-out images to draw samples= for."""
+    model = export_lib.built_model(where)  # its classes, before the weights are read
+    conditional = getattr(model, "conditional", False)
+    if conditional and not s.labels:
+        raise ConfigError(f"{path} is the export of a class-conditional image model: give the classes to draw, "
+                          "labels=0,1,2 (samples= draws for held-out images, which the run directory has)")
+    if not s.out:  # an export directory holds its model alone (nljax.load refuses other files there)
+        raise ConfigError(f"{path} is an export: give out=FILE.png, the grid's file (outside the export directory)")
+    out = Path(s.out)
+    if out.exists() and not written_by_nljax(out):  # a user's picture of the same name
+        raise ConfigError(f"out={out} exists and is not a PNG nljax.generate wrote; give another out= or move it")
+    if s.labels:  # refused for a model that reads no labels
+        label = grid_labels(s.labels, getattr(model, "classes", None), getattr(getattr(model, "net", None), "num_classes", 0)
+                            if conditional else 0)
+    else:
+        label = np.zeros(s.samples, int)  # an unconditional model's: not read
+    _say(f"reading the export {path} ...")
+    lm = trained_model.load(where)
+    print(f"nljax.generate: {lm.source} (export, step {lm.step})", file=sys.stderr)
+    _say("drawing the grid (compiling the sampler first) ...")
+    seed = s.seed if "seed" in given else None  # default: the run's, as its evaluation's samples
+    steps = lm.config.meanflow.sample_steps
+    one, multi = (lm.generate(labels=label.tolist(), steps=n, seed=seed) for n in (1, steps))
+    try:  # no held-out images beside it: 2-D toy data are drawn without the grey points
+        write_samples(out, one, multi, one[:0], steps, label if conditional else None, f"{path}, step {lm.step}",
+                      getattr(model, "classes", None))
+    except OSError as e:
+        print(f"nljax.generate: error: {cli.cannot_write(out, e)}", file=sys.stderr)
+        return 1
+    print(f"nljax.generate: wrote {out}", file=sys.stderr)
     return 0
 
 

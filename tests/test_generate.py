@@ -146,14 +146,14 @@ def test_meanflow_run_writes_a_sample_grid(moons_run, tmp_path, capsys, monkeypa
     assert capsys.readouterr().err.strip().splitlines()[-1] == ("nljax.generate: error: cannot write "
                                                                "/proc/nljax_grid.png: No such file or directory")
     monkeypatch.undo()
-    # its export: the grid sets samples beside the run's held-out images, which an export lacks
+    # its export holds no held-out images to draw samples= for: the classes are asked for
     from nljax import export
 
     export.export(trained.load(run, devices=jax.devices()[:1]), tmp_path / "export")
     assert generate.main([f"run.dir={tmp_path / 'export'}"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(f"nljax.generate: error: {tmp_path / 'export'} is the export of an image model "
-                          "(model.name=dit): nljax.generate draws its grid from the run directory") and "\n" not in err
+    assert capsys.readouterr().err.strip() == (
+        f"nljax.generate: error: {tmp_path / 'export'} is the export of a class-conditional image model: give the "
+        "classes to draw, labels=0,1,2 (samples= draws for held-out images, which the run directory has)")
 
 
 @pytest.mark.slow  # its run (the moons_run fixture) is the slow tier's, as the grid test's above
@@ -177,7 +177,24 @@ def test_a_grid_of_the_classes_labels_names(moons_run, tmp_path, capsys, monkeyp
     first = drawn["one"]
     assert generate.main([f"run.dir={run}", out, "labels=[1, 0, 1, 2]", "seed=3"]) == 0  # a JSON list
     np.testing.assert_array_equal(drawn["one"], first)
+    # its export draws the same grid (out= outside it), its classes checked before its weights are read
+    from nljax import export
+
+    export.export(trained.load(run, devices=jax.devices()[:1]), tmp_path / "export")
+    exported = {}
+    monkeypatch.setattr(generate, "write_samples", lambda path, one, multi, ref, steps, labels, *a: exported.update(
+        one=one, multi=multi, labels=labels))
+    assert generate.main([f"run.dir={tmp_path / 'export'}", out, "labels=1,0,1,2", "seed=3"]) == 0
+    for key in ("one", "multi"):
+        np.testing.assert_allclose(exported[key], drawn[key], atol=1e-5)
+    np.testing.assert_array_equal(exported["labels"], [1, 0, 1, 2])
     capsys.readouterr()
+    for args, line in [
+        (["labels=1"], f"{tmp_path / 'export'} is an export: give out=FILE.png, the grid's file (outside the export "
+                       "directory)"),
+        ([out, "labels=3"], "labels must be a class, 0 to 1, or 2 for no class (unconditional samples), got 3")]:
+        assert generate.main([f"run.dir={tmp_path / 'export'}", *args]) == 2
+        assert capsys.readouterr().err.strip() == f"nljax.generate: error: {line}"
     for args, line in [
         (["labels=1", "samples=4"], "samples= and labels= together: labels= draws one sample per class it names"),
         (["labels=1,,0"], "labels=1,,0: an empty class; give classes separated by commas, as labels=3,3,7"),
@@ -198,19 +215,25 @@ def test_labels_are_read_as_the_runs_classes(tmp_path):
     """`labels=` against the run's images, before any checkpoint is read: images without labels
     (an .npy's) refused in one line; a folder's class names, a name read before a number."""
     from nljax.config import load
+    from nljax.data import images
 
     np.save(tmp_path / "x.npy", np.zeros((10, 4, 4), np.uint8))  # the model reads no label
-    with pytest.raises(ConfigError, match="^labels=: the run's images have no labels .its model is unconditional.; "
-                                          "samples=N draws N$"):
-        sampling.grid_labels(load(None, ["images.source=file", f"images.path={tmp_path / 'x.npy'}"]), "1")
+    data = images.load(load(None, ["images.source=file", f"images.path={tmp_path / 'x.npy'}"]).images)
+    with pytest.raises(ConfigError, match="^labels=: the model reads no labels .its images have none.: its samples "
+                                          "have no class; samples=N draws N$"):
+        sampling.grid_labels("1", data.classes, data.num_classes)
     # a folder's class names, a name read before a number (the folder `10` is label 1 of 00, 10, 2)
     for name in ("00", "10", "2"):
         (tmp_path / "f" / name).mkdir(parents=True)
         for k in range(2):
             Image.fromarray(np.full((4, 4), k, np.uint8)).save(tmp_path / "f" / name / f"{k}.png")
-    folder = load(None, ["images.source=file", f"images.path={tmp_path / 'f'}"])
-    assert sampling.grid_labels(folder, "10,2,0,1,3").tolist() == [1, 2, 0, 1, 3]
-    assert sampling.grid_labels(folder, '["2", 0]').tolist() == [2, 0]
+    data = images.load(load(None, ["images.source=file", f"images.path={tmp_path / 'f'}"]).images)
+
+    def folder_labels(value):
+        return sampling.grid_labels(value, data.classes, data.num_classes)
+
+    assert folder_labels("10,2,0,1,3").tolist() == [1, 2, 0, 1, 3]
+    assert folder_labels('["2", 0]').tolist() == [2, 0]
     for value, line in [("4", "labels must be a class, 0 to 2, or 3 for no class (unconditional samples), got 4"),
                         ("cat", "labels must be class numbers or, for a run on a folder, class names (its classes: "
                                 "00, 10, 2); got 'cat'"),
@@ -218,10 +241,42 @@ def test_labels_are_read_as_the_runs_classes(tmp_path):
                         ('[1, true]', "labels=[1, true]: give a JSON list of class numbers or names, as "
                                       "labels='[3, 7]'")]:
         with pytest.raises(ConfigError) as e:
-            sampling.grid_labels(folder, value)
+            folder_labels(value)
         assert str(e.value) == line
     with pytest.raises(ConfigError, match="^labels=1,,0: an empty class"):  # its form: as the settings are read
         sampling.parse(["run.dir=x", "labels=1,,0"])
+
+
+def test_an_unconditional_image_models_export_draws_samples(tmp_path, capsys, monkeypatch):
+    """An export of a model that reads no labels (images without any): samples=N draws N, as
+    nljax.load(DIR).generate(labels=[0] * N, seed=) does; labels= is refused in one line. Built,
+    not trained: fast."""
+    from types import SimpleNamespace
+
+    import nljax
+    from nljax import export
+    from nljax.config import load
+    from nljax.models.builtin import dit
+
+    cfg = load(None, ["model.name=dit", "model.dim=16", "model.depth=1", "model.heads=2", "model.hidden_mult=2",
+                      "model.dit.patch_size=2", "cms.periods=[1]", "seed=3", "meanflow.sample_steps=2"])
+    model = dit(cfg, (4, 4, 1), 0)
+    params = jax.tree.map(lambda p: p + 0.1, model.init(jax.random.key(0)))  # adaLN-zero's output is 0 at init
+    export.export(SimpleNamespace(params=params, cfg=cfg, trained_cfg=cfg, model=model, step=0, path="built",
+                                  params_read="trained"), tmp_path / "export")
+    drawn = {}
+    monkeypatch.setattr(generate, "write_samples", lambda path, one, multi, ref, steps, labels, *a: drawn.update(
+        one=one, multi=multi, labels=labels, steps=steps))
+    out = f"out={tmp_path / 'g.png'}"
+    assert generate.main([f"run.dir={tmp_path / 'export'}", out, "samples=3", "seed=5"]) == 0
+    lm = nljax.load(tmp_path / "export")
+    np.testing.assert_allclose(drawn["one"], lm.generate(labels=[0] * 3, seed=5), atol=1e-6)
+    np.testing.assert_allclose(drawn["multi"], lm.generate(labels=[0] * 3, steps=2, seed=5), atol=1e-6)
+    assert drawn["labels"] is None and drawn["steps"] == 2 and not np.allclose(drawn["one"][0], drawn["one"][1])
+    capsys.readouterr()
+    assert generate.main([f"run.dir={tmp_path / 'export'}", out, "labels=1"]) == 2
+    assert capsys.readouterr().err.strip() == ("nljax.generate: error: labels=: the model reads no labels (its images "
+                                               "have none): its samples have no class; samples=N draws N")
 
 
 def test_labels_is_for_an_image_grid(fsdp_run, capsys):

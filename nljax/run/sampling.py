@@ -211,18 +211,18 @@ def label_items(value: str) -> list[int | str]:
     return items
 
 
-def grid_labels(cfg, value: str) -> np.ndarray:
-    """`labels=` as the class ids of the run's images (`cfg.images`): a folder's class name first,
-    else a number (`images.label_ids`). Read before the checkpoint (the images are then in memory
-    for the grid): a class the run lacks is refused before anything is restored."""
+def grid_labels(value: str, names, classes: int) -> np.ndarray:
+    """`labels=` as class ids of a model of `classes` classes named `names` (a folder's, in label
+    order; or none): a class name first, else a number (`images.label_ids`). Checked before the
+    checkpoint is read: a class the run lacks is one line before anything is restored."""
     from nljax.data import images
 
-    data = images.load(cfg.images)
-    if not data.num_classes:  # the model reads no label: the grid would name classes it never drew
-        raise ConfigError("labels=: the run's images have no labels (its model is unconditional); samples=N draws N")
-    names = tuple(data.classes or ())
+    if not classes:  # the model reads no label: the grid would name classes it never drew
+        raise ConfigError("labels=: the model reads no labels (its images have none): its samples have no class; "
+                          "samples=N draws N")
+    names = tuple(names or ())
     items = [x if not isinstance(x, str) or x in names or not x.isdigit() else int(x) for x in label_items(value)]
-    return images.label_ids(items, names, data.num_classes)
+    return images.label_ids(items, names, classes)
 
 
 def seeded(seed: int, index: int = 0, sample: int = 0) -> np.random.Generator:
