@@ -420,6 +420,43 @@ def test_non_finite_or_huge_images_are_refused_at_load(tmp_path, poison, message
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
+def test_images_classes_orders_a_folders_labels(tmp_path):
+    """images.classes: a folder's class names in label order (torchvision's sorted subfolders by
+    default); a folder may hold some of them, labelled by their places; refused in one line: a
+    subfolder not among them, a folder without class subfolders, a name twice, another source."""
+    from nljax import config
+
+    x = np.random.default_rng(0).integers(0, 256, (12, 4, 4), dtype=np.uint8)
+    pngs(tmp_path / "set", x, [f"{['b', 'd'][i % 2]}/{i:02d}.png" for i in range(12)])
+    pngs(tmp_path / "flat", x, [f"{i:02d}.png" for i in range(12)])
+
+    def load(*extra):
+        return images.load(config.load(None, ["model.name=dit", "cms.periods=[1]", "images.source=file", *extra]).images)
+
+    own = load(f"images.path={tmp_path / 'set'}")
+    data = load(f"images.path={tmp_path / 'set'}", "images.classes=[d, a, b, c]")
+    assert own.classes == ("b", "d") and own.num_classes == 2
+    assert data.classes == ("d", "a", "b", "c") and data.num_classes == 4
+    np.testing.assert_array_equal(data.train_x, own.train_x)  # the same images, in the same order
+    np.testing.assert_array_equal(data.train_y, np.where(own.train_y == 0, 2, 0))  # b: 2, d: 0
+    np.testing.assert_array_equal(data.eval_y, np.where(own.eval_y == 0, 2, 0))
+    for extra, line in [
+        (["images.classes=[d, a]"], f"images.path {tmp_path / 'set'}: class folder 'b' is not one of images.classes "
+                                    "(d, a)"),
+        ([f"images.path={tmp_path / 'flat'}", "images.classes=[a]"],
+         f"images.classes names a folder's class subfolders; images.path {tmp_path / 'flat'} has none (a flat folder, "
+         "or an array file)"),
+        (["images.classes=[b, d, b]"], "images.classes names 'b' twice"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load(f"images.path={tmp_path / 'set'}", *extra)
+        assert str(e.value) == line
+    with pytest.raises(ConfigError) as e:
+        config.load(None, ["model.name=dit", "cms.periods=[1]", "images.classes=[a, b]"])
+    assert str(e.value) == ("images.classes names a folder's class subfolders (images.source=file); "
+                            "images.source=digits names none")
+
+
 def test_a_checkpoint_used_on_other_images_is_refused(tmp_path, capsys):
     """A DiT's parameters fit images of any size (its positions are computed), so a model trained
     on 4x4 images scored and sampled 8x8 ones without a word: the checkpoint records the image
@@ -456,6 +493,17 @@ def test_a_checkpoint_used_on_other_images_is_refused(tmp_path, capsys):
     t = trained.load(tmp_path / "run", overrides=[f"images.path={tmp_path / 'other_small'}"],
                      devices=jax.devices()[:1], reads_data=True)
     assert t.step == 1 and t.run.task.data.shape == (4, 4, 3) and t.run.task.data.classes == tuple(names)
+    # a folder of some of its classes (a test set without 'ant' and 'cat'): labelled as the run
+    # labelled them, bee 1 and dog 3 (it was refused as another class count; its own order gave 0, 1)
+    x = np.random.default_rng(5).integers(0, 256, (20, 4, 4, 3), dtype=np.uint8)
+    pngs(tmp_path / "some", x, [f"{'bee' if i % 2 else 'dog'}/{i:02d}.png" for i in range(20)])
+    t = trained.load(tmp_path / "run", overrides=[f"images.path={tmp_path / 'some'}"], devices=jax.devices()[:1],
+                     reads_data=True)
+    d = t.run.task.data
+    assert d.classes == tuple(names) and d.num_classes == 4 and t.warnings("nljax.evaluate") == []
+    assert sorted(set(d.eval_y.tolist())) == [1, 3] and sorted(set(d.train_y.tolist())) == [1, 3]
+    capsys.readouterr()
+    assert evaluate.main([f"run.dir={tmp_path / 'run'}", f"images.path={tmp_path / 'some'}"]) == 0
     # a checkpoint saved before the record was kept is not checked
     contents.check_built(ck, {"config": {}}, {"images": {"shape": [8, 8, 3], "num_classes": 4}})
 
@@ -674,11 +722,20 @@ def test_class_folders_named_by_numbers_are_said_to_be_labelled_as_text(tmp_path
     mesh = make_mesh(1, 1, jax.devices()[:1])
     base = ["model.name=dit", "cms.periods=[1]", "images.source=file", "train.batch_size=4"]
     for width, notes in ((1, ["the class folders are numbers, labelled in the order of their names as text (label 2 "
-                              "is folder 10); name them 00, 01, ... for labels in number order"]), (2, [])):
+                              "is folder 10); for labels in number order name them 00, 01, ..., or give "
+                              "images.classes=['0', '1', '2', '3', ...]"]), (2, [])):
         where = tmp_path / str(width)
         pngs(where, x, [f"{k:0{width}d}/{i}.png" for k in range(11) for i in range(2)])
         task = ImageTask(load(None, [*base, f"images.path={where}"]), mesh)
         assert task.notes == [f"note: images.path {where}: {n}" for n in notes]
+    # given in number order: labels in that order, nothing said
+    order = [str(k) for k in range(11)]
+    task = ImageTask(load(None, [*base, f"images.path={tmp_path / '1'}", f"images.classes={order}"]), mesh)
+    assert task.notes == [] and task.data.classes == tuple(order)
+    own = images.load(load(None, [*base, f"images.path={tmp_path / '1'}"]).images)  # folder 10: label 2
+    number = np.array([int(n) for n in own.classes])  # own label -> the folder's number
+    np.testing.assert_array_equal(task.data.train_y, number[own.train_y])
+    np.testing.assert_array_equal(task.data.eval_y, number[own.eval_y])
 
 
 def test_one_held_out_image_is_refused_at_start_up(tmp_path):

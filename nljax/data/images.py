@@ -43,6 +43,11 @@ class ImagesConfig:
     # of image files (PNG, JPEG, ...): flat, or one subfolder per class (torchvision's ImageFolder)
     path: str = ""
     eval_fraction: float = 0.2  # every round(1/eval_fraction)-th example is held out
+    # a folder's class names in label order (label k: the k-th); its subfolders must be among them
+    # (some may be missing: a test set without a class). Empty: its subfolders in sorted order
+    # (torchvision's ImageFolder). nljax.evaluate and nljax.generate set it to the run's classes
+    # for a folder holding some of them
+    classes: tuple[str, ...] = ()
     toy_points: int = 8192  # size of the 2-D toy sets
 
     def check_used(self) -> None:
@@ -59,6 +64,13 @@ class ImagesConfig:
             raise ConfigError(f"images.path is read only with images.source=file (images.source={self.source})")
         if self.toy_points > 10_000_000:  # made in memory at start-up: 2e9 points never finished
             raise ConfigError(f"images.toy_points must be <= 10,000,000, got {self.toy_points:,}")
+        if self.classes and self.source != "file":
+            raise ConfigError(f"images.classes names a folder's class subfolders (images.source=file); images.source="
+                              f"{self.source} names none")
+        if len(set(self.classes)) < len(self.classes) or "" in self.classes:
+            twice = next((c for c in self.classes if self.classes.count(c) > 1), "")
+            raise ConfigError(f"images.classes names {twice!r} twice" if twice else
+                              "images.classes holds an empty name")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -266,6 +278,18 @@ def missing_labels(data: ImageSet) -> list[int]:
     return np.setdiff1d(np.arange(data.num_classes), seen).tolist()
 
 
+def _in_order(path: str, y: np.ndarray | None, names: tuple[str, ...] | None,
+              classes: tuple[str, ...]) -> tuple[np.ndarray, tuple[str, ...]]:
+    """A folder's labels and names with `classes` as the label order (`ImagesConfig.classes`)."""
+    if names is None:
+        raise ConfigError(f"images.classes names a folder's class subfolders; images.path {path} has none (a flat "
+                          "folder, or an array file)")
+    if other := [n for n in names if n not in classes]:
+        raise ConfigError(f"images.path {path}: class folder {other[0]!r} is not one of images.classes "
+                          f"({imagefolder.short_list(classes)})")
+    return np.array([classes.index(n) for n in names], np.int64)[y], tuple(classes)
+
+
 @functools.lru_cache(maxsize=4)
 def load(cfg: ImagesConfig) -> ImageSet:
     """The configured data, split into training and held-out parts."""
@@ -283,9 +307,11 @@ def load(cfg: ImagesConfig) -> ImageSet:
             raise ConfigError(f"images.path {cfg.path}: the images do not fit in memory ({first_line(e)}): the whole "
                               "set is read at start-up, 4 bytes a pixel value (nothing is resized): use smaller or "
                               "fewer images") from None
+    if cfg.classes:
+        y, names = _in_order(cfg.path, y, names, cfg.classes)
     if y is not None and y.max() >= MAX_CLASSES:  # the class embedding has a row per class (and the null one)
         raise ConfigError(f"images: labels must be < {MAX_CLASSES:,} (2^20), got {int(y.max()):,}")
-    num_classes = 0 if y is None else int(y.max()) + 1
+    num_classes = len(names) if cfg.classes else 0 if y is None else int(y.max()) + 1
     y = np.zeros(len(x), np.int32) if y is None else y.astype(np.int32)
     x = x.astype(np.float32, copy=False)  # uint8 came as float32 (`_unit`): no second copy
     check_values(x, cfg.path if cfg.source == "file" else cfg.source)

@@ -362,14 +362,14 @@ class ImageTask:
             shown = ", ".join(map(str, missing[:8])) + (f", ... ({len(missing):,} in all)" if len(missing) > 8 else "")
             self.notes.append(f"note: images {where}: no image has label {shown}; the model has a class for each of "
                               f"0 .. {self.data.num_classes - 1} (number the labels from 0 without gaps)")
-        names = self.data.classes or ()
+        names = () if cfg.images.classes else self.data.classes or ()  # images.classes: the user's order
         numeric = sorted(names, key=int) if all(n.isdigit() for n in names) else list(names)
         if list(names) != numeric:
             # torchvision's order too, but a folder `10` labelled 2 surprises: said, with an example
             k = next(k for k, (n, m) in enumerate(zip(names, numeric)) if n != m)
             self.notes.append(f"note: images.path {cfg.images.path}: the class folders are numbers, labelled in the "
-                              f"order of their names as text (label {k} is folder {names[k]}); name them 00, 01, ... "
-                              "for labels in number order")
+                              f"order of their names as text (label {k} is folder {names[k]}); for labels in number "
+                              f"order name them 00, 01, ..., or give images.classes={_quoted(numeric)}")
         self._generate = self._error = None
         # where each evaluation draws its samples_<step>.png; None: nowhere (nljax.evaluate
         # scores a checkpoint and leaves the run directory as it is)
@@ -515,6 +515,12 @@ TASKS: dict[str, Callable[..., Task]] = {  # (cfg, mesh, trains=...)
     "images": ImageTask,
 }
 UNREAD: dict[str, Callable[..., Task]] = {"text": LoadedText, "images": LoadedImages}  # (cfg, mesh)
+
+
+def _quoted(names: list[str], most: int = 4) -> str:
+    """A YAML list of names as strings ('0', '1'), for a line to paste (the first `most`, then ...)."""
+    shown = [f"'{n}'" for n in names[:most]] + (["..."] if len(names) > most else [])
+    return "[" + ", ".join(shown) + "]"
 
 
 def build(name: str, cfg: Config, mesh: Mesh, reads_data: bool = True, trains: bool = True) -> Task:

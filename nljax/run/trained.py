@@ -100,6 +100,8 @@ def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: 
     # a run trained with GPU-only forms (cuDNN attention, the Pallas kernels) read on a CPU: the
     # forms that run here, unless the tool's overrides name them
     cfg = for_this_backend(cfg, keep=given)
+    if registry.task_of(cfg) == "images":  # a folder of some of the run's classes: labelled as the run's
+        cfg = _in_the_runs_classes(cfg)
     if evaluates:
         return cfg
     # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows (set
@@ -179,6 +181,7 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     not reading them is built from what its checkpoint recorded of them (`recorded_model`)."""
     devices = list(devices or jax.local_devices())
     cfg = config_of(run_dir, checkpoint, overrides, len(devices), evaluates)
+    reads = evaluates if reads_data is None else reads_data
     cfg_file = Path(run_dir) / "config.yaml"
     saved, trained_cfg = trained_config(run_dir), trained_config(run_dir, overrides)
     average = reads_average(params, trained_cfg, cfg_file)
@@ -186,7 +189,6 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     if announce is not None:
         announce()
     try:
-        reads = evaluates if reads_data is None else reads_data
         model = None if reads or registry.task_of(cfg) != "images" else recorded_model(cfg)
         # budgeted for the parameters alone (and the optimizer state that holds their average)
         run = Run.create(cfg, devices, model, trains=False, reads_data=reads, average=average)
@@ -222,13 +224,37 @@ def recorded_model(cfg: config.Config):
     (`registry.rebuild`: a DiT's image shape, labels and their names, as an export does), its
     images not read: they may have moved since (its export and nljax.load said only
     "images.path not found"). None where no checkpoint recorded it: built from the data."""
+    built = _recorded(cfg)
+    return registry.rebuild(cfg, built) if built else None
+
+
+def _recorded(cfg: config.Config) -> dict | None:
+    """What the newest readable checkpoint recorded of the data (`registry.record`), or None."""
     for path in storage.candidates(cfg):
         try:
-            built = storage.read_meta(path).get("built")
+            return storage.read_meta(path).get("built")
         except Damaged:  # the restore passes over it too (`first_valid`), and says so
             continue
-        return registry.rebuild(cfg, built) if built else None
     return None
+
+
+def _in_the_runs_classes(cfg: config.Config) -> config.Config:
+    """A folder holding some of the run's classes (a test set without one of them), labelled as
+    the run labelled them: `images.classes` set to the class names its checkpoint recorded. Its
+    labels were its own subfolders' places (sorted), refused as another class count. Any other
+    folder is left to the checks of the checkpoint's record (`check_built`)."""
+    c = cfg.images
+    if c.source != "file" or c.classes or not os.path.isdir(c.path):
+        return cfg
+    try:
+        mine = {p.name for p in Path(c.path).iterdir() if p.is_dir() and not p.name.startswith(".")}
+    except OSError:  # said when the images are read
+        return cfg
+    built = _recorded(cfg) or {}
+    theirs = built.get("images", {}).get("classes") if isinstance(built.get("images"), dict) else None
+    if not (isinstance(theirs, list) and mine and mine < set(theirs)):
+        return cfg
+    return dataclasses.replace(cfg, images=dataclasses.replace(c, classes=tuple(theirs)))
 
 
 def _sampler_against_the_run(saved: config.Config, cfg: config.Config, cfg_file: Path) -> list[str]:
