@@ -437,6 +437,13 @@ def test_images_classes_orders_a_folders_labels(tmp_path):
     data = load(f"images.path={tmp_path / 'set'}", "images.classes=[d, a, b, c]")
     assert own.classes == ("b", "d") and own.num_classes == 2
     assert data.classes == ("d", "a", "b", "c") and data.num_classes == 4
+    from nljax.run.tasks import ImageTask
+
+    task = ImageTask(config.load(None, ["model.name=dit", "cms.periods=[1]", "images.source=file", "train.batch_size=4",
+                                        f"images.path={tmp_path / 'set'}", "images.classes=[d, a, b, c]"]),
+                     make_mesh(1, 1, jax.devices()[:1]))
+    assert task.notes == [f"note: images.path {tmp_path / 'set'}: no class folder for 'a', 'c' of images.classes (the "
+                          "model keeps a class for each)"]
     np.testing.assert_array_equal(data.train_x, own.train_x)  # the same images, in the same order
     np.testing.assert_array_equal(data.train_y, np.where(own.train_y == 0, 2, 0))  # b: 2, d: 0
     np.testing.assert_array_equal(data.eval_y, np.where(own.eval_y == 0, 2, 0))

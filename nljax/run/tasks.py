@@ -359,9 +359,15 @@ class ImageTask:
         if missing := images.missing_labels(self.data) if cfg.meanflow.class_cond else []:
             # labels numbered from 1 (or with gaps): a class per number up to the largest, some never trained
             where = cfg.images.path if cfg.images.source == "file" else cfg.images.source
-            shown = ", ".join(map(str, missing[:8])) + (f", ... ({len(missing):,} in all)" if len(missing) > 8 else "")
-            self.notes.append(f"note: images {where}: no image has label {shown}; the model has a class for each of "
-                              f"0 .. {self.data.num_classes - 1} (number the labels from 0 without gaps)")
+            more = f", ... ({len(missing):,} in all)" if len(missing) > 8 else ""
+            if cfg.images.classes:  # named by the user (or by the run, for a test set of some of its classes)
+                shown = ", ".join(repr(cfg.images.classes[k]) for k in missing[:8]) + more
+                self.notes.append(f"note: images.path {where}: no class folder for {shown} of images.classes (the "
+                                  "model keeps a class for each)")
+            else:
+                shown = ", ".join(map(str, missing[:8])) + more
+                self.notes.append(f"note: images {where}: no image has label {shown}; the model has a class for each "
+                                  f"of 0 .. {self.data.num_classes - 1} (number the labels from 0 without gaps)")
         names = () if cfg.images.classes else self.data.classes or ()  # images.classes: the user's order
         numeric = sorted(names, key=int) if all(n.isdigit() for n in names) else list(names)
         if list(names) != numeric:
