@@ -187,8 +187,8 @@ def _grid_of_export(path: str, where: Path, s, given: set[str]) -> int:
     if out.exists() and not written_by_nljax(out):  # a user's picture of the same name
         raise ConfigError(f"out={out} exists and is not a PNG nljax.generate wrote; give another out= or move it")
     if s.labels:  # refused for a model that reads no labels
-        label = grid_labels(s.labels, getattr(model, "classes", None), getattr(getattr(model, "net", None), "num_classes", 0)
-                            if conditional else 0)
+        classes = getattr(getattr(model, "net", None), "num_classes", 0) if conditional else 0
+        label = grid_labels(s.labels, getattr(model, "classes", None), classes)
     else:
         label = np.zeros(s.samples, int)  # an unconditional model's: not read
     _say(f"reading the export {path} ...")

@@ -431,7 +431,8 @@ def test_images_classes_orders_a_folders_labels(tmp_path):
     pngs(tmp_path / "flat", x, [f"{i:02d}.png" for i in range(12)])
 
     def load(*extra):
-        return images.load(config.load(None, ["model.name=dit", "cms.periods=[1]", "images.source=file", *extra]).images)
+        cfg = config.load(None, ["model.name=dit", "cms.periods=[1]", "images.source=file", *extra])
+        return images.load(cfg.images)
 
     own = load(f"images.path={tmp_path / 'set'}")
     data = load(f"images.path={tmp_path / 'set'}", "images.classes=[d, a, b, c]")

@@ -27,8 +27,8 @@ the `stop` strings in its text, or after `max_new_tokens` (nljax/run/stopping.py
 before its end are drawn as without them, and in a batch a row that has ended is not extended.
 
 A MeanFlow run (model.name=dit) writes a PNG grid instead: one-step and multi-step
-(`meanflow.sample_steps`) samples side by side, for the labels of held-out images spread over them, or for the classes
-`labels=` names (2-D toy data: scatter plots over the held-out points).
+(`meanflow.sample_steps`) samples side by side, for the labels of held-out images spread over
+them, or for the classes `labels=` names (2-D toy data: scatter plots over the held-out points).
 
 Any other `key=value` is a config override on top of the run's own config.yaml.
 """
@@ -193,7 +193,7 @@ def check_stop(stop, named: str) -> None:
 def label_items(value: str) -> list[int | str]:
     """`labels=`'s classes, one sample each: comma-separated (`labels=3,3,7`, `labels=cat,dog`), or
     a JSON list (`labels='["a, b", 2]'`: a class name holding a comma). A name in digits stays a
-    str: a folder's class `10` is read by name first (`resolve_labels`)."""
+    str: a folder's class `10` is read by name first (`grid_labels`)."""
     if not value:
         return []
     if value.startswith("["):
@@ -391,7 +391,7 @@ def generate_images(t: trained_lib.Trained, s: Settings, path: Path, label: np.n
     from nljax.measure.figures import write_samples
 
     task, data = t.run.task, t.run.task.data
-    if label is not None:  # the classes asked for, each sample's noise keyed by its place (as Python's generate(labels=))
+    if label is not None:  # the classes asked for, sample i's noise keyed by i (as Python's generate(labels=))
         index, reference = np.arange(len(label)), data.eval_x  # 2-D toy data: over every held-out point
     else:  # the held-out images drawn for: spread over them, as an evaluation's
         index = task.chosen(min(s.samples, len(data.eval_x)))
