@@ -209,11 +209,37 @@ def stdout_to_devnull() -> None:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
-def interrupted(prog: str, then: str = "") -> int:
-    """Ctrl-C in a one-process tool (generate, export, prepare): one line, after whatever it was
-    printing (`then`: what to do next), and the shell's 128 + SIGINT."""
-    print(f"\n{prog}: interrupted (Ctrl-C){then}", file=sys.stderr)
-    return 128 + signal.SIGINT
+def interrupted(prog: str, then: str = "", sig: int = signal.SIGINT) -> int:
+    """Ctrl-C in a one-process tool (generate, export, prepare), or SIGTERM where it takes that
+    as Ctrl-C (`sigterm_as_ctrl_c`): one line, after whatever it was printing (`then`: what to do
+    next), and the shell's 128 + the signal."""
+    what = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "stopped (SIGTERM)"
+    print(f"\n{prog}: {what}{then}", file=sys.stderr)
+    return 128 + sig
+
+
+class SigtermStop(KeyboardInterrupt):
+    """SIGTERM in a tool that takes it as Ctrl-C: raised where the process is, as Ctrl-C is."""
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """While the block runs, SIGTERM (a batch job's time limit, `kill`) stops this process as
+    Ctrl-C does: its cleanup runs and `tool` says it in one line. By default it ended the process
+    with no word. The handler before is put back after (a caller's own, in a test's process)."""
+
+    def stop(signum, frame):
+        raise SigtermStop
+
+    try:
+        before = signal.signal(signal.SIGTERM, stop)
+    except ValueError:  # not the main thread: signals are not this thread's to take
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def traceback_if_asked(e: config.ConfigError) -> None:
@@ -236,8 +262,8 @@ def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] 
         traceback_if_asked(e)
         print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C: one line, as every other way the tool stops
-        return interrupted(prog, after_ctrl_c)
+    except KeyboardInterrupt as e:  # Ctrl-C: one line, as every other way the tool stops
+        return interrupted(prog, after_ctrl_c, signal.SIGTERM if isinstance(e, SigtermStop) else signal.SIGINT)
     except Exception as e:  # noqa: BLE001 - OSErrors, JAX failing to start its backend (JAX_PLATFORMS=cuda without a GPU)
         if line := unusable_path(e):  # a path the user gave: exit 2, as a ConfigError
             print(f"{prog}: error: {line}", file=sys.stderr)

@@ -246,8 +246,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 def parse_override(text: str) -> tuple[str, Any]:
     """`a.b=1` -> ('a.b', 1); the value is parsed as YAML so lists and numbers keep their types,
     except that a string setting (or one string of a list setting) takes the text as written,
-    unless quoted: run.dir=007, checkpoint.resume=4, data.train=2024, run.dir=a #b (YAML would
-    read 7, 4, 2024 and a comment)."""
+    unless quoted: run.dir=007, checkpoint.resume=4, data.train=2024, run.dir=a #b,
+    data.doc_end_token=[SEP] (YAML would read 7, 4, 2024, a comment and a list)."""
     if "=" not in text:
         raise ConfigError(f"override '{text}' must look like key=value")
     key, raw = text.split("=", 1)
@@ -261,7 +261,10 @@ def parse_override(text: str) -> tuple[str, Any]:
                               f"({getattr(e, 'problem', None) or first_line(e)})") from None
         value = raw
     quoted = len(raw) >= 2 and raw[0] == raw[-1] and raw[0] in "'\""
-    if _field_type(key) in (str, tuple[str, ...]) and not isinstance(value, list) and not quoted:
+    tp = _field_type(key)
+    # a string setting takes [..] as written too (data.doc_end_token=[SEP], a BERT tokenizer's end
+    # token, read as the list ['SEP'] was refused as "must be str"); a list setting reads it as a list
+    if not quoted and (tp is str or (tp == tuple[str, ...] and not isinstance(value, list))):
         value = raw
     return key, value
 

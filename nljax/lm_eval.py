@@ -274,12 +274,17 @@ def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
     register()
     from lm_eval import evaluator
     from lm_eval.__main__ import cli_evaluate
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
 
     sys.argv = ["lm_eval", *lm_eval_argv]
     try:
         # lm-eval's `git describe` (its results' git_hash) says `fatal: not a git repository` on
-        # standard error outside one: the same hash, without the stray line
-        with mock.patch.object(evaluator, "get_git_commit_hash", git_hash):
+        # standard error outside one: the same hash, without the stray line. Its results name the
+        # model (and its folder under --output_path) by --model_args' `pretrained=`, `path=`, ...:
+        # `run_dir=` is none of them, so each result went to a folder of a random name.
+        with (mock.patch.object(evaluator, "get_git_commit_hash", git_hash),
+              mock.patch.object(GeneralConfigTracker, "_get_model_name",
+                                staticmethod(model_name(GeneralConfigTracker._get_model_name)))):
             cli_evaluate()
     except ValueError as e:
         tasks = unknown_tasks(e)
@@ -349,6 +354,25 @@ def unreadable_data(e: OSError) -> bool:
         pass
     task = f"{os.sep}lm_eval{os.sep}api{os.sep}task.py"  # ConfigurableTask.download: datasets.load_dataset
     return isinstance(e, kinds) and any(f.filename.endswith(task) for f in traceback.extract_tb(e.__traceback__))
+
+
+def model_name(theirs):
+    """lm-eval's `_get_model_name(model_args)` (`theirs`), with nljax's `run_dir=` read as the
+    model's name where none of the keys it looks for is given, as `pretrained=org/name` is for a
+    Hugging Face model: results of `--output_path DIR` go to `DIR/runs__exp1/` (its sanitized
+    form), and their `model_name` says which run was scored."""
+
+    def name(model_args):
+        found = theirs(model_args)
+        if found is None and isinstance(model_args, str):
+            from lm_eval.utils import simple_parse_args_string
+
+            model_args = simple_parse_args_string(model_args)
+        if found is None and isinstance(model_args, dict) and model_args.get("run_dir"):
+            found = str(model_args["run_dir"])
+        return found
+
+    return name
 
 
 def git_hash() -> str | None:

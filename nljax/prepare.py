@@ -71,9 +71,10 @@ def main(argv=None) -> int:
                    "text; given again, each file updates the ones before it key by key")
     p.add_argument("settings", nargs="*", metavar="key=value", help="out=DIR (required), overwrite=true, data.* keys")
     args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
-    # Ctrl-C, a full disk, a quota, a read-only file system: the chunks done are kept, to resume
-    return cli.tool("nljax.prepare", lambda: _prepare(args.config, args.settings),
-                    after_ctrl_c=": the same command resumes where it stopped")
+    # Ctrl-C, SIGTERM, a full disk, a quota, a read-only file system: the chunks done are kept, to resume
+    with cli.sigterm_as_ctrl_c():
+        return cli.tool("nljax.prepare", lambda: _prepare(args.config, args.settings),
+                        after_ctrl_c=": the same command resumes where it stopped")
 
 
 def _prepare(config_file: list[str] | None, settings: list[str]) -> int:

@@ -476,6 +476,26 @@ def test_a_damaged_checkpoints_line_names_the_kind_first_and_cuts_the_readers_wo
         "damaged after it was written); using an older one")
 
 
+def test_a_run_directory_as_checkpoint_resume_names_its_checkpoints(tmp_path):
+    """checkpoint.resume=RUN_DIR (checkpoint.init_params takes one) said "no complete checkpoint
+    in RUN_DIR" of a run whose checkpoints are in its checkpoint.dir: the line says it is a run
+    directory and names that folder (its config.yaml's, or the default for one unreadable)."""
+    import yaml
+
+    other = tmp_path / "other"
+    other.mkdir()
+    saved = config.load(None, [f"run.dir={other}", f"checkpoint.dir={tmp_path}/ckpts"])
+    (other / "config.yaml").write_text(yaml.safe_dump(config.to_dict(saved), sort_keys=False))
+    cfg = config.load(None, [f"run.dir={tmp_path}/new", f"checkpoint.resume={other}"])
+    with pytest.raises(config.ConfigError) as e:
+        storage.candidates(cfg)
+    assert str(e.value) == (f"checkpoint.resume={other} is a run directory, not a checkpoint: give the folder of its "
+                            f"checkpoints ({tmp_path}/ckpts: its newest) or one step of them")
+    (other / "config.yaml").write_text("model: [")
+    with pytest.raises(config.ConfigError, match=rf"\({other}/checkpoints: its newest\)"):
+        storage.candidates(cfg)
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_checkpoint_is_one_line_and_changes_nothing(ref, tmp_path, capfd, case):
     """Through `nljax.train` (one line on stderr, exit 2) or, where the run would be the same,

@@ -28,7 +28,7 @@ SAVING = [*SMALL, "cms.periods=[1,2]", "eval.every=0", "train.steps=12", "checkp
 # written and before Orbax commits it; `step N` once step N-1 is logged and checkpoint N-2 is
 # complete; `kill N` once step N-1 is logged. `term N` sends itself SIGTERM instead, `int N`
 # SIGINT (Ctrl-C), `int2 N` two of them. `boot 0` and `report 0` send SIGTERM as the start-up
-# report, and as the final report, begin. `aside 0` SIGKILLs itself as a resume of an older
+# report, and as the final report, begin; `report-int 0` SIGINT as the final report begins. `aside 0` SIGKILLs itself as a resume of an older
 # checkpoint begins to set the later ones aside.
 KILLER = r"""
 import os, signal, sys, time
@@ -48,12 +48,12 @@ if mode == "save":
 elif mode == "aside":
     from nljax.checkpoint import storage
     storage.set_aside = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
-elif mode in ("boot", "report"):
+elif mode in ("boot", "report", "report-int"):
     from nljax.run import trainer
     name = "startup_report" if mode == "boot" else "final_report"
     orig = getattr(trainer, name)
     def noticed(*a, **k):
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGINT if mode == "report-int" else signal.SIGTERM)
         return orig(*a, **k)
     setattr(trainer, name, noticed)
 else:
@@ -116,6 +116,23 @@ def test_sigkill_during_a_save_and_during_training_then_resume(tmp_path):
     assert p.returncode == 2 and p.stderr.strip().startswith(f"nljax.train: error: checkpoint {ck / '12'}: array data")
     assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert tree_hash(run) == before
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_the_final_report_says_the_training_is_saved(tmp_path):
+    """Ctrl-C in the final report (its evaluation: seconds to minutes on a large held-out set),
+    after the final checkpoint is saved, said only "interrupted (Ctrl-C)": the line says the
+    training is kept and how to get the report, exit 130; that --resume trains nothing."""
+    run, ck = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    base = ["--cpu-devices", "1", "--quiet", *SAVING, *QUICK, f"run.dir={run}"]
+    p = nljax_train(*base, killer=["report-int", "0", str(ck)])
+    assert p.returncode == 130, p.stderr
+    assert p.stderr.strip().splitlines() == [
+        "nljax.train: interrupted (Ctrl-C) in the final report, after the last step: the final checkpoint (12) is "
+        "saved; --resume writes the report and summary.json, evaluating it again"]
+    assert "12" in [q.name for q in ck.iterdir()] and not (run / "summary.json").exists()
+    p = nljax_train("--resume", *base)
+    assert p.returncode == 0 and json.loads((run / "summary.json").read_text())["steps"] == 12, p.stderr
 
 
 @pytest.mark.slow

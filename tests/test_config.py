@@ -155,6 +155,10 @@ def test_a_string_setting_given_digits_is_that_text():
     cfg = config.load(None, ["data.source=files", "data.train=2024", "run.dir=a #b", "train.sample_prompt=x = 1  # one", "run.wandb_name='q'"])
     assert (cfg.data.train, cfg.run.dir, cfg.train.sample_prompt, cfg.run.wandb_name) == (("2024",), "a #b", "x = 1  # one", "q")
     assert config.load(None, ["data.source=files", "data.train=[a.txt, b.txt]"]).data.train == ("a.txt", "b.txt")
+    # a string setting's [..] is text (a BERT tokenizer's end token: "must be str, got list ['SEP']" before)
+    assert [config.parse_override(o) for o in ("data.doc_end_token=[SEP]", "train.sample_prompt=[1, 2]",
+                                                "run.dir={a: b}", "data.train=[a]")] == [
+        ("data.doc_end_token", "[SEP]"), ("train.sample_prompt", "[1, 2]"), ("run.dir", "{a: b}"), ("data.train", ["a"])]
     with pytest.raises(config.ConfigError, match="config key 'train.steps' must be int, got str 'abc'"):
         config.load(None, ["train.steps=abc"])
 

@@ -115,6 +115,10 @@ BAD = {
     "empty": (["checkpoint.init_params={t}/empty"], "checkpoint.init_params: no complete checkpoint in {t}/empty"),
     "file": (["checkpoint.init_params={s}/config.yaml"], "checkpoint.init_params={s}/config.yaml is a file, not a "
              "checkpoint: give a run directory, a step directory or a folder of checkpoints"),
+    # an export: its parameters, but not a checkpoint ("no complete checkpoint in {t}/exp" before)
+    "export": (["checkpoint.init_params={t}/exp"], "checkpoint.init_params={t}/exp is an export directory "
+               "(nljax.export wrote it), not a checkpoint: give the checkpoint it was exported from ({c}), or its "
+               "run directory"),
     "with resume": (["checkpoint.init_params={s}", "checkpoint.resume={c}"],
                     "checkpoint.init_params={s} and checkpoint.resume={c} both name a checkpoint to start from"),
     "model": (["checkpoint.init_params={s}", "model.dim=32"],
@@ -129,6 +133,9 @@ def test_bad_input_is_one_line_and_exit_2(src, tmp_path, capfd, case):
     from nljax import train as train_cmd
 
     (tmp_path / "empty").mkdir()
+    (tmp_path / "exp").mkdir()  # what nljax.export writes, as far as it is read: its config.json
+    (tmp_path / "exp" / "config.json").write_text(json.dumps({"config": {}, "step": 3, "dtype": "float32",
+                                                              "checkpoint": str(src["step_dir"])}))
     extra, message = BAD[case]
     fill = dict(t=tmp_path, s=src["dir"], c=src["step_dir"])
     args = [*TINY, *NL, "mesh.inter=2", "mesh.intra=4", "train.steps=2", f"run.dir={tmp_path}/new",

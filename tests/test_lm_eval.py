@@ -694,6 +694,29 @@ def test_lm_evals_git_describe_says_nothing_outside_a_repository(tmp_path, monke
     assert lm_eval.git_hash() == get_git_commit_hash()
 
 
+def test_results_are_named_after_the_run_dir(tmp_path, monkeypatch):
+    """lm-eval names a model's results, and their folder under --output_path, by --model_args'
+    `pretrained=`, `path=`, ...; nljax's `run_dir=` is none of them, so every result went to a
+    folder of a random name (`out/i82qcls7/`). The command reads run_dir= as the name, as
+    `pretrained=org/name` is a Hugging Face model's (`out/org__name/`); other models keep theirs."""
+    from lm_eval import __main__ as lm_eval_main
+    from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
+
+    from nljax import lm_eval
+
+    run = tmp_path / "runs" / "exp1"
+    run.mkdir(parents=True)
+    stand_in_run(run)
+    got = []
+    monkeypatch.setattr(lm_eval_main, "cli_evaluate", lambda: got.append([
+        GeneralConfigTracker._get_model_name(args) for args in
+        ({"run_dir": str(run), "batch_size": 2}, f"run_dir={run},batch_size=2", {"pretrained": "org/name"}, {})]))
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={run}", "--tasks", "x"]) == 0
+    assert got == [[str(run), str(run), "org/name", None]]
+    assert GeneralConfigTracker._get_model_name({"run_dir": "x"}) is None  # lm-eval's own, outside the command
+
+
 def test_a_tokenizer_run_is_scored_with_its_tokens(tmp_path):
     """A run on its own files with a tokenizer.json, evaluated from its export: the requests are
     the tokenizer's tokens (the context's, then those of context + continuation after as many

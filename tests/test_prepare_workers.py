@@ -13,6 +13,7 @@ import json
 import os
 import random
 import re
+import signal
 import time
 import uuid
 from pathlib import Path
@@ -134,6 +135,21 @@ def test_ctrl_c_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_pat
     assert json.loads((work(out) / "progress.json").read_text())["chunks"] >= 4
     assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
     assert files(out) == reference
+
+
+def test_sigterm_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_path):
+    """SIGTERM (a batch job's time limit) stops the prepare as Ctrl-C does, in one line and 143;
+    before, the process ended with no word (its work was kept all the same)."""
+    out = tmp_path / "prep"
+    p = cli("nljax.prepare", *corpus["args"], "prepare.workers=2", f"out={out}", check=False,
+            env={prepared.TEST_KILL_AFTER: "4:SIGTERM"})
+    assert p.returncode == 143, p.stderr
+    assert p.stderr.strip() == "nljax.prepare: stopped (SIGTERM): the same command resumes where it stopped"
+    assert json.loads((work(out) / "progress.json").read_text())["chunks"] >= 4
+    before = signal.getsignal(signal.SIGTERM)
+    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
+    assert files(out) == reference
+    assert signal.getsignal(signal.SIGTERM) == before  # the caller's handler, back
 
 
 def test_ctrl_c_after_the_first_chunks_of_large_documents_keeps_them(corpus, tmp_path, capsys):

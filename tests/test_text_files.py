@@ -559,8 +559,10 @@ BAD = [
                                    "not an object)"),
     (["data.train=R/surrogate.jsonl"], "R/surrogate.jsonl:2: field 'text' holds a lone surrogate"),
     (["data.train=R/notgz.txt.gz"], "R/notgz.txt.gz: not a valid gzip file"),
+    # a single .txt is one document: said, as no data.eval_fraction splits it
     (["data.train=R/ok.txt"], "no held-out documents: 1 document(s) at data.eval_fraction=0.05 (every 20th held out) "
-                              "hold out none; give data.eval or more documents"),
+                              "hold out none; give data.eval or more documents (a .txt file is one document, never "
+                              "split: cut it into several files)"),
     (["data.train=R/ok.txt", "data.eval_fraction=0.5"], "no held-out documents: 1 document(s) at "
                                                           "data.eval_fraction=0.5 (every 2nd held out) hold out none"),
     # the fraction that holds one out is named, and it does: every 3rd of 3 documents

@@ -395,6 +395,21 @@ def candidates(cfg: Config) -> list[Path]:
     if (root / META).is_dir() or (root / STATE).is_dir():
         return [root]  # a step directory
     steps = complete_steps(root)
+    if not steps and cfg.checkpoint.resume != "latest" and (root / "config.yaml").is_file():
+        # a run directory (checkpoint.init_params takes one): "no complete checkpoint in DIR" misled
+        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume} is a run directory, not a checkpoint: give the "
+                          f"folder of its checkpoints ({runs_checkpoints(root)}: its newest) or one step of them")
     if not steps:
         raise ConfigError(f"no complete checkpoint in {root}")
     return [root / str(s) for s in reversed(steps)]
+
+
+def runs_checkpoints(run_dir: Path) -> Path:
+    """Where the run in `run_dir` saves its checkpoints: its config.yaml's checkpoint.dir (by
+    default `run_dir/checkpoints`)."""
+    from nljax import config
+
+    try:  # saved: a config.yaml written before a key moved
+        return checkpoint_dir(config.load(str(run_dir / "config.yaml"), [f"run.dir={run_dir}"], saved=True))
+    except ConfigError:  # a config.yaml this nljax cannot read: the default place
+        return run_dir / "checkpoints"

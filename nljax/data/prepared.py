@@ -141,9 +141,12 @@ def _manifest(d: DataConfig, tok, sources: tuple, sinks: dict, seen: int) -> dic
         # every `every`-th document is held out, so a fraction of 1/seen holds out the last one
         # (at most 0.5: a single document is never split off)
         raise_it = f", data.eval_fraction={1 / seen:.4g} or more (at most 0.5)" if seen >= 2 else ""
+        # one big .txt (a Shakespeare's input.txt) is one document, which no fraction splits
+        whole = any(str(f).endswith((".txt", ".txt.gz")) for f in train_files)
         why = "data.eval holds no text" if eval_files else (
             f"{seen} document(s) at data.eval_fraction={d.eval_fraction} (every {_ordinal(every)} held out) hold "
-            f"out none; give data.eval{raise_it} or more documents")
+            f"out none; give data.eval{raise_it} or more documents"
+            f"{' (a .txt file is one document, never split: cut it into several files)' if whole else ''}")
         raise ConfigError(f"no held-out documents: {why}")
     content = {"format": FORMAT, "tokenizer": tok.info(), "vocab_size": tok.vocab_size,
                "dtype": np.dtype(sinks["train"].dtype).name, **{s: sinks[s].record(s) for s in SPLITS}}

@@ -601,7 +601,12 @@ def _train(cfg: Config, notice: Notice) -> dict:
         final = Announced(out.say if cfg.checkpoint.every and not kept_as_is else (lambda text: None))
         with final(f"saving the final checkpoint ({end}) to {ckpt.dir}"):
             ckpt.finish(end, state)  # the final save; waits until every save is on disk
-        summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
+        try:
+            summary = final_report(run, state, hist, out, ckpt.start if ckpt.restored else None)
+        except KeyboardInterrupt:  # the training is kept: say so (several processes: the command's abort)
+            if jax.process_count() > 1:
+                raise
+            raise preemption.Unreported(end, bool(cfg.checkpoint.every)) from None
         failed = False
         for line in closing(cfg, run, hist.target_met is not None):
             out.say(line)

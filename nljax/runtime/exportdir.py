@@ -23,6 +23,16 @@ def is_export(path: Path) -> bool:
     return isinstance(info, dict) and {"config", "step", "dtype", "checkpoint"} <= info.keys()
 
 
+def exported_from(path: Path) -> str | None:
+    """The checkpoint the export in `path` was written from, as its config.json records it; None
+    where it records none."""
+    try:
+        came = json.loads((path / CONFIG).read_text()).get("checkpoint")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return came if isinstance(came, str) and came else None
+
+
 def remove(out: Path) -> None:
     """Removes the export in `out` (its files; the directory too if that leaves it empty).
     A directory holding anything else than an nljax export is left as it is."""

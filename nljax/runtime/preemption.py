@@ -71,6 +71,18 @@ class Preempted(Stopped):
         self.step, self.exit_code = step, 128 + sig
 
 
+class Unreported(Stopped):
+    """Ctrl-C in the final report (its evaluation, the throughput table), once training is over:
+    the final checkpoint is on disk. "interrupted (Ctrl-C)" alone left the user to guess whether
+    the training was lost."""
+
+    def __init__(self, step: int, saved: bool):
+        how = (f"the final checkpoint ({step}) is saved; --resume writes the report and summary.json, evaluating "
+               "it again" if saved else "no checkpoint saved (checkpoint.every=0)")
+        super().__init__(f"interrupted (Ctrl-C) in the final report, after the last step: {how}")
+        self.exit_code = 128 + signal.SIGINT
+
+
 class Terminated(Stopped):
     """A second SIGTERM after a notice: stop at once, nothing more saved."""
 
