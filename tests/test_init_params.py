@@ -196,3 +196,18 @@ def test_through_the_command_line_and_a_resume_of_such_a_run(tmp_path):
         "nljax: warning: resuming with train.steps=4 (the checkpoint at step 3 was written with 3): the cosine "
         "learning-rate schedule now decays to step 4"], p.stderr
     assert [r["step"] for r in _records(new)] == [0, 1, 2, 3]
+
+
+def test_config_yaml_records_init_params_absolute(tmp_path, monkeypatch):
+    """config.yaml records checkpoint.init_params absolute, as the data paths and checkpoint.dir
+    (it was kept relative: the config.yaml reused from another folder named no checkpoint)."""
+    from nljax import config
+    from nljax.runtime.rundir import recorded
+
+    monkeypatch.chdir(tmp_path)
+    cfg = config.load(None, [*TINY_NL, "checkpoint.init_params=runs/a/checkpoints/4", "data.source=files",
+                                      "data.train=a.txt"])
+    tree = recorded(cfg)
+    assert tree["checkpoint"]["init_params"] == str(tmp_path / "runs/a/checkpoints/4")
+    assert tree["data"]["train"] == [str(tmp_path / "a.txt")]  # as the data paths
+    assert recorded(config.load(None, TINY_NL))["checkpoint"]["init_params"] == ""  # none: none recorded

@@ -37,11 +37,13 @@ DATA_PATHS = (("data", "train"), ("data", "eval"), ("data", "tokenizer"), ("data
 
 
 def recorded(cfg: Config) -> dict:
-    """`cfg` as config.yaml records it: the data paths (globs included, data.eval_sets' too) and
-    checkpoint.dir made absolute."""
+    """`cfg` as config.yaml records it: the data paths (globs included, data.eval_sets' too),
+    checkpoint.dir and checkpoint.init_params made absolute (the config.yaml reused from another
+    folder, `--config run/config.yaml`, names the same files)."""
     tree = to_dict(cfg)
-    if cfg.checkpoint.dir:
-        tree["checkpoint"]["dir"] = absolute(cfg.checkpoint.dir)
+    for key in ("dir", "init_params"):
+        if getattr(cfg.checkpoint, key):
+            tree["checkpoint"][key] = absolute(getattr(cfg.checkpoint, key))
     for section, key in DATA_PATHS:
         value = tree[section][key]
         if isinstance(value, list):
