@@ -211,3 +211,17 @@ def test_config_yaml_records_init_params_absolute(tmp_path, monkeypatch):
     assert tree["checkpoint"]["init_params"] == str(tmp_path / "runs/a/checkpoints/4")
     assert tree["data"]["train"] == [str(tmp_path / "a.txt")]  # as the data paths
     assert recorded(config.load(None, TINY_NL))["checkpoint"]["init_params"] == ""  # none: none recorded
+
+
+def test_another_vocabulary_names_the_checkpoints_tokenization(src):
+    """model.vocab_size, which the data's tokenizer decides (a key the user may never have set):
+    the line names what the checkpoint was trained on, where it recorded it."""
+    engine = make([*NL, "model.vocab_size=300"], 1, 1).engine
+    meta = storage.read_meta(src["step_dir"])
+    line = f"checkpoint {src['step_dir']} does not fit this run: model.vocab_size=256 there, 300 here"
+    with pytest.raises(ConfigError) as e:  # recorded no tokenizer (saved by the tests' helper): as before
+        contents.check_fits(src["step_dir"], meta, engine)
+    assert str(e.value) == line
+    with pytest.raises(ConfigError) as e:
+        contents.check_fits(src["step_dir"], {**meta, "data": {"tokenizer": {"kind": "bytes"}}}, engine)
+    assert str(e.value) == f"{line} (it was trained on byte tokens; this run's data decide its vocabulary)"

@@ -312,7 +312,11 @@ def check_fits(path: Path, meta: dict, engine: Engine) -> None:
         for k, a, b in differences(get(meta["config"], key), get(here, key), key):
             if k in HOW_COMPUTED:
                 continue
-            raise ConfigError(f"checkpoint {path} does not fit this run: {k}={fmt(a)} there, {fmt(b)} here")
+            # a key the user may never have set: the data's tokenization decides it
+            tok = data_tokenizer(meta) if k == "model.vocab_size" else None
+            told = (f" (it was trained on {tokenization.describe(tok)}; this run's data decide its vocabulary)"
+                    if tok else "")
+            raise ConfigError(f"checkpoint {path} does not fit this run: {k}={fmt(a)} there, {fmt(b)} here{told}")
     saved, mine = meta["model"], fingerprint(engine.model)
     # a model may say what a parameter's shape means (a DiT: classes, channels of its data)
     explain = getattr(engine.model, "mismatch", lambda *_: "")
