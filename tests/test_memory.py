@@ -95,6 +95,27 @@ def test_normaliser_bounds_the_curvature(kind):
                 assert np.linalg.norm(jac, 2) ** 2 <= nu[b, h, t] * (1 + 1e-5)
 
 
+def test_the_mlp_normaliser_is_reached():
+    """nu's MLP bound is tight where the module docstring's inequalities are equalities: every
+    hidden unit at gelu's steepest point (slope GELU_SLOPE, so c enters squared) and a rank-one
+    W2. There ||J_t||² is nu_t (less the floor): a looser bound is no bound (a normaliser with c
+    in place of c² stayed above the random case of `test_normaliser_bounds_the_curvature`)."""
+    d, hid = 4, 8
+    k = jnp.zeros((1, 1, 1, d)).at[..., 0].set(1.0)  # a unit key
+    steepest = 1.4180  # argmax of gelu' (tanh form), where the slope is 1.12899 <= GELU_SLOPE
+    w1 = jnp.zeros((1, 1, d, hid)).at[:, :, 0, :].set(steepest)  # every pre-activation k W1 at it
+    u, w = jnp.arange(1.0, hid + 1.0), jnp.array([0.6, 0.8, 0.0, 0.0])
+    m = {"W1": w1, "W2": jnp.einsum("f,e->fe", u, w)[None, None]}  # rank one
+    slope = jax.grad(jax.nn.gelu)(steepest)
+    assert float(slope) == pytest.approx(nm.GELU_SLOPE, rel=1e-5)
+    f = lambda mm: nm.read(mm, k, "mlp").ravel()
+    jac = jnp.concatenate([j.reshape(d, -1) for j in jax.tree.leaves(jax.jacobian(f)(m))], axis=1)
+    curvature = np.linalg.norm(np.asarray(jac), 2) ** 2
+    nu = float(nm.normaliser(m, k, "mlp")[0, 0, 0])
+    assert curvature <= nu * (1 + 1e-5)
+    assert curvature >= (nu - nm.NU_FLOOR) * (1 - 1e-4)  # reached, within gelu's slope at the point
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("chunk,dk", [(1, 4), (16, 4), (64, 64), (256, 16)])
 def test_memory_stays_bounded(kind, chunk, dk):
