@@ -319,3 +319,46 @@ def test_scanned_layers_equal_the_unrolled_net():
         np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
         assert_trees_close(mb, ma, rtol=1e-5, atol=1e-6)
     assert_trees_close(g_scan, scanned_params(g_flat, 4, (1, 3)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_the_memory_module_is_its_inner_loop_on_unit_projections(kind):
+    """`NeuralMemory` as its docstrings define it, computed by hand (no conv): q, k, v unit vectors per head;
+    the gates from the `gates` layer, per head (step theta, momentum eta, forgetting alpha) in that
+    order, theta scaled by lr_max, with the gate kernel at zero the values its init documents
+    (theta = eta = 1/2, forgetting sigmoid(-6): slow); the inner loop's token-by-token
+    definition from memory0; each head's read RMS-normalised, gated by sigmoid(W x + b),
+    projected out. Random weights elsewhere (init's output layers are zero)."""
+    import jax.numpy as jnp
+
+    from nljax.models import memory as nm
+    from nljax.models.blocks import memory_state
+    from nljax.models.nl_lm import NeuralMemory
+
+    b, t, dim, heads, dk, lr_max = 2, 8, 16, 2, 4, 0.5
+    mem = NeuralMemory(dim=dim, heads=heads, dk=dk, hidden=8, kind=kind, chunk=4, lr_max=lr_max, conv=0,
+                       impl="scan")  # conv=0: the projections by hand (the conv's causality: test_logits_are_causal)
+    x = jax.random.normal(jax.random.key(0), (b, t, dim))
+    reset = jnp.ones((b,), bool)
+    params = mem.init(jax.random.key(1), x, memory_state(mem, b), reset)["params"]
+    keys = iter(jax.random.split(jax.random.key(2), 100))
+    params = jax.tree.map(lambda w: w + 0.5 * jax.random.normal(next(keys), w.shape), params)
+    params["gates"] = {"kernel": jnp.zeros_like(params["gates"]["kernel"]),
+                       "bias": mem.init(jax.random.key(1), x, memory_state(mem, b), reset)["params"]["gates"]["bias"]}
+    stale = jax.tree.map(lambda w: 5.0 + w, memory_state(mem, b))  # reset: replaced by memory0
+    y, state = mem.apply({"params": params}, x, stale, reset)
+
+    proj = jnp.einsum("btd,dchk->cbhtk", x, params["qkv"]["kernel"])  # [3, B, H, T, dk]
+    q, k, v = proj / jnp.sqrt(jnp.sum(proj**2, axis=-1, keepdims=True) + 1e-6)  # unit norm
+    gate = lambda p: jnp.full((b, heads, t), p)
+    theta, eta, alpha = gate(0.5 * lr_max), gate(0.5), gate(float(jax.nn.sigmoid(-6.0)))
+    memory0 = {n[len("memory0_"):]: w for n, w in params.items() if n.startswith("memory0_")}
+    reads, state_ref = nm.memory_reference(nm.init_state(memory0, b), q, k, v, theta, eta, alpha, kind=kind,
+                                           chunk=4)
+    reads = reads.transpose(0, 2, 1, 3)  # [B, T, H, dk]
+    normed = reads / jnp.sqrt(jnp.mean(reads**2, axis=-1, keepdims=True) + 1e-6) * params["out_norm"]["scale"]
+    og = params["out_gate"]
+    gated = normed * jax.nn.sigmoid(x @ og["kernel"] + og["bias"]).reshape(b, t, heads, dk)
+    want = gated.reshape(b, t, heads * dk) @ params["out"]["kernel"]
+    np.testing.assert_allclose(y, want, rtol=2e-4, atol=2e-5)
+    assert_trees_close(state, state_ref, rtol=1e-4, atol=1e-5)
