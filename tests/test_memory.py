@@ -178,6 +178,24 @@ def test_chunk_scale_bounds_the_chunk_curvature(kind):
                                    jnp.broadcast_to(jnp.arange(1, T + 1), (B, H, T)), rtol=1e-3)
 
 
+def test_chunk_scale_bounds_hidden_features_of_opposite_signs():
+    """The MLP memory's bound takes |h_i . h_j|: gelu's negative lobe gives hidden features whose
+    products are negative, and the chunk's curvature is then larger than the signed sums say. Two
+    tokens, W2 = 0 (so only the output layer's Jacobian, h_t^T, is left): the normalised
+    curvature is the largest eigenvalue of [[a, -b], [-b, a]], a + b, above 1."""
+    k = jnp.eye(2)[None, None]  # [1, 1, 2 tokens, dk 2]: unit keys
+    w1 = jnp.array([[3.0, 0.0], [-0.75, 3.0]])  # k W1: [3, 0] and [-0.75, 3]; gelu(-0.75) < 0
+    m = {"W1": w1[None, None], "W2": jnp.zeros((1, 1, 2, 2))}
+    nu = nm.normaliser(m, k, "mlp")
+    lam = nm.chunk_scale(m, k, nu, "mlp")[0, 0, -1]
+    f = lambda mm: nm.read(mm, k, "mlp").reshape(-1)
+    jac = jnp.concatenate([j.reshape(4, -1) for j in jax.tree.leaves(jax.jacobian(f)(m))], axis=1)
+    jac = jac / jnp.sqrt(jnp.repeat(nu[0, 0], 2))[:, None]  # rows: token 0's two outputs, then token 1's
+    curvature = np.linalg.norm(np.asarray(jac), 2) ** 2
+    assert curvature > 1.02  # the case the signed sums (<= 1, floored at 1) miss
+    assert curvature <= lam * (1 + 1e-5)
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 def test_reads_are_causal(kind):
     """Token t's read depends on nothing after t, inside its chunk too: changing every input of
