@@ -75,6 +75,9 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
     window = cfg.model.nl_lm.window
     assert f"sliding_window_length\\22: {window}," in text, "the window is not cuDNN's sliding_window_length"
+    # causal too: the window alone is a left window only to cuDNN (jax PR #39576), which XLA's
+    # form on a CPU (test_a_future_token_changes_nothing_through_the_fused_arguments) does not show
+    assert "mask_type\\22: \\22CAUSAL\\22" in text and "NO_MASK" not in text
 
 
 @pytest.mark.parametrize("choice, dtype, head_dim, cuda, form", [
