@@ -87,7 +87,7 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     ("auto", "bfloat16", 48, True, "cudnn"), ("auto", "float16", 24, True, "cudnn"),  # the kernel refuses: cuDNN
     ("auto", "bfloat16", 12, True, "blocked"), ("auto", "float32", 48, True, "blocked"),  # both refuse: blocked
     ("blocked", "bfloat16", 64, True, "blocked"),
-    ("cudnn", "bfloat16", 64, True, "cudnn"),
+    ("cudnn", "bfloat16", 64, True, "cudnn"), ("cudnn", "bfloat16", 128, True, "cudnn"),  # 128: its widest head
 ])
 def test_attention_choice(choice, dtype, head_dim, cuda, form, monkeypatch):
     # the rules by shape; whether a form compiles on the GPU is tests/test_compile_probes.py's
@@ -97,7 +97,7 @@ def test_attention_choice(choice, dtype, head_dim, cuda, form, monkeypatch):
 
 @pytest.mark.parametrize("dtype, head_dim, cuda, why", [
     ("bfloat16", 64, False, "cuDNN runs on CUDA GPUs only"), ("float32", 64, True, "bfloat16 or float16 inputs"),
-    ("bfloat16", 20, True, "multiple of 8"),
+    ("bfloat16", 20, True, "multiple of 8"), ("bfloat16", 136, True, "<= 128"),
 ])
 def test_cudnn_that_cannot_run_is_one_line(dtype, head_dim, cuda, why):
     with pytest.raises(ConfigError, match=why) as e:
