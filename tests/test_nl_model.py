@@ -362,3 +362,29 @@ def test_the_memory_module_is_its_inner_loop_on_unit_projections(kind):
     want = gated.reshape(b, t, heads * dk) @ params["out"]["kernel"]
     np.testing.assert_allclose(y, want, rtol=2e-4, atol=2e-5)
     assert_trees_close(state, state_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_rotary_rotates_each_pair_by_its_frequency():
+    """Rotary positions (RoPE, Su et al.; halves-paired as in GPT-NeoX): at position t feature i
+    and feature i + hd/2 turn by the angle t * base^(-2i / hd), so norms are kept and q . k
+    depends on the positions' difference only."""
+    import jax.numpy as jnp
+
+    from nljax.models.nl_lm import rotary
+
+    hd, t = 8, 7
+    pos = jnp.arange(t, dtype=jnp.float32)
+    for i in range(hd // 2):
+        e = jnp.zeros((1, t, 1, hd)).at[..., i].set(1.0)  # the unit vector e_i at every position
+        angle = pos * 10000.0 ** (-2 * i / hd)
+        y = rotary(e)[0, :, 0]
+        np.testing.assert_allclose(y[:, i], jnp.cos(angle), atol=1e-5)
+        np.testing.assert_allclose(y[:, i + hd // 2], jnp.sin(angle), atol=1e-5)
+        assert not np.delete(np.asarray(y), [i, i + hd // 2], axis=1).any()  # the pair turns alone
+    q, k = (jnp.broadcast_to(jax.random.normal(key, (hd,)), (1, t, 1, hd)) for key in jax.random.split(jax.random.key(0), 2))
+    rq, rk = rotary(q)[0, :, 0], rotary(k)[0, :, 0]
+    np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q[0, :, 0], axis=-1), rtol=1e-5)
+    dots = rq @ rk.T  # [m, n]
+    for d in range(-2, 3):  # every pair at the same offset n - m reads the same
+        diag = jnp.diagonal(dots, offset=d)
+        np.testing.assert_allclose(diag, diag[0], rtol=1e-4, atol=1e-5)
