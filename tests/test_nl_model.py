@@ -388,3 +388,26 @@ def test_rotary_rotates_each_pair_by_its_frequency():
     for d in range(-2, 3):  # every pair at the same offset n - m reads the same
         diag = jnp.diagonal(dots, offset=d)
         np.testing.assert_allclose(diag, diag[0], rtol=1e-4, atol=1e-5)
+
+
+def test_cms_levels_start_as_the_identity_and_add_to_the_stream():
+    """`CMSChain`: each level a residual MLP (x + MLP_l(x), in sequence), starting as the
+    identity (its output layer zero): at init the chain returns its input bit for bit, with
+    weights it adds each level's output to the stream. (Without the residual a zero-initialised
+    chain zeroed the stream, and the identity test of the whole net still passed: logits that
+    depend on nothing depend on token t alone.)"""
+    import jax.numpy as jnp
+
+    from nljax.models.layers import MLP, CMSChain
+
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    chain = CMSChain(dim=8, hidden=16, levels=2)
+    params = chain.init(jax.random.key(1), x)["params"]
+    np.testing.assert_array_equal(chain.apply({"params": params}, x), x)
+    keys = iter(jax.random.split(jax.random.key(2), 100))
+    params = jax.tree.map(lambda w: w + 0.5 * jax.random.normal(next(keys), w.shape), params)
+    want = x
+    for level in range(2):
+        want = want + MLP(8, 16).apply({"params": params[f"cms{level}"]}, want)
+    np.testing.assert_allclose(chain.apply({"params": params}, x), want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want, x)
