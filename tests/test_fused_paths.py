@@ -129,6 +129,8 @@ def test_the_default_config_on_a_cpu_keeps_the_old_paths():
         assert (net.attention, net.embed_grad, net.loss_chunk) == ("blocked", "scatter", 0), name
     assert embedding.resolve("auto", 256, "gpu") == "onehot" and embedding.resolve("auto", 50304, "gpu") == "scatter"
     assert embedding.resolve("auto", 256, "cpu") == "scatter" and embedding.resolve("segment", 256, "cpu") == "segment"
+    # the one-hot form up to ONEHOT_MAX_VOCAB rows, that many included
+    assert [embedding.resolve("auto", v, "gpu") for v in (4096, 4097)] == ["onehot", "scatter"]
 
 # ------------------------------------------------------------------------ embedding
 
