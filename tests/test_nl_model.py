@@ -411,3 +411,50 @@ def test_cms_levels_start_as_the_identity_and_add_to_the_stream():
         want = want + MLP(8, 16).apply({"params": params[f"cms{level}"]}, want)
     np.testing.assert_allclose(chain.apply({"params": params}, x), want, rtol=1e-5, atol=1e-6)
     assert not np.allclose(want, x)
+
+
+def test_the_causal_conv_reads_its_kernel_over_the_tokens_before():
+    """`CausalConv` as its docstring defines it: y_t = sum_j w_j x_{t-K+1+j} + b per channel, the
+    tokens before the first zero. (A conv padded on the right, reading tokens after t, passed the
+    fast tier: the whole model's causality test, `test_logits_are_causal`, is in the slow one.)"""
+    import jax.numpy as jnp
+
+    from nljax.models.nl_lm import CausalConv
+
+    b, t, k, ch = 2, 7, 3, (2, 3)
+    x = jax.random.normal(jax.random.key(0), (b, t, *ch))
+    conv = CausalConv(k)
+    params = conv.init(jax.random.key(1), x)["params"]
+    params = {"kernel": params["kernel"], "bias": jax.random.normal(jax.random.key(2), ch)}
+    y = conv.apply({"params": params}, x)
+    padded = jnp.concatenate([jnp.zeros((b, k - 1, *ch)), x], axis=1)  # x_{-K+1} .. x_{-1} = 0
+    want = jnp.stack([sum(params["kernel"][j] * padded[:, s + j] for j in range(k)) for s in range(t)], axis=1)
+    np.testing.assert_allclose(y, want + params["bias"], rtol=1e-6, atol=1e-6)
+
+
+def test_the_logits_read_the_inputs_and_the_loss_the_targets():
+    """A batch's tokens [B, T+1]: the net reads [:, :-1] (the inputs), the loss scores [:, 1:]
+    (each input's next token). (The logits of tokens [:, 1:], each position reading its own
+    target, passed the fast tier.)"""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from nljax.models.nl_lm import NLLM
+
+    @dataclasses.dataclass(frozen=True)
+    class Echo:  # a net whose logits put all their mass on the token read at each position
+        loss_chunk: int = 0
+
+        def apply(self, variables, tokens, memory, reset):
+            return 50.0 * jax.nn.one_hot(tokens, 16), memory
+
+    tokens = jnp.array([[1, 2, 3, 4, 5]])
+    model = NLLM(Echo())
+    batch = {"tokens": tokens, "reset": jnp.ones(1, bool)}
+    logits, _ = model.logits({}, {}, batch)
+    np.testing.assert_array_equal(jnp.argmax(logits, -1), tokens[:, :-1])
+    loss, count, _ = model.apply({}, {}, batch)  # each position predicts the token it read: wrong
+    assert count == 4 and float(loss) > 4 * 40.0
+    loss, _, _ = model.apply({}, {}, {**batch, "tokens": jnp.array([[3, 3, 3, 3, 3]])})  # now right
+    assert float(loss) < 1e-12
