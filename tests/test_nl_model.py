@@ -458,3 +458,30 @@ def test_the_logits_read_the_inputs_and_the_loss_the_targets():
     assert count == 4 and float(loss) > 4 * 40.0
     loss, _, _ = model.apply({}, {}, {**batch, "tokens": jnp.array([[3, 3, 3, 3, 3]])})  # now right
     assert float(loss) < 1e-12
+
+
+def test_stream_resets_from_document_ends_across_the_wrap():
+    """With `ends` (the user's files), a row whose previous chunk wraps past the end of the
+    tokens to the start is reset when an end lies in the wrapped part: as the NUL scan finds it
+    in the same bytes."""
+    data = np.full(10, 7, np.uint8)
+    data[2] = SEPARATOR
+    by_ends = ContextStream(data, rows=1, seq_len=5, ends=np.array([2]))
+    by_nul = ContextStream(data, rows=1, seq_len=5)
+    np.testing.assert_array_equal(by_ends.ends_within(np.array([8, 3, 0, 6]), 5), [True, False, True, False])
+    for step in range(1, 6):  # the row's chunks run 0-5, 5-10, 10-15 = 0-5 (mod 10), ...
+        assert by_ends.rows_at(step, np.arange(1))["reset"] == by_nul.rows_at(step, np.arange(1))["reset"]
+
+
+def test_the_stdlib_corpus_holds_out_every_nth_module():
+    """data.source=stdlib: the standard library's top-level modules sorted by name, every
+    round(1 / eval_fraction)-th held out (the 2nd, 4th, ... at 0.5), each document NUL-ended."""
+    import sysconfig
+    from pathlib import Path
+
+    from nljax.data.text import stdlib_corpus
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    train, held = stdlib_corpus(0.5)
+    docs = lambda fs: b"".join(f.read_bytes().replace(b"\0", b"") + b"\0" for f in fs)
+    assert held.tobytes() == docs(files[1::2]) and train.tobytes() == docs(files[0::2])
