@@ -485,3 +485,16 @@ def test_the_stdlib_corpus_holds_out_every_nth_module():
     train, held = stdlib_corpus(0.5)
     docs = lambda fs: b"".join(f.read_bytes().replace(b"\0", b"") + b"\0" for f in fs)
     assert held.tobytes() == docs(files[1::2]) and train.tobytes() == docs(files[0::2])
+
+
+def test_random_resets_are_drawn_per_global_row():
+    """data.reset_prob: one draw per (seed, step) for all rows, each row taking its own, so a
+    device that builds rows 5-7 gets the flags those rows get in the whole batch (the mesh
+    changes nothing), and about reset_prob of the rows reset."""
+    data = np.full(4096, 7, np.uint8)  # no document boundary: every reset after step 0 is a draw
+    s = ContextStream(data, rows=8, seq_len=4, seed=1, reset_prob=0.5)
+    whole = np.array([s.rows_at(step, np.arange(8))["reset"] for step in range(1, 41)])
+    for step in range(1, 41):
+        np.testing.assert_array_equal(s.rows_at(step, np.arange(5, 8))["reset"], whole[step - 1, 5:])
+        np.testing.assert_array_equal(s.rows_at(step, slice(2, 4))["reset"], whole[step - 1, 2:4])
+    assert 0.35 < whole.mean() < 0.65
