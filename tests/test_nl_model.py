@@ -498,3 +498,15 @@ def test_random_resets_are_drawn_per_global_row():
         np.testing.assert_array_equal(s.rows_at(step, np.arange(5, 8))["reset"], whole[step - 1, 5:])
         np.testing.assert_array_equal(s.rows_at(step, slice(2, 4))["reset"], whole[step - 1, 2:4])
     assert 0.35 < whole.mean() < 0.65
+
+
+def test_row_starts_are_multiples_of_align_and_move_with_the_seed():
+    """`align` (the recall probe's: train.seq_len, one fixed-length document per window): every
+    row starts on a multiple of it, whatever the seed; the seed shifts the rows' starts."""
+    data = np.arange(1000) % 251
+    for seed in range(6):
+        s = ContextStream(data, rows=5, seq_len=8, seed=seed, align=8)
+        assert (s.offsets() % 8 == 0).all(), seed
+        assert (s.rows_at(3, np.arange(5))["tokens"][:, 0] == data[(s.offsets() + 24) % 1000]).all()
+    offsets = [tuple(ContextStream(data, rows=5, seq_len=8, seed=seed).offsets()) for seed in range(4)]
+    assert len(set(offsets)) == 4
