@@ -463,7 +463,7 @@ def test_the_logits_read_the_inputs_and_the_loss_the_targets():
 def test_stream_resets_from_document_ends_across_the_wrap():
     """With `ends` (the user's files), a row whose previous chunk wraps past the end of the
     tokens to the start is reset when an end lies in the wrapped part: as the NUL scan finds it
-    in the same bytes."""
+    in the same bytes. The tokens wrap the same way."""
     data = np.full(10, 7, np.uint8)
     data[2] = SEPARATOR
     by_ends = ContextStream(data, rows=1, seq_len=5, ends=np.array([2]))
@@ -471,6 +471,9 @@ def test_stream_resets_from_document_ends_across_the_wrap():
     np.testing.assert_array_equal(by_ends.ends_within(np.array([8, 3, 0, 6]), 5), [True, False, True, False])
     for step in range(1, 6):  # the row's chunks run 0-5, 5-10, 10-15 = 0-5 (mod 10), ...
         assert by_ends.rows_at(step, np.arange(1))["reset"] == by_nul.rows_at(step, np.arange(1))["reset"]
+    # the tokens themselves wrap: step 1 reads 5 .. 10, the last its target read from the start
+    counting = ContextStream(np.arange(10, dtype=np.uint8), rows=1, seq_len=5)
+    np.testing.assert_array_equal(counting.rows_at(1, np.arange(1))["tokens"][0], [5, 6, 7, 8, 9, 0])
 
 
 def test_the_stdlib_corpus_holds_out_every_nth_module():
