@@ -572,21 +572,24 @@ def test_ctrl_c_stops_the_workers_at_once_not_after_their_chunks(corpus, tmp_pat
 
 
 def test_chunks_resume_into_the_held_out_files_from_their_start_and_end_where_the_records_do(tmp_path):
-    """`chunks.read` from a position in data.train's files reads data.eval's from their first
-    record (the position's file and record are data.train's), and a split whose last records
-    hold no text still ends with a chunk at its end: the position a resumed prepare starts from
-    is after every record read."""
+    """A chunk ends at the document with which its bytes reach chunk_bytes, not one after (lists of
+    two documents read at 2 KiB a chunk). `chunks.read` from a position in data.train's files
+    reads data.eval's from their first record (the position's file and record are data.train's),
+    and a split whose last records hold no text still ends with a chunk at its end: the position
+    a resumed prepare starts from is after every record read."""
     from nljax.data import chunks, documents
 
     def jsonl(name, texts):
         (tmp_path / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
         return documents.expand([str(tmp_path / name)], "data")
 
-    train = jsonl("a.jsonl", ["aaaa", "bbbb"]) + jsonl("b.jsonl", ["cccc", "dddd", ""])
-    held = jsonl("h.jsonl", ["xx", "yy", "zz"])
-    everything = list(chunks.read([train, held], "text", 4))
+    a, b, c, d, x, y, z = (ch * (2048 if ch < "x" else 1024) for ch in "abcdxyz")
+    train = jsonl("a.jsonl", [a, b]) + jsonl("b.jsonl", [c, d, ""])
+    held = jsonl("h.jsonl", [x, y, z])
+    everything = list(chunks.read([train, held], "text", 2048))
+    assert [c.texts for c in everything] == [[a], [b], [c], [d], [], [x, y], [z]]
     assert [c.end for c in everything if c.split == 0][-1] == (0, 1, 3)  # after b.jsonl's blank last line
-    resumed = list(chunks.read([train, held], "text", 4, start=(0, 1, 1)))  # b.jsonl from its 2nd line
-    assert [t for c in resumed if c.split == 0 for t in c.texts] == ["dddd"]
-    assert [t for c in resumed if c.split == 1 for t in c.texts] == ["xx", "yy", "zz"]
+    resumed = list(chunks.read([train, held], "text", 2048, start=(0, 1, 1)))  # b.jsonl from its 2nd line
+    assert [t for c in resumed if c.split == 0 for t in c.texts] == [d]
+    assert [t for c in resumed if c.split == 1 for t in c.texts] == [x, y, z]
     assert resumed[-1].end == (1, 0, 3)

@@ -843,3 +843,15 @@ def test_a_glob_skips_what_a_run_wrote_in_its_run_dir(tmp_path, capsys):
     assert documents.expand(globs, "data.train") == [notes / "a.txt", notes / "runs/x/mine.txt", notes / "b.jsonl"]
     metrics = notes / "runs" / "x" / "metrics.jsonl"
     assert documents.expand([str(metrics)], "data.train") == [metrics]
+
+
+def test_a_file_named_twice_is_read_once(tmp_path):
+    """data.train's paths and globs: each file once, in the order first named, however often and
+    however spelled (a path, another spelling of it, a glob that matches it again)."""
+    from nljax.data import documents
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "sub").mkdir()
+    names = [str(tmp_path / "b.txt"), str(tmp_path / "sub" / ".." / "b.txt"), str(tmp_path / "*.txt")]
+    assert [p.name for p in documents.expand(names, "data.train")] == ["b.txt", "a.txt"]
