@@ -350,3 +350,21 @@ def test_a_split_or_a_dataset_name_not_on_disk_says_what_there_is(tmp_path):
         documents.expand(["HuggingFaceFW/fineweb"], "data.train")
     with pytest.raises(config.ConfigError, match=r"^data.train: no file missing.txt$"):
         documents.expand(["missing.txt"], "data.train")
+
+
+def test_chunks_of_a_parquet_file_end_after_the_row_that_reaches_them(tmp_path):
+    """A chunk cut inside a Parquet record batch records the position after the row that reached
+    prepare.chunk_bytes: a prepare resumed from any chunk's end reads the rows after it, each
+    once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nljax.data import chunks, documents
+
+    texts = [ch * 2048 for ch in "abcd"]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet")  # one row group, one batch
+    files = documents.expand([str(tmp_path / "t.parquet")], "data.train")
+    cut = list(chunks.read([files, []], "text", 2048))
+    assert [(c.texts, c.end) for c in cut] == [([t], (0, 0, i + 1)) for i, t in enumerate(texts)]
+    for i, c in enumerate(cut):
+        assert [t for r in chunks.read([files, []], "text", 2048, start=c.end) for t in r.texts] == texts[i + 1:]
