@@ -855,3 +855,21 @@ def test_a_file_named_twice_is_read_once(tmp_path):
     (tmp_path / "sub").mkdir()
     names = [str(tmp_path / "b.txt"), str(tmp_path / "sub" / ".." / "b.txt"), str(tmp_path / "*.txt")]
     assert [p.name for p in documents.expand(names, "data.train")] == ["b.txt", "a.txt"]
+
+
+def test_a_document_the_tokenizer_gives_no_tokens_is_no_document(tmp_path):
+    """A tokenizer may give nothing for a text (whitespace alone, split away by its
+    pre-tokenizer; no data.doc_end_token): that text is no document, so no two documents start
+    at the same token and each document's end is after its start."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b", "   ", "b a a"]))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    c = prepared.build(data_config(f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'eval.jsonl'}",
+                                   f"data.tokenizer={tmp_path / 'tokenizer.json'}").data)
+    assert c.manifest["train"]["documents"] == 2
+    np.testing.assert_array_equal(c.train.starts, [0, 2])
+    np.testing.assert_array_equal(c.train.ends, [1, 4])
