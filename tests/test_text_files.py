@@ -873,3 +873,20 @@ def test_a_document_the_tokenizer_gives_no_tokens_is_no_document(tmp_path):
     assert c.manifest["train"]["documents"] == 2
     np.testing.assert_array_equal(c.train.starts, [0, 2])
     np.testing.assert_array_equal(c.train.ends, [1, 4])
+
+
+def test_a_tokenizer_counts_each_documents_bytes_and_end_as_bytes_do(tokenizer, tmp_path):
+    """`encode_flat`'s third array, each document's UTF-8 bytes + 1 (its end, as the byte
+    tokenization's NUL), is the same whatever the tokenization: bits per byte compare across
+    them. A tokenizer.json whose ids skip a number (the id at its vocabulary size) is refused."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    texts = ["plain", "été 記憶", "a b c"]
+    hf = tokenization.load(str(tokenizer))
+    np.testing.assert_array_equal(hf.encode_flat(texts, np.uint16)[2], tokenization.Bytes().encode_flat(texts, np.uint8)[2])
+    np.testing.assert_array_equal(hf.encode_flat(texts, np.uint16)[2], [6, 13, 6])
+    skips = Tokenizer(models.WordLevel({"a": 0, "b": 2}, unk_token="a"))  # 2 tokens, ids 0 and 2
+    skips.pre_tokenizer = pre_tokenizers.Whitespace()
+    skips.save(str(tmp_path / "skips.json"))
+    with pytest.raises(config.ConfigError, match="gave token id 2, not below its vocabulary size 2"):
+        tokenization.load(str(tmp_path / "skips.json")).encode_flat(["a b"], np.uint16)
