@@ -4,8 +4,6 @@ states and gradients, in interpret mode on CPU; it lowers for CUDA (Triton) on t
 machine; `model.nl_lm.memory_impl` selects it, and a training run through it equals one through
 the scan."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -299,26 +297,3 @@ def test_resume_may_change_memory_impl_with_a_warning(tmp_path):
         check_unchanged(saved, config.load(None, [*TINY_NL, "model.nl_lm.memory_dim=4"]), tmp_path / "config.yaml")
     assert _changed_settings({"config": config.to_dict(saved)}, resumed) == [
         "resuming with model.nl_lm.memory_impl='pallas' (the checkpoint was written with 'scan')"]
-
-
-def opposite_sign_inputs(t=8):
-    """`inputs('mlp', t)` with keys alternating between two orthogonal unit vectors and a first
-    layer that sends one of them to gelu's negative lobe on half the hidden units: hidden features
-    whose products h_i . h_j are negative, where the curvature bound takes |h_i . h_j|
-    (tests/test_memory.py::test_chunk_scale_bounds_hidden_features_of_opposite_signs)."""
-    state, (q, _, v, *gates) = inputs("mlp", t=t, seed=7)
-    k = jnp.broadcast_to(jax.nn.one_hot(jnp.arange(t) % 2, D), (B, H, t, D))
-    half = HID // 2
-    w1 = jnp.zeros((D, HID)).at[0, :half].set(3.0).at[1, :half].set(-0.75).at[1, half:].set(3.0)
-    state["M"]["W1"] = jnp.broadcast_to(w1, state["M"]["W1"].shape)
-    return state, (q, k, v, *gates)
-
-
-def test_the_kernel_bounds_hidden_features_of_opposite_signs():
-    """The kernel's curvature bound takes |h_i . h_j| as the XLA forms do: its reads and final
-    state equal the scan's where hidden features' products are negative (random inputs' were
-    positive: dropping the kernel's abs passed its other tests)."""
-    state, args = opposite_sign_inputs()
-    out = jax.jit(functools.partial(kernel, kind="mlp", chunk=4))(state, *args)
-    ref = nm.memory_forward(state, *args, kind="mlp", chunk=4)
-    assert_close(out, ref, rtol=1e-5, atol=1e-5)

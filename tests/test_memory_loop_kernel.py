@@ -137,12 +137,3 @@ def test_training_through_the_loop_kernel_equals_the_scan(mesh, monkeypatch):
     assert_trees_close(canonical(setup, state), canonical(ref, state_ref), rtol=1e-4, atol=2e-5)
     assert_trees_close(jax.tree.map(np.asarray, state.memory), jax.tree.map(np.asarray, state_ref.memory),
                        rtol=1e-4, atol=2e-5)
-
-
-def test_the_loop_kernel_bounds_hidden_features_of_opposite_signs():
-    """As `test_memory_kernel.test_the_kernel_bounds_hidden_features_of_opposite_signs`: the
-    loop kernel's |h_i . h_j| (its `_abs`) where the products are negative."""
-    state, args = tmk.opposite_sign_inputs()
-    out = jax.jit(lambda state, *args: loop_kernel(state, *args, kind="mlp", chunk=4))(state, *args)
-    ref = nm.memory_parallel(state, *args, kind="mlp", chunk=4)
-    assert_close(out, ref, rtol=1e-5, atol=1e-5)
