@@ -350,3 +350,16 @@ def test_a_set_of_one_window_is_the_shortest_taken(tmp_path):
         else:
             with pytest.raises(config.ConfigError, match="8 tokens in 1 file"):
                 evalsets.load(d, 8)
+
+
+def test_a_sets_digest_covers_its_document_starts():
+    """Two sets of the same token ids cut into documents otherwise (a tokenization without an
+    end token: one file or two) are scored otherwise (each document starts from a fresh memory):
+    their digests differ, as they do for other ids, byte counts or tokenizations."""
+    rec = {"sha256": "ids", "docs_sha256": "starts", "tokens": 10, "bytes": 12}
+    tok = {"kind": "tokenizers", "vocab_size": 3}
+    digests = {evalsets.content_digest(rec, tok)}
+    for other in ({"docs_sha256": "other starts"}, {"sha256": "other ids"}, {"tokens": 11}, {"bytes": 13}):
+        digests.add(evalsets.content_digest({**rec, **other}, tok))
+    digests.add(evalsets.content_digest(rec, {**tok, "vocab_size": 4}))
+    assert len(digests) == 6
