@@ -19,6 +19,8 @@ def test_eval_batches_pad_and_mask():
     assert [b["mask"].sum() for b in batches] == [4, 4, 3]
     real = np.concatenate([b["tokens"][b["mask"] > 0] for b in batches])
     np.testing.assert_array_equal(real, windows)
+    # every window is scored from the learnt memory0, whatever state the rows hold
+    assert all(b["reset"].dtype == bool and b["reset"].all() for b in batches)
 
 
 @pytest.mark.parametrize("inter,intra", [(1, 2), (2, 4)])
