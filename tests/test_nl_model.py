@@ -478,16 +478,19 @@ def test_stream_resets_from_document_ends_across_the_wrap():
 
 def test_the_stdlib_corpus_holds_out_every_nth_module():
     """data.source=stdlib: the standard library's top-level modules sorted by name, every
-    round(1 / eval_fraction)-th held out (the 2nd, 4th, ... at 0.5), each document NUL-ended."""
+    round(1 / eval_fraction)-th held out (the 2nd, 4th, ... at 0.5; every 7th at 0.15), each
+    document NUL-ended."""
     import sysconfig
     from pathlib import Path
 
     from nljax.data.text import stdlib_corpus
 
     files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
-    train, held = stdlib_corpus(0.5)
     docs = lambda fs: b"".join(f.read_bytes().replace(b"\0", b"") + b"\0" for f in fs)
+    train, held = stdlib_corpus(0.5)
     assert held.tobytes() == docs(files[1::2]) and train.tobytes() == docs(files[0::2])
+    held = stdlib_corpus(0.15)[1]  # round(1 / 0.15) = 7, as data.source=files splits
+    assert held.tobytes() == docs(files[6::7])
 
 
 def test_random_resets_are_drawn_per_global_row():
