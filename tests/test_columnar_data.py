@@ -350,3 +350,39 @@ def test_a_split_or_a_dataset_name_not_on_disk_says_what_there_is(tmp_path):
         documents.expand(["HuggingFaceFW/fineweb"], "data.train")
     with pytest.raises(config.ConfigError, match=r"^data.train: no file missing.txt$"):
         documents.expand(["missing.txt"], "data.train")
+
+
+def test_chunks_of_a_parquet_file_end_after_the_row_that_reaches_them(tmp_path):
+    """A chunk cut inside a Parquet record batch records the position after the row that reached
+    prepare.chunk_bytes: a prepare resumed from any chunk's end reads the rows after it, each
+    once."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from nljax.data import chunks, documents
+
+    texts = [ch * 2048 for ch in "abcd"]
+    pq.write_table(pa.table({"text": texts}), tmp_path / "t.parquet")  # one row group, one batch
+    files = documents.expand([str(tmp_path / "t.parquet")], "data.train")
+    cut = list(chunks.read([files, []], "text", 2048))
+    assert [(c.texts, c.end) for c in cut] == [([t], (0, 0, i + 1)) for i, t in enumerate(texts)]
+    for i, c in enumerate(cut):
+        assert [t for r in chunks.read([files, []], "text", 2048, start=c.end) for t in r.texts] == texts[i + 1:]
+
+
+def test_an_arrow_record_batch_longer_than_a_list_is_read_row_by_row_once(tmp_path):
+    """An Arrow record batch is handed out in lists of up to `batch` rows: each row once, in
+    order, and the position after each list is the rows read; resumed from any of them, the
+    rest."""
+    import pyarrow as pa
+
+    from nljax.data import documents
+
+    texts = [f"row {i}" for i in range(7)]
+    with pa.OSFile(str(tmp_path / "t.arrow"), "wb") as sink, pa.ipc.new_file(sink, pa.schema([("text", pa.string())])) as w:
+        w.write_batch(pa.record_batch([pa.array(texts)], names=["text"]))  # one batch of 7 rows
+    files = documents.expand([str(tmp_path / "t.arrow")], "data.train")
+    lists = list(documents.read(files, "text", batch=3))
+    assert [(docs, done) for docs, _, done in lists] == [(texts[:3], 3), (texts[3:6], 6), (texts[6:], 7)]
+    for skip in range(8):
+        assert [t for docs, _, _ in documents.read(files, "text", (0, skip), batch=3) for t in docs] == texts[skip:]

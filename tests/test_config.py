@@ -383,3 +383,18 @@ def test_a_saved_images_path_of_another_source_is_read_as_unset(tmp_path):
     assert config.load(str(saved), saved=True) == config.load("meanflow_digits")
     tree["images"]["source"] = "file"  # read by the run: kept
     assert config.migrate(tree)["images"]["path"] == "cifar.npz"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.dim=12", "model.heads=4"], "model.dim=12 must split into model.heads=4 heads of even width"),
+    (["model.dim=12", "model.heads=5"], "model.dim=12 must split into model.heads=5 heads of even width"),
+    (["model.depth=2", "model.nl_lm.memory_layers=[2]"], r"model.nl_lm.memory_layers \[2\] out of range for model.depth=2"),
+    (["model.depth=2", "model.nl_lm.memory_layers=[-1]"], r"model.nl_lm.memory_layers \[-1\] out of range"),
+])
+def test_nl_lm_shapes_that_do_not_split_are_refused(overrides, message):
+    """Heads of odd width (rotary positions turn pairs of features) and memory layers past the
+    last block are refused when the config loads; the widths and blocks at the edges are taken."""
+    with pytest.raises(ConfigError, match=message):
+        config.load(None, ["model.name=nl_lm", *overrides])
+    config.load(None, ["model.name=nl_lm", "model.dim=16", "model.heads=4", "model.depth=2",
+                       "model.nl_lm.memory_layers=[0,1]"])

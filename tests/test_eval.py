@@ -19,6 +19,8 @@ def test_eval_batches_pad_and_mask():
     assert [b["mask"].sum() for b in batches] == [4, 4, 3]
     real = np.concatenate([b["tokens"][b["mask"] > 0] for b in batches])
     np.testing.assert_array_equal(real, windows)
+    # every window is scored from the learnt memory0, whatever state the rows hold
+    assert all(b["reset"].dtype == bool and b["reset"].all() for b in batches)
 
 
 @pytest.mark.parametrize("inter,intra", [(1, 2), (2, 4)])
@@ -118,3 +120,15 @@ def test_held_out_stream_layout():
     assert list(list(s.batches(4))[3]["reset"]) == [True, False]
     with pytest.raises(ConfigError, match="eval.stream_steps=7"):
         list(s.batches(7))
+
+
+def test_held_out_scores_are_of_the_targets():
+    """`score` marks held-out tokens whose prediction counts (the recall probe's values): a
+    batch carries it per target position, token t + 1 of the window for position t."""
+    data = np.arange(51, dtype=np.uint8)
+    score = (np.arange(51) % 3 == 0).astype(np.float32)
+    s = HeldOutStream(data, rows=2, seq_len=4, score=score)
+    for step, b in enumerate(s.batches(3)):
+        for r in range(2):
+            targets = b["tokens"][r, 1:]  # the window's tokens are their own indices here
+            np.testing.assert_array_equal(b["score"][r], score[targets])

@@ -337,3 +337,29 @@ def test_a_resume_warns_of_a_set_left_out_and_notes_a_set_added(tmp_path, capsys
     # the same sets: nothing said
     ckpt.check_data("d" * 64, {"kept": "a" * 64, "gone": "b" * 64}, notes.append)
     assert capsys.readouterr().err == "" and len(notes) == 1
+
+
+def test_a_set_of_one_window_is_the_shortest_taken(tmp_path):
+    """A set must hold one window of train.seq_len + 1 tokens (inputs and their next tokens):
+    seq_len + 1 is taken, seq_len refused."""
+    for n, ok in ((8, False), (9, True)):  # bytes: n - 1 characters and the document's end
+        (tmp_path / f"s{n}.txt").write_text("x" * (n - 1))
+        d = config.load(None, [f"data.eval_sets=[s={tmp_path}/s{n}.txt]"]).data
+        if ok:
+            assert len(evalsets.load(d, 8)[0].tokens) == 9
+        else:
+            with pytest.raises(config.ConfigError, match="8 tokens in 1 file"):
+                evalsets.load(d, 8)
+
+
+def test_a_sets_digest_covers_its_document_starts():
+    """Two sets of the same token ids cut into documents otherwise (a tokenization without an
+    end token: one file or two) are scored otherwise (each document starts from a fresh memory):
+    their digests differ, as they do for other ids, byte counts or tokenizations."""
+    rec = {"sha256": "ids", "docs_sha256": "starts", "tokens": 10, "bytes": 12}
+    tok = {"kind": "tokenizers", "vocab_size": 3}
+    digests = {evalsets.content_digest(rec, tok)}
+    for other in ({"docs_sha256": "other starts"}, {"sha256": "other ids"}, {"tokens": 11}, {"bytes": 13}):
+        digests.add(evalsets.content_digest({**rec, **other}, tok))
+    digests.add(evalsets.content_digest(rec, {**tok, "vocab_size": 4}))
+    assert len(digests) == 6

@@ -26,11 +26,13 @@ from nljax.models.nl_lm import NLLM
 
 
 @pytest.mark.parametrize("t, window, dtype", [(100, 16, jnp.float32), (40, 50, jnp.float32),
-                                              (96, 16, jnp.bfloat16)])
+                                              (24, 16, jnp.float32), (96, 16, jnp.bfloat16)])
 def test_cudnn_arguments_through_xla_equal_the_blocked_form(t, window, dtype):
     """`fused_local_attention` (what the cudnn form calls: is_causal=True, local_window_size=
     (window - 1, 0), jax's default scale) run by XLA == the blocked form: outputs and gradients,
-    T a multiple of the window or not, T <= 2 windows, bfloat16 inputs."""
+    T a multiple of the window or not, T <= 2 windows (within one window, where the window
+    masks nothing, and past it, where it does: the blocked form's own masked [T, T] path),
+    bfloat16 inputs."""
     q, k, v = (jax.random.normal(key, (2, t, 3, 8)).astype(dtype) for key in jax.random.split(jax.random.key(t), 3))
     fused = jax.jit(lambda q, k, v: attention.fused_local_attention(q, k, v, window, implementation="xla"))
     blocked = jax.jit(lambda q, k, v: local_attention(q, k, v, window))
@@ -73,6 +75,9 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     assert "__cudnn$fmhaSoftmax(" in text and "__cudnn$fmhaSoftmaxBackward(" in text
     window = cfg.model.nl_lm.window
     assert f"sliding_window_length\\22: {window}," in text, "the window is not cuDNN's sliding_window_length"
+    # causal too: the window alone is a left window only to cuDNN (jax PR #39576), which XLA's
+    # form on a CPU (test_a_future_token_changes_nothing_through_the_fused_arguments) does not show
+    assert "mask_type\\22: \\22CAUSAL\\22" in text and "NO_MASK" not in text
 
 
 @pytest.mark.parametrize("choice, dtype, head_dim, cuda, form", [
@@ -82,7 +87,7 @@ def test_cudnn_attention_lowers_for_cuda(monkeypatch):
     ("auto", "bfloat16", 48, True, "cudnn"), ("auto", "float16", 24, True, "cudnn"),  # the kernel refuses: cuDNN
     ("auto", "bfloat16", 12, True, "blocked"), ("auto", "float32", 48, True, "blocked"),  # both refuse: blocked
     ("blocked", "bfloat16", 64, True, "blocked"),
-    ("cudnn", "bfloat16", 64, True, "cudnn"),
+    ("cudnn", "bfloat16", 64, True, "cudnn"), ("cudnn", "bfloat16", 128, True, "cudnn"),  # 128: its widest head
 ])
 def test_attention_choice(choice, dtype, head_dim, cuda, form, monkeypatch):
     # the rules by shape; whether a form compiles on the GPU is tests/test_compile_probes.py's
@@ -92,7 +97,7 @@ def test_attention_choice(choice, dtype, head_dim, cuda, form, monkeypatch):
 
 @pytest.mark.parametrize("dtype, head_dim, cuda, why", [
     ("bfloat16", 64, False, "cuDNN runs on CUDA GPUs only"), ("float32", 64, True, "bfloat16 or float16 inputs"),
-    ("bfloat16", 20, True, "multiple of 8"),
+    ("bfloat16", 20, True, "multiple of 8"), ("bfloat16", 136, True, "<= 128"),
 ])
 def test_cudnn_that_cannot_run_is_one_line(dtype, head_dim, cuda, why):
     with pytest.raises(ConfigError, match=why) as e:
@@ -124,6 +129,8 @@ def test_the_default_config_on_a_cpu_keeps_the_old_paths():
         assert (net.attention, net.embed_grad, net.loss_chunk) == ("blocked", "scatter", 0), name
     assert embedding.resolve("auto", 256, "gpu") == "onehot" and embedding.resolve("auto", 50304, "gpu") == "scatter"
     assert embedding.resolve("auto", 256, "cpu") == "scatter" and embedding.resolve("segment", 256, "cpu") == "segment"
+    # the one-hot form up to ONEHOT_MAX_VOCAB rows, that many included
+    assert [embedding.resolve("auto", v, "gpu") for v in (4096, 4097)] == ["onehot", "scatter"]
 
 # ------------------------------------------------------------------------ embedding
 

@@ -455,3 +455,34 @@ def test_bf16_dit_modulates_in_float32():
     mods = {k: v[0].dtype for k, v in outs.items() if "adaln" in k}
     assert len(mods) == 3 and set(mods.values()) == {jnp.dtype(jnp.float32)}, mods
     assert outs["block0/attn/qkv/__call__"][0].dtype == jnp.bfloat16
+
+
+def test_the_euler_sampler_asks_for_the_instantaneous_velocity():
+    """mean_flow=False (a flow-matching net, which knows r = t only): every step reads u(z, t, t);
+    the MeanFlow sampler reads u(z, t, r) with r the step's end. A field that is t - r reads 0
+    in the first and moves each step by (t - r)^2 in the second."""
+    seen = []
+
+    def u(z, t, r, y):
+        seen.append((np.asarray(t), np.asarray(r)))
+        return jnp.broadcast_to((t - r)[:, None], z.shape)
+
+    z1 = jnp.ones((3, 2))
+    np.testing.assert_array_equal(meanflow.sample(u, z1, None, 4, mean_flow=False), z1)
+    assert all((t == r).all() for t, r in seen)
+    np.testing.assert_allclose(meanflow.sample(u, z1, None, 4), z1 - 4 * 0.25**2, rtol=1e-6)
+
+
+def test_guidance_leaves_dropped_labels_and_times_outside_its_interval_plain():
+    """The guided field w v + kappa u(z, t, t | y) + (1 - w - kappa) u(z, t, t | null) replaces v
+    only for kept labels and t in [cfg_t_min, cfg_t_max]; a dropped label (the unconditional
+    examples) and times outside keep v."""
+    cfg = MeanFlowConfig(cfg_omega=1.5, cfg_kappa=0.2, cfg_t_min=0.2, cfg_t_max=0.8)
+    null = 9
+    u = lambda z, t, r, y: jnp.where((y == null)[:, None], -1.0, 2.0) * jnp.ones_like(z)  # cond 2, uncond -1
+    z, v = jnp.zeros((4, 3)), jnp.ones((4, 3))
+    t = jnp.array([0.5, 0.5, 0.1, 0.9])
+    y, dropped = jnp.array([1, 1, 1, 1]), jnp.array([False, True, False, False])
+    out = meanflow.guided_velocity(u, z, t, v, y, dropped, null, cfg)
+    guided = 1.5 * 1.0 + 0.2 * 2.0 + (1 - 1.5 - 0.2) * -1.0
+    np.testing.assert_allclose(out[:, 0], [guided, 1.0, 1.0, 1.0], rtol=1e-6)

@@ -95,6 +95,27 @@ def test_normaliser_bounds_the_curvature(kind):
                 assert np.linalg.norm(jac, 2) ** 2 <= nu[b, h, t] * (1 + 1e-5)
 
 
+def test_the_mlp_normaliser_is_reached():
+    """nu's MLP bound is tight where the module docstring's inequalities are equalities: every
+    hidden unit at gelu's steepest point (slope GELU_SLOPE, so c enters squared) and a rank-one
+    W2. There ||J_t||² is nu_t (less the floor): a looser bound is no bound (a normaliser with c
+    in place of c² stayed above the random case of `test_normaliser_bounds_the_curvature`)."""
+    d, hid = 4, 8
+    k = jnp.zeros((1, 1, 1, d)).at[..., 0].set(1.0)  # a unit key
+    steepest = 1.4180  # argmax of gelu' (tanh form), where the slope is 1.12899 <= GELU_SLOPE
+    w1 = jnp.zeros((1, 1, d, hid)).at[:, :, 0, :].set(steepest)  # every pre-activation k W1 at it
+    u, w = jnp.arange(1.0, hid + 1.0), jnp.array([0.6, 0.8, 0.0, 0.0])
+    m = {"W1": w1, "W2": jnp.einsum("f,e->fe", u, w)[None, None]}  # rank one
+    slope = jax.grad(jax.nn.gelu)(steepest)
+    assert float(slope) == pytest.approx(nm.GELU_SLOPE, rel=1e-5)
+    f = lambda mm: nm.read(mm, k, "mlp").ravel()
+    jac = jnp.concatenate([j.reshape(d, -1) for j in jax.tree.leaves(jax.jacobian(f)(m))], axis=1)
+    curvature = np.linalg.norm(np.asarray(jac), 2) ** 2
+    nu = float(nm.normaliser(m, k, "mlp")[0, 0, 0])
+    assert curvature <= nu * (1 + 1e-5)
+    assert curvature >= (nu - nm.NU_FLOOR) * (1 - 1e-4)  # reached, within gelu's slope at the point
+
+
 @pytest.mark.parametrize("kind", ["linear", "mlp"])
 @pytest.mark.parametrize("chunk,dk", [(1, 4), (16, 4), (64, 64), (256, 16)])
 def test_memory_stays_bounded(kind, chunk, dk):
@@ -155,6 +176,24 @@ def test_chunk_scale_bounds_the_chunk_curvature(kind):
     if kind == "linear":
         np.testing.assert_allclose(nm.chunk_scale(m, same, nm.normaliser(m, same, kind), kind),
                                    jnp.broadcast_to(jnp.arange(1, T + 1), (B, H, T)), rtol=1e-3)
+
+
+def test_chunk_scale_bounds_hidden_features_of_opposite_signs():
+    """The MLP memory's bound takes |h_i . h_j|: gelu's negative lobe gives hidden features whose
+    products are negative, and the chunk's curvature is then larger than the signed sums say. Two
+    tokens, W2 = 0 (so only the output layer's Jacobian, h_t^T, is left): the normalised
+    curvature is the largest eigenvalue of [[a, -b], [-b, a]], a + b, above 1."""
+    k = jnp.eye(2)[None, None]  # [1, 1, 2 tokens, dk 2]: unit keys
+    w1 = jnp.array([[3.0, 0.0], [-0.75, 3.0]])  # k W1: [3, 0] and [-0.75, 3]; gelu(-0.75) < 0
+    m = {"W1": w1[None, None], "W2": jnp.zeros((1, 1, 2, 2))}
+    nu = nm.normaliser(m, k, "mlp")
+    lam = nm.chunk_scale(m, k, nu, "mlp")[0, 0, -1]
+    f = lambda mm: nm.read(mm, k, "mlp").reshape(-1)
+    jac = jnp.concatenate([j.reshape(4, -1) for j in jax.tree.leaves(jax.jacobian(f)(m))], axis=1)
+    jac = jac / jnp.sqrt(jnp.repeat(nu[0, 0], 2))[:, None]  # rows: token 0's two outputs, then token 1's
+    curvature = np.linalg.norm(np.asarray(jac), 2) ** 2
+    assert curvature > 1.02  # the case the signed sums (<= 1, floored at 1) miss
+    assert curvature <= lam * (1 + 1e-5)
 
 
 @pytest.mark.parametrize("kind", ["linear", "mlp"])

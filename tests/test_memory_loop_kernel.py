@@ -64,11 +64,13 @@ def test_equals_the_scan_outputs_and_gradients(kind, chunk, tiles, monkeypatch):
 
 @pytest.mark.parametrize("kind", ["linear", pytest.param("mlp", marks=slow)])
 def test_orthogonal_and_repeated_keys(kind):
-    """One-hot keys, each repeated: exact zeros and ties in the curvature bound's terms (|k_i .
-    k_j|, the rows whose sum is the largest), where |x|'s and max's slopes are the conventions'
-    (jnp.abs: +1 at 0): the gradients equal `memory_parallel`'s."""
+    """One-hot keys, each repeated, and one zero key: exact zeros and ties in the curvature bound's
+    terms (|k_i . k_j|, the rows whose sum is the largest; the MLP's |h_i . h_j|, zero for the
+    zero key's h = gelu(0)), where |x|'s and max's slopes are the conventions' (jnp.abs: +1 at
+    0): the gradients equal `memory_parallel`'s."""
     state, (q, k, v, *gates) = inputs(kind, t=16, seed=4)
     k = jax.nn.one_hot(jnp.arange(16) // 2 % k.shape[-1], k.shape[-1])[None, None] * jnp.ones_like(k)
+    k = k.at[:, :, 5].set(0.0)
     out, grads = outputs_and_grads(loop_kernel, kind, 4, state, (q, k, v, *gates))
     ref, ref_grads = outputs_and_grads(nm.memory_parallel, kind, 4, state, (q, k, v, *gates))
     assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -319,3 +319,200 @@ def test_scanned_layers_equal_the_unrolled_net():
         np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
         assert_trees_close(mb, ma, rtol=1e-5, atol=1e-6)
     assert_trees_close(g_scan, scanned_params(g_flat, 4, (1, 3)), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "mlp"])
+def test_the_memory_module_is_its_inner_loop_on_unit_projections(kind):
+    """`NeuralMemory` as its docstrings define it, computed by hand (no conv): q, k, v unit vectors per head;
+    the gates from the `gates` layer, per head (step theta, momentum eta, forgetting alpha) in that
+    order, theta scaled by lr_max, with the gate kernel at zero the values its init documents
+    (theta = eta = 1/2, forgetting sigmoid(-6): slow); the inner loop's token-by-token
+    definition from memory0; each head's read RMS-normalised, gated by sigmoid(W x + b),
+    projected out. Random weights elsewhere (init's output layers are zero)."""
+    import jax.numpy as jnp
+
+    from nljax.models import memory as nm
+    from nljax.models.blocks import memory_state
+    from nljax.models.nl_lm import NeuralMemory
+
+    b, t, dim, heads, dk, lr_max = 2, 8, 16, 2, 4, 0.5
+    mem = NeuralMemory(dim=dim, heads=heads, dk=dk, hidden=8, kind=kind, chunk=4, lr_max=lr_max, conv=0,
+                       impl="scan")  # conv=0: the projections by hand (the conv's causality: test_logits_are_causal)
+    x = jax.random.normal(jax.random.key(0), (b, t, dim))
+    reset = jnp.ones((b,), bool)
+    params = mem.init(jax.random.key(1), x, memory_state(mem, b), reset)["params"]
+    keys = iter(jax.random.split(jax.random.key(2), 100))
+    params = jax.tree.map(lambda w: w + 0.5 * jax.random.normal(next(keys), w.shape), params)
+    params["gates"] = {"kernel": jnp.zeros_like(params["gates"]["kernel"]),
+                       "bias": mem.init(jax.random.key(1), x, memory_state(mem, b), reset)["params"]["gates"]["bias"]}
+    stale = jax.tree.map(lambda w: 5.0 + w, memory_state(mem, b))  # reset: replaced by memory0
+    y, state = mem.apply({"params": params}, x, stale, reset)
+
+    proj = jnp.einsum("btd,dchk->cbhtk", x, params["qkv"]["kernel"])  # [3, B, H, T, dk]
+    q, k, v = proj / jnp.sqrt(jnp.sum(proj**2, axis=-1, keepdims=True) + 1e-6)  # unit norm
+    gate = lambda p: jnp.full((b, heads, t), p)
+    theta, eta, alpha = gate(0.5 * lr_max), gate(0.5), gate(float(jax.nn.sigmoid(-6.0)))
+    memory0 = {n[len("memory0_"):]: w for n, w in params.items() if n.startswith("memory0_")}
+    reads, state_ref = nm.memory_reference(nm.init_state(memory0, b), q, k, v, theta, eta, alpha, kind=kind,
+                                           chunk=4)
+    reads = reads.transpose(0, 2, 1, 3)  # [B, T, H, dk]
+    normed = reads / jnp.sqrt(jnp.mean(reads**2, axis=-1, keepdims=True) + 1e-6) * params["out_norm"]["scale"]
+    og = params["out_gate"]
+    gated = normed * jax.nn.sigmoid(x @ og["kernel"] + og["bias"]).reshape(b, t, heads, dk)
+    want = gated.reshape(b, t, heads * dk) @ params["out"]["kernel"]
+    np.testing.assert_allclose(y, want, rtol=2e-4, atol=2e-5)
+    assert_trees_close(state, state_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_rotary_rotates_each_pair_by_its_frequency():
+    """Rotary positions (RoPE, Su et al.; halves-paired as in GPT-NeoX): at position t feature i
+    and feature i + hd/2 turn by the angle t * base^(-2i / hd), so norms are kept and q . k
+    depends on the positions' difference only."""
+    import jax.numpy as jnp
+
+    from nljax.models.nl_lm import rotary
+
+    hd, t = 8, 7
+    pos = jnp.arange(t, dtype=jnp.float32)
+    for i in range(hd // 2):
+        e = jnp.zeros((1, t, 1, hd)).at[..., i].set(1.0)  # the unit vector e_i at every position
+        angle = pos * 10000.0 ** (-2 * i / hd)
+        y = rotary(e)[0, :, 0]
+        np.testing.assert_allclose(y[:, i], jnp.cos(angle), atol=1e-5)
+        np.testing.assert_allclose(y[:, i + hd // 2], jnp.sin(angle), atol=1e-5)
+        assert not np.delete(np.asarray(y), [i, i + hd // 2], axis=1).any()  # the pair turns alone
+    q, k = (jnp.broadcast_to(jax.random.normal(key, (hd,)), (1, t, 1, hd)) for key in jax.random.split(jax.random.key(0), 2))
+    rq, rk = rotary(q)[0, :, 0], rotary(k)[0, :, 0]
+    np.testing.assert_allclose(jnp.linalg.norm(rq, axis=-1), jnp.linalg.norm(q[0, :, 0], axis=-1), rtol=1e-5)
+    dots = rq @ rk.T  # [m, n]
+    for d in range(-2, 3):  # every pair at the same offset n - m reads the same
+        diag = jnp.diagonal(dots, offset=d)
+        np.testing.assert_allclose(diag, diag[0], rtol=1e-4, atol=1e-5)
+
+
+def test_cms_levels_start_as_the_identity_and_add_to_the_stream():
+    """`CMSChain`: each level a residual MLP (x + MLP_l(x), in sequence), starting as the
+    identity (its output layer zero): at init the chain returns its input bit for bit, with
+    weights it adds each level's output to the stream. (Without the residual a zero-initialised
+    chain zeroed the stream, and the identity test of the whole net still passed: logits that
+    depend on nothing depend on token t alone.)"""
+    import jax.numpy as jnp
+
+    from nljax.models.layers import MLP, CMSChain
+
+    x = jax.random.normal(jax.random.key(0), (2, 3, 8))
+    chain = CMSChain(dim=8, hidden=16, levels=2)
+    params = chain.init(jax.random.key(1), x)["params"]
+    np.testing.assert_array_equal(chain.apply({"params": params}, x), x)
+    keys = iter(jax.random.split(jax.random.key(2), 100))
+    params = jax.tree.map(lambda w: w + 0.5 * jax.random.normal(next(keys), w.shape), params)
+    want = x
+    for level in range(2):
+        want = want + MLP(8, 16).apply({"params": params[f"cms{level}"]}, want)
+    np.testing.assert_allclose(chain.apply({"params": params}, x), want, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(want, x)
+
+
+def test_the_causal_conv_reads_its_kernel_over_the_tokens_before():
+    """`CausalConv` as its docstring defines it: y_t = sum_j w_j x_{t-K+1+j} + b per channel, the
+    tokens before the first zero. (A conv padded on the right, reading tokens after t, passed the
+    fast tier: the whole model's causality test, `test_logits_are_causal`, is in the slow one.)"""
+    import jax.numpy as jnp
+
+    from nljax.models.nl_lm import CausalConv
+
+    b, t, k, ch = 2, 7, 3, (2, 3)
+    x = jax.random.normal(jax.random.key(0), (b, t, *ch))
+    conv = CausalConv(k)
+    params = conv.init(jax.random.key(1), x)["params"]
+    params = {"kernel": params["kernel"], "bias": jax.random.normal(jax.random.key(2), ch)}
+    y = conv.apply({"params": params}, x)
+    padded = jnp.concatenate([jnp.zeros((b, k - 1, *ch)), x], axis=1)  # x_{-K+1} .. x_{-1} = 0
+    want = jnp.stack([sum(params["kernel"][j] * padded[:, s + j] for j in range(k)) for s in range(t)], axis=1)
+    np.testing.assert_allclose(y, want + params["bias"], rtol=1e-6, atol=1e-6)
+
+
+def test_the_logits_read_the_inputs_and_the_loss_the_targets():
+    """A batch's tokens [B, T+1]: the net reads [:, :-1] (the inputs), the loss scores [:, 1:]
+    (each input's next token). (The logits of tokens [:, 1:], each position reading its own
+    target, passed the fast tier.)"""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from nljax.models.nl_lm import NLLM
+
+    @dataclasses.dataclass(frozen=True)
+    class Echo:  # a net whose logits put all their mass on the token read at each position
+        loss_chunk: int = 0
+
+        def apply(self, variables, tokens, memory, reset):
+            return 50.0 * jax.nn.one_hot(tokens, 16), memory
+
+    tokens = jnp.array([[1, 2, 3, 4, 5]])
+    model = NLLM(Echo())
+    batch = {"tokens": tokens, "reset": jnp.ones(1, bool)}
+    logits, _ = model.logits({}, {}, batch)
+    np.testing.assert_array_equal(jnp.argmax(logits, -1), tokens[:, :-1])
+    loss, count, _ = model.apply({}, {}, batch)  # each position predicts the token it read: wrong
+    assert count == 4 and float(loss) > 4 * 40.0
+    loss, _, _ = model.apply({}, {}, {**batch, "tokens": jnp.array([[3, 3, 3, 3, 3]])})  # now right
+    assert float(loss) < 1e-12
+
+
+def test_stream_resets_from_document_ends_across_the_wrap():
+    """With `ends` (the user's files), a row whose previous chunk wraps past the end of the
+    tokens to the start is reset when an end lies in the wrapped part: as the NUL scan finds it
+    in the same bytes. The tokens wrap the same way."""
+    data = np.full(10, 7, np.uint8)
+    data[2] = SEPARATOR
+    by_ends = ContextStream(data, rows=1, seq_len=5, ends=np.array([2]))
+    by_nul = ContextStream(data, rows=1, seq_len=5)
+    np.testing.assert_array_equal(by_ends.ends_within(np.array([8, 3, 0, 6]), 5), [True, False, True, False])
+    for step in range(1, 6):  # the row's chunks run 0-5, 5-10, 10-15 = 0-5 (mod 10), ...
+        assert by_ends.rows_at(step, np.arange(1))["reset"] == by_nul.rows_at(step, np.arange(1))["reset"]
+    # the tokens themselves wrap: step 1 reads 5 .. 10, the last its target read from the start
+    counting = ContextStream(np.arange(10, dtype=np.uint8), rows=1, seq_len=5)
+    np.testing.assert_array_equal(counting.rows_at(1, np.arange(1))["tokens"][0], [5, 6, 7, 8, 9, 0])
+
+
+def test_the_stdlib_corpus_holds_out_every_nth_module():
+    """data.source=stdlib: the standard library's top-level modules sorted by name, every
+    round(1 / eval_fraction)-th held out (the 2nd, 4th, ... at 0.5; every 7th at 0.15), each
+    document NUL-ended."""
+    import sysconfig
+    from pathlib import Path
+
+    from nljax.data.text import stdlib_corpus
+
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+    docs = lambda fs: b"".join(f.read_bytes().replace(b"\0", b"") + b"\0" for f in fs)
+    train, held = stdlib_corpus(0.5)
+    assert held.tobytes() == docs(files[1::2]) and train.tobytes() == docs(files[0::2])
+    held = stdlib_corpus(0.15)[1]  # round(1 / 0.15) = 7, as data.source=files splits
+    assert held.tobytes() == docs(files[6::7])
+
+
+def test_random_resets_are_drawn_per_global_row():
+    """data.reset_prob: one draw per (seed, step) for all rows, each row taking its own, so a
+    device that builds rows 5-7 gets the flags those rows get in the whole batch (the mesh
+    changes nothing), and about reset_prob of the rows reset."""
+    data = np.full(4096, 7, np.uint8)  # no document boundary: every reset after step 0 is a draw
+    s = ContextStream(data, rows=8, seq_len=4, seed=1, reset_prob=0.5)
+    whole = np.array([s.rows_at(step, np.arange(8))["reset"] for step in range(1, 41)])
+    for step in range(1, 41):
+        np.testing.assert_array_equal(s.rows_at(step, np.arange(5, 8))["reset"], whole[step - 1, 5:])
+        np.testing.assert_array_equal(s.rows_at(step, slice(2, 4))["reset"], whole[step - 1, 2:4])
+    assert 0.35 < whole.mean() < 0.65
+
+
+def test_row_starts_are_multiples_of_align_and_move_with_the_seed():
+    """`align` (the recall probe's: train.seq_len, one fixed-length document per window): every
+    row starts on a multiple of it, whatever the seed; the seed shifts the rows' starts."""
+    data = np.arange(1000) % 251
+    for seed in range(6):
+        s = ContextStream(data, rows=5, seq_len=8, seed=seed, align=8)
+        assert (s.offsets() % 8 == 0).all(), seed
+        assert (s.rows_at(3, np.arange(5))["tokens"][:, 0] == data[(s.offsets() + 24) % 1000]).all()
+    offsets = [tuple(ContextStream(data, rows=5, seq_len=8, seed=seed).offsets()) for seed in range(4)]
+    assert len(set(offsets)) == 4

@@ -585,3 +585,65 @@ def test_ctrl_c_stops_the_workers_at_once_not_after_their_chunks(corpus, tmp_pat
     took = time.perf_counter() - t0
     assert took < one / 2, (took, one)
     assert workers and not any(Path(f"/proc/{p}").exists() for p in workers), workers
+
+
+def test_chunks_resume_into_the_held_out_files_from_their_start_and_end_where_the_records_do(tmp_path):
+    """A chunk ends at the document with which its bytes reach chunk_bytes, not one after (lists of
+    two documents read at 2 KiB a chunk). `chunks.read` from a position in data.train's files
+    reads data.eval's from their first record (the position's file and record are data.train's),
+    and a split whose last records hold no text still ends with a chunk at its end: the position
+    a resumed prepare starts from is after every record read."""
+    from nljax.data import chunks, documents
+
+    def jsonl(name, texts):
+        (tmp_path / name).write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        return documents.expand([str(tmp_path / name)], "data")
+
+    a, b, c, d, x, y, z = (ch * (2048 if ch < "x" else 1024) for ch in "abcdxyz")
+    train = jsonl("a.jsonl", [a, b]) + jsonl("b.jsonl", [c, d, ""])
+    held = jsonl("h.jsonl", [x, y, z])
+    everything = list(chunks.read([train, held], "text", 2048))
+    assert [c.texts for c in everything] == [[a], [b], [c], [d], [], [x, y], [z]]
+    assert [c.end for c in everything if c.split == 0][-1] == (0, 1, 3)  # after b.jsonl's blank last line
+    resumed = list(chunks.read([train, held], "text", 2048, start=(0, 1, 1)))  # b.jsonl from its 2nd line
+    assert [t for c in resumed if c.split == 0 for t in c.texts] == [d]
+    assert [t for c in resumed if c.split == 1 for t in c.texts] == [x, y, z]
+    assert resumed[-1].end == (1, 0, 3)
+
+
+def test_at_most_twice_the_workers_chunks_are_in_flight(tmp_path, monkeypatch):
+    """The memory bound of `chunks.encoded`: at most 2 x workers chunks handed to the pool and not
+    yet taken back, whatever the chunk count, and the chunks come back in order. A pool in this
+    process stands in for the worker processes and counts."""
+    from nljax.data import chunks, documents, tokenization
+
+    class Future:
+        def __init__(self, pool, fn, args):
+            self.pool, self.fn, self.args = pool, fn, args
+
+        def result(self):
+            self.pool.in_flight -= 1
+            return self.fn(*self.args)
+
+    class Pool:
+        def __init__(self, workers, **kw):
+            self.in_flight = self.most = 0
+            pools.append(self)
+
+        def submit(self, fn, *args):
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+            return Future(self, fn, args)
+
+        def shutdown(self, **kw):
+            pass
+
+    pools = []
+    monkeypatch.setattr(chunks, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(chunks, "_TOKENIZER", tokenization.Bytes())
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(40)))
+    files = documents.expand([str(tmp_path / "t.jsonl")], "data.train")
+    for workers in (1, 3):
+        got = list(chunks.encoded(chunks.read([files, []], "text", 1), tokenization.Bytes(), np.uint8, workers))
+        assert [light.end for light, _ in got] == [(0, 0, i) for i in range(1, 41)]
+        assert pools[-1].most == 2 * workers  # (the workers' start-up calls: `workers` at once, before)

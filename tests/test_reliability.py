@@ -330,13 +330,13 @@ def test_prepared_data_changed_since_prepare_is_refused(tmp_path):
         raw[0] = 0xFF
         (d / "train.bin").write_bytes(bytes(raw))
         m = json.loads((d / "manifest.json").read_text())
-        m["vocab_size"] = 200
+        m["vocab_size"] = 255  # the id at the vocabulary's size: the first outside it
         m["train"]["sha256"] = hashlib.sha256(raw).hexdigest()
         content = {k: m[k] for k in ("format", "tokenizer", "vocab_size", "dtype", "train", "eval")}
         m["digest"] = hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()
         (d / "manifest.json").write_text(json.dumps(m))
 
-    assert "holds token id 255, outside the vocabulary of 200" in changed("vocab", out_of_vocab)
+    assert "holds token id 255, outside the vocabulary of 255" in changed("vocab", out_of_vocab)
 
     def wrong_type(d):
         m = json.loads((d / "manifest.json").read_text())

@@ -845,3 +845,50 @@ def test_a_glob_skips_what_a_run_wrote_in_its_run_dir(tmp_path, capsys):
     assert documents.expand(globs, "data.train") == [notes / "a.txt", notes / "runs/x/mine.txt", notes / "b.jsonl"]
     metrics = notes / "runs" / "x" / "metrics.jsonl"
     assert documents.expand([str(metrics)], "data.train") == [metrics]
+
+
+def test_a_file_named_twice_is_read_once(tmp_path):
+    """data.train's paths and globs: each file once, in the order first named, however often and
+    however spelled (a path, another spelling of it, a glob that matches it again)."""
+    from nljax.data import documents
+
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / name).write_text(name)
+    (tmp_path / "sub").mkdir()
+    names = [str(tmp_path / "b.txt"), str(tmp_path / "sub" / ".." / "b.txt"), str(tmp_path / "*.txt")]
+    assert [p.name for p in documents.expand(names, "data.train")] == ["b.txt", "a.txt"]
+
+
+def test_a_document_the_tokenizer_gives_no_tokens_is_no_document(tmp_path):
+    """A tokenizer may give nothing for a text (whitespace alone, split away by its
+    pre-tokenizer; no data.doc_end_token): that text is no document, so no two documents start
+    at the same token and each document's end is after its start."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in ["a b", "   ", "b a a"]))
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"text": "a"}) + "\n")
+    c = prepared.build(data_config(f"data.train={tmp_path / 'train.jsonl'}", f"data.eval={tmp_path / 'eval.jsonl'}",
+                                   f"data.tokenizer={tmp_path / 'tokenizer.json'}").data)
+    assert c.manifest["train"]["documents"] == 2
+    np.testing.assert_array_equal(c.train.starts, [0, 2])
+    np.testing.assert_array_equal(c.train.ends, [1, 4])
+
+
+def test_a_tokenizer_counts_each_documents_bytes_and_end_as_bytes_do(tokenizer, tmp_path):
+    """`encode_flat`'s third array, each document's UTF-8 bytes + 1 (its end, as the byte
+    tokenization's NUL), is the same whatever the tokenization: bits per byte compare across
+    them. A tokenizer.json whose ids skip a number (the id at its vocabulary size) is refused."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    texts = ["plain", "été 記憶", "a b c"]
+    hf = tokenization.load(str(tokenizer))
+    np.testing.assert_array_equal(hf.encode_flat(texts, np.uint16)[2], tokenization.Bytes().encode_flat(texts, np.uint8)[2])
+    np.testing.assert_array_equal(hf.encode_flat(texts, np.uint16)[2], [6, 13, 6])
+    skips = Tokenizer(models.WordLevel({"a": 0, "b": 2}, unk_token="a"))  # 2 tokens, ids 0 and 2
+    skips.pre_tokenizer = pre_tokenizers.Whitespace()
+    skips.save(str(tmp_path / "skips.json"))
+    with pytest.raises(config.ConfigError, match="gave token id 2, not below its vocabulary size 2"):
+        tokenization.load(str(tmp_path / "skips.json")).encode_flat(["a b"], np.uint16)
