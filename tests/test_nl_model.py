@@ -396,8 +396,6 @@ def test_cms_levels_start_as_the_identity_and_add_to_the_stream():
     weights it adds each level's output to the stream. (Without the residual a zero-initialised
     chain zeroed the stream, and the identity test of the whole net still passed: logits that
     depend on nothing depend on token t alone.)"""
-    import jax.numpy as jnp
-
     from nljax.models.layers import MLP, CMSChain
 
     x = jax.random.normal(jax.random.key(0), (2, 3, 8))
