@@ -38,6 +38,7 @@ import jax.numpy as jnp
 from nljax import config
 from nljax.checkpoint.contents import RESHAPED
 from nljax.checkpoint.taken import checkpoints_around, where
+from nljax.data.outdir import is_prepared
 from nljax.errors import ConfigError, few
 from nljax.models import registry
 from nljax.models.builtin import for_this_backend
@@ -142,6 +143,8 @@ def check_out(out: Path) -> None:
         raise ConfigError(writable.broken_link(out, f"out={out}"))
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out={out} is a file: the export is a directory (model.safetensors, config.json)")
+    if is_prepared(out):  # its tokenizer.json was said to be "of something else than an nljax export"
+        raise ConfigError(f"out={out} holds prepared data (nljax.prepare wrote it): choose another directory")
     theirs = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if (out / n).exists()]
     if theirs and not is_export(out):
         raise ConfigError(f"out={out} holds {' and '.join(theirs)} of something else than an nljax export; "

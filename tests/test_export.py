@@ -2,6 +2,7 @@
 back (`nljax.load_model`) into a model whose logits equal the training state's."""
 
 import dataclasses
+import json
 from typing import NamedTuple
 from unittest import mock
 
@@ -96,6 +97,16 @@ def test_export_cli_and_bad_input(tmp_path, capsys, monkeypatch):
     assert len(err) == 5 and "dtype must be one of" in err[0] and "config.yaml not found" in err[1], err
     assert "config.yaml is a file: the export is a directory" in err[2] and "did you mean 'dtype'" in err[3]
     assert err[4] == f"nljax.export: error: out={mine} holds config.json of something else than an nljax export; choose another directory"
+    # prepared data (its tokenizer.json was said to be "of something else than an nljax export")
+    from nljax.data import outdir
+
+    data = tmp_path / "prepared"
+    data.mkdir()
+    (data / outdir.MANIFEST).write_text(json.dumps({"format": outdir.FORMAT}))
+    (data / export.TOKENIZER).write_text("{}")
+    assert export.main([f"run.dir={tmp_path / 'run'}", f"out={data}"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.export: error: out={data} holds prepared data (nljax.prepare "
+                                               "wrote it): choose another directory")
     under_a_file = tmp_path / "run" / "config.yaml" / "export"  # its parent is a file: no directory there
     # refused before the checkpoint is read, exit 2 as train's run.dir (it was exit 1 once the export was written)
     with mock.patch.object(trained, "load", side_effect=AssertionError("the checkpoint was read")):
