@@ -171,25 +171,33 @@ def data_overrides(run_dir: str, overrides: Sequence[str]) -> list[str]:
         return ["data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
                 f"data.eval_fraction={EVAL_FRACTION}", *overrides]
     d = trained_lib.trained_config(run_dir).data
-    tokenizer = []
-    if d.source == "files" and d.prepared and "data.tokenizer" not in given:
-        tokenizer = _prepared_tokenizer(d.prepared)
-    return ["data.source=files", "data.train=[]", "data.prepared=", *tokenizer, *overrides]
+    prepared = []
+    if d.source == "files" and d.prepared:
+        prepared = [o for o in _prepared_settings(d.prepared) if o.partition("=")[0] not in given]
+    return ["data.source=files", "data.train=[]", "data.prepared=", *prepared, *overrides]
 
 
-def _prepared_tokenizer(prepared: str) -> list[str]:
+def _prepared_settings(prepared: str) -> list[str]:
     """data.tokenizer and data.doc_end_token for the tokenizer a data.prepared directory holds
-    (none for bytes, or when the directory is gone: the tokenizer check then says what differs)."""
+    (none for bytes, or when the directory is gone: the tokenizer check then says what differs),
+    and the data.text_key its files were read with (the run's own config holds the default: the
+    key was prepare's, and another .jsonl of the same fields read no text)."""
     home = Path(os.path.expanduser(prepared))
     try:
-        info = json.loads((home / MANIFEST).read_text())["tokenizer"]
+        manifest = json.loads((home / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return []
+    key = manifest.get("settings", {}).get("text_key") if isinstance(manifest.get("settings"), dict) else None
+    out = [f"data.text_key={json.dumps(key)}"] if isinstance(key, str) and key else []
+    try:
+        info = manifest["tokenizer"]
         if info["kind"] == "bytes":
-            return []
+            return out
         # quoted: a token such as [EOS] is a string, not a YAML list
         end = json.dumps(info.get("doc_end_token") or "")
-        return [f"data.tokenizer={home / info['file']}", f"data.doc_end_token={end}"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return []
+        return [f"data.tokenizer={home / info['file']}", f"data.doc_end_token={end}", *out]
+    except (KeyError, TypeError):
+        return out
 
 
 def _data(t: trained_lib.Trained) -> str:

@@ -361,6 +361,14 @@ def test_which_data_keys_other_held_out_data_implies(tmp_path):
         "data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
         "data.eval_fraction=0.05", "data.prepared=p", "eval.batches=2"]
     assert evaluate.data_overrides(str(run), ["data.train=a", "data.eval=b"]) == ["data.train=a", "data.eval=b"]
+    # prepared from .jsonl files' "content" field (the run's config.yaml holds the default key:
+    # it was prepare's): other files are read by it, unless the command line gives one
+    (prep / "manifest.json").write_text(json.dumps({"tokenizer": {"kind": "bytes"}, "settings": {"text_key": "content"}}))
+    assert evaluate.data_overrides(str(run), ["data.eval=x.jsonl"]) == [
+        "data.source=files", "data.train=[]", "data.prepared=", 'data.text_key="content"', "data.eval=x.jsonl"]
+    assert config.load(None, [*TINY, 'data.text_key="content"']).data.text_key == "content"
+    assert evaluate.data_overrides(str(run), ["data.eval=x.jsonl", "data.text_key=body"]) == [
+        "data.source=files", "data.train=[]", "data.prepared=", "data.eval=x.jsonl", "data.text_key=body"]
 
 
 def test_held_out_data_of_the_other_kind_is_refused(tmp_path, capsys):
