@@ -237,6 +237,10 @@ def test_labels_are_read_as_the_runs_classes(tmp_path):
     for value, line in [("4", "labels must be a class, 0 to 2, or 3 for no class (unconditional samples), got 4"),
                         ("cat", "labels must be class numbers or, for a run on a folder, class names (its classes: "
                                 "00, 10, 2); got 'cat'"),
+                        # a negative number is out of range, not an unknown name; '²' (isdigit) no int() traceback
+                        ("-1", "labels must be a class, 0 to 2, or 3 for no class (unconditional samples), got -1"),
+                        ("²", "labels must be class numbers or, for a run on a folder, class names (its classes: "
+                              "00, 10, 2); got '²'"),
                         ("1,,0", "labels=1,,0: an empty class; give classes separated by commas, as labels=3,3,7"),
                         ('[1, true]', "labels=[1, true]: give a JSON list of class numbers or names, as "
                                       "labels='[3, 7]'")]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -221,7 +222,10 @@ def grid_labels(value: str, names, classes: int) -> np.ndarray:
         raise ConfigError("labels=: the model reads no labels (its images have none): its samples have no class; "
                           "samples=N draws N")
     names = tuple(names or ())
-    items = [x if not isinstance(x, str) or x in names or not x.isdigit() else int(x) for x in label_items(value)]
+    # a number as int() reads it: -1 said as out of range, not as an unknown name; '²' (isdigit, not
+    # a number to int()) an unknown name, not a ValueError's traceback
+    items = [int(x) if isinstance(x, str) and x not in names and re.fullmatch(r"[+-]?\d+", x) else x
+             for x in label_items(value)]
     return images.label_ids(items, names, classes)
 
 
