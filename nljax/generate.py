@@ -181,9 +181,11 @@ def _grid_of_export(path: str, where: Path, s, given: set[str]) -> int:
     if conditional and not s.labels:
         raise ConfigError(f"{path} is the export of a class-conditional image model: give the classes to draw, "
                           "labels=0,1,2 (samples= draws for held-out images, which the run directory has)")
-    if not s.out:  # an export directory holds its model alone (nljax.load refuses other files there)
+    # an export directory holds its model alone: a grid there made nljax.export refuse to write
+    # that directory again ("holds grid.png, which an export does not write")
+    out = Path(os.path.expanduser(s.out)) if s.out else None
+    if out is None or out.absolute().parent.resolve() == where.resolve():
         raise ConfigError(f"{path} is an export: give out=FILE.png, the grid's file (outside the export directory)")
-    out = Path(s.out)
     if out.exists() and not written_by_nljax(out):  # a user's picture of the same name
         raise ConfigError(f"out={out} exists and is not a PNG nljax.generate wrote; give another out= or move it")
     if s.labels:  # refused for a model that reads no labels

@@ -281,6 +281,11 @@ def test_an_unconditional_image_models_export_draws_samples(tmp_path, capsys, mo
     assert generate.main([f"run.dir={tmp_path / 'export'}", out, "labels=1"]) == 2
     assert capsys.readouterr().err.strip() == ("nljax.generate: error: labels=: the model reads no labels (its images "
                                                "have none): its samples have no class; samples=N draws N")
+    # a grid inside the export directory: refused (nljax.export then refused to write there again)
+    assert generate.main([f"run.dir={tmp_path / 'export'}", f"out={tmp_path / 'export' / 'g.png'}", "samples=2"]) == 2
+    assert capsys.readouterr().err.strip() == (f"nljax.generate: error: {tmp_path / 'export'} is an export: give "
+                                               "out=FILE.png, the grid's file (outside the export directory)")
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_labels_is_for_an_image_grid(fsdp_run, capsys):
