@@ -363,12 +363,12 @@ def model_name(theirs):
     form), and their `model_name` says which run was scored."""
 
     def name(model_args):
-        found = theirs(model_args)
-        if found is None and isinstance(model_args, str):
+        found = theirs(model_args)  # none of its keys given: None, or "" in earlier 0.4 releases
+        if not found and isinstance(model_args, str):
             from lm_eval.utils import simple_parse_args_string
 
             model_args = simple_parse_args_string(model_args)
-        if found is None and isinstance(model_args, dict) and model_args.get("run_dir"):
+        if not found and isinstance(model_args, dict) and model_args.get("run_dir"):
             found = str(model_args["run_dir"])
         return found
 

@@ -715,6 +715,8 @@ def test_results_are_named_after_the_run_dir(tmp_path, monkeypatch):
     assert lm_eval.main(["--model", "nljax", "--model_args", f"run_dir={run}", "--tasks", "x"]) == 0
     assert got == [[str(run), str(run), "org/name", None]]
     assert GeneralConfigTracker._get_model_name({"run_dir": "x"}) is None  # lm-eval's own, outside the command
+    # an lm-eval 0.4 release whose _get_model_name says "" for none (pyproject takes any 0.4)
+    assert lm_eval.model_name(lambda args: "")(f"run_dir={run},batch_size=2") == str(run)
 
 
 def test_a_tokenizer_run_is_scored_with_its_tokens(tmp_path):
