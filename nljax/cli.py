@@ -238,8 +238,8 @@ def sigterm_as_ctrl_c():
         return
     try:
         yield
-    finally:
-        signal.signal(signal.SIGTERM, before)
+    finally:  # None: a handler not installed from Python (signal.signal refuses None back)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)
 
 
 def traceback_if_asked(e: config.ConfigError) -> None:

@@ -398,7 +398,7 @@ def test_the_record_names_the_classes_and_a_use_on_others_names_the_first_that_d
     for here, line in [
         (record((4, 4, 3), 3, ("ant", "bee", "dog")),
          "images.classes[1]='cat', this run's data give images.classes[1]='bee': label 1 would stand for another "
-         "class (a folder's labels are its class subfolders in sorted order)"),
+         "class (a folder's labels are its class subfolders in sorted order, or in images.classes' order)"),
         (record((4, 4, 3), 3, ("bee", "cat", "dog")),
          "images.classes[0]='ant', this run's data give images.classes[0]='bee'"),
         (record((4, 4, 3), 2, ("ant", "dog")), "images.num_classes=3, this run's data give images.num_classes=2 "

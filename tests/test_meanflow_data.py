@@ -453,7 +453,7 @@ def test_images_classes_orders_a_folders_labels(tmp_path):
                                     "(d, a)"),
         ([f"images.path={tmp_path / 'flat'}", "images.classes=[a]"],
          f"images.classes names a folder's class subfolders; images.path {tmp_path / 'flat'} has none (a flat folder, "
-         "or an array file)"),
+         "or an array file): give images.classes=[] for its own labels"),
         (["images.classes=[b, d, b]"], "images.classes names 'b' twice"),
     ]:
         with pytest.raises(ConfigError) as e:
@@ -491,7 +491,8 @@ def test_a_checkpoint_used_on_other_images_is_refused(tmp_path, capsys):
         ("gray", "images.shape=[4, 4, 3], this run's data give images.shape=[4, 4, 1] (3-channel images there, "
                  "1-channel here)"),
         ("renamed", "images.classes[2]='cat', this run's data give images.classes[2]='cow': label 2 would stand "
-                    "for another class (a folder's labels are its class subfolders in sorted order)"),
+                    "for another class (a folder's labels are its class subfolders in sorted order, or in "
+                    "images.classes' order)"),
     ]:
         capsys.readouterr()
         assert evaluate.main([f"run.dir={tmp_path / 'run'}", f"images.path={tmp_path / other}"]) == 2
@@ -619,7 +620,8 @@ def test_a_folders_class_names_are_recorded_and_a_resume_on_others_is_refused(tm
         ("gray", "images.shape=[4, 4, 3], this run's data give images.shape=[4, 4, 1] (3-channel images there, "
                  "1-channel here)"),
         ("renamed", "images.classes[2]='cat', this run's data give images.classes[2]='cow': label 2 would stand "
-                    "for another class (a folder's labels are its class subfolders in sorted order)"),
+                    "for another class (a folder's labels are its class subfolders in sorted order, or in "
+                    "images.classes' order)"),
     ]:
         before = tree_hash(tmp_path)
         capsys.readouterr()

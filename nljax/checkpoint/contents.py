@@ -410,7 +410,8 @@ def _built_difference(key: str, there: Any, mine: Any) -> str:
     if _names(there) and _names(mine) and len(there) == len(mine):
         k = next(i for i, (a, b) in enumerate(zip(there, mine)) if a != b)
         return (f"{key}[{k}]={fmt(there[k])}, this run's data give {key}[{k}]={fmt(mine[k])}: label {k} would "
-                "stand for another class (a folder's labels are its class subfolders in sorted order)")
+                "stand for another class (a folder's labels are its class subfolders in sorted order, or in "
+                "images.classes' order)")
     line = f"{key}={fmt(there)}, this run's data give {key}={fmt(mine)}"
     if key.endswith("num_classes") and 0 in (there, mine):  # 0 may be a setting, not the data: say which can be
         side = "here" if mine == 0 else "there"

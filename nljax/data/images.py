@@ -283,7 +283,7 @@ def _in_order(path: str, y: np.ndarray | None, names: tuple[str, ...] | None,
     """A folder's labels and names with `classes` as the label order (`ImagesConfig.classes`)."""
     if names is None:
         raise ConfigError(f"images.classes names a folder's class subfolders; images.path {path} has none (a flat "
-                          "folder, or an array file)")
+                          "folder, or an array file): give images.classes=[] for its own labels")
     if other := [n for n in names if n not in classes]:
         raise ConfigError(f"images.path {path}: class folder {other[0]!r} is not one of images.classes "
                           f"({imagefolder.short_list(classes)})")
