@@ -733,7 +733,7 @@ def test_class_folders_named_by_numbers_are_said_to_be_labelled_as_text(tmp_path
     base = ["model.name=dit", "cms.periods=[1]", "images.source=file", "train.batch_size=4"]
     for width, notes in ((1, ["the class folders are numbers, labelled in the order of their names as text (label 2 "
                               "is folder 10); for labels in number order name them 00, 01, ..., or give "
-                              "images.classes=['0', '1', '2', '3', ...]"]), (2, [])):
+                              "images.classes=\"['0', '1', '2', '3', '4', '5', '6', '7', '8', '9', '10']\""]), (2, [])):
         where = tmp_path / str(width)
         pngs(where, x, [f"{k:0{width}d}/{i}.png" for k in range(11) for i in range(2)])
         task = ImageTask(load(None, [*base, f"images.path={where}"]), mesh)

@@ -523,10 +523,11 @@ TASKS: dict[str, Callable[..., Task]] = {  # (cfg, mesh, trains=...)
 UNREAD: dict[str, Callable[..., Task]] = {"text": LoadedText, "images": LoadedImages}  # (cfg, mesh)
 
 
-def _quoted(names: list[str], most: int = 4) -> str:
-    """A YAML list of names as strings ('0', '1'), for a line to paste (the first `most`, then ...)."""
+def _quoted(names: list[str], most: int = 16) -> str:
+    """A YAML list of names as strings ('0', '1'), quoted for a shell: a value to paste (up to
+    `most` names; more are cut, ... after the first ones)."""
     shown = [f"'{n}'" for n in names[:most]] + (["..."] if len(names) > most else [])
-    return "[" + ", ".join(shown) + "]"
+    return '"[' + ", ".join(shown) + ']"'
 
 
 def build(name: str, cfg: Config, mesh: Mesh, reads_data: bool = True, trains: bool = True) -> Task:
