@@ -126,25 +126,17 @@ def test_a_killed_prepare_resumes_to_the_same_files(corpus, reference, tmp_path,
     assert [p.name for p in out.parent.iterdir()] == [out.name]  # no lock, work or previous data left beside
 
 
-def test_ctrl_c_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_path):
+@pytest.mark.parametrize("sig, code, said", [("SIGINT", 130, "interrupted (Ctrl-C)"),
+                                              ("SIGTERM", 143, "stopped (SIGTERM)")])
+def test_ctrl_c_or_sigterm_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_path, sig, code, said):
+    """Ctrl-C, or SIGTERM (a batch job's time limit), stops the prepare in one line and the shell's
+    128 + the signal, the work kept (SIGTERM ended the process with no word before); the same
+    command resumes, and the caller's SIGTERM handler is back after a prepare in its process."""
     out = tmp_path / "prep"
     p = cli("nljax.prepare", *corpus["args"], "prepare.workers=2", f"out={out}", check=False,
-            env={prepared.TEST_KILL_AFTER: "4:SIGINT"})
-    assert p.returncode == 130, p.stderr
-    assert p.stderr.strip() == "nljax.prepare: interrupted (Ctrl-C): the same command resumes where it stopped"
-    assert json.loads((work(out) / "progress.json").read_text())["chunks"] >= 4
-    assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
-    assert files(out) == reference
-
-
-def test_sigterm_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_path):
-    """SIGTERM (a batch job's time limit) stops the prepare as Ctrl-C does, in one line and 143;
-    before, the process ended with no word (its work was kept all the same)."""
-    out = tmp_path / "prep"
-    p = cli("nljax.prepare", *corpus["args"], "prepare.workers=2", f"out={out}", check=False,
-            env={prepared.TEST_KILL_AFTER: "4:SIGTERM"})
-    assert p.returncode == 143, p.stderr
-    assert p.stderr.strip() == "nljax.prepare: stopped (SIGTERM): the same command resumes where it stopped"
+            env={prepared.TEST_KILL_AFTER: f"4:{sig}"})
+    assert p.returncode == code, p.stderr
+    assert p.stderr.strip() == f"nljax.prepare: {said}: the same command resumes where it stopped"
     assert json.loads((work(out) / "progress.json").read_text())["chunks"] >= 4
     before = signal.getsignal(signal.SIGTERM)
     assert prepare_main([*corpus["args"], "prepare.workers=1", f"out={out}"]) == 0
