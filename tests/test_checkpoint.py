@@ -494,6 +494,15 @@ def test_a_run_directory_as_checkpoint_resume_names_its_checkpoints(tmp_path):
     (other / "config.yaml").write_text("model: [")
     with pytest.raises(config.ConfigError, match=rf"\({other}/checkpoints: its newest\)"):
         storage.candidates(cfg)
+    # an export directory: its parameters, not a checkpoint (it was "no complete checkpoint in ...")
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    (exp / "config.json").write_text(json.dumps({"config": {}, "step": 3, "dtype": "float32",
+                                                 "checkpoint": f"{other}/checkpoints/3"}))
+    with pytest.raises(config.ConfigError) as e:
+        storage.candidates(config.load(None, [f"run.dir={tmp_path}/new", f"checkpoint.resume={exp}"]))
+    assert str(e.value) == (f"checkpoint.resume={exp} is an export directory (nljax.export wrote it), not a "
+                            f"checkpoint: give the checkpoint it was exported from ({other}/checkpoints/3)")
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
