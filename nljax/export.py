@@ -45,7 +45,7 @@ from nljax.models.builtin import for_this_backend
 from nljax.parallel.levels import path_str
 from nljax.run import trained as trained_lib
 from nljax import writable
-from nljax.runtime import filedigest
+from nljax.runtime import filedigest, resultfile
 from nljax.runtime.exportdir import CONFIG, DEFAULT, TOKENIZER, WEIGHTS, is_export
 
 FORMATS = ("safetensors",)
@@ -69,7 +69,7 @@ def export(t: trained_lib.Trained, out: Path, dtype: str = "float32") -> Path:
     # (Ctrl-C, a full disk) leaves the previous one whole
     tok = _tokenization(t)
     names = (WEIGHTS, TOKENIZER, CONFIG) if hasattr(tok, "raw") else (WEIGHTS, CONFIG)
-    temp = {n: out / f".{n}.tmp-{os.getpid()}" for n in names}
+    temp = {n: resultfile.temp_for(out / n) for n in names}
     try:
         _save_weights(save_file, {k: jnp.asarray(v, DTYPES[dtype]) for k, v in flat.items()}, temp[WEIGHTS])
         info = {"config": config.to_dict(t.trained_cfg), "step": t.step, "dtype": dtype, "checkpoint": str(t.path),
@@ -182,7 +182,10 @@ def built_model(path: str | Path):
     """The model of an export directory, built from its config.json without reading its weights:
     with what its data decided (a DiT's image shape and classes), as recorded; GPU-only forms off
     a GPU: auto's."""
-    info, cfg = read_config(path)
+    return _rebuilt(*read_config(path))
+
+
+def _rebuilt(info: dict, cfg: config.Config):
     return registry.rebuild(for_this_backend(cfg), info)
 
 
@@ -191,9 +194,9 @@ def load_model(path: str | Path):
     from safetensors.flax import load_file
 
     path = Path(path)
-    info, _ = read_config(path)
+    info, cfg = read_config(path)
     filedigest.check(path, info.get("sha256"), "the export")
-    model = built_model(path)
+    model = _rebuilt(info, cfg)
     flat = load_file(str(path / WEIGHTS))
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     template = named(shapes)

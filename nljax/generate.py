@@ -109,8 +109,8 @@ def _generate(args) -> int:
     if images and "seed" in given:  # the grid's noise is keyed by the config's seed (default: the run's)
         overrides = [*overrides, f"seed={s.seed}"]
     path = (Path(s.out) if s.out else Path(cfg.run.dir) / "generated.png") if images else None
-    if path is not None and path.exists() and not written_by_nljax(path):  # a user's picture of the same name
-        raise ConfigError(f"out={path} exists and is not a PNG nljax.generate wrote; give another out= or move it")
+    if path is not None:
+        _refuse_a_users_picture(path)
     # building the model and restoring its parameters takes seconds (2-5 s after the imports on a
     # 2-core CPU), said before it as the other commands say their slow phases, once the settings
     # are checked (a refusal of them is one line)
@@ -186,11 +186,9 @@ def _grid_of_export(path: str, where: Path, s, given: set[str]) -> int:
     out = Path(os.path.expanduser(s.out)) if s.out else None
     if out is None or out.absolute().parent.resolve() == where.resolve():
         raise ConfigError(f"{path} is an export: give out=FILE.png, the grid's file (outside the export directory)")
-    if out.exists() and not written_by_nljax(out):  # a user's picture of the same name
-        raise ConfigError(f"out={out} exists and is not a PNG nljax.generate wrote; give another out= or move it")
+    _refuse_a_users_picture(out)
     if s.labels:  # refused for a model that reads no labels
-        classes = getattr(getattr(model, "net", None), "num_classes", 0) if conditional else 0
-        label = grid_labels(s.labels, getattr(model, "classes", None), classes)
+        label = grid_labels(s.labels, getattr(model, "classes", None), trained_model.label_classes(model))
     else:
         label = np.zeros(s.samples, int)  # an unconditional model's: not read
     _say(f"reading the export {path} ...")
@@ -208,6 +206,12 @@ def _grid_of_export(path: str, where: Path, s, given: set[str]) -> int:
         return 1
     print(f"nljax.generate: wrote {out}", file=sys.stderr)
     return 0
+
+
+def _refuse_a_users_picture(out: Path) -> None:
+    """A user's picture of the grid's name is never replaced (one nljax.generate wrote is)."""
+    if out.exists() and not written_by_nljax(out):
+        raise ConfigError(f"out={out} exists and is not a PNG nljax.generate wrote; give another out= or move it")
 
 
 def _prompts(s, codec) -> tuple[list[prompts_lib.Prompt], list[list[int]]]:

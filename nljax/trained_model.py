@@ -283,9 +283,7 @@ class TrainedModel:
             # an unconditional model reads no label, but takes one per sample: say which to give
             which = "labels=[class, ...]" if conditional else "labels=[0] * n (unconditional: the labels are not read)"
             raise ConfigError(f"an image model's generate needs {which}, one sample each, and steps >= 1")
-        # a conditional DiT's classes 0..n-1 and n, its null label; an unconditional model reads none
-        classes = getattr(getattr(self.model, "net", None), "num_classes", 0) if conditional else 0
-        label = images.label_ids(labels, getattr(self.model, "classes", None), classes)
+        label = images.label_ids(labels, getattr(self.model, "classes", None), label_classes(self.model))
         model = self.model
         if seed is not None:  # ignored before: every seed gave the run's samples
             if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:  # as the config's seed
@@ -296,6 +294,12 @@ class TrainedModel:
         index = np.arange(len(label), dtype=np.int32)  # each sample's noise, keyed by (seed, index)
         out = jax.jit(model.generate, static_argnums=3)(self.params, index, label, int(steps))
         return np.asarray(out)
+
+
+def label_classes(model) -> int:
+    """The classes an image model's labels take: a conditional DiT's 0 .. n-1 (and n, its null
+    label); 0 for a model that reads none."""
+    return getattr(getattr(model, "net", None), "num_classes", 0) if getattr(model, "conditional", False) else 0
 
 
 def _tokenizer_name(tokenizer) -> str:

@@ -28,7 +28,7 @@ from nljax.config import Config
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.errors import ConfigError
-from nljax.runtime.exportdir import exported_from, is_export
+from nljax.runtime.exportdir import is_export, not_a_checkpoint
 from nljax.runtime.rundir import checkpoint_dir
 
 KEY = "checkpoint.init_params"
@@ -53,10 +53,8 @@ def source(cfg: Config) -> Path | None:
     if not root.is_dir():  # read on, "no complete checkpoint in FILE"
         raise ConfigError(f"{KEY}={given} is a file, not a checkpoint: give a run directory, a step directory or "
                           "a folder of checkpoints")
-    if is_export(root):  # read on, "no complete checkpoint in exp": the parameters are there, but not a checkpoint
-        came = exported_from(root)
-        raise ConfigError(f"{KEY}={given} is an export directory (nljax.export wrote it), not a checkpoint: give "
-                          f"the checkpoint it was exported from{f' ({came})' if came else ''}, or its run directory")
+    if is_export(root):  # read on, "no complete checkpoint in exp"
+        raise ConfigError(f"{not_a_checkpoint(f'{KEY}={given}', root)}, or its run directory")
     return root
 
 

@@ -39,7 +39,7 @@ from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
 from nljax.errors import ConfigError, first_line
 from nljax.runtime import distributed
-from nljax.runtime.exportdir import exported_from, is_export
+from nljax.runtime.exportdir import is_export, not_a_checkpoint
 from nljax.runtime.rundir import checkpoint_dir
 
 ORBAX_META = "_CHECKPOINT_METADATA"  # Orbax's step metadata, in every step directory it committed
@@ -397,9 +397,7 @@ def candidates(cfg: Config) -> list[Path]:
         return [root]  # a step directory
     steps = complete_steps(root)
     if not steps and cfg.checkpoint.resume != "latest" and is_export(root):  # as init_params says it
-        came = exported_from(root)
-        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume} is an export directory (nljax.export wrote it), "
-                          f"not a checkpoint: give the checkpoint it was exported from{f' ({came})' if came else ''}")
+        raise ConfigError(not_a_checkpoint(f"checkpoint.resume={cfg.checkpoint.resume}", root))
     if not steps and cfg.checkpoint.resume != "latest" and (root / "config.yaml").is_file():
         # a run directory (checkpoint.init_params takes one): "no complete checkpoint in DIR" misled
         raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume} is a run directory, not a checkpoint: give the "

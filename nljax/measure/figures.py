@@ -14,6 +14,7 @@ import numpy as np
 
 from nljax.data.images import spread
 from nljax.data.imagefolder import short_list
+from nljax.runtime.resultfile import temp_for
 
 
 # In every samples PNG nljax writes (a PNG text chunk): `nljax.generate` replaces such a file, never
@@ -119,7 +120,7 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
         # beside it under a temporary name, renamed into place: a write cut short (Ctrl-C, a full
         # disk) leaves the earlier grid whole, not a partial PNG the next nljax.generate would
         # refuse to replace (it lacks the mark of one nljax wrote)
-        temp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        temp = temp_for(path)
         try:
             fig.savefig(temp, dpi=100, metadata=MARK, format="png")
             os.replace(temp, path)

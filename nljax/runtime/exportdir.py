@@ -33,6 +33,14 @@ def exported_from(path: Path) -> str | None:
     return came if isinstance(came, str) and came else None
 
 
+def not_a_checkpoint(given: str, path: Path) -> str:
+    """The line refusing the export in `path`, given as `given` (`checkpoint.resume=DIR`), where a
+    checkpoint is asked for: its parameters are there, but not a checkpoint."""
+    came = exported_from(path)
+    return (f"{given} is an export directory (nljax.export wrote it), not a checkpoint: give the checkpoint it was "
+            f"exported from{f' ({came})' if came else ''}")
+
+
 def remove(out: Path) -> None:
     """Removes the export in `out` (its files; the directory too if that leaves it empty).
     A directory holding anything else than an nljax export is left as it is."""

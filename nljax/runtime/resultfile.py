@@ -86,12 +86,24 @@ def earlier_lines(out: Path, keys: frozenset[str]) -> bool:
     return all(isinstance(r, dict) and keys <= r.keys() for r in records)
 
 
+def temp_for(out: Path) -> Path:
+    """The hidden name `out` is written under before it is renamed into place (`.NAME.tmp-PID`):
+    a write cut short leaves the earlier file whole."""
+    return out.parent / f".{out.name}.tmp-{os.getpid()}"
+
+
+def temp_of(name: str) -> str | None:
+    """The file name a `temp_for` name stands for (`.NAME.tmp-PID` -> NAME), or None."""
+    base, tmp, pid = name[1:].rpartition(".tmp-")
+    return base if name.startswith(".") and tmp and pid.isdigit() else None
+
+
 def write_lines(out: Path, records: Iterable[dict]) -> int:
     """`records` as JSON lines at `out`, each written as it comes beside it under a temporary name
     that is renamed into place once the last is written: a run cut short (Ctrl-C, a full disk, an
     error) leaves the earlier file whole and no partial one. Returns the records written."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    temp = temp_for(out)
     n = 0
     try:
         with temp.open("w", encoding="utf-8") as f:
@@ -114,7 +126,7 @@ def write(out: Path, result: dict) -> None:
     """`result` as JSON at `out`: written beside it under a temporary name and renamed into
     place, so that a write cut short (Ctrl-C, a full disk) leaves the earlier file whole."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    temp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    temp = temp_for(out)
     try:
         temp.write_text(json.dumps(result, indent=1) + "\n")
         os.replace(temp, out)

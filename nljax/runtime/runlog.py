@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from nljax.errors import few
+from nljax.runtime.resultfile import temp_of
 
 # The names a run writes in run.dir, each noted here right before it is first created
 # (metrics.jsonl, config.yaml, summary.json, the plots, profile/ and wandb/ when made,
@@ -63,8 +64,8 @@ def remove_written(run_dir: Path) -> None:
         else:
             p.unlink(missing_ok=True)
     for p in Path(run_dir).glob(".*.tmp-*"):
-        name, _, pid = p.name[1:].rpartition(".tmp-")
-        if pid.isdigit() and p.is_file() and any(fnmatch.fnmatchcase(name, x) for x in OUTPUT_PATTERNS):
+        name = temp_of(p.name)
+        if name and p.is_file() and any(fnmatch.fnmatchcase(name, x) for x in OUTPUT_PATTERNS):
             p.unlink(missing_ok=True)
     (Path(run_dir) / WRITTEN).unlink(missing_ok=True)
 
