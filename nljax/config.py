@@ -386,16 +386,21 @@ def load(path: str | typing.Sequence[str] | None = None, overrides: typing.Seque
         tree = _merged(tree, layer)
     if base is not None:  # a run's config.yaml too: the line named a key the command line did not hold
         tree = _merged(_built_from(base, _saved(base)), tree)
+    _override(tree, overrides)
+    cfg = _home_expanded(_build(Config, tree))
+    if check:
+        validate(cfg)
+    return cfg
+
+
+def _override(tree: dict, overrides: typing.Sequence[str]) -> None:
+    """Sets each `key=value` of `overrides` in `tree`, in order."""
     for text in overrides:
         key, value = parse_override(text)
         if key == BASE_KEY:  # read from a file's top level only: the command line names the file instead
             raise ConfigError(f"{BASE_KEY} is a config file's key (a YAML file's top-level '{BASE_KEY}: {value}'); "
                               f"on the command line give the file itself: --config {value}")
         _set_dotted(tree, key, value)
-    cfg = _home_expanded(_build(Config, tree))
-    if check:
-        validate(cfg)
-    return cfg
 
 
 def _saved(path: str) -> dict:
@@ -585,9 +590,12 @@ def _parent(tree: dict, key: str, create: bool) -> tuple[Any, str]:
     return node, leaf
 
 
-def from_dict(tree: dict) -> Config:
-    """A config from a plain nested dict (e.g. one saved in a checkpoint, old keys moved), checked like `load`."""
-    cfg = _build(Config, migrate(tree))
+def from_dict(tree: dict, overrides: typing.Sequence[str] = ()) -> Config:
+    """A config from a plain nested dict (e.g. one saved in a checkpoint or an export, old keys
+    moved), with `key=value` overrides on top as `load` applies them, checked like `load`."""
+    tree = migrate(tree)  # a copy: `tree` itself is left as it is
+    _override(tree, overrides)
+    cfg = _home_expanded(_build(Config, tree))
     validate(cfg)
     return cfg
 

@@ -5,6 +5,7 @@
         [eval.batches=N] [eval.stream_steps=N] [data.eval=GLOB | data.prepared=DIR | data.KEY=...]
         [data.eval_sets=[NAME=GLOB,...]]
         [--cpu-devices N]
+    python -m nljax.evaluate run.dir=runs/default/export [data.eval=GLOB ...]   # an export (nljax.export)
 
 prints the held-out metrics that the run's own evaluation computes (`Task.evaluate`,
 nljax/run/tasks.py), for one checkpoint: a language model's loss in nats per token, bits per
@@ -27,6 +28,10 @@ not the checkpoint's (another tokenizer) are refused. A MeanFlow run's other hel
 `images.*` overrides; data of the other kind (`data.*` for an image model, `images.*` for a
 language model) is refused.
 
+run.dir= may be an export directory (nljax.export): its parameters scored as its run scored the
+checkpoint they came from (its config.json's settings; text tokenized by the export's own copy of
+the tokenizer; `trained.load_export`); checkpoint= and params= are then refused.
+
 Under optim.ema_decay a run keeps its parameters' moving average beside them: it is scored, as
 the run's own evaluation scores it, unless `params=trained` (the optimizer's own parameters).
 
@@ -41,20 +46,27 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 # nljax.cli imports JAX first, turning an environment variable JAX cannot read into one line
 from nljax import cli  # noqa: I001
 
 import jax
 
+from nljax import config
+from nljax import export as export_lib
+from nljax.checkpoint.contents import check_built, check_tokenizer
 from nljax.data import imagefolder
 from nljax.data.prepared import MANIFEST
 from nljax.data.settings import EVAL_FRACTION
+from nljax.data.tokenization import identity
 from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.run import trained as trained_lib
+from nljax.run.core import Run
+from nljax.run.startup import tokenizer_identity
 from nljax.runtime import resultfile
+from nljax.runtime.exportdir import TOKENIZER, exported_from, is_export
 from nljax.version import __version__
 
 # keys every result has: an existing out= file with them is an earlier result, replaced
@@ -65,9 +77,10 @@ def main(argv=None) -> int:
     p = cli.Parser(allow_abbrev=False, prog="nljax.evaluate", description=__doc__.splitlines()[0])
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
     p.add_argument("settings", nargs="*", metavar="key=value",
-                   help="run.dir=DIR (required: a run directory); checkpoint= (latest, a step number or a step "
-                        "directory); out=FILE.json; params= (average or trained: under optim.ema_decay, "
-                        "the parameters' moving average, the default, or the optimizer's own); any other "
+                   help="run.dir=DIR (required: a run directory, or an export directory); checkpoint= "
+                        "(latest, a step number or a step directory); out=FILE.json; params= (average or "
+                        "trained: under optim.ema_decay, the parameters' moving average, the default, or the "
+                        "optimizer's own); any other "
                         "key=value: a config override (eval.batches=, eval.stream_steps=, data.eval=, "
                         "data.prepared=, ...)")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -83,14 +96,16 @@ def _evaluate(args, argv: list[str]) -> int:
         resultfile.check(out, f"out={out}", "nljax.evaluate", RESULT_KEYS)  # before the slow load: writes nothing
     # building the model, reading the held-out data (a run on data.train tokenizes its text again)
     # and restoring the checkpoint take seconds to minutes: said once the settings are checked
-    reading = f"nljax.evaluate: reading the checkpoint of {run_dir} and its held-out data ..."
+    what = f"the export {run_dir}" if is_export(Path(run_dir)) else f"the checkpoint of {run_dir}"
+    reading = f"nljax.evaluate: reading {what} and its held-out data ..."
     t = load(run_dir, mine.get("checkpoint", "latest"), overrides,
              announce=lambda: print(reading, file=sys.stderr, flush=True), params=mine.get("params", ""))
     n, local = t.run.engine.n_devices, len(jax.local_devices())
     on = f"{n} device{'s' if n > 1 else ''}" + (
         f" (of {local}: as many as divide train.batch_size={t.cfg.train.batch_size})" if n < local else "")
     notes = [f"nljax.evaluate: {note}" for note in getattr(t.run.task, "notes", ())]  # held-out data too short
-    read = f"nljax.evaluate: {t.path} (step {t.step}{t.which}) on {on}{_data(t)}"
+    export = is_export(t.path)
+    read = f"nljax.evaluate: {t.path} ({'export, ' if export else ''}step {t.step}{t.which}) on {on}{_data(t)}"
     for line in [*t.warnings("nljax.evaluate"), *notes, read]:
         print(line, file=sys.stderr)
     # compiling the evaluation takes seconds to a minute, with nothing else to show meanwhile
@@ -99,8 +114,11 @@ def _evaluate(args, argv: list[str]) -> int:
     for key, value in metrics.items():
         print(f"{key:<24} {value}")
     if out is not None:
+        # an export's: the checkpoint it was exported from, as its config.json records it
+        came = (exported_from(t.path) or str(t.path)) if export else str(t.path)
         result = {"command": " ".join(["python -m nljax.evaluate", *argv]), "run_dir": run_dir,
-                  "checkpoint": str(t.path), "step": t.step, "params": t.params_read,
+                  **({"export": str(t.path)} if export else {}), "checkpoint": came, "step": t.step,
+                  "params": t.params_read,
                   "devices": n, **metrics, "nljax_version": __version__}
         describe = getattr(t.run.task, "describe", None)  # source, tokens or images, digest (as summary.json)
         if describe is not None:
@@ -120,16 +138,56 @@ def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str
     `evaluates`): its rows and evaluation settings, the held-out data of `overrides`
     (`data_overrides`), on as many of `devices` (default: this process's) as divide its rows.
     `announce`, `params`: as `trained.load`'s."""
+    export = is_export(Path(run_dir))
+    if export and (str(checkpoint) != "latest" or params):
+        raise ConfigError(f"{run_dir} is an export (one set of parameters): checkpoint= and params= are for a run "
+                          "directory")
     _check_data_kind(run_dir, overrides)
     overrides = data_overrides(run_dir, overrides)
-    rows = trained_lib.trained_config(run_dir, overrides).train.batch_size
+    rows = _saved_config(run_dir, overrides).train.batch_size
     devices = list(devices or jax.local_devices())
     n = max(d for d in range(1, len(devices) + 1) if rows % d == 0)
-    t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True, announce=announce,
-                         params=params)
+    if export:
+        t = load_export(run_dir, overrides, devices[:n], announce=announce)
+    else:
+        t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True, announce=announce,
+                             params=params)
     if hasattr(t.run.task, "samples_dir"):  # an image task's evaluation draws no PNG into the run directory
         t.run.task.samples_dir = None
     return t
+
+
+def load_export(path: str | Path, overrides: Sequence[str] = (), devices=None,
+                announce: Callable[[], None] | None = None) -> trained_lib.Trained:
+    """The export (`nljax.export`) in `path` set up to be evaluated as its run was: its run's
+    config (config.json's) with `overrides`, its rows and evaluation settings kept, the data it
+    names read (a text model's held-out text, an image model's held-out images), on `devices`
+    (default: this process's; their count must divide train.batch_size), its parameters
+    replicated there in the model's dtypes (a bfloat16 export's values exactly). The data must
+    be the export's: its token ids (bytes, or its tokenizer's sha256) and, for an image model,
+    what they build (`check_built`) are checked before its weights are read. `announce`: as
+    `trained.load`'s."""
+    path = Path(path)
+    info, _ = export_lib.read_config(path)
+    devices = list(devices or jax.local_devices())
+    placed = trained_lib.placed_settings(overrides, len(devices), True, "the export")
+    trained_cfg = config.from_dict(info["config"], overrides)
+    fields = {k: v for k, v in info.items() if k not in ("config", "sha256", "digest")}  # its record among them
+    cfg = config.from_dict(info["config"], [*overrides, "checkpoint.resume=", *placed])
+    cfg = trained_lib.used_here(cfg, overrides, True, fields)
+    if announce is not None:
+        announce()
+    run = Run.create(cfg, devices, trains=False, average=False)  # the budget of the parameters alone
+    tokens = info.get("tokenizer")
+    check_tokenizer(path, identity(tokens) if isinstance(tokens, dict) else None,
+                    tokenizer_identity(run.task), "the data now use", kind="export")
+    here = registry.record(run.engine.model, cfg.model.name)
+    check_built(path, {"built": {k: fields[k] for k in here if k in fields}}, here, kind="export")
+    weights = export_lib.read_weights(path, info, run.engine.model)
+    layout, _ = run.engine.strategy.state_layout()  # replicated: the model's own tree, on run.mesh
+    params = jax.tree.map(lambda w, s: jax.device_put(w.astype(s.dtype), s.sharding), weights, layout)
+    return trained_lib.Trained(cfg, trained_cfg, run, params, int(info["step"]), path,
+                               average=info.get("params") == "average")
 
 
 def scores(t: trained_lib.Trained) -> dict:
@@ -149,7 +207,7 @@ def scores(t: trained_lib.Trained) -> dict:
 def _check_data_kind(run_dir: str, overrides: Sequence[str]) -> None:
     """Held-out data of the other kind is refused: a MeanFlow run's `data.eval=` (text) or a
     language model's `images.path=` was ignored, and the run's own held-out data scored, exit 0."""
-    cfg = trained_lib.trained_config(run_dir)
+    cfg = _saved_config(run_dir)
     images = registry.task_of(cfg) == "images"
     other = "data." if images else "images."
     given = [o.partition("=")[0] for o in overrides if o.startswith(other)]
@@ -159,22 +217,55 @@ def _check_data_kind(run_dir: str, overrides: Sequence[str]) -> None:
                           f"{cfg.model.name}: {reads}")
 
 
+def _saved_config(run_dir: str, overrides: Sequence[str] = ()):
+    """The config the run trained with (a run directory's config.yaml, an export's config.json),
+    with `overrides`."""
+    if is_export(Path(run_dir)):
+        return config.from_dict(export_lib.read_config(run_dir)[0]["config"], overrides)
+    return trained_lib.trained_config(run_dir, overrides)
+
+
 def data_overrides(run_dir: str, overrides: Sequence[str]) -> list[str]:
     """`overrides` with what naming other held-out data implies. `data.eval=` without data.train
     or data.prepared: those files alone (data.source=files; `nljax.data.prepared.held_out`: the
     run's training text is not read), tokenized as the run's text was (its data.tokenizer, or its
-    data.prepared directory's copy); `data.prepared=` without data.train: that directory alone."""
+    data.prepared directory's copy; an export's own copy); `data.prepared=` without data.train:
+    that directory alone. An export's run's own data (no data named) are tokenized by the
+    export's copy of data.tokenizer (the run's file may be gone)."""
     given = {o.partition("=")[0]: o.partition("=")[2] for o in overrides}
+    export = _export_tokenizer(run_dir)
+    d = _saved_config(run_dir).data
     if "data.train" in given or not {"data.eval", "data.prepared"} & given.keys():
+        if export and d.source == "files" and d.tokenizer and not {"data.tokenizer", "data.prepared"} & given.keys():
+            return [*export, *overrides]
         return list(overrides)
     if "data.prepared" in given:  # the run's file keys would be checked against the directory's (and its split)
         return ["data.source=files", "data.train=[]", "data.eval=[]", "data.tokenizer=", "data.doc_end_token=",
                 f"data.eval_fraction={EVAL_FRACTION}", *overrides]
-    d = trained_lib.trained_config(run_dir).data
     prepared = []
     if d.source == "files" and d.prepared:
-        prepared = [o for o in _prepared_settings(d.prepared) if o.partition("=")[0] not in given]
+        prepared = _prepared_settings(d.prepared)
+        if export:  # its tokenizer: the export's copy (the directory's text_key still read from there)
+            prepared = [*export, *(o for o in prepared if o.startswith("data.text_key="))]
+    elif export:
+        prepared = export
+    prepared = [o for o in prepared if o.partition("=")[0] not in given]
     return ["data.source=files", "data.train=[]", "data.prepared=", *prepared, *overrides]
+
+
+def _export_tokenizer(run_dir: str) -> list[str]:
+    """data.tokenizer and data.doc_end_token for the tokenization an export in `run_dir` records
+    (bytes, or the tokenizer.json beside it); none for a run directory, or an export recording none."""
+    if not is_export(Path(run_dir)):
+        return []
+    info = export_lib.read_config(run_dir)[0].get("tokenizer")
+    if not isinstance(info, dict) or "kind" not in info:
+        return []
+    if info["kind"] == "bytes":
+        return ["data.tokenizer=", "data.doc_end_token="]
+    # quoted: a token such as [EOS] is a string, not a YAML list
+    end = json.dumps(info.get("doc_end_token") or "")
+    return [f"data.tokenizer={Path(run_dir) / TOKENIZER}", f"data.doc_end_token={end}"]
 
 
 def _prepared_settings(prepared: str) -> list[str]:

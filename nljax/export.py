@@ -191,12 +191,19 @@ def _rebuilt(info: dict, cfg: config.Config):
 
 def load_model(path: str | Path):
     """(model, params) of an export directory, the parameters on the default device."""
-    from safetensors.flax import load_file
-
     path = Path(path)
     info, cfg = read_config(path)
-    filedigest.check(path, info.get("sha256"), "the export")
     model = _rebuilt(info, cfg)
+    return model, read_weights(path, info, model)
+
+
+def read_weights(path: Path, info: dict, model):
+    """The parameters of the export in `path` (its config.json `info`, read by `read_config`) in
+    `model`'s tree, on the default device: its files checked against their recorded sha256, each
+    tensor's name and shape against the model's."""
+    from safetensors.flax import load_file
+
+    filedigest.check(path, info.get("sha256"), "the export")
     flat = load_file(str(path / WEIGHTS))
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     template = named(shapes)
@@ -208,7 +215,7 @@ def load_model(path: str | Path):
             flat[k] = flat[k].reshape(v.shape)  # written before the qkv kernels took a head axis
         if flat[k].shape != v.shape:
             raise ConfigError(f"{path / WEIGHTS}: '{k}' is {flat[k].shape}, the model needs {v.shape}")
-    return model, jax.tree.unflatten(jax.tree.structure(shapes), [flat[k] for k in template])
+    return jax.tree.unflatten(jax.tree.structure(shapes), [flat[k] for k in template])
 
 
 def named(params) -> dict:

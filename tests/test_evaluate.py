@@ -2,16 +2,19 @@
 device count; other held-out files give other (finite) numbers; another tokenizer's data, and
 bad input, are one line with nothing written."""
 
+import dataclasses
+import hashlib
 import json
 import math
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import QUICK, TINY, TINY_NL, saved_run
 
-from nljax import config, evaluate
+from nljax import config, evaluate, export
 from nljax.data import prepared
 from nljax.errors import ConfigError
 from nljax.run.core import Run
@@ -63,7 +66,8 @@ def result_of(argv, capsys) -> tuple[dict, dict]:
     # standard error (standard output: the metrics alone)
     err = captured.err.splitlines()
     run = next(a.partition("=")[2] for a in argv if a.startswith("run.dir="))
-    assert err[0] == f"nljax.evaluate: reading the checkpoint of {run} and its held-out data ...", err
+    assert err[0] in (f"nljax.evaluate: reading the checkpoint of {run} and its held-out data ...",
+                      f"nljax.evaluate: reading the export {run} and its held-out data ..."), err
     assert "nljax.evaluate: evaluating (compiling its step first) ..." in err
     printed = dict(line.split() for line in captured.out.splitlines())
     out = next(a.partition("=")[2] for a in argv if a.startswith("out="))
@@ -119,6 +123,77 @@ def test_other_held_out_files_and_settings(run_dir, other_text, tmp_path, capsys
     one = evaluate.scores(evaluate.load(str(run_dir), overrides=args[1:], devices=jax.devices()[:1]))
     assert one["eval_loss"] == pytest.approx(other["eval_loss"], rel=1e-5)
     assert one["eval_loss_stream"] == pytest.approx(other["eval_loss_stream"], rel=1e-5)
+
+
+def test_an_export_is_scored_as_the_checkpoint_it_came_from(run_dir, other_text, tmp_path, capsys):
+    """run.dir=EXPORT: the numbers of the checkpoint it was exported from, on its run's held-out
+    text and on other files; a bfloat16 export's are those of the parameters rounded to bfloat16;
+    checkpoint=, params= and the keys the tool sets are one line."""
+    exp, half = tmp_path / "export", tmp_path / "half"
+    assert export.main([f"run.dir={run_dir}", f"out={exp}"]) == 0
+    assert export.main([f"run.dir={run_dir}", f"out={half}", "dtype=bfloat16"]) == 0
+    own, _ = result_of([f"run.dir={run_dir}", f"out={tmp_path / 'own.json'}"], capsys)
+    got, printed = result_of([f"run.dir={exp}", f"out={tmp_path / 'exp.json'}"], capsys)
+    assert got["export"] == str(exp) and got["checkpoint"] == own["checkpoint"] == str(run_dir / "checkpoints" / "3")
+    assert got["step"] == 3 and got["devices"] == own["devices"] == 8 and got["data"] == own["data"]
+    scored = [k for k in own if k.startswith("eval_")]
+    assert scored and {k: got[k] for k in scored} == {k: own[k] for k in scored}
+    # other held-out files, on one device: as the run's checkpoint scores them
+    args = [f"data.eval={other_text}/*.txt", "eval.batches=2"]
+    one = lambda d: evaluate.scores(evaluate.load(str(d), overrides=args, devices=jax.devices()[:1]))
+    theirs, mine = one(run_dir), one(exp)
+    assert mine == pytest.approx(theirs, rel=1e-6) and mine["eval_loss"] != got["eval_loss"]
+    # bfloat16: the run's parameters rounded, computed in the model's float32
+    t = evaluate.load(str(run_dir))
+    rounded = jax.tree.map(lambda p: p.astype(jnp.bfloat16).astype(p.dtype), t.params)
+    want = evaluate.scores(dataclasses.replace(t, params=rounded))
+    assert evaluate.scores(evaluate.load(str(half))) == pytest.approx(want, rel=1e-6)
+    assert want["eval_loss"] != own["eval_loss"]
+    for args, line in [(["checkpoint=2"], f"{exp} is an export (one set of parameters): checkpoint= and params= are "
+                                           "for a run directory"),
+                       (["params=trained"], "checkpoint= and params= are for a run directory"),
+                       (["mesh.intra=2"], "mesh.intra= cannot be overridden here: the export is read onto this "
+                                          "process's devices, replicated")]:
+        capsys.readouterr()
+        assert evaluate.main([f"run.dir={exp}", *args, f"out={tmp_path / 'no.json'}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("nljax.evaluate: error: ") and line in err[0], err
+        assert not (tmp_path / "no.json").exists()
+
+
+@pytest.mark.slow
+def test_a_tokenizer_runs_export_reads_with_its_own_copy(tmp_path, capsys):
+    """An export of a run on data.tokenizer's files scores that run's held-out text with the
+    export's copy of the tokenizer (the run's file since deleted) as the run scored it, other files
+    too; data of another tokenizer is one line naming the export."""
+    words = "the a memory level stream token window model learns reads writes data file of and to".split()
+    rng = np.random.default_rng(1)
+    texts = [" ".join(rng.choice(words, 60)) + "." for _ in range(6)]
+    (tmp_path / "text").mkdir()
+    for i, text in enumerate(texts):
+        (tmp_path / "text" / f"doc{i}.txt").write_text(text)
+    tok = bpe_tokenizer(texts, tmp_path / "tok.json")
+    run = tmp_path / "run"
+    train(config.load(None, [*TINY, *QUICK, "cms.periods=[1]", "train.steps=1", "eval.batches=1", "run.quiet=true",
+                             f"run.dir={run}", "data.source=files", f"data.train={tmp_path}/text/*.txt",
+                             f"data.tokenizer={tok}", "data.eval_fraction=0.5"]))
+    assert export.main([f"run.dir={run}", f"out={tmp_path / 'exp'}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    tok.rename(tmp_path / "gone.json")
+    got, _ = result_of([f"run.dir={tmp_path / 'exp'}", f"out={tmp_path / 'r.json'}"], capsys)
+    assert got["data"] == summary["data"] and got["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    other, _ = result_of([f"run.dir={tmp_path / 'exp'}", f"data.eval={tmp_path}/text/doc0.txt",
+                          f"out={tmp_path / 'o.json'}"], capsys)
+    assert other["data"]["train_tokens"] == 0 and np.isfinite(other["eval_loss"])
+    other_tok = bpe_tokenizer(texts[:2], tmp_path / "other.json")
+    capsys.readouterr()
+    assert evaluate.main([f"run.dir={tmp_path / 'exp'}", f"data.eval={tmp_path}/text/doc0.txt",
+                          f"data.tokenizer={other_tok}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()[:12]
+    assert err == (f"nljax.evaluate: error: export {tmp_path / 'exp'} was trained on the tokenizer of sha256 "
+                   f"{sha(tmp_path / 'gone.json')}, the data now use the tokenizer of sha256 {sha(other_tok)}: its "
+                   "token ids would stand for other text"), err
 
 
 def test_another_held_out_split_than_the_runs_is_warned_of(run_dir, other_text):
@@ -320,6 +395,8 @@ def test_an_image_model_reports_its_tasks_evaluation(tmp_path):
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4), key
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+    assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'exp'}"]) == 0  # its export: the same
+    assert evaluate.scores(evaluate.load(str(tmp_path / "exp"))) == pytest.approx(got, rel=1e-6)
     # the images named, as a text run's data are: at start-up, in summary.json and in evaluate's header
     from nljax.run import trainer
 

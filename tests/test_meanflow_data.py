@@ -513,6 +513,18 @@ def test_a_checkpoint_used_on_other_images_is_refused(tmp_path, capsys):
     assert sorted(set(d.eval_y.tolist())) == [1, 3] and sorted(set(d.train_y.tolist())) == [1, 3]
     capsys.readouterr()
     assert evaluate.main([f"run.dir={tmp_path / 'run'}", f"images.path={tmp_path / 'some'}"]) == 0
+    # its export (nljax.evaluate run.dir=EXPORT): the same checks, of the record in its config.json
+    from nljax import export
+
+    exp = tmp_path / "exp"
+    assert export.main([f"run.dir={tmp_path / 'run'}", f"out={exp}"]) == 0
+    capsys.readouterr()
+    assert evaluate.main([f"run.dir={exp}", f"images.path={tmp_path / 'big'}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"nljax.evaluate: error: export {exp} was trained on data with images.shape=[4, 4, 3], this run's data give "
+        "images.shape=[8, 8, 3]")
+    d = evaluate.load(str(exp), overrides=[f"images.path={tmp_path / 'some'}"], devices=jax.devices()[:1]).run.task.data
+    assert d.classes == tuple(names) and sorted(set(d.eval_y.tolist())) == [1, 3]
     # a checkpoint saved before the record was kept is not checked
     contents.check_built(ck, {"config": {}}, {"images": {"shape": [8, 8, 3], "num_classes": 4}})
 

@@ -355,16 +355,17 @@ def data_tokenizer(meta: dict) -> dict | None:
     return tok if isinstance(tok, dict) and isinstance(tok.get("kind"), str) else None
 
 
-def check_tokenizer(path: Path, saved: dict | None, here: dict | None, what: str = "this run's data use") -> None:
-    """One line (ConfigError) when the checkpoint at `path`, trained on the token ids `saved`
-    (`data_tokenizer`), does not read them as `here` (this run's) does: its embedding rows would
-    stand for other text."""
+def check_tokenizer(path: Path, saved: dict | None, here: dict | None, what: str = "this run's data use",
+                    kind: str = "checkpoint") -> None:
+    """One line (ConfigError) when the checkpoint at `path` (or what `kind` says: an export),
+    trained on the token ids `saved` (`data_tokenizer`), does not read them as `here` (this run's)
+    does: its embedding rows would stand for other text."""
     if saved is not None and here is not None and saved != here:
-        raise ConfigError(f"checkpoint {path} was trained on {tokenization.describe(saved)}, {what} "
+        raise ConfigError(f"{kind} {path} was trained on {tokenization.describe(saved)}, {what} "
                           f"{tokenization.describe(here)}: its token ids would stand for other text")
 
 
-def check_built(path: Path, meta: dict, here: dict, then: str = "") -> None:
+def check_built(path: Path, meta: dict, here: dict, then: str = "", kind: str = "checkpoint") -> None:
     """One line (ConfigError) where the checkpoint at `path` was trained on data that built its
     model otherwise than this run's data build it (`here`: `registry.record` of this run's model):
     a DiT's parameters fit images of any size (its positions are computed, not learned), so a
@@ -373,7 +374,8 @@ def check_built(path: Path, meta: dict, here: dict, then: str = "") -> None:
     before `check_fits`: images of another channel count change the output layer's shape too, and
     the line names the images, not that parameter. An entry one side lacks is not compared: a
     checkpoint saved before the record (or the entry: a DiT's `classes`) was kept, data that do
-    not name their labels (an .npz's). `then`: added to the line (a resume's way out)."""
+    not name their labels (an .npz's). `then`: added to the line (a resume's way out). `kind`: what
+    `path` is, for the line (an export's `meta` is its config.json, its record under "built")."""
     saved = meta.get("built")
     if not isinstance(saved, dict):
         return
@@ -385,7 +387,7 @@ def check_built(path: Path, meta: dict, here: dict, then: str = "") -> None:
         line = _built_difference(key, there, mine)
         if key.endswith("num_classes") and names:  # which subfolders came or went: the user's terms
             line += _classes_apart(*names)
-        raise ConfigError(f"checkpoint {path} was trained on data with {line}{then}")
+        raise ConfigError(f"{kind} {path} was trained on data with {line}{then}")
 
 
 def _classes_apart(there: list[str], mine: list[str], most: int = 3) -> str:

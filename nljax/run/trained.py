@@ -86,6 +86,16 @@ def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: 
     tool can check its settings against the model first). `evaluates`: the run's rows
     (train.batch_size, which n must divide) and evaluation settings are kept, as its own
     evaluation read the held-out data (`nljax.evaluate`); else one row per device."""
+    placed = placed_settings(overrides, n, evaluates, "the checkpoint", " (checkpoint= chooses which one)")
+    checkpoint = checkpoint_path(run_dir, checkpoint, overrides)
+    cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", *placed])
+    return used_here(cfg, overrides, evaluates)
+
+
+def placed_settings(overrides: Sequence[str], n: int, evaluates: bool, what: str, which: str = "") -> list[str]:
+    """The settings that read the parameters onto n devices of this process, replicated (one row
+    per device unless `evaluates`: `config_of`), once `overrides` are checked not to set them
+    (`what` holds the parameters, `which` says how they are chosen: for the line)."""
     rows = [] if evaluates else [f"train.batch_size={n}"]
     placed = ["mesh.inter=1", f"mesh.intra={n}", "mesh.model=1", *rows, "train.accum_steps=1", "sync.strategy=replicated"]
     given = {o.partition("=")[0].strip() for o in overrides}
@@ -93,15 +103,21 @@ def config_of(run_dir: str | Path, checkpoint: str | int = "latest", overrides: 
     forced = {"checkpoint.resume", *(p.partition("=")[0] for p in placed)}
     # and the sections that hold them, given whole (mesh={model: 2}): merged in, as silently lost
     if clash := sorted(given & (forced | {k.partition(".")[0] for k in forced})):
-        raise ConfigError(f"{', '.join(k + '=' for k in clash)} cannot be overridden here: the checkpoint is read "
-                          "onto this process's devices, replicated (checkpoint= chooses which one)")
-    checkpoint = checkpoint_path(run_dir, checkpoint, overrides)
-    cfg = trained_config(run_dir, [*overrides, f"checkpoint.resume={checkpoint}", *placed])
+        raise ConfigError(f"{', '.join(k + '=' for k in clash)} cannot be overridden here: {what} is read onto "
+                          f"this process's devices, replicated{which}")
+    return placed
+
+
+def used_here(cfg: config.Config, overrides: Sequence[str], evaluates: bool, built: dict | None = None
+               ) -> config.Config:
+    """`cfg` (the run's, placed) as this machine computes it: the forms that run here, an image
+    folder of some of the run's classes labelled as the run's (`built`: what the run recorded of its
+    data; None: its newest checkpoint's record), no streaming evaluation unless `evaluates`."""
     # a run trained with GPU-only forms (cuDNN attention, the Pallas kernels) read on a CPU: the
     # forms that run here, unless the tool's overrides name them
-    cfg = for_this_backend(cfg, keep=given)
+    cfg = for_this_backend(cfg, keep={o.partition("=")[0].strip() for o in overrides})
     if registry.task_of(cfg) == "images":  # a folder of some of the run's classes: labelled as the run's
-        cfg = _in_the_runs_classes(cfg)
+        cfg = _in_the_runs_classes(cfg, built)
     if evaluates:
         return cfg
     # used, not evaluated: the held-out text need not fit a streaming evaluation over n rows (set
@@ -238,11 +254,12 @@ def _recorded(cfg: config.Config) -> dict | None:
     return None
 
 
-def _in_the_runs_classes(cfg: config.Config) -> config.Config:
+def _in_the_runs_classes(cfg: config.Config, built: dict | None = None) -> config.Config:
     """A folder holding some of the run's classes (a test set without one of them), labelled as
-    the run labelled them: `images.classes` set to the class names its checkpoint recorded. Its
-    labels were its own subfolders' places (sorted), refused as another class count. Any other
-    folder is left to the checks of the checkpoint's record (`check_built`)."""
+    the run labelled them: `images.classes` set to the class names its checkpoint recorded (or
+    `built`, an export's record). Its labels were its own subfolders' places (sorted), refused as
+    another class count. Any other folder is left to the checks of the checkpoint's record
+    (`check_built`)."""
     c = cfg.images
     if c.source != "file" or c.classes or not os.path.isdir(c.path):
         return cfg
@@ -250,7 +267,7 @@ def _in_the_runs_classes(cfg: config.Config) -> config.Config:
         mine = {p.name for p in Path(c.path).iterdir() if p.is_dir() and not p.name.startswith(".")}
     except OSError:  # said when the images are read
         return cfg
-    built = _recorded(cfg) or {}
+    built = (_recorded(cfg) if built is None else built) or {}
     theirs = built.get("images", {}).get("classes") if isinstance(built.get("images"), dict) else None
     if not (isinstance(theirs, list) and mine and mine < set(theirs)):
         return cfg
