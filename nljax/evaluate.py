@@ -143,15 +143,25 @@ def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str
         raise ConfigError(f"{run_dir} is an export (one set of parameters): checkpoint= and params= are for a run "
                           "directory")
     _check_data_kind(run_dir, overrides)
+    given = list(overrides)
     overrides = data_overrides(run_dir, overrides)
     rows = _saved_config(run_dir, overrides).train.batch_size
     devices = list(devices or jax.local_devices())
     n = max(d for d in range(1, len(devices) + 1) if rows % d == 0)
-    if export:
-        t = load_export(run_dir, overrides, devices[:n], announce=announce)
-    else:
-        t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True, announce=announce,
-                             params=params)
+    named = any(o.startswith(("data.", "images.")) for o in given)
+    try:
+        if export:
+            t = load_export(run_dir, overrides, devices[:n], announce=announce)
+        else:
+            t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True, announce=announce,
+                                 params=params)
+    except ConfigError as e:
+        if named or not str(e).startswith(("data.", "images.")):
+            raise
+        # the run's own held-out data, named by no one on this command line: gone since, or moved
+        other = "images.path=" if registry.task_of(_saved_config(run_dir)) == "images" else "data.eval="
+        raise ConfigError(f"{e} (the run's own held-out data, as its {'config.json' if export else 'config.yaml'} "
+                          f"names them: give {other} to score others)") from None
     if hasattr(t.run.task, "samples_dir"):  # an image task's evaluation draws no PNG into the run directory
         t.run.task.samples_dir = None
     return t

@@ -194,6 +194,13 @@ def test_a_tokenizer_runs_export_reads_with_its_own_copy(tmp_path, capsys):
     assert err == (f"nljax.evaluate: error: export {tmp_path / 'exp'} was trained on the tokenizer of sha256 "
                    f"{sha(tmp_path / 'gone.json')}, the data now use the tokenizer of sha256 {sha(other_tok)}: its "
                    "token ids would stand for other text"), err
+    # the run's text moved away, no data named: the line says what the export (and the run) read
+    (tmp_path / "text").rename(tmp_path / "moved")
+    for d, names in ((tmp_path / "exp", "config.json"), (run, "config.yaml")):
+        assert evaluate.main([f"run.dir={d}"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"nljax.evaluate: error: data.train: '{tmp_path}/text/*.txt' matches no file (the run's own held-out data, "
+            f"as its {names} names them: give data.eval= to score others)")
 
 
 def test_another_held_out_split_than_the_runs_is_warned_of(run_dir, other_text):
