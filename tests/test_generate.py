@@ -543,6 +543,13 @@ def test_checkpoint_steps_and_an_export_directory(tmp_path, capsys):
                                                        "params= and overrides are for a run directory"),
         (generate, [f"run.dir={out}", "model.dim=8"], "is an export (one set of parameters)"),
         (generate, [f"run.dir={out}", "samples=4"], "samples= is for a MeanFlow (model.name=dit) run's image grid"),
+        # a run's or an export's directory as checkpoint=: named by the key given (checkpoint.resume= was)
+        (generate, [f"run.dir={run}", f"checkpoint={run}"], f"nljax.generate: error: checkpoint={run} is a run "
+                                                            "directory, not a checkpoint: give the folder of its "
+                                                            f"checkpoints ({run / 'checkpoints'}: its newest)"),
+        (export, [f"run.dir={run}", f"checkpoint={out}", f"out={tmp_path / 'e2'}"],
+         f"nljax.export: error: checkpoint={out} is an export directory (nljax.export wrote it), not a checkpoint: "
+         f"give the checkpoint it was exported from ({run / 'checkpoints' / '0'})"),
     ):
         assert tool.main(argv) == 2
         err = capsys.readouterr().err.strip()

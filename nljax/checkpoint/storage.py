@@ -396,15 +396,27 @@ def candidates(cfg: Config) -> list[Path]:
     if (root / META).is_dir() or (root / STATE).is_dir():
         return [root]  # a step directory
     steps = complete_steps(root)
-    if not steps and cfg.checkpoint.resume != "latest" and is_export(root):  # as init_params says it
-        raise ConfigError(not_a_checkpoint(f"checkpoint.resume={cfg.checkpoint.resume}", root))
-    if not steps and cfg.checkpoint.resume != "latest" and (root / "config.yaml").is_file():
-        # a run directory (checkpoint.init_params takes one): "no complete checkpoint in DIR" misled
-        raise ConfigError(f"checkpoint.resume={cfg.checkpoint.resume} is a run directory, not a checkpoint: give the "
-                          f"folder of its checkpoints ({runs_checkpoints(root)}: its newest) or one step of them")
+    if not steps and cfg.checkpoint.resume != "latest":
+        if line := not_a_checkpoint_line(f"checkpoint.resume={cfg.checkpoint.resume}", root):
+            raise ConfigError(line)
     if not steps:
         raise ConfigError(f"no complete checkpoint in {root}")
     return [root / str(s) for s in reversed(steps)]
+
+
+def not_a_checkpoint_line(given: str, root: Path) -> str | None:
+    """The line refusing the directory `root`, given as `given` (`checkpoint.resume=DIR`, a tool's
+    `checkpoint=DIR`) where a checkpoint is read, when it holds none but is an export or a run
+    directory ("no complete checkpoint in DIR" misled: checkpoint.init_params takes a run
+    directory); None otherwise."""
+    if (root / META).is_dir() or (root / STATE).is_dir() or complete_steps(root):
+        return None
+    if is_export(root):  # as init_params says it
+        return not_a_checkpoint(given, root)
+    if (root / "config.yaml").is_file():
+        return (f"{given} is a run directory, not a checkpoint: give the folder of its checkpoints "
+                f"({runs_checkpoints(root)}: its newest) or one step of them")
+    return None
 
 
 def runs_checkpoints(run_dir: Path) -> Path:

@@ -147,6 +147,9 @@ def _check_names_a_checkpoint(text: str) -> None:
     FILE", neither saying a word was taken for a path)."""
     path = Path(text).absolute()
     if path.is_dir():
+        # a run's or an export's directory: said as such, named as given here (not checkpoint.resume=)
+        if line := storage.not_a_checkpoint_line(f"checkpoint={text}", path):
+            raise ConfigError(line)
         return
     said = "is a file" if path.exists() else f"is not latest, a step number or an existing path ({path} not found)"
     raise ConfigError(f"checkpoint={text} {said}: give latest (the default), a step number, a step directory "
