@@ -127,14 +127,17 @@ def test_a_killed_prepare_resumes_to_the_same_files(corpus, reference, tmp_path,
 
 
 @pytest.mark.parametrize("sig, code, said", [("SIGINT", 130, "interrupted (Ctrl-C)"),
-                                              ("SIGTERM", 143, "stopped (SIGTERM)")])
+                                              ("SIGTERM", 143, "stopped (SIGTERM)"),
+                                              ("SIGTERM:group", 143, "stopped (SIGTERM)")])
 def test_ctrl_c_or_sigterm_keeps_the_work_and_says_how_to_resume(corpus, reference, tmp_path, sig, code, said):
     """Ctrl-C, or SIGTERM (a batch job's time limit), stops the prepare in one line and the shell's
     128 + the signal, the work kept (SIGTERM ended the process with no word before); the same
-    command resumes, and the caller's SIGTERM handler is back after a prepare in its process."""
+    command resumes, and the caller's SIGTERM handler is back after a prepare in its process.
+    SIGTERM to the whole process group (SLURM's time limit, `kill -- -PGID`) reaches the workers
+    too: the workers dying of it is not said as a worker killed ("run again"), the stop is."""
     out = tmp_path / "prep"
     p = cli("nljax.prepare", *corpus["args"], "prepare.workers=2", f"out={out}", check=False,
-            env={prepared.TEST_KILL_AFTER: f"4:{sig}"})
+            env={prepared.TEST_KILL_AFTER: f"4:{sig}"}, start_new_session=True)
     assert p.returncode == code, p.stderr
     assert p.stderr.strip() == f"nljax.prepare: {said}: the same command resumes where it stopped"
     assert json.loads((work(out) / "progress.json").read_text())["chunks"] >= 4

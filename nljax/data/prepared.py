@@ -311,7 +311,9 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
     if note:
         print(f"nljax.prepare: {note}", flush=True)
     workers = 0 if isinstance(tok, tokenization.Bytes) else workers  # bytes: a copy, no worth a process
-    kill_after, _, how = os.environ.get(TEST_KILL_AFTER, "0").partition(":")  # "N" or "N:SIGINT"
+    # "N", "N:SIGINT" or "N:SIGTERM:group" (to this process's group: its workers too, as a batch job's end)
+    kill_after, _, how = os.environ.get(TEST_KILL_AFTER, "0").partition(":")
+    how, _, whom = how.partition(":")
     kill_after, how = int(kill_after) if kill_after.isdigit() else 0, getattr(signal, how or "SIGKILL")
     tokens = lambda: sum(s.tokens for s in sinks.values())
     docs = lambda: sum(s.documents for s in sinks.values())
@@ -335,7 +337,10 @@ def _tokenize_into(work: workdir.WorkDir, d: DataConfig, tok, sources: tuple, dt
             if done == kill_after:  # the tests' stand-in for a kill (or Ctrl-C) at an arbitrary point
                 if how == signal.SIGINT:  # Python's handler, even where the test's shell ignores SIGINT (a
                     signal.signal(signal.SIGINT, signal.default_int_handler)  # background job): as at a terminal
-                os.kill(os.getpid(), how)
+                if whom == "group" and os.getpgid(0) == os.getpid():  # a group of its own: not the test's
+                    os.killpg(os.getpid(), how)
+                else:
+                    os.kill(os.getpid(), how)
         seen = _fill(d, tok, sources, sinks, dtype, workers, chunk_bytes, start, on_chunk)
     return _manifest(d, tok, sources, sinks, seen)
 
