@@ -352,6 +352,41 @@ def test_a_set_of_one_window_is_the_shortest_taken(tmp_path):
                 evalsets.load(d, 8)
 
 
+def test_a_prepared_directory_is_a_set_of_its_held_out_split(texts, tokenizer, tmp_path):
+    """A set may be a directory nljax.prepare wrote: its held-out split (memory-mapped; train.bin
+    never opened) is the set, the same tokens, document ends, bits per byte and digest as the
+    same text given as files; prepared with other token ids than the run's, damaged, or too
+    short, it is one line naming the set."""
+    from nljax.data import prepared
+
+    prep = tmp_path / "prep"
+    prepared.build(config.load(None, ["data.source=files", f"data.train={texts}/train/*.jsonl",
+                                      f"data.eval={texts}/other/*.jsonl", f"data.tokenizer={tokenizer}"]).data, prep)
+    (prep / "train.bin").unlink()  # an evaluation's reading: not opened
+    sets = lambda *extra: evalsets.load(config.load(None, [
+        "data.source=files", f"data.train={texts}/train/*.jsonl", *extra,
+        f"data.eval_sets=[files={texts}/other/*.jsonl, ready={prep}]"]).data, 8)
+    files, ready = sets(f"data.tokenizer={tokenizer}")
+    assert ready.name == "ready" and len(ready.tokens) > 9 and ready.tokens.tolist() == files.tokens.tolist()
+    assert ready.ends.tolist() == files.ends.tolist() and ready.tokens_per_byte == files.tokens_per_byte < 1
+    assert ready.digest == files.digest
+    with pytest.raises(config.ConfigError) as e:  # the run reads bytes
+        sets()
+    sha = prepared.read_manifest(prep)["tokenizer"]["sha256"][:12]
+    assert str(e.value) == (f"data.eval_sets ready: {prep} was prepared with the tokenizer of sha256 {sha}, the run's "
+                            "text is byte tokens: its token ids would stand for other text")
+    with pytest.raises(config.ConfigError) as e:
+        evalsets.load(config.load(None, [f"data.tokenizer={tokenizer}", "data.source=files",
+                                         f"data.train={texts}/train/*.jsonl", f"data.eval_sets=[ready={prep}]"]).data,
+                      len(ready.tokens))
+    assert str(e.value) == (f"data.eval_sets ready: {len(ready.tokens)} tokens in the held-out split of {prep}, shorter "
+                            f"than train.seq_len+1={len(ready.tokens) + 1}: prepare it with a larger data.eval_fraction")
+    (prep / "eval.bin").unlink()
+    with pytest.raises(config.ConfigError) as e:
+        sets(f"data.tokenizer={tokenizer}")
+    assert str(e.value) == f"data.eval_sets ready: {prep}: eval.bin is missing (deleted or moved since): prepare again"
+
+
 def test_a_sets_digest_covers_its_document_starts():
     """Two sets of the same token ids cut into documents otherwise (a tokenization without an
     end token: one file or two) are scored otherwise (each document starts from a fresh memory):

@@ -224,18 +224,17 @@ def test_a_jsonl_line_without_its_text_names_its_fields_up_to_eight():
     assert _what_is_there({}, "text") == "its fields: none"
 
 
-def test_prepared_data_given_as_a_held_out_set_is_refused_without_data_prepared(tmp_path):
-    """A data.eval_sets set is text: nljax.prepare's output there is refused, and not offered as
-    data.prepared (data.train's refusal offers it)."""
+def test_prepared_data_given_as_text_is_offered_as_data_prepared(tmp_path):
+    """nljax.prepare's output where text files are read is refused, and offered as data.prepared
+    (a data.eval_sets set reads it: tests/test_eval_sets.py)."""
     from nljax.data import documents
 
     (tmp_path / "prep").mkdir()
     (tmp_path / "prep" / "manifest.json").write_text(json.dumps({"format": prepared.FORMAT}))
     prep = str(tmp_path / "prep")
-    for key, more in (("data.train", f": give it as data.prepared={prep}"), ("data.eval_sets held", "")):
-        with pytest.raises(config.ConfigError) as e:
-            documents.expand([prep], key)
-        assert str(e.value) == f"{key}: {prep} holds data nljax.prepare wrote, not text{more}"
+    with pytest.raises(config.ConfigError) as e:
+        documents.expand([prep], "data.train")
+    assert str(e.value) == f"data.train: {prep} holds data nljax.prepare wrote, not text: give it as data.prepared={prep}"
 
 
 def test_a_glob_matching_a_link_to_nothing_or_a_pipe_is_refused(tmp_path):

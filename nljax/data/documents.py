@@ -159,9 +159,9 @@ def saved_shards(folder: Path, pattern: str, key: str) -> list[Path]:
         raise ConfigError(f"{key}: {pattern} holds the splits of a DatasetDict ({', '.join(splits) or 'none'}): give "
                           f"one, such as {inside}/{_example(splits, key)}")
     if not _saved(folder):
-        if is_prepared(folder):  # nljax.prepare's output: offered the glob of text files it does not hold
-            instead = "" if " " in key else f": give it as data.prepared={inside}"  # (a data.eval_sets set: text)
-            raise ConfigError(f"{key}: {pattern} holds data nljax.prepare wrote, not text{instead}")
+        if is_prepared(folder):  # nljax.prepare's output (a data.eval_sets set reads it: data/evalsets.py)
+            raise ConfigError(f"{key}: {pattern} holds data nljax.prepare wrote, not text: give it as "
+                              f"data.prepared={inside}")
         # the glob of what it holds: Spark and Dask write a Parquet "file" as a folder of part files
         held = sorted({s for p in folder.iterdir() for s in SUFFIXES if p.name.endswith(s) and p.is_file()},
                       key=SUFFIXES.index)

@@ -4,7 +4,8 @@ held-out text (nljax/run/tasks.py), as Levanter's trainer scores several evaluat
 Each set is `name=glob`: files in any form data.eval reads (.txt, .jsonl, Parquet, Arrow,
 save_to_disk folders: data/documents.py), every document held out, tokenized once at start-up by
 the run's own tokenization (bytes, data.tokenizer, or data.prepared's copy: the ids the model was
-trained on) into memory, as data.eval's files are. The source of the run's own text does not
+trained on) into memory, as data.eval's files are; or a directory nljax.prepare wrote, whose
+held-out split (memory-mapped) is the set, its token ids checked to be the run's. The source of the run's own text does not
 matter: a run on the standard library or the recall probe reads its sets as bytes.
 
 Each set has a content digest (`EvalSet.digest`: its token ids, document ends, byte count and the
@@ -23,10 +24,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
+from pathlib import Path
 
 import numpy as np
 
-from nljax.data import documents, prepared
+from nljax.data import documents, prepared, tokenization
+from nljax.data.outdir import is_prepared
 from nljax.data.settings import DataConfig, eval_sets
 from nljax.errors import ConfigError
 
@@ -54,22 +58,41 @@ def load(d: DataConfig, seq_len: int) -> list[EvalSet]:
     info = json.dumps(tok.info(), sort_keys=True)
     out, kept = [], {}
     for name, pattern in named:
-        files = documents.expand([pattern], f"data.eval_sets {name}")
-        stats = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+        folder = Path(os.path.expanduser(pattern))
+        ready = folder.is_dir() and is_prepared(folder)  # nljax.prepare's output: its held-out split
+        files = sorted(folder.iterdir()) if ready else documents.expand([pattern], f"data.eval_sets {name}")
+        stats = tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in files if p.is_file())
         key = (name, pattern, d.text_key, info, stats)
         s = _CACHE.get(key)
         if s is None:
-            split, rec = prepared.tokenized(d, files, tok)
+            split, rec = _prepared(name, folder, tok) if ready else prepared.tokenized(d, files, tok)
             s = EvalSet(name, split.tokens, split.ends, rec["tokens"] / max(rec["bytes"], 1),
                         content_digest(rec, tok.info()))
         if len(s.tokens) < seq_len + 1:  # not one window to score
-            raise ConfigError(f"data.eval_sets {name}: {len(s.tokens)} tokens in {len(files)} file(s) ({pattern}), "
-                              f"shorter than train.seq_len+1={seq_len + 1}: give more text")
+            what = (f"in the held-out split of {pattern}, shorter than train.seq_len+1={seq_len + 1}: prepare it "
+                    "with a larger data.eval_fraction" if ready else
+                    f"in {len(files)} file(s) ({pattern}), shorter than train.seq_len+1={seq_len + 1}: give more text")
+            raise ConfigError(f"data.eval_sets {name}: {len(s.tokens)} tokens {what}")
         kept[key] = s
         out.append(s)
     _CACHE.clear()  # the sets of one run at a time
     _CACHE.update(kept)
     return out
+
+
+def _prepared(name: str, folder: Path, tok) -> tuple[prepared.Split, dict]:
+    """The held-out split of the prepared directory `folder` (memory-mapped, checked as a run
+    checks it; train.bin is not opened) and its record, whose token ids must be the run's."""
+    try:
+        c = prepared.load(folder, ("eval",))
+    except ConfigError as e:  # its line names data.prepared=, which this set is not
+        raise ConfigError(f"data.eval_sets {name}: {str(e).replace(f'data.prepared={folder}: ', f'{folder}: ')}") \
+            from None
+    theirs, mine = tokenization.identity(c.manifest["tokenizer"]), tokenization.identity(tok.info())
+    if theirs != mine:
+        raise ConfigError(f"data.eval_sets {name}: {folder} was prepared with {tokenization.describe(theirs)}, the "
+                          f"run's text is {tokenization.describe(mine)}: its token ids would stand for other text")
+    return c.eval, c.manifest["eval"]
 
 
 def content_digest(rec: dict, tokenizer: dict) -> str:

@@ -67,7 +67,8 @@ class DataConfig:
     # held-out text only, which nljax.evaluate scores a checkpoint on (a training run refuses it)
     eval: tuple[str, ...] = ()
     # named held-out sets, each `name=glob`: [wiki=data/wiki/*.jsonl,code=src/*.txt] (a name:
-    # letters, digits, _; the glob: files as data.eval reads them), tokenized once at start-up as
+    # letters, digits, _; the glob: files as data.eval reads them, or a directory nljax.prepare
+    # wrote, whose held-out split is the set), tokenized once at start-up as
     # the run's text is, scored at every evaluation as the main held-out text is and logged as
     # eval_loss/<name>, eval_bpb/<name>, ... (docs/guides/evaluation.md). Any text data.source. Each
     # set's content digest is compared across processes at start-up and warned of on resume when it changed;
