@@ -5,8 +5,9 @@ Each set is `name=glob`: files in any form data.eval reads (.txt, .jsonl, Parque
 save_to_disk folders: data/documents.py), every document held out, tokenized once at start-up by
 the run's own tokenization (bytes, data.tokenizer, or data.prepared's copy: the ids the model was
 trained on) into memory, as data.eval's files are; or a directory nljax.prepare wrote, whose
-held-out split (memory-mapped) is the set, its token ids checked to be the run's. The source of the run's own text does not
-matter: a run on the standard library or the recall probe reads its sets as bytes.
+held-out split (memory-mapped) is the set, its token ids checked to be the run's. The source of
+the run's own text does not matter: a run on the standard library or the recall probe reads its
+sets as bytes.
 
 Each set has a content digest (`EvalSet.digest`: its token ids, document ends, byte count and the
 tokenization), as the run's data has (`Task.fingerprint`): the processes of a run compare it at
