@@ -379,8 +379,9 @@ def test_a_prepared_directory_is_a_set_of_its_held_out_split(texts, tokenizer, t
         evalsets.load(config.load(None, [f"data.tokenizer={tokenizer}", "data.source=files",
                                          f"data.train={texts}/train/*.jsonl", f"data.eval_sets=[ready={prep}]"]).data,
                       len(ready.tokens))
-    assert str(e.value) == (f"data.eval_sets ready: {len(ready.tokens)} tokens in the held-out split of {prep}, shorter "
-                            f"than train.seq_len+1={len(ready.tokens) + 1}: prepare it with a larger data.eval_fraction")
+    assert str(e.value) == (f"data.eval_sets ready: {len(ready.tokens)} tokens in the held-out split of {prep}, "
+                            f"shorter than train.seq_len+1={len(ready.tokens) + 1}: prepare it with a larger "
+                            "data.eval_fraction")
     (prep / "eval.bin").unlink()
     with pytest.raises(config.ConfigError) as e:
         sets(f"data.tokenizer={tokenizer}")

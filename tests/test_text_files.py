@@ -234,7 +234,8 @@ def test_prepared_data_given_as_text_is_offered_as_data_prepared(tmp_path):
     prep = str(tmp_path / "prep")
     with pytest.raises(config.ConfigError) as e:
         documents.expand([prep], "data.train")
-    assert str(e.value) == f"data.train: {prep} holds data nljax.prepare wrote, not text: give it as data.prepared={prep}"
+    assert str(e.value) == (f"data.train: {prep} holds data nljax.prepare wrote, not text: give it as "
+                            f"data.prepared={prep}")
 
 
 def test_a_glob_matching_a_link_to_nothing_or_a_pipe_is_refused(tmp_path):
