@@ -4,6 +4,9 @@
                             [data.tokenizer=tokenizer.json [data.doc_end_token=TOKEN]]
                             [prepare.workers=N] out=DIR [overwrite=true]
 
+data.eval alone (no data.train) prepares held-out text only: a held-out set to score
+(data.eval_sets=[NAME=DIR], nljax.evaluate data.prepared=DIR), which no run trains on.
+
 reads and tokenizes the files (.txt, .jsonl, .gz, Parquet, Arrow, save_to_disk folders:
 nljax/data/documents.py) in chunks, with `prepare.workers` processes (nljax/data/chunks.py), and
 writes DIR: each split's tokens as a file to memory-map, its document starts, a copy of the
@@ -80,8 +83,9 @@ def main(argv=None) -> int:
 def _prepare(config_file: list[str] | None, settings: list[str]) -> int:
     out, overwrite, overrides = parse(settings)
     cfg = config.load(config_file, ["data.source=files", *overrides])
-    if not cfg.data.train:
-        raise ConfigError("data.train is required: the paths or globs of the text to prepare")
+    if not cfg.data.train and not cfg.data.eval:
+        raise ConfigError("data.train is required: the paths or globs of the text to prepare (or data.eval alone: "
+                          "held-out text only, a held-out set)")
     # one config file for both steps: its data.prepared is where the data go, unless out= says
     out = out or (Path(os.path.expanduser(cfg.data.prepared)) if cfg.data.prepared else None)
     if out is None:
@@ -93,7 +97,11 @@ def _prepare(config_file: list[str] | None, settings: list[str]) -> int:
         print(f"nljax.prepare: error: {e}", file=sys.stderr)
         return 1
     print(f"nljax.prepare: wrote {out}: {describe(c)}")
-    print(f"nljax.prepare: train with data.source=files data.prepared={out}")
+    if not cfg.data.train:  # held-out text alone
+        print(f"nljax.prepare: score it beside a run's held-out text with data.eval_sets=[NAME={out}], or alone with "
+              f"python -m nljax.evaluate run.dir=RUN data.prepared={out}")
+    else:
+        print(f"nljax.prepare: train with data.source=files data.prepared={out}")
     return 0
 
 

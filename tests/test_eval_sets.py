@@ -360,9 +360,9 @@ def test_a_prepared_directory_is_a_set_of_its_held_out_split(texts, tokenizer, t
     from nljax.data import prepared
 
     prep = tmp_path / "prep"
-    prepared.build(config.load(None, ["data.source=files", f"data.train={texts}/train/*.jsonl",
-                                      f"data.eval={texts}/other/*.jsonl", f"data.tokenizer={tokenizer}"]).data, prep)
-    (prep / "train.bin").unlink()  # an evaluation's reading: not opened
+    prepared.build(config.load(None, ["data.source=files", f"data.eval={texts}/other/*.jsonl",  # held-out alone
+                                      f"data.tokenizer={tokenizer}"]).data, prep)
+    (prep / "train.bin").unlink()  # an evaluation's reading: not opened (empty here)
     sets = lambda *extra: evalsets.load(config.load(None, [
         "data.source=files", f"data.train={texts}/train/*.jsonl", *extra,
         f"data.eval_sets=[files={texts}/other/*.jsonl, ready={prep}]"]).data, 8)

@@ -375,17 +375,36 @@ def test_a_prepared_run_is_scored_from_its_held_out_split_alone(tmp_path, capsys
     assert also["eval_loss"] == result["eval_loss"]
 
 
-def test_held_out_files_alone_train_nothing(other_text, tmp_path):
-    """data.eval alone is held-out text only: every document scored, refused by a run that trains
-    and by nljax.prepare."""
+def test_held_out_files_alone_train_nothing(other_text, run_dir, tmp_path, capsys):
+    """data.eval alone is held-out text only: every document scored, refused by a run that trains;
+    nljax.prepare makes of it a directory of held-out text only (an empty training split), which
+    nljax.evaluate scores as it scores the files, and a run refuses to train on."""
+    from nljax.prepare import main as prepare_main
+
     cfg = config.load(None, [*TINY, "data.source=files", f"data.eval={other_text}/*.txt"])
     c = prepared.corpus(cfg.data)
     assert c.eval.tokens.tobytes() == b"".join(p.read_bytes() + b"\0" for p in sorted(other_text.glob("*.txt")))
     with pytest.raises(ConfigError, match=r"data.eval alone is held-out text only \(for nljax.evaluate\): training "
                                           r"needs data.train"):
         Run.create(cfg)
-    with pytest.raises(ConfigError, match="preparing needs data.train"):
-        prepared.build(cfg.data, tmp_path / "prep")
+    with pytest.raises(ConfigError, match="preparing needs data.train"):  # in memory: nowhere to keep it
+        prepared.build(cfg.data)
+    prep = tmp_path / "prep"
+    capsys.readouterr()
+    assert prepare_main([f"data.eval={other_text}/*.txt", f"out={prep}"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        f"nljax.prepare: score it beside a run's held-out text with data.eval_sets=[NAME={prep}], or alone with "
+        f"python -m nljax.evaluate run.dir=RUN data.prepared={prep}")
+    ready = prepared.load(prep)
+    assert len(ready.train.tokens) == 0 and ready.eval.tokens.tolist() == c.eval.tokens.tolist()
+    assert ready.eval.starts.tolist() == c.eval.starts.tolist()
+    args = ["eval.batches=0"]
+    files = evaluate.scores(evaluate.load(str(run_dir), overrides=[*args, f"data.eval={other_text}/*.txt"]))
+    assert evaluate.scores(evaluate.load(str(run_dir), overrides=[*args, f"data.prepared={prep}"])) == files
+    with pytest.raises(ConfigError) as e:
+        Run.create(config.load(None, [*TINY, "data.source=files", f"data.prepared={prep}"]))
+    assert str(e.value) == (f"data.prepared={prep} holds held-out text only (prepared from data.eval alone): nothing "
+                            f"to train on; score it as a held-out set, data.eval_sets=[NAME={prep}]")
 
 
 def test_an_image_model_reports_its_tasks_evaluation(tmp_path):

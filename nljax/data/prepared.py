@@ -96,7 +96,7 @@ def settings_record(d: DataConfig) -> dict:
 
 
 def _sources(d: DataConfig) -> tuple[list[Path], list[Path]]:
-    train = documents.expand(d.train, "data.train")
+    train = documents.expand(d.train, "data.train") if d.train else []  # none: held-out text only
     held = documents.expand(d.eval, "data.eval") if d.eval else []
     trained = {p.resolve() for p in train}
     both = [p for p in held if p.resolve() in trained]
@@ -134,7 +134,7 @@ def _fill(d: DataConfig, tok, sources: tuple, sinks: dict, dtype: np.dtype, work
 def _manifest(d: DataConfig, tok, sources: tuple, sinks: dict, seen: int) -> dict:
     """The manifest of the filled sinks, or the line saying why there is none."""
     train_files, eval_files = sources
-    if not sinks["train"].tokens:
+    if not sinks["train"].tokens and train_files:  # no data.train: held-out text alone
         raise ConfigError(f"data.train: no text in {len(train_files)} file(s) (every document empty)")
     if not sinks["eval"].tokens:
         every = round(1 / d.eval_fraction)  # as _fill splits
@@ -169,7 +169,7 @@ def build(d: DataConfig, out: Path | None = None, overwrite: bool = False, worke
     """The corpus of data.train / data.eval, tokenized into memory, or into `out` and read back.
     Into `out`: by `workers` processes (0: this one), resumed where an interrupted prepare into
     `out` stopped (data/workdir.py); the files are the same whatever the workers and interruptions."""
-    if not d.train:  # data.eval alone: `held_out`, in memory
+    if not d.train and (out is None or not d.eval):  # data.eval alone in memory: `held_out`
         raise ConfigError("data.eval alone is held-out text only (for nljax.evaluate): preparing needs data.train")
     tok = tokenization.load(d.tokenizer, d.doc_end_token)
     sources = _sources(d)
@@ -523,7 +523,9 @@ def _open_split(path: Path, manifest: dict, name: str) -> Split:
     if hashlib.sha256(np.asarray(starts, np.int64).tobytes()).hexdigest() != rec["docs_sha256"]:
         raise ConfigError(f"data.prepared={path}: {rec['docs_file']} is not the file prepared (its sha256 differs "
                           "from the manifest's): prepare again")
-    return Split(np.memmap(file, dtype=dtype, mode="r", shape=(n,)), starts.astype(np.int64))
+    # an empty split (the training split of held-out text prepared alone) has no file to map
+    tokens = np.memmap(file, dtype=dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+    return Split(tokens, starts.astype(np.int64))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,6 +562,10 @@ def corpus(d: DataConfig, evaluates: bool = False) -> Corpus:
         if d.prepared:
             c = load(prepared_dir, ("eval",) if evaluates else SPLITS)
             _check_settings(c.manifest, d)
+            if not evaluates and not c.manifest["train"]["tokens"]:
+                raise ConfigError(f"data.prepared={d.prepared} holds held-out text only (prepared from data.eval "
+                                  f"alone): nothing to train on; score it as a held-out set, data.eval_sets=[NAME="
+                                  f"{d.prepared}]")
         else:
             c = build(d) if d.train else held_out(d)
         _CACHE.clear()  # one corpus at a time: a memmap or an in-memory copy of the whole text
