@@ -56,6 +56,13 @@ elif mode in ("boot", "report", "report-int"):
         os.kill(os.getpid(), signal.SIGINT if mode == "report-int" else signal.SIGTERM)
         return orig(*a, **k)
     setattr(trainer, name, noticed)
+elif mode == "compile-int":  # Ctrl-C as the step loop compiles its first step (at once: no step done)
+    from nljax.engine import executables
+    orig = executables.compile_step
+    def compiling(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return orig(*a, **k)
+    executables.compile_step = compiling
 else:
     from nljax.runtime import rundir
     log = rundir.RunDir.log
@@ -375,6 +382,13 @@ def test_ctrl_c_saves_the_step_and_a_second_one_stops_at_once(tmp_path):
     p = nljax_train(*base, f"run.dir={tmp_path / 'unsaved'}", "checkpoint.every=0", killer=["int", "3", str(ck)])
     assert p.returncode == 130 and p.stderr.strip().splitlines()[-1] == \
         "nljax.train: interrupted (Ctrl-C): stopped after step 2, nothing saved (checkpoint.every=0)", p.stderr
+    # Ctrl-C while the loop compiles its first step (a minute on a CPU, several on a GPU): no step
+    # of this process is done, nothing to save, so it stops at once (it waited for the compilation
+    # and the step, then saved that step)
+    fresh = tmp_path / "fresh"
+    p = nljax_train(*base, f"run.dir={fresh}", killer=["compile-int", "0", str(ck)])
+    assert p.returncode == 130 and p.stderr.strip().splitlines() == ["nljax.train: interrupted (Ctrl-C)"], p.stderr
+    assert not (fresh / "checkpoints").exists() or not storage.complete_steps(fresh / "checkpoints")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -269,11 +269,14 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
         preempted = notice.stop_after(step)  # asked at every step, on every process
         return preempted or hist.target_met is not None
 
-    notice.in_loop = notice.looped = True
+    # Ctrl-C is a notice once a step of this process is done: before, as the first step compiles (a
+    # minute on a CPU, several on a GPU), there is nothing to save, and it stops at once
+    notice.looped = True
     try:
         r = None
         for r in training_steps(run, state, conductor, reset_first, keep, stop):
             state = r.state if r.state is not None else state  # None: dispatched ahead, donated
+            notice.in_loop = True
             _after_step(r, run, hist, hooks, out)
             if meets_target(r.evaluated, target):  # the loop stops after this step (`stop`)
                 hist.target_met = r.step + 1, r.evaluated

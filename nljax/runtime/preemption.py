@@ -123,9 +123,10 @@ def _say(line: bytes) -> None:
 class Notice:
     """Whether a preemption notice asks the run to stop after the current step. A context
     manager: the single-process handlers live while it is open (the whole run: `trainer.train`).
-    One process takes Ctrl-C (SIGINT) inside the step loop (`in_loop`) as a notice too, the way a
-    user at a terminal means it: the step finishes and is saved; a second Ctrl-C, or one outside
-    the loop (a compilation), stops at once (KeyboardInterrupt: one line, nothing saved). Under
+    One process takes Ctrl-C (SIGINT) inside the step loop once a step is done (`in_loop`) as a
+    notice too, the way a user at a terminal means it: the step finishes and is saved; a second
+    Ctrl-C, or one before (the start-up, the first step's compilation: nothing to save), stops at
+    once (KeyboardInterrupt: one line, nothing saved). Under
     the launcher a Ctrl-C reaches the launcher, which sends every process SIGTERM."""
 
     # A SIGTERM this soon after the notice is the same notice: a scheduler that signals every
@@ -139,7 +140,7 @@ class Notice:
     def __init__(self):
         self.received = 0  # the signal of the notice, 0: none
         self.received_at = 0.0  # time.monotonic() of the notice
-        self.in_loop = False  # set by the training loop while it steps
+        self.in_loop = False  # set by the training loop while it steps, once a step is done
         self.looped = False  # set by the training loop as it starts: the start-up is over
         self._old: dict = {}
         self._stop: BaseException | None = None  # decided by the reader, raised in the main thread
