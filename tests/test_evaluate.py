@@ -57,6 +57,18 @@ def bpe_tokenizer(texts, path):
     return path
 
 
+def text_and_tokenizer(root, docs: int, seed: int):
+    """`docs` documents of 60 words in root/text/doc<i>.txt, and a BPE tokenizer trained on them
+    (root/tok.json): (their texts, its path)."""
+    words = "the a memory level stream token window model learns reads writes data file of and to".split()
+    rng = np.random.default_rng(seed)
+    texts = [" ".join(rng.choice(words, 60)) + "." for _ in range(docs)]
+    (root / "text").mkdir()
+    for i, text in enumerate(texts):
+        (root / "text" / f"doc{i}.txt").write_text(text)
+    return texts, bpe_tokenizer(texts, root / "tok.json")
+
+
 def result_of(argv, capsys) -> tuple[dict, dict]:
     """(the out= JSON, the metrics printed) of `nljax.evaluate argv` in this process."""
     capsys.readouterr()
@@ -166,13 +178,7 @@ def test_a_tokenizer_runs_export_reads_with_its_own_copy(tmp_path, capsys):
     """An export of a run on data.tokenizer's files scores that run's held-out text with the
     export's copy of the tokenizer (the run's file since deleted) as the run scored it, other files
     too; data of another tokenizer is one line naming the export."""
-    words = "the a memory level stream token window model learns reads writes data file of and to".split()
-    rng = np.random.default_rng(1)
-    texts = [" ".join(rng.choice(words, 60)) + "." for _ in range(6)]
-    (tmp_path / "text").mkdir()
-    for i, text in enumerate(texts):
-        (tmp_path / "text" / f"doc{i}.txt").write_text(text)
-    tok = bpe_tokenizer(texts, tmp_path / "tok.json")
+    texts, tok = text_and_tokenizer(tmp_path, 6, seed=1)
     run = tmp_path / "run"
     train(config.load(None, [*TINY, *QUICK, "cms.periods=[1]", "train.steps=1", "eval.batches=1", "run.quiet=true",
                              f"run.dir={run}", "data.source=files", f"data.train={tmp_path}/text/*.txt",
@@ -326,13 +332,7 @@ def test_a_prepared_run_is_scored_from_its_held_out_split_alone(tmp_path, capsys
     """A run on a data.prepared directory (with a tokenizer) is scored from the manifest, the
     tokenizer copy and eval.bin: train.bin is neither opened nor hashed (some 25 s per 10B
     tokens), and may be gone; the numbers and the data record are the run's own."""
-    words = "the a memory level stream token window model learns reads writes data file of and to".split()
-    rng = np.random.default_rng(0)
-    texts = [" ".join(rng.choice(words, 60)) + "." for _ in range(8)]
-    (tmp_path / "text").mkdir()
-    for i, text in enumerate(texts):
-        (tmp_path / "text" / f"doc{i}.txt").write_text(text)
-    tok = bpe_tokenizer(texts, tmp_path / "tok.json")
+    texts, tok = text_and_tokenizer(tmp_path, 8, seed=0)
     prep = tmp_path / "prep"
     prepared.build(config.load(None, ["data.source=files", f"data.train={tmp_path}/text/*.txt", f"data.tokenizer={tok}",
                                       "data.eval_fraction=0.5"]).data, prep)
