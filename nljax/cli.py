@@ -250,6 +250,17 @@ def traceback_if_asked(e: config.ConfigError) -> None:
         traceback.print_exception(e, file=sys.stderr)
 
 
+def one_process(prog: str) -> None:
+    """A one-process tool started as one of several (`nljax.launch --nproc 2 -- python -m
+    nljax.evaluate ...`) is refused: it does not join them, so each copy ran the whole job alone,
+    printing its result once per process and writing the same files at once (two `nljax.prepare`
+    into one directory). The line is the same on every process: the launcher shows it once."""
+    n = os.environ.get(distributed.ENV_NUM_PROCESSES, "")
+    if n.isdigit() and int(n) > 1:
+        raise config.ConfigError(f"{prog} runs as one process, but {distributed.ENV_NUM_PROCESSES}={n} makes this one "
+                                 f"of {n} (nljax.launch sets it): run it once, without nljax.launch")
+
+
 def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] = lambda: None,
          after_ctrl_c: str = "") -> int:
     """`body()`'s exit code for a one-process tool (generate, export, lm_eval, prepare), a user's
@@ -257,6 +268,7 @@ def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] 
     OSError (a full disk, a closed standard output, permissions) or JAX failing to start its
     backend (1); `after_os_error` then tidies up."""
     try:
+        one_process(prog)
         return body()
     except config.ConfigError as e:
         traceback_if_asked(e)

@@ -231,3 +231,24 @@ def test_the_same_refusal_from_every_process_is_shown_once():
     assert p.returncode == 2, p.stderr
     assert sum("unknown config key: bogus" in l for l in p.stdout.splitlines()) == 1, p.stdout
     assert sum(" only" in l for l in p.stderr.splitlines()) == 3, p.stderr
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "generate", "export", "prepare", "lm_eval"])
+def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypatch, capsys, tmp_path):
+    """`nljax.launch --nproc 2 -- python -m nljax.evaluate ...`: the tools do not join the
+    processes, so each copy ran the whole job alone (its result printed once per process, the same
+    files written at once). One line, the same on every process (the launcher shows it once), exit 2,
+    nothing read or written."""
+    import importlib
+
+    monkeypatch.setenv("NLJAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("NLJAX_PROCESS_ID", "1")
+    main = importlib.import_module(f"nljax.{tool}").main
+    assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) == 2
+    assert capsys.readouterr().err == (f"nljax.{tool}: error: nljax.{tool} runs as one process, but "
+                                       "NLJAX_NUM_PROCESSES=2 makes this one of 2 (nljax.launch sets it): run it "
+                                       "once, without nljax.launch\n")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("NLJAX_NUM_PROCESSES", "1")  # one process: the tool's own answer (no such run)
+    assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) != 0
+    assert "runs as one process" not in capsys.readouterr().err
