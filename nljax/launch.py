@@ -114,7 +114,9 @@ def _parent_death_signal():
 # What a worker's native libraries print that says nothing to a user: gloo's note, one per
 # process and peer group, that its connections are up ("[Gloo] Rank 0 is connected to 1 peer
 # ranks. Expected number of connected peer ranks is : 1"), written to fd 1 behind Python's back.
-NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# A process's two devices' notes, printed at once, interleave: "[Gloo] Rank [Gloo] Rank 1 is
+# connected to ...", then a line "0 is connected to ..." with the first one's rest.
+NOISE = re.compile(r"^(\[Gloo\] Rank )*\d+ is connected to \d+ peer ranks")
 # An nljax command's one-line refusal (a bad override, say): every process reads the same config
 # and refuses it alike, so the user is shown it once, not once per process.
 REFUSAL = re.compile(r"^nljax\.\w+: error: ")

@@ -82,14 +82,16 @@ def test_a_small_corpus_trains_with_the_default_evaluation(tmp_path, monkeypatch
 
 def test_launch_keeps_gloo_connection_lines_out_of_the_output():
     """gloo's "[Gloo] Rank x is connected to 1 peer ranks" (written by workers' native code, 24 of
-    them in a CPU run) are dropped; every other line of the workers passes, prefixed."""
+    them in a CPU run) are dropped, two of them interleaved too (a process's two devices' notes, as a
+    2 x 2 launch printed them); every other line of the workers passes, prefixed."""
     import subprocess
     import sys
 
     from helpers import subprocess_env
 
-    script = ('echo "[Gloo] Rank $NLJAX_PROCESS_ID is connected to 1 peer ranks. Expected number of connected peer '
-              'ranks is : 1"; echo "[Gloo] something else"; echo "step $NLJAX_PROCESS_ID"')
+    note = "is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
+    script = (f'echo "[Gloo] Rank $NLJAX_PROCESS_ID {note}"; echo "[Gloo] Rank [Gloo] Rank 1 {note}"; echo "0 {note}"; '
+              'echo "[Gloo] something else"; echo "step $NLJAX_PROCESS_ID"')
     p = subprocess.run([sys.executable, "-m", "nljax.launch", "--nproc", "2", "--", "sh", "-c", script],
                        env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
