@@ -114,9 +114,12 @@ def _parent_death_signal():
 # What a worker's native libraries print that says nothing to a user: gloo's note, one per
 # process and peer group, that its connections are up ("[Gloo] Rank 0 is connected to 1 peer
 # ranks. Expected number of connected peer ranks is : 1"), written to fd 1 behind Python's back.
-# A process's two devices' notes, printed at once, interleave: "[Gloo] Rank [Gloo] Rank 1 is
-# connected to ...", then a line "0 is connected to ..." with the first one's rest.
-NOISE = re.compile(r"^(\[Gloo\] Rank )*\d+ is connected to \d+ peer ranks")
+# A process's two devices' notes, printed at once, interleave at any of the note's pieces
+# ("[Gloo] Rank [Gloo] Rank 1 is connected to ...", then a line "0 is connected to ..." with the
+# first one's rest, or a line "Expected number of connected peer ranks is : 1"): a line made of
+# these pieces alone, one of them words, is one.
+NOISE = re.compile(r"^(?=.*(Gloo|connected))(\[Gloo\] Rank |\d+| is connected to | peer ranks\. ?|"
+                   r"Expected number of connected peer ranks is : )+$")
 # An nljax command's one-line refusal (a bad override, say): every process reads the same config
 # and refuses it alike, so the user is shown it once, not once per process.
 REFUSAL = re.compile(r"^nljax\.\w+: error: ")

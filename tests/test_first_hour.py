@@ -82,8 +82,9 @@ def test_a_small_corpus_trains_with_the_default_evaluation(tmp_path, monkeypatch
 
 def test_launch_keeps_gloo_connection_lines_out_of_the_output():
     """gloo's "[Gloo] Rank x is connected to 1 peer ranks" (written by workers' native code, 24 of
-    them in a CPU run) are dropped, two of them interleaved too (a process's two devices' notes, as a
-    2 x 2 launch printed them); every other line of the workers passes, prefixed."""
+    them in a CPU run) are dropped, two of them interleaved too (a process's two devices' notes, as
+    2 x 2 launches printed them); every other line of the workers passes, prefixed (a bare number
+    too)."""
     import subprocess
     import sys
 
@@ -91,12 +92,14 @@ def test_launch_keeps_gloo_connection_lines_out_of_the_output():
 
     note = "is connected to 1 peer ranks. Expected number of connected peer ranks is : 1"
     script = (f'echo "[Gloo] Rank $NLJAX_PROCESS_ID {note}"; echo "[Gloo] Rank [Gloo] Rank 1 {note}"; echo "0 {note}"; '
-              'echo "[Gloo] something else"; echo "step $NLJAX_PROCESS_ID"')
+              f'echo "[Gloo] Rank 0 is connected to 1 peer ranks. [Gloo] Rank 1 {note}"; '
+              'echo "Expected number of connected peer ranks is : 1"; echo 12; echo "[Gloo] something else"; '
+              'echo "step $NLJAX_PROCESS_ID"')
     p = subprocess.run([sys.executable, "-m", "nljax.launch", "--nproc", "2", "--", "sh", "-c", script],
                        env=subprocess_env(), capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
-    assert sorted(p.stdout.splitlines()) == ["[0] [Gloo] something else", "[0] step 0", "[1] [Gloo] something else",
-                                             "[1] step 1"]
+    assert sorted(p.stdout.splitlines()) == ["[0] 12", "[0] [Gloo] something else", "[0] step 0", "[1] 12",
+                                             "[1] [Gloo] something else", "[1] step 1"]
 
 
 def test_the_end_of_run_timing_stays_within_its_budget():
