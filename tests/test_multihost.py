@@ -94,6 +94,30 @@ def test_config_mismatch_is_reported_on_every_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_another_nljax_checkout_of_the_same_version_on_one_process_is_one_line(tmp_path):
+    """Process 1 runs a copy of this checkout with one comment added (a host left on another
+    commit: the same nljax version). The versions agreed, and the two ran different code in
+    lockstep; now the start-up check names nljax's source, on every process, exit 2, nothing written."""
+    import shutil
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "nljax", tmp_path / "other" / "nljax", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "other" / "nljax" / "train.py", "a") as f:
+        f.write("# an edit on one host\n")
+    # from tmp_path: `python -m` puts the working directory first on the path
+    inner = (f'if [ "$NLJAX_PROCESS_ID" = 1 ]; then export PYTHONPATH={tmp_path}/other; fi; cd {tmp_path} && '
+             f"exec {sys.executable} -m nljax.train run.dir={tmp_path}/r train.steps=2 {' '.join(ARGS)}")
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", "sh", "-c", inner],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    for i in (0, 1):
+        assert re.search(rf"^\[{i}\] nljax\.train: error \(process {i}\): processes disagree on the start-up state "
+                         r"\(config, versions, mesh, data\): versions\.nljax_source: process 0 = \"\w+…, "
+                         r"process 1 = \"\w+…$", p.stderr, re.M), p.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
 def test_an_eval_set_of_other_text_on_one_process_is_one_line_on_every_process(tmp_path):
     """data.eval_sets held=held.txt, relative: each process reads the copy in its own directory
     (as hosts without a shared file system read their own), one of other text. The config agrees;
