@@ -100,6 +100,11 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
     """Joins a multi-process run if this process is one of several (True)."""
     launch = distributed.resolve(args.coordinator, args.num_processes, args.process_id,
                                  distributed.parse_device_ids(args.local_device_ids))
+    if launch is not None and launch.local_device_ids is not None and jax.config.jax_platforms == "cpu":
+        # JAX applies them to GPUs alone: on the CPU each process silently drove all its devices
+        raise config.ConfigError("--local-device-ids (NLJAX_LOCAL_DEVICE_IDS) chooses GPUs, but this process runs on "
+                                 "the CPU (--cpu-devices or JAX_PLATFORMS=cpu): leave it out (--cpu-devices N gives "
+                                 "each process N devices)")
     return distributed.initialize(launch, cfg.distributed.timeout_s)
 
 

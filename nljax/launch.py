@@ -367,6 +367,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--cpu-devices must be at most 1024, got {args.cpu_devices}"
     elif args.devices_per_proc is not None and args.devices_per_proc < 1:
         problem = f"--devices-per-proc must be >= 1, got {args.devices_per_proc}"
+    elif args.devices_per_proc is not None and args.cpu_devices is not None:  # JAX applies device ids to GPUs alone
+        problem = ("--devices-per-proc chooses GPUs, --cpu-devices emulates CPU devices: give one of them "
+                   "(--cpu-devices M gives each process M devices)")
     elif args.devices_per_proc is not None and args.nproc == 1:  # JAX takes device ids only when joining processes
         problem = "--devices-per-proc is for several processes; choose one process's devices with CUDA_VISIBLE_DEVICES"
     for flag, value in (("--grace", args.grace), ("--save-grace", args.save_grace)):

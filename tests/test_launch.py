@@ -148,6 +148,12 @@ def test_launcher_bad_input():
     p = subprocess.run([*LAUNCH, "--nproc", "1", "--devices-per-proc", "2", "--", "true"], env=subprocess_env(),
                        capture_output=True, text=True)
     assert p.returncode == 2 and "--devices-per-proc is for several processes" in p.stderr
+    # JAX applies device ids to GPUs alone: each process drove every emulated CPU device
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--devices-per-proc", "1", "--", "true"],
+                       env=subprocess_env(), capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "nljax.launch: error: --devices-per-proc chooses GPUs, --cpu-devices emulates CPU devices: give one of them "
+        "(--cpu-devices M gives each process M devices)")
     p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "nan", "--", "true"], env=subprocess_env(),
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --grace must be >= 0, got nan"

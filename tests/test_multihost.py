@@ -546,6 +546,28 @@ def test_resolve_launch(monkeypatch):
         distributed.resolve(local_device_ids=(0, 1))
 
 
+def test_local_device_ids_on_the_cpu_are_refused(monkeypatch):
+    """JAX applies --local-device-ids to GPUs alone: with --cpu-devices (JAX_PLATFORMS=cpu) every
+    process silently drove all its CPU devices (--devices-per-proc 1 --cpu-devices 2: 2 each)."""
+    import argparse
+
+    import jax
+
+    from nljax import cli
+
+    for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+                distributed.ENV_LOCAL_DEVICE_IDS):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(distributed, "initialize", lambda launch, timeout_s: launch is not None)  # joins nothing
+    assert jax.config.jax_platforms == "cpu"  # conftest's
+    args = argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=1, local_device_ids="1")
+    cfg = config.load(None, [])
+    with pytest.raises(ConfigError, match=r"^--local-device-ids \(NLJAX_LOCAL_DEVICE_IDS\) chooses GPUs, but this "
+                                          r"process runs on the CPU"):
+        cli.setup_processes(args, cfg)
+    assert cli.setup_processes(argparse.Namespace(**{**vars(args), "local_device_ids": None}), cfg)
+
+
 def test_a_coordinator_port_already_served_is_one_line(monkeypatch):
     """gRPC binds the coordinator with SO_REUSEPORT: a second coordinator on a port another run
     serves (the same fixed port given to two launches, or two processes both --process-id 0)
