@@ -380,8 +380,12 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         # Peers may be blocked in a collective that waits for this process: leave at once.
         if line:  # a user's problem (a full disk, out of memory): its one line, no traceback
             distributed.abort(f"{p.prog}: error (process {jax.process_index()}): {line}")
-        traceback.print_exc()
         first = first_line(e) or type(e).__name__
+        # a collective whose peer went away (gloo: "Connection closed by peer"): the cause is that
+        # process's, named by the launcher; this one's traceback (50 lines) says nothing of it
+        peer_gone = isinstance(e, jax.errors.JaxRuntimeError) and " by peer" in first
+        if not peer_gone or os.environ.get(registry.TRACEBACK, "") not in ("", "0"):
+            traceback.print_exc()
         hint = " (another process probably died)" if isinstance(e, jax.errors.JaxRuntimeError) else ""
         distributed.abort(f"{p.prog}: error (process {jax.process_index()}): {type(e).__name__}{hint}: {first}")
         return 1  # not reached
