@@ -108,6 +108,19 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
     return distributed.initialize(launch, cfg.distributed.timeout_s)
 
 
+# Flags that differ by process (each its id, its devices: the device counts are checked apart), and
+# the config files and overrides, whose resolved config is compared (a path may differ by host).
+PER_PROCESS = frozenset({"coordinator", "num_processes", "process_id", "local_device_ids", "cpu_devices", "config",
+                         "overrides"})
+
+
+def same_flags(args: argparse.Namespace) -> dict:
+    """The flags every process must be given alike: one process given --resume and the other not
+    took different start-up steps, and their collectives crashed in gloo ("Received data size
+    doesn't match expected size", exit 250) before the config was compared."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS}
+
+
 def backend_failed(e: BaseException) -> str | None:
     """The one line for JAX failing to start its backend (JAX_PLATFORMS=cuda on a machine without
     the GPU or its plugin: an AssertionError or RuntimeError deep in JAX), or None."""
@@ -345,6 +358,8 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
             return 0
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
             multiprocess = setup_processes(args, cfg)
+            if multiprocess:  # before settle and first_step, whose collectives the flags choose
+                distributed.agree("command line", same_flags(args))
             cfg = settle(args, cfg)  # decided by process 0: once joined
             config.validate(cfg)  # see `resumes`
             if multiprocess:  # at once: first_step may open checkpoints, which starts JAX (nljax.runtime.preemption)

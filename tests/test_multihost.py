@@ -93,6 +93,22 @@ def test_config_mismatch_is_reported_on_every_process(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_flag_given_to_one_process_only_is_one_line_on_every_process(tmp_path):
+    """--resume=auto on process 1 alone: the processes took different start-up steps (process 1
+    reading run.dir with process 0 deciding, process 0 not), and their collectives crashed in gloo
+    ("Received data size doesn't match expected size", a native abort) or waited, before the
+    config was compared. Now the flags are compared first: one line naming the flag, exit 2."""
+    inner = (f"exec {sys.executable} -m nljax.train run.dir={tmp_path}/r train.steps=2 {' '.join(ARGS)} "
+             '$([ "$NLJAX_PROCESS_ID" = 1 ] && echo --resume=auto)')
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "1", "--grace", "20", "--", "sh", "-c", inner],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=120)  # it waited 300 s and more
+    assert p.returncode == 2, p.stdout + p.stderr
+    for i in (0, 1):
+        assert (f"[{i}] nljax.train: error (process {i}): processes disagree on the command line: resume_auto: "
+                "process 0 = false, process 1 = true\n") in p.stderr, p.stderr
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_another_nljax_checkout_of_the_same_version_on_one_process_is_one_line(tmp_path):
     """Process 1 runs a copy of this checkout with one comment added (a host left on another
