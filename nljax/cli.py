@@ -359,6 +359,7 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
             multiprocess = setup_processes(args, cfg)
             if multiprocess:  # before settle and first_step, whose collectives the flags choose
+                distributed.check_devices()  # first: the all-gather assumes equal counts
                 distributed.agree("command line", same_flags(args))
             cfg = settle(args, cfg)  # decided by process 0: once joined
             config.validate(cfg)  # see `resumes`
