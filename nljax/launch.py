@@ -118,8 +118,12 @@ def _parent_death_signal():
 # ("[Gloo] Rank [Gloo] Rank 1 is connected to ...", then a line "0 is connected to ..." with the
 # first one's rest, or a line "Expected number of connected peer ranks is : 1"): a line made of
 # these pieces alone, one of them words, is one.
+# And JAX's note of a SIGTERM taken as a preemption notice ("W1202 05:12:09.413211   25945
+# preemption_notifier.cc:90] SIGTERM caught at 2026-12-02T05:12:09..."), one per process after
+# the launcher's own line, before each process's "preempted (SIGTERM): ..." line.
 NOISE = re.compile(r"^(?=.*(Gloo|connected))(\[Gloo\] Rank |\d+| is connected to | peer ranks\. ?|"
-                   r"Expected number of connected peer ranks is : )+$")
+                   r"Expected number of connected peer ranks is : )+$"
+                   r"|^W\d{4} [\d:.]+ +\d+ preemption_notifier\.cc:\d+\] SIGTERM caught at ")
 # An nljax command's one-line refusal (a bad override, say): every process reads the same config
 # and refuses it alike, so the user is shown it once, not once per process.
 REFUSAL = re.compile(r"^nljax\.\w+: error: ")
