@@ -62,6 +62,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
+    def print_help(self, file=None):
+        if not launched_other():
+            super().print_help(file)
+
+
+def launched_other() -> bool:
+    """Whether this is a process other than 0 that `nljax.launch` started: what every process would
+    print alike before joining (--help, --print-config) is printed by process 0 alone, not
+    interleaved line by line with the others' copies."""
+    return os.environ.get(distributed.ENV_PROCESS_ID, "") not in ("", "0")
+
 
 CONFIG_HELP = ("YAML config file, or a packaged config's name (nl_default, nl_gpu, meanflow_digits, ...); "
                "given again, each file updates the ones before it key by key; defaults apply to keys none sets")
@@ -347,6 +358,8 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         cfg = configure(args, config.load(args.config, args.overrides, check=not resumes(args) and not printing))
         if printing:
             cfg = settle(args, cfg)
+            if launched_other():  # process 0 prints it, and its note
+                return 0
             print(configdoc.to_yaml(cfg), end="")
             # a config that does not train as it is (data.source=files before data.train is chosen)
             # is still the one to look at: printed, and what it lacks said (a wrong key or value

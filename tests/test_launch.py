@@ -258,3 +258,22 @@ def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypat
     monkeypatch.setenv("NLJAX_NUM_PROCESSES", "1")  # one process: the tool's own answer (no such run)
     assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) != 0
     assert "runs as one process" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--help", "--print-config"])
+def test_what_every_launched_process_prints_alike_before_joining_is_printed_by_process_0(flag, monkeypatch, capsys):
+    """`nljax.launch --nproc 2 -- python -m nljax.train --help` printed the help once per process,
+    interleaved line by line; so did --print-config (each process reads the same config and
+    prints it before joining)."""
+    from nljax import train
+
+    def printed(process_id: str) -> str:
+        monkeypatch.setenv("NLJAX_PROCESS_ID", process_id)
+        try:
+            assert train.main([flag, "train.steps=3"]) == 0
+        except SystemExit as e:  # argparse's --help
+            assert e.code in (0, None)
+        return capsys.readouterr().out
+
+    assert ("usage: nljax.train" if flag == "--help" else "steps: 3") in printed("0")
+    assert printed("1") == ""
