@@ -244,7 +244,7 @@ def peak_memory(fns: dict) -> dict:
     TPU), and per compiled program arguments + outputs + temporaries - aliased (donated) bytes,
     the largest over the patterns."""
     out = {"memory_stats_peak_bytes": None, "compiled_peak_bytes": None}
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = jax.local_devices()[0].memory_stats() or {}  # a device of this process: another's has none to read
     if "peak_bytes_in_use" in stats:
         out["memory_stats_peak_bytes"] = int(stats["peak_bytes_in_use"])
     for a, fn in fns.items():

@@ -62,6 +62,17 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
 
+    def print_help(self, file=None):
+        if not launched_other():
+            super().print_help(file)
+
+
+def launched_other() -> bool:
+    """Whether this is a process other than 0 that `nljax.launch` started: what every process would
+    print alike before joining (--help, --print-config) is printed by process 0 alone, not
+    interleaved line by line with the others' copies."""
+    return os.environ.get(distributed.ENV_PROCESS_ID, "") not in ("", "0")
+
 
 CONFIG_HELP = ("YAML config file, or a packaged config's name (nl_default, nl_gpu, meanflow_digits, ...); "
                "given again, each file updates the ones before it key by key; defaults apply to keys none sets")
@@ -100,7 +111,25 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
     """Joins a multi-process run if this process is one of several (True)."""
     launch = distributed.resolve(args.coordinator, args.num_processes, args.process_id,
                                  distributed.parse_device_ids(args.local_device_ids))
+    if launch is not None and launch.local_device_ids is not None and jax.config.jax_platforms == "cpu":
+        # JAX applies them to GPUs alone: on the CPU each process silently drove all its devices
+        raise config.ConfigError("--local-device-ids (NLJAX_LOCAL_DEVICE_IDS) chooses GPUs, but this process runs on "
+                                 "the CPU (--cpu-devices or JAX_PLATFORMS=cpu): leave it out (--cpu-devices N gives "
+                                 "each process N devices)")
     return distributed.initialize(launch, cfg.distributed.timeout_s)
+
+
+# Flags that differ by process (each its id, its devices: the device counts are checked apart), and
+# the config files and overrides, whose resolved config is compared (a path may differ by host).
+PER_PROCESS = frozenset({"coordinator", "num_processes", "process_id", "local_device_ids", "cpu_devices", "config",
+                         "overrides"})
+
+
+def same_flags(args: argparse.Namespace) -> dict:
+    """The flags every process must be given alike: one process given --resume and the other not
+    took different start-up steps, and their collectives crashed in gloo ("Received data size
+    doesn't match expected size", exit 250) before the config was compared."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in PER_PROCESS}
 
 
 def backend_failed(e: BaseException) -> str | None:
@@ -250,6 +279,17 @@ def traceback_if_asked(e: config.ConfigError) -> None:
         traceback.print_exception(e, file=sys.stderr)
 
 
+def one_process(prog: str) -> None:
+    """A one-process tool started as one of several (`nljax.launch --nproc 2 -- python -m
+    nljax.evaluate ...`) is refused: it does not join them, so each copy ran the whole job alone,
+    printing its result once per process and writing the same files at once (two `nljax.prepare`
+    into one directory). The line is the same on every process: the launcher shows it once."""
+    n = os.environ.get(distributed.ENV_NUM_PROCESSES, "")
+    if n.isdigit() and int(n) > 1:
+        raise config.ConfigError(f"{prog} runs as one process, but {distributed.ENV_NUM_PROCESSES}={n} makes this one "
+                                 f"of {n} (nljax.launch sets it): run it once, without nljax.launch")
+
+
 def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] = lambda: None,
          after_ctrl_c: str = "") -> int:
     """`body()`'s exit code for a one-process tool (generate, export, lm_eval, prepare), a user's
@@ -257,6 +297,7 @@ def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] 
     OSError (a full disk, a closed standard output, permissions) or JAX failing to start its
     backend (1); `after_os_error` then tidies up."""
     try:
+        one_process(prog)
         return body()
     except config.ConfigError as e:
         traceback_if_asked(e)
@@ -317,6 +358,8 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         cfg = configure(args, config.load(args.config, args.overrides, check=not resumes(args) and not printing))
         if printing:
             cfg = settle(args, cfg)
+            if launched_other():  # process 0 prints it, and its note
+                return 0
             print(configdoc.to_yaml(cfg), end="")
             # a config that does not train as it is (data.source=files before data.train is chosen)
             # is still the one to look at: printed, and what it lacks said (a wrong key or value
@@ -328,6 +371,9 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
             return 0
         with stdout_silenced(quiet(args, cfg)):  # gloo prints at the first collective: the checks'
             multiprocess = setup_processes(args, cfg)
+            if multiprocess:  # before settle and first_step, whose collectives the flags choose
+                distributed.check_devices()  # first: the all-gather assumes equal counts
+                distributed.agree("command line", same_flags(args))
             cfg = settle(args, cfg)  # decided by process 0: once joined
             config.validate(cfg)  # see `resumes`
             if multiprocess:  # at once: first_step may open checkpoints, which starts JAX (nljax.runtime.preemption)
@@ -363,8 +409,12 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
         # Peers may be blocked in a collective that waits for this process: leave at once.
         if line:  # a user's problem (a full disk, out of memory): its one line, no traceback
             distributed.abort(f"{p.prog}: error (process {jax.process_index()}): {line}")
-        traceback.print_exc()
         first = first_line(e) or type(e).__name__
+        # a collective whose peer went away (gloo: "Connection closed by peer"): the cause is that
+        # process's, named by the launcher; this one's traceback (50 lines) says nothing of it
+        peer_gone = isinstance(e, jax.errors.JaxRuntimeError) and " by peer" in first
+        if not peer_gone or os.environ.get(registry.TRACEBACK, "") not in ("", "0"):
+            traceback.print_exc()
         hint = " (another process probably died)" if isinstance(e, jax.errors.JaxRuntimeError) else ""
         distributed.abort(f"{p.prog}: error (process {jax.process_index()}): {type(e).__name__}{hint}: {first}")
         return 1  # not reached

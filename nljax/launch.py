@@ -114,7 +114,16 @@ def _parent_death_signal():
 # What a worker's native libraries print that says nothing to a user: gloo's note, one per
 # process and peer group, that its connections are up ("[Gloo] Rank 0 is connected to 1 peer
 # ranks. Expected number of connected peer ranks is : 1"), written to fd 1 behind Python's back.
-NOISE = re.compile(r"^\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+# A process's two devices' notes, printed at once, interleave at any of the note's pieces
+# ("[Gloo] Rank [Gloo] Rank 1 is connected to ...", then a line "0 is connected to ..." with the
+# first one's rest, or a line "Expected number of connected peer ranks is : 1"): a line made of
+# these pieces alone, one of them words, is one.
+# And JAX's note of a SIGTERM taken as a preemption notice ("W1202 05:12:09.413211   25945
+# preemption_notifier.cc:90] SIGTERM caught at 2026-12-02T05:12:09..."), one per process after
+# the launcher's own line, before each process's "preempted (SIGTERM): ..." line.
+NOISE = re.compile(r"^(?=.*(Gloo|connected))(\[Gloo\] Rank |\d+| is connected to | peer ranks\. ?|"
+                   r"Expected number of connected peer ranks is : )+$"
+                   r"|^W\d{4} [\d:.]+ +\d+ preemption_notifier\.cc:\d+\] SIGTERM caught at ")
 # An nljax command's one-line refusal (a bad override, say): every process reads the same config
 # and refuses it alike, so the user is shown it once, not once per process.
 REFUSAL = re.compile(r"^nljax\.\w+: error: ")
@@ -362,6 +371,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         problem = f"--cpu-devices must be at most 1024, got {args.cpu_devices}"
     elif args.devices_per_proc is not None and args.devices_per_proc < 1:
         problem = f"--devices-per-proc must be >= 1, got {args.devices_per_proc}"
+    elif args.devices_per_proc is not None and args.cpu_devices is not None:  # JAX applies device ids to GPUs alone
+        problem = ("--devices-per-proc chooses GPUs, --cpu-devices emulates CPU devices: give one of them "
+                   "(--cpu-devices M gives each process M devices)")
     elif args.devices_per_proc is not None and args.nproc == 1:  # JAX takes device ids only when joining processes
         problem = "--devices-per-proc is for several processes; choose one process's devices with CUDA_VISIBLE_DEVICES"
     for flag, value in (("--grace", args.grace), ("--save-grace", args.save_grace)):

@@ -367,3 +367,19 @@ def test_slow_rounds_are_said_as_they_end(monkeypatch):
     said.clear()
     bench.time_steps({(True,): step}, 0, None, warmup=1, steps=2)
     assert said == []
+
+
+def test_peak_memory_reads_a_device_of_this_process(monkeypatch):
+    """Under `nljax.launch --nproc 2`, process 1 asked the global device 0 (process 0's) for its
+    memory statistics and stopped: 'MemoryStats is only supported for addressable PjRt devices'."""
+    import jax
+
+    from nljax import bench
+
+    class OtherProcess:  # jax.devices()[0] of process 1
+        def memory_stats(self):
+            raise RuntimeError("INVALID_ARGUMENT: MemoryStats is only supported for addressable PjRt devices.")
+
+    ours = jax.local_devices()
+    monkeypatch.setattr(jax, "devices", lambda *a, **k: [OtherProcess(), *ours])
+    assert bench.peak_memory({})["peak_bytes"] is None  # a CPU keeps no high-water mark, nothing compiled

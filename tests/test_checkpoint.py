@@ -425,6 +425,9 @@ def _edited_meta(step_dir: Path):
 # case: (damage, overrides, message, through the command line (else the library call))
 BAD = {
     "missing": (None, ["checkpoint.resume={d}/nowhere"], "checkpoint not found: {d}/nowhere", True),
+    # --resume=auto's word as the key's value: a path "auto" of the working directory, not found
+    "auto": (None, ["checkpoint.resume=auto"], "; to start the run or continue it (a job script's restart), give "
+             "--resume=auto", True),
     "empty": (None, ["checkpoint.resume={d}/empty"], "no complete checkpoint in {d}/empty", False),
     "file": (None, ["checkpoint.resume={d}/run/metrics.jsonl"], "checkpoint.resume={d}/run/metrics.jsonl is a file, "
              "not a checkpoint: give latest, a step directory or a folder of checkpoints", True),

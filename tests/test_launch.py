@@ -148,6 +148,12 @@ def test_launcher_bad_input():
     p = subprocess.run([*LAUNCH, "--nproc", "1", "--devices-per-proc", "2", "--", "true"], env=subprocess_env(),
                        capture_output=True, text=True)
     assert p.returncode == 2 and "--devices-per-proc is for several processes" in p.stderr
+    # JAX applies device ids to GPUs alone: each process drove every emulated CPU device
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--devices-per-proc", "1", "--", "true"],
+                       env=subprocess_env(), capture_output=True, text=True)
+    assert p.returncode == 2 and p.stderr.strip() == (
+        "nljax.launch: error: --devices-per-proc chooses GPUs, --cpu-devices emulates CPU devices: give one of them "
+        "(--cpu-devices M gives each process M devices)")
     p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "nan", "--", "true"], env=subprocess_env(),
                        capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --grace must be >= 0, got nan"
@@ -231,3 +237,43 @@ def test_the_same_refusal_from_every_process_is_shown_once():
     assert p.returncode == 2, p.stderr
     assert sum("unknown config key: bogus" in l for l in p.stdout.splitlines()) == 1, p.stdout
     assert sum(" only" in l for l in p.stderr.splitlines()) == 3, p.stderr
+
+
+@pytest.mark.parametrize("tool", ["evaluate", "generate", "export", "prepare", "lm_eval"])
+def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypatch, capsys, tmp_path):
+    """`nljax.launch --nproc 2 -- python -m nljax.evaluate ...`: the tools do not join the
+    processes, so each copy ran the whole job alone (its result printed once per process, the same
+    files written at once). One line, the same on every process (the launcher shows it once), exit 2,
+    nothing read or written."""
+    import importlib
+
+    monkeypatch.setenv("NLJAX_NUM_PROCESSES", "2")
+    monkeypatch.setenv("NLJAX_PROCESS_ID", "1")
+    main = importlib.import_module(f"nljax.{tool}").main
+    assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) == 2
+    assert capsys.readouterr().err == (f"nljax.{tool}: error: nljax.{tool} runs as one process, but "
+                                       "NLJAX_NUM_PROCESSES=2 makes this one of 2 (nljax.launch sets it): run it "
+                                       "once, without nljax.launch\n")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv("NLJAX_NUM_PROCESSES", "1")  # one process: the tool's own answer (no such run)
+    assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) != 0
+    assert "runs as one process" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--help", "--print-config"])
+def test_what_every_launched_process_prints_alike_before_joining_is_printed_by_process_0(flag, monkeypatch, capsys):
+    """`nljax.launch --nproc 2 -- python -m nljax.train --help` printed the help once per process,
+    interleaved line by line; so did --print-config (each process reads the same config and
+    prints it before joining)."""
+    from nljax import train
+
+    def printed(process_id: str) -> str:
+        monkeypatch.setenv("NLJAX_PROCESS_ID", process_id)
+        try:
+            assert train.main([flag, "train.steps=3"]) == 0
+        except SystemExit as e:  # argparse's --help
+            assert e.code in (0, None)
+        return capsys.readouterr().out
+
+    assert ("usage: nljax.train" if flag == "--help" else "steps: 3") in printed("0")
+    assert printed("1") == ""

@@ -93,6 +93,46 @@ def test_config_mismatch_is_reported_on_every_process(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_flag_given_to_one_process_only_is_one_line_on_every_process(tmp_path):
+    """--resume=auto on process 1 alone: the processes took different start-up steps (process 1
+    reading run.dir with process 0 deciding, process 0 not), and their collectives crashed in gloo
+    ("Received data size doesn't match expected size", a native abort) or waited, before the
+    config was compared. Now the flags are compared first: one line naming the flag, exit 2."""
+    inner = (f"exec {sys.executable} -m nljax.train run.dir={tmp_path}/r train.steps=2 {' '.join(ARGS)} "
+             '$([ "$NLJAX_PROCESS_ID" = 1 ] && echo --resume=auto)')
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "1", "--grace", "20", "--", "sh", "-c", inner],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=120)  # it waited 300 s and more
+    assert p.returncode == 2, p.stdout + p.stderr
+    for i in (0, 1):
+        assert (f"[{i}] nljax.train: error (process {i}): processes disagree on the command line: resume_auto: "
+                "process 0 = false, process 1 = true\n") in p.stderr, p.stderr
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_another_nljax_checkout_of_the_same_version_on_one_process_is_one_line(tmp_path):
+    """Process 1 runs a copy of this checkout with one comment added (a host left on another
+    commit: the same nljax version). The versions agreed, and the two ran different code in
+    lockstep; now the start-up check names nljax's source, on every process, exit 2, nothing written."""
+    import shutil
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "nljax", tmp_path / "other" / "nljax", ignore=shutil.ignore_patterns("__pycache__"))
+    with open(tmp_path / "other" / "nljax" / "train.py", "a") as f:
+        f.write("# an edit on one host\n")
+    # from tmp_path: `python -m` puts the working directory first on the path
+    inner = (f'if [ "$NLJAX_PROCESS_ID" = 1 ]; then export PYTHONPATH={tmp_path}/other; fi; cd {tmp_path} && '
+             f"exec {sys.executable} -m nljax.train run.dir={tmp_path}/r train.steps=2 {' '.join(ARGS)}")
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", "sh", "-c", inner],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    for i in (0, 1):
+        assert re.search(rf"^\[{i}\] nljax\.train: error \(process {i}\): processes disagree on the start-up state "
+                         r"\(config, versions, mesh, data\): versions\.nljax_source: process 0 = \"\w+…, "
+                         r"process 1 = \"\w+…$", p.stderr, re.M), p.stderr
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.slow
 def test_an_eval_set_of_other_text_on_one_process_is_one_line_on_every_process(tmp_path):
     """data.eval_sets held=held.txt, relative: each process reads the copy in its own directory
@@ -174,6 +214,9 @@ def test_dead_or_hung_worker_stops_the_run_within_the_bound(tmp_path, sig):
         assert elapsed < 25, (elapsed, text)  # the 60 s grace was not needed
         assert f"process 1 (pid {pids[1]}) exited with code 137" in text
         assert "killing the processes still running" not in text
+        # the survivor's collective failed ("Connection reset by peer"): its one line names the cause,
+        # with no Python traceback of its own (or JAX's coordination service ended it first, 134)
+        assert "Traceback (most recent call last)" not in text, text
     else:
         # Process 0 is ended by JAX (abort, 134) after missing heartbeats; process 1 by the launcher.
         assert rc == 134 and "exit codes by process: 134, 137" in text, text
@@ -520,6 +563,28 @@ def test_resolve_launch(monkeypatch):
     monkeypatch.delenv("SLURM_STEP_NODELIST")
     with pytest.raises(ConfigError, match="--local-device-ids needs"):
         distributed.resolve(local_device_ids=(0, 1))
+
+
+def test_local_device_ids_on_the_cpu_are_refused(monkeypatch):
+    """JAX applies --local-device-ids to GPUs alone: with --cpu-devices (JAX_PLATFORMS=cpu) every
+    process silently drove all its CPU devices (--devices-per-proc 1 --cpu-devices 2: 2 each)."""
+    import argparse
+
+    import jax
+
+    from nljax import cli
+
+    for var in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES, distributed.ENV_PROCESS_ID,
+                distributed.ENV_LOCAL_DEVICE_IDS):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(distributed, "initialize", lambda launch, timeout_s: launch is not None)  # joins nothing
+    assert jax.config.jax_platforms == "cpu"  # conftest's
+    args = argparse.Namespace(coordinator="127.0.0.1:1234", num_processes=2, process_id=1, local_device_ids="1")
+    cfg = config.load(None, [])
+    with pytest.raises(ConfigError, match=r"^--local-device-ids \(NLJAX_LOCAL_DEVICE_IDS\) chooses GPUs, but this "
+                                          r"process runs on the CPU"):
+        cli.setup_processes(args, cfg)
+    assert cli.setup_processes(argparse.Namespace(**{**vars(args), "local_device_ids": None}), cfg)
 
 
 def test_a_coordinator_port_already_served_is_one_line(monkeypatch):

@@ -378,6 +378,9 @@ def resume_root(cfg: Config) -> Path | None:
     if not resume:
         return None
     root = checkpoint_dir(cfg) if resume == "latest" else Path(resume).absolute()
+    if not root.exists() and resume == "auto":  # a job script's start-or-resume is a flag, not this key's value
+        raise ConfigError(f"checkpoint.resume=auto: checkpoint not found: {root}; to start the run or continue it "
+                          "(a job script's restart), give --resume=auto")
     if not root.exists():
         raise ConfigError(f"checkpoint not found: {root}")
     if not root.is_dir():  # read on, "no complete checkpoint in FILE"
