@@ -314,8 +314,12 @@ def watch(group: Group, stopping: list[int], grace: float, save_grace: float = 1
                 # waits SETTLE_S and names a signal death first.
                 i, c = min(bad, key=lambda ic: (ic[1] > 0, ic[0]))
                 failed, failed_at = (i, exit_code(c)), time.monotonic()
+                # 143: a run stopped by a preemption notice (SIGTERM to a worker, not the launcher),
+                # its checkpoint saved: said as such, not as a crash; nothing to stop once all ended
+                why = " (SIGTERM: a run saves a checkpoint first)" if failed[1] == 128 + signal.SIGTERM else ""
+                rest = "" if all(c is not None for c in codes) else f"; stopping the others within {grace:g} s"
                 group.say(f"process {failed[0]} (pid {group.procs[failed[0]].pid}) exited with code "
-                          f"{failed[1]}; stopping the others within {grace:g} s")
+                          f"{failed[1]}{why}{rest}")
         if all(c is not None for c in codes):
             if group.running():  # what the commands started and left behind does not outlive the launcher
                 group.say("killing what the processes left running")

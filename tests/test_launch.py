@@ -31,6 +31,18 @@ def test_launcher_prefixes_lines_sets_env_and_propagates_failure():
     assert not any(alive(x) for x in pids)
 
 
+def test_a_worker_ended_by_sigterm_is_said_as_such_and_ended_workers_are_not_stopped():
+    """SIGTERM to the workers themselves (a scheduler's notice; a run saves a checkpoint, exits
+    143): the line said "exited with code 143; stopping the others", a crash's words, for workers
+    that had all ended."""
+    script = 'kill -TERM $$; sleep 5'
+    p = subprocess.run([*LAUNCH, "--nproc", "2", "--grace", "5", "--", "sh", "-c", script],
+                       env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode == 128 + signal.SIGTERM, p.stderr
+    said = [line for line in p.stderr.splitlines() if "exited with code" in line]
+    assert len(said) == 1 and said[0].endswith("exited with code 143 (SIGTERM: a run saves a checkpoint first)"), said
+
+
 def test_launcher_names_the_killed_worker_not_the_peer_that_failed_because_of_it():
     """The CI race: worker 1 is SIGKILLed and worker 0, whose collective then fails, exits 1; the
     launcher may see worker 0's exit first (a killed process's teardown can lag its closed sockets).
