@@ -120,9 +120,10 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
 
 
 # Flags that differ by process (each its id, its devices: the device counts are checked apart), and
-# the config files and overrides, whose resolved config is compared (a path may differ by host).
+# the config files and overrides, whose resolved config is compared (a path may differ by host);
+# bench's whole command line (`argv`: its --process-id too) and the paths it writes to.
 PER_PROCESS = frozenset({"coordinator", "num_processes", "process_id", "local_device_ids", "cpu_devices", "config",
-                         "overrides"})
+                         "overrides", "argv", "out", "profile_dir"})
 
 
 def same_flags(args: argparse.Namespace) -> dict:
