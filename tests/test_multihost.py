@@ -127,6 +127,21 @@ def test_bench_joined_by_hand_compares_the_flags_alike_on_every_process(monkeypa
     assert p0 == p1 and p0 != other
 
 
+def test_the_source_digest_reads_files_alone(tmp_path):
+    """An editor's lock file beside a file being edited (Emacs: `.#trainer.py`, a symbolic link to
+    nothing) stopped every start of a multi-process run with a FileNotFoundError traceback; it is
+    no source. A file's edit or a file added changes the digest."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer.py").write_text("x = 1\n")
+    before = distributed.source_digest(tmp_path)
+    (tmp_path / "run" / ".#trainer.py").symlink_to("user@host.1234:1700000000")
+    assert distributed.source_digest(tmp_path) == before
+    (tmp_path / "run" / "trainer.py").write_text("x = 2\n")
+    edited = distributed.source_digest(tmp_path)
+    (tmp_path / "new.py").write_text("")
+    assert len({before, edited, distributed.source_digest(tmp_path)}) == 3
+
+
 @pytest.mark.slow
 def test_another_nljax_checkout_of_the_same_version_on_one_process_is_one_line(tmp_path):
     """Process 1 runs a copy of this checkout with one comment added (a host left on another
