@@ -277,3 +277,17 @@ def test_what_every_launched_process_prints_alike_before_joining_is_printed_by_p
 
     assert ("usage: nljax.train" if flag == "--help" else "steps: 3") in printed("0")
     assert printed("1") == ""
+
+
+def test_a_workers_line_of_a_long_number_passes_at_once():
+    """The filter of gloo's notes split a number every way (2^digits tries): a worker's line of a
+    30-digit number and "connected" held the launcher's output for a minute (27 digits: seconds).
+    The notes themselves are still dropped, a bare number and other lines kept."""
+    from nljax.launch import NOISE
+
+    start = time.perf_counter()
+    assert not NOISE.match("1" * 27 + " connected clients")
+    assert time.perf_counter() - start < 1
+    assert NOISE.match("[Gloo] Rank 12 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
+    assert NOISE.match("0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
+    assert not NOISE.match("12") and not NOISE.match("[Gloo] something else")
