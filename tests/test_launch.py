@@ -244,7 +244,8 @@ def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypat
     """`nljax.launch --nproc 2 -- python -m nljax.evaluate ...`: the tools do not join the
     processes, so each copy ran the whole job alone (its result printed once per process, the same
     files written at once). One line, the same on every process (the launcher shows it once), exit 2,
-    nothing read or written."""
+    nothing read or written. A job script that exports NLJAX_NUM_PROCESSES to join train's
+    processes by hand is told to unset it (the line named the launcher alone)."""
     import importlib
 
     monkeypatch.setenv("NLJAX_NUM_PROCESSES", "2")
@@ -252,8 +253,9 @@ def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypat
     main = importlib.import_module(f"nljax.{tool}").main
     assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) == 2
     assert capsys.readouterr().err == (f"nljax.{tool}: error: nljax.{tool} runs as one process, but "
-                                       "NLJAX_NUM_PROCESSES=2 makes this one of 2 (nljax.launch sets it): run it "
-                                       "once, without nljax.launch\n")
+                                       "NLJAX_NUM_PROCESSES=2 makes this one of 2 (nljax.launch or a job script "
+                                       "sets it): run it once, without nljax.launch and with NLJAX_NUM_PROCESSES "
+                                       "unset\n")
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setenv("NLJAX_NUM_PROCESSES", "1")  # one process: the tool's own answer (no such run)
     assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) != 0
