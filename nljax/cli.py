@@ -120,9 +120,10 @@ def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
 
 
 # Flags that differ by process (each its id, its devices: the device counts are checked apart), and
-# the config files and overrides, whose resolved config is compared (a path may differ by host).
+# the config files and overrides, whose resolved config is compared (a path may differ by host);
+# bench's whole command line (`argv`: its --process-id too) and the paths it writes to.
 PER_PROCESS = frozenset({"coordinator", "num_processes", "process_id", "local_device_ids", "cpu_devices", "config",
-                         "overrides"})
+                         "overrides", "argv", "out", "profile_dir"})
 
 
 def same_flags(args: argparse.Namespace) -> dict:
@@ -286,8 +287,11 @@ def one_process(prog: str) -> None:
     into one directory). The line is the same on every process: the launcher shows it once."""
     n = os.environ.get(distributed.ENV_NUM_PROCESSES, "")
     if n.isdigit() and int(n) > 1:
+        # a job script may export it for train's joining by hand (docs/guides/multi-host.md), then
+        # run a tool once: "without nljax.launch" alone left the user nothing to change
         raise config.ConfigError(f"{prog} runs as one process, but {distributed.ENV_NUM_PROCESSES}={n} makes this one "
-                                 f"of {n} (nljax.launch sets it): run it once, without nljax.launch")
+                                 f"of {n} (nljax.launch or a job script sets it): run it once, without nljax.launch "
+                                 f"and with {distributed.ENV_NUM_PROCESSES} unset")
 
 
 def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] = lambda: None,

@@ -44,6 +44,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -65,7 +66,7 @@ from nljax.models import registry
 from nljax.run import trained as trained_lib
 from nljax.run.core import Run
 from nljax.run.startup import tokenizer_identity
-from nljax.runtime import resultfile
+from nljax.runtime import filedigest, resultfile
 from nljax.runtime.exportdir import TOKENIZER, exported_from, is_export
 from nljax.version import __version__
 
@@ -148,7 +149,6 @@ def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str
     rows = _saved_config(run_dir, overrides).train.batch_size
     devices = list(devices or jax.local_devices())
     n = max(d for d in range(1, len(devices) + 1) if rows % d == 0)
-    named = any(o.startswith(("data.", "images.")) for o in given)
     try:
         if export:
             t = load_export(run_dir, overrides, devices[:n], announce=announce)
@@ -156,15 +156,32 @@ def load(run_dir: str, checkpoint: str | int = "latest", overrides: Sequence[str
             t = trained_lib.load(run_dir, checkpoint, overrides, devices[:n], evaluates=True, announce=announce,
                                  params=params)
     except ConfigError as e:
-        if named or not str(e).startswith(("data.", "images.")):
+        if (hint := _gone_hint(str(e), given, run_dir)) is None:
             raise
-        # the run's own held-out data, named by no one on this command line: gone since, or moved
-        other = "images.path=" if registry.task_of(_saved_config(run_dir)) == "images" else "data.eval="
-        raise ConfigError(f"{e} (the run's own held-out data, as its {'config.json' if export else 'config.yaml'} "
-                          f"names them: give {other} to score others)") from None
+        raise ConfigError(f"{e} ({hint})") from None
     if hasattr(t.run.task, "samples_dir"):  # an image task's evaluation draws no PNG into the run directory
         t.run.task.samples_dir = None
     return t
+
+
+def _gone_hint(line: str, given: Sequence[str], run_dir: str) -> str | None:
+    """What to give instead when `line`, a refusal of the key it starts with, is of the run's own
+    data, named by no one on this command line (gone since, or moved); None otherwise. Its
+    tokenizer and its data.eval_sets are not replaced by data.eval=, which the line named."""
+    key = re.match(r"(data|images)\.\w+", line)
+    keys = {o.partition("=")[0].strip() for o in given}
+    if key is None or key[0] in keys:
+        return None
+    saved = "config.json" if is_export(Path(run_dir)) else "config.yaml"
+    if key[0] == "data.tokenizer":  # an export's own copy: checked as the export's file (`load_export`)
+        return f"the run's tokenizer, as its {saved} names it: give data.tokenizer= where it is now"
+    if key[0] == "data.eval_sets":
+        return (f"the run's own held-out sets, as its {saved} names them: give data.eval_sets= to score others, "
+                "[] for none")
+    if any(k.startswith(("data.", "images.")) for k in keys):
+        return None
+    other = "images.path=" if registry.task_of(_saved_config(run_dir)) == "images" else "data.eval="
+    return f"the run's own held-out data, as its {saved} names them: give {other} to score others"
 
 
 def load_export(path: str | Path, overrides: Sequence[str] = (), devices=None,
@@ -185,6 +202,13 @@ def load_export(path: str | Path, overrides: Sequence[str] = (), devices=None,
     fields = {k: v for k, v in info.items() if k not in ("config", "sha256", "digest")}  # its record among them
     cfg = config.from_dict(info["config"], [*overrides, "checkpoint.resume=", *placed])
     cfg = trained_lib.used_here(cfg, overrides, True, fields)
+    recorded = info.get("sha256")
+    copy = path / TOKENIZER
+    if isinstance(recorded, dict) and TOKENIZER in recorded and cfg.data.tokenizer and \
+            Path(cfg.data.tokenizer).absolute() == copy.absolute():
+        # the data read with the export's copy, checked first: one gone or changed is the export's
+        # line ("data.tokenizer: cannot read", "trained on the tokenizer of sha256 ..." misled)
+        filedigest.check(path, {TOKENIZER: recorded[TOKENIZER]}, "the export")
     if announce is not None:
         announce()
     run = Run.create(cfg, devices, trains=False, average=False)  # the budget of the parameters alone

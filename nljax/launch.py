@@ -121,7 +121,9 @@ def _parent_death_signal():
 # And JAX's note of a SIGTERM taken as a preemption notice ("W1202 05:12:09.413211   25945
 # preemption_notifier.cc:90] SIGTERM caught at 2026-12-02T05:12:09..."), one per process after
 # the launcher's own line, before each process's "preempted (SIGTERM): ..." line.
-NOISE = re.compile(r"^(?=.*(Gloo|connected))(\[Gloo\] Rank |\d+| is connected to | peer ranks\. ?|"
+# (`\d++`: possessive, as a number split every way took 2^digits tries: a worker's line of 30 digits
+# and "connected" held the launcher for a minute)
+NOISE = re.compile(r"^(?=.*(Gloo|connected))(\[Gloo\] Rank |\d++| is connected to | peer ranks\. ?|"
                    r"Expected number of connected peer ranks is : )+$"
                    r"|^W\d{4} [\d:.]+ +\d+ preemption_notifier\.cc:\d+\] SIGTERM caught at ")
 # An nljax command's one-line refusal (a bad override, say): every process reads the same config

@@ -200,6 +200,11 @@ def test_a_tokenizer_runs_export_reads_with_its_own_copy(tmp_path, capsys):
     assert err == (f"nljax.evaluate: error: export {tmp_path / 'exp'} was trained on the tokenizer of sha256 "
                    f"{sha(tmp_path / 'gone.json')}, the data now use the tokenizer of sha256 {sha(other_tok)}: its "
                    "token ids would stand for other text"), err
+    # the run's tokenizer gone: data.eval= does not replace it (the line said it did)
+    assert evaluate.main([f"run.dir={run}", f"data.eval={tmp_path}/text/doc0.txt"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"nljax.evaluate: error: data.tokenizer: cannot read {tok}: No such file or directory (the run's tokenizer, "
+        "as its config.yaml names it: give data.tokenizer= where it is now)")
     # the run's text moved away, no data named: the line says what the export (and the run) read
     (tmp_path / "text").rename(tmp_path / "moved")
     for d, names in ((tmp_path / "exp", "config.json"), (run, "config.yaml")):
@@ -207,6 +212,13 @@ def test_a_tokenizer_runs_export_reads_with_its_own_copy(tmp_path, capsys):
         assert capsys.readouterr().err.strip().splitlines()[-1] == (
             f"nljax.evaluate: error: data.train: '{tmp_path}/text/*.txt' matches no file (the run's own held-out data, "
             f"as its {names} names them: give data.eval= to score others)")
+    # the export's copy of the tokenizer gone: the export's line, as nljax.generate's
+    (tmp_path / "exp" / "tokenizer.json").unlink()
+    for given in ([], [f"data.eval={tmp_path}/moved/doc0.txt"]):
+        assert evaluate.main([f"run.dir={tmp_path / 'exp'}", *given]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"nljax.evaluate: error: the export {tmp_path / 'exp'}: tokenizer.json cannot be read (No such file or "
+            "directory)")
 
 
 def test_another_held_out_split_than_the_runs_is_warned_of(run_dir, other_text):
@@ -472,6 +484,27 @@ def test_which_data_keys_other_held_out_data_implies(tmp_path):
     assert config.load(None, [*TINY, 'data.text_key="content"']).data.text_key == "content"
     assert evaluate.data_overrides(str(run), ["data.eval=x.jsonl", "data.text_key=body"]) == [
         "data.source=files", "data.train=[]", "data.prepared=", "data.eval=x.jsonl", "data.text_key=body"]
+
+
+def test_what_replaces_the_runs_own_data_gone_since(tmp_path):
+    """A refusal of the run's own data, named by no one on the command line, says the key that
+    scores others: data.eval= for its held-out text, but its tokenizer and its data.eval_sets are
+    not replaced by data.eval= (the line said so, and data.eval= failed the same way)."""
+    import yaml
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = config.load(None, [*TINY, "data.source=files", "data.train=t/*.txt", "data.eval_sets=[h=h/*.txt]"])
+    (run / "config.yaml").write_text(yaml.safe_dump(config.to_dict(cfg), sort_keys=False))
+    hint = lambda line, *given: evaluate._gone_hint(line, given, str(run))
+    assert hint("data.train: 't/*.txt' matches no file") == (
+        "the run's own held-out data, as its config.yaml names them: give data.eval= to score others")
+    assert hint("data.eval_sets h: 'h/*.txt' matches no file") == hint("data.eval_sets h: ...", "data.eval=x") == (
+        "the run's own held-out sets, as its config.yaml names them: give data.eval_sets= to score others, [] for none")
+    assert hint("data.tokenizer: cannot read tok.json: No such file or directory", "data.eval=x") == (
+        "the run's tokenizer, as its config.yaml names it: give data.tokenizer= where it is now")
+    assert hint("data.train: ...", "data.eval=x") is hint("data.eval_sets h: ...", "data.eval_sets=[]") is None
+    assert hint("data.tokenizer: ...", "data.tokenizer=t.json") is hint("checkpoint 3 not found") is None
 
 
 def test_held_out_data_of_the_other_kind_is_refused(tmp_path, capsys):

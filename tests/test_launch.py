@@ -256,7 +256,8 @@ def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypat
     """`nljax.launch --nproc 2 -- python -m nljax.evaluate ...`: the tools do not join the
     processes, so each copy ran the whole job alone (its result printed once per process, the same
     files written at once). One line, the same on every process (the launcher shows it once), exit 2,
-    nothing read or written."""
+    nothing read or written. A job script that exports NLJAX_NUM_PROCESSES to join train's
+    processes by hand is told to unset it (the line named the launcher alone)."""
     import importlib
 
     monkeypatch.setenv("NLJAX_NUM_PROCESSES", "2")
@@ -264,8 +265,9 @@ def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypat
     main = importlib.import_module(f"nljax.{tool}").main
     assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) == 2
     assert capsys.readouterr().err == (f"nljax.{tool}: error: nljax.{tool} runs as one process, but "
-                                       "NLJAX_NUM_PROCESSES=2 makes this one of 2 (nljax.launch sets it): run it "
-                                       "once, without nljax.launch\n")
+                                       "NLJAX_NUM_PROCESSES=2 makes this one of 2 (nljax.launch or a job script "
+                                       "sets it): run it once, without nljax.launch and with NLJAX_NUM_PROCESSES "
+                                       "unset\n")
     assert list(tmp_path.iterdir()) == []
     monkeypatch.setenv("NLJAX_NUM_PROCESSES", "1")  # one process: the tool's own answer (no such run)
     assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) != 0
@@ -289,3 +291,17 @@ def test_what_every_launched_process_prints_alike_before_joining_is_printed_by_p
 
     assert ("usage: nljax.train" if flag == "--help" else "steps: 3") in printed("0")
     assert printed("1") == ""
+
+
+def test_a_workers_line_of_a_long_number_passes_at_once():
+    """The filter of gloo's notes split a number every way (2^digits tries): a worker's line of a
+    30-digit number and "connected" held the launcher's output for a minute (27 digits: seconds).
+    The notes themselves are still dropped, a bare number and other lines kept."""
+    from nljax.launch import NOISE
+
+    start = time.perf_counter()
+    assert not NOISE.match("1" * 27 + " connected clients")
+    assert time.perf_counter() - start < 1
+    assert NOISE.match("[Gloo] Rank 12 is connected to 3 peer ranks. Expected number of connected peer ranks is : 3")
+    assert NOISE.match("0 is connected to 1 peer ranks. Expected number of connected peer ranks is : 1")
+    assert not NOISE.match("12") and not NOISE.match("[Gloo] something else")

@@ -109,6 +109,39 @@ def test_a_flag_given_to_one_process_only_is_one_line_on_every_process(tmp_path)
     assert not (tmp_path / "r").exists()
 
 
+def test_bench_joined_by_hand_compares_the_flags_alike_on_every_process(monkeypatch):
+    """nljax.bench keeps its whole command line (`argv`), which holds each process's own
+    --process-id: bench joined by hand (--coordinator ... --process-id I) was refused on every
+    process, 'processes disagree on the command line: argv'. Its paths written (--out,
+    --profile-dir) may differ by host, as config paths may; its other flags are compared."""
+    from nljax import bench, cli
+
+    parsers = []
+    monkeypatch.setattr(cli, "main", lambda run, p, argv: parsers.append((p, argv)) or 0)
+    flags = lambda i, *more: ["--coordinator", "10.0.0.1:1234", "--num-processes", "2", "--process-id", str(i),
+                              "--out", f"/local/{i}.json", "--profile", "1", "--profile-dir", f"/local/p{i}", *more,
+                              *TINY]
+    for argv in (flags(0), flags(1), flags(1, "--steps", "3")):
+        assert bench.main(argv) == 0
+    p0, p1, other = (cli.same_flags(p.parse_args(argv)) for p, argv in parsers)
+    assert p0 == p1 and p0 != other
+
+
+def test_the_source_digest_reads_files_alone(tmp_path):
+    """An editor's lock file beside a file being edited (Emacs: `.#trainer.py`, a symbolic link to
+    nothing) stopped every start of a multi-process run with a FileNotFoundError traceback; it is
+    no source. A file's edit or a file added changes the digest."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "trainer.py").write_text("x = 1\n")
+    before = distributed.source_digest(tmp_path)
+    (tmp_path / "run" / ".#trainer.py").symlink_to("user@host.1234:1700000000")
+    assert distributed.source_digest(tmp_path) == before
+    (tmp_path / "run" / "trainer.py").write_text("x = 2\n")
+    edited = distributed.source_digest(tmp_path)
+    (tmp_path / "new.py").write_text("")
+    assert len({before, edited, distributed.source_digest(tmp_path)}) == 3
+
+
 @pytest.mark.slow
 def test_another_nljax_checkout_of_the_same_version_on_one_process_is_one_line(tmp_path):
     """Process 1 runs a copy of this checkout with one comment added (a host left on another

@@ -369,13 +369,14 @@ def mesh_record(mesh: jax.sharding.Mesh) -> dict:
     }
 
 
-def source_digest() -> str:
+def source_digest(package: Path = Path(__file__).resolve().parents[1]) -> str:
     """SHA-256 of nljax's own Python files (their paths in the package and contents): two
     checkouts of the same version that differ (a host left on another commit, an edit on one)
-    would otherwise join and run different code in lockstep. About 1.4 MB, read once at start."""
-    package = Path(__file__).resolve().parents[1]
+    would otherwise join and run different code in lockstep. About 1.4 MB, read once at start.
+    Files alone: an editor's lock beside a file being edited (Emacs's `.#trainer.py`) is a
+    symbolic link to nothing, which stopped the start with a traceback."""
     sha = hashlib.sha256()
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted(p for p in package.rglob("*.py") if p.is_file()):
         sha.update(path.relative_to(package).as_posix().encode() + b"\0")
         sha.update(hashlib.sha256(path.read_bytes()).digest())
     return sha.hexdigest()
