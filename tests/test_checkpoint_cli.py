@@ -368,8 +368,8 @@ def test_the_reader_sends_nothing_once_the_notice_has_closed(late, stuck_s):
     (`_hand_over`: decided just before), after `__exit__` restored the handlers: it must not
     re-send it to the main thread (SIGTERM's default handler would kill the process) nor end the
     process itself (STUCK_S 0: the reader's wait for the main thread over at once)."""
-    p = subprocess.run([sys.executable, "-c", f"LATE, STUCK_S = {late!r}, {stuck_s}\n" + DECIDED_AFTER_THE_NOTICE_CLOSED],
-                       capture_output=True, text=True, env=subprocess_env(), timeout=60)
+    script = f"LATE, STUCK_S = {late!r}, {stuck_s}\n" + DECIDED_AFTER_THE_NOTICE_CLOSED
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert p.returncode == 0 and p.stdout == "alive\n", (p.returncode, p.stderr)
 
 

@@ -211,6 +211,24 @@ def test_metrics_and_summary_are_strict_json(tmp_path, capsys):
 
 
 
+
+def test_the_target_and_the_skipped_steps_limit_at_their_edges():
+    """train.target_eval_loss is met at or below it, never by a step without an evaluation nor
+    when 0; train.max_skipped stops the run at that many stalled steps in a row, never when 0; a
+    step where one active level of two trained is no stalled step."""
+    from nljax.config import ConfigError
+    from nljax.run.trainer import check_skipped, meets_target, stalled
+
+    assert meets_target({"eval_loss": 2.0}, 2.0) and meets_target({"eval_loss": 1.5}, 2.0)
+    assert not meets_target({"eval_loss": 2.5}, 2.0) and not meets_target({}, 2.0)
+    assert not meets_target({"eval_loss": 2.0}, 0.0)
+    check_skipped(2, 9, 3)
+    check_skipped(500, 9, 0)
+    with pytest.raises(ConfigError, match="stopped after step 9: the last 3 steps were all skipped"):
+        check_skipped(3, 9, 3)
+    assert stalled({"active_levels": [0, 1], "skipped_levels": [1]}) is False
+
+
 def test_a_resumed_run_dir_keeps_the_steps_before_its_checkpoint(tmp_path, capsys):
     """A resume of a run.dir that holds a run (its metrics.jsonl, no list of the names it wrote:
     an older run's) is taken, not refused: its log keeps the records of the steps before the
