@@ -203,6 +203,108 @@ def test_a_second_sigterm_stops_at_once():
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
 
 
+
+def test_a_second_ctrl_c_in_the_loop_and_other_signals():
+    """Inside the step loop a Ctrl-C after a notice (Ctrl-C's or SIGTERM's) stops at once; a signal
+    that is neither (SIGUSR1 with a handler of its own, which the wakeup fd reports too) is no
+    notice; on the way out the wakeup fd there was before is put back."""
+    import signal
+    import time
+
+    from nljax.runtime.preemption import Notice
+
+    def soon(cond):
+        deadline = time.monotonic() + 5
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return cond()
+
+    for first in (signal.SIGINT, signal.SIGTERM):
+        with Notice() as notice:
+            notice.in_loop = True
+            os.kill(os.getpid(), first)
+            assert soon(lambda: notice.received == first)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(5)
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    before_fd = signal.set_wakeup_fd(w)
+    before = signal.signal(signal.SIGUSR1, lambda *_: None)
+    try:
+        with Notice() as notice:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.3)  # past Notice.GRACE_S: the reader has read it
+            assert notice.received == 0 and not notice.stop_after(0)
+        assert signal.set_wakeup_fd(w) == w
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+        signal.set_wakeup_fd(before_fd)
+        os.close(r)
+        os.close(w)
+
+
+def test_stop_messages_name_the_signal_and_what_was_saved():
+    """The stop lines and exit codes: Ctrl-C (130) and SIGTERM (143) named as such, a run that saves
+    nothing (checkpoint.every=0) not told to --resume."""
+    import signal
+
+    from nljax.runtime.preemption import Preempted, Unreported
+
+    term, ctrl_c = Preempted(7), Preempted(7, signal.SIGINT, saved=False)
+    assert str(term).startswith("preempted (SIGTERM): stopped after step 7") and "--resume" in str(term)
+    assert term.exit_code == 143
+    assert str(ctrl_c).startswith("interrupted (Ctrl-C): stopped after step 7") and "--resume" not in str(ctrl_c)
+    assert "nothing saved" in str(ctrl_c) and ctrl_c.exit_code == 130
+    assert "(7) is saved" in str(Unreported(7, True)) and "no checkpoint saved" in str(Unreported(7, False))
+    assert Unreported(7, True).exit_code == 130
+
+
+def test_the_line_names_only_nljaxs_own_commands(monkeypatch):
+    """The reader's own line is `nljax.train: ...` under `python -m nljax.train`, and `nljax: ...`
+    under a module of another package whose name merely starts with nljax."""
+    import importlib.machinery
+    import types
+
+    from nljax.runtime import preemption
+
+    main = types.ModuleType("__main__")
+    monkeypatch.setitem(sys.modules, "__main__", main)
+    for name, prog in (("nljax.train", "nljax.train"), ("nljax_sweeps.run", "nljax"), ("nljaxtools", "nljax")):
+        main.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        assert preemption._prog() == prog
+    main.__spec__ = None  # python -c, a script
+    assert preemption._prog() == "nljax"
+
+
+RESENT_THEN_AGAIN = r"""
+import hashlib, os, signal, threading, time
+from nljax.runtime.preemption import Notice
+Notice.STUCK_S = 60  # the reader waits for the C call to return, however slow the machine
+with Notice() as notice:
+    for i in range(2):
+        try:
+            if i == 0:  # in a C call past GRACE_S: the reader decides, and re-sends SIGINT to the main thread
+                threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+                hashlib.pbkdf2_hmac("sha256", b"x", b"y", 1_500_000)
+            else:  # a sleep: the main thread's handler takes it
+                os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(3)
+            print("missed", flush=True)
+        except KeyboardInterrupt:
+            print("stopped", flush=True)
+"""
+
+
+def test_a_signal_after_one_the_reader_re_sent_still_counts():
+    """The reader re-sends a decision to the main thread as the signal itself, and passes over
+    those re-sent ones when they come back: only those. A Ctrl-C after one taken in a C call still
+    stops at once."""
+    p = subprocess.run([sys.executable, "-c", RESENT_THEN_AGAIN], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=60)
+    assert (p.returncode, p.stdout) == (0, "stopped\nstopped\n"), p.stderr
+
+
 IN_A_LONG_C_CALL = r"""
 import hashlib, sys
 from nljax.runtime.preemption import Notice
@@ -249,12 +351,13 @@ DECIDED_AFTER_THE_NOTICE_CLOSED = r"""
 import hashlib, os, signal, threading, time
 from nljax.runtime.preemption import Notice
 gate = threading.Event()
-take = Notice._take
-def late_take(self, sig):  # the reader thread's decision comes after the Notice has closed
+Notice.STUCK_S = STUCK_S
+late = getattr(Notice, LATE)
+def late_call(self, *args):  # the reader thread's decision, or its handing over, comes after the Notice has closed
     if threading.current_thread() is not threading.main_thread():
         gate.wait()
-    return take(self, sig)
-Notice._take = late_take
+    return late(self, *args)
+setattr(Notice, LATE, late_call)
 with Notice() as notice:
     notice.received, notice.received_at = signal.SIGTERM, time.monotonic() - 10  # a notice long ago
     threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGTERM)).start()
@@ -265,12 +368,15 @@ print("alive", flush=True)
 """
 
 
-def test_the_reader_sends_nothing_once_the_notice_has_closed():
-    """A signal the reader thread took as the run ended is decided after `__exit__` restored the
-    handlers: it must not re-send it to the main thread (SIGTERM's default handler would kill the
-    process) nor end the process itself."""
-    p = subprocess.run([sys.executable, "-c", DECIDED_AFTER_THE_NOTICE_CLOSED], capture_output=True, text=True,
-                       env=subprocess_env(), timeout=60)
+@pytest.mark.parametrize("late, stuck_s", [("_take", 1.0), pytest.param("_hand_over", 1.0, marks=pytest.mark.slow),
+                                            pytest.param("_hand_over", 0.0, marks=pytest.mark.slow)])
+def test_the_reader_sends_nothing_once_the_notice_has_closed(late, stuck_s):
+    """A signal the reader thread took as the run ended is decided (`_take`), or handed over
+    (`_hand_over`: decided just before), after `__exit__` restored the handlers: it must not
+    re-send it to the main thread (SIGTERM's default handler would kill the process) nor end the
+    process itself (STUCK_S 0: the reader's wait for the main thread over at once)."""
+    script = f"LATE, STUCK_S = {late!r}, {stuck_s}\n" + DECIDED_AFTER_THE_NOTICE_CLOSED
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(), timeout=60)
     assert p.returncode == 0 and p.stdout == "alive\n", (p.returncode, p.stderr)
 
 

@@ -210,6 +210,68 @@ def test_metrics_and_summary_are_strict_json(tmp_path, capsys):
                                        "short by a kill?): dropped from the resumed log\n")
 
 
+
+
+def test_the_target_and_the_skipped_steps_limit_at_their_edges():
+    """train.target_eval_loss is met at or below it, never by a step without an evaluation nor
+    when 0; train.max_skipped stops the run at that many stalled steps in a row, never when 0; a
+    step where one active level of two trained is no stalled step."""
+    from nljax.config import ConfigError
+    from nljax.run.trainer import check_skipped, meets_target, stalled
+
+    assert meets_target({"eval_loss": 2.0}, 2.0) and meets_target({"eval_loss": 1.5}, 2.0)
+    assert not meets_target({"eval_loss": 2.5}, 2.0) and not meets_target({}, 2.0)
+    assert not meets_target({"eval_loss": 2.0}, 0.0)
+    check_skipped(2, 9, 3)
+    check_skipped(500, 9, 0)
+    with pytest.raises(ConfigError, match="stopped after step 9: the last 3 steps were all skipped"):
+        check_skipped(3, 9, 3)
+    assert stalled({"active_levels": [0, 1], "skipped_levels": [1]}) is False
+
+
+def test_a_resumed_run_dir_keeps_the_steps_before_its_checkpoint(tmp_path, capsys):
+    """A resume of a run.dir that holds a run (its metrics.jsonl, no list of the names it wrote:
+    an older run's) is taken, not refused: its log keeps the records of the steps before the
+    step resumed (cut back when the log begins), blank lines passed over without a warning; an
+    evaluation is known after the steps it followed, from a kept record or an earlier attempt's
+    summary.json."""
+    from nljax.runtime import runlog
+    from nljax.runtime.rundir import RunDir
+
+    records = [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.5, "eval_loss": 2.7}, {"step": 2, "loss": 2.0},
+               {"step": 3, "loss": 1.5}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n\n" for r in records))
+    (tmp_path / "loss.png").write_bytes(b"an earlier attempt's")
+    assert not (tmp_path / runlog.WRITTEN).exists()
+    run_dir = RunDir(str(tmp_path), overwrite=False, write=True, resume_step=3)
+    assert run_dir.kept == records[:3] and capsys.readouterr().err == ""
+    assert (tmp_path / "loss.png").exists()
+    run_dir.begin_log()
+    assert [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == records[:3]
+    assert run_dir.evaluated_at(2) and not run_dir.evaluated_at(1) and not run_dir.evaluated_at(3)
+    (tmp_path / "summary.json").write_text(json.dumps({"steps": 3, "eval_loss": 1.9}))
+    assert run_dir.evaluated_at(3) and not run_dir.evaluated_at(4)
+
+
+def test_an_overwrite_that_saves_no_checkpoints_still_holds_its_checkpoint_dir(tmp_path):
+    """run.overwrite=true with checkpoint.every=0 removes the earlier run's checkpoints from a
+    checkpoint.dir outside run.dir: it is that run's while it runs, and a second run using it
+    is refused."""
+    from nljax import config
+    from nljax.runtime.rundir import check_free, take_lock
+
+    ck = tmp_path / "ck"
+    first = config.load(None, [f"run.dir={tmp_path / 'a'}", f"checkpoint.dir={ck}", "checkpoint.every=0",
+                               "run.overwrite=true"])
+    second = config.load(None, [f"run.dir={tmp_path / 'b'}", f"checkpoint.dir={ck}", "checkpoint.every=2"])
+    lock = take_lock(first)
+    try:
+        with pytest.raises(config.ConfigError, match=f"checkpoint.dir {ck} is in use by a live run"):
+            check_free(second)
+    finally:
+        lock.release()
+
+
 def test_a_live_run_in_run_dir_refuses_another(tmp_path):
     """The lock names the live holder (here: this test process), also to a --resume; nothing in
     run.dir changes."""

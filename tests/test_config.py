@@ -398,3 +398,61 @@ def test_nl_lm_shapes_that_do_not_split_are_refused(overrides, message):
         config.load(None, ["model.name=nl_lm", *overrides])
     config.load(None, ["model.name=nl_lm", "model.dim=16", "model.heads=4", "model.depth=2",
                        "model.nl_lm.memory_layers=[0,1]"])
+
+
+def test_a_value_of_another_type_is_not_taken_for_the_settings():
+    """A bool is no int nor float (YAML's true for train.steps is not 1), nor a list of one (run.trackers=true);
+    a list in another syntax is refused as such even without a comma (cms.periods=(8)); a dotted
+    key in a file whose first part is no section is an unknown key, not told to nest."""
+    for override, message in (("train.steps=true", "config key 'train.steps' must be int, got bool True"),
+                              ("optim.lr=true", "config key 'optim.lr' must be float, got bool True"),
+                              ("run.trackers=true", "config key 'run.trackers' must be a list, got True"),
+                              ("cms.periods=(8)", "config key 'cms.periods' must be a list, written [a, b, ...]: "
+                                                  "got '(8)'")):
+        with pytest.raises(ConfigError) as e:
+            config.load(None, [override])
+        assert str(e.value) == message
+
+
+def test_a_dotted_key_of_no_section_in_a_file_is_unknown(tmp_path):
+    path = tmp_path / "a.yaml"
+    path.write_text("trian.steps: 3\n")
+    with pytest.raises(ConfigError, match=r"unknown config key 'trian\.steps' \(valid: seed, run, train, ") as e:
+        config.load(str(path))
+    assert "nests its keys" not in str(e.value)
+
+
+def test_a_path_setting_of_another_users_home_is_expanded():
+    """`~user/...` is expanded as the shell would (as `~/...` is): a folder named '~root' in the
+    current directory was not meant."""
+    import os
+
+    cfg = config.load(None, ["run.dir=~root/runs/x"])
+    assert cfg.run.dir == os.path.expanduser("~root/runs/x") and not cfg.run.dir.startswith("~")
+
+
+def test_a_saved_key_in_both_places_and_momentum_beside_lion():
+    """A saved config holding a moved key in its old place and its new one keeps the new one's
+    value; optim.momentum and optim.nesterov beside any optimizer but sgd (never read) are left out,
+    beside sgd kept."""
+    moved = config.migrate({"model": {"memory_dim": 8, "nl_lm": {"memory_dim": 16}}})
+    assert moved["model"]["nl_lm"]["memory_dim"] == 16 and "memory_dim" not in {
+        k for k, v in moved["model"].items() if not isinstance(v, dict)}
+    for name in ("adamw", "lion"):
+        optim = config.migrate({"optim": {"name": name, "momentum": 0.9, "nesterov": True}})["optim"]
+        assert (optim["momentum"], optim["nesterov"]) == (0.0, False)
+    optim = config.migrate({"optim": {"name": "sgd", "momentum": 0.9, "nesterov": True}})["optim"]
+    assert (optim["momentum"], optim["nesterov"]) == (0.9, True)
+
+
+def test_a_negative_float_past_float32_is_refused():
+    """A setting that takes negative numbers is bounded by float32's range below too: -1e39 is
+    -inf on the device."""
+    with pytest.raises(ConfigError, match=r"'meanflow.time_mu' must be a finite number within float32's range"):
+        config.load(None, ["meanflow.time_mu=-1e39"])
+
+
+def test_a_packaged_config_is_found_by_either_yaml_suffix():
+    name = config.packaged_configs()[0]
+    for given in (name, f"{name}.yaml", f"{name}.yml", f"configs/{name}.yaml"):
+        assert config.config_path(given) == config.PACKAGED / f"{name}.yaml"

@@ -741,3 +741,83 @@ def test_the_forms_a_checkpoint_records_come_only_from_a_forms_method_giving_jso
     assert registry.forms_of(object()) is None and registry.forms_of(registry.build(config.load(None, TINY))) is None
     model = registry.build(config.load(None, TINY_NL))
     assert registry.forms_of(model) == model.forms() and registry.forms_of(model)["memory_impl"] == "scan"
+
+
+def test_plugins_found_in_turn_are_each_loaded_once_and_an_object_not_callable_is_named(tmp_path, on_path):
+    """The entry points read again (a second package put on the path) keep the plugins loaded
+    before, not taken for a second registration of their names; an entry point naming something
+    that is not a function is said so, not called."""
+    on_path(plugin(tmp_path / "a", "toy_a"))
+    on_path(plugin(tmp_path / "b", "toy_b"))
+    assert {"toy_a", "toy_b"} <= set(registry.names())
+    assert registry.spec("toy_a").origin.startswith("plugin 'toy_a = toy_a_pkg:register'")
+    with pytest.raises(ConfigError, match=r"plugin 'toy_c = toy_c_pkg:NOT_A_FUNCTION'.* names 3, not a function to call"):
+        on_path(plugin(tmp_path / "c", "toy_c", target="NOT_A_FUNCTION", top="NOT_A_FUNCTION = 3"))
+
+
+def test_a_plugin_that_registers_as_it_is_imported_is_not_registered_again(tmp_path, on_path):
+    """A module that registers its model at import (its entry point's function too): the
+    function is not called a second time ("registered twice")."""
+    root = plugin(tmp_path / "d", "toy_d")
+    with open(root / "toy_d_pkg.py", "a") as f:
+        f.write("\nregister()\n")
+    on_path(root)
+    assert "toy_d" in registry.names()
+
+
+def test_the_line_named_is_the_innermost_of_the_models_own_code(on_path):
+    """The model's build calling a helper of its own that raises: the line named is the helper's
+    raise, where the error is, not the build's call of it."""
+    def helper(cfg):
+        raise ValueError("no such width")
+
+    nljax.register_model("raising_deep", lambda cfg: helper(cfg))
+    with pytest.raises(ConfigError) as e:
+        registry.build(config.load(None, [*TINY, "model.name=raising_deep"]))
+    assert f"(at {__file__}:{helper.__code__.co_firstlineno + 1})" in str(e.value), str(e.value)
+
+
+def test_only_nljaxs_own_package_is_nljaxs_own():
+    """A package whose name merely starts with nljax (nljax_extras) is a plugin: its errors are
+    one line, not nljax's traceback."""
+    s = registry.spec("cms_mlp")
+    assert registry.nljax_own(s) and registry.nljax_own(dataclasses.replace(s, origin="nljax"))
+    for origin in ("nljax_extras.models", "nljaxtools", "plugin 'x = nljax_extras:register'"):
+        assert not registry.nljax_own(dataclasses.replace(s, origin=origin))
+
+
+def test_a_describe_record_that_is_no_mapping_is_one_line(on_path):
+    """`describe` giving JSON that is not a dict (a list) is refused when the model is built: a
+    checkpoint's record is a dict of entries."""
+    nljax.register_model("described_list", lambda cfg: CMSMLP(256, 8, 8, 1, 1), describe=lambda m: [16, 2])
+    with pytest.raises(ConfigError, match=r"^model 'described_list' \(.*\): describe\(\) must give a dict, got list$"):
+        registry.build(config.load(None, ["model.name=described_list", "cms.periods=[1]"]))
+
+
+def test_a_forms_record_that_is_no_mapping_is_none_and_a_task_not_registered_is_refused(on_path):
+    """`forms()` giving JSON that is not a dict (a list) records nothing; a model whose `task`
+    is not the one it was registered with is refused when it is built."""
+    class Listed(CMSMLP):
+        def forms(self):
+            return ["scan"]
+
+    class Images(CMSMLP):
+        task = "images"
+
+    assert registry.forms_of(Listed(256, 8, 8, 1, 1)) is None
+    nljax.register_model("said_images", lambda cfg: Images(256, 8, 8, 1, 1))
+    with pytest.raises(ConfigError, match=r"the model's task is 'images' but it was registered with task='text'"):
+        registry.build(config.load(None, ["model.name=said_images", "cms.periods=[1]"]))
+
+
+def test_a_bool_level_and_a_memory_of_two_rows_always_are_refused(on_path):
+    """True is no level (an int to Python, a mistake here); a memory whose first axis is 2
+    whatever the rows asked is no rows axis (seen at 3 rows)."""
+    import jax.numpy as jnp
+
+    nljax.register_model("bool_level", _bad_model(level_of=lambda p: "cms1" in p))
+    nljax.register_model("two_rows", _bad_model(memory=lambda rows: {"S": jnp.zeros((2, 4))}))
+    with pytest.raises(ConfigError, match=r"level_of\('block0/cms0/down/bias'\) = False, a bool: a level is an int"):
+        registry.build(config.load(None, [*TINY, "model.name=bool_level", "cms.periods=[1,2]"]))
+    with pytest.raises(ConfigError, match=r"init_memory\(3\) leaf 'S' has shape \(2, 4\)"):
+        registry.build(config.load(None, [*TINY, "model.name=two_rows"]))

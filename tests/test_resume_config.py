@@ -206,3 +206,61 @@ def test_a_resume_from_a_step_number_reads_that_checkpoint_of_the_run(tmp_path, 
     monkeypatch.chdir(tmp_path)
     cfg = config.load(None, [f"run.dir={run}", "checkpoint.resume=7"])
     assert step_resume(cfg, None, []).checkpoint.resume == "7"
+
+
+def test_what_a_resume_reads_from_the_run_dir_alone(tmp_path, monkeypatch, capsys):
+    """From the directories alone, before anything is built: a folder in config.yaml's place is
+    refused as the run's saved config; a checkpoints folder of no step (only folders of other
+    names) is no run whose config.yaml is missing; checkpoint.resume=4 naming a path that exists
+    here is that path, not step 4 of the run."""
+    from nljax import config
+    from nljax.run.resuming import resumed_config, saved_config_file, step_resume
+
+    run = tmp_path / "run"
+    (run / "config.yaml").mkdir(parents=True)
+    cfg = config.load(None, [f"run.dir={run}", "checkpoint.resume=latest"])
+    with pytest.raises(config.ConfigError, match=r"config.yaml is not a regular file: it cannot be the run's saved"):
+        saved_config_file(cfg)
+    (run / "config.yaml").rmdir()
+    (run / "checkpoints" / "tmp").mkdir(parents=True)
+    (run / "checkpoints" / "12").write_text("")  # a file of a step's name: no step
+    assert resumed_config(cfg, None, []) == cfg and capsys.readouterr().err == ""
+    (run / "checkpoints" / "12").unlink()
+    (run / "checkpoints" / "12").mkdir()
+    assert resumed_config(cfg, None, []) == cfg and "config.yaml is missing" in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path)
+    Path("4").mkdir()
+    given = config.load(None, [f"run.dir={run}", "checkpoint.resume=4"])
+    assert step_resume(given, None, []).checkpoint.resume == "4"
+
+
+def test_a_resume_takes_this_commands_settings_and_the_runs_checkpoint_dir(tmp_path, capsys):
+    """run.quiet and run.overwrite are this command's, never the saved ones; the run's own
+    checkpoint.dir (config.yaml's, wherever it is) resumes, as does one of another name beside
+    another run; another run's checkpoints/ folder is refused; a run whose checkpoints are outside
+    run.dir is not said to lack a config.yaml beside them."""
+    from nljax import config
+    from nljax.run.resuming import resumed_config
+
+    a, b, other = tmp_path / "a", tmp_path / "b", tmp_path / "other"
+    for d in (a, b, other):
+        d.mkdir()
+    (a / "nljax_written.txt").write_text("metrics.jsonl\n")
+    (other / "nljax_written.txt").write_text("metrics.jsonl\n")
+    saved = config.load(None, [f"run.dir={b}", f"checkpoint.dir={a / 'checkpoints'}", "run.quiet=true",
+                               "run.overwrite=true"])
+    (b / "config.yaml").write_text(json.dumps(config.to_dict(saved)))  # YAML reads JSON
+    args = [f"run.dir={b}", "checkpoint.resume=latest"]
+    resumed = resumed_config(config.load(None, args), None, args)
+    assert resumed.checkpoint.dir == str(a / "checkpoints")
+    assert not resumed.run.quiet and not resumed.run.overwrite
+    args = [f"run.dir={b}", "checkpoint.resume=latest", f"checkpoint.dir={other / 'ck'}"]
+    assert resumed_config(config.load(None, args), None, args).checkpoint.dir == str(other / "ck")
+    args = [f"run.dir={b}", "checkpoint.resume=latest", f"checkpoint.dir={other / 'checkpoints'}"]
+    with pytest.raises(config.ConfigError, match="is the checkpoints folder of another run"):
+        resumed_config(config.load(None, args), None, args)
+    (b / "config.yaml").unlink()
+    (tmp_path / "ck" / "12").mkdir(parents=True)
+    args = [f"run.dir={b}", "checkpoint.resume=latest", f"checkpoint.dir={tmp_path / 'ck'}"]
+    resumed_config(config.load(None, args), None, args)
+    assert capsys.readouterr().err == ""

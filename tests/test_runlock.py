@@ -115,3 +115,37 @@ def test_a_lock_that_cannot_be_written_is_one_line_and_left_nowhere(tmp_path):
     assert p.returncode == 1 and p.stderr.strip() == f"nljax.train: error: cannot write {lock}: [Errno 27] File too large", p.stderr
     assert not lock.exists()
     cli("nljax.train", *args)  # the next run is not refused
+
+
+def test_a_live_process_of_another_user_holds_its_lock(tmp_path, monkeypatch):
+    """A pid that signal 0 may not reach (EPERM: another user's live process, on a shared machine)
+    is alive: its lock is not taken over."""
+    path, here = tmp_path / runlock.NAME, socket.gethostname()
+    _write(path, here, 4242, **runlock._identity())
+
+    def not_ours(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(runlock.os, "kill", not_ours)
+    with pytest.raises(ConfigError, match="in use by a live run .host .*, pid 4242"):
+        runlock.RunLock(tmp_path).acquire()
+
+
+def test_a_process_start_mark_is_its_start_time():
+    """`_started_at` is the process's start (in clock ticks after boot): a process started now
+    reads as started now, and the mark does not change as the process runs and grows."""
+    boot = next(float(line.split()[1]) for line in open("/proc/stat") if line.startswith("btime "))
+    t0 = time.time()
+    p = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.stdin.readline(); x = bytearray(1 << 26); "
+                          "sys.stdin.readline()"], stdin=subprocess.PIPE, text=True)
+    try:
+        first = runlock._started_at(p.pid)
+        started = boot + int(first) / os.sysconf("SC_CLK_TCK")
+        assert t0 - 2 <= started <= time.time() + 2
+        p.stdin.write("\n")
+        p.stdin.flush()
+        time.sleep(0.5)  # it has grown by 64 MiB
+        assert runlock._started_at(p.pid) == first
+    finally:
+        p.kill()
+        p.wait()
