@@ -58,14 +58,13 @@ from nljax import config
 from nljax import export as export_lib
 from nljax.checkpoint.contents import check_built, check_tokenizer
 from nljax.data import imagefolder
-from nljax.data.prepared import MANIFEST
+from nljax.data.prepared import MANIFEST, tokenization_of
 from nljax.data.settings import EVAL_FRACTION
 from nljax.data.tokenization import identity
 from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.run import trained as trained_lib
 from nljax.run.core import Run
-from nljax.run.startup import tokenizer_identity
 from nljax.runtime import filedigest, resultfile
 from nljax.runtime.exportdir import TOKENIZER, exported_from, is_export
 from nljax.version import __version__
@@ -209,12 +208,15 @@ def load_export(path: str | Path, overrides: Sequence[str] = (), devices=None,
         # the data read with the export's copy, checked first: one gone or changed is the export's
         # line ("data.tokenizer: cannot read", "trained on the tokenizer of sha256 ..." misled)
         filedigest.check(path, {TOKENIZER: recorded[TOKENIZER]}, "the export")
+    tokens = info.get("tokenizer")
+    if isinstance(tokens, dict) and registry.task_of(cfg) == "text":
+        # before the data are read: another tokenizer of a larger vocabulary was refused as
+        # "model.vocab_size=274 is smaller than the 285 tokens ...; leave it at 256" instead
+        check_tokenizer(path, identity(tokens), identity(tokenization_of(cfg.data).info()), "the data now use",
+                        kind="export")
     if announce is not None:
         announce()
     run = Run.create(cfg, devices, trains=False, average=False)  # the budget of the parameters alone
-    tokens = info.get("tokenizer")
-    check_tokenizer(path, identity(tokens) if isinstance(tokens, dict) else None,
-                    tokenizer_identity(run.task), "the data now use", kind="export")
     here = registry.record(run.engine.model, cfg.model.name)
     check_built(path, {"built": {k: fields[k] for k in here if k in fields}}, here, kind="export")
     weights = export_lib.read_weights(path, info, run.engine.model)

@@ -44,15 +44,15 @@ def other_text(tmp_path_factory):
     return root
 
 
-def bpe_tokenizer(texts, path):
-    """A byte-level BPE tokenizer of 300 tokens trained here on `texts`, saved at `path` (no download)."""
+def bpe_tokenizer(texts, path, vocab: int = 300):
+    """A byte-level BPE tokenizer of `vocab` tokens trained here on `texts`, saved at `path` (no download)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=alphabet))
     tok.save(str(path))
     return path
 
@@ -191,15 +191,20 @@ def test_a_tokenizer_runs_export_reads_with_its_own_copy(tmp_path, capsys):
     other, _ = result_of([f"run.dir={tmp_path / 'exp'}", f"data.eval={tmp_path}/text/doc0.txt",
                           f"out={tmp_path / 'o.json'}"], capsys)
     assert other["data"]["train_tokens"] == 0 and np.isfinite(other["eval_loss"])
-    other_tok = bpe_tokenizer(texts[:2], tmp_path / "other.json")
-    capsys.readouterr()
-    assert evaluate.main([f"run.dir={tmp_path / 'exp'}", f"data.eval={tmp_path}/text/doc0.txt",
-                          f"data.tokenizer={other_tok}"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
+    # another tokenizer, of a smaller vocabulary or a larger one (refused as "model.vocab_size=N is
+    # smaller than the M tokens of the tokenizer's vocabulary; leave it at 256")
     sha = lambda p: hashlib.sha256(p.read_bytes()).hexdigest()[:12]
-    assert err == (f"nljax.evaluate: error: export {tmp_path / 'exp'} was trained on the tokenizer of sha256 "
-                   f"{sha(tmp_path / 'gone.json')}, the data now use the tokenizer of sha256 {sha(other_tok)}: its "
-                   "token ids would stand for other text"), err
+    size = lambda p: len(json.loads(p.read_text())["model"]["vocab"])
+    larger = bpe_tokenizer(texts, tmp_path / "more.json", vocab=400)
+    assert size(larger) > size(tmp_path / "exp" / "tokenizer.json")
+    for other_tok in (bpe_tokenizer(texts[:2], tmp_path / "other.json"), larger):
+        capsys.readouterr()
+        assert evaluate.main([f"run.dir={tmp_path / 'exp'}", f"data.eval={tmp_path}/text/doc0.txt",
+                              f"data.tokenizer={other_tok}"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"nljax.evaluate: error: export {tmp_path / 'exp'} was trained on the tokenizer of sha256 "
+                       f"{sha(tmp_path / 'gone.json')}, the data now use the tokenizer of sha256 {sha(other_tok)}: "
+                       "its token ids would stand for other text"], err
     # the run's tokenizer gone: data.eval= does not replace it (the line said it did)
     assert evaluate.main([f"run.dir={run}", f"data.eval={tmp_path}/text/doc0.txt"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
