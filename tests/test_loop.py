@@ -599,7 +599,7 @@ def test_a_preempted_run_saves_before_it_ends_its_profile(tmp_path, monkeypatch)
 
 def test_a_profile_window_ends_after_its_last_step(tmp_path, monkeypatch):
     """train.profile_steps=2 from step 2: the trace stops after step 3, two steps recorded, not
-    after step 4."""
+    after step 4; their mean step time (the summary's) leaves out the step that compiled."""
     import types
 
     from nljax.run import loop
@@ -607,12 +607,14 @@ def test_a_profile_window_ends_after_its_last_step(tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(loop.jax.profiler, "start_trace", lambda *a, **k: calls.append("start"))
     monkeypatch.setattr(loop.jax.profiler, "stop_trace", lambda: calls.append("stop"))
-    monkeypatch.setattr(loop.traces, "summarize", lambda *a: {})
+    monkeypatch.setattr(loop.traces, "summarize", lambda path, steps, step_s: calls.append((steps, step_s)) or {})
     monkeypatch.setattr(loop.traces, "format_summary", lambda s: [])
     (tmp_path / "profile").mkdir()  # where the trace (not written here) and its summary go
     profiler = loop.Profiler(2, 2, tmp_path, say=lambda text: None)
     profiler.start(2)
-    for step in (2, 3, 4):
-        profiler.stop(types.SimpleNamespace(step=step, last=False, record={"compiled": False, "step_time_s": 0.1}))
+    for step, compiled, seconds in ((2, True, 5.0), (3, False, 0.25), (4, False, 0.25)):
+        profiler.stop(types.SimpleNamespace(step=step, last=False,
+                                            record={"compiled": compiled, "step_time_s": seconds}))
         calls.append(step)
-    assert calls == ["start", 2, "stop", 3, 4] and profiler.steps == 2
+    # the steps' mean time leaves out the step that compiled
+    assert calls == ["start", 2, "stop", (2, 0.25), 3, 4] and profiler.steps == 2
