@@ -876,3 +876,10 @@ def test_the_stream_reader_scores_a_stream_of_fewer_than_two_tokens_as_nothing(l
     assert [(len(logp), len(hits)) for logp, hits in out] == [(0, 0), (0, 0), (2, 2)]
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         reader.generate([[5], []], 3, lambda logits, i: 0, lambda i, tokens: False)
+    # a reader asked for no rows reads one at a time, as the one of two does
+    one = StreamReader(lm.model, lm.params, make_mesh(1, 1, jax.devices()[:1]), lm.seq_len, lm.end_id, 0,
+                       vocab=lm.config.model.vocab_size)
+    assert one.rows == 1
+    # max_new_tokens tokens at most, stop or not
+    assert one.generate([[5], [5, 6]], 3, lambda logits, i: 7, lambda i, tokens: False) == [[7, 7, 7], [7, 7, 7]]
+    np.testing.assert_allclose(one.score([[5, 6, 7]])[0][0], out[2][0], rtol=1e-5)

@@ -405,6 +405,8 @@ def test_dispatch_ahead_trains_the_same_and_keeps_the_states_hooks_read():
     sync, sync_kept, _ = loop_run(setup, 7, False, hooks)
     ahead, ahead_kept, state = loop_run(setup, 7, True, hooks)
     assert sorted(sync_kept) == list(range(7))  # without dispatch ahead, every result has its state
+    # a step's first call of its variant (each of cms.periods=[1,2]'s two patterns) includes its compilation
+    assert [r["compiled"] for r in sync] == [True, True, False, False, False, False, False]
     # 2 and 5: the hook; 6: the last; 0: read before step 1's new variant compiles
     assert sorted(ahead_kept) == [0, 2, 5, 6]
     for a, b in zip(sync, ahead, strict=True):
@@ -593,3 +595,26 @@ def test_a_preempted_run_saves_before_it_ends_its_profile(tmp_path, monkeypatch)
           "run.trackers=[]", "run.compile_cache=none", f"run.dir={run}"])
     assert order == ["save", "end 5"] and (run / "checkpoints" / "6").is_dir()
     assert (run / "profile" / "summary.json").is_file()
+
+
+def test_a_profile_window_ends_after_its_last_step(tmp_path, monkeypatch):
+    """train.profile_steps=2 from step 2: the trace stops after step 3, two steps recorded, not
+    after step 4; their mean step time (the summary's) leaves out the step that compiled."""
+    import types
+
+    from nljax.run import loop
+
+    calls = []
+    monkeypatch.setattr(loop.jax.profiler, "start_trace", lambda *a, **k: calls.append("start"))
+    monkeypatch.setattr(loop.jax.profiler, "stop_trace", lambda: calls.append("stop"))
+    monkeypatch.setattr(loop.traces, "summarize", lambda path, steps, step_s: calls.append((steps, step_s)) or {})
+    monkeypatch.setattr(loop.traces, "format_summary", lambda s: [])
+    (tmp_path / "profile").mkdir()  # where the trace (not written here) and its summary go
+    profiler = loop.Profiler(2, 2, tmp_path, say=lambda text: None)
+    profiler.start(2)
+    for step, compiled, seconds in ((2, True, 5.0), (3, False, 0.25), (4, False, 0.25)):
+        profiler.stop(types.SimpleNamespace(step=step, last=False,
+                                            record={"compiled": compiled, "step_time_s": seconds}))
+        calls.append(step)
+    # the steps' mean time leaves out the step that compiled
+    assert calls == ["start", 2, "stop", (2, 0.25), 3, 4] and profiler.steps == 2

@@ -392,6 +392,7 @@ def test_the_record_names_the_classes_and_a_use_on_others_names_the_first_that_d
     meta = {"built": record((4, 4, 3), 3, ("ant", "cat", "dog"))}
     assert meta["built"] == {"images": {"shape": [4, 4, 3], "num_classes": 3, "classes": ["ant", "cat", "dog"]}}
     assert dit_rebuild(cfg, meta["built"]).classes == ("ant", "cat", "dog")  # an export's model keeps them
+    assert registry.rebuild(cfg, meta["built"]).classes == ("ant", "cat", "dog")  # as the registry rebuilds it
     unconditional = load(None, [*DIT, "meanflow.cfg_omega=1", "meanflow.cfg_kappa=0", "meanflow.class_cond=false"])
     assert registry.record(dit(unconditional, (4, 4, 3), 3, ("ant", "cat", "dog")), "dit") == {
         "images": {"shape": [4, 4, 3], "num_classes": 0}}  # its labels are not read: nothing to name

@@ -751,7 +751,7 @@ def test_plugins_found_in_turn_are_each_loaded_once_and_an_object_not_callable_i
     on_path(plugin(tmp_path / "b", "toy_b"))
     assert {"toy_a", "toy_b"} <= set(registry.names())
     assert registry.spec("toy_a").origin.startswith("plugin 'toy_a = toy_a_pkg:register'")
-    with pytest.raises(ConfigError, match=r"plugin 'toy_c = toy_c_pkg:NOT_A_FUNCTION'.* names 3, not a function to call"):
+    with pytest.raises(ConfigError, match=r"plugin 'toy_c = toy_c_pkg:NOT_A_FUNCTION'.* names 3, not a function"):
         on_path(plugin(tmp_path / "c", "toy_c", target="NOT_A_FUNCTION", top="NOT_A_FUNCTION = 3"))
 
 

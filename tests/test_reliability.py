@@ -3,6 +3,7 @@ and a non-zero exit, and nothing already on disk is lost."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -1227,7 +1228,8 @@ def test_the_closing_commands_of_a_script_run_by_its_path_are_its_own_command(tm
     assert run_by_shebang(script, ["python", script, "train"])  # `#!/usr/bin/env python`
     assert not run_by_shebang(script, [python, script, "train"])  # another python typed by hand
     assert not run_by_shebang(script, ["python", "-u", script, "train"])
-    assert not run_by_shebang("my_model", ["python", "my_model", "train"])  # a bare name: PATH's, not this one
+    with contextlib.chdir(tmp_path):  # a bare name: PATH's, not this one (the executable my_model here)
+        assert not run_by_shebang("my_model", ["python", "my_model", "train"])
     (tmp_path / "my_model").write_text(f"#!{python} -u\n")
     assert run_by_shebang(script, [python, "-u", script])
     assert not run_by_shebang(script, [python, script])
