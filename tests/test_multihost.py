@@ -156,14 +156,7 @@ def test_another_nljax_checkout_of_the_same_version_on_one_process_is_one_line(t
     # from tmp_path: `python -m` puts the working directory first on the path
     inner = (f'if [ "$NLJAX_PROCESS_ID" = 1 ]; then export PYTHONPATH={tmp_path}/other; fi; cd {tmp_path} && '
              f"exec {sys.executable} -m nljax.train run.dir={tmp_path}/r train.steps=2 {' '.join(ARGS)}")
-    p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", "sh", "-c", inner],
-                       env=subprocess_env(), capture_output=True, text=True, timeout=300)
-    assert p.returncode == 2, p.stdout + p.stderr
-    for i in (0, 1):
-        assert re.search(rf"^\[{i}\] nljax\.train: error \(process {i}\): processes disagree on the start-up state "
-                         r"\(config, versions, mesh, data\): versions\.nljax_source: process 0 = \"\w+…, "
-                         r"process 1 = \"\w+…$", p.stderr, re.M), p.stderr
-    assert not (tmp_path / "r").exists()
+    _refused_at_startup(inner, r"versions\.nljax_source", tmp_path / "r")
 
 
 @pytest.mark.slow
@@ -177,14 +170,21 @@ def test_an_eval_set_of_other_text_on_one_process_is_one_line_on_every_process(t
         (tmp_path / f"p{i}" / "held.txt").write_text(text)
     inner = (f"cd {tmp_path}/p$NLJAX_PROCESS_ID && exec {sys.executable} -m nljax.train run.dir={tmp_path}/r "
              f"train.steps=2 'data.eval_sets=[held=held.txt]' {' '.join(ARGS)}")
+    _refused_at_startup(inner, r"data\.eval_sets\.held", tmp_path / "r")
+
+
+def _refused_at_startup(inner: str, key: str, run_dir: Path) -> None:
+    """`inner` (a shell command) launched as 2 processes x 2 devices stops at the start-up check
+    with one line on every process naming `key` (a regex) as what differs; exit 2, `run_dir`
+    never made."""
     p = subprocess.run([*LAUNCH, "--nproc", "2", "--cpu-devices", "2", "--", "sh", "-c", inner],
                        env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
     for i in (0, 1):
         assert re.search(rf"^\[{i}\] nljax\.train: error \(process {i}\): processes disagree on the start-up state "
-                         r"\(config, versions, mesh, data\): data\.eval_sets\.held: process 0 = \"\w+…, "
+                         rf"\(config, versions, mesh, data\): {key}: process 0 = \"\w+…, "
                          r"process 1 = \"\w+…$", p.stderr, re.M), p.stderr
-    assert not (tmp_path / "r").exists()
+    assert not run_dir.exists()
 
 
 def test_unequal_device_counts_are_reported_on_every_process(tmp_path):
