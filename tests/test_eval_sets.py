@@ -382,6 +382,10 @@ def test_a_prepared_directory_is_a_set_of_its_held_out_split(texts, tokenizer, t
     assert str(e.value) == (f"data.eval_sets ready: {len(ready.tokens)} tokens in the held-out split of {prep}, "
                             f"shorter than train.seq_len+1={len(ready.tokens) + 1}: prepare it with a larger "
                             "data.eval_fraction")
+    with pytest.raises(config.ConfigError) as e:  # its files globbed: the directory is what is read
+        evalsets.load(config.load(None, [f"data.eval_sets=[ready={prep}/*]"]).data, 8)
+    assert str(e.value).startswith(f"data.eval_sets ready: {prep}/") and str(e.value).endswith(
+        f"; {prep} holds data nljax.prepare wrote: give the directory itself"), e.value
     (prep / "eval.bin").unlink()
     with pytest.raises(config.ConfigError) as e:
         sets(f"data.tokenizer={tokenizer}")

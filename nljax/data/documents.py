@@ -87,7 +87,10 @@ def expand(patterns: Sequence[str], key: str) -> list[Path]:
                 found = [p]
         for p in found:
             if not p.name.endswith(SUFFIXES):
-                raise ConfigError(f"{key}: {p} is not a file nljax reads as text (it reads {TEXT_FORMATS})")
+                # a file of a directory nljax.prepare wrote (DIR/* for DIR): the directory itself is read
+                whole = (f"; {p.parent} holds data nljax.prepare wrote: give the directory itself"
+                         if is_prepared(p.parent) else "")
+                raise ConfigError(f"{key}: {p} is not a file nljax reads as text (it reads {TEXT_FORMATS}){whole}")
             if p.name.endswith(columnar.SUFFIXES):
                 columnar.require_pyarrow(p)
             if p.resolve() not in seen:
