@@ -205,6 +205,13 @@ def test_a_tokenizer_runs_export_reads_with_its_own_copy(tmp_path, capsys):
         assert err == [f"nljax.evaluate: error: export {tmp_path / 'exp'} was trained on the tokenizer of sha256 "
                        f"{sha(tmp_path / 'gone.json')}, the data now use the tokenizer of sha256 {sha(other_tok)}: "
                        "its token ids would stand for other text"], err
+        # the run itself, as its checkpoint (the larger vocabulary was the model.vocab_size line too)
+        assert evaluate.main([f"run.dir={run}", f"data.eval={tmp_path}/text/doc0.txt",
+                              f"data.tokenizer={other_tok}"]) == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == (
+            f"nljax.evaluate: error: checkpoint {run / 'checkpoints' / '1'} was trained on the tokenizer of sha256 "
+            f"{sha(tmp_path / 'gone.json')}, the run's data now use the tokenizer of sha256 {sha(other_tok)}: "
+            "its token ids would stand for other text")
     # the run's tokenizer gone: data.eval= does not replace it (the line said it did)
     assert evaluate.main([f"run.dir={run}", f"data.eval={tmp_path}/text/doc0.txt"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (

@@ -10,6 +10,7 @@ error buffers and memory are neither read nor made). Reads only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 from pathlib import Path
@@ -20,8 +21,10 @@ import os
 
 from nljax import config
 from nljax.checkpoint import storage
-from nljax.checkpoint.contents import Damaged, fmt, get, passed_over
+from nljax.checkpoint.contents import Damaged, check_tokenizer, data_tokenizer, fmt, get, passed_over
 from nljax.checkpoint.restore import first_valid, restore_params
+from nljax.data import tokenization
+from nljax.data.prepared import tokenization_of
 from nljax.errors import ConfigError
 from nljax.models import meanflow, registry
 from nljax.models.builtin import for_this_backend
@@ -215,6 +218,8 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
         # data.tokenizer's or data.prepared's files, whose relative paths the line below explains
         identity = startup.tokenizer_identity(run.task)
     except ConfigError as e:
+        if reads:
+            _tokens_against_the_checkpoint(cfg)
         # only the paths config.yaml holds: one given on the command line is relative to here, not
         # to where the run started (`data.eval=held/*.txt` matching nothing was blamed on config.yaml)
         value = lambda c, sec, key: getattr(getattr(c, sec), key)
@@ -236,6 +241,25 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     unlike = [*sampler, *_split_against_the_run(saved, trained_cfg, run.task, cfg_file)]
     return Trained(cfg, trained_cfg, run, restored.params, restored.step, restored.path, tuple(skipped),
                    tuple(incomplete), tuple(unlike), average)
+
+
+def _tokens_against_the_checkpoint(cfg: config.Config) -> None:
+    """The checkpoint's line (`check_tokenizer`) where the data failed to read because they use
+    other token ids than it was trained on: data.tokenizer= a larger vocabulary was said as
+    "model.vocab_size=N is smaller than the M tokens ...; leave it at 256", a way out that leads
+    nowhere. Nothing where that cannot be told (the tokenizer unreadable, every checkpoint
+    damaged): the data's own line stands."""
+    try:
+        here = tokenization.identity(tokenization_of(cfg.data).info())
+        for path in storage.candidates(cfg):
+            with contextlib.suppress(Damaged):  # passed over, as restore_params' search does
+                saved = data_tokenizer(storage.read_meta(path))
+                break
+        else:
+            return
+    except ConfigError:
+        return
+    check_tokenizer(path, saved, here, "the run's data now use")
 
 
 def recorded_model(cfg: config.Config):
