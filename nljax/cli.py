@@ -280,6 +280,10 @@ def traceback_if_asked(e: config.ConfigError) -> None:
         traceback.print_exception(e, file=sys.stderr)
 
 
+# how to run a one-process tool as one task of a cluster launcher (`one_process`)
+ONE_TASK = {"SLURM": "srun --ntasks 1, or outside srun", "Open MPI": "mpirun -n 1, or outside mpirun"}
+
+
 def one_process(prog: str) -> None:
     """A one-process tool started as one of several (`nljax.launch --nproc 2 -- python -m
     nljax.evaluate ...`) is refused: it does not join them, so each copy ran the whole job alone,
@@ -292,6 +296,16 @@ def one_process(prog: str) -> None:
         raise config.ConfigError(f"{prog} runs as one process, but {distributed.ENV_NUM_PROCESSES}={n} makes this one "
                                  f"of {n} (nljax.launch or a job script sets it): run it once, without nljax.launch "
                                  f"and with {distributed.ENV_NUM_PROCESSES} unset")
+    # the tasks of a job step train would join (`srun -N 2 python -m nljax.prepare ...` ran two
+    # copies writing one directory), and torchrun's (refused by train too: `_unread_launch`)
+    if (cluster := distributed.detected_cluster()) is not None:
+        tasks = next(t for name, _, t in distributed.CLUSTERS if name == cluster)
+        raise config.ConfigError(f"{prog} runs as one process, but {tasks}={os.environ[tasks]} makes this one of the "
+                                 f"{cluster} job's tasks: run it as one task ({ONE_TASK[cluster]})")
+    world = os.environ.get("WORLD_SIZE", "")
+    if world.isdigit() and int(world) > 1:
+        raise config.ConfigError(f"{prog} runs as one process, but WORLD_SIZE={world} (torchrun's or another "
+                                 "launcher's) makes this one of several: run it once, without the launcher")
 
 
 def tool(prog: str, body: Callable[[], int], after_os_error: Callable[[], None] = lambda: None,

@@ -274,6 +274,32 @@ def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypat
     assert "runs as one process" not in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("tool", ["evaluate", "prepare"])
+@pytest.mark.parametrize("env, line", [
+    ({"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"},
+     "SLURM_NTASKS=2 makes this one of the SLURM job's tasks: run it as one task (srun --ntasks 1, or outside srun)"),
+    ({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4 makes this one of the "
+     "Open MPI job's tasks: run it as one task (mpirun -n 1, or outside mpirun)"),
+    ({"WORLD_SIZE": "2", "RANK": "0"},
+     "WORLD_SIZE=2 (torchrun's or another launcher's) makes this one of several: run it once, without the launcher"),
+])
+def test_a_one_process_tool_run_as_one_of_a_clusters_tasks_is_refused(tool, env, line, monkeypatch, capsys, tmp_path):
+    """`srun -N 2 python -m nljax.prepare ...` (or mpirun, torchrun): each task ran the whole job,
+    writing the same files at once. The job step train joins (`distributed.detected_cluster`) is
+    refused as nljax.launch's processes are, in one line; one task of it is the tool's own run."""
+    import importlib
+
+    main = importlib.import_module(f"nljax.{tool}").main
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) == 2
+    assert capsys.readouterr().err == f"nljax.{tool}: error: nljax.{tool} runs as one process, but {line}\n"
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setenv(next(k for k in env if k in ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "WORLD_SIZE")), "1")
+    assert main([f"run.dir={tmp_path}/run", f"out={tmp_path}/out"]) != 0
+    assert "runs as one process" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--help", "--print-config"])
 def test_what_every_launched_process_prints_alike_before_joining_is_printed_by_process_0(flag, monkeypatch, capsys):
     """`nljax.launch --nproc 2 -- python -m nljax.train --help` printed the help once per process,
