@@ -523,8 +523,18 @@ def _home_expanded(cfg: Config) -> Config:
     return cfg
 
 
+# other tools' keys for the config a file builds on (Hydra's defaults, OmegaConf/YAML habits):
+# the file's own unknown-key line listed the sections alone, which base_config is not among
+INHERITS = frozenset({"base", "bases", "extends", "extend", "defaults", "inherit", "inherits", "include",
+                      "parent", "base_cfg", "baseconfig", "base-config"})
+
+
 def _built_from(path: str, tree: dict) -> dict:
     """`tree`, the settings of the file `path`, once they build a config; else one line naming the file."""
+    for key in tree:
+        if isinstance(key, str) and key.lower() in INHERITS:
+            raise ConfigError(f"config file {path}: unknown config key '{key}' (did you mean '{BASE_KEY}'? a file "
+                              f"builds on another config with '{BASE_KEY}: NAME', a packaged config or a YAML file)")
     try:
         _build(Config, tree)
     except ConfigError as e:

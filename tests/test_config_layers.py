@@ -206,3 +206,14 @@ def test_base_config_on_the_command_line_names_the_file_to_give(capsys):
                             "on the command line give the file itself: --config nl_gpu")
     assert train.main(["base_config=nl_gpu", "--print-config"]) == 2
     assert capsys.readouterr().err.splitlines() == [f"nljax.train: error: {e.value}"]
+
+
+@pytest.mark.parametrize("key", ["base", "extends", "defaults", "Inherit"])
+def test_another_tools_key_for_the_base_config_names_base_config(tmp_path, key):
+    """`base: nl_gpu` (or Hydra's `defaults:`, `extends:`) in a file: the unknown-key line listed
+    the config's sections, which base_config is not among, so the user could not find the key."""
+    f = _write(tmp_path / "mine.yaml", f"{key}: nl_gpu\ntrain:\n  steps: 5\n")
+    with pytest.raises(ConfigError) as e:
+        config.load(str(f))
+    assert str(e.value) == (f"config file {f}: unknown config key '{key}' (did you mean 'base_config'? a file builds "
+                            "on another config with 'base_config: NAME', a packaged config or a YAML file)")
