@@ -157,6 +157,31 @@ def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):
                                        rtol=1e-6, err_msg=tag)
 
 
+@pytest.mark.slow  # 9 s: a run of 8 steps, compiled
+def test_tensorboard_steps_are_on_disk_with_each_checkpoint(tmp_path, monkeypatch):
+    """What a killed run (SIGKILL, out of host memory) leaves in the event file: every step up to
+    its last checkpoint, which a resume from it does not log again. They sat in the file's buffer
+    (8 KiB, a dozen steps) until the run's end, and such a resume left a gap in every series. Read
+    here from the disk, by another reader, as the run goes: after checkpoint 4, at the last step
+    (the final checkpoint's) and after the final evaluation."""
+    d = tmp_path / "run"
+    on_disk = {}  # when -> the steps of train/loss (eval/eval_loss) the event file holds on disk
+
+    def read(when):
+        acc = events(d)
+        on_disk[when] = [[e.step for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+                         for tag in ("train/loss", "eval/eval_loss")]
+
+    log, close = RunDir.log, TensorBoard.close
+    monkeypatch.setattr(RunDir, "log", lambda self, rec: (log(self, rec), rec["step"] in (5, 7) and read(rec["step"])))
+    monkeypatch.setattr(TensorBoard, "close", lambda self, failed=False: (read("close"), close(self, failed)))
+    train(config.load(None, [*TINY, *QUICK, "throughput.reps=0", "cms.periods=[1]", "mesh.inter=1", "mesh.intra=8",
+                             "checkpoint.every=4", "eval.every=0", "train.steps=8", f"run.dir={d}", "run.quiet=true"]))
+    assert on_disk[5] == [[1, 2, 3, 4], []]  # checkpoint 4's steps (the step's record comes before its report)
+    assert on_disk[7][0][:4] == [1, 2, 3, 4]
+    assert on_disk["close"] == [list(range(1, 9)), [8]]  # the final checkpoint's steps, the final evaluation
+
+
 def test_a_resume_that_meets_its_target_at_once_logs_that_evaluation_once(tmp_path):
     """A resume whose checkpoint already meets train.target_eval_loss trains nothing, and its
     evaluation of the checkpoint is the final report's: sent to the trackers where no evaluation

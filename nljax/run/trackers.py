@@ -43,6 +43,10 @@ class Tracker(Protocol):
     def text(self, tag: str, text: str, step: int) -> None:
         """Log `text` (a generated sample) under `tag` at `step`."""
 
+    def flush(self) -> None:
+        """Put what was logged so far on disk, where this process can: a checkpoint was saved, and
+        a resume from it logs only the steps after it."""
+
     def close(self, failed: bool = False) -> None:
         """Finish; `failed`: the run stopped before its end (an error, a preemption)."""
 
@@ -123,6 +127,13 @@ class TensorBoard:
     def _flush(self) -> None:
         self._events.flush()
         self._flushed = time.monotonic()
+
+    def flush(self) -> None:
+        # The events sit in the file's 8 KiB buffer (a dozen steps) until flushed: a run killed
+        # (SIGKILL, out of host memory) lost those up to its last checkpoint, which its resume
+        # does not log again, leaving a gap in every series.
+        with self._naming_the_file():
+            self._flush()
 
     @staticmethod
     def require():
@@ -235,6 +246,9 @@ class WandB:
 
         self._log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step)
 
+    def flush(self) -> None:
+        pass  # W&B's own process writes its records; the library has no call to wait for them
+
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
         if self.last >= 0:
@@ -297,6 +311,10 @@ class Trackers:
     def text(self, tag: str, text: str, step: int) -> None:
         for t in self.trackers:
             t.text(tag, text, step)
+
+    def flush(self) -> None:
+        for t in self.trackers:
+            t.flush()
 
     def close(self, failed: bool = False) -> None:
         for t in self.trackers:
