@@ -3,6 +3,7 @@ run sends to TensorBoard and W&B (offline: files only, no network), a resume con
 same W&B run, and the one-line errors."""
 
 import json
+import logging
 import math
 import shutil
 import sys
@@ -301,6 +302,19 @@ def test_a_full_disk_under_the_event_file_is_an_error_not_a_hang(tmp_path):
     p = subprocess.run([sys.executable, "-c", FILLS_UP, str(tmp_path)], env=subprocess_env(), capture_output=True,
                        text=True, timeout=120)
     assert p.stdout.split() == ["27", "True", "True"], p.stdout + p.stderr
+
+
+def test_a_non_finite_scalar_is_logged_without_tensorboardxs_warning(tmp_path, caplog):
+    """A diverged run logs its NaN loss as it is (metrics.jsonl: null; the run's own line says the
+    step skipped); tensorboardX's warning for every non-finite scalar added three lines or more
+    at every such step, between the run's."""
+    tb = TensorBoard(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        tb.scalars("train", {"loss": math.nan, "grad_norm": math.inf, "lr": 0.1}, 1)
+    tb.close()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    acc = events(tmp_path)
+    assert math.isnan(acc.Scalars("train/loss")[0].value) and math.isinf(acc.Scalars("train/grad_norm")[0].value)
 
 
 WRITES_EVENTS = r"""

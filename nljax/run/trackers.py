@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import html
+import logging
 import os
 import sys
 import time
@@ -143,6 +144,10 @@ class TensorBoard:
         except ImportError:  # a dependency of nljax: only a broken installation lacks it
             raise ConfigError("run.trackers has tensorboard, but tensorboardX is not installed: pip install "
                               "tensorboardX, or leave tensorboard out of run.trackers") from None
+        # A non-finite scalar (a diverged run's loss) is logged as it is, and the run says so in its
+        # own line (a skipped step); tensorboardX warned of it too, once per scalar: three lines
+        # or more at every such step, between the run's.
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
         return tensorboardX
 
     @classmethod
