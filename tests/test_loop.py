@@ -262,6 +262,24 @@ def test_loop_trains_a_tail_batch_from_the_task():
     assert setup.cache.traces == traces
 
 
+def test_log_lines_every_n_steps_and_at_a_resumed_runs_first_step(capsys):
+    """Without a terminal, a line every train.log_every steps, at an evaluation and at the last
+    step; and at the run's first step, a resumed run's too: it was silent until the next
+    multiple of log_every, and its loss was not shown beside the one before the interruption."""
+    from nljax.runtime import runlog
+
+    def printed(start, total=25, every=10, evaluated=()):
+        progress = runlog.Progress(total, start, every, quiet=False)
+        for step in range(start, total):
+            rec = {"step": step, "loss": 1.0, "pattern": "L0", "step_time_s": 0.01}
+            progress.update(rec, 100.0, step == total - 1, "eval_loss 1.000" if step in evaluated else "")
+        return [int(line.split()[1]) for line in capsys.readouterr().out.splitlines()]
+
+    assert printed(0, evaluated=(14,)) == [0, 10, 14, 20, 24]
+    assert printed(6) == [6, 10, 20, 24]  # resumed at step 6
+    assert printed(20) == [20, 24]
+
+
 def test_hooks_run_in_order_every_n_steps():
     from types import SimpleNamespace
 
