@@ -178,7 +178,12 @@ def test_throughput_table():
     assert t["mean"]["wire_bytes"] == pytest.approx((600 + 450 + 300) / 10)
     text = throughput.format_table(t)
     assert "worst L0+1+2" in text and "mean (run)" in text and "analytic" not in text
-    assert "aggregate over 4 devices 344,828" in text
+    assert "aggregate over 4 devices 344,828" in text and "note:" not in text
+    # emulated CPU devices (the trainer's note): said under the compute/comm split it is about,
+    # not in summary.json alone
+    t["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
+    assert throughput.format_table(t).endswith("\nnote: " + t["note"])
+    del t["note"]
     # one device: singular ("over 1 devices" read as a typo in every single-device run's table)
     one = throughput.report(m, {l0: 6, l01: 3, all3: 1}, {l0: 2, l01: 1, all3: 1}, wire,
                             units_per_device_step=1000, n_devices=1, peak=1e12)

@@ -327,6 +327,8 @@ def format_table(t: dict) -> str:
                      f"{t[unit + '_per_s_aggregate']:,.0f}")
     if t.get("split_skipped"):
         lines.append(f"compute/comm split skipped: {t['split_skipped']}")
+    if t.get("note") and any(r["comm_ms"] is not None for r in t["per_pattern"].values()):
+        lines.append(f"note: {t['note']}")  # under the figures it is about, not in summary.json alone
     if any(r.get("flops_source") == "analytic" and r["mfu"] is not None for r in t["per_pattern"].values()):
         lines.append("MFU from the analytic FLOP count (nljax.measure.flops): the step runs a loop, whose body XLA's "
                      "count covers once")
