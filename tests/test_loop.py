@@ -300,6 +300,26 @@ def test_hooks_run_in_order_every_n_steps():
                      ("every step", 3)]
 
 
+@pytest.mark.slow  # 6 s: four programs compiled
+def test_the_splits_one_device_programs_are_said_as_such():
+    """throughput.split compiles each pattern again as a one-device program after the run: said as
+    that, numbered on its own. They were said as the run's step variants ("compiled step variant
+    2 of 3 (pattern L0)" after the final evaluation), as if the run's were compiled again."""
+    from nljax.run.phases import compile_announcer
+
+    setup = make(["cms.periods=[1,2]"], intra=2)
+    said = []
+    setup.cache.announce = compile_announcer(setup.cfg.cms.periods, said.append)
+    active = [(True, False), (True, True)]
+    throughput.measure(setup.cache, setup.state, setup.run.batch(0), active, 1, True, setup.run.local,
+                       say=said.append)
+    built = [line for line in said if line.startswith(("building", "compiled", "loaded"))]
+    # without the verb: compiled, or loaded from a compile cache
+    what = [line.split(" ", 1)[1].split(" (pattern")[0] for line in built if "one-device" in line]
+    assert what == ["one-device step variant 1 of 2"] * 2 + ["one-device step variant 2 of 2"] * 2
+    assert len(built) == 8  # the run's own two, said as ever
+
+
 @pytest.mark.slow
 def test_a_sharded_run_that_fits_reports_without_the_split_that_does_not(tmp_path, monkeypatch, capsys):
     """fsdp shards what one device could not hold; the end-of-run compute/comm split builds the
