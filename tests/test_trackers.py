@@ -183,6 +183,37 @@ def test_tensorboard_steps_are_on_disk_with_each_checkpoint(tmp_path, monkeypatc
     assert on_disk["close"] == [list(range(1, 9)), [8]]  # the final checkpoint's steps, the final evaluation
 
 
+@pytest.mark.slow  # 15 s: two runs and their resumes
+@pytest.mark.parametrize("cut", ["the final evaluation", "the timing"])
+def test_a_final_report_cut_by_ctrl_c_logs_its_evaluation_once_on_resume(tmp_path, monkeypatch, cut):
+    """Ctrl-C in the final report (the final checkpoint saved), then --resume, which evaluates the
+    checkpoint again: the trackers get the final evaluation once. Cut in the final evaluation,
+    the resume never logged it (a resume with nothing left to run took the trackers to hold it);
+    cut in the timing after it was logged, it is not logged twice."""
+    from nljax.run import trainer
+    from nljax.run.core import Run
+    from nljax.runtime import preemption
+
+    d = tmp_path / "run"
+    common = [*TINY, *QUICK, "cms.periods=[1]", "mesh.inter=1", "mesh.intra=8", "checkpoint.every=2", "eval.every=2",
+              f"run.dir={d}", "run.quiet=true", "train.steps=4"]
+    with monkeypatch.context() as m:
+        if cut == "the final evaluation":
+            evaluate = Run.evaluate
+            m.setattr(Run, "evaluate", lambda self, params, step: evaluate(self, params, step) if step < 4 else
+                      (_ for _ in ()).throw(KeyboardInterrupt))
+        else:
+            m.setattr(trainer, "comm_report", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(preemption.Unreported):
+            train(config.load(None, common))
+    train(config.load(None, [*common, "checkpoint.resume=latest"]))
+    summary = json.loads((d / "summary.json").read_text())
+    logged = [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")]
+    assert [s for s, _ in logged] == [2, 4] and logged[1][1] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    train(config.load(None, [*common, "checkpoint.resume=latest"]))  # again: summary.json says they hold it
+    assert [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")] == logged
+
+
 def test_a_resume_that_meets_its_target_at_once_logs_that_evaluation_once(tmp_path):
     """A resume whose checkpoint already meets train.target_eval_loss trains nothing, and its
     evaluation of the checkpoint is the final report's: sent to the trackers where no evaluation

@@ -401,10 +401,12 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         with Announced(out.say)("evaluating the final state"):
             final_eval = run.evaluate(run.model_params(state), cfg.train.steps)
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")  # before the timing's minute
-    # a resume with nothing left to run, or a target met at an evaluation: the trackers hold it already
-    if resumed_from != cfg.train.steps and not hist.target_met:
-        out.trackers.scalars("eval", final_eval, cfg.train.steps)
-        out.trackers.flush()  # a resume of the final checkpoint does not log it again
+    # Not where a target was met at an evaluation (the trackers hold it already), nor on a resume
+    # with nothing left to run whose trackers hold it: an earlier attempt's summary.json says so,
+    # written right after it was logged. An attempt interrupted before (Ctrl-C in the final
+    # evaluation or the timing) wrote none, and its resume logs it; it was never logged where the
+    # evaluation itself was cut short.
+    send = not hist.target_met and (resumed_from != cfg.train.steps or not out.run.evaluated_at(cfg.train.steps))
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state
@@ -435,6 +437,9 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     describe = getattr(run.task, "describe", None)  # source, tokens or images, digest
     if describe is not None:
         summary["data"] = describe()
+    if send:
+        out.trackers.scalars("eval", final_eval, cfg.train.steps)
+        out.trackers.flush()  # on disk before summary.json says the trackers hold it
     out.run.save_summary(summary)
     if measured is not None:
         out.say(throughput.format_table(table))
