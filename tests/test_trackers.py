@@ -189,7 +189,7 @@ def test_a_final_report_cut_by_ctrl_c_logs_its_evaluation_once_on_resume(tmp_pat
     """Ctrl-C in the final report (the final checkpoint saved), then --resume, which evaluates the
     checkpoint again: the trackers get the final evaluation once. Cut in the final evaluation,
     the resume never logged it (a resume with nothing left to run took the trackers to hold it);
-    cut in the timing after it was logged, it is not logged twice."""
+    cut in the timing after it was logged (summary.json says so at once), not twice."""
     from nljax.run import trainer
     from nljax.run.core import Run
     from nljax.runtime import preemption
@@ -206,10 +206,17 @@ def test_a_final_report_cut_by_ctrl_c_logs_its_evaluation_once_on_resume(tmp_pat
             m.setattr(trainer, "comm_report", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
         with pytest.raises(preemption.Unreported):
             train(config.load(None, common))
+    cut_short = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None
+    if cut == "the timing":  # the final evaluation, logged, is in summary.json at once, with a word on the rest
+        assert cut_short["steps"] == 4 and "eval_loss" in cut_short and "throughput" not in cut_short
+        assert cut_short["incomplete"].startswith("the rest of the final report comes as it ends")
+    else:
+        assert cut_short is None
     train(config.load(None, [*common, "checkpoint.resume=latest"]))
     summary = json.loads((d / "summary.json").read_text())
     logged = [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")]
     assert [s for s, _ in logged] == [2, 4] and logged[1][1] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    assert "incomplete" not in summary and "throughput" in summary
     train(config.load(None, [*common, "checkpoint.resume=latest"]))  # again: summary.json says they hold it
     assert [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")] == logged
 

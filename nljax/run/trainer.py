@@ -402,11 +402,17 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
             final_eval = run.evaluate(run.model_params(state), cfg.train.steps)
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")  # before the timing's minute
     # Not where a target was met at an evaluation (the trackers hold it already), nor on a resume
-    # with nothing left to run whose trackers hold it: an earlier attempt's summary.json says so,
-    # written right after it was logged. An attempt interrupted before (Ctrl-C in the final
-    # evaluation or the timing) wrote none, and its resume logs it; it was never logged where the
-    # evaluation itself was cut short.
-    send = not hist.target_met and (resumed_from != cfg.train.steps or not out.run.evaluated_at(cfg.train.steps))
+    # with nothing left to run whose trackers hold it: an earlier attempt's summary.json says so.
+    # One cut in its final evaluation (Ctrl-C) wrote none, and its resume logs it; it was never
+    # logged there.
+    if not hist.target_met and (resumed_from != cfg.train.steps or not out.run.evaluated_at(cfg.train.steps)):
+        out.trackers.scalars("eval", final_eval, cfg.train.steps)
+        out.trackers.flush()
+        # summary.json at once, its evaluation alone: a report cut after this (Ctrl-C in the timing,
+        # a minute) leaves it, and its resume does not log the evaluation a second time
+        out.run.save_summary({"steps": end, "resumed_from_step": resumed_from, **final_eval,
+                              "incomplete": "the rest of the final report comes as it ends (a run cut before: from "
+                                            "its --resume)"})
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state
@@ -437,9 +443,6 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     describe = getattr(run.task, "describe", None)  # source, tokens or images, digest
     if describe is not None:
         summary["data"] = describe()
-    if send:
-        out.trackers.scalars("eval", final_eval, cfg.train.steps)
-        out.trackers.flush()  # on disk before summary.json says the trackers hold it
     out.run.save_summary(summary)
     if measured is not None:
         out.say(throughput.format_table(table))
