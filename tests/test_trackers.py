@@ -418,6 +418,39 @@ def test_a_bad_wandb_mode_in_the_environment_is_named_as_the_environments(tmp_pa
                                  "account nor network"), e.value
 
 
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_an_offline_wandb_run_says_where_its_records_are_in_nljaxs_words(tmp_path, monkeypatch, capsys, mode):
+    """Offline, W&B's own lines advised `wandb online`, which nljax's explicit mode overrides (the
+    run stayed offline): W&B is silent there and the run says where the records are, the command
+    that uploads them and the settings that go online. Online, W&B's lines (its run's address)
+    are left as they are; --quiet silences both. W&B is a fake module here: its calls recorded."""
+    from nljax.run.trackers import Start, WandB
+
+    calls = {}
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        (tmp_path / "wandb" / "offline-run-1-abc" / "files").mkdir(parents=True)
+        return types.SimpleNamespace(id="abc", step=0, dir=str(tmp_path / "wandb" / "offline-run-1-abc" / "files"))
+
+    fake = types.SimpleNamespace(init=init, Settings=lambda **kwargs: kwargs)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    for quiet in (False, True):
+        cfg = config.load(None, ["run.trackers=[wandb]", f"run.dir={tmp_path}", f"run.wandb_mode={mode}",
+                                 f"run.quiet={str(quiet).lower()}"])
+        capsys.readouterr()
+        WandB.open(Start(cfg, tmp_path, None, {}))
+        said = capsys.readouterr().out
+        assert calls["init"]["mode"] == mode
+        assert calls["init"]["settings"]["silent"] == (quiet or mode == "offline")
+        records = tmp_path / "wandb" / "offline-run-1-abc"
+        assert said == ("" if quiet or mode == "online" else
+                        f"W&B run abc offline, its records in {records}: wandb sync {records} uploads them "
+                        "(run.wandb_mode=online, or WANDB_MODE=online, logs online)\n")
+        shutil.rmtree(tmp_path / "wandb")
+
+
 def test_a_tracker_that_fails_to_start_leaves_a_resumed_runs_config_as_it_was(tmp_path, monkeypatch, capsys):
     """The trackers open before config.yaml is written: one that failed to start (W&B online
     without an account) stopped a resume after its config.yaml held the failed attempt's

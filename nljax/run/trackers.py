@@ -217,7 +217,10 @@ class WandB:
         resumed = start.ids.get("wandb") if start.resume_step is not None else None
         # console="off": nljax's own lines are what the run logs; W&B's capture of the terminal
         # would wrap stdout and stderr, under the progress bar and a launcher's pipes.
-        settings = wandb.Settings(console="off", quiet=True, silent=r.quiet)
+        offline = mode in ("offline", "dryrun")
+        # W&B's own lines offline advised `wandb online`, which the mode given here overrides: the
+        # run says where the records are and how to go online itself (below)
+        settings = wandb.Settings(console="off", quiet=True, silent=r.quiet or offline)
         try:
             note_written(start.path, "wandb")  # before wandb.init makes it: an overwrite removes it
             run = wandb.init(
@@ -234,6 +237,10 @@ class WandB:
             raise ConfigError(f"W&B could not start a run ({where}): {type(e).__name__}: {first_line(e)}; "
                               f"{fix}") from None
         (start.path / "wandb").mkdir(exist_ok=True)
+        if offline and not r.quiet:
+            records = Path(run.dir).parent  # run.dir: the run's files/ folder, in the folder `wandb sync` takes
+            print(f"W&B run {run.id} offline, its records in {records}: wandb sync {records} uploads them "
+                  "(run.wandb_mode=online, or WANDB_MODE=online, logs online)", flush=True)
         return cls(run, start.path / "wandb" / f"nljax-last-step-{run.id}")
 
     def _log(self, values: dict, step: int) -> None:
