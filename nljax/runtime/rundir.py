@@ -167,7 +167,8 @@ class RunDir:
 
     def evaluated_at(self, steps: int) -> bool:
         """Whether this run's trackers hold an evaluation after `steps` steps: one during training
-        (a kept record's) or the final one of an earlier attempt that ended there (its summary.json)."""
+        (a kept record's) or the final one of an earlier attempt that ended there (its summary.json,
+        written as soon as that evaluation was logged: `trainer.final_report`)."""
         evaluated = lambda d: any(k.startswith("eval_") for k in d)  # a text's eval_loss, a MeanFlow run's eval_mse
         if any(r.get("step") == steps - 1 and evaluated(r) for r in self.kept):
             return True
