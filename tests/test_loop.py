@@ -178,7 +178,12 @@ def test_throughput_table():
     assert t["mean"]["wire_bytes"] == pytest.approx((600 + 450 + 300) / 10)
     text = throughput.format_table(t)
     assert "worst L0+1+2" in text and "mean (run)" in text and "analytic" not in text
-    assert "aggregate over 4 devices 344,828" in text
+    assert "aggregate over 4 devices 344,828" in text and "note:" not in text
+    # emulated CPU devices (the trainer's note): said under the compute/comm split it is about,
+    # not in summary.json alone
+    t["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"
+    assert throughput.format_table(t).endswith("\nnote: " + t["note"])
+    del t["note"]
     # one device: singular ("over 1 devices" read as a typo in every single-device run's table)
     one = throughput.report(m, {l0: 6, l01: 3, all3: 1}, {l0: 2, l01: 1, all3: 1}, wire,
                             units_per_device_step=1000, n_devices=1, peak=1e12)
@@ -262,6 +267,24 @@ def test_loop_trains_a_tail_batch_from_the_task():
     assert setup.cache.traces == traces
 
 
+def test_log_lines_every_n_steps_and_at_a_resumed_runs_first_step(capsys):
+    """Without a terminal, a line every train.log_every steps, at an evaluation and at the last
+    step; and at the run's first step, a resumed run's too: it was silent until the next
+    multiple of log_every, and its loss was not shown beside the one before the interruption."""
+    from nljax.runtime import runlog
+
+    def printed(start, total=25, every=10, evaluated=()):
+        progress = runlog.Progress(total, start, every, quiet=False)
+        for step in range(start, total):
+            rec = {"step": step, "loss": 1.0, "pattern": "L0", "step_time_s": 0.01}
+            progress.update(rec, 100.0, step == total - 1, "eval_loss 1.000" if step in evaluated else "")
+        return [int(line.split()[1]) for line in capsys.readouterr().out.splitlines()]
+
+    assert printed(0, evaluated=(14,)) == [0, 10, 14, 20, 24]
+    assert printed(6) == [6, 10, 20, 24]  # resumed at step 6
+    assert printed(20) == [20, 24]
+
+
 def test_hooks_run_in_order_every_n_steps():
     from types import SimpleNamespace
 
@@ -275,6 +298,26 @@ def test_hooks_run_in_order_every_n_steps():
         hooks.run(SimpleNamespace(step=s))  # a step result: only its step is read
     assert calls == [("every step", 0), ("every 2", 1), ("every step", 1), ("every step", 2), ("every 2", 3),
                      ("every step", 3)]
+
+
+@pytest.mark.slow  # 6 s: four programs compiled
+def test_the_splits_one_device_programs_are_said_as_such():
+    """throughput.split compiles each pattern again as a one-device program after the run: said as
+    that, numbered on its own. They were said as the run's step variants ("compiled step variant
+    2 of 3 (pattern L0)" after the final evaluation), as if the run's were compiled again."""
+    from nljax.run.phases import compile_announcer
+
+    setup = make(["cms.periods=[1,2]"], intra=2)
+    said = []
+    setup.cache.announce = compile_announcer(setup.cfg.cms.periods, said.append)
+    active = [(True, False), (True, True)]
+    throughput.measure(setup.cache, setup.state, setup.run.batch(0), active, 1, True, setup.run.local,
+                       say=said.append)
+    built = [line for line in said if line.startswith(("building", "compiled", "loaded"))]
+    # without the verb: compiled, or loaded from a compile cache
+    what = [line.split(" ", 1)[1].split(" (pattern")[0] for line in built if "one-device" in line]
+    assert what == ["one-device step variant 1 of 2"] * 2 + ["one-device step variant 2 of 2"] * 2
+    assert len(built) == 8  # the run's own two, said as ever
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ run sends to TensorBoard and W&B (offline: files only, no network), a resume con
 same W&B run, and the one-line errors."""
 
 import json
+import logging
 import math
 import shutil
 import sys
@@ -157,6 +158,69 @@ def test_tensorboard_after_a_resume_holds_each_step_once(tmp_path):
                                        rtol=1e-6, err_msg=tag)
 
 
+@pytest.mark.slow  # 9 s: a run of 8 steps, compiled
+def test_tensorboard_steps_are_on_disk_with_each_checkpoint(tmp_path, monkeypatch):
+    """What a killed run (SIGKILL, out of host memory) leaves in the event file: every step up to
+    its last checkpoint, which a resume from it does not log again. They sat in the file's buffer
+    (8 KiB, a dozen steps) until the run's end, and such a resume left a gap in every series. Read
+    here from the disk, by another reader, as the run goes: after checkpoint 4, at the last step
+    (the final checkpoint's) and after the final evaluation."""
+    d = tmp_path / "run"
+    on_disk = {}  # when -> the steps of train/loss (eval/eval_loss) the event file holds on disk
+
+    def read(when):
+        acc = events(d)
+        on_disk[when] = [[e.step for e in acc.Scalars(tag)] if tag in acc.Tags()["scalars"] else []
+                         for tag in ("train/loss", "eval/eval_loss")]
+
+    log, close = RunDir.log, TensorBoard.close
+    monkeypatch.setattr(RunDir, "log", lambda self, rec: (log(self, rec), rec["step"] in (5, 7) and read(rec["step"])))
+    monkeypatch.setattr(TensorBoard, "close", lambda self, failed=False: (read("close"), close(self, failed)))
+    train(config.load(None, [*TINY, *QUICK, "throughput.reps=0", "cms.periods=[1]", "mesh.inter=1", "mesh.intra=8",
+                             "checkpoint.every=4", "eval.every=0", "train.steps=8", f"run.dir={d}", "run.quiet=true"]))
+    assert on_disk[5] == [[1, 2, 3, 4], []]  # checkpoint 4's steps (the step's record comes before its report)
+    assert on_disk[7][0][:4] == [1, 2, 3, 4]
+    assert on_disk["close"] == [list(range(1, 9)), [8]]  # the final checkpoint's steps, the final evaluation
+
+
+@pytest.mark.slow  # 15 s: two runs and their resumes
+@pytest.mark.parametrize("cut", ["the final evaluation", "the timing"])
+def test_a_final_report_cut_by_ctrl_c_logs_its_evaluation_once_on_resume(tmp_path, monkeypatch, cut):
+    """Ctrl-C in the final report (the final checkpoint saved), then --resume, which evaluates the
+    checkpoint again: the trackers get the final evaluation once. Cut in the final evaluation,
+    the resume never logged it (a resume with nothing left to run took the trackers to hold it);
+    cut in the timing after it was logged (summary.json says so at once), not twice."""
+    from nljax.run import trainer
+    from nljax.run.core import Run
+    from nljax.runtime import preemption
+
+    d = tmp_path / "run"
+    common = [*TINY, *QUICK, "cms.periods=[1]", "mesh.inter=1", "mesh.intra=8", "checkpoint.every=2", "eval.every=2",
+              f"run.dir={d}", "run.quiet=true", "train.steps=4"]
+    with monkeypatch.context() as m:
+        if cut == "the final evaluation":
+            evaluate = Run.evaluate
+            m.setattr(Run, "evaluate", lambda self, params, step: evaluate(self, params, step) if step < 4 else
+                      (_ for _ in ()).throw(KeyboardInterrupt))
+        else:
+            m.setattr(trainer, "comm_report", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(preemption.Unreported):
+            train(config.load(None, common))
+    cut_short = json.loads((d / "summary.json").read_text()) if (d / "summary.json").exists() else None
+    if cut == "the timing":  # the final evaluation, logged, is in summary.json at once, with a word on the rest
+        assert cut_short["steps"] == 4 and "eval_loss" in cut_short and "throughput" not in cut_short
+        assert cut_short["incomplete"].startswith("the rest of the final report comes as it ends")
+    else:
+        assert cut_short is None
+    train(config.load(None, [*common, "checkpoint.resume=latest"]))
+    summary = json.loads((d / "summary.json").read_text())
+    logged = [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")]
+    assert [s for s, _ in logged] == [2, 4] and logged[1][1] == pytest.approx(summary["eval_loss"], rel=1e-6)
+    assert "incomplete" not in summary and "throughput" in summary
+    train(config.load(None, [*common, "checkpoint.resume=latest"]))  # again: summary.json says they hold it
+    assert [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")] == logged
+
+
 def test_a_resume_that_meets_its_target_at_once_logs_that_evaluation_once(tmp_path):
     """A resume whose checkpoint already meets train.target_eval_loss trains nothing, and its
     evaluation of the checkpoint is the final report's: sent to the trackers where no evaluation
@@ -278,6 +342,19 @@ def test_a_full_disk_under_the_event_file_is_an_error_not_a_hang(tmp_path):
     assert p.stdout.split() == ["27", "True", "True"], p.stdout + p.stderr
 
 
+def test_a_non_finite_scalar_is_logged_without_tensorboardxs_warning(tmp_path, caplog):
+    """A diverged run logs its NaN loss as it is (metrics.jsonl: null; the run's own line says the
+    step skipped); tensorboardX's warning for every non-finite scalar added three lines or more
+    at every such step, between the run's."""
+    tb = TensorBoard(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        tb.scalars("train", {"loss": math.nan, "grad_norm": math.inf, "lr": 0.1}, 1)
+    tb.close()
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
+    acc = events(tmp_path)
+    assert math.isnan(acc.Scalars("train/loss")[0].value) and math.isinf(acc.Scalars("train/grad_norm")[0].value)
+
+
 WRITES_EVENTS = r"""
 import sys
 from pathlib import Path
@@ -339,6 +416,39 @@ def test_a_bad_wandb_mode_in_the_environment_is_named_as_the_environments(tmp_pa
                                    "WANDB_MODE): "), e.value
     assert str(e.value).endswith("; unset WANDB_MODE, or set WANDB_MODE=offline: offline needs neither "
                                  "account nor network"), e.value
+
+
+@pytest.mark.parametrize("mode", ["offline", "online"])
+def test_an_offline_wandb_run_says_where_its_records_are_in_nljaxs_words(tmp_path, monkeypatch, capsys, mode):
+    """Offline, W&B's own lines advised `wandb online`, which nljax's explicit mode overrides (the
+    run stayed offline): W&B is silent there and the run says where the records are, the command
+    that uploads them and the settings that go online. Online, W&B's lines (its run's address)
+    are left as they are; --quiet silences both. W&B is a fake module here: its calls recorded."""
+    from nljax.run.trackers import Start, WandB
+
+    calls = {}
+
+    def init(**kwargs):
+        calls["init"] = kwargs
+        (tmp_path / "wandb" / "offline-run-1-abc" / "files").mkdir(parents=True)
+        return types.SimpleNamespace(id="abc", step=0, dir=str(tmp_path / "wandb" / "offline-run-1-abc" / "files"))
+
+    fake = types.SimpleNamespace(init=init, Settings=lambda **kwargs: kwargs)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    for quiet in (False, True):
+        cfg = config.load(None, ["run.trackers=[wandb]", f"run.dir={tmp_path}", f"run.wandb_mode={mode}",
+                                 f"run.quiet={str(quiet).lower()}"])
+        capsys.readouterr()
+        WandB.open(Start(cfg, tmp_path, None, {}))
+        said = capsys.readouterr().out
+        assert calls["init"]["mode"] == mode
+        assert calls["init"]["settings"]["silent"] == (quiet or mode == "offline")
+        records = tmp_path / "wandb" / "offline-run-1-abc"
+        assert said == ("" if quiet or mode == "online" else
+                        f"W&B run abc offline, its records in {records}: wandb sync {records} uploads them "
+                        "(run.wandb_mode=online, or WANDB_MODE=online, logs online)\n")
+        shutil.rmtree(tmp_path / "wandb")
 
 
 def test_a_tracker_that_fails_to_start_leaves_a_resumed_runs_config_as_it_was(tmp_path, monkeypatch, capsys):

@@ -21,14 +21,16 @@ from nljax.runtime import compile_cache
 SLOW_S = 2.0  # a phase that took this long is said again the next time
 
 
-def compile_announcer(periods: tuple[int, ...], say: Callable[[str], None]) -> Callable[..., None]:
+def compile_announcer(periods: tuple[int, ...], say: Callable[[str], None],
+                      label: str = "step variant") -> Callable[..., None]:
     """`StepCache.announce` for a run with CMS `periods`: "building step variant i of n (pattern
     L0+1) ..." before a variant is lowered, then how it came to be and its seconds: "compiled", or
     "loaded" and from where (an executable file, NLJAX_EXECUTABLES, or the compile cache); n is
     the cycle's distinct patterns (a tail batch that ends a data pass is one more variant of its
     pattern). The first line cannot say which: the executable file's key is the lowered
     program's, and a cache hit is known once compiling is asked; lowering alone can take seconds,
-    too long to say nothing."""
+    too long to say nothing. `label`: what is built, where it is not the run's own step (the
+    throughput split's one-device programs)."""
     total = len(Conductor(periods).patterns())
     order: dict = {}
     hits_before = [0]
@@ -36,7 +38,7 @@ def compile_announcer(periods: tuple[int, ...], say: Callable[[str], None]) -> C
     def announce(key, seconds: float | None, loaded: Path | None = None) -> None:
         active, tail = (key[0], f", tail batch of {key[1]} micro-batches") if isinstance(key[0], tuple) else (key, "")
         i = order.setdefault(key, len(order) + 1)
-        what = f"step variant {i} of {total} (pattern {pattern_name(active)}{tail})"
+        what = f"{label} {i} of {total} (pattern {pattern_name(active)}{tail})"
         if seconds is None:
             hits_before[0] = compile_cache.hits()
             say(f"building {what} ...")  # not "compiling": it may be loaded (the docstring)

@@ -42,6 +42,7 @@ from nljax.errors import ConfigError, first_line
 from nljax.measure import flops as flop_count
 from nljax.measure import hlo
 from nljax.run.core import Run
+from nljax.run.phases import compile_announcer
 from nljax.runtime import runlog
 
 # bf16 dense peak per device in TFLOP/s, matched as a substring of `device_kind` (first match).
@@ -193,7 +194,7 @@ def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps:
     skipped = None
     if split and n_devices > 1:
         try:
-            runs.update(_local_runs(local, active_sets, cache.announce))
+            runs.update(_local_runs(local, active_sets, say if cache.announce else None))
         except (ConfigError, jax.errors.JaxRuntimeError) as e:
             if not isinstance(e, ConfigError) and "RESOURCE_EXHAUSTED" not in str(e):
                 raise
@@ -209,12 +210,14 @@ def measure(cache: StepCache, state: TrainState, batch: dict, active_sets, reps:
     return Measured(step_s, compute_s, {a: flops(fns[a]) for a in active_sets}, skipped)
 
 
-def _local_runs(local: Callable[[], Run], active_sets, announce=None) -> dict:
+def _local_runs(local: Callable[[], Run], active_sets, say: Callable[[str], None] | None = None) -> dict:
     """The 1-device program's calls, each run once here, so that one that does not fit fails
     now (refused by the budget, or out of memory) rather than inside the timing; its
-    compilations said by `announce` (`StepCache.announce`)."""
+    compilations said with `say` as the one-device programs they are (as the run's own step
+    variants, they read as the run's compiled again)."""
     one = local()
-    one.cache.announce = announce
+    if say is not None:
+        one.cache.announce = compile_announcer(one.cfg.cms.periods, say, "one-device step variant")
     lbatch = one.batch(0)
     lchain = _Chain(one.init_state())
     runs = {("compute", a): lchain.call(one.cache.train_fn(a, lchain.state, lbatch), lbatch) for a in active_sets}
@@ -327,6 +330,8 @@ def format_table(t: dict) -> str:
                      f"{t[unit + '_per_s_aggregate']:,.0f}")
     if t.get("split_skipped"):
         lines.append(f"compute/comm split skipped: {t['split_skipped']}")
+    if t.get("note") and any(r["comm_ms"] is not None for r in t["per_pattern"].values()):
+        lines.append(f"note: {t['note']}")  # under the figures it is about, not in summary.json alone
     if any(r.get("flops_source") == "analytic" and r["mfu"] is not None for r in t["per_pattern"].values()):
         lines.append("MFU from the analytic FLOP count (nljax.measure.flops): the step runs a loop, whose body XLA's "
                      "count covers once")

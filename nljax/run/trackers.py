@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import html
+import logging
 import os
 import sys
 import time
@@ -42,6 +43,10 @@ class Tracker(Protocol):
 
     def text(self, tag: str, text: str, step: int) -> None:
         """Log `text` (a generated sample) under `tag` at `step`."""
+
+    def flush(self) -> None:
+        """Put what was logged so far on disk, where this process can: a checkpoint was saved, and
+        a resume from it logs only the steps after it."""
 
     def close(self, failed: bool = False) -> None:
         """Finish; `failed`: the run stopped before its end (an error, a preemption)."""
@@ -124,6 +129,13 @@ class TensorBoard:
         self._events.flush()
         self._flushed = time.monotonic()
 
+    def flush(self) -> None:
+        # The events sit in the file's 8 KiB buffer (a dozen steps) until flushed: a run killed
+        # (SIGKILL, out of host memory) lost those up to its last checkpoint, which its resume
+        # does not log again, leaving a gap in every series.
+        with self._naming_the_file():
+            self._flush()
+
     @staticmethod
     def require():
         try:
@@ -132,6 +144,10 @@ class TensorBoard:
         except ImportError:  # a dependency of nljax: only a broken installation lacks it
             raise ConfigError("run.trackers has tensorboard, but tensorboardX is not installed: pip install "
                               "tensorboardX, or leave tensorboard out of run.trackers") from None
+        # A non-finite scalar (a diverged run's loss) is logged as it is, and the run says so in its
+        # own line (a skipped step); tensorboardX warned of it too, once per scalar: three lines
+        # or more at every such step, between the run's.
+        logging.getLogger("tensorboardX.x2num").setLevel(logging.ERROR)
         return tensorboardX
 
     @classmethod
@@ -201,7 +217,10 @@ class WandB:
         resumed = start.ids.get("wandb") if start.resume_step is not None else None
         # console="off": nljax's own lines are what the run logs; W&B's capture of the terminal
         # would wrap stdout and stderr, under the progress bar and a launcher's pipes.
-        settings = wandb.Settings(console="off", quiet=True, silent=r.quiet)
+        offline = mode in ("offline", "dryrun")
+        # W&B's own lines offline advised `wandb online`, which the mode given here overrides: the
+        # run says where the records are and how to go online itself (below)
+        settings = wandb.Settings(console="off", quiet=True, silent=r.quiet or offline)
         try:
             note_written(start.path, "wandb")  # before wandb.init makes it: an overwrite removes it
             run = wandb.init(
@@ -218,6 +237,10 @@ class WandB:
             raise ConfigError(f"W&B could not start a run ({where}): {type(e).__name__}: {first_line(e)}; "
                               f"{fix}") from None
         (start.path / "wandb").mkdir(exist_ok=True)
+        if offline and not r.quiet:
+            records = Path(run.dir).parent  # run.dir: the run's files/ folder, in the folder `wandb sync` takes
+            print(f"W&B run {run.id} offline, its records in {records}: wandb sync {records} uploads them "
+                  "(run.wandb_mode=online, or WANDB_MODE=online, logs online)", flush=True)
         return cls(run, start.path / "wandb" / f"nljax-last-step-{run.id}")
 
     def _log(self, values: dict, step: int) -> None:
@@ -234,6 +257,9 @@ class WandB:
         import wandb
 
         self._log({tag: wandb.Html(f"<pre>{html.escape(text)}</pre>")}, step)
+
+    def flush(self) -> None:
+        pass  # W&B's own process writes its records; the library has no call to wait for them
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)
@@ -297,6 +323,10 @@ class Trackers:
     def text(self, tag: str, text: str, step: int) -> None:
         for t in self.trackers:
             t.text(tag, text, step)
+
+    def flush(self) -> None:
+        for t in self.trackers:
+            t.flush()
 
     def close(self, failed: bool = False) -> None:
         for t in self.trackers:

@@ -317,7 +317,8 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
     """What runs between steps, in this order: the profiler's stop, evaluation every
     `eval.every` steps (not after the last: `final_report` evaluates), the step's model FLOP/s
     and MFU (`throughput.StepRates`), the metrics.jsonl record, the checkpoint, the trackers and
-    the progress bar, a text sample every `train.sample_every` steps, the profiler's start."""
+    the progress bar, a text sample every `train.sample_every` steps, the trackers flushed at a
+    checkpoint's step and the last, the profiler's start."""
     cfg, key = run.cfg, f"{run.task.unit}_per_s_per_device"
     n_levels = len(cfg.cms.periods)
     profiler = Profiler(cfg.train.profile_start, cfg.train.profile_steps, out.run.path, out.say, here=out.run.write)
@@ -377,6 +378,15 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
         hooks.add(save, every=cfg.checkpoint.every, reads_state=True)
     hooks.add(report)
     hooks.add(sample, every=cfg.train.sample_every, reads_state=True)
+
+    def flush(r: StepResult) -> None:
+        # a resume from this step's checkpoint logs only the steps after it: the trackers' steps
+        # up to it go on disk with it (the final one's: the last step), not only at the run's end
+        every = cfg.checkpoint.every if ckpt is not None else 0
+        if r.last or (every and (r.step + 1) % every == 0):
+            out.trackers.flush()
+
+    hooks.add(flush)
     hooks.add(profiler.start_next)
     return hooks, profiler
 
@@ -391,9 +401,18 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         with Announced(out.say)("evaluating the final state"):
             final_eval = run.evaluate(run.model_params(state), cfg.train.steps)
     out.say(f"final eval: {runlog.format_metrics(final_eval)}")  # before the timing's minute
-    # a resume with nothing left to run, or a target met at an evaluation: the trackers hold it already
-    if resumed_from != cfg.train.steps and not hist.target_met:
+    # Not where a target was met at an evaluation (the trackers hold it already), nor on a resume
+    # with nothing left to run whose trackers hold it: an earlier attempt's summary.json says so.
+    # One cut in its final evaluation (Ctrl-C) wrote none, and its resume logs it; it was never
+    # logged there.
+    if not hist.target_met and (resumed_from != cfg.train.steps or not out.run.evaluated_at(cfg.train.steps)):
         out.trackers.scalars("eval", final_eval, cfg.train.steps)
+        out.trackers.flush()
+        # summary.json at once, its evaluation alone: a report cut after this (Ctrl-C in the timing,
+        # a minute) leaves it, and its resume does not log the evaluation a second time
+        out.run.save_summary({"steps": end, "resumed_from_step": resumed_from, **final_eval,
+                              "incomplete": "the rest of the final report comes as it ends (a run cut before: from "
+                                            "its --resume)"})
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state

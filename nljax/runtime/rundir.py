@@ -167,14 +167,16 @@ class RunDir:
 
     def evaluated_at(self, steps: int) -> bool:
         """Whether this run's trackers hold an evaluation after `steps` steps: one during training
-        (a kept record's) or the final one of an earlier attempt that ended there (its summary.json)."""
-        if any(r.get("step") == steps - 1 and "eval_loss" in r for r in self.kept):
+        (a kept record's) or the final one of an earlier attempt that ended there (its summary.json,
+        written as soon as that evaluation was logged: `trainer.final_report`)."""
+        evaluated = lambda d: any(k.startswith("eval_") for k in d)  # a text's eval_loss, a MeanFlow run's eval_mse
+        if any(r.get("step") == steps - 1 and evaluated(r) for r in self.kept):
             return True
         try:
             ended = json.loads((self.path / "summary.json").read_text())
         except (OSError, ValueError):  # none, or cut short: no evaluation known
             return False
-        return isinstance(ended, dict) and ended.get("steps") == steps and "eval_loss" in ended
+        return isinstance(ended, dict) and ended.get("steps") == steps and evaluated(ended)
 
     def save_summary(self, summary: dict) -> None:
         if self.write:

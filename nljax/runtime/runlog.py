@@ -93,10 +93,12 @@ def short_unit(unit: str) -> str:
 
 class Progress:
     """A progress bar (loss, throughput, ETA) on an interactive terminal; otherwise one log line
-    every `every` steps. Silent when `quiet`."""
+    every `every` steps, and at the first step (a resumed run's too: its loss beside the one
+    before the interruption), an evaluation's and the last. Silent when `quiet`."""
 
     def __init__(self, total: int, start: int, every: int, quiet: bool, unit: str = "tok"):
         self.every, self.quiet, self.unit = every, quiet, unit
+        self.start = start  # the first step of this run, printed as a fresh run's step 0 is (a resume's)
         self.last_mse = None  # the latest evaluation's eval_mse (MeanFlow), shown beside the loss
         self.bar = None
         if not quiet and sys.stderr.isatty():
@@ -120,7 +122,7 @@ class Progress:
             self.bar.update(1)
             if eval_text:
                 self.bar.write(f"step {rec['step']:6d}  {eval_text}")
-        elif rec["step"] % self.every == 0 or last or eval_text:
+        elif rec["step"] % self.every == 0 or rec["step"] == self.start or last or eval_text:
             ms = rec["step_time_s"] * 1e3
             self.say(f"step {rec['step']:6d}  {loss}  {pattern:<10} {ms:8.1f} ms  "
                      f"{rate:10,.0f} {self.unit}/s/device{'  ' + eval_text if eval_text else ''}")
