@@ -103,8 +103,26 @@ def setup_devices(cpu_devices: int | None) -> None:
     if cpu_devices is not None:
         if not 1 <= cpu_devices <= MAX_CPU_DEVICES:  # each one a thread pool and a copy of the state
             raise config.ConfigError(f"--cpu-devices must be in [1, {MAX_CPU_DEVICES}], got {cpu_devices}")
+        if hostmem.backends_started():  # a second command in one Python process (a notebook), or JAX used before
+            _started_as(cpu_devices)
+            return
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
+def _started_as(cpu_devices: int) -> None:
+    """--cpu-devices N once JAX's backends have started: JAX fixes a process's devices when it
+    starts them, so N emulated CPU devices are what it has already, or a line saying how to get
+    them. JAX's own refusal read as a backend that could not start ("check that the device and its
+    JAX plugin are installed"), and `jax_platforms` was left set to cpu on the way."""
+    have = jax.devices()
+    if have[0].platform == "cpu" and len(have) == cpu_devices:
+        return
+    raise config.ConfigError(
+        f"--cpu-devices {cpu_devices}: JAX has already started in this Python process, with {len(have)} "
+        f"{have[0].platform} device(s) (an earlier command or JAX call here), and JAX sets a process's devices once: "
+        f"give --cpu-devices {len(have)} or leave it out to use those, or start a new process (a notebook: restart "
+        f"its kernel) for {cpu_devices}")
 
 
 def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:

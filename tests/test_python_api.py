@@ -289,3 +289,24 @@ def test_an_export_carries_the_runs_tokenizer(tmp_path, capsys):
     assert generate.main([f"run.dir={out}", f"prompts={tmp_path / 'prompts.txt'}", f"out={tmp_path / 'c.jsonl'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "tokenizer.json is not the file that was written with the export" in err, err
+
+
+def test_cpu_devices_once_jax_has_started_is_what_it_has_or_one_line(capsys):
+    """A second `nljax.train.main(["--cpu-devices", "N", ...])` in one Python process (a
+    notebook), or one after the user's own JAX calls: JAX's devices are set once per process, so
+    N is what it has (nothing to do), or one line saying so. Even the same N was refused as "JAX
+    could not start a backend ... check that the device and its JAX plugin are installed", and
+    `jax_platforms` was left set to cpu."""
+    from nljax import cli, train
+
+    n, platforms = len(jax.devices()), jax.config.jax_platforms  # started: conftest's 8 CPU devices
+    cli.setup_devices(n)
+    assert train.main(["--cpu-devices", str(n), "--print-config"]) == 0
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=f"--cpu-devices 2: JAX has already started in this Python process, with "
+                                          f"{n} cpu device"):
+        cli.setup_devices(2)
+    assert train.main(["--cpu-devices", "2", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"give --cpu-devices {n} or leave it out" in err and "restart its kernel" in err, err
+    assert jax.config.jax_platforms == platforms
