@@ -310,3 +310,20 @@ def test_cpu_devices_once_jax_has_started_is_what_it_has_or_one_line(capsys):
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and f"give --cpu-devices {n} or leave it out" in err and "restart its kernel" in err, err
     assert jax.config.jax_platforms == platforms
+
+
+def test_jax_64_bit_mode_is_refused_in_one_line(runs):
+    """A session that turned on JAX's 64-bit mode before nljax (jax_enable_x64): a run trained
+    float64 parameters whatever model.dtype said and crashed at its throughput table (a 40-line
+    TypeError); loading a float32 run was refused as "from another model"."""
+    from nljax import config
+    from nljax.run.core import Run
+
+    jax.config.update("jax_enable_x64", True)
+    try:
+        with pytest.raises(ConfigError, match=r"^JAX's 64-bit mode is on in this process .*turn it off first"):
+            nljax.load(runs / "runs" / "default")
+        with pytest.raises(ConfigError, match="JAX's 64-bit mode is on"):
+            Run.create(config.load(None, NL))
+    finally:
+        jax.config.update("jax_enable_x64", False)
