@@ -135,6 +135,17 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         # a string of overrides was read character by character ("override 't' must look like key=value")
         (lambda: nljax.load(runs / "runs" / "default", overrides="train.steps=3"),
          "overrides must be a list of 'key=value' strings, got 'train.steps=3'"),
+        # what a Python user passes by habit was a TypeError, KeyError or AttributeError from deep
+        # inside, or was taken silently (a dict's keys alone were read; 1.7 read as token 1)
+        (lambda: nljax.load(runs / "runs" / "default", overrides={"train.steps": 3}),
+         "overrides must be a list of 'key=value' strings, got a dict: give ['train.steps=3']"),
+        (lambda: lm.generate("x", top_k="40"), "top_k must be an integer, got str '40'"),
+        (lambda: lm.generate(["x"], temperature="0.8"), "temperature must be a number, got str '0.8'"),
+        (lambda: lm.generate("x", seed=1.5), "seed must be an integer, got float 1.5"),
+        (lambda: lm.encode(65), "encode takes a str, got int 65"),
+        (lambda: lm.logits([[65.0, 66.7]]), "tokens must be integer ids, got float64"),
+        (lambda: lm.logits([[65, 66]], lm.init_memory(rows=2)), "memory must be a memory of 1 row(s)"),
+        (lambda: lm.logits([[65, 66]], {"M": np.zeros(3)}), "memory must be a memory of 1 row(s)"),
     ]
     for call, words in cases:
         with pytest.raises(ConfigError) as e:
