@@ -67,6 +67,17 @@ class Parser(argparse.ArgumentParser):
             super().print_help(file)
 
 
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, intermixed: bool = True):
+    """`p`'s arguments of `argv`, or the exit code of argparse's refusal (its line printed) or of
+    --help (the help printed). A command's `main([...])` called from Python (a notebook, a script:
+    `nljax.train.main`) returns it as it returns every other refusal's code; argparse's SystemExit
+    ended a script there, and showed in a notebook's cell as "SystemExit: 2"."""
+    try:
+        return p.parse_intermixed_args(argv) if intermixed else p.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+
+
 def launched_other() -> bool:
     """Whether this is a process other than 0 that `nljax.launch` started: what every process would
     print alike before joining (--help, --print-config) is printed by process 0 alone, not
@@ -371,7 +382,9 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
     service as the processes join. `resumes(args)`: the command line continues a run whose saved
     config `configure` or `settle` puts under it, so its settings are checked together only
     then (`--resume data.prepared=NEW` alone: the defaults' data.source=stdlib would refuse it)."""
-    args = p.parse_intermixed_args(argv)
+    args = parse(p, argv)
+    if isinstance(args, int):  # refused, or --help
+        return args
     multiprocess = False
     try:
         setup_devices(args.cpu_devices)

@@ -234,7 +234,9 @@ def main(argv=None) -> int:
                    help="run.dir=DIR (required), dtype=, out=, checkpoint= (latest, a step number or a step "
                         "directory), params= (average or trained: under optim.ema_decay, the parameters' moving "
                         "average, the default, or the optimizer's own), config overrides")
-    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
+    args = cli.parse(p, argv)  # key=value before or after a flag, as train's
+    if isinstance(args, int):  # refused, or --help
+        return args
     return cli.tool("nljax.export", lambda: _export(args))
 
 

@@ -338,3 +338,18 @@ def test_jax_64_bit_mode_is_refused_in_one_line(runs):
             Run.create(config.load(None, NL))
     finally:
         jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "export", "evaluate", "prepare", "bench", "comm"])
+def test_a_commands_main_returns_argparses_refusal_as_a_code(command, capsys):
+    """`nljax.train.main([...])` from Python (the guides' way to train from a notebook or a
+    script) returns its exit code for every refusal: a mistyped flag raised argparse's SystemExit
+    instead, which ended a script past its `if rc:` and showed in a notebook's cell as
+    "SystemExit: 2". --help returns 0 after the help."""
+    import importlib
+
+    main = importlib.import_module(f"nljax.{command}").main
+    assert main(["--bogus"]) == 2
+    assert capsys.readouterr().err == f"nljax.{command}: error: unrecognized arguments: --bogus (--help lists the options)\n"
+    assert main(["--help"]) == 0
+    assert f"usage: nljax.{command}" in capsys.readouterr().out
