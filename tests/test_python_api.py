@@ -264,6 +264,21 @@ def test_the_python_snippets_run_as_written(where, runs, monkeypatch, capsys):
     assert capsys.readouterr().out.strip(), "the snippet prints the generated text"
 
 
+@pytest.mark.slow
+def test_the_guides_training_from_python_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The guide's "Train from Python" snippet: train, read summary.json, export and load, in
+    this process (as a notebook would), then its training again into the same run.dir: refused
+    with exit code 2, which the snippet raises as its RuntimeError."""
+    code = python_block(ROOT / "docs" / "guides" / "python-api.md", "<!-- train-from-python -->")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "python-api.md", "exec"), {"__name__": "__snippet__"})
+    assert (tmp_path / "runs" / "notebook" / "export" / "model.safetensors").is_file()
+    capsys.readouterr()
+    with pytest.raises(RuntimeError, match="nljax.train ended with exit code 2"):
+        exec(compile(code, "python-api.md", "exec"), {"__name__": "__snippet__"})
+    assert "already holds a run" in capsys.readouterr().err
+
+
 def test_an_export_carries_the_runs_tokenizer(tmp_path, capsys):
     """A run on its own files with a tokenizer.json: the export holds a copy, so `nljax.load` of
     the export encodes and decodes as the run did with the tokenizer and the corpus gone; another
