@@ -71,11 +71,30 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, intermixed: bo
     """`p`'s arguments of `argv`, or the exit code of argparse's refusal (its line printed) or of
     --help (the help printed). A command's `main([...])` called from Python (a notebook, a script:
     `nljax.train.main`) returns it as it returns every other refusal's code; argparse's SystemExit
-    ended a script there, and showed in a notebook's cell as "SystemExit: 2"."""
+    ended a script there, and showed in a notebook's cell as "SystemExit: 2". From Python, a
+    path (`--config`, Path("my.yaml")) is taken as its str; a str for the whole list was read letter
+    by letter ("override 't' must look like key=value"), a number raised argparse's TypeError."""
+    if argv is not None:
+        bad = argv if isinstance(argv, str) else next((a for a in argv if not isinstance(a, (str, os.PathLike))), None)
+        if bad is not None:
+            print(f"{p.prog}: error: main takes the command's arguments as a list of str, one each (shlex.split "
+                  f"of a command line gives it), got {type(bad).__name__} {bad!r:.60}", file=sys.stderr)
+            return 2
+        argv = [os.fspath(a) for a in argv]
     try:
         return p.parse_intermixed_args(argv) if intermixed else p.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+
+
+def listed(argv: Sequence[str] | None):
+    """A command's `main(argv)` as the list it records: sys.argv's when None, a path as its str;
+    a str or a number stays for `parse` to refuse (list() of a str gave its letters)."""
+    if argv is None:
+        return sys.argv[1:]
+    if isinstance(argv, str):
+        return argv
+    return [os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv]
 
 
 def launched_other() -> bool:

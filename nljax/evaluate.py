@@ -83,7 +83,7 @@ def main(argv=None) -> int:
                         "optimizer's own); any other "
                         "key=value: a config override (eval.batches=, eval.stream_steps=, data.eval=, "
                         "data.prepared=, ...)")
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = cli.listed(argv)
     args = cli.parse(p, argv)  # key=value before or after a flag, as train's
     if isinstance(args, int):  # refused, or --help
         return args

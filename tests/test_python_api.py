@@ -368,3 +368,19 @@ def test_a_commands_main_returns_argparses_refusal_as_a_code(command, capsys):
     assert capsys.readouterr().err == f"nljax.{command}: error: unrecognized arguments: --bogus (--help lists the options)\n"
     assert main(["--help"]) == 0
     assert f"usage: nljax.{command}" in capsys.readouterr().out
+    # a str for the list was read letter by letter ("override 't' must look like key=value"), a
+    # number was argparse's TypeError
+    for argv, got in (("run.dir=x", "str 'run.dir=x'"), (["--help", 3], "int 3")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (f"nljax.{command}: error: main takes the command's arguments as a list of "
+                                           f"str, one each (shlex.split of a command line gives it), got {got}\n")
+
+
+def test_a_path_in_mains_arguments_is_its_str(tmp_path, capsys):
+    """`nljax.train.main(["--config", Path("my.yaml")])`: a path is taken as the str it names (it
+    was argparse's TypeError: 'PosixPath' object is not subscriptable)."""
+    from nljax import train
+
+    (tmp_path / "my.yaml").write_text("train:\n  steps: 7\n")
+    assert train.main(["--print-config", "--config", tmp_path / "my.yaml"]) == 0
+    assert "  steps: 7" in capsys.readouterr().out
