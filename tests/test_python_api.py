@@ -351,6 +351,8 @@ def test_jax_64_bit_mode_is_refused_in_one_line(runs):
     try:
         with pytest.raises(ConfigError, match=r"^JAX's 64-bit mode is on in this process .*turn it off first"):
             nljax.load(runs / "runs" / "default")
+        with pytest.raises(ConfigError, match="JAX's 64-bit mode is on"):  # an export's too
+            nljax.load(runs / "runs" / "default" / "export")
         with pytest.raises(ConfigError, match="JAX's 64-bit mode is on"):
             Run.create(config.load(None, NL))
     finally:
