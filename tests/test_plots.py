@@ -173,7 +173,8 @@ import matplotlib, numpy as np, pathlib
 matplotlib.use("svg")  # the user's (a notebook's: its inline backend)
 import matplotlib.pyplot as plt
 from nljax.measure import figures, plots
-records = [{{"step": s, "loss": 3.0 - s / 10, "pattern": "L0", "step_time_s": 0.01, "compiled": False}} for s in range(4)]
+records = [{{"step": s, "loss": 3.0 - s / 10, "pattern": "L0", "step_time_s": 0.01, "compiled": False}}
+           for s in range(4)]
 plots.write({str(tmp_path)!r}, records, {{}}, {{"eval_loss": 2.4}}, 1.44)
 imgs = np.zeros((4, 8, 8, 1), np.float32)
 figures.write_samples(pathlib.Path({str(tmp_path / "s.png")!r}), imgs, imgs, imgs, 2)

@@ -369,7 +369,8 @@ def test_a_commands_main_returns_argparses_refusal_as_a_code(command, capsys):
 
     main = importlib.import_module(f"nljax.{command}").main
     assert main(["--bogus"]) == 2
-    assert capsys.readouterr().err == f"nljax.{command}: error: unrecognized arguments: --bogus (--help lists the options)\n"
+    said = f"nljax.{command}: error: unrecognized arguments: --bogus (--help lists the options)\n"
+    assert capsys.readouterr().err == said
     assert main(["--help"]) == 0
     assert f"usage: nljax.{command}" in capsys.readouterr().out
     # a str for the list was read letter by letter ("override 't' must look like key=value"), a
