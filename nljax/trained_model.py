@@ -102,6 +102,12 @@ class TrainedModel:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (a byte that is not whole UTF-8 reads as U+FFFD)."""
         self._text_only("decode")
+        try:
+            ids = np.asarray(ids)
+        except ValueError:  # ragged
+            ids = np.asarray(None)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):  # 1.7 was read as 1, "a" was int()'s line
+            raise ConfigError(f"decode takes a list of integer token ids, got {ids.dtype} of shape {ids.shape}")
         return self.tokenizer.decode([int(i) for i in ids])
 
     @property
