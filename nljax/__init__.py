@@ -35,6 +35,10 @@ def load_model(path):
     return load(path)
 
 
+def __dir__():  # a notebook's completion (nljax.<Tab>) lists the names imported on first use too
+    return sorted({*globals(), *__all__})
+
+
 def __getattr__(name):  # nljax.TrainedModel and the model API, imported when first asked for
     if name in _LAZY:
         import importlib

@@ -518,7 +518,7 @@ def main(argv=None) -> int:
                    help="then profile N steps of the slowest pattern: where the device time goes")
     p.add_argument("--profile-dir", metavar="DIR", help="keep the profiler trace here (default: a temporary one)")
     p.add_argument("--out", metavar="FILE.json", help="also write the result as JSON")
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = cli.listed(argv)
     p.set_defaults(argv=argv)
     return cli.main(_run, p, argv)
 

@@ -67,6 +67,36 @@ class Parser(argparse.ArgumentParser):
             super().print_help(file)
 
 
+def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, intermixed: bool = True):
+    """`p`'s arguments of `argv`, or the exit code of argparse's refusal (its line printed) or of
+    --help (the help printed). A command's `main([...])` called from Python (a notebook, a script:
+    `nljax.train.main`) returns it as it returns every other refusal's code; argparse's SystemExit
+    ended a script there, and showed in a notebook's cell as "SystemExit: 2". From Python, a
+    path (`--config`, Path("my.yaml")) is taken as its str; a str for the whole list was read letter
+    by letter ("override 't' must look like key=value"), a number raised argparse's TypeError."""
+    if argv is not None:
+        bad = argv if isinstance(argv, str) else next((a for a in argv if not isinstance(a, (str, os.PathLike))), None)
+        if bad is not None:
+            print(f"{p.prog}: error: main takes the command's arguments as a list of str, one each (shlex.split "
+                  f"of a command line gives it), got {type(bad).__name__} {bad!r:.60}", file=sys.stderr)
+            return 2
+        argv = [os.fspath(a) for a in argv]
+    try:
+        return p.parse_intermixed_args(argv) if intermixed else p.parse_args(argv)
+    except SystemExit as e:
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+
+
+def listed(argv: Sequence[str] | None):
+    """A command's `main(argv)` as the list it records: sys.argv's when None, a path as its str;
+    a str or a number stays for `parse` to refuse (list() of a str gave its letters)."""
+    if argv is None:
+        return sys.argv[1:]
+    if isinstance(argv, str):
+        return argv
+    return [os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv]
+
+
 def launched_other() -> bool:
     """Whether this is a process other than 0 that `nljax.launch` started: what every process would
     print alike before joining (--help, --print-config) is printed by process 0 alone, not
@@ -103,8 +133,26 @@ def setup_devices(cpu_devices: int | None) -> None:
     if cpu_devices is not None:
         if not 1 <= cpu_devices <= MAX_CPU_DEVICES:  # each one a thread pool and a copy of the state
             raise config.ConfigError(f"--cpu-devices must be in [1, {MAX_CPU_DEVICES}], got {cpu_devices}")
+        if hostmem.backends_started():  # a second command in one Python process (a notebook), or JAX used before
+            _started_as(cpu_devices)
+            return
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", cpu_devices)
+
+
+def _started_as(cpu_devices: int) -> None:
+    """--cpu-devices N once JAX's backends have started: JAX fixes a process's devices when it
+    starts them, so N emulated CPU devices are what it has already, or a line saying how to get
+    them. JAX's own refusal read as a backend that could not start ("check that the device and its
+    JAX plugin are installed"), and `jax_platforms` was left set to cpu on the way."""
+    have = jax.devices()
+    if have[0].platform == "cpu" and len(have) == cpu_devices:
+        return
+    raise config.ConfigError(
+        f"--cpu-devices {cpu_devices}: JAX has already started in this Python process, with {len(have)} "
+        f"{have[0].platform} device(s) (an earlier command or JAX call here), and JAX sets a process's devices once: "
+        f"give --cpu-devices {len(have)} or leave it out to use those, or start a new process (a notebook: restart "
+        f"its kernel) for {cpu_devices}")
 
 
 def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:
@@ -367,7 +415,9 @@ def main(run: Callable[[argparse.Namespace, config.Config], int | None], p: argp
     service as the processes join. `resumes(args)`: the command line continues a run whose saved
     config `configure` or `settle` puts under it, so its settings are checked together only
     then (`--resume data.prepared=NEW` alone: the defaults' data.source=stdlib would refuse it)."""
-    args = p.parse_intermixed_args(argv)
+    args = parse(p, argv)
+    if isinstance(args, int):  # refused, or --help
+        return args
     multiprocess = False
     try:
         setup_devices(args.cpu_devices)

@@ -83,8 +83,10 @@ def main(argv=None) -> int:
                         "optimizer's own); any other "
                         "key=value: a config override (eval.batches=, eval.stream_steps=, data.eval=, "
                         "data.prepared=, ...)")
-    argv = sys.argv[1:] if argv is None else list(argv)
-    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
+    argv = cli.listed(argv)
+    args = cli.parse(p, argv)  # key=value before or after a flag, as train's
+    if isinstance(args, int):  # refused, or --help
+        return args
     return cli.tool("nljax.evaluate", lambda: _evaluate(args, argv), cli.stdout_to_devnull)
 
 

@@ -44,6 +44,7 @@ from nljax.models import registry
 from nljax.models.builtin import for_this_backend
 from nljax.parallel.levels import path_str
 from nljax.run import trained as trained_lib
+from nljax.run.core import refuse_x64
 from nljax import writable
 from nljax.runtime import filedigest, resultfile
 from nljax.runtime.exportdir import CONFIG, DEFAULT, TOKENIZER, WEIGHTS, is_export
@@ -191,6 +192,7 @@ def _rebuilt(info: dict, cfg: config.Config):
 
 def load_model(path: str | Path):
     """(model, params) of an export directory, the parameters on the default device."""
+    refuse_x64()  # as a run's checkpoint is (nljax.run.core.Run.create)
     path = Path(path)
     info, cfg = read_config(path)
     model = _rebuilt(info, cfg)
@@ -234,7 +236,9 @@ def main(argv=None) -> int:
                    help="run.dir=DIR (required), dtype=, out=, checkpoint= (latest, a step number or a step "
                         "directory), params= (average or trained: under optim.ema_decay, the parameters' moving "
                         "average, the default, or the optimizer's own), config overrides")
-    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
+    args = cli.parse(p, argv)  # key=value before or after a flag, as train's
+    if isinstance(args, int):  # refused, or --help
+        return args
     return cli.tool("nljax.export", lambda: _export(args))
 
 

@@ -85,7 +85,9 @@ def main(argv=None) -> int:
                         "a prompt a line; .jsonl, a \"prompt\" field a line), out=FILE.jsonl, samples_per_prompt=, batch_size=; for a MeanFlow run "
                         "samples= or labels= (classes, one sample each: 3,3,7 or class names) and out=FILE.png; any "
                         "other key=value: a config override")
-    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
+    args = cli.parse(p, argv)  # key=value before or after a flag, as train's
+    if isinstance(args, int):  # refused, or --help
+        return args
     return cli.tool("nljax.generate", lambda: _generate(args), cli.stdout_to_devnull)
 
 

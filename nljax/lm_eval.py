@@ -258,7 +258,9 @@ def main(argv=None) -> int:
                    epilog=f"{theirs}: --model nljax --model_args run_dir=DIR[,checkpoint=STEP][,batch_size=N] "
                           "--tasks ... [--include_path DIR] [--limit N] [--output_path DIR] ...")
     p.add_argument("--cpu-devices", type=int, metavar="N", help="emulate N devices on the CPU")
-    args = p.parse_args(own)
+    args = cli.parse(p, own, intermixed=False)
+    if isinstance(args, int):  # refused, or --help
+        return args
     return cli.tool("nljax.lm_eval", lambda: _evaluate(args.cpu_devices, rest))
 
 

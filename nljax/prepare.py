@@ -73,7 +73,9 @@ def main(argv=None) -> int:
     p.add_argument("--config", action="append", metavar="FILE", help="YAML config file whose data.* keys name the "
                    "text; given again, each file updates the ones before it key by key")
     p.add_argument("settings", nargs="*", metavar="key=value", help="out=DIR (required), overwrite=true, data.* keys")
-    args = p.parse_intermixed_args(argv)  # key=value before or after a flag, as train's
+    args = cli.parse(p, argv)  # key=value before or after a flag, as train's
+    if isinstance(args, int):  # refused, or --help
+        return args
     # Ctrl-C, SIGTERM, a full disk, a quota, a read-only file system: the chunks done are kept, to resume
     with cli.sigterm_as_ctrl_c():
         return cli.tool("nljax.prepare", lambda: _prepare(args.config, args.settings),

@@ -28,14 +28,14 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from nljax.config import Config
 from nljax.data import images
-from nljax.errors import ConfigError
+from nljax.errors import ConfigError, few
 from nljax.models.registry import checked_logits
 from nljax.runtime.exportdir import is_export
 
@@ -95,11 +95,19 @@ class TrainedModel:
     def encode(self, text: str) -> list[int]:
         """The token ids of `text` under the run's tokenization (UTF-8 bytes, or its tokenizer.json)."""
         self._text_only("encode")
+        if not isinstance(text, str):  # an AttributeError of the tokenizer's before
+            raise ConfigError(f"encode takes a str, got {type(text).__name__} {text!r:.60}")
         return self.tokenizer.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (a byte that is not whole UTF-8 reads as U+FFFD)."""
         self._text_only("decode")
+        try:
+            ids = np.asarray(ids)
+        except ValueError:  # ragged
+            ids = np.asarray(None)
+        if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):  # 1.7 was read as 1, "a" was int()'s line
+            raise ConfigError(f"decode takes a list of integer token ids, got {ids.dtype} of shape {ids.shape}")
         return self.tokenizer.decode([int(i) for i in ids])
 
     @property
@@ -123,11 +131,14 @@ class TrainedModel:
         later, carry the memory after full windows only, as `generate` does."""
         self._text_only("logits")
         try:
-            tokens = np.asarray(tokens, np.int64)
-        except (TypeError, ValueError):  # ragged rows, not numbers
+            tokens = np.asarray(tokens)
+        except (TypeError, ValueError):  # ragged rows
             raise ConfigError("tokens must be [rows, T] integer ids, rows of one length") from None
         if tokens.ndim != 2 or tokens.shape[1] < 1:
             raise ConfigError(f"tokens must be [rows, T] with T >= 1, got shape {tokens.shape}")
+        if tokens.dtype.kind not in "iu":  # 1.7 was read as token 1, "a" raised numpy's ValueError
+            raise ConfigError(f"tokens must be integer ids, got {tokens.dtype} (encode(text) gives them)")
+        tokens = tokens.astype(np.int64)
         vocab = self.config.model.vocab_size
         bad = tokens[(tokens < 0) | (tokens >= vocab)]
         if bad.size:  # the embedding's gather would read some other row (or NaN): logits of nothing
@@ -137,7 +148,7 @@ class TrainedModel:
         if reset is not None and np.size(reset) != rows:
             raise ConfigError(f"reset must hold one flag per row ({rows}), got {np.size(reset)}")
         reset = np.full((rows,), memory is None) if reset is None else np.asarray(reset, bool).reshape(rows)
-        memory = self.init_memory(rows) if memory is None else memory
+        memory = self.init_memory(rows) if memory is None else self._checked_memory(memory, rows)
         out = []
         for start in range(0, tokens.shape[1], self.seq_len):
             window = tokens[:, start : start + self.seq_len]
@@ -146,6 +157,17 @@ class TrainedModel:
             # as training reads a stream (ContextStream): a window with a document's end resets the next
             reset = np.isin(window, [self.end_id]).any(axis=1) if self.end_id is not None else np.zeros(rows, bool)
         return np.concatenate(out, axis=1), memory
+
+    def _checked_memory(self, memory, rows: int):
+        """`memory` if it is a memory of `rows` rows: another row count's reached the model as a
+        reshape's TypeError, another pytree as a KeyError of its leaves."""
+        want = jax.eval_shape(lambda: self.model.init_memory(rows))
+        shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(memory)]
+        if jax.tree.structure(memory) != jax.tree.structure(want) or shapes != [x.shape for x in jax.tree.leaves(want)]:
+            raise ConfigError(f"memory must be a memory of {rows} row(s), as init_memory(rows={rows}) or logits of "
+                              f"{rows} row(s) return it; got leaves shaped {few(shapes)} where "
+                              f"{few(x.shape for x in jax.tree.leaves(want))}")
+        return memory
 
     def _window(self, tokens: np.ndarray, memory, reset: np.ndarray):
         """Logits [B, T, V] of one window of T <= seq_len tokens (padded), and the memory after it."""
@@ -317,6 +339,9 @@ def load(path: str | Path, checkpoint: str | int = "latest", overrides: Sequence
     (the optimizer's own))."""
     if not isinstance(path, (str, os.PathLike)):
         raise ConfigError(f"nljax.load takes a directory path, got {type(path).__name__} {path!r}")
+    if isinstance(overrides, Mapping):  # its keys alone were read: "override 'train.seq_len' must look like key=value"
+        raise ConfigError(f"overrides must be a list of 'key=value' strings, got a dict: give "
+                          f"{[f'{k}={v}' for k, v in overrides.items()]!r:.200}")
     if isinstance(overrides, str) or not all(isinstance(o, str) for o in overrides):  # a string is a sequence too
         raise ConfigError(f"overrides must be a list of 'key=value' strings, got {overrides!r}")
     path = Path(os.path.expanduser(path))

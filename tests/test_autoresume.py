@@ -209,11 +209,7 @@ def test_the_step_told_to_the_preemption_service_is_the_resumed_one(tmp_path, mo
 def test_plain_resume_is_unchanged_and_misuse_is_one_line(tmp_path, monkeypatch, capfd, argv, line):
     """Plain --resume still refuses a run.dir with nothing to resume; nothing is written."""
     monkeypatch.chdir(tmp_path)
-    try:
-        code = train.main([*ARGS, *argv])
-    except SystemExit as e:  # argparse's refusal
-        code = e.code
-    assert code == 2
+    assert train.main([*ARGS, *argv]) == 2
     assert capfd.readouterr().err.splitlines() == [line.format(root=tmp_path)]
     assert list(tmp_path.iterdir()) == []
 

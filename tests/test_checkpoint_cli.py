@@ -315,6 +315,42 @@ print("returned", flush=True)
 """
 
 
+IN_A_NOTEBOOKS_C_CALL = r"""
+import hashlib, sys, time, types
+sys.modules["IPython"] = types.SimpleNamespace(get_ipython=lambda: object())  # as in a Jupyter kernel
+from nljax.runtime.preemption import Notice
+Notice.STUCK_S = 0.2
+try:
+    with Notice():
+        print("ready", flush=True)
+        hashlib.pbkdf2_hmac("sha256", b"x", b"y", 4_000_000)  # seconds in C, as an XLA compilation is
+        print("missed", flush=True)
+except KeyboardInterrupt:
+    print("stopped when the call returned", flush=True)
+"""
+
+
+def test_ctrl_c_in_a_notebook_does_not_end_its_kernel_inside_a_compilation():
+    """A notebook's interrupt (Ctrl-C) while `nljax.train.main` compiles: the reader thread ended
+    the process (os._exit), so the notebook's kernel died with everything it held. In a session
+    the user types into, the Ctrl-C is said at once and raised when the call returns."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", IN_A_NOTEBOOKS_C_CALL], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=subprocess_env())
+    try:
+        assert p.stdout.readline() == "ready\n"
+        time.sleep(0.3)  # inside the call
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert (p.returncode, out) == (0, "stopped when the call returned\n"), err
+    assert err.strip().splitlines() == ["nljax: Ctrl-C: stopping when the compilation in progress returns (it cannot "
+                                        "be interrupted)"]
+
+
 @pytest.mark.parametrize("signals, code, line", [
     (["SIGINT"], 130, "nljax: interrupted (Ctrl-C) (inside a compilation, which was not waited for)"),
     (["SIGTERM", "SIGTERM"], 143, "nljax: terminated (a second SIGTERM): stopped at once; the checkpoints already "

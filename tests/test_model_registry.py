@@ -755,6 +755,20 @@ def test_plugins_found_in_turn_are_each_loaded_once_and_an_object_not_callable_i
         on_path(plugin(tmp_path / "c", "toy_c", target="NOT_A_FUNCTION", top="NOT_A_FUNCTION = 3"))
 
 
+def test_a_notebook_cell_run_again_registers_its_model_again(on_path):
+    """A notebook's cell that registers its model, run again after an edit (or a module reloaded
+    and its registration called again): the new registration replaces the old, from the same
+    registrant. It was "model 'cell' is registered twice: by __main__ and by __main__", which only
+    a new process (a kernel restarted) got past. Another registrant's is still refused."""
+    cell = {"__name__": "__main__", "nljax": nljax}  # a notebook's globals
+    exec("nljax.register_model('cell', lambda cfg: 'first')", cell)
+    exec("nljax.register_model('cell', lambda cfg: 'edited')", cell)
+    assert registry.spec("cell").build(None) == "edited" and registry.spec("cell").origin == "__main__"
+    with pytest.raises(ConfigError, match=r"^model 'cell' is registered twice: by __main__ and by test_model_registry"):
+        nljax.register_model("cell", lambda cfg: "another")
+    assert registry.spec("cell").build(None) == "edited"
+
+
 def test_a_plugin_that_registers_as_it_is_imported_is_not_registered_again(tmp_path, on_path):
     """A module that registers its model at import (its entry point's function too): the
     function is not called a second time ("registered twice")."""

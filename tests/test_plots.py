@@ -157,3 +157,30 @@ def test_a_grid_cut_short_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
         figures.write_samples(path, imgs + 1, imgs, imgs, 4)
     assert e.value.errno == errno.ENOSPC and e.value.filename == str(path)
     assert path.read_bytes() == before and figures.written_by_nljax(path) and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_drawing_leaves_the_processs_matplotlib_backend_and_pyplot_alone(tmp_path):
+    """A notebook that trained (loss.png, step_time.png drawn) or sampled a MeanFlow grid keeps
+    its own matplotlib backend: `matplotlib.use("Agg")` as nljax drew switched it, and the
+    notebook's own plots showed no more; pyplot's figures are the user's alone."""
+    import subprocess
+    import sys
+
+    from helpers import subprocess_env
+
+    code = f"""
+import matplotlib, numpy as np, pathlib
+matplotlib.use("svg")  # the user's (a notebook's: its inline backend)
+import matplotlib.pyplot as plt
+from nljax.measure import figures, plots
+records = [{{"step": s, "loss": 3.0 - s / 10, "pattern": "L0", "step_time_s": 0.01, "compiled": False}}
+           for s in range(4)]
+plots.write({str(tmp_path)!r}, records, {{}}, {{"eval_loss": 2.4}}, 1.44)
+imgs = np.zeros((4, 8, 8, 1), np.float32)
+figures.write_samples(pathlib.Path({str(tmp_path / "s.png")!r}), imgs, imgs, imgs, 2)
+print(matplotlib.get_backend(), plt.get_fignums())
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["svg", "[]"]
+    assert {f.name for f in tmp_path.iterdir()} == {"loss.png", "step_time.png", "s.png"}

@@ -135,6 +135,19 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         # a string of overrides was read character by character ("override 't' must look like key=value")
         (lambda: nljax.load(runs / "runs" / "default", overrides="train.steps=3"),
          "overrides must be a list of 'key=value' strings, got 'train.steps=3'"),
+        # what a Python user passes by habit was a TypeError, KeyError or AttributeError from deep
+        # inside, or was taken silently (a dict's keys alone were read; 1.7 read as token 1)
+        (lambda: nljax.load(runs / "runs" / "default", overrides={"train.steps": 3}),
+         "overrides must be a list of 'key=value' strings, got a dict: give ['train.steps=3']"),
+        (lambda: lm.generate("x", top_k="40"), "top_k must be an integer, got str '40'"),
+        (lambda: lm.generate(["x"], temperature="0.8"), "temperature must be a number, got str '0.8'"),
+        (lambda: lm.generate("x", seed=1.5), "seed must be an integer, got float 1.5"),
+        (lambda: lm.encode(65), "encode takes a str, got int 65"),
+        (lambda: lm.decode([65.0, 66.7]), "decode takes a list of integer token ids, got float64 of shape (2,)"),
+        (lambda: lm.decode(["A"]), "decode takes a list of integer token ids, got <U1 of shape (1,)"),
+        (lambda: lm.logits([[65.0, 66.7]]), "tokens must be integer ids, got float64"),
+        (lambda: lm.logits([[65, 66]], lm.init_memory(rows=2)), "memory must be a memory of 1 row(s)"),
+        (lambda: lm.logits([[65, 66]], {"M": np.zeros(3)}), "memory must be a memory of 1 row(s)"),
     ]
     for call, words in cases:
         with pytest.raises(ConfigError) as e:
@@ -239,6 +252,8 @@ def test_an_image_model_of_a_folder_takes_its_class_names_as_labels():
 def test_import_nljax_stays_free_of_jax():
     code = ("import sys, nljax; assert callable(nljax.load) and callable(nljax.load_model); "
             "assert nljax.Completion('a', 'eos', 2).finish_reason == 'eos'; "
+            # a notebook's nljax.<Tab> lists what dir() does: the names imported on first use too
+            "assert set(nljax.__all__) <= set(dir(nljax)), dir(nljax); "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')]; assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
@@ -251,6 +266,21 @@ def test_the_python_snippets_run_as_written(where, runs, monkeypatch, capsys):
     monkeypatch.chdir(runs)
     exec(compile(code, where, "exec"), {"__name__": "__snippet__"})
     assert capsys.readouterr().out.strip(), "the snippet prints the generated text"
+
+
+@pytest.mark.slow
+def test_the_guides_training_from_python_runs_as_written(tmp_path, monkeypatch, capsys):
+    """The guide's "Train from Python" snippet: train, read summary.json, export and load, in
+    this process (as a notebook would), then its training again into the same run.dir: refused
+    with exit code 2, which the snippet raises as its RuntimeError."""
+    code = python_block(ROOT / "docs" / "guides" / "python-api.md", "<!-- train-from-python -->")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, "python-api.md", "exec"), {"__name__": "__snippet__"})
+    assert (tmp_path / "runs" / "notebook" / "export" / "model.safetensors").is_file()
+    capsys.readouterr()
+    with pytest.raises(RuntimeError, match="nljax.train ended with exit code 2"):
+        exec(compile(code, "python-api.md", "exec"), {"__name__": "__snippet__"})
+    assert "already holds a run" in capsys.readouterr().err
 
 
 def test_an_export_carries_the_runs_tokenizer(tmp_path, capsys):
@@ -289,3 +319,75 @@ def test_an_export_carries_the_runs_tokenizer(tmp_path, capsys):
     assert generate.main([f"run.dir={out}", f"prompts={tmp_path / 'prompts.txt'}", f"out={tmp_path / 'c.jsonl'}"]) == 2
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and "tokenizer.json is not the file that was written with the export" in err, err
+
+
+def test_cpu_devices_once_jax_has_started_is_what_it_has_or_one_line(capsys):
+    """A second `nljax.train.main(["--cpu-devices", "N", ...])` in one Python process (a
+    notebook), or one after the user's own JAX calls: JAX's devices are set once per process, so
+    N is what it has (nothing to do), or one line saying so. Even the same N was refused as "JAX
+    could not start a backend ... check that the device and its JAX plugin are installed", and
+    `jax_platforms` was left set to cpu."""
+    from nljax import cli, train
+
+    n, platforms = len(jax.devices()), jax.config.jax_platforms  # started: conftest's 8 CPU devices
+    cli.setup_devices(n)
+    assert train.main(["--cpu-devices", str(n), "--print-config"]) == 0
+    capsys.readouterr()
+    with pytest.raises(ConfigError, match=f"--cpu-devices 2: JAX has already started in this Python process, with "
+                                          f"{n} cpu device"):
+        cli.setup_devices(2)
+    assert train.main(["--cpu-devices", "2", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and f"give --cpu-devices {n} or leave it out" in err and "restart its kernel" in err, err
+    assert jax.config.jax_platforms == platforms
+
+
+def test_jax_64_bit_mode_is_refused_in_one_line(runs):
+    """A session that turned on JAX's 64-bit mode before nljax (jax_enable_x64): a run trained
+    float64 parameters whatever model.dtype said and crashed at its throughput table (a 40-line
+    TypeError); loading a float32 run was refused as "from another model"."""
+    from nljax import config
+    from nljax.run.core import Run
+
+    jax.config.update("jax_enable_x64", True)
+    try:
+        with pytest.raises(ConfigError, match=r"^JAX's 64-bit mode is on in this process .*turn it off first"):
+            nljax.load(runs / "runs" / "default")
+        with pytest.raises(ConfigError, match="JAX's 64-bit mode is on"):  # an export's too
+            nljax.load(runs / "runs" / "default" / "export")
+        with pytest.raises(ConfigError, match="JAX's 64-bit mode is on"):
+            Run.create(config.load(None, NL))
+    finally:
+        jax.config.update("jax_enable_x64", False)
+
+
+@pytest.mark.parametrize("command", ["train", "generate", "export", "evaluate", "prepare", "bench", "comm"])
+def test_a_commands_main_returns_argparses_refusal_as_a_code(command, capsys):
+    """`nljax.train.main([...])` from Python (the guides' way to train from a notebook or a
+    script) returns its exit code for every refusal: a mistyped flag raised argparse's SystemExit
+    instead, which ended a script past its `if rc:` and showed in a notebook's cell as
+    "SystemExit: 2". --help returns 0 after the help."""
+    import importlib
+
+    main = importlib.import_module(f"nljax.{command}").main
+    assert main(["--bogus"]) == 2
+    said = f"nljax.{command}: error: unrecognized arguments: --bogus (--help lists the options)\n"
+    assert capsys.readouterr().err == said
+    assert main(["--help"]) == 0
+    assert f"usage: nljax.{command}" in capsys.readouterr().out
+    # a str for the list was read letter by letter ("override 't' must look like key=value"), a
+    # number was argparse's TypeError
+    for argv, got in (("run.dir=x", "str 'run.dir=x'"), (["--help", 3], "int 3")):
+        assert main(argv) == 2
+        assert capsys.readouterr().err == (f"nljax.{command}: error: main takes the command's arguments as a list of "
+                                           f"str, one each (shlex.split of a command line gives it), got {got}\n")
+
+
+def test_a_path_in_mains_arguments_is_its_str(tmp_path, capsys):
+    """`nljax.train.main(["--config", Path("my.yaml")])`: a path is taken as the str it names (it
+    was argparse's TypeError: 'PosixPath' object is not subscriptable)."""
+    from nljax import train
+
+    (tmp_path / "my.yaml").write_text("train:\n  steps: 7\n")
+    assert train.main(["--print-config", "--config", tmp_path / "my.yaml"]) == 0
+    assert "  steps: 7" in capsys.readouterr().out

@@ -72,15 +72,13 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
     samples left, multi-step (`steps` steps) right, each half titled, every image of a grid
     with its class (`labels`, when the model is conditional) in its corner; `classes`: the
     labels' names (a folder's class subfolders), those of the classes shown said in the caption."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # files only, no display
-    import matplotlib.pyplot as plt
+    from nljax.measure.plots import figure  # Agg, outside pyplot: the user's backend is left as it is
 
     dots = one_step.shape[1:] == (1, 1, 2)  # 2-D toy data: dots over the held-out points, no grid
     a, b, cols, cell = (None, None, 0, 0) if dots else halves(one_step, multi_step)
     h, w = (0, 0) if dots else a.shape[:2]
-    fig, axes = plt.subplots(1, 2, figsize=(2 * max(3.2, w / 80), max(3.2, h / 80) + 0.6))
+    fig = figure((2 * max(3.2, w / 80), max(3.2, h / 80) + 0.6))
+    axes = fig.subplots(1, 2)
     for ax, pic, pts, name in zip(axes, (a, b), (one_step, multi_step),
                                   ("one step (1 network evaluation)", f"multi-step ({steps} steps)")):
         if cols:
@@ -128,4 +126,3 @@ def write_samples(path: Path, one_step: np.ndarray, multi_step: np.ndarray, refe
             raise OSError(e.errno, e.strerror, str(path)) from e
         finally:
             temp.unlink(missing_ok=True)
-            plt.close(fig)

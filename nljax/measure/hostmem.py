@@ -91,7 +91,7 @@ def _not_applicable(mode: str) -> str | None:
         return "system (the user's: LD_PRELOAD, GLIBC_TUNABLES or MALLOC_*)"
     if not _computes_on_cpu():
         return "system (an accelerator backend)"
-    if _backends_started():
+    if backends_started():
         return "system (JAX's backends had started)"
     return None
 
@@ -120,7 +120,7 @@ def _accelerator_plugins() -> bool:
     return spec is not None and any(pkgutil.iter_modules(spec.submodule_search_locations or []))
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
     from jax._src import xla_bridge  # no public API says this; absent, assume started (do nothing)
 
     started = getattr(xla_bridge, "backends_are_initialized", None)

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only, no display
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter, ScalarFormatter
 
 # metrics.jsonl keys -> what the legend says
 LABELS = {
@@ -66,11 +64,18 @@ def series(records: list[dict], final: dict, key: str) -> list[tuple[int, float]
     return pts
 
 
+def figure(figsize: tuple[float, float]) -> Figure:
+    """A figure drawn by Agg, for a file, outside pyplot: `matplotlib.use("Agg")` switched the
+    process's backend, so a notebook that trained showed none of its own plots afterwards."""
+    fig = Figure(figsize=figsize)
+    FigureCanvasAgg(fig)
+    return fig
+
+
 def _save(fig, path: Path) -> None:
     for ax in fig.axes:  # steps are whole numbers
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.savefig(path, dpi=100, bbox_inches="tight")  # the legend beside the axes is kept in
-    plt.close(fig)
 
 
 def loss_figure(records: list[dict], final: dict | None = None, bpb_per_nat: float | None = None):
@@ -88,9 +93,11 @@ def loss_figure(records: list[dict], final: dict | None = None, bpb_per_nat: flo
     texts = held_out_texts([*records, final])
     bpb_panel = len(texts) > 1 and any(k.partition("/")[0] in BPB for k in keys)
     if bpb_panel:
-        fig, (ax, low) = plt.subplots(2, 1, figsize=(8, 6.5), sharex=True)
+        fig = figure((8, 6.5))
+        ax, low = fig.subplots(2, 1, sharex=True)
     else:
-        fig, ax = plt.subplots(figsize=(8, 4))
+        fig = figure((8, 4))
+        ax = fig.subplots()
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1, color="C0", label=LABELS["loss"])
     for i, name in enumerate(texts):
         color = f"C{(i + 1) % 10}"  # C0 is the training loss's
@@ -139,7 +146,8 @@ def held_out_texts(records: list[dict]) -> list[str]:
 
 
 def _image_loss_figure(records: list[dict], final: dict):
-    fig, (top, mid, low) = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    fig = figure((8, 8))
+    top, mid, low = fig.subplots(3, 1, sharex=True)
     top.plot([r["step"] for r in records], [r["loss"] for r in records], lw=1, label=LABELS["loss"])
     top.set_ylabel("training loss\n(adaptively weighted)")
     pts = series(records, final, "eval_mse")
@@ -165,7 +173,8 @@ def _image_loss_figure(records: list[dict], final: dict):
 def step_time_figure(records: list[dict], timed: dict):
     """step_time.png's figure: each training step's time by pulse pattern (the steps that
     compiled left out), with the medians timed at the end as dashed lines."""
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig = figure((8, 4))
+    ax = fig.subplots()
     names = sorted({r["pattern"] for r in records}, key=lambda n: (n.count("+"), n))
     values = []
     for i, name in enumerate(names):

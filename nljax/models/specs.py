@@ -69,11 +69,18 @@ def register_model(name: str, build: Callable[[Config], Model], settings: type |
     `shared`: the keys of the shared section `model.*` that `build` reads ("vocab_size", "dim",
     "hidden_mult", "depth", "heads", "dtype", "remat"); given, a run that sets one of the others
     gets one warning line naming it (it changes nothing); None: any may be read, nothing said.
-    A name registered twice is refused."""
+    A name registered again by another registrant is refused; by the same one (a notebook's cell
+    run again, the script or module that registered it), the new registration replaces the old."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ConfigError(f"register_model: the name must be an identifier (it is the config key model.<name>), "
                           f"got {name!r}")
-    if name in _SPECS:
+    # the script run registering it at its top level is its origin, wherever `build` is defined (a
+    # launcher that imports the model's module): its closing commands go through that script
+    caller = sys._getframe(1).f_globals.get("__name__")
+    origin = "__main__" if caller == "__main__" and len(_ORIGIN) == 1 else _who(build)
+    # the same registrant again replaces its model: a notebook's cell run again after an edit, a
+    # module reloaded (refused, only a new process took the edit); another registrant is refused
+    if name in _SPECS and _SPECS[name].origin != origin:
         raise ConfigError(f"model '{name}' is registered twice: by {_SPECS[name].origin} and by {_who(build)}")
     if name in ("name", *SHARED_KEYS):  # else every config load after it is refused, whatever model it selects
         raise ConfigError(f"model '{name}' ({_who(build)}): its name is a key of the model section (model.{name}): "
@@ -87,10 +94,6 @@ def register_model(name: str, build: Callable[[Config], Model], settings: type |
         _check_settings(f"model '{name}' ({_who(build)})", settings)
     if shared is not None:
         shared = _check_shared(f"model '{name}' ({_who(build)})", shared)
-    # the script run registering it at its top level is its origin, wherever `build` is defined (a
-    # launcher that imports the model's module): its closing commands go through that script
-    caller = sys._getframe(1).f_globals.get("__name__")
-    origin = "__main__" if caller == "__main__" and len(_ORIGIN) == 1 else _who(build)
     spec = ModelSpec(name, build, settings, task, check, describe, rebuild, flops, reach, shared, origin)
     _SPECS[name] = spec
     return spec

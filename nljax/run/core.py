@@ -24,6 +24,17 @@ from nljax.run import tasks
 from nljax.run.tasks import Task
 
 
+def refuse_x64() -> None:
+    """JAX's 64-bit mode, which a user's session may have turned on before nljax, is refused: its
+    defaults turn float32 into float64, so a run trained float64 parameters whatever model.dtype
+    said, then crashed at its throughput table, and loading a float32 run was "from another model"."""
+    if jax.config.jax_enable_x64:
+        raise ConfigError("JAX's 64-bit mode is on in this process (jax.config.update('jax_enable_x64', True), or "
+                          "JAX_ENABLE_X64 set): nljax's models, steps and checkpoints are built for the dtypes "
+                          "model.dtype names, and under it they would run in float64; turn it off first (unset "
+                          "JAX_ENABLE_X64, or jax.config.update('jax_enable_x64', False))")
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Run:
     cfg: Config
@@ -46,6 +57,7 @@ class Run:
         model's data are not read (`tasks.LoadedText`); its config.yaml holds what they decided.
         `average`: whether a use reads the parameters' moving average, whose optimizer state its
         budget then counts (None: where optim.ema_decay keeps one; `params=trained` reads none)."""
+        refuse_x64()
         if trains:
             tasks.check_trains(cfg)
         cfg = tasks.resolve(cfg, trains) if reads_data else cfg

@@ -38,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import re
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -87,6 +88,15 @@ class Settings:
     out: str = ""  # DiT: the PNG written (default: <run.dir>/generated.png); prompts=: the results (.jsonl)
 
     def check(self) -> "Settings":
+        # from Python (`TrainedModel.generate`) a value of another type: one line, not the TypeError
+        # of a comparison below ("'<' not supported between instances of 'str' and 'int'")
+        for key, kind in (("max_new_tokens", numbers.Integral), ("top_k", numbers.Integral), ("seed", numbers.Integral),
+                          ("samples_per_prompt", numbers.Integral), ("batch_size", numbers.Integral),
+                          ("temperature", numbers.Real), ("top_p", numbers.Real)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                what = "an integer" if kind is numbers.Integral else "a number"
+                raise ConfigError(f"{key} must be {what}, got {type(value).__name__} {value!r:.60}")
         if self.max_new_tokens > MAX_NEW_TOKENS:  # token by token on the host: a huge count never ends
             raise ConfigError(f"max_new_tokens must be <= {MAX_NEW_TOKENS:,}, got {self.max_new_tokens:,}")
         # each its own line with its value: one naming all four left the user to match them up

@@ -35,7 +35,9 @@ when it runs within `Notice.GRACE_S`, else by the reader), which applies the rul
 hands a decision to stop to the main thread (the signal sent to it again); when
 the main thread has not taken it within `Notice.STUCK_S`, it is inside such a call, and the
 thread ends the process itself: the same line, the same exit code, `os._exit` (the checkpoints already on disk are
-kept; the run's lock is left to be taken over, its process being gone).
+kept; the run's lock is left to be taken over, its process being gone). Not for a Ctrl-C in a
+session the user types into (a notebook's kernel, IPython, `python -i`: `nljax.train.main` called
+there), which would be lost with the process: there the Ctrl-C is raised when the call returns.
 """
 
 from __future__ import annotations
@@ -108,6 +110,13 @@ def _prog() -> str:
     `nljax.cli.main`'s prog), else nljax."""
     spec = getattr(sys.modules.get("__main__"), "__spec__", None)
     return spec.name if spec is not None and spec.name.startswith("nljax.") else "nljax"
+
+
+def _interactive() -> bool:
+    """Whether this is a session a user types into, which is theirs to keep: a Jupyter kernel or
+    IPython (`get_ipython()`), `python -i`, the interactive interpreter."""
+    ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    return bool(sys.flags.interactive) or hasattr(sys, "ps1") or (callable(ipython) and ipython() is not None)
 
 
 def _say(line: bytes) -> None:
@@ -226,6 +235,13 @@ class Notice:
                 self._ours[sig] += 1  # read back from the wakeup fd: not a new arrival
                 signal.pthread_kill(threading.main_thread().ident, sig)
             time.sleep(0.1)
+        if self._stop is stop and self._wake and isinstance(stop, KeyboardInterrupt) and _interactive():
+            # a notebook's kernel (its interrupt is Ctrl-C) or an interactive session: ending the
+            # process lost the session (the kernel died). The main thread's handler raises the
+            # Ctrl-C when the call returns, the signals sent to it being pending there.
+            _say(f"{_prog()}: Ctrl-C: stopping when the compilation in progress returns (it cannot be "
+                 "interrupted)\n".encode())
+            return
         if self._stop is stop and self._wake:  # the main thread is inside a C call (a compilation): end here
             line = f"{_prog()}: {str(stop) or 'interrupted (Ctrl-C)'} (inside a compilation, which was not waited for)\n"
             _say(line.encode())
