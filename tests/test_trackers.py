@@ -221,6 +221,27 @@ def test_a_final_report_cut_by_ctrl_c_logs_its_evaluation_once_on_resume(tmp_pat
     assert [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")] == logged
 
 
+def test_two_runs_opening_their_event_files_in_one_second_keep_both(tmp_path, monkeypatch):
+    """tensorboardX names an event file by the second it opens it: a resume that trained nothing,
+    within a second of the run before it, truncated that run's file (its events gone; the
+    tests of such resumes failed now and then)."""
+    import types
+
+    import tensorboardX.event_file_writer as efw
+
+    from nljax.run.trackers import TensorBoard
+
+    monkeypatch.setattr(efw, "time", types.SimpleNamespace(time=lambda: 1.7e9))  # one second for both
+    first = TensorBoard(tmp_path)
+    first.scalars("eval", {"eval_loss": 2.0}, 4)
+    first.close()
+    second = TensorBoard(tmp_path, start_step=8)
+    second.scalars("eval", {"eval_loss": 1.0}, 8)
+    second.close()
+    assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
+    assert [(e.step, e.value) for e in events(tmp_path).Scalars("eval/eval_loss")] == [(4, 2.0), (8, 1.0)]
+
+
 def test_a_resume_that_meets_its_target_at_once_logs_that_evaluation_once(tmp_path):
     """A resume whose checkpoint already meets train.target_eval_loss trains nothing, and its
     evaluation of the checkpoint is the final report's: sent to the trackers where no evaluation

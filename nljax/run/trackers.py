@@ -94,7 +94,10 @@ class TensorBoard:
     def __init__(self, path: Path, start_step: int = 0):
         tbx = self.require()
         before = set(path.glob("events.out.tfevents.*"))
-        self.writer = tbx.SummaryWriter(logdir=str(path))
+        # tensorboardX names the file by the second it opens it, and a second writer in that second
+        # truncated the first's file (a resume that trained nothing, within a second of the run
+        # before it): the nanosecond after it keeps each its own file, in the order they came
+        self.writer = tbx.SummaryWriter(logdir=str(path), filename_suffix=f".{time.time_ns()}")
         new = sorted(set(path.glob("events.out.tfevents.*")) - before)
         for name in new:  # ours: overwrite removes it
             note_written(path, name.name)
