@@ -74,6 +74,7 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, intermixed: bo
     ended a script there, and showed in a notebook's cell as "SystemExit: 2". From Python, a
     path (`--config`, Path("my.yaml")) is taken as its str; a str for the whole list was read letter
     by letter ("override 't' must look like key=value"), a number raised argparse's TypeError."""
+    argv = command_line() if argv is None else argv
     if argv is not None:
         bad = argv if isinstance(argv, str) else next((a for a in argv if not isinstance(a, (str, os.PathLike))), None)
         if bad is not None:
@@ -87,11 +88,20 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, intermixed: bo
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
 
 
+def command_line() -> list[str]:
+    """The arguments of a command's `main()` called without any: this process's (sys.argv's),
+    but none in a Jupyter kernel, whose own (`-f kernel-1234.json`) are not the command's: they
+    were refused as "unrecognized arguments: -f"."""
+    if "ipykernel" in sys.modules and "ipykernel" in (sys.argv[0] if sys.argv else ""):
+        return []
+    return sys.argv[1:]
+
+
 def listed(argv: Sequence[str] | None):
     """A command's `main(argv)` as the list it records: sys.argv's when None, a path as its str;
     a str or a number stays for `parse` to refuse (list() of a str gave its letters)."""
     if argv is None:
-        return sys.argv[1:]
+        return command_line()
     if isinstance(argv, str):
         return argv
     return [os.fspath(a) if isinstance(a, os.PathLike) else a for a in argv]

@@ -391,3 +391,19 @@ def test_a_path_in_mains_arguments_is_its_str(tmp_path, capsys):
     (tmp_path / "my.yaml").write_text("train:\n  steps: 7\n")
     assert train.main(["--print-config", "--config", tmp_path / "my.yaml"]) == 0
     assert "  steps: 7" in capsys.readouterr().out
+
+
+
+def test_main_without_arguments_in_a_jupyter_kernel_reads_none_of_the_kernels(monkeypatch, capsys):
+    """`nljax.evaluate.main()` in a notebook: sys.argv is the kernel's (`ipykernel_launcher.py -f
+    kernel.json`), which the command read as its own ("unrecognized arguments: -f")."""
+    import types
+
+    from nljax import cli, evaluate
+
+    monkeypatch.setattr(sys, "argv", ["/env/lib/ipykernel_launcher.py", "-f", "/run/kernel-1.json"])
+    assert cli.command_line() == ["-f", "/run/kernel-1.json"]  # a script of that name, not a kernel
+    monkeypatch.setitem(sys.modules, "ipykernel", types.ModuleType("ipykernel"))
+    assert cli.command_line() == []
+    assert evaluate.main() == 2
+    assert capsys.readouterr().err == "nljax.evaluate: error: run.dir=DIR is required: the run directory nljax.train wrote\n"
