@@ -108,6 +108,11 @@ class TrainedModel:
             ids = np.asarray(None)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):  # 1.7 was read as 1, "a" was int()'s line
             raise ConfigError(f"decode takes a list of integer token ids, got {ids.dtype} of shape {ids.shape}")
+        # as `logits` takes them: ids the model has (bytes read 999 as U+FFFD, a tokenizer dropped it)
+        vocab = self.config.model.vocab_size
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:
+            raise ConfigError(f"token ids must be in [0, {vocab}), got {int(bad[0])}")
         return self.tokenizer.decode([int(i) for i in ids])
 
     @property
