@@ -175,6 +175,8 @@ def test_a_run_that_reaches_its_target_eval_loss_stops_saved_and_its_resume_says
         in p.stdout and "the run stops after 20 of 40 steps" in p.stdout, p.stdout
     assert steps() == list(range(20)) and (d / "checkpoints" / "20").is_dir()
     assert "profile: 2 of the train.profile_steps=5 steps from step 18 recorded: the run ends at step 19" in p.stdout
+    assert f"profile: the trace in {d / 'profile'} (TensorBoard's profile tab" in p.stdout, p.stdout
+    assert list((d / "profile").rglob("*.trace.json.gz")), "the Perfetto file the line names"
     assert json.loads((d / "profile" / "summary.json").read_text())
 
 

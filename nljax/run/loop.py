@@ -245,7 +245,9 @@ class Profiler:
             self.say(f"profile: no summary of the trace in {self.path} ({e})")
             return
         (self.path / "summary.json").write_text(json.dumps(s, indent=1))
-        self.say("\n".join(traces.format_summary(s)))
+        # where to open it: the summary's figures alone did not say where the trace went
+        where = f"profile: the trace in {self.path} (TensorBoard's profile tab, or its .trace.json.gz in Perfetto)"
+        self.say("\n".join([*traces.format_summary(s), where]))
 
     def keeps(self, step: int) -> bool:
         """The step before the first profiled one (the trace starts with nothing in flight) and
