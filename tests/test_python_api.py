@@ -54,7 +54,7 @@ def test_a_run_and_its_export_load_alike_and_generate_as_the_command(runs, lm):
     assert lm.generate("def ", seed=4, max_new_tokens=40) != lm.generate("def ", seed=5, max_new_tokens=40)
 
 
-def test_print_shows_one_line_of_what_was_loaded(runs, lm):
+def test_print_shows_one_line_of_what_was_loaded(runs, lm, monkeypatch):
     """`print(lm)` is one short line (the dataclass's repr printed every parameter array and the
     whole config: ~2,300 lines): the model, what it makes, its parameter count and dtype, the
     step and where it was read from, for a run and for its export."""
@@ -68,6 +68,9 @@ def test_print_shows_one_line_of_what_was_loaded(runs, lm):
                         f"step 1, from {model.source}>")
     assert ex.source == runs / "runs" / "default" / "export"
     assert lm.source == (runs / "runs" / "default" / "checkpoints" / "1").absolute()
+    # by a relative path, an export's source is absolute as a run's is (it stayed relative)
+    monkeypatch.chdir(runs / "runs")
+    assert nljax.load("default/export").source == runs / "runs" / "default" / "export"
 
 
 def test_checkpoint_is_a_step_number_or_a_path(tmp_path, monkeypatch):
