@@ -281,6 +281,9 @@ def test_log_lines_every_n_steps_and_at_a_resumed_runs_first_step(capsys):
         return [int(line.split()[1]) for line in capsys.readouterr().out.splitlines()]
 
     assert printed(0, evaluated=(14,)) == [0, 10, 14, 20, 24]
+    # a diverging run's loss as its evaluation's figures are printed (it was 1736104448.0000)
+    assert [runlog.loss_text(v) for v in (5.75049, 99999.5, 123456.7, 1736104448.0, float("nan"))] == [
+        "5.7505", "99999.5000", "123,457", "1.736e+09", "nan"]
     assert printed(6) == [6, 10, 20, 24]  # resumed at step 6
     assert printed(20) == [20, 24]
 

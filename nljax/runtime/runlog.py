@@ -116,7 +116,7 @@ class Progress:
 
     def update(self, rec: dict, rate: float, last: bool, eval_text: str = "") -> None:
         pattern = rec["pattern"]  # its compilation is said as it happens (nljax/run/phases.py)
-        loss = f"loss {rec['loss']:.4f}{self.error_text(rec)}"
+        loss = f"loss {loss_text(rec['loss'])}{self.error_text(rec)}"
         if self.bar is not None:
             self.bar.set_postfix_str(f"{loss}  {rate:,.0f} {self.unit}/s/device", refresh=False)
             self.bar.update(1)
@@ -139,6 +139,12 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+def loss_text(v: float) -> str:
+    """The training loss on the log lines: four decimals (5.7505), and from 1e5 on (a diverging
+    run) as `sig4` prints the evaluation's beside it (1.736e+09, not 1736104448.0000)."""
+    return f"{v:.4f}" if not math.isfinite(v) or abs(v) < 1e5 else sig4(v)
 
 
 def sig4(v: float) -> str:
