@@ -362,7 +362,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "checkpoint and exit, before being killed; keep it under the scheduler's own (Slurm: KillWait, "
                         "or --signal's lead time)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the command every process runs, after --")
-    args = p.parse_args(argv)
+    try:
+        args = p.parse_args(argv)
+    except SystemExit as e:  # `launch.main([...])` from Python returns the code, as the other commands' do
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     problem = None
     if not command:

@@ -152,6 +152,18 @@ def test_a_launcher_whose_output_is_closed_still_ends():
     assert p.wait(timeout=60) == 0
 
 
+def test_launchers_main_returns_argparses_refusal_as_a_code(capsys):
+    """`nljax.launch.main([...])` from Python: a missing or mistyped flag returns 2 and --help 0,
+    as every other command's main does (argparse's SystemExit was raised)."""
+    from nljax import launch
+
+    assert launch.main(["--", "true"]) == 2
+    assert "the following arguments are required: --nproc" in capsys.readouterr().err
+    assert launch.main(["--nproc", "two", "--", "true"]) == 2
+    assert "--nproc: invalid int value: 'two'" in capsys.readouterr().err
+    assert launch.main(["--help"]) == 0 and "usage: python -m nljax.launch" in capsys.readouterr().out
+
+
 def test_launcher_bad_input():
     p = subprocess.run([*LAUNCH, "--nproc", "0", "--", "true"], env=subprocess_env(), capture_output=True, text=True)
     assert p.returncode == 2 and p.stderr.strip() == "nljax.launch: error: --nproc must be >= 1, got 0"
