@@ -102,12 +102,18 @@ class TrainedModel:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (a byte that is not whole UTF-8 reads as U+FFFD)."""
         self._text_only("decode")
+        given = ids
         try:
             ids = np.asarray(ids)
         except ValueError:  # ragged
             ids = np.asarray(None)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):  # 1.7 was read as 1, "a" was int()'s line
-            raise ConfigError(f"decode takes a list of integer token ids, got {ids.dtype} of shape {ids.shape}")
+            got = f"{ids.dtype} of shape {ids.shape}" if ids.ndim else f"{type(given).__name__} {given!r:.60}"
+            raise ConfigError(f"decode takes a list of integer token ids, got {got}")
+        vocab = self.config.model.vocab_size
+        bad = ids[(ids < 0) | (ids >= vocab)]
+        if bad.size:  # as logits: -1 was bytes()'s ValueError, or the tokenizer's OverflowError
+            raise ConfigError(f"token ids must be in [0, {vocab}), got {int(bad[0])}")
         return self.tokenizer.decode([int(i) for i in ids])
 
     @property

@@ -145,6 +145,10 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: lm.encode(65), "encode takes a str, got int 65"),
         (lambda: lm.decode([65.0, 66.7]), "decode takes a list of integer token ids, got float64 of shape (2,)"),
         (lambda: lm.decode(["A"]), "decode takes a list of integer token ids, got <U1 of shape (1,)"),
+        (lambda: lm.decode("AB"), "decode takes a list of integer token ids, got str 'AB'"),  # was "<U2 of shape ()"
+        # a negative id was bytes()'s ValueError (a tokenizer's: an OverflowError), a larger one U+FFFD
+        (lambda: lm.decode([65, -1]), "token ids must be in [0, 256), got -1"),
+        (lambda: lm.decode([65, 256]), "token ids must be in [0, 256), got 256"),
         (lambda: lm.logits([[65.0, 66.7]]), "tokens must be integer ids, got float64"),
         (lambda: lm.logits([[65, 66]], lm.init_memory(rows=2)), "memory must be a memory of 1 row(s)"),
         (lambda: lm.logits([[65, 66]], {"M": np.zeros(3)}), "memory must be a memory of 1 row(s)"),
