@@ -470,6 +470,13 @@ def test_an_offline_wandb_run_says_where_its_records_are_in_nljaxs_words(tmp_pat
                         f"W&B run abc offline, its records in {records}: wandb sync {records} uploads them "
                         "(run.wandb_mode=online, or WANDB_MODE=online, logs online)\n")
         shutil.rmtree(tmp_path / "wandb")
+    # offline by WANDB_MODE, which wins: run.wandb_mode=online, which the line advised too, changes nothing
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    WandB.open(Start(config.load(None, ["run.trackers=[wandb]", f"run.dir={tmp_path}", f"run.wandb_mode={mode}"]),
+                     tmp_path, None, {}))
+    assert calls["init"]["mode"] == "offline"
+    assert capsys.readouterr().out.endswith(" uploads them (WANDB_MODE=online, which overrides run.wandb_mode, logs "
+                                            "online)\n")
 
 
 def test_a_tracker_that_fails_to_start_leaves_a_resumed_runs_config_as_it_was(tmp_path, monkeypatch, capsys):
