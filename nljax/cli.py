@@ -148,11 +148,12 @@ def _started_as(cpu_devices: int) -> None:
     have = jax.devices()
     if have[0].platform == "cpu" and len(have) == cpu_devices:
         return
+    # on an accelerator, --cpu-devices of any N is refused again: leaving it out is the way to them
+    same = f"give --cpu-devices {len(have)} or leave it out" if have[0].platform == "cpu" else "leave it out"
     raise config.ConfigError(
         f"--cpu-devices {cpu_devices}: JAX has already started in this Python process, with {len(have)} "
         f"{have[0].platform} device(s) (an earlier command or JAX call here), and JAX sets a process's devices once: "
-        f"give --cpu-devices {len(have)} or leave it out to use those, or start a new process (a notebook: restart "
-        f"its kernel) for {cpu_devices}")
+        f"{same} to use those, or start a new process (a notebook: restart its kernel) for {cpu_devices}")
 
 
 def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:

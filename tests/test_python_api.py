@@ -346,6 +346,20 @@ def test_cpu_devices_once_jax_has_started_is_what_it_has_or_one_line(capsys):
     assert jax.config.jax_platforms == platforms
 
 
+def test_cpu_devices_once_jax_has_started_on_an_accelerator_says_to_leave_it_out(monkeypatch):
+    """JAX started on a GPU (a notebook's first run without the flag): no --cpu-devices is taken
+    then, so the line says to leave it out; it said to give --cpu-devices 1, refused again."""
+    import types
+
+    from nljax import cli
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform="gpu")])
+    with pytest.raises(ConfigError) as e:
+        cli.setup_devices(1)
+    assert "with 1 gpu device(s)" in str(e.value) and "--cpu-devices 1 or" not in str(e.value)
+    assert ": leave it out to use those, or start a new process" in str(e.value)
+
+
 def test_jax_64_bit_mode_is_refused_in_one_line(runs):
     """A session that turned on JAX's 64-bit mode before nljax (jax_enable_x64): a run trained
     float64 parameters whatever model.dtype said and crashed at its throughput table (a 40-line
