@@ -75,16 +75,23 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, intermixed: bo
     path (`--config`, Path("my.yaml")) is taken as its str; a str for the whole list was read letter
     by letter ("override 't' must look like key=value"), a number raised argparse's TypeError."""
     if argv is not None:
-        bad = argv if isinstance(argv, str) else next((a for a in argv if not isinstance(a, (str, os.PathLike))), None)
-        if bad is not None:
-            print(f"{p.prog}: error: main takes the command's arguments as a list of str, one each (shlex.split "
-                  f"of a command line gives it), got {type(bad).__name__} {bad!r:.60}", file=sys.stderr)
+        if not_listed(p.prog, argv):
             return 2
         argv = [os.fspath(a) for a in argv]
     try:
         return p.parse_intermixed_args(argv) if intermixed else p.parse_args(argv)
     except SystemExit as e:
         return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
+
+
+def not_listed(prog: str, argv: Sequence[str]) -> bool:
+    """Whether `argv`, given to a command's `main` from Python, is not a list of str (or paths):
+    then said in one line."""
+    bad = argv if isinstance(argv, str) else next((a for a in argv if not isinstance(a, (str, os.PathLike))), None)
+    if bad is not None:
+        print(f"{prog}: error: main takes the command's arguments as a list of str, one each (shlex.split "
+              f"of a command line gives it), got {type(bad).__name__} {bad!r:.60}", file=sys.stderr)
+    return bad is not None
 
 
 def listed(argv: Sequence[str] | None):

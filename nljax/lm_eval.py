@@ -247,7 +247,9 @@ def register() -> None:
 
 def main(argv=None) -> int:
     """`--cpu-devices N` is this command's; every other argument goes to lm-eval's command line."""
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = cli.listed(argv)
+    if cli.not_listed("nljax.lm_eval", argv):  # a str was read letter by letter: "--tasks is missing"
+        return 2
     mine = {i for i, a in enumerate(argv) if a in ("-h", "--help") or a.startswith("--cpu-devices")
             or (i and argv[i - 1] == "--cpu-devices")}
     own, rest = [argv[i] for i in sorted(mine)], [a for i, a in enumerate(argv) if i not in mine]

@@ -401,6 +401,17 @@ def test_a_commands_main_returns_argparses_refusal_as_a_code(command, capsys):
                                            f"str, one each (shlex.split of a command line gives it), got {got}\n")
 
 
+def test_lm_evals_main_refuses_a_str_for_its_list_in_one_line(capsys):
+    """lm_eval's `main` splits its arguments before its own parser: a str was read letter by
+    letter there ("--tasks is missing", with --tasks given), a number was a TypeError."""
+    from nljax import lm_eval
+
+    for argv, got in (("--tasks x", "str '--tasks x'"), (["--tasks", 3], "int 3")):
+        assert lm_eval.main(argv) == 2
+        assert capsys.readouterr().err == ("nljax.lm_eval: error: main takes the command's arguments as a list of "
+                                           f"str, one each (shlex.split of a command line gives it), got {got}\n")
+
+
 def test_a_path_in_mains_arguments_is_its_str(tmp_path, capsys):
     """`nljax.train.main(["--config", Path("my.yaml")])`: a path is taken as the str it names (it
     was argparse's TypeError: 'PosixPath' object is not subscriptable)."""
