@@ -221,6 +221,23 @@ def test_a_final_report_cut_by_ctrl_c_logs_its_evaluation_once_on_resume(tmp_pat
     assert [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")] == logged
 
 
+def test_a_final_report_cut_without_checkpoints_says_its_summary_stays_so(tmp_path, monkeypatch):
+    """checkpoint.every=0, Ctrl-C in the timing: summary.json holds the final evaluation, and its
+    word on the rest said it came from the run's --resume, which has no checkpoint to start from."""
+    from nljax.run import trainer
+    from nljax.runtime import preemption
+
+    d = tmp_path / "run"
+    monkeypatch.setattr(trainer, "comm_report", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(preemption.Unreported):
+        train(config.load(None, [*TINY, *QUICK, "cms.periods=[1]", "mesh.inter=1", "mesh.intra=8", "train.steps=1",
+                                 "checkpoint.every=0", "eval.every=0", f"run.dir={d}", "run.quiet=true"]))
+    summary = json.loads((d / "summary.json").read_text())
+    assert "eval_loss" in summary and summary["incomplete"] == ("the rest of the final report comes as it ends (a run "
+                                                                "cut before: never, with checkpoint.every=0 (no "
+                                                                "checkpoint))")
+
+
 def test_two_runs_opening_their_event_files_in_one_second_keep_both(tmp_path, monkeypatch):
     """tensorboardX names an event file by the second it opens it: a resume that trained nothing,
     within a second of the run before it, truncated that run's file (its events gone; the
