@@ -74,14 +74,10 @@ def parse(p: argparse.ArgumentParser, argv: Sequence[str] | None, intermixed: bo
     ended a script there, and showed in a notebook's cell as "SystemExit: 2". From Python, a
     path (`--config`, Path("my.yaml")) is taken as its str; a str for the whole list was read letter
     by letter ("override 't' must look like key=value"), a number raised argparse's TypeError."""
-    argv = command_line() if argv is None else argv
-    if argv is not None:
-        bad = argv if isinstance(argv, str) else next((a for a in argv if not isinstance(a, (str, os.PathLike))), None)
-        if bad is not None:
-            print(f"{p.prog}: error: main takes the command's arguments as a list of str, one each (shlex.split "
-                  f"of a command line gives it), got {type(bad).__name__} {bad!r:.60}", file=sys.stderr)
-            return 2
-        argv = [os.fspath(a) for a in argv]
+    argv = listed(argv)  # a generator read once, into the list checked and parsed
+    if not_listed(p.prog, argv):
+        return 2
+    argv = [os.fspath(a) for a in argv]
     try:
         return p.parse_intermixed_args(argv) if intermixed else p.parse_args(argv)
     except SystemExit as e:
@@ -95,6 +91,16 @@ def command_line() -> list[str]:
     if "ipykernel" in sys.modules and "ipykernel" in (sys.argv[0] if sys.argv else ""):
         return []
     return sys.argv[1:]
+
+
+def not_listed(prog: str, argv: Sequence[str]) -> bool:
+    """Whether `argv`, given to a command's `main` from Python, is not a list of str (or paths):
+    then said in one line."""
+    bad = argv if isinstance(argv, str) else next((a for a in argv if not isinstance(a, (str, os.PathLike))), None)
+    if bad is not None:
+        print(f"{prog}: error: main takes the command's arguments as a list of str, one each (shlex.split "
+              f"of a command line gives it), got {type(bad).__name__} {bad!r:.60}", file=sys.stderr)
+    return bad is not None
 
 
 def listed(argv: Sequence[str] | None):
@@ -158,11 +164,12 @@ def _started_as(cpu_devices: int) -> None:
     have = jax.devices()
     if have[0].platform == "cpu" and len(have) == cpu_devices:
         return
+    # on an accelerator, --cpu-devices of any N is refused again: leaving it out is the way to them
+    same = f"give --cpu-devices {len(have)} or leave it out" if have[0].platform == "cpu" else "leave it out"
     raise config.ConfigError(
         f"--cpu-devices {cpu_devices}: JAX has already started in this Python process, with {len(have)} "
         f"{have[0].platform} device(s) (an earlier command or JAX call here), and JAX sets a process's devices once: "
-        f"give --cpu-devices {len(have)} or leave it out to use those, or start a new process (a notebook: restart "
-        f"its kernel) for {cpu_devices}")
+        f"{same} to use those, or start a new process (a notebook: restart its kernel) for {cpu_devices}")
 
 
 def setup_processes(args: argparse.Namespace, cfg: config.Config) -> bool:

@@ -400,6 +400,9 @@ def _override(tree: dict, overrides: typing.Sequence[str]) -> None:
         if key == BASE_KEY:  # read from a file's top level only: the command line names the file instead
             raise ConfigError(f"{BASE_KEY} is a config file's key (a YAML file's top-level '{BASE_KEY}: {value}'); "
                               f"on the command line give the file itself: --config {value}")
+        if key.lower() in INHERITS:  # as in a file (`_built_from`): its line listed the sections alone
+            raise ConfigError(f"unknown config key '{key}' (a config builds on another with a YAML file's top-level "
+                              f"'{BASE_KEY}: {value}'; on the command line give the file itself: --config {value})")
         _set_dotted(tree, key, value)
 
 

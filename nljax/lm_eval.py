@@ -247,7 +247,9 @@ def register() -> None:
 
 def main(argv=None) -> int:
     """`--cpu-devices N` is this command's; every other argument goes to lm-eval's command line."""
-    argv = list(cli.command_line() if argv is None else argv)
+    argv = cli.listed(argv)
+    if cli.not_listed("nljax.lm_eval", argv):  # a str was read letter by letter: "--tasks is missing"
+        return 2
     mine = {i for i, a in enumerate(argv) if a in ("-h", "--help") or a.startswith("--cpu-devices")
             or (i and argv[i - 1] == "--cpu-devices")}
     own, rest = [argv[i] for i in sorted(mine)], [a for i, a in enumerate(argv) if i not in mine]
@@ -278,16 +280,19 @@ def _evaluate(cpu_devices: int | None, lm_eval_argv: list[str]) -> int:
     from lm_eval.__main__ import cli_evaluate
     from lm_eval.loggers.evaluation_tracker import GeneralConfigTracker
 
-    sys.argv = ["lm_eval", *lm_eval_argv]
     try:
         # lm-eval's `git describe` (its results' git_hash) says `fatal: not a git repository` on
         # standard error outside one: the same hash, without the stray line. Its results name the
         # model (and its folder under --output_path) by --model_args' `pretrained=`, `path=`, ...:
-        # `run_dir=` is none of them, so each result went to a folder of a random name.
+        # `run_dir=` is none of them, so each result went to a folder of a random name. Its command
+        # line is read from sys.argv, given back after it (a notebook's kernel keeps its own).
         with (mock.patch.object(evaluator, "get_git_commit_hash", git_hash),
               mock.patch.object(GeneralConfigTracker, "_get_model_name",
-                                staticmethod(model_name(GeneralConfigTracker._get_model_name)))):
+                                staticmethod(model_name(GeneralConfigTracker._get_model_name))),
+              mock.patch.object(sys, "argv", ["lm_eval", *lm_eval_argv])):
             cli_evaluate()
+    except SystemExit as e:  # lm-eval's argparse (an option it does not know): its code, as nljax's refusals
+        return 0 if e.code is None else e.code if isinstance(e.code, int) else 2
     except ValueError as e:
         tasks = unknown_tasks(e)
         if tasks is None:

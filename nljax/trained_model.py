@@ -102,18 +102,23 @@ class TrainedModel:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of token ids (a byte that is not whole UTF-8 reads as U+FFFD)."""
         self._text_only("decode")
+        given = ids
         try:
             ids = np.asarray(ids)
         except ValueError:  # ragged
             ids = np.asarray(None)
         if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):  # 1.7 was read as 1, "a" was int()'s line
-            raise ConfigError(f"decode takes a list of integer token ids, got {ids.dtype} of shape {ids.shape}")
-        # as `logits` takes them: ids the model has (bytes read 999 as U+FFFD, a tokenizer dropped it)
+            got = f"{ids.dtype} of shape {ids.shape}" if ids.ndim else f"{type(given).__name__} {given!r:.60}"
+            raise ConfigError(f"decode takes a list of integer token ids, got {got}")
+        self._in_vocabulary(ids)  # -1 was bytes()'s ValueError, or the tokenizer's OverflowError
+        return self.tokenizer.decode([int(i) for i in ids])
+
+    def _in_vocabulary(self, ids: np.ndarray) -> None:
+        """Integer token `ids`, refused in one line where one is outside the model's vocabulary."""
         vocab = self.config.model.vocab_size
         bad = ids[(ids < 0) | (ids >= vocab)]
         if bad.size:
             raise ConfigError(f"token ids must be in [0, {vocab}), got {int(bad[0])}")
-        return self.tokenizer.decode([int(i) for i in ids])
 
     @property
     def end_id(self) -> int | None:
@@ -143,11 +148,8 @@ class TrainedModel:
             raise ConfigError(f"tokens must be [rows, T] with T >= 1, got shape {tokens.shape}")
         if tokens.dtype.kind not in "iu":  # 1.7 was read as token 1, "a" raised numpy's ValueError
             raise ConfigError(f"tokens must be integer ids, got {tokens.dtype} (encode(text) gives them)")
-        tokens = tokens.astype(np.int64)
-        vocab = self.config.model.vocab_size
-        bad = tokens[(tokens < 0) | (tokens >= vocab)]
-        if bad.size:  # the embedding's gather would read some other row (or NaN): logits of nothing
-            raise ConfigError(f"token ids must be in [0, {vocab}), got {int(bad[0])}")
+        # outside the vocabulary, the embedding's gather would read some other row (or NaN): logits of nothing
+        self._in_vocabulary(tokens)
         tokens = tokens.astype(np.int32)
         rows = tokens.shape[0]
         if reset is not None and np.size(reset) != rows:
@@ -393,6 +395,6 @@ def _from_export(path: Path) -> TrainedModel:
     model, params = load_model(path)
     info, cfg = read_config(path)
     mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("rows",))
-    out = TrainedModel(model, params, cfg, int(info["step"]), path.absolute(), _mesh=mesh)
+    out = TrainedModel(model, params, cfg, int(info["step"]), path, _mesh=mesh)
     out.tokenizer = tokenization_of_export(path, out.config) if out.makes_text else None
     return out

@@ -217,3 +217,8 @@ def test_another_tools_key_for_the_base_config_names_base_config(tmp_path, key):
         config.load(str(f))
     assert str(e.value) == (f"config file {f}: unknown config key '{key}' (did you mean 'base_config'? a file builds "
                             "on another config with 'base_config: NAME', a packaged config or a YAML file)")
+    # on the command line too (`base=nl_gpu`): the line listed the sections alone there as well
+    with pytest.raises(ConfigError) as e:
+        config.load(None, [f"{key}=nl_gpu"])
+    assert str(e.value) == (f"unknown config key '{key}' (a config builds on another with a YAML file's top-level "
+                            "'base_config: nl_gpu'; on the command line give the file itself: --config nl_gpu)")

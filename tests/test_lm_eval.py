@@ -347,6 +347,18 @@ def test_register_enters_the_model_in_lm_evals_registry():
     assert get_model("nljax") is FromRun and get_model("dummy").__name__ == "DummyLM"
 
 
+def test_lm_evals_own_refusal_from_python_is_a_code_and_leaves_sys_argv(capsys):
+    """`nljax.lm_eval.main([...])` from a notebook or a script: an option lm-eval's own parser
+    refuses raised its SystemExit (a notebook's cell: "SystemExit: 2"), where nljax's refusals
+    are codes; and the process's sys.argv stayed lm-eval's command line."""
+    from nljax import lm_eval
+
+    argv = list(sys.argv)
+    assert lm_eval.main(["--bogus"]) == 2
+    assert sys.argv == argv
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
 def test_the_command_without_lm_eval_reads_its_help_and_is_one_line(monkeypatch, capsys):
     """lm-eval missing (its import fails, as in an install without the extra): `--help` prints
     the command's own options and how to install lm-eval (exit 0); a run is one line naming both
@@ -450,12 +462,15 @@ def test_a_task_file_lm_eval_skips_is_named_and_home_is_expanded(tmp_path, monke
     matched = []  # the tasks lm-eval matched under the expanded path, then its start stopped there
     from lm_eval.tasks.manager import TaskManager  # the class (local_tasks_only replaced lm_eval.tasks')
 
+    class Matched(Exception):
+        pass
+
     def matching(self, names, real=TaskManager.match_tasks):
         matched.extend(real(self, names))
-        raise SystemExit(0)
+        raise Matched
 
     monkeypatch.setattr(TaskManager, "match_tasks", matching)
-    with pytest.raises(SystemExit):
+    with pytest.raises(Matched):
         lm_eval._evaluate(None, [*argv, "--tasks", "tiny_mc"])
     assert matched == ["tiny_mc"]
     assert lm_eval.expand_home(["-o", "~/o", "--output_path=~/p", "--tasks", "~x"]) == [

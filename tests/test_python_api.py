@@ -148,8 +148,10 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: lm.encode(65), "encode takes a str, got int 65"),
         (lambda: lm.decode([65.0, 66.7]), "decode takes a list of integer token ids, got float64 of shape (2,)"),
         (lambda: lm.decode(["A"]), "decode takes a list of integer token ids, got <U1 of shape (1,)"),
-        (lambda: lm.decode([65, 999]), "token ids must be in [0, 256), got 999"),  # it read as U+FFFD
-        (lambda: lm.decode([-1]), "token ids must be in [0, 256), got -1"),
+        (lambda: lm.decode("AB"), "decode takes a list of integer token ids, got str 'AB'"),  # was "<U2 of shape ()"
+        # a negative id was bytes()'s ValueError (a tokenizer's: an OverflowError), a larger one U+FFFD
+        (lambda: lm.decode([65, -1]), "token ids must be in [0, 256), got -1"),
+        (lambda: lm.decode([65, 256]), "token ids must be in [0, 256), got 256"),
         (lambda: lm.logits([[65.0, 66.7]]), "tokens must be integer ids, got float64"),
         (lambda: lm.logits([[65, 66]], lm.init_memory(rows=2)), "memory must be a memory of 1 row(s)"),
         (lambda: lm.logits([[65, 66]], {"M": np.zeros(3)}), "memory must be a memory of 1 row(s)"),
@@ -347,6 +349,20 @@ def test_cpu_devices_once_jax_has_started_is_what_it_has_or_one_line(capsys):
     assert jax.config.jax_platforms == platforms
 
 
+def test_cpu_devices_once_jax_has_started_on_an_accelerator_says_to_leave_it_out(monkeypatch):
+    """JAX started on a GPU (a notebook's first run without the flag): no --cpu-devices is taken
+    then, so the line says to leave it out; it said to give --cpu-devices 1, refused again."""
+    import types
+
+    from nljax import cli
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform="gpu")])
+    with pytest.raises(ConfigError) as e:
+        cli.setup_devices(1)
+    assert "with 1 gpu device(s)" in str(e.value) and "--cpu-devices 1 or" not in str(e.value)
+    assert ": leave it out to use those, or start a new process" in str(e.value)
+
+
 def test_jax_64_bit_mode_is_refused_in_one_line(runs):
     """A session that turned on JAX's 64-bit mode before nljax (jax_enable_x64): a run trained
     float64 parameters whatever model.dtype said and crashed at its throughput table (a 40-line
@@ -385,6 +401,17 @@ def test_a_commands_main_returns_argparses_refusal_as_a_code(command, capsys):
     for argv, got in (("run.dir=x", "str 'run.dir=x'"), (["--help", 3], "int 3")):
         assert main(argv) == 2
         assert capsys.readouterr().err == (f"nljax.{command}: error: main takes the command's arguments as a list of "
+                                           f"str, one each (shlex.split of a command line gives it), got {got}\n")
+
+
+def test_lm_evals_main_refuses_a_str_for_its_list_in_one_line(capsys):
+    """lm_eval's `main` splits its arguments before its own parser: a str was read letter by
+    letter there ("--tasks is missing", with --tasks given), a number was a TypeError."""
+    from nljax import lm_eval
+
+    for argv, got in (("--tasks x", "str '--tasks x'"), (["--tasks", 3], "int 3")):
+        assert lm_eval.main(argv) == 2
+        assert capsys.readouterr().err == ("nljax.lm_eval: error: main takes the command's arguments as a list of "
                                            f"str, one each (shlex.split of a command line gives it), got {got}\n")
 
 

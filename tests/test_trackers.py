@@ -221,6 +221,23 @@ def test_a_final_report_cut_by_ctrl_c_logs_its_evaluation_once_on_resume(tmp_pat
     assert [(e.step, e.value) for e in events(d).Scalars("eval/eval_loss")] == logged
 
 
+def test_a_final_report_cut_without_checkpoints_says_its_summary_stays_so(tmp_path, monkeypatch):
+    """checkpoint.every=0, Ctrl-C in the timing: summary.json holds the final evaluation, and its
+    word on the rest said it came from the run's --resume, which has no checkpoint to start from."""
+    from nljax.run import trainer
+    from nljax.runtime import preemption
+
+    d = tmp_path / "run"
+    monkeypatch.setattr(trainer, "comm_report", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(preemption.Unreported):
+        train(config.load(None, [*TINY, *QUICK, "cms.periods=[1]", "mesh.inter=1", "mesh.intra=8", "train.steps=1",
+                                 "checkpoint.every=0", "eval.every=0", f"run.dir={d}", "run.quiet=true"]))
+    summary = json.loads((d / "summary.json").read_text())
+    assert "eval_loss" in summary and summary["incomplete"] == ("the rest of the final report comes as it ends (a run "
+                                                                "cut before: never, with checkpoint.every=0 (no "
+                                                                "checkpoint))")
+
+
 def test_two_runs_opening_their_event_files_in_one_second_keep_both(tmp_path, monkeypatch):
     """tensorboardX names an event file by the second it opens it: a resume that trained nothing,
     within a second of the run before it, truncated that run's file (its events gone; the
@@ -470,6 +487,13 @@ def test_an_offline_wandb_run_says_where_its_records_are_in_nljaxs_words(tmp_pat
                         f"W&B run abc offline, its records in {records}: wandb sync {records} uploads them "
                         "(run.wandb_mode=online, or WANDB_MODE=online, logs online)\n")
         shutil.rmtree(tmp_path / "wandb")
+    # offline by WANDB_MODE, which wins: run.wandb_mode=online, which the line advised too, changes nothing
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    WandB.open(Start(config.load(None, ["run.trackers=[wandb]", f"run.dir={tmp_path}", f"run.wandb_mode={mode}"]),
+                     tmp_path, None, {}))
+    assert calls["init"]["mode"] == "offline"
+    assert capsys.readouterr().out.endswith(" uploads them (WANDB_MODE=online, which overrides run.wandb_mode, logs "
+                                            "online)\n")
 
 
 def test_a_tracker_that_fails_to_start_leaves_a_resumed_runs_config_as_it_was(tmp_path, monkeypatch, capsys):

@@ -242,8 +242,11 @@ class WandB:
         (start.path / "wandb").mkdir(exist_ok=True)
         if offline and not r.quiet:
             records = Path(run.dir).parent  # run.dir: the run's files/ folder, in the folder `wandb sync` takes
+            # WANDB_MODE wins over run.wandb_mode: where it made the run offline, run.wandb_mode=online does not
+            online = ("WANDB_MODE=online, which overrides run.wandb_mode," if env_mode else
+                      "run.wandb_mode=online, or WANDB_MODE=online,")
             print(f"W&B run {run.id} offline, its records in {records}: wandb sync {records} uploads them "
-                  "(run.wandb_mode=online, or WANDB_MODE=online, logs online)", flush=True)
+                  f"({online} logs online)", flush=True)
         return cls(run, start.path / "wandb" / f"nljax-last-step-{run.id}")
 
     def _log(self, values: dict, step: int) -> None:

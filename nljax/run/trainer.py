@@ -410,9 +410,11 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
         out.trackers.flush()
         # summary.json at once, its evaluation alone: a report cut after this (Ctrl-C in the timing,
         # a minute) leaves it, and its resume does not log the evaluation a second time
+        # (checkpoint.every=0: a run cut there has no checkpoint to resume, and its report stays so)
+        rest = "from its --resume" if cfg.checkpoint.every else "never, with checkpoint.every=0 (no checkpoint)"
         out.run.save_summary({"steps": end, "resumed_from_step": resumed_from, **final_eval,
-                              "incomplete": "the rest of the final report comes as it ends (a run cut before: from "
-                                            "its --resume)"})
+                              "incomplete": f"the rest of the final report comes as it ends (a run cut before: "
+                                            f"{rest})"})
     batch = run.batch(0)
     comm = comm_report(run, state, batch)
     held = bytes_per_device(state)  # before the timing, which consumes the state
