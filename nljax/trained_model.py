@@ -395,6 +395,6 @@ def _from_export(path: Path) -> TrainedModel:
     model, params = load_model(path)
     info, cfg = read_config(path)
     mesh = jax.sharding.Mesh(np.array(jax.local_devices()[:1]), ("rows",))
-    out = TrainedModel(model, params, cfg, int(info["step"]), path, _mesh=mesh)
+    out = TrainedModel(model, params, cfg, int(info["step"]), path.absolute(), _mesh=mesh)
     out.tokenizer = tokenization_of_export(path, out.config) if out.makes_text else None
     return out
