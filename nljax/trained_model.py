@@ -54,6 +54,7 @@ class TrainedModel:
     _sampler: Any = dataclasses.field(default=None, repr=False)
     _readers: dict = dataclasses.field(default_factory=dict, repr=False)  # rows -> StreamReader
     _forward: Any = dataclasses.field(default=None, repr=False)
+    _memory_shapes: dict = dataclasses.field(default_factory=dict, repr=False)  # rows -> init_memory's shapes
 
     def __repr__(self) -> str:
         """One line of what a user wants at a glance (the dataclass's own repr printed every
@@ -168,7 +169,9 @@ class TrainedModel:
     def _checked_memory(self, memory, rows: int):
         """`memory` if it is a memory of `rows` rows: another row count's reached the model as a
         reshape's TypeError, another pytree as a KeyError of its leaves."""
-        want = jax.eval_shape(lambda: self.model.init_memory(rows))
+        if rows not in self._memory_shapes:  # traced once per row count: a third of a small model's call
+            self._memory_shapes[rows] = jax.eval_shape(lambda: self.model.init_memory(rows))
+        want = self._memory_shapes[rows]
         shapes = [tuple(np.shape(x)) for x in jax.tree.leaves(memory)]
         if jax.tree.structure(memory) != jax.tree.structure(want) or shapes != [x.shape for x in jax.tree.leaves(want)]:
             raise ConfigError(f"memory must be a memory of {rows} row(s), as init_memory(rows={rows}) or logits of "
