@@ -346,7 +346,7 @@ def traceback_if_asked(e: config.ConfigError) -> None:
 
 
 # how to run a one-process tool as one task of a cluster launcher (`one_process`)
-ONE_TASK = {"SLURM": "srun --ntasks 1, or outside srun", "Open MPI": "mpirun -n 1, or outside mpirun"}
+ONE_TASK = {"SLURM": "srun --ntasks 1", "Open MPI": "mpirun -n 1"}
 
 
 def one_process(prog: str) -> None:

@@ -289,9 +289,9 @@ def test_a_one_process_tool_started_as_one_of_several_is_refused(tool, monkeypat
 @pytest.mark.parametrize("tool", ["evaluate", "prepare"])
 @pytest.mark.parametrize("env, line", [
     ({"SLURM_STEP_NODELIST": "n[1-2]", "SLURM_NTASKS": "2"},
-     "SLURM_NTASKS=2 makes this one of the SLURM job's tasks: run it as one task (srun --ntasks 1, or outside srun)"),
+     "SLURM_NTASKS=2 makes this one of the SLURM job's tasks: run it as one task (srun --ntasks 1)"),
     ({"OMPI_MCA_orte_hnp_uri": "x", "OMPI_COMM_WORLD_SIZE": "4"}, "OMPI_COMM_WORLD_SIZE=4 makes this one of the "
-     "Open MPI job's tasks: run it as one task (mpirun -n 1, or outside mpirun)"),
+     "Open MPI job's tasks: run it as one task (mpirun -n 1)"),
     ({"WORLD_SIZE": "2", "RANK": "0"},
      "WORLD_SIZE=2 (torchrun's or another launcher's) makes this one of several: run it once, without the launcher"),
 ])
