@@ -330,22 +330,29 @@ except KeyboardInterrupt:
 """
 
 
+def ctrl_c_inside(code: str, after_s: float, timeout: float):
+    """(the process, its stdout, its stderr) of `python -c code` sent a Ctrl-C `after_s` seconds
+    after it printed "ready" (inside its long C call)."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env=subprocess_env())
+    try:
+        assert p.stdout.readline() == "ready\n"
+        time.sleep(after_s)  # inside the call
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=timeout)
+    finally:
+        p.kill()
+    return p, out, err
+
+
 def test_ctrl_c_in_a_notebook_does_not_end_its_kernel_inside_a_compilation():
     """A notebook's interrupt (Ctrl-C) while `nljax.train.main` compiles: the reader thread ended
     the process (os._exit), so the notebook's kernel died with everything it held. In a session
     the user types into, the Ctrl-C is said at once and raised when the call returns."""
-    import signal
-    import time
-
-    p = subprocess.Popen([sys.executable, "-c", IN_A_NOTEBOOKS_C_CALL], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=subprocess_env())
-    try:
-        assert p.stdout.readline() == "ready\n"
-        time.sleep(0.3)  # inside the call
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
-    finally:
-        p.kill()
+    p, out, err = ctrl_c_inside(IN_A_NOTEBOOKS_C_CALL, 0.3, 60)
     assert (p.returncode, out) == (0, "stopped when the call returned\n"), err
     assert err.strip().splitlines() == ["nljax: Ctrl-C: stopping when the compilation in progress returns (it cannot "
                                         "be interrupted)"]
@@ -444,21 +451,10 @@ def test_signals_still_count_when_standard_error_is_gone():
 def test_stopping_at_once_inside_a_c_call_says_the_commands_own_line():
     """`python -m nljax.train` says `nljax.train: terminated ...` when it stops (nljax.cli); the
     reader's line, when the main thread is inside a C call, is that line too, not `nljax: ...`."""
-    import signal
-    import time
-
     as_train = IN_A_LONG_C_CALL.replace(
         "import hashlib, sys", "import hashlib, importlib.util, sys\n"
         "sys.modules['__main__'].__spec__ = importlib.util.find_spec('nljax.train')  # as python -m nljax.train")
-    p = subprocess.Popen([sys.executable, "-c", as_train], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=subprocess_env())
-    try:
-        assert p.stdout.readline() == "ready\n"
-        time.sleep(0.5)  # inside the call
-        p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=30)
-    finally:
-        p.kill()
+    p, out, err = ctrl_c_inside(as_train, 0.5, 30)
     assert p.returncode == 130, err
     assert err.strip().splitlines()[-1] == \
         "nljax.train: interrupted (Ctrl-C) (inside a compilation, which was not waited for)"
