@@ -141,6 +141,7 @@ class TrainedModel:
         change), but the memory returned has then read the padding too: to continue a text
         later, carry the memory after full windows only, as `generate` does."""
         self._text_only("logits")
+        _refuse_x64()
         try:
             tokens = np.asarray(tokens)
         except (TypeError, ValueError):  # ragged rows
@@ -218,6 +219,7 @@ class TrainedModel:
         MeanFlow's one-step sampling), from noise keyed by `seed` (default: the run's seed, as its
         evaluation's samples) and the sample's position."""
         self._needs_logits("generate")
+        _refuse_x64()
         if not isinstance(details, bool):  # a truthy string would change what is returned
             raise ConfigError(f"details must be True or False, got {details!r:.60}")
         # the other kind's arguments are refused, as nljax.generate refuses them (they were ignored)
@@ -390,6 +392,14 @@ def _from_run(run_dir: Path, checkpoint: str | int, overrides: Sequence[str], pa
     out = TrainedModel(t.model, t.params, t.trained_cfg, t.step, t.path, _mesh=t.run.mesh)
     out.tokenizer = tokenization_of(t.cfg) if out.makes_text else None
     return out
+
+
+def _refuse_x64() -> None:
+    """JAX's 64-bit mode turned on after the model was loaded (loading refuses it): its float32
+    parameters and memory would meet float64 arrays of the calls' own making."""
+    from nljax.run.core import refuse_x64
+
+    refuse_x64()
 
 
 def _from_export(path: Path) -> TrainedModel:

@@ -363,13 +363,22 @@ def test_cpu_devices_once_jax_has_started_on_an_accelerator_says_to_leave_it_out
     assert ": leave it out to use those, or start a new process" in str(e.value)
 
 
-def test_jax_64_bit_mode_is_refused_in_one_line(runs):
+def test_jax_64_bit_mode_is_refused_in_one_line(runs, lm):
     """A session that turned on JAX's 64-bit mode before nljax (jax_enable_x64): a run trained
     float64 parameters whatever model.dtype said and crashed at its throughput table (a 40-line
-    TypeError); loading a float32 run was refused as "from another model"."""
+    TypeError); loading a float32 run was refused as "from another model". A model loaded before
+    is refused its calls too."""
     from nljax import config
     from nljax.run.core import Run
 
+    jax.config.update("jax_enable_x64", True)
+    try:
+        for call in (lambda: lm.logits([[65, 66]]), lambda: lm.generate("x", max_new_tokens=2)):
+            with pytest.raises(ConfigError, match="JAX's 64-bit mode is on"):
+                call()
+    finally:
+        jax.config.update("jax_enable_x64", False)
+    assert lm.logits([[65, 66]])[0].dtype == np.float32  # usable again once it is off
     jax.config.update("jax_enable_x64", True)
     try:
         with pytest.raises(ConfigError, match=r"^JAX's 64-bit mode is on in this process .*turn it off first"):
