@@ -202,6 +202,24 @@ def test_throughput_table():
     assert throughput.peak_flops("NVIDIA H100 NVL") == 835e12 and throughput.peak_flops("NVIDIA GH200 480GB") == 989e12
 
 
+
+def test_throughput_table_edges():
+    """A compute time over the step's (timing noise) is no negative communication; patterns that
+    have no count in the run weigh one each, not zero (with none counted: a division
+    by zero); a mean FLOP count only where every pattern has one; no source where no count is known."""
+    l0, l01 = (True, False), (True, True)
+    m = throughput.Measured(step_s={l0: 0.010, l01: 0.020}, compute_s={l0: 0.012, l01: 0.015},
+                            flops={l0: 1e9, l01: None})
+    t = throughput.report(m, {}, {l0: 1, l01: 1}, {}, units_per_device_step=100, n_devices=2, peak=1e12)
+    assert t["per_pattern"]["L0"]["comm_ms"] == 0.0 and t["per_pattern"]["L0+1"]["comm_ms"] == pytest.approx(5)
+    assert t["mean"]["step_time_ms"] == pytest.approx(15) and t["mean"]["steps_in_run"] == 0
+    assert t["mean"]["flops_per_device_step"] is None and t["mean"]["mfu"] is None
+    r = t["per_pattern"]["L0+1"]
+    assert r["flops_per_device_step"] is None and r["flops_source"] is None and r["mfu"] is None
+    assert t["per_pattern"]["L0"]["flops_source"] == "xla"
+    assert "MFU from the analytic" not in throughput.format_table(t)
+
+
 def test_overwrite_removes_stale_outputs(tmp_path):
     from nljax.run.trackers import TensorBoard
     from nljax.runtime import runlog
