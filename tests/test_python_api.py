@@ -112,6 +112,8 @@ def test_logits_read_windows_with_the_memory_and_reset(lm):
     reset_one, _ = lm.logits(tokens[:, 16:32], m1, reset=[True, False])
     np.testing.assert_array_equal(reset_one[0], fresh[0])  # row 0 reset: as from a fresh memory
     np.testing.assert_array_equal(reset_one[1], second[1])  # row 1 continued
+    # a memory given and no reset: every row continues from it
+    np.testing.assert_array_equal(lm.logits(tokens[:, 16:32], m1)[0], second)
     assert not np.allclose(second[0], fresh[0], atol=1e-6), "the memory changes nothing: the test proves nothing"
     # a document's end (byte 0) resets the memory before the next window, as training reads a stream
     ended = tokens.copy()
@@ -125,6 +127,7 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: nljax.load(tmp_path), "is neither an export directory"),
         (lambda: nljax.load(runs / "runs" / "default" / "export", checkpoint="3"), "is an export"),
         (lambda: lm.logits(np.zeros(5, np.int32)), "tokens must be [rows, T]"),
+        (lambda: lm.logits(np.zeros((1, 0), np.int32)), "tokens must be [rows, T] with T >= 1, got shape (1, 0)"),
         (lambda: lm.logits([[1, 2], [3]]), "tokens must be [rows, T]"),  # ragged rows: numpy's ValueError before
         # ids outside the vocabulary gave logits of some other token (or NaN), silently
         (lambda: lm.logits([[65, 256]]), "token ids must be in [0, 256), got 256"),
