@@ -217,6 +217,11 @@ def test_an_unconditional_image_model_says_which_labels_and_takes_a_seed():
         lm.generate(steps=1)
     assert str(e.value) == ("an image model's generate needs labels=[0] * n (unconditional: the labels are not "
                             "read), one sample each, and steps >= 1")
+    with pytest.raises(ConfigError, match="and steps >= 1"):
+        lm.generate(labels=[0], steps=0)
+    with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\^32\), got 4294967296"):
+        lm.generate(labels=[0], seed=2**32)
+    assert lm.end_id is None  # no tokenizer: no document end
     run_seed = lm.generate(labels=[0, 0])
     np.testing.assert_allclose(lm.generate(labels=[0, 0], seed=3), run_seed, atol=1e-6)  # the default: the run's
     assert not np.allclose(lm.generate(labels=[0, 0], seed=4), run_seed)
