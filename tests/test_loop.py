@@ -220,6 +220,36 @@ def test_throughput_table_edges():
     assert "MFU from the analytic" not in throughput.format_table(t)
 
 
+
+def test_throughput_rows_are_in_order_of_the_levels_that_fire():
+    all3, l0, l01 = (True, True, True), (True, False, False), (True, True, False)
+    m = throughput.Measured(step_s={all3: 0.03, l01: 0.02, l0: 0.01}, compute_s={}, flops={})
+    t = throughput.report(m, {}, {}, {}, units_per_device_step=1, n_devices=1, peak=None)
+    assert list(t["per_pattern"]) == ["L0", "L0+1", "L0+1+2"]
+
+
+def test_the_end_of_run_timing_rounds_and_medians():
+    """Rounds so short that `min_seconds` would take millions stop at `max_reps`; a budget under one
+    round still times one; a median, so that one slow round (a collection, a page fault) does not
+    move it."""
+    import time
+
+    calls = []
+    throughput._time_interleaved({k: (lambda k=k: calls.append(k)) for k in "ab"}, reps=3, max_reps=50)
+    assert len(calls) == 2 * (1 + 50)  # the warm-up, then 50 rounds
+    calls.clear()
+    runs = {k: (lambda k=k: calls.append(k) or time.sleep(0.02)) for k in "ab"}
+    throughput._time_interleaved(runs, reps=5, budget_s=0.001)
+    assert len(calls) == 2 * (1 + 1)
+    n = [0]
+
+    def one_slow():
+        n[0] += 1
+        time.sleep(0.3 if n[0] == 3 else 0.001)  # call 1 is the warm-up: round 2 is slow
+
+    assert throughput._time_interleaved({"a": one_slow}, reps=3, min_seconds=0)["a"] < 0.1
+
+
 def test_overwrite_removes_stale_outputs(tmp_path):
     from nljax.run.trackers import TensorBoard
     from nljax.runtime import runlog
