@@ -683,3 +683,16 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_one_line(tmp_path):
                                 f"would not see it): {paths['words']}")
     for codec in (HFTokenizer(paths["bytes"], "<eos>"), Bytes()):
         assert sampling.prompt_ids(codec, "def 日本 f") == codec.encode("def 日本 f")
+
+
+def test_an_empty_prompt_starts_a_document_with_the_tokenizers_end_token():
+    """An empty prompt is the run's document-end token (bytes: NUL; a tokenizer's may be any id);
+    a tokenizer without one needs a prompt."""
+    from types import SimpleNamespace
+
+    def codec(end_id):
+        return SimpleNamespace(lost=lambda text: "", encode=lambda text: [], end_id=end_id, path="tok.json")
+
+    assert sampling.prompt_ids(codec(7), "") == [7]
+    with pytest.raises(ConfigError, match="an empty prompt starts a document after data.doc_end_token"):
+        sampling.prompt_ids(codec(None), "")
