@@ -218,6 +218,12 @@ def test_throughput_table_edges():
     assert r["flops_per_device_step"] is None and r["flops_source"] is None and r["mfu"] is None
     assert t["per_pattern"]["L0"]["flops_source"] == "xla"
     assert "MFU from the analytic" not in throughput.format_table(t)
+    # MFU in percent; a skipped compute/comm split said under the table
+    m.split_skipped = "the one-device program does not fit"
+    t = throughput.report(m, {}, {l0: 1, l01: 1}, {}, units_per_device_step=100, n_devices=2, peak=1e12)
+    lines = throughput.format_table(t).splitlines()
+    assert lines[1].startswith("L0 ") and lines[1].endswith(" 10.0%")  # 1e9 FLOPs in 10 ms of 1e12/s
+    assert lines[-1] == "compute/comm split skipped: the one-device program does not fit"
 
 
 

@@ -47,6 +47,7 @@ def test_a_run_and_its_export_load_alike_and_generate_as_the_command(runs, lm):
     pieces = []
     got = lm.generate("def ", stream=pieces.append, **settings)
     assert got == "".join(pieces) and got == ex.generate("def ", **settings)
+    assert "" not in pieces  # a byte held back (part of a character) is no call
     # the command's code path (nljax.generate), on 2 devices: the same tokens
     t = trained.load(run_dir, devices=jax.devices()[:2])
     tokens = sampling.generate_text(t, sampling.Settings(prompt="def ", **settings), lambda _: None)
