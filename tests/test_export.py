@@ -13,6 +13,7 @@ from helpers import TINY_NL, assert_trees_equal, lock, saved_run
 
 import nljax
 from nljax import export
+from nljax.errors import ConfigError
 from nljax.run import trained
 
 
@@ -220,7 +221,10 @@ def test_parameters_of_any_pytree_export_and_load(tmp_path):
                                                     "train.batch_size=4"], 1, 1)
         assert set(model.seen) == {"embed", "out"}
         t = trained.load(tmp_path / "run", devices=jax.devices()[:1])
+        (tmp_path / "export").mkdir()  # an earlier export's tokenizer.json: this export writes none
+        (tmp_path / "export" / "tokenizer.json").write_text("{}")
         loaded_model, loaded = nljax.load_model(export.export(t, tmp_path / "export"))
+        assert not (tmp_path / "export" / "tokenizer.json").exists()
         assert isinstance(loaded, PlainParams)
         want = jax.device_get(setup.engine.strategy.gather_params(state.params))
         for a, b in zip(loaded, want, strict=True):
@@ -263,3 +267,21 @@ def test_an_image_run_loads_and_exports_without_its_images(tmp_path, capsys):
     capsys.readouterr()
     assert generate.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'grid.png'}"]) == 2
     assert f"{folder}" in capsys.readouterr().err
+
+
+def test_out_with_hidden_files_is_refused_unless_an_earlier_export(tmp_path):
+    """A directory of dotfiles (out=~) is a user's: refused; an earlier export's stray hidden file
+    (a desktop's .DS_Store) is not."""
+    from nljax.runtime.exportdir import CONFIG, WEIGHTS
+
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".bashrc").write_text("")
+    with pytest.raises(ConfigError, match=r"holds .*\.bashrc"):
+        export.check_out(home)
+    done = tmp_path / "done"
+    done.mkdir()
+    (done / WEIGHTS).write_text("")
+    (done / CONFIG).write_text('{"config": {}, "step": 1, "dtype": "float32", "checkpoint": "x"}')
+    (done / ".DS_Store").write_text("")
+    export.check_out(done)

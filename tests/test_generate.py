@@ -47,6 +47,52 @@ def test_sampling_rules():
     assert {sampling.sample_token(logits, rng, s(temperature=1e-320)) for _ in range(5)} == {1}
 
 
+
+class _Recorded:
+    """A generator stand-in that records the probabilities `sample_token` draws from."""
+
+    def choice(self, n, p):
+        self.p = np.array(p)
+        return 0
+
+
+def test_sampling_edges():
+    s = sampling.Settings
+    rec = _Recorded()
+    # top_p keeps the smallest set whose probability reaches p: at exactly p, no more
+    halves = np.log([0.5, 0.25, 0.25])
+    sampling.sample_token(halves, rec, s(temperature=1, top_p=0.5))
+    np.testing.assert_array_equal(rec.p, [1.0, 0.0, 0.0])
+    # a top_p just under 1 drops the tail it leaves out
+    sampling.sample_token(np.array([0.0, np.log(0.004 / 0.996)]), rec, s(temperature=1, top_p=0.995))
+    np.testing.assert_array_equal(rec.p, [1.0, 0.0])
+    # ties at the k-th place go to the lower ids in a byte vocabulary too (numpy's default sort
+    # is not stable over 16 elements)
+    tied = np.tile([1.0, 0.0], 128)  # 128 tokens tie at the top
+    sampling.sample_token(tied, rec, s(temperature=1, top_k=40))
+    assert set(np.flatnonzero(rec.p)) == set(range(0, 80, 2))
+
+
+@pytest.mark.parametrize("settings,words", [
+    ({"samples": 0}, "samples must be >= 1, got 0"),
+    ({"batch_size": 0}, "batch_size must be >= 1, got 0"),
+    ({"top_k": True}, "top_k must be an integer, got bool True"),
+    ({"stop_at_eos": "false"}, "stop_at_eos must be true or false, got 'false'"),
+])
+def test_settings_refused(settings, words):
+    with pytest.raises(ConfigError) as e:
+        sampling.Settings(**settings).check()
+    assert words in str(e.value)
+
+
+def test_settings_at_their_bounds_are_taken(tmp_path):
+    s = sampling.Settings
+    assert s(temperature=0).check().temperature == 0  # greedy
+    assert s(seed=2**63 - 1).check().seed == 2**63 - 1
+    assert s(out=str(tmp_path / "GRID.PNG")).check().out.endswith("GRID.PNG")  # the suffix in any case
+    assert sampling.label_items("3, 7 ,cat") == ["3", "7", "cat"]  # spaces around the commas are not the name
+
+
 def test_greedy_decoding_continues_the_stream_as_training_reads_it(fsdp_run):
     """Greedy tokens, fed back through the model as training reads a stream (`ContextStream`:
     windows of T, the memory carried, reset at the start and after a window holding a document's
@@ -637,3 +683,16 @@ def test_a_prompt_the_tokenizer_cannot_encode_is_one_line(tmp_path):
                                 f"would not see it): {paths['words']}")
     for codec in (HFTokenizer(paths["bytes"], "<eos>"), Bytes()):
         assert sampling.prompt_ids(codec, "def 日本 f") == codec.encode("def 日本 f")
+
+
+def test_an_empty_prompt_starts_a_document_with_the_tokenizers_end_token():
+    """An empty prompt is the run's document-end token (bytes: NUL; a tokenizer's may be any id);
+    a tokenizer without one needs a prompt."""
+    from types import SimpleNamespace
+
+    def codec(end_id):
+        return SimpleNamespace(lost=lambda text: "", encode=lambda text: [], end_id=end_id, path="tok.json")
+
+    assert sampling.prompt_ids(codec(7), "") == [7]
+    with pytest.raises(ConfigError, match="an empty prompt starts a document after data.doc_end_token"):
+        sampling.prompt_ids(codec(None), "")

@@ -202,6 +202,60 @@ def test_throughput_table():
     assert throughput.peak_flops("NVIDIA H100 NVL") == 835e12 and throughput.peak_flops("NVIDIA GH200 480GB") == 989e12
 
 
+
+def test_throughput_table_edges():
+    """A compute time over the step's (timing noise) is no negative communication; patterns that
+    have no count in the run weigh one each, not zero (with none counted: a division
+    by zero); a mean FLOP count only where every pattern has one; no source where no count is known."""
+    l0, l01 = (True, False), (True, True)
+    m = throughput.Measured(step_s={l0: 0.010, l01: 0.020}, compute_s={l0: 0.012, l01: 0.015},
+                            flops={l0: 1e9, l01: None})
+    t = throughput.report(m, {}, {l0: 1, l01: 1}, {}, units_per_device_step=100, n_devices=2, peak=1e12)
+    assert t["per_pattern"]["L0"]["comm_ms"] == 0.0 and t["per_pattern"]["L0+1"]["comm_ms"] == pytest.approx(5)
+    assert t["mean"]["step_time_ms"] == pytest.approx(15) and t["mean"]["steps_in_run"] == 0
+    assert t["mean"]["flops_per_device_step"] is None and t["mean"]["mfu"] is None
+    r = t["per_pattern"]["L0+1"]
+    assert r["flops_per_device_step"] is None and r["flops_source"] is None and r["mfu"] is None
+    assert t["per_pattern"]["L0"]["flops_source"] == "xla"
+    assert "MFU from the analytic" not in throughput.format_table(t)
+    # MFU in percent; a skipped compute/comm split said under the table
+    m.split_skipped = "the one-device program does not fit"
+    t = throughput.report(m, {}, {l0: 1, l01: 1}, {}, units_per_device_step=100, n_devices=2, peak=1e12)
+    lines = throughput.format_table(t).splitlines()
+    assert lines[1].startswith("L0 ") and lines[1].endswith(" 10.0%")  # 1e9 FLOPs in 10 ms of 1e12/s
+    assert lines[-1] == "compute/comm split skipped: the one-device program does not fit"
+
+
+
+def test_throughput_rows_are_in_order_of_the_levels_that_fire():
+    all3, l0, l01 = (True, True, True), (True, False, False), (True, True, False)
+    m = throughput.Measured(step_s={all3: 0.03, l01: 0.02, l0: 0.01}, compute_s={}, flops={})
+    t = throughput.report(m, {}, {}, {}, units_per_device_step=1, n_devices=1, peak=None)
+    assert list(t["per_pattern"]) == ["L0", "L0+1", "L0+1+2"]
+
+
+def test_the_end_of_run_timing_rounds_and_medians():
+    """Rounds so short that `min_seconds` would take millions stop at `max_reps`; a budget under one
+    round still times one; a median, so that one slow round (a collection, a page fault) does not
+    move it."""
+    import time
+
+    calls = []
+    throughput._time_interleaved({k: (lambda k=k: calls.append(k)) for k in "ab"}, reps=3, max_reps=50)
+    assert len(calls) == 2 * (1 + 50)  # the warm-up, then 50 rounds
+    calls.clear()
+    runs = {k: (lambda k=k: calls.append(k) or time.sleep(0.02)) for k in "ab"}
+    throughput._time_interleaved(runs, reps=5, budget_s=0.001)
+    assert len(calls) == 2 * (1 + 1)
+    n = [0]
+
+    def one_slow():
+        n[0] += 1
+        time.sleep(0.3 if n[0] == 3 else 0.001)  # call 1 is the warm-up: round 2 is slow
+
+    assert throughput._time_interleaved({"a": one_slow}, reps=3, min_seconds=0)["a"] < 0.1
+
+
 def test_overwrite_removes_stale_outputs(tmp_path):
     from nljax.run.trackers import TensorBoard
     from nljax.runtime import runlog

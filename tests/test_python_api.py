@@ -47,6 +47,7 @@ def test_a_run_and_its_export_load_alike_and_generate_as_the_command(runs, lm):
     pieces = []
     got = lm.generate("def ", stream=pieces.append, **settings)
     assert got == "".join(pieces) and got == ex.generate("def ", **settings)
+    assert "" not in pieces  # a byte held back (part of a character) is no call
     # the command's code path (nljax.generate), on 2 devices: the same tokens
     t = trained.load(run_dir, devices=jax.devices()[:2])
     tokens = sampling.generate_text(t, sampling.Settings(prompt="def ", **settings), lambda _: None)
@@ -112,6 +113,8 @@ def test_logits_read_windows_with_the_memory_and_reset(lm):
     reset_one, _ = lm.logits(tokens[:, 16:32], m1, reset=[True, False])
     np.testing.assert_array_equal(reset_one[0], fresh[0])  # row 0 reset: as from a fresh memory
     np.testing.assert_array_equal(reset_one[1], second[1])  # row 1 continued
+    # a memory given and no reset: every row continues from it
+    np.testing.assert_array_equal(lm.logits(tokens[:, 16:32], m1)[0], second)
     assert not np.allclose(second[0], fresh[0], atol=1e-6), "the memory changes nothing: the test proves nothing"
     # a document's end (byte 0) resets the memory before the next window, as training reads a stream
     ended = tokens.copy()
@@ -125,6 +128,7 @@ def test_bad_input_is_one_line(runs, lm, tmp_path):
         (lambda: nljax.load(tmp_path), "is neither an export directory"),
         (lambda: nljax.load(runs / "runs" / "default" / "export", checkpoint="3"), "is an export"),
         (lambda: lm.logits(np.zeros(5, np.int32)), "tokens must be [rows, T]"),
+        (lambda: lm.logits(np.zeros((1, 0), np.int32)), "tokens must be [rows, T] with T >= 1, got shape (1, 0)"),
         (lambda: lm.logits([[1, 2], [3]]), "tokens must be [rows, T]"),  # ragged rows: numpy's ValueError before
         # ids outside the vocabulary gave logits of some other token (or NaN), silently
         (lambda: lm.logits([[65, 256]]), "token ids must be in [0, 256), got 256"),
@@ -214,6 +218,11 @@ def test_an_unconditional_image_model_says_which_labels_and_takes_a_seed():
         lm.generate(steps=1)
     assert str(e.value) == ("an image model's generate needs labels=[0] * n (unconditional: the labels are not "
                             "read), one sample each, and steps >= 1")
+    with pytest.raises(ConfigError, match="and steps >= 1"):
+        lm.generate(labels=[0], steps=0)
+    with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\^32\), got 4294967296"):
+        lm.generate(labels=[0], seed=2**32)
+    assert lm.end_id is None  # no tokenizer: no document end
     run_seed = lm.generate(labels=[0, 0])
     np.testing.assert_allclose(lm.generate(labels=[0, 0], seed=3), run_seed, atol=1e-6)  # the default: the run's
     assert not np.allclose(lm.generate(labels=[0, 0], seed=4), run_seed)

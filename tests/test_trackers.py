@@ -7,6 +7,7 @@ import logging
 import math
 import shutil
 import sys
+import time
 import types
 
 import numpy as np
@@ -559,3 +560,64 @@ def test_a_resume_that_fails_before_its_first_step_leaves_the_runs_config_as_it_
     monkeypatch.setattr(trainer, "training_steps", one_then_fails)
     assert main(["--resume", *common, "train.steps=4", "eval.batches=4"]) == 1
     assert (saved()["train"]["steps"], saved()["eval"]["batches"]) == (4, 4)
+
+
+class _FakeWandbRun:
+    """What `WandB` reads and calls of a W&B run."""
+
+    def __init__(self, step=0):
+        self.id, self.step, self.logged, self.exit_code = "abc123", step, [], None
+
+    def log(self, values, step):
+        self.logged.append(step)
+
+    def finish(self, exit_code):
+        self.exit_code = exit_code
+
+
+def test_wandb_skips_the_steps_logged_before_and_records_the_last(tmp_path):
+    """A resumed W&B run logs from the step after the last one it logged (kept in a file at
+    close), and says a failed run failed; a run that logged nothing writes no step."""
+    from nljax.run.trackers import WandB
+
+    logged = tmp_path / "nljax-last-step-abc123"
+    w = WandB(_FakeWandbRun(), logged)
+    w.close()
+    assert not logged.exists() and w.run.exit_code == 0
+    w = WandB(_FakeWandbRun(), logged)
+    for step in range(3):
+        w.scalars("train", {"loss": 1.0, "flag": True}, step)
+    w.close(failed=True)
+    assert w.run.logged == [0, 1, 2] and w.run.exit_code == 1 and logged.read_text() == "2"
+    w = WandB(_FakeWandbRun(), logged)  # a resume from step 1's checkpoint: steps 1, 2 are logged already
+    for step in range(1, 5):
+        w.scalars("train", {"loss": 1.0}, step)
+    w.close()
+    assert w.run.logged == [3, 4] and logged.read_text() == "4"
+    logged.unlink()
+    w = WandB(_FakeWandbRun(), logged)  # step 0 alone is a step logged too
+    w.scalars("train", {"loss": 1.0}, 0)
+    w.close()
+    assert logged.read_text() == "0" and WandB(_FakeWandbRun(), logged).first_step == 1
+
+
+def test_only_numbers_are_logged_and_only_run_ids_are_kept():
+    from nljax.run.trackers import numbers
+
+    assert numbers({"loss": 1.5, "step": 3, "skipped": True, "pattern": "L0"}) == {"loss": 1.5, "step": 3}
+    tb = types.SimpleNamespace(name="tensorboard", run_id=None)
+    wb = types.SimpleNamespace(name="wandb", run_id="abc123")
+    assert Trackers([tb, wb]).ids == {"wandb": "abc123"}
+
+
+def test_tensorboard_events_reach_the_file_every_flush_s_without_a_flush(tmp_path, monkeypatch):
+    """A TensorBoard watching a run sees its scalars within FLUSH_S, before a checkpoint flushes."""
+    monkeypatch.setattr(TensorBoard, "FLUSH_S", 0.0)
+    tb = TensorBoard(tmp_path)
+    tb.scalars("train", {"loss": 2.5}, 1)
+    time.sleep(0.01)
+    tb.scalars("train", {"loss": 2.0}, 2)
+    try:
+        assert [e.step for e in events(tb.file).Scalars("train/loss")] == [1, 2]
+    finally:
+        tb.close()
