@@ -59,15 +59,16 @@ class Hooks:
 
     def run(self, result: StepResult) -> None:
         for fn, every, _ in self._hooks:
-            if _fires(every, result.step):
+            if fires(every, result.step):
                 fn(result)
 
     def keeps(self, step: int) -> bool:
         """Whether a hook that reads the state runs after `step`."""
-        return any(reads and _fires(every, step) for _, every, reads in self._hooks)
+        return any(reads and fires(every, step) for _, every, reads in self._hooks)
 
 
-def _fires(every: int, step: int) -> bool:
+def fires(every: int, step: int) -> bool:
+    """Whether something done every `every` steps (0: never) is done after `step`."""
     return bool(every) and (step + 1) % every == 0
 
 

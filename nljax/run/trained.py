@@ -10,7 +10,6 @@ error buffers and memory are neither read nor made). Reads only.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import glob
 from pathlib import Path
@@ -251,12 +250,8 @@ def _tokens_against_the_checkpoint(cfg: config.Config) -> None:
     damaged): the data's own line stands."""
     try:
         here = tokenization.identity(tokenization_of(cfg.data).info())
-        for path in storage.candidates(cfg):
-            with contextlib.suppress(Damaged):  # passed over, as restore_params' search does
-                saved = data_tokenizer(storage.read_meta(path))
-                break
-        else:
-            return
+        # the first checkpoint not damaged, as restore_params' search takes it
+        (path, saved), _ = first_valid(lambda p: (p, data_tokenizer(storage.read_meta(p))), storage.candidates(cfg))
     except ConfigError:
         return
     check_tokenizer(path, saved, here, "the run's data now use")

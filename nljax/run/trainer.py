@@ -37,7 +37,7 @@ from nljax.models import registry
 from nljax.parallel import levels
 from nljax.run import harness, startup, throughput
 from nljax.run.core import Run
-from nljax.run.loop import Hooks, Profiler, StepResult, training_steps
+from nljax.run.loop import Hooks, Profiler, StepResult, fires, training_steps
 from nljax.run.phases import Announced, closing_lines, compile_announcer
 from nljax.run.samples import TrainingSampler, sample_line
 from nljax.run.trackers import Trackers, check_installed, step_scalars
@@ -382,8 +382,7 @@ def loop_hooks(run: Run, out: Output, ckpt: Checkpoints | None) -> tuple[Hooks, 
     def flush(r: StepResult) -> None:
         # a resume from this step's checkpoint logs only the steps after it: the trackers' steps
         # up to it go on disk with it (the final one's: the last step), not only at the run's end
-        every = cfg.checkpoint.every if ckpt is not None else 0
-        if r.last or (every and (r.step + 1) % every == 0):
+        if r.last or (ckpt is not None and fires(cfg.checkpoint.every, r.step)):
             out.trackers.flush()
 
     hooks.add(flush)
