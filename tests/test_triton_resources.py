@@ -1,7 +1,7 @@
 """benchmarks/triton_resources.py's capture: the Triton modules XLA would compile on a GPU, with
 the warps and stages each pallas_call asks for, found on this CPU-only machine. (Compiling them
 needs the `triton` package, not a test dependency: the figures are in
-docs/concepts/memory-kernel.md.)"""
+docs/benchmarks/2026-11-28-memory-kernel-compile-and-shared-memory.md.)"""
 
 import json
 import re

@@ -266,7 +266,7 @@ def end_pullback(state: PyTree, k, v, ends: dict, kind: str, d_end: PyTree):
     hand: it is the body of the parallel form's backward loop, which a GPU runs chunk after chunk
     as a few dozen small kernels; written out, it runs fewer (41 against 54 per chunk at
     titans_demo's shapes, compiled for an H200, 38 with the loop's outputs packed:
-    docs/concepts/memory-kernel.md). jnp.max and
+    docs/benchmarks/2026-11-30-parallel-form-and-loop-kernel.md). jnp.max and
     jnp.maximum's ties split the cotangent evenly and jnp.abs's slope at 0 is +1, as JAX's are."""
     M, S, dM_end, dS_end = state["M"], state["S"], d_end["M"], d_end["S"]
     t = EndTerms(M, k, v, ends, kind)
@@ -496,7 +496,7 @@ def _unpack(packed: jax.Array, like: PyTree) -> PyTree:
 # same program and peak as before the groups: nl_350m's step peaks where the reads are not).
 # titans_demo at batch 128 gets 4 groups of 4 chunks (1.0 GB each): 19.4 GB. Smaller groups would
 # hold less (8 groups: 18.8 GB, 16: 18.5) but no byte budget that leaves nl_350m's batch 8 as it
-# was gives them: a group of 4 there counts as much (docs/concepts/memory-kernel.md).
+# was gives them: a group of 4 there counts as much (docs/benchmarks/2026-12-01-parallel-form-read-groups.md).
 READ_GROUP_BYTES = 5 * 2**28
 
 

@@ -23,7 +23,8 @@ whole layer's inner loop is one launch forward and one backward.
   lives in the kernel's own outputs (global memory, L2-resident) between chunks, each matrix
   (MLP: each tile of it) loaded where it is used and stored at the chunk's end between two block
   barriers (`_store`: the program's threads hold different parts of it).
-  docs/concepts/memory-kernel.md has the measured compile times, shared memory and spills.
+  docs/benchmarks/2026-11-28-memory-kernel-compile-and-shared-memory.md has the measured compile times,
+  shared memory and spills.
 - Forward kernel (grid: rows x heads): for each chunk, store the chunk-start state (what
   `model.remat=memory` keeps), run the chunk, store its reads and its end state (MLP: a tile at
   a time, in the second tile loop).
@@ -292,7 +293,8 @@ def _products(interpret: bool):
     a GPU full float32 (`jax.default_matmul_precision("highest")`) becomes three TF32 products per
     product (`TF32_TF32_F32_X3`, float32 to about 1e-6 relative). Triton lowers an exact float32
     product (`inputPrecision = ieee`) without tensor cores, as multiply-adds unrolled per element:
-    the backward kernel alone took minutes to compile (docs/concepts/memory-kernel.md)."""
+    the backward kernel alone took minutes to compile
+    (docs/benchmarks/2026-11-28-memory-kernel-compile-and-shared-memory.md)."""
     if interpret or jax.config.jax_default_matmul_precision not in _FULL_FLOAT32:
         return contextlib.nullcontext()
     return jax.default_matmul_precision("TF32_TF32_F32_X3")

@@ -7,7 +7,8 @@ chunks, large products a GPU runs well), and what remains sequential is `end_sta
 few small products (the MLP memory: the hidden features at the chunk-start memory, the errors
 pulled back, each layer's update) and the curvature bound, which XLA runs as about 20 small
 kernels per chunk forward and 40 backward, one chunk after another (compiled for an H200,
-docs/concepts/memory-kernel.md; nl_350m: 4 layers x 32 chunks; titans_demo is launch-bound).
+docs/benchmarks/2026-11-30-parallel-form-and-loop-kernel.md; nl_350m: 4 layers x 32 chunks; titans_demo is
+launch-bound).
 Here that loop is one launch per layer. It is a smaller kernel than `memory_kernel`'s whole
 chunk: no queries, no [b, b] read weights, no running curvature sums, and no gate terms: what
 does not depend on the memory (`loop_inputs`: the gates' weights, the keys' Gram matrix) is
@@ -32,7 +33,7 @@ cotangents pulled back by JAX after it.
   backward pass from the start states, as `memory.memory_parallel`'s backward does).
 
 The offline resources (shared memory, registers, spills per kernel) and what each of these
-choices saved: docs/concepts/memory-kernel.md, "The loop kernel".
+choices saved: docs/benchmarks/2026-11-29-memory-loop-kernel-offline.md.
 
 Shapes on a GPU as for `memory_kernel` (`gpu_unsupported`); on a CPU the kernels run in
 interpret mode (any shape, slow: tests and checks). Everything is float32 inside.

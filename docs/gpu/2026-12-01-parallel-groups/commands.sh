@@ -14,6 +14,7 @@ $G --config nl_350m --no-base --variant $P --out OUT/before_nl_350m.json
 # Forced group counts (forced_titans_demo_b128_gN.json: N groups of 16 / N chunks): the titans_demo
 # batch 128 command on a scratch copy with 66c92b0's grouping code whose memory_parallel took its group
 # count from an environment variable (not in the tree; memory_parallel(groups=N) is what it set).
-# The figures "without summing each group's cotangents inside it" (docs/concepts/memory-kernel.md)
+# The figures "without summing each group's cotangents inside it"
+# (docs/benchmarks/2026-12-01-parallel-form-read-groups.md)
 # came from an earlier scratch version whose backward stacked the reads' and the loop's input
 # cotangents for all chunks and summed them after the groups, as before the groups; not kept.
