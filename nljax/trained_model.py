@@ -37,6 +37,7 @@ from nljax.config import Config
 from nljax.data import images
 from nljax.errors import ConfigError, few
 from nljax.models.registry import checked_logits
+from nljax.parallel.mesh import replicated
 from nljax.runtime.exportdir import is_export
 
 
@@ -185,11 +186,15 @@ class TrainedModel:
         rows, t = tokens.shape
         window = np.zeros((rows, self.seq_len + 1), np.int32)  # T inputs read; the last column is a target
         window[:, :t] = tokens
+        # The memory goes in placed as it comes out: a fresh one (init_memory's, on the default
+        # device) and one a window returned (replicated over the run's mesh) were two input types,
+        # and the forward compiled a second time for the second window of a row count.
+        where = replicated(self._mesh)
         if self._forward is None:
             model, vocab = self.model, self.config.model.vocab_size
             self._forward = jax.jit(lambda p, m, x, r: checked_logits(model, p, m, {"tokens": x, "reset": r},
-                                                                      vocab=vocab))
-        logits, memory = self._forward(self.params, memory, window, reset)
+                                                                      vocab=vocab), out_shardings=where)
+        logits, memory = self._forward(self.params, jax.device_put(memory, where), window, reset)
         return logits[:, :t], memory
 
     def generate(self, prompt: str | Sequence[str] = "", max_new_tokens: int = 200, temperature: float = 0.8,

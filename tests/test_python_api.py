@@ -55,6 +55,16 @@ def test_a_run_and_its_export_load_alike_and_generate_as_the_command(runs, lm):
     assert lm.generate("def ", seed=4, max_new_tokens=40) != lm.generate("def ", seed=5, max_new_tokens=40)
 
 
+def test_logits_compile_once_per_row_count(runs):
+    """A window that reads the memory another window wrote runs the forward the first compiled:
+    a fresh memory and a returned one were placed apart, and a run's model compiled twice."""
+    for path in (runs / "runs" / "default", runs / "runs" / "default" / "export"):
+        lm = nljax.load(path)  # its own forward, compiled here
+        _, memory = lm.logits(np.ones((2, 40), np.int32))  # windows 2 and 3 read the memory
+        lm.logits(np.ones((2, 5), np.int32), memory)
+        lm.logits(np.ones((2, 5), np.int32))
+        assert lm._forward._cache_size() == 1, path
+
 def test_print_shows_one_line_of_what_was_loaded(runs, lm, monkeypatch):
     """`print(lm)` is one short line (the dataclass's repr printed every parameter array and the
     whole config: ~2,300 lines): the model, what it makes, its parameter count and dtype, the
