@@ -163,10 +163,10 @@ class TrainedModel:
         for start in range(0, tokens.shape[1], self.seq_len):
             window = tokens[:, start : start + self.seq_len]
             logits, memory = self._window(window, memory, reset)
-            out.append(np.asarray(logits))
+            out.append(logits)  # read after the last window: the device does not wait for the host's copy
             # as training reads a stream (ContextStream): a window with a document's end resets the next
             reset = np.isin(window, [self.end_id]).any(axis=1) if self.end_id is not None else np.zeros(rows, bool)
-        return np.concatenate(out, axis=1), memory
+        return np.concatenate([np.asarray(x) for x in out], axis=1), memory
 
     def _checked_memory(self, memory, rows: int):
         """`memory` if it is a memory of `rows` rows: another row count's reached the model as a

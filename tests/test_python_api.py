@@ -65,6 +65,30 @@ def test_logits_compile_once_per_row_count(runs):
         lm.logits(np.ones((2, 5), np.int32))
         assert lm._forward._cache_size() == 1, path
 
+def test_logits_reads_the_windows_back_after_the_last(lm, monkeypatch):
+    """Every window is dispatched before any window's logits are copied to the host: a copy
+    after each window made the device wait for it before the next."""
+    events, window = [], lm._window
+
+    class Logits:  # a window's logits on the device, its copy to the host recorded
+        def __init__(self, x):
+            self.x = x
+
+        def __array__(self, dtype=None, copy=None):
+            events.append("read")
+            return np.asarray(self.x, dtype)
+
+    def dispatched(*args):
+        events.append("dispatch")
+        logits, memory = window(*args)
+        return Logits(logits), memory
+
+    monkeypatch.setattr(lm, "_window", dispatched)
+    got, _ = lm.logits(np.ones((1, 40), np.int32))  # three windows of 16
+    assert events == ["dispatch"] * 3 + ["read"] * 3
+    monkeypatch.undo()
+    np.testing.assert_array_equal(got, lm.logits(np.ones((1, 40), np.int32))[0])
+
 def test_print_shows_one_line_of_what_was_loaded(runs, lm, monkeypatch):
     """`print(lm)` is one short line (the dataclass's repr printed every parameter array and the
     whole config: ~2,300 lines): the model, what it makes, its parameter count and dtype, the
