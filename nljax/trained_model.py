@@ -55,6 +55,7 @@ class TrainedModel:
     _sampler: Any = dataclasses.field(default=None, repr=False)
     _readers: dict = dataclasses.field(default_factory=dict, repr=False)  # rows -> StreamReader
     _forward: Any = dataclasses.field(default=None, repr=False)
+    _draws: dict = dataclasses.field(default_factory=dict, repr=False)  # an image model's seed -> its jitted generate
     _memory_shapes: dict = dataclasses.field(default_factory=dict, repr=False)  # rows -> init_memory's shapes
 
     def __repr__(self) -> str:
@@ -331,7 +332,10 @@ class TrainedModel:
                 raise ConfigError(f"model.name={self.config.model.name} keys its noise itself: seed= is not for it")
             model = dataclasses.replace(model, seed=seed)
         index = np.arange(len(label), dtype=np.int32)  # each sample's noise, keyed by (seed, index)
-        out = jax.jit(model.generate, static_argnums=3)(self.params, index, label, int(steps))
+        # kept: a jit made at each call compiled at each call, the same labels and steps too
+        if seed not in self._draws:
+            self._draws[seed] = jax.jit(model.generate, static_argnums=3)
+        out = self._draws[seed](self.params, index, label, int(steps))
         return np.asarray(out)
 
 

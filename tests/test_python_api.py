@@ -213,6 +213,10 @@ def test_an_image_model_generates_images(tmp_path):
     assert not lm.makes_text and lm.tokenizer is None
     one = lm.generate(labels=[0, 2, 1], steps=1)
     assert one.shape == (3, 4, 4, 3) and np.isfinite(one).all()
+    # compiled once for three samples in one step: it compiled again at every call
+    np.testing.assert_array_equal(lm.generate(labels=[0, 2, 1], steps=1), one)
+    lm.generate(labels=[1, 1, 0], steps=1)
+    assert lm._draws[None]._cache_size() == 1
     np.testing.assert_allclose(ex.generate(labels=[0, 2, 1], steps=1), one, atol=1e-6)
     assert not np.allclose(lm.generate(labels=[0, 2, 1], steps=2), one)
     # seed= keys the noise (it was ignored: every seed gave the run's samples); the default is the
