@@ -37,6 +37,7 @@ from nljax.config import Config
 from nljax.data import images
 from nljax.errors import ConfigError, few
 from nljax.models.registry import checked_logits
+from nljax.parallel.mesh import replicated
 from nljax.runtime.exportdir import is_export
 
 
@@ -54,6 +55,7 @@ class TrainedModel:
     _sampler: Any = dataclasses.field(default=None, repr=False)
     _readers: dict = dataclasses.field(default_factory=dict, repr=False)  # rows -> StreamReader
     _forward: Any = dataclasses.field(default=None, repr=False)
+    _draws: dict = dataclasses.field(default_factory=dict, repr=False)  # an image model's seed -> its jitted generate
     _memory_shapes: dict = dataclasses.field(default_factory=dict, repr=False)  # rows -> init_memory's shapes
 
     def __repr__(self) -> str:
@@ -162,10 +164,10 @@ class TrainedModel:
         for start in range(0, tokens.shape[1], self.seq_len):
             window = tokens[:, start : start + self.seq_len]
             logits, memory = self._window(window, memory, reset)
-            out.append(np.asarray(logits))
+            out.append(logits)  # read after the last window: the device does not wait for the host's copy
             # as training reads a stream (ContextStream): a window with a document's end resets the next
             reset = np.isin(window, [self.end_id]).any(axis=1) if self.end_id is not None else np.zeros(rows, bool)
-        return np.concatenate(out, axis=1), memory
+        return np.concatenate([np.asarray(x) for x in out], axis=1), memory
 
     def _checked_memory(self, memory, rows: int):
         """`memory` if it is a memory of `rows` rows: another row count's reached the model as a
@@ -185,11 +187,15 @@ class TrainedModel:
         rows, t = tokens.shape
         window = np.zeros((rows, self.seq_len + 1), np.int32)  # T inputs read; the last column is a target
         window[:, :t] = tokens
+        # The memory goes in placed as it comes out: a fresh one (init_memory's, on the default
+        # device) and one a window returned (replicated over the run's mesh) were two input types,
+        # and the forward compiled a second time for the second window of a row count.
+        where = replicated(self._mesh)
         if self._forward is None:
             model, vocab = self.model, self.config.model.vocab_size
             self._forward = jax.jit(lambda p, m, x, r: checked_logits(model, p, m, {"tokens": x, "reset": r},
-                                                                      vocab=vocab))
-        logits, memory = self._forward(self.params, memory, window, reset)
+                                                                      vocab=vocab), out_shardings=where)
+        logits, memory = self._forward(self.params, jax.device_put(memory, where), window, reset)
         return logits[:, :t], memory
 
     def generate(self, prompt: str | Sequence[str] = "", max_new_tokens: int = 200, temperature: float = 0.8,
@@ -326,7 +332,10 @@ class TrainedModel:
                 raise ConfigError(f"model.name={self.config.model.name} keys its noise itself: seed= is not for it")
             model = dataclasses.replace(model, seed=seed)
         index = np.arange(len(label), dtype=np.int32)  # each sample's noise, keyed by (seed, index)
-        out = jax.jit(model.generate, static_argnums=3)(self.params, index, label, int(steps))
+        # kept: a jit made at each call compiled at each call, the same labels and steps too
+        if seed not in self._draws:
+            self._draws[seed] = jax.jit(model.generate, static_argnums=3)
+        out = self._draws[seed](self.params, index, label, int(steps))
         return np.asarray(out)
 
 

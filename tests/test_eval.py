@@ -132,3 +132,16 @@ def test_held_out_scores_are_of_the_targets():
         for r in range(2):
             targets = b["tokens"][r, 1:]  # the window's tokens are their own indices here
             np.testing.assert_array_equal(b["score"][r], score[targets])
+
+
+def test_fresh_evaluation_dispatches_every_batch_before_reading_one(monkeypatch):
+    # a read of a batch's loss waits for it: read after each batch, the devices idled while the
+    # host built and sent the next one (the streaming evaluation already read after the last)
+    from nljax.run import tasks
+
+    setup = make(["eval.batches=3", "data.eval_fraction=0.05", "eval.stream_steps=0"])
+    events, evaluate = [], setup.cache.eval
+    monkeypatch.setattr(setup.cache, "eval", lambda *a: events.append("dispatch") or evaluate(*a))
+    monkeypatch.setattr(tasks, "host_sum", lambda x: events.append("read") or host_sum(x))
+    setup.task.evaluate_fresh(setup.cache, setup.state.params)
+    assert events == ["dispatch"] * 3 + ["read"] * 6

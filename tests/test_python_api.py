@@ -55,6 +55,40 @@ def test_a_run_and_its_export_load_alike_and_generate_as_the_command(runs, lm):
     assert lm.generate("def ", seed=4, max_new_tokens=40) != lm.generate("def ", seed=5, max_new_tokens=40)
 
 
+def test_logits_compile_once_per_row_count(runs):
+    """A window that reads the memory another window wrote runs the forward the first compiled:
+    a fresh memory and a returned one were placed apart, and a run's model compiled twice."""
+    for path in (runs / "runs" / "default", runs / "runs" / "default" / "export"):
+        lm = nljax.load(path)  # its own forward, compiled here
+        _, memory = lm.logits(np.ones((2, 40), np.int32))  # windows 2 and 3 read the memory
+        lm.logits(np.ones((2, 5), np.int32), memory)
+        lm.logits(np.ones((2, 5), np.int32))
+        assert lm._forward._cache_size() == 1, path
+
+def test_logits_reads_the_windows_back_after_the_last(lm, monkeypatch):
+    """Every window is dispatched before any window's logits are copied to the host: a copy
+    after each window made the device wait for it before the next."""
+    events, window = [], lm._window
+
+    class Logits:  # a window's logits on the device, its copy to the host recorded
+        def __init__(self, x):
+            self.x = x
+
+        def __array__(self, dtype=None, copy=None):
+            events.append("read")
+            return np.asarray(self.x, dtype)
+
+    def dispatched(*args):
+        events.append("dispatch")
+        logits, memory = window(*args)
+        return Logits(logits), memory
+
+    monkeypatch.setattr(lm, "_window", dispatched)
+    got, _ = lm.logits(np.ones((1, 40), np.int32))  # three windows of 16
+    assert events == ["dispatch"] * 3 + ["read"] * 3
+    monkeypatch.undo()
+    np.testing.assert_array_equal(got, lm.logits(np.ones((1, 40), np.int32))[0])
+
 def test_print_shows_one_line_of_what_was_loaded(runs, lm, monkeypatch):
     """`print(lm)` is one short line (the dataclass's repr printed every parameter array and the
     whole config: ~2,300 lines): the model, what it makes, its parameter count and dtype, the
@@ -179,6 +213,10 @@ def test_an_image_model_generates_images(tmp_path):
     assert not lm.makes_text and lm.tokenizer is None
     one = lm.generate(labels=[0, 2, 1], steps=1)
     assert one.shape == (3, 4, 4, 3) and np.isfinite(one).all()
+    # compiled once for three samples in one step: it compiled again at every call
+    np.testing.assert_array_equal(lm.generate(labels=[0, 2, 1], steps=1), one)
+    lm.generate(labels=[1, 1, 0], steps=1)
+    assert lm._draws[None]._cache_size() == 1
     np.testing.assert_allclose(ex.generate(labels=[0, 2, 1], steps=1), one, atol=1e-6)
     assert not np.allclose(lm.generate(labels=[0, 2, 1], steps=2), one)
     # seed= keys the noise (it was ignored: every seed gave the run's samples); the default is the

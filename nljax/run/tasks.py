@@ -283,9 +283,11 @@ class TextTask:
         rows = self.cfg.train.batch_size
         # one at least: refused at start-up otherwise (__init__ for the main text, evalsets.load for a set)
         windows = eval_windows(tokens, self.cfg.train.seq_len, self.cfg.eval.batches * rows)
+        # every batch dispatched before any is read, as evaluate_stream: a read per batch made the
+        # devices wait for the host to build and send the next one (the sums and their order unchanged)
+        sums = [cache.eval(params, put_batch(b, self.mesh)) for b in eval_batches(windows, rows)]
         loss = count = 0.0
-        for b in eval_batches(windows, rows):
-            m = cache.eval(params, put_batch(b, self.mesh))
+        for m in sums:
             loss += host_sum(m["loss_sum"])
             count += host_sum(m["count"])
         mean = loss / max(count, 1.0)
