@@ -410,6 +410,8 @@ def format_report(r: dict) -> str:
         f"peak memory per device: {_mib(mem['peak_bytes'])} "
         f"({'memory_stats' if mem['memory_stats_peak_bytes'] else 'compiled memory_analysis'})",
     ]
+    note = throughput.noisy_worst(r["worst_pattern"], r["per_pattern"], len(r["config"]["periods"]), "--steps")
+    lines += [note] if note else []
     if "profile" in r:
         lines += [f"{r['profile']['pattern']} " + "\n".join(traces.format_summary(r["profile"]))]
     return "\n".join(lines)

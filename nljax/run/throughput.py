@@ -305,6 +305,17 @@ def report(
     return out
 
 
+def noisy_worst(worst: str, timed, n_levels: int, more: str) -> str | None:
+    """The note under a timing whose slowest pattern is not the one where every level fires
+    (which does all the others' work and more): on a loaded or shared machine the noise ranked
+    them. `timed`: the names of the patterns timed; `more`: the setting that times more rounds."""
+    every = pattern_name((True,) * n_levels)
+    if every not in timed or worst == every:
+        return None
+    return (f"note: {worst} timed slower than {every}, where all levels fire: it does less work, so the timing "
+            f"is noisy here (a loaded or shared machine; {more} raises the rounds)")
+
+
 def format_table(t: dict) -> str:
     """The table printed at the end of a run."""
     unit = t["unit"]

@@ -447,11 +447,10 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     out.run.save_summary(summary)
     if measured is not None:
         out.say(throughput.format_table(table))
-    every = tuple(True for _ in cfg.cms.periods)  # all levels fire: the expected worst case
-    if measured is not None and every in measured.step_s and table["worst_pattern"] != pattern_name(every):
-        out.say(f"note: {table['worst_pattern']} timed slower than {pattern_name(every)}, where all levels fire: "
-                "it does less work, so the timing is noisy here (a loaded or shared machine; "
-                "throughput.reps raises the rounds)")
+    if measured is not None and (note := throughput.noisy_worst(
+            table["worst_pattern"], [pattern_name(a) for a in measured.step_s], len(cfg.cms.periods),
+            "throughput.reps")):
+        out.say(note)
     if comm["ratio_vs_ddp"] is not None:
         tp = comm["mean_model_axis_wire_bytes_per_step"]
         out.say(f"per-level sync per device per step (HLO, mean over a cycle): "
