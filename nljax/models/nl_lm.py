@@ -38,7 +38,7 @@ from nljax.models.base import HIDDEN, cms_level_of, tp_divides
 from nljax.models.attention import sliding_window_attention
 from nljax.models.chunked_loss import chunked_token_loss
 from nljax.models.embedding import Embed
-from nljax.models.layers import CMSChain, LayerNorm, dense_dot, recomputed, token_loss
+from nljax.models.layers import CMSChain, LayerNorm, dense, dense_dot, recomputed, token_loss
 from nljax.parallel import tp as tplib
 
 
@@ -282,7 +282,7 @@ class NeuralMemory(nn.Module):
         if self.out_norm:
             y = HeadNorm(self.axis, name="out_norm")(y)
         if self.out_gate:
-            y = y * jax.nn.sigmoid(nn.Dense(h * d, dtype=self.dtype, dot_general=dense_dot, name="out_gate")(x)).reshape(b, t, h, d)
+            y = y * jax.nn.sigmoid(dense(h * d, self.dtype, dot_general=dense_dot, name="out_gate")(x)).reshape(b, t, h, d)
         y = y.astype(self.dtype).reshape(b, t, h * d)
         out = nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, dtype=self.dtype, dot_general=dense_dot, name="out")
         return tplib.leave(out(y), self.axis), state
@@ -403,7 +403,7 @@ class NLNet(nn.Module):
         x = LayerNorm(self.dtype, name="norm")(x)
         if not head:
             return x, new_memory
-        return nn.Dense(self.vocab, dtype=self.dtype, dot_general=dense_dot, name="head")(x), new_memory  # the loss upcasts to float32
+        return dense(self.vocab, self.dtype, dot_general=dense_dot, name="head")(x), new_memory  # the loss upcasts to float32
 
     def unrolled(self, x, memory, reset, embedded):
         return blocks(self.spec, self.depth, x, {f"block{i}": memory[f"block{i}"] for i in self.memory_layers}, reset,
