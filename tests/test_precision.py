@@ -13,6 +13,7 @@ from helpers import EXACT, TINY_NL_DEEP, assert_trees_equal, leaf_pairs, make, t
 from nljax import config
 from nljax.models import build
 from nljax.models.layers import RowDense, dense
+from nljax.models.nl_lm import CausalConv
 
 
 def grads(overrides):
@@ -229,3 +230,21 @@ def test_dense_sums_its_bias_gradient_in_float32_under_bfloat16(features):
     got = jax.jit(vjp)(ct)[0]["params"]
     exact = np.asarray(ct, np.float64).sum(axis=(0, 1))
     assert np.linalg.norm(np.asarray(got["bias"], np.float64) - exact) < 1e-6 * np.linalg.norm(exact)
+
+
+def test_causal_conv_sums_its_gradients_in_float32_under_bfloat16():
+    """The memory's causal convolution on bfloat16 inputs: products and sums in float32, so its
+    kernel's and bias's gradients are float32 sums over the tokens (in bfloat16: 2.2% and 0.64%
+    from the exact sums at 4096 tokens); the output stays bfloat16."""
+    conv = CausalConv(4)
+    x = jax.random.normal(jax.random.key(0), (8, 512, 3, 2, 4)).astype(jnp.bfloat16)
+    params = conv.init(jax.random.key(1), x)
+    ct = (jax.random.normal(jax.random.key(2), x.shape) + 0.1).astype(jnp.bfloat16)
+    y, vjp = jax.vjp(lambda p: conv.apply(p, x), params)
+    assert y.dtype == jnp.bfloat16
+    got = jax.jit(vjp)(ct)[0]["params"]
+    x64, ct64 = np.asarray(x, np.float64), np.asarray(ct, np.float64)
+    xp = np.pad(x64, ((0, 0), (3, 0), (0, 0), (0, 0), (0, 0)))
+    exact = {"bias": ct64.sum(axis=(0, 1)), "kernel": np.stack([(xp[:, j : j + 512] * ct64).sum(axis=(0, 1)) for j in range(4)])}
+    for name, want in exact.items():
+        assert np.linalg.norm(np.asarray(got[name], np.float64) - want) < 1e-6 * np.linalg.norm(want), name
