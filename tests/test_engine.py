@@ -217,3 +217,21 @@ def test_put_batch_gives_each_device_its_rows():
     b = put_batch({"tokens": rows}, mesh)["tokens"]
     for shard in b.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), rows[shard.index])
+
+
+def test_a_device_without_weighted_targets_does_not_skip_the_step():
+    """Weighted targets (the recall probe's `weight`) that leave one device's rows with none: that
+    device's mean is 0, not 0/0, so the step updates every level from the other device's gradient
+    (0/0's NaN made every level's gradient non-finite: all four skipped, measured)."""
+    setup = make([], 1, 2)
+    batch = {k: np.asarray(v) for k, v in jax.device_get(setup.batch(0)).items()}
+    batch["weight"] = np.ones((8, 8), np.float32)
+    batch["weight"][:4] = 0  # device 0's rows
+    start = jax.device_get(setup.state.params)
+    metrics = []
+    train(setup, 1, batch=lambda s: put_batch(batch, setup.mesh), metrics=metrics)
+    m = jax.device_get(metrics[0])
+    assert list(m["count"]) == [0, 32] and m["skipped"] == 0 and np.isfinite(m["grad_norm"])
+    end = jax.device_get(setup.state.params)
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(end))
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(end)))

@@ -160,6 +160,22 @@ def test_embedding_gradient_equals_the_scatter_add(grad, dtype):
     assert not got[50:].any()
 
 
+def test_scatter_embedding_sums_its_gradient_in_float32_under_bfloat16():
+    """`scatter` in bfloat16: nn.Embed's forward bits, and the table's gradient summed in float32
+    (gathered from the float32 table, then cast). nn.Embed's own scatter-add sums the bf16
+    cotangents in bf16: 256 tokens per row put it 2.4% from the exact sum (float32: below 1e-6)."""
+    ids = jax.random.randint(jax.random.key(0), (8, 512), 0, 16)
+    plain, ours = nn.Embed(16, 8, dtype=jnp.bfloat16), embedding.Embed(16, 8, dtype=jnp.bfloat16, grad="scatter")
+    params = plain.init(jax.random.key(1), ids)
+    np.testing.assert_array_equal(ours.apply(params, ids), plain.apply(params, ids))
+    ct = jax.random.normal(jax.random.key(2), (8, 512, 8)).astype(jnp.bfloat16)
+    got = jax.grad(lambda p: jnp.sum(ours.apply(p, ids).astype(jnp.float32) * ct))(params)["params"]["embedding"]
+    exact = np.zeros((16, 8))
+    np.add.at(exact, np.asarray(ids).reshape(-1), np.asarray(ct, np.float64).reshape(-1, 8))
+    assert got.dtype == jnp.float32
+    assert np.linalg.norm(got - exact) < 1e-6 * np.linalg.norm(exact)
+
+
 # ------------------------------------------------------------------------ chunked cross-entropy
 
 

@@ -74,12 +74,16 @@ def local_grads(eng: Engine, active: Active, parts: tuple, memory: PyTree, batch
     accumulate = eng.cfg.cms.frozen_grads == "accumulate"
     # `skip`: frozen levels are not differentiated at all, so XLA never computes their gradients.
     wrt = tuple(p if (active[l] or accumulate) else None for l, p in enumerate(parts))
+    # Weighted targets (`weight`, `mask`) may leave a device's rows with none: its mean is then
+    # 0, not 0/0, whose NaN gradient would skip every level's update, the other devices' gradients
+    # with it. Unweighted batches keep the plain division (the shipped steps' program).
+    weighted = "weight" in batch or "mask" in batch
 
     def loss_fn(diff):
         full = tuple(d if d is not None else p for d, p in zip(diff, parts))
         params = eng.levels.merge(full)
         loss_sum, count, new_memory = apply_model(eng, params, memory, batch, key, train=True)
-        return loss_sum / count, (loss_sum, count, new_memory)
+        return loss_sum / (jnp.where(count > 0, count, 1.0) if weighted else count), (loss_sum, count, new_memory)
 
     grads, (loss_sum, count, memory) = jax.grad(loss_fn, has_aux=True)(wrt)
     return grads, loss_sum, count, memory

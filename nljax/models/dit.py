@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nljax.errors import ConfigError
-from nljax.models import meanflow
+from nljax.models import layers, meanflow
 from nljax.models.base import HIDDEN, tp_divides
 from nljax.models.layers import RowDense
 from nljax.models.meanflow import MeanFlowConfig
@@ -127,7 +127,7 @@ class DiTBlock(nn.Module):
     @nn.compact
     def __call__(self, x, c):  # x [B, N, D], c [B, D]
         enter = lambda a: tplib.enter(a, self.axis)
-        dense = lambda n, name, **kw: nn.Dense(n, dtype=self.dtype, name=name, **kw)
+        dense = lambda n, name, **kw: layers.dense(n, self.dtype, name=name, **kw)  # bias added in float32
         # float32 (a [B, D] x [D, 6D] product): the gates and scales multiply the float32 stream
         mod = nn.Dense(6 * self.dim // self.tp, kernel_init=nn.initializers.zeros, name="adaln")(enter(nn.silu(c)))
         mod = tplib.gather(mod, self.axis, self.tp)  # [B, 6D]
@@ -175,7 +175,7 @@ class DiTNet(nn.Module):
         final_mod = nn.Dense(2 * self.dim, kernel_init=nn.initializers.zeros, name="final_adaln")(nn.silu(c))
         shift, scale = jnp.split(final_mod, 2, axis=-1)
         x = modulate(nn.LayerNorm(use_scale=False, use_bias=False, epsilon=1e-6, name="final_norm")(x), shift, scale)
-        x = nn.Dense(p * p * ch, kernel_init=nn.initializers.zeros, dtype=self.dtype, name="final")(x)
+        x = layers.dense(p * p * ch, self.dtype, kernel_init=nn.initializers.zeros, name="final")(x)
         x = x.astype(jnp.float32)  # [B, N, p*p*C]
         x = x.reshape(b, gh, gw, p, p, ch).transpose(0, 1, 3, 2, 4, 5)
         return x.reshape(b, hh, ww, ch)

@@ -38,7 +38,7 @@ from nljax.models.base import HIDDEN, cms_level_of, tp_divides
 from nljax.models.attention import sliding_window_attention
 from nljax.models.chunked_loss import chunked_token_loss
 from nljax.models.embedding import Embed
-from nljax.models.layers import CMSChain, LayerNorm, dense_dot, recomputed, token_loss
+from nljax.models.layers import CMSChain, LayerNorm, dense, dense_dot, recomputed, token_loss
 from nljax.parallel import tp as tplib
 
 
@@ -190,10 +190,16 @@ class CausalConv(nn.Module):
         ch = x.shape[2:]
         w = self.param("kernel", _flat_init(nn.initializers.lecun_normal(), 1), (self.size, *ch))
         bias = self.param("bias", nn.initializers.zeros, ch)
+        dtype = x.dtype
+        if dtype != w.dtype:
+            # bfloat16 inputs: the products and sums in float32, rounded once, so that the kernel's
+            # and bias's gradients (sums over every token) are summed in float32, not bfloat16
+            # (in bfloat16, 4096 tokens put the kernel's 2.2% and the bias's 0.64% from the exact sums)
+            x = x.astype(w.dtype)
         x, w, bias = nn.dtypes.promote_dtype(x, w, bias, dtype=x.dtype)
         t, k = x.shape[1], self.size
         xp = jnp.pad(x, ((0, 0), (k - 1, 0)) + ((0, 0),) * len(ch))
-        return sum(xp[:, j : j + t] * w[j] for j in range(k)) + bias
+        return (sum(xp[:, j : j + t] * w[j] for j in range(k)) + bias).astype(dtype)
 
 
 class HeadNorm(nn.Module):
@@ -282,7 +288,7 @@ class NeuralMemory(nn.Module):
         if self.out_norm:
             y = HeadNorm(self.axis, name="out_norm")(y)
         if self.out_gate:
-            y = y * jax.nn.sigmoid(nn.Dense(h * d, dtype=self.dtype, dot_general=dense_dot, name="out_gate")(x)).reshape(b, t, h, d)
+            y = y * jax.nn.sigmoid(dense(h * d, self.dtype, dot_general=dense_dot, name="out_gate")(x)).reshape(b, t, h, d)
         y = y.astype(self.dtype).reshape(b, t, h * d)
         out = nn.Dense(self.dim, use_bias=False, kernel_init=nn.initializers.zeros, dtype=self.dtype, dot_general=dense_dot, name="out")
         return tplib.leave(out(y), self.axis), state
@@ -403,7 +409,7 @@ class NLNet(nn.Module):
         x = LayerNorm(self.dtype, name="norm")(x)
         if not head:
             return x, new_memory
-        return nn.Dense(self.vocab, dtype=self.dtype, dot_general=dense_dot, name="head")(x), new_memory  # the loss upcasts to float32
+        return dense(self.vocab, self.dtype, dot_general=dense_dot, name="head")(x), new_memory  # the loss upcasts to float32
 
     def unrolled(self, x, memory, reset, embedded):
         return blocks(self.spec, self.depth, x, {f"block{i}": memory[f"block{i}"] for i in self.memory_layers}, reset,
