@@ -114,6 +114,14 @@ def test_yaml_file(tmp_path):
         ("data.source=files", "data.source=files needs data.train (paths or globs of .txt, .jsonl, .txt.gz, "
                               ".jsonl.gz, .parquet, .arrow or .feather files, or folders datasets' save_to_disk wrote) or "
                               "data.prepared"),
+        # an int32 on the devices: an OverflowError traceback from the first jitted step
+        ("model.nl_lm.window=10000000000000", "model.nl_lm.window must be < 2^31, got 10,000,000,000,000"),
+        ("optim.warmup_steps=2147483647", "optim.warmup_steps must be < 2^31 - 1, got 2,147,483,647"),
+        # one traced term per tap: the step never finished building; a tap past the window reads padding
+        ("train.seq_len=32 model.nl_lm.memory_conv=33", "model.nl_lm.memory_conv=33 is longer than train.seq_len=32"),
+        # generated one by one at start-up: never finished
+        ("data.source=recall train.seq_len=256 data.recall_docs=10000000000000",
+         "data.recall_docs must be <= 1,000,000, got 10,000,000,000,000"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

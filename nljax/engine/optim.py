@@ -76,6 +76,8 @@ class OptimConfig:
             raise ConfigError(f"optim.clip_norm must be >= 0 (0: off), got {self.clip_norm}")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps >= 2**31 - 1:  # the schedule's warmup_steps + 1 is an int32 on the devices
+            raise ConfigError(f"optim.warmup_steps must be < 2^31 - 1, got {self.warmup_steps:,}")
         if self.base_batch_size < 1:
             raise ConfigError(f"optim.base_batch_size must be >= 1, got {self.base_batch_size}")
         # torch's SGD(momentum=...) habit on another optimizer would be silently unused (and, as a
