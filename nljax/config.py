@@ -586,6 +586,11 @@ def migrate(tree: dict) -> dict:
     optim = tree.get("optim")
     if isinstance(optim, dict) and optim.get("name", "adamw") != "sgd":
         optim.update({k: v for k, v in (("momentum", 0.0), ("nesterov", False)) if k in optim})
+    # model.dtype=bfloat16 beside cms_mlp was never read (refused since 2026-12-02): left out of a
+    # saved one likewise
+    model = tree.get("model")
+    if isinstance(model, dict) and model.get("name") == "cms_mlp" and "dtype" in model:
+        model["dtype"] = "float32"
     # the sections of models other than its own, which a config saved before 2026-11-29 holds
     # (every model registered in that process): another process need not have them
     return own_model(tree)

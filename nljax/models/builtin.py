@@ -36,6 +36,9 @@ def cms_mlp(cfg: Config) -> Model:
 def check_cms_mlp(cfg: Config) -> None:
     if cfg.model.remat == "block":
         raise ConfigError("model.remat=block recomputes nl_lm's and dit's blocks; cms_mlp has none to recompute")
+    if cfg.model.dtype != "float32":  # cms_mlp takes no dtype: it trained in float32 without a word
+        raise ConfigError(f"model.dtype={cfg.model.dtype} is nl_lm's and dit's compute dtype; cms_mlp computes in "
+                          "float32")
 
 
 def nl_lm(cfg: Config) -> Model:
