@@ -458,6 +458,11 @@ def test_a_saved_key_in_both_places_and_momentum_beside_lion():
     assert config.migrate({"model": {"name": "cms_mlp", "dtype": "bfloat16"}})["model"]["dtype"] == "float32"
     assert config.from_dict({"model": {"name": "cms_mlp", "dtype": "bfloat16"}}).model.dtype == "float32"
     assert config.migrate({"model": {"name": "nl_lm", "dtype": "bfloat16"}})["model"]["dtype"] == "bfloat16"
+    # adamw's b1, b2 and eps beside a rule that reads them not likewise (lion keeps its b1, b2)
+    sgd = config.migrate({"optim": {"name": "sgd", "b1": 0.5, "b2": 0.5, "eps": 0.1}})["optim"]
+    assert (sgd["b1"], sgd["b2"], sgd["eps"]) == (0.9, 0.99, 1e-8)
+    lion = config.migrate({"optim": {"name": "lion", "b1": 0.5, "b2": 0.5, "eps": 0.1}})["optim"]
+    assert (lion["b1"], lion["b2"], lion["eps"]) == (0.5, 0.5, 1e-8)
 
 
 def test_a_negative_float_past_float32_is_refused():
