@@ -27,7 +27,7 @@ from nljax.crosschecks import check_across_sections
 from nljax.data.images import ImagesConfig
 from nljax.data.settings import DataConfig, PrepareConfig
 from nljax.engine.conductor import CMSConfig
-from nljax.engine.optim import OptimConfig
+from nljax.engine.optim import UNREAD, OptimConfig
 from nljax.engine.sync import SyncConfig
 from nljax import yamlread
 from nljax.errors import ConfigError, first_line
@@ -586,6 +586,14 @@ def migrate(tree: dict) -> dict:
     optim = tree.get("optim")
     if isinstance(optim, dict) and optim.get("name", "adamw") != "sgd":
         optim.update({k: v for k, v in (("momentum", 0.0), ("nesterov", False)) if k in optim})
+    # likewise adamw's b1, b2 and eps beside a rule that reads them not (refused since 2026-12-02)
+    if isinstance(optim, dict):
+        optim.update({k: getattr(OptimConfig, k) for k in UNREAD.get(optim.get("name", "adamw"), ()) if k in optim})
+    # model.dtype=bfloat16 beside cms_mlp was never read (refused since 2026-12-02): left out of a
+    # saved one likewise
+    model = tree.get("model")
+    if isinstance(model, dict) and model.get("name") == "cms_mlp" and "dtype" in model:
+        model["dtype"] = "float32"
     # the sections of models other than its own, which a config saved before 2026-11-29 holds
     # (every model registered in that process): another process need not have them
     return own_model(tree)

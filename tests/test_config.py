@@ -114,6 +114,17 @@ def test_yaml_file(tmp_path):
         ("data.source=files", "data.source=files needs data.train (paths or globs of .txt, .jsonl, .txt.gz, "
                               ".jsonl.gz, .parquet, .arrow or .feather files, or folders datasets' save_to_disk wrote) or "
                               "data.prepared"),
+        # an int32 on the devices: an OverflowError traceback from the first jitted step
+        ("model.nl_lm.window=10000000000000", "model.nl_lm.window must be < 2^31, got 10,000,000,000,000"),
+        ("optim.warmup_steps=2147483647", "optim.warmup_steps must be < 2^31 - 1, got 2,147,483,647"),
+        # one traced term per tap: the step never finished building; a tap past the window reads padding
+        ("train.seq_len=32 model.nl_lm.memory_conv=33", "model.nl_lm.memory_conv=33 is longer than train.seq_len=32"),
+        # cms_mlp takes no dtype: trained in float32 without a word
+        ("model.name=cms_mlp model.dtype=bfloat16", "model.dtype=bfloat16 is nl_lm's and dit's compute dtype; "
+                                                    "cms_mlp computes in float32"),
+        # generated one by one at start-up: never finished
+        ("data.source=recall train.seq_len=256 data.recall_docs=10000000000000",
+         "data.recall_docs must be <= 1,000,000, got 10,000,000,000,000"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -443,6 +454,15 @@ def test_a_saved_key_in_both_places_and_momentum_beside_lion():
         assert (optim["momentum"], optim["nesterov"]) == (0.0, False)
     optim = config.migrate({"optim": {"name": "sgd", "momentum": 0.9, "nesterov": True}})["optim"]
     assert (optim["momentum"], optim["nesterov"]) == (0.9, True)
+    # model.dtype beside cms_mlp (never read: it computes in float32) likewise; beside nl_lm kept
+    assert config.migrate({"model": {"name": "cms_mlp", "dtype": "bfloat16"}})["model"]["dtype"] == "float32"
+    assert config.from_dict({"model": {"name": "cms_mlp", "dtype": "bfloat16"}}).model.dtype == "float32"
+    assert config.migrate({"model": {"name": "nl_lm", "dtype": "bfloat16"}})["model"]["dtype"] == "bfloat16"
+    # adamw's b1, b2 and eps beside a rule that reads them not likewise (lion keeps its b1, b2)
+    sgd = config.migrate({"optim": {"name": "sgd", "b1": 0.5, "b2": 0.5, "eps": 0.1}})["optim"]
+    assert (sgd["b1"], sgd["b2"], sgd["eps"]) == (0.9, 0.99, 1e-8)
+    lion = config.migrate({"optim": {"name": "lion", "b1": 0.5, "b2": 0.5, "eps": 0.1}})["optim"]
+    assert (lion["b1"], lion["b2"], lion["eps"]) == (0.5, 0.5, 1e-8)
 
 
 def test_a_negative_float_past_float32_is_refused():

@@ -147,7 +147,13 @@ def test_momentum_range(value):
     (["optim.name=lion", "optim.nesterov=true"],
      "optim.momentum and optim.nesterov are sgd's: lion's momentum is optim.b1"),
     (["optim.name=sgd", "optim.nesterov=true"],
-     "optim.nesterov=true needs optim.momentum > 0 (plain SGD has no look-ahead)")])
+     "optim.nesterov=true needs optim.momentum > 0 (plain SGD has no look-ahead)"),
+    # adamw's settings where the rule reads them not: unused without a word
+    (["optim.name=sgd", "optim.b1=0.8"], "optim.b1 is not read by optim.name=sgd (adamw's and lion's; sgd's is "
+                                         "optim.momentum)"),
+    (["optim.name=sgd", "optim.b2=0.9"], "optim.b2 is not read by optim.name=sgd (adamw's and lion's)"),
+    (["optim.name=sgd", "optim.eps=1e-6"], "optim.eps is not read by optim.name=sgd (Adam's epsilon: adamw's alone)"),
+    (["optim.name=lion", "optim.eps=1e-6"], "optim.eps is not read by optim.name=lion (Adam's epsilon: adamw's alone)")])
 def test_momentum_set_where_it_is_unused_is_refused(opts, message):
     """torch's momentum on adamw or lion, or a look-ahead without momentum, would change nothing."""
     with pytest.raises(ConfigError) as e:

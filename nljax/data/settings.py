@@ -87,7 +87,8 @@ class DataConfig:
     # probability that a training row starts a step from a fresh memory, drawn from (seed, step,
     # row): the model also learns to predict without carried context, as at a document start
     reset_prob: float = 0.25  # (measured: docs/experiments/2026-11-23-memory-block-ablations.md)
-    recall_docs: int = 4096  # recall: documents generated (training + held out), each train.seq_len bytes
+    # recall: documents generated (training + held out), each train.seq_len bytes; at most 1,000,000
+    recall_docs: int = 4096
     recall_pairs: int = 4  # recall: key=value pairs shown, then queried, per document
     recall_key_len: int = 2  # recall: lowercase letters per key (keys are distinct)
     recall_value_len: int = 2  # recall: digits per value; every value digit is scored
@@ -140,12 +141,19 @@ class DataConfig:
         if self.recall_docs < 2 or self.recall_pairs < 1:
             raise ConfigError(f"data.recall_docs must be >= 2 and data.recall_pairs >= 1, got {self.recall_docs}, "
                               f"{self.recall_pairs}")
+        if self.recall_docs > MAX_RECALL_DOCS:  # made one by one at start-up: 10^13 never finished
+            raise ConfigError(f"data.recall_docs must be <= {MAX_RECALL_DOCS:,}, got {self.recall_docs:,}")
         if not 1 <= self.recall_key_len <= 8 or not 1 <= self.recall_value_len <= 64:
             raise ConfigError(f"data.recall_key_len must be in [1, 8] and data.recall_value_len in [1, 64], got "
                               f"{self.recall_key_len}, {self.recall_value_len}")
         if self.recall_pairs > 26**self.recall_key_len:
             raise ConfigError(f"data.recall_pairs={self.recall_pairs} distinct keys of data.recall_key_len="
                               f"{self.recall_key_len} letters: at most {26**self.recall_key_len}")
+
+
+# data.recall_docs: the documents are generated in Python at start-up, about 0.25 ms each (4 minutes
+# per million on a 2026 CPU core), and held in memory with a float32 score per byte
+MAX_RECALL_DOCS = 1_000_000
 
 
 @dataclasses.dataclass(frozen=True)

@@ -40,15 +40,16 @@ class OptimConfig:
     # what weight decay applies to: weights (the model's `decays`; by default flax's kernel and
     # embedding leaves, not biases, norm scales or an initial memory) or all parameters
     decay_params: Literal["weights", "all"] = "weights"
-    b1: float = 0.9  # adamw: the first-moment decay; lion: the momentum's weight in the update's sign
-    b2: float = 0.99  # adamw: the second-moment decay; lion: the momentum's decay (optax's 0.99)
+    # adamw: the first-moment decay; lion: the momentum's weight in the update's sign (sgd: refused)
+    b1: float = 0.9
+    b2: float = 0.99  # adamw: the second-moment decay; lion: the momentum's decay (optax's 0.99; sgd: refused)
     # sgd: the momentum's decay (optax.trace: m = g + momentum m, the step lr m); 0: plain SGD and no
     # optimizer state; sgd's alone (adamw's and lion's momentum is b1: refused with them)
     momentum: float = 0.0
     nesterov: bool = False  # sgd with momentum: the step lr (g + momentum m), Nesterov's look-ahead
     # Adam's epsilon, added to the root of the second moment (optax's default; MaxText's adam_eps,
     # torch's AdamW eps): larger values damp the update of parameters with tiny gradients; above 0,
-    # or a zero gradient (a parameter no token reaches) would divide 0 by 0
+    # or a zero gradient (a parameter no token reaches) would divide 0 by 0; adamw's alone (sgd, lion: refused)
     eps: float = 1e-8
     # an exponential moving average of the parameters (NeMo's, Composer's, MeanFlow's EMA), what
     # evaluation, samples, nljax.evaluate/generate/export/lm_eval and nljax.load read: per step
@@ -76,6 +77,8 @@ class OptimConfig:
             raise ConfigError(f"optim.clip_norm must be >= 0 (0: off), got {self.clip_norm}")
         if self.warmup_steps < 0:
             raise ConfigError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.warmup_steps >= 2**31 - 1:  # the schedule's warmup_steps + 1 is an int32 on the devices
+            raise ConfigError(f"optim.warmup_steps must be < 2^31 - 1, got {self.warmup_steps:,}")
         if self.base_batch_size < 1:
             raise ConfigError(f"optim.base_batch_size must be >= 1, got {self.base_batch_size}")
         # torch's SGD(momentum=...) habit on another optimizer would be silently unused (and, as a
@@ -84,6 +87,16 @@ class OptimConfig:
             raise ConfigError(f"optim.momentum and optim.nesterov are sgd's: {self.name}'s momentum is optim.b1")
         if self.nesterov and not self.momentum:
             raise ConfigError("optim.nesterov=true needs optim.momentum > 0 (plain SGD has no look-ahead)")
+        # likewise adamw's b1, b2 and eps where the rule reads none of them (lion reads b1 and b2)
+        unread = [k for k in UNREAD.get(self.name, ()) if getattr(self, k) != getattr(OptimConfig, k)]
+        if unread:
+            raise ConfigError(f"optim.{unread[0]} is not read by optim.name={self.name} ({READERS[unread[0]]})")
+
+
+# The settings of `OptimConfig` an update rule does not read (`update_direction`), and who does.
+UNREAD = {"sgd": ("b1", "b2", "eps"), "lion": ("eps",)}
+READERS = {"b1": "adamw's and lion's; sgd's is optim.momentum", "b2": "adamw's and lion's",
+           "eps": "Adam's epsilon: adamw's alone"}
 
 
 def peak_lr(cfg: OptimConfig, batch_size: int) -> float:

@@ -36,6 +36,9 @@ def cms_mlp(cfg: Config) -> Model:
 def check_cms_mlp(cfg: Config) -> None:
     if cfg.model.remat == "block":
         raise ConfigError("model.remat=block recomputes nl_lm's and dit's blocks; cms_mlp has none to recompute")
+    if cfg.model.dtype != "float32":  # cms_mlp takes no dtype: it trained in float32 without a word
+        raise ConfigError(f"model.dtype={cfg.model.dtype} is nl_lm's and dit's compute dtype; cms_mlp computes in "
+                          "float32")
 
 
 def nl_lm(cfg: Config) -> Model:
@@ -80,6 +83,11 @@ def check_nl_lm(cfg: Config) -> None:
     if nl.memory_layers and cfg.train.seq_len % nl.memory_chunk:
         raise ConfigError(f"train.seq_len={cfg.train.seq_len} must be a multiple of model.nl_lm.memory_chunk="
                           f"{nl.memory_chunk}")
+    # the conv pads each window with zeros: a tap beyond train.seq_len only ever reads padding (and
+    # every tap is one traced term: a kernel of 10^13 never finished building the step)
+    if nl.memory_layers and nl.memory_conv > cfg.train.seq_len:
+        raise ConfigError(f"model.nl_lm.memory_conv={nl.memory_conv:,} is longer than train.seq_len="
+                          f"{cfg.train.seq_len}: its taps beyond the window read only zero padding")
 
 
 def nl_lm_flops(cfg: Config, model: Model, param_shapes) -> dict:

@@ -61,7 +61,8 @@ class NlLmConfig:
     # largest inner-loop step theta, in units of the inner problem's curvature bound; <= 1
     # keeps every chunk's step inside it (stability argument: nljax/models/memory.py)
     memory_lr_max: float = 1.0
-    memory_conv: int = 4  # causal depthwise conv + SiLU on the memory's q, k, v (kernel size); 0: off
+    # causal depthwise conv + SiLU on the memory's q, k, v (kernel size, at most train.seq_len); 0: off
+    memory_conv: int = 4
     memory_out_norm: bool = True  # RMS-normalise each memory head's read
     memory_out_gate: bool = True  # gate the read with sigmoid(W x)
     memory_unroll: int = 1  # inner-loop chunks per loop iteration (larger: fewer, fused kernels; longer compile)
@@ -108,6 +109,8 @@ class NlLmConfig:
                 raise ConfigError(f"model.nl_lm.{key} must be >= 1, got {getattr(self, key)}")
         if self.loss_chunk < 0:
             raise ConfigError(f"model.nl_lm.loss_chunk must be >= 0 (0: off), got {self.loss_chunk}")
+        if self.window >= 2**31:  # the attention mask compares token distances with it as an int32 on the devices
+            raise ConfigError(f"model.nl_lm.window must be < 2^31, got {self.window:,}")
 
     def check_with(self, dim: int, heads: int, depth: int) -> None:
         """Rules that apply when model.name=nl_lm, with the shared model fields."""
