@@ -65,6 +65,7 @@ def test_logits_compile_once_per_row_count(runs):
         lm.logits(np.ones((2, 5), np.int32))
         assert lm._forward._cache_size() == 1, path
 
+
 def test_logits_reads_the_windows_back_after_the_last(lm, monkeypatch):
     """Every window is dispatched before any window's logits are copied to the host: a copy
     after each window made the device wait for it before the next."""
@@ -88,6 +89,7 @@ def test_logits_reads_the_windows_back_after_the_last(lm, monkeypatch):
     assert events == ["dispatch"] * 3 + ["read"] * 3
     monkeypatch.undo()
     np.testing.assert_array_equal(got, lm.logits(np.ones((1, 40), np.int32))[0])
+
 
 def test_print_shows_one_line_of_what_was_loaded(runs, lm, monkeypatch):
     """`print(lm)` is one short line (the dataclass's repr printed every parameter array and the
