@@ -11,7 +11,7 @@ from nljax.config import ConfigError
 from nljax.measure import hlo
 from nljax.measure.comm import comm_per_step
 from nljax.parallel import levels
-from nljax.parallel.hostdev import put_batch
+from nljax.parallel.hostdev import mean_loss, put_batch
 from nljax.parallel.mesh import check_batch, make_mesh
 
 PERIODS = "cms.periods=[1,2,3]"
@@ -235,3 +235,15 @@ def test_a_device_without_weighted_targets_does_not_skip_the_step():
     end = jax.device_get(setup.state.params)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(end))
     assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start), jax.tree.leaves(end)))
+
+
+def test_a_batch_without_weighted_targets_logs_a_loss_of_0():
+    """No weighted target on any device: the step's gradient is 0 everywhere and the logged loss
+    0 (as evaluation's means), where the host's mean was a ZeroDivisionError that ended the run."""
+    setup = make([], 1, 2)
+    batch = {k: np.asarray(v) for k, v in jax.device_get(setup.batch(0)).items()}
+    batch["weight"] = np.zeros((8, 8), np.float32)
+    metrics = []
+    train(setup, 1, batch=lambda s: put_batch(batch, setup.mesh), metrics=metrics)
+    assert list(jax.device_get(metrics[0])["count"]) == [0, 0]
+    assert mean_loss(metrics[0]) == 0.0

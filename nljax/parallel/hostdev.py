@@ -84,5 +84,7 @@ def host_sum(x: jax.Array) -> float:
 
 
 def mean_loss(metrics: dict) -> float:
-    """The mean loss of a step over every device, from its per-device `loss_sum` and `count`."""
-    return host_sum(metrics["loss_sum"]) / host_sum(metrics["count"])
+    """The mean loss of a step over every device, from its per-device `loss_sum` and `count`; 0
+    where no target counted (a weighted batch with none, whose gradient is 0 as well: the engine's
+    `local_grads`), as evaluation's means are, not a ZeroDivisionError that ends the run."""
+    return host_sum(metrics["loss_sum"]) / max(host_sum(metrics["count"]), 1.0)
