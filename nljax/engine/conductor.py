@@ -21,7 +21,9 @@ MAX_LEVELS = 64  # cms.periods: levels are a handful (the default has 4)
 class CMSConfig:
     """Config section `cms`: the levels' periods, and what a frozen level does with its gradients."""
 
-    periods: tuple[int, ...] = (1, 8, 64, 512)  # level l updates at the steps s with s % periods[l] == 0
+    # level l updates at the steps s with s % periods[l] == 0; any order and repeats are taken (a
+    # level is its position, whose parameters the model's level_of names, not its rank by period)
+    periods: tuple[int, ...] = (1, 8, 64, 512)
     # a frozen level's gradients: accumulate (into a rank-local error buffer, applied when the level
     # fires) | skip (not computed); a frozen level moves zero bytes either way
     frozen_grads: Literal["accumulate", "skip"] = "accumulate"
