@@ -12,7 +12,7 @@ from helpers import EXACT, TINY_NL_DEEP, assert_trees_equal, leaf_pairs, make, t
 
 from nljax import config
 from nljax.models import build
-from nljax.models.layers import RowDense, dense
+from nljax.models.layers import RowDense, biased
 from nljax.models.nl_lm import CausalConv
 
 
@@ -212,23 +212,35 @@ def test_row_dense_sums_its_bias_gradient_in_float32_under_bfloat16():
     assert np.linalg.norm(got - exact) < 1e-6 * np.linalg.norm(exact)
 
 
-@pytest.mark.parametrize("features", [32, 256])
-def test_dense_sums_its_bias_gradient_in_float32_under_bfloat16(features):
-    """`layers.dense` in bfloat16 (the CMS levels' `up`, the memory's `out_gate`, the head, the
-    DiT's `mlp_up` and `final`): nn.Dense's parameters, the bias added in float32, so its
-    gradient is a float32 sum of the cotangents (nn.Dense's bf16 add: 6e-3 from the exact sum at
-    4096 rows); float32 is nn.Dense itself."""
-    x = jax.random.normal(jax.random.key(0), (8, 512, 16)).astype(jnp.bfloat16)
-    plain, ours = nn.Dense(features, dtype=jnp.bfloat16), dense(features, jnp.bfloat16)
+# (layer, features, its other arguments, an input): nn.Dense as the CMS levels' `up`, the memory's
+# `out_gate`, the head, the DiT's `mlp_up` and `final`; nn.DenseGeneral as the DiT's `qkv`; nn.Conv
+# as its `patch_embed`
+BIASED = {
+    "dense32": (nn.Dense, 32, {}, (8, 512, 16)),
+    "dense256": (nn.Dense, 256, {}, (8, 512, 16)),
+    "dense_general": (nn.DenseGeneral, (3, 2, 4), {}, (8, 512, 16)),
+    "conv": (nn.Conv, 8, {"kernel_size": (2, 2), "strides": (2, 2), "padding": "VALID"}, (8, 64, 64, 3)),
+}
+
+
+@pytest.mark.parametrize("case", list(BIASED))
+def test_biased_layers_sum_their_bias_gradient_in_float32_under_bfloat16(case):
+    """`layers.biased` in bfloat16: flax's layer's parameters (names, shapes, initial values), the
+    bias added in float32, so its gradient is a float32 sum of the cotangents (flax's bf16 add:
+    6e-3 from the exact sum at 4096 rows); float32 is flax's layer itself."""
+    layer, features, kwargs, shape = BIASED[case]
+    x = jax.random.normal(jax.random.key(0), shape).astype(jnp.bfloat16)
+    plain, ours = layer(features, dtype=jnp.bfloat16, **kwargs), biased(layer, features, jnp.bfloat16, **kwargs)
     params = plain.init(jax.random.key(1), x)
     assert_trees_equal(ours.init(jax.random.key(1), x), params)
-    assert type(dense(features, jnp.float32)) is nn.Dense
-    ct = (jax.random.normal(jax.random.key(2), (8, 512, features)) + 0.1).astype(jnp.bfloat16)
+    assert type(biased(layer, features, jnp.float32, **kwargs)) is layer
     y, vjp = jax.vjp(lambda p: ours.apply(p, x), params)
     assert y.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(plain.apply(params, x), np.float32), rtol=1e-2, atol=1e-2)
+    ct = (jax.random.normal(jax.random.key(2), y.shape) + 0.1).astype(jnp.bfloat16)
     got = jax.jit(vjp)(ct)[0]["params"]
-    exact = np.asarray(ct, np.float64).sum(axis=(0, 1))
+    rows = tuple(range(y.ndim - params["params"]["bias"].ndim))  # every axis but the bias's
+    exact = np.asarray(ct, np.float64).sum(axis=rows)
     assert np.linalg.norm(np.asarray(got["bias"], np.float64) - exact) < 1e-6 * np.linalg.norm(exact)
 
 

@@ -102,7 +102,8 @@ class Attention(nn.Module):
         b, n, _ = x.shape
         h, hd = self.heads // self.tp, self.dim // self.heads
         # kernel [D, 3, H, hd]: the head axis stands alone, so a shard is a contiguous block of it
-        qkv = nn.DenseGeneral((3, h, hd), dtype=self.dtype, name="qkv")(tplib.enter(x, self.axis))  # [B, N, 3, h, hd]
+        # bias added in float32 (layers.biased)
+        qkv = layers.biased(nn.DenseGeneral, (3, h, hd), self.dtype, name="qkv")(tplib.enter(x, self.axis))  # [B, N, 3, h, hd]
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
         # Written out (not jax.nn.dot_product_attention) so forward-mode AD works on every backend;
         # logits and softmax in float32 whatever the compute dtype.
@@ -162,7 +163,8 @@ class DiTNet(nn.Module):
         hh, ww, ch = self.image
         p = self.patch
         b = z.shape[0]
-        x = nn.Conv(self.dim, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype, name="patch_embed")(z)
+        x = layers.biased(nn.Conv, self.dim, self.dtype, kernel_size=(p, p), strides=(p, p), padding="VALID",
+                          name="patch_embed")(z)  # bias added in float32
         x = x.astype(jnp.float32)  # [B, H/p, W/p, D]
         gh, gw = hh // p, ww // p
         x = x.reshape(b, gh * gw, self.dim) + pos_embed_2d(self.dim, gh, gw)[None]  # [B, N, D]

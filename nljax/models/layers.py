@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import typing
 
 import flax.linen as nn
 import jax
@@ -90,29 +91,41 @@ class RowDense(nn.Module):
         return (y.astype(bias.dtype) + bias).astype(y.dtype)
 
 
-class F32BiasDense(nn.Dense):
-    """`nn.Dense` (its parameters, its matmul in the compute dtype) whose bias is added in float32
-    and the sum rounded once to the compute dtype: the bias's gradient is then a float32 sum of
-    the cotangents over every row, where nn.Dense's bfloat16 add sums them in bfloat16 (the
-    head's bias on a CPU: 0.0117 of its largest entry off in bfloat16, 5e-5 in float32, as
-    nljax/models/chunked_loss.py says of its chunks).
-    For compute dtypes other than float32 (`dense`); float32 keeps nn.Dense."""
+class F32Bias(nn.Module):
+    """A layer built without a bias (`layer()`: nn.Dense, nn.DenseGeneral, nn.Conv with
+    use_bias=False), its product in the compute dtype, and a float32 bias of shape `features`
+    added in float32, the sum rounded once to the compute dtype: the bias's gradient is then a
+    float32 sum of the cotangents over every row, where flax's bfloat16 add sums them in bfloat16
+    (the head's bias on a CPU: 0.0117 of its largest entry off in bfloat16, 5e-5 in float32, as
+    nljax/models/chunked_loss.py says of its chunks). The layer shares this module's scope, so
+    the parameters (`kernel`, `bias`), their names and their initial values are flax's own."""
+
+    layer: typing.Callable[[], nn.Module]
+    features: tuple[int, ...]
 
     @nn.compact
     def __call__(self, inputs):
-        kernel = self.param("kernel", self.kernel_init, (jnp.shape(inputs)[-1], self.features), self.param_dtype)
-        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        inputs, kernel = nn.dtypes.promote_dtype(inputs, kernel, dtype=self.dtype)
-        dot_general = self.dot_general or jax.lax.dot_general
-        y = dot_general(inputs, kernel, (((inputs.ndim - 1,), (0,)), ((), ())), precision=self.precision)
+        inner = self.layer()
+        nn.share_scope(self, inner)
+        y = inner(inputs)
+        bias = self.param("bias", nn.initializers.zeros, self.features, jnp.float32)
         return (y.astype(bias.dtype) + bias).astype(y.dtype)
 
 
-def dense(features: int, dtype, **kwargs) -> nn.Dense:
-    """`nn.Dense(features, dtype=dtype, **kwargs)` with a bias; under a compute dtype other than
-    float32 an `F32BiasDense` (the same parameters, the bias added in float32)."""
-    cls = nn.Dense if jnp.dtype(dtype) == jnp.float32 else F32BiasDense
-    return cls(features, dtype=dtype, **kwargs)
+def biased(layer: typing.Callable[..., nn.Module], features: int | tuple[int, ...], dtype,
+           name: str | None = None, **kwargs) -> nn.Module:
+    """`layer(features, dtype=dtype, **kwargs)` (nn.Dense, nn.DenseGeneral, nn.Conv) with a
+    bias; under a compute dtype other than float32 an `F32Bias` (the same parameters, the bias
+    added in float32). Float32 keeps flax's layer, whose program is unchanged."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return layer(features, dtype=dtype, name=name, **kwargs)
+    shape = tuple(features) if isinstance(features, (tuple, list)) else (features,)
+    return F32Bias(functools.partial(layer, features, dtype=dtype, use_bias=False, **kwargs), shape, name=name)
+
+
+def dense(features: int, dtype, **kwargs) -> nn.Module:
+    """`nn.Dense(features, dtype=dtype, **kwargs)` with its bias added in float32 (`biased`)."""
+    return biased(nn.Dense, features, dtype, **kwargs)
 
 
 def recomputed(fn, on: bool):
