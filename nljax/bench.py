@@ -60,7 +60,7 @@ from nljax.models import registry
 from nljax.run import throughput
 from nljax.run.core import Run
 from nljax.run.loop import dispatches_ahead, training_steps
-from nljax.runtime import resultfile
+from nljax.runtime import compile_cache, resultfile
 from nljax.runtime.runlog import short_unit
 from nljax.version import __version__
 
@@ -471,7 +471,7 @@ def _run(args, cfg: Config) -> int:
                           "add --profile N (the steps to profile, e.g. --profile 2)")
     if args.profile_dir:
         check_profile_dir(Path(args.profile_dir))
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, compile_cache.off():  # it measures compilation
         if args.synthetic and registry.task_of(cfg) != "images":
             raise ConfigError(f"--synthetic is for the images task (model.name=dit); this config's model is "
                               f"{cfg.model.name}")

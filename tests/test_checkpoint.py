@@ -712,6 +712,26 @@ def test_keep_every_keeps_those_checkpoints_for_good(tmp_path):
     assert storage.complete_steps(tmp_path / "checkpoints") == [4, 8, 10]
 
 
+def test_keep_holds_one_more_checkpoint_between_saves_and_keep_at_the_end(tmp_path):
+    """checkpoint.keep (docs/guides/checkpoints-and-resume.md, Saving): the older checkpoints are
+    removed as the next save begins, so between saves the newest `keep` and the one just written
+    are on disk (a save cut short still leaves `keep` complete ones); the run's end removes the
+    extra one."""
+    setup = make([f"run.dir={tmp_path}", "checkpoint.every=1", "checkpoint.keep=2", "checkpoint.async_save=false"])
+    c = Checkpoints.resolve(setup.engine, setup.state, say=lambda *a: None)
+    c.open()
+    between = []
+    try:
+        for step in range(1, 6):
+            c.maybe_save(step, setup.state)
+            between.append(storage.complete_steps(tmp_path / "checkpoints"))
+        c.finish(5, setup.state)
+    finally:
+        c.close()
+    assert between == [[1], [1, 2], [1, 2, 3], [2, 3, 4], [3, 4, 5]]
+    assert storage.complete_steps(tmp_path / "checkpoints") == [4, 5]
+
+
 def test_steps_set_aside_and_foreign_steps_are_named_by_their_bounds(tmp_path):
     """`set_aside` never moves a step over an earlier one of its name (a third `12` becomes
     `12.2`); `foreign_steps` names the folders in (after, last], not the one at `after` (the step

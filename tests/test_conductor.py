@@ -1,6 +1,6 @@
 import pytest
 
-from nljax.engine.conductor import MAX_LEVELS, CMSConfig, Conductor, pulse
+from nljax.engine.conductor import MAX_LEVELS, CMSConfig, Conductor, pattern_name, pulse
 from nljax.errors import ConfigError
 
 
@@ -67,3 +67,19 @@ def test_max_levels_is_the_most_taken():
     CMSConfig(periods=(1,) * MAX_LEVELS).check()
     with pytest.raises(ConfigError, match=f"has {MAX_LEVELS + 1} levels, more than the {MAX_LEVELS}"):
         CMSConfig(periods=(1,) * (MAX_LEVELS + 1)).check()
+
+
+def test_the_default_periods_give_the_patterns_the_docs_count():
+    """README and the Conductor page: the default [1, 8, 64, 512] repeat every 512 steps, in which
+    L0 fires 448 times, L0+1 56, L0+1+2 7 and L0+1+2+3 once; the default job's train.steps meets
+    all four, compiled in the order of their first step (variant 3 of 4 is L0+1, at step 8)."""
+    from nljax.runtime.runsettings import TrainConfig
+
+    c = Conductor(CMSConfig().periods)
+    assert c.cycle == 512
+    assert {pattern_name(a): n for a, n in c.patterns().items()} == {
+        "L0": 448, "L0+1": 56, "L0+1+2": 7, "L0+1+2+3": 1}
+    first: dict[str, int] = {}
+    for s in range(TrainConfig().steps):
+        first.setdefault(pulse(s, c.periods).name, s)
+    assert first == {"L0+1+2+3": 0, "L0": 1, "L0+1": 8, "L0+1+2": 64}

@@ -306,11 +306,14 @@ def test_an_image_model_of_a_folder_takes_its_class_names_as_labels():
 
 
 def test_import_nljax_stays_free_of_jax():
+    """The Python API guide: `import nljax` imports neither JAX nor Flax; the guides on text data and
+    evaluation: nor pyarrow, nor lm-evaluation-harness (or the torch it imports)."""
     code = ("import sys, nljax; assert callable(nljax.load) and callable(nljax.load_model); "
             "assert nljax.Completion('a', 'eos', 2).finish_reason == 'eos'; "
             # a notebook's nljax.<Tab> lists what dir() does: the names imported on first use too
             "assert set(nljax.__all__) <= set(dir(nljax)), dir(nljax); "
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax')]; assert not bad, bad")
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax', 'pyarrow', 'lm_eval', "
+            "'torch')]; assert not bad, bad")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert p.returncode == 0, p.stderr
 

@@ -9,8 +9,9 @@ the float32 log-softmax and the summed loss one chunk of tokens at a time in a `
 whose body is `jax.checkpoint`ed: the forward pass keeps only each chunk's input rows (slices of
 the head's input, which is held anyway), and the backward pass recomputes one chunk's logits at
 a time. Same matmul per token as the head (`nn.Dense` with `dense_dot`) followed by
-`token_loss`, the bias added in float32 rather than the compute dtype; sums in another order,
-so equal up to float rounding.
+`token_loss`, the bias added in float32 as the head adds it (`layers.dense`), the logits kept in
+float32 where the head rounds them to the compute dtype; sums in another order, so equal up to
+float rounding.
 """
 
 from __future__ import annotations

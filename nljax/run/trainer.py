@@ -470,7 +470,8 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
 
 
 def comm_report(run: Run, state: TrainState, batch: dict) -> dict:
-    """Bytes per step from the HLO of the executables that trained, against a DDP all-reduce."""
+    """Bytes per step from the HLO of every pattern of a cycle, against a DDP all-reduce: on more
+    than one device a pattern the run did not reach is compiled here (`comm.variant_collectives`)."""
     comm = comm_per_step(run.cache, state, batch)
     return {
         "mean_wire_bytes_per_step": comm["mean_wire_bytes_per_step"],
