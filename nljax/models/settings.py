@@ -30,10 +30,9 @@ class ModelConfig:
     heads: int = 4  # attention heads (nl_lm, dit)
     # compute dtype of nl_lm's matmuls and activations, and of the DiT's matmuls; parameters,
     # optimizer state, the inner-loop memory (state, gates, normalisers), losses and gradient
-    # reductions stay float32, and so do the sums over tokens of the biases' (but the DiT's qkv
-    # and patch embedding's, added in bfloat16), the embedding's and the memory's conv's gradients
-    # (their adds and the conv computed in float32, rounded once); cms_mlp: float32 (bfloat16 is
-    # refused)
+    # reductions stay float32, and so do the sums over tokens of every bias's, the embedding's and
+    # the memory's conv's gradients (their adds and the conv computed in float32, rounded once);
+    # cms_mlp: float32 (bfloat16 is refused)
     dtype: Literal["float32", "bfloat16"] = "float32"
     # jax.checkpoint in nl_lm: memory (the inner loop's per-chunk internals: recomputed from each
     # chunk's carried state, not stored; 18% fewer ops and 17% less memory at titans_demo, measured)
