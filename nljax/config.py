@@ -594,6 +594,14 @@ def migrate(tree: dict) -> dict:
     model = tree.get("model")
     if isinstance(model, dict) and model.get("name") == "cms_mlp" and "dtype" in model:
         model["dtype"] = "float32"
+    # data.source other than stdlib beside an images model was never read (it trained on images.*;
+    # refused since 2026-12-02): the data section is left out of a saved one likewise
+    data = tree.get("data")
+    if isinstance(model, dict) and isinstance(data, dict) and data.get("source", "stdlib") != "stdlib":
+        from nljax.models import registry
+
+        if any(s.name == model.get("name") and s.task == "images" for s in registry.specs()):
+            tree.pop("data")
     # the sections of models other than its own, which a config saved before 2026-11-29 holds
     # (every model registered in that process): another process need not have them
     return own_model(tree)

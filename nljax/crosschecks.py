@@ -40,6 +40,11 @@ def check_across_sections(cfg) -> None:
                "eval.every lower")
         raise ConfigError(f"train.target_eval_loss stops at an evaluation during training whose eval_loss is at or "
                           f"below it: {why}")
+    if spec.task == "images" and d.source != "stdlib":
+        # the images task reads images.*, never the data section: data.source=files with data.train
+        # trained on images.source without a word (and recall was refused by its text rules)
+        raise ConfigError(f"data.source={d.source} reads text, and model.name={m.name} makes images: its images are "
+                          "images.* (images.source, images.path)")
     if d.source == "recall":
         reach = spec.reach(cfg) if spec.reach is not None else 0  # how far back attention alone sees
         if d.recall_gap < reach:

@@ -125,6 +125,11 @@ def test_yaml_file(tmp_path):
         # generated one by one at start-up: never finished
         ("data.source=recall train.seq_len=256 data.recall_docs=10000000000000",
          "data.recall_docs must be <= 1,000,000, got 10,000,000,000,000"),
+        # an images model reads images.*: data.train trained on images.source without a word
+        ("model.name=dit cms.periods=[1] data.source=files data.train=a.txt",
+         "data.source=files reads text, and model.name=dit makes images: its images are images.*"),
+        ("model.name=dit cms.periods=[1] data.source=recall train.seq_len=256",
+         "data.source=recall reads text, and model.name=dit makes images"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
@@ -463,6 +468,20 @@ def test_a_saved_key_in_both_places_and_momentum_beside_lion():
     assert (sgd["b1"], sgd["b2"], sgd["eps"]) == (0.9, 0.99, 1e-8)
     lion = config.migrate({"optim": {"name": "lion", "b1": 0.5, "b2": 0.5, "eps": 0.1}})["optim"]
     assert (lion["b1"], lion["b2"], lion["eps"]) == (0.5, 0.5, 1e-8)
+
+
+def test_a_saved_text_data_source_beside_an_images_model_is_read_as_unset(tmp_path):
+    """data.source=files (or recall) beside model.name=dit was never read (the run trained on
+    images.*); refused in a user's config since, a run saved before still resumes, evaluates and
+    loads: its saved data section reads as the defaults. Beside a text model it is kept."""
+    tree = config.to_dict(config.load("meanflow_digits"))
+    tree["data"].update(source="files", train=["a.txt"])
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(tree))
+    assert config.load(str(saved), saved=True) == config.load("meanflow_digits")
+    assert config.from_dict(tree).data.source == "stdlib" and tree["data"]["source"] == "files"  # a copy
+    text = {"model": {"name": "nl_lm"}, "data": {"source": "files", "train": ["a.txt"]}}
+    assert config.migrate(text)["data"] == text["data"]
 
 
 def test_a_negative_float_past_float32_is_refused():

@@ -322,3 +322,18 @@ def test_a_model_trained_with_gpu_forms_is_read_with_the_forms_that_run_here(tmp
     build(cfg)  # builds on this CPU (cudnn would stop it with one line)
     cfg = trained.config_of(run_dir, overrides=["model.nl_lm.attention=pallas"])
     assert cfg.model.nl_lm.attention == "pallas"
+
+
+def test_a_pallas_form_on_a_cpu_is_said_at_start_up():
+    """memory_impl or attention set to a Pallas kernel trains on a CPU by its interpret mode, as
+    asked, only slowly: the start-up says so (it said nothing); the forms that run here, nothing."""
+    from nljax.models.builtin import interpreted
+    from nljax.run.trainer import startup_report
+
+    setup, lines = make([*TINY_NL, "model.nl_lm.memory_impl=parallel_pallas", "model.nl_lm.attention=pallas"]), []
+    startup_report(setup, setup.state, lines.append)
+    notes = [line for line in lines if "interpret mode" in line]
+    assert [n.split()[1] for n in notes] == ["model.nl_lm.attention=pallas", "model.nl_lm.memory_impl=parallel_pallas"]
+    assert all(n.endswith("is a GPU kernel: on cpu it runs in Pallas's interpret mode, slowly (for checking; "
+                          "auto takes the forms that run here)") for n in notes), notes
+    assert interpreted(config.load(None, ["model.nl_lm.memory_impl=parallel", "model.nl_lm.attention=blocked"])) == []

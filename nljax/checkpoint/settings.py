@@ -22,7 +22,8 @@ class CheckpointConfig:
     resume: str = ""
     # a new run from that checkpoint's parameters only (a step, checkpoints or run directory: its
     # newest complete checkpoint): step 0, fresh optimizer state, this run's schedule and data from
-    # the start; refused with a checkpoint.resume of another run's, ignored by --resume of this run
+    # the start; the trained parameters, not their optim.ema_decay average (kept with the optimizer
+    # state); refused with a checkpoint.resume of another run's, ignored by --resume of this run
     init_params: str = ""
     async_save: bool = True  # training continues while a save is written (false: each save waits until on disk)
 

@@ -55,7 +55,8 @@ EVAL_FRACTION = 0.05  # data.eval_fraction's default (a data.prepared directory'
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     # stdlib: the standard library's modules (data/text.py); recall: synthetic associative-recall
-    # documents, the long-context probe (data/recall.py); files: the user's own text (data.train)
+    # documents, the long-context probe (data/recall.py); files: the user's own text (data.train).
+    # Text models' data: an images model (dit) reads images.* (refused with recall or files)
     source: Literal["stdlib", "recall", "files"] = "stdlib"
     # every round(1/eval_fraction)-th document is held out (files: without data.eval)
     eval_fraction: float = EVAL_FRACTION

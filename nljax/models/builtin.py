@@ -61,6 +61,17 @@ def nl_lm(cfg: Config) -> Model:
 GPU_ONLY_FORMS = {"attention": ("cudnn", "pallas"), "memory_impl": ("pallas", "parallel_pallas")}  # model.nl_lm.*
 
 
+def interpreted(cfg: Config) -> list[str]:
+    """The start-up's note for each Pallas form `cfg` names that runs interpreted here (not on a
+    GPU): the run trains by it as asked, only slowly (cudnn is refused here instead)."""
+    nl = getattr(cfg.model, "nl_lm", None)
+    if cfg.model.name != "nl_lm" or nl is None or platform.backend() == "gpu":
+        return []
+    return [f"note: model.nl_lm.{k}={getattr(nl, k)} is a GPU kernel: on {platform.backend()} it runs in Pallas's "
+            "interpret mode, slowly (for checking; auto takes the forms that run here)"
+            for k in GPU_ONLY_FORMS if "pallas" in getattr(nl, k)]
+
+
 def for_this_backend(cfg: Config, keep=()) -> Config:
     """`cfg` with the GPU forms it names (model.nl_lm.attention cudnn or pallas, memory_impl
     pallas or parallel_pallas) as `auto` when the platform (`platform.backend()`) is not a GPU: a model trained on a GPU and read for

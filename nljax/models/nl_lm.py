@@ -82,7 +82,9 @@ class NlLmConfig:
     memory_embed: bool = True
     # lax.scan over the repeating unit of blocks (the shortest run of blocks whose memory pattern
     # repeats: memory_layers [4, 9, 14, 19] of 20 blocks -> 4 units of 5): one compiled unit, and
-    # with model.remat=block a backward pass that holds one unit's activations, not all of them
+    # with model.remat=block a backward pass that holds one unit's activations, not all of them.
+    # The same function, of parameters stacked per unit and drawn otherwise at init: the same seed
+    # trains to other losses, and a checkpoint resumes only with the setting it was saved with
     scan_layers: bool = False
     # sliding-window attention's form: blocked (queries in blocks of `window`, scores kept in
     # float32; any backend) | cudnn (cuDNN's fused flash attention: CUDA GPUs, bfloat16/float16,

@@ -33,7 +33,7 @@ from nljax.engine.state import TrainState, bytes_per_device, describe_memory
 from nljax.errors import ConfigError
 from nljax.measure import flops
 from nljax.measure.comm import comm_per_step
-from nljax.models import registry
+from nljax.models import builtin, registry
 from nljax.parallel import levels
 from nljax.run import harness, startup, throughput
 from nljax.run.core import Run
@@ -128,6 +128,8 @@ def startup_report(run: Run, state: TrainState, say) -> None:
         f"x model={eng.tp}, "
         f"{jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters")
+    for note in builtin.interpreted(cfg):  # a GPU kernel asked for on a CPU: trained by, slowly
+        say(note)
     d = run.task.describe() if hasattr(run.task, "describe") else {}
     if "train_images" in d:  # a MeanFlow run's images
         # a folder's class names, label 0 first (torchvision's class_to_idx): which folder is which label

@@ -100,7 +100,9 @@ MAX_REPS = 1_000  # throughput.reps: a median of a thousand timings is as good a
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
     every: int = 100  # steps between evaluations (and one at the end)
-    batches: int = 4  # fresh-memory evaluation: batches of train.batch_size independent windows (0: all)
+    # fresh-memory evaluation: batches of train.batch_size independent windows (0: all); at most
+    # the held-out text's windows, each read once (eval_tokens in metrics.jsonl says how many tokens)
+    batches: int = 4
     # streaming evaluation: train.batch_size rows each read this many consecutive held-out
     # windows with the memory carried between them (0: off; data.source=recall needs it)
     stream_steps: int = 4
