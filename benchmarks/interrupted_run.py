@@ -38,9 +38,9 @@ def main() -> None:
     ap.add_argument("steps", type=int)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--against", default=None)
-    ap.add_argument("overrides", nargs=argparse.REMAINDER)
-    a = ap.parse_args()
-    overrides = a.overrides[1:] if a.overrides[:1] == ["--"] else a.overrides
+    argv = sys.argv[1:]
+    cut = argv.index("--") if "--" in argv else len(argv)  # the run's overrides after `--`
+    a, overrides = ap.parse_args(argv[:cut]), argv[cut + 1:]
     rng, d = random.Random(a.seed), Path(a.run_dir)
     metrics = d / "metrics.jsonl"
     for attempt in range(100):
@@ -60,6 +60,8 @@ def main() -> None:
                 break
             time.sleep(0.05)
         rc = p.wait()
+        if not lines(metrics):
+            sys.exit(f"attempt {attempt}: exit {rc} before its first step (see {d}.log.{attempt})")
         print(f"attempt {attempt}: exit {rc}, last step {json.loads(lines(metrics)[-1])['step']}, first step "
               f"after {first or 0:.1f} s, wall {time.time() - t0:.1f} s", flush=True)
         done = (d / "summary.json").exists() and json.loads((d / "summary.json").read_text()).get("steps") == a.steps
