@@ -37,3 +37,26 @@ def test_fingerprint_keeps_no_model_after_the_next():
     del first
     gc.collect()
     assert gone() is None
+
+
+def test_a_task_is_not_kept_alive_by_its_fingerprint():
+    """Each run builds its task, which holds the data it read (a corpus tokenized into memory,
+    the images), and its start-up asks for the data's digest. A functools.cache on the method
+    kept every task of the process, with its data: one more per run in a notebook, never freed."""
+    import jax
+
+    from nljax import config
+    from nljax.parallel.mesh import make_mesh
+    from nljax.run import tasks
+
+    mesh = make_mesh(1, 1, jax.devices()[:1])
+    text = ["train.seq_len=32", "train.batch_size=4"]
+    image = ["model.name=dit", "images.source=moons", "cms.periods=[1]", "train.batch_size=4"]
+    for make, overrides in ((tasks.TextTask, text), (tasks.ImageTask, image)):
+        task = make(config.load(None, overrides), mesh)
+        digest = task.fingerprint()
+        assert len(digest) == 64 and task.fingerprint() == digest
+        gone = weakref.ref(task)
+        del task
+        gc.collect()
+        assert gone() is None
