@@ -4,12 +4,18 @@ RSS, file descriptors, threads, `jax.live_arrays()` and the Python objects the c
 (docs/benchmarks/2026-12-02-long-runs.md).
 
     python benchmarks/api_loop.py --runs 10 --loads 8 --out runs/api
+    python benchmarks/api_loop.py --runs 8 --loads 0 --corpora 'corpora/c*' --out runs/api
+
+With `--corpora`, run i trains 20 steps on the text files of the i-th folder the glob names
+(data.source=files, tokenized into memory), and each line says too how many text tasks are
+alive and the training tokens they hold.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import glob
 import time
 
 import psutil
@@ -29,9 +35,12 @@ def snap(tag: str) -> None:
 
     gc.collect()
     p = psutil.Process()
+    objects = gc.get_objects()
+    tasks = [o for o in objects if type(o).__name__ == "TextTask"]
+    tokens = {id(t.data.train): t.data.train.nbytes for t in tasks if t.data.train is not None}
     print(f"{tag:>16}  rss {p.memory_info().rss / 2**20:7.1f} MB  fds {p.num_fds():3d}  threads "
-          f"{p.num_threads():3d}  live_arrays {len(jax.live_arrays()):5d}  objects {len(gc.get_objects()):8d}",
-          flush=True)
+          f"{p.num_threads():3d}  live_arrays {len(jax.live_arrays()):5d}  objects {len(objects):8d}  "
+          f"text tasks {len(tasks)} ({sum(tokens.values()) / 2**20:.1f} MB of training tokens)", flush=True)
 
 
 def main() -> None:
@@ -39,11 +48,17 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--loads", type=int, default=8)
     ap.add_argument("--out", default="runs/api")
+    ap.add_argument("--corpora", default=None, help="a glob of folders of .txt files: one a run")
     a = ap.parse_args()
+    corpora = sorted(glob.glob(a.corpora)) if a.corpora else []
     for i in range(a.runs):
         t = time.perf_counter()
-        assert nljax.train.main([*TINY, f"run.dir={a.out}/r{i}", "run.overwrite=true"]) == 0
+        data = [] if not corpora else ["data.source=files", f"data.train={corpora[i % len(corpora)]}/*.txt",
+                                        "data.eval_fraction=0.2", "train.steps=20", "train.sample_every=0"]
+        assert nljax.train.main([*TINY, *data, f"run.dir={a.out}/r{i}", "run.overwrite=true"]) == 0
         snap(f"train {i} {time.perf_counter() - t:4.1f}s")
+    if corpora:
+        return
     lm = nljax.load(f"{a.out}/r0")
     for i in range(8):
         for _ in range(10):
