@@ -189,18 +189,21 @@ def checksums(arrays: dict[str, jax.Array]) -> dict[str, int]:
 # Metadata
 
 
-_fingerprints: dict[int, tuple[Any, dict]] = {}  # id(model) -> (model, fingerprint); models need not be hashable
+# (model, fingerprint) of the latest model asked for: a run saves one model's checkpoints. One
+# entry, not one per model: a notebook's runs and nljax.load calls each make a model, and a
+# dict of them all kept every model of the process alive (one more per run, never freed).
+_fingerprint: tuple[Any, dict] | None = None
 
 
 def fingerprint(model) -> dict[str, list]:
     """The model's parameters by path, with shape and dtype, as `model.init` makes them: the same
     whatever the strategy stores (a checkpoint of another model differs here). Traced once per
     model: tracing `init` costs more than the rest of a save's blocking part."""
-    hit = _fingerprints.get(id(model))
-    if hit is None or hit[0] is not model:
+    global _fingerprint
+    if _fingerprint is None or _fingerprint[0] is not model:
         shapes = jax.eval_shape(model.init, jax.random.key(0))
-        hit = _fingerprints[id(model)] = (model, {k: [list(x.shape), str(x.dtype)] for k, x in named_arrays(shapes).items()})
-    return hit[1]
+        _fingerprint = (model, {k: [list(x.shape), str(x.dtype)] for k, x in named_arrays(shapes).items()})
+    return _fingerprint[1]
 
 
 def metadata(engine: Engine, step: int, arrays: dict[str, jax.Array], trackers: dict[str, str] | None = None,

@@ -15,7 +15,6 @@ pure function of (seed, step), so resumed and re-sharded runs read the same data
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import math
 from pathlib import Path
@@ -135,6 +134,9 @@ class TextTask:
 
     def __init__(self, cfg: Config, mesh: Mesh, trains: bool = True):
         self.cfg, self.mesh = cfg, mesh
+        # `fingerprint`'s digest, kept here: a functools.cache on the method kept every task of
+        # the process (a notebook's runs), and the data each one read, alive for its whole life
+        self._digest: str | None = None
         self.units_per_row = cfg.train.seq_len
         self.data = data = text_data(cfg, trains)
         self.eval_data, self.eval_score = data.held, data.held_score
@@ -180,13 +182,14 @@ class TextTask:
             return {}
         return {"data.eval_fraction": every_nth}
 
-    @functools.cache  # asked for at start-up, by the checkpoints and in the reports: hashed once
     def fingerprint(self) -> str:
         """Digest of the training and held-out tokens, compared across processes at start-up:
         the files' content digest (their manifest's), or of the bytes themselves."""
-        if self.data.digest is not None:
-            return self.data.digest
-        return hashlib.sha256(self.data.train.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
+        if self._digest is None:  # asked for at start-up, by the checkpoints and in the reports: hashed once
+            d = self.data
+            self._digest = d.digest if d.digest is not None else hashlib.sha256(
+                d.train.tobytes() + b"|" + self.eval_data.tobytes()).hexdigest()
+        return self._digest
 
     @property
     def tokenizer_identity(self) -> dict:
@@ -343,6 +346,7 @@ class ImageTask:
 
     def __init__(self, cfg: Config, mesh: Mesh, trains: bool = True):
         self.cfg, self.mesh = cfg, mesh
+        self._digest: str | None = None  # `fingerprint`'s (see TextTask)
         self.data = images.load(cfg.images)
         # `trains=False` (nljax.evaluate, generate, export, load): the held-out images alone are
         # used, so a small set of other images is not refused for the run's training batch size
@@ -395,12 +399,14 @@ class ImageTask:
         return {"images.eval_fraction": every_nth,
                 **({"images.toy_points": lambda n: n} if self.cfg.images.source in ("moons", "gaussians") else {})}
 
-    @functools.cache  # asked for at start-up and by the checkpoints: hashed once
     def fingerprint(self) -> str:
         """Digest of the training and held-out arrays, compared across processes at start-up."""
-        d = self.data
-        parts = [np.ascontiguousarray(a).tobytes() for a in (d.train_x, d.train_y, d.eval_x, d.eval_y) if a is not None]
-        return hashlib.sha256(b"|".join(parts)).hexdigest()
+        if self._digest is None:  # asked for at start-up and by the checkpoints: hashed once
+            d = self.data
+            parts = [np.ascontiguousarray(a).tobytes() for a in (d.train_x, d.train_y, d.eval_x, d.eval_y)
+                     if a is not None]
+            self._digest = hashlib.sha256(b"|".join(parts)).hexdigest()
+        return self._digest
 
     def describe(self) -> dict:
         """What summary.json records of the images (and the start-up line says): source (the
