@@ -1,7 +1,9 @@
 """MeanFlow: the jvp target, the time convention of the samplers, and training on any mesh."""
 
+import atexit
 import dataclasses
 import functools
+import shutil
 import tempfile
 
 import flax
@@ -178,6 +180,7 @@ def test_logit_normal_times_and_r_fraction():
 
 LR = 0.5
 RUN_DIR = tempfile.mkdtemp(prefix="nljax_meanflow_")  # evaluate() writes sample PNGs here
+atexit.register(shutil.rmtree, RUN_DIR, ignore_errors=True)  # made at collection: each process's own
 DIT = [
     "model.name=dit", "model.dim=16", "model.depth=1", "model.heads=4", "model.hidden_mult=2", "model.dit.patch_size=1",
     "images.source=moons", "images.toy_points=80", "cms.periods=[1]", "train.batch_size=16",
