@@ -238,10 +238,11 @@ def test_class_subfolders_are_the_labels(tmp_path):
     assert got.classes == ("ant", "cat", "dog")  # label k's name: the k-th subfolder
     np.testing.assert_array_equal(np.concatenate([got.train_y, got.eval_y]), [0, 1, 2, 0, 1, 2])  # every 2nd held out
     np.testing.assert_array_equal(got.train_x[..., 0], (x[order[::2]] / 127.5 - 1).astype(np.float32))
-    # one RGBA image among them: every image read as RGB (the gray ones as three equal channels)
+    # one RGBA image among them (neither first nor last): every image read as RGB (the gray ones
+    # as three equal channels)
     from PIL import Image
 
-    Image.fromarray(rng.integers(0, 256, (6, 4, 4), dtype=np.uint8)).save(tmp_path / "set" / "dog" / "c.png")
+    Image.fromarray(rng.integers(0, 256, (6, 4, 4), dtype=np.uint8)).save(tmp_path / "set" / "ant" / "2.png")
     images.load.cache_clear()
     got = images.load(ImagesConfig(source="file", path=str(tmp_path / "set"), eval_fraction=0.5))
     assert got.shape == (6, 4, 3) and got.num_classes == 3
