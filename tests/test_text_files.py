@@ -892,3 +892,19 @@ def test_a_tokenizer_counts_each_documents_bytes_and_end_as_bytes_do(tokenizer, 
     skips.save(str(tmp_path / "skips.json"))
     with pytest.raises(config.ConfigError, match="gave token id 2, not below its vocabulary size 2"):
         tokenization.load(str(tmp_path / "skips.json")).encode_flat(["a b"], np.uint16)
+
+
+def test_documents_are_encoded_without_the_tokenizers_own_special_tokens(tmp_path):
+    """A tokenizer.json with a post-processor (BERT's [CLS] ... [SEP]) adds nothing to a document:
+    its end is data.doc_end_token's, once, and a prompt is its text's ids alone."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    wrapping = Tokenizer(models.WordLevel({"[CLS]": 0, "[SEP]": 1, "a": 2, "b": 3}, unk_token="[CLS]"))
+    wrapping.pre_tokenizer = pre_tokenizers.Whitespace()
+    wrapping.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                            special_tokens=[("[CLS]", 0), ("[SEP]", 1)])
+    wrapping.save(str(tmp_path / "wrapping.json"))
+    tok = tokenization.load(str(tmp_path / "wrapping.json"), "[SEP]")
+    ids, lengths, _ = tok.encode_flat(["a b", "b"], np.uint8)
+    assert ids.tolist() == [2, 3, 1, 3, 1] and lengths.tolist() == [3, 2]
+    assert tok.encode("a b") == [2, 3]
