@@ -392,6 +392,10 @@ def test_labels_past_int32_and_a_large_eval_fraction_are_refused(tmp_path):
     np.savez(tmp_path / "d.npz", x=rng.uniform(-1, 1, (20, 4, 4, 1)), y=np.array([0] * 19 + [3_000_000_000]))
     with pytest.raises(ConfigError, match=r"labels must be < 1,048,576 \(2\^20\), got 3,000,000,000"):
         images.load(ImagesConfig(source="file", path=str(tmp_path / "d.npz")))
+    # a negative label (-1 for "unlabelled") read a row of the class embedding from its end: refused
+    np.savez(tmp_path / "neg.npz", x=rng.uniform(-1, 1, (20, 4, 4, 1)), y=np.array([0] * 19 + [-1]))
+    with pytest.raises(ConfigError, match=r"labels must be non-negative integers \[N=20\], got int64 \(20,\)"):
+        images.load(ImagesConfig(source="file", path=str(tmp_path / "neg.npz")))
     with pytest.raises(ConfigError, match=r"images.eval_fraction must be in \[1e-9, 0.5\]"):
         ImagesConfig(eval_fraction=0.7).check_used()
     # too few examples to split, counted as said: a folder of one image read "1 examples leave"
