@@ -273,7 +273,8 @@ def test_tokenizer_ids_above_255_and_boundaries_from_the_manifest(corpus, tokeni
     assert c.tokens_per_byte < 0.5  # merges: fewer tokens than bytes
     # nljax.generate encodes a prompt and decodes the samples with the same tokenizer
     codec = tokenization_of(data_config(f"data.train=[{','.join(corpus['train'])}]", f"data.tokenizer={tokenizer}"))
-    text = corpus["docs"][0] + " été"  # multi-byte characters split across byte-level tokens
+    # multi-byte characters split across byte-level tokens (記憶's bytes, never merged: one token each)
+    text = corpus["docs"][0] + " été 記憶"
     assert "".join(codec.decode_stream(codec.encode(text))) == text and max(codec.encode(text)) > 255
     # `reset` from the manifest's document ends == a token-by-token scan for a boundary
     stream = ContextStream(c.train.tokens, 8, 8, seed=3, ends=c.train.ends)
