@@ -601,6 +601,14 @@ def test_bad_data_is_one_line_and_writes_nothing(tmp_path, capsys, args, message
     assert not run.exists()
 
 
+def test_overwrite_is_true_or_false(tmp_path, capsys):
+    """overwrite=yes (or True) was read as false: the refusal of a DIR holding data then asked for
+    the overwrite=true just given."""
+    assert prepare_main(["data.train=x.txt", "overwrite=yes", f"out={tmp_path / 'out'}"]) == 2
+    assert one_line(capsys) == "nljax.prepare: error: overwrite must be true or false, got 'yes'"
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, capsys):
     prep = tmp_path / "prep"
     files = f"data.train=[{','.join(corpus['train'])}]"
