@@ -23,6 +23,17 @@ def test_eval_batches_pad_and_mask():
     assert all(b["reset"].dtype == bool and b["reset"].all() for b in batches)
 
 
+def test_eval_windows_are_every_whole_window_of_the_text():
+    """Windows of T+1 tokens start at multiples of T: as many as end within the text, whatever
+    its length's remainder (one of exactly k*T tokens holds k-1: the k-th lacks its last target)."""
+    for n in (16, 17, 19, 20, 21):
+        data = np.arange(n, dtype=np.uint8)
+        windows = eval_windows(data, 4, 0)
+        assert len(windows) == (n - 1) // 4, n
+        np.testing.assert_array_equal(windows, [data[i * 4 : i * 4 + 5] for i in range(len(windows))])
+    assert len(eval_windows(np.arange(21, dtype=np.uint8), 4, 2)) == 2  # at most `limit`
+
+
 @pytest.mark.parametrize("inter,intra", [(1, 2), (2, 4)])
 def test_eval_loss_independent_of_device_count(inter, intra):
     # 8 rows per batch and 3 batches' worth of windows minus 5: the last batch is partly padding

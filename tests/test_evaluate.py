@@ -439,12 +439,14 @@ def test_an_image_model_reports_its_tasks_evaluation(tmp_path):
            "train.batch_size=16", "meanflow.sample_steps=2"]
     setup, state = saved_run(tmp_path / "run", dit, 1, 2, steps=1)  # trained: the DiT's output is zero at init
     want = setup.run.evaluate(state.params, 1)
-    before = sorted(p.name for p in (tmp_path / "run").iterdir())
+    # the names and each file's time: the run's own grid of this step (samples_000001.png) stays as it was
+    written = lambda: {p.name: p.stat().st_mtime_ns if p.is_file() else None for p in (tmp_path / "run").iterdir()}
+    before = written()
     got = evaluate.scores(evaluate.load(str(tmp_path / "run")))
     assert set(got) == set(want) and got["eval_energy_1step"] != got["eval_energy_multistep"]
     for key, value in want.items():
         assert got[key] == pytest.approx(value, rel=1e-4), key
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == before
+    assert written() == before
     assert export.main([f"run.dir={tmp_path / 'run'}", f"out={tmp_path / 'exp'}"]) == 0  # its export: the same
     assert evaluate.scores(evaluate.load(str(tmp_path / "exp"))) == pytest.approx(got, rel=1e-6)
     # the images named, as a text run's data are: at start-up, in summary.json and in evaluate's header

@@ -323,6 +323,9 @@ def test_an_unconditional_image_models_export_draws_samples(tmp_path, capsys, mo
     np.testing.assert_allclose(drawn["one"], lm.generate(labels=[0] * 3, seed=5), atol=1e-6)
     np.testing.assert_allclose(drawn["multi"], lm.generate(labels=[0] * 3, steps=2, seed=5), atol=1e-6)
     assert drawn["labels"] is None and drawn["steps"] == 2 and not np.allclose(drawn["one"][0], drawn["one"][1])
+    # without seed=: the run's seed (3), as nljax.load's generate draws by default, not seed='s own default
+    assert generate.main([f"run.dir={tmp_path / 'export'}", out, "samples=3"]) == 0
+    np.testing.assert_allclose(drawn["one"], lm.generate(labels=[0] * 3), atol=1e-6)
     capsys.readouterr()
     assert generate.main([f"run.dir={tmp_path / 'export'}", out, "labels=1"]) == 2
     assert capsys.readouterr().err.strip() == ("nljax.generate: error: labels=: the model reads no labels (its images "

@@ -238,10 +238,11 @@ def test_class_subfolders_are_the_labels(tmp_path):
     assert got.classes == ("ant", "cat", "dog")  # label k's name: the k-th subfolder
     np.testing.assert_array_equal(np.concatenate([got.train_y, got.eval_y]), [0, 1, 2, 0, 1, 2])  # every 2nd held out
     np.testing.assert_array_equal(got.train_x[..., 0], (x[order[::2]] / 127.5 - 1).astype(np.float32))
-    # one RGBA image among them: every image read as RGB (the gray ones as three equal channels)
+    # one RGBA image among them (neither first nor last): every image read as RGB (the gray ones
+    # as three equal channels)
     from PIL import Image
 
-    Image.fromarray(rng.integers(0, 256, (6, 4, 4), dtype=np.uint8)).save(tmp_path / "set" / "dog" / "c.png")
+    Image.fromarray(rng.integers(0, 256, (6, 4, 4), dtype=np.uint8)).save(tmp_path / "set" / "ant" / "2.png")
     images.load.cache_clear()
     got = images.load(ImagesConfig(source="file", path=str(tmp_path / "set"), eval_fraction=0.5))
     assert got.shape == (6, 4, 3) and got.num_classes == 3
@@ -391,6 +392,10 @@ def test_labels_past_int32_and_a_large_eval_fraction_are_refused(tmp_path):
     np.savez(tmp_path / "d.npz", x=rng.uniform(-1, 1, (20, 4, 4, 1)), y=np.array([0] * 19 + [3_000_000_000]))
     with pytest.raises(ConfigError, match=r"labels must be < 1,048,576 \(2\^20\), got 3,000,000,000"):
         images.load(ImagesConfig(source="file", path=str(tmp_path / "d.npz")))
+    # a negative label (-1 for "unlabelled") read a row of the class embedding from its end: refused
+    np.savez(tmp_path / "neg.npz", x=rng.uniform(-1, 1, (20, 4, 4, 1)), y=np.array([0] * 19 + [-1]))
+    with pytest.raises(ConfigError, match=r"labels must be non-negative integers \[N=20\], got int64 \(20,\)"):
+        images.load(ImagesConfig(source="file", path=str(tmp_path / "neg.npz")))
     with pytest.raises(ConfigError, match=r"images.eval_fraction must be in \[1e-9, 0.5\]"):
         ImagesConfig(eval_fraction=0.7).check_used()
     # too few examples to split, counted as said: a folder of one image read "1 examples leave"

@@ -23,7 +23,7 @@ import pytest
 from helpers import cli
 
 from nljax import config
-from nljax.data import outdir, prepared
+from nljax.data import outdir, prepared, workdir
 from nljax.prepare import main as prepare_main
 
 WORDS = "the a memory level stream token window model learns reads writes été 記憶 data file".split()
@@ -83,6 +83,16 @@ def test_one_and_two_workers_write_the_same_files_as_the_in_memory_build(corpus,
     out = tmp_path / "big-chunks"
     assert prepare_main([*corpus["args"], "prepare.chunk_bytes=1000000", "prepare.workers=2", f"out={out}"]) == 0
     assert files(out) == reference
+
+
+def test_a_splits_max_token_is_of_all_its_chunks():
+    """The manifest's max_token is the largest id of the whole split, not of its last chunk."""
+    import io
+
+    sink = workdir.Sink(io.BytesIO(), io.BytesIO(), np.dtype("<u2"))
+    sink.add(np.array([5, 299, 0]), np.array([3]), np.array([4]))
+    sink.add(np.array([7, 0]), np.array([2]), np.array([3]))
+    assert sink.record("train")["max_token"] == 299
 
 
 def _killed(corpus, out: Path, after: int, workers: int) -> None:

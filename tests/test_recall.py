@@ -10,7 +10,7 @@ from helpers import assert_trees_close, assert_trees_equal, make, train
 
 from nljax import config
 from nljax.config import ConfigError
-from nljax.data.recall import CHANCE, recall_corpus
+from nljax.data.recall import CHANCE, document, recall_corpus
 from nljax.models.layers import token_hits
 
 DOC = re.compile(rb"((?:[a-z]{3}=\d{4};)+)([A-Z ]+?)((?:[a-z]{3}\?\d{4};)+)[A-Z ]*\x00")  # key_len 3, value_len 4
@@ -43,6 +43,26 @@ def test_corpus_is_deterministic_and_has_the_layout():
             assert start + q.end() - 1 - pair_end[q.group(1)] > 20  # from the `?`, the first predictor
     # a gap inside the reach leaves queries unscored
     assert recall_corpus(**{**args, "reach": 45}, seed=1)[3].sum() < score.sum()
+
+
+def test_keys_are_distinct_and_a_value_at_the_reach_is_not_scored():
+    """A document's keys are distinct (26 one-letter keys for 20 pairs: drawn alone, some would
+    repeat, a query with two answers), and a value byte is scored exactly when its pair ended more
+    than `reach` tokens before the position that predicts it: one at the reach itself is within
+    the attention's sight."""
+    make_doc = lambda reach: document(np.random.default_rng(3), 200, 20, 5, reach, 1, 1)
+    doc, everything = make_doc(-1)
+    pairs = re.findall(rb"([a-z])=(\d);", doc)
+    assert len(pairs) == 20 and len({k for k, _ in pairs}) == 20
+    pair_end = {m.group(1): m.end() - 1 for m in re.finditer(rb"([a-z])=\d;", doc)}
+    query = {m.start(2): m.group(1) for m in re.finditer(rb"([a-z])\?(\d);", doc)}  # value byte -> its key
+    assert np.flatnonzero(everything).tolist() == sorted(query)
+    distance = {at: at - 1 - pair_end[key] for at, key in query.items()}
+    reach = sorted(distance.values())[5]  # some values at most this far, the others farther
+    doc_again, score = make_doc(reach)
+    assert doc_again == doc
+    assert np.flatnonzero(score).tolist() == sorted(at for at, d in distance.items() if d > reach)
+    assert 0 < score.sum() < len(query)
 
 
 def test_token_hits_on_hand_made_logits():

@@ -291,9 +291,10 @@ def _prepared(tmp_path):
 
 
 def test_prepared_data_changed_since_prepare_is_refused(tmp_path):
-    """A token file edited in place (same size), a manifest dtype edited, a token id outside the
-    vocabulary (manifest made consistent by hand): one line each, never trained on (they trained
-    on other bytes, or gave NaN steps, every one skipped, exit 0)."""
+    """A token file or its document starts edited in place (same size), a manifest dtype edited,
+    a token id outside the vocabulary (manifest made consistent by hand): one line each, never
+    trained on (they trained on other bytes or boundaries, or gave NaN steps, every one skipped,
+    exit 0)."""
     import hashlib
     import json
     import shutil
@@ -318,6 +319,15 @@ def test_prepared_data_changed_since_prepare_is_refused(tmp_path):
         (d / "train.bin").write_bytes(bytes(raw))
 
     assert "train.bin is not the file prepared" in changed("flipped", flip)
+
+    def moved_start(d):  # still in order, as many: a boundary elsewhere, which no other check sees
+        import numpy as np
+
+        starts = np.load(d / "train.docs.npy")
+        starts[1] += 1
+        np.save(d / "train.docs.npy", starts)
+
+    assert "train.docs.npy is not the file prepared" in changed("moved", moved_start)
 
     def dtype(d):
         m = json.loads((d / "manifest.json").read_text())

@@ -273,7 +273,8 @@ def test_tokenizer_ids_above_255_and_boundaries_from_the_manifest(corpus, tokeni
     assert c.tokens_per_byte < 0.5  # merges: fewer tokens than bytes
     # nljax.generate encodes a prompt and decodes the samples with the same tokenizer
     codec = tokenization_of(data_config(f"data.train=[{','.join(corpus['train'])}]", f"data.tokenizer={tokenizer}"))
-    text = corpus["docs"][0] + " été"  # multi-byte characters split across byte-level tokens
+    # multi-byte characters split across byte-level tokens (記憶's bytes, never merged: one token each)
+    text = corpus["docs"][0] + " été 記憶"
     assert "".join(codec.decode_stream(codec.encode(text))) == text and max(codec.encode(text)) > 255
     # `reset` from the manifest's document ends == a token-by-token scan for a boundary
     stream = ContextStream(c.train.tokens, 8, 8, seed=3, ends=c.train.ends)
@@ -600,6 +601,14 @@ def test_bad_data_is_one_line_and_writes_nothing(tmp_path, capsys, args, message
     assert not run.exists()
 
 
+def test_overwrite_is_true_or_false(tmp_path, capsys):
+    """overwrite=yes (or True) was read as false: the refusal of a DIR holding data then asked for
+    the overwrite=true just given."""
+    assert prepare_main(["data.train=x.txt", "overwrite=yes", f"out={tmp_path / 'out'}"]) == 2
+    assert one_line(capsys) == "nljax.prepare: error: overwrite must be true or false, got 'yes'"
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_prepared_data_and_vocab_are_one_line(corpus, tokenizer, tmp_path, capsys):
     prep = tmp_path / "prep"
     files = f"data.train=[{','.join(corpus['train'])}]"
@@ -892,3 +901,19 @@ def test_a_tokenizer_counts_each_documents_bytes_and_end_as_bytes_do(tokenizer, 
     skips.save(str(tmp_path / "skips.json"))
     with pytest.raises(config.ConfigError, match="gave token id 2, not below its vocabulary size 2"):
         tokenization.load(str(tmp_path / "skips.json")).encode_flat(["a b"], np.uint16)
+
+
+def test_documents_are_encoded_without_the_tokenizers_own_special_tokens(tmp_path):
+    """A tokenizer.json with a post-processor (BERT's [CLS] ... [SEP]) adds nothing to a document:
+    its end is data.doc_end_token's, once, and a prompt is its text's ids alone."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    wrapping = Tokenizer(models.WordLevel({"[CLS]": 0, "[SEP]": 1, "a": 2, "b": 3}, unk_token="[CLS]"))
+    wrapping.pre_tokenizer = pre_tokenizers.Whitespace()
+    wrapping.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                            special_tokens=[("[CLS]", 0), ("[SEP]", 1)])
+    wrapping.save(str(tmp_path / "wrapping.json"))
+    tok = tokenization.load(str(tmp_path / "wrapping.json"), "[SEP]")
+    ids, lengths, _ = tok.encode_flat(["a b", "b"], np.uint8)
+    assert ids.tolist() == [2, 3, 1, 3, 1] and lengths.tolist() == [3, 2]
+    assert tok.encode("a b") == [2, 3]
