@@ -336,4 +336,7 @@ def test_a_pallas_form_on_a_cpu_is_said_at_start_up():
     assert [n.split()[1] for n in notes] == ["model.nl_lm.attention=pallas", "model.nl_lm.memory_impl=parallel_pallas"]
     assert all(n.endswith("is a GPU kernel: on cpu it runs in Pallas's interpret mode, slowly (for checking; "
                           "auto takes the forms that run here)") for n in notes), notes
-    assert interpreted(config.load(None, ["model.nl_lm.memory_impl=parallel", "model.nl_lm.attention=blocked"])) == []
+    model = setup.engine.model
+    assert interpreted(config.load(None, ["model.nl_lm.memory_impl=parallel", "model.nl_lm.attention=blocked"]), model) == []
+    # another model reads no nl_lm section, whatever it holds
+    assert interpreted(config.load("meanflow_digits", ["model.nl_lm.memory_impl=pallas"]), object()) == []

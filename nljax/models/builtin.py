@@ -61,11 +61,12 @@ def nl_lm(cfg: Config) -> Model:
 GPU_ONLY_FORMS = {"attention": ("cudnn", "pallas"), "memory_impl": ("pallas", "parallel_pallas")}  # model.nl_lm.*
 
 
-def interpreted(cfg: Config) -> list[str]:
+def interpreted(cfg: Config, model: Model) -> list[str]:
     """The start-up's note for each Pallas form `cfg` names that runs interpreted here (not on a
-    GPU): the run trains by it as asked, only slowly (cudnn is refused here instead)."""
+    GPU): the run trains by it as asked, only slowly (cudnn is refused here instead). Another
+    `model` than nl_lm's reads none of them: no note."""
     nl = getattr(cfg.model, "nl_lm", None)
-    if cfg.model.name != "nl_lm" or nl is None or platform.backend() == "gpu":
+    if nl is None or not isinstance(model, NLLM) or platform.backend() == "gpu":
         return []
     return [f"note: model.nl_lm.{k}={getattr(nl, k)} is a GPU kernel: on {platform.backend()} it runs in Pallas's "
             "interpret mode, slowly (for checking; auto takes the forms that run here)"

@@ -128,7 +128,7 @@ def startup_report(run: Run, state: TrainState, say) -> None:
         f"x model={eng.tp}, "
         f"{jax.process_count()} process(es)")
     say(f"model {cfg.model.name}: {n_params:,} parameters")
-    for note in builtin.interpreted(cfg):  # a GPU kernel asked for on a CPU: trained by, slowly
+    for note in builtin.interpreted(cfg, eng.model):  # a GPU kernel asked for on a CPU: trained by, slowly
         say(note)
     d = run.task.describe() if hasattr(run.task, "describe") else {}
     if "train_images" in d:  # a MeanFlow run's images
