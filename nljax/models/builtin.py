@@ -65,9 +65,9 @@ def interpreted(cfg: Config, model: Model) -> list[str]:
     """The start-up's note for each Pallas form `cfg` names that runs interpreted here (not on a
     GPU): the run trains by it as asked, only slowly (cudnn is refused here instead). Another
     `model` than nl_lm's reads none of them: no note."""
-    nl = getattr(cfg.model, "nl_lm", None)
-    if nl is None or not isinstance(model, NLLM) or platform.backend() == "gpu":
+    if not isinstance(model, NLLM) or platform.backend() == "gpu":
         return []
+    nl = cfg.model.nl_lm
     return [f"note: model.nl_lm.{k}={getattr(nl, k)} is a GPU kernel: on {platform.backend()} it runs in Pallas's "
             "interpret mode, slowly (for checking; auto takes the forms that run here)"
             for k in GPU_ONLY_FORMS if "pallas" in getattr(nl, k)]

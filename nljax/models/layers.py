@@ -84,21 +84,23 @@ class RowDense(nn.Module):
         kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
         x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
-        y = tplib.leave(self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))), self.axis)
-        # the bias added in float32 and the sum rounded once (no-ops in float32), so that under
-        # bfloat16 its gradient sums the [..., features] cotangents in float32 (in bfloat16, 16,384
-        # rows put it 4.5e-3 from the exact sum on a CPU, 2.7x a bf16 matmul's kernel gradient's error)
-        return (y.astype(bias.dtype) + bias).astype(y.dtype)
+        return add_bias(tplib.leave(self.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ()))), self.axis), bias)
+
+
+def add_bias(y: jax.Array, bias: jax.Array) -> jax.Array:
+    """`y + bias` with the float32 `bias` added in float32 and the sum rounded once to `y`'s
+    dtype (no-ops in float32), so that under bfloat16 the bias's gradient sums the cotangents of
+    every row in float32 (in bfloat16, 16,384 rows put RowDense's 4.5e-3 from the exact sum on a
+    CPU, 2.7x a bf16 matmul's kernel gradient's error; the head's 0.0117 of its largest entry)."""
+    return (y.astype(bias.dtype) + bias).astype(y.dtype)
 
 
 class F32Bias(nn.Module):
     """A layer built without a bias (`layer()`: nn.Dense, nn.DenseGeneral, nn.Conv with
     use_bias=False), its product in the compute dtype, and a float32 bias of shape `features`
-    added in float32, the sum rounded once to the compute dtype: the bias's gradient is then a
-    float32 sum of the cotangents over every row, where flax's bfloat16 add sums them in bfloat16
-    (the head's bias on a CPU: 0.0117 of its largest entry off in bfloat16, 5e-5 in float32, as
-    nljax/models/chunked_loss.py says of its chunks). The layer shares this module's scope, so
-    the parameters (`kernel`, `bias`), their names and their initial values are flax's own."""
+    added by `add_bias` (flax's bfloat16 add sums its gradient in bfloat16). The layer shares
+    this module's scope, so the parameters (`kernel`, `bias`), their names and their initial
+    values are flax's own."""
 
     layer: typing.Callable[[], nn.Module]
     features: tuple[int, ...]
@@ -108,8 +110,7 @@ class F32Bias(nn.Module):
         inner = self.layer()
         nn.share_scope(self, inner)
         y = inner(inputs)
-        bias = self.param("bias", nn.initializers.zeros, self.features, jnp.float32)
-        return (y.astype(bias.dtype) + bias).astype(y.dtype)
+        return add_bias(y, self.param("bias", nn.initializers.zeros, self.features, jnp.float32))
 
 
 def biased(layer: typing.Callable[..., nn.Module], features: int | tuple[int, ...], dtype,
