@@ -183,7 +183,9 @@ def test_a_run_that_reaches_its_target_eval_loss_stops_saved_and_its_resume_says
 def test_a_step_where_no_level_fires_is_not_a_skipped_step():
     """Level 0 with a period above 1 leaves steps where nothing is active: nothing could be
     skipped there (a run with cms.periods=[25, 50] stopped at step 20, "all skipped")."""
-    from nljax.run.trainer import stalled, stalled_in_a_row
+    from nljax.run.trainer import resumed, stalled
+
+    stalled_in_a_row = lambda kept: resumed(kept, "tokens_per_s_per_device").stalled_in_a_row
 
     fired = lambda *skipped: {"active_levels": [0, 1], "skipped_levels": list(skipped)}
     idle = {"active_levels": [], "skipped_levels": []}
@@ -202,7 +204,7 @@ def test_metrics_and_summary_are_strict_json(tmp_path, capsys):
     rec = _strict((tmp_path / "metrics.jsonl").read_text())
     assert rec == {"step": 0, "loss": None, "x": [None, 1.0]}
     assert _strict((tmp_path / "summary.json").read_text()) == {"final_loss": None, "nested": {"a": None}}
-    kept = kept_records(tmp_path / "metrics.jsonl", 1)  # a resumed run reads null back as NaN
+    kept = list(kept_records(tmp_path / "metrics.jsonl", 1))  # a resumed run reads null back as NaN
     assert kept[0]["loss"] != kept[0]["loss"]
     assert runlog.strict_json({"a": 1.5}) == '{"a": 1.5}'
     with open(tmp_path / "metrics.jsonl", "a") as f:  # an edited line, then one cut short by a kill
@@ -241,16 +243,21 @@ def test_a_resumed_run_dir_keeps_the_steps_before_its_checkpoint(tmp_path, capsy
     from nljax.runtime.rundir import RunDir
 
     records = [{"step": 0, "loss": 3.0}, {"step": 1, "loss": 2.5, "eval_loss": 2.7}, {"step": 2, "loss": 2.0},
-               {"step": 3, "loss": 1.5}]
+               {"step": 3, "loss": 1.5, "eval_loss": 1.7}, {"step": 4, "loss": 1.4}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n\n" for r in records))
     (tmp_path / "loss.png").write_bytes(b"an earlier attempt's")
     assert not (tmp_path / runlog.WRITTEN).exists()
-    run_dir = RunDir(str(tmp_path), overwrite=False, write=True, resume_step=3)
-    assert run_dir.kept == records[:3] and capsys.readouterr().err == ""
+    written = (tmp_path / "metrics.jsonl").read_bytes()
+    run_dir = RunDir(str(tmp_path), overwrite=False, write=True, resume_step=4)
+    assert list(run_dir.kept()) == records[:4] and capsys.readouterr().err == ""
     assert (tmp_path / "loss.png").exists()
+    assert run_dir.evaluated_at(4)  # after step 3's evaluation
+    assert (tmp_path / "metrics.jsonl").read_bytes() == written  # cut only when the log begins
     run_dir.begin_log()
-    assert [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == records[:3]
-    assert run_dir.evaluated_at(2) and not run_dir.evaluated_at(1) and not run_dir.evaluated_at(3)
+    assert [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == records[:4]
+    assert list(run_dir.kept()) == records[:4]
+    run_dir = RunDir(str(tmp_path), overwrite=False, write=True, resume_step=3)
+    assert not run_dir.evaluated_at(3)  # none after step 2
     (tmp_path / "summary.json").write_text(json.dumps({"steps": 3, "eval_loss": 1.9}))
     assert run_dir.evaluated_at(3) and not run_dir.evaluated_at(4)
 

@@ -287,9 +287,10 @@ def test_overwrite_removes_stale_outputs(tmp_path):
     assert (tmp_path / "export" / "config.json").read_text() == "{}"
 
 
-def test_loop_trains_a_tail_batch_from_the_task():
+def test_loop_trains_a_tail_batch_from_the_task(tmp_path):
     """The trainer asks the task for batches; a task whose data pass ends at step 1 hands it a
-    4-row tail, which the loop trains (logged with its micro-batches) with no new compile."""
+    4-row tail, which the loop trains (logged with its micro-batches) with no new compile. The
+    history counts the logged records (it holds none of them)."""
     import dataclasses
 
     from nljax.run.trackers import Trackers
@@ -308,15 +309,20 @@ def test_loop_trains_a_tail_batch_from_the_task():
     loop_setup = dataclasses.replace(setup.run, cfg=dataclasses.replace(setup.cfg, train=dataclasses.replace(
         setup.cfg.train, steps=3)), task=EpochTask())
     state = setup.engine.init_state(jax.random.key(setup.cfg.seed), 8)
-    out = Output(RunDir("unused", False, write=False), runlog.Progress(3, 0, 1, quiet=True), Trackers())
+    out = Output(RunDir(str(tmp_path), False, write=True), runlog.Progress(3, 0, 1, quiet=True), Trackers())
     traces = dict(setup.cache.traces)
     state, hist = train_loop(loop_setup, state, Conductor((1, 2)), out)
-    assert isinstance(hist, History) and [r.get("micro_batches") for r in hist.records] == [None, 2, None]
-    assert hist.records[1]["tokens_per_s_per_device"] * hist.records[1]["step_time_s"] == pytest.approx(2 * 8)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r.get("micro_batches") for r in records] == [None, 2, None]
+    assert records[1]["tokens_per_s_per_device"] * records[1]["step_time_s"] == pytest.approx(2 * 8)
     # per-level gradient norms of the levels that fired, and which of them were skipped
-    assert [sorted(k for k in r if k.startswith("grad_norm_l")) for r in hist.records] == [
+    assert [sorted(k for k in r if k.startswith("grad_norm_l")) for r in records] == [
         ["grad_norm_l0", "grad_norm_l1"], ["grad_norm_l0"], ["grad_norm_l0", "grad_norm_l1"]]
-    assert all(r["grad_norm_l0"] > 0 and r["skipped_levels"] == [] for r in hist.records)
+    assert all(r["grad_norm_l0"] > 0 and r["skipped_levels"] == [] for r in records)
+    steady = [r for r in records if not r["compiled"]]
+    assert isinstance(hist, History) and (hist.steps, hist.final_loss, hist.skipped) == (3, records[-1]["loss"], 0)
+    assert hist.steady_steps == len(steady) > 0
+    assert hist.steady_units == pytest.approx(sum(r["tokens_per_s_per_device"] * r["step_time_s"] for r in steady))
     assert_trees_close(jax.device_get(state.params), params, rtol=1e-6, atol=1e-7)
     assert setup.cache.traces == traces
 

@@ -9,6 +9,7 @@ held-out squared error without the weight, and the energy distance of its sample
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -200,6 +201,25 @@ def step_time_figure(records: list[dict], timed: dict):
 
 
 NAMES = ("loss.png", "step_time.png")  # what `write` makes in run.dir
+
+MOST_STEPS = 20_000  # a figure's steps of each pattern at most: 800 pixels wide, it shows no more
+
+
+def thinned(records: Iterable[dict], total: int, most: int = MOST_STEPS) -> list[dict]:
+    """What the figures draw of `total` records, read as they come: all of them up to `most`;
+    above, every k-th record of each step pattern (every k-th of a cycle's steps would all be
+    one pattern's), every record holding an evaluation, and the last (the final evaluation is
+    drawn after it). A long run's figures then take a bounded time and memory to draw."""
+    k = max(1, -(-total // most))
+    seen: dict = {}
+    out, last = [], None
+    for last in records:
+        n = seen[last.get("pattern")] = seen.get(last.get("pattern"), -1) + 1
+        if n % k == 0 or any(key.startswith("eval_") for key in last):
+            out.append(last)
+    if last is not None and (not out or out[-1] is not last):
+        out.append(last)
+    return out
 
 
 def write(path: Path, records: list[dict], timed: dict, final_eval: dict | None = None,

@@ -15,6 +15,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import jax
@@ -44,7 +45,7 @@ from nljax.run.trackers import Trackers, check_installed, step_scalars
 from nljax.runtime import compile_cache, distributed, exportdir, preemption, runlog
 from nljax.runtime.launchenv import ENV_LAUNCHER
 from nljax.runtime.preemption import Notice, Preempted
-from nljax.runtime.rundir import RunDir, check_free, checkpoint_dir, logged_a_step, take_lock
+from nljax.runtime.rundir import RunDir, check_free, checkpoint_dir, kept_records, logged_a_step, take_lock
 from nljax.version import __version__
 
 
@@ -163,16 +164,32 @@ def startup_report(run: Run, state: TrainState, say) -> None:
 
 @dataclasses.dataclass
 class History:
-    records: list = dataclasses.field(default_factory=list)
+    """What the run's end reads of its steps (the summary, the loop's own throughput), counted as
+    they come: not the records, which a long run would hold without bound (1.6 KB a step; the
+    plots read metrics.jsonl back). A resumed run's counts start from the records it kept."""
+    unit_key: str  # the records' rate: tokens_per_s_per_device, images_per_s_per_device
+    steps: int = 0  # records counted, a resume's kept ones included
+    final_loss: float | None = None
     skipped: int = 0  # steps where a level's update was skipped (sync.check_grads, sync.max_grad_norm)
     stalled_in_a_row: int = 0  # the latest steps in a row where every active level skipped
+    # the steps not compiled: their count, units (per device) and seconds
+    steady_steps: int = 0
+    steady_units: float = 0.0
+    steady_s: float = 0.0
     wall_s: float = 0.0  # the loop, compilation and evaluations included
     # train.target_eval_loss met: (the steps done when the run stopped, that evaluation's metrics)
     target_met: tuple[int, dict] | None = None
 
-    @property
-    def final_loss(self) -> float | None:
-        return self.records[-1]["loss"] if self.records else None
+    def add(self, record: dict) -> None:
+        self.steps += 1
+        self.final_loss = record.get("loss")
+        self.skipped += bool(record.get("skipped"))
+        s = stalled(record)
+        self.stalled_in_a_row = self.stalled_in_a_row + 1 if s else self.stalled_in_a_row if s is None else 0
+        if record.get("compiled") is False and self.unit_key in record:  # what the loop achieved, compiling excluded
+            self.steady_steps += 1
+            self.steady_units += record[self.unit_key] * record["step_time_s"]
+            self.steady_s += record["step_time_s"]
 
     def end(self, steps: int) -> int:
         """The steps done at the run's end: `steps` (train.steps), or fewer where the target was met."""
@@ -205,19 +222,16 @@ def stalled(record: dict) -> bool | None:
     return len(record.get("skipped_levels", ())) == len(active) if active else None
 
 
-def stalled_in_a_row(kept: list[dict]) -> int:
-    """The stalled steps at the end of a resumed run's kept records, the same on every process
-    (process 0 alone has the records: it tells the others, which would otherwise count from 0 and
-    go on into a step after process 0 stopped)."""
-    n = 0
-    for r in reversed(kept):
-        s = stalled(r)
-        if s is False:
-            break
-        n += bool(s)
+def resumed(kept: Iterable[dict], unit_key: str) -> History:
+    """The history of a resumed run's kept records (none for a fresh run), with the stalled steps at
+    its end the same on every process (process 0 alone has the records: it tells the others, which
+    would otherwise count from 0 and go on into a step after process 0 stopped)."""
+    hist = History(unit_key)
+    for r in kept:
+        hist.add(r)
     if jax.process_count() > 1:
-        n = int(multihost_utils.broadcast_one_to_all(np.int32(n)))
-    return n
+        hist.stalled_in_a_row = int(multihost_utils.broadcast_one_to_all(np.int32(hist.stalled_in_a_row)))
+    return hist
 
 
 def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
@@ -233,9 +247,7 @@ def train_loop(run: Run, state: TrainState, conductor: Conductor, out: Output,
             return train_loop(run, state, conductor, out, ckpt, notice)
     # A resumed run's plots and summary cover the whole run: the earlier steps come from the
     # metrics.jsonl records it kept.
-    kept = out.run.kept  # process 0's (the one that reads and writes the run's files)
-    hist = History(records=list(kept), skipped=sum(bool(r.get("skipped")) for r in kept))
-    hist.stalled_in_a_row = stalled_in_a_row(kept)
+    hist = resumed(out.run.kept(), f"{run.task.unit}_per_s_per_device")  # process 0's records
     t_start = time.perf_counter()
     target, steps = run.cfg.train.target_eval_loss, run.cfg.train.steps
     if target and ckpt is not None and ckpt.restored and conductor.step < steps:  # a run that stopped on it, say
@@ -307,11 +319,9 @@ def _after_step(r: StepResult, run: Run, hist: History, hooks: Hooks, out: Outpu
         hist.skipped += 1
         out.say(f"warning: step {r.step}: levels {skipped_levels} skipped (gradient norm not finite or above "
                 f"sync.max_grad_norm)")
-    s = stalled(r.record)
-    hist.stalled_in_a_row = hist.stalled_in_a_row + 1 if s else hist.stalled_in_a_row if s is None else 0
     out.save_config()  # a resume's settings, now that a step ran with them (before a save names them)
     hooks.run(r)
-    hist.records.append(r.record)
+    hist.add(r.record)
     check_skipped(hist.stalled_in_a_row, r.step, run.cfg.train.max_skipped)
 
 
@@ -463,10 +473,11 @@ def final_report(run: Run, state: TrainState, hist: History, out: Output,
     if out.run.write and cfg.run.plots:
         from nljax.measure import plots  # matplotlib: loaded only to draw
 
-        for name in plots.NAMES if hist.records else ():  # before they are made: an overwrite removes them
+        for name in plots.NAMES if hist.steps else ():  # before they are made: an overwrite removes them
             runlog.note_written(out.run.path, name)
+        records = plots.thinned(kept_records(out.run.path / "metrics.jsonl", math.inf), hist.steps)
         # a text task's bits per byte in a nat per token (the log's eval_bpb): loss.png shows both
-        plots.write(out.run.path, hist.records, table.get("per_pattern", {}), final_eval,
+        plots.write(out.run.path, records, table.get("per_pattern", {}), final_eval,
                     getattr(run.task, "bpb_per_nat", None))
     return summary
 
@@ -501,11 +512,8 @@ def throughput_report(run: Run, state: TrainState, batch: dict, hist: History,
         measured, counts, Conductor(cfg.cms.periods).patterns(), wire, units,
         eng.mesh_devices, throughput.peak_flops(device_kind, cfg.throughput.peak_tflops), run.task.unit, analytic,
     )
-    key = f"{run.task.unit}_per_s_per_device"
-    steady = [r for r in hist.records if not r["compiled"]]
-    if steady:  # what the loop itself achieved, compilation excluded
-        units = sum(r[key] * r["step_time_s"] for r in steady)
-        table["measured_in_loop"] = {"steps": len(steady), key: units / sum(r["step_time_s"] for r in steady)}
+    if hist.steady_steps:  # what the loop itself achieved, compilation excluded
+        table["measured_in_loop"] = {"steps": hist.steady_steps, hist.unit_key: hist.steady_units / hist.steady_s}
     table["device_kind"] = device_kind
     if jax.devices()[0].platform == "cpu" and eng.mesh_devices > 1:
         table["note"] = "CPU devices share the host's cores: comm_ms measures contention more than communication"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import sys
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import yaml
@@ -81,7 +82,8 @@ class RunDir:
     def __init__(self, path: str, overwrite: bool, write: bool, resume_step: int | None = None):
         self.path = Path(path)
         self.write = write
-        self.kept: list[dict] = []
+        self.resume_step = resume_step
+        self.last_kept: dict | None = None  # the latest record a resume kept (`kept`)
         self._cut_due = False  # a resume's metrics.jsonl is cut back at `begin_log`
         metrics = self.path / "metrics.jsonl"
         # Every refusal before anything is created (check first, then create): a refused run
@@ -115,10 +117,26 @@ class RunDir:
             # each name noted as it is first written (`runlog.note_written`): an overwrite removes
             # only what a run made, never a folder (wandb/, profile/) this run did not create
             runlog.note_written(self.path, "metrics.jsonl")
-            self.kept = [] if resume_step is None else kept_records(metrics, resume_step)
             self._cut_due = resume_step is not None
-            if not self._cut_due:
+            if self._cut_due:
+                runlog.note_written(self.path, self._cut.name)  # an overwrite removes one a kill left
+                self.last_kept = write_records(self._cut, kept_records(metrics, resume_step))
+            else:
                 replace_text(metrics, "")
+
+    @property
+    def _cut(self) -> Path:
+        """A resume's log cut back to its step, written as the run directory is taken (where a bad
+        line is said) and renamed over metrics.jsonl at `begin_log`."""
+        return self.path / "metrics.jsonl.tmp"
+
+    def kept(self) -> Iterator[dict]:
+        """The records a resume keeps, the steps before the one it resumes, read one at a time: a
+        long run's (a million steps) would take gigabytes of memory held at once. Process 0's: the
+        others, which write no file, keep none."""
+        if not self.write or self.resume_step is None:
+            return iter(())
+        return kept_records(self._cut if self._cut_due else self.path / "metrics.jsonl", self.resume_step)
 
     def begin_log(self) -> None:
         """A resume's metrics.jsonl cut back to the records before the step it resumes (`kept`), the
@@ -128,7 +146,7 @@ class RunDir:
         the log had lost. Once; a fresh run's log was made empty as it was taken."""
         if self.write and self._cut_due:
             self._cut_due = False
-            replace_text(self.path / "metrics.jsonl", "".join(runlog.strict_json(r) + "\n" for r in self.kept))
+            self._cut.replace(self.path / "metrics.jsonl")
 
     def _refuse_not_files(self) -> None:
         """Refuses a run.dir holding, under the name of a file the run writes, something that is
@@ -166,11 +184,13 @@ class RunDir:
                 f.write(runlog.strict_json(record) + "\n")
 
     def evaluated_at(self, steps: int) -> bool:
-        """Whether this run's trackers hold an evaluation after `steps` steps: one during training
-        (a kept record's) or the final one of an earlier attempt that ended there (its summary.json,
-        written as soon as that evaluation was logged: `trainer.final_report`)."""
+        """Whether this run's trackers hold an evaluation after `steps` steps, the step it resumed
+        from: one during training (the last kept record's: the log is in step order) or the final
+        one of an earlier attempt that ended there (its summary.json, written as soon as that
+        evaluation was logged: `trainer.final_report`)."""
         evaluated = lambda d: any(k.startswith("eval_") for k in d)  # a text's eval_loss, a MeanFlow run's eval_mse
-        if any(r.get("step") == steps - 1 and evaluated(r) for r in self.kept):
+        last = self.last_kept
+        if last is not None and last.get("step") == steps - 1 and evaluated(last):
             return True
         try:
             ended = json.loads((self.path / "summary.json").read_text())
@@ -191,28 +211,46 @@ def replace_text(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
-def kept_records(path: Path, step: int) -> list[dict]:
-    """The records of an earlier metrics.jsonl for steps before `step`: a resumed run rewrites the
-    steps from its checkpoint on, so the file ends up as the uninterrupted run's."""
+def kept_records(path: Path, step: int | float) -> Iterator[dict]:
+    """The records of an earlier metrics.jsonl for steps before `step`, read as they are iterated
+    (a resumed run rewrites the steps from its checkpoint on, so the file ends up as the
+    uninterrupted run's; `math.inf`: every record). A line that is no record is said once, after
+    the last, and dropped."""
     if not path.exists():
-        return []
+        return iter(())
     if not path.is_file():  # a FIFO would block the read for ever
         raise ConfigError(f"{path} is not a regular file: it cannot be the run's log to resume")
-    keep, dropped = [], []
-    for n, raw in enumerate(path.read_bytes().splitlines(), 1):
-        line = raw.decode("utf-8", errors="replace")  # a line not UTF-8 (edited, damaged): dropped, said
-        try:
-            record = json.loads(line) if "\ufffd" not in line else None
-            if record["step"] < step:
-                # null stands for a non-finite number (runlog.strict_json): NaN again in memory
-                keep.append({k: float("nan") if v is None else v for k, v in record.items()})
-        except (ValueError, KeyError, TypeError):
-            dropped += [n] if line.strip() else []  # a line cut short by a kill, or edited: said, not kept
+    return _records_before(path, step)
+
+
+def _records_before(path: Path, step: int | float) -> Iterator[dict]:
+    dropped, n_dropped = [], 0
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            line = raw.decode("utf-8", errors="replace")  # a line not UTF-8 (edited, damaged): dropped, said
+            try:
+                record = json.loads(line) if "\ufffd" not in line else None
+                kept = record["step"] < step
+            except (ValueError, KeyError, TypeError):
+                if line.strip():  # a line cut short by a kill, or edited: said, not kept
+                    n_dropped += 1
+                    dropped += [n] if len(dropped) < 5 else []
+                continue
+            if kept:  # null stands for a non-finite number (runlog.strict_json): NaN again in memory
+                yield {k: float("nan") if v is None else v for k, v in record.items()}
     if dropped:
-        print(f"nljax: warning: {path}: line{'s' if len(dropped) > 1 else ''} {', '.join(map(str, dropped[:5]))}"
-              f"{', ...' if len(dropped) > 5 else ''} not a record (cut short by a kill?): dropped from the "
+        print(f"nljax: warning: {path}: line{'s' if n_dropped > 1 else ''} {', '.join(map(str, dropped))}"
+              f"{', ...' if n_dropped > 5 else ''} not a record (cut short by a kill?): dropped from the "
               "resumed log", file=sys.stderr)
-    return keep
+
+
+def write_records(path: Path, records: Iterable[dict]) -> dict | None:
+    """`records` as metrics.jsonl lines at `path` (replaced), one at a time; returns the last."""
+    last = None
+    with open(path, "w") as f:
+        for last in records:
+            f.write(runlog.strict_json(last) + "\n")
+    return last
 
 
 def _in_use_elsewhere(cfg: Config) -> str:
