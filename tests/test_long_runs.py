@@ -90,7 +90,7 @@ def test_a_runs_history_holds_no_record_per_step():
 
     n = 50_000
     peak = _peak_bytes(lambda: resumed(_records(n), "tokens_per_s_per_device"))
-    assert peak < 1_000_000, peak  # a list of the records: ~30 MB
+    assert peak < 1_000_000, peak  # a list of the records: 23 MB
     hist = resumed(_records(n), "tokens_per_s_per_device")
     assert (hist.steps, hist.final_loss, hist.steady_steps) == (n, 3.0 - (n - 1) / n, n - 2)
     assert hist.steady_units / hist.steady_s == pytest.approx(800.0)
