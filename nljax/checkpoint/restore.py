@@ -98,7 +98,7 @@ def restore(engine: Engine, template: TrainState, path: Path, digest: str | None
 
 @dataclasses.dataclass
 class RestoredParams:
-    params: Any  # the model's parameters in the run's layout (`Strategy.param_layout`)
+    params: Any  # the model's parameters in the run's layout (`Strategy.state_layout`'s)
     step: int  # optimizer steps the checkpoint had taken
     path: Path
     tokenizer: dict | None = None  # what its token ids are (`data_tokenizer`)
@@ -109,7 +109,7 @@ def restore_params(engine: Engine, path: Path, tokenizer: dict | None = None, bu
     """The parameters alone of the checkpoint at `path`, on `engine`'s mesh in its layout: what
     `restore` gives as `state.params`, bit for bit, without reading or making anything else. Only
     the `params/...` arrays and the step are read (the optimizer state, error buffers and memory
-    stay on disk), into shapes that allocate nothing (`Strategy.param_layout`), and only they are
+    stay on disk), into shapes that allocate nothing (`Strategy.state_layout`), and only they are
     converted where the checkpoint's layout differs (`elastic.convert_params`): the devices hold
     the parameters once, or twice during a conversion, never the training state. The checks are
     `restore`'s (the model fits, the metadata is sealed, the arrays read match their checksums);

@@ -205,10 +205,6 @@ class Strategy:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                             self._layout_shardings(*shapes))
 
-    def param_layout(self) -> PyTree:
-        """`state_layout`'s parameters: what a restore of the parameters alone reads into."""
-        return self.state_layout()[0]
-
     def init_layout(self, init: Callable[[jax.Array], PyTree], key: jax.Array) -> tuple[PyTree, tuple]:
         """Fresh (params, opt_state) from the model's `init(key)`, created directly in their
         shardings."""
