@@ -131,3 +131,29 @@ def test_the_figures_of_a_long_run_draw_a_bounded_number_of_steps():
     assert {r["pattern"] for r in drawn} == {"L0", "L0+L1"}  # every 40th step would all be one pattern's
     assert {r["step"] for r in drawn if "eval_loss" in r} == set(range(999, n, 1000))
     assert len(drawn) <= 2 * 250 + 20 + 1
+
+
+@pytest.mark.slow
+def test_watching_a_run_does_not_change_it(tmp_path):
+    """Evaluations, text samples, checkpoints, TensorBoard, a profile window, a line per step, the
+    plots, the end-of-run timing and the next step dispatched ahead read the run without changing
+    it: every step's loss and gradient norm and the final evaluation bit for bit the run's without
+    them (2 devices, a neural memory whose rows the evaluations and samples must not touch)."""
+    import json
+
+    from helpers import SMALL, TINY_NL, cli
+
+    quiet = ["--cpu-devices", "2", *SMALL, *TINY_NL, "train.steps=8", "eval.every=0", "checkpoint.every=0",
+             "train.sample_every=0", "run.trackers=[]", "run.plots=false", "throughput.reps=0", "--quiet"]
+    watched = ["eval.every=3", "train.sample_every=3", "train.sample_tokens=4", "checkpoint.every=3",
+               "run.trackers=[tensorboard]", "train.profile_start=2", "train.profile_steps=2", "train.log_every=1",
+               "run.plots=true", "throughput.reps=1", "train.dispatch_ahead=true"]
+    for name, extra in (("quiet", []), ("watched", watched)):
+        p = cli("nljax.train", *quiet, f"run.dir={tmp_path / name}", *extra)
+        assert p.returncode == 0, p.stderr[-2000:]
+    read = lambda name: [(r["step"], r["loss"], r["grad_norm"])
+                              for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())]
+    assert read("watched") == read("quiet") and len(read("quiet")) == 8
+    final = lambda name: json.loads((tmp_path / name / "summary.json").read_text())["eval_loss"]
+    assert final("watched") == final("quiet")
+    assert (tmp_path / "watched" / "loss.png").exists() and list((tmp_path / "watched" / "profile").iterdir())
