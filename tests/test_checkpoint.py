@@ -817,3 +817,71 @@ def test_a_resume_compares_data_paths_as_the_files_they_name(tmp_path, monkeypat
     assert not resume._rows_restart(saved, config.load(None, files("a/*.txt", "b.txt")), rows, [], digest="abc")
     assert resume._rows_restart({**saved, "data": {"digest": "xyz"}}, config.load(None, files("a/*.txt", "b.txt")),
                                 rows, [], digest="abc")
+
+
+def test_a_checkpoint_pruned_as_it_is_read_is_passed_over_for_the_newest(tmp_path):
+    """A tool beside a live run (nljax.evaluate, generate, export, checkpoint.init_params) reads
+    the newest checkpoint while the run saves the next and prunes it to checkpoint.keep: its
+    arrays vanish mid-read. That was "checkpoint .../3300: array data unreadable" (exit 2), as if
+    damaged; now the search starts again from the newest. A damaged one (still there) and a step
+    named (no listing again) are said as before."""
+    from nljax.checkpoint.contents import Damaged
+    from nljax.checkpoint.restore import RELISTS, first_valid
+
+    steps = {s: tmp_path / str(s) for s in (10, 20, 30)}
+    for s in (10, 20):
+        steps[s].mkdir()
+    newest_first = lambda: sorted(tmp_path.iterdir(), key=lambda p: -int(p.name))
+
+    def read(path):
+        if path.name == "20":  # the live run saves 30 and prunes 20 as it is read
+            steps[30].mkdir()
+            shutil.rmtree(path)
+            raise Damaged(f"checkpoint {path}: array data unreadable")
+        if path.name == "10":
+            raise Damaged(f"checkpoint {path}: array data unreadable")
+        return path.name
+
+    assert first_valid(read, newest_first(), newest_first) == ("30", [])
+    steps[30].rmdir()
+    steps[20].mkdir()
+    with pytest.raises(Damaged, match="20: array data unreadable"):  # a step named: no listing again
+        first_valid(read, [steps[20]])
+    steps[20].mkdir()
+    with pytest.raises(Damaged, match="every checkpoint .* is damaged; the oldest: checkpoint .*10"):
+        first_valid(lambda p: read(p) if p.name == "10" else (_ for _ in ()).throw(Damaged("x")), newest_first(),
+                    newest_first)
+
+    def pruned(path):  # pruned every time: said after RELISTS tries, not taken for damage
+        shutil.rmtree(path)
+        (tmp_path / str(int(path.name) + 100)).mkdir()
+        raise Damaged(f"checkpoint {path}: array data unreadable")
+
+    with pytest.raises(config.ConfigError, match=f"removed {RELISTS} times as they were read .* checkpoint.keep"):
+        first_valid(pruned, newest_first(), newest_first)
+
+
+def test_a_checkpoints_listing_that_a_live_run_prunes_is_listed_again(tmp_path, monkeypatch):
+    """Orbax stats each step folder as it lists them: a step a live run pruned in between was a
+    FileNotFoundError (nljax.evaluate beside a live run: "error: [Errno 2] No such file or
+    directory: .../checkpoints/3800", exit 1). Listed again now, a few times at most."""
+    from nljax.checkpoint import storage
+
+    root = tmp_path / "checkpoints"
+    for s in (2, 4):
+        (root / str(s) / storage.META).mkdir(parents=True)
+        (root / str(s) / storage.META / "metadata").write_text("{}")
+        (root / str(s) / storage.ORBAX_META).write_text("{}")
+    failures = iter([2])
+
+    class Manager:  # Orbax's listing, pruned under it once
+        def all_steps(self):
+            if next(failures, None):
+                raise FileNotFoundError(2, "No such file or directory", str(root / "2"))
+            return [2, 4]
+
+    monkeypatch.setattr(storage, "manager", lambda root: Manager())
+    assert storage.complete_steps(root) == [2, 4]
+    failures = iter([1] * storage.LISTINGS)
+    with pytest.raises(FileNotFoundError):  # pruned at every listing: not hidden
+        storage.complete_steps(root)

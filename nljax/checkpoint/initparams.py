@@ -85,7 +85,9 @@ class Started:
 def start_from(engine: Engine, fresh: TrainState, root: Path) -> Started:
     """`fresh` (this run's state at step 0) with the parameters of the checkpoint `root` names,
     falling back past damaged ones in a directory. One-line ConfigError on bad input."""
-    restored, skipped = first_valid(lambda path: params_of(engine, path), candidates(root))
+    paths = candidates(root)  # the newest again where a live run pruned the one read (not a step named)
+    restored, skipped = first_valid(lambda path: params_of(engine, path), paths,
+                                    None if paths == [root] else (lambda: candidates(root)))
     passed = [passed_over(p, why, "using") for p, why in skipped]
     state = fresh.replace(params=restored.params)
     if engine.cfg.optim.ema_decay:  # the moving average starts from the parameters the run starts from

@@ -40,9 +40,11 @@ from nljax.config import Config, to_dict
 from nljax.data.documents import absolute
 from nljax.engine.core import Engine
 from nljax.engine.state import TrainState
+from nljax.errors import ConfigError
 from nljax.models import registry
 from nljax.parallel.hostdev import replica
 from nljax.parallel.mesh import MODEL, replicated
+from nljax.runtime import distributed
 from nljax.runtime.rundir import DATA_PATHS
 
 
@@ -288,18 +290,36 @@ def restore_first_valid(engine: Engine, template: TrainState, paths: list[Path],
 T = TypeVar("T")
 
 
-def first_valid(read: Callable[[Path], T], paths: list[Path]) -> tuple[T, list[tuple[Path, str]]]:
+def first_valid(read: Callable[[Path], T], paths: list[Path],
+                relist: Callable[[], list[Path]] | None = None) -> tuple[T, list[tuple[Path, str]]]:
     """`read` (`restore`, `restore_params`) of the first of `paths` that is not damaged, and the
     damaged ones skipped (path, reason). A checkpoint that does not fit this run stops the search
-    (an older one would not fit either); so does the last one's damage, with its own line."""
+    (an older one would not fit either); so does the last one's damage, with its own line.
+    `relist`: `paths` listed again, for a directory another run may prune as it is read (a tool
+    beside a live run, whose checkpoint.keep removes its older checkpoints as it saves): a
+    checkpoint gone once its read failed was pruned, not damaged, and the search starts again
+    from the newest (at most `RELISTS` times)."""
     skipped: list[tuple[Path, str]] = []
-    for i, path in enumerate(paths):
-        try:
-            return read(path), skipped
-        except Damaged as e:
-            if i == len(paths) - 1:
-                if skipped:
-                    raise Damaged(f"every checkpoint in {path.parent} is damaged; the oldest: {e}") from None
-                raise
-            skipped.append((path, str(e)))
-    raise AssertionError("no paths")  # candidates() never returns an empty list to resume from
+    for _ in range(RELISTS):
+        for i, path in enumerate(paths):
+            try:
+                return read(path), skipped
+            except ConfigError as e:  # a pruned one is "damaged", or no step directory any more
+                if relist is not None and distributed.main_decides(not path.exists()):
+                    break
+                if not isinstance(e, Damaged):
+                    raise
+                if i == len(paths) - 1:
+                    if skipped:
+                        raise Damaged(f"every checkpoint in {path.parent} is damaged; the oldest: {e}") from None
+                    raise
+                skipped.append((path, str(e)))
+        else:
+            raise AssertionError("no paths")  # candidates() never returns an empty list to resume from
+        paths = relist()
+    raise ConfigError(f"the checkpoints in {paths[0].parent} were removed {RELISTS} times as they were read (a live "
+                      "run pruning them to its checkpoint.keep): give one it keeps (checkpoint=STEP), or read once "
+                      "it ends")
+
+
+RELISTS = 5

@@ -257,9 +257,22 @@ def complete_steps(root: Path) -> list[int]:
     not write excluded)."""
     if not root.is_dir():
         return []
-    ours = {int(p.name) for p in root.iterdir() if is_nljax_step(p)}
-    # the manager is opened on every process whatever this host sees: opening it syncs processes
-    return sorted(ours & set(manager(root).all_steps()))
+    tries = 1
+    while True:
+        ours = {int(p.name) for p in root.iterdir() if is_nljax_step(p)}
+        try:
+            # the manager is opened on every process whatever this host sees: opening it syncs processes
+            return sorted(ours & set(manager(root).all_steps()))
+        except FileNotFoundError:
+            # a step removed as Orbax listed it: a live run beside a tool pruning to its
+            # checkpoint.keep (a run's own directory changes only under its lock). Listed again,
+            # on one process only: with several, each opening is a collective they all take.
+            if tries == LISTINGS or jax.process_count() > 1:
+                raise
+            tries += 1
+
+
+LISTINGS = 5  # a checkpoints directory listed while a live run prunes it: tries
 
 
 def committed_steps(root: Path) -> list[int]:

@@ -233,8 +233,11 @@ def load(run_dir: str | Path, checkpoint: str | int = "latest", overrides: Seque
     # only if the run's tokenizer now (data.tokenizer's file, data.prepared's) is the one it trained
     # on, and its data build the model it trained (a DiT: images of its size)
     built = registry.record(run.engine.model, cfg.model.name)
+    paths = storage.candidates(cfg)
+    # the newest again where a live run pruned the one chosen as it was read (not a step named)
+    relist = None if paths == [storage.resume_root(cfg)] else (lambda: storage.candidates(cfg))
     restored, skipped = first_valid(lambda path: restore_params(run.engine, path, identity, built, average=average),
-                                    storage.candidates(cfg))
+                                    paths, relist)
     chosen = restored.path != Path(cfg.checkpoint.resume).absolute()  # among a directory's: say what was passed over
     incomplete = storage.incomplete(storage.later_steps(restored.path.parent, restored.step)) if chosen else []
     unlike = [*sampler, *_split_against_the_run(saved, trained_cfg, run.task, cfg_file)]
