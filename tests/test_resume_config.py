@@ -264,3 +264,22 @@ def test_a_resume_takes_this_commands_settings_and_the_runs_checkpoint_dir(tmp_p
     args = [f"run.dir={b}", "checkpoint.resume=latest", f"checkpoint.dir={tmp_path / 'ck'}"]
     resumed_config(config.load(None, args), None, args)
     assert capsys.readouterr().err == ""
+
+
+def test_a_key_added_since_the_checkpoint_at_its_default_is_not_said():
+    """A checkpoint written before a key existed resumed with three warnings for settings nobody
+    had touched ("resuming with optim.nesterov=False (the checkpoint at step 6 was written with
+    (absent))", a 2026-11-28 run resumed by the code of 12-02). A key at its default does what the
+    code did then (`config.ADDED` holds the keys where it does not): said only when set otherwise."""
+    from nljax import config
+    from nljax.checkpoint.restore import _changed_settings
+
+    saved = config.to_dict(config.load(None, []))
+    del saved["optim"]["nesterov"], saved["train"]["target_eval_loss"], saved["images"]["classes"]
+    meta = {"config": saved, "step": 6}
+    assert _changed_settings(meta, config.load(None, [])) == []
+    assert _changed_settings(meta, config.load(None, ["optim.momentum=0.9", "optim.nesterov=true",
+                                                      "optim.name=sgd"])) == [
+        "resuming with optim.momentum=0.9 (the checkpoint at step 6 was written with 0.0)",
+        "resuming with optim.name='sgd' (the checkpoint at step 6 was written with 'adamw')",
+        "resuming with optim.nesterov=True (the checkpoint at step 6 was written with (absent))"]

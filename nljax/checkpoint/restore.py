@@ -214,9 +214,21 @@ def _changed_settings(meta: dict, cfg: Config, same_data: bool = False, said=())
     for k, a, b in _changed(meta, cfg, same_data):
         if _under(k, SILENT) or k in said or k == "train.steps" and cfg.optim.schedule == "constant":
             continue
+        if a is None and b == _default(k):
+            # a key added since the checkpoint was written, at its default: what the code did then
+            # (a key whose default changes that is read as the old value, `config.ADDED`)
+            continue
         why = f": the {cfg.optim.schedule} learning-rate schedule now decays to step {b}" if k == "train.steps" else ""
         out.append(f"resuming with {k}={fmt(b)} ({which} was written with {fmt(a)}){why}")
     return out
+
+
+def _default(key: str) -> Any:
+    """The default of the dotted config `key` (None where there is none)."""
+    node: Any = to_dict(Config())
+    for part in key.split("."):
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _changed_forms(meta: dict, cfg: Config, forms: dict | None) -> list[str]:
