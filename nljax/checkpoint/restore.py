@@ -311,8 +311,8 @@ def first_valid(read: Callable[[Path], T], paths: list[Path],
     beside a live run, whose checkpoint.keep removes its older checkpoints as it saves): a
     checkpoint gone once its read failed was pruned, not damaged, and the search starts again
     from the newest (at most `RELISTS` times)."""
-    skipped: list[tuple[Path, str]] = []
     for _ in range(RELISTS):
+        skipped: list[tuple[Path, str]] = []  # a damaged one listed again is skipped again
         for i, path in enumerate(paths):
             try:
                 return read(path), skipped
